@@ -1,0 +1,41 @@
+"""Value types shared by the scheduling core and its adapters.
+
+Everything here is immutable and free of I/O, so the core can be tested exhaustively
+and the adapters (systemd, files, CLI) can pass these values around safely.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class UnitKind(enum.Enum):
+    """How a unit may be started: only by a person, or by gpuslice when capacity is free."""
+
+    ON_DEMAND = "on-demand"
+    BACKGROUND = "background"
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A managed unit's [X-GPUSlice] annotation, merged from its file and drop-ins.
+
+    `name` is the unit name the annotation applies to; for a template (`foo@.service`)
+    instances get their own spec via `for_instance`.
+    """
+
+    name: str
+    priority: int
+    kind: UnitKind = UnitKind.ON_DEMAND
+    gpus: int = 1
+    requeue: bool = True
+    source: str = ""
+
+    def for_instance(self, instance_name: str) -> UnitSpec:
+        return UnitSpec(
+            instance_name, self.priority, self.kind, self.gpus, self.requeue, self.source
+        )
+
+    def describe(self) -> str:
+        return f"{self.name} (priority {self.priority})"
