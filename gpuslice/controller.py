@@ -1,0 +1,376 @@
+"""The controller daemon: the composition root that wires systemd's signals into the core.
+
+Systemd is the source of truth. The controller subscribes first, then reads every unit's
+state, restores what only it knew (holds, preemptions, grants), then claims its bus name
+and tells systemd it is ready. From then on each signal becomes one core event whose
+actions are carried out here: a reply to a gate, StartUnit/StopUnit, one journal line.
+Nothing polls; a lost bus connection exits non-zero so that Restart= brings us back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from gpuslice.annotations import Problem, Scan, scan
+from gpuslice.config import Config, ConfigError, load_config_with_warnings
+from gpuslice.core.model import UnitSpec
+from gpuslice.core.placement import format_gpus
+from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
+from gpuslice.notify import Notifier
+from gpuslice.service import SchedulerService
+from gpuslice.state import StateStore
+from gpuslice.status import snapshot_to_json
+from gpuslice.systemd import SHUTDOWN_TARGETS, Systemd, SystemdError, UnitState
+
+log = logging.getLogger("gpuslice")
+
+DOWN_STATES = frozenset({"inactive", "failed"})
+
+
+def env_file_text(gpus: Iterable[int]) -> str:
+    devices = ",".join(str(g) for g in sorted(gpus))
+    return f"CUDA_VISIBLE_DEVICES={devices}\nGPUSLICE_GPUS={devices}\n"
+
+
+class Controller:
+    def __init__(
+        self, config: Config, config_path: Path, systemd: Systemd, root: str = "/"
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.systemd = systemd
+        self.root = root
+        self.scan: Scan = scan(root)
+        self.scheduler = Scheduler(range(config.gpus), {})
+        self.store = StateStore(Path(config.state_dir))
+        self.notifier = Notifier()
+        self.service = SchedulerService(
+            systemd.bus, self.on_acquire, self.status_json, self.reload_annotations
+        )
+        self.boot_id = ""
+        self.states: dict[str, UnitState] = {}
+        self.foreign_job: set[str] = set()
+        self.own_job_pending: set[str] = set()
+        self.shutting_down = False
+        self.ready = False
+        self._buffered: list[tuple[str, dict[str, Any]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- start-up ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.systemd.on_unit_changed = self.on_unit_changed
+        self.systemd.on_job_new = self.on_job_new
+        self.systemd.on_job_removed = self.on_job_removed
+        self.systemd.on_reloading = self.on_reloading
+        await self.systemd.subscribe()
+        self.boot_id = await self.systemd.boot_id()
+        for problem in self.scan.problems:
+            self._log_problem(problem)
+        saved, saved_boot = self.store.load()
+        self.scheduler.load(saved)
+        if saved_boot != self.boot_id:
+            self.scheduler.forget_boot()
+        units = await self.systemd.list_units()
+        self.states = {u.name: u for u in units}
+        self.scheduler.specs = self._concrete_specs(self.states)
+        actions = self._rebuild(saved.holders if saved_boot == self.boot_id else {})
+        await self.service.claim_name()
+        self.ready = True
+        self.execute(actions)
+        for name, props in self._buffered:
+            self.on_unit_changed(name, props)
+        self._buffered.clear()
+        self.notifier.ready(self.status_line())
+        log.info("gpuslice ready: %s", self.status_line())
+
+    def _rebuild(self, saved: dict[str, tuple[tuple[int, ...], str, int]]) -> list[Action]:
+        """Units we granted keep their GPUs; units that ended while we were away are
+        recorded as finished, failed or preempted; other running units are adopted."""
+        actions: list[Action] = []
+        for name, (gpus, phase, _) in saved.items():
+            if self.spec_for(name) is None:
+                continue
+            state = self.states.get(name, UnitState(name, "inactive", "dead", 0))
+            kind = self._classify(state)
+            if kind == "gate" and phase != Phase.RUNNING.value:
+                continue  # still waiting: its gate asks again
+            actions += self.scheduler.running(name, gpus, stopping=phase == Phase.STOPPING.value)
+            if kind == "down":
+                actions += self.scheduler.inactive(name, self._outcome(name, state))
+        for state in self.states.values():
+            if (
+                self.spec_for(state.name) is not None
+                and self._classify(state) == "running"
+                and state.name not in self.scheduler.holders
+            ):
+                actions += self.scheduler.running(state.name)
+        return actions + self.scheduler.schedule()
+
+    # -- signals from systemd ---------------------------------------------------------------
+
+    def spec_for(self, name: str) -> UnitSpec | None:
+        return self.scan.spec_for(name)
+
+    def on_job_new(self, job_id: int, path: str, unit: str) -> None:
+        if unit in SHUTDOWN_TARGETS:
+            self.shutting_down = True
+        if self.spec_for(unit) is None:
+            return
+        if unit in self.own_job_pending:
+            self.own_job_pending.discard(unit)
+        else:
+            self.foreign_job.add(unit)
+
+    def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
+        if self.spec_for(unit) is not None:
+            self._spawn(self._refresh(unit))
+
+    async def _refresh(self, unit: str) -> None:
+        try:
+            state = await self.systemd.unit_state(unit)
+        except SystemdError as e:
+            log.debug("cannot read %s: %s", unit, e)
+            return
+        self.on_unit_changed(
+            unit, {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")}
+        )
+
+    def on_unit_changed(self, name: str, props: dict[str, Any]) -> None:
+        if self.spec_for(name) is None:
+            return
+        if not self.ready:
+            self._buffered.append((name, props))
+            return
+        old = self.states.get(name, UnitState(name, "inactive", "dead", 0))
+        job = props.get("Job")
+        state = UnitState(
+            name,
+            props.get("ActiveState", old.active),
+            props.get("SubState", old.sub),
+            job[0] if job is not None else old.job_id,
+        )
+        self.states[name] = state
+        if name not in self.scheduler.specs:
+            spec = self.spec_for(name)
+            if spec is not None:
+                self.scheduler.specs[name] = spec
+        kind = self._classify(state)
+        if kind == "down":
+            if self._tracked(name) or name in self.foreign_job:
+                self.execute(self.scheduler.inactive(name, self._outcome(name, state)))
+                self.service.forget(name)
+                self.foreign_job.discard(name)
+        elif kind == "running":
+            holder = self.scheduler.holders.get(name)
+            if holder is None or holder.phase is Phase.STARTING:
+                self.execute(self.scheduler.running(name))
+
+    def _tracked(self, name: str) -> bool:
+        return name in self.scheduler.holders or name in self.scheduler.waiters
+
+    @staticmethod
+    def _classify(state: UnitState) -> str:
+        """running: past the gate; gate: in ExecStartPre=; down: released; else in between."""
+        if state.active in ("active", "reloading"):
+            return "running"
+        if state.active == "activating":
+            if state.sub == "auto-restart":
+                return "down"
+            return "gate" if state.sub in ("start-pre", "condition") else "running"
+        if state.active in DOWN_STATES and state.job_id == 0:
+            return "down"
+        return "transition"
+
+    def _outcome(self, name: str, state: UnitState) -> Outcome:
+        if state.active == "failed" or state.sub == "auto-restart":
+            return Outcome.FAILED
+        if self.shutting_down:
+            return Outcome.SHUTDOWN
+        if name in self.foreign_job:
+            return Outcome.STOPPED
+        return Outcome.EXITED
+
+    def on_reloading(self, active: bool) -> None:
+        if not active:
+            self.reload_annotations()
+
+    def reload_annotations(self) -> None:
+        self.scan = scan(self.root)
+        for problem in self.scan.problems:
+            self._log_problem(problem)
+        self.execute(self.scheduler.set_specs(self._concrete_specs(self.states)))
+
+    def reload_config(self) -> None:
+        try:
+            config, warnings = load_config_with_warnings(self.config_path)
+        except ConfigError as e:
+            log.error("keeping the last good configuration: %s", e)
+            return
+        for warning in warnings:
+            log.warning("%s", warning)
+        self.config = config
+        logging.getLogger().setLevel(config.log_level.upper())
+        if set(range(config.gpus)) != self.scheduler.gpus:
+            log.info("GPU count changed to %d", config.gpus)
+            self.scheduler.gpus = frozenset(range(config.gpus))
+            self.execute(self.scheduler.schedule())
+        self.reload_annotations()
+
+    def _concrete_specs(self, states: dict[str, UnitState]) -> dict[str, UnitSpec]:
+        specs = {n: s for n, s in self.scan.specs.items() if "@." not in n}
+        for name in states:
+            if "@" in name and "@." not in name and name not in specs:
+                spec = self.spec_for(name)
+                if spec is not None:
+                    specs[name] = spec
+        return specs
+
+    # -- the gate ---------------------------------------------------------------------------
+
+    def on_acquire(self, unit: str) -> None:
+        spec = self.spec_for(unit)
+        if spec is None:
+            log.info("%s passed the gate: not managed by gpuslice", unit)
+            self.service.grant(unit, "")
+            return
+        self.foreign_job.discard(unit)
+        self.execute(self.scheduler.request(spec))
+
+    # -- actions ------------------------------------------------------------------------------
+
+    def execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Grant):
+                self._write_env(action.unit, action.gpus)
+                log.info("%s", action.reason)
+                self.service.grant(action.unit, ",".join(map(str, action.gpus)))
+            elif isinstance(action, Stop):
+                log.info("%s", action.reason)
+                self.own_job_pending.add(action.unit)
+                self._spawn(self._call(self.systemd.stop_unit, action.unit))
+            elif isinstance(action, Start):
+                log.info("%s", action.reason)
+                self.own_job_pending.add(action.unit)
+                self._spawn(self._call(self.systemd.start_unit, action.unit))
+            elif isinstance(action, Log):
+                log.log(logging.getLevelName(action.level.upper()), "%s", action.message)
+        if actions:
+            self._persist()
+
+    async def _call(self, method: Any, unit: str) -> None:
+        try:
+            await method(unit)
+        except SystemdError as e:
+            self.own_job_pending.discard(unit)
+            log.error("%s %s failed: %s", method.__name__, unit, e.text)
+            if method == self.systemd.start_unit:
+                self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
+
+    def _write_env(self, unit: str, gpus: Iterable[int]) -> None:
+        env_dir = Path(self.config.runtime_dir) / "env"
+        env_dir.mkdir(parents=True, exist_ok=True)
+        tmp = env_dir / f".{unit}.tmp"
+        tmp.write_text(env_file_text(gpus))
+        os.replace(tmp, env_dir / f"{unit}.env")
+
+    def _persist(self) -> None:
+        try:
+            self.store.save(self.scheduler.save(), self.boot_id)
+        except OSError as e:
+            log.error("cannot save state to %s: %s", self.store.path, e)
+        self.notifier.status(self.status_line())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _log_problem(self, problem: Problem) -> None:
+        level = logging.ERROR if problem.severity == "error" else logging.WARNING
+        log.log(level, "%s", problem)
+
+    # -- status -------------------------------------------------------------------------------
+
+    def status_line(self) -> str:
+        snap = self.scheduler.snapshot()
+        count = len(snap.gpus)
+        running = sorted({name for holders in snap.gpus.values() for name, _, _ in holders})
+        what = ", ".join(running) + " running" if running else "idle"
+        return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
+
+    def status_json(self) -> str:
+        return json.dumps(snapshot_to_json(self.scheduler.snapshot(), self.scan), sort_keys=True)
+
+
+def _journal_logging(level: str) -> None:
+    """Plain sentences on stderr with <N> syslog prefixes that journald understands."""
+    prefixes = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
+
+    class Prefix(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"<{prefixes.get(record.levelname, 6)}>{record.getMessage()}"
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        Prefix()
+        if os.environ.get("JOURNAL_STREAM")
+        else logging.Formatter("%(levelname)s %(message)s")
+    )
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+async def run(config_path: Path, bus_address: str | None = None) -> int:
+    try:
+        config, warnings = load_config_with_warnings(config_path)
+    except ConfigError as e:
+        _journal_logging("info")
+        log.error("%s", e)
+        return 78  # EX_CONFIG: systemd shows it; Restart=on-failure retries
+    _journal_logging(config.log_level)
+    for warning in warnings:
+        log.warning("%s", warning)
+    systemd = await Systemd.connect(bus_address)
+    controller = Controller(config, config_path, systemd)
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+
+    def request_stop() -> None:
+        if not stop.done():
+            stop.set_result(0)
+
+    loop.add_signal_handler(signal.SIGTERM, request_stop)
+    loop.add_signal_handler(signal.SIGINT, request_stop)
+    loop.add_signal_handler(signal.SIGHUP, controller.reload_config)
+    await controller.start()
+    interval = controller.notifier.watchdog_interval()
+    if interval:
+
+        async def feed() -> None:
+            while True:
+                controller.notifier.watchdog()
+                await asyncio.sleep(interval)
+
+        controller._spawn(feed())
+    disconnected = loop.create_task(systemd.bus.wait_for_disconnect())
+    done, _ = await asyncio.wait({stop, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    if disconnected in done:
+        log.error("lost the system bus; exiting so that systemd restarts the controller")
+        return 1
+    controller.notifier.send("STOPPING=1")
+    log.info("gpuslice stopping; running jobs are left alone")
+    return 0
+
+
+def main(config_path: str = "/etc/gpuslice/config.yaml") -> int:
+    return asyncio.run(run(Path(config_path), os.environ.get("GPUSLICE_BUS_ADDRESS")))
+
+
+__all__ = ["Controller", "format_gpus", "main", "run"]

@@ -1,0 +1,93 @@
+"""gpuslice's own D-Bus interface, `org.gpuslice.Scheduler1` (the 1 is the version).
+
+`Acquire` is what the gate calls from a unit's start job: its reply is deferred until the
+unit may run, so `systemctl start` blocks exactly as long as the unit waits. The shipped
+bus policy lets only root call Acquire and Reload; anyone may call Status.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from dbus_next import Message, MessageType
+from dbus_next.aio import MessageBus
+from dbus_next.constants import NameFlag, RequestNameReply
+
+BUS_NAME = "org.gpuslice.Scheduler1"
+OBJECT_PATH = "/org/gpuslice/Scheduler1"
+INTERFACE = "org.gpuslice.Scheduler1"
+
+INTROSPECTION = f"""<!DOCTYPE node PUBLIC "-//freedesktop//DTD D-BUS Object Introspection 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/introspect.dtd">
+<node>
+ <interface name="{INTERFACE}">
+  <method name="Acquire"><arg name="unit" type="s" direction="in"/>
+   <arg name="gpus" type="s" direction="out"/></method>
+  <method name="Status"><arg name="json" type="s" direction="out"/></method>
+  <method name="Reload"/>
+ </interface>
+ <interface name="org.freedesktop.DBus.Introspectable">
+  <method name="Introspect"><arg name="xml" type="s" direction="out"/></method>
+ </interface>
+</node>
+"""
+
+log = logging.getLogger(__name__)
+
+
+class NameTaken(Exception):
+    """Another controller already owns the bus name."""
+
+
+class SchedulerService:
+    """Routes method calls on our object to the controller; holds deferred Acquire calls."""
+
+    def __init__(
+        self,
+        bus: MessageBus,
+        on_acquire: Callable[[str], None],
+        on_status: Callable[[], str],
+        on_reload: Callable[[], None],
+    ) -> None:
+        self.bus = bus
+        self._on_acquire = on_acquire
+        self._on_status = on_status
+        self._on_reload = on_reload
+        self._pending: dict[str, list[Message]] = {}
+        bus.add_message_handler(self._handle)
+
+    async def claim_name(self) -> None:
+        reply = await self.bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
+        if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
+            raise NameTaken(f"{BUS_NAME} is owned by another process ({reply.name})")
+
+    def grant(self, unit: str, gpus: str) -> None:
+        """Answer every gate call of this unit: its start job continues."""
+        for call in self._pending.pop(unit, []):
+            self.bus.send(Message.new_method_return(call, "s", [gpus]))
+
+    def forget(self, unit: str) -> None:
+        """The unit's start was cancelled: its callers are gone."""
+        self._pending.pop(unit, None)
+
+    def _handle(self, msg: Message) -> Message | bool:
+        if msg.message_type != MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
+            return False
+        if msg.interface == "org.freedesktop.DBus.Introspectable" and msg.member == "Introspect":
+            return Message.new_method_return(msg, "s", [INTROSPECTION])
+        if msg.interface not in (INTERFACE, None):
+            return False
+        if msg.member == "Acquire" and msg.signature == "s":
+            unit = msg.body[0]
+            self._pending.setdefault(unit, []).append(msg)
+            self._on_acquire(unit)
+            return True
+        if msg.member == "Status":
+            return Message.new_method_return(msg, "s", [self._on_status()])
+        if msg.member == "Reload":
+            self._on_reload()
+            return Message.new_method_return(msg)
+        return Message.new_error(
+            msg, "org.freedesktop.DBus.Error.UnknownMethod", f"no method {msg.member}"
+        )
