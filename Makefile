@@ -1,0 +1,135 @@
+# gpuslice: developer, CI and install targets. `make help` lists them.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PREFIX ?= /usr/local
+DESTDIR ?=
+SYSCONFDIR ?= /etc
+PURGE ?=
+
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+LIBDIR := $(PREFIX)/lib/gpuslice
+PYDIR := $(LIBDIR)/python
+UNITDIR := $(PREFIX)/lib/systemd/system
+GENDIR := $(PREFIX)/lib/systemd/system-generators
+EXAMPLEDIR := $(LIBDIR)/examples
+BUSCONFDIR := $(SYSCONFDIR)/dbus-1/system.d
+# The default config shipped to /etc/gpuslice/config.yaml (top level, else data/).
+CONFIG ?= $(or $(wildcard config.yaml),$(wildcard data/config.yaml),config.yaml)
+
+.PHONY: help venv lint bed-deps bed test demo install uninstall install-examples uninstall-examples clean
+
+help:
+	@echo "make venv | lint | test | demo | bed-deps | bed | clean"
+	@echo "make install | uninstall | install-examples  (root; PREFIX=$(PREFIX) DESTDIR= SYSCONFDIR=$(SYSCONFDIR))"
+
+# ---------------------------------------------------------------- development
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check gpuslice tests
+	$(VENV)/bin/ruff format --check gpuslice tests
+	$(VENV)/bin/mypy
+
+# Tools for the container test bed (tests/bed); apt only when something is missing.
+bed-deps:
+	@if ! command -v systemd-nspawn >/dev/null || ! command -v mmdebstrap >/dev/null \
+	    || ! command -v zstd >/dev/null; then \
+	    set -x; apt-get update && apt-get install -y systemd-container mmdebstrap zstd; \
+	fi
+
+# Build/unpack the cached container tree (tests/bed) before pytest, outside its per-test timeout.
+bed: venv bed-deps
+	$(VENV)/bin/python -m tests.bed.container
+
+test: venv bed-deps
+	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory bed
+	$(VENV)/bin/pytest tests
+
+demo: venv bed-deps
+	$(VENV)/bin/python -m tests.bed.demo
+
+clean:
+	rm -rf build .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	find gpuslice tests -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# ---------------------------------------------------------------- install (root, systemd host)
+# Writes only below $(DESTDIR): the source tree may be read-only (the test bed mounts it so).
+
+install:
+	@for f in units/gpuslice.service data/gpuslice-gate data/org.gpuslice.Scheduler1.conf \
+	    data/gpuslice.in data/gpuslice-generator.in $(CONFIG); do \
+	    test -e "$$f" || { echo "make install: missing $$f" >&2; exit 1; }; done
+	rm -rf $(DESTDIR)$(PYDIR)/gpuslice
+	find gpuslice -name '*.py' -type f | while read -r f; do \
+	    install -D -m 644 "$$f" "$(DESTDIR)$(PYDIR)/$$f"; done
+	install -D -m 755 data/gpuslice-gate $(DESTDIR)$(LIBDIR)/gpuslice-gate
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(GENDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(BUSCONFDIR)
+	sed 's|@PYDIR@|$(PYDIR)|g' data/gpuslice.in > $(DESTDIR)$(PREFIX)/bin/gpuslice
+	chmod 755 $(DESTDIR)$(PREFIX)/bin/gpuslice
+	sed 's|@PYDIR@|$(PYDIR)|g' data/gpuslice-generator.in > $(DESTDIR)$(GENDIR)/gpuslice-generator
+	chmod 755 $(DESTDIR)$(GENDIR)/gpuslice-generator
+	sed 's|@PREFIX@|$(PREFIX)|g' units/gpuslice.service > $(DESTDIR)$(UNITDIR)/gpuslice.service
+	chmod 644 $(DESTDIR)$(UNITDIR)/gpuslice.service
+	install -m 644 data/org.gpuslice.Scheduler1.conf $(DESTDIR)$(BUSCONFDIR)/
+	@if [ -e $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml ]; then \
+	    echo "keeping $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml"; \
+	else install -D -m 644 $(CONFIG) $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml; fi
+ifeq ($(DESTDIR),)
+	systemctl daemon-reload
+	busctl call org.freedesktop.DBus / org.freedesktop.DBus ReloadConfig \
+	    || systemctl reload dbus.service
+	systemctl enable --now gpuslice.service
+endif
+
+uninstall:
+ifeq ($(DESTDIR),)
+	-systemctl disable --now gpuslice.service
+endif
+	rm -rf $(DESTDIR)$(PYDIR)
+	rm -f $(DESTDIR)$(LIBDIR)/gpuslice-gate $(DESTDIR)$(PREFIX)/bin/gpuslice \
+	    $(DESTDIR)$(GENDIR)/gpuslice-generator $(DESTDIR)$(UNITDIR)/gpuslice.service \
+	    $(DESTDIR)$(BUSCONFDIR)/org.gpuslice.Scheduler1.conf
+	-rmdir --ignore-fail-on-non-empty $(DESTDIR)$(LIBDIR)
+ifneq ($(PURGE),)
+	rm -rf $(DESTDIR)$(SYSCONFDIR)/gpuslice $(DESTDIR)/var/lib/gpuslice
+endif
+ifeq ($(DESTDIR),)
+	systemctl daemon-reload
+	-busctl call org.freedesktop.DBus / org.freedesktop.DBus ReloadConfig
+endif
+
+# Example units (units/examples/*.service) and their programs (units/examples/bin/*).
+install-examples:
+	install -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(EXAMPLEDIR)
+	@if compgen -G 'units/examples/*.service' >/dev/null; then \
+	    for f in units/examples/*.service; do echo "install $$f"; \
+	        sed 's|@PREFIX@|$(PREFIX)|g' "$$f" > "$(DESTDIR)$(UNITDIR)/$${f##*/}"; done; \
+	else echo "make install-examples: WARNING: no units/examples/*.service, nothing installed"; fi
+	@if compgen -G 'units/examples/bin/*' >/dev/null; then \
+	    set -x; install -m 755 units/examples/bin/* $(DESTDIR)$(EXAMPLEDIR)/; \
+	else echo "make install-examples: WARNING: no programs in units/examples/bin/"; fi
+ifeq ($(DESTDIR),)
+	systemctl daemon-reload
+endif
+
+uninstall-examples:
+	@for f in units/examples/*.service; do [ -e "$$f" ] || continue; \
+	    n=$${f##*/}; \
+	    if [ -z "$(DESTDIR)" ]; then systemctl disable --now "$$n" || true; fi; \
+	    rm -f "$(DESTDIR)$(UNITDIR)/$$n"; done
+	rm -rf $(DESTDIR)$(EXAMPLEDIR)
+ifeq ($(DESTDIR),)
+	systemctl daemon-reload
+endif
