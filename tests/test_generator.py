@@ -1,0 +1,213 @@
+"""The systemd generator: gate drop-ins, ExecStartPre= order, problems on stderr, paths."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuslice import generator
+from gpuslice.paths import DEFAULT_LIBEXEC_DIR, find_libexec_dir
+
+ETC = "/etc/systemd/system"
+LIB = "/usr/lib/systemd/system"
+LIBEXEC = "/usr/lib/gpuslice"
+
+
+def write(root: Path, path: str, text: str) -> None:
+    real = root / path.lstrip("/")
+    real.parent.mkdir(parents=True, exist_ok=True)
+    real.write_text(text)
+
+
+def gate(*pre: str, runtime: str = "/run/gpuslice", libexec: str = LIBEXEC) -> str:
+    return (
+        "# Added by gpuslice-generator: the GPU gate for this unit.\n"
+        "[Unit]\n"
+        "Wants=gpuslice.service\n"
+        "After=gpuslice.service\n"
+        "\n"
+        "[Service]\n"
+        "ExecStartPre=\n"
+        f"ExecStartPre=+{libexec}/gpuslice-gate %n\n"
+        + "".join(f"ExecStartPre={p}\n" for p in pre)
+        + f"EnvironmentFile=-{runtime}/env/%n.env\n"
+        "TimeoutStartSec=infinity\n"
+    )
+
+
+def run(root: Path, libexec: str | None = LIBEXEC) -> Path:
+    out = root / "run/systemd/generator"
+    generator.generate(out, root=root, libexec_dir=libexec)
+    return out
+
+
+def written(out: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(out)): p.read_text() for p in sorted(out.glob("*.d/gpuslice-gate.conf"))
+    }
+
+
+def test_plain_unit(tmp_path: Path) -> None:
+    write(tmp_path, f"{ETC}/a.service", "[Service]\nExecStart=/bin/a\n[X-GPUSlice]\nPriority=1\n")
+    write(tmp_path, f"{ETC}/plain.service", "[Service]\nExecStart=/bin/b\n")
+    assert written(run(tmp_path)) == {"a.service.d/gpuslice-gate.conf": gate()}
+
+
+def test_unit_with_its_own_exec_start_pre_lines(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        f"{LIB}/job.service",
+        "[Service]\n"
+        "ExecStartPre=/bin/early\n"  # dropped by the reset in 05-reset.conf
+        "ExecStart=/bin/job\n"
+        "[X-GPUSlice]\nPriority=10\n",
+    )
+    write(
+        tmp_path,
+        f"{LIB}/job.service.d/05-reset.conf",
+        "[Service]\nExecStartPre=\nExecStartPre=-/bin/mkdir -p /var/tmp/job\n",
+    )
+    write(
+        tmp_path,
+        f"{ETC}/job.service.d/10-more.conf",
+        "[Service]\nExecStartPre=/bin/sh -c 'echo \\\n  %n'\n[Unit]\nExecStartPre=/not/service\n",
+    )
+    # sorts after gpuslice-gate.conf: systemd appends it after ours, nothing to re-emit
+    write(tmp_path, f"{ETC}/job.service.d/override.conf", "[Service]\nExecStartPre=/bin/late\n")
+    assert written(run(tmp_path)) == {
+        "job.service.d/gpuslice-gate.conf": gate(
+            "-/bin/mkdir -p /var/tmp/job", "/bin/sh -c 'echo    %n'"
+        )
+    }
+
+
+def test_template_covers_its_instances(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        f"{LIB}/train@.service",
+        "[Service]\nExecStartPre=/bin/prep %i\n[X-GPUSlice]\nPriority=50\n",
+    )
+    write(tmp_path, f"{ETC}/train@big.service.d/gpus.conf", "[X-GPUSlice]\nGPUs=2\n")
+    write(tmp_path, f"{ETC}/train@env.service.d/env.conf", "[Service]\nEnvironment=A=1\n")
+    write(tmp_path, f"{ETC}/train@pre.service.d/10-pre.conf", "[Service]\nExecStartPre=/bin/own\n")
+    # sorts after gpuslice-gate.conf: applied after the template's gate, nothing to do
+    write(tmp_path, f"{ETC}/train@late.service.d/pre.conf", "[Service]\nExecStartPre=/bin/own\n")
+    write(tmp_path, f"{ETC}/train@bad.service.d/bad.conf", "[X-GPUSlice]\nGPUs=0\n")
+    write(tmp_path, f"{ETC}/plain@x.service.d/pre.conf", "[Service]\nExecStartPre=/bin/own\n")
+    write(tmp_path, f"{LIB}/plain@.service", "[Service]\nExecStart=/bin/x\n")
+    # instance files of their own: annotated with own ExecStartPre=, annotated alike, not annotated
+    write(
+        tmp_path,
+        f"{LIB}/train@file.service",
+        "[Service]\nExecStartPre=/bin/f\n[X-GPUSlice]\nPriority=5\n",
+    )
+    write(
+        tmp_path,
+        f"{LIB}/train@same.service",
+        "[Service]\nExecStartPre=/bin/prep %i\n[X-GPUSlice]\nPriority=5\n",
+    )
+    write(tmp_path, f"{LIB}/train@none.service", "[Service]\nExecStartPre=/bin/prep %i\n")
+    out = written(run(tmp_path))
+    assert out == {
+        "train@.service.d/gpuslice-gate.conf": gate("/bin/prep %i"),
+        # an instance whose own drop-ins add ExecStartPre= lines before the gate gets a gate that
+        # keeps them and hides the template's (same file name, same directory level)
+        "train@pre.service.d/gpuslice-gate.conf": gate("/bin/prep %i", "/bin/own"),
+        # an instance made invalid by its own drop-in: the template's gate is hidden
+        "train@bad.service.d/gpuslice-gate.conf": generator.MASK_TEXT,
+        "train@file.service.d/gpuslice-gate.conf": gate("/bin/f"),
+        "train@none.service.d/gpuslice-gate.conf": generator.MASK_TEXT,
+    }
+
+
+def test_escaped_template_name(tmp_path: Path) -> None:
+    write(tmp_path, f"{LIB}/foo\\x2dbar@.service", "[X-GPUSlice]\nPriority=1\n")
+    assert written(run(tmp_path)) == {"foo\\x2dbar@.service.d/gpuslice-gate.conf": gate()}
+
+
+def test_problems_go_to_stderr_and_the_rest_is_generated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write(tmp_path, f"{ETC}/bad.service", "[X-GPUSlice]\nPriority=high\n")
+    write(tmp_path, f"{ETC}/warn.service", "[X-GPUSlice]\nPriority=1\nColour=red\n")
+    write(tmp_path, f"{ETC}/good.service", "[X-GPUSlice]\nPriority=2\n")
+    out = run(tmp_path)
+    assert sorted(written(out)) == [
+        "good.service.d/gpuslice-gate.conf",
+        "warn.service.d/gpuslice-gate.conf",
+    ]
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpuslice-generator: error: {ETC}/bad.service:2: [X-GPUSlice] Priority: expected an "
+        'integer 0-999, got "high" (unit not managed)',
+        f"gpuslice-generator: warning: {ETC}/warn.service:3: [X-GPUSlice] Colour: unknown key, "
+        "ignored (known keys: Priority, Type, GPUs, Requeue)",
+    ]
+
+
+@pytest.mark.parametrize("argc", [1, 3])
+def test_main_reads_argv_and_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argc: int
+) -> None:
+    monkeypatch.setenv("GPUSLICE_LIBEXEC_DIR", "/opt/gs")
+    monkeypatch.setattr("gpuslice.paths.LIBEXEC_DIR", "/opt/gs")
+    write(tmp_path, "/etc/gpuslice/config.yaml", "runtime_dir: /run/other\n")
+    write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
+    normal = tmp_path / "out/normal"
+    args = [str(normal), str(tmp_path / "out/early"), str(tmp_path / "out/late")][:argc]
+    assert generator.main(args, root=str(tmp_path)) == 0
+    assert written(normal) == {
+        "a.service.d/gpuslice-gate.conf": gate(runtime="/run/other", libexec="/opt/gs")
+    }
+
+
+def test_bad_config_uses_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write(tmp_path, "/etc/gpuslice/config.yaml", "runtime_dir: relative\n")
+    write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
+    out = run(tmp_path)
+    assert written(out) == {"a.service.d/gpuslice-gate.conf": gate()}
+    config = tmp_path / "etc/gpuslice/config.yaml"
+    assert capsys.readouterr().err.splitlines() == [
+        f'gpuslice-generator: warning: {config}:1: runtime_dir: invalid value "relative" '
+        "(allowed: an absolute path) (using the default runtime_dir /run/gpuslice)"
+    ]
+
+
+def test_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert generator.main([]) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_percent_in_paths_is_escaped() -> None:
+    assert "ExecStartPre=+/opt/a%%b/gpuslice-gate %n\n" in generator.gate_dropin(
+        "/opt/a%b", "/r", []
+    )
+
+
+def test_thousand_units(tmp_path: Path) -> None:
+    for i in range(1000):
+        write(
+            tmp_path,
+            f"{ETC}/job{i}.service",
+            f"[Service]\nExecStartPre=/bin/prep {i}\nExecStart=/bin/job\n"
+            f"[X-GPUSlice]\nPriority={i % 1000}\nType=background\n",
+        )
+    start = time.perf_counter()
+    out = run(tmp_path)
+    elapsed = time.perf_counter() - start
+    assert len(written(out)) == 1000
+    assert elapsed < 10  # measured ~0.1 s; this only catches something quadratic
+
+
+# ---------------------------------------------------------------------------------------------
+# paths
+
+
+def test_libexec_dir(tmp_path: Path) -> None:
+    package = tmp_path / "lib/gpuslice/python/gpuslice"
+    package.mkdir(parents=True)
+    assert find_libexec_dir({}, package) == DEFAULT_LIBEXEC_DIR
+    (tmp_path / "lib/gpuslice/gpuslice-gate").write_text("#!/bin/sh\n")
+    assert find_libexec_dir({}, package) == str(tmp_path / "lib/gpuslice")
+    assert find_libexec_dir({"GPUSLICE_LIBEXEC_DIR": "/x"}, package) == "/x"

@@ -1,0 +1,386 @@
+"""Unit search path, fragments, drop-ins in systemd's order, and the unit-file text reader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpuslice.unitfiles import (
+    SYSTEM_UNIT_PATH,
+    Entry,
+    TextIssue,
+    UnitIndex,
+    find_dropins,
+    find_fragment,
+    is_instance,
+    is_template,
+    list_unit_names,
+    parse_sections,
+    template_of,
+)
+
+ETC = "/etc/systemd/system"
+RUN = "/run/systemd/system"
+LIB = "/usr/lib/systemd/system"
+GEN = "/run/systemd/generator"
+
+
+def write(root: Path, path: str, text: str = "[Unit]\n") -> Path:
+    real = root / path.lstrip("/")
+    real.parent.mkdir(parents=True, exist_ok=True)
+    real.write_text(text)
+    return real
+
+
+def link(root: Path, path: str, target: str) -> None:
+    real = root / path.lstrip("/")
+    real.parent.mkdir(parents=True, exist_ok=True)
+    real.symlink_to(target)
+
+
+# ---------------------------------------------------------------------------------------------
+# the text reader
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("[A]\nk=v\n", [Entry("A", "k", "v", 2)], id="simple"),
+        pytest.param(
+            "[Service]\nExecStart=/bin/a\nExecStart=/bin/b\n",
+            [
+                Entry("Service", "ExecStart", "/bin/a", 2),
+                Entry("Service", "ExecStart", "/bin/b", 3),
+            ],
+            id="repeated-keys",
+        ),
+        pytest.param(
+            "[S]\n  Key =  spaced value  \n", [Entry("S", "Key", "spaced value", 2)], id="strip"
+        ),
+        pytest.param(
+            "# c\n; c\n[S]\n  # indented comment\nk=v # not a comment\n",
+            [Entry("S", "k", "v # not a comment", 5)],
+            id="comments",
+        ),
+        pytest.param(
+            "[S]\nExecStart=/bin/echo \\\n  a \\\n  b\nNext=1\n",
+            [Entry("S", "ExecStart", "/bin/echo    a    b", 2), Entry("S", "Next", "1", 5)],
+            id="continuation",
+        ),
+        pytest.param(
+            "[S]\nk=a \\\n# comment inside continuation\n b\n",
+            [Entry("S", "k", "a   b", 2)],
+            id="comment-inside-continuation",
+        ),
+        pytest.param(
+            "[S]\nk=ends in backslash\\\\\nj=2\n",
+            [Entry("S", "k", "ends in backslash\\\\", 2), Entry("S", "j", "2", 3)],
+            id="escaped-backslash-is-no-continuation",
+        ),
+        pytest.param(
+            "[S]\nExecStart=/bin/sh -c \"echo '%n' ; exit 0\"\n",
+            [Entry("S", "ExecStart", "/bin/sh -c \"echo '%n' ; exit 0\"", 2)],
+            id="quotes-and-specifiers-verbatim",
+        ),
+        pytest.param("[S]\nk=a=b\n", [Entry("S", "k", "a=b", 2)], id="equals-in-value"),
+        pytest.param("[S]\nk=\n", [Entry("S", "k", "", 2)], id="empty-value"),
+        pytest.param("\ufeff[S]\nk=v\n", [Entry("S", "k", "v", 2)], id="bom"),
+        pytest.param(
+            "[A]\nk=1\n[B]\nk=2\n",
+            [Entry("A", "k", "1", 2), Entry("B", "k", "2", 4)],
+            id="sections",
+        ),
+        pytest.param("[S]\nk=last \\", [Entry("S", "k", "last", 2)], id="continuation-at-eof"),
+    ],
+)
+def test_parse_sections(text: str, expected: list[Entry]) -> None:
+    assert parse_sections(text) == expected
+
+
+def test_parse_sections_reports_ignored_lines() -> None:
+    issues: list[TextIssue] = []
+    entries = parse_sections("k=outside\n[S]\nnoequals\n=novalue\n[broken\nx=1\n", issues)
+    assert entries == []
+    assert issues == [
+        TextIssue(None, 1, "assignment outside of any section, ignored"),
+        TextIssue("S", 3, "missing '=', line ignored"),
+        TextIssue("S", 4, "missing key before '=', line ignored"),
+        TextIssue("S", 5, "invalid section header '[broken'"),
+        TextIssue(None, 6, "assignment outside of any section, ignored"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+
+
+@pytest.mark.parametrize(
+    ("name", "template", "instance", "tmpl"),
+    [
+        ("foo.service", False, False, "foo.service"),
+        ("foo@.service", True, False, "foo@.service"),
+        ("foo@a.service", False, True, "foo@.service"),
+        ("foo\\x2dbar@a\\x2db.service", False, True, "foo\\x2dbar@.service"),
+        ("foo@a.b.service", False, True, "foo@.service"),
+    ],
+)
+def test_names(name: str, template: bool, instance: bool, tmpl: str) -> None:
+    assert is_template(name) is template
+    assert is_instance(name) is instance
+    assert template_of(name) == tmpl
+
+
+def test_search_path_is_systemd_252s() -> None:
+    # `systemd-analyze unit-paths` of systemd 252 (Debian 12)
+    assert SYSTEM_UNIT_PATH == (
+        "/etc/systemd/system.control",
+        "/run/systemd/system.control",
+        "/run/systemd/transient",
+        "/run/systemd/generator.early",
+        "/etc/systemd/system",
+        "/etc/systemd/system.attached",
+        "/run/systemd/system",
+        "/run/systemd/system.attached",
+        "/run/systemd/generator",
+        "/usr/local/lib/systemd/system",
+        "/lib/systemd/system",
+        "/usr/lib/systemd/system",
+        "/run/systemd/generator.late",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# fragments
+
+
+@pytest.mark.parametrize(
+    ("files", "name", "expected"),
+    [
+        pytest.param([f"{LIB}/a.service"], "a.service", f"{LIB}/a.service", id="vendor"),
+        pytest.param(
+            [f"{LIB}/a.service", f"{ETC}/a.service"], "a.service", f"{ETC}/a.service", id="etc-wins"
+        ),
+        pytest.param(
+            [f"{ETC}/a.service", "/run/systemd/transient/a.service"],
+            "a.service",
+            "/run/systemd/transient/a.service",
+            id="transient-before-etc",
+        ),
+        pytest.param([f"{LIB}/t@.service"], "t@x.service", f"{LIB}/t@.service", id="instance"),
+        pytest.param(
+            [f"{ETC}/t@.service", f"{LIB}/t@x.service"],
+            "t@x.service",
+            f"{LIB}/t@x.service",
+            id="instance-file-beats-template-anywhere",
+        ),
+        pytest.param([f"{LIB}/t@.service"], "t@.service", f"{LIB}/t@.service", id="template"),
+        pytest.param(
+            [f"{LIB}/foo\\x2dbar@.service"],
+            "foo\\x2dbar@a.service",
+            f"{LIB}/foo\\x2dbar@.service",
+            id="escaped",
+        ),
+        pytest.param([f"{LIB}/a.service"], "b.service", None, id="not-found"),
+    ],
+)
+def test_find_fragment(tmp_path: Path, files: list[str], name: str, expected: str | None) -> None:
+    for f in files:
+        write(tmp_path, f)
+    fragment = find_fragment(name, tmp_path)
+    assert (fragment.path if fragment else None) == expected
+    if fragment:
+        assert not fragment.masked
+        assert fragment.real == tmp_path / expected.lstrip("/")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("how", ["dev-null", "empty-file"])
+def test_masked_fragment(tmp_path: Path, how: str) -> None:
+    write(tmp_path, f"{LIB}/a.service")
+    if how == "dev-null":
+        link(tmp_path, f"{ETC}/a.service", "/dev/null")
+    else:
+        write(tmp_path, f"{ETC}/a.service", "")
+    fragment = find_fragment("a.service", tmp_path)
+    assert fragment is not None
+    assert fragment.path == f"{ETC}/a.service"
+    assert fragment.masked
+
+
+def test_symlinked_fragment_resolves_inside_root(tmp_path: Path) -> None:
+    write(tmp_path, "/opt/app/a.service", "[Unit]\nDescription=x\n")
+    link(tmp_path, f"{ETC}/a.service", "/opt/app/a.service")  # absolute: inside the root
+    fragment = find_fragment("a.service", tmp_path)
+    assert fragment is not None
+    assert fragment.path == f"{ETC}/a.service"
+    assert fragment.real == tmp_path / "opt/app/a.service"
+    assert "Description=x" in fragment.read_text()
+
+
+def test_list_unit_names(tmp_path: Path) -> None:
+    write(tmp_path, f"{LIB}/a.service")
+    write(tmp_path, f"{ETC}/a.service")
+    write(tmp_path, f"{LIB}/t@.service")
+    write(tmp_path, f"{LIB}/t@x.service")
+    write(tmp_path, f"{LIB}/foo\\x2dbar.service")
+    write(tmp_path, f"{LIB}/b.socket")
+    write(tmp_path, f"{LIB}/a.service.d/x.conf")
+    (tmp_path / ETC.lstrip("/") / "multi-user.target.wants").mkdir()
+    link(tmp_path, f"{ETC}/alias.service", f"{LIB}/a.service")
+    link(tmp_path, f"{ETC}/masked.service", "/dev/null")
+    assert list_unit_names(tmp_path) == [
+        "a.service",
+        "foo\\x2dbar.service",
+        "masked.service",
+        "t@.service",
+        "t@x.service",
+    ]
+
+
+def test_same_directory_twice_is_searched_once(tmp_path: Path) -> None:
+    # merged /usr: /lib -> usr/lib; systemd 252 on Debian names such files /lib/systemd/system/...
+    write(tmp_path, f"{LIB}/a.service")
+    write(tmp_path, f"{LIB}/a.service.d/x.conf", "[Unit]\n")
+    os.symlink("usr/lib", tmp_path / "lib")
+    index = UnitIndex(tmp_path)
+    assert [p for p, _r in index.dropin_dirs("a.service")] == ["/lib/systemd/system/a.service.d"]
+    assert [f.path for f in index.dropins("a.service")] == [
+        "/lib/systemd/system/a.service.d/x.conf"
+    ]
+    fragment = index.fragment("a.service")
+    assert fragment is not None
+    assert fragment.path == "/lib/systemd/system/a.service"
+    assert index.unit_names() == ["a.service"]
+
+
+# ---------------------------------------------------------------------------------------------
+# drop-ins
+
+
+@pytest.mark.parametrize(
+    ("files", "name", "expected"),
+    [
+        pytest.param(
+            [
+                f"{LIB}/a.service.d/20-b.conf",
+                f"{ETC}/a.service.d/10-a.conf",
+                f"{RUN}/a.service.d/30-c.conf",
+            ],
+            "a.service",
+            [
+                f"{ETC}/a.service.d/10-a.conf",
+                f"{LIB}/a.service.d/20-b.conf",
+                f"{RUN}/a.service.d/30-c.conf",
+            ],
+            id="sorted-by-file-name-across-dirs",
+        ),
+        pytest.param(
+            [f"{LIB}/a.service.d/override.conf", f"{ETC}/a.service.d/override.conf"],
+            "a.service",
+            [f"{ETC}/a.service.d/override.conf"],
+            id="same-name-higher-dir-wins",
+        ),
+        pytest.param(
+            [
+                f"{ETC}/a.service.d/x.txt",
+                f"{ETC}/a.service.d/.hidden.conf",
+                f"{ETC}/a.service.d/y.conf",
+            ],
+            "a.service",
+            [f"{ETC}/a.service.d/y.conf"],
+            id="only-conf-files",
+        ),
+        pytest.param(
+            [
+                f"{LIB}/t@.service.d/10-t.conf",
+                f"{ETC}/t@x.service.d/20-x.conf",
+                f"{ETC}/t@y.service.d/30-y.conf",
+            ],
+            "t@x.service",
+            [f"{LIB}/t@.service.d/10-t.conf", f"{ETC}/t@x.service.d/20-x.conf"],
+            id="instance-and-template",
+        ),
+        pytest.param(
+            [f"{ETC}/t@.service.d/override.conf", f"{ETC}/t@x.service.d/override.conf"],
+            "t@x.service",
+            [f"{ETC}/t@x.service.d/override.conf"],
+            id="instance-hides-template-same-name-same-dir",
+        ),
+        pytest.param(
+            [f"{ETC}/t@.service.d/override.conf", f"{LIB}/t@x.service.d/override.conf"],
+            "t@x.service",
+            [f"{ETC}/t@.service.d/override.conf"],
+            id="higher-dir-wins-over-instance",
+        ),
+        pytest.param(
+            [f"{ETC}/t@.service.d/a.conf", f"{ETC}/t@x.service.d/b.conf"],
+            "t@.service",
+            [f"{ETC}/t@.service.d/a.conf"],
+            id="template-alone",
+        ),
+        pytest.param(
+            [f"{ETC}/foo\\x2dbar@.service.d/a.conf", f"{ETC}/foo\\x2dbar@a.service.d/b.conf"],
+            "foo\\x2dbar@a.service",
+            [f"{ETC}/foo\\x2dbar@.service.d/a.conf", f"{ETC}/foo\\x2dbar@a.service.d/b.conf"],
+            id="escaped-names",
+        ),
+        pytest.param(
+            [
+                f"{ETC}/foo-.service.d/a.conf",
+                f"{ETC}/foo-bar-.service.d/b.conf",
+                f"{ETC}/service.d/c.conf",
+                f"{ETC}/fo-.service.d/no.conf",
+            ],
+            "foo-bar-baz.service",
+            [
+                f"{ETC}/foo-.service.d/a.conf",
+                f"{ETC}/foo-bar-.service.d/b.conf",
+                f"{ETC}/service.d/c.conf",
+            ],
+            id="dash-prefix-and-type-level",
+        ),
+        pytest.param(
+            [f"{LIB}/a.service.d/same.conf", f"{ETC}/service.d/same.conf"],
+            "a.service",
+            [f"{LIB}/a.service.d/same.conf"],
+            id="unit-dir-beats-type-level-dir",
+        ),
+    ],
+)
+def test_find_dropins(tmp_path: Path, files: list[str], name: str, expected: list[str]) -> None:
+    write(tmp_path, f"{LIB}/{template_of(name)}")
+    for f in files:
+        write(tmp_path, f)
+    assert [d.path for d in find_dropins(name, tmp_path)] == expected
+
+
+@pytest.mark.parametrize(
+    ("how", "listed"),
+    [("dev-null", []), ("empty-file", [f"{ETC}/a.service.d/50-vendor.conf"])],
+)
+def test_masked_dropin_hides_lower_one(tmp_path: Path, how: str, listed: list[str]) -> None:
+    write(tmp_path, f"{LIB}/a.service")
+    write(tmp_path, f"{LIB}/a.service.d/50-vendor.conf")
+    write(tmp_path, f"{LIB}/a.service.d/60-kept.conf")
+    if how == "dev-null":
+        link(tmp_path, f"{ETC}/a.service.d/50-vendor.conf", "/dev/null")
+    else:
+        write(tmp_path, f"{ETC}/a.service.d/50-vendor.conf", "")
+    assert [d.path for d in find_dropins("a.service", tmp_path)] == [
+        *listed,
+        f"{LIB}/a.service.d/60-kept.conf",
+    ]
+
+
+def test_symlinked_dropin_and_dropin_dir(tmp_path: Path) -> None:
+    write(tmp_path, f"{LIB}/a.service")
+    write(tmp_path, "/opt/conf/x.conf", "[Unit]\n")
+    write(tmp_path, "/opt/dir/y.conf", "[Unit]\n")
+    link(tmp_path, f"{ETC}/a.service.d/x.conf", "/opt/conf/x.conf")
+    link(tmp_path, f"{RUN}/a.service.d", "/opt/dir")
+    link(tmp_path, f"{ETC}/a.service.d/dangling.conf", "/opt/none.conf")
+    assert [(d.path, d.real) for d in find_dropins("a.service", tmp_path)] == [
+        (f"{ETC}/a.service.d/x.conf", tmp_path / "opt/conf/x.conf"),
+        (f"{RUN}/a.service.d/y.conf", tmp_path / "opt/dir/y.conf"),
+    ]
