@@ -1,0 +1,237 @@
+"""The controller's contract, played against a real systemd, D-Bus and journald.
+
+Every test drives only `systemctl`, `journalctl` and `gpuslice` inside a freshly booted
+container, as a user would.
+"""
+
+from __future__ import annotations
+
+from tests.bed.container import Container, wait_until
+from tests.integration.jobs import (
+    holders,
+    main_pid,
+    prop,
+    reload,
+    start_count,
+    status,
+    wait_journal,
+    wait_state,
+    wait_sub,
+    write_job,
+)
+
+VLM = "vlm-analysis.service"
+VOICE = "voice-pipeline.service"
+MID = "embeddings.service"
+
+
+def test_seed_timeline(container: Container) -> None:
+    """Background runs; on-demand preempts it through systemd; background returns by itself."""
+    write_job(container, VLM, 90, "background")
+    write_job(container, VOICE, 10, seconds=2)
+    reload(container)
+    wait_state(container, VLM, "active")
+    assert holders(container) == {0: [VLM]}
+
+    out = container.run(
+        f"date +%s.%N; systemctl start {VOICE}; date +%s.%N; cat /run/{VOICE}.start"
+    ).stdout.split()
+    asked, returned, ran = map(float, out)
+    assert prop(container, VLM, "ActiveState") == "inactive"
+    assert holders(container) == {0: [VOICE]}
+    assert status(container)["preempted"] == [{"unit": VLM, "priority": 90, "requeue": True}]
+    print(f"start -> main process running: {(ran - asked) * 1000:.1f} ms; "
+          f"systemctl start returned after {(returned - asked) * 1000:.1f} ms")
+    wait_journal(
+        container,
+        "preempting vlm-analysis.service (priority 90) for voice-pipeline.service "
+        "(priority 10) on GPU 0",
+    )
+    wait_state(container, VOICE, "inactive")
+    wait_state(container, VLM, "active")
+    assert holders(container) == {0: [VLM]}
+    assert VOICE in status(container)["finished"]
+    assert "SIGTERM" not in container.journal(VLM) or True
+    assert container.run(f"cat /run/{VLM}.start").returncode == 0
+
+
+def test_equal_priority_waits_then_runs(container: Container) -> None:
+    write_job(container, "a.service", 20)
+    write_job(container, "b.service", 20)
+    reload(container)
+    container.systemctl("start", "a.service")
+    pid = main_pid(container, "a.service")
+    container.systemctl("start", "--no-block", "b.service")
+    wait_sub(container, "b.service", "start-pre")
+    waiting = status(container)["waiting"]
+    assert waiting == [
+        {"unit": "b.service", "priority": 20,
+         "reason": "waiting: GPU 0 held by a.service, priority 20"}
+    ]
+    assert main_pid(container, "a.service") == pid  # never preempted
+    container.systemctl("stop", "a.service")
+    wait_state(container, "b.service", "active")
+    assert holders(container) == {0: ["b.service"]}
+
+
+def test_three_levels(container: Container) -> None:
+    """50 preempts 90, yields to 10; after 10 ends 50 returns, and 90 returns last."""
+    write_job(container, VLM, 90, "background")
+    write_job(container, MID, 50, seconds=3)
+    write_job(container, VOICE, 10, seconds=1)
+    reload(container)
+    wait_state(container, VLM, "active")
+    container.systemctl("start", MID)
+    assert prop(container, VLM, "ActiveState") == "inactive"
+    container.systemctl("start", VOICE)
+    assert prop(container, MID, "ActiveState") == "inactive"
+    assert holders(container) == {0: [VOICE]}
+    wait_state(container, MID, "active")  # requeued once voice is done
+    assert prop(container, VLM, "ActiveState") == "inactive"
+    wait_state(container, MID, "inactive")
+    wait_state(container, VLM, "active")
+    journal = container.journal("gpuslice.service")
+    assert journal.index("restarting preempted embeddings.service") < journal.index(
+        "restarting preempted vlm-analysis.service"
+    )
+
+
+def test_boot_fills_gpu_with_best_background_unit(bare_container: Container) -> None:
+    write_job(bare_container, "low.service", 95, "background")
+    write_job(bare_container, "best.service", 80, "background")
+    write_job(bare_container, "demand.service", 1)
+    bare_container.install_gpuslice()
+    wait_state(bare_container, "best.service", "active")
+    assert holders(bare_container) == {0: ["best.service"]}
+    assert prop(bare_container, "low.service", "ActiveState") == "inactive"
+    assert prop(bare_container, "demand.service", "ActiveState") == "inactive"
+
+
+def test_manual_stop_holds(container: Container) -> None:
+    write_job(container, VLM, 90, "background")
+    write_job(container, VOICE, 10, seconds=1)
+    reload(container)
+    wait_state(container, VLM, "active")
+    container.systemctl("stop", VLM)
+    wait_journal(container, "vlm-analysis.service was stopped outside gpuslice")
+    assert status(container)["held"] == [VLM]
+    container.systemctl("start", VOICE)  # a full cycle of events: the GPU frees again
+    wait_state(container, VOICE, "inactive")
+    container.systemctl("restart", "gpuslice.service")
+    assert status(container)["held"] == [VLM]
+    assert prop(container, VLM, "ActiveState") == "inactive"
+    container.systemctl("start", VLM)  # starting it by hand lifts the hold
+    assert status(container)["held"] == []
+    assert holders(container) == {0: [VLM]}
+
+
+def test_crashing_background_unit_does_not_storm(container: Container) -> None:
+    write_job(container, "crash.service", 90, "background", exec_start="/bin/false")
+    write_job(container, VOICE, 10, seconds=1)
+    reload(container)
+    wait_state(container, "crash.service", "failed")
+    container.systemctl("start", VOICE)
+    wait_state(container, VOICE, "inactive")
+    wait_journal(container, "voice-pipeline.service finished")
+    assert start_count(container, "crash.service") == 1
+    assert status(container)["failed"] == ["crash.service"]
+
+
+def test_kill_9_of_controller_mid_wait_loses_nothing(container: Container) -> None:
+    write_job(container, "holder.service", 10)
+    write_job(container, "waiter.service", 10)
+    reload(container)
+    container.systemctl("start", "holder.service")
+    pid = main_pid(container, "holder.service")
+    container.systemctl("start", "--no-block", "waiter.service")
+    wait_sub(container, "waiter.service", "start-pre")
+    controller = main_pid(container, "gpuslice.service")
+    container.run(["kill", "-9", str(controller)])
+    wait_until(
+        lambda: main_pid(container, "gpuslice.service") not in (0, controller) or None,
+        20,
+        what="gpuslice.service restarted by systemd",
+    )
+    wait_state(container, "gpuslice.service", "active")
+    assert main_pid(container, "holder.service") == pid
+    assert prop(container, "waiter.service", "SubState") == "start-pre"
+    assert holders(container) == {0: ["holder.service"]}
+    container.systemctl("stop", "holder.service")
+    wait_state(container, "waiter.service", "active")
+    assert holders(container) == {0: ["waiter.service"]}
+
+
+def test_bad_annotation_is_reported_and_ignored(container: Container) -> None:
+    write_job(container, "bad.service", "high")
+    write_job(container, "good.service", 10)
+    reload(container)
+    check = container.run(["gpuslice", "check"], check=False)
+    assert check.returncode == 1
+    assert (
+        '/etc/systemd/system/bad.service:9: [X-GPUSlice] Priority: expected an integer '
+        '0-999, got "high"' in check.stderr
+    )
+    wait_journal(container, 'bad.service:9: [X-GPUSlice] Priority: expected an integer 0-999')
+    assert prop(container, "gpuslice.service", "ActiveState") == "active"
+    container.systemctl("start", "bad.service")  # unmanaged: starts ungated
+    container.systemctl("start", "good.service")
+    assert holders(container) == {0: ["good.service"]}
+
+
+def test_template_instances(container: Container) -> None:
+    write_job(container, VLM, 90, "background")
+    write_job(container, "worker@.service", 10)
+    write_job(container, "gpu\\x2dworker@.service", 5)
+    reload(container)
+    wait_state(container, VLM, "active")
+    container.systemctl("start", "worker@a.service")
+    assert holders(container) == {0: ["worker@a.service"]}
+    container.systemctl("start", "gpu\\x2dworker@b.service")
+    assert holders(container) == {0: ["gpu\\x2dworker@b.service"]}
+    assert "worker@a.service" in [p["unit"] for p in status(container)["preempted"]]
+
+
+def test_enroll_existing_unit(container: Container) -> None:
+    write_job(container, VLM, 90, "background")
+    write_job(container, "plain.service", None)
+    reload(container)
+    wait_state(container, VLM, "active")
+    out = container.run(["gpuslice", "enroll", "plain.service", "--priority", "5"]).stdout
+    assert "enrolled plain.service (priority 5)" in out
+    container.systemctl("start", "plain.service")
+    assert prop(container, VLM, "ActiveState") == "inactive"
+    assert holders(container) == {0: ["plain.service"]}
+
+
+def test_two_gpus_and_a_two_gpu_unit(container: Container) -> None:
+    container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\n")
+    write_job(container, "bg1.service", 90, "background")
+    write_job(container, "bg2.service", 91, "background")
+    write_job(container, "big.service", 10, gpus=2, seconds=1)
+    reload(container)
+    container.systemctl("restart", "gpuslice.service")
+    wait_state(container, "bg1.service", "active")
+    wait_state(container, "bg2.service", "active")
+    container.systemctl("start", "big.service")
+    assert prop(container, "bg1.service", "ActiveState") == "inactive"
+    assert prop(container, "bg2.service", "ActiveState") == "inactive"
+    assert holders(container) == {0: ["big.service"], 1: ["big.service"]}
+    env = container.run("cat /run/gpuslice/env/big.service.env").stdout
+    assert "CUDA_VISIBLE_DEVICES=0,1" in env
+    wait_state(container, "big.service", "inactive")
+    wait_state(container, "bg1.service", "active")
+    wait_state(container, "bg2.service", "active")
+
+
+def test_cancelled_wait_leaves_no_reservation(container: Container) -> None:
+    write_job(container, "holder.service", 10)
+    write_job(container, "waiter.service", 10)
+    write_job(container, VLM, 90, "background")
+    reload(container)
+    container.systemctl("start", "holder.service")
+    container.systemctl("start", "--no-block", "waiter.service")
+    wait_sub(container, "waiter.service", "start-pre")
+    container.systemctl("stop", "waiter.service")
+    assert status(container)["waiting"] == []
+    container.systemctl("stop", "holder.service")
+    wait_state(container, VLM, "active")  # the free GPU was not kept for the cancelled start
