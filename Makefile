@@ -21,7 +21,8 @@ BUSCONFDIR := $(SYSCONFDIR)/dbus-1/system.d
 # The default config shipped to /etc/gpuslice/config.yaml (top level, else data/).
 CONFIG ?= $(or $(wildcard config.yaml),$(wildcard data/config.yaml),config.yaml)
 
-.PHONY: help venv lint bed-deps bed test demo install uninstall install-examples uninstall-examples clean
+.PHONY: help venv lint bed-deps bed test demo install uninstall install-examples uninstall-examples clean \
+	deb deb-deps
 
 help:
 	@echo "make venv | lint | test | demo | bed-deps | bed | clean"
@@ -133,3 +134,41 @@ uninstall-examples:
 ifeq ($(DESTDIR),)
 	systemctl daemon-reload
 endif
+
+# ---------------------------------------------------------------- Debian package
+# `make deb` -> $(DEB_DIR)/gpuslice_VERSION_all.deb, lintian-checked (any error or warning fails).
+# The build runs on a copy of the files the package needs, in $(DEB_DIR)/gpuslice, so the
+# checkout stays clean and dpkg-buildpackage's outputs land in $(DEB_DIR). The pinned
+# nvidia-ml-py wheel is downloaded here (debian/nvidia-ml-py.sha256 names it and its checksum)
+# so that the package build itself needs no network.
+DEB_DIR ?= build/deb
+PYNVML_WHEEL_DIR ?= $(DEB_DIR)/wheels
+DEB_BUILD_DEPS := dpkg-dev debhelper dh-python help2man lintian python3-pip \
+	python3-click python3-dbus-next python3-sdnotify python3-yaml
+DEB_SOURCES := Makefile pyproject.toml gpuslice data units debian $(CONFIG)
+DEB_VERSION = $(shell sed -n '1s/^[^(]*(\([^)]*\)).*/\1/p' debian/changelog)
+PYNVML_WHEEL = $(lastword $(shell cat debian/nvidia-ml-py.sha256))
+PYNVML_PIN = $(word 2,$(subst -, ,$(PYNVML_WHEEL)))
+
+deb-deps:
+	@missing=$$(for p in $(DEB_BUILD_DEPS); do \
+	    dpkg-query -W -f='$${Status}\n' "$$p" 2>/dev/null | grep -q 'ok installed' || echo "$$p"; \
+	done); \
+	if [ -n "$$missing" ]; then set -x; apt-get update \
+	    && apt-get install -y --no-install-recommends $$missing; fi
+
+deb: deb-deps
+	mkdir -p $(PYNVML_WHEEL_DIR)
+	cd $(PYNVML_WHEEL_DIR) && if ! sha256sum --check --strict --status $(CURDIR)/debian/nvidia-ml-py.sha256 2>/dev/null; then \
+	    rm -f $(PYNVML_WHEEL); \
+	    python3 -m pip download --quiet --no-deps --only-binary=:all: --dest . \
+	        'nvidia-ml-py==$(PYNVML_PIN)'; \
+	    sha256sum --check --strict $(CURDIR)/debian/nvidia-ml-py.sha256; fi
+	rm -rf $(DEB_DIR)/gpuslice $(DEB_DIR)/gpuslice_*
+	mkdir -p $(DEB_DIR)/gpuslice
+	cp -a $(DEB_SOURCES) $(DEB_DIR)/gpuslice/
+	find $(DEB_DIR)/gpuslice -name __pycache__ -type d -prune -exec rm -rf {} +
+	cd $(DEB_DIR)/gpuslice && PYNVML_WHEEL_DIR=$(abspath $(PYNVML_WHEEL_DIR)) \
+	    dpkg-buildpackage -us -uc -b
+	lintian --fail-on error,warning --info $(DEB_DIR)/gpuslice_$(DEB_VERSION)_all.deb
+	@ls -l $(DEB_DIR)/gpuslice_$(DEB_VERSION)_all.deb

@@ -193,11 +193,14 @@ class Scheduler:
             actions.append(Log(f"{name} stopped for shutdown: released {format_gpus(holder.gpus)}"))
         return actions + self.schedule()
 
-    def running(self, name: str, gpus: Iterable[int] | None = None) -> list[Action]:
+    def running(
+        self, name: str, gpus: Iterable[int] | None = None, *, stopping: bool = False
+    ) -> list[Action]:
         """Systemd shows the unit running past the gate without a grant: take note of it.
 
-        This happens after a controller restart (then `gpus` is what we had granted) and
-        for a unit whose annotation appeared while it ran. It holds GPUs from now on.
+        This happens after a controller restart (then `gpus` is what we had granted, and
+        `stopping` says we had asked systemd to stop it for a more urgent unit) and for a
+        unit whose annotation appeared while it ran. It holds GPUs from now on.
         """
         spec = self.specs.get(name)
         if spec is None:
@@ -223,7 +226,8 @@ class Scheduler:
                     "warning",
                 )
             )
-        self.holders[name] = Holder(spec, wanted, Phase.RUNNING, self._next())
+        phase = Phase.STOPPING if stopping else Phase.RUNNING
+        self.holders[name] = Holder(spec, wanted, phase, self._next())
         return actions + self.schedule()
 
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
@@ -449,8 +453,17 @@ class Scheduler:
         )
 
     def load(self, saved: SavedState) -> None:
-        """Restore what the last controller knew; the caller then reconciles with systemd."""
+        """Restore what the last controller knew; the caller then reconciles with systemd.
+
+        Holders come back with their GPUs and phase, all at once, so that no unit is placed
+        on GPUs a not-yet-adopted unit still holds. The caller reports with `inactive()`
+        those systemd no longer shows active, then calls `schedule()`.
+        """
         self._seq = max(self._seq, saved.seq)
+        for name, (gpus, phase, seq) in saved.holders.items():
+            if name in self.specs:
+                held_gpus = frozenset(gpus) & self.gpus
+                self.holders[name] = Holder(self.specs[name], held_gpus, Phase(phase), seq)
         self.preempted = dict(saved.preempted)
         self.held = set(saved.held)
         self.finished = set(saved.finished)

@@ -12,7 +12,7 @@ UNIT_DIR = "/etc/systemd/system"
 # A job that records when its main process started, runs SECONDS (0: until stopped) and
 # ends gracefully on SIGTERM, as a GPU job that checkpoints would.
 JOB = (
-    "/bin/sh -c 'date +%%s.%%N > /run/%n.start; trap \"exit 0\" TERM; "
+    '/bin/sh -c \'date +%%s.%%N > /run/%n.start; trap "exit 0" TERM; '
     "i=0; while [ {seconds} -eq 0 ] || [ $i -lt {seconds} ]; do "
     "i=$((i+1)); sleep 1 & wait $!; done'"
 )

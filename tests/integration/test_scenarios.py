@@ -40,8 +40,10 @@ def test_seed_timeline(container: Container) -> None:
     assert prop(container, VLM, "ActiveState") == "inactive"
     assert holders(container) == {0: [VOICE]}
     assert status(container)["preempted"] == [{"unit": VLM, "priority": 90, "requeue": True}]
-    print(f"start -> main process running: {(ran - asked) * 1000:.1f} ms; "
-          f"systemctl start returned after {(returned - asked) * 1000:.1f} ms")
+    print(
+        f"start -> main process running: {(ran - asked) * 1000:.1f} ms; "
+        f"systemctl start returned after {(returned - asked) * 1000:.1f} ms"
+    )
     wait_journal(
         container,
         "preempting vlm-analysis.service (priority 90) for voice-pipeline.service "
@@ -65,8 +67,11 @@ def test_equal_priority_waits_then_runs(container: Container) -> None:
     wait_sub(container, "b.service", "start-pre")
     waiting = status(container)["waiting"]
     assert waiting == [
-        {"unit": "b.service", "priority": 20,
-         "reason": "waiting: GPU 0 held by a.service, priority 20"}
+        {
+            "unit": "b.service",
+            "priority": 20,
+            "reason": "waiting: GPU 0 held by a.service, priority 20",
+        }
     ]
     assert main_pid(container, "a.service") == pid  # never preempted
     container.systemctl("stop", "a.service")
@@ -168,10 +173,10 @@ def test_bad_annotation_is_reported_and_ignored(container: Container) -> None:
     check = container.run(["gpuslice", "check"], check=False)
     assert check.returncode == 1
     assert (
-        '/etc/systemd/system/bad.service:9: [X-GPUSlice] Priority: expected an integer '
+        "/etc/systemd/system/bad.service:9: [X-GPUSlice] Priority: expected an integer "
         '0-999, got "high"' in check.stderr
     )
-    wait_journal(container, 'bad.service:9: [X-GPUSlice] Priority: expected an integer 0-999')
+    wait_journal(container, "bad.service:9: [X-GPUSlice] Priority: expected an integer 0-999")
     assert prop(container, "gpuslice.service", "ActiveState") == "active"
     container.systemctl("start", "bad.service")  # unmanaged: starts ungated
     container.systemctl("start", "good.service")
