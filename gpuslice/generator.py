@@ -17,6 +17,7 @@ from gpuslice.annotations import Loader, Scan, scan
 from gpuslice.unitfiles import UnitIndex, is_instance, template_of
 
 DROPIN_NAME = "gpuslice-gate.conf"
+DEFAULT_RETRY = 0.5  # seconds; config.yaml gate_retry_seconds
 DEFAULT_RUNTIME_DIR = "/run/gpuslice"
 CONFIG_PATH = "/etc/gpuslice/config.yaml"
 _PROG = "gpuslice-generator"
@@ -56,7 +57,9 @@ def exec_start_pre_before_gate(loader: Loader, unit: str) -> list[str]:
     return values
 
 
-def gate_dropin(libexec_dir: str, runtime_dir: str, exec_start_pre: list[str]) -> str:
+def gate_dropin(
+    libexec_dir: str, runtime_dir: str, exec_start_pre: list[str], retry: float = DEFAULT_RETRY
+) -> str:
     lines = [
         HEADER.rstrip("\n"),
         "[Unit]",
@@ -65,7 +68,8 @@ def gate_dropin(libexec_dir: str, runtime_dir: str, exec_start_pre: list[str]) -
         "",
         "[Service]",
         "ExecStartPre=",
-        f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/gpuslice-gate %n",
+        f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/gpuslice-gate %n"
+        + ("" if retry == DEFAULT_RETRY else f" {retry:g}"),
         *(f"ExecStartPre={v}" for v in exec_start_pre),
         f"EnvironmentFile=-{_escape_specifiers(runtime_dir)}/env/%n.env",
         "TimeoutStartSec=infinity",
@@ -73,7 +77,13 @@ def gate_dropin(libexec_dir: str, runtime_dir: str, exec_start_pre: list[str]) -
     return "\n".join(lines) + "\n"
 
 
-def plan(loader: Loader, result: Scan, libexec_dir: str, runtime_dir: str) -> dict[str, str]:
+def plan(
+    loader: Loader,
+    result: Scan,
+    libexec_dir: str,
+    runtime_dir: str,
+    retry: float = DEFAULT_RETRY,
+) -> dict[str, str]:
     """Unit name -> text of its gpuslice-gate.conf.
 
     A template's gate covers every instance: systemd applies `foo@.service.d/` to `foo@a.service`.
@@ -85,7 +95,9 @@ def plan(loader: Loader, result: Scan, libexec_dir: str, runtime_dir: str) -> di
     out: dict[str, str] = {}
 
     def gate_for(unit: str) -> str:
-        return gate_dropin(libexec_dir, runtime_dir, exec_start_pre_before_gate(loader, unit))
+        return gate_dropin(
+            libexec_dir, runtime_dir, exec_start_pre_before_gate(loader, unit), retry
+        )
 
     for unit in sorted(result.specs):
         if not is_instance(unit) or template_of(unit) not in result.specs:
@@ -107,10 +119,11 @@ def plan(loader: Loader, result: Scan, libexec_dir: str, runtime_dir: str) -> di
     return out
 
 
-def _runtime_dir(root: Path) -> str:
+def _settings(root: Path) -> tuple[str, float]:
+    """runtime_dir and gate_retry_seconds from config.yaml; the defaults if it is bad."""
     path = root / CONFIG_PATH.lstrip("/")
     if not path.exists():
-        return DEFAULT_RUNTIME_DIR
+        return DEFAULT_RUNTIME_DIR, DEFAULT_RETRY
     from gpuslice.config import ConfigError, load_config_with_warnings  # yaml only when needed
 
     try:
@@ -118,10 +131,10 @@ def _runtime_dir(root: Path) -> str:
     except ConfigError as e:
         for problem in e.problems:
             _warn(f"{problem} (using the default runtime_dir {DEFAULT_RUNTIME_DIR})")
-        return DEFAULT_RUNTIME_DIR
+        return DEFAULT_RUNTIME_DIR, DEFAULT_RETRY
     for warning in warnings:
         _warn(warning)
-    return config.runtime_dir
+    return config.runtime_dir, config.gate_retry_seconds
 
 
 def _warn(message: str, severity: str = "warning") -> None:
@@ -139,15 +152,15 @@ def generate(
         from gpuslice.paths import LIBEXEC_DIR
 
         libexec_dir = LIBEXEC_DIR
-    if runtime_dir is None:
-        runtime_dir = _runtime_dir(Path(root))
+    configured_runtime_dir, retry = _settings(Path(root))
+    runtime_dir = runtime_dir or configured_runtime_dir
     loader = Loader(UnitIndex(root))
     result = scan(root, loader)
     for problem in result.problems:
         suffix = " (unit not managed)" if problem.severity == "error" else ""
         _warn(f"{problem}{suffix}", problem.severity)
     out_dir = Path(normal_dir)
-    planned = plan(loader, result, libexec_dir, runtime_dir)
+    planned = plan(loader, result, libexec_dir, runtime_dir, retry)
     for unit, text in planned.items():
         dropin_dir = out_dir / f"{unit}.d"
         dropin_dir.mkdir(parents=True, exist_ok=True)

@@ -211,3 +211,8 @@ def test_libexec_dir(tmp_path: Path) -> None:
     (tmp_path / "lib/gpuslice/gpuslice-gate").write_text("#!/bin/sh\n")
     assert find_libexec_dir({}, package) == str(tmp_path / "lib/gpuslice")
     assert find_libexec_dir({"GPUSLICE_LIBEXEC_DIR": "/x"}, package) == "/x"
+
+
+def test_gate_retry_from_config_reaches_the_gate() -> None:
+    assert "gpuslice-gate %n 2\n" in generator.gate_dropin("/l", "/run/g", [], retry=2.0)
+    assert "gpuslice-gate %n\n" in generator.gate_dropin("/l", "/run/g", [])

@@ -240,3 +240,21 @@ def test_cancelled_wait_leaves_no_reservation(container: Container) -> None:
     assert status(container)["waiting"] == []
     container.systemctl("stop", "holder.service")
     wait_state(container, VLM, "active")  # the free GPU was not kept for the cancelled start
+
+
+def test_bad_config_on_reload_keeps_the_last_good_one(container: Container) -> None:
+    container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\n")
+    container.systemctl("restart", "gpuslice.service")
+    assert len(status(container)["gpus"]) == 2
+    container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\nlog_level: loud\n")
+    container.systemctl("reload", "gpuslice.service")
+    wait_journal(
+        container,
+        '/etc/gpuslice/config.yaml:2: log_level: invalid value "loud" '
+        "(allowed: debug, info, warning, error)",
+    )
+    assert prop(container, "gpuslice.service", "ActiveState") == "active"
+    assert len(status(container)["gpus"]) == 2
+    check = container.run(["gpuslice", "check"], check=False)
+    assert check.returncode == 1
+    assert "config.yaml:2: log_level" in check.stderr
