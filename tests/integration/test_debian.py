@@ -1,0 +1,199 @@
+"""The Debian package: build it, then install, upgrade, remove and purge it in a booted Debian 12.
+
+The .deb is built once per session by `make deb` (rebuilt when a source is newer); version N+1
+is built from a copy of the sources with the version bumped. Facts about the bed:
+/work/shared/notes/systemd-in-a-container.md.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.bed.container import Container, wait_until
+from tests.bed.debian import (
+    WHEEL_DIR,
+    build_deb,
+    bumped_copy,
+    changelog_version,
+    file_list,
+    install_deb,
+    main_pid,
+    wait_settled,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+EXAMPLES = "/usr/share/doc/gpuslice/examples"
+BACKGROUND = "vlm-analysis.service"  # priority 90, background, runs until stopped
+ON_DEMAND = "voice-pipeline.service"  # priority 10, on demand, ends after ~5 s
+STEP = 30.0
+# An annotated unit that needs nothing from the package (its examples' program is
+# documentation, gone after remove).
+PLAIN_JOB = """[Unit]
+Description=annotated test job
+[Service]
+ExecStart=/bin/sleep infinity
+[X-GPUSlice]
+Priority=50
+Type=on-demand
+"""
+
+
+@pytest.fixture(scope="session")
+def deb() -> Path:
+    """gpuslice_N_all.deb from the checkout (built by `make deb` if missing or stale)."""
+    return build_deb()
+
+
+@pytest.fixture(scope="session")
+def deb_next(deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpuslice_N+1_all.deb: the same sources with a newer version."""
+    version = changelog_version() + "+upgradetest1"
+    src = bumped_copy(tmp_path_factory.mktemp("deb-next") / "src", version)
+    return build_deb(src, src.parent / "out", WHEEL_DIR, force=True)
+
+
+def _install(container: Container, deb: Path) -> None:
+    seconds = install_deb(container, deb)
+    print(f"apt-get install {deb.name}: {seconds:.2f} s")
+    state = wait_settled(container, "gpuslice.service")
+    if state != "active":
+        status = container.systemctl("status", "--no-pager", "gpuslice.service", check=False)
+        pytest.fail(f"gpuslice.service is {state} after install\n{status.stdout}")
+
+
+def _copy_example(container: Container, unit: str) -> None:
+    container.run(["cp", f"{EXAMPLES}/{unit}", f"/etc/systemd/system/{unit}"])
+
+
+def test_maintainer_scripts_touch_only_the_controller(deb: Path, tmp_path: Path) -> None:
+    """Upgrade and remove must never stop a GPU job: every unit the scripts name is ours."""
+    subprocess.run(["dpkg-deb", "-e", str(deb), str(tmp_path)], check=True)
+    for script in ("preinst", "postinst", "prerm", "postrm"):
+        path = tmp_path / script
+        if not path.exists():
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b(systemctl|deb-systemd-invoke)\b.*\b(stop|restart|kill)\b", line):
+                assert "gpuslice.service" in line, f"{script}:{number}: {line.strip()}"
+
+
+def test_package_contents(deb: Path) -> None:
+    listing = subprocess.run(
+        ["dpkg-deb", "-c", str(deb)], check=True, capture_output=True, text=True
+    ).stdout
+    paths = {line.split()[-1].lstrip(".") for line in listing.splitlines()}
+    for expected in (
+        "/usr/bin/gpuslice",
+        "/lib/systemd/system/gpuslice.service",
+        "/lib/systemd/system-generators/gpuslice-generator",
+        "/usr/lib/gpuslice/gpuslice-gate",
+        "/usr/lib/gpuslice/python/gpuslice/cli.py",
+        "/usr/lib/gpuslice/python/pynvml.py",
+        "/usr/share/dbus-1/system.d/org.gpuslice.Scheduler1.conf",
+        "/etc/gpuslice/config.yaml",
+        "/usr/share/man/man1/gpuslice.1.gz",
+        "/usr/share/bash-completion/completions/gpuslice",
+        f"{EXAMPLES}/{BACKGROUND}",
+        f"{EXAMPLES}/gpu-job",
+        "/usr/share/doc/gpuslice/copyright",
+    ):
+        assert expected in paths, f"{expected} not in {deb.name}"
+    version = subprocess.run(
+        ["dpkg-deb", "-f", str(deb), "Version"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    assert version == changelog_version()
+
+
+def test_install_starts_controller_and_examples_preempt(
+    bare_container: Container, deb: Path
+) -> None:
+    c = bare_container
+    _install(c, deb)
+    assert c.systemctl("is-active", "gpuslice").stdout.strip() == "active"
+    assert c.systemctl("is-enabled", "gpuslice").stdout.strip() == "enabled"
+    assert c.run(["gpuslice", "--version"]).stdout.strip().endswith(changelog_version())
+    conffiles = c.run(["dpkg-query", "-W", "-f=${Conffiles}", "gpuslice"]).stdout
+    assert "/etc/gpuslice/config.yaml" in conffiles
+    # Examples are documentation: nothing of them is enabled or running.
+    assert c.active_state(BACKGROUND) == "inactive"
+
+    for unit in (BACKGROUND, ON_DEMAND):
+        _copy_example(c, unit)
+    c.systemctl("daemon-reload")
+    c.systemctl("start", "--no-block", BACKGROUND)
+    c.wait_active_state(BACKGROUND, "active", STEP)
+    c.systemctl("start", "--no-block", ON_DEMAND)
+    c.wait_active_state(ON_DEMAND, "active", STEP)
+    c.wait_active_state(BACKGROUND, "inactive", STEP)
+    c.wait_active_state(ON_DEMAND, "inactive", STEP)
+    c.wait_active_state(BACKGROUND, "active", STEP)
+
+    decision = re.compile(r"preempting .*vlm-analysis.* for .*voice-pipeline.* on GPU 0")
+    wait_until(
+        lambda: decision.search(c.journal("gpuslice.service")),
+        STEP,
+        what="the preemption decision in `journalctl -u gpuslice`",
+    )
+
+
+def test_upgrade_restarts_controller_not_jobs(
+    bare_container: Container, deb: Path, deb_next: Path
+) -> None:
+    c = bare_container
+    _install(c, deb)
+    c.run("echo '# kept across upgrades' >> /etc/gpuslice/config.yaml")
+    _copy_example(c, BACKGROUND)
+    c.systemctl("daemon-reload")
+    c.systemctl("start", "--no-block", BACKGROUND)
+    c.wait_active_state(BACKGROUND, "active", STEP)
+    job_pid = main_pid(c, BACKGROUND)
+    controller_pid = main_pid(c, "gpuslice.service")
+
+    _install(c, deb_next)
+
+    version = c.run(["dpkg-query", "-W", "-f=${Version}", "gpuslice"]).stdout
+    assert version == changelog_version() + "+upgradetest1"
+    wait_until(
+        lambda: main_pid(c, "gpuslice.service") not in (0, controller_pid),
+        STEP,
+        what="a restarted controller",
+    )
+    assert c.active_state(BACKGROUND) == "active"
+    assert main_pid(c, BACKGROUND) == job_pid
+    assert "# kept across upgrades" in c.run(["cat", "/etc/gpuslice/config.yaml"]).stdout
+
+
+def test_remove_keeps_jobs_and_purge_leaves_nothing(bare_container: Container, deb: Path) -> None:
+    c = bare_container
+    before = file_list(c)
+    _install(c, deb)
+    _copy_example(c, BACKGROUND)
+    c.write_file("/etc/systemd/system/plain-job.service", PLAIN_JOB)
+    c.systemctl("daemon-reload")
+    c.systemctl("start", "--no-block", BACKGROUND)
+    c.wait_active_state(BACKGROUND, "active", STEP)
+    job_pid = main_pid(c, BACKGROUND)
+
+    c.run(["apt-get", "remove", "-y", "gpuslice"], timeout=120)
+    assert c.active_state("gpuslice.service") in ("inactive", "failed")
+    assert c.active_state(BACKGROUND) == "active"
+    assert main_pid(c, BACKGROUND) == job_pid
+    # The generator is gone and postrm ran daemon-reload: annotated units start ungated.
+    dropins = c.systemctl("show", "-P", "DropInPaths", "plain-job.service").stdout
+    assert "gpuslice" not in dropins
+    c.systemctl("start", "plain-job.service", timeout=30)
+    assert c.active_state("plain-job.service") == "active"
+
+    c.run(["apt-get", "purge", "-y", "gpuslice"], timeout=120)
+    for unit in (BACKGROUND, "plain-job.service"):
+        c.systemctl("stop", unit)
+        c.run(["rm", f"/etc/systemd/system/{unit}"])
+    c.systemctl("daemon-reload")
+    after = file_list(c)
+    assert sorted(after - before) == []
+    assert sorted(before - after) == []
