@@ -25,7 +25,7 @@ CONFIG ?= $(or $(wildcard config.yaml),$(wildcard data/config.yaml),config.yaml)
 	deb deb-deps
 
 help:
-	@echo "make venv | lint | test | demo | bed-deps | bed | clean"
+	@echo "make venv | lint | test | demo | bench | deb | bed-deps | bed | clean"
 	@echo "make install | uninstall | install-examples  (root; PREFIX=$(PREFIX) DESTDIR= SYSCONFDIR=$(SYSCONFDIR))"
 
 # ---------------------------------------------------------------- development
