@@ -8,12 +8,14 @@ the other units are unaffected. Pure stdlib + `core.model`, so the generator can
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from gpuslice.core.model import UnitKind, UnitSpec
+from gpuslice.sizes import SIZE_ALLOWED, parse_size
 from gpuslice.unitfiles import (
     Entry,
     TextIssue,
@@ -79,6 +81,16 @@ def _boolean(text: str) -> bool:
     raise ValueError(text)
 
 
+_DEVICE = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z-]+)$")
+
+
+def _devices(text: str) -> tuple[str, ...]:
+    tokens = tuple(t for t in re.split(r"[,\s]+", text) if t)
+    if not tokens or not all(_DEVICE.match(t) for t in tokens):
+        raise ValueError(text)
+    return tokens
+
+
 @dataclass(frozen=True)
 class Key:
     """One `[X-GPUSlice]` key: `parse` raises ValueError for a bad value; `allowed` completes
@@ -104,6 +116,14 @@ KEYS: tuple[Key, ...] = (
     ),
     Key("GPUs", "gpus", _integer(1, None), 1, "an integer >= 1"),
     Key("Requeue", "requeue", _boolean, True, "a boolean (yes/no, true/false, on/off, 1/0)"),
+    Key("Memory", "memory", parse_size, None, SIZE_ALLOWED),
+    Key(
+        "Devices",
+        "devices",
+        _devices,
+        (),
+        "GPU indices or UUIDs separated by commas or spaces (e.g. 0,1 or GPU-8f6c...)",
+    ),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 from yaml.constructor import SafeConstructor
+
+from gpuslice.sizes import SIZE_ALLOWED, parse_size
 
 CONFIG_PATH = "/etc/gpuslice/config.yaml"
 
@@ -41,6 +44,40 @@ def _absolute_path(v: Any) -> bool:
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+FOREIGN_POLICIES = ("yield", "ignore")
+_GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z-]+)$")
+
+
+def _gpu_id(v: Any) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool) and v >= 0) or (
+        isinstance(v, str) and bool(_GPU_ID.match(v))
+    )
+
+
+def _size(v: Any) -> int | None:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v if v >= 0 else None
+    if isinstance(v, str):
+        if v.strip() == "0":
+            return 0
+        try:
+            return parse_size(v)
+        except ValueError:
+            return None
+    return None
+
+
+def _reserve_valid(v: Any) -> bool:
+    if isinstance(v, dict):
+        return all((k == "*" or _gpu_id(k)) and _size(size) is not None for k, size in v.items())
+    return _size(v) is not None
+
+
+def _reserve_convert(v: Any) -> tuple[tuple[str, int], ...]:
+    """("*", bytes) for every GPU, or (index-or-UUID, bytes) pairs."""
+    if isinstance(v, dict):
+        return tuple((str(k), _size(size) or 0) for k, size in v.items())
+    return (("*", _size(v) or 0),)
 
 
 @dataclass(frozen=True)
@@ -86,6 +123,46 @@ SETTINGS: tuple[Setting, ...] = (
         "Where the controller writes per-unit environment files (RUNTIME_DIR/env/UNIT.env).",
     ),
     Setting(
+        "manage_gpus",
+        (),
+        lambda v: isinstance(v, list) and all(_gpu_id(x) for x in v),
+        "a list of GPU indices or UUIDs (empty: every GPU NVML finds)",
+        "Which GPUs gpuslice schedules on; the others are left alone.",
+        convert=lambda v: tuple(str(x) for x in v),
+    ),
+    Setting(
+        "reserve",
+        (("*", 0),),
+        _reserve_valid,
+        f'{SIZE_ALLOWED}, or a mapping of GPU index or UUID (or "*") to such a size',
+        "VRAM per GPU that gpuslice never hands out (e.g. 1G for a desktop).",
+        convert=_reserve_convert,
+    ),
+    Setting(
+        "foreign_processes",
+        "yield",
+        lambda v: v in FOREIGN_POLICIES,
+        ", ".join(FOREIGN_POLICIES),
+        "What a GPU process that no managed unit owns means: yield (background units on its "
+        "GPU stop while it runs) or ignore (only its memory is counted).",
+    ),
+    Setting(
+        "sample_interval",
+        2.0,
+        _positive_number,
+        "a number > 0",
+        "Seconds between NVML samples, taken only while something needs protecting.",
+        convert=float,
+    ),
+    Setting(
+        "vram_release_timeout",
+        30.0,
+        _positive_number,
+        "a number > 0",
+        "Seconds a grant waits for a preempted unit's VRAM to be released before it goes ahead.",
+        convert=float,
+    ),
+    Setting(
         "gate_retry_seconds",
         0.5,
         _positive_number,
@@ -109,7 +186,17 @@ class Config:
     log_level: str = _default("log_level")
     state_dir: str = _default("state_dir")
     runtime_dir: str = _default("runtime_dir")
+    manage_gpus: tuple[str, ...] = _default("manage_gpus")
+    reserve: tuple[tuple[str, int], ...] = _default("reserve")
+    foreign_processes: str = _default("foreign_processes")
+    sample_interval: float = _default("sample_interval")
+    vram_release_timeout: float = _default("vram_release_timeout")
     gate_retry_seconds: float = _default("gate_retry_seconds")
+
+    def reserve_for(self, index: int, uuid: str) -> int:
+        """Bytes kept back on one GPU: its own entry, else the entry for every GPU."""
+        table = dict(self.reserve)
+        return table.get(str(index), table.get(uuid, table.get("*", 0)))
 
 
 def _describe(node: yaml.Node) -> str:

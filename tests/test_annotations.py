@@ -55,6 +55,22 @@ def unit(section: str) -> str:
             id="continuation",
         ),
         pytest.param(
+            "Priority=20\nMemory=20GiB\nDevices=0, GPU-8f6c-aa\n",
+            UnitSpec(
+                "x.service",
+                20,
+                source=f"{ETC}/x.service",
+                memory=20 << 30,
+                devices=("0", "GPU-8f6c-aa"),
+            ),
+            id="memory-and-devices",
+        ),
+        pytest.param(
+            "Priority=20\nMemory=512M\n",
+            UnitSpec("x.service", 20, source=f"{ETC}/x.service", memory=512 << 20),
+            id="memory-megabytes",
+        ),
+        pytest.param(
             "# Priority=1\n; GPUs=3\nPriority=8\n",
             UnitSpec("x.service", 8, source=f"{ETC}/x.service"),
             id="comments",
@@ -104,6 +120,22 @@ X = f"{ETC}/x.service"
             "Priority=1\nType=sometimes\n",
             [f'{X}:9: [X-GPUSlice] Type: expected one of on-demand, background, got "sometimes"'],
             id="type-sometimes",
+        ),
+        pytest.param(
+            "Priority=1\nMemory=lots\n",
+            [
+                f"{X}:9: [X-GPUSlice] Memory: expected a size such as 512M, 20G or 20GiB "
+                '(binary units), got "lots"'
+            ],
+            id="memory-lots",
+        ),
+        pytest.param(
+            "Priority=1\nDevices=first\n",
+            [
+                f"{X}:9: [X-GPUSlice] Devices: expected GPU indices or UUIDs separated by "
+                'commas or spaces (e.g. 0,1 or GPU-8f6c...), got "first"'
+            ],
+            id="devices-first",
         ),
         pytest.param(
             "Priority=1\nGPUs=0\n",
@@ -170,7 +202,7 @@ def test_problem_fields(tmp_path: Path) -> None:
             "Priority=1\nColour=blue\n",
             [
                 f"{X}:9: [X-GPUSlice] Colour: unknown key, ignored "
-                "(known keys: Priority, Type, GPUs, Requeue)"
+                "(known keys: Priority, Type, GPUs, Requeue, Memory, Devices)"
             ],
             id="unknown-key",
         ),

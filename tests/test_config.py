@@ -27,7 +27,9 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_table_and_dataclass_agree() -> None:
     assert [s.name for s in SETTINGS] == [f.name for f in dataclasses.fields(Config)]
     assert Config() == Config(**{s.name: s.default for s in SETTINGS})
-    assert Config() == Config(1, "info", "/var/lib/gpuslice", "/run/gpuslice", 0.5)
+    assert Config() == Config(
+        1, "info", "/var/lib/gpuslice", "/run/gpuslice", (), (("*", 0),), "yield", 2.0, 30.0, 0.5
+    )
 
 
 def test_missing_file_gives_defaults(tmp_path: Path) -> None:
@@ -156,10 +158,38 @@ def test_unknown_keys_are_warnings(tmp_path: Path) -> None:
     assert config == Config(gpus=2)
     assert warnings == [
         f"{path}:2: colour: unknown setting, ignored (known: gpus, log_level, state_dir, "
-        "runtime_dir, gate_retry_seconds)"
+        "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
+        "vram_release_timeout, gate_retry_seconds)"
     ]
 
 
 def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         Config().gpus = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("reserve: 1G\n", {0: 1 << 30, 1: 1 << 30}),
+        ("reserve:\n  1: 512M\n", {0: 0, 1: 512 << 20}),
+        ("reserve:\n  GPU-b: 2GiB\n  '*': 1G\n", {0: 1 << 30, 1: 2 << 30}),
+    ],
+)
+def test_reserve_per_gpu(tmp_path: Path, text: str, expected: dict[int, int]) -> None:
+    config = load_config(write(tmp_path, text))
+    uuids = {0: "GPU-a", 1: "GPU-b"}
+    assert {i: config.reserve_for(i, uuids[i]) for i in (0, 1)} == expected
+
+
+def test_gpu_settings_are_validated(tmp_path: Path) -> None:
+    path = write(tmp_path, "reserve: lots\nforeign_processes: fight\nmanage_gpus: [0, first]\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        f'{path}:1: reserve: invalid value "lots" (allowed: a size such as 512M, 20G or 20GiB '
+        '(binary units), or a mapping of GPU index or UUID (or "*") to such a size)',
+        f'{path}:2: foreign_processes: invalid value "fight" (allowed: yield, ignore)',
+        f"{path}:3: manage_gpus: invalid value a list (allowed: a list of GPU indices or "
+        "UUIDs (empty: every GPU NVML finds))",
+    ]

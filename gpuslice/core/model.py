@@ -6,6 +6,7 @@ and the adapters (systemd, files, CLI) can pass these values around safely.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -31,11 +32,11 @@ class UnitSpec:
     gpus: int = 1
     requeue: bool = True
     source: str = ""
+    memory: int | None = None  # bytes of VRAM per GPU; None: the whole GPU, exclusively
+    devices: tuple[str, ...] = ()  # pinned GPUs by index or UUID; empty: any
 
     def for_instance(self, instance_name: str) -> UnitSpec:
-        return UnitSpec(
-            instance_name, self.priority, self.kind, self.gpus, self.requeue, self.source
-        )
+        return dataclasses.replace(self, name=instance_name)
 
     def describe(self) -> str:
         return f"{self.name} (priority {self.priority})"
