@@ -40,3 +40,27 @@ class UnitSpec:
 
     def describe(self) -> str:
         return f"{self.name} (priority {self.priority})"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as the core sees it: what it can hold and what others already use on it.
+
+    Without NVML only `index` is known: `total` is None and every unit then takes a whole
+    GPU. `foreign` is VRAM used by processes that belong to no managed unit; `foreign_pids`
+    says who, for the reasons shown to people.
+    """
+
+    index: int
+    uuid: str = ""
+    name: str = ""
+    total: int | None = None
+    reserve: int = 0
+    foreign: int = 0
+    foreign_pids: tuple[int, ...] = ()
+    lost: bool = False
+    used: int | None = None  # what NVML reports in use, for people; decisions use the rest
+
+    def matches(self, device: str) -> bool:
+        """Whether a `Devices=` entry (an index or a UUID) names this GPU."""
+        return device == str(self.index) or (bool(self.uuid) and device == self.uuid)

@@ -1,54 +1,159 @@
-"""Where a unit fits and which less urgent units must make room for it.
+"""Where a unit fits, and which less urgent units must make room for it.
 
-Kept apart from the scheduler's bookkeeping so that later capacity models (VRAM packing,
-device pinning) replace only this module's answers, not the rules around them.
+Kept apart from the scheduler's bookkeeping: the scheduler says who holds what, this module
+answers "does it fit" and "who would have to go", GPU by GPU. A GPU of unknown size (no
+NVML) holds one unit; a GPU of known size holds units whose declared memory fits in
+total - reserve - foreign use; a unit without `Memory=` takes its GPU exclusively.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.sizes import format_size
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """A unit that holds GPUs and could be stopped to free them."""
+class Use:
+    """One unit's claim on one GPU: a holder, or a promise made during a scheduling pass.
 
-    name: str
-    priority: int
-    gpus: frozenset[int]
-    granted_seq: int
-
-
-def pick_free(free: Iterable[int], count: int) -> tuple[int, ...] | None:
-    """The lowest-numbered `count` free GPUs, or None when there are not enough."""
-    ordered = sorted(free)
-    return tuple(ordered[:count]) if len(ordered) >= count else None
-
-
-def choose_victims(
-    need: int, free: Iterable[int], candidates: Sequence[Candidate]
-) -> list[Candidate] | None:
-    """The units to stop so that `need` GPUs become available, or None if none suffice.
-
-    Start from stopping every candidate, then reprieve them most urgent first (then those
-    holding fewer GPUs, then the longest running), keeping only the ones that must go.
-    This never stops a more urgent unit where less urgent ones suffice and, among equals,
-    stops fewer units and loses the least recent work.
+    `stoppable` marks a holder that may be preempted (running or starting, not stopping).
+    A claim with `kept_from` set binds only units whose priority number is at least that:
+    a blocked waiter keeps capacity from units that could not preempt it later.
     """
-    have = len(set(free))
-    shortfall = need - have
-    if shortfall <= 0:
-        return []
-    if sum(len(c.gpus) for c in candidates) < shortfall:
+
+    unit: str
+    priority: int
+    memory: int | None
+    stoppable: bool = False
+    seq: int = 0
+    kept_from: int | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    gpus: tuple[int, ...]
+    victims: tuple[str, ...]
+
+
+def applies(use: Use, priority: int) -> bool:
+    return use.kept_from is None or priority >= use.kept_from
+
+
+def free_memory(gpu: Gpu, uses: Iterable[Use]) -> int | None:
+    """Declared memory still free on a GPU of known size; None when its size is unknown."""
+    if gpu.total is None:
+        return None
+    declared = sum(u.memory or 0 for u in uses)
+    return gpu.total - gpu.reserve - gpu.foreign - declared
+
+
+def allowed(spec: UnitSpec, gpu: Gpu, avoid_foreign: bool) -> bool:
+    """Whether the unit may ever run on this GPU (pinning, lost GPUs, foreign processes)."""
+    if gpu.lost:
+        return False
+    if spec.devices and not any(gpu.matches(d) for d in spec.devices):
+        return False
+    return not (avoid_foreign and gpu.foreign_pids)
+
+
+def fits(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use]) -> bool:
+    """Whether the unit fits next to these uses (the caller has checked `allowed`)."""
+    if any(u.memory is None for u in uses):
+        return False
+    if spec.memory is None or gpu.total is None:
+        return not uses
+    free = free_memory(gpu, uses)
+    return free is not None and free >= spec.memory
+
+
+def victims_on(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use]) -> list[Use] | None:
+    """The fewest, least urgent stoppable uses whose removal makes the unit fit; None if no
+    such set exists. Stop every strictly less urgent candidate, then reprieve them most
+    urgent first (then the largest, then the longest running) while the unit still fits."""
+    candidates = [u for u in uses if u.stoppable and u.priority > spec.priority]
+    staying = [u for u in uses if u not in candidates]
+    if not fits(spec, gpu, staying):
         return None
     victims = list(candidates)
-    freed = sum(len(c.gpus) for c in victims)
-    for candidate in sorted(candidates, key=lambda c: (c.priority, len(c.gpus), c.granted_seq)):
-        if freed - len(candidate.gpus) >= shortfall:
-            victims.remove(candidate)
-            freed -= len(candidate.gpus)
+    for candidate in sorted(candidates, key=lambda u: (u.priority, -(u.memory or 0), u.seq)):
+        trial = [v for v in victims if v is not candidate]
+        if fits(spec, gpu, staying + [u for u in candidates if u not in trial]):
+            victims = trial
     return victims
+
+
+def _cost(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use], victims: Sequence[Use]) -> _Cost:
+    """The least urgent victims (and among equals the fewest), then the least slack: the
+    least memory freed beyond need, or with no victims the tightest fit (large holes stay
+    for large units), then the most recently started victims."""
+    free = free_memory(gpu, [u for u in uses if u not in victims])
+    slack = free - spec.memory if free is not None and spec.memory is not None else 0
+    return (_urgency(victims), len(victims), slack, _recency(victims))
+
+
+def _recency(victims: Iterable[Use]) -> tuple[int, ...]:
+    """Among otherwise equal victim sets, stop the most recently started: least work lost."""
+    return tuple(sorted(-v.seq for v in victims))
+
+
+def _urgency(victims: Iterable[Use]) -> tuple[int, ...]:
+    """Compares victim sets: the one whose most urgent member is least urgent is smaller,
+    and among equals the shorter one (fewer units stopped) is."""
+    return tuple(sorted(-v.priority for v in victims))
+
+
+def place(
+    spec: UnitSpec,
+    gpus: Mapping[int, Gpu],
+    uses: Mapping[int, Sequence[Use]],
+    *,
+    preempt: bool,
+    avoid_foreign: bool = False,
+) -> Placement | None:
+    """The best GPUs for the unit: with `preempt`, victims may be named; else only free
+    capacity counts. None when it cannot be placed."""
+    options: list[_Option] = []
+    for index, gpu in sorted(gpus.items()):
+        if not allowed(spec, gpu, avoid_foreign):
+            continue
+        here = [u for u in uses.get(index, ()) if applies(u, spec.priority)]
+        if fits(spec, gpu, here):
+            options.append((_cost(spec, gpu, here, []), index, []))
+        elif preempt:
+            victims = victims_on(spec, gpu, here)
+            if victims is not None:
+                options.append((_cost(spec, gpu, here, victims), index, victims))
+    if len(options) < spec.gpus:
+        return None
+    options.sort(key=lambda o: (o[0], o[1]))
+    chosen = options[: spec.gpus]
+    if spec.gpus > 1 and math.comb(len(options), spec.gpus) <= _MAX_COMBINATIONS:
+        # a victim holding several GPUs frees them all: judge GPU sets, not single GPUs
+        combos = itertools.combinations(options, spec.gpus)
+        chosen = list(min(combos, key=_set_cost))
+    by_gpu = sorted(chosen, key=lambda o: o[1])
+    names = list(dict.fromkeys(v.unit for _, _, victims in by_gpu for v in victims))
+    return Placement(tuple(o[1] for o in by_gpu), tuple(names))
+
+
+_MAX_COMBINATIONS = 5000
+_Cost = tuple[tuple[int, ...], int, int, tuple[int, ...]]
+_Option = tuple[_Cost, int, list[Use]]
+
+
+def _set_cost(
+    options: Iterable[_Option],
+) -> tuple[tuple[int, ...], int, tuple[int, ...], tuple[int, ...]]:
+    combo = list(options)
+    victims = {v.unit: v for _, _, vs in combo for v in vs}
+    chosen = victims.values()
+    slack = sum(o[0][2] for o in combo)
+    return (_urgency(chosen), slack, _recency(chosen), tuple(o[1] for o in combo))
 
 
 def format_gpus(gpus: Iterable[int]) -> str:
@@ -57,3 +162,11 @@ def format_gpus(gpus: Iterable[int]) -> str:
     if len(ordered) == 1:
         return f"GPU {ordered[0]}"
     return "GPUs " + ",".join(str(g) for g in ordered)
+
+
+def describe_need(spec: UnitSpec) -> str:
+    """`needs 20 GiB on one GPU; ` (empty for a whole-GPU unit on one GPU)."""
+    where = "one GPU" if spec.gpus == 1 else f"each of {spec.gpus} GPUs"
+    if spec.memory is not None:
+        return f"needs {format_size(spec.memory)} on {where}; "
+    return f"needs {spec.gpus} GPUs; " if spec.gpus > 1 else ""

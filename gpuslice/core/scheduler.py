@@ -12,8 +12,18 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpuslice.core.model import UnitKind, UnitSpec
-from gpuslice.core.placement import Candidate, choose_victims, format_gpus, pick_free
+from gpuslice.core.model import Gpu, UnitKind, UnitSpec
+from gpuslice.core.placement import (
+    Use,
+    allowed,
+    applies,
+    describe_need,
+    fits,
+    format_gpus,
+    free_memory,
+    place,
+)
+from gpuslice.sizes import format_size
 
 
 class Phase(enum.Enum):
@@ -84,6 +94,7 @@ class Waiter:
     seq: int
     victims: set[str] = field(default_factory=set)
     reason: str = ""
+    target: tuple[int, ...] = ()  # where it goes once its victims have stopped
 
 
 @dataclass
@@ -102,7 +113,8 @@ class Snapshot:
 class SavedState:
     """What the controller persists: everything systemd cannot tell it after a restart."""
 
-    holders: dict[str, tuple[tuple[int, ...], str, int]] = field(default_factory=dict)
+    # unit -> (GPUs, phase, seq, the waiter it is stopping for or "")
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = field(default_factory=dict)
     preempted: dict[str, int] = field(default_factory=dict)
     held: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
@@ -117,8 +129,18 @@ def _describe(spec: UnitSpec) -> str:
 class Scheduler:
     """The whole scheduling state of one host, and the rules that change it."""
 
-    def __init__(self, gpus: Iterable[int], specs: Mapping[str, UnitSpec]) -> None:
-        self.gpus: frozenset[int] = frozenset(gpus)
+    def __init__(
+        self,
+        gpus: Iterable[int | Gpu],
+        specs: Mapping[str, UnitSpec],
+        *,
+        yield_to_foreign: bool = True,
+    ) -> None:
+        self.devices: dict[int, Gpu] = {}
+        for gpu in gpus:
+            device = gpu if isinstance(gpu, Gpu) else Gpu(gpu)
+            self.devices[device.index] = device
+        self.yield_to_foreign = yield_to_foreign
         self.specs: dict[str, UnitSpec] = dict(specs)
         self.holders: dict[str, Holder] = {}
         self.waiters: dict[str, Waiter] = {}
@@ -129,7 +151,24 @@ class Scheduler:
         self.out_since: dict[str, int] = {}
         self._seq = 0
 
+    @property
+    def gpus(self) -> frozenset[int]:
+        return frozenset(self.devices)
+
     # -- events ---------------------------------------------------------------------------
+
+    def set_gpus(self, gpus: Iterable[Gpu]) -> list[Action]:
+        """A new view of the GPUs (an NVML sample, a config reload): sizes, foreign use,
+        lost GPUs. Holders keep their GPUs; what no longer fits is not stopped for it."""
+        before = self.devices
+        self.devices = {g.index: g for g in gpus}
+        actions: list[Action] = []
+        for index, gpu in sorted(self.devices.items()):
+            if gpu.lost and not (index in before and before[index].lost):
+                held = sorted(n for n, h in self.holders.items() if index in h.gpus)
+                who = ", ".join(held) if held else "no unit"
+                actions.append(Log(f"GPU {index} is lost; it was held by {who}", "error"))
+        return actions + self.schedule()
 
     def request(self, spec: UnitSpec) -> list[Action]:
         """A unit's start job reached the gate and asks for its GPUs."""
@@ -213,10 +252,13 @@ class Scheduler:
             return []
         self.holders.pop(name, None)
         self.waiters.pop(name, None)
-        taken = self._taken()
         wanted = frozenset(gpus or ()) & self.gpus
-        if len(wanted) != spec.gpus or wanted & taken:
-            wanted = frozenset(pick_free(self.gpus - taken, spec.gpus) or ())
+        uses = self._uses([])
+        if len(wanted) != spec.gpus or not all(
+            fits(spec, self.devices[g], uses[g]) for g in wanted
+        ):
+            found = self._place(spec, [], preempt=False)
+            wanted = frozenset(found[0]) if found is not None else frozenset()
         actions: list[Action] = []
         if len(wanted) < spec.gpus:
             actions.append(
@@ -235,6 +277,8 @@ class Scheduler:
         actions: list[Action] = []
         self.specs = dict(specs)
         for name in list(self.holders):
+            if name not in self.specs and self.holders[name].phase is Phase.STOPPING:
+                continue  # its stop job still runs: it holds its GPUs until inactive
             if name not in self.specs:
                 del self.holders[name]
                 actions.append(Log(f"{name} is no longer annotated: released its GPUs"))
@@ -248,91 +292,147 @@ class Scheduler:
     # -- the rules --------------------------------------------------------------------------
 
     def schedule(self) -> list[Action]:
-        """Serve waiters, then requeue preempted units, then fill with background units."""
-        actions: list[Action] = []
-        reserved: set[int] = set()
-        blocked_claims: dict[int, set[int]] = {}
+        """Yield to foreign processes, serve waiters, requeue preempted units, then fill
+        free capacity with background units."""
+        actions = self._yield_to_foreign()
+        promises: list[tuple[int, Use]] = []
         for waiter in sorted(self.waiters.values(), key=lambda w: (w.spec.priority, w.seq)):
-            actions += self._serve(waiter, reserved, blocked_claims)
-        actions += self._requeue(reserved, blocked_claims)
-        actions += self._refill(reserved, blocked_claims)
+            actions += self._serve(waiter, promises)
+        actions += self._requeue(promises)
+        actions += self._refill(promises)
         return actions
 
-    def _serve(
-        self, waiter: Waiter, reserved: set[int], blocked_claims: dict[int, set[int]]
-    ) -> list[Action]:
-        spec = waiter.spec
-        waiter.victims &= {n for n, h in self.holders.items() if h.phase is Phase.STOPPING}
-        free = self._available(reserved, blocked_claims, spec.priority)
-        chosen = pick_free(free, spec.gpus)
-        if chosen is not None and not waiter.victims:
-            del self.waiters[spec.name]
-            holder = Holder(spec, frozenset(chosen), Phase.RUNNING, self._next())
-            self.holders[spec.name] = holder
-            reserved.update(chosen)
-            return [Grant(spec.name, chosen, self._grant_reason(holder))]
-        if waiter.victims:
-            victim_gpus = {g for v in waiter.victims for g in self.holders[v].gpus}
-            reserved.update(victim_gpus)
-            reserved.update(sorted(free)[: max(0, spec.gpus - len(victim_gpus))])
-            return self._set_reason(waiter, self._stopping_reason(waiter))
-        candidates = [
-            Candidate(n, h.spec.priority, h.gpus, h.seq)
-            for n, h in self.holders.items()
-            if h.phase is not Phase.STOPPING and h.spec.priority > spec.priority and h.gpus
-        ]
-        victims = (
-            choose_victims(spec.gpus, free, candidates) if spec.gpus <= len(self.gpus) else None
+    def _uses(self, promises: list[tuple[int, Use]]) -> dict[int, list[Use]]:
+        uses: dict[int, list[Use]] = {i: [] for i in self.devices}
+        for name, h in self.holders.items():
+            use = Use(name, h.spec.priority, h.spec.memory, h.phase is not Phase.STOPPING, h.seq)
+            for gpu in h.gpus:
+                uses.setdefault(gpu, []).append(use)
+        for gpu, use in promises:
+            uses.setdefault(gpu, []).append(use)
+        return uses
+
+    def _avoids_foreign(self, spec: UnitSpec) -> bool:
+        return self.yield_to_foreign and spec.kind is UnitKind.BACKGROUND
+
+    def _place(
+        self, spec: UnitSpec, promises: list[tuple[int, Use]], *, preempt: bool
+    ) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+        placement = place(
+            spec,
+            self.devices,
+            self._uses(promises),
+            preempt=preempt,
+            avoid_foreign=self._avoids_foreign(spec),
         )
-        if not victims:
-            blocked_claims.setdefault(spec.priority, set()).update(sorted(free)[: spec.gpus])
-            return self._set_reason(waiter, self._blocked_reason(spec))
+        return None if placement is None else (placement.gpus, placement.victims)
+
+    def _promise(
+        self,
+        promises: list[tuple[int, Use]],
+        spec: UnitSpec,
+        gpus: Iterable[int],
+        kept_from: int | None = None,
+    ) -> None:
+        for gpu in gpus:
+            promises.append((gpu, Use(spec.name, spec.priority, spec.memory, kept_from=kept_from)))
+
+    def _yield_to_foreign(self) -> list[Action]:
+        if not self.yield_to_foreign:
+            return []
+        actions: list[Action] = []
+        for name, holder in sorted(self.holders.items()):
+            if holder.phase is Phase.STOPPING or holder.spec.kind is not UnitKind.BACKGROUND:
+                continue
+            busy = [self.devices[g] for g in sorted(holder.gpus) if g in self.devices]
+            busy = [g for g in busy if g.foreign_pids]
+            if busy:
+                holder.phase = Phase.STOPPING
+                holder.stopping_for = None
+                pids = ", ".join(str(p) for g in busy for p in g.foreign_pids)
+                actions.append(
+                    Stop(
+                        name,
+                        f"yielding {format_gpus(g.index for g in busy)}: stopping background "
+                        f"{_describe(holder.spec)} while a process gpuslice does not manage "
+                        f"uses it (PID {pids})",
+                    )
+                )
+        return actions
+
+    def _serve(self, waiter: Waiter, promises: list[tuple[int, Use]]) -> list[Action]:
+        spec = waiter.spec
+        waiter.victims = {
+            n
+            for n, h in self.holders.items()
+            if h.phase is Phase.STOPPING and h.stopping_for == spec.name
+        }
+        if not waiter.victims:
+            found = self._place(spec, promises, preempt=False)
+            if found is not None:
+                gpus = found[0]
+                del self.waiters[spec.name]
+                holder = Holder(spec, frozenset(gpus), Phase.RUNNING, self._next())
+                self.holders[spec.name] = holder
+                return [Grant(spec.name, gpus, self._grant_reason(holder))]
+        if waiter.victims:
+            self._promise(promises, spec, waiter.target)
+            return self._set_reason(waiter, self._stopping_reason(waiter))
+        found = self._place(spec, promises, preempt=True)
+        if found is None or not found[1]:
+            allowed_gpus = [
+                g for g in self.devices.values() if allowed(spec, g, self._avoids_foreign(spec))
+            ]
+            if spec.gpus <= len(allowed_gpus):  # a unit that can never fit keeps nothing back
+                uses = self._uses(promises)
+                room = [g.index for g in allowed_gpus if self._fits_now(spec, g, uses)]
+                self._promise(promises, spec, room[: spec.gpus], kept_from=spec.priority)
+            return self._set_reason(waiter, self._blocked_reason(spec, promises))
+        gpus, victims = found
         actions: list[Action] = []
         for victim in victims:
-            holder = self.holders[victim.name]
+            holder = self.holders[victim]
             holder.phase = Phase.STOPPING
             holder.stopping_for = spec.name
-            waiter.victims.add(victim.name)
-            reserved.update(holder.gpus)
+            waiter.victims.add(victim)
             actions.append(
                 Stop(
-                    victim.name,
+                    victim,
                     f"preempting {_describe(holder.spec)} for {_describe(spec)} "
-                    f"on {format_gpus(holder.gpus)}",
+                    f"on {format_gpus(sorted(holder.gpus & set(gpus)) or holder.gpus)}",
                 )
             )
-        victim_gpus = {g for v in victims for g in v.gpus}
-        reserved.update(sorted(free)[: max(0, spec.gpus - len(victim_gpus))])
+        waiter.target = gpus
+        self._promise(promises, spec, gpus)
         return actions + self._set_reason(waiter, self._stopping_reason(waiter))
 
-    def _requeue(self, reserved: set[int], blocked_claims: dict[int, set[int]]) -> list[Action]:
+    def _fits_now(self, spec: UnitSpec, gpu: Gpu, uses: dict[int, list[Use]]) -> bool:
+        here = [u for u in uses.get(gpu.index, []) if applies(u, spec.priority)]
+        return fits(spec, gpu, here)
+
+    def _requeue(self, promises: list[tuple[int, Use]]) -> list[Action]:
         actions: list[Action] = []
         for name, _ in sorted(self.preempted.items(), key=lambda i: (self._prio(i[0]), i[1])):
             spec = self.specs.get(name)
             if spec is None or not spec.requeue or name in self.holders or name in self.waiters:
                 continue
-            free = self._available(reserved, blocked_claims, spec.priority)
-            chosen = pick_free(free, spec.gpus)
-            if chosen is not None:
-                reserved.update(chosen)
-                gpus: frozenset[int] = frozenset(chosen)
-                where = format_gpus(chosen)
-            else:
-                candidates = [
-                    Candidate(n, h.spec.priority, h.gpus, h.seq)
-                    for n, h in self.holders.items()
-                    if h.phase is not Phase.STOPPING and h.spec.priority > spec.priority and h.gpus
-                ]
-                if spec.gpus > len(self.gpus) or not choose_victims(spec.gpus, free, candidates):
-                    continue
-                gpus = frozenset()  # its gate request will preempt like any other start
+            found = self._place(spec, promises, preempt=True)
+            if found is None:
+                continue
+            gpus, victims = found
+            if victims:
+                held: frozenset[int] = frozenset()  # its gate request preempts like any start
                 where = "GPUs held by less urgent units"
+            else:
+                held = frozenset(gpus)
+                self._promise(promises, spec, gpus)
+                where = format_gpus(gpus)
             del self.preempted[name]
-            self.holders[name] = Holder(spec, gpus, Phase.STARTING, self._next())
+            self.holders[name] = Holder(spec, held, Phase.STARTING, self._next())
             actions.append(Start(name, f"restarting preempted {_describe(spec)} on {where}"))
         return actions
 
-    def _refill(self, reserved: set[int], blocked_claims: dict[int, set[int]]) -> list[Action]:
+    def _refill(self, promises: list[tuple[int, Use]]) -> list[Action]:
         actions: list[Action] = []
         idle = [
             spec
@@ -347,17 +447,15 @@ class Scheduler:
             and name not in self.failed
         ]
         for spec in sorted(idle, key=lambda s: (s.priority, self.out_since.get(s.name, -1))):
-            free = self._available(reserved, blocked_claims, spec.priority)
-            chosen = pick_free(free, spec.gpus)
-            if chosen is None:
+            found = self._place(spec, promises, preempt=False)
+            if found is None:
                 continue
-            reserved.update(chosen)
-            self.holders[spec.name] = Holder(spec, frozenset(chosen), Phase.STARTING, self._next())
+            gpus = found[0]
+            self._promise(promises, spec, gpus)
+            self.holders[spec.name] = Holder(spec, frozenset(gpus), Phase.STARTING, self._next())
+            where = format_gpus(gpus)
             actions.append(
-                Start(
-                    spec.name,
-                    f"starting background {_describe(spec)} on free {format_gpus(chosen)}",
-                )
+                Start(spec.name, f"starting background {_describe(spec)} on free {where}")
             )
         return actions
 
@@ -375,17 +473,6 @@ class Scheduler:
         spec = self.specs.get(name)
         return spec.priority if spec is not None else 1000
 
-    def _taken(self) -> set[int]:
-        return {g for h in self.holders.values() for g in h.gpus}
-
-    def _available(
-        self, reserved: set[int], blocked_claims: dict[int, set[int]], priority: int
-    ) -> set[int]:
-        """Free GPUs this unit may take: not held, not promised to a more urgent waiter,
-        and not kept for an earlier waiter of the same priority (which could never
-        preempt it later)."""
-        return set(self.gpus) - self._taken() - reserved - blocked_claims.get(priority, set())
-
     def _grant_reason(self, holder: Holder) -> str:
         return f"starting {_describe(holder.spec)} on {format_gpus(holder.gpus)}"
 
@@ -396,24 +483,40 @@ class Scheduler:
         ]
         return "waiting for " + ", ".join(parts)
 
-    def _blocked_reason(self, spec: UnitSpec) -> str:
-        if spec.gpus > len(self.gpus):
-            return f"waiting: needs {spec.gpus} GPUs, this host has {len(self.gpus)}"
+    def _blocked_reason(self, spec: UnitSpec, promises: list[tuple[int, Use]]) -> str:
+        avoid = self._avoids_foreign(spec)
+        usable = [g for g in self.devices.values() if allowed(spec, g, avoid)]
+        if spec.gpus > len(usable):
+            if spec.devices or any(g.lost for g in self.devices.values()) or avoid:
+                return (
+                    f"waiting: {describe_need(spec)}only {len(usable)} of this host's GPUs "
+                    "may run it (Devices=, lost GPUs, or processes gpuslice does not manage)"
+                )
+            return f"waiting: needs {spec.gpus} GPUs, this host has {len(self.devices)}"
+        uses = self._uses(promises)
         parts = []
-        for gpu in sorted(self.gpus):
-            holders = [h for h in self.holders.values() if gpu in h.gpus]
-            if holders:
-                h = min(holders, key=lambda h: h.spec.priority)
-                if h.phase is Phase.STOPPING:
-                    parts.append(f"GPU {gpu} being freed by {h.spec.name} (stopping)")
-                else:
-                    parts.append(f"GPU {gpu} held by {h.spec.name}, priority {h.spec.priority}")
+        for gpu in sorted(usable, key=lambda g: g.index):
+            holders = [self.holders[u.unit] for u in uses[gpu.index] if u.unit in self.holders]
+            top = min(holders, key=lambda h: h.spec.priority) if holders else None
+            free = free_memory(gpu, uses[gpu.index])
+            if spec.memory is not None and free is not None:
+                held = f", held by {top.spec.name}, priority {top.spec.priority}" if top else ""
+                parts.append(
+                    f"GPU {gpu.index} has {format_size(max(free, 0))} free after the reserve{held}"
+                )
+            elif top is not None and top.phase is Phase.STOPPING:
+                parts.append(f"GPU {gpu.index} being freed by {top.spec.name} (stopping)")
+            elif top is not None:
+                parts.append(
+                    f"GPU {gpu.index} held by {top.spec.name}, priority {top.spec.priority}"
+                )
             else:
                 queued = [w for w in self.waiters.values() if w.spec.priority == spec.priority]
                 if queued and min(queued, key=lambda w: w.seq).spec.name != spec.name:
-                    parts.append(f"GPU {gpu} kept for an earlier unit of priority {spec.priority}")
-        needs = f"needs {spec.gpus} GPUs; " if spec.gpus > 1 else ""
-        return "waiting: " + needs + "; ".join(parts)
+                    parts.append(
+                        f"GPU {gpu.index} kept for an earlier unit of priority {spec.priority}"
+                    )
+        return "waiting: " + describe_need(spec) + "; ".join(parts)
 
     def _set_reason(self, waiter: Waiter, reason: str) -> list[Action]:
         if reason == waiter.reason:
@@ -443,7 +546,8 @@ class Scheduler:
     def save(self) -> SavedState:
         return SavedState(
             holders={
-                n: (tuple(sorted(h.gpus)), h.phase.value, h.seq) for n, h in self.holders.items()
+                n: (tuple(sorted(h.gpus)), h.phase.value, h.seq, h.stopping_for or "")
+                for n, h in self.holders.items()
             },
             preempted=dict(self.preempted),
             held=sorted(self.held),
@@ -460,10 +564,13 @@ class Scheduler:
         those systemd no longer shows active, then calls `schedule()`.
         """
         self._seq = max(self._seq, saved.seq)
-        for name, (gpus, phase, seq) in saved.holders.items():
+        for name, (gpus, phase, seq, *rest) in saved.holders.items():
             if name in self.specs:
                 held_gpus = frozenset(gpus) & self.gpus
-                self.holders[name] = Holder(self.specs[name], held_gpus, Phase(phase), seq)
+                stopping_for = rest[0] if rest and rest[0] else None
+                self.holders[name] = Holder(
+                    self.specs[name], held_gpus, Phase(phase), seq, stopping_for
+                )
         self.preempted = dict(saved.preempted)
         self.held = set(saved.held)
         self.finished = set(saved.finished)

@@ -1,0 +1,626 @@
+"""The product's scheduling rules, one table row or test per rule, on the pure core.
+
+Each row plays steps against `Sim` (the core inside a well-behaved systemd) and compares
+the actions of every step, without their words; the words are asserted exactly in the
+tests after the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from gpuslice.core.model import UnitSpec
+from gpuslice.core.scheduler import Action, Outcome, Phase, Scheduler, Stop
+from tests.core_builders import BG, InvariantError, Sim, brief, spec, words
+
+VLM = spec("vlm-analysis", 90, BG)
+VOICE = spec("voice-pipeline", 10)
+V, VO = VLM.name, VOICE.name
+
+OPS: dict[str, Callable[[Sim, str], list[Action]]] = {
+    "boot": lambda sim, _: sim.boot(),
+    "start": lambda sim, name: sim.start(name),
+    "exit": lambda sim, name: sim.exit(name),
+    "fail": lambda sim, name: sim.exit(name, Outcome.FAILED),
+    "stop": lambda sim, name: sim.stop(name),
+    "finish_stop": lambda sim, name: sim.finish_stop(name or None),
+    "finish_start": lambda sim, name: sim.finish_start(name or None),
+    "settle": lambda sim, _: sim.settle(),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    gpus: int
+    specs: tuple[UnitSpec, ...]
+    steps: tuple[tuple[str, str, list[str]], ...]
+
+
+CASES = [
+    Case(
+        "seed timeline: vlm runs, voice preempts it, voice exits, vlm is restarted",
+        1,
+        (VLM, VOICE),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+            ("start", VO, [f"stop {V}"]),
+            ("settle", "", [f"grant {VO} 0"]),
+            ("exit", VO, [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+        ),
+    ),
+    Case(
+        "equal priority never preempts: the later unit waits, then runs",
+        1,
+        (spec("a", 50), spec("b", 50)),
+        (
+            ("start", "a.service", ["grant a.service 0"]),
+            ("start", "b.service", []),
+            ("exit", "a.service", ["grant b.service 0"]),
+        ),
+    ),
+    Case(
+        "equal priority waiters are served in arrival order",
+        1,
+        (spec("a", 10), spec("c", 50), spec("b", 50), spec("d", 30)),
+        (
+            ("start", "a.service", ["grant a.service 0"]),
+            ("start", "c.service", []),
+            ("start", "b.service", []),
+            ("start", "d.service", []),
+            ("exit", "a.service", ["grant d.service 0"]),
+            ("exit", "d.service", ["grant c.service 0"]),
+            ("exit", "c.service", ["grant b.service 0"]),
+        ),
+    ),
+    Case(
+        "three levels: 50 preempts 90, 10 preempts 50; 50 then 90 come back",
+        1,
+        (spec("bg", 90, BG), spec("mid", 50), spec("top", 10)),
+        (
+            ("boot", "", ["start bg.service"]),
+            ("settle", "", ["grant bg.service 0"]),
+            ("start", "mid.service", ["stop bg.service"]),
+            ("settle", "", ["grant mid.service 0"]),
+            ("start", "top.service", ["stop mid.service"]),
+            ("settle", "", ["grant top.service 0"]),
+            ("exit", "top.service", ["start mid.service"]),
+            ("settle", "", ["grant mid.service 0"]),
+            ("exit", "mid.service", ["start bg.service"]),
+            ("settle", "", ["grant bg.service 0"]),
+        ),
+    ),
+    Case(
+        "boot on one GPU starts the most urgent background unit",
+        1,
+        (spec("a", 70, BG), spec("b", 30, BG), spec("c", 50, BG), spec("od", 1)),
+        (
+            ("boot", "", ["start b.service"]),
+            ("settle", "", ["grant b.service 0"]),
+        ),
+    ),
+    Case(
+        "boot on two GPUs starts the two most urgent background units",
+        2,
+        (spec("a", 70, BG), spec("b", 30, BG), spec("c", 50, BG)),
+        (
+            ("boot", "", ["start b.service", "start c.service"]),
+            ("settle", "", ["grant b.service 0", "grant c.service 1"]),
+        ),
+    ),
+    Case(
+        "a manually stopped background unit is held until started again",
+        1,
+        (VLM, VOICE),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+            ("stop", V, []),
+            ("start", VO, [f"grant {VO} 0"]),
+            ("exit", VO, []),
+            ("start", V, [f"grant {V} 0"]),
+            ("exit", V, []),
+        ),
+    ),
+    Case(
+        "a background unit stopped by a person before its gate is held too",
+        1,
+        (VLM, VOICE),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("stop", V, []),
+            ("start", VO, [f"grant {VO} 0"]),
+            ("exit", VO, []),
+        ),
+    ),
+    Case(
+        "a failing background unit is not restarted (no restart storm)",
+        1,
+        (VLM, VOICE),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+            ("fail", V, []),
+            ("start", VO, [f"grant {VO} 0"]),
+            ("exit", VO, []),
+            ("start", V, [f"grant {V} 0"]),
+        ),
+    ),
+    Case(
+        "a background unit that exits successfully is finished, not restarted",
+        1,
+        (VLM, spec("other", 95, BG)),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+            ("exit", V, ["start other.service"]),
+            ("settle", "", ["grant other.service 0"]),
+            ("exit", "other.service", []),
+        ),
+    ),
+    Case(
+        "a 2-GPU unit preempts two 1-GPU units of lower priority; both come back",
+        2,
+        (spec("a", 90, BG), spec("b", 80, BG), spec("big", 10, gpus=2)),
+        (
+            ("boot", "", ["start b.service", "start a.service"]),
+            ("settle", "", ["grant b.service 0", "grant a.service 1"]),
+            ("start", "big.service", ["stop b.service", "stop a.service"]),
+            ("finish_stop", "b.service", []),
+            ("finish_stop", "a.service", ["grant big.service 0,1"]),
+            ("exit", "big.service", ["start b.service", "start a.service"]),
+            ("settle", "", ["grant b.service 0", "grant a.service 1"]),
+        ),
+    ),
+    Case(
+        "victims: the least urgent unit goes",
+        2,
+        (spec("x", 60), spec("y", 70), spec("w", 10)),
+        (
+            ("start", "x.service", ["grant x.service 0"]),
+            ("start", "y.service", ["grant y.service 1"]),
+            ("start", "w.service", ["stop y.service"]),
+            ("settle", "", ["grant w.service 1"]),
+        ),
+    ),
+    Case(
+        "victims: two least urgent units rather than one more urgent",
+        4,
+        (spec("p", 50, gpus=2), spec("q1", 90), spec("q2", 90), spec("w", 10, gpus=2)),
+        (
+            ("start", "p.service", ["grant p.service 0,1"]),
+            ("start", "q1.service", ["grant q1.service 2"]),
+            ("start", "q2.service", ["grant q2.service 3"]),
+            ("start", "w.service", ["stop q1.service", "stop q2.service"]),
+            ("settle", "", ["grant w.service 2,3"]),
+        ),
+    ),
+    Case(
+        "victims: among equally urgent units, the fewest",
+        4,
+        (spec("p", 80, gpus=2), spec("q1", 80), spec("q2", 80), spec("w", 10, gpus=2)),
+        (
+            ("start", "q1.service", ["grant q1.service 0"]),
+            ("start", "p.service", ["grant p.service 1,2"]),
+            ("start", "q2.service", ["grant q2.service 3"]),
+            ("start", "w.service", ["stop p.service"]),
+            ("settle", "", ["grant w.service 1,2"]),
+        ),
+    ),
+    Case(
+        "victims: never a unit of equal priority, even when it would suffice",
+        2,
+        (spec("eq", 10), spec("low", 90), spec("w", 10, gpus=2)),
+        (
+            ("start", "eq.service", ["grant eq.service 0"]),
+            ("start", "low.service", ["grant low.service 1"]),
+            ("start", "w.service", []),
+            ("exit", "eq.service", ["stop low.service"]),
+            ("settle", "", ["grant w.service 0,1"]),
+        ),
+    ),
+    Case(
+        "Requeue=no: a preempted unit is not restarted",
+        1,
+        (spec("vlm-analysis", 90, BG, requeue=False), VOICE),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+            ("start", VO, [f"stop {V}"]),
+            ("settle", "", [f"grant {VO} 0"]),
+            ("exit", VO, []),
+            ("start", V, [f"grant {V} 0"]),
+        ),
+    ),
+    Case(
+        "a waiter cancelled while waiting leaves nothing reserved",
+        1,
+        (spec("a", 50), spec("b", 50), spec("c", 60)),
+        (
+            ("start", "a.service", ["grant a.service 0"]),
+            ("start", "b.service", []),
+            ("start", "c.service", []),
+            ("stop", "b.service", []),
+            ("exit", "a.service", ["grant c.service 0"]),
+        ),
+    ),
+    Case(
+        "a waiter cancelled while its victim stops: the victim is requeued",
+        1,
+        (VLM, VOICE),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+            ("start", VO, [f"stop {V}"]),
+            ("stop", VO, []),
+            ("finish_stop", V, [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+        ),
+    ),
+    Case(
+        "a more urgent unit arriving while victims stop gets the freed GPU",
+        1,
+        (VLM, spec("mid", 50), spec("top", 10)),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+            ("start", "mid.service", [f"stop {V}"]),
+            ("start", "top.service", []),
+            ("finish_stop", V, ["grant top.service 0"]),
+            ("exit", "top.service", ["grant mid.service 0"]),
+            ("exit", "mid.service", [f"start {V}"]),
+        ),
+    ),
+    Case(
+        "a less urgent unit arriving while victims stop does not get the freed GPU",
+        1,
+        (VLM, spec("mid", 50), spec("low", 70)),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("settle", "", [f"grant {V} 0"]),
+            ("start", "mid.service", [f"stop {V}"]),
+            ("start", "low.service", []),
+            ("finish_stop", V, ["grant mid.service 0"]),
+            ("exit", "mid.service", ["grant low.service 0"]),
+            ("exit", "low.service", [f"start {V}"]),
+        ),
+    ),
+    Case(
+        "no more victims for a waiter whose victims are still stopping",
+        2,
+        (spec("a", 90, BG), spec("b", 80), spec("w", 10, gpus=2)),
+        (
+            ("boot", "", ["start a.service"]),
+            ("settle", "", ["grant a.service 0"]),
+            ("start", "w.service", ["stop a.service"]),
+            ("start", "b.service", []),
+            ("finish_stop", "a.service", ["grant w.service 0,1"]),
+        ),
+    ),
+    Case(
+        "a blocked wide waiter keeps free GPUs from equal and less urgent waiters",
+        2,
+        (spec("a", 10), spec("wide", 10, gpus=2), spec("b", 10), spec("c", 20)),
+        (
+            ("start", "a.service", ["grant a.service 0"]),
+            ("start", "wide.service", []),
+            ("start", "b.service", []),
+            ("start", "c.service", []),  # granting it GPU 1 would let b preempt it next
+            ("exit", "a.service", ["grant wide.service 0,1"]),
+            ("exit", "wide.service", ["grant b.service 0", "grant c.service 1"]),
+        ),
+    ),
+    Case(
+        "a unit that can never fit keeps nothing back from its equals",
+        1,
+        (spec("huge", 10, gpus=2), spec("a", 10)),
+        (
+            ("start", "huge.service", []),
+            ("start", "a.service", ["grant a.service 0"]),
+        ),
+    ),
+    Case(
+        "a preempted on-demand unit is requeued when the GPU frees up",
+        1,
+        (spec("job", 50), spec("top", 10)),
+        (
+            ("start", "job.service", ["grant job.service 0"]),
+            ("start", "top.service", ["stop job.service"]),
+            ("settle", "", ["grant top.service 0"]),
+            ("exit", "top.service", ["start job.service"]),
+            ("settle", "", ["grant job.service 0"]),
+        ),
+    ),
+    Case(
+        "a unit needing more GPUs than exist waits; others still run",
+        2,
+        (spec("huge", 10, gpus=3), spec("small", 50), VLM),
+        (
+            ("boot", "", [f"start {V}"]),
+            ("start", "huge.service", []),
+            ("start", "small.service", ["grant small.service 1"]),
+            ("settle", "", [f"grant {V} 0"]),
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_rules(case: Case) -> None:
+    sim = Sim(case.gpus, case.specs)
+    for number, (op, arg, want) in enumerate(case.steps):
+        got = brief(OPS[op](sim, arg))
+        assert got == want, f"step {number}: {op} {arg}"
+    sim.settle()
+    sim.check_quiet()
+
+
+# -- the words, exactly --------------------------------------------------------------------
+
+
+def test_seed_timeline_words() -> None:
+    sim = Sim(1, [VLM, VOICE])
+    assert words(sim.boot()) == [
+        "starting background vlm-analysis.service (priority 90) on free GPU 0"
+    ]
+    assert words(sim.settle()) == ["starting vlm-analysis.service (priority 90) on GPU 0"]
+    preempt = sim.start(VO)
+    assert [a.reason for a in preempt if isinstance(a, Stop)] == [
+        "preempting vlm-analysis.service (priority 90) for voice-pipeline.service "
+        "(priority 10) on GPU 0"
+    ]
+    assert sim.sched.snapshot().waiting == [
+        (VO, 10, "waiting for vlm-analysis.service (priority 90) to stop on GPU 0")
+    ]
+    assert words(sim.settle()) == ["starting voice-pipeline.service (priority 10) on GPU 0"]
+    assert sim.sched.snapshot().preempted == [(V, 90, True)]
+    assert words(sim.exit(VO)) == [
+        "voice-pipeline.service finished: released GPU 0",
+        "restarting preempted vlm-analysis.service (priority 90) on GPU 0",
+    ]
+
+
+def test_waiter_reason_names_the_holder() -> None:
+    sim = Sim(1, [VOICE, spec("other", 10)])
+    sim.start(VO)
+    assert words(sim.start("other.service")) == [
+        "other.service waiting: GPU 0 held by voice-pipeline.service, priority 10"
+    ]
+    assert sim.sched.snapshot().waiting == [
+        ("other.service", 10, "waiting: GPU 0 held by voice-pipeline.service, priority 10")
+    ]
+
+
+def test_waiter_reason_while_a_victim_stops_for_someone_else() -> None:
+    sim = Sim(1, [VLM, spec("mid", 50), spec("low", 70)])
+    sim.boot()
+    sim.settle()
+    sim.start("mid.service")
+    assert words(sim.start("low.service")) == [
+        "low.service waiting: GPU 0 being freed by vlm-analysis.service (stopping)"
+    ]
+
+
+def test_same_priority_keeps_free_gpus_for_the_earlier_unit() -> None:
+    sim = Sim(2, [spec("eq", 10), spec("wide", 20, gpus=2), spec("late", 20)])
+    sim.start("eq.service")
+    assert brief(sim.start("wide.service")) == []
+    assert words(sim.start("late.service")) == [
+        "late.service waiting: GPU 0 held by eq.service, priority 10; "
+        "GPU 1 kept for an earlier unit of priority 20"
+    ]
+    assert brief(sim.exit("eq.service")) == ["grant wide.service 0,1"]
+
+
+def test_unit_needing_more_gpus_than_exist_says_so() -> None:
+    sim = Sim(2, [spec("huge", 10, gpus=3)])
+    assert words(sim.start("huge.service")) == [
+        "huge.service (priority 10) needs 3 GPUs but this host has 2: "
+        "it waits until the configuration changes",
+        "huge.service waiting: needs 3 GPUs, this host has 2",
+    ]
+    assert sim.sched.snapshot().waiting == [
+        ("huge.service", 10, "waiting: needs 3 GPUs, this host has 2")
+    ]
+
+
+def test_outcome_words() -> None:
+    sim = Sim(1, [VLM, VOICE, spec("a", 50), spec("b", 50)])
+    sim.boot()
+    sim.settle()
+    assert words(sim.stop(V)) == [
+        "vlm-analysis.service was stopped outside gpuslice: held until started again"
+    ]
+    sim.start(V)
+    assert words(sim.exit(V, Outcome.FAILED)) == [
+        "vlm-analysis.service failed: gpuslice will not start it by itself "
+        "(its own Restart= policy applies)"
+    ]
+    sim.start("a.service")
+    sim.start("b.service")
+    assert words(sim.stop("b.service"))[0] == (
+        "b.service: start cancelled while waiting; nothing reserved"
+    )
+    snap = sim.sched.snapshot()
+    assert (snap.held, snap.failed, snap.waiting) == (["b.service"], [V], [])
+
+
+def test_requeue_no_words() -> None:
+    sim = Sim(1, [spec("vlm-analysis", 90, BG, requeue=False), VOICE])
+    sim.boot()
+    sim.settle()
+    sim.start(VO)
+    assert "vlm-analysis.service (priority 90) preempted; Requeue=no, not restarting" in words(
+        sim.settle()
+    )
+    assert sim.sched.snapshot().preempted == [(V, 90, False)]
+    assert brief(sim.exit(VO)) == []
+
+
+# -- a person's stop and start while gpuslice's own jobs run ---------------------------------
+
+
+def test_person_starts_a_victim_while_it_stops_it_queues_again() -> None:
+    sim = Sim(1, [spec("job", 50), VOICE])
+    sim.start("job.service")
+    sim.start(VO)
+    assert sim.start("job.service") == []  # queued behind the stop job
+    assert brief(sim.finish_stop("job.service")) == [f"grant {VO} 0"]
+    assert brief(sim.finish_start("job.service")) == []
+    assert sim.sched.snapshot().waiting[0][0] == "job.service"
+    assert brief(sim.exit(VO)) == ["grant job.service 0"]
+
+
+def test_stop_of_a_background_unit_before_its_gate_cancels_its_start() -> None:
+    sim = Sim(1, [VLM, VOICE])
+    sim.boot()  # vlm's start job is on its way to the gate
+    assert brief(sim.start(VO)) == [f"stop {V}"]
+    assert brief(sim.settle()) == [f"grant {VO} 0"]
+    assert brief(sim.exit(VO)) == [f"start {V}"]
+
+
+# -- controller restart, persistence, new annotations ---------------------------------------
+
+
+def _busy_two_gpus() -> tuple[Sim, list[UnitSpec]]:
+    specs = [VLM, VOICE, spec("asr", 20), spec("held-bg", 95, BG)]
+    sim = Sim(2, specs)
+    sim.boot()
+    sim.settle()  # vlm on GPU 0, held-bg on GPU 1
+    sim.stop("held-bg.service")
+    sim.settle()  # nothing: held-bg is held
+    sim.start(VO)  # GPU 1
+    sim.start("asr.service")  # preempts vlm
+    sim.settle()
+    assert sim.running == {VO: (1,), "asr.service": (0,)}
+    return sim, specs
+
+
+def test_save_load_round_trip() -> None:
+    sim, specs = _busy_two_gpus()
+    saved = sim.sched.save()
+    assert {n: (g, p) for n, (g, p, *_) in saved.holders.items()} == {
+        VO: ((1,), "running"),
+        "asr.service": ((0,), "running"),
+    }
+    fresh = Scheduler(range(2), {s.name: s for s in specs})
+    fresh.load(saved)
+    assert fresh.save() == saved
+    snap = fresh.snapshot()
+    assert (snap.preempted, snap.held) == ([(V, 90, True)], ["held-bg.service"])
+
+
+def test_adoption_after_controller_restart_keeps_gpus_and_order() -> None:
+    sim, specs = _busy_two_gpus()
+    saved = sim.sched.save()
+    fresh = Scheduler(range(2), {s.name: s for s in specs})
+    fresh.load(saved)
+    adopted = []
+    for name, (gpus, *_) in sorted(saved.holders.items()):
+        adopted += fresh.running(name, gpus)
+    adopted += fresh.schedule()
+    assert brief(adopted) == []  # nothing started on GPUs that running units hold
+    assert {n: sorted(h.gpus) for n, h in fresh.holders.items()} == {
+        VO: [1],
+        "asr.service": [0],
+    }
+    assert all(h.phase is Phase.RUNNING for h in fresh.holders.values())
+    assert brief(fresh.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
+    # held-bg stays held across the restart: GPU 1 went to the preempted unit, not to it
+    assert brief(fresh.inactive("asr.service", Outcome.EXITED)) == []
+
+
+def test_restart_while_a_victim_stops_keeps_it_preempted() -> None:
+    sim = Sim(1, [VLM, VOICE])
+    sim.boot()
+    sim.settle()
+    sim.start(VO)  # vlm's stop job runs; the controller restarts now
+    fresh = Scheduler(range(1), sim.annotations)
+    fresh.load(sim.sched.save())
+    assert fresh.running(V, (0,)) == []
+    # the gate retries: voice asks again and must not stop vlm a second time
+    assert brief(fresh.request(VOICE)) == []
+    assert brief(fresh.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0"]
+    assert fresh.snapshot().preempted == [(V, 90, True)]
+    assert brief(fresh.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
+
+
+def test_running_unit_whose_annotation_appears_is_counted() -> None:
+    sim = Sim(2, [VOICE])
+    sim.start(VO)
+    actions = sim.sched.running("late.service")  # not annotated: ignored
+    assert actions == []
+    sim.annotate([VOICE, spec("late", 50)])
+    assert sim.sched.running("late.service", (0,)) == []  # GPU 0 is voice's: take GPU 1
+    assert sorted(sim.sched.holders["late.service"].gpus) == [1]
+
+
+def test_set_specs_new_priorities_preempt_and_reorder() -> None:
+    sim = Sim(1, [spec("a", 50), spec("b", 60), spec("c", 70)])
+    sim.start("a.service")
+    sim.start("b.service")
+    sim.start("c.service")
+    # c becomes the most urgent: it preempts a, and is served before b
+    actions = sim.annotate([spec("a", 50), spec("b", 60), spec("c", 5)])
+    assert [a.reason for a in actions if isinstance(a, Stop)] == [
+        "preempting a.service (priority 50) for c.service (priority 5) on GPU 0"
+    ]
+    assert brief(sim.settle()) == ["grant c.service 0"]
+    # a now waits as a preempted unit; lowering b below a decides who comes back first
+    sim.annotate([spec("a", 50), spec("b", 40), spec("c", 5)])
+    assert brief(sim.exit("c.service")) == ["grant b.service 0"]
+    assert brief(sim.exit("b.service")) == ["start a.service"]
+
+
+def test_set_specs_removing_an_annotation_releases_and_forgets() -> None:
+    sim = Sim(1, [VLM, VOICE])
+    sim.boot()
+    sim.settle()
+    actions = sim.annotate([VOICE])
+    assert words(actions) == ["vlm-analysis.service is no longer annotated: released its GPUs"]
+    assert brief(sim.start(VO)) == [f"grant {VO} 0"]
+    assert brief(sim.exit(VO)) == []
+    # annotated again while idle: a background unit is started again
+    assert brief(sim.annotate([VLM, VOICE])) == [f"start {V}"]
+
+
+def test_set_specs_fixing_a_too_wide_unit_lets_it_run() -> None:
+    sim = Sim(2, [spec("huge", 10, gpus=3)])
+    sim.start("huge.service")
+    assert brief(sim.annotate([spec("huge", 10, gpus=2)])) == ["grant huge.service 0,1"]
+
+
+def test_sim_catches_a_grant_on_a_busy_gpu() -> None:
+    sim = Sim(1, [VOICE, spec("x", 50)])
+    sim.start(VO)
+    sim.at_gate.add("x.service")
+    sim.sched.holders.clear()  # the core forgets voice: the Sim must notice the double use
+    with pytest.raises(InvariantError):
+        sim._feed(sim.sched.request(spec("x", 50)))
+
+
+def test_restart_keeps_a_waiters_victims() -> None:
+    sim = Sim(3, [spec("a", 20), spec("b", 20), spec("w", 10, gpus=2)])
+    sim.start("a.service")
+    sim.start("b.service")
+    assert brief(sim.start("w.service")) == ["stop b.service"]
+    fresh = Scheduler(range(3), sim.annotations)
+    fresh.load(sim.sched.save())
+    for name, gpus in sim.running.items():
+        fresh.running(name, gpus)
+    # w's gate asks again: b is still stopping for it, so nothing more may be stopped
+    assert brief(fresh.request(sim.annotations["w.service"])) == []
+
+
+def test_removing_the_annotation_of_a_unit_being_stopped_keeps_its_gpus() -> None:
+    sim = Sim(1, [VLM, VOICE])
+    sim.boot()
+    sim.settle()
+    sim.start(VO)  # vlm is being stopped
+    assert brief(sim.annotate([VOICE])) == []  # voice may not run until vlm is gone
+    assert brief(sim.finish_stop(V)) == [f"grant {VO} 0"]
