@@ -14,17 +14,19 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
-from gpuslice.core.model import UnitSpec
+from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.placement import format_gpus
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
+from gpuslice.inventory import Inventory, Sample
 from gpuslice.notify import Notifier
 from gpuslice.service import SchedulerService
+from gpuslice.sizes import format_size
 from gpuslice.state import StateStore
 from gpuslice.status import snapshot_to_json
 from gpuslice.systemd import SHUTDOWN_TARGETS, Systemd, SystemdError, UnitState
@@ -32,23 +34,41 @@ from gpuslice.systemd import SHUTDOWN_TARGETS, Systemd, SystemdError, UnitState
 log = logging.getLogger("gpuslice")
 
 DOWN_STATES = frozenset({"inactive", "failed"})
+FRESH_SAMPLE = 0.25  # seconds: a gate request re-samples NVML when the last sample is older
 
 
-def env_file_text(gpus: Iterable[int]) -> str:
-    devices = ",".join(str(g) for g in sorted(gpus))
-    return f"CUDA_VISIBLE_DEVICES={devices}\nGPUSLICE_GPUS={devices}\n"
+def env_file_text(gpus: Sequence[Gpu]) -> str:
+    """What a granted unit's processes see. CUDA numbers GPUs by its own order unless told
+    PCI_BUS_ID, so UUIDs (when NVML gave them) name exactly the GPUs granted."""
+    indices = ",".join(str(g.index) for g in gpus)
+    if not all(g.uuid for g in gpus):
+        return f"CUDA_VISIBLE_DEVICES={indices}\nGPUSLICE_GPUS={indices}\n"
+    uuids = ",".join(g.uuid for g in gpus)
+    return (
+        f"CUDA_VISIBLE_DEVICES={uuids}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+        f"NVIDIA_VISIBLE_DEVICES={uuids}\nGPUSLICE_GPUS={indices}\n"
+    )
 
 
 class Controller:
     def __init__(
-        self, config: Config, config_path: Path, systemd: Systemd, root: str = "/"
+        self,
+        config: Config,
+        config_path: Path,
+        systemd: Systemd,
+        root: str = "/",
+        inventory: Inventory | None = None,
     ) -> None:
         self.config = config
         self.config_path = config_path
         self.systemd = systemd
         self.root = root
         self.scan: Scan = scan(root)
-        self.scheduler = Scheduler(range(config.gpus), {})
+        self.inventory = inventory or Inventory(config)
+        self.sample = Sample([Gpu(i) for i in range(config.gpus)])
+        self.scheduler = Scheduler(
+            self.sample.gpus, {}, yield_to_foreign=config.foreign_processes == "yield"
+        )
         self.store = StateStore(Path(config.state_dir))
         self.notifier = Notifier()
         self.service = SchedulerService(
@@ -62,6 +82,8 @@ class Controller:
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._sampler: asyncio.TimerHandle | None = None
+        self._overusing: set[tuple[str, int]] = set()
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -74,14 +96,19 @@ class Controller:
         self.boot_id = await self.systemd.boot_id()
         for problem in self.scan.problems:
             self._log_problem(problem)
+        self.inventory.open()
+        self._take_sample()
+        self.scheduler.devices = {g.index: g for g in self.sample.gpus}
         saved, saved_boot = self.store.load()
-        self.scheduler.load(saved)
-        if saved_boot != self.boot_id:
-            self.scheduler.forget_boot()
         units = await self.systemd.list_units()
         self.states = {u.name: u for u in units}
         self.scheduler.specs = self._concrete_specs(self.states)
-        actions = self._rebuild(saved.holders if saved_boot == self.boot_id else {})
+        if saved_boot != self.boot_id:
+            saved.holders = {}  # nothing runs after a reboot that we granted before it
+        self.scheduler.load(saved)
+        if saved_boot != self.boot_id:
+            self.scheduler.forget_boot()
+        actions = self._rebuild()
         await self.service.claim_name()
         self.ready = True
         self.execute(actions)
@@ -91,19 +118,13 @@ class Controller:
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
 
-    def _rebuild(self, saved: dict[str, tuple[tuple[int, ...], str, int]]) -> list[Action]:
-        """Units we granted keep their GPUs; units that ended while we were away are
-        recorded as finished, failed or preempted; other running units are adopted."""
+    def _rebuild(self) -> list[Action]:
+        """Restored holders that ended while we were away are recorded as finished,
+        failed or preempted; running units we did not know are adopted."""
         actions: list[Action] = []
-        for name, (gpus, phase, _) in saved.items():
-            if self.spec_for(name) is None:
-                continue
+        for name in list(self.scheduler.holders):
             state = self.states.get(name, UnitState(name, "inactive", "dead", 0))
-            kind = self._classify(state)
-            if kind == "gate" and phase != Phase.RUNNING.value:
-                continue  # still waiting: its gate asks again
-            actions += self.scheduler.running(name, gpus, stopping=phase == Phase.STOPPING.value)
-            if kind == "down":
+            if self._classify(state) == "down":
                 actions += self.scheduler.inactive(name, self._outcome(name, state))
         for state in self.states.values():
             if (
@@ -217,11 +238,11 @@ class Controller:
         for warning in warnings:
             log.warning("%s", warning)
         self.config = config
+        self.inventory.config = config
+        self.scheduler.yield_to_foreign = config.foreign_processes == "yield"
         logging.getLogger().setLevel(config.log_level.upper())
-        if set(range(config.gpus)) != self.scheduler.gpus:
-            log.info("GPU count changed to %d", config.gpus)
-            self.scheduler.gpus = frozenset(range(config.gpus))
-            self.execute(self.scheduler.schedule())
+        self._take_sample()
+        self.execute(self.scheduler.set_gpus(self.sample.gpus))
         self.reload_annotations()
 
     def _concrete_specs(self, states: dict[str, UnitState]) -> dict[str, UnitSpec]:
@@ -242,6 +263,9 @@ class Controller:
             self.service.grant(unit, "")
             return
         self.foreign_job.discard(unit)
+        if self.inventory.available and self.sample.age(self.inventory.clock()) > FRESH_SAMPLE:
+            self._take_sample()  # grant against what is on the GPUs now
+            self.scheduler.devices = {g.index: g for g in self.sample.gpus}
         self.execute(self.scheduler.request(spec))
 
     # -- actions ------------------------------------------------------------------------------
@@ -264,6 +288,56 @@ class Controller:
                 log.log(logging.getLevelName(action.level.upper()), "%s", action.message)
         if actions:
             self._persist()
+        self._arm_sampler()
+
+    # -- NVML sampling --------------------------------------------------------------------------
+
+    def _take_sample(self) -> None:
+        self.sample = self.inventory.sample(self._managed_units())
+        self._report_overuse()
+
+    def _managed_units(self) -> set[str]:
+        names = set(self.scheduler.specs) | set(self.scheduler.holders)
+        return names | {n for n in self.states if self.spec_for(n) is not None}
+
+    def _needs_sampling(self) -> bool:
+        """Something to protect: a waiter, a holder, a unit to bring back, or a GPU that a
+        foreign process uses. An idle host is never sampled (no polling)."""
+        return self.inventory.available and bool(
+            self.scheduler.waiters
+            or self.scheduler.holders
+            or self.scheduler.preempted
+            or any(g.foreign_pids for g in self.sample.gpus)
+        )
+
+    def _arm_sampler(self) -> None:
+        if self._sampler is None and self._needs_sampling():
+            loop = asyncio.get_running_loop()
+            self._sampler = loop.call_later(self.config.sample_interval, self._sample_tick)
+
+    def _sample_tick(self) -> None:
+        self._sampler = None
+        self._take_sample()
+        self.execute(self.scheduler.set_gpus(self.sample.gpus))
+
+    def _report_overuse(self) -> None:
+        now: set[tuple[str, int]] = set()
+        for name, holder in self.scheduler.holders.items():
+            declared = holder.spec.memory
+            if declared is None:
+                continue
+            for gpu, used in self.sample.used_by(name).items():
+                if used > declared:
+                    now.add((name, gpu))
+                    if (name, gpu) not in self._overusing:
+                        log.warning(
+                            "%s uses %s on GPU %d, more than its Memory=%s",
+                            name,
+                            format_size(used),
+                            gpu,
+                            format_size(declared),
+                        )
+        self._overusing = now
 
     async def _call(self, method: Any, unit: str) -> None:
         try:
@@ -278,7 +352,8 @@ class Controller:
         env_dir = Path(self.config.runtime_dir) / "env"
         env_dir.mkdir(parents=True, exist_ok=True)
         tmp = env_dir / f".{unit}.tmp"
-        tmp.write_text(env_file_text(gpus))
+        devices = [self.scheduler.devices.get(g, Gpu(g)) for g in sorted(gpus)]
+        tmp.write_text(env_file_text(devices))
         os.replace(tmp, env_dir / f"{unit}.env")
 
     def _persist(self) -> None:
@@ -307,7 +382,8 @@ class Controller:
         return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
 
     def status_json(self) -> str:
-        return json.dumps(snapshot_to_json(self.scheduler.snapshot(), self.scan), sort_keys=True)
+        snapshot = snapshot_to_json(self.scheduler.snapshot(), self.scan, self.sample)
+        return json.dumps(snapshot, sort_keys=True)
 
 
 def _journal_logging(level: str) -> None:

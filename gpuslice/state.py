@@ -37,7 +37,8 @@ class StateStore:
             )
             return SavedState(), ""
         holders = {
-            name: (tuple(gpus), phase, seq) for name, (gpus, phase, seq) in data["holders"].items()
+            name: (tuple(gpus), phase, seq, rest[0] if rest else "")
+            for name, (gpus, phase, seq, *rest) in data["holders"].items()
         }
         saved = SavedState(
             holders=holders,

@@ -2,11 +2,16 @@
 
 The JSON (version 1) is a documented interface: keys are only ever added.
   {"version": 1,
-   "gpus": [{"index": 0, "holders": [{"unit": str, "priority": int, "state": str}]}],
+   "gpus": [{"index": 0, "uuid": str|null, "name": str|null, "memory_total": int|null,
+             "memory_reserved": int, "memory_used": int|null, "lost": bool,
+             "holders": [{"unit": str, "priority": int, "state": str,
+                          "memory_declared": int|null, "memory_used": int|null}],
+             "foreign": [{"pid": int, "command": str, "memory": int|null}]}],
    "waiting": [{"unit": str, "priority": int, "reason": str}],
    "preempted": [{"unit": str, "priority": int, "requeue": bool}],
    "held": [str], "finished": [str], "failed": [str],
    "problems": [str]}
+Memory is in bytes; null means unknown (no NVML) or, for memory_declared, the whole GPU.
 `state` is "running", "starting" (gpuslice started it; its gate has not asked yet) or
 "stopping" (being preempted).
 """
@@ -16,23 +21,49 @@ from __future__ import annotations
 from typing import Any
 
 from gpuslice.annotations import Scan
+from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Snapshot
+from gpuslice.inventory import Sample
+from gpuslice.sizes import format_size
 
 JSON_VERSION = 1
 
 
-def snapshot_to_json(snap: Snapshot, scan: Scan) -> dict[str, Any]:
+def _gpu_json(
+    index: int, holders: list[tuple[str, int, str]], scan: Scan, sample: Sample
+) -> dict[str, Any]:
+    gpu = next((g for g in sample.gpus if g.index == index), Gpu(index))
+    foreign = [p for p in sample.processes if p.gpu == index and p.unit is None]
+    out: dict[str, Any] = {
+        "index": index,
+        "uuid": gpu.uuid or None,
+        "name": gpu.name or None,
+        "memory_total": gpu.total,
+        "memory_reserved": gpu.reserve,
+        "memory_used": gpu.used,
+        "lost": gpu.lost,
+        "holders": [],
+        "foreign": [{"pid": p.pid, "command": p.command, "memory": p.used} for p in foreign],
+    }
+    for unit, prio, state in holders:
+        spec = scan.spec_for(unit)
+        out["holders"].append(
+            {
+                "unit": unit,
+                "priority": prio,
+                "state": state,
+                "memory_declared": spec.memory if spec is not None else None,
+                "memory_used": sample.used_by(unit).get(index),
+            }
+        )
+    return out
+
+
+def snapshot_to_json(snap: Snapshot, scan: Scan, sample: Sample) -> dict[str, Any]:
     return {
         "version": JSON_VERSION,
         "gpus": [
-            {
-                "index": index,
-                "holders": [
-                    {"unit": unit, "priority": prio, "state": state}
-                    for unit, prio, state in holders
-                ],
-            }
-            for index, holders in sorted(snap.gpus.items())
+            _gpu_json(index, holders, scan, sample) for index, holders in sorted(snap.gpus.items())
         ],
         "waiting": [
             {"unit": unit, "priority": prio, "reason": reason}
@@ -51,12 +82,23 @@ def snapshot_to_json(snap: Snapshot, scan: Scan) -> dict[str, Any]:
 
 def render(data: dict[str, Any]) -> str:
     """A table a person reads at a glance; every list is shown, empty ones as "-"."""
-    lines = [f"{'GPU':<4} {'UNIT':<40} {'PRIORITY':>8}  STATE"]
+    lines = [f"{'GPU':<4} {'UNIT':<40} {'PRIORITY':>8}  {'STATE':<9} MEMORY"]
     for gpu in data["gpus"]:
+        if gpu.get("name") or gpu.get("lost"):
+            lines.append(_gpu_line(gpu))
         if not gpu["holders"]:
             lines.append(f"{gpu['index']:<4} {'(free)':<40} {'':>8}")
         for h in gpu["holders"]:
-            lines.append(f"{gpu['index']:<4} {h['unit']:<40} {h['priority']:>8}  {h['state']}")
+            lines.append(
+                f"{gpu['index']:<4} {h['unit']:<40} {h['priority']:>8}  {h['state']:<9} "
+                + _holder_memory(h)
+            )
+        for p in gpu.get("foreign", []):
+            memory = format_size(p["memory"]) if p["memory"] is not None else "?"
+            lines.append(
+                f"{gpu['index']:<4} {'foreign: PID ' + str(p['pid']) + ' ' + p['command']:<40} "
+                f"{'':>8}  {'':<9} {memory}"
+            )
     lines.append("")
     lines.append("Waiting:")
     lines += [f"  {w['unit']} (priority {w['priority']}): {w['reason']}" for w in data["waiting"]]
@@ -79,3 +121,27 @@ def render(data: dict[str, Any]) -> str:
         lines.append("Annotation problems:")
         lines += [f"  {p}" for p in data["problems"]]
     return "\n".join(lines)
+
+
+def _gpu_line(gpu: dict[str, Any]) -> str:
+    if gpu.get("lost"):
+        return f"GPU {gpu['index']}: LOST (stopped answering NVML)"
+    total, used = gpu.get("memory_total"), gpu.get("memory_used")
+    memory = ""
+    if total is not None:
+        shown = format_size(used) if used is not None else "?"
+        memory = f", {shown} / {format_size(total)} used"
+        if gpu.get("memory_reserved"):
+            memory += f", {format_size(gpu['memory_reserved'])} reserved"
+    return f"GPU {gpu['index']}: {gpu['name']}{memory}"
+
+
+def _holder_memory(holder: dict[str, Any]) -> str:
+    declared = holder.get("memory_declared")
+    used = holder.get("memory_used")
+    text = "whole GPU" if declared is None else f"{format_size(declared)} declared"
+    if used is not None:
+        text += f", {format_size(used)} used"
+        if declared is not None and used > declared:
+            text += " (MORE THAN DECLARED)"
+    return text
