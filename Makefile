@@ -21,7 +21,7 @@ BUSCONFDIR := $(SYSCONFDIR)/dbus-1/system.d
 # The default config shipped to /etc/gpuslice/config.yaml (top level, else data/).
 CONFIG ?= $(or $(wildcard config.yaml),$(wildcard data/config.yaml),config.yaml)
 
-.PHONY: help venv lint bed-deps bed test demo install uninstall install-examples uninstall-examples clean \
+.PHONY: help venv lint bed-deps bed test demo install uninstall install-examples uninstall-examples clean bench \
 	deb deb-deps
 
 help:
@@ -38,8 +38,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 lint: venv
-	$(VENV)/bin/ruff check gpuslice tests
-	$(VENV)/bin/ruff format --check gpuslice tests
+	$(VENV)/bin/ruff check gpuslice tests bench
+	$(VENV)/bin/ruff format --check gpuslice tests bench
 	$(VENV)/bin/mypy
 
 # Tools for the container test bed (tests/bed); apt only when something is missing.
@@ -172,3 +172,11 @@ deb: deb-deps
 	    dpkg-buildpackage -us -uc -b
 	lintian --fail-on error,warning --info $(DEB_DIR)/gpuslice_$(DEB_VERSION)_all.deb
 	@ls -l $(DEB_DIR)/gpuslice_$(DEB_VERSION)_all.deb
+
+# ---------------------------------------------------------------- benchmark (not part of `make test`)
+# Boots the container bed, prints one table (gpuslice vs systemd's own floor), writes JSON to
+# bench-results/. BENCH_ARGS=--quick for a short run (30 s idle window, fewer repetitions).
+BENCH_ARGS ?=
+bench: venv bed-deps
+	$(MAKE) --no-print-directory bed
+	$(VENV)/bin/python -m bench.run $(BENCH_ARGS)
