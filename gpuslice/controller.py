@@ -76,8 +76,12 @@ class Controller:
         )
         self.boot_id = ""
         self.states: dict[str, UnitState] = {}
-        self.foreign_job: set[str] = set()
-        self.own_job_pending: set[str] = set()
+        # Who stopped a unit: jobs systemd announced for it since it last passed the gate,
+        # and which of those are ours (paths from our own StartUnit/StopUnit replies).
+        self.unit_jobs: dict[str, set[str]] = {}
+        self.own_jobs: set[str] = set()
+        self.in_flight: dict[str, int] = {}
+        self.deferred: set[str] = set()
         self.shutting_down = False
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
@@ -143,14 +147,12 @@ class Controller:
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
         if unit in SHUTDOWN_TARGETS:
             self.shutting_down = True
-        if self.spec_for(unit) is None:
-            return
-        if unit in self.own_job_pending:
-            self.own_job_pending.discard(unit)
-        else:
-            self.foreign_job.add(unit)
+        if self.spec_for(unit) is not None:
+            self.unit_jobs.setdefault(unit, set()).add(path)
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
+        if path not in self.unit_jobs.get(unit, ()):
+            self.own_jobs.discard(path)  # already accounted for: keep the set small
         if self.spec_for(unit) is not None:
             self._spawn(self._refresh(unit))
 
@@ -185,10 +187,12 @@ class Controller:
                 self.scheduler.specs[name] = spec
         kind = self._classify(state)
         if kind == "down":
-            if self._tracked(name) or name in self.foreign_job:
+            if self.in_flight.get(name):
+                self.deferred.add(name)  # decide once we know which of its jobs are ours
+            elif self._tracked(name) or self._stopped_by_others(name):
                 self.execute(self.scheduler.inactive(name, self._outcome(name, state)))
                 self.service.forget(name)
-                self.foreign_job.discard(name)
+                self._forget_jobs(name)
         elif kind == "running":
             holder = self.scheduler.holders.get(name)
             if holder is None or holder.phase is Phase.STARTING:
@@ -215,7 +219,7 @@ class Controller:
             return Outcome.FAILED
         if self.shutting_down:
             return Outcome.SHUTDOWN
-        if name in self.foreign_job:
+        if self._stopped_by_others(name):
             return Outcome.STOPPED
         return Outcome.EXITED
 
@@ -262,7 +266,7 @@ class Controller:
             log.info("%s passed the gate: not managed by gpuslice", unit)
             self.service.grant(unit, "")
             return
-        self.foreign_job.discard(unit)
+        self._forget_jobs(unit)
         if self.inventory.available and self.sample.age(self.inventory.clock()) > FRESH_SAMPLE:
             self._take_sample()  # grant against what is on the GPUs now
             self.scheduler.devices = {g.index: g for g in self.sample.gpus}
@@ -278,11 +282,9 @@ class Controller:
                 self.service.grant(action.unit, ",".join(map(str, action.gpus)))
             elif isinstance(action, Stop):
                 log.info("%s", action.reason)
-                self.own_job_pending.add(action.unit)
                 self._spawn(self._call(self.systemd.stop_unit, action.unit))
             elif isinstance(action, Start):
                 log.info("%s", action.reason)
-                self.own_job_pending.add(action.unit)
                 self._spawn(self._call(self.systemd.start_unit, action.unit))
             elif isinstance(action, Log):
                 log.log(logging.getLevelName(action.level.upper()), "%s", action.message)
@@ -340,13 +342,26 @@ class Controller:
         self._overusing = now
 
     async def _call(self, method: Any, unit: str) -> None:
+        self.in_flight[unit] = self.in_flight.get(unit, 0) + 1
         try:
-            await method(unit)
+            self.own_jobs.add(await method(unit))
         except SystemdError as e:
-            self.own_job_pending.discard(unit)
             log.error("%s %s failed: %s", method.__name__, unit, e.text)
             if method == self.systemd.start_unit:
                 self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
+        finally:
+            self.in_flight[unit] -= 1
+            if not self.in_flight[unit]:
+                del self.in_flight[unit]
+                if unit in self.deferred:
+                    self.deferred.discard(unit)
+                    await self._refresh(unit)
+
+    def _stopped_by_others(self, name: str) -> bool:
+        return any(path not in self.own_jobs for path in self.unit_jobs.get(name, ()))
+
+    def _forget_jobs(self, name: str) -> None:
+        self.own_jobs -= self.unit_jobs.pop(name, set())
 
     def _write_env(self, unit: str, gpus: Iterable[int]) -> None:
         env_dir = Path(self.config.runtime_dir) / "env"
