@@ -33,10 +33,16 @@ def test_seed_timeline(container: Container) -> None:
     wait_state(container, VLM, "active")
     assert holders(container) == {0: [VLM]}
 
-    out = container.run(
-        f"date +%s.%N; systemctl start {VOICE}; date +%s.%N; cat /run/{VOICE}.start"
-    ).stdout.split()
-    asked, returned, ran = map(float, out)
+    out = container.run(f"date +%s.%N; systemctl start {VOICE}; date +%s.%N").stdout.split()
+    asked, returned = map(float, out)
+    # Type=simple: `systemctl start` returns at fork; the job stamps itself just after exec
+    ran = float(
+        wait_until(
+            lambda: container.run(f"cat /run/{VOICE}.start", check=False).stdout.strip() or None,
+            10,
+            what=f"{VOICE} to record its start",
+        )
+    )
     assert prop(container, VLM, "ActiveState") == "inactive"
     assert holders(container) == {0: [VOICE]}
     assert status(container)["preempted"] == [{"unit": VLM, "priority": 90, "requeue": True}]
@@ -53,8 +59,7 @@ def test_seed_timeline(container: Container) -> None:
     wait_state(container, VLM, "active")
     assert holders(container) == {0: [VLM]}
     assert VOICE in status(container)["finished"]
-    assert "SIGTERM" not in container.journal(VLM) or True
-    assert container.run(f"cat /run/{VLM}.start").returncode == 0
+    assert "Stopped vlm-analysis.service" in container.journal(VLM)  # through systemd
 
 
 def test_equal_priority_waits_then_runs(container: Container) -> None:
