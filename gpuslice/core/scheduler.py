@@ -376,7 +376,9 @@ class Scheduler:
                 self.holders[spec.name] = holder
                 return [Grant(spec.name, gpus, self._grant_reason(holder))]
         if waiter.victims:
-            self._promise(promises, spec, waiter.target)
+            # after a controller restart the target is unknown: the victims' GPUs stand in
+            victim_gpus = {g for v in waiter.victims for g in self.holders[v].gpus}
+            self._promise(promises, spec, waiter.target or sorted(victim_gpus)[: spec.gpus])
             return self._set_reason(waiter, self._stopping_reason(waiter))
         found = self._place(spec, promises, preempt=True)
         if found is None or not found[1]:
@@ -425,7 +427,6 @@ class Scheduler:
                 where = "GPUs held by less urgent units"
             else:
                 held = frozenset(gpus)
-                self._promise(promises, spec, gpus)
                 where = format_gpus(gpus)
             del self.preempted[name]
             self.holders[name] = Holder(spec, held, Phase.STARTING, self._next())
@@ -451,7 +452,6 @@ class Scheduler:
             if found is None:
                 continue
             gpus = found[0]
-            self._promise(promises, spec, gpus)
             self.holders[spec.name] = Holder(spec, frozenset(gpus), Phase.STARTING, self._next())
             where = format_gpus(gpus)
             actions.append(
