@@ -159,6 +159,8 @@ def _set_cost(
 def format_gpus(gpus: Iterable[int]) -> str:
     """`GPU 0` or `GPUs 0,1`: the words used in the journal and in status."""
     ordered = sorted(gpus)
+    if not ordered:
+        return "no GPU"
     if len(ordered) == 1:
         return f"GPU {ordered[0]}"
     return "GPUs " + ",".join(str(g) for g in ordered)

@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "size.h"
+
 static char alloc_path[PATH_MAX];
 
 static void die(const char *fmt, const char *arg)
@@ -34,33 +36,6 @@ static void die(const char *fmt, const char *arg)
     fprintf(stderr, fmt, arg);
     fputc('\n', stderr);
     exit(2);
-}
-
-/* Same grammar as fakenvml's TOTAL column: bytes, or K/M/G/T with optional "iB". */
-static int parse_size(const char *s, unsigned long long *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long n = strtoull(s, &end, 10);
-    if (end == s || errno || *s == '-')
-        return -1;
-    unsigned shift = 0;
-    switch (toupper((unsigned char)*end)) {
-    case 'K': shift = 10; break;
-    case 'M': shift = 20; break;
-    case 'G': shift = 30; break;
-    case 'T': shift = 40; break;
-    case '\0': return (*out = n), 0;
-    case 'B': return end[1] ? -1 : ((*out = n), 0);
-    default: return -1;
-    }
-    end++;
-    if (*end && strcmp(end, "iB") != 0 && strcmp(end, "ib") != 0)
-        return -1;
-    if (n > (ULLONG_MAX >> shift))
-        return -1;
-    *out = n << shift;
-    return 0;
 }
 
 /* Fail early on a GPU the gpus file does not list: that is a test bug, not a job. */
