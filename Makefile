@@ -7,6 +7,8 @@ PREFIX ?= /usr/local
 DESTDIR ?=
 SYSCONFDIR ?= /etc
 PURGE ?=
+# Optional: a pynvml.py to install next to the package (test beds without nvidia-ml-py).
+PYNVML ?=
 
 PYTHON ?= python3
 VENV := .venv
@@ -75,6 +77,9 @@ install:
 	rm -rf $(DESTDIR)$(PYDIR)/gpuslice
 	find gpuslice -name '*.py' -type f | while read -r f; do \
 	    install -D -m 644 "$$f" "$(DESTDIR)$(PYDIR)/$$f"; done
+ifneq ($(PYNVML),)
+	install -D -m 644 $(PYNVML) $(DESTDIR)$(PYDIR)/pynvml.py
+endif
 	install -D -m 755 data/gpuslice-gate $(DESTDIR)$(LIBDIR)/gpuslice-gate
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(GENDIR) $(DESTDIR)$(UNITDIR) $(DESTDIR)$(BUSCONFDIR)
 	sed 's|@PYDIR@|$(PYDIR)|g' data/gpuslice.in > $(DESTDIR)$(PREFIX)/bin/gpuslice

@@ -19,6 +19,15 @@ from gpuslice.core.model import UnitKind
 CONFIG_PATH = "/etc/gpuslice/config.yaml"
 ENROLL_DROPIN = "gpuslice.conf"
 
+config_option = click.option(
+    "--config",
+    "config_path",
+    default=CONFIG_PATH,
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="The gpuslice configuration file.",
+)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpuslice")
@@ -32,13 +41,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option(
-    "--config",
-    "config_path",
-    default=CONFIG_PATH,
-    show_default=True,
-    type=click.Path(dir_okay=False),
-)
+@config_option
 def controller(config_path: str) -> None:
     """Run the controller daemon (started by gpuslice.service)."""
     from gpuslice.controller import run
@@ -89,13 +92,7 @@ def status(as_json: bool) -> None:
 
 @main.command()
 @click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
-@click.option(
-    "--config",
-    "config_path",
-    default=CONFIG_PATH,
-    show_default=True,
-    type=click.Path(dir_okay=False),
-)
+@config_option
 @click.option("--root", default="/", show_default=True, hidden=True)
 def check(files: tuple[str, ...], config_path: str, root: str) -> None:
     """Validate config.yaml and unit annotations; exit 1 on any error.
