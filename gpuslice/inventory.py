@@ -54,13 +54,23 @@ class Sample:
         return out
 
 
+def _systemd_first(line: str) -> int:
+    """systemd's own hierarchies (cgroup2 `0::`, then v1 `name=systemd`) say which unit a
+    process belongs to; a v1 controller line may place it elsewhere (cgexec, other tools)."""
+    hierarchy, _, rest = line.partition(":")
+    controllers = rest.partition(":")[0]
+    if hierarchy == "0" and not controllers:
+        return 0
+    return 1 if controllers == "name=systemd" else 2
+
+
 def unit_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
     """The unit a process runs in, from the deepest unit name in its cgroup path."""
     try:
         text = (proc / str(pid) / "cgroup").read_text()
     except OSError:
         return None
-    for line in text.splitlines():
+    for line in sorted(text.splitlines(), key=_systemd_first):
         path = line.split(":", 2)[-1]
         units = [part for part in path.split("/") if _UNIT.match(part)]
         if units:
@@ -93,6 +103,8 @@ class Inventory:
         self._gone_since: dict[int, float] = {}
         self._overrun_logged: set[int] = set()
         self._lost_logged: set[int] = set()
+        self._last: Sample | None = None  # the last good sample, kept while NVML fails
+        self._failing = False
 
     def open(self) -> None:
         status = self.nvml.open(fallback=f"gpus: {self.config.gpus} from config.yaml")
@@ -110,11 +122,19 @@ class Inventory:
         if not self.available:
             return Sample([Gpu(i) for i in range(self.config.gpus)], taken_at=now)
         try:
-            scan = self.nvml.devices()
+            sample = self._build(self.nvml.devices(), managed_units, now)
         except NvmlError as e:
-            log.error("NVML failed (%s): keeping the GPUs as they were", e)
+            if not self._failing:  # once per failure spell: sampling repeats every interval
+                log.error("NVML failed (%s): keeping the GPUs as they were", e)
+            self._failing = True
+            if self._last is not None:
+                return self._last
             return Sample([Gpu(i) for i in range(self.config.gpus)], taken_at=now)
-        return self._build(scan, managed_units, now)
+        if self._failing:
+            log.info("NVML answers again")
+        self._failing = False
+        self._last = sample
+        return sample
 
     def _build(self, scan: DeviceScan, managed_units: Collection[str], now: float) -> Sample:
         gpus: list[Gpu] = []
