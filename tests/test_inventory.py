@@ -1,0 +1,294 @@
+"""gpuslice.inventory without a container or a GPU: a fake /proc tree and a stub NVML.
+
+`StubNvml` subclasses `Nvml` and answers open/devices/processes from plain data, so the
+inventory runs exactly as in the controller; processes belong to units through the
+`cgroup` files written under tmp_path, as /proc/PID/cgroup would say.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from gpuslice.config import Config
+from gpuslice.core.model import Gpu
+from gpuslice.inventory import GpuUse, Inventory, command_of, unit_of_pid
+from gpuslice.nvml import (
+    DeviceScan,
+    GpuInfo,
+    GpuLostError,
+    GpuProcess,
+    Nvml,
+    NvmlError,
+    NvmlStatus,
+)
+
+GIB = 1 << 30
+UUIDS = ("GPU-11111111-1111-1111-1111-111111111111", "GPU-22222222-2222-2222-2222-222222222222")
+MANAGED = {"asr.service", "w@a.service"}
+
+HYBRID_IN_CONTAINER = (  # what the test bed's systemd 252 shows for a service (hybrid mode)
+    "9:name=systemd:/system.slice/asr.service\n8:pids:/\n7:blkio:/\n6:freezer:/\n"
+    "5:devices:/\n4:memory:/\n3:cpuset:/\n2:cpuacct:/\n1:cpu:/\n0::/system.slice/asr.service\n"
+)
+
+
+def write_proc(proc: Path, pid: int, cgroup: str, comm: str = "gpu-job") -> None:
+    (proc / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "cgroup").write_text(cgroup)
+    (proc / str(pid) / "comm").write_text(comm + "\n")
+
+
+# ---- unit_of_pid ----
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "unit"),
+    [
+        ("1:name=systemd:/system.slice/x.service\n", "x.service"),
+        ("0::/system.slice/system-w.slice/w@a.service\n", "w@a.service"),
+        (HYBRID_IN_CONTAINER, "asr.service"),
+        ("0::/user.slice/user-1000.slice/session-3.scope\n", "session-3.scope"),
+        ("0::/system.slice/x.service/worker/inner\n", "x.service"),  # delegated subgroups
+        ("0::/system.slice/system-gpu\\x2dworker.slice/gpu\\x2dworker@b.service\n",
+         "gpu\\x2dworker@b.service"),
+        ("0::/\n", None),
+        ("0::/system.slice\n1:name=systemd:/system.slice\n", None),
+        ("", None),
+    ],
+)  # fmt: skip
+def test_unit_of_pid(tmp_path: Path, cgroup: str, unit: str | None) -> None:
+    write_proc(tmp_path, 42, cgroup)
+    assert unit_of_pid(42, tmp_path) == unit
+
+
+def test_unit_of_pid_prefers_systemds_own_hierarchy(tmp_path: Path) -> None:
+    """Legacy/hybrid: a v1 controller may place a process elsewhere (cgexec, a tool that
+    moved it); systemd's hierarchies (0:: and name=systemd) say which unit it belongs to."""
+    write_proc(
+        tmp_path,
+        42,
+        "4:memory:/system.slice/other.service\n"
+        "1:name=systemd:/system.slice/x.service\n"
+        "0::/system.slice/x.service\n",
+    )
+    assert unit_of_pid(42, tmp_path) == "x.service"
+    write_proc(
+        tmp_path,
+        43,
+        "4:memory:/system.slice/other.service\n1:name=systemd:/system.slice/y.service\n",
+    )
+    assert unit_of_pid(43, tmp_path) == "y.service"
+
+
+def test_unit_of_pid_and_command_of_a_process_that_is_gone(tmp_path: Path) -> None:
+    assert unit_of_pid(7, tmp_path) is None
+    assert command_of(7, tmp_path) == "?"
+
+
+# ---- Inventory on a stub NVML ----
+
+
+class StubNvml(Nvml):
+    """Nvml's public surface, answered from data; `fail` makes the next call raise."""
+
+    def __init__(self, gpus: int = 2, *, available: bool = True) -> None:
+        super().__init__()
+        self.available = available
+        self.infos = [GpuInfo(i, UUIDS[i], "NVIDIA Fake 24GB", 24 * GIB, 0) for i in range(gpus)]
+        self.lost: list[int] = []
+        self.procs: dict[int, list[GpuProcess]] = {i: [] for i in range(gpus)}
+        self.raises: dict[int, NvmlError] = {}
+        self.devices_error: NvmlError | None = None
+        self.opened = 0
+
+    def open(self, fallback: str = "no GPUs") -> NvmlStatus:
+        self.opened += 1
+        if self.available:
+            return NvmlStatus(True, driver_version="550.54.15")
+        return NvmlStatus(False, warning=f"NVML unavailable (stub): using {fallback}. Hint: none")
+
+    def devices(self) -> DeviceScan:
+        if self.devices_error is not None:
+            raise self.devices_error
+        return DeviceScan([g for g in self.infos if g.index not in self.lost], list(self.lost))
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        if index in self.raises:
+            raise self.raises[index]
+        return list(self.procs[index])
+
+    def add(self, gpu: int, pid: int, used: int | None) -> None:
+        self.procs[gpu].append(GpuProcess(pid, gpu, used))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_inventory(
+    tmp_path: Path, nvml: StubNvml, config: Config | None = None
+) -> tuple[Inventory, Clock]:
+    clock = Clock()
+    inventory = Inventory(config or Config(gpus=1), nvml=nvml, clock=clock, proc=tmp_path)
+    inventory.open()
+    return inventory, clock
+
+
+def test_processes_are_attributed_by_cgroup_not_by_name(tmp_path: Path) -> None:
+    nvml = StubNvml()
+    # seed 001: the managed unit's workers are named like other programs
+    write_proc(tmp_path, 100, "0::/system.slice/asr.service\n", "python3")
+    write_proc(tmp_path, 101, "0::/system.slice/asr.service\n", "Xorg")
+    write_proc(tmp_path, 200, "0::/user.slice/user-1000.slice/session-2.scope\n", "python3")
+    write_proc(tmp_path, 201, "0::/system.slice/unmanaged.service\n", "gpu-alloc")
+    write_proc(tmp_path, 300, "0::/system.slice/system-w.slice/w@a.service\n", "ollama")
+    nvml.add(0, 100, 3 * GIB)
+    nvml.add(0, 101, GIB)
+    nvml.add(0, 200, 2 * GIB)
+    nvml.add(0, 201, None)  # NVML cannot say: listed, counts as 0 bytes, still foreign
+    nvml.add(1, 300, 5 * GIB)
+    inventory, clock = make_inventory(tmp_path, nvml)
+
+    sample = inventory.sample(MANAGED)
+
+    assert sample.taken_at == clock.now
+    assert sample.gpus == [
+        Gpu(0, UUIDS[0], "NVIDIA Fake 24GB", 24 * GIB, 0, 2 * GIB, (200, 201), False, 0),
+        Gpu(1, UUIDS[1], "NVIDIA Fake 24GB", 24 * GIB, 0, 0, (), False, 0),
+    ]
+    assert sample.processes == [
+        GpuUse(100, 0, 3 * GIB, "asr.service", "python3"),
+        GpuUse(101, 0, GIB, "asr.service", "Xorg"),
+        GpuUse(200, 0, 2 * GIB, None, "python3"),
+        GpuUse(201, 0, None, None, "gpu-alloc"),
+        GpuUse(300, 1, 5 * GIB, "w@a.service", "ollama"),
+    ]
+    assert sample.used_by("asr.service") == {0: 4 * GIB}
+    assert sample.used_by("w@a.service") == {1: 5 * GIB}
+    assert sample.used_by("unmanaged.service") == {}
+
+
+def test_manage_gpus_and_reserve(tmp_path: Path) -> None:
+    nvml = StubNvml()
+    config = Config(manage_gpus=(UUIDS[1],), reserve=(("1", GIB), ("*", 512 << 20)))
+    sample = make_inventory(tmp_path, nvml, config)[0].sample(MANAGED)
+    assert [(g.index, g.reserve) for g in sample.gpus] == [(1, GIB)]
+
+    config = Config(manage_gpus=("0",), reserve=(("*", 512 << 20),))
+    sample = make_inventory(tmp_path, nvml, config)[0].sample(MANAGED)
+    assert [(g.index, g.reserve) for g in sample.gpus] == [(0, 512 << 20)]
+
+
+def test_nvml_unavailable_means_the_configured_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = StubNvml(available=False)
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=3))
+        first = inventory.sample(MANAGED)
+        second = inventory.sample(MANAGED)
+    assert not inventory.available
+    assert first.gpus == second.gpus == [Gpu(0), Gpu(1), Gpu(2)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "NVML unavailable (stub): using gpus: 3 from config.yaml. Hint: none"
+    ]
+
+
+def test_lost_gpu_is_reported_once_and_marked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = StubNvml()
+    inventory, _ = make_inventory(tmp_path, nvml)
+    nvml.lost = [1]
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        first = inventory.sample(MANAGED)
+        second = inventory.sample(MANAGED)
+    assert [(g.index, g.lost) for g in first.gpus] == [(0, False), (1, True)]
+    assert second.gpus == first.gpus
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 1 is lost (it stopped answering NVML): nothing new runs on it"
+    ]
+
+
+def test_gpu_lost_between_enumeration_and_process_query(tmp_path: Path) -> None:
+    nvml = StubNvml()
+    nvml.raises[0] = GpuLostError("nvmlDeviceGetHandleByIndex", 15, "GPU is lost", 0)
+    sample = make_inventory(tmp_path, nvml)[0].sample(MANAGED)
+    assert sample.gpus[0] == Gpu(0, UUIDS[0], "NVIDIA Fake 24GB", lost=True)
+    assert not sample.gpus[1].lost
+
+
+@pytest.mark.parametrize("where", ["devices", "processes"])
+def test_nvml_error_keeps_the_gpus_as_they_were(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """A failing NVML call (e.g. a timeout) must neither raise into the controller nor shrink
+    the host to `gpus:` GPUs of unknown size."""
+    nvml = StubNvml()
+    write_proc(tmp_path, 100, "0::/system.slice/asr.service\n")
+    nvml.add(0, 100, 3 * GIB)
+    inventory, clock = make_inventory(tmp_path, nvml)
+    good = inventory.sample(MANAGED)
+    error = NvmlError("nvmlDeviceGetCount", 999, "Unknown Error")
+    if where == "devices":
+        nvml.devices_error = error
+    else:
+        nvml.raises[1] = error
+    clock.now += 1
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        kept = inventory.sample(MANAGED)
+        again = inventory.sample(MANAGED)  # sampling repeats: one error line per spell
+        nvml.devices_error = None
+        nvml.raises.clear()
+        back = inventory.sample(MANAGED)
+    assert kept.gpus == again.gpus == good.gpus
+    assert kept.processes == good.processes
+    assert back.taken_at == clock.now and back.gpus == good.gpus
+    assert [r.getMessage() for r in caplog.records] == [
+        "NVML failed (nvmlDeviceGetCount: Unknown Error (NVML error 999)): "
+        "keeping the GPUs as they were",
+        "NVML answers again",
+    ]
+
+
+def test_exited_process_counts_until_vram_release_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NVML may list a process for a while after it exited: its memory still counts (as no
+    unit's) for vram_release_timeout seconds, then one warning and it no longer counts."""
+    nvml = StubNvml()
+    nvml.add(0, 500, 6 * GIB)  # no /proc/500: exited
+    inventory, clock = make_inventory(tmp_path, nvml, Config(vram_release_timeout=5))
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        assert inventory.sample(MANAGED).gpus[0].foreign == 6 * GIB
+        clock.now += 4.9
+        assert inventory.sample(MANAGED).gpus[0].foreign == 6 * GIB
+        clock.now += 0.2
+        late = inventory.sample(MANAGED)
+        clock.now += 10
+        later = inventory.sample(MANAGED)
+    assert (late.gpus[0].foreign, late.gpus[0].foreign_pids, late.processes) == (0, (), [])
+    assert later.gpus[0].foreign == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 0 still shows 6 GiB for exited PID 500 after 5 s (vram_release_timeout): "
+        "no longer counting it"
+    ]
+    nvml.procs[0] = []  # gone from NVML: a later PID 500 starts a fresh clock
+    inventory.sample(MANAGED)
+    nvml.add(0, 500, GIB)
+    assert inventory.sample(MANAGED).gpus[0].foreign == GIB
+
+
+def test_open_is_called_once_per_inventory_open(tmp_path: Path) -> None:
+    nvml = StubNvml()
+    inventory, _ = make_inventory(tmp_path, nvml)
+    for _ in range(3):
+        inventory.sample(MANAGED)
+    assert nvml.opened == 1
