@@ -295,7 +295,8 @@ class Controller:
     # -- NVML sampling --------------------------------------------------------------------------
 
     def _take_sample(self) -> None:
-        self.sample = self.inventory.sample(self._managed_units())
+        holding = {n: h.gpus for n, h in self.scheduler.holders.items()}
+        self.sample = self.inventory.sample(self._managed_units(), holding)
         self._report_overuse()
 
     def _managed_units(self) -> set[str]:

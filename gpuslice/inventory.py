@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,13 +116,20 @@ class Inventory:
         wanted = self.config.manage_gpus
         return not wanted or str(index) in wanted or uuid in wanted
 
-    def sample(self, managed_units: Collection[str]) -> Sample:
-        """The GPUs with foreign use filled in, and every GPU process with its unit."""
+    def sample(
+        self, managed_units: Collection[str], holding: Mapping[str, Collection[int]] | None = None
+    ) -> Sample:
+        """The GPUs with foreign use filled in, and every GPU process with its unit.
+
+        `holding` says which GPUs each unit holds: a managed unit's process on a GPU it does
+        not hold (left behind after a stop with KillMode=process, say) is not foreign, but
+        its memory counts against the GPU like foreign memory, since no declaration covers it.
+        """
         now = self.clock()
         if not self.available:
             return Sample([Gpu(i) for i in range(self.config.gpus)], taken_at=now)
         try:
-            sample = self._build(self.nvml.devices(), managed_units, now)
+            sample = self._build(self.nvml.devices(), managed_units, holding or {}, now)
         except NvmlError as e:
             if not self._failing:  # once per failure spell: sampling repeats every interval
                 log.error("NVML failed (%s): keeping the GPUs as they were", e)
@@ -136,7 +143,13 @@ class Inventory:
         self._last = sample
         return sample
 
-    def _build(self, scan: DeviceScan, managed_units: Collection[str], now: float) -> Sample:
+    def _build(
+        self,
+        scan: DeviceScan,
+        managed_units: Collection[str],
+        holding: Mapping[str, Collection[int]],
+        now: float,
+    ) -> Sample:
         gpus: list[Gpu] = []
         processes: list[GpuUse] = []
         for lost in scan.lost:
@@ -180,6 +193,8 @@ class Inventory:
                 if not owned:
                     foreign += proc.used_memory or 0
                     foreign_pids.append(proc.pid)
+                elif info.index not in holding.get(unit or "", ()):
+                    foreign += proc.used_memory or 0  # a stray of a unit not holding this GPU
             gpus.append(
                 Gpu(
                     info.index,

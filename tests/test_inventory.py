@@ -156,7 +156,7 @@ def test_processes_are_attributed_by_cgroup_not_by_name(tmp_path: Path) -> None:
     nvml.add(1, 300, 5 * GIB)
     inventory, clock = make_inventory(tmp_path, nvml)
 
-    sample = inventory.sample(MANAGED)
+    sample = inventory.sample(MANAGED, {"asr.service": (0,), "w@a.service": (1,)})
 
     assert sample.taken_at == clock.now
     assert sample.gpus == [
@@ -292,3 +292,16 @@ def test_open_is_called_once_per_inventory_open(tmp_path: Path) -> None:
     for _ in range(3):
         inventory.sample(MANAGED)
     assert nvml.opened == 1
+
+
+def test_leftover_of_a_managed_unit_counts_but_does_not_make_units_yield(tmp_path: Path) -> None:
+    """A process left in a managed unit's cgroup after it lost its GPU (KillMode=process)
+    is no foreign process, but nothing declares its memory: it counts against the GPU."""
+    nvml = StubNvml()
+    write_proc(tmp_path, 100, "0::/system.slice/asr.service\n", "python3")
+    nvml.add(0, 100, 3 * GIB)
+    inventory, _ = make_inventory(tmp_path, nvml)
+    sample = inventory.sample(MANAGED, {})
+    gpu0 = sample.gpus[0]
+    assert (gpu0.foreign, gpu0.foreign_pids) == (3 * GIB, ())
+    assert sample.used_by("asr.service") == {0: 3 * GIB}

@@ -47,8 +47,9 @@ class Gpu:
     """One GPU as the core sees it: what it can hold and what others already use on it.
 
     Without NVML only `index` is known: `total` is None and every unit then takes a whole
-    GPU. `foreign` is VRAM used by processes that belong to no managed unit; `foreign_pids`
-    says who, for the reasons shown to people.
+    GPU. `foreign` is VRAM that no declaration covers: processes of no managed unit, and
+    leftovers of managed units that do not hold this GPU; `foreign_pids` names the former
+    (only they make background units yield).
     """
 
     index: int
