@@ -82,6 +82,7 @@ class Controller:
         self.own_jobs: set[str] = set()
         self.in_flight: dict[str, int] = {}
         self.deferred: set[str] = set()
+        self._signals: dict[str, int] = {}  # signals seen per unit (see _refresh)
         self.shutting_down = False
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
@@ -149,18 +150,29 @@ class Controller:
             self.shutting_down = True
         if self.spec_for(unit) is not None:
             self.unit_jobs.setdefault(unit, set()).add(path)
+            self._signals[unit] = self._signals.get(unit, 0) + 1
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
         if path not in self.unit_jobs.get(unit, ()):
             self.own_jobs.discard(path)  # already accounted for: keep the set small
         if self.spec_for(unit) is not None:
+            self._signals[unit] = self._signals.get(unit, 0) + 1
             self._spawn(self._refresh(unit))
 
     async def _refresh(self, unit: str) -> None:
+        """Read a unit's state when no signal may come (a job that changed nothing).
+
+        dbus-next runs signal handlers as messages are read but resumes this coroutine
+        later, so signals that arrived after the reply may already have been applied: then
+        the reply is older than what we know, and is dropped.
+        """
+        seen = self._signals.get(unit, 0)
         try:
             state = await self.systemd.unit_state(unit)
         except SystemdError as e:
             log.debug("cannot read %s: %s", unit, e)
+            return
+        if self._signals.get(unit, 0) != seen:
             return
         self.on_unit_changed(
             unit, {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")}
@@ -169,6 +181,7 @@ class Controller:
     def on_unit_changed(self, name: str, props: dict[str, Any]) -> None:
         if self.spec_for(name) is None:
             return
+        self._signals[name] = self._signals.get(name, 0) + 1
         if not self.ready:
             self._buffered.append((name, props))
             return
@@ -269,7 +282,7 @@ class Controller:
         self._forget_jobs(unit)
         if self.inventory.available and self.sample.age(self.inventory.clock()) > FRESH_SAMPLE:
             self._take_sample()  # grant against what is on the GPUs now
-            self.scheduler.devices = {g.index: g for g in self.sample.gpus}
+            self.execute(self.scheduler.set_gpus(self.sample.gpus))
         self.execute(self.scheduler.request(spec))
 
     # -- actions ------------------------------------------------------------------------------

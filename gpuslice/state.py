@@ -1,7 +1,8 @@
 """What systemd cannot tell a restarted controller, kept in one JSON file written atomically.
 
 Holds, the preempted set and GPU assignments must survive `kill -9` and reboots; a torn
-write must never lose them, so the file is replaced with rename(2) after fsync.
+write must never lose them, so the file is replaced with rename(2). It is not fsynced: a
+power cut may lose the last decisions (holders are rebuilt from systemd at boot anyway).
 """
 
 from __future__ import annotations
@@ -56,6 +57,6 @@ class StateStore:
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "w") as f:
             json.dump(data, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
+        # rename(2) makes the replacement atomic for a crashed or killed controller; no
+        # fsync, which would put a disk flush before every StartUnit/StopUnit we send
         os.replace(tmp, self.path)

@@ -27,6 +27,7 @@ def write_job(
     seconds: int = 0,
     gpus: int = 1,
     extra_service: str = "",
+    extra_unit: str = "",
     exec_start: str | None = None,
     annotation: str | None = None,
 ) -> None:
@@ -36,7 +37,7 @@ def write_job(
         section = f"[X-GPUSlice]\nPriority={priority}\nType={kind}\nGPUs={gpus}\n"
     bed.write_file(
         f"{UNIT_DIR}/{name}",
-        f"[Unit]\nDescription=test job {name}\n\n[Service]\n"
+        f"[Unit]\nDescription=test job {name}\n{extra_unit}\n[Service]\n"
         f"ExecStart={exec_start or JOB.format(seconds=seconds)}\n{extra_service}\n"
         + (f"\n{section}" if section else ""),
     )

@@ -263,3 +263,22 @@ def test_bad_config_on_reload_keeps_the_last_good_one(container: Container) -> N
     check = container.run(["gpuslice", "check"], check=False)
     assert check.returncode == 1
     assert "config.yaml:2: log_level" in check.stderr
+
+
+def test_rapid_handovers_never_lose_a_start(container: Container) -> None:
+    """An instant on-demand job started 25 times against a background unit: every start
+    passes its gate (a stale state read once made the controller forget a waiter)."""
+    # 25 preemptions in a few seconds: lift systemd's own start rate limit for the victim
+    write_job(container, VLM, 90, "background", extra_unit="StartLimitIntervalSec=0")
+    write_job(container, "quick.service", 10, exec_start="/bin/true")
+    reload(container)
+    wait_state(container, VLM, "active")
+    out = container.run(
+        "for i in $(seq 25); do timeout 20 systemctl start quick.service || echo LOST $i; done",
+        timeout=200,
+    ).stdout
+    assert "LOST" not in out
+    wait_state(container, VLM, "active")
+    data = status(container)
+    assert (data["waiting"], data["held"], data["failed"]) == ([], [], [])
+    assert "running without enough free GPUs" not in container.journal("gpuslice.service")
