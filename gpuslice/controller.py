@@ -21,7 +21,6 @@ from typing import Any
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.placement import format_gpus
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
 from gpuslice.inventory import Inventory, Sample
 from gpuslice.notify import Notifier
@@ -472,10 +471,3 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     controller.notifier.send("STOPPING=1")
     log.info("gpuslice stopping; running jobs are left alone")
     return 0
-
-
-def main(config_path: str = "/etc/gpuslice/config.yaml") -> int:
-    return asyncio.run(run(Path(config_path), os.environ.get("GPUSLICE_BUS_ADDRESS")))
-
-
-__all__ = ["Controller", "format_gpus", "main", "run"]
