@@ -202,6 +202,10 @@ class Controller:
             if self.in_flight.get(name):
                 self.deferred.add(name)  # decide once we know which of its jobs are ours
             elif self._tracked(name) or self._stopped_by_others(name):
+                if self.inventory.available and name in self.scheduler.holders:
+                    # VRAM release: what NVML still shows of it now counts against its GPUs
+                    self._take_sample(released=name)
+                    self.execute(self.scheduler.set_gpus(self.sample.gpus))
                 self.execute(self.scheduler.inactive(name, self._outcome(name, state)))
                 self.service.forget(name)
                 self._forget_jobs(name)
@@ -306,8 +310,8 @@ class Controller:
 
     # -- NVML sampling --------------------------------------------------------------------------
 
-    def _take_sample(self) -> None:
-        holding = {n: h.gpus for n, h in self.scheduler.holders.items()}
+    def _take_sample(self, released: str = "") -> None:
+        holding = {n: h.gpus for n, h in self.scheduler.holders.items() if n != released}
         self.sample = self.inventory.sample(self._managed_units(), holding)
         self._report_overuse()
 

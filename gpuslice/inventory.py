@@ -214,8 +214,17 @@ class Inventory:
 
     def _still_releasing(self, pid: int, used: int | None, gpu: int, now: float) -> bool:
         """An exited process NVML still lists: its VRAM counts until the configured bound."""
-        since = self._gone_since.setdefault(pid, now)
-        if now - since < self.config.vram_release_timeout:
+        if pid not in self._gone_since:
+            self._gone_since[pid] = now
+            log.info(
+                "GPU %d still lists exited PID %d (%s): counting it until released, at most "
+                "%g s (vram_release_timeout)",
+                gpu,
+                pid,
+                format_size(used or 0),
+                self.config.vram_release_timeout,
+            )
+        if now - self._gone_since[pid] < self.config.vram_release_timeout:
             return True
         if pid not in self._overrun_logged:
             self._overrun_logged.add(pid)

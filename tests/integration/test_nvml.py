@@ -312,3 +312,37 @@ def test_environment_of_a_granted_unit(bed: Container) -> None:
         "GPUSLICE_GPUS=1\n"
         f"NVIDIA_VISIBLE_DEVICES={UUID1}\n"
     )
+
+
+def test_leftover_process_of_a_victim_delays_the_grant(bed: Container) -> None:
+    """KillMode=process leaves a preempted unit's worker alive with its VRAM: no grant on
+    that memory until the worker is gone."""
+    fakegpu.write_alloc_job(
+        bed,
+        "leaky.service",
+        90,
+        "background",
+        memory="20G",
+        devices="0",
+        workers=("python3",),
+        extra_service="KillMode=process",
+    )
+    fakegpu.write_alloc_job(bed, "urgent.service", 10, memory="20G", devices="0")
+    reload(bed)
+    wait_state(bed, "leaky.service", "active")
+    worker = wait_until(
+        lambda: next(iter(fakegpu.allocations(bed)), None), 10, what="the leaky worker"
+    )
+    bed.systemctl("start", "--no-block", "urgent.service")
+    wait_state(bed, "leaky.service", "inactive")
+    reason = "waiting: needs 20 GiB on one GPU; GPU 0 has 4 GiB free after the reserve"
+    wait_until(
+        lambda: [w["reason"] for w in status(bed)["waiting"]] == [reason] or None,
+        10,
+        what="urgent.service waiting on the leftover memory",
+    )
+    assert prop(bed, "urgent.service", "SubState") == "start-pre"
+    assert worker in fakegpu.allocations(bed)
+    bed.run(["kill", str(worker)])
+    wait_state(bed, "urgent.service", "active")
+    assert holders(bed)[0] == ["urgent.service"]
