@@ -340,7 +340,8 @@ def analyse_burst(
     """Order check on the controller's own journal: the order it saw requests and granted.
 
     A priority inversion is a grant to B while a more urgent A (lower Priority=) was
-    waiting (logged "A waiting" and not granted since). A grant to B while an A of the same
+    blocked (logged "A waiting: ..." and not granted since); a grant while A's own victims
+    were stopping ("A waiting for V to stop") is counted apart. A grant to B while an A of the same
     priority had waited longer is a FIFO inversion. Gate delivery = journal time of a unit's
     first request - when the unit left "inactive" (its gate began)."""
     t0 = result["t0"]
@@ -363,10 +364,13 @@ def analyse_burst(
     # Replay the controller's decisions in journal order. A unit waits from its first
     # "waiting" line until it is granted ("starting X (priority N)"); a preempted unit waits
     # again from its restart. A grant to B while a more urgent A waits is an inversion.
-    inversions = fifo = 0
+    inversions = fifo = served_meanwhile = 0
     inverted_units: set[str] = set()
     pairs: list[tuple[str, str]] = []
     waiting_since: dict[str, int] = {}
+    # "A waiting for V to stop" means A is being served: its capacity is being freed, and a
+    # less urgent grant elsewhere meanwhile is no inversion (counted apart)
+    being_served: set[str] = set()
     preemptions = restarts = 0
     index = 0
     for line in journal.splitlines():
@@ -382,11 +386,18 @@ def analyse_burst(
         g, w = _GRANT.match(msg), _WAIT.match(msg)
         if w and w.group(1) in priorities:
             waiting_since.setdefault(w.group(1), index)
+            if msg.startswith(f"{w.group(1)} waiting for "):
+                being_served.add(w.group(1))
+            else:
+                being_served.discard(w.group(1))
         if g and g.group(1) in priorities:
             b = g.group(1)
             since_b = waiting_since.pop(b, index)
+            being_served.discard(b)
             for a, since_a in waiting_since.items():
-                if priorities[a] < priorities[b]:
+                if priorities[a] < priorities[b] and a in being_served:
+                    served_meanwhile += 1
+                elif priorities[a] < priorities[b]:
                     inversions += 1
                     inverted_units.add(b)
                     pairs.append((a, b))
@@ -410,6 +421,7 @@ def analyse_burst(
         "priority_inversions": inversions,
         "inverted_units": sorted(inverted_units),
         "fifo_inversions": fifo,
+        "grants_while_a_more_urgent_unit_was_being_served": served_meanwhile,
         "never_ended": result["never_ended"],
         "preemptions": preemptions,
         "preempted_restarts": restarts,
@@ -578,7 +590,9 @@ def case_scale(
             "0",
             st["priority_inversions"] == 0 and not st["never_ended"],
             note=f"FIFO inversions {st['fifo_inversions']}; never ran "
-            f"{len(st['never_ended'])}; preemptions {st['preemptions']}",
+            f"{len(st['never_ended'])}; preemptions {st['preemptions']}; grants while a more "
+            "urgent unit's victims were stopping "
+            f"{st['grants_while_a_more_urgent_unit_was_being_served']}",
         )
     )
     return rows, raw
