@@ -402,7 +402,10 @@ def analyse_burst(
                     inverted_units.add(b)
                     pairs.append((a, b))
                 elif priorities[a] == priorities[b] and since_a < since_b:
-                    fifo += 1
+                    if a in being_served:
+                        served_meanwhile += 1
+                    else:
+                        fifo += 1
     starts = {u: s for u, s in result["starts"].items() if s is not None}
     ends = result["ends"]
     if not ends:
@@ -421,7 +424,7 @@ def analyse_burst(
         "priority_inversions": inversions,
         "inverted_units": sorted(inverted_units),
         "fifo_inversions": fifo,
-        "grants_while_a_more_urgent_unit_was_being_served": served_meanwhile,
+        "grants_while_a_more_urgent_unit_was_being_served": served_meanwhile,  # or older equal
         "never_ended": result["never_ended"],
         "preemptions": preemptions,
         "preempted_restarts": restarts,
