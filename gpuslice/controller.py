@@ -283,6 +283,11 @@ class Controller:
             self.service.grant(unit, "")
             return
         self._forget_jobs(unit)
+        holder = self.scheduler.holders.get(unit)
+        if holder is not None and holder.phase is Phase.STOPPING:
+            # its start job outran our stop job: stop it again rather than leave it waiting
+            self._spawn(self._call(self.systemd.stop_unit, unit))
+            return
         if self.inventory.available and self.sample.age(self.inventory.clock()) > FRESH_SAMPLE:
             self._take_sample()  # grant against what is on the GPUs now
             self.execute(self.scheduler.set_gpus(self.sample.gpus))
@@ -301,7 +306,7 @@ class Controller:
                 self._spawn(self._call(self.systemd.stop_unit, action.unit))
             elif isinstance(action, Start):
                 log.info("%s", action.reason)
-                self._spawn(self._call(self.systemd.start_unit, action.unit))
+                self._spawn(self._call(self.systemd.restart_preempted, action.unit))
             elif isinstance(action, Log):
                 log.log(logging.getLevelName(action.level.upper()), "%s", action.message)
         if actions:
@@ -364,7 +369,7 @@ class Controller:
             self.own_jobs.add(await method(unit))
         except SystemdError as e:
             log.error("%s %s failed: %s", method.__name__, unit, e.text)
-            if method == self.systemd.start_unit:
+            if method == self.systemd.restart_preempted:
                 self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
         finally:
             self.in_flight[unit] -= 1

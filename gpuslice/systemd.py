@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dbus_next import BusType, Message, MessageType, Variant
+from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 SYSTEMD = "org.freedesktop.systemd1"
@@ -159,6 +159,24 @@ class Systemd:
     async def start_unit(self, name: str) -> str:
         (job,) = await self.call("StartUnit", "ss", [name, "replace"])
         return str(job)
+
+    async def restart_preempted(self, name: str) -> str:
+        """Start a unit gpuslice itself stopped or holds back, resetting its start rate
+        limit first: being preempted five times in ten seconds must not make systemd refuse
+        to bring it back. Units that failed are never started this way."""
+        # sent, not awaited: StartUnit must follow it at once, before any later StopUnit
+        self.bus.send(
+            Message(
+                destination=SYSTEMD,
+                path=MANAGER_PATH,
+                interface=MANAGER,
+                member="ResetFailedUnit",
+                signature="s",
+                body=[name],
+                flags=MessageFlag.NO_REPLY_EXPECTED,
+            )
+        )
+        return await self.start_unit(name)
 
     async def stop_unit(self, name: str) -> str:
         (job,) = await self.call("StopUnit", "ss", [name, "replace"])
