@@ -183,8 +183,17 @@ class Systemd:
         return str(job)
 
     async def boot_id(self) -> str:
+        """What changes with every boot: the kernel's boot id and when systemd started.
+
+        The second part matters in containers, which share the host's kernel (and a
+        sandboxed service may see the host's boot id even where nspawn gives the container
+        its own)."""
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+            kernel = f.read().strip()
+        (started,) = await self.call(
+            "Get", "ss", [MANAGER, "UserspaceTimestamp"], interface=PROPERTIES
+        )
+        return f"{kernel}/{started.value}"
 
     async def system_state(self) -> str:
         (state,) = await self.call("Get", "ss", [MANAGER, "SystemState"], interface=PROPERTIES)

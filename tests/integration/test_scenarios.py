@@ -6,6 +6,8 @@ container, as a user would.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tests.bed.container import Container, wait_until
 from tests.integration.jobs import (
     holders,
@@ -283,3 +285,29 @@ def test_rapid_handovers_never_lose_a_start(container: Container) -> None:
     data = status(container)
     assert (data["waiting"], data["held"], data["failed"]) == ([], [], [])
     assert "running without enough free GPUs" not in container.journal("gpuslice.service")
+
+
+def test_holds_survive_a_reboot(bed_tree: Path) -> None:
+    """A unit stopped by hand stays held in the next boot; a finished one runs again.
+
+    The container's root is a throwaway overlay, so the "reboot" is a second container that
+    boots with the first one's /var/lib/gpuslice."""
+    with Container(bed_tree) as first:
+        first.install_gpuslice()
+        write_job(first, VLM, 90, "background")
+        write_job(first, "done.service", 80, "background", seconds=1)
+        reload(first)
+        wait_state(first, "done.service", "active")
+        wait_journal(first, "done.service finished")
+        wait_state(first, VLM, "active")
+        first.systemctl("stop", VLM)
+        wait_journal(first, "vlm-analysis.service was stopped outside gpuslice")
+        state = first.run("cat /var/lib/gpuslice/state.json").stdout
+    with Container(bed_tree) as second:
+        write_job(second, VLM, 90, "background")
+        write_job(second, "done.service", 80, "background", seconds=1)
+        second.write_file("/var/lib/gpuslice/state.json", state)
+        second.install_gpuslice()
+        wait_journal(second, "done.service finished")  # finished last boot: runs again
+        assert status(second)["held"] == [VLM]
+        assert prop(second, VLM, "ActiveState") == "inactive"
