@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
 from gpuslice.core.placement import (
+    Placement,
     Use,
     allowed,
     applies,
@@ -258,7 +259,7 @@ class Scheduler:
             fits(spec, self.devices[g], uses[g]) for g in wanted
         ):
             found = self._place(spec, [], preempt=False)
-            wanted = frozenset(found[0]) if found is not None else frozenset()
+            wanted = frozenset(found.gpus) if found is not None else frozenset()
         actions: list[Action] = []
         if len(wanted) < spec.gpus:
             actions.append(
@@ -317,15 +318,14 @@ class Scheduler:
 
     def _place(
         self, spec: UnitSpec, promises: list[tuple[int, Use]], *, preempt: bool
-    ) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
-        placement = place(
+    ) -> Placement | None:
+        return place(
             spec,
             self.devices,
             self._uses(promises),
             preempt=preempt,
             avoid_foreign=self._avoids_foreign(spec),
         )
-        return None if placement is None else (placement.gpus, placement.victims)
 
     def _promise(
         self,
@@ -370,7 +370,7 @@ class Scheduler:
         if not waiter.victims:
             found = self._place(spec, promises, preempt=False)
             if found is not None:
-                gpus = found[0]
+                gpus = found.gpus
                 del self.waiters[spec.name]
                 holder = Holder(spec, frozenset(gpus), Phase.RUNNING, self._next())
                 self.holders[spec.name] = holder
@@ -381,7 +381,7 @@ class Scheduler:
             self._promise(promises, spec, waiter.target or sorted(victim_gpus)[: spec.gpus])
             return self._set_reason(waiter, self._stopping_reason(waiter))
         found = self._place(spec, promises, preempt=True)
-        if found is None or not found[1]:
+        if found is None or not found.victims:
             allowed_gpus = [
                 g for g in self.devices.values() if allowed(spec, g, self._avoids_foreign(spec))
             ]
@@ -390,7 +390,7 @@ class Scheduler:
                 room = [g.index for g in allowed_gpus if self._fits_now(spec, g, uses)]
                 self._promise(promises, spec, room[: spec.gpus], kept_from=spec.priority)
             return self._set_reason(waiter, self._blocked_reason(spec, promises))
-        gpus, victims = found
+        gpus, victims = found.gpus, found.victims
         actions: list[Action] = []
         for victim in victims:
             holder = self.holders[victim]
@@ -421,7 +421,7 @@ class Scheduler:
             found = self._place(spec, promises, preempt=True)
             if found is None:
                 continue
-            gpus, victims = found
+            gpus, victims = found.gpus, found.victims
             if victims:
                 held: frozenset[int] = frozenset()  # its gate request preempts like any start
                 where = "GPUs held by less urgent units"
@@ -451,7 +451,7 @@ class Scheduler:
             found = self._place(spec, promises, preempt=False)
             if found is None:
                 continue
-            gpus = found[0]
+            gpus = found.gpus
             self.holders[spec.name] = Holder(spec, frozenset(gpus), Phase.STARTING, self._next())
             where = format_gpus(gpus)
             actions.append(
