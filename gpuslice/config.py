@@ -7,7 +7,6 @@ caller's job: `load_config` either returns a complete `Config` or raises `Config
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
@@ -277,6 +276,3 @@ def load_config_with_warnings(
 def load_config(path: str | os.PathLike[str] = CONFIG_PATH) -> Config:
     return load_config_with_warnings(path)[0]
 
-
-def field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(Config))
