@@ -275,4 +275,3 @@ def load_config_with_warnings(
 
 def load_config(path: str | os.PathLike[str] = CONFIG_PATH) -> Config:
     return load_config_with_warnings(path)[0]
-
