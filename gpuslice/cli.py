@@ -15,8 +15,8 @@ from gpuslice import __version__
 from gpuslice.annotations import check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings
 from gpuslice.core.model import UnitKind
+from gpuslice.paths import CONFIG_PATH
 
-CONFIG_PATH = "/etc/gpuslice/config.yaml"
 ENROLL_DROPIN = "gpuslice.conf"
 
 config_option = click.option(

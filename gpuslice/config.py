@@ -17,9 +17,8 @@ from typing import Any
 import yaml
 from yaml.constructor import SafeConstructor
 
+from gpuslice.paths import CONFIG_PATH
 from gpuslice.sizes import SIZE_ALLOWED, parse_size
-
-CONFIG_PATH = "/etc/gpuslice/config.yaml"
 
 
 class ConfigError(Exception):

@@ -7,6 +7,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 GATE_NAME = "gpuslice-gate"
+# The gate drop-in's file name: drop-ins that sort after it are applied after it.
+GATE_DROPIN_NAME = "gpuslice-gate.conf"
+CONFIG_PATH = "/etc/gpuslice/config.yaml"
+# Where the unit's StateDirectory=/RuntimeDirectory= put them, the only places its sandbox
+# (ProtectSystem=strict) lets it write.
+DEFAULT_STATE_DIR = "/var/lib/gpuslice"
+DEFAULT_RUNTIME_DIR = "/run/gpuslice"
 DEFAULT_LIBEXEC_DIR = "/usr/lib/gpuslice"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -27,3 +34,14 @@ def find_libexec_dir(
 
 
 LIBEXEC_DIR = find_libexec_dir()
+
+# A granted unit's environment: one directory per unit, so that every valid unit name (up to
+# systemd's 255 characters) fits in one path component. The generator writes the specifier
+# form into each gate drop-in; the controller writes the file before it answers the gate.
+ENV_FILE_NAME = "gpuslice.env"
+ENV_FILE_SPECIFIER = f"env/%n/{ENV_FILE_NAME}"
+
+
+def env_file(runtime_dir: str, unit: str) -> Path:
+    """RUNTIME_DIR/env/UNIT/gpuslice.env, the file `EnvironmentFile=` names."""
+    return Path(runtime_dir) / "env" / unit / ENV_FILE_NAME

@@ -11,6 +11,7 @@ The search path and the drop-in rules follow systemd 252 (`src/basic/path-lookup
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,6 +43,32 @@ _MAX_SYMLINKS = 32
 
 # ---------------------------------------------------------------------------------------------
 # unit names
+
+
+UNIT_NAME_MAX = 255  # systemd's UNIT_NAME_MAX less the NUL
+_UNIT_NAME = re.compile(
+    r"[A-Za-z0-9:_.\\-]+(@[A-Za-z0-9:_.\\@-]*)?"
+    r"\.(service|socket|target|device|mount|automount|swap|timer|path|slice|scope)"
+)
+
+
+def is_valid_unit_name(name: object) -> bool:
+    """systemd's unit_name_is_valid(), near enough: ASCII letters, digits and `:-_.\\`, one
+    `@` before an instance, a known type suffix, at most 255 characters. Every name that
+    comes from outside (a signal, a call, the state file) is checked with this first."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= UNIT_NAME_MAX
+        and _UNIT_NAME.fullmatch(name) is not None
+    )
+
+
+def printable(text: str, limit: int = 300) -> str:
+    """`text` safe for one journal line: control and non-ASCII characters escaped, cut at
+    `limit` characters. For names that failed `is_valid_unit_name` and must still be shown."""
+    escaped = text.encode("ascii", "backslashreplace").decode("ascii")
+    escaped = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in escaped)
+    return escaped if len(escaped) <= limit else escaped[:limit] + "..."
 
 
 def is_template(name: str) -> bool:

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass
+
+# A GPU as `Devices=` and config.yaml name it: its NVML index (ASCII digits) or its UUID.
+GPU_ID = re.compile(r"[0-9]{1,4}|GPU-[0-9A-Za-z-]{1,80}", re.ASCII)
 
 
 class UnitKind(enum.Enum):
