@@ -10,29 +10,35 @@ Nothing polls; a lost bus connection exits non-zero so that Restart= brings us b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
-from gpuslice.inventory import Inventory, Sample
+from gpuslice.inventory import Inventory, Sample, unit_of_pid
 from gpuslice.notify import Notifier
-from gpuslice.service import SchedulerService
+from gpuslice.paths import env_file
+from gpuslice.service import ACCESS_DENIED, SchedulerService
 from gpuslice.sizes import format_size
 from gpuslice.state import StateStore
 from gpuslice.status import snapshot_to_json
-from gpuslice.systemd import SHUTDOWN_TARGETS, Systemd, SystemdError, UnitState
+from gpuslice.systemd import Systemd, SystemdError
+from gpuslice.tracker import CameUp, Change, Kind, Ledger, Tracker, WentDown, classify
+from gpuslice.unitfiles import is_instance, is_template, printable
 
 log = logging.getLogger("gpuslice")
 
-DOWN_STATES = frozenset({"inactive", "failed"})
+T = TypeVar("T")
 FRESH_SAMPLE = 0.25  # seconds: a gate request re-samples NVML when the last sample is older
 
 
@@ -47,6 +53,45 @@ def env_file_text(gpus: Sequence[Gpu]) -> str:
         f"CUDA_VISIBLE_DEVICES={uuids}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
         f"NVIDIA_VISIBLE_DEVICES={uuids}\nGPUSLICE_GPUS={indices}\n"
     )
+
+
+NVML_DEADLINE = 2.0  # seconds a sample may take on the loop before it counts as hung
+NVML_OPEN_DEADLINE = 10.0  # nvmlInit, before READY=1 (TimeoutStartSec is 90 s)
+
+
+class OffLoop:
+    """Runs NVML calls on one worker thread and waits for them at most `deadline` seconds.
+
+    A hung driver call then costs the event loop (and the watchdog) `deadline` once; until
+    that call returns, later calls are not made and the caller keeps what it had."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
+        self._hung: Future[Any] | None = None
+
+    @property
+    def hung(self) -> bool:
+        if self._hung is not None and self._hung.done():
+            self._hung = None
+            log.info("NVML answers again")
+        return self._hung is not None
+
+    def call(self, fn: Callable[[], T], deadline: float | None = None) -> T | None:
+        """fn()'s result, or None when NVML is hung."""
+        if self.hung:
+            return None
+        future = self._pool.submit(fn)
+        try:
+            return future.result(timeout=deadline or self.deadline)
+        except FuturesTimeout:
+            self._hung = future
+            log.error(
+                "NVML did not answer within %g s: keeping the last GPU sample (stale) "
+                "until it does",
+                deadline or self.deadline,
+            )
+            return None
 
 
 class Controller:
@@ -64,30 +109,34 @@ class Controller:
         self.root = root
         self.scan: Scan = scan(root)
         self.inventory = inventory or Inventory(config)
+        self.nvml = OffLoop(NVML_DEADLINE)
         self.sample = Sample([Gpu(i) for i in range(config.gpus)])
+        self.sample_stale = False
         self.scheduler = Scheduler(
             self.sample.gpus, {}, yield_to_foreign=config.foreign_processes == "yield"
+        )
+        self.tracker = Tracker(
+            lambda name: self.spec_for(name) is not None,
+            Ledger(self.scheduler.phase, self.scheduler.is_waiting),
         )
         self.store = StateStore(Path(config.state_dir))
         self.notifier = Notifier()
         self.service = SchedulerService(
-            systemd.bus, self.on_acquire, self.status_json, self.reload_annotations
+            systemd.bus, self.on_acquire, self.status_json, self.request_rescan
         )
         self.boot_id = ""
-        self.states: dict[str, UnitState] = {}
-        # Who stopped a unit: jobs systemd announced for it since it last passed the gate,
-        # and which of those are ours (paths from our own StartUnit/StopUnit replies).
-        self.unit_jobs: dict[str, set[str]] = {}
-        self.own_jobs: set[str] = set()
-        self.in_flight: dict[str, int] = {}
-        self.deferred: set[str] = set()
-        self._signals: dict[str, int] = {}  # signals seen per unit (see _refresh)
-        self.shutting_down = False
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._sampler: asyncio.TimerHandle | None = None
         self._overusing: set[tuple[str, int]] = set()
+        self._status_cache: str | None = None
+        # rescans run off the loop, one at a time; Acquire calls of units the running scan
+        # may not know yet wait for it
+        self._rescan: asyncio.Task[None] | None = None
+        self._rescan_again = False
+        self._parked: list[str] = []
+        self._stop_timers: dict[str, asyncio.TimerHandle] = {}
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -96,17 +145,20 @@ class Controller:
         self.systemd.on_job_new = self.on_job_new
         self.systemd.on_job_removed = self.on_job_removed
         self.systemd.on_reloading = self.on_reloading
+        self.systemd.on_systemd_restarted = self.on_systemd_restarted
         await self.systemd.subscribe()
         self.boot_id = await self.systemd.boot_id()
         for problem in self.scan.problems:
             self._log_problem(problem)
-        self.inventory.open()
+        if self.nvml.call(self._open_nvml, NVML_OPEN_DEADLINE) is None:
+            self.inventory.available = False  # hung: schedule `gpus:` from config.yaml
         self._take_sample()
-        self.scheduler.devices = {g.index: g for g in self.sample.gpus}
+        self.scheduler.set_gpus(self.sample.gpus)
         saved, saved_boot = self.store.load()
         units = await self.systemd.list_units()
-        self.states = {u.name: u for u in units}
-        self.scheduler.specs = self._concrete_specs(self.states)
+        self.tracker.states = {u.name: u for u in units if self.spec_for(u.name) is not None}
+        remembered = set(saved.preempted) | set(saved.holders) | set(saved.held)
+        self.scheduler.specs = self._concrete_specs(remembered)
         if saved_boot != self.boot_id:
             saved.holders = {}  # nothing runs after a reboot that we granted before it
         self.scheduler.load(saved)
@@ -122,20 +174,29 @@ class Controller:
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
 
+    def _open_nvml(self) -> bool:
+        self.inventory.open()
+        return True
+
     def _rebuild(self) -> list[Action]:
         """Restored holders that ended while we were away are recorded as finished,
-        failed or preempted; running units we did not know are adopted."""
+        failed or preempted; running units we did not know are adopted; a stop we had
+        asked for that systemd no longer runs is given up."""
         actions: list[Action] = []
-        for name in list(self.scheduler.holders):
-            state = self.states.get(name, UnitState(name, "inactive", "dead", 0))
-            if self._classify(state) == "down":
-                actions += self.scheduler.inactive(name, self._outcome(name, state))
-        for state in self.states.values():
-            if (
-                self.spec_for(state.name) is not None
-                and self._classify(state) == "running"
-                and state.name not in self.scheduler.holders
+        for name, _ in self.scheduler.grants().items():
+            state = self.tracker.state(name)
+            kind = classify(state)
+            if kind is Kind.DOWN:
+                actions += self.scheduler.inactive(name, self.tracker.outcome(state))
+            elif (
+                kind is Kind.RUNNING
+                and self.scheduler.phase(name) is Phase.STOPPING
+                and state.job_id == 0
             ):
+                why = "its stop was lost while the controller was away"
+                actions += self.scheduler.stop_failed(name, why, refused=False)
+        for state in self.tracker.states.values():
+            if classify(state) is Kind.RUNNING and self.scheduler.phase(state.name) is None:
                 actions += self.scheduler.running(state.name)
         return actions + self.scheduler.schedule()
 
@@ -145,17 +206,10 @@ class Controller:
         return self.scan.spec_for(name)
 
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
-        if unit in SHUTDOWN_TARGETS:
-            self.shutting_down = True
-        if self.spec_for(unit) is not None:
-            self.unit_jobs.setdefault(unit, set()).add(path)
-            self._signals[unit] = self._signals.get(unit, 0) + 1
+        self.tracker.job_new(path, unit)
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
-        if path not in self.unit_jobs.get(unit, ()):
-            self.own_jobs.discard(path)  # already accounted for: keep the set small
-        if self.spec_for(unit) is not None:
-            self._signals[unit] = self._signals.get(unit, 0) + 1
+        if self.tracker.job_removed(path, unit, result):
             self._spawn(self._refresh(unit))
 
     async def _refresh(self, unit: str) -> None:
@@ -165,89 +219,89 @@ class Controller:
         later, so signals that arrived after the reply may already have been applied: then
         the reply is older than what we know, and is dropped.
         """
-        seen = self._signals.get(unit, 0)
+        seen = self.tracker.signals(unit)
         try:
             state = await self.systemd.unit_state(unit)
         except SystemdError as e:
             log.debug("cannot read %s: %s", unit, e)
             return
-        if self._signals.get(unit, 0) != seen:
+        if self.tracker.signals(unit) != seen:
             return
         self.on_unit_changed(
             unit, {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")}
         )
 
     def on_unit_changed(self, name: str, props: dict[str, Any]) -> None:
-        if self.spec_for(name) is None:
+        spec = self.spec_for(name)
+        if spec is None:
             return
-        self._signals[name] = self._signals.get(name, 0) + 1
         if not self.ready:
+            self.tracker.unit_changed(name, props)  # counts it; judged after start-up
             self._buffered.append((name, props))
             return
-        old = self.states.get(name, UnitState(name, "inactive", "dead", 0))
-        job = props.get("Job")
-        state = UnitState(
-            name,
-            props.get("ActiveState", old.active),
-            props.get("SubState", old.sub),
-            job[0] if job is not None else old.job_id,
-        )
-        self.states[name] = state
-        if name not in self.scheduler.specs:
-            spec = self.spec_for(name)
-            if spec is not None:
-                self.scheduler.specs[name] = spec
-        kind = self._classify(state)
-        if kind == "down":
-            if self.in_flight.get(name):
-                self.deferred.add(name)  # decide once we know which of its jobs are ours
-            elif self._tracked(name) or self._stopped_by_others(name):
-                if self.inventory.available and name in self.scheduler.holders:
-                    # VRAM release: what NVML still shows of it now counts against its GPUs
-                    self._take_sample(released=name)
-                    self.execute(self.scheduler.set_gpus(self.sample.gpus))
-                self.execute(self.scheduler.inactive(name, self._outcome(name, state)))
-                self.service.forget(name)
-                self._forget_jobs(name)
-        elif kind == "running":
-            holder = self.scheduler.holders.get(name)
-            if holder is None or holder.phase is Phase.STARTING:
-                self.execute(self.scheduler.running(name))
+        self.scheduler.learn(spec)
+        for change in self.tracker.unit_changed(name, props):
+            self._apply(change)
 
-    def _tracked(self, name: str) -> bool:
-        return name in self.scheduler.holders or name in self.scheduler.waiters
-
-    @staticmethod
-    def _classify(state: UnitState) -> str:
-        """running: past the gate; gate: in ExecStartPre=; down: released; else in between."""
-        if state.active in ("active", "reloading"):
-            return "running"
-        if state.active == "activating":
-            if state.sub == "auto-restart":
-                return "down"
-            return "gate" if state.sub in ("start-pre", "condition") else "running"
-        if state.active in DOWN_STATES and state.job_id == 0:
-            return "down"
-        return "transition"
-
-    def _outcome(self, name: str, state: UnitState) -> Outcome:
-        if state.active == "failed" or state.sub == "auto-restart":
-            return Outcome.FAILED
-        if self.shutting_down:
-            return Outcome.SHUTDOWN
-        if self._stopped_by_others(name):
-            return Outcome.STOPPED
-        return Outcome.EXITED
+    def _apply(self, change: Change) -> None:
+        if isinstance(change, WentDown):
+            name = change.unit
+            self._cancel_stop_timer(name)
+            if self.inventory.available and self.scheduler.phase(name) is not None:
+                # VRAM release: what NVML still shows of it now counts against its GPUs
+                self._take_sample(released=name)
+                self.execute(self.scheduler.set_gpus(self.sample.gpus))
+            self.execute(self.scheduler.inactive(name, change.outcome))
+            self.service.forget(name)
+        elif isinstance(change, CameUp):
+            self.execute(self.scheduler.running(change.unit))
+        else:
+            self._cancel_stop_timer(change.unit)
+            self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))
 
     def on_reloading(self, active: bool) -> None:
         if not active:
-            self.reload_annotations()
+            self.request_rescan()
+
+    def on_systemd_restarted(self) -> None:
+        """systemd re-executed: signals may have been lost meanwhile; read every unit we
+        track again, and the unit files."""
+        for name in list(self.tracker.states):
+            self._spawn(self._refresh(name))
+        self.request_rescan()
+
+    def request_rescan(self) -> None:
+        """Read the annotations again, off the loop; requests while one runs make one
+        more run after it (a flood of daemon-reloads costs two scans, not a thousand)."""
+        if self._rescan is not None:
+            self._rescan_again = True
+            return
+        self._rescan = asyncio.get_running_loop().create_task(self._run_rescans())
+        self._rescan.add_done_callback(_log_failure)
+
+    async def _run_rescans(self) -> None:
+        try:
+            while True:
+                self._rescan_again = False
+                result = await asyncio.to_thread(scan, self.root)
+                self._apply_scan(result)
+                if not self._rescan_again:
+                    break
+        finally:
+            self._rescan = None
+            parked, self._parked = self._parked, []
+            for unit in parked:
+                self._acquire_verified(unit)
 
     def reload_annotations(self) -> None:
-        self.scan = scan(self.root)
-        for problem in self.scan.problems:
+        """Read the annotations again, on the loop (tests, and the first scan)."""
+        self._apply_scan(scan(self.root))
+
+    def _apply_scan(self, result: Scan) -> None:
+        self.scan = result
+        for problem in result.problems:
             self._log_problem(problem)
-        self.execute(self.scheduler.set_specs(self._concrete_specs(self.states)))
+        self.execute(self.scheduler.set_specs(self._concrete_specs()))
 
     def reload_config(self) -> None:
         try:
@@ -263,12 +317,15 @@ class Controller:
         logging.getLogger().setLevel(config.log_level.upper())
         self._take_sample()
         self.execute(self.scheduler.set_gpus(self.sample.gpus))
-        self.reload_annotations()
+        self.request_rescan()
 
-    def _concrete_specs(self, states: dict[str, UnitState]) -> dict[str, UnitSpec]:
-        specs = {n: s for n, s in self.scan.specs.items() if "@." not in n}
-        for name in states:
-            if "@" in name and "@." not in name and name not in specs:
+    def _concrete_specs(self, remembered: Iterable[str] = ()) -> dict[str, UnitSpec]:
+        """Specs of plain units, and of the instances systemd shows or we remember (a
+        preempted instance that systemd garbage-collected must still come back)."""
+        specs = {n: s for n, s in self.scan.specs.items() if not is_template(n)}
+        names = set(self.tracker.states) | set(remembered) | set(self.scheduler.specs)
+        for name in names:
+            if is_instance(name) and name not in specs:
                 spec = self.spec_for(name)
                 if spec is not None:
                     specs[name] = spec
@@ -276,17 +333,49 @@ class Controller:
 
     # -- the gate ---------------------------------------------------------------------------
 
-    def on_acquire(self, unit: str) -> None:
+    def on_acquire(self, unit: str, sender: str) -> None:
+        self._spawn(self._verify_acquire(unit, sender, self.tracker.signals(unit)))
+
+    async def _verify_acquire(self, unit: str, sender: str, seen: int) -> None:
+        """Serve only the gate of the unit it names: the calling process must run in that
+        unit's cgroup, by systemd's own rule (the first unit in its cgroup path)."""
+        try:
+            pid = await self.systemd.caller_pid(sender)
+        except SystemdError as e:
+            self.service.refuse(unit, sender, ACCESS_DENIED, f"cannot identify the caller: {e}")
+            return
+        actual = unit_of_pid(pid)
+        if actual != unit:
+            log.warning(
+                "refused an Acquire for %s from PID %d, which runs in %s",
+                unit,
+                pid,
+                printable(actual or "no unit"),
+            )
+            self.service.refuse(unit, sender, ACCESS_DENIED, f"PID {pid} does not run in {unit}")
+            return
+        if not self.service.pending(unit):
+            return  # answered or cancelled meanwhile
+        if self.tracker.signals(unit) != seen and classify(self.tracker.state(unit)) is Kind.DOWN:
+            self.service.forget(unit)  # its start was cancelled while we checked
+            return
+        if self._rescan is not None and self.spec_for(unit) is None:
+            self._parked.append(unit)  # it may be annotated by the scan under way
+            return
+        self._acquire_verified(unit)
+
+    def _acquire_verified(self, unit: str) -> None:
+        if not self.service.pending(unit):
+            return
         spec = self.spec_for(unit)
         if spec is None:
             log.info("%s passed the gate: not managed by gpuslice", unit)
             self.service.grant(unit, "")
             return
-        self._forget_jobs(unit)
-        holder = self.scheduler.holders.get(unit)
-        if holder is not None and holder.phase is Phase.STOPPING:
+        self.tracker.passed_gate(unit)
+        if self.scheduler.phase(unit) is Phase.STOPPING:
             # its start job outran our stop job: stop it again rather than leave it waiting
-            self._spawn(self._call(self.systemd.stop_unit, unit))
+            self._call_systemd(self.systemd.stop_unit, unit, "stop")
             return
         if self.inventory.available and self.sample.age(self.inventory.clock()) > FRESH_SAMPLE:
             self._take_sample()  # grant against what is on the GPUs now
@@ -303,35 +392,75 @@ class Controller:
                 self.service.grant(action.unit, ",".join(map(str, action.gpus)))
             elif isinstance(action, Stop):
                 log.info("%s", action.reason)
-                self._spawn(self._call(self.systemd.stop_unit, action.unit))
+                self._call_systemd(self.systemd.stop_unit, action.unit, "stop")
+                self._arm_stop_timer(action.unit)
             elif isinstance(action, Start):
                 log.info("%s", action.reason)
-                self._spawn(self._call(self.systemd.restart_preempted, action.unit))
+                self._call_systemd(self.systemd.restart_preempted, action.unit, "start")
             elif isinstance(action, Log):
                 log.log(logging.getLevelName(action.level.upper()), "%s", action.message)
         if actions:
+            self._status_cache = None
             self._persist()
         self._arm_sampler()
+
+    def _call_systemd(self, method: Callable[[str], Awaitable[str]], unit: str, what: str) -> None:
+        """Counted as in flight at once, before the task runs: a signal handled before the
+        call is sent must not take the unit for one nobody is stopping."""
+        self.tracker.call_sent(unit)
+        self._spawn(self._call(method, unit, what))
+
+    async def _call(self, method: Callable[[str], Awaitable[str]], unit: str, what: str) -> None:
+        job: str | None = None
+        try:
+            job = await method(unit)
+        except SystemdError as e:
+            log.error("%s %s failed: %s", what, unit, e.text)
+            if what == "start":
+                self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
+            else:
+                self._cancel_stop_timer(unit)
+                self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
+        finally:
+            if self.tracker.call_answered(unit, job, what):
+                await self._refresh(unit)
+
+    def _arm_stop_timer(self, unit: str) -> None:
+        self._cancel_stop_timer(unit)
+        timeout = self.config.stop_timeout
+        loop = asyncio.get_running_loop()
+        self._stop_timers[unit] = loop.call_later(timeout, self._stop_overdue, unit, timeout)
+
+    def _cancel_stop_timer(self, unit: str) -> None:
+        timer = self._stop_timers.pop(unit, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _stop_overdue(self, unit: str, timeout: float) -> None:
+        self._stop_timers.pop(unit, None)
+        self.execute(self.scheduler.stop_overdue(unit, f"{timeout:g} s"))
 
     # -- NVML sampling --------------------------------------------------------------------------
 
     def _take_sample(self, released: str = "") -> None:
-        holding = {n: h.gpus for n, h in self.scheduler.holders.items() if n != released}
-        self.sample = self.inventory.sample(self._managed_units(), holding)
-        self._report_overuse()
+        holding = {n: gpus for n, gpus in self.scheduler.grants().items() if n != released}
+        managed = self._managed_units()
+        sample = self.nvml.call(lambda: self.inventory.sample(managed, holding))
+        self.sample_stale = sample is None
+        if sample is not None:
+            self.sample = sample
+            self._report_overuse()
+        self._status_cache = None
 
     def _managed_units(self) -> set[str]:
-        names = set(self.scheduler.specs) | set(self.scheduler.holders)
-        return names | {n for n in self.states if self.spec_for(n) is not None}
+        names = set(self.scheduler.specs) | set(self.scheduler.grants())
+        return names | set(self.tracker.states)
 
     def _needs_sampling(self) -> bool:
         """Something to protect: a waiter, a holder, a unit to bring back, or a GPU that a
         foreign process uses. An idle host is never sampled (no polling)."""
-        return self.inventory.available and bool(
-            self.scheduler.waiters
-            or self.scheduler.holders
-            or self.scheduler.preempted
-            or any(g.foreign_pids for g in self.sample.gpus)
+        return self.inventory.available and (
+            self.scheduler.has_work() or any(g.foreign_pids for g in self.sample.gpus)
         )
 
     def _arm_sampler(self) -> None:
@@ -346,10 +475,7 @@ class Controller:
 
     def _report_overuse(self) -> None:
         now: set[tuple[str, int]] = set()
-        for name, holder in self.scheduler.holders.items():
-            declared = holder.spec.memory
-            if declared is None:
-                continue
+        for name, declared in self.scheduler.declared_memory().items():
             for gpu, used in self.sample.used_by(name).items():
                 if used > declared:
                     now.add((name, gpu))
@@ -363,35 +489,21 @@ class Controller:
                         )
         self._overusing = now
 
-    async def _call(self, method: Any, unit: str) -> None:
-        self.in_flight[unit] = self.in_flight.get(unit, 0) + 1
-        try:
-            self.own_jobs.add(await method(unit))
-        except SystemdError as e:
-            log.error("%s %s failed: %s", method.__name__, unit, e.text)
-            if method == self.systemd.restart_preempted:
-                self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
-        finally:
-            self.in_flight[unit] -= 1
-            if not self.in_flight[unit]:
-                del self.in_flight[unit]
-                if unit in self.deferred:
-                    self.deferred.discard(unit)
-                    await self._refresh(unit)
-
-    def _stopped_by_others(self, name: str) -> bool:
-        return any(path not in self.own_jobs for path in self.unit_jobs.get(name, ()))
-
-    def _forget_jobs(self, name: str) -> None:
-        self.own_jobs -= self.unit_jobs.pop(name, set())
-
     def _write_env(self, unit: str, gpus: Iterable[int]) -> None:
-        env_dir = Path(self.config.runtime_dir) / "env"
-        env_dir.mkdir(parents=True, exist_ok=True)
-        tmp = env_dir / f".{unit}.tmp"
-        devices = [self.scheduler.devices.get(g, Gpu(g)) for g in sorted(gpus)]
-        tmp.write_text(env_file_text(devices))
-        os.replace(tmp, env_dir / f"{unit}.env")
+        """Write what the unit's processes see before its gate is answered. If it cannot
+        be written the unit still starts (a gate must never hang), without the stale file
+        of an earlier grant, and the journal says so."""
+        path = env_file(self.config.runtime_dir, unit)
+        devices = [self.scheduler.device(g) for g in sorted(gpus)]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(env_file_text(devices))
+            os.replace(tmp, path)
+        except OSError as e:
+            log.error("cannot write %s (%s): %s starts without CUDA_VISIBLE_DEVICES", path, e, unit)
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def _persist(self) -> None:
         try:
@@ -400,10 +512,11 @@ class Controller:
             log.error("cannot save state to %s: %s", self.store.path, e)
         self.notifier.status(self.status_line())
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_log_failure)
 
     def _log_problem(self, problem: Problem) -> None:
         level = logging.ERROR if problem.severity == "error" else logging.WARNING
@@ -419,8 +532,17 @@ class Controller:
         return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
 
     def status_json(self) -> str:
-        snapshot = snapshot_to_json(self.scheduler.snapshot(), self.scan, self.sample)
-        return json.dumps(snapshot, sort_keys=True)
+        """Anyone may ask, as often as they like: the answer is built once per change."""
+        if self._status_cache is None:
+            snapshot = snapshot_to_json(self.scheduler.snapshot(), self.scan, self.sample)
+            self._status_cache = json.dumps(snapshot, sort_keys=True)
+        return self._status_cache
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A bug in a task must show in the journal, not vanish with the task."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("internal error", exc_info=task.exception())
 
 
 def _journal_logging(level: str) -> None:

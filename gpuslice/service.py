@@ -2,7 +2,9 @@
 
 `Acquire` is what the gate calls from a unit's start job: its reply is deferred until the
 unit may run, so `systemctl start` blocks exactly as long as the unit waits. The shipped
-bus policy lets only root call Acquire and Reload; anyone may call Status.
+bus policy lets only root call Acquire and Reload and send us signals; anyone may call
+Status. The controller still checks that an Acquire comes from a process of the unit it
+names (`refuse` answers those that do not).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable
 from dbus_next import Message, MessageType
 from dbus_next.aio import MessageBus
 from dbus_next.constants import NameFlag, RequestNameReply
+
+from gpuslice.unitfiles import is_valid_unit_name, printable
 
 BUS_NAME = "org.gpuslice.Scheduler1"
 OBJECT_PATH = "/org/gpuslice/Scheduler1"
@@ -35,6 +39,13 @@ INTROSPECTION = f"""<!DOCTYPE node PUBLIC "-//freedesktop//DTD D-BUS Object Intr
 
 log = logging.getLogger(__name__)
 
+ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
+INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
+LIMITS_EXCEEDED = "org.freedesktop.DBus.Error.LimitsExceeded"
+# One start job runs one gate; a few more calls per unit can only be a gate that retried
+# while an earlier call of it was still on its way. More than this is not a gate.
+MAX_PENDING_PER_UNIT = 8
+
 
 class NameTaken(Exception):
     """Another controller already owns the bus name."""
@@ -46,7 +57,7 @@ class SchedulerService:
     def __init__(
         self,
         bus: MessageBus,
-        on_acquire: Callable[[str], None],
+        on_acquire: Callable[[str, str], None],
         on_status: Callable[[], str],
         on_reload: Callable[[], None],
     ) -> None:
@@ -71,17 +82,42 @@ class SchedulerService:
         """The unit's start was cancelled: its callers are gone."""
         self._pending.pop(unit, None)
 
+    def pending(self, unit: str) -> bool:
+        return bool(self._pending.get(unit))
+
+    def refuse(self, unit: str, sender: str, error: str, text: str) -> None:
+        """Answer this sender's Acquire calls for the unit with an error."""
+        calls = self._pending.get(unit, [])
+        for call in [c for c in calls if c.sender == sender]:
+            calls.remove(call)
+            self.bus.send(Message.new_error(call, error, text))
+        if not calls:
+            self._pending.pop(unit, None)
+
     def _handle(self, msg: Message) -> Message | bool:
         if msg.message_type != MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
             return False
+        try:
+            return self._route(msg)
+        except Exception:  # never a traceback to a caller, never a lost connection
+            log.exception("error handling %s from %s", msg.member, msg.sender)
+            return Message.new_error(msg, "org.freedesktop.DBus.Error.Failed", "internal error")
+
+    def _route(self, msg: Message) -> Message | bool:
         if msg.interface == "org.freedesktop.DBus.Introspectable" and msg.member == "Introspect":
             return Message.new_method_return(msg, "s", [INTROSPECTION])
         if msg.interface not in (INTERFACE, None):
             return False
-        if msg.member == "Acquire" and msg.signature == "s":
-            unit = msg.body[0]
-            self._pending.setdefault(unit, []).append(msg)
-            self._on_acquire(unit)
+        if msg.member == "Acquire":
+            unit = msg.body[0] if msg.signature == "s" else None
+            if not isinstance(unit, str) or not is_valid_unit_name(unit):
+                shown = printable(str(unit), 80)
+                return Message.new_error(msg, INVALID_ARGS, f"not a valid unit name: {shown}")
+            calls = self._pending.setdefault(unit, [])
+            if len(calls) >= MAX_PENDING_PER_UNIT:
+                return Message.new_error(msg, LIMITS_EXCEEDED, f"too many calls for {unit}")
+            calls.append(msg)
+            self._on_acquire(unit, msg.sender)
             return True
         if msg.member == "Status":
             return Message.new_method_return(msg, "s", [self._on_status()])

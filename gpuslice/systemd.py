@@ -2,17 +2,25 @@
 
 Raw messages rather than introspected proxies: a proxy costs an Introspect round trip per
 unit, which matters at a thousand units. D-Bus errors become `SystemdError` here, once.
+
+Only systemd is believed. Any local user may send a signal to any connection, so a signal
+counts only when its sender is the current owner of `org.freedesktop.systemd1` (followed
+through the bus daemon's NameOwnerChanged), its signature is the one systemd sends, and every
+unit name in it is a valid unit name. Everything else is dropped before the controller sees it.
 """
 
 from __future__ import annotations
 
+import logging
 import string
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
+
+from gpuslice.tracker import UnitState
+from gpuslice.unitfiles import is_valid_unit_name
 
 SYSTEMD = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"
@@ -20,10 +28,10 @@ MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT = "org.freedesktop.systemd1.Unit"
 PROPERTIES = "org.freedesktop.DBus.Properties"
 UNIT_PATH_PREFIX = "/org/freedesktop/systemd1/unit/"
+BUS_DAEMON = "org.freedesktop.DBus"
+BUS_DAEMON_PATH = "/org/freedesktop/DBus"
 
-SHUTDOWN_TARGETS = frozenset(
-    {"shutdown.target", "reboot.target", "poweroff.target", "halt.target", "kexec.target"}
-)
+log = logging.getLogger(__name__)
 
 
 class SystemdError(Exception):
@@ -33,16 +41,6 @@ class SystemdError(Exception):
         super().__init__(f"{name}: {text}")
         self.name = name
         self.text = text
-
-
-@dataclass(frozen=True)
-class UnitState:
-    """The part of a unit's state the controller decides on."""
-
-    name: str
-    active: str
-    sub: str
-    job_id: int
 
 
 def unit_path(name: str) -> str:
@@ -58,20 +56,40 @@ def unit_path(name: str) -> str:
 
 
 def unit_name_from_path(path: str) -> str | None:
-    """The inverse of `unit_path`; None for paths that are not unit objects."""
+    """The inverse of `unit_path`; None for paths that are not the object of a valid unit
+    name (a forged path may decode to anything: control characters, 10,000 characters)."""
     if not path.startswith(UNIT_PATH_PREFIX):
         return None
     label = path[len(UNIT_PATH_PREFIX) :]
+    if len(label) > 3 * 255:
+        return None
     raw = bytearray()
     i = 0
     while i < len(label):
-        if label[i] == "_" and len(label[i + 1 : i + 3]) == 2:
-            raw.append(int(label[i + 1 : i + 3], 16))
+        code = label[i + 1 : i + 3]
+        if label[i] == "_" and len(code) == 2 and all(c in string.hexdigits for c in code):
+            raw.append(int(code, 16))
             i += 3
         else:
             raw.extend(label[i].encode())
             i += 1
-    return raw.decode(errors="replace")
+    name = raw.decode(errors="replace")
+    return name if is_valid_unit_name(name) else None
+
+
+def _job(value: Any) -> int | None:
+    """The job id of a unit's `Job` property, a `(uo)` pair; None when malformed."""
+    if isinstance(value, list | tuple) and len(value) == 2 and isinstance(value[0], int):
+        return value[0]
+    return None
+
+
+# The properties of a unit the controller reads from PropertiesChanged, with their checks.
+_UNIT_PROPERTIES: dict[str, Callable[[Any], bool]] = {
+    "ActiveState": lambda v: isinstance(v, str) and len(v) <= 32,
+    "SubState": lambda v: isinstance(v, str) and len(v) <= 32,
+    "Job": lambda v: _job(v) is not None,
+}
 
 
 def _check(reply: Message | None) -> Message:
@@ -92,6 +110,9 @@ class Systemd:
         self.on_job_removed: Callable[[int, str, str, str], None] = lambda i, p, u, r: None
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda unit, props: None
         self.on_reloading: Callable[[bool], None] = lambda active: None
+        self.on_systemd_restarted: Callable[[], None] = lambda: None
+        self.owner: str | None = None  # systemd's unique name on the bus: the only sender believed
+        self.dropped = 0  # signals not believed, for status and tests
         bus.add_message_handler(self._dispatch)
 
     @classmethod
@@ -122,7 +143,13 @@ class Systemd:
         return list(_check(reply).body)
 
     async def subscribe(self) -> None:
-        """Match the signals we act on, then ask systemd to emit them (supervisor's order)."""
+        """Follow who owns systemd's name, match the signals we act on, then ask systemd to
+        emit them (supervisor's order)."""
+        await self._add_match(
+            f"type='signal',sender='{BUS_DAEMON}',path='{BUS_DAEMON_PATH}',"
+            f"interface='{BUS_DAEMON}',member='NameOwnerChanged',arg0='{SYSTEMD}'"
+        )
+        (self.owner,) = await self._bus_daemon("GetNameOwner", "s", [SYSTEMD])
         rules = [
             f"type='signal',sender='{SYSTEMD}',path='{MANAGER_PATH}',interface='{MANAGER}'",
             f"type='signal',sender='{SYSTEMD}',interface='{PROPERTIES}',"
@@ -130,19 +157,29 @@ class Systemd:
             f"arg0='{UNIT}'",
         ]
         for rule in rules:
-            _check(
-                await self.bus.call(
-                    Message(
-                        destination="org.freedesktop.DBus",
-                        path="/org/freedesktop/DBus",
-                        interface="org.freedesktop.DBus",
-                        member="AddMatch",
-                        signature="s",
-                        body=[rule],
-                    )
-                )
-            )
+            await self._add_match(rule)
         await self.call("Subscribe")
+
+    async def _add_match(self, rule: str) -> None:
+        await self._bus_daemon("AddMatch", "s", [rule])
+
+    async def _bus_daemon(self, member: str, signature: str, body: list[Any]) -> list[Any]:
+        reply = await self.bus.call(
+            Message(
+                destination=BUS_DAEMON,
+                path=BUS_DAEMON_PATH,
+                interface=BUS_DAEMON,
+                member=member,
+                signature=signature,
+                body=body,
+            )
+        )
+        return list(_check(reply).body)
+
+    async def caller_pid(self, sender: str) -> int:
+        """The process ID behind a bus connection, as the bus daemon saw it connect."""
+        (pid,) = await self._bus_daemon("GetConnectionUnixProcessID", "s", [sender])
+        return int(pid)
 
     async def list_units(self) -> list[UnitState]:
         (units,) = await self.call("ListUnits")
@@ -202,18 +239,48 @@ class Systemd:
     def _dispatch(self, msg: Message) -> bool:
         if msg.message_type != MessageType.SIGNAL:
             return False
-        if msg.member == "PropertiesChanged" and msg.path and msg.body[0] == UNIT:
-            name = unit_name_from_path(msg.path)
-            if name is not None:
-                changed = {
-                    k: v.value if isinstance(v, Variant) else v for k, v in msg.body[1].items()
-                }
-                self.on_unit_changed(name, changed)
-        elif msg.interface == MANAGER:
-            if msg.member == "JobNew":
-                self.on_job_new(msg.body[0], msg.body[1], msg.body[2])
-            elif msg.member == "JobRemoved":
-                self.on_job_removed(msg.body[0], msg.body[1], msg.body[2], msg.body[3])
-            elif msg.member == "Reloading":
-                self.on_reloading(bool(msg.body[0]))
+        try:
+            if not self._believed(msg):
+                self.dropped += 1
+                return False
+            self._signal(msg)
+        except Exception:  # a bug must not cost the connection (dbus-next would only log it)
+            log.exception("error handling %s.%s from %s", msg.interface, msg.member, msg.sender)
         return False
+
+    def _believed(self, msg: Message) -> bool:
+        """Whether the signal comes from systemd, following systemd's name as it changes
+        hands (daemon-reexec); the bus daemon's own signal is how we follow it."""
+        if msg.sender == BUS_DAEMON and msg.member == "NameOwnerChanged":
+            if msg.signature == "sss" and msg.body[0] == SYSTEMD:
+                old, self.owner = self.owner, msg.body[2] or None
+                if self.owner is not None and old is not None and self.owner != old:
+                    log.info("systemd is back on the bus as %s", self.owner)
+                    self.on_systemd_restarted()
+            return False
+        return self.owner is not None and msg.sender == self.owner
+
+    def _signal(self, msg: Message) -> None:
+        member, body = msg.member, msg.body
+        if member == "PropertiesChanged":
+            if msg.signature != "sa{sv}as" or body[0] != UNIT or not msg.path:
+                return
+            name = unit_name_from_path(msg.path)
+            if name is None:
+                return
+            changed = {}
+            for key, check in _UNIT_PROPERTIES.items():
+                variant = body[1].get(key)
+                value = variant.value if isinstance(variant, Variant) else variant
+                if variant is not None and check(value):
+                    changed[key] = value
+            if changed:
+                self.on_unit_changed(name, changed)
+        elif msg.interface != MANAGER or msg.path != MANAGER_PATH:
+            return
+        elif member == "JobNew" and msg.signature == "uos" and is_valid_unit_name(body[2]):
+            self.on_job_new(body[0], body[1], body[2])
+        elif member == "JobRemoved" and msg.signature == "uoss" and is_valid_unit_name(body[2]):
+            self.on_job_removed(body[0], body[1], body[2], body[3])
+        elif member == "Reloading" and msg.signature == "b":
+            self.on_reloading(bool(body[0]))

@@ -87,6 +87,7 @@ class Holder:
     phase: Phase
     seq: int
     stopping_for: str | None = None
+    overdue: str = ""  # set when its stop takes longer than the stop timeout: for how long
 
 
 @dataclass
@@ -150,6 +151,8 @@ class Scheduler:
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         self.out_since: dict[str, int] = {}
+        # units whose stop systemd refused: never chosen as victims again while they run
+        self.unstoppable: set[str] = set()
         self._seq = 0
 
     @property
@@ -204,6 +207,7 @@ class Scheduler:
         """The unit is inactive or failed (or its waiting start job was cancelled)."""
         actions: list[Action] = []
         self.out_since[name] = self._next()
+        self.unstoppable.discard(name)
         waiter = self.waiters.pop(name, None)
         holder = self.holders.pop(name, None)
         if waiter is not None and holder is None:
@@ -273,6 +277,45 @@ class Scheduler:
         self.holders[name] = Holder(spec, wanted, phase, self._next())
         return actions + self.schedule()
 
+    def stop_failed(self, name: str, why: str, *, refused: bool) -> list[Action]:
+        """A stop gpuslice asked for did not happen (refused, failed, cancelled, or lost in a
+        controller restart): the unit holds its GPUs again and its waiter plans anew. A unit
+        whose stop systemd `refused` is not chosen as a victim again while it runs, so that
+        the waiter does not ask for the same refused stop forever."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.STOPPING:
+            return []
+        waiter = self.waiters.get(holder.stopping_for or "")
+        holder.phase = Phase.RUNNING
+        holder.stopping_for = None
+        holder.overdue = ""
+        if waiter is not None:
+            waiter.target = ()
+        for_whom = f" for {_describe(waiter.spec)}" if waiter is not None else ""
+        after = "; gpuslice will not try to stop it again while it runs" if refused else ""
+        if refused:
+            self.unstoppable.add(name)
+        message = f"{_describe(holder.spec)} did not stop{for_whom}: {why}; it keeps "
+        message += f"{format_gpus(holder.gpus)}{after}"
+        return [Log(message, "warning"), *self.schedule()]
+
+    def stop_overdue(self, name: str, after: str) -> list[Action]:
+        """A unit asked to stop is still running after the stop timeout (`after`, in words):
+        its waiter's reason says so."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.STOPPING or holder.overdue:
+            return []
+        holder.overdue = after
+        waiter = f" ({holder.stopping_for} waits for it)" if holder.stopping_for else ""
+        return [
+            Log(
+                f"{_describe(holder.spec)} has not stopped {after} after gpuslice asked"
+                f"{waiter}: see its TimeoutStopSec= and ExecStop=",
+                "warning",
+            ),
+            *self.schedule(),
+        ]
+
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
         """Annotations were (re)read: apply new priorities, forget units no longer managed."""
         actions: list[Action] = []
@@ -306,7 +349,8 @@ class Scheduler:
     def _uses(self, promises: list[tuple[int, Use]]) -> dict[int, list[Use]]:
         uses: dict[int, list[Use]] = {i: [] for i in self.devices}
         for name, h in self.holders.items():
-            use = Use(name, h.spec.priority, h.spec.memory, h.phase is not Phase.STOPPING, h.seq)
+            stoppable = h.phase is not Phase.STOPPING and name not in self.unstoppable
+            use = Use(name, h.spec.priority, h.spec.memory, stoppable, h.seq)
             for gpu in h.gpus:
                 uses.setdefault(gpu, []).append(use)
         for gpu, use in promises:
@@ -342,7 +386,11 @@ class Scheduler:
             return []
         actions: list[Action] = []
         for name, holder in sorted(self.holders.items()):
-            if holder.phase is Phase.STOPPING or holder.spec.kind is not UnitKind.BACKGROUND:
+            if (
+                holder.phase is Phase.STOPPING
+                or holder.spec.kind is not UnitKind.BACKGROUND
+                or name in self.unstoppable
+            ):
                 continue
             busy = [self.devices[g] for g in sorted(holder.gpus) if g in self.devices]
             busy = [g for g in busy if g.foreign_pids]
@@ -477,10 +525,11 @@ class Scheduler:
         return f"starting {_describe(holder.spec)} on {format_gpus(holder.gpus)}"
 
     def _stopping_reason(self, waiter: Waiter) -> str:
-        parts = [
-            f"{_describe(self.holders[v].spec)} to stop on {format_gpus(self.holders[v].gpus)}"
-            for v in sorted(waiter.victims)
-        ]
+        parts = []
+        for name in sorted(waiter.victims):
+            victim = self.holders[name]
+            late = f" (still running {victim.overdue} after the stop)" if victim.overdue else ""
+            parts.append(f"{_describe(victim.spec)} to stop on {format_gpus(victim.gpus)}{late}")
         return "waiting for " + ", ".join(parts)
 
     def _blocked_reason(self, spec: UnitSpec, promises: list[tuple[int, Use]]) -> str:
@@ -507,8 +556,10 @@ class Scheduler:
             elif top is not None and top.phase is Phase.STOPPING:
                 parts.append(f"GPU {gpu.index} being freed by {top.spec.name} (stopping)")
             elif top is not None:
+                refused = " (refused to stop)" if top.spec.name in self.unstoppable else ""
                 parts.append(
                     f"GPU {gpu.index} held by {top.spec.name}, priority {top.spec.priority}"
+                    f"{refused}"
                 )
             else:
                 queued = [w for w in self.waiters.values() if w.spec.priority == spec.priority]
@@ -523,6 +574,33 @@ class Scheduler:
             return []
         waiter.reason = reason
         return [Log(f"{waiter.spec.name} {reason}")]
+
+    # -- questions the adapters ask -----------------------------------------------------------
+
+    def phase(self, name: str) -> Phase | None:
+        holder = self.holders.get(name)
+        return holder.phase if holder is not None else None
+
+    def is_waiting(self, name: str) -> bool:
+        return name in self.waiters
+
+    def learn(self, spec: UnitSpec) -> None:
+        """A unit seen for the first time (an instance of a managed template)."""
+        self.specs.setdefault(spec.name, spec)
+
+    def grants(self) -> dict[str, frozenset[int]]:
+        return {name: holder.gpus for name, holder in self.holders.items()}
+
+    def declared_memory(self) -> dict[str, int]:
+        """Holders with `Memory=`: what each declared per GPU."""
+        return {n: h.spec.memory for n, h in self.holders.items() if h.spec.memory is not None}
+
+    def device(self, index: int) -> Gpu:
+        return self.devices.get(index, Gpu(index))
+
+    def has_work(self) -> bool:
+        """Something the GPUs' state matters to: a waiter, a holder, a unit to bring back."""
+        return bool(self.waiters or self.holders or self.preempted)
 
     # -- status and persistence ---------------------------------------------------------------
 

@@ -141,7 +141,7 @@ def test_two_gpu_unit(bed: Container) -> None:
     assert prop(bed, "big0.service", "ActiveState") == "inactive"
     assert main_pid(bed, "small1.service") == small
     assert holders(bed) == {0: ["two.service"], 1: ["small1.service", "two.service"]}
-    env = bed.run("cat /run/gpuslice/env/two.service.env").stdout
+    env = bed.run("cat /run/gpuslice/env/two.service/gpuslice.env").stdout
     assert f"CUDA_VISIBLE_DEVICES={UUID0},{UUID1}\n" in env
     assert "GPUSLICE_GPUS=0,1\n" in env
     wait_used(bed, 0, "two.service", 4 * GIB)
@@ -156,7 +156,7 @@ def test_devices_pin_by_index_and_by_uuid(bed: Container) -> None:
     bed.systemctl("start", "by-index.service")
     bed.systemctl("start", "by-uuid.service")
     assert holders(bed) == {0: ["by-uuid.service"], 1: ["by-index.service"]}
-    env = bed.run("cat /run/gpuslice/env/by-uuid.service.env").stdout
+    env = bed.run("cat /run/gpuslice/env/by-uuid.service/gpuslice.env").stdout
     assert f"CUDA_VISIBLE_DEVICES={UUID0}\n" in env
 
 
@@ -263,7 +263,7 @@ def test_nvml_missing_falls_back_to_configured_count_with_one_warning(
         (0, None, None),
         (1, None, None),
     ]
-    env = container.run("cat /run/gpuslice/env/job.service.env").stdout
+    env = container.run("cat /run/gpuslice/env/job.service/gpuslice.env").stdout
     assert env == "CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n"
 
 

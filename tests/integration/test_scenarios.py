@@ -228,7 +228,7 @@ def test_two_gpus_and_a_two_gpu_unit(container: Container) -> None:
     assert prop(container, "bg1.service", "ActiveState") == "inactive"
     assert prop(container, "bg2.service", "ActiveState") == "inactive"
     assert holders(container) == {0: ["big.service"], 1: ["big.service"]}
-    env = container.run("cat /run/gpuslice/env/big.service.env").stdout
+    env = container.run("cat /run/gpuslice/env/big.service/gpuslice.env").stdout
     assert "CUDA_VISIBLE_DEVICES=0,1" in env
     wait_state(container, "big.service", "inactive")
     wait_state(container, "bg1.service", "active")

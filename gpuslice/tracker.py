@@ -1,0 +1,218 @@
+"""Systemd's signals about managed units, turned into the core's events.
+
+Pure code (no D-Bus, no asyncio): the controller feeds it what systemd said (JobNew,
+JobRemoved, a unit's ActiveState/SubState/Job) and what its own StartUnit/StopUnit calls
+answered; the tracker says what happened to a unit in the core's terms: it went down (and
+how), it runs past the gate, or a stop gpuslice asked for is not going to happen. Which jobs
+are ours decides "stopped by someone" (a hold) from "preempted" or "finished".
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuslice.core.scheduler import Outcome, Phase
+
+SHUTDOWN_TARGETS = frozenset(
+    {"shutdown.target", "reboot.target", "poweroff.target", "halt.target", "kexec.target"}
+)
+
+
+@dataclass(frozen=True)
+class UnitState:
+    """The part of a unit's state the controller decides on."""
+
+    name: str
+    active: str
+    sub: str
+    job_id: int
+
+
+class Kind(enum.Enum):
+    RUNNING = "running"  # past the gate (or active): it uses its GPUs
+    GATE = "gate"  # in ExecStartPre=, where the gate waits
+    DOWN = "down"  # released its GPUs
+    TRANSITION = "transition"  # on its way down, or a job is still queued
+
+
+def classify(state: UnitState) -> Kind:
+    if state.active in ("active", "reloading"):
+        return Kind.RUNNING
+    if state.active == "activating":
+        if state.sub == "auto-restart":
+            return Kind.DOWN
+        return Kind.GATE if state.sub in ("start-pre", "condition") else Kind.RUNNING
+    if state.active in ("inactive", "failed") and state.job_id == 0:
+        return Kind.DOWN
+    return Kind.TRANSITION
+
+
+@dataclass(frozen=True)
+class WentDown:
+    unit: str
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class CameUp:
+    """Systemd shows the unit running past the gate."""
+
+    unit: str
+
+
+@dataclass(frozen=True)
+class StopLost:
+    """A stop gpuslice asked for ended and the unit still runs (its stop job was cancelled
+    or failed, or the request was lost while the controller was away)."""
+
+    unit: str
+    why: str
+
+
+Change = WentDown | CameUp | StopLost
+
+
+class Ledger:
+    """What the tracker needs to know of the scheduler's view of a unit."""
+
+    def __init__(
+        self, phase: Callable[[str], Phase | None], waiting: Callable[[str], bool]
+    ) -> None:
+        self.phase = phase
+        self.waiting = waiting
+
+
+class Tracker:
+    """Systemd's view of the managed units, and which of their jobs are ours."""
+
+    def __init__(self, managed: Callable[[str], bool], ledger: Ledger) -> None:
+        self.managed = managed
+        self.ledger = ledger
+        self.states: dict[str, UnitState] = {}
+        self.shutting_down = False
+        # jobs systemd announced for a unit since it last passed the gate (or went down)
+        self._unit_jobs: dict[str, set[str]] = {}
+        self._own_jobs: dict[str, str] = {}  # job path -> "start" | "stop", from our calls
+        self._stop_results: dict[str, str] = {}  # unit -> how our stop job for it ended
+        self._in_flight: dict[str, int] = {}  # our StartUnit/StopUnit calls not yet answered
+        self._deferred: set[str] = set()  # went down while a call of ours was in flight
+        self._signals: dict[str, int] = {}  # signals seen per unit (to drop stale reads)
+
+    # -- systemd's signals ----------------------------------------------------------------
+
+    def job_new(self, path: str, unit: str) -> None:
+        if unit in SHUTDOWN_TARGETS:
+            self.shutting_down = True
+        if self.managed(unit):
+            self._unit_jobs.setdefault(unit, set()).add(path)
+            self._count(unit)
+
+    def job_removed(self, path: str, unit: str, result: str) -> bool:
+        """Whether the unit's state must be read again: a job that changed nothing sends
+        no PropertiesChanged."""
+        if unit in SHUTDOWN_TARGETS and result == "canceled":
+            self.shutting_down = False  # a cancelled shutdown must not disable holds for good
+        if self._own_jobs.get(path) == "stop" and result != "done":
+            self._stop_results[unit] = result
+        if path not in self._unit_jobs.get(unit, ()):
+            self._own_jobs.pop(path, None)  # already accounted for: keep the table small
+        if not self.managed(unit):
+            return False
+        self._count(unit)
+        return True
+
+    def unit_changed(self, name: str, props: Mapping[str, Any]) -> list[Change]:
+        """A unit's ActiveState/SubState/Job changed (a signal, or a read of them)."""
+        if not self.managed(name):
+            return []
+        self._count(name)
+        old = self.states.get(name, UnitState(name, "inactive", "dead", 0))
+        job = props.get("Job")
+        state = UnitState(
+            name,
+            props.get("ActiveState", old.active),
+            props.get("SubState", old.sub),
+            job[0] if job is not None else old.job_id,
+        )
+        self.states[name] = state
+        return self._judge(state)
+
+    def _judge(self, state: UnitState) -> list[Change]:
+        name = state.name
+        kind = classify(state)
+        phase = self.ledger.phase(name)
+        if kind is Kind.DOWN:
+            if self._in_flight.get(name):
+                self._deferred.add(name)  # decide once we know which of its jobs are ours
+                return []
+            if phase is None and not self.ledger.waiting(name) and not self.stopped_by_others(name):
+                return []
+            outcome = self.outcome(state)
+            self.passed_gate(name)
+            return [WentDown(name, outcome)]
+        if kind is not Kind.RUNNING:
+            return []
+        if phase is None or phase is Phase.STARTING:
+            return [CameUp(name)]
+        if phase is Phase.STOPPING and state.job_id == 0 and not self._in_flight.get(name):
+            result = self._stop_results.pop(name, "")
+            why = f"its stop job ended with result '{result}'" if result else "no stop job runs"
+            return [StopLost(name, why)]
+        return []
+
+    # -- our own calls --------------------------------------------------------------------
+
+    def call_sent(self, unit: str) -> None:
+        self._in_flight[unit] = self._in_flight.get(unit, 0) + 1
+
+    def call_answered(self, unit: str, job: str | None, what: str) -> bool:
+        """A StartUnit/StopUnit of ours returned (`job` is None when it failed). Whether the
+        unit's state must be read again: it went down while we did not know the job."""
+        if job is not None:
+            self._own_jobs[job] = what
+        count = self._in_flight.get(unit, 0) - 1
+        if count > 0:
+            self._in_flight[unit] = count
+            return False
+        self._in_flight.pop(unit, None)
+        if unit in self._deferred:
+            self._deferred.discard(unit)
+            return True
+        return False
+
+    def in_flight(self, unit: str) -> bool:
+        return bool(self._in_flight.get(unit))
+
+    # -- questions ------------------------------------------------------------------------
+
+    def passed_gate(self, unit: str) -> None:
+        """The unit starts afresh: jobs before this one no longer say who stopped it."""
+        for path in self._unit_jobs.pop(unit, set()):
+            self._own_jobs.pop(path, None)
+        self._stop_results.pop(unit, None)
+
+    def stopped_by_others(self, name: str) -> bool:
+        return any(path not in self._own_jobs for path in self._unit_jobs.get(name, ()))
+
+    def outcome(self, state: UnitState) -> Outcome:
+        if state.active == "failed" or state.sub == "auto-restart":
+            return Outcome.FAILED
+        if self.shutting_down:
+            return Outcome.SHUTDOWN
+        if self.stopped_by_others(state.name):
+            return Outcome.STOPPED
+        return Outcome.EXITED
+
+    def state(self, name: str) -> UnitState:
+        return self.states.get(name, UnitState(name, "inactive", "dead", 0))
+
+    def signals(self, name: str) -> int:
+        """How many signals about the unit were seen: a read of its state answered after
+        the count moved is older than what we know."""
+        return self._signals.get(name, 0)
+
+    def _count(self, unit: str) -> None:
+        self._signals[unit] = self._signals.get(unit, 0) + 1
