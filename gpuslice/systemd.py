@@ -112,6 +112,7 @@ class Systemd:
         self.on_reloading: Callable[[bool], None] = lambda active: None
         self.on_systemd_restarted: Callable[[], None] = lambda: None
         self.owner: str | None = None  # systemd's unique name on the bus: the only sender believed
+        self._last_owner: str | None = None
         self.dropped = 0  # signals not believed, for status and tests
         bus.add_message_handler(self._dispatch)
 
@@ -150,6 +151,7 @@ class Systemd:
             f"interface='{BUS_DAEMON}',member='NameOwnerChanged',arg0='{SYSTEMD}'"
         )
         (self.owner,) = await self._bus_daemon("GetNameOwner", "s", [SYSTEMD])
+        self._last_owner = self.owner
         rules = [
             f"type='signal',sender='{SYSTEMD}',path='{MANAGER_PATH}',interface='{MANAGER}'",
             f"type='signal',sender='{SYSTEMD}',interface='{PROPERTIES}',"
@@ -253,10 +255,12 @@ class Systemd:
         hands (daemon-reexec); the bus daemon's own signal is how we follow it."""
         if msg.sender == BUS_DAEMON and msg.member == "NameOwnerChanged":
             if msg.signature == "sss" and msg.body[0] == SYSTEMD:
-                old, self.owner = self.owner, msg.body[2] or None
-                if self.owner is not None and old is not None and self.owner != old:
-                    log.info("systemd is back on the bus as %s", self.owner)
-                    self.on_systemd_restarted()
+                self.owner = msg.body[2] or None
+                if self.owner is not None and self.owner != self._last_owner:
+                    if self._last_owner is not None:
+                        log.info("systemd is back on the bus as %s", self.owner)
+                        self.on_systemd_restarted()
+                    self._last_owner = self.owner
             return False
         return self.owner is not None and msg.sender == self.owner
 

@@ -1,0 +1,405 @@
+"""The D-Bus adapters (gpuslice/systemd.py, gpuslice/service.py) on a real, private
+dbus-daemon started by the test: what they believe, what they drop, what they answer.
+
+A second connection owns `org.freedesktop.systemd1` on that bus and plays systemd's part
+of the conversation (it answers Subscribe and sends systemd's signals); a third is the
+attacker. No container, a fraction of a second per test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dbus_next import BusType, Message, MessageType, Variant
+from dbus_next.aio import MessageBus
+
+from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
+from gpuslice.systemd import MANAGER, MANAGER_PATH, PROPERTIES, SYSTEMD, UNIT, Systemd, unit_path
+
+BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <listen>unix:path={socket}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow user="*"/>
+    <allow own="*"/>
+    <allow send_type="method_call"/>
+    <allow send_type="signal"/>
+    <allow send_requested_reply="true" send_type="method_return"/>
+    <allow send_requested_reply="true" send_type="error"/>
+    <allow receive_type="method_call"/>
+    <allow receive_type="method_return"/>
+    <allow receive_type="error"/>
+    <allow receive_type="signal"/>
+  </policy>
+</busconfig>
+"""
+
+
+@pytest.fixture
+def bus_address(tmp_path: Path) -> Iterator[str]:
+    daemon = shutil.which("dbus-daemon")
+    assert daemon, "dbus-daemon is needed (Debian package dbus-daemon)"
+    socket = tmp_path / "bus"
+    config = tmp_path / "bus.conf"
+    config.write_text(BUS_CONFIG.format(socket=socket))
+    log = tmp_path / "bus.log"
+    with open(log, "wb") as stderr:
+        proc = subprocess.Popen(
+            [daemon, f"--config-file={config}", "--nofork", "--nopidfile"], stderr=stderr
+        )
+    try:
+        deadline = time.monotonic() + 10
+        while not socket.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.01)
+        yield f"unix:path={socket}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+
+
+_OPEN: list[MessageBus] = []
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    async def closing() -> None:
+        try:
+            await asyncio.wait_for(coro(), timeout=20)
+        finally:
+            for bus in _OPEN:
+                if bus.connected:
+                    bus.disconnect()
+                    await bus.wait_for_disconnect()
+                bus._stream.close()  # dbus-next 0.2.3 leaves its socket's file object open
+                bus._sock.close()
+            _OPEN.clear()
+
+    asyncio.run(closing())
+
+
+async def connect(address: str) -> MessageBus:
+    bus = MessageBus(bus_address=address, bus_type=BusType.SYSTEM)
+    _OPEN.append(bus)
+    return await bus.connect()
+
+
+async def fake_systemd(address: str) -> MessageBus:
+    """A connection that owns systemd's name and answers the manager's calls we make."""
+    bus = await connect(address)
+
+    def answer(msg: Message) -> Message | bool:
+        if msg.message_type is MessageType.METHOD_CALL and msg.interface == MANAGER:
+            return Message.new_method_return(msg)
+        return False
+
+    bus.add_message_handler(answer)
+    await bus.request_name(SYSTEMD)
+    return bus
+
+
+async def sync(bus: MessageBus) -> None:
+    """A round trip to the bus daemon: everything this connection sent before is routed."""
+    await bus.call(
+        Message(
+            destination="org.freedesktop.DBus",
+            path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus.Peer",
+            member="Ping",
+        )
+    )
+
+
+def properties_changed(unit: str, active: str, destination: str | None = None) -> Message:
+    return (
+        Message.new_signal(
+            unit_path(unit),
+            PROPERTIES,
+            "PropertiesChanged",
+            "sa{sv}as",
+            [
+                UNIT,
+                {
+                    "ActiveState": Variant("s", active),
+                    "SubState": Variant("s", "dead"),
+                    "Job": Variant("(uo)", [0, "/"]),
+                    "Id": Variant("s", unit),
+                },
+                [],
+            ],
+        )
+        if destination is None
+        else _addressed(properties_changed(unit, active), destination)
+    )
+
+
+def _addressed(msg: Message, destination: str) -> Message:
+    return Message(
+        message_type=MessageType.SIGNAL,
+        destination=destination,
+        path=msg.path,
+        interface=msg.interface,
+        member=msg.member,
+        signature=msg.signature,
+        body=msg.body,
+    )
+
+
+def manager_signal(
+    member: str, signature: str, body: list[Any], destination: str | None = None
+) -> Message:
+    msg = Message.new_signal(MANAGER_PATH, MANAGER, member, signature, body)
+    return msg if destination is None else _addressed(msg, destination)
+
+
+class Seen:
+    """What the adapter handed to the controller."""
+
+    def __init__(self, systemd: Systemd) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.marker = asyncio.Event()
+        systemd.on_unit_changed = self._unit
+        systemd.on_job_new = lambda i, p, u: self.events.append(("new", i, p, u))
+        systemd.on_job_removed = lambda i, p, u, r: self.events.append(("removed", i, p, u, r))
+        systemd.on_reloading = lambda active: self.events.append(("reloading", active))
+        systemd.on_systemd_restarted = lambda: self.events.append(("restarted",))
+
+    def _unit(self, name: str, props: dict[str, Any]) -> None:
+        if name == "marker.service":
+            self.marker.set()
+        else:
+            self.events.append(("unit", name, props))
+
+    async def after(self, owner: MessageBus) -> list[tuple[Any, ...]]:
+        """Everything seen before a marker signal from systemd arrives."""
+        self.marker.clear()
+        owner.send(properties_changed("marker.service", "active"))
+        await self.marker.wait()
+        return self.events
+
+
+async def adapter(address: str) -> tuple[Systemd, MessageBus, Seen]:
+    owner = await fake_systemd(address)
+    systemd = Systemd(await connect(address))
+    seen = Seen(systemd)
+    await systemd.subscribe()
+    return systemd, owner, seen
+
+
+def test_signals_from_systemd_are_believed(bus_address: str) -> None:
+    async def scenario() -> None:
+        _systemd, owner, seen = await adapter(bus_address)
+        owner.send(properties_changed("a.service", "inactive"))
+        owner.send(
+            manager_signal("JobNew", "uos", [7, "/org/freedesktop/systemd1/job/7", "a.service"])
+        )
+        owner.send(
+            manager_signal(
+                "JobRemoved", "uoss", [7, "/org/freedesktop/systemd1/job/7", "a.service", "done"]
+            )
+        )
+        owner.send(manager_signal("Reloading", "b", [False]))
+        assert await seen.after(owner) == [
+            ("unit", "a.service", {"ActiveState": "inactive", "SubState": "dead", "Job": [0, "/"]}),
+            ("new", 7, "/org/freedesktop/systemd1/job/7", "a.service"),
+            ("removed", 7, "/org/freedesktop/systemd1/job/7", "a.service", "done"),
+            ("reloading", False),
+        ]
+
+    run(scenario)
+
+
+def test_forged_signals_are_dropped_broadcast_or_addressed(bus_address: str) -> None:
+    """The attack of issue 8: any user emits systemd's signals at the controller."""
+
+    async def scenario() -> None:
+        systemd, owner, seen = await adapter(bus_address)
+        attacker = await connect(bus_address)
+        me = systemd.bus.unique_name
+        for destination in (None, me):
+            attacker.send(properties_changed("a.service", "inactive", destination))
+            attacker.send(
+                manager_signal("JobNew", "uos", [1, "/j/1", "shutdown.target"], destination)
+            )
+            attacker.send(
+                manager_signal("JobRemoved", "uoss", [1, "/j/1", "a.service", "done"], destination)
+            )
+            attacker.send(manager_signal("Reloading", "b", [False], destination))
+        # the bus daemon's own signal, forged: systemd's name "moves" to the attacker
+        attacker.send(
+            _addressed(
+                Message.new_signal(
+                    "/org/freedesktop/DBus",
+                    "org.freedesktop.DBus",
+                    "NameOwnerChanged",
+                    "sss",
+                    [SYSTEMD, owner.unique_name, attacker.unique_name],
+                ),
+                me,
+            )
+        )
+        await sync(attacker)
+        assert await seen.after(owner) == []
+        assert systemd.owner == owner.unique_name
+        assert (
+            systemd.dropped >= 5
+        )  # addressed ones reach us and are dropped; broadcasts don't match
+
+    run(scenario)
+
+
+def test_malformed_signals_from_systemd_itself_are_dropped(bus_address: str) -> None:
+    """Wrong signatures, invalid unit names, escaped paths decoding to control characters,
+    oversized values: nothing reaches the controller, nothing raises, the bus stays up."""
+
+    async def scenario() -> None:
+        systemd, owner, seen = await adapter(bus_address)
+        owner.send(manager_signal("JobNew", "sos", ["x", "/j", "a.service"]))
+        owner.send(manager_signal("JobNew", "uos", [1, "/j/1", "a b.service"]))
+        owner.send(manager_signal("JobNew", "uos", [1, "/j/1", "x" * 300 + ".service"]))
+        owner.send(manager_signal("JobRemoved", "uos", [1, "/j/1", "a.service"]))
+        owner.send(manager_signal("Reloading", "s", ["no"]))
+        bad_path = Message.new_signal(
+            "/org/freedesktop/systemd1/unit/x_0a_3c3_3ebad_2eservice",
+            PROPERTIES,
+            "PropertiesChanged",
+            "sa{sv}as",
+            [UNIT, {"ActiveState": Variant("s", "inactive")}, []],
+        )
+        owner.send(bad_path)
+        wrong_types = properties_changed("a.service", "inactive")
+        wrong_types.body[1] = {
+            "ActiveState": Variant("u", 3),
+            "SubState": Variant("s", "x" * 100_000),
+            "Job": Variant("s", "no"),
+        }
+        owner.send(wrong_types)
+        owner.send(
+            Message.new_signal(
+                unit_path("a.service"), PROPERTIES, "PropertiesChanged", "s", ["only"]
+            )
+        )
+        assert await seen.after(owner) == []
+        assert systemd.bus.connected and owner.connected
+
+    run(scenario)
+
+
+def test_systemd_changing_hands_is_followed(bus_address: str) -> None:
+    """daemon-reexec: systemd's name moves to a new connection; from then on only the new
+    owner is believed, and the controller is told to read everything again."""
+
+    async def scenario() -> None:
+        systemd, owner, seen = await adapter(bus_address)
+        old = owner.unique_name
+        owner.disconnect()
+        await owner.wait_for_disconnect()
+        new_owner = await fake_systemd(bus_address)
+        events = await seen.after(new_owner)
+        assert systemd.owner == new_owner.unique_name != old
+        assert events == [("restarted",)]
+
+    run(scenario)
+
+
+def test_caller_pid_is_the_bus_daemons_word(bus_address: str) -> None:
+    async def scenario() -> None:
+        systemd, _owner, _seen = await adapter(bus_address)
+        assert await systemd.caller_pid(systemd.bus.unique_name) == os.getpid()
+
+    run(scenario)
+
+
+async def call(
+    bus: MessageBus, member: str, signature: str = "", body: list[Any] | None = None
+) -> Message:
+    reply = await bus.call(
+        Message(
+            destination=BUS_NAME,
+            path=OBJECT_PATH,
+            interface=INTERFACE,
+            member=member,
+            signature=signature,
+            body=body or [],
+        )
+    )
+    assert reply is not None
+    return reply
+
+
+def test_service_answers_bad_acquire_calls_with_errors(bus_address: str) -> None:
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+        asked: list[tuple[str, str]] = []
+        service = SchedulerService(
+            bus, lambda unit, sender: asked.append((unit, sender)), lambda: "{}", lambda: None
+        )
+        await service.claim_name()
+        client = await connect(bus_address)
+        bad = await call(client, "Acquire", "s", ["x\n<3>fake.service"])
+        assert bad.error_name == "org.freedesktop.DBus.Error.InvalidArgs"
+        assert "\n" not in bad.body[0]
+        wrong = await call(client, "Acquire", "u", [5])
+        assert wrong.error_name == "org.freedesktop.DBus.Error.InvalidArgs"
+        long_name = "x" * 247 + ".service"  # 255 characters: valid
+        pending = asyncio.ensure_future(call(client, "Acquire", "s", [long_name]))
+        await sync(client)
+        await asyncio.sleep(0)
+        assert asked and asked[0] == (long_name, client.unique_name)
+        service.refuse(
+            long_name, client.unique_name, "org.freedesktop.DBus.Error.AccessDenied", "no"
+        )
+        assert (await pending).error_name == "org.freedesktop.DBus.Error.AccessDenied"
+        assert not service.pending(long_name)
+        status = await call(client, "Status")
+        assert status.body == ["{}"]
+
+    run(scenario)
+
+
+def test_service_caps_pending_calls_per_unit(bus_address: str) -> None:
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+        service = SchedulerService(bus, lambda unit, sender: None, lambda: "{}", lambda: None)
+        await service.claim_name()
+        client = await connect(bus_address)
+        calls = [
+            asyncio.ensure_future(call(client, "Acquire", "s", ["a.service"])) for _ in range(12)
+        ]
+        done, _ = await asyncio.wait(calls, timeout=2)
+        refused = [c.result() for c in done]
+        assert len(refused) == 12 - 8
+        assert all(r.error_name == "org.freedesktop.DBus.Error.LimitsExceeded" for r in refused)
+        service.grant("a.service", "0")
+        granted = await asyncio.gather(*(c for c in calls if c not in done))
+        assert [r.body for r in granted] == [["0"]] * 8
+
+    run(scenario)
+
+
+def test_a_failing_handler_answers_without_a_traceback(bus_address: str) -> None:
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+
+        def broken() -> str:
+            raise RuntimeError("secret detail")
+
+        service = SchedulerService(bus, lambda unit, sender: None, broken, lambda: None)
+        await service.claim_name()
+        client = await connect(bus_address)
+        reply = await call(client, "Status")
+        assert reply.message_type is MessageType.ERROR
+        assert "secret" not in str(reply.body)
+        assert (await call(client, "Nope")).error_name == "org.freedesktop.DBus.Error.UnknownMethod"
+
+    run(scenario)

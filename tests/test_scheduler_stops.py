@@ -1,0 +1,98 @@
+"""Stops that do not happen: refused, failed, cancelled or overdue (issue 8).
+
+A waiter must never wait forever for a victim that is not stopping, and must say why.
+"""
+
+from __future__ import annotations
+
+from gpuslice.core.model import Gpu
+from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler, Stop
+from tests.core_builders import BG, brief, spec
+
+BG_A = spec("bga", 90, BG)
+BG_B = spec("bgb", 80, BG)
+VOICE = spec("voice", 10)
+
+
+def preempting(gpus: int = 1) -> tuple[Scheduler, list[str]]:
+    """bga runs (with two GPUs, bgb runs on the other); voice asks and bga, the least urgent,
+    is being stopped for it."""
+    units = (BG_A, BG_B)[:gpus]
+    sched = Scheduler(range(gpus), {s.name: s for s in units})
+    started = brief(sched.schedule())
+    for unit in started:
+        name = unit.split()[1]
+        sched.request(sched.specs[name])
+    first = brief(sched.request(VOICE))
+    return sched, first
+
+
+def test_a_refused_stop_keeps_the_victim_and_is_not_asked_again() -> None:
+    sched, first = preempting()
+    assert first == ["stop bga.service"]
+    actions = sched.stop_failed("bga.service", "Operation refused", refused=True)
+    assert sched.phase("bga.service") is Phase.RUNNING
+    assert brief(actions) == []  # no second stop of the same victim
+    warning = [a for a in actions if isinstance(a, Log) and a.level == "warning"]
+    assert warning[0].message == (
+        "bga.service (priority 90) did not stop for voice.service (priority 10): "
+        "Operation refused; it keeps GPU 0; gpuslice will not try to stop it again while it runs"
+    )
+    assert sched.snapshot().waiting == [
+        (
+            "voice.service",
+            10,
+            "waiting: GPU 0 held by bga.service, priority 90 (refused to stop)",
+        )
+    ]
+    # the refusal lasts only while it runs: once down, the waiter gets the GPU
+    assert brief(sched.inactive("bga.service", Outcome.STOPPED)) == ["grant voice.service 0"]
+    assert "bga.service" not in sched.unstoppable
+
+
+def test_a_refused_victim_gives_way_to_another_on_a_second_gpu() -> None:
+    sched, first = preempting(gpus=2)
+    assert first == ["stop bga.service"]  # the least urgent victim first
+    actions = sched.stop_failed("bga.service", "refused", refused=True)
+    assert brief(actions) == ["stop bgb.service"]
+
+
+def test_a_lost_stop_is_tried_again() -> None:
+    """A cancelled stop job (someone started the victim again) is not a refusal."""
+    sched, _ = preempting()
+    actions = sched.stop_failed(
+        "bga.service", "its stop job ended with result 'canceled'", refused=False
+    )
+    assert brief(actions) == ["stop bga.service"]
+    assert "bga.service" not in sched.unstoppable
+
+
+def test_stop_failed_of_a_unit_not_stopping_changes_nothing() -> None:
+    sched, _ = preempting()
+    sched.inactive("bga.service", Outcome.EXITED)
+    assert sched.stop_failed("bga.service", "x", refused=True) == []
+    assert sched.stop_failed("nobody.service", "x", refused=True) == []
+
+
+def test_an_overdue_stop_is_named_in_the_waiters_reason_once() -> None:
+    sched, _ = preempting()
+    actions = sched.stop_overdue("bga.service", "90 s")
+    assert isinstance(actions[0], Log) and actions[0].level == "warning"
+    assert actions[0].message == (
+        "bga.service (priority 90) has not stopped 90 s after gpuslice asked "
+        "(voice.service waits for it): see its TimeoutStopSec= and ExecStop="
+    )
+    assert sched.snapshot().waiting[0][2] == (
+        "waiting for bga.service (priority 90) to stop on GPU 0 (still running 90 s after the stop)"
+    )
+    assert sched.stop_overdue("bga.service", "90 s") == []
+
+
+def test_a_refused_background_unit_does_not_yield_to_foreign_processes_in_a_loop() -> None:
+    sched = Scheduler([Gpu(0)], {BG_A.name: BG_A})
+    sched.schedule()
+    sched.request(BG_A)
+    foreign = [Gpu(0, foreign_pids=(4242,))]
+    assert [type(a) for a in sched.set_gpus(foreign) if not isinstance(a, Log)] == [Stop]
+    sched.stop_failed("bga.service", "refused", refused=True)
+    assert brief(sched.set_gpus(foreign)) == []

@@ -1,0 +1,211 @@
+"""The tracker: systemd's signals and our own calls in, the core's events out.
+
+Recorded sequences (as systemd 252 sends them for a preemption, a hand stop, a finished
+unit, a shutdown) and forged or reordered ones; no D-Bus, milliseconds each.
+"""
+
+from __future__ import annotations
+
+from gpuslice.core.scheduler import Outcome, Phase
+from gpuslice.tracker import (
+    CameUp,
+    Kind,
+    Ledger,
+    StopLost,
+    Tracker,
+    UnitState,
+    WentDown,
+    classify,
+)
+
+A = "a.service"
+JOB1 = "/org/freedesktop/systemd1/job/1"
+JOB2 = "/org/freedesktop/systemd1/job/2"
+
+
+class Model:
+    """The scheduler's answers the tracker asks for, set by each test."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, Phase] = {}
+        self.waiters: set[str] = set()
+
+    def tracker(self, managed: frozenset[str] = frozenset({A})) -> Tracker:
+        return Tracker(
+            lambda n: n in managed,
+            Ledger(lambda n: self.phases.get(n), lambda n: n in self.waiters),
+        )
+
+
+def props(active: str, sub: str, job: int = 0) -> dict[str, object]:
+    return {"ActiveState": active, "SubState": sub, "Job": [job, "/"]}
+
+
+def test_classify_table() -> None:
+    table = [
+        (("active", "running", 0), Kind.RUNNING),
+        (("reloading", "reload", 5), Kind.RUNNING),
+        (("activating", "start-pre", 5), Kind.GATE),
+        (("activating", "condition", 5), Kind.GATE),
+        (("activating", "start", 5), Kind.RUNNING),
+        (("activating", "auto-restart", 0), Kind.DOWN),
+        (("inactive", "dead", 0), Kind.DOWN),
+        (("failed", "failed", 0), Kind.DOWN),
+        (("inactive", "dead", 7), Kind.TRANSITION),  # a start job is queued
+        (("deactivating", "stop-sigterm", 7), Kind.TRANSITION),
+    ]
+    for (active, sub, job), kind in table:
+        assert classify(UnitState(A, active, sub, job)) is kind, (active, sub, job)
+
+
+def test_our_stop_of_a_holder_is_a_preemption_not_a_hold() -> None:
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)  # JobNew arrives before our StopUnit's reply
+    assert tracker.unit_changed(A, props("deactivating", "stop-sigterm", 1)) == []
+    assert tracker.call_answered(A, JOB1, "stop") is False
+    assert tracker.job_removed(JOB1, A, "done") is True
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
+
+
+def test_a_stop_by_someone_else_is_a_hold() -> None:
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, props("deactivating", "stop-sigterm", 1))
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def test_a_unit_that_ends_by_itself_finished_and_one_that_fails_failed() -> None:
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
+    assert tracker.unit_changed(A, props("failed", "failed")) == [WentDown(A, Outcome.FAILED)]
+    restart = props("activating", "auto-restart")
+    assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
+
+
+def test_down_while_our_call_is_in_flight_waits_for_its_answer() -> None:
+    """Which jobs are ours is known only once StopUnit answers: decide after it."""
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == []
+    assert tracker.call_answered(A, JOB1, "stop") is True  # read the state again
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
+
+
+def test_shutdown_is_no_hold_and_a_cancelled_shutdown_does_not_disable_holds() -> None:
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.job_new(JOB2, "reboot.target")
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.SHUTDOWN)]
+    tracker.job_removed(JOB2, "reboot.target", "canceled")
+    assert not tracker.shutting_down
+    tracker.job_new("/org/freedesktop/systemd1/job/3", A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def test_a_cancelled_stop_job_is_a_stop_lost() -> None:
+    """`systemctl start victim` while gpuslice stops it replaces our stop job: the victim
+    keeps running and the waiter must not wait for it forever."""
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.call_answered(A, JOB1, "stop")
+    tracker.job_new(JOB2, A)
+    assert tracker.job_removed(JOB1, A, "canceled") is True
+    tracker.job_removed(JOB2, A, "done")
+    changes = tracker.unit_changed(A, props("active", "running"))
+    assert changes == [StopLost(A, "its stop job ended with result 'canceled'")]
+
+
+def test_running_with_our_stop_not_yet_sent_is_no_stop_lost() -> None:
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    assert tracker.unit_changed(A, props("active", "running")) == []
+    assert tracker.unit_changed(A, props("active", "running", 4)) == []
+
+
+def test_came_up_only_for_units_not_known_running() -> None:
+    model = Model()
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("active", "running")) == [CameUp(A)]
+    model.phases[A] = Phase.STARTING
+    assert tracker.unit_changed(A, props("activating", "start")) == [CameUp(A)]
+    model.phases[A] = Phase.RUNNING
+    assert tracker.unit_changed(A, props("active", "running")) == []
+
+
+def test_unmanaged_units_are_not_tracked() -> None:
+    model = Model()
+    tracker = model.tracker()
+    other = "other.service"
+    tracker.job_new(JOB1, other)
+    assert tracker.job_removed(JOB1, other, "done") is False
+    assert tracker.unit_changed(other, props("inactive", "dead")) == []
+    assert tracker.states == {}
+    assert tracker.signals(other) == 0
+
+
+def test_a_waiter_whose_start_is_cancelled_goes_down() -> None:
+    model = Model()
+    model.waiters.add(A)
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, props("activating", "start-pre", 1))
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def test_an_idle_unit_going_down_again_is_nothing() -> None:
+    tracker = Model().tracker()
+    assert tracker.unit_changed(A, props("inactive", "dead")) == []
+
+
+def test_passing_the_gate_forgets_earlier_jobs() -> None:
+    """A hand stop long ago must not make today's end of the unit a hold."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.passed_gate(A)
+    model.phases[A] = Phase.RUNNING
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
+
+
+def test_signals_are_counted_so_stale_reads_can_be_dropped() -> None:
+    tracker = Model().tracker()
+    before = tracker.signals(A)
+    tracker.unit_changed(A, props("activating", "start-pre", 1))
+    tracker.job_new(JOB1, A)
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.signals(A) == before + 3
+
+
+def test_tables_stay_small_under_ten_thousand_jobs() -> None:
+    """Jobs of units that went down are forgotten: memory does not grow with uptime."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    for i in range(10_000):
+        path = f"/org/freedesktop/systemd1/job/{i}"
+        tracker.call_sent(A)
+        tracker.job_new(path, A)
+        tracker.call_answered(A, path, "start")
+        tracker.job_removed(path, A, "done")
+        tracker.unit_changed(A, props("inactive", "dead"))
+    assert len(tracker._own_jobs) <= 1
+    assert len(tracker._unit_jobs) <= 1
