@@ -15,9 +15,8 @@ import json
 import logging
 import os
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -60,38 +59,50 @@ NVML_OPEN_DEADLINE = 10.0  # nvmlInit, before READY=1 (TimeoutStartSec is 90 s)
 
 
 class OffLoop:
-    """Runs NVML calls on one worker thread and waits for them at most `deadline` seconds.
+    """Runs NVML calls on a worker thread and waits for them at most `deadline` seconds.
 
     A hung driver call then costs the event loop (and the watchdog) `deadline` once; until
-    that call returns, later calls are not made and the caller keeps what it had."""
+    that call returns, later calls are not made and the caller keeps what it had. The
+    thread is a daemon: a call hung in the driver never holds up the controller's exit."""
 
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nvml")
-        self._hung: Future[Any] | None = None
+        self._hung: threading.Event | None = None
 
     @property
     def hung(self) -> bool:
-        if self._hung is not None and self._hung.done():
+        if self._hung is not None and self._hung.is_set():
             self._hung = None
             log.info("NVML answers again")
         return self._hung is not None
 
     def call(self, fn: Callable[[], T], deadline: float | None = None) -> T | None:
-        """fn()'s result, or None when NVML is hung."""
+        """fn()'s result, or None when NVML is hung (an exception of fn's is raised)."""
         if self.hung:
             return None
-        future = self._pool.submit(fn)
-        try:
-            return future.result(timeout=deadline or self.deadline)
-        except FuturesTimeout:
-            self._hung = future
+        done = threading.Event()
+        outcome: list[Any] = []
+
+        def work() -> None:
+            try:
+                outcome.append(fn())
+            except BaseException as e:  # handed to the caller's thread
+                outcome.append(e)
+            done.set()
+
+        threading.Thread(target=work, name="nvml", daemon=True).start()
+        if not done.wait(deadline or self.deadline):
+            self._hung = done
             log.error(
                 "NVML did not answer within %g s: keeping the last GPU sample (stale) "
                 "until it does",
                 deadline or self.deadline,
             )
             return None
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        result: T = outcome[0]
+        return result
 
 
 class Controller:

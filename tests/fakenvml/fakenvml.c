@@ -19,6 +19,8 @@
  *                 usedGpuMemory = NVML_VALUE_NOT_AVAILABLE and adds nothing to `used`.
  *   lost/INDEX    if this file exists, every call on that GPU (handle lookup included)
  *                 returns NVML_ERROR_GPU_IS_LOST, as for a GPU that fell off the bus.
+ *   hang          while this file exists, every per-device call blocks (a driver call
+ *                 that hangs): it returns once the file is removed.
  *
  * Without $FAKE_NVML_DIR or its `gpus` file, nvmlInit* returns NVML_ERROR_DRIVER_NOT_LOADED.
  * A malformed `gpus` file makes init fail with NVML_ERROR_UNKNOWN and a line on stderr.
@@ -273,9 +275,18 @@ static int is_lost(unsigned index)
     return access(path, F_OK) == 0;
 }
 
+static void hang_while_asked(void)
+{
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/hang", state_dir);
+    while (access(path, F_OK) == 0)
+        usleep(20000);
+}
+
 /* Common checks for every per-device call: initialized, a handle we issued, not lost. */
 static nvmlReturn_t check_device(nvmlDevice_t device)
 {
+    hang_while_asked();
     if (!refcount)
         return NVML_ERROR_UNINITIALIZED;
     uintptr_t at = (uintptr_t)device, first = (uintptr_t)devices;

@@ -1,0 +1,179 @@
+"""Issue 8 against a real systemd: stops that do not happen, a hung NVML, the longest valid
+unit names, a preempted instance that systemd garbage-collects, a bad state file.
+
+Each test fails on the controller before these fixes (a waiter waits forever without a
+word, the controller misses its watchdog, a grant hangs, a preempted unit is forgotten,
+the controller never starts).
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.bed import fakegpu
+from tests.bed.container import Container, wait_until
+from tests.integration.jobs import (
+    UNIT_DIR,
+    main_pid,
+    prop,
+    reload,
+    status,
+    wait_journal,
+    wait_state,
+    write_job,
+)
+
+VOICE = "voice.service"
+BG = "bg.service"
+IGNORES_TERM = "/bin/sh -c 'trap \"\" TERM; while :; do sleep 1; done'"
+
+
+def set_config(bed: Container, text: str) -> None:
+    bed.write_file("/etc/gpuslice/config.yaml", text)
+    bed.systemctl("reload", "gpuslice.service")
+
+
+def test_a_victim_that_refuses_to_stop_is_named_and_not_asked_again(container: Container) -> None:
+    write_job(container, BG, 90, "background", extra_unit="RefuseManualStop=yes")
+    write_job(container, VOICE, 10)
+    reload(container)
+    wait_state(container, BG, "active")
+    container.systemctl("start", "--no-block", VOICE)
+    wait_journal(container, "bg.service (priority 90) did not stop for voice.service (priority 10)")
+    wait_until(
+        lambda: (
+            [w["reason"] for w in status(container)["waiting"]]
+            == ["waiting: GPU 0 held by bg.service, priority 90 (refused to stop)"]
+            or None
+        ),
+        20,
+        what="voice's reason to name the refusal",
+    )
+    journal = container.journal("gpuslice.service")
+    assert journal.count("preempting bg.service") == 1, journal
+    container.systemctl("kill", "--signal=KILL", BG)
+    wait_state(container, VOICE, "active")
+
+
+def test_a_victim_that_does_not_stop_is_named_after_the_stop_timeout(container: Container) -> None:
+    set_config(container, "gpus: 1\nstop_timeout: 2\n")
+    write_job(
+        container,
+        BG,
+        90,
+        "background",
+        exec_start=IGNORES_TERM,
+        extra_service="TimeoutStopSec=infinity",
+    )
+    write_job(container, VOICE, 10)
+    reload(container)
+    wait_state(container, BG, "active")
+    container.systemctl("start", "--no-block", VOICE)
+    wait_journal(
+        container,
+        "bg.service (priority 90) has not stopped 2 s after gpuslice asked "
+        "(voice.service waits for it): see its TimeoutStopSec= and ExecStop=",
+    )
+    reasons = [w["reason"] for w in status(container)["waiting"]]
+    assert reasons == [
+        "waiting for bg.service (priority 90) to stop on GPU 0 (still running 2 s after the stop)"
+    ]
+    container.systemctl("kill", "--signal=KILL", BG)
+    wait_state(container, VOICE, "active")
+
+
+def test_a_hung_nvml_call_does_not_stall_the_controller(container: Container) -> None:
+    """The driver hangs for longer than two watchdog periods: the controller stays up,
+    answers, and a handover still completes on the last sample."""
+    fakegpu.install(container, 1)
+    container.write_file(
+        "/etc/systemd/system/gpuslice.service.d/watchdog.conf", "[Service]\nWatchdogSec=3\n"
+    )
+    container.systemctl("daemon-reload")
+    fakegpu.restart_gpuslice(container)
+    pid = main_pid(container, "gpuslice.service")
+    write_job(container, BG, 90, "background")
+    write_job(container, VOICE, 10)
+    reload(container)
+    wait_state(container, BG, "active")
+    container.run(["touch", f"{fakegpu.STATE}/hang"])
+    container.systemctl("start", "--no-block", VOICE)
+    wait_journal(container, "NVML did not answer within 2 s", timeout=30)
+    wait_state(container, VOICE, "active", timeout=30)
+    deadline = time.monotonic() + 8  # more than two watchdog periods
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        assert status(container)["version"] == 1
+        assert time.monotonic() - started < 5, "status took too long while NVML hangs"
+        assert main_pid(container, "gpuslice.service") == pid
+        assert prop(container, "gpuslice.service", "NRestarts") == "0"
+        time.sleep(0.5)
+    container.run(["rm", f"{fakegpu.STATE}/hang"])
+    wait_journal(container, "NVML answers again", timeout=30)
+
+
+def test_the_longest_valid_unit_names_work(container: Container) -> None:
+    """255 characters is systemd's limit: env file, state, status and the journal take it."""
+    container.write_file(
+        f"{UNIT_DIR}/w@.service",
+        "[Service]\nExecStart=/bin/sh -c 'trap \"exit 0\" TERM; while :; do sleep 1; done'\n"
+        "[X-GPUSlice]\nPriority=50\n",
+    )
+    reload(container)
+    first = "w@" + "a" * (255 - len("w@.service")) + ".service"
+    second = "w@" + "b" * (255 - len("w@.service")) + ".service"
+    assert len(first) == len(second) == 255
+    container.systemctl("start", first)
+    assert prop(container, first, "ActiveState") == "active"
+    env = container.run(f"cat /run/gpuslice/env/{first}/gpuslice.env").stdout
+    assert "CUDA_VISIBLE_DEVICES=0" in env
+    container.systemctl("start", "--no-block", second)
+    wait_until(
+        lambda: [w["unit"] for w in status(container)["waiting"]] == [second] or None,
+        20,
+        what="the second long name to wait",
+    )
+    container.systemctl("stop", first)
+    wait_state(container, second, "active")
+    assert first in status(container)["held"]
+
+
+def test_a_preempted_instance_survives_a_controller_restart_and_garbage_collection(
+    container: Container,
+) -> None:
+    container.write_file(
+        f"{UNIT_DIR}/worker@.service",
+        "[Service]\nExecStart=/bin/sh -c 'trap \"exit 0\" TERM; while :; do sleep 1; done'\n"
+        "[X-GPUSlice]\nPriority=90\n",
+    )
+    write_job(container, VOICE, 10, seconds=4)
+    reload(container)
+    container.systemctl("start", "worker@a.service")
+    container.systemctl("start", "--no-block", VOICE)
+    wait_state(container, VOICE, "active")
+
+    def collected() -> bool | None:
+        out = container.run(
+            ["systemctl", "list-units", "--all", "--plain", "--no-legend", "worker@a.service"]
+        ).stdout
+        return True if not out.strip() else None
+
+    wait_until(collected, 10, what="systemd to garbage-collect the stopped instance")
+    container.systemctl("restart", "gpuslice.service")
+    assert [p["unit"] for p in status(container)["preempted"]] == ["worker@a.service"]
+    wait_state(container, VOICE, "inactive", timeout=30)
+    wait_state(container, "worker@a.service", "active", timeout=30)
+
+
+def test_a_bad_state_file_is_set_aside_and_the_controller_starts(container: Container) -> None:
+    write_job(container, BG, 90, "background")
+    reload(container)
+    wait_state(container, BG, "active")
+    container.systemctl("stop", "gpuslice.service")
+    container.write_file("/var/lib/gpuslice/state.json", '{"version":1,"holders":[]}')
+    container.systemctl("start", "gpuslice.service")
+    assert prop(container, "gpuslice.service", "ActiveState") == "active"
+    assert "/var/lib/gpuslice/state.json" in container.journal("gpuslice.service")
+    assert status(container)["gpus"][0]["holders"][0]["unit"] == BG  # rebuilt from systemd
+    aside = container.run("ls /var/lib/gpuslice").stdout.split()
+    assert any(name.startswith("state.json.") for name in aside), aside
