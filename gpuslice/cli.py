@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from gpuslice.annotations import check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings
 from gpuslice.core.model import UnitKind
 from gpuslice.paths import CONFIG_PATH
+from gpuslice.unitfiles import UnitFile, printable
 
 ENROLL_DROPIN = "gpuslice.conf"
 
@@ -90,9 +92,40 @@ def status(as_json: bool) -> None:
         click.echo(render(json.loads(text)))
 
 
+def _not_checkable(path: str) -> str | None:
+    """Why `path` cannot be read as a file to check, or None. Only `stat`: a FIFO or a device
+    is never opened (opening a FIFO blocks)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return e.strerror or str(e)
+    except ValueError as e:  # a NUL in the path
+        return str(e)
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a directory, not a regular file"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO, not a regular file"
+    return "not a regular file"
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return printable(str(e) or type(e).__name__, 200)
+
+
 @main.command()
-@click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
-@config_option
+@click.argument("files", nargs=-1, type=click.Path())
+@click.option(
+    "--config",
+    "config_path",
+    default=CONFIG_PATH,
+    show_default=True,
+    type=click.Path(),
+    help="The gpuslice configuration file.",
+)
 @click.option("--root", default="/", show_default=True, hidden=True)
 def check(files: tuple[str, ...], config_path: str, root: str) -> None:
     """Validate config.yaml and unit annotations; exit 1 on any error.
@@ -100,30 +133,48 @@ def check(files: tuple[str, ...], config_path: str, root: str) -> None:
     Without FILES, checks the configuration and every installed unit. With FILES, checks
     those unit files (and any .yaml file as a gpuslice configuration).
     """
-    errors = 0
-    messages: list[str] = []
+    # (severity, line) in the order found
+    messages: list[tuple[str, str]] = []
+
+    def error(text: str) -> None:
+        messages.append(("error", text))
+
     yaml_files = [f for f in files if f.endswith((".yaml", ".yml"))]
     unit_files = [f for f in files if f not in yaml_files]
     for path in yaml_files or ([] if files else [config_path]):
+        shown = printable(path)
+        if path in yaml_files and not os.path.lexists(path):
+            error(f"{shown}: cannot read: No such file or directory")
+            continue
         try:
             _, warnings = load_config_with_warnings(Path(path))
-            messages += [f"warning: {w}" for w in warnings]
+            messages += [("warning", w) for w in warnings]
         except ConfigError as e:
-            errors += 1
-            messages.append(f"error: {e}")
-    if unit_files:
-        problems = [p for f in unit_files for p in check_file(f)]
-        checked = len(unit_files)
-    else:
-        result = scan(root) if not files else None
-        problems = result.problems if result is not None else []
-        checked = len(result.specs) if result is not None else 0
-    for problem in problems:
-        messages.append(f"{problem.severity}: {problem}")
-        errors += problem.severity == "error"
-    for message in messages:
-        click.echo(message, err=True)
-    if errors:
+            messages += [("error", p) for p in e.problems]
+        except Exception as e:  # belt and braces: config.py raises only ConfigError
+            error(f"{shown}: cannot check: {_reason(e)}")
+    checked = 0
+    for path in unit_files:
+        why = _not_checkable(path)
+        try:
+            if why is None:
+                UnitFile(path, Path(path)).read_text()  # unreadable, too large: say so
+                messages += [(p.severity, str(p)) for p in check_file(path)]
+                checked += 1
+        except Exception as e:
+            why = _reason(e)
+        if why is not None:
+            error(f"{printable(path)}: cannot read: {why}")
+    if not files:
+        try:
+            result = scan(root)
+            messages += [(p.severity, str(p)) for p in result.problems]
+            checked = len(result.specs)
+        except Exception as e:
+            error(f"cannot read the unit files below {printable(root)}: {_reason(e)}")
+    for severity, text in messages:
+        click.echo(printable(f"{severity}: {text}", 2000), err=True)
+    if any(severity == "error" for severity, _ in messages):
         raise SystemExit(1)
     click.echo(f"ok: {checked} annotated unit(s) checked, {len(messages)} warning(s)")
 

@@ -3,22 +3,39 @@
 Validation collects every problem as `PATH:LINE: KEY: message (allowed: ...)`; unknown keys are
 warnings. A missing file means the defaults. Keeping the last good config on a bad reload is the
 caller's job: `load_config` either returns a complete `Config` or raises `ConfigError`.
+
+The file is input from outside the daemon, so nothing in it may crash or stall its readers (the
+controller, the generator at boot, `gpuslice check`): the read is capped at `MAX_CONFIG_BYTES`,
+YAML nesting at `MAX_DEPTH`, aliases are refused (no "billion laughs"), and every value has a
+range. yaml is imported only when a file is parsed, so the generator can read the defaults
+cheaply.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
-from yaml.constructor import SafeConstructor
+from gpuslice.core.model import GPU_ID
+from gpuslice.paths import CONFIG_PATH, DEFAULT_RUNTIME_DIR, DEFAULT_STATE_DIR
+from gpuslice.sizes import SIZE_ALLOWED, SIZE_MAX, parse_size
+from gpuslice.unitfiles import printable
 
-from gpuslice.paths import CONFIG_PATH
-from gpuslice.sizes import SIZE_ALLOWED, parse_size
+if TYPE_CHECKING:
+    import yaml
+
+MAX_CONFIG_BYTES = 1 << 20  # a config of ten keys is a few KiB
+MAX_DEPTH = 16  # the deepest valid config is 3 levels (settings -> reserve -> size)
+MAX_GPUS = 1024
+MAX_PATH_LENGTH = 200
+# Problems shown per kind (errors, warnings); the rest are counted in one more line.
+MAX_PROBLEMS = 20
 
 
 class ConfigError(Exception):
@@ -29,45 +46,86 @@ class ConfigError(Exception):
         self.problems = problems
 
 
-def _integer_at_least(low: int) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _positive_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+def _integer_in(low: int, high: int) -> Callable[[Any], bool]:
+    return lambda v: _is_int(v) and low <= v <= high
 
 
-def _absolute_path(v: Any) -> bool:
-    return isinstance(v, str) and v.startswith("/") and "\0" not in v
+def _number_in(low: float, high: float) -> Callable[[Any], bool]:
+    def valid(v: Any) -> bool:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return False
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        return low <= v <= high  # exact for any int (math.isfinite(10**400) would overflow)
+
+    return valid
+
+
+_PATH = re.compile(r"/[A-Za-z0-9._/-]*", re.ASCII)
+
+
+def _directory_below(base: str) -> Callable[[Any], bool]:
+    """`base` or a directory below it, spelled plainly: the unit's sandbox
+    (ProtectSystem=strict + StateDirectory=/RuntimeDirectory=) lets it write nowhere else, and
+    the generator writes runtime_dir into every gate drop-in."""
+
+    def valid(v: Any) -> bool:
+        if not isinstance(v, str) or len(v) > MAX_PATH_LENGTH or not _PATH.fullmatch(v):
+            return False
+        path = v.rstrip("/")
+        parts = path.split("/")[1:]
+        return (
+            "//" not in v
+            and (path == base or path.startswith(base + "/"))
+            and all(part not in ("", ".", "..") for part in parts)
+        )
+
+    return valid
+
+
+def _path_allowed(base: str) -> str:
+    return (
+        f"{base} or a directory below it, at most {MAX_PATH_LENGTH} characters of letters, "
+        'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s '
+        "sandbox lets it write nowhere else"
+    )
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 FOREIGN_POLICIES = ("yield", "ignore")
-_GPU_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z-]+)$")
 
 
 def _gpu_id(v: Any) -> bool:
-    return (isinstance(v, int) and not isinstance(v, bool) and v >= 0) or (
-        isinstance(v, str) and bool(_GPU_ID.match(v))
-    )
+    """An NVML index or a `GPU-` UUID (core.model.GPU_ID); YAML reads `0` as an integer."""
+    if _is_int(v):
+        v = str(v) if v >= 0 else ""
+    return isinstance(v, str) and GPU_ID.fullmatch(v) is not None
 
 
 def _size(v: Any) -> int | None:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v if v >= 0 else None
-    if isinstance(v, str):
-        if v.strip() == "0":
-            return 0
-        try:
-            return parse_size(v)
-        except ValueError:
-            return None
-    return None
+    """Bytes, 0 to `SIZE_MAX`; None for anything else."""
+    if _is_int(v):
+        return v if 0 <= v <= SIZE_MAX else None
+    if not isinstance(v, str) or not v.isascii() or len(v) > 40:
+        return None
+    if v.strip() == "0":
+        return 0
+    try:
+        size = parse_size(v)
+    except (ValueError, OverflowError):
+        return None
+    return size if 0 <= size <= SIZE_MAX else None
 
 
 def _reserve_valid(v: Any) -> bool:
     if isinstance(v, dict):
-        return all((k == "*" or _gpu_id(k)) and _size(size) is not None for k, size in v.items())
+        return len(v) <= MAX_GPUS and all(
+            (k == "*" or _gpu_id(k)) and _size(size) is not None for k, size in v.items()
+        )
     return _size(v) is not None
 
 
@@ -81,7 +139,8 @@ def _reserve_convert(v: Any) -> tuple[tuple[str, int], ...]:
 @dataclass(frozen=True)
 class Setting:
     """One config key: `valid` says whether a parsed YAML value is acceptable, `allowed` says in
-    words what is, `convert` turns an accepted value into the stored one."""
+    words what is, `convert` turns an accepted value into the stored one. For a list setting,
+    `item_valid` checks one entry, so that an error can point at the bad entry's line."""
 
     name: str
     default: Any
@@ -89,14 +148,15 @@ class Setting:
     allowed: str
     help: str
     convert: Callable[[Any], Any] = lambda v: v
+    item_valid: Callable[[Any], bool] | None = None
 
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "gpus",
         1,
-        _integer_at_least(1),
-        "an integer >= 1",
+        _integer_in(1, MAX_GPUS),
+        f"an integer 1-{MAX_GPUS}",
         "How many GPUs to schedule on hosts where NVML cannot count them.",
     ),
     Setting(
@@ -108,31 +168,36 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "state_dir",
-        "/var/lib/gpuslice",
-        _absolute_path,
-        "an absolute path",
+        DEFAULT_STATE_DIR,
+        _directory_below(DEFAULT_STATE_DIR),
+        _path_allowed(DEFAULT_STATE_DIR),
         "Where the controller keeps what must survive a reboot.",
+        convert=lambda v: v.rstrip("/"),
     ),
     Setting(
         "runtime_dir",
-        "/run/gpuslice",
-        _absolute_path,
-        "an absolute path",
-        "Where the controller writes per-unit environment files (RUNTIME_DIR/env/UNIT.env).",
+        DEFAULT_RUNTIME_DIR,
+        _directory_below(DEFAULT_RUNTIME_DIR),
+        _path_allowed(DEFAULT_RUNTIME_DIR),
+        "Where the controller writes per-unit environment files "
+        "(RUNTIME_DIR/env/UNIT/gpuslice.env).",
+        convert=lambda v: v.rstrip("/"),
     ),
     Setting(
         "manage_gpus",
         (),
-        lambda v: isinstance(v, list) and all(_gpu_id(x) for x in v),
-        "a list of GPU indices or UUIDs (empty: every GPU NVML finds)",
+        lambda v: isinstance(v, list) and len(v) <= MAX_GPUS and all(_gpu_id(x) for x in v),
+        f"a list of at most {MAX_GPUS} GPU indices or GPU- UUIDs (MIG devices are not "
+        "supported; empty: every GPU NVML finds)",
         "Which GPUs gpuslice schedules on; the others are left alone.",
         convert=lambda v: tuple(str(x) for x in v),
+        item_valid=_gpu_id,
     ),
     Setting(
         "reserve",
         (("*", 0),),
         _reserve_valid,
-        f'{SIZE_ALLOWED}, or a mapping of GPU index or UUID (or "*") to such a size',
+        f'{SIZE_ALLOWED}, or a mapping of GPU index or GPU- UUID (or "*") to such a size',
         "VRAM per GPU that gpuslice never hands out (e.g. 1G for a desktop).",
         convert=_reserve_convert,
     ),
@@ -147,25 +212,34 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "sample_interval",
         2.0,
-        _positive_number,
-        "a number > 0",
+        _number_in(0.05, 3600),
+        "a number of seconds 0.05-3600",
         "Seconds between NVML samples, taken only while something needs protecting.",
         convert=float,
     ),
     Setting(
         "vram_release_timeout",
         30.0,
-        _positive_number,
-        "a number > 0",
+        _number_in(0.1, 3600),
+        "a number of seconds 0.1-3600",
         "Seconds a grant waits for a preempted unit's VRAM to be released before it goes ahead.",
         convert=float,
     ),
     Setting(
         "gate_retry_seconds",
         0.5,
-        _positive_number,
-        "a number > 0",
+        _number_in(0.05, 60),
+        "a number of seconds 0.05-60",
         "How long the gate waits before asking again while the controller is away.",
+        convert=float,
+    ),
+    Setting(
+        "stop_timeout",
+        90.0,
+        _number_in(1, 86400),
+        "a number of seconds 1-86400",
+        "How long a preempted unit may take to stop before the waiter's reason names it and a "
+        "warning is logged.",
         convert=float,
     ),
 )
@@ -190,6 +264,7 @@ class Config:
     sample_interval: float = _default("sample_interval")
     vram_release_timeout: float = _default("vram_release_timeout")
     gate_retry_seconds: float = _default("gate_retry_seconds")
+    stop_timeout: float = _default("stop_timeout")
 
     def reserve_for(self, index: int, uuid: str) -> int:
         """Bytes kept back on one GPU: its own entry, else the entry for every GPU."""
@@ -197,25 +272,153 @@ class Config:
         return table.get(str(index), table.get(uuid, table.get("*", 0)))
 
 
+# ---------------------------------------------------------------------------------------------
+# parsing
+
+
 def _describe(node: yaml.Node) -> str:
+    import yaml
+
+    tag = ""
+    if node.tag.startswith(_YAML_TAG) and node.tag[len(_YAML_TAG) :] not in _PLAIN_TAGS:
+        tag = f" tagged !!{printable(node.tag[len(_YAML_TAG) :], 60)}"
+    elif not node.tag.startswith(_YAML_TAG):
+        tag = f" tagged {printable(node.tag, 60)}"
     if isinstance(node, yaml.ScalarNode):
-        if node.style in ("'", '"'):
-            return f'"{node.value}"'
-        return f'"{node.value}"' if node.value else "an empty value"
+        if node.style in ("'", '"') or node.value:
+            return f'"{printable(node.value, 60)}"{tag}'
+        return f"an empty value{tag}"
     if isinstance(node, yaml.SequenceNode):
-        return "a list"
-    return "a mapping"
+        return f"a list{tag}"
+    return f"a mapping{tag}"
+
+
+_YAML_TAG = "tag:yaml.org,2002:"
+_PLAIN_TAGS = frozenset({"str", "int", "float", "bool", "null", "seq", "map"})
+
+
+@functools.cache
+def _loader_class() -> type[Any]:
+    """SafeLoader (no Python objects) that refuses aliases and deep nesting while composing,
+    with the line of the offending node."""
+    import yaml
+    from yaml.composer import ComposerError
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event: Any = self.peek_event()  # type: ignore[no-untyped-call]
+            mark: Any = event.start_mark
+            if isinstance(event, yaml.AliasEvent):
+                raise ComposerError(
+                    None, None, "aliases (*name) are not allowed in config.yaml", mark
+                )
+            if self.depth >= MAX_DEPTH:
+                raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
+            self.depth += 1
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    return Loader
+
+
+def _compose(text: str, path: str) -> yaml.Node | None:
+    import yaml
+
+    loader = None
+    try:
+        loader = _loader_class()(text)
+        return loader.get_single_node()  # type: ignore[no-any-return]
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        position = getattr(e, "position", None)  # ReaderError: a character YAML forbids
+        if mark is not None:
+            line = f"{mark.line + 1}:"
+        elif isinstance(position, int):
+            line = f"{text.count(chr(10), 0, position) + 1}:"
+        else:
+            line = ""
+        if isinstance(e, yaml.reader.ReaderError) and isinstance(e.character, int):
+            reason = f"character #x{e.character:04x} is not allowed in YAML"
+        else:
+            reason = getattr(e, "problem", None) or str(e)
+        raise ConfigError([f"{path}:{line} not valid YAML: {printable(reason, 200)}"]) from None
+    except RecursionError:  # belt and braces: MAX_DEPTH keeps the composer shallow
+        raise ConfigError([f"{path}: not valid YAML: nested too deeply"]) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _construct(node: yaml.Node) -> Any:
+    """The node's Python value (SafeConstructor: plain data only); a `_Bad` for anything that
+    cannot be built (`!!python/object`, `!!int abc`, a 5000-digit number) or is not ASCII
+    (digits of other scripts that `int()` would accept)."""
+    import yaml
+    from yaml.constructor import SafeConstructor
+
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, yaml.ScalarNode):
+            if not current.value.isascii():
+                return _Bad()
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend(current.value)
+        elif isinstance(current, yaml.MappingNode):
+            stack.extend(n for pair in current.value for n in pair)
+    try:
+        return SafeConstructor().construct_object(node, deep=True)
+    except Exception:  # any value that cannot be built is simply invalid
+        return _Bad()
+
+
+class _Bad:
+    """A value that could not be built; never valid."""
+
+
+def _limited(problems: list[str], path: str, kind: str) -> list[str]:
+    if len(problems) <= MAX_PROBLEMS:
+        return problems
+    more = len(problems) - MAX_PROBLEMS
+    return [*problems[:MAX_PROBLEMS], f"{path}: {more} more {kind} not shown"]
+
+
+def _check(setting: Setting, node: yaml.Node, path: str) -> tuple[Any, str | None]:
+    """(converted value, None) or (None, the error line)."""
+    import yaml
+
+    value = _construct(node)
+    if setting.valid(value):
+        return setting.convert(value), None
+    blame = node
+    if (
+        setting.item_valid is not None
+        and isinstance(value, list)
+        and isinstance(node, yaml.SequenceNode)
+        and len(value) <= MAX_GPUS
+    ):
+        blame = next(
+            (n for n, v in zip(node.value, value, strict=False) if not setting.item_valid(v)),
+            node,
+        )
+    return None, (
+        f"{path}:{blame.start_mark.line + 1}: {setting.name}: invalid value "
+        f"{_describe(blame)} (allowed: {setting.allowed})"
+    )
 
 
 def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
-    """Validate config text; returns the config and warnings, or raises ConfigError."""
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f"{mark.line + 1}:" if mark is not None else ""
-        reason = getattr(e, "problem", None) or str(e)
-        raise ConfigError([f"{path}:{line} not valid YAML: {reason}"]) from None
+    """Validate config text; returns the config and warnings, or raises ConfigError (whose
+    every line starts with `path`). Never raises anything else."""
+    import yaml
+
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{path}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB), not read"])
+    root = _compose(text, path)
     if root is None or (isinstance(root, yaml.ScalarNode) and root.tag.endswith(":null")):
         return Config(), []
     if not isinstance(root, yaml.MappingNode):
@@ -229,47 +432,90 @@ def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
     warnings: list[str] = []
     values: dict[str, Any] = {}
     first_line: dict[str, int] = {}
-    constructor = SafeConstructor()
+    known = ", ".join(SETTINGS_BY_NAME)
     for key_node, value_node in root.value:
         line = key_node.start_mark.line + 1
-        key = str(key_node.value)
-        setting = SETTINGS_BY_NAME.get(key) if isinstance(key_node, yaml.ScalarNode) else None
+        if not isinstance(key_node, yaml.ScalarNode):
+            errors.append(
+                f"{path}:{line}: expected a setting name, got {_describe(key_node)} "
+                f"(known: {known})"
+            )
+            continue
+        key = key_node.value
+        setting = SETTINGS_BY_NAME.get(key)
         if setting is None:
-            known = ", ".join(SETTINGS_BY_NAME)
-            warnings.append(f"{path}:{line}: {key}: unknown setting, ignored (known: {known})")
+            warnings.append(
+                f"{path}:{line}: {printable(key, 60)}: unknown setting, ignored (known: {known})"
+            )
             continue
         if key in first_line:
             errors.append(f"{path}:{line}: {key}: set twice (first at line {first_line[key]})")
             continue
         first_line[key] = line
-        try:
-            value = constructor.construct_object(value_node, deep=True)
-        except yaml.YAMLError as e:
-            value = e  # never valid
-        if not setting.valid(value):
-            errors.append(
-                f"{path}:{value_node.start_mark.line + 1}: {key}: invalid value "
-                f"{_describe(value_node)} (allowed: {setting.allowed})"
-            )
-            continue
-        values[key] = setting.convert(value)
+        value, error = _check(setting, value_node, path)
+        if error is not None:
+            errors.append(error)
+        else:
+            values[key] = value
     if errors:
-        raise ConfigError(errors)
-    return Config(**values), warnings
+        raise ConfigError(_limited(errors, path, "errors"))
+    return Config(**values), _limited(warnings, path, "warnings")
+
+
+def read_config_text(path: str | os.PathLike[str]) -> str | None:
+    """The file's text; None when it does not exist. ConfigError (one line naming the file)
+    when it is not a regular file, cannot be read, is larger than `MAX_CONFIG_BYTES` or is not
+    UTF-8. A FIFO or a device is never read from, so this never blocks."""
+    shown = printable(os.fspath(path))
+
+    def check_regular(mode: int) -> None:
+        if not stat.S_ISREG(mode):
+            what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else ""
+            what = f"{what}, not a regular file" if what else "not a regular file"
+            raise ConfigError([f"{shown}: cannot read: {what}"])
+
+    try:
+        check_regular(os.stat(path).st_mode)  # a device is never opened
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError([f"{shown}: cannot read: {reason}"]) from None
+    try:
+        check_regular(os.fstat(fd).st_mode)  # O_NONBLOCK: a FIFO swapped in is not waited on
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise ConfigError([f"{shown}: cannot read: {e.strerror or e}"]) from None
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{shown}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB), not read"])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            [f"{shown}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"]
+        ) from None
 
 
 def load_config_with_warnings(
     path: str | os.PathLike[str] = CONFIG_PATH,
 ) -> tuple[Config, list[str]]:
     """Load and validate the file; a missing file gives the defaults."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
+    text = read_config_text(path)
+    if text is None:
         return Config(), []
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([f"{os.fspath(path)}: cannot read: {e}"]) from None
-    return parse_config(text, os.fspath(path))
+    return parse_config(text, printable(os.fspath(path)))
 
 
 def load_config(path: str | os.PathLike[str] = CONFIG_PATH) -> Config:

@@ -304,10 +304,6 @@ class Controller:
             for unit in parked:
                 self._acquire_verified(unit)
 
-    def reload_annotations(self) -> None:
-        """Read the annotations again, on the loop (tests, and the first scan)."""
-        self._apply_scan(scan(self.root))
-
     def _apply_scan(self, result: Scan) -> None:
         self.scan = result
         for problem in result.problems:

@@ -3,24 +3,33 @@
 systemd runs this at boot and at every daemon-reload as
 `gpuslice-generator NORMAL_DIR [EARLY_DIR LATE_DIR]`. For each valid annotated unit it writes
 `NORMAL_DIR/UNIT.d/gpuslice-gate.conf`. The drop-in resets ExecStartPre= so the gate runs first,
-then puts back the unit's own ExecStartPre= lines from the files applied before it. Problems go
-to stderr one line each; a bad unit never makes the generator fail.
+then puts back the unit's own ExecStartPre= lines from the files applied before it.
+
+If the generator failed, every annotated unit would start ungated, so nothing stops it: each unit
+is planned and written on its own, and a problem with one (an unreadable file, a name too long
+for a drop-in directory, a line that would not be one line) is one line on stderr while every
+other unit still gets its gate. A bad config.yaml means the defaults and a warning. `main`
+always exits 0 once it has written what it could.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuslice.annotations import Loader, Scan, scan
-from gpuslice.unitfiles import UnitIndex, is_instance, template_of
+from gpuslice.config import Config, ConfigError, load_config_with_warnings
+from gpuslice.paths import CONFIG_PATH, ENV_FILE_SPECIFIER, GATE_DROPIN_NAME
+from gpuslice.unitfiles import UnitIndex, is_instance, is_valid_unit_name, printable, template_of
 
-DROPIN_NAME = "gpuslice-gate.conf"
-DEFAULT_RETRY = 0.5  # seconds; config.yaml gate_retry_seconds
-DEFAULT_RUNTIME_DIR = "/run/gpuslice"
-CONFIG_PATH = "/etc/gpuslice/config.yaml"
 _PROG = "gpuslice-generator"
+DEFAULTS = Config()
+# Linux's NAME_MAX: `UNIT.d` must fit in one path component, so a unit name of 254 or 255
+# characters (valid for systemd) can have no drop-in directory of its own.
+NAME_MAX = 255
 
 HEADER = "# Added by gpuslice-generator: the GPU gate for this unit.\n"
 # An instance that is not managed although its template is (its own drop-ins make it invalid, or
@@ -42,7 +51,7 @@ def exec_start_pre_before_gate(loader: Loader, unit: str) -> list[str]:
     values: list[str] = []
     for i, unit_file in enumerate(files):
         name = unit_file.path.rsplit("/", 1)[-1]
-        if i > 0 and name >= DROPIN_NAME:
+        if i > 0 and name >= GATE_DROPIN_NAME:
             break
         try:
             entries = loader.parsed(unit_file).entries
@@ -57,9 +66,29 @@ def exec_start_pre_before_gate(loader: Loader, unit: str) -> list[str]:
     return values
 
 
+def _one_line(line: str) -> str:
+    """`line`, or ValueError when it holds a newline or another control character (a tab is
+    whitespace to systemd and stays): a drop-in line must never become two."""
+    if any((c < " " and c != "\t") or c == "\x7f" for c in line):
+        raise ValueError(f"refusing to write a line with a control character: {printable(line)}")
+    return line
+
+
+def _seconds(value: float) -> str:
+    """`0.5`, `2`: plain decimals (milliseconds at most), as the gate reads them."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"gate_retry_seconds must be a number > 0, got {value!r}")
+    return f"{value:.3f}".rstrip("0").rstrip(".")
+
+
 def gate_dropin(
-    libexec_dir: str, runtime_dir: str, exec_start_pre: list[str], retry: float = DEFAULT_RETRY
+    libexec_dir: str,
+    runtime_dir: str,
+    exec_start_pre: list[str],
+    retry: float = DEFAULTS.gate_retry_seconds,
 ) -> str:
+    """The text of one gate drop-in. The retry is always passed to the gate, so its default
+    lives only in config.py's SETTINGS."""
     lines = [
         HEADER.rstrip("\n"),
         "[Unit]",
@@ -68,13 +97,32 @@ def gate_dropin(
         "",
         "[Service]",
         "ExecStartPre=",
-        f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/gpuslice-gate %n"
-        + ("" if retry == DEFAULT_RETRY else f" {retry:g}"),
+        f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/gpuslice-gate %n {_seconds(retry)}",
         *(f"ExecStartPre={v}" for v in exec_start_pre),
-        f"EnvironmentFile=-{_escape_specifiers(runtime_dir)}/env/%n.env",
+        f"EnvironmentFile=-{_escape_specifiers(runtime_dir)}/{ENV_FILE_SPECIFIER}",
         "TimeoutStartSec=infinity",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(_one_line(line) for line in lines) + "\n"
+
+
+def fits_dropin_dir(unit: str) -> bool:
+    """Whether `UNIT.d` fits in one path component."""
+    return len(f"{unit}.d".encode()) <= NAME_MAX
+
+
+@dataclass
+class Plan:
+    """Unit name -> text of its gpuslice-gate.conf, and one line per unit left without the
+    gate it needs."""
+
+    dropins: dict[str, str] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
 
 
 def plan(
@@ -82,63 +130,104 @@ def plan(
     result: Scan,
     libexec_dir: str,
     runtime_dir: str,
-    retry: float = DEFAULT_RETRY,
-) -> dict[str, str]:
-    """Unit name -> text of its gpuslice-gate.conf.
+    retry: float = DEFAULTS.gate_retry_seconds,
+) -> Plan:
+    """The drop-ins to write, each unit planned on its own (never raises).
 
     A template's gate covers every instance: systemd applies `foo@.service.d/` to `foo@a.service`.
     An instance gets a gate of its own only when the template's would be wrong for it: when its
     own files add ExecStartPre= lines applied before the gate (the template's gate would reset
     them). Its file has the same name, so it hides the template's. An unmanaged instance of a
-    managed template gets a file that only hides the template's gate.
+    managed template gets a file that only hides the template's gate. An instance whose name is
+    too long for a drop-in directory can only have its template's gate: an error when that is
+    not the right one for it.
     """
-    out: dict[str, str] = {}
+    out = Plan()
 
     def gate_for(unit: str) -> str:
         return gate_dropin(
             libexec_dir, runtime_dir, exec_start_pre_before_gate(loader, unit), retry
         )
 
+    def fail(unit: str, message: str) -> None:
+        out.errors.append(f"{printable(unit)}: {message}")
+
     for unit in sorted(result.specs):
-        if not is_instance(unit) or template_of(unit) not in result.specs:
-            out[unit] = gate_for(unit)
+        if is_instance(unit) and template_of(unit) in result.specs:
+            continue
+        try:
+            if not is_valid_unit_name(unit):
+                fail(unit, "not a valid unit name (unit not gated)")
+            elif not fits_dropin_dir(unit):
+                fail(
+                    unit,
+                    f"name too long for a drop-in directory ({len(unit)} characters; at most "
+                    f"{NAME_MAX - 2}) (unit not gated)",
+                )
+            else:
+                out.dropins[unit] = gate_for(unit)
+        except Exception as e:
+            fail(unit, f"cannot plan its gate: {_reason(e)} (unit not gated)")
+
     instances = {u for u in result.specs if is_instance(u)}
-    instances.update(
-        loader.index.instance_dropin_names(), result.invalid, result.unannotated_instances
-    )
+    instances.update(result.invalid, result.unannotated_instances)
+    try:
+        instances.update(loader.index.instance_dropin_names())
+    except Exception as e:
+        out.errors.append(f"cannot list the instances' drop-in directories: {_reason(e)}")
     for unit in sorted(instances):
         template = template_of(unit)
         if not is_instance(unit) or template not in result.specs:
             continue
-        if unit in result.invalid or unit in result.unannotated_instances:
-            out[unit] = MASK_TEXT
-            continue
-        text = gate_for(unit)
-        if text != out[template]:
-            out[unit] = text
+        try:
+            unmanaged = unit in result.invalid or unit in result.unannotated_instances
+            text = MASK_TEXT if unmanaged else gate_for(unit)
+            template_gate = out.dropins.get(template)
+            if not unmanaged and text == template_gate:
+                continue
+            if not is_valid_unit_name(unit):
+                fail(unit, "not a valid unit name (unit not gated correctly)")
+            elif not fits_dropin_dir(unit):
+                what = (
+                    "its template's gate applies although the unit is not managed"
+                    if unmanaged
+                    else "its template's gate applies and resets its own ExecStartPre= lines"
+                )
+                fail(
+                    unit,
+                    f"name too long for a drop-in directory of its own ({len(unit)} "
+                    f"characters; at most {NAME_MAX - 2}): {what} (unit not gated correctly)",
+                )
+            else:
+                out.dropins[unit] = text
+        except Exception as e:
+            fail(unit, f"cannot plan its gate: {_reason(e)} (unit not gated correctly)")
     return out
 
 
 def _settings(root: Path) -> tuple[str, float]:
     """runtime_dir and gate_retry_seconds from config.yaml; the defaults if it is bad."""
     path = root / CONFIG_PATH.lstrip("/")
-    if not path.exists():
-        return DEFAULT_RUNTIME_DIR, DEFAULT_RETRY
-    from gpuslice.config import ConfigError, load_config_with_warnings  # yaml only when needed
-
+    defaults = (
+        f"using the defaults runtime_dir {DEFAULTS.runtime_dir}, "
+        f"gate_retry_seconds {DEFAULTS.gate_retry_seconds:g}"
+    )
     try:
         config, warnings = load_config_with_warnings(path)
     except ConfigError as e:
         for problem in e.problems:
-            _warn(f"{problem} (using the default runtime_dir {DEFAULT_RUNTIME_DIR})")
-        return DEFAULT_RUNTIME_DIR, DEFAULT_RETRY
+            _warn(f"{problem} ({defaults})")
+        return DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds
+    except Exception as e:  # belt and braces: config.py raises only ConfigError
+        _warn(f"{path}: {_reason(e)} ({defaults})")
+        return DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds
     for warning in warnings:
         _warn(warning)
     return config.runtime_dir, config.gate_retry_seconds
 
 
 def _warn(message: str, severity: str = "warning") -> None:
-    print(f"{_PROG}: {severity}: {message}", file=sys.stderr)
+    print(f"{_PROG}: {severity}: {printable(message, 2000)}", file=sys.stderr)
 
 
 def generate(
@@ -147,25 +236,38 @@ def generate(
     libexec_dir: str | None = None,
     runtime_dir: str | None = None,
 ) -> int:
-    """Write the gate drop-ins; returns how many files were written."""
+    """Write the gate drop-ins; returns how many files were written. Never raises: what cannot
+    be done for one unit is reported on stderr and the others are still written."""
     if libexec_dir is None:
         from gpuslice.paths import LIBEXEC_DIR
 
         libexec_dir = LIBEXEC_DIR
     configured_runtime_dir, retry = _settings(Path(root))
     runtime_dir = runtime_dir or configured_runtime_dir
-    loader = Loader(UnitIndex(root))
-    result = scan(root, loader)
+    try:
+        loader = Loader(UnitIndex(root))
+        result = scan(root, loader)
+    except Exception as e:
+        _warn(f"cannot read the unit files: {_reason(e)} (no unit gated)", "error")
+        return 0
     for problem in result.problems:
         suffix = " (unit not managed)" if problem.severity == "error" else ""
         _warn(f"{problem}{suffix}", problem.severity)
-    out_dir = Path(normal_dir)
     planned = plan(loader, result, libexec_dir, runtime_dir, retry)
-    for unit, text in planned.items():
-        dropin_dir = out_dir / f"{unit}.d"
-        dropin_dir.mkdir(parents=True, exist_ok=True)
-        (dropin_dir / DROPIN_NAME).write_text(text, encoding="utf-8")
-    return len(planned)
+    for error in planned.errors:
+        _warn(error, "error")
+    out_dir = Path(normal_dir)
+    written = 0
+    for unit, text in planned.dropins.items():
+        try:
+            dropin_dir = out_dir / f"{unit}.d"
+            dropin_dir.mkdir(parents=True, exist_ok=True)
+            (dropin_dir / GATE_DROPIN_NAME).write_text(text, encoding="utf-8")
+            written += 1
+        except Exception as e:
+            gated = "not gated correctly" if is_instance(unit) else "not gated"
+            _warn(f"{printable(unit)}: cannot write its gate: {_reason(e)} (unit {gated})", "error")
+    return written
 
 
 def main(argv: list[str] | None = None, root: str = "/") -> int:
@@ -173,7 +275,10 @@ def main(argv: list[str] | None = None, root: str = "/") -> int:
     if len(args) not in (1, 3):
         print(f"usage: {_PROG} NORMAL_DIR [EARLY_DIR LATE_DIR]", file=sys.stderr)
         return 2
-    generate(args[0], root=root)
+    try:
+        generate(args[0], root=root)
+    except Exception as e:  # belt and braces: generate reports and goes on by itself
+        _warn(f"{_reason(e)}", "error")
     return 0
 
 

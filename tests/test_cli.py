@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
-from gpuslice.annotations import Scan
+from gpuslice.annotations import Problem, Scan
 from gpuslice.cli import main
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Scheduler
@@ -25,7 +27,7 @@ def test_check_files_reports_file_line_key_and_exits_1(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["check", str(bad), str(config)])
     assert result.exit_code == 1
     assert result.output.splitlines() == [
-        f'error: {config}:1: gpus: invalid value "0" (allowed: an integer >= 1)',
+        f'error: {config}:1: gpus: invalid value "0" (allowed: an integer 1-1024)',
         f'error: {bad}:6: [X-GPUSlice] Priority: expected an integer 0-999, got "high"',
         f"error: {bad}:7: [X-GPUSlice] Type: expected one of on-demand, background, "
         'got "sometimes"',
@@ -84,3 +86,91 @@ def test_status_table_shows_memory_foreign_processes_and_reasons() -> None:
         "big.service (priority 20): waiting: needs 20 GiB on one GPU; GPU 0 has 12 GiB free "
         "after the reserve, held by voice.service, priority 10"
     ) in text
+
+
+# ---------------------------------------------------------------------------------------------
+# check: never a traceback, never blocked; exit 1 with located lines
+
+
+def check(*args: str) -> tuple[int, list[str]]:
+    result = CliRunner().invoke(main, ["check", *args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.output.splitlines()
+
+
+def test_check_files_that_are_not_regular_files(tmp_path: Path) -> None:
+    for name in ("dir.yaml", "dir.service"):
+        (tmp_path / name).mkdir()
+    for name in ("fifo.yaml", "fifo.service"):
+        os.mkfifo(tmp_path / name)  # opening one for reading would block
+    names = ["dir.yaml", "fifo.yaml", "dir.service", "fifo.service", "absent.service"]
+    assert check(*(str(tmp_path / n) for n in names)) == (
+        1,
+        [
+            f"error: {tmp_path}/dir.yaml: cannot read: a directory, not a regular file",
+            f"error: {tmp_path}/fifo.yaml: cannot read: a FIFO, not a regular file",
+            f"error: {tmp_path}/dir.service: cannot read: a directory, not a regular file",
+            f"error: {tmp_path}/fifo.service: cannot read: a FIFO, not a regular file",
+            f"error: {tmp_path}/absent.service: cannot read: No such file or directory",
+        ],
+    )
+
+
+def test_check_config_option_that_is_a_directory(tmp_path: Path) -> None:
+    assert check("--config", str(tmp_path), "--root", str(tmp_path)) == (
+        1,
+        [f"error: {tmp_path}: cannot read: a directory, not a regular file"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"gpus: \xff\n", "{C}:1: not UTF-8 text (byte 0xff at offset 6)"),
+        (b"#" * (1 << 21), "{C}: larger than 1048576 bytes (1 MiB), not read"),
+        (
+            b"gpus: " + b"[" * 5000 + b"]" * 5000 + b"\n",
+            "{C}:1: not valid YAML: nested deeper than 16 levels",
+        ),
+        (
+            b"a: &a [x, x, x, x, x, x, x, x, x]\nb: [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n",
+            "{C}:2: not valid YAML: aliases (*name) are not allowed in config.yaml",
+        ),
+        (b"gpus: !!int abc\n", '{C}:1: gpus: invalid value "abc" (allowed: an integer 1-1024)'),
+    ],
+)
+def test_check_hostile_config(tmp_path: Path, data: bytes, expected: str) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_bytes(data)
+    assert check(str(config)) == (1, ["error: " + expected.replace("{C}", str(config))])
+
+
+def test_check_prints_one_line_per_config_problem(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("gpus: 0\nstop_timeout: 0\n")
+    assert check(str(config)) == (
+        1,
+        [
+            f'error: {config}:1: gpus: invalid value "0" (allowed: an integer 1-1024)',
+            f'error: {config}:2: stop_timeout: invalid value "0" (allowed: a number of seconds '
+            "1-86400)",
+        ],
+    )
+
+
+def test_check_escapes_control_characters_from_unit_files(tmp_path: Path) -> None:
+    unit = tmp_path / "x.service"
+    unit.write_text(UNIT + "Priority=\x1b[2J\n")
+    code, lines = check(str(unit))
+    assert code == 1
+    assert "\x1b" not in "".join(lines)
+    assert any("\\x1b[2J" in line for line in lines)
+
+
+def test_check_prints_the_scans_warnings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    warning = Problem("/etc/systemd/system/a.service.d/z.conf", 2, "", "a warning", "warning", "a")
+    monkeypatch.setattr("gpuslice.cli.scan", lambda root: Scan(problems=[warning]))
+    assert check("--config", str(tmp_path / "absent.yaml"), "--root", str(tmp_path)) == (
+        0,
+        [f"warning: {warning}", "ok: 0 annotated unit(s) checked, 1 warning(s)"],
+    )

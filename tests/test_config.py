@@ -3,19 +3,45 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from pathlib import Path
 
 import pytest
 
 from gpuslice.config import (
     SETTINGS,
+    SETTINGS_BY_NAME,
     Config,
     ConfigError,
     load_config,
     load_config_with_warnings,
+    parse_config,
 )
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
+# what error messages say is allowed, word for word
+ALLOWED = {
+    "GPUS": "an integer 1-1024",
+    "RETRY": "a number of seconds 0.05-60",
+    "STATE": "/var/lib/gpuslice or a directory below it, at most 200 characters of letters, "
+    'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s sandbox lets '
+    "it write nowhere else",
+    "RUNTIME": "/run/gpuslice or a directory below it, at most 200 characters of letters, "
+    'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s sandbox lets '
+    "it write nowhere else",
+    "MANAGE": "a list of at most 1024 GPU indices or GPU- UUIDs (MIG devices are not supported; "
+    "empty: every GPU NVML finds)",
+    "RESERVE": "a size such as 512M, 20G or 20GiB (binary units, at most 1P), or a mapping of "
+    'GPU index or GPU- UUID (or "*") to such a size',
+}
+
+
+def fill(message: str, path: Path) -> str:
+    message = message.replace("{P}", str(path))
+    for name, allowed in ALLOWED.items():
+        message = message.replace("{" + name + "}", allowed)
+    return message
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -28,7 +54,17 @@ def test_table_and_dataclass_agree() -> None:
     assert [s.name for s in SETTINGS] == [f.name for f in dataclasses.fields(Config)]
     assert Config() == Config(**{s.name: s.default for s in SETTINGS})
     assert Config() == Config(
-        1, "info", "/var/lib/gpuslice", "/run/gpuslice", (), (("*", 0),), "yield", 2.0, 30.0, 0.5
+        1,
+        "info",
+        "/var/lib/gpuslice",
+        "/run/gpuslice",
+        (),
+        (("*", 0),),
+        "yield",
+        2.0,
+        30.0,
+        0.5,
+        90.0,
     )
 
 
@@ -55,8 +91,8 @@ def test_shipped_file_is_the_defaults_and_comments_every_setting() -> None:
         ("gpus: 4\n", Config(gpus=4)),
         ("log_level: debug\n", Config(log_level="debug")),
         (
-            "state_dir: /srv/state\nruntime_dir: /run/x\n",
-            Config(state_dir="/srv/state", runtime_dir="/run/x"),
+            "state_dir: /var/lib/gpuslice/a\nruntime_dir: /run/gpuslice/b/\n",
+            Config(state_dir="/var/lib/gpuslice/a", runtime_dir="/run/gpuslice/b"),
         ),
         ("gate_retry_seconds: 2\n", Config(gate_retry_seconds=2.0)),
         ("gate_retry_seconds: 0.05\n", Config(gate_retry_seconds=0.05)),
@@ -72,21 +108,21 @@ def test_valid(tmp_path: Path, text: str, expected: Config) -> None:
     ("text", "messages"),
     [
         pytest.param(
-            "gpus: 0\n", ['{P}:1: gpus: invalid value "0" (allowed: an integer >= 1)'], id="gpus-0"
+            "gpus: 0\n", ['{P}:1: gpus: invalid value "0" (allowed: {GPUS})'], id="gpus-0"
         ),
         pytest.param(
             "gpus: two\n",
-            ['{P}:1: gpus: invalid value "two" (allowed: an integer >= 1)'],
+            ['{P}:1: gpus: invalid value "two" (allowed: {GPUS})'],
             id="gpus-word",
         ),
         pytest.param(
             "gpus: true\n",
-            ['{P}:1: gpus: invalid value "true" (allowed: an integer >= 1)'],
+            ['{P}:1: gpus: invalid value "true" (allowed: {GPUS})'],
             id="gpus-bool",
         ),
         pytest.param(
             "gpus: 1.5\n",
-            ['{P}:1: gpus: invalid value "1.5" (allowed: an integer >= 1)'],
+            ['{P}:1: gpus: invalid value "1.5" (allowed: {GPUS})'],
             id="gpus-float",
         ),
         pytest.param(
@@ -96,37 +132,37 @@ def test_valid(tmp_path: Path, text: str, expected: Config) -> None:
         ),
         pytest.param(
             "state_dir: var/lib\n",
-            ['{P}:1: state_dir: invalid value "var/lib" (allowed: an absolute path)'],
+            ['{P}:1: state_dir: invalid value "var/lib" (allowed: {STATE})'],
             id="relative-path",
         ),
         pytest.param(
             "runtime_dir:\n  - /run\n",
-            ["{P}:2: runtime_dir: invalid value a list (allowed: an absolute path)"],
+            ["{P}:2: runtime_dir: invalid value a list (allowed: {RUNTIME})"],
             id="list-value",
         ),
         pytest.param(
             "gate_retry_seconds: 0\n",
-            ['{P}:1: gate_retry_seconds: invalid value "0" (allowed: a number > 0)'],
+            ['{P}:1: gate_retry_seconds: invalid value "0" (allowed: {RETRY})'],
             id="retry-zero",
         ),
         pytest.param(
             "gate_retry_seconds: .nan\n",
-            ['{P}:1: gate_retry_seconds: invalid value ".nan" (allowed: a number > 0)'],
+            ['{P}:1: gate_retry_seconds: invalid value ".nan" (allowed: {RETRY})'],
             id="retry-nan",
         ),
         pytest.param(
             "gate_retry_seconds: '1'\n",
-            ['{P}:1: gate_retry_seconds: invalid value "1" (allowed: a number > 0)'],
+            ['{P}:1: gate_retry_seconds: invalid value "1" (allowed: {RETRY})'],
             id="retry-quoted-string",
         ),
         pytest.param(
             "gpus: 0\nlog_level: loud\nstate_dir: x\nruntime_dir:\ngate_retry_seconds: -1\n",
             [
-                '{P}:1: gpus: invalid value "0" (allowed: an integer >= 1)',
+                '{P}:1: gpus: invalid value "0" (allowed: {GPUS})',
                 '{P}:2: log_level: invalid value "loud" (allowed: debug, info, warning, error)',
-                '{P}:3: state_dir: invalid value "x" (allowed: an absolute path)',
-                "{P}:4: runtime_dir: invalid value an empty value (allowed: an absolute path)",
-                '{P}:5: gate_retry_seconds: invalid value "-1" (allowed: a number > 0)',
+                '{P}:3: state_dir: invalid value "x" (allowed: {STATE})',
+                "{P}:4: runtime_dir: invalid value an empty value (allowed: {RUNTIME})",
+                '{P}:5: gate_retry_seconds: invalid value "-1" (allowed: {RETRY})',
             ],
             id="every-problem-collected",
         ),
@@ -147,7 +183,7 @@ def test_errors(tmp_path: Path, text: str, messages: list[str]) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as caught:
         load_config(path)
-    expected = [m.replace("{P}", str(path)) for m in messages]
+    expected = [fill(m, path) for m in messages]
     assert caught.value.problems == expected
     assert str(caught.value) == "\n".join(expected)
 
@@ -159,7 +195,7 @@ def test_unknown_keys_are_warnings(tmp_path: Path) -> None:
     assert warnings == [
         f"{path}:2: colour: unknown setting, ignored (known: gpus, log_level, state_dir, "
         "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
-        "vram_release_timeout, gate_retry_seconds)"
+        "vram_release_timeout, gate_retry_seconds, stop_timeout)"
     ]
 
 
@@ -187,9 +223,251 @@ def test_gpu_settings_are_validated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert caught.value.problems == [
-        f'{path}:1: reserve: invalid value "lots" (allowed: a size such as 512M, 20G or 20GiB '
-        '(binary units), or a mapping of GPU index or UUID (or "*") to such a size)',
+        fill('{P}:1: reserve: invalid value "lots" (allowed: {RESERVE})', path),
         f'{path}:2: foreign_processes: invalid value "fight" (allowed: yield, ignore)',
-        f"{path}:3: manage_gpus: invalid value a list (allowed: a list of GPU indices or "
-        "UUIDs (empty: every GPU NVML finds))",
+        fill('{P}:3: manage_gpus: invalid value "first" (allowed: {MANAGE})', path),
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# trust: nothing in config.yaml crashes or stalls a reader, every value has a range
+
+
+def problems_of(text: str, path: str = "/etc/gpuslice/config.yaml") -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, path)
+    assert all(p.startswith(f"{path}:") for p in caught.value.problems)
+    return caught.value.problems
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            "gpus: " + "[" * 3000 + "]" * 3000 + "\n",
+            "{P}:1: not valid YAML: nested deeper than 16 levels",
+            id="deep-flow-list",  # RecursionError before
+        ),
+        pytest.param(
+            "".join(" " * i + "-\n" for i in range(1000)),
+            "{P}:17: not valid YAML: nested deeper than 16 levels",
+            id="deep-block-list",
+        ),
+        pytest.param(
+            "a: &a [x, x, x, x, x, x, x, x, x]\n"
+            "b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+            "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n"
+            "manage_gpus: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n",
+            "{P}:2: not valid YAML: aliases (*name) are not allowed in config.yaml",
+            id="billion-laughs",
+        ),
+        pytest.param(
+            "? [a, b]\n: 1\n",
+            "{P}:1: expected a setting name, got a list (known: gpus, log_level, state_dir, "
+            "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
+            "vram_release_timeout, gate_retry_seconds, stop_timeout)",
+            id="list-as-key",
+        ),
+        pytest.param(
+            "gpus: !!python/object/apply:os.system [ls]\n",
+            "{P}:1: gpus: invalid value a list tagged !!python/object/apply:os.system "
+            "(allowed: {GPUS})",
+            id="python-tag",
+        ),
+        pytest.param(
+            "gpus: !!int abc\n",
+            '{P}:1: gpus: invalid value "abc" (allowed: {GPUS})',
+            id="int-tag-not-a-number",  # ValueError before
+        ),
+        pytest.param(
+            "gpus: !!timestamp 2020-99\n",
+            '{P}:1: gpus: invalid value "2020-99" tagged !!timestamp (allowed: {GPUS})',
+            id="bad-timestamp",  # AttributeError before
+        ),
+        pytest.param(
+            "gpus: !!int \u0661\u0662\n",
+            '{P}:1: gpus: invalid value "\\u0661\\u0662" (allowed: {GPUS})',
+            id="arabic-indic-digits",  # int() takes them: 12 GPUs before
+        ),
+        pytest.param(
+            "gpus: " + "9" * 5000 + "\n",
+            '{P}:1: gpus: invalid value "' + "9" * 60 + '..." (allowed: {GPUS})',
+            id="5000-digits",  # ValueError (int max str digits) before
+        ),
+        pytest.param(
+            "gpus: 1\x00\n",
+            "{P}:1: not valid YAML: character #x0000 is not allowed in YAML",
+            id="nul",
+        ),
+        pytest.param(
+            'log_level: "\\e[2J"\n',
+            '{P}:1: log_level: invalid value "\\x1b[2J" (allowed: debug, info, warning, error)',
+            id="escape-sequence-is-not-echoed",
+        ),
+    ],
+)
+def test_hostile_yaml_is_a_located_error(text: str, expected: str) -> None:
+    path = "/etc/gpuslice/config.yaml"
+    assert problems_of(text, path) == [fill(expected, Path(path))]
+
+
+# (setting, lowest, highest, just below, just above)
+BOUNDS = [
+    ("gpus", "1", "1024", "0", "1025"),
+    ("sample_interval", "0.05", "3600", "0.049", "3600.01"),
+    ("vram_release_timeout", "0.1", "3600", "0.09", "3601"),
+    ("gate_retry_seconds", "0.05", "60", "1e-9", "60.5"),
+    ("stop_timeout", "1", "86400", "0.5", "86401"),
+    ("reserve", "0", "1P", "-1", "1025T"),
+]
+
+
+@pytest.mark.parametrize(("key", "low", "high", "below", "above"), BOUNDS)
+def test_every_number_has_a_range(key: str, low: str, high: str, below: str, above: str) -> None:
+    parse_config(f"{key}: {low}\n", "/c")
+    parse_config(f"{key}: {high}\n", "/c")
+    allowed = SETTINGS_BY_NAME[key].allowed
+    # 400 digits: math.isfinite() of it raised OverflowError (found by test_fuzz_config)
+    for bad in (below, above, "10000000000000000", "9" * 400, ".inf", "-.inf", ".nan"):
+        shown = bad if len(bad) <= 60 else bad[:60] + "..."
+        assert problems_of(f"{key}: {bad}\n", "/c") == [
+            f'/c:1: {key}: invalid value "{shown}" (allowed: {allowed})'
+        ]
+
+
+def test_a_trillion_gpus_is_refused_at_once() -> None:
+    start = time.perf_counter()
+    assert problems_of("gpus: 1000000000000\n", "/c") == [
+        '/c:1: gpus: invalid value "1000000000000" (allowed: an integer 1-1024)'
+    ]
+    assert time.perf_counter() - start < 1
+
+
+def test_stop_timeout() -> None:
+    assert Config().stop_timeout == 90.0
+    assert parse_config("stop_timeout: 600\n", "/c")[0].stop_timeout == 600.0
+    assert SETTINGS_BY_NAME["stop_timeout"].allowed == "a number of seconds 1-86400"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "/srv/state",
+        "/var/lib/gpuslice2",  # a prefix of the name is not below it
+        "/var/lib",
+        "/var/lib/gpuslice/../../../etc",
+        "/var/lib/gpuslice/./x",
+        "/var/lib//gpuslice",
+        "/var/lib/gpuslice/a b",
+        "/var/lib/gpuslice/x%n",
+        '"/var/lib/gpuslice\\nExecStartPre=/bin/evil"',
+        "/var/lib/gpuslice/" + "x" * 183,  # 201 characters
+    ],
+)
+def test_state_dir_must_be_where_the_sandbox_lets_the_service_write(value: str) -> None:
+    (problem,) = problems_of(f"state_dir: {value}\n", "/c")
+    assert problem.startswith("/c:1: state_dir: invalid value ")
+    assert problem.endswith(f"(allowed: {ALLOWED['STATE']})")
+
+
+def test_runtime_dir_with_a_newline_is_refused() -> None:
+    # before, it became two lines in every generated drop-in
+    (problem,) = problems_of('runtime_dir: "/run/gpuslice\\nExecStartPre=/bin/evil"\n', "/c")
+    assert problem == (
+        '/c:1: runtime_dir: invalid value "/run/gpuslice\\x0aExecStartPre=/bin/evil" '
+        f"(allowed: {ALLOWED['RUNTIME']})"
+    )
+
+
+def test_paths_at_the_limit() -> None:
+    longest = "/var/lib/gpuslice/" + "x" * 182
+    assert len(longest) == 200
+    config, _ = parse_config(f"state_dir: {longest}\nruntime_dir: /run/gpuslice/a.b_c-d/\n", "/c")
+    assert (config.state_dir, config.runtime_dir) == (longest, "/run/gpuslice/a.b_c-d")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("manage_gpus: [0, MIG-1234]\n", '{P}:1: manage_gpus: invalid value "MIG-1234"'),
+        ("manage_gpus:\n  - 0\n  - GPU-ok\n  - -1\n", '{P}:4: manage_gpus: invalid value "-1"'),
+        ("manage_gpus: [10000]\n", '{P}:1: manage_gpus: invalid value "10000"'),
+        (
+            "manage_gpus: [" + ", ".join(["0"] * 1025) + "]\n",
+            "{P}:1: manage_gpus: invalid value a list",
+        ),
+    ],
+)
+def test_manage_gpus_entries(text: str, expected: str) -> None:
+    assert problems_of(text, "/c") == [
+        fill(f"{expected} (allowed: {{MANAGE}})", Path("/c")),
+    ]
+
+
+def test_manage_gpus_at_the_limit() -> None:
+    text = "manage_gpus: [" + ", ".join(str(i) for i in range(1024)) + ", GPU-a1-b2]\n"
+    with pytest.raises(ConfigError):
+        parse_config(text, "/c")  # 1025 entries
+    config, _ = parse_config(text.replace(", GPU-a1-b2", ""), "/c")
+    assert len(config.manage_gpus) == 1024
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "reserve:\n  MIG-1: 1G\n",
+        "reserve:\n  first: 1G\n",
+        "reserve:\n  0: 2P\n",
+        "reserve:\n  [0]: 1G\n",
+        "reserve: 1.5\n",
+    ],
+)
+def test_reserve_keys_and_sizes(text: str) -> None:
+    (problem,) = problems_of(text, "/c")
+    assert problem.endswith(fill("(allowed: {RESERVE})", Path("/c")))
+
+
+def test_hundreds_of_problems_are_cut_short() -> None:
+    text = "".join(f"unknown{i}: 1\n" for i in range(500))
+    _, warnings = parse_config(text, "/c")
+    assert len(warnings) == 21
+    assert warnings[-1] == "/c: 480 more warnings not shown"
+
+
+# ---------------------------------------------------------------------------------------------
+# the file itself
+
+
+def test_huge_file_is_not_read(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("# " + "x" * (2 << 20) + "\ngpus: 2\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [f"{path}: larger than 1048576 bytes (1 MiB), not read"]
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"gpus: 2\nlog_level: \xff\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [f"{path}:2: not UTF-8 text (byte 0xff at offset 19)"]
+
+
+def test_directory_and_fifo_are_errors_without_blocking(tmp_path: Path) -> None:
+    directory = tmp_path / "dir.yaml"
+    directory.mkdir()
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # opening it for reading would block
+    for path, what in ((directory, "a directory"), (fifo, "a FIFO")):
+        with pytest.raises(ConfigError) as caught:
+            load_config(path)
+        assert caught.value.problems == [f"{path}: cannot read: {what}, not a regular file"]
+
+
+def test_path_with_control_characters_is_shown_escaped(tmp_path: Path) -> None:
+    path = tmp_path / "bad\nname.yaml"
+    path.write_text("gpus: 0\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems[0].startswith(f"{tmp_path}/bad\\x0aname.yaml:1: gpus: ")

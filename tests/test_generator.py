@@ -8,11 +8,14 @@ from pathlib import Path
 import pytest
 
 from gpuslice import generator
+from gpuslice.annotations import Loader
+from gpuslice.config import SETTINGS_BY_NAME
 from gpuslice.paths import DEFAULT_LIBEXEC_DIR, find_libexec_dir
 
 ETC = "/etc/systemd/system"
 LIB = "/usr/lib/systemd/system"
 LIBEXEC = "/usr/lib/gpuslice"
+ANNOTATION = "[X-GPUSlice]\nPriority=1\n"
 
 
 def write(root: Path, path: str, text: str) -> None:
@@ -21,7 +24,9 @@ def write(root: Path, path: str, text: str) -> None:
     real.write_text(text)
 
 
-def gate(*pre: str, runtime: str = "/run/gpuslice", libexec: str = LIBEXEC) -> str:
+def gate(
+    *pre: str, runtime: str = "/run/gpuslice", libexec: str = LIBEXEC, retry: str = "0.5"
+) -> str:
     return (
         "# Added by gpuslice-generator: the GPU gate for this unit.\n"
         "[Unit]\n"
@@ -30,9 +35,9 @@ def gate(*pre: str, runtime: str = "/run/gpuslice", libexec: str = LIBEXEC) -> s
         "\n"
         "[Service]\n"
         "ExecStartPre=\n"
-        f"ExecStartPre=+{libexec}/gpuslice-gate %n\n"
+        f"ExecStartPre=+{libexec}/gpuslice-gate %n {retry}\n"
         + "".join(f"ExecStartPre={p}\n" for p in pre)
-        + f"EnvironmentFile=-{runtime}/env/%n.env\n"
+        + f"EnvironmentFile=-{runtime}/env/%n/gpuslice.env\n"
         "TimeoutStartSec=infinity\n"
     )
 
@@ -152,25 +157,33 @@ def test_main_reads_argv_and_config(
 ) -> None:
     monkeypatch.setenv("GPUSLICE_LIBEXEC_DIR", "/opt/gs")
     monkeypatch.setattr("gpuslice.paths.LIBEXEC_DIR", "/opt/gs")
-    write(tmp_path, "/etc/gpuslice/config.yaml", "runtime_dir: /run/other\n")
+    write(
+        tmp_path,
+        "/etc/gpuslice/config.yaml",
+        "runtime_dir: /run/gpuslice/other\ngate_retry_seconds: 2\n",
+    )
     write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
     normal = tmp_path / "out/normal"
     args = [str(normal), str(tmp_path / "out/early"), str(tmp_path / "out/late")][:argc]
     assert generator.main(args, root=str(tmp_path)) == 0
     assert written(normal) == {
-        "a.service.d/gpuslice-gate.conf": gate(runtime="/run/other", libexec="/opt/gs")
+        "a.service.d/gpuslice-gate.conf": gate(
+            runtime="/run/gpuslice/other", libexec="/opt/gs", retry="2"
+        )
     }
 
 
 def test_bad_config_uses_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    write(tmp_path, "/etc/gpuslice/config.yaml", "runtime_dir: relative\n")
+    write(tmp_path, "/etc/gpuslice/config.yaml", 'runtime_dir: "/run/gpuslice\\nX=y"\n')
     write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
     out = run(tmp_path)
     assert written(out) == {"a.service.d/gpuslice-gate.conf": gate()}
     config = tmp_path / "etc/gpuslice/config.yaml"
     assert capsys.readouterr().err.splitlines() == [
-        f'gpuslice-generator: warning: {config}:1: runtime_dir: invalid value "relative" '
-        "(allowed: an absolute path) (using the default runtime_dir /run/gpuslice)"
+        f"gpuslice-generator: warning: {config}:1: runtime_dir: invalid value "
+        '"/run/gpuslice\\x0aX=y" '
+        f"(allowed: {SETTINGS_BY_NAME['runtime_dir'].allowed}) "
+        "(using the defaults runtime_dir /run/gpuslice, gate_retry_seconds 0.5)"
     ]
 
 
@@ -180,7 +193,7 @@ def test_usage(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_percent_in_paths_is_escaped() -> None:
-    assert "ExecStartPre=+/opt/a%%b/gpuslice-gate %n\n" in generator.gate_dropin(
+    assert "ExecStartPre=+/opt/a%%b/gpuslice-gate %n 0.5\n" in generator.gate_dropin(
         "/opt/a%b", "/r", []
     )
 
@@ -215,4 +228,157 @@ def test_libexec_dir(tmp_path: Path) -> None:
 
 def test_gate_retry_from_config_reaches_the_gate() -> None:
     assert "gpuslice-gate %n 2\n" in generator.gate_dropin("/l", "/run/g", [], retry=2.0)
-    assert "gpuslice-gate %n\n" in generator.gate_dropin("/l", "/run/g", [])
+    assert "gpuslice-gate %n 0.05\n" in generator.gate_dropin("/l", "/run/g", [], retry=0.05)
+    # the default is config.py's, always written out: the gate's own default is not relied on
+    default = SETTINGS_BY_NAME["gate_retry_seconds"].default
+    assert f"gpuslice-gate %n {default:g}\n" in generator.gate_dropin("/l", "/run/g", [])
+
+
+# ---------------------------------------------------------------------------------------------
+# trust: one unit's trouble never costs the others their gate
+
+
+def test_a_drop_in_line_with_a_control_character_is_refused_and_the_rest_is_generated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write(tmp_path, f"{ETC}/bad.service", "[Service]\nExecStartPre=/bin/a\x1bb\n" + ANNOTATION)
+    write(tmp_path, f"{ETC}/tab.service", "[Service]\nExecStartPre=/bin/a\tb\n" + ANNOTATION)
+    write(tmp_path, f"{ETC}/good.service", ANNOTATION)
+    assert written(run(tmp_path)) == {
+        "good.service.d/gpuslice-gate.conf": gate(),
+        "tab.service.d/gpuslice-gate.conf": gate("/bin/a\tb"),  # a tab is whitespace
+    }
+    assert capsys.readouterr().err.splitlines() == [
+        "gpuslice-generator: error: bad.service: cannot plan its gate: refusing to write a "
+        "line with a control character: ExecStartPre=/bin/a\\x1bb (unit not gated)"
+    ]
+
+
+def test_an_exception_for_one_unit_is_reported_and_the_others_are_gated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a", "b", "c"):
+        write(tmp_path, f"{ETC}/{name}.service", ANNOTATION)
+    real = generator.exec_start_pre_before_gate
+
+    def broken(loader: Loader, unit: str) -> list[str]:
+        if unit == "b.service":
+            raise RuntimeError("boom")
+        return real(loader, unit)
+
+    monkeypatch.setattr(generator, "exec_start_pre_before_gate", broken)
+    assert sorted(written(run(tmp_path))) == [
+        "a.service.d/gpuslice-gate.conf",
+        "c.service.d/gpuslice-gate.conf",
+    ]
+    assert capsys.readouterr().err.splitlines() == [
+        "gpuslice-generator: error: b.service: cannot plan its gate: boom (unit not gated)"
+    ]
+
+
+def test_a_write_error_for_one_unit_is_reported_and_the_others_are_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("a", "b", "c"):
+        write(tmp_path, f"{ETC}/{name}.service", ANNOTATION)
+    out = tmp_path / "run/systemd/generator"
+    write(out, "b.service.d", "a file where the directory should be\n")
+    assert generator.generate(out, root=tmp_path, libexec_dir=LIBEXEC) == 2
+    assert sorted(written(out)) == [
+        "a.service.d/gpuslice-gate.conf",
+        "c.service.d/gpuslice-gate.conf",
+    ]
+    assert capsys.readouterr().err.splitlines() == [
+        "gpuslice-generator: error: b.service: cannot write its gate: File exists (unit not gated)"
+    ]
+
+
+def test_main_never_raises(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("scan failed")
+
+    monkeypatch.setattr(generator, "scan", broken)
+    assert generator.main([str(tmp_path / "out")], root=str(tmp_path)) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "gpuslice-generator: error: cannot read the unit files: scan failed (no unit gated)"
+    ]
+
+
+def instance(length: int) -> str:
+    """`train@xxx.service`, `length` characters."""
+    return "train@" + "x" * (length - len("train@.service")) + ".service"
+
+
+@pytest.mark.parametrize("length", [251, 252, 253])
+def test_long_instance_names_that_fit_get_their_own_gate(tmp_path: Path, length: int) -> None:
+    name = instance(length)
+    write(tmp_path, f"{LIB}/train@.service", ANNOTATION)
+    write(tmp_path, f"{LIB}/{name}", "[Service]\nExecStartPre=/bin/own\n" + ANNOTATION)
+    assert written(run(tmp_path)) == {
+        "train@.service.d/gpuslice-gate.conf": gate(),
+        f"{name}.d/gpuslice-gate.conf": gate("/bin/own"),
+    }
+
+
+@pytest.mark.parametrize("length", [254, 255])
+def test_instance_names_too_long_for_a_drop_in_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], length: int
+) -> None:
+    own = instance(length)  # its own ExecStartPre=: the template's gate would reset it
+    same = instance(length).replace("train@x", "train@y")  # the template's gate is right
+    unmanaged = instance(length).replace("train@x", "train@z")  # no annotation of its own
+    write(tmp_path, f"{LIB}/train@.service", ANNOTATION)
+    write(tmp_path, f"{LIB}/{own}", "[Service]\nExecStartPre=/bin/own\n" + ANNOTATION)
+    write(tmp_path, f"{LIB}/{same}", ANNOTATION)
+    write(tmp_path, f"{LIB}/{unmanaged}", "[Service]\nExecStart=/bin/x\n")
+    write(tmp_path, f"{ETC}/other.service", ANNOTATION)
+    assert written(run(tmp_path)) == {
+        "other.service.d/gpuslice-gate.conf": gate(),
+        "train@.service.d/gpuslice-gate.conf": gate(),
+    }
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpuslice-generator: error: {own}: name too long for a drop-in directory of its own "
+        f"({length} characters; at most 253): its template's gate applies and resets its own "
+        "ExecStartPre= lines (unit not gated correctly)",
+        f"gpuslice-generator: error: {unmanaged}: name too long for a drop-in directory of its "
+        f"own ({length} characters; at most 253): its template's gate applies although the "
+        "unit is not managed (unit not gated correctly)",
+    ]
+
+
+def test_plain_unit_name_too_long_for_a_drop_in_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = "x" * (254 - len(".service")) + ".service"
+    write(tmp_path, f"{ETC}/{name}", ANNOTATION)
+    write(tmp_path, f"{ETC}/other.service", ANNOTATION)
+    assert written(run(tmp_path)) == {"other.service.d/gpuslice-gate.conf": gate()}
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpuslice-generator: error: {name}: name too long for a drop-in directory (254 "
+        "characters; at most 253) (unit not gated)"
+    ]
+
+
+def test_refuses_control_characters_in_paths() -> None:
+    with pytest.raises(ValueError, match="control character"):
+        generator.gate_dropin("/usr/lib/gpuslice", "/run/gpuslice\nExecStartPre=/bin/evil", [])
+    with pytest.raises(ValueError, match="control character"):
+        generator.gate_dropin("/usr/lib/gpu\rslice", "/run/gpuslice", [])
+
+
+@pytest.mark.parametrize("text", ["gpus: " + "[" * 3000 + "]" * 3000 + "\n", "gpus: \xff\n"])
+def test_a_hostile_config_means_the_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    monkeypatch.setattr("gpuslice.paths.LIBEXEC_DIR", LIBEXEC)
+    real = tmp_path / "etc/gpuslice/config.yaml"
+    real.parent.mkdir(parents=True)
+    real.write_bytes(text.encode("latin-1"))
+    write(tmp_path, f"{ETC}/a.service", ANNOTATION)
+    assert generator.main([str(tmp_path / "out")], root=str(tmp_path)) == 0
+    assert written(tmp_path / "out") == {"a.service.d/gpuslice-gate.conf": gate()}
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"gpuslice-generator: warning: {real}:1: ")
+    assert line.endswith("(using the defaults runtime_dir /run/gpuslice, gate_retry_seconds 0.5)")
