@@ -177,3 +177,21 @@ def test_a_bad_state_file_is_set_aside_and_the_controller_starts(container: Cont
     assert status(container)["gpus"][0]["holders"][0]["unit"] == BG  # rebuilt from systemd
     aside = container.run("ls /var/lib/gpuslice").stdout.split()
     assert any(name.startswith("state.json.") for name in aside), aside
+
+
+def test_a_flood_of_daemon_reloads_is_coalesced_and_a_handover_still_completes(
+    container: Container,
+) -> None:
+    """Each daemon-reload asks for a rescan of every unit file; they run off the event loop,
+    one at a time, so the controller keeps deciding meanwhile."""
+    write_job(container, BG, 90, "background")
+    write_job(container, VOICE, 10, seconds=1)
+    reload(container)
+    wait_state(container, BG, "active")
+    pid = main_pid(container, "gpuslice.service")
+    container.run("for i in $(seq 30); do systemctl daemon-reload & done; wait", timeout=120)
+    container.systemctl("start", VOICE)
+    wait_state(container, VOICE, "inactive")
+    wait_state(container, BG, "active")
+    assert main_pid(container, "gpuslice.service") == pid
+    assert prop(container, "gpuslice.service", "NRestarts") == "0"
