@@ -1,7 +1,7 @@
 """Where gpuslice's time goes: `python -m bench.profile` (a companion to bench.run).
 
 Boots one bed container with the 1,000-unit scale set (`gpus: 8`) and prints the figures
-behind the bench table's gpuslice/floor gaps: the gate's parts (sh, busctl, a D-Bus round
+behind the bench table's gpuslice/floor gaps: the gate's parts (sh, dbus-send, a D-Bus round
 trip to the controller), the controller's Python import time, the annotation scan, and the
 controller's start-up split into systemd's exec and our own work up to READY=1.
 """
@@ -18,6 +18,7 @@ from tests.bed.container import Container, ensure_tree
 
 PYDIR = "/usr/local/lib/gpuslice/python"
 GATE = "/usr/local/lib/gpuslice/gpuslice-gate"
+RUN = "systemd-run --wait --quiet --collect --unit=gate-probe"
 N = 30
 
 # Runs inside the container (python3 -c): each command N times, median in ms.
@@ -58,7 +59,9 @@ def main() -> int:
             "busctl GetId (dbus-daemon round trip)": "busctl call org.freedesktop.DBus / "
             "org.freedesktop.DBus GetId >/dev/null",
             "busctl Status (controller round trip)": f"busctl call {bus} Status >/dev/null",
-            "gate, unmanaged unit (sh+busctl+Acquire)": f"{GATE} not-managed.service",
+            # Acquire is served only to a process of the unit it names: run it as a unit
+            "systemd-run --wait true": f"{RUN} /bin/true",
+            "systemd-run --wait gate, unmanaged unit": f"{RUN} {GATE} gate-probe.service",
             "python3 -c pass": "python3 -c pass",
             "python3 -c 'import gpuslice.controller'": f"python3 -c {shlex.quote(IMPORT)}",
         }

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpuslice.annotations import Problem, Scan, scan
+from gpuslice.cgroups import unit_of_pid
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
-from gpuslice.inventory import Inventory, Sample, unit_of_pid
+from gpuslice.inventory import Inventory, Sample
 from gpuslice.notify import Notifier
 from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, SchedulerService
@@ -148,6 +149,7 @@ class Controller:
         self._rescan_again = False
         self._parked: list[str] = []
         self._stop_timers: dict[str, asyncio.TimerHandle] = {}
+        self._save_failing = False
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -513,10 +515,20 @@ class Controller:
                 path.unlink()
 
     def _persist(self) -> None:
+        """Save what systemd cannot tell a restarted controller. A full disk is reported
+        once, not at every decision, and again when saving works."""
         try:
             self.store.save(self.scheduler.save(), self.boot_id)
         except OSError as e:
-            log.error("cannot save state to %s: %s", self.store.path, e)
+            if not self._save_failing:
+                log.error(
+                    "cannot save state to %s: %s (said once until it works)", self.store.path, e
+                )
+            self._save_failing = True
+        else:
+            if self._save_failing:
+                log.info("state saved to %s again", self.store.path)
+            self._save_failing = False
         self.notifier.status(self.status_line())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -1,28 +1,28 @@
 """What is on the GPUs right now: NVML samples turned into the core's `Gpu` values.
 
-A process on a GPU belongs to the unit whose cgroup it runs in (/proc/PID/cgroup), never to
-whatever its command line looks like: seed 001 learned that "busy" must exclude one's own
-workers. Processes of no managed unit are foreign; their memory counts against the GPU.
-Without NVML the GPUs are the configured count, every one of unknown size.
+A process on a GPU belongs to the unit whose cgroup it runs in (/proc/PID/cgroup, read by
+systemd's own rule in gpuslice.cgroups), never to whatever its command line looks like: seed
+001 learned that "busy" must exclude one's own workers. Processes of no managed unit are
+foreign (a user's `systemd-run --user --unit=x` belongs to user@UID.service, whatever x is);
+their memory counts against the GPU. Without NVML the GPUs are the configured count, every
+one of unknown size.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuslice.cgroups import unit_of_pid as unit_of_pid  # re-exported: callers import it here
 from gpuslice.config import Config
 from gpuslice.core.model import Gpu
 from gpuslice.nvml import DeviceScan, GpuLostError, Nvml, NvmlError
 from gpuslice.sizes import format_size
 
 log = logging.getLogger("gpuslice")
-
-_UNIT = re.compile(r"[^/]+\.(service|scope)$")
 
 
 @dataclass(frozen=True)
@@ -52,30 +52,6 @@ class Sample:
             if p.unit == unit and p.used is not None:
                 out[p.gpu] = out.get(p.gpu, 0) + p.used
         return out
-
-
-def _systemd_first(line: str) -> int:
-    """systemd's own hierarchies (cgroup2 `0::`, then v1 `name=systemd`) say which unit a
-    process belongs to; a v1 controller line may place it elsewhere (cgexec, other tools)."""
-    hierarchy, _, rest = line.partition(":")
-    controllers = rest.partition(":")[0]
-    if hierarchy == "0" and not controllers:
-        return 0
-    return 1 if controllers == "name=systemd" else 2
-
-
-def unit_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
-    """The unit a process runs in, from the deepest unit name in its cgroup path."""
-    try:
-        text = (proc / str(pid) / "cgroup").read_text()
-    except OSError:
-        return None
-    for line in sorted(text.splitlines(), key=_systemd_first):
-        path = line.split(":", 2)[-1]
-        units = [part for part in path.split("/") if _UNIT.match(part)]
-        if units:
-            return units[-1]
-    return None
 
 
 def command_of(pid: int, proc: Path = Path("/proc")) -> str:

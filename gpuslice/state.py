@@ -3,60 +3,346 @@
 Holds, the preempted set and GPU assignments must survive `kill -9` and reboots; a torn
 write must never lose them, so the file is replaced with rename(2). It is not fsynced: a
 power cut may lose the last decisions (holders are rebuilt from systemd at boot anyway).
+
+Every GPU job waits on the controller, so no content of the file may stop it: `load()`
+never raises. A file that is not exactly what `save()` writes costs one error line, and:
+- the file itself is bad (not a regular file, over 16 MiB, not UTF-8 JSON, not an object,
+  another format version): it is moved to `state.json.bad` and the controller starts from
+  what systemd reports;
+- some entries are bad (a holder with an unknown phase, an invalid unit name, a negative
+  seq, ...): those entries are dropped and the valid ones kept, since holds are what users
+  care about; the original is copied to `state.json.bad` and the kept entries replace it
+  at once (a restart before the next save must not lose them). When no entry is valid, the
+  file is moved aside as a bad one.
+One `.bad` file is kept, replaced each time. A file that cannot be read (EIO) is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import stat
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, NoReturn
 
-from gpuslice.core.scheduler import SavedState
+from gpuslice.core.scheduler import Phase, SavedState
+from gpuslice.unitfiles import is_valid_unit_name, printable
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
+STATE_FILE_MAX = 16 << 20  # save() writes kilobytes; a bigger file is not ours
+GPU_INDEX_MAX = 1023
+SEQ_MAX = (1 << 63) - 1
+BOOT_ID_MAX = 256  # "<kernel boot id>/<systemd's UserspaceTimestamp>"
+PHASES = tuple(p.value for p in Phase)
+FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
+_SHOWN_PROBLEMS = 5
+
+
+class BadFile(Exception):
+    """The file as a whole is unusable: nothing in it is kept."""
+
+
+class Problems:
+    """What was wrong with a file's entries: the first few words, and how many in all (a
+    16 MiB file may hold millions of bad entries; their words would not fit a log line)."""
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+        self.count = 0
+
+    def add(self, text: str) -> None:
+        self.count += 1
+        if len(self.shown) < _SHOWN_PROBLEMS:
+            self.shown.append(text)
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __str__(self) -> str:
+        more = self.count - len(self.shown)
+        return "; ".join(self.shown) + (f"; and {more} more" if more else "")
+
+
+def _show(value: object) -> str:
+    """A value from the file, short and safe for the journal (no repr of deep structures)."""
+    if isinstance(value, str):
+        return '"' + printable(value, 60) + '"'
+    if value is None or isinstance(value, bool | float):
+        return json.dumps(value)
+    if isinstance(value, int):
+        text = str(value)
+        return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _is_unit(value: object) -> bool:
+    """A valid name of a concrete unit: `foo@.service` is a template, `foo@..service` not."""
+    return is_valid_unit_name(value) and str(value).find("@") + 1 != str(value).rfind(".")
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a number")
+
+
+def parse(raw: bytes, problems: Problems) -> dict[str, Any]:
+    """The file's top-level object and its duplicated keys (the last value counts, as in
+    every JSON reader); BadFile with the reason when it is no object of our format."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in items:
+            if key in obj:
+                problems.add(f"key {_show(key)} appears more than once; kept the last")
+            obj[key] = value
+        return obj
+
+    try:
+        data = json.loads(
+            raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=pairs
+        )
+    except UnicodeDecodeError as e:
+        raise BadFile(f"not UTF-8 (byte {e.start})") from None
+    except ValueError as e:  # json.JSONDecodeError, or an integer over Python's digit limit
+        raise BadFile(f"not JSON ({printable(str(e), 120)})") from None
+    except RecursionError:
+        raise BadFile("not JSON this controller can read (nested too deeply)") from None
+    if not isinstance(data, dict):
+        raise BadFile(f"expected a JSON object, got {_show(data)}")
+    version = data.get("version")
+    if not _is_int(version, FORMAT_VERSION, FORMAT_VERSION):
+        raise BadFile(f"format version {_show(version)}, expected {FORMAT_VERSION}")
+    return data
+
+
+def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]:
+    """The valid entries of a parsed file and its boot id; what was dropped (and why) goes
+    to `problems`."""
+    boot_id = data.get("boot_id", "")
+    if not (isinstance(boot_id, str) and len(boot_id) <= BOOT_ID_MAX and boot_id.isprintable()):
+        problems.add(f"boot_id: {_show(boot_id)} is no boot id")
+        boot_id = ""
+
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {}
+    raw_holders = data.get("holders", {})
+    if not isinstance(raw_holders, dict):
+        problems.add(f"holders: expected an object, got {_show(raw_holders)}")
+        raw_holders = {}
+    for name, entry in raw_holders.items():
+        why = _holder_problem(name, entry)
+        if why:
+            problems.add(f"holders: dropped {_show(name)}: {why}")
+        else:
+            gpus, phase, seq, *rest = entry
+            holders[name] = (tuple(gpus), phase, seq, rest[0] if rest else "")
+
+    preempted: dict[str, int] = {}
+    raw_preempted = data.get("preempted", {})
+    if not isinstance(raw_preempted, dict):
+        problems.add(f"preempted: expected an object, got {_show(raw_preempted)}")
+        raw_preempted = {}
+    for name, seq in raw_preempted.items():
+        if not _is_unit(name):
+            problems.add(f"preempted: dropped {_show(name)}: not a unit name")
+        elif not _is_int(seq, 0, SEQ_MAX):
+            problems.add(f"preempted: dropped {_show(name)}: seq {_show(seq)}")
+        else:
+            preempted[name] = seq
+
+    lists: dict[str, list[str]] = {}
+    for key in ("held", "finished", "failed"):
+        lists[key] = []
+        names = data.get(key, [])
+        if not isinstance(names, list):
+            problems.add(f"{key}: expected a list, got {_show(names)}")
+            continue
+        seen: set[str] = set()
+        for name in names:
+            if not _is_unit(name):
+                problems.add(f"{key}: dropped {_show(name)}: not a unit name")
+            elif name in seen:
+                problems.add(f"{key}: dropped {_show(name)}: listed twice")
+            else:
+                seen.add(name)
+                lists[key].append(name)
+
+    seq = data.get("seq", 0)
+    if not _is_int(seq, 0, SEQ_MAX):
+        problems.add(f"seq: {_show(seq)} is no sequence number")
+        seq = 0
+    # the counter numbers every holder and preemption: it is never behind them (a counter
+    # behind them would order new arrivals before old ones)
+    highest = max([seq, *(h[2] for h in holders.values()), *preempted.values()])
+    if highest > seq:
+        problems.add(f"seq: {seq} is below the entries it numbered; using {highest}")
+        seq = highest
+
+    missing = [k for k in FIELDS if k not in data]
+    if missing:
+        problems.add("no " + ", ".join(repr(k) for k in missing))
+    for key in sorted(set(data) - set(FIELDS)):
+        problems.add(f"unknown key {_show(key)}")
+    saved = SavedState(
+        holders=holders,
+        preempted=preempted,
+        held=lists["held"],
+        finished=lists["finished"],
+        failed=lists["failed"],
+        seq=seq,
+    )
+    return saved, boot_id
+
+
+def _holder_problem(name: str, entry: object) -> str:
+    """Why a holders entry is invalid ("" when it is valid)."""
+    if not _is_unit(name):
+        return "not a unit name"
+    if not isinstance(entry, list) or len(entry) not in (3, 4):
+        return "expected [GPUs, phase, seq, stopping_for]"
+    gpus, phase, seq, *rest = entry
+    if not isinstance(gpus, list) or not all(_is_int(g, 0, GPU_INDEX_MAX) for g in gpus):
+        return f"GPUs must be a list of indices 0-{GPU_INDEX_MAX}"
+    if len(set(gpus)) != len(gpus):
+        return "a GPU listed twice"
+    if phase not in PHASES:
+        return f"phase {_show(phase)} is not one of {', '.join(PHASES)}"
+    if not _is_int(seq, 0, SEQ_MAX):
+        return f"seq {_show(seq)}"
+    if rest and rest[0] != "" and not _is_unit(rest[0]):
+        return f"stopping for {_show(rest[0])}, not a unit name"
+    return ""
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` in one rename(2); a temporary file never outlives an error."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(data)
+        # rename(2) makes the replacement atomic for a crashed or killed controller; no
+        # fsync, which would put a disk flush before every StartUnit/StopUnit we send
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class StateStore:
     def __init__(self, state_dir: Path) -> None:
         self.path = state_dir / "state.json"
+        self.bad_path = state_dir / "state.json.bad"
 
     def load(self) -> tuple[SavedState, str]:
-        """The saved state and the boot id it was written in ("" when there is none)."""
+        """The saved state and the boot id it was written in ("" when there is none).
+
+        Never raises: whatever the file holds, the controller must start."""
         try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return SavedState(), ""
-        except (OSError, ValueError) as e:
-            log.error("%s: unreadable state (%s); starting from what systemd reports", self.path, e)
-            return SavedState(), ""
-        if data.get("version") != FORMAT_VERSION:
-            log.warning(
-                "%s: unknown format version %r; ignoring it", self.path, data.get("version")
+            return self._load()
+        except Exception:  # a bug here must not keep every GPU job waiting: log it, go on
+            log.exception(
+                "%s: cannot load the state; starting from what systemd reports", self.path
             )
             return SavedState(), ""
-        holders = {
-            name: (tuple(gpus), phase, seq, rest[0] if rest else "")
-            for name, (gpus, phase, seq, *rest) in data["holders"].items()
-        }
-        saved = SavedState(
-            holders=holders,
-            preempted=dict(data["preempted"]),
-            held=list(data["held"]),
-            finished=list(data["finished"]),
-            failed=list(data["failed"]),
-            seq=int(data["seq"]),
-        )
-        return saved, str(data.get("boot_id", ""))
+
+    def _load(self) -> tuple[SavedState, str]:
+        problems = Problems()
+        try:
+            raw = self._read()
+            data = parse(raw, problems)
+        except FileNotFoundError:
+            return SavedState(), ""
+        except BadFile as e:
+            log.error(
+                "%s: %s; %s; starting from what systemd reports", self.path, e, self._move_aside()
+            )
+            return SavedState(), ""
+        except OSError as e:  # EIO, EACCES: the content may be fine; save() replaces it
+            log.error(
+                "%s: cannot read the state (%s); starting from what systemd reports",
+                self.path,
+                e.strerror or e,
+            )
+            return SavedState(), ""
+        saved, boot_id = validate(data, problems)
+        if problems and saved == SavedState():
+            boot_id = ""  # the file is moved aside: nothing was written in that boot
+        if problems:
+            start = "the valid ones and " if saved != SavedState() else ""
+            log.error(
+                "%s: invalid entries (%s); %s; starting from %swhat systemd reports",
+                self.path,
+                problems,
+                self._keep_valid(raw, saved, boot_id),
+                start,
+            )
+        return saved, boot_id
+
+    def _read(self) -> bytes:
+        """The file's bytes; BadFile for a path that is no regular file or too big. Opens
+        without following a symlink or blocking on a FIFO."""
+        st = os.lstat(self.path)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadFile(f"not a regular file ({_file_kind(st.st_mode)})")
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        fd = os.open(self.path, flags)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)  # replaced since lstat: check again what was opened
+            if not stat.S_ISREG(st.st_mode):
+                raise BadFile(f"not a regular file ({_file_kind(st.st_mode)})")
+            raw = f.read(STATE_FILE_MAX + 1)
+        if len(raw) > STATE_FILE_MAX:
+            raise BadFile(f"larger than {STATE_FILE_MAX >> 20} MiB")
+        return raw
+
+    def _move_aside(self) -> str:
+        try:
+            os.replace(self.path, self.bad_path)
+        except OSError as e:
+            return f"could not move it to {self.bad_path} ({e.strerror or e})"
+        return f"moved it to {self.bad_path}"
+
+    def _keep_valid(self, raw: bytes, saved: SavedState, boot_id: str) -> str:
+        """Copy the original aside, then replace it with its valid entries: at every moment
+        state.json is either the original or the cleaned file."""
+        if saved == SavedState():
+            return self._move_aside()
+        try:
+            _write_atomic(self.bad_path, raw)
+        except OSError as e:
+            return f"could not copy it to {self.bad_path} ({e.strerror or e}); left it as it is"
+        try:
+            self.save(saved, boot_id)
+        except OSError as e:
+            return f"copied it to {self.bad_path}; could not rewrite it ({e.strerror or e})"
+        return f"copied it to {self.bad_path} and kept the valid entries"
 
     def save(self, saved: SavedState, boot_id: str) -> None:
+        """Write the state atomically; an OSError reaches the caller (the controller logs it)."""
         data = {"version": FORMAT_VERSION, "boot_id": boot_id, **asdict(saved)}
+        text = json.dumps(data, sort_keys=True, allow_nan=False)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(data, f, sort_keys=True)
-        # rename(2) makes the replacement atomic for a crashed or killed controller; no
-        # fsync, which would put a disk flush before every StartUnit/StopUnit we send
-        os.replace(tmp, self.path)
+        _write_atomic(self.path, text.encode())
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return kind
+    return "an unknown kind of file"

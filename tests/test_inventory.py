@@ -41,7 +41,7 @@ def write_proc(proc: Path, pid: int, cgroup: str, comm: str = "gpu-job") -> None
     (proc / str(pid) / "comm").write_text(comm + "\n")
 
 
-# ---- unit_of_pid ----
+# ---- unit_of_pid (gpuslice.cgroups, re-exported here; tests/test_cgroups.py has the rest) ----
 
 
 @pytest.mark.parametrize(
@@ -52,6 +52,10 @@ def write_proc(proc: Path, pid: int, cgroup: str, comm: str = "gpu-job") -> None
         (HYBRID_IN_CONTAINER, "asr.service"),
         ("0::/user.slice/user-1000.slice/session-3.scope\n", "session-3.scope"),
         ("0::/system.slice/x.service/worker/inner\n", "x.service"),  # delegated subgroups
+        ("0::/system.slice/x.service/worker.scope\n", "x.service"),  # the first unit counts
+        ("0::/system.slice/x.service/.control\n", "x.service"),
+        ("0::/user.slice/user-1000.slice/user@1000.service/app.slice/x.service\n",
+         "user@1000.service"),
         ("0::/system.slice/system-gpu\\x2dworker.slice/gpu\\x2dworker@b.service\n",
          "gpu\\x2dworker@b.service"),
         ("0::/\n", None),
@@ -173,6 +177,36 @@ def test_processes_are_attributed_by_cgroup_not_by_name(tmp_path: Path) -> None:
     assert sample.used_by("asr.service") == {0: 4 * GIB}
     assert sample.used_by("w@a.service") == {1: 5 * GIB}
     assert sample.used_by("unmanaged.service") == {}
+
+
+def test_processes_are_attributed_by_systemds_rule(tmp_path: Path) -> None:
+    """Issue 8: the first unit in the cgroup path counts, as systemd says (the deepest did):
+    a user's `systemd-run --user --unit=asr` is no managed asr.service, and the managed
+    unit's own delegated sub-scope and .control cgroup are not foreign."""
+    nvml = StubNvml()
+    user = "/user.slice/user-1000.slice/user@1000.service"
+    write_proc(tmp_path, 100, f"0::{user}/app.slice/asr.service\n", "python3")
+    write_proc(tmp_path, 101, f"0::{user}/app.slice/app-w.slice/w@a.service\n", "python3")
+    write_proc(tmp_path, 200, "0::/system.slice/asr.service/worker.scope\n", "worker")
+    write_proc(tmp_path, 201, "0::/system.slice/asr.service/.control\n", "pre")
+    write_proc(tmp_path, 300, "0::/system.slice/system-w.slice/w@a.service/ray/raylet\n", "ray")
+    for pid in (100, 101, 200, 201):
+        nvml.add(0, pid, GIB)
+    nvml.add(1, 300, GIB)
+    inventory, _ = make_inventory(tmp_path, nvml)
+
+    sample = inventory.sample(MANAGED, {"asr.service": (0,), "w@a.service": (1,)})
+
+    assert [(p.pid, p.unit) for p in sample.processes] == [
+        (100, None),
+        (101, None),
+        (200, "asr.service"),
+        (201, "asr.service"),
+        (300, "w@a.service"),
+    ]
+    assert (sample.gpus[0].foreign, sample.gpus[0].foreign_pids) == (2 * GIB, (100, 101))
+    assert (sample.gpus[1].foreign, sample.gpus[1].foreign_pids) == (0, ())
+    assert sample.used_by("asr.service") == {0: 2 * GIB}
 
 
 def test_manage_gpus_and_reserve(tmp_path: Path) -> None:

@@ -1,0 +1,446 @@
+"""gpuslice.state: no state file may keep the controller (and so every GPU job) from starting.
+
+Each bad input below crashed `StateStore.load()` or the `Scheduler.load()` after it (issue 8):
+the controller then looped until systemd's start limit failed it for good. Now a file that is
+not exactly what `save()` writes costs one error line naming the file and the reason; a bad
+file is moved to state.json.bad; bad entries are dropped and the valid ones kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuslice.core.scheduler import SavedState, Scheduler
+from gpuslice.state import STATE_FILE_MAX, StateStore
+from gpuslice.unitfiles import UNIT_NAME_MAX
+from tests.core_builders import spec
+
+GOOD: dict[str, Any] = {
+    "version": 1,
+    "boot_id": "0f6c/1234",
+    "holders": {"asr.service": [[0], "running", 4, ""]},
+    "preempted": {"vlm.service": 3},
+    "held": ["train.service"],
+    "finished": ["done.service"],
+    "failed": ["bad.service"],
+    "seq": 5,
+}
+GOOD_STATE = SavedState(
+    holders={"asr.service": ((0,), "running", 4, "")},
+    preempted={"vlm.service": 3},
+    held=["train.service"],
+    finished=["done.service"],
+    failed=["bad.service"],
+    seq=5,
+)
+
+
+def good(**changes: Any) -> bytes:
+    return json.dumps({**GOOD, **changes}).encode()
+
+
+def load(
+    tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> tuple[SavedState, str, list[logging.LogRecord]]:
+    (tmp_path / "state.json").write_bytes(content)
+    with caplog.at_level(logging.DEBUG):
+        saved, boot_id = StateStore(tmp_path).load()
+    records = [r for r in caplog.records if r.name.startswith("gpuslice")]
+    # whatever was loaded, the scheduler takes it without raising
+    names = set(saved.holders) | set(saved.preempted)
+    Scheduler([0, 1], {n: spec(n, 10) for n in names}).load(saved)
+    return saved, boot_id, records
+
+
+def one_error(records: list[logging.LogRecord], *words: str) -> str:
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].levelno == logging.ERROR
+    message = records[0].getMessage()
+    for word in words:
+        assert word in message
+    return message
+
+
+# ---- the file as a whole is bad: moved aside, start from systemd -------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b"[]", "expected a JSON object, got a list"),
+        (b"null", "expected a JSON object, got null"),
+        (b'"state"', 'expected a JSON object, got "state"'),
+        (b"", "not JSON"),
+        (b'{"version":1', "not JSON"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        (b'{"version":1,"seq":NaN}', "not JSON (NaN is not a number)"),
+        (b'{"version":1,"seq":-Infinity}', "not JSON (-Infinity is not a number)"),
+        (b"[" * 200_000 + b"]" * 200_000, "not JSON this controller can read (nested too deeply)"),
+        (b'{"version":1,"seq":' + b"9" * 5000 + b"}", "not JSON"),
+        (b'{"version":2}', "format version 2, expected 1"),
+        (b'{"version":true}', "format version true, expected 1"),
+        (b'{"version":1.0}', "format version 1.0, expected 1"),
+        (b'{"boot_id":"x"}', "format version null, expected 1"),
+    ],
+)
+def test_a_bad_file_is_moved_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes, reason: str
+) -> None:
+    saved, boot_id, records = load(tmp_path, content, caplog)
+    assert (saved, boot_id) == (SavedState(), "")
+    one_error(records, f"{tmp_path / 'state.json'}: {reason}", "state.json.bad")
+    assert not (tmp_path / "state.json").exists()
+    assert (tmp_path / "state.json.bad").read_bytes() == content
+
+
+def test_holders_as_a_list(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 8's first report: AttributeError ('list' has no attribute 'items')."""
+    saved, _boot, records = load(tmp_path, b'{"version":1,"holders":[]}', caplog)
+    assert saved == SavedState()
+    one_error(records, "holders: expected an object, got a list", "state.json.bad")
+    assert not (tmp_path / "state.json").exists()
+
+
+def test_only_a_version(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    saved, boot_id, records = load(tmp_path, b'{"version":1}', caplog)
+    assert (saved, boot_id) == (SavedState(), "")
+    message = one_error(records, "no 'boot_id'", "starting from what systemd reports")
+    assert "valid ones" not in message
+
+
+def test_the_bad_file_is_replaced_each_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    load(tmp_path, b"[]", caplog)
+    caplog.clear()
+    load(tmp_path, b"null", caplog)
+    assert (tmp_path / "state.json.bad").read_bytes() == b"null"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json.bad"]
+
+
+def test_a_file_over_16_mib(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "state.json"
+    with open(path, "wb") as f:
+        f.truncate(STATE_FILE_MAX + 1)  # sparse: instant
+    with caplog.at_level(logging.ERROR):
+        assert StateStore(tmp_path).load() == (SavedState(), "")
+    one_error(caplog.records, "larger than 16 MiB", "state.json.bad")
+    assert (tmp_path / "state.json.bad").stat().st_size == STATE_FILE_MAX + 1
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink", "dangling symlink", "socket"])
+def test_not_a_regular_file(tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str) -> None:
+    """A FIFO must not block the start (nobody writes to it); a symlink is not followed."""
+    path = tmp_path / "state.json"
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps(GOOD))
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        path.symlink_to(target)
+    elif kind == "dangling symlink":
+        path.symlink_to(tmp_path / "missing")
+    else:
+        import socket
+
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.close()
+    with caplog.at_level(logging.ERROR):
+        assert StateStore(tmp_path).load() == (SavedState(), "")
+    one_error(caplog.records, "not a regular file", "moved it to", "state.json.bad")
+    assert not path.exists() and not path.is_symlink()
+    assert json.loads(target.read_text()) == GOOD  # a symlink's target is left alone
+
+
+def test_cannot_move_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The .bad name is taken by a directory: still one line, still a start."""
+    (tmp_path / "state.json.bad").mkdir()
+    (tmp_path / "state.json.bad" / "x").touch()
+    saved, _boot, records = load(tmp_path, b"[]", caplog)
+    assert saved == SavedState()
+    one_error(records, "could not move it to", "starting from what systemd reports")
+
+
+def test_no_file_no_directory_no_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path / "missing").load() == (SavedState(), "")
+        assert StateStore(tmp_path).load() == (SavedState(), "")
+    assert caplog.records == []
+
+
+# ---- bad entries: dropped, the rest kept --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "kept", "reason"),
+    [
+        (  # issue 8: a holder [[0]] (ValueError: not enough values to unpack)
+            {"holders": {"asr.service": [[0]], "tts.service": [[1], "running", 2, ""]}},
+            {"holders": {"tts.service": ((1,), "running", 2, "")}},
+            'holders: dropped "asr.service": expected [GPUs, phase, seq, stopping_for]',
+        ),
+        (  # issue 8: int("x")
+            {"seq": "x"},
+            {"seq": 4},  # the highest seq the entries carry
+            'seq: "x" is no sequence number',
+        ),
+        (  # issue 8: list(5)
+            {"held": 5},
+            {"held": []},
+            "held: expected a list, got 5",
+        ),
+        (
+            {"holders": {"asr.service": [[0], "paused", 4, ""]}},
+            {"holders": {}},
+            'phase "paused" is not one of starting, running, stopping',
+        ),
+        (
+            {"holders": {"asr.service": [[0], "running", -1, ""]}},
+            {"holders": {}},
+            "seq -1",
+        ),
+        (
+            {"holders": {"asr.service": [[0], "running", True, ""]}},
+            {"holders": {}},
+            "seq true",
+        ),
+        (
+            {"holders": {"asr.service": [[-1], "running", 4, ""]}},
+            {"holders": {}},
+            "GPUs must be a list of indices 0-1023",
+        ),
+        (
+            {"holders": {"asr.service": [[1024], "running", 4, ""]}},
+            {"holders": {}},
+            "GPUs must be a list of indices 0-1023",
+        ),
+        (
+            {"holders": {"asr.service": [[0, 0], "running", 4, ""]}},
+            {"holders": {}},
+            "a GPU listed twice",
+        ),
+        (
+            {"holders": {"asr.service": [[0.0], "running", 4, ""]}},
+            {"holders": {}},
+            "GPUs must be a list",
+        ),
+        (
+            {"holders": {"asr.service": [[0], "stopping", 4, "../../etc"]}},
+            {"holders": {}},
+            'stopping for "../../etc", not a unit name',
+        ),
+        (
+            {"holders": {"asr": [[0], "running", 4, ""]}},
+            {"holders": {}},
+            'holders: dropped "asr": not a unit name',
+        ),
+        (
+            {"holders": {"w@.service": [[0], "running", 4, ""]}},
+            {"holders": {}},
+            'holders: dropped "w@.service": not a unit name',
+        ),
+        (
+            {"seq": -3},
+            {"seq": 4},
+            "seq: -3 is no sequence number",
+        ),
+        (
+            {"seq": 1 << 64},
+            {"seq": 4},
+            "seq: 18446744073709551616 is no sequence number",
+        ),
+        (
+            {"seq": 2},
+            {"seq": 4},
+            "seq: 2 is below the entries it numbered; using 4",
+        ),
+        (
+            {"preempted": {"vlm.service": "3", "x.service": 1}},
+            {"preempted": {"x.service": 1}},
+            'preempted: dropped "vlm.service": seq "3"',
+        ),
+        (
+            {"preempted": [["vlm.service", 3]]},
+            {"preempted": {}},
+            "preempted: expected an object, got a list",
+        ),
+        (
+            {"held": ["train.service", "train.service", "x.service"]},
+            {"held": ["train.service", "x.service"]},
+            'held: dropped "train.service": listed twice',
+        ),
+        (
+            {"failed": ["bad.service", None, "a b.service", "x\n.service"]},
+            {"failed": ["bad.service"]},
+            'failed: dropped "x\\x0a.service": not a unit name',
+        ),
+        (
+            {"finished": [{"done.service": 1}]},
+            {"finished": []},
+            "finished: dropped an object: not a unit name",
+        ),
+        (
+            {"boot_id": 7},
+            {},
+            "boot_id: 7 is no boot id",
+        ),
+        (
+            {"extra": 1},
+            {},
+            'unknown key "extra"',
+        ),
+    ],
+)
+def test_bad_entries_are_dropped_and_the_rest_kept(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    changes: dict[str, Any],
+    kept: dict[str, Any],
+    reason: str,
+) -> None:
+    content = good(**changes)
+    saved, boot_id, records = load(tmp_path, content, caplog)
+    fields = {k: v for k, v in vars(GOOD_STATE).items()}
+    assert saved == SavedState(**{**fields, **kept})
+    assert boot_id == ("" if "boot_id" in changes else GOOD["boot_id"])
+    one_error(
+        records,
+        f"{tmp_path / 'state.json'}: invalid entries (",
+        reason,
+        "copied it to",
+        "state.json.bad",
+        "starting from the valid ones and what systemd reports",
+    )
+    # the original is kept for a look; the file now holds the valid entries only
+    assert (tmp_path / "state.json.bad").read_bytes() == content
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (saved, boot_id)
+    assert caplog.records == []
+
+
+def test_duplicate_names(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    content = (
+        b'{"version":1,"boot_id":"b","holders":{"a.service":[[0],"running",1,""],'
+        b'"a.service":[[1],"running",2,""]},"preempted":{},"held":[],"finished":[],'
+        b'"failed":[],"seq":2}'
+    )
+    saved, _boot, records = load(tmp_path, content, caplog)
+    assert saved.holders == {"a.service": ((1,), "running", 2, "")}
+    one_error(records, 'key "a.service" appears more than once; kept the last')
+
+
+def test_an_unknown_phase_no_longer_crashes_the_scheduler(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It used to load fine and then raise ValueError in Scheduler.load (Phase("paused"))."""
+    content = good(holders={"asr.service": [[0], "paused", 4, ""]})
+    saved, _boot, _records = load(tmp_path, content, caplog)
+    scheduler = Scheduler([0], {"asr.service": spec("asr", 10)})
+    scheduler.load(saved)
+    assert scheduler.holders == {}
+
+
+def test_many_problems_make_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    content = good(held=[f"bad {i}" for i in range(100)])
+    _saved, _boot, records = load(tmp_path, content, caplog)
+    message = one_error(records, "and 95 more")
+    assert len(message) < 1000
+
+
+def test_a_three_element_holder_is_still_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    saved, _boot, records = load(tmp_path, good(holders={"a.service": [[0], "running", 1]}), caplog)
+    assert saved.holders == {"a.service": ((0,), "running", 1, "")}
+    assert records == []
+
+
+# ---- save ------------------------------------------------------------------------------------
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "new")
+    store.save(GOOD_STATE, "0f6c/1234")
+    assert store.load() == (GOOD_STATE, "0f6c/1234")
+    assert json.loads(store.path.read_text()) == GOOD
+
+
+def test_round_trip_of_the_longest_unit_names(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    names = [
+        "a" * (UNIT_NAME_MAX - len(".service")) + ".service",
+        "w@" + "i\\x2d" * 48 + "i" * (UNIT_NAME_MAX - 2 - 5 * 48 - len(".service")) + ".service",
+        "a" * (UNIT_NAME_MAX - len(".scope")) + ".scope",
+    ]
+    assert all(len(n) == UNIT_NAME_MAX for n in names)
+    state = SavedState(
+        holders={names[0]: ((0, 1023), "stopping", 9, names[1])},
+        preempted={names[1]: 8},
+        held=names,
+        finished=names[:1],
+        failed=names[1:],
+        seq=10,
+    )
+    store = StateStore(tmp_path)
+    store.save(state, "b")
+    with caplog.at_level(logging.DEBUG):
+        assert store.load() == (state, "b")
+    assert caplog.records == []
+
+
+def test_one_character_too_long_is_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = "a" * (UNIT_NAME_MAX + 1 - len(".service")) + ".service"
+    saved, _boot, records = load(tmp_path, good(held=[name]), caplog)
+    assert saved.held == []
+    one_error(records, "held: dropped", "not a unit name")
+
+
+def test_save_error_propagates_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.path.mkdir()  # os.replace() onto a non-empty directory fails
+    (store.path / "x").touch()
+    with pytest.raises(OSError):
+        store.save(GOOD_STATE, "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+    blocked = StateStore(tmp_path / "file" / "sub")
+    (tmp_path / "file").touch()
+    with pytest.raises(OSError):
+        blocked.save(GOOD_STATE, "b")
+
+
+def test_save_does_not_follow_a_planted_temporary_name(tmp_path: Path) -> None:
+    """The old save wrote through whatever `state.tmp` was, a symlink included."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    for name in ("state.tmp", "state.json.tmp", ".state.json.tmp"):
+        (tmp_path / name).symlink_to(victim)
+    store = StateStore(tmp_path)
+    store.save(GOOD_STATE, "b")
+    assert victim.read_text() == "keep"
+    assert store.load() == (GOOD_STATE, "b")
+    assert oct(store.path.stat().st_mode & 0o777) == oct(0o644)
+
+
+def test_save_replaces_a_symlink_instead_of_writing_through_it(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    store = StateStore(tmp_path)
+    store.path.symlink_to(victim)
+    store.save(GOOD_STATE, "b")
+    assert victim.read_text() == "keep"
+    assert not store.path.is_symlink()
