@@ -1,0 +1,172 @@
+"""The gate (data/gpuslice-gate) against a real systemd: stopping a waiter, a controller away.
+
+The gate is the first `ExecStartPre=+` of every annotated unit; these tests drive only
+`systemctl`, `journalctl` and `ps` inside a freshly booted container, as an admin would.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from tests.bed.container import Container, WaitTimeout, wait_until
+from tests.integration.jobs import prop, reload, status, wait_state, wait_sub, write_job
+
+CONTROLLER = "gpuslice.service"
+HOLDER = "holder.service"
+WAITER = "waiter.service"
+CAP_S = 5.0  # the gate's longest pause between asks while the controller is away
+# Far longer than any stop should take: a stop that waits for it is the bug.
+TIMEOUT_STOP = "TimeoutStopSec=60"
+
+KILL_MODES = {
+    "mixed.service": "KillMode=mixed",
+    "process.service": "KillMode=process",
+    "group.service": "KillMode=control-group",
+    "sigint.service": "KillMode=mixed\nKillSignal=SIGINT",
+}
+
+
+def _waiting(bed: Container) -> set[str]:
+    return {w["unit"] for w in status(bed)["waiting"]}
+
+
+def _leftovers(bed: Container, unit: str) -> list[str]:
+    """Processes still in UNIT's cgroup, or gates and dbus-sends started for it."""
+    ps = bed.run(["ps", "-eo", "pid=,cgroup:512=,args="]).stdout.splitlines()
+    marks = (f"/{unit}", f"gpuslice-gate {unit}", f"string:{unit}")
+    return [line for line in ps if any(m in line for m in marks) and "ps -eo" not in line]
+
+
+def _wait_no_leftovers(bed: Container, unit: str) -> None:
+    try:
+        wait_until(lambda: not _leftovers(bed, unit) or None, 10, what=f"{unit} to leave nothing")
+    except WaitTimeout:
+        raise AssertionError(f"left of {unit}: {_leftovers(bed, unit)}") from None
+
+
+def _stop_quickly(bed: Container, unit: str) -> None:
+    """`systemctl stop UNIT` (waiting at its gate) returns at once; it ends inactive, empty."""
+    out = bed.run(f"date +%s.%N; systemctl stop {unit}; date +%s.%N", timeout=45).stdout.split()
+    took = float(out[1]) - float(out[0])
+    print(f"systemctl stop {unit} ({prop(bed, unit, 'KillMode')}) at the gate: {took:.3f} s")
+    assert took < 10, f"stopping {unit} took {took:.1f} s"
+    assert prop(bed, unit, "ActiveState") == "inactive"
+    assert prop(bed, unit, "Result") == "success"
+    _wait_no_leftovers(bed, unit)
+
+
+def _lines(journal: str, text: str) -> list[str]:
+    return [line for line in journal.splitlines() if text in line]
+
+
+def test_waiting_unit_stops_at_once_whatever_its_kill_mode(container: Container) -> None:
+    write_job(container, HOLDER, 20)
+    for unit, kill in KILL_MODES.items():
+        write_job(container, unit, 20, extra_service=f"{kill}\n{TIMEOUT_STOP}")
+    reload(container)
+    container.systemctl("start", HOLDER)
+    container.systemctl("start", "--no-block", *KILL_MODES)
+    for unit in KILL_MODES:
+        wait_sub(container, unit, "start-pre")
+    # every gate's Acquire is with the controller: its dbus-send is blocked in the call
+    wait_until(lambda: _waiting(container) == set(KILL_MODES) or None, 20, what="4 waiters")
+    for unit in KILL_MODES:
+        _stop_quickly(container, unit)
+    assert prop(container, HOLDER, "ActiveState") == "active"
+
+
+def test_gate_reports_absent_controller_once_and_backs_off(container: Container) -> None:
+    write_job(container, WAITER, 20)
+    reload(container)
+    # Count the gate's asks: systemd's default PATH puts /usr/local/bin before /usr/bin.
+    container.write_file(
+        "/usr/local/bin/dbus-send",
+        '#!/bin/sh\ndate +%s.%N >> /run/gate-asks\nexec /usr/bin/dbus-send "$@"\n',
+        0o755,
+    )
+    container.systemctl("stop", CONTROLLER)
+    container.systemctl("mask", "--runtime", CONTROLLER)  # so the waiter's Wants= cannot start it
+    container.systemctl("start", "--no-block", WAITER)
+    wait_sub(container, WAITER, "start-pre")
+
+    def asks() -> list[float]:
+        out = container.run("cat /run/gate-asks", check=False).stdout
+        return [float(t) for t in out.split()]
+
+    # retry 0.5 s doubling to 5 s: asks at 0, 0.5, 1.5, 3.5, 7.5, 12.5 s (later when loaded)
+    times = wait_until(lambda: t if len(t := asks()) >= 6 else None, 60, what="6 asks")
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    print("gaps between the gate's asks (s):", " ".join(f"{g:.2f}" for g in gaps))
+    assert sum(1 for t in times if t - times[0] <= 6) <= 5
+    assert gaps[2] >= 1.5 and gaps[3] >= 3.5, gaps  # it backs off
+    assert gaps[4] < CAP_S + 5, gaps  # up to a cap
+    journal = container.journal(WAITER)
+    waiting = _lines(journal, "waiting for gpuslice.service")
+    assert len(waiting) == 1, journal  # once over ~12 s, not at every ask
+    expected = "waiting for gpuslice.service, which is inactive: see 'systemctl status gpuslice'"
+    assert expected in waiting[0]
+    assert prop(container, WAITER, "SubState") == "start-pre"
+
+    # a unit stopped while its gate pauses between asks: at once, nothing left (its sleep)
+    write_job(container, "paused.service", 20, extra_service=f"KillMode=process\n{TIMEOUT_STOP}")
+    reload(container)
+    container.systemctl("start", "--no-block", "paused.service")
+    wait_until(
+        lambda: _lines(container.journal("paused.service"), "waiting for gpuslice.service"),
+        30,
+        what="paused.service to wait for the controller",
+    )
+    _stop_quickly(container, "paused.service")
+
+    container.systemctl("unmask", "--runtime", CONTROLLER)
+    container.systemctl("start", CONTROLLER)
+    back = time.monotonic()
+    wait_state(container, WAITER, "active", timeout=CAP_S + 25)
+    print(f"controller active -> waiter active: {time.monotonic() - back:.2f} s")
+    assert time.monotonic() - back < CAP_S + 10  # within one pause (wide margin for load)
+    journal = container.journal(WAITER)
+    assert len(_lines(journal, "gpuslice.service is back: asking for GPUs")) == 1, journal
+    assert len(_lines(journal, "waiting for gpuslice.service")) == 1, journal
+
+
+def test_controller_that_cannot_run_keeps_waiters_waiting(container: Container) -> None:
+    """Start limit hit: no job runs ungated; the waiter says why and runs once it is fixed."""
+    write_job(container, HOLDER, 20)
+    write_job(container, WAITER, 20)
+    reload(container)
+    container.systemctl("start", HOLDER)
+    container.systemctl("start", "--no-block", WAITER)
+    wait_until(lambda: _waiting(container) == {WAITER} or None, 20, what=f"{WAITER} waiting")
+    config = "/etc/gpuslice/config.yaml"
+    container.run(f"cp {config} /run/config.good && echo 'gpus: banana' > {config}")
+    broke = time.monotonic()
+    container.systemctl("restart", CONTROLLER, check=False)  # fails: exit 78, restarts
+
+    def given_up() -> bool:  # systemd 252 keeps Result=exit-code when the limit is hit
+        return prop(container, CONTROLLER, "ActiveState") == "failed" and (
+            "Start request repeated too quickly" in container.journal(CONTROLLER)
+        )
+
+    wait_until(given_up, 90, what=f"{CONTROLLER} to hit its start limit")
+    print(f"bad config -> start limit hit: {time.monotonic() - broke:.1f} s")
+    wait_until(
+        lambda: _lines(container.journal(WAITER), "waiting for gpuslice.service, which is failed"),
+        30,
+        what=f"{WAITER} to say the controller failed",
+    )
+    assert prop(container, WAITER, "SubState") == "start-pre"  # never ungated
+    assert prop(container, HOLDER, "ActiveState") == "active"
+
+    container.run(f"cp /run/config.good {config}")
+    container.systemctl("reset-failed", CONTROLLER)
+    container.systemctl("start", CONTROLLER)
+    back = time.monotonic()
+    wait_until(lambda: _waiting(container) == {WAITER} or None, CAP_S + 25, what="ask again")
+    print(f"controller active -> waiter queued again: {time.monotonic() - back:.2f} s")
+    said = _lines(container.journal(WAITER), "gpuslice.service")
+    print("the waiter's journal:", *said, sep="\n  ")
+    assert "gpuslice.service is back: asking for GPUs" in said[-1]
+    assert prop(container, WAITER, "SubState") == "start-pre"  # still behind the holder
+    container.systemctl("stop", HOLDER)
+    wait_state(container, WAITER, "active")
