@@ -23,8 +23,9 @@ BUSCONFDIR := $(SYSCONFDIR)/dbus-1/system.d
 # The default config shipped to /etc/gpuslice/config.yaml (top level, else data/).
 CONFIG ?= $(or $(wildcard config.yaml),$(wildcard data/config.yaml),config.yaml)
 
-.PHONY: help venv lint bed-deps bed test demo install uninstall install-examples uninstall-examples clean bench \
+.PHONY: help venv lint fuzz bed-deps bed test demo install uninstall install-examples uninstall-examples clean bench \
 	deb deb-deps
+.PHONY: mutate
 
 help:
 	@echo "make venv | lint | test | demo | bench | deb | bed-deps | bed | clean"
@@ -59,6 +60,10 @@ test: venv bed-deps
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory bed
 	$(VENV)/bin/pytest tests
+
+# Property tests (tests/test_fuzz_*.py) with 10000 examples each; `make test` runs 200.
+fuzz: venv
+	GPUSLICE_FUZZ_EXAMPLES=10000 $(VENV)/bin/pytest tests/test_fuzz_*.py -q -p no:cacheprovider -o timeout=0
 
 demo: venv bed-deps
 	$(VENV)/bin/python -m tests.bed.demo
@@ -177,6 +182,48 @@ deb: deb-deps
 	    dpkg-buildpackage -us -uc -b
 	lintian --fail-on error,warning --info $(DEB_DIR)/gpuslice_$(DEB_VERSION)_all.deb
 	@ls -l $(DEB_DIR)/gpuslice_$(DEB_VERSION)_all.deb
+
+# ---------------------------------------------------------------- mutation testing (not part of `make test`)
+# `make mutate [MUTATE=core|adapters|all]`: mutmut (pinned in the test extras, configured in
+# pyproject.toml [tool.mutmut]) breaks the chosen modules on purpose, one mutant at a time, and
+# runs the fast tests that reach the broken function (one worker: the CPU is shared). Prints
+# killed/survived/timeout per module; fails while a survivor is not listed, with why it changes
+# nothing observable, in tests/mutation-equivalent.txt. Results are kept in mutants/ (ignored);
+# MUTATE_KEEP=1 reuses them. To add an adapter: put its file in only_mutate and its fast tests
+# in pytest_add_cli_args_test_selection ([tool.mutmut]), and its module in MUTATE_adapters.
+MUTATE ?= core
+MUTATE_KEEP ?=
+MUTATE_core := gpuslice.core.model.* gpuslice.core.placement.* gpuslice.core.scheduler.*
+MUTATE_adapters :=
+MUTATE_all := $(MUTATE_core) $(MUTATE_adapters)
+MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
+mutate: venv
+	@test -n "$(MUTATE_$(MUTATE))" || { echo "make mutate: MUTATE=$(MUTATE): no modules (core, adapters, all)" >&2; exit 2; }
+	$(if $(MUTATE_KEEP),,rm -rf mutants)
+	$(VENV)/bin/mutmut run --max-children 1 $(MUTATE_$(MUTATE))
+	@$(VENV)/bin/mutmut results --all true | sed -n 's/^ *\([^ ]*\): \(.*\)$$/\1 \2/p' \
+	    | awk -v eq=$(MUTATE_EQUIVALENT) -v want='$(MUTATE_$(MUTATE))' -f <(sed -n 's/^#awk //p' Makefile)
+#awk BEGIN {
+#awk     while ((getline line < eq) > 0) if (line ~ /^[a-z]/) { split(line, f, /[ :]/); equiv[f[1]] = 1 }
+#awk     n = split(want, mods, " "); for (i = 1; i <= n; i++) sub(/\.\*$/, "", mods[i]); mods[n + 1] = "total"
+#awk }
+#awk {
+#awk     m = $1; sub(/\.x[^.]*$/, "", m); s = $2 ($3 == "" ? "" : " " $3)
+#awk     known = 0; for (i = 1; i <= n; i++) if (m == mods[i]) known = 1; if (!known) next
+#awk     if (s == "survived" && ($1 in equiv)) s = "equivalent"
+#awk     if (s != "killed" && s != "timeout" && s != "equivalent") left[++nl] = $1 " (" s ")"
+#awk     c[m, s]++; c[m]++; c["total", s]++; c["total"]++
+#awk }
+#awk END {
+#awk     printf "%-26s %7s %8s %7s %10s %5s %7s\n", "module", "killed", "survived", "timeout", "equivalent", "other", "score"
+#awk     for (i = 1; i <= n + 1; i++) {
+#awk         m = mods[i]; k = c[m, "killed"]; t = c[m, "timeout"]; e = c[m, "equivalent"]; sv = c[m, "survived"]
+#awk         tested = c[m] - e; score = tested ? sprintf("%6.1f%%", 100 * (k + t) / tested) : "     -"
+#awk         printf "%-26s %7d %8d %7d %10d %5d %s\n", m, k, sv, t, e, c[m] - k - t - e - sv, score
+#awk     }
+#awk     for (i = 1; i <= nl; i++) print "not killed and not in " eq ": " left[i]
+#awk     exit (nl > 0)
+#awk }
 
 # ---------------------------------------------------------------- benchmark (not part of `make test`)
 # Boots the container bed, prints one table (gpuslice vs systemd's own floor), writes JSON to

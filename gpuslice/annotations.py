@@ -2,11 +2,13 @@
 
 One table (`KEYS`) declares every key; adding a key is one row there plus a `UnitSpec` field.
 Every problem is collected with its file and line; a unit with an error is left unmanaged, and
-the other units are unaffected. Pure stdlib + `core.model`, so the generator can import it cheaply.
+the other units are unaffected. Pure stdlib + `core.model` + `paths`, so the generator can import
+it cheaply.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 from collections.abc import Callable
@@ -14,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from gpuslice.core.model import UnitKind, UnitSpec
+from gpuslice.core.model import GPU_ID, UnitKind, UnitSpec
+from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.sizes import SIZE_ALLOWED, parse_size
 from gpuslice.unitfiles import (
     Entry,
@@ -23,6 +26,7 @@ from gpuslice.unitfiles import (
     UnitIndex,
     is_instance,
     parse_sections,
+    printable,
     template_of,
 )
 
@@ -33,7 +37,10 @@ Severity = Literal["error", "warning"]
 
 @dataclass(frozen=True)
 class Problem:
-    """One finding, printed as `PATH:LINE: [X-GPUSlice] KEY: message`."""
+    """One finding, printed as `PATH:LINE: [SECTION] KEY: message`: a key of `[X-GPUSlice]`, or
+    of another section where it affects gpuslice (`[Service] ExecStartPre`). `line` is 0 when
+    the finding is about the whole file (it cannot be read); `section` is empty for a file that
+    systemd ignores (its name is not a valid unit name, it is a FIFO)."""
 
     path: str
     line: int
@@ -41,22 +48,26 @@ class Problem:
     message: str
     severity: Severity = "error"
     unit: str = ""
+    section: str = SECTION
 
     def __str__(self) -> str:
+        section = f" [{self.section}]" if self.section else ""
         key = f" {self.key}:" if self.key else ""
-        return f"{self.path}:{self.line}: [{SECTION}]{key} {self.message}"
+        return f"{self.path}:{self.line}:{section}{key} {self.message}"
 
 
 # ---------------------------------------------------------------------------------------------
 # the key table
 
 
-def _integer(low: int, high: int | None) -> Callable[[str], int]:
+def _integer(low: int, high: int) -> Callable[[str], int]:
+    """ASCII digits only (`str.isdigit` alone takes "٣" and "²"), between low and high."""
+
     def parse(text: str) -> int:
-        if not (text.isascii() and text.isdigit()):
+        if not (text.isascii() and text.isdigit()) or len(text.lstrip("0")) > len(str(high)):
             raise ValueError(text)
         value = int(text)
-        if value < low or (high is not None and value > high):
+        if not low <= value <= high:
             raise ValueError(text)
         return value
 
@@ -81,14 +92,33 @@ def _boolean(text: str) -> bool:
     raise ValueError(text)
 
 
-_DEVICE = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z-]+)$")
+MAX_GPUS = 64  # GPUs= and the number of Devices= entries: more than any host has
+_SEPARATORS = re.compile(r"[, \t]+")
+
+
+class InvalidValue(ValueError):
+    """A bad value with its own explanation, used in place of "expected ...": `reason`."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def _devices(text: str) -> tuple[str, ...]:
-    tokens = tuple(t for t in re.split(r"[,\s]+", text) if t)
-    if not tokens or not all(_DEVICE.match(t) for t in tokens):
-        raise ValueError(text)
-    return tokens
+    """`0,1`, `0 1`, `GPU-8f6c...`: indices or UUIDs (`GPU_ID`), each once, in order."""
+    tokens = [t for t in _SEPARATORS.split(text) if t]
+    if not tokens:
+        raise InvalidValue("expected GPU indices or UUIDs, found only separators")
+    if len(tokens) > MAX_GPUS:
+        raise InvalidValue(f"expected at most {MAX_GPUS} GPUs, found {len(tokens)}")
+    for token in tokens:
+        if token[:4].upper() == "MIG-":
+            raise InvalidValue(
+                "MIG devices are not supported (name the whole GPU by its index or GPU- UUID)"
+            )
+        if GPU_ID.fullmatch(token) is None:
+            raise ValueError(text)
+    return tuple(dict.fromkeys(tokens))
 
 
 @dataclass(frozen=True)
@@ -114,7 +144,7 @@ KEYS: tuple[Key, ...] = (
         UnitKind.ON_DEMAND,
         "one of " + ", ".join(k.value for k in UnitKind),
     ),
-    Key("GPUs", "gpus", _integer(1, None), 1, "an integer >= 1"),
+    Key("GPUs", "gpus", _integer(1, MAX_GPUS), 1, f"an integer 1-{MAX_GPUS}"),
     Key("Requeue", "requeue", _boolean, True, "a boolean (yes/no, true/false, on/off, 1/0)"),
     Key("Memory", "memory", parse_size, None, SIZE_ALLOWED),
     Key(
@@ -122,7 +152,8 @@ KEYS: tuple[Key, ...] = (
         "devices",
         _devices,
         (),
-        "GPU indices or UUIDs separated by commas or spaces (e.g. 0,1 or GPU-8f6c...)",
+        f"up to {MAX_GPUS} GPU indices or UUIDs separated by commas or spaces "
+        "(e.g. 0,1 or GPU-8f6c...)",
     ),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
@@ -130,6 +161,13 @@ KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
 # ---------------------------------------------------------------------------------------------
 # loading
+
+# A file that floods (thousands of bad lines) is reported this far, then summed up in one line.
+MAX_PROBLEMS_PER_FILE = 50
+_QUOTE_MAX = 100  # how much of a bad value or key a message quotes
+# What the loader catches from reading and parsing files so that no file can crash a scan; a
+# failure is an error on the unit (left unmanaged), never an exception.
+_READ_ERRORS = (OSError, ValueError, RecursionError, UnicodeError)
 
 
 @dataclass
@@ -145,24 +183,29 @@ class Loader:
 
     def __init__(self, index: UnitIndex):
         self.index = index
-        self._parsed: dict[str, _Parsed] = {}
+        self._parsed: dict[str, _Parsed | OSError] = {}
         self._files: dict[str, list[UnitFile] | None] = {}
 
     def parsed(self, unit_file: UnitFile) -> _Parsed:
-        """The file's entries, ignorable lines, and the line of its first `[X-GPUSlice]`."""
+        """The file's entries, ignorable lines, and the line of its first `[X-GPUSlice]`.
+        OSError (remembered, so each file is read once) when the file cannot be read: not a
+        regular file, too large, a symlink loop, ..."""
         cached = self._parsed.get(unit_file.path)
         if cached is None:
-            text = unit_file.read_text()
-            issues: list[TextIssue] = []
-            entries = parse_sections(text, issues)
-            header = None
-            if _HEADER in text:
-                header = next(
-                    (n for n, raw in enumerate(text.splitlines(), 1) if raw.strip() == _HEADER),
-                    None,
-                )
-            cached = _Parsed(entries, issues, header)
+            try:
+                text = unit_file.read_text()
+                issues: list[TextIssue] = []
+                headers: list[tuple[str, int]] = []
+                entries = parse_sections(text, issues, headers)
+                header = next((line for name, line in headers if name == SECTION), None)
+                cached = _Parsed(entries, issues, header)
+            except OSError as e:
+                cached = e
+            except _READ_ERRORS as e:  # belt and braces: no file may crash a scan
+                cached = OSError(errno.EIO, f"cannot be parsed ({type(e).__name__})")
             self._parsed[unit_file.path] = cached
+        if isinstance(cached, OSError):
+            raise cached
         return cached
 
     def files(self, name: str) -> list[UnitFile] | None:
@@ -176,37 +219,50 @@ class Loader:
         return self._files[name]
 
     def load(self, name: str) -> tuple[UnitSpec | None, list[Problem]]:
-        files = self.files(name)
+        """The unit's merged annotation (see `load_spec`). Never raises for what a file holds:
+        an unreadable file is an error Problem on it."""
+        try:
+            files = self.files(name)
+        except _READ_ERRORS as e:  # belt and braces: UnitIndex itself catches what it meets
+            return None, [
+                Problem(printable(name), 0, "", f"cannot be read: {_reason(e)}", unit=name)
+            ]
         if files is None:
             return None, []
         return self.load_files(name, files)
 
     def load_files(self, name: str, files: list[UnitFile]) -> tuple[UnitSpec | None, list[Problem]]:
-        """Merge the annotation of `files` (fragment first, then drop-ins in order)."""
+        """Merge the annotation of `files` (fragment first, then drop-ins in order).
+
+        A file that cannot be read (gone: a warning; anything else, such as a FIFO, a file over
+        `MAX_FILE_SIZE` or a symlink loop: an error) leaves the unit unmanaged, whether or not
+        its readable files are annotated: what the unread file says is unknown."""
         problems: list[Problem] = []
+        unreadable: list[Problem] = []
         settings: dict[str, _Setting] = {}
         # where the first [X-GPUSlice] header is: the place to report a missing key
         section_at: tuple[str, int] | None = None
         for unit_file in files:
+            path = printable(unit_file.path)
             try:
                 parsed = self.parsed(unit_file)
             except OSError as e:
-                problems.append(
-                    Problem(unit_file.path, 0, "", f"cannot read: {e.strerror}", "warning", name)
+                severity: Severity = "warning" if e.errno == errno.ENOENT else "error"
+                unreadable.append(
+                    Problem(path, 0, "", f"cannot read: {_reason(e)}", severity, name)
                 )
                 continue
             if section_at is None and parsed.header is not None:
-                section_at = (unit_file.path, parsed.header)
+                section_at = (path, parsed.header)
             for issue in parsed.issues:
                 if issue.section == SECTION:
-                    problems.append(
-                        Problem(unit_file.path, issue.line, "", issue.message, "warning", name)
-                    )
+                    problems.append(Problem(path, issue.line, "", issue.message, "warning", name))
             for entry in parsed.entries:
                 if entry.section == SECTION:
-                    self._assign(name, unit_file.path, entry, settings, problems)
+                    self._assign(name, path, entry, settings, problems)
         if section_at is None:
-            return None, []
+            return None, _capped(unreadable)
+        problems = unreadable + problems
 
         values: dict[str, Any] = {}
         for key in KEYS:
@@ -224,9 +280,9 @@ class Loader:
             else:
                 values[key.field] = key.default
         if any(p.severity == "error" for p in problems):
-            return None, problems
+            return None, _capped(problems)
         source = settings["Priority"].path
-        return UnitSpec(name=name, source=source, **values), problems
+        return UnitSpec(name=name, source=source, **values), _capped(problems)
 
     def _assign(
         self,
@@ -243,7 +299,7 @@ class Loader:
                 Problem(
                     path,
                     entry.line,
-                    entry.key,
+                    printable(entry.key, _QUOTE_MAX),
                     f"unknown key, ignored (known keys: {known})",
                     "warning",
                     unit,
@@ -267,7 +323,9 @@ class Loader:
             return
         try:
             value: Any = key.parse(entry.value)
-        except ValueError:
+        except InvalidValue as e:
+            value = _Invalid(e.reason)
+        except (ValueError, ArithmeticError):
             value = _Invalid()
         settings[key.name] = _Setting(value, entry.value, path, entry.line)
 
@@ -278,24 +336,54 @@ class _Parsed(NamedTuple):
     header: int | None
 
 
-_HEADER = f"[{SECTION}]"
-
-
 class _Invalid:
-    """Marks a value that failed to parse."""
+    """Marks a value that failed to parse; `reason` replaces "expected ..." when given."""
+
+    def __init__(self, reason: str = ""):
+        self.reason = reason
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return printable(e.strerror, 200)
+    return printable(str(e) or type(e).__name__, 200)
 
 
 def _bad_value(
     unit: str, key: Key, setting: _Setting, severity: Severity = "error", suffix: str = ""
 ) -> Problem:
-    return Problem(
-        setting.path,
-        setting.line,
-        key.name,
-        f'expected {key.allowed}, got "{setting.raw}"{suffix}',
-        severity,
-        unit,
-    )
+    assert isinstance(setting.value, _Invalid)
+    got = f'got "{printable(setting.raw, _QUOTE_MAX)}"'
+    reason = setting.value.reason
+    message = f"{reason or 'expected ' + key.allowed}, {got}{suffix}"
+    return Problem(setting.path, setting.line, key.name, message, severity, unit)
+
+
+def _capped(problems: list[Problem]) -> list[Problem]:
+    """At most `MAX_PROBLEMS_PER_FILE` problems of each file, then one line saying how many more
+    (an error if any of them is)."""
+    kept: list[Problem] = []
+    dropped: dict[str, list[Problem]] = {}
+    count: dict[str, int] = {}
+    for problem in problems:
+        count[problem.path] = count.get(problem.path, 0) + 1
+        if count[problem.path] <= MAX_PROBLEMS_PER_FILE:
+            kept.append(problem)
+        else:
+            dropped.setdefault(problem.path, []).append(problem)
+    for path, rest in dropped.items():
+        severity: Severity = "error" if any(p.severity == "error" for p in rest) else "warning"
+        kept.append(
+            Problem(
+                path,
+                0,
+                "",
+                f"{len(rest)} more problems in this file not shown",
+                severity,
+                rest[0].unit,
+            )
+        )
+    return kept
 
 
 def load_spec(
@@ -343,7 +431,12 @@ class Scan:
 
 
 def scan(root: str | os.PathLike[str] = "/", loader: Loader | None = None) -> Scan:
-    """Read every `.service` unit's annotation (one pass over the search path)."""
+    """Read every `.service` unit's annotation (one pass over the search path).
+
+    Never raises for what the files hold: every unit is loaded on its own, and what cannot be
+    read is a Problem on that unit only. Files that systemd ignores (an invalid unit name, a
+    FIFO) are warnings; so is a drop-in that would remove a managed unit's gate (`_gate_removed`).
+    """
     loader = loader or Loader(UnitIndex(root))
     result = Scan(root=os.fspath(loader.index.root))
     names = loader.index.unit_names()
@@ -355,25 +448,97 @@ def scan(root: str | os.PathLike[str] = "/", loader: Loader | None = None) -> Sc
         if n not in known and template_of(n) in known
     ]
     reported: set[tuple[str, int, str, str, str]] = set()
-    for name in names:
-        spec, problems = loader.load(name)
-        if name not in known and spec is not None:
-            template = result.specs.get(template_of(name))
-            if template is not None and spec == template.for_instance(name):
-                spec = None  # nothing of its own: spec_for derives it from the template
+
+    def report(problems: list[Problem]) -> None:
         for problem in problems:
             # an instance re-reads its template's files: report each finding once
             ident = (problem.path, problem.line, problem.key, problem.message, problem.severity)
             if ident not in reported:
                 reported.add(ident)
                 result.problems.append(problem)
+
+    gate_reported: set[tuple[str, int]] = set()
+    for name in names:
+        spec, problems = loader.load(name)
+        if spec is not None:
+            problems = problems + [
+                p for p in _gate_removed(loader, name) if (p.path, p.line) not in gate_reported
+            ]
+            gate_reported.update((p.path, p.line) for p in problems if p.key == "ExecStartPre")
+        if name not in known and spec is not None:
+            template = result.specs.get(template_of(name))
+            if template is not None and spec == template.for_instance(name):
+                spec = None  # nothing of its own: spec_for derives it from the template
+        report(problems)
         if spec is not None:
             result.specs[name] = spec
         elif any(p.severity == "error" for p in problems):
             result.invalid.add(name)
         elif name in known and is_instance(name):
             result.unannotated_instances.add(name)
+    report(
+        [
+            Problem(issue.path, 0, "", issue.message, "warning", "", section="")
+            for issue in sorted(loader.index.issues)
+        ]
+    )
     return result
+
+
+# The gate's own drop-in is written here (the generator's normal directory).
+_GENERATOR_DIR = "/run/systemd/generator/"
+
+
+def _gate_removed(loader: Loader, name: str) -> list[Problem]:
+    """Warnings for the files that would remove the gate of `name`, a managed unit.
+
+    systemd applies drop-ins sorted by file name across all directories. The gate drop-in
+    resets ExecStartPre= and puts the gate first; an empty `ExecStartPre=` in a drop-in that
+    sorts after it (a template's or an instance's) resets the list again and the unit starts
+    without the gate. A drop-in of the same name in another directory hides the gate file.
+    """
+    files = loader.files(name) or []
+    out: list[Problem] = []
+    for unit_file in files[1:]:
+        base = unit_file.path.rsplit("/", 1)[-1]
+        if base < GATE_DROPIN_NAME:
+            continue
+        path = printable(unit_file.path)
+        if base == GATE_DROPIN_NAME:
+            if not unit_file.path.startswith(_GENERATOR_DIR):
+                out.append(
+                    Problem(
+                        path,
+                        0,
+                        "",
+                        f"this file hides the GPU gate's {GATE_DROPIN_NAME}: {name} starts "
+                        "without waiting for its GPUs; give it another name",
+                        "warning",
+                        name,
+                        section="Service",
+                    )
+                )
+            continue
+        try:
+            entries = loader.parsed(unit_file).entries
+        except OSError:
+            continue  # reported by load()
+        for entry in entries:
+            if entry.section == "Service" and entry.key == "ExecStartPre" and entry.value == "":
+                out.append(
+                    Problem(
+                        path,
+                        entry.line,
+                        "ExecStartPre",
+                        f"an empty ExecStartPre= after {GATE_DROPIN_NAME} removes the GPU gate: "
+                        f"{name} starts without waiting for its GPUs; put your ExecStartPre= "
+                        f"lines in a drop-in named before {GATE_DROPIN_NAME}",
+                        "warning",
+                        name,
+                        section="Service",
+                    )
+                )
+    return out
 
 
 def check_file(path: str | os.PathLike[str]) -> list[Problem]:

@@ -10,6 +10,7 @@ The search path and the drop-in rules follow systemd 252 (`src/basic/path-lookup
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -128,14 +129,26 @@ class TextIssue(NamedTuple):
     message: str
 
 
-def parse_sections(text: str, issues: list[TextIssue] | None = None) -> list[Entry]:
+# systemd's read_line ends a line at "\n", "\r\n", "\r" or NUL (`src/basic/fileio.c`)
+_LINE_END = re.compile(r"\r\n|[\n\r\0]")
+_ISSUE_TEXT_MAX = 80  # how much of a bad line a message quotes
+
+
+def parse_sections(
+    text: str,
+    issues: list[TextIssue] | None = None,
+    headers: list[tuple[str, int]] | None = None,
+) -> list[Entry]:
     """Read systemd unit-file text the way systemd's config_parse does.
 
-    Comments are lines whose first non-blank character is `#` or `;` (also inside a continuation).
-    A line ending in an unescaped backslash continues on the next line; the backslash becomes a
-    space. Keys may repeat. Values are kept verbatim (quotes, `%` specifiers, escapes): each
-    setting's own parser interprets them. `line` is where the logical line starts. Lines systemd
-    would ignore are reported to `issues` when given.
+    Lines end at a newline, a carriage return or a NUL, as in systemd. Comments are lines whose
+    first non-blank character is `#` or `;` (also inside a continuation). A line ending in an
+    unescaped backslash continues on the next line; the backslash becomes a space. Keys may
+    repeat. Values are kept verbatim (quotes, `%` specifiers, escapes): each setting's own parser
+    interprets them. `line` is where the logical line starts. A line that is not valid UTF-8
+    (`UnitFile.read_text` keeps such bytes as lone surrogates) is ignored, as systemd ignores it.
+    Lines systemd would ignore are reported to `issues` when given; every section header goes to
+    `headers` (name, line) when given.
     """
     entries: list[Entry] = []
     section: str | None = None
@@ -143,8 +156,11 @@ def parse_sections(text: str, issues: list[TextIssue] | None = None) -> list[Ent
     start = 0
     if text.startswith("\ufeff"):
         text = text[1:]
-    for number, raw in enumerate(text.splitlines(), start=1):
-        stripped = raw.strip()
+    lines = _LINE_END.split(text)
+    if lines and lines[-1] == "":
+        lines.pop()  # the text ended with a line end
+    for number, raw in enumerate(lines, start=1):
+        stripped = raw.strip(_WHITESPACE)
         if stripped and stripped[0] in COMMENT_CHARS:
             continue
         if not pending:
@@ -156,42 +172,98 @@ def parse_sections(text: str, issues: list[TextIssue] | None = None) -> list[Ent
             continue
         logical = "".join(pending) + raw if pending else raw
         pending = []
-        section = _parse_line(logical.strip(), start, section, entries, issues)
+        section = _parse_line(logical, start, section, entries, issues, headers)
     if pending:
-        _parse_line("".join(pending).strip(), start, section, entries, issues)
+        section = _parse_line("".join(pending), start, section, entries, issues, headers)
     return entries
 
 
+_WHITESPACE = " \t\n\r"  # systemd's WHITESPACE: what it strips around keys and values
+_SURROGATES = re.compile("[\ud800-\udfff]")  # undecodable bytes, or worse
+
+
 def _parse_line(
-    line: str,
+    raw: str,
     number: int,
     section: str | None,
     entries: list[Entry],
     issues: list[TextIssue] | None,
+    headers: list[tuple[str, int]] | None,
 ) -> str | None:
+    line = raw.strip(_WHITESPACE)
     if not line or line[0] in COMMENT_CHARS:
+        return section
+    if _SURROGATES.search(line):
+        if issues is not None:
+            issues.append(TextIssue(section, number, "line is not valid UTF-8, ignored"))
         return section
     if line[0] == "[":
         if line[-1] != "]" or len(line) < 3:
             if issues is not None:
-                issues.append(TextIssue(section, number, f"invalid section header {line!r}"))
+                quoted = printable(line, _ISSUE_TEXT_MAX)
+                issues.append(TextIssue(section, number, f"invalid section header '{quoted}'"))
             return None
-        return line[1:-1]
+        name = line[1:-1]
+        if headers is not None:
+            headers.append((name, number))
+        return name
     key, sep, value = line.partition("=")
+    key = key.strip(_WHITESPACE)
     if issues is not None:
         if section is None:
             issues.append(TextIssue(None, number, "assignment outside of any section, ignored"))
         elif not sep:
             issues.append(TextIssue(section, number, "missing '=', line ignored"))
-        elif not key.strip():
+        elif not key:
             issues.append(TextIssue(section, number, "missing key before '=', line ignored"))
-    if section is not None and sep and key.strip():
-        entries.append(Entry(section, key.strip(), value.strip(), number))
+    if section is not None and sep and key:
+        entries.append(Entry(section, key, value.strip(_WHITESPACE), number))
     return section
 
 
 # ---------------------------------------------------------------------------------------------
 # files
+
+
+MAX_FILE_SIZE = 1 << 20  # systemd's LONG_LINE_MAX; no real unit file comes near it
+
+_FILE_TYPES = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _not_regular(mode: int) -> str | None:
+    """What the file is when it is not a regular file, for a message."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _FILE_TYPES if test(mode)), "not a regular file")
+
+
+def read_unit_text(path: str | os.PathLike[str]) -> str:
+    """See `UnitFile.read_text`."""
+    try:
+        st = os.stat(path)
+    except ValueError as e:  # a NUL in the path
+        raise OSError(errno.EINVAL, str(e)) from e
+    what = _not_regular(st.st_mode)
+    if what is not None:
+        raise OSError(errno.EINVAL, f"{what}, not a regular file")
+    # O_NONBLOCK: should it have become a FIFO since the stat, open() still returns at once
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        what = _not_regular(os.fstat(fd).st_mode)
+        if what is not None:
+            raise OSError(errno.EINVAL, f"{what}, not a regular file")
+        data = f.read(MAX_FILE_SIZE + 1)
+    if len(data) > MAX_FILE_SIZE:
+        raise OSError(
+            errno.EFBIG, f"larger than {MAX_FILE_SIZE >> 20} MiB, which no unit file needs"
+        )
+    return data.decode("utf-8", errors="surrogateescape")
 
 
 @dataclass(frozen=True)
@@ -202,7 +274,12 @@ class UnitFile:
     real: Path
 
     def read_text(self) -> str:
-        return self.real.read_text(encoding="utf-8", errors="replace")
+        """The file's text. Bytes that are not UTF-8 stay as lone surrogates (surrogateescape),
+        so that `parse_sections` can ignore their lines as systemd does. OSError (with a
+        `strerror` fit for a message) for anything but a regular file of at most
+        `MAX_FILE_SIZE` bytes: a FIFO, a socket or a device is never opened (opening a FIFO
+        would block, at boot, forever), and the size is checked on the open file."""
+        return read_unit_text(self.real)
 
 
 @dataclass(frozen=True)
@@ -214,20 +291,49 @@ class Fragment(UnitFile):
 
 _DIR = 1
 _LINK = 2
+_OTHER = 4  # neither a regular file, a directory nor a symlink: a FIFO, a socket, a device
 
 
 def _scan_dir(real: Path) -> dict[str, int]:
-    """Entry name -> _DIR (a directory, symlinks followed) | _LINK (a symlink), one scandir."""
+    """Entry name -> _DIR (a directory, symlinks followed) | _LINK (a symlink) | _OTHER, from
+    one scandir. Entries that cannot be examined are left out."""
     names: dict[str, int] = {}
     with os.scandir(real) as it:
         for entry in it:
             try:
-                names[entry.name] = (_DIR if entry.is_dir() else 0) | (
-                    _LINK if entry.is_symlink() else 0
-                )
+                link = entry.is_symlink()
+                plain_dir = not link and entry.is_dir(follow_symlinks=False)
+                plain_file = not link and entry.is_file(follow_symlinks=False)
             except OSError:
                 continue
+            if link:
+                kind = _LINK
+                try:
+                    if entry.is_dir():  # follows the link
+                        kind |= _DIR
+                except OSError:  # a loop: a link that leads nowhere, as a dangling one
+                    pass
+            else:
+                kind = _DIR if plain_dir else 0 if plain_file else _OTHER
+            names[entry.name] = kind
     return names
+
+
+def _stat(path: Path | None) -> os.stat_result | None:
+    """stat() that follows symlinks; None for anything that fails (missing, a loop, too long)."""
+    if path is None:
+        return None
+    try:
+        return path.stat()
+    except (OSError, ValueError):
+        return None
+
+
+class IndexIssue(NamedTuple):
+    """A file in the search path that systemd would ignore, and why (for a warning)."""
+
+    path: str
+    message: str
 
 
 class UnitIndex:
@@ -240,16 +346,18 @@ class UnitIndex:
         self, root: str | os.PathLike[str] = "/", search_path: Iterable[str] = SYSTEM_UNIT_PATH
     ):
         self.root = Path(root)
-        # (system dir, real dir, {entry name: _DIR | _LINK bits}), from one scandir each
+        # (system dir, real dir, {entry name: _DIR | _LINK | _OTHER bits}), one scandir each
         self._dirs: list[tuple[str, Path, dict[str, int]]] = []
+        # files that systemd ignores, as they are met (listing names, looking up drop-ins)
+        self.issues: list[IndexIssue] = []
+        self._issue_set: set[IndexIssue] = set()
         seen: set[tuple[int, int]] = set()
         for sysdir in search_path:
             real = self.chase(sysdir)
-            try:
-                st = real.stat()
-            except OSError:
+            st = _stat(real)
+            if real is None or st is None or not stat.S_ISDIR(st.st_mode):
                 continue
-            if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) in seen:
+            if (st.st_dev, st.st_ino) in seen:
                 continue
             seen.add((st.st_dev, st.st_ino))
             try:
@@ -264,39 +372,58 @@ class UnitIndex:
         """Where the system path lies under this index's root (no symlinks followed)."""
         return self.root / system_path.lstrip("/")
 
-    def chase(self, system_path: str) -> Path:
-        """Resolve symlinks in `system_path` inside the root (absolute targets stay in the root)."""
-        return self.real_path(self._chase_system(system_path))
+    def chase(self, system_path: str) -> Path | None:
+        """Resolve symlinks in `system_path` inside the root (absolute targets stay in the root);
+        None after more than `_MAX_SYMLINKS` links (a loop or a long chain), as in systemd."""
+        target = self._chase_system(system_path)
+        return None if target is None else self.real_path(target)
 
-    def _chase_system(self, system_path: str) -> str:
+    def _issue(self, path: str, message: str) -> None:
+        issue = IndexIssue(printable(path), message)
+        if issue not in self._issue_set:
+            self._issue_set.add(issue)
+            self.issues.append(issue)
+
+    def _chase_system(self, system_path: str) -> str | None:
+        """The system path with every symlink resolved; None past `_MAX_SYMLINKS` links (a loop,
+        a long chain). Never raises: a link it cannot read is taken as a plain name."""
         parts = [p for p in system_path.split("/") if p]
+        parts.reverse()  # popped from the end
         done: list[str] = []
         hops = 0
         while parts:
-            part = parts.pop(0)
+            part = parts.pop()
             if part == ".":
                 continue
             if part == "..":
                 if done:
                     done.pop()
                 continue
-            candidate = "/" + "/".join([*done, part])
-            real = self.real_path(candidate)
-            if real.is_symlink() and hops < _MAX_SYMLINKS:
+            try:
+                target = os.readlink(self.real_path("/" + "/".join([*done, part])))
+            except (OSError, ValueError):  # not a link, missing, name too long
+                target = None
+            if target is not None:
                 hops += 1
-                target = os.readlink(real)
+                if hops > _MAX_SYMLINKS:
+                    return None
                 if target.startswith("/"):
                     done = []
-                parts = [p for p in target.split("/") if p] + parts
+                parts.extend(reversed([p for p in target.split("/") if p]))
                 continue
             done.append(part)
         return "/" + "/".join(done)
 
-    def _resolve(self, sysdir: str, real_dir: Path, name: str, kind: int) -> tuple[Path, bool]:
-        """Real path of a directory entry and whether it is a symlink to /dev/null."""
+    def _resolve(
+        self, sysdir: str, real_dir: Path, name: str, kind: int
+    ) -> tuple[Path | None, bool]:
+        """Real path of a directory entry (None: too many links) and whether it is a symlink
+        to /dev/null."""
         if not kind & _LINK:
             return real_dir / name, False
         target = self._chase_system(f"{sysdir}/{name}")
+        if target is None:
+            return None, False
         return self.real_path(target), target == "/dev/null"
 
     # -- questions
@@ -307,21 +434,41 @@ class UnitIndex:
         Templates are listed as `foo@.service`; instance files (`foo@a.service`) as themselves.
         Alias symlinks (a link whose target has another unit name) are left out: their unit is
         listed under its own name.
+
+        Names that are not valid unit names and entries that are neither files nor symlinks
+        (a FIFO, a socket, a device) are left out, as systemd leaves them out, with an issue.
         """
         names: set[str] = set()
         for sysdir, _real, entries in self._dirs:
-            for name, kind in entries.items():
+            for name, kind in sorted(entries.items()):
                 if kind & _DIR or not name.endswith(UNIT_SUFFIX) or name.startswith("."):
                     continue
                 if name in names:
                     continue
-                if kind & _LINK and self._is_alias(f"{sysdir}/{name}", name):
+                if not is_valid_unit_name(name):
+                    self._issue(
+                        f"{sysdir}/{name}", "not a valid unit name, ignored (as by systemd)"
+                    )
                     continue
+                if kind & _OTHER:
+                    self._issue(f"{sysdir}/{name}", "not a regular file or a symlink, ignored")
+                    continue
+                if kind & _LINK:
+                    target = self._chase_system(f"{sysdir}/{name}")
+                    if target is None or (
+                        target != "/dev/null" and _stat(self.real_path(target)) is None
+                    ):
+                        self._issue(
+                            f"{sysdir}/{name}",
+                            "a symlink that leads nowhere (dangling, a loop, too long), ignored",
+                        )
+                        continue
+                    if self._is_alias(target, name):
+                        continue
                 names.add(name)
         return sorted(names)
 
-    def _is_alias(self, system_path: str, name: str) -> bool:
-        target = self._chase_system(system_path)
+    def _is_alias(self, target: str, name: str) -> bool:
         base = target.rsplit("/", 1)[-1]
         return target != "/dev/null" and base.endswith(UNIT_SUFFIX) and base != name
 
@@ -332,7 +479,7 @@ class UnitIndex:
             for name, kind in entries.items():
                 if kind & (_DIR | _LINK) and name.endswith(UNIT_SUFFIX + ".d"):
                     unit = name[:-2]
-                    if is_instance(unit):
+                    if is_instance(unit) and is_valid_unit_name(unit):
                         found.add(unit)
         return sorted(found)
 
@@ -344,15 +491,17 @@ class UnitIndex:
         for candidate in candidates:
             for sysdir, real_dir, entries in self._dirs:
                 kind = entries.get(candidate)
-                if kind is None or kind & _DIR:
+                if kind is None or kind & (_DIR | _OTHER):
                     continue
                 real, masked = self._resolve(sysdir, real_dir, candidate, kind)
+                if real is None:
+                    continue  # too many links: systemd ignores it, unit_names() says so
                 if not masked:
-                    try:
-                        st = real.stat()
-                        masked = stat.S_ISCHR(st.st_mode) or st.st_size == 0
-                    except OSError:
-                        pass
+                    # systemd's null_or_empty(): any character device or an empty file
+                    st = _stat(real)
+                    masked = st is not None and (
+                        stat.S_ISCHR(st.st_mode) or (stat.S_ISREG(st.st_mode) and st.st_size == 0)
+                    )
                 return Fragment(f"{sysdir}/{candidate}", real, masked)
         return None
 
@@ -377,7 +526,8 @@ class UnitIndex:
                     kind = entries.get(n + ".d", 0)
                     if kind & _LINK:  # resolve inside the root
                         target = self.chase(f"{sysdir}/{n}.d")
-                        if target.is_dir():
+                        st = _stat(target)
+                        if target is not None and st is not None and stat.S_ISDIR(st.st_mode):
                             dirs.append((f"{sysdir}/{n}.d", target))
                     elif kind & _DIR:
                         dirs.append((f"{sysdir}/{n}.d", real / (n + ".d")))
@@ -399,11 +549,21 @@ class UnitIndex:
                     continue
                 if kind & _DIR:
                     continue
+                path = f"{sysdir}/{fname}"
+                if kind & _OTHER:
+                    self._issue(path, "not a regular file or a symlink, ignored")
+                    continue
                 real, masked = self._resolve(sysdir, real_dir, fname, kind)
-                if masked:
-                    chosen[fname] = None
-                elif not kind & _LINK or real.is_file():
-                    chosen[fname] = UnitFile(f"{sysdir}/{fname}", real)
+                if real is None:
+                    self._issue(path, "a symlink that leads nowhere (a loop, too long), ignored")
+                    continue
+                st = _stat(real) if kind & _LINK and not masked else None
+                if masked or (st is not None and stat.S_ISCHR(st.st_mode)):
+                    chosen[fname] = None  # masked, as systemd's null_or_empty() says
+                elif not kind & _LINK or (st is not None and stat.S_ISREG(st.st_mode)):
+                    chosen[fname] = UnitFile(path, real)
+                elif st is not None:
+                    self._issue(path, "links to something that is not a regular file, ignored")
         return [f for _n, f in sorted(chosen.items()) if f is not None]
 
 

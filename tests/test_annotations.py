@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from gpuslice.annotations import KEYS, Problem, load_spec, scan
+from gpuslice.annotations import KEYS, Loader, Problem, load_spec, scan
 from gpuslice.core.model import UnitKind, UnitSpec
+from gpuslice.paths import GATE_DROPIN_NAME
+from gpuslice.unitfiles import MAX_FILE_SIZE, UNIT_NAME_MAX, Fragment, UnitIndex
 
 ETC = "/etc/systemd/system"
 LIB = "/usr/lib/systemd/system"
@@ -125,21 +129,21 @@ X = f"{ETC}/x.service"
             "Priority=1\nMemory=lots\n",
             [
                 f"{X}:9: [X-GPUSlice] Memory: expected a size such as 512M, 20G or 20GiB "
-                '(binary units), got "lots"'
+                '(binary units, at most 1P), got "lots"'
             ],
             id="memory-lots",
         ),
         pytest.param(
             "Priority=1\nDevices=first\n",
             [
-                f"{X}:9: [X-GPUSlice] Devices: expected GPU indices or UUIDs separated by "
-                'commas or spaces (e.g. 0,1 or GPU-8f6c...), got "first"'
+                f"{X}:9: [X-GPUSlice] Devices: expected up to 64 GPU indices or UUIDs separated "
+                'by commas or spaces (e.g. 0,1 or GPU-8f6c...), got "first"'
             ],
             id="devices-first",
         ),
         pytest.param(
             "Priority=1\nGPUs=0\n",
-            [f'{X}:9: [X-GPUSlice] GPUs: expected an integer >= 1, got "0"'],
+            [f'{X}:9: [X-GPUSlice] GPUs: expected an integer 1-64, got "0"'],
             id="gpus-0",
         ),
         pytest.param(
@@ -165,7 +169,7 @@ X = f"{ETC}/x.service"
             [
                 f'{X}:8: [X-GPUSlice] Priority: expected an integer 0-999, got "high"',
                 f'{X}:9: [X-GPUSlice] Type: expected one of on-demand, background, got "sometimes"',
-                f'{X}:10: [X-GPUSlice] GPUs: expected an integer >= 1, got "0"',
+                f'{X}:10: [X-GPUSlice] GPUs: expected an integer 1-64, got "0"',
                 f"{X}:11: [X-GPUSlice] Requeue: expected a boolean (yes/no, true/false, on/off, "
                 f'1/0), got "maybe"',
             ],
@@ -338,7 +342,7 @@ def test_instance_made_invalid_by_its_dropin(tmp_path: Path) -> None:
     assert result.spec_for("t@bad.service") is None
     assert result.spec_for("t@good.service") is not None
     assert [str(p) for p in result.problems] == [
-        f'{ETC}/t@bad.service.d/x.conf:2: [X-GPUSlice] GPUs: expected an integer >= 1, got "0"'
+        f'{ETC}/t@bad.service.d/x.conf:2: [X-GPUSlice] GPUs: expected an integer 1-64, got "0"'
     ]
 
 
@@ -404,3 +408,410 @@ def test_instance_file_of_its_own_does_not_inherit_the_template(tmp_path: Path) 
         "t@ann.service", 3, source=f"{LIB}/t@ann.service"
     )
     assert result.spec_for("t@other.service") is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile values (issue 8): a located error, the unit unmanaged, never an exception
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        pytest.param(
+            "Priority=\u0665\n",
+            'Priority: expected an integer 0-999, got "\\u0665"',
+            id="priority-arabic-indic-digit",
+        ),
+        pytest.param(
+            "Priority=\u00b9\n",
+            'Priority: expected an integer 0-999, got "\\xb9"',
+            id="priority-superscript",
+        ),
+        pytest.param(
+            "Priority=" + "9" * 5000 + "\n",
+            'Priority: expected an integer 0-999, got "' + "9" * 100 + '..."',
+            id="priority-5000-digits",
+        ),
+        pytest.param(
+            "Priority=+1\n", 'Priority: expected an integer 0-999, got "+1"', id="priority-plus"
+        ),
+        pytest.param(
+            "Priority=1\nGPUs=65\n", 'GPUs: expected an integer 1-64, got "65"', id="gpus-65"
+        ),
+        pytest.param(
+            "Priority=1\nGPUs=" + "9" * 400 + "\n",
+            'GPUs: expected an integer 1-64, got "' + "9" * 100 + '..."',
+            id="gpus-huge",
+        ),
+        pytest.param(
+            "Priority=1\nGPUs=\u0662\n",
+            'GPUs: expected an integer 1-64, got "\\u0662"',
+            id="gpus-arabic-indic",
+        ),
+        pytest.param(
+            "Priority=1\nMemory=" + "9" * 400 + "\n",
+            "Memory: expected a size such as 512M, 20G or 20GiB (binary units, at most 1P), "
+            'got "' + "9" * 100 + '..."',
+            id="memory-400-nines",
+        ),
+        pytest.param(
+            "Priority=1\nMemory=\u0663G\n",
+            "Memory: expected a size such as 512M, 20G or 20GiB (binary units, at most 1P), "
+            'got "\\u0663G"',
+            id="memory-arabic-indic",
+        ),
+        pytest.param(
+            "Priority=1\nMemory=0\n",
+            "Memory: expected a size such as 512M, 20G or 20GiB (binary units, at most 1P), "
+            'got "0"',
+            id="memory-0",
+        ),
+        pytest.param(
+            "Priority=1\nDevices=MIG-4f1c-aa/1/0\n",
+            "Devices: MIG devices are not supported (name the whole GPU by its index or GPU- "
+            'UUID), got "MIG-4f1c-aa/1/0"',
+            id="devices-mig",
+        ),
+        pytest.param(
+            "Priority=1\nDevices=0, MIG-GPU-8f6c/1/0\n",
+            "Devices: MIG devices are not supported (name the whole GPU by its index or GPU- "
+            'UUID), got "0, MIG-GPU-8f6c/1/0"',
+            id="devices-mig-after-index",
+        ),
+        pytest.param(
+            "Priority=1\nDevices=,\n",
+            'Devices: expected GPU indices or UUIDs, found only separators, got ","',
+            id="devices-comma",
+        ),
+        pytest.param(
+            "Priority=1\nDevices= , ,\n",
+            'Devices: expected GPU indices or UUIDs, found only separators, got ", ,"',
+            id="devices-separators",
+        ),
+        pytest.param(
+            "Priority=1\nDevices=" + ",".join(str(i) for i in range(65)) + "\n",
+            'Devices: expected at most 64 GPUs, found 65, got "0,1,2,',
+            id="devices-too-many",
+        ),
+        pytest.param(
+            "Priority=1\nDevices=\u0660\n",
+            "Devices: expected up to 64 GPU indices or UUIDs",
+            id="devices-arabic-indic",
+        ),
+        pytest.param(
+            "Priority=1\nDevices=12345\n",
+            "Devices: expected up to 64 GPU indices or UUIDs",
+            id="devices-index-5-digits",
+        ),
+        pytest.param(
+            "Priority=1\nDevices=GPU-" + "a" * 81 + "\n",
+            "Devices: expected up to 64 GPU indices or UUIDs",
+            id="devices-uuid-too-long",
+        ),
+        pytest.param(
+            "Priority=1\nType=Background\n",
+            'Type: expected one of on-demand, background, got "Background"',
+            id="type-case",
+        ),
+        pytest.param(
+            "Priority=1\nType=background \\\n x\n",
+            'Type: expected one of on-demand, background, got "background   x"',
+            id="type-continued",
+        ),
+        pytest.param(
+            "Priority=1\nRequeue=2\n",
+            'Requeue: expected a boolean (yes/no, true/false, on/off, 1/0), got "2"',
+            id="requeue-2",
+        ),
+    ],
+)
+def test_hostile_values_are_located_errors(tmp_path: Path, section: str, message: str) -> None:
+    write(tmp_path, X, unit(section))
+    write(tmp_path, f"{ETC}/good.service", unit("Priority=1\n"))
+    result = scan(tmp_path)
+    assert "x.service" in result.invalid
+    assert "good.service" in result.specs
+    errors = [p for p in result.problems if p.severity == "error"]
+    assert len(errors) == 1
+    assert errors[0].path == X
+    assert errors[0].line >= 8
+    assert f"{errors[0].key}: {errors[0].message}".startswith(message)
+    assert len(str(errors[0])) < 400  # a huge value is quoted, not copied
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("Priority=0\n", "priority", 0),
+        ("Priority=999\n", "priority", 999),
+        ("Priority=007\n", "priority", 7),
+        ("Priority=1\nGPUs=1\n", "gpus", 1),
+        ("Priority=1\nGPUs=64\n", "gpus", 64),
+        ("Priority=1\nType=background\n", "kind", UnitKind.BACKGROUND),
+        ("Priority=1\nType=background\nType=\n", "kind", UnitKind.ON_DEMAND),
+        ("Priority=1\nRequeue=on\nRequeue=\n", "requeue", True),
+        ("Priority=1\nMemory=1\n", "memory", 1),
+        ("Priority=1\nMemory=1P\n", "memory", 1 << 50),
+        ("Priority=1\nMemory=1.5K\n", "memory", 1536),
+        ("Priority=1\nDevices=9999\n", "devices", ("9999",)),
+        ("Priority=1\nDevices=0 1\t2\n", "devices", ("0", "1", "2")),
+        ("Priority=1\nDevices=1,0,1\n", "devices", ("1", "0")),
+        ("Priority=1\nDevices=" + ",".join(map(str, range(64))) + "\n", "devices", None),
+        ("Priority=1\nDevices=0\nDevices=\n", "devices", ()),
+        ("Priority=1\nDevices=GPU-" + "a" * 80 + "\n", "devices", ("GPU-" + "a" * 80,)),
+    ],
+)
+def test_boundary_values_are_accepted(
+    tmp_path: Path, section: str, field: str, value: object
+) -> None:
+    write(tmp_path, X, unit(section))
+    spec, problems = load_spec("x.service", tmp_path)
+    assert problems == []
+    assert spec is not None
+    if value is not None:
+        assert getattr(spec, field) == value
+
+
+def test_repeated_section_and_keys_merge_last_wins(tmp_path: Path) -> None:
+    text = unit("Priority=5\nGPUs=2\n") + "[Service]\nX=1\n[X-GPUSlice]\nPriority=6\n"
+    write(tmp_path, X, text)
+    spec, problems = load_spec("x.service", tmp_path)
+    assert problems == []
+    assert spec is not None
+    assert (spec.priority, spec.gpus) == (6, 2)
+
+
+def test_a_flood_of_problems_is_capped_per_file(tmp_path: Path) -> None:
+    write(tmp_path, X, unit("Priority=1\n" + "Colour=red\n" * 5000 + "GPUs=0\n"))
+    spec, problems = load_spec("x.service", tmp_path)
+    assert spec is None  # the error past the cap still counts
+    assert len(problems) == 51
+    assert str(problems[-1]) == f"{X}:0: [X-GPUSlice] 4951 more problems in this file not shown"
+    assert problems[-1].severity == "error"
+
+
+def test_odd_key_names_are_quoted_safely(tmp_path: Path) -> None:
+    write(tmp_path, X, unit("Priority=1\n" + "K\u202eey\x1b[31m" * 50 + "=1\n"))
+    spec, problems = load_spec("x.service", tmp_path)
+    assert spec is not None
+    assert len(problems) == 1
+    assert str(problems[0]).isascii()
+    assert str(problems[0]).isprintable()
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile files (issue 8): read nothing that is not a regular file, never block, never raise
+
+
+def _hostile_root(tmp_path: Path) -> Path:
+    etc = tmp_path / ETC.lstrip("/")
+    etc.mkdir(parents=True)
+    (etc / "good.service").write_text(unit("Priority=1\n"))
+    return etc
+
+
+def test_fifo_fragment_is_ignored_and_never_opened(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    os.mkfifo(etc / "fifo.service")
+    result = scan(tmp_path)  # opening the FIFO would block forever
+    assert set(result.specs) == {"good.service"}
+    assert [str(p) for p in result.problems] == [
+        f"{ETC}/fifo.service:0: not a regular file or a symlink, ignored"
+    ]
+
+
+def test_symlink_to_fifo_is_an_error_on_that_unit(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    os.mkfifo(etc / "pipe")
+    (etc / "fifo.service").symlink_to("pipe")
+    (etc / "good.service.d").mkdir()
+    os.mkfifo(etc / "good.service.d" / "pipe.conf")
+    (etc / "good.service.d" / "link.conf").symlink_to("../pipe")
+    result = scan(tmp_path)
+    assert set(result.specs) == {"good.service"}
+    assert result.invalid == {"fifo.service"}
+    assert [(str(p), p.severity) for p in result.problems] == [
+        (f"{ETC}/fifo.service:0: [X-GPUSlice] cannot read: a FIFO, not a regular file", "error"),
+        (
+            f"{ETC}/good.service.d/link.conf:0: links to something that is not a regular file, "
+            "ignored",
+            "warning",
+        ),
+        (f"{ETC}/good.service.d/pipe.conf:0: not a regular file or a symlink, ignored", "warning"),
+    ]
+
+
+def test_fifo_swapped_in_after_the_listing_is_still_not_blocking(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    (etc / "x.service").write_text(unit("Priority=1\n"))
+    loader = Loader(UnitIndex(tmp_path))
+    assert loader.index.unit_names() == ["good.service", "x.service"]
+    (etc / "x.service").unlink()
+    os.mkfifo(etc / "x.service")
+    spec, problems = loader.load("x.service")
+    assert spec is None
+    assert [str(p) for p in problems] == [
+        f"{ETC}/x.service:0: [X-GPUSlice] cannot read: a FIFO, not a regular file"
+    ]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
+def test_device_node_named_like_a_unit(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    os.mknod(etc / "blk.service", 0o600 | stat.S_IFBLK, os.makedev(7, 0))
+    (etc / "chr.service").symlink_to("chr")
+    os.mknod(etc / "chr", 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero: masked, as systemd
+    result = scan(tmp_path)
+    assert set(result.specs) == {"good.service"}
+    assert [str(p) for p in result.problems] == [
+        f"{ETC}/blk.service:0: not a regular file or a symlink, ignored"
+    ]
+
+
+def test_directory_named_like_a_unit_or_dropin(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    (etc / "dir.service").mkdir()
+    (etc / "good.service.d" / "d.conf").mkdir(parents=True)
+    result = scan(tmp_path)
+    assert set(result.specs) == {"good.service"}
+    assert result.problems == []
+
+
+def test_huge_file_is_an_error_not_a_partial_parse(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    (etc / "huge.service").write_text(unit("Priority=1\n") + "#" * MAX_FILE_SIZE)
+    (etc / "good.service.d").mkdir()
+    (etc / "good.service.d" / "big.conf").write_text("[X-GPUSlice]\nGPUs=2\n" + "\n" * (2 << 20))
+    (etc / "long.service").write_text(unit("Priority=1\nX=" + "y" * MAX_FILE_SIZE + "\n"))
+    (etc / "edge.service").write_text(unit("Priority=1\n").ljust(MAX_FILE_SIZE, "\n"))
+    result = scan(tmp_path)
+    assert set(result.specs) == {"edge.service"}
+    assert result.invalid == {"good.service", "huge.service", "long.service"}
+    assert [str(p) for p in result.problems] == [
+        f"{ETC}/good.service.d/big.conf:0: [X-GPUSlice] cannot read: larger than 1 MiB, which "
+        "no unit file needs",
+        f"{ETC}/huge.service:0: [X-GPUSlice] cannot read: larger than 1 MiB, which no unit file "
+        "needs",
+        f"{ETC}/long.service:0: [X-GPUSlice] cannot read: larger than 1 MiB, which no unit file "
+        "needs",
+    ]
+
+
+def test_invalid_utf8_and_nul_are_located_warnings(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    text = unit("Priority=1\nGPUs=2\xff\n").encode("latin-1")
+    (etc / "x.service").write_bytes(text + b"Type=background\x00Requeue=no\n")
+    spec, problems = load_spec("x.service", tmp_path)  # never UnicodeDecodeError
+    assert [str(p) for p in problems] == [f"{X}:9: [X-GPUSlice] line is not valid UTF-8, ignored"]
+    assert spec is not None
+    # systemd ends a line at a NUL, as at a newline
+    assert (spec.gpus, spec.kind, spec.requeue) == (1, UnitKind.BACKGROUND, False)
+
+
+def test_symlink_loops_and_long_chains(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    (etc / "a.service").symlink_to("b.service")
+    (etc / "b.service").symlink_to("a.service")
+    (etc / "self.service").symlink_to("self.service")
+    (etc / "deep.service").symlink_to("/" + "x/../" * 600 + "etc/systemd/system/good.service")
+    for i in range(40):
+        (etc / f"chain{i}").symlink_to(f"chain{i + 1}" if i < 39 else "good.service")
+    (etc / "chain.service").symlink_to("chain0")
+    (etc / "good.service.d").mkdir()
+    (etc / "good.service.d" / "loop.conf").symlink_to("loop.conf")
+    (etc / "good.service.d" / "gone.conf").symlink_to("nowhere.conf")  # dangling: skipped
+    (etc / "loop.service.d").symlink_to("loop.service.d")
+    result = scan(tmp_path)
+    assert set(result.specs) == {"good.service"}  # deep.service is an alias of it
+    nowhere = "a symlink that leads nowhere"
+    assert [str(p) for p in result.problems] == [
+        f"{ETC}/a.service:0: {nowhere} (dangling, a loop, too long), ignored",
+        f"{ETC}/b.service:0: {nowhere} (dangling, a loop, too long), ignored",
+        f"{ETC}/chain.service:0: {nowhere} (dangling, a loop, too long), ignored",
+        f"{ETC}/good.service.d/loop.conf:0: {nowhere} (a loop, too long), ignored",
+        f"{ETC}/self.service:0: {nowhere} (dangling, a loop, too long), ignored",
+    ]
+
+
+def test_invalid_unit_names_are_ignored(tmp_path: Path) -> None:
+    etc = _hostile_root(tmp_path)
+    long_name = "a" * (UNIT_NAME_MAX - len(".service")) + "b.service"  # 256 characters
+    names = ["bad name.service", "caf\u00e9.service", "@x.service", long_name, "\n.service"]
+    for name in list(names):
+        try:
+            (etc / name).write_text(unit("Priority=1\n"))
+        except OSError:  # a file system that refuses the name
+            names.remove(name)
+    (etc / "bad@ name.service.d").mkdir()
+    (etc / "bad@ name.service.d" / "x.conf").write_text("[X-GPUSlice]\nPriority=1\n")
+    result = scan(tmp_path)
+    assert set(result.specs) == {"good.service"}
+    assert all(p.severity == "warning" and p.line == 0 for p in result.problems)
+    assert all("not a valid unit name" in p.message for p in result.problems)
+    assert all(str(p).isascii() and str(p).isprintable() for p in result.problems)
+    assert len(result.problems) == len(names)
+
+
+def test_a_reset_of_exec_start_pre_after_the_gate_is_reported(tmp_path: Path) -> None:
+    write(tmp_path, f"{LIB}/x.service", unit("Priority=1\n"))
+    gen = "/run/systemd/generator/x.service.d"
+    write(tmp_path, f"{gen}/{GATE_DROPIN_NAME}", "[Service]\nExecStartPre=\nExecStartPre=+g %n\n")
+    write(tmp_path, f"{ETC}/x.service.d/00-early.conf", "[Service]\nExecStartPre=\n")
+    write(tmp_path, f"{ETC}/x.service.d/override.conf", "# mine\n[Service]\nExecStartPre=\n")
+    write(tmp_path, f"{ETC}/x.service.d/zz.conf", "[Unit]\nExecStartPre=\n")  # not [Service]
+    result = scan(tmp_path)
+    assert set(result.specs) == {"x.service"}  # a warning: the unit stays managed
+    assert [(str(p), p.severity) for p in result.problems] == [
+        (
+            f"{ETC}/x.service.d/override.conf:3: [Service] ExecStartPre: an empty ExecStartPre= "
+            "after gpuslice-gate.conf removes the GPU gate: x.service starts without waiting "
+            "for its GPUs; put your ExecStartPre= lines in a drop-in named before "
+            "gpuslice-gate.conf",
+            "warning",
+        )
+    ]
+
+
+def test_a_reset_in_a_template_or_instance_dropin_counts_for_it(tmp_path: Path) -> None:
+    write(tmp_path, f"{LIB}/t@.service", unit("Priority=1\n"))
+    write(tmp_path, f"{ETC}/t@.service.d/override.conf", "[Service]\nExecStartPre=\n")
+    write(tmp_path, f"{ETC}/t@a.service.d/zz.conf", "[Service]\nExecStartPre=\n")
+    write(tmp_path, f"{LIB}/u@.service", unit("Priority=1\n"))
+    write(tmp_path, f"{ETC}/u@b.service.d/zz.conf", "[Service]\nExecStartPre=\n")
+    result = scan(tmp_path)
+    found = {(p.path, p.unit) for p in result.problems if p.key == "ExecStartPre"}
+    assert found == {
+        (f"{ETC}/t@.service.d/override.conf", "t@.service"),  # once, not again for t@a
+        (f"{ETC}/t@a.service.d/zz.conf", "t@a.service"),
+        (f"{ETC}/u@b.service.d/zz.conf", "u@b.service"),
+    }
+
+
+def test_an_unmanaged_unit_gets_no_gate_warning(tmp_path: Path) -> None:
+    write(tmp_path, f"{LIB}/plain.service", SERVICE)
+    write(tmp_path, f"{ETC}/plain.service.d/zz.conf", "[Service]\nExecStartPre=\n")
+    write(tmp_path, f"{LIB}/bad.service", unit("Priority=x\n"))
+    write(tmp_path, f"{ETC}/bad.service.d/zz.conf", "[Service]\nExecStartPre=\n")
+    result = scan(tmp_path)
+    assert [p.key for p in result.problems] == ["Priority"]
+
+
+def test_a_dropin_named_like_the_gate_hides_it(tmp_path: Path) -> None:
+    write(tmp_path, f"{LIB}/x.service", unit("Priority=1\n"))
+    write(tmp_path, f"{ETC}/x.service.d/{GATE_DROPIN_NAME}", "[Service]\n")
+    result = scan(tmp_path)
+    assert [str(p) for p in result.problems] == [
+        f"{ETC}/x.service.d/{GATE_DROPIN_NAME}:0: [Service] this file hides the GPU gate's "
+        "gpuslice-gate.conf: x.service starts without waiting for its GPUs; give it another name"
+    ]
+
+
+def test_scan_and_load_never_raise_for_index_failures(tmp_path: Path) -> None:
+    class Broken(UnitIndex):
+        def fragment(self, name: str) -> Fragment | None:
+            raise RecursionError("deep")
+
+    write(tmp_path, X, unit("Priority=1\n"))
+    spec, problems = Loader(Broken(tmp_path)).load("x.service")
+    assert spec is None
+    assert [str(p) for p in problems] == ["x.service:0: [X-GPUSlice] cannot be read: deep"]

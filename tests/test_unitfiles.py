@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 
 from gpuslice.unitfiles import (
+    MAX_FILE_SIZE,
     SYSTEM_UNIT_PATH,
     Entry,
     TextIssue,
+    UnitFile,
     UnitIndex,
     find_dropins,
     find_fragment,
@@ -384,3 +386,146 @@ def test_symlinked_dropin_and_dropin_dir(tmp_path: Path) -> None:
         (f"{ETC}/a.service.d/x.conf", tmp_path / "opt/conf/x.conf"),
         (f"{RUN}/a.service.d/y.conf", tmp_path / "opt/dir/y.conf"),
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile text and files (issue 8)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            "[S]\r\nk=v\r\nj=w\r\n", [Entry("S", "k", "v", 2), Entry("S", "j", "w", 3)], id="crlf"
+        ),
+        pytest.param("[S]\rk=v\rj=w", [Entry("S", "k", "v", 2), Entry("S", "j", "w", 3)], id="cr"),
+        pytest.param(
+            "[S]\nk=v\x00j=w\n",
+            [Entry("S", "k", "v", 2), Entry("S", "j", "w", 3)],
+            id="nul-ends-a-line",
+        ),
+        pytest.param(
+            "[S]\nk=a\x0cb\x1cc\u2028d\n",
+            [Entry("S", "k", "a\x0cb\x1cc\u2028d", 2)],
+            id="no-other-line-ends",
+        ),
+        pytest.param("[S]\nk=v\\", [Entry("S", "k", "v", 2)], id="backslash-at-eof"),
+        pytest.param("[S]\nk=v\\\n", [Entry("S", "k", "v", 2)], id="continuation-then-eof"),
+        pytest.param(
+            "[S]\nk=v \\\n# comment\n",
+            [Entry("S", "k", "v", 2)],
+            id="continuation-into-comment-at-eof",
+        ),
+        pytest.param("[S]\n\\", [], id="lone-backslash"),
+        pytest.param(
+            "[S]\nk=\u00a0v\u00a0\n",
+            [Entry("S", "k", "\u00a0v\u00a0", 2)],
+            id="only-systemd-whitespace-stripped",
+        ),
+        pytest.param(
+            "[S]\n" + "k=v\n" * 3, [Entry("S", "k", "v", n) for n in (2, 3, 4)], id="keys-repeat"
+        ),
+        pytest.param(
+            "[S]\nk=1\n[T]\n[S]\nk=2\n",
+            [Entry("S", "k", "1", 2), Entry("S", "k", "2", 5)],
+            id="section-repeats",
+        ),
+    ],
+)
+def test_parse_sections_line_ends_and_edges(text: str, expected: list[Entry]) -> None:
+    assert parse_sections(text) == expected
+
+
+def test_parse_sections_ignores_lines_that_are_not_utf8() -> None:
+    text = b"[S]\nk=caf\xc3\xa9\nbad=\xff\xfe\n[T\xc0]\nj=1\n".decode("utf-8", "surrogateescape")
+    issues: list[TextIssue] = []
+    headers: list[tuple[str, int]] = []
+    assert parse_sections(text, issues, headers) == [
+        Entry("S", "k", "caf\u00e9", 2),
+        Entry("S", "j", "1", 5),  # the bad header was ignored: still in [S]
+    ]
+    assert issues == [
+        TextIssue("S", 3, "line is not valid UTF-8, ignored"),
+        TextIssue("S", 4, "line is not valid UTF-8, ignored"),
+    ]
+    assert headers == [("S", 1)]
+
+
+def test_parse_sections_quotes_a_bad_line_briefly() -> None:
+    issues: list[TextIssue] = []
+    parse_sections("[" + "\x1b" * 100_000 + "\n", issues)
+    assert len(issues) == 1
+    assert len(issues[0].message) < 400
+    assert issues[0].message.isascii() and issues[0].message.isprintable()
+
+
+def test_parse_sections_on_a_long_line_and_many_lines() -> None:
+    text = "[S]\nk=" + "v" * MAX_FILE_SIZE + "\n" + "j=1\n" * 100_000
+    entries = parse_sections(text)
+    assert len(entries) == 100_001
+    assert entries[-1] == Entry("S", "j", "1", 100_002)
+
+
+def test_read_text_refuses_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "loop").symlink_to("loop")
+    for name, message in [
+        ("fifo", "a FIFO, not a regular file"),
+        ("dir", "a directory, not a regular file"),
+    ]:
+        with pytest.raises(OSError) as raised:
+            UnitFile(name, tmp_path / name).read_text()  # never blocks on the FIFO
+        assert raised.value.strerror == message
+    with pytest.raises(OSError):
+        UnitFile("loop", tmp_path / "loop").read_text()
+
+
+def test_read_text_size_cap(tmp_path: Path) -> None:
+    edge = tmp_path / "edge"
+    edge.write_bytes(b"#" * MAX_FILE_SIZE)
+    assert len(UnitFile("edge", edge).read_text()) == MAX_FILE_SIZE
+    over = tmp_path / "over"
+    over.write_bytes(b"#" * (MAX_FILE_SIZE + 1))
+    with pytest.raises(OSError) as raised:
+        UnitFile("over", over).read_text()
+    assert raised.value.strerror == "larger than 1 MiB, which no unit file needs"
+
+
+def test_read_text_keeps_bad_bytes_for_the_parser(tmp_path: Path) -> None:
+    path = tmp_path / "x"
+    path.write_bytes(b"[S]\nk=\xff\n")
+    text = UnitFile("x", path).read_text()  # never UnicodeDecodeError
+    assert parse_sections(text) == []
+
+
+def test_index_skips_fifos_invalid_names_and_loops(tmp_path: Path) -> None:
+    write(tmp_path, f"{ETC}/good.service")
+    etc = tmp_path / ETC.lstrip("/")
+    os.mkfifo(etc / "fifo.service")
+    (etc / "bad name.service").write_text("[Unit]\n")
+    (etc / "loop.service").symlink_to("loop.service")
+    (etc / "loop.service.d").symlink_to("loop.service.d")
+    (etc / "x@bad name.service.d").mkdir()
+    link(tmp_path, f"{RUN}", "/run/systemd/system")  # a search directory that is a loop
+    index = UnitIndex(tmp_path)
+    assert index.unit_names() == ["good.service"]
+    assert index.instance_dropin_names() == []
+    assert index.fragment("fifo.service") is None
+    assert index.fragment("loop.service") is None
+    assert index.dropins("loop.service") == []
+    assert sorted(i.path for i in index.issues) == [
+        f"{ETC}/bad name.service",
+        f"{ETC}/fifo.service",
+        f"{ETC}/loop.service",
+    ]
+
+
+def test_chase_gives_up_after_32_links(tmp_path: Path) -> None:
+    etc = tmp_path / ETC.lstrip("/")
+    write(tmp_path, f"{ETC}/target.service")
+    for i in range(33):
+        (etc / f"l{i}").symlink_to(f"l{i + 1}" if i < 32 else "target.service")
+    index = UnitIndex(tmp_path)
+    assert index.chase(f"{ETC}/l1") == etc / "target.service"  # 32 links
+    assert index.chase(f"{ETC}/l0") is None  # 33 links
