@@ -33,6 +33,7 @@ def test_a_hung_call_is_given_up_and_no_call_is_made_until_it_returns() -> None:
 
     assert offloop.call(hangs) is None
     assert offloop.hung
+
     def later() -> int:
         calls.append("later")
         return 2
