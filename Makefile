@@ -189,8 +189,9 @@ deb: deb-deps
 # runs the fast tests that reach the broken function (one worker: the CPU is shared). Prints
 # killed/survived/timeout per module; fails while a survivor is not listed, with why it changes
 # nothing observable, in tests/mutation-equivalent.txt. Results are kept in mutants/ (ignored);
-# MUTATE_KEEP=1 reuses them. To add an adapter: put its file in only_mutate and its fast tests
-# in pytest_add_cli_args_test_selection ([tool.mutmut]), and its module in MUTATE_adapters.
+# MUTATE_KEEP=1 keeps its stats cache (every chosen mutant runs again). To add an adapter: put
+# its file in only_mutate and its fast tests in pytest_add_cli_args_test_selection
+# ([tool.mutmut]), and its module in MUTATE_adapters.
 MUTATE ?= core
 MUTATE_KEEP ?=
 MUTATE_core := gpuslice.core.model.* gpuslice.core.placement.* gpuslice.core.scheduler.*

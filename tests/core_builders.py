@@ -6,40 +6,75 @@ becomes a stop job after which the unit is later reported inactive. Both are que
 played by `finish_start`, `finish_stop` or `settle`, so a test (or hypothesis) decides
 what happens in between.
 
-Every action is checked as it comes back, whatever the test: a Grant never puts two
-units on one GPU and only answers a gate that is asking; a Grant never comes while a
-victim chosen for that unit is still running; a Stop's victim is strictly less urgent
-than the unit it is stopped for, and is never stopped twice; a Start is only for a
-background unit or a preempted unit being requeued, never for a unit a person stopped,
-one that failed, or one that finished. `check_quiet` adds what must hold once everything
-has played out.
+`Sim` is also the oracle: it keeps its own model of the host, built only from the events
+it fed in and the Grant, Stop and Start actions that came back (who runs where, who waits at
+the gate, who a person stopped, which units finished, failed or were preempted and in what
+order, the GPUs as last sampled), never from the scheduler's fields. Every batch of actions
+is checked against that model, whatever the test:
+
+- a Grant answers a gate that is asking, with as many distinct, known, not lost GPUs as the
+  unit asks for; a whole-GPU unit (no `Memory=`, or a GPU of unknown size) never shares a
+  GPU; the declared memory on a GPU never exceeds total - reserve - foreign use; no Grant
+  while a victim chosen for that unit still runs; no waiter is left waiting while a less
+  urgent unit is granted GPUs it would fit on;
+- a Stop preempts a unit strictly less urgent (by its annotation) than the waiting unit it is
+  for, or makes a background unit yield to a foreign process; never twice, never a unit that
+  is not active, never more victims while earlier ones still stop;
+- a Start is only for a preempted unit with Requeue=yes (in the order priority, then the one
+  preempted first) or an idle background unit (priority, then the one out longest), never for
+  a unit a person stopped, one that failed or finished; preempted units come back before idle
+  background units are started.
+
+`check_quiet` adds what must hold once everything has played out, and `drain` what must hold
+once every unit has ended: every waiter that can fit on the host was granted, the others were
+told why they wait, and every preempted unit with Requeue=yes came back.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gpuslice.core.model import UnitKind, UnitSpec
+from gpuslice.core.model import Gpu, UnitKind, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Scheduler, Start, Stop
 
 BG = UnitKind.BACKGROUND
 OD = UnitKind.ON_DEMAND
+GIB = 1 << 30
 
 _STOP_REASON = re.compile(
     r"preempting (?P<victim>\S+) \(priority (?P<vprio>\d+)\) "
     r"for (?P<waiter>\S+) \(priority (?P<wprio>\d+)\) on GPUs? [\d,]+"
 )
+_YIELD_REASON = re.compile(
+    r"yielding GPUs? [\d,]+: stopping background (?P<victim>\S+) \(priority \d+\) while a "
+    r"process gpuslice does not manage uses it \(PID [\d, ]+\)"
+)
 
 
 def spec(
-    name: str, prio: int, kind: UnitKind = OD, gpus: int = 1, requeue: bool = True
+    name: str,
+    prio: int,
+    kind: UnitKind = OD,
+    gpus: int = 1,
+    requeue: bool = True,
+    *,
+    mem_gib: float | None = None,
+    devices: tuple[str, ...] = (),
 ) -> UnitSpec:
-    """`spec("vlm", 90, BG)` is `vlm.service`, priority 90, background, 1 GPU."""
+    """`spec("vlm", 90, BG)` is `vlm.service`, priority 90, background, 1 whole GPU;
+    `mem_gib=10` declares `Memory=10G`."""
     if "." not in name:
         name += ".service"
-    return UnitSpec(name, prio, kind, gpus, requeue)
+    memory = None if mem_gib is None else int(mem_gib * GIB)
+    return UnitSpec(name, prio, kind, gpus, requeue, memory=memory, devices=devices)
+
+
+def sized(index: int, total_gib: int = 24, **kw: object) -> Gpu:
+    """A GPU of known size as NVML reports it: `sized(0, reserve=GIB, foreign_pids=(7,))`."""
+    return Gpu(index, f"GPU-{index}", "Fake", total_gib * GIB, **kw)  # type: ignore[arg-type]
 
 
 def brief(actions: Iterable[Action]) -> list[str]:
@@ -60,6 +95,11 @@ def words(actions: Iterable[Action]) -> list[str]:
     return [a.message if isinstance(a, Log) else a.reason for a in actions]
 
 
+def room(gpu: Gpu) -> int | None:
+    """Declared memory a GPU may hold: total - reserve - foreign; None when its size is unknown."""
+    return None if gpu.total is None else gpu.total - gpu.reserve - gpu.foreign
+
+
 class InvariantError(AssertionError):
     """The core broke a rule; the message says which and how."""
 
@@ -73,25 +113,42 @@ class StopRecord:
 
 
 class Sim:
-    """A Scheduler inside a well-behaved systemd that records who runs where."""
+    """A Scheduler inside a well-behaved systemd, and the oracle's model of the host."""
 
-    def __init__(self, gpus: int | Iterable[int], specs: Sequence[UnitSpec] = ()) -> None:
-        gpu_ids = range(gpus) if isinstance(gpus, int) else gpus
+    def __init__(
+        self,
+        gpus: int | Iterable[int] | Iterable[Gpu],
+        specs: Sequence[UnitSpec] = (),
+        *,
+        yield_to_foreign: bool = True,
+    ) -> None:
+        listed = range(gpus) if isinstance(gpus, int) else gpus
+        self.devices: dict[int, Gpu] = {}
+        for gpu in listed:
+            device = gpu if isinstance(gpu, Gpu) else Gpu(gpu)
+            self.devices[device.index] = device
+        self.yield_to_foreign = yield_to_foreign
         self.annotations: dict[str, UnitSpec] = {s.name: s for s in specs}
-        self.sched = Scheduler(gpu_ids, self.annotations)
+        self.sched = Scheduler(
+            self.devices.values(), self.annotations, yield_to_foreign=yield_to_foreign
+        )
         self.actions: list[Action] = []
         self.running: dict[str, tuple[int, ...]] = {}  # granted, not yet inactive
         self.at_gate: set[str] = set()  # start job waiting in the gate for a reply
         self.pending_starts: list[str] = []  # Start issued, gate not yet reached
         self.pending_stops: list[str] = []  # Stop issued, unit not yet inactive
         self.start_after_stop: set[str] = set()  # a person started it while it stopped
-        self.stops: list[StopRecord] = []  # every Stop, in order
+        self.stops: list[StopRecord] = []  # every Stop that preempts, in order
         self.victims_of: dict[str, set[str]] = {}  # waiter -> its victims not yet inactive
-        self.owed: set[str] = set()  # preempted by gpuslice, nobody has decided since
-        self.no_auto: set[str] = set()  # stopped by a person, failed or finished
+        self.preempted: dict[str, int] = {}  # stopped by gpuslice -> when; until started again
+        self.held: set[str] = set()  # stopped by a person
+        self.finished: set[str] = set()  # ended successfully on its own
+        self.failed: set[str] = set()
+        self.out_since: dict[str, int] = {}  # unit -> when it last became inactive
         self.unmanaged: set[str] = set()  # still running, annotation removed
+        self._clock = itertools.count(1)
 
-    # -- what a person or a unit does ------------------------------------------------------
+    # -- what a person, a unit or NVML does ---------------------------------------------------
 
     def boot(self) -> list[Action]:
         """The controller starts with nothing running: fill the GPUs."""
@@ -99,7 +156,6 @@ class Sim:
 
     def start(self, name: str) -> list[Action]:
         """`systemctl start NAME`: its start job reaches the gate at once."""
-        self.no_auto.discard(name)
         if name in self.pending_stops:
             self.start_after_stop.add(name)  # queued behind the stop job
             return []
@@ -111,9 +167,11 @@ class Sim:
         """A running unit's main process ends by itself (EXITED or FAILED)."""
         assert name in self.running and name not in self.pending_stops, name
         del self.running[name]
-        if outcome is not Outcome.STOPPED:
-            self.no_auto.add(name)
-        self.owed.discard(name)
+        self._went_out(name)
+        if outcome is Outcome.EXITED:
+            self.finished.add(name)
+        elif outcome is Outcome.FAILED:
+            self.failed.add(name)
         return self._feed(self.sched.inactive(name, outcome))
 
     def stop(self, name: str) -> list[Action]:
@@ -126,25 +184,40 @@ class Sim:
             return []  # already inactive: systemd reports nothing
         self.running.pop(name, None)
         self.at_gate.discard(name)
-        self.victims_of.pop(name, None)
-        self.no_auto.add(name)
-        self.owed.discard(name)
+        self._went_out(name)  # victims stopping for it stay its own if it is started again
+        self.held.add(name)
+        self.preempted.pop(name, None)  # its start was queued behind gpuslice's stop
         return self._feed(self.sched.inactive(name, Outcome.STOPPED))
 
     def annotate(self, specs: Iterable[UnitSpec]) -> list[Action]:
         """New annotations (daemon-reload): the whole set, replacing the old one."""
         self.annotations = {s.name: s for s in specs}
         for name in [n for n in self.running if n not in self.annotations]:
-            del self.running[name]  # runs on, but gpuslice no longer accounts for it
-            self.unmanaged.add(name)
+            if name not in self.pending_stops:
+                del self.running[name]  # runs on, but gpuslice no longer accounts for it
+                self.unmanaged.add(name)
         actions = self._feed(self.sched.set_specs(self.annotations))
         for name in sorted(self.unmanaged & set(self.annotations)):
             # annotated while it runs: the adapter tells the core, which counts it somewhere
+            # (no action says where: the one place the model reads the scheduler's books)
             self.unmanaged.discard(name)
             adopted = self.sched.running(name)
             self.running[name] = tuple(sorted(self.sched.holders[name].gpus))
             actions += self._feed(adopted)
         return actions
+
+    def sample(self, gpus: Iterable[Gpu]) -> list[Action]:
+        """A new NVML sample: sizes, reserve, foreign use, lost GPUs."""
+        self.devices = {g.index: g for g in gpus}
+        return self._feed(self.sched.set_gpus(self.devices.values()))
+
+    def new_boot(self) -> list[Action]:
+        """The host rebooted (nothing runs): finished and failed units may run again."""
+        assert not self.running and not self.at_gate and self.quiet
+        self.finished.clear()
+        self.failed.clear()
+        self.sched.forget_boot()
+        return self._feed(self.sched.schedule())
 
     # -- what systemd does with gpuslice's actions ---------------------------------------------
 
@@ -165,8 +238,7 @@ class Sim:
         self.at_gate.discard(name)
         for victims in self.victims_of.values():
             victims.discard(name)
-        if name in self.annotations:
-            self.owed.add(name)
+        self.preempted[name] = self._went_out(name)
         actions = self._feed(self.sched.inactive(name, Outcome.STOPPED))
         if name in self.start_after_stop:
             self.start_after_stop.discard(name)
@@ -190,128 +262,288 @@ class Sim:
     def quiet(self) -> bool:
         return not self.pending_starts and not self.pending_stops
 
-    # -- bookkeeping and checks ------------------------------------------------------------------
+    # -- the model ----------------------------------------------------------------------------
+
+    def active(self, name: str) -> bool:
+        return (
+            name in self.running
+            or name in self.at_gate
+            or name in self.pending_starts
+            or name in self.pending_stops
+        )
+
+    def owed(self) -> set[str]:
+        """Preempted by gpuslice with Requeue=yes, not started since: to be brought back."""
+        return {
+            n
+            for n in self.preempted
+            if n in self.annotations and self.annotations[n].requeue and not self.active(n)
+        }
+
+    def idle_background(self) -> set[str]:
+        """Background units gpuslice may start: nobody stopped them, none ended or failed."""
+        return {
+            n
+            for n, s in self.annotations.items()
+            if s.kind is BG
+            and "@." not in n
+            and not self.active(n)
+            and n not in self.unmanaged
+            and n not in self.preempted
+            and n not in self.held
+            and n not in self.finished
+            and n not in self.failed
+        }
+
+    def could_fit_alone(self, unit: UnitSpec) -> bool:
+        """Whether the unit fits on this host with nothing else running."""
+        usable = [g for g in self.devices.values() if self._may_use(unit, g)]
+        return len(usable) >= unit.gpus
+
+    def _may_use(self, unit: UnitSpec, gpu: Gpu) -> bool:
+        if gpu.lost or (unit.devices and not any(gpu.matches(d) for d in unit.devices)):
+            return False
+        if self._avoids_foreign(unit) and gpu.foreign_pids:
+            return False
+        free = room(gpu)
+        return unit.memory is None or free is None or unit.memory <= free
+
+    def _avoids_foreign(self, unit: UnitSpec) -> bool:
+        return self.yield_to_foreign and unit.kind is BG
+
+    def _fits_wherever(self, small: UnitSpec, big: UnitSpec) -> bool:
+        """Whether `small` fits wherever `big` does, whatever else runs (same or fewer GPUs,
+        no more memory, no pinning, no stricter rule about foreign processes)."""
+        if small.devices or small.gpus > big.gpus:
+            return False
+        if self._avoids_foreign(small) and not self._avoids_foreign(big):
+            return False
+        if small.memory is None or big.memory is None:
+            return small.memory is None and big.memory is None
+        return small.memory <= big.memory
+
+    def _went_out(self, name: str) -> int:
+        now = next(self._clock)
+        self.out_since[name] = now
+        self.at_gate.discard(name)
+        return now
+
+    # -- checking every batch of actions --------------------------------------------------------
 
     def _request(self, name: str) -> list[Action]:
         spec = self.annotations.get(name)
         assert spec is not None, f"{name} is not annotated"
         self.at_gate.add(name)
-        self.owed.discard(name)
+        for gone in (self.held, self.finished, self.failed):
+            gone.discard(name)
+        self.preempted.pop(name, None)
         return self._feed(self.sched.request(spec))
 
     def _feed(self, actions: list[Action]) -> list[Action]:
         self.actions += actions
         stopping_for = {w for w, victims in self.victims_of.items() if victims}
+        owed, idle = self.owed(), self.idle_background()
+        started: list[str] = []
+        granted: list[Grant] = []
         for action in actions:
             if isinstance(action, Grant):
                 self._on_grant(action)
+                granted.append(action)
             elif isinstance(action, Stop):
                 self._on_stop(action, stopping_for)
             elif isinstance(action, Start):
+                self._check_start_order(action, owed - set(started), idle - set(started))
                 self._on_start(action)
+                started.append(action.unit)
         self._check_books()
-        self._check_order(actions)
+        self._check_waiters(granted)
         return actions
 
     def _on_grant(self, grant: Grant) -> None:
         name = grant.unit
-        if name not in self.at_gate:
+        unit = self.annotations.get(name)
+        if name not in self.at_gate or unit is None:
             raise InvariantError(f"Grant for {name}, whose gate is not asking")
-        for other, gpus in self.running.items():
-            if set(gpus) & set(grant.gpus):
-                raise InvariantError(f"Grant {name} on {grant.gpus}: {other} runs on {gpus}")
-        if len(set(grant.gpus)) != len(grant.gpus) or not set(grant.gpus) <= self.sched.gpus:
-            raise InvariantError(f"Grant {name} on bad GPUs {grant.gpus}")
+        if len(set(grant.gpus)) != unit.gpus or len(grant.gpus) != unit.gpus:
+            raise InvariantError(f"Grant {name} on {grant.gpus}: it needs {unit.gpus} GPUs")
+        for index in grant.gpus:
+            gpu = self.devices.get(index)
+            if gpu is None or gpu.lost:
+                raise InvariantError(f"Grant {name} on GPU {index}: unknown or lost")
+            self._check_room(unit, gpu)
         still = self.victims_of.pop(name, set())
         if still:
             raise InvariantError(f"Grant {name} while its victims {sorted(still)} still run")
         self.at_gate.discard(name)
         self.running[name] = grant.gpus
 
+    def _check_room(self, unit: UnitSpec, gpu: Gpu) -> None:
+        """A whole-GPU unit shares with nobody; declared memory fits in what is free."""
+        others = [n for n, gpus in self.running.items() if gpu.index in gpus]
+        free = room(gpu)
+        if not others:
+            if unit.memory is not None and free is not None and unit.memory > free:
+                raise InvariantError(f"Grant {unit.name} on GPU {gpu.index}: over its memory")
+            return
+        whole = [n for n in others if self._memory_of(n) is None]
+        if unit.memory is None or free is None or whole:
+            raise InvariantError(
+                f"Grant {unit.name} on GPU {gpu.index}, shared with {sorted(others)}: "
+                "a whole-GPU unit or a GPU of unknown size"
+            )
+        declared = unit.memory + sum(self._memory_of(n) or 0 for n in others)
+        if declared > free:
+            raise InvariantError(
+                f"Grant {unit.name} on GPU {gpu.index}: {declared} bytes declared, {free} free"
+            )
+
+    def _memory_of(self, name: str) -> int | None:
+        unit = self.annotations.get(name)
+        return None if unit is None else unit.memory
+
     def _on_stop(self, stop: Stop, stopping_for: set[str]) -> None:
-        match = _STOP_REASON.fullmatch(stop.reason)
-        if match is None:
-            raise InvariantError(f"Stop reason not in the journal's words: {stop.reason!r}")
-        record = StopRecord(
-            match["victim"], int(match["vprio"]), match["waiter"], int(match["wprio"])
-        )
-        if record.victim != stop.unit:
-            raise InvariantError(f"Stop {stop.unit} says it preempts {record.victim}")
-        if record.victim_priority <= record.waiter_priority:
-            raise InvariantError(f"not strictly less urgent: {stop.reason}")
         if stop.unit in self.pending_stops:
             raise InvariantError(f"{stop.unit} stopped twice")
         if stop.unit in self.pending_starts:
             self.pending_starts.remove(stop.unit)  # the stop job replaces the start job
         elif stop.unit not in self.running and stop.unit not in self.at_gate:
             raise InvariantError(f"Stop {stop.unit}, which is not active")
+        self.pending_stops.append(stop.unit)
+        yielding = _YIELD_REASON.fullmatch(stop.reason)
+        if yielding is not None:
+            self._check_yield(stop.unit, yielding["victim"])
+            return
+        match = _STOP_REASON.fullmatch(stop.reason)
+        if match is None:
+            raise InvariantError(f"Stop reason not in the journal's words: {stop.reason!r}")
+        record = StopRecord(
+            match["victim"], int(match["vprio"]), match["waiter"], int(match["wprio"])
+        )
+        victim, waiter = self.annotations.get(record.victim), self.annotations.get(record.waiter)
+        if record.victim != stop.unit or victim is None or waiter is None:
+            raise InvariantError(f"Stop {stop.unit}: {stop.reason}")
+        if (victim.priority, waiter.priority) != (record.victim_priority, record.waiter_priority):
+            raise InvariantError(f"Stop {stop.unit} names stale priorities: {stop.reason}")
+        if victim.priority <= waiter.priority:
+            raise InvariantError(f"not strictly less urgent: {stop.reason}")
+        if record.waiter not in self.at_gate:
+            raise InvariantError(f"Stop {stop.unit} for {record.waiter}, which is not waiting")
         if record.waiter in stopping_for:
             raise InvariantError(
                 f"more victims for {record.waiter} while {self.victims_of[record.waiter]} stop"
             )
         self.stops.append(record)
-        self.pending_stops.append(stop.unit)
         self.victims_of.setdefault(record.waiter, set()).add(stop.unit)
+
+    def _check_yield(self, unit: str, named: str) -> None:
+        spec = self.annotations.get(unit)
+        if named != unit or spec is None or spec.kind is not BG or not self.yield_to_foreign:
+            raise InvariantError(f"{unit} told to yield: not a background unit that must")
+        on = self.running.get(unit)
+        if on is not None and not any(self.devices[g].foreign_pids for g in on):
+            raise InvariantError(f"{unit} told to yield GPUs {on}: no foreign process there")
 
     def _on_start(self, start: Start) -> None:
         name = start.unit
         spec = self.annotations.get(name)
         if spec is None:
             raise InvariantError(f"Start for {name}, which is not annotated")
-        if name in self.no_auto:
+        if name in self.held or name in self.finished or name in self.failed:
             raise InvariantError(f"Start for {name}, stopped, failed or finished: {start.reason}")
-        busy = name in self.running or name in self.at_gate or name in self.pending_stops
-        if busy:
+        if self.active(name) and name not in self.pending_starts:
             raise InvariantError(f"Start for {name}, which is not inactive")
         if start.reason.startswith("restarting preempted "):
-            if name not in self.owed or not spec.requeue:
+            if name not in self.preempted or not spec.requeue:
                 raise InvariantError(f"requeue of {name}, not preempted or Requeue=no")
         elif not (start.reason.startswith("starting background ") and spec.kind is BG):
             raise InvariantError(f"spontaneous Start of {name}: {start.reason}")
-        self.owed.discard(name)
+        self.preempted.pop(name, None)
         if name not in self.pending_starts:  # else it merges with a person's start job
             self.pending_starts.append(name)
 
+    def _check_start_order(self, start: Start, owed: set[str], idle: set[str]) -> None:
+        """Preempted units come back before idle background units start; each kind in its
+        order. `owed` and `idle` are those not started yet in this batch."""
+        unit = self.annotations.get(start.unit)
+        if unit is None:
+            return
+        if start.reason.startswith("restarting preempted "):
+            key = (unit.priority, self.preempted.get(start.unit, 0))
+            for name in sorted(owed - {start.unit}):
+                other = self.annotations[name]
+                if (other.priority, self.preempted[name]) < key and self._fits_wherever(
+                    other, unit
+                ):
+                    raise InvariantError(f"requeued {start.unit} before {name}, preempted first")
+            return
+        for name in sorted(owed):
+            other = self.annotations[name]
+            if other.priority <= unit.priority and self._fits_wherever(other, unit):
+                raise InvariantError(f"background {start.unit} started before preempted {name}")
+        key = (unit.priority, self.out_since.get(start.unit, -1))
+        for name in sorted(idle - {start.unit}):
+            other = self.annotations[name]
+            if (other.priority, self.out_since.get(name, -1)) < key and self._fits_wherever(
+                other, unit
+            ):
+                raise InvariantError(f"background {start.unit} started before {name}, out longer")
+
     def _check_books(self) -> None:
-        """The scheduler's own books never put two units on one GPU."""
-        seen: dict[int, str] = {}
-        for name, holder in self.sched.holders.items():
-            for gpu in holder.gpus:
-                if gpu in seen:
-                    raise InvariantError(f"GPU {gpu} counted for {seen[gpu]} and {name}")
-                seen[gpu] = name
+        """The scheduler's own books agree with the model on who runs where."""
         for name, gpus in self.running.items():
             known = self.sched.holders.get(name)
             if name in self.annotations and (known is None or set(gpus) != known.gpus):
                 raise InvariantError(f"{name} runs on {gpus}; the scheduler lost track of it")
 
-    def _check_order(self, actions: list[Action]) -> None:
-        """No waiter stays waiting while a less urgent one is granted GPUs it would fit on."""
-        for grant in (a for a in actions if isinstance(a, Grant)):
-            granted = self.sched.holders[grant.unit].spec.priority
-            for waiter in self.sched.waiters.values():
-                if waiter.victims or waiter.spec.gpus > len(grant.gpus):
-                    continue  # capacity is already being freed for it, or it would not fit
-                if waiter.spec.priority < granted:
+    def _check_waiters(self, grants: list[Grant]) -> None:
+        """No unit still waiting at its gate is more urgent than a unit just granted GPUs it
+        would fit on (unless capacity is already being freed for it)."""
+        for grant in grants:
+            granted = self.annotations[grant.unit]
+            foreign = any(self.devices[g].foreign_pids for g in grant.gpus)
+            for name in sorted(self.at_gate):
+                waiter = self.annotations.get(name)
+                if waiter is None or self.victims_of.get(name):
+                    continue
+                if foreign and self._avoids_foreign(waiter):
+                    continue
+                if waiter.priority < granted.priority and self._fits_wherever(waiter, granted):
                     raise InvariantError(
-                        f"{grant.unit} (priority {granted}) granted {grant.gpus} while "
-                        f"{waiter.spec.describe()} waits: {waiter.reason}"
+                        f"{grant.unit} (priority {granted.priority}) granted {grant.gpus} while "
+                        f"{waiter.describe()} waits"
                     )
+
+    # -- at rest ----------------------------------------------------------------------------
 
     def check_quiet(self) -> None:
         """Once every job has played out: nothing left undone, nothing preempted forgotten."""
         assert self.quiet
-        again = [a for a in self.sched.schedule() if not isinstance(a, Log)]
+        again = [a for a in self._feed(self.sched.schedule()) if not isinstance(a, Log)]
         if again:
             raise InvariantError(f"work left undone at rest: {brief(again)}")
-        for name in sorted(self.owed & set(self.annotations)):
-            if not self.annotations[name].requeue:
-                continue
-            known = (
-                name in self.sched.preempted
-                or name in self.sched.waiters
-                or name in self.sched.holders
-                or name in self.sched.held
-            )
-            if not known:
-                raise InvariantError(f"preempted {name} (Requeue=yes) was forgotten")
+
+    def drain(self, limit: int = 200) -> None:
+        """Every running unit ends, again and again, until nothing runs: then every unit still
+        waiting cannot fit on this host and was told why, and every preempted unit with
+        Requeue=yes that fits on this host has come back."""
+        for _ in range(limit):
+            self.settle()
+            ending = sorted(n for n in self.running if n not in self.pending_stops)
+            if not ending:
+                break
+            for name in ending:
+                if name in self.running and name not in self.pending_stops:
+                    self.exit(name)
+        else:
+            raise InvariantError(f"still running after {limit} rounds: {sorted(self.running)}")
+        self.check_quiet()
+        for name in sorted(self.at_gate):
+            unit = self.annotations[name]
+            if self.could_fit_alone(unit):
+                raise InvariantError(f"{name} still waits on an idle host it fits on")
+            told = [a.message for a in self.actions if isinstance(a, Log)]
+            if not any(m.startswith(f"{name} waiting: ") for m in told):
+                raise InvariantError(f"{name} waits and was never told why")
+        forgotten = sorted(n for n in self.owed() if self.could_fit_alone(self.annotations[n]))
+        if forgotten:
+            raise InvariantError(f"preempted, Requeue=yes, never brought back: {forgotten}")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpuslice.core.model import UnitSpec
-from gpuslice.core.scheduler import Action, Outcome, Phase, Scheduler, Stop
+from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.core.scheduler import Action, Log, Outcome, Phase, SavedState, Scheduler, Stop
 from tests.core_builders import BG, InvariantError, Sim, brief, spec, words
 
 VLM = spec("vlm-analysis", 90, BG)
@@ -624,3 +624,214 @@ def test_removing_the_annotation_of_a_unit_being_stopped_keeps_its_gpus() -> Non
     sim.start(VO)  # vlm is being stopped
     assert brief(sim.annotate([VOICE])) == []  # voice may not run until vlm is gone
     assert brief(sim.finish_stop(V)) == [f"grant {VO} 0"]
+
+
+# -- order of what comes back: preempted units first, then background units -----------------
+
+
+def test_preempted_units_come_back_before_background_units_are_started() -> None:
+    """bg-new (50) is more urgent than the preempted vlm (90), yet vlm comes back first."""
+    sim = Sim(1, [VLM, VOICE])
+    sim.boot()
+    sim.settle()
+    sim.start(VO)
+    sim.settle()
+    assert brief(sim.annotate([VLM, VOICE, spec("bg-new", 50, BG)])) == []
+    assert brief(sim.exit(VO)) == [f"start {V}"]
+    sim.settle()
+    assert brief(sim.exit(V)) == ["start bg-new.service"]
+
+
+def test_preempted_units_come_back_by_priority_then_the_one_preempted_first() -> None:
+    """The state file lists them in any order: priority, then when it was preempted, decide."""
+    specs = [spec("late", 50), spec("early", 50), spec("low", 60), spec("top", 10)]
+    sched = Scheduler(range(1), {s.name: s for s in specs})
+    sched.load(SavedState(preempted={"low.service": 1, "late.service": 9, "early.service": 4}))
+    assert brief(sched.schedule()) == ["start early.service"]
+    assert brief(sched.request(specs[1])) == ["grant early.service 0"]
+    assert brief(sched.inactive("early.service", Outcome.EXITED)) == ["start late.service"]
+    sched.request(specs[0])
+    assert brief(sched.inactive("late.service", Outcome.EXITED)) == ["start low.service"]
+
+
+def test_background_units_start_by_priority_then_the_one_out_longest() -> None:
+    """x and y (same priority) both ran and finished, y first; at the next boot y starts
+    first though x comes first in the annotations."""
+    x, y = spec("x", 50, BG), spec("y", 50, BG)
+    sim = Sim(1, [x, y, spec("z", 60, BG)])
+    assert brief(sim.boot()) == ["start x.service"]  # never out: in annotation order
+    sim.settle()
+    assert brief(sim.exit("x.service")) == ["start y.service"]
+    sim.settle()
+    sim.start("x.service")  # waits behind y (equal priority)
+    assert brief(sim.exit("y.service")) == ["grant x.service 0"]
+    assert brief(sim.exit("x.service")) == ["start z.service"]  # x and y are finished
+    sim.settle()
+    sim.exit("z.service")
+    assert brief(sim.new_boot()) == ["start y.service"]  # out since before x
+    sim.settle()
+    assert brief(sim.exit("y.service")) == ["start x.service"]
+    sim.settle()
+    assert brief(sim.exit("x.service")) == ["start z.service"]
+
+
+def test_a_background_unit_never_out_starts_before_one_that_was() -> None:
+    sim = Sim(1, [spec("a", 50, BG), spec("job", 10)])
+    sim.boot()
+    sim.settle()
+    sim.exit("a.service")  # finished
+    sim.start("job.service")
+    sim.annotate([spec("a", 50, BG), spec("b", 50, BG), spec("job", 10)])  # GPU busy
+    sim.finished.clear()  # the host rebooted meanwhile, as far as the core knows
+    sim.sched.forget_boot()
+    assert brief(sim.exit("job.service")) == ["start b.service"]
+
+
+def test_new_boot_forgets_finished_and_failed_units_not_held_or_preempted() -> None:
+    specs = [
+        spec("done", 50, BG),
+        spec("broke", 50, BG),
+        spec("held", 50, BG),
+        spec("pre", 50, BG, requeue=False),
+    ]
+    sched = Scheduler(range(4), {s.name: s for s in specs})
+    sched.load(
+        SavedState(
+            preempted={"pre.service": 3},
+            held=["held.service"],
+            finished=["done.service"],
+            failed=["broke.service"],
+        )
+    )
+    assert brief(sched.schedule()) == []
+    sched.forget_boot()
+    assert brief(sched.schedule()) == ["start done.service", "start broke.service"]
+    snap = sched.snapshot()
+    assert (snap.held, snap.finished, snap.failed) == (["held.service"], [], [])
+    assert snap.preempted == [("pre.service", 50, False)]
+
+
+def test_a_start_request_clears_held_finished_failed_and_preempted() -> None:
+    specs = [spec("a", 50, BG), spec("b", 50, BG), spec("c", 50, BG), spec("d", 50, BG)]
+    sched = Scheduler(range(4), {s.name: s for s in specs})
+    sched.load(
+        SavedState(
+            preempted={"d.service": 3},
+            held=["a.service"],
+            finished=["b.service"],
+            failed=["c.service"],
+        )
+    )
+    for s in specs:
+        sched.request(s)
+    snap = sched.snapshot()
+    assert (snap.held, snap.finished, snap.failed, snap.preempted) == ([], [], [], [])
+    assert sorted(sched.holders) == [s.name for s in specs]
+
+
+def test_for_instance_names_the_instance_and_keeps_the_rest() -> None:
+    template = spec("train@", 40, BG, gpus=2, requeue=False)
+    assert template.for_instance("train@a.service") == UnitSpec("train@a.service", 40, BG, 2, False)
+
+
+def test_a_unit_counted_on_no_gpu_releases_no_gpu() -> None:
+    sim = Sim(1, [VOICE])
+    sim.start(VO)
+    sim.annotate([VOICE, spec("late", 50)])
+    assert words(sim.sched.running("late.service")) == [
+        "late.service (priority 50) is running without enough free GPUs to account for it; "
+        "counting it on none"
+    ]
+    sim.running["late.service"] = ()
+    assert words(sim.exit("late.service")) == ["late.service finished: released no GPU"]
+
+
+def test_templates_are_never_started_as_background_units() -> None:
+    sim = Sim(1, [spec("train@", 40, BG), spec("bg", 50, BG)])
+    assert brief(sim.boot()) == ["start bg.service"]
+
+
+def test_shutdown_releases_without_holding() -> None:
+    sim = Sim(1, [VLM])
+    sim.boot()
+    sim.settle()
+    assert words(sim.sched.inactive(V, Outcome.SHUTDOWN))[0] == (
+        "vlm-analysis.service stopped for shutdown: released GPU 0"
+    )
+    snap = sim.sched.snapshot()
+    assert (snap.held, snap.finished, snap.failed) == ([], [], [])
+
+
+def test_what_the_adapters_ask_the_scheduler() -> None:
+    """The queries the controller, inventory and status use, on a busy host."""
+    sim = Sim(2, [VLM, VOICE, spec("late", 95)])
+    sched = sim.sched
+    assert not sched.has_work()
+    sim.boot()
+    assert sched.has_work() and sched.phase(V) is Phase.STARTING
+    sim.settle()
+    sim.start(VO)
+    sim.start("late.service")
+    assert (sched.phase(V), sched.phase(VO), sched.phase("late.service")) == (
+        Phase.RUNNING,
+        Phase.RUNNING,
+        None,
+    )
+    assert sched.is_waiting("late.service") and not sched.is_waiting(VO)
+    assert sched.grants() == {V: frozenset({0}), VO: frozenset({1})}
+    assert sched.declared_memory() == {}
+    assert sched.device(1) == Gpu(1) and sched.device(7) == Gpu(7)
+    sched.learn(spec("train@a", 30))
+    sched.learn(spec("vlm-analysis", 5))  # known already: kept as it is
+    assert sched.specs["train@a.service"].priority == 30 and sched.specs[V].priority == 90
+    sim.stop("late.service")
+    sim.exit(VO)
+    sim.exit(V)
+    assert not sched.has_work()
+    sched.preempted["x.service"] = 1
+    assert sched.has_work()
+
+
+def test_declared_memory_lists_holders_with_memory() -> None:
+    sched = Scheduler([Gpu(0, total=24 << 30)], {})
+    sched.request(spec("a", 10, mem_gib=4))
+    sched.request(spec("b", 10, mem_gib=2))
+    assert sched.declared_memory() == {"a.service": 4 << 30, "b.service": 2 << 30}
+
+
+def test_snapshot_and_save_exactly() -> None:
+    specs = [spec("a", 90, BG), spec("b", 20), spec("w1", 30), spec("w2", 25), spec("gone", 40)]
+    sim = Sim(2, specs)
+    sim.boot()
+    sim.settle()  # a on GPU 0
+    sim.start("b.service")  # GPU 1
+    sim.start("w1.service")  # preempts a
+    sim.start("w2.service")
+    snap = sim.sched.snapshot()
+    assert snap.gpus == {0: [("a.service", 90, "stopping")], 1: [("b.service", 20, "running")]}
+    assert [(n, p) for n, p, _ in snap.waiting] == [("w1.service", 30), ("w2.service", 25)][::-1]
+    saved = sim.sched.save()
+    assert saved.holders["a.service"][::3] == ((0,), "w1.service")
+    assert saved.holders["b.service"][3] == "" and saved.seq == sim.sched._seq > 0
+    sim.finish_stop("a.service")
+    sched = Scheduler(range(2), {s.name: s for s in specs})
+    sched.load(SavedState(preempted={"gone.service": 1, "old.service": 2, "a.service": 3}))
+    assert sched.snapshot().preempted == [
+        ("gone.service", 40, True),
+        ("a.service", 90, True),
+        ("old.service", 1000, False),
+    ]
+
+
+def test_journal_levels() -> None:
+    sim = Sim([Gpu(0), Gpu(1)], [VLM, spec("huge", 10, gpus=3), VOICE, spec("late", 50)])
+    assert [a for a in sim.boot() if isinstance(a, Log)] == []
+    sim.settle()
+    acts = sim.start("huge.service") + sim.exit(V, Outcome.FAILED)
+    acts += sim.sample([Gpu(0, lost=True), Gpu(1)])
+    sim.start(VO)
+    sim.annotate([VLM, spec("huge", 10, gpus=3), VOICE, spec("late", 50)])
+    acts += sim.sched.running("late.service")
+    got = [(a.level, a.message.split(" ")[0]) for a in acts if isinstance(a, Log)]
+    assert ("warning", "huge.service") in got and ("warning", V) in got
+    assert ("error", "GPU") in got

@@ -96,3 +96,19 @@ def test_a_refused_background_unit_does_not_yield_to_foreign_processes_in_a_loop
     assert [type(a) for a in sched.set_gpus(foreign) if not isinstance(a, Log)] == [Stop]
     sched.stop_failed("bga.service", "refused", refused=True)
     assert brief(sched.set_gpus(foreign)) == []
+
+
+def test_facts_taken_in_deferred_are_decided_once_waiters_before_preempted_units() -> None:
+    """The rebuild after a controller restart: the holder ended while the controller was
+    away and a more urgent unit waits at its gate. Deciding after the first fact would
+    bring bga back onto the released GPU and then preempt it for the waiter."""
+    second = spec("second", 20)
+    sched, _ = preempting()
+    sched.inactive("bga.service", Outcome.STOPPED)
+    sched.request(VOICE)
+    assert sched.phase("voice.service") is Phase.RUNNING
+    with sched.deferred():
+        assert brief(sched.inactive("voice.service", Outcome.EXITED)) == []
+        assert brief(sched.request(second)) == []
+    assert brief(sched.schedule()) == ["grant second.service 0"]
+    assert sched.phase("bga.service") is None

@@ -74,13 +74,14 @@ def fits(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use]) -> bool:
 def victims_on(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use]) -> list[Use] | None:
     """The fewest, least urgent stoppable uses whose removal makes the unit fit; None if no
     such set exists. Stop every strictly less urgent candidate, then reprieve them most
-    urgent first (then the largest, then the longest running) while the unit still fits."""
+    urgent first, then the smallest (so that the fewest are stopped), then the longest
+    running, while the unit still fits."""
     candidates = [u for u in uses if u.stoppable and u.priority > spec.priority]
     staying = [u for u in uses if u not in candidates]
     if not fits(spec, gpu, staying):
         return None
     victims = list(candidates)
-    for candidate in sorted(candidates, key=lambda u: (u.priority, -(u.memory or 0), u.seq)):
+    for candidate in sorted(candidates, key=lambda u: (u.priority, u.memory or 0, u.seq)):
         trial = [v for v in victims if v is not candidate]
         if fits(spec, gpu, staying + [u for u in candidates if u not in trial]):
             victims = trial

@@ -9,7 +9,8 @@ so tests are exact and restarts keep the order.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
@@ -153,6 +154,7 @@ class Scheduler:
         self.out_since: dict[str, int] = {}
         # units whose stop systemd refused: never chosen as victims again while they run
         self.unstoppable: set[str] = set()
+        self._deferred = False
         self._seq = 0
 
     @property
@@ -186,10 +188,12 @@ class Scheduler:
         if holder is not None and holder.phase is Phase.STOPPING:
             return []  # its start is being cancelled by our own stop job
         if holder is not None:
-            if holder.gpus:
+            if holder.gpus and (holder.phase is not Phase.STARTING or self._still_fits(holder)):
                 holder.phase = Phase.RUNNING
                 return [Grant(name, tuple(sorted(holder.gpus)), self._grant_reason(holder))]
-            del self.holders[name]  # a requeue that must queue like everyone else
+            # a requeue that must queue like everyone else, or a start on its way whose GPUs
+            # were lost or filled meanwhile
+            del self.holders[name]
         if name not in self.waiters:
             if spec.gpus > len(self.gpus):
                 return [
@@ -202,6 +206,18 @@ class Scheduler:
                 ]
             return self._enqueue(spec)
         return self.schedule()
+
+    def _still_fits(self, holder: Holder) -> bool:
+        """Whether the GPUs a unit was started onto still take it, next to everyone else."""
+        spec = holder.spec
+        uses = self._uses([])
+        avoid = self._avoids_foreign(spec)
+        for index in holder.gpus:
+            gpu = self.devices.get(index)
+            others = [u for u in uses.get(index, []) if u.unit != spec.name]
+            if gpu is None or not allowed(spec, gpu, avoid) or not fits(spec, gpu, others):
+                return False
+        return True
 
     def inactive(self, name: str, outcome: Outcome) -> list[Action]:
         """The unit is inactive or failed (or its waiting start job was cancelled)."""
@@ -335,9 +351,23 @@ class Scheduler:
 
     # -- the rules --------------------------------------------------------------------------
 
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Take in several facts before deciding (the rebuild after a controller restart):
+        inside, `schedule` decides nothing; the caller calls it once afterwards. Deciding
+        after each fact would bring a preempted unit back onto a GPU released by the first
+        fact before a waiter named by a later one is known."""
+        self._deferred = True
+        try:
+            yield
+        finally:
+            self._deferred = False
+
     def schedule(self) -> list[Action]:
         """Yield to foreign processes, serve waiters, requeue preempted units, then fill
         free capacity with background units."""
+        if self._deferred:
+            return []
         actions = self._yield_to_foreign()
         promises: list[tuple[int, Use]] = []
         for waiter in sorted(self.waiters.values(), key=lambda w: (w.spec.priority, w.seq)):
@@ -548,7 +578,8 @@ class Scheduler:
             holders = [self.holders[u.unit] for u in uses[gpu.index] if u.unit in self.holders]
             top = min(holders, key=lambda h: h.spec.priority) if holders else None
             free = free_memory(gpu, uses[gpu.index])
-            if spec.memory is not None and free is not None:
+            whole = any(u.memory is None for u in uses[gpu.index])  # declares no memory
+            if spec.memory is not None and free is not None and not whole:
                 held = f", held by {top.spec.name}, priority {top.spec.priority}" if top else ""
                 parts.append(
                     f"GPU {gpu.index} has {format_size(max(free, 0))} free after the reserve{held}"
