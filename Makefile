@@ -48,8 +48,8 @@ lint: venv
 # Tools for the container test bed (tests/bed); apt only when something is missing.
 bed-deps:
 	@if ! command -v systemd-nspawn >/dev/null || ! command -v mmdebstrap >/dev/null \
-	    || ! command -v zstd >/dev/null; then \
-	    set -x; apt-get update && apt-get install -y systemd-container mmdebstrap zstd; \
+	    || ! command -v zstd >/dev/null || ! command -v dbus-daemon >/dev/null; then \
+	    set -x; apt-get update && apt-get install -y systemd-container mmdebstrap zstd dbus-daemon; \
 	fi
 
 # Build/unpack the cached container tree (tests/bed) before pytest, outside its per-test timeout.

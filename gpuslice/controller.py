@@ -33,7 +33,16 @@ from gpuslice.sizes import format_size
 from gpuslice.state import StateStore
 from gpuslice.status import snapshot_to_json
 from gpuslice.systemd import Systemd, SystemdError
-from gpuslice.tracker import CameUp, Change, Kind, Ledger, Tracker, WentDown, classify
+from gpuslice.tracker import (
+    CameUp,
+    Change,
+    Kind,
+    Ledger,
+    Tracker,
+    WentDown,
+    bound_for_gate,
+    classify,
+)
 from gpuslice.unitfiles import is_instance, is_template, printable
 
 log = logging.getLogger("gpuslice")
@@ -192,25 +201,40 @@ class Controller:
         return True
 
     def _rebuild(self) -> list[Action]:
-        """Restored holders that ended while we were away are recorded as finished,
-        failed or preempted; running units we did not know are adopted; a stop we had
-        asked for that systemd no longer runs is given up."""
+        """Take in what systemd shows, then decide once: restored holders that ended while
+        we were away are recorded as finished, failed or preempted; a stop we had asked
+        for that systemd no longer runs is given up; running units we did not know are
+        adopted; units at their gate, or whose start job waits for us to be ready, queue at
+        once (their gate calls within a second), so a released GPU goes to them before any
+        preempted unit comes back. A start job that is cancelled instead removes its
+        waiter as usual (JobRemoved, then the unit is read down)."""
         actions: list[Action] = []
-        for name, _ in self.scheduler.grants().items():
-            state = self.tracker.state(name)
-            kind = classify(state)
-            if kind is Kind.DOWN:
-                actions += self.scheduler.inactive(name, self.tracker.outcome(state))
-            elif (
-                kind is Kind.RUNNING
-                and self.scheduler.phase(name) is Phase.STOPPING
-                and state.job_id == 0
-            ):
-                why = "its stop was lost while the controller was away"
-                actions += self.scheduler.stop_failed(name, why, refused=False)
-        for state in self.tracker.states.values():
-            if classify(state) is Kind.RUNNING and self.scheduler.phase(state.name) is None:
-                actions += self.scheduler.running(state.name)
+        with self.scheduler.deferred():
+            for name, _ in self.scheduler.grants().items():
+                state = self.tracker.state(name)
+                kind = classify(state)
+                if kind is Kind.DOWN:
+                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
+                elif (
+                    kind is Kind.RUNNING
+                    and self.scheduler.phase(name) is Phase.STOPPING
+                    and state.job_id == 0
+                ):
+                    why = "its stop was lost while the controller was away"
+                    actions += self.scheduler.stop_failed(name, why, refused=False)
+            states = sorted(self.tracker.states.values(), key=lambda s: s.name)
+            for state in states:
+                if classify(state) is Kind.RUNNING and self.scheduler.phase(state.name) is None:
+                    actions += self.scheduler.running(state.name)
+            for state in states:
+                spec = self.spec_for(state.name)
+                if (
+                    bound_for_gate(state)
+                    and spec is not None
+                    and self.scheduler.phase(state.name) is None
+                    and not self.scheduler.is_waiting(state.name)
+                ):
+                    actions += self.scheduler.request(spec)
         return actions + self.scheduler.schedule()
 
     # -- signals from systemd ---------------------------------------------------------------

@@ -185,7 +185,7 @@ class Systemd:
 
     async def list_units(self) -> list[UnitState]:
         (units,) = await self.call("ListUnits")
-        return [UnitState(u[0], u[3], u[4], u[7]) for u in units]
+        return [UnitState(u[0], u[3], u[4], u[7], u[8] if u[7] else "") for u in units]
 
     async def unit_state(self, name: str) -> UnitState:
         (props,) = await self.call(

@@ -29,6 +29,11 @@ class UnitState:
     active: str
     sub: str
     job_id: int
+    job_type: str = ""  # of the job queued for it (ListUnits says; signals do not)
+
+
+# Jobs that run a unit's ExecStartPre=, and so its gate.
+START_JOBS = frozenset({"start", "restart"})
 
 
 class Kind(enum.Enum):
@@ -48,6 +53,15 @@ def classify(state: UnitState) -> Kind:
     if state.active in ("inactive", "failed") and state.job_id == 0:
         return Kind.DOWN
     return Kind.TRANSITION
+
+
+def bound_for_gate(state: UnitState) -> bool:
+    """The unit waits at its gate, or a start job queued for it will run the gate soon
+    (behind the controller's own start, after a restart of it)."""
+    if classify(state) is Kind.GATE:
+        return True
+    down = state.active in ("inactive", "failed") or state.sub == "auto-restart"
+    return down and state.job_id != 0 and state.job_type in START_JOBS
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ unit, a shutdown) and forged or reordered ones; no D-Bus, milliseconds each.
 
 from __future__ import annotations
 
+import pytest
+
 from gpuslice.core.scheduler import Outcome, Phase
 from gpuslice.tracker import (
     CameUp,
@@ -15,6 +17,7 @@ from gpuslice.tracker import (
     Tracker,
     UnitState,
     WentDown,
+    bound_for_gate,
     classify,
 )
 
@@ -209,3 +212,21 @@ def test_tables_stay_small_under_ten_thousand_jobs() -> None:
         tracker.unit_changed(A, props("inactive", "dead"))
     assert len(tracker._own_jobs) <= 1
     assert len(tracker._unit_jobs) <= 1
+
+
+@pytest.mark.parametrize(
+    ("active", "sub", "job_id", "job_type", "bound"),
+    [
+        ("activating", "start-pre", 5, "start", True),  # at its gate
+        ("inactive", "dead", 5, "start", True),  # its start job waits (behind the controller)
+        ("failed", "failed", 5, "restart", True),
+        ("activating", "auto-restart", 5, "restart", True),
+        ("inactive", "dead", 0, "", False),
+        ("inactive", "dead", 5, "stop", False),
+        ("deactivating", "stop-sigterm", 5, "start", False),  # still holds its GPUs
+        ("active", "running", 0, "", False),
+        ("activating", "start", 5, "start", False),  # past its gate
+    ],
+)
+def test_bound_for_gate(active: str, sub: str, job_id: int, job_type: str, bound: bool) -> None:
+    assert bound_for_gate(UnitState("a.service", active, sub, job_id, job_type)) is bound

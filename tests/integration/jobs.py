@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tests.bed.container import Container, wait_until
@@ -93,3 +95,78 @@ def start_count(bed: Container, unit: str) -> int:
     """How many times systemd began starting UNIT in this boot (its "Starting" lines)."""
     out = bed.run(["journalctl", "-b", "--no-pager", "-o", "cat", "-u", unit]).stdout
     return sum(1 for line in out.splitlines() if line.startswith("Starting "))
+
+
+# -- checks over a window, and what a failing check prints --------------------------------------
+
+# A unit past its gate holds its GPUs until it is inactive again (a victim that is still
+# deactivating has not given its GPU back).
+HOLDING = frozenset({"active", "reloading", "deactivating"})
+
+
+def unit_states(bed: Container, units: Sequence[str]) -> dict[str, dict[str, str]]:
+    """ActiveState, SubState and Job of each unit as one instant of systemd's state: one
+    ListUnitsByNames call (`systemctl show` asks unit by unit, and a handover can happen
+    between two of its questions)."""
+    call = ["busctl", "--json=short", "call", "org.freedesktop.systemd1"]
+    call += ["/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager"]
+    call += ["ListUnitsByNames", "as", str(len(units)), *units]
+    table: dict[str, dict[str, str]] = {}
+    for row in json.loads(bed.run(call).stdout)["data"][0]:
+        name, active, sub, job = row[0], row[3], row[4], row[7]
+        table[name] = {"ActiveState": active, "SubState": sub, "Job": str(job) if job else ""}
+    return table
+
+
+def unit_table(bed: Container, units: Sequence[str]) -> dict[str, dict[str, str]]:
+    """`unit_states` plus each unit's MainPID and NRestarts (from `systemctl show`)."""
+    out = bed.systemctl("show", "-pMainPID", "-pNRestarts", "--", *units).stdout
+    table: dict[str, dict[str, str]] = {}
+    for unit, block in zip(units, out.strip().split("\n\n"), strict=False):
+        table[unit] = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+    for unit, fields in unit_states(bed, units).items():
+        table.setdefault(unit, {}).update(fields)
+    return table
+
+
+def holding(table: dict[str, dict[str, str]]) -> list[str]:
+    """Units past their gate: active, or activating beyond start-pre/condition, or stopping."""
+    out = []
+    for unit, f in table.items():
+        active, sub = f.get("ActiveState", ""), f.get("SubState", "")
+        if active in HOLDING or (active == "activating" and sub not in ("start-pre", "condition")):
+            out.append(unit)
+    return out
+
+
+def describe(bed: Container, units: Sequence[str]) -> str:
+    """Every unit's state, the controller's and `gpuslice status --json`: for failure messages."""
+    lines = []
+    try:
+        for unit, f in unit_table(bed, [*units, "gpuslice.service"]).items():
+            lines.append(
+                f"  {unit}: {f.get('ActiveState')}/{f.get('SubState')} pid={f.get('MainPID')} "
+                f"job={f.get('Job') or '-'} restarts={f.get('NRestarts')}"
+            )
+    except Exception as e:  # a report must not hide the failure it reports
+        lines.append(f"  (systemctl show failed: {e})")
+    res = bed.run(["timeout", "10", "gpuslice", "status", "--json"], check=False, timeout=30)
+    lines.append(f"gpuslice status --json (exit {res.returncode}): {res.stdout.strip()}")
+    if res.stderr.strip():
+        lines.append(res.stderr.strip())
+    jobs = bed.systemctl("list-jobs", "--no-pager", "--no-legend", check=False).stdout.strip()
+    lines.append(f"systemctl list-jobs: {jobs or '(none)'}")
+    return "units:\n" + "\n".join(lines)
+
+
+def always_for(check: Callable[[], None], seconds: float, interval: float = 0.1) -> int:
+    """Call CHECK again and again for SECONDS: "never happens" over a window, not at one
+    instant. Its first AssertionError fails at once. Returns how many checks ran."""
+    deadline = time.monotonic() + seconds
+    count = 0
+    while True:
+        check()
+        count += 1
+        if time.monotonic() >= deadline:
+            return count
+        time.sleep(interval)

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.bed import fakegpu
 from tests.bed.container import Container, wait_until
 from tests.integration.jobs import (
     UNIT_DIR,
+    always_for,
+    describe,
     main_pid,
     prop,
     reload,
+    start_count,
     status,
     wait_journal,
     wait_state,
@@ -195,3 +200,34 @@ def test_a_flood_of_daemon_reloads_is_coalesced_and_a_handover_still_completes(
     wait_state(container, BG, "active")
     assert main_pid(container, "gpuslice.service") == pid
     assert prop(container, "gpuslice.service", "NRestarts") == "0"
+
+
+@pytest.mark.parametrize("away", ["stopped", "killed"])
+def test_a_unit_that_asked_while_the_controller_was_away_comes_first_on_its_return(
+    container: Container, away: str
+) -> None:
+    """Found by the chaos test: the controller used to bring a preempted background unit back
+    onto a GPU released while it was away, then preempt it at once for a unit whose start job
+    was queued behind the controller's own start (stopped: the unit's Wants= starts it) or
+    whose gate waited meanwhile (killed: Restart= brings it back a second later)."""
+    write_job(container, BG, 90, "background")
+    write_job(container, VOICE, 10)
+    write_job(container, "second.service", 20, seconds=4)
+    reload(container)
+    wait_state(container, BG, "active")
+    container.systemctl("start", "--no-block", VOICE)
+    wait_state(container, VOICE, "active")
+    starts = start_count(container, BG)
+    if away == "stopped":
+        container.systemctl("stop", "gpuslice.service")
+    else:
+        container.systemctl("kill", "--signal=KILL", "gpuslice.service")
+    container.systemctl("stop", VOICE)
+    container.systemctl("start", "--no-block", "second.service")
+    wait_state(container, "second.service", "active")
+
+    def background_stays_down() -> None:
+        assert start_count(container, BG) == starts, describe(container, [BG, "second.service"])
+
+    always_for(background_stays_down, 2)
+    wait_state(container, BG, "active", timeout=30)
