@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from gpuslice import __version__
+from gpuslice import __version__, driver
 from gpuslice.annotations import check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings
 from gpuslice.core.model import UnitKind
@@ -172,11 +172,37 @@ def check(files: tuple[str, ...], config_path: str, root: str) -> None:
             checked = len(result.specs)
         except Exception as e:
             error(f"cannot read the unit files below {printable(root)}: {_reason(e)}")
+        messages += [("error", p) for p in _device_access_problems(Path(root))]
     for severity, text in messages:
         click.echo(printable(f"{severity}: {text}", 2000), err=True)
     if any(severity == "error" for severity, _ in messages):
         raise SystemExit(1)
     click.echo(f"ok: {checked} annotated unit(s) checked, {len(messages)} warning(s)")
+
+
+def _device_access_problems(root: Path) -> list[str]:
+    """On a host whose nvidia module is loaded: NVIDIA device nodes that are missing or that
+    gpuslice.service's sandbox (its DeviceAllow=, as systemd shows it) would refuse NVML."""
+    if not driver.module_version(root)[0]:
+        return []
+    try:
+        shown = subprocess.run(
+            ["systemctl", "show", "-P", "DeviceAllow", "gpuslice.service"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"cannot read gpuslice.service's DeviceAllow= to check NVIDIA devices: {e}"]
+    return driver.device_access_problems(_device_allow_entries(shown), root)
+
+
+def _device_allow_entries(shown: str) -> list[str]:
+    """`systemctl show -P DeviceAllow` prints "char-nvidia-frontend rw char-nvidia-uvm rw"
+    (one line, pairs) or one pair per line, by version: NODE RIGHTS pairs either way."""
+    words = shown.split()
+    return [f"{words[i]} {words[i + 1]}" for i in range(0, len(words) - 1, 2)]
 
 
 @main.command()

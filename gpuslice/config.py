@@ -242,6 +242,15 @@ SETTINGS: tuple[Setting, ...] = (
         "warning is logged.",
         convert=float,
     ),
+    Setting(
+        "driver_wait",
+        120.0,
+        _number_in(0, 3600),
+        "a number of seconds 0-3600",
+        "How long background units wait for NVML when NVIDIA hardware is present but its driver "
+        "is not ready (at boot, after an unload); after that they start on the fallback GPUs.",
+        convert=float,
+    ),
 )
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
@@ -265,6 +274,7 @@ class Config:
     vram_release_timeout: float = _default("vram_release_timeout")
     gate_retry_seconds: float = _default("gate_retry_seconds")
     stop_timeout: float = _default("stop_timeout")
+    driver_wait: float = _default("driver_wait")
 
     def reserve_for(self, index: int, uuid: str) -> int:
         """Bytes kept back on one GPU: its own entry, else the entry for every GPU."""

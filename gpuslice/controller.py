@@ -25,7 +25,7 @@ from gpuslice.cgroups import unit_of_pid
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
-from gpuslice.inventory import Inventory, Sample
+from gpuslice.inventory import ABSENT, FALLBACK, WAITING, Inventory, Sample
 from gpuslice.notify import Notifier
 from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, SchedulerService
@@ -66,6 +66,13 @@ def env_file_text(gpus: Sequence[Gpu]) -> str:
 
 NVML_DEADLINE = 2.0  # seconds a sample may take on the loop before it counts as hung
 NVML_OPEN_DEADLINE = 10.0  # nvmlInit, before READY=1 (TimeoutStartSec is 90 s)
+# While NVIDIA hardware is present but NVML is not ready: retry after FIRST seconds, doubling
+# up to MAX while background units wait for it, up to SLOW once they no longer do
+# (driver_wait ran out). A failing nvmlInit costs well under a millisecond.
+NVML_RETRY_FIRST = 0.25
+NVML_RETRY_MAX = 2.0
+NVML_RETRY_SLOW = 30.0
+EX_TEMPFAIL = 75
 
 
 class OffLoop:
@@ -174,7 +181,8 @@ class Controller:
             self._log_problem(problem)
         if self.nvml.call(self._open_nvml, NVML_OPEN_DEADLINE) is None:
             self.inventory.available = False  # hung: schedule `gpus:` from config.yaml
-        self._take_sample()
+            self.inventory.open_hung(NVML_OPEN_DEADLINE)
+        self._take_sample()  # and act on NVML's case (_nvml_settle)
         self.scheduler.set_gpus(self.sample.gpus)
         saved, saved_boot = self.store.load()
         units = await self.systemd.list_units()
@@ -484,6 +492,7 @@ class Controller:
             self.sample = sample
             self._report_overuse()
         self._status_cache = None
+        self._nvml_settle()
 
     def _managed_units(self) -> set[str]:
         names = set(self.scheduler.specs) | set(self.scheduler.grants())
@@ -505,6 +514,102 @@ class Controller:
         self._sampler = None
         self._take_sample()
         self.execute(self.scheduler.set_gpus(self.sample.gpus))
+
+    # -- the NVIDIA driver: NVML not ready yet, gone, back ------------------------------------
+
+    _nvml_retry: asyncio.TimerHandle | None = None
+    _nvml_delay = NVML_RETRY_FIRST
+    _nvml_waiting_since: float | None = None  # monotonic; while background units wait
+    _nvml_was_ready: bool | None = None  # NVML ready, as last acted on (None: not yet)
+
+    def _nvml_settle(self) -> None:
+        """Act on the inventory's NVML case after every NVML call: on the switch to NVML say
+        so; while NVIDIA hardware is present and NVML is not ready, hold background units
+        back (at most driver_wait) and retry with a back-off; without NVIDIA, nothing."""
+        inventory = self.inventory
+        ready = inventory.available
+        was = self._nvml_was_ready
+        self._nvml_was_ready = ready
+        if ready:
+            self._cancel_nvml_retry()
+            self._nvml_delay = NVML_RETRY_FIRST
+            self._nvml_waiting_since = None
+            self.scheduler.refill_paused = ""
+            if was is False:
+                self._log_nvml_switch()
+            return
+        now = inventory.clock()
+        if inventory.health.state == WAITING:
+            if self._nvml_waiting_since is None:
+                self._nvml_waiting_since = now
+            waited = now - self._nvml_waiting_since
+            if waited >= self.config.driver_wait:
+                inventory.give_up_waiting(round(waited, 1))
+        state = inventory.health.state
+        if state == WAITING:
+            self.scheduler.refill_paused = (
+                "NVIDIA hardware is present but NVML is not ready yet: background units wait "
+                f"for it, at most {self.config.driver_wait:g} s (driver_wait)"
+            )
+        else:
+            self.scheduler.refill_paused = ""
+        if state in (WAITING, FALLBACK):
+            self._arm_nvml_retry()
+        elif state == ABSENT:
+            self._cancel_nvml_retry()
+
+    def _arm_nvml_retry(self) -> None:
+        if self._nvml_retry is not None:
+            return
+        delay = self._nvml_delay
+        if self.inventory.health.state == WAITING and self._nvml_waiting_since is not None:
+            left = self.config.driver_wait - (self.inventory.clock() - self._nvml_waiting_since)
+            delay = max(min(delay, left), 0.0)  # wake up when driver_wait runs out
+        loop = asyncio.get_running_loop()
+        self._nvml_retry = loop.call_later(delay, self._nvml_retry_tick)
+
+    def _cancel_nvml_retry(self) -> None:
+        if self._nvml_retry is not None:
+            self._nvml_retry.cancel()
+            self._nvml_retry = None
+
+    def _nvml_retry_tick(self) -> None:
+        """nvmlInit again (on the worker thread, with a deadline); NVML's GPUs replace the
+        guessed ones at once, and background units may start on them."""
+        self._nvml_retry = None
+        if not self.ready:  # still starting up: start() acts on the outcome
+            self._arm_nvml_retry()
+            return
+        self.nvml.call(self.inventory.retry)  # None when hung: retried after the back-off
+        if self.inventory.restart_needed:
+            log.error(
+                "%s: exiting so that systemd restarts gpuslice with the devices allowed "
+                "(running jobs are left alone)",
+                self.inventory.restart_needed,
+            )
+            raise SystemExit(EX_TEMPFAIL)  # asyncio lets it through: Restart=on-failure
+        slow = self.inventory.health.state == FALLBACK
+        self._nvml_delay = min(self._nvml_delay * 2, NVML_RETRY_SLOW if slow else NVML_RETRY_MAX)
+        self._take_sample()  # settles: the switch, or the next retry
+        self.execute(self.scheduler.set_gpus(self.sample.gpus))
+
+    def _log_nvml_switch(self) -> None:
+        gpus = [g for g in self.sample.gpus if not g.lost]
+        names = sorted({g.name for g in gpus if g.name})
+        held = ", ".join(
+            f"{name} on GPU {','.join(map(str, sorted(held)))}"
+            for name, held in sorted(self.scheduler.grants().items())
+            if held
+        )
+        log.info(
+            "NVML ready (%s): switched to %d GPU%s%s without a restart; memory packing and "
+            "foreign-process protection from now on; background units may start%s",
+            self.inventory.health.detail,
+            len(gpus),
+            "" if len(gpus) == 1 else "s",
+            f" ({', '.join(names)})" if names else "",
+            f"; holders keep their GPUs by index: {held}" if held else "",
+        )
 
     def _report_overuse(self) -> None:
         now: set[tuple[str, int]] = set()

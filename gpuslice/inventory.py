@@ -6,6 +6,14 @@ systemd's own rule in gpuslice.cgroups), never to whatever its command line look
 foreign (a user's `systemd-run --user --unit=x` belongs to user@UID.service, whatever x is);
 their memory counts against the GPU. Without NVML the GPUs are the configured count, every
 one of unknown size.
+
+`Health` says which NVML case applies (gpuslice.driver tells the last two apart):
+  ready     NVML answers: real GPUs, memory packing, foreign-process protection;
+  waiting   NVIDIA hardware or driver present, NVML not ready yet (module loading, nodes
+            missing, nvidia-persistenced starting) or gone (module unloaded, `nvidia-smi -r`):
+            the controller retries with a back-off and holds background units back;
+  fallback  still waiting after `driver_wait`: background units run on the fallback GPUs;
+  absent    no NVIDIA GPU here (no PCI device, no module): `gpus:` from config.yaml.
 """
 
 from __future__ import annotations
@@ -19,7 +27,14 @@ from pathlib import Path
 from gpuslice.cgroups import unit_of_pid as unit_of_pid  # re-exported: callers import it here
 from gpuslice.config import Config
 from gpuslice.core.model import Gpu
-from gpuslice.nvml import DeviceScan, GpuLostError, Nvml, NvmlError
+from gpuslice.driver import (
+    DriverProbe,
+    device_denied,
+    frontend_registered,
+    probe,
+    root_from_env,
+)
+from gpuslice.nvml import DeviceScan, GpuLostError, Nvml, NvmlError, NvmlUnavailableError
 from gpuslice.sizes import format_size
 
 log = logging.getLogger("gpuslice")
@@ -36,11 +51,37 @@ class GpuUse:
     command: str
 
 
+READY = "ready"
+WAITING = "waiting"
+FALLBACK = "fallback"
+ABSENT = "absent"
+
+
+@dataclass
+class Health:
+    """Which NVML case applies now (see the module's docstring); `since` is wall-clock
+    seconds (Unix time) of the last change, `detail` one line on why."""
+
+    state: str = ABSENT
+    since: float = 0.0
+    detail: str = ""
+    driver_version: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "state": self.state,
+            "since": round(self.since, 3),
+            "detail": self.detail,
+            "driver_version": self.driver_version,
+        }
+
+
 @dataclass
 class Sample:
     gpus: list[Gpu]
     processes: list[GpuUse] = field(default_factory=list)
     taken_at: float = 0.0
+    health: Health | None = None  # the inventory's (shared, current) NVML case
 
     def age(self, now: float) -> float:
         return now - self.taken_at
@@ -70,23 +111,164 @@ class Inventory:
         nvml: Nvml | None = None,
         clock: Callable[[], float] = time.monotonic,
         proc: Path = Path("/proc"),
+        driver_root: Path | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.nvml = nvml or Nvml()
         self.clock = clock
         self.proc = proc
         self.available = False
+        self.health = Health(since=wall())
+        self.driver_root = driver_root or root_from_env()
+        self.wall = wall
+        self.driver = DriverProbe()
         self._gone_since: dict[int, float] = {}
         self._overrun_logged: set[int] = set()
         self._lost_logged: set[int] = set()
+        self._gone_logged: set[int] = set()
         self._last: Sample | None = None  # the last good sample, kept while NVML fails
         self._failing = False
+        self._opened_with: Config | None = None  # the config NVML was last opened under
+        self._reason = ""  # why NVML is not ready, as NVML said it
+        # The nvidia device major was not registered when we started, so systemd's
+        # DeviceAllow=char-nvidia-frontend allowed nothing: once the driver is there and its
+        # node answers EPERM, only a restart of the service lets NVML in (`restart_needed`).
+        self._frontend_at_start: bool | None = None
+        self.restart_needed = ""
+
+    def _fallback(self) -> str:
+        if self._last is not None:
+            return f"the {len(self._last.gpus)} GPUs NVML last showed, as whole GPUs"
+        return f"gpus: {self.config.gpus} from config.yaml"
 
     def open(self) -> None:
-        status = self.nvml.open(fallback=f"gpus: {self.config.gpus} from config.yaml")
+        """The first NVML open: ready, or which of the other cases applies (logged once)."""
+        self._opened_with = self.config
+        if self._frontend_at_start is None:
+            self._frontend_at_start = frontend_registered(self.driver_root)
+        status = self.nvml.open(fallback=self._fallback())
         self.available = status.available
-        if status.warning:
-            log.warning("%s", status.warning)
+        if status.available:
+            self._set(READY, f"driver {status.driver_version or 'unknown'}", status)
+            return
+        self._reason = _reason_of(status.warning)
+        self.driver = probe(self.driver_root)
+        if not self.driver.hardware:
+            if status.warning:
+                log.warning("%s", status.warning)
+            self._set(ABSENT, f"no NVIDIA GPU here ({self._reason})", status)
+            return
+        self._set(WAITING, self._waiting_detail(), status)
+        log.warning(
+            "NVIDIA hardware present (%s) but NVML is not ready (%s): retrying; background "
+            "units wait for it, on-demand units run on %s meanwhile",
+            self.driver.describe(),
+            self._reason,
+            self._fallback(),
+        )
+
+    def open_hung(self, deadline: float) -> None:
+        """nvmlInit did not answer within `deadline`: a driver is there, but not ready."""
+        self.available = False
+        self._reason = f"nvmlInit did not answer within {deadline:g} s"
+        self.driver = probe(self.driver_root)
+        self._set(WAITING, self._waiting_detail(), None)
+
+    def retry(self) -> bool:
+        """Initialise NVML again while it is not ready; True once it is (logged once)."""
+        if self.available:
+            return True
+        self._opened_with = self.config
+        status = self.nvml.reopen(fallback=self._fallback())
+        if not status.available:
+            reason = _reason_of(status.warning)
+            if reason != self._reason:
+                log.info("NVML still not ready: %s", reason)
+            self._reason = reason
+            self.driver = probe(self.driver_root)
+            if (
+                self._frontend_at_start is False
+                and self.driver.module_loaded
+                and device_denied(self.driver_root)
+            ):
+                self.restart_needed = (
+                    "the nvidia driver loaded after gpuslice.service started, and systemd "
+                    "allowed its devices (DeviceAllow=char-nvidia-frontend) only as they were "
+                    "then"
+                )
+            if self.health.state == WAITING:
+                self.health.detail = self._waiting_detail()
+            return False
+        self.available = True
+        self._failing = False
+        self._set(READY, f"driver {status.driver_version or 'unknown'}", status)
+        return True
+
+    def give_up_waiting(self, waited: float) -> None:
+        """`driver_wait` ran out: background units may use the fallback GPUs (retries go on)."""
+        if self.health.state != WAITING:
+            return
+        self._set(
+            FALLBACK,
+            f"NVML not ready after {waited:g} s ({self._reason}): using {self._fallback()}",
+            None,
+        )
+        log.warning(
+            "NVML still not ready after %g s (driver_wait): background units now start on %s; "
+            "gpuslice switches to NVML when it answers",
+            waited,
+            self._fallback(),
+        )
+
+    def _waiting_detail(self) -> str:
+        return f"waiting for NVML ({self._reason}; {self.driver.describe()})"
+
+    def _set(self, state: str, detail: str, status: object) -> None:
+        version = getattr(status, "driver_version", None) or self.driver.version
+        if state != self.health.state:
+            self.health.since = self.wall()
+        self.health.state = state
+        self.health.detail = detail
+        self.health.driver_version = version if state == READY else self.driver.version
+
+    def _went_away(self, error: NvmlError) -> None:
+        """NVML as a whole stopped answering (driver unloaded, reset): back to waiting."""
+        self.available = False
+        self.nvml.forget()
+        self._reason = str(error)
+        self.driver = probe(self.driver_root)
+        self._set(WAITING, self._waiting_detail(), None)
+        log.error(
+            "NVML went away (%s): using %s until it answers again; background units wait for it",
+            error,
+            self._fallback(),
+        )
+
+    def fallback_gpus(self, holding: Mapping[str, Collection[int]] | None = None) -> list[Gpu]:
+        """The GPUs without NVML: those NVML last showed (by index, UUID and name, of
+        unknown size), else `gpus:` from config.yaml; GPUs held beyond them are lost."""
+        if self._last is not None:
+            gpus = [Gpu(g.index, g.uuid, g.name, lost=g.lost) for g in self._last.gpus]
+        else:
+            gpus = [Gpu(i) for i in range(self.config.gpus)]
+        return self._with_gone(gpus, holding or {})
+
+    def _with_gone(self, gpus: list[Gpu], holding: Mapping[str, Collection[int]]) -> list[Gpu]:
+        """A GPU that units hold but that is no longer there (fewer GPUs after NVML came,
+        a card removed, manage_gpus edited) is reported like a lost GPU until released."""
+        present = {g.index for g in gpus}
+        gone = sorted({i for held in holding.values() for i in held} - present)
+        for index in gone:
+            if index not in self._gone_logged:
+                log.error(
+                    "GPU %d is no longer among the GPUs gpuslice manages, but units hold it: "
+                    "treated as lost",
+                    index,
+                )
+                self._gone_logged.add(index)
+        self._gone_logged &= set(gone)
+        return sorted([*gpus, *(Gpu(i, lost=True) for i in gone)], key=lambda g: g.index)
 
     def _managed(self, index: int, uuid: str) -> bool:
         wanted = self.config.manage_gpus
@@ -102,22 +284,42 @@ class Inventory:
         its memory counts against the GPU like foreign memory, since no declaration covers it.
         """
         now = self.clock()
+        holding = holding or {}
+        if self.available and self._opened_with is not self.config:
+            self._enumerate_again()
         if not self.available:
-            return Sample([Gpu(i) for i in range(self.config.gpus)], taken_at=now)
+            return Sample(self.fallback_gpus(holding), taken_at=now, health=self.health)
         try:
-            sample = self._build(self.nvml.devices(), managed_units, holding or {}, now)
+            sample = self._build(self.nvml.devices(), managed_units, holding, now)
+        except NvmlUnavailableError as e:
+            self._went_away(e)
+            return Sample(self.fallback_gpus(holding), taken_at=now, health=self.health)
         except NvmlError as e:
             if not self._failing:  # once per failure spell: sampling repeats every interval
                 log.error("NVML failed (%s): keeping the GPUs as they were", e)
             self._failing = True
             if self._last is not None:
                 return self._last
-            return Sample([Gpu(i) for i in range(self.config.gpus)], taken_at=now)
+            return Sample(self.fallback_gpus(holding), taken_at=now, health=self.health)
         if self._failing:
             log.info("NVML answers again")
         self._failing = False
+        if self._last is not None and _indices(self._last) != _indices(sample):
+            log.info(
+                "GPUs changed: now %s (were %s)",
+                _indices(sample) or "none",
+                _indices(self._last) or "none",
+            )
         self._last = sample
         return sample
+
+    def _enumerate_again(self) -> None:
+        """The configuration changed (a reload): NVML counts GPUs only at init, so open it
+        afresh to see a card added or removed since (and apply manage_gpus)."""
+        self._opened_with = self.config
+        status = self.nvml.reopen(fallback=self._fallback())
+        if not status.available:
+            self._went_away(NvmlUnavailableError("nvmlInit", 0, _reason_of(status.warning)))
 
     def _build(
         self,
@@ -186,7 +388,7 @@ class Inventory:
         for pid in set(self._gone_since) - seen_gone:
             del self._gone_since[pid]
             self._overrun_logged.discard(pid)
-        return Sample(sorted(gpus, key=lambda g: g.index), processes, now)
+        return Sample(self._with_gone(gpus, holding), processes, now, self.health)
 
     def _still_releasing(self, pid: int, used: int | None, gpu: int, now: float) -> bool:
         """An exited process NVML still lists: its VRAM counts until the configured bound."""
@@ -213,3 +415,15 @@ class Inventory:
                 self.config.vram_release_timeout,
             )
         return False
+
+
+def _reason_of(warning: str | None) -> str:
+    """ "NVML unavailable (REASON): using ..." -> REASON."""
+    text = warning or "NVML unavailable"
+    if text.startswith("NVML unavailable (") and "): " in text:
+        return text[len("NVML unavailable (") : text.index("): ")]
+    return text
+
+
+def _indices(sample: Sample) -> str:
+    return ", ".join(str(g.index) for g in sample.gpus if not g.lost)

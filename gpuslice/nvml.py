@@ -15,6 +15,7 @@ Tests run this same code against tests/fakenvml (a fake libnvidia-ml.so.1).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -186,6 +187,18 @@ class Nvml:
             driver = None  # informational only: not worth failing an initialised NVML
         self._status = NvmlStatus(available=True, driver_version=driver)
         return self._status
+
+    def reopen(self, fallback: str = "no GPUs") -> NvmlStatus:
+        """Initialise NVML again: after a failed `open()` (the driver may have loaded since),
+        after the driver went away, or to enumerate the GPUs afresh (NVML counts them only
+        at init). Never raises for a missing NVML, like `open()`."""
+        self.forget()
+        return self.open(fallback)
+
+    def forget(self) -> None:
+        """`close()` that never raises: the session may be dead (driver unloaded)."""
+        with contextlib.suppress(NvmlError):
+            self.close()
 
     def close(self) -> None:
         """Shut NVML down if `open()` initialised it; a later `open()` starts afresh."""

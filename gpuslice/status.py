@@ -10,10 +10,15 @@ The JSON (version 1) is a documented interface: keys are only ever added.
    "waiting": [{"unit": str, "priority": int, "reason": str}],
    "preempted": [{"unit": str, "priority": int, "requeue": bool}],
    "held": [str], "finished": [str], "failed": [str],
-   "problems": [str]}
+   "problems": [str],
+   "nvml": {"state": str, "since": float, "detail": str, "driver_version": str|null}}
 Memory is in bytes; null means unknown (no NVML) or, for memory_declared, the whole GPU.
 `state` is "running", "starting" (gpuslice started it; its gate has not asked yet) or
 "stopping" (being preempted).
+`nvml` (added later; absent from older controllers) says which GPU case applies: "ready" (NVML
+answers), "waiting" (NVIDIA hardware present, NVML not ready yet or gone: background units
+wait), "fallback" (still not ready after driver_wait) or "absent" (no NVIDIA GPU: `gpus:`
+from config.yaml); `since` is Unix time of the last change.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ def _gpu_json(
 
 
 def snapshot_to_json(snap: Snapshot, scan: Scan, sample: Sample) -> dict[str, Any]:
-    return {
+    out = {
         "version": JSON_VERSION,
         "gpus": [
             _gpu_json(index, holders, scan, sample) for index, holders in sorted(snap.gpus.items())
@@ -78,11 +83,18 @@ def snapshot_to_json(snap: Snapshot, scan: Scan, sample: Sample) -> dict[str, An
         "failed": snap.failed,
         "problems": [str(p) for p in scan.problems],
     }
+    if sample.health is not None:
+        out["nvml"] = sample.health.to_json()
+    return out
 
 
 def render(data: dict[str, Any]) -> str:
     """A table a person reads at a glance; every list is shown, empty ones as "-"."""
-    lines = [f"{'GPU':<4} {'UNIT':<40} {'PRIORITY':>8}  {'STATE':<9} MEMORY"]
+    lines = []
+    nvml = data.get("nvml") or {}
+    if nvml.get("state") in ("waiting", "fallback"):
+        lines.append(f"NVML {nvml['state']}: {nvml.get('detail', '')}")
+    lines.append(f"{'GPU':<4} {'UNIT':<40} {'PRIORITY':>8}  {'STATE':<9} MEMORY")
     for gpu in data["gpus"]:
         if gpu.get("name") or gpu.get("lost"):
             lines.append(_gpu_line(gpu))

@@ -174,3 +174,30 @@ def test_check_prints_the_scans_warnings(tmp_path: Path, monkeypatch: pytest.Mon
         0,
         [f"warning: {warning}", "ok: 0 annotated unit(s) checked, 1 warning(s)"],
     )
+
+
+def test_check_names_nvidia_nodes_the_sandbox_would_refuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a host whose nvidia module is loaded, `gpuslice check` compares /dev/nvidia* with
+    the DeviceAllow= systemd shows for gpuslice.service (here: a stand-in systemctl)."""
+    (tmp_path / "proc/driver/nvidia").mkdir(parents=True)
+    (tmp_path / "proc/driver/nvidia/version").write_text(
+        "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 2024\n"
+    )
+    (tmp_path / "proc/devices").write_text("Character devices:\n195 nvidia-frontend\n")
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev/nvidiactl").write_text("")  # no GPU node: reported as missing
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    systemctl = bin_dir / "systemctl"
+    systemctl.write_text("#!/bin/sh\necho 'char-nvidia-uvm rw'\n")
+    systemctl.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    code, lines = check("--config", "/nonexistent/config.yaml", "--root", str(tmp_path))
+    assert code == 1
+    assert "error: /dev/nvidia[0-9]* is missing: NVML cannot start" in "\n".join(lines)
+    assert any(
+        line.startswith("error: /dev/nvidiactl (char-") and "not in gpuslice.service's" in line
+        for line in lines
+    ), lines

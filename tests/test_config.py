@@ -65,6 +65,7 @@ def test_table_and_dataclass_agree() -> None:
         30.0,
         0.5,
         90.0,
+        120.0,
     )
 
 
@@ -195,7 +196,7 @@ def test_unknown_keys_are_warnings(tmp_path: Path) -> None:
     assert warnings == [
         f"{path}:2: colour: unknown setting, ignored (known: gpus, log_level, state_dir, "
         "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
-        "vram_release_timeout, gate_retry_seconds, stop_timeout)"
+        "vram_release_timeout, gate_retry_seconds, stop_timeout, driver_wait)"
     ]
 
 
@@ -265,7 +266,7 @@ def problems_of(text: str, path: str = "/etc/gpuslice/config.yaml") -> list[str]
             "? [a, b]\n: 1\n",
             "{P}:1: expected a setting name, got a list (known: gpus, log_level, state_dir, "
             "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
-            "vram_release_timeout, gate_retry_seconds, stop_timeout)",
+            "vram_release_timeout, gate_retry_seconds, stop_timeout, driver_wait)",
             id="list-as-key",
         ),
         pytest.param(
@@ -318,6 +319,7 @@ BOUNDS = [
     ("vram_release_timeout", "0.1", "3600", "0.09", "3601"),
     ("gate_retry_seconds", "0.05", "60", "1e-9", "60.5"),
     ("stop_timeout", "1", "86400", "0.5", "86401"),
+    ("driver_wait", "0", "3600", "-0.5", "3600.5"),
     ("reserve", "0", "1P", "-1", "1025T"),
 ]
 
@@ -471,3 +473,12 @@ def test_path_with_control_characters_is_shown_escaped(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     assert caught.value.problems[0].startswith(f"{tmp_path}/bad\\x0aname.yaml:1: gpus: ")
+
+
+def test_driver_wait() -> None:
+    assert Config().driver_wait == 120.0
+    assert parse_config("driver_wait: 0\n", "/c") == (Config(driver_wait=0.0), [])
+    assert parse_config("driver_wait: 7.5\n", "/c")[0].driver_wait == 7.5
+    assert problems_of("driver_wait: soon\n", "/c") == [
+        '/c:1: driver_wait: invalid value "soon" (allowed: a number of seconds 0-3600)'
+    ]

@@ -23,6 +23,7 @@ from gpuslice.nvml import (
     Nvml,
     NvmlError,
     NvmlStatus,
+    NvmlUnavailableError,
 )
 
 GIB = 1 << 30
@@ -140,7 +141,13 @@ def make_inventory(
     tmp_path: Path, nvml: StubNvml, config: Config | None = None
 ) -> tuple[Inventory, Clock]:
     clock = Clock()
-    inventory = Inventory(config or Config(gpus=1), nvml=nvml, clock=clock, proc=tmp_path)
+    inventory = Inventory(
+        config or Config(gpus=1),
+        nvml=nvml,
+        clock=clock,
+        proc=tmp_path,
+        driver_root=tmp_path / "no-nvidia",  # no NVIDIA hardware, whatever the host has
+    )
     inventory.open()
     return inventory, clock
 
@@ -339,3 +346,164 @@ def test_leftover_of_a_managed_unit_counts_but_does_not_make_units_yield(tmp_pat
     gpu0 = sample.gpus[0]
     assert (gpu0.foreign, gpu0.foreign_pids) == (3 * GIB, ())
     assert sample.used_by("asr.service") == {0: 3 * GIB}
+
+
+# ---- NVML's cases: absent, waiting, fallback, ready; gone and back ----
+
+
+def nvidia_root(tmp_path: Path) -> Path:
+    """A /sys with one NVIDIA 3D controller and no nvidia module: "not ready yet"."""
+    device = tmp_path / "nvidia-root" / "sys" / "bus" / "pci" / "devices" / "0000:65:00.0"
+    device.mkdir(parents=True, exist_ok=True)
+    (device / "vendor").write_text("0x10de\n")
+    (device / "class").write_text("0x030200\n")
+    return tmp_path / "nvidia-root"
+
+
+def waiting_inventory(tmp_path: Path, nvml: StubNvml, config: Config) -> Inventory:
+    inventory = Inventory(
+        config, nvml=nvml, clock=Clock(), proc=tmp_path, driver_root=nvidia_root(tmp_path),
+        wall=lambda: 1000.0,
+    )  # fmt: skip
+    inventory.open()
+    return inventory
+
+
+def test_no_nvidia_hardware_is_absent(tmp_path: Path) -> None:
+    inventory, _ = make_inventory(tmp_path, StubNvml(available=False))
+    assert inventory.health.state == "absent"
+    assert inventory.health.detail == "no NVIDIA GPU here (stub)"
+    assert inventory.sample(MANAGED).health is inventory.health
+
+
+def test_hardware_without_nvml_is_waiting_then_ready(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = StubNvml(available=False)
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        inventory = waiting_inventory(tmp_path, nvml, Config(gpus=1))
+        assert inventory.health.state == "waiting"
+        assert inventory.sample(MANAGED).gpus == [Gpu(0)]  # the guess, until NVML answers
+        assert inventory.retry() is False
+        nvml.available = True
+        assert inventory.retry() is True
+    assert inventory.available
+    assert inventory.health.to_json() == {
+        "state": "ready",
+        "since": 1000.0,
+        "detail": "driver 550.54.15",
+        "driver_version": "550.54.15",
+    }
+    assert [g.uuid for g in inventory.sample(MANAGED).gpus] == list(UUIDS)
+    assert [r.getMessage() for r in caplog.records] == [
+        "NVIDIA hardware present (1 NVIDIA PCI device (0000:65:00.0), nvidia module not loaded) "
+        "but NVML is not ready (stub): retrying; background units wait for it, on-demand units "
+        "run on gpus: 1 from config.yaml meanwhile"
+    ]
+
+
+def test_waiting_gives_up_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    inventory = waiting_inventory(tmp_path, StubNvml(available=False), Config(gpus=2))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        inventory.give_up_waiting(120)
+        inventory.give_up_waiting(121)
+    assert inventory.health.state == "fallback"
+    assert inventory.health.detail == (
+        "NVML not ready after 120 s (stub): using gpus: 2 from config.yaml"
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        "NVML still not ready after 120 s (driver_wait): background units now start on "
+        "gpus: 2 from config.yaml; gpuslice switches to NVML when it answers"
+    ]
+
+
+def test_driver_gone_keeps_the_known_gpus_and_comes_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    nvml = StubNvml()
+    inventory = waiting_inventory(tmp_path, nvml, Config(gpus=1))
+    assert inventory.health.state == "ready"
+    inventory.sample(MANAGED)
+    nvml.devices_error = NvmlUnavailableError("nvmlDeviceGetCount", 9, "Driver Not Loaded")
+    nvml.available = False
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        gone = inventory.sample(MANAGED)
+    assert not inventory.available and inventory.health.state == "waiting"
+    # the GPUs NVML last showed, as whole GPUs of unknown size
+    assert gone.gpus == [Gpu(0, UUIDS[0], "NVIDIA Fake 24GB"), Gpu(1, UUIDS[1], "NVIDIA Fake 24GB")]
+    assert [r.getMessage() for r in caplog.records] == [
+        "NVML went away (nvmlDeviceGetCount: Driver Not Loaded (NVML error 9)): using the 2 "
+        "GPUs NVML last showed, as whole GPUs until it answers again; background units wait "
+        "for it"
+    ]
+    nvml.devices_error = None
+    nvml.available = True
+    assert inventory.retry()
+    assert [g.total for g in inventory.sample(MANAGED).gpus] == [24 * GIB, 24 * GIB]
+
+
+def test_held_gpus_that_are_gone_are_reported_like_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Guessed `gpus: 4` at boot, 2 real GPUs: a holder of GPU 3 keeps it, as a lost GPU."""
+    nvml = StubNvml()
+    inventory, _ = make_inventory(tmp_path, nvml)
+    holding = {"asr.service": [3], "w@a.service": [0]}
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        first = inventory.sample(MANAGED, holding)
+        inventory.sample(MANAGED, holding)
+    assert [(g.index, g.lost) for g in first.gpus] == [(0, False), (1, False), (3, True)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 3 is no longer among the GPUs gpuslice manages, but units hold it: treated as lost"
+    ]
+    assert [g.index for g in inventory.sample(MANAGED, {"w@a.service": [0]}).gpus] == [0, 1]
+
+
+def test_a_reload_enumerates_the_gpus_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NVML counts GPUs at init: a new config (a reload) opens it afresh, so a card added
+    since is seen; manage_gpus applies at once."""
+    nvml = StubNvml(gpus=2)
+    inventory, _ = make_inventory(tmp_path, nvml)
+    inventory.sample(MANAGED)
+    nvml.infos.append(GpuInfo(2, "GPU-3", "NVIDIA Fake 24GB", 24 * GIB, 0))
+    nvml.procs[2] = []
+    inventory.config = Config(gpus=1)
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        after = inventory.sample(MANAGED)
+    assert [g.index for g in after.gpus] == [0, 1, 2]
+    assert nvml.opened == 2
+    assert [r.getMessage() for r in caplog.records] == ["GPUs changed: now 0, 1, 2 (were 0, 1)"]
+    inventory.config = Config(manage_gpus=("1",))
+    assert [g.index for g in inventory.sample(MANAGED).gpus] == [1]
+
+
+def test_driver_loaded_after_start_behind_the_device_cgroup_asks_for_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """systemd resolved DeviceAllow=char-nvidia-frontend when no nvidia major existed: the
+    node answers EPERM once the module is there, and only a restart helps."""
+    nvml = StubNvml(available=False)
+    inventory = waiting_inventory(tmp_path, nvml, Config())
+    assert inventory.retry() is False
+    assert inventory.restart_needed == ""  # module not loaded yet
+    module = nvidia_root(tmp_path) / "sys" / "module" / "nvidia"
+    module.mkdir(parents=True)
+    monkeypatch.setattr("gpuslice.inventory.device_denied", lambda root: True)
+    assert inventory.retry() is False
+    assert "loaded after gpuslice.service started" in inventory.restart_needed
+
+
+def test_no_restart_when_the_driver_was_there_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = nvidia_root(tmp_path)
+    (root / "proc").mkdir()
+    (root / "proc" / "devices").write_text("Character devices:\n195 nvidia-frontend\n")
+    (root / "sys" / "module" / "nvidia").mkdir(parents=True)
+    inventory = waiting_inventory(tmp_path, StubNvml(available=False), Config())
+    monkeypatch.setattr("gpuslice.inventory.device_denied", lambda root: True)
+    assert inventory.retry() is False
+    assert inventory.restart_needed == ""

@@ -151,7 +151,50 @@ def _probe_lost_after_handle() -> dict[str, Any]:
     return {"error": None}
 
 
+def _probe_driver_lifecycle() -> dict[str, Any]:
+    """One process across the driver's life: not loaded yet, loaded, a GPU added, gone, back.
+    The test leaves `gpus` at `gpus.later`; this probe moves it into place ("the module
+    loads"), as a driver that appears after gpuslice started."""
+    from gpuslice.nvml import Nvml, NvmlUnavailableError
+
+    state = Path(os.environ["FAKE_NVML_DIR"])
+    steps: dict[str, Any] = {}
+    nvml = Nvml()
+
+    def seen(name: str) -> None:
+        status = nvml.reopen(fallback=FALLBACK)
+        step: dict[str, Any] = {"available": status.available}
+        if status.available:
+            try:
+                step["gpus"] = [g.uuid for g in nvml.devices().gpus]
+            except NvmlUnavailableError as e:
+                step["devices_error"] = e.code
+        else:
+            step["warning"] = status.warning
+        steps[name] = step
+
+    assert not nvml.open(fallback=FALLBACK).available
+    seen("not loaded yet")
+    (state / "gpus.later").rename(state / "gpus")
+    seen("loaded")
+    with open(state / "gpus", "a") as f:
+        f.write(f"2 {UUIDS[0][:-1]}3 24GiB NVIDIA Fake 24GB\n")
+    steps["before re-init"] = len(nvml.devices().gpus)
+    seen("gpu added")
+    (state / "unloaded").touch()
+    try:
+        nvml.devices()
+    except NvmlUnavailableError as e:
+        steps["gone: devices"] = e.code
+    seen("gone")
+    (state / "unloaded").unlink()
+    seen("back")
+    nvml.close()
+    return steps
+
+
 PROBES: dict[str, Callable[[], dict[str, Any]]] = {
+    "driver_lifecycle": _probe_driver_lifecycle,
     "api": _probe_api,
     "pynvml": _probe_pynvml,
     "size_protocol": _probe_size_protocol,
@@ -445,3 +488,27 @@ def test_gpu_alloc_sizes(fake: FakeGpus, size: str, expected: int | None) -> Non
 
 if __name__ == "__main__":
     print(json.dumps(PROBES[sys.argv[1]]()))
+
+
+def test_driver_not_loaded_yet_loaded_gpu_added_gone_and_back(fake: FakeGpus) -> None:
+    """The states gpuslice's retries rely on, in one NVML client process: a failed nvmlInit
+    can be retried, a re-init sees GPUs added, and a session outlives an unloaded driver only
+    as DRIVER_NOT_LOADED errors until a fresh init."""
+    (fake.state / "gpus").rename(fake.state / "gpus.later")
+    steps = fake.probe("driver_lifecycle")
+    not_loaded = {
+        "available": False,
+        "warning": "NVML unavailable (NVIDIA driver not loaded): using gpus: 2 from config.yaml. "
+        "Hint: check `nvidia-smi` and `dmesg`, load the nvidia kernel module, or set gpus: in "
+        "config.yaml",
+    }
+    three = [*UUIDS, UUIDS[0][:-1] + "3"]
+    assert steps == {
+        "not loaded yet": not_loaded,
+        "loaded": {"available": True, "gpus": list(UUIDS)},
+        "before re-init": 2,
+        "gpu added": {"available": True, "gpus": three},
+        "gone: devices": 9,
+        "gone": not_loaded,
+        "back": {"available": True, "gpus": three},
+    }

@@ -154,6 +154,9 @@ class Scheduler:
         self.out_since: dict[str, int] = {}
         # units whose stop systemd refused: never chosen as victims again while they run
         self.unstoppable: set[str] = set()
+        # Why background units must not start now (the GPUs are a guess: NVML is not ready
+        # yet); empty: they may. Refill, requeue and background waiters honour it.
+        self.refill_paused = ""
         self._deferred = False
         self._seq = 0
 
@@ -440,6 +443,8 @@ class Scheduler:
 
     def _serve(self, waiter: Waiter, promises: list[tuple[int, Use]]) -> list[Action]:
         spec = waiter.spec
+        if self.refill_paused and spec.kind is UnitKind.BACKGROUND and not waiter.victims:
+            return self._set_reason(waiter, f"waiting: {self.refill_paused}")
         waiter.victims = {
             n
             for n, h in self.holders.items()
@@ -496,6 +501,8 @@ class Scheduler:
             spec = self.specs.get(name)
             if spec is None or not spec.requeue or name in self.holders or name in self.waiters:
                 continue
+            if self.refill_paused and spec.kind is UnitKind.BACKGROUND:
+                continue
             found = self._place(spec, promises, preempt=True)
             if found is None:
                 continue
@@ -513,6 +520,8 @@ class Scheduler:
 
     def _refill(self, promises: list[tuple[int, Use]]) -> list[Action]:
         actions: list[Action] = []
+        if self.refill_paused:
+            return actions
         idle = [
             spec
             for name, spec in self.specs.items()

@@ -233,3 +233,79 @@ def stop_foreign(bed: Container, name: str) -> None:
 def lose(bed: Container, index: int) -> None:
     """GPU INDEX falls off the bus: every NVML call on it returns GPU_IS_LOST from now on."""
     bed.run(["touch", f"{STATE}/lost/{index}"])
+
+
+# -- the driver's life: not loaded yet, loaded, a GPU added, gone and back ---------------------
+
+# A fake /sys and /proc for gpuslice.driver ($GPUSLICE_DRIVER_ROOT): the container's own /sys
+# is the host's, read-only, and shows no NVIDIA device on the machines tests run on.
+DRIVER_ROOT = f"{STATE}/root"
+PCI_DEVICES = f"{DRIVER_ROOT}/sys/bus/pci/devices"
+MODULE_VERSION = f"{DRIVER_ROOT}/proc/driver/nvidia/version"
+FAKE_DRIVER_VERSION = "550.54.15"
+
+
+def install_driver_pending(
+    bed: Container, pci_devices: int = 2, *, config: str = TEST_CONFIG
+) -> None:
+    """NVIDIA hardware on the PCI bus (PCI_DEVICES display functions) but the driver not loaded
+    yet: no `gpus` file (nvmlInit says DRIVER_NOT_LOADED), no module. gpuslice is restarted on
+    it and is active when this returns; `load_driver` then brings the GPUs."""
+    put_files(bed)
+    bed.run(["rm", "-rf", f"{STATE}/gpus", f"{STATE}/unloaded", DRIVER_ROOT])
+    bed.run(["install", "-d", f"{STATE}/alloc", f"{STATE}/lost"])
+    set_pci_devices(bed, pci_devices)
+    bed.write_file(CONFIG, config)
+    bed.write_file(
+        DROPIN,
+        f"[Service]\nEnvironment=LD_LIBRARY_PATH={LIB_DIR} FAKE_NVML_DIR={STATE} "
+        f"GPUSLICE_DRIVER_ROOT={DRIVER_ROOT}\n",
+    )
+    bed.systemctl("daemon-reload")
+    restart_gpuslice(bed)
+
+
+def set_pci_devices(bed: Container, count: int) -> None:
+    """COUNT NVIDIA 3D controllers (vendor 0x10de, class 0x030200) on the fake PCI bus, next
+    to a non-NVIDIA device."""
+    script = [f"rm -rf {PCI_DEVICES}", f"mkdir -p {PCI_DEVICES}/0000:00:02.0"]
+    script.append(f"echo 0x8086 > {PCI_DEVICES}/0000:00:02.0/vendor")
+    script.append(f"echo 0x030000 > {PCI_DEVICES}/0000:00:02.0/class")
+    for i in range(count):
+        device = f"{PCI_DEVICES}/0000:{0x17 + i:02x}:00.0"
+        script += [f"mkdir -p {device}", f"echo 0x10de > {device}/vendor"]
+        script.append(f"echo 0x030200 > {device}/class")
+    bed.run("set -e; " + "; ".join(script))
+
+
+def load_driver(bed: Container, gpus: int = 2, total: str = "24GiB") -> None:
+    """The nvidia module loads: /proc/driver/nvidia/version appears and the `gpus` file is
+    renamed into place at once (the fake reads it at nvmlInit: never half-written)."""
+    bed.write_file(
+        MODULE_VERSION,
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {FAKE_DRIVER_VERSION}  "
+        "Tue Mar  5 22:23:56 UTC 2024\n",
+    )
+    set_gpus(bed, gpus, total)
+
+
+def set_gpus(bed: Container, gpus: int, total: str = "24GiB") -> None:
+    """Describe GPUS GPUs (a GPU added or removed): real NVML sees it at its next init."""
+    bed.write_file(f"{STATE}/.gpus.tmp", gpus_text(gpus, total))
+    bed.run(["mv", f"{STATE}/.gpus.tmp", f"{STATE}/gpus"])
+
+
+def unload_driver(bed: Container) -> None:
+    """The driver goes away (module unloaded, `nvidia-smi -r`): NVML says DRIVER_NOT_LOADED to
+    every call until `reload_driver`."""
+    bed.run(["touch", f"{STATE}/unloaded"])
+    bed.run(["rm", "-f", MODULE_VERSION])
+
+
+def reload_driver(bed: Container) -> None:
+    bed.write_file(
+        MODULE_VERSION,
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {FAKE_DRIVER_VERSION}  "
+        "Tue Mar  5 22:23:56 UTC 2024\n",
+    )
+    bed.run(["rm", "-f", f"{STATE}/unloaded"])

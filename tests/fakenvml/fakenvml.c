@@ -21,8 +21,15 @@
  *                 returns NVML_ERROR_GPU_IS_LOST, as for a GPU that fell off the bus.
  *   hang          while this file exists, every per-device call blocks (a driver call
  *                 that hangs): it returns once the file is removed.
+ *   unloaded      while this file exists the driver is gone (module unloaded, `nvidia-smi
+ *                 -r`): nvmlInit* and every call of an initialised session (count, handles,
+ *                 per-device queries) return NVML_ERROR_DRIVER_NOT_LOADED. Remove it and
+ *                 the driver is back: a fresh nvmlInit works again (re-reading `gpus`).
  *
- * Without $FAKE_NVML_DIR or its `gpus` file, nvmlInit* returns NVML_ERROR_DRIVER_NOT_LOADED.
+ * Without $FAKE_NVML_DIR or its `gpus` file, nvmlInit* returns NVML_ERROR_DRIVER_NOT_LOADED:
+ * the driver "not loaded yet". Writing `gpus` later is the driver loading: the next nvmlInit
+ * succeeds. `gpus` is read at each nvmlInit (refcount 0 -> 1), as real NVML enumerates GPUs
+ * only at init: a line appended is a GPU added, seen by a later shutdown + init.
  * A malformed `gpus` file makes init fail with NVML_ERROR_UNKNOWN and a line on stderr.
  *
  * Memory: used = sum of live allocations on the GPU (capped at total), free = total - used.
@@ -268,6 +275,18 @@ static int scan_allocations(unsigned index, nvmlProcessInfo_t **procs, unsigned 
     return n;
 }
 
+/* The `unloaded` file: the driver is gone. Read from the environment, so that it also
+ * answers before the first successful init. */
+static int driver_unloaded(void)
+{
+    const char *dir = getenv("FAKE_NVML_DIR");
+    if (!dir || !*dir)
+        return 0;
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/unloaded", dir);
+    return access(path, F_OK) == 0;
+}
+
 static int is_lost(unsigned index)
 {
     char path[PATH_MAX];
@@ -289,6 +308,8 @@ static nvmlReturn_t check_device(nvmlDevice_t device)
     hang_while_asked();
     if (!refcount)
         return NVML_ERROR_UNINITIALIZED;
+    if (driver_unloaded())
+        return NVML_ERROR_DRIVER_NOT_LOADED;
     uintptr_t at = (uintptr_t)device, first = (uintptr_t)devices;
     if (at < first || at >= first + ndevices * sizeof *devices || (at - first) % sizeof *devices)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -310,6 +331,8 @@ static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
 API nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
     (void)flags;
+    if (driver_unloaded())
+        return NVML_ERROR_DRIVER_NOT_LOADED;
     pthread_mutex_lock(&lock);
     nvmlReturn_t ret = refcount ? NVML_SUCCESS : load_gpus();
     if (ret == NVML_SUCCESS)
@@ -397,6 +420,8 @@ API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
         return NVML_ERROR_UNINITIALIZED;
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (driver_unloaded())
+        return NVML_ERROR_DRIVER_NOT_LOADED;
     *count = ndevices;
     return NVML_SUCCESS;
 }
@@ -409,6 +434,8 @@ API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t 
         return NVML_ERROR_UNINITIALIZED;
     if (!device || index >= ndevices)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (driver_unloaded())
+        return NVML_ERROR_DRIVER_NOT_LOADED;
     if (is_lost(index))
         return NVML_ERROR_GPU_IS_LOST;
     *device = &devices[index];

@@ -10,7 +10,11 @@ CUDA for PY (default: this interpreter). It
          root: gpuslice's inventory must attribute it to that unit;
      (b) as a plain child process: the inventory must flag it as foreign;
   3. prints per case: what NVML reports for the process vs what was requested, how long until
-     NVML lists it after the allocation finished, and how long until it is gone after exit.
+     NVML lists it after the allocation finished, and how long until it is gone after exit;
+  4. records the boot facts: driver version (NVML and /proc/driver/nvidia), whether
+     nvidia-persistenced is installed and active, how long nvmlInit takes here, the device
+     nodes and gpuslice.service's DeviceAllow= (gpuslice.driver.device_access_problems), and,
+     when gpuslice.service runs, how long after its start NVML answered (from its journal).
 Exit 0 when every case behaved, 1 on a clear failure (never seen, wrong attribution, less
 memory than requested, never gone), 2 when it cannot run here (no driver, no torch, no CUDA).
 
@@ -35,6 +39,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from gpuslice.config import Config
+from gpuslice.driver import device_access_problems
+from gpuslice.driver import probe as driver_probe
 from gpuslice.inventory import GpuUse, Inventory, unit_of_pid
 from gpuslice.nvml import GpuProcess, Nvml, NvmlError
 from gpuslice.sizes import format_size
@@ -120,6 +126,68 @@ def table(rows: Sequence[Sequence[str]]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
+def _run(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def controller_nvml_delay() -> str:
+    """How long after gpuslice.service's (last) start NVML answered, from its journal: the
+    "NVML ready" line of a switch, else "gpuslice ready" when NVML answered at once."""
+    import json
+
+    if not shutil.which("journalctl") or _run(["systemctl", "is-active", "gpuslice.service"]) != (
+        "active"
+    ):
+        return "gpuslice.service not running"
+    started = _run(["systemctl", "show", "-P", "ExecMainStartTimestampMonotonic", "gpuslice"])
+    if not started.isdigit() or int(started) == 0:
+        return "unknown (no start time)"
+    since = int(started)
+    waited = False
+    cmd = ["journalctl", "-b", "-u", "gpuslice.service", "-o", "json", "--no-pager"]
+    for line in _run(cmd).splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        at = int(entry.get("__MONOTONIC_TIMESTAMP", 0))
+        message = entry.get("MESSAGE")
+        if at < since or not isinstance(message, str):
+            continue
+        if message.startswith("NVIDIA hardware present") or "NVML unavailable" in message:
+            waited = True
+        at_once = message.startswith("gpuslice ready") and not waited
+        if message.startswith("NVML ready") or at_once:
+            return f"{(at - since) / 1e6:.3f} s ({message[:60]}...)"
+    return "NVML has not answered since gpuslice.service started"
+
+
+def boot_facts(nvml_version: str | None) -> list[tuple[str, str]]:
+    driver = driver_probe()
+    persistenced = shutil.which("nvidia-persistenced")
+    active = _run(["systemctl", "is-active", "nvidia-persistenced.service"]) or "?"
+    allow = _run(["systemctl", "show", "-P", "DeviceAllow", "gpuslice.service"])
+    problems = device_access_problems(allow.split(", ") if allow else [])
+    started = time.monotonic()
+    again = Nvml()
+    available = again.open().available
+    init_s = time.monotonic() - started
+    again.close()
+    return [
+        ("driver (NVML)", nvml_version or "?"),
+        ("driver (kernel module)", driver.version or ("loaded" if driver.module_loaded else "no")),
+        ("NVIDIA PCI devices", ", ".join(driver.devices) or "none"),
+        ("nvidia-persistenced", f"{persistenced or 'not installed'} ({active})"),
+        ("nvmlInit here", f"{init_s * 1000:.0f} ms ({'ok' if available else 'failed'})"),
+        ("gpuslice.service DeviceAllow", allow or "(not installed)"),
+        ("device access", "; ".join(problems) or "ok"),
+        ("controller start -> NVML answered", controller_nvml_delay()),
+    ]
+
+
 def find(nvml: Nvml, gpu: int, pid: int) -> GpuProcess | None:
     return next((p for p in nvml.processes(gpu) if p.pid == pid), None)
 
@@ -196,6 +264,8 @@ def main(args: Sequence[str] | None = None) -> int:
         print(status.warning)
         return CANNOT_RUN
     print(f"NVIDIA driver {status.driver_version}")
+    table([("FACT", "VALUE"), *boot_facts(status.driver_version)])
+    print()
     try:
         uuids = show_gpus(nvml)
     except NvmlError as e:
