@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -89,7 +90,7 @@ def status(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(json.loads(text), indent=2, sort_keys=True))
     else:
-        click.echo(render(json.loads(text)))
+        click.echo(render(json.loads(text), time.time()))
 
 
 def _not_checkable(path: str) -> str | None:

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,9 +24,11 @@ from typing import Any, TypeVar
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.cgroups import unit_of_pid
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
+from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
 from gpuslice.inventory import ABSENT, FALLBACK, WAITING, Inventory, Sample
+from gpuslice.journal import Journal, decision_fields
 from gpuslice.notify import Notifier
 from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, SchedulerService
@@ -130,8 +133,13 @@ class Controller:
         systemd: Systemd,
         root: str = "/",
         inventory: Inventory | None = None,
+        journal: Journal | None = None,
     ) -> None:
         self.config = config
+        # decisions go there, into their units' own journals too; None: plain log lines
+        self.journal = journal
+        # when each waiter started waiting: (Unix time for status, monotonic for its wait)
+        self.waiting_since: dict[str, tuple[float, float]] = {}
         self.config_path = config_path
         self.systemd = systemd
         self.root = root
@@ -429,21 +437,50 @@ class Controller:
         for action in actions:
             if isinstance(action, Grant):
                 self._write_env(action.unit, action.gpus)
-                log.info("%s", action.reason)
+                self._say(action.reason, "info", action.decision)
                 self.service.grant(action.unit, ",".join(map(str, action.gpus)))
             elif isinstance(action, Stop):
-                log.info("%s", action.reason)
+                self._say(action.reason, "info", action.decision)
                 self._call_systemd(self.systemd.stop_unit, action.unit, "stop")
                 self._arm_stop_timer(action.unit)
             elif isinstance(action, Start):
-                log.info("%s", action.reason)
+                self._say(action.reason, "info", action.decision)
                 self._call_systemd(self.systemd.restart_preempted, action.unit, "start")
             elif isinstance(action, Log):
-                log.log(logging.getLevelName(action.level.upper()), "%s", action.message)
+                self._say(action.message, action.level, action.decision)
         if actions:
             self._status_cache = None
             self._persist()
+            self._track_waiters()
         self._arm_sampler()
+
+    def _say(self, message: str, level: str, decision: Decision | None) -> None:
+        """One line per decision: as a journal entry that its unit's journal shows too, or,
+        without a journal (or when it cannot be written), as a plain log line."""
+        number = logging.getLevelName(level.upper())
+        if not log.isEnabledFor(number):
+            return
+        if decision is not None and self.journal is not None:
+            waited = self._waited_usec(decision)
+            if self.journal.send(decision_fields(decision, message, level, waited)):
+                return
+        log.log(number, "%s", message)
+
+    def _waited_usec(self, decision: Decision) -> int | None:
+        """How long a granted unit waited at its gate (0: granted at once); None otherwise."""
+        if decision.code is not Code.GRANT:
+            return None
+        since = self.waiting_since.get(decision.unit)
+        return 0 if since is None else int((time.monotonic() - since[1]) * 1_000_000)
+
+    def _track_waiters(self) -> None:
+        """Note when each waiter started waiting; forget those that no longer wait."""
+        waiting = set(self.scheduler.waiting_units())
+        for name in list(self.waiting_since):
+            if name not in waiting:
+                del self.waiting_since[name]
+        for name in waiting:
+            self.waiting_since.setdefault(name, (time.time(), time.monotonic()))
 
     def _call_systemd(self, method: Callable[[str], Awaitable[str]], unit: str, what: str) -> None:
         """Counted as in flight at once, before the task runs: a signal handled before the
@@ -682,7 +719,12 @@ class Controller:
     def status_json(self) -> str:
         """Anyone may ask, as often as they like: the answer is built once per change."""
         if self._status_cache is None:
-            snapshot = snapshot_to_json(self.scheduler.snapshot(), self.scan, self.sample)
+            snapshot = snapshot_to_json(
+                self.scheduler.snapshot(),
+                self.scan,
+                self.sample,
+                {n: wall for n, (wall, _) in self.waiting_since.items()},
+            )
             self._status_cache = json.dumps(snapshot, sort_keys=True)
         return self._status_cache
 
@@ -721,7 +763,9 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     for warning in warnings:
         log.warning("%s", warning)
     systemd = await Systemd.connect(bus_address)
-    controller = Controller(config, config_path, systemd)
+    # under systemd (stderr to the journal) decisions also go to their units' journals
+    journal = Journal() if os.environ.get("JOURNAL_STREAM") else None
+    controller = Controller(config, config_path, systemd, journal=journal)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
 

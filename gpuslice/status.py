@@ -7,7 +7,8 @@ The JSON (version 1) is a documented interface: keys are only ever added.
              "holders": [{"unit": str, "priority": int, "state": str,
                           "memory_declared": int|null, "memory_used": int|null}],
              "foreign": [{"pid": int, "command": str, "memory": int|null}]}],
-   "waiting": [{"unit": str, "priority": int, "reason": str}],
+   "waiting": [{"unit": str, "priority": int, "reason": str,
+                "position": int, "since": float|null, "decision": DECISION|null}],
    "preempted": [{"unit": str, "priority": int, "requeue": bool}],
    "held": [str], "finished": [str], "failed": [str],
    "problems": [str],
@@ -19,10 +20,28 @@ Memory is in bytes; null means unknown (no NVML) or, for memory_declared, the wh
 answers), "waiting" (NVIDIA hardware present, NVML not ready yet or gone: background units
 wait), "fallback" (still not ready after driver_wait) or "absent" (no NVIDIA GPU: `gpus:`
 from config.yaml); `since` is Unix time of the last change.
+In `waiting` (added later): `position` is the place in the queue, 1 first (waiters are served
+by priority, then arrival); `since` is Unix time (seconds, float) when the controller first saw
+it wait (null when unknown); `decision` is its `reason` as data (null when not yet decided):
+  DECISION = {"code": "wait", "unit": str, "priority": int, "for": str|null,
+              "for_priority": int|null, "gpus": [int], "cause": str, "parts": [PART],
+              "need_gpus": int, "need_memory": int|null, "available": int|null,
+              "detail": str|null}
+  PART = {"kind": "victim"|"held"|"stopping"|"memory"|"kept", "gpus": [int],
+          "unit": str|null, "priority": int|null, "free": int|null, "refused": bool,
+          "overdue": str|null}
+`cause` is "paused" (background units wait for the driver: `detail` says why),
+"victims-stopping" (the `victim` parts were asked to stop for it; `gpus` is where it goes),
+"too-few-usable-gpus" or "host-too-small" (`available` GPUs may run it / the host has), or
+"gpus-busy" (each usable GPU's part: `held` by a unit it may not preempt, `refused` when that
+unit's stop was refused; `stopping` for another waiter; `memory`: `free` bytes of declared
+memory left; `kept` for an earlier waiter of the same priority). gpuslice/core/decisions.py
+defines every code, cause and kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gpuslice.annotations import Scan
@@ -64,15 +83,26 @@ def _gpu_json(
     return out
 
 
-def snapshot_to_json(snap: Snapshot, scan: Scan, sample: Sample) -> dict[str, Any]:
+def snapshot_to_json(
+    snap: Snapshot, scan: Scan, sample: Sample, since: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """`since`: Unix time each waiter started waiting, as the controller saw it."""
+    since = since or {}
     out = {
         "version": JSON_VERSION,
         "gpus": [
             _gpu_json(index, holders, scan, sample) for index, holders in sorted(snap.gpus.items())
         ],
         "waiting": [
-            {"unit": unit, "priority": prio, "reason": reason}
-            for unit, prio, reason in snap.waiting
+            {
+                "unit": unit,
+                "priority": prio,
+                "reason": reason,
+                "position": position,
+                "since": since.get(unit),
+                "decision": snap.reasons[unit].to_json() if unit in snap.reasons else None,
+            }
+            for position, (unit, prio, reason) in enumerate(snap.waiting, start=1)
         ],
         "preempted": [
             {"unit": unit, "priority": prio, "requeue": requeue}
@@ -88,8 +118,10 @@ def snapshot_to_json(snap: Snapshot, scan: Scan, sample: Sample) -> dict[str, An
     return out
 
 
-def render(data: dict[str, Any]) -> str:
-    """A table a person reads at a glance; every list is shown, empty ones as "-"."""
+def render(data: dict[str, Any], now: float | None = None) -> str:
+    """A table a person reads at a glance; every list is shown, empty ones as "-". Waiters
+    are numbered by their place in the queue; with `now` (Unix time) each says how long it
+    has waited."""
     lines = []
     nvml = data.get("nvml") or {}
     if nvml.get("state") in ("waiting", "fallback"):
@@ -113,7 +145,12 @@ def render(data: dict[str, Any]) -> str:
             )
     lines.append("")
     lines.append("Waiting:")
-    lines += [f"  {w['unit']} (priority {w['priority']}): {w['reason']}" for w in data["waiting"]]
+    for number, w in enumerate(data["waiting"], start=1):
+        waited = ""
+        if w.get("since") is not None and now is not None:
+            waited = f" (for {_duration(now - w['since'])})"
+        position = w.get("position", number)
+        lines.append(f"  {position}. {w['unit']} (priority {w['priority']}): {w['reason']}{waited}")
     if not data["waiting"]:
         lines.append("  -")
     preempted = [
@@ -133,6 +170,16 @@ def render(data: dict[str, Any]) -> str:
         lines.append("Annotation problems:")
         lines += [f"  {p}" for p in data["problems"]]
     return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    """`42 s`, `3 min 5 s`, `2 h 10 min`."""
+    whole = max(int(seconds), 0)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60} s"
+    return f"{whole // 3600} h {whole % 3600 // 60} min"
 
 
 def _gpu_line(gpu: dict[str, Any]) -> str:

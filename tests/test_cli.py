@@ -201,3 +201,69 @@ def test_check_names_nvidia_nodes_the_sandbox_would_refuse(
         line.startswith("error: /dev/nvidiactl (char-") and "not in gpuslice.service's" in line
         for line in lines
     ), lines
+
+
+# ---------------------------------------------------------------------------------------------
+# status JSON: each waiter's place in the queue, since when it waits, its reason as data
+
+
+def test_status_json_waiters_position_since_and_decision() -> None:
+    sched = Scheduler([0], {})
+    sched.request(UnitSpec("a.service", 20))
+    sched.request(UnitSpec("late.service", 30))
+    sched.request(UnitSpec("b.service", 20))
+    scan = Scan(specs={})
+    since = {"b.service": 1700000000.5}
+    data = snapshot_to_json(sched.snapshot(), scan, Sample([Gpu(0)]), since)
+    waiting = data["waiting"]
+    assert [(w["unit"], w["position"], w["since"]) for w in waiting] == [
+        ("b.service", 1, 1700000000.5),
+        ("late.service", 2, None),
+    ]
+    assert waiting[0]["reason"] == "waiting: GPU 0 held by a.service, priority 20"
+    assert waiting[0]["decision"] == {
+        "code": "wait",
+        "unit": "b.service",
+        "priority": 20,
+        "for": None,
+        "for_priority": None,
+        "gpus": [],
+        "cause": "gpus-busy",
+        "parts": [
+            {
+                "kind": "held",
+                "gpus": [0],
+                "unit": "a.service",
+                "priority": 20,
+                "free": None,
+                "refused": False,
+                "overdue": None,
+            }
+        ],
+        "need_gpus": 1,
+        "need_memory": None,
+        "available": None,
+        "detail": None,
+    }
+    # the v1 keys are unchanged; the table numbers waiters and says how long they waited
+    assert set(waiting[1]) >= {"unit", "priority", "reason"}
+    text = render(data, now=1700000125.0)
+    assert (
+        "  1. b.service (priority 20): waiting: GPU 0 held by a.service, priority 20 "
+        "(for 2 min 4 s)"
+    ) in text.splitlines()
+    assert "  2. late.service (priority 30): waiting: GPU 0 held by a.service, priority 20" in (
+        text.splitlines()
+    )
+
+
+def test_status_json_from_an_older_controller_still_renders() -> None:
+    data = {
+        "gpus": [],
+        "waiting": [{"unit": "w.service", "priority": 5, "reason": "waiting: x"}],
+        "preempted": [],
+        "held": [],
+        "finished": [],
+        "failed": [],
+    }
+    assert "  1. w.service (priority 5): waiting: x" in render(data, now=0.0).splitlines()

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.sizes import format_size
 
 
 @dataclass(frozen=True)
@@ -165,11 +164,3 @@ def format_gpus(gpus: Iterable[int]) -> str:
     if len(ordered) == 1:
         return f"GPU {ordered[0]}"
     return "GPUs " + ",".join(str(g) for g in ordered)
-
-
-def describe_need(spec: UnitSpec) -> str:
-    """`needs 20 GiB on one GPU; ` (empty for a whole-GPU unit on one GPU)."""
-    where = "one GPU" if spec.gpus == 1 else f"each of {spec.gpus} GPUs"
-    if spec.memory is not None:
-        return f"needs {format_size(spec.memory)} on {where}; "
-    return f"needs {spec.gpus} GPUs; " if spec.gpus > 1 else ""

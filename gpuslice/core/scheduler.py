@@ -1,5 +1,8 @@
 """The scheduling rules: events in, actions out, every decision with its reason.
 
+Each action carries its `Decision` (gpuslice/core/decisions.py): the data; its `reason` or
+`message` is that decision rendered, the words the journal and status show.
+
 The scheduler owns no I/O. Adapters tell it what systemd reported (a gate request, a unit
 that became inactive, new annotations) and carry out the actions it returns (reply to the
 gate, StopUnit, StartUnit, a journal line). Ordering uses a sequence counter, not a clock,
@@ -12,20 +15,19 @@ import enum
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part, level, reason, render
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
 from gpuslice.core.placement import (
     Placement,
     Use,
     allowed,
     applies,
-    describe_need,
     fits,
-    format_gpus,
     free_memory,
     place,
 )
-from gpuslice.sizes import format_size
 
 
 class Phase(enum.Enum):
@@ -45,6 +47,10 @@ class Outcome(enum.Enum):
     SHUTDOWN = "shutdown"  # stopped because the system is going down
 
 
+# An action's decision is the data its words were rendered from; it does not take part in
+# comparisons, so that `Grant(unit, gpus, "starting ...")` in a test equals what the core said.
+
+
 @dataclass(frozen=True)
 class Grant:
     """Let the unit's start job continue on these GPUs."""
@@ -52,6 +58,7 @@ class Grant:
     unit: str
     gpus: tuple[int, ...]
     reason: str
+    decision: Decision | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class Stop:
 
     unit: str
     reason: str
+    decision: Decision | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -68,14 +76,32 @@ class Start:
 
     unit: str
     reason: str
+    decision: Decision | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class Log:
-    """One journal line."""
+    """One journal line; `decision` when it tells a decision about a unit."""
 
     message: str
     level: str = "info"
+    decision: Decision | None = field(default=None, compare=False)
+
+
+def _log(decision: Decision) -> Log:
+    return Log(render(decision), level(decision), decision)
+
+
+def _grant(decision: Decision) -> Grant:
+    return Grant(decision.unit, decision.gpus, render(decision), decision)
+
+
+def _stop(decision: Decision) -> Stop:
+    return Stop(decision.unit, render(decision), decision)
+
+
+def _start(decision: Decision) -> Start:
+    return Start(decision.unit, render(decision), decision)
 
 
 Action = Grant | Stop | Start | Log
@@ -97,6 +123,7 @@ class Waiter:
     seq: int
     victims: set[str] = field(default_factory=set)
     reason: str = ""
+    decision: Decision | None = None  # the reason as data
     target: tuple[int, ...] = ()  # where it goes once its victims have stopped
 
 
@@ -110,6 +137,8 @@ class Snapshot:
     held: list[str]
     finished: list[str]
     failed: list[str]
+    # each waiter's reason as data (keyed by unit; `waiting` gives the queue order)
+    reasons: dict[str, Decision] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,8 +154,16 @@ class SavedState:
     seq: int = 0
 
 
-def _describe(spec: UnitSpec) -> str:
-    return f"{spec.name} (priority {spec.priority})"
+def _about(spec: UnitSpec, code: Code, **parts: Any) -> Decision:
+    """A decision about the unit of this spec, with what it asks for."""
+    return Decision(
+        code,
+        spec.name,
+        spec.priority,
+        need_gpus=spec.gpus,
+        need_memory=spec.memory,
+        **parts,
+    )
 
 
 class Scheduler:
@@ -175,8 +212,7 @@ class Scheduler:
         for index, gpu in sorted(self.devices.items()):
             if gpu.lost and not (index in before and before[index].lost):
                 held = sorted(n for n, h in self.holders.items() if index in h.gpus)
-                who = ", ".join(held) if held else "no unit"
-                actions.append(Log(f"GPU {index} is lost; it was held by {who}", "error"))
+                actions.append(_log(Decision(Code.LOST_GPU, gpus=(index,), units=tuple(held))))
         return actions + self.schedule()
 
     def request(self, spec: UnitSpec) -> list[Action]:
@@ -193,20 +229,14 @@ class Scheduler:
         if holder is not None:
             if holder.gpus and (holder.phase is not Phase.STARTING or self._still_fits(holder)):
                 holder.phase = Phase.RUNNING
-                return [Grant(name, tuple(sorted(holder.gpus)), self._grant_reason(holder))]
+                return [self._grant(holder)]
             # a requeue that must queue like everyone else, or a start on its way whose GPUs
             # were lost or filled meanwhile
             del self.holders[name]
         if name not in self.waiters:
             if spec.gpus > len(self.gpus):
-                return [
-                    Log(
-                        f"{_describe(spec)} needs {spec.gpus} GPUs but this host has "
-                        f"{len(self.gpus)}: it waits until the configuration changes",
-                        "warning",
-                    ),
-                    *self._enqueue(spec),
-                ]
+                too_big = _about(spec, Code.EXCEEDS_HOST, available=len(self.gpus))
+                return [_log(too_big), *self._enqueue(spec)]
             return self._enqueue(spec)
         return self.schedule()
 
@@ -230,30 +260,26 @@ class Scheduler:
         waiter = self.waiters.pop(name, None)
         holder = self.holders.pop(name, None)
         if waiter is not None and holder is None:
-            actions.append(Log(f"{name}: start cancelled while waiting; nothing reserved"))
+            actions.append(_log(_about(waiter.spec, Code.CANCELLED)))
         if holder is not None and holder.phase is Phase.STOPPING:
             spec = self.specs.get(name, holder.spec)
             self.preempted[name] = self.out_since[name]
             if not spec.requeue:
-                actions.append(Log(f"{_describe(spec)} preempted; Requeue=no, not restarting"))
+                actions.append(_log(_about(spec, Code.NOT_REQUEUED)))
         elif outcome is Outcome.STOPPED:
             self.held.add(name)
             self.preempted.pop(name, None)
-            actions.append(Log(f"{name} was stopped outside gpuslice: held until started again"))
+            actions.append(_log(self._about_name(name, Code.HOLD)))
         elif outcome is Outcome.FAILED:
             self.failed.add(name)
-            actions.append(
-                Log(
-                    f"{name} failed: gpuslice will not start it by itself "
-                    "(its own Restart= policy applies)",
-                    "warning",
-                )
-            )
+            actions.append(_log(self._about_name(name, Code.FAILED)))
         elif outcome is Outcome.EXITED and holder is not None:
             self.finished.add(name)
-            actions.append(Log(f"{name} finished: released {format_gpus(holder.gpus)}"))
+            gpus = tuple(sorted(holder.gpus))
+            actions.append(_log(_about(holder.spec, Code.FINISHED, gpus=gpus)))
         if holder is not None and outcome is Outcome.SHUTDOWN:
-            actions.append(Log(f"{name} stopped for shutdown: released {format_gpus(holder.gpus)}"))
+            gpus = tuple(sorted(holder.gpus))
+            actions.append(_log(_about(holder.spec, Code.SHUTDOWN, gpus=gpus)))
         return actions + self.schedule()
 
     def running(
@@ -285,13 +311,7 @@ class Scheduler:
             wanted = frozenset(found.gpus) if found is not None else frozenset()
         actions: list[Action] = []
         if len(wanted) < spec.gpus:
-            actions.append(
-                Log(
-                    f"{_describe(spec)} is running without enough free GPUs to account "
-                    "for it; counting it on none",
-                    "warning",
-                )
-            )
+            actions.append(_log(_about(spec, Code.UNACCOUNTED)))
         phase = Phase.STOPPING if stopping else Phase.RUNNING
         self.holders[name] = Holder(spec, wanted, phase, self._next())
         return actions + self.schedule()
@@ -310,13 +330,17 @@ class Scheduler:
         holder.overdue = ""
         if waiter is not None:
             waiter.target = ()
-        for_whom = f" for {_describe(waiter.spec)}" if waiter is not None else ""
-        after = "; gpuslice will not try to stop it again while it runs" if refused else ""
         if refused:
             self.unstoppable.add(name)
-        message = f"{_describe(holder.spec)} did not stop{for_whom}: {why}; it keeps "
-        message += f"{format_gpus(holder.gpus)}{after}"
-        return [Log(message, "warning"), *self.schedule()]
+        decision = _about(
+            holder.spec,
+            Code.STOP_REFUSED if refused else Code.STOP_FAILED,
+            for_unit=waiter.spec.name if waiter is not None else "",
+            for_priority=waiter.spec.priority if waiter is not None else None,
+            gpus=tuple(sorted(holder.gpus)),
+            detail=why,
+        )
+        return [_log(decision), *self.schedule()]
 
     def stop_overdue(self, name: str, after: str) -> list[Action]:
         """A unit asked to stop is still running after the stop timeout (`after`, in words):
@@ -325,15 +349,16 @@ class Scheduler:
         if holder is None or holder.phase is not Phase.STOPPING or holder.overdue:
             return []
         holder.overdue = after
-        waiter = f" ({holder.stopping_for} waits for it)" if holder.stopping_for else ""
-        return [
-            Log(
-                f"{_describe(holder.spec)} has not stopped {after} after gpuslice asked"
-                f"{waiter}: see its TimeoutStopSec= and ExecStop=",
-                "warning",
-            ),
-            *self.schedule(),
-        ]
+        waiter = self.waiters.get(holder.stopping_for or "")
+        decision = _about(
+            holder.spec,
+            Code.STOP_OVERDUE,
+            for_unit=holder.stopping_for or "",
+            for_priority=waiter.spec.priority if waiter is not None else None,
+            gpus=tuple(sorted(holder.gpus)),
+            detail=after,
+        )
+        return [_log(decision), *self.schedule()]
 
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
         """Annotations were (re)read: apply new priorities, forget units no longer managed."""
@@ -343,8 +368,9 @@ class Scheduler:
             if name not in self.specs and self.holders[name].phase is Phase.STOPPING:
                 continue  # its stop job still runs: it holds its GPUs until inactive
             if name not in self.specs:
-                del self.holders[name]
-                actions.append(Log(f"{name} is no longer annotated: released its GPUs"))
+                gone = self.holders.pop(name)
+                gpus = tuple(sorted(gone.gpus))
+                actions.append(_log(_about(gone.spec, Code.UNMANAGED, gpus=gpus)))
             else:
                 self.holders[name].spec = self.specs[name]
         for name in list(self.waiters):
@@ -430,21 +456,16 @@ class Scheduler:
             if busy:
                 holder.phase = Phase.STOPPING
                 holder.stopping_for = None
-                pids = ", ".join(str(p) for g in busy for p in g.foreign_pids)
-                actions.append(
-                    Stop(
-                        name,
-                        f"yielding {format_gpus(g.index for g in busy)}: stopping background "
-                        f"{_describe(holder.spec)} while a process gpuslice does not manage "
-                        f"uses it (PID {pids})",
-                    )
-                )
+                pids = tuple(p for g in busy for p in g.foreign_pids)
+                gpus = tuple(sorted(g.index for g in busy))
+                actions.append(_stop(_about(holder.spec, Code.YIELD, gpus=gpus, pids=pids)))
         return actions
 
     def _serve(self, waiter: Waiter, promises: list[tuple[int, Use]]) -> list[Action]:
         spec = waiter.spec
         if self.refill_paused and spec.kind is UnitKind.BACKGROUND and not waiter.victims:
-            return self._set_reason(waiter, f"waiting: {self.refill_paused}")
+            paused = _about(spec, Code.WAIT, cause=Cause.PAUSED, detail=self.refill_paused)
+            return self._set_reason(waiter, paused)
         waiter.victims = {
             n
             for n, h in self.holders.items()
@@ -457,7 +478,7 @@ class Scheduler:
                 del self.waiters[spec.name]
                 holder = Holder(spec, frozenset(gpus), Phase.RUNNING, self._next())
                 self.holders[spec.name] = holder
-                return [Grant(spec.name, gpus, self._grant_reason(holder))]
+                return [self._grant(holder, gpus)]
         if waiter.victims:
             # after a controller restart the target is unknown: the victims' GPUs stand in
             victim_gpus = {g for v in waiter.victims for g in self.holders[v].gpus}
@@ -480,13 +501,15 @@ class Scheduler:
             holder.phase = Phase.STOPPING
             holder.stopping_for = spec.name
             waiter.victims.add(victim)
-            actions.append(
-                Stop(
-                    victim,
-                    f"preempting {_describe(holder.spec)} for {_describe(spec)} "
-                    f"on {format_gpus(sorted(holder.gpus & set(gpus)) or holder.gpus)}",
-                )
+            on = tuple(sorted(holder.gpus & set(gpus)) or sorted(holder.gpus))
+            preempt = _about(
+                holder.spec,
+                Code.PREEMPT,
+                for_unit=spec.name,
+                for_priority=spec.priority,
+                gpus=on,
             )
+            actions.append(_stop(preempt))
         waiter.target = gpus
         self._promise(promises, spec, gpus)
         return actions + self._set_reason(waiter, self._stopping_reason(waiter))
@@ -509,13 +532,14 @@ class Scheduler:
             gpus, victims = found.gpus, found.victims
             if victims:
                 held: frozenset[int] = frozenset()  # its gate request preempts like any start
-                where = "GPUs held by less urgent units"
+                cause = Cause.PREEMPTS
             else:
                 held = frozenset(gpus)
-                where = format_gpus(gpus)
+                cause = Cause.FREE
             del self.preempted[name]
             self.holders[name] = Holder(spec, held, Phase.STARTING, self._next())
-            actions.append(Start(name, f"restarting preempted {_describe(spec)} on {where}"))
+            requeue = _about(spec, Code.REQUEUE, gpus=tuple(sorted(gpus)), cause=cause)
+            actions.append(_start(requeue))
         return actions
 
     def _refill(self, promises: list[tuple[int, Use]]) -> list[Action]:
@@ -540,10 +564,7 @@ class Scheduler:
                 continue
             gpus = found.gpus
             self.holders[spec.name] = Holder(spec, frozenset(gpus), Phase.STARTING, self._next())
-            where = format_gpus(gpus)
-            actions.append(
-                Start(spec.name, f"starting background {_describe(spec)} on free {where}")
-            )
+            actions.append(_start(_about(spec, Code.REFILL, gpus=tuple(sorted(gpus)))))
         return actions
 
     # -- helpers ----------------------------------------------------------------------------
@@ -560,60 +581,81 @@ class Scheduler:
         spec = self.specs.get(name)
         return spec.priority if spec is not None else 1000
 
-    def _grant_reason(self, holder: Holder) -> str:
-        return f"starting {_describe(holder.spec)} on {format_gpus(holder.gpus)}"
+    def _about_name(self, name: str, code: Code) -> Decision:
+        spec = self.specs.get(name)
+        return _about(spec, code) if spec is not None else Decision(code, name)
 
-    def _stopping_reason(self, waiter: Waiter) -> str:
+    def _grant(self, holder: Holder, gpus: tuple[int, ...] | None = None) -> Grant:
+        """`gpus` in the order placement chose them (the unit's CUDA order)."""
+        where = gpus if gpus is not None else tuple(sorted(holder.gpus))
+        return _grant(_about(holder.spec, Code.GRANT, gpus=where))
+
+    def _stopping_reason(self, waiter: Waiter) -> Decision:
         parts = []
         for name in sorted(waiter.victims):
             victim = self.holders[name]
-            late = f" (still running {victim.overdue} after the stop)" if victim.overdue else ""
-            parts.append(f"{_describe(victim.spec)} to stop on {format_gpus(victim.gpus)}{late}")
-        return "waiting for " + ", ".join(parts)
+            parts.append(
+                Part(
+                    Blocker.VICTIM,
+                    tuple(sorted(victim.gpus)),
+                    name,
+                    victim.spec.priority,
+                    overdue=victim.overdue,
+                )
+            )
+        return _about(
+            waiter.spec,
+            Code.WAIT,
+            cause=Cause.STOPPING,
+            parts=tuple(parts),
+            gpus=tuple(sorted(waiter.target)),
+        )
 
-    def _blocked_reason(self, spec: UnitSpec, promises: list[tuple[int, Use]]) -> str:
+    def _blocked_reason(self, spec: UnitSpec, promises: list[tuple[int, Use]]) -> Decision:
         avoid = self._avoids_foreign(spec)
         usable = [g for g in self.devices.values() if allowed(spec, g, avoid)]
         if spec.gpus > len(usable):
             if spec.devices or any(g.lost for g in self.devices.values()) or avoid:
-                return (
-                    f"waiting: {describe_need(spec)}only {len(usable)} of this host's GPUs "
-                    "may run it (Devices=, lost GPUs, or processes gpuslice does not manage)"
-                )
-            return f"waiting: needs {spec.gpus} GPUs, this host has {len(self.devices)}"
+                return _about(spec, Code.WAIT, cause=Cause.UNUSABLE, available=len(usable))
+            return _about(spec, Code.WAIT, cause=Cause.HOST, available=len(self.devices))
         uses = self._uses(promises)
-        parts = []
+        parts: list[Part] = []
         for gpu in sorted(usable, key=lambda g: g.index):
             holders = [self.holders[u.unit] for u in uses[gpu.index] if u.unit in self.holders]
             top = min(holders, key=lambda h: h.spec.priority) if holders else None
             free = free_memory(gpu, uses[gpu.index])
             whole = any(u.memory is None for u in uses[gpu.index])  # declares no memory
+            on = (gpu.index,)
             if spec.memory is not None and free is not None and not whole:
-                held = f", held by {top.spec.name}, priority {top.spec.priority}" if top else ""
                 parts.append(
-                    f"GPU {gpu.index} has {format_size(max(free, 0))} free after the reserve{held}"
+                    Part(
+                        Blocker.MEMORY,
+                        on,
+                        top.spec.name if top else "",
+                        top.spec.priority if top else None,
+                        free=free,
+                    )
                 )
             elif top is not None and top.phase is Phase.STOPPING:
-                parts.append(f"GPU {gpu.index} being freed by {top.spec.name} (stopping)")
+                parts.append(Part(Blocker.STOPPING, on, top.spec.name, top.spec.priority))
             elif top is not None:
-                refused = " (refused to stop)" if top.spec.name in self.unstoppable else ""
+                refused = top.spec.name in self.unstoppable
                 parts.append(
-                    f"GPU {gpu.index} held by {top.spec.name}, priority {top.spec.priority}"
-                    f"{refused}"
+                    Part(Blocker.HELD, on, top.spec.name, top.spec.priority, refused=refused)
                 )
             else:
                 queued = [w for w in self.waiters.values() if w.spec.priority == spec.priority]
                 if queued and min(queued, key=lambda w: w.seq).spec.name != spec.name:
-                    parts.append(
-                        f"GPU {gpu.index} kept for an earlier unit of priority {spec.priority}"
-                    )
-        return "waiting: " + describe_need(spec) + "; ".join(parts)
+                    parts.append(Part(Blocker.KEPT, on, priority=spec.priority))
+        return _about(spec, Code.WAIT, cause=Cause.BUSY, parts=tuple(parts))
 
-    def _set_reason(self, waiter: Waiter, reason: str) -> list[Action]:
-        if reason == waiter.reason:
+    def _set_reason(self, waiter: Waiter, decision: Decision) -> list[Action]:
+        waiter.decision = decision
+        said = reason(decision)
+        if said == waiter.reason:
             return []
-        waiter.reason = reason
-        return [Log(f"{waiter.spec.name} {reason}")]
+        waiter.reason = said
+        return [_log(decision)]
 
     # -- questions the adapters ask -----------------------------------------------------------
 
@@ -623,6 +665,9 @@ class Scheduler:
 
     def is_waiting(self, name: str) -> bool:
         return name in self.waiters
+
+    def waiting_units(self) -> list[str]:
+        return list(self.waiters)
 
     def learn(self, spec: UnitSpec) -> None:
         """A unit seen for the first time (an instance of a managed template)."""
@@ -657,8 +702,15 @@ class Scheduler:
             (n, self._prio(n), self.specs[n].requeue if n in self.specs else False)
             for n in sorted(self.preempted, key=lambda n: (self._prio(n), self.preempted[n]))
         ]
+        reasons = {n: w.decision for n, w in self.waiters.items() if w.decision is not None}
         return Snapshot(
-            gpus, waiting, preempted, sorted(self.held), sorted(self.finished), sorted(self.failed)
+            gpus,
+            waiting,
+            preempted,
+            sorted(self.held),
+            sorted(self.finished),
+            sorted(self.failed),
+            reasons,
         )
 
     def save(self) -> SavedState:

@@ -73,13 +73,19 @@ def test_equal_priority_waits_then_runs(container: Container) -> None:
     container.systemctl("start", "--no-block", "b.service")
     wait_sub(container, "b.service", "start-pre")
     waiting = status(container)["waiting"]
-    assert waiting == [
+    v1 = ("unit", "priority", "reason")  # the keys of JSON version 1; later ones are added
+    assert [{k: w[k] for k in v1} for w in waiting] == [
         {
             "unit": "b.service",
             "priority": 20,
             "reason": "waiting: GPU 0 held by a.service, priority 20",
         }
     ]
+    assert waiting[0]["position"] == 1 and waiting[0]["since"] > 0
+    assert (waiting[0]["decision"]["code"], waiting[0]["decision"]["parts"][0]["unit"]) == (
+        "wait",
+        "a.service",
+    )
     assert main_pid(container, "a.service") == pid  # never preempted
     container.systemctl("stop", "a.service")
     wait_state(container, "b.service", "active")

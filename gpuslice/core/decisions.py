@@ -1,0 +1,268 @@
+"""Decisions as data: what the scheduler decided about a unit, and the one place that says it.
+
+Every action the core returns carries a `Decision`: a code, the unit it is about, the unit it
+is for, GPUs, priorities and the reason's parts. The sentences in `journalctl -u gpuslice`,
+in a unit's own journal and in `gpuslice status` are rendered from it here and nowhere else,
+so tests (and anyone reading the journal's structured fields or the status JSON) can rely on
+the data, and the words stay the same wherever they are shown.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from gpuslice.core.placement import format_gpus
+from gpuslice.sizes import format_size
+
+
+class Code(enum.Enum):
+    """What was decided (GPUSLICE_DECISION= in the journal, "code" in the status JSON)."""
+
+    GRANT = "grant"  # its gate may pass: it runs on `gpus`
+    WAIT = "wait"  # it waits at its gate; `cause` and `blockers` say why
+    PREEMPT = "preempt"  # it is stopped for `for_unit`, more urgent
+    YIELD = "yield-to-foreign"  # a background unit stops for processes gpuslice does not manage
+    REQUEUE = "requeue"  # a preempted unit is brought back
+    REFILL = "refill"  # an idle background unit is started on free capacity
+    HOLD = "hold"  # stopped by hand: held until someone starts it
+    FINISHED = "finished"  # ended successfully; its GPUs are free
+    FAILED = "failed"  # failed; its own Restart= policy applies
+    SHUTDOWN = "shutdown"  # stopped for shutdown; its GPUs are free
+    CANCELLED = "cancelled"  # its start was cancelled while it waited
+    NOT_REQUEUED = "preempted-no-requeue"  # preempted with Requeue=no: not brought back
+    STOP_FAILED = "stop-failed"  # a stop gpuslice asked for did not happen
+    STOP_REFUSED = "stop-refused"  # systemd refused the stop: not tried again while it runs
+    STOP_OVERDUE = "stop-overdue"  # still running `detail` after gpuslice asked it to stop
+    LOST_GPU = "lost-gpu"  # a GPU stopped answering; `units` held it
+    EXCEEDS_HOST = "exceeds-host"  # it needs more GPUs than the host has
+    UNACCOUNTED = "running-unaccounted"  # runs without enough free GPUs to count it on
+    UNMANAGED = "unmanaged"  # no longer annotated: its GPUs are released
+
+
+class Cause(enum.Enum):
+    """Which kind of reason, where a code has several ("cause" in the status JSON)."""
+
+    PAUSED = "paused"  # wait: background units wait for the driver (`detail`)
+    STOPPING = "victims-stopping"  # wait: for the units in `blockers` to stop
+    UNUSABLE = "too-few-usable-gpus"  # wait: only `available` GPUs may run it
+    HOST = "host-too-small"  # wait: the host has `available` GPUs
+    BUSY = "gpus-busy"  # wait: every usable GPU is taken; `blockers` say by whom
+    FREE = "free-gpus"  # requeue: onto free `gpus`
+    PREEMPTS = "must-preempt"  # requeue: its gate will preempt less urgent units
+
+
+class Blocker(enum.Enum):
+    """What keeps one GPU (or, for a victim, several) from a waiter."""
+
+    VICTIM = "victim"  # `unit` was asked to stop for it; `overdue` when it is late
+    HELD = "held"  # `unit` holds it and may not be preempted for the waiter
+    STOPPING = "stopping"  # `unit` is stopping for another waiter
+    MEMORY = "memory"  # only `free` bytes of declared memory are left (`unit`: top holder)
+    KEPT = "kept"  # kept for an earlier waiter of the same priority
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a waiter's reason."""
+
+    kind: Blocker
+    gpus: tuple[int, ...]
+    unit: str = ""
+    priority: int | None = None
+    free: int | None = None  # bytes, for MEMORY
+    refused: bool = False  # HELD by a unit whose stop systemd refused
+    overdue: str = ""  # VICTIM still running this long after the stop (in words)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "gpus": list(self.gpus),
+            "unit": self.unit or None,
+            "priority": self.priority,
+            "free": self.free,
+            "refused": self.refused,
+            "overdue": self.overdue or None,
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision about a unit (or, for a lost GPU, about the units on it)."""
+
+    code: Code
+    unit: str = ""  # the unit it is about
+    priority: int | None = None
+    for_unit: str = ""  # the unit it is for: the waiter a victim stops for
+    for_priority: int | None = None
+    gpus: tuple[int, ...] = ()
+    cause: Cause | None = None
+    parts: tuple[Part, ...] = ()
+    need_gpus: int = 1  # what the unit asks for: GPUs ...
+    need_memory: int | None = None  # ... and bytes of VRAM on each (None: whole GPUs)
+    available: int | None = None  # GPUs the host has, or that may run it (EXCEEDS_HOST, WAIT)
+    units: tuple[str, ...] = ()  # LOST_GPU: the units that held it
+    pids: tuple[int, ...] = ()  # YIELD: the foreign processes
+    detail: str = ""  # free words: why a stop failed, for how long it is overdue, a pause
+
+    def subjects(self) -> tuple[str, ...]:
+        """The units whose own journal gets this decision."""
+        if self.unit:
+            return (self.unit,)
+        return self.units
+
+    def to_json(self) -> dict[str, Any]:
+        """The decision in `gpuslice status --json`: every key, always (null when unset)."""
+        return {
+            "code": self.code.value,
+            "unit": self.unit or None,
+            "priority": self.priority,
+            "for": self.for_unit or None,
+            "for_priority": self.for_priority,
+            "gpus": list(self.gpus),
+            "cause": self.cause.value if self.cause is not None else None,
+            "parts": [p.to_json() for p in self.parts],
+            "need_gpus": self.need_gpus,
+            "need_memory": self.need_memory,
+            "available": self.available,
+            "detail": self.detail or None,
+        }
+
+
+# The journal level of each decision (syslog names, as Log.level)
+LEVELS: dict[Code, str] = {
+    Code.FAILED: "warning",
+    Code.STOP_FAILED: "warning",
+    Code.STOP_REFUSED: "warning",
+    Code.STOP_OVERDUE: "warning",
+    Code.EXCEEDS_HOST: "warning",
+    Code.UNACCOUNTED: "warning",
+    Code.LOST_GPU: "error",
+}
+
+
+def level(decision: Decision) -> str:
+    return LEVELS.get(decision.code, "info")
+
+
+def _who(unit: str, priority: int | None) -> str:
+    return f"{unit} (priority {priority})"
+
+
+def _need(d: Decision) -> str:
+    """`needs 20 GiB on one GPU; ` (empty for a whole-GPU unit on one GPU)."""
+    where = "one GPU" if d.need_gpus == 1 else f"each of {d.need_gpus} GPUs"
+    if d.need_memory is not None:
+        return f"needs {format_size(d.need_memory)} on {where}; "
+    return f"needs {d.need_gpus} GPUs; " if d.need_gpus > 1 else ""
+
+
+def _part(p: Part) -> str:
+    gpu = p.gpus[0] if p.gpus else -1
+    if p.kind is Blocker.VICTIM:
+        late = f" (still running {p.overdue} after the stop)" if p.overdue else ""
+        return f"{_who(p.unit, p.priority)} to stop on {format_gpus(p.gpus)}{late}"
+    if p.kind is Blocker.MEMORY:
+        held = f", held by {p.unit}, priority {p.priority}" if p.unit else ""
+        return f"GPU {gpu} has {format_size(max(p.free or 0, 0))} free after the reserve{held}"
+    if p.kind is Blocker.STOPPING:
+        return f"GPU {gpu} being freed by {p.unit} (stopping)"
+    if p.kind is Blocker.HELD:
+        refused = " (refused to stop)" if p.refused else ""
+        return f"GPU {gpu} held by {p.unit}, priority {p.priority}{refused}"
+    return f"GPU {gpu} kept for an earlier unit of priority {p.priority}"
+
+
+def reason(d: Decision) -> str:
+    """A waiter's reason as status shows it: `waiting: GPU 0 held by a.service, priority 20`."""
+    if d.cause is Cause.PAUSED:
+        return f"waiting: {d.detail}"
+    if d.cause is Cause.STOPPING:
+        return "waiting for " + ", ".join(_part(p) for p in d.parts)
+    if d.cause is Cause.UNUSABLE:
+        return (
+            f"waiting: {_need(d)}only {d.available} of this host's GPUs "
+            "may run it (Devices=, lost GPUs, or processes gpuslice does not manage)"
+        )
+    if d.cause is Cause.HOST:
+        return f"waiting: needs {d.need_gpus} GPUs, this host has {d.available}"
+    return "waiting: " + _need(d) + "; ".join(_part(p) for p in d.parts)
+
+
+def until(d: Decision) -> str:
+    """What would end a wait, in words (GPUSLICE_UNTIL= in the unit's journal)."""
+    if d.cause is Cause.PAUSED:
+        return "NVML answers, or driver_wait runs out"
+    if d.cause is Cause.STOPPING:
+        return "the units named have stopped"
+    if d.cause is Cause.UNUSABLE:
+        return "enough of the GPUs it may use are usable (Devices=, a lost GPU, foreign processes)"
+    if d.cause is Cause.HOST:
+        return "the host has enough GPUs (config.yaml gpus:, or NVML)"
+    return "the GPUs named free up, or their holders become less urgent than it"
+
+
+def render(d: Decision) -> str:
+    """The sentence for a decision, as `journalctl -u gpuslice` shows it."""
+    who = _who(d.unit, d.priority)
+    code = d.code
+    if code is Code.GRANT:
+        return f"starting {who} on {format_gpus(d.gpus)}"
+    if code is Code.WAIT:
+        return f"{d.unit} {reason(d)}"
+    if code is Code.PREEMPT:
+        return f"preempting {who} for {_who(d.for_unit, d.for_priority)} on {format_gpus(d.gpus)}"
+    if code is Code.YIELD:
+        pids = ", ".join(str(p) for p in d.pids)
+        return (
+            f"yielding {format_gpus(d.gpus)}: stopping background {who} while a process "
+            f"gpuslice does not manage uses it (PID {pids})"
+        )
+    if code is Code.REQUEUE:
+        where = (
+            "GPUs held by less urgent units" if d.cause is Cause.PREEMPTS else format_gpus(d.gpus)
+        )
+        return f"restarting preempted {who} on {where}"
+    if code is Code.REFILL:
+        return f"starting background {who} on free {format_gpus(d.gpus)}"
+    if code is Code.HOLD:
+        return f"{d.unit} was stopped outside gpuslice: held until started again"
+    if code is Code.FINISHED:
+        return f"{d.unit} finished: released {format_gpus(d.gpus)}"
+    if code is Code.FAILED:
+        return (
+            f"{d.unit} failed: gpuslice will not start it by itself "
+            "(its own Restart= policy applies)"
+        )
+    if code is Code.SHUTDOWN:
+        return f"{d.unit} stopped for shutdown: released {format_gpus(d.gpus)}"
+    if code is Code.CANCELLED:
+        return f"{d.unit}: start cancelled while waiting; nothing reserved"
+    if code is Code.NOT_REQUEUED:
+        return f"{who} preempted; Requeue=no, not restarting"
+    if code in (Code.STOP_FAILED, Code.STOP_REFUSED):
+        for_whom = f" for {_who(d.for_unit, d.for_priority)}" if d.for_unit else ""
+        after = (
+            "; gpuslice will not try to stop it again while it runs"
+            if code is Code.STOP_REFUSED
+            else ""
+        )
+        return f"{who} did not stop{for_whom}: {d.detail}; it keeps {format_gpus(d.gpus)}{after}"
+    if code is Code.STOP_OVERDUE:
+        waits = f" ({d.for_unit} waits for it)" if d.for_unit else ""
+        return (
+            f"{who} has not stopped {d.detail} after gpuslice asked{waits}: "
+            "see its TimeoutStopSec= and ExecStop="
+        )
+    if code is Code.LOST_GPU:
+        held = ", ".join(d.units) if d.units else "no unit"
+        return f"GPU {d.gpus[0] if d.gpus else -1} is lost; it was held by {held}"
+    if code is Code.EXCEEDS_HOST:
+        return (
+            f"{who} needs {d.need_gpus} GPUs but this host has {d.available}: "
+            "it waits until the configuration changes"
+        )
+    if code is Code.UNACCOUNTED:
+        return f"{who} is running without enough free GPUs to account for it; counting it on none"
+    return f"{d.unit} is no longer annotated: released its GPUs"

@@ -1,0 +1,229 @@
+"""gpuslice/journal.py against a real AF_UNIX datagram socket standing in for journald's."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part
+from gpuslice.journal import Journal, decision_fields, encode
+
+
+def parse(data: bytes) -> list[tuple[str, bytes]]:
+    """journald's reading of a native-protocol datagram (systemd's journald-native.c)."""
+    fields: list[tuple[str, bytes]] = []
+    rest = data
+    while rest:
+        line, sep, after = rest.partition(b"\n")
+        assert sep, f"unterminated field {line!r}"
+        if b"=" in line:
+            key, _, value = line.partition(b"=")
+            fields.append((key.decode("ascii"), value))
+            rest = after
+        else:
+            (size,) = struct.unpack("<Q", after[:8])
+            value = after[8 : 8 + size]
+            assert after[8 + size : 9 + size] == b"\n"
+            fields.append((line.decode("ascii"), value))
+            rest = after[9 + size :]
+    for name, _ in fields:
+        assert name.isascii() and name.replace("_", "").isalnum() and name.isupper(), name
+    return fields
+
+
+Make = Callable[..., Journal]
+
+
+@pytest.fixture
+def make() -> Iterator[Make]:
+    """Journal(...) for a test, closed after it."""
+    made: list[Journal] = []
+
+    def new(*args: Any, **kw: Any) -> Journal:
+        made.append(Journal(*args, **kw))
+        return made[-1]
+
+    yield new
+    for journal in made:
+        journal.close()
+
+
+@pytest.fixture
+def journald(tmp_path: Path) -> Iterator[tuple[str, socket.socket]]:
+    path = str(tmp_path / "socket")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)
+    server.settimeout(2)
+    yield path, server
+    server.close()
+
+
+def receive(server: socket.socket) -> list[tuple[str, bytes]]:
+    return parse(server.recv(1 << 22))
+
+
+PREEMPT = Decision(
+    Code.PREEMPT, "bg.service", 90, for_unit="voice.service", for_priority=10, gpus=(0, 1)
+)
+
+
+def test_a_decision_is_one_entry_with_its_fields(
+    make: Make, journald: tuple[str, socket.socket]
+) -> None:
+    path, server = journald
+    journal = make(path)
+    message = "preempting bg.service (priority 90) for voice.service (priority 10) on GPUs 0,1"
+    assert journal.send(decision_fields(PREEMPT, message, "info"))
+    assert receive(server) == [
+        ("MESSAGE", message.encode()),
+        ("PRIORITY", b"6"),
+        ("SYSLOG_IDENTIFIER", b"gpuslice"),
+        ("GPUSLICE_DECISION", b"preempt"),
+        ("OBJECT_SYSTEMD_UNIT", b"bg.service"),
+        ("GPUSLICE_UNIT", b"bg.service"),
+        ("GPUSLICE_PRIORITY", b"90"),
+        ("GPUSLICE_FOR", b"voice.service"),
+        ("GPUSLICE_FOR_PRIORITY", b"10"),
+        ("GPUSLICE_GPUS", b"0,1"),
+    ]
+    assert journal.failures == 0
+
+
+def test_grant_says_how_long_it_waited_and_a_wait_what_would_end_it(
+    make: Make,
+    journald: tuple[str, socket.socket],
+) -> None:
+    path, server = journald
+    journal = make(path)
+    grant = Decision(Code.GRANT, "voice.service", 10, gpus=(0,))
+    journal.send(decision_fields(grant, "starting", "info", waited_usec=1_500_000))
+    assert dict(receive(server))["GPUSLICE_WAITED_USEC"] == b"1500000"
+    wait = Decision(
+        Code.WAIT,
+        "voice.service",
+        10,
+        cause=Cause.BUSY,
+        parts=(Part(Blocker.HELD, (0,), "a.service", 5),),
+    )
+    journal.send(decision_fields(wait, "waiting", "info"))
+    fields = dict(receive(server))
+    assert fields["GPUSLICE_CAUSE"] == b"gpus-busy"
+    assert fields["GPUSLICE_UNTIL"].startswith(b"the GPUs named free up")
+    assert "GPUSLICE_WAITED_USEC" not in fields
+
+
+def test_one_entry_for_every_unit_on_a_lost_gpu(
+    make: Make, journald: tuple[str, socket.socket]
+) -> None:
+    path, server = journald
+    lost = Decision(Code.LOST_GPU, gpus=(1,), units=("a.service", "b.service"))
+    make(path).send(decision_fields(lost, "GPU 1 is lost", "error"))
+    fields = receive(server)
+    assert [v for k, v in fields if k == "OBJECT_SYSTEMD_UNIT"] == [b"a.service", b"b.service"]
+    assert ("PRIORITY", b"3") in fields
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "x.service\nOBJECT_SYSTEMD_UNIT=gpuslice.service",
+        "x.service\nPRIORITY=0\n",
+        "\n",
+        "a\x00b\nMESSAGE=forged",
+        "ünïcode\r\n\tMESSAGE=x",
+    ],
+)
+def test_no_value_can_inject_a_field(
+    make: Make, journald: tuple[str, socket.socket], hostile: str
+) -> None:
+    path, server = journald
+    decision = Decision(Code.HOLD, hostile, 5, for_unit=hostile, gpus=(0,), detail=hostile)
+    make(path).send(decision_fields(decision, f"{hostile} was stopped", "info"))
+    fields = receive(server)
+    keys = [k for k, _ in fields]
+    assert keys == [
+        "MESSAGE",
+        "PRIORITY",
+        "SYSLOG_IDENTIFIER",
+        "GPUSLICE_DECISION",
+        "OBJECT_SYSTEMD_UNIT",
+        "GPUSLICE_UNIT",
+        "GPUSLICE_PRIORITY",
+        "GPUSLICE_FOR",
+        "GPUSLICE_GPUS",
+    ]
+    assert dict(fields)["OBJECT_SYSTEMD_UNIT"] == hostile.encode()
+    assert dict(fields)["PRIORITY"] == b"6"
+
+
+def test_encoding_forms() -> None:
+    assert encode([("MESSAGE", "plain")]) == b"MESSAGE=plain\n"
+    assert (
+        encode([("MESSAGE", "two\nlines")]) == b"MESSAGE\n" + struct.pack("<Q", 9) + b"two\nlines\n"
+    )
+    assert encode([("MESSAGE", "x" * 100)], max_value=10) == b"MESSAGE=xxxxxxx...\n"
+    with pytest.raises(ValueError, match="not a journal field name"):
+        encode([("BAD=KEY", "x")])
+    with pytest.raises(ValueError, match="not a journal field name"):
+        encode([("_TRUSTED", "x")])
+
+
+def test_oversized_values_are_cut_to_fit(make: Make, journald: tuple[str, socket.socket]) -> None:
+    path, server = journald
+    journal = make(path, max_entry=4096)
+    huge = "y" * (1 << 20)
+    assert journal.send([("MESSAGE", huge), ("GPUSLICE_UNIT", "a.service")])
+    fields = dict(receive(server))
+    assert len(fields["MESSAGE"]) < 4096 and fields["MESSAGE"].endswith(b"...")
+    assert fields["GPUSLICE_UNIT"] == b"a.service"
+
+
+def test_a_datagram_the_kernel_refuses_is_counted_not_raised(
+    make: Make, journald: tuple[str, socket.socket], caplog: pytest.LogCaptureFixture
+) -> None:
+    path, server = journald
+    journal = make(path, max_entry=64 << 20)  # no cutting: the kernel says EMSGSIZE
+    many = [("GPUSLICE_X", "z" * 16000)] * 1024
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        assert not journal.send(many)
+        assert not journal.send(many)
+        assert journal.failures == 2
+        assert journal.send([("MESSAGE", "small")])
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if m.startswith("cannot write to the journal")]) == 1
+    assert said[-1] == "writing to the journal works again (2 entries were not written)"
+    assert receive(server) == [("MESSAGE", b"small")]
+
+
+def test_missing_socket_is_counted_and_said_once(
+    make: Make, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    journal = make(str(tmp_path / "absent"))
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        for _ in range(3):
+            assert not journal.send(decision_fields(PREEMPT, "m", "info"))
+    assert journal.failures == 3
+    assert len(caplog.records) == 1
+    assert "No such file or directory" in caplog.records[0].getMessage()
+    journal.close()
+
+
+def test_a_full_journald_queue_does_not_block(make: Make, tmp_path: Path) -> None:
+    """EAGAIN when journald lags: the entry is dropped and counted, the caller goes on."""
+    path = str(tmp_path / "socket")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(path)
+    try:
+        journal = make(path)
+        sent = 0
+        while journal.send([("MESSAGE", "x" * 1000)]) and sent < 100_000:
+            sent += 1
+        assert journal.failures == 1 and sent < 100_000
+    finally:
+        server.close()
