@@ -27,7 +27,8 @@ is checked against that model, whatever the test:
 
 `check_quiet` adds what must hold once everything has played out, and `drain` what must hold
 once every unit has ended: every waiter that can fit on the host was granted, the others were
-told why they wait, and every preempted unit with Requeue=yes came back.
+told why they wait, and every preempted unit with Requeue=yes came back (unless a more urgent
+unit still waits: it keeps the capacity it needs).
 """
 
 from __future__ import annotations
@@ -525,7 +526,8 @@ class Sim:
     def drain(self, limit: int = 200) -> None:
         """Every running unit ends, again and again, until nothing runs: then every unit still
         waiting cannot fit on this host and was told why, and every preempted unit with
-        Requeue=yes that fits on this host has come back."""
+        Requeue=yes that fits on this host has come back, unless a more urgent unit still
+        waits (it keeps the capacity it needs)."""
         for _ in range(limit):
             self.settle()
             ending = sorted(n for n in self.running if n not in self.pending_stops)
@@ -544,6 +546,14 @@ class Sim:
             told = [a.message for a in self.actions if isinstance(a, Log)]
             if not any(m.startswith(f"{name} waiting: ") for m in told):
                 raise InvariantError(f"{name} waits and was never told why")
-        forgotten = sorted(n for n in self.owed() if self.could_fit_alone(self.annotations[n]))
+        # A more urgent unit still waiting keeps the capacity it needs from less urgent ones
+        # (they would be preempted as soon as it fits): what it blocks is not forgotten.
+        waiting = [self.annotations[n].priority for n in self.at_gate]
+        forgotten = sorted(
+            n
+            for n in self.owed()
+            if self.could_fit_alone(self.annotations[n])
+            and not any(p < self.annotations[n].priority for p in waiting)
+        )
         if forgotten:
             raise InvariantError(f"preempted, Requeue=yes, never brought back: {forgotten}")

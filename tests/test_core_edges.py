@@ -1,0 +1,364 @@
+"""Edges of the core that the rule tables do not reach: a start on its way when the GPUs
+change under it, units adopted after a controller restart or a new annotation, GPUs removed
+while held, stops that fail for a unit nobody waits for. Each test pins one promise that a
+mutation of the scheduler broke without any other test noticing (`make mutate`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gpuslice.core.model import Gpu
+from gpuslice.core.scheduler import Action, Log, Outcome, Phase, Scheduler
+from tests.core_builders import BG, GIB, brief, sized, spec
+
+
+def log_levels(actions: Sequence[Action]) -> list[tuple[str, str]]:
+    return [(a.level, a.message) for a in actions if isinstance(a, Log)]
+
+
+# -- a start on its way: its GPUs are checked again when its gate asks -----------------------
+
+
+def test_a_start_on_its_way_keeps_its_gpu_when_nothing_changed() -> None:
+    bg = spec("bg", 90, BG, mem_gib=10)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    assert brief(s.schedule()) == ["start bg.service"]
+    assert brief(s.request(bg)) == ["grant bg.service 0"]
+
+
+def test_a_start_on_its_way_is_judged_next_to_the_others_not_itself() -> None:
+    """bg (14 GiB) was started onto GPU 0, where a 4 GiB unit joined it; GPU 1 (16 GiB,
+    a tighter fit) is free by the time its gate asks. It still fits where it was started."""
+    whole = spec("whole", 10, devices=("1",))
+    bg = spec("bg", 90, BG, mem_gib=14)
+    s = Scheduler([sized(0), sized(1, 16)], {bg.name: bg})
+    assert brief(s.request(whole)) == ["grant whole.service 1", "start bg.service"]
+    assert brief(s.request(spec("small", 10, mem_gib=4))) == ["grant small.service 0"]
+    s.inactive("whole.service", Outcome.EXITED)
+    assert brief(s.request(bg)) == ["grant bg.service 0"]
+
+
+def test_a_start_on_its_way_queues_when_its_neighbours_no_longer_leave_room() -> None:
+    """Two units started onto one GPU; the reserve grows before their gates ask: the first
+    to ask no longer fits next to the other and waits; the other then fits alone."""
+    a = spec("a", 90, BG, mem_gib=10)
+    b = spec("b", 90, BG, mem_gib=10)
+    s = Scheduler([sized(0)], {a.name: a, b.name: b})
+    assert brief(s.schedule()) == ["start a.service", "start b.service"]
+    s.set_gpus([sized(0, reserve=6 * GIB)])
+    assert brief(s.request(a)) == []
+    assert s.is_waiting("a.service")
+    assert brief(s.request(b)) == ["grant b.service 0"]
+
+
+def test_a_start_on_its_way_to_a_removed_gpu_queues_for_another() -> None:
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0), sized(1)], {bg.name: bg})
+    assert brief(s.request(spec("first", 10))) == ["grant first.service 0", "start bg.service"]
+    assert s.grants()["bg.service"] == frozenset({1})
+    s.inactive("first.service", Outcome.EXITED)
+    s.set_gpus([sized(0)])  # GPU 1 removed (manage_gpus edited, card pulled)
+    assert brief(s.request(bg)) == ["grant bg.service 0"]
+
+
+# -- units found running: adopted where they run ----------------------------------------------
+
+
+def test_a_unit_adopted_after_a_restart_keeps_the_gpu_it_was_granted() -> None:
+    """Not the lowest free index: the GPU it was granted before the restart."""
+    r = spec("r", 50)
+    s = Scheduler([sized(0), sized(1)], {r.name: r})
+    assert brief(s.running("r.service", [1])) == []
+    assert s.grants() == {"r.service": frozenset({1})}
+    assert s.phase("r.service") is Phase.RUNNING
+
+
+def test_a_memory_unit_adopted_after_a_restart_keeps_its_gpu() -> None:
+    r = spec("r", 50, mem_gib=8)
+    s = Scheduler([sized(0), sized(1)], {r.name: r})
+    s.running("r.service", [1])
+    assert s.grants() == {"r.service": frozenset({1})}
+
+
+def test_a_unit_adopted_while_stopping_counts_as_stopping() -> None:
+    r = spec("r", 50)
+    s = Scheduler([sized(0)], {r.name: r})
+    s.running("r.service", [0], stopping=True)
+    assert s.phase("r.service") is Phase.STOPPING
+
+
+def test_a_started_unit_seen_running_is_running() -> None:
+    """Started by gpuslice, then seen running before its gate asked (a controller
+    restart in between): it runs where it was started."""
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    s.schedule()
+    assert s.phase("bg.service") is Phase.STARTING
+    s.running("bg.service")
+    assert s.phase("bg.service") is Phase.RUNNING
+    assert s.grants() == {"bg.service": frozenset({0})}
+
+
+def test_a_waiter_seen_running_no_longer_waits_and_is_counted_on_none() -> None:
+    """Its start passed the gate without a grant (the gate was removed by a drop-in, say):
+    it runs, so it no longer waits; there is no free GPU to count it on, and it says so."""
+    w = spec("w", 50)
+    s = Scheduler([sized(0)], {w.name: w})
+    s.request(spec("first", 10))
+    s.request(w)
+    assert s.is_waiting("w.service")
+    actions = s.running("w.service")
+    assert not s.is_waiting("w.service")
+    assert s.grants()["w.service"] == frozenset()
+    assert log_levels(actions) == [
+        (
+            "warning",
+            "w.service (priority 50) is running without enough free GPUs to account for it; "
+            "counting it on none",
+        )
+    ]
+
+
+def test_an_annotated_running_unit_never_preempts_to_be_counted() -> None:
+    """Adoption counts a unit where there is room; it never makes room by preempting."""
+    bg = spec("bg", 90, BG)
+    r = spec("r", 10)
+    s = Scheduler([sized(0)], {bg.name: bg, r.name: r})
+    s.schedule()
+    s.request(bg)
+    assert brief(s.running("r.service")) == []
+    assert s.grants()["r.service"] == frozenset()
+    assert s.phase("bg.service") is Phase.RUNNING
+
+
+def test_the_most_recently_adopted_of_equals_is_preempted_first() -> None:
+    a = spec("a", 90)
+    b = spec("b", 90)
+    s = Scheduler([sized(0), sized(1)], {a.name: a, b.name: b})
+    s.running("a.service", [0])
+    s.running("b.service", [1])
+    assert brief(s.request(spec("top", 10))) == ["stop b.service"]
+
+
+# -- GPUs that disappear while held ------------------------------------------------------------
+
+
+def test_a_gpu_removed_while_held_leaves_the_scheduler_working() -> None:
+    """Holders of a GPU that is no longer listed keep counting on it (they still run), and
+    scheduling, status and stops go on."""
+    a = spec("a", 50)
+    b = spec("b", 60)
+    s = Scheduler([sized(0), sized(1)], {})
+    s.request(a)
+    assert brief(s.request(b)) == ["grant b.service 1"]
+    s.set_gpus([sized(0)])
+    assert s.snapshot().gpus[1] == [("b.service", 60, "running")]
+    assert brief(s.request(spec("c", 70))) == []
+    assert brief(s.inactive("a.service", Outcome.EXITED)) == ["grant c.service 0"]
+
+
+def test_device_of_an_unknown_index_is_a_gpu_of_unknown_size() -> None:
+    s = Scheduler([sized(0)], {})
+    assert s.device(0) == sized(0)
+    assert s.device(5) == Gpu(5)
+
+
+# -- preempted units coming back ---------------------------------------------------------------
+
+
+def test_a_preempted_unit_comes_back_by_preempting_a_less_urgent_background_unit() -> None:
+    """p (two GPUs) was preempted by u; bg took the GPU p left; when u ends, p comes back:
+    its gate will preempt bg (the requeue is started with no GPUs held for it)."""
+    p = spec("p", 20, gpus=2)
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0), sized(1)], {p.name: p, bg.name: bg})
+    s.request(p)
+    assert brief(s.request(spec("u", 10))) == ["stop p.service"]
+    assert brief(s.inactive("p.service", Outcome.STOPPED)) == [
+        "grant u.service 0",
+        "start bg.service",
+    ]
+    s.request(bg)
+    actions = s.inactive("u.service", Outcome.EXITED)
+    assert brief(actions) == ["start p.service"]
+    assert s.grants()["p.service"] == frozenset()
+    assert brief(s.request(p)) == ["stop bg.service"]
+
+
+def test_every_preempted_unit_that_can_come_back_does_whatever_the_ones_before_it() -> None:
+    """Sorted by priority: the first preempted unit cannot come back (no requeue, or too big
+    for what is free); the next ones still do."""
+    no_requeue = spec("a", 20, requeue=False)
+    too_big = spec("b", 30, gpus=2)
+    c = spec("c", 40)
+    s = Scheduler([sized(0), sized(1)], {u.name: u for u in (no_requeue, too_big, c)})
+    s.request(no_requeue)
+    s.request(c)
+    s.request(spec("top1", 10))
+    s.request(spec("top2", 10))
+    s.inactive("a.service", Outcome.STOPPED)
+    s.inactive("c.service", Outcome.STOPPED)
+    s.request(too_big)  # waits behind top1/top2, then they preempt nothing more
+    s.inactive("top1.service", Outcome.EXITED)
+    assert "c.service" in [a.split()[1] for a in brief(s.inactive("b.service", Outcome.STOPPED))]
+
+
+def test_a_waiter_keeps_capacity_only_from_units_as_or_less_urgent_than_itself() -> None:
+    """w (two GPUs) waits for GPU 0, held by x which it cannot preempt, and keeps GPU 1 from
+    less urgent units; p, more urgent than w and preempted earlier, still comes back on it."""
+    x = spec("x", 30, devices=("0",))
+    p = spec("p", 20, devices=("1",))
+    w = spec("w", 50, gpus=2)
+    s = Scheduler([sized(0), sized(1)], {u.name: u for u in (x, p, w)})
+    s.request(x)
+    s.request(p)
+    assert brief(s.request(spec("u", 10, devices=("1",)))) == ["stop p.service"]
+    s.inactive("p.service", Outcome.STOPPED)
+    s.request(w)
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == ["start p.service"]
+
+
+def test_equally_urgent_preempted_units_come_back_in_the_order_they_were_preempted() -> None:
+    a = spec("a", 50, devices=("0",))
+    b = spec("b", 50, devices=("1",))
+    both = spec("both", 10, gpus=2)
+    s = Scheduler([sized(0), sized(1)], {a.name: a, b.name: b})
+    s.request(a)
+    s.request(b)
+    s.request(both)
+    s.inactive("b.service", Outcome.STOPPED)
+    s.inactive("a.service", Outcome.STOPPED)
+    assert brief(s.inactive("both.service", Outcome.EXITED)) == [
+        "start b.service",
+        "start a.service",
+    ]
+
+
+# -- the words of a wait and of a stop ---------------------------------------------------------
+
+
+def test_a_waiter_for_several_victims_names_each() -> None:
+    a = spec("a", 80, devices=("0",))
+    b = spec("b", 90, devices=("1",))
+    s = Scheduler([sized(0), sized(1)], {})
+    s.request(a)
+    s.request(b)
+    s.request(spec("top", 10, gpus=2))
+    assert s.snapshot().waiting == [
+        (
+            "top.service",
+            10,
+            "waiting for a.service (priority 80) to stop on GPU 0, "
+            "b.service (priority 90) to stop on GPU 1",
+        )
+    ]
+
+
+def test_a_background_waiter_is_told_that_foreign_processes_keep_it_off() -> None:
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0, foreign_pids=(4242,))], {bg.name: bg})
+    s.request(bg)
+    (reason,) = [r for _, _, r in s.snapshot().waiting]
+    assert reason.startswith("waiting: only 0 of this host's GPUs may run it")
+
+
+def test_memory_overcommitted_by_others_reads_as_none_free() -> None:
+    s = Scheduler([sized(0, foreign=30 * GIB)], {})
+    s.request(spec("m", 10, mem_gib=4))
+    (reason,) = [r for _, _, r in s.snapshot().waiting]
+    assert "GPU 0 has 0 B free after the reserve" in reason
+
+
+def test_only_a_waiter_going_inactive_is_a_cancelled_start() -> None:
+    s = Scheduler([sized(0)], {})
+    said = [m for _, m in log_levels(s.inactive("nobody.service", Outcome.EXITED))]
+    assert not any("start cancelled" in m for m in said), said
+    s.request(spec("first", 10))
+    s.request(spec("w", 20))
+    said = [m for _, m in log_levels(s.inactive("w.service", Outcome.STOPPED))]
+    assert "w.service: start cancelled while waiting; nothing reserved" in said
+
+
+# -- stops that fail or overrun, for a waiter or for nobody -------------------------------------
+
+
+def test_a_stop_lost_for_nobody_is_said_without_a_waiter_or_a_promise() -> None:
+    """A background unit yielding to a foreign process has no waiter; its stop is lost."""
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    s.schedule()
+    s.request(bg)
+    s.set_gpus([sized(0, foreign_pids=(4242,))])
+    actions = s.stop_failed("bg.service", "its stop job was cancelled", refused=False)
+    assert log_levels(actions) == [
+        (
+            "warning",
+            "bg.service (priority 90) did not stop: its stop job was cancelled; it keeps GPU 0",
+        )
+    ]
+
+
+def test_an_overdue_stop_for_nobody_names_no_waiter() -> None:
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    s.schedule()
+    s.request(bg)
+    s.set_gpus([sized(0, foreign_pids=(4242,))])
+    (message,) = [m for _, m in log_levels(s.stop_overdue("bg.service", "90 s"))]
+    assert "waits for it" not in message
+    assert message.startswith("bg.service (priority 90) has not stopped 90 s after gpuslice asked")
+
+
+def test_an_overdue_stop_of_an_unknown_unit_is_ignored() -> None:
+    assert Scheduler([sized(0)], {}).stop_overdue("nobody.service", "90 s") == []
+
+
+def test_a_failed_stop_forgets_that_it_was_overdue() -> None:
+    """Asked again later, its waiter's reason does not carry the old overrun."""
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    s.schedule()
+    s.request(bg)
+    s.request(spec("v", 10))
+    s.stop_overdue("bg.service", "90 s")
+    s.stop_failed("bg.service", "its stop job was cancelled", refused=False)
+    assert s.snapshot().waiting == [
+        ("v.service", 10, "waiting for bg.service (priority 90) to stop on GPU 0")
+    ]
+
+
+# -- yielding, reloads, saved state ------------------------------------------------------------
+
+
+def test_every_background_unit_on_a_gpu_taken_by_a_foreign_process_yields() -> None:
+    """The first background unit (by name) is on a clean GPU; the second still yields."""
+    a = spec("a", 90, BG)
+    b = spec("b", 90, BG)
+    s = Scheduler([sized(0), sized(1)], {a.name: a, b.name: b})
+    s.schedule()
+    s.request(a)
+    s.request(b)
+    assert brief(s.set_gpus([sized(0), sized(1, foreign_pids=(4242,))])) == ["stop b.service"]
+
+
+def test_a_reload_forgets_every_unit_no_longer_annotated_after_one_still_stopping() -> None:
+    a = spec("a", 90, devices=("0",))
+    b = spec("b", 90, devices=("1",))
+    s = Scheduler([sized(0), sized(1)], {a.name: a, b.name: b})
+    s.request(a)
+    s.request(b)
+    s.request(spec("top", 10, devices=("0",)))  # a is stopping
+    s.set_specs({})
+    assert "b.service" not in s.grants()
+    assert s.phase("a.service") is Phase.STOPPING
+
+
+def test_saved_holders_without_a_waiter_load() -> None:
+    a = spec("a", 90)
+    s = Scheduler([sized(0)], {a.name: a})
+    s.request(a)
+    saved = s.save()
+    fresh = Scheduler([sized(0)], {a.name: a})
+    fresh.load(saved)
+    assert fresh.grants() == {"a.service": frozenset({0})}
+    assert fresh.phase("a.service") is Phase.RUNNING
