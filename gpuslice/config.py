@@ -50,49 +50,45 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _integer_in(low: int, high: int) -> Callable[[Any], bool]:
-    return lambda v: _is_int(v) and low <= v <= high
+# The table binds the bounds of these checks with `partial`: they run as plain functions (no
+# closure made at import), so that mutation testing reaches them.
 
 
-def _number_in(low: float, high: float) -> Callable[[Any], bool]:
-    def valid(v: Any) -> bool:
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            return False
-        if isinstance(v, float) and not math.isfinite(v):
-            return False
-        return low <= v <= high  # exact for any int (math.isfinite(10**400) would overflow)
+def _integer_in(v: Any, low: int, high: int) -> bool:
+    return _is_int(v) and low <= v <= high
 
-    return valid
+
+def _number_in(v: Any, low: float, high: float) -> bool:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    if isinstance(v, float) and not math.isfinite(v):
+        return False
+    return low <= v <= high  # exact for any int (math.isfinite(10**400) would overflow)
 
 
 _PATH = re.compile(r"/[A-Za-z0-9._/-]*", re.ASCII)
 
 
-def _directory_below(base: str) -> Callable[[Any], bool]:
+def _directory_below(v: Any, base: str) -> bool:
     """`base` or a directory below it, spelled plainly: the unit's sandbox
     (ProtectSystem=strict + StateDirectory=/RuntimeDirectory=) lets it write nowhere else, and
     the generator writes runtime_dir into every gate drop-in."""
-
-    def valid(v: Any) -> bool:
-        if not isinstance(v, str) or len(v) > MAX_PATH_LENGTH or not _PATH.fullmatch(v):
-            return False
-        path = v.rstrip("/")
-        parts = path.split("/")[1:]
-        return (
-            "//" not in v
-            and (path == base or path.startswith(base + "/"))
-            and all(part not in ("", ".", "..") for part in parts)
-        )
-
-    return valid
-
-
-def _path_allowed(base: str) -> str:
+    if not isinstance(v, str) or len(v) > MAX_PATH_LENGTH or not _PATH.fullmatch(v):
+        return False
+    path = v.rstrip("/")
+    parts = path.split("/")[1:]
     return (
-        f"{base} or a directory below it, at most {MAX_PATH_LENGTH} characters of letters, "
-        'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s '
-        "sandbox lets it write nowhere else"
+        "//" not in v
+        and (path == base or path.startswith(base + "/"))
+        and all(part not in ("", ".", "..") for part in parts)
     )
+
+
+_PATH_ALLOWED = (
+    f"{{base}} or a directory below it, at most {MAX_PATH_LENGTH} characters of letters, "
+    'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s '
+    "sandbox lets it write nowhere else"
+)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -155,7 +151,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "gpus",
         1,
-        _integer_in(1, MAX_GPUS),
+        functools.partial(_integer_in, low=1, high=MAX_GPUS),
         f"an integer 1-{MAX_GPUS}",
         "How many GPUs to schedule on hosts where NVML cannot count them.",
     ),
@@ -169,16 +165,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "state_dir",
         DEFAULT_STATE_DIR,
-        _directory_below(DEFAULT_STATE_DIR),
-        _path_allowed(DEFAULT_STATE_DIR),
+        functools.partial(_directory_below, base=DEFAULT_STATE_DIR),
+        _PATH_ALLOWED.format(base=DEFAULT_STATE_DIR),
         "Where the controller keeps what must survive a reboot.",
         convert=lambda v: v.rstrip("/"),
     ),
     Setting(
         "runtime_dir",
         DEFAULT_RUNTIME_DIR,
-        _directory_below(DEFAULT_RUNTIME_DIR),
-        _path_allowed(DEFAULT_RUNTIME_DIR),
+        functools.partial(_directory_below, base=DEFAULT_RUNTIME_DIR),
+        _PATH_ALLOWED.format(base=DEFAULT_RUNTIME_DIR),
         "Where the controller writes per-unit environment files "
         "(RUNTIME_DIR/env/UNIT/gpuslice.env).",
         convert=lambda v: v.rstrip("/"),
@@ -212,7 +208,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "sample_interval",
         2.0,
-        _number_in(0.05, 3600),
+        functools.partial(_number_in, low=0.05, high=3600),
         "a number of seconds 0.05-3600",
         "Seconds between NVML samples, taken only while something needs protecting.",
         convert=float,
@@ -220,7 +216,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "vram_release_timeout",
         30.0,
-        _number_in(0.1, 3600),
+        functools.partial(_number_in, low=0.1, high=3600),
         "a number of seconds 0.1-3600",
         "Seconds a grant waits for a preempted unit's VRAM to be released before it goes ahead.",
         convert=float,
@@ -228,7 +224,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "gate_retry_seconds",
         0.5,
-        _number_in(0.05, 60),
+        functools.partial(_number_in, low=0.05, high=60),
         "a number of seconds 0.05-60",
         "How long the gate waits before asking again while the controller is away.",
         convert=float,
@@ -236,7 +232,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "stop_timeout",
         90.0,
-        _number_in(1, 86400),
+        functools.partial(_number_in, low=1, high=86400),
         "a number of seconds 1-86400",
         "How long a preempted unit may take to stop before the waiter's reason names it and a "
         "warning is logged.",
@@ -245,7 +241,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "driver_wait",
         120.0,
-        _number_in(0, 3600),
+        functools.partial(_number_in, low=0, high=3600),
         "a number of seconds 0-3600",
         "How long background units wait for NVML when NVIDIA hardware is present but its driver "
         "is not ready (at boot, after an unload); after that they start on the fallback GPUs.",

@@ -73,8 +73,10 @@ def printable(text: str, limit: int = 300) -> str:
 
 
 def is_template(name: str) -> bool:
-    """`foo@.service`."""
-    return "@." in name and name.index("@") == name.index("@.")
+    """`foo@.service`: nothing between the first `@` and the suffix (`foo@.b@.service` is an
+    instance, of `foo@.service`, as for systemd)."""
+    at = name.find("@")
+    return at >= 0 and at + 1 == name.rfind(".")
 
 
 def is_instance(name: str) -> bool:
