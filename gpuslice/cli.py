@@ -10,15 +10,28 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
 from gpuslice import __version__, driver
 from gpuslice.annotations import check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings
-from gpuslice.core.model import UnitKind
+from gpuslice.core.model import UnitKind, UnitSpec
+from gpuslice.newunit import (
+    USER_NAME,
+    annotation_options,
+    annotation_text,
+    existing_unit,
+    printable_path,
+    resolve_command,
+    unit_name,
+    unit_text,
+    write_atomically,
+    written_by_new,
+)
 from gpuslice.paths import CONFIG_PATH
-from gpuslice.unitfiles import UnitFile, printable
+from gpuslice.unitfiles import UnitFile, is_valid_unit_name, printable
 
 ENROLL_DROPIN = "gpuslice.conf"
 
@@ -208,49 +221,22 @@ def _device_allow_entries(shown: str) -> list[str]:
 
 @main.command()
 @click.argument("unit")
-@click.option(
-    "--priority", type=click.IntRange(0, 999), required=True, help="0-999, lower is more urgent."
-)
-@click.option(
-    "--type",
-    "kind",
-    type=click.Choice([k.value for k in UnitKind]),
-    default=UnitKind.ON_DEMAND.value,
-    show_default=True,
-)
-@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option(
-    "--requeue/--no-requeue",
-    default=True,
-    show_default=True,
-    help="Restart the unit when capacity returns after it was preempted.",
-)
+@annotation_options
 @click.option("--no-reload", is_flag=True, help="Do not run systemctl daemon-reload.")
 @click.option("--root", default="/", show_default=True, hidden=True)
-def enroll(
-    unit: str, priority: int, kind: str, gpus: int, requeue: bool, no_reload: bool, root: str
-) -> None:
+def enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
     """Annotate UNIT through a drop-in (for units you cannot edit), validate it, reload."""
     if "." not in unit:
         unit += ".service"
-    dropin_dir = Path(root) / "etc/systemd/system" / f"{unit}.d"
-    dropin = dropin_dir / ENROLL_DROPIN
-    dropin_dir.mkdir(parents=True, exist_ok=True)
-    text = (
-        "# Written by `gpuslice enroll`; edit or remove it with systemctl edit.\n"
-        "[X-GPUSlice]\n"
-        f"Priority={priority}\nType={kind}\nGPUs={gpus}\nRequeue={'yes' if requeue else 'no'}\n"
-    )
-    tmp = dropin.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, dropin)
-    spec, problems = load_spec(unit, root)
-    for problem in problems:
-        click.echo(f"{problem.severity}: {problem}", err=True)
-    if spec is None or any(p.severity == "error" for p in problems):
-        dropin.unlink()
-        raise click.ClickException(f"{unit}: annotation rejected; removed {dropin}")
-    if spec.priority != priority:
+    if not is_valid_unit_name(unit):
+        raise click.BadParameter(f"{printable(unit)!r}: not a unit name", param_hint="UNIT")
+    dropin = Path(root) / "etc/systemd/system" / f"{unit}.d" / ENROLL_DROPIN
+    text = "# Written by `gpuslice enroll`; edit or remove it with systemctl edit.\n"
+    # every key the parser knows by default, so that the drop-in says the whole annotation
+    defaults = {"kind": UnitKind.ON_DEMAND.value, "gpus": 1, "requeue": True}
+    write_atomically(dropin, text + annotation_text({**defaults, **_given(keys)}))
+    spec = _validated(unit, root, dropin)
+    if spec.priority != int(keys["priority"]):
         click.echo(
             f"warning: a later drop-in overrides this one: {unit} has priority {spec.priority}",
             err=True,
@@ -258,6 +244,77 @@ def enroll(
     click.echo(f"enrolled {spec.describe()} via {dropin}")
     if not no_reload:
         subprocess.run(["systemctl", "daemon-reload"], check=True)
+
+
+@main.command()
+@click.argument("name")
+@annotation_options
+@click.option("--user", help="User= the job runs as (default: root).")
+@click.option("--workdir", help="WorkingDirectory= (an absolute path).")
+@click.option("--now", is_flag=True, help="Start it at once (queued: it may wait for its GPUs).")
+@click.option("--no-reload", is_flag=True, help="Do not run systemctl daemon-reload.")
+@click.option("--root", default="/", show_default=True, hidden=True)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def new(
+    name: str,
+    user: str | None,
+    workdir: str | None,
+    now: bool,
+    no_reload: bool,
+    root: str,
+    command: tuple[str, ...],
+    **keys: Any,
+) -> None:
+    """Write a complete unit NAME.service that runs COMMAND (after --) as a GPU job.
+
+    gpuslice new voice --priority 10 --memory 8G -- /usr/bin/python3 /srv/voice.py
+    """
+    unit = unit_name(name)
+    if user is not None and not USER_NAME.fullmatch(user):
+        raise click.BadParameter(f"{printable(user)!r}: not a user name", param_hint="--user")
+    if workdir is not None and (not os.path.isabs(workdir) or not printable_path(workdir)):
+        raise click.BadParameter(
+            f"{printable(workdir)!r}: not an absolute path", param_hint="--workdir"
+        )
+    path = Path(root) / "etc/systemd/system" / unit
+    found = existing_unit(unit, Path(root))
+    if found is not None and not (found == path and written_by_new(path)):
+        raise click.ClickException(
+            f"{found} exists and was not written by gpuslice new: not overwritten "
+            f"(use gpuslice enroll {unit} to annotate it)"
+        )
+    kind = UnitKind(keys["kind"]) if keys.get("kind") else UnitKind.ON_DEMAND
+    text = unit_text(
+        unit,
+        resolve_command(command),
+        annotation_text(_given(keys)),
+        kind=kind,
+        user=user,
+        workdir=workdir,
+    )
+    write_atomically(path, text)
+    spec = _validated(unit, root, path)
+    click.echo(f"wrote {path}: {spec.describe()}")
+    if not no_reload:
+        subprocess.run(["systemctl", "daemon-reload"], check=True)
+    if now:
+        subprocess.run(["systemctl", "start", "--no-block", unit], check=True)
+        click.echo(f"queued {unit}: `systemctl status {unit}` says whether it waits and why")
+
+
+def _given(keys: dict[str, Any]) -> dict[str, Any]:
+    return {field: value for field, value in keys.items() if value is not None}
+
+
+def _validated(unit: str, root: str, written: Path) -> UnitSpec:
+    """Read the unit back through the parser; remove what was written if it is refused."""
+    spec, problems = load_spec(unit, root)
+    for problem in problems:
+        click.echo(f"{problem.severity}: {problem}", err=True)
+    if spec is None or any(p.severity == "error" for p in problems):
+        written.unlink()
+        raise click.ClickException(f"{unit}: annotation rejected; removed {written}")
+    return spec
 
 
 if __name__ == "__main__":

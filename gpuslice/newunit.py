@@ -1,0 +1,192 @@
+"""`gpuslice new` and `gpuslice enroll`: the annotation keys as command-line options, and a
+complete unit written for a command.
+
+The options come from annotations.KEYS, the table the parser uses, so the CLI accepts every
+key the parser knows and validates it the same way. Files are written to a temporary name and
+renamed, then read back through the parser: what is written is exactly what `gpuslice check`
+and the controller will see.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from gpuslice.annotations import KEYS, SECTION, Key
+from gpuslice.core.model import UnitKind
+from gpuslice.unitfiles import is_valid_unit_name
+
+NEW_MARKER = "# Written by `gpuslice new`"
+# Where a unit of this name would already be found (systemd's system search path).
+UNIT_DIRS = (
+    "etc/systemd/system",
+    "run/systemd/system",
+    "usr/lib/systemd/system",
+    "lib/systemd/system",
+)
+STOP_TIMEOUT = 30  # seconds between KillSignal= and SIGKILL: time to save work and exit
+# User= as systemd accepts it without a lookup: a POSIX-ish name or a numeric UID.
+USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}\$?|[0-9]{1,10}", re.ASCII)
+
+
+def printable_path(path: str) -> bool:
+    """Printable ASCII only, so that no line break or control character reaches the unit."""
+    return 0 < len(path) <= 4096 and all(32 <= ord(c) < 127 for c in path)
+
+
+def option_name(key: Key) -> str:
+    return "--" + ("type" if key.field == "kind" else key.name.lower())
+
+
+def _validator(key: Key) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    def validate(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None or isinstance(value, bool):
+            return value
+        try:
+            key.parse(str(value))
+        except ValueError as e:
+            detail = "" if str(e) in ("", str(value)) else f": {e}"
+            raise click.BadParameter(
+                f"{key.name}={value}{detail} (allowed: {key.allowed})"
+            ) from None
+        return str(value)
+
+    return validate
+
+
+def annotation_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """One option per annotation key, validated by the key's own parser: `--priority`
+    (required), `--type`, `--gpus`, `--requeue/--no-requeue`, `--memory`, `--devices`."""
+    for key in reversed(KEYS):
+        name = option_name(key)
+        if key.name == "Requeue":
+            func = click.option(
+                f"{name}/--no-{name[2:]}",
+                "requeue",
+                default=None,
+                help="Restart the unit when capacity returns after it was preempted "
+                "(default: yes).",
+            )(func)
+            continue
+        func = click.option(
+            name,
+            key.field,
+            required=key.required,
+            callback=_validator(key),
+            help=f"{key.name}=: {key.allowed}"
+            + ("" if key.required or key.default in (None, ()) else f" (default: {_shown(key)})"),
+        )(func)
+    return func
+
+
+def _shown(key: Key) -> str:
+    default = key.default
+    return default.value if isinstance(default, UnitKind) else str(default)
+
+
+def annotation_text(values: Mapping[str, Any]) -> str:
+    """The `[X-GPUSlice]` section for the options given (keyed by UnitSpec field); keys left
+    out keep their defaults."""
+    lines = [f"[{SECTION}]"]
+    for key in KEYS:
+        value = values.get(key.field)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            value = "yes" if value else "no"
+        lines.append(f"{key.name}={value}")
+    return "\n".join(lines) + "\n"
+
+
+def unit_name(name: str) -> str:
+    """NAME or NAME.service; a plain service name, not a template or another unit type."""
+    if "." not in name:
+        name += ".service"
+    if not is_valid_unit_name(name) or not name.endswith(".service") or "@" in name:
+        raise click.BadParameter(
+            f"{name!r}: not a service name (letters, digits and :-_.\\, no @)", param_hint="NAME"
+        )
+    return name
+
+
+def exec_quote(arg: str) -> str:
+    """One ExecStart= argument in systemd's syntax: double-quoted with C escapes, `$` and
+    `%` doubled so that systemd expands neither variables nor specifiers."""
+    out = arg.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    out = out.replace("$", "$$").replace("%", "%%")
+    return f'"{out}"'
+
+
+def resolve_command(command: Sequence[str]) -> list[str]:
+    """The command with its program as an absolute path (systemd runs no shell)."""
+    if not command:
+        raise click.UsageError("give the command after --, e.g. -- /usr/bin/python3 job.py")
+    program = command[0]
+    if not os.path.isabs(program):
+        found = shutil.which(program)
+        if found is None:
+            raise click.BadParameter(f"{program!r}: not found in PATH", param_hint="COMMAND")
+        program = os.path.abspath(found)
+    return [program, *command[1:]]
+
+
+def unit_text(
+    name: str,
+    command: Sequence[str],
+    annotation: str,
+    *,
+    kind: UnitKind,
+    user: str | None = None,
+    workdir: str | None = None,
+) -> str:
+    """A complete service for COMMAND: stopped gracefully (SIGTERM, then SIGKILL after
+    STOP_TIMEOUT s); a background unit that fails is restarted by systemd after 30 s, an
+    on-demand one is not (a person or a timer started it and decides)."""
+    service = [
+        "Type=exec",
+        "ExecStart=" + " ".join(exec_quote(a) for a in command),
+        "KillMode=mixed",
+        "KillSignal=SIGTERM",
+        f"TimeoutStopSec={STOP_TIMEOUT}",
+    ]
+    if kind is UnitKind.BACKGROUND:
+        service += ["Restart=on-failure", "RestartSec=30"]
+    if user:
+        service.append(f"User={user}")
+    if workdir:
+        service.append("WorkingDirectory=" + workdir.replace("%", "%%"))
+    return (
+        f"{NEW_MARKER}; gpuslice new refuses to overwrite a unit it did not write.\n"
+        f"[Unit]\nDescription={name.removesuffix('.service')} (GPU job, gpuslice new)\n\n"
+        "[Service]\n" + "\n".join(service) + "\n\n" + annotation
+    )
+
+
+def existing_unit(name: str, root: Path) -> Path | None:
+    """Where systemd would already find a unit of this name, if anywhere."""
+    for directory in UNIT_DIRS:
+        path = root / directory / name
+        if os.path.lexists(path):
+            return path
+    return None
+
+
+def written_by_new(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(NEW_MARKER)).decode("ascii", "replace") == NEW_MARKER
+    except OSError:
+        return False
+
+
+def write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.gpuslice-tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,47 @@
+"""`gpuslice new` against a real systemd: the unit it writes is gated and preempted like a
+hand-written one, and `enroll --memory` round-trips through `gpuslice check`."""
+
+from __future__ import annotations
+
+from tests.bed.container import Container
+from tests.integration.jobs import UNIT_DIR, reload, wait_journal, wait_state, write_job
+
+BG = "bg.service"
+
+
+def test_a_unit_from_gpuslice_new_preempts_and_is_preempted_like_a_hand_written_one(
+    container: Container,
+) -> None:
+    write_job(container, BG, 90, "background")
+    reload(container)
+    wait_state(container, BG, "active")
+    container.run(["gpuslice", "new", "voice", "--priority", "10", "--now", "--", "sleep", "3"])
+    wait_journal(container, "preempting bg.service (priority 90) for voice.service (priority 10)")
+    wait_state(container, "voice.service", "active")
+    wait_state(container, BG, "active", timeout=30)  # voice finished: bg is back
+    assert container.run(["systemctl", "show", "-P", "Result", "voice.service"]).stdout.strip() == (
+        "success"
+    )
+    # a background job from `new` yields to an urgent hand-written one
+    container.systemctl("stop", BG)
+    container.run(
+        ["gpuslice", "new", "vlm", "--priority", "80", "--type", "background", "--", "sleep", "600"]
+    )
+    container.systemctl("start", "vlm.service")
+    write_job(container, "urgent.service", 5, seconds=1)
+    reload(container)
+    container.systemctl("start", "--no-block", "urgent.service")
+    wait_journal(container, "preempting vlm.service (priority 80) for urgent.service (priority 5)")
+    wait_state(container, "vlm.service", "active", timeout=30)
+
+
+def test_enroll_memory_round_trips_through_check(container: Container) -> None:
+    write_job(container, "plain.service", None)
+    out = container.run(
+        ["gpuslice", "enroll", "plain", "--priority", "20", "--memory", "12G", "--devices", "0"]
+    ).stdout
+    assert "enrolled plain.service (priority 20)" in out
+    dropin = container.run(["cat", f"{UNIT_DIR}/plain.service.d/gpuslice.conf"]).stdout
+    assert "Memory=12G\nDevices=0\n" in dropin
+    check = container.run(["gpuslice", "check"])
+    assert check.stdout.startswith("ok: ")
