@@ -27,8 +27,9 @@ is checked against that model, whatever the test:
 
 `check_quiet` adds what must hold once everything has played out, and `drain` what must hold
 once every unit has ended: every waiter that can fit on the host was granted, the others were
-told why they wait, and every preempted unit with Requeue=yes came back (unless a more urgent
-unit still waits: it keeps the capacity it needs).
+told why they wait, and every preempted unit with Requeue=yes came back (unless a waiter that
+cannot fit, more urgent, or as urgent and earlier, keeps the capacity it needs: strict order,
+no backfill).
 """
 
 from __future__ import annotations
@@ -539,16 +540,19 @@ class Sim:
         else:
             raise InvariantError(f"still running after {limit} rounds: {sorted(self.running)}")
         self.check_quiet()
+        # A waiter that cannot fit (a foreign process, a lost GPU) keeps capacity from units
+        # as urgent or less: strict order, no backfill. A waiter it holds back is not stuck.
+        waiting = [self.annotations[n].priority for n in self.at_gate]
         for name in sorted(self.at_gate):
             unit = self.annotations[name]
-            if self.could_fit_alone(unit):
+            behind = sum(1 for p in waiting if p <= unit.priority) > 1
+            if self.could_fit_alone(unit) and not behind:
                 raise InvariantError(f"{name} still waits on an idle host it fits on")
             told = [a.message for a in self.actions if isinstance(a, Log)]
             if not any(m.startswith(f"{name} waiting: ") for m in told):
                 raise InvariantError(f"{name} waits and was never told why")
         # A more urgent unit still waiting keeps the capacity it needs from less urgent ones
         # (they would be preempted as soon as it fits): what it blocks is not forgotten.
-        waiting = [self.annotations[n].priority for n in self.at_gate]
         forgotten = sorted(
             n
             for n in self.owed()
