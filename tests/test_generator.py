@@ -226,7 +226,7 @@ def test_libexec_dir(tmp_path: Path) -> None:
     assert find_libexec_dir({"GPUSLICE_LIBEXEC_DIR": "/x"}, package) == "/x"
 
 
-def test_gate_retry_from_config_reaches_the_gate() -> None:
+def test_the_gate_line_carries_the_retry_it_is_given_or_config_defaults() -> None:
     assert "gpuslice-gate %n 2\n" in generator.gate_dropin("/l", "/run/g", [], retry=2.0)
     assert "gpuslice-gate %n 0.05\n" in generator.gate_dropin("/l", "/run/g", [], retry=0.05)
     # the default is config.py's, always written out: the gate's own default is not relied on
