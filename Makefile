@@ -20,6 +20,7 @@ UNITDIR := $(PREFIX)/lib/systemd/system
 GENDIR := $(PREFIX)/lib/systemd/system-generators
 EXAMPLEDIR := $(LIBDIR)/examples
 BUSCONFDIR := $(SYSCONFDIR)/dbus-1/system.d
+SYSUSERSDIR := $(PREFIX)/lib/sysusers.d
 # The default config shipped to /etc/gpuslice/config.yaml (top level, else data/).
 CONFIG ?= $(or $(wildcard config.yaml),$(wildcard data/config.yaml),config.yaml)
 
@@ -76,7 +77,8 @@ clean:
 # Writes only below $(DESTDIR): the source tree may be read-only (the test bed mounts it so).
 
 install:
-	@for f in units/gpuslice.service data/gpuslice-gate data/org.gpuslice.Scheduler1.conf \
+	@for f in units/gpuslice.service units/gpuslice-metrics.socket units/gpuslice-metrics@.service \
+	    data/gpuslice-metrics.sysusers data/gpuslice-gate data/org.gpuslice.Scheduler1.conf \
 	    data/gpuslice.in data/gpuslice-generator.in $(CONFIG); do \
 	    test -e "$$f" || { echo "make install: missing $$f" >&2; exit 1; }; done
 	rm -rf $(DESTDIR)$(PYDIR)/gpuslice
@@ -93,11 +95,18 @@ endif
 	chmod 755 $(DESTDIR)$(GENDIR)/gpuslice-generator
 	sed 's|@PREFIX@|$(PREFIX)|g' units/gpuslice.service > $(DESTDIR)$(UNITDIR)/gpuslice.service
 	chmod 644 $(DESTDIR)$(UNITDIR)/gpuslice.service
+	# the optional metrics exporter: installed, never enabled here
+	install -m 644 units/gpuslice-metrics.socket $(DESTDIR)$(UNITDIR)/
+	sed 's|@PREFIX@|$(PREFIX)|g' units/gpuslice-metrics@.service \
+	    > $(DESTDIR)$(UNITDIR)/gpuslice-metrics@.service
+	chmod 644 $(DESTDIR)$(UNITDIR)/gpuslice-metrics@.service
+	install -D -m 644 data/gpuslice-metrics.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuslice-metrics.conf
 	install -m 644 data/org.gpuslice.Scheduler1.conf $(DESTDIR)$(BUSCONFDIR)/
 	@if [ -e $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml ]; then \
 	    echo "keeping $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml"; \
 	else install -D -m 644 $(CONFIG) $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml; fi
 ifeq ($(DESTDIR),)
+	systemd-sysusers $(SYSUSERSDIR)/gpuslice-metrics.conf
 	systemctl daemon-reload
 	busctl call org.freedesktop.DBus / org.freedesktop.DBus ReloadConfig \
 	    || systemctl reload dbus.service
@@ -106,11 +115,14 @@ endif
 
 uninstall:
 ifeq ($(DESTDIR),)
+	-systemctl disable --now gpuslice-metrics.socket
 	-systemctl disable --now gpuslice.service
 endif
 	rm -rf $(DESTDIR)$(PYDIR)
 	rm -f $(DESTDIR)$(LIBDIR)/gpuslice-gate $(DESTDIR)$(PREFIX)/bin/gpuslice \
 	    $(DESTDIR)$(GENDIR)/gpuslice-generator $(DESTDIR)$(UNITDIR)/gpuslice.service \
+	    $(DESTDIR)$(UNITDIR)/gpuslice-metrics.socket $(DESTDIR)$(UNITDIR)/gpuslice-metrics@.service \
+	    $(DESTDIR)$(SYSUSERSDIR)/gpuslice-metrics.conf \
 	    $(DESTDIR)$(BUSCONFDIR)/org.gpuslice.Scheduler1.conf
 	-rmdir --ignore-fail-on-non-empty $(DESTDIR)$(LIBDIR)
 ifneq ($(PURGE),)
@@ -154,7 +166,7 @@ endif
 DEB_DIR ?= build/deb
 PYNVML_WHEEL_DIR ?= $(DEB_DIR)/wheels
 DEB_BUILD_DEPS := dpkg-dev debhelper dh-python help2man lintian python3-pip \
-	python3-click python3-dbus-next python3-sdnotify python3-yaml
+	python3-click python3-dbus-next python3-prometheus-client python3-sdnotify python3-yaml
 DEB_SOURCES := Makefile pyproject.toml gpuslice data units debian $(CONFIG)
 DEB_VERSION = $(shell sed -n '1s/^[^(]*(\([^)]*\)).*/\1/p' debian/changelog)
 PYNVML_WHEEL = $(lastword $(shell cat debian/nvidia-ml-py.sha256))

@@ -94,16 +94,73 @@ async def _call_status(address: str | None) -> str:
     is_flag=True,
     help="Print the stable JSON form (version 1; see gpuslice/status.py).",
 )
-def status(as_json: bool) -> None:
+@click.option("--watch", is_flag=True, help="Redraw in place until Ctrl-C.")
+@click.option(
+    "-n",
+    "--interval",
+    type=click.FloatRange(0.1, 3600),
+    default=2.0,
+    show_default=True,
+    help="Seconds between redraws with --watch.",
+)
+def status(as_json: bool, watch: bool, interval: float) -> None:
     """Show each GPU's holder, waiting units with their reasons, preempted, held,
     finished and failed units."""
     from gpuslice.status import render
 
-    text = asyncio.run(_call_status(os.environ.get("GPUSLICE_BUS_ADDRESS")))
+    address = os.environ.get("GPUSLICE_BUS_ADDRESS")
+    if watch and not as_json:
+        try:
+            while True:
+                try:
+                    shown = render(json.loads(asyncio.run(_call_status(address))), time.time())
+                except Exception as e:  # the controller restarting: say so, keep watching
+                    shown = f"no status from the controller: {printable(str(e), 300)}"
+                click.clear()
+                click.echo(time.strftime("%H:%M:%S ") + f"every {interval:g} s\n\n" + shown)
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return
+    text = asyncio.run(_call_status(address))
     if as_json:
         click.echo(json.dumps(json.loads(text), indent=2, sort_keys=True))
     else:
         click.echo(render(json.loads(text), time.time()))
+
+
+@main.command()
+@click.option(
+    "--serve",
+    is_flag=True,
+    hidden=True,
+    help="Answer one HTTP request on standard input (gpuslice-metrics@.service).",
+)
+def metrics(serve: bool) -> None:
+    """Print the Prometheus text exposition of the controller's status (for node_exporter's
+    textfile collector). When the controller does not answer: only gpuslice_up 0, exit 1."""
+    from gpuslice.metrics import exposition
+
+    failed: list[str] = []
+
+    def scrape() -> bytes:
+        address = os.environ.get("GPUSLICE_BUS_ADDRESS")
+        try:
+            text = asyncio.run(asyncio.wait_for(_call_status(address), 10))
+            return exposition(json.loads(text))
+        except Exception as e:  # the controller is away, hung, or answered nonsense
+            failed.append(printable(str(e) or type(e).__name__, 300))
+            click.echo(f"gpuslice metrics: no status from the controller: {failed[-1]}", err=True)
+            return exposition(None)
+
+    if serve:
+        from gpuslice.exporter import serve_stdin
+
+        serve_stdin(scrape)
+        return
+    sys.stdout.buffer.write(scrape())
+    sys.stdout.flush()
+    if failed:
+        raise SystemExit(1)
 
 
 def _not_checkable(path: str) -> str | None:

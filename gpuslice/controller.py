@@ -21,12 +21,14 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from gpuslice import __version__
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.cgroups import unit_of_pid
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
 from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
+from gpuslice.counters import Counters
 from gpuslice.inventory import ABSENT, FALLBACK, WAITING, Inventory, Sample
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.notify import Notifier
@@ -87,6 +89,7 @@ class OffLoop:
 
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
+        self.timeouts = 0  # calls that did not answer within their deadline
         self._hung: threading.Event | None = None
 
     @property
@@ -113,6 +116,7 @@ class OffLoop:
         threading.Thread(target=work, name="nvml", daemon=True).start()
         if not done.wait(deadline or self.deadline):
             self._hung = done
+            self.timeouts += 1
             log.error(
                 "NVML did not answer within %g s: keeping the last GPU sample (stale) "
                 "until it does",
@@ -138,6 +142,9 @@ class Controller:
         self.config = config
         # decisions go there, into their units' own journals too; None: plain log lines
         self.journal = journal
+        # decisions, errors and admission waits since we started (status, `gpuslice metrics`)
+        self.counters = Counters()
+        self.started = time.time()
         # when each waiter started waiting: (Unix time for status, monotonic for its wait)
         self.waiting_since: dict[str, tuple[float, float]] = {}
         self.config_path = config_path
@@ -276,6 +283,7 @@ class Controller:
         try:
             state = await self.systemd.unit_state(unit)
         except SystemdError as e:
+            self.counters.error("dbus_call_errors")
             log.debug("cannot read %s: %s", unit, e)
             return
         if self.tracker.signals(unit) != seen:
@@ -391,10 +399,12 @@ class Controller:
         try:
             pid = await self.systemd.caller_pid(sender)
         except SystemdError as e:
+            self.counters.error("dbus_acquire_refused")
             self.service.refuse(unit, sender, ACCESS_DENIED, f"cannot identify the caller: {e}")
             return
         actual = unit_of_pid(pid)
         if actual != unit:
+            self.counters.error("dbus_acquire_refused")
             log.warning(
                 "refused an Acquire for %s from PID %d, which runs in %s",
                 unit,
@@ -435,7 +445,10 @@ class Controller:
 
     def execute(self, actions: list[Action]) -> None:
         for action in actions:
+            if action.decision is not None:
+                self.counters.decided(action.decision.code)
             if isinstance(action, Grant):
+                self.counters.admission_wait.observe(self._waited(action.unit))
                 self._write_env(action.unit, action.gpus)
                 self._say(action.reason, "info", action.decision)
                 self.service.grant(action.unit, ",".join(map(str, action.gpus)))
@@ -470,8 +483,12 @@ class Controller:
         """How long a granted unit waited at its gate (0: granted at once); None otherwise."""
         if decision.code is not Code.GRANT:
             return None
-        since = self.waiting_since.get(decision.unit)
-        return 0 if since is None else int((time.monotonic() - since[1]) * 1_000_000)
+        return int(self._waited(decision.unit) * 1_000_000)
+
+    def _waited(self, unit: str) -> float:
+        """Seconds the unit has waited at its gate so far (0: not waiting)."""
+        since = self.waiting_since.get(unit)
+        return 0.0 if since is None else time.monotonic() - since[1]
 
     def _track_waiters(self) -> None:
         """Note when each waiter started waiting; forget those that no longer wait."""
@@ -493,6 +510,7 @@ class Controller:
         try:
             job = await method(unit)
         except SystemdError as e:
+            self.counters.error("dbus_call_errors")
             log.error("%s %s failed: %s", what, unit, e.text)
             if what == "start":
                 self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
@@ -686,6 +704,7 @@ class Controller:
         try:
             self.store.save(self.scheduler.save(), self.boot_id)
         except OSError as e:
+            self.counters.error("state_save_errors")
             if not self._save_failing:
                 log.error(
                     "cannot save state to %s: %s (said once until it works)", self.store.path, e
@@ -726,7 +745,24 @@ class Controller:
                 {n: wall for n, (wall, _) in self.waiting_since.items()},
             )
             self._status_cache = json.dumps(snapshot, sort_keys=True)
-        return self._status_cache
+        # the counters move without a change of state: added at each call (a few hundred
+        # bytes) to the cached snapshot's object, whose last character is its closing brace
+        extra = json.dumps(self.status_counters(), sort_keys=True)
+        return f"{self._status_cache[:-1]}, {extra[1:]}"
+
+    def status_counters(self) -> dict[str, Any]:
+        """The status keys that count since the controller started (gpuslice/status.py)."""
+        external = [
+            ("dbus_signals_dropped", self.systemd.dropped),
+            ("nvml_errors", self.inventory.errors),
+            ("nvml_timeouts", self.nvml.timeouts),
+            ("journal_write_errors", self.journal.failures if self.journal is not None else 0),
+        ]
+        return {
+            "admission_wait_seconds": self.counters.admission_wait.to_json(),
+            "controller": {"version": __version__, "start_time": self.started},
+            "counters": self.counters.to_json(external),
+        }
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -128,6 +128,7 @@ class Inventory:
         self._lost_logged: set[int] = set()
         self._gone_logged: set[int] = set()
         self._last: Sample | None = None  # the last good sample, kept while NVML fails
+        self.errors = 0  # NVML calls that failed while sampling (`gpuslice metrics`)
         self._failing = False
         self._opened_with: Config | None = None  # the config NVML was last opened under
         self._reason = ""  # why NVML is not ready, as NVML said it
@@ -292,9 +293,11 @@ class Inventory:
         try:
             sample = self._build(self.nvml.devices(), managed_units, holding, now)
         except NvmlUnavailableError as e:
+            self.errors += 1
             self._went_away(e)
             return Sample(self.fallback_gpus(holding), taken_at=now, health=self.health)
         except NvmlError as e:
+            self.errors += 1
             if not self._failing:  # once per failure spell: sampling repeats every interval
                 log.error("NVML failed (%s): keeping the GPUs as they were", e)
             self._failing = True

@@ -37,6 +37,16 @@ it wait (null when unknown); `decision` is its `reason` as data (null when not y
 unit's stop was refused; `stopping` for another waiter; `memory`: `free` bytes of declared
 memory left; `kept` for an earlier waiter of the same priority). gpuslice/core/decisions.py
 defines every code, cause and kind.
+Added later, for `gpuslice metrics` (absent from older controllers):
+  "priorities": {unit: int} for the units in held, finished and failed that are annotated;
+  "controller": {"version": str, "start_time": float (Unix time it started)};
+  "counters": {"decisions": {code: int for every code}, "dbus_signals_dropped": int,
+               "dbus_call_errors": int, "dbus_acquire_refused": int, "nvml_errors": int,
+               "nvml_timeouts": int, "journal_write_errors": int, "state_save_errors": int};
+  "admission_wait_seconds": {"buckets": [[upper bound (s), cumulative count], ...,
+                             ["+Inf", count]], "sum": float, "count": int}: how long each
+                             grant waited at its gate (0 when at once).
+The counts are since the controller started (gpuslice/counters.py): a restart resets them.
 """
 
 from __future__ import annotations
@@ -111,10 +121,20 @@ def snapshot_to_json(
         "held": snap.held,
         "finished": snap.finished,
         "failed": snap.failed,
+        "priorities": _priorities((*snap.held, *snap.finished, *snap.failed), scan),
         "problems": [str(p) for p in scan.problems],
     }
     if sample.health is not None:
         out["nvml"] = sample.health.to_json()
+    return out
+
+
+def _priorities(units: tuple[str, ...], scan: Scan) -> dict[str, int]:
+    out = {}
+    for unit in units:
+        spec = scan.spec_for(unit)
+        if spec is not None:
+            out[unit] = spec.priority
     return out
 
 

@@ -291,6 +291,7 @@ def test_nvml_error_keeps_the_gpus_as_they_were(
         back = inventory.sample(MANAGED)
     assert kept.gpus == again.gpus == good.gpus
     assert kept.processes == good.processes
+    assert inventory.errors == 2  # each failed sample counts (gpuslice_nvml_errors_total)
     assert back.taken_at == clock.now and back.gpus == good.gpus
     assert [r.getMessage() for r in caplog.records] == [
         "NVML failed (nvmlDeviceGetCount: Unknown Error (NVML error 999)): "
@@ -430,6 +431,7 @@ def test_driver_gone_keeps_the_known_gpus_and_comes_back(
     with caplog.at_level(logging.ERROR, logger="gpuslice"):
         gone = inventory.sample(MANAGED)
     assert not inventory.available and inventory.health.state == "waiting"
+    assert inventory.errors == 1
     # the GPUs NVML last showed, as whole GPUs of unknown size
     assert gone.gpus == [Gpu(0, UUIDS[0], "NVIDIA Fake 24GB"), Gpu(1, UUIDS[1], "NVIDIA Fake 24GB")]
     assert [r.getMessage() for r in caplog.records] == [

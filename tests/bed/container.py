@@ -35,6 +35,7 @@ PACKAGES: tuple[str, ...] = (
     "python3-yaml",
     "python3-sdnotify",
     "python3-click",
+    "python3-prometheus-client",
     "make",
     "procps",
     "iproute2",

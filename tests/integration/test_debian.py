@@ -71,7 +71,8 @@ def _copy_example(container: Container, unit: str) -> None:
 
 
 def test_maintainer_scripts_touch_only_the_controller(deb: Path, tmp_path: Path) -> None:
-    """Upgrade and remove must never stop a GPU job: every unit the scripts name is ours."""
+    """Upgrade and remove must never stop a GPU job: every unit the scripts stop is ours
+    (the controller, the metrics exporter's socket)."""
     subprocess.run(["dpkg-deb", "-e", str(deb), str(tmp_path)], check=True)
     scripts = [tmp_path / s for s in ("preinst", "postinst", "prerm", "postrm")]
     present = [p for p in scripts if p.exists()]
@@ -83,7 +84,9 @@ def test_maintainer_scripts_touch_only_the_controller(deb: Path, tmp_path: Path)
         for number, line in enumerate(path.read_text().splitlines(), 1):
             lines += 1
             if re.search(r"\b(systemctl|deb-systemd-invoke)\b.*\b(stop|restart|kill)\b", line):
-                assert "gpuslice.service" in line, f"{path.name}:{number}: {line.strip()}"
+                named = re.findall(r"[\w@.-]+\.(?:service|socket)", line)
+                ours = {"gpuslice.service", "gpuslice-metrics.socket"}
+                assert named and set(named) <= ours, f"{path.name}:{number}: {line.strip()}"
     assert lines > 0
 
 
