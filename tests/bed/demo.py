@@ -45,6 +45,15 @@ def play(container: Container) -> None:
 
     say(f"2. systemctl start {ON_DEMAND} (on demand, priority 10) preempts {BACKGROUND}")
     container.systemctl("start", "--no-block", ON_DEMAND)
+    say(f"while {BACKGROUND} saves its work: systemctl status {ON_DEMAND}")
+
+    def waiting() -> str | None:
+        out = container.run(
+            ["systemctl", "status", "--no-pager", "-n", "3", ON_DEMAND], check=False
+        ).stdout
+        return out if "waiting for" in out else None
+
+    print(wait_until(waiting, STEP_TIMEOUT, what=f"{ON_DEMAND} to say why it waits"), flush=True)
     container.wait_active_state(ON_DEMAND, "active", STEP_TIMEOUT)
     container.wait_active_state(BACKGROUND, "inactive", STEP_TIMEOUT)
     show_status(container)
