@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpuslice.core.decisions import Blocker, Cause, Code, Decision
 from gpuslice.core.model import Gpu
-from gpuslice.core.scheduler import Action, Log, Outcome, Phase, Scheduler
+from gpuslice.core.scheduler import Action, Log, Outcome, Phase, Scheduler, Start, Stop
 from tests.core_builders import BG, GIB, brief, sized, spec
 
 
@@ -362,3 +363,180 @@ def test_saved_holders_without_a_waiter_load() -> None:
     fresh.load(saved)
     assert fresh.grants() == {"a.service": frozenset({0})}
     assert fresh.phase("a.service") is Phase.RUNNING
+
+
+# -- decisions carry their data (what the journal fields and status JSON are made of) -----------
+
+
+def test_every_action_of_a_preemption_carries_its_decision() -> None:
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    (start,) = s.schedule()
+    assert start.decision == Decision(Code.REFILL, "bg.service", 90, gpus=(0,))
+    (grant,) = s.request(bg)
+    assert grant.decision is not None and grant.decision.code is Code.GRANT
+    stop, wait = s.request(spec("v", 10))
+    assert stop.decision == Decision(
+        Code.PREEMPT, "bg.service", 90, for_unit="v.service", for_priority=10, gpus=(0,)
+    )
+    assert isinstance(wait, Log) and wait.decision is not None
+    assert (wait.decision.code, wait.decision.cause) == (Code.WAIT, Cause.STOPPING)
+    assert wait.decision.gpus == (0,)
+    assert s.snapshot().reasons["v.service"] == wait.decision
+    assert s.waiting_units() == ["v.service"]
+    actions = s.inactive("bg.service", Outcome.STOPPED)
+    assert [a.decision.code for a in actions if a.decision is not None] == [Code.GRANT]
+
+
+def test_a_victim_on_several_gpus_is_preempted_on_the_one_the_waiter_needs() -> None:
+    s = Scheduler([sized(0), sized(1)], {})
+    s.request(spec("big", 90, gpus=2))
+    (stop, _) = s.request(spec("one", 10, devices=("1",)))
+    assert isinstance(stop, Stop)
+    assert stop.reason == (
+        "preempting big.service (priority 90) for one.service (priority 10) on GPU 1"
+    )
+    assert stop.decision is not None and stop.decision.gpus == (1,)
+
+
+def test_a_requeue_says_whether_it_lands_on_free_gpus_or_must_preempt() -> None:
+    p = spec("p", 20, gpus=2)
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0), sized(1)], {p.name: p, bg.name: bg})
+    s.request(p)
+    s.request(spec("u", 10))
+    s.inactive("p.service", Outcome.STOPPED)
+    s.request(bg)
+    (start,) = [a for a in s.inactive("u.service", Outcome.EXITED) if isinstance(a, Start)]
+    assert start.decision is not None
+    assert (start.decision.code, start.decision.cause) == (Code.REQUEUE, Cause.PREEMPTS)
+    q = spec("q", 20)
+    s2 = Scheduler([sized(0)], {q.name: q})
+    s2.request(q)
+    s2.request(spec("u", 10))
+    s2.inactive("q.service", Outcome.STOPPED)
+    (start,) = [a for a in s2.inactive("u.service", Outcome.EXITED) if isinstance(a, Start)]
+    assert start.decision is not None
+    assert (start.decision.code, start.decision.cause, start.decision.gpus) == (
+        Code.REQUEUE,
+        Cause.FREE,
+        (0,),
+    )
+
+
+def test_a_preempted_unit_that_cannot_fit_lets_the_next_one_come_back() -> None:
+    """b (two GPUs) cannot come back while top holds one of them; c, after it in order,
+    still does on the free GPU."""
+    b = spec("b", 30, gpus=2, devices=("0", "1"))
+    c = spec("c", 40, devices=("2", "1"))
+    s = Scheduler([sized(0), sized(1), sized(2)], {b.name: b, c.name: c})
+    s.request(b)
+    s.request(c)
+    assert brief(s.request(spec("top", 10, gpus=2, devices=("0", "2")))) == [
+        "stop b.service",
+        "stop c.service",
+    ]
+    s.inactive("b.service", Outcome.STOPPED)
+    actions = s.inactive("c.service", Outcome.STOPPED)
+    assert brief(actions) == ["grant top.service 0,2", "start c.service"]
+
+
+def test_preempted_units_paused_for_the_driver_do_not_hold_back_on_demand_ones() -> None:
+    bg = spec("bg", 20, BG)
+    od = spec("od", 30)
+    s = Scheduler([sized(0), sized(1)], {bg.name: bg, od.name: od})
+    s.request(bg)
+    s.request(od)
+    s.request(spec("top", 10, gpus=2))
+    s.inactive("bg.service", Outcome.STOPPED)
+    s.inactive("od.service", Outcome.STOPPED)
+    s.refill_paused = "NVML is not ready yet"
+    assert brief(s.inactive("top.service", Outcome.EXITED)) == ["start od.service"]
+
+
+def test_a_stop_overdue_names_its_waiter_and_gpus_as_data() -> None:
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    s.schedule()
+    s.request(bg)
+    s.request(spec("v", 10))
+    (log, *_) = s.stop_overdue("bg.service", "90 s")
+    assert log.decision == Decision(
+        Code.STOP_OVERDUE,
+        "bg.service",
+        90,
+        for_unit="v.service",
+        for_priority=10,
+        gpus=(0,),
+        detail="90 s",
+    )
+
+
+def test_a_unit_no_longer_annotated_releases_its_gpus_as_data() -> None:
+    a = spec("a", 50)
+    s = Scheduler([sized(0)], {a.name: a})
+    s.request(a)
+    (log,) = [x for x in s.set_specs({}) if isinstance(x, Log)]
+    assert log.decision == Decision(Code.UNMANAGED, "a.service", 50, gpus=(0,))
+
+
+def test_a_wait_behind_a_unit_stopping_for_another_is_data() -> None:
+    s = Scheduler([sized(0)], {})
+    s.request(spec("y", 50))
+    s.request(spec("z", 10))  # y stops for z
+    s.request(spec("w", 30))
+    reason = s.snapshot().reasons["w.service"]
+    assert (reason.code, reason.cause) == (Code.WAIT, Cause.BUSY)
+    assert [(p.kind, p.gpus, p.unit, p.priority) for p in reason.parts] == [
+        (Blocker.STOPPING, (0,), "y.service", 50)
+    ]
+
+
+def test_a_wait_behind_an_earlier_equal_is_kept_data() -> None:
+    s = Scheduler([sized(0), sized(1)], {})
+    s.request(spec("x", 10, devices=("0",)))
+    s.request(spec("first", 30, gpus=2))  # waits for x, keeps GPU 1
+    s.request(spec("second", 30))
+    reason = s.snapshot().reasons["second.service"]
+    assert [(p.kind, p.gpus, p.priority) for p in reason.parts] == [
+        (Blocker.HELD, (0,), 10),
+        (Blocker.KEPT, (1,), 30),
+    ]
+
+
+def test_decisions_about_units_known_only_by_name() -> None:
+    a = spec("a", 50)
+    s = Scheduler([sized(0)], {a.name: a})
+    (log,) = s.inactive("nobody.service", Outcome.STOPPED)
+    assert isinstance(log, Log) and log.decision == Decision(Code.HOLD, "nobody.service")
+    s.request(a)
+    (log, *_) = s.inactive("a.service", Outcome.STOPPED)
+    assert isinstance(log, Log) and log.decision == Decision(Code.HOLD, "a.service", 50)
+
+
+def test_a_background_unit_too_big_for_the_host_does_not_stop_the_refill() -> None:
+    big = spec("a-big", 10, BG, gpus=2)
+    small = spec("b-small", 20, BG)
+    s = Scheduler([sized(0)], {big.name: big, small.name: small})
+    assert brief(s.schedule()) == ["start b-small.service"]
+
+
+def test_a_unit_brought_back_is_the_most_recently_started_of_equal_victims() -> None:
+    p = spec("p", 50, devices=("0",))
+    q = spec("q", 50, devices=("1",))
+    s = Scheduler([sized(0), sized(1)], {p.name: p, q.name: q})
+    s.request(q)
+    s.request(p)
+    s.request(spec("u1", 10, devices=("0",)))
+    s.inactive("p.service", Outcome.STOPPED)
+    assert brief(s.inactive("u1.service", Outcome.EXITED)) == ["start p.service"]
+    assert brief(s.request(spec("u2", 10))) == ["stop p.service"]
+
+
+def test_a_background_unit_yields_even_after_an_on_demand_one_listed_before_it() -> None:
+    bg = spec("b", 90, BG)
+    s = Scheduler([sized(0), sized(1)], {bg.name: bg})
+    s.request(spec("a", 10, devices=("0",)))
+    s.request(bg)
+    foreign = sized(1, foreign_pids=(4242,))
+    assert brief(s.set_gpus([sized(0, foreign_pids=(4243,)), foreign])) == ["stop b.service"]
