@@ -15,11 +15,10 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from gpuslice import __version__
 from gpuslice.annotations import Problem, Scan, scan
@@ -29,12 +28,12 @@ from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
 from gpuslice.counters import Counters
-from gpuslice.inventory import ABSENT, FALLBACK, WAITING, Inventory, Sample
+from gpuslice.gpuwatch import FRESH_SAMPLE, GpuWatch
+from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.notify import Notifier
 from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, SchedulerService
-from gpuslice.sizes import format_size
 from gpuslice.state import StateStore
 from gpuslice.status import snapshot_to_json
 from gpuslice.systemd import Systemd, SystemdError
@@ -52,9 +51,6 @@ from gpuslice.unitfiles import is_instance, is_template, printable
 
 log = logging.getLogger("gpuslice")
 
-T = TypeVar("T")
-FRESH_SAMPLE = 0.25  # seconds: a gate request re-samples NVML when the last sample is older
-
 
 def env_file_text(gpus: Sequence[Gpu]) -> str:
     """What a granted unit's processes see. CUDA numbers GPUs by its own order unless told
@@ -69,66 +65,6 @@ def env_file_text(gpus: Sequence[Gpu]) -> str:
     )
 
 
-NVML_DEADLINE = 2.0  # seconds a sample may take on the loop before it counts as hung
-NVML_OPEN_DEADLINE = 10.0  # nvmlInit, before READY=1 (TimeoutStartSec is 90 s)
-# While NVIDIA hardware is present but NVML is not ready: retry after FIRST seconds, doubling
-# up to MAX while background units wait for it, up to SLOW once they no longer do
-# (driver_wait ran out). A failing nvmlInit costs well under a millisecond.
-NVML_RETRY_FIRST = 0.25
-NVML_RETRY_MAX = 2.0
-NVML_RETRY_SLOW = 30.0
-EX_TEMPFAIL = 75
-
-
-class OffLoop:
-    """Runs NVML calls on a worker thread and waits for them at most `deadline` seconds.
-
-    A hung driver call then costs the event loop (and the watchdog) `deadline` once; until
-    that call returns, later calls are not made and the caller keeps what it had. The
-    thread is a daemon: a call hung in the driver never holds up the controller's exit."""
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self.timeouts = 0  # calls that did not answer within their deadline
-        self._hung: threading.Event | None = None
-
-    @property
-    def hung(self) -> bool:
-        if self._hung is not None and self._hung.is_set():
-            self._hung = None
-            log.info("NVML answers again")
-        return self._hung is not None
-
-    def call(self, fn: Callable[[], T], deadline: float | None = None) -> T | None:
-        """fn()'s result, or None when NVML is hung (an exception of fn's is raised)."""
-        if self.hung:
-            return None
-        done = threading.Event()
-        outcome: list[Any] = []
-
-        def work() -> None:
-            try:
-                outcome.append(fn())
-            except BaseException as e:  # handed to the caller's thread
-                outcome.append(e)
-            done.set()
-
-        threading.Thread(target=work, name="nvml", daemon=True).start()
-        if not done.wait(deadline or self.deadline):
-            self._hung = done
-            self.timeouts += 1
-            log.error(
-                "NVML did not answer within %g s: keeping the last GPU sample (stale) "
-                "until it does",
-                deadline or self.deadline,
-            )
-            return None
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        result: T = outcome[0]
-        return result
-
-
 class Controller:
     def __init__(
         self,
@@ -138,6 +74,7 @@ class Controller:
         root: str = "/",
         inventory: Inventory | None = None,
         journal: Journal | None = None,
+        service: SchedulerService | None = None,
     ) -> None:
         self.config = config
         # decisions go there, into their units' own journals too; None: plain log lines
@@ -151,12 +88,19 @@ class Controller:
         self.systemd = systemd
         self.root = root
         self.scan: Scan = scan(root)
-        self.inventory = inventory or Inventory(config)
-        self.nvml = OffLoop(NVML_DEADLINE)
-        self.sample = Sample([Gpu(i) for i in range(config.gpus)])
-        self.sample_stale = False
         self.scheduler = Scheduler(
-            self.sample.gpus, {}, yield_to_foreign=config.foreign_processes == "yield"
+            [Gpu(i) for i in range(config.gpus)],
+            {},
+            yield_to_foreign=config.foreign_processes == "yield",
+        )
+        # NVML: samples, the driver's lifecycle, their timers
+        self.watch = GpuWatch(
+            config,
+            inventory or Inventory(config),
+            self.scheduler,
+            managed=self._managed_units,
+            decide=self._decide_on,
+            ready=lambda: self.ready,
         )
         self.tracker = Tracker(
             lambda name: self.spec_for(name) is not None,
@@ -164,15 +108,14 @@ class Controller:
         )
         self.store = StateStore(Path(config.state_dir))
         self.notifier = Notifier()
-        self.service = SchedulerService(
+        # the gate calls in wait; the bus adapter unless one is given (tests)
+        self.service = service or SchedulerService(
             systemd.bus, self.on_acquire, self.status_json, self.request_rescan
         )
         self.boot_id = ""
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._sampler: asyncio.TimerHandle | None = None
-        self._overusing: set[tuple[str, int]] = set()
         self._status_cache: str | None = None
         # rescans run off the loop, one at a time; Acquire calls of units the running scan
         # may not know yet wait for it
@@ -194,16 +137,13 @@ class Controller:
         self.boot_id = await self.systemd.boot_id()
         for problem in self.scan.problems:
             self._log_problem(problem)
-        if self.nvml.call(self._open_nvml, NVML_OPEN_DEADLINE) is None:
-            self.inventory.available = False  # hung: schedule `gpus:` from config.yaml
-            self.inventory.open_hung(NVML_OPEN_DEADLINE)
-        self._take_sample()  # and act on NVML's case (_nvml_settle)
-        self.scheduler.set_gpus(self.sample.gpus)
+        self.watch.open()  # and acts on NVML's case
+        self.scheduler.set_gpus(self.watch.sample.gpus)
         saved, saved_boot = self.store.load()
-        units = await self.systemd.list_units()
-        self.tracker.states = {u.name: u for u in units if self.spec_for(u.name) is not None}
+        self.tracker.listed(await self.systemd.list_units())
         remembered = set(saved.preempted) | set(saved.holders) | set(saved.held)
-        self.scheduler.specs = self._concrete_specs(remembered)
+        with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
+            self.scheduler.set_specs(self._concrete_specs(remembered))
         if saved_boot != self.boot_id:
             saved.holders = {}  # nothing runs after a reboot that we granted before it
         self.scheduler.load(saved)
@@ -218,10 +158,6 @@ class Controller:
         self._buffered.clear()
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
-
-    def _open_nvml(self) -> bool:
-        self.inventory.open()
-        return True
 
     def _rebuild(self) -> list[Action]:
         """Take in what systemd shows, then decide once: restored holders that ended while
@@ -308,10 +244,9 @@ class Controller:
         if isinstance(change, WentDown):
             name = change.unit
             self._cancel_stop_timer(name)
-            if self.inventory.available and self.scheduler.phase(name) is not None:
+            if self.watch.available and self.scheduler.phase(name) is not None:
                 # VRAM release: what NVML still shows of it now counts against its GPUs
-                self._take_sample(released=name)
-                self.execute(self.scheduler.set_gpus(self.sample.gpus))
+                self.watch.refresh(released=name)
             self.execute(self.scheduler.inactive(name, change.outcome))
             self.service.forget(name)
         elif isinstance(change, CameUp):
@@ -369,11 +304,10 @@ class Controller:
         for warning in warnings:
             log.warning("%s", warning)
         self.config = config
-        self.inventory.config = config
+        self.watch.reconfigure(config)
         self.scheduler.yield_to_foreign = config.foreign_processes == "yield"
         logging.getLogger().setLevel(config.log_level.upper())
-        self._take_sample()
-        self.execute(self.scheduler.set_gpus(self.sample.gpus))
+        self.watch.refresh()
         self.request_rescan()
 
     def _concrete_specs(self, remembered: Iterable[str] = ()) -> dict[str, UnitSpec]:
@@ -436,9 +370,7 @@ class Controller:
             # its start job outran our stop job: stop it again rather than leave it waiting
             self._call_systemd(self.systemd.stop_unit, unit, "stop")
             return
-        if self.inventory.available and self.sample.age(self.inventory.clock()) > FRESH_SAMPLE:
-            self._take_sample()  # grant against what is on the GPUs now
-            self.execute(self.scheduler.set_gpus(self.sample.gpus))
+        self.watch.refresh_if_older(FRESH_SAMPLE)  # grant against what is on the GPUs now
         self.execute(self.scheduler.request(spec))
 
     # -- actions ------------------------------------------------------------------------------
@@ -465,7 +397,12 @@ class Controller:
             self._status_cache = None
             self._persist()
             self._track_waiters()
-        self._arm_sampler()
+        self.watch.arm_sampler()
+
+    def _decide_on(self, gpus: list[Gpu]) -> None:
+        """New GPUs from NVML (a sample, the driver back or gone): decide again."""
+        self._status_cache = None
+        self.execute(self.scheduler.set_gpus(gpus))
 
     def _say(self, message: str, level: str, decision: Decision | None) -> None:
         """One line per decision: as a journal entry that its unit's journal shows too, or,
@@ -536,151 +473,10 @@ class Controller:
         self._stop_timers.pop(unit, None)
         self.execute(self.scheduler.stop_overdue(unit, f"{timeout:g} s"))
 
-    # -- NVML sampling --------------------------------------------------------------------------
-
-    def _take_sample(self, released: str = "") -> None:
-        holding = {n: gpus for n, gpus in self.scheduler.grants().items() if n != released}
-        managed = self._managed_units()
-        sample = self.nvml.call(lambda: self.inventory.sample(managed, holding))
-        self.sample_stale = sample is None
-        if sample is not None:
-            self.sample = sample
-            self._report_overuse()
-        self._status_cache = None
-        self._nvml_settle()
-
     def _managed_units(self) -> set[str]:
+        """Units whose GPU processes are not foreign: known, holding, or tracked."""
         names = set(self.scheduler.specs) | set(self.scheduler.grants())
         return names | set(self.tracker.states)
-
-    def _needs_sampling(self) -> bool:
-        """Something to protect: a waiter, a holder, a unit to bring back, or a GPU that a
-        foreign process uses. An idle host is never sampled (no polling)."""
-        return self.inventory.available and (
-            self.scheduler.has_work() or any(g.foreign_pids for g in self.sample.gpus)
-        )
-
-    def _arm_sampler(self) -> None:
-        if self._sampler is None and self._needs_sampling():
-            loop = asyncio.get_running_loop()
-            self._sampler = loop.call_later(self.config.sample_interval, self._sample_tick)
-
-    def _sample_tick(self) -> None:
-        self._sampler = None
-        self._take_sample()
-        self.execute(self.scheduler.set_gpus(self.sample.gpus))
-
-    # -- the NVIDIA driver: NVML not ready yet, gone, back ------------------------------------
-
-    _nvml_retry: asyncio.TimerHandle | None = None
-    _nvml_delay = NVML_RETRY_FIRST
-    _nvml_waiting_since: float | None = None  # monotonic; while background units wait
-    _nvml_was_ready: bool | None = None  # NVML ready, as last acted on (None: not yet)
-
-    def _nvml_settle(self) -> None:
-        """Act on the inventory's NVML case after every NVML call: on the switch to NVML say
-        so; while NVIDIA hardware is present and NVML is not ready, hold background units
-        back (at most driver_wait) and retry with a back-off; without NVIDIA, nothing."""
-        inventory = self.inventory
-        ready = inventory.available
-        was = self._nvml_was_ready
-        self._nvml_was_ready = ready
-        if ready:
-            self._cancel_nvml_retry()
-            self._nvml_delay = NVML_RETRY_FIRST
-            self._nvml_waiting_since = None
-            self.scheduler.refill_paused = ""
-            if was is False:
-                self._log_nvml_switch()
-            return
-        now = inventory.clock()
-        if inventory.health.state == WAITING:
-            if self._nvml_waiting_since is None:
-                self._nvml_waiting_since = now
-            waited = now - self._nvml_waiting_since
-            if waited >= self.config.driver_wait:
-                inventory.give_up_waiting(round(waited, 1))
-        state = inventory.health.state
-        if state == WAITING:
-            self.scheduler.refill_paused = (
-                "NVIDIA hardware is present but NVML is not ready yet: background units wait "
-                f"for it, at most {self.config.driver_wait:g} s (driver_wait)"
-            )
-        else:
-            self.scheduler.refill_paused = ""
-        if state in (WAITING, FALLBACK):
-            self._arm_nvml_retry()
-        elif state == ABSENT:
-            self._cancel_nvml_retry()
-
-    def _arm_nvml_retry(self) -> None:
-        if self._nvml_retry is not None:
-            return
-        delay = self._nvml_delay
-        if self.inventory.health.state == WAITING and self._nvml_waiting_since is not None:
-            left = self.config.driver_wait - (self.inventory.clock() - self._nvml_waiting_since)
-            delay = max(min(delay, left), 0.0)  # wake up when driver_wait runs out
-        loop = asyncio.get_running_loop()
-        self._nvml_retry = loop.call_later(delay, self._nvml_retry_tick)
-
-    def _cancel_nvml_retry(self) -> None:
-        if self._nvml_retry is not None:
-            self._nvml_retry.cancel()
-            self._nvml_retry = None
-
-    def _nvml_retry_tick(self) -> None:
-        """nvmlInit again (on the worker thread, with a deadline); NVML's GPUs replace the
-        guessed ones at once, and background units may start on them."""
-        self._nvml_retry = None
-        if not self.ready:  # still starting up: start() acts on the outcome
-            self._arm_nvml_retry()
-            return
-        self.nvml.call(self.inventory.retry)  # None when hung: retried after the back-off
-        if self.inventory.restart_needed:
-            log.error(
-                "%s: exiting so that systemd restarts gpuslice with the devices allowed "
-                "(running jobs are left alone)",
-                self.inventory.restart_needed,
-            )
-            raise SystemExit(EX_TEMPFAIL)  # asyncio lets it through: Restart=on-failure
-        slow = self.inventory.health.state == FALLBACK
-        self._nvml_delay = min(self._nvml_delay * 2, NVML_RETRY_SLOW if slow else NVML_RETRY_MAX)
-        self._take_sample()  # settles: the switch, or the next retry
-        self.execute(self.scheduler.set_gpus(self.sample.gpus))
-
-    def _log_nvml_switch(self) -> None:
-        gpus = [g for g in self.sample.gpus if not g.lost]
-        names = sorted({g.name for g in gpus if g.name})
-        held = ", ".join(
-            f"{name} on GPU {','.join(map(str, sorted(held)))}"
-            for name, held in sorted(self.scheduler.grants().items())
-            if held
-        )
-        log.info(
-            "NVML ready (%s): switched to %d GPU%s%s without a restart; memory packing and "
-            "foreign-process protection from now on; background units may start%s",
-            self.inventory.health.detail,
-            len(gpus),
-            "" if len(gpus) == 1 else "s",
-            f" ({', '.join(names)})" if names else "",
-            f"; holders keep their GPUs by index: {held}" if held else "",
-        )
-
-    def _report_overuse(self) -> None:
-        now: set[tuple[str, int]] = set()
-        for name, declared in self.scheduler.declared_memory().items():
-            for gpu, used in self.sample.used_by(name).items():
-                if used > declared:
-                    now.add((name, gpu))
-                    if (name, gpu) not in self._overusing:
-                        log.warning(
-                            "%s uses %s on GPU %d, more than its Memory=%s",
-                            name,
-                            format_size(used),
-                            gpu,
-                            format_size(declared),
-                        )
-        self._overusing = now
 
     def _write_env(self, unit: str, gpus: Iterable[int]) -> None:
         """Write what the unit's processes see before its gate is answered. If it cannot
@@ -741,7 +537,7 @@ class Controller:
             snapshot = snapshot_to_json(
                 self.scheduler.snapshot(),
                 self.scan,
-                self.sample,
+                self.watch.sample,
                 {n: wall for n, (wall, _) in self.waiting_since.items()},
             )
             self._status_cache = json.dumps(snapshot, sort_keys=True)
@@ -754,8 +550,8 @@ class Controller:
         """The status keys that count since the controller started (gpuslice/status.py)."""
         external = [
             ("dbus_signals_dropped", self.systemd.dropped),
-            ("nvml_errors", self.inventory.errors),
-            ("nvml_timeouts", self.nvml.timeouts),
+            ("nvml_errors", self.watch.inventory.errors),
+            ("nvml_timeouts", self.watch.nvml.timeouts),
             ("journal_write_errors", self.journal.failures if self.journal is not None else 0),
         ]
         return {

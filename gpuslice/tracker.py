@@ -10,7 +10,7 @@ are ours decides "stopped by someone" (a hold) from "preempted" or "finished".
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,10 @@ class Tracker:
             why = f"its stop job ended with result '{result}'" if result else "no stop job runs"
             return [StopLost(name, why)]
         return []
+
+    def listed(self, units: Iterable[UnitState]) -> None:
+        """ListUnits answered (start-up): the managed units' states replace what was known."""
+        self.states = {u.name: u for u in units if self.managed(u.name)}
 
     # -- our own calls --------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from gpuslice.controller import OffLoop
+from gpuslice.offloop import OffLoop
 
 
 def test_a_call_that_answers_returns_its_result() -> None:

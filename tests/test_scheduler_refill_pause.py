@@ -1,4 +1,4 @@
-"""Scheduler.refill_paused: while the GPUs are a guess (NVML not ready yet), background units
+"""Scheduler.pause_refill: while the GPUs are a guess (NVML not ready yet), background units
 are not started, neither by refill nor by requeue nor through their own gate; on-demand units
 are served as usual; clearing the switch starts the background units at once."""
 
@@ -15,7 +15,7 @@ URGENT = UnitSpec("urgent.service", 10)
 
 def paused(*specs: UnitSpec, gpus: int = 2) -> Scheduler:
     scheduler = Scheduler([Gpu(i) for i in range(gpus)], {s.name: s for s in specs})
-    scheduler.refill_paused = REASON
+    scheduler.pause_refill(REASON)
     return scheduler
 
 
@@ -55,7 +55,7 @@ def test_preempted_background_units_are_not_requeued_while_paused() -> None:
 def test_unpausing_starts_them_on_the_gpus_now_known() -> None:
     scheduler = paused(BG, BG2)
     scheduler.request(BG)
-    scheduler.refill_paused = ""
+    scheduler.pause_refill("")
     actions = scheduler.set_gpus([Gpu(0, "GPU-a", total=24 << 30), Gpu(1, "GPU-b", total=24 << 30)])
     assert actions == [
         Grant("bg.service", (0,), "starting bg.service (priority 90) on GPU 0"),

@@ -360,6 +360,11 @@ class Scheduler:
         )
         return [_log(decision), *self.schedule()]
 
+    def pause_refill(self, reason: str) -> None:
+        """Hold background units back for `reason` (the GPUs are a guess: NVML is not ready
+        yet), or let them start again with "". Decides nothing: the next `schedule` does."""
+        self.refill_paused = reason
+
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
         """Annotations were (re)read: apply new priorities, forget units no longer managed."""
         actions: list[Action] = []

@@ -1,0 +1,61 @@
+"""NVML off the event loop: a hung driver call costs the loop one deadline, not the daemon."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+log = logging.getLogger("gpuslice")
+
+T = TypeVar("T")
+
+
+class OffLoop:
+    """Runs NVML calls on a worker thread and waits for them at most `deadline` seconds.
+
+    A hung driver call then costs the event loop (and the watchdog) `deadline` once; until
+    that call returns, later calls are not made and the caller keeps what it had. The
+    thread is a daemon: a call hung in the driver never holds up the controller's exit."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.timeouts = 0  # calls that did not answer within their deadline
+        self._hung: threading.Event | None = None
+
+    @property
+    def hung(self) -> bool:
+        if self._hung is not None and self._hung.is_set():
+            self._hung = None
+            log.info("NVML answers again")
+        return self._hung is not None
+
+    def call(self, fn: Callable[[], T], deadline: float | None = None) -> T | None:
+        """fn()'s result, or None when NVML is hung (an exception of fn's is raised)."""
+        if self.hung:
+            return None
+        done = threading.Event()
+        outcome: list[Any] = []
+
+        def work() -> None:
+            try:
+                outcome.append(fn())
+            except BaseException as e:  # handed to the caller's thread
+                outcome.append(e)
+            done.set()
+
+        threading.Thread(target=work, name="nvml", daemon=True).start()
+        if not done.wait(deadline or self.deadline):
+            self._hung = done
+            self.timeouts += 1
+            log.error(
+                "NVML did not answer within %g s: keeping the last GPU sample (stale) "
+                "until it does",
+                deadline or self.deadline,
+            )
+            return None
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        result: T = outcome[0]
+        return result

@@ -1,0 +1,711 @@
+"""The controller's own logic in an asyncio loop, without a container or D-Bus.
+
+A fake systemd adapter (the method names of gpuslice.systemd.Systemd, answered from data)
+and a fake gate service (grant/refuse/pending/forget, recorded) stand in for the bus; the
+units are annotated files under tmp_path, the NVML a stub, the PCI bus a fake /sys. What a
+real systemd does end to end is tests/integration's: this is the fast layer under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from gpuslice import controller as controller_module
+from gpuslice.config import Config
+from gpuslice.controller import Controller
+from gpuslice.core.model import Gpu
+from gpuslice.core.scheduler import Phase, SavedState
+from gpuslice.gpuwatch import GpuWatch
+from gpuslice.inventory import Inventory
+from gpuslice.nvml import DeviceScan, GpuInfo, GpuProcess, Nvml, NvmlStatus
+from gpuslice.service import ACCESS_DENIED, SchedulerService
+from gpuslice.state import StateStore
+from gpuslice.systemd import Systemd, SystemdError
+from gpuslice.tracker import UnitState
+
+GIB = 1 << 30
+BOOT = "boot-1"
+UNIT_DIR = "etc/systemd/system"
+
+
+class FakeSystemd:
+    """gpuslice.systemd.Systemd's methods, answered from `units`; calls are recorded."""
+
+    def __init__(self, units: list[UnitState]) -> None:
+        self.units = {u.name: u for u in units}
+        self.calls: list[tuple[str, str]] = []
+        self.pids: dict[str, int] = {}  # bus name -> PID, as the bus daemon would say
+        self.dropped = 0
+        self._jobs = 0
+        self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
+        self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
+        self.on_job_removed: Callable[[int, str, str, str], None] = lambda i, p, u, r: None
+        self.on_reloading: Callable[[bool], None] = lambda active: None
+        self.on_systemd_restarted: Callable[[], None] = lambda: None
+
+    async def subscribe(self) -> None:
+        self.calls.append(("subscribe", ""))
+
+    async def boot_id(self) -> str:
+        return BOOT
+
+    async def list_units(self) -> list[UnitState]:
+        return list(self.units.values())
+
+    async def unit_state(self, name: str) -> UnitState:
+        return self.units.get(name, UnitState(name, "inactive", "dead", 0))
+
+    async def caller_pid(self, sender: str) -> int:
+        if sender not in self.pids:
+            raise SystemdError("org.freedesktop.DBus.Error.NameHasNoOwner", sender)
+        return self.pids[sender]
+
+    async def stop_unit(self, name: str) -> str:
+        return self._job("stop", name)
+
+    async def restart_preempted(self, name: str) -> str:
+        return self._job("start", name)
+
+    def _job(self, what: str, name: str) -> str:
+        self.calls.append((what, name))
+        self._jobs += 1
+        return f"/org/freedesktop/systemd1/job/{self._jobs}"
+
+
+class FakeService:
+    """gpuslice.service.SchedulerService's gate side: calls in wait, and how each was answered."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, list[str]] = {}  # unit -> senders of calls in wait
+        self.granted: list[tuple[str, str]] = []
+        self.refused: list[tuple[str, str, str, str]] = []
+
+    async def claim_name(self) -> None:
+        pass
+
+    def call(self, unit: str, sender: str) -> None:
+        """An Acquire arrives (the controller's on_acquire follows, as SchedulerService does)."""
+        self.waiting.setdefault(unit, []).append(sender)
+
+    def grant(self, unit: str, gpus: str) -> None:
+        self.granted.append((unit, gpus))
+        self.waiting.pop(unit, None)
+
+    def forget(self, unit: str) -> None:
+        self.waiting.pop(unit, None)
+
+    def pending(self, unit: str) -> bool:
+        return bool(self.waiting.get(unit))
+
+    def refuse(self, unit: str, sender: str, error: str, text: str) -> None:
+        self.refused.append((unit, sender, error, text))
+        calls = [s for s in self.waiting.get(unit, []) if s != sender]
+        if calls:
+            self.waiting[unit] = calls
+        else:
+            self.waiting.pop(unit, None)
+
+
+class StubNvml(Nvml):
+    """Two 24 GiB GPUs once `available`; no process on them."""
+
+    def __init__(self, *, available: bool = True) -> None:
+        super().__init__()
+        self.available = available
+
+    def open(self, fallback: str = "no GPUs") -> NvmlStatus:
+        if self.available:
+            return NvmlStatus(True, driver_version="550.54.15")
+        return NvmlStatus(False, warning=f"NVML unavailable (stub): using {fallback}. Hint: none")
+
+    def devices(self) -> DeviceScan:
+        return DeviceScan(
+            [GpuInfo(i, f"GPU-{i}", "NVIDIA Fake 24GB", 24 * GIB, 0) for i in (0, 1)], []
+        )
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        return []
+
+
+def nvidia_root(tmp_path: Path) -> Path:
+    """A /sys with one NVIDIA 3D controller and no nvidia module: "not ready yet"."""
+    device = tmp_path / "nvidia-root" / "sys" / "bus" / "pci" / "devices" / "0000:65:00.0"
+    device.mkdir(parents=True, exist_ok=True)
+    (device / "vendor").write_text("0x10de\n")
+    (device / "class").write_text("0x030200\n")
+    return tmp_path / "nvidia-root"
+
+
+def write_unit(tmp_path: Path, name: str, section: str) -> None:
+    path = tmp_path / "root" / UNIT_DIR / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"[Service]\nExecStart=/bin/true\n\n[X-GPUSlice]\n{section}")
+
+
+def state(name: str, active: str, sub: str, job: int = 0, job_type: str = "") -> UnitState:
+    return UnitState(name, active, sub, job, job_type)
+
+
+class Bed:
+    """A controller on fakes, with its annotated units and saved state under tmp_path."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        units: dict[str, str],
+        states: list[UnitState],
+        saved: SavedState | None = None,
+        config: Config | None = None,
+        nvml: StubNvml | None = None,
+        driver_root: Path | None = None,
+    ) -> None:
+        for name, section in units.items():
+            write_unit(tmp_path, name, section)
+        (tmp_path / "root" / UNIT_DIR).mkdir(parents=True, exist_ok=True)
+        self.config = config or Config(
+            gpus=1,
+            state_dir=str(tmp_path / "state"),
+            runtime_dir=str(tmp_path / "run"),
+        )
+        if saved is not None:
+            StateStore(Path(self.config.state_dir)).save(saved, BOOT)
+        self.systemd = FakeSystemd(states)
+        self.service = FakeService()
+        self.nvml = nvml or StubNvml(available=False)
+        inventory = Inventory(
+            self.config,
+            nvml=self.nvml,
+            proc=tmp_path / "proc",
+            driver_root=driver_root or tmp_path / "no-nvidia",
+        )
+        self.controller = Controller(
+            self.config,
+            tmp_path / "config.yaml",
+            cast(Systemd, self.systemd),
+            root=str(tmp_path / "root"),
+            inventory=inventory,
+            service=cast(SchedulerService, self.service),
+        )
+
+    async def acquire(self, unit: str, sender: str = ":1.9", pid: int = 4242) -> None:
+        """The gate of `unit` calls Acquire from `pid`."""
+        self.systemd.pids[sender] = pid
+        self.service.call(unit, sender)
+        self.controller.on_acquire(unit, sender)
+        await settle()
+
+
+async def settle() -> None:
+    """Let the tasks the controller spawned run (each awaits only the fakes)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for a timer of the controller's to have done its work (not a fixed sleep)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(test())
+
+
+def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records]
+
+
+@pytest.fixture(autouse=True)
+def _no_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.delenv("GPUSLICE_DRIVER_ROOT", raising=False)
+
+
+@pytest.fixture
+def cgroup_of(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
+    """PID -> the unit its cgroup says (unit_of_pid reads /proc otherwise)."""
+    units: dict[int, str] = {}
+    monkeypatch.setattr(controller_module, "unit_of_pid", lambda pid: units.get(pid))
+    return units
+
+
+# ---- start-up: what systemd shows, then one decision ----
+
+
+def test_start_up_serves_a_unit_at_its_gate_before_a_preempted_unit_comes_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gone.service held GPU 0 and ended while the controller was away; waiter.service sits
+    at its gate; back.service (as urgent) was preempted. The GPU goes to the waiter."""
+    bed = Bed(
+        tmp_path,
+        {n: "Priority=50\n" for n in ("gone.service", "waiter.service", "back.service")},
+        [
+            state("gone.service", "inactive", "dead"),
+            state("waiter.service", "activating", "start-pre", 7, "start"),
+            state("back.service", "inactive", "dead"),
+        ],
+        SavedState(
+            holders={"gone.service": ((0,), "running", 1, "")},
+            preempted={"back.service": 2},
+            seq=2,
+        ),
+    )
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+        assert bed.controller.ready
+        assert bed.service.granted == [("waiter.service", "0")]
+        assert ("start", "back.service") not in bed.systemd.calls
+        snap = bed.controller.scheduler.snapshot()
+        assert snap.gpus == {0: [("waiter.service", 50, "running")]}
+        assert [name for name, _, _ in snap.preempted] == ["back.service"]
+        assert snap.finished == ["gone.service"]
+
+    run(test)
+    assert "gone.service finished: released GPU 0" in messages(caplog)
+
+
+def test_start_up_gives_up_a_stop_lost_while_away(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """victim.service was stopping for urgent.service; systemd runs it with no stop job."""
+    bed = Bed(
+        tmp_path,
+        {"victim.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
+        [state("victim.service", "active", "running"), state("urgent.service", "inactive", "dead")],
+        SavedState(holders={"victim.service": ((0,), "stopping", 1, "urgent.service")}, seq=1),
+    )
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+        assert bed.controller.scheduler.phase("victim.service") is Phase.RUNNING
+        assert bed.systemd.calls == [("subscribe", "")]  # not stopped again, nothing started
+
+    run(test)
+    assert any(
+        "victim.service" in m and "its stop was lost while the controller was away" in m
+        for m in messages(caplog)
+    ), messages(caplog)
+
+
+def test_start_up_adopts_a_running_unit_it_did_not_know(tmp_path: Path) -> None:
+    bed = Bed(
+        tmp_path, {"known.service": "Priority=50\n"}, [state("known.service", "active", "running")]
+    )
+
+    async def test() -> None:
+        await bed.controller.start()
+        assert bed.controller.scheduler.grants() == {"known.service": frozenset({0})}
+
+    run(test)
+
+
+def test_signals_before_ready_are_applied_after_start_up(tmp_path: Path) -> None:
+    """A unit that went down while the controller rebuilt its state is released then."""
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n"},
+        [state("a.service", "active", "running")],
+        SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        list_units = bed.systemd.list_units
+
+        async def and_it_exits() -> list[UnitState]:
+            units = await list_units()
+            ctl.on_unit_changed("a.service", {"ActiveState": "inactive", "SubState": "dead"})
+            return units
+
+        bed.systemd.list_units = and_it_exits  # type: ignore[method-assign]
+        await ctl.start()
+        assert ctl.scheduler.grants() == {}
+        assert ctl.scheduler.snapshot().finished == ["a.service"]
+
+    run(test)
+
+
+# ---- the gate ----
+
+
+def test_an_acquire_from_a_process_of_another_unit_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+) -> None:
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "intruder.service"
+
+    async def test() -> None:
+        await bed.controller.start()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.refused == [
+            ("a.service", ":1.9", ACCESS_DENIED, "PID 4242 does not run in a.service")
+        ]
+        assert bed.service.granted == []
+        assert bed.controller.scheduler.grants() == {}
+        assert bed.controller.counters.to_json([])["dbus_acquire_refused"] == 1
+
+    run(test)
+    assert messages(caplog) == [
+        "refused an Acquire for a.service from PID 4242, which runs in intruder.service"
+    ]
+
+
+def test_an_acquire_whose_caller_is_gone_is_refused(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        await bed.controller.start()
+        bed.service.call("a.service", ":1.77")  # no PID for it: the caller has gone
+        bed.controller.on_acquire("a.service", ":1.77")
+        await settle()
+        assert [(u, s, e) for u, s, e, _ in bed.service.refused] == [
+            ("a.service", ":1.77", ACCESS_DENIED)
+        ]
+        assert bed.service.refused[0][3].startswith("cannot identify the caller: ")
+
+    run(test)
+
+
+def test_an_acquire_of_an_unmanaged_unit_is_granted_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+) -> None:
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "plain.service"
+
+    async def test() -> None:
+        await bed.controller.start()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.acquire("plain.service", ":1.9", 4242)
+        assert bed.service.granted == [("plain.service", "")]
+        assert bed.controller.scheduler.grants() == {}
+
+    run(test)
+    assert "plain.service passed the gate: not managed by gpuslice" in messages(caplog)
+
+
+def test_a_granted_unit_gets_its_environment_file(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        await bed.controller.start()
+        await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0")]
+
+    run(test)
+    env = tmp_path / "run" / "env" / "a.service" / "gpuslice.env"
+    assert env.read_text() == "CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n"
+
+
+def test_an_environment_file_that_cannot_be_written_still_grants(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+) -> None:
+    (tmp_path / "not-a-directory").write_text("")
+    config = Config(
+        gpus=1,
+        state_dir=str(tmp_path / "state"),
+        runtime_dir=str(tmp_path / "not-a-directory"),
+    )
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        await bed.controller.start()
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="gpuslice"):
+            await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0")]
+
+    run(test)
+    path = tmp_path / "not-a-directory" / "env" / "a.service" / "gpuslice.env"
+    [line] = messages(caplog)
+    assert line.startswith(f"cannot write {path} (")
+    assert line.endswith("): a.service starts without CUDA_VISIBLE_DEVICES")
+
+
+# ---- preemption: the stop timer ----
+
+
+def test_a_stop_that_takes_too_long_names_the_overdue_victim(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+) -> None:
+    config = Config(
+        gpus=1,
+        state_dir=str(tmp_path / "state"),
+        runtime_dir=str(tmp_path / "run"),
+        stop_timeout=0.05,
+    )
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
+        [state("low.service", "active", "running")],
+        SavedState(holders={"low.service": ((0,), "running", 1, "")}, seq=1),
+        config=config,
+    )
+    cgroup_of[4242] = "urgent.service"
+
+    async def test() -> None:
+        await bed.controller.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        caplog.clear()
+        assert ("stop", "low.service") in bed.systemd.calls
+        assert bed.controller.scheduler.phase("low.service") is Phase.STOPPING
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            # systemd never says it went down: the stop timer fires
+            await until(lambda: bool(caplog.records))
+        assert bed.service.granted == []
+
+    run(test)
+    [overdue] = messages(caplog)
+    assert "low.service" in overdue and "0.05 s" in overdue and "urgent.service" in overdue
+
+
+def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+) -> None:
+    config = Config(
+        gpus=1,
+        state_dir=str(tmp_path / "state"),
+        runtime_dir=str(tmp_path / "run"),
+        stop_timeout=0.05,
+    )
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
+        [state("low.service", "active", "running")],
+        SavedState(holders={"low.service": ((0,), "running", 1, "")}, seq=1),
+        config=config,
+    )
+    cgroup_of[4242] = "urgent.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            await asyncio.sleep(0.2)  # the stop timer was cancelled
+
+    run(test)
+    assert messages(caplog) == []
+
+
+# ---- NVML: not ready yet, then ready ----
+
+
+def test_nvml_not_ready_holds_background_units_back_then_switches(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+) -> None:
+    nvml = StubNvml(available=False)
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [],
+        nvml=nvml,
+        driver_root=nvidia_root(tmp_path),
+    )
+    cgroup_of[4242] = "bg.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await ctl.start()
+            assert ctl.watch.inventory.health.state == "waiting"
+            assert ctl.scheduler.refill_paused.startswith(
+                "NVIDIA hardware is present but NVML is not ready yet: background units wait"
+            )
+            await bed.acquire("bg.service", ":1.9", 4242)
+            assert bed.service.granted == []  # waits for NVML
+            caplog.clear()
+            nvml.available = True
+            await until(lambda: bool(bed.service.granted))  # the retry timer fires
+        assert ctl.watch.available
+        assert ctl.scheduler.refill_paused == ""
+        assert bed.service.granted == [("bg.service", "0")]
+
+    run(test)
+    assert messages(caplog)[0] == (
+        "NVML ready (driver 550.54.15): switched to 2 GPUs (NVIDIA Fake 24GB) without a restart; "
+        "memory packing and foreign-process protection from now on; background units may start"
+    )
+
+
+def test_without_nvidia_hardware_nothing_waits_for_nvml(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    bed = Bed(tmp_path, {"bg.service": "Priority=90\nType=background\n"}, [])
+    cgroup_of[4242] = "bg.service"
+
+    async def test() -> None:
+        await bed.controller.start()
+        assert bed.controller.watch.inventory.health.state == "absent"
+        assert bed.controller.scheduler.refill_paused == ""
+        await bed.acquire("bg.service", ":1.9", 4242)
+        assert bed.service.granted == [("bg.service", "0")]
+
+    run(test)
+
+
+# ---- GpuWatch on its own: a fake scheduler, a manual clock of timers ----
+
+
+class Holdings:
+    def __init__(self) -> None:
+        self.held: dict[str, frozenset[int]] = {}
+        self.memory: dict[str, int] = {}
+        self.paused = ""
+        self.work = False
+
+    def grants(self) -> dict[str, frozenset[int]]:
+        return dict(self.held)
+
+    def declared_memory(self) -> dict[str, int]:
+        return dict(self.memory)
+
+    def has_work(self) -> bool:
+        return self.work
+
+    def pause_refill(self, reason: str) -> None:
+        self.paused = reason
+
+
+class Timers:
+    """call_later by hand: `fire()` runs what is due, in order."""
+
+    def __init__(self) -> None:
+        self.due: list[tuple[float, Callable[[], None]]] = []
+
+    def __call__(self, delay: float, callback: Callable[[], None]) -> Timers.Handle:
+        entry = (delay, callback)
+        self.due.append(entry)
+        return Timers.Handle(self, entry)
+
+    class Handle:
+        def __init__(self, timers: Timers, entry: tuple[float, Callable[[], None]]) -> None:
+            self.timers, self.entry = timers, entry
+
+        def cancel(self) -> None:
+            if self.entry in self.timers.due:
+                self.timers.due.remove(self.entry)
+
+    def fire(self) -> list[float]:
+        due, self.due = self.due, []
+        for _, callback in due:
+            callback()
+        return [delay for delay, _ in due]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_watch(
+    tmp_path: Path, nvml: StubNvml, config: Config, *, ready: bool = True
+) -> tuple[GpuWatch, Holdings, Timers, Clock, list[list[Gpu]]]:
+    clock = Clock()
+    inventory = Inventory(
+        config, nvml=nvml, clock=clock, proc=tmp_path, driver_root=nvidia_root(tmp_path)
+    )
+    holdings, timers = Holdings(), Timers()
+    decided: list[list[Gpu]] = []
+    watch = GpuWatch(
+        config,
+        inventory,
+        holdings,
+        managed=set,
+        decide=decided.append,
+        ready=lambda: ready,
+        call_later=timers,
+    )
+    return watch, holdings, timers, clock, decided
+
+
+def test_retries_back_off_then_driver_wait_runs_out_and_background_units_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    watch, holdings, timers, clock, decided = make_watch(
+        tmp_path, StubNvml(available=False), Config(gpus=1, driver_wait=3)
+    )
+    watch.open()
+    assert holdings.paused.endswith("at most 3 s (driver_wait)")
+    delays = []
+    for _ in range(3):
+        clock.now += 0.5
+        delays += timers.fire()
+    assert delays == [0.25, 0.5, 1.0]  # doubling
+    assert [delay for delay, _ in timers.due] == [1.5]  # what is left of driver_wait
+    assert len(decided) == 3 and holdings.paused
+    clock.now += 1.5
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        timers.fire()
+    assert watch.inventory.health.state == "fallback"
+    assert holdings.paused == ""
+    assert messages(caplog)[0].startswith("NVML still not ready after 3 s (driver_wait)")
+    assert [delay for delay, _ in timers.due] == [2.0]
+    timers.fire()
+    assert [delay for delay, _ in timers.due] == [4.0]  # slower from now on, up to 30 s
+
+
+def test_a_retry_before_start_up_ends_is_put_off(tmp_path: Path) -> None:
+    nvml = StubNvml(available=False)
+    watch, _, timers, _, decided = make_watch(tmp_path, nvml, Config(gpus=1), ready=False)
+    watch.open()
+    nvml.available = True
+    timers.fire()
+    assert not watch.available and decided == []
+    assert len(timers.due) == 1
+
+
+def test_a_driver_loaded_after_start_needs_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watch, _, timers, _, _ = make_watch(tmp_path, StubNvml(available=False), Config(gpus=1))
+    watch.open()
+    watch.inventory.restart_needed = "the nvidia driver loaded after gpuslice.service started"
+    with pytest.raises(SystemExit) as exited:
+        timers.fire()
+    assert exited.value.code == 75
+
+
+def test_the_sampler_runs_only_while_something_needs_protecting(tmp_path: Path) -> None:
+    config = Config(gpus=1, sample_interval=5)
+    watch, holdings, timers, _, decided = make_watch(tmp_path, StubNvml(), config)
+    watch.open()
+    assert watch.available and timers.due == []
+    watch.arm_sampler()
+    assert timers.due == []  # idle: never sampled
+    holdings.work = True
+    watch.arm_sampler()
+    watch.arm_sampler()
+    assert [delay for delay, _ in timers.due] == [5]
+    timers.fire()
+    assert [[g.index for g in gpus] for gpus in decided] == [[0, 1]]
