@@ -210,7 +210,8 @@ deb: deb-deps
 # MUTATE_adapters.
 MUTATE ?= all
 MUTATE_KEEP ?=
-MUTATE_core := gpuslice.core.model.* gpuslice.core.placement.* gpuslice.core.scheduler.*
+MUTATE_core := gpuslice.core.model.* gpuslice.core.placement.* gpuslice.core.scheduler.* \
+	gpuslice.core.decisions.*
 MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* \
 	gpuslice.config.* gpuslice.state.* gpuslice.generator.* gpuslice.cgroups.* \
 	gpuslice.inventory.x_command_of__mutmut_* gpuslice.inventory.x*Sample*used_by__mutmut_* \

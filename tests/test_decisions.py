@@ -319,7 +319,10 @@ def test_outcomes_as_data() -> None:
 
 def test_the_core_still_imports_nothing_outside() -> None:
     """decisions.py is part of the pure core: stdlib, core and sizes only."""
-    tree = ast.parse(Path("gpuslice/core/decisions.py").read_text())
+    text = Path("gpuslice/core/decisions.py").read_text()
+    if "mutmut" in text:
+        pytest.skip("mutmut's instrumented copy imports its own trampolines")
+    tree = ast.parse(text)
     imported = {
         node.module
         for node in ast.walk(tree)

@@ -110,7 +110,7 @@ def parse(data: dict[str, Any] | None) -> dict[str, tuple[str, dict[tuple[Any, .
     """family name -> (type, {(sample name, sorted labels): value}), via the client's parser."""
     text = exposition(data).decode("utf-8")
     out = {}
-    parsed = text_string_to_metric_families(text)  # type: ignore[no-untyped-call]
+    parsed = text_string_to_metric_families(text)  # type: ignore[no-untyped-call, unused-ignore]
     for family in parsed:
         samples = {(s.name, *sorted(s.labels.items())): s.value for s in family.samples}
         out[family.name] = (family.type, samples)

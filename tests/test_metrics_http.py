@@ -82,7 +82,7 @@ def test_get_metrics() -> None:
     status, headers, body = exchange(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n\r\n")
     assert status == "HTTP/1.0 200 OK"
     assert headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-    parsed = text_string_to_metric_families(body.decode())  # type: ignore[no-untyped-call]
+    parsed = text_string_to_metric_families(body.decode())  # type: ignore[no-untyped-call, unused-ignore]
     names = {f.name for f in parsed}
     assert {"gpuslice_up", "gpuslice_jobs", "gpuslice_pending_jobs"} <= names
 

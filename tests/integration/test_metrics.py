@@ -27,7 +27,7 @@ FETCH = (
 
 
 def samples(text: str) -> dict[tuple[Any, ...], float]:
-    parsed = text_string_to_metric_families(text)  # type: ignore[no-untyped-call]
+    parsed = text_string_to_metric_families(text)  # type: ignore[no-untyped-call, unused-ignore]
     return {
         (s.name, *sorted(s.labels.items())): s.value for family in parsed for s in family.samples
     }
