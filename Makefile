@@ -133,7 +133,8 @@ ifeq ($(DESTDIR),)
 	-busctl call org.freedesktop.DBus / org.freedesktop.DBus ReloadConfig
 endif
 
-# Example units (units/examples/*.service) and their programs (units/examples/bin/*).
+# Example units (units/examples/*.service) and their programs (units/examples/bin/*); the
+# Grafana dashboard (units/examples/grafana/*.json) goes to $(EXAMPLEDIR)/grafana.
 install-examples:
 	install -d $(DESTDIR)$(UNITDIR) $(DESTDIR)$(EXAMPLEDIR)
 	@if compgen -G 'units/examples/*.service' >/dev/null; then \
@@ -143,6 +144,10 @@ install-examples:
 	@if compgen -G 'units/examples/bin/*' >/dev/null; then \
 	    set -x; install -m 755 units/examples/bin/* $(DESTDIR)$(EXAMPLEDIR)/; \
 	else echo "make install-examples: WARNING: no programs in units/examples/bin/"; fi
+	@if compgen -G 'units/examples/grafana/*.json' >/dev/null; then \
+	    set -x; install -d $(DESTDIR)$(EXAMPLEDIR)/grafana; \
+	    install -m 644 units/examples/grafana/*.json $(DESTDIR)$(EXAMPLEDIR)/grafana/; \
+	else echo "make install-examples: WARNING: no dashboard in units/examples/grafana/"; fi
 ifeq ($(DESTDIR),)
 	systemctl daemon-reload
 endif

@@ -108,6 +108,7 @@ def test_package_contents(deb: Path) -> None:
         "/usr/share/bash-completion/completions/gpuslice",
         f"{EXAMPLES}/{BACKGROUND}",
         f"{EXAMPLES}/gpu-job",
+        f"{EXAMPLES}/grafana/gpuslice.json",  # uncompressed: dh_compress skips examples/
         "/usr/share/doc/gpuslice/copyright",
     ):
         assert expected in paths, f"{expected} not in {deb.name}"
