@@ -242,6 +242,9 @@ class Systemd:
         if msg.message_type != MessageType.SIGNAL:
             return False
         try:
+            if msg.sender == BUS_DAEMON:  # its own word (no one else can send as it)
+                self._follow_owner(msg)
+                return False
             if not self._believed(msg):
                 self.dropped += 1
                 return False
@@ -250,18 +253,20 @@ class Systemd:
             log.exception("error handling %s.%s from %s", msg.interface, msg.member, msg.sender)
         return False
 
+    def _follow_owner(self, msg: Message) -> None:
+        """Follow systemd's name as it changes hands (daemon-reexec) through the bus daemon's
+        NameOwnerChanged. Its other signals (NameAcquired of our own names) are not systemd's
+        and are not counted as dropped: that counter is for signals someone forged."""
+        if msg.member == "NameOwnerChanged" and msg.signature == "sss" and msg.body[0] == SYSTEMD:
+            self.owner = msg.body[2] or None
+            if self.owner is not None and self.owner != self._last_owner:
+                if self._last_owner is not None:
+                    log.info("systemd is back on the bus as %s", self.owner)
+                    self.on_systemd_restarted()
+                self._last_owner = self.owner
+
     def _believed(self, msg: Message) -> bool:
-        """Whether the signal comes from systemd, following systemd's name as it changes
-        hands (daemon-reexec); the bus daemon's own signal is how we follow it."""
-        if msg.sender == BUS_DAEMON and msg.member == "NameOwnerChanged":
-            if msg.signature == "sss" and msg.body[0] == SYSTEMD:
-                self.owner = msg.body[2] or None
-                if self.owner is not None and self.owner != self._last_owner:
-                    if self._last_owner is not None:
-                        log.info("systemd is back on the bus as %s", self.owner)
-                        self.on_systemd_restarted()
-                    self._last_owner = self.owner
-            return False
+        """Whether the signal comes from systemd (its current owner, as followed)."""
         return self.owner is not None and msg.sender == self.owner
 
     def _signal(self, msg: Message) -> None:
