@@ -540,3 +540,19 @@ def test_a_background_unit_yields_even_after_an_on_demand_one_listed_before_it()
     s.request(bg)
     foreign = sized(1, foreign_pids=(4242,))
     assert brief(s.set_gpus([sized(0, foreign_pids=(4243,)), foreign])) == ["stop b.service"]
+
+
+def test_memory_exactly_used_up_reads_as_none_free() -> None:
+    s = Scheduler([sized(0, foreign=24 * GIB)], {})
+    s.request(spec("m", 10, mem_gib=4))
+    (reason,) = [r for _, _, r in s.snapshot().waiting]
+    assert "GPU 0 has 0 B free after the reserve" in reason
+
+
+def test_a_background_waiter_kept_off_by_foreign_processes_keeps_no_gpu_back() -> None:
+    """It cannot run while a foreign process uses one of the two GPUs it needs, so it keeps
+    nothing from a less urgent unit that fits on the other GPU now."""
+    wide, narrow = spec("wide", 50, BG, gpus=2), spec("narrow", 60, BG)
+    s = Scheduler([sized(0, foreign_pids=(4242,)), sized(1)], {wide.name: wide})
+    s.request(wide)
+    assert brief(s.request(narrow)) == ["grant narrow.service 1"]

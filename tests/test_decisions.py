@@ -341,3 +341,27 @@ def test_the_core_still_imports_nothing_outside() -> None:
         "gpuslice.core.placement",
         "gpuslice.sizes",
     }
+
+
+@pytest.mark.parametrize(
+    ("cause", "words"),
+    [
+        (Cause.PAUSED, "NVML answers, or driver_wait runs out"),
+        (Cause.STOPPING, "the units named have stopped"),
+        (
+            Cause.UNUSABLE,
+            "enough of the GPUs it may use are usable (Devices=, a lost GPU, foreign processes)",
+        ),
+        (Cause.HOST, "the host has enough GPUs (config.yaml gpus:, or NVML)"),
+        (Cause.BUSY, "the GPUs named free up, or their holders become less urgent than it"),
+    ],
+)
+def test_until_says_what_would_end_each_kind_of_wait(cause: Cause, words: str) -> None:
+    """GPUSLICE_UNTIL= in the waiting unit's journal."""
+    assert until(wait(cause)) == words
+
+
+def test_to_json_of_a_decision_without_a_cause() -> None:
+    d = Decision(Code.GRANT, "g.service", 10, gpus=(1,))
+    assert d.to_json()["cause"] is None
+    assert d.to_json()["code"] == "grant"

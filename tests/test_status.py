@@ -1,0 +1,571 @@
+"""`gpuslice status`: the snapshot as JSON (a documented interface) and as a table, word for
+word and column for column (gpuslice/status.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpuslice.annotations import Problem, Scan
+from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part
+from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.core.scheduler import Snapshot
+from gpuslice.inventory import GpuUse, Health, Sample
+from gpuslice.status import _duration, _gpu_line, _holder_memory, render, snapshot_to_json
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+HEADER = "GPU  UNIT                                     PRIORITY  STATE     MEMORY"
+IDLE_TAIL = [
+    "",
+    "Waiting:",
+    "  -",
+    "Preempted: -",
+    "Held (stopped by hand): -",
+    "Finished: -",
+    "Failed: -",
+]
+
+
+def free_line(index: int) -> str:
+    """A GPU nobody holds: the index in 4 columns, `(free)` in 40, an empty PRIORITY of 8."""
+    return f"{index}    (free)" + " " * 43
+
+
+def snapshot(**fields: Any) -> Snapshot:
+    """A snapshot with nothing in it but `fields`."""
+    empty: dict[str, Any] = {
+        "gpus": {},
+        "waiting": [],
+        "preempted": [],
+        "held": [],
+        "finished": [],
+        "failed": [],
+    }
+    return Snapshot(**(empty | fields))
+
+
+def empty_data(**fields: Any) -> dict[str, Any]:
+    """The JSON of a host with no GPUs and nothing in it, as an older controller wrote it."""
+    data: dict[str, Any] = {
+        "gpus": [],
+        "waiting": [],
+        "preempted": [],
+        "held": [],
+        "finished": [],
+        "failed": [],
+    }
+    return data | fields
+
+
+# ---------------------------------------------------------------------------------------------
+# snapshot_to_json: every key of the documented interface
+
+
+def test_json_of_an_idle_host_without_nvml() -> None:
+    """Without NVML only the index is known, and there is no "nvml" key at all."""
+    data = snapshot_to_json(snapshot(gpus={0: []}), Scan(), Sample([Gpu(0)]))
+    assert data == {
+        "version": 1,
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": None,
+                "name": None,
+                "memory_total": None,
+                "memory_reserved": 0,
+                "memory_used": None,
+                "lost": False,
+                "holders": [],
+                "foreign": [],
+            }
+        ],
+        "waiting": [],
+        "preempted": [],
+        "held": [],
+        "finished": [],
+        "failed": [],
+        "priorities": {},
+        "problems": [],
+    }
+
+
+WAIT_A = Decision(
+    Code.WAIT,
+    "a.service",
+    20,
+    cause=Cause.BUSY,
+    parts=(Part(Blocker.HELD, (0,), "voice.service", 10),),
+)
+WAIT_C = Decision(Code.WAIT, "c.service", 5, cause=Cause.PAUSED, detail="driver not ready")
+PROBLEM = Problem("/etc/systemd/system/bad.service", 3, "Priority", "not a number")
+
+
+def rich_json() -> dict[str, Any]:
+    """Two named GPUs with holders in every state, a lost GPU, one the sample does not know,
+    waiters, preempted, held, finished and failed units, a problem and NVML's health."""
+    specs = [
+        UnitSpec("voice.service", 10, memory=10 * GIB),
+        UnitSpec("train.service", 40, gpus=2),  # the whole GPU
+        UnitSpec("small.service", 30, memory=512 * MIB),
+        UnitSpec("h1.service", 5),
+        UnitSpec("f.service", 7),
+        UnitSpec("x@.service", 9),  # instances get their template's priority
+    ]
+    snap = snapshot(
+        gpus={
+            1: [("train.service", 40, "stopping"), ("small.service", 30, "starting")],
+            0: [("voice.service", 10, "running"), ("train.service", 40, "stopping")],
+            2: [],
+            5: [],
+        },
+        waiting=[
+            ("a.service", 20, "waiting: a"),
+            ("b.service", 30, "waiting: b"),
+            ("c.service", 5, "waiting: c"),
+        ],
+        preempted=[("p.service", 3, True), ("q.service", 4, False)],
+        held=["h1.service", "nobody.service"],  # the second is no longer annotated
+        finished=["f.service"],
+        failed=["x@1.service"],
+        reasons={"a.service": WAIT_A, "c.service": WAIT_C},
+    )
+    sample = Sample(
+        # not in index order, so that only the GPU with the right index is taken
+        [
+            Gpu(2, "GPU-2", "Lost 40GB", 40 * GIB, lost=True),
+            Gpu(1, "GPU-1", "Fake 80GB", 80 * GIB, 0, used=None),
+            Gpu(0, "GPU-0", "Fake 24GB", 24 * GIB, 2 * GIB, used=13 * GIB),
+        ],
+        [
+            GpuUse(10, 0, 11 * GIB, "voice.service", "python3"),
+            GpuUse(20, 0, 3 * GIB, "train.service", "train"),
+            GpuUse(21, 1, 5 * GIB, "train.service", "train"),
+            GpuUse(22, 1, None, "train.service", "train"),
+            GpuUse(23, 1, 1 * GIB, "train.service", "train"),
+            GpuUse(77, 0, 2 * GIB, None, "Xorg"),
+            GpuUse(78, 1, None, None, "python3"),
+            GpuUse(79, 1, 300 * MIB, None, "nvtop"),
+        ],
+        health=Health("ready", 1700000000.12345, "NVML answers", "550.54"),
+    )
+    scan = Scan(specs={s.name: s for s in specs}, problems=[PROBLEM, PROBLEM])
+    since = {"a.service": 1700000000.5, "c.service": 1699805000.0, "nobody.service": 1.0}
+    return snapshot_to_json(snap, scan, sample, since)
+
+
+def test_json_of_a_busy_host() -> None:
+    """Each GPU's holders with their declared and used memory, its foreign processes (not
+    those of units), waiters in queue order with since and decision, priorities of annotated
+    units only, problems as text, NVML's health."""
+    assert rich_json() == {
+        "version": 1,
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": "GPU-0",
+                "name": "Fake 24GB",
+                "memory_total": 24 * GIB,
+                "memory_reserved": 2 * GIB,
+                "memory_used": 13 * GIB,
+                "lost": False,
+                "holders": [
+                    {
+                        "unit": "voice.service",
+                        "priority": 10,
+                        "state": "running",
+                        "memory_declared": 10 * GIB,
+                        "memory_used": 11 * GIB,
+                    },
+                    {
+                        "unit": "train.service",
+                        "priority": 40,
+                        "state": "stopping",
+                        "memory_declared": None,
+                        "memory_used": 3 * GIB,
+                    },
+                ],
+                "foreign": [{"pid": 77, "command": "Xorg", "memory": 2 * GIB}],
+            },
+            {
+                "index": 1,
+                "uuid": "GPU-1",
+                "name": "Fake 80GB",
+                "memory_total": 80 * GIB,
+                "memory_reserved": 0,
+                "memory_used": None,
+                "lost": False,
+                "holders": [
+                    {
+                        "unit": "train.service",
+                        "priority": 40,
+                        "state": "stopping",
+                        "memory_declared": None,
+                        "memory_used": 6 * GIB,
+                    },
+                    {
+                        "unit": "small.service",
+                        "priority": 30,
+                        "state": "starting",
+                        "memory_declared": 512 * MIB,
+                        "memory_used": None,
+                    },
+                ],
+                "foreign": [
+                    {"pid": 78, "command": "python3", "memory": None},
+                    {"pid": 79, "command": "nvtop", "memory": 300 * MIB},
+                ],
+            },
+            {
+                "index": 2,
+                "uuid": "GPU-2",
+                "name": "Lost 40GB",
+                "memory_total": 40 * GIB,
+                "memory_reserved": 0,
+                "memory_used": None,
+                "lost": True,
+                "holders": [],
+                "foreign": [],
+            },
+            {
+                "index": 5,
+                "uuid": None,
+                "name": None,
+                "memory_total": None,
+                "memory_reserved": 0,
+                "memory_used": None,
+                "lost": False,
+                "holders": [],
+                "foreign": [],
+            },
+        ],
+        "waiting": [
+            {
+                "unit": "a.service",
+                "priority": 20,
+                "reason": "waiting: a",
+                "position": 1,
+                "since": 1700000000.5,
+                "decision": WAIT_A.to_json(),
+            },
+            {
+                "unit": "b.service",
+                "priority": 30,
+                "reason": "waiting: b",
+                "position": 2,
+                "since": None,
+                "decision": None,
+            },
+            {
+                "unit": "c.service",
+                "priority": 5,
+                "reason": "waiting: c",
+                "position": 3,
+                "since": 1699805000.0,
+                "decision": WAIT_C.to_json(),
+            },
+        ],
+        "preempted": [
+            {"unit": "p.service", "priority": 3, "requeue": True},
+            {"unit": "q.service", "priority": 4, "requeue": False},
+        ],
+        "held": ["h1.service", "nobody.service"],
+        "finished": ["f.service"],
+        "failed": ["x@1.service"],
+        "priorities": {"h1.service": 5, "f.service": 7, "x@1.service": 9},
+        "problems": [
+            "/etc/systemd/system/bad.service:3: [X-GPUSlice] Priority: not a number",
+            "/etc/systemd/system/bad.service:3: [X-GPUSlice] Priority: not a number",
+        ],
+        "nvml": {
+            "state": "ready",
+            "since": 1700000000.123,
+            "detail": "NVML answers",
+            "driver_version": "550.54",
+        },
+    }
+
+
+def test_json_decisions_are_the_reasons_as_data() -> None:
+    """The decision of a waiter is its Decision's JSON: the parts, the cause, the detail."""
+    waiting = rich_json()["waiting"]
+    assert waiting[0]["decision"]["parts"] == [
+        {
+            "kind": "held",
+            "gpus": [0],
+            "unit": "voice.service",
+            "priority": 10,
+            "free": None,
+            "refused": False,
+            "overdue": None,
+        }
+    ]
+    assert (waiting[2]["decision"]["cause"], waiting[2]["decision"]["detail"]) == (
+        "paused",
+        "driver not ready",
+    )
+
+
+@pytest.mark.parametrize("since", [None, {}])
+def test_json_waiters_without_since(since: dict[str, float] | None) -> None:
+    """Without (or with an empty) mapping, every waiter's `since` is null."""
+    snap = snapshot(gpus={0: []}, waiting=[("a.service", 1, "r1"), ("b.service", 2, "r2")])
+    waiting = snapshot_to_json(snap, Scan(), Sample([Gpu(0)]), since)["waiting"]
+    assert waiting == [
+        {
+            "unit": "a.service",
+            "priority": 1,
+            "reason": "r1",
+            "position": 1,
+            "since": None,
+            "decision": None,
+        },
+        {
+            "unit": "b.service",
+            "priority": 2,
+            "reason": "r2",
+            "position": 2,
+            "since": None,
+            "decision": None,
+        },
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# render: the table, column for column
+
+
+def test_render_an_idle_host_without_nvml() -> None:
+    """One free GPU, every list "-", no NVML headline and no problems block."""
+    data = snapshot_to_json(snapshot(gpus={0: []}), Scan(), Sample([Gpu(0)]))
+    assert render(data) == "\n".join([HEADER, free_line(0), *IDLE_TAIL])
+    assert render(data, now=1e9) == render(data)
+
+
+def test_render_a_busy_host() -> None:
+    """Named, unknown-use, lost and free GPUs; holders' memory; foreign processes; waiters
+    numbered by position, with how long they waited; every list; the problems."""
+    data = rich_json()
+    data["nvml"] = {"state": "waiting", "since": 0.0, "detail": "no driver yet"}
+    assert render(data, now=1700000125.9).split("\n") == [
+        "NVML waiting: no driver yet",
+        HEADER,
+        "GPU 0: Fake 24GB, 13 GiB / 24 GiB used, 2 GiB reserved",
+        "0    voice.service                                  10  running   "
+        "10 GiB declared, 11 GiB used (MORE THAN DECLARED)",
+        "0    train.service                                  40  stopping  whole GPU, 3 GiB used",
+        "0    foreign: PID 77 Xorg                                         2 GiB",
+        "GPU 1: Fake 80GB, ? / 80 GiB used",
+        "1    train.service                                  40  stopping  whole GPU, 6 GiB used",
+        "1    small.service                                  30  starting  512 MiB declared",
+        "1    foreign: PID 78 python3                                      ?",
+        "1    foreign: PID 79 nvtop                                        300 MiB",
+        "GPU 2: LOST (stopped answering NVML)",
+        free_line(2),
+        free_line(5),
+        "",
+        "Waiting:",
+        "  1. a.service (priority 20): waiting: a (for 2 min 5 s)",
+        "  2. b.service (priority 30): waiting: b",
+        "  3. c.service (priority 5): waiting: c (for 54 h 12 min)",
+        "Preempted: p.service (priority 3, returns when capacity frees), "
+        "q.service (priority 4, Requeue=no)",
+        "Held (stopped by hand): h1.service, nobody.service",
+        "Finished: f.service",
+        "Failed: x@1.service",
+        "",
+        "Annotation problems:",
+        "  /etc/systemd/system/bad.service:3: [X-GPUSlice] Priority: not a number",
+        "  /etc/systemd/system/bad.service:3: [X-GPUSlice] Priority: not a number",
+    ]
+
+
+def test_render_without_now_says_no_waiting_time() -> None:
+    """`(for ...)` needs both the waiter's since and now."""
+    lines = render(rich_json()).split("\n")
+    assert lines[15:18] == [
+        "  1. a.service (priority 20): waiting: a",
+        "  2. b.service (priority 30): waiting: b",
+        "  3. c.service (priority 5): waiting: c",
+    ]
+
+
+def test_render_columns_are_fixed_width() -> None:
+    """GPU 4 wide, UNIT 40 (a longer name pushes the rest), PRIORITY right-aligned in 8, STATE 9."""
+    data = empty_data(
+        gpus=[
+            {
+                "index": 12345,
+                "holders": [
+                    {"unit": "u" * 40, "priority": 12345678, "state": "s" * 9},
+                    {"unit": "v" * 41, "priority": -1, "state": "s"},
+                ],
+            }
+        ]
+    )
+    assert render(data).split("\n")[:3] == [
+        HEADER,
+        "12345 " + "u" * 40 + " 12345678  sssssssss whole GPU",
+        "12345 " + "v" * 41 + "       -1  s         whole GPU",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("nvml", "headline"),
+    [
+        (None, []),
+        ({"state": "ready", "detail": "fine"}, []),
+        ({"state": "absent", "detail": "no NVIDIA GPU"}, []),
+        ({"state": "waiting", "detail": "no driver"}, ["NVML waiting: no driver"]),
+        ({"state": "fallback", "detail": "gave up"}, ["NVML fallback: gave up"]),
+        ({"state": "waiting"}, ["NVML waiting: "]),
+        ({}, []),
+    ],
+)
+def test_render_nvml_headline(nvml: dict[str, Any] | None, headline: list[str]) -> None:
+    """Only "waiting" and "fallback" get a headline, above the table."""
+    data = empty_data() if nvml is None else empty_data(nvml=nvml)
+    assert render(data).split("\n") == [*headline, HEADER, *IDLE_TAIL]
+
+
+def test_render_json_of_an_older_controller() -> None:
+    """No position (waiters numbered in order), no foreign key, no problems, no nvml; a since
+    without now (or now without since) says no waiting time."""
+    data = empty_data(
+        gpus=[{"index": 0, "holders": [{"unit": "a.service", "priority": 1, "state": "running"}]}],
+        waiting=[
+            {"unit": "w.service", "priority": 5, "reason": "waiting: x", "since": 100.0},
+            {"unit": "v.service", "priority": 6, "reason": "waiting: y"},
+        ],
+    )
+    expected = [
+        HEADER,
+        "0    a.service                                       1  running   whole GPU",
+        "",
+        "Waiting:",
+        "  1. w.service (priority 5): waiting: x",
+        "  2. v.service (priority 6): waiting: y",
+        *IDLE_TAIL[3:],
+    ]
+    assert render(data).split("\n") == expected
+    expected[4] += " (for 59 s)"
+    assert render(data, now=159.99).split("\n") == expected
+
+
+def test_render_lists_with_several_items() -> None:
+    """Each list is its items joined by ", ", or "-" when empty; no problems block when empty."""
+    data = empty_data(
+        preempted=[{"unit": "p.service", "priority": 1, "requeue": False}],
+        held=[],
+        finished=["a.service", "b.service", "c.service"],
+        failed=["d.service"],
+        problems=[],
+    )
+    assert render(data).split("\n")[-4:] == [
+        "Preempted: p.service (priority 1, Requeue=no)",
+        "Held (stopped by hand): -",
+        "Finished: a.service, b.service, c.service",
+        "Failed: d.service",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (-5, "0 s"),
+        (0, "0 s"),
+        (1, "1 s"),
+        (59, "59 s"),
+        (59.9, "59 s"),
+        (60, "1 min 0 s"),
+        (61, "1 min 1 s"),
+        (119, "1 min 59 s"),
+        (3599, "59 min 59 s"),
+        (3600, "1 h 0 min"),
+        (3659, "1 h 0 min"),
+        (3660, "1 h 1 min"),
+        (7140, "1 h 59 min"),
+        (7199, "1 h 59 min"),
+        (7200, "2 h 0 min"),
+        (7322, "2 h 2 min"),
+        (90061, "25 h 1 min"),
+    ],
+)
+def test_duration(seconds: float, text: str) -> None:
+    """Whole seconds under a minute, minutes and seconds under an hour, then hours and minutes."""
+    assert _duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("gpu", "line"),
+    [
+        (
+            {"index": 3, "name": "Fake", "lost": True, "memory_total": GIB},
+            "GPU 3: LOST (stopped answering NVML)",
+        ),
+        ({"index": 0, "name": "Fake", "lost": False, "memory_total": None}, "GPU 0: Fake"),
+        ({"index": 0, "name": "Fake"}, "GPU 0: Fake"),
+        (
+            {"index": 1, "name": "Fake", "memory_total": 24 * GIB, "memory_used": 13 * GIB},
+            "GPU 1: Fake, 13 GiB / 24 GiB used",
+        ),
+        (
+            {
+                "index": 1,
+                "name": "Fake",
+                "memory_total": 24 * GIB,
+                "memory_used": 0,
+                "memory_reserved": 0,
+            },
+            "GPU 1: Fake, 0 B / 24 GiB used",
+        ),
+        (
+            {
+                "index": 1,
+                "name": "Fake",
+                "memory_total": 24 * GIB,
+                "memory_used": None,
+                "memory_reserved": 512 * MIB,
+            },
+            "GPU 1: Fake, ? / 24 GiB used, 512 MiB reserved",
+        ),
+        (
+            {
+                "index": 1,
+                "name": "Fake",
+                "memory_total": 24 * GIB,
+                "memory_used": 1536 * MIB,
+                "memory_reserved": 1,
+            },
+            "GPU 1: Fake, 1.5 GiB / 24 GiB used, 1 B reserved",
+        ),
+    ],
+)
+def test_gpu_line(gpu: dict[str, Any], line: str) -> None:
+    """A lost GPU says so; otherwise its name, then memory used / total when the total is
+    known, then the reserve unless it is 0."""
+    assert _gpu_line(gpu) == line
+
+
+@pytest.mark.parametrize(
+    ("declared", "used", "text"),
+    [
+        (None, None, "whole GPU"),
+        (None, 3 * GIB, "whole GPU, 3 GiB used"),
+        (None, 0, "whole GPU, 0 B used"),
+        (4 * GIB, None, "4 GiB declared"),
+        (4 * GIB, 3 * GIB, "4 GiB declared, 3 GiB used"),
+        (4 * GIB, 4 * GIB, "4 GiB declared, 4 GiB used"),
+        (4 * GIB, 4 * GIB + 1, "4 GiB declared, 4.0 GiB used (MORE THAN DECLARED)"),
+        (0, 1, "0 B declared, 1 B used (MORE THAN DECLARED)"),
+    ],
+)
+def test_holder_memory(declared: int | None, used: int | None, text: str) -> None:
+    """Whole GPU or the declared size, what it uses, and a warning only above the declaration."""
+    assert _holder_memory({"memory_declared": declared, "memory_used": used}) == text
