@@ -26,7 +26,7 @@ CONFIG ?= $(or $(wildcard config.yaml),$(wildcard data/config.yaml),config.yaml)
 
 .PHONY: help venv lint fuzz bed-deps bed test demo install uninstall install-examples uninstall-examples clean bench \
 	deb deb-deps
-.PHONY: mutate
+.PHONY: mutate mutate-report
 
 help:
 	@echo "make venv | lint | test | demo | bench | deb | bed-deps | bed | clean"
@@ -208,8 +208,8 @@ deb: deb-deps
 # nothing observable, in tests/mutation-equivalent.txt. Results are kept in mutants/ (ignored);
 # MUTATE_KEEP=1 keeps its stats cache (every chosen mutant runs again). The default, all, is
 # the core and the adapters (the core alone takes 10+ minutes); MUTATE=adapters runs only the
-# validating adapters: the parsers and the generator, and of inventory.py only the attribution
-# of GPU processes to units (status.py is not in yet). A selection is mutmut's names, globs
+# validating adapters: the parsers, the generator and the status JSON and table, and of
+# inventory.py only the attribution of GPU processes to units. A selection is mutmut's names, globs
 # allowed (`*` for the `ǁ` of a method). To add an adapter: put its file in only_mutate and its
 # fast tests in pytest_add_cli_args_test_selection ([tool.mutmut]), and its module in
 # MUTATE_adapters.
@@ -218,7 +218,7 @@ MUTATE_KEEP ?=
 MUTATE_core := gpuslice.core.model.* gpuslice.core.placement.* gpuslice.core.scheduler.* \
 	gpuslice.core.decisions.*
 MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* \
-	gpuslice.config.* gpuslice.state.* gpuslice.generator.* gpuslice.cgroups.* \
+	gpuslice.config.* gpuslice.state.* gpuslice.generator.* gpuslice.cgroups.* gpuslice.status.* \
 	gpuslice.inventory.x_command_of__mutmut_* gpuslice.inventory.x*Sample*used_by__mutmut_* \
 	gpuslice.inventory.x*Inventory*_managed__mutmut_* \
 	gpuslice.inventory.x*Inventory*_build__mutmut_* \
@@ -229,6 +229,12 @@ mutate: venv
 	@test -n "$(MUTATE_$(MUTATE))" || { echo "make mutate: MUTATE=$(MUTATE): no modules (core, adapters, all)" >&2; exit 2; }
 	$(if $(MUTATE_KEEP),,rm -rf mutants)
 	$(VENV)/bin/mutmut run --max-children 1 $(MUTATE_$(MUTATE))
+	@$(MAKE) --no-print-directory mutate-report MUTATE=$(MUTATE)
+
+# The summary of the last `make mutate` (mutants/), e.g. after rerunning some mutants by name
+# with `.venv/bin/mutmut run NAME...`.
+mutate-report: venv
+	@test -n "$(MUTATE_$(MUTATE))" || { echo "make mutate-report: MUTATE=$(MUTATE): no modules" >&2; exit 2; }
 	@$(VENV)/bin/mutmut results --all true | sed -n 's/^ *\([^ ]*\): \(.*\)$$/\1 \2/p' \
 	    | awk -v eq=$(MUTATE_EQUIVALENT) -v want='$(MUTATE_$(MUTATE))' -f <(sed -n 's/^#awk //p' Makefile)
 #awk BEGIN {

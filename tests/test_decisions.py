@@ -365,3 +365,12 @@ def test_to_json_of_a_decision_without_a_cause() -> None:
     d = Decision(Code.GRANT, "g.service", 10, gpus=(1,))
     assert d.to_json()["cause"] is None
     assert d.to_json()["code"] == "grant"
+
+
+def test_an_overdue_stop_whose_waiter_is_gone_names_no_waiter() -> None:
+    """The waiter may have been stopped meanwhile: the warning then says only who is late."""
+    d = Decision(Code.STOP_OVERDUE, "v.service", 50, detail="30 s")
+    assert render(d) == (
+        "v.service (priority 50) has not stopped 30 s after gpuslice asked: "
+        "see its TimeoutStopSec= and ExecStop="
+    )
