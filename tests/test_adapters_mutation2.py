@@ -162,6 +162,18 @@ def test_the_host_root_is_the_default(function: Callable[..., object]) -> None:
     assert inspect.signature(function).parameters["root"].default == "/"
 
 
+def test_without_a_root_the_hosts_own_units_are_read() -> None:
+    """Called without a root, the unit index reads this host's unit directories (read only)."""
+    names = list_unit_names("/")
+    if not names:
+        pytest.skip("no unit files on this host")
+    assert list_unit_names() == names
+    assert find_fragment(names[0]) == find_fragment(names[0], "/") is not None
+    with_dropins = [n for n in names if find_dropins(n, "/")]
+    if with_dropins:
+        assert find_dropins(with_dropins[0]) == find_dropins(with_dropins[0], "/")
+
+
 # ---- generator: the words for an error -------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 import gpuslice.config as config
-from gpuslice.annotations import Loader, Problem, load_spec, scan
+from gpuslice.annotations import Loader, Problem, check_file, load_spec, scan
 from gpuslice.config import ConfigError, parse_config, read_config_text
 from gpuslice.core.model import UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
@@ -490,3 +490,15 @@ def test_a_bad_integer_adds_nothing_to_the_options_message(
     code, out = new(tmp_path, "job", *args, option, value, "--", "/bin/true")
     assert code == 2
     assert out.splitlines()[-1] == f"Error: Invalid value for '{option}': {expected}"
+
+
+def test_check_file_names_the_unit_after_the_file(tmp_path: Path) -> None:
+    """`gpuslice check FILE` before installing it: each problem is about the unit the file's
+    name makes, on its own line and key."""
+    path = tmp_path / "x.service"
+    path.write_text("[Service]\nExecStart=/bin/true\n[X-GPUSlice]\nPriority=abc\n")
+    assert check_file(path) == [
+        Problem(
+            str(path), 4, "Priority", 'expected an integer 0-999, got "abc"', "error", "x.service"
+        )
+    ]

@@ -556,3 +556,17 @@ def test_a_background_waiter_kept_off_by_foreign_processes_keeps_no_gpu_back() -
     s = Scheduler([sized(0, foreign_pids=(4242,)), sized(1)], {wide.name: wide})
     s.request(wide)
     assert brief(s.request(narrow)) == ["grant narrow.service 1"]
+
+
+def test_a_preempted_unit_started_by_hand_is_no_longer_preempted() -> None:
+    """Started by hand while it waits to come back, it queues like any start; once it has run
+    and finished, nothing brings it back a second time."""
+    p, u = spec("p", 50), spec("u", 10)
+    s = Scheduler([sized(0)], {p.name: p, u.name: u})
+    s.request(p)
+    assert brief(s.request(u)) == ["stop p.service"]
+    assert brief(s.inactive("p.service", Outcome.STOPPED)) == ["grant u.service 0"]
+    assert brief(s.request(p)) == []  # waits behind u
+    assert [name for name, _, _ in s.snapshot().preempted] == []
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == ["grant p.service 0"]
+    assert brief(s.inactive("p.service", Outcome.EXITED)) == []

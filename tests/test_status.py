@@ -569,3 +569,30 @@ def test_gpu_line(gpu: dict[str, Any], line: str) -> None:
 def test_holder_memory(declared: int | None, used: int | None, text: str) -> None:
     """Whole GPU or the declared size, what it uses, and a warning only above the declaration."""
     assert _holder_memory({"memory_declared": declared, "memory_used": used}) == text
+
+
+def test_json_of_a_holder_no_longer_annotated() -> None:
+    """A holder whose annotation went away (its stop still runs) declares nothing: null."""
+    snap = snapshot(gpus={0: [("gone.service", 30, "stopping")]})
+    (holder,) = snapshot_to_json(snap, Scan(), Sample([Gpu(0)]))["gpus"][0]["holders"]
+    assert holder == {
+        "unit": "gone.service",
+        "priority": 30,
+        "state": "stopping",
+        "memory_declared": None,
+        "memory_used": None,
+    }
+
+
+def test_render_a_lost_gpu_without_a_name() -> None:
+    """A GPU lost before NVML ever named it still gets its LOST line."""
+    gpu = {"index": 3, "name": None, "lost": True, "holders": []}
+    lines = render(empty_data(gpus=[gpu])).splitlines()
+    assert lines[1:3] == ["GPU 3: LOST (stopped answering NVML)", free_line(3)]
+
+
+def test_render_numbers_waiters_by_the_controllers_position() -> None:
+    """The number shown is the queue position the controller gave, not the list's order."""
+    waiter = {"unit": "w.service", "priority": 20, "reason": "waiting", "position": 4}
+    lines = render(empty_data(waiting=[waiter])).splitlines()
+    assert "  4. w.service (priority 20): waiting" in lines
