@@ -586,7 +586,7 @@ def test_json_of_a_holder_no_longer_annotated() -> None:
 
 def test_render_a_lost_gpu_without_a_name() -> None:
     """A GPU lost before NVML ever named it still gets its LOST line."""
-    gpu = {"index": 3, "name": None, "lost": True, "holders": []}
+    gpu: dict[str, Any] = {"index": 3, "name": None, "lost": True, "holders": []}
     lines = render(empty_data(gpus=[gpu])).splitlines()
     assert lines[1:3] == ["GPU 3: LOST (stopped answering NVML)", free_line(3)]
 
