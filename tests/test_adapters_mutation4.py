@@ -25,9 +25,19 @@ from gpuslice.annotations import Loader, Problem, check_file, load_spec, scan
 from gpuslice.config import ConfigError, parse_config, read_config_text
 from gpuslice.core.model import UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
-from gpuslice.unitfiles import UnitFile, UnitIndex, _not_regular, read_unit_text
+from gpuslice.unitfiles import (
+    MAX_FILE_SIZE,
+    Fragment,
+    UnitFile,
+    UnitIndex,
+    _dash_prefixes,
+    _not_regular,
+    read_unit_text,
+)
+from tests.test_adapters_mutation3 import ReadSpy
 from tests.test_annotations import ETC, LIB, SERVICE, X, unit, write
 from tests.test_newunit import new
+from tests.test_unitfiles import link
 
 KNOWN = "Priority, Type, GPUs, Requeue, Memory, Devices"
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -502,3 +512,100 @@ def test_check_file_names_the_unit_after_the_file(tmp_path: Path) -> None:
             str(path), 4, "Priority", 'expected an integer 0-999, got "abc"', "error", "x.service"
         )
     ]
+
+
+# ---- drop-in directories of a dashed name -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "present", "expected"),
+    [
+        pytest.param("a.b-c.service", ["a.b-"], ["a.b-"], id="dot-in-prefix"),
+        pytest.param("a-b@c-d@e.service", ["a-b@c-", "a-"], ["a-"], id="prefix-before-first-at"),
+        pytest.param("a@x-y.service", ["a@x-"], [], id="no-dash-before-at"),
+        pytest.param("a-b-@x.service", ["a-b-", "a-"], ["a-"], id="trailing-dash-before-at"),
+        pytest.param("a-b--.service", ["a-b-", "a-"], ["a-b-", "a-"], id="one-dash-chopped"),
+        pytest.param("-a.service", ["-"], [], id="leading-dash"),
+        pytest.param("a-b.service", ["a-"], ["a-"], id="one-letter-component"),
+    ],
+)
+def test_dash_prefix_dropin_dirs_follow_systemd(
+    tmp_path: Path, name: str, present: list[str], expected: list[str]
+) -> None:
+    """Prefix drop-ins (`foo-.service.d` for `foo-bar.service`) come from the name before the
+    unit suffix, or before the first `@` of an instance; a trailing dash is chopped once, and a
+    leading dash gives no prefix. Directories of other prefixes do not apply."""
+    for prefix in present:
+        (tmp_path / ETC.lstrip("/") / f"{prefix}.service.d").mkdir(parents=True)
+    assert [path for path, _real in UnitIndex(tmp_path).dropin_dirs(name)] == [
+        f"{ETC}/{prefix}.service.d" for prefix in expected
+    ]
+
+
+def test_a_units_own_name_is_not_among_its_dash_prefixes() -> None:
+    """`a-b-.service` is itself a prefix name: its dash is chopped once and it is not its own
+    prefix (private: `dropin_dirs` lists a directory once, so the public API cannot tell)."""
+    assert _dash_prefixes("a-b-.service") == ["a-.service"]
+    assert _dash_prefixes("a-.service") == []
+
+
+# ---- the unit-file reader: what changes after the stat ------------------------------------------
+
+
+def test_a_fifo_swapped_in_after_the_stat_is_not_a_regular_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The type is checked again on the open file: a FIFO that replaced a regular file after
+    the stat is OSError(EINVAL) saying what it is, and is not read."""
+    regular = write_text(tmp_path / "regular.service", "[Unit]\n")
+    fifo = tmp_path / "fifo.service"
+    os.mkfifo(fifo)
+    real_stat = os.stat
+
+    def fake_stat(path: os.PathLike[str] | str, *args: object, **kwargs: bool) -> os.stat_result:
+        return real_stat(regular if os.fspath(path) == os.fspath(fifo) else path)
+
+    monkeypatch.setattr(os, "stat", fake_stat)
+    with pytest.raises(OSError) as raised:
+        read_unit_text(fifo)
+    assert (raised.value.errno, raised.value.strerror) == (
+        errno.EINVAL,
+        "a FIFO, not a regular file",
+    )
+
+
+def test_a_file_one_byte_over_the_limit_is_too_big_after_one_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of MAX_FILE_SIZE + 1 bytes is OSError(EFBIG), known from one read of
+    MAX_FILE_SIZE + 1 bytes: that read is all the memory a huge file costs."""
+    path = tmp_path / "big.service"
+    with open(path, "wb") as f:
+        f.truncate(MAX_FILE_SIZE + 1)  # sparse: instant
+    spies: list[ReadSpy] = []
+    real_fdopen = os.fdopen
+
+    def spy(fd: int, mode: str = "r") -> ReadSpy:
+        spies.append(ReadSpy(real_fdopen(fd, mode)))
+        return spies[-1]
+
+    monkeypatch.setattr(os, "fdopen", spy)
+    with pytest.raises(OSError) as raised:
+        read_unit_text(path)
+    assert (raised.value.errno, raised.value.strerror) == (
+        errno.EFBIG,
+        "larger than 1 MiB, which no unit file needs",
+    )
+    assert [s.sizes for s in spies] == [[MAX_FILE_SIZE + 1]]
+
+
+# ---- fragments ----------------------------------------------------------------------------------
+
+
+def test_a_fragment_in_a_link_loop_gives_way_to_a_later_directory(tmp_path: Path) -> None:
+    """A fragment candidate with too many links is ignored, as systemd ignores it, and the
+    search goes on: the first real file in path order is the fragment."""
+    link(tmp_path, X, "x.service")  # a loop
+    write(tmp_path, f"{LIB}/x.service", unit("Priority=1\n"))
+    real = tmp_path / LIB.lstrip("/") / "x.service"
+    assert UnitIndex(tmp_path).fragment("x.service") == Fragment(f"{LIB}/x.service", real, False)
