@@ -204,8 +204,9 @@ deb: deb-deps
 # `make mutate [MUTATE=core|adapters|all]`: mutmut (pinned in the test extras, configured in
 # pyproject.toml [tool.mutmut]) breaks the chosen modules on purpose, one mutant at a time, and
 # runs the fast tests that reach the broken function (one worker: the CPU is shared). Prints
-# killed/survived/timeout per module; fails while a survivor is not listed, with why it changes
-# nothing observable, in tests/mutation-equivalent.txt. Results are kept in mutants/ (ignored);
+# killed/survived/hung per module (a mutant that hangs or crashes the test run is caught);
+# fails while a survivor is not listed, with why it changes nothing observable, in
+# tests/mutation-equivalent.txt. Results are kept in mutants/ (ignored);
 # MUTATE_KEEP=1 keeps its stats cache (every chosen mutant runs again). The default, all, is
 # the core and the adapters (the core alone takes 10+ minutes); MUTATE=adapters runs only the
 # validating adapters: the parsers, the generator and the status JSON and table, and of
@@ -250,11 +251,12 @@ mutate-report: venv
 #awk     known = 0; for (i = 1; i <= np; i++) if ($1 ~ re[i]) known = 1; if (!known) next
 #awk     m = $1; sub(/\.x[^.]*$/, "", m); s = $2 ($3 == "" ? "" : " " $3)
 #awk     if (s == "survived" && ($1 in equiv)) s = "equivalent"
+#awk     if (s == "segfault") s = "timeout"  # the mutant killed the test run (a loop eating memory): caught, like a hang
 #awk     if (s != "killed" && s != "timeout" && s != "equivalent") left[++nl] = $1 " (" s ")"
 #awk     c[m, s]++; c[m]++; c["total", s]++; c["total"]++
 #awk }
 #awk END {
-#awk     printf "%-26s %7s %8s %7s %10s %5s %7s\n", "module", "killed", "survived", "timeout", "equivalent", "other", "score"
+#awk     printf "%-26s %7s %8s %7s %10s %5s %7s\n", "module", "killed", "survived", "hung", "equivalent", "other", "score"
 #awk     for (i = 1; i <= n + 1; i++) {
 #awk         m = mods[i]; k = c[m, "killed"]; t = c[m, "timeout"]; e = c[m, "equivalent"]; sv = c[m, "survived"]
 #awk         tested = c[m] - e; score = tested ? sprintf("%6.1f%%", 100 * (k + t) / tested) : "     -"
