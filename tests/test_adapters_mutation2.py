@@ -8,19 +8,29 @@ adapters' own test files left open.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import inspect
 import logging
-from collections.abc import Callable
+import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from gpuslice.config import Config
 from gpuslice.generator import _reason
-from gpuslice.unitfiles import UnitIndex, find_dropins, find_fragment, list_unit_names
+from gpuslice.unitfiles import (
+    UnitIndex,
+    find_dropins,
+    find_fragment,
+    is_instance,
+    list_unit_names,
+    printable,
+)
 from tests.test_inventory import GIB, MANAGED, UUIDS, StubNvml, make_inventory, write_proc
-from tests.test_unitfiles import ETC, LIB, link, write
+from tests.test_unitfiles import ETC, LIB, RUN, link, write
 
 FOREIGN = "0::/user.slice/user-1000.slice/session-2.scope\n"
 
@@ -182,3 +192,215 @@ def test_an_error_without_a_message_is_named_by_its_type() -> None:
     assert _reason(RecursionError()) == "RecursionError"
     assert _reason(ValueError("bad value")) == "bad value"
     assert _reason(OSError(errno.EACCES, "Permission denied", "/x")) == "Permission denied"
+
+
+# ---- unit names and their printing -----------------------------------------------------------
+
+
+def test_printable_keeps_300_characters_by_default() -> None:
+    """The default cut is at 300 characters: 300 are kept whole, a 301st is cut with `...`."""
+    assert printable("x" * 300) == "x" * 300
+    assert printable("x" * 301) == "x" * 300 + "..."
+
+
+def test_printable_cuts_only_past_the_limit() -> None:
+    """A text exactly `limit` long is shown whole; one character more is cut."""
+    assert printable("abc", 3) == "abc"
+    assert printable("abcd", 3) == "abc..."
+
+
+def test_a_name_starting_with_an_at_is_no_instance() -> None:
+    """`@a.service` has nothing before the `@`: no template prefix, so no instance."""
+    assert is_instance("@a.service") is False
+    assert is_instance("b@a.service") is True
+
+
+# ---- unit index: search directories, paths, drop-in directories -----------------------------
+
+
+def _listing(
+    monkeypatch: pytest.MonkeyPatch, reverse: bool = False, first: object | None = None
+) -> None:
+    """Make os.scandir list entries sorted by name (reversed when asked), after `first` when
+    given: a test then sees each order a filesystem may list a directory in."""
+    real_scandir = os.scandir
+
+    def scandir(path: Path) -> contextlib.nullcontext[Iterator[object]]:
+        with real_scandir(path) as it:
+            listed: list[os.DirEntry[str]] = sorted(it, key=lambda e: e.name, reverse=reverse)
+        entries: list[object] = [first, *listed] if first is not None else [*listed]
+        return contextlib.nullcontext(iter(entries))
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+class _Vanished:
+    """A directory entry gone by the time it is examined (its lstat fails)."""
+
+    name = "gone.service"
+
+    def is_symlink(self) -> bool:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+
+
+def test_an_entry_that_vanishes_while_listed_hides_no_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An entry that cannot be examined is left out; the entries listed after it are kept."""
+    write(tmp_path, f"{ETC}/a.service")
+    write(tmp_path, f"{ETC}/b.service")
+    _listing(monkeypatch, first=_Vanished())
+    assert UnitIndex(tmp_path, [ETC]).unit_names() == ["a.service", "b.service"]
+
+
+def test_a_search_directory_named_twice_ends_no_search(tmp_path: Path) -> None:
+    """A directory met a second time is skipped; the directories after it are still searched."""
+    write(tmp_path, f"{ETC}/a.service")
+    write(tmp_path, f"{RUN}/b.service")
+    assert UnitIndex(tmp_path, [ETC, ETC, RUN]).unit_names() == ["a.service", "b.service"]
+
+
+def test_an_unreadable_search_directory_ends_no_search(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search directory that cannot be listed (EACCES for a non-root run; faked here, as the
+    tests may run as root) is skipped; the directories after it are still searched."""
+    write(tmp_path, f"{ETC}/a.service")
+    write(tmp_path, f"{RUN}/b.service")
+    real_scandir = os.scandir
+    etc = tmp_path / ETC.lstrip("/")
+
+    def scandir(path: Path) -> Iterator[os.DirEntry[str]]:
+        if Path(path) == etc:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert UnitIndex(tmp_path, [ETC, RUN]).unit_names() == ["b.service"]
+
+
+def test_the_index_root_defaults_to_the_host_root() -> None:
+    """UnitIndex() reads the host's own files: its root is `/`."""
+    index = UnitIndex(search_path=())
+    assert index.root == Path("/")
+    assert index.real_path("/etc/x.service") == Path("/etc/x.service")
+
+
+def test_real_path_strips_only_the_leading_slash(tmp_path: Path) -> None:
+    """Only the leading `/` of a system path goes: a first component starting with `X` stays."""
+    index = UnitIndex(tmp_path, ())
+    assert index.real_path("/XX/x.service") == tmp_path / "XX" / "x.service"
+
+
+def test_a_link_to_dev_dot_null_masks_a_dropin(tmp_path: Path) -> None:
+    """`.` in a link target names the same directory: a drop-in linked to `/dev/./null` is
+    masked like one linked to `/dev/null`, and hides the same name in lower directories."""
+    link(tmp_path, f"{ETC}/foo.service.d/a.conf", "/dev/./null")
+    write(tmp_path, f"{LIB}/foo.service.d/a.conf")
+    write(tmp_path, f"{LIB}/foo.service.d/b.conf")
+    assert [f.path for f in find_dropins("foo.service", tmp_path)] == [
+        f"{LIB}/foo.service.d/b.conf"
+    ]
+
+
+def test_every_dash_prefix_has_its_dropin_dir(tmp_path: Path) -> None:
+    """`a-b-c-d.service` reads the drop-ins of `a-b-c-.service`, `a-b-.service` and
+    `a-.service`, longest prefix first (systemd's prefix drop-ins)."""
+    for prefix in ("a-", "a-b-", "a-b-c-"):
+        (tmp_path / LIB.lstrip("/") / f"{prefix}.service.d").mkdir(parents=True)
+    assert [d for d, _ in UnitIndex(tmp_path).dropin_dirs("a-b-c-d.service")] == [
+        f"{LIB}/a-b-c-.service.d",
+        f"{LIB}/a-b-.service.d",
+        f"{LIB}/a-.service.d",
+    ]
+
+
+def test_the_type_dropin_dir_is_named_by_the_last_suffix(tmp_path: Path) -> None:
+    """The type-level drop-in directory of `a.b.service` is `service.d`, not `b.service.d`."""
+    for d in ("service.d", "b.service.d"):
+        (tmp_path / ETC.lstrip("/") / d).mkdir(parents=True)
+    assert UnitIndex(tmp_path).dropin_dirs("a.b.service") == [
+        (f"{ETC}/service.d", tmp_path / ETC.lstrip("/") / "service.d")
+    ]
+
+
+@pytest.mark.parametrize("target", ["/opt/dropins", "../../../opt/dropins"])
+def test_a_symlinked_dropin_dir_resolves_inside_the_root(tmp_path: Path, target: str) -> None:
+    """A drop-in directory that is a symlink (absolute or relative) is found where its target
+    lies inside the root, and its drop-ins are read from there, not through the link."""
+    link(tmp_path, f"{ETC}/foo.service.d", target)
+    write(tmp_path, "/opt/dropins/a.conf")
+    index = UnitIndex(tmp_path)
+    assert index.dropin_dirs("foo.service") == [
+        (f"{ETC}/foo.service.d", tmp_path / "opt" / "dropins")
+    ]
+    assert [(f.path, f.real) for f in index.dropins("foo.service")] == [
+        (f"{ETC}/foo.service.d/a.conf", tmp_path / "opt" / "dropins" / "a.conf")
+    ]
+
+
+def test_a_dropin_dir_link_to_no_directory_is_no_dropin_dir(tmp_path: Path) -> None:
+    """A `.d` symlink that dangles or leads to a file is no drop-in directory."""
+    link(tmp_path, f"{ETC}/foo.service.d", "/nowhere")
+    write(tmp_path, "/opt/file")
+    link(tmp_path, f"{ETC}/bar.service.d", "/opt/file")
+    index = UnitIndex(tmp_path)
+    assert index.dropin_dirs("foo.service") == []
+    assert index.dropin_dirs("bar.service") == []
+
+
+def test_a_dropin_dir_made_after_the_index_is_not_seen(tmp_path: Path) -> None:
+    """The index answers from its own listing (one per daemon-reload): a drop-in directory
+    made after it was built is not seen."""
+    write(tmp_path, f"{ETC}/foo.service")
+    index = UnitIndex(tmp_path)
+    write(tmp_path, f"{ETC}/foo.service.d/a.conf")
+    assert index.dropin_dirs("foo.service") == []
+    assert index.dropins("foo.service") == []
+
+
+# ---- unit index: drop-in files --------------------------------------------------------------
+
+
+def test_a_dropin_dir_gone_since_the_index_hides_no_lower_one(tmp_path: Path) -> None:
+    """A drop-in directory removed after the index was built cannot be listed: it is skipped,
+    and the lower directories still give their drop-ins."""
+    write(tmp_path, f"{ETC}/foo.service.d/a.conf")
+    write(tmp_path, f"{LIB}/foo.service.d/b.conf")
+    index = UnitIndex(tmp_path)
+    shutil.rmtree(tmp_path / ETC.lstrip("/") / "foo.service.d")
+    assert [f.path for f in index.dropins("foo.service")] == [f"{LIB}/foo.service.d/b.conf"]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_conf_directory_hides_no_dropin_listed_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reverse: bool
+) -> None:
+    """A directory named `*.conf` is no drop-in; the files listed before or after it are, in
+    either listing order."""
+    write(tmp_path, f"{ETC}/foo.service.d/a.conf")
+    (tmp_path / ETC.lstrip("/") / "foo.service.d" / "b.conf").mkdir()
+    write(tmp_path, f"{ETC}/foo.service.d/c.conf")
+    _listing(monkeypatch, reverse=reverse)
+    assert [f.path for f in find_dropins("foo.service", tmp_path)] == [
+        f"{ETC}/foo.service.d/a.conf",
+        f"{ETC}/foo.service.d/c.conf",
+    ]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_looping_dropin_link_hides_no_dropin_listed_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reverse: bool
+) -> None:
+    """A drop-in symlink that loops is ignored with an issue; the files listed before or after
+    it are still drop-ins, in either listing order."""
+    write(tmp_path, f"{ETC}/foo.service.d/a.conf")
+    link(tmp_path, f"{ETC}/foo.service.d/b.conf", "b.conf")
+    write(tmp_path, f"{ETC}/foo.service.d/c.conf")
+    _listing(monkeypatch, reverse=reverse)
+    index = UnitIndex(tmp_path)
+    assert [f.path for f in index.dropins("foo.service")] == [
+        f"{ETC}/foo.service.d/a.conf",
+        f"{ETC}/foo.service.d/c.conf",
+    ]
+    assert [i.path for i in index.issues] == [f"{ETC}/foo.service.d/b.conf"]

@@ -23,6 +23,7 @@ from gpuslice.cgroups import CGROUP_FILE_MAX, _root_of, _systemd_path, unit_of_p
 from gpuslice.config import Config, Setting, _check, _gpu_id, parse_config
 from gpuslice.core.scheduler import SavedState
 from gpuslice.state import STATE_FILE_MAX, StateStore
+from gpuslice.unitfiles import Entry, TextIssue, parse_sections
 from tests.test_cgroups import write_cgroup
 from tests.test_config import ALLOWED, fill, problems_of
 from tests.test_state import GOOD_STATE, good
@@ -224,3 +225,77 @@ def test_what_is_no_pid_is_never_looked_up(tmp_path: Path, pid: int) -> None:
         (tmp_path / name / "cgroup").write_text("0::/system.slice/asr.service\n")
     assert unit_of_pid(pid, tmp_path) is None
     assert unit_of_pid(42, tmp_path) == "asr.service"
+
+
+# ---- unit-file text --------------------------------------------------------------------------
+
+
+def test_unit_text_may_begin_with_a_continued_line() -> None:
+    """A continuation can start on the very first line: the header joined with the blank line
+    after it is still the header, at line 1."""
+    headers: list[tuple[str, int]] = []
+    assert parse_sections("[S]\\\n\nk = v\n", None, headers) == [Entry("S", "k", "v", 3)]
+    assert headers == [("S", 1)]
+
+
+def test_only_an_empty_last_line_is_dropped() -> None:
+    """The empty string after a final line end is dropped, not an empty line inside the text:
+    a last line without a line end still counts."""
+    assert parse_sections("[S]\n\nk=v") == [Entry("S", "k", "v", 3)]
+    assert parse_sections("[S]\n\n") == []
+
+
+def test_only_systemd_whitespace_comes_before_a_comment() -> None:
+    """A comment's `#`/`;` may follow spaces and tabs only: after a vertical tab or a form feed
+    (no systemd WHITESPACE) the line is an assignment whose key keeps that character."""
+    text = "[S]\n \t#c=1\n\x0b#k=v\n\x0c;j=w\n"
+    assert parse_sections(text) == [
+        Entry("S", "\x0b#k", "v", 3),
+        Entry("S", "\x0c;j", "w", 4),
+    ]
+
+
+def test_an_odd_run_of_backslashes_continues_the_line() -> None:
+    """Three trailing backslashes continue the line (the last one escapes the newline), four do
+    not."""
+    text = "[S]\nk=a\\\\\\\nb=c\nj=d\\\\\\\\\nm=n\n"
+    assert parse_sections(text) == [
+        Entry("S", "k", "a\\\\ b=c", 2),
+        Entry("S", "j", "d\\\\\\\\", 4),
+        Entry("S", "m", "n", 5),
+    ]
+
+
+def test_a_continuation_open_at_the_end_of_the_text_is_still_read() -> None:
+    """A continuation the text ends in is joined from all its lines, and its header or issue is
+    reported like any other line's."""
+    assert parse_sections("[S]\nk=a\\\nb\\") == [Entry("S", "k", "a b", 2)]
+    issues: list[TextIssue] = []
+    assert parse_sections("[S]\nnoequals\\", issues) == []
+    assert issues == [TextIssue("S", 2, "missing '=', line ignored")]
+    headers: list[tuple[str, int]] = []
+    assert parse_sections("[T]\\", None, headers) == []
+    assert headers == [("T", 1)]
+
+
+def test_a_comment_character_after_the_first_is_part_of_the_key() -> None:
+    """Only the first character makes a comment: `k#=v` assigns key `k#`, and a one-character
+    line is just a line without `=`."""
+    issues: list[TextIssue] = []
+    assert parse_sections("[S]\nk#=v\nx;=y\nz\n", issues) == [
+        Entry("S", "k#", "v", 2),
+        Entry("S", "x;", "y", 3),
+    ]
+    assert issues == [TextIssue("S", 4, "missing '=', line ignored")]
+
+
+def test_a_bad_header_is_quoted_to_80_characters() -> None:
+    """An invalid section header is quoted to its first 80 characters, then `...`."""
+    issues: list[TextIssue] = []
+    assert parse_sections("[" + "x" * 100 + "\n", issues) == []
+    assert issues == [TextIssue(None, 1, "invalid section header '[" + "x" * 79 + "...'")]
+
+
+def test_a_key_keeps_whitespace_that_is_not_systemds() -> None:
+    """Keys are trimmed of spaces and tabs only: a vertical tab or form feed stays in the key."""
+    assert parse_sections("[S]\n \x0bk\x0c\t= v\n") == [Entry("S", "\x0bk\x0c", "v", 2)]
