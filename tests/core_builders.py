@@ -35,25 +35,16 @@ no backfill).
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from gpuslice.core.decisions import Code, render
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Scheduler, Start, Stop
 
 BG = UnitKind.BACKGROUND
 OD = UnitKind.ON_DEMAND
 GIB = 1 << 30
-
-_STOP_REASON = re.compile(
-    r"preempting (?P<victim>\S+) \(priority (?P<vprio>\d+)\) "
-    r"for (?P<waiter>\S+) \(priority (?P<wprio>\d+)\) on GPUs? [\d,]+"
-)
-_YIELD_REASON = re.compile(
-    r"yielding GPUs? [\d,]+: stopping background (?P<victim>\S+) \(priority \d+\) while a "
-    r"process gpuslice does not manage uses it \(PID [\d, ]+\)"
-)
 
 
 def spec(
@@ -411,16 +402,15 @@ class Sim:
         elif stop.unit not in self.running and stop.unit not in self.at_gate:
             raise InvariantError(f"Stop {stop.unit}, which is not active")
         self.pending_stops.append(stop.unit)
-        yielding = _YIELD_REASON.fullmatch(stop.reason)
-        if yielding is not None:
-            self._check_yield(stop.unit, yielding["victim"])
+        d = stop.decision
+        if d is None or stop.reason != render(d):
+            raise InvariantError(f"Stop {stop.unit} without its decision, or other words: {stop}")
+        if d.code is Code.YIELD:
+            self._check_yield(stop.unit, d.unit)
             return
-        match = _STOP_REASON.fullmatch(stop.reason)
-        if match is None:
-            raise InvariantError(f"Stop reason not in the journal's words: {stop.reason!r}")
-        record = StopRecord(
-            match["victim"], int(match["vprio"]), match["waiter"], int(match["wprio"])
-        )
+        if d.code is not Code.PREEMPT or d.priority is None or d.for_priority is None:
+            raise InvariantError(f"Stop {stop.unit} is neither a preemption nor a yield: {d}")
+        record = StopRecord(d.unit, d.priority, d.for_unit, d.for_priority)
         victim, waiter = self.annotations.get(record.victim), self.annotations.get(record.waiter)
         if record.victim != stop.unit or victim is None or waiter is None:
             raise InvariantError(f"Stop {stop.unit}: {stop.reason}")
