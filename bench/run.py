@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import random
-import re
 import statistics
 import sys
 import time
@@ -329,9 +328,22 @@ def case_latency(
     return rows, raw
 
 
-_JOURNAL_LINE = re.compile(r"^(\d+\.\d+) \S+ [^:]+: (.*)$")
-_GRANT = re.compile(r"^starting (\S+) \(priority (\d+)\) on ")
-_WAIT = re.compile(r"^(\S+) waiting")
+def decisions(journal_json: str, since: float) -> list[tuple[float, str, str, str]]:
+    """The controller's decisions from `journalctl -o json` (its GPUSLICE_* fields, not its
+    sentences): (when, code, unit, cause) from `since` (Unix time) on, in journal order."""
+    out = []
+    for line in journal_json.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        code = entry.get("GPUSLICE_DECISION")
+        when = int(entry.get("__REALTIME_TIMESTAMP", 0)) / 1e6
+        if not isinstance(code, str) or when < since:
+            continue
+        unit, cause = entry.get("GPUSLICE_UNIT", ""), entry.get("GPUSLICE_CAUSE", "")
+        out.append((when, code, unit if isinstance(unit, str) else "", str(cause)))
+    return out
 
 
 def analyse_burst(
@@ -345,21 +357,16 @@ def analyse_burst(
     priority had waited longer is a FIFO inversion. Gate delivery = journal time of a unit's
     first request - when the unit left "inactive" (its gate began)."""
     t0 = result["t0"]
+    said = decisions(journal, t0 - 0.05)
     requested: dict[str, tuple[int, float]] = {}
     granted: dict[str, tuple[int, float]] = {}
     index = 0
-    for line in journal.splitlines():
-        m = _JOURNAL_LINE.match(line)
-        if not m or float(m.group(1)) < t0 - 0.05:
-            continue
-        when, msg = float(m.group(1)), m.group(2)
-        g, w = _GRANT.match(msg), _WAIT.match(msg)
-        name = g.group(1) if g else w.group(1) if w else None
-        if name not in priorities:
+    for when, code, name, _ in said:
+        if code not in ("grant", "wait") or name not in priorities:
             continue
         index += 1
         requested.setdefault(name, (index, when))
-        if g:
+        if code == "grant":
             granted.setdefault(name, (index, when))
     # Replay the controller's decisions in journal order. A unit waits from its first
     # "waiting" line until it is granted ("starting X (priority N)"); a preempted unit waits
@@ -372,26 +379,19 @@ def analyse_burst(
     # less urgent grant elsewhere meanwhile is no inversion (counted apart)
     being_served: set[str] = set()
     preemptions = restarts = 0
-    index = 0
-    for line in journal.splitlines():
-        m = _JOURNAL_LINE.match(line)
-        if not m or float(m.group(1)) < t0 - 0.05:
-            continue
-        msg = m.group(2)
-        index += 1
-        if msg.startswith("preempting "):
+    for index, (_, code, name, cause) in enumerate(said, start=1):
+        if code == "preempt":
             preemptions += 1
-        if msg.startswith("restarting preempted "):
+        if code == "requeue":
             restarts += 1
-        g, w = _GRANT.match(msg), _WAIT.match(msg)
-        if w and w.group(1) in priorities:
-            waiting_since.setdefault(w.group(1), index)
-            if msg.startswith(f"{w.group(1)} waiting for "):
-                being_served.add(w.group(1))
+        if code == "wait" and name in priorities:
+            waiting_since.setdefault(name, index)
+            if cause == "victims-stopping":
+                being_served.add(name)
             else:
-                being_served.discard(w.group(1))
-        if g and g.group(1) in priorities:
-            b = g.group(1)
+                being_served.discard(name)
+        if code == "grant" and name in priorities:
+            b = name
             since_b = waiting_since.pop(b, index)
             being_served.discard(b)
             for a, since_a in waiting_since.items():
@@ -492,7 +492,7 @@ def case_scale(
             burst = probe(big, "burst", p.timeout_s, *names, timeout=p.timeout_s * 3)
         except BedError as exc:
             raise BedError(f"{str(exc)[:400]}...\n{diagnose(big)}") from exc
-        journal = big.journal(CONTROLLER, "-o", "short-unix")
+        journal = big.journal(CONTROLLER, "-o", "json")
         burst_stats = analyse_burst(burst, journal, burst_priorities(burst_n), p)
         raw["burst"] = {"result": burst, "stats": burst_stats}
         time.sleep(1.0)

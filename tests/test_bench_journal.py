@@ -1,0 +1,73 @@
+"""The benchmark reads the controller's decisions as data (GPUSLICE_* journal fields), not its
+sentences: what `make bench` counts as a priority inversion in the burst case."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from bench.run import QUICK, analyse_burst, decisions
+
+
+def entry(when: float, code: str, unit: str, cause: str = "") -> str:
+    fields = {
+        "__REALTIME_TIMESTAMP": str(int(when * 1e6)),
+        "MESSAGE": "words the benchmark does not read",
+        "GPUSLICE_DECISION": code,
+        "GPUSLICE_UNIT": unit,
+    }
+    if cause:
+        fields["GPUSLICE_CAUSE"] = cause
+    return json.dumps(fields)
+
+
+def burst(*lines: str) -> dict[str, Any]:
+    result = {
+        "t0": 100.0,
+        "enqueued": 100.01,
+        "never_ended": [],
+        "starts": {"a.service": 100.3, "b.service": 100.2},
+        "ends": {"a.service": 100.5, "b.service": 100.4},
+        "gate_began": {"a.service": 100.05, "b.service": 100.15},
+    }
+    return analyse_burst(result, "\n".join(lines), {"a.service": 10, "b.service": 50}, QUICK)
+
+
+def test_decisions_are_read_from_their_fields_in_journal_order() -> None:
+    journal = "\n".join(
+        [
+            entry(99.0, "grant", "before.service"),  # before the burst: left out
+            entry(100.1, "wait", "a.service", "gpus-busy"),
+            "not json",
+            json.dumps({"MESSAGE": "a line that is no decision"}),
+            entry(100.2, "grant", "b.service"),
+        ]
+    )
+    assert decisions(journal, 100.0) == [
+        (100.1, "wait", "a.service", "gpus-busy"),
+        (100.2, "grant", "b.service", ""),
+    ]
+
+
+def test_a_grant_while_a_more_urgent_unit_is_blocked_is_an_inversion() -> None:
+    out = burst(
+        entry(100.1, "wait", "a.service", "gpus-busy"),
+        entry(100.2, "grant", "b.service"),
+        entry(100.3, "grant", "a.service"),
+    )
+    assert (out["priority_inversions"], out["inversion_pairs"]) == (1, [("a.service", "b.service")])
+
+
+def test_a_grant_while_a_more_urgent_unit_waits_for_its_victims_is_counted_apart() -> None:
+    out = burst(
+        entry(100.1, "wait", "a.service", "victims-stopping"),
+        entry(100.2, "grant", "b.service"),
+        entry(100.3, "grant", "a.service"),
+    )
+    assert (
+        out["priority_inversions"],
+        out["grants_while_a_more_urgent_unit_was_being_served"],
+    ) == (
+        0,
+        1,
+    )
