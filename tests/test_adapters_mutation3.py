@@ -143,14 +143,8 @@ class ReadSpy:
         return self.file.read(size)
 
 
-def test_no_more_than_one_byte_past_the_limit_is_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A file over STATE_FILE_MAX is known to be too big after STATE_FILE_MAX + 1 bytes: that
-    one read is all the memory a huge file costs."""
-    store = StateStore(tmp_path)
-    with open(store.path, "wb") as f:
-        f.truncate(STATE_FILE_MAX + 10)  # sparse: instant
+def spy_on_reads(monkeypatch: pytest.MonkeyPatch) -> list[ReadSpy]:
+    """Every file `os.fdopen` opens from now on, each recording the sizes of its reads."""
     spies: list[ReadSpy] = []
     real_fdopen = os.fdopen
 
@@ -159,6 +153,18 @@ def test_no_more_than_one_byte_past_the_limit_is_read(
         return spies[-1]
 
     monkeypatch.setattr(os, "fdopen", spy)
+    return spies
+
+
+def test_no_more_than_one_byte_past_the_limit_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file over STATE_FILE_MAX is known to be too big after STATE_FILE_MAX + 1 bytes: that
+    one read is all the memory a huge file costs."""
+    store = StateStore(tmp_path)
+    with open(store.path, "wb") as f:
+        f.truncate(STATE_FILE_MAX + 10)  # sparse: instant
+    spies = spy_on_reads(monkeypatch)
     assert store.load() == (SavedState(), "")
     assert [s.sizes for s in spies] == [[STATE_FILE_MAX + 1]]
     assert store.bad_path.stat().st_size == STATE_FILE_MAX + 10

@@ -34,7 +34,7 @@ from gpuslice.unitfiles import (
     _not_regular,
     read_unit_text,
 )
-from tests.test_adapters_mutation3 import ReadSpy
+from tests.test_adapters_mutation3 import spy_on_reads
 from tests.test_annotations import ETC, LIB, SERVICE, X, unit, write
 from tests.test_newunit import new
 from tests.test_unitfiles import link
@@ -582,14 +582,7 @@ def test_a_file_one_byte_over_the_limit_is_too_big_after_one_read(
     path = tmp_path / "big.service"
     with open(path, "wb") as f:
         f.truncate(MAX_FILE_SIZE + 1)  # sparse: instant
-    spies: list[ReadSpy] = []
-    real_fdopen = os.fdopen
-
-    def spy(fd: int, mode: str = "r") -> ReadSpy:
-        spies.append(ReadSpy(real_fdopen(fd, mode)))
-        return spies[-1]
-
-    monkeypatch.setattr(os, "fdopen", spy)
+    spies = spy_on_reads(monkeypatch)
     with pytest.raises(OSError) as raised:
         read_unit_text(path)
     assert (raised.value.errno, raised.value.strerror) == (

@@ -28,6 +28,7 @@ from gpuslice.service import ACCESS_DENIED, SchedulerService
 from gpuslice.state import StateStore
 from gpuslice.systemd import Systemd, SystemdError
 from gpuslice.tracker import UnitState
+from tests.test_inventory import nvidia_root
 
 GIB = 1 << 30
 BOOT = "boot-1"
@@ -131,15 +132,6 @@ class StubNvml(Nvml):
 
     def processes(self, index: int) -> list[GpuProcess]:
         return []
-
-
-def nvidia_root(tmp_path: Path) -> Path:
-    """A /sys with one NVIDIA 3D controller and no nvidia module: "not ready yet"."""
-    device = tmp_path / "nvidia-root" / "sys" / "bus" / "pci" / "devices" / "0000:65:00.0"
-    device.mkdir(parents=True, exist_ok=True)
-    (device / "vendor").write_text("0x10de\n")
-    (device / "class").write_text("0x030200\n")
-    return tmp_path / "nvidia-root"
 
 
 def write_unit(tmp_path: Path, name: str, section: str) -> None:
@@ -445,9 +437,9 @@ def test_an_environment_file_that_cannot_be_written_still_grants(
 # ---- preemption: the stop timer ----
 
 
-def test_a_stop_that_takes_too_long_names_the_overdue_victim(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
-) -> None:
+def low_holds_gpu_0(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
+    """low.service (90) runs on the one GPU; urgent.service (10) asks from PID 4242; a stop
+    is overdue after 0.05 s."""
     config = Config(
         gpus=1,
         state_dir=str(tmp_path / "state"),
@@ -462,6 +454,13 @@ def test_a_stop_that_takes_too_long_names_the_overdue_victim(
         config=config,
     )
     cgroup_of[4242] = "urgent.service"
+    return bed
+
+
+def test_a_stop_that_takes_too_long_names_the_overdue_victim(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+) -> None:
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
 
     async def test() -> None:
         await bed.controller.start()
@@ -482,20 +481,7 @@ def test_a_stop_that_takes_too_long_names_the_overdue_victim(
 def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
 ) -> None:
-    config = Config(
-        gpus=1,
-        state_dir=str(tmp_path / "state"),
-        runtime_dir=str(tmp_path / "run"),
-        stop_timeout=0.05,
-    )
-    bed = Bed(
-        tmp_path,
-        {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
-        [state("low.service", "active", "running")],
-        SavedState(holders={"low.service": ((0,), "running", 1, "")}, seq=1),
-        config=config,
-    )
-    cgroup_of[4242] = "urgent.service"
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
 
     async def test() -> None:
         ctl = bed.controller
