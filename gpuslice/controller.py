@@ -42,6 +42,7 @@ from gpuslice.tracker import (
     Change,
     Kind,
     Ledger,
+    ReachedGate,
     Tracker,
     WentDown,
     bound_for_gate,
@@ -251,6 +252,10 @@ class Controller:
             self.service.forget(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))
+        elif isinstance(change, ReachedGate):
+            spec = self.spec_for(change.unit)
+            if spec is not None:
+                self.execute(self.scheduler.announce(spec))
         else:
             self._cancel_stop_timer(change.unit)
             self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))

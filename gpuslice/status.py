@@ -29,14 +29,15 @@ it wait (null when unknown); `decision` is its `reason` as data (null when not y
               "detail": str|null}
   PART = {"kind": "victim"|"held"|"stopping"|"memory"|"kept", "gpus": [int],
           "unit": str|null, "priority": int|null, "free": int|null, "refused": bool,
-          "overdue": str|null}
+          "granted_after": bool, "overdue": str|null}
 `cause` is "paused" (background units wait for the driver: `detail` says why),
 "victims-stopping" (the `victim` parts were asked to stop for it; `gpus` is where it goes),
 "too-few-usable-gpus" or "host-too-small" (`available` GPUs may run it / the host has), or
 "gpus-busy" (each usable GPU's part: `held` by a unit it may not preempt, `refused` when that
-unit's stop was refused; `stopping` for another waiter; `memory`: `free` bytes of declared
-memory left; `kept` for an earlier waiter of the same priority). gpuslice/core/decisions.py
-defines every code, cause and kind.
+unit's stop was refused, `granted_after` when it was granted after this waiter was known
+and so is not preempted for it: the thrash rule; `stopping` for another waiter; `memory`:
+`free` bytes of declared memory left; `kept` for an earlier waiter of the same priority).
+gpuslice/core/decisions.py defines every code, cause and kind.
 Added later, for `gpuslice metrics` (absent from older controllers):
   "priorities": {unit: int} for the units in held, finished and failed that are annotated;
   "controller": {"version": str, "start_time": float (Unix time it started)};

@@ -78,6 +78,15 @@ class CameUp:
 
 
 @dataclass(frozen=True)
+class ReachedGate:
+    """Systemd shows the unit in its start-pre phase, where the gate runs: its gate asks in
+    a few milliseconds. Known now, it is served in order with every other start known, and
+    the units it preempts are stopped while its gate starts."""
+
+    unit: str
+
+
+@dataclass(frozen=True)
 class StopLost:
     """A stop gpuslice asked for ended and the unit still runs (its stop job was cancelled
     or failed, or the request was lost while the controller was away)."""
@@ -86,7 +95,7 @@ class StopLost:
     why: str
 
 
-Change = WentDown | CameUp | StopLost
+Change = WentDown | CameUp | ReachedGate | StopLost
 
 
 class Ledger:
@@ -167,6 +176,8 @@ class Tracker:
             outcome = self.outcome(state)
             self.passed_gate(name)
             return [WentDown(name, outcome)]
+        if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
+            return [ReachedGate(name)]
         if kind is not Kind.RUNNING:
             return []
         if phase is None or phase is Phase.STARTING:

@@ -140,6 +140,10 @@ class Sim:
         self.out_since: dict[str, int] = {}  # unit -> when it last became inactive
         self.unmanaged: set[str] = set()  # still running, annotation removed
         self._clock = itertools.count(1)
+        # the thrash rule: when each unit's start became known (announced, asked, or
+        # started by gpuslice) and when its gate was answered
+        self.known_at: dict[str, int] = {}
+        self.answered_at: dict[str, int] = {}
 
     # -- what a person, a unit or NVML does ---------------------------------------------------
 
@@ -155,6 +159,23 @@ class Sim:
         if name in self.running or name in self.at_gate or name in self.pending_starts:
             return []  # merges with the job already there
         return self._request(name)
+
+    def announce(self, name: str) -> list[Action]:
+        """`systemctl start NAME`: systemd shows its start job on its way to the gate, which
+        asks later (`finish_start`)."""
+        if name in self.pending_stops:
+            self.start_after_stop.add(name)
+            return []
+        if self.active(name):
+            return []
+        spec = self.annotations.get(name)
+        assert spec is not None, f"{name} is not annotated"
+        for gone in (self.held, self.finished, self.failed):
+            gone.discard(name)
+        self.preempted.pop(name, None)
+        self.pending_starts.append(name)
+        self.known_at.setdefault(name, next(self._clock))
+        return self._feed(self.sched.announce(spec))
 
     def exit(self, name: str, outcome: Outcome = Outcome.EXITED) -> list[Action]:
         """A running unit's main process ends by itself (EXITED or FAILED)."""
@@ -319,6 +340,8 @@ class Sim:
         now = next(self._clock)
         self.out_since[name] = now
         self.at_gate.discard(name)
+        self.known_at.pop(name, None)
+        self.answered_at.pop(name, None)
         return now
 
     # -- checking every batch of actions --------------------------------------------------------
@@ -330,6 +353,7 @@ class Sim:
         for gone in (self.held, self.finished, self.failed):
             gone.discard(name)
         self.preempted.pop(name, None)
+        self.known_at.setdefault(name, next(self._clock))
         return self._feed(self.sched.request(spec))
 
     def _feed(self, actions: list[Action]) -> list[Action]:
@@ -369,6 +393,7 @@ class Sim:
             raise InvariantError(f"Grant {name} while its victims {sorted(still)} still run")
         self.at_gate.discard(name)
         self.running[name] = grant.gpus
+        self.answered_at[name] = next(self._clock)
 
     def _check_room(self, unit: UnitSpec, gpu: Gpu) -> None:
         """A whole-GPU unit shares with nobody; declared memory fits in what is free."""
@@ -418,8 +443,14 @@ class Sim:
             raise InvariantError(f"Stop {stop.unit} names stale priorities: {stop.reason}")
         if victim.priority <= waiter.priority:
             raise InvariantError(f"not strictly less urgent: {stop.reason}")
-        if record.waiter not in self.at_gate:
+        if record.waiter not in self.at_gate and record.waiter not in self.pending_starts:
             raise InvariantError(f"Stop {stop.unit} for {record.waiter}, which is not waiting")
+        if stop.unit not in self.running:
+            raise InvariantError(f"{stop.unit} stopped before its gate was answered: {stop}")
+        if self.answered_at.get(stop.unit, 0) > self.known_at.get(record.waiter, 0):
+            raise InvariantError(
+                f"thrash: {stop.unit} stopped for {record.waiter}, known when it was granted"
+            )
         if record.waiter in stopping_for:
             raise InvariantError(
                 f"more victims for {record.waiter} while {self.victims_of[record.waiter]} stop"
@@ -450,6 +481,7 @@ class Sim:
         elif not (start.reason.startswith("starting background ") and spec.kind is BG):
             raise InvariantError(f"spontaneous Start of {name}: {start.reason}")
         self.preempted.pop(name, None)
+        self.known_at.setdefault(name, next(self._clock))
         if name not in self.pending_starts:  # else it merges with a person's start job
             self.pending_starts.append(name)
 

@@ -237,6 +237,7 @@ def test_status_json_waiters_position_since_and_decision() -> None:
                 "priority": 20,
                 "free": None,
                 "refused": False,
+                "granted_after": False,
                 "overdue": None,
             }
         ],

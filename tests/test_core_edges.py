@@ -530,7 +530,24 @@ def test_a_unit_brought_back_is_the_most_recently_started_of_equal_victims() -> 
     s.request(spec("u1", 10, devices=("0",)))
     s.inactive("p.service", Outcome.STOPPED)
     assert brief(s.inactive("u1.service", Outcome.EXITED)) == ["start p.service"]
+    s.request(p)  # its gate asked: it runs again, the most recently started
     assert brief(s.request(spec("u2", 10))) == ["stop p.service"]
+
+
+def test_a_unit_whose_gate_was_not_answered_waits_again_instead_of_being_stopped() -> None:
+    p = spec("p", 50)
+    s = Scheduler([sized(0)], {p.name: p})
+    s.request(spec("u1", 10))
+    s.request(p)
+    s.inactive("u1.service", Outcome.EXITED)  # p is granted: its gate is answered
+    s.request(spec("u2", 10))  # p is stopped for u2
+    s.inactive("p.service", Outcome.STOPPED)
+    assert brief(s.inactive("u2.service", Outcome.EXITED)) == ["start p.service"]
+    # p's start job runs, its gate has not asked: nothing of it ran, so it is not stopped
+    assert brief(s.request(spec("u3", 10))) == ["grant u3.service 0"]
+    assert s.is_waiting("p.service") and s.phase("p.service") is None
+    assert brief(s.request(p)) == []  # its gate asks: it waits for u3
+    assert brief(s.inactive("u3.service", Outcome.EXITED)) == ["grant p.service 0"]
 
 
 def test_a_background_unit_yields_even_after_an_on_demand_one_listed_before_it() -> None:

@@ -3,18 +3,19 @@
 A hypothesis state machine draws a host, either 1-4 GPUs of unknown size (no NVML: every unit
 takes a whole GPU) or 1-3 GPUs of known size with a reserve, foreign use and lost GPUs mixed
 in, and 2-8 units (priorities with ties, kinds, 1-3 GPUs, whole GPU or `Memory=`,
-Requeue=yes/no, some not yet annotated). It then interleaves what people and units do (start,
-exit, fail, manual stop), what systemd does with gpuslice's jobs (a pending stop or start
-completes, in any order), daemon-reloads (a priority changes, an annotation is removed or
-added), controller restarts and, on hosts with NVML, new samples (reserve, foreign processes,
-a GPU lost or back).
+Requeue=yes/no, some not yet annotated). It then interleaves what people and units do (start;
+a start job seen before its gate asks; exit, fail, manual stop), what systemd does with
+gpuslice's jobs (a pending stop or start completes, in any order), daemon-reloads (a priority
+changes, an annotation is removed or added), controller restarts and, on hosts with NVML,
+new samples (reserve, foreign processes, a GPU lost or back).
 
 The oracle is `Sim` (tests/core_builders.py): its model of the host is built only from the
 events fed in and the Grant, Stop and Start actions that came back, and every batch of actions
 is checked against it: whole-GPU exclusivity, never a grant on a lost GPU, declared memory
 within total - reserve - foreign, no grant while its victims run, no waiter passed over by a
-less urgent unit, equal priority never preempts, no victim stopped twice, no spontaneous
-start, preempted units back before background units are refilled, both in their order
+less urgent unit, equal priority never preempts, no victim stopped twice, no unit stopped
+before its gate was answered or for a request known when it was granted (thrash), no
+spontaneous start, preempted units back before background units are refilled, both in their order
 (priority, then preempted first; priority, then out longest). At rest nothing is left undone;
 at the end every unit ends until nothing runs, and then every waiter that fits on the host has
 been granted, the others were told why, and every preempted unit with Requeue=yes came back.
@@ -115,6 +116,13 @@ class CoreMachine(RuleBasedStateMachine):
         if name in self.sim.annotations:
             self.sim.start(name)
 
+    @rule(index=st.integers(0, 7))
+    def start_job_announced(self, index: int) -> None:
+        """`systemctl start`, seen by the controller before the unit's gate asks."""
+        name = self._unit(index)
+        if name in self.sim.annotations:
+            self.sim.announce(name)
+
     @rule(index=st.integers(0, 7), outcome=st.sampled_from([Outcome.EXITED, Outcome.FAILED]))
     def unit_exits(self, index: int, outcome: Outcome) -> None:
         running = sorted(n for n in self.sim.running if n not in self.sim.pending_stops)
@@ -184,6 +192,10 @@ class CoreMachine(RuleBasedStateMachine):
         )
         sim.sched.load(saved)
         sim.out_since.clear()
+        # the thrash rule holds within one controller's life: waiters are not saved, so
+        # after a restart every request counts as new
+        sim.known_at.clear()
+        sim.answered_at.clear()
         gates = sorted(sim.at_gate)
         sim.at_gate.clear()
         adopted: list[Action] = []

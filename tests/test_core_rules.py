@@ -14,7 +14,7 @@ import pytest
 
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Log, Outcome, Phase, SavedState, Scheduler, Stop
-from tests.core_builders import BG, InvariantError, Sim, brief, spec, words
+from tests.core_builders import BG, GIB, InvariantError, Sim, brief, sized, spec, words
 
 VLM = spec("vlm-analysis", 90, BG)
 VOICE = spec("voice-pipeline", 10)
@@ -476,12 +476,47 @@ def test_person_starts_a_victim_while_it_stops_it_queues_again() -> None:
     assert brief(sim.exit(VO)) == ["grant job.service 0"]
 
 
-def test_stop_of_a_background_unit_before_its_gate_cancels_its_start() -> None:
+def test_a_background_unit_not_yet_at_its_gate_waits_again_instead_of_being_stopped() -> None:
     sim = Sim(1, [VLM, VOICE])
     sim.boot()  # vlm's start job is on its way to the gate
-    assert brief(sim.start(VO)) == [f"stop {V}"]
-    assert brief(sim.settle()) == [f"grant {VO} 0"]
-    assert brief(sim.exit(VO)) == [f"start {V}"]
+    assert brief(sim.start(VO)) == [f"grant {VO} 0"]  # nothing of vlm ran: no stop
+    assert brief(sim.settle()) == []  # vlm's gate asks: it waits
+    assert brief(sim.exit(VO)) == [f"grant {V} 0"]
+
+
+def test_a_start_known_before_its_gate_asks_is_served_in_priority_order() -> None:
+    sim = Sim(1, [VLM, VOICE, spec("nightly", 50)])
+    sim.boot()
+    sim.settle()
+    assert sim.running == {V: (0,)}
+    assert brief(sim.announce("nightly.service")) == [f"stop {V}"]
+    sim.finish_stop(V)
+    # voice's start job is announced before nightly's gate asks: the GPU is kept for voice
+    assert brief(sim.announce(VO)) == []
+    assert brief(sim.finish_start("nightly.service")) == []  # it waits: no grant to stop later
+    assert brief(sim.finish_start(VO)) == [f"grant {VO} 0"]
+    assert brief(sim.exit(VO)) == ["grant nightly.service 0"]
+
+
+def test_a_unit_granted_while_a_request_was_known_is_not_stopped_for_it() -> None:
+    big = spec("big", 10, gpus=2)
+    sim = Sim(2, [spec("eq", 10), big, spec("b", 50)])
+    sim.start("eq.service")  # GPU 0
+    assert brief(sim.start("big.service")) == []  # needs both GPUs; eq is as urgent
+    # b fits only where big cannot go yet: GPU 1 is kept for big
+    assert brief(sim.start("b.service")) == []
+    assert brief(sim.exit("eq.service")) == ["grant big.service 0,1"]
+    assert brief(sim.exit("big.service")) == ["grant b.service 0"]
+
+
+def test_the_thrash_rule_is_said_in_the_waiters_reason() -> None:
+    a, b = spec("a", 10, mem_gib=20), spec("b", 50, mem_gib=8)
+    s = Scheduler([sized(0, foreign=10 * GIB)], {})
+    s.request(a)  # 14 GiB free: a does not fit, b does
+    assert brief(s.request(b)) == ["grant b.service 0"]
+    assert brief(s.set_gpus([sized(0)])) == []  # the foreign process left: a fits without b
+    reason = s.snapshot().waiting[0][2]
+    assert "(granted while this unit was known: not stopped for it)" in reason, reason
 
 
 # -- controller restart, persistence, new annotations ---------------------------------------

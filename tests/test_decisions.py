@@ -212,6 +212,7 @@ def test_to_json_has_every_key() -> None:
                 "priority": 5,
                 "free": None,
                 "refused": False,
+                "granted_after": False,
                 "overdue": None,
             }
         ],

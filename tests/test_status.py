@@ -299,6 +299,7 @@ def test_json_decisions_are_the_reasons_as_data() -> None:
             "priority": 10,
             "free": None,
             "refused": False,
+            "granted_after": False,
             "overdue": None,
         }
     ]

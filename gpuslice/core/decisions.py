@@ -73,6 +73,7 @@ class Part:
     priority: int | None = None
     free: int | None = None  # bytes, for MEMORY
     refused: bool = False  # HELD by a unit whose stop systemd refused
+    granted_after: bool = False  # HELD by a less urgent unit granted after the waiter was known
     overdue: str = ""  # VICTIM still running this long after the stop (in words)
 
     def to_json(self) -> dict[str, Any]:
@@ -83,6 +84,7 @@ class Part:
             "priority": self.priority,
             "free": self.free,
             "refused": self.refused,
+            "granted_after": self.granted_after,
             "overdue": self.overdue or None,
         }
 
@@ -158,6 +160,10 @@ def _need(d: Decision) -> str:
     return f"needs {d.need_gpus} GPUs; " if d.need_gpus > 1 else ""
 
 
+# The thrash rule, as a waiter's reason says it (README "Preemption and thrash")
+GRANTED_AFTER = " (granted while this unit was known: not stopped for it)"
+
+
 def _part(p: Part) -> str:
     gpu = p.gpus[0] if p.gpus else -1
     if p.kind is Blocker.VICTIM:
@@ -165,11 +171,12 @@ def _part(p: Part) -> str:
         return f"{_who(p.unit, p.priority)} to stop on {format_gpus(p.gpus)}{late}"
     if p.kind is Blocker.MEMORY:
         held = f", held by {p.unit}, priority {p.priority}" if p.unit else ""
+        held += GRANTED_AFTER if p.granted_after else ""
         return f"GPU {gpu} has {format_size(max(p.free or 0, 0))} free after the reserve{held}"
     if p.kind is Blocker.STOPPING:
         return f"GPU {gpu} being freed by {p.unit} (stopping)"
     if p.kind is Blocker.HELD:
-        refused = " (refused to stop)" if p.refused else ""
+        refused = " (refused to stop)" if p.refused else GRANTED_AFTER if p.granted_after else ""
         return f"GPU {gpu} held by {p.unit}, priority {p.priority}{refused}"
     return f"GPU {gpu} kept for an earlier unit of priority {p.priority}"
 

@@ -20,9 +20,11 @@ from gpuslice.core.model import Gpu, UnitSpec
 class Use:
     """One unit's claim on one GPU: a holder, or a promise made during a scheduling pass.
 
-    `stoppable` marks a holder that may be preempted (running or starting, not stopping).
-    A claim with `kept_from` set binds only units whose priority number is at least that:
-    a blocked waiter keeps capacity from units that could not preempt it later.
+    `stoppable` marks a holder that may be preempted (running or starting, not stopping);
+    `unanswered` one whose gate has not been answered (it is moved back to waiting, not
+    stopped); `seq` is when it was granted. A claim with `kept_from` set binds only units
+    whose priority number is at least that: a blocked waiter keeps capacity from units that
+    could not preempt it later.
     """
 
     unit: str
@@ -31,6 +33,7 @@ class Use:
     stoppable: bool = False
     seq: int = 0
     kept_from: int | None = None
+    unanswered: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,24 @@ def fits(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use]) -> bool:
     return free is not None and free >= spec.memory
 
 
-def victims_on(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use]) -> list[Use] | None:
+def may_preempt(use: Use, priority: int, known_since: int | None) -> bool:
+    """Whether a unit of this priority, whose request is known since `known_since`, may take
+    this use's place. Equal priority never preempts. The thrash rule: a unit granted its GPU
+    after the request was known is not stopped for it; it was granted knowing of it (a place
+    kept but not yet answered may always be taken)."""
+    if not use.stoppable or use.priority <= priority:
+        return False
+    return use.unanswered or known_since is None or use.seq < known_since
+
+
+def victims_on(
+    spec: UnitSpec, gpu: Gpu, uses: Sequence[Use], known_since: int | None = None
+) -> list[Use] | None:
     """The fewest, least urgent stoppable uses whose removal makes the unit fit; None if no
     such set exists. Stop every strictly less urgent candidate, then reprieve them most
     urgent first, then the smallest (so that the fewest are stopped), then the longest
     running, while the unit still fits."""
-    candidates = [u for u in uses if u.stoppable and u.priority > spec.priority]
+    candidates = [u for u in uses if may_preempt(u, spec.priority, known_since)]
     staying = [u for u in uses if u not in candidates]
     if not fits(spec, gpu, staying):
         return None
@@ -114,9 +129,10 @@ def place(
     *,
     preempt: bool,
     avoid_foreign: bool = False,
+    known_since: int | None = None,
 ) -> Placement | None:
-    """The best GPUs for the unit: with `preempt`, victims may be named; else only free
-    capacity counts. None when it cannot be placed."""
+    """The best GPUs for the unit: with `preempt`, victims may be named (see `may_preempt`
+    for `known_since`); else only free capacity counts. None when it cannot be placed."""
     options: list[_Option] = []
     for index, gpu in sorted(gpus.items()):
         if not allowed(spec, gpu, avoid_foreign):
@@ -125,7 +141,7 @@ def place(
         if fits(spec, gpu, here):
             options.append((_cost(spec, gpu, here, []), index, []))
         elif preempt:
-            victims = victims_on(spec, gpu, here)
+            victims = victims_on(spec, gpu, here, known_since)
             if victims is not None:
                 options.append((_cost(spec, gpu, here, victims), index, victims))
     if len(options) < spec.gpus:

@@ -12,6 +12,7 @@ so tests are exact and restarts keep the order.
 from __future__ import annotations
 
 import enum
+import heapq
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +34,9 @@ from gpuslice.core.placement import (
 class Phase(enum.Enum):
     """Why a unit counts against capacity."""
 
-    STARTING = "starting"  # gpuslice asked systemd to start it; its gate has not asked yet
+    # placed, its gate not yet answered (gpuslice started it, or systemd announced its start
+    # job): moved back to waiting, never stopped, when a more urgent unit needs its GPUs
+    STARTING = "starting"
     RUNNING = "running"  # granted: its main process may run
     STOPPING = "stopping"  # gpuslice asked systemd to stop it for a more urgent unit
 
@@ -120,11 +123,12 @@ class Holder:
 @dataclass
 class Waiter:
     spec: UnitSpec
-    seq: int
+    seq: int  # when its request became known: systemd announced its start job, or it asked
     victims: set[str] = field(default_factory=set)
     reason: str = ""
     decision: Decision | None = None  # the reason as data
     target: tuple[int, ...] = ()  # where it goes once its victims have stopped
+    asked: bool = True  # its gate asked (False: only its start job is known so far)
 
 
 @dataclass
@@ -215,30 +219,56 @@ class Scheduler:
                 actions.append(_log(Decision(Code.LOST_GPU, gpus=(index,), units=tuple(held))))
         return actions + self.schedule()
 
+    def announce(self, spec: UnitSpec) -> list[Action]:
+        """Systemd queued a start job for the unit: its gate will ask soon. Known from now
+        on, it is served in priority order with every other start known, so that no less
+        urgent unit is granted GPUs that it would take a moment later; a place found before
+        its gate asks is kept for it (Phase.STARTING) and given when it asks."""
+        if spec.name in self.holders or spec.name in self.waiters:
+            return []  # our own start, or a start job for a unit that already runs
+        return self._arrive(spec, asked=False)
+
     def request(self, spec: UnitSpec) -> list[Action]:
         """A unit's start job reached the gate and asks for its GPUs."""
+        name = spec.name
+        holder = self.holders.get(name)
+        if holder is not None and holder.phase is Phase.STOPPING:
+            self._forget_past(spec)
+            return []  # its start is being cancelled by our own stop job
+        if holder is not None:
+            self._forget_past(spec)
+            if holder.gpus and (holder.phase is not Phase.STARTING or self._still_fits(holder)):
+                if holder.phase is Phase.STARTING:
+                    holder.seq = self._next()  # answered now: the thrash rule counts from here
+                holder.phase = Phase.RUNNING
+                return [self._grant(holder)]
+            # a requeue that must queue like everyone else, or a start on its way whose GPUs
+            # were lost or filled meanwhile
+            del self.holders[name]
+        waiter = self.waiters.get(name)
+        if waiter is not None:
+            self._forget_past(spec)
+            waiter.asked = True
+            return self.schedule()
+        return self._arrive(spec, asked=True)
+
+    def _forget_past(self, spec: UnitSpec) -> None:
+        """A new start: how the unit last ended no longer matters."""
         name = spec.name
         self.specs.setdefault(name, spec)
         self.held.discard(name)
         self.finished.discard(name)
         self.failed.discard(name)
         self.preempted.pop(name, None)
-        holder = self.holders.get(name)
-        if holder is not None and holder.phase is Phase.STOPPING:
-            return []  # its start is being cancelled by our own stop job
-        if holder is not None:
-            if holder.gpus and (holder.phase is not Phase.STARTING or self._still_fits(holder)):
-                holder.phase = Phase.RUNNING
-                return [self._grant(holder)]
-            # a requeue that must queue like everyone else, or a start on its way whose GPUs
-            # were lost or filled meanwhile
-            del self.holders[name]
-        if name not in self.waiters:
-            if spec.gpus > len(self.gpus):
-                too_big = _about(spec, Code.EXCEEDS_HOST, available=len(self.gpus))
-                return [_log(too_big), *self._enqueue(spec)]
-            return self._enqueue(spec)
-        return self.schedule()
+
+    def _arrive(self, spec: UnitSpec, *, asked: bool) -> list[Action]:
+        self._forget_past(spec)
+        self.waiters[spec.name] = Waiter(spec, self._next(), asked=asked)
+        actions = self.schedule()
+        if spec.gpus > len(self.gpus):
+            too_big = _about(spec, Code.EXCEEDS_HOST, available=len(self.gpus))
+            return [_log(too_big), *actions]
+        return actions
 
     def _still_fits(self, holder: Holder) -> bool:
         """Whether the GPUs a unit was started onto still take it, next to everyone else."""
@@ -404,8 +434,18 @@ class Scheduler:
             return []
         actions = self._yield_to_foreign()
         promises: list[tuple[int, Use]] = []
-        for waiter in sorted(self.waiters.values(), key=lambda w: (w.spec.priority, w.seq)):
+        queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
+        heapq.heapify(queue)
+        while queue:
+            *_, name = heapq.heappop(queue)
+            waiter = self.waiters.get(name)
+            if waiter is None:
+                continue
+            before = set(self.waiters)
             actions += self._serve(waiter, promises)
+            for moved in set(self.waiters) - before:  # moved back to waiting: served in turn
+                again = self.waiters[moved]
+                heapq.heappush(queue, (again.spec.priority, again.seq, moved))
         actions += self._requeue(promises)
         actions += self._refill(promises)
         return actions
@@ -414,7 +454,8 @@ class Scheduler:
         uses: dict[int, list[Use]] = {i: [] for i in self.devices}
         for name, h in self.holders.items():
             stoppable = h.phase is not Phase.STOPPING and name not in self.unstoppable
-            use = Use(name, h.spec.priority, h.spec.memory, stoppable, h.seq)
+            unanswered = h.phase is Phase.STARTING
+            use = Use(name, h.spec.priority, h.spec.memory, stoppable, h.seq, unanswered=unanswered)
             for gpu in h.gpus:
                 uses.setdefault(gpu, []).append(use)
         for gpu, use in promises:
@@ -425,7 +466,12 @@ class Scheduler:
         return self.yield_to_foreign and spec.kind is UnitKind.BACKGROUND
 
     def _place(
-        self, spec: UnitSpec, promises: list[tuple[int, Use]], *, preempt: bool
+        self,
+        spec: UnitSpec,
+        promises: list[tuple[int, Use]],
+        *,
+        preempt: bool,
+        known_since: int | None = None,
     ) -> Placement | None:
         return place(
             spec,
@@ -433,6 +479,7 @@ class Scheduler:
             self._uses(promises),
             preempt=preempt,
             avoid_foreign=self._avoids_foreign(spec),
+            known_since=known_since,
         )
 
     def _promise(
@@ -481,15 +528,19 @@ class Scheduler:
             if found is not None:
                 gpus = found.gpus
                 del self.waiters[spec.name]
-                holder = Holder(spec, frozenset(gpus), Phase.RUNNING, self._next())
+                phase = Phase.RUNNING if waiter.asked else Phase.STARTING
+                holder = Holder(spec, frozenset(gpus), phase, self._next())
                 self.holders[spec.name] = holder
-                return [self._grant(holder, gpus)]
+                # not asked yet: kept for it, given when its gate asks
+                return [self._grant(holder, gpus)] if waiter.asked else []
         if waiter.victims:
             # after a controller restart the target is unknown: the victims' GPUs stand in
             victim_gpus = {g for v in waiter.victims for g in self.holders[v].gpus}
             self._promise(promises, spec, waiter.target or sorted(victim_gpus)[: spec.gpus])
             return self._set_reason(waiter, self._stopping_reason(waiter))
-        found = self._place(spec, promises, preempt=True)
+        found = self._place(spec, promises, preempt=True, known_since=waiter.seq)
+        if found is not None and self._displace(found.victims):
+            return self._serve(waiter, promises)  # the places it takes were only kept
         if found is None or not found.victims:
             allowed_gpus = [
                 g for g in self.devices.values() if allowed(spec, g, self._avoids_foreign(spec))
@@ -498,7 +549,7 @@ class Scheduler:
                 uses = self._uses(promises)
                 room = [g.index for g in allowed_gpus if self._fits_now(spec, g, uses)]
                 self._promise(promises, spec, room[: spec.gpus], kept_from=spec.priority)
-            return self._set_reason(waiter, self._blocked_reason(spec, promises))
+            return self._set_reason(waiter, self._blocked_reason(waiter, promises))
         gpus, victims = found.gpus, found.victims
         actions: list[Action] = []
         for victim in victims:
@@ -518,6 +569,18 @@ class Scheduler:
         waiter.target = gpus
         self._promise(promises, spec, gpus)
         return actions + self._set_reason(waiter, self._stopping_reason(waiter))
+
+    def _displace(self, victims: Iterable[str]) -> bool:
+        """Move units whose gate is not answered yet back to waiting (nothing of theirs ran:
+        no stop, no work lost); whether any was."""
+        moved = False
+        for name in victims:
+            holder = self.holders[name]
+            if holder.phase is Phase.STARTING:
+                del self.holders[name]
+                self.waiters[name] = Waiter(holder.spec, holder.seq, asked=False)
+                moved = True
+        return moved
 
     def _fits_now(self, spec: UnitSpec, gpu: Gpu, uses: dict[int, list[Use]]) -> bool:
         here = [u for u in uses.get(gpu.index, []) if applies(u, spec.priority)]
@@ -574,10 +637,6 @@ class Scheduler:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _enqueue(self, spec: UnitSpec) -> list[Action]:
-        self.waiters[spec.name] = Waiter(spec, self._next())
-        return self.schedule()
-
     def _next(self) -> int:
         self._seq += 1
         return self._seq
@@ -616,7 +675,8 @@ class Scheduler:
             gpus=tuple(sorted(waiter.target)),
         )
 
-    def _blocked_reason(self, spec: UnitSpec, promises: list[tuple[int, Use]]) -> Decision:
+    def _blocked_reason(self, waiter: Waiter, promises: list[tuple[int, Use]]) -> Decision:
+        spec = waiter.spec
         avoid = self._avoids_foreign(spec)
         usable = [g for g in self.devices.values() if allowed(spec, g, avoid)]
         if spec.gpus > len(usable):
@@ -631,6 +691,14 @@ class Scheduler:
             free = free_memory(gpu, uses[gpu.index])
             whole = any(u.memory is None for u in uses[gpu.index])  # declares no memory
             on = (gpu.index,)
+            # the thrash rule keeps a less urgent top holder granted after this waiter was known
+            protected = (
+                top is not None
+                and top.spec.name not in self.unstoppable
+                and top.spec.priority > spec.priority
+                and top.phase is Phase.RUNNING
+                and top.seq > waiter.seq
+            )
             if spec.memory is not None and free is not None and not whole:
                 parts.append(
                     Part(
@@ -639,6 +707,7 @@ class Scheduler:
                         top.spec.name if top else "",
                         top.spec.priority if top else None,
                         free=free,
+                        granted_after=protected,
                     )
                 )
             elif top is not None and top.phase is Phase.STOPPING:
@@ -646,7 +715,14 @@ class Scheduler:
             elif top is not None:
                 refused = top.spec.name in self.unstoppable
                 parts.append(
-                    Part(Blocker.HELD, on, top.spec.name, top.spec.priority, refused=refused)
+                    Part(
+                        Blocker.HELD,
+                        on,
+                        top.spec.name,
+                        top.spec.priority,
+                        refused=refused,
+                        granted_after=protected,
+                    )
                 )
             else:
                 queued = [w for w in self.waiters.values() if w.spec.priority == spec.priority]
