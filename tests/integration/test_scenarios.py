@@ -255,7 +255,8 @@ def test_cancelled_wait_leaves_no_reservation(container: Container) -> None:
     container.systemctl("start", "--no-block", "waiter.service")
     wait_sub(container, "waiter.service", "start-pre")
     container.systemctl("stop", "waiter.service")
-    assert status(container)["waiting"] == []
+    # vlm may wait at its gate too (displaced by holder before its gate was answered)
+    assert "waiter.service" not in [w["unit"] for w in status(container)["waiting"]]
     container.systemctl("stop", "holder.service")
     wait_state(container, VLM, "active")  # the free GPU was not kept for the cancelled start
 
