@@ -22,7 +22,16 @@ from dbus_next import BusType, Message, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
-from gpuslice.systemd import MANAGER, MANAGER_PATH, PROPERTIES, SYSTEMD, UNIT, Systemd, unit_path
+from gpuslice.systemd import (
+    MANAGER,
+    MANAGER_PATH,
+    PROPERTIES,
+    SYSTEMD,
+    UNIT,
+    Systemd,
+    SystemdError,
+    unit_path,
+)
 
 BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
@@ -407,3 +416,38 @@ def test_a_failing_handler_answers_without_a_traceback(bus_address: str) -> None
         assert (await call(client, "Nope")).error_name == "org.freedesktop.DBus.Error.UnknownMethod"
 
     run(scenario)
+
+
+def test_a_units_state_is_read_from_its_listing(bus_address: str) -> None:
+    """One small ListUnitsByNames reply, not the unit's GetAll (kilobytes to unmarshal)."""
+
+    async def body() -> None:
+        owner = await connect(bus_address)
+        asked: list[list[str]] = []
+
+        def answer(msg: Message) -> Message | bool:
+            if msg.message_type is not MessageType.METHOD_CALL or msg.member != "ListUnitsByNames":
+                return False
+            asked.append(msg.body[0])
+            listed = [
+                [n, "", "loaded", "activating", "start-pre", "", unit_path(n), 7, "start", "/j/7"]
+                for n in msg.body[0]
+                if n == "a.service"
+            ]
+            return Message.new_method_return(msg, "a(ssssssouso)", [listed])
+
+        owner.add_message_handler(answer)
+        await owner.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        state = await systemd.unit_state("a.service")
+        assert (state.active, state.sub, state.job_id, state.job_type) == (
+            "activating",
+            "start-pre",
+            7,
+            "start",
+        )
+        with pytest.raises(SystemdError, match=r"did not list b\.service"):
+            await systemd.unit_state("b.service")
+        assert asked == [["a.service"], ["b.service"]]
+
+    run(body)
