@@ -158,6 +158,11 @@ class SavedState:
     seq: int = 0
 
 
+def _refillable(spec: UnitSpec) -> bool:
+    """A background unit that is not a template: refill may start it."""
+    return spec.kind is UnitKind.BACKGROUND and "@." not in spec.name
+
+
 def _about(spec: UnitSpec, code: Code, **parts: Any) -> Decision:
     """A decision about the unit of this spec, with what it asks for."""
     return Decision(
@@ -185,7 +190,11 @@ class Scheduler:
             device = gpu if isinstance(gpu, Gpu) else Gpu(gpu)
             self.devices[device.index] = device
         self.yield_to_foreign = yield_to_foreign
-        self.specs: dict[str, UnitSpec] = dict(specs)
+        self.specs: dict[str, UnitSpec] = {}
+        # the background units refill may start: kept apart so that a decision costs the
+        # same at 10,000 annotated units as at 10 (refill runs after every event)
+        self._background: dict[str, UnitSpec] = {}
+        self._set_specs(specs)
         self.holders: dict[str, Holder] = {}
         self.waiters: dict[str, Waiter] = {}
         self.preempted: dict[str, int] = {}  # unit -> seq when it was preempted
@@ -255,7 +264,7 @@ class Scheduler:
     def _forget_past(self, spec: UnitSpec) -> None:
         """A new start: how the unit last ended no longer matters."""
         name = spec.name
-        self.specs.setdefault(name, spec)
+        self.learn(spec)
         self.held.discard(name)
         self.finished.discard(name)
         self.failed.discard(name)
@@ -398,7 +407,7 @@ class Scheduler:
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
         """Annotations were (re)read: apply new priorities, forget units no longer managed."""
         actions: list[Action] = []
-        self.specs = dict(specs)
+        self._set_specs(specs)
         for name in list(self.holders):
             if name not in self.specs and self.holders[name].phase is Phase.STOPPING:
                 continue  # its stop job still runs: it holds its GPUs until inactive
@@ -616,10 +625,8 @@ class Scheduler:
             return actions
         idle = [
             spec
-            for name, spec in self.specs.items()
-            if spec.kind is UnitKind.BACKGROUND
-            and "@." not in name
-            and name not in self.holders
+            for name, spec in self._background.items()
+            if name not in self.holders
             and name not in self.waiters
             and name not in self.preempted
             and name not in self.held
@@ -752,7 +759,14 @@ class Scheduler:
 
     def learn(self, spec: UnitSpec) -> None:
         """A unit seen for the first time (an instance of a managed template)."""
-        self.specs.setdefault(spec.name, spec)
+        if spec.name not in self.specs:
+            self.specs[spec.name] = spec
+            if _refillable(spec):
+                self._background[spec.name] = spec
+
+    def _set_specs(self, specs: Mapping[str, UnitSpec]) -> None:
+        self.specs = dict(specs)
+        self._background = {n: s for n, s in self.specs.items() if _refillable(s)}
 
     def grants(self) -> dict[str, frozenset[int]]:
         return {name: holder.gpus for name, holder in self.holders.items()}
