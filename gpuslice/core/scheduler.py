@@ -158,6 +158,10 @@ class SavedState:
     seq: int = 0
 
 
+def _seq(waiter: Waiter) -> int:
+    return waiter.seq
+
+
 def _refillable(spec: UnitSpec) -> bool:
     """A background unit that is not a template: refill may start it."""
     return spec.kind is UnitKind.BACKGROUND and "@." not in spec.name
@@ -209,6 +213,7 @@ class Scheduler:
         self.refill_paused = ""
         self._deferred = False
         self._seq = 0
+        self._tops_cache: dict[int, Holder] | None = None
 
     @property
     def gpus(self) -> frozenset[int]:
@@ -442,6 +447,7 @@ class Scheduler:
         if self._deferred:
             return []
         actions = self._yield_to_foreign()
+        self._tops_cache = None
         promises: list[tuple[int, Use]] = []
         queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
         heapq.heapify(queue)
@@ -481,11 +487,12 @@ class Scheduler:
         *,
         preempt: bool,
         known_since: int | None = None,
+        uses: dict[int, list[Use]] | None = None,
     ) -> Placement | None:
         return place(
             spec,
             self.devices,
-            self._uses(promises),
+            self._uses(promises) if uses is None else uses,
             preempt=preempt,
             avoid_foreign=self._avoids_foreign(spec),
             known_since=known_since,
@@ -497,9 +504,14 @@ class Scheduler:
         spec: UnitSpec,
         gpus: Iterable[int],
         kept_from: int | None = None,
+        uses: dict[int, list[Use]] | None = None,
     ) -> None:
+        """Keep capacity for a waiter for the rest of this pass (and in `uses`, if given)."""
         for gpu in gpus:
-            promises.append((gpu, Use(spec.name, spec.priority, spec.memory, kept_from=kept_from)))
+            use = Use(spec.name, spec.priority, spec.memory, kept_from=kept_from)
+            promises.append((gpu, use))
+            if uses is not None:
+                uses.setdefault(gpu, []).append(use)
 
     def _yield_to_foreign(self) -> list[Action]:
         if not self.yield_to_foreign:
@@ -532,14 +544,23 @@ class Scheduler:
             for n, h in self.holders.items()
             if h.phase is Phase.STOPPING and h.stopping_for == spec.name
         }
+        uses = self._uses(promises)  # what the placements below see, built once per waiter
+        found = None
         if not waiter.victims:
-            found = self._place(spec, promises, preempt=False)
-            if found is not None:
+            # One placement with preemption answers both questions: victim-free GPUs always
+            # cost less than GPUs with victims, so it names victims only when the unit does
+            # not fit on free capacity. A free fit is placed again without preemption (the
+            # choice among free GPUs must not depend on how many GPUs have victims).
+            found = self._place(spec, promises, preempt=True, known_since=waiter.seq, uses=uses)
+            if found is not None and not found.victims:
+                found = self._place(spec, promises, preempt=False, uses=uses)
+            if found is not None and not found.victims:
                 gpus = found.gpus
                 del self.waiters[spec.name]
                 phase = Phase.RUNNING if waiter.asked else Phase.STARTING
                 holder = Holder(spec, frozenset(gpus), phase, self._next())
                 self.holders[spec.name] = holder
+                self._tops_cache = None
                 # not asked yet: kept for it, given when its gate asks
                 return [self._grant(holder, gpus)] if waiter.asked else []
         if waiter.victims:
@@ -547,20 +568,21 @@ class Scheduler:
             victim_gpus = {g for v in waiter.victims for g in self.holders[v].gpus}
             self._promise(promises, spec, waiter.target or sorted(victim_gpus)[: spec.gpus])
             return self._set_reason(waiter, self._stopping_reason(waiter))
-        found = self._place(spec, promises, preempt=True, known_since=waiter.seq)
         if found is not None and self._displace(found.victims):
             return self._serve(waiter, promises)  # the places it takes were only kept
         if found is None or not found.victims:
             allowed_gpus = [
                 g for g in self.devices.values() if allowed(spec, g, self._avoids_foreign(spec))
             ]
-            if spec.gpus <= len(allowed_gpus):  # a unit that can never fit keeps nothing back
-                uses = self._uses(promises)
+            if 1 < spec.gpus <= len(allowed_gpus):  # one that can never fit keeps nothing back
+                # (a unit of one GPU that does not fit on free capacity fits on no GPU now)
                 room = [g.index for g in allowed_gpus if self._fits_now(spec, g, uses)]
-                self._promise(promises, spec, room[: spec.gpus], kept_from=spec.priority)
-            return self._set_reason(waiter, self._blocked_reason(waiter, promises))
+                kept = room[: spec.gpus]
+                self._promise(promises, spec, kept, kept_from=spec.priority, uses=uses)
+            return self._set_reason(waiter, self._blocked_reason(waiter, uses))
         gpus, victims = found.gpus, found.victims
         actions: list[Action] = []
+        self._tops_cache = None
         for victim in victims:
             holder = self.holders[victim]
             holder.phase = Phase.STOPPING
@@ -588,6 +610,7 @@ class Scheduler:
             if holder.phase is Phase.STARTING:
                 del self.holders[name]
                 self.waiters[name] = Waiter(holder.spec, holder.seq, asked=False)
+                self._tops_cache = None
                 moved = True
         return moved
 
@@ -682,7 +705,7 @@ class Scheduler:
             gpus=tuple(sorted(waiter.target)),
         )
 
-    def _blocked_reason(self, waiter: Waiter, promises: list[tuple[int, Use]]) -> Decision:
+    def _blocked_reason(self, waiter: Waiter, uses: dict[int, list[Use]]) -> Decision:
         spec = waiter.spec
         avoid = self._avoids_foreign(spec)
         usable = [g for g in self.devices.values() if allowed(spec, g, avoid)]
@@ -690,11 +713,10 @@ class Scheduler:
             if spec.devices or any(g.lost for g in self.devices.values()) or avoid:
                 return _about(spec, Code.WAIT, cause=Cause.UNUSABLE, available=len(usable))
             return _about(spec, Code.WAIT, cause=Cause.HOST, available=len(self.devices))
-        uses = self._uses(promises)
         parts: list[Part] = []
+        tops = self._tops()
         for gpu in sorted(usable, key=lambda g: g.index):
-            holders = [self.holders[u.unit] for u in uses[gpu.index] if u.unit in self.holders]
-            top = min(holders, key=lambda h: h.spec.priority) if holders else None
+            top = tops.get(gpu.index)
             free = free_memory(gpu, uses[gpu.index])
             whole = any(u.memory is None for u in uses[gpu.index])  # declares no memory
             on = (gpu.index,)
@@ -731,13 +753,30 @@ class Scheduler:
                         granted_after=protected,
                     )
                 )
-            else:
-                queued = [w for w in self.waiters.values() if w.spec.priority == spec.priority]
-                if queued and min(queued, key=lambda w: w.seq).spec.name != spec.name:
-                    parts.append(Part(Blocker.KEPT, on, priority=spec.priority))
+            elif self._first_waiter(spec.priority) is not waiter:
+                parts.append(Part(Blocker.KEPT, on, priority=spec.priority))
         return _about(spec, Code.WAIT, cause=Cause.BUSY, parts=tuple(parts))
 
+    def _tops(self) -> dict[int, Holder]:
+        """Each GPU's most urgent holder (the first listed among equals). Kept for a
+        scheduling pass until a holder changes: every blocked waiter's reason names them."""
+        if self._tops_cache is None:
+            tops: dict[int, Holder] = {}
+            for holder in self.holders.values():
+                for gpu in holder.gpus:
+                    top = tops.get(gpu)
+                    if top is None or holder.spec.priority < top.spec.priority:
+                        tops[gpu] = holder
+            self._tops_cache = tops
+        return self._tops_cache
+
+    def _first_waiter(self, priority: int) -> Waiter:
+        """The waiter of this priority that has waited longest (there is one: the caller's)."""
+        return min((w for w in self.waiters.values() if w.spec.priority == priority), key=_seq)
+
     def _set_reason(self, waiter: Waiter, decision: Decision) -> list[Action]:
+        if decision == waiter.decision:
+            return []  # said already (comparing data is cheaper than rendering words)
         waiter.decision = decision
         said = reason(decision)
         if said == waiter.reason:
