@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,7 @@ class Controller:
         self._rescan_again = False
         self._parked: list[str] = []
         self._stop_timers: dict[str, asyncio.TimerHandle] = {}
+        self._decision_due = False  # a scheduling pass is queued for this turn of the loop
         self._save_failing = False
 
     # -- start-up ---------------------------------------------------------------------------
@@ -238,8 +239,9 @@ class Controller:
             self._buffered.append((name, props))
             return
         self.scheduler.learn(spec)
-        for change in self.tracker.unit_changed(name, props):
-            self._apply(change)
+        with self._batched():
+            for change in self.tracker.unit_changed(name, props):
+                self._apply(change)
 
     def _apply(self, change: Change) -> None:
         if isinstance(change, WentDown):
@@ -376,7 +378,24 @@ class Controller:
             self._call_systemd(self.systemd.stop_unit, unit, "stop")
             return
         self.watch.refresh_if_older(FRESH_SAMPLE)  # grant against what is on the GPUs now
-        self.execute(self.scheduler.request(spec))
+        with self._batched():
+            self.execute(self.scheduler.request(spec))
+
+    @contextlib.contextmanager
+    def _batched(self) -> Iterator[None]:
+        """Take in an event now and decide once for every event handled before the loop
+        turns: dbus-next hands over all the signals of one read in a row, and a burst of
+        starts would otherwise cost a scheduling pass over every waiter for each of them.
+        What the event itself answers (a gate whose GPUs were kept for it) goes at once."""
+        with self.scheduler.deferred():
+            yield
+        if not self._decision_due:
+            self._decision_due = True
+            asyncio.get_running_loop().call_soon(self._decide)
+
+    def _decide(self) -> None:
+        self._decision_due = False
+        self.execute(self.scheduler.schedule())
 
     # -- actions ------------------------------------------------------------------------------
 

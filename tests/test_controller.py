@@ -17,6 +17,7 @@ from typing import Any, cast
 import pytest
 
 from gpuslice import controller as controller_module
+from gpuslice.annotations import scan
 from gpuslice.config import Config
 from gpuslice.controller import Controller
 from gpuslice.core.model import Gpu
@@ -498,6 +499,57 @@ def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
 
     run(test)
     assert messages(caplog) == []
+
+
+def test_a_start_seen_at_its_gate_preempts_before_the_gate_asks(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        # systemd shows urgent.service in start-pre: its gate is starting, not yet asking
+        at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
+        ctl.on_unit_changed("urgent.service", at_gate)
+        await settle()
+        assert ("stop", "low.service") in bed.systemd.calls
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert bed.service.granted == []  # kept for it: nobody asked yet
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.service.granted == [("urgent.service", "0")]
+
+    run(test)
+
+
+def test_signals_of_one_turn_of_the_loop_are_decided_once(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    passes: list[int] = []
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        decide = ctl._decide
+
+        def counted() -> None:
+            passes.append(len(ctl.scheduler.waiting_units()))
+            decide()
+
+        ctl._decide = counted  # type: ignore[method-assign]
+        for name in ("a.service", "b.service", "c.service"):
+            write_unit(tmp_path, name, "Priority=50\n")
+        ctl._apply_scan(scan(str(tmp_path / "root")))
+        passes.clear()
+        for name in ("a.service", "b.service", "c.service"):  # one read of the bus: in a row
+            ctl.on_unit_changed(name, {"ActiveState": "activating", "SubState": "start-pre"})
+        assert passes == []  # taken in, not decided yet
+        await settle()
+        assert passes == [3]  # one pass, knowing all three
+
+    run(test)
 
 
 # ---- NVML: not ready yet, then ready ----

@@ -211,7 +211,7 @@ class Scheduler:
         # Why background units must not start now (the GPUs are a guess: NVML is not ready
         # yet); empty: they may. Refill, requeue and background waiters honour it.
         self.refill_paused = ""
-        self._deferred = False
+        self._deferred = 0
         self._seq = 0
         self._tops_cache: dict[int, Holder] | None = None
 
@@ -435,11 +435,11 @@ class Scheduler:
         inside, `schedule` decides nothing; the caller calls it once afterwards. Deciding
         after each fact would bring a preempted unit back onto a GPU released by the first
         fact before a waiter named by a later one is known."""
-        self._deferred = True
+        self._deferred += 1  # nests: only the outermost ends it
         try:
             yield
         finally:
-            self._deferred = False
+            self._deferred -= 1
 
     def schedule(self) -> list[Action]:
         """Yield to foreign processes, serve waiters, requeue preempted units, then fill
