@@ -455,15 +455,17 @@ def analyse_burst(
     granted: dict[str, tuple[int, float]] = {}
     index = 0
     for when, code, name, _ in said:
-        if code not in ("grant", "wait") or name not in priorities:
+        if code not in ("grant", "wait", "keep") or name not in priorities:
             continue
         index += 1
         requested.setdefault(name, (index, when))
-        if code == "grant":
+        if code in ("grant", "keep"):
             granted.setdefault(name, (index, when))
     # Replay the controller's decisions in journal order. A unit waits from its first
-    # "waiting" line until it is granted ("starting X (priority N)"); a preempted unit waits
-    # again from its restart. A grant to B while a more urgent A waits is an inversion.
+    # "waiting" line until it is granted ("starting X (priority N)") or GPUs are kept for it
+    # until its gate asks ("keeping GPU N for X": the decision; its grant follows); a
+    # preempted unit waits again from its restart. A grant to B while a more urgent A waits
+    # is an inversion.
     inversions = fifo = served_meanwhile = 0
     inverted_units: set[str] = set()
     pairs: list[tuple[str, str]] = []
@@ -471,6 +473,7 @@ def analyse_burst(
     # "A waiting for V to stop" means A is being served: its capacity is being freed, and a
     # less urgent grant elsewhere meanwhile is no inversion (counted apart)
     being_served: set[str] = set()
+    kept: set[str] = set()  # decided at "keep": its grant is no new decision
     preemptions = restarts = 0
     for index, (_, code, name, cause) in enumerate(said, start=1):
         if code == "preempt":
@@ -483,7 +486,12 @@ def analyse_burst(
                 being_served.add(name)
             else:
                 being_served.discard(name)
-        if code == "grant" and name in priorities:
+        if code == "grant" and name in kept:
+            kept.discard(name)
+            continue
+        if code == "keep" and name in priorities:
+            kept.add(name)
+        if code in ("grant", "keep") and name in priorities:
             b = name
             since_b = waiting_since.pop(b, index)
             being_served.discard(b)

@@ -71,3 +71,16 @@ def test_a_grant_while_a_more_urgent_unit_waits_for_its_victims_is_counted_apart
         0,
         1,
     )
+
+
+def test_gpus_kept_for_a_waiter_are_its_grant_decision() -> None:
+    """The controller decides when it keeps GPUs for a unit whose gate has not asked yet;
+    the grant that follows when the gate asks is no new decision."""
+    out = burst(
+        entry(100.1, "wait", "b.service", "gpus-busy"),
+        entry(100.15, "keep", "b.service"),
+        entry(100.2, "wait", "a.service", "gpus-busy"),
+        entry(100.25, "grant", "b.service"),  # b's gate asks: decided at 100.15
+        entry(100.3, "grant", "a.service"),
+    )
+    assert (out["priority_inversions"], out["grants_seen"]) == (0, 2)

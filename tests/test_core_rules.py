@@ -870,3 +870,15 @@ def test_journal_levels() -> None:
     got = [(a.level, a.message.split(" ")[0]) for a in acts if isinstance(a, Log)]
     assert ("warning", "huge.service") in got and ("warning", V) in got
     assert ("error", "GPU") in got
+
+
+def test_gpus_kept_for_a_unit_told_to_wait_are_said_and_its_gate_is_answered() -> None:
+    s = Scheduler([Gpu(0)], {})
+    s.request(spec("a", 10))
+    quiet = s.announce(spec("c", 60))  # nothing said yet: it waits silently behind a
+    assert [a for a in quiet if isinstance(a, Log)][0].message.startswith("c.service waiting")
+    s.announce(spec("b", 50))
+    freed = s.inactive("a.service", Outcome.EXITED)
+    said = [a.message for a in freed if isinstance(a, Log)]
+    assert "keeping GPU 0 for b.service (priority 50): it starts when its gate asks" in said
+    assert brief(s.request(spec("b", 50))) == ["grant b.service 0"]

@@ -22,6 +22,7 @@ class Code(enum.Enum):
 
     GRANT = "grant"  # its gate may pass: it runs on `gpus`
     WAIT = "wait"  # it waits at its gate; `cause` and `blockers` say why
+    KEEP = "keep"  # a waiter told so gets `gpus` kept for it; its gate is answered when it asks
     PREEMPT = "preempt"  # it is stopped for `for_unit`, more urgent
     YIELD = "yield-to-foreign"  # a background unit stops for processes gpuslice does not manage
     REQUEUE = "requeue"  # a preempted unit is brought back
@@ -218,6 +219,8 @@ def render(d: Decision) -> str:
         return f"starting {who} on {format_gpus(d.gpus)}"
     if code is Code.WAIT:
         return f"{d.unit} {reason(d)}"
+    if code is Code.KEEP:
+        return f"keeping {format_gpus(d.gpus)} for {who}: it starts when its gate asks"
     if code is Code.PREEMPT:
         return f"preempting {who} for {_who(d.for_unit, d.for_priority)} on {format_gpus(d.gpus)}"
     if code is Code.YIELD:

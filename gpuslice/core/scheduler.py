@@ -561,8 +561,11 @@ class Scheduler:
                 holder = Holder(spec, frozenset(gpus), phase, self._next())
                 self.holders[spec.name] = holder
                 self._tops_cache = None
-                # not asked yet: kept for it, given when its gate asks
-                return [self._grant(holder, gpus)] if waiter.asked else []
+                if waiter.asked:
+                    return [self._grant(holder, gpus)]
+                # kept for it, given when its gate asks; said if it was told it waits
+                keep = _about(spec, Code.KEEP, gpus=tuple(sorted(gpus)))
+                return [_log(keep)] if waiter.reason else []
         if waiter.victims:
             # after a controller restart the target is unknown: the victims' GPUs stand in
             victim_gpus = {g for v in waiter.victims for g in self.holders[v].gpus}
