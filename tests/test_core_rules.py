@@ -875,8 +875,8 @@ def test_journal_levels() -> None:
 def test_gpus_kept_for_a_unit_told_to_wait_are_said_and_its_gate_is_answered() -> None:
     s = Scheduler([Gpu(0)], {})
     s.request(spec("a", 10))
-    quiet = s.announce(spec("c", 60))  # nothing said yet: it waits silently behind a
-    assert [a for a in quiet if isinstance(a, Log)][0].message.startswith("c.service waiting")
+    told = s.announce(spec("c", 60))
+    assert next(a for a in told if isinstance(a, Log)).message.startswith("c.service waiting")
     s.announce(spec("b", 50))
     freed = s.inactive("a.service", Outcome.EXITED)
     said = [a.message for a in freed if isinstance(a, Log)]
