@@ -1,20 +1,27 @@
 """`make bench`: gpuslice's speed against systemd's own floor, in booted test-bed containers.
 
-    python -m bench.run [--quick] [--json PATH] [--idle SECONDS] [--reps N]
+    python -m bench.run [--quick] [--json PATH] [--idle SECONDS] [--reps N] [--only CASES]
 
-Boots the project's container bed (tests/bed), runs the cases of issue 5 and prints one table;
-the JSON (every sample) goes to bench-results/. Cases:
+Boots the project's container bed (tests/bed), runs the cases of issues 5 and 10 and prints
+one table (target, ratio, PASS/FAIL per row); the JSON (`rows`: case, ratio, target, pass;
+every sample under `raw`) goes to bench-results/. Cases:
 
-1. handover: a background unit holds the only GPU; `systemctl start` of a more urgent
-   on-demand unit until its main process runs. Floor: the same units with Conflicts=/After=
-   and no gpuslice (a second container without gpuslice installed).
+1. handover: a background unit holds the only GPU; a more urgent on-demand unit is started
+   until its main process runs. Floor: the same units with Conflicts=/After= and no gpuslice
+   (a second container without gpuslice installed).
 2. refill gap: the on-demand unit's main process exits, until the background unit's main
    process runs again. Floor: systemd alone (OnSuccess= on the on-demand unit).
 3. gate overhead: a trivial annotated unit on an idle GPU vs the same unit without annotation.
-4. scale (virtual GPUs, `gpus: 8`, simulated): 1,000 annotated units vs 10: controller start
+   Cases 1-3 run by two methods of asking (bench/probe.py `_ask`): tight (judged: the stamp
+   in a shell that execs `systemctl start --no-block`, nothing else between it and the job)
+   and client (a blocking `systemctl start` from Python, shown for comparison); the handover
+   is broken down from the journal (asked, preempt decided, victim stopped, grant, main runs).
+4. scale (virtual GPUs, `gpus: 8`, simulated): 10,000 annotated units vs 10: controller start
    to READY=1, handover ratio, peak RSS (VmHWM), CPU time over an idle window.
 5. burst: 200 on-demand units started in one `systemctl start --no-block` onto 8 virtual GPUs:
-   time until all have run, and priority inversions in the controller's grant order.
+   time until all have run against the ideal, and priority inversions in the controller's
+   decisions (its journal's GPUSLICE_* fields).
+6. a day on one GPU (bench/day.py): a realistic mix replayed per policy against an oracle.
 
 Every figure comes from CLOCK_REALTIME stamps taken inside one container (bench/probe.py); the
 latency cases alternate gpuslice and floor repetitions so drift hits both alike. This measures;

@@ -67,8 +67,11 @@ def is_valid_unit_name(name: object) -> bool:
 def printable(text: str, limit: int = 300) -> str:
     """`text` safe for one journal line: control and non-ASCII characters escaped, cut at
     `limit` characters. For names that failed `is_valid_unit_name` and must still be shown."""
-    escaped = text.encode("ascii", "backslashreplace").decode("ascii")
-    escaped = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in escaped)
+    if text.isascii() and text.isprintable():  # the common case, at C speed (every path)
+        escaped = text
+    else:
+        escaped = text.encode("ascii", "backslashreplace").decode("ascii")
+        escaped = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in escaped)
     return escaped if len(escaped) <= limit else escaped[:limit] + "..."
 
 
