@@ -214,6 +214,7 @@ class Scheduler:
         self._deferred = 0
         self._seq = 0
         self._tops_cache: dict[int, Holder] | None = None
+        self._displaced: list[Waiter] = []  # moved back to waiting during a pass
 
     @property
     def gpus(self) -> frozenset[int]:
@@ -456,11 +457,10 @@ class Scheduler:
             waiter = self.waiters.get(name)
             if waiter is None:
                 continue
-            before = set(self.waiters)
             actions += self._serve(waiter, promises)
-            for moved in set(self.waiters) - before:  # moved back to waiting: served in turn
-                again = self.waiters[moved]
-                heapq.heappush(queue, (again.spec.priority, again.seq, moved))
+            for again in self._displaced:  # moved back to waiting: served in turn
+                heapq.heappush(queue, (again.spec.priority, again.seq, again.spec.name))
+            self._displaced.clear()
         actions += self._requeue(promises)
         actions += self._refill(promises)
         return actions
@@ -613,6 +613,7 @@ class Scheduler:
             if holder.phase is Phase.STARTING:
                 del self.holders[name]
                 self.waiters[name] = Waiter(holder.spec, holder.seq, asked=False)
+                self._displaced.append(self.waiters[name])
                 self._tops_cache = None
                 moved = True
         return moved
