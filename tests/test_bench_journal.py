@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bench.run import QUICK, analyse_burst, decisions
+from bench.run import QUICK, analyse_burst, breakdown, decisions
 
 
 def entry(when: float, code: str, unit: str, cause: str = "") -> str:
@@ -84,3 +84,32 @@ def test_gpus_kept_for_a_waiter_are_its_grant_decision() -> None:
         entry(100.3, "grant", "a.service"),
     )
     assert (out["priority_inversions"], out["grants_seen"]) == (0, 2)
+
+
+def test_a_handover_is_broken_down_by_the_journal_of_the_whole_container() -> None:
+    """asked -> preempt decided -> systemd stopped the victim -> grant -> main runs, in ms;
+    systemd's own entries carry their source's time, which is preferred."""
+    stopped = {
+        "__REALTIME_TIMESTAMP": str(int(100.050 * 1e6)),
+        "_SOURCE_REALTIME_TIMESTAMP": str(int(100.030 * 1e6)),
+        "UNIT": "bench-bg.service",
+        "JOB_TYPE": "stop",
+        "JOB_RESULT": "done",
+    }
+    journal = "\n".join(
+        [
+            entry(100.020, "preempt", "bench-bg.service"),
+            json.dumps(stopped),
+            entry(100.035, "grant", "bench-od.service"),
+            entry(100.500, "grant", "bench-od.service"),  # a later handover's
+        ]
+    )
+    sample = {"t0": 100.0, "od_start": 100.045}
+    got = breakdown(journal, [sample])
+    assert {k: round(v, 1) for k, v in got.items()} == {
+        "asked->preempt": 20.0,
+        "preempt->victim stopped": 10.0,
+        "victim stopped->grant": 5.0,
+        "grant->main runs": 10.0,
+    }
+    assert breakdown(journal, [{"t0": 101.0, "od_start": 101.01}]) == {}  # nothing after it
