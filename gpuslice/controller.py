@@ -387,11 +387,13 @@ class Controller:
         turns: dbus-next hands over all the signals of one read in a row, and a burst of
         starts would otherwise cost a scheduling pass over every waiter for each of them.
         What the event itself answers (a gate whose GPUs were kept for it) goes at once."""
-        with self.scheduler.deferred():
-            yield
-        if not self._decision_due:
-            self._decision_due = True
-            asyncio.get_running_loop().call_soon(self._decide)
+        try:
+            with self.scheduler.deferred():
+                yield
+        finally:  # even after a bug in handling the event: nothing is left undecided
+            if not self._decision_due:
+                self._decision_due = True
+                asyncio.get_running_loop().call_soon(self._decide)
 
     def _decide(self) -> None:
         self._decision_due = False

@@ -13,6 +13,7 @@ from gpuslice.tracker import (
     CameUp,
     Kind,
     Ledger,
+    ReachedGate,
     StopLost,
     Tracker,
     UnitState,
@@ -152,6 +153,20 @@ def test_came_up_only_for_units_not_known_running() -> None:
     assert tracker.unit_changed(A, props("activating", "start")) == [CameUp(A)]
     model.phases[A] = Phase.RUNNING
     assert tracker.unit_changed(A, props("active", "running")) == []
+
+
+def test_a_unit_at_its_gate_is_announced_once_unless_known() -> None:
+    """start-pre: its gate runs and asks in a moment; the core learns of it now, unless it
+    already waits or holds GPUs (our own start of it, or a gate that asked already)."""
+    model = Model()
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("activating", "start-pre", 7)) == [ReachedGate(A)]
+    model.waiters.add(A)
+    assert tracker.unit_changed(A, props("activating", "start-pre", 7)) == []
+    model.waiters.clear()
+    for phase in Phase:
+        model.phases[A] = phase
+        assert tracker.unit_changed(A, props("activating", "start-pre", 7)) == []
 
 
 def test_unmanaged_units_are_not_tracked() -> None:
