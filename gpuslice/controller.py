@@ -457,7 +457,8 @@ class Controller:
         """Note when each waiter started waiting; forget those that no longer wait."""
         waiting = set(self.scheduler.waiting_units())
         for name in list(self.waiting_since):
-            if name not in waiting:
+            # GPUs kept for it until its gate asks: it still waits, until its grant
+            if name not in waiting and self.scheduler.phase(name) is not Phase.STARTING:
                 del self.waiting_since[name]
         for name in waiting:
             self.waiting_since.setdefault(name, (time.time(), time.monotonic()))

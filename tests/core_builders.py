@@ -144,6 +144,8 @@ class Sim:
         # started by gpuslice) and when its gate was answered
         self.known_at: dict[str, int] = {}
         self.answered_at: dict[str, int] = {}
+        self.announced: set[str] = set()  # start jobs seen, gates not yet asking
+        self.told_to_wait: set[str] = set()  # its last word: "waiting" (not "keeping GPUs")
 
     # -- what a person, a unit or NVML does ---------------------------------------------------
 
@@ -174,6 +176,7 @@ class Sim:
             gone.discard(name)
         self.preempted.pop(name, None)
         self.pending_starts.append(name)
+        self.announced.add(name)
         self.known_at.setdefault(name, next(self._clock))
         return self._feed(self.sched.announce(spec))
 
@@ -340,6 +343,8 @@ class Sim:
         now = next(self._clock)
         self.out_since[name] = now
         self.at_gate.discard(name)
+        self.announced.discard(name)
+        self.told_to_wait.discard(name)
         self.known_at.pop(name, None)
         self.answered_at.pop(name, None)
         return now
@@ -350,6 +355,7 @@ class Sim:
         spec = self.annotations.get(name)
         assert spec is not None, f"{name} is not annotated"
         self.at_gate.add(name)
+        self.announced.discard(name)
         for gone in (self.held, self.finished, self.failed):
             gone.discard(name)
         self.preempted.pop(name, None)
@@ -363,6 +369,11 @@ class Sim:
         started: list[str] = []
         granted: list[Grant] = []
         for action in actions:
+            if isinstance(action, Log) and action.decision is not None:
+                if action.decision.code is Code.WAIT:
+                    self.told_to_wait.add(action.decision.unit)
+                elif action.decision.code is Code.KEEP:
+                    self.told_to_wait.discard(action.decision.unit)
             if isinstance(action, Grant):
                 self._on_grant(action)
                 granted.append(action)
@@ -520,12 +531,13 @@ class Sim:
                 raise InvariantError(f"{name} runs on {gpus}; the scheduler lost track of it")
 
     def _check_waiters(self, grants: list[Grant]) -> None:
-        """No unit still waiting at its gate is more urgent than a unit just granted GPUs it
-        would fit on (unless capacity is already being freed for it)."""
+        """No unit still waiting at its gate, or whose start job was seen, is more urgent than
+        a unit just granted GPUs it would fit on (unless capacity is being freed for it)."""
         for grant in grants:
             granted = self.annotations[grant.unit]
             foreign = any(self.devices[g].foreign_pids for g in grant.gpus)
-            for name in sorted(self.at_gate):
+            # an announced unit gets GPUs kept silently unless it was told to wait first
+            for name in sorted(self.at_gate | (self.announced & self.told_to_wait)):
                 waiter = self.annotations.get(name)
                 if waiter is None or self.victims_of.get(name):
                     continue

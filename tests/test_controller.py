@@ -517,8 +517,12 @@ def test_a_start_seen_at_its_gate_preempts_before_the_gate_asks(
         ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
         await settle()
         assert bed.service.granted == []  # kept for it: nobody asked yet
+        await asyncio.sleep(0.05)
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert bed.service.granted == [("urgent.service", "0")]
+        # it waited from "waiting for low.service to stop" to its grant, GPUs kept meanwhile
+        assert ctl.counters.admission_wait.count == 1
+        assert ctl.counters.admission_wait.total >= 0.05
 
     run(test)
 

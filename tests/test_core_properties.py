@@ -39,8 +39,8 @@ from hypothesis.stateful import (
 )
 
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
-from gpuslice.core.scheduler import Action, Outcome, Scheduler
-from tests.core_builders import GIB, Sim, sized
+from gpuslice.core.scheduler import Action, Grant, Outcome, Scheduler
+from tests.core_builders import GIB, InvariantError, Sim, sized
 
 EXAMPLES = int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "300"))
 
@@ -122,6 +122,28 @@ class CoreMachine(RuleBasedStateMachine):
         name = self._unit(index)
         if name in self.sim.annotations:
             self.sim.announce(name)
+
+    @precondition(lambda self: bool(self.sim.pending_starts))
+    @rule(index=st.integers(0, 7), other=st.integers(0, 7))
+    def seen_and_asked_in_one_turn(self, index: int, other: int) -> None:
+        """The controller takes in every signal of one read of the bus before deciding: a
+        start job is seen and another unit's gate asks, then one pass decides."""
+        sim = self.sim
+        asking = sim.pending_starts[other % len(sim.pending_starts)]
+        name = self._unit(index)
+        seen = name in sim.annotations and not sim.active(name)
+        answered: list[Action] = []
+        with sim.sched.deferred():
+            if seen:
+                sim.announce(name)
+            if asking in sim.pending_starts:
+                answered = sim.finish_start(asking)
+        # nothing is decided for the unit just seen yet: no gate may be answered past it
+        for grant in [a for a in answered if isinstance(a, Grant)] if seen else []:
+            first, later = sim.annotations[name], sim.annotations[grant.unit]
+            if first.priority < later.priority and sim._fits_wherever(first, later):
+                raise InvariantError(f"{grant.unit} granted in the turn {name} was seen in")
+        sim._feed(sim.sched.schedule())
 
     @rule(index=st.integers(0, 7), outcome=st.sampled_from([Outcome.EXITED, Outcome.FAILED]))
     def unit_exits(self, index: int, outcome: Outcome) -> None:

@@ -882,3 +882,18 @@ def test_gpus_kept_for_a_unit_told_to_wait_are_said_and_its_gate_is_answered() -
     said = [a.message for a in freed if isinstance(a, Log)]
     assert "keeping GPU 0 for b.service (priority 50): it starts when its gate asks" in said
     assert brief(s.request(spec("b", 50))) == ["grant b.service 0"]
+
+
+def test_a_kept_place_asked_for_in_the_turn_a_more_urgent_start_is_seen_goes_to_it() -> None:
+    """The controller takes in a turn's signals before deciding: a background unit's gate
+    asks for its kept place in the turn an urgent start is seen. Granting it would let the
+    thrash rule keep the urgent unit waiting behind it (seen in CI: a start lost)."""
+    vlm, quick = spec("vlm", 90, BG), spec("quick", 10)
+    s = Scheduler([Gpu(0)], {vlm.name: vlm})
+    assert brief(s.schedule()) == ["start vlm.service"]  # kept for vlm until its gate asks
+    with s.deferred():
+        s.announce(quick)
+        assert brief(s.request(vlm)) == []  # not past quick, seen first
+    assert brief(s.schedule()) == []  # GPU 0 kept for quick; vlm waits at its gate
+    assert brief(s.request(quick)) == ["grant quick.service 0"]
+    assert brief(s.inactive("quick.service", Outcome.EXITED)) == ["grant vlm.service 0"]

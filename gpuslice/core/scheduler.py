@@ -252,14 +252,20 @@ class Scheduler:
             return []  # its start is being cancelled by our own stop job
         if holder is not None:
             self._forget_past(spec)
-            if holder.gpus and (holder.phase is not Phase.STARTING or self._still_fits(holder)):
-                if holder.phase is Phase.STARTING:
-                    holder.seq = self._next()  # answered now: the thrash rule counts from here
+            if holder.phase is Phase.RUNNING and holder.gpus:
+                return [self._grant(holder)]  # asked again (after a controller restart)
+            if holder.phase is Phase.STARTING and holder.gpus and self._keeps_its_place(holder):
+                holder.seq = self._next()  # answered now: the thrash rule counts from here
                 holder.phase = Phase.RUNNING
                 return [self._grant(holder)]
-            # a requeue that must queue like everyone else, or a start on its way whose GPUs
-            # were lost or filled meanwhile
             del self.holders[name]
+            if holder.phase is Phase.STARTING:
+                # A requeue that must preempt, GPUs lost or filled meanwhile, or a more
+                # urgent start seen since its place was kept (and not yet decided on: the
+                # controller decides once per turn of its loop): it queues from when it was
+                # started, with every start known, and is granted from a pass.
+                self.waiters[name] = Waiter(spec, holder.seq, asked=True)
+                return self.schedule()
         waiter = self.waiters.get(name)
         if waiter is not None:
             self._forget_past(spec)
@@ -285,8 +291,11 @@ class Scheduler:
             return [_log(too_big), *actions]
         return actions
 
-    def _still_fits(self, holder: Holder) -> bool:
-        """Whether the GPUs a unit was started onto still take it, next to everyone else."""
+    def _keeps_its_place(self, holder: Holder) -> bool:
+        """Whether a unit whose place was kept gets it when its gate asks: no more urgent
+        start is known, and its GPUs still take it next to everyone else."""
+        if any(w.spec.priority < holder.spec.priority for w in self.waiters.values()):
+            return False
         spec = holder.spec
         uses = self._uses([])
         avoid = self._avoids_foreign(spec)
