@@ -897,3 +897,14 @@ def test_a_kept_place_asked_for_in_the_turn_a_more_urgent_start_is_seen_goes_to_
     assert brief(s.schedule()) == []  # GPU 0 kept for quick; vlm waits at its gate
     assert brief(s.request(quick)) == ["grant quick.service 0"]
     assert brief(s.inactive("quick.service", Outcome.EXITED)) == ["grant vlm.service 0"]
+
+
+def test_a_unit_adopted_while_a_request_waits_was_not_granted_and_may_be_preempted() -> None:
+    """The thrash rule protects what this controller granted knowing of the waiter, not a
+    unit it found running (annotated while it ran, or after a restart)."""
+    w, x = spec("w", 10, gpus=2), spec("x", 50)
+    s = Scheduler([Gpu(0), Gpu(1)], {x.name: x})
+    s.request(spec("e", 10))  # GPU 0
+    assert brief(s.request(w)) == []  # needs both GPUs; e is as urgent
+    s.running("x.service")  # found running: counted on the free GPU 1
+    assert brief(s.inactive("e.service", Outcome.EXITED)) == ["stop x.service"]

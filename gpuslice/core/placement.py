@@ -22,7 +22,8 @@ class Use:
 
     `stoppable` marks a holder that may be preempted (running or starting, not stopping);
     `unanswered` one whose gate has not been answered (it is moved back to waiting, not
-    stopped); `seq` is when it was granted. A claim with `kept_from` set binds only units
+    stopped); `seq` orders holders by when they started, `granted` is when this controller
+    answered its gate (0: it did not). A claim with `kept_from` set binds only units
     whose priority number is at least that: a blocked waiter keeps capacity from units that
     could not preempt it later.
     """
@@ -34,6 +35,7 @@ class Use:
     seq: int = 0
     kept_from: int | None = None
     unanswered: bool = False
+    granted: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def may_preempt(use: Use, priority: int, known_since: int | None) -> bool:
     kept but not yet answered may always be taken)."""
     if not use.stoppable or use.priority <= priority:
         return False
-    return use.unanswered or known_since is None or use.seq < known_since
+    return use.unanswered or known_since is None or use.granted < known_since
 
 
 def victims_on(

@@ -118,6 +118,9 @@ class Holder:
     seq: int
     stopping_for: str | None = None
     overdue: str = ""  # set when its stop takes longer than the stop timeout: for how long
+    # when this controller answered its gate (the thrash rule); 0: it did not (adopted after
+    # a restart, or running when its annotation appeared), and no request was known then
+    granted: int = 0
 
 
 @dataclass
@@ -255,7 +258,7 @@ class Scheduler:
             if holder.phase is Phase.RUNNING and holder.gpus:
                 return [self._grant(holder)]  # asked again (after a controller restart)
             if holder.phase is Phase.STARTING and holder.gpus and self._keeps_its_place(holder):
-                holder.seq = self._next()  # answered now: the thrash rule counts from here
+                holder.seq = holder.granted = self._next()  # the thrash rule counts from here
                 holder.phase = Phase.RUNNING
                 return [self._grant(holder)]
             del self.holders[name]
@@ -479,7 +482,15 @@ class Scheduler:
         for name, h in self.holders.items():
             stoppable = h.phase is not Phase.STOPPING and name not in self.unstoppable
             unanswered = h.phase is Phase.STARTING
-            use = Use(name, h.spec.priority, h.spec.memory, stoppable, h.seq, unanswered=unanswered)
+            use = Use(
+                name,
+                h.spec.priority,
+                h.spec.memory,
+                stoppable,
+                h.seq,
+                unanswered=unanswered,
+                granted=h.granted,
+            )
             for gpu in h.gpus:
                 uses.setdefault(gpu, []).append(use)
         for gpu, use in promises:
@@ -568,6 +579,8 @@ class Scheduler:
                 del self.waiters[spec.name]
                 phase = Phase.RUNNING if waiter.asked else Phase.STARTING
                 holder = Holder(spec, frozenset(gpus), phase, self._next())
+                if waiter.asked:
+                    holder.granted = holder.seq
                 self.holders[spec.name] = holder
                 self._tops_cache = None
                 if waiter.asked:
@@ -739,7 +752,7 @@ class Scheduler:
                 and top.spec.name not in self.unstoppable
                 and top.spec.priority > spec.priority
                 and top.phase is Phase.RUNNING
-                and top.seq > waiter.seq
+                and top.granted > waiter.seq
             )
             if spec.memory is not None and free is not None and not whole:
                 parts.append(
