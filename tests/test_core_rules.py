@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from gpuslice.core.decisions import Blocker
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Log, Outcome, Phase, SavedState, Scheduler, Stop
 from tests.core_builders import BG, GIB, InvariantError, Sim, brief, sized, spec, words
@@ -908,3 +909,86 @@ def test_a_unit_adopted_while_a_request_waits_was_not_granted_and_may_be_preempt
     assert brief(s.request(w)) == []  # needs both GPUs; e is as urgent
     s.running("x.service")  # found running: counted on the free GPU 1
     assert brief(s.inactive("e.service", Outcome.EXITED)) == ["stop x.service"]
+
+
+# -- what the mutation run of 2026-12-01 (second session) found untested --------------------
+
+
+def test_the_thrash_rule_is_said_for_a_whole_gpu_holder() -> None:
+    """A background waiter could not use GPU 0 (a foreign process) when b was granted it;
+    once the process has gone, b keeps it and the reason says why, in words and as data."""
+    a, b = spec("a", 10, BG), spec("b", 50)
+    s = Scheduler([sized(0, foreign_pids=(7,)), sized(1)], {})
+    s.request(spec("e", 5, devices=("1",)))  # GPU 1, more urgent than a
+    assert brief(s.request(a)) == []
+    assert brief(s.request(b)) == ["grant b.service 0"]
+    assert brief(s.set_gpus([sized(0), sized(1)])) == []
+    part = s.snapshot().reasons["a.service"].parts[0]
+    assert (part.kind, part.unit, part.granted_after) == (Blocker.HELD, "b.service", True)
+    assert (
+        s.snapshot()
+        .waiting[0][2]
+        .startswith(
+            "waiting: GPU 0 held by b.service, priority 50 (granted while this unit was known"
+        )
+    )
+
+
+def test_a_reason_names_the_most_urgent_of_a_gpus_holders_and_the_first_among_equals() -> None:
+    x, y, z = spec("x", 20, mem_gib=8), spec("y", 60, mem_gib=8), spec("z", 20, mem_gib=4)
+    s = Scheduler([sized(0)], {})
+    for unit in (x, y, z):
+        s.request(unit)
+    s.request(spec("w", 70, mem_gib=20))
+    assert s.snapshot().waiting[0][2] == (
+        "waiting: needs 20 GiB on one GPU; GPU 0 has 4 GiB free after the reserve, "
+        "held by x.service, priority 20"
+    )
+
+
+def test_a_background_instance_seen_running_is_refilled_like_any_background_unit() -> None:
+    s = Scheduler([Gpu(0)], {})
+    s.learn(spec("worker@1", 90, BG))
+    assert brief(s.schedule()) == ["start worker@1.service"]
+
+
+def test_a_start_announced_again_changes_nothing() -> None:
+    a, b = spec("a", 50), spec("b", 50)
+    s = Scheduler([Gpu(0)], {})
+    s.request(spec("e", 50))
+    s.announce(a)
+    s.announce(b)
+    assert s.announce(a) == []  # still the first of its priority
+    assert brief(s.inactive("e.service", Outcome.EXITED)) == []  # kept for a, silently
+    assert s.phase("a.service") is Phase.STARTING and s.is_waiting("b.service")
+    assert s.announce(a) == []  # a holder's start job: nothing new
+    assert s.phase("a.service") is Phase.STARTING
+
+
+def test_a_gate_asking_keeps_its_place_in_the_queue() -> None:
+    """Announced first, a asks after b: it is still served first among equals."""
+    a, b = spec("a", 50), spec("b", 50)
+    s = Scheduler([Gpu(0)], {})
+    s.request(spec("e", 50))
+    s.announce(a)
+    s.announce(b)
+    s.request(b)
+    s.request(a)
+    assert brief(s.inactive("e.service", Outcome.EXITED)) == ["grant a.service 0"]
+
+
+def test_gpus_kept_for_a_unit_never_told_to_wait_are_kept_silently() -> None:
+    s = Scheduler([Gpu(0)], {})
+    assert s.announce(spec("a", 50)) == []
+    assert brief(s.request(spec("a", 50))) == ["grant a.service 0"]
+
+
+def test_a_gate_asking_while_its_unit_is_stopped_for_another_waits_for_the_stop() -> None:
+    """Its start job outran gpuslice's stop job: nothing is granted; a hold is forgotten."""
+    low = spec("low", 90)
+    s = Scheduler([Gpu(0)], {})
+    s.request(low)
+    s.request(spec("urgent", 10))  # low is asked to stop
+    assert s.phase("low.service") is Phase.STOPPING
+    assert s.request(low) == []
+    assert s.phase("low.service") is Phase.STOPPING

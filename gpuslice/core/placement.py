@@ -21,11 +21,10 @@ class Use:
     """One unit's claim on one GPU: a holder, or a promise made during a scheduling pass.
 
     `stoppable` marks a holder that may be preempted (running or starting, not stopping);
-    `unanswered` one whose gate has not been answered (it is moved back to waiting, not
-    stopped); `seq` orders holders by when they started, `granted` is when this controller
-    answered its gate (0: it did not). A claim with `kept_from` set binds only units
-    whose priority number is at least that: a blocked waiter keeps capacity from units that
-    could not preempt it later.
+    `seq` orders holders by when they started, `granted` is when this controller answered its
+    gate (0: it did not, or not yet: a place kept is moved back to waiting, never stopped). A
+    claim with `kept_from` set binds only units whose priority number is at least that: a
+    blocked waiter keeps capacity from units that could not preempt it later.
     """
 
     unit: str
@@ -34,7 +33,6 @@ class Use:
     stoppable: bool = False
     seq: int = 0
     kept_from: int | None = None
-    unanswered: bool = False
     granted: int = 0
 
 
@@ -79,10 +77,10 @@ def may_preempt(use: Use, priority: int, known_since: int | None) -> bool:
     """Whether a unit of this priority, whose request is known since `known_since`, may take
     this use's place. Equal priority never preempts. The thrash rule: a unit granted its GPU
     after the request was known is not stopped for it; it was granted knowing of it (a place
-    kept but not yet answered may always be taken)."""
+    kept but not yet answered, `granted` 0, may always be taken)."""
     if not use.stoppable or use.priority <= priority:
         return False
-    return use.unanswered or known_since is None or use.granted < known_since
+    return known_since is None or use.granted < known_since
 
 
 def victims_on(

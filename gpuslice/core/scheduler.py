@@ -481,14 +481,12 @@ class Scheduler:
         uses: dict[int, list[Use]] = {i: [] for i in self.devices}
         for name, h in self.holders.items():
             stoppable = h.phase is not Phase.STOPPING and name not in self.unstoppable
-            unanswered = h.phase is Phase.STARTING
             use = Use(
                 name,
                 h.spec.priority,
                 h.spec.memory,
                 stoppable,
                 h.seq,
-                unanswered=unanswered,
                 granted=h.granted,
             )
             for gpu in h.gpus:
