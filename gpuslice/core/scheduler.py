@@ -244,17 +244,17 @@ class Scheduler:
         its gate asks is kept for it (Phase.STARTING) and given when it asks."""
         if spec.name in self.holders or spec.name in self.waiters:
             return []  # our own start, or a start job for a unit that already runs
+        self._forget_past(spec)
         return self._arrive(spec, asked=False)
 
     def request(self, spec: UnitSpec) -> list[Action]:
         """A unit's start job reached the gate and asks for its GPUs."""
         name = spec.name
+        self._forget_past(spec)
         holder = self.holders.get(name)
         if holder is not None and holder.phase is Phase.STOPPING:
-            self._forget_past(spec)
             return []  # its start is being cancelled by our own stop job
         if holder is not None:
-            self._forget_past(spec)
             if holder.phase is Phase.RUNNING and holder.gpus:
                 return [self._grant(holder)]  # asked again (after a controller restart)
             if holder.phase is Phase.STARTING and holder.gpus and self._keeps_its_place(holder):
@@ -271,7 +271,6 @@ class Scheduler:
                 return self.schedule()
         waiter = self.waiters.get(name)
         if waiter is not None:
-            self._forget_past(spec)
             waiter.asked = True
             return self.schedule()
         return self._arrive(spec, asked=True)
@@ -286,7 +285,6 @@ class Scheduler:
         self.preempted.pop(name, None)
 
     def _arrive(self, spec: UnitSpec, *, asked: bool) -> list[Action]:
-        self._forget_past(spec)
         self.waiters[spec.name] = Waiter(spec, self._next(), asked=asked)
         actions = self.schedule()
         if spec.gpus > len(self.gpus):
