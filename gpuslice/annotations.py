@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from gpuslice.core.model import GPU_ID, UnitKind, UnitSpec
+from gpuslice.core.model import GPU_ID, Rung, UnitKind, UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.sizes import SIZE_ALLOWED, parse_size
 from gpuslice.unitfiles import (
@@ -103,6 +103,17 @@ class InvalidValue(ValueError):
         self.reason = reason
 
 
+def _ladder(text: str) -> tuple[Rung, ...]:
+    """`suspend stop`, `freeze,stop`: rungs tried in this order, each once."""
+    words = [t for t in _SEPARATORS.split(text) if t]
+    if not words:
+        raise InvalidValue("expected stop, freeze or suspend, found only separators")
+    rungs = tuple(Rung(w) for w in words)  # ValueError for anything else
+    if len(set(rungs)) != len(rungs):
+        raise InvalidValue("each of stop, freeze and suspend may appear once")
+    return rungs
+
+
 def _devices(text: str) -> tuple[str, ...]:
     """`0,1`, `0 1`, `GPU-8f6c...`: indices or UUIDs (`GPU_ID`), each once, in order."""
     tokens = [t for t in _SEPARATORS.split(text) if t]
@@ -160,6 +171,13 @@ KEYS: tuple[Key, ...] = (
         (),
         f"up to {MAX_GPUS} GPU indices or UUIDs separated by commas or spaces "
         "(e.g. 0,1 or GPU-8f6c...)",
+    ),
+    Key(
+        "Preempt",
+        "preempt",
+        _ladder,
+        (Rung.STOP,),
+        "stop, freeze and suspend, in the order to try them, each once (e.g. suspend stop)",
     ),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}

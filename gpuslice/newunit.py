@@ -9,6 +9,7 @@ and the controller will see.
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import shutil
@@ -62,7 +63,8 @@ def _validator(key: Key) -> Callable[[click.Context, click.Parameter, Any], Any]
 
 def annotation_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """One option per annotation key, validated by the key's own parser: `--priority`
-    (required), `--type`, `--gpus`, `--requeue/--no-requeue`, `--memory`, `--devices`."""
+    (required), `--type`, `--gpus`, `--requeue/--no-requeue`, `--memory`, `--devices`,
+    `--preempt`."""
     for key in reversed(KEYS):
         name = option_name(key)
         if key.name == "Requeue":
@@ -87,7 +89,9 @@ def annotation_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _shown(key: Key) -> str:
     default = key.default
-    return default.value if isinstance(default, UnitKind) else str(default)
+    if isinstance(default, tuple):
+        return " ".join(d.value if isinstance(d, enum.Enum) else str(d) for d in default)
+    return default.value if isinstance(default, enum.Enum) else str(default)
 
 
 def annotation_text(values: Mapping[str, Any]) -> str:

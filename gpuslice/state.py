@@ -38,8 +38,11 @@ STATE_FILE_MAX = 16 << 20  # save() writes kilobytes; a bigger file is not ours
 GPU_INDEX_MAX = 1023
 SEQ_MAX = (1 << 63) - 1
 BOOT_ID_MAX = 256  # "<kernel boot id>/<systemd's UserspaceTimestamp>"
-PHASES = tuple(p.value for p in Phase)
+# a suspended unit holds no GPU: it is listed under "suspended", never as a holder
+PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
+# written since the Preempt= ladder; a file without them (an older controller's) is complete
+LADDER_FIELDS = ("frozen_for", "suspended")
 _SHOWN_PROBLEMS = 5
 
 
@@ -174,13 +177,45 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
                 seen.add(name)
                 lists[key].append(name)
 
+    suspended: dict[str, tuple[tuple[int, ...], int]] = {}
+    raw_suspended = data.get("suspended", {})
+    if not isinstance(raw_suspended, dict):
+        problems.add(f"suspended: expected an object, got {_show(raw_suspended)}")
+        raw_suspended = {}
+    for name, entry in raw_suspended.items():
+        why = _suspended_problem(name, entry)
+        if why or name in holders:
+            problems.add(f"suspended: dropped {_show(name)}: {why or 'also a holder'}")
+        else:
+            suspended[name] = (tuple(entry[0]), entry[1])
+
+    frozen_for: dict[str, list[str]] = {}
+    raw_frozen = data.get("frozen_for", {})
+    if not isinstance(raw_frozen, dict):
+        problems.add(f"frozen_for: expected an object, got {_show(raw_frozen)}")
+        raw_frozen = {}
+    for name, units in raw_frozen.items():
+        if name not in holders or holders[name][1] != Phase.FROZEN.value:
+            problems.add(f"frozen_for: dropped {_show(name)}: not a frozen holder")
+        elif not isinstance(units, list) or not all(_is_unit(u) for u in units):
+            problems.add(f"frozen_for: dropped {_show(name)}: expected a list of unit names")
+        else:
+            frozen_for[name] = list(dict.fromkeys(units))
+
     seq = data.get("seq", 0)
     if not _is_int(seq, 0, SEQ_MAX):
         problems.add(f"seq: {_show(seq)} is no sequence number")
         seq = 0
     # the counter numbers every holder and preemption: it is never behind them (a counter
     # behind them would order new arrivals before old ones)
-    highest = max([seq, *(h[2] for h in holders.values()), *preempted.values()])
+    highest = max(
+        [
+            seq,
+            *(h[2] for h in holders.values()),
+            *preempted.values(),
+            *(s[1] for s in suspended.values()),
+        ]
+    )
     if highest > seq:
         problems.add(f"seq: {seq} is below the entries it numbered; using {highest}")
         seq = highest
@@ -188,7 +223,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
     missing = [k for k in FIELDS if k not in data]
     if missing:
         problems.add("no " + ", ".join(repr(k) for k in missing))
-    for key in sorted(set(data) - set(FIELDS)):
+    for key in sorted(set(data) - set(FIELDS) - set(LADDER_FIELDS)):
         problems.add(f"unknown key {_show(key)}")
     saved = SavedState(
         holders=holders,
@@ -197,8 +232,26 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         finished=lists["finished"],
         failed=lists["failed"],
         seq=seq,
+        suspended=suspended,
+        frozen_for=frozen_for,
     )
     return saved, boot_id
+
+
+def _suspended_problem(name: str, entry: object) -> str:
+    """Why a suspended entry is invalid ("" when it is valid)."""
+    if not _is_unit(name):
+        return "not a unit name"
+    if not isinstance(entry, list) or len(entry) != 2:
+        return "expected [GPUs, seq]"
+    gpus, seq = entry
+    if not isinstance(gpus, list) or not all(_is_int(g, 0, GPU_INDEX_MAX) for g in gpus):
+        return f"GPUs must be a list of indices 0-{GPU_INDEX_MAX}"
+    if not gpus or len(set(gpus)) != len(gpus):
+        return "no GPU, or a GPU listed twice"
+    if not _is_int(seq, 0, SEQ_MAX):
+        return f"seq {_show(seq)}"
+    return ""
 
 
 def _holder_problem(name: str, entry: object) -> str:

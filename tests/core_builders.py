@@ -39,8 +39,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuslice.core.decisions import Code, render
-from gpuslice.core.model import Gpu, UnitKind, UnitSpec
-from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Scheduler, Start, Stop
+from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
+from gpuslice.core.scheduler import (
+    Action,
+    Freeze,
+    Grant,
+    Log,
+    Outcome,
+    Resume,
+    Scheduler,
+    Start,
+    Stop,
+    Suspend,
+    Thaw,
+)
 
 BG = UnitKind.BACKGROUND
 OD = UnitKind.ON_DEMAND
@@ -56,13 +68,15 @@ def spec(
     *,
     mem_gib: float | None = None,
     devices: tuple[str, ...] = (),
+    preempt: str = "stop",
 ) -> UnitSpec:
     """`spec("vlm", 90, BG)` is `vlm.service`, priority 90, background, 1 whole GPU;
     `mem_gib=10` declares `Memory=10G`."""
     if "." not in name:
         name += ".service"
     memory = None if mem_gib is None else int(mem_gib * GIB)
-    return UnitSpec(name, prio, kind, gpus, requeue, memory=memory, devices=devices)
+    ladder = tuple(Rung(r) for r in preempt.split())
+    return UnitSpec(name, prio, kind, gpus, requeue, memory=memory, devices=devices, preempt=ladder)
 
 
 def sized(index: int, total_gib: int = 24, **kw: object) -> Gpu:
@@ -80,6 +94,11 @@ def brief(actions: Iterable[Action]) -> list[str]:
             out.append(f"stop {action.unit}")
         elif isinstance(action, Start):
             out.append(f"start {action.unit}")
+        elif isinstance(action, Suspend | Resume):
+            what = "suspend" if isinstance(action, Suspend) else "resume"
+            out.append(f"{what} {action.unit} " + ",".join(str(g) for g in action.gpus))
+        elif isinstance(action, Freeze | Thaw):
+            out.append(f"{'freeze' if isinstance(action, Freeze) else 'thaw'} {action.unit}")
     return out
 
 

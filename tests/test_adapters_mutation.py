@@ -614,9 +614,9 @@ def test_cannot_rewrite_says_why_in_the_systems_words(
 def test_save_writes_sorted_keys(tmp_path: Path) -> None:
     StateStore(tmp_path).save(STATE, "b")
     assert (tmp_path / "state.json").read_text() == (
-        '{"boot_id": "b", "failed": [], "finished": [], "held": ["train.service"], '
-        '"holders": {"asr.service": [[0], "running", 4, ""]}, "preempted": {"vlm.service": 3}, '
-        '"seq": 5, "version": 1}'
+        '{"boot_id": "b", "failed": [], "finished": [], "frozen_for": {}, '
+        '"held": ["train.service"], "holders": {"asr.service": [[0], "running", 4, ""]}, '
+        '"preempted": {"vlm.service": 3}, "seq": 5, "suspended": {}, "version": 1}'
     )
 
 

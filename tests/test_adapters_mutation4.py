@@ -39,7 +39,7 @@ from tests.test_annotations import ETC, LIB, SERVICE, X, unit, write
 from tests.test_newunit import new
 from tests.test_unitfiles import link
 
-KNOWN = "Priority, Type, GPUs, Requeue, Memory, Devices"
+KNOWN = "Priority, Type, GPUs, Requeue, Memory, Devices, Preempt"
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 

@@ -206,7 +206,7 @@ def test_problem_fields(tmp_path: Path) -> None:
             "Priority=1\nColour=blue\n",
             [
                 f"{X}:9: [X-GPUSlice] Colour: unknown key, ignored "
-                "(known keys: Priority, Type, GPUs, Requeue, Memory, Devices)"
+                "(known keys: Priority, Type, GPUs, Requeue, Memory, Devices, Preempt)"
             ],
             id="unknown-key",
         ),

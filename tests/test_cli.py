@@ -239,12 +239,15 @@ def test_status_json_waiters_position_since_and_decision() -> None:
                 "refused": False,
                 "granted_after": False,
                 "overdue": None,
+                "rung": None,
             }
         ],
         "need_gpus": 1,
         "need_memory": None,
         "available": None,
         "detail": None,
+        "rung": None,
+        "fallback": None,
     }
     # the v1 keys are unchanged; the table numbers waiters and says how long they waited
     assert set(waiting[1]) >= {"unit", "priority", "reason"}

@@ -214,12 +214,15 @@ def test_to_json_has_every_key() -> None:
                 "refused": False,
                 "granted_after": False,
                 "overdue": None,
+                "rung": None,
             }
         ],
         "need_gpus": 1,
         "need_memory": None,
         "available": None,
         "detail": None,
+        "rung": None,
+        "fallback": None,
     }
 
 

@@ -95,6 +95,7 @@ def boundary_values(key: str) -> st.SearchStrategy[str]:
             ",".join(map(str, range(65))),
             "0 0 1",
         ],
+        "Preempt": ["stop", "suspend stop", "freeze,suspend,stop", "stop stop", "Stop", ",", ""],
     }[key]
     return st.sampled_from(special) | odd_text
 

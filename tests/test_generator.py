@@ -147,7 +147,7 @@ def test_problems_go_to_stderr_and_the_rest_is_generated(
         f"gpuslice-generator: error: {ETC}/bad.service:2: [X-GPUSlice] Priority: expected an "
         'integer 0-999, got "high" (unit not managed)',
         f"gpuslice-generator: warning: {ETC}/warn.service:3: [X-GPUSlice] Colour: unknown key, "
-        "ignored (known keys: Priority, Type, GPUs, Requeue, Memory, Devices)",
+        "ignored (known keys: Priority, Type, GPUs, Requeue, Memory, Devices, Preempt)",
     ]
 
 

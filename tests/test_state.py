@@ -30,6 +30,8 @@ GOOD: dict[str, Any] = {
     "finished": ["done.service"],
     "failed": ["bad.service"],
     "seq": 5,
+    "suspended": {},
+    "frozen_for": {},
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -39,6 +41,13 @@ GOOD_STATE = SavedState(
     failed=["bad.service"],
     seq=5,
 )
+# the Preempt= ladder's entries: a unit frozen beside another, one suspended
+LADDER = {
+    **GOOD,
+    "holders": {"asr.service": [[0], "running", 4, ""], "emb.service": [[0], "frozen", 1, ""]},
+    "suspended": {"ocr.service": [[1], 2]},
+    "frozen_for": {"emb.service": ["asr.service"]},
+}
 
 
 def good(**changes: Any) -> bytes:
@@ -374,6 +383,69 @@ def test_round_trip(tmp_path: Path) -> None:
     store.save(GOOD_STATE, "0f6c/1234")
     assert store.load() == (GOOD_STATE, "0f6c/1234")
     assert json.loads(store.path.read_text()) == GOOD
+
+
+def test_round_trip_of_the_ladder(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    store.save(
+        SavedState(
+            holders={
+                "asr.service": ((0,), "running", 4, ""),
+                "emb.service": ((0,), "frozen", 1, ""),
+            },
+            preempted={"vlm.service": 3},
+            held=["train.service"],
+            finished=["done.service"],
+            failed=["bad.service"],
+            seq=5,
+            suspended={"ocr.service": ((1,), 2)},
+            frozen_for={"emb.service": ["asr.service"]},
+        ),
+        "0f6c/1234",
+    )
+    assert json.loads(store.path.read_text()) == LADDER
+    assert store.load()[0].suspended == {"ocr.service": ((1,), 2)}
+
+
+def test_a_file_of_a_controller_before_the_ladder_is_complete(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = {k: v for k, v in GOOD.items() if k not in ("suspended", "frozen_for")}
+    saved, _, records = load(tmp_path, json.dumps(old).encode(), caplog)
+    assert records == []
+    assert (saved.suspended, saved.frozen_for) == ({}, {})
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"suspended": []}, "suspended: expected an object, got a list"),
+        ({"suspended": {"x.service": [[], 1]}}, 'dropped "x.service": no GPU'),
+        ({"suspended": {"x.service": [[0, 0], 1]}}, "a GPU listed twice"),
+        ({"suspended": {"x.service": [[0], -1]}}, "seq -1"),
+        ({"suspended": {"x.service": [[0]]}}, "expected [GPUs, seq]"),
+        ({"suspended": {"../x": [[0], 1]}}, "not a unit name"),
+        ({"suspended": {"asr.service": [[0], 1]}}, 'dropped "asr.service": also a holder'),
+        ({"frozen_for": {"asr.service": []}}, "not a frozen holder"),
+        ({"frozen_for": {"emb.service": ["../x"]}}, "expected a list of unit names"),
+        ({"frozen_for": 7}, "frozen_for: expected an object"),
+        ({"holders": {"x.service": [[0], "suspended", 1, ""]}}, "phase \"suspended\""),
+    ],
+)
+def test_bad_ladder_entries_are_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, changes: dict[str, Any], problem: str
+) -> None:
+    content = json.dumps({**LADDER, **changes}).encode()
+    saved, _, records = load(tmp_path, content, caplog)
+    assert any(problem in r.getMessage() for r in records), [r.getMessage() for r in records]
+    assert "x.service" not in saved.suspended and "x.service" not in saved.holders
+
+
+def test_a_suspended_seq_above_the_counter_raises_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    saved, _, _ = load(tmp_path, good(suspended={"ocr.service": [[1], 50]}), caplog)
+    assert saved.seq == 50
 
 
 def test_round_trip_of_the_longest_unit_names(

@@ -301,6 +301,7 @@ def test_json_decisions_are_the_reasons_as_data() -> None:
             "refused": False,
             "granted_after": False,
             "overdue": None,
+            "rung": None,
         }
     ]
     assert (waiting[2]["decision"]["cause"], waiting[2]["decision"]["detail"]) == (

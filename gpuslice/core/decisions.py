@@ -40,6 +40,14 @@ class Code(enum.Enum):
     EXCEEDS_HOST = "exceeds-host"  # it needs more GPUs than the host has
     UNACCOUNTED = "running-unaccounted"  # runs without enough free GPUs to count it on
     UNMANAGED = "unmanaged"  # no longer annotated: its GPUs are released
+    SUSPEND = "suspend"  # its VRAM goes to host memory for `for_unit` (Preempt=suspend)
+    SUSPENDED = "suspended"  # done: its VRAM left `gpus` (`detail`: how much, how fast)
+    RESUME = "resume"  # a suspended unit's VRAM is restored onto its `gpus`, reserved for it
+    RESUMED = "resumed"  # done (`detail`: after how long, how fast)
+    RESUME_FAILED = "resume-failed"  # its restore failed: it is stopped (`detail`: why)
+    FREEZE = "freeze"  # frozen beside `for_unit` on `gpus`: it keeps its VRAM (Preempt=freeze)
+    THAW = "thaw"  # the units it was frozen for have left: it runs again
+    RUNG_FAILED = "rung-failed"  # `rung` did not work (`detail`); `fallback` is tried next
 
 
 class Cause(enum.Enum):
@@ -76,6 +84,7 @@ class Part:
     refused: bool = False  # HELD by a unit whose stop systemd refused
     granted_after: bool = False  # HELD by a less urgent unit granted after the waiter was known
     overdue: str = ""  # VICTIM still running this long after the stop (in words)
+    rung: str = ""  # VICTIM: how it gives way (Preempt=), "stop" or "suspend"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,6 +96,7 @@ class Part:
             "refused": self.refused,
             "granted_after": self.granted_after,
             "overdue": self.overdue or None,
+            "rung": self.rung or None,
         }
 
 
@@ -108,6 +118,8 @@ class Decision:
     units: tuple[str, ...] = ()  # LOST_GPU: the units that held it
     pids: tuple[int, ...] = ()  # YIELD: the foreign processes
     detail: str = ""  # free words: why a stop failed, for how long it is overdue, a pause
+    rung: str = ""  # RUNG_FAILED: the way of giving way that did not work
+    fallback: str = ""  # RUNG_FAILED: the one tried instead ("": none, it keeps its GPUs)
 
     def subjects(self) -> tuple[str, ...]:
         """The units whose own journal gets this decision."""
@@ -130,6 +142,8 @@ class Decision:
             "need_memory": self.need_memory,
             "available": self.available,
             "detail": self.detail or None,
+            "rung": self.rung or None,
+            "fallback": self.fallback or None,
         }
 
 
@@ -142,6 +156,8 @@ LEVELS: dict[Code, str] = {
     Code.EXCEEDS_HOST: "warning",
     Code.UNACCOUNTED: "warning",
     Code.LOST_GPU: "error",
+    Code.RUNG_FAILED: "warning",
+    Code.RESUME_FAILED: "error",
 }
 
 
@@ -169,7 +185,8 @@ def _part(p: Part) -> str:
     gpu = p.gpus[0] if p.gpus else -1
     if p.kind is Blocker.VICTIM:
         late = f" (still running {p.overdue} after the stop)" if p.overdue else ""
-        return f"{_who(p.unit, p.priority)} to stop on {format_gpus(p.gpus)}{late}"
+        how = "be suspended" if p.rung == "suspend" else "stop"
+        return f"{_who(p.unit, p.priority)} to {how} on {format_gpus(p.gpus)}{late}"
     if p.kind is Blocker.MEMORY:
         held = f", held by {p.unit}, priority {p.priority}" if p.unit else ""
         held += GRANTED_AFTER if p.granted_after else ""
@@ -273,6 +290,39 @@ def render(d: Decision) -> str:
             f"{who} needs {d.need_gpus} GPUs but this host has {d.available}: "
             "it waits until the configuration changes"
         )
+    if code is Code.SUSPEND:
+        return (
+            f"moving the VRAM of {who} on {format_gpus(d.gpus)} to host memory for "
+            f"{_who(d.for_unit, d.for_priority)}"
+        )
+    if code is Code.SUSPENDED:
+        return f"suspending {who} for {_who(d.for_unit, d.for_priority)}: {d.detail}"
+    if code is Code.RESUME:
+        why = f" ({d.detail})" if d.detail else ""
+        return f"restoring the VRAM of {who} on {format_gpus(d.gpus)}{why}"
+    if code is Code.RESUMED:
+        return f"resuming {d.unit} on {format_gpus(d.gpus)} after {d.detail}"
+    if code is Code.RESUME_FAILED:
+        return (
+            f"{who} could not be resumed on {format_gpus(d.gpus)}: {d.detail}; stopping it "
+            "(Requeue= decides whether it starts again)"
+        )
+    if code is Code.FREEZE:
+        return (
+            f"freezing {who} on {format_gpus(d.gpus)} for {_who(d.for_unit, d.for_priority)}: "
+            "it keeps its VRAM and runs again when that unit has left"
+        )
+    if code is Code.THAW:
+        return f"thawing {who} on {format_gpus(d.gpus)}: the units it was frozen for have left"
+    if code is Code.RUNG_FAILED:
+        for_whom = f" for {_who(d.for_unit, d.for_priority)}" if d.for_unit else ""
+        if d.fallback:
+            then = f"trying {d.fallback} instead"
+        elif d.rung == "freeze":
+            then = "it keeps running beside it"
+        else:
+            then = f"it keeps {format_gpus(d.gpus)} (Preempt= names no other way)"
+        return f"cannot {d.rung} {who}{for_whom}: {d.detail}; {then}"
     if code is Code.UNACCOUNTED:
         return f"{who} is running without enough free GPUs to account for it; counting it on none"
     return f"{d.unit} is no longer annotated: released its GPUs"

@@ -15,6 +15,18 @@ from dataclasses import dataclass
 GPU_ID = re.compile(r"[0-9]{1,4}|GPU-[0-9A-Za-z-]{1,80}", re.ASCII)
 
 
+class Rung(enum.Enum):
+    """One way a unit may give way to a more urgent one (`Preempt=`), tried in its order.
+
+    `freeze` keeps the unit's VRAM and takes only its compute (systemd's FreezeUnit): it can
+    help only a unit that fits beside it. `suspend` moves its VRAM to host memory
+    (cuda-checkpoint) and freezes it; `stop` is systemd's StopUnit."""
+
+    STOP = "stop"
+    FREEZE = "freeze"
+    SUSPEND = "suspend"
+
+
 class UnitKind(enum.Enum):
     """How a unit may be started: only by a person, or by gpuslice when capacity is free."""
 
@@ -38,9 +50,13 @@ class UnitSpec:
     source: str = ""
     memory: int | None = None  # bytes of VRAM per GPU; None: the whole GPU, exclusively
     devices: tuple[str, ...] = ()  # pinned GPUs by index or UUID; empty: any
+    preempt: tuple[Rung, ...] = (Rung.STOP,)  # how it gives way, in the order tried
 
     def for_instance(self, instance_name: str) -> UnitSpec:
         return dataclasses.replace(self, name=instance_name)
+
+    def gives_way_by(self, rung: Rung) -> bool:
+        return rung in self.preempt
 
     def describe(self) -> str:
         return f"{self.name} (priority {self.priority})"

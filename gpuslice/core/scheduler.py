@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part, level, reason, render
-from gpuslice.core.model import Gpu, UnitKind, UnitSpec
+from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
 from gpuslice.core.placement import (
     Placement,
     Use,
@@ -39,6 +39,11 @@ class Phase(enum.Enum):
     STARTING = "starting"
     RUNNING = "running"  # granted: its main process may run
     STOPPING = "stopping"  # gpuslice asked systemd to stop it for a more urgent unit
+    # Preempt= ladder: it keeps its GPUs while its VRAM moves to host memory (cuda-checkpoint)
+    SUSPENDING = "suspending"
+    SUSPENDED = "suspended"  # its VRAM is in host memory, it is frozen: it holds no GPU
+    RESUMING = "resuming"  # its VRAM is being restored onto its GPUs, reserved for it
+    FROZEN = "frozen"  # frozen beside a more urgent unit: it keeps its VRAM, not the compute
 
 
 class Outcome(enum.Enum):
@@ -83,6 +88,46 @@ class Start:
 
 
 @dataclass(frozen=True)
+class Suspend:
+    """Move the unit's VRAM to host memory and freeze it (cuda-checkpoint, FreezeUnit); the
+    adapter answers with `suspended` or `suspend_failed`."""
+
+    unit: str
+    gpus: tuple[int, ...]
+    reason: str
+    decision: Decision | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Thaw the unit and restore its VRAM onto `gpus` (reserved for it); the adapter answers
+    with `resumed` or `resume_failed`."""
+
+    unit: str
+    gpus: tuple[int, ...]
+    reason: str
+    decision: Decision | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Freeze:
+    """Freeze the unit (FreezeUnit): it keeps its VRAM; `freeze_failed` if that fails."""
+
+    unit: str
+    reason: str
+    decision: Decision | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Thaw:
+    """Thaw a unit frozen beside a more urgent one (ThawUnit)."""
+
+    unit: str
+    reason: str
+    decision: Decision | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class Log:
     """One journal line; `decision` when it tells a decision about a unit."""
 
@@ -107,7 +152,10 @@ def _start(decision: Decision) -> Start:
     return Start(decision.unit, render(decision), decision)
 
 
-Action = Grant | Stop | Start | Log
+Action = Grant | Stop | Start | Log | Suspend | Resume | Freeze | Thaw
+
+# Phases in which a unit is on its way out of a waiter's way (Holder.stopping_for names it)
+GIVING_WAY = (Phase.STOPPING, Phase.SUSPENDING)
 
 
 @dataclass
@@ -121,6 +169,18 @@ class Holder:
     # when this controller answered its gate (the thrash rule); 0: it did not (adopted after
     # a restart, or running when its annotation appeared), and no request was known then
     granted: int = 0
+    frozen_for: set[str] = field(default_factory=set)  # FROZEN: the units it gave way to
+
+
+@dataclass
+class Suspended:
+    """A unit whose VRAM is in host memory: it comes back on the same GPUs (a restore puts
+    its memory back at the same device addresses), most urgent first."""
+
+    spec: UnitSpec
+    gpus: frozenset[int]
+    seq: int
+    for_unit: str = ""
 
 
 @dataclass
@@ -146,6 +206,8 @@ class Snapshot:
     failed: list[str]
     # each waiter's reason as data (keyed by unit; `waiting` gives the queue order)
     reasons: dict[str, Decision] = field(default_factory=dict)
+    # suspended units, most urgent first: (unit, priority, the GPUs it comes back on)
+    suspended: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)
 
 
 @dataclass
@@ -159,10 +221,17 @@ class SavedState:
     finished: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     seq: int = 0
+    suspended: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+    frozen_for: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _seq(waiter: Waiter) -> int:
     return waiter.seq
+
+
+def _memory_rungs(spec: UnitSpec) -> list[Rung]:
+    """The rungs of its ladder that free VRAM (freeze keeps it), in its order."""
+    return [r for r in spec.preempt if r is not Rung.FREEZE]
 
 
 def _refillable(spec: UnitSpec) -> bool:
@@ -205,12 +274,14 @@ class Scheduler:
         self.holders: dict[str, Holder] = {}
         self.waiters: dict[str, Waiter] = {}
         self.preempted: dict[str, int] = {}  # unit -> seq when it was preempted
+        self.suspended: dict[str, Suspended] = {}
         self.held: set[str] = set()
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         self.out_since: dict[str, int] = {}
         # units whose stop systemd refused: never chosen as victims again while they run
         self.unstoppable: set[str] = set()
+        self.unfreezable: set[str] = set()  # units whose freeze failed: not tried again
         # Why background units must not start now (the GPUs are a guess: NVML is not ready
         # yet); empty: they may. Refill, requeue and background waiters honour it.
         self.refill_paused = ""
@@ -252,15 +323,15 @@ class Scheduler:
         name = spec.name
         self._forget_past(spec)
         holder = self.holders.get(name)
-        if holder is not None and holder.phase is Phase.STOPPING:
-            return []  # its start is being cancelled by our own stop job
+        if holder is not None and holder.phase not in (Phase.RUNNING, Phase.STARTING):
+            return []  # its start is being cancelled by our own stop job (or it runs)
         if holder is not None:
             if holder.phase is Phase.RUNNING and holder.gpus:
                 return [self._grant(holder)]  # asked again (after a controller restart)
             if holder.phase is Phase.STARTING and holder.gpus and self._keeps_its_place(holder):
                 holder.seq = holder.granted = self._next()  # the thrash rule counts from here
                 holder.phase = Phase.RUNNING
-                return [self._grant(holder)]
+                return [self._grant(holder), *self._freeze_beside(spec, holder.gpus)]
             del self.holders[name]
             if holder.phase is Phase.STARTING:
                 # A requeue that must preempt, GPUs lost or filled meanwhile, or a more
@@ -312,8 +383,11 @@ class Scheduler:
         actions: list[Action] = []
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
+        self.unfreezable.discard(name)
         waiter = self.waiters.pop(name, None)
         holder = self.holders.pop(name, None)
+        # a suspended unit stopped by hand (systemd thaws it first) is held like any other
+        self.suspended.pop(name, None)
         if waiter is not None and holder is None:
             actions.append(_log(_about(waiter.spec, Code.CANCELLED)))
         if holder is not None and holder.phase is Phase.STOPPING:
@@ -415,6 +489,127 @@ class Scheduler:
         )
         return [_log(decision), *self.schedule()]
 
+    # -- the Preempt= ladder: what the adapter reports back -------------------------------------
+
+    def suspended_done(self, name: str, detail: str) -> list[Action]:
+        """Its VRAM left its GPUs (NVML confirmed) and it is frozen: the GPUs are free for
+        the unit it gave way to. `detail`: how much moved, how fast (for the journal)."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.SUSPENDING:
+            return []
+        del self.holders[name]
+        self._tops_cache = None
+        waiter = self.waiters.get(holder.stopping_for or "")
+        self.suspended[name] = Suspended(
+            holder.spec, holder.gpus, self._next(), holder.stopping_for or ""
+        )
+        decision = _about(
+            holder.spec,
+            Code.SUSPENDED,
+            for_unit=holder.stopping_for or "",
+            for_priority=waiter.spec.priority if waiter is not None else None,
+            gpus=tuple(sorted(holder.gpus)),
+            detail=detail,
+        )
+        return [_log(decision), *self.schedule()]
+
+    def suspend_failed(self, name: str, why: str) -> list[Action]:
+        """Suspending did not work (no cuda-checkpoint, a lock that timed out, too little
+        host memory...): the next rung of its ladder, or, with none left, it keeps its GPUs
+        and is not chosen as a victim again while it runs."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.SUSPENDING:
+            return []
+        waiter = self.waiters.get(holder.stopping_for or "")
+        rungs = _memory_rungs(holder.spec)
+        after = rungs[rungs.index(Rung.SUSPEND) + 1 :] if Rung.SUSPEND in rungs else []
+        fallback = after[0] if after else None
+        decision = _about(
+            holder.spec,
+            Code.RUNG_FAILED,
+            for_unit=holder.stopping_for or "",
+            for_priority=waiter.spec.priority if waiter is not None else None,
+            gpus=tuple(sorted(holder.gpus)),
+            detail=why,
+            rung=Rung.SUSPEND.value,
+            fallback=fallback.value if fallback is not None else "",
+        )
+        self._tops_cache = None
+        if fallback is Rung.STOP and waiter is not None:
+            on = tuple(sorted(holder.gpus & set(waiter.target)) or sorted(holder.gpus))
+            return [_log(decision), self._stop_for(holder, waiter.spec, on)]
+        holder.phase = Phase.RUNNING
+        holder.stopping_for = None
+        if waiter is not None:
+            waiter.target = ()
+        if fallback is None:
+            self.unstoppable.add(name)
+        return [_log(decision), *self.schedule()]
+
+    def resumed(self, name: str, detail: str) -> list[Action]:
+        """Its VRAM is back and it runs again. `detail`: after how long, how fast."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.RESUMING:
+            return []
+        holder.phase = Phase.RUNNING
+        self._tops_cache = None
+        gpus = tuple(sorted(holder.gpus))
+        actions: list[Action] = [_log(_about(holder.spec, Code.RESUMED, gpus=gpus, detail=detail))]
+        if name not in self.specs:  # its annotation went while it was suspended
+            del self.holders[name]
+            actions.append(_log(_about(holder.spec, Code.UNMANAGED, gpus=gpus)))
+        return actions + self.schedule()
+
+    def resume_failed(self, name: str, why: str) -> list[Action]:
+        """A restore failed: the process cannot continue (a restore that ran out of memory
+        is permanent), so the unit is stopped; Requeue= decides whether it starts again."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.RESUMING:
+            return []
+        holder.phase = Phase.STOPPING
+        holder.stopping_for = None
+        self._tops_cache = None
+        gpus = tuple(sorted(holder.gpus))
+        return [_stop(_about(holder.spec, Code.RESUME_FAILED, gpus=gpus, detail=why))]
+
+    def freeze_failed(self, name: str, why: str) -> list[Action]:
+        """A freeze did not work: it keeps running beside the units it was to give way to
+        (they fit beside it: nothing else needs to happen)."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.FROZEN:
+            return []
+        holder.phase = Phase.RUNNING
+        for_unit = min(holder.frozen_for, default="")
+        holder.frozen_for.clear()
+        self.unfreezable.add(name)
+        other = self.holders.get(for_unit)
+        decision = _about(
+            holder.spec,
+            Code.RUNG_FAILED,
+            for_unit=for_unit,
+            for_priority=other.spec.priority if other is not None else None,
+            gpus=tuple(sorted(holder.gpus)),
+            detail=why,
+            rung=Rung.FREEZE.value,
+        )
+        return [_log(decision)]
+
+    def recover(self) -> list[Action]:
+        """After a controller restart: units caught between suspend and resume are resumed
+        on the GPUs they still hold (a resume is safe in any state: it restores what was
+        moved and unlocks what was locked); the scheduler suspends them again if it must."""
+        actions: list[Action] = []
+        for name, holder in sorted(self.holders.items()):
+            if holder.phase in (Phase.SUSPENDING, Phase.RESUMING):
+                holder.phase = Phase.RESUMING
+                holder.stopping_for = None
+                gpus = tuple(sorted(holder.gpus))
+                resume = _about(
+                    holder.spec, Code.RESUME, gpus=gpus, detail="after a controller restart"
+                )
+                actions.append(Resume(name, gpus, render(resume), resume))
+        return actions
+
     def pause_refill(self, reason: str) -> None:
         """Hold background units back for `reason` (the GPUs are a guess: NVML is not ready
         yet), or let them start again with "". Decides nothing: the next `schedule` does."""
@@ -425,8 +620,14 @@ class Scheduler:
         actions: list[Action] = []
         self._set_specs(specs)
         for name in list(self.holders):
-            if name not in self.specs and self.holders[name].phase is Phase.STOPPING:
-                continue  # its stop job still runs: it holds its GPUs until inactive
+            phase = self.holders[name].phase
+            if name not in self.specs and phase in (*GIVING_WAY, Phase.RESUMING):
+                continue  # it holds its GPUs until its stop, suspend or resume is done
+            if name not in self.specs and phase is Phase.FROZEN:
+                thaw = _about(
+                    self.holders[name].spec, Code.THAW, gpus=tuple(sorted(self.holders[name].gpus))
+                )
+                actions.append(Thaw(name, render(thaw), thaw))  # never left frozen unowned
             if name not in self.specs:
                 gone = self.holders.pop(name)
                 gpus = tuple(sorted(gone.gpus))
@@ -457,7 +658,7 @@ class Scheduler:
         free capacity with background units."""
         if self._deferred:
             return []
-        actions = self._yield_to_foreign()
+        actions = self._thaw() + self._yield_to_foreign()
         self._tops_cache = None
         promises: list[tuple[int, Use]] = []
         queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
@@ -472,13 +673,17 @@ class Scheduler:
                 heapq.heappush(queue, (again.spec.priority, again.seq, again.spec.name))
             self._displaced.clear()
         actions += self._requeue(promises)
+        actions += self._resume(promises)
         actions += self._refill(promises)
         return actions
 
     def _uses(self, promises: list[tuple[int, Use]]) -> dict[int, list[Use]]:
         uses: dict[int, list[Use]] = {i: [] for i in self.devices}
         for name, h in self.holders.items():
-            stoppable = h.phase is not Phase.STOPPING and name not in self.unstoppable
+            stoppable = name not in self.unstoppable and (
+                h.phase is Phase.STARTING
+                or (h.phase in (Phase.RUNNING, Phase.FROZEN) and bool(_memory_rungs(h.spec)))
+            )
             use = Use(
                 name,
                 h.spec.priority,
@@ -535,7 +740,7 @@ class Scheduler:
         actions: list[Action] = []
         for name, holder in sorted(self.holders.items()):
             if (
-                holder.phase is Phase.STOPPING
+                holder.phase not in (Phase.RUNNING, Phase.STARTING)
                 or holder.spec.kind is not UnitKind.BACKGROUND
                 or name in self.unstoppable
             ):
@@ -558,7 +763,7 @@ class Scheduler:
         waiter.victims = {
             n
             for n, h in self.holders.items()
-            if h.phase is Phase.STOPPING and h.stopping_for == spec.name
+            if h.phase in GIVING_WAY and h.stopping_for == spec.name
         }
         uses = self._uses(promises)  # what the placements below see, built once per waiter
         found = None
@@ -580,7 +785,7 @@ class Scheduler:
                 self.holders[spec.name] = holder
                 self._tops_cache = None
                 if waiter.asked:
-                    return [self._grant(holder, gpus)]
+                    return [self._grant(holder, gpus), *self._freeze_beside(spec, gpus)]
                 # kept for it, given when its gate asks; said if it was told it waits
                 keep = _about(spec, Code.KEEP, gpus=tuple(sorted(gpus)))
                 return [_log(keep)] if waiter.reason else []
@@ -606,21 +811,114 @@ class Scheduler:
         self._tops_cache = None
         for victim in victims:
             holder = self.holders[victim]
-            holder.phase = Phase.STOPPING
-            holder.stopping_for = spec.name
             waiter.victims.add(victim)
             on = tuple(sorted(holder.gpus & set(gpus)) or sorted(holder.gpus))
-            preempt = _about(
-                holder.spec,
-                Code.PREEMPT,
-                for_unit=spec.name,
-                for_priority=spec.priority,
-                gpus=on,
-            )
-            actions.append(_stop(preempt))
+            actions.append(self._give_way(holder, spec, on))
         waiter.target = gpus
         self._promise(promises, spec, gpus)
         return actions + self._set_reason(waiter, self._stopping_reason(waiter))
+
+    def _give_way(self, holder: Holder, spec: UnitSpec, on: tuple[int, ...]) -> Action:
+        """The first rung of the victim's ladder that frees VRAM: suspend or stop (`_uses`
+        makes a unit with neither no victim)."""
+        if _memory_rungs(holder.spec)[0] is Rung.SUSPEND:
+            holder.phase = Phase.SUSPENDING
+            holder.stopping_for = spec.name
+            suspend = _about(
+                holder.spec, Code.SUSPEND, for_unit=spec.name, for_priority=spec.priority, gpus=on
+            )
+            return Suspend(holder.spec.name, on, render(suspend), suspend)
+        return self._stop_for(holder, spec, on)
+
+    def _stop_for(self, holder: Holder, spec: UnitSpec, on: tuple[int, ...]) -> Stop:
+        holder.phase = Phase.STOPPING
+        holder.stopping_for = spec.name
+        preempt = _about(
+            holder.spec, Code.PREEMPT, for_unit=spec.name, for_priority=spec.priority, gpus=on
+        )
+        return _stop(preempt)
+
+    def _freeze_beside(self, spec: UnitSpec, gpus: Iterable[int]) -> list[Action]:
+        """Units with `freeze` in Preempt= that run beside a unit just granted and are less
+        urgent give it their compute: frozen (their VRAM stays) until it has left. A freeze
+        loses no work, so the thrash rule does not hold it back."""
+        actions: list[Action] = []
+        on = set(gpus)
+        for name, holder in sorted(self.holders.items()):
+            if (
+                name == spec.name
+                or not holder.gpus & on
+                or holder.spec.priority <= spec.priority
+                or not holder.spec.gives_way_by(Rung.FREEZE)
+                or name in self.unfreezable
+            ):
+                continue
+            if holder.phase is Phase.FROZEN:
+                holder.frozen_for.add(spec.name)
+            elif holder.phase is Phase.RUNNING:
+                holder.phase = Phase.FROZEN
+                holder.frozen_for = {spec.name}
+                where = tuple(sorted(holder.gpus & on))
+                freeze = _about(
+                    holder.spec,
+                    Code.FREEZE,
+                    for_unit=spec.name,
+                    for_priority=spec.priority,
+                    gpus=where,
+                )
+                actions.append(Freeze(name, render(freeze), freeze))
+        return actions
+
+    def _thaw(self) -> list[Action]:
+        """Thaw frozen units whose more urgent neighbours have all left (or stopped running
+        themselves: stopping, suspended)."""
+        actions: list[Action] = []
+        running = (Phase.RUNNING, Phase.STARTING, Phase.RESUMING)
+        for name, holder in sorted(self.holders.items()):
+            if holder.phase is not Phase.FROZEN:
+                continue
+            holder.frozen_for = {
+                u
+                for u in holder.frozen_for
+                if u in self.holders and self.holders[u].phase in running
+            }
+            if not holder.frozen_for:
+                holder.phase = Phase.RUNNING
+                thaw = _about(holder.spec, Code.THAW, gpus=tuple(sorted(holder.gpus)))
+                actions.append(Thaw(name, render(thaw), thaw))
+        return actions
+
+    def _resume(self, promises: list[tuple[int, Use]]) -> list[Action]:
+        """Bring suspended units back, most urgent first, onto their own GPUs when their
+        memory fits there again and no more urgent unit waits (as a kept place is given);
+        one that does not fit keeps its room from less urgent units."""
+        actions: list[Action] = []
+        if not self.suspended:
+            return actions
+        order = sorted(self.suspended.values(), key=lambda s: (s.spec.priority, s.seq))
+        for entry in order:
+            spec = entry.spec
+            gpus = tuple(sorted(entry.gpus))
+            uses = self._uses(promises)
+            avoid = self._avoids_foreign(spec)
+            fits_now = all(
+                index in self.devices
+                and allowed(spec, self.devices[index], avoid)
+                and self._fits_now(spec, self.devices[index], uses)
+                for index in gpus
+            )
+            urgent = any(w.spec.priority < spec.priority for w in self.waiters.values())
+            if not fits_now or urgent:
+                self._promise(promises, spec, gpus, kept_from=spec.priority)
+                continue
+            del self.suspended[spec.name]
+            holder = Holder(spec, frozenset(gpus), Phase.RESUMING, self._next())
+            holder.granted = holder.seq
+            self.holders[spec.name] = holder
+            self._tops_cache = None
+            resume = _about(spec, Code.RESUME, gpus=gpus)
+            actions.append(Resume(spec.name, gpus, render(resume), resume))
+        return actions
 
     def _displace(self, victims: Iterable[str]) -> bool:
         """Move units whose gate is not answered yet back to waiting (nothing of theirs ran:
@@ -717,6 +1015,7 @@ class Scheduler:
                     name,
                     victim.spec.priority,
                     overdue=victim.overdue,
+                    rung="suspend" if victim.phase is Phase.SUSPENDING else "",
                 )
             )
         return _about(
@@ -761,7 +1060,7 @@ class Scheduler:
                         granted_after=protected,
                     )
                 )
-            elif top is not None and top.phase is Phase.STOPPING:
+            elif top is not None and top.phase in GIVING_WAY:
                 parts.append(Part(Blocker.STOPPING, on, top.spec.name, top.spec.priority))
             elif top is not None:
                 refused = top.spec.name in self.unstoppable
@@ -810,7 +1109,9 @@ class Scheduler:
 
     def phase(self, name: str) -> Phase | None:
         holder = self.holders.get(name)
-        return holder.phase if holder is not None else None
+        if holder is None:
+            return Phase.SUSPENDED if name in self.suspended else None
+        return holder.phase
 
     def is_waiting(self, name: str) -> bool:
         return name in self.waiters
@@ -841,7 +1142,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Something the GPUs' state matters to: a waiter, a holder, a unit to bring back."""
-        return bool(self.waiters or self.holders or self.preempted)
+        return bool(self.waiters or self.holders or self.preempted or self.suspended)
 
     # -- status and persistence ---------------------------------------------------------------
 
@@ -859,6 +1160,10 @@ class Scheduler:
             for n in sorted(self.preempted, key=lambda n: (self._prio(n), self.preempted[n]))
         ]
         reasons = {n: w.decision for n, w in self.waiters.items() if w.decision is not None}
+        suspended = [
+            (e.spec.name, e.spec.priority, tuple(sorted(e.gpus)))
+            for e in sorted(self.suspended.values(), key=lambda e: (e.spec.priority, e.seq))
+        ]
         return Snapshot(
             gpus,
             waiting,
@@ -867,6 +1172,7 @@ class Scheduler:
             sorted(self.finished),
             sorted(self.failed),
             reasons,
+            suspended,
         )
 
     def save(self) -> SavedState:
@@ -880,6 +1186,10 @@ class Scheduler:
             finished=sorted(self.finished),
             failed=sorted(self.failed),
             seq=self._seq,
+            suspended={n: (tuple(sorted(e.gpus)), e.seq) for n, e in self.suspended.items()},
+            frozen_for={
+                n: sorted(h.frozen_for) for n, h in self.holders.items() if h.phase is Phase.FROZEN
+            },
         )
 
     def load(self, saved: SavedState) -> None:
@@ -897,6 +1207,12 @@ class Scheduler:
                 self.holders[name] = Holder(
                     self.specs[name], held_gpus, Phase(phase), seq, stopping_for
                 )
+                if Phase(phase) is Phase.FROZEN:
+                    self.holders[name].frozen_for = set(saved.frozen_for.get(name, ()))
+        for name, (gpus, seq) in saved.suspended.items():
+            # kept even if no longer annotated: nobody else would ever resume it
+            spec = self.specs.get(name) or UnitSpec(name, 999)
+            self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
         self.preempted = dict(saved.preempted)
         self.held = set(saved.held)
         self.finished = set(saved.finished)

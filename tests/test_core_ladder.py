@@ -1,0 +1,277 @@
+"""The Preempt= ladder in the core: suspend, freeze, and what happens when a rung fails.
+
+Played on the pure scheduler: the adapter's reports (`suspended_done`, `suspend_failed`,
+`resumed`, `resume_failed`, `freeze_failed`) are called as the controller would.
+"""
+
+from __future__ import annotations
+
+from gpuslice.core.decisions import Code
+from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler
+from tests.core_builders import BG, brief, sized, spec, words
+
+VLM = spec("vlm", 90, BG, preempt="suspend stop")
+VOICE = spec("voice", 10)
+V, VO = VLM.name, VOICE.name
+
+
+def host(*specs: UnitSpec, gpus: list[Gpu] | None = None) -> Scheduler:
+    return Scheduler(gpus if gpus is not None else [sized(0)], {s.name: s for s in specs})
+
+
+def codes(actions: list[object]) -> list[Code]:
+    return [a.decision.code for a in actions if isinstance(a, Log) and a.decision is not None]
+
+
+def running(s: Scheduler, *specs: UnitSpec) -> None:
+    for unit in specs:
+        assert brief(s.request(unit))[0].startswith(f"grant {unit.name}")
+
+
+def test_a_unit_with_suspend_first_is_suspended_not_stopped_and_resumed_on_its_gpu() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    acts = s.request(VOICE)
+    assert brief(acts) == [f"suspend {V} 0"]
+    assert s.phase(V) is Phase.SUSPENDING
+    assert words(acts)[0] == (
+        "moving the VRAM of vlm.service (priority 90) on GPU 0 to host memory for "
+        "voice.service (priority 10)"
+    )
+    assert s.snapshot().waiting[0][2] == (
+        "waiting for vlm.service (priority 90) to be suspended on GPU 0"
+    )
+    acts = s.suspended_done(V, "14.2 GiB to host memory in 2.1 s")
+    assert brief(acts) == [f"grant {VO} 0"]
+    assert words(acts)[0] == (
+        "suspending vlm.service (priority 90) for voice.service (priority 10): "
+        "14.2 GiB to host memory in 2.1 s"
+    )
+    assert s.phase(V) is Phase.SUSPENDED
+    assert s.snapshot().suspended == [(V, 90, (0,))]
+    acts = s.inactive(VO, Outcome.EXITED)
+    assert brief(acts) == [f"resume {V} 0"]  # never a Start: it is still running
+    assert s.phase(V) is Phase.RESUMING
+    acts = s.resumed(V, "6 s: restored in 1.3 s")
+    assert words(acts) == ["resuming vlm.service on GPU 0 after 6 s: restored in 1.3 s"]
+    assert s.phase(V) is Phase.RUNNING
+    assert s.preempted == {}
+
+
+def test_a_failed_suspend_falls_to_stop_with_one_line_saying_why() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    acts = s.suspend_failed(V, "cuda-checkpoint is not installed")
+    assert brief(acts) == [f"stop {V}"]
+    assert words(acts)[0] == (
+        "cannot suspend vlm.service (priority 90) for voice.service (priority 10): "
+        "cuda-checkpoint is not installed; trying stop instead"
+    )
+    assert codes(acts) == [Code.RUNG_FAILED]
+    assert brief(s.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0"]
+    assert brief(s.inactive(VO, Outcome.EXITED)) == [f"start {V}"]  # requeued as today
+
+
+def test_a_ladder_without_stop_keeps_its_gpus_when_suspend_fails() -> None:
+    only = spec("vlm", 90, BG, preempt="suspend")
+    s = host(only, VOICE)
+    running(s, only)
+    s.request(VOICE)
+    acts = s.suspend_failed(V, "lock of PID 7 timed out after 10 s")
+    assert brief(acts) == []
+    assert words(acts)[0].endswith(
+        "lock of PID 7 timed out after 10 s; it keeps GPU 0 (Preempt= names no other way)"
+    )
+    assert s.phase(V) is Phase.RUNNING
+    assert "vlm.service, priority 90 (refused to stop)" in s.snapshot().waiting[0][2]
+    assert brief(s.schedule()) == []  # not tried again while it runs
+
+
+def test_a_unit_that_may_only_freeze_is_never_a_victim_for_memory() -> None:
+    frozen_only = spec("vlm", 90, BG, preempt="freeze")
+    s = host(frozen_only, VOICE)
+    running(s, frozen_only)
+    assert brief(s.request(VOICE)) == []
+    assert s.is_waiting(VO)
+
+
+def test_freeze_when_the_urgent_unit_fits_beside_and_thaw_when_it_leaves() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb)
+    acts = s.request(voice)
+    assert brief(acts) == [f"grant {VO} 0", "freeze emb.service"]
+    assert words(acts)[1] == (
+        "freezing emb.service (priority 90) on GPU 0 for voice.service (priority 10): "
+        "it keeps its VRAM and runs again when that unit has left"
+    )
+    assert s.phase("emb.service") is Phase.FROZEN
+    acts = s.inactive(VO, Outcome.EXITED)
+    assert brief(acts) == ["thaw emb.service"]
+    assert s.phase("emb.service") is Phase.RUNNING
+
+
+def test_a_unit_without_freeze_shares_its_gpu_as_before() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="suspend stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb)
+    assert brief(s.request(voice)) == [f"grant {VO} 0"]
+
+
+def test_freeze_does_not_apply_when_the_memory_is_needed_the_next_rung_does() -> None:
+    emb = spec("emb", 90, BG, mem_gib=20, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb)
+    assert brief(s.request(voice)) == ["stop emb.service"]
+
+
+def test_a_frozen_unit_whose_memory_is_needed_is_suspended() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze suspend stop")
+    voice = spec("voice", 10, mem_gib=8)
+    big = spec("big", 5, mem_gib=16)
+    s = host(emb, voice, big)
+    running(s, emb, voice)
+    assert s.phase("emb.service") is Phase.FROZEN
+    assert brief(s.request(big)) == ["suspend emb.service 0"]
+
+
+def test_a_failed_freeze_leaves_it_running_beside_and_is_not_tried_again() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    voice2 = spec("voice2", 10, mem_gib=8)
+    s = host(emb, voice, voice2)
+    running(s, emb, voice)
+    acts = s.freeze_failed("emb.service", "the unit is not active")
+    assert brief(acts) == []
+    assert words(acts) == [
+        "cannot freeze emb.service (priority 90) for voice.service (priority 10): "
+        "the unit is not active; it keeps running beside it"
+    ]
+    assert s.phase("emb.service") is Phase.RUNNING
+    assert brief(s.request(voice2)) == [f"grant {voice2.name} 0"]
+
+
+def test_the_thaw_waits_for_every_unit_it_was_frozen_for() -> None:
+    emb = spec("emb", 90, BG, mem_gib=4, preempt="freeze stop")
+    a, b = spec("a", 10, mem_gib=4), spec("b", 20, mem_gib=4)
+    s = host(emb, a, b)
+    running(s, emb, a, b)
+    assert s.holders["emb.service"].frozen_for == {a.name, b.name}
+    assert brief(s.inactive(a.name, Outcome.EXITED)) == []
+    assert brief(s.inactive(b.name, Outcome.EXITED)) == ["thaw emb.service"]
+
+
+def test_suspended_units_come_back_most_urgent_first_as_memory_frees() -> None:
+    a = spec("a", 80, BG, mem_gib=10, preempt="suspend stop")
+    b = spec("b", 90, BG, mem_gib=10, preempt="suspend stop")
+    u1, u2 = spec("u1", 10, mem_gib=12), spec("u2", 20, mem_gib=12)
+    s = host(a, b, u1, u2)
+    running(s, a, b)
+    assert brief(s.request(u1)) == ["suspend b.service 0"]
+    assert brief(s.suspended_done(b.name, "")) == [f"grant {u1.name} 0"]
+    assert brief(s.request(u2)) == ["suspend a.service 0"]
+    assert brief(s.suspended_done(a.name, "")) == [f"grant {u2.name} 0"]
+    # u1 leaves: 12 GiB free, room for one of them: the more urgent
+    assert brief(s.inactive(u1.name, Outcome.EXITED)) == ["resume a.service 0"]
+    s.resumed(a.name, "")
+    assert brief(s.inactive(u2.name, Outcome.EXITED)) == ["resume b.service 0"]
+
+
+def test_a_suspended_unit_keeps_its_room_from_less_urgent_background_units() -> None:
+    filler = spec("filler", 95, BG)
+    s = host(VLM, VOICE, filler)
+    s.preempted = {}
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    acts = s.inactive(VO, Outcome.EXITED)
+    assert brief(acts) == [f"resume {V} 0"]  # not the filler
+
+
+def test_no_resume_while_a_more_urgent_unit_waits() -> None:
+    other = spec("other", 20, devices=("1",))
+    s = host(VLM, VOICE, other, gpus=[sized(0), sized(1)])
+    blocker = spec("blocker", 5, devices=("1",))
+    s.specs[blocker.name] = blocker
+    running(s, VLM, blocker)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    assert brief(s.request(other)) == []  # waits for GPU 1
+    assert brief(s.inactive(VO, Outcome.EXITED)) == []
+    assert s.phase(V) is Phase.SUSPENDED
+    assert brief(s.inactive(blocker.name, Outcome.EXITED)) == [
+        f"grant {other.name} 1",
+        f"resume {V} 0",
+    ]
+
+
+def test_a_failed_resume_stops_the_unit_and_requeue_restarts_it() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    s.inactive(VO, Outcome.EXITED)
+    acts = s.resume_failed(V, "restore of PID 7 ran out of GPU memory")
+    assert brief(acts) == [f"stop {V}"]
+    assert words(acts) == [
+        "vlm.service (priority 90) could not be resumed on GPU 0: restore of PID 7 ran out "
+        "of GPU memory; stopping it (Requeue= decides whether it starts again)"
+    ]
+    assert brief(s.inactive(V, Outcome.STOPPED)) == [f"start {V}"]
+
+
+def test_a_suspended_unit_stopped_by_hand_is_held() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    acts = s.inactive(V, Outcome.STOPPED)
+    assert codes(acts) == [Code.HOLD]
+    assert s.phase(V) is None
+    assert brief(s.inactive(VO, Outcome.EXITED)) == []  # held: not resumed, not started
+
+
+def test_a_controller_restart_keeps_suspended_and_frozen_units_and_recovers_the_rest() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    ocr = spec("ocr", 95, BG, mem_gib=8, preempt="suspend stop")
+    big = spec("big", 5, mem_gib=8)
+    s = host(emb, voice, ocr, big)
+    running(s, emb, voice, ocr)
+    s.request(big)  # ocr is suspended for big (24 GiB: 8 + 8 + 8)
+    assert s.phase(ocr.name) is Phase.SUSPENDING
+    after = host(emb, voice, ocr, big)
+    after.load(s.save())
+    assert after.phase("emb.service") is Phase.FROZEN
+    assert after.holders["emb.service"].frozen_for == {voice.name}
+    assert brief(after.recover()) == ["resume ocr.service 0"]
+    assert after.phase(ocr.name) is Phase.RESUMING
+    s.suspended_done(ocr.name, "")
+    again = host(emb, voice, ocr, big)
+    again.load(s.save())
+    assert again.phase(ocr.name) is Phase.SUSPENDED
+    assert brief(again.recover()) == []
+
+
+def test_a_gate_asking_again_leaves_a_frozen_or_suspending_unit_alone() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb, voice)
+    assert s.request(emb) == []
+    assert s.phase("emb.service") is Phase.FROZEN
+
+
+def test_an_unannotated_frozen_unit_is_thawed_and_a_suspended_one_kept() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice, VLM)
+    running(s, emb, voice)
+    acts = s.set_specs({voice.name: voice})
+    assert "thaw emb.service" in brief(acts)
+    assert s.phase("emb.service") is None
