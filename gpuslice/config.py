@@ -91,6 +91,23 @@ _PATH_ALLOWED = (
 )
 
 
+def _executable_path(v: Any) -> bool:
+    """Empty (search for it) or an absolute file path spelled plainly: the controller runs it
+    as root."""
+    if v == "":
+        return True
+    if not isinstance(v, str) or len(v) > MAX_PATH_LENGTH or not _PATH.fullmatch(v):
+        return False
+    return "//" not in v and all(part not in ("", ".", "..") for part in v.split("/")[1:])
+
+
+_EXECUTABLE_ALLOWED = (
+    f'"" (look for it on PATH and in the driver\'s usual directories) or an absolute path, at '
+    f'most {MAX_PATH_LENGTH} characters of letters, digits, ".", "_", "-" and "/", without '
+    '"." or ".." components or a trailing "/"'
+)
+
+
 LOG_LEVELS = ("debug", "info", "warning", "error")
 FOREIGN_POLICIES = ("yield", "ignore")
 
@@ -247,6 +264,49 @@ SETTINGS: tuple[Setting, ...] = (
         "is not ready (at boot, after an unload); after that they start on the fallback GPUs.",
         convert=float,
     ),
+    Setting(
+        "cuda_checkpoint",
+        "",
+        _executable_path,
+        _EXECUTABLE_ALLOWED,
+        "Which cuda-checkpoint suspends GPU jobs instead of stopping them; without one they "
+        "are stopped.",
+    ),
+    Setting(
+        "checkpoint_lock_timeout",
+        10.0,
+        functools.partial(_number_in, low=0.1, high=3600),
+        "a number of seconds 0.1-3600",
+        "How long cuda-checkpoint may wait for a job's submitted GPU work when it locks it "
+        "before a suspend; past it the job is not suspended.",
+        convert=float,
+    ),
+    Setting(
+        "checkpoint_timeout",
+        300.0,
+        functools.partial(_number_in, low=1, high=86400),
+        "a number of seconds 1-86400",
+        "How long copying one process's GPU memory to host memory may take before the suspend "
+        "is undone.",
+        convert=float,
+    ),
+    Setting(
+        "restore_timeout",
+        300.0,
+        functools.partial(_number_in, low=1, high=86400),
+        "a number of seconds 1-86400",
+        "How long copying one suspended process's memory back to its GPU may take.",
+        convert=float,
+    ),
+    Setting(
+        "suspend_host_memory_margin",
+        2 << 30,
+        lambda v: _size(v) is not None,
+        SIZE_ALLOWED,
+        "Host memory (MemAvailable) that must be left after a suspend's copy of GPU memory; "
+        "a job that would leave less is stopped instead.",
+        convert=_size,
+    ),
 )
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
@@ -271,6 +331,11 @@ class Config:
     gate_retry_seconds: float = _default("gate_retry_seconds")
     stop_timeout: float = _default("stop_timeout")
     driver_wait: float = _default("driver_wait")
+    cuda_checkpoint: str = _default("cuda_checkpoint")
+    checkpoint_lock_timeout: float = _default("checkpoint_lock_timeout")
+    checkpoint_timeout: float = _default("checkpoint_timeout")
+    restore_timeout: float = _default("restore_timeout")
+    suspend_host_memory_margin: int = _default("suspend_host_memory_margin")
 
     def reserve_for(self, index: int, uuid: str) -> int:
         """Bytes kept back on one GPU: its own entry, else the entry for every GPU."""

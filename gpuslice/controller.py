@@ -23,14 +23,29 @@ from typing import Any
 from gpuslice import __version__
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.cgroups import unit_of_pid
+from gpuslice.checkpoint import CheckpointSettings
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
 from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.scheduler import Action, Grant, Log, Outcome, Phase, Scheduler, Start, Stop
+from gpuslice.core.scheduler import (
+    Action,
+    Freeze,
+    Grant,
+    Log,
+    Outcome,
+    Phase,
+    Resume,
+    Scheduler,
+    Start,
+    Stop,
+    Suspend,
+    Thaw,
+)
 from gpuslice.counters import Counters
 from gpuslice.gpuwatch import FRESH_SAMPLE, GpuWatch
-from gpuslice.inventory import Inventory
+from gpuslice.inventory import GpuUse, Inventory
 from gpuslice.journal import Journal, decision_fields
+from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
 from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, SchedulerService
@@ -106,6 +121,14 @@ class Controller:
         self.tracker = Tracker(
             lambda name: self.spec_for(name) is not None,
             Ledger(self.scheduler.phase, self.scheduler.is_waiting),
+        )
+        # freeze, suspend and resume (the Preempt= ladder), carried out as tasks
+        self.ladder = Ladder(
+            systemd,
+            self.scheduler,
+            self._gpu_processes,
+            lambda: CheckpointSettings.from_config(self.config),
+            self._report,
         )
         self.store = StateStore(Path(config.state_dir))
         self.notifier = Notifier()
@@ -196,6 +219,7 @@ class Controller:
                     and not self.scheduler.is_waiting(state.name)
                 ):
                     actions += self.scheduler.request(spec)
+            actions += self.scheduler.recover()  # caught between suspend and resume
         return actions + self.scheduler.schedule()
 
     # -- signals from systemd ---------------------------------------------------------------
@@ -419,11 +443,35 @@ class Controller:
                 self._call_systemd(self.systemd.restart_preempted, action.unit, "start")
             elif isinstance(action, Log):
                 self._say(action.message, action.level, action.decision)
+            elif isinstance(action, Suspend):
+                self._say(action.reason, "info", action.decision)
+                self._spawn(self.ladder.suspend(action.unit))
+            elif isinstance(action, Resume):
+                self._say(action.reason, "info", action.decision)
+                self._spawn(self.ladder.resume(action.unit))
+            elif isinstance(action, Freeze):
+                self._say(action.reason, "info", action.decision)
+                self._spawn(self.ladder.freeze(action.unit))
+            elif isinstance(action, Thaw):
+                self._say(action.reason, "info", action.decision)
+                self._spawn(self.ladder.thaw(action.unit))
         if actions:
             self._status_cache = None
             self._persist()
             self._track_waiters()
         self.watch.arm_sampler()
+
+    def _report(self, event: Callable[[], list[Action]]) -> None:
+        """The ladder reports the outcome of a freeze, suspend or resume: a core event."""
+        with self._batched():
+            self.execute(event())
+
+    def _gpu_processes(self) -> list[GpuUse] | None:
+        """Every GPU process with its unit, from a sample taken now; None without NVML."""
+        if not self.watch.available:
+            return None
+        self.watch.refresh()
+        return None if self.watch.stale else list(self.watch.sample.processes)
 
     def _decide_on(self, gpus: list[Gpu]) -> None:
         """New GPUs from NVML (a sample, the driver back or gone): decide again."""
@@ -566,6 +614,7 @@ class Controller:
                 self.scan,
                 self.watch.sample,
                 {n: wall for n, (wall, _) in self.waiting_since.items()},
+                {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
             )
             self._status_cache = json.dumps(snapshot, sort_keys=True)
         # the counters move without a change of state: added at each call (a few hundred

@@ -14,8 +14,10 @@ The JSON (version 1) is a documented interface: keys are only ever added.
    "problems": [str],
    "nvml": {"state": str, "since": float, "detail": str, "driver_version": str|null}}
 Memory is in bytes; null means unknown (no NVML) or, for memory_declared, the whole GPU.
-`state` is "running", "starting" (gpuslice started it; its gate has not asked yet) or
-"stopping" (being preempted).
+`state` is "running", "starting" (gpuslice started it; its gate has not asked yet),
+"stopping" (being preempted), or, for the Preempt= ladder (added later), "suspending" (its VRAM
+is moving to host memory), "resuming" (moving back; the memory is reserved for it) or "frozen"
+(beside a more urgent unit: it keeps its VRAM).
 `nvml` (added later; absent from older controllers) says which GPU case applies: "ready" (NVML
 answers), "waiting" (NVIDIA hardware present, NVML not ready yet or gone: background units
 wait), "fallback" (still not ready after driver_wait) or "absent" (no NVIDIA GPU: `gpus:`
@@ -48,6 +50,12 @@ Added later, for `gpuslice metrics` (absent from older controllers):
                              ["+Inf", count]], "sum": float, "count": int}: how long each
                              grant waited at its gate (0 when at once).
 The counts are since the controller started (gpuslice/counters.py): a restart resets them.
+Added with the Preempt= ladder: PART "rung" ("suspend" for a victim being suspended, else
+null); DECISION "rung" and "fallback" (for "rung-failed"); and
+  "suspended": [{"unit": str, "priority": int, "gpus": [int] (where it comes back),
+                 "host_memory": int|null (bytes moved to host memory; null when this
+                 controller did not suspend it), "since": float|null (Unix time)}],
+  most urgent first: suspended units are frozen, active for systemd, and hold no GPU.
 """
 
 from __future__ import annotations
@@ -95,10 +103,16 @@ def _gpu_json(
 
 
 def snapshot_to_json(
-    snap: Snapshot, scan: Scan, sample: Sample, since: Mapping[str, float] | None = None
+    snap: Snapshot,
+    scan: Scan,
+    sample: Sample,
+    since: Mapping[str, float] | None = None,
+    suspensions: Mapping[str, tuple[int, float]] | None = None,
 ) -> dict[str, Any]:
-    """`since`: Unix time each waiter started waiting, as the controller saw it."""
+    """`since`: Unix time each waiter started waiting, as the controller saw it;
+    `suspensions`: the bytes each suspended unit moved to host memory, and when."""
     since = since or {}
+    suspensions = suspensions or {}
     out = {
         "version": JSON_VERSION,
         "gpus": [
@@ -118,6 +132,16 @@ def snapshot_to_json(
         "preempted": [
             {"unit": unit, "priority": prio, "requeue": requeue}
             for unit, prio, requeue in snap.preempted
+        ],
+        "suspended": [
+            {
+                "unit": unit,
+                "priority": prio,
+                "gpus": list(gpus),
+                "host_memory": suspensions[unit][0] if unit in suspensions else None,
+                "since": suspensions[unit][1] if unit in suspensions else None,
+            }
+            for unit, prio, gpus in snap.suspended
         ],
         "held": snap.held,
         "finished": snap.finished,
@@ -179,7 +203,15 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
         + ("returns when capacity frees)" if p["requeue"] else "Requeue=no)")
         for p in data["preempted"]
     ]
+    suspended = [
+        f"{p['unit']} (priority {p['priority']}"
+        + (f", {format_size(p['host_memory'])} in host memory" if p.get("host_memory") else "")
+        + (f" for {_duration(now - p['since'])}" if p.get("since") and now is not None else "")
+        + f", returns to GPU {','.join(map(str, p['gpus']))})"
+        for p in data.get("suspended", [])
+    ]
     for title, items in (
+        ("Suspended", suspended),
         ("Preempted", preempted),
         ("Held (stopped by hand)", data["held"]),
         ("Finished", data["finished"]),

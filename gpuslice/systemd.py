@@ -229,6 +229,19 @@ class Systemd:
         (job,) = await self.call("StopUnit", "ss", [name, "replace"])
         return str(job)
 
+    async def freeze_unit(self, name: str) -> None:
+        """Freeze the unit's cgroup (cgroup v2 only); the reply comes when it is frozen
+        (systemd 252 sends no PropertiesChanged for FreezerState)."""
+        await self.call("FreezeUnit", "s", [name])
+
+    async def thaw_unit(self, name: str) -> None:
+        await self.call("ThawUnit", "s", [name])
+
+    async def unit_pids(self, name: str) -> list[int]:
+        """Every process in the unit's cgroup, as systemd lists them."""
+        (processes,) = await self.call("GetUnitProcesses", "s", [name])
+        return [int(p[1]) for p in processes]
+
     async def boot_id(self) -> str:
         """What changes with every boot: the kernel's boot id and when systemd started.
 

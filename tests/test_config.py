@@ -34,6 +34,9 @@ ALLOWED = {
     "empty: every GPU NVML finds)",
     "RESERVE": "a size such as 512M, 20G or 20GiB (binary units, at most 1P), or a mapping of "
     'GPU index or GPU- UUID (or "*") to such a size',
+    "TOOL": '"" (look for it on PATH and in the driver\'s usual directories) or an absolute path, '
+    'at most 200 characters of letters, digits, ".", "_", "-" and "/", without "." or ".." '
+    'components or a trailing "/"',
 }
 
 
@@ -66,6 +69,11 @@ def test_table_and_dataclass_agree() -> None:
         0.5,
         90.0,
         120.0,
+        "",
+        10.0,
+        300.0,
+        300.0,
+        2 << 30,
     )
 
 
@@ -196,7 +204,9 @@ def test_unknown_keys_are_warnings(tmp_path: Path) -> None:
     assert warnings == [
         f"{path}:2: colour: unknown setting, ignored (known: gpus, log_level, state_dir, "
         "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
-        "vram_release_timeout, gate_retry_seconds, stop_timeout, driver_wait)"
+        "vram_release_timeout, gate_retry_seconds, stop_timeout, driver_wait, cuda_checkpoint, "
+        "checkpoint_lock_timeout, checkpoint_timeout, restore_timeout, "
+        "suspend_host_memory_margin)"
     ]
 
 
@@ -266,7 +276,9 @@ def problems_of(text: str, path: str = "/etc/gpuslice/config.yaml") -> list[str]
             "? [a, b]\n: 1\n",
             "{P}:1: expected a setting name, got a list (known: gpus, log_level, state_dir, "
             "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
-            "vram_release_timeout, gate_retry_seconds, stop_timeout, driver_wait)",
+            "vram_release_timeout, gate_retry_seconds, stop_timeout, driver_wait, "
+            "cuda_checkpoint, checkpoint_lock_timeout, checkpoint_timeout, restore_timeout, "
+            "suspend_host_memory_margin)",
             id="list-as-key",
         ),
         pytest.param(
@@ -321,6 +333,10 @@ BOUNDS = [
     ("stop_timeout", "1", "86400", "0.5", "86401"),
     ("driver_wait", "0", "3600", "-0.5", "3600.5"),
     ("reserve", "0", "1P", "-1", "1025T"),
+    ("checkpoint_lock_timeout", "0.1", "3600", "0.09", "3600.5"),
+    ("checkpoint_timeout", "1", "86400", "0.99", "86401"),
+    ("restore_timeout", "1", "86400", "0", "86400.5"),
+    ("suspend_host_memory_margin", "0", "1P", "-1", "1025T"),
 ]
 
 
@@ -482,3 +498,131 @@ def test_driver_wait() -> None:
     assert problems_of("driver_wait: soon\n", "/c") == [
         '/c:1: driver_wait: invalid value "soon" (allowed: a number of seconds 0-3600)'
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# suspending with cuda-checkpoint
+
+
+def test_checkpoint_defaults() -> None:
+    config = Config()
+    assert (
+        config.cuda_checkpoint,
+        config.checkpoint_lock_timeout,
+        config.checkpoint_timeout,
+        config.restore_timeout,
+        config.suspend_host_memory_margin,
+    ) == ("", 10.0, 300.0, 300.0, 2 << 30)
+
+
+def test_checkpoint_settings_are_read() -> None:
+    text = (
+        "cuda_checkpoint: /opt/nvidia/bin/cuda-checkpoint\n"
+        "checkpoint_lock_timeout: 2.5\n"
+        "checkpoint_timeout: 60\n"
+        "restore_timeout: 120\n"
+        "suspend_host_memory_margin: 512M\n"
+    )
+    config, warnings = parse_config(text, "/c")
+    assert warnings == []
+    assert config == Config(
+        cuda_checkpoint="/opt/nvidia/bin/cuda-checkpoint",
+        checkpoint_lock_timeout=2.5,
+        checkpoint_timeout=60.0,
+        restore_timeout=120.0,
+        suspend_host_memory_margin=512 << 20,
+    )
+    assert isinstance(config.checkpoint_timeout, float)
+    assert isinstance(config.restore_timeout, float)
+
+
+def test_checkpoint_settings_for_the_checkpoint_module() -> None:
+    from gpuslice.checkpoint import CheckpointSettings
+
+    config = parse_config("cuda_checkpoint: /usr/bin/cuda-checkpoint\nrestore_timeout: 9\n", "/c")[
+        0
+    ]
+    assert CheckpointSettings.from_config(config) == CheckpointSettings(
+        tool="/usr/bin/cuda-checkpoint",
+        lock_timeout=10.0,
+        checkpoint_timeout=300.0,
+        restore_timeout=9.0,
+        host_memory_margin=2 << 30,
+        via_systemd=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "stored"),
+    [
+        ('""', ""),
+        ("''", ""),
+        ("/usr/local/cuda/bin/cuda-checkpoint", "/usr/local/cuda/bin/cuda-checkpoint"),
+        ("/a", "/a"),
+        ("/opt/" + "x" * 195, "/opt/" + "x" * 195),  # 200 characters
+    ],
+)
+def test_cuda_checkpoint_paths(value: str, stored: str) -> None:
+    assert parse_config(f"cuda_checkpoint: {value}\n", "/c")[0].cuda_checkpoint == stored
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("cuda-checkpoint", '"cuda-checkpoint"'),  # relative: PATH is not the admin's to pick
+        ("bin/cuda-checkpoint", '"bin/cuda-checkpoint"'),
+        ("/", '"/"'),
+        ("/usr/bin/", '"/usr/bin/"'),
+        ("/usr//bin/cuda-checkpoint", '"/usr//bin/cuda-checkpoint"'),
+        ("/usr/bin/../sbin/x", '"/usr/bin/../sbin/x"'),
+        ("/usr/./bin/x", '"/usr/./bin/x"'),
+        ("/opt/a b", '"/opt/a b"'),
+        ("/opt/x%n", '"/opt/x%n"'),
+        ('"/opt/x\\nExecStart=/bin/evil"', '"/opt/x\\x0aExecStart=/bin/evil"'),
+        ("/opt/" + "x" * 196, '"/opt/' + "x" * 55 + '..."'),  # 201 characters
+        ("", "an empty value"),  # null: write "" to search
+        ("[/usr/bin/cuda-checkpoint]", "a list"),
+        ("1", '"1"'),
+    ],
+)
+def test_cuda_checkpoint_bad_paths(value: str, shown: str) -> None:
+    assert problems_of(f"cuda_checkpoint: {value}\n", "/c") == [
+        fill(f"/c:1: cuda_checkpoint: invalid value {shown} (allowed: {{TOOL}})", Path("/c"))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("key", "allowed"),
+    [
+        ("checkpoint_lock_timeout", "a number of seconds 0.1-3600"),
+        ("checkpoint_timeout", "a number of seconds 1-86400"),
+        ("restore_timeout", "a number of seconds 1-86400"),
+        (
+            "suspend_host_memory_margin",
+            "a size such as 512M, 20G or 20GiB (binary units, at most 1P)",
+        ),
+    ],
+)
+def test_checkpoint_numbers_say_what_is_allowed(key: str, allowed: str) -> None:
+    assert SETTINGS_BY_NAME[key].allowed == allowed
+    assert problems_of(f"{key}: soon\n", "/c") == [
+        f'/c:1: {key}: invalid value "soon" (allowed: {allowed})'
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "stored"),
+    [("0", 0), ("2G", 2 << 30), ("1.5GiB", 3 << 29), ("4096", 4096), ("1P", 1 << 50)],
+)
+def test_suspend_host_memory_margin_sizes(value: str, stored: int) -> None:
+    config = parse_config(f"suspend_host_memory_margin: {value}\n", "/c")[0]
+    assert config.suspend_host_memory_margin == stored
+
+
+@pytest.mark.parametrize("value", ["lots", "1.5", "-1G", "{'*': 1G}", "[1G]", "1E", "true"])
+def test_suspend_host_memory_margin_refuses_what_is_not_one_size(value: str) -> None:
+    (problem,) = problems_of(f"suspend_host_memory_margin: {value}\n", "/c")
+    assert problem.startswith("/c:1: suspend_host_memory_margin: invalid value ")
+    assert problem.endswith(
+        "(allowed: a size such as 512M, 20G or 20GiB (binary units, at most 1P))"
+    )

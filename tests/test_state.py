@@ -429,7 +429,7 @@ def test_a_file_of_a_controller_before_the_ladder_is_complete(
         ({"frozen_for": {"asr.service": []}}, "not a frozen holder"),
         ({"frozen_for": {"emb.service": ["../x"]}}, "expected a list of unit names"),
         ({"frozen_for": 7}, "frozen_for: expected an object"),
-        ({"holders": {"x.service": [[0], "suspended", 1, ""]}}, "phase \"suspended\""),
+        ({"holders": {"x.service": [[0], "suspended", 1, ""]}}, 'phase "suspended"'),
     ],
 )
 def test_bad_ladder_entries_are_dropped(

@@ -22,6 +22,7 @@ IDLE_TAIL = [
     "",
     "Waiting:",
     "  -",
+    "Suspended: -",
     "Preempted: -",
     "Held (stopped by hand): -",
     "Finished: -",
@@ -39,6 +40,7 @@ def snapshot(**fields: Any) -> Snapshot:
     empty: dict[str, Any] = {
         "gpus": {},
         "waiting": [],
+        "suspended": [],
         "preempted": [],
         "held": [],
         "finished": [],
@@ -52,6 +54,7 @@ def empty_data(**fields: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
         "gpus": [],
         "waiting": [],
+        "suspended": [],
         "preempted": [],
         "held": [],
         "finished": [],
@@ -83,6 +86,7 @@ def test_json_of_an_idle_host_without_nvml() -> None:
             }
         ],
         "waiting": [],
+        "suspended": [],
         "preempted": [],
         "held": [],
         "finished": [],
@@ -267,6 +271,7 @@ def test_json_of_a_busy_host() -> None:
                 "decision": WAIT_C.to_json(),
             },
         ],
+        "suspended": [],
         "preempted": [
             {"unit": "p.service", "priority": 3, "requeue": True},
             {"unit": "q.service", "priority": 4, "requeue": False},
@@ -372,6 +377,7 @@ def test_render_a_busy_host() -> None:
         "  1. a.service (priority 20): waiting: a (for 2 min 5 s)",
         "  2. b.service (priority 30): waiting: b",
         "  3. c.service (priority 5): waiting: c (for 54 h 12 min)",
+        "Suspended: -",
         "Preempted: p.service (priority 3, returns when capacity frees), "
         "q.service (priority 4, Requeue=no)",
         "Held (stopped by hand): h1.service, nobody.service",
@@ -598,3 +604,23 @@ def test_render_numbers_waiters_by_the_controllers_position() -> None:
     waiter = {"unit": "w.service", "priority": 20, "reason": "waiting", "position": 4}
     lines = render(empty_data(waiting=[waiter])).splitlines()
     assert "  4. w.service (priority 20): waiting" in lines
+
+
+def test_suspended_units_in_json_and_table() -> None:
+    snap = Snapshot({0: [("voice.service", 10, "running")]}, [], [], [], [], [])
+    snap.suspended = [("vlm.service", 90, (0,)), ("old.service", 95, (1,))]
+    data = snapshot_to_json(snap, Scan(), Sample([Gpu(0)]), {}, {"vlm.service": (14 * GIB, 100.0)})
+    assert data["suspended"] == [
+        {
+            "unit": "vlm.service",
+            "priority": 90,
+            "gpus": [0],
+            "host_memory": 14 * GIB,
+            "since": 100.0,
+        },
+        {"unit": "old.service", "priority": 95, "gpus": [1], "host_memory": None, "since": None},
+    ]
+    assert (
+        "Suspended: vlm.service (priority 90, 14 GiB in host memory for 42 s, returns to GPU 0), "
+        "old.service (priority 95, returns to GPU 1)"
+    ) in render(data, now=142.0).splitlines()

@@ -1,0 +1,225 @@
+"""Carrying out the Preempt= ladder: freeze, suspend and resume units for the core.
+
+The core decides who gives way and how (gpuslice/core/scheduler.py); this adapter does it
+with systemd's freezer and cuda-checkpoint (gpuslice/checkpoint.py), checks with NVML that
+the memory really left, and reports the outcome back as one of the core's events. Each
+failure becomes one reason in words for the journal, and the core falls to the next rung;
+nothing here raises into the event loop, and nothing is left locked or frozen by a failure.
+
+Suspend, in this order (NVIDIA's and CRIU's findings, ../shared/notes/cuda-checkpoint.md):
+check what can be checked first (the tool, NVML, cgroup v2, every process visible to NVML,
+host memory), lock every CUDA process of the unit, checkpoint each, confirm through NVML
+that none is left on a GPU, then FreezeUnit for the CPU side. Resume: the core has already
+reserved the unit's memory on its GPUs; ThawUnit (the restore runs inside the process),
+restore, unlock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from gpuslice import checkpoint
+from gpuslice.checkpoint import CheckpointError, CheckpointSettings
+from gpuslice.core.scheduler import Action
+from gpuslice.inventory import GpuUse
+from gpuslice.sizes import format_size
+
+log = logging.getLogger("gpuslice")
+
+# systemd's freezer needs the unified hierarchy; hybrid hosts have no cgroup.controllers here
+UNIFIED_MARKER = Path("/sys/fs/cgroup/cgroup.controllers")
+
+
+class Freezer(Protocol):
+    """What this module needs of gpuslice.systemd.Systemd."""
+
+    async def freeze_unit(self, name: str) -> None: ...
+
+    async def thaw_unit(self, name: str) -> None: ...
+
+    async def unit_pids(self, name: str) -> list[int]: ...
+
+
+class LadderEvents(Protocol):
+    """The core's events this adapter reports (gpuslice.core.scheduler.Scheduler)."""
+
+    def suspended_done(self, name: str, detail: str) -> list[Action]: ...
+
+    def suspend_failed(self, name: str, why: str) -> list[Action]: ...
+
+    def resumed(self, name: str, detail: str) -> list[Action]: ...
+
+    def resume_failed(self, name: str, why: str) -> list[Action]: ...
+
+    def freeze_failed(self, name: str, why: str) -> list[Action]: ...
+
+
+@dataclass(frozen=True)
+class Suspension:
+    """A suspended unit as status shows it: what moved to host memory, and since when."""
+
+    pids: tuple[int, ...]
+    vram: int  # bytes now in host memory
+    since: float  # time.monotonic() when it was suspended
+    wall: float  # time.time() of the same moment
+
+
+class Ladder:
+    """Runs one unit's freeze, thaw, suspend or resume at a time per unit, as tasks.
+
+    `processes` takes a fresh NVML sample and returns every GPU process with its unit (None
+    when NVML is not available); `report` runs a core event and carries out its actions.
+    """
+
+    def __init__(
+        self,
+        systemd: Freezer,
+        events: LadderEvents,
+        processes: Callable[[], list[GpuUse] | None],
+        settings: Callable[[], CheckpointSettings],
+        report: Callable[[Callable[[], list[Action]]], None],
+        *,
+        unified_marker: Path = UNIFIED_MARKER,
+        host_memory: Callable[[], int | None] = checkpoint.host_memory_available,
+    ) -> None:
+        self.systemd = systemd
+        self.events = events
+        self.processes = processes
+        self.settings = settings
+        self.report = report
+        self.unified_marker = unified_marker
+        self.host_memory = host_memory
+        self.suspensions: dict[str, Suspension] = {}
+
+    # -- suspend ------------------------------------------------------------------------------
+
+    async def suspend(self, unit: str) -> None:
+        try:
+            done = await self._suspend(unit)
+        except Exception as e:  # a bug here must not leave the unit (and its waiter) stuck
+            why = _reason(e, "suspending")
+            self.report(lambda: self.events.suspend_failed(unit, why))
+            return
+        self.report(lambda: self.events.suspended_done(unit, done))
+
+    async def _suspend(self, unit: str) -> str:
+        s = self.settings()
+        tool = checkpoint.require_tool(s.tool)
+        if not self.unified_marker.exists():
+            raise CheckpointError("cgroup v1 (hybrid hierarchy): systemd cannot freeze units")
+        pids, vram = self._cuda_processes(unit)
+        too_big = checkpoint.host_memory_fits(vram, s, self.host_memory())
+        if too_big:
+            raise CheckpointError(f"not enough host memory: {too_big}")
+        seconds = await checkpoint.suspend(tool, pids, s)
+        try:
+            left = [p for p in self.processes() or [] if p.pid in pids]
+            if left:
+                raise CheckpointError(
+                    f"NVML still shows PID {left[0].pid} on GPU {left[0].gpu} after the checkpoint"
+                )
+            await self.systemd.freeze_unit(unit)
+        except Exception as e:  # a bus error is a reason, not a crash
+            why = e.reason if isinstance(e, CheckpointError) else f"FreezeUnit failed: {e}"
+            try:
+                await checkpoint.resume(tool, pids, s)
+            except CheckpointError as undo:
+                why += f"; and undoing the checkpoint failed: {undo.reason}"
+            raise CheckpointError(why) from None
+        self.suspensions[unit] = Suspension(pids, vram, time.monotonic(), time.time())
+        return f"{format_size(vram)} to host memory in {seconds:.1f} s"
+
+    def _cuda_processes(self, unit: str) -> tuple[tuple[int, ...], int]:
+        """The unit's processes on GPUs, from a fresh sample, and the bytes they use; every
+        case in which the memory could not be confirmed gone afterwards is refused."""
+        processes = self.processes()
+        if processes is None:
+            raise CheckpointError("NVML is not available: the memory could not be confirmed")
+        mine = [p for p in processes if p.unit == unit]
+        if not mine:
+            raise CheckpointError("NVML shows no process of it on a GPU: nothing to suspend")
+        unseen = [p for p in mine if p.used is None]
+        if unseen:
+            raise CheckpointError(
+                f"NVML does not report the memory of PID {unseen[0].pid}: the memory could "
+                "not be confirmed"
+            )
+        pids = tuple(dict.fromkeys(p.pid for p in mine))
+        return pids, sum(p.used or 0 for p in mine)
+
+    # -- resume -------------------------------------------------------------------------------
+
+    async def resume(self, unit: str) -> None:
+        try:
+            done = await self._resume(unit)
+        except Exception as e:  # never left frozen with nobody responsible for it
+            why = _reason(e, "resuming")
+            self.report(lambda: self.events.resume_failed(unit, why))
+            return
+        self.report(lambda: self.events.resumed(unit, done))
+
+    async def _resume(self, unit: str) -> str:
+        s = self.settings()
+        suspension = self.suspensions.pop(unit, None)
+        try:
+            await self.systemd.thaw_unit(unit)  # before the restore: it runs in the process
+        except Exception as e:  # a bus error is a reason, not a crash
+            log.debug("ThawUnit %s: %s", unit, e)
+        tool = checkpoint.find_tool(s.tool)
+        if tool is None:
+            if suspension is None:
+                return "a controller restart: nothing to restore without cuda-checkpoint"
+            raise CheckpointError("cuda-checkpoint is not installed any more: cannot restore")
+        pids = suspension.pids if suspension is not None else await self._recovered_pids(unit)
+        seconds = await checkpoint.resume(tool, pids, s)
+        if suspension is None:
+            return f"a controller restart: restored in {seconds:.1f} s"
+        away = time.monotonic() - suspension.since
+        return f"{away:.0f} s: restored in {seconds:.1f} s"
+
+    async def _recovered_pids(self, unit: str) -> list[int]:
+        """After a controller restart: the processes of the unit that cuda-checkpoint knows
+        (the others are no CUDA processes)."""
+        try:
+            pids = await self.systemd.unit_pids(unit)
+        except Exception as e:
+            raise CheckpointError(f"cannot list its processes: {e}") from None
+        s = self.settings()
+        tool = checkpoint.find_tool(s.tool) or ""
+        known = []
+        for pid in pids:
+            try:
+                await checkpoint.get_state(tool, pid, s.via_systemd)
+            except CheckpointError:
+                continue
+            known.append(pid)
+        return known
+
+    # -- freeze and thaw ----------------------------------------------------------------------
+
+    async def freeze(self, unit: str) -> None:
+        try:
+            if not self.unified_marker.exists():
+                raise CheckpointError("cgroup v1 (hybrid hierarchy): systemd cannot freeze units")
+            await self.systemd.freeze_unit(unit)
+        except Exception as e:
+            why = e.reason if isinstance(e, CheckpointError) else f"FreezeUnit failed: {e}"
+            self.report(lambda: self.events.freeze_failed(unit, why))
+
+    async def thaw(self, unit: str) -> None:
+        try:
+            await self.systemd.thaw_unit(unit)
+        except Exception as e:
+            log.warning("thawing %s failed: %s (thaw it with systemctl thaw %s)", unit, e, unit)
+
+
+def _reason(error: Exception, doing: str) -> str:
+    if isinstance(error, CheckpointError):
+        return error.reason
+    log.error("%s failed unexpectedly", doing, exc_info=error)
+    return f"gpuslice failed while {doing} ({type(error).__name__}: {error})"
