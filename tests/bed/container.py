@@ -209,8 +209,13 @@ class Container:
     process, put it in a cgroup of our own and end the container by killing its PID 1.
     """
 
-    def __init__(self, tree: Path, name: str | None = None, repo: Path = REPO) -> None:
+    def __init__(
+        self, tree: Path, name: str | None = None, repo: Path = REPO, *, unified: bool = False
+    ) -> None:
+        """`unified`: the container gets the pure cgroup v2 hierarchy (systemd's freezer works
+        only there); by default it gets this host's hybrid one, as CI's machines have."""
         self.tree = tree
+        self.unified = unified
         self.repo = repo
         self.name = name or f"gpuslice-bed-{os.getpid()}-{next(_names)}"
         self.leader: int | None = None
@@ -251,6 +256,8 @@ class Container:
         ]
         script = f'for f in {procs}; do echo $$ > "$f"; done; exec {shlex.join(nspawn)}'
         env = {k: v for k, v in os.environ.items() if k != "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY"}
+        if self.unified:
+            env["SYSTEMD_NSPAWN_UNIFIED_HIERARCHY"] = "1"
         with open(self._log, "wb") as log:
             self._proc = subprocess.Popen(
                 ["sh", "-c", script],

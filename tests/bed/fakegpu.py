@@ -34,6 +34,9 @@ ALLOC = f"{LIB_DIR}/gpu-alloc"
 WORKERS = f"{LIB_DIR}/workers"  # gpu-alloc under other names (what /proc/PID/comm shows)
 WORKER_NAMES = ("python3", "Xorg", "ollama", "asr-worker")
 STATE = "/run/fakenvml"  # $FAKE_NVML_DIR
+# the fake cuda-checkpoint, behind a wrapper that points it at STATE: gpuslice runs the tool as
+# a transient service (systemd-run), which does not inherit the controller's environment
+CHECKPOINT = f"{LIB_DIR}/cuda-checkpoint"
 PYDIR = "/usr/local/lib/gpuslice/python"
 DROPIN = "/etc/systemd/system/gpuslice.service.d/fakenvml.conf"
 CONFIG = "/etc/gpuslice/config.yaml"
@@ -93,6 +96,9 @@ def put_files(bed: Container) -> None:
     bed.run(
         f"set -e; install -d {LIB_DIR} {WORKERS} {PYDIR}; "
         f"install -m 755 {BUILD_IN_BED}/libnvidia-ml.so.1 {BUILD_IN_BED}/gpu-alloc {LIB_DIR}/; "
+        f"install -m 755 {BUILD_IN_BED}/cuda-checkpoint {CHECKPOINT}.bin; "
+        f"printf '#!/bin/sh\\nFAKE_NVML_DIR={STATE} exec {CHECKPOINT}.bin \"$@\"\\n' "
+        f"> {CHECKPOINT}; chmod 755 {CHECKPOINT}; "
         f"install -m 644 {BUILD_IN_BED}/{PYNVML_COPY} {PYDIR}/pynvml.py; "
         f"for w in {workers}; do ln -sf {ALLOC} $w; done"
     )

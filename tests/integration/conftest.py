@@ -13,7 +13,7 @@ import pytest
 from tests.bed.container import Container, collect_journal, ensure_tree
 
 _HERE = Path(__file__).parent
-_BED_FIXTURES = ("container", "bare_container")
+_BED_FIXTURES = ("container", "bare_container", "unified_container")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -56,3 +56,12 @@ def container(bare_container: Container) -> Container:
     """A freshly booted container with gpuslice installed and gpuslice.service active."""
     bare_container.install_gpuslice()
     return bare_container
+
+
+@pytest.fixture
+def unified_container(bed_tree: Path) -> Iterator[Container]:
+    """A freshly booted container on pure cgroup v2 (systemd's freezer works), with gpuslice
+    installed and gpuslice.service active."""
+    with Container(bed_tree, unified=True) as container:
+        container.install_gpuslice()
+        yield container

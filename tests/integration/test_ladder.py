@@ -1,0 +1,236 @@
+"""The Preempt= ladder against a real systemd on pure cgroup v2: suspend, freeze, and each
+failure falling to stop.
+
+Jobs are a shell loop counting in a file (the work: its progress must pause and carry on, never
+start over) with a gpu-alloc child holding the simulated VRAM; the fake cuda-checkpoint moves a
+checkpointed child's allocation off the simulated GPU and back (tests/fakenvml).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.bed import fakegpu
+from tests.bed.container import Container, wait_until
+from tests.integration.jobs import main_pid, prop, reload, status, wait_journal, wait_state
+
+TIMEOUT = 30.0
+LADDER_CONFIG = (
+    fakegpu.TEST_CONFIG
+    + f"cuda_checkpoint: {fakegpu.CHECKPOINT}\ncheckpoint_lock_timeout: 1\n"
+    + "suspend_host_memory_margin: 0\n"
+)
+VLM, VOICE = "vlm.service", "voice.service"
+
+
+@pytest.fixture
+def bed(unified_container: Container) -> Container:
+    """gpuslice on one simulated 24 GiB GPU, with the fake cuda-checkpoint configured."""
+    fakegpu.install(unified_container, 1, config=LADDER_CONFIG)
+    return unified_container
+
+
+def write_worker(
+    bed: Container,
+    name: str,
+    priority: int,
+    kind: str = "background",
+    *,
+    memory: str | None = None,
+    alloc: str = "10G",
+    preempt: str = "suspend stop",
+) -> None:
+    """A unit whose main process (sh) counts in /run/progress/NAME every 50 ms while a
+    gpu-alloc child holds ALLOC on its GPU."""
+    annotation = f"[X-GPUSlice]\nPriority={priority}\nType={kind}\nPreempt={preempt}\n"
+    if memory is not None:
+        annotation += f"Memory={memory}\n"
+    loop = (
+        f"{fakegpu.ALLOC} --gpu $$GPUSLICE_GPUS --bytes {alloc} & "
+        "n=0; while :; do n=$$((n+1)); echo $$n > /run/progress/%N; sleep 0.05; done"
+    )
+    bed.write_file(
+        f"{fakegpu.UNIT_DIR}/{name}",
+        f"[Unit]\nDescription=worker {name}\n\n[Service]\n"
+        f"Environment=FAKE_NVML_DIR={fakegpu.STATE}\nExecStartPre=/bin/mkdir -p /run/progress\n"
+        f"ExecStart=/bin/sh -c '{loop}'\n\n{annotation}",
+    )
+
+
+def write_urgent(bed: Container, name: str = VOICE, memory: str | None = None) -> None:
+    fakegpu.write_alloc_job(bed, name, 10, memory=memory, alloc="10G")
+
+
+def wait_line(bed: Container, text: str) -> str:
+    """The first line of gpuslice's journal containing TEXT, once there is one."""
+    journal = wait_journal(bed, text, TIMEOUT)
+    return next(line for line in journal.splitlines() if text in line)
+
+
+def progress(bed: Container, unit: str) -> int:
+    text = bed.run(f"cat /run/progress/{unit.removesuffix('.service')} 2>/dev/null || echo 0")
+    return int(text.stdout.strip() or 0)
+
+
+def counting(bed: Container, unit: str) -> int:
+    """Wait until the unit's counter moves; its value then."""
+    first = progress(bed, unit)
+    return wait_until(
+        lambda: ((n := progress(bed, unit)) > first and n) or None, TIMEOUT, what=f"{unit} counting"
+    )
+
+
+def alloc_pids(bed: Container) -> set[int]:
+    return set(fakegpu.allocations(bed))
+
+
+def suspended(bed: Container) -> list[str]:
+    return [s["unit"] for s in status(bed).get("suspended", [])]
+
+
+def start_vlm_and_preempt_it(bed: Container, preempt: str = "suspend stop") -> int:
+    write_worker(bed, VLM, 90, preempt=preempt)
+    write_urgent(bed)
+    reload(bed)
+    bed.systemctl("start", VLM)
+    wait_state(bed, VLM, "active")
+    counting(bed, VLM)
+    pid = main_pid(bed, VLM)
+    bed.systemctl("start", "--no-block", VOICE)
+    wait_state(bed, VOICE, "active", TIMEOUT)
+    return pid
+
+
+def test_a_suspended_job_keeps_its_process_and_carries_on_where_it_was(bed: Container) -> None:
+    pid = start_vlm_and_preempt_it(bed)
+    line = wait_line(
+        bed, "suspending vlm.service (priority 90) for voice.service (priority 10): 10 GiB "
+    )
+    assert "to host memory in" in line
+    assert suspended(bed) == [VLM]
+    assert bed.active_state(VLM) == "active"
+    assert prop(bed, VLM, "FreezerState") == "frozen"
+    # the urgent unit was granted only once the VRAM had left the GPU
+    journal = bed.journal("gpuslice.service")
+    assert journal.index("suspending vlm.service") < journal.index("starting voice.service")
+    paused = progress(bed, VLM)
+    time.sleep(0.5)
+    assert progress(bed, VLM) == paused  # frozen: no work done, none lost
+    bed.systemctl("stop", VOICE)
+    wait_journal(bed, "resuming vlm.service on GPU 0 after ")
+    assert counting(bed, VLM) > paused  # carries on from where it was, not from 1
+    assert main_pid(bed, VLM) == pid
+    assert prop(bed, VLM, "NRestarts") == "0"
+    assert prop(bed, VLM, "FreezerState") == "running"
+    assert len(alloc_pids(bed)) == 1  # its VRAM is back on the GPU
+
+
+def test_freeze_beside_a_more_urgent_unit_that_fits_and_thaw_after(bed: Container) -> None:
+    write_worker(bed, "emb.service", 90, memory="8G", alloc="8G", preempt="freeze stop")
+    write_urgent(bed, memory="8G")
+    reload(bed)
+    bed.systemctl("start", "emb.service")
+    wait_state(bed, "emb.service", "active")
+    counting(bed, "emb.service")
+    bed.systemctl("start", VOICE)
+    wait_journal(bed, "freezing emb.service (priority 90) on GPU 0 for voice.service")
+    wait_until(
+        lambda: prop(bed, "emb.service", "FreezerState") == "frozen" or None, TIMEOUT, what="frozen"
+    )
+    assert len(alloc_pids(bed)) == 2  # it keeps its VRAM
+    bed.systemctl("stop", VOICE)
+    wait_journal(bed, "thawing emb.service (priority 90) on GPU 0")
+    wait_until(
+        lambda: prop(bed, "emb.service", "FreezerState") == "running" or None, TIMEOUT, what="thaw"
+    )
+    counting(bed, "emb.service")
+
+
+@pytest.mark.parametrize(
+    ("prepare", "why"),
+    [
+        pytest.param(
+            f"touch {fakegpu.STATE}/inject/lock-timeout",
+            "lock of PID",
+            id="lock-timeout",
+        ),
+        pytest.param(
+            f"touch {fakegpu.STATE}/inject/refuse",
+            "refused to lock PID",
+            id="tool-refuses",
+        ),
+        pytest.param(
+            f"rm {fakegpu.CHECKPOINT}",
+            "is not an executable file",
+            id="no-cuda-checkpoint",
+        ),
+    ],
+)
+def test_each_failure_falls_to_stop_with_one_line_saying_why(
+    bed: Container, prepare: str, why: str
+) -> None:
+    bed.run(f"mkdir -p {fakegpu.STATE}/inject && {prepare}")
+    start_vlm_and_preempt_it(bed)
+    line = wait_line(bed, "cannot suspend vlm.service (priority 90) for voice.service")
+    assert why in line and line.endswith("trying stop instead"), line
+    assert bed.active_state(VLM) in ("inactive", "activating")  # stopped (then waits to return)
+    assert suspended(bed) == []
+    bed.run(f"rm -rf {fakegpu.STATE}/inject")
+    bed.systemctl("stop", VOICE)
+    wait_state(bed, VLM, "active", TIMEOUT)  # requeued as before: restarted from the start
+
+
+def test_kill_9_of_the_controller_while_a_unit_is_suspended_then_resume(bed: Container) -> None:
+    pid = start_vlm_and_preempt_it(bed)
+    wait_journal(bed, "suspending vlm.service (priority 90) for voice.service (priority 10): ")
+    bed.systemctl("kill", "--signal=SIGKILL", "gpuslice.service")
+    bed.wait_active_state("gpuslice.service", "active", TIMEOUT)  # Restart=on-failure
+    assert suspended(bed) == [VLM]  # found from its state file
+    bed.systemctl("stop", VOICE)
+    wait_journal(bed, "resuming vlm.service on GPU 0 after ")
+    assert main_pid(bed, VLM) == pid
+    counting(bed, VLM)
+
+
+def test_a_suspended_unit_stopped_by_hand_is_held_and_not_resumed(bed: Container) -> None:
+    start_vlm_and_preempt_it(bed)
+    wait_journal(bed, "suspending vlm.service (priority 90) for voice.service (priority 10): ")
+    bed.systemctl("stop", VLM)  # systemd thaws it first
+    wait_state(bed, VLM, "inactive")
+    wait_journal(bed, "vlm.service was stopped outside gpuslice: held until started again")
+    bed.systemctl("stop", VOICE)
+    time.sleep(1)
+    assert bed.active_state(VLM) == "inactive"
+    assert suspended(bed) == []
+
+
+def test_two_suspended_units_come_back_most_urgent_first(bed: Container) -> None:
+    write_worker(bed, "a.service", 80, memory="10G")
+    write_worker(bed, "b.service", 90, memory="10G")
+    fakegpu.write_alloc_job(bed, "u1.service", 10, memory="12G")
+    fakegpu.write_alloc_job(bed, "u2.service", 20, memory="12G")
+    reload(bed)
+    for unit in ("a.service", "b.service"):
+        bed.systemctl("start", unit)
+        wait_state(bed, unit, "active")
+    bed.systemctl("start", "u1.service")
+    wait_state(bed, "u1.service", "active", TIMEOUT)
+    bed.systemctl("start", "u2.service")
+    wait_state(bed, "u2.service", "active", TIMEOUT)
+    assert sorted(suspended(bed)) == ["a.service", "b.service"]
+    bed.systemctl("stop", "u1.service")  # 12 GiB free: room for one, the more urgent
+    wait_journal(bed, "resuming a.service on GPU 0 after ")
+    assert suspended(bed) == ["b.service"]
+    bed.systemctl("stop", "u2.service")
+    wait_journal(bed, "resuming b.service on GPU 0 after ")
+    counting(bed, "b.service")
+
+
+def test_on_cgroup_v1_suspend_falls_to_stop(container: Container) -> None:
+    """The hybrid hierarchy (this host's default): systemd cannot freeze, so no suspend."""
+    fakegpu.install(container, 1, config=LADDER_CONFIG)
+    start_vlm_and_preempt_it(container)
+    line = wait_line(container, "cannot suspend vlm.service (priority 90) for voice.service")
+    assert "cgroup v1" in line
