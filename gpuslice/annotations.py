@@ -108,7 +108,10 @@ def _ladder(text: str) -> tuple[Rung, ...]:
     words = [t for t in _SEPARATORS.split(text) if t]
     if not words:
         raise InvalidValue("expected stop, freeze or suspend, found only separators")
-    rungs = tuple(Rung(w) for w in words)  # ValueError for anything else
+    known = {r.value: r for r in Rung}
+    if any(w not in known for w in words):
+        raise ValueError(text)  # "expected ..., got TEXT"
+    rungs = tuple(known[w] for w in words)
     if len(set(rungs)) != len(rungs):
         raise InvalidValue("each of stop, freeze and suspend may appear once")
     return rungs

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.annotations import KEYS, Loader, Problem, load_spec, scan
-from gpuslice.core.model import UnitKind, UnitSpec
+from gpuslice.core.model import Rung, UnitKind, UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.unitfiles import MAX_FILE_SIZE, UNIT_NAME_MAX, Fragment, UnitIndex
 
@@ -68,6 +68,21 @@ def unit(section: str) -> str:
                 devices=("0", "GPU-8f6c-aa"),
             ),
             id="memory-and-devices",
+        ),
+        pytest.param(
+            "Priority=20\nPreempt=freeze, suspend stop\n",
+            UnitSpec(
+                "x.service",
+                20,
+                source=f"{ETC}/x.service",
+                preempt=(Rung.FREEZE, Rung.SUSPEND, Rung.STOP),
+            ),
+            id="preempt-ladder",
+        ),
+        pytest.param(
+            "Priority=20\nPreempt=suspend\nPreempt=\n",
+            UnitSpec("x.service", 20, source=f"{ETC}/x.service"),
+            id="preempt-reset-to-stop",
         ),
         pytest.param(
             "Priority=20\nMemory=512M\n",
@@ -477,6 +492,23 @@ def test_instance_file_of_its_own_does_not_inherit_the_template(tmp_path: Path) 
             "Devices: MIG devices are not supported (name the whole GPU by its index or GPU- "
             'UUID), got "0, MIG-GPU-8f6c/1/0"',
             id="devices-mig-after-index",
+        ),
+        pytest.param(
+            "Priority=1\nPreempt=suspend kill\n",
+            "Preempt: expected stop, freeze and suspend, in the order to try them, each once "
+            '(e.g. suspend stop), got "suspend kill"',
+            id="preempt-unknown-way",
+        ),
+        pytest.param(
+            "Priority=1\nPreempt=stop suspend stop\n",
+            "Preempt: each of stop, freeze and suspend may appear once, got",
+            id="preempt-twice",
+        ),
+        pytest.param(
+            "Priority=1\nPreempt=Suspend\n",
+            "Preempt: expected stop, freeze and suspend, in the order to try them, each once "
+            '(e.g. suspend stop), got "Suspend"',
+            id="preempt-case",
         ),
         pytest.param(
             "Priority=1\nDevices=,\n",

@@ -6,6 +6,8 @@ Played on the pure scheduler: the adapter's reports (`suspended_done`, `suspend_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpuslice.core.decisions import Code
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler
@@ -20,7 +22,7 @@ def host(*specs: UnitSpec, gpus: list[Gpu] | None = None) -> Scheduler:
     return Scheduler(gpus if gpus is not None else [sized(0)], {s.name: s for s in specs})
 
 
-def codes(actions: list[object]) -> list[Code]:
+def codes(actions: Sequence[object]) -> list[Code]:
     return [a.decision.code for a in actions if isinstance(a, Log) and a.decision is not None]
 
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from gpuslice.annotations import KEYS, check_file, load_spec
 from gpuslice.cli import main
+from gpuslice.core.model import Rung
 from gpuslice.newunit import exec_quote, option_name
 
 GIB = 1 << 30
@@ -103,6 +104,7 @@ def test_new_rewrites_its_own_unit_but_no_other(tmp_path: Path) -> None:
         (["--priority", "5", "--devices", "MIG-1"], "MIG"),
         (["--priority", "5", "--gpus", "0"], "an integer 1-64"),
         (["--priority", "5", "--type", "urgent"], "one of on-demand, background"),
+        (["--priority", "5", "--preempt", "pause"], "Preempt=pause (allowed: stop, freeze and"),
         (["--priority", "5", "--user", "root\nExecStartPre=/bin/evil"], "not a user name"),
         (["--priority", "5", "--workdir", "relative"], "not an absolute path"),
         (["--priority", "5", "--workdir", "/a\nExecStartPre=/bin/evil"], "not an absolute path"),
@@ -143,6 +145,19 @@ def test_enroll_memory_and_devices_round_trip_through_check(tmp_path: Path) -> N
     assert check_file(dropin) == []
     spec, _ = load_spec("plain.service", tmp_path)
     assert spec is not None and (spec.memory, spec.devices) == (12 * GIB, ("1",))
+
+
+def test_enroll_preempt_round_trips_through_check(tmp_path: Path) -> None:
+    unit = unit_file(tmp_path, "plain.service")
+    unit.parent.mkdir(parents=True)
+    unit.write_text("[Service]\nExecStart=/bin/true\n")
+    code, out = run(tmp_path, "enroll", "plain", "--priority", "90", "--preempt", "suspend stop")
+    assert code == 0, out
+    dropin = unit.parent / "plain.service.d/gpuslice.conf"
+    assert "Preempt=suspend stop\n" in dropin.read_text()
+    assert check_file(dropin) == []
+    spec, _ = load_spec("plain.service", tmp_path)
+    assert spec is not None and spec.preempt == (Rung.SUSPEND, Rung.STOP)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,281 @@
+"""gpuslice/ladder.py on its own: suspend, resume and freeze with the fake cuda-checkpoint and
+real gpu-alloc jobs, a recording freezer for systemd's side and a process list read from the
+fake GPU's allocation files (what NVML would show). Seconds, no container; the whole path
+against a real systemd is tests/integration/test_ladder.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuslice.core.scheduler import Action
+from gpuslice.inventory import GpuUse
+from gpuslice.ladder import Ladder
+from tests.test_checkpoint import FAST, Bed, fake_build  # noqa: F401 - fake_build: a fixture
+
+UNIT = "vlm.service"
+GIB = 1 << 30
+
+
+class Freezer:
+    """systemd's freezer as the ladder calls it, recorded; `fail` makes a call raise."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail: set[str] = set()
+        self.pids: list[int] = []
+
+    async def _do(self, what: str, name: str) -> None:
+        self.calls.append(f"{what} {name}")
+        if what in self.fail:
+            raise RuntimeError(f"{what} refused")
+
+    async def freeze_unit(self, name: str) -> None:
+        await self._do("freeze", name)
+
+    async def thaw_unit(self, name: str) -> None:
+        await self._do("thaw", name)
+
+    async def unit_pids(self, name: str) -> list[int]:
+        return list(self.pids)
+
+
+class Events:
+    """The core's ladder events, recorded as `name(unit, words)`."""
+
+    def __init__(self) -> None:
+        self.said: list[tuple[str, str, str]] = []
+
+    def _note(self, event: str, name: str, words: str) -> list[Action]:
+        self.said.append((event, name, words))
+        return []
+
+    def suspended_done(self, name: str, detail: str) -> list[Action]:
+        return self._note("suspended", name, detail)
+
+    def suspend_failed(self, name: str, why: str) -> list[Action]:
+        return self._note("suspend_failed", name, why)
+
+    def resumed(self, name: str, detail: str) -> list[Action]:
+        return self._note("resumed", name, detail)
+
+    def resume_failed(self, name: str, why: str) -> list[Action]:
+        return self._note("resume_failed", name, why)
+
+    def freeze_failed(self, name: str, why: str) -> list[Action]:
+        return self._note("freeze_failed", name, why)
+
+
+class Host:
+    """A Ladder wired to the fake GPU: `mine` are the PIDs NVML attributes to UNIT."""
+
+    def __init__(self, bed: Bed, tmp_path: Path) -> None:
+        self.bed = bed
+        self.freezer = Freezer()
+        self.events = Events()
+        self.mine: set[int] = set()
+        self.unknown_memory = False
+        self.nvml = True
+        self.marker = tmp_path / "cgroup.controllers"
+        self.marker.touch()
+        self.host_memory: int | None = 64 * GIB
+        self.settings = dataclasses.replace(FAST, tool=bed.tool)
+        self.ladder = Ladder(
+            self.freezer,
+            self.events,
+            self.processes,
+            lambda: self.settings,
+            self.report,
+            unified_marker=self.marker,
+            host_memory=lambda: self.host_memory,
+        )
+
+    def processes(self) -> list[GpuUse] | None:
+        """What NVML shows: every live allocation, attributed to UNIT when it is `mine`."""
+        if not self.nvml:
+            return None
+        out = []
+        for path in sorted((self.bed.state / "alloc").glob("[0-9]*")):
+            gpu, pid, size = path.read_text().split()
+            used = None if self.unknown_memory else int(size)
+            unit = UNIT if int(pid) in self.mine else None
+            out.append(GpuUse(int(pid), int(gpu), used, unit, "gpu-alloc"))
+        return out
+
+    def report(self, event: Callable[[], list[Action]]) -> None:
+        event()
+
+    def job(self, size: str = "2G") -> int:
+        pid = self.bed.alloc(size)
+        self.mine.add(pid)
+        return pid
+
+    def said(self) -> list[tuple[str, str, str]]:
+        return self.events.said
+
+
+@pytest.fixture
+def host(fake_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:  # noqa: F811
+    state = tmp_path / "nvml"
+    monkeypatch.setenv("FAKE_NVML_DIR", str(state))
+    bed = Bed(fake_build, state)
+    yield Host(bed, tmp_path)
+    bed.close()
+
+
+def run(coro: object) -> None:
+    asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def test_suspend_then_resume(host: Host) -> None:
+    a, b = host.job("2G"), host.job("1G")
+    other = host.bed.alloc("1G")  # another unit's: left alone
+    run(host.ladder.suspend(UNIT))
+    [(event, unit, words)] = host.said()
+    assert (event, unit) == ("suspended", UNIT)
+    assert words.startswith("3 GiB to host memory in ") and words.endswith(" s")
+    assert host.freezer.calls == [f"freeze {UNIT}"]
+    assert not host.bed.holds(a) and not host.bed.holds(b) and host.bed.holds(other)
+    assert host.ladder.suspensions[UNIT].vram == 3 * GIB
+    run(host.ladder.resume(UNIT))
+    event, unit, words = host.said()[-1]
+    assert (event, unit) == ("resumed", UNIT)
+    assert " s: restored in " in words
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]  # thawed before the restore
+    assert host.bed.holds(a) and host.bed.holds(b)
+    assert [host.bed.state_of(a), host.bed.state_of(b)] == ["running", "running"]
+    assert UNIT not in host.ladder.suspensions
+
+
+@pytest.mark.parametrize(
+    ("arrange", "why"),
+    [
+        (lambda h: setattr(h, "nvml", False), "NVML is not available"),
+        (lambda h: h.marker.unlink(), "cgroup v1 (hybrid hierarchy)"),
+        (lambda h: h.mine.clear(), "NVML shows no process of it on a GPU"),
+        (lambda h: setattr(h, "unknown_memory", True), "NVML does not report the memory of PID"),
+        (lambda h: setattr(h, "host_memory", 3 * GIB), "not enough host memory: 2 GiB to move"),
+        (lambda h: setattr(h, "host_memory", None), "not enough host memory: MemAvailable"),
+        (
+            lambda h: setattr(h, "settings", dataclasses.replace(h.settings, tool="/nonexistent")),
+            "cuda_checkpoint /nonexistent is not an executable file",
+        ),
+    ],
+)
+def test_what_is_checked_before_anything_is_done(
+    host: Host, arrange: Callable[[Host], None], why: str
+) -> None:
+    pid = host.job("2G")
+    host.settings = dataclasses.replace(host.settings, host_memory_margin=2 * GIB)
+    arrange(host)
+    run(host.ladder.suspend(UNIT))
+    [(event, _, words)] = host.said()
+    assert event == "suspend_failed"
+    assert why in words, words
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert host.freezer.calls == []
+
+
+def test_a_failed_freeze_after_the_checkpoint_undoes_it(host: Host) -> None:
+    pid = host.job()
+    host.freezer.fail.add("freeze")
+    run(host.ladder.suspend(UNIT))
+    [(event, _, words)] = host.said()
+    assert (event, words) == ("suspend_failed", "FreezeUnit failed: freeze refused")
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert UNIT not in host.ladder.suspensions
+
+
+def test_memory_still_shown_after_the_checkpoint_is_not_believed_gone(host: Host) -> None:
+    pid = host.job()
+    real = host.processes
+    calls = 0
+
+    def stale() -> list[GpuUse] | None:  # the second sample still shows the process
+        nonlocal calls
+        calls += 1
+        shown = real()
+        return shown if calls == 1 else [GpuUse(pid, 0, GIB, UNIT, "gpu-alloc")]
+
+    host.ladder.processes = stale
+    run(host.ladder.suspend(UNIT))
+    [(event, _, words)] = host.said()
+    assert (event, words) == (
+        "suspend_failed",
+        f"NVML still shows PID {pid} on GPU 0 after the checkpoint",
+    )
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert host.freezer.calls == []
+
+
+def test_a_lock_timeout_leaves_the_job_running(host: Host) -> None:
+    pid = host.job()
+    host.bed.inject("lock-timeout")
+    run(host.ladder.suspend(UNIT))
+    [(event, _, words)] = host.said()
+    assert (event, words) == ("suspend_failed", f"lock of PID {pid} timed out after 0.3 s")
+    assert host.bed.state_of(pid) == "running"
+
+
+def test_a_restore_that_runs_out_of_memory_is_reported_as_fatal(host: Host) -> None:
+    pid = host.job()
+    run(host.ladder.suspend(UNIT))
+    host.bed.inject("restore-oom")
+    run(host.ladder.resume(UNIT))
+    event, _, words = host.said()[-1]
+    assert event == "resume_failed"
+    assert words.startswith(f"restore of PID {pid} ran out of GPU memory")
+
+
+def test_resume_after_a_controller_restart_finds_the_processes_itself(host: Host) -> None:
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    fresh = Ladder(
+        host.freezer,
+        host.events,
+        host.processes,
+        lambda: host.settings,
+        host.report,
+        unified_marker=host.marker,
+    )
+    # systemd lists the unit's processes: the CUDA one and a shell that is no CUDA process
+    host.freezer.pids = [a, 1]
+    run(fresh.resume(UNIT))
+    event, _, words = host.said()[-1]
+    assert event == "resumed"
+    assert words.startswith("a controller restart: restored in ")
+    assert host.bed.holds(a) and host.bed.state_of(a) == "running"
+
+
+def test_freeze_and_its_failures(host: Host) -> None:
+    run(host.ladder.freeze(UNIT))
+    assert host.freezer.calls == [f"freeze {UNIT}"] and host.said() == []
+    host.freezer.fail.add("freeze")
+    run(host.ladder.freeze(UNIT))
+    assert host.said() == [("freeze_failed", UNIT, "FreezeUnit failed: freeze refused")]
+    host.marker.unlink()
+    run(host.ladder.freeze(UNIT))
+    assert host.said()[-1][2] == "cgroup v1 (hybrid hierarchy): systemd cannot freeze units"
+
+
+def test_a_thaw_that_fails_is_logged_not_raised(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    host.freezer.fail.add("thaw")
+    run(host.ladder.thaw(UNIT))
+    assert f"thawing {UNIT} failed: thaw refused" in caplog.text
+
+
+def test_a_bug_while_suspending_is_a_failed_suspend_not_a_stuck_unit(host: Host) -> None:
+    def broken() -> list[GpuUse] | None:
+        raise KeyError("bug")
+
+    host.ladder.processes = broken
+    run(host.ladder.suspend(UNIT))
+    [(event, _, words)] = host.said()
+    assert event == "suspend_failed"
+    assert words == "gpuslice failed while suspending (KeyError: 'bug')"
