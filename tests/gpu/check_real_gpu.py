@@ -18,6 +18,8 @@ CUDA for PY (default: this interpreter). It
 Exit 0 when every case behaved, 1 on a clear failure (never seen, wrong attribution, less
 memory than requested, never gone), 2 when it cannot run here (no driver, no torch, no CUDA).
 
+The suspend/resume round trip of Preempt=suspend (cuda-checkpoint) is tests/gpu/check_suspend.py.
+
 NVML reports host PIDs: run it on the host, not inside a container with its own PID namespace.
 The CUDA context itself takes a few hundred MiB, so "used" exceeds "requested"; the table shows
 the difference. Written on machines without a GPU: it has not been run against real hardware
