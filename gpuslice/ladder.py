@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gpuslice import checkpoint
+from gpuslice.cgroups import unit_of_pid
 from gpuslice.checkpoint import CheckpointError, CheckpointSettings
 from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
@@ -86,6 +87,7 @@ class Ladder:
         *,
         unified_marker: Path = UNIFIED_MARKER,
         host_memory: Callable[[], int | None] = checkpoint.host_memory_available,
+        unit_of_pid: Callable[[int], str | None] = unit_of_pid,
     ) -> None:
         self.systemd = systemd
         self.events = events
@@ -94,6 +96,7 @@ class Ladder:
         self.report = report
         self.unified_marker = unified_marker
         self.host_memory = host_memory
+        self.unit_of_pid = unit_of_pid
         self.suspensions: dict[str, Suspension] = {}
 
     # -- suspend ------------------------------------------------------------------------------
@@ -113,6 +116,9 @@ class Ladder:
         if not self.unified_marker.exists():
             raise CheckpointError("cgroup v1 (hybrid hierarchy): systemd cannot freeze units")
         pids, vram = self._cuda_processes(unit)
+        moved = [p for p in pids if self.unit_of_pid(p) != unit]
+        if moved:  # exited since the sample: its PID may be another unit's process by now
+            raise CheckpointError(f"PID {moved[0]} is no longer a process of it")
         too_big = checkpoint.host_memory_fits(vram, s, self.host_memory())
         if too_big:
             raise CheckpointError(f"not enough host memory: {too_big}")

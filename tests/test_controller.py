@@ -527,6 +527,35 @@ def test_a_start_seen_at_its_gate_preempts_before_the_gate_asks(
     run(test)
 
 
+def test_a_unit_that_cannot_be_suspended_is_stopped_with_the_reason_said(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Preempt=suspend stop without NVML (this bed's GPUs come from config.yaml): the ladder's
+    task reports the failed suspend and the controller carries out the core's next rung."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    write_unit(tmp_path, "low.service", "Priority=90\nPreempt=suspend stop\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.scan = scan(str(tmp_path / "root"))
+        await ctl.start()
+        with caplog.at_level(logging.INFO, "gpuslice"):
+            await bed.acquire("urgent.service", ":1.9", 4242)
+            await settle()
+        assert ("stop", "low.service") in bed.systemd.calls
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        assert (
+            "cannot suspend low.service (priority 90) for urgent.service (priority 10): "
+            in caplog.text
+        )
+        assert "; trying stop instead" in caplog.text
+        assert caplog.text.index("moving the VRAM of low.service") < caplog.text.index(
+            "cannot suspend low.service"
+        )
+
+    run(test)
+
+
 def test_signals_of_one_turn_of_the_loop_are_decided_once(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

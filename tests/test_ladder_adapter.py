@@ -78,6 +78,7 @@ class Host:
         self.freezer = Freezer()
         self.events = Events()
         self.mine: set[int] = set()
+        self.moved: set[int] = set()  # PIDs whose cgroup is no longer UNIT's
         self.unknown_memory = False
         self.nvml = True
         self.marker = tmp_path / "cgroup.controllers"
@@ -92,6 +93,7 @@ class Host:
             self.report,
             unified_marker=self.marker,
             host_memory=lambda: self.host_memory,
+            unit_of_pid=lambda pid: UNIT if pid in self.mine and pid not in self.moved else None,
         )
 
     def processes(self) -> list[GpuUse] | None:
@@ -160,6 +162,7 @@ def test_suspend_then_resume(host: Host) -> None:
         (lambda h: setattr(h, "unknown_memory", True), "NVML does not report the memory of PID"),
         (lambda h: setattr(h, "host_memory", 3 * GIB), "not enough host memory: 2 GiB to move"),
         (lambda h: setattr(h, "host_memory", None), "not enough host memory: MemAvailable"),
+        (lambda h: h.moved.update(h.mine), "is no longer a process of it"),
         (
             lambda h: setattr(h, "settings", dataclasses.replace(h.settings, tool="/nonexistent")),
             "cuda_checkpoint /nonexistent is not an executable file",
@@ -241,6 +244,7 @@ def test_resume_after_a_controller_restart_finds_the_processes_itself(host: Host
         lambda: host.settings,
         host.report,
         unified_marker=host.marker,
+        unit_of_pid=lambda pid: UNIT,
     )
     # systemd lists the unit's processes: the CUDA one and a shell that is no CUDA process
     host.freezer.pids = [a, 1]
