@@ -206,6 +206,10 @@ class Controller:
                 ):
                     why = "its stop was lost while the controller was away"
                     actions += self.scheduler.stop_failed(name, why, refused=False)
+            for name in self.scheduler.suspended_units():  # stopped by hand while we were away
+                state = self.tracker.state(name)
+                if classify(state) is Kind.DOWN:
+                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
             states = sorted(self.tracker.states.values(), key=lambda s: s.name)
             for state in states:
                 if classify(state) is Kind.RUNNING and self.scheduler.phase(state.name) is None:
@@ -445,7 +449,7 @@ class Controller:
                 self._say(action.message, action.level, action.decision)
             elif isinstance(action, Suspend):
                 self._say(action.reason, "info", action.decision)
-                self._spawn(self.ladder.suspend(action.unit))
+                self._spawn(self.ladder.suspend(action.unit, action.thaw_first))
             elif isinstance(action, Resume):
                 self._say(action.reason, "info", action.decision)
                 self._spawn(self.ladder.resume(action.unit))

@@ -101,8 +101,10 @@ class Ladder:
 
     # -- suspend ------------------------------------------------------------------------------
 
-    async def suspend(self, unit: str) -> None:
+    async def suspend(self, unit: str, thaw_first: bool = False) -> None:
         try:
+            if thaw_first:  # frozen beside a more urgent unit: the tool needs it running
+                await self.systemd.thaw_unit(unit)
             done = await self._suspend(unit)
         except Exception as e:  # a bug here must not leave the unit (and its waiter) stuck
             why = _reason(e, "suspending")

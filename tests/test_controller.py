@@ -292,6 +292,32 @@ def test_start_up_gives_up_a_stop_lost_while_away(
     ), messages(caplog)
 
 
+def test_start_up_holds_a_suspended_unit_stopped_while_away_and_keeps_a_running_one(
+    tmp_path: Path,
+) -> None:
+    """A suspended unit systemd shows inactive was stopped by someone (a frozen unit cannot
+    end by itself): held, never resumed. One still active stays suspended, not adopted."""
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=90\nPreempt=suspend stop\n", "b.service": "Priority=80\n"},
+        [state("b.service", "active", "running")],
+        SavedState(suspended={"a.service": ((0,), 3), "b.service": ((0,), 4)}, seq=4),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.held == {"a.service"}
+        assert ctl.scheduler.phase("a.service") is None
+        # its GPU is free: resumed (no cuda-checkpoint here: thawed, nothing to restore)
+        assert ctl.scheduler.phase("b.service") is Phase.RUNNING
+        assert ctl.scheduler.grants() == {"b.service": frozenset({0})}
+        assert ("start", "a.service") not in bed.systemd.calls
+
+    run(test)
+
+
 def test_start_up_adopts_a_running_unit_it_did_not_know(tmp_path: Path) -> None:
     bed = Bed(
         tmp_path, {"known.service": "Priority=50\n"}, [state("known.service", "active", "running")]

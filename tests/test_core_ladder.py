@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from gpuslice.core.decisions import Code
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler
+from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler, Suspend
 from tests.core_builders import BG, brief, sized, spec, words
 
 VLM = spec("vlm", 90, BG, preempt="suspend stop")
@@ -236,6 +236,29 @@ def test_a_suspended_unit_stopped_by_hand_is_held() -> None:
     assert codes(acts) == [Code.HOLD]
     assert s.phase(V) is None
     assert brief(s.inactive(VO, Outcome.EXITED)) == []  # held: not resumed, not started
+
+
+def test_a_suspended_unit_that_ended_was_stopped_by_someone_it_cannot_end_by_itself() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    assert codes(s.inactive(V, Outcome.EXITED)) == [Code.HOLD]
+    assert s.held == {V}
+
+
+def test_a_frozen_victim_is_thawed_before_it_is_suspended() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze suspend stop")
+    voice = spec("voice", 10, mem_gib=8)
+    big = spec("big", 5, mem_gib=16)
+    s = host(emb, voice, big)
+    running(s, emb, voice)
+    [suspend] = [a for a in s.request(big) if isinstance(a, Suspend)]
+    assert suspend.thaw_first
+    s2 = host(VLM, VOICE)
+    running(s2, VLM)
+    [plain] = [a for a in s2.request(VOICE) if isinstance(a, Suspend)]
+    assert not plain.thaw_first
 
 
 def test_a_controller_restart_keeps_suspended_and_frozen_units_and_recovers_the_rest() -> None:

@@ -183,6 +183,13 @@ def test_what_is_checked_before_anything_is_done(
     assert host.freezer.calls == []
 
 
+def test_a_frozen_unit_is_thawed_before_its_processes_are_locked(host: Host) -> None:
+    host.job()
+    run(host.ladder.suspend(UNIT, thaw_first=True))
+    assert host.said()[0][0] == "suspended"
+    assert host.freezer.calls == [f"thaw {UNIT}", f"freeze {UNIT}"]
+
+
 def test_a_failed_freeze_after_the_checkpoint_undoes_it(host: Host) -> None:
     pid = host.job()
     host.freezer.fail.add("freeze")

@@ -90,12 +90,14 @@ class Start:
 @dataclass(frozen=True)
 class Suspend:
     """Move the unit's VRAM to host memory and freeze it (cuda-checkpoint, FreezeUnit); the
-    adapter answers with `suspended` or `suspend_failed`."""
+    adapter answers with `suspended_done` or `suspend_failed`. `thaw_first`: it is frozen
+    (beside a more urgent unit), and a frozen process can be neither locked nor restored."""
 
     unit: str
     gpus: tuple[int, ...]
     reason: str
     decision: Decision | None = field(default=None, compare=False)
+    thaw_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -386,8 +388,10 @@ class Scheduler:
         self.unfreezable.discard(name)
         waiter = self.waiters.pop(name, None)
         holder = self.holders.pop(name, None)
-        # a suspended unit stopped by hand (systemd thaws it first) is held like any other
-        self.suspended.pop(name, None)
+        # a suspended unit stopped by hand (systemd thaws it first) is held like any other;
+        # frozen, it cannot have ended by itself
+        if self.suspended.pop(name, None) is not None and outcome is Outcome.EXITED:
+            outcome = Outcome.STOPPED
         if waiter is not None and holder is None:
             actions.append(_log(_about(waiter.spec, Code.CANCELLED)))
         if holder is not None and holder.phase is Phase.STOPPING:
@@ -822,12 +826,13 @@ class Scheduler:
         """The first rung of the victim's ladder that frees VRAM: suspend or stop (`_uses`
         makes a unit with neither no victim)."""
         if _memory_rungs(holder.spec)[0] is Rung.SUSPEND:
+            frozen = holder.phase is Phase.FROZEN
             holder.phase = Phase.SUSPENDING
             holder.stopping_for = spec.name
             suspend = _about(
                 holder.spec, Code.SUSPEND, for_unit=spec.name, for_priority=spec.priority, gpus=on
             )
-            return Suspend(holder.spec.name, on, render(suspend), suspend)
+            return Suspend(holder.spec.name, on, render(suspend), suspend, thaw_first=frozen)
         return self._stop_for(holder, spec, on)
 
     def _stop_for(self, holder: Holder, spec: UnitSpec, on: tuple[int, ...]) -> Stop:
@@ -1112,6 +1117,9 @@ class Scheduler:
         if holder is None:
             return Phase.SUSPENDED if name in self.suspended else None
         return holder.phase
+
+    def suspended_units(self) -> list[str]:
+        return sorted(self.suspended)
 
     def is_waiting(self, name: str) -> bool:
         return name in self.waiters
