@@ -22,16 +22,25 @@ Policies, each in its own container, every policy's day at the same time:
   background job back (no refill), and two on-demand jobs share the GPU.
 - "gpuslice (stop)": the same jobs annotated, `gpus: 1`; gpuslice starts the background jobs,
   preempts (stops) them for on-demand ones and brings them back.
+- "gpuslice (suspend)": the same, every job also `Preempt=suspend stop`: a preempted job is
+  suspended (cuda-checkpoint moves its VRAM to host memory, systemd freezes it) and later
+  thawed and restored, the same process carrying on. That needs what a real GPU host has, here
+  simulated (tests/bed/fakegpu): NVML showing each job's VRAM (every job holds VRAM_PER_JOB
+  through a gpu-alloc child), cuda-checkpoint (the fake) configured, and a container on pure
+  cgroup v2 (systemd's freezer).
 
-A later preemption mode is one more entry in POLICIES (its config lines and its oracle).
+A later preemption mode is one more entry in POLICIES (its config lines, its Preempt= and its
+oracle).
 
 Metrics (`analyse`, pure, from the logs): on-demand wait = the unit's main process start minus
 its request (p50, p99 by nearest rank: the maximum below 100 requests); GPU busy = the time in
 which some job's *completed* item was being worked on (model loads and items lost to a stop do
 not count), as a share of the day; items redone (an item begun more than once), items
 interrupted (begun, then stopped before the end of the day), model loads, preemptions
-(gpuslice: its journal's GPUSLICE_DECISION=preempt; else stops before the end of the day), and
-seconds in which two or more jobs ran at once (sharing a GPU that holds one).
+(gpuslice: its journal's GPUSLICE_DECISION=preempt, suspend and freeze, less rung-failed; else
+stops before the end of the day), pauses (the jobs' own `pause` lines: a frozen worker sees
+the gap in its clock when it runs again, bench/day_probe.py), and seconds in which two or more
+jobs ran at once (sharing a GPU that holds one; a paused job is not running).
 
 The oracle (`simulate`) is the same day on one GPU under strict priority (on-demand FIFO by
 arrival) with zero scheduling overhead: a preemption is instant and the next job starts at
@@ -67,6 +76,7 @@ from bench.run import (
     prepare,
     table,
 )
+from tests.bed import fakegpu
 from tests.bed.container import BedError, Container, ensure_tree
 
 DAY_S = 60.0
@@ -79,6 +89,7 @@ NIGHTLY = "bench-day-nightly.service"
 TRANSCRIBE = "bench-day-transcribe@.service"
 BACKGROUND = (EMBED, VLM)
 EPS = 1e-9
+VRAM_PER_JOB = "2G"  # what each job holds where a policy suspends (whole-GPU units all the same)
 
 
 # ------------------------------------------------------------------------------- the day
@@ -138,20 +149,40 @@ def day_plan(seed: int = DAY_SEED, window_s: float = DAY_S) -> Day:
 @dataclass(frozen=True)
 class Policy:
     """One column: how the GPU is shared. `config` is gpuslice's config.yaml (None: no
-    gpuslice, Conflicts= instead); `oracle` names the `simulate` mode it is judged against."""
+    gpuslice, Conflicts= instead); `oracle` names the `simulate` mode it is judged against;
+    `preempt` is every job's Preempt= (None: gpuslice's default, stop)."""
 
     key: str
     title: str
     config: str | None
     oracle: str = "stop"
+    preempt: str | None = None
+
+    @property
+    def suspends(self) -> bool:
+        """Its jobs may be suspended: they hold simulated VRAM (fake NVML, gpu-alloc and
+        cuda-checkpoint) in a container on pure cgroup v2, where systemd can freeze units."""
+        return self.preempt is not None and "suspend" in self.preempt.split()
 
 
+SUSPEND_CONFIG = (
+    "gpus: 1\nlog_level: info\n"
+    f"cuda_checkpoint: {fakegpu.CHECKPOINT}\n"
+    "suspend_host_memory_margin: 0\n"  # the bed's host memory is what it is
+)
 POLICIES: list[Policy] = [
     Policy("systemd", "systemd alone (Conflicts=)", None),
     Policy("gpuslice-stop", "gpuslice (stop)", "gpus: 1\nlog_level: info\n"),
-    # e.g. Policy("gpuslice-suspend", "gpuslice (suspend)", "gpus: 1\n...", oracle="suspend")
+    Policy(
+        "gpuslice-suspend",
+        "gpuslice (suspend)",
+        SUSPEND_CONFIG,
+        oracle="suspend",
+        preempt="suspend stop",
+    ),
 ]
 GPUSLICE, FLOOR = "gpuslice-stop", "systemd"  # the policies bench.run's rows compare
+SUSPEND = "gpuslice-suspend"  # in the rows' notes
 ORACLES: dict[str, str] = {
     "stop": "oracle (stop, no overhead)",
     "suspend": "oracle (free preemption)",
@@ -163,13 +194,21 @@ EXEC = (
 )
 
 
-def unit_text(job: Job, gated: bool) -> str:
-    """The job's unit: annotated for gpuslice, else systemd's own ordering and conflicts."""
+def unit_text(job: Job, gated: bool, preempt: str | None = None) -> str:
+    """The job's unit: annotated for gpuslice (with `Preempt=PREEMPT` where given: its worker
+    then holds simulated VRAM), else systemd's own ordering and conflicts."""
     name = job.unit if "@" not in job.unit else TRANSCRIBE
     head = f"[Unit]\nDescription=gpuslice bench day: {name}\nStartLimitIntervalSec=0\n"
     service = "\n[Service]\n" + EXEC
     if gated:
-        return head + service + f"\n[X-GPUSlice]\nPriority={job.priority}\nType={job.kind}\n"
+        annotation = f"\n[X-GPUSlice]\nPriority={job.priority}\nType={job.kind}\n"
+        if preempt is not None:
+            service += (
+                f"Environment=FAKE_NVML_DIR={fakegpu.STATE} BENCH_DAY_ALLOC={fakegpu.ALLOC} "
+                f"BENCH_DAY_VRAM={VRAM_PER_JOB}\n"
+            )
+            annotation += f"Preempt={preempt}\n"
+        return head + service + annotation
     if job.kind == "on-demand":
         deps = " ".join(BACKGROUND)
         head += f"Conflicts={deps}\nAfter={deps}\n"
@@ -180,12 +219,14 @@ def unit_text(job: Job, gated: bool) -> str:
     return head + service
 
 
-def unit_files(day: Day, gated: bool) -> tuple[dict[str, str], dict[str, str]]:
+def unit_files(
+    day: Day, gated: bool, preempt: str | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
     """(on-demand units written before the day, background units the driver writes at t0)."""
     on_demand: dict[str, str] = {}
     for job in day.on_demand:
-        on_demand[TRANSCRIBE if "@" in job.unit else job.unit] = unit_text(job, gated)
-    background = {f"{UNIT_DIR}/{j.unit}": unit_text(j, gated) for j in day.background}
+        on_demand[TRANSCRIBE if "@" in job.unit else job.unit] = unit_text(job, gated, preempt)
+    background = {f"{UNIT_DIR}/{j.unit}": unit_text(j, gated, preempt) for j in day.background}
     return on_demand, background
 
 
@@ -266,6 +307,7 @@ class _UnitWalk:
     starts: list[float] = dataclasses.field(default_factory=list)
     loads: int = 0
     stops: int = 0
+    pauses: int = 0
     interrupted: int = 0
     redone: int = 0
     done_items: int = 0
@@ -313,6 +355,7 @@ def walk(events: list[tuple[str, float, int | None]], t_end: float) -> _UnitWalk
             if item is not None and piece_from is not None:
                 pieces.append((piece_from, t))
             w.stops += t < t_end
+            w.pauses += t < t_end
             close(t, cut=False)
         elif kind == "resume":
             since = t
@@ -357,6 +400,7 @@ def analyse(day: Day, r: Replay) -> dict[str, Any]:
         "loads": sum(w.loads for w in walks.values()),
         "preemptions": r.preemptions if r.preemptions is not None else log_stops,
         "stops_in_logs": log_stops,
+        "pauses": sum(w.pauses for w in walks.values()),
         "items_redone": sum(w.redone for w in walks.values()),
         "items_interrupted": sum(w.interrupted for w in walks.values()),
         "shared_s": shared_s({u: w.active for u, w in walks.items()}, r.t0, r.t_end),
@@ -463,6 +507,7 @@ METRICS: list[tuple[str, str, str]] = [
     ("items_interrupted", "work items interrupted", "count"),
     ("loads", "model loads", "count"),
     ("preemptions", "preemptions", "count"),
+    ("pauses", "runs paused (frozen), from the jobs", "count"),
     ("shared_s", "2+ jobs on the GPU at once", "s"),
 ]
 
@@ -515,18 +560,22 @@ def with_oracles(
 
 def rows_of(results: dict[str, dict[str, Any]]) -> list[Row]:
     """One bench row per metric: gpuslice (stop) in the gpuslice column, systemd alone as
-    the floor, the oracle in the note; the whole per-policy table in the first row's extra."""
+    the floor, the oracle (and gpuslice (suspend), where measured) in the note; the whole
+    per-policy table in the first row's extra."""
     titles = {p.key: p.title for p in POLICIES}
     gs, floor = results[titles[GPUSLICE]], results[titles[FLOOR]]
     oracle = results[ORACLES["stop"]]
     free = results[ORACLES["suspend"]]
+    suspend = results.get(titles[SUSPEND])
     rows: list[Row] = []
     for key, label, unit in METRICS:
-        if key in ("od_requests", "busy_vs_oracle"):
+        if key in ("od_requests", "busy_vs_oracle", "pauses"):
             continue
         note = f"oracle {_cell(oracle.get(key), unit)}"
         if key == "busy_pct":
             note += f" (free preemption {_cell(free.get(key), unit)})"
+        if suspend is not None:
+            note += f"; suspend {_cell(suspend.get(key), unit)}"
         rows.append(
             Row(
                 f"day: {label}",
@@ -551,7 +600,7 @@ def _num(v: Any) -> float:
 
 def _run_day(c: Container, day: Day, policy: Policy, timeout: float) -> dict[str, Any]:
     gated = policy.config is not None
-    _, background = unit_files(day, gated)
+    _, background = unit_files(day, gated, policy.preempt)
     spec = {
         "window_s": day.window_s,
         "background_files": background,
@@ -568,15 +617,25 @@ def _run_day(c: Container, day: Day, policy: Policy, timeout: float) -> dict[str
     return out
 
 
+def preemptions(decided: dict[str, int]) -> int:
+    """Preemptions from the controller's decision counts: every way of giving way decided
+    (stop, suspend, freeze), less the rungs that failed (each then tried the next way)."""
+    ways = sum(decided.get(code, 0) for code in ("preempt", "suspend", "freeze"))
+    return ways - decided.get("rung-failed", 0)
+
+
 def _prepare(c: Container, day: Day, policy: Policy) -> None:
     """The on-demand units and the workers' plan; gpuslice (`gpus: 1`) where the policy has
-    it, restarted on the policy's own config where that differs from bench.run's."""
+    it, restarted on the policy's own config where that differs from bench.run's, and on one
+    simulated 24 GiB GPU where it suspends (tests/bed/fakegpu, its cuda-checkpoint too)."""
     gated = policy.config is not None
-    on_demand, _ = unit_files(day, gated)
+    on_demand, _ = unit_files(day, gated, policy.preempt)
     c.write_file(f"{WORKDIR}/plan.json", json.dumps(worker_plan(day)))
     prepare(c, on_demand, gpus=1 if gated else None)
     config = "/etc/gpuslice/config.yaml"
-    if policy.config is not None and c.run(["cat", config]).stdout != policy.config:
+    if policy.config is not None and policy.suspends:
+        fakegpu.install(c, 1, config=policy.config)
+    elif policy.config is not None and c.run(["cat", config]).stdout != policy.config:
         c.write_file(config, policy.config)
         c.systemctl("restart", CONTROLLER)
 
@@ -591,7 +650,7 @@ def case_day(tree: Path, p: Params, log: Callable[[str], None]) -> tuple[list[Ro
     raw["arrivals"] = {j.unit: j.at_s for j in day.on_demand}
     n = len(POLICIES)
     with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(n) as pool:
-        containers = [Container(tree) for _ in POLICIES]
+        containers = [Container(tree, unified=p.suspends) for p in POLICIES]
         for c in containers:
             stack.enter_context(c)  # not started yet: entering boots it, here one at a time
         log(f"booted {', '.join(f'{c.name} ({c.boot_s or 0:.1f} s)' for c in containers)}")
@@ -600,7 +659,7 @@ def case_day(tree: Path, p: Params, log: Callable[[str], None]) -> tuple[list[Ro
         days = list(pool.map(_run_day, containers, [day] * n, POLICIES, [timeout] * n))
     measured: dict[str, dict[str, Any]] = {}
     for policy, out in zip(POLICIES, days, strict=True):
-        preempt = out.get("decisions", {}).get("preempt", 0) if policy.config else None
+        preempt = preemptions(out.get("decisions", {})) if policy.config else None
         replay = Replay(out["t0"], out["t_end"], out["requests"], out["logs"], preempt)
         measured[policy.title] = analyse(day, replay)
         raw[policy.key] = {**out, "metrics": measured[policy.title]}

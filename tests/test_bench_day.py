@@ -4,6 +4,8 @@ schedule. No container: these run in `make test`'s fast layer."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bench.day import (
@@ -13,6 +15,7 @@ from bench.day import (
     POLICIES,
     TRANSCRIBE,
     VLM,
+    VRAM_PER_JOB,
     Day,
     Job,
     Replay,
@@ -21,6 +24,7 @@ from bench.day import (
     day_table,
     parse_log,
     percentile,
+    preemptions,
     rows_of,
     shared_s,
     simulate,
@@ -30,6 +34,8 @@ from bench.day import (
     walk,
     with_oracles,
 )
+from bench.day_probe import GAP_S, Clock
+from tests.bed import fakegpu
 
 BG = "bg.service"
 OD = "od.service"
@@ -90,6 +96,51 @@ def test_a_paused_item_counts_only_the_time_it_was_worked_on() -> None:
     assert w.work == [(1, 1.5), (3, 3.5)]
     assert w.active == [(0, 1.5), (3, 3.5)]
     assert (w.stops, w.interrupted, w.redone, w.done_items) == (1, 0, 0, 1)
+
+
+def test_a_suspended_job_loads_once_and_redoes_nothing_while_its_pause_is_no_work() -> None:
+    day = small_day(od(2.5))
+    replay = Replay(
+        t0=0.0,
+        t_end=10.0,
+        requests={OD: 2.5},
+        logs={
+            BG: log("start 0", "load 0", "ready 1", "begin 1 0", "end 2 0", "begin 2 1",
+                    "pause 2.6", "resume 4", "end 4.4 1", "begin 4.4 2", "end 5.4 2", "stop 10.1"),
+            OD: log("start 2.7", "load 2.7", "ready 2.7", "begin 2.7 0", "end 3.7 0", "done 3.7"),
+        },
+        preemptions=preemptions({"suspend": 1, "suspended": 1, "resume": 1, "grant": 3}),
+    )  # fmt: skip
+    m = analyse(day, replay)
+    assert (m["loads"], m["items_redone"], m["items_interrupted"]) == (2, 0, 0)
+    assert (m["preemptions"], m["pauses"], m["stops_in_logs"]) == (1, 1, 1)
+    assert m["shared_s"] == 0  # paused at 2.6: not on the GPU with OD from 2.7
+    # bg's item 1 was worked on 2-2.6 and 4-4.4: 1 s, as its items take
+    assert m["bg_work_s"] == pytest.approx(3)
+
+
+def test_preemptions_count_each_way_of_giving_way_once() -> None:
+    assert preemptions({}) == 0
+    assert preemptions({"preempt": 2, "suspend": 3, "freeze": 1, "grant": 9}) == 6
+    # a suspend that failed fell to a stop: one preemption, not two
+    assert preemptions({"suspend": 1, "rung-failed": 1, "preempt": 1}) == 1
+
+
+def test_the_workers_clock_says_a_gap_as_a_pause_and_counts_only_the_time_it_ran() -> None:
+    lines: list[str] = []
+    clock = Clock(lambda *parts: lines.append(" ".join(map(str, parts))))
+    ran = clock.check(0.01)
+    assert lines == [] and 0 <= ran < GAP_S
+    frozen_from = time.time() - 3.0
+    clock.last = frozen_from  # as if frozen for 3 s right after its last look
+    assert clock.check(0.01) == 0.01
+    (pause, p_at, _), (resume, r_at, _) = parse_log("\n".join(lines))
+    assert (pause, resume) == ("pause", "resume")
+    assert p_at == pytest.approx(frozen_from + 0.01, abs=1e-5)
+    assert r_at - p_at > 2.9
+    lines.clear()
+    clock.run(0.03)  # no gap: only running time, and nothing said
+    assert lines == []
 
 
 def test_a_run_that_died_without_a_word_ends_at_the_next_start() -> None:
@@ -232,6 +283,22 @@ def test_units_gpuslice_annotates_and_systemd_alone_orders_and_conflicts() -> No
     assert "Type=oneshot" in plain_bg[f"/etc/systemd/system/{VLM}"]
     assert "X-GPUSlice" not in "".join(plain_bg.values()) + "".join(plain_od.values())
     assert all("$$EPOCHREALTIME" in text for text in [*gated_od.values(), *plain_bg.values()])
+    assert "Preempt=" not in "".join(gated_od.values()) + "".join(gated_bg.values())
+    assert "BENCH_DAY_ALLOC" not in "".join(gated_od.values()) + "".join(gated_bg.values())
+
+
+def test_the_suspend_policy_annotates_every_job_and_gives_it_vram_to_move() -> None:
+    policy = next(p for p in POLICIES if p.key == "gpuslice-suspend")
+    assert (policy.suspends, policy.oracle, policy.preempt) == (True, "suspend", "suspend stop")
+    assert [p.suspends for p in POLICIES if p is not policy] == [False, False]
+    assert policy.config is not None
+    assert f"cuda_checkpoint: {fakegpu.CHECKPOINT}\n" in policy.config
+    assert "suspend_host_memory_margin: 0\n" in policy.config
+    on_demand, background = unit_files(day_plan(), gated=True, preempt=policy.preempt)
+    for text in [*on_demand.values(), *background.values()]:
+        assert text.endswith("Preempt=suspend stop\n"), text
+        assert f"BENCH_DAY_ALLOC={fakegpu.ALLOC} BENCH_DAY_VRAM={VRAM_PER_JOB}\n" in text
+        assert f"FAKE_NVML_DIR={fakegpu.STATE}" in text
 
 
 # ------------------------------------------------------------------------------- output
@@ -243,12 +310,16 @@ def test_the_table_takes_a_new_policy_as_one_more_column() -> None:
     results = with_oracles(day, measured, POLICIES)
     assert list(results) == [*(p.title for p in POLICIES), *ORACLES.values()]
     assert results[POLICIES[1].title]["busy_vs_oracle"] == pytest.approx(1.0)
-    results["gpuslice (suspend)"] = analyse(day, simulate(day, "suspend"))
+    assert results[POLICIES[2].title]["busy_vs_oracle"] == pytest.approx(
+        results[POLICIES[2].title]["busy_pct"] / results[ORACLES["suspend"]]["busy_pct"]
+    )
+    results["gpuslice (freeze)"] = analyse(day, simulate(day, "suspend"))
     text = day_table(results)
     head = text.splitlines()[0]
     assert head.split(" | ")[1:] == [*(p.title for p in POLICIES), *ORACLES.values(),
-                                     "gpuslice (suspend)"]  # fmt: skip
+                                     "gpuslice (freeze)"]  # fmt: skip
     assert "on-demand wait p99" in text and "model loads" in text
+    assert "runs paused (frozen), from the jobs" in text
 
 
 def test_rows_put_gpuslice_against_systemd_alone_and_carry_the_table() -> None:
@@ -261,3 +332,15 @@ def test_rows_put_gpuslice_against_systemd_alone_and_carry_the_table() -> None:
     assert loads.note == "oracle 3"
     assert set(rows[0].extra["policies"]) == {*measured, *ORACLES.values()}
     assert all(r.case.startswith("day: ") for r in rows)
+    assert not any("pause" in r.case for r in rows)  # the table's, not a row
+
+
+def test_rows_note_the_suspend_column_where_it_was_measured() -> None:
+    day = small_day(od(2.5))
+    stop, free = simulate(day, "stop"), simulate(day, "suspend")
+    measured = {POLICIES[0].title: analyse(day, stop), POLICIES[1].title: analyse(day, stop)}
+    measured[POLICIES[2].title] = analyse(day, free)
+    rows = rows_of(with_oracles(day, measured, POLICIES))
+    loads = next(r for r in rows if r.case == "day: model loads")
+    redone = next(r for r in rows if r.case == "day: work items redone")
+    assert (loads.note, redone.note) == ("oracle 3; suspend 2", "oracle 1; suspend 0")
