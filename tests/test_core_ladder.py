@@ -6,6 +6,7 @@ Played on the pure scheduler: the adapter's reports (`suspended_done`, `suspend_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from gpuslice.core.decisions import Code
@@ -193,6 +194,20 @@ def test_a_suspended_unit_keeps_its_room_from_less_urgent_background_units() -> 
     s.suspended_done(V, "")
     acts = s.inactive(VO, Outcome.EXITED)
     assert brief(acts) == [f"resume {V} 0"]  # not the filler
+
+
+def test_a_priority_edited_while_suspended_orders_the_resume() -> None:
+    a = spec("a", 80, BG, mem_gib=10, preempt="suspend stop")
+    b = spec("b", 90, BG, mem_gib=10, preempt="suspend stop")
+    u = spec("u", 10, mem_gib=20)
+    s = host(a, b, u)
+    running(s, a, b)
+    assert brief(s.request(u)) == ["suspend a.service 0", "suspend b.service 0"]
+    s.suspended_done(a.name, "")
+    s.suspended_done(b.name, "")
+    s.set_specs({a.name: a, b.name: dataclasses.replace(b, priority=70), u.name: u})
+    # u leaves: both come back, now b (70) before a (80)
+    assert brief(s.inactive(u.name, Outcome.EXITED)) == ["resume b.service 0", "resume a.service 0"]
 
 
 def test_no_resume_while_a_more_urgent_unit_waits() -> None:

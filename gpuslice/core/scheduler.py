@@ -182,7 +182,6 @@ class Suspended:
     spec: UnitSpec
     gpus: frozenset[int]
     seq: int
-    for_unit: str = ""
 
 
 @dataclass
@@ -504,9 +503,7 @@ class Scheduler:
         del self.holders[name]
         self._tops_cache = None
         waiter = self.waiters.get(holder.stopping_for or "")
-        self.suspended[name] = Suspended(
-            holder.spec, holder.gpus, self._next(), holder.stopping_for or ""
-        )
+        self.suspended[name] = Suspended(holder.spec, holder.gpus, self._next())
         decision = _about(
             holder.spec,
             Code.SUSPENDED,
@@ -900,9 +897,8 @@ class Scheduler:
         actions: list[Action] = []
         if not self.suspended:
             return actions
-        order = sorted(self.suspended.values(), key=lambda s: (s.spec.priority, s.seq))
-        for entry in order:
-            spec = entry.spec
+        for entry in sorted(self.suspended.values(), key=self._resume_order):
+            spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
             gpus = tuple(sorted(entry.gpus))
             uses = self._uses(promises)
             avoid = self._avoids_foreign(spec)
@@ -924,6 +920,9 @@ class Scheduler:
             resume = _about(spec, Code.RESUME, gpus=gpus)
             actions.append(Resume(spec.name, gpus, render(resume), resume))
         return actions
+
+    def _resume_order(self, entry: Suspended) -> tuple[int, int]:
+        return (self.specs.get(entry.spec.name, entry.spec).priority, entry.seq)
 
     def _displace(self, victims: Iterable[str]) -> bool:
         """Move units whose gate is not answered yet back to waiting (nothing of theirs ran:
