@@ -149,6 +149,7 @@ class Controller:
         self._stop_timers: dict[str, asyncio.TimerHandle] = {}
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
         self._save_failing = False
+        self._checking_thaws = False  # a check of FreezerState is under way
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -478,9 +479,20 @@ class Controller:
         return None if self.watch.stale else list(self.watch.sample.processes)
 
     def _decide_on(self, gpus: list[Gpu]) -> None:
-        """New GPUs from NVML (a sample, the driver back or gone): decide again."""
+        """New GPUs from NVML (a sample, the driver back or gone): decide again; and, at the
+        sampling pace, whether someone thawed a unit gpuslice froze (nothing signals it)."""
         self._status_cache = None
         self.execute(self.scheduler.set_gpus(gpus))
+        frozen = self.scheduler.frozen_units()
+        if frozen and self.ready and not self._checking_thaws:
+            self._checking_thaws = True
+            self._spawn(self._check_thaws(frozen))
+
+    async def _check_thaws(self, units: list[str]) -> None:
+        try:
+            await self.ladder.check_thawed(units)
+        finally:
+            self._checking_thaws = False
 
     def _say(self, message: str, level: str, decision: Decision | None) -> None:
         """One line per decision: as a journal entry that its unit's journal shows too, or,

@@ -16,12 +16,13 @@ restore, unlock.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpuslice import checkpoint
 from gpuslice.cgroups import unit_of_pid
@@ -43,6 +44,8 @@ class Freezer(Protocol):
 
     async def thaw_unit(self, name: str) -> None: ...
 
+    async def freezer_state(self, name: str) -> str: ...
+
     async def unit_pids(self, name: str) -> list[int]: ...
 
 
@@ -58,6 +61,8 @@ class LadderEvents(Protocol):
     def resume_failed(self, name: str, why: str) -> list[Action]: ...
 
     def freeze_failed(self, name: str, why: str) -> list[Action]: ...
+
+    def thawed_outside(self, name: str) -> list[Action]: ...
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,15 @@ class Ladder:
         self.host_memory = host_memory
         self.unit_of_pid = unit_of_pid
         self.suspensions: dict[str, Suspension] = {}
+        # units with a freeze, thaw, suspend or resume under way, and how many
+        self.busy: dict[str, int] = {}
 
     # -- suspend ------------------------------------------------------------------------------
 
-    async def suspend(self, unit: str, thaw_first: bool = False) -> None:
+    def suspend(self, unit: str, thaw_first: bool = False) -> Coroutine[Any, Any, None]:
+        return self._run(unit, self._suspend_and_report(unit, thaw_first))
+
+    async def _suspend_and_report(self, unit: str, thaw_first: bool) -> None:
         try:
             if thaw_first:  # frozen beside a more urgent unit: the tool needs it running
                 await self.systemd.thaw_unit(unit)
@@ -162,7 +172,10 @@ class Ladder:
 
     # -- resume -------------------------------------------------------------------------------
 
-    async def resume(self, unit: str) -> None:
+    def resume(self, unit: str) -> Coroutine[Any, Any, None]:
+        return self._run(unit, self._resume_and_report(unit))
+
+    async def _resume_and_report(self, unit: str) -> None:
         try:
             done = await self._resume(unit)
         except Exception as e:  # never left frozen with nobody responsible for it
@@ -210,7 +223,10 @@ class Ladder:
 
     # -- freeze and thaw ----------------------------------------------------------------------
 
-    async def freeze(self, unit: str) -> None:
+    def freeze(self, unit: str) -> Coroutine[Any, Any, None]:
+        return self._run(unit, self._freeze(unit))
+
+    async def _freeze(self, unit: str) -> None:
         try:
             if not self.unified_marker.exists():
                 raise CheckpointError("cgroup v1 (hybrid hierarchy): systemd cannot freeze units")
@@ -219,11 +235,47 @@ class Ladder:
             why = e.reason if isinstance(e, CheckpointError) else f"FreezeUnit failed: {e}"
             self.report(lambda: self.events.freeze_failed(unit, why))
 
-    async def thaw(self, unit: str) -> None:
+    def thaw(self, unit: str) -> Coroutine[Any, Any, None]:
+        return self._run(unit, self._thaw(unit))
+
+    async def _thaw(self, unit: str) -> None:
         try:
             await self.systemd.thaw_unit(unit)
         except Exception as e:
             log.warning("thawing %s failed: %s (thaw it with systemctl thaw %s)", unit, e, unit)
+
+    # -- a thaw by hand -----------------------------------------------------------------------
+
+    async def check_thawed(self, units: list[str]) -> None:
+        """Ask systemd which of these frozen units someone thawed by hand (systemd 252 signals
+        no FreezerState change); a unit with an operation of ours under way is not asked."""
+        for unit in units:
+            if unit in self.busy:
+                continue
+            try:
+                state = await self.systemd.freezer_state(unit)
+            except Exception as e:  # gone meanwhile: its inactive state says so
+                log.debug("FreezerState of %s: %s", unit, e)
+                continue
+            if state == "running" and unit not in self.busy:
+                self.report(functools.partial(self.events.thawed_outside, unit))
+
+    def _run(self, unit: str, work: Coroutine[Any, Any, None]) -> Coroutine[Any, Any, None]:
+        """The unit counts as busy from now (before its task first runs: a check of thaws by
+        hand in between must not take our own freeze, not yet sent, for one), until done."""
+        self.busy[unit] = self.busy.get(unit, 0) + 1
+
+        async def run() -> None:
+            try:
+                await work
+            finally:
+                left = self.busy.get(unit, 1) - 1
+                if left:
+                    self.busy[unit] = left
+                else:
+                    self.busy.pop(unit, None)
+
+        return run()
 
 
 def _reason(error: Exception, doing: str) -> str:

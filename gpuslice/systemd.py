@@ -237,6 +237,14 @@ class Systemd:
     async def thaw_unit(self, name: str) -> None:
         await self.call("ThawUnit", "s", [name])
 
+    async def freezer_state(self, name: str) -> str:
+        """`running`, `frozen`, `freezing` or `thawing` (systemd 252 signals no change of it:
+        whoever needs it asks)."""
+        (value,) = await self.call(
+            "Get", "ss", [UNIT, "FreezerState"], path=unit_path(name), interface=PROPERTIES
+        )
+        return str(value.value)
+
     async def unit_pids(self, name: str) -> list[int]:
         """Every process in the unit's cgroup, as systemd lists them."""
         (processes,) = await self.call("GetUnitProcesses", "s", [name])

@@ -159,6 +159,37 @@ def test_a_failed_freeze_leaves_it_running_beside_and_is_not_tried_again() -> No
     assert brief(s.request(voice2)) == [f"grant {voice2.name} 0"]
 
 
+def test_a_unit_thawed_by_hand_counts_as_running_and_is_not_frozen_again() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    voice2 = spec("voice2", 10, mem_gib=4)
+    s = host(emb, voice, voice2)
+    running(s, emb, voice)
+    assert s.frozen_units() == ["emb.service"]
+    assert words(s.thawed_outside("emb.service")) == [
+        "emb.service (priority 90) was thawed outside gpuslice: it runs beside the units it "
+        "was frozen for and is not frozen again while it runs"
+    ]
+    assert s.phase("emb.service") is Phase.RUNNING
+    assert brief(s.request(voice2)) == [f"grant {voice2.name} 0"]  # no freeze again
+    assert brief(s.inactive(VO, Outcome.EXITED)) == []  # and no thaw
+    assert s.thawed_outside("emb.service") == []  # running: nothing to say
+
+
+def test_a_suspended_unit_thawed_by_hand_still_waits_for_its_memory() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    assert s.frozen_units() == [V]
+    assert words(s.thawed_outside(V)) == [
+        "vlm.service (priority 90) was thawed outside gpuslice while suspended: its CUDA calls "
+        "wait until its memory is restored on GPU 0, as soon as it fits there"
+    ]
+    assert s.phase(V) is Phase.SUSPENDED
+    assert brief(s.inactive(VO, Outcome.EXITED)) == [f"resume {V} 0"]
+
+
 def test_the_thaw_waits_for_every_unit_it_was_frozen_for() -> None:
     emb = spec("emb", 90, BG, mem_gib=4, preempt="freeze stop")
     a, b = spec("a", 10, mem_gib=4), spec("b", 20, mem_gib=4)

@@ -28,6 +28,7 @@ class Freezer:
         self.calls: list[str] = []
         self.fail: set[str] = set()
         self.pids: list[int] = []
+        self.states: dict[str, str] = {}  # FreezerState by unit ("frozen" if not named)
 
     async def _do(self, what: str, name: str) -> None:
         self.calls.append(f"{what} {name}")
@@ -42,6 +43,12 @@ class Freezer:
 
     async def unit_pids(self, name: str) -> list[int]:
         return list(self.pids)
+
+    async def freezer_state(self, name: str) -> str:
+        self.calls.append(f"state {name}")
+        if "state" in self.fail:
+            raise RuntimeError("no such unit")
+        return self.states.get(name, "frozen")
 
 
 class Events:
@@ -68,6 +75,9 @@ class Events:
 
     def freeze_failed(self, name: str, why: str) -> list[Action]:
         return self._note("freeze_failed", name, why)
+
+    def thawed_outside(self, name: str) -> list[Action]:
+        return self._note("thawed_outside", name, "")
 
 
 class Host:
@@ -290,3 +300,16 @@ def test_a_bug_while_suspending_is_a_failed_suspend_not_a_stuck_unit(host: Host)
     [(event, _, words)] = host.said()
     assert event == "suspend_failed"
     assert words == "gpuslice failed while suspending (KeyError: 'bug')"
+
+
+def test_a_thaw_by_hand_is_found_by_asking_systemd(host: Host) -> None:
+    host.freezer.states = {"a.service": "running", "b.service": "frozen", "c.service": "running"}
+    busy = host.ladder.freeze("c.service")  # ours, not yet sent: busy from now on
+    run(host.ladder.check_thawed(["a.service", "b.service", "c.service"]))
+    assert host.said() == [("thawed_outside", "a.service", "")]
+    assert "state c.service" not in host.freezer.calls
+    run(busy)
+    assert host.ladder.busy == {}
+    host.freezer.fail.add("state")
+    run(host.ladder.check_thawed(["a.service"]))  # an error is no thaw
+    assert len(host.said()) == 1

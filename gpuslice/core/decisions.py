@@ -48,6 +48,7 @@ class Code(enum.Enum):
     FREEZE = "freeze"  # frozen beside `for_unit` on `gpus`: it keeps its VRAM (Preempt=freeze)
     THAW = "thaw"  # the units it was frozen for have left: it runs again
     RUNG_FAILED = "rung-failed"  # `rung` did not work (`detail`); `fallback` is tried next
+    THAWED_OUTSIDE = "thawed-outside"  # someone thawed a frozen or suspended unit by hand
 
 
 class Cause(enum.Enum):
@@ -60,6 +61,7 @@ class Cause(enum.Enum):
     BUSY = "gpus-busy"  # wait: every usable GPU is taken; `blockers` say by whom
     FREE = "free-gpus"  # requeue: onto free `gpus`
     PREEMPTS = "must-preempt"  # requeue: its gate will preempt less urgent units
+    SUSPENDED = "suspended"  # thawed-outside: the unit was suspended (else frozen)
 
 
 class Blocker(enum.Enum):
@@ -314,6 +316,16 @@ def render(d: Decision) -> str:
         )
     if code is Code.THAW:
         return f"thawing {who} on {format_gpus(d.gpus)}: the units it was frozen for have left"
+    if code is Code.THAWED_OUTSIDE:
+        if d.cause is Cause.SUSPENDED:
+            return (
+                f"{who} was thawed outside gpuslice while suspended: its CUDA calls wait until "
+                f"its memory is restored on {format_gpus(d.gpus)}, as soon as it fits there"
+            )
+        return (
+            f"{who} was thawed outside gpuslice: it runs beside the units it was frozen for "
+            "and is not frozen again while it runs"
+        )
     if code is Code.RUNG_FAILED:
         for_whom = f" for {_who(d.for_unit, d.for_priority)}" if d.for_unit else ""
         if d.fallback:

@@ -595,6 +595,29 @@ class Scheduler:
         )
         return [_log(decision)]
 
+    def thawed_outside(self, name: str) -> list[Action]:
+        """Someone thawed a frozen or suspended unit by hand (`systemctl thaw`). Frozen: it
+        counts as running again and is not frozen again while it runs. Suspended: its memory
+        is still in host memory; it is restored as soon as it fits, as before."""
+        holder = self.holders.get(name)
+        if holder is not None and holder.phase is Phase.FROZEN:
+            holder.phase = Phase.RUNNING
+            holder.frozen_for.clear()
+            self.unfreezable.add(name)
+            gpus = tuple(sorted(holder.gpus))
+            return [_log(_about(holder.spec, Code.THAWED_OUTSIDE, gpus=gpus))]
+        entry = self.suspended.get(name)
+        if entry is not None:
+            gpus = tuple(sorted(entry.gpus))
+            thawed = _about(entry.spec, Code.THAWED_OUTSIDE, gpus=gpus, cause=Cause.SUSPENDED)
+            return [_log(thawed)]
+        return []
+
+    def frozen_units(self) -> list[str]:
+        """Units gpuslice froze: frozen beside a more urgent unit, or suspended."""
+        frozen = [n for n, h in self.holders.items() if h.phase is Phase.FROZEN]
+        return sorted([*frozen, *self.suspended])
+
     def recover(self) -> list[Action]:
         """After a controller restart: units caught between suspend and resume are resumed
         on the GPUs they still hold (a resume is safe in any state: it restores what was

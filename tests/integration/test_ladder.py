@@ -148,6 +148,25 @@ def test_freeze_beside_a_more_urgent_unit_that_fits_and_thaw_after(bed: Containe
     counting(bed, "emb.service")
 
 
+def test_a_unit_thawed_by_hand_runs_again_beside_the_urgent_one(bed: Container) -> None:
+    write_worker(bed, "emb.service", 90, memory="8G", alloc="8G", preempt="freeze stop")
+    write_urgent(bed, memory="8G")
+    reload(bed)
+    bed.systemctl("start", "emb.service")
+    wait_state(bed, "emb.service", "active")
+    bed.systemctl("start", VOICE)
+    wait_journal(bed, "freezing emb.service (priority 90) on GPU 0 for voice.service")
+    wait_until(
+        lambda: prop(bed, "emb.service", "FreezerState") == "frozen" or None, TIMEOUT, what="frozen"
+    )
+    bed.systemctl("thaw", "emb.service")
+    wait_journal(bed, "emb.service (priority 90) was thawed outside gpuslice: it runs beside")
+    assert [
+        h["state"] for h in status(bed)["gpus"][0]["holders"] if h["unit"] == "emb.service"
+    ] == ["running"]
+    counting(bed, "emb.service")
+
+
 @pytest.mark.parametrize(
     ("prepare", "why"),
     [
