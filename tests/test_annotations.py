@@ -804,6 +804,19 @@ def test_a_reset_of_exec_start_pre_after_the_gate_is_reported(tmp_path: Path) ->
     ]
 
 
+def test_the_generators_own_gate_dropin_is_not_read_for_annotations(tmp_path: Path) -> None:
+    """It holds none (the generator writes only the gate); at 10,000 units it is half the
+    files a scan would read. The same name elsewhere is read as any drop-in."""
+    write(tmp_path, f"{LIB}/x.service", unit("Priority=1\n"))
+    gen = "/run/systemd/generator/x.service.d"
+    write(tmp_path, f"{gen}/{GATE_DROPIN_NAME}", "[X-GPUSlice]\nPriority=5\n")
+    write(tmp_path, f"{gen}/other.conf", "[X-GPUSlice]\nGPUs=2\n")
+    spec = scan(tmp_path).specs["x.service"]
+    assert (spec.priority, spec.gpus) == (1, 2)
+    write(tmp_path, f"{ETC}/x.service.d/{GATE_DROPIN_NAME}", "[X-GPUSlice]\nPriority=7\n")
+    assert scan(tmp_path).specs["x.service"].priority == 7
+
+
 def test_a_reset_in_a_template_or_instance_dropin_counts_for_it(tmp_path: Path) -> None:
     write(tmp_path, f"{LIB}/t@.service", unit("Priority=1\n"))
     write(tmp_path, f"{ETC}/t@.service.d/override.conf", "[Service]\nExecStartPre=\n")
