@@ -201,6 +201,26 @@ def test_each_failure_falls_to_stop_with_one_line_saying_why(
     wait_state(bed, VLM, "active", TIMEOUT)  # requeued as before: restarted from the start
 
 
+def test_a_restore_that_runs_out_of_memory_stops_the_unit_and_requeue_restarts_it(
+    bed: Container,
+) -> None:
+    pid = start_vlm_and_preempt_it(bed)
+    wait_journal(bed, "suspending vlm.service (priority 90) for voice.service (priority 10): ")
+    bed.run(f"mkdir -p {fakegpu.STATE}/inject && touch {fakegpu.STATE}/inject/restore-oom")
+    bed.systemctl("stop", VOICE)
+    line = wait_line(bed, "vlm.service (priority 90) could not be resumed on GPU 0: ")
+    assert "ran out of GPU memory" in line, line
+    assert line.endswith("stopping it (Requeue= decides whether it starts again)"), line
+    bed.run(f"rm -rf {fakegpu.STATE}/inject")
+    wait_journal(bed, "restarting preempted vlm.service (priority 90)")
+    wait_until(
+        lambda: (bed.active_state(VLM) == "active" and main_pid(bed, VLM) not in (0, pid)) or None,
+        TIMEOUT,
+        what="vlm.service restarted with a new main process",
+    )
+    assert suspended(bed) == []
+
+
 def test_kill_9_of_the_controller_while_a_unit_is_suspended_then_resume(bed: Container) -> None:
     pid = start_vlm_and_preempt_it(bed)
     wait_journal(bed, "suspending vlm.service (priority 90) for voice.service (priority 10): ")
