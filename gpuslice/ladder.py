@@ -76,7 +76,7 @@ class Suspension:
 
 
 class Ladder:
-    """Runs one unit's freeze, thaw, suspend or resume at a time per unit, as tasks.
+    """Runs freezes, thaws, suspends and resumes as tasks (`busy` counts those under way).
 
     `processes` takes a fresh NVML sample and returns every GPU process with its unit (None
     when NVML is not available); `report` runs a core event and carries out its actions.
@@ -114,13 +114,19 @@ class Ladder:
     async def _suspend_and_report(self, unit: str, thaw_first: bool) -> None:
         try:
             if thaw_first:  # frozen beside a more urgent unit: the tool needs it running
-                await self.systemd.thaw_unit(unit)
+                await self._thaw_for_suspend(unit)
             done = await self._suspend(unit)
         except Exception as e:  # a bug here must not leave the unit (and its waiter) stuck
             why = _reason(e, "suspending")
             self.report(lambda: self.events.suspend_failed(unit, why))
             return
         self.report(lambda: self.events.suspended_done(unit, done))
+
+    async def _thaw_for_suspend(self, unit: str) -> None:
+        try:
+            await self.systemd.thaw_unit(unit)
+        except Exception as e:  # a bus error is a reason, not a crash
+            raise CheckpointError(f"ThawUnit failed: {e}") from None
 
     async def _suspend(self, unit: str) -> str:
         s = self.settings()

@@ -200,6 +200,14 @@ def test_a_frozen_unit_is_thawed_before_its_processes_are_locked(host: Host) -> 
     assert host.freezer.calls == [f"thaw {UNIT}", f"freeze {UNIT}"]
 
 
+def test_a_frozen_unit_that_cannot_be_thawed_is_not_suspended(host: Host) -> None:
+    pid = host.job()
+    host.freezer.fail.add("thaw")
+    run(host.ladder.suspend(UNIT, thaw_first=True))
+    assert host.said() == [("suspend_failed", UNIT, "ThawUnit failed: thaw refused")]
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+
+
 def test_a_failed_freeze_after_the_checkpoint_undoes_it(host: Host) -> None:
     pid = host.job()
     host.freezer.fail.add("freeze")
