@@ -2,34 +2,60 @@
 
 `Sim` feeds events to a `Scheduler` and plays its actions back the way systemd and the
 adapter would: a `Start` becomes a start job whose gate later asks (`request`), a `Stop`
-becomes a stop job after which the unit is later reported inactive. Both are queued and
-played by `finish_start`, `finish_stop` or `settle`, so a test (or hypothesis) decides
-what happens in between.
+becomes a stop job after which the unit is later reported inactive, a `Suspend` or `Resume`
+becomes the adapter's work, done or failed later (`finish_suspend`, `finish_resume`).
+They are queued and played by `finish_start`, `finish_stop`, those two or `settle`, so a
+test (or hypothesis) decides what happens in between. A `Freeze` or `Thaw` takes effect at
+once; FreezeUnit may fail (`fail_freeze`, or at once for the units in `freeze_fails`).
+`restart` is a controller restart: save, load, adopt, `recover()`.
 
 `Sim` is also the oracle: it keeps its own model of the host, built only from the events
-it fed in and the Grant, Stop and Start actions that came back (who runs where, who waits at
-the gate, who a person stopped, which units finished, failed or were preempted and in what
-order, the GPUs as last sampled), never from the scheduler's fields. Every batch of actions
-is checked against that model, whatever the test:
+it fed in and the actions that came back (who runs where, who waits at the gate, who a
+person stopped, which units finished, failed or were preempted and in what order, who is
+being suspended for whom, who is suspended from which GPUs and since when, who is being
+resumed, who is frozen for whom, whose suspend or freeze failed, the GPUs as last sampled),
+never from the scheduler's fields. Every batch of actions is checked against that model,
+whatever the test:
 
 - a Grant answers a gate that is asking, with as many distinct, known, not lost GPUs as the
   unit asks for; a whole-GPU unit (no `Memory=`, or a GPU of unknown size) never shares a
-  GPU; the declared memory on a GPU never exceeds total - reserve - foreign use; no Grant
-  while a victim chosen for that unit still runs; no waiter is left waiting while a less
-  urgent unit is granted GPUs it would fit on;
+  GPU; the declared memory on a GPU never exceeds total - reserve - foreign use, counting
+  every unit that holds it (running, frozen, being stopped, suspended or resumed), never a
+  suspended one; no Grant while a victim chosen for that unit still runs or is still being
+  suspended; no waiter is left waiting while a less urgent unit is granted GPUs it would fit
+  on; a Grant leaves a more urgent suspended unit its room on its GPUs;
 - a Stop preempts a unit strictly less urgent (by its annotation) than the waiting unit it is
-  for, or makes a background unit yield to a foreign process; never twice, never a unit that
-  is not active, never more victims while earlier ones still stop;
+  for, or makes a background unit yield to a foreign process, or follows a failed resume of
+  that unit; never twice, never a unit that is not active, never more victims while earlier
+  ones still stop or suspend; only a unit whose Preempt= has stop, and when suspend comes
+  first, only after its suspend failed (then at once, for the same waiter); never a unit
+  being resumed;
+- a Suspend is of a running unit (not stopping, suspending or resuming) whose Preempt= gives
+  way by suspend first, on GPUs it holds, strictly less urgent than the waiting unit it is
+  for, by the same thrash and one-round-of-victims rules as a Stop; never again after its
+  suspend failed while it runs; `thaw_first` exactly when it is frozen;
+- a Resume is of a suspended unit, onto exactly the GPUs it had (not lost, no foreign
+  process it avoids), only when its declared memory fits there next to everyone, never while
+  a more urgent unit waits at its gate, most urgent first (then suspended first) within a
+  batch, never taking the room of a more urgent suspended unit; after a restart `recover()`
+  resumes exactly the units caught being suspended or resumed, on the GPUs they hold; a
+  failed resume is followed by a Stop, a failed suspend by the Stop its Preempt= names next;
+- a Freeze is of a unit granted beside a unit just granted in this batch, and every such
+  unit is frozen: running (not frozen, stopping, suspending or resuming), with freeze in its
+  Preempt=, strictly less urgent, not one whose freeze failed while it runs; a Thaw is of a
+  frozen unit, only once every unit it was frozen for has left or stopped running (or its
+  annotation went: a frozen unit is never left frozen unmanaged);
 - a Start is only for a preempted unit with Requeue=yes (in the order priority, then the one
   preempted first) or an idle background unit (priority, then the one out longest), never for
-  a unit a person stopped, one that failed or finished; preempted units come back before idle
-  background units are started.
+  a unit a person stopped, one that failed or finished, or a suspended one (it still runs);
+  preempted units come back before idle background units are started.
 
-`check_quiet` adds what must hold once everything has played out, and `drain` what must hold
-once every unit has ended: every waiter that can fit on the host was granted, the others were
-told why they wait, and every preempted unit with Requeue=yes came back (unless a waiter that
-cannot fit, more urgent, or as urgent and earlier, keeps the capacity it needs: strict order,
-no backfill).
+`check_quiet` adds what must hold once everything has played out (nothing left to decide; no
+unit frozen without a more urgent unit running beside it), and `drain` what must hold once
+every unit has ended: every waiter that can fit on the host was granted, the others were told
+why they wait, and every preempted unit with Requeue=yes and every suspended unit came back
+(unless a waiter that cannot fit, more urgent, or as urgent and earlier, keeps the capacity it
+needs: strict order, no backfill).
 """
 
 from __future__ import annotations
@@ -112,6 +138,15 @@ def room(gpu: Gpu) -> int | None:
     return None if gpu.total is None else gpu.total - gpu.reserve - gpu.foreign
 
 
+def _ladder(unit: UnitSpec) -> str:
+    return " ".join(r.value for r in unit.preempt) or "(none)"
+
+
+def _memory_rungs(unit: UnitSpec) -> list[Rung]:
+    """The rungs of a unit's ladder that free its VRAM, in its order (freeze keeps it)."""
+    return [r for r in unit.preempt if r in (Rung.SUSPEND, Rung.STOP)]
+
+
 class InvariantError(AssertionError):
     """The core broke a rule; the message says which and how."""
 
@@ -165,6 +200,21 @@ class Sim:
         self.answered_at: dict[str, int] = {}
         self.announced: set[str] = set()  # start jobs seen, gates not yet asking
         self.told_to_wait: set[str] = set()  # its last word: "waiting" (not "keeping GPUs")
+        # the Preempt= ladder, as the adapter carries it out
+        self._falling_back = ""  # the unit whose failed suspend is being reported
+        self.pending_suspends: list[str] = []  # Suspend issued, the adapter not done yet
+        self.suspend_for: dict[str, str] = {}  # unit being suspended -> the waiter it is for
+        self.suspended: dict[str, tuple[int, ...]] = {}  # VRAM in host memory: its GPUs
+        self.suspended_at: dict[str, int] = {}  # when its suspend was done (resume order)
+        self.pending_resumes: list[str] = []  # Resume issued (it holds its GPUs again)
+        self.frozen: dict[str, set[str]] = {}  # frozen -> the running units it gave way to
+        self.suspend_failed: set[str] = set()  # a suspend failed while it runs: never again
+        self.unfreezable: set[str] = set()  # its freeze failed while it runs: never again
+        self.freeze_fails: set[str] = set()  # units FreezeUnit fails for (set by the test)
+        self._resume_failing = ""  # the unit whose failed resume is being reported
+        self._caught: set[str] = set()  # restarting: units `recover()` resumes
+        self._to_freeze: dict[str, set[str]] = {}  # in a batch: granted -> who must freeze
+        self._resumed: list[str] = []  # in a batch: resumed, in order
 
     # -- what a person, a unit or NVML does ---------------------------------------------------
 
@@ -177,8 +227,8 @@ class Sim:
         if name in self.pending_stops:
             self.start_after_stop.add(name)  # queued behind the stop job
             return []
-        if name in self.running or name in self.at_gate or name in self.pending_starts:
-            return []  # merges with the job already there
+        if self.active(name):
+            return []  # merges with the job already there (a suspended unit still runs)
         return self._request(name)
 
     def announce(self, name: str) -> list[Action]:
@@ -200,8 +250,10 @@ class Sim:
         return self._feed(self.sched.announce(spec))
 
     def exit(self, name: str, outcome: Outcome = Outcome.EXITED) -> list[Action]:
-        """A running unit's main process ends by itself (EXITED or FAILED)."""
+        """A running unit's main process ends by itself (EXITED or FAILED), also while it is
+        being suspended or resumed; not while frozen (its processes cannot run)."""
         assert name in self.running and name not in self.pending_stops, name
+        assert name not in self.frozen, f"{name} is frozen"
         del self.running[name]
         self._went_out(name)
         if outcome is Outcome.EXITED:
@@ -216,7 +268,7 @@ class Sim:
             return []  # merges with gpuslice's own stop job
         if name in self.pending_starts:
             self.pending_starts.remove(name)
-        elif name not in self.running and name not in self.at_gate:
+        elif not self.active(name):
             return []  # already inactive: systemd reports nothing
         self.running.pop(name, None)
         self.at_gate.discard(name)
@@ -229,7 +281,7 @@ class Sim:
         """New annotations (daemon-reload): the whole set, replacing the old one."""
         self.annotations = {s.name: s for s in specs}
         for name in [n for n in self.running if n not in self.annotations]:
-            if name not in self.pending_stops:
+            if name not in self.pending_stops and not self._giving_way_or_back(name):
                 del self.running[name]  # runs on, but gpuslice no longer accounts for it
                 self.unmanaged.add(name)
         actions = self._feed(self.sched.set_specs(self.annotations))
@@ -249,11 +301,64 @@ class Sim:
 
     def new_boot(self) -> list[Action]:
         """The host rebooted (nothing runs): finished and failed units may run again."""
-        assert not self.running and not self.at_gate and self.quiet
+        assert not self.running and not self.at_gate and not self.suspended and self.quiet
         self.finished.clear()
         self.failed.clear()
         self.sched.forget_boot()
         return self._feed(self.sched.schedule())
+
+    def restart(self) -> list[Action]:
+        """The controller restarts. A fresh Scheduler loads the saved state; running units
+        are adopted on their saved GPUs (those being stopped as such), every gate still
+        waiting queues, and units caught between suspend and resume are resumed (`recover`:
+        the adapter's work in flight reported to the old controller), all before anything is
+        decided (the controller's rebuild). A gate that asks late may find its unit started
+        by refill meanwhile: systemd merges that start into its job. What the old controller
+        knew only in memory is forgotten by the model too: when each unit went out, when
+        requests were known and gates answered (the thrash rule holds within one
+        controller's life), whose suspend or freeze failed."""
+        saved = self.sched.save()
+        self.sched = Scheduler(
+            self.devices.values(), self.annotations, yield_to_foreign=self.yield_to_foreign
+        )
+        self.sched.load(saved)
+        for forgotten in (self.out_since, self.known_at, self.answered_at):
+            forgotten.clear()
+        self.suspend_failed.clear()
+        self.unfreezable.clear()
+        caught = set(self.pending_suspends) | set(self.pending_resumes)
+        for name in self.pending_suspends:
+            self.suspend_for.pop(name, None)
+            for victims in self.victims_of.values():
+                victims.discard(name)  # no longer on its way out for anyone
+        self.pending_suspends.clear()
+        self.pending_resumes.clear()
+        # start jobs the old controller saw before their gates asked: the new one learns of
+        # them when their gates ask
+        self.announced.clear()
+        gates = sorted(self.at_gate)
+        self.at_gate.clear()
+        adopted: list[Action] = []
+        with self.sched.deferred():  # as the controller's rebuild: take in all, decide once
+            for name, gpus in sorted(self.running.items()):
+                if name in self.annotations:
+                    stopping = name in self.pending_stops
+                    adopted += self.sched.running(name, gpus, stopping=stopping)
+            for name in gates:
+                if name in self.pending_starts:  # started by refill before its gate asked again
+                    self.pending_starts.remove(name)  # one start job: the one at the gate
+                self.start(name)
+            recovered = self.sched.recover()
+        resumed = sorted(a.unit for a in recovered if isinstance(a, Resume))
+        if resumed != sorted(caught) or len(resumed) != len(recovered):
+            raise InvariantError(
+                f"recover() resumed {resumed}; caught between suspend and resume: {sorted(caught)}"
+            )
+        self._caught = caught
+        try:
+            return self._feed(adopted + recovered + self.sched.schedule())
+        finally:
+            self._caught = set()
 
     # -- what systemd does with gpuslice's actions ---------------------------------------------
 
@@ -282,12 +387,80 @@ class Sim:
                 self.pending_starts.append(name)
         return actions
 
+    def finish_suspend(
+        self, name: str | None = None, ok: bool = True, why: str = "the lock timed out"
+    ) -> list[Action]:
+        """The adapter is done with the oldest (or the named) suspend: its VRAM left its GPUs
+        (`ok`), or it could not move it (`why`)."""
+        name = self.pending_suspends[0] if name is None else name
+        self.pending_suspends.remove(name)
+        waiter = self.suspend_for.pop(name)
+        for victims in self.victims_of.values():
+            victims.discard(name)  # its memory left, or it stays, or a Stop names it again
+        if ok:
+            self.suspended[name] = self.running.pop(name)
+            self.suspended_at[name] = next(self._clock)
+            return self._feed(self.sched.suspended_done(name, "1 GiB to host memory in 1 s"))
+        self.suspend_failed.add(name)
+        self._falling_back = name
+        try:
+            actions = self._feed(self.sched.suspend_failed(name, why))
+        finally:
+            self._falling_back = ""
+        unit = self.annotations.get(name)
+        rungs = [] if unit is None else _memory_rungs(unit)
+        fallback = rungs[rungs.index(Rung.SUSPEND) + 1 :] if Rung.SUSPEND in rungs else []
+        other = self.annotations.get(waiter)
+        still_less_urgent = (
+            unit is not None and other is not None and unit.priority > other.priority
+        )
+        if (
+            fallback
+            and still_less_urgent
+            and self._waits(waiter)
+            and name not in self.pending_stops
+        ):
+            raise InvariantError(f"{name}'s suspend failed: no Stop, the next rung, for {waiter}")
+        return actions
+
+    def finish_resume(self, name: str | None = None, ok: bool = True) -> list[Action]:
+        """The adapter is done with the oldest (or the named) resume: the unit runs again
+        (`ok`), or its restore failed (it must then be stopped)."""
+        name = self.pending_resumes[0] if name is None else name
+        self.pending_resumes.remove(name)
+        if ok:
+            if name not in self.annotations:  # its annotation went while it was away
+                del self.running[name]
+                self.unmanaged.add(name)
+            return self._feed(self.sched.resumed(name, "after 1 s: restored in 1 s"))
+        self._resume_failing = name
+        try:
+            actions = self._feed(self.sched.resume_failed(name, "restore ran out of memory"))
+        finally:
+            self._resume_failing = ""
+        if name not in self.pending_stops:
+            raise InvariantError(f"{name} could not be resumed and was not stopped")
+        return actions
+
+    def fail_freeze(self, name: str) -> list[Action]:
+        """FreezeUnit failed for a unit gpuslice froze: it runs on beside the unit it was
+        frozen for, and is not frozen again while it runs."""
+        del self.frozen[name]
+        self.unfreezable.add(name)
+        actions = self._feed(self.sched.freeze_failed(name, "the unit is not active"))
+        return actions
+
     def settle(self, limit: int = 1000) -> list[Action]:
-        """Play every pending stop and start job until nothing is pending."""
+        """Play every pending stop, suspend, resume and start job until nothing is pending
+        (every suspend and resume works)."""
         actions: list[Action] = []
         for _ in range(limit):
             if self.pending_stops:
                 actions += self.finish_stop()
+            elif self.pending_suspends:
+                actions += self.finish_suspend()
+            elif self.pending_resumes:
+                actions += self.finish_resume()
             elif self.pending_starts:
                 actions += self.finish_start()
             else:
@@ -296,7 +469,12 @@ class Sim:
 
     @property
     def quiet(self) -> bool:
-        return not self.pending_starts and not self.pending_stops
+        return not (
+            self.pending_starts
+            or self.pending_stops
+            or self.pending_suspends
+            or self.pending_resumes
+        )
 
     # -- the model ----------------------------------------------------------------------------
 
@@ -306,6 +484,25 @@ class Sim:
             or name in self.at_gate
             or name in self.pending_starts
             or name in self.pending_stops
+            or name in self.suspended
+        )
+
+    def _waits(self, name: str) -> bool:
+        """Its start is known and not answered: a waiter, unless the core kept it a place."""
+        return name in self.at_gate or name in self.pending_starts
+
+    def _giving_way_or_back(self, name: str) -> bool:
+        """Being suspended or resumed: the adapter is at work on it."""
+        return name in self.suspend_for or name in self.pending_resumes
+
+    def runs(self, name: str) -> bool:
+        """Holds its GPUs and computes: granted, resumed or being resumed; not frozen, not
+        on its way out (stopping, suspending)."""
+        return (
+            name in self.running
+            and name not in self.pending_stops
+            and name not in self.suspend_for
+            and name not in self.frozen
         )
 
     def owed(self) -> set[str]:
@@ -336,6 +533,10 @@ class Sim:
         usable = [g for g in self.devices.values() if self._may_use(unit, g)]
         return len(usable) >= unit.gpus
 
+    def _fits_alone_on(self, unit: UnitSpec, gpus: Iterable[int]) -> bool:
+        """Whether the unit fits on these GPUs with nothing else running."""
+        return all(i in self.devices and self._may_use(unit, self.devices[i]) for i in gpus)
+
     def _may_use(self, unit: UnitSpec, gpu: Gpu) -> bool:
         if gpu.lost or (unit.devices and not any(gpu.matches(d) for d in unit.devices)):
             return False
@@ -361,6 +562,16 @@ class Sim:
     def _went_out(self, name: str) -> int:
         now = next(self._clock)
         self.out_since[name] = now
+        for victims in self.victims_of.values():
+            victims.discard(name)
+        if name in self.pending_suspends:
+            self.pending_suspends.remove(name)
+        if name in self.pending_resumes:
+            self.pending_resumes.remove(name)
+        for ladder in (self.suspend_for, self.suspended, self.suspended_at, self.frozen):
+            ladder.pop(name, None)  # a suspended unit stopped by hand is held like any other
+        self.suspend_failed.discard(name)
+        self.unfreezable.discard(name)
         self.at_gate.discard(name)
         self.announced.discard(name)
         self.told_to_wait.discard(name)
@@ -383,10 +594,16 @@ class Sim:
 
     def _feed(self, actions: list[Action]) -> list[Action]:
         self.actions += actions
+        # a unit frozen for others is frozen for those still running, and still more urgent
+        # than it (a reload), when the core looks again: the others no longer count
+        for name, owners in self.frozen.items():
+            self.frozen[name] = {u for u in owners if self.runs(u) and self._above(u, name)}
         stopping_for = {w for w, victims in self.victims_of.items() if victims}
         owed, idle = self.owed(), self.idle_background()
         started: list[str] = []
         granted: list[Grant] = []
+        self._to_freeze = {}
+        self._resumed = []
         for action in actions:
             if isinstance(action, Log) and action.decision is not None:
                 if action.decision.code is Code.WAIT:
@@ -402,8 +619,27 @@ class Sim:
                 self._check_start_order(action, owed - set(started), idle - set(started))
                 self._on_start(action)
                 started.append(action.unit)
+            elif isinstance(action, Suspend):
+                self._on_suspend(action, stopping_for)
+            elif isinstance(action, Resume):
+                self._on_resume(action)
+            elif isinstance(action, Freeze):
+                self._on_freeze(action)
+            elif isinstance(action, Thaw):
+                self._on_thaw(action)
+        for unit, left in sorted(self._to_freeze.items()):
+            if left:
+                raise InvariantError(f"{unit} granted beside {sorted(left)}: none was frozen")
+        unowned = sorted(n for n in self.frozen if n not in self.annotations)
+        if unowned:
+            raise InvariantError(f"{unowned} left frozen without an annotation")
         self._check_books()
         self._check_waiters(granted)
+        # FreezeUnit fails for these units: the adapter says so right after
+        failing = [a.unit for a in actions if isinstance(a, Freeze) and a.unit in self.freeze_fails]
+        for name in failing:
+            if name in self.frozen:
+                actions = actions + self.fail_freeze(name)
         return actions
 
     def _on_grant(self, grant: Grant) -> None:
@@ -421,29 +657,77 @@ class Sim:
         still = self.victims_of.pop(name, set())
         if still:
             raise InvariantError(f"Grant {name} while its victims {sorted(still)} still run")
+        self._check_suspended_room(unit, grant.gpus, f"Grant {name}")
         self.at_gate.discard(name)
         self.running[name] = grant.gpus
         self.answered_at[name] = next(self._clock)
+        # every less urgent unit beside it that may freeze gives it its compute: one that
+        # runs is frozen now (a Freeze follows in this batch), one frozen is frozen for it too
+        self._to_freeze[name] = set()
+        for other, gpus in sorted(self.running.items()):
+            spec = self.annotations.get(other)
+            if (
+                other == name
+                or spec is None
+                or not set(gpus) & set(grant.gpus)
+                or spec.priority <= unit.priority
+                or Rung.FREEZE not in spec.preempt
+                or other in self.unfreezable
+            ):
+                continue
+            if other in self.frozen:
+                self.frozen[other].add(name)
+            elif self.runs(other) and other not in self.pending_resumes:
+                self._to_freeze[name].add(other)
 
-    def _check_room(self, unit: UnitSpec, gpu: Gpu) -> None:
+    def _check_room(self, unit: UnitSpec, gpu: Gpu, what: str = "Grant") -> None:
         """A whole-GPU unit shares with nobody; declared memory fits in what is free."""
-        others = [n for n, gpus in self.running.items() if gpu.index in gpus]
+        problem = self._no_room(unit, gpu)
+        if problem:
+            raise InvariantError(f"{what} {unit.name} on GPU {gpu.index}{problem}")
+
+    def _no_room(self, unit: UnitSpec, gpu: Gpu) -> str:
+        """Why the unit does not fit on the GPU next to every unit that holds it (running,
+        frozen, being stopped, suspended or resumed; not suspended): "" when it fits."""
+        others = [n for n, gpus in self.running.items() if gpu.index in gpus and n != unit.name]
         free = room(gpu)
         if not others:
             if unit.memory is not None and free is not None and unit.memory > free:
-                raise InvariantError(f"Grant {unit.name} on GPU {gpu.index}: over its memory")
-            return
+                return ": over its memory"
+            return ""
         whole = [n for n in others if self._memory_of(n) is None]
         if unit.memory is None or free is None or whole:
-            raise InvariantError(
-                f"Grant {unit.name} on GPU {gpu.index}, shared with {sorted(others)}: "
-                "a whole-GPU unit or a GPU of unknown size"
-            )
+            return f", shared with {sorted(others)}: a whole-GPU unit or a GPU of unknown size"
         declared = unit.memory + sum(self._memory_of(n) or 0 for n in others)
         if declared > free:
-            raise InvariantError(
-                f"Grant {unit.name} on GPU {gpu.index}: {declared} bytes declared, {free} free"
-            )
+            return f": {declared} bytes declared beside {sorted(others)}, {free} free"
+        return ""
+
+    def _check_suspended_room(self, unit: UnitSpec, gpus: tuple[int, ...], what: str) -> None:
+        """A more urgent suspended unit (or as urgent, suspended earlier) keeps its room on
+        its GPUs from `unit`, about to hold `gpus`: it still fits there next to everyone."""
+        key = self._resume_key(unit.name)
+        checks = [
+            (self.annotations[other], self.devices[index])
+            for other, where in sorted(self.suspended.items())
+            if other != unit.name and self._resume_key(other) <= key
+            for index in sorted(set(where) & set(gpus))
+        ]
+        self.running[unit.name] = gpus
+        try:
+            for spec, gpu in checks:
+                problem = self._no_room(spec, gpu)
+                if problem:
+                    raise InvariantError(
+                        f"{what}: takes the room of suspended {spec.describe()} on GPU "
+                        f"{gpu.index}{problem}"
+                    )
+        finally:
+            del self.running[unit.name]
+
+    def _resume_key(self, name: str) -> tuple[int, int]:
+        unit = self.annotations.get(name)
+        return (1000 if unit is None else unit.priority, self.suspended_at.get(name, 0))
 
     def _memory_of(self, name: str) -> int | None:
         unit = self.annotations.get(name)
@@ -460,8 +744,13 @@ class Sim:
         d = stop.decision
         if d is None or stop.reason != render(d):
             raise InvariantError(f"Stop {stop.unit} without its decision, or other words: {stop}")
+        self.frozen.pop(stop.unit, None)  # stopped: whatever froze it no longer matters
         if d.code is Code.YIELD:
             self._check_yield(stop.unit, d.unit)
+            return
+        if d.code is Code.RESUME_FAILED:
+            if stop.unit != self._resume_failing:
+                raise InvariantError(f"Stop {stop.unit} for a failed resume it did not have")
             return
         if d.code is not Code.PREEMPT or d.priority is None or d.for_priority is None:
             raise InvariantError(f"Stop {stop.unit} is neither a preemption nor a yield: {d}")
@@ -473,6 +762,13 @@ class Sim:
             raise InvariantError(f"Stop {stop.unit} names stale priorities: {stop.reason}")
         if victim.priority <= waiter.priority:
             raise InvariantError(f"not strictly less urgent: {stop.reason}")
+        rungs = _memory_rungs(victim)
+        if Rung.STOP not in rungs:
+            raise InvariantError(f"Stop {stop.unit}: Preempt= {_ladder(victim)} has no stop")
+        if rungs[0] is Rung.SUSPEND and stop.unit not in self.suspend_failed:
+            raise InvariantError(f"Stop {stop.unit} before suspend, first in {_ladder(victim)}")
+        if stop.unit in self.pending_resumes:
+            raise InvariantError(f"Stop {stop.unit} for {record.waiter} while it is resumed")
         if record.waiter not in self.at_gate and record.waiter not in self.pending_starts:
             raise InvariantError(f"Stop {stop.unit} for {record.waiter}, which is not waiting")
         if stop.unit not in self.running:
@@ -481,12 +777,123 @@ class Sim:
             raise InvariantError(
                 f"thrash: {stop.unit} stopped for {record.waiter}, known when it was granted"
             )
-        if record.waiter in stopping_for:
+        fallback = stop.unit == self._falling_back  # the same victim, its next rung
+        if record.waiter in stopping_for and not fallback:
             raise InvariantError(
                 f"more victims for {record.waiter} while {self.victims_of[record.waiter]} stop"
             )
         self.stops.append(record)
         self.victims_of.setdefault(record.waiter, set()).add(stop.unit)
+
+    def _on_suspend(self, suspend: Suspend, stopping_for: set[str]) -> None:
+        name, d = suspend.unit, suspend.decision
+        if d is None or suspend.reason != render(d) or d.code is not Code.SUSPEND:
+            raise InvariantError(f"Suspend {name} without its decision, or other words: {suspend}")
+        victim, waiter = self.annotations.get(name), self.annotations.get(d.for_unit)
+        if d.unit != name or victim is None or waiter is None:
+            raise InvariantError(f"Suspend {name}: {suspend.reason}")
+        if (victim.priority, waiter.priority) != (d.priority, d.for_priority):
+            raise InvariantError(f"Suspend {name} names stale priorities: {suspend.reason}")
+        if victim.priority <= waiter.priority:
+            raise InvariantError(f"Suspend, not strictly less urgent: {suspend.reason}")
+        rungs = _memory_rungs(victim)
+        if not rungs or rungs[0] is not Rung.SUSPEND:
+            raise InvariantError(f"Suspend {name}: Preempt= {_ladder(victim)}")
+        if name in self.suspend_failed:
+            raise InvariantError(f"Suspend {name} again: its suspend failed while it runs")
+        if name not in self.running or name in self.pending_stops or self._giving_way_or_back(name):
+            raise InvariantError(f"Suspend {name}, which is not running: {suspend.reason}")
+        if not suspend.gpus or not set(suspend.gpus) <= set(self.running[name]):
+            raise InvariantError(f"Suspend {name} on {suspend.gpus}: it holds {self.running[name]}")
+        if suspend.thaw_first != (name in self.frozen):
+            raise InvariantError(f"Suspend {name}: thaw_first={suspend.thaw_first}, frozen or not")
+        if d.for_unit not in self.at_gate and d.for_unit not in self.pending_starts:
+            raise InvariantError(f"Suspend {name} for {d.for_unit}, which is not waiting")
+        if self.answered_at.get(name, 0) > self.known_at.get(d.for_unit, 0):
+            raise InvariantError(f"thrash: {name} suspended for {d.for_unit}, known when granted")
+        if d.for_unit in stopping_for:
+            raise InvariantError(
+                f"more victims for {d.for_unit} while {self.victims_of[d.for_unit]} give way"
+            )
+        self.frozen.pop(name, None)
+        self.pending_suspends.append(name)
+        self.suspend_for[name] = d.for_unit
+        self.victims_of.setdefault(d.for_unit, set()).add(name)
+
+    def _on_resume(self, resume: Resume) -> None:
+        name, d = resume.unit, resume.decision
+        if d is None or resume.reason != render(d) or d.code is not Code.RESUME:
+            raise InvariantError(f"Resume {name} without its decision, or other words: {resume}")
+        if name in self._caught:  # after a restart: it holds its GPUs still
+            if resume.gpus != tuple(sorted(self.running.get(name, ()))):
+                raise InvariantError(f"recover() resumes {name} on {resume.gpus}")
+            self._caught.discard(name)
+            self.pending_resumes.append(name)
+            return
+        gpus = self.suspended.get(name)
+        if gpus is None:
+            raise InvariantError(f"Resume {name}, which is not suspended: {resume.reason}")
+        if tuple(sorted(resume.gpus)) != tuple(sorted(gpus)):
+            raise InvariantError(f"Resume {name} on {resume.gpus}: it was suspended from {gpus}")
+        unit = self.annotations[name]
+        for index in gpus:
+            gpu = self.devices.get(index)
+            if gpu is None or gpu.lost or (self._avoids_foreign(unit) and gpu.foreign_pids):
+                raise InvariantError(f"Resume {name} on GPU {index}: lost, unknown or foreign")
+            self._check_room(unit, gpu, "Resume")
+        urgent = sorted(n for n in self.at_gate if self.annotations[n].priority < unit.priority)
+        if urgent:
+            raise InvariantError(f"Resume {unit.describe()} while more urgent {urgent} wait")
+        key = self._resume_key(name)
+        for other in self._resumed:
+            if self._resume_key(other) > key:
+                raise InvariantError(f"Resume {name} after {other}, less urgent or later")
+        del self.suspended[name]
+        self._check_suspended_room(unit, gpus, f"Resume {name}")
+        self.running[name] = gpus
+        del self.suspended_at[name]
+        self.pending_resumes.append(name)
+        self.answered_at[name] = next(self._clock)
+        self._resumed.append(name)
+
+    def _on_freeze(self, freeze: Freeze) -> None:
+        name, d = freeze.unit, freeze.decision
+        if d is None or freeze.reason != render(d) or d.code is not Code.FREEZE:
+            raise InvariantError(f"Freeze {name} without its decision, or other words: {freeze}")
+        expected = self._to_freeze.get(d.for_unit, set())
+        if name not in expected:
+            unit, other = self.annotations.get(name), self.annotations.get(d.for_unit)
+            why = (
+                "not granted in this batch"
+                if d.for_unit not in self._to_freeze or other is None
+                else "not annotated"
+                if unit is None
+                else f"Preempt= {_ladder(unit)}"
+                if Rung.FREEZE not in unit.preempt
+                else f"not strictly less urgent: {unit.describe()}, {other.describe()}"
+                if unit.priority <= other.priority
+                else "its freeze failed while it runs"
+                if name in self.unfreezable
+                else "not beside it"
+                if not set(self.running.get(name, ())) & set(self.running[d.for_unit])
+                else "it does not run (frozen, stopping, suspended, resumed or gone)"
+            )
+            raise InvariantError(f"Freeze {name} for {d.for_unit}: {why}")
+        expected.discard(name)
+        self.frozen[name] = {d.for_unit}
+
+    def _above(self, unit: str, other: str) -> bool:
+        """Whether `unit` is strictly more urgent than `other` by their annotations now."""
+        a, b = self.annotations.get(unit), self.annotations.get(other)
+        return a is not None and b is not None and a.priority < b.priority
+
+    def _on_thaw(self, thaw: Thaw) -> None:
+        name = thaw.unit
+        owners = self.frozen.pop(name, None)
+        if owners is None:
+            raise InvariantError(f"Thaw {name}, which is not frozen")
+        if owners and name in self.annotations:
+            raise InvariantError(f"Thaw {name} while {sorted(owners)}, more urgent, still run")
 
     def _check_yield(self, unit: str, named: str) -> None:
         spec = self.annotations.get(unit)
@@ -501,6 +908,8 @@ class Sim:
         spec = self.annotations.get(name)
         if spec is None:
             raise InvariantError(f"Start for {name}, which is not annotated")
+        if name in self.suspended:
+            raise InvariantError(f"Start for suspended {name}: it still runs")
         if name in self.held or name in self.finished or name in self.failed:
             raise InvariantError(f"Start for {name}, stopped, failed or finished: {start.reason}")
         if self.active(name) and name not in self.pending_starts:
@@ -543,11 +952,15 @@ class Sim:
                 raise InvariantError(f"background {start.unit} started before {name}, out longer")
 
     def _check_books(self) -> None:
-        """The scheduler's own books agree with the model on who runs where."""
+        """The scheduler's own books agree with the model on who runs where; a suspended unit
+        holds no GPU there."""
         for name, gpus in self.running.items():
             known = self.sched.holders.get(name)
             if name in self.annotations and (known is None or set(gpus) != known.gpus):
                 raise InvariantError(f"{name} runs on {gpus}; the scheduler lost track of it")
+        for name in self.suspended:
+            if name in self.sched.holders:
+                raise InvariantError(f"{name} is suspended; the scheduler counts it on GPUs")
 
     def _check_waiters(self, grants: list[Grant]) -> None:
         """No unit still waiting at its gate, or whose start job was seen, is more urgent than
@@ -576,6 +989,17 @@ class Sim:
         again = [a for a in self._feed(self.sched.schedule()) if not isinstance(a, Log)]
         if again:
             raise InvariantError(f"work left undone at rest: {brief(again)}")
+        for name, gpus in sorted(self.running.items()):
+            if name not in self.frozen:
+                continue
+            priority = self.annotations[name].priority
+            beside = [
+                o
+                for o, on in self.running.items()
+                if self.runs(o) and set(on) & set(gpus) and self.annotations[o].priority < priority
+            ]
+            if not beside:
+                raise InvariantError(f"{name} frozen at rest, no more urgent unit runs beside it")
 
     def drain(self, limit: int = 200) -> None:
         """Every running unit ends, again and again, until nothing runs: then every unit still
@@ -584,11 +1008,12 @@ class Sim:
         waits (it keeps the capacity it needs)."""
         for _ in range(limit):
             self.settle()
-            ending = sorted(n for n in self.running if n not in self.pending_stops)
+            # a frozen unit cannot end: it is thawed once those it gave way to have ended
+            ending = sorted(n for n in self.running if self.runs(n))
             if not ending:
                 break
             for name in ending:
-                if name in self.running and name not in self.pending_stops:
+                if self.runs(name):
                     self.exit(name)
         else:
             raise InvariantError(f"still running after {limit} rounds: {sorted(self.running)}")
@@ -614,3 +1039,12 @@ class Sim:
         )
         if forgotten:
             raise InvariantError(f"preempted, Requeue=yes, never brought back: {forgotten}")
+        # likewise every suspended unit that fits on its own GPUs of an idle host is back
+        stuck = sorted(
+            n
+            for n, gpus in self.suspended.items()
+            if self._fits_alone_on(self.annotations[n], gpus)
+            and not any(p < self.annotations[n].priority for p in waiting)
+        )
+        if stuck:
+            raise InvariantError(f"suspended, never resumed on an idle host: {stuck}")

@@ -3,11 +3,14 @@
 A hypothesis state machine draws a host, either 1-4 GPUs of unknown size (no NVML: every unit
 takes a whole GPU) or 1-3 GPUs of known size with a reserve, foreign use and lost GPUs mixed
 in, and 2-8 units (priorities with ties, kinds, 1-3 GPUs, whole GPU or `Memory=`,
-Requeue=yes/no, some not yet annotated). It then interleaves what people and units do (start;
-a start job seen before its gate asks; exit, fail, manual stop), what systemd does with
-gpuslice's jobs (a pending stop or start completes, in any order), daemon-reloads (a priority
-changes, an annotation is removed or added), controller restarts and, on hosts with NVML,
-new samples (reserve, foreign processes, a GPU lost or back).
+Requeue=yes/no, a Preempt= ladder, some not yet annotated). It then interleaves what people
+and units do (start; a start job seen before its gate asks; exit, fail, manual stop), what
+systemd and the ladder's adapter do with gpuslice's work (a pending stop, start, suspend or
+resume completes, in any order; a suspend or resume fails; a freeze fails), daemon-reloads (a
+priority changes, an annotation is removed or added), controller restarts (save, load,
+`recover()`) and, on hosts with NVML, new samples (reserve, foreign processes, a GPU lost or
+back). tests/test_core_ladder_properties.py runs the same rules on hosts where the ladder
+matters most.
 
 The oracle is `Sim` (tests/core_builders.py): its model of the host is built only from the
 events fed in and the Grant, Stop and Start actions that came back, and every batch of actions
@@ -16,9 +19,11 @@ within total - reserve - foreign, no grant while its victims run, no waiter pass
 less urgent unit, equal priority never preempts, no victim stopped twice, no unit stopped
 before its gate was answered or for a request known when it was granted (thrash), no
 spontaneous start, preempted units back before background units are refilled, both in their order
-(priority, then preempted first; priority, then out longest). At rest nothing is left undone;
-at the end every unit ends until nothing runs, and then every waiter that fits on the host has
-been granted, the others were told why, and every preempted unit with Requeue=yes came back.
+(priority, then preempted first; priority, then out longest); the ladder's rules (who is
+suspended, stopped, resumed, frozen or thawed, when, and where: see tests/core_builders.py).
+At rest nothing is left undone and nothing frozen without a reason; at the end every unit ends
+until nothing runs, and then every waiter that fits on the host has been granted, the others
+were told why, and every preempted unit with Requeue=yes and every suspended unit came back.
 
 `GPUSLICE_FUZZ_EXAMPLES` sets the number of histories (default 300; `make fuzz` runs more).
 """
@@ -38,18 +43,39 @@ from hypothesis.stateful import (
     rule,
 )
 
-from gpuslice.core.model import Gpu, UnitKind, UnitSpec
-from gpuslice.core.scheduler import Action, Grant, Outcome, Scheduler
+from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
+from gpuslice.core.scheduler import Action, Grant, Outcome
 from tests.core_builders import GIB, InvariantError, Sim, sized
 
 EXAMPLES = int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "300"))
 
 PRIORITIES = st.sampled_from([10, 20, 20, 50, 90])  # few values: ties are common
 MEMORY = st.sampled_from([None, None, 4 * GIB, 8 * GIB, 12 * GIB, 20 * GIB, 30 * GIB])
+# Preempt=: every ladder the annotation allows that behaves differently
+LADDER = st.sampled_from(
+    [
+        "stop",
+        "stop",
+        "suspend stop",
+        "suspend stop",
+        "freeze stop",
+        "freeze suspend stop",
+        "suspend",
+        "freeze",
+    ]
+)
 
 UNIT = st.builds(
-    lambda prio, kind, gpus, requeue, memory, annotated: (
-        UnitSpec("", prio, kind, gpus, requeue, memory=memory),
+    lambda prio, kind, gpus, requeue, memory, ladder, annotated: (
+        UnitSpec(
+            "",
+            prio,
+            kind,
+            gpus,
+            requeue,
+            memory=memory,
+            preempt=tuple(Rung(r) for r in ladder.split()),
+        ),
         annotated,
     ),
     PRIORITIES,
@@ -57,8 +83,11 @@ UNIT = st.builds(
     st.sampled_from([1, 1, 1, 2, 3]),
     st.booleans(),
     MEMORY,
+    LADDER,
     st.sampled_from([True, True, True, False]),
 )
+
+EXITS = st.sampled_from([Outcome.EXITED, Outcome.FAILED])
 
 # One GPU as NVML may report it: 24 GiB, a reserve, foreign use (with or without a process
 # gpuslice does not manage), lost.
@@ -76,30 +105,30 @@ def _gpu(index: int, sample: tuple[int, int, bool, bool]) -> Gpu:
     return sized(index, reserve=reserve, foreign=foreign, foreign_pids=pids, lost=lost)
 
 
-class CoreMachine(RuleBasedStateMachine):
+class HostMachine(RuleBasedStateMachine):
+    """Every rule; a subclass draws the host and its units (`@initialize`, then `_boot`)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.specs: list[UnitSpec] = []
         self.annotated: list[bool] = []
         self.sim = Sim(1)
 
-    @initialize(
-        whole=st.booleans(),
-        gpus=st.integers(1, 4),
-        units=st.lists(UNIT, min_size=2, max_size=8),
-        yield_to_foreign=st.booleans(),
-    )
-    def boot(
-        self, whole: bool, gpus: int, units: list[tuple[UnitSpec, bool]], yield_to_foreign: bool
+    def _boot(
+        self,
+        host: list[int] | list[Gpu],
+        units: list[tuple[UnitSpec, bool]],
+        yield_to_foreign: bool,
     ) -> None:
         self.specs = [replace(s, name=f"u{i}.service") for i, (s, _) in enumerate(units)]
-        if whole:  # no NVML: sizes are unknown, `Memory=` changes nothing
+        if isinstance(host[0], int):  # no NVML: sizes are unknown, `Memory=` changes nothing
             self.specs = [replace(s, memory=None) for s in self.specs]
         self.annotated = [annotated for _, annotated in units]
-        host: list[int] | list[Gpu] = (
-            list(range(gpus)) if whole else [sized(i) for i in range(min(gpus, 3))]
+        self.sim = Sim(
+            host,
+            self._annotations(),
+            yield_to_foreign=yield_to_foreign,
         )
-        self.sim = Sim(host, self._annotations(), yield_to_foreign=yield_to_foreign)
         self.sim.boot()
 
     def _annotations(self) -> list[UnitSpec]:
@@ -145,9 +174,11 @@ class CoreMachine(RuleBasedStateMachine):
                 raise InvariantError(f"{grant.unit} granted in the turn {name} was seen in")
         sim._feed(sim.sched.schedule())
 
-    @rule(index=st.integers(0, 7), outcome=st.sampled_from([Outcome.EXITED, Outcome.FAILED]))
+    @rule(index=st.integers(0, 7), outcome=EXITS)
     def unit_exits(self, index: int, outcome: Outcome) -> None:
-        running = sorted(n for n in self.sim.running if n not in self.sim.pending_stops)
+        """Also while it is being suspended or resumed; a frozen unit cannot end by itself."""
+        sim = self.sim
+        running = sorted(n for n in sim.running if n not in sim.pending_stops | sim.frozen.keys())
         if running:
             self.sim.exit(running[index % len(running)], outcome)
 
@@ -166,6 +197,29 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 7))
     def start_reaches_gate(self, index: int) -> None:
         self.sim.finish_start(self.sim.pending_starts[index % len(self.sim.pending_starts)])
+
+    # -- the adapter plays the Preempt= ladder ----------------------------------------------
+
+    @precondition(lambda self: bool(self.sim.pending_suspends))
+    @rule(index=st.integers(0, 7), ok=st.booleans())
+    def suspend_completes(self, index: int, ok: bool) -> None:
+        """Its VRAM left its GPUs, or the tool failed (no tool, a lock timed out...)."""
+        self.sim.finish_suspend(
+            self.sim.pending_suspends[index % len(self.sim.pending_suspends)], ok
+        )
+
+    @precondition(lambda self: bool(self.sim.pending_resumes))
+    @rule(index=st.integers(0, 7), ok=st.sampled_from([True, True, False]))
+    def resume_completes(self, index: int, ok: bool) -> None:
+        """It runs again, or its restore failed (then it is stopped)."""
+        self.sim.finish_resume(self.sim.pending_resumes[index % len(self.sim.pending_resumes)], ok)
+
+    @precondition(lambda self: bool(self.sim.frozen))
+    @rule(index=st.integers(0, 7))
+    def freeze_fails(self, index: int) -> None:
+        """FreezeUnit failed (its answer comes after the core froze it)."""
+        frozen = sorted(self.sim.frozen)
+        self.sim.fail_freeze(frozen[index % len(frozen)])
 
     @rule()
     def quiesce(self) -> None:
@@ -202,34 +256,9 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule()
     def controller_restarts(self) -> None:
-        """A fresh Scheduler loads the saved state; running units are adopted on their
-        saved GPUs (those being stopped as such) and every gate still waiting queues, all
-        before anything is decided (the controller's rebuild). A gate that asks late may
-        find its unit started by refill meanwhile: systemd merges that start into its job.
-        When each unit went out is not saved: the oracle forgets it too."""
-        sim = self.sim
-        saved = sim.sched.save()
-        sim.sched = Scheduler(
-            sim.devices.values(), sim.annotations, yield_to_foreign=sim.yield_to_foreign
-        )
-        sim.sched.load(saved)
-        sim.out_since.clear()
-        # the thrash rule holds within one controller's life: waiters are not saved, so
-        # after a restart every request counts as new
-        sim.known_at.clear()
-        sim.answered_at.clear()
-        gates = sorted(sim.at_gate)
-        sim.at_gate.clear()
-        adopted: list[Action] = []
-        with sim.sched.deferred():  # as the controller's rebuild: take in all, decide once
-            for name, gpus in sorted(sim.running.items()):
-                if name in sim.annotations:
-                    adopted += sim.sched.running(name, gpus, stopping=name in sim.pending_stops)
-            for name in gates:
-                if name in sim.pending_starts:  # started by refill before its gate asked again
-                    sim.pending_starts.remove(name)  # one start job: the one at the gate
-                sim.start(name)
-        sim._feed(adopted + sim.sched.schedule())
+        """A fresh Scheduler loads the saved state and rebuilds (`Sim.restart`): units are
+        adopted, gates queue, units caught between suspend and resume are resumed."""
+        self.sim.restart()
 
     @invariant()
     def books_balance(self) -> None:
@@ -240,14 +269,34 @@ class CoreMachine(RuleBasedStateMachine):
             self.sim.drain()
 
 
-CoreMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    # under `make mutate` (mutmut names the mutant in MUTANT_UNDER_TEST) a failure is a kill:
-    # shrinking it would only cost time
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
-    + ([] if "MUTANT_UNDER_TEST" in os.environ else [Phase.shrink]),
-)
+class CoreMachine(HostMachine):
+    @initialize(
+        whole=st.booleans(),
+        gpus=st.integers(1, 4),
+        units=st.lists(UNIT, min_size=2, max_size=8),
+        yield_to_foreign=st.booleans(),
+    )
+    def boot(
+        self, whole: bool, gpus: int, units: list[tuple[UnitSpec, bool]], yield_to_foreign: bool
+    ) -> None:
+        host: list[int] | list[Gpu] = (
+            list(range(gpus)) if whole else [sized(i) for i in range(min(gpus, 3))]
+        )
+        self._boot(host, units, yield_to_foreign)
+
+
+def machine_settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        # under `make mutate` (mutmut names the mutant in MUTANT_UNDER_TEST) a failure is a
+        # kill: shrinking it would only cost time
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+        + ([] if "MUTANT_UNDER_TEST" in os.environ else [Phase.shrink]),
+    )
+
+
+CoreMachine.TestCase.settings = machine_settings(EXAMPLES)
 TestCore = CoreMachine.TestCase

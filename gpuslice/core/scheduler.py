@@ -230,9 +230,14 @@ def _seq(waiter: Waiter) -> int:
     return waiter.seq
 
 
-def _memory_rungs(spec: UnitSpec) -> list[Rung]:
-    """The rungs of its ladder that free VRAM (freeze keeps it), in its order."""
-    return [r for r in spec.preempt if r is not Rung.FREEZE]
+def _memory_rungs(spec: UnitSpec, suspend_failed: bool = False) -> list[Rung]:
+    """The rungs of its ladder that free VRAM (freeze keeps it), in its order; without
+    suspend once a suspend of it failed while it runs."""
+    return [
+        r
+        for r in spec.preempt
+        if r is not Rung.FREEZE and not (suspend_failed and r is Rung.SUSPEND)
+    ]
 
 
 def _refillable(spec: UnitSpec) -> bool:
@@ -283,6 +288,7 @@ class Scheduler:
         # units whose stop systemd refused: never chosen as victims again while they run
         self.unstoppable: set[str] = set()
         self.unfreezable: set[str] = set()  # units whose freeze failed: not tried again
+        self.unsuspendable: set[str] = set()  # units whose suspend failed: the next rung
         # Why background units must not start now (the GPUs are a guess: NVML is not ready
         # yet); empty: they may. Refill, requeue and background waiters honour it.
         self.refill_paused = ""
@@ -385,6 +391,7 @@ class Scheduler:
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
         self.unfreezable.discard(name)
+        self.unsuspendable.discard(name)
         waiter = self.waiters.pop(name, None)
         holder = self.holders.pop(name, None)
         # a suspended unit stopped by hand (systemd thaws it first) is held like any other;
@@ -522,9 +529,9 @@ class Scheduler:
         if holder is None or holder.phase is not Phase.SUSPENDING:
             return []
         waiter = self.waiters.get(holder.stopping_for or "")
-        rungs = _memory_rungs(holder.spec)
-        after = rungs[rungs.index(Rung.SUSPEND) + 1 :] if Rung.SUSPEND in rungs else []
-        fallback = after[0] if after else None
+        self.unsuspendable.add(name)  # not tried again while it runs, whoever waits next
+        rungs = _memory_rungs(self.specs.get(name, holder.spec), suspend_failed=True)
+        fallback = rungs[0] if rungs else None
         decision = _about(
             holder.spec,
             Code.RUNG_FAILED,
@@ -536,7 +543,13 @@ class Scheduler:
             fallback=fallback.value if fallback is not None else "",
         )
         self._tops_cache = None
-        if fallback is Rung.STOP and waiter is not None:
+        # the stop only while it is still for a more urgent waiter (a reload may have changed
+        # either priority since the suspend was decided)
+        if (
+            fallback is Rung.STOP
+            and waiter is not None
+            and self.specs.get(name, holder.spec).priority > waiter.spec.priority
+        ):
             on = tuple(sorted(holder.gpus & set(waiter.target)) or sorted(holder.gpus))
             return [_log(decision), self._stop_for(holder, waiter.spec, on)]
         holder.phase = Phase.RUNNING
@@ -593,7 +606,7 @@ class Scheduler:
             detail=why,
             rung=Rung.FREEZE.value,
         )
-        return [_log(decision)]
+        return [_log(decision), *self.schedule()]
 
     def thawed_outside(self, name: str) -> list[Action]:
         """Someone thawed a frozen or suspended unit by hand (`systemctl thaw`). Frozen: it
@@ -684,7 +697,12 @@ class Scheduler:
             return []
         actions = self._thaw() + self._yield_to_foreign()
         self._tops_cache = None
+        # a suspended unit's room is kept from less urgent units from the start of the pass
+        # (waiters are served first): `_resume` gives it back when it fits
         promises: list[tuple[int, Use]] = []
+        for entry in self.suspended.values():
+            spec = self.specs.get(entry.spec.name, entry.spec)
+            self._promise(promises, spec, sorted(entry.gpus), kept_from=spec.priority)
         queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
         heapq.heapify(queue)
         while queue:
@@ -699,14 +717,14 @@ class Scheduler:
         actions += self._requeue(promises)
         actions += self._resume(promises)
         actions += self._refill(promises)
-        return actions
+        return actions + self._thaw()  # a unit frozen in this pass no longer runs
 
     def _uses(self, promises: list[tuple[int, Use]]) -> dict[int, list[Use]]:
         uses: dict[int, list[Use]] = {i: [] for i in self.devices}
         for name, h in self.holders.items():
             stoppable = name not in self.unstoppable and (
                 h.phase is Phase.STARTING
-                or (h.phase in (Phase.RUNNING, Phase.FROZEN) and bool(_memory_rungs(h.spec)))
+                or (h.phase in (Phase.RUNNING, Phase.FROZEN) and bool(self._memory_rungs_of(h)))
             )
             use = Use(
                 name,
@@ -845,7 +863,7 @@ class Scheduler:
     def _give_way(self, holder: Holder, spec: UnitSpec, on: tuple[int, ...]) -> Action:
         """The first rung of the victim's ladder that frees VRAM: suspend or stop (`_uses`
         makes a unit with neither no victim)."""
-        if _memory_rungs(holder.spec)[0] is Rung.SUSPEND:
+        if self._memory_rungs_of(holder)[0] is Rung.SUSPEND:
             frozen = holder.phase is Phase.FROZEN
             holder.phase = Phase.SUSPENDING
             holder.stopping_for = spec.name
@@ -854,6 +872,10 @@ class Scheduler:
             )
             return Suspend(holder.spec.name, on, render(suspend), suspend, thaw_first=frozen)
         return self._stop_for(holder, spec, on)
+
+    def _memory_rungs_of(self, holder: Holder) -> list[Rung]:
+        name = holder.spec.name
+        return _memory_rungs(holder.spec, suspend_failed=name in self.unsuspendable)
 
     def _stop_for(self, holder: Holder, spec: UnitSpec, on: tuple[int, ...]) -> Stop:
         holder.phase = Phase.STOPPING
@@ -905,7 +927,9 @@ class Scheduler:
             holder.frozen_for = {
                 u
                 for u in holder.frozen_for
-                if u in self.holders and self.holders[u].phase in running
+                if u in self.holders
+                and self.holders[u].phase in running
+                and self.holders[u].spec.priority < holder.spec.priority  # a reload may change it
             }
             if not holder.frozen_for:
                 holder.phase = Phase.RUNNING
@@ -916,14 +940,15 @@ class Scheduler:
     def _resume(self, promises: list[tuple[int, Use]]) -> list[Action]:
         """Bring suspended units back, most urgent first, onto their own GPUs when their
         memory fits there again and no more urgent unit waits (as a kept place is given);
-        one that does not fit keeps its room from less urgent units."""
+        one that does not fit keeps its room from less urgent units (`promises`)."""
         actions: list[Action] = []
         if not self.suspended:
             return actions
         for entry in sorted(self.suspended.values(), key=self._resume_order):
             spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
             gpus = tuple(sorted(entry.gpus))
-            uses = self._uses(promises)
+            others = [p for p in promises if p[1].unit != spec.name]  # its own room is its
+            uses = self._uses(others)
             avoid = self._avoids_foreign(spec)
             fits_now = all(
                 index in self.devices
@@ -933,8 +958,8 @@ class Scheduler:
             )
             urgent = any(w.spec.priority < spec.priority for w in self.waiters.values())
             if not fits_now or urgent:
-                self._promise(promises, spec, gpus, kept_from=spec.priority)
-                continue
+                continue  # its room stays kept (see `schedule`)
+            promises[:] = others  # it holds its room from now on
             del self.suspended[spec.name]
             holder = Holder(spec, frozenset(gpus), Phase.RESUMING, self._next())
             holder.granted = holder.seq
@@ -969,7 +994,13 @@ class Scheduler:
         actions: list[Action] = []
         for name, _ in sorted(self.preempted.items(), key=lambda i: (self._prio(i[0]), i[1])):
             spec = self.specs.get(name)
-            if spec is None or not spec.requeue or name in self.holders or name in self.waiters:
+            if (
+                spec is None
+                or not spec.requeue
+                or name in self.holders
+                or name in self.waiters
+                or name in self.suspended
+            ):
                 continue
             if self.refill_paused and spec.kind is UnitKind.BACKGROUND:
                 continue
@@ -1002,6 +1033,7 @@ class Scheduler:
             and name not in self.held
             and name not in self.finished
             and name not in self.failed
+            and name not in self.suspended  # it runs (frozen): resumed, never started
         ]
         for spec in sorted(idle, key=lambda s: (s.priority, self.out_since.get(s.name, -1))):
             found = self._place(spec, promises, preempt=False)
