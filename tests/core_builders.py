@@ -736,9 +736,10 @@ class Sim:
     def _on_stop(self, stop: Stop, stopping_for: set[str]) -> None:
         if stop.unit in self.pending_stops:
             raise InvariantError(f"{stop.unit} stopped twice")
+        lost_home = stop.unit in self.suspended  # suspended: only for a GPU lost or gone
         if stop.unit in self.pending_starts:
             self.pending_starts.remove(stop.unit)  # the stop job replaces the start job
-        elif stop.unit not in self.running and stop.unit not in self.at_gate:
+        elif stop.unit not in self.running and stop.unit not in self.at_gate and not lost_home:
             raise InvariantError(f"Stop {stop.unit}, which is not active")
         self.pending_stops.append(stop.unit)
         d = stop.decision
@@ -748,6 +749,15 @@ class Sim:
         if d.code is Code.YIELD:
             self._check_yield(stop.unit, d.unit)
             return
+        if d.code is Code.RESUME_FAILED and lost_home:
+            home = self.suspended.pop(stop.unit)
+            if all(g in self.devices and not self.devices[g].lost for g in home):
+                raise InvariantError(f"Stop {stop.unit}: suspended, and its GPUs {home} answer")
+            self.suspended_at.pop(stop.unit, None)
+            self.running[stop.unit] = ()  # it holds nothing; its stop ends it
+            return
+        if lost_home:
+            raise InvariantError(f"Stop {stop.unit}, suspended: {stop.reason}")
         if d.code is Code.RESUME_FAILED:
             if stop.unit != self._resume_failing:
                 raise InvariantError(f"Stop {stop.unit} for a failed resume it did not have")
@@ -892,6 +902,8 @@ class Sim:
         owners = self.frozen.pop(name, None)
         if owners is None:
             raise InvariantError(f"Thaw {name}, which is not frozen")
+        # those that stopped running earlier in this batch (a Suspend, a Stop) count as gone
+        owners = {u for u in owners if self.runs(u) and self._above(u, name)}
         if owners and name in self.annotations:
             raise InvariantError(f"Thaw {name} while {sorted(owners)}, more urgent, still run")
 

@@ -346,3 +346,35 @@ def test_an_unannotated_frozen_unit_is_thawed_and_a_suspended_one_kept() -> None
     acts = s.set_specs({voice.name: voice})
     assert "thaw emb.service" in brief(acts)
     assert s.phase("emb.service") is None
+
+
+def test_a_suspended_unit_whose_gpu_is_lost_is_stopped_not_left_frozen_for_good() -> None:
+    """Found by the ladder's property machine: it kept its room on a GPU it could never come
+    back to, and a unit of its priority waited for ever."""
+    two = spec("two", 20, gpus=2, preempt="suspend stop")
+    one, other = spec("one", 10), spec("other", 20)
+    s = host(two, one, other, gpus=[sized(0), sized(1)])
+    running(s, two)
+    assert brief(s.request(one)) == ["suspend two.service 0,1"]  # all its VRAM moves
+    s.suspended_done(two.name, "")
+    assert brief(s.request(other)) == [f"grant {other.name} 1"]  # as urgent: not kept from it
+    acts = s.set_gpus([sized(0), sized(1, lost=True)])
+    assert brief(acts) == [f"stop {two.name}"]
+    assert words(acts)[-1] == (
+        "two.service (priority 20) could not be resumed on GPUs 0,1: GPU 1 lost or gone: its "
+        "memory cannot be restored there; stopping it (Requeue= decides whether it starts again)"
+    )
+    assert s.phase(two.name) is Phase.STOPPING and s.grants()[two.name] == frozenset()
+    s.inactive(two.name, Outcome.STOPPED)
+    assert two.name in s.preempted
+
+
+def test_a_waiter_s_reason_says_its_gpu_is_freed_by_a_suspend() -> None:
+    s = host(VLM, VOICE, spec("later", 10))
+    running(s, VLM)
+    s.request(VOICE)
+    s.request(spec("later", 10))
+    reasons = {name: reason for name, _, reason in s.snapshot().waiting}
+    assert reasons["later.service"] == (
+        "waiting: GPU 0 being freed by vlm.service (being suspended)"
+    )

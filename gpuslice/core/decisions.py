@@ -86,7 +86,7 @@ class Part:
     refused: bool = False  # HELD by a unit whose stop systemd refused
     granted_after: bool = False  # HELD by a less urgent unit granted after the waiter was known
     overdue: str = ""  # VICTIM still running this long after the stop (in words)
-    rung: str = ""  # VICTIM: how it gives way (Preempt=), "stop" or "suspend"
+    rung: str = ""  # VICTIM, STOPPING: how it gives way (Preempt=): "suspend", else a stop
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -194,7 +194,8 @@ def _part(p: Part) -> str:
         held += GRANTED_AFTER if p.granted_after else ""
         return f"GPU {gpu} has {format_size(max(p.free or 0, 0))} free after the reserve{held}"
     if p.kind is Blocker.STOPPING:
-        return f"GPU {gpu} being freed by {p.unit} (stopping)"
+        how = "being suspended" if p.rung == "suspend" else "stopping"
+        return f"GPU {gpu} being freed by {p.unit} ({how})"
     if p.kind is Blocker.HELD:
         refused = " (refused to stop)" if p.refused else GRANTED_AFTER if p.granted_after else ""
         return f"GPU {gpu} held by {p.unit}, priority {p.priority}{refused}"

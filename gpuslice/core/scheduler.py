@@ -26,6 +26,7 @@ from gpuslice.core.placement import (
     allowed,
     applies,
     fits,
+    format_gpus,
     free_memory,
     place,
 )
@@ -701,8 +702,9 @@ class Scheduler:
         # (waiters are served first): `_resume` gives it back when it fits
         promises: list[tuple[int, Use]] = []
         for entry in self.suspended.values():
-            spec = self.specs.get(entry.spec.name, entry.spec)
-            self._promise(promises, spec, sorted(entry.gpus), kept_from=spec.priority)
+            if self._can_come_back(entry):
+                spec = self.specs.get(entry.spec.name, entry.spec)
+                self._promise(promises, spec, sorted(entry.gpus), kept_from=spec.priority + 1)
         queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
         heapq.heapify(queue)
         while queue:
@@ -867,10 +869,15 @@ class Scheduler:
             frozen = holder.phase is Phase.FROZEN
             holder.phase = Phase.SUSPENDING
             holder.stopping_for = spec.name
+            every = tuple(sorted(holder.gpus))  # all its VRAM moves, on every GPU it holds
             suspend = _about(
-                holder.spec, Code.SUSPEND, for_unit=spec.name, for_priority=spec.priority, gpus=on
+                holder.spec,
+                Code.SUSPEND,
+                for_unit=spec.name,
+                for_priority=spec.priority,
+                gpus=every,
             )
-            return Suspend(holder.spec.name, on, render(suspend), suspend, thaw_first=frozen)
+            return Suspend(holder.spec.name, every, render(suspend), suspend, thaw_first=frozen)
         return self._stop_for(holder, spec, on)
 
     def _memory_rungs_of(self, holder: Holder) -> list[Rung]:
@@ -947,6 +954,9 @@ class Scheduler:
         for entry in sorted(self.suspended.values(), key=self._resume_order):
             spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
             gpus = tuple(sorted(entry.gpus))
+            if not self._can_come_back(entry):
+                actions.append(self._stop_suspended(entry, spec))
+                continue
             others = [p for p in promises if p[1].unit != spec.name]  # its own room is its
             uses = self._uses(others)
             avoid = self._avoids_foreign(spec)
@@ -968,6 +978,20 @@ class Scheduler:
             resume = _about(spec, Code.RESUME, gpus=gpus)
             actions.append(Resume(spec.name, gpus, render(resume), resume))
         return actions
+
+    def _can_come_back(self, entry: Suspended) -> bool:
+        """Its GPUs are all here and answering: a restore puts its memory back on them."""
+        return all(g in self.devices and not self.devices[g].lost for g in entry.gpus)
+
+    def _stop_suspended(self, entry: Suspended, spec: UnitSpec) -> Stop:
+        """A suspended unit whose GPU is lost or gone can never be restored: it is stopped
+        (never left frozen for good), and Requeue= decides whether it starts again."""
+        del self.suspended[spec.name]
+        self.holders[spec.name] = Holder(spec, frozenset(), Phase.STOPPING, self._next())
+        gone = sorted(g for g in entry.gpus if g not in self.devices or self.devices[g].lost)
+        why = f"{format_gpus(gone)} lost or gone: its memory cannot be restored there"
+        decision = _about(spec, Code.RESUME_FAILED, gpus=tuple(sorted(entry.gpus)), detail=why)
+        return _stop(decision)
 
     def _resume_order(self, entry: Suspended) -> tuple[int, int]:
         return (self.specs.get(entry.spec.name, entry.spec).priority, entry.seq)
@@ -1120,7 +1144,8 @@ class Scheduler:
                     )
                 )
             elif top is not None and top.phase in GIVING_WAY:
-                parts.append(Part(Blocker.STOPPING, on, top.spec.name, top.spec.priority))
+                how = "suspend" if top.phase is Phase.SUSPENDING else ""
+                parts.append(Part(Blocker.STOPPING, on, top.spec.name, top.spec.priority, rung=how))
             elif top is not None:
                 refused = top.spec.name in self.unstoppable
                 parts.append(
