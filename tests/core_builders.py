@@ -710,7 +710,9 @@ class Sim:
         checks = [
             (self.annotations[other], self.devices[index])
             for other, where in sorted(self.suspended.items())
-            if other != unit.name and self._resume_key(other) <= key
+            if other != unit.name
+            and self._resume_key(other) <= key
+            and self._can_come_back(where)  # else it is stopped: its room is no one's
             for index in sorted(set(where) & set(gpus))
         ]
         self.running[unit.name] = gpus
@@ -724,6 +726,9 @@ class Sim:
                     )
         finally:
             del self.running[unit.name]
+
+    def _can_come_back(self, gpus: Iterable[int]) -> bool:
+        return all(g in self.devices and not self.devices[g].lost for g in gpus)
 
     def _resume_key(self, name: str) -> tuple[int, int]:
         unit = self.annotations.get(name)

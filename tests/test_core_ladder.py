@@ -378,3 +378,44 @@ def test_a_waiter_s_reason_says_its_gpu_is_freed_by_a_suspend() -> None:
     assert reasons["later.service"] == (
         "waiting: GPU 0 being freed by vlm.service (being suspended)"
     )
+
+
+def test_a_place_kept_before_a_priority_edit_leaves_a_suspended_unit_its_room() -> None:
+    """Found by the property machines: a start job seen while it was urgent got its place;
+    edited to be less urgent than a suspended unit, its gate must not take that room."""
+    two = spec("two", 20, gpus=2, preempt="suspend stop")
+    one, late = spec("one", 10), spec("late", 10)
+    s = host(two, one, late, gpus=[sized(0), sized(1)])
+    running(s, two)
+    s.request(one)
+    s.suspended_done(two.name, "")  # one runs on GPU 0, GPU 1 is free
+    s.announce(late)  # its place on GPU 1 is kept
+    s.set_specs({two.name: two, one.name: one, late.name: dataclasses.replace(late, priority=50)})
+    s.inactive(one.name, Outcome.EXITED)  # two could come back but for late's kept place
+    acts = s.request(s.specs[late.name])
+    assert f"grant {late.name} 1" not in brief(acts)
+
+
+def test_equally_urgent_suspended_units_come_back_in_the_order_they_left() -> None:
+    """No backfill among suspended units: a later one that fits does not pass an earlier one
+    of the same priority that does not fit yet."""
+    big = spec("big", 50, BG, mem_gib=16, preempt="suspend stop")
+    small = spec("small", 50, BG, mem_gib=6, preempt="suspend stop")
+    u1, u2 = spec("u1", 10, mem_gib=20), spec("u2", 10, mem_gib=10)
+    s = host(big, small, u1, u2)
+    running(s, big)
+    s.request(u1)
+    s.suspended_done(big.name, "")  # big suspended first
+    s.inactive(u1.name, Outcome.EXITED)
+    s.resumed(big.name, "")
+    running(s, small)
+    s.request(u1)
+    for name in (big.name, small.name):
+        s.suspended_done(name, "")
+    s.request(u2)
+    # u1 leaves, u2 runs: 14 GiB free, room for small (6) but not big (16), suspended earlier
+    assert brief(s.inactive(u1.name, Outcome.EXITED)) == [f"grant {u2.name} 0"]
+    assert brief(s.inactive(u2.name, Outcome.EXITED)) == [
+        "resume big.service 0",
+        "resume small.service 0",
+    ]

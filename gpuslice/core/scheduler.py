@@ -377,11 +377,13 @@ class Scheduler:
         if any(w.spec.priority < holder.spec.priority for w in self.waiters.values()):
             return False
         spec = holder.spec
-        uses = self._uses([])
+        uses = self._uses(self._suspended_room())  # a priority edited since it was placed
         avoid = self._avoids_foreign(spec)
         for index in holder.gpus:
             gpu = self.devices.get(index)
-            others = [u for u in uses.get(index, []) if u.unit != spec.name]
+            others = [
+                u for u in uses.get(index, []) if u.unit != spec.name and applies(u, spec.priority)
+            ]
             if gpu is None or not allowed(spec, gpu, avoid) or not fits(spec, gpu, others):
                 return False
         return True
@@ -438,8 +440,8 @@ class Scheduler:
         if holder is not None and holder.phase is Phase.STARTING and holder.gpus:
             holder.phase = Phase.RUNNING
             return self.schedule()
-        if holder is not None and holder.gpus:
-            return []
+        if holder is not None and (holder.gpus or holder.phase is Phase.STOPPING):
+            return []  # known (a suspended unit being stopped holds no GPU)
         self.holders.pop(name, None)
         self.waiters.pop(name, None)
         wanted = frozenset(gpus or ()) & self.gpus
@@ -698,13 +700,7 @@ class Scheduler:
             return []
         actions = self._thaw() + self._yield_to_foreign()
         self._tops_cache = None
-        # a suspended unit's room is kept from less urgent units from the start of the pass
-        # (waiters are served first): `_resume` gives it back when it fits
-        promises: list[tuple[int, Use]] = []
-        for entry in self.suspended.values():
-            if self._can_come_back(entry):
-                spec = self.specs.get(entry.spec.name, entry.spec)
-                self._promise(promises, spec, sorted(entry.gpus), kept_from=spec.priority + 1)
+        promises = self._suspended_room()
         queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
         heapq.heapify(queue)
         while queue:
@@ -951,6 +947,7 @@ class Scheduler:
         actions: list[Action] = []
         if not self.suspended:
             return actions
+        ahead: list[tuple[int, Use]] = []  # the room of those before it that stay suspended
         for entry in sorted(self.suspended.values(), key=self._resume_order):
             spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
             gpus = tuple(sorted(entry.gpus))
@@ -958,7 +955,7 @@ class Scheduler:
                 actions.append(self._stop_suspended(entry, spec))
                 continue
             others = [p for p in promises if p[1].unit != spec.name]  # its own room is its
-            uses = self._uses(others)
+            uses = self._uses(others + ahead)  # no backfill: as urgent and earlier goes first
             avoid = self._avoids_foreign(spec)
             fits_now = all(
                 index in self.devices
@@ -968,7 +965,8 @@ class Scheduler:
             )
             urgent = any(w.spec.priority < spec.priority for w in self.waiters.values())
             if not fits_now or urgent:
-                continue  # its room stays kept (see `schedule`)
+                self._promise(ahead, spec, gpus)  # its room stays kept (see `schedule`)
+                continue
             promises[:] = others  # it holds its room from now on
             del self.suspended[spec.name]
             holder = Holder(spec, frozenset(gpus), Phase.RESUMING, self._next())
@@ -978,6 +976,16 @@ class Scheduler:
             resume = _about(spec, Code.RESUME, gpus=gpus)
             actions.append(Resume(spec.name, gpus, render(resume), resume))
         return actions
+
+    def _suspended_room(self) -> list[tuple[int, Use]]:
+        """Each suspended unit's room on its GPUs, kept from strictly less urgent units (from
+        the start of a pass: waiters are served first; `_resume` gives it back)."""
+        promises: list[tuple[int, Use]] = []
+        for entry in self.suspended.values():
+            if self._can_come_back(entry):
+                spec = self.specs.get(entry.spec.name, entry.spec)
+                self._promise(promises, spec, sorted(entry.gpus), kept_from=spec.priority + 1)
+        return promises
 
     def _can_come_back(self, entry: Suspended) -> bool:
         """Its GPUs are all here and answering: a restore puts its memory back on them."""
