@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from gpuslice.core.decisions import Code
+from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler, Suspend
+from gpuslice.core.scheduler import Log, Outcome, Phase, Resume, Scheduler, Suspend
 from tests.core_builders import BG, brief, sized, spec, words
 
 VLM = spec("vlm", 90, BG, preempt="suspend stop")
@@ -419,3 +419,113 @@ def test_equally_urgent_suspended_units_come_back_in_the_order_they_left() -> No
         "resume big.service 0",
         "resume small.service 0",
     ]
+
+
+# -- the decisions as data, and events that come when they no longer apply -----------------
+
+
+def decisions(actions: Sequence[object]) -> list[Decision]:
+    return [a.decision for a in actions if getattr(a, "decision", None) is not None]  # type: ignore[attr-defined]
+
+
+def test_every_ladder_decision_carries_its_data() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice, VLM)
+    running(s, emb, voice)
+    thawed = decisions(s.thawed_outside("emb.service"))
+    assert [(d.code, d.unit, d.priority, d.gpus) for d in thawed] == [
+        (Code.THAWED_OUTSIDE, "emb.service", 90, (0,))
+    ]
+    s2 = host(emb, voice)
+    running(s2, emb, voice)
+    failed = decisions(s2.freeze_failed("emb.service", "no cgroup"))[0]
+    assert (failed.code, failed.gpus, failed.for_unit, failed.for_priority, failed.rung) == (
+        Code.RUNG_FAILED,
+        (0,),
+        VOICE.name,
+        10,
+        "freeze",
+    )
+    assert (failed.detail, failed.fallback) == ("no cgroup", "")
+    s3 = host(VLM, VOICE)
+    running(s3, VLM)
+    [suspend] = decisions(s3.request(VOICE))[:1]
+    assert (suspend.code, suspend.gpus, suspend.for_unit, suspend.for_priority) == (
+        Code.SUSPEND,
+        (0,),
+        VO,
+        10,
+    )
+    [done] = decisions(s3.suspended_done(V, "2 GiB"))[:1]
+    assert (done.code, done.gpus, done.for_unit, done.for_priority, done.detail) == (
+        Code.SUSPENDED,
+        (0,),
+        VO,
+        10,
+        "2 GiB",
+    )
+    [resume] = [d for d in decisions(s3.inactive(VO, Outcome.EXITED)) if d.code is Code.RESUME]
+    assert (resume.code, resume.unit, resume.gpus, resume.detail) == (Code.RESUME, V, (0,), "")
+    [resumed] = decisions(s3.resumed(V, "3 s: restored in 1 s"))
+    assert (resumed.code, resumed.gpus, resumed.detail) == (
+        Code.RESUMED,
+        (0,),
+        "3 s: restored in 1 s",
+    )
+
+
+def test_recover_resumes_with_its_reason_and_gpus() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    after = host(VLM, VOICE)
+    after.load(s.save())
+    [resume] = after.recover()
+    assert isinstance(resume, Resume) and resume.gpus == (0,)
+    d = resume.decision
+    assert d is not None and (d.code, d.gpus, d.detail) == (
+        Code.RESUME,
+        (0,),
+        "after a controller restart",
+    )
+    assert resume.reason == (
+        "restoring the VRAM of vlm.service (priority 90) on GPU 0 (after a controller restart)"
+    )
+    assert after.holders[V].stopping_for is None
+    assert after.save().holders[V] == ((0,), "resuming", after.holders[V].seq, "")
+
+
+def test_events_that_no_longer_apply_change_nothing() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    s = host(VLM, emb)
+    running(s, VLM)
+    before = (s.save(), s.snapshot())
+    for event in (
+        s.suspended_done,
+        s.suspend_failed,
+        s.resumed,
+        s.resume_failed,
+        s.freeze_failed,
+    ):
+        assert event(V, "late") == []  # it runs: nothing of the ladder is under way
+        assert event("unknown.service", "late") == []
+    assert s.thawed_outside(V) == []
+    assert s.thawed_outside("unknown.service") == []
+    assert (s.save(), s.snapshot()) == before
+    assert s.phase(V) is Phase.RUNNING
+
+
+def test_a_unit_stopped_for_a_lost_gpu_is_a_holder_on_no_gpu_until_it_ends() -> None:
+    two = spec("two", 20, gpus=2, preempt="suspend stop")
+    one = spec("one", 10)
+    s = host(two, one, gpus=[sized(0), sized(1)])
+    running(s, two)
+    s.request(one)
+    s.suspended_done(two.name, "")
+    s.set_gpus([sized(0), sized(1, lost=True)])
+    holder = s.holders[two.name]
+    assert (holder.spec, holder.gpus, holder.phase) == (two, frozenset(), Phase.STOPPING)
+    assert isinstance(holder.seq, int) and holder.seq > 0
+    assert s.snapshot().gpus == {0: [(one.name, 10, "running")], 1: []}
+    assert s.save().holders[two.name][:2] == ((), "stopping")
