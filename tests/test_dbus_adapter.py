@@ -451,3 +451,45 @@ def test_a_units_state_is_read_from_its_listing(bus_address: str) -> None:
         assert asked == [["a.service"], ["b.service"]]
 
     run(body)
+
+
+def test_the_freezer_calls_and_a_units_processes(bus_address: str) -> None:
+    """FreezeUnit/ThawUnit by name, FreezerState read from the unit's own object, the PIDs of
+    GetUnitProcesses; an error reply is a SystemdError (the ladder's reason), not a crash."""
+
+    async def body() -> None:
+        owner = await connect(bus_address)
+        calls: list[tuple[str, str, list[Any]]] = []
+
+        def answer(msg: Message) -> Message | bool:
+            if msg.message_type is not MessageType.METHOD_CALL:
+                return False
+            calls.append((msg.member or "", msg.path or "", list(msg.body)))
+            if msg.member in ("FreezeUnit", "ThawUnit"):
+                if msg.body[0] == "gone.service":
+                    return Message.new_error(msg, "org.freedesktop.systemd1.NoSuchUnit", "no")
+                return Message.new_method_return(msg)
+            if msg.member == "Get" and msg.body == [UNIT, "FreezerState"]:
+                return Message.new_method_return(msg, "v", [Variant("s", "frozen")])
+            if msg.member == "GetUnitProcesses":
+                rows = [["/system.slice/a.service", 41, "sh"], ["/system.slice/a.service", 42, "x"]]
+                return Message.new_method_return(msg, "a(sus)", [rows])
+            return False
+
+        owner.add_message_handler(answer)
+        await owner.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        await systemd.freeze_unit("a.service")
+        await systemd.thaw_unit("a.service")
+        assert await systemd.freezer_state("a.service") == "frozen"
+        assert await systemd.unit_pids("a.service") == [41, 42]
+        with pytest.raises(SystemdError, match="NoSuchUnit"):
+            await systemd.freeze_unit("gone.service")
+        assert calls[:4] == [
+            ("FreezeUnit", MANAGER_PATH, ["a.service"]),
+            ("ThawUnit", MANAGER_PATH, ["a.service"]),
+            ("Get", unit_path("a.service"), [UNIT, "FreezerState"]),
+            ("GetUnitProcesses", MANAGER_PATH, ["a.service"]),
+        ]
+
+    run(body)
