@@ -529,3 +529,34 @@ def test_a_unit_stopped_for_a_lost_gpu_is_a_holder_on_no_gpu_until_it_ends() -> 
     assert isinstance(holder.seq, int) and holder.seq > 0
     assert s.snapshot().gpus == {0: [(one.name, 10, "running")], 1: []}
     assert s.save().holders[two.name][:2] == ((), "stopping")
+
+
+def test_a_failed_freeze_of_a_unit_whose_neighbour_left_in_the_same_batch() -> None:
+    """The neighbour it was frozen for ended in the same batch of events (nothing decided
+    yet): the line names it without its priority; a frozen unit loaded without the units it
+    was frozen for names none."""
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb, voice)
+    with s.deferred():
+        s.inactive(VO, Outcome.EXITED)
+        failed = decisions(s.freeze_failed("emb.service", "gone"))[0]
+    assert (failed.for_unit, failed.for_priority) == (VO, None)
+    saved = s.save()
+    saved.holders["emb.service"] = ((0,), "frozen", 1, "")
+    after = host(emb, voice)
+    after.load(saved)
+    assert after.holders["emb.service"].frozen_for == set()
+    failed = decisions(after.freeze_failed("emb.service", "gone"))[0]
+    assert (failed.for_unit, failed.for_priority) == ("", None)
+    assert failed.unit == "emb.service"
+
+
+def test_suspended_units_are_listed_by_name() -> None:
+    s = host(VLM, VOICE)
+    assert s.suspended_units() == []
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    assert s.suspended_units() == [V]
