@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.scheduler import Log, Outcome, Phase, Resume, Scheduler, Suspend
+from gpuslice.core.scheduler import Log, Outcome, Phase, Resume, Scheduler, Stop, Suspend
 from tests.core_builders import BG, brief, sized, spec, words
 
 VLM = spec("vlm", 90, BG, preempt="suspend stop")
@@ -560,3 +560,59 @@ def test_suspended_units_are_listed_by_name() -> None:
     s.request(VOICE)
     s.suspended_done(V, "")
     assert s.suspended_units() == [V]
+
+
+def test_a_failed_suspend_of_a_unit_no_longer_annotated_falls_by_the_ladder_it_had() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.set_specs({VO: VOICE})  # its annotation goes while it is being suspended
+    assert s.phase(V) is Phase.SUSPENDING
+    assert brief(s.suspend_failed(V, "no tool")) == [f"stop {V}"]
+
+
+def test_a_failed_suspend_never_stops_a_unit_a_reload_made_as_urgent_as_its_waiter() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.set_specs({V: dataclasses.replace(VLM, priority=10), VO: VOICE})
+    acts = s.suspend_failed(V, "no tool")
+    assert "stop vlm.service" not in brief(acts)
+    assert s.phase(V) is Phase.RUNNING
+
+
+def test_the_fallback_stop_names_the_gpus_the_waiter_needs_of_it() -> None:
+    wide = spec("wide", 90, gpus=2, preempt="suspend stop")
+    two = spec("two", 10, gpus=2)
+    s = host(wide, two, gpus=[sized(0), sized(1), sized(2)])
+    running(s, wide)  # on GPUs 0,1
+    filler = spec("filler", 95, devices=("2",))
+    s.specs[filler.name] = filler
+    running(s, filler)
+    assert brief(s.request(two)) == ["suspend wide.service 0,1", "stop filler.service"]
+    # two takes GPUs 0 and 2: the fallback stop names the GPU it needs of wide, not both
+    [stop] = [a for a in s.suspend_failed(wide.name, "no tool") if isinstance(a, Stop)]
+    assert stop.decision is not None and stop.decision.gpus == (0,)
+
+
+def test_a_fallback_stop_after_the_waiter_re_planned_names_all_the_victims_gpus() -> None:
+    """Another victim's stop failed and the waiter re-planned (its target is cleared): the
+    suspend that then fails still names where the unit is stopped."""
+    a = spec("a", 90, devices=("0",))
+    b = spec("b", 90, preempt="suspend stop", devices=("1",))
+    w = spec("w", 10, gpus=2)
+    s = host(a, b, w, gpus=[sized(0), sized(1)])
+    running(s, a, b)
+    assert brief(s.request(w)) == ["stop a.service", "suspend b.service 1"]
+    s.stop_failed(a.name, "refused", refused=False)
+    [stop] = [x for x in s.suspend_failed(b.name, "no tool") if isinstance(x, Stop)]
+    assert stop.decision is not None and stop.decision.gpus == (1,)
+
+
+def test_a_suspend_that_failed_with_no_rung_left_clears_the_waiter_s_target() -> None:
+    only = spec("vlm", 90, BG, preempt="suspend")
+    s = host(only, VOICE)
+    running(s, only)
+    s.request(VOICE)
+    s.suspend_failed(V, "no tool")
+    assert s.waiters[VO].target == ()
