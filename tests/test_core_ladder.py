@@ -11,8 +11,18 @@ from collections.abc import Sequence
 
 from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.scheduler import Log, Outcome, Phase, Resume, Scheduler, Stop, Suspend
-from tests.core_builders import BG, brief, sized, spec, words
+from gpuslice.core.scheduler import (
+    Freeze,
+    Log,
+    Outcome,
+    Phase,
+    Resume,
+    Scheduler,
+    Stop,
+    Suspend,
+    Thaw,
+)
+from tests.core_builders import BG, GIB, brief, sized, spec, words
 
 VLM = spec("vlm", 90, BG, preempt="suspend stop")
 VOICE = spec("voice", 10)
@@ -616,3 +626,101 @@ def test_a_suspend_that_failed_with_no_rung_left_clears_the_waiter_s_target() ->
     s.request(VOICE)
     s.suspend_failed(V, "no tool")
     assert s.waiters[VO].target == ()
+
+
+# -- what the mutation pass of the ladder's functions found untested -------------------------
+
+
+def test_a_thaw_says_so_with_its_data_and_reaches_units_named_after_others() -> None:
+    late = spec("z-emb", 90, BG, mem_gib=8, preempt="freeze stop")  # sorts after "voice"
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(late, voice)
+    running(s, late, voice)
+    [thaw] = [a for a in s.inactive(VO, Outcome.EXITED) if isinstance(a, Thaw)]
+    assert thaw.unit == "z-emb.service"
+    assert thaw.reason == (
+        "thawing z-emb.service (priority 90) on GPU 0: the units it was frozen for have left"
+    )
+    assert thaw.decision is not None
+    assert (thaw.decision.code, thaw.decision.gpus) == (Code.THAW, (0,))
+
+
+def test_a_reload_to_equal_priority_thaws_a_frozen_unit() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb, voice)
+    acts = s.set_specs({"emb.service": emb, VO: dataclasses.replace(voice, priority=90)})
+    assert "thaw emb.service" in brief(acts)
+
+
+def test_the_freeze_names_only_the_gpus_it_shares_with_the_urgent_unit() -> None:
+    wide = spec("wide", 90, BG, gpus=2, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8, devices=("1",))
+    s = host(wide, voice, gpus=[sized(0), sized(1)])
+    running(s, wide)
+    [freeze] = [a for a in s.request(voice) if isinstance(a, Freeze)]
+    assert freeze.decision is not None and freeze.decision.gpus == (1,)
+
+
+def test_a_suspended_unit_that_cannot_come_back_does_not_hold_back_the_next() -> None:
+    two = spec("two", 20, gpus=2, mem_gib=10, preempt="suspend stop")
+    one = spec("one", 30, mem_gib=10, preempt="suspend stop", devices=("0",))
+    w = spec("w", 10, gpus=2, mem_gib=20)
+    s = host(two, one, w, gpus=[sized(0), sized(1)])
+    running(s, two, one)
+    assert brief(s.request(w)) == ["suspend two.service 0,1", "suspend one.service 0"]
+    s.suspended_done(one.name, "")
+    s.suspended_done(two.name, "")
+    with s.deferred():  # w ends and GPU 1 is lost, decided at once
+        s.inactive(w.name, Outcome.EXITED)
+        s.set_gpus([sized(0), sized(1, lost=True)])
+    assert brief(s.schedule()) == [f"stop {two.name}", f"resume {one.name} 0"]
+
+
+def test_a_unit_no_longer_annotated_while_suspended_comes_back_then_is_let_go() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    s.set_specs({VO: VOICE})
+    [resume] = [d for d in decisions(s.inactive(VO, Outcome.EXITED)) if d.code is Code.RESUME]
+    assert (resume.unit, resume.priority) == (V, 90)
+    acts = s.resumed(V, "1 s: restored in 0.1 s")
+    assert [(d.code, d.unit, d.gpus) for d in decisions(acts)] == [
+        (Code.RESUMED, V, (0,)),
+        (Code.UNMANAGED, V, (0,)),
+    ]
+    assert words(acts)[1] == "vlm.service is no longer annotated: released its GPUs"
+    assert s.phase(V) is None
+
+
+def test_a_resume_carries_the_priority_of_the_annotation_now() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    s.set_specs({V: dataclasses.replace(VLM, priority=70), VO: VOICE})
+    [resume] = [d for d in decisions(s.inactive(VO, Outcome.EXITED)) if d.code is Code.RESUME]
+    assert resume.priority == 70
+    assert s.holders[V].spec.priority == 70
+
+
+def test_a_suspended_background_unit_waits_while_a_foreign_process_uses_its_gpu() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    s.set_gpus([sized(0, foreign=GIB, foreign_pids=(77,))])
+    assert brief(s.inactive(VO, Outcome.EXITED)) == []
+    assert s.phase(V) is Phase.SUSPENDED
+    assert brief(s.set_gpus([sized(0)])) == [f"resume {V} 0"]
+
+
+def test_a_suspend_done_after_its_waiter_left_still_says_so() -> None:
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.inactive(VO, Outcome.STOPPED)  # the waiter's start was cancelled
+    done = decisions(s.suspended_done(V, "1 GiB"))[0]
+    assert (done.code, done.for_unit, done.for_priority) == (Code.SUSPENDED, VO, None)

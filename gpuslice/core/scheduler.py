@@ -231,7 +231,7 @@ def _seq(waiter: Waiter) -> int:
     return waiter.seq
 
 
-def _memory_rungs(spec: UnitSpec, suspend_failed: bool = False) -> list[Rung]:
+def _memory_rungs(spec: UnitSpec, *, suspend_failed: bool) -> list[Rung]:
     """The rungs of its ladder that free VRAM (freeze keeps it), in its order; without
     suspend once a suspend of it failed while it runs."""
     return [
