@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import pytest
+
 from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import (
@@ -724,3 +726,55 @@ def test_a_suspend_done_after_its_waiter_left_still_says_so() -> None:
     s.inactive(VO, Outcome.STOPPED)  # the waiter's start was cancelled
     done = decisions(s.suspended_done(V, "1 GiB"))[0]
     assert (done.code, done.for_unit, done.for_priority) == (Code.SUSPENDED, VO, None)
+
+
+def test_a_thaw_reaches_a_frozen_unit_listed_after_running_ones() -> None:
+    late = spec("z-emb", 90, BG, mem_gib=4, preempt="freeze stop")
+    first = spec("a-first", 95, BG, mem_gib=4)  # runs beside, not frozen (no freeze rung)
+    voice = spec("voice", 10, mem_gib=4)
+    s = host(late, first, voice)
+    running(s, late, first, voice)
+    assert s.phase("z-emb.service") is Phase.FROZEN
+    assert brief(s.inactive(VO, Outcome.EXITED)) == ["thaw z-emb.service"]
+
+
+def test_a_suspended_unit_that_must_wait_does_not_hold_back_one_on_another_gpu() -> None:
+    a = spec("a", 40, mem_gib=20, preempt="suspend stop", devices=("0",))
+    b = spec("b", 60, mem_gib=20, preempt="suspend stop", devices=("1",))
+    ua, ub = spec("ua", 10, mem_gib=20, devices=("0",)), spec("ub", 10, mem_gib=20, devices=("1",))
+    s = host(a, b, ua, ub, gpus=[sized(0), sized(1)])
+    running(s, a, b)
+    s.request(ua)
+    s.suspended_done(a.name, "")
+    s.request(ub)
+    s.suspended_done(b.name, "")
+    # ub ends: b (GPU 1) comes back although a (GPU 0, more urgent) still cannot
+    assert brief(s.inactive(ub.name, Outcome.EXITED)) == [f"resume {b.name} 1"]
+
+
+@pytest.mark.parametrize("priority", [51, 80])
+def test_a_suspended_unit_s_room_is_kept_from_any_less_urgent_unit(priority: int) -> None:
+    sus = spec("sus", 50, mem_gib=20, preempt="suspend stop")
+    urgent = spec("urgent", 10, mem_gib=20)
+    other = spec("other", priority, mem_gib=20)
+    s = host(sus, urgent, other)
+    running(s, sus)
+    s.request(urgent)
+    s.suspended_done(sus.name, "")
+    s.request(other)
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == [f"resume {sus.name} 0"]
+
+
+def test_a_suspended_unit_s_room_follows_a_priority_edit() -> None:
+    sus = spec("sus", 90, mem_gib=20, preempt="suspend stop")
+    urgent = spec("urgent", 10, mem_gib=20)
+    other = spec("other", 70, mem_gib=20)
+    s = host(sus, urgent, other)
+    running(s, sus)
+    s.request(urgent)
+    s.suspended_done(sus.name, "")
+    s.set_specs(
+        {sus.name: dataclasses.replace(sus, priority=50), urgent.name: urgent, other.name: other}
+    )
+    s.request(other)  # 70: now less urgent than sus (50)
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == [f"resume {sus.name} 0"]
