@@ -1,13 +1,35 @@
-"""Hypothesis profiles: `make test` (and CI, and `make mutate`) replays the same examples on
-every run, so a red run means a change broke something, never chance; `make fuzz` explores
-new ones (GPUSLICE_HYPOTHESIS=explore) and prints a replayable failure when it finds one."""
+"""Hypothesis profiles, and the fakes of tests/fakenvml built once.
+
+`make test` (and CI, and `make mutate`) replays the same examples on every run, so a red run
+means a change broke something, never chance; `make fuzz` explores new ones
+(GPUSLICE_HYPOTHESIS=explore) and prints a replayable failure when it finds one."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
+
+FAKE_SRC = Path(__file__).parent / "fakenvml"
 
 settings.register_profile("repeatable", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("GPUSLICE_HYPOTHESIS", "repeatable"))
+
+
+@pytest.fixture(scope="session")
+def fake_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fakes of tests/fakenvml (libnvidia-ml.so.1, gpu-alloc, cuda-checkpoint), built once
+    with the project's Makefile into a temp dir, for the tests that run them without a
+    container."""
+    if shutil.which("make") is None or shutil.which("gcc") is None:
+        pytest.skip("make and gcc are needed to build tests/fakenvml")
+    build = tmp_path_factory.mktemp("fakenvml-build")
+    subprocess.run(
+        ["make", "-s", "-C", str(FAKE_SRC), f"BUILD={build}"], check=True, capture_output=True
+    )
+    return build

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import select
-import shutil
 import signal
 import subprocess
 import time
@@ -34,8 +33,6 @@ from gpuslice.checkpoint import (
     suspend,
 )
 
-REPO = Path(__file__).resolve().parent.parent
-FAKE_SRC = REPO / "tests" / "fakenvml"
 GIB = 1 << 30
 TIMEOUT = 30.0  # ceiling for a line or an exit; a pass never waits this long
 FAST = CheckpointSettings(
@@ -509,20 +506,6 @@ def test_host_memory_fits() -> None:
 # the fake cuda-checkpoint on gpu-alloc jobs
 
 GPUS = "# index uuid total name\n0 GPU-00000000-0000-0000-0000-000000000000 24GiB Fake\n"
-
-
-@pytest.fixture(scope="module")
-def fake_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tests/fakenvml built once for this file, into a directory of its own."""
-    if shutil.which("make") is None or shutil.which("gcc") is None:
-        pytest.skip("make and gcc are needed to build tests/fakenvml")
-    if not (FAKE_SRC / "cuda-checkpoint.c").exists():
-        pytest.skip("tests/fakenvml has no fake cuda-checkpoint yet")
-    build = tmp_path_factory.mktemp("fakenvml-build")
-    subprocess.run(
-        ["make", "-s", "-C", str(FAKE_SRC), f"BUILD={build}"], check=True, capture_output=True
-    )
-    return build
 
 
 class Bed:

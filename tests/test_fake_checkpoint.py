@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +21,6 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-FAKE_SRC = REPO / "tests" / "fakenvml"
 GIB = 1 << 30
 GPUS = (
     "0 GPU-11111111-1111-1111-1111-111111111111 4GiB NVIDIA Fake 4GB\n"
@@ -163,18 +160,6 @@ class Bed:
             job.proc.wait()
             if job.proc.stdout is not None:
                 job.proc.stdout.close()
-
-
-@pytest.fixture(scope="session")
-def fake_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Build the fakes once, with the project's Makefile, into a temp dir."""
-    if shutil.which("make") is None or shutil.which("gcc") is None:
-        pytest.skip("make and gcc are needed to build tests/fakenvml")
-    build = tmp_path_factory.mktemp("fakenvml-build")
-    subprocess.run(
-        ["make", "-s", "-C", str(FAKE_SRC), f"BUILD={build}"], check=True, capture_output=True
-    )
-    return build
 
 
 @pytest.fixture

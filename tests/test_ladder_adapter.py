@@ -15,7 +15,7 @@ import pytest
 from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
 from gpuslice.ladder import Ladder
-from tests.test_checkpoint import FAST, Bed, fake_build  # noqa: F401 - fake_build: a fixture
+from tests.test_checkpoint import FAST, Bed
 
 UNIT = "vlm.service"
 GIB = 1 << 30
@@ -131,7 +131,7 @@ class Host:
 
 
 @pytest.fixture
-def host(fake_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:  # noqa: F811
+def host(fake_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
     state = tmp_path / "nvml"
     monkeypatch.setenv("FAKE_NVML_DIR", str(state))
     bed = Bed(fake_build, state)

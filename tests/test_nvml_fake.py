@@ -12,7 +12,6 @@ import ctypes
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +24,6 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-FAKE_SRC = REPO / "tests" / "fakenvml"
 GIB = 1 << 30
 MIB = 1 << 20
 UUIDS = ("GPU-11111111-1111-1111-1111-111111111111", "GPU-22222222-2222-2222-2222-222222222222")
@@ -290,18 +288,6 @@ class FakeGpus:
             alloc.proc.wait()
             if alloc.proc.stdout is not None:
                 alloc.proc.stdout.close()
-
-
-@pytest.fixture(scope="session")
-def fake_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Build the fake NVML once, with the project's Makefile, into a temp dir."""
-    if shutil.which("make") is None or shutil.which("gcc") is None:
-        pytest.skip("make and gcc are needed to build tests/fakenvml")
-    build = tmp_path_factory.mktemp("fakenvml-build")
-    subprocess.run(
-        ["make", "-s", "-C", str(FAKE_SRC), f"BUILD={build}"], check=True, capture_output=True
-    )
-    return build
 
 
 @pytest.fixture
