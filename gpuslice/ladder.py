@@ -131,8 +131,7 @@ class Ladder:
     async def _suspend(self, unit: str) -> str:
         s = self.settings()
         tool = checkpoint.require_tool(s.tool)
-        if not self.unified_marker.exists():
-            raise CheckpointError("cgroup v1 (hybrid hierarchy): systemd cannot freeze units")
+        self._require_freezer()
         pids, vram = self._cuda_processes(unit)
         moved = [p for p in pids if self.unit_of_pid(p) != unit]
         if moved:  # exited since the sample: its PID may be another unit's process by now
@@ -202,26 +201,28 @@ class Ladder:
             if suspension is None:
                 return "a controller restart: nothing to restore without cuda-checkpoint"
             raise CheckpointError("cuda-checkpoint is not installed any more: cannot restore")
-        pids = suspension.pids if suspension is not None else await self._recovered_pids(unit)
+        pids = (
+            suspension.pids
+            if suspension is not None
+            else await self._recovered_pids(unit, tool, s.via_systemd)
+        )
         seconds = await checkpoint.resume(tool, pids, s)
         if suspension is None:
             return f"a controller restart: restored in {seconds:.1f} s"
         away = time.monotonic() - suspension.since
         return f"{away:.0f} s: restored in {seconds:.1f} s"
 
-    async def _recovered_pids(self, unit: str) -> list[int]:
+    async def _recovered_pids(self, unit: str, tool: str, via_systemd: bool) -> list[int]:
         """After a controller restart: the processes of the unit that cuda-checkpoint knows
         (the others are no CUDA processes)."""
         try:
             pids = await self.systemd.unit_pids(unit)
         except Exception as e:
             raise CheckpointError(f"cannot list its processes: {e}") from None
-        s = self.settings()
-        tool = checkpoint.find_tool(s.tool) or ""
         known = []
         for pid in pids:
             try:
-                await checkpoint.get_state(tool, pid, s.via_systemd)
+                await checkpoint.get_state(tool, pid, via_systemd)
             except CheckpointError:
                 continue
             known.append(pid)
@@ -229,13 +230,16 @@ class Ladder:
 
     # -- freeze and thaw ----------------------------------------------------------------------
 
+    def _require_freezer(self) -> None:
+        if not self.unified_marker.exists():
+            raise CheckpointError("cgroup v1 (hybrid hierarchy): systemd cannot freeze units")
+
     def freeze(self, unit: str) -> Coroutine[Any, Any, None]:
         return self._run(unit, self._freeze(unit))
 
     async def _freeze(self, unit: str) -> None:
         try:
-            if not self.unified_marker.exists():
-                raise CheckpointError("cgroup v1 (hybrid hierarchy): systemd cannot freeze units")
+            self._require_freezer()
             await self.systemd.freeze_unit(unit)
         except Exception as e:
             why = e.reason if isinstance(e, CheckpointError) else f"FreezeUnit failed: {e}"
