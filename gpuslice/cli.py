@@ -65,6 +65,23 @@ def controller(config_path: str) -> None:
     sys.exit(asyncio.run(run(Path(config_path), os.environ.get("GPUSLICE_BUS_ADDRESS"))))
 
 
+@main.command("release-gates", hidden=True)
+@config_option
+def release_gates(config_path: str) -> None:
+    """Send every gate that waits on a pipe to D-Bus (ExecStopPost= of gpuslice.service):
+    a gate that opened its pipe before the controller went away must not wait for a writer
+    that will never come."""
+    from gpuslice.gatepipes import wake_and_remove
+    from gpuslice.paths import DEFAULT_RUNTIME_DIR, gate_pipe_dir
+
+    try:
+        runtime_dir = load_config_with_warnings(Path(config_path))[0].runtime_dir
+    except ConfigError as e:  # the controller refused it too: release where it may have run
+        click.echo(f"gpuslice release-gates: {e}; using {DEFAULT_RUNTIME_DIR}", err=True)
+        runtime_dir = DEFAULT_RUNTIME_DIR
+    wake_and_remove(gate_pipe_dir(runtime_dir))
+
+
 async def _call_status(address: str | None) -> str:
     from dbus_next import BusType, Message, MessageType
     from dbus_next.aio import MessageBus

@@ -193,7 +193,7 @@ SETTINGS: tuple[Setting, ...] = (
         functools.partial(_directory_below, base=DEFAULT_RUNTIME_DIR),
         _PATH_ALLOWED.format(base=DEFAULT_RUNTIME_DIR),
         "Where the controller writes per-unit environment files "
-        "(RUNTIME_DIR/env/UNIT/gpuslice.env).",
+        "(RUNTIME_DIR/env/UNIT/gpuslice.env) and the gate's pipes (RUNTIME_DIR/gate/UNIT).",
         convert=lambda v: v.rstrip("/"),
     ),
     Setting(

@@ -42,12 +42,13 @@ from gpuslice.core.scheduler import (
     Thaw,
 )
 from gpuslice.counters import Counters
+from gpuslice.gatepipes import GatePipes
 from gpuslice.gpuwatch import FRESH_SAMPLE, GpuWatch
 from gpuslice.inventory import GpuUse, Inventory
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
-from gpuslice.paths import env_file
+from gpuslice.paths import env_file, gate_pipe_dir
 from gpuslice.service import ACCESS_DENIED, SchedulerService
 from gpuslice.state import StateStore
 from gpuslice.status import snapshot_to_json
@@ -66,6 +67,15 @@ from gpuslice.tracker import (
 from gpuslice.unitfiles import is_instance, is_template, printable
 
 log = logging.getLogger("gpuslice")
+
+# How long a unit systemd showed at its gate in a state read may go without a signal naming
+# its start, before its gate is sent to D-Bus (gpuslice/gatepipes.py).
+GATE_UNSEEN_DELAY = 1.0
+# STATUS= (`systemctl status gpuslice`) is sent this long after a change, once for all the
+# changes meanwhile: each STATUS= makes systemd send a PropertiesChanged of gpuslice.service
+# that the controller itself receives and unmarshals, and a handover changes the line four
+# times within ~50 ms, just when the signal it waits for is due (issue 10).
+STATUS_DELAY = 0.25
 
 
 def env_file_text(gpus: Sequence[Gpu]) -> str:
@@ -136,6 +146,8 @@ class Controller:
         self.service = service or SchedulerService(
             systemd.bus, self.on_acquire, self.status_json, self.request_rescan
         )
+        # the gates' fast way: answered through a pipe when systemd shows them at the gate
+        self.gates = GatePipes(gate_pipe_dir(config.runtime_dir))
         self.boot_id = ""
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
@@ -150,6 +162,7 @@ class Controller:
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
         self._save_failing = False
         self._checking_thaws = False  # a check of FreezerState is under way
+        self._status_due = False  # a STATUS= update is scheduled
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -159,6 +172,7 @@ class Controller:
         self.systemd.on_job_removed = self.on_job_removed
         self.systemd.on_reloading = self.on_reloading
         self.systemd.on_systemd_restarted = self.on_systemd_restarted
+        self.gates.reset()  # gates left waiting by an earlier controller ask over D-Bus
         await self.systemd.subscribe()
         self.boot_id = await self.systemd.boot_id()
         for problem in self.scan.problems:
@@ -271,6 +285,29 @@ class Controller:
         with self._batched():
             for change in self.tracker.unit_changed(name, props):
                 self._apply(change)
+            self._follow_gate(name, props.get("InvocationID"))
+
+    def _follow_gate(self, name: str, invocation: str | None) -> None:
+        """A start systemd shows at the gate, with the InvocationID that names it, is taken
+        in as if its gate had asked, and answered through its pipe (gpuslice/gatepipes.py):
+        no D-Bus round trip and no dbus-send. Told of a start at the gate without its
+        InvocationID (a state read, not a signal), its gate is sent to D-Bus."""
+        if classify(self.tracker.state(name)) is not Kind.GATE:
+            if self.gates.close(name):
+                self.counters.gate_answers["pipe"] += 1
+        elif invocation is None:
+            if not self.gates.holds(name):
+                loop = asyncio.get_running_loop()
+                loop.call_later(GATE_UNSEEN_DELAY, self._gate_unseen, name)
+        elif self.gates.at_gate(name, invocation):
+            self._serve_gate(name)
+
+    def _gate_unseen(self, name: str) -> None:
+        """A state read showed the unit at its gate and no signal has named that start since
+        (a read answered just before the start's signal is the usual case, and the signal
+        has come by now): its gate, if it waits on the pipe, asks over D-Bus."""
+        if classify(self.tracker.state(name)) is Kind.GATE:
+            self.gates.at_gate_unknown(name)
 
     def _apply(self, change: Change) -> None:
         if isinstance(change, WentDown):
@@ -396,6 +433,16 @@ class Controller:
     def _acquire_verified(self, unit: str) -> None:
         if not self.service.pending(unit):
             return
+        if self.gates.answered(unit) and self.scheduler.phase(unit) is Phase.RUNNING:
+            # granted at its pipe, which its gate had not found: the same grant, said again
+            gpus = sorted(self.scheduler.grants()[unit])
+            if self.service.grant(unit, ",".join(map(str, gpus))):
+                self.counters.gate_answers["dbus"] += 1
+            return
+        self._serve_gate(unit)
+
+    def _serve_gate(self, unit: str) -> None:
+        """The unit's gate asks (over D-Bus, or systemd showed it at its gate)."""
         spec = self.spec_for(unit)
         if spec is None:
             log.info("%s passed the gate: not managed by gpuslice", unit)
@@ -438,7 +485,9 @@ class Controller:
                 self.counters.admission_wait.observe(self._waited(action.unit))
                 self._write_env(action.unit, action.gpus)
                 self._say(action.reason, "info", action.decision)
-                self.service.grant(action.unit, ",".join(map(str, action.gpus)))
+                if self.service.grant(action.unit, ",".join(map(str, action.gpus))):
+                    self.counters.gate_answers["dbus"] += 1
+                self.gates.grant(action.unit)  # counted when its gate took it (_follow_gate)
             elif isinstance(action, Stop):
                 self._say(action.reason, "info", action.decision)
                 self._call_systemd(self.systemd.stop_unit, action.unit, "stop")
@@ -601,6 +650,12 @@ class Controller:
             if self._save_failing:
                 log.info("state saved to %s again", self.store.path)
             self._save_failing = False
+        if not self._status_due:  # STATUS= at most once per STATUS_DELAY: see there
+            self._status_due = True
+            asyncio.get_running_loop().call_later(STATUS_DELAY, self._send_status)
+
+    def _send_status(self) -> None:
+        self._status_due = False
         self.notifier.status(self.status_line())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -89,6 +89,8 @@ class Counters:
         self.decisions: dict[str, int] = {code.value: 0 for code in Code}
         self.errors: dict[str, int] = dict.fromkeys(ERRORS, 0)
         self.admission_wait = Histogram()
+        # how gates were let through: their pipe (gpuslice/gatepipes.py) or a D-Bus reply
+        self.gate_answers = {"pipe": 0, "dbus": 0}
 
     def decided(self, code: Code) -> None:
         self.decisions[code.value] += 1
@@ -101,4 +103,5 @@ class Counters:
         errors = dict(self.errors)
         for key, n in external:
             errors[key] += n
-        return {"decisions": dict(self.decisions), **errors}
+        gates = dict(self.gate_answers)
+        return {"decisions": dict(self.decisions), **errors, "gate_answers": gates}

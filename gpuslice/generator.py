@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gpuslice.annotations import Loader, Scan, scan
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
-from gpuslice.paths import CONFIG_PATH, ENV_FILE_SPECIFIER, GATE_DROPIN_NAME
+from gpuslice.paths import CONFIG_PATH, ENV_FILE_SPECIFIER, GATE_DROPIN_NAME, GATE_PIPE_SPECIFIER
 from gpuslice.unitfiles import UnitIndex, is_instance, is_valid_unit_name, printable, template_of
 
 _PROG = "gpuslice-generator"
@@ -97,7 +97,8 @@ def gate_dropin(
         "",
         "[Service]",
         "ExecStartPre=",
-        f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/gpuslice-gate %n {_seconds(retry)}",
+        f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/gpuslice-gate %n {_seconds(retry)} "
+        f"{_escape_specifiers(runtime_dir)}/{GATE_PIPE_SPECIFIER}",
         *(f"ExecStartPre={v}" for v in exec_start_pre),
         f"EnvironmentFile=-{_escape_specifiers(runtime_dir)}/{ENV_FILE_SPECIFIER}",
         "TimeoutStartSec=infinity",

@@ -296,6 +296,16 @@ def _counters(status: Mapping[str, Any]) -> Iterator[Metric]:
         for code in sorted({*(c.value for c in Code), *map(_label, decisions)}):
             family.add_metric([code], count(code))
         yield family
+        answers = counters.get("gate_answers")
+        if isinstance(answers, Mapping):
+            gates = CounterMetricFamily(
+                "gpuslice_gate_answers",
+                "Starts let through their gate: by its pipe (the fast way) or by D-Bus.",
+                labels=["way"],
+            )
+            for way in ("pipe", "dbus"):
+                gates.add_metric([way], _number(answers.get(way)) or 0.0)
+            yield gates
         for key, (name, text) in ERROR_COUNTERS.items():
             value = _number(counters.get(key))
             if value is not None:

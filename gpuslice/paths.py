@@ -45,3 +45,14 @@ ENV_FILE_SPECIFIER = f"env/%n/{ENV_FILE_NAME}"
 def env_file(runtime_dir: str, unit: str) -> Path:
     """RUNTIME_DIR/env/UNIT/gpuslice.env, the file `EnvironmentFile=` names."""
     return Path(runtime_dir) / "env" / unit / ENV_FILE_NAME
+
+
+# The gate's pipes (gpuslice/gatepipes.py): one per unit, named by the unit, in one directory
+# the controller alone may open (0700). The generator names the pipe in each gate drop-in.
+GATE_PIPE_DIR_NAME = "gate"
+GATE_PIPE_SPECIFIER = f"{GATE_PIPE_DIR_NAME}/%n"
+
+
+def gate_pipe_dir(runtime_dir: str) -> Path:
+    """RUNTIME_DIR/gate, where the pipe of each unit at its gate is."""
+    return Path(runtime_dir) / GATE_PIPE_DIR_NAME

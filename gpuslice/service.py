@@ -73,10 +73,12 @@ class SchedulerService:
         if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             raise NameTaken(f"{BUS_NAME} is owned by another process ({reply.name})")
 
-    def grant(self, unit: str, gpus: str) -> None:
-        """Answer every gate call of this unit: its start job continues."""
-        for call in self._pending.pop(unit, []):
+    def grant(self, unit: str, gpus: str) -> int:
+        """Answer every gate call of this unit: its start job continues. How many there were."""
+        calls = self._pending.pop(unit, [])
+        for call in calls:
             self.bus.send(Message.new_method_return(call, "s", [gpus]))
+        return len(calls)
 
     def forget(self, unit: str) -> None:
         """The unit's start was cancelled: its callers are gone."""

@@ -50,6 +50,8 @@ Added later, for `gpuslice metrics` (absent from older controllers):
                              ["+Inf", count]], "sum": float, "count": int}: how long each
                              grant waited at its gate (0 when at once).
 The counts are since the controller started (gpuslice/counters.py): a restart resets them.
+Added with the gate's pipes: "counters" "gate_answers": {"pipe": int, "dbus": int}, how
+many gates were let through by their pipe (gpuslice/gatepipes.py) and by a D-Bus reply.
 Added with the Preempt= ladder: PART "rung" ("suspend" for a victim being suspended, else
 null); DECISION "rung" and "fallback" (for "rung-failed"); and
   "suspended": [{"unit": str, "priority": int, "gpus": [int] (where it comes back),

@@ -84,11 +84,25 @@ def _job(value: Any) -> int | None:
     return None
 
 
-# The properties of a unit the controller reads from PropertiesChanged, with their checks.
-_UNIT_PROPERTIES: dict[str, Callable[[Any], bool]] = {
-    "ActiveState": lambda v: isinstance(v, str) and len(v) <= 32,
-    "SubState": lambda v: isinstance(v, str) and len(v) <= 32,
-    "Job": lambda v: _job(v) is not None,
+def invocation_hex(value: Any) -> str | None:
+    """A unit's InvocationID as systemd sends it (16 bytes; empty for a unit that never ran)
+    in the form systemd gives $INVOCATION_ID; None for anything else."""
+    if isinstance(value, bytes) and len(value) == 16:
+        return value.hex()
+    return None
+
+
+def _short_text(value: Any) -> str | None:
+    return value if isinstance(value, str) and len(value) <= 32 else None
+
+
+# The properties of a unit the controller reads from PropertiesChanged: each one's check and
+# form (None drops it). InvocationID names the start (16 bytes, hex as in $INVOCATION_ID).
+_UNIT_PROPERTIES: dict[str, Callable[[Any], Any]] = {
+    "ActiveState": _short_text,
+    "SubState": _short_text,
+    "Job": lambda v: v if _job(v) is not None else None,
+    "InvocationID": invocation_hex,
 }
 
 
@@ -307,10 +321,11 @@ class Systemd:
             if name is None:
                 return
             changed = {}
-            for key, check in _UNIT_PROPERTIES.items():
+            for key, form in _UNIT_PROPERTIES.items():
                 variant = body[1].get(key)
                 value = variant.value if isinstance(variant, Variant) else variant
-                if variant is not None and check(value):
+                value = form(value) if variant is not None else None
+                if value is not None:
                     changed[key] = value
             if changed:
                 self.on_unit_changed(name, changed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
@@ -95,9 +96,9 @@ class FakeService:
         """An Acquire arrives (the controller's on_acquire follows, as SchedulerService does)."""
         self.waiting.setdefault(unit, []).append(sender)
 
-    def grant(self, unit: str, gpus: str) -> None:
+    def grant(self, unit: str, gpus: str) -> int:
         self.granted.append((unit, gpus))
-        self.waiting.pop(unit, None)
+        return len(self.waiting.pop(unit, []))
 
     def forget(self, unit: str) -> None:
         self.waiting.pop(unit, None)
@@ -549,6 +550,156 @@ def test_a_start_seen_at_its_gate_preempts_before_the_gate_asks(
         # it waited from "waiting for low.service to stop" to its grant, GPUs kept meanwhile
         assert ctl.counters.admission_wait.count == 1
         assert ctl.counters.admission_wait.total >= 0.05
+
+    run(test)
+
+
+# ---- the gate's pipe: a start systemd shows at its gate is answered there ----
+
+START = bytes.fromhex("0123456789abcdef0123456789abcdef")
+
+
+def at_gate(invocation: bytes | None = START) -> dict[str, Any]:
+    """PropertiesChanged of a unit in start-pre, as the systemd adapter passes it on."""
+    props: dict[str, Any] = {"ActiveState": "activating", "SubState": "start-pre"}
+    if invocation is not None:
+        props["InvocationID"] = invocation.hex()
+    return props
+
+
+def read_pipe(bed: Bed, unit: str) -> str:
+    """What the unit's gate would read now (without blocking: "" when nothing)."""
+    fd = os.open(Path(bed.config.runtime_dir) / "gate" / unit, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return os.read(fd, 4096).decode()
+    except BlockingIOError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def test_a_start_at_its_gate_is_granted_through_its_pipe(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        assert read_pipe(bed, "a.service") == START.hex() + "\n"
+        assert ctl.scheduler.phase("a.service") is Phase.RUNNING
+        # the env file is written before the gate can read its line
+        assert (tmp_path / "run" / "env" / "a.service" / "gpuslice.env").exists()
+        ctl.on_unit_changed("a.service", at_gate())  # the same start again: decided once
+        ctl.on_unit_changed("a.service", {"ActiveState": "active", "SubState": "running"})
+        await settle()
+        assert ctl.gates.holding() == []
+        assert ctl.counters.admission_wait.count == 1
+        assert ctl.counters.gate_answers == {"pipe": 1, "dbus": 0}
+
+    run(test)
+
+
+def test_a_gate_that_asks_over_dbus_after_its_pipe_grant_is_told_the_same(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A unit's first start: its gate found no pipe yet and asks over D-Bus, while the
+    controller grants it at the start-pre signal. One grant, said on both ways, logged once."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.on_unit_changed("a.service", at_gate())
+            await settle()
+            await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.waiting == {}
+        assert [m for m in messages(caplog) if m.startswith("starting a.service")] == [
+            "starting a.service (priority 50) on GPU 0"
+        ]
+        ctl.on_unit_changed("a.service", {"ActiveState": "active", "SubState": "running"})
+        assert ctl.counters.gate_answers == {"pipe": 0, "dbus": 1}  # its line was not read
+
+    run(test)
+
+
+def test_a_start_at_its_gate_that_must_wait_is_answered_when_its_gpu_frees(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("urgent.service", at_gate())
+        await settle()
+        assert ("stop", "low.service") in bed.systemd.calls
+        assert read_pipe(bed, "urgent.service") == ""  # not before low.service is down
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert read_pipe(bed, "urgent.service") == START.hex() + "\n"
+
+    run(test)
+
+
+def test_a_start_at_its_gate_read_without_its_invocation_asks_over_dbus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state read (after JobRemoved, or systemd's restart) names no start: unless a signal
+    names it soon, a gate that waits on the pipe is sent to D-Bus, and the pipe removed so
+    that the next goes there too."""
+    monkeypatch.setattr(controller_module, "GATE_UNSEEN_DELAY", 0.05)
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        ctl.on_unit_changed("a.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        pipe = tmp_path / "run" / "gate" / "a.service"
+        assert pipe.exists()
+        ctl.on_unit_changed("a.service", at_gate(invocation=None))
+        await settle()
+        assert pipe.exists()  # its signal may be on its way: it is given a moment
+        await until(lambda: not pipe.exists())
+        assert ctl.gates.holding() == []
+
+    run(test)
+
+
+def test_a_state_read_just_before_the_starts_signal_leaves_its_gate_on_the_pipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """JobRemoved of a stop, then a start at once: the state read for the stop answers
+    "start-pre" before systemd's signal of that start is read."""
+    monkeypatch.setattr(controller_module, "GATE_UNSEEN_DELAY", 0.05)
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        ctl.on_unit_changed("a.service", {"ActiveState": "inactive", "SubState": "dead"})
+        ctl.on_unit_changed("a.service", at_gate(invocation=None))
+        ctl.on_unit_changed("a.service", at_gate(bytes(16)))
+        await asyncio.sleep(0.2)
+        assert read_pipe(bed, "a.service") == bytes(16).hex() + "\n"
+
+    run(test)
+
+
+def test_start_up_sends_gates_left_by_an_earlier_controller_to_dbus(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    left = tmp_path / "run" / "gate" / "a.service"
+    left.parent.mkdir(parents=True)
+    os.mkfifo(left)
+
+    async def test() -> None:
+        await bed.controller.start()
+        assert not left.exists()
 
     run(test)
 

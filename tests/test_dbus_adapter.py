@@ -308,6 +308,29 @@ def test_malformed_signals_from_systemd_itself_are_dropped(bus_address: str) -> 
     run(scenario)
 
 
+def test_a_starts_invocation_id_is_passed_on_as_the_gate_sees_it(bus_address: str) -> None:
+    """16 bytes become the hex of $INVOCATION_ID; anything else (empty for a unit that never
+    ran, the wrong length or type) is left out, and the rest of the signal still counts."""
+
+    async def scenario() -> None:
+        _systemd, owner, seen = await adapter(bus_address)
+        invocation = bytes(range(16))
+        for value in (
+            Variant("ay", invocation),
+            Variant("ay", b""),
+            Variant("ay", b"x" * 17),
+            Variant("s", invocation.hex()),
+        ):
+            msg = properties_changed("a.service", "activating")
+            msg.body[1]["InvocationID"] = value
+            owner.send(msg)
+        changed = [event[2] for event in await seen.after(owner)]
+        assert [c.get("InvocationID") for c in changed] == [invocation.hex(), None, None, None]
+        assert all(c["ActiveState"] == "activating" for c in changed)
+
+    run(scenario)
+
+
 def test_systemd_changing_hands_is_followed(bus_address: str) -> None:
     """daemon-reexec: systemd's name moves to a new connection; from then on only the new
     owner is believed, and the controller is told to read everything again."""

@@ -239,7 +239,7 @@ def test_generator_gates_every_valid_annotated_unit_or_says_why(units: dict[str,
             if text is None and is_instance(unit) and template.exists():
                 text = template.read_text()
             if text is not None and text != generator.MASK_TEXT:
-                assert "/gpuslice-gate %n 0.5\n" in text
+                assert "/gpuslice-gate %n 0.5 /run/gpuslice/gate/%n\n" in text
                 continue
             # no gate: only when the generator said why, naming the unit
             assert f"{printable(unit)}: " in errors, (unit, errors)

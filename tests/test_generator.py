@@ -35,7 +35,7 @@ def gate(
         "\n"
         "[Service]\n"
         "ExecStartPre=\n"
-        f"ExecStartPre=+{libexec}/gpuslice-gate %n {retry}\n"
+        f"ExecStartPre=+{libexec}/gpuslice-gate %n {retry} {runtime}/gate/%n\n"
         + "".join(f"ExecStartPre={p}\n" for p in pre)
         + f"EnvironmentFile=-{runtime}/env/%n/gpuslice.env\n"
         "TimeoutStartSec=infinity\n"
@@ -193,8 +193,8 @@ def test_usage(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_percent_in_paths_is_escaped() -> None:
-    assert "ExecStartPre=+/opt/a%%b/gpuslice-gate %n 0.5\n" in generator.gate_dropin(
-        "/opt/a%b", "/r", []
+    assert "ExecStartPre=+/opt/a%%b/gpuslice-gate %n 0.5 /r%%/gate/%n\n" in generator.gate_dropin(
+        "/opt/a%b", "/r%", []
     )
 
 
@@ -227,11 +227,17 @@ def test_libexec_dir(tmp_path: Path) -> None:
 
 
 def test_the_gate_line_carries_the_retry_it_is_given_or_config_defaults() -> None:
-    assert "gpuslice-gate %n 2\n" in generator.gate_dropin("/l", "/run/g", [], retry=2.0)
-    assert "gpuslice-gate %n 0.05\n" in generator.gate_dropin("/l", "/run/g", [], retry=0.05)
+    assert "gpuslice-gate %n 2 /run/g/gate/%n\n" in generator.gate_dropin(
+        "/l", "/run/g", [], retry=2.0
+    )
+    assert "gpuslice-gate %n 0.05 /run/g/gate/%n\n" in generator.gate_dropin(
+        "/l", "/run/g", [], retry=0.05
+    )
     # the default is config.py's, always written out: the gate's own default is not relied on
     default = SETTINGS_BY_NAME["gate_retry_seconds"].default
-    assert f"gpuslice-gate %n {default:g}\n" in generator.gate_dropin("/l", "/run/g", [])
+    assert f"gpuslice-gate %n {default:g} /run/g/gate/%n\n" in generator.gate_dropin(
+        "/l", "/run/g", []
+    )
 
 
 # ---------------------------------------------------------------------------------------------

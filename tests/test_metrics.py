@@ -30,6 +30,7 @@ def status() -> dict[str, Any]:
     for code in (Code.PREEMPT, Code.PREEMPT, Code.YIELD, Code.REFILL, Code.HOLD, Code.GRANT):
         counters.decided(code)
     counters.error("dbus_call_errors", 3)
+    counters.gate_answers.update(pipe=7, dbus=2)
     for waited in (0.0, 0.02, 7.0, 99999.0):
         counters.admission_wait.observe(waited)
     return {
@@ -140,6 +141,7 @@ def test_names_types_and_labels() -> None:
         "gpuslice_refills": "counter",
         "gpuslice_holds": "counter",
         "gpuslice_decisions": "counter",
+        "gpuslice_gate_answers": "counter",
         "gpuslice_dbus_signals_dropped": "counter",
         "gpuslice_dbus_call_errors": "counter",
         "gpuslice_dbus_acquire_refused": "counter",
@@ -222,6 +224,10 @@ def test_counters_and_the_admission_wait_histogram() -> None:
     assert families["gpuslice_refills"][1] == {("gpuslice_refills_total",): 1}
     assert families["gpuslice_holds"][1] == {("gpuslice_holds_total",): 1}
     assert families["gpuslice_requeues"][1] == {("gpuslice_requeues_total",): 0}
+    assert families["gpuslice_gate_answers"][1] == {
+        ("gpuslice_gate_answers_total", ("way", "pipe")): 7,
+        ("gpuslice_gate_answers_total", ("way", "dbus")): 2,
+    }
     decisions = families["gpuslice_decisions"][1]
     assert set(decisions) == {("gpuslice_decisions_total", ("decision", c.value)) for c in Code}
     assert decisions[("gpuslice_decisions_total", ("decision", "grant"))] == 1
@@ -249,6 +255,7 @@ def test_counters_count_from_zero_and_add_what_is_kept_elsewhere() -> None:
     assert {k: v for k, v in data.items() if k != "decisions"} == {
         **dict.fromkeys(ERRORS, 0),
         "journal_write_errors": 2,
+        "gate_answers": {"pipe": 0, "dbus": 0},
     }
     histogram = Histogram()
     for value in (-1.0, math.nan, math.inf, 0.5):  # a clock step back counts as 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from tests.bed.container import Container, WaitTimeout, wait_until
+from tests.bed.container import BedError, Container, WaitTimeout, wait_until
 from tests.integration.jobs import prop, reload, status, wait_state, wait_sub, write_job
 
 CONTROLLER = "gpuslice.service"
@@ -18,6 +18,7 @@ WAITER = "waiter.service"
 CAP_S = 5.0  # the gate's longest pause between asks while the controller is away
 # Far longer than any stop should take: a stop that waits for it is the bug.
 TIMEOUT_STOP = "TimeoutStopSec=60"
+NO_RESTART = "[Service]\nRestart=no\n"
 
 KILL_MODES = {
     "mixed.service": "KillMode=mixed",
@@ -181,3 +182,113 @@ def test_controller_that_cannot_run_keeps_waiters_waiting(container: Container) 
     assert prop(container, WAITER, "SubState") == "start-pre"  # still behind the holder
     container.systemctl("stop", HOLDER)
     wait_state(container, WAITER, "active")
+
+
+# ---- the gate's pipe (gpuslice/gatepipes.py): the fast way, and every way out of it ----
+
+
+def _answers(bed: Container) -> dict[str, int]:
+    answers: dict[str, int] = status(bed)["counters"]["gate_answers"]
+    return answers
+
+
+def _waiting_now(bed: Container) -> set[str]:
+    """Units waiting, or none while the controller does not answer."""
+    try:
+        return _waiting(bed)
+    except BedError:
+        return set()
+
+
+def _make_pipe(bed: Container, unit: str) -> None:
+    """Start and stop the unit until its pipe exists: the controller makes it when it sees a
+    start at the gate, which its first start after a daemon-reload may reach before the
+    controller's rescan knows the unit (that start asks over D-Bus). Returns once the
+    controller has taken in the last stop (the unit is held)."""
+    for _ in range(3):
+        bed.systemctl("start", unit)
+        bed.systemctl("stop", unit)
+        wait_until(lambda: unit in status(bed)["held"] or None, 20, what=f"{unit} held")
+        if bed.run(f"test -p /run/gpuslice/gate/{unit}", check=False).returncode == 0:
+            return
+    raise AssertionError(f"no pipe for {unit} after 3 starts: {bed.journal(CONTROLLER)}")
+
+
+def test_a_start_is_let_through_its_pipe_and_every_start_of_it_runs(container: Container) -> None:
+    write_job(container, WAITER, 20, seconds=0)
+    reload(container)
+    _make_pipe(container, WAITER)
+    before = _answers(container)
+    for _ in range(3):
+        container.systemctl("start", WAITER)
+        assert prop(container, WAITER, "ActiveState") == "active"
+        container.systemctl("stop", WAITER)
+    after = _answers(container)
+    assert after["pipe"] - before["pipe"] == 3, (before, after)
+    assert after["dbus"] == before["dbus"], (before, after)
+    mode = container.run(f"stat -c %a:%F /run/gpuslice/gate /run/gpuslice/gate/{WAITER}").stdout
+    assert mode.split() == ["700:directory", "600:fifo"], mode
+
+
+def test_a_gate_on_its_pipe_when_the_controller_is_killed_starts_after_it_is_back(
+    container: Container,
+) -> None:
+    """The kernel closes a killed controller's end of the pipe: the gate reads end of file
+    and asks over D-Bus, and the controller that Restart= brings back serves it in order."""
+    write_job(container, HOLDER, 10)
+    write_job(container, WAITER, 20)
+    reload(container)
+    _make_pipe(container, WAITER)
+    container.systemctl("start", HOLDER)
+    container.systemctl("start", "--no-block", WAITER)
+    wait_until(lambda: _waiting(container) == {WAITER} or None, 20, what=f"{WAITER} waiting")
+    container.systemctl("kill", "-s", "SIGKILL", CONTROLLER)
+    wait_until(
+        lambda: _waiting_now(container) == {WAITER} or None, 30, what=f"{WAITER} waiting again"
+    )
+    assert prop(container, WAITER, "SubState") == "start-pre"  # not let through meanwhile
+    container.systemctl("stop", HOLDER)
+    wait_state(container, WAITER, "active")
+
+
+def test_a_gate_blocked_before_the_controller_opened_its_pipe_is_woken_when_it_dies(
+    container: Container,
+) -> None:
+    """A gate that opened its pipe before the controller did (it reads systemd's signal a few
+    ms later) is woken by ExecStopPost= (`gpuslice release-gates`) when the controller dies
+    in between: it asks over D-Bus and says that it waits for gpuslice.service."""
+    write_job(container, WAITER, 20)
+    # no restart: only ExecStopPost= runs (a masked unit would lose it too)
+    container.write_file(f"/run/systemd/system/{CONTROLLER}.d/no-restart.conf", NO_RESTART)
+    reload(container)
+    _make_pipe(container, WAITER)
+    container.systemctl("kill", "-s", "SIGSTOP", CONTROLLER)  # alive, deaf: opens nothing
+    container.systemctl("start", "--no-block", WAITER)
+    wait_sub(container, WAITER, "start-pre")
+    gate = wait_until(
+        lambda: (
+            container.run(f"pgrep -f 'gpuslice-gate {WAITER}'", check=False).stdout.strip() or None
+        ),
+        20,
+        what="the gate to run",
+    )
+    # blocked in open() (wait_for_partner), not in dash's wait for a dbus-send (sigsuspend)
+    wait_until(
+        lambda: (
+            "partner" in container.run(f"cat /proc/{gate.split()[0]}/wchan", check=False).stdout
+            or None
+        ),
+        10,
+        what="the gate to wait for the controller to open its pipe",
+    )
+    container.systemctl("kill", "-s", "SIGKILL", CONTROLLER)
+    wait_until(
+        lambda: _lines(container.journal(WAITER), "waiting for gpuslice.service") or None,
+        30,
+        what=f"{WAITER} to say it waits for the controller",
+    )
+    assert prop(container, WAITER, "SubState") == "start-pre"
+    assert container.run("ls /run/gpuslice/gate", check=False).returncode != 0
+    container.systemctl("start", CONTROLLER)
+    wait_state(container, WAITER, "active", timeout=CAP_S + 25)
+    assert "Traceback" not in container.journal(CONTROLLER)

@@ -1,0 +1,215 @@
+"""The gate's fast way through: one named pipe per unit, RUNTIME_DIR/gate/UNIT.
+
+Asking over D-Bus costs every start a second process (dbus-send) and a round trip through
+the bus daemon, ~10 ms on a 2-core host (issue 10). Systemd already tells the controller,
+in the PropertiesChanged that shows a unit in its start-pre phase, that the unit's gate
+runs and which start it is (InvocationID). So the controller decides then, and once it
+grants that start it writes the start's InvocationID into the unit's pipe; the gate, a
+`read` built into sh, passes when it reads its own $INVOCATION_ID. Anything else it reads
+(a line for another start, "-", end of file) sends it to the D-Bus Acquire, which stays
+the one way that works whatever happened (data/gpuslice-gate).
+
+Why this is as safe as the bus:
+- Only root can open the pipes (the directory is 0700, the controller's own).
+- A grant names one start: a line left over from a start that was cancelled never lets a
+  later start through (its InvocationID differs).
+- A gate never waits on a pipe nobody will write. It blocks in open() until a writer
+  opens the pipe, and the controller opens it for every start it sees at the gate (or
+  sends the gate to the bus with "-" when systemd's word came without an InvocationID).
+  When the controller dies, the kernel closes its ends and the gates read end of file;
+  one blocked in open() before the controller opened its pipe is woken by `reset`, which
+  `gpuslice release-gates` (ExecStopPost= of gpuslice.service) and every start-up run.
+- Too many gates at once (more than MAX_OPEN) are sent to the bus rather than holding
+  more file descriptors.
+
+A failure here (a full /run, EMFILE) is logged and sends the gate to the bus: it never
+blocks a start and never takes the controller down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import stat
+import sys
+import termios
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# The line that sends a gate to the bus (no InvocationID is ever "-").
+TO_THE_BUS = "-"
+# Gates holding a pipe open at once; beyond, new ones ask over the bus.
+MAX_OPEN = 1000
+
+
+@dataclass
+class _Open:
+    fd: int
+    invocation: str
+    answered: bool = False
+
+
+class GatePipes:
+    """The controller's ends of the pipes of units at their gate."""
+
+    def __init__(self, directory: Path, max_open: int = MAX_OPEN) -> None:
+        self.directory = directory
+        self.max_open = max_open
+        self._open: dict[str, _Open] = {}
+        self.sent_to_bus = 0  # gates told to ask over the bus (for tests and metrics)
+
+    def reset(self) -> None:
+        """Wake every gate that waits on a pipe of an earlier controller, and remove the
+        pipes: their gates read end of file and ask over the bus."""
+        self.close_all()
+        wake_and_remove(self.directory)
+
+    def at_gate(self, unit: str, invocation: str) -> bool:
+        """Systemd shows this start of the unit at its gate: hold its pipe open so that the
+        gate can be answered there. Whether the controller should now decide on the start as
+        if its gate had asked (False when this start was taken in already, or its gate was
+        sent to the bus, where it asks)."""
+        held = self._open.get(unit)
+        if held is not None and held.invocation == invocation:
+            return False
+        self.close(unit)
+        if len(self._open) >= self.max_open:
+            self._to_the_bus(unit, "too many gates wait at once")
+            return False
+        fd = self._open_pipe(unit)
+        if fd is None:
+            return False
+        self._open[unit] = _Open(fd, invocation)
+        return True
+
+    def at_gate_unknown(self, unit: str) -> None:
+        """Systemd shows the unit at its gate, but said nothing of which start (a state we
+        read, not a signal): its gate, if it waits on the pipe, asks over the bus."""
+        if unit not in self._open:
+            self._to_the_bus(unit, "its start is not known")
+
+    def grant(self, unit: str) -> bool:
+        """Let the unit's gate through, if it waits on its pipe. Whether a line was written."""
+        held = self._open.get(unit)
+        if held is None or held.answered:
+            return False
+        held.answered = True
+        return self._write(unit, held.fd, held.invocation)
+
+    def holds(self, unit: str) -> bool:
+        return unit in self._open
+
+    def answered(self, unit: str) -> bool:
+        """Whether this start of the unit was granted at its pipe."""
+        held = self._open.get(unit)
+        return held is not None and held.answered
+
+    def close(self, unit: str) -> bool:
+        """The unit left its gate (it runs, or went down): drop our end of its pipe. Whether
+        its gate took the grant from the pipe (it may have asked over D-Bus instead)."""
+        held = self._open.pop(unit, None)
+        if held is None:
+            return False
+        taken = held.answered and _unread(held.fd) == 0
+        with contextlib.suppress(OSError):
+            os.close(held.fd)
+        return taken
+
+    def close_all(self) -> None:
+        for unit in list(self._open):
+            self.close(unit)
+
+    def holding(self) -> list[str]:
+        return sorted(self._open)
+
+    # -- files ------------------------------------------------------------------------------
+
+    def _open_pipe(self, unit: str) -> int | None:
+        """Open (making it if needed) the unit's pipe for writing without blocking: O_RDWR
+        never waits for a reader and never fails for want of one."""
+        path = self.directory / unit
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkfifo(path, 0o600)
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            log.warning("gate pipe of %s: %s; its gate asks over D-Bus", unit, e)
+            self._to_the_bus(unit, "")
+            return None
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            os.close(fd)
+            log.warning("gate pipe of %s is not a pipe; its gate asks over D-Bus", unit)
+            self._to_the_bus(unit, "")
+            return None
+        return fd
+
+    def _write(self, unit: str, fd: int, line: str) -> bool:
+        try:
+            os.write(fd, f"{line}\n".encode())
+        except OSError as e:
+            # a pipe buffer is 64 KiB and we write one line per start: not expected
+            log.warning("gate pipe of %s: %s; its gate asks over D-Bus", unit, e)
+            self.close(unit)
+            self._to_the_bus(unit, "")
+            return False
+        return True
+
+    def _to_the_bus(self, unit: str, why: str) -> None:
+        """Send whatever gate waits on the unit's pipe to the bus, and remove the pipe so
+        that the next gate goes there at once: open (which wakes a gate blocked in open()),
+        unlink, say "-", close (end of file for a gate that reads later)."""
+        self.sent_to_bus += 1
+        if why:
+            log.debug("gate of %s sent to D-Bus: %s", unit, why)
+        path = self.directory / unit
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return  # no pipe: the gate asks over the bus anyway
+        try:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            with contextlib.suppress(OSError):
+                os.write(fd, f"{TO_THE_BUS}\n".encode())
+        finally:
+            os.close(fd)
+
+
+def _unread(fd: int) -> int:
+    """Bytes in the pipe nobody read (FIONREAD); -1 when it cannot be told."""
+    try:
+        buf = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return -1
+    return int.from_bytes(buf, sys.byteorder)
+
+
+def wake_and_remove(directory: Path) -> None:
+    """Move the directory aside (new gates find no pipe and ask over the bus), open and
+    close each pipe in it (a gate blocked in open() wakes and reads end of file), remove
+    it. Safe to run with no directory, or twice."""
+    aside = directory.with_name(f".{directory.name}.released-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.rename(directory, aside)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        log.warning("cannot move %s aside: %s", directory, e)
+        aside = directory
+    try:
+        entries = list(os.scandir(aside))
+    except OSError as e:
+        log.warning("cannot read %s: %s", aside, e)
+        entries = []
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            fd = os.open(entry.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+            os.close(fd)
+    shutil.rmtree(aside, ignore_errors=True)
