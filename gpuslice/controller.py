@@ -198,6 +198,31 @@ class Controller:
         self._buffered.clear()
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
+        self._spawn(self._watch_units())
+
+    def _watched(self) -> set[str] | None:
+        """The units whose signals matter: every annotated unit, and any other the core still
+        knows (a unit whose annotation went while it holds, waits or is suspended). None
+        (every unit's) when a template is annotated: its instances' names are not known
+        before systemd shows them."""
+        names = set(self.scan.specs)
+        if any(is_template(n) for n in names):
+            return None
+        core = self.scheduler
+        return names | set(core.specs) | set(core.grants()) | set(core.waiting_units())
+
+    async def _watch_units(self) -> None:
+        """Match the signals of the units that matter only; read the state of those newly
+        matched, whose changes before their rule went unseen."""
+        try:
+            added = await self.systemd.watch(self._watched())
+        except SystemdError as e:
+            log.warning("cannot match each unit's signals (%s): reading every unit's", e.text)
+            with contextlib.suppress(SystemdError):
+                await self.systemd.watch(None)
+            return
+        for name in added:
+            await self._refresh(name)
 
     def _rebuild(self) -> list[Action]:
         """Take in what systemd shows, then decide once: restored holders that ended while
@@ -367,6 +392,7 @@ class Controller:
         for problem in result.problems:
             self._log_problem(problem)
         self.execute(self.scheduler.set_specs(self._concrete_specs()))
+        self._spawn(self._watch_units())
 
     def reload_config(self) -> None:
         try:

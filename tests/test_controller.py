@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
@@ -45,6 +45,8 @@ class FakeSystemd:
         self.calls: list[tuple[str, str]] = []
         self.pids: dict[str, int] = {}  # bus name -> PID, as the bus daemon would say
         self.dropped = 0
+        self.watched: set[str] | None = None  # the units whose signals are matched
+        self.reads: list[str] = []  # units whose state was read one by one
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -55,6 +57,11 @@ class FakeSystemd:
     async def subscribe(self) -> None:
         self.calls.append(("subscribe", ""))
 
+    async def watch(self, units: Collection[str] | None) -> list[str]:
+        """As Systemd.watch: the units matched now and not before (none after every unit's)."""
+        old, self.watched = self.watched, None if units is None else set(units)
+        return [] if old is None else sorted(set(units or ()) - old)
+
     async def boot_id(self) -> str:
         return BOOT
 
@@ -62,6 +69,7 @@ class FakeSystemd:
         return list(self.units.values())
 
     async def unit_state(self, name: str) -> UnitState:
+        self.reads.append(name)
         return self.units.get(name, UnitState(name, "inactive", "dead", 0))
 
     async def caller_pid(self, sender: str) -> int:
@@ -687,6 +695,35 @@ def test_a_state_read_just_before_the_starts_signal_leaves_its_gate_on_the_pipe(
         ctl.on_unit_changed("a.service", at_gate(bytes(16)))
         await asyncio.sleep(0.2)
         assert read_pipe(bed, "a.service") == bytes(16).hex() + "\n"
+
+    run(test)
+
+
+def test_only_the_units_that_matter_are_listened_to(tmp_path: Path) -> None:
+    """Signals of annotated units only (a match rule each); one annotated later is listened
+    to after the rescan, and its state read (a change before its rule went unseen)."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"a.service"})
+        write_unit(tmp_path, "b.service", "Priority=60\n")
+        ctl.request_rescan()
+        await until(lambda: bed.systemd.watched == {"a.service", "b.service"})
+        await until(lambda: bed.systemd.reads == ["b.service"])
+
+    run(test)
+
+
+def test_an_annotated_template_means_every_units_signals(tmp_path: Path) -> None:
+    """Its instances' names are known only when systemd shows them."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "t@.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        bed.systemd.watched = {"x.service"}  # so that a call is seen
+        await bed.controller.start()
+        await until(lambda: bed.systemd.watched is None)
 
     run(test)
 

@@ -25,6 +25,7 @@ from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
 from gpuslice.systemd import (
     MANAGER,
     MANAGER_PATH,
+    MAX_UNIT_RULES,
     PROPERTIES,
     SYSTEMD,
     UNIT,
@@ -327,6 +328,40 @@ def test_a_starts_invocation_id_is_passed_on_as_the_gate_sees_it(bus_address: st
         changed = [event[2] for event in await seen.after(owner)]
         assert [c.get("InvocationID") for c in changed] == [invocation.hex(), None, None, None]
         assert all(c["ActiveState"] == "activating" for c in changed)
+
+    run(scenario)
+
+
+def test_only_the_units_watched_are_heard_and_every_unit_again_on_demand(
+    bus_address: str,
+) -> None:
+    """Match rules per unit (Systemd.watch): the bus daemon no longer routes the other units'
+    PropertiesChanged to us; the units newly watched are named (their state must be read);
+    more than MAX_UNIT_RULES, or None, is every unit again. Manager signals are unaffected."""
+
+    async def scenario() -> None:
+        systemd, owner, seen = await adapter(bus_address)
+        assert await systemd.watch({"a.service", "marker.service"}) == []  # all heard before
+        owner.send(properties_changed("a.service", "active"))
+        owner.send(properties_changed("b.service", "active"))
+        owner.send(manager_signal("JobNew", "uos", [7, "/j/7", "b.service"]))
+        events = await seen.after(owner)
+        assert [e[1] for e in events if e[0] == "unit"] == ["a.service"]
+        assert ("new", 7, "/j/7", "b.service") in events
+        assert await systemd.watch({"a.service", "c.service", "marker.service"}) == ["c.service"]
+        assert await systemd.watch({"a.service", "c.service", "marker.service"}) == []
+        assert await systemd.watch(None) == []
+        seen.events.clear()
+        owner.send(properties_changed("b.service", "inactive"))
+        assert [e[1] for e in await seen.after(owner) if e[0] == "unit"] == ["b.service"]
+        many = {f"u{i}.service" for i in range(MAX_UNIT_RULES + 1)}
+        assert await systemd.watch(many) == []  # every unit's still: no rule per unit
+        assert await systemd.watch({"marker.service"}) == []
+        # from one unit to every unit's: the others were not heard until now
+        assert await systemd.watch(many) == sorted(many)
+        seen.events.clear()
+        owner.send(properties_changed("d.service", "inactive"))
+        assert [e[1] for e in await seen.after(owner) if e[0] == "unit"] == ["d.service"]
 
     run(scenario)
 
