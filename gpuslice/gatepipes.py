@@ -43,8 +43,10 @@ log = logging.getLogger(__name__)
 
 # The line that sends a gate to the bus (no InvocationID is ever "-").
 TO_THE_BUS = "-"
-# Gates holding a pipe open at once; beyond, new ones ask over the bus.
-MAX_OPEN = 1000
+# Gates holding a pipe open at once (one file descriptor each); beyond, new ones ask over the
+# bus. A service's soft limit is 1024 descriptors, which the bus, NVML, the journal and the
+# state file need too.
+MAX_OPEN = 256
 
 
 @dataclass
