@@ -301,6 +301,8 @@ class Controller:
     def on_unit_changed(self, name: str, props: dict[str, Any]) -> None:
         spec = self.spec_for(name)
         if spec is None:
+            if self.gates.holds(name) and props.get("SubState", "start-pre") != "start-pre":
+                self.gates.close(name)  # its annotation went while it waited at its gate
             return
         if not self.ready:
             self.tracker.unit_changed(name, props)  # counts it; judged after start-up
@@ -316,7 +318,8 @@ class Controller:
         """A start systemd shows at the gate, with the InvocationID that names it, is taken
         in as if its gate had asked, and answered through its pipe (gpuslice/gatepipes.py):
         no D-Bus round trip and no dbus-send. Told of a start at the gate without its
-        InvocationID (a state read, not a signal), its gate is sent to D-Bus."""
+        InvocationID (a state read, not a signal), its gate is sent to D-Bus unless a signal
+        names the start within GATE_UNSEEN_DELAY."""
         if classify(self.tracker.state(name)) is not Kind.GATE:
             if self.gates.close(name):
                 self.counters.gate_answers["pipe"] += 1

@@ -699,6 +699,23 @@ def test_a_state_read_just_before_the_starts_signal_leaves_its_gate_on_the_pipe(
     run(test)
 
 
+def test_a_unit_whose_annotation_went_while_at_its_gate_lets_its_pipe_go(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "b.service": "Priority=10\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        (tmp_path / "root" / UNIT_DIR / "a.service").write_text("[Service]\nExecStart=/bin/true\n")
+        ctl.request_rescan()
+        await until(lambda: ctl.spec_for("a.service") is None)
+        ctl.on_unit_changed("a.service", {"ActiveState": "active", "SubState": "running"})
+        assert ctl.gates.holding() == []
+
+    run(test)
+
+
 def test_only_the_units_that_matter_are_listened_to(tmp_path: Path) -> None:
     """Signals of annotated units only (a match rule each); one annotated later is listened
     to after the rescan, and its state read (a change before its rule went unseen)."""
