@@ -15,7 +15,8 @@ Why this is as safe as the bus:
   later start through (its InvocationID differs).
 - A gate never waits on a pipe nobody will write. It blocks in open() until a writer
   opens the pipe, and the controller opens it for every start it sees at the gate (or
-  sends the gate to the bus with "-" when systemd's word came without an InvocationID).
+  sends the gate to the bus with "-" when systemd's word came without an InvocationID and
+  no signal named the start soon after).
   When the controller dies, the kernel closes its ends and the gates read end of file;
   one blocked in open() before the controller opened its pipe is woken by `reset`, which
   `gpuslice release-gates` (ExecStopPost= of gpuslice.service) and every start-up run.
@@ -63,7 +64,6 @@ class GatePipes:
         self.directory = directory
         self.max_open = max_open
         self._open: dict[str, _Open] = {}
-        self.sent_to_bus = 0  # gates told to ask over the bus (for tests and metrics)
 
     def reset(self) -> None:
         """Wake every gate that waits on a pipe of an earlier controller, and remove the
@@ -166,7 +166,6 @@ class GatePipes:
         """Send whatever gate waits on the unit's pipe to the bus, and remove the pipe so
         that the next gate goes there at once: open (which wakes a gate blocked in open()),
         unlink, say "-", close (end of file for a gate that reads later)."""
-        self.sent_to_bus += 1
         if why:
             log.debug("gate of %s sent to D-Bus: %s", unit, why)
         path = self.directory / unit

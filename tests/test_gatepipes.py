@@ -14,7 +14,6 @@ import os
 import signal
 import stat
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -280,12 +279,11 @@ def test_without_a_pipe_or_an_invocation_the_gate_asks_over_dbus(
 
 
 def test_a_granted_start_costs_no_process_but_the_shell(tmp_path: Path, pipes: GatePipes) -> None:
-    """Not a timing test: the gate forks nothing on the fast way (strace-free check: a PATH
-    with no dbus-send, sleep or systemctl at all still passes)."""
+    """Not a timing test: the gate forks nothing on the fast way (a PATH with no dbus-send,
+    sleep or systemctl at all still passes)."""
     pipes.at_gate(UNIT, START)
     pipes.grant(UNIT)
     env = {"PATH": str(tmp_path / "empty"), "INVOCATION_ID": START}
-    t0 = time.monotonic()
     result = subprocess.run(
         ["/bin/sh", str(GATE), UNIT, "0.5", str(pipes.directory / UNIT)],
         env=env,
@@ -295,5 +293,4 @@ def test_a_granted_start_costs_no_process_but_the_shell(tmp_path: Path, pipes: G
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
-    assert time.monotonic() - t0 < 5
     assert os.path.exists(pipes.directory / UNIT)  # kept for the unit's next start
