@@ -171,8 +171,10 @@ class GatePipes:
         path = self.directory / unit
         try:
             fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            return  # no pipe: the gate asks over the bus anyway
+        except OSError:  # no pipe (the gate asks over the bus anyway), or not ours: remove it
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return
         try:
             with contextlib.suppress(OSError):
                 path.unlink()

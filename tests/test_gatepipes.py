@@ -10,6 +10,7 @@ too many gates) it asks over D-Bus instead: it never waits on a pipe nobody will
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
@@ -294,3 +295,164 @@ def test_a_granted_start_costs_no_process_but_the_shell(tmp_path: Path, pipes: G
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert os.path.exists(pipes.directory / UNIT)  # kept for the unit's next start
+
+
+# ---- what mutation testing asked for: each path out of the pipes, and its words ----
+
+
+def test_reset_wakes_a_waiting_gate_and_lets_go_of_every_pipe(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    pipes.at_gate("held.service", START)
+    pipes.at_gate(UNIT, START)
+    pipes.close(UNIT)
+    gate = Gate(tmp_path, pipes)
+    assert gate.waits()
+    pipes.reset()
+    assert gate.ended() == 0
+    assert gate.asked_over_dbus()
+    assert pipes.holding() == []
+    assert not pipes.holds("held.service")
+    assert not pipes.directory.exists()
+
+
+def test_holds_says_whether_a_pipe_is_held(pipes: GatePipes) -> None:
+    assert not pipes.holds(UNIT)
+    pipes.at_gate(UNIT, START)
+    assert pipes.holds(UNIT)
+    assert not pipes.holds("other.service")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_new_start_closes_the_last_ones_end(pipes: GatePipes) -> None:
+    before = _open_fds()
+    pipes.at_gate(UNIT, OTHER)
+    pipes.at_gate(UNIT, START)
+    assert _open_fds() == before + 1  # the first start's end is closed, not leaked
+    pipes.close_all()
+    assert _open_fds() == before
+
+
+def test_the_controllers_end_neither_blocks_nor_reaches_a_child(pipes: GatePipes) -> None:
+    import fcntl
+
+    pipes.at_gate(UNIT, START)
+    fd = pipes._open[UNIT].fd
+    assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
+    assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+
+
+def test_a_link_to_a_pipe_elsewhere_is_not_followed(tmp_path: Path, pipes: GatePipes) -> None:
+    """O_NOFOLLOW: a grant is never written into a pipe outside the controller's directory."""
+    elsewhere = tmp_path / "elsewhere"
+    os.mkfifo(elsewhere)
+    pipes.directory.mkdir(parents=True)
+    (pipes.directory / UNIT).symlink_to(elsewhere)
+    assert not pipes.at_gate(UNIT, START)
+    reader = os.open(elsewhere, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert os.read(reader, 100) == b""
+    finally:
+        os.close(reader)
+    assert not (pipes.directory / UNIT).exists()  # removed: the next gate asks over D-Bus
+
+
+def test_a_pipe_that_cannot_be_written_sends_the_gate_to_dbus(
+    tmp_path: Path, pipes: GatePipes, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipes.at_gate(UNIT, START)
+    pipes.close_all()
+    gate = Gate(tmp_path, pipes)
+    assert gate.waits()
+    pipes.at_gate(UNIT, START)
+    os.close(pipes._open[UNIT].fd)
+    with caplog.at_level(logging.WARNING, logger="gpuslice.gatepipes"):
+        assert not pipes.grant(UNIT)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"gate pipe of {UNIT}: [Errno 9] ")
+    assert line.endswith("; its gate asks over D-Bus")
+    assert not pipes.holds(UNIT)
+    assert gate.ended() == 0
+    assert gate.asked_over_dbus()
+    assert not (pipes.directory / UNIT).exists()
+
+
+def test_sending_a_gate_to_dbus_says_why_at_debug_level(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipes = GatePipes(tmp_path / "gate", max_open=1)
+    pipes.at_gate("first.service", START)
+    with caplog.at_level(logging.DEBUG, logger="gpuslice.gatepipes"):
+        pipes.at_gate(UNIT, START)
+        pipes.at_gate_unknown("other.service")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"gate of {UNIT} sent to D-Bus: too many gates wait at once",
+        "gate of other.service sent to D-Bus: its start is not known",
+    ]
+    pipes.close_all()
+
+
+def test_release_clears_a_leftover_of_an_earlier_release(tmp_path: Path) -> None:
+    directory = tmp_path / "gate"
+    aside = tmp_path / f".gate.released-{os.getpid()}"
+    (aside / "old").mkdir(parents=True)
+    directory.mkdir()
+    os.mkfifo(directory / UNIT)
+    wake_and_remove(directory)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_release_wakes_in_place_when_the_directory_cannot_be_moved(
+    tmp_path: Path, pipes: GatePipes, caplog: pytest.LogCaptureFixture
+) -> None:
+    pipes.at_gate(UNIT, START)
+    pipes.close_all()
+    gate = Gate(tmp_path, pipes)
+    assert gate.waits()
+    aside = pipes.directory.with_name(f".gate.released-{os.getpid()}")
+    aside.write_text("")  # a file: the directory cannot be renamed onto it
+    with caplog.at_level(logging.WARNING, logger="gpuslice.gatepipes"):
+        wake_and_remove(pipes.directory)
+    assert gate.ended() == 0
+    assert gate.asked_over_dbus()
+    assert not pipes.directory.exists()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"cannot move {pipes.directory} aside: [Errno 20] ")
+
+
+def test_release_of_something_not_a_directory_says_so_and_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = tmp_path / "gate"
+    directory.write_text("")
+    with caplog.at_level(logging.WARNING, logger="gpuslice.gatepipes"):
+        wake_and_remove(directory)
+    aside = tmp_path / f".gate.released-{os.getpid()}"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"cannot read {aside}: [Errno 20] ")
+
+
+def test_release_opens_nothing_through_a_link(tmp_path: Path, pipes: GatePipes) -> None:
+    """A link in the directory is removed, not followed (its target is not opened)."""
+    elsewhere = tmp_path / "elsewhere"
+    os.mkfifo(elsewhere)
+    pipes.directory.mkdir(parents=True)
+    (pipes.directory / "link.service").symlink_to(elsewhere)
+    os.mkfifo(pipes.directory / UNIT)
+    wake_and_remove(pipes.directory)
+    assert not pipes.directory.exists()
+    assert elsewhere.exists()
+
+
+def test_the_gate_does_not_wait_on_a_link_to_a_pipe(tmp_path: Path, pipes: GatePipes) -> None:
+    """A pipe nobody writes, behind a link at the gate's path: it asks over D-Bus at once."""
+    elsewhere = tmp_path / "elsewhere"
+    os.mkfifo(elsewhere)
+    pipes.directory.mkdir(parents=True)
+    (pipes.directory / UNIT).symlink_to(elsewhere)
+    gate = Gate(tmp_path, pipes)
+    assert gate.ended() == 0
+    assert gate.asked_over_dbus()
