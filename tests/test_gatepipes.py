@@ -10,6 +10,7 @@ too many gates) it asks over D-Bus instead: it never waits on a pipe nobody will
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -243,16 +244,23 @@ def test_the_pipes_are_the_controllers_alone(tmp_path: Path, pipes: GatePipes) -
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-def test_something_else_in_a_pipes_place_is_never_written(tmp_path: Path, pipes: GatePipes) -> None:
+def test_something_else_in_a_pipes_place_is_never_written(
+    tmp_path: Path, pipes: GatePipes, caplog: pytest.LogCaptureFixture
+) -> None:
     """A file or a link where a pipe should be (not ours: only root writes there): the gate
-    asks over D-Bus, nothing is written through it."""
+    asks over D-Bus, nothing is written through it, and the controller says so once."""
     pipes.directory.mkdir(parents=True)
     target = tmp_path / "target"
     target.write_text("")
     (pipes.directory / UNIT).symlink_to(target)
     (pipes.directory / "plain.service").write_text("")
-    assert not pipes.at_gate(UNIT, START)
-    assert not pipes.at_gate("plain.service", START)
+    with caplog.at_level(logging.DEBUG, logger="gpuslice.gatepipes"):
+        assert not pipes.at_gate(UNIT, START)
+        assert not pipes.at_gate("plain.service", START)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"gate pipe of {UNIT}: [Errno 40] ")
+    assert lines[1] == "gate pipe of plain.service is not a pipe; its gate asks over D-Bus"
     assert target.read_text() == ""
     assert pipes.holding() == []
     gate = Gate(tmp_path, pipes)
@@ -260,12 +268,20 @@ def test_something_else_in_a_pipes_place_is_never_written(tmp_path: Path, pipes:
     assert gate.asked_over_dbus()
 
 
-def test_a_pipe_that_cannot_be_made_sends_the_gate_to_dbus(tmp_path: Path) -> None:
+def test_a_pipe_that_cannot_be_made_sends_the_gate_to_dbus(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     blocker = tmp_path / "run"
     blocker.write_text("")  # /run/gpuslice/gate cannot be made under a file
     pipes = GatePipes(blocker / "gate")
-    assert not pipes.at_gate(UNIT, START)
+    with caplog.at_level(logging.WARNING, logger="gpuslice.gatepipes"):
+        assert not pipes.at_gate(UNIT, START)
     assert pipes.holding() == []
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == (
+        f"gate pipe of {UNIT}: [Errno 20] Not a directory: '{blocker / 'gate'}'; "
+        "its gate asks over D-Bus"
+    )
 
 
 def test_without_a_pipe_or_an_invocation_the_gate_asks_over_dbus(
@@ -345,13 +361,18 @@ def test_the_controllers_end_neither_blocks_nor_reaches_a_child(pipes: GatePipes
     assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
 
 
-def test_a_link_to_a_pipe_elsewhere_is_not_followed(tmp_path: Path, pipes: GatePipes) -> None:
+def test_a_link_to_a_pipe_elsewhere_is_not_followed(
+    tmp_path: Path, pipes: GatePipes, caplog: pytest.LogCaptureFixture
+) -> None:
     """O_NOFOLLOW: a grant is never written into a pipe outside the controller's directory."""
     elsewhere = tmp_path / "elsewhere"
     os.mkfifo(elsewhere)
     pipes.directory.mkdir(parents=True)
     (pipes.directory / UNIT).symlink_to(elsewhere)
-    assert not pipes.at_gate(UNIT, START)
+    with caplog.at_level(logging.WARNING, logger="gpuslice.gatepipes"):
+        assert not pipes.at_gate(UNIT, START)
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"gate pipe of {UNIT}: [Errno 40] ")
     reader = os.open(elsewhere, os.O_RDONLY | os.O_NONBLOCK)
     try:
         assert os.read(reader, 100) == b""
@@ -369,9 +390,9 @@ def test_a_pipe_that_cannot_be_written_sends_the_gate_to_dbus(
     assert gate.waits()
     pipes.at_gate(UNIT, START)
     os.close(pipes._open[UNIT].fd)
-    with caplog.at_level(logging.WARNING, logger="gpuslice.gatepipes"):
+    with caplog.at_level(logging.DEBUG, logger="gpuslice.gatepipes"):
         assert not pipes.grant(UNIT)
-    [line] = [r.getMessage() for r in caplog.records]
+    [line] = [r.getMessage() for r in caplog.records]  # said once, as a warning
     assert line.startswith(f"gate pipe of {UNIT}: [Errno 9] ")
     assert line.endswith("; its gate asks over D-Bus")
     assert not pipes.holds(UNIT)
@@ -436,15 +457,37 @@ def test_release_of_something_not_a_directory_says_so_and_goes_on(
 
 
 def test_release_opens_nothing_through_a_link(tmp_path: Path, pipes: GatePipes) -> None:
-    """A link in the directory is removed, not followed (its target is not opened)."""
+    """A link in the directory is removed, not followed: a reader of its target stays
+    waiting (opening the target would wake it)."""
     elsewhere = tmp_path / "elsewhere"
     os.mkfifo(elsewhere)
-    pipes.directory.mkdir(parents=True)
-    (pipes.directory / "link.service").symlink_to(elsewhere)
-    os.mkfifo(pipes.directory / UNIT)
-    wake_and_remove(pipes.directory)
-    assert not pipes.directory.exists()
-    assert elsewhere.exists()
+    reader = subprocess.Popen(["/bin/sh", "-c", f"read x < {elsewhere}"])
+    try:
+        pipes.directory.mkdir(parents=True)
+        (pipes.directory / "link.service").symlink_to(elsewhere)
+        os.mkfifo(pipes.directory / UNIT)
+        wake_and_remove(pipes.directory)
+        assert not pipes.directory.exists()
+        with pytest.raises(subprocess.TimeoutExpired):
+            reader.wait(0.3)
+    finally:
+        reader.kill()
+        reader.wait()
+
+
+def test_sending_a_gate_to_dbus_through_a_full_pipe_still_removes_it(pipes: GatePipes) -> None:
+    """The "-" does not fit (a pipe holds 64 KiB): the pipe is removed all the same."""
+    pipes.at_gate(UNIT, START)
+    filler = os.open(pipes.directory / UNIT, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(filler, b"x" * 4096)
+        pipes.close(UNIT)
+        pipes.at_gate_unknown(UNIT)
+        assert not (pipes.directory / UNIT).exists()
+    finally:
+        os.close(filler)
 
 
 def test_the_gate_does_not_wait_on_a_link_to_a_pipe(tmp_path: Path, pipes: GatePipes) -> None:
