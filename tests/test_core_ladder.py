@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from gpuslice.core.decisions import Code, Decision
+from gpuslice.core.decisions import Code, Decision, render
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import (
     Freeze,
@@ -778,3 +778,52 @@ def test_a_suspended_unit_s_room_follows_a_priority_edit() -> None:
     )
     s.request(other)  # 70: now less urgent than sus (50)
     assert brief(s.inactive(urgent.name, Outcome.EXITED)) == [f"resume {sus.name} 0"]
+
+
+# ---- what the complete mutation re-run of the core asked for ----
+
+
+def test_a_frozen_unit_whose_annotation_goes_is_thawed_with_its_reason() -> None:
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb)
+    s.request(voice)
+    acts = s.set_specs({VO: voice})
+    thaws = [a for a in acts if isinstance(a, Thaw)]
+    assert len(thaws) == 1
+    assert thaws[0].unit == "emb.service"
+    assert thaws[0].decision is not None
+    assert thaws[0].decision.code is Code.THAW
+    assert thaws[0].decision.gpus == (0,)
+    assert thaws[0].reason == render(thaws[0].decision)
+    assert thaws[0].reason.startswith("thawing emb.service")
+
+
+def test_suspended_units_are_shown_most_urgent_first_then_in_the_order_they_left() -> None:
+    a, b, c = (spec(n, p, BG, preempt="suspend stop") for n, p in (("a", 80), ("b", 70), ("c", 80)))
+    s = host(a, b, c, VOICE, gpus=[sized(0), sized(1), sized(2)])
+    s.load(
+        dataclasses.replace(
+            s.save(),
+            suspended={"c.service": ((2,), 5), "a.service": ((0,), 7), "b.service": ((1,), 9)},
+            seq=9,
+        )
+    )
+    assert [name for name, _, _ in s.snapshot().suspended] == [
+        "b.service",
+        "c.service",
+        "a.service",
+    ]
+
+
+def test_a_saved_suspended_unit_no_longer_annotated_is_kept_least_urgent_in_its_order() -> None:
+    s = host(VOICE, gpus=[sized(0), sized(1)])
+    s.load(
+        dataclasses.replace(
+            s.save(), suspended={"gone.service": ((1,), 4), "old.service": ((0,), 3)}, seq=4
+        )
+    )
+    assert s.snapshot().suspended == [("old.service", 999, (0,)), ("gone.service", 999, (1,))]
+    assert s.suspended["gone.service"].spec == UnitSpec("gone.service", 999)
+    assert s.suspended["gone.service"].seq == 4
