@@ -827,3 +827,26 @@ def test_a_saved_suspended_unit_no_longer_annotated_is_kept_least_urgent_in_its_
     assert s.snapshot().suspended == [("old.service", 999, (0,)), ("gone.service", 999, (1,))]
     assert s.suspended["gone.service"].spec == UnitSpec("gone.service", 999)
     assert s.suspended["gone.service"].seq == 4
+
+
+def test_a_rung_that_failed_is_tried_again_at_the_units_next_run() -> None:
+    """unsuspendable/unfreezable hold for one run of the unit: once it has gone down, its
+    next run is suspended (or frozen) again."""
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspend_failed(V, "cuda-checkpoint is not installed")
+    s.inactive(V, Outcome.STOPPED)
+    assert brief(s.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
+    running(s, VLM)
+    assert brief(s.request(VOICE)) == [f"suspend {V} 0"]
+
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb, voice)
+    s.freeze_failed("emb.service", "the unit is not active")
+    s.inactive(VO, Outcome.EXITED)
+    s.inactive("emb.service", Outcome.EXITED)
+    running(s, emb)
+    assert brief(s.request(voice)) == [f"grant {VO} 0", "freeze emb.service"]
