@@ -544,9 +544,9 @@ def test_a_start_seen_at_its_gate_preempts_before_the_gate_asks(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        # systemd shows urgent.service in start-pre: its gate is starting, not yet asking
-        at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
-        ctl.on_unit_changed("urgent.service", at_gate)
+        # systemd shows urgent.service in start-pre (a state without its InvocationID: its
+        # gate asks over D-Bus), not yet asking
+        ctl.on_unit_changed("urgent.service", at_gate(invocation=None))
         await settle()
         assert ("stop", "low.service") in bed.systemd.calls
         ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})

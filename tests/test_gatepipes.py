@@ -11,6 +11,7 @@ too many gates) it asks over D-Bus instead: it never waits on a pipe nobody will
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -96,6 +97,16 @@ def pipes(tmp_path: Path) -> Iterator[GatePipes]:
     p.close_all()
 
 
+def blocked_in_open(tmp_path: Path, pipes: GatePipes) -> Gate:
+    """A gate that waits in open() on its pipe, which the controller made for an earlier start
+    and does not hold open now."""
+    pipes.at_gate(UNIT, START)
+    pipes.close_all()
+    gate = Gate(tmp_path, pipes)
+    assert gate.waits()
+    return gate
+
+
 def test_a_granted_start_passes_through_its_pipe_without_dbus(
     tmp_path: Path, pipes: GatePipes
 ) -> None:
@@ -124,10 +135,7 @@ def test_a_gate_that_opens_its_pipe_first_waits_for_the_controller(
 ) -> None:
     """The gate usually runs before the controller reads systemd's signal: it blocks in
     open() until the controller opens the pipe, then reads."""
-    pipes.at_gate(UNIT, START)
-    pipes.close(UNIT)  # the pipe stays, as after an earlier start
-    gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate = blocked_in_open(tmp_path, pipes)  # the pipe stays, as after an earlier start
     assert pipes.at_gate(UNIT, START)
     pipes.grant(UNIT)
     assert gate.ended() == 0
@@ -159,10 +167,7 @@ def test_release_wakes_a_gate_blocked_before_the_controller_opened_its_pipe(
 ) -> None:
     """`gpuslice release-gates` (ExecStopPost=): the controller died before it opened the pipe
     a gate already waits on."""
-    pipes.at_gate(UNIT, START)
-    pipes.close_all()
-    gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate = blocked_in_open(tmp_path, pipes)
     wake_and_remove(pipes.directory)
     assert gate.ended() == 0
     assert gate.asked_over_dbus()
@@ -173,10 +178,7 @@ def test_release_wakes_a_gate_blocked_before_the_controller_opened_its_pipe(
 def test_a_start_at_the_gate_without_its_invocation_is_sent_to_dbus(
     tmp_path: Path, pipes: GatePipes
 ) -> None:
-    pipes.at_gate(UNIT, START)
-    pipes.close_all()
-    gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate = blocked_in_open(tmp_path, pipes)
     pipes.at_gate_unknown(UNIT)
     assert gate.ended() == 0
     assert gate.asked_over_dbus()
@@ -353,8 +355,6 @@ def test_a_new_start_closes_the_last_ones_end(pipes: GatePipes) -> None:
 
 
 def test_the_controllers_end_neither_blocks_nor_reaches_a_child(pipes: GatePipes) -> None:
-    import fcntl
-
     pipes.at_gate(UNIT, START)
     fd = pipes._open[UNIT].fd
     assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NONBLOCK
@@ -384,10 +384,7 @@ def test_a_link_to_a_pipe_elsewhere_is_not_followed(
 def test_a_pipe_that_cannot_be_written_sends_the_gate_to_dbus(
     tmp_path: Path, pipes: GatePipes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pipes.at_gate(UNIT, START)
-    pipes.close_all()
-    gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate = blocked_in_open(tmp_path, pipes)
     pipes.at_gate(UNIT, START)
     os.close(pipes._open[UNIT].fd)
     with caplog.at_level(logging.DEBUG, logger="gpuslice.gatepipes"):
@@ -429,10 +426,7 @@ def test_release_clears_a_leftover_of_an_earlier_release(tmp_path: Path) -> None
 def test_release_wakes_in_place_when_the_directory_cannot_be_moved(
     tmp_path: Path, pipes: GatePipes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    pipes.at_gate(UNIT, START)
-    pipes.close_all()
-    gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate = blocked_in_open(tmp_path, pipes)
     aside = pipes.directory.with_name(f".gate.released-{os.getpid()}")
     aside.write_text("")  # a file: the directory cannot be renamed onto it
     with caplog.at_level(logging.WARNING, logger="gpuslice.gatepipes"):
