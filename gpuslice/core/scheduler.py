@@ -197,6 +197,24 @@ class Waiter:
 
 
 @dataclass
+class _PassView:
+    """What a scheduling pass has seen, valid while serving waiters changes nothing: a
+    waiter found blocked (no placement, even preempting) changes nothing but its own
+    reason. Then every later waiter sees the same uses, and one that asks no less of the
+    same GPUs and may preempt no more than a blocked one is blocked too (`_blocked_too`):
+    a pass over 200 waiters of a burst costs one placement, not 200."""
+
+    uses: dict[int, list[Use]]
+    blocked: list[Waiter] = field(default_factory=list)
+    # the latest grant among stoppable uses: a waiter known later than a blocked one may
+    # preempt only what was granted in between (the thrash rule), and there is none before
+    newest_grant: int = 0
+    # per GPU: declared memory free (None: size unknown), and whether a use takes it whole
+    gpu_room: dict[int, tuple[int | None, bool]] = field(default_factory=dict)
+    first_waiters: dict[int, Waiter] = field(default_factory=dict)
+
+
+@dataclass
 class Snapshot:
     """What `gpuslice status` shows; produced here so the words match the journal."""
 
@@ -239,6 +257,14 @@ def _memory_rungs(spec: UnitSpec, *, suspend_failed: bool) -> list[Rung]:
         for r in spec.preempt
         if r is not Rung.FREEZE and not (suspend_failed and r is Rung.SUSPEND)
     ]
+
+
+def _asks_no_less_memory(spec: UnitSpec, than: UnitSpec) -> bool:
+    """A GPU whole (no `Memory=`) is no more and no less than a size: it fits an empty GPU
+    too small for the size, and a size fits beside other units where it does not."""
+    if spec.memory is None or than.memory is None:
+        return spec.memory is than.memory
+    return spec.memory >= than.memory
 
 
 def _refillable(spec: UnitSpec) -> bool:
@@ -297,6 +323,7 @@ class Scheduler:
         self._seq = 0
         self._tops_cache: dict[int, Holder] | None = None
         self._displaced: list[Waiter] = []  # moved back to waiting during a pass
+        self._view: _PassView | None = None  # only inside a pass's serving of waiters
 
     @property
     def gpus(self) -> frozenset[int]:
@@ -703,6 +730,7 @@ class Scheduler:
         promises = self._suspended_room()
         queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
         heapq.heapify(queue)
+        self._view = None
         while queue:
             *_, name = heapq.heappop(queue)
             waiter = self.waiters.get(name)
@@ -712,6 +740,7 @@ class Scheduler:
             for again in self._displaced:  # moved back to waiting: served in turn
                 heapq.heappush(queue, (again.spec.priority, again.seq, again.spec.name))
             self._displaced.clear()
+        self._view = None
         actions += self._requeue(promises)
         actions += self._resume(promises)
         actions += self._refill(promises)
@@ -800,11 +829,14 @@ class Scheduler:
         if self.refill_paused and spec.kind is UnitKind.BACKGROUND and not waiter.victims:
             paused = _about(spec, Code.WAIT, cause=Cause.PAUSED, detail=self.refill_paused)
             return self._set_reason(waiter, paused)
+        view, self._view = self._view, None  # serving may change what later waiters see
         waiter.victims = {
             n
             for n, h in self.holders.items()
             if h.phase in GIVING_WAY and h.stopping_for == spec.name
         }
+        if view is not None and not waiter.victims and self._blocked_too(waiter, view):
+            return self._still_blocked(waiter, view)
         uses = self._uses(promises)  # what the placements below see, built once per waiter
         found = None
         if not waiter.victims:
@@ -844,8 +876,14 @@ class Scheduler:
                 # (a unit of one GPU that does not fit on free capacity fits on no GPU now)
                 room = [g.index for g in allowed_gpus if self._fits_now(spec, g, uses)]
                 kept = room[: spec.gpus]
-                self._promise(promises, spec, kept, kept_from=spec.priority, uses=uses)
-            return self._set_reason(waiter, self._blocked_reason(waiter, uses))
+                if kept:
+                    self._promise(promises, spec, kept, kept_from=spec.priority, uses=uses)
+                    return self._set_reason(waiter, self._blocked_reason(waiter, uses))
+            # blocked, keeping nothing: what later waiters of this pass see is unchanged
+            granted = [u.granted for on in uses.values() for u in on if u.stoppable]
+            return self._still_blocked(
+                waiter, _PassView(uses, newest_grant=max(granted, default=0))
+            )
         gpus, victims = found.gpus, found.victims
         actions: list[Action] = []
         self._tops_cache = None
@@ -1022,6 +1060,34 @@ class Scheduler:
         here = [u for u in uses.get(gpu.index, []) if applies(u, spec.priority)]
         return fits(spec, gpu, here)
 
+    def _blocked_too(self, waiter: Waiter, view: _PassView) -> bool:
+        """Whether a waiter found blocked in this pass shows that this one is blocked too:
+        the same GPUs allowed, no fewer GPUs and no less memory asked, no more urgent
+        (fewer victims, more places kept bind it), and no more uses preemptable under the
+        thrash rule (known no later, or nothing granted since the blocked one was known)."""
+        spec = waiter.spec
+        for seen in view.blocked:
+            first = seen.spec
+            if (
+                spec.devices == first.devices
+                and self._avoids_foreign(spec) == self._avoids_foreign(first)
+                and spec.gpus >= first.gpus
+                and spec.priority >= first.priority
+                and _asks_no_less_memory(spec, first)
+                and (waiter.seq <= seen.seq or view.newest_grant < seen.seq)
+            ):
+                return True
+        return False
+
+    def _still_blocked(self, waiter: Waiter, view: _PassView) -> list[Action]:
+        """A waiter that cannot be placed, preempting or not, and keeps no GPU: it changes
+        nothing, so the pass's view stays valid for the waiters after it."""
+        actions = self._set_reason(waiter, self._blocked_reason(waiter, view.uses, view))
+        if not self._blocked_too(waiter, view):
+            view.blocked.append(waiter)
+        self._view = view
+        return actions
+
     def _requeue(self, promises: list[tuple[int, Use]]) -> list[Action]:
         actions: list[Action] = []
         for name, _ in sorted(self.preempted.items(), key=lambda i: (self._prio(i[0]), i[1])):
@@ -1117,8 +1183,11 @@ class Scheduler:
             gpus=tuple(sorted(waiter.target)),
         )
 
-    def _blocked_reason(self, waiter: Waiter, uses: dict[int, list[Use]]) -> Decision:
+    def _blocked_reason(
+        self, waiter: Waiter, uses: dict[int, list[Use]], view: _PassView | None = None
+    ) -> Decision:
         spec = waiter.spec
+        room = view.gpu_room if view is not None else {}
         avoid = self._avoids_foreign(spec)
         usable = [g for g in self.devices.values() if allowed(spec, g, avoid)]
         if spec.gpus > len(usable):
@@ -1129,8 +1198,10 @@ class Scheduler:
         tops = self._tops()
         for gpu in sorted(usable, key=lambda g: g.index):
             top = tops.get(gpu.index)
-            free = free_memory(gpu, uses[gpu.index])
-            whole = any(u.memory is None for u in uses[gpu.index])  # declares no memory
+            if gpu.index not in room:
+                on_gpu = uses[gpu.index]  # `whole`: a use that declares no memory
+                room[gpu.index] = (free_memory(gpu, on_gpu), any(u.memory is None for u in on_gpu))
+            free, whole = room[gpu.index]
             on = (gpu.index,)
             # the thrash rule keeps a less urgent top holder granted after this waiter was known
             protected = (
@@ -1166,7 +1237,7 @@ class Scheduler:
                         granted_after=protected,
                     )
                 )
-            elif self._first_waiter(spec.priority) is not waiter:
+            elif self._first_waiter(spec.priority, view) is not waiter:
                 parts.append(Part(Blocker.KEPT, on, priority=spec.priority))
         return _about(spec, Code.WAIT, cause=Cause.BUSY, parts=tuple(parts))
 
@@ -1183,9 +1254,14 @@ class Scheduler:
             self._tops_cache = tops
         return self._tops_cache
 
-    def _first_waiter(self, priority: int) -> Waiter:
+    def _first_waiter(self, priority: int, view: _PassView | None = None) -> Waiter:
         """The waiter of this priority that has waited longest (there is one: the caller's)."""
-        return min((w for w in self.waiters.values() if w.spec.priority == priority), key=_seq)
+        first = view.first_waiters.get(priority) if view is not None else None
+        if first is None:
+            first = min((w for w in self.waiters.values() if w.spec.priority == priority), key=_seq)
+            if view is not None:
+                view.first_waiters[priority] = first
+        return first
 
     def _set_reason(self, waiter: Waiter, decision: Decision) -> list[Action]:
         if decision == waiter.decision:

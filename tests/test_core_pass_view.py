@@ -1,0 +1,270 @@
+"""The scheduling pass's shortcut for blocked waiters (Scheduler._blocked_too): it saves work
+and never changes a decision.
+
+A waiter found blocked (no placement, even preempting) changes nothing, so a later waiter in
+the same pass that asks no less and may preempt no more is blocked too without being placed
+again. The histories of tests/test_core_properties.py run on a scheduler that checks every
+answer against a twin that places every waiter; the examples below pin each condition of the
+dominance rule with a case where dropping it would block a waiter that can run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+import gpuslice.core.scheduler as scheduler_module
+from gpuslice.core.model import Gpu, UnitKind, UnitSpec
+from gpuslice.core.scheduler import Grant, Outcome, Scheduler, Waiter, _PassView
+from tests import core_builders
+from tests.core_builders import brief, sized, spec
+from tests.test_core_ladder_properties import LadderMachine
+from tests.test_core_properties import CoreMachine, machine_settings
+
+EXAMPLES = int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "300")) // 2
+
+
+class FullPass(Scheduler):
+    """The rules without the shortcut: every waiter is placed."""
+
+    def _blocked_too(self, waiter: Waiter, view: _PassView) -> bool:
+        return False
+
+
+# every event and question the Sim asks: answered alike by both, or the test fails
+_TWINNED = [
+    "set_gpus",
+    "announce",
+    "request",
+    "inactive",
+    "running",
+    "stop_failed",
+    "stop_overdue",
+    "suspended_done",
+    "suspend_failed",
+    "resumed",
+    "resume_failed",
+    "freeze_failed",
+    "thawed_outside",
+    "frozen_units",
+    "recover",
+    "pause_refill",
+    "set_specs",
+    "schedule",
+    "phase",
+    "suspended_units",
+    "waiting_units",
+    "grants",
+    "snapshot",
+    "save",
+    "load",
+    "forget_boot",
+]
+
+
+class Twinned(Scheduler):
+    """A scheduler with the shortcut whose every answer must equal its twin's."""
+
+    def __init__(self, gpus: Iterable[int | Gpu], specs: Mapping[str, UnitSpec], **kw: Any) -> None:
+        listed = list(gpus)
+        super().__init__(listed, specs, **kw)
+        self.full = FullPass(listed, specs, **kw)
+        self.inside = False  # an event's own calls (its `schedule`) are not twinned again
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        with super().deferred(), self.full.deferred():
+            yield
+
+
+def _twin(name: str) -> Callable[..., Any]:
+    mine = getattr(Scheduler, name)
+
+    def call(self: Twinned, *args: Any, **kw: Any) -> Any:
+        if self.inside:
+            return mine(self, *args, **kw)
+        self.inside = True
+        try:
+            ours = mine(self, *args, **kw)
+        finally:
+            self.inside = False
+        theirs = getattr(self.full, name)(*args, **kw)
+        assert ours == theirs, f"{name}{args}: shortcut {ours!r} != full pass {theirs!r}"
+        if isinstance(ours, list):  # the words too (an action's decision is not compared)
+            assert [getattr(a, "decision", None) for a in ours] == [
+                getattr(a, "decision", None) for a in theirs
+            ], name
+        return ours
+
+    return call
+
+
+for _name in _TWINNED:
+    setattr(Twinned, _name, _twin(_name))
+
+
+class TwinnedMachine(CoreMachine):
+    """The core's random histories, each answer checked against the full pass."""
+
+
+class TwinnedLadder(LadderMachine):
+    """The same on the hosts where the Preempt= ladder matters most."""
+
+
+TwinnedMachine.TestCase.settings = machine_settings(EXAMPLES)
+TwinnedLadder.TestCase.settings = machine_settings(EXAMPLES // 2)
+
+
+@pytest.mark.parametrize("machine", [TwinnedMachine, TwinnedLadder], ids=["core", "ladder"])
+def test_random_histories_decide_as_the_full_pass(
+    monkeypatch: pytest.MonkeyPatch, machine: type[CoreMachine | LadderMachine]
+) -> None:
+    monkeypatch.setattr(core_builders, "Scheduler", Twinned)
+    machine.TestCase("runTest").runTest()
+
+
+# -- each condition of the dominance rule -----------------------------------------------------
+
+
+def _placements(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    real = scheduler_module.place  # type: ignore[attr-defined]
+
+    def counted(spec: UnitSpec, *args: Any, **kw: Any) -> Any:
+        calls.append(spec.name)
+        return real(spec, *args, **kw)
+
+    monkeypatch.setattr(scheduler_module, "place", counted)
+    return calls
+
+
+def _busy(sched: Scheduler, holders: Iterable[UnitSpec]) -> None:
+    for holder in holders:
+        assert any(isinstance(a, Grant) for a in sched.request(holder)), holder.name
+
+
+def test_a_burst_of_blocked_waiters_is_placed_once_per_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the shortcut is for: 40 waiters behind two more urgent holders cost one
+    placement per pass, the first waiter's; each is still told why it waits."""
+    holders = [spec(f"h{i}", 10) for i in range(2)]
+    waiters = [spec(f"w{i:02d}", 20 + i % 3) for i in range(40)]
+    sched = Scheduler([0, 1], {s.name: s for s in holders + waiters})
+    _busy(sched, holders)
+    for waiter in waiters:
+        sched.request(waiter)
+    calls = _placements(monkeypatch)
+    assert sched.schedule() == []
+    assert calls == ["w00.service"]
+    assert sorted(sched.waiting_units()) == [w.name for w in waiters]
+    assert all(sched.waiters[w.name].reason for w in waiters)
+
+
+def test_a_waiter_known_after_a_grant_may_preempt_what_an_earlier_one_may_not() -> None:
+    """Known later is a condition unless nothing was granted since (the thrash rule): `small`
+    was granted beside `top` while `first` waited, so it is not stopped for `first`; `later`,
+    known after that grant, asks as much as `first`, is less urgent, and may stop it."""
+    top, small = spec("top", 5, mem_gib=16), spec("small", 50, mem_gib=8)
+    first, later = spec("first", 20, mem_gib=20), spec("later", 30, mem_gib=20)
+    sched = Scheduler([sized(0, 24)], {s.name: s for s in (top, small, first, later)})
+    _busy(sched, [top])
+    assert brief(sched.request(first)) == []
+    _busy(sched, [small])
+    assert brief(sched.request(later)) == []
+    assert brief(sched.inactive("top.service", Outcome.EXITED)) == ["stop small.service"]
+    assert "first.service" in sched.waiting_units()
+
+
+def test_a_smaller_waiter_after_a_blocked_one_is_still_placed() -> None:
+    """No less memory asked is a condition: a 4 GiB unit fits beside the holder where a
+    blocked 20 GiB one does not."""
+    holder = spec("holder", 10, mem_gib=12)
+    big, small = spec("big", 20, mem_gib=20), spec("small", 30, mem_gib=4)
+    sched = Scheduler([sized(0, 24)], {s.name: s for s in (holder, big, small)})
+    _busy(sched, [holder])
+    with sched.deferred():
+        sched.request(big)
+        sched.request(small)
+    assert brief(sched.schedule()) == ["grant small.service 0"]
+
+
+def test_a_whole_gpu_and_a_size_are_judged_apart() -> None:
+    """A unit without Memory= fits an empty GPU too small for a blocked 30 GiB one; a 4 GiB
+    one fits beside a holder where a blocked whole-GPU one does not."""
+    big, whole = spec("big", 10, mem_gib=30), spec("whole", 20)
+    sched = Scheduler([sized(0, 24)], {s.name: s for s in (big, whole)})
+    with sched.deferred():
+        sched.request(big)
+        sched.request(whole)
+    assert brief(sched.schedule()) == ["grant whole.service 0"]
+
+    holder = spec("holder", 10, mem_gib=12)
+    whole, small = spec("whole", 20), spec("small", 30, mem_gib=4)
+    sched = Scheduler([sized(0, 24)], {s.name: s for s in (holder, whole, small)})
+    _busy(sched, [holder])
+    with sched.deferred():
+        sched.request(whole)
+        sched.request(small)
+    assert brief(sched.schedule()) == ["grant small.service 0"]
+
+
+def test_pinned_waiters_are_judged_on_their_own_gpus() -> None:
+    """The same GPUs allowed is a condition: a waiter pinned to a free GPU after one pinned
+    to a busy GPU is placed."""
+    holder = spec("holder", 10, devices=("0",))
+    busy, free = spec("busy", 20, devices=("0",)), spec("free", 30, devices=("1",))
+    sched = Scheduler([0, 1], {s.name: s for s in (holder, busy, free)})
+    _busy(sched, [holder])
+    with sched.deferred():
+        sched.request(busy)
+        sched.request(free)
+    assert brief(sched.schedule()) == ["grant free.service 1"]
+
+
+def test_more_urgent_waiters_are_never_judged_by_a_less_urgent_one() -> None:
+    """No more urgent is a condition: a displaced waiter served again in the same pass
+    comes after the blocked ones, in priority order, and may preempt what they may not."""
+    low, mid = spec("low", 50), spec("mid", 10)
+    waiter, urgent = spec("waiter", 60), spec("urgent", 20)
+    sched = Scheduler([0], {s.name: s for s in (low, mid, waiter, urgent)})
+    _busy(sched, [mid])
+    sched.request(waiter)
+    view = _PassView({0: []})
+    first = sched.waiters["waiter.service"]
+    view.blocked.append(first)
+    assert sched._blocked_too(first, view)
+    sched.request(urgent)
+    assert not sched._blocked_too(sched.waiters["urgent.service"], view)
+
+
+def test_a_waiter_of_fewer_gpus_after_a_blocked_one_is_still_placed() -> None:
+    """No fewer GPUs asked is a condition: a pair cannot take GPU 1 alone, a single may."""
+    top, low = spec("top", 5), spec("low", 50)
+    pair, single = spec("pair", 20, gpus=2), spec("single", 30)
+    sched = Scheduler([0, 1], {s.name: s for s in (top, low, pair, single)})
+    _busy(sched, [top, low])
+    with sched.deferred():
+        sched.request(pair)
+        sched.request(single)
+    assert brief(sched.schedule()) == ["stop low.service"]
+
+
+def test_background_and_on_demand_waiters_are_judged_apart() -> None:
+    """The same GPUs allowed is a condition: a background unit avoids a GPU with a foreign
+    process, an on-demand unit does not."""
+    holder = spec("holder", 10, devices=("1",))
+    background, on_demand = spec("bg", 20, UnitKind.BACKGROUND), spec("od", 30)
+    gpus = [Gpu(0, foreign_pids=(4000,)), Gpu(1)]
+    sched = Scheduler(gpus, {s.name: s for s in (holder, background, on_demand)})
+    with sched.deferred():
+        sched.request(holder)
+    assert brief(sched.schedule()) == ["grant holder.service 1"]
+    with sched.deferred():
+        sched.request(background)
+        sched.request(on_demand)
+    assert brief(sched.schedule()) == ["grant od.service 0"]
