@@ -700,7 +700,7 @@ class Controller:
     # -- status -------------------------------------------------------------------------------
 
     def status_line(self) -> str:
-        snap = self.scheduler.snapshot()
+        snap = self.scheduler.snapshot(reasons=False)
         count = len(snap.gpus)
         running = sorted({name for holders in snap.gpus.values() for name, _, _ in holders})
         what = ", ".join(running) + " running" if running else "idle"

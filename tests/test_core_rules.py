@@ -397,6 +397,37 @@ def test_waiter_reason_names_the_holder() -> None:
     ]
 
 
+def test_a_waiter_is_told_once_while_its_gpus_stay_busy_and_status_names_the_holder_now() -> None:
+    """Another unit taking the GPU it waits for is no new line in its journal (at 200
+    waiters that would be 200 lines per handover); `gpuslice status` says who holds it now."""
+    sim = Sim(1, [VOICE, spec("first", 10), spec("other", 20)])
+    sim.start(VO)
+    sim.start("first.service")
+    said = "waiting: GPU 0 held by voice-pipeline.service, priority 10"
+    assert words(sim.start("other.service")) == [f"other.service {said}"]
+    assert words(sim.exit(VO)) == [
+        "voice-pipeline.service finished: released GPU 0",
+        "starting first.service (priority 10) on GPU 0",
+    ]
+    now = "waiting: GPU 0 held by first.service, priority 10"
+    assert sim.sched.snapshot().waiting == [("other.service", 20, now)]
+    assert sim.sched.snapshot().reasons["other.service"].parts[0].unit == "first.service"
+    assert sim.sched.snapshot(reasons=False).waiting == [("other.service", 20, said)]
+
+
+def test_a_waiter_is_told_again_when_the_cause_changes() -> None:
+    """From busy GPUs to too few usable GPUs and back: each change is said."""
+    sim = Sim([sized(0), sized(1)], [spec("a", 10), spec("big", 20, gpus=2)])
+    sim.start("a.service")
+    busy = "big.service waiting: needs 2 GPUs; GPU 0 held by a.service, priority 10"
+    assert words(sim.start("big.service")) == [busy]
+    assert words(sim.sample([sized(0), sized(1, lost=True)]))[-1] == (
+        "big.service waiting: needs 2 GPUs; only 1 of this host's GPUs may run it (Devices=, "
+        "lost GPUs, or processes gpuslice does not manage)"
+    )
+    assert words(sim.sample([sized(0), sized(1)])) == [busy]
+
+
 def test_waiter_reason_while_a_victim_stops_for_someone_else() -> None:
     sim = Sim(1, [VLM, spec("mid", 50), spec("low", 70)])
     sim.boot()

@@ -1184,8 +1184,15 @@ class Scheduler:
         )
 
     def _blocked_reason(
-        self, waiter: Waiter, uses: dict[int, list[Use]], view: _PassView | None = None
+        self,
+        waiter: Waiter,
+        uses: dict[int, list[Use]],
+        view: _PassView | None = None,
+        *,
+        fresh: bool = False,
     ) -> Decision:
+        """Why a waiter that cannot be placed waits. Told once that its GPUs are busy, it
+        keeps that decision while they stay busy, unless `fresh` (what status shows)."""
         spec = waiter.spec
         room = view.gpu_room if view is not None else {}
         avoid = self._avoids_foreign(spec)
@@ -1194,6 +1201,10 @@ class Scheduler:
             if spec.devices or any(g.lost for g in self.devices.values()) or avoid:
                 return _about(spec, Code.WAIT, cause=Cause.UNUSABLE, available=len(usable))
             return _about(spec, Code.WAIT, cause=Cause.HOST, available=len(self.devices))
+        if not fresh and waiter.decision is not None and waiter.decision.cause is Cause.BUSY:
+            # said once: which units hold its GPUs meanwhile is for `status` to show, not a
+            # new line at every change (at 200 waiters, 200 lines per GPU handed over)
+            return waiter.decision
         parts: list[Part] = []
         tops = self._tops()
         for gpu in sorted(usable, key=lambda g: g.index):
@@ -1317,20 +1328,29 @@ class Scheduler:
 
     # -- status and persistence ---------------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, *, reasons: bool = True) -> Snapshot:
+        """What status shows; with `reasons`, a waiter for busy GPUs says who holds them
+        now (its journal line said who held them when it began to wait)."""
         gpus: dict[int, list[tuple[str, int, str]]] = {g: [] for g in sorted(self.gpus)}
         for name, holder in sorted(self.holders.items()):
             for gpu in holder.gpus:
                 gpus.setdefault(gpu, []).append((name, holder.spec.priority, holder.phase.value))
+        told = {n: w.decision for n, w in self.waiters.items() if w.decision is not None}
+        words = {n: w.reason for n, w in self.waiters.items()}
+        busy = [w for w in self.waiters.values() if w.decision and w.decision.cause is Cause.BUSY]
+        if reasons and busy:
+            uses = self._uses([])
+            for w in busy:
+                told[w.spec.name] = self._blocked_reason(w, uses, fresh=True)
+                words[w.spec.name] = reason(told[w.spec.name])
         waiting = [
-            (w.spec.name, w.spec.priority, w.reason)
+            (w.spec.name, w.spec.priority, words[w.spec.name])
             for w in sorted(self.waiters.values(), key=lambda w: (w.spec.priority, w.seq))
         ]
         preempted = [
             (n, self._prio(n), self.specs[n].requeue if n in self.specs else False)
             for n in sorted(self.preempted, key=lambda n: (self._prio(n), self.preempted[n]))
         ]
-        reasons = {n: w.decision for n, w in self.waiters.items() if w.decision is not None}
         suspended = [
             (e.spec.name, e.spec.priority, tuple(sorted(e.gpus)))
             for e in sorted(self.suspended.values(), key=lambda e: (e.spec.priority, e.seq))
@@ -1342,7 +1362,7 @@ class Scheduler:
             sorted(self.held),
             sorted(self.finished),
             sorted(self.failed),
-            reasons,
+            told,
             suspended,
         )
 
