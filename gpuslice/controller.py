@@ -273,6 +273,36 @@ class Controller:
 
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
         self.tracker.job_new(path, unit)
+        if (
+            self.ready
+            and self.spec_for(unit) is not None
+            and self.scheduler.phase(unit) is None
+            and not self.scheduler.is_waiting(unit)
+        ):  # a start the scheduler does not know yet (not its own, not one at its gate)
+            self._spawn(self._announce_queued(unit, job_id))
+
+    async def _announce_queued(self, unit: str, job_id: int) -> None:
+        """A start job queued for an annotated unit is known before its gate runs: the unit
+        is served in priority order from now on (Scheduler.announce), so that its victims
+        start stopping now and no less urgent unit is granted the GPUs it takes a moment
+        later (200 starts queued at once reach their gates over seconds). JobNew names no
+        job type, so systemd's queue is read first: a stop job must preempt nothing."""
+        try:
+            state = await self.systemd.unit_state(unit)
+        except SystemdError as e:
+            self.counters.error("dbus_call_errors")
+            log.debug("cannot read %s: %s", unit, e)
+            return
+        spec = self.spec_for(unit)
+        if (
+            spec is None
+            or state.job_id != job_id
+            or not bound_for_gate(state)
+            or classify(self.tracker.state(unit)) is Kind.DOWN  # its job ended meanwhile
+        ):
+            return
+        with self._batched():
+            self.execute(self.scheduler.announce(spec))
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
         if self.tracker.job_removed(path, unit, result):

@@ -562,6 +562,113 @@ def test_a_start_seen_at_its_gate_preempts_before_the_gate_asks(
     run(test)
 
 
+JOB5 = "/org/freedesktop/systemd1/job/5"
+
+
+def queued(bed: Bed, unit: str, job_type: str) -> None:
+    """systemd queues a job for the inactive unit: its Job property, then JobNew."""
+    bed.systemd.units[unit] = state(unit, "inactive", "dead", 5, job_type)
+    ctl = bed.controller
+    ctl.on_unit_changed(unit, {"ActiveState": "inactive", "SubState": "dead", "Job": (5, JOB5)})
+    ctl.on_job_new(5, JOB5, unit)
+
+
+def test_a_start_job_queued_preempts_before_its_gate_runs(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        queued(bed, "urgent.service", "start")
+        await settle()
+        assert ("stop", "low.service") in bed.systemd.calls
+        assert ctl.scheduler.is_waiting("urgent.service")
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert ctl.scheduler.phase("urgent.service") is Phase.STARTING  # kept until it asks
+        ctl.on_unit_changed("urgent.service", at_gate())
+        await settle()
+        assert read_pipe(bed, "urgent.service") == START.hex() + "\n"
+
+    run(test)
+
+
+@pytest.mark.parametrize("job_type", ["stop", "reload", "verify-active"])
+def test_a_job_queued_that_is_not_a_start_preempts_nothing(
+    tmp_path: Path, cgroup_of: dict[int, str], job_type: str
+) -> None:
+    """JobNew names no type: `systemctl stop` of an inactive urgent unit must not stop low."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        queued(bed, "urgent.service", job_type)
+        await settle()
+        assert bed.systemd.reads == ["urgent.service"]
+        assert ("stop", "low.service") not in bed.systemd.calls
+        assert not ctl.scheduler.is_waiting("urgent.service")
+
+    run(test)
+
+
+def test_a_start_job_gone_before_systemd_answers_is_not_announced(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """The job ended (cancelled, or the unit ran and stopped) while its type was read: the
+    unit is not taken in as waiting, whatever the answer said."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        queued(bed, "urgent.service", "start")
+        ctl.on_unit_changed("urgent.service", {"Job": (0, "/")})  # before the answer is read
+        await settle()
+        assert bed.systemd.reads == ["urgent.service"]
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        assert ("stop", "low.service") not in bed.systemd.calls
+        # job 7 queued; when systemd answers, 7 has ended and 8 is queued: 8 is its own
+        # JobNew's to announce, not 7's
+        bed.systemd.units["urgent.service"] = state(
+            "urgent.service", "inactive", "dead", 8, "start"
+        )
+        job7 = {"ActiveState": "inactive", "SubState": "dead", "Job": (7, "/job/7")}
+        ctl.on_unit_changed("urgent.service", job7)
+        ctl.on_job_new(7, "/job/7", "urgent.service")
+        await settle()
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        ctl.on_job_new(8, "/job/8", "urgent.service")
+        await settle()
+        assert ctl.scheduler.is_waiting("urgent.service")
+
+    run(test)
+
+
+def test_units_known_already_are_not_read_again_at_jobnew(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """Before start-up has rebuilt what systemd shows (queued starts are read then), its own
+    stop of low.service, a unit at its gate, an unannotated unit: no read."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.on_job_new(4, "/org/freedesktop/systemd1/job/4", "urgent.service")
+        await settle()
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "other.service")
+        ctl.on_unit_changed("urgent.service", at_gate())
+        ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "urgent.service")
+        await settle()
+        assert bed.systemd.reads == []
+
+    run(test)
+
+
 # ---- the gate's pipe: a start systemd shows at its gate is answered there ----
 
 START = bytes.fromhex("0123456789abcdef0123456789abcdef")
