@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import string
 from collections.abc import Callable, Collection
 from typing import Any
@@ -44,6 +45,12 @@ _UNIT_SIGNALS = (
     f"arg0='{UNIT}',"
 )
 _EVERY_UNIT = _UNIT_SIGNALS + "path_namespace='/org/freedesktop/systemd1/unit'"
+
+
+# Method calls of ours awaiting their reply, at most: the system bus refuses a connection's
+# calls beyond 128 pending (max_replies_per_connection), and 200 starts queued at once would
+# each ask systemd something. Calls beyond it wait their turn here.
+MAX_CALLS_IN_FLIGHT = 64
 
 
 class SystemdError(Exception):
@@ -118,6 +125,40 @@ _UNIT_PROPERTIES: dict[str, Callable[[Any], Any]] = {
 }
 
 
+class _PatientSocket:
+    """The bus socket as dbus-next's writer sees it: a send that would block sent nothing.
+
+    dbus-next 0.2.3 (Debian 12's python3-dbus-next) writes its queued messages in a loop and
+    takes EAGAIN, the socket's send buffer full between two messages (the bus daemon reads
+    slower than a burst of calls is queued), for a lost connection: the controller exits
+    (altdesktop/python-dbus-next#153, open). Told that nothing was sent, the writer waits
+    until the socket is writable and goes on. No file descriptors are passed on this bus."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def send(self, data: bytes, *flags: int) -> int:
+        try:
+            return self._sock.send(data, *flags)
+        except BlockingIOError:
+            return 0
+
+    def sendmsg(self, buffers: list[bytes], *args: Any) -> int:
+        try:
+            return self._sock.sendmsg(buffers, *args)
+        except BlockingIOError:
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _write_patiently(bus: MessageBus) -> None:
+    writer = getattr(bus, "_writer", None)
+    if writer is not None and isinstance(getattr(writer, "sock", None), socket.socket):
+        writer.sock = _PatientSocket(writer.sock)
+
+
 def _listed(u: list[Any]) -> UnitState:
     """A unit of ListUnits' answer: (name, description, load, active, sub, following, path,
     job id, job type, job path)."""
@@ -138,6 +179,8 @@ class Systemd:
 
     def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
+        _write_patiently(bus)
+        self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
         self.on_job_new: Callable[[int, str, str], None] = lambda job_id, path, unit: None
         self.on_job_removed: Callable[[int, str, str, str], None] = lambda i, p, u, r: None
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda unit, props: None
@@ -166,16 +209,19 @@ class Systemd:
         path: str = MANAGER_PATH,
         interface: str = MANAGER,
     ) -> list[Any]:
-        reply = await self.bus.call(
-            Message(
-                destination=SYSTEMD,
-                path=path,
-                interface=interface,
-                member=member,
-                signature=signature,
-                body=body or [],
-            )
+        message = Message(
+            destination=SYSTEMD,
+            path=path,
+            interface=interface,
+            member=member,
+            signature=signature,
+            body=body or [],
         )
+        return await self._call(message)
+
+    async def _call(self, message: Message) -> list[Any]:
+        async with self._calls:
+            reply = await self.bus.call(message)
         return list(_check(reply).body)
 
     async def subscribe(self) -> None:
@@ -224,17 +270,15 @@ class Systemd:
         await self._bus_daemon("RemoveMatch", "s", [rule])
 
     async def _bus_daemon(self, member: str, signature: str, body: list[Any]) -> list[Any]:
-        reply = await self.bus.call(
-            Message(
-                destination=BUS_DAEMON,
-                path=BUS_DAEMON_PATH,
-                interface=BUS_DAEMON,
-                member=member,
-                signature=signature,
-                body=body,
-            )
+        message = Message(
+            destination=BUS_DAEMON,
+            path=BUS_DAEMON_PATH,
+            interface=BUS_DAEMON,
+            member=member,
+            signature=signature,
+            body=body,
         )
-        return list(_check(reply).body)
+        return await self._call(message)
 
     async def caller_pid(self, sender: str) -> int:
         """The process ID behind a bus connection, as the bus daemon saw it connect."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -18,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dbus_next import BusType, Message, MessageType, Variant
+from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
 from gpuslice.systemd import (
     MANAGER,
     MANAGER_PATH,
+    MAX_CALLS_IN_FLIGHT,
     MAX_UNIT_RULES,
     PROPERTIES,
     SYSTEMD,
@@ -57,7 +59,8 @@ BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Config
 
 
 @pytest.fixture
-def bus_address(tmp_path: Path) -> Iterator[str]:
+def bus_daemon(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A private dbus-daemon: its address, and its process (to stop it for a while)."""
     daemon = shutil.which("dbus-daemon")
     assert daemon, "dbus-daemon is needed (Debian package dbus-daemon)"
     socket = tmp_path / "bus"
@@ -73,10 +76,17 @@ def bus_address(tmp_path: Path) -> Iterator[str]:
         while not socket.exists():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.01)
-        yield f"unix:path={socket}"
+        yield f"unix:path={socket}", proc
     finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
         proc.terminate()
         proc.wait(timeout=5)
+
+
+@pytest.fixture
+def bus_address(bus_daemon: tuple[str, subprocess.Popen[bytes]]) -> str:
+    return bus_daemon[0]
 
 
 _OPEN: list[MessageBus] = []
@@ -551,3 +561,81 @@ def test_the_freezer_calls_and_a_units_processes(bus_address: str) -> None:
         ]
 
     run(body)
+
+
+def test_more_calls_at_once_than_the_bus_lets_pending_all_get_their_answers(
+    bus_address: str,
+) -> None:
+    """200 starts queued at once each ask systemd something: the bus refuses a connection's
+    calls beyond 128 pending (max_replies_per_connection), so the adapter keeps at most
+    MAX_CALLS_IN_FLIGHT in flight and the rest wait their turn."""
+
+    async def body() -> None:
+        owner = await connect(bus_address)
+        held: list[Message] = []
+        most = 0
+
+        def answer(msg: Message) -> bool:
+            nonlocal most
+            if msg.message_type is not MessageType.METHOD_CALL or msg.member != "ListUnitsByNames":
+                return False
+            held.append(msg)  # answered later, all at once: they pile up pending meanwhile
+            most = max(most, len(held))
+            return True
+
+        owner.add_message_handler(answer)
+        await owner.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        calls = [asyncio.ensure_future(systemd.unit_state(f"u{i}.service")) for i in range(200)]
+        while not all(c.done() for c in calls):
+            await asyncio.sleep(0.02)
+            for msg in held:
+                name = msg.body[0][0]
+                row = [name, "", "loaded", "inactive", "dead", "", unit_path(name), 0, "", "/"]
+                owner.send(Message.new_method_return(msg, "a(ssssssouso)", [[row]]))
+            held.clear()
+        states = [c.result() for c in calls]
+        assert [s.name for s in states] == [f"u{i}.service" for i in range(200)]
+        assert most == MAX_CALLS_IN_FLIGHT
+
+    run(body)
+
+
+def test_a_bus_daemon_that_stops_reading_for_a_while_costs_no_connection(
+    bus_daemon: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    """With the bus daemon stopped, what the controller sends fills its socket's buffer; the
+    connection waits until it can write again (dbus-next alone would drop it on EAGAIN)."""
+    address, daemon = bus_daemon
+
+    async def body() -> None:
+        owner = await fake_systemd(address)
+        systemd = Systemd(await connect(address))
+        await sync(systemd.bus)
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(3000):  # ~1 MB: more than a socket's send buffer
+                systemd.bus.send(manager_call(f"{'x' * 250}-{i}.service"))
+            await asyncio.sleep(0.3)
+            assert systemd.bus.connected
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        await sync(systemd.bus)  # everything queued went out, then the round trip
+        assert systemd.bus.connected
+        await systemd.freeze_unit("a.service")  # and calls are still answered
+        assert owner.connected
+
+    run(body)
+
+
+def manager_call(unit: str) -> Message:
+    """A call that wants no reply, as restart_preempted sends ResetFailedUnit."""
+    return Message(
+        destination=SYSTEMD,
+        path=MANAGER_PATH,
+        interface=MANAGER,
+        member="ResetFailedUnit",
+        signature="s",
+        body=[unit],
+        flags=MessageFlag.NO_REPLY_EXPECTED,
+    )
