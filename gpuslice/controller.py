@@ -279,14 +279,16 @@ class Controller:
             and self.scheduler.phase(unit) is None
             and not self.scheduler.is_waiting(unit)
         ):  # a start the scheduler does not know yet (not its own, not one at its gate)
-            self._spawn(self._announce_queued(unit, job_id))
+            self._spawn(self._announce_queued(unit, job_id, self.tracker.signals(unit)))
 
-    async def _announce_queued(self, unit: str, job_id: int) -> None:
+    async def _announce_queued(self, unit: str, job_id: int, seen: int) -> None:
         """A start job queued for an annotated unit is known before its gate runs: the unit
         is served in priority order from now on (Scheduler.announce), so that its victims
         start stopping now and no less urgent unit is granted the GPUs it takes a moment
         later (200 starts queued at once reach their gates over seconds). JobNew names no
-        job type, so systemd's queue is read first: a stop job must preempt nothing."""
+        job type, so systemd's queue is read first: a stop job must preempt nothing. Any
+        word of systemd's on the unit since JobNew makes the answer stale (signals read
+        after it may be applied before this resumes): its gate's signal decides then."""
         try:
             state = await self.systemd.unit_state(unit)
         except SystemdError as e:
@@ -298,7 +300,7 @@ class Controller:
             spec is None
             or state.job_id != job_id
             or not bound_for_gate(state)
-            or classify(self.tracker.state(unit)) is Kind.DOWN  # its job ended meanwhile
+            or self.tracker.signals(unit) != seen
         ):
             return
         with self._batched():

@@ -331,3 +331,31 @@ def test_holds_survive_a_reboot(bed_tree: Path) -> None:
 
 def _assert_state(bed: Container, unit: str, state: str) -> None:
     assert prop(bed, unit, "ActiveState") == state
+
+
+def test_a_start_job_queued_behind_another_unit_preempts_before_its_gate_runs(
+    container: Container,
+) -> None:
+    """voice-pipeline's start job waits for a slow unit it is ordered after (After=): systemd
+    announces the job at once, and the controller stops the background unit then, not when
+    the gate runs 3 s later; a `systemctl stop` of an inactive urgent unit stops nothing."""
+    write_job(container, VLM, 90, "background")
+    container.write_file(
+        "/etc/systemd/system/slow-prep.service",
+        "[Service]\nType=oneshot\nExecStart=/bin/sleep 3\n",
+    )
+    write_job(container, VOICE, 10, extra_unit="Wants=slow-prep.service\nAfter=slow-prep.service")
+    reload(container)
+    wait_state(container, VLM, "active")
+
+    def vlm_runs() -> None:
+        assert prop(container, VLM, "ActiveState") == "active"
+
+    container.systemctl("stop", VOICE)  # a stop job for an inactive unit: nothing moves
+    always_for(vlm_runs, 1.0)
+    container.systemctl("start", "--no-block", VOICE)
+    wait_state(container, VLM, "inactive", timeout=2.5)
+    assert prop(container, "slow-prep.service", "ActiveState") == "activating"
+    assert prop(container, VOICE, "SubState") == "dead"  # its start job still waits
+    wait_state(container, VOICE, "active", timeout=10)
+    assert holders(container) == {0: [VOICE]}
