@@ -1337,7 +1337,11 @@ class Scheduler:
                 gpus.setdefault(gpu, []).append((name, holder.spec.priority, holder.phase.value))
         told = {n: w.decision for n, w in self.waiters.items() if w.decision is not None}
         words = {n: w.reason for n, w in self.waiters.items()}
-        busy = [w for w in self.waiters.values() if w.decision and w.decision.cause is Cause.BUSY]
+        busy = [
+            w
+            for w in self.waiters.values()
+            if w.decision is not None and w.decision.cause is Cause.BUSY
+        ]
         if reasons and busy:
             uses = self._uses([])
             for w in busy:
