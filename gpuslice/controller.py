@@ -76,6 +76,11 @@ GATE_UNSEEN_DELAY = 1.0
 # that the controller itself receives and unmarshals, and a handover changes the line four
 # times within ~50 ms, just when the signal it waits for is due (issue 10).
 STATUS_DELAY = 0.25
+# How long a start job systemd announced (JobNew) may go without its unit reaching its gate
+# before the controller reads whether it is a queued start (Controller._queued): a start
+# that runs at once shows at its gate within milliseconds, and a read sent at JobNew made
+# systemd answer it before running that start (+3 ms per handover, measured side by side).
+QUEUED_DELAY = 0.02
 
 
 def env_file_text(gpus: Sequence[Gpu]) -> str:
@@ -279,16 +284,22 @@ class Controller:
             and self.scheduler.phase(unit) is None
             and not self.scheduler.is_waiting(unit)
         ):  # a start the scheduler does not know yet (not its own, not one at its gate)
-            self._spawn(self._announce_queued(unit, job_id, self.tracker.signals(unit)))
+            seen = self.tracker.signals(unit)
+            asyncio.get_running_loop().call_later(QUEUED_DELAY, self._queued, unit, job_id, seen)
+
+    def _queued(self, unit: str, job_id: int, seen: int) -> None:
+        """A job systemd announced for an annotated unit has not reached its gate: it may be
+        a start waiting in systemd's queue (behind an `After=` unit that is starting)."""
+        if self.tracker.signals(unit) == seen:
+            self._spawn(self._announce_queued(unit, job_id, seen))
 
     async def _announce_queued(self, unit: str, job_id: int, seen: int) -> None:
         """A start job queued for an annotated unit is known before its gate runs: the unit
         is served in priority order from now on (Scheduler.announce), so that its victims
-        start stopping now and no less urgent unit is granted the GPUs it takes a moment
-        later (200 starts queued at once reach their gates over seconds). JobNew names no
-        job type, so systemd's queue is read first: a stop job must preempt nothing. Any
-        word of systemd's on the unit since JobNew makes the answer stale (signals read
-        after it may be applied before this resumes): its gate's signal decides then."""
+        start stopping now and no less urgent unit is granted the GPUs it takes later.
+        JobNew names no job type, so systemd's queue is read first: a stop job must preempt
+        nothing. Any word of systemd's on the unit since JobNew makes the answer stale
+        (signals read after it may be applied before this resumes): its gate decides then."""
         try:
             state = await self.systemd.unit_state(unit)
         except SystemdError as e:

@@ -573,6 +573,12 @@ def queued(bed: Bed, unit: str, job_type: str) -> None:
     ctl.on_job_new(5, JOB5, unit)
 
 
+async def past_queued_delay() -> None:
+    """The controller reads a job's type only once it has not reached its gate meanwhile."""
+    await asyncio.sleep(controller_module.QUEUED_DELAY * 2)
+    await settle()
+
+
 def test_a_start_job_queued_preempts_before_its_gate_runs(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
@@ -583,6 +589,9 @@ def test_a_start_job_queued_preempts_before_its_gate_runs(
         await ctl.start()
         queued(bed, "urgent.service", "start")
         await settle()
+        assert bed.systemd.reads == []  # not at once: most starts reach their gate at once
+        await past_queued_delay()
+        assert bed.systemd.reads == ["urgent.service"]
         assert ("stop", "low.service") in bed.systemd.calls
         assert ctl.scheduler.is_waiting("urgent.service")
         ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
@@ -591,6 +600,24 @@ def test_a_start_job_queued_preempts_before_its_gate_runs(
         ctl.on_unit_changed("urgent.service", at_gate())
         await settle()
         assert read_pipe(bed, "urgent.service") == START.hex() + "\n"
+
+    run(test)
+
+
+def test_a_start_that_reaches_its_gate_at_once_costs_no_read(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """The usual start: its gate's signal follows JobNew within milliseconds and decides."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        queued(bed, "urgent.service", "start")
+        ctl.on_unit_changed("urgent.service", at_gate())
+        await past_queued_delay()
+        assert bed.systemd.reads == []
+        assert ("stop", "low.service") in bed.systemd.calls
 
     run(test)
 
@@ -606,7 +633,7 @@ def test_a_job_queued_that_is_not_a_start_preempts_nothing(
         ctl = bed.controller
         await ctl.start()
         queued(bed, "urgent.service", job_type)
-        await settle()
+        await past_queued_delay()
         assert bed.systemd.reads == ["urgent.service"]
         assert ("stop", "low.service") not in bed.systemd.calls
         assert not ctl.scheduler.is_waiting("urgent.service")
@@ -614,34 +641,53 @@ def test_a_job_queued_that_is_not_a_start_preempts_nothing(
     run(test)
 
 
-def test_a_start_job_gone_before_systemd_answers_is_not_announced(
+def test_a_start_job_gone_while_its_type_is_read_is_not_announced(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
-    """The job ended (cancelled, or the unit ran and stopped) while its type was read: the
-    unit is not taken in as waiting, whatever the answer said."""
+    """The job ended (cancelled, or the unit ran and stopped) while systemd was asked, and
+    that signal was applied before the answer: whatever the answer said, the unit is not
+    taken in as waiting, and nothing is stopped for it."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    ctl = bed.controller
+    answer = bed.systemd.unit_state
+
+    async def stale(name: str) -> UnitState:
+        ctl.on_unit_changed(name, {"Job": (0, "/")})  # read on the bus before the answer
+        return await answer(name)
+
+    async def test() -> None:
+        await ctl.start()
+        bed.systemd.unit_state = stale  # type: ignore[method-assign]
+        queued(bed, "urgent.service", "start")
+        await past_queued_delay()
+        assert bed.systemd.reads == ["urgent.service"]
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        assert ("stop", "low.service") not in bed.systemd.calls
+
+    run(test)
+
+
+def test_an_answer_about_another_job_announces_nothing(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """Job 7 queued; when systemd answers, 7 has ended and 8 is queued: 8 is its own JobNew's
+    to announce, not 7's."""
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
 
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        queued(bed, "urgent.service", "start")
-        ctl.on_unit_changed("urgent.service", {"Job": (0, "/")})  # before the answer is read
-        await settle()
-        assert bed.systemd.reads == ["urgent.service"]
-        assert not ctl.scheduler.is_waiting("urgent.service")
-        assert ("stop", "low.service") not in bed.systemd.calls
-        # job 7 queued; when systemd answers, 7 has ended and 8 is queued: 8 is its own
-        # JobNew's to announce, not 7's
         bed.systemd.units["urgent.service"] = state(
             "urgent.service", "inactive", "dead", 8, "start"
         )
         job7 = {"ActiveState": "inactive", "SubState": "dead", "Job": (7, "/job/7")}
         ctl.on_unit_changed("urgent.service", job7)
         ctl.on_job_new(7, "/job/7", "urgent.service")
-        await settle()
+        await past_queued_delay()
+        assert bed.systemd.reads == ["urgent.service"]
         assert not ctl.scheduler.is_waiting("urgent.service")
         ctl.on_job_new(8, "/job/8", "urgent.service")
-        await settle()
+        await past_queued_delay()
         assert ctl.scheduler.is_waiting("urgent.service")
 
     run(test)
@@ -657,13 +703,13 @@ def test_units_known_already_are_not_read_again_at_jobnew(
     async def test() -> None:
         ctl = bed.controller
         ctl.on_job_new(4, "/org/freedesktop/systemd1/job/4", "urgent.service")
-        await settle()
+        await past_queued_delay()
         await ctl.start()
         ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
         ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "other.service")
         ctl.on_unit_changed("urgent.service", at_gate())
         ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "urgent.service")
-        await settle()
+        await past_queued_delay()
         assert bed.systemd.reads == []
 
     run(test)
