@@ -78,8 +78,8 @@ GATE_UNSEEN_DELAY = 1.0
 STATUS_DELAY = 0.25
 # How long a start job systemd announced (JobNew) may go without its unit reaching its gate
 # before the controller reads whether it is a queued start (Controller._queued): a start
-# that runs at once shows at its gate within milliseconds, and a read sent at JobNew made
-# systemd answer it before running that start (+3 ms per handover, measured side by side).
+# that runs at once shows at its gate within milliseconds, and a read sent at JobNew would
+# cost every such start a call that systemd answers before it runs the start.
 QUEUED_DELAY = 0.02
 
 

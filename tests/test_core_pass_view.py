@@ -25,7 +25,12 @@ from tests.core_builders import brief, sized, spec
 from tests.test_core_ladder_properties import LadderMachine
 from tests.test_core_properties import CoreMachine, machine_settings
 
-EXAMPLES = int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "300")) // 2
+# under `make mutate` a few histories each: the cases below pin every condition
+EXAMPLES = (
+    20
+    if "MUTANT_UNDER_TEST" in os.environ
+    else int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "300")) // 2
+)
 
 
 class FullPass(Scheduler):
@@ -163,6 +168,21 @@ def test_a_burst_of_blocked_waiters_is_placed_once_per_pass(
     assert calls == ["w00.service"]
     assert sorted(sched.waiting_units()) == [w.name for w in waiters]
     assert all(sched.waiters[w.name].reason for w in waiters)
+
+
+def test_waiters_asking_the_same_memory_are_placed_once_per_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No less memory includes as much: 20 waiters of 20 GiB behind a 16 GiB holder."""
+    holder = spec("holder", 10, mem_gib=16)
+    waiters = [spec(f"w{i:02d}", 20, mem_gib=20) for i in range(20)]
+    sched = Scheduler([sized(0, 24)], {s.name: s for s in [holder, *waiters]})
+    _busy(sched, [holder])
+    for waiter in waiters:
+        sched.request(waiter)
+    calls = _placements(monkeypatch)
+    assert sched.schedule() == []
+    assert calls == ["w00.service"]
 
 
 def test_a_waiter_known_after_a_grant_may_preempt_what_an_earlier_one_may_not() -> None:

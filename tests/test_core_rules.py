@@ -415,6 +415,21 @@ def test_a_waiter_is_told_once_while_its_gpus_stay_busy_and_status_names_the_hol
     assert sim.sched.snapshot(reasons=False).waiting == [("other.service", 20, said)]
 
 
+def test_status_names_no_thrash_rule_for_an_equal_holder_granted_later() -> None:
+    """`even` (as urgent as `wide`) was granted beside `top` while `wide` waited; once `top`
+    is gone `wide` still waits for it, which equal priority explains: status does not say
+    that the thrash rule protects it."""
+    top, even = spec("top", 5, mem_gib=16), spec("even", 20, mem_gib=8)
+    wide = spec("wide", 20, mem_gib=20)
+    sim = Sim([sized(0)], [top, even, wide])
+    sim.start("top.service")
+    sim.start("wide.service")
+    assert brief(sim.start("even.service")) == ["grant even.service 0"]
+    sim.exit("top.service")
+    [part] = sim.sched.snapshot().reasons["wide.service"].parts
+    assert (part.unit, part.granted_after) == ("even.service", False)
+
+
 def test_a_waiter_is_told_again_when_the_cause_changes() -> None:
     """From busy GPUs to too few usable GPUs and back: each change is said."""
     sim = Sim([sized(0), sized(1)], [spec("a", 10), spec("big", 20, gpus=2)])
@@ -436,6 +451,7 @@ def test_waiter_reason_while_a_victim_stops_for_someone_else() -> None:
     assert words(sim.start("low.service")) == [
         "low.service waiting: GPU 0 being freed by vlm-analysis.service (stopping)"
     ]
+    assert [p.rung for p in sim.sched.snapshot().reasons["low.service"].parts] == [""]
 
 
 def test_same_priority_keeps_free_gpus_for_the_earlier_unit() -> None:

@@ -323,7 +323,7 @@ class Scheduler:
         self._seq = 0
         self._tops_cache: dict[int, Holder] | None = None
         self._displaced: list[Waiter] = []  # moved back to waiting during a pass
-        self._view: _PassView | None = None  # only inside a pass's serving of waiters
+        self._view: _PassView | None = None  # read only while a pass serves its waiters
 
     @property
     def gpus(self) -> frozenset[int]:
@@ -740,7 +740,6 @@ class Scheduler:
             for again in self._displaced:  # moved back to waiting: served in turn
                 heapq.heappush(queue, (again.spec.priority, again.seq, again.spec.name))
             self._displaced.clear()
-        self._view = None
         actions += self._requeue(promises)
         actions += self._resume(promises)
         actions += self._refill(promises)
