@@ -123,6 +123,7 @@ class Controller:
             [Gpu(i) for i in range(config.gpus)],
             {},
             yield_to_foreign=config.foreign_processes == "yield",
+            requeue_at_gate=config.requeue_at_gate,
         )
         # NVML: samples, the driver's lifecycle, their timers
         self.watch = GpuWatch(
@@ -451,6 +452,7 @@ class Controller:
         self.config = config
         self.watch.reconfigure(config)
         self.scheduler.yield_to_foreign = config.foreign_processes == "yield"
+        self.scheduler.requeue_at_gate = config.requeue_at_gate
         logging.getLogger().setLevel(config.log_level.upper())
         self.watch.refresh()
         self.request_rescan()

@@ -168,6 +168,7 @@ class Sim:
         specs: Sequence[UnitSpec] = (),
         *,
         yield_to_foreign: bool = True,
+        requeue_at_gate: bool = False,
     ) -> None:
         listed = range(gpus) if isinstance(gpus, int) else gpus
         self.devices: dict[int, Gpu] = {}
@@ -175,10 +176,9 @@ class Sim:
             device = gpu if isinstance(gpu, Gpu) else Gpu(gpu)
             self.devices[device.index] = device
         self.yield_to_foreign = yield_to_foreign
+        self.requeue_at_gate = requeue_at_gate
         self.annotations: dict[str, UnitSpec] = {s.name: s for s in specs}
-        self.sched = Scheduler(
-            self.devices.values(), self.annotations, yield_to_foreign=yield_to_foreign
-        )
+        self.sched = self._scheduler()
         self.actions: list[Action] = []
         self.running: dict[str, tuple[int, ...]] = {}  # granted, not yet inactive
         self.at_gate: set[str] = set()  # start job waiting in the gate for a reply
@@ -215,6 +215,14 @@ class Sim:
         self._caught: set[str] = set()  # restarting: units `recover()` resumes
         self._to_freeze: dict[str, set[str]] = {}  # in a batch: granted -> who must freeze
         self._resumed: list[str] = []  # in a batch: resumed, in order
+
+    def _scheduler(self) -> Scheduler:
+        return Scheduler(
+            self.devices.values(),
+            self.annotations,
+            yield_to_foreign=self.yield_to_foreign,
+            requeue_at_gate=self.requeue_at_gate,
+        )
 
     # -- what a person, a unit or NVML does ---------------------------------------------------
 
@@ -318,9 +326,7 @@ class Sim:
         requests were known and gates answered (the thrash rule holds within one
         controller's life), whose suspend or freeze failed."""
         saved = self.sched.save()
-        self.sched = Scheduler(
-            self.devices.values(), self.annotations, yield_to_foreign=self.yield_to_foreign
-        )
+        self.sched = self._scheduler()
         self.sched.load(saved)
         for forgotten in (self.out_since, self.known_at, self.answered_at):
             forgotten.clear()

@@ -67,6 +67,7 @@ def test_table_and_dataclass_agree() -> None:
         2.0,
         30.0,
         0.5,
+        False,
         90.0,
         120.0,
         "",
@@ -204,8 +205,8 @@ def test_unknown_keys_are_warnings(tmp_path: Path) -> None:
     assert warnings == [
         f"{path}:2: colour: unknown setting, ignored (known: gpus, log_level, state_dir, "
         "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
-        "vram_release_timeout, gate_retry_seconds, stop_timeout, driver_wait, cuda_checkpoint, "
-        "checkpoint_lock_timeout, checkpoint_timeout, restore_timeout, "
+        "vram_release_timeout, gate_retry_seconds, requeue_at_gate, stop_timeout, driver_wait, "
+        "cuda_checkpoint, checkpoint_lock_timeout, checkpoint_timeout, restore_timeout, "
         "suspend_host_memory_margin)"
     ]
 
@@ -276,9 +277,9 @@ def problems_of(text: str, path: str = "/etc/gpuslice/config.yaml") -> list[str]
             "? [a, b]\n: 1\n",
             "{P}:1: expected a setting name, got a list (known: gpus, log_level, state_dir, "
             "runtime_dir, manage_gpus, reserve, foreign_processes, sample_interval, "
-            "vram_release_timeout, gate_retry_seconds, stop_timeout, driver_wait, "
-            "cuda_checkpoint, checkpoint_lock_timeout, checkpoint_timeout, restore_timeout, "
-            "suspend_host_memory_margin)",
+            "vram_release_timeout, gate_retry_seconds, requeue_at_gate, stop_timeout, "
+            "driver_wait, cuda_checkpoint, checkpoint_lock_timeout, checkpoint_timeout, "
+            "restore_timeout, suspend_host_memory_margin)",
             id="list-as-key",
         ),
         pytest.param(
@@ -498,6 +499,16 @@ def test_driver_wait() -> None:
     assert problems_of("driver_wait: soon\n", "/c") == [
         '/c:1: driver_wait: invalid value "soon" (allowed: a number of seconds 0-3600)'
     ]
+
+
+def test_requeue_at_gate_is_a_yaml_boolean() -> None:
+    assert Config().requeue_at_gate is False
+    assert parse_config("requeue_at_gate: true\n", "/c") == (Config(requeue_at_gate=True), [])
+    assert parse_config("requeue_at_gate: no\n", "/c") == (Config(requeue_at_gate=False), [])
+    for text, shown in (("1", '"1"'), ('"true"', '"true"')):  # a number, a string
+        assert problems_of(f"requeue_at_gate: {text}\n", "/c") == [
+            f"/c:1: requeue_at_gate: invalid value {shown} (allowed: true or false)"
+        ], text
 
 
 # ---------------------------------------------------------------------------------------------

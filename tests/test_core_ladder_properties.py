@@ -64,6 +64,7 @@ class LadderMachine(HostMachine):
         gpus=st.integers(1, 2),
         units=st.lists(LADDER_UNIT, min_size=3, max_size=6),
         yield_to_foreign=st.booleans(),
+        requeue_at_gate=st.booleans(),
         started=st.lists(st.integers(0, 5), max_size=6),
         freeze_fails=st.sets(st.integers(0, 5), max_size=2),
     )
@@ -72,12 +73,13 @@ class LadderMachine(HostMachine):
         gpus: int,
         units: list[tuple[UnitSpec, bool]],
         yield_to_foreign: bool,
+        requeue_at_gate: bool,
         started: list[int],
         freeze_fails: set[int],
     ) -> None:
         """The host boots and people start a few units at once: the histories begin busy.
         FreezeUnit fails for some units (as soon as the core freezes them)."""
-        self._boot([sized(i) for i in range(gpus)], units, yield_to_foreign)
+        self._boot([sized(i) for i in range(gpus)], units, yield_to_foreign, requeue_at_gate)
         self.sim.freeze_fails = {self._unit(i) for i in freeze_fails}
         for index in started:
             self.sim.start(self._unit(index))

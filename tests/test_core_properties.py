@@ -119,6 +119,7 @@ class HostMachine(RuleBasedStateMachine):
         host: list[int] | list[Gpu],
         units: list[tuple[UnitSpec, bool]],
         yield_to_foreign: bool,
+        requeue_at_gate: bool = False,
     ) -> None:
         self.specs = [replace(s, name=f"u{i}.service") for i, (s, _) in enumerate(units)]
         if isinstance(host[0], int):  # no NVML: sizes are unknown, `Memory=` changes nothing
@@ -128,6 +129,7 @@ class HostMachine(RuleBasedStateMachine):
             host,
             self._annotations(),
             yield_to_foreign=yield_to_foreign,
+            requeue_at_gate=requeue_at_gate,
         )
         self.sim.boot()
 
@@ -275,14 +277,20 @@ class CoreMachine(HostMachine):
         gpus=st.integers(1, 4),
         units=st.lists(UNIT, min_size=2, max_size=8),
         yield_to_foreign=st.booleans(),
+        requeue_at_gate=st.booleans(),
     )
     def boot(
-        self, whole: bool, gpus: int, units: list[tuple[UnitSpec, bool]], yield_to_foreign: bool
+        self,
+        whole: bool,
+        gpus: int,
+        units: list[tuple[UnitSpec, bool]],
+        yield_to_foreign: bool,
+        requeue_at_gate: bool,
     ) -> None:
         host: list[int] | list[Gpu] = (
             list(range(gpus)) if whole else [sized(i) for i in range(min(gpus, 3))]
         )
-        self._boot(host, units, yield_to_foreign)
+        self._boot(host, units, yield_to_foreign, requeue_at_gate)
 
 
 def machine_settings(examples: int) -> settings:

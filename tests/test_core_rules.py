@@ -1039,3 +1039,97 @@ def test_a_gate_asking_while_its_unit_is_stopped_for_another_waits_for_the_stop(
     assert s.phase("low.service") is Phase.STOPPING
     assert s.request(low) == []
     assert s.phase("low.service") is Phase.STOPPING
+
+
+# -- requeue_at_gate: a preempted unit waits at its gate ---------------------------------------
+
+QUEUED = (
+    "restarting preempted vlm-analysis.service (priority 90): it waits at its gate for more "
+    "urgent units"
+)
+
+
+def _preempted_at_gate() -> Sim:
+    """vlm ran, voice preempted it; vlm was restarted at once and now asks at its gate."""
+    sim = Sim(1, [VLM, VOICE], requeue_at_gate=True)
+    sim.boot()
+    sim.settle()
+    sim.start(VO)
+    assert words(sim.settle()) == [
+        "starting voice-pipeline.service (priority 10) on GPU 0",
+        QUEUED,
+        "vlm-analysis.service waiting: GPU 0 held by voice-pipeline.service, priority 10",
+    ]
+    return sim
+
+
+def test_with_requeue_at_gate_a_preempted_unit_waits_at_its_gate_and_comes_back_by_a_grant() -> (
+    None
+):
+    """Its gate already runs when the GPU frees: it comes back without a start job."""
+    sim = _preempted_at_gate()
+    assert sim.sched.waiting_units() == [V]
+    assert sim.sched.snapshot().preempted == []
+    assert words(sim.exit(VO)) == [
+        "voice-pipeline.service finished: released GPU 0",
+        "starting vlm-analysis.service (priority 90) on GPU 0",
+    ]
+    sim.check_quiet()
+
+
+def test_without_requeue_at_gate_a_preempted_unit_is_restarted_once_its_gpus_are_free() -> None:
+    sim = Sim(1, [VLM, VOICE])
+    sim.boot()
+    sim.settle()
+    sim.start(VO)
+    assert brief(sim.settle()) == [f"grant {VO} 0"]
+    assert brief(sim.exit(VO)) == [f"start {V}"]
+
+
+def test_a_requeue_whose_wait_at_the_gate_fails_comes_back_once_its_gpus_are_free() -> None:
+    """A TimeoutStartSec= of the admin's ended the wait: it never ran, so it is still owed a
+    comeback, the other way (and not queued at its gate again, or it would time out again)."""
+    sched = _preempted_at_gate().sched
+    acts = sched.inactive(V, Outcome.FAILED)
+    assert [a.decision.code.value for a in acts if a.decision] == ["cancelled", "requeue-failed"]
+    assert words(acts)[-1] == (
+        "vlm-analysis.service (priority 90) failed while it waited at its gate to come back "
+        "from a preemption: it is restarted when its GPUs are free"
+    )
+    assert sched.snapshot().preempted == [(V, 90, True)]
+    assert sched.schedule() == []  # the GPU is still taken: not queued at its gate again
+    back = sched.inactive(VO, Outcome.EXITED)
+    assert brief(back) == [f"start {V}"]
+    assert words(back)[-1] == "restarting preempted vlm-analysis.service (priority 90) on GPU 0"
+
+
+def test_a_requeue_stopped_by_hand_while_it_waits_at_its_gate_is_held() -> None:
+    sim = _preempted_at_gate()
+    assert words(sim.stop(V))[-1] == (
+        "vlm-analysis.service was stopped outside gpuslice: held until started again"
+    )
+    assert brief(sim.exit(VO)) == []
+
+
+def test_a_requeue_that_fails_after_its_grant_is_a_failure_like_any_other() -> None:
+    sim = _preempted_at_gate()
+    sim.exit(VO)
+    assert words(sim.exit(V, Outcome.FAILED))[-1] == (
+        "vlm-analysis.service failed: gpuslice will not start it by itself "
+        "(its own Restart= policy applies)"
+    )
+    assert sim.sched.snapshot().preempted == []
+    assert brief(sim.sched.schedule()) == []
+
+
+def test_a_requeue_that_fails_before_its_gate_asks_comes_back_once_its_gpus_are_free() -> None:
+    """Its start failed before the gate ran (a dependency): the same as a failed wait."""
+    sched = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    assert brief(sched.schedule()) == [f"start {V}"]
+    assert brief(sched.request(VLM)) == [f"grant {V} 0"]
+    assert brief(sched.request(VOICE)) == [f"stop {V}"]
+    assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
+    acts = sched.inactive(V, Outcome.FAILED)
+    assert [a.decision.code.value for a in acts if a.decision] == ["requeue-failed"]
+    assert sched.snapshot().preempted == [(V, 90, True)]
+    assert brief(sched.inactive(VO, Outcome.EXITED)) == [f"start {V}"]

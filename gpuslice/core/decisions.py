@@ -33,6 +33,9 @@ class Code(enum.Enum):
     SHUTDOWN = "shutdown"  # stopped for shutdown; its GPUs are free
     CANCELLED = "cancelled"  # its start was cancelled while it waited
     NOT_REQUEUED = "preempted-no-requeue"  # preempted with Requeue=no: not brought back
+    # restarted to wait at its gate, its start failed before its grant: it is brought back
+    # when its GPUs are free instead
+    REQUEUE_FAILED = "requeue-failed"
     STOP_FAILED = "stop-failed"  # a stop gpuslice asked for did not happen
     STOP_REFUSED = "stop-refused"  # systemd refused the stop: not tried again while it runs
     STOP_OVERDUE = "stop-overdue"  # still running `detail` after gpuslice asked it to stop
@@ -61,6 +64,7 @@ class Cause(enum.Enum):
     BUSY = "gpus-busy"  # wait: every usable GPU is taken; `blockers` say by whom
     FREE = "free-gpus"  # requeue: onto free `gpus`
     PREEMPTS = "must-preempt"  # requeue: its gate will preempt less urgent units
+    QUEUES = "waits-at-gate"  # requeue: it waits at its gate for more urgent units' GPUs
     SUSPENDED = "suspended"  # thawed-outside: the unit was suspended (else frozen)
 
 
@@ -250,6 +254,8 @@ def render(d: Decision) -> str:
             f"gpuslice does not manage uses it (PID {pids})"
         )
     if code is Code.REQUEUE:
+        if d.cause is Cause.QUEUES:
+            return f"restarting preempted {who}: it waits at its gate for more urgent units"
         where = (
             "GPUs held by less urgent units" if d.cause is Cause.PREEMPTS else format_gpus(d.gpus)
         )
@@ -271,6 +277,11 @@ def render(d: Decision) -> str:
         return f"{d.unit}: start cancelled while waiting; nothing reserved"
     if code is Code.NOT_REQUEUED:
         return f"{who} preempted; Requeue=no, not restarting"
+    if code is Code.REQUEUE_FAILED:
+        return (
+            f"{who} failed while it waited at its gate to come back from a preemption: "
+            "it is restarted when its GPUs are free"
+        )
     if code in (Code.STOP_FAILED, Code.STOP_REFUSED):
         for_whom = f" for {_who(d.for_unit, d.for_priority)}" if d.for_unit else ""
         after = (

@@ -293,12 +293,16 @@ class Scheduler:
         specs: Mapping[str, UnitSpec],
         *,
         yield_to_foreign: bool = True,
+        requeue_at_gate: bool = False,
     ) -> None:
         self.devices: dict[int, Gpu] = {}
         for gpu in gpus:
             device = gpu if isinstance(gpu, Gpu) else Gpu(gpu)
             self.devices[device.index] = device
         self.yield_to_foreign = yield_to_foreign
+        # config.yaml's requeue_at_gate: a preempted unit whose GPUs are taken is restarted
+        # at once and waits at its gate, instead of being restarted once they are free
+        self.requeue_at_gate = requeue_at_gate
         self.specs: dict[str, UnitSpec] = {}
         # the background units refill may start: kept apart so that a decision costs the
         # same at 10,000 annotated units as at 10 (refill runs after every event)
@@ -307,6 +311,12 @@ class Scheduler:
         self.holders: dict[str, Holder] = {}
         self.waiters: dict[str, Waiter] = {}
         self.preempted: dict[str, int] = {}  # unit -> seq when it was preempted
+        # restarted after a preemption while its GPUs were still taken (it waits at its gate,
+        # so its refill costs one grant, not a start): until it is inactive again
+        self.requeued: set[str] = set()
+        # their wait at the gate failed (a TimeoutStartSec= of the admin's): brought back
+        # only when their GPUs are free, until they start again
+        self.wait_failed: set[str] = set()
         self.suspended: dict[str, Suspended] = {}
         self.held: set[str] = set()
         self.finished: set[str] = set()
@@ -388,6 +398,7 @@ class Scheduler:
         self.held.discard(name)
         self.finished.discard(name)
         self.failed.discard(name)
+        self.wait_failed.discard(name)
         self.preempted.pop(name, None)
 
     def _arrive(self, spec: UnitSpec, *, asked: bool) -> list[Action]:
@@ -424,6 +435,8 @@ class Scheduler:
         self.unsuspendable.discard(name)
         waiter = self.waiters.pop(name, None)
         holder = self.holders.pop(name, None)
+        requeued = name in self.requeued
+        self.requeued.discard(name)
         # a suspended unit stopped by hand (systemd thaws it first) is held like any other;
         # frozen, it cannot have ended by itself
         if self.suspended.pop(name, None) is not None and outcome is Outcome.EXITED:
@@ -439,6 +452,15 @@ class Scheduler:
             self.held.add(name)
             self.preempted.pop(name, None)
             actions.append(_log(self._about_name(name, Code.HOLD)))
+        elif (
+            outcome is Outcome.FAILED
+            and requeued
+            and (holder is None or holder.phase is Phase.STARTING)
+        ):
+            # it never ran: its wait failed, not its work (nothing else fails at the gate)
+            self.preempted[name] = self.out_since[name]
+            self.wait_failed.add(name)
+            actions.append(_log(self._about_name(name, Code.REQUEUE_FAILED)))
         elif outcome is Outcome.FAILED:
             self.failed.add(name)
             actions.append(_log(self._about_name(name, Code.FAILED)))
@@ -1103,6 +1125,8 @@ class Scheduler:
                 continue
             found = self._place(spec, promises, preempt=True)
             if found is None:
+                if self.requeue_at_gate and name not in self.wait_failed:
+                    actions.append(self._queue_at_gate(spec))
                 continue
             gpus, victims = found.gpus, found.victims
             if victims:
@@ -1116,6 +1140,15 @@ class Scheduler:
             requeue = _about(spec, Code.REQUEUE, gpus=tuple(sorted(gpus)), cause=cause)
             actions.append(_start(requeue))
         return actions
+
+    def _queue_at_gate(self, spec: UnitSpec) -> Start:
+        """Restart a preempted unit whose GPUs more urgent units hold: it waits at its gate
+        in priority order with every other start, so that once they are free it costs the
+        grant alone (its gate already runs), not a start job, a gate and a grant."""
+        del self.preempted[spec.name]
+        self.holders[spec.name] = Holder(spec, frozenset(), Phase.STARTING, self._next())
+        self.requeued.add(spec.name)
+        return _start(_about(spec, Code.REQUEUE, cause=Cause.QUEUES))
 
     def _refill(self, promises: list[tuple[int, Use]]) -> list[Action]:
         actions: list[Action] = []

@@ -359,3 +359,35 @@ def test_a_start_job_queued_behind_another_unit_preempts_before_its_gate_runs(
     assert prop(container, VOICE, "SubState") == "dead"  # its start job still waits
     wait_state(container, VOICE, "active", timeout=15)
     assert holders(container) == {0: [VOICE]}
+
+
+def test_with_requeue_at_gate_a_preempted_unit_waits_at_its_gate_in_systemds_job_queue(
+    container: Container,
+) -> None:
+    """config.yaml `requeue_at_gate: true` (read at `systemctl reload gpuslice`): the
+    preempted unit is restarted at once and waits at its gate, where `systemctl` shows it,
+    then comes back by a grant alone; a TimeoutStartSec= that ends its wait brings it back
+    once the GPU is free."""
+    container.run("sed -i 's/^requeue_at_gate: false$/requeue_at_gate: true/' /etc/gpuslice/config.yaml")
+    container.systemctl("reload", "gpuslice.service")
+    write_job(container, VLM, 90, "background")
+    # an admin's drop-in: after the generator's gpuslice-gate.conf, so it overrides
+    container.write_file(
+        f"/etc/systemd/system/{VLM}.d/timeout.conf", "[Service]\nTimeoutStartSec=3\n"
+    )
+    write_job(container, VOICE, 10, seconds=5)
+    reload(container)
+    wait_state(container, VLM, "active")
+    container.systemctl("start", VOICE)
+    wait_sub(container, VLM, "start-pre")
+    assert prop(container, VLM, "ActiveState") == "activating"
+    assert f"{VLM}" in container.run("systemctl list-jobs --no-legend").stdout
+    assert holders(container) == {0: [VOICE]}
+    wait_journal(container, "restarting preempted vlm-analysis.service (priority 90): it waits")
+    # TimeoutStartSec=3 ends the wait (voice runs 5 s): it comes back once voice is done
+    wait_journal(container, "vlm-analysis.service (priority 90) failed while it waited at its")
+    wait_state(container, VOICE, "inactive", timeout=30)
+    wait_state(container, VLM, "active")
+    assert holders(container) == {0: [VLM]}
+    journal = container.journal("gpuslice.service")
+    assert "restarting preempted vlm-analysis.service (priority 90) on GPU 0" in journal
