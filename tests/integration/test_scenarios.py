@@ -368,7 +368,8 @@ def test_with_requeue_at_gate_a_preempted_unit_waits_at_its_gate_in_systemds_job
     preempted unit is restarted at once and waits at its gate, where `systemctl` shows it,
     then comes back by a grant alone; a TimeoutStartSec= that ends its wait brings it back
     once the GPU is free."""
-    container.run("sed -i 's/^requeue_at_gate: false$/requeue_at_gate: true/' /etc/gpuslice/config.yaml")
+    config = "/etc/gpuslice/config.yaml"
+    container.run(f"sed -i 's/^requeue_at_gate: false$/requeue_at_gate: true/' {config}")
     container.systemctl("reload", "gpuslice.service")
     write_job(container, VLM, 90, "background")
     # an admin's drop-in: after the generator's gpuslice-gate.conf, so it overrides
