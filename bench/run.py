@@ -180,6 +180,17 @@ def prepare(c: Container, units: dict[str, str], gpus: int | None) -> None:
         c.systemctl("daemon-reload")
 
 
+def set_requeue_at_gate(c: Container, on: bool) -> None:
+    """config.yaml's requeue_at_gate, read by `systemctl reload gpuslice` (SIGHUP)."""
+    value = "true" if on else "false"
+    c.run(
+        "sed -i '/^requeue_at_gate:/d' /etc/gpuslice/config.yaml && "
+        f"echo 'requeue_at_gate: {value}' >> /etc/gpuslice/config.yaml"
+    )
+    c.systemctl("reload", CONTROLLER)
+    time.sleep(0.3)  # SIGHUP is handled by the controller's loop, after reload returns
+
+
 def bg_lines(c: Container) -> int:
     out = c.run("cat /run/bench/bg.log 2>/dev/null || true").stdout
     return len(out.splitlines())
@@ -279,6 +290,7 @@ def ratio_row(
 
 
 METHODS = ("tight", "client")
+AT_GATE = "tight, requeue_at_gate"  # the tight method with config.yaml's requeue_at_gate: true
 # Targets of the tight method (issue 10); the client method's ratios are shown for comparison.
 TARGETS = {"handover": 1.5, "refill": 1.2, "gate": 1.2}
 
@@ -313,6 +325,13 @@ def case_latency(
         raw["handover_breakdown"] = breakdown(
             gs.run("journalctl -b -o json --no-pager", timeout=120).stdout, ho["tight"]["gpuslice"]
         )
+        # config.yaml `requeue_at_gate: true` (shown, not judged: not the default): the
+        # preempted unit is restarted at once and waits at its gate for the refill
+        log(f"handover + refill (tight, {AT_GATE}): {p.reps} reps each (+{p.warmup} warm-up)")
+        set_requeue_at_gate(gs, True)
+        pairs = [("gpuslice", handover(gs, "tight")), ("floor", handover(floor, "tight"))]
+        ho[AT_GATE] = alternate(pairs, p.reps, p.warmup)
+        set_requeue_at_gate(gs, False)
         # The GPU must be idle for the gate case: stop (gpuslice: hold) the background unit.
         for c in (gs, floor):
             c.systemctl("stop", "bench-bg.service")
@@ -334,6 +353,10 @@ def case_latency(
             _method_row("refill gap (1 GPU)", method, ho[method], "refill_s", "refill"),
             _method_row("gate overhead (idle GPU)", method, tr[method], "start_s", "gate"),
         ]
+    rows += [
+        _method_row("handover (1 GPU)", AT_GATE, ho[AT_GATE], "handover_s", "handover"),
+        _method_row("refill gap (1 GPU)", AT_GATE, ho[AT_GATE], "refill_s", "refill"),
+    ]
     rows.append(
         Row(
             "handover breakdown [tight]",
