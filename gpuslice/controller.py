@@ -558,10 +558,11 @@ class Controller:
             if isinstance(action, Grant):
                 self.counters.admission_wait.observe(self._waited(action.unit))
                 self._write_env(action.unit, action.gpus)
-                self._say(action.reason, "info", action.decision)
+                # the gate first (its unit waits for nothing else), then the words
+                self.gates.grant(action.unit)  # counted when its gate took it (_follow_gate)
                 if self.service.grant(action.unit, ",".join(map(str, action.gpus))):
                     self.counters.gate_answers["dbus"] += 1
-                self.gates.grant(action.unit)  # counted when its gate took it (_follow_gate)
+                self._say(action.reason, "info", action.decision)
             elif isinstance(action, Stop):
                 self._say(action.reason, "info", action.decision)
                 self._call_systemd(self.systemd.stop_unit, action.unit, "stop")

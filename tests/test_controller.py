@@ -25,6 +25,7 @@ from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import Inventory
+from gpuslice.journal import Journal
 from gpuslice.nvml import DeviceScan, GpuInfo, GpuProcess, Nvml, NvmlStatus
 from gpuslice.service import ACCESS_DENIED, SchedulerService
 from gpuslice.state import StateStore
@@ -737,6 +738,30 @@ def read_pipe(bed: Bed, unit: str) -> str:
         return ""
     finally:
         os.close(fd)
+
+
+def test_a_grant_reaches_its_gate_before_its_journal_line_is_written(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The unit waits for its pipe, not for our words: the line is written after."""
+    caplog.set_level(logging.INFO)
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    seen: list[tuple[str, str]] = []
+
+    class Recorder:
+        def send(self, fields: list[tuple[str, str]]) -> bool:
+            seen.append((dict(fields)["GPUSLICE_DECISION"], read_pipe(bed, "a.service")))
+            return True
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.journal = cast(Journal, Recorder())
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        assert seen == [("grant", START.hex() + "\n")]
+
+    asyncio.run(test())
 
 
 def test_a_start_at_its_gate_is_granted_through_its_pipe(tmp_path: Path) -> None:
