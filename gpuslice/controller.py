@@ -60,6 +60,7 @@ from gpuslice.tracker import (
     Ledger,
     ReachedGate,
     Tracker,
+    UnitState,
     WentDown,
     bound_for_gate,
     classify,
@@ -301,19 +302,9 @@ class Controller:
         JobNew names no job type, so systemd's queue is read first: a stop job must preempt
         nothing. Any word of systemd's on the unit since JobNew makes the answer stale
         (signals read after it may be applied before this resumes): its gate decides then."""
-        try:
-            state = await self.systemd.unit_state(unit)
-        except SystemdError as e:
-            self.counters.error("dbus_call_errors")
-            log.debug("cannot read %s: %s", unit, e)
-            return
+        state = await self._read_fresh(unit, seen)
         spec = self.spec_for(unit)
-        if (
-            spec is None
-            or state.job_id != job_id
-            or not bound_for_gate(state)
-            or self.tracker.signals(unit) != seen
-        ):
+        if spec is None or state is None or state.job_id != job_id or not bound_for_gate(state):
             return
         with self._batched():
             self.execute(self.scheduler.announce(spec))
@@ -329,18 +320,23 @@ class Controller:
         later, so signals that arrived after the reply may already have been applied: then
         the reply is older than what we know, and is dropped.
         """
-        seen = self.tracker.signals(unit)
+        state = await self._read_fresh(unit, self.tracker.signals(unit))
+        if state is None:
+            return
+        self.on_unit_changed(
+            unit, {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")}
+        )
+
+    async def _read_fresh(self, unit: str, seen: int) -> UnitState | None:
+        """The unit's state read from systemd; None when it cannot be read, or when a signal
+        about the unit came after `seen` (then the answer may be older than what we know)."""
         try:
             state = await self.systemd.unit_state(unit)
         except SystemdError as e:
             self.counters.error("dbus_call_errors")
             log.debug("cannot read %s: %s", unit, e)
-            return
-        if self.tracker.signals(unit) != seen:
-            return
-        self.on_unit_changed(
-            unit, {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")}
-        )
+            return None
+        return state if self.tracker.signals(unit) == seen else None
 
     def on_unit_changed(self, name: str, props: dict[str, Any]) -> None:
         spec = self.spec_for(name)

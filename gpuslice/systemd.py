@@ -208,18 +208,16 @@ class Systemd:
         *,
         path: str = MANAGER_PATH,
         interface: str = MANAGER,
+        destination: str = SYSTEMD,
     ) -> list[Any]:
         message = Message(
-            destination=SYSTEMD,
+            destination=destination,
             path=path,
             interface=interface,
             member=member,
             signature=signature,
             body=body or [],
         )
-        return await self._call(message)
-
-    async def _call(self, message: Message) -> list[Any]:
         async with self._calls:
             reply = await self.bus.call(message)
         return list(_check(reply).body)
@@ -270,15 +268,14 @@ class Systemd:
         await self._bus_daemon("RemoveMatch", "s", [rule])
 
     async def _bus_daemon(self, member: str, signature: str, body: list[Any]) -> list[Any]:
-        message = Message(
-            destination=BUS_DAEMON,
+        return await self.call(
+            member,
+            signature,
+            body,
             path=BUS_DAEMON_PATH,
             interface=BUS_DAEMON,
-            member=member,
-            signature=signature,
-            body=body,
+            destination=BUS_DAEMON,
         )
-        return await self._call(message)
 
     async def caller_pid(self, sender: str) -> int:
         """The process ID behind a bus connection, as the bus daemon saw it connect."""
