@@ -1133,3 +1133,55 @@ def test_a_requeue_that_fails_before_its_gate_asks_comes_back_once_its_gpus_are_
     assert [a.decision.code.value for a in acts if a.decision] == ["requeue-failed"]
     assert sched.snapshot().preempted == [(V, 90, True)]
     assert brief(sched.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
+
+
+def _codes(actions: list[Action]) -> list[str]:
+    return [a.decision.code.value for a in actions if a.decision is not None]
+
+
+def test_a_requeue_whose_wait_failed_loses_its_place_to_units_waiting_at_their_gates() -> None:
+    """`first` comes back to its gate and its wait fails; `second`, preempted later, waits at
+    its gate: a GPU that frees goes to `second`, and `first` is restarted at the next."""
+    first, second = spec("first", 90, BG), spec("second", 90, BG)
+    voice2 = spec("voice2", 10)
+    specs = {s.name: s for s in (first, second, VOICE, voice2)}
+    sched = Scheduler([0, 1], specs, requeue_at_gate=True)
+    assert brief(sched.schedule()) == ["start first.service", "start second.service"]
+    sched.request(first)
+    sched.request(second)
+    assert brief(sched.request(VOICE)) == ["stop second.service"]  # the one started last
+    assert brief(sched.inactive("second.service", Outcome.STOPPED)) == [
+        f"grant {VO} 1",
+        "start second.service",
+    ]
+    sched.request(second)  # its gate asks: it waits for voice
+    assert _codes(sched.inactive("second.service", Outcome.FAILED)) == [
+        "cancelled",
+        "requeue-failed",
+    ]
+    assert brief(sched.request(voice2)) == ["stop first.service"]
+    # both preempted now, at one priority: `second` (out first) is not queued at its gate again
+    assert brief(sched.inactive("first.service", Outcome.STOPPED)) == [
+        "grant voice2.service 0",
+        "start first.service",
+    ]
+    sched.request(first)
+    assert brief(sched.inactive(VO, Outcome.EXITED)) == ["grant first.service 1"]
+    assert brief(sched.inactive("voice2.service", Outcome.EXITED)) == ["start second.service"]
+
+
+def test_a_unit_started_by_hand_after_its_requeue_ran_fails_as_its_own_start() -> None:
+    """Brought back through its gate, it ran and finished; started again by a person, its
+    wait fails: that failure is the person's start, and gpuslice does not restart it."""
+    sched = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    sched.schedule()
+    sched.request(VLM)
+    sched.request(VOICE)
+    assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
+    sched.request(VLM)
+    assert brief(sched.inactive(VO, Outcome.EXITED)) == [f"grant {V} 0"]
+    sched.inactive(V, Outcome.EXITED)
+    sched.request(VOICE)
+    sched.request(VLM)  # by hand: it waits for voice
+    assert _codes(sched.inactive(V, Outcome.FAILED)) == ["cancelled", "failed"]
+    assert brief(sched.inactive(VO, Outcome.EXITED)) == []

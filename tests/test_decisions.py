@@ -77,6 +77,25 @@ def check_rendered(actions: list[Action]) -> None:
             "restarting preempted vlm.service (priority 90) on GPUs held by less urgent units",
         ),
         (
+            Decision(Code.REQUEUE, V, 90, cause=Cause.QUEUES),
+            "restarting preempted vlm.service (priority 90): it waits at its gate for more "
+            "urgent units",
+        ),
+        (
+            Decision(Code.REQUEUE_FAILED, V, 90),
+            "vlm.service (priority 90) failed while it waited at its gate to come back from a "
+            "preemption: it is restarted when its GPUs are free",
+        ),
+        (
+            Decision(Code.RESUME, V, 90, gpus=(0,)),
+            "restoring the VRAM of vlm.service (priority 90) on GPU 0",
+        ),
+        (
+            Decision(Code.RUNG_FAILED, V, 90, gpus=(0,), rung="suspend", detail="no tool"),
+            "cannot suspend vlm.service (priority 90): no tool; it keeps GPU 0 (Preempt= names "
+            "no other way)",
+        ),
+        (
             Decision(Code.REFILL, V, 90, gpus=(2,)),
             "starting background vlm.service (priority 90) on free GPU 2",
         ),
