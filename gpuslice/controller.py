@@ -233,7 +233,8 @@ class Controller:
 
     def _rebuild(self) -> list[Action]:
         """Take in what systemd shows, then decide once: restored holders that ended while
-        we were away are recorded as finished, failed or preempted; a stop we had asked
+        we were away are recorded as finished, failed or preempted, but a start of ours that
+        systemd shows no job for is sent again (Scheduler.start_lost); a stop we had asked
         for that systemd no longer runs is given up; running units we did not know are
         adopted; units at their gate, or whose start job waits for us to be ready, queue at
         once (their gate calls within a second), so a released GPU goes to them before any
@@ -245,7 +246,9 @@ class Controller:
                 state = self.tracker.state(name)
                 kind = classify(state)
                 if kind is Kind.DOWN:
-                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
+                    # no job: a StartUnit of ours may have died with the last controller
+                    lost = self.scheduler.start_lost(name) if state.job_id == 0 else []
+                    actions += lost or self.scheduler.inactive(name, self.tracker.outcome(state))
                 elif (
                     kind is Kind.RUNNING
                     and self.scheduler.phase(name) is Phase.STOPPING

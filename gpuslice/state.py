@@ -41,8 +41,9 @@ BOOT_ID_MAX = 256  # "<kernel boot id>/<systemd's UserspaceTimestamp>"
 # a suspended unit holds no GPU: it is listed under "suspended", never as a holder
 PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
-# written since the Preempt= ladder; a file without them (an older controller's) is complete
-LADDER_FIELDS = ("frozen_for", "suspended")
+# written since the Preempt= ladder, and since starts are saved before they are sent; a
+# file without them (an older controller's) is complete
+LATER_FIELDS = ("frozen_for", "started", "suspended")
 _SHOWN_PROBLEMS = 5
 
 
@@ -161,7 +162,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             preempted[name] = seq
 
     lists: dict[str, list[str]] = {}
-    for key in ("held", "finished", "failed"):
+    for key in ("held", "finished", "failed", "started"):
         lists[key] = []
         names = data.get(key, [])
         if not isinstance(names, list):
@@ -202,6 +203,13 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         else:
             frozen_for[name] = list(dict.fromkeys(units))
 
+    started: list[str] = []
+    for name in lists["started"]:
+        if name in holders and holders[name][1] == Phase.STARTING.value:
+            started.append(name)
+        else:
+            problems.add(f"started: dropped {_show(name)}: not a starting holder")
+
     seq = data.get("seq", 0)
     if not _is_int(seq, 0, SEQ_MAX):
         problems.add(f"seq: {_show(seq)} is no sequence number")
@@ -223,7 +231,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
     missing = [k for k in FIELDS if k not in data]
     if missing:
         problems.add("no " + ", ".join(repr(k) for k in missing))
-    for key in sorted(set(data) - set(FIELDS) - set(LADDER_FIELDS)):
+    for key in sorted(set(data) - set(FIELDS) - set(LATER_FIELDS)):
         problems.add(f"unknown key {_show(key)}")
     saved = SavedState(
         holders=holders,
@@ -234,6 +242,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         seq=seq,
         suspended=suspended,
         frozen_for=frozen_for,
+        started=started,
     )
     return saved, boot_id
 

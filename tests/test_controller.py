@@ -302,6 +302,38 @@ def test_start_up_gives_up_a_stop_lost_while_away(
     ), messages(caplog)
 
 
+def test_start_up_sends_again_a_start_of_ours_that_systemd_does_not_show(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last controller saved its refill of bg.service and died before the StartUnit
+    went out: systemd shows bg.service inactive with no job. Started again (not "finished");
+    asked.service, a start systemd had announced, ended meanwhile: it stays ended."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n", "asked.service": "Priority=10\n"},
+        [state("bg.service", "inactive", "dead"), state("asked.service", "inactive", "dead")],
+        SavedState(
+            holders={
+                "bg.service": ((0,), "starting", 1, ""),
+                "asked.service": ((), "starting", 2, ""),
+            },
+            seq=2,
+            started=["bg.service"],
+        ),
+    )
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+            await settle()
+        assert bed.systemd.calls == [("subscribe", ""), ("start", "bg.service")]
+        assert bed.controller.scheduler.phase("bg.service") is Phase.STARTING
+        assert bed.controller.scheduler.phase("asked.service") is None
+
+    run(test)
+    assert any("starting bg.service (priority 90) again" in m for m in messages(caplog))
+
+
 def test_start_up_holds_a_suspended_unit_stopped_while_away_and_keeps_a_running_one(
     tmp_path: Path,
 ) -> None:

@@ -1185,3 +1185,38 @@ def test_a_unit_started_by_hand_after_its_requeue_ran_fails_as_its_own_start() -
     sched.request(VLM)  # by hand: it waits for voice
     assert _codes(sched.inactive(V, Outcome.FAILED)) == ["cancelled", "failed"]
     assert brief(sched.inactive(VO, Outcome.EXITED)) == []
+
+
+# -- a start of ours lost with the controller --------------------------------------------------
+
+
+def test_a_start_of_ours_that_a_restarted_controller_cannot_find_is_sent_again_once() -> None:
+    """Saved before it was sent: after a restart, a refill or requeue systemd does not show
+    is started again, keeping its place; a start announced by systemd is not (someone's)."""
+    other = spec("other", 50)
+    sched = Scheduler([0, 1], {V: VLM, "other.service": other})
+    assert brief(sched.schedule()) == [f"start {V}"]
+    sched.announce(other)  # a person's start job, its GPU kept for it (STARTING too)
+    assert sched.phase("other.service") is Phase.STARTING
+    saved = sched.save()
+    assert saved.started == [V]
+    again = Scheduler([0, 1], {V: VLM, "other.service": other})
+    again.load(saved)
+    lost = again.start_lost(V)
+    assert brief(lost) == [f"start {V}"]
+    assert words(lost) == [
+        "starting vlm-analysis.service (priority 90) again: the start gpuslice decided on "
+        "before the controller restarted is not in systemd's queue"
+    ]
+    assert again.phase(V) is Phase.STARTING  # its place is kept
+    assert again.start_lost(V) == []  # once
+    assert again.start_lost("other.service") == []
+    assert brief(again.request(VLM)) == [f"grant {V} 0"]
+
+
+def test_a_start_whose_gate_asked_is_no_longer_one_to_send_again() -> None:
+    sched = Scheduler([0], {V: VLM})
+    sched.schedule()
+    sched.request(VLM)
+    assert sched.save().started == []
+    assert sched.start_lost(V) == []

@@ -32,6 +32,7 @@ GOOD: dict[str, Any] = {
     "seq": 5,
     "suspended": {},
     "frozen_for": {},
+    "started": [],
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -410,10 +411,28 @@ def test_round_trip_of_the_ladder(tmp_path: Path) -> None:
 def test_a_file_of_a_controller_before_the_ladder_is_complete(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    old = {k: v for k, v in GOOD.items() if k not in ("suspended", "frozen_for")}
+    old = {k: v for k, v in GOOD.items() if k not in ("suspended", "frozen_for", "started")}
     saved, _, records = load(tmp_path, json.dumps(old).encode(), caplog)
     assert records == []
-    assert (saved.suspended, saved.frozen_for) == ({}, {})
+    assert (saved.suspended, saved.frozen_for, saved.started) == ({}, {}, [])
+
+
+def test_the_starts_gpuslice_sent_are_kept_for_starting_holders_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted controller sends again a start of its own that systemd does not show;
+    a name that is no starting holder is dropped, with why, and never started."""
+    holders = {"bg.service": [[0], "starting", 6, ""], "asr.service": [[1], "running", 4, ""]}
+    started = ["bg.service", "asr.service", "gone.service", "../x"]
+    saved, _, records = load(tmp_path, good(holders=holders, started=started, seq=6), caplog)
+    assert saved.started == ["bg.service"]
+    said = " ".join(r.getMessage() for r in records)
+    for problem in (
+        'started: dropped "../x": not a unit name',
+        'started: dropped "asr.service": not a starting holder',
+        'started: dropped "gone.service": not a starting holder',
+    ):
+        assert problem in said, said
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,9 @@ class Code(enum.Enum):
     # restarted to wait at its gate, its start failed before its grant: it is brought back
     # when its GPUs are free instead
     REQUEUE_FAILED = "requeue-failed"
+    # after a controller restart, a start gpuslice had decided on is not in systemd's queue
+    # (the last controller may have died before sending it): sent again, once
+    START_LOST = "start-lost"
     STOP_FAILED = "stop-failed"  # a stop gpuslice asked for did not happen
     STOP_REFUSED = "stop-refused"  # systemd refused the stop: not tried again while it runs
     STOP_OVERDUE = "stop-overdue"  # still running `detail` after gpuslice asked it to stop
@@ -290,6 +293,11 @@ def render(d: Decision) -> str:
             else ""
         )
         return f"{who} did not stop{for_whom}: {d.detail}; it keeps {format_gpus(d.gpus)}{after}"
+    if code is Code.START_LOST:
+        return (
+            f"starting {who} again: the start gpuslice decided on before the controller "
+            "restarted is not in systemd's queue"
+        )
     if code is Code.STOP_OVERDUE:
         waits = f" ({d.for_unit} waits for it)" if d.for_unit else ""
         return (

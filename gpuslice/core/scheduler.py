@@ -243,6 +243,7 @@ class SavedState:
     seq: int = 0
     suspended: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     frozen_for: dict[str, list[str]] = field(default_factory=dict)
+    started: list[str] = field(default_factory=list)  # STARTING holders gpuslice started
 
 
 def _seq(waiter: Waiter) -> int:
@@ -317,6 +318,9 @@ class Scheduler:
         # their wait at the gate failed (a TimeoutStartSec= of the admin's): brought back
         # only when their GPUs are free, until they start again
         self.wait_failed: set[str] = set()
+        # started by gpuslice (refill, requeue), their gates not yet asking: saved, so that a
+        # restarted controller can tell a StartUnit it may never have sent (start_lost)
+        self.started: set[str] = set()
         self.suspended: dict[str, Suspended] = {}
         self.held: set[str] = set()
         self.finished: set[str] = set()
@@ -366,6 +370,7 @@ class Scheduler:
     def request(self, spec: UnitSpec) -> list[Action]:
         """A unit's start job reached the gate and asks for its GPUs."""
         name = spec.name
+        self.started.discard(name)  # its StartUnit was sent: its gate asks
         self._forget_past(spec)
         holder = self.holders.get(name)
         if holder is not None and holder.phase not in (Phase.RUNNING, Phase.STARTING):
@@ -437,6 +442,7 @@ class Scheduler:
         holder = self.holders.pop(name, None)
         requeued = name in self.requeued
         self.requeued.discard(name)
+        self.started.discard(name)
         # a suspended unit stopped by hand (systemd thaws it first) is held like any other;
         # frozen, it cannot have ended by itself
         if self.suspended.pop(name, None) is not None and outcome is Outcome.EXITED:
@@ -532,6 +538,20 @@ class Scheduler:
             detail=why,
         )
         return [_log(decision), *self.schedule()]
+
+    def start_lost(self, name: str) -> list[Action]:
+        """After a controller restart: a unit gpuslice had started (refill or requeue) shows
+        no start job and is inactive. The last controller saves its decisions before it
+        sends them, so it may have died before its StartUnit went out: started again, once
+        (by this controller), keeping its place. A start that systemd did run and end (a
+        failed condition or dependency) ends the same way again and is then taken as it
+        ended. [] for any other unit: a start announced by systemd that ended meanwhile
+        was someone's, and what ended it stands."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.STARTING or name not in self.started:
+            return []
+        self.started.discard(name)
+        return [_start(_about(holder.spec, Code.START_LOST))]
 
     def stop_overdue(self, name: str, after: str) -> list[Action]:
         """A unit asked to stop is still running after the stop timeout (`after`, in words):
@@ -1137,6 +1157,7 @@ class Scheduler:
                 cause = Cause.FREE
             del self.preempted[name]
             self.holders[name] = Holder(spec, held, Phase.STARTING, self._next())
+            self.started.add(name)
             requeue = _about(spec, Code.REQUEUE, gpus=tuple(sorted(gpus)), cause=cause)
             actions.append(_start(requeue))
         return actions
@@ -1147,6 +1168,7 @@ class Scheduler:
         grant alone (its gate already runs), not a start job, a gate and a grant."""
         del self.preempted[spec.name]
         self.holders[spec.name] = Holder(spec, frozenset(), Phase.STARTING, self._next())
+        self.started.add(spec.name)
         self.requeued.add(spec.name)
         return _start(_about(spec, Code.REQUEUE, cause=Cause.QUEUES))
 
@@ -1171,6 +1193,7 @@ class Scheduler:
                 continue
             gpus = found.gpus
             self.holders[spec.name] = Holder(spec, frozenset(gpus), Phase.STARTING, self._next())
+            self.started.add(spec.name)
             actions.append(_start(_about(spec, Code.REFILL, gpus=tuple(sorted(gpus)))))
         return actions
 
@@ -1417,6 +1440,7 @@ class Scheduler:
             frozen_for={
                 n: sorted(h.frozen_for) for n, h in self.holders.items() if h.phase is Phase.FROZEN
             },
+            started=sorted(n for n in self.started if self.phase(n) is Phase.STARTING),
         )
 
     def load(self, saved: SavedState) -> None:
@@ -1440,6 +1464,7 @@ class Scheduler:
             # kept even if no longer annotated: nobody else would ever resume it
             spec = self.specs.get(name) or UnitSpec(name, 999)
             self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
+        self.started = {n for n in saved.started if self.phase(n) is Phase.STARTING}
         self.preempted = dict(saved.preempted)
         self.held = set(saved.held)
         self.finished = set(saved.finished)
