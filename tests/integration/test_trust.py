@@ -170,6 +170,36 @@ def test_a_preempted_instance_survives_a_controller_restart_and_garbage_collecti
     wait_state(container, "worker@a.service", "active", timeout=30)
 
 
+# what a controller killed between saving a refill and sending its StartUnit leaves behind
+LOSE_THE_START = r"""
+import json, sys
+path, unit = "/var/lib/gpuslice/state.json", sys.argv[1]
+state = json.load(open(path))
+state["holders"][unit] = [[0], "starting", state["seq"] + 1, ""]
+state["seq"] += 1
+state["started"] = [unit]
+json.dump(state, open(path, "w"))
+"""
+
+
+def test_a_start_the_last_controller_saved_but_never_sent_is_sent_by_the_next(
+    container: Container,
+) -> None:
+    """Killed between saving its decision to start a unit and sending the StartUnit, the
+    controller leaves a state that says it started a unit systemd shows inactive, with no
+    job: the next controller starts it, instead of taking it for a run that finished."""
+    write_job(container, BG, 90, "background")
+    reload(container)
+    wait_state(container, BG, "active")
+    container.systemctl("stop", "gpuslice.service")
+    container.systemctl("stop", BG)  # unseen: the controller is down
+    container.run(["python3", "-c", LOSE_THE_START, BG])
+    container.systemctl("start", "gpuslice.service")
+    wait_state(container, BG, "active")
+    assert "starting bg.service (priority 90) again" in container.journal("gpuslice.service")
+    assert BG not in status(container)["finished"]
+
+
 def test_a_bad_state_file_is_set_aside_and_the_controller_starts(container: Container) -> None:
     write_job(container, BG, 90, "background")
     reload(container)
