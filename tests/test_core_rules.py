@@ -1211,6 +1211,7 @@ def test_a_start_of_ours_that_a_restarted_controller_cannot_find_is_sent_again_o
     assert again.phase(V) is Phase.STARTING  # its place is kept
     assert again.start_lost(V) == []  # once
     assert again.start_lost("other.service") == []
+    assert again.start_lost("nobody.service") == []
     assert brief(again.request(VLM)) == [f"grant {V} 0"]
 
 

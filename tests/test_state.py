@@ -406,6 +406,7 @@ def test_round_trip_of_the_ladder(tmp_path: Path) -> None:
     )
     assert json.loads(store.path.read_text()) == LADDER
     assert store.load()[0].suspended == {"ocr.service": ((1,), 2)}
+    assert store.load()[0].frozen_for == {"emb.service": ["asr.service"]}
 
 
 def test_a_file_of_a_controller_before_the_ladder_is_complete(
@@ -445,9 +446,12 @@ def test_the_starts_gpuslice_sent_are_kept_for_starting_holders_only(
         ({"suspended": {"x.service": [[0]]}}, "expected [GPUs, seq]"),
         ({"suspended": {"../x": [[0], 1]}}, "not a unit name"),
         ({"suspended": {"asr.service": [[0], 1]}}, 'dropped "asr.service": also a holder'),
-        ({"frozen_for": {"asr.service": []}}, "not a frozen holder"),
-        ({"frozen_for": {"emb.service": ["../x"]}}, "expected a list of unit names"),
-        ({"frozen_for": 7}, "frozen_for: expected an object"),
+        ({"frozen_for": {"asr.service": []}}, 'frozen_for: dropped "asr.service": not a frozen'),
+        (
+            {"frozen_for": {"emb.service": ["../x"]}},
+            'frozen_for: dropped "emb.service": expected a list of unit names',
+        ),
+        ({"frozen_for": 7}, "frozen_for: expected an object, got 7"),
         ({"holders": {"x.service": [[0], "suspended", 1, ""]}}, 'phase "suspended"'),
     ],
 )

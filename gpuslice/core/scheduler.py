@@ -370,7 +370,6 @@ class Scheduler:
     def request(self, spec: UnitSpec) -> list[Action]:
         """A unit's start job reached the gate and asks for its GPUs."""
         name = spec.name
-        self.started.discard(name)  # its StartUnit was sent: its gate asks
         self._forget_past(spec)
         holder = self.holders.get(name)
         if holder is not None and holder.phase not in (Phase.RUNNING, Phase.STARTING):
