@@ -327,7 +327,7 @@ def case_latency(
         )
         # config.yaml `requeue_at_gate: true` (shown, not judged: not the default): the
         # preempted unit is restarted at once and waits at its gate for the refill
-        log(f"handover + refill (tight, {AT_GATE}): {p.reps} reps each (+{p.warmup} warm-up)")
+        log(f"handover + refill ({AT_GATE}): {p.reps} reps each (+{p.warmup} warm-up)")
         set_requeue_at_gate(gs, True)
         pairs = [("gpuslice", handover(gs, "tight")), ("floor", handover(floor, "tight"))]
         ho[AT_GATE] = alternate(pairs, p.reps, p.warmup)
