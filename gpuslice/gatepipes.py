@@ -48,6 +48,9 @@ TO_THE_BUS = "-"
 # bus. A service's soft limit is 1024 descriptors, which the bus, NVML, the journal and the
 # state file need too.
 MAX_OPEN = 256
+# How every pipe is opened: for reading and writing, so that open() never blocks on the gate
+# and the pipe stays open when a gate goes; never through a link someone put in its place
+_PIPE_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 @dataclass
@@ -139,7 +142,7 @@ class GatePipes:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             with contextlib.suppress(FileExistsError):
                 os.mkfifo(path, 0o600)
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, _PIPE_FLAGS)
         except OSError as e:
             log.warning("gate pipe of %s: %s; its gate asks over D-Bus", unit, e)
             self._to_the_bus(unit, "")
@@ -170,7 +173,7 @@ class GatePipes:
             log.debug("gate of %s sent to D-Bus: %s", unit, why)
         path = self.directory / unit
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(path, _PIPE_FLAGS)
         except OSError:  # no pipe (the gate asks over the bus anyway), or not ours: remove it
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -213,6 +216,6 @@ def wake_and_remove(directory: Path) -> None:
         entries = []
     for entry in entries:
         with contextlib.suppress(OSError):
-            fd = os.open(entry.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(entry.path, _PIPE_FLAGS)
             os.close(fd)
     shutil.rmtree(aside, ignore_errors=True)

@@ -601,7 +601,8 @@ class Scheduler:
             return []
         waiter = self.waiters.get(holder.stopping_for or "")
         self.unsuspendable.add(name)  # not tried again while it runs, whoever waits next
-        rungs = _memory_rungs(self.specs.get(name, holder.spec), suspend_failed=True)
+        spec = self.specs.get(name, holder.spec)  # its annotation now (a reload may edit it)
+        rungs = _memory_rungs(spec, suspend_failed=True)
         fallback = rungs[0] if rungs else None
         decision = _about(
             holder.spec,
@@ -616,11 +617,7 @@ class Scheduler:
         self._tops_cache = None
         # the stop only while it is still for a more urgent waiter (a reload may have changed
         # either priority since the suspend was decided)
-        if (
-            fallback is Rung.STOP
-            and waiter is not None
-            and self.specs.get(name, holder.spec).priority > waiter.spec.priority
-        ):
+        if fallback is Rung.STOP and waiter is not None and spec.priority > waiter.spec.priority:
             on = tuple(sorted(holder.gpus & set(waiter.target)) or sorted(holder.gpus))
             return [_log(decision), self._stop_for(holder, waiter.spec, on)]
         holder.phase = Phase.RUNNING
