@@ -1063,9 +1063,7 @@ def _preempted_at_gate() -> Sim:
     return sim
 
 
-def test_with_requeue_at_gate_a_preempted_unit_waits_at_its_gate_and_comes_back_by_a_grant() -> (
-    None
-):
+def test_with_requeue_at_gate_a_preempted_unit_comes_back_by_a_grant() -> None:
     """Its gate already runs when the GPU frees: it comes back without a start job."""
     sim = _preempted_at_gate()
     assert sim.sched.waiting_units() == [V]
