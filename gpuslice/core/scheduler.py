@@ -1152,8 +1152,7 @@ class Scheduler:
                 held = frozenset(gpus)
                 cause = Cause.FREE
             del self.preempted[name]
-            self.holders[name] = Holder(spec, held, Phase.STARTING, self._next())
-            self.started.add(name)
+            self._starting(spec, held)
             requeue = _about(spec, Code.REQUEUE, gpus=tuple(sorted(gpus)), cause=cause)
             actions.append(_start(requeue))
         return actions
@@ -1163,10 +1162,15 @@ class Scheduler:
         in priority order with every other start, so that once they are free it costs the
         grant alone (its gate already runs), not a start job, a gate and a grant."""
         del self.preempted[spec.name]
-        self.holders[spec.name] = Holder(spec, frozenset(), Phase.STARTING, self._next())
-        self.started.add(spec.name)
+        self._starting(spec, frozenset())
         self.requeued.add(spec.name)
         return _start(_about(spec, Code.REQUEUE, cause=Cause.QUEUES))
+
+    def _starting(self, spec: UnitSpec, gpus: frozenset[int]) -> None:
+        """A unit gpuslice starts (refill, requeue): `gpus` kept for it until its gate asks,
+        and noted as started by us (saved: `start_lost`)."""
+        self.holders[spec.name] = Holder(spec, gpus, Phase.STARTING, self._next())
+        self.started.add(spec.name)
 
     def _refill(self, promises: list[tuple[int, Use]]) -> list[Action]:
         actions: list[Action] = []
@@ -1188,8 +1192,7 @@ class Scheduler:
             if found is None:
                 continue
             gpus = found.gpus
-            self.holders[spec.name] = Holder(spec, frozenset(gpus), Phase.STARTING, self._next())
-            self.started.add(spec.name)
+            self._starting(spec, frozenset(gpus))
             actions.append(_start(_about(spec, Code.REFILL, gpus=tuple(sorted(gpus)))))
         return actions
 
