@@ -1049,6 +1049,11 @@ QUEUED = (
 )
 
 
+def _codes(actions: list[Action]) -> list[str]:
+    """The decisions of every action, as their codes' values."""
+    return [a.decision.code.value for a in actions if a.decision is not None]
+
+
 def _preempted_at_gate() -> Sim:
     """vlm ran, voice preempted it; vlm was restarted at once and now asks at its gate."""
     sim = Sim(1, [VLM, VOICE], requeue_at_gate=True)
@@ -1089,7 +1094,7 @@ def test_a_requeue_whose_wait_at_the_gate_fails_comes_back_once_its_gpus_are_fre
     comeback, the other way (and not queued at its gate again, or it would time out again)."""
     sched = _preempted_at_gate().sched
     acts = sched.inactive(V, Outcome.FAILED)
-    assert [a.decision.code.value for a in acts if a.decision] == ["cancelled", "requeue-failed"]
+    assert _codes(acts) == ["cancelled", "requeue-failed"]
     assert words(acts)[-1] == (
         "vlm-analysis.service (priority 90) failed while it waited at its gate to come back "
         "from a preemption: it is restarted when its GPUs are free"
@@ -1128,13 +1133,9 @@ def test_a_requeue_that_fails_before_its_gate_asks_comes_back_once_its_gpus_are_
     assert brief(sched.request(VOICE)) == [f"stop {V}"]
     assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
     acts = sched.inactive(V, Outcome.FAILED)
-    assert [a.decision.code.value for a in acts if a.decision] == ["requeue-failed"]
+    assert _codes(acts) == ["requeue-failed"]
     assert sched.snapshot().preempted == [(V, 90, True)]
     assert brief(sched.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
-
-
-def _codes(actions: list[Action]) -> list[str]:
-    return [a.decision.code.value for a in actions if a.decision is not None]
 
 
 def test_a_requeue_whose_wait_failed_loses_its_place_to_units_waiting_at_their_gates() -> None:
