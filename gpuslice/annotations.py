@@ -14,7 +14,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from gpuslice.core.model import GPU_ID, Rung, UnitKind, UnitSpec
@@ -588,7 +587,7 @@ def _gate_removed(loader: Loader, name: str) -> list[Problem]:
 def check_file(path: str | os.PathLike[str]) -> list[Problem]:
     """Problems of one unit file's own `[X-GPUSlice]` section, read on its own (for
     `gpuslice check FILE` before the file is installed): drop-ins are not merged."""
-    unit_file = UnitFile(os.fspath(path), Path(path))
+    unit_file = UnitFile(os.fspath(path), os.fspath(path))
     name = os.path.basename(os.fspath(path))
     loader = Loader(UnitIndex(search_path=()))
     return loader.load_files(name, [unit_file])[1]

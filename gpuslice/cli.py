@@ -246,7 +246,7 @@ def check(files: tuple[str, ...], config_path: str, root: str) -> None:
         why = _not_checkable(path)
         try:
             if why is None:
-                UnitFile(path, Path(path)).read_text()  # unreadable, too large: say so
+                UnitFile(path, path).read_text()  # unreadable, too large: say so
                 messages += [(p.severity, str(p)) for p in check_file(path)]
                 checked += 1
         except Exception as e:

@@ -320,7 +320,7 @@ def test_the_type_dropin_dir_is_named_by_the_last_suffix(tmp_path: Path) -> None
     for d in ("service.d", "b.service.d"):
         (tmp_path / ETC.lstrip("/") / d).mkdir(parents=True)
     assert UnitIndex(tmp_path).dropin_dirs("a.b.service") == [
-        (f"{ETC}/service.d", tmp_path / ETC.lstrip("/") / "service.d")
+        (f"{ETC}/service.d", str(tmp_path / ETC.lstrip("/") / "service.d"))
     ]
 
 
@@ -332,10 +332,10 @@ def test_a_symlinked_dropin_dir_resolves_inside_the_root(tmp_path: Path, target:
     write(tmp_path, "/opt/dropins/a.conf")
     index = UnitIndex(tmp_path)
     assert index.dropin_dirs("foo.service") == [
-        (f"{ETC}/foo.service.d", tmp_path / "opt" / "dropins")
+        (f"{ETC}/foo.service.d", str(tmp_path / "opt" / "dropins"))
     ]
     assert [(f.path, f.real) for f in index.dropins("foo.service")] == [
-        (f"{ETC}/foo.service.d/a.conf", tmp_path / "opt" / "dropins" / "a.conf")
+        (f"{ETC}/foo.service.d/a.conf", str(tmp_path / "opt" / "dropins" / "a.conf"))
     ]
 
 

@@ -34,7 +34,6 @@ from gpuslice.unitfiles import (
     _not_regular,
     read_unit_text,
 )
-from tests.test_adapters_mutation3 import spy_on_reads
 from tests.test_annotations import ETC, LIB, SERVICE, X, unit, write
 from tests.test_newunit import new
 from tests.test_unitfiles import link
@@ -189,7 +188,7 @@ def test_why_a_file_cannot_be_read_is_said_in_200_characters(
     """The reason is the error's strerror, else its text, else its type, cut at 200
     characters; an error that is no OSError is "cannot be parsed" with its type."""
     loader = Loader(UnitIndex(tmp_path))
-    assert loader.load_files("x.service", [Failing(X, tmp_path / "x", error)]) == (
+    assert loader.load_files("x.service", [Failing(X, str(tmp_path / "x"), error)]) == (
         None,
         [Problem(X, 0, "", f"cannot read: {message}", "error", "x.service")],
     )
@@ -200,7 +199,7 @@ def test_a_file_that_cannot_be_parsed_is_an_io_error(tmp_path: Path) -> None:
     raised (the errno is not in the message, so only `parsed` itself shows it)."""
     loader = Loader(UnitIndex(tmp_path))
     with pytest.raises(OSError) as raised:
-        loader.parsed(Failing(X, tmp_path / "x", UnicodeError("bad")))
+        loader.parsed(Failing(X, str(tmp_path / "x"), UnicodeError("bad")))
     assert (raised.value.errno, raised.value.strerror) == (
         errno.EIO,
         "cannot be parsed (UnicodeError)",
@@ -582,14 +581,57 @@ def test_a_file_one_byte_over_the_limit_is_too_big_after_one_read(
     path = tmp_path / "big.service"
     with open(path, "wb") as f:
         f.truncate(MAX_FILE_SIZE + 1)  # sparse: instant
-    spies = spy_on_reads(monkeypatch)
+    reads = spy_on_os_reads(monkeypatch)
     with pytest.raises(OSError) as raised:
         read_unit_text(path)
     assert (raised.value.errno, raised.value.strerror) == (
         errno.EFBIG,
         "larger than 1 MiB, which no unit file needs",
     )
-    assert [s.sizes for s in spies] == [[MAX_FILE_SIZE + 1]]
+    assert reads == [MAX_FILE_SIZE + 1]
+
+
+def spy_on_os_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes asked of every `os.read` from now on."""
+    sizes: list[int] = []
+    real_read = os.read
+
+    def spy(fd: int, size: int) -> bytes:
+        sizes.append(size)
+        return real_read(fd, size)
+
+    monkeypatch.setattr(os, "read", spy)
+    return sizes
+
+
+def test_a_small_file_is_read_in_one_read_and_one_to_meet_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No buffered read of MAX_FILE_SIZE bytes (a megabyte allocated per file): a unit file
+    costs a read of its size and the one that meets its end."""
+    path = write_text(tmp_path / "a.service", "[Unit]\n")
+    reads = spy_on_os_reads(monkeypatch)
+    assert read_unit_text(path) == "[Unit]\n"
+    assert reads == [4096, 4096]
+
+
+def test_a_file_that_grew_since_its_fstat_is_read_to_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size fstat() gave is a hint, not the end: what was written since is read too, up to
+    the limit."""
+    path = tmp_path / "a.service"
+    path.write_text("#" * 5000)
+    real_fstat = os.fstat
+
+    def stale_fstat(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        values = list(st)
+        values[stat.ST_SIZE] = 10  # as if the file grew after fstat
+        return os.stat_result(values)
+
+    monkeypatch.setattr(os, "fstat", stale_fstat)
+    assert read_unit_text(path) == "#" * 5000
 
 
 # ---- fragments ----------------------------------------------------------------------------------
@@ -600,5 +642,5 @@ def test_a_fragment_in_a_link_loop_gives_way_to_a_later_directory(tmp_path: Path
     search goes on: the first real file in path order is the fragment."""
     link(tmp_path, X, "x.service")  # a loop
     write(tmp_path, f"{LIB}/x.service", unit("Priority=1\n"))
-    real = tmp_path / LIB.lstrip("/") / "x.service"
+    real = str(tmp_path / LIB.lstrip("/") / "x.service")
     assert UnitIndex(tmp_path).fragment("x.service") == Fragment(f"{LIB}/x.service", real, False)

@@ -207,7 +207,7 @@ def test_load_files_gives_a_spec_or_located_problems(datas: list[bytes]) -> None
         for i, data in enumerate(datas):
             real = Path(tmp) / f"{i}.conf"
             real.write_bytes(data)
-            files.append(UnitFile(f"{ETC}/x.service.d/{i}.conf", real))
+            files.append(UnitFile(f"{ETC}/x.service.d/{i}.conf", str(real)))
         loader = Loader(UnitIndex(tmp, search_path=()))
         spec, problems = loader.load_files("x.service", files)
     check_problems(problems)

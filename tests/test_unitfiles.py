@@ -194,7 +194,7 @@ def test_find_fragment(tmp_path: Path, files: list[str], name: str, expected: st
     assert (fragment.path if fragment else None) == expected
     if fragment:
         assert not fragment.masked
-        assert fragment.real == tmp_path / expected.lstrip("/")  # type: ignore[union-attr]
+        assert fragment.real == str(tmp_path / expected.lstrip("/"))  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("how", ["dev-null", "empty-file"])
@@ -216,7 +216,7 @@ def test_symlinked_fragment_resolves_inside_root(tmp_path: Path) -> None:
     fragment = find_fragment("a.service", tmp_path)
     assert fragment is not None
     assert fragment.path == f"{ETC}/a.service"
-    assert fragment.real == tmp_path / "opt/app/a.service"
+    assert fragment.real == str(tmp_path / "opt/app/a.service")
     assert "Description=x" in fragment.read_text()
 
 
@@ -383,8 +383,8 @@ def test_symlinked_dropin_and_dropin_dir(tmp_path: Path) -> None:
     link(tmp_path, f"{RUN}/a.service.d", "/opt/dir")
     link(tmp_path, f"{ETC}/a.service.d/dangling.conf", "/opt/none.conf")
     assert [(d.path, d.real) for d in find_dropins("a.service", tmp_path)] == [
-        (f"{ETC}/a.service.d/x.conf", tmp_path / "opt/conf/x.conf"),
-        (f"{RUN}/a.service.d/y.conf", tmp_path / "opt/dir/y.conf"),
+        (f"{ETC}/a.service.d/x.conf", str(tmp_path / "opt/conf/x.conf")),
+        (f"{RUN}/a.service.d/y.conf", str(tmp_path / "opt/dir/y.conf")),
     ]
 
 
@@ -475,27 +475,27 @@ def test_read_text_refuses_what_is_not_a_regular_file(tmp_path: Path) -> None:
         ("dir", "a directory, not a regular file"),
     ]:
         with pytest.raises(OSError) as raised:
-            UnitFile(name, tmp_path / name).read_text()  # never blocks on the FIFO
+            UnitFile(name, str(tmp_path / name)).read_text()  # never blocks on the FIFO
         assert raised.value.strerror == message
     with pytest.raises(OSError):
-        UnitFile("loop", tmp_path / "loop").read_text()
+        UnitFile("loop", str(tmp_path / "loop")).read_text()
 
 
 def test_read_text_size_cap(tmp_path: Path) -> None:
     edge = tmp_path / "edge"
     edge.write_bytes(b"#" * MAX_FILE_SIZE)
-    assert len(UnitFile("edge", edge).read_text()) == MAX_FILE_SIZE
+    assert len(UnitFile("edge", str(edge)).read_text()) == MAX_FILE_SIZE
     over = tmp_path / "over"
     over.write_bytes(b"#" * (MAX_FILE_SIZE + 1))
     with pytest.raises(OSError) as raised:
-        UnitFile("over", over).read_text()
+        UnitFile("over", str(over)).read_text()
     assert raised.value.strerror == "larger than 1 MiB, which no unit file needs"
 
 
 def test_read_text_keeps_bad_bytes_for_the_parser(tmp_path: Path) -> None:
     path = tmp_path / "x"
     path.write_bytes(b"[S]\nk=\xff\n")
-    text = UnitFile("x", path).read_text()  # never UnicodeDecodeError
+    text = UnitFile("x", str(path)).read_text()  # never UnicodeDecodeError
     assert parse_sections(text) == []
 
 
