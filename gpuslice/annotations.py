@@ -8,10 +8,12 @@ it cheaply.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, NamedTuple
@@ -474,7 +476,25 @@ def scan(root: str | os.PathLike[str] = "/", loader: Loader | None = None) -> Sc
     read is a Problem on that unit only. Files that systemd ignores (an invalid unit name, a
     FIFO) are warnings; so is a drop-in that would remove a managed unit's gate (`_gate_removed`).
     """
-    loader = loader or Loader(UnitIndex(root))
+    with _no_cycle_collection():
+        return _scan(loader or Loader(UnitIndex(root)))
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector off for a scan, which makes no cycles but many objects that
+    live on (entries, specs): at 10,000 units its passes were a fifth of the scan. Reference
+    counting still frees what the scan drops."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _scan(loader: Loader) -> Scan:
     result = Scan(root=os.fspath(loader.index.root))
     names = loader.index.unit_names()
     known = set(names)
