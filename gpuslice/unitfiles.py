@@ -278,13 +278,13 @@ def read_unit_text(path: str | os.PathLike[str]) -> str:
 
 
 def _read_at_most(fd: int, limit: int, expected: int) -> bytes:
-    """Up to `limit` bytes, to the end of the file. Reads of the size fstat() gave (plus one,
-    to meet the end): a buffered read of `limit` bytes allocates a megabyte per file (64 us
-    a file here, against 19 us)."""
+    """Up to `limit` bytes, to the end of the file, in reads of the size fstat() gave: a
+    buffered read of `limit` bytes allocates a megabyte per file (64 us a file here, against
+    19 us). The size is a hint only: a file that grew since is read on, up to the limit."""
     chunks: list[bytes] = []
     size = 0
     while size < limit:
-        chunk = os.read(fd, min(limit - size, max(expected + 1, 4096)))
+        chunk = os.read(fd, min(limit - size, max(expected, 4096)))
         if not chunk:
             break
         chunks.append(chunk)

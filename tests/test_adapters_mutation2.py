@@ -315,6 +315,26 @@ def test_every_dash_prefix_has_its_dropin_dir(tmp_path: Path) -> None:
     ]
 
 
+def test_a_dropin_dir_is_listed_only_where_it_is(tmp_path: Path) -> None:
+    """`foo.service.d` in /etc only: the other search directories (here /lib, which holds
+    another unit's drop-ins) add no entry for it."""
+    write(tmp_path, f"{ETC}/foo.service.d/a.conf")
+    write(tmp_path, f"{LIB}/bar.service.d/b.conf")
+    write(tmp_path, f"{LIB}/other.service")
+    assert UnitIndex(tmp_path).dropin_dirs("foo.service") == [
+        (f"{ETC}/foo.service.d", str(tmp_path / ETC.lstrip("/") / "foo.service.d"))
+    ]
+
+
+def test_a_root_whose_name_ends_in_a_letter_like_x_is_kept_whole(tmp_path: Path) -> None:
+    """The root loses its trailing slashes only: `/tmp/rootX/` is `/tmp/rootX`."""
+    root = tmp_path / "rootX"
+    write(root, f"{ETC}/a.service")
+    index = UnitIndex(f"{root}/")
+    fragment = index.fragment("a.service")
+    assert fragment is not None and fragment.real == f"{root}{ETC}/a.service"
+
+
 def test_the_type_dropin_dir_is_named_by_the_last_suffix(tmp_path: Path) -> None:
     """The type-level drop-in directory of `a.b.service` is `service.d`, not `b.service.d`."""
     for d in ("service.d", "b.service.d"):

@@ -615,6 +615,52 @@ def test_a_small_file_is_read_in_one_read_and_one_to_meet_its_end(
     assert reads == [4096, 4096]
 
 
+def test_a_file_larger_than_its_fstat_said_is_read_no_further_than_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads of the size fstat() gave go on while the file does, but they ask for no more
+    than MAX_FILE_SIZE + 1 bytes in all: a file that grows while it is read costs no more
+    memory than one that was large from the start."""
+    path = tmp_path / "big.service"
+    with open(path, "wb") as f:
+        f.truncate(MAX_FILE_SIZE + 5000)
+    real_fstat = os.fstat
+
+    def small_fstat(fd: int) -> os.stat_result:
+        values = list(real_fstat(fd))
+        values[stat.ST_SIZE] = 10
+        return os.stat_result(values)
+
+    monkeypatch.setattr(os, "fstat", small_fstat)
+    reads = spy_on_os_reads(monkeypatch)
+    with pytest.raises(OSError) as raised:
+        read_unit_text(path)
+    assert raised.value.errno == errno.EFBIG
+    assert sum(reads) == MAX_FILE_SIZE + 1
+    assert set(reads) == {4096, (MAX_FILE_SIZE + 1) % 4096}
+
+
+def test_what_is_not_a_regular_file_is_never_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO, a directory or a device is known from stat() before any open(): opening a
+    device can do things (rewind a tape, hang up a line)."""
+    fifo = tmp_path / "fifo.service"
+    os.mkfifo(fifo)
+    opened: list[str] = []
+    real_open = os.open
+
+    def spy(path: str, *args: int) -> int:
+        opened.append(os.fspath(path))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(os, "open", spy)
+    for path in (fifo, tmp_path, Path("/dev/null")):
+        with pytest.raises(OSError):
+            read_unit_text(path)
+    assert opened == []
+
+
 def test_a_file_that_grew_since_its_fstat_is_read_to_its_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
