@@ -670,11 +670,7 @@ class Controller:
                 self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
         finally:
             if self.tracker.call_answered(unit, job, what):
-                # it went down before its job was known to be ours: decide now, without a
-                # read, which cost a round trip while the next unit waited (issue 10)
-                with self._batched():
-                    for change in self.tracker.judge_again(unit):
-                        self._apply(change)
+                await self._refresh(unit)
 
     def _arm_stop_timer(self, unit: str) -> None:
         self._cancel_stop_timer(unit)

@@ -199,8 +199,7 @@ class Tracker:
 
     def call_answered(self, unit: str, job: str | None, what: str) -> bool:
         """A StartUnit/StopUnit of ours returned (`job` is None when it failed). Whether the
-        unit's state must be judged again (`judge_again`): it went down while we did not
-        know the job."""
+        unit's state must be read again: it went down while we did not know the job."""
         if job is not None:
             self._own_jobs[job] = what
         count = self._in_flight.get(unit, 0) - 1
@@ -212,14 +211,6 @@ class Tracker:
             self._deferred.discard(unit)
             return True
         return False
-
-    def judge_again(self, unit: str) -> list[Change]:
-        """The state the signals left, judged now that our calls about the unit are answered.
-        No read: signals come in systemd's order, so they told all a read would, and what
-        changes later comes as signals too."""
-        if not self.managed(unit):
-            return []
-        return self._judge(self.state(unit))
 
     def in_flight(self, unit: str) -> bool:
         return bool(self._in_flight.get(unit))

@@ -637,44 +637,6 @@ def test_a_start_job_queued_preempts_before_its_gate_runs(
     run(test)
 
 
-def test_a_victim_down_before_its_stop_call_answers_is_decided_without_a_read(
-    tmp_path: Path, cgroup_of: dict[int, str]
-) -> None:
-    """The victim's signals (down, no job) are read before the coroutine that awaits its
-    StopUnit resumes: once the answer says the job was ours, the waiter is granted at once,
-    from what the signals said, with no read of the victim's state (a round trip while the
-    GPU idles)."""
-    bed = low_holds_gpu_0(tmp_path, cgroup_of)
-    answer = asyncio.Event()
-    stop_unit = bed.systemd.stop_unit
-
-    async def slow_stop(name: str) -> str:
-        job = await stop_unit(name)
-        await answer.wait()
-        return job
-
-    async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        bed.systemd.stop_unit = slow_stop  # type: ignore[method-assign]
-        ctl.on_unit_changed("urgent.service", at_gate())
-        await settle()
-        assert ("stop", "low.service") in bed.systemd.calls
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
-        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
-        ctl.on_unit_changed("low.service", {"Job": (0, "/")})
-        await settle()
-        assert ctl.scheduler.phase("urgent.service") is not Phase.RUNNING  # not yet known
-        answer.set()
-        await settle()
-        assert bed.systemd.reads == []
-        assert ctl.scheduler.phase("urgent.service") is Phase.RUNNING
-        assert read_pipe(bed, "urgent.service") == START.hex() + "\n"
-        assert ctl.scheduler.phase("low.service") is None
-
-    run(test)
-
-
 def test_a_start_that_reaches_its_gate_at_once_costs_no_read(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

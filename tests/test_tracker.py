@@ -103,25 +103,8 @@ def test_down_while_our_call_is_in_flight_waits_for_its_answer() -> None:
     tracker.job_new(JOB1, A)
     tracker.job_removed(JOB1, A, "done")
     assert tracker.unit_changed(A, props("inactive", "dead")) == []
-    assert tracker.call_answered(A, JOB1, "stop") is True  # judge it again
-    assert tracker.judge_again(A) == [WentDown(A, Outcome.EXITED)]
-
-
-def test_judged_again_is_what_the_signals_left_and_counts_as_no_signal() -> None:
-    """A state judged again is the last one signalled (here: running again, so the stop
-    asked for is lost) and does not make a read in flight look stale; an unmanaged unit has
-    nothing to judge."""
-    model = Model()
-    model.phases[A] = Phase.STOPPING
-    tracker = model.tracker()
-    tracker.call_sent(A)
-    assert tracker.unit_changed(A, props("inactive", "dead")) == []
-    tracker.unit_changed(A, props("active", "running"))
-    seen = tracker.signals(A)
-    assert tracker.call_answered(A, JOB1, "stop") is True
-    assert tracker.judge_again(A) == [StopLost(A, "no stop job runs")]  # running again
-    assert tracker.signals(A) == seen
-    assert tracker.judge_again("unmanaged.service") == []
+    assert tracker.call_answered(A, JOB1, "stop") is True  # read the state again
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
 
 
 def test_shutdown_is_no_hold_and_a_cancelled_shutdown_does_not_disable_holds() -> None:
