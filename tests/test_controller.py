@@ -334,6 +334,44 @@ def test_start_up_sends_again_a_start_of_ours_that_systemd_does_not_show(
     assert any("starting bg.service (priority 90) again" in m for m in messages(caplog))
 
 
+def test_down_before_our_start_answered_is_read_again_not_taken_for_finished(
+    tmp_path: Path,
+) -> None:
+    """While our StartUnit of bg.service is on its way, bg.service is seen inactive with no
+    job (a read systemd answered before it took the start). systemd answers the StartUnit
+    before it signals the job it queued, so the last state known then is still that one:
+    it is read again, and the start is not taken for a run that finished (CI caught a
+    controller that judged the state it had instead)."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "inactive", "dead")],
+    )
+    answer = asyncio.Event()
+    start = bed.systemd.restart_preempted
+
+    async def slow_start(name: str) -> str:
+        job = await start(name)
+        await answer.wait()
+        return job
+
+    async def test() -> None:
+        ctl = bed.controller
+        bed.systemd.restart_preempted = slow_start  # type: ignore[method-assign]
+        await ctl.start()
+        await settle()
+        assert ("start", "bg.service") in bed.systemd.calls
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("bg.service", down)
+        bed.systemd.units["bg.service"] = state("bg.service", "inactive", "dead", 7, "start")
+        answer.set()
+        await settle()
+        assert bed.systemd.reads == ["bg.service"]
+        assert ctl.scheduler.phase("bg.service") is Phase.STARTING
+
+    run(test)
+
+
 def test_start_up_holds_a_suspended_unit_stopped_while_away_and_keeps_a_running_one(
     tmp_path: Path,
 ) -> None:
