@@ -107,8 +107,8 @@ endif
 	else install -D -m 644 $(CONFIG) $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml; fi
 ifeq ($(DESTDIR),)
 	# byte-compiled here, as py3compile does for the package: the controller cannot write
-	# __pycache__ itself (ProtectSystem=strict), and compiling its modules at every start cost
-	# ~0.1-0.3 s of its start-up (cProfile, issue 10)
+	# __pycache__ itself (ProtectSystem=strict), and compiled its modules at every start
+	# (READY=1 in the test bed: 533 ms without the compiled files, 461 ms with them)
 	python3 -m compileall -q $(PYDIR)
 	systemd-sysusers $(SYSUSERSDIR)/gpuslice-metrics.conf
 	systemctl daemon-reload
