@@ -380,7 +380,7 @@ class UnitIndex:
         self._issue_set: set[IndexIssue] = set()
         seen: set[tuple[int, int]] = set()
         for sysdir in search_path:
-            real = self._chase_real(sysdir)
+            real = self.chase(sysdir)
             st = _stat(real)
             if real is None or st is None or not stat.S_ISDIR(st.st_mode):
                 continue
@@ -403,22 +403,15 @@ class UnitIndex:
 
     # -- paths
 
-    def real_path(self, system_path: str) -> Path:
+    def real_path(self, system_path: str) -> str:
         """Where the system path lies under this index's root (no symlinks followed)."""
-        return Path(self._real(system_path))
-
-    def _real(self, system_path: str) -> str:
         return f"{self._root}/{system_path.lstrip('/')}"
 
-    def chase(self, system_path: str) -> Path | None:
+    def chase(self, system_path: str) -> str | None:
         """Resolve symlinks in `system_path` inside the root (absolute targets stay in the root);
         None after more than `_MAX_SYMLINKS` links (a loop or a long chain), as in systemd."""
-        real = self._chase_real(system_path)
-        return None if real is None else Path(real)
-
-    def _chase_real(self, system_path: str) -> str | None:
         target = self._chase_system(system_path)
-        return None if target is None else self._real(target)
+        return None if target is None else self.real_path(target)
 
     def _issue(self, path: str, message: str) -> None:
         issue = IndexIssue(printable(path), message)
@@ -442,7 +435,7 @@ class UnitIndex:
                     done.pop()
                 continue
             try:
-                target = os.readlink(self._real("/" + "/".join([*done, part])))
+                target = os.readlink(self.real_path("/" + "/".join([*done, part])))
             except (OSError, ValueError):  # not a link, missing, name too long
                 target = None
             if target is not None:
@@ -464,7 +457,7 @@ class UnitIndex:
         target = self._chase_system(f"{sysdir}/{name}")
         if target is None:
             return None, False
-        return self._real(target), target == "/dev/null"
+        return self.real_path(target), target == "/dev/null"
 
     # -- questions
 
@@ -496,7 +489,7 @@ class UnitIndex:
                 if kind & _LINK:
                     target = self._chase_system(f"{sysdir}/{name}")
                     if target is None or (
-                        target != "/dev/null" and _stat(self._real(target)) is None
+                        target != "/dev/null" and _stat(self.real_path(target)) is None
                     ):
                         self._issue(
                             f"{sysdir}/{name}",
@@ -568,7 +561,7 @@ class UnitIndex:
                 for n in group:
                     kind = entries.get(n + ".d", 0)
                     if kind & _LINK:  # resolve inside the root
-                        target = self._chase_real(f"{sysdir}/{n}.d")
+                        target = self.chase(f"{sysdir}/{n}.d")
                         st = _stat(target)
                         if target is not None and st is not None and stat.S_ISDIR(st.st_mode):
                             dirs.append((f"{sysdir}/{n}.d", target))

@@ -604,6 +604,18 @@ def spy_on_os_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
+def fstat_says_size(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """Every `os.fstat` from now on gives `size` as the file's size (a file that grew since)."""
+    real_fstat = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:
+        values = list(real_fstat(fd))
+        values[stat.ST_SIZE] = size
+        return os.stat_result(values)
+
+    monkeypatch.setattr(os, "fstat", fstat)
+
+
 def test_a_small_file_is_read_in_one_read_and_one_to_meet_its_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -624,14 +636,7 @@ def test_a_file_larger_than_its_fstat_said_is_read_no_further_than_the_limit(
     path = tmp_path / "big.service"
     with open(path, "wb") as f:
         f.truncate(MAX_FILE_SIZE + 5000)
-    real_fstat = os.fstat
-
-    def small_fstat(fd: int) -> os.stat_result:
-        values = list(real_fstat(fd))
-        values[stat.ST_SIZE] = 10
-        return os.stat_result(values)
-
-    monkeypatch.setattr(os, "fstat", small_fstat)
+    fstat_says_size(monkeypatch, 10)
     reads = spy_on_os_reads(monkeypatch)
     with pytest.raises(OSError) as raised:
         read_unit_text(path)
@@ -668,15 +673,7 @@ def test_a_file_that_grew_since_its_fstat_is_read_to_its_end(
     the limit."""
     path = tmp_path / "a.service"
     path.write_text("#" * 5000)
-    real_fstat = os.fstat
-
-    def stale_fstat(fd: int) -> os.stat_result:
-        st = real_fstat(fd)
-        values = list(st)
-        values[stat.ST_SIZE] = 10  # as if the file grew after fstat
-        return os.stat_result(values)
-
-    monkeypatch.setattr(os, "fstat", stale_fstat)
+    fstat_says_size(monkeypatch, 10)  # as if the file grew after fstat
     assert read_unit_text(path) == "#" * 5000
 
 
