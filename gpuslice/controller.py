@@ -52,7 +52,7 @@ from gpuslice.paths import env_file, gate_pipe_dir
 from gpuslice.service import ACCESS_DENIED, SchedulerService
 from gpuslice.state import StateStore
 from gpuslice.status import snapshot_to_json
-from gpuslice.systemd import Systemd, SystemdError
+from gpuslice.systemd import Queued, Systemd, SystemdError
 from gpuslice.tracker import (
     CameUp,
     Change,
@@ -82,6 +82,8 @@ STATUS_DELAY = 0.25
 # that runs at once shows at its gate within milliseconds, and a read sent at JobNew would
 # cost every such start a call that systemd answers before it runs the start.
 QUEUED_DELAY = 0.02
+# Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
+JobCall = Callable[[str, Queued], Awaitable[str]]
 
 
 def env_file_text(gpus: Sequence[Gpu]) -> str:
@@ -289,13 +291,13 @@ class Controller:
             and self.scheduler.phase(unit) is None
             and not self.scheduler.is_waiting(unit)
         ):  # a start the scheduler does not know yet (not its own, not one at its gate)
-            seen = self.tracker.signals(unit)
+            seen = self.tracker.heard(unit)
             asyncio.get_running_loop().call_later(QUEUED_DELAY, self._queued, unit, job_id, seen)
 
     def _queued(self, unit: str, job_id: int, seen: int) -> None:
         """A job systemd announced for an annotated unit has not reached its gate: it may be
         a start waiting in systemd's queue (behind an `After=` unit that is starting)."""
-        if self.tracker.signals(unit) == seen:
+        if self.tracker.heard(unit) == seen:
             self._spawn(self._announce_queued(unit, job_id, seen))
 
     async def _announce_queued(self, unit: str, job_id: int, seen: int) -> None:
@@ -323,7 +325,7 @@ class Controller:
         later, so signals that arrived after the reply may already have been applied: then
         the reply is older than what we know, and is dropped.
         """
-        state = await self._read_fresh(unit, self.tracker.signals(unit))
+        state = await self._read_fresh(unit, self.tracker.heard(unit))
         if state is None:
             return
         self.on_unit_changed(
@@ -332,14 +334,15 @@ class Controller:
 
     async def _read_fresh(self, unit: str, seen: int) -> UnitState | None:
         """The unit's state read from systemd; None when it cannot be read, or when a signal
-        about the unit came after `seen` (then the answer may be older than what we know)."""
+        about the unit (or an answer to our call) came after `seen` (then the answer may be
+        older than what we know)."""
         try:
             state = await self.systemd.unit_state(unit)
         except SystemdError as e:
             self.counters.error("dbus_call_errors")
             log.debug("cannot read %s: %s", unit, e)
             return None
-        return state if self.tracker.signals(unit) == seen else None
+        return state if self.tracker.heard(unit) == seen else None
 
     def on_unit_changed(self, name: str, props: dict[str, Any]) -> None:
         spec = self.spec_for(name)
@@ -650,16 +653,27 @@ class Controller:
         for name in waiting:
             self.waiting_since.setdefault(name, (time.time(), time.monotonic()))
 
-    def _call_systemd(self, method: Callable[[str], Awaitable[str]], unit: str, what: str) -> None:
+    def _call_systemd(self, method: JobCall, unit: str, what: str) -> None:
         """Counted as in flight at once, before the task runs: a signal handled before the
         call is sent must not take the unit for one nobody is stopping."""
         self.tracker.call_sent(unit)
         self._spawn(self._call(method, unit, what))
 
-    async def _call(self, method: Callable[[str], Awaitable[str]], unit: str, what: str) -> None:
+    async def _call(self, method: JobCall, unit: str, what: str) -> None:
         job: str | None = None
+        told = False
+
+        def queued(path: str) -> None:
+            """Systemd's answer, read before the signals it sent after it (this coroutine
+            resumes only once they are handled): the unit it stops is seen down as
+            preempted at once, not read again (issue 10: 3 ms of an idle GPU)."""
+            nonlocal told
+            told = True
+            if self.tracker.call_queued(unit, path, what):
+                self._spawn(self._refresh(unit))
+
         try:
-            job = await method(unit)
+            job = await method(unit, queued)
         except SystemdError as e:
             self.counters.error("dbus_call_errors")
             log.error("%s %s failed: %s", what, unit, e.text)
@@ -669,7 +683,7 @@ class Controller:
                 self._cancel_stop_timer(unit)
                 self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
         finally:
-            if self.tracker.call_answered(unit, job, what):
+            if not told and self.tracker.call_answered(unit, job, what):
                 await self._refresh(unit)
 
     def _arm_stop_timer(self, unit: str) -> None:

@@ -51,6 +51,9 @@ _EVERY_UNIT = _UNIT_SIGNALS + "path_namespace='/org/freedesktop/systemd1/unit'"
 # calls beyond 128 pending (max_replies_per_connection), and 200 starts queued at once would
 # each ask systemd something. Calls beyond it wait their turn here.
 MAX_CALLS_IN_FLIGHT = 64
+# Told a job path the moment systemd's answer to a StartUnit/StopUnit is read, before the
+# signals systemd sent after it are handled (an awaiting coroutine resumes only after them).
+Queued = Callable[[str], None]
 
 
 class SystemdError(Exception):
@@ -192,6 +195,7 @@ class Systemd:
         # the units whose PropertiesChanged are matched one by one; None: every unit's
         self._watching: frozenset[str] | None = None
         self._watch_lock = asyncio.Lock()
+        self._told: dict[int, Callable[[Message], None]] = {}  # call serial -> told its reply
         bus.add_message_handler(self._dispatch)
 
     @classmethod
@@ -209,7 +213,10 @@ class Systemd:
         path: str = MANAGER_PATH,
         interface: str = MANAGER,
         destination: str = SYSTEMD,
+        told: Callable[[Message], None] | None = None,
     ) -> list[Any]:
+        """Call a method and return its answer's body. `told` is called with a successful
+        answer from systemd as the answer is read, in the order of systemd's messages."""
         message = Message(
             destination=destination,
             path=path,
@@ -219,7 +226,13 @@ class Systemd:
             body=body or [],
         )
         async with self._calls:
-            reply = await self.bus.call(message)
+            if told is not None:
+                message.serial = self.bus.next_serial()
+                self._told[message.serial] = told
+            try:
+                reply = await self.bus.call(message)
+            finally:
+                self._told.pop(message.serial, None)
         return list(_check(reply).body)
 
     async def subscribe(self) -> None:
@@ -296,11 +309,22 @@ class Systemd:
                 return _listed(u)
         raise SystemdError("org.gpuslice.Error.NoUnit", f"systemd did not list {name}")
 
-    async def start_unit(self, name: str) -> str:
-        (job,) = await self.call("StartUnit", "ss", [name, "replace"])
+    async def start_unit(self, name: str, queued: Queued | None = None) -> str:
+        return await self._queue("StartUnit", name, queued)
+
+    async def _queue(self, member: str, name: str, queued: Queued | None) -> str:
+        """Queue a job and return its path; `queued` is told it as soon as systemd's answer
+        is read. Systemd sends that answer before any signal about the job, so whoever keeps
+        account of whose jobs are whose knows it before the first of them is handled."""
+
+        def told(reply: Message) -> None:
+            if queued is not None and reply.signature == "o":
+                queued(str(reply.body[0]))
+
+        (job,) = await self.call(member, "ss", [name, "replace"], told=told)
         return str(job)
 
-    async def restart_preempted(self, name: str) -> str:
+    async def restart_preempted(self, name: str, queued: Queued | None = None) -> str:
         """Start a unit gpuslice itself stopped or holds back, resetting its start rate
         limit first: being preempted five times in ten seconds must not make systemd refuse
         to bring it back. Units that failed are never started this way."""
@@ -316,11 +340,10 @@ class Systemd:
                 flags=MessageFlag.NO_REPLY_EXPECTED,
             )
         )
-        return await self.start_unit(name)
+        return await self.start_unit(name, queued)
 
-    async def stop_unit(self, name: str) -> str:
-        (job,) = await self.call("StopUnit", "ss", [name, "replace"])
-        return str(job)
+    async def stop_unit(self, name: str, queued: Queued | None = None) -> str:
+        return await self._queue("StopUnit", name, queued)
 
     async def freeze_unit(self, name: str) -> None:
         """Freeze the unit's cgroup (cgroup v2 only); the reply comes when it is frozen
@@ -361,6 +384,9 @@ class Systemd:
         return str(state.value)
 
     def _dispatch(self, msg: Message) -> bool:
+        if msg.message_type == MessageType.METHOD_RETURN:
+            self._answered(msg)
+            return False
         if msg.message_type != MessageType.SIGNAL:
             return False
         try:
@@ -374,6 +400,18 @@ class Systemd:
         except Exception:  # a bug must not cost the connection (dbus-next would only log it)
             log.exception("error handling %s.%s from %s", msg.interface, msg.member, msg.sender)
         return False
+
+    def _answered(self, msg: Message) -> None:
+        """An answer to a call whose caller is told in message order. Only systemd's own
+        (the bus daemon routes an answer only from the connection called, and systemd's
+        name may have changed hands since): otherwise the caller learns it when it resumes."""
+        told = self._told.pop(msg.reply_serial, None)
+        if told is None or not self._believed(msg):
+            return
+        try:
+            told(msg)
+        except Exception:  # a bug must not cost the connection (dbus-next would only log it)
+            log.exception("error handling the answer to call %d", msg.reply_serial)
 
     def _follow_owner(self, msg: Message) -> None:
         """Follow systemd's name as it changes hands (daemon-reexec) through the bus daemon's

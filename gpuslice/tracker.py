@@ -123,6 +123,7 @@ class Tracker:
         self._in_flight: dict[str, int] = {}  # our StartUnit/StopUnit calls not yet answered
         self._deferred: set[str] = set()  # went down while a call of ours was in flight
         self._signals: dict[str, int] = {}  # signals seen per unit (to drop stale reads)
+        self._answers: dict[str, int] = {}  # answers to our calls about it, read in order
 
     # -- systemd's signals ----------------------------------------------------------------
 
@@ -212,6 +213,13 @@ class Tracker:
             return True
         return False
 
+    def call_queued(self, unit: str, job: str, what: str) -> bool:
+        """A StartUnit/StopUnit of ours queued `job`, told as systemd's answer is read, before
+        the signals systemd sent after it: those are judged knowing the job is ours. A read
+        of the unit answered before it is older (`heard`). As call_answered."""
+        self._answers[unit] = self._answers.get(unit, 0) + 1
+        return self.call_answered(unit, job, what)
+
     def in_flight(self, unit: str) -> bool:
         return bool(self._in_flight.get(unit))
 
@@ -242,6 +250,12 @@ class Tracker:
         """How many signals about the unit were seen: a read of its state answered after
         the count moved is older than what we know."""
         return self._signals.get(name, 0)
+
+    def heard(self, name: str) -> int:
+        """How many words of systemd's about the unit were read in order (signals, and
+        answers to our calls): a read of its state answered after it moved is older than
+        what we know."""
+        return self.signals(name) + self._answers.get(name, 0)
 
     def _count(self, unit: str) -> None:
         self._signals[unit] = self._signals.get(unit, 0) + 1

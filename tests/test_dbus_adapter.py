@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dbus_next import BusType, Message, MessageType, Variant
+from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
@@ -401,6 +401,93 @@ def test_systemd_changing_hands_is_followed(bus_address: str) -> None:
         events = await seen.after(new_owner)
         assert systemd.owner == new_owner.unique_name != old
         assert events == [("restarted",)]
+
+    run(scenario)
+
+
+JOB = "/org/freedesktop/systemd1/job/7"
+
+
+async def queuing_systemd(address: str, held: list[Message] | None = None) -> MessageBus:
+    """Owns systemd's name; answers StartUnit/StopUnit with job 7 and signals the job right
+    after its answer, as systemd does; refuses units named "refused*" and answers no job
+    path for "odd*". With `held`, calls are kept there, unanswered."""
+    bus = await connect(address)
+
+    def answer(msg: Message) -> Message | bool:
+        if msg.message_type is not MessageType.METHOD_CALL or msg.interface != MANAGER:
+            return False
+        if msg.member not in ("StartUnit", "StopUnit"):  # Subscribe, ResetFailedUnit
+            return bool(msg.flags & MessageFlag.NO_REPLY_EXPECTED) or Message.new_method_return(msg)
+        if held is not None:
+            held.append(msg)
+        elif msg.body[0].startswith("refused"):
+            bus.send(Message.new_error(msg, "org.freedesktop.systemd1.NoSuchUnit", "no"))
+        elif msg.body[0].startswith("odd"):
+            bus.send(Message.new_method_return(msg, "u", [7]))  # not a job path
+        else:
+            bus.send(Message.new_method_return(msg, "o", [JOB]))
+            bus.send(manager_signal("JobNew", "uos", [7, JOB, msg.body[0]]))
+        return True
+
+    bus.add_message_handler(answer)
+    await bus.request_name(SYSTEMD)
+    return bus
+
+
+def test_the_job_a_call_queued_is_told_before_the_signals_after_its_answer(
+    bus_address: str,
+) -> None:
+    """Systemd answers StartUnit/StopUnit before it signals the job: the caller is told the
+    job as the answer is read, before those signals are handled (the awaiting coroutine
+    resumes only after them)."""
+
+    async def scenario() -> None:
+        owner = await queuing_systemd(bus_address)
+        systemd = Systemd(await connect(bus_address))
+        seen = Seen(systemd)
+        await systemd.subscribe()
+        for call in (systemd.stop_unit, systemd.start_unit, systemd.restart_preempted):
+            seen.events.clear()
+            job = await call("a.service", lambda path: seen.events.append(("queued", path)))
+            assert job == JOB
+            assert (await seen.after(owner))[:2] == [
+                ("queued", JOB),
+                ("new", 7, JOB, "a.service"),
+            ]
+        seen.events.clear()
+        with pytest.raises(SystemdError, match="NoSuchUnit"):
+            await systemd.stop_unit("refused.service", lambda p: seen.events.append(("queued",)))
+        assert await seen.after(owner) == []
+        await systemd.stop_unit("odd.service", lambda p: seen.events.append(("queued",)))
+        assert await seen.after(owner) == []
+        assert await systemd.stop_unit("b.service") == JOB  # nobody to tell
+        assert systemd._told == {}
+
+    run(scenario)
+
+
+def test_an_answer_from_a_former_owner_of_systemds_name_is_not_told(bus_address: str) -> None:
+    """Only systemd's current owner is believed in order: an answer of the connection that
+    held the name when we called reaches the caller as it resumes, as before."""
+
+    async def scenario() -> None:
+        held: list[Message] = []
+        old = await queuing_systemd(bus_address, held)
+        systemd = Systemd(await connect(bus_address))
+        seen = Seen(systemd)
+        await systemd.subscribe()
+        told: list[str] = []
+        call = asyncio.ensure_future(systemd.stop_unit("a.service", told.append))
+        while not held:
+            await asyncio.sleep(0.01)
+        await old.release_name(SYSTEMD)
+        new = await fake_systemd(bus_address)
+        await seen.after(new)  # NameOwnerChanged handled: the new owner is followed
+        assert systemd.owner == new.unique_name
+        old.send(Message.new_method_return(held[0], "o", [JOB]))
+        assert await call == JOB
+        assert told == []
 
     run(scenario)
 

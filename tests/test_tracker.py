@@ -213,6 +213,32 @@ def test_signals_are_counted_so_stale_reads_can_be_dropped() -> None:
     assert tracker.signals(A) == before + 3
 
 
+def test_our_stop_told_as_its_answer_is_read_decides_the_signals_after_it_at_once() -> None:
+    """Systemd answers StopUnit before it signals the job: told then, the job is ours for
+    every signal after, with no read again; a read answered before it is stale (`heard`),
+    while the signal count (the gate's check of a cancelled start) does not move."""
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    heard, signals = tracker.heard(A), tracker.signals(A)
+    assert tracker.call_queued(A, JOB1, "stop") is False  # nothing deferred: no read
+    assert (tracker.heard(A), tracker.signals(A)) == (heard + 1, signals)
+    assert not tracker.in_flight(A)
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
+    assert tracker.heard(A) == heard + 3
+
+
+def test_down_before_our_stop_was_told_is_read_again_when_it_is() -> None:
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == []
+    assert tracker.call_queued(A, JOB1, "stop") is True
+
+
 def test_tables_stay_small_under_ten_thousand_jobs() -> None:
     """Jobs of units that went down are forgotten: memory does not grow with uptime."""
     model = Model()
