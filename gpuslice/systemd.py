@@ -314,8 +314,9 @@ class Systemd:
 
     async def _queue(self, member: str, name: str, queued: Queued | None) -> str:
         """Queue a job and return its path; `queued` is told it as soon as systemd's answer
-        is read. Systemd sends that answer before any signal about the job, so whoever keeps
-        account of whose jobs are whose knows it before the first of them is handled."""
+        is read. Systemd sends JobNew, then its answer, then every other signal about the
+        job (the unit's PropertiesChanged, JobRemoved), so whoever keeps account of whose
+        jobs are whose knows it before any of them is handled (traced in issue 10)."""
 
         def told(reply: Message) -> None:
             if queued is not None and reply.signature == "o":

@@ -214,9 +214,9 @@ class Tracker:
         return False
 
     def call_queued(self, unit: str, job: str, what: str) -> bool:
-        """A StartUnit/StopUnit of ours queued `job`, told as systemd's answer is read, before
-        the signals systemd sent after it: those are judged knowing the job is ours. A read
-        of the unit answered before it is older (`heard`). As call_answered."""
+        """A StartUnit/StopUnit of ours queued `job`, told as systemd's answer is read (after
+        JobNew, before the job's other signals): those are judged knowing the job is ours. A
+        read of the unit answered before it is older (`heard`). As call_answered."""
         self._answers[unit] = self._answers.get(unit, 0) + 1
         return self.call_answered(unit, job, what)
 

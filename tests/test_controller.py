@@ -613,9 +613,9 @@ def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
 
 
 def held_after_answer(bed: Bed) -> tuple[asyncio.Event, list[str]]:
-    """Systemd answers our StopUnits at once (the jobs they queued are told), and each call
-    resumes only once the event is set: as when signals systemd sent after its answer are
-    read with it, and handled before the coroutine that awaits the answer resumes."""
+    """Systemd answers our StopUnits at once, JobNew first (the jobs queued are told), and
+    each call resumes only once the event is set: as when signals systemd sent after its
+    answer are read with it, and handled before the coroutine that awaits it resumes."""
     resume = asyncio.Event()
     jobs: list[str] = []
     stop = bed.systemd.stop_unit
@@ -623,6 +623,7 @@ def held_after_answer(bed: Bed) -> tuple[asyncio.Event, list[str]]:
     async def answered(name: str, queued: Queued | None = None) -> str:
         def told(path: str) -> None:
             jobs.append(path)
+            bed.controller.on_job_new(len(jobs), path, name)
             if queued is not None:
                 queued(path)
 
@@ -637,10 +638,10 @@ def held_after_answer(bed: Bed) -> tuple[asyncio.Event, list[str]]:
 def test_a_victim_seen_down_after_systemd_answered_our_stop_is_preempted_at_once(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
-    """Systemd answers a StopUnit before it signals anything about the job: once its answer
-    is read, the job is known to be ours, and the victim's signals that follow are judged at
-    once (the GPU goes to the waiter), not deferred until the call resumes and read again
-    (issue 10: 3 ms of an idle GPU in half the handovers traced)."""
+    """Systemd answers a StopUnit right after its JobNew, before the job's other signals:
+    once its answer is read, the job is known to be ours, and the victim's signals that
+    follow are judged at once (the GPU goes to the waiter), not deferred until the call
+    resumes and read again (issue 10: 3 ms of an idle GPU in half the handovers traced)."""
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
     resume, jobs = held_after_answer(bed)
 
@@ -651,7 +652,6 @@ def test_a_victim_seen_down_after_systemd_answered_our_stop_is_preempted_at_once
         assert bed.systemd.calls[-1] == ("stop", "low.service")
         assert ctl.tracker.in_flight("low.service") is False
         (job,) = jobs
-        ctl.on_job_new(1, job, "low.service")
         ctl.on_unit_changed("low.service", {"ActiveState": "deactivating", "SubState": "stop"})
         ctl.on_unit_changed(
             "low.service", {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}

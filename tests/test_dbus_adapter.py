@@ -409,9 +409,9 @@ JOB = "/org/freedesktop/systemd1/job/7"
 
 
 async def queuing_systemd(address: str, held: list[Message] | None = None) -> MessageBus:
-    """Owns systemd's name; answers StartUnit/StopUnit with job 7 and signals the job right
-    after its answer, as systemd does; refuses units named "refused*" and answers no job
-    path for "odd*". With `held`, calls are kept there, unanswered."""
+    """Owns systemd's name; answers StartUnit/StopUnit with job 7 between its JobNew and the
+    unit's PropertiesChanged, as systemd does; refuses units named "refused*" and answers no
+    job path for "odd*". With `held`, calls are kept there, unanswered."""
     bus = await connect(address)
 
     def answer(msg: Message) -> Message | bool:
@@ -426,8 +426,9 @@ async def queuing_systemd(address: str, held: list[Message] | None = None) -> Me
         elif msg.body[0].startswith("odd"):
             bus.send(Message.new_method_return(msg, "u", [7]))  # not a job path
         else:
-            bus.send(Message.new_method_return(msg, "o", [JOB]))
             bus.send(manager_signal("JobNew", "uos", [7, JOB, msg.body[0]]))
+            bus.send(Message.new_method_return(msg, "o", [JOB]))
+            bus.send(properties_changed(msg.body[0], "deactivating"))
         return True
 
     bus.add_message_handler(answer)
@@ -438,9 +439,9 @@ async def queuing_systemd(address: str, held: list[Message] | None = None) -> Me
 def test_the_job_a_call_queued_is_told_before_the_signals_after_its_answer(
     bus_address: str,
 ) -> None:
-    """Systemd answers StartUnit/StopUnit before it signals the job: the caller is told the
-    job as the answer is read, before those signals are handled (the awaiting coroutine
-    resumes only after them)."""
+    """Systemd sends JobNew, its answer to StartUnit/StopUnit, then the job's other signals:
+    the caller is told the job as the answer is read, before those are handled (the
+    awaiting coroutine resumes only after them)."""
 
     async def scenario() -> None:
         owner = await queuing_systemd(bus_address)
@@ -451,9 +452,10 @@ def test_the_job_a_call_queued_is_told_before_the_signals_after_its_answer(
             seen.events.clear()
             job = await call("a.service", lambda path: seen.events.append(("queued", path)))
             assert job == JOB
-            assert (await seen.after(owner))[:2] == [
+            assert [e[:2] for e in await seen.after(owner)] == [
+                ("new", 7),
                 ("queued", JOB),
-                ("new", 7, JOB, "a.service"),
+                ("unit", "a.service"),
             ]
         seen.events.clear()
         with pytest.raises(SystemdError, match="NoSuchUnit"):
