@@ -21,6 +21,7 @@ from typing import Any
 from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
+from gpuslice import busread
 from gpuslice.tracker import UnitState
 from gpuslice.unitfiles import is_valid_unit_name
 
@@ -196,6 +197,8 @@ class Systemd:
         self._watching: frozenset[str] | None = None
         self._watch_lock = asyncio.Lock()
         self._told: dict[int, Callable[[Message], None]] = {}  # call serial -> told its reply
+        # units' PropertiesChanged read with only the properties _signal reads (busread.py)
+        self.fast_reader = busread.install(bus, UNIT, frozenset(_UNIT_PROPERTIES))
         bus.add_message_handler(self._dispatch)
 
     @classmethod

@@ -23,6 +23,7 @@ import pytest
 from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
+from gpuslice import busread
 from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
 from gpuslice.systemd import (
     MANAGER,
@@ -251,6 +252,21 @@ def test_signals_from_systemd_are_believed(bus_address: str) -> None:
         await systemd.bus.request_name("org.gpuslice.Test1")
         await seen.after(owner)
         assert systemd.dropped == 0
+
+    run(scenario)
+
+
+def test_units_properties_are_read_by_the_fast_reader(bus_address: str) -> None:
+    """gpuslice/busread.py reads the connection's PropertiesChanged, through the bus daemon
+    (which adds the sender): the four properties kept, the rest stepped over."""
+
+    async def scenario() -> None:
+        systemd, owner, seen = await adapter(bus_address)
+        assert systemd.fast_reader
+        assert isinstance(systemd.bus._create_unmarshaller(), busread.Reader)
+        owner.send(properties_changed("a.service", "activating"))
+        props = {"ActiveState": "activating", "SubState": "dead", "Job": [0, "/"]}
+        assert await seen.after(owner) == [("unit", "a.service", props)]
 
     run(scenario)
 

@@ -1,0 +1,292 @@
+"""The fast reader of units' PropertiesChanged (gpuslice/busread.py) against dbus-next's own.
+
+Whatever the bytes, it must give what dbus-next's reader gives for the properties it keeps,
+or leave the message to dbus-next's reader; never raise where that reader would not.
+Recorded systemd 252 signals, generated ones of every D-Bus type, corrupted ones.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dbus_next import Message, Variant
+from dbus_next._private.unmarshaller import Unmarshaller
+from dbus_next.errors import InvalidMessageError
+from dbus_next.signature import SignatureTree
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuslice import busread
+
+UNIT = "org.freedesktop.systemd1.Unit"
+KEEP = frozenset({"ActiveState", "SubState", "Job", "InvocationID"})
+RECORDED = [
+    base64.b64decode(m)
+    for m in json.loads(
+        (Path(__file__).parent / "data" / "systemd252-unit-properties-changed.json").read_text()
+    )["messages"]
+]
+HEADER = ("path", "interface", "member", "sender", "destination", "serial", "signature")
+
+
+def stock(data: bytes) -> Message:
+    return Unmarshaller(io.BytesIO(data)).unmarshall()
+
+
+def fast(data: bytes, interface: str = UNIT) -> Message:
+    return busread.Reader(io.BytesIO(data), None, interface, KEEP).unmarshall()
+
+
+def kept(msg: Message) -> dict[str, Any]:
+    return {k: v for k, v in msg.body[1].items() if k in KEEP}
+
+
+def assert_same_but_kept(got: Message, want: Message) -> None:
+    for field in HEADER:
+        assert getattr(got, field) == getattr(want, field), field
+    assert (got.message_type, got.flags) == (want.message_type, want.flags)
+    assert got.body[0] == want.body[0]
+    assert got.body[1] == kept(want)
+    assert got.body[2] == want.body[2]
+
+
+def test_recorded_signals_of_systemd_252_read_as_dbus_next_reads_them() -> None:
+    for data in RECORDED:
+        got, want = fast(data), stock(data)
+        assert_same_but_kept(got, want)
+        assert set(got.body[1]) == KEEP  # systemd 252 sends all four, among 22
+    start_pre = fast(RECORDED[1]).body[1]
+    assert start_pre["SubState"] == Variant("s", "start-pre")
+    assert start_pre["Job"].value[1].startswith("/org/freedesktop/systemd1/job/")
+    assert isinstance(start_pre["InvocationID"].value, bytes)
+
+
+def test_other_messages_and_other_interfaces_are_left_to_dbus_next() -> None:
+    job_new = Message.new_signal(
+        "/org/freedesktop/systemd1",
+        "org.freedesktop.systemd1.Manager",
+        "JobNew",
+        "uos",
+        [7, "/org/freedesktop/systemd1/job/7", "a.service"],
+    )
+    service = Message.new_signal(
+        "/org/freedesktop/systemd1/unit/a_2eservice",
+        busread.PROPERTIES,
+        "PropertiesChanged",
+        "sa{sv}as",
+        ["org.freedesktop.systemd1.Service", {"MainPID": Variant("u", 7)}, []],
+    )
+    forged = Message.new_signal(  # systemd's member with one more argument
+        "/org/freedesktop/systemd1/unit/a_2eservice",
+        busread.PROPERTIES,
+        "PropertiesChanged",
+        "sa{sv}asu",
+        [UNIT, {"ActiveState": Variant("s", "active")}, [], 7],
+    )
+    for msg in (job_new, service, forged):
+        data = msg._marshall()
+        assert busread.properties_changed(bytearray(data), UNIT, KEEP) is None
+        got = fast(data)
+        assert (got.member, got.body) == (msg.member, msg.body)
+    # a unit's, read for another interface's sake: all of it
+    got = fast(RECORDED[0], interface="org.freedesktop.systemd1.Service")
+    assert got.body == stock(RECORDED[0]).body
+
+
+def test_what_dbus_next_reads_differently_is_left_to_it() -> None:
+    """A message with file descriptors (dbus-next hands them on), another protocol version
+    (dbus-next refuses it), bytes beyond the message."""
+    with_fds = Message.new_signal(
+        "/org/freedesktop/systemd1/unit/a_2eservice",
+        busread.PROPERTIES,
+        "PropertiesChanged",
+        "sa{sv}as",
+        [UNIT, {"ActiveState": Variant("s", "active")}, []],
+    )
+    with_fds.unix_fds = [0]
+    data = bytearray(with_fds._marshall(negotiate_unix_fd=True))
+    assert busread.properties_changed(data, UNIT, KEEP) is None
+    assert busread.properties_changed(bytearray(RECORDED[0]), UNIT, KEEP) is not None
+    longer = bytearray(RECORDED[0]) + b"\0" * 8
+    with pytest.raises(busread.NotTaken):
+        busread.properties_changed(longer, UNIT, KEEP)
+    version_2 = bytearray(RECORDED[0])
+    version_2[3] = 2
+    assert busread.properties_changed(version_2, UNIT, KEEP) is None
+    with pytest.raises(InvalidMessageError):
+        fast(bytes(version_2))
+
+
+def test_a_message_delivered_in_parts_is_read_once_whole() -> None:
+    class Trickle(io.RawIOBase):
+        """Gives at most `budget` bytes, then nothing (a socket with no more data yet)."""
+
+        def __init__(self, data: bytes) -> None:
+            self.data, self.budget = data, 0
+
+        def read(self, n: int = -1) -> bytes | None:
+            if self.budget == 0:
+                return None
+            take = self.data[: min(n, self.budget)]
+            self.data, self.budget = self.data[len(take) :], self.budget - len(take)
+            return take
+
+    stream = Trickle(RECORDED[1])
+    reader = busread.Reader(stream, None, UNIT, KEEP)
+    for budget in (10, 100, 500):  # the fixed part, then part of the rest: not yet
+        stream.budget = budget
+        assert reader.unmarshall() is None
+    stream.budget = len(RECORDED[1])
+    assert_same_but_kept(reader.unmarshall(), stock(RECORDED[1]))
+
+
+# -- any property of any type --------------------------------------------------------------
+
+BASIC: dict[str, st.SearchStrategy[Any]] = {
+    "y": st.integers(0, 255),
+    "b": st.booleans(),
+    "n": st.integers(-(2**15), 2**15 - 1),
+    "q": st.integers(0, 2**16 - 1),
+    "i": st.integers(-(2**31), 2**31 - 1),
+    "u": st.integers(0, 2**32 - 1),
+    "x": st.integers(-(2**63), 2**63 - 1),
+    "t": st.integers(0, 2**64 - 1),
+    "d": st.floats(allow_nan=False),
+    "s": st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\0")),
+    "o": st.sampled_from(["/", "/org/freedesktop/systemd1/job/76", "/a/b_2ec"]),
+    "g": st.sampled_from(["", "s", "a{sv}", "(uo)"]),
+}
+
+
+def signatures(depth: int = 3) -> st.SearchStrategy[str]:
+    """A single complete D-Bus type."""
+    basic = st.sampled_from(sorted(BASIC))
+    if depth == 0:
+        return st.one_of(basic, st.just("v"))
+    inner = signatures(depth - 1)
+    return st.one_of(
+        basic,
+        st.just("v"),
+        inner.map(lambda t: "a" + t),
+        st.lists(inner, min_size=1, max_size=3).map(lambda ts: "(" + "".join(ts) + ")"),
+        st.tuples(st.sampled_from("suyo"), inner).map(lambda kv: "a{" + kv[0] + kv[1] + "}"),
+    )
+
+
+def values(type_: Any, depth: int) -> st.SearchStrategy[Any]:
+    """Values of a dbus-next SignatureType, as dbus-next marshals and reads them."""
+    t = type_.token
+    if t in BASIC:
+        return BASIC[t]
+    if t == "v":
+        return typed(max(depth - 1, 0))
+    if t == "(":
+        return st.tuples(*(values(c, depth) for c in type_.children)).map(list)
+    (child,) = type_.children
+    if child.token == "{":
+        key, value = child.children
+        return st.dictionaries(values(key, depth), values(value, depth), max_size=3)
+    if child.token == "y":
+        return st.binary(max_size=8)  # dbus-next reads an array of bytes as bytes
+    return st.lists(values(child, depth), max_size=3)
+
+
+def typed(depth: int = 2) -> st.SearchStrategy[Variant]:
+    """A Variant of any D-Bus type."""
+    return signatures(depth).flatmap(
+        lambda sig: values(SignatureTree._get(sig).types[0], depth).map(lambda v: Variant(sig, v))
+    )
+
+
+PROPER = {
+    "ActiveState": ("s", st.sampled_from(["active", "inactive", "activating"])),
+    "SubState": ("s", st.sampled_from(["running", "dead", "start-pre"])),
+    "Job": ("(uo)", st.tuples(BASIC["u"], BASIC["o"]).map(list)),
+    "InvocationID": ("ay", st.binary(max_size=16)),
+}
+
+
+@st.composite
+def unit_signals(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """A unit's PropertiesChanged, and whether every kept property has its usual type."""
+    props: dict[str, Variant] = {}
+    usual = True
+    for name, (sig, values) in PROPER.items():
+        if draw(st.booleans()):
+            if draw(st.integers(0, 9)) == 0:
+                props[name] = draw(typed(1))
+                usual = usual and props[name].signature == sig
+            else:
+                props[name] = Variant(sig, draw(values))
+    for name in draw(st.lists(st.sampled_from(["A", "ActivationDetails", "B_c", "x" * 40]))):
+        props[name] = draw(typed())
+    invalidated = draw(st.lists(st.sampled_from(["Conditions", "Asserts"]), max_size=2))
+    msg = Message.new_signal(
+        "/org/freedesktop/systemd1/unit/a_2eservice",
+        busread.PROPERTIES,
+        "PropertiesChanged",
+        "sa{sv}as",
+        [UNIT, dict(draw(st.permutations(list(props.items())))), invalidated],
+    )
+    msg.sender = ":1.1"
+    msg.serial = draw(st.integers(1, 2**32 - 1))
+    return bytes(msg._marshall()), usual
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(unit_signals())
+def test_any_properties_read_as_dbus_next_reads_the_kept_ones(sample: tuple[bytes, bool]) -> None:
+    data, usual = sample
+    got, want = fast(data), stock(data)
+    if usual:
+        assert_same_but_kept(got, want)
+    else:  # a kept property of another type: dbus-next read all of it
+        assert got.body == want.body
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(range(len(RECORDED))),
+    st.lists(st.tuples(st.integers(0, 1200), st.integers(0, 255)), min_size=1, max_size=4),
+)
+def test_corrupted_bytes_never_raise_where_dbus_next_would_not(
+    which: int, flips: list[tuple[int, int]]
+) -> None:
+    data = bytearray(RECORDED[which])
+    for at, value in flips:
+        data[at % len(data)] = value
+    try:
+        want: Message | None = stock(bytes(data))
+    except Exception:
+        want = None
+    try:
+        got = fast(bytes(data))
+    except Exception:
+        assert want is None, "raised where dbus-next's reader did not"
+        return
+    taken = got is not None and got.member == "PropertiesChanged" and got.body[0] == UNIT
+    if want is not None and taken:  # both read it: the same properties
+        assert got.body[1] == kept(want) or got.body == want.body
+
+
+def test_installed_only_on_the_dbus_next_it_is_built_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Bus:  # what of dbus-next's MessageBus Reader uses
+        def __init__(self) -> None:
+            self._stream, self._sock, self._negotiate_unix_fd = io.BytesIO(RECORDED[0]), None, False
+
+        def _create_unmarshaller(self) -> Unmarshaller:
+            return Unmarshaller(self._stream, self._sock)
+
+    bus = Bus()
+    assert busread.install(bus, UNIT, KEEP) is True
+    reader = bus._create_unmarshaller()
+    assert isinstance(reader, busread.Reader)
+    assert_same_but_kept(reader.unmarshall(), stock(RECORDED[0]))
+    assert busread.install(object(), UNIT, KEEP) is False
+    monkeypatch.setattr(busread, "DBUS_NEXT_VERSION", "0.2.4")
+    assert busread.install(Bus(), UNIT, KEEP) is False
