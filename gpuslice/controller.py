@@ -82,6 +82,12 @@ STATUS_DELAY = 0.25
 # that runs at once shows at its gate within milliseconds, and a read sent at JobNew would
 # cost every such start a call that systemd answers before it runs the start.
 QUEUED_DELAY = 0.02
+# How long after a JobRemoved the unit is read if systemd said nothing more of it meanwhile
+# (Controller._refresh_unheard). Read at once, the answer came after the PropertiesChanged
+# that follows a JobRemoved and was dropped as stale: a round trip through systemd for
+# nothing at every job's end (issue 10: the read of the victim's stop job was answered while
+# systemd forked the waiter's main process).
+REFRESH_DELAY = 0.02
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
 
@@ -316,6 +322,14 @@ class Controller:
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
         if self.tracker.job_removed(path, unit, result):
+            seen = self.tracker.heard(unit)
+            asyncio.get_running_loop().call_later(REFRESH_DELAY, self._refresh_unheard, unit, seen)
+
+    def _refresh_unheard(self, unit: str, seen: int) -> None:
+        """Read a unit whose job ended, unless systemd said more of it since: a job that
+        changed the unit is followed by its PropertiesChanged at once, and only one that
+        changed nothing leaves the read to tell."""
+        if self.tracker.heard(unit) == seen:
             self._spawn(self._refresh(unit))
 
     async def _refresh(self, unit: str) -> None:

@@ -600,6 +600,7 @@ def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
         await ctl.start()
         await bed.acquire("urgent.service", ":1.9", 4242)
         ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
         ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
         ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
         await settle()
@@ -612,10 +613,12 @@ def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
     assert messages(caplog) == []
 
 
-def held_after_answer(bed: Bed) -> tuple[asyncio.Event, list[str]]:
+def held_after_answer(bed: Bed, job_new: bool = True) -> tuple[asyncio.Event, list[str]]:
     """Systemd answers our StopUnits at once, JobNew first (the jobs queued are told), and
     each call resumes only once the event is set: as when signals systemd sent after its
-    answer are read with it, and handled before the coroutine that awaits it resumes."""
+    answer are read with it, and handled before the coroutine that awaits it resumes.
+    Without `job_new`: a stop job was queued already, which systemd answers with, and no
+    JobNew."""
     resume = asyncio.Event()
     jobs: list[str] = []
     stop = bed.systemd.stop_unit
@@ -623,7 +626,8 @@ def held_after_answer(bed: Bed) -> tuple[asyncio.Event, list[str]]:
     async def answered(name: str, queued: Queued | None = None) -> str:
         def told(path: str) -> None:
             jobs.append(path)
-            bed.controller.on_job_new(len(jobs), path, name)
+            if job_new:
+                bed.controller.on_job_new(len(jobs), path, name)
             if queued is not None:
                 queued(path)
 
@@ -664,7 +668,7 @@ def test_a_victim_seen_down_after_systemd_answered_our_stop_is_preempted_at_once
         resume.set()
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
-        assert bed.systemd.reads == ["low.service"]  # JobRemoved's read only
+        assert bed.systemd.reads == []
 
     run(test)
 
@@ -708,9 +712,10 @@ def test_a_state_read_answered_before_our_stop_was_answered_is_dropped(
 ) -> None:
     """A read answered before systemd's answer to our StopUnit but resumed after it shows
     the victim running with no job: older than the answer, it must not be taken for a stop
-    that will not happen."""
+    that will not happen. (Here no JobNew came before the answer, as when systemd answers
+    with a stop job it had queued already.)"""
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
-    resume, _ = held_after_answer(bed)
+    resume, _ = held_after_answer(bed, job_new=False)
     reply = asyncio.Event()
     read = bed.systemd.unit_state
 
@@ -725,7 +730,7 @@ def test_a_state_read_answered_before_our_stop_was_answered_is_dropped(
         ctl = bed.controller
         await ctl.start()
         ctl.on_job_removed(9, "/org/freedesktop/systemd1/job/9", "low.service", "done")
-        await settle()
+        await past_refresh_delay()  # nothing said of it since: read
         assert bed.systemd.reads == ["low.service"]
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert bed.systemd.calls[-1] == ("stop", "low.service")
@@ -736,6 +741,35 @@ def test_a_state_read_answered_before_our_stop_was_answered_is_dropped(
         assert bed.systemd.calls.count(("stop", "low.service")) == 1
         resume.set()
         await settle()
+
+    run(test)
+
+
+async def past_refresh_delay() -> None:
+    await asyncio.sleep(controller_module.REFRESH_DELAY * 2)
+    await settle()
+
+
+def test_a_job_that_ended_is_read_only_when_systemd_said_nothing_more_of_its_unit(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """A job that changed its unit is followed by the unit's PropertiesChanged: no read
+    (it would be answered after that signal and dropped); one that changed nothing is."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", "low.service", "done")
+        running = {"ActiveState": "active", "SubState": "running", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", running)
+        await past_refresh_delay()
+        assert bed.systemd.reads == []
+        ctl.on_job_removed(4, "/org/freedesktop/systemd1/job/4", "low.service", "done")
+        await settle()
+        assert bed.systemd.reads == []  # not at once: a signal follows nearly every job
+        await past_refresh_delay()
+        assert bed.systemd.reads == ["low.service"]
 
     run(test)
 
