@@ -105,10 +105,6 @@ def _skip(buf: bytearray, o: int, sig: str, i: int) -> tuple[int, int]:
     raise NotTaken(f"type {t!r}")
 
 
-def _read_text(buf: bytearray, o: int) -> tuple[Any, int]:
-    return _text(buf, o)
-
-
 def _read_bytes(buf: bytearray, o: int) -> tuple[Any, int]:
     o += -o & 3
     (n,) = unpack_from("<I", buf, o)
@@ -124,8 +120,8 @@ def _read_job(buf: bytearray, o: int) -> tuple[Any, int]:
 
 # The types of the properties kept, as dbus-next gives them (a struct is a list).
 _READERS: dict[str, Callable[[bytearray, int], tuple[Any, int]]] = {
-    "s": _read_text,
-    "o": _read_text,
+    "s": _text,
+    "o": _text,
     "ay": _read_bytes,
     "(uo)": _read_job,
 }

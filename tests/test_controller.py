@@ -613,6 +613,17 @@ def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
     assert messages(caplog) == []
 
 
+async def past(delay: float) -> None:
+    """A timer of the controller's set `delay` ahead has fired, and what it spawned ran."""
+    await asyncio.sleep(delay * 2)
+    await settle()
+
+
+async def past_refresh_delay() -> None:
+    """The controller reads a unit whose job ended only if it heard nothing more of it."""
+    await past(controller_module.REFRESH_DELAY)
+
+
 def held_after_answer(bed: Bed, job_new: bool = True) -> tuple[asyncio.Event, list[str]]:
     """Systemd answers our StopUnits at once, JobNew first (the jobs queued are told), and
     each call resumes only once the event is set: as when signals systemd sent after its
@@ -745,11 +756,6 @@ def test_a_state_read_answered_before_our_stop_was_answered_is_dropped(
     run(test)
 
 
-async def past_refresh_delay() -> None:
-    await asyncio.sleep(controller_module.REFRESH_DELAY * 2)
-    await settle()
-
-
 def test_a_job_that_ended_is_read_only_when_systemd_said_nothing_more_of_its_unit(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
@@ -813,8 +819,7 @@ def queued(bed: Bed, unit: str, job_type: str) -> None:
 
 async def past_queued_delay() -> None:
     """The controller reads a job's type only once it has not reached its gate meanwhile."""
-    await asyncio.sleep(controller_module.QUEUED_DELAY * 2)
-    await settle()
+    await past(controller_module.QUEUED_DELAY)
 
 
 def test_a_start_job_queued_preempts_before_its_gate_runs(

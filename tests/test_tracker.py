@@ -45,6 +45,15 @@ def props(active: str, sub: str, job: int = 0) -> dict[str, object]:
     return {"ActiveState": active, "SubState": sub, "Job": [job, "/"]}
 
 
+def our_stop_sent() -> Tracker:
+    """A tracker of A, which the scheduler is stopping, with our StopUnit on its way."""
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    return tracker
+
+
 def test_classify_table() -> None:
     table = [
         (("active", "running", 0), Kind.RUNNING),
@@ -63,10 +72,7 @@ def test_classify_table() -> None:
 
 
 def test_our_stop_of_a_holder_is_a_preemption_not_a_hold() -> None:
-    model = Model()
-    model.phases[A] = Phase.STOPPING
-    tracker = model.tracker()
-    tracker.call_sent(A)
+    tracker = our_stop_sent()
     tracker.job_new(JOB1, A)  # JobNew arrives before our StopUnit's reply
     assert tracker.unit_changed(A, props("deactivating", "stop-sigterm", 1)) == []
     assert tracker.call_answered(A, JOB1, "stop") is False
@@ -96,10 +102,7 @@ def test_a_unit_that_ends_by_itself_finished_and_one_that_fails_failed() -> None
 
 def test_down_while_our_call_is_in_flight_waits_for_its_answer() -> None:
     """Which jobs are ours is known only once StopUnit answers: decide after it."""
-    model = Model()
-    model.phases[A] = Phase.STOPPING
-    tracker = model.tracker()
-    tracker.call_sent(A)
+    tracker = our_stop_sent()
     tracker.job_new(JOB1, A)
     tracker.job_removed(JOB1, A, "done")
     assert tracker.unit_changed(A, props("inactive", "dead")) == []
@@ -123,10 +126,7 @@ def test_shutdown_is_no_hold_and_a_cancelled_shutdown_does_not_disable_holds() -
 def test_a_cancelled_stop_job_is_a_stop_lost() -> None:
     """`systemctl start victim` while gpuslice stops it replaces our stop job: the victim
     keeps running and the waiter must not wait for it forever."""
-    model = Model()
-    model.phases[A] = Phase.STOPPING
-    tracker = model.tracker()
-    tracker.call_sent(A)
+    tracker = our_stop_sent()
     tracker.job_new(JOB1, A)
     tracker.call_answered(A, JOB1, "stop")
     tracker.job_new(JOB2, A)
@@ -137,10 +137,7 @@ def test_a_cancelled_stop_job_is_a_stop_lost() -> None:
 
 
 def test_running_with_our_stop_not_yet_sent_is_no_stop_lost() -> None:
-    model = Model()
-    model.phases[A] = Phase.STOPPING
-    tracker = model.tracker()
-    tracker.call_sent(A)
+    tracker = our_stop_sent()
     assert tracker.unit_changed(A, props("active", "running")) == []
     assert tracker.unit_changed(A, props("active", "running", 4)) == []
 
@@ -217,10 +214,7 @@ def test_our_stop_told_as_its_answer_is_read_decides_the_signals_after_it_at_onc
     """Systemd answers StopUnit before it signals the job: told then, the job is ours for
     every signal after, with no read again; a read answered before it is stale (`heard`),
     while the signal count (the gate's check of a cancelled start) does not move."""
-    model = Model()
-    model.phases[A] = Phase.STOPPING
-    tracker = model.tracker()
-    tracker.call_sent(A)
+    tracker = our_stop_sent()
     heard, signals = tracker.heard(A), tracker.signals(A)
     assert tracker.call_queued(A, JOB1, "stop") is False  # nothing deferred: no read
     assert (tracker.heard(A), tracker.signals(A)) == (heard + 1, signals)
@@ -231,10 +225,7 @@ def test_our_stop_told_as_its_answer_is_read_decides_the_signals_after_it_at_onc
 
 
 def test_down_before_our_stop_was_told_is_read_again_when_it_is() -> None:
-    model = Model()
-    model.phases[A] = Phase.STOPPING
-    tracker = model.tracker()
-    tracker.call_sent(A)
+    tracker = our_stop_sent()
     assert tracker.unit_changed(A, props("inactive", "dead")) == []
     assert tracker.call_queued(A, JOB1, "stop") is True
 
