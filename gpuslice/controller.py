@@ -568,41 +568,45 @@ class Controller:
     # -- actions ------------------------------------------------------------------------------
 
     def execute(self, actions: list[Action]) -> None:
+        """Carry out the core's actions, the waiting unit's first: gates are answered, then
+        the state is saved, then the calls to systemd leave (a controller killed after a
+        StopUnit knows its victim was preempted), and only then is each decision written
+        to the journal, whose write would delay them (issue 10)."""
+        calls: list[tuple[JobCall, str, str]] = []
         for action in actions:
             if action.decision is not None:
                 self.counters.decided(action.decision.code)
             if isinstance(action, Grant):
                 self.counters.admission_wait.observe(self._waited(action.unit))
                 self._write_env(action.unit, action.gpus)
-                # the gate first (its unit waits for nothing else), then the words
                 self.gates.grant(action.unit)  # counted when its gate took it (_follow_gate)
                 if self.service.grant(action.unit, ",".join(map(str, action.gpus))):
                     self.counters.gate_answers["dbus"] += 1
-                self._say(action.reason, "info", action.decision)
             elif isinstance(action, Stop):
-                self._say(action.reason, "info", action.decision)
-                self._call_systemd(self.systemd.stop_unit, action.unit, "stop")
-                self._arm_stop_timer(action.unit)
+                calls.append((self.systemd.stop_unit, action.unit, "stop"))
             elif isinstance(action, Start):
-                self._say(action.reason, "info", action.decision)
-                self._call_systemd(self.systemd.restart_preempted, action.unit, "start")
-            elif isinstance(action, Log):
-                self._say(action.message, action.level, action.decision)
-            elif isinstance(action, Suspend):
-                self._say(action.reason, "info", action.decision)
-                self._spawn(self.ladder.suspend(action.unit, action.thaw_first))
-            elif isinstance(action, Resume):
-                self._say(action.reason, "info", action.decision)
-                self._spawn(self.ladder.resume(action.unit))
-            elif isinstance(action, Freeze):
-                self._say(action.reason, "info", action.decision)
-                self._spawn(self.ladder.freeze(action.unit))
-            elif isinstance(action, Thaw):
-                self._say(action.reason, "info", action.decision)
-                self._spawn(self.ladder.thaw(action.unit))
+                calls.append((self.systemd.restart_preempted, action.unit, "start"))
         if actions:
             self._status_cache = None
             self._persist()
+        for method, unit, what in calls:
+            self._call_systemd(method, unit, what)
+            if what == "stop":
+                self._arm_stop_timer(unit)
+        for action in actions:
+            if isinstance(action, Log):
+                self._say(action.message, action.level, action.decision)
+            else:
+                self._say(action.reason, "info", action.decision)
+            if isinstance(action, Suspend):
+                self._spawn(self.ladder.suspend(action.unit, action.thaw_first))
+            elif isinstance(action, Resume):
+                self._spawn(self.ladder.resume(action.unit))
+            elif isinstance(action, Freeze):
+                self._spawn(self.ladder.freeze(action.unit))
+            elif isinstance(action, Thaw):
+                self._spawn(self.ladder.thaw(action.unit))
+        if actions:
             self._track_waiters()
         self.watch.arm_sampler()
 
@@ -668,26 +672,26 @@ class Controller:
             self.waiting_since.setdefault(name, (time.time(), time.monotonic()))
 
     def _call_systemd(self, method: JobCall, unit: str, what: str) -> None:
-        """Counted as in flight at once, before the task runs: a signal handled before the
-        call is sent must not take the unit for one nobody is stopping."""
+        """Sent now (Systemd.send_call), counted as in flight before: a signal handled
+        before the answer must not take the unit for one nobody is stopping. The caller
+        has saved the state first (execute)."""
         self.tracker.call_sent(unit)
-        self._spawn(self._call(method, unit, what))
-
-    async def _call(self, method: JobCall, unit: str, what: str) -> None:
-        job: str | None = None
-        told = False
+        told = [False]
 
         def queued(path: str) -> None:
-            """Systemd's answer, read before the signals it sent after it (this coroutine
-            resumes only once they are handled): the unit it stops is seen down as
-            preempted at once, not read again (issue 10: 3 ms of an idle GPU)."""
-            nonlocal told
-            told = True
+            """Systemd's answer, read before the signals it sent after it (the task
+            awaiting the answer resumes only once they are handled): the unit it stops is
+            seen down as preempted at once, not read again (issue 10: 3 ms of an idle GPU)."""
+            told[0] = True
             if self.tracker.call_queued(unit, path, what):
                 self._spawn(self._refresh(unit))
 
+        self._spawn(self._call(method(unit, queued), told, unit, what))
+
+    async def _call(self, answer: Awaitable[str], told: list[bool], unit: str, what: str) -> None:
+        job: str | None = None
         try:
-            job = await method(unit, queued)
+            job = await answer
         except SystemdError as e:
             self.counters.error("dbus_call_errors")
             log.error("%s %s failed: %s", what, unit, e.text)
@@ -697,7 +701,7 @@ class Controller:
                 self._cancel_stop_timer(unit)
                 self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
         finally:
-            if not told and self.tracker.call_answered(unit, job, what):
+            if not told[0] and self.tracker.call_answered(unit, job, what):
                 await self._refresh(unit)
 
     def _arm_stop_timer(self, unit: str) -> None:

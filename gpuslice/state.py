@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import stat
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
@@ -283,13 +282,31 @@ def _holder_problem(name: str, entry: object) -> str:
     return ""
 
 
+# A new file of its own, never one that is there already (a link someone put in its place).
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` in one rename(2); a temporary file never outlives an error."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Replace `path` with `data` in one rename(2); a temporary file never outlives an error.
+
+    The temporary file has one name, `.NAME.tmp`: it is saved before every StartUnit and
+    StopUnit, and mkstemp's random names and Python file objects cost 4 times the time
+    (95 against 24 us on tmpfs, issue 10). Whatever is found at that name (a file left by
+    a controller killed mid-save, a link) is removed, never written through."""
+    tmp = str(path.with_name(f".{path.name}.tmp"))
     try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
-            f.write(data)
+        fd = os.open(tmp, _NEW_FILE, 0o644)
+    except FileExistsError:
+        os.unlink(tmp)
+        fd = os.open(tmp, _NEW_FILE, 0o644)
+    try:
+        try:
+            os.fchmod(fd, 0o644)  # whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
         # rename(2) makes the replacement atomic for a crashed or killed controller; no
         # fsync, which would put a disk flush before every StartUnit/StopUnit we send
         os.replace(tmp, path)
@@ -391,9 +408,12 @@ class StateStore:
     def save(self, saved: SavedState, boot_id: str) -> None:
         """Write the state atomically; an OSError reaches the caller (the controller logs it)."""
         data = {"version": FORMAT_VERSION, "boot_id": boot_id, **asdict(saved)}
-        text = json.dumps(data, sort_keys=True, allow_nan=False)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.path, text.encode())
+        text = json.dumps(data, sort_keys=True, allow_nan=False).encode()
+        try:
+            _write_atomic(self.path, text)
+        except FileNotFoundError:  # no state directory yet (made once, not at every save)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(self.path, text)
 
 
 def _file_kind(mode: int) -> str:

@@ -15,7 +15,8 @@ import asyncio
 import logging
 import socket
 import string
-from collections.abc import Callable, Collection
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
@@ -169,6 +170,51 @@ def _listed(u: list[Any]) -> UnitState:
     return UnitState(u[0], u[3], u[4], u[7], u[8] if u[7] else "")
 
 
+class _Slots:
+    """MAX_CALLS_IN_FLIGHT, handed out in order. Unlike asyncio.Semaphore, a free one can
+    be taken without awaiting: a call is then sent before its caller's task first runs."""
+
+    def __init__(self, count: int) -> None:
+        self.free = count
+        self._waiting: deque[asyncio.Future[None]] = deque()
+
+    def take_now(self) -> bool:
+        if self.free > 0 and not self._waiting:
+            self.free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.take_now():
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.give()  # handed over, then cancelled before it was used
+            raise
+
+    def give(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.free += 1
+
+
+def _flush(bus: MessageBus) -> None:
+    """Write what dbus-next queued now, not at the loop's next turn (dbus-next 0.2.3 writes
+    only when the loop finds the socket writable): a StopUnit leaves with its decision.
+    What cannot be written now is written as before, when the socket takes it."""
+    writer = getattr(bus, "_writer", None)
+    write = getattr(writer, "write_callback", None)
+    if callable(write):
+        write()
+
+
 def _check(reply: Message | None) -> Message:
     if reply is None:
         raise SystemdError("org.gpuslice.Error.NoReply", "no reply from systemd")
@@ -178,13 +224,18 @@ def _check(reply: Message | None) -> Message:
     return reply
 
 
+async def _job_path(answer: Awaitable[list[Any]]) -> str:
+    (job,) = await answer
+    return str(job)
+
+
 class Systemd:
     """A connection to the system bus and the systemd manager on it."""
 
     def __init__(self, bus: MessageBus) -> None:
         self.bus = bus
         _write_patiently(bus)
-        self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
+        self._calls = _Slots(MAX_CALLS_IN_FLIGHT)
         self.on_job_new: Callable[[int, str, str], None] = lambda job_id, path, unit: None
         self.on_job_removed: Callable[[int, str, str, str], None] = lambda i, p, u, r: None
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda unit, props: None
@@ -216,10 +267,8 @@ class Systemd:
         path: str = MANAGER_PATH,
         interface: str = MANAGER,
         destination: str = SYSTEMD,
-        told: Callable[[Message], None] | None = None,
     ) -> list[Any]:
-        """Call a method and return its answer's body. `told` is called with a successful
-        answer from systemd as the answer is read, in the order of systemd's messages."""
+        """Call a method and return its answer's body."""
         message = Message(
             destination=destination,
             path=path,
@@ -228,15 +277,59 @@ class Systemd:
             signature=signature,
             body=body or [],
         )
-        async with self._calls:
-            if told is not None:
-                message.serial = self.bus.next_serial()
-                self._told[message.serial] = told
-            try:
-                reply = await self.bus.call(message)
-            finally:
-                self._told.pop(message.serial, None)
-        return list(_check(reply).body)
+        return await self.send_call(message)
+
+    def send_call(
+        self, message: Message, told: Callable[[Message], None] | None = None
+    ) -> Awaitable[list[Any]]:
+        """Send a call now, when fewer than MAX_CALLS_IN_FLIGHT are (else when one
+        answers), and return what awaits its answer's body: sent with the decision, not
+        when the task awaiting it first runs (issue 10: up to a millisecond later, in the
+        middle of a handover). `told` is called with a successful answer from systemd as
+        the answer is read, in the order of systemd's messages. The awaitable must be
+        awaited: it gives the call's place back."""
+        if self._calls.take_now():
+            return self._answer(self._send(message, told), message.serial)
+        return self._send_in_turn(message, told)
+
+    async def _send_in_turn(
+        self, message: Message, told: Callable[[Message], None] | None
+    ) -> list[Any]:
+        await self._calls.take()
+        return await self._answer(self._send(message, told), message.serial)
+
+    def _send(
+        self, message: Message, told: Callable[[Message], None] | None
+    ) -> asyncio.Future[Message | None]:
+        reply: asyncio.Future[Message | None] = asyncio.get_running_loop().create_future()
+
+        def answered(msg: Message | None, err: Exception | None) -> None:
+            if reply.done():
+                return
+            if err is not None:
+                reply.set_exception(err)
+            else:
+                reply.set_result(msg)
+
+        message.serial = self.bus.next_serial()
+        if told is not None:
+            self._told[message.serial] = told
+        try:
+            self.bus._call(message, answered)
+            _flush(self.bus)
+        except BaseException:
+            self._told.pop(message.serial, None)
+            self._calls.give()
+            raise
+        return reply
+
+    async def _answer(self, reply: asyncio.Future[Message | None], serial: int) -> list[Any]:
+        try:
+            answer = await reply
+        finally:
+            self._told.pop(serial, None)
+            self._calls.give()
+        return list(_check(answer).body)
 
     async def subscribe(self) -> None:
         """Follow who owns systemd's name, match the signals we act on, then ask systemd to
@@ -312,23 +405,31 @@ class Systemd:
                 return _listed(u)
         raise SystemdError("org.gpuslice.Error.NoUnit", f"systemd did not list {name}")
 
-    async def start_unit(self, name: str, queued: Queued | None = None) -> str:
-        return await self._queue("StartUnit", name, queued)
+    def start_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
+        return self._queue("StartUnit", name, queued)
 
-    async def _queue(self, member: str, name: str, queued: Queued | None) -> str:
-        """Queue a job and return its path; `queued` is told it as soon as systemd's answer
-        is read. Systemd sends JobNew, then its answer, then every other signal about the
-        job (the unit's PropertiesChanged, JobRemoved), so whoever keeps account of whose
-        jobs are whose knows it before any of them is handled (traced in issue 10)."""
+    def _queue(self, member: str, name: str, queued: Queued | None) -> Awaitable[str]:
+        """Queue a job, sent now (send_call); the awaitable gives its path. `queued` is told
+        it as soon as systemd's answer is read. Systemd sends JobNew, then its answer, then
+        every other signal about the job (the unit's PropertiesChanged, JobRemoved), so
+        whoever keeps account of whose jobs are whose knows it before any of them is
+        handled (traced in issue 10)."""
 
         def told(reply: Message) -> None:
             if queued is not None and reply.signature == "o":
                 queued(str(reply.body[0]))
 
-        (job,) = await self.call(member, "ss", [name, "replace"], told=told)
-        return str(job)
+        message = Message(
+            destination=SYSTEMD,
+            path=MANAGER_PATH,
+            interface=MANAGER,
+            member=member,
+            signature="ss",
+            body=[name, "replace"],
+        )
+        return _job_path(self.send_call(message, told))
 
-    async def restart_preempted(self, name: str, queued: Queued | None = None) -> str:
+    def restart_preempted(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         """Start a unit gpuslice itself stopped or holds back, resetting its start rate
         limit first: being preempted five times in ten seconds must not make systemd refuse
         to bring it back. Units that failed are never started this way."""
@@ -344,10 +445,10 @@ class Systemd:
                 flags=MessageFlag.NO_REPLY_EXPECTED,
             )
         )
-        return await self.start_unit(name, queued)
+        return self.start_unit(name, queued)
 
-    async def stop_unit(self, name: str, queued: Queued | None = None) -> str:
-        return await self._queue("StopUnit", name, queued)
+    def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
+        return self._queue("StopUnit", name, queued)
 
     async def freeze_unit(self, name: str) -> None:
         """Freeze the unit's cgroup (cgroup v2 only); the reply comes when it is frozen

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from pathlib import Path
 from typing import Any, cast
 
@@ -78,21 +78,25 @@ class FakeSystemd:
             raise SystemdError("org.freedesktop.DBus.Error.NameHasNoOwner", sender)
         return self.pids[sender]
 
-    async def stop_unit(self, name: str, queued: Queued | None = None) -> str:
+    def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._job("stop", name, queued)
 
-    async def restart_preempted(self, name: str, queued: Queued | None = None) -> str:
+    def restart_preempted(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._job("start", name, queued)
 
-    def _job(self, what: str, name: str, queued: Queued | None) -> str:
-        """As Systemd: `queued` is told the job as the answer is read, before the caller
-        resumes."""
+    def _job(self, what: str, name: str, queued: Queued | None) -> Awaitable[str]:
+        """As Systemd: the call is sent (recorded) as it is made; `queued` is told the job
+        as the answer is read, before the caller resumes."""
         self.calls.append((what, name))
         self._jobs += 1
         path = f"/org/freedesktop/systemd1/job/{self._jobs}"
-        if queued is not None:
-            queued(path)
-        return path
+
+        async def answer() -> str:
+            if queued is not None:
+                queued(path)
+            return path
+
+        return answer()
 
 
 class FakeService:
@@ -648,6 +652,37 @@ def held_after_answer(bed: Bed, job_new: bool = True) -> tuple[asyncio.Event, li
 
     bed.systemd.stop_unit = answered  # type: ignore[method-assign]
     return resume, jobs
+
+
+def test_a_stop_leaves_with_its_decision_after_the_state_that_names_it_is_saved(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The StopUnit is sent in the turn of the loop that decides it, not when a task first
+    runs; the state saved before it names the victim as stopped for the waiter (a
+    controller killed just after the call knows its victim was preempted); the decision's
+    journal line is written after it (its write would delay the call: issue 10)."""
+    caplog.set_level(logging.INFO)
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    stop = bed.systemd.stop_unit
+    at_call: list[tuple[str, str, list[str]]] = []
+
+    def sent(name: str, queued: Queued | None = None) -> Awaitable[str]:
+        saved, _ = StateStore(Path(bed.config.state_dir)).load()
+        said = [m for m in messages(caplog) if "low.service" in m and "urgent" in m]
+        at_call.append((name, saved.holders[name][3], said))
+        return stop(name, queued)
+
+    bed.systemd.stop_unit = sent  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("urgent.service", at_gate(invocation=None))
+        await asyncio.sleep(0)  # one turn: the decision pass runs, and nothing after it
+        assert at_call == [("low.service", "urgent.service", [])]
+        assert [m for m in messages(caplog) if "low.service" in m and "urgent" in m]
+
+    run(test)
 
 
 def test_a_victim_seen_down_after_systemd_answered_our_stop_is_preempted_at_once(

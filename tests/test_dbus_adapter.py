@@ -748,3 +748,42 @@ def test_a_bus_daemon_that_stops_reading_for_a_while_costs_no_connection(
 def flood(text: str) -> Message:
     """A signal nobody listens to: the bus daemon drops it, no process has to read it."""
     return Message.new_signal("/org/gpuslice/Test", "org.gpuslice.Test", "Flood", "s", [text])
+
+
+def test_a_job_call_leaves_when_made_and_the_rest_in_turn(bus_address: str) -> None:
+    """StopUnit/StartUnit are sent as they are made, before anyone awaits their answer
+    (the decision's turn of the loop, issue 10); with MAX_CALLS_IN_FLIGHT in flight, the
+    next waits for an answer, and a caller that gives up its turn (cancelled) passes it
+    on; every place is given back once its answer is read."""
+
+    async def body() -> None:
+        held: list[Message] = []
+        owner = await queuing_systemd(bus_address, held)
+        systemd = Systemd(await connect(bus_address))
+        first = systemd.stop_unit("a.service")
+        while not held:  # nobody awaits `first`: it left anyway
+            await asyncio.sleep(0.01)
+        assert held[0].member == "StopUnit"
+        fill = [
+            asyncio.ensure_future(systemd.stop_unit(f"u{i}.service"))
+            for i in range(MAX_CALLS_IN_FLIGHT - 1)
+        ]
+        await asyncio.sleep(0.1)
+        late = asyncio.ensure_future(systemd.start_unit("late.service"))
+        given_up = asyncio.ensure_future(systemd.start_unit("given-up.service"))
+        await asyncio.sleep(0.1)
+        assert len(held) == MAX_CALLS_IN_FLIGHT  # the two wait for a place
+        given_up.cancel()
+        owner.send(Message.new_method_return(held[0], "o", [JOB]))
+        assert await first == JOB
+        while len(held) < MAX_CALLS_IN_FLIGHT + 1:
+            await asyncio.sleep(0.01)
+        assert [m.body[0] for m in held[MAX_CALLS_IN_FLIGHT:]] == ["late.service"]
+        for msg in held[1:]:
+            owner.send(Message.new_method_return(msg, "o", [JOB]))
+        assert await late == JOB
+        assert await asyncio.gather(*fill) == [JOB] * len(fill)
+        assert given_up.cancelled()
+        assert systemd._calls.free == MAX_CALLS_IN_FLIGHT
+
+    run(body)

@@ -224,6 +224,55 @@ def test_our_stop_told_as_its_answer_is_read_decides_the_signals_after_it_at_onc
     assert tracker.heard(A) == heard + 3
 
 
+def props_of(active: str, sub: str, job: int) -> dict[str, object]:
+    """As systemd's signals name the job: with its path."""
+    return {
+        "ActiveState": active,
+        "SubState": sub,
+        "Job": [job, f"/org/freedesktop/systemd1/job/{job}"],
+    }
+
+
+def test_down_with_our_stop_job_still_shown_is_down_at_once() -> None:
+    """Systemd 252 shows a preempted unit inactive while our stop job is still its job,
+    then JobRemoved, then inactive with no job (traced in issue 10): its processes are
+    gone at the first, and the GPUs go then. Only our own stop: someone else's job, a
+    start queued after ours, or a unit still on its way down waits as before."""
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    assert tracker.call_queued(A, JOB1, "stop") is False
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 1)) == [WentDown(A, Outcome.EXITED)]
+    model.phases.pop(A)
+    assert tracker.job_removed(JOB1, A, "done") is True
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []
+    # a stop of someone else's, and a start queued behind ours, are not ours to end
+    for ours, shown in ((None, 2), (JOB1, 2)):
+        model.phases[A] = Phase.STOPPING
+        tracker = model.tracker()
+        tracker.job_new(JOB2, A)
+        if ours is not None:
+            tracker.call_sent(A)
+            tracker.job_new(ours, A)
+            tracker.call_queued(A, ours, "stop")
+        assert tracker.unit_changed(A, props_of("inactive", "dead", shown)) == []
+    # our start job is no stop
+    model.phases[A] = Phase.STARTING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "start")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 1)) == []
+    # a read gives no job path: it waits for the job's end as before
+    model.phases[A] = Phase.STOPPING
+    tracker = our_stop_sent()
+    tracker.call_queued(A, JOB1, "stop")
+    assert tracker.unit_changed(A, props("inactive", "dead", 1)) == []
+
+
 def test_down_before_our_stop_was_told_is_read_again_when_it_is() -> None:
     tracker = our_stop_sent()
     assert tracker.unit_changed(A, props("inactive", "dead")) == []
