@@ -175,6 +175,8 @@ class Controller:
         self._parked: list[str] = []
         self._stop_timers: dict[str, asyncio.TimerHandle] = {}
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
+        self._batching = 0  # depth of _batched: the state its events change is saved once
+        self._save_due = False  # changed, and saved by the scheduling pass due this turn
         self._save_failing = False
         self._checking_thaws = False  # a check of FreezerState is under way
         self._status_due = False  # a STATUS= update is scheduled
@@ -553,17 +555,28 @@ class Controller:
         turns: dbus-next hands over all the signals of one read in a row, and a burst of
         starts would otherwise cost a scheduling pass over every waiter for each of them.
         What the event itself answers (a gate whose GPUs were kept for it) goes at once."""
+        self._batching += 1
         try:
             with self.scheduler.deferred():
                 yield
         finally:  # even after a bug in handling the event: nothing is left undecided
+            self._batching -= 1
             if not self._decision_due:
                 self._decision_due = True
                 asyncio.get_running_loop().call_soon(self._decide)
 
     def _decide(self) -> None:
+        """The scheduling pass after a batch of events: decides, then saves what the batch
+        changed if its decisions sent nothing (a call is sent only after a save)."""
         self._decision_due = False
         self.execute(self.scheduler.schedule())
+        if self._save_due:
+            self._persist()
+
+    def save_now(self) -> None:
+        """Save what is not saved yet (the controller stops before its pass ran)."""
+        if self._save_due:
+            self._persist()
 
     # -- actions ------------------------------------------------------------------------------
 
@@ -588,7 +601,10 @@ class Controller:
                 calls.append((self.systemd.restart_preempted, action.unit, "start"))
         if actions:
             self._status_cache = None
-            self._persist()
+            if calls or not self._batching:
+                self._persist()
+            else:  # the pass due this turn saves once for its batch (a unit's end, then
+                self._save_due = True  # the refill it allows: one save, not two, issue 10)
         for method, unit, what in calls:
             self._call_systemd(method, unit, what)
             if what == "stop":
@@ -743,6 +759,7 @@ class Controller:
     def _persist(self) -> None:
         """Save what systemd cannot tell a restarted controller. A full disk is reported
         once, not at every decision, and again when saving works."""
+        self._save_due = False
         try:
             self.store.save(self.scheduler.save(), self.boot_id)
         except OSError as e:
@@ -876,6 +893,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     if disconnected in done:
         log.error("lost the system bus; exiting so that systemd restarts the controller")
         return 1
+    controller.save_now()
     controller.notifier.send("STOPPING=1")
     log.info("gpuslice stopping; running jobs are left alone")
     return 0

@@ -685,6 +685,54 @@ def test_a_stop_leaves_with_its_decision_after_the_state_that_names_it_is_saved(
     run(test)
 
 
+def test_a_holders_end_and_the_refill_it_allows_are_saved_once_before_the_start(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service preempted low.service and ends: its end (a decision of its own) and
+    low's restart are saved in one write, before the StartUnit leaves (one save on the
+    refill's path, not two, issue 10); a change no pass saved yet is saved on the way out."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    saves: list[SavedState] = []
+    save = bed.controller.store.save
+
+    def counted(saved: SavedState, boot_id: str) -> None:
+        saves.append(saved)
+        save(saved, boot_id)
+
+    bed.controller.store.save = counted  # type: ignore[method-assign]
+    start = bed.systemd.restart_preempted
+    at_call: list[int] = []
+
+    def sent(name: str, queued: Queued | None = None) -> Awaitable[str]:
+        at_call.append(len(saves))
+        return start(name, queued)
+
+    bed.systemd.restart_preempted = sent  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        ctl.on_unit_changed("urgent.service", {"ActiveState": "active", "SubState": "running"})
+        await settle()
+        saves.clear()
+        ctl.on_unit_changed("urgent.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert at_call == [1]
+        assert "urgent.service" not in saves[0].holders
+        assert saves[0].started == ["low.service"]
+        # a change no pass saved yet (no call follows it) is saved on the way out
+        ctl.on_unit_changed("low.service", {"ActiveState": "failed", "SubState": "failed"})
+        assert ctl._save_due
+        ctl.save_now()
+        assert not ctl._save_due and saves[-1].failed == ["low.service"]
+
+    run(test)
+
+
 def test_a_victim_seen_down_after_systemd_answered_our_stop_is_preempted_at_once(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

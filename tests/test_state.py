@@ -539,3 +539,27 @@ def test_save_replaces_a_symlink_instead_of_writing_through_it(tmp_path: Path) -
     store.save(GOOD_STATE, "b")
     assert victim.read_text() == "keep"
     assert not store.path.is_symlink()
+
+
+def test_save_writes_all_of_a_large_state_and_mode_0644_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    """os.write may take part of what it is given: the rest is written too."""
+    store = StateStore(tmp_path)
+    big = SavedState(held=[f"u{i:05d}.service" for i in range(20_000)], seq=3)
+    old = os.umask(0o077)
+    try:
+        store.save(big, "b")
+    finally:
+        os.umask(old)
+    assert store.load() == (big, "b")
+    assert oct(store.path.stat().st_mode & 0o777) == oct(0o644)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_a_leftover_temporary_file_of_a_killed_save_is_replaced(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    (tmp_path / ".state.json.tmp").write_text("half a state")
+    store.save(GOOD_STATE, "b")
+    assert store.load() == (GOOD_STATE, "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
