@@ -114,11 +114,16 @@ def test_shutdown_is_no_hold_and_a_cancelled_shutdown_does_not_disable_holds() -
     model = Model()
     model.phases[A] = Phase.RUNNING
     tracker = model.tracker()
+    assert tracker.shutting_down is False
     tracker.job_new(JOB2, "reboot.target")
     tracker.job_new(JOB1, A)
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.SHUTDOWN)]
+    assert tracker.job_removed(JOB1, A, "canceled") is True  # no shutdown target's
+    assert tracker.shutting_down is True
+    tracker.job_removed(JOB2, "reboot.target", "done")  # the shutdown goes on
+    assert tracker.shutting_down is True
     tracker.job_removed(JOB2, "reboot.target", "canceled")
-    assert not tracker.shutting_down
+    assert tracker.shutting_down is False
     tracker.job_new("/org/freedesktop/systemd1/job/3", A)
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
 
@@ -300,6 +305,7 @@ def test_tables_stay_small_under_ten_thousand_jobs() -> None:
     [
         ("activating", "start-pre", 5, "start", True),  # at its gate
         ("inactive", "dead", 5, "start", True),  # its start job waits (behind the controller)
+        ("inactive", "dead", 1, "start", True),  # any job id but 0 is a job
         ("failed", "failed", 5, "restart", True),
         ("activating", "auto-restart", 5, "restart", True),
         ("inactive", "dead", 0, "", False),
@@ -311,3 +317,110 @@ def test_tables_stay_small_under_ten_thousand_jobs() -> None:
 )
 def test_bound_for_gate(active: str, sub: str, job_id: int, job_type: str, bound: bool) -> None:
     assert bound_for_gate(UnitState("a.service", active, sub, job_id, job_type)) is bound
+
+
+# -- what each rule is made of (issue 10: the tracker under mutation testing) ---------------
+
+
+def test_a_state_without_some_properties_keeps_the_ones_known() -> None:
+    """A PropertiesChanged may name only some properties (and a read names no job path):
+    the others keep what was known, or for a unit never seen, inactive/dead with no job."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    assert tracker.state(A) == UnitState(A, "inactive", "dead", 0)
+    assert tracker.unit_changed(A, {"ActiveState": "inactive"}) == [WentDown(A, Outcome.EXITED)]
+    assert tracker.state(A) == UnitState(A, "inactive", "dead", 0)
+    tracker = model.tracker()
+    tracker.unit_changed(A, {"SubState": "dead"})
+    assert tracker.state(A) == UnitState(A, "inactive", "dead", 0)
+    tracker.unit_changed(A, props("deactivating", "stop-sigterm", 4))
+    tracker.unit_changed(A, {"SubState": "final-sigterm"})
+    assert tracker.state(A) == UnitState(A, "deactivating", "final-sigterm", 4)
+    tracker.unit_changed(A, {"ActiveState": "inactive"})
+    assert tracker.state(A) == UnitState(A, "inactive", "final-sigterm", 4)
+    assert tracker.unit_changed(A, {"Job": [0, "/"]}) == [WentDown(A, Outcome.EXITED)]
+
+
+def test_our_stop_ending_in_a_failed_unit_is_down_at_once_and_failed() -> None:
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "stop")
+    assert tracker.unit_changed(A, props_of("failed", "failed", 1)) == [WentDown(A, Outcome.FAILED)]
+
+
+def test_a_unit_nobody_holds_goes_down_for_a_waiter_or_a_stop_by_someone_else() -> None:
+    model = Model()
+    model.waiters.add(A)
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
+    model.waiters.clear()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def test_a_stop_lost_says_how_its_stop_job_ended_and_only_ours() -> None:
+    """A job of someone else's that did not end "done" is not our stop's result; ours that
+    ended "done" leaves nothing to say; a result is forgotten once the unit starts afresh."""
+    for job, owner, result in ((JOB2, None, "canceled"), (JOB1, "stop", "done")):
+        tracker = our_stop_sent()
+        tracker.job_new(JOB1, A)
+        tracker.call_answered(A, JOB1, "stop")
+        if owner is None:
+            tracker.job_new(JOB2, A)
+        tracker.job_removed(job, A, result)
+        assert tracker.unit_changed(A, props("active", "running")) == [
+            StopLost(A, "no stop job runs")
+        ]
+    tracker = our_stop_sent()
+    tracker.job_new(JOB1, A)
+    tracker.call_answered(A, JOB1, "stop")
+    tracker.job_removed(JOB1, A, "failed")
+    tracker.passed_gate(A)
+    assert tracker.unit_changed(A, props("active", "running")) == [StopLost(A, "no stop job runs")]
+
+
+def test_an_answer_of_ours_not_seen_as_a_job_is_forgotten_when_its_job_ends() -> None:
+    tracker = our_stop_sent()
+    tracker.call_queued(A, JOB1, "stop")  # no JobNew seen for it
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker._own_jobs == {}
+
+
+def test_calls_in_flight_are_counted_one_by_one() -> None:
+    """Two calls of ours about a unit: it is decided on only once both answered; an
+    answer with no call counted (a restarted controller's) is nothing."""
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    assert tracker.call_answered(A, None, "stop") is False
+    assert not tracker.in_flight(A)
+    tracker.call_sent(A)
+    tracker.call_sent(A)
+    assert tracker.in_flight(A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == []  # deferred
+    assert tracker.call_answered(A, JOB1, "stop") is False
+    assert tracker.in_flight(A)
+    assert tracker.call_answered(A, JOB2, "stop") is True  # read it again now
+    assert not tracker.in_flight(A)
+    tracker.call_sent(A)
+    assert tracker.call_answered(A, None, "stop") is False  # nothing deferred any more
+    before = tracker.heard(A)
+    tracker.call_sent(A)
+    tracker.call_sent(A)
+    tracker.call_queued(A, JOB1, "stop")
+    tracker.call_queued(A, JOB2, "stop")
+    assert tracker.heard(A) == before + 2
+
+
+def test_listed_replaces_what_was_known_with_the_managed_units_only() -> None:
+    tracker = Model().tracker()
+    tracker.unit_changed(A, props("active", "running"))
+    other = UnitState("other.service", "active", "running", 0)
+    tracker.listed([UnitState(A, "inactive", "dead", 3, "start"), other])
+    assert tracker.states == {A: UnitState(A, "inactive", "dead", 3, "start")}
+    assert tracker.state("other.service") == UnitState("other.service", "inactive", "dead", 0)
