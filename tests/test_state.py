@@ -443,8 +443,10 @@ def test_the_starts_gpuslice_sent_are_kept_for_starting_holders_only(
         ({"suspended": {"x.service": [[], 1]}}, 'dropped "x.service": no GPU'),
         ({"suspended": {"x.service": [[0, 0], 1]}}, "a GPU listed twice"),
         ({"suspended": {"x.service": [[0], -1]}}, "seq -1"),
-        ({"suspended": {"x.service": [[0]]}}, "expected [GPUs, seq]"),
-        ({"suspended": {"../x": [[0], 1]}}, "not a unit name"),
+        ({"suspended": {"x.service": [[0]]}}, 'dropped "x.service": expected [GPUs, seq]'),
+        ({"suspended": {"../x": [[0], 1]}}, 'suspended: dropped "../x": not a unit name'),
+        ({"suspended": {"x.service": [[-1], 1]}}, 'dropped "x.service": GPUs must be a list'),
+        ({"suspended": {"x.service": [3, 1]}}, 'dropped "x.service": GPUs must be a list'),
         ({"suspended": {"asr.service": [[0], 1]}}, 'dropped "asr.service": also a holder'),
         ({"frozen_for": {"asr.service": []}}, 'frozen_for: dropped "asr.service": not a frozen'),
         (
@@ -462,6 +464,32 @@ def test_bad_ladder_entries_are_dropped(
     saved, _, records = load(tmp_path, content, caplog)
     assert any(problem in r.getMessage() for r in records), [r.getMessage() for r in records]
     assert "x.service" not in saved.suspended and "x.service" not in saved.holders
+
+
+def test_a_suspended_unit_of_seq_0_is_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    saved, _, _ = load(tmp_path, good(suspended={"ocr.service": [[1], 0]}), caplog)
+    assert saved.suspended == {"ocr.service": ((1,), 0)}
+
+
+def test_a_save_whose_file_went_missing_midway_is_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FileNotFoundError means no state directory (made, then written again), or a file
+    that went missing under the save: the directory is there, and the save writes anew."""
+    real_replace = os.replace
+    failures = [FileNotFoundError(2, "gone")]
+
+    def replace(src: Any, dst: Any) -> None:
+        if failures:
+            raise failures.pop()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    store = StateStore(tmp_path)
+    store.save(GOOD_STATE, "b")
+    assert store.load() == (GOOD_STATE, "b")
 
 
 def test_a_suspended_seq_above_the_counter_raises_it(
