@@ -105,6 +105,10 @@ def env_file_text(gpus: Sequence[Gpu]) -> str:
     )
 
 
+async def _raising(error: Exception) -> str:
+    raise error
+
+
 class Controller:
     def __init__(
         self,
@@ -702,7 +706,11 @@ class Controller:
             if self.tracker.call_queued(unit, path, what):
                 self._spawn(self._refresh(unit))
 
-        self._spawn(self._call(method(unit, queued), told, unit, what))
+        try:
+            answer = method(unit, queued)
+        except Exception as e:  # raised while sending: the task reports it, as it did
+            answer = _raising(e)
+        self._spawn(self._call(answer, told, unit, what))
 
     async def _call(self, answer: Awaitable[str], told: list[bool], unit: str, what: str) -> None:
         job: str | None = None

@@ -733,6 +733,34 @@ def test_a_holders_end_and_the_refill_it_allows_are_saved_once_before_the_start(
     run(test)
 
 
+def test_a_call_that_raises_as_it_is_sent_is_reported_and_decides_nothing_more(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bus that breaks under the send raises in the decision's own turn: the rest of the
+    decision is carried out, the error is logged by the call's task, and the unit is not
+    left counted as having a call in flight."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    def broken(name: str, queued: Queued | None = None) -> Awaitable[str]:
+        raise RuntimeError("the bus broke")
+
+    bed.systemd.stop_unit = broken  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("urgent.service", at_gate(invocation=None))
+        await settle()
+        assert not ctl.tracker.in_flight("low.service")
+        assert "low.service" in ctl._stop_timers  # the decision was carried out
+        assert any(
+            "the bus broke" in (r.exc_text or "") or "the bus broke" in r.getMessage()
+            for r in caplog.records
+        ), messages(caplog)
+
+    run(test)
+
+
 def test_a_victim_seen_down_after_systemd_answered_our_stop_is_preempted_at_once(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
