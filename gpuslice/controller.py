@@ -904,4 +904,6 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     controller.save_now()
     controller.notifier.send("STOPPING=1")
     log.info("gpuslice stopping; running jobs are left alone")
+    if journal is not None:
+        journal.close()  # what journald had not taken yet, if it takes it now
     return 0

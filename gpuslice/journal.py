@@ -8,17 +8,21 @@ in `journalctl -u UNIT` and in `systemctl status UNIT`; the same entry stays in
 `journalctl -u gpuslice` (its sender is gpuslice.service), so the controller's story is
 unchanged: the entry replaces the plain log line, it does not repeat it.
 
-A journal that cannot be written never reaches the controller: the socket is non-blocking
-(a journald that lags drops the entry rather than stalling the event loop), every failure is
-counted, said once, and the caller falls back to its plain log line.
+A journal that cannot be written never reaches the controller: the socket is non-blocking,
+every failure is counted, said once, and the caller falls back to its plain log line. A
+journald that lags (its queue full: EAGAIN) neither stalls the event loop nor costs an entry
+its fields: entries wait, in order, in a bounded backlog that is written as journald takes
+them (a burst of decisions is when they matter most in `journalctl -u UNIT`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import socket
 import struct
+from collections import deque
 from collections.abc import Iterable, Sequence
 
 from gpuslice.core.decisions import Code, Decision, until
@@ -29,6 +33,9 @@ SOCKET = "/run/systemd/journal/socket"
 IDENTIFIER = "gpuslice"
 MAX_VALUE = 16 * 1024  # bytes of one value; longer ones are cut, ending in "..."
 MAX_ENTRY = 128 * 1024  # bytes of one datagram (journald reads up to its socket buffer)
+# Entries held while journald's queue is full; beyond, the caller's plain log line.
+MAX_BACKLOG = 10_000
+RETRY_DELAY = 0.005  # seconds between tries to write the backlog
 # Field names as journald accepts them: A-Z, 0-9 and _, not starting with _ or a digit.
 FIELD_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}", re.ASCII)
 SYSLOG = {"critical": 2, "error": 3, "warning": 4, "info": 6, "debug": 7}
@@ -87,44 +94,108 @@ def decision_fields(
 class Journal:
     """Writes entries to journald; never raises. `failures` counts entries not written."""
 
-    def __init__(self, path: str = SOCKET, max_entry: int = MAX_ENTRY) -> None:
+    def __init__(
+        self, path: str = SOCKET, max_entry: int = MAX_ENTRY, max_backlog: int = MAX_BACKLOG
+    ) -> None:
         self.path = path
         self.max_entry = max_entry
+        self.max_backlog = max_backlog
         self.failures = 0
         self._failing = False
         self._sock: socket.socket | None = None
+        self.backlog: deque[bytes] = deque()  # taken, not yet written (journald lagged)
+        self._retry: asyncio.TimerHandle | None = None
 
     def send(self, fields: Fields) -> bool:
-        """Whether journald took the entry; a failure is counted and said once."""
+        """Whether the entry was taken: written, or held until journald takes it (only
+        within an event loop, which writes it later). A failure is counted and said once."""
         try:
             data = encode(fields)
             if len(data) > self.max_entry:
                 # cut the long values further, so that the sentence and the fields still go
                 data = encode(fields, max(self.max_entry // (2 * max(len(fields), 1)), 64))
-            if self._sock is None:
-                self._sock = socket.socket(
-                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
-                )
-            self._sock.sendto(data, self.path)
+            if self.backlog:  # after the entries that wait: in order
+                return self._hold(data) or self._failed(BlockingIOError("journald lags"))
+            self._socket().sendto(data, self.path)
+        except BlockingIOError as e:  # journald's queue is full
+            return self._hold(data) or self._failed(e)
         except (OSError, ValueError) as e:
-            self.failures += 1
-            if not self._failing:
-                log.warning(
-                    "cannot write to the journal at %s: %s; decisions are logged as plain lines, "
-                    "not in their units' own journals (said once until it works)",
-                    self.path,
-                    e,
-                )
-            self._failing = True
+            return self._failed(e)
+        self._works()
+        return True
+
+    def _socket(self) -> socket.socket:
+        if self._sock is None:
+            self._sock = socket.socket(
+                socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+            )
+        return self._sock
+
+    def _hold(self, data: bytes) -> bool:
+        """Keep an entry journald cannot take now; False when none can be kept (backlog
+        full, or no event loop to write it from later)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
             return False
+        if len(self.backlog) >= self.max_backlog:
+            return False
+        self.backlog.append(data)
+        if self._retry is None:
+            self._retry = loop.call_later(RETRY_DELAY, self._drain)
+        return True
+
+    def _drain(self) -> None:
+        """Write the backlog, oldest first, while journald takes it."""
+        self._retry = None
+        while self.backlog:
+            try:
+                self._socket().sendto(self.backlog[0], self.path)
+            except BlockingIOError:
+                loop = asyncio.get_running_loop()
+                self._retry = loop.call_later(RETRY_DELAY, self._drain)
+                return
+            except OSError as e:  # journald is gone: what waits is lost, and counted
+                lost = len(self.backlog)
+                self.backlog.clear()
+                self.failures += lost - 1
+                self._failed(e)
+                return
+            self.backlog.popleft()
+        self._works()
+
+    def _failed(self, error: Exception) -> bool:
+        self.failures += 1
+        if not self._failing:
+            log.warning(
+                "cannot write to the journal at %s: %s; decisions are logged as plain lines, "
+                "not in their units' own journals (said once until it works)",
+                self.path,
+                error,
+            )
+        self._failing = True
+        return False
+
+    def _works(self) -> None:
         if self._failing:
             log.info(
                 "writing to the journal works again (%d entries were not written)", self.failures
             )
             self._failing = False
-        return True
 
     def close(self) -> None:
+        """Write what waits if journald takes it now (never waiting); the rest is counted."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        while self.backlog:
+            try:
+                self._socket().sendto(self.backlog[0], self.path)
+            except OSError:
+                break
+            self.backlog.popleft()
+        self.failures += len(self.backlog)
+        self.backlog.clear()
         if self._sock is not None:
             self._sock.close()
             self._sock = None

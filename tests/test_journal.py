@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import struct
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -215,7 +217,8 @@ def test_missing_socket_is_counted_and_said_once(
 
 
 def test_a_full_journald_queue_does_not_block(make: Make, tmp_path: Path) -> None:
-    """EAGAIN when journald lags: the entry is dropped and counted, the caller goes on."""
+    """EAGAIN when journald lags, outside an event loop (nothing could write a backlog
+    later): the entry is not taken and counted, the caller goes on."""
     path = str(tmp_path / "socket")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     server.bind(path)
@@ -227,3 +230,97 @@ def test_a_full_journald_queue_does_not_block(make: Make, tmp_path: Path) -> Non
         assert journal.failures == 1 and sent < 100_000
     finally:
         server.close()
+
+
+def _fill(journal: Journal) -> int:
+    """Send until journald's queue is full (the entry that found it full is held)."""
+    sent = 0
+    while not journal.backlog:
+        assert journal.send([("MESSAGE", f"{sent}")])
+        sent += 1
+        assert sent < 100_000
+    return sent
+
+
+def _read_all(server: socket.socket) -> list[bytes]:
+    out = []
+    while True:
+        try:
+            out.append(server.recv(1 << 16, socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return out
+
+
+def test_a_lagging_journald_gets_every_entry_in_order_later(make: Make, tmp_path: Path) -> None:
+    """EAGAIN within the event loop: the entry is taken and held, with those after it, and
+    written, oldest first, as journald takes them: none lost, none without its fields."""
+
+    async def scenario() -> None:
+        path = str(tmp_path / "socket")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        server.bind(path)
+        journal = make(path)
+        try:
+            n = _fill(journal) + 200
+            for i in range(n - 200, n):
+                assert journal.send([("MESSAGE", f"{i}")])
+            assert len(journal.backlog) == 201 and journal.failures == 0
+            got: list[bytes] = []
+            deadline = asyncio.get_running_loop().time() + 10
+            while len(got) < n:
+                assert asyncio.get_running_loop().time() < deadline, len(got)
+                got += _read_all(server)
+                await asyncio.sleep(0.002)
+            assert got == [f"MESSAGE={i}\n".encode() for i in range(n)]
+            assert not journal.backlog and journal.failures == 0
+        finally:
+            server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_full_backlog_and_a_journald_gone_are_counted_and_said_once(
+    make: Make, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        path = str(tmp_path / "socket")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        server.bind(path)
+        journal = make(path, max_backlog=3)
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            _fill(journal)
+            assert journal.send([("MESSAGE", "a")]) and journal.send([("MESSAGE", "b")])
+            assert not journal.send([("MESSAGE", "c")])  # 3 held: the caller's plain line
+            assert journal.failures == 1
+            server.close()
+            Path(path).unlink()  # journald is gone: what waits is lost
+            while journal.backlog:
+                await asyncio.sleep(0.002)
+            assert journal.failures == 4
+        assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
+
+    asyncio.run(scenario())
+
+
+def test_closing_writes_what_waits_if_journald_takes_it_now(make: Make, tmp_path: Path) -> None:
+    async def scenario() -> None:
+        path = str(tmp_path / "socket")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        server.bind(path)
+        journal = make(path)
+        try:
+            sent = _fill(journal)
+            assert journal.send([("MESSAGE", "last")])
+            journal.close()  # nothing read yet: both held entries stay unwritten, counted
+            assert (journal.backlog, journal.failures) == (deque(), 2)
+            journal = make(path)
+            _read_all(server)
+            sent = _fill(journal)
+            assert len(_read_all(server)) == sent - 1  # room again, then close
+            journal.close()
+            assert _read_all(server) == [f"MESSAGE={sent - 1}\n".encode()]
+            assert journal.failures == 0
+        finally:
+            server.close()
+
+    asyncio.run(scenario())
