@@ -33,8 +33,10 @@ SOCKET = "/run/systemd/journal/socket"
 IDENTIFIER = "gpuslice"
 MAX_VALUE = 16 * 1024  # bytes of one value; longer ones are cut, ending in "..."
 MAX_ENTRY = 128 * 1024  # bytes of one datagram (journald reads up to its socket buffer)
-# Entries held while journald's queue is full; beyond, the caller's plain log line.
-MAX_BACKLOG = 10_000
+# Entries held while journald's queue is full (a burst of 200 starts decides ~1,000 times),
+# and their bytes; beyond either, the caller's plain log line.
+MAX_BACKLOG = 2_000
+MAX_BACKLOG_BYTES = 4 << 20
 RETRY_DELAY = 0.005  # seconds between tries to write the backlog
 # Field names as journald accepts them: A-Z, 0-9 and _, not starting with _ or a digit.
 FIELD_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}", re.ASCII)
@@ -104,6 +106,7 @@ class Journal:
         self._failing = False
         self._sock: socket.socket | None = None
         self.backlog: deque[bytes] = deque()  # taken, not yet written (journald lagged)
+        self._held = 0  # bytes in the backlog
         self._retry: asyncio.TimerHandle | None = None
 
     def send(self, fields: Fields) -> bool:
@@ -138,9 +141,10 @@ class Journal:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return False
-        if len(self.backlog) >= self.max_backlog:
+        if len(self.backlog) >= self.max_backlog or self._held + len(data) > MAX_BACKLOG_BYTES:
             return False
         self.backlog.append(data)
+        self._held += len(data)
         if self._retry is None:
             self._retry = loop.call_later(RETRY_DELAY, self._drain)
         return True
@@ -158,10 +162,11 @@ class Journal:
             except OSError as e:  # journald is gone: what waits is lost, and counted
                 lost = len(self.backlog)
                 self.backlog.clear()
+                self._held = 0
                 self.failures += lost - 1
                 self._failed(e)
                 return
-            self.backlog.popleft()
+            self._held -= len(self.backlog.popleft())
         self._works()
 
     def _failed(self, error: Exception) -> bool:
@@ -193,9 +198,10 @@ class Journal:
                 self._socket().sendto(self.backlog[0], self.path)
             except OSError:
                 break
-            self.backlog.popleft()
+            self._held -= len(self.backlog.popleft())
         self.failures += len(self.backlog)
         self.backlog.clear()
+        self._held = 0
         if self._sock is not None:
             self._sock.close()
             self._sock = None

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from gpuslice import journal as journal_module
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part
 from gpuslice.journal import Journal, decision_fields, encode
 
@@ -320,6 +321,32 @@ def test_closing_writes_what_waits_if_journald_takes_it_now(make: Make, tmp_path
             journal.close()
             assert _read_all(server) == [f"MESSAGE={sent - 1}\n".encode()]
             assert journal.failures == 0
+        finally:
+            server.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_backlog_is_bounded_in_bytes_too(
+    make: Make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal_module, "MAX_BACKLOG_BYTES", 3000)
+
+    async def scenario() -> None:
+        path = str(tmp_path / "socket")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        server.bind(path)
+        journal = make(path)
+        try:
+            _fill(journal)  # the one held is a few bytes
+            assert journal.send([("MESSAGE", "x" * 2000)])
+            assert not journal.send([("MESSAGE", "y" * 1000)])  # 3000 bytes would be passed
+            assert journal.send([("MESSAGE", "z" * 100)])
+            _read_all(server)
+            while journal.backlog:
+                _read_all(server)
+                await asyncio.sleep(0.002)
+            assert journal.send([("MESSAGE", "y" * 2500)])  # room again once written
         finally:
             server.close()
 
