@@ -252,41 +252,38 @@ def _read_all(server: socket.socket) -> list[bytes]:
             return out
 
 
-def test_a_lagging_journald_gets_every_entry_in_order_later(make: Make, tmp_path: Path) -> None:
+def test_a_lagging_journald_gets_every_entry_in_order_later(
+    make: Make, journald: tuple[str, socket.socket]
+) -> None:
     """EAGAIN within the event loop: the entry is taken and held, with those after it, and
     written, oldest first, as journald takes them: none lost, none without its fields."""
 
     async def scenario() -> None:
-        path = str(tmp_path / "socket")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        server.bind(path)
+        path, server = journald
+        server.settimeout(None)  # read with MSG_DONTWAIT, no timeout's wait
         journal = make(path)
-        try:
-            n = _fill(journal) + 200
-            for i in range(n - 200, n):
-                assert journal.send([("MESSAGE", f"{i}")])
-            assert len(journal.backlog) == 201 and journal.failures == 0
-            got: list[bytes] = []
-            deadline = asyncio.get_running_loop().time() + 10
-            while len(got) < n:
-                assert asyncio.get_running_loop().time() < deadline, len(got)
-                got += _read_all(server)
-                await asyncio.sleep(0.002)
-            assert got == [f"MESSAGE={i}\n".encode() for i in range(n)]
-            assert not journal.backlog and journal.failures == 0
-        finally:
-            server.close()
+        n = _fill(journal) + 200
+        for i in range(n - 200, n):
+            assert journal.send([("MESSAGE", f"{i}")])
+        assert len(journal.backlog) == 201 and journal.failures == 0
+        got: list[bytes] = []
+        deadline = asyncio.get_running_loop().time() + 10
+        while len(got) < n:
+            assert asyncio.get_running_loop().time() < deadline, len(got)
+            got += _read_all(server)
+            await asyncio.sleep(0.002)
+        assert got == [f"MESSAGE={i}\n".encode() for i in range(n)]
+        assert not journal.backlog and journal.failures == 0
 
     asyncio.run(scenario())
 
 
 def test_a_full_backlog_and_a_journald_gone_are_counted_and_said_once(
-    make: Make, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    make: Make, journald: tuple[str, socket.socket], caplog: pytest.LogCaptureFixture
 ) -> None:
     async def scenario() -> None:
-        path = str(tmp_path / "socket")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        server.bind(path)
+        path, server = journald
+        server.settimeout(None)  # read with MSG_DONTWAIT, no timeout's wait
         journal = make(path, max_backlog=3)
         with caplog.at_level(logging.WARNING, logger="gpuslice"):
             _fill(journal)
@@ -303,51 +300,45 @@ def test_a_full_backlog_and_a_journald_gone_are_counted_and_said_once(
     asyncio.run(scenario())
 
 
-def test_closing_writes_what_waits_if_journald_takes_it_now(make: Make, tmp_path: Path) -> None:
+def test_closing_writes_what_waits_if_journald_takes_it_now(
+    make: Make, journald: tuple[str, socket.socket]
+) -> None:
     async def scenario() -> None:
-        path = str(tmp_path / "socket")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        server.bind(path)
+        path, server = journald
+        server.settimeout(None)  # read with MSG_DONTWAIT, no timeout's wait
         journal = make(path)
-        try:
-            sent = _fill(journal)
-            assert journal.send([("MESSAGE", "last")])
-            journal.close()  # nothing read yet: both held entries stay unwritten, counted
-            assert (journal.backlog, journal.failures) == (deque(), 2)
-            journal = make(path)
-            _read_all(server)
-            sent = _fill(journal)
-            assert len(_read_all(server)) == sent - 1  # room again, then close
-            journal.close()
-            assert _read_all(server) == [f"MESSAGE={sent - 1}\n".encode()]
-            assert journal.failures == 0
-        finally:
-            server.close()
+        sent = _fill(journal)
+        assert journal.send([("MESSAGE", "last")])
+        journal.close()  # nothing read yet: both held entries stay unwritten, counted
+        assert (journal.backlog, journal.failures) == (deque(), 2)
+        journal = make(path)
+        _read_all(server)
+        sent = _fill(journal)
+        assert len(_read_all(server)) == sent - 1  # room again, then close
+        journal.close()
+        assert _read_all(server) == [f"MESSAGE={sent - 1}\n".encode()]
+        assert journal.failures == 0
 
     asyncio.run(scenario())
 
 
 def test_the_backlog_is_bounded_in_bytes_too(
-    make: Make, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make: Make, journald: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(journal_module, "MAX_BACKLOG_BYTES", 3000)
 
     async def scenario() -> None:
-        path = str(tmp_path / "socket")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        server.bind(path)
+        path, server = journald
+        server.settimeout(None)  # read with MSG_DONTWAIT, no timeout's wait
         journal = make(path)
-        try:
-            _fill(journal)  # the one held is a few bytes
-            assert journal.send([("MESSAGE", "x" * 2000)])
-            assert not journal.send([("MESSAGE", "y" * 1000)])  # 3000 bytes would be passed
-            assert journal.send([("MESSAGE", "z" * 100)])
+        _fill(journal)  # the one held is a few bytes
+        assert journal.send([("MESSAGE", "x" * 2000)])
+        assert not journal.send([("MESSAGE", "y" * 1000)])  # 3000 bytes would be passed
+        assert journal.send([("MESSAGE", "z" * 100)])
+        _read_all(server)
+        while journal.backlog:
             _read_all(server)
-            while journal.backlog:
-                _read_all(server)
-                await asyncio.sleep(0.002)
-            assert journal.send([("MESSAGE", "y" * 2500)])  # room again once written
-        finally:
-            server.close()
+            await asyncio.sleep(0.002)
+        assert journal.send([("MESSAGE", "y" * 2500)])  # room again once written
 
     asyncio.run(scenario())
