@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.cgroupcost import host_cgroup_cost
 from tests.bed.container import REPO, BedError, Container, ensure_tree, wait_until
 
 RESULTS_DIR = REPO / "bench-results"
@@ -785,7 +786,20 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cpu_model": model,
         "mem_gib": round(mem_kib / 1024 / 1024, 1),
+        **host_cgroup_cost(),
     }
+
+
+def describe_cgroup_cost(host: dict[str, Any]) -> str:
+    """One line for the table's header: what each process systemd spawns costs PID 1 here."""
+    if host.get("cgroup_move_ms") is None:
+        return "a cgroup move: not measured (no writable cgroup2)"
+    fdm = "on" if host["favordynmods"] else "off"
+    return (
+        f"a cgroup move (systemd < 256 makes one per process it spawns, PID 1 waiting): "
+        f"{host['cgroup_move_ms']:.2f} ms after an idle gap; cgroup2 favordynmods {fdm} "
+        "(bench/cgroupcost.py)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -807,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - t_start:6.1f} s] {text}", flush=True)
 
     t_start = time.monotonic()
+    host = machine()
+    log(describe_cgroup_cost(host))
     tree, timings = ensure_tree()
     log(f"tree {tree} (build {timings.build_s:.1f} s, unpack {timings.unpack_s:.1f} s)")
     rows: list[Row] = []
@@ -829,6 +845,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     print()
     print(f"gpuslice bench {started:%Y-%m-%d %H:%M} UTC, {'quick' if args.quick else 'full'} run")
+    print(describe_cgroup_cost(host))
     print(text)
     if "day" in raw:
         from bench.day import day_table
@@ -845,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": started.isoformat(timespec="seconds"),
         "mode": "quick" if args.quick else "full",
         "params": p.__dict__,
-        "machine": machine(),
+        "machine": host,
         "simulated": "scale and burst cases use virtual GPUs (config gpus: 8), no NVML",
         "rows": [r.to_json() for r in rows],
         "table": text,
