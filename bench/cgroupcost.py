@@ -42,21 +42,24 @@ def migration_ms(root: str, moves: int = 6, gap_s: float = 0.1) -> float:
     """Median milliseconds of moving a sleeping process between two new cgroups under
     `root`, `gap_s` apart (a grace period passes between moves, as between starts)."""
     dirs = [Path(root) / f"gpuslice-bench-{os.getpid()}-{x}" for x in "ab"]
-    for d in dirs:
-        d.mkdir()
-    sleeper = subprocess.Popen(["sleep", "60"])
+    sleeper: subprocess.Popen[bytes] | None = None
     took = []
-    try:
+    try:  # what was made is removed even when a mkdir or the spawn fails
+        for d in dirs:
+            d.mkdir()
+        sleeper = subprocess.Popen(["sleep", "60"])
         for i in range(moves):
             time.sleep(gap_s)
             t = time.perf_counter()
             (dirs[i % 2] / "cgroup.procs").write_text(str(sleeper.pid))
             took.append((time.perf_counter() - t) * 1000)
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
         for d in dirs:
-            for _ in range(50):  # a killed process leaves its cgroup a moment later
+            # a killed process leaves its cgroup a moment later
+            for _ in range(50 if d.exists() else 0):
                 try:
                     d.rmdir()
                     break
