@@ -473,8 +473,10 @@ class Controller:
             log.warning("%s", warning)
         self.config = config
         self.watch.reconfigure(config)
-        self.scheduler.yield_to_foreign = config.foreign_processes == "yield"
-        self.scheduler.requeue_at_gate = config.requeue_at_gate
+        self.scheduler.set_policy(
+            yield_to_foreign=config.foreign_processes == "yield",
+            requeue_at_gate=config.requeue_at_gate,
+        )
         logging.getLogger().setLevel(config.log_level.upper())
         self.watch.refresh()
         self.request_rescan()
@@ -483,7 +485,7 @@ class Controller:
         """Specs of plain units, and of the instances systemd shows or we remember (a
         preempted instance that systemd garbage-collected must still come back)."""
         specs = {n: s for n, s in self.scan.specs.items() if not is_template(n)}
-        names = set(self.tracker.states) | set(remembered) | set(self.scheduler.specs)
+        names = set(self.tracker.states) | set(remembered) | self.scheduler.annotated()
         for name in names:
             if is_instance(name) and name not in specs:
                 spec = self.spec_for(name)
@@ -745,7 +747,7 @@ class Controller:
 
     def _managed_units(self) -> set[str]:
         """Units whose GPU processes are not foreign: known, holding, or tracked."""
-        names = set(self.scheduler.specs) | set(self.scheduler.grants())
+        names = set(self.scheduler.annotated()) | set(self.scheduler.grants())
         return names | set(self.tracker.states)
 
     def _write_env(self, unit: str, gpus: Iterable[int]) -> None:

@@ -1089,6 +1089,26 @@ def test_without_requeue_at_gate_a_preempted_unit_is_restarted_once_its_gpus_are
     assert brief(sim.exit(VO)) == [f"start {V}"]
 
 
+def test_a_reload_turns_requeue_at_gate_on_for_the_next_preemption() -> None:
+    """set_policy (config.yaml reloaded) changes how the next preemption is brought back."""
+    sim = Sim(1, [VLM, VOICE])
+    sim.sched.set_policy(yield_to_foreign=True, requeue_at_gate=True)
+    sim.boot()
+    sim.settle()
+    sim.start(VO)
+    assert QUEUED in words(sim.settle())
+    assert sim.sched.waiting_units() == [V]
+    sim.sched.set_policy(yield_to_foreign=True, requeue_at_gate=False)
+    assert sim.sched.requeue_at_gate is False
+
+
+def test_annotated_names_the_units_with_a_spec_in_force() -> None:
+    sched = Scheduler([0], {V: VLM, VO: VOICE})
+    assert sched.annotated() == {V, VO}
+    sched.set_specs({VO: VOICE})
+    assert sched.annotated() == {VO}
+
+
 def test_a_requeue_whose_wait_at_the_gate_fails_comes_back_once_its_gpus_are_free() -> None:
     """A TimeoutStartSec= of the admin's ended the wait: it never ran, so it is still owed a
     comeback, the other way (and not queued at its gate again, or it would time out again)."""

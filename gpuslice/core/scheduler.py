@@ -715,6 +715,12 @@ class Scheduler:
                 actions.append(Resume(name, gpus, render(resume), resume))
         return actions
 
+    def set_policy(self, *, yield_to_foreign: bool, requeue_at_gate: bool) -> None:
+        """config.yaml's two policy switches, changed by a reload. Decides nothing: they
+        apply from the next `schedule`, which the reload's rescan runs."""
+        self.yield_to_foreign = yield_to_foreign
+        self.requeue_at_gate = requeue_at_gate
+
     def pause_refill(self, reason: str) -> None:
         """Hold background units back for `reason` (the GPUs are a guess: NVML is not ready
         yet), or let them start again with "". Decides nothing: the next `schedule` does."""
@@ -1365,6 +1371,10 @@ class Scheduler:
     def _set_specs(self, specs: Mapping[str, UnitSpec]) -> None:
         self.specs = dict(specs)
         self._background = {n: s for n, s in self.specs.items() if _refillable(s)}
+
+    def annotated(self) -> frozenset[str]:
+        """The units with an annotation in force (plain units and known instances)."""
+        return frozenset(self.specs)
 
     def grants(self) -> dict[str, frozenset[int]]:
         return {name: holder.gpus for name, holder in self.holders.items()}
