@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import hashlib
 import itertools
+import json
 import os
 import shlex
 import shutil
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 SUITE = "bookworm"
 # Every runtime dependency must be in the tree: the container has no network.
@@ -418,6 +419,12 @@ class Container:
         self.run(["journalctl", "--sync"], check=False)
         cmd = ["journalctl", "-b", "--no-pager", *(["-u", unit] if unit else []), *args]
         return self.run(cmd, check=False).stdout
+
+    def journal_entries(self, *matches: str) -> list[dict[str, Any]]:
+        """This boot's journal entries with every field, as journalctl's JSON, that match
+        `matches` (FIELD=VALUE, as journalctl takes them)."""
+        out = self.journal(None, "-o", "json", *matches)
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
 
     def write_file(self, path: str, text: str, mode: int = 0o644) -> None:
         """Write `text` to `path` inside, creating parent directories."""

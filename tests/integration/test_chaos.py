@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
+from gpuslice.core.decisions import Code
 from tests.bed.container import Container
 from tests.integration.jobs import describe, holding, reload, unit_states, write_job
 
@@ -299,11 +299,9 @@ def test_chaos_against_systemds_truth(container: Container) -> None:
             print(f"stopping early after {len(chaos.violations)} violations", flush=True)
             break
     took = time.monotonic() - started
-    journal = bed.journal(CTL)
-    chaos.counts["preemptions"] = len(re.findall(r": preempting ", journal))
-    chaos.counts["refills"] = len(
-        re.findall(r": (restarting preempted|starting background) ", journal)
-    )
+    decided = [e.get("GPUSLICE_DECISION") for e in bed.journal_entries(f"_SYSTEMD_UNIT={CTL}")]
+    chaos.counts["preemptions"] = decided.count(Code.PREEMPT.value)
+    chaos.counts["refills"] = decided.count(Code.REQUEUE.value) + decided.count(Code.REFILL.value)
     summary = ", ".join(f"{k} {v}" for k, v in sorted(chaos.counts.items()))
     print(
         f"chaos seed {SEED}: {chaos.cycle} cycles in {took:.0f} s, {chaos.samples} samples; "

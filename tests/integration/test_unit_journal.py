@@ -4,9 +4,6 @@ own journal (`journalctl -u UNIT`, `systemctl status UNIT`) with structured fiel
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from tests.bed.container import Container, wait_until
 from tests.integration.jobs import reload, wait_journal, wait_state, write_job
 
@@ -16,11 +13,6 @@ PREEMPT = "preempting bg.service (priority 90) for voice.service (priority 10) o
 WAITING = "voice.service waiting for bg.service (priority 90) to stop on GPU 0"
 GRANT = "starting voice.service (priority 10) on GPU 0"
 REQUEUE = "restarting preempted bg.service (priority 90) on GPU 0"
-
-
-def entries(bed: Container, *matches: str) -> list[dict[str, Any]]:
-    out = bed.journal(None, "-o", "json", *matches)
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
 def test_a_preemption_in_the_units_own_journals(container: Container) -> None:
@@ -47,7 +39,7 @@ def test_a_preemption_in_the_units_own_journals(container: Container) -> None:
     for line in (PREEMPT, WAITING, GRANT):
         assert story.count(line) == 1, story
 
-    preempts = entries(container, "GPUSLICE_DECISION=preempt")
+    preempts = container.journal_entries("GPUSLICE_DECISION=preempt")
     assert len(preempts) == 1, preempts
     entry = preempts[0]
     assert {k: entry.get(k) for k in _FIELDS} == {
@@ -63,10 +55,10 @@ def test_a_preemption_in_the_units_own_journals(container: Container) -> None:
         "_SYSTEMD_UNIT": "gpuslice.service",
         "_UID": "0",
     }
-    (grant,) = entries(container, "GPUSLICE_DECISION=grant", f"GPUSLICE_UNIT={VOICE}")
+    (grant,) = container.journal_entries("GPUSLICE_DECISION=grant", f"GPUSLICE_UNIT={VOICE}")
     assert grant["GPUSLICE_GPUS"] == "0"
     assert int(grant["GPUSLICE_WAITED_USEC"]) > 0  # it waited for bg to stop
-    (waited,) = entries(container, "GPUSLICE_DECISION=wait", f"GPUSLICE_UNIT={VOICE}")
+    (waited,) = container.journal_entries("GPUSLICE_DECISION=wait", f"GPUSLICE_UNIT={VOICE}")
     assert waited["GPUSLICE_CAUSE"] == "victims-stopping"
     assert waited["GPUSLICE_UNTIL"] == "the units named have stopped"
 
@@ -77,7 +69,8 @@ def test_a_preemption_in_the_units_own_journals(container: Container) -> None:
     held = "voice.service was stopped outside gpuslice: held until started again"
     wait_until(lambda: held in container.journal(VOICE), 20, what="the hold in voice's journal")
     wait_until(lambda: REQUEUE in container.journal(BG), 20, what="the requeue in bg's journal")
-    assert [e["GPUSLICE_UNIT"] for e in entries(container, "GPUSLICE_DECISION=hold")] == [VOICE]
+    held_units = [e["GPUSLICE_UNIT"] for e in container.journal_entries("GPUSLICE_DECISION=hold")]
+    assert held_units == [VOICE]
 
 
 _FIELDS = (
