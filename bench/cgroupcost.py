@@ -82,3 +82,15 @@ def host_cgroup_cost() -> dict[str, object]:
     except OSError:
         cost = None
     return {"cgroup2": mount.path, "favordynmods": mount.favordynmods, "cgroup_move_ms": cost}
+
+
+def describe_cgroup_cost(host: dict[str, object]) -> str:
+    """One line for the table's header: what each process systemd spawns costs PID 1 here."""
+    if host.get("cgroup_move_ms") is None:
+        return "a cgroup move: not measured (no writable cgroup2)"
+    fdm = "on" if host["favordynmods"] else "off"
+    return (
+        f"a cgroup move (systemd < 256 makes one per process it spawns, PID 1 waiting): "
+        f"{host['cgroup_move_ms']:.2f} ms after an idle gap; cgroup2 favordynmods {fdm} "
+        "(bench/cgroupcost.py)"
+    )

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.cgroupcost import host_cgroup_cost
+from bench.cgroupcost import describe_cgroup_cost, host_cgroup_cost
 from tests.bed.container import REPO, BedError, Container, ensure_tree, wait_until
 
 RESULTS_DIR = REPO / "bench-results"
@@ -788,18 +788,6 @@ def machine() -> dict[str, Any]:
         "mem_gib": round(mem_kib / 1024 / 1024, 1),
         **host_cgroup_cost(),
     }
-
-
-def describe_cgroup_cost(host: dict[str, Any]) -> str:
-    """One line for the table's header: what each process systemd spawns costs PID 1 here."""
-    if host.get("cgroup_move_ms") is None:
-        return "a cgroup move: not measured (no writable cgroup2)"
-    fdm = "on" if host["favordynmods"] else "off"
-    return (
-        f"a cgroup move (systemd < 256 makes one per process it spawns, PID 1 waiting): "
-        f"{host['cgroup_move_ms']:.2f} ms after an idle gap; cgroup2 favordynmods {fdm} "
-        "(bench/cgroupcost.py)"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

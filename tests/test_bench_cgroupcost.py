@@ -1,7 +1,6 @@
 """bench/cgroupcost.py: finding the cgroup2 mount and its favordynmods in mountinfo."""
 
-from bench.cgroupcost import Cgroup2, cgroup2_mount
-from bench.run import describe_cgroup_cost
+from bench.cgroupcost import Cgroup2, cgroup2_mount, describe_cgroup_cost
 
 HYBRID = (
     "30 25 0:27 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,name=systemd\n"
