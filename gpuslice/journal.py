@@ -152,22 +152,30 @@ class Journal:
     def _drain(self) -> None:
         """Write the backlog, oldest first, while journald takes it."""
         self._retry = None
+        error = self._write_backlog()
+        if error is None:
+            self._works()
+        elif isinstance(error, BlockingIOError):
+            self._retry = asyncio.get_running_loop().call_later(RETRY_DELAY, self._drain)
+        else:  # journald is gone: what waits is lost, and counted
+            self.failures += len(self.backlog) - 1
+            self._drop_backlog()
+            self._failed(error)
+
+    def _write_backlog(self) -> OSError | None:
+        """Send held entries, oldest first, until none is left (None) or one is refused
+        (the error; that entry and those after it stay held)."""
         while self.backlog:
             try:
                 self._socket().sendto(self.backlog[0], self.path)
-            except BlockingIOError:
-                loop = asyncio.get_running_loop()
-                self._retry = loop.call_later(RETRY_DELAY, self._drain)
-                return
-            except OSError as e:  # journald is gone: what waits is lost, and counted
-                lost = len(self.backlog)
-                self.backlog.clear()
-                self._held = 0
-                self.failures += lost - 1
-                self._failed(e)
-                return
+            except OSError as e:
+                return e
             self._held -= len(self.backlog.popleft())
-        self._works()
+        return None
+
+    def _drop_backlog(self) -> None:
+        self.backlog.clear()
+        self._held = 0
 
     def _failed(self, error: Exception) -> bool:
         self.failures += 1
@@ -193,15 +201,9 @@ class Journal:
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
-        while self.backlog:
-            try:
-                self._socket().sendto(self.backlog[0], self.path)
-            except OSError:
-                break
-            self._held -= len(self.backlog.popleft())
+        self._write_backlog()
         self.failures += len(self.backlog)
-        self.backlog.clear()
-        self._held = 0
+        self._drop_backlog()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
