@@ -297,6 +297,8 @@ class Controller:
 
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
         self.tracker.job_new(path, unit)
+        if self.ready and self.spec_for(unit) is not None:
+            self.gates.expect(unit)  # before its gate looks for its pipe
         if (
             self.ready
             and self.spec_for(unit) is not None

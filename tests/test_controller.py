@@ -1093,6 +1093,31 @@ def read_pipe(bed: Bed, unit: str) -> str:
         os.close(fd)
 
 
+def test_a_start_queued_for_an_annotated_unit_has_its_pipe_made_before_its_gate_runs(
+    tmp_path: Path,
+) -> None:
+    """JobNew comes before systemd spawns the gate: the pipe is made then (for units whose
+    starts the controller follows, once it is ready), so a unit's first start does not
+    find none and ask over D-Bus."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    gates = Path(bed.config.runtime_dir) / "gate"
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "a.service")  # not ready yet
+        assert not (gates / "a.service").exists()
+        await ctl.start()
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "a.service")
+        ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "plain.service")
+        assert sorted(p.name for p in gates.iterdir()) == ["a.service"]
+        assert not ctl.gates.holds("a.service")  # made, not opened
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        assert read_pipe(bed, "a.service") == START.hex() + "\n"
+
+    run(test)
+
+
 def test_a_grant_reaches_its_gate_before_its_journal_line_is_written(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

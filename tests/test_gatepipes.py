@@ -142,6 +142,57 @@ def test_a_gate_that_opens_its_pipe_first_waits_for_the_controller(
     assert not gate.asked_over_dbus()
 
 
+def test_a_pipe_made_when_the_start_is_queued_holds_the_gate_for_the_controller(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """JobNew comes before systemd spawns the gate: the pipe made then is there for the first
+    start of a unit too, which found none and asked over D-Bus before."""
+    pipes.expect(UNIT)
+    path = pipes.directory / UNIT
+    assert stat.S_ISFIFO(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(pipes.directory.stat().st_mode) == 0o700
+    assert not pipes.holds(UNIT)  # nothing opened: made only
+    gate = Gate(tmp_path, pipes)
+    assert gate.waits()
+    assert pipes.at_gate(UNIT, START)  # the start systemd shows at its gate
+    pipes.grant(UNIT)
+    assert gate.ended() == 0
+    assert not gate.asked_over_dbus()
+
+
+def test_without_a_pipe_made_ahead_the_first_start_asks_over_dbus(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """What expect() saves: a gate that looks before the controller made any pipe."""
+    pipes.directory.mkdir(parents=True)
+    gate = Gate(tmp_path, pipes)
+    gate.ended()
+    assert gate.asked_over_dbus()
+
+
+def test_making_a_pipe_ahead_leaves_what_is_there_alone(tmp_path: Path, pipes: GatePipes) -> None:
+    assert pipes.at_gate(UNIT, START)
+    pipes.expect(UNIT)  # held: the start at the gate keeps its pipe
+    assert pipes.holds(UNIT)
+    pipes.close_all()
+    pipes.expect(UNIT)  # an earlier start's pipe: kept
+    assert stat.S_ISFIFO((pipes.directory / UNIT).stat().st_mode)
+    (pipes.directory / "other.service").write_text("not a pipe")
+    pipes.expect("other.service")  # never replaced; at_gate sends its gate to the bus
+    assert (pipes.directory / "other.service").read_text() == "not a pipe"
+
+
+def test_a_pipe_that_cannot_be_made_ahead_is_said_at_debug_level_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "file").write_text("")
+    pipes = GatePipes(tmp_path / "file" / "gate")
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        pipes.expect(UNIT)  # never raises: its gate asks over D-Bus
+    assert [r.levelname for r in caplog.records] == ["DEBUG"]
+    assert "not made ahead" in caplog.records[0].getMessage()
+
+
 def test_a_line_for_another_start_sends_the_gate_to_dbus(tmp_path: Path, pipes: GatePipes) -> None:
     """A grant left in the pipe by a start that was cancelled never lets a later one through."""
     pipes.at_gate(UNIT, OTHER)

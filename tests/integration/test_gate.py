@@ -230,6 +230,32 @@ def test_a_start_is_let_through_its_pipe_and_every_start_of_it_runs(container: C
     assert mode.split() == ["700:directory", "600:fifo"], mode
 
 
+def test_the_first_start_of_a_unit_after_a_controller_start_goes_through_its_pipe(
+    container: Container,
+) -> None:
+    """No start has left a pipe since the controller started, yet the gate waits on one:
+    the controller makes it when systemd queues the start (JobNew), before the gate runs.
+    The start job here waits behind a slow unit ordered before it, so JobNew comes a second
+    before the gate (without the pipe made ahead, the gate asks over D-Bus)."""
+    container.write_file(
+        "/etc/systemd/system/slow.service", "[Service]\nType=oneshot\nExecStart=/bin/sleep 1\n"
+    )
+    write_job(container, WAITER, 20, extra_unit="Wants=slow.service\nAfter=slow.service")
+    reload(container)
+    container.systemctl("restart", CONTROLLER)  # its start-up removes every pipe
+    pipe = f"/run/gpuslice/gate/{WAITER}"
+    assert container.run(f"test -e {pipe}", check=False).returncode != 0
+    before = _answers(container)
+    container.systemctl("start", WAITER)
+    assert prop(container, WAITER, "ActiveState") == "active"
+    after = _answers(container)
+    assert (after["pipe"] - before["pipe"], after["dbus"] - before["dbus"]) == (1, 0), (
+        before,
+        after,
+        container.journal(CONTROLLER),
+    )
+
+
 def test_a_gate_on_its_pipe_when_the_controller_is_killed_starts_after_it_is_back(
     container: Container,
 ) -> None:
