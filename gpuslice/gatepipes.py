@@ -102,8 +102,6 @@ class GatePipes:
         Only for units whose starts the controller follows: a gate that finds a pipe waits
         until the controller opens it (at_gate) or sends it to the bus (at_gate_unknown),
         as for the pipe any earlier start left. Nothing is opened or held."""
-        if unit in self._open:
-            return
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.mkfifo(self.directory / unit, 0o600)
