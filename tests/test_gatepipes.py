@@ -170,6 +170,12 @@ def test_without_a_pipe_made_ahead_the_first_start_asks_over_dbus(
     assert gate.asked_over_dbus()
 
 
+def test_a_pipe_is_made_ahead_beside_the_pipes_of_other_units(pipes: GatePipes) -> None:
+    pipes.expect("other.service")
+    pipes.expect(UNIT)  # the directory is there already
+    assert sorted(p.name for p in pipes.directory.iterdir()) == [UNIT, "other.service"]
+
+
 def test_making_a_pipe_ahead_leaves_what_is_there_alone(tmp_path: Path, pipes: GatePipes) -> None:
     assert pipes.at_gate(UNIT, START)
     pipes.expect(UNIT)  # held: the start at the gate keeps its pipe
@@ -190,7 +196,8 @@ def test_a_pipe_that_cannot_be_made_ahead_is_said_at_debug_level_only(
     with caplog.at_level(logging.DEBUG, logger="gpuslice"):
         pipes.expect(UNIT)  # never raises: its gate asks over D-Bus
     assert [r.levelname for r in caplog.records] == ["DEBUG"]
-    assert "not made ahead" in caplog.records[0].getMessage()
+    said = caplog.records[0].getMessage()
+    assert said.startswith(f"gate pipe of {UNIT} not made ahead: [Errno 20] Not a directory"), said
 
 
 def test_a_line_for_another_start_sends_the_gate_to_dbus(tmp_path: Path, pipes: GatePipes) -> None:
