@@ -128,6 +128,16 @@ def test_ignore_policy_only_counts_foreign_memory() -> None:
     assert brief(s.set_gpus([gpu(0, foreign=10 * GIB, foreign_pids=(7,))])) == ["start bg.service"]
 
 
+def test_a_reload_to_the_yield_policy_makes_background_units_yield() -> None:
+    """set_policy (config.yaml's foreign_processes reloaded) applies from the next decision."""
+    bg = unit("bg", 90, 10, BG)
+    s = Scheduler([gpu(0)], {bg.name: bg}, yield_to_foreign=False)
+    settle_starts(s, list(s.schedule()))
+    s.set_policy(yield_to_foreign=True, requeue_at_gate=False)
+    actions = s.set_gpus([gpu(0, foreign=2 * GIB, foreign_pids=(4242,))])
+    assert brief(actions) == ["stop bg.service"]
+
+
 def test_lost_gpu_is_reported_and_its_holder_keeps_it() -> None:
     a = unit("a", 10, None)
     s = two_gpus(a)
