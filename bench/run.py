@@ -512,6 +512,7 @@ def analyse_burst(
         if code == "requeue":
             restarts += 1
         if code == "wait" and name in priorities:
+            kept.discard(name)  # its kept GPUs went to a more urgent unit: its grant decides
             waiting_since.setdefault(name, index)
             if cause == "victims-stopping":
                 being_served.add(name)

@@ -86,6 +86,20 @@ def test_gpus_kept_for_a_waiter_are_its_grant_decision() -> None:
     assert (out["priority_inversions"], out["grants_seen"]) == (0, 2)
 
 
+def test_a_waiter_whose_kept_gpus_went_to_a_more_urgent_unit_waits_again_until_granted() -> None:
+    """GPUs kept for a unit whose gate has not asked yet may go to a more urgent unit: the
+    unit waits again ("wait" after its "keep"), and its later grant ends that wait. The
+    analysis once skipped that grant as the kept one's and counted every later grant to a
+    less urgent unit as an inversion (142 in one burst of 2026-12-03, none real)."""
+    out = burst(
+        entry(100.1, "keep", "a.service"),
+        entry(100.15, "wait", "a.service", "gpus-busy"),  # its GPU went elsewhere
+        entry(100.2, "grant", "a.service"),  # decided now
+        entry(100.3, "grant", "b.service"),
+    )
+    assert (out["priority_inversions"], out["inversion_pairs"]) == (0, [])
+
+
 def test_a_handover_is_broken_down_by_the_journal_of_the_whole_container() -> None:
     """asked -> preempt decided -> systemd stopped the victim -> grant -> main runs, in ms;
     systemd's own entries carry their source's time, which is preferred."""
