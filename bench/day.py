@@ -315,7 +315,8 @@ class _UnitWalk:
 
 def walk(events: list[tuple[str, float, int | None]], t_end: float) -> _UnitWalk:
     """Runs begin at `start` (or `resume`) and end at `stop`, `pause`, `done` or the next
-    start; an item in hand at a stop before `t_end` is interrupted (at t_end: the day's end)."""
+    start (a run that said nothing after its `start` ends there: it held nothing); an item
+    in hand at a stop before `t_end` is interrupted (at t_end: the day's end)."""
     w = _UnitWalk()
     begun: Counter[int] = Counter()
     since: float | None = None  # the current run (or resumed stretch) began
@@ -334,15 +335,20 @@ def walk(events: list[tuple[str, float, int | None]], t_end: float) -> _UnitWalk
         if cut:
             item, pieces = None, []
 
+    spoke = False  # the current run said something after its start
     for kind, t, n in events:
         last = t
         if kind == "start":
             if since is not None:  # the previous run died without a word
-                close(t, cut=True)
-            since = t
+                # nothing said after its start: killed before the worker took SIGTERM, so
+                # before it held anything on the GPU (day_probe: the handler, then VRAM)
+                close(t if spoke else since, cut=True)
+            since, spoke = t, False
             w.starts.append(t)
             item, pieces = None, []
-        elif kind == "load":
+            continue
+        spoke = True
+        if kind == "load":
             w.loads += 1
         elif kind == "begin" and n is not None:
             begun[n] += 1

@@ -149,6 +149,16 @@ def test_a_run_that_died_without_a_word_ends_at_the_next_start() -> None:
     assert (w.interrupted, w.active) == (1, [(0, 3), (3, 3)])
 
 
+def test_a_run_killed_before_it_said_anything_after_its_start_never_held_the_gpu() -> None:
+    """bash stamps `start`, then execs the worker, which takes SIGTERM before anything else
+    and holds VRAM only after: a stop in between leaves no `stop` line. Such a run held
+    nothing, and is not a job on the GPU until the next start (the day of 2026-12-03 00:33
+    counted 3.8 s of "two jobs at once" for gpuslice from one: a refill preempted at once)."""
+    events = parse_log(log("start 0", "start 4", "load 4", "ready 5", "done 6"))
+    w = walk(events, t_end=10)
+    assert (w.interrupted, w.active) == (0, [(0, 0), (4, 6)])
+
+
 def test_spans_are_counted_once_and_only_within_the_window() -> None:
     assert union_s([(1, 3), (2, 4), (6, 7), (9, 12)], lo=0, hi=10) == pytest.approx(5)
     assert union_s([(1, 3), (1.5, 2)], lo=2, hi=10) == pytest.approx(1)
