@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bench.run import QUICK, analyse_burst, breakdown, decisions
+from bench.run import QUICK, analyse_burst, breakdown, burst_rows, decisions
 
 
 def entry(when: float, code: str, unit: str, cause: str = "") -> str:
@@ -98,6 +98,37 @@ def test_a_waiter_whose_kept_gpus_went_to_a_more_urgent_unit_waits_again_until_g
         entry(100.3, "grant", "b.service"),
     )
     assert (out["priority_inversions"], out["inversion_pairs"]) == (0, [])
+
+
+def _burst_stats(done_s: float, inversions: int, never: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        "units": 200,
+        "all_done_s": done_s,
+        "ideal_s": 5.0,
+        "never_ended": list(never),
+        "priority_inversions": inversions,
+        "fifo_inversions": 0,
+        "preemptions": 3,
+        "grants_while_a_more_urgent_unit_was_being_served": 0,
+        "max_concurrent": 8,
+        "enqueue_s": 2.2,
+    }
+
+
+def test_the_burst_is_judged_by_the_median_of_its_repetitions() -> None:
+    """One burst's time moves by a second between runs of the VM: the median of several is
+    judged, and an inversion in any one of them fails the inversions row."""
+    time_row, inversion_row = burst_rows(
+        [_burst_stats(7.9, 0), _burst_stats(5.9, 0), _burst_stats(5.8, 0)], QUICK
+    )
+    assert time_row.ratio == 5.9 / 5.0 and time_row.ok is True
+    assert "median of 3" in time_row.note
+    assert (inversion_row.gpuslice, inversion_row.ok) == (0.0, True)
+    time_row, inversion_row = burst_rows([_burst_stats(5.5, 0), _burst_stats(5.6, 2)], QUICK)
+    assert (inversion_row.gpuslice, inversion_row.ok) == (2.0, False)
+    assert "each: 0/2" in inversion_row.note
+    time_row, inversion_row = burst_rows([_burst_stats(5.5, 0, ("b.service",))], QUICK)
+    assert (time_row.ok, time_row.ratio, inversion_row.ok) == (False, None, False)
 
 
 def test_a_handover_is_broken_down_by_the_journal_of_the_whole_container() -> None:
