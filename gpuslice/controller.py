@@ -297,14 +297,11 @@ class Controller:
 
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
         self.tracker.job_new(path, unit)
-        if self.ready and self.spec_for(unit) is not None:
-            self.gates.expect(unit)  # before its gate looks for its pipe
-        if (
-            self.ready
-            and self.spec_for(unit) is not None
-            and self.scheduler.phase(unit) is None
-            and not self.scheduler.is_waiting(unit)
-        ):  # a start the scheduler does not know yet (not its own, not one at its gate)
+        if not self.ready or self.spec_for(unit) is None:
+            return
+        self.gates.expect(unit)  # before its gate looks for its pipe
+        if self.scheduler.phase(unit) is None and not self.scheduler.is_waiting(unit):
+            # a start the scheduler does not know yet (not its own, not one at its gate)
             seen = self.tracker.heard(unit)
             asyncio.get_running_loop().call_later(QUEUED_DELAY, self._queued, unit, job_id, seen)
 
