@@ -243,6 +243,9 @@ class Controller:
                 await self.systemd.watch(None)
             return
         for name in added:
+            # a gate waiting on a pipe an earlier start left, its start unseen while the unit
+            # was not matched, asks over D-Bus (a later signal names only later starts)
+            self.gates.at_gate_unknown(name)
             await self._refresh(name)
 
     def _rebuild(self) -> list[Action]:
@@ -299,7 +302,8 @@ class Controller:
         self.tracker.job_new(path, unit)
         if not self.ready or self.spec_for(unit) is None:
             return
-        self.gates.expect(unit)  # before its gate looks for its pipe
+        if self.systemd.watches(unit):  # else its gate's signal may not reach us: no pipe
+            self.gates.expect(unit)  # before its gate looks for its pipe
         if self.scheduler.phase(unit) is None and not self.scheduler.is_waiting(unit):
             # a start the scheduler does not know yet (not its own, not one at its gate)
             seen = self.tracker.heard(unit)
@@ -385,9 +389,12 @@ class Controller:
         no D-Bus round trip and no dbus-send. Told of a start at the gate without its
         InvocationID (a state read, not a signal), its gate is sent to D-Bus unless a signal
         names the start within GATE_UNSEEN_DELAY."""
-        if classify(self.tracker.state(name)) is not Kind.GATE:
+        kind = classify(self.tracker.state(name))
+        if kind is not Kind.GATE:
             if self.gates.close(name):
                 self.counters.gate_answers["pipe"] += 1
+            if kind is Kind.DOWN and is_instance(name):
+                self.gates.retire(name)  # instances' names are many: not one pipe each
         elif invocation is None:
             if not self.gates.holds(name):
                 loop = asyncio.get_running_loop()

@@ -110,6 +110,14 @@ class GatePipes:
         except OSError as e:  # its gate asks over D-Bus, or at_gate says why
             log.debug("gate pipe of %s not made ahead: %s", unit, e)
 
+    def retire(self, unit: str) -> None:
+        """The unit is down and its name may never come again (an instance such as
+        `transcribe@RECORDING`): remove its pipe, or /run would keep one for every instance
+        ever started until the controller restarts. A gate of a start that came meanwhile and
+        waits on it reads "-" and asks over D-Bus; the next start's JobNew makes a new one."""
+        self.close(unit)
+        self._to_the_bus(unit, "")
+
     def at_gate_unknown(self, unit: str) -> None:
         """Systemd shows the unit at its gate, but said nothing of which start (a state we
         read, not a signal): its gate, if it waits on the pipe, asks over the bus."""

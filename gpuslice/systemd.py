@@ -347,6 +347,13 @@ class Systemd:
         self._watching = None
         await self.call("Subscribe")
 
+    def watches(self, unit: str) -> bool:
+        """Whether the unit's PropertiesChanged reach us: its rule (or every unit's) was in
+        place before any message read from now on was routed (`_watching` changes only once
+        the bus daemon has answered the AddMatch). So a start whose JobNew is handled now
+        will be seen at its gate."""
+        return self._watching is None or unit in self._watching
+
     async def watch(self, units: Collection[str] | None) -> list[str]:
         """Receive the PropertiesChanged of these units only; of every unit when None or more
         than MAX_UNIT_RULES. The new rules are added before the old ones go, so no unit

@@ -379,7 +379,9 @@ def test_only_the_units_watched_are_heard_and_every_unit_again_on_demand(
 
     async def scenario() -> None:
         systemd, owner, seen = await adapter(bus_address)
+        assert systemd.watches("b.service")  # every unit's, until told
         assert await systemd.watch({"a.service", "marker.service"}) == []  # all heard before
+        assert systemd.watches("a.service") and not systemd.watches("b.service")
         owner.send(properties_changed("a.service", "active"))
         owner.send(properties_changed("b.service", "active"))
         owner.send(manager_signal("JobNew", "uos", [7, "/j/7", "b.service"]))
@@ -394,6 +396,7 @@ def test_only_the_units_watched_are_heard_and_every_unit_again_on_demand(
         assert [e[1] for e in await seen.after(owner) if e[0] == "unit"] == ["b.service"]
         many = {f"u{i}.service" for i in range(MAX_UNIT_RULES + 1)}
         assert await systemd.watch(many) == []  # every unit's still: no rule per unit
+        assert systemd.watches("b.service")
         assert await systemd.watch({"marker.service"}) == []
         # from one unit to every unit's: the others were not heard until now
         assert await systemd.watch(many) == sorted(many)

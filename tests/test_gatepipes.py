@@ -200,6 +200,21 @@ def test_a_pipe_that_cannot_be_made_ahead_is_said_at_debug_level_only(
     assert said.startswith(f"gate pipe of {UNIT} not made ahead: [Errno 20] Not a directory"), said
 
 
+def test_retiring_a_pipe_removes_it_and_sends_a_gate_waiting_on_it_to_dbus(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """An instance that went down gives its pipe up: a gate of a start that came meanwhile
+    and waits on it asks over D-Bus, and nothing is left in the directory."""
+    gate = blocked_in_open(tmp_path, pipes)
+    pipes.retire(UNIT)
+    assert gate.ended() == 0 and gate.asked_over_dbus()
+    assert list(pipes.directory.iterdir()) == []
+    pipes.retire(UNIT)  # none left: nothing to do, nothing raised
+    assert pipes.at_gate(UNIT, START)  # held, then retired: let go of too
+    pipes.retire(UNIT)
+    assert not pipes.holds(UNIT) and list(pipes.directory.iterdir()) == []
+
+
 def test_a_line_for_another_start_sends_the_gate_to_dbus(tmp_path: Path, pipes: GatePipes) -> None:
     """A grant left in the pipe by a start that was cancelled never lets a later one through."""
     pipes.at_gate(UNIT, OTHER)

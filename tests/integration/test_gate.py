@@ -256,6 +256,34 @@ def test_the_first_start_of_a_unit_after_a_controller_start_goes_through_its_pip
     )
 
 
+def test_an_instances_pipe_goes_when_it_is_down_and_its_next_start_has_one_again(
+    container: Container,
+) -> None:
+    """Instances' names are many (`transcribe@RECORDING`): each one's pipe is removed once it
+    is down, and made again when systemd queues its next start."""
+    container.write_file(
+        "/etc/systemd/system/slow.service", "[Service]\nType=oneshot\nExecStart=/bin/sleep 1\n"
+    )
+    write_job(container, "tx@.service", 20, extra_unit="Wants=slow.service\nAfter=slow.service")
+    reload(container)
+    unit, pipe = "tx@a.service", "/run/gpuslice/gate/tx@a.service"
+    for _ in range(2):
+        before = _answers(container)
+        container.systemctl("start", unit)
+        assert prop(container, unit, "ActiveState") == "active"
+        after = _answers(container)
+        assert (after["pipe"] - before["pipe"], after["dbus"] - before["dbus"]) == (1, 0), (
+            before,
+            after,
+        )
+        container.systemctl("stop", unit)
+        wait_until(
+            lambda: container.run(f"test -e '{pipe}'", check=False).returncode != 0 or None,
+            20,
+            what=f"{pipe} removed",
+        )
+
+
 def test_a_gate_on_its_pipe_when_the_controller_is_killed_starts_after_it_is_back(
     container: Container,
 ) -> None:
