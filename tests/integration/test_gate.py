@@ -214,6 +214,23 @@ def _make_pipe(bed: Container, unit: str) -> None:
     raise AssertionError(f"no pipe for {unit} after 3 starts: {bed.journal(CONTROLLER)}")
 
 
+def _slow_unit(bed: Container) -> None:
+    """slow.service: a unit to order a start behind, so that its JobNew comes a second
+    before its gate runs."""
+    bed.write_file(
+        "/etc/systemd/system/slow.service", "[Service]\nType=oneshot\nExecStart=/bin/sleep 1\n"
+    )
+
+
+def _start_counting_answers(bed: Container, unit: str) -> tuple[int, int]:
+    """Start the unit (it must run); how its gate was let through: (pipe, D-Bus) answers."""
+    before = _answers(bed)
+    bed.systemctl("start", unit)
+    assert prop(bed, unit, "ActiveState") == "active"
+    after = _answers(bed)
+    return after["pipe"] - before["pipe"], after["dbus"] - before["dbus"]
+
+
 def test_a_start_is_let_through_its_pipe_and_every_start_of_it_runs(container: Container) -> None:
     write_job(container, WAITER, 20, seconds=0)
     reload(container)
@@ -237,23 +254,13 @@ def test_the_first_start_of_a_unit_after_a_controller_start_goes_through_its_pip
     the controller makes it when systemd queues the start (JobNew), before the gate runs.
     The start job here waits behind a slow unit ordered before it, so JobNew comes a second
     before the gate (without the pipe made ahead, the gate asks over D-Bus)."""
-    container.write_file(
-        "/etc/systemd/system/slow.service", "[Service]\nType=oneshot\nExecStart=/bin/sleep 1\n"
-    )
+    _slow_unit(container)
     write_job(container, WAITER, 20, extra_unit="Wants=slow.service\nAfter=slow.service")
     reload(container)
     container.systemctl("restart", CONTROLLER)  # its start-up removes every pipe
     pipe = f"/run/gpuslice/gate/{WAITER}"
     assert container.run(f"test -e {pipe}", check=False).returncode != 0
-    before = _answers(container)
-    container.systemctl("start", WAITER)
-    assert prop(container, WAITER, "ActiveState") == "active"
-    after = _answers(container)
-    assert (after["pipe"] - before["pipe"], after["dbus"] - before["dbus"]) == (1, 0), (
-        before,
-        after,
-        container.journal(CONTROLLER),
-    )
+    assert _start_counting_answers(container, WAITER) == (1, 0), container.journal(CONTROLLER)
 
 
 def test_an_instances_pipe_goes_when_it_is_down_and_its_next_start_has_one_again(
@@ -261,21 +268,12 @@ def test_an_instances_pipe_goes_when_it_is_down_and_its_next_start_has_one_again
 ) -> None:
     """Instances' names are many (`transcribe@RECORDING`): each one's pipe is removed once it
     is down, and made again when systemd queues its next start."""
-    container.write_file(
-        "/etc/systemd/system/slow.service", "[Service]\nType=oneshot\nExecStart=/bin/sleep 1\n"
-    )
+    _slow_unit(container)
     write_job(container, "tx@.service", 20, extra_unit="Wants=slow.service\nAfter=slow.service")
     reload(container)
     unit, pipe = "tx@a.service", "/run/gpuslice/gate/tx@a.service"
     for _ in range(2):
-        before = _answers(container)
-        container.systemctl("start", unit)
-        assert prop(container, unit, "ActiveState") == "active"
-        after = _answers(container)
-        assert (after["pipe"] - before["pipe"], after["dbus"] - before["dbus"]) == (1, 0), (
-            before,
-            after,
-        )
+        assert _start_counting_answers(container, unit) == (1, 0)
         container.systemctl("stop", unit)
         wait_until(
             lambda: container.run(f"test -e '{pipe}'", check=False).returncode != 0 or None,
