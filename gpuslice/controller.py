@@ -876,7 +876,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     except ConfigError as e:
         _journal_logging("info")
         log.error("%s", e)
-        return 78  # EX_CONFIG: systemd shows it; Restart=on-failure retries
+        return 78  # EX_CONFIG: systemd shows it; the unit's RestartPreventExitStatus= ends there
     _journal_logging(config.log_level)
     for warning in warnings:
         log.warning("%s", warning)
