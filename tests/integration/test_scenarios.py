@@ -338,11 +338,11 @@ def test_a_start_job_queued_behind_another_unit_preempts_before_its_gate_runs(
 ) -> None:
     """voice-pipeline's start job waits for a slow unit it is ordered after (After=): systemd
     announces the job at once, and the controller stops the background unit then, not when
-    the gate runs 6 s later; a `systemctl stop` of an inactive urgent unit stops nothing."""
+    the gate runs 10 s later; a `systemctl stop` of an inactive urgent unit stops nothing."""
     write_job(container, VLM, 90, "background")
     container.write_file(
         "/etc/systemd/system/slow-prep.service",
-        "[Service]\nType=oneshot\nExecStart=/bin/sleep 6\n",
+        "[Service]\nType=oneshot\nExecStart=/bin/sleep 10\n",
     )
     write_job(container, VOICE, 10, extra_unit="Wants=slow-prep.service\nAfter=slow-prep.service")
     reload(container)
@@ -354,7 +354,7 @@ def test_a_start_job_queued_behind_another_unit_preempts_before_its_gate_runs(
     container.systemctl("stop", VOICE)  # a stop job for an inactive unit: nothing moves
     always_for(vlm_runs, 1.0)
     container.systemctl("start", "--no-block", VOICE)
-    wait_state(container, VLM, "inactive", timeout=4)  # the prep still runs
+    wait_state(container, VLM, "inactive", timeout=7)  # the prep still runs
     assert prop(container, "slow-prep.service", "ActiveState") == "activating"
     assert prop(container, VOICE, "SubState") == "dead"  # its start job still waits
     wait_state(container, VOICE, "active", timeout=15)
