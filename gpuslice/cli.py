@@ -214,13 +214,20 @@ def _reason(e: Exception) -> str:
     type=click.Path(),
     help="The gpuslice configuration file.",
 )
+@click.option(
+    "--config-only",
+    is_flag=True,
+    help="Check only the configuration file (gpuslice.service's ExecReload= runs this).",
+)
 @click.option("--root", default="/", show_default=True, hidden=True)
-def check(files: tuple[str, ...], config_path: str, root: str) -> None:
+def check(files: tuple[str, ...], config_path: str, config_only: bool, root: str) -> None:
     """Validate config.yaml and unit annotations; exit 1 on any error.
 
     Without FILES, checks the configuration and every installed unit. With FILES, checks
     those unit files (and any .yaml file as a gpuslice configuration).
     """
+    if config_only and files:
+        raise click.UsageError("--config-only takes no FILES")
     # (severity, line) in the order found
     messages: list[tuple[str, str]] = []
 
@@ -253,7 +260,7 @@ def check(files: tuple[str, ...], config_path: str, root: str) -> None:
             why = _reason(e)
         if why is not None:
             error(f"{printable(path)}: cannot read: {why}")
-    if not files:
+    if not files and not config_only:
         try:
             result = scan(root)
             messages += [(p.severity, str(p)) for p in result.problems]
@@ -265,7 +272,10 @@ def check(files: tuple[str, ...], config_path: str, root: str) -> None:
         click.echo(printable(f"{severity}: {text}", 2000), err=True)
     if any(severity == "error" for severity, _ in messages):
         raise SystemExit(1)
-    click.echo(f"ok: {checked} annotated unit(s) checked, {len(messages)} warning(s)")
+    if config_only:
+        click.echo(f"ok: {printable(config_path)}, {len(messages)} warning(s)")
+    else:
+        click.echo(f"ok: {checked} annotated unit(s) checked, {len(messages)} warning(s)")
 
 
 def _device_access_problems(root: Path) -> list[str]:

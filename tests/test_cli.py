@@ -176,6 +176,29 @@ def test_check_prints_the_scans_warnings(tmp_path: Path, monkeypatch: pytest.Mon
     )
 
 
+def test_check_config_only_reads_no_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ExecReload= runs: a unit's problem must not fail `systemctl reload gpuslice`."""
+    broken = Problem("/etc/systemd/system/a.service", 2, "", "an error", "error", "a")
+    monkeypatch.setattr("gpuslice.cli.scan", lambda root: Scan(problems=[broken]))
+    config = tmp_path / "config.yaml"
+    config.write_text("gpus: 2\n")
+    assert check("--config-only", "--config", str(config), "--root", str(tmp_path)) == (
+        0,
+        [f"ok: {config}, 0 warning(s)"],
+    )
+    config.write_text("gpus: banana\n")
+    assert check("--config-only", "--config", str(config)) == (
+        1,
+        [f'error: {config}:1: gpus: invalid value "banana" (allowed: an integer 1-1024)'],
+    )
+
+
+def test_check_config_only_takes_no_files(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["check", "--config-only", str(tmp_path / "x.service")])
+    assert result.exit_code == 2
+    assert "--config-only takes no FILES" in result.output
+
+
 def test_check_names_nvidia_nodes_the_sandbox_would_refuse(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

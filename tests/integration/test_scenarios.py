@@ -262,16 +262,25 @@ def test_cancelled_wait_leaves_no_reservation(container: Container) -> None:
 
 
 def test_bad_config_on_reload_keeps_the_last_good_one(container: Container) -> None:
+    """`systemctl reload gpuslice` fails on a file the controller would reject, saying why,
+    and the controller is not disturbed; a SIGHUP that gets through anyway (the file changed
+    after the check) keeps the last good configuration."""
     container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\n")
     container.systemctl("restart", "gpuslice.service")
     assert len(status(container)["gpus"]) == 2
+    pid = prop(container, "gpuslice.service", "MainPID")
     container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\nlog_level: loud\n")
-    container.systemctl("reload", "gpuslice.service")
-    wait_journal(
-        container,
-        '/etc/gpuslice/config.yaml:2: log_level: invalid value "loud" '
-        "(allowed: debug, info, warning, error)",
+    said = '/etc/gpuslice/config.yaml:2: log_level: invalid value "loud" ' + (
+        "(allowed: debug, info, warning, error)"
     )
+    reload = container.systemctl("reload", "gpuslice.service", check=False)
+    assert reload.returncode != 0, reload
+    wait_journal(container, f"error: {said}")  # `journalctl -u gpuslice` says why
+    assert "keeping the last good" not in container.journal("gpuslice.service")  # no SIGHUP
+    assert prop(container, "gpuslice.service", "ActiveState") == "active"
+    assert prop(container, "gpuslice.service", "MainPID") == pid
+    container.systemctl("kill", "--signal=HUP", "gpuslice.service")
+    wait_journal(container, f"keeping the last good configuration: {said}")
     assert prop(container, "gpuslice.service", "ActiveState") == "active"
     assert len(status(container)["gpus"]) == 2
     check = container.run(["gpuslice", "check"], check=False)
