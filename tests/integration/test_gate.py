@@ -143,13 +143,13 @@ def test_controller_that_cannot_run_keeps_waiters_waiting(container: Container) 
     container.run(f"cp {config} /run/config.good && echo 'gpus: banana' > {config}")
     broke = time.monotonic()
     container.systemctl("restart", CONTROLLER, check=False)  # fails: exit 78, not retried
-
-    def given_up() -> bool:
-        return prop(container, CONTROLLER, "ActiveState") == "failed"
-
     # Failed at once, not after systemd's start limit: that takes 5 tries within 10 s, which a
     # slow machine (over 2 s to start Python twice) never reaches (CI once saw 35 tries).
-    wait_until(given_up, 30, what=f"{CONTROLLER} to fail")
+    wait_until(
+        lambda: prop(container, CONTROLLER, "ActiveState") == "failed",
+        30,
+        what=f"{CONTROLLER} to fail",
+    )
     print(f"bad config -> failed: {time.monotonic() - broke:.1f} s")
     assert prop(container, CONTROLLER, "ExecMainStatus") == "78"
     assert prop(container, CONTROLLER, "NRestarts") == "0"

@@ -270,7 +270,8 @@ def test_bad_config_on_reload_keeps_the_last_good_one(container: Container) -> N
     assert len(status(container)["gpus"]) == 2
     pid = prop(container, "gpuslice.service", "MainPID")
     container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\nlog_level: loud\n")
-    said = '/etc/gpuslice/config.yaml:2: log_level: invalid value "loud" ' + (
+    said = (
+        '/etc/gpuslice/config.yaml:2: log_level: invalid value "loud" '
         "(allowed: debug, info, warning, error)"
     )
     reload = container.systemctl("reload", "gpuslice.service", check=False)
