@@ -352,7 +352,9 @@ class Controller:
         if state is None:
             return
         self.on_unit_changed(
-            unit, {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")}
+            unit,
+            {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")},
+            read=True,
         )
 
     async def _read_fresh(self, unit: str, seen: int) -> UnitState | None:
@@ -367,7 +369,7 @@ class Controller:
             return None
         return state if self.tracker.heard(unit) == seen else None
 
-    def on_unit_changed(self, name: str, props: dict[str, Any]) -> None:
+    def on_unit_changed(self, name: str, props: dict[str, Any], *, read: bool = False) -> None:
         spec = self.spec_for(name)
         if spec is None:
             if self.gates.holds(name) and props.get("SubState", "start-pre") != "start-pre":
@@ -379,7 +381,7 @@ class Controller:
             return
         self.scheduler.learn(spec)
         with self._batched():
-            for change in self.tracker.unit_changed(name, props):
+            for change in self.tracker.unit_changed(name, props, read=read):
                 self._apply(change)
             self._follow_gate(name, props.get("InvocationID"))
 
@@ -416,7 +418,7 @@ class Controller:
             if self.watch.available and self.scheduler.phase(name) is not None:
                 # VRAM release: what NVML still shows of it now counts against its GPUs
                 self.watch.refresh(released=name)
-            self.execute(self.scheduler.inactive(name, change.outcome))
+            self.execute(self.scheduler.inactive(name, change.outcome, by_itself=change.by_itself))
             self.service.forget(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))

@@ -66,8 +66,12 @@ def bound_for_gate(state: UnitState) -> bool:
 
 @dataclass(frozen=True)
 class WentDown:
+    """`by_itself`: it left running with no job of anyone's (its main process ended), so a
+    stop of ours that came after took nothing from it: its work is done, not cut."""
+
     unit: str
     outcome: Outcome
+    by_itself: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ class Tracker:
         self._signals: dict[str, int] = {}  # signals seen per unit (to drop stale reads)
         self._answers: dict[str, int] = {}  # answers to our calls about it, read in order
         self._job_paths: dict[str, str] = {}  # unit -> the job path its last signal named
+        self._by_itself: set[str] = set()  # left running with no job since its gate
 
     # -- systemd's signals ----------------------------------------------------------------
 
@@ -149,8 +154,10 @@ class Tracker:
         self._count(unit)
         return True
 
-    def unit_changed(self, name: str, props: Mapping[str, Any]) -> list[Change]:
-        """A unit's ActiveState/SubState/Job changed (a signal, or a read of them)."""
+    def unit_changed(
+        self, name: str, props: Mapping[str, Any], *, read: bool = False
+    ) -> list[Change]:
+        """A unit's ActiveState/SubState/Job changed (a signal, or a `read` of them)."""
         if not self.managed(name):
             return []
         self._count(name)
@@ -165,7 +172,20 @@ class Tracker:
         self.states[name] = state
         if job is not None:
             self._job_paths[name] = job[1]
+        if job is not None and not read:  # only a signal tells what came first
+            self._note_leaving(old, state)
         return self._judge(state)
+
+    def _note_leaving(self, old: UnitState, new: UnitState) -> None:
+        """The unit stops running: by a job announced since its gate (a stop, ours or
+        anyone's), or by itself (its main process ended: no job, or only a oneshot's start
+        job still running). Systemd signals each change as it happens, so a stop job of
+        ours that reaches a unit already down (or in its ExecStopPost=) finds it there."""
+        if classify(old) is not Kind.RUNNING or classify(new) is Kind.RUNNING:
+            return
+        path = self._job_paths.get(new.name, "/")
+        if new.job_id == 0 or (path != "/" and path not in self._unit_jobs.get(new.name, ())):
+            self._by_itself.add(new.name)
 
     def _our_stop_ends(self, state: UnitState) -> bool:
         """The unit is down and the job it still shows is our stop, about to end: down for
@@ -187,11 +207,14 @@ class Tracker:
             if self._in_flight.get(name):
                 self._deferred.add(name)  # decide once we know which of its jobs are ours
                 return []
+            outcome = self.outcome(state)
+            # one that auto-restarts has not ended: a stop of ours is what ends it
+            by_itself = name in self._by_itself and state.sub != "auto-restart"
+            self._by_itself.discard(name)  # said of this run only
             if phase is None and not self.ledger.waiting(name) and not self.stopped_by_others(name):
                 return []
-            outcome = self.outcome(state)
             self.passed_gate(name)
-            return [WentDown(name, outcome)]
+            return [WentDown(name, outcome, by_itself)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
             return [ReachedGate(name)]
         if kind is not Kind.RUNNING:
@@ -245,6 +268,7 @@ class Tracker:
         for path in self._unit_jobs.pop(unit, set()):
             self._own_jobs.pop(path, None)
         self._stop_results.pop(unit, None)
+        self._by_itself.discard(unit)
 
     def stopped_by_others(self, name: str) -> bool:
         return any(path not in self._own_jobs for path in self._unit_jobs.get(name, ()))
@@ -254,7 +278,7 @@ class Tracker:
             return Outcome.FAILED
         if self.shutting_down:
             return Outcome.SHUTDOWN
-        if self.stopped_by_others(state.name):
+        if self.stopped_by_others(state.name) and state.name not in self._by_itself:
             return Outcome.STOPPED
         return Outcome.EXITED
 

@@ -186,6 +186,7 @@ class Sim:
         self.pending_stops: list[str] = []  # Stop issued, unit not yet inactive
         self.start_after_stop: set[str] = set()  # a person started it while it stopped
         self.stops: list[StopRecord] = []  # every Stop that preempts, in order
+        self.stopped_to_give_way: set[str] = set()  # its Stop preempts it or yields
         self.victims_of: dict[str, set[str]] = {}  # waiter -> its victims not yet inactive
         self.preempted: dict[str, int] = {}  # stopped by gpuslice -> when; until started again
         self.held: set[str] = set()  # stopped by a person
@@ -269,6 +270,26 @@ class Sim:
         elif outcome is Outcome.FAILED:
             self.failed.add(name)
         return self._feed(self.sched.inactive(name, outcome))
+
+    def ends_before_its_stop(self) -> list[str]:
+        """Units gpuslice is stopping (to preempt them, or to yield to a foreign process)
+        whose main process may still end by itself before the stop takes effect."""
+        return [
+            n
+            for n in self.pending_stops
+            if n in self.running and n not in self.frozen and n in self.stopped_to_give_way
+        ]
+
+    def exit_while_stopping(self, name: str, outcome: Outcome = Outcome.EXITED) -> list[Action]:
+        """A unit being stopped by gpuslice ends by itself first (its main process exited,
+        or it was in its ExecStopPost= already): the stop job finds it down. Its work is done
+        (or failed): it is never owed a comeback."""
+        assert name in self.ends_before_its_stop(), name
+        self.pending_stops.remove(name)
+        del self.running[name]
+        self._went_out(name)
+        (self.finished if outcome is Outcome.EXITED else self.failed).add(name)
+        return self._feed(self.sched.inactive(name, outcome, by_itself=True))
 
     def stop(self, name: str) -> list[Action]:
         """`systemctl stop NAME` by a person (a stop job gpuslice did not issue)."""
@@ -578,6 +599,7 @@ class Sim:
             ladder.pop(name, None)  # a suspended unit stopped by hand is held like any other
         self.suspend_failed.discard(name)
         self.unfreezable.discard(name)
+        self.stopped_to_give_way.discard(name)
         self.at_gate.discard(name)
         self.announced.discard(name)
         self.told_to_wait.discard(name)
@@ -754,6 +776,8 @@ class Sim:
             raise InvariantError(f"Stop {stop.unit}, which is not active")
         self.pending_stops.append(stop.unit)
         d = stop.decision
+        if d is not None and d.code in (Code.PREEMPT, Code.YIELD):
+            self.stopped_to_give_way.add(stop.unit)
         if d is None or stop.reason != render(d):
             raise InvariantError(f"Stop {stop.unit} without its decision, or other words: {stop}")
         self.frozen.pop(stop.unit, None)  # stopped: whatever froze it no longer matters

@@ -184,6 +184,13 @@ class HostMachine(RuleBasedStateMachine):
         if running:
             self.sim.exit(running[index % len(running)], outcome)
 
+    @rule(index=st.integers(0, 7), outcome=EXITS)
+    def unit_exits_before_its_stop(self, index: int, outcome: Outcome) -> None:
+        """Its main process ends by itself while gpuslice's stop of it is on its way."""
+        ending = self.sim.ends_before_its_stop()
+        if ending:
+            self.sim.exit_while_stopping(ending[index % len(ending)], outcome)
+
     @rule(index=st.integers(0, 7))
     def person_stops(self, index: int) -> None:
         self.sim.stop(self._unit(index))

@@ -510,6 +510,27 @@ def test_requeue_no_words() -> None:
     assert brief(sim.exit(VO)) == []
 
 
+def test_a_unit_that_ends_by_itself_while_it_is_stopped_is_done_not_owed_a_comeback() -> None:
+    """Its main process ended before our stop took effect (or it was in its ExecStopPost=):
+    finished (or failed), never restarted as a preempted unit; the waiter gets its GPU."""
+    for outcome, said in (
+        (Outcome.EXITED, "vlm-analysis.service finished: released GPU 0"),
+        (Outcome.FAILED, "vlm-analysis.service failed: gpuslice will not start it by itself"),
+    ):
+        sim = Sim(1, [VLM, VOICE])
+        sim.boot()
+        sim.settle()
+        assert brief(sim.start(VO)) == [f"stop {V}"]
+        ended = sim.exit_while_stopping(V, outcome)
+        assert words(ended)[0].startswith(said)
+        assert brief(ended) == [f"grant {VO} 0"]
+        assert brief(sim.exit(VO)) == []  # not restarted: its work is done
+        snap = sim.sched.snapshot()
+        assert snap.preempted == [] and V in (
+            snap.finished if outcome is Outcome.EXITED else snap.failed
+        )
+
+
 # -- a person's stop and start while gpuslice's own jobs run ---------------------------------
 
 

@@ -100,6 +100,141 @@ def test_a_unit_that_ends_by_itself_finished_and_one_that_fails_failed() -> None
     assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
 
 
+def running_being_stopped() -> tuple[Model, Tracker]:
+    """A, seen running past its gate, which the scheduler now stops: our StopUnit is sent."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    assert tracker.unit_changed(A, props_of("activating", "start", 0)) == []
+    assert tracker.unit_changed(A, props_of("active", "running", 0)) == []  # runs on
+    model.phases[A] = Phase.STOPPING
+    tracker.call_sent(A)
+    return model, tracker
+
+
+def test_a_unit_that_left_running_with_no_job_ended_by_itself_though_our_stop_came_after() -> None:
+    """Systemd signals each change as it happens: a unit whose main process ended shows
+    deactivating (its ExecStopPost=) or inactive with no job before our stop job reaches
+    it. Its work is done: `by_itself`, whichever way it goes down after."""
+    # in its ExecStopPost= when our stop job comes, which waits for it
+    _, tracker = running_being_stopped()
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-post", 0)) == []
+    tracker.job_new(JOB1, A)
+    assert tracker.call_queued(A, JOB1, "stop") is False
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-post", 1)) == []
+    down = tracker.unit_changed(A, props_of("inactive", "dead", 1))
+    assert down == [WentDown(A, Outcome.EXITED, by_itself=True)]
+    # down before our StopUnit answered: decided once it has, still by itself
+    _, tracker = running_being_stopped()
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []
+    tracker.job_new(JOB1, A)
+    assert tracker.call_queued(A, JOB1, "stop") is True
+    assert tracker.job_removed(JOB1, A, "done") is True
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [
+        WentDown(A, Outcome.EXITED, by_itself=True)
+    ]
+    # a oneshot: its start job runs while it does, until it is down, and is no stop
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("activating", "start", 1))
+    model.phases[A] = Phase.STOPPING
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-post", 1)) == []
+    tracker.job_removed(JOB1, A, "failed")
+    assert tracker.unit_changed(A, props_of("failed", "failed", 0)) == [
+        WentDown(A, Outcome.FAILED, by_itself=True)
+    ]
+    # someone's `systemctl start` of it while it ran (a job that did nothing) stopped nothing
+    _, tracker = running_being_stopped()
+    tracker.job_new(JOB2, A)
+    tracker.job_removed(JOB2, A, "done")
+    tracker.call_answered(A, JOB1, "stop")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.EXITED, by_itself=True)
+    ]
+
+
+def test_a_unit_left_running_by_a_job_or_restarting_did_not_end_by_itself() -> None:
+    # our stop: the unit leaves running with our stop job
+    _, tracker = running_being_stopped()
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "stop")
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 1)) == [WentDown(A, Outcome.EXITED)]
+    # someone else's stop while ours is on its way: a hold, as before
+    _, tracker = running_being_stopped()
+    tracker.job_new(JOB2, A)
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2)) == []
+    tracker.call_answered(A, None, "stop")
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+    # Restart=: systemd would start it again, and our stop is what ends it
+    _, tracker = running_being_stopped()
+    tracker.call_answered(A, JOB1, "stop")
+    restart = props_of("activating", "auto-restart", 0)
+    assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
+    # a job named without its path: not known to be none of ours
+    _, tracker = running_being_stopped()
+    tracker.call_answered(A, JOB1, "stop")
+    assert tracker.unit_changed(A, props("deactivating", "stop-sigterm", 1)) == []
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
+
+
+def test_a_read_of_a_unit_cannot_tell_it_ended_by_itself() -> None:
+    """A read (after signals were lost) shows where the unit is, not what came first:
+    the stop of ours it went down with counts, and it stays owed its comeback."""
+    _, tracker = running_being_stopped()
+    tracker.call_answered(A, JOB1, "stop")
+    down = tracker.unit_changed(A, props_of("inactive", "dead", 0), read=True)
+    assert down == [WentDown(A, Outcome.EXITED)]
+    # nor does a change that names no job
+    _, tracker = running_being_stopped()
+    tracker.call_answered(A, JOB1, "stop")
+    down = tracker.unit_changed(A, {"ActiveState": "inactive", "SubState": "dead"})
+    assert down == [WentDown(A, Outcome.EXITED)]
+
+
+def test_ending_by_itself_is_forgotten_when_the_unit_starts_again() -> None:
+    """Down by itself while our stop was on its way (decided at its answer), but started
+    again and past its gate before that answer came: the next run is its own."""
+    _, tracker = running_being_stopped()
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []  # deferred
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("activating", "start-pre", 2))
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.call_answered(A, None, "stop")
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "stop")
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 1)) == [WentDown(A, Outcome.EXITED)]
+
+
+def test_ending_by_itself_is_said_of_one_run_only() -> None:
+    """A unit that ended by itself while nobody followed it, then was started and stopped
+    by someone before its gate, is held: the earlier run's end says nothing of this one."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    model.phases.pop(A)
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []
+    model.waiters.add(A)
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, props_of("inactive", "dead", 1))
+    tracker.job_new(JOB2, A)
+    tracker.job_removed(JOB1, A, "canceled")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+
+
 def test_down_while_our_call_is_in_flight_waits_for_its_answer() -> None:
     """Which jobs are ours is known only once StopUnit answers: decide after it."""
     tracker = our_stop_sent()
@@ -230,11 +365,11 @@ def test_our_stop_told_as_its_answer_is_read_decides_the_signals_after_it_at_onc
 
 
 def props_of(active: str, sub: str, job: int) -> dict[str, object]:
-    """As systemd's signals name the job: with its path."""
+    """As systemd's signals name the job: with its path ("/" for none)."""
     return {
         "ActiveState": active,
         "SubState": sub,
-        "Job": [job, f"/org/freedesktop/systemd1/job/{job}"],
+        "Job": [job, f"/org/freedesktop/systemd1/job/{job}" if job else "/"],
     }
 
 

@@ -430,8 +430,12 @@ class Scheduler:
                 return False
         return True
 
-    def inactive(self, name: str, outcome: Outcome) -> list[Action]:
-        """The unit is inactive or failed (or its waiting start job was cancelled)."""
+    def inactive(self, name: str, outcome: Outcome, *, by_itself: bool = False) -> list[Action]:
+        """The unit is inactive or failed (or its waiting start job was cancelled).
+
+        `by_itself`: it ended with no stop of anyone's (its main process exited), though we
+        may have been stopping it: its work is done (or failed) and is not owed a comeback;
+        restarting it would run a finished job again."""
         actions: list[Action] = []
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
@@ -448,7 +452,7 @@ class Scheduler:
             outcome = Outcome.STOPPED
         if waiter is not None and holder is None:
             actions.append(_log(_about(waiter.spec, Code.CANCELLED)))
-        if holder is not None and holder.phase is Phase.STOPPING:
+        if holder is not None and holder.phase is Phase.STOPPING and not by_itself:
             spec = self.specs.get(name, holder.spec)
             self.preempted[name] = self.out_since[name]
             if not spec.requeue:

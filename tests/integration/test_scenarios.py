@@ -11,6 +11,7 @@ from pathlib import Path
 from tests.bed.container import Container, wait_until
 from tests.integration.jobs import (
     always_for,
+    describe,
     holders,
     main_pid,
     prop,
@@ -402,3 +403,31 @@ def test_with_requeue_at_gate_a_preempted_unit_waits_at_its_gate_in_systemds_job
     assert holders(container) == {0: [VLM]}
     journal = container.journal("gpuslice.service")
     assert "restarting preempted vlm-analysis.service (priority 90) on GPU 0" in journal
+
+
+def test_a_unit_that_ended_by_itself_is_finished_though_a_stop_of_ours_came_after(
+    container: Container,
+) -> None:
+    """A unit whose main process ended by itself has done its work, even while its
+    ExecStopPost= still runs when a more urgent start preempts it: systemd lets the stop-post
+    finish (the stop job only waits for it), the urgent unit runs after it, and the unit
+    counts as finished, never restarted later as a preempted unit would be."""
+    post = "upload-results.service"
+    write_job(container, post, 50, seconds=1, extra_service="ExecStopPost=/bin/sleep 4")
+    write_job(container, VOICE, 10, seconds=1)
+    reload(container)
+    container.systemctl("start", post)
+    wait_sub(container, post, "stop-post")  # its work is done; it uploads
+    container.systemctl("start", "--no-block", VOICE)
+    wait_journal(container, f"preempting {post} (priority 50) for {VOICE}")
+    wait_state(container, VOICE, "active", timeout=15)
+    wait_journal(container, f"{post} finished: released GPU 0")
+    wait_state(container, VOICE, "inactive")
+
+    def not_restarted() -> None:
+        assert prop(container, post, "ActiveState") == "inactive", describe(container, [post])
+
+    always_for(not_restarted, 3.0)
+    assert start_count(container, post) == 1
+    assert post in status(container)["finished"]
+    assert status(container)["preempted"] == []
