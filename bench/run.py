@@ -552,6 +552,8 @@ def analyse_burst(
     ]
     n = len(priorities)
     ideal = math.ceil(n / SCALE_GPUS) * p.burst_hold_s
+    # a unit's last start stamped after the end it first stamped: a finished job run again
+    ran_again = sorted(u for u, s in starts.items() if u in result["ends"] and s > ends[u])
     return {
         "units": n,
         "all_done_s": max(ends.values()) - t0,
@@ -565,6 +567,7 @@ def analyse_burst(
         "never_ended": result["never_ended"],
         "preemptions": preemptions,
         "preempted_restarts": restarts,
+        "finished_then_run_again": ran_again,
         "requests_seen": len(requested),
         "grants_seen": len(granted),
         "gate_delivery_ms": Figure([d * 1000 for d in delivery]).to_json() if delivery else None,
@@ -751,7 +754,9 @@ def burst_rows(stats: list[dict[str, Any]], p: Params) -> list[Row]:
             note=f"most in one of {len(stats)} bursts; each: {each('priority_inversions')}; "
             f"FIFO inversions {each('fifo_inversions')}; never ran {len(never)}; "
             f"preemptions {each('preemptions')}; grants while a more urgent unit's victims "
-            f"were stopping {each('grants_while_a_more_urgent_unit_was_being_served')}",
+            f"were stopping {each('grants_while_a_more_urgent_unit_was_being_served')}; "
+            "finished units run again "
+            + "/".join(str(len(st.get("finished_then_run_again", []))) for st in stats),
         ),
     ]
 

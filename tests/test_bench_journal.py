@@ -33,6 +33,22 @@ def burst(*lines: str) -> dict[str, Any]:
     return analyse_burst(result, "\n".join(lines), {"a.service": 10, "b.service": 50}, QUICK)
 
 
+def test_a_finished_unit_started_again_is_counted() -> None:
+    """Each start stamp overwrites the last, and the first end seen is kept: a last start
+    after that end is a finished job run again (what a stop that came after its end did)."""
+    assert burst()["finished_then_run_again"] == []
+    result = {
+        "t0": 100.0,
+        "enqueued": 100.01,
+        "never_ended": [],
+        "starts": {"a.service": 100.3, "b.service": 101.2},
+        "ends": {"a.service": 100.5, "b.service": 100.4},
+        "gate_began": {},
+    }
+    out = analyse_burst(result, "", {"a.service": 10, "b.service": 50}, QUICK)
+    assert out["finished_then_run_again"] == ["b.service"]
+
+
 def test_decisions_are_read_from_their_fields_in_journal_order() -> None:
     journal = "\n".join(
         [
@@ -127,6 +143,7 @@ def test_the_burst_is_judged_by_the_median_of_its_repetitions() -> None:
     time_row, inversion_row = burst_rows([_burst_stats(5.5, 0), _burst_stats(5.6, 2)], QUICK)
     assert (inversion_row.gpuslice, inversion_row.ok) == (2.0, False)
     assert "each: 0/2" in inversion_row.note
+    assert "finished units run again 0/0" in inversion_row.note
     time_row, inversion_row = burst_rows([_burst_stats(5.5, 0, ("b.service",))], QUICK)
     assert (time_row.ok, time_row.ratio, inversion_row.ok) == (False, None, False)
 
