@@ -80,6 +80,7 @@ def case_burst(old: Container, new: Container, reps: int, units: int) -> None:
                 "controller_cpu_s": cpu,
                 "preemptions": st["preemptions"],
                 "inversions": st["priority_inversions"],
+                "run_again": len(st["finished_then_run_again"]),
             }
             rows[key].append(row)
             print(key, rep, {k: round(v, 2) for k, v in row.items()}, flush=True)
@@ -88,7 +89,8 @@ def case_burst(old: Container, new: Container, reps: int, units: int) -> None:
             f"{key}: burst of {n} among {units} units, median of {reps}: "
             f"{_median(got, 'done_s')} s (ideal 5.0), controller CPU "
             f"{_median(got, 'controller_cpu_s')} s, preemptions {_median(got, 'preemptions')}, "
-            f"inversions {max(r['inversions'] for r in got)}"
+            f"inversions {max(r['inversions'] for r in got)}, finished units run again "
+            + "/".join(str(r["run_again"]) for r in got)
         )
 
 
