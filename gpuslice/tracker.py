@@ -173,17 +173,16 @@ class Tracker:
         if job is not None:
             self._job_paths[name] = job[1]
         if job is not None and not read:  # only a signal tells what came first
-            self._note_leaving(old, state)
+            self._note_leaving(old, state, job[1])
         return self._judge(state)
 
-    def _note_leaving(self, old: UnitState, new: UnitState) -> None:
+    def _note_leaving(self, old: UnitState, new: UnitState, path: str) -> None:
         """The unit stops running: by a job announced since its gate (a stop, ours or
         anyone's), or by itself (its main process ended: no job, or only a oneshot's start
         job still running). Systemd signals each change as it happens, so a stop job of
         ours that reaches a unit already down (or in its ExecStopPost=) finds it there."""
         if classify(old) is not Kind.RUNNING or classify(new) is Kind.RUNNING:
             return
-        path = self._job_paths.get(new.name, "/")
         if new.job_id == 0 or (path != "/" and path not in self._unit_jobs.get(new.name, ())):
             self._by_itself.add(new.name)
 

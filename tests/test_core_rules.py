@@ -1179,6 +1179,48 @@ def test_a_requeue_that_fails_before_its_gate_asks_comes_back_once_its_gpus_are_
     assert brief(sched.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
 
 
+def test_a_place_kept_on_a_gpu_a_reload_tells_it_to_avoid_is_not_given_at_its_gate() -> None:
+    """A background unit was started onto GPU 0, where a process gpuslice does not manage
+    runs, before a reload turned `yield_to_foreign` on; its gate asks before the reload's
+    pass: it is not granted GPU 0, and waits saying why."""
+    sched = Scheduler([0], {V: VLM})
+    sched.set_policy(yield_to_foreign=False, requeue_at_gate=False)
+    assert brief(sched.schedule()) == [f"start {V}"]
+    assert brief(sched.set_gpus([Gpu(0, foreign_pids=(4242,))])) == []
+    sched.set_policy(yield_to_foreign=True, requeue_at_gate=False)
+    acts = sched.request(VLM)
+    assert brief(acts) == [] and sched.is_waiting(V)
+    assert "only 0 of this host's GPUs may run it" in words(acts)[0]
+
+
+def test_a_place_kept_on_a_gpu_that_is_gone_is_not_given_at_its_gate() -> None:
+    """Two background units started onto GPUs 0 and 1; GPU 1 leaves the host's list (a
+    reload to `gpus: 1`) before vlm's gate asks: it waits for GPU 0."""
+    w = spec("w", 80, BG)
+    sched = Scheduler([0, 1], {V: VLM, w.name: w})
+    assert brief(sched.schedule()) == ["start w.service", f"start {V}"]
+    assert sched.grants()[V] == frozenset({1})
+    assert brief(sched.set_gpus([Gpu(0)])) == []
+    acts = sched.request(VLM)
+    assert brief(acts) == [] and sched.is_waiting(V)
+    assert words(acts) == [f"{V} waiting: GPU 0 held by w.service, priority 80"]
+
+
+def test_a_failed_wait_is_forgotten_once_the_unit_runs_again() -> None:
+    """After its wait failed, the unit came back by a plain start and ran: preempted once
+    more, it waits at its gate again."""
+    sched = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    sched.schedule()
+    sched.request(VLM)
+    sched.request(VOICE)
+    assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
+    assert _codes(sched.inactive(V, Outcome.FAILED)) == ["requeue-failed"]
+    assert brief(sched.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
+    assert brief(sched.request(VLM)) == [f"grant {V} 0"]
+    assert brief(sched.request(VOICE)) == [f"stop {V}"]
+    assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
+
+
 def test_a_requeue_whose_wait_failed_loses_its_place_to_units_waiting_at_their_gates() -> None:
     """`first` comes back to its gate and its wait fails; `second`, preempted later, waits at
     its gate: a GPU that frees goes to `second`, and `first` is restarted at the next."""
@@ -1253,6 +1295,17 @@ def test_a_start_of_ours_that_a_restarted_controller_cannot_find_is_sent_again_o
     assert again.start_lost("other.service") == []
     assert again.start_lost("nobody.service") == []
     assert brief(again.request(VLM)) == [f"grant {V} 0"]
+
+
+def test_a_start_of_ours_that_ended_is_not_taken_for_a_persons_start_after_it() -> None:
+    """Our refill of V ended before its gate asked (a failed condition, say); a person's
+    start of V, its GPU kept for it, is someone's: not saved as ours to send again."""
+    sched = Scheduler([0], {V: VLM})
+    assert brief(sched.schedule()) == [f"start {V}"]
+    sched.inactive(V, Outcome.FAILED)
+    sched.announce(VLM)
+    assert sched.phase(V) is Phase.STARTING
+    assert sched.save().started == []
 
 
 def test_a_start_whose_gate_asked_is_no_longer_one_to_send_again() -> None:
