@@ -620,6 +620,34 @@ def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
     assert messages(caplog) == []
 
 
+def test_a_victim_whose_end_only_a_read_tells_is_preempted_and_comes_back(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service's signals were lost: a read after its stop job ended shows it down with no
+    job, which cannot tell that it ended by itself, so it counts as preempted (owed its
+    comeback), not finished."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert ("stop", "low.service") in bed.systemd.calls
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
+        await past_refresh_delay()
+        assert bed.systemd.reads[-1] == "low.service"
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert ctl.scheduler.snapshot().preempted == [("low.service", 90, True)]
+        ctl.on_unit_changed("urgent.service", {"ActiveState": "active", "SubState": "running"})
+        ctl.on_unit_changed("urgent.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "low.service")
+
+    run(test)
+
+
 async def past(delay: float) -> None:
     """A timer of the controller's set `delay` ahead has fired, and what it spawned ran."""
     await asyncio.sleep(delay * 2)
