@@ -21,12 +21,13 @@ def entry(when: float, code: str, unit: str, cause: str = "") -> str:
     return json.dumps(fields)
 
 
-def burst(*lines: str) -> dict[str, Any]:
+def burst(*lines: str, b_started: float = 100.2) -> dict[str, Any]:
+    """Two units' burst; b.service's last start stamp is `b_started`."""
     result = {
         "t0": 100.0,
         "enqueued": 100.01,
         "never_ended": [],
-        "starts": {"a.service": 100.3, "b.service": 100.2},
+        "starts": {"a.service": 100.3, "b.service": b_started},
         "ends": {"a.service": 100.5, "b.service": 100.4},
         "gate_began": {"a.service": 100.05, "b.service": 100.15},
     }
@@ -37,16 +38,7 @@ def test_a_finished_unit_started_again_is_counted() -> None:
     """Each start stamp overwrites the last, and the first end seen is kept: a last start
     after that end is a finished job run again (what a stop that came after its end did)."""
     assert burst()["finished_then_run_again"] == []
-    result = {
-        "t0": 100.0,
-        "enqueued": 100.01,
-        "never_ended": [],
-        "starts": {"a.service": 100.3, "b.service": 101.2},
-        "ends": {"a.service": 100.5, "b.service": 100.4},
-        "gate_began": {},
-    }
-    out = analyse_burst(result, "", {"a.service": 10, "b.service": 50}, QUICK)
-    assert out["finished_then_run_again"] == ["b.service"]
+    assert burst(b_started=101.2)["finished_then_run_again"] == ["b.service"]
 
 
 def test_decisions_are_read_from_their_fields_in_journal_order() -> None:
