@@ -339,7 +339,8 @@ class Sim:
     def restart(self) -> list[Action]:
         """The controller restarts. A fresh Scheduler loads the saved state; running units
         are adopted on their saved GPUs (those being stopped as such), every gate still
-        waiting queues, and units caught between suspend and resume are resumed (`recover`:
+        waiting and every start job still queued (but gpuslice's own, whose place is saved)
+        queues, and units caught between suspend and resume are resumed (`recover`:
         the adapter's work in flight reported to the old controller), all before anything is
         decided (the controller's rebuild). A gate that asks late may find its unit started
         by refill meanwhile: systemd merges that start into its job. What the old controller
@@ -360,10 +361,12 @@ class Sim:
                 victims.discard(name)  # no longer on its way out for anyone
         self.pending_suspends.clear()
         self.pending_resumes.clear()
-        # start jobs the old controller saw before their gates asked: the new one learns of
-        # them when their gates ask
+        # start jobs queued, their gates not yet asking: the new controller sees them in
+        # systemd's queue and queues them with the gates, as its rebuild does
+        # (tracker.bound_for_gate), but for the starts of its own it saved (their places kept)
         self.announced.clear()
-        gates = sorted(self.at_gate)
+        queued = {n for n in self.pending_starts if self.sched.phase(n) is None}
+        gates = sorted(self.at_gate | queued)
         self.at_gate.clear()
         adopted: list[Action] = []
         with self.sched.deferred():  # as the controller's rebuild: take in all, decide once

@@ -578,6 +578,25 @@ def test_a_unit_granted_while_a_request_was_known_is_not_stopped_for_it() -> Non
     assert brief(sim.exit("big.service")) == ["grant b.service 0"]
 
 
+def test_a_place_kept_and_taken_back_keeps_the_units_arrival() -> None:
+    """A background unit started by refill, moved back to waiting for a more urgent start,
+    given a place again and moved back again is still known since its first start: a unit
+    granted in between is not stopped for it (the thrash rule), even once that unit's
+    priority is lowered below it."""
+    bg = spec("bg", 20, BG)
+    a, c, d = spec("a", 10), spec("c", 10), spec("d", 10)
+    sim = Sim(2, [bg, a, c, d])
+    assert brief(sim.boot()) == ["start bg.service"]  # GPU 0, its gate not asking yet
+    assert brief(sim.start("a.service")) == ["grant a.service 1"]  # after bg was known
+    assert brief(sim.start("c.service")) == ["grant c.service 0"]  # bg waits again
+    assert brief(sim.exit("c.service")) == []  # GPU 0 kept for bg
+    assert brief(sim.start("d.service")) == ["grant d.service 0"]  # bg waits again
+    lowered = [bg, spec("a", 50), c, d]
+    assert brief(sim.annotate(lowered)) == []  # a was granted while bg was known
+    reason = sim.sched.snapshot().waiting[0][2]
+    assert "held by a.service, priority 50 (granted while this unit was known" in reason, reason
+
+
 def test_the_thrash_rule_is_said_in_the_waiters_reason() -> None:
     a, b = spec("a", 10, mem_gib=20), spec("b", 50, mem_gib=8)
     s = Scheduler([sized(0, foreign=10 * GIB)], {})

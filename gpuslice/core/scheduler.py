@@ -897,10 +897,14 @@ class Scheduler:
             if found is not None and not found.victims:
                 gpus = found.gpus
                 del self.waiters[spec.name]
-                phase = Phase.RUNNING if waiter.asked else Phase.STARTING
-                holder = Holder(spec, frozenset(gpus), phase, self._next())
                 if waiter.asked:
+                    holder = Holder(spec, frozenset(gpus), Phase.RUNNING, self._next())
                     holder.granted = holder.seq
+                else:
+                    # a place kept keeps its arrival: moved back to waiting (_displace), it
+                    # is still known since then, for its place in the queue and for the
+                    # thrash rule (what was granted after it arrived stays protected from it)
+                    holder = Holder(spec, frozenset(gpus), Phase.STARTING, waiter.seq)
                 self.holders[spec.name] = holder
                 self._tops_cache = None
                 if waiter.asked:
