@@ -29,7 +29,7 @@ it wait (null when unknown); `decision` is its `reason` as data (null when not y
               "for_priority": int|null, "gpus": [int], "cause": str, "parts": [PART],
               "need_gpus": int, "need_memory": int|null, "available": int|null,
               "detail": str|null}
-  PART = {"kind": "victim"|"held"|"stopping"|"memory"|"kept", "gpus": [int],
+  PART = {"kind": "victim"|"held"|"stopping"|"memory"|"kept"|"suspended", "gpus": [int],
           "unit": str|null, "priority": int|null, "free": int|null, "refused": bool,
           "granted_after": bool, "overdue": str|null}
 `cause` is "paused" (background units wait for the driver: `detail` says why),
@@ -38,7 +38,8 @@ it wait (null when unknown); `decision` is its `reason` as data (null when not y
 "gpus-busy" (each usable GPU's part: `held` by a unit it may not preempt, `refused` when that
 unit's stop was refused, `granted_after` when it was granted after this waiter was known
 and so is not preempted for it: the thrash rule; `stopping` for another waiter; `memory`:
-`free` bytes of declared memory left; `kept` for an earlier waiter of the same priority).
+`free` bytes of declared memory left; `kept` for an earlier waiter of the same priority;
+`suspended` (added later): kept for `unit`, suspended and more urgent, until it comes back).
 gpuslice/core/decisions.py defines every code, cause and kind.
 Added later, for `gpuslice metrics` (absent from older controllers):
   "priorities": {unit: int} for the units in held, finished and failed that are annotated;

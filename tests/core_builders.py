@@ -61,7 +61,7 @@ needs: strict order, no backfill).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuslice.core.decisions import Code, render
@@ -558,10 +558,22 @@ class Sim:
             and n not in self.failed
         }
 
-    def could_fit_alone(self, unit: UnitSpec) -> bool:
-        """Whether the unit fits on this host with nothing else running."""
-        usable = [g for g in self.devices.values() if self._may_use(unit, g)]
+    def could_fit_alone(self, unit: UnitSpec, besides: Collection[int] = ()) -> bool:
+        """Whether the unit fits on this host with nothing else running (on GPUs but
+        `besides`)."""
+        usable = [
+            g for g in self.devices.values() if self._may_use(unit, g) and g.index not in besides
+        ]
         return len(usable) >= unit.gpus
+
+    def _rooms_kept_from(self, unit: UnitSpec) -> set[int]:
+        """The GPUs of suspended units more urgent than it: their room is kept from it."""
+        return {
+            g
+            for other, on in self.suspended.items()
+            if other in self.annotations and self.annotations[other].priority < unit.priority
+            for g in on
+        }
 
     def _fits_alone_on(self, unit: UnitSpec, gpus: Iterable[int]) -> bool:
         """Whether the unit fits on these GPUs with nothing else running."""
@@ -760,6 +772,17 @@ class Sim:
 
     def _can_come_back(self, gpus: Iterable[int]) -> bool:
         return all(g in self.devices and not self.devices[g].lost for g in gpus)
+
+    def _behind_one_that_cannot_come_back(self, name: str) -> bool:
+        """A suspended unit ahead of it, on a GPU of its, whose own GPUs no longer fit it."""
+        gpus = set(self.suspended[name])
+        return any(
+            self._resume_key(other) < self._resume_key(name)
+            and gpus & set(on)
+            and not self._fits_alone_on(self.annotations[other], on)
+            for other, on in self.suspended.items()
+            if other != name and other in self.annotations
+        )
 
     def _resume_key(self, name: str) -> tuple[int, int]:
         unit = self.annotations.get(name)
@@ -1074,7 +1097,7 @@ class Sim:
         for name in sorted(self.at_gate):
             unit = self.annotations[name]
             behind = sum(1 for p in waiting if p <= unit.priority) > 1
-            if self.could_fit_alone(unit) and not behind:
+            if self.could_fit_alone(unit, besides=self._rooms_kept_from(unit)) and not behind:
                 raise InvariantError(f"{name} still waits on an idle host it fits on")
             told = [a.message for a in self.actions if isinstance(a, Log)]
             if not any(m.startswith(f"{name} waiting: ") for m in told):
@@ -1089,12 +1112,15 @@ class Sim:
         )
         if forgotten:
             raise InvariantError(f"preempted, Requeue=yes, never brought back: {forgotten}")
-        # likewise every suspended unit that fits on its own GPUs of an idle host is back
+        # likewise every suspended unit that fits on its own GPUs of an idle host is back,
+        # but one behind a suspended unit that cannot come back (foreign memory where it
+        # was): they come back in order, the room of those ahead kept (no backfill)
         stuck = sorted(
             n
             for n, gpus in self.suspended.items()
             if self._fits_alone_on(self.annotations[n], gpus)
             and not any(p < self.annotations[n].priority for p in waiting)
+            and not self._behind_one_that_cannot_come_back(n)
         )
         if stuck:
             raise InvariantError(f"suspended, never resumed on an idle host: {stuck}")

@@ -171,6 +171,76 @@ def test_a_failed_freeze_leaves_it_running_beside_and_is_not_tried_again() -> No
     assert brief(s.request(voice2)) == [f"grant {voice2.name} 0"]
 
 
+def test_a_waiter_kept_out_by_a_suspended_unit_is_told_which() -> None:
+    """A suspended unit that cannot come back yet (a process gpuslice does not manage took
+    memory where it was) keeps its room from less urgent units: a waiter's reason names it
+    instead of saying nothing ("waiting: ")."""
+    vlm = spec("vlm", 20, mem_gib=20, preempt="suspend stop")
+    late = spec("late", 50)
+    s = host(vlm, VOICE, late)
+    running(s, vlm)
+    assert brief(s.request(VOICE)) == ["suspend vlm.service 0"]
+    assert brief(s.suspended_done("vlm.service", "20 GiB to host memory in 3 s")) == [
+        f"grant {VO} 0"
+    ]
+    assert brief(s.set_gpus([sized(0, foreign=10 * GIB)])) == []
+    assert brief(s.inactive(VO, Outcome.EXITED)) == []  # 14 GiB free: vlm cannot come back
+    acts = s.request(late)
+    assert brief(acts) == []
+    assert words(acts) == [
+        "late.service waiting: GPU 0 kept for suspended vlm.service, priority 20"
+    ]
+
+
+def test_a_suspended_unit_comes_back_though_a_waiter_as_urgent_cannot_run_yet() -> None:
+    """README: a suspended unit comes back as soon as its memory fits and no more urgent
+    unit waits. A waiter of its own priority that cannot run yet (foreign memory) keeps
+    nothing from it: it ran before that waiter came."""
+    vlm = spec("vlm", 20, mem_gib=8, preempt="suspend stop")
+    big = spec("big", 20, gpus=2, mem_gib=20)
+    voice = spec("voice", 10, devices=("0",))
+    s = host(vlm, big, voice, gpus=[sized(0), sized(1)])
+    assert brief(s.request(vlm)) == ["grant vlm.service 0"]
+    assert brief(s.request(big)) == []  # 8 + 20 GiB do not fit on GPU 0; equal: it waits
+    assert brief(s.request(voice)) == ["suspend vlm.service 0"]
+    assert brief(s.suspended_done("vlm.service", "8 GiB to host memory in 1 s")) == [
+        "grant voice.service 0"
+    ]
+    assert brief(s.set_gpus([sized(0), sized(1, foreign=10 * GIB)])) == []
+    # GPU 1 has 14 GiB free: big cannot run anywhere; vlm fits where it was
+    assert brief(s.inactive("voice.service", Outcome.EXITED)) == ["resume vlm.service 0"]
+
+
+def test_a_unit_frozen_beside_one_whose_own_freeze_failed_stays_frozen_while_it_runs() -> None:
+    """emb is frozen for mid; top comes, and mid's own freeze for it fails: mid runs on.
+    When top leaves, emb stays frozen: mid, more urgent, still runs beside it."""
+    emb = spec("emb", 90, BG, mem_gib=4, preempt="freeze stop")
+    mid = spec("mid", 20, mem_gib=4, preempt="freeze stop")
+    top = spec("top", 10, mem_gib=4)
+    s = host(emb, mid, top)
+    running(s, emb)
+    assert brief(s.request(mid)) == ["grant mid.service 0", "freeze emb.service"]
+    assert brief(s.request(top)) == ["grant top.service 0", "freeze mid.service"]
+    assert brief(s.freeze_failed("mid.service", "the unit is not active")) == []
+    assert brief(s.inactive("top.service", Outcome.EXITED)) == []
+    assert s.phase("emb.service") is Phase.FROZEN
+    assert brief(s.inactive("mid.service", Outcome.EXITED)) == ["thaw emb.service"]
+
+
+def test_units_frozen_in_turn_are_thawed_most_urgent_first() -> None:
+    """Both frozen for top (b also for a, a for top): when top leaves, a is thawed first,
+    and b, frozen for a, which runs again, stays frozen, whatever the names' order."""
+    b = spec("a-bg", 90, BG, mem_gib=4, preempt="freeze stop")
+    a = spec("z-mid", 20, mem_gib=4, preempt="freeze stop")
+    top = spec("top", 10, mem_gib=4)
+    s = host(b, a, top)
+    running(s, b)
+    assert brief(s.request(a)) == ["grant z-mid.service 0", "freeze a-bg.service"]
+    assert brief(s.request(top)) == ["grant top.service 0", "freeze z-mid.service"]
+    assert brief(s.inactive("top.service", Outcome.EXITED)) == ["thaw z-mid.service"]
+    assert s.phase("a-bg.service") is Phase.FROZEN
+
+
 def test_a_unit_thawed_by_hand_counts_as_running_and_is_not_frozen_again() -> None:
     emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
     voice = spec("voice", 10, mem_gib=8)

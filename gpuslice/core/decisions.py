@@ -79,6 +79,7 @@ class Blocker(enum.Enum):
     STOPPING = "stopping"  # `unit` is stopping for another waiter
     MEMORY = "memory"  # only `free` bytes of declared memory are left (`unit`: top holder)
     KEPT = "kept"  # kept for an earlier waiter of the same priority
+    SUSPENDED = "suspended"  # kept for `unit`, suspended, more urgent: it comes back there
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,8 @@ def _part(p: Part) -> str:
     if p.kind is Blocker.STOPPING:
         how = "being suspended" if p.rung == "suspend" else "stopping"
         return f"GPU {gpu} being freed by {p.unit} ({how})"
+    if p.kind is Blocker.SUSPENDED:
+        return f"GPU {gpu} kept for suspended {p.unit}, priority {p.priority}"
     if p.kind is Blocker.HELD:
         refused = " (refused to stop)" if p.refused else GRANTED_AFTER if p.granted_after else ""
         return f"GPU {gpu} held by {p.unit}, priority {p.priority}{refused}"

@@ -1013,17 +1013,23 @@ class Scheduler:
         themselves: stopping, suspended)."""
         actions: list[Action] = []
         running = (Phase.RUNNING, Phase.STARTING, Phase.RESUMING)
-        for name, holder in sorted(self.holders.items()):
+        # most urgent first: whether a unit frozen in turn runs again is known before the
+        # less urgent units frozen for it look at it
+        by_urgency = sorted(self.holders.items(), key=lambda item: (item[1].spec.priority, item[0]))
+        for name, holder in by_urgency:
             if holder.phase is not Phase.FROZEN:
                 continue
+            # one frozen in turn stays named: its freeze may fail, or someone may thaw it,
+            # and then it runs beside this unit again
             holder.frozen_for = {
                 u
                 for u in holder.frozen_for
                 if u in self.holders
-                and self.holders[u].phase in running
+                and self.holders[u].phase in (*running, Phase.FROZEN)
                 and self.holders[u].spec.priority < holder.spec.priority  # a reload may change it
             }
-            if not holder.frozen_for:
+            if not any(self.holders[u].phase in running for u in holder.frozen_for):
+                holder.frozen_for.clear()
                 holder.phase = Phase.RUNNING
                 thaw = _about(holder.spec, Code.THAW, gpus=tuple(sorted(holder.gpus)))
                 actions.append(Thaw(name, render(thaw), thaw))
@@ -1044,7 +1050,10 @@ class Scheduler:
                 actions.append(self._stop_suspended(entry, spec))
                 continue
             others = [p for p in promises if p[1].unit != spec.name]  # its own room is its
-            uses = self._uses(others + ahead)  # no backfill: as urgent and earlier goes first
+            # a waiter as urgent keeps nothing from it: it ran before that waiter came, and
+            # comes back unless a more urgent unit waits (`urgent` below)
+            kept = [p for p in others if not self._kept_by_an_equal(p[1], spec)]
+            uses = self._uses(kept + ahead)  # no backfill: as urgent and earlier goes first
             avoid = self._avoids_foreign(spec)
             fits_now = all(
                 index in self.devices
@@ -1065,6 +1074,10 @@ class Scheduler:
             resume = _about(spec, Code.RESUME, gpus=gpus)
             actions.append(Resume(spec.name, gpus, render(resume), resume))
         return actions
+
+    def _kept_by_an_equal(self, use: Use, spec: UnitSpec) -> bool:
+        """A place kept by a waiter (that cannot run yet) of the unit's own priority."""
+        return use.kept_from == spec.priority and use.unit in self.waiters
 
     def _suspended_room(self) -> list[tuple[int, Use]]:
         """Each suspended unit's room on its GPUs, kept from strictly less urgent units (from
@@ -1316,9 +1329,22 @@ class Scheduler:
                         granted_after=protected,
                     )
                 )
+            elif (kept := self._suspended_ahead(gpu.index, spec.priority)) is not None:
+                parts.append(Part(Blocker.SUSPENDED, on, kept.name, kept.priority))
             elif self._first_waiter(spec.priority, view) is not waiter:
                 parts.append(Part(Blocker.KEPT, on, priority=spec.priority))
         return _about(spec, Code.WAIT, cause=Cause.BUSY, parts=tuple(parts))
+
+    def _suspended_ahead(self, gpu: int, priority: int) -> UnitSpec | None:
+        """The most urgent suspended unit whose room on this GPU is kept from units of this
+        priority (`_suspended_room`), if any."""
+        kept = [
+            self.specs.get(e.spec.name, e.spec)
+            for e in self.suspended.values()
+            if gpu in e.gpus and self._can_come_back(e)
+        ]
+        ahead = [k for k in kept if k.priority < priority]
+        return min(ahead, key=lambda k: (k.priority, k.name), default=None)
 
     def _tops(self) -> dict[int, Holder]:
         """Each GPU's most urgent holder (the first listed among equals). Kept for a
