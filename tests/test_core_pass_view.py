@@ -34,9 +34,12 @@ EXAMPLES = (
 
 
 class FullPass(Scheduler):
-    """The rules without the shortcut: every waiter is placed."""
+    """The rules without the shortcuts: every waiter, every idle background unit is placed."""
 
     def _blocked_too(self, waiter: Waiter, view: _PassView) -> bool:
+        return False
+
+    def _refill_blocked_too(self, spec: UnitSpec, unplaced: list[UnitSpec]) -> bool:
         return False
 
 
@@ -288,3 +291,54 @@ def test_background_and_on_demand_waiters_are_judged_apart() -> None:
         sched.request(background)
         sched.request(on_demand)
     assert brief(sched.schedule()) == ["grant od.service 0"]
+
+
+# -- refill's shortcut (Scheduler._refill_blocked_too): each condition pinned ---------------
+
+
+def _refilled(gpus: list[Gpu], busy: UnitSpec, *idle: UnitSpec) -> list[str]:
+    """`busy` runs; then a pass over the idle background units: what it starts."""
+    s = Scheduler(gpus, {u.name: u for u in (busy, *idle)})
+    s.pause_refill("not yet")
+    s.request(busy)
+    s.pause_refill("")
+    return brief(s.schedule())
+
+
+def test_refill_tries_a_unit_pinned_elsewhere_after_one_that_did_not_fit() -> None:
+    pinned = spec("a", 50, UnitKind.BACKGROUND, devices=("0",))
+    other = spec("b", 60, UnitKind.BACKGROUND, devices=("1",))
+    busy = spec("busy", 10, devices=("0",))
+    assert _refilled([Gpu(0), Gpu(1)], busy, pinned, other) == ["start b.service"]
+
+
+def test_refill_tries_a_unit_asking_fewer_gpus_after_one_that_did_not_fit() -> None:
+    wide = spec("a", 50, UnitKind.BACKGROUND, gpus=2)
+    narrow = spec("b", 60, UnitKind.BACKGROUND)
+    assert _refilled([Gpu(0), Gpu(1)], spec("busy", 10), wide, narrow) == ["start b.service"]
+
+
+def test_refill_tries_a_unit_asking_less_memory_after_one_that_did_not_fit() -> None:
+    big = spec("a", 50, UnitKind.BACKGROUND, mem_gib=20)
+    small = spec("b", 60, UnitKind.BACKGROUND, mem_gib=4)
+    busy = spec("busy", 10, mem_gib=10)
+    assert _refilled([sized(0)], busy, big, small) == ["start b.service"]
+
+
+def test_refill_skips_units_that_ask_no_less_than_one_that_did_not_fit() -> None:
+    """At 2,000 idle background units and no free GPU, one placement, not 2,000."""
+    idle = [spec(f"bg{i}", 50 + i % 7, UnitKind.BACKGROUND) for i in range(2000)]
+    s = Scheduler([Gpu(0)], {u.name: u for u in [spec("busy", 10), *idle]})
+    s.pause_refill("not yet")
+    s.request(spec("busy", 10))
+    placed: list[str] = []
+    place = s._place
+
+    def counted(unit: UnitSpec, *args: Any, **kw: Any) -> Any:
+        placed.append(unit.name)
+        return place(unit, *args, **kw)
+
+    s._place = counted  # type: ignore[method-assign, assignment]
+    s.pause_refill("")
+    assert brief(s.schedule()) == []
+    assert placed == ["bg0.service"]

@@ -268,6 +268,15 @@ def _asks_no_less_memory(spec: UnitSpec, than: UnitSpec) -> bool:
     return spec.memory >= than.memory
 
 
+def _no_better_placed(spec: UnitSpec, than: UnitSpec) -> bool:
+    """Whether a background unit tried after `than` (so no more urgent: no fewer places
+    kept from it) fits no better on free capacity: the same GPUs allowed (pins; background
+    units all avoid foreign processes alike), no fewer GPUs and no less memory asked."""
+    return (
+        spec.devices == than.devices and spec.gpus >= than.gpus and _asks_no_less_memory(spec, than)
+    )
+
+
 def _refillable(spec: UnitSpec) -> bool:
     """A background unit that is not a template: refill may start it."""
     return spec.kind is UnitKind.BACKGROUND and "@." not in spec.name
@@ -1214,14 +1223,27 @@ class Scheduler:
             and name not in self.failed
             and name not in self.suspended  # it runs (frozen): resumed, never started
         ]
+        # Placing only takes capacity away, and a later unit is no more urgent (no fewer
+        # places kept from it): one that asks no less than a unit that did not fit, of the
+        # same GPUs, does not fit either. At thousands of idle background units and no free
+        # GPU, a pass costs one placement per kind of unit, not one per unit.
+        unplaced: list[UnitSpec] = []
         for spec in sorted(idle, key=lambda s: (s.priority, self.out_since.get(s.name, -1))):
+            if self._refill_blocked_too(spec, unplaced):
+                continue
             found = self._place(spec, promises, preempt=False)
             if found is None:
+                unplaced.append(spec)
                 continue
             gpus = found.gpus
             self._starting(spec, frozenset(gpus))
             actions.append(_start(_about(spec, Code.REFILL, gpus=tuple(sorted(gpus)))))
         return actions
+
+    def _refill_blocked_too(self, spec: UnitSpec, unplaced: list[UnitSpec]) -> bool:
+        """Whether an idle background unit that did not fit in this refill shows that this
+        one does not fit either (`_no_better_placed`)."""
+        return any(_no_better_placed(spec, than) for than in unplaced)
 
     # -- helpers ----------------------------------------------------------------------------
 
