@@ -83,22 +83,38 @@ def release_gates(config_path: str) -> None:
 
 
 async def _call_status(address: str | None) -> str:
+    return await _call_controller(address, "Status")
+
+
+async def _call_controller(address: str | None, member: str, *args: str) -> str:
+    """One call to the controller's interface; its JSON answer, or a ClickException."""
     from dbus_next import BusType, Message, MessageType
     from dbus_next.aio import MessageBus
 
-    from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH
+    from gpuslice.service import ACCESS_DENIED, BUS_NAME, INTERFACE, NOT_MANAGED, OBJECT_PATH
 
     bus = await MessageBus(bus_address=address, bus_type=BusType.SYSTEM).connect()
     try:
         reply = await bus.call(
-            Message(destination=BUS_NAME, path=OBJECT_PATH, interface=INTERFACE, member="Status")
+            Message(
+                destination=BUS_NAME,
+                path=OBJECT_PATH,
+                interface=INTERFACE,
+                member=member,
+                signature="s" * len(args),
+                body=list(args),
+            )
         )
     finally:
         bus.disconnect()
+    if reply is not None and reply.error_name == NOT_MANAGED:
+        raise click.ClickException(printable(str(reply.body[0]), 300))
+    if reply is not None and reply.error_name == ACCESS_DENIED:
+        raise click.ClickException(f"only root may ask the controller for {member}")
     if reply is None or reply.message_type == MessageType.ERROR:
         detail = reply.body[0] if reply is not None and reply.body else "no reply"
         raise click.ClickException(
-            f"the gpuslice controller did not answer ({detail}); "
+            f"the gpuslice controller did not answer ({printable(str(detail), 300)}); "
             "is it running? Try: systemctl status gpuslice"
         )
     return str(reply.body[0])
@@ -143,6 +159,27 @@ def status(as_json: bool, watch: bool, interval: float) -> None:
         click.echo(json.dumps(json.loads(text), indent=2, sort_keys=True))
     else:
         click.echo(render(json.loads(text), time.time()))
+
+
+@main.command()
+@click.argument("unit")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON form.")
+def plan(unit: str, as_json: bool) -> None:
+    """Say what `systemctl start UNIT` would make gpuslice do now, changing nothing:
+    start at once, preempt which units first, or wait and why (as root)."""
+    if "." not in unit:
+        unit += ".service"
+    if not is_valid_unit_name(unit):
+        raise click.BadParameter(f"{printable(unit)!r}: not a unit name", param_hint="UNIT")
+    data = json.loads(
+        asyncio.run(_call_controller(os.environ.get("GPUSLICE_BUS_ADDRESS"), "Plan", unit))
+    )
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    click.echo(data["summary"])
+    for step in data["decisions"]:
+        click.echo(f"  {step['message']}")
 
 
 @main.command()

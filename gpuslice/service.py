@@ -1,8 +1,9 @@
 """gpuslice's own D-Bus interface, `org.gpuslice.Scheduler1` (the 1 is the version).
 
 `Acquire` is what the gate calls from a unit's start job: its reply is deferred until the
-unit may run, so `systemctl start` blocks exactly as long as the unit waits. The shipped
-bus policy lets only root call Acquire and Reload and send us signals; anyone may call
+unit may run, so `systemctl start` blocks exactly as long as the unit waits. `Plan` says
+what a start of a unit would do now (`gpuslice plan`), changing nothing. The shipped bus
+policy lets only root call Acquire, Plan and Reload and send us signals; anyone may call
 Status. The controller still checks that an Acquire comes from a process of the unit it
 names (`refuse` answers those that do not).
 """
@@ -29,6 +30,8 @@ INTROSPECTION = f"""<!DOCTYPE node PUBLIC "-//freedesktop//DTD D-BUS Object Intr
   <method name="Acquire"><arg name="unit" type="s" direction="in"/>
    <arg name="gpus" type="s" direction="out"/></method>
   <method name="Status"><arg name="json" type="s" direction="out"/></method>
+  <method name="Plan"><arg name="unit" type="s" direction="in"/>
+   <arg name="json" type="s" direction="out"/></method>
   <method name="Reload"/>
  </interface>
  <interface name="org.freedesktop.DBus.Introspectable">
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 LIMITS_EXCEEDED = "org.freedesktop.DBus.Error.LimitsExceeded"
+NOT_MANAGED = "org.gpuslice.Error.NotManaged"
 # One start job runs one gate; a few more calls per unit can only be a gate that retried
 # while an earlier call of it was still on its way. More than this is not a gate.
 MAX_PENDING_PER_UNIT = 8
@@ -49,6 +53,21 @@ MAX_PENDING_PER_UNIT = 8
 
 class NameTaken(Exception):
     """Another controller already owns the bus name."""
+
+
+class NotManaged(LookupError):
+    """The unit named has no annotation in force (`Plan`): its words say so."""
+
+
+def _unit_arg(msg: Message) -> str | None:
+    """The one unit name a call carries, if it is one."""
+    unit = msg.body[0] if msg.signature == "s" else None
+    return unit if isinstance(unit, str) and is_valid_unit_name(unit) else None
+
+
+def _bad_unit(msg: Message) -> Message:
+    shown = printable(str(msg.body[0] if msg.body else ""), 80)
+    return Message.new_error(msg, INVALID_ARGS, f"not a valid unit name: {shown}")
 
 
 class SchedulerService:
@@ -60,11 +79,13 @@ class SchedulerService:
         on_acquire: Callable[[str, str], None],
         on_status: Callable[[], str],
         on_reload: Callable[[], None],
+        on_plan: Callable[[str], str] | None = None,
     ) -> None:
         self.bus = bus
         self._on_acquire = on_acquire
         self._on_status = on_status
         self._on_reload = on_reload
+        self._on_plan = on_plan
         self._pending: dict[str, list[Message]] = {}
         bus.add_message_handler(self._handle)
 
@@ -111,10 +132,9 @@ class SchedulerService:
         if msg.interface not in (INTERFACE, None):
             return False
         if msg.member == "Acquire":
-            unit = msg.body[0] if msg.signature == "s" else None
-            if not isinstance(unit, str) or not is_valid_unit_name(unit):
-                shown = printable(str(unit), 80)
-                return Message.new_error(msg, INVALID_ARGS, f"not a valid unit name: {shown}")
+            unit = _unit_arg(msg)
+            if unit is None:
+                return _bad_unit(msg)
             calls = self._pending.setdefault(unit, [])
             if len(calls) >= MAX_PENDING_PER_UNIT:
                 return Message.new_error(msg, LIMITS_EXCEEDED, f"too many calls for {unit}")
@@ -123,6 +143,14 @@ class SchedulerService:
             return True
         if msg.member == "Status":
             return Message.new_method_return(msg, "s", [self._on_status()])
+        if msg.member == "Plan" and self._on_plan is not None:
+            unit = _unit_arg(msg)
+            if unit is None:
+                return _bad_unit(msg)
+            try:
+                return Message.new_method_return(msg, "s", [self._on_plan(unit)])
+            except NotManaged as e:
+                return Message.new_error(msg, NOT_MANAGED, str(e))
         if msg.member == "Reload":
             self._on_reload()
             return Message.new_method_return(msg)

@@ -9,6 +9,7 @@ real systemd does end to end is tests/integration's: this is the fast layer unde
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, Collection, Coroutine
@@ -27,7 +28,7 @@ from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
 from gpuslice.nvml import DeviceScan, GpuInfo, GpuProcess, Nvml, NvmlStatus
-from gpuslice.service import ACCESS_DENIED, SchedulerService
+from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import StateStore
 from gpuslice.systemd import Queued, Systemd, SystemdError
 from gpuslice.tracker import UnitState
@@ -574,6 +575,32 @@ def low_holds_gpu_0(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
     )
     cgroup_of[4242] = "urgent.service"
     return bed
+
+
+def test_plan_says_what_a_start_would_do_and_sends_nothing(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """`gpuslice plan`: the decisions of a start, in the journal's words; no call to
+    systemd, no journal line, no save; an unannotated unit is refused by name."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        await bed.controller.start()
+        await settle()
+        calls, saved = list(bed.systemd.calls), bed.controller.store.path.read_bytes()
+        plan = json.loads(bed.controller.plan_json("urgent.service"))
+        assert plan["verdict"] == "preempts" and plan["victims"] == ["low.service"]
+        assert plan["decisions"][0]["message"] == (
+            "preempting low.service (priority 90) for urgent.service (priority 10) on GPU 0"
+        )
+        await settle()
+        assert bed.systemd.calls == calls
+        assert bed.controller.store.path.read_bytes() == saved
+        assert bed.controller.scheduler.phase("low.service") is Phase.RUNNING
+        with pytest.raises(NotManaged, match=r"other\.service is not managed by gpuslice"):
+            bed.controller.plan_json("other.service")
+
+    run(test)
 
 
 def test_a_stop_that_takes_too_long_names_the_overdue_victim(

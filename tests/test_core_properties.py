@@ -30,6 +30,7 @@ were told why, and every preempted unit with Requeue=yes and every suspended uni
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import replace
 
@@ -43,8 +44,10 @@ from hypothesis.stateful import (
     rule,
 )
 
+from gpuslice.core.decisions import render
 from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
-from gpuslice.core.scheduler import Action, Grant, Outcome
+from gpuslice.core.plan import Verdict, plan_start
+from gpuslice.core.scheduler import Action, Grant, Outcome, Scheduler
 from tests.core_builders import GIB, InvariantError, Sim, sized
 
 EXAMPLES = int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "300"))
@@ -105,6 +108,11 @@ def _gpu(index: int, sample: tuple[int, int, bool, bool]) -> Gpu:
     return sized(index, reserve=reserve, foreign=foreign, foreign_pids=pids, lost=lost)
 
 
+def _fields(scheduler: Scheduler) -> dict[str, object]:
+    """The scheduler's state, to compare (a twin scheduler beside it has no equality)."""
+    return {k: v for k, v in vars(scheduler).items() if not isinstance(v, Scheduler)}
+
+
 class HostMachine(RuleBasedStateMachine):
     """Every rule; a subclass draws the host and its units (`@initialize`, then `_boot`)."""
 
@@ -146,6 +154,30 @@ class HostMachine(RuleBasedStateMachine):
         name = self._unit(index)
         if name in self.sim.annotations:
             self.sim.start(name)
+
+    @rule(index=st.integers(0, 7))
+    def person_plans_then_starts(self, index: int) -> None:
+        """`gpuslice plan`: it moves nothing, and what it says is what the start then does."""
+        sim = self.sim
+        spec = sim.annotations.get(self._unit(index))
+        if spec is None:
+            return
+        before = copy.deepcopy(_fields(sim.sched))
+        plan = plan_start(sim.sched, spec)
+        assert _fields(sim.sched) == before, f"gpuslice plan {spec.name} changed the scheduler"
+        if plan.verdict in (Verdict.HOLDS, Verdict.QUEUED):
+            assert sim.active(spec.name), plan
+            return
+        if sim.active(spec.name):
+            return  # its start job is on its way (announced before a restart), not yet seen
+        actions = sim.start(spec.name)
+        done = [render(a.decision) for a in actions if a.decision is not None]
+        planned = [render(d) for d in plan.decisions]
+        # then what the adapter answers at once (a FreezeUnit that fails, in `Sim`)
+        assert done[: len(planned)] == planned
+        granted = any(isinstance(a, Grant) and a.unit == spec.name for a in actions)
+        assert granted == (plan.verdict is Verdict.STARTS), plan
+        assert bool(plan.victims) == (plan.verdict is Verdict.PREEMPTS), plan
 
     @rule(index=st.integers(0, 7))
     def start_job_announced(self, index: int) -> None:

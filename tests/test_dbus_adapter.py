@@ -24,7 +24,14 @@ from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from gpuslice import busread
-from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
+from gpuslice.service import (
+    BUS_NAME,
+    INTERFACE,
+    NOT_MANAGED,
+    OBJECT_PATH,
+    NotManaged,
+    SchedulerService,
+)
 from gpuslice.systemd import (
     MANAGER,
     MANAGER_PATH,
@@ -584,6 +591,32 @@ def test_service_caps_pending_calls_per_unit(bus_address: str) -> None:
         service.grant("a.service", "0")
         granted = await asyncio.gather(*(c for c in calls if c not in done))
         assert [r.body for r in granted] == [["0"]] * 8
+
+    run(scenario)
+
+
+def test_plan_calls_are_checked_and_routed(bus_address: str) -> None:
+    """Plan takes one valid unit name; an unmanaged unit is an error that says so."""
+
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+
+        def plan(unit: str) -> str:
+            if unit != "a.service":
+                raise NotManaged(f"{unit} is not managed by gpuslice")
+            return '{"verdict": "starts"}'
+
+        service = SchedulerService(bus, lambda u, s: None, lambda: "{}", lambda: None, plan)
+        await service.claim_name()
+        client = await connect(bus_address)
+        assert (await call(client, "Plan", "s", ["a.service"])).body == ['{"verdict": "starts"}']
+        other = await call(client, "Plan", "s", ["b.service"])
+        assert other.error_name == NOT_MANAGED and "b.service" in other.body[0]
+        bad = await call(client, "Plan", "s", ["x\n<3>y.service"])
+        assert bad.error_name == "org.freedesktop.DBus.Error.InvalidArgs"
+        assert "\n" not in bad.body[0]
+        wrong = await call(client, "Plan", "u", [5])
+        assert wrong.error_name == "org.freedesktop.DBus.Error.InvalidArgs"
 
     run(scenario)
 

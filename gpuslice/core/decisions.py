@@ -96,6 +96,9 @@ class Part:
     overdue: str = ""  # VICTIM still running this long after the stop (in words)
     rung: str = ""  # VICTIM, STOPPING: how it gives way (Preempt=): "suspend", else a stop
 
+    def __deepcopy__(self, memo: dict[int, object]) -> Part:
+        return self  # immutable through and through: a copy of the scheduler shares it
+
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind.value,
@@ -130,6 +133,9 @@ class Decision:
     detail: str = ""  # free words: why a stop failed, for how long it is overdue, a pause
     rung: str = ""  # RUNG_FAILED: the way of giving way that did not work
     fallback: str = ""  # RUNG_FAILED: the one tried instead ("": none, it keeps its GPUs)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Decision:
+        return self  # immutable through and through: a copy of the scheduler shares it
 
     def subjects(self) -> tuple[str, ...]:
         """The units whose own journal gets this decision."""

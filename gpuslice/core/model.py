@@ -52,6 +52,9 @@ class UnitSpec:
     devices: tuple[str, ...] = ()  # pinned GPUs by index or UUID; empty: any
     preempt: tuple[Rung, ...] = (Rung.STOP,)  # how it gives way, in the order tried
 
+    def __deepcopy__(self, memo: dict[int, object]) -> UnitSpec:
+        return self  # immutable through and through: a copy of the scheduler shares it
+
     def for_instance(self, instance_name: str) -> UnitSpec:
         return dataclasses.replace(self, name=instance_name)
 
@@ -81,6 +84,9 @@ class Gpu:
     foreign_pids: tuple[int, ...] = ()
     lost: bool = False
     used: int | None = None  # what NVML reports in use, for people; decisions use the rest
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Gpu:
+        return self  # immutable through and through: a copy of the scheduler shares it
 
     def matches(self, device: str) -> bool:
         """Whether a `Devices=` entry (an index or a UUID) names this GPU."""

@@ -196,6 +196,15 @@ class Waiter:
     asked: bool = True  # its gate asked (False: only its start job is known so far)
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """A waiter, read-only: where it goes, whom it waits for, and why (None: not told yet)."""
+
+    target: tuple[int, ...]
+    victims: tuple[str, ...]
+    decision: Decision | None
+
+
 @dataclass
 class _PassView:
     """What a scheduling pass has seen, valid while serving waiters changes nothing: a
@@ -1416,6 +1425,11 @@ class Scheduler:
 
     def waiting_units(self) -> list[str]:
         return list(self.waiters)
+
+    def waiting(self, name: str) -> Waiting:
+        """A waiter as others may see it (KeyError if it does not wait)."""
+        w = self.waiters[name]
+        return Waiting(tuple(sorted(w.target)), tuple(sorted(w.victims)), w.decision)
 
     def learn(self, spec: UnitSpec) -> None:
         """A unit seen for the first time (an instance of a managed template)."""

@@ -472,10 +472,15 @@ def test_control_characters_in_unit_names_reach_no_log(bed: Bed, dest: str) -> N
 
 
 def test_method_calls_the_policy_refuses(bed: Bed) -> None:
-    """nobody may not Acquire (not even without an interface field) nor Reload; Status it may,
-    and 200 of them cost the controller little."""
+    """nobody may not Acquire (not even without an interface field), Plan nor Reload; Status
+    it may, and 200 of them cost the controller little."""
     for dest in (bed.dest("name"), bed.dest("unique")):
-        for member, args in (("Acquire", ["s", BG_B]), ("Acquire", ["s", WAITER]), ("Reload", [])):
+        refused: tuple[tuple[str, list[str]], ...] = (
+            ("Acquire", ["s", BG_B]),
+            ("Acquire", ["s", WAITER]),
+            ("Reload", []),
+        )
+        for member, args in (*refused, ("Plan", ["s", BG_B])):
             res = as_nobody(
                 bed.c,
                 ["busctl", "call", dest, "/org/gpuslice/Scheduler1", BUS_NAME, member, *args],
@@ -495,6 +500,10 @@ def test_method_calls_the_policy_refuses(bed: Bed) -> None:
         )
     res = as_nobody(bed.c, ["gpuslice", "status", "--json"], timeout=30)
     assert res.returncode == 0 and json.loads(res.stdout) == bed.status, res.stderr
+    res = as_nobody(bed.c, ["gpuslice", "plan", BG_B], timeout=30)
+    assert res.returncode == 1 and "only root may ask the controller for Plan" in res.stderr, (
+        f"gpuslice plan as nobody: exit {res.returncode} {res.stdout!r} {res.stderr!r}"
+    )
 
     def cpu_ticks() -> int:
         fields = bed.c.run(["cat", f"/proc/{bed.controller_pid}/stat"]).stdout.rsplit(")", 1)[1]

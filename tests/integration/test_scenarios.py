@@ -6,6 +6,7 @@ container, as a user would.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tests.bed.container import Container, wait_until
@@ -64,6 +65,34 @@ def test_seed_timeline(container: Container) -> None:
     assert holders(container) == {0: [VLM]}
     assert VOICE in status(container)["finished"]
     assert "Stopped vlm-analysis.service" in container.journal(VLM)  # through systemd
+
+
+def test_plan_says_what_a_start_would_do_and_does_nothing(container: Container) -> None:
+    """`gpuslice plan UNIT` (as root): the start's decisions in the journal's words, and no
+    change: the background unit keeps running, nothing is preempted."""
+    write_job(container, VLM, 90, "background")
+    write_job(container, VOICE, 10)
+    reload(container)
+    wait_state(container, VLM, "active")
+    out = container.run(["gpuslice", "plan", "voice-pipeline"]).stdout.splitlines()
+    assert out == [
+        f"{VOICE} (priority 10) would start on GPU 0 once {VLM} gave way",
+        f"  preempting {VLM} (priority 90) for {VOICE} (priority 10) on GPU 0",
+        f"  {VOICE} waiting for {VLM} (priority 90) to stop on GPU 0",
+    ], out
+
+    def nothing_moved() -> None:
+        assert prop(container, VLM, "ActiveState") == "active"
+        assert prop(container, VOICE, "ActiveState") == "inactive"
+
+    always_for(nothing_moved, 1.0)
+    assert "preempting" not in container.journal("gpuslice.service")
+    assert status(container)["waiting"] == []
+    held = json.loads(container.run(["gpuslice", "plan", "--json", VLM]).stdout)
+    assert (held["verdict"], held["phase"], held["gpus"]) == ("holds", "running", [0])
+    unmanaged = container.run(["gpuslice", "plan", "dbus.service"], check=False)
+    assert unmanaged.returncode == 1
+    assert "dbus.service is not managed by gpuslice" in unmanaged.stderr, unmanaged.stderr
 
 
 def test_equal_priority_waits_then_runs(container: Container) -> None:

@@ -1,0 +1,117 @@
+"""`gpuslice plan`'s core: what a start would do now, told by a copy of the scheduler.
+
+The property test (tests/test_core_properties.py, `person_plans_then_starts`) checks on
+random histories that a plan moves nothing and says what the start then does; these pin
+each verdict's words and the copy's independence."""
+
+from __future__ import annotations
+
+from gpuslice.core.decisions import render
+from gpuslice.core.model import UnitSpec
+from gpuslice.core.plan import Verdict, plan_start, summary, trial_copy
+from gpuslice.core.scheduler import Phase, Scheduler
+from tests.core_builders import BG, spec
+
+VLM = spec("vlm-analysis", 90, BG)
+VOICE = spec("voice-pipeline", 10)
+
+
+def host(*specs: UnitSpec, gpus: int = 1) -> Scheduler:
+    return Scheduler(range(gpus), {s.name: s for s in specs})
+
+
+def test_on_an_idle_gpu_it_would_start_now() -> None:
+    s = host(VOICE)
+    plan = plan_start(s, VOICE)
+    assert plan.verdict is Verdict.STARTS
+    assert plan.gpus == (0,)
+    assert [render(d) for d in plan.decisions] == [
+        "starting voice-pipeline.service (priority 10) on GPU 0"
+    ]
+    assert summary(plan) == "voice-pipeline.service (priority 10) would start now on GPU 0"
+    assert s.phase(VOICE.name) is None and not s.is_waiting(VOICE.name)
+
+
+def test_a_less_urgent_holder_would_be_preempted_and_is_not() -> None:
+    s = host(VLM, VOICE)
+    s.request(VLM)
+    plan = plan_start(s, VOICE)
+    assert plan.verdict is Verdict.PREEMPTS
+    assert (plan.gpus, plan.victims) == ((0,), (VLM.name,))
+    assert [render(d) for d in plan.decisions] == [
+        "preempting vlm-analysis.service (priority 90) for voice-pipeline.service "
+        "(priority 10) on GPU 0",
+        "voice-pipeline.service waiting for vlm-analysis.service (priority 90) to stop on GPU 0",
+    ]
+    assert summary(plan) == (
+        "voice-pipeline.service (priority 10) would start on GPU 0 once "
+        "vlm-analysis.service gave way"
+    )
+    assert s.phase(VLM.name) is Phase.RUNNING  # the live state did not move
+    assert not s.is_waiting(VOICE.name)
+
+
+def test_equal_priority_would_wait_and_says_why() -> None:
+    a, b = spec("a", 10), spec("b", 10)
+    s = host(a, b)
+    s.request(a)
+    plan = plan_start(s, b)
+    assert plan.verdict is Verdict.WAITS
+    assert plan.victims == ()
+    assert (
+        summary(plan)
+        == "b.service (priority 10) would be waiting: GPU 0 held by a.service, priority 10"
+    )
+    assert plan.to_json()["reason"] == "waiting: GPU 0 held by a.service, priority 10"
+    assert plan.to_json()["decision"]["cause"] == "gpus-busy"
+
+
+def test_a_unit_that_holds_or_waits_already_is_said_so() -> None:
+    a, b = spec("a", 10), spec("b", 10)
+    s = host(a, b)
+    s.request(a)
+    s.request(b)
+    held = plan_start(s, a)
+    assert (held.verdict, held.phase, held.gpus) == (Verdict.HOLDS, "running", (0,))
+    assert (
+        summary(held)
+        == "a.service (priority 10) is already running on GPU 0: a start would change nothing"
+    )
+    queued = plan_start(s, b)
+    assert queued.verdict is Verdict.QUEUED
+    assert summary(queued) == (
+        "b.service (priority 10) is already waiting: GPU 0 held by a.service, priority 10"
+    )
+    assert held.decisions == queued.decisions == ()
+
+
+def test_the_json_form() -> None:
+    s = host(VLM, VOICE)
+    s.request(VLM)
+    data = plan_start(s, VOICE).to_json()
+    assert set(data) == {
+        "unit", "priority", "summary", "verdict", "gpus", "victims", "reason", "decision",
+        "phase", "decisions",
+    }  # fmt: skip
+    assert (data["verdict"], data["victims"], data["reason"]) == ("preempts", [VLM.name], None)
+    assert data["decisions"][0]["decision"]["code"] == "preempt"
+    assert data["decisions"][0]["message"].startswith("preempting vlm-analysis.service")
+
+
+def test_the_trial_copy_shares_nothing_that_can_change() -> None:
+    """Whatever fields the scheduler gains: a table of lists, a tuple holding a list, a set."""
+    s = host(VLM, VOICE)
+    s.request(VLM)
+    s.extra_table = {"a": [1]}  # type: ignore[attr-defined]
+    s.extra_pair = ([1], 2)  # type: ignore[attr-defined]
+    t = trial_copy(s)
+    t.extra_table["a"].append(2)  # type: ignore[attr-defined]
+    t.extra_pair[0].append(2)  # type: ignore[attr-defined]
+    t.held.add("x.service")
+    t.specs["x.service"] = VOICE
+    t.holders[VLM.name].phase = Phase.STOPPING
+    assert s.extra_table == {"a": [1]}  # type: ignore[attr-defined]
+    assert s.extra_pair == ([1], 2)  # type: ignore[attr-defined]
+    assert s.held == set() and "x.service" not in s.specs
+    assert s.phase(VLM.name) is Phase.RUNNING
+    assert t.specs[VLM.name] is s.specs[VLM.name]  # immutable: shared, not copied
