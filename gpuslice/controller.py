@@ -837,7 +837,7 @@ class Controller:
 
     def plan_json(self, unit: str) -> str:
         """`gpuslice plan UNIT`: what a start of it would do now, changing nothing (root
-        only, by the bus policy: a copy of the state costs ~10 ms at 10,000 units)."""
+        only, by the bus policy: a copy of the state costs tens of ms at 10,000 units)."""
         spec = self.spec_for(unit)
         if spec is None:
             raise NotManaged(
