@@ -9,7 +9,7 @@ from __future__ import annotations
 from gpuslice.core.decisions import render
 from gpuslice.core.model import UnitSpec
 from gpuslice.core.plan import Verdict, plan_start, summary, trial_copy
-from gpuslice.core.scheduler import Phase, Scheduler
+from gpuslice.core.scheduler import Outcome, Phase, Scheduler
 from tests.core_builders import BG, spec
 
 VLM = spec("vlm-analysis", 90, BG)
@@ -115,3 +115,16 @@ def test_the_trial_copy_shares_nothing_that_can_change() -> None:
     assert s.held == set() and "x.service" not in s.specs
     assert s.phase(VLM.name) is Phase.RUNNING
     assert t.specs[VLM.name] is s.specs[VLM.name]  # immutable: shared, not copied
+
+
+def test_a_waiter_is_said_to_wait_for_who_holds_its_gpus_now() -> None:
+    """Its journal line named the holder when it began to wait; the plan names today's."""
+    first, other, late = spec("first", 10), spec("other", 10), spec("late", 20)
+    s = host(first, other, late)
+    s.request(first)
+    s.request(other)
+    s.request(late)  # told: GPU 0 held by first.service
+    s.inactive(first.name, Outcome.EXITED)  # other runs now
+    assert summary(plan_start(s, late)) == (
+        "late.service (priority 20) is already waiting: GPU 0 held by other.service, priority 10"
+    )

@@ -109,8 +109,13 @@ def _gpu(index: int, sample: tuple[int, int, bool, bool]) -> Gpu:
 
 
 def _fields(scheduler: Scheduler) -> dict[str, object]:
-    """The scheduler's state, to compare (a twin scheduler beside it has no equality)."""
-    return {k: v for k, v in vars(scheduler).items() if not isinstance(v, Scheduler)}
+    """The scheduler's state, to compare: not a twin scheduler beside it (it has no
+    equality), nor the cache of each GPU's top holder, which a status read fills too."""
+    return {
+        k: v
+        for k, v in vars(scheduler).items()
+        if not isinstance(v, Scheduler) and k != "_tops_cache"
+    }
 
 
 class HostMachine(RuleBasedStateMachine):

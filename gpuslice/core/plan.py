@@ -95,13 +95,15 @@ def plan_start(scheduler: Scheduler, spec: UnitSpec) -> Plan:
         return Plan(name, spec.priority, Verdict.HOLDS, gpus=gpus, phase=phase.value)
     if scheduler.is_waiting(name):
         waiting = scheduler.waiting(name)
+        # who holds its GPUs now, as status says it (its journal line said it once)
+        now = scheduler.snapshot().reasons.get(name, waiting.decision)
         return Plan(
             name,
             spec.priority,
             Verdict.QUEUED,
             gpus=waiting.target,
             victims=waiting.victims,
-            reason=waiting.decision,
+            reason=now,
         )
     trial = trial_copy(scheduler)
     actions = trial.request(spec)
