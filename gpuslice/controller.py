@@ -582,7 +582,10 @@ class Controller:
 
     def _decide(self) -> None:
         """The scheduling pass after a batch of events: decides, then saves what the batch
-        changed if its decisions sent nothing (a call is sent only after a save)."""
+        changed if its decisions sent nothing (a call is sent only after a save). Nothing
+        when a plan already ran this turn's pass (plan_json)."""
+        if not self._decision_due:
+            return
         self._decision_due = False
         self.execute(self.scheduler.schedule())
         if self._save_due:

@@ -211,16 +211,23 @@ def test_a_suspended_unit_comes_back_though_a_waiter_as_urgent_cannot_run_yet() 
     assert brief(s.inactive("voice.service", Outcome.EXITED)) == ["resume vlm.service 0"]
 
 
+def frozen_in_turn(low: str, mid: str) -> Scheduler:
+    """`low` (90, background) frozen for `mid` (20), then `mid` frozen for top (10); all
+    three declare 4 GiB on one GPU, `low` and `mid` give way by freeze, then stop."""
+    bg = spec(low, 90, BG, mem_gib=4, preempt="freeze stop")
+    between = spec(mid, 20, mem_gib=4, preempt="freeze stop")
+    top = spec("top", 10, mem_gib=4)
+    s = host(bg, between, top)
+    running(s, bg)
+    assert brief(s.request(between)) == [f"grant {mid}.service 0", f"freeze {low}.service"]
+    assert brief(s.request(top)) == ["grant top.service 0", f"freeze {mid}.service"]
+    return s
+
+
 def test_a_unit_frozen_beside_one_whose_own_freeze_failed_stays_frozen_while_it_runs() -> None:
     """emb is frozen for mid; top comes, and mid's own freeze for it fails: mid runs on.
     When top leaves, emb stays frozen: mid, more urgent, still runs beside it."""
-    emb = spec("emb", 90, BG, mem_gib=4, preempt="freeze stop")
-    mid = spec("mid", 20, mem_gib=4, preempt="freeze stop")
-    top = spec("top", 10, mem_gib=4)
-    s = host(emb, mid, top)
-    running(s, emb)
-    assert brief(s.request(mid)) == ["grant mid.service 0", "freeze emb.service"]
-    assert brief(s.request(top)) == ["grant top.service 0", "freeze mid.service"]
+    s = frozen_in_turn("emb", "mid")
     assert brief(s.freeze_failed("mid.service", "the unit is not active")) == []
     assert brief(s.inactive("top.service", Outcome.EXITED)) == []
     assert s.phase("emb.service") is Phase.FROZEN
@@ -230,13 +237,7 @@ def test_a_unit_frozen_beside_one_whose_own_freeze_failed_stays_frozen_while_it_
 def test_units_frozen_in_turn_are_thawed_most_urgent_first() -> None:
     """Both frozen for top (b also for a, a for top): when top leaves, a is thawed first,
     and b, frozen for a, which runs again, stays frozen, whatever the names' order."""
-    b = spec("a-bg", 90, BG, mem_gib=4, preempt="freeze stop")
-    a = spec("z-mid", 20, mem_gib=4, preempt="freeze stop")
-    top = spec("top", 10, mem_gib=4)
-    s = host(b, a, top)
-    running(s, b)
-    assert brief(s.request(a)) == ["grant z-mid.service 0", "freeze a-bg.service"]
-    assert brief(s.request(top)) == ["grant top.service 0", "freeze z-mid.service"]
+    s = frozen_in_turn("a-bg", "z-mid")
     assert brief(s.inactive("top.service", Outcome.EXITED)) == ["thaw z-mid.service"]
     assert s.phase("a-bg.service") is Phase.FROZEN
 

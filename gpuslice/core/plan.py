@@ -70,8 +70,6 @@ def trial_copy(scheduler: Scheduler) -> Scheduler:
             memo[id(value)] = dict(value)
         elif isinstance(value, set) and _flat(value):
             memo[id(value)] = set(value)
-        elif isinstance(value, _IMMUTABLE) and not _holds_mutable(value):
-            memo[id(value)] = value
     return copy.deepcopy(scheduler, memo)
 
 
