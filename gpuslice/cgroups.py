@@ -107,9 +107,10 @@ def _root_of(proc: Path) -> str:
     return path.rstrip("/")
 
 
-def unit_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
-    """The unit process `pid` runs in, as systemd would name it; None for a process of no
-    unit or one that is gone. Never raises."""
+def cgroup_path_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """Process `pid`'s cgroup in systemd's hierarchy, relative to PID 1's root (what a unit
+    name and an owner are read from); None for a process that is gone or a forged file.
+    Never raises."""
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         return None
     text = _read_cgroup(pid, proc)
@@ -121,4 +122,11 @@ def unit_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
     root = _root_of(proc)
     if root and (path == root or path.startswith(root + "/")):
         path = path[len(root) :]
-    return unit_of_cgroup_path(path)
+    return path
+
+
+def unit_of_pid(pid: int, proc: Path = Path("/proc")) -> str | None:
+    """The unit process `pid` runs in, as systemd would name it; None for a process of no
+    unit or one that is gone. Never raises."""
+    path = cgroup_path_of_pid(pid, proc)
+    return unit_of_cgroup_path(path) if path is not None else None

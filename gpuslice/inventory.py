@@ -24,6 +24,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuslice.cgroups import cgroup_path_of_pid, unit_of_cgroup_path
 from gpuslice.cgroups import unit_of_pid as unit_of_pid  # re-exported: callers import it here
 from gpuslice.config import Config
 from gpuslice.core.model import Gpu
@@ -35,6 +36,7 @@ from gpuslice.driver import (
     root_from_env,
 )
 from gpuslice.nvml import DeviceScan, GpuLostError, Nvml, NvmlError, NvmlUnavailableError
+from gpuslice.owners import UNKNOWN, Owner, owner_of_cgroup_path
 from gpuslice.sizes import format_size
 
 log = logging.getLogger("gpuslice")
@@ -42,13 +44,15 @@ log = logging.getLogger("gpuslice")
 
 @dataclass(frozen=True)
 class GpuUse:
-    """One process on one GPU, attributed to its unit (None: foreign)."""
+    """One process on one GPU, attributed to its unit (None: foreign); a foreign process's
+    owner says whose it is (a Slurm job, a pod, a unit gpuslice does not manage)."""
 
     pid: int
     gpu: int
     used: int | None
     unit: str | None
     command: str
+    owner: Owner | None = None
 
 
 READY = "ready"
@@ -351,8 +355,10 @@ class Inventory:
                 continue
             foreign = 0
             foreign_pids: list[int] = []
+            owners: set[str] = set()
             for proc in found:
-                unit = unit_of_pid(proc.pid, self.proc)
+                path = cgroup_path_of_pid(proc.pid, self.proc)
+                unit = unit_of_cgroup_path(path) if path is not None else None
                 alive = (self.proc / str(proc.pid)).exists()
                 if not alive and not self._still_releasing(
                     proc.pid, proc.used_memory, info.index, now
@@ -362,6 +368,9 @@ class Inventory:
                 if not alive:
                     seen_gone.add(proc.pid)
                 owned = unit is not None and unit in managed_units
+                owner = None
+                if not owned:
+                    owner = owner_of_cgroup_path(path) if path is not None else UNKNOWN
                 processes.append(
                     GpuUse(
                         proc.pid,
@@ -369,11 +378,13 @@ class Inventory:
                         proc.used_memory,
                         unit if owned else None,
                         command_of(proc.pid, self.proc),
+                        owner,
                     )
                 )
-                if not owned:
+                if owner is not None:
                     foreign += proc.used_memory or 0
                     foreign_pids.append(proc.pid)
+                    owners.add(owner.label())
                 elif info.index not in holding.get(unit or "", ()):
                     foreign += proc.used_memory or 0  # a stray of a unit not holding this GPU
             gpus.append(
@@ -386,6 +397,7 @@ class Inventory:
                     foreign=foreign,
                     foreign_pids=tuple(foreign_pids),
                     used=info.memory_used,
+                    foreign_owners=tuple(sorted(owners - {""})),
                 )
             )
         for pid in set(self._gone_since) - seen_gone:

@@ -27,6 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gpuslice.core.decisions import Cause, Code
+from gpuslice.owners import KINDS, OTHER
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_LABEL = 512  # characters of a label value (a unit name has at most 255)
@@ -205,6 +206,18 @@ def _jobs(status: Mapping[str, Any]) -> Iterator[Metric]:
     yield family
 
 
+def _foreign_by_owner(gpu: Mapping[str, Any]) -> dict[str, float]:
+    """Bytes the GPU's foreign processes use, summed per owner kind (a known kind or
+    `other`: the label's values stay the few of gpuslice/owners.py)."""
+    out: dict[str, float] = {}
+    for p in _dicts(gpu.get("foreign")):
+        owner = p.get("owner")
+        kind = owner.get("kind") if isinstance(owner, Mapping) else None
+        kind = kind if kind in KINDS else OTHER
+        out[kind] = out.get(kind, 0.0) + (_number(p.get("memory")) or 0.0)
+    return out
+
+
 def _gpus(status: Mapping[str, Any]) -> Iterator[Metric]:
     labels = ["gpu", "uuid"]
     memory = {
@@ -218,6 +231,13 @@ def _gpus(status: Mapping[str, Any]) -> Iterator[Metric]:
     }
     lost = GaugeMetricFamily(
         "gpuslice_gpu_lost", "Whether the GPU stopped answering NVML.", labels=labels
+    )
+    by_owner = GaugeMetricFamily(
+        "gpuslice_gpu_foreign_memory_bytes",
+        "GPU memory used by processes of no managed unit, by whose they are (owner: "
+        + ", ".join(KINDS)
+        + ").",
+        labels=[*labels, "owner"],
     )
     unit_labels = ["unit", "gpu"]
     declared = GaugeMetricFamily(
@@ -244,6 +264,8 @@ def _gpus(status: Mapping[str, Any]) -> Iterator[Metric]:
         if total is not None:
             foreign = [_number(p.get("memory")) for p in _dicts(gpu.get("foreign"))]
             values["unmanaged"] = math.fsum(m for m in foreign if m is not None)
+            for kind, used_by_kind in sorted(_foreign_by_owner(gpu).items()):
+                by_owner.add_metric([*where, kind], used_by_kind)
         for key, value in values.items():
             if value is not None:
                 memory[key].add_metric(where, value)
@@ -257,6 +279,7 @@ def _gpus(status: Mapping[str, Any]) -> Iterator[Metric]:
                 if value is not None:
                     family.add_metric([_label(unit), where[0]], value)
     yield from memory.values()
+    yield by_owner
     yield lost
     yield declared
     yield used

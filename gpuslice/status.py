@@ -59,6 +59,11 @@ null); DECISION "rung" and "fallback" (for "rung-failed"); and
                  "host_memory": int|null (bytes moved to host memory; null when this
                  controller did not suspend it), "since": float|null (Unix time)}],
   most urgent first: suspended units are frozen, active for systemd, and hold no GPU.
+Added beside Slurm and Kubernetes: each "foreign" entry's "owner": {"kind": str, "id": str},
+whose process it is, read from its cgroup (gpuslice/owners.py): "slurm" (id: the job),
+"kubernetes" (the pod's UID), "docker" or "podman" (the container, 12 digits), "machine" (a
+systemd-machined container's name), "user" (a UID), "unit" (a unit gpuslice does not
+manage), or "other" (id "").
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from gpuslice.annotations import Scan
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Snapshot
 from gpuslice.inventory import Sample
+from gpuslice.owners import UNKNOWN, Owner
 from gpuslice.sizes import format_size
 
 JSON_VERSION = 1
@@ -89,7 +95,15 @@ def _gpu_json(
         "memory_used": gpu.used,
         "lost": gpu.lost,
         "holders": [],
-        "foreign": [{"pid": p.pid, "command": p.command, "memory": p.used} for p in foreign],
+        "foreign": [
+            {
+                "pid": p.pid,
+                "command": p.command,
+                "memory": p.used,
+                "owner": (p.owner or UNKNOWN).to_json(),
+            }
+            for p in foreign
+        ],
     }
     for unit, prio, state in holders:
         spec = scan.spec_for(unit)
@@ -166,6 +180,14 @@ def _priorities(units: tuple[str, ...], scan: Scan) -> dict[str, int]:
     return out
 
 
+def _owner_label(owner: object) -> str:
+    """`Slurm job 881` from the JSON's owner (absent from older controllers: "")."""
+    if not isinstance(owner, dict):
+        return ""
+    kind, ident = owner.get("kind"), owner.get("id")
+    return Owner(kind, ident).label() if isinstance(kind, str) and isinstance(ident, str) else ""
+
+
 def render(data: dict[str, Any], now: float | None = None) -> str:
     """A table a person reads at a glance; every list is shown, empty ones as "-". Waiters
     are numbered by their place in the queue; with `now` (Unix time) each says how long it
@@ -187,9 +209,10 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
             )
         for p in gpu.get("foreign", []):
             memory = format_size(p["memory"]) if p["memory"] is not None else "?"
+            whose = _owner_label(p.get("owner"))
             lines.append(
                 f"{gpu['index']:<4} {'foreign: PID ' + str(p['pid']) + ' ' + p['command']:<40} "
-                f"{'':>8}  {'':<9} {memory}"
+                f"{'':>8}  {'':<9} {memory}" + (f"  ({whose})" if whose else "")
             )
     lines.append("")
     lines.append("Waiting:")

@@ -119,6 +119,25 @@ def test_background_units_yield_to_a_foreign_process_and_return() -> None:
     assert brief(s.set_gpus([gpu(0)])) == ["start bg.service"]
 
 
+def test_a_yield_names_whose_processes_it_yields_to() -> None:
+    """Beside Slurm or Kubernetes the line says whose the processes are, each owner once,
+    over every GPU the unit yields."""
+    bg = unit("bg", 90, None, BG, gpus=2)
+    s = Scheduler([gpu(0), gpu(1)], {bg.name: bg})
+    settle_starts(s, list(s.schedule()))
+    slurm = ("Slurm job 881",)
+    actions = s.set_gpus(
+        [
+            gpu(0, foreign=GIB, foreign_pids=(7,), foreign_owners=slurm),
+            gpu(1, foreign=GIB, foreign_pids=(8, 9), foreign_owners=("UID 1000", *slurm)),
+        ]
+    )
+    assert words(actions) == [
+        "yielding GPUs 0,1: stopping background bg.service (priority 90) while a process "
+        "gpuslice does not manage uses it (PID 7, 8, 9; Slurm job 881, UID 1000)"
+    ]
+
+
 def test_ignore_policy_only_counts_foreign_memory() -> None:
     bg = unit("bg", 90, 10, BG)
     s = Scheduler(

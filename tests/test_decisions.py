@@ -69,6 +69,25 @@ def check_rendered(actions: list[Action]) -> None:
             "gpuslice does not manage uses it (PID 7, 8)",
         ),
         (
+            Decision(Code.YIELD, V, 90, gpus=(1,), pids=(7, 8), owners=("Slurm job 881",)),
+            "yielding GPU 1: stopping background vlm.service (priority 90) while a process "
+            "gpuslice does not manage uses it (PID 7, 8; Slurm job 881)",
+        ),
+        (  # a user can start thousands of processes: the line names eight of each
+            Decision(
+                Code.YIELD,
+                V,
+                90,
+                gpus=(1,),
+                pids=tuple(range(100, 109)),
+                owners=tuple(f"UID {n}" for n in range(1000, 1010)),
+            ),
+            "yielding GPU 1: stopping background vlm.service (priority 90) while a process "
+            "gpuslice does not manage uses it (PID 100, 101, 102, 103, 104, 105, 106, 107 "
+            "and 1 more; UID 1000, UID 1001, UID 1002, UID 1003, UID 1004, UID 1005, UID 1006, "
+            "UID 1007 and 2 more)",
+        ),
+        (
             Decision(Code.REQUEUE, V, 90, gpus=(0,), cause=Cause.FREE),
             "restarting preempted vlm.service (priority 90) on GPU 0",
         ),

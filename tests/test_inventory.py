@@ -25,6 +25,7 @@ from gpuslice.nvml import (
     NvmlStatus,
     NvmlUnavailableError,
 )
+from gpuslice.owners import UNKNOWN, Owner
 
 GIB = 1 << 30
 UUIDS = ("GPU-11111111-1111-1111-1111-111111111111", "GPU-22222222-2222-2222-2222-222222222222")
@@ -170,15 +171,16 @@ def test_processes_are_attributed_by_cgroup_not_by_name(tmp_path: Path) -> None:
     sample = inventory.sample(MANAGED, {"asr.service": (0,), "w@a.service": (1,)})
 
     assert sample.taken_at == clock.now
+    whose = ("UID 1000", "unmanaged.service")
     assert sample.gpus == [
-        Gpu(0, UUIDS[0], "NVIDIA Fake 24GB", 24 * GIB, 0, 2 * GIB, (200, 201), False, 0),
+        Gpu(0, UUIDS[0], "NVIDIA Fake 24GB", 24 * GIB, 0, 2 * GIB, (200, 201), False, 0, whose),
         Gpu(1, UUIDS[1], "NVIDIA Fake 24GB", 24 * GIB, 0, 0, (), False, 0),
     ]
     assert sample.processes == [
         GpuUse(100, 0, 3 * GIB, "asr.service", "python3"),
         GpuUse(101, 0, GIB, "asr.service", "Xorg"),
-        GpuUse(200, 0, 2 * GIB, None, "python3"),
-        GpuUse(201, 0, None, None, "gpu-alloc"),
+        GpuUse(200, 0, 2 * GIB, None, "python3", Owner("user", "1000")),
+        GpuUse(201, 0, None, None, "gpu-alloc", Owner("unit", "unmanaged.service")),
         GpuUse(300, 1, 5 * GIB, "w@a.service", "ollama"),
     ]
     assert sample.used_by("asr.service") == {0: 4 * GIB}
@@ -214,6 +216,40 @@ def test_processes_are_attributed_by_systemds_rule(tmp_path: Path) -> None:
     assert (sample.gpus[0].foreign, sample.gpus[0].foreign_pids) == (2 * GIB, (100, 101))
     assert (sample.gpus[1].foreign, sample.gpus[1].foreign_pids) == (0, ())
     assert sample.used_by("asr.service") == {0: 2 * GIB}
+
+
+def test_foreign_processes_are_said_whose_they_are(tmp_path: Path) -> None:
+    """Beside Slurm or Kubernetes: each foreign process's owner from its cgroup, the GPU's
+    owners once each; a process whose cgroup cannot be read is foreign, of no known owner."""
+    nvml = StubNvml()
+    pod = "1b4e28ba_2fa1_11d2_883f_0016d3cca427"
+    write_proc(tmp_path, 100, "0::/system.slice/slurmstepd.scope/job_881/step_0/user\n", "py")
+    write_proc(tmp_path, 101, "0::/system.slice/slurmstepd.scope/job_881/step_1/user\n", "py")
+    write_proc(
+        tmp_path, 102, f"0::/kubepods.slice/kubepods-pod{pod}.slice/cri-containerd-a.scope\n", "t"
+    )
+    write_proc(tmp_path, 103, "0::/system.slice/asr.service\n", "python3")
+    for pid in (100, 101, 102, 103):
+        nvml.add(0, pid, GIB)
+    nvml.add(1, 104, GIB)
+    (tmp_path / "104").mkdir()  # alive, but its cgroup cannot be read
+    inventory, _ = make_inventory(tmp_path, nvml)
+
+    sample = inventory.sample(MANAGED, {"asr.service": (0,)})
+
+    assert [(p.pid, p.owner) for p in sample.processes] == [
+        (100, Owner("slurm", "881")),
+        (101, Owner("slurm", "881")),
+        (102, Owner("kubernetes", pod.replace("_", "-"))),
+        (103, None),
+        (104, UNKNOWN),
+    ]
+    assert sample.gpus[0].foreign_owners == (
+        "Kubernetes pod 1b4e28ba-2fa1-11d2-883f-0016d3cca427",
+        "Slurm job 881",
+    )
+    assert (sample.gpus[0].foreign_pids, sample.gpus[1].foreign_pids) == ((100, 101, 102), (104,))
+    assert sample.gpus[1].foreign_owners == ()
 
 
 def test_manage_gpus_and_reserve(tmp_path: Path) -> None:

@@ -61,8 +61,14 @@ def status() -> dict[str, Any]:
                     },
                 ],
                 "foreign": [
-                    {"pid": 7, "command": "python", "memory": 2 * GIB},
-                    {"pid": 8, "command": "x", "memory": None},
+                    {
+                        "pid": 7,
+                        "command": "python",
+                        "memory": 2 * GIB,
+                        "owner": {"kind": "slurm", "id": "881"},
+                    },
+                    # a kind this version does not know counts as other
+                    {"pid": 8, "command": "x", "memory": None, "owner": {"kind": "k\n"}},
                 ],
             },
             {
@@ -132,6 +138,7 @@ def test_names_types_and_labels() -> None:
         "gpuslice_gpu_memory_used_bytes": "gauge",
         "gpuslice_gpu_memory_reserved_bytes": "gauge",
         "gpuslice_gpu_memory_unmanaged_bytes": "gauge",
+        "gpuslice_gpu_foreign_memory_bytes": "gauge",
         "gpuslice_gpu_lost": "gauge",
         "gpuslice_job_memory_declared_bytes": "gauge",
         "gpuslice_job_memory_used_bytes": "gauge",
@@ -205,6 +212,11 @@ def test_gpu_memory_and_job_memory() -> None:
     assert families[name][1] == {on(name, "0", "GPU-aaaa"): 12 * GIB, on(name, "1", "GPU-bbbb"): 0}
     name = "gpuslice_gpu_memory_unmanaged_bytes"  # an unknown process memory adds nothing
     assert families[name][1] == {on(name, "0", "GPU-aaaa"): 2 * GIB, on(name, "1", "GPU-bbbb"): 0}
+    name = "gpuslice_gpu_foreign_memory_bytes"  # by owner kind, only the kinds present
+    assert families[name][1] == {
+        (name, ("gpu", "0"), ("owner", "other"), ("uuid", "GPU-aaaa")): 0,
+        (name, ("gpu", "0"), ("owner", "slurm"), ("uuid", "GPU-aaaa")): 2 * GIB,
+    }
     name = "gpuslice_gpu_lost"
     assert families[name][1] == {on(name, "0", "GPU-aaaa"): 0, on(name, "1", "GPU-bbbb"): 1}
     assert families["gpuslice_job_memory_declared_bytes"][1] == {

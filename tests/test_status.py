@@ -12,7 +12,15 @@ from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Snapshot
 from gpuslice.inventory import GpuUse, Health, Sample
-from gpuslice.status import _duration, _gpu_line, _holder_memory, render, snapshot_to_json
+from gpuslice.owners import Owner
+from gpuslice.status import (
+    _duration,
+    _gpu_line,
+    _holder_memory,
+    _owner_label,
+    render,
+    snapshot_to_json,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -149,8 +157,8 @@ def rich_json() -> dict[str, Any]:
             GpuUse(21, 1, 5 * GIB, "train.service", "train"),
             GpuUse(22, 1, None, "train.service", "train"),
             GpuUse(23, 1, 1 * GIB, "train.service", "train"),
-            GpuUse(77, 0, 2 * GIB, None, "Xorg"),
-            GpuUse(78, 1, None, None, "python3"),
+            GpuUse(77, 0, 2 * GIB, None, "Xorg", Owner("unit", "gdm.service")),
+            GpuUse(78, 1, None, None, "python3", Owner("slurm", "881")),
             GpuUse(79, 1, 300 * MIB, None, "nvtop"),
         ],
         health=Health("ready", 1700000000.12345, "NVML answers", "550.54"),
@@ -191,7 +199,14 @@ def test_json_of_a_busy_host() -> None:
                         "memory_used": 3 * GIB,
                     },
                 ],
-                "foreign": [{"pid": 77, "command": "Xorg", "memory": 2 * GIB}],
+                "foreign": [
+                    {
+                        "pid": 77,
+                        "command": "Xorg",
+                        "memory": 2 * GIB,
+                        "owner": {"kind": "unit", "id": "gdm.service"},
+                    }
+                ],
             },
             {
                 "index": 1,
@@ -218,8 +233,18 @@ def test_json_of_a_busy_host() -> None:
                     },
                 ],
                 "foreign": [
-                    {"pid": 78, "command": "python3", "memory": None},
-                    {"pid": 79, "command": "nvtop", "memory": 300 * MIB},
+                    {
+                        "pid": 78,
+                        "command": "python3",
+                        "memory": None,
+                        "owner": {"kind": "slurm", "id": "881"},
+                    },
+                    {
+                        "pid": 79,
+                        "command": "nvtop",
+                        "memory": 300 * MIB,
+                        "owner": {"kind": "other", "id": ""},
+                    },
                 ],
             },
             {
@@ -363,11 +388,11 @@ def test_render_a_busy_host() -> None:
         "0    voice.service                                  10  running   "
         "10 GiB declared, 11 GiB used (MORE THAN DECLARED)",
         "0    train.service                                  40  stopping  whole GPU, 3 GiB used",
-        "0    foreign: PID 77 Xorg                                         2 GiB",
+        "0    foreign: PID 77 Xorg                                         2 GiB  (gdm.service)",
         "GPU 1: Fake 80GB, ? / 80 GiB used",
         "1    train.service                                  40  stopping  whole GPU, 6 GiB used",
         "1    small.service                                  30  starting  512 MiB declared",
-        "1    foreign: PID 78 python3                                      ?",
+        "1    foreign: PID 78 python3                                      ?  (Slurm job 881)",
         "1    foreign: PID 79 nvtop                                        300 MiB",
         "GPU 2: LOST (stopped answering NVML)",
         free_line(2),
@@ -624,3 +649,19 @@ def test_suspended_units_in_json_and_table() -> None:
         "Suspended: vlm.service (priority 90, 14 GiB in host memory for 42 s, returns to GPU 0), "
         "old.service (priority 95, returns to GPU 1)"
     ) in render(data, now=142.0).splitlines()
+
+
+@pytest.mark.parametrize(
+    ("owner", "label"),
+    [
+        ({"kind": "kubernetes", "id": "1b4e"}, "Kubernetes pod 1b4e"),
+        ({"kind": "user", "id": "1000"}, "UID 1000"),
+        ({"kind": "other", "id": ""}, ""),
+        (None, ""),  # an older controller's JSON has no owner
+        ({"kind": "slurm"}, ""),
+        ({"kind": 5, "id": "1"}, ""),
+        ("slurm", ""),
+    ],
+)
+def test_a_foreign_processs_owner_as_the_table_says_it(owner: object, label: str) -> None:
+    assert _owner_label(owner) == label

@@ -130,6 +130,7 @@ class Decision:
     available: int | None = None  # GPUs the host has, or that may run it (EXCEEDS_HOST, WAIT)
     units: tuple[str, ...] = ()  # LOST_GPU: the units that held it
     pids: tuple[int, ...] = ()  # YIELD: the foreign processes
+    owners: tuple[str, ...] = ()  # YIELD: whose they are (`Slurm job 881`), for people
     detail: str = ""  # free words: why a stop failed, for how long it is overdue, a pause
     rung: str = ""  # RUNG_FAILED: the way of giving way that did not work
     fallback: str = ""  # RUNG_FAILED: the one tried instead ("": none, it keeps its GPUs)
@@ -247,6 +248,17 @@ def until(d: Decision) -> str:
     return "the GPUs named free up, or their holders become less urgent than it"
 
 
+# A journal line names at most this many processes or owners: a user can start thousands
+LISTED_MAX = 8
+
+
+def _listed(items: tuple[object, ...]) -> str:
+    """`1, 2, 3`, or the first LISTED_MAX and how many more."""
+    shown = ", ".join(str(i) for i in items[:LISTED_MAX])
+    more = len(items) - LISTED_MAX
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
 def render(d: Decision) -> str:
     """The sentence for a decision, as `journalctl -u gpuslice` shows it."""
     who = _who(d.unit, d.priority)
@@ -260,10 +272,10 @@ def render(d: Decision) -> str:
     if code is Code.PREEMPT:
         return f"preempting {who} for {_who(d.for_unit, d.for_priority)} on {format_gpus(d.gpus)}"
     if code is Code.YIELD:
-        pids = ", ".join(str(p) for p in d.pids)
+        whose = f"; {_listed(d.owners)}" if d.owners else ""
         return (
             f"yielding {format_gpus(d.gpus)}: stopping background {who} while a process "
-            f"gpuslice does not manage uses it (PID {pids})"
+            f"gpuslice does not manage uses it (PID {_listed(d.pids)}{whose})"
         )
     if code is Code.REQUEUE:
         if d.cause is Cause.QUEUES:

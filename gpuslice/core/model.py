@@ -84,6 +84,7 @@ class Gpu:
     foreign_pids: tuple[int, ...] = ()
     lost: bool = False
     used: int | None = None  # what NVML reports in use, for people; decisions use the rest
+    foreign_owners: tuple[str, ...] = ()  # whose the foreign processes are, for people
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gpu:
         return self  # immutable through and through: a copy of the scheduler shares it

@@ -885,8 +885,10 @@ class Scheduler:
                 holder.phase = Phase.STOPPING
                 holder.stopping_for = None
                 pids = tuple(p for g in busy for p in g.foreign_pids)
+                owners = tuple(sorted({o for g in busy for o in g.foreign_owners}))
                 gpus = tuple(sorted(g.index for g in busy))
-                actions.append(_stop(_about(holder.spec, Code.YIELD, gpus=gpus, pids=pids)))
+                yielded = _about(holder.spec, Code.YIELD, gpus=gpus, pids=pids, owners=owners)
+                actions.append(_stop(yielded))
         return actions
 
     def _serve(self, waiter: Waiter, promises: list[tuple[int, Use]]) -> list[Action]:

@@ -232,6 +232,31 @@ def start_foreign(bed: Container, name: str, gpu: int, memory: str = "2G") -> in
     return wait_until(allocated, SETTLE_TIMEOUT, what=f"{unit} to allocate on GPU {gpu}")
 
 
+def start_slurm_step(bed: Container, job: int, gpu: int, memory: str = "2G") -> int:
+    """gpu-alloc where slurmstepd puts a job step with cgroup v2 (a `Delegate=yes` scope it
+    registers with systemd, the job's cgroups created inside it):
+    /system.slice/slurmstepd.scope/job_JOB/step_0. Returns its PID once it allocates; stop
+    it with `stop_foreign(bed, "slurmstepd.scope")`."""
+    step = f"/sys/fs/cgroup/system.slice/slurmstepd.scope/job_{job}/step_0"
+    # sh moves itself into the step, then forks the job (which keeps neither the death signal
+    # `run` sets nor its cgroup) and exits: the scope lives on with the job alone in it
+    script = (
+        f"mkdir -p {step} && echo $$ > {step}/cgroup.procs && FAKE_NVML_DIR={STATE} "
+        f"setsid -f {ALLOC} --gpu {gpu} --bytes {memory} </dev/null >/dev/null 2>&1"
+    )
+    bed.run(
+        ["systemd-run", "--quiet", "--scope", "--unit=slurmstepd", "-p", "Delegate=yes",
+         "sh", "-c", script]
+    )  # fmt: skip
+
+    def allocated() -> int | None:
+        pids = bed.run(f"cat {step}/cgroup.procs", check=False).stdout.split()
+        found = [int(p) for p in pids if int(p) in allocations(bed)]
+        return found[0] if found else None
+
+    return wait_until(allocated, SETTLE_TIMEOUT, what=f"Slurm job {job} to allocate on GPU {gpu}")
+
+
 def stop_foreign(bed: Container, name: str) -> None:
     bed.systemctl("stop", name)
 

@@ -25,6 +25,7 @@ from tests.integration.jobs import (
     wait_sub,
     write_job,
 )
+from tests.integration.test_metrics import samples
 
 GIB = fakegpu.GIB
 UUID0, UUID1 = fakegpu.UUIDS[:2]
@@ -173,10 +174,13 @@ def test_foreign_process_makes_background_units_yield_and_return(bed: Container)
     wait_journal(
         bed,
         "yielding GPU 1: stopping background bg1.service (priority 90) while a process "
-        f"gpuslice does not manage uses it (PID {pid})",
+        f"gpuslice does not manage uses it (PID {pid}; foreign-x.service)",
     )
     assert status(bed)["preempted"] == [{"unit": "bg1.service", "priority": 90, "requeue": True}]
-    assert gpu(bed, 1)["foreign"] == [{"pid": pid, "command": "gpu-alloc", "memory": 2 * GIB}]
+    owner = {"kind": "unit", "id": "foreign-x.service"}
+    assert gpu(bed, 1)["foreign"] == [
+        {"pid": pid, "command": "gpu-alloc", "memory": 2 * GIB, "owner": owner}
+    ]
     assert main_pid(bed, "bg0.service") == bg0, "GPU 0 has no foreign process"
     assert f"foreign: PID {pid} gpu-alloc" in bed.run(["gpuslice", "status"]).stdout
 
@@ -186,6 +190,36 @@ def test_foreign_process_makes_background_units_yield_and_return(bed: Container)
     assert status(bed)["preempted"] == []
     assert gpu(bed, 1)["foreign"] == []
     assert main_pid(bed, "bg0.service") == bg0
+
+
+def test_a_slurm_job_on_a_gpu_is_named_and_yielded_to(unified_container: Container) -> None:
+    """Beside Slurm: a job step in the cgroup slurmstepd makes (a delegated scope; Slurm's
+    cgroup/v2 plugin, so pure cgroup v2) is foreign, and the journal, status and metrics say
+    it is that Slurm job."""
+    bed = unified_container
+    fakegpu.install(bed, 2)
+    fakegpu.write_alloc_job(bed, "bg1.service", 90, "background", memory="10G", devices="1")
+    reload(bed)
+    wait_state(bed, "bg1.service", "active")
+
+    pid = fakegpu.start_slurm_step(bed, 881, 1, "2G")
+    wait_state(bed, "bg1.service", "inactive")
+    wait_journal(
+        bed,
+        "yielding GPU 1: stopping background bg1.service (priority 90) while a process "
+        f"gpuslice does not manage uses it (PID {pid}; Slurm job 881)",
+    )
+    owner = {"kind": "slurm", "id": "881"}
+    assert gpu(bed, 1)["foreign"] == [
+        {"pid": pid, "command": "gpu-alloc", "memory": 2 * GIB, "owner": owner}
+    ]
+    assert "2 GiB  (Slurm job 881)" in bed.run(["gpuslice", "status"]).stdout
+    got = samples(bed.run(["gpuslice", "metrics"]).stdout)
+    on_gpu1 = (("gpu", "1"), ("owner", "slurm"), ("uuid", UUID1))
+    assert got[("gpuslice_gpu_foreign_memory_bytes", *on_gpu1)] == 2 * GIB
+
+    fakegpu.stop_foreign(bed, "slurmstepd.scope")
+    wait_state(bed, "bg1.service", "active")
 
 
 def test_workers_of_a_managed_unit_are_never_foreign(bed: Container) -> None:
