@@ -40,6 +40,9 @@ unit's stop was refused, `granted_after` when it was granted after this waiter w
 and so is not preempted for it: the thrash rule; `stopping` for another waiter; `memory`:
 `free` bytes of declared memory left; `kept` for an earlier waiter of the same priority;
 `suspended` (added later): kept for `unit`, suspended and more urgent, until it comes back).
+PART "others" and "owners" (added later; 0 and [] but for `memory`): bytes on that GPU used by
+processes of no holder (foreign, or a managed unit's leftovers), and whose the foreign ones
+are, as the table says them ("Slurm job 881").
 gpuslice/core/decisions.py defines every code, cause and kind.
 Added later, for `gpuslice metrics` (absent from older controllers):
   "priorities": {unit: int} for the units in held, finished and failed that are annotated;

@@ -263,6 +263,8 @@ def test_status_json_waiters_position_since_and_decision() -> None:
                 "granted_after": False,
                 "overdue": None,
                 "rung": None,
+                "others": 0,
+                "owners": [],
             }
         ],
         "need_gpus": 1,

@@ -138,6 +138,17 @@ def test_a_yield_names_whose_processes_it_yields_to() -> None:
     ]
 
 
+def test_a_waiter_kept_off_by_foreign_memory_is_told_whose_it_is() -> None:
+    """Seed 001's question, "busy, or only with my own workers?", answered in the reason."""
+    slurm = gpu(0, foreign=20 * GIB, foreign_pids=(7,), foreign_owners=("Slurm job 881",))
+    s = Scheduler([slurm], {})
+    s.request(unit("asr", 10, 8))
+    assert s.waiters["asr.service"].reason == (
+        "waiting: needs 8 GiB on one GPU; GPU 0 has 4 GiB free after the reserve, "
+        "20 GiB used by processes of no holder (Slurm job 881)"
+    )
+
+
 def test_ignore_policy_only_counts_foreign_memory() -> None:
     bg = unit("bg", 90, 10, BG)
     s = Scheduler(

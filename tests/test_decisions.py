@@ -218,6 +218,17 @@ def wait(cause: Cause, *parts: Part, **kw: object) -> Decision:
             "waiting: needs 20 GiB on one GPU; GPU 0 has 3 GiB free after the reserve, held by "
             "a.service, priority 5; GPU 1 has 0 B free after the reserve",
         ),
+        (  # memory of no holder: how much, and whose when known
+            wait(
+                Cause.BUSY,
+                Part(Blocker.MEMORY, (0,), "a.service", 5, free=3 * GIB, others=GIB),
+                Part(Blocker.MEMORY, (1,), free=0, others=24 * GIB, owners=("Slurm job 881",)),
+                need_memory=20 * GIB,
+            ),
+            "waiting: needs 20 GiB on one GPU; GPU 0 has 3 GiB free after the reserve, held by "
+            "a.service, priority 5, 1 GiB used by processes of no holder; GPU 1 has 0 B free "
+            "after the reserve, 24 GiB used by processes of no holder (Slurm job 881)",
+        ),
     ],
 )
 def test_render_waiting_reasons(decision: Decision, words: str) -> None:
@@ -253,6 +264,8 @@ def test_to_json_has_every_key() -> None:
                 "granted_after": False,
                 "overdue": None,
                 "rung": None,
+                "others": 0,
+                "owners": [],
             }
         ],
         "need_gpus": 1,

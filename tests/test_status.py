@@ -332,6 +332,8 @@ def test_json_decisions_are_the_reasons_as_data() -> None:
             "granted_after": False,
             "overdue": None,
             "rung": None,
+            "others": 0,
+            "owners": [],
         }
     ]
     assert (waiting[2]["decision"]["cause"], waiting[2]["decision"]["detail"]) == (

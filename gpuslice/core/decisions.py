@@ -95,6 +95,8 @@ class Part:
     granted_after: bool = False  # HELD by a less urgent unit granted after the waiter was known
     overdue: str = ""  # VICTIM still running this long after the stop (in words)
     rung: str = ""  # VICTIM, STOPPING: how it gives way (Preempt=): "suspend", else a stop
+    others: int = 0  # MEMORY: bytes used by processes of no holder (foreign, or leftovers)
+    owners: tuple[str, ...] = ()  # MEMORY: whose the foreign ones are (`Slurm job 881`)
 
     def __deepcopy__(self, memo: dict[int, object]) -> Part:
         return self  # immutable through and through: a copy of the scheduler shares it
@@ -110,6 +112,8 @@ class Part:
             "granted_after": self.granted_after,
             "overdue": self.overdue or None,
             "rung": self.rung or None,
+            "others": self.others,
+            "owners": list(self.owners),
         }
 
 
@@ -198,6 +202,17 @@ def _need(d: Decision) -> str:
 GRANTED_AFTER = " (granted while this unit was known: not stopped for it)"
 
 
+# A line names at most this many processes or owners: a user can start thousands of them
+LISTED_MAX = 8
+
+
+def _listed(items: tuple[object, ...]) -> str:
+    """`1, 2, 3`, or the first LISTED_MAX and how many more."""
+    shown = ", ".join(str(i) for i in items[:LISTED_MAX])
+    more = len(items) - LISTED_MAX
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
 def _part(p: Part) -> str:
     gpu = p.gpus[0] if p.gpus else -1
     if p.kind is Blocker.VICTIM:
@@ -207,6 +222,9 @@ def _part(p: Part) -> str:
     if p.kind is Blocker.MEMORY:
         held = f", held by {p.unit}, priority {p.priority}" if p.unit else ""
         held += GRANTED_AFTER if p.granted_after else ""
+        if p.others:
+            whose = f" ({_listed(p.owners)})" if p.owners else ""
+            held += f", {format_size(p.others)} used by processes of no holder{whose}"
         return f"GPU {gpu} has {format_size(max(p.free or 0, 0))} free after the reserve{held}"
     if p.kind is Blocker.STOPPING:
         how = "being suspended" if p.rung == "suspend" else "stopping"
@@ -246,17 +264,6 @@ def until(d: Decision) -> str:
     if d.cause is Cause.HOST:
         return "the host has enough GPUs (config.yaml gpus:, or NVML)"
     return "the GPUs named free up, or their holders become less urgent than it"
-
-
-# A journal line names at most this many processes or owners: a user can start thousands
-LISTED_MAX = 8
-
-
-def _listed(items: tuple[object, ...]) -> str:
-    """`1, 2, 3`, or the first LISTED_MAX and how many more."""
-    shown = ", ".join(str(i) for i in items[:LISTED_MAX])
-    more = len(items) - LISTED_MAX
-    return f"{shown} and {more} more" if more > 0 else shown
 
 
 def render(d: Decision) -> str:

@@ -1345,6 +1345,8 @@ class Scheduler:
                         top.spec.priority if top else None,
                         free=free,
                         granted_after=protected,
+                        others=gpu.foreign,
+                        owners=gpu.foreign_owners,
                     )
                 )
             elif top is not None and top.phase in GIVING_WAY:

@@ -217,6 +217,17 @@ def test_a_slurm_job_on_a_gpu_is_named_and_yielded_to(unified_container: Contain
     got = samples(bed.run(["gpuslice", "metrics"]).stdout)
     on_gpu1 = (("gpu", "1"), ("owner", "slurm"), ("uuid", UUID1))
     assert got[("gpuslice_gpu_foreign_memory_bytes", *on_gpu1)] == 2 * GIB
+    # an on-demand unit kept off by the job's memory is told whose it is
+    fakegpu.write_alloc_job(bed, "big.service", 10, memory="23G", devices="1")
+    reload(bed)
+    bed.systemctl("start", "--no-block", "big.service")
+    wait_sub(bed, "big.service", "start-pre")
+    reason = (
+        "waiting: needs 23 GiB on one GPU; GPU 1 has 22 GiB free after the reserve, "
+        "2 GiB used by processes of no holder (Slurm job 881)"
+    )
+    assert [w["reason"] for w in status(bed)["waiting"]] == [reason]
+    bed.systemctl("stop", "big.service")
 
     fakegpu.stop_foreign(bed, "slurmstepd.scope")
     wait_state(bed, "bg1.service", "active")
@@ -369,7 +380,10 @@ def test_leftover_process_of_a_victim_delays_the_grant(bed: Container) -> None:
     )
     bed.systemctl("start", "--no-block", "urgent.service")
     wait_state(bed, "leaky.service", "inactive")
-    reason = "waiting: needs 20 GiB on one GPU; GPU 0 has 4 GiB free after the reserve"
+    reason = (
+        "waiting: needs 20 GiB on one GPU; GPU 0 has 4 GiB free after the reserve, "
+        "20 GiB used by processes of no holder"
+    )
     wait_until(
         lambda: [w["reason"] for w in status(bed)["waiting"]] == [reason] or None,
         10,
