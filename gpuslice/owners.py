@@ -8,6 +8,7 @@ puts its jobs: only at places that root alone can create, so that a user who nam
 `job_5` in the subtree systemd delegates to them is still that user, never a Slurm job.
 
   /system.slice/slurmstepd.scope/job_881/step_0/...        slurm       881
+    (or NODE_slurmstepd.scope: a slurmd started with a node name)
   /kubepods.slice/kubepods-burstable.slice/
       kubepods-burstable-pod<uid>.slice/cri-containerd-...  kubernetes  <uid>
   /kubepods/burstable/pod<uid>/<container> (cgroupfs)       kubernetes  <uid>
@@ -38,6 +39,8 @@ OTHER = "other"
 # Every kind, in the order the README and the metric's label list them; only ever added to.
 KINDS = (SLURM, KUBERNETES, DOCKER, PODMAN, MACHINE, USER, UNIT, OTHER)
 
+# slurmd started with a node name (several slurmd on one host) prefixes it: NODE_slurmstepd.scope
+_SLURM_SCOPE = re.compile(r"(?:[A-Za-z0-9.-]{1,64}_)?slurmstepd\.scope")
 _SLURM_JOB = re.compile(r"job_([0-9]{1,10})")
 _POD_UID = r"([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})"
 _POD_SYSTEMD = re.compile(r"kubepods(?:-besteffort|-burstable)?-pod" + _POD_UID + r"\.slice")
@@ -109,7 +112,7 @@ def owner_of_cgroup_path(path: str) -> Owner:
     parts = [p for p in path.split("/") if p]
     if not parts:
         return UNKNOWN
-    if parts[0] == "system.slice" and len(parts) >= 3 and parts[1] == "slurmstepd.scope":
+    if parts[0] == "system.slice" and len(parts) >= 3 and _SLURM_SCOPE.fullmatch(parts[1]):
         job = _SLURM_JOB.fullmatch(parts[2])
         if job:
             return Owner(SLURM, str(int(job.group(1))))

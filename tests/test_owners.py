@@ -25,6 +25,13 @@ USER = "/user.slice/user-1000.slice/user@1000.service/app.slice"
         ),
         ("/system.slice/slurmstepd.scope/job_881/step_batch", Owner("slurm", "881"), None),
         ("/system.slice/slurmstepd.scope/job_007/step_extern", Owner("slurm", "7"), None),
+        # a slurmd started with a node name (several on one host) prefixes it
+        (
+            "/system.slice/spark-7ff0_slurmstepd.scope/job_21868/step_0",
+            Owner("slurm", "21868"),
+            None,
+        ),
+        ("/system.slice/x_y_slurmstepd.scope/job_1", Owner("unit", "x_y_slurmstepd.scope"), None),
         # slurmstepd itself, outside any job: the unit
         ("/system.slice/slurmstepd.scope/system", Owner("unit", "slurmstepd.scope"), None),
         ("/system.slice/slurmstepd.scope/job_12345678901", Owner("unit", "slurmstepd.scope"), None),
