@@ -55,6 +55,17 @@ _USER_SLICE = re.compile(r"user-([0-9]{1,10})\.slice")
 _ESCAPE = re.compile(r"\\x([0-9a-f]{2})")
 
 
+# How each kind is said (a unit, and other, say only their id)
+_SAID = {
+    SLURM: "Slurm job {}",
+    KUBERNETES: "Kubernetes pod {}",
+    DOCKER: "Docker container {}",
+    PODMAN: "Podman container {}",
+    MACHINE: "container {}",
+    USER: "UID {}",
+}
+
+
 @dataclass(frozen=True)
 class Owner:
     kind: str
@@ -62,19 +73,7 @@ class Owner:
 
     def label(self) -> str:
         """`Slurm job 881`, `Kubernetes pod 1b4e...`, `ollama.service`; "" when unknown."""
-        if self.kind == SLURM:
-            return f"Slurm job {self.id}"
-        if self.kind == KUBERNETES:
-            return f"Kubernetes pod {self.id}"
-        if self.kind == DOCKER:
-            return f"Docker container {self.id}"
-        if self.kind == PODMAN:
-            return f"Podman container {self.id}"
-        if self.kind == MACHINE:
-            return f"container {self.id}"
-        if self.kind == USER:
-            return f"UID {self.id}"
-        return self.id
+        return _SAID.get(self.kind, "{}").format(self.id)
 
     def to_json(self) -> dict[str, str]:
         return {"kind": self.kind, "id": self.id}
