@@ -220,7 +220,8 @@ SETTINGS: tuple[Setting, ...] = (
         lambda v: v in FOREIGN_POLICIES,
         ", ".join(FOREIGN_POLICIES),
         "What a GPU process that no managed unit owns means: yield (background units on its "
-        "GPU stop while it runs) or ignore (only its memory is counted).",
+        "GPU stop while it runs) or ignore (only its memory is counted). A graphics-only "
+        "process (a display server) only counts its memory.",
     ),
     Setting(
         "sample_interval",

@@ -45,7 +45,8 @@ log = logging.getLogger("gpuslice")
 @dataclass(frozen=True)
 class GpuUse:
     """One process on one GPU, attributed to its unit (None: foreign); a foreign process's
-    owner says whose it is (a Slurm job, a pod, a unit gpuslice does not manage)."""
+    owner says whose it is (a Slurm job, a pod, a unit gpuslice does not manage); `compute`
+    False for a graphics-only process (a display server: background units stay beside it)."""
 
     pid: int
     gpu: int
@@ -53,6 +54,7 @@ class GpuUse:
     unit: str | None
     command: str
     owner: Owner | None = None
+    compute: bool = True
 
 
 READY = "ready"
@@ -379,12 +381,14 @@ class Inventory:
                         unit if owned else None,
                         command_of(proc.pid, self.proc),
                         owner,
+                        proc.compute,
                     )
                 )
                 if owner is not None:
                     foreign += proc.used_memory or 0
-                    foreign_pids.append(proc.pid)
-                    owners.add(owner.label())
+                    if proc.compute:  # a desktop's display server is no job to yield to
+                        foreign_pids.append(proc.pid)
+                        owners.add(owner.label())
                 elif info.index not in holding.get(unit or "", ()):
                     foreign += proc.used_memory or 0  # a stray of a unit not holding this GPU
             gpus.append(

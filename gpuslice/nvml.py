@@ -104,11 +104,14 @@ class GpuInfo:
 
 @dataclass(frozen=True)
 class GpuProcess:
-    """A process holding memory on a GPU; `used_memory` None means NVML cannot say."""
+    """A process holding memory on a GPU; `used_memory` None means NVML cannot say.
+    `compute`: NVML lists it as a compute (CUDA) process; False for a graphics-only one (a
+    display server, a compositor, a browser), which a background unit does not yield to."""
 
     pid: int
     gpu_index: int
     used_memory: int | None
+    compute: bool = True
 
 
 @dataclass(frozen=True)
@@ -230,11 +233,11 @@ class Nvml:
         self._require()
         handle = self._call("nvmlDeviceGetHandleByIndex", index, gpu=index)
         found: dict[int, GpuProcess] = {}
-        for kind in ("Compute", "Graphics"):
+        for kind in ("Compute", "Graphics"):  # a process in both lists is a compute one
             for entry in self._process_list(kind, handle, index):
                 pid = int(entry.pid)
-                used = entry.usedGpuMemory
-                found.setdefault(pid, GpuProcess(pid, index, None if used is None else int(used)))
+                used = None if entry.usedGpuMemory is None else int(entry.usedGpuMemory)
+                found.setdefault(pid, GpuProcess(pid, index, used, compute=kind == "Compute"))
         return sorted(found.values(), key=lambda p: p.pid)
 
     def _device(self, index: int) -> GpuInfo:

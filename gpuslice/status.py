@@ -66,7 +66,8 @@ Added beside Slurm and Kubernetes: each "foreign" entry's "owner": {"kind": str,
 whose process it is, read from its cgroup (gpuslice/owners.py): "slurm" (id: the job),
 "kubernetes" (the pod's UID), "docker" or "podman" (the container, 12 digits), "machine" (a
 systemd-machined container's name), "user" (a UID), "unit" (a unit gpuslice does not
-manage), or "other" (id "").
+manage), or "other" (id ""); and "compute": bool, false for a graphics-only process (a
+display server, a compositor), which background units do not yield to.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def _gpu_json(
                 "command": p.command,
                 "memory": p.used,
                 "owner": (p.owner or UNKNOWN).to_json(),
+                "compute": p.compute,
             }
             for p in foreign
         ],
@@ -212,7 +214,9 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
             )
         for p in gpu.get("foreign", []):
             memory = format_size(p["memory"]) if p["memory"] is not None else "?"
-            whose = _owner_label(p.get("owner"))
+            said = [_owner_label(p.get("owner"))]
+            said.insert(0, "graphics only" if p.get("compute") is False else "")
+            whose = "; ".join(s for s in said if s)
             lines.append(
                 f"{gpu['index']:<4} {'foreign: PID ' + str(p['pid']) + ' ' + p['command']:<40} "
                 f"{'':>8}  {'':<9} {memory}" + (f"  ({whose})" if whose else "")

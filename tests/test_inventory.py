@@ -126,8 +126,8 @@ class StubNvml(Nvml):
             raise self.raises[index]
         return list(self.procs[index])
 
-    def add(self, gpu: int, pid: int, used: int | None) -> None:
-        self.procs[gpu].append(GpuProcess(pid, gpu, used))
+    def add(self, gpu: int, pid: int, used: int | None, *, compute: bool = True) -> None:
+        self.procs[gpu].append(GpuProcess(pid, gpu, used, compute))
 
 
 class Clock:
@@ -250,6 +250,25 @@ def test_foreign_processes_are_said_whose_they_are(tmp_path: Path) -> None:
     )
     assert (sample.gpus[0].foreign_pids, sample.gpus[1].foreign_pids) == ((100, 101, 102), (104,))
     assert sample.gpus[1].foreign_owners == ()
+
+
+def test_a_desktops_display_server_takes_memory_but_is_yielded_to_by_nobody(
+    tmp_path: Path,
+) -> None:
+    """A graphics-only process (Xorg, a compositor) on a desktop's GPU: its memory counts,
+    but it is no job that background units step aside for (they never would run there)."""
+    nvml = StubNvml()
+    write_proc(tmp_path, 50, "0::/system.slice/gdm.service\n", "Xorg")
+    write_proc(tmp_path, 51, "0::/user.slice/user-1000.slice/session-2.scope\n", "python3")
+    nvml.add(0, 50, GIB, compute=False)
+    nvml.add(0, 51, 2 * GIB)
+    inventory, _ = make_inventory(tmp_path, nvml)
+
+    sample = inventory.sample(MANAGED)
+
+    gpu0 = sample.gpus[0]
+    assert (gpu0.foreign, gpu0.foreign_pids, gpu0.foreign_owners) == (3 * GIB, (51,), ("UID 1000",))
+    assert [(p.pid, p.compute) for p in sample.processes] == [(50, False), (51, True)]
 
 
 def test_manage_gpus_and_reserve(tmp_path: Path) -> None:

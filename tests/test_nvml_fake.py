@@ -96,7 +96,10 @@ def _probe_pynvml() -> dict[str, Any]:
                     "memory": [mem.total, mem.free, mem.used],
                     "memory_v2": [mem2.total, mem2.free, mem2.used],
                     "compute": [[p.pid, p.usedGpuMemory] for p in compute],
-                    "graphics": len(pynvml.nvmlDeviceGetGraphicsRunningProcesses(h)),
+                    "graphics": [
+                        [p.pid, p.usedGpuMemory]
+                        for p in pynvml.nvmlDeviceGetGraphicsRunningProcesses(h)
+                    ],
                 }
             )
         except pynvml.NVMLError as e:
@@ -324,7 +327,7 @@ def test_discovers_two_24gib_gpus(fake: FakeGpus) -> None:
         assert gpu["uuid"] == UUIDS[i]
         assert gpu["pci_bus_id"] == f"00000000:0{i + 1}:00.0"
         assert gpu["memory"] == gpu["memory_v2"] == [24 * GIB, 24 * GIB, 0]
-        assert (gpu["compute"], gpu["graphics"]) == ([], 0)
+        assert (gpu["compute"], gpu["graphics"]) == ([], [])
 
 
 def test_memory_and_processes_follow_allocations(fake: FakeGpus) -> None:
@@ -337,12 +340,14 @@ def test_memory_and_processes_follow_allocations(fake: FakeGpus) -> None:
     assert api["gpus"] == [_gpu(0, 512 * MIB + GIB), _gpu(1, 20 * GIB)]
     assert api["processes"]["0"] == sorted(
         [
-            {"pid": a.pid, "gpu_index": 0, "used_memory": 512 * MIB},
-            {"pid": b.pid, "gpu_index": 0, "used_memory": GIB},
+            {"pid": a.pid, "gpu_index": 0, "used_memory": 512 * MIB, "compute": True},
+            {"pid": b.pid, "gpu_index": 0, "used_memory": GIB, "compute": True},
         ],
         key=lambda p: p["pid"],
     )
-    assert api["processes"]["1"] == [{"pid": c.pid, "gpu_index": 1, "used_memory": 20 * GIB}]
+    assert api["processes"]["1"] == [
+        {"pid": c.pid, "gpu_index": 1, "used_memory": 20 * GIB, "compute": True}
+    ]
 
     raw = fake.probe("pynvml")
     used0 = 512 * MIB + GIB
@@ -353,6 +358,36 @@ def test_memory_and_processes_follow_allocations(fake: FakeGpus) -> None:
     assert b.stop() == -signal.SIGTERM
     assert str(b.pid) not in fake.alloc_files(), "gpu-alloc removes its file on exit"
     assert fake.probe("api")["gpus"][0] == _gpu(0, 512 * MIB)
+
+
+def test_a_graphics_process_is_in_the_graphics_list_only(fake: FakeGpus) -> None:
+    """A display server (`gpu-alloc --graphics`): NVML's graphics list, not the compute one;
+    its memory is used all the same; gpuslice marks it graphics-only."""
+    x = fake.alloc(0, "1G", "--graphics")
+    job = fake.alloc(0, "2G")
+    raw = fake.probe("pynvml")
+    assert (raw["gpus"][0]["compute"], raw["gpus"][0]["graphics"]) == (
+        [[job.pid, 2 * GIB]],
+        [[x.pid, GIB]],
+    )
+    assert raw["gpus"][0]["memory"][2] == 3 * GIB
+    api = fake.probe("api")
+    assert sorted(api["processes"]["0"], key=lambda p: p["pid"]) == sorted(
+        [
+            {"pid": x.pid, "gpu_index": 0, "used_memory": GIB, "compute": False},
+            {"pid": job.pid, "gpu_index": 0, "used_memory": 2 * GIB, "compute": True},
+        ],
+        key=lambda p: p["pid"],
+    )
+
+    # in both lists (CUDA and OpenGL in one process): a compute process, as NVML's compute
+    # entry says; a 4th field other than `graphics` is a malformed file, never listed
+    (fake.state / "alloc" / "both-c").write_text(f"1 {os.getpid()} 1G\n")
+    (fake.state / "alloc" / "both-g").write_text(f"1 {os.getpid()} 1G graphics\n")
+    (fake.state / "alloc" / "odd").write_text(f"1 {os.getpid()} 1G vulkan\n")
+    assert fake.probe("api")["processes"]["1"] == [
+        {"pid": os.getpid(), "gpu_index": 1, "used_memory": GIB, "compute": True}
+    ]
 
 
 def test_process_list_uses_nvml_size_query_protocol(fake: FakeGpus) -> None:
@@ -384,7 +419,7 @@ def test_allocations_of_dead_pids_do_not_count(fake: FakeGpus) -> None:
     assert api["gpus"] == [_gpu(0, 0), _gpu(1, 0)]
     assert api["processes"] == {
         "0": [],
-        "1": [{"pid": os.getpid(), "gpu_index": 1, "used_memory": None}],
+        "1": [{"pid": os.getpid(), "gpu_index": 1, "used_memory": None, "compute": True}],
     }
     zombie.proc.wait()
 

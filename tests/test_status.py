@@ -157,7 +157,7 @@ def rich_json() -> dict[str, Any]:
             GpuUse(21, 1, 5 * GIB, "train.service", "train"),
             GpuUse(22, 1, None, "train.service", "train"),
             GpuUse(23, 1, 1 * GIB, "train.service", "train"),
-            GpuUse(77, 0, 2 * GIB, None, "Xorg", Owner("unit", "gdm.service")),
+            GpuUse(77, 0, 2 * GIB, None, "Xorg", Owner("unit", "gdm.service"), compute=False),
             GpuUse(78, 1, None, None, "python3", Owner("slurm", "881")),
             GpuUse(79, 1, 300 * MIB, None, "nvtop"),
         ],
@@ -205,6 +205,7 @@ def test_json_of_a_busy_host() -> None:
                         "command": "Xorg",
                         "memory": 2 * GIB,
                         "owner": {"kind": "unit", "id": "gdm.service"},
+                        "compute": False,
                     }
                 ],
             },
@@ -238,12 +239,14 @@ def test_json_of_a_busy_host() -> None:
                         "command": "python3",
                         "memory": None,
                         "owner": {"kind": "slurm", "id": "881"},
+                        "compute": True,
                     },
                     {
                         "pid": 79,
                         "command": "nvtop",
                         "memory": 300 * MIB,
                         "owner": {"kind": "other", "id": ""},
+                        "compute": True,
                     },
                 ],
             },
@@ -390,7 +393,8 @@ def test_render_a_busy_host() -> None:
         "0    voice.service                                  10  running   "
         "10 GiB declared, 11 GiB used (MORE THAN DECLARED)",
         "0    train.service                                  40  stopping  whole GPU, 3 GiB used",
-        "0    foreign: PID 77 Xorg                                         2 GiB  (gdm.service)",
+        "0    foreign: PID 77 Xorg                                         2 GiB  "
+        "(graphics only; gdm.service)",
         "GPU 1: Fake 80GB, ? / 80 GiB used",
         "1    train.service                                  40  stopping  whole GPU, 6 GiB used",
         "1    small.service                                  30  starting  512 MiB declared",

@@ -71,8 +71,9 @@ class Gpu:
 
     Without NVML only `index` is known: `total` is None and every unit then takes a whole
     GPU. `foreign` is VRAM that no declaration covers: processes of no managed unit, and
-    leftovers of managed units that do not hold this GPU; `foreign_pids` names the former
-    (only they make background units yield).
+    leftovers of managed units that do not hold this GPU; `foreign_pids` names the former's
+    compute processes (only they make background units yield: a desktop's display server
+    only takes memory), `foreign_owners` says whose those are, for people.
     """
 
     index: int
@@ -84,7 +85,7 @@ class Gpu:
     foreign_pids: tuple[int, ...] = ()
     lost: bool = False
     used: int | None = None  # what NVML reports in use, for people; decisions use the rest
-    foreign_owners: tuple[str, ...] = ()  # whose the foreign processes are, for people
+    foreign_owners: tuple[str, ...] = ()
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gpu:
         return self  # immutable through and through: a copy of the scheduler shares it

@@ -202,14 +202,17 @@ def allocations(bed: Container) -> dict[int, tuple[int, int]]:
     out = bed.run(f"cat {STATE}/alloc/* 2>/dev/null || true").stdout
     found: dict[int, tuple[int, int]] = {}
     for line in out.splitlines():
-        gpu, pid, size = line.split()
+        gpu, pid, size = line.split()[:3]  # a 4th field says `graphics`
         found[int(pid)] = (int(gpu), 0 if size == "-" else int(size))
     return found
 
 
-def start_foreign(bed: Container, name: str, gpu: int, memory: str = "2G") -> int:
+def start_foreign(
+    bed: Container, name: str, gpu: int, memory: str = "2G", *, graphics: bool = False
+) -> int:
     """gpu-alloc in an unannotated transient unit NAME (systemd-run): a process gpuslice does
-    not manage. Returns its PID once its allocation is visible."""
+    not manage (with GRAPHICS, a graphics-only one: a display server). Returns its PID once
+    its allocation is visible."""
     bed.run(
         [
             "systemd-run",
@@ -221,6 +224,7 @@ def start_foreign(bed: Container, name: str, gpu: int, memory: str = "2G") -> in
             str(gpu),
             "--bytes",
             memory,
+            *(["--graphics"] if graphics else []),
         ]
     )
     unit = name if name.endswith(".service") else f"{name}.service"

@@ -11,7 +11,7 @@
  *                 TOTAL is bytes, optionally with a binary suffix (24G, 24GiB, 512M);
  *                 NAME is the rest of the line. Blank lines and `#` comments are skipped.
  *                 Example: `0 GPU-00000000-0000-0000-0000-000000000000 24GiB NVIDIA Fake 24G`
- *   alloc/FILE    one simulated allocation per file: `GPU_INDEX PID BYTES`
+ *   alloc/FILE    one simulated allocation per file: `GPU_INDEX PID BYTES [graphics]`
  *                 (written by gpu-alloc, named by its pid; names starting with '.' are
  *                 ignored so writers can rename a temp file into place). It counts only
  *                 while PID is alive and not a zombie (a stale file of a dead PID never
@@ -34,7 +34,8 @@
  *
  * Memory: used = sum of live allocations on the GPU (capped at total), free = total - used.
  * Processes: compute processes are the live allocations' PIDs (one entry per PID, bytes
- * summed), sorted by PID; graphics and MPS process lists are always empty.
+ * summed), sorted by PID; an allocation whose 4th field is `graphics` is a graphics process
+ * instead (a display server, a compositor: `gpu-alloc --graphics`); MPS lists are empty.
  *
  * Only the functions pynvml calls for discovery, memory and processes exist; anything
  * else fails lookup, which pynvml reports as NVML_ERROR_FUNCTION_NOT_FOUND.
@@ -214,7 +215,11 @@ static int by_pid(const void *a, const void *b)
  * Live allocations on GPU `index`, one entry per PID, sorted by PID. Returns the
  * number of entries (-1 on out of memory); *procs is malloc'ed, *used their known bytes.
  */
-static int scan_allocations(unsigned index, nvmlProcessInfo_t **procs, unsigned long long *used)
+/* The live allocations on GPU `index` of one kind (LIST_COMPUTE, LIST_GRAPHICS) or all. */
+enum { LIST_ALL = -1, LIST_NONE = 0, LIST_COMPUTE = 1, LIST_GRAPHICS = 2 };
+
+static int scan_allocations(unsigned index, nvmlProcessInfo_t **procs, unsigned long long *used,
+                            int kind)
 {
     char path[PATH_MAX];
     snprintf(path, sizeof path, "%s/alloc", state_dir);
@@ -235,11 +240,14 @@ static int scan_allocations(unsigned index, nvmlProcessInfo_t **procs, unsigned 
             continue; /* removed since readdir: the allocation is gone */
         unsigned gpu;
         int pid;
-        char bytes_s[64];
-        int fields = fscanf(f, "%u %d %63s", &gpu, &pid, bytes_s);
+        char bytes_s[64], kind_s[16];
+        int fields = fscanf(f, "%u %d %63s %15s", &gpu, &pid, bytes_s, kind_s);
         fclose(f);
         unsigned long long bytes = VALUE_NOT_AVAILABLE_ULL;
-        if (fields != 3 || gpu != index || !pid_alive(pid))
+        if (fields == 4 && strcmp(kind_s, "graphics") != 0)
+            continue; /* malformed */
+        int is = fields == 4 ? LIST_GRAPHICS : LIST_COMPUTE;
+        if (fields < 3 || gpu != index || (kind != LIST_ALL && kind != is) || !pid_alive(pid))
             continue;
         if (strcmp(bytes_s, "-") != 0 && parse_size(bytes_s, &bytes) != 0)
             continue;
@@ -510,7 +518,7 @@ static nvmlReturn_t memory(nvmlDevice_t device, unsigned long long *total,
     if (ret != NVML_SUCCESS)
         return ret;
     nvmlProcessInfo_t *procs;
-    if (scan_allocations(device->index, &procs, used) < 0)
+    if (scan_allocations(device->index, &procs, used, LIST_ALL) < 0)
         return NVML_ERROR_MEMORY;
     free(procs);
     *total = device->total;
@@ -544,7 +552,7 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t
  * needed and returns NVML_ERROR_INSUFFICIENT_SIZE; no processes is plain success.
  */
 static nvmlReturn_t processes(nvmlDevice_t device, unsigned int *count, void *infos,
-                              int compute, int v1)
+                              int kind, int v1)
 {
     nvmlReturn_t ret = check_device(device);
     if (ret == NVML_SUCCESS && !count)
@@ -553,7 +561,7 @@ static nvmlReturn_t processes(nvmlDevice_t device, unsigned int *count, void *in
         return ret;
     nvmlProcessInfo_t *procs = NULL;
     unsigned long long used;
-    int n = compute ? scan_allocations(device->index, &procs, &used) : 0;
+    int n = kind != LIST_NONE ? scan_allocations(device->index, &procs, &used, kind) : 0;
     if (n < 0)
         return NVML_ERROR_MEMORY;
     if ((unsigned)n > *count || (n && !infos)) {
@@ -573,17 +581,17 @@ static nvmlReturn_t processes(nvmlDevice_t device, unsigned int *count, void *in
     return NVML_SUCCESS;
 }
 
-#define PROCESS_LIST(fn, compute, v1)                                                      \
+#define PROCESS_LIST(fn, kind, v1)                                                         \
     API nvmlReturn_t fn(nvmlDevice_t device, unsigned int *count, void *infos)            \
     {                                                                                      \
-        return processes(device, count, infos, compute, v1);                               \
+        return processes(device, count, infos, kind, v1);                                  \
     }
 
-PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses_v3, 1, 0)
-PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses_v2, 1, 0)
-PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses, 1, 1)
-PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v3, 0, 0)
-PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v2, 0, 0)
-PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses, 0, 1)
-PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v3, 0, 0)
-PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v2, 0, 0)
+PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses_v3, LIST_COMPUTE, 0)
+PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses_v2, LIST_COMPUTE, 0)
+PROCESS_LIST(nvmlDeviceGetComputeRunningProcesses, LIST_COMPUTE, 1)
+PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v3, LIST_GRAPHICS, 0)
+PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses_v2, LIST_GRAPHICS, 0)
+PROCESS_LIST(nvmlDeviceGetGraphicsRunningProcesses, LIST_GRAPHICS, 1)
+PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v3, LIST_NONE, 0)
+PROCESS_LIST(nvmlDeviceGetMPSComputeRunningProcesses_v2, LIST_NONE, 0)

@@ -3,12 +3,13 @@
  * $FAKE_NVML_DIR/alloc/PID (`N PID BYTES`, renamed into place so readers never see half
  * a file), prints one `ready ...` line on stdout, and holds until a signal ends it.
  *
- *   gpu-alloc --gpu N --bytes SIZE [--ignore-term SECONDS]
+ *   gpu-alloc --gpu N --bytes SIZE [--ignore-term SECONDS] [--graphics]
  *
  * SIZE is bytes with an optional binary suffix: 512M, 20G, 20GiB (GB/MB are rejected
  * as ambiguous). --ignore-term models a slow victim: the first SIGTERM prints
  * `ignoring SIGTERM for SECONDS s` and the process exits on it only after SECONDS
- * (SIGINT/SIGHUP still end it at once). It removes its file and then dies by the
+ * (SIGINT/SIGHUP still end it at once). --graphics lists it as a graphics process (a display
+ * server, a compositor) instead of a compute one. It removes its file and then dies by the
  * signal that ended it, so a supervisor sees a normal signal death. After SIGKILL the
  * file stays behind; fakenvml ignores files of dead PIDs.
  */
@@ -56,7 +57,8 @@ static void check_gpu_exists(const char *dir, unsigned gpu)
         die("no such GPU in %s", path);
 }
 
-static void write_allocation(const char *dir, unsigned gpu, unsigned long long bytes)
+static void write_allocation(const char *dir, unsigned gpu, unsigned long long bytes,
+                             int graphics)
 {
     char alloc_dir[PATH_MAX - 32], tmp[PATH_MAX];
     if (snprintf(alloc_dir, sizeof alloc_dir, "%s/alloc", dir) >= (int)sizeof alloc_dir)
@@ -68,7 +70,7 @@ static void write_allocation(const char *dir, unsigned gpu, unsigned long long b
     FILE *f = fopen(tmp, "w");
     if (!f)
         die("cannot write %s", tmp);
-    fprintf(f, "%u %d %llu\n", gpu, (int)getpid(), bytes);
+    fprintf(f, "%u %d %llu%s\n", gpu, (int)getpid(), bytes, graphics ? " graphics" : "");
     if (fclose(f) != 0 || rename(tmp, alloc_path) != 0) {
         unlink(tmp);
         die("cannot write %s", alloc_path);
@@ -109,14 +111,17 @@ int main(int argc, char **argv)
         {"gpu", required_argument, NULL, 'g'},
         {"bytes", required_argument, NULL, 'b'},
         {"ignore-term", required_argument, NULL, 't'},
+        {"graphics", no_argument, NULL, 'G'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    const char *usage = "usage: gpu-alloc --gpu N --bytes SIZE [--ignore-term SECONDS]";
+    const char *usage =
+        "usage: gpu-alloc --gpu N --bytes SIZE [--ignore-term SECONDS] [--graphics]";
     long gpu = -1;
     unsigned long long bytes = 0;
     int have_bytes = 0;
     double ignore_term = 0;
+    int graphics = 0;
     char *end;
     int opt;
     while ((opt = getopt_long(argc, argv, "", options, NULL)) != -1) {
@@ -135,6 +140,9 @@ int main(int argc, char **argv)
             ignore_term = strtod(optarg, &end);
             if (end == optarg || *end || !(ignore_term >= 0) || ignore_term > 1e6)
                 die("--ignore-term: expected seconds, got \"%s\"", optarg);
+            break;
+        case 'G':
+            graphics = 1;
             break;
         case 'h':
             puts(usage);
@@ -158,7 +166,7 @@ int main(int argc, char **argv)
     sigprocmask(SIG_BLOCK, &set, NULL);
 
     check_gpu_exists(dir, (unsigned)gpu);
-    write_allocation(dir, (unsigned)gpu, bytes);
+    write_allocation(dir, (unsigned)gpu, bytes, graphics);
     printf("ready pid=%d gpu=%ld bytes=%llu\n", (int)getpid(), gpu, bytes);
     fflush(stdout);
 

@@ -179,7 +179,7 @@ def test_foreign_process_makes_background_units_yield_and_return(bed: Container)
     assert status(bed)["preempted"] == [{"unit": "bg1.service", "priority": 90, "requeue": True}]
     owner = {"kind": "unit", "id": "foreign-x.service"}
     assert gpu(bed, 1)["foreign"] == [
-        {"pid": pid, "command": "gpu-alloc", "memory": 2 * GIB, "owner": owner}
+        {"pid": pid, "command": "gpu-alloc", "memory": 2 * GIB, "owner": owner, "compute": True}
     ]
     assert main_pid(bed, "bg0.service") == bg0, "GPU 0 has no foreign process"
     assert f"foreign: PID {pid} gpu-alloc" in bed.run(["gpuslice", "status"]).stdout
@@ -211,7 +211,7 @@ def test_a_slurm_job_on_a_gpu_is_named_and_yielded_to(unified_container: Contain
     )
     owner = {"kind": "slurm", "id": "881"}
     assert gpu(bed, 1)["foreign"] == [
-        {"pid": pid, "command": "gpu-alloc", "memory": 2 * GIB, "owner": owner}
+        {"pid": pid, "command": "gpu-alloc", "memory": 2 * GIB, "owner": owner, "compute": True}
     ]
     assert "2 GiB  (Slurm job 881)" in bed.run(["gpuslice", "status"]).stdout
     got = samples(bed.run(["gpuslice", "metrics"]).stdout)
@@ -231,6 +231,37 @@ def test_a_slurm_job_on_a_gpu_is_named_and_yielded_to(unified_container: Contain
 
     fakegpu.stop_foreign(bed, "slurmstepd.scope")
     wait_state(bed, "bg1.service", "active")
+
+
+def test_a_display_server_takes_memory_and_nobody_yields_to_it(bed: Container) -> None:
+    """A desktop's GPU: the display server is a graphics process. Its memory counts, but a
+    background unit does not step aside for it (it would never run on that GPU)."""
+    fakegpu.write_alloc_job(bed, "bg1.service", 90, "background", memory="10G", devices="1")
+    reload(bed)
+    wait_state(bed, "bg1.service", "active")
+    bg1 = main_pid(bed, "bg1.service")
+
+    pid = fakegpu.start_foreign(bed, "xorg", 1, "2G", graphics=True)
+    owner = {"kind": "unit", "id": "xorg.service"}
+    seen = {"pid": pid, "command": "gpu-alloc", "memory": 2 * GIB, "owner": owner}
+    wait_until(
+        lambda: gpu(bed, 1)["foreign"] == [{**seen, "compute": False}] or None,
+        TIMEOUT,
+        what="the display server in status",
+    )
+    fakegpu.write_alloc_job(bed, "big.service", 95, memory="13G", devices="1")  # no preemption
+    reload(bed)
+    bed.systemctl("start", "--no-block", "big.service")
+    wait_sub(bed, "big.service", "start-pre")
+    (waiting,) = status(bed)["waiting"]
+    assert waiting["reason"] == (
+        "waiting: needs 13 GiB on one GPU; GPU 1 has 12 GiB free after the reserve, held by "
+        "bg1.service, priority 90, 2 GiB used by processes of no holder"
+    )
+    bed.systemctl("stop", "big.service")
+    assert main_pid(bed, "bg1.service") == bg1
+    assert "yielding" not in bed.journal("gpuslice.service")
+    assert "(graphics only; xorg.service)" in bed.run(["gpuslice", "status"]).stdout
 
 
 def test_workers_of_a_managed_unit_are_never_foreign(bed: Container) -> None:
