@@ -921,3 +921,144 @@ def test_a_rung_that_failed_is_tried_again_at_the_units_next_run() -> None:
     s.inactive("emb.service", Outcome.EXITED)
     running(s, emb)
     assert brief(s.request(voice)) == [f"grant {VO} 0", "freeze emb.service"]
+
+
+# ---- what the mutation pass of the suspend/resume rules asked for ----
+
+
+def test_suspended_units_keep_the_order_they_left_across_a_controller_restart() -> None:
+    """Equally urgent suspended units come back in the order they left, also after a
+    restart: state.json lists them by name, so the order is their saved sequence numbers."""
+    z = spec("z", 50, BG, mem_gib=10, preempt="suspend stop")
+    a = spec("a", 50, BG, mem_gib=10, preempt="suspend stop")
+    u = spec("u", 10, mem_gib=20)
+    s = host(z, a, u)
+    running(s, z, a)
+    assert brief(s.request(u)) == ["suspend z.service 0", "suspend a.service 0"]
+    s.suspended_done(z.name, "")  # z leaves first
+    assert brief(s.suspended_done(a.name, "")) == [f"grant {u.name} 0"]
+    saved = s.save()
+    saved.suspended = dict(sorted(saved.suspended.items()))  # as json.dumps(sort_keys=True)
+    after = host(z, a, u)
+    after.load(saved)
+    assert [name for name, _, _ in after.snapshot().suspended] == [z.name, a.name]
+    assert brief(after.inactive(u.name, Outcome.EXITED)) == [
+        "resume z.service 0",
+        "resume a.service 0",
+    ]
+
+
+def test_a_thaw_reaches_a_frozen_unit_after_a_more_urgent_running_one() -> None:
+    """Frozen units are thawed most urgent first, and a more urgent unit that runs (here on
+    another GPU) does not end the look: the frozen one after it is thawed too."""
+    emb = spec("emb", 90, BG, mem_gib=4, preempt="freeze stop", devices=("0",))
+    other = spec("other", 50, devices=("1",))
+    voice = spec("voice", 10, mem_gib=4, devices=("0",))
+    s = host(emb, other, voice, gpus=[sized(0), sized(1)])
+    running(s, other, emb)
+    assert brief(s.request(voice)) == [f"grant {VO} 0", "freeze emb.service"]
+    assert brief(s.inactive(VO, Outcome.EXITED)) == ["thaw emb.service"]
+    assert s.phase("emb.service") is Phase.RUNNING
+
+
+def test_a_suspended_unit_does_not_take_the_room_of_an_equal_waiter_s_victims() -> None:
+    """A waiter as urgent as a suspended unit, placed where it was (its room is not kept
+    from an equal), has a victim stopping on its other GPU: the suspended unit does not
+    come back into the room that waiter is promised, and comes back once it has left."""
+    sus = spec("sus", 20, mem_gib=16, preempt="suspend stop", devices=("0",))
+    urgent = spec("urgent", 10, mem_gib=12, devices=("0",))
+    low = spec("low", 90, mem_gib=16, devices=("1",))
+    pair = spec("pair", 20, gpus=2, mem_gib=12)
+    s = host(sus, urgent, low, pair, gpus=[sized(0), sized(1)])
+    running(s, low, sus)
+    assert brief(s.request(urgent)) == ["suspend sus.service 0"]
+    assert brief(s.suspended_done(sus.name, "")) == [f"grant {urgent.name} 0"]
+    assert brief(s.request(pair)) == ["stop low.service"]  # 12 GiB of GPU 0 are its
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == []  # 16 + 12 > 24 GiB
+    assert s.phase(sus.name) is Phase.SUSPENDED
+    assert brief(s.inactive(low.name, Outcome.STOPPED))[0].startswith(f"grant {pair.name}")
+    assert brief(s.inactive(pair.name, Outcome.EXITED)) == [
+        f"start {low.name}",  # requeued on GPU 1
+        f"resume {sus.name} 0",
+    ]
+
+
+def left_out(s: Scheduler, urgent: UnitSpec, *units: str) -> None:
+    """`urgent` suspends `units` (done in this order) and runs; a process gpuslice does not
+    manage then takes 16 GiB of its GPU and it leaves: none of them fits to come back."""
+    s.request(urgent)
+    for name in units:
+        s.suspended_done(name, "")
+    [gpu] = s.grants()[urgent.name]
+    s.set_gpus([sized(i, foreign=16 * GIB) if i == gpu else sized(i) for i in sorted(s.devices)])
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == []
+    assert all(s.phase(name) is Phase.SUSPENDED for name in units)
+
+
+SUS = spec("sus", 20, mem_gib=20, preempt="suspend stop")
+LATE = spec("late", 50)
+
+
+def test_a_waiter_kept_out_is_told_the_suspended_unit_s_priority_now() -> None:
+    """The suspended unit named in a waiter's reason carries its annotation now (a reload
+    edited its priority while it was suspended)."""
+    s = host(SUS, VOICE, LATE)
+    running(s, SUS)
+    left_out(s, VOICE, SUS.name)
+    s.set_specs({SUS.name: dataclasses.replace(SUS, priority=30), VO: VOICE, LATE.name: LATE})
+    assert words(s.request(LATE)) == [
+        "late.service waiting: GPU 0 kept for suspended sus.service, priority 30"
+    ]
+
+
+def test_a_waiter_kept_out_by_a_suspended_unit_no_longer_annotated_is_told_which() -> None:
+    """A suspended unit whose annotation went is kept (nobody else would resume it) with
+    the annotation it had: its room, and the waiter's reason, carry that priority."""
+    s = host(SUS, VOICE, LATE)
+    running(s, SUS)
+    left_out(s, VOICE, SUS.name)
+    s.set_specs({VO: VOICE, LATE.name: LATE})
+    assert words(s.request(LATE)) == [
+        "late.service waiting: GPU 0 kept for suspended sus.service, priority 20"
+    ]
+
+
+def test_a_suspended_unit_is_named_only_on_the_gpu_it_comes_back_to() -> None:
+    """A pair waits for GPU 1, kept for a suspended unit; GPU 0, free, is kept for the
+    pair: its reason names the suspended unit on GPU 1 alone."""
+    sus = dataclasses.replace(SUS, devices=("1",))
+    voice = dataclasses.replace(VOICE, devices=("1",))
+    pair = spec("pair", 50, gpus=2)
+    s = host(sus, voice, pair, gpus=[sized(0), sized(1)])
+    running(s, sus)
+    left_out(s, voice, sus.name)
+    assert words(s.request(pair)) == [
+        "pair.service waiting: needs 2 GPUs; GPU 1 kept for suspended sus.service, priority 20"
+    ]
+
+
+def test_a_suspended_unit_keeps_nothing_from_a_waiter_as_urgent_and_is_not_named() -> None:
+    """A suspended unit's room is kept only from less urgent units: a waiter of its own
+    priority, kept out by a more urgent holder on its other GPU, is not told of it."""
+    top = spec("top", 5, devices=("1",))
+    pair = spec("pair", 20, gpus=2)
+    s = host(SUS, VOICE, top, pair, gpus=[sized(0), sized(1)])
+    running(s, top, SUS)
+    left_out(s, VOICE, SUS.name)
+    assert words(s.request(pair)) == [
+        "pair.service waiting: needs 2 GPUs; GPU 1 held by top.service, priority 5"
+    ]
+
+
+def test_a_waiter_is_told_of_the_most_urgent_suspended_unit_on_its_gpu() -> None:
+    """Two suspended units keep their room on GPU 0 (b left first): the reason names the
+    more urgent, a."""
+    a = spec("a", 30, mem_gib=10, preempt="suspend stop")
+    b = spec("b", 40, mem_gib=10, preempt="suspend stop")
+    urgent = spec("urgent", 10, mem_gib=20)
+    s = host(a, b, urgent, LATE)
+    running(s, a, b)
+    left_out(s, urgent, b.name, a.name)
+    assert words(s.request(LATE)) == [
+        "late.service waiting: GPU 0 kept for suspended a.service, priority 30"
+    ]

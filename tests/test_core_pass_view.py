@@ -342,3 +342,13 @@ def test_refill_skips_units_that_ask_no_less_than_one_that_did_not_fit() -> None
     s.pause_refill("")
     assert brief(s.schedule()) == []
     assert placed == ["bg0.service"]
+
+
+def test_refill_goes_on_past_a_unit_it_skipped_to_a_smaller_one() -> None:
+    """A unit skipped as blocked too (b asks as much as a, which did not fit) does not end
+    the refill: c, later and smaller, fits beside the holder and is started."""
+    a = spec("a", 50, UnitKind.BACKGROUND, mem_gib=20)
+    b = spec("b", 55, UnitKind.BACKGROUND, mem_gib=20)
+    c = spec("c", 60, UnitKind.BACKGROUND, mem_gib=4)
+    busy = spec("busy", 10, mem_gib=10)
+    assert _refilled([sized(0)], busy, a, b, c) == ["start c.service"]
