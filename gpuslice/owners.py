@@ -94,14 +94,16 @@ def _unescape(name: str) -> str:
 
 
 def _pod(parts: list[str]) -> Owner | None:
+    """A pod's UID, below kubepods (systemd's driver) or /kubepods (cgroupfs), in a QoS
+    class's cgroup or (Guaranteed pods) right below."""
     if parts[0] == "kubepods.slice":
-        rest = parts[2:3] if parts[1:2] and parts[1] in _QOS_SYSTEMD else parts[1:2]
-        found = _POD_SYSTEMD.fullmatch(rest[0]) if rest else None
+        classes, pod = _QOS_SYSTEMD, _POD_SYSTEMD
     elif parts[0] == "kubepods":
-        rest = parts[2:3] if parts[1:2] and parts[1] in _QOS_CGROUPFS else parts[1:2]
-        found = _POD_CGROUPFS.fullmatch(rest[0]) if rest else None
+        classes, pod = _QOS_CGROUPFS, _POD_CGROUPFS
     else:
         return None
+    at = 2 if len(parts) > 2 and parts[1] in classes else 1
+    found = pod.fullmatch(parts[at]) if at < len(parts) else None
     return Owner(KUBERNETES, found.group(1).replace("_", "-")) if found else None
 
 

@@ -73,6 +73,11 @@ def check_rendered(actions: list[Action]) -> None:
             "yielding GPU 1: stopping background vlm.service (priority 90) while a process "
             "gpuslice does not manage uses it (PID 7, 8; Slurm job 881)",
         ),
+        (  # eight are all named
+            Decision(Code.YIELD, V, 90, gpus=(1,), pids=tuple(range(1, 9))),
+            "yielding GPU 1: stopping background vlm.service (priority 90) while a process "
+            "gpuslice does not manage uses it (PID 1, 2, 3, 4, 5, 6, 7, 8)",
+        ),
         (  # a user can start thousands of processes: the line names eight of each
             Decision(
                 Code.YIELD,

@@ -24,6 +24,7 @@ USER = "/user.slice/user-1000.slice/user@1000.service/app.slice"
             "Slurm job 881",
         ),
         ("/system.slice/slurmstepd.scope/job_881/step_batch", Owner("slurm", "881"), None),
+        ("/system.slice/slurmstepd.scope/job_881", Owner("slurm", "881"), None),
         ("/system.slice/slurmstepd.scope/job_007/step_extern", Owner("slurm", "7"), None),
         # a slurmd started with a node name (several on one host) prefixes it
         (
@@ -65,6 +66,8 @@ USER = "/user.slice/user-1000.slice/user@1000.service/app.slice"
             f"Docker container {CID[:12]}",
         ),
         (f"/docker/{CID}", Owner("docker", CID[:12]), None),
+        (f"/machine.slice/{CID}", UNKNOWN, None),  # an id alone is nobody's
+        ("/docker", UNKNOWN, None),
         (
             f"/machine.slice/libpod-{CID}.scope/container",
             Owner("podman", CID[:12]),
@@ -75,6 +78,9 @@ USER = "/user.slice/user-1000.slice/user@1000.service/app.slice"
             Owner("machine", "qemu-1-vm"),
             "container qemu-1-vm",
         ),
+        # escapes give only printable ASCII back: a newline or a non-ASCII one stays escaped
+        ("/machine.slice/machine-a\\x0ab\\x2dc.scope", Owner("machine", "a\\x0ab-c"), None),
+        ("/machine.slice/machine-caf\\xe9.scope", Owner("machine", "caf\\xe9"), None),
         (
             "/machine.slice/systemd-nspawn@bed.service/payload",
             Owner("unit", "systemd-nspawn@bed.service"),

@@ -470,8 +470,9 @@ def test_render_nvml_headline(nvml: dict[str, Any] | None, headline: list[str]) 
 
 
 def test_render_json_of_an_older_controller() -> None:
-    """No position (waiters numbered in order), no foreign key, no problems, no nvml; a since
-    without now (or now without since) says no waiting time."""
+    """No position (waiters numbered in order), no foreign key, no problems, no nvml, no
+    suspended list (before the Preempt= ladder); a since without now (or now without since)
+    says no waiting time."""
     data = empty_data(
         gpus=[{"index": 0, "holders": [{"unit": "a.service", "priority": 1, "state": "running"}]}],
         waiting=[
@@ -479,6 +480,7 @@ def test_render_json_of_an_older_controller() -> None:
             {"unit": "v.service", "priority": 6, "reason": "waiting: y"},
         ],
     )
+    del data["suspended"]
     expected = [
         HEADER,
         "0    a.service                                       1  running   whole GPU",
@@ -496,13 +498,15 @@ def test_render_json_of_an_older_controller() -> None:
 def test_render_lists_with_several_items() -> None:
     """Each list is its items joined by ", ", or "-" when empty; no problems block when empty."""
     data = empty_data(
+        suspended=[{"unit": "s.service", "priority": 2, "gpus": [0, 1]}],
         preempted=[{"unit": "p.service", "priority": 1, "requeue": False}],
         held=[],
         finished=["a.service", "b.service", "c.service"],
         failed=["d.service"],
         problems=[],
     )
-    assert render(data).split("\n")[-4:] == [
+    assert render(data).split("\n")[-5:] == [
+        "Suspended: s.service (priority 2, returns to GPU 0,1)",
         "Preempted: p.service (priority 1, Requeue=no)",
         "Held (stopped by hand): -",
         "Finished: a.service, b.service, c.service",
