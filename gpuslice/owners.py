@@ -102,8 +102,10 @@ def _pod(parts: list[str]) -> Owner | None:
         classes, pod = _QOS_CGROUPFS, _POD_CGROUPFS
     else:
         return None
-    at = 2 if len(parts) > 2 and parts[1] in classes else 1
-    found = pod.fullmatch(parts[at]) if at < len(parts) else None
+    below = parts[1:]
+    if below and below[0] in classes:
+        below = below[1:]
+    found = pod.fullmatch(below[0]) if below else None
     return Owner(KUBERNETES, found.group(1).replace("_", "-")) if found else None
 
 

@@ -56,7 +56,14 @@ USER = "/user.slice/user-1000.slice/user@1000.service/app.slice"
         # Kubernetes, cgroupfs driver
         (f"/kubepods/burstable/pod{POD}/{CID}", Owner("kubernetes", POD), None),
         (f"/kubepods/pod{POD}/{CID}", Owner("kubernetes", POD), None),
+        (  # a pod's own cgroup
+            f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD_}.slice",
+            Owner("kubernetes", POD),
+            None,
+        ),
         ("/kubepods.slice/kubepods-burstable.slice", UNKNOWN, None),
+        ("/kubepods.slice", UNKNOWN, None),
+        ("/kubepods", UNKNOWN, None),
         ("/kubepods/burstable", UNKNOWN, None),
         ("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-podXYZ.slice", UNKNOWN, None),
         # containers
