@@ -214,9 +214,8 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
             )
         for p in gpu.get("foreign", []):
             memory = format_size(p["memory"]) if p["memory"] is not None else "?"
-            said = [_owner_label(p.get("owner"))]
-            said.insert(0, "graphics only" if p.get("compute") is False else "")
-            whose = "; ".join(s for s in said if s)
+            graphics = "graphics only" if p.get("compute") is False else ""
+            whose = "; ".join(s for s in (graphics, _owner_label(p.get("owner"))) if s)
             lines.append(
                 f"{gpu['index']:<4} {'foreign: PID ' + str(p['pid']) + ' ' + p['command']:<40} "
                 f"{'':>8}  {'':<9} {memory}" + (f"  ({whose})" if whose else "")

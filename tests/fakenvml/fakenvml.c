@@ -211,13 +211,14 @@ static int by_pid(const void *a, const void *b)
     return (pa > pb) - (pa < pb);
 }
 
-/*
- * Live allocations on GPU `index`, one entry per PID, sorted by PID. Returns the
- * number of entries (-1 on out of memory); *procs is malloc'ed, *used their known bytes.
- */
-/* The live allocations on GPU `index` of one kind (LIST_COMPUTE, LIST_GRAPHICS) or all. */
+/* Which allocations a scan returns: a process list's kind, or all of them (for memory). */
 enum { LIST_ALL = -1, LIST_NONE = 0, LIST_COMPUTE = 1, LIST_GRAPHICS = 2 };
 
+/*
+ * Live allocations on GPU `index` of one kind (LIST_ALL: any), one entry per PID, sorted by
+ * PID. Returns the number of entries (-1 on out of memory); *procs is malloc'ed, *used their
+ * known bytes.
+ */
 static int scan_allocations(unsigned index, nvmlProcessInfo_t **procs, unsigned long long *used,
                             int kind)
 {
