@@ -26,7 +26,7 @@ BACKGROUND = "vlm-analysis.service"
 ON_DEMAND = "voice-pipeline.service"
 STEP_TIMEOUT = 30.0
 PACKED = ("photo-tagging.service", "embeddings.service")
-FOREIGN = "desktop-session.service"
+FOREIGN = "notebook-kernel.service"  # CUDA work nobody annotated (a display server would not count)
 # act three: the fake cuda-checkpoint configured, no host memory kept back (the bed's is small)
 SUSPEND_CONFIG = (
     fakegpu.TEST_CONFIG + f"cuda_checkpoint: {fakegpu.CHECKPOINT}\nsuspend_host_memory_margin: 0\n"
@@ -51,6 +51,14 @@ def play(container: Container) -> None:
 
     say(f"1. boot: gpuslice starts {BACKGROUND} (background, priority 90) by itself")
     container.wait_active_state(BACKGROUND, "active", STEP_TIMEOUT)
+    # "active" comes at the fork; the job saves its work on SIGTERM only once its shell has
+    # set the trap, which it says by its first line (without this wait, a fast machine
+    # preempted it before, and act two's "saves its work" window never came)
+    wait_until(
+        lambda: "started on GPU" in container.journal(BACKGROUND, "-o", "cat") or None,
+        STEP_TIMEOUT,
+        what=f"{BACKGROUND} to say it started",
+    )
     show_status(container)
 
     say(f"2. systemctl start {ON_DEMAND} (on demand, priority 10) preempts {BACKGROUND}")
