@@ -256,8 +256,9 @@ def perform(container: Container, *acts: Callable[[Container], None]) -> bool:
             act(container)
     except BedError as exc:
         print(f"\ndemo FAILED: {exc}", file=sys.stderr)
-        if container.leader is not None:
-            print(container.journal("gpuslice.service"), file=sys.stderr)
+        if container.leader is not None:  # every unit's lines, to the millisecond
+            whole = container.journal(None, "-o", "short-precise").splitlines()
+            print("\n".join(whole[-150:]), file=sys.stderr)
         return False
     finally:
         container.stop()
