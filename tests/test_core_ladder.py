@@ -310,13 +310,20 @@ def test_a_suspended_unit_keeps_its_room_from_less_urgent_background_units() -> 
     assert brief(acts) == [f"resume {V} 0"]  # not the filler
 
 
+def suspending_two(first: UnitSpec, second: UnitSpec) -> tuple[Scheduler, UnitSpec]:
+    """FIRST and SECOND (10 GiB each, Preempt=suspend) run on GPU 0 and u (20 GiB,
+    priority 10) starts: both are being suspended for it, FIRST named first."""
+    u = spec("u", 10, mem_gib=20)
+    s = host(first, second, u)
+    running(s, first, second)
+    assert brief(s.request(u)) == [f"suspend {first.name} 0", f"suspend {second.name} 0"]
+    return s, u
+
+
 def test_a_priority_edited_while_suspended_orders_the_resume() -> None:
     a = spec("a", 80, BG, mem_gib=10, preempt="suspend stop")
     b = spec("b", 90, BG, mem_gib=10, preempt="suspend stop")
-    u = spec("u", 10, mem_gib=20)
-    s = host(a, b, u)
-    running(s, a, b)
-    assert brief(s.request(u)) == ["suspend a.service 0", "suspend b.service 0"]
+    s, u = suspending_two(a, b)
     s.suspended_done(a.name, "")
     s.suspended_done(b.name, "")
     s.set_specs({a.name: a, b.name: dataclasses.replace(b, priority=70), u.name: u})
@@ -931,10 +938,7 @@ def test_suspended_units_keep_the_order_they_left_across_a_controller_restart() 
     restart: state.json lists them by name, so the order is their saved sequence numbers."""
     z = spec("z", 50, BG, mem_gib=10, preempt="suspend stop")
     a = spec("a", 50, BG, mem_gib=10, preempt="suspend stop")
-    u = spec("u", 10, mem_gib=20)
-    s = host(z, a, u)
-    running(s, z, a)
-    assert brief(s.request(u)) == ["suspend z.service 0", "suspend a.service 0"]
+    s, u = suspending_two(z, a)
     s.suspended_done(z.name, "")  # z leaves first
     assert brief(s.suspended_done(a.name, "")) == [f"grant {u.name} 0"]
     saved = s.save()
