@@ -38,8 +38,12 @@ class Gate:
         self.calls = tmp_path / "dbus-send.calls"
         stub = tmp_path / "bin" / "dbus-send"
         stub.parent.mkdir(exist_ok=True)
-        stub.write_text(f'#!/bin/sh\necho "$@" >> {self.calls}\n')
-        stub.chmod(0o755)
+        # renamed into place: an earlier gate of the same test may be running the stub right
+        # now, and opening a file being executed for writing fails (ETXTBSY: a flaky test)
+        new = stub.with_name(".dbus-send.new")
+        new.write_text(f'#!/bin/sh\necho "$@" >> {self.calls}\n')
+        new.chmod(0o755)
+        new.replace(stub)
         env = {
             "PATH": f"{stub.parent}:/usr/bin:/bin",
             "INVOCATION_ID": invocation,
