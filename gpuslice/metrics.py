@@ -262,9 +262,9 @@ def _gpus(status: Mapping[str, Any]) -> Iterator[Metric]:
             "reserved": _number(gpu.get("memory_reserved")),
         }
         if total is not None:
-            foreign = [_number(p.get("memory")) for p in _dicts(gpu.get("foreign"))]
-            values["unmanaged"] = math.fsum(m for m in foreign if m is not None)
-            for kind, used_by_kind in sorted(_foreign_by_owner(gpu).items()):
+            by_kind = _foreign_by_owner(gpu)
+            values["unmanaged"] = math.fsum(by_kind.values())
+            for kind, used_by_kind in sorted(by_kind.items()):
                 by_owner.add_metric([*where, kind], used_by_kind)
         for key, value in values.items():
             if value is not None:

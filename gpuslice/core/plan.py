@@ -16,7 +16,7 @@ from typing import Any
 from gpuslice.core.decisions import Decision, reason, render
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.placement import format_gpus
-from gpuslice.core.scheduler import Grant, Scheduler
+from gpuslice.core.scheduler import Grant, Scheduler, Waiting
 
 # Values a copy may share with the live scheduler: no event changes them in place.
 _IMMUTABLE = (int, str, bool, frozenset, tuple, UnitSpec, Gpu, Decision, type(None))
@@ -95,14 +95,7 @@ def plan_start(scheduler: Scheduler, spec: UnitSpec) -> Plan:
         waiting = scheduler.waiting(name)
         # who holds its GPUs now, as status says it (its journal line said it once)
         now = scheduler.snapshot().reasons.get(name, waiting.decision)
-        return Plan(
-            name,
-            spec.priority,
-            Verdict.QUEUED,
-            gpus=waiting.target,
-            victims=waiting.victims,
-            reason=now,
-        )
+        return _of_waiter(spec, Verdict.QUEUED, waiting, now)
     trial = trial_copy(scheduler)
     actions = trial.request(spec)
     decisions = tuple(a.decision for a in actions if a.decision is not None)
@@ -112,10 +105,21 @@ def plan_start(scheduler: Scheduler, spec: UnitSpec) -> Plan:
     if not trial.is_waiting(name):  # nothing else answers a request: a rule broke
         raise AssertionError(f"a trial request of {name} neither granted nor queued it")
     waiting = trial.waiting(name)
-    verdict = Verdict.PREEMPTS if waiting.victims else Verdict.WAITS
-    reason = None if waiting.victims else waiting.decision
+    if waiting.victims:
+        return _of_waiter(spec, Verdict.PREEMPTS, waiting, None, decisions)
+    return _of_waiter(spec, Verdict.WAITS, waiting, waiting.decision, decisions)
+
+
+def _of_waiter(
+    spec: UnitSpec,
+    verdict: Verdict,
+    waiting: Waiting,
+    reason: Decision | None,
+    decisions: tuple[Decision, ...] = (),
+) -> Plan:
+    """A plan for a unit that waits (or would): where it goes and whom it waits for."""
     return Plan(
-        name,
+        spec.name,
         spec.priority,
         verdict,
         gpus=waiting.target,
