@@ -66,6 +66,10 @@ def test_equal_priority_would_wait_and_says_why() -> None:
     )
     assert plan.to_json()["reason"] == "waiting: GPU 0 held by a.service, priority 10"
     assert plan.to_json()["decision"]["cause"] == "gpus-busy"
+    # what the journal would say: the wait, in its words
+    assert [render(d) for d in plan.decisions] == [
+        "b.service waiting: GPU 0 held by a.service, priority 10"
+    ]
 
 
 def test_a_unit_that_holds_or_waits_already_is_said_so() -> None:
