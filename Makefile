@@ -78,7 +78,7 @@ clean:
 
 install:
 	@for f in units/gpuslice.service units/gpuslice-metrics.socket units/gpuslice-metrics@.service \
-	    data/gpuslice-metrics.sysusers data/gpuslice-gate data/org.gpuslice.Scheduler1.conf \
+	    units/gpuslice-claim@.service data/gpuslice-metrics.sysusers data/gpuslice-gate data/org.gpuslice.Scheduler1.conf \
 	    data/gpuslice.in data/gpuslice-generator.in $(CONFIG); do \
 	    test -e "$$f" || { echo "make install: missing $$f" >&2; exit 1; }; done
 	rm -rf $(DESTDIR)$(PYDIR)/gpuslice
@@ -101,6 +101,8 @@ endif
 	    > $(DESTDIR)$(UNITDIR)/gpuslice-metrics@.service
 	chmod 644 $(DESTDIR)$(UNITDIR)/gpuslice-metrics@.service
 	install -D -m 644 data/gpuslice-metrics.sysusers $(DESTDIR)$(SYSUSERSDIR)/gpuslice-metrics.conf
+	# a GPU claimed for work gpuslice does not run (a Slurm prolog's): started by whoever claims
+	install -m 644 'units/gpuslice-claim@.service' $(DESTDIR)$(UNITDIR)/
 	install -m 644 data/org.gpuslice.Scheduler1.conf $(DESTDIR)$(BUSCONFDIR)/
 	@if [ -e $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml ]; then \
 	    echo "keeping $(DESTDIR)$(SYSCONFDIR)/gpuslice/config.yaml"; \
@@ -126,7 +128,7 @@ endif
 	rm -f $(DESTDIR)$(LIBDIR)/gpuslice-gate $(DESTDIR)$(PREFIX)/bin/gpuslice \
 	    $(DESTDIR)$(GENDIR)/gpuslice-generator $(DESTDIR)$(UNITDIR)/gpuslice.service \
 	    $(DESTDIR)$(UNITDIR)/gpuslice-metrics.socket $(DESTDIR)$(UNITDIR)/gpuslice-metrics@.service \
-	    $(DESTDIR)$(SYSUSERSDIR)/gpuslice-metrics.conf \
+	    '$(DESTDIR)$(UNITDIR)/gpuslice-claim@.service' $(DESTDIR)$(SYSUSERSDIR)/gpuslice-metrics.conf \
 	    $(DESTDIR)$(BUSCONFDIR)/org.gpuslice.Scheduler1.conf
 	-rmdir --ignore-fail-on-non-empty $(DESTDIR)$(LIBDIR)
 ifneq ($(PURGE),)

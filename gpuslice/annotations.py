@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
-from gpuslice.core.model import GPU_ID, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import GPU_ID, INSTANCE_DEVICE, Rung, UnitKind, UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.sizes import SIZE_ALLOWED, parse_size
 from gpuslice.unitfiles import (
@@ -27,6 +27,7 @@ from gpuslice.unitfiles import (
     UnitFile,
     UnitIndex,
     is_instance,
+    is_template,
     parse_sections,
     printable,
     template_of,
@@ -96,6 +97,12 @@ MAX_GPUS = 64  # GPUs= and the number of Devices= entries: more than any host ha
 _SEPARATORS = re.compile(r"[, \t]+")
 
 
+_NO_INSTANCE = (
+    "%i names the GPU by the unit's instance: only a template (NAME@.service) and its "
+    "instances may say it"
+)
+
+
 class InvalidValue(ValueError):
     """A bad value with its own explanation, used in place of "expected ...": `reason`."""
 
@@ -119,10 +126,15 @@ def _ladder(text: str) -> tuple[Rung, ...]:
 
 
 def _devices(text: str) -> tuple[str, ...]:
-    """`0,1`, `0 1`, `GPU-8f6c...`: indices or UUIDs (`GPU_ID`), each once, in order."""
+    """`0,1`, `0 1`, `GPU-8f6c...`: indices or UUIDs (`GPU_ID`), each once, in order; or
+    `%i` alone, the instance's name (`INSTANCE_DEVICE`, resolved by `UnitSpec.for_instance`)."""
     tokens = [t for t in _SEPARATORS.split(text) if t]
     if not tokens:
         raise InvalidValue("expected GPU indices or UUIDs, found only separators")
+    if tokens == [INSTANCE_DEVICE]:
+        return (INSTANCE_DEVICE,)
+    if INSTANCE_DEVICE in tokens:
+        raise InvalidValue("%i stands alone: an instance's name is the one GPU it may use")
     if len(tokens) > MAX_GPUS:
         raise InvalidValue(f"expected at most {MAX_GPUS} GPUs, found {len(tokens)}")
     for token in tokens:
@@ -174,7 +186,7 @@ KEYS: tuple[Key, ...] = (
         _devices,
         (),
         f"up to {MAX_GPUS} GPU indices or UUIDs separated by commas or spaces "
-        "(e.g. 0,1 or GPU-8f6c...)",
+        "(e.g. 0,1 or GPU-8f6c...), or %i in a template (each instance names its GPU)",
     ),
     Key(
         "Preempt",
@@ -318,10 +330,20 @@ class Loader:
                 )
             else:
                 values[key.field] = key.default
+        devices = settings.get("Devices")
+        if (
+            devices is not None
+            and devices.value == (INSTANCE_DEVICE,)
+            and not (is_template(name) or is_instance(name))
+        ):
+            problems.append(
+                Problem(devices.path, devices.line, "Devices", _NO_INSTANCE, "error", name)
+            )
         if any(p.severity == "error" for p in problems):
             return None, _capped(problems)
         source = settings["Priority"].path
-        return UnitSpec(name=name, source=source, **values), _capped(problems)
+        spec = UnitSpec(name=name, source=source, **values)
+        return (spec.for_instance(name) if is_instance(name) else spec), _capped(problems)
 
     def _assign(
         self,

@@ -153,7 +153,8 @@ X = f"{ETC}/x.service"
             "Priority=1\nDevices=first\n",
             [
                 f"{X}:9: [X-GPUSlice] Devices: expected up to 64 GPU indices or UUIDs separated "
-                'by commas or spaces (e.g. 0,1 or GPU-8f6c...), got "first"'
+                "by commas or spaces (e.g. 0,1 or GPU-8f6c...), or %i in a template (each "
+                'instance names its GPU), got "first"'
             ],
             id="devices-first",
         ),
@@ -340,6 +341,65 @@ def test_templates_and_instances(tmp_path: Path) -> None:
     assert result.spec_for("train@big.service") == big
     assert result.spec_for("train@.service") == template
     assert result.spec_for("other@x.service") is None
+
+
+def test_devices_from_the_instance_name(tmp_path: Path) -> None:
+    """`Devices=%i`: a template whose every instance is pinned to the GPU it names (one
+    worker per GPU; gpuslice-claim@.service). A name that is no GPU is kept as it is: such
+    an instance waits, as a unit whose Devices= names no GPU of the host does."""
+    write(tmp_path, f"{LIB}/w@.service", unit("Priority=30\nDevices=%i\n"))
+    write(tmp_path, f"{ETC}/w@2.service.d/m.conf", "[X-GPUSlice]\nMemory=8G\n")
+    write(tmp_path, f"{ETC}/w@3.service", unit("Priority=40\nDevices=\t%i \n"))
+    result = scan(tmp_path)
+    assert result.problems == []
+    assert result.specs["w@.service"].devices == ("%i",)
+
+    def devices(unit: str) -> tuple[str, ...] | None:
+        found = result.spec_for(unit)
+        return found.devices if found is not None else None
+
+    assert devices("w@0.service") == ("0",)
+    assert devices("w@GPU-8f6c-aa.service") == ("GPU-8f6c-aa",)
+    assert devices("w@x.service") == ("x",)
+    assert devices("w@2.service") == ("2",)  # an instance's own drop-in
+    assert result.specs["w@2.service"].memory == 8 << 30
+    assert devices("w@3.service") == ("3",)  # an instance's own file
+    assert UnitSpec("a@.service", 1, devices=("0",)).for_instance("a@1.service").devices == ("0",)
+
+
+@pytest.mark.parametrize(
+    ("name", "section", "message"),
+    [
+        pytest.param(
+            "x.service",
+            "Priority=1\nDevices=%i\n",
+            "%i names the GPU by the unit's instance: only a template (NAME@.service) and its "
+            "instances may say it",
+            id="not-a-template",
+        ),
+        pytest.param(
+            "x@.service",
+            "Priority=1\nDevices=%i,1\n",
+            '%i stands alone: an instance\'s name is the one GPU it may use, got "%i,1"',
+            id="with-another",
+        ),
+        pytest.param(
+            "x@.service",
+            "Priority=1\nDevices=%I\n",
+            "expected up to 64 GPU indices",
+            id="unescaped-specifier",
+        ),
+    ],
+)
+def test_devices_from_the_instance_name_refused(
+    tmp_path: Path, name: str, section: str, message: str
+) -> None:
+    write(tmp_path, f"{ETC}/{name}", unit(section))
+    spec, problems = load_spec(name, tmp_path)
+    assert spec is None
+    (problem,) = problems
+    assert (problem.path, problem.line, problem.key) == (f"{ETC}/{name}", 9, "Devices")
+    assert problem.message.startswith(message)
 
 
 def test_instance_dropin_without_annotation_is_not_listed(tmp_path: Path) -> None:

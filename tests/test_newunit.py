@@ -166,3 +166,20 @@ def test_enroll_preempt_round_trips_through_check(tmp_path: Path) -> None:
 )
 def test_exec_quote(arg: str, quoted: str) -> None:
     assert exec_quote(arg) == quoted
+
+
+def test_devices_from_the_instance_name_only_in_a_template(tmp_path: Path) -> None:
+    """`--devices %i` makes sense for a template (each instance pinned to the GPU it names):
+    `enroll` takes it there, and `new`, which writes a plain unit, refuses it, saying where."""
+    code, out = new(tmp_path, "job", "--priority", "5", "--devices", "%i", "--", "/bin/true")
+    assert code == 1, out
+    assert "job.service:14: [X-GPUSlice] Devices: %i names the GPU by the unit's instance" in out
+    assert not unit_file(tmp_path, "job.service").exists()
+
+    template = unit_file(tmp_path, "worker@.service")
+    template.parent.mkdir(parents=True, exist_ok=True)
+    template.write_text("[Service]\nExecStart=/bin/true\n")
+    code, out = run(tmp_path, "enroll", "worker@", "--priority", "30", "--devices", "%i")
+    assert code == 0, out
+    spec, problems = load_spec("worker@3.service", tmp_path)
+    assert problems == [] and spec is not None and spec.devices == ("3",)

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 # A GPU as `Devices=` and config.yaml name it: its NVML index (ASCII digits) or its UUID.
 GPU_ID = re.compile(r"[0-9]{1,4}|GPU-[0-9A-Za-z-]{1,80}", re.ASCII)
+# `Devices=%i` in a template: each instance is pinned to the GPU its instance names
+# (`worker@0.service` to GPU 0, `gpuslice-claim@GPU-8f6c....service` to that GPU). An instance
+# that names no GPU of the host waits, as a unit whose Devices= names none does.
+INSTANCE_DEVICE = "%i"
 
 
 class Rung(enum.Enum):
@@ -56,7 +60,11 @@ class UnitSpec:
         return self  # immutable through and through: a copy of the scheduler shares it
 
     def for_instance(self, instance_name: str) -> UnitSpec:
-        return dataclasses.replace(self, name=instance_name)
+        devices = self.devices
+        if devices == (INSTANCE_DEVICE,):
+            at = instance_name.find("@")
+            devices = (instance_name[at + 1 : instance_name.rfind(".")],)
+        return dataclasses.replace(self, name=instance_name, devices=devices)
 
     def gives_way_by(self, rung: Rung) -> bool:
         return rung in self.preempt

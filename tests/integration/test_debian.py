@@ -98,6 +98,7 @@ def test_package_contents(deb: Path) -> None:
     for expected in (
         "/usr/bin/gpuslice",
         "/lib/systemd/system/gpuslice.service",
+        "/lib/systemd/system/gpuslice-claim@.service",
         "/lib/systemd/system-generators/gpuslice-generator",
         "/usr/lib/gpuslice/gpuslice-gate",
         "/usr/lib/gpuslice/python/gpuslice/cli.py",

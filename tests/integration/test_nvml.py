@@ -233,6 +233,58 @@ def test_a_slurm_job_on_a_gpu_is_named_and_yielded_to(unified_container: Contain
     wait_state(bed, "bg1.service", "active")
 
 
+# The README's Slurm prolog ("Claiming a GPU for work gpuslice does not run")
+SLURM_PROLOG = """[ -n "$SLURM_JOB_GPUS" ] || exit 0
+exec systemctl start $(echo "$SLURM_JOB_GPUS" | tr ',' '\\n' | sed 's/.*/gpuslice-claim@&.service/')
+"""
+
+
+def test_a_claim_takes_one_gpu_from_gpuslice_until_it_ends(bed: Container) -> None:
+    """gpuslice-claim@.service, as a Slurm prolog and epilog use it: starting the claim of
+    GPU 1 returns once the units there have left; while it holds, nothing of gpuslice runs
+    there (the other GPU stays gpuslice's), and its end brings them back. A claim of a name
+    that is no GPU of the host waits, saying why, and takes nothing."""
+    fakegpu.write_alloc_job(bed, "bg1.service", 90, "background", memory="10G", devices="1")
+    reload(bed)
+    wait_state(bed, "bg1.service", "active")
+
+    bed.run(["env", "SLURM_JOB_GPUS=1", "sh", "-c", SLURM_PROLOG])  # blocks until the grant
+    assert prop(bed, "bg1.service", "ActiveState") == "inactive"
+    assert holders(bed)[1] == ["gpuslice-claim@1.service"]
+    wait_journal(
+        bed,
+        "preempting bg1.service (priority 90) for gpuslice-claim@1.service (priority 0)",
+    )
+    assert status(bed)["preempted"] == [{"unit": "bg1.service", "priority": 90, "requeue": True}]
+    # the other GPU is still gpuslice's
+    fakegpu.write_alloc_job(bed, "job.service", 50, memory=None)
+    reload(bed)
+    bed.systemctl("start", "job.service")
+    assert holders(bed)[0] == ["job.service"]
+    bed.systemctl("stop", "job.service")
+    # the job the claim was for runs beside it, foreign to gpuslice, and nobody yields
+    pid = fakegpu.start_foreign(bed, "slurm-job", 1, "2G")
+    wait_until(lambda: gpu(bed, 1)["foreign"] or None, TIMEOUT, what="the job sampled")
+    assert [f["pid"] for f in gpu(bed, 1)["foreign"]] == [pid]
+    assert prop(bed, "gpuslice-claim@1.service", "ActiveState") == "active"
+    fakegpu.stop_foreign(bed, "slurm-job.service")
+
+    bed.run(["env", "SLURM_JOB_GPUS=1", "sh", "-c", SLURM_PROLOG.replace("start", "stop")])
+    wait_state(bed, "bg1.service", "active")
+
+    bed.systemctl("start", "--no-block", "gpuslice-claim@7.service")
+    wait_sub(bed, "gpuslice-claim@7.service", "start-pre")
+    wait_until(
+        lambda: [w["unit"] for w in status(bed)["waiting"]] == ["gpuslice-claim@7.service"] or None,
+        TIMEOUT,
+        what="the claim of GPU 7 waiting",
+    )
+    (waiting,) = status(bed)["waiting"]
+    assert "only 0 of this host's GPUs may run it" in waiting["reason"]
+    assert prop(bed, "bg1.service", "ActiveState") == "active"
+    bed.systemctl("stop", "gpuslice-claim@7.service")
+
+
 def test_a_display_server_takes_memory_and_nobody_yields_to_it(bed: Container) -> None:
     """A desktop's GPU: the display server is a graphics process. Its memory counts, but a
     background unit does not step aside for it (it would never run on that GPU)."""
