@@ -31,7 +31,7 @@ from gpuslice.newunit import (
     written_by_new,
 )
 from gpuslice.paths import CONFIG_PATH
-from gpuslice.unitfiles import UnitFile, is_valid_unit_name, printable
+from gpuslice.unitfiles import UnitFile, is_template, is_valid_unit_name, printable
 
 ENROLL_DROPIN = "gpuslice.conf"
 
@@ -171,6 +171,11 @@ def plan(unit: str, as_json: bool) -> None:
         unit += ".service"
     if not is_valid_unit_name(unit):
         raise click.BadParameter(f"{printable(unit)!r}: not a unit name", param_hint="UNIT")
+    if is_template(unit):  # systemd starts only instances; one's Devices= may be its name
+        raise click.BadParameter(
+            f"{unit} is a template: name one of its instances ({unit.replace('@', '@0', 1)})",
+            param_hint="UNIT",
+        )
     data = json.loads(
         asyncio.run(_call_controller(os.environ.get("GPUSLICE_BUS_ADDRESS"), "Plan", unit))
     )

@@ -296,3 +296,13 @@ def test_status_json_from_an_older_controller_still_renders() -> None:
         "failed": [],
     }
     assert "  1. w.service (priority 5): waiting: x" in render(data, now=0.0).splitlines()
+
+
+def test_plan_of_a_template_names_an_instance_instead() -> None:
+    """systemd starts only a template's instances, and an instance's GPUs may be its name
+    (`Devices=%i`): a plan of the template itself would describe nothing that can happen."""
+    result = CliRunner().invoke(main, ["plan", "worker@"])
+    assert result.exit_code == 2
+    assert "worker@.service is a template: name one of its instances (worker@0.service)" in (
+        result.output
+    )
