@@ -364,6 +364,9 @@ def test_devices_from_the_instance_name(tmp_path: Path) -> None:
     assert devices("w@2.service") == ("2",)  # an instance's own drop-in
     assert result.specs["w@2.service"].memory == 8 << 30
     assert devices("w@3.service") == ("3",)  # an instance's own file
+    # the instance is what lies between the first "@" and the type's "." (as systemd reads it)
+    assert devices("w@a@b.service") == ("a@b",)
+    assert devices("w@a.b.service") == ("a.b",)
     assert UnitSpec("a@.service", 1, devices=("0",)).for_instance("a@1.service").devices == ("0",)
 
 
@@ -399,6 +402,7 @@ def test_devices_from_the_instance_name_refused(
     assert spec is None
     (problem,) = problems
     assert (problem.path, problem.line, problem.key) == (f"{ETC}/{name}", 9, "Devices")
+    assert (problem.unit, problem.severity) == (name, "error")
     assert problem.message.startswith(message)
 
 
@@ -601,6 +605,11 @@ def test_instance_file_of_its_own_does_not_inherit_the_template(tmp_path: Path) 
             "Preempt: expected stop, freeze and suspend, in the order to try them, each once "
             '(e.g. suspend stop), got "Suspend"',
             id="preempt-case",
+        ),
+        pytest.param(
+            "Priority=1\nPreempt= , \n",
+            'Preempt: expected stop, freeze or suspend, found only separators, got ","',
+            id="preempt-only-separators",
         ),
         pytest.param(
             "Priority=1\nDevices=,\n",
@@ -952,3 +961,13 @@ def test_scan_and_load_never_raise_for_index_failures(tmp_path: Path) -> None:
     spec, problems = Loader(Broken(tmp_path)).load("x.service")
     assert spec is None
     assert [str(p) for p in problems] == ["x.service:0: [X-GPUSlice] cannot be read: deep"]
+
+
+def test_files_of_the_same_text_are_parsed_once(tmp_path: Path) -> None:
+    """At 10,000 units the generator's gate drop-ins are one text: one parse for all."""
+    for name in ("a.service", "b.service"):
+        write(tmp_path, f"{ETC}/{name}", unit("Priority=5\n"))
+    loader = Loader(UnitIndex(tmp_path))
+    files_a, files_b = loader.files("a.service"), loader.files("b.service")
+    assert files_a is not None and files_b is not None
+    assert loader.parsed(files_a[0]) is loader.parsed(files_b[0])

@@ -365,6 +365,24 @@ def test_every_kind_of_property_is_stepped_over_to_the_kept_ones() -> None:
         assert got.body == [UNIT, {"SubState": Variant("s", "dead")}, ["Q"]], name
 
 
+def test_a_property_after_an_invocation_id_of_any_length() -> None:
+    """What follows an array of bytes starts where it ends: the next dict entry aligns to 8,
+    which hides an offset one too far except where the array ends on a multiple of 8 (an
+    InvocationID of 4 or 12 bytes here)."""
+    for n in range(17):
+        invocation = bytes(range(n))
+        props = {"InvocationID": Variant("ay", invocation), "SubState": Variant("s", "dead")}
+        msg = Message.new_signal(
+            "/org/freedesktop/systemd1/unit/a_2eservice",
+            busread.PROPERTIES,
+            "PropertiesChanged",
+            "sa{sv}as",
+            [UNIT, props, []],
+        )
+        got = busread.properties_changed(bytearray(msg._marshall()), UNIT, KEEP)
+        assert got is not None and got.body[1] == props, n
+
+
 @pytest.mark.parametrize(
     ("sig", "end"),
     [("s", 1), ("as", 2), ("aas", 3), ("(su)", 4), ("((su)u)", 7), ("a{sv}", 5), ("(a(ss)u)", 8)],
