@@ -18,6 +18,7 @@ LIBDIR := $(PREFIX)/lib/gpuslice
 PYDIR := $(LIBDIR)/python
 UNITDIR := $(PREFIX)/lib/systemd/system
 GENDIR := $(PREFIX)/lib/systemd/system-generators
+USERGENDIR := $(PREFIX)/lib/systemd/user-generators
 EXAMPLEDIR := $(LIBDIR)/examples
 BUSCONFDIR := $(SYSCONFDIR)/dbus-1/system.d
 SYSUSERSDIR := $(PREFIX)/lib/sysusers.d
@@ -78,8 +79,8 @@ clean:
 
 install:
 	@for f in units/gpuslice.service units/gpuslice-metrics.socket units/gpuslice-metrics@.service \
-	    units/gpuslice-claim@.service data/gpuslice-metrics.sysusers data/gpuslice-gate data/org.gpuslice.Scheduler1.conf \
-	    data/gpuslice.in data/gpuslice-generator.in $(CONFIG); do \
+	    units/gpuslice-claim@.service data/gpuslice-user-generator data/gpuslice-metrics.sysusers \
+	    data/gpuslice-gate data/org.gpuslice.Scheduler1.conf data/gpuslice.in data/gpuslice-generator.in $(CONFIG); do \
 	    test -e "$$f" || { echo "make install: missing $$f" >&2; exit 1; }; done
 	rm -rf $(DESTDIR)$(PYDIR)/gpuslice
 	find gpuslice -name '*.py' -type f | while read -r f; do \
@@ -93,6 +94,8 @@ endif
 	chmod 755 $(DESTDIR)$(PREFIX)/bin/gpuslice
 	sed 's|@PYDIR@|$(PYDIR)|g' data/gpuslice-generator.in > $(DESTDIR)$(GENDIR)/gpuslice-generator
 	chmod 755 $(DESTDIR)$(GENDIR)/gpuslice-generator
+	# user units (systemctl --user) are not scheduled: this says so in their journal
+	install -D -m 755 data/gpuslice-user-generator $(DESTDIR)$(USERGENDIR)/gpuslice-user-generator
 	sed 's|@PREFIX@|$(PREFIX)|g' units/gpuslice.service > $(DESTDIR)$(UNITDIR)/gpuslice.service
 	chmod 644 $(DESTDIR)$(UNITDIR)/gpuslice.service
 	# the optional metrics exporter: installed, never enabled here
@@ -127,6 +130,7 @@ endif
 	rm -rf $(DESTDIR)$(PYDIR)
 	rm -f $(DESTDIR)$(LIBDIR)/gpuslice-gate $(DESTDIR)$(PREFIX)/bin/gpuslice \
 	    $(DESTDIR)$(GENDIR)/gpuslice-generator $(DESTDIR)$(UNITDIR)/gpuslice.service \
+	    $(DESTDIR)$(USERGENDIR)/gpuslice-user-generator \
 	    $(DESTDIR)$(UNITDIR)/gpuslice-metrics.socket $(DESTDIR)$(UNITDIR)/gpuslice-metrics@.service \
 	    '$(DESTDIR)$(UNITDIR)/gpuslice-claim@.service' $(DESTDIR)$(SYSUSERSDIR)/gpuslice-metrics.conf \
 	    $(DESTDIR)$(BUSCONFDIR)/org.gpuslice.Scheduler1.conf

@@ -100,6 +100,7 @@ def test_package_contents(deb: Path) -> None:
         "/lib/systemd/system/gpuslice.service",
         "/lib/systemd/system/gpuslice-claim@.service",
         "/lib/systemd/system-generators/gpuslice-generator",
+        "/usr/lib/systemd/user-generators/gpuslice-user-generator",
         "/usr/lib/gpuslice/gpuslice-gate",
         "/usr/lib/gpuslice/python/gpuslice/cli.py",
         "/usr/lib/gpuslice/python/pynvml.py",

@@ -45,3 +45,37 @@ def test_enroll_memory_round_trips_through_check(container: Container) -> None:
     assert "Memory=12G\nDevices=0\n" in dropin
     check = container.run(["gpuslice", "check"])
     assert check.stdout.startswith("ok: ")
+
+
+def test_an_annotated_user_unit_says_in_its_journal_that_it_is_not_scheduled(
+    container: Container,
+) -> None:
+    """gpuslice schedules system units only: a `systemctl --user` unit with an [X-GPUSlice]
+    section starts at once, and its own journal says why (data/gpuslice-user-generator, run
+    by the user's real manager)."""
+    container.run(["useradd", "--create-home", "--uid", "1500", "ann"])
+    # what pam_systemd (not in the bed's tree) would give the user's manager
+    container.write_file(
+        "/etc/systemd/system/user@1500.service.d/runtime.conf",
+        "[Service]\nEnvironment=XDG_RUNTIME_DIR=/run/user/1500\n",
+    )
+    units = "/home/ann/.config/systemd/user"
+    container.run(["runuser", "-u", "ann", "--", "mkdir", "-p", units])
+    container.write_file(
+        f"{units}/asr.service",
+        "[Service]\nType=oneshot\nExecStart=/bin/true\n\n[X-GPUSlice]\nPriority=5\n",
+    )
+    container.run(["chown", "-R", "ann:ann", "/home/ann/.config"])
+    reload(container)
+    container.systemctl("start", "user@1500.service")
+    user = ["runuser", "-u", "ann", "--", "env", "XDG_RUNTIME_DIR=/run/user/1500", "systemctl"]
+    container.run([*user, "--user", "start", "asr.service"])  # not held: it has no gate
+    status = [*user, "--user", "status", "--no-pager", "-n", "20", "asr.service"]
+    out = container.run(status, check=False).stdout
+    assert (
+        "gpuslice does not schedule user units: the [X-GPUSlice] section of asr.service is "
+        "ignored and it starts without waiting for GPUs" in out
+    ), out
+    assert "gpuslice-not-scheduled.conf" in out  # `systemctl --user status` names the drop-in
+    assert "asr.service" not in container.journal("gpuslice.service")
+    container.systemctl("stop", "user@1500.service")

@@ -1,0 +1,83 @@
+"""data/gpuslice-user-generator, run as a user's manager runs it: user units with an
+[X-GPUSlice] section are told, in their own journal, that gpuslice does not schedule them.
+(Against a real user manager: tests/integration/test_new.py.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+GENERATOR = Path(__file__).parent.parent / "data" / "gpuslice-user-generator"
+ANNOTATED = "[Service]\nExecStart=/bin/true\n\n[X-GPUSlice]\nPriority=5\n"
+DROPIN = "gpuslice-not-scheduled.conf"
+
+
+def generate(home: Path, *args: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = home.parent / "out"
+    out.mkdir(exist_ok=True)
+    env = {"PATH": os.environ["PATH"], "HOME": str(home)}
+    done = subprocess.run(
+        ["sh", str(GENERATOR), *(args or (str(out), str(out), str(out)))],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    return out, done
+
+
+def user_dir(home: Path) -> Path:
+    path = home / ".config" / "systemd" / "user"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def test_an_annotated_user_unit_is_told_it_is_not_scheduled(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    units = user_dir(home)
+    (units / "asr.service").write_text(ANNOTATED)
+    (units / "plain.service").write_text("[Service]\nExecStart=/bin/true\n")
+    (units / "worker@.service.d").mkdir()
+    (units / "worker@.service.d" / "gpu.conf").write_text("  [X-GPUSlice]\nPriority=1\n")
+    (units / "notes.txt").write_text(ANNOTATED)  # no unit
+    out, done = generate(home)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.conf")) == [
+        f"asr.service.d/{DROPIN}",
+        f"worker@.service.d/{DROPIN}",
+    ]
+    text = (out / "asr.service.d" / DROPIN).read_text()
+    assert (
+        "\n[Service]\nExecStartPre=-/bin/echo gpuslice does not schedule user units: the "
+        "[X-GPUSlice] section of %n is ignored and it starts without waiting for GPUs" in text
+    )
+    assert done.stderr.count("is read only in system units") == 2, done.stderr
+
+
+def test_names_no_unit_could_have_and_bad_arguments_are_passed_over(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    units = user_dir(home)
+    for name in ("a b.service", ".hidden.service", "new\nline.service", "x%y.service"):
+        (units / name).write_text(ANNOTATED)
+    out, done = generate(home)
+    assert done.returncode == 0, done.stderr
+    assert list(out.iterdir()) == []
+    # never fails the manager's generators, whatever it is given
+    for args in (("",), (str(tmp_path / "missing"),)):
+        assert generate(home, *args)[1].returncode == 0
+
+
+def test_without_a_home_nothing_is_read_from_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(
+        ["sh", str(GENERATOR), str(out)],
+        env={"PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
