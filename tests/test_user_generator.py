@@ -81,3 +81,16 @@ def test_without_a_home_nothing_is_read_from_it(tmp_path: Path) -> None:
         timeout=30,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_fifo_or_a_device_among_the_units_never_blocks_the_manager(tmp_path: Path) -> None:
+    """A user's manager waits for its generators: a FIFO named like a unit, or a link to a
+    device, is not read (grep would wait on the FIFO forever)."""
+    home = tmp_path / "home"
+    units = user_dir(home)
+    os.mkfifo(units / "fifo.service")
+    (units / "zero.service").symlink_to("/dev/zero")
+    (units / "asr.service").write_text(ANNOTATED)
+    out, done = generate(home)  # the timeout of 30 s fails the test if it blocks
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in out.iterdir()] == ["asr.service.d"]
