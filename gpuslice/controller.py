@@ -171,6 +171,9 @@ class Controller:
         self.boot_id = ""
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
+        # instances of annotated templates whose start systemd announced (JobNew) and that
+        # have not been seen down since: watched (_watched) before the core knows them
+        self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._status_cache: str | None = None
         # rescans run off the loop, one at a time; Acquire calls of units the running scan
@@ -222,14 +225,14 @@ class Controller:
         log.info("gpuslice ready: %s", self.status_line())
         self._spawn(self._watch_units())
 
-    def _watched(self) -> set[str] | None:
-        """The units whose signals matter: every annotated unit, and any other the core still
-        knows (a unit whose annotation went while it holds, waits or is suspended). None
-        (every unit's) when a template is annotated: its instances' names are not known
-        before systemd shows them."""
-        names = set(self.scan.specs)
-        if any(is_template(n) for n in names):
-            return None
+    def _watched(self) -> set[str]:
+        """The units whose signals matter: every annotated unit; the instances of annotated
+        templates, from their start's JobNew on (on_job_new) and while the core knows them;
+        and any other unit the core still knows (its annotation went while it holds, waits or
+        is suspended). An annotated template once meant every unit's signals, which cost
+        each handover the reading of every unit's changes (issue 10), and every host has one
+        (gpuslice-claim@.service). Beyond MAX_UNIT_RULES units it still does (Systemd.watch)."""
+        names = {n for n in self.scan.specs if not is_template(n)} | self._instances
         core = self.scheduler
         return names | set(core.specs) | set(core.grants()) | set(core.waiting_units())
 
@@ -305,6 +308,11 @@ class Controller:
             return
         if self.systemd.watches(unit):  # else its gate's signal may not reach us: no pipe
             self.gates.expect(unit)  # before its gate looks for its pipe
+        elif is_instance(unit) and unit not in self._instances:
+            # an instance of an annotated template, new to us: heard from now on (its gate,
+            # without a pipe this time, asks over D-Bus; the unit is read once matched)
+            self._instances.add(unit)
+            self._spawn(self._watch_units())
         if self.scheduler.phase(unit) is None and not self.scheduler.is_waiting(unit):
             # a start the scheduler does not know yet (not its own, not one at its gate)
             seen = self.tracker.heard(unit)
@@ -398,6 +406,7 @@ class Controller:
                 self.counters.gate_answers["pipe"] += 1
             if kind is Kind.DOWN and is_instance(name):
                 self.gates.retire(name)  # instances' names are many: not one pipe each
+                self._instances.discard(name)  # the core's knowledge keeps it watched
         elif invocation is None:
             if not self.gates.holds(name):
                 loop = asyncio.get_running_loop()

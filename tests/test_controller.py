@@ -1232,6 +1232,10 @@ def test_an_instance_gives_its_pipe_up_once_down_and_a_plain_unit_keeps_its(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
+        await until(lambda: bed.systemd.watched == {"a.service"})
+        # a first start makes the instance heard (that one asks over D-Bus)
+        ctl.on_job_new(9, "/org/freedesktop/systemd1/job/9", "tx@1.service")
+        await until(lambda: "tx@1.service" in (bed.systemd.watched or ()))
         for unit in ("a.service", "tx@1.service"):
             ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", unit)
             ctl.on_unit_changed(unit, at_gate())
@@ -1415,14 +1419,27 @@ def test_only_the_units_that_matter_are_listened_to(tmp_path: Path) -> None:
     run(test)
 
 
-def test_an_annotated_template_means_every_units_signals(tmp_path: Path) -> None:
-    """Its instances' names are known only when systemd shows them."""
-    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "t@.service": "Priority=50\n"}, [])
+def test_an_annotated_templates_instances_are_heard_from_their_first_job_on(
+    tmp_path: Path,
+) -> None:
+    """Its instances' names are known only when systemd shows them: a running one at start-up,
+    a new one at its start's JobNew (no pipe for that start: its gate asks over D-Bus). Not
+    every unit's signals, as before (issue 10: every host has gpuslice-claim@.service)."""
+    running = UnitState("t@0.service", "active", "running", 0)
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "t@.service": "Priority=50\n"}, [running])
+    gates = Path(bed.config.runtime_dir) / "gate"
 
     async def test() -> None:
-        bed.systemd.watched = {"x.service"}  # so that a call is seen
-        await bed.controller.start()
-        await until(lambda: bed.systemd.watched is None)
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"a.service", "t@0.service"})
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "t@1.service")
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "other@1.service")  # unannotated
+        await until(lambda: bed.systemd.watched == {"a.service", "t@0.service", "t@1.service"})
+        assert not (gates / "t@1.service").exists()
+        await until(lambda: "t@1.service" in bed.systemd.reads)  # read once matched
+        ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "t@1.service")
+        assert (gates / "t@1.service").exists()  # its next start has a pipe
 
     run(test)
 

@@ -270,13 +270,16 @@ def test_an_instances_pipe_goes_when_it_is_down_and_its_next_start_has_one_again
     container: Container,
 ) -> None:
     """Instances' names are many (`transcribe@RECORDING`): each one's pipe is removed once it
-    is down, and made again when systemd queues its next start."""
+    is down, and made again when systemd queues its next start. A new instance is heard from
+    its first JobNew on, too late for a pipe then, unless every unit's signals still were
+    (the controller's first match rules on their way): its gate asks over D-Bus or its pipe."""
     _slow_unit(container)
     write_job(container, "tx@.service", 20, extra_unit="Wants=slow.service\nAfter=slow.service")
     reload(container)
     unit, pipe = "tx@a.service", "/run/gpuslice/gate/tx@a.service"
-    for _ in range(2):
-        assert _start_counting_answers(container, unit) == (1, 0)
+    for first in (True, False, False):
+        answers = _start_counting_answers(container, unit)
+        assert answers in ((0, 1), (1, 0)) if first else answers == (1, 0), answers
         container.systemctl("stop", unit)
         wait_until(
             lambda: container.run(f"test -e '{pipe}'", check=False).returncode != 0 or None,
