@@ -3,7 +3,7 @@ hand-written one, and `enroll --memory` round-trips through `gpuslice check`."""
 
 from __future__ import annotations
 
-from tests.bed.container import Container
+from tests.bed.container import Container, wait_until
 from tests.integration.jobs import UNIT_DIR, reload, wait_journal, wait_state, write_job
 
 BG = "bg.service"
@@ -70,12 +70,20 @@ def test_an_annotated_user_unit_says_in_its_journal_that_it_is_not_scheduled(
     container.systemctl("start", "user@1500.service")
     user = ["runuser", "-u", "ann", "--", "env", "XDG_RUNTIME_DIR=/run/user/1500", "systemctl"]
     container.run([*user, "--user", "start", "asr.service"])  # not held: it has no gate
+    said = (
+        "gpuslice does not schedule user units: the [X-GPUSlice] section of asr.service is "
+        "ignored and it starts without waiting for GPUs"
+    )
+
+    def in_its_journal() -> str | None:  # journald writes a moment after the unit ran
+        container.run(["journalctl", "--sync"])
+        query = ["journalctl", "--no-pager", "-o", "cat", "_SYSTEMD_USER_UNIT=asr.service"]
+        out = container.run(query, check=False).stdout
+        return out if said in out else None
+
+    wait_until(in_its_journal, 20, what="the unit's journal line")
     status = [*user, "--user", "status", "--no-pager", "-n", "20", "asr.service"]
     out = container.run(status, check=False).stdout
-    assert (
-        "gpuslice does not schedule user units: the [X-GPUSlice] section of asr.service is "
-        "ignored and it starts without waiting for GPUs" in out
-    ), out
-    assert "gpuslice-not-scheduled.conf" in out  # `systemctl --user status` names the drop-in
+    assert said in out and "gpuslice-not-scheduled.conf" in out, out  # status shows both
     assert "asr.service" not in container.journal("gpuslice.service")
     container.systemctl("stop", "user@1500.service")
