@@ -62,6 +62,21 @@ def test_a_start_on_its_way_to_a_removed_gpu_queues_for_another() -> None:
     assert brief(s.request(bg)) == ["grant bg.service 0"]
 
 
+def test_a_start_on_its_way_that_now_asks_for_more_gpus_is_not_granted_its_one() -> None:
+    """bg (GPUs=1) was started onto GPU 0; a daemon-reload makes it GPUs=2 before its gate
+    asks. It used to be granted the one GPU kept for it (CUDA_VISIBLE_DEVICES=0 for a unit
+    of two): it queues for two, and gets them once the second is free."""
+    bg, first = spec("bg", 90, BG), spec("first", 10, devices=("1",))
+    s = Scheduler([sized(0), sized(1)], {bg.name: bg, first.name: first})
+    assert brief(s.request(first)) == ["grant first.service 1", "start bg.service"]
+    assert s.grants()["bg.service"] == frozenset({0})
+    wide = spec("bg", 90, BG, gpus=2)
+    s.set_specs({wide.name: wide, first.name: first})
+    assert brief(s.request(wide)) == []
+    assert s.is_waiting("bg.service")
+    assert brief(s.inactive("first.service", Outcome.EXITED)) == ["grant bg.service 0,1"]
+
+
 # -- units found running: adopted where they run ----------------------------------------------
 
 
@@ -156,6 +171,24 @@ def test_a_gpu_removed_while_held_leaves_the_scheduler_working() -> None:
     assert s.snapshot().gpus[1] == [("b.service", 60, "running")]
     assert brief(s.request(spec("c", 70))) == []
     assert brief(s.inactive("a.service", Outcome.EXITED)) == ["grant c.service 0"]
+
+
+def test_a_restart_that_sees_fewer_gpus_keeps_their_holders_on_the_others() -> None:
+    """The controller restarts while NVML does not answer: it sees `gpus:` from config.yaml
+    (1), not the host's 2. b still runs on GPU 1: it used to be loaded holding nothing, so
+    that once NVML showed GPU 1 again it was granted to c beside b. It keeps GPU 1."""
+    a, b, c = spec("a", 50), spec("b", 60), spec("c", 70)
+    specs = {u.name: u for u in (a, b, c)}
+    s = Scheduler([sized(0), sized(1)], specs)
+    s.request(a)
+    assert brief(s.request(b)) == ["grant b.service 1"]
+    fresh = Scheduler([Gpu(0)], specs)
+    fresh.load(s.save())
+    assert fresh.grants() == {"a.service": frozenset({0}), "b.service": frozenset({1})}
+    fresh.set_gpus([sized(0), sized(1)])  # NVML answers again
+    assert brief(fresh.request(c)) == []
+    assert fresh.is_waiting("c.service")
+    assert brief(fresh.inactive("b.service", Outcome.EXITED)) == ["grant c.service 1"]
 
 
 def test_device_of_an_unknown_index_is_a_gpu_of_unknown_size() -> None:

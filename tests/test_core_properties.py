@@ -7,7 +7,7 @@ Requeue=yes/no, a Preempt= ladder, some not yet annotated). It then interleaves 
 and units do (start; a start job seen before its gate asks; exit, fail, manual stop), what
 systemd and the ladder's adapter do with gpuslice's work (a pending stop, start, suspend or
 resume completes, in any order; a suspend or resume fails; a freeze fails), daemon-reloads (a
-priority changes, an annotation is removed or added), controller restarts (save, load,
+priority or GPUs= changes, an annotation is removed or added), controller restarts (save, load,
 `recover()`) and, on hosts with NVML, new samples (reserve, foreign processes, a GPU lost or
 back). tests/test_core_ladder_properties.py runs the same rules on hosts where the ladder
 matters most.
@@ -287,6 +287,14 @@ class HostMachine(RuleBasedStateMachine):
     def priority_changes(self, index: int, prio: int) -> None:
         index %= len(self.specs)
         self.specs[index] = replace(self.specs[index], priority=prio)
+        self.sim.annotate(self._annotations())
+
+    @rule(index=st.integers(0, 7), gpus=st.sampled_from([1, 2, 3]))
+    def gpus_change(self, index: int, gpus: int) -> None:
+        """GPUs= edited, also while the unit's place is kept for its gate (a refill, a
+        requeue, a start job seen): its gate is granted as many GPUs as it asks for now."""
+        index %= len(self.specs)
+        self.specs[index] = replace(self.specs[index], gpus=gpus)
         self.sim.annotate(self._annotations())
 
     @rule(index=st.integers(0, 7))

@@ -433,10 +433,13 @@ class Scheduler:
 
     def _keeps_its_place(self, holder: Holder) -> bool:
         """Whether a unit whose place was kept gets it when its gate asks: no more urgent
-        start is known, and its GPUs still take it next to everyone else."""
+        start is known, and its GPUs still take it next to everyone else: as many as it asks
+        for now (a reload may have changed its GPUs= since its place was kept)."""
         if any(w.spec.priority < holder.spec.priority for w in self.waiters.values()):
             return False
         spec = holder.spec
+        if len(holder.gpus) != spec.gpus:
+            return False
         uses = self._uses(self._suspended_room())  # a priority edited since it was placed
         avoid = self._avoids_foreign(spec)
         for index in holder.gpus:
@@ -1530,16 +1533,18 @@ class Scheduler:
         """Restore what the last controller knew; the caller then reconciles with systemd.
 
         Holders come back with their GPUs and phase, all at once, so that no unit is placed
-        on GPUs a not-yet-adopted unit still holds. The caller reports with `inactive()`
-        those systemd no longer shows active, then calls `schedule()`.
+        on GPUs a not-yet-adopted unit still holds. They keep GPUs not listed now, as
+        `set_gpus` lets them: a restart that sees fewer GPUs (NVML not answering yet, so
+        `gpus:` from config.yaml) must not hand the others out beside them once they are
+        listed again. The caller reports with `inactive()` those systemd no longer shows
+        active, then calls `schedule()`.
         """
         self._seq = max(self._seq, saved.seq)
         for name, (gpus, phase, seq, *rest) in saved.holders.items():
             if name in self.specs:
-                held_gpus = frozenset(gpus) & self.gpus
                 stopping_for = rest[0] if rest and rest[0] else None
                 self.holders[name] = Holder(
-                    self.specs[name], held_gpus, Phase(phase), seq, stopping_for
+                    self.specs[name], frozenset(gpus), Phase(phase), seq, stopping_for
                 )
                 if Phase(phase) is Phase.FROZEN:
                     self.holders[name].frozen_for = set(saved.frozen_for.get(name, ()))
