@@ -149,8 +149,7 @@ class Controller:
             ready=lambda: self.ready,
         )
         self.tracker = Tracker(
-            lambda name: self.spec_for(name) is not None,
-            Ledger(self.scheduler.phase, self.scheduler.is_waiting),
+            self._followed, Ledger(self.scheduler.phase, self.scheduler.is_waiting)
         )
         # freeze, suspend and resume (the Preempt= ladder), carried out as tasks
         self.ladder = Ladder(
@@ -205,7 +204,8 @@ class Controller:
         self.watch.open()  # and acts on NVML's case
         self.scheduler.set_gpus(self.watch.sample.gpus)
         saved, saved_boot = self.store.load()
-        self.tracker.listed(await self.systemd.list_units())
+        units = await self.systemd.list_units()
+        self.tracker.listed(units)
         remembered = set(saved.preempted) | set(saved.holders) | set(saved.held)
         with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
             self.scheduler.set_specs(self._concrete_specs(remembered))
@@ -214,6 +214,10 @@ class Controller:
         self.scheduler.load(saved)
         if saved_boot != self.boot_id:
             self.scheduler.forget_boot()
+        # again, now that the core knows what it kept without an annotation (a suspended
+        # unit whose annotation went): read for annotated units only, such a unit, still
+        # active and frozen, was taken for stopped by hand and left frozen
+        self.tracker.listed(units)
         actions = self._rebuild()
         await self.service.claim_name()
         self.ready = True
@@ -302,6 +306,18 @@ class Controller:
     def spec_for(self, name: str) -> UnitSpec | None:
         return self.scan.spec_for(name)
 
+    def _known(self, name: str) -> bool:
+        """Whether the core still knows the unit: it holds GPUs, waits or is suspended."""
+        return self.scheduler.phase(name) is not None or self.scheduler.is_waiting(name)
+
+    def _followed(self, name: str) -> bool:
+        """Whether systemd's word on the unit is taken in: it is annotated, or the core still
+        knows it. A unit whose annotation went while it was being stopped, waited or was
+        suspended is kept by the core until it ends (Scheduler.set_specs), and only its
+        signals tell that: dropped, a victim whose stop ended held its GPUs, and its waiter
+        waited, until the controller restarted."""
+        return self.spec_for(name) is not None or self._known(name)
+
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
         self.tracker.job_new(path, unit)
         if not self.ready or self.spec_for(unit) is None:
@@ -380,7 +396,7 @@ class Controller:
 
     def on_unit_changed(self, name: str, props: dict[str, Any], *, read: bool = False) -> None:
         spec = self.spec_for(name)
-        if spec is None:
+        if spec is None and not self._known(name):
             if self.gates.holds(name) and props.get("SubState", "start-pre") != "start-pre":
                 self.gates.close(name)  # its annotation went while it waited at its gate
             return
@@ -388,11 +404,15 @@ class Controller:
             self.tracker.unit_changed(name, props)  # counts it; judged after start-up
             self._buffered.append((name, props))
             return
-        self.scheduler.learn(spec)
+        if spec is not None:
+            self.scheduler.learn(spec)
         with self._batched():
             for change in self.tracker.unit_changed(name, props, read=read):
                 self._apply(change)
-            self._follow_gate(name, props.get("InvocationID"))
+            if spec is not None:
+                self._follow_gate(name, props.get("InvocationID"))
+            elif self.gates.holds(name) and props.get("SubState", "start-pre") != "start-pre":
+                self.gates.close(name)  # known to the core only until it ends
 
     def _follow_gate(self, name: str, invocation: str | None) -> None:
         """A start systemd shows at the gate, with the InvocationID that names it, is taken

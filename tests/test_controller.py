@@ -164,6 +164,11 @@ def write_unit(tmp_path: Path, name: str, section: str) -> None:
     path.write_text(f"[Service]\nExecStart=/bin/true\n\n[X-GPUSlice]\n{section}")
 
 
+def write_unannotated(tmp_path: Path, name: str) -> None:
+    """The unit's file without its [X-GPUSlice] section (an admin took it out)."""
+    (tmp_path / "root" / UNIT_DIR / name).write_text("[Service]\nExecStart=/bin/true\n")
+
+
 def state(name: str, active: str, sub: str, job: int = 0, job_type: str = "") -> UnitState:
     return UnitState(name, active, sub, job, job_type)
 
@@ -411,6 +416,31 @@ def test_start_up_holds_a_suspended_unit_stopped_while_away_and_keeps_a_running_
     run(test)
 
 
+def test_start_up_keeps_a_suspended_unit_whose_annotation_went_while_it_still_runs(
+    tmp_path: Path,
+) -> None:
+    """b.service was suspended, then lost its annotation, then the controller restarted. The
+    core keeps it (nobody else would resume it), but systemd's list was read for annotated
+    units only, so b.service, active and frozen, was taken for stopped by hand: held, and
+    left frozen for good. It is resumed, then forgotten."""
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n"},
+        [state("b.service", "active", "running")],
+        SavedState(suspended={"b.service": ((0,), 4)}, seq=4),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.held == set()
+        assert ctl.scheduler.phase("b.service") in (Phase.RESUMING, None)
+        assert ctl.counters.to_json([])["decisions"].get("resume") == 1
+
+    run(test)
+
+
 def test_start_up_adopts_a_running_unit_it_did_not_know(tmp_path: Path) -> None:
     bed = Bed(
         tmp_path, {"known.service": "Priority=50\n"}, [state("known.service", "active", "running")]
@@ -645,6 +675,69 @@ def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
 
     run(test)
     assert messages(caplog) == []
+
+
+def test_a_victim_whose_annotation_went_while_it_stopped_still_gives_its_gpu_to_the_waiter(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service is stopping for urgent.service when a daemon-reload removes its
+    annotation: the core keeps it until its stop is done, and its signals are still matched
+    (Controller._watched). Its end used to be dropped with its annotation, so urgent.service
+    waited at its gate until a controller restart although GPU 0 was free."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert ("stop", "low.service") in bed.systemd.calls
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
+        write_unannotated(tmp_path, "low.service")
+        ctl.request_rescan()
+        await until(lambda: ctl.spec_for("low.service") is None)
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert ctl.scheduler.phase("low.service") is None
+
+    run(test)
+
+
+def test_a_waiter_whose_annotation_went_and_that_was_stopped_is_not_granted_later(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """w.service waits behind a more urgent unit; a daemon-reload removes its annotation,
+    then someone stops it. Its end used to be dropped: it stayed queued and was granted GPU 0
+    once free, a holder that nothing would ever release."""
+    bed = Bed(
+        tmp_path,
+        {"top.service": "Priority=10\n", "w.service": "Priority=50\n"},
+        [state("top.service", "active", "running")],
+        SavedState(holders={"top.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    cgroup_of[4242] = "w.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("w.service", ":1.9", 4242)
+        assert ctl.scheduler.is_waiting("w.service")
+        write_unannotated(tmp_path, "w.service")
+        ctl.request_rescan()
+        await until(lambda: ctl.spec_for("w.service") is None)
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "w.service")  # systemctl stop
+        ctl.on_unit_changed("w.service", {"ActiveState": "inactive", "SubState": "dead"})
+        ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "w.service", "done")
+        ctl.on_unit_changed("top.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert not ctl.scheduler.is_waiting("w.service")
+        assert ctl.scheduler.grants() == {}
+        assert bed.service.granted == []
+
+    run(test)
 
 
 def test_a_victim_whose_end_only_a_read_tells_is_preempted_and_comes_back(
@@ -1553,6 +1646,40 @@ def test_nvml_not_ready_holds_background_units_back_then_switches(
         "NVML ready (driver 550.54.15): switched to 2 GPUs (NVIDIA Fake 24GB) without a restart; "
         "memory packing and foreign-process protection from now on; background units may start"
     )
+
+
+def test_a_restart_while_nvml_does_not_answer_keeps_the_gpus_units_hold(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """The controller restarts (an upgrade) while NVML does not answer: it sees `gpus: 1`
+    from config.yaml, not the host's 2. b.service runs on GPU 1 all along; it used to be
+    loaded holding no GPU, and once NVML answered, new.service was granted GPU 1 beside it."""
+    nvml = StubNvml(available=False)
+    bed = Bed(
+        tmp_path,
+        {n: "Priority=50\n" for n in ("a.service", "b.service", "new.service")},
+        [state("a.service", "active", "running"), state("b.service", "active", "running")],
+        SavedState(
+            holders={"a.service": ((0,), "running", 1, ""), "b.service": ((1,), "running", 2, "")},
+            seq=2,
+        ),
+        nvml=nvml,
+        driver_root=nvidia_root(tmp_path),
+    )
+    cgroup_of[4242] = "new.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.watch.inventory.health.state == "waiting"
+        nvml.available = True
+        await until(lambda: ctl.watch.available)  # the retry timer fires
+        assert ctl.scheduler.grants()["b.service"] == frozenset({1})
+        await bed.acquire("new.service", ":1.9", 4242)
+        assert bed.service.granted == []
+        assert ctl.scheduler.is_waiting("new.service")
+
+    run(test)
 
 
 def test_without_nvidia_hardware_nothing_waits_for_nvml(
