@@ -38,8 +38,12 @@ from gpuslice.driver import (
 from gpuslice.nvml import DeviceScan, GpuLostError, Nvml, NvmlError, NvmlUnavailableError
 from gpuslice.owners import UNKNOWN, Owner, owner_of_cgroup_path
 from gpuslice.sizes import format_size
+from gpuslice.unitfiles import printable
 
 log = logging.getLogger("gpuslice")
+
+# Bytes read of /proc/PID/comm: the kernel keeps 15 (TASK_COMM_LEN), 64 for some threads.
+COMM_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -102,10 +106,17 @@ class Sample:
 
 
 def command_of(pid: int, proc: Path = Path("/proc")) -> str:
+    """The process's name, escaped for a journal line or a terminal; "?" when it is gone.
+
+    /proc/PID/comm holds whatever the process set (prctl(PR_SET_NAME): 15 bytes, any but
+    NUL), and any local user may run a process on a GPU: a name that is no UTF-8 raised out
+    of every sample, and a terminal's control sequence reached `gpuslice status` as is."""
     try:
-        return (proc / str(pid) / "comm").read_text().strip()
-    except OSError:
+        with open(proc / str(pid) / "comm", "rb") as f:
+            raw = f.read(COMM_MAX)
+    except (OSError, ValueError):
         return "?"
+    return printable(raw.decode("utf-8", "backslashreplace").strip(), COMM_MAX)
 
 
 class Inventory:

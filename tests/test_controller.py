@@ -1698,6 +1698,36 @@ def test_without_nvidia_hardware_nothing_waits_for_nvml(
     run(test)
 
 
+class OneForeignProcess(StubNvml):
+    """The two GPUs, with a user's process (PID 200) on GPU 1."""
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        return [GpuProcess(200, 1, GIB, compute=True)] if index == 1 else []
+
+
+def test_a_process_named_in_bytes_that_are_no_utf8_stops_nothing(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """Any local user may run a CUDA process and name it (prctl(PR_SET_NAME)). Named with a
+    byte that is no UTF-8, its name raised out of every NVML sample: the controller could
+    not start, and a running one left each gate that asked unanswered."""
+    proc = tmp_path / "proc" / "200"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("0::/user.slice/user-1000.slice/session-2.scope\n")
+    (proc / "comm").write_bytes(b"\xff\n")
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], nvml=OneForeignProcess())
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        await bed.controller.start()
+        await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0")]
+        [foreign] = json.loads(bed.controller.status_json())["gpus"][1]["foreign"]
+        assert (foreign["pid"], foreign["command"]) == (200, "\\xff")
+
+    run(test)
+
+
 # ---- GpuWatch on its own: a fake scheduler, a manual clock of timers ----
 
 

@@ -252,6 +252,28 @@ def test_foreign_processes_are_said_whose_they_are(tmp_path: Path) -> None:
     assert sample.gpus[1].foreign_owners == ()
 
 
+def test_a_process_name_is_read_as_bytes_and_kept_escaped(tmp_path: Path) -> None:
+    """/proc/PID/comm holds whatever the process set (prctl(PR_SET_NAME): any byte but NUL).
+    Any local user's CUDA process named with a byte that is no UTF-8 made every sample raise
+    UnicodeDecodeError (the controller's start-up, each gate's grant, each release of a
+    GPU); one named with a terminal's control sequence reached `gpuslice status`'s table as
+    it was. Either is now a name in escapes, and the process is foreign as any other."""
+    nvml = StubNvml()
+    write_proc(tmp_path, 200, "0::/user.slice/user-1000.slice/session-2.scope\n")
+    (tmp_path / "200" / "comm").write_bytes(b"\xff\xfe\n")
+    write_proc(tmp_path, 201, "0::/user.slice/user-1000.slice/session-2.scope\n")
+    (tmp_path / "201" / "comm").write_bytes(b"\x1b[2J\x1b[Hjob\n")
+    nvml.add(0, 200, GIB)
+    nvml.add(0, 201, GIB)
+    inventory, _ = make_inventory(tmp_path, nvml)
+
+    sample = inventory.sample(MANAGED, {})
+
+    assert [p.command for p in sample.processes] == ["\\xff\\xfe", "\\x1b[2J\\x1b[Hjob"]
+    assert (sample.gpus[0].foreign, sample.gpus[0].foreign_pids) == (2 * GIB, (200, 201))
+    assert command_of(200, tmp_path) == "\\xff\\xfe"
+
+
 def test_a_desktops_display_server_takes_memory_but_is_yielded_to_by_nobody(
     tmp_path: Path,
 ) -> None:
