@@ -12,12 +12,26 @@ bytes again.
 The bus daemon checks every message against the D-Bus specification before it routes it;
 still, whatever this reader fails on falls back and never raises out of dbus-next's read
 loop, which would close the connection.
+
+At most `MAX_PER_TURN` messages are read in one turn of the event loop; the rest wait for
+its next turn, after its timers and tasks (the watchdog's among them). dbus-next reads every
+message the socket holds in one go: anyone may call Status, and one process's 30,000 calls a
+second kept the controller's loop in that read for as long as they came (4 s of calls, 12 s
+without a timer, on a 2-core VM; past WatchdogSec=, systemd kills the controller).
+
+A method call's body longer than any of our methods takes (`MAX_CALL_BODY`) is not read at
+all: the call comes with its header only, as `Unread`, and is answered with an error. Anyone
+may call Status, with whatever arguments (a bus policy names no signature), and dbus-next
+reads a body a value at a time: a MiB of variants took 1.75 s of the controller's event
+loop, and the system bus passes 32 MiB in one message, a minute, past the watchdog.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
 from collections.abc import Callable, Collection
-from struct import unpack_from
+from struct import pack_into, unpack_from
 from typing import Any
 
 from dbus_next import Message, MessageFlag, MessageType, Variant
@@ -35,6 +49,12 @@ BUILT_FOR = "0.2.3"
 PROPERTIES = "org.freedesktop.DBus.Properties"
 _LITTLE_ENDIAN = ord("l")
 _SIGNAL = MessageType.SIGNAL.value
+_METHOD_CALL = MessageType.METHOD_CALL.value
+# Messages read in one turn of the event loop, at most; the rest at its next turn.
+MAX_PER_TURN = 64
+# Bytes of a method call's arguments read, at most: every method of ours takes at most one
+# unit name (255 characters).
+MAX_CALL_BODY = 4096
 _PATH, _INTERFACE, _MEMBER, _DESTINATION, _SENDER, _SIGNATURE = 1, 2, 3, 6, 7, 8
 # The alignment of each type's values, and the size of those of fixed size.
 _ALIGN = {"y": 1, "b": 4, "n": 2, "q": 2, "i": 4, "u": 4, "x": 8, "t": 8, "d": 8, "h": 4}
@@ -44,6 +64,50 @@ _FIXED = {"y": 1, "b": 4, "n": 2, "q": 2, "i": 4, "u": 4, "x": 8, "t": 8, "d": 8
 
 class NotTaken(Exception):
     """The message is left to dbus-next's own reader."""
+
+
+class Turn:
+    """The messages the bus's readers (a new one for each message) read in this turn of the
+    loop. Once MAX_PER_TURN are read, reading stops, and starts again at the loop's next
+    turn: then, not when the socket is next readable, since dbus-next's buffered stream may
+    already hold the next messages."""
+
+    def __init__(self, bus: MessageBus) -> None:
+        self.bus = bus
+        self.read = 0
+        self._due = False
+
+    def spent(self) -> bool:
+        if self.read < MAX_PER_TURN:
+            return False
+        if not self._due:
+            self._due = True
+            asyncio.get_running_loop().call_soon(self._next)
+        return True
+
+    def _next(self) -> None:
+        self._due = False
+        self.read = 0
+        if self.bus.connected:
+            self.bus._message_reader()
+
+
+class Unread(Message):  # type: ignore[misc]
+    """A method call whose arguments were not read (`body_len` bytes, over MAX_CALL_BODY):
+    its header, with no arguments."""
+
+    def __init__(self, call: Message, body_len: int) -> None:
+        super().__init__(
+            destination=call.destination,
+            path=call.path,
+            interface=call.interface,
+            member=call.member,
+            message_type=call.message_type,
+            flags=call.flags,
+            sender=call.sender,
+            serial=call.serial,
+        )
+        self.body_len = body_len
 
 
 def _text(buf: bytearray, o: int) -> tuple[str, int]:
@@ -217,16 +281,41 @@ if Unmarshaller is not None:
     class Reader(Unmarshaller):  # type: ignore[misc]
         """dbus-next's reader, with PropertiesChanged of one interface taken first."""
 
-        def __init__(self, stream: Any, sock: Any, interface: str, keep: Collection[str]):
+        def __init__(
+            self,
+            stream: Any,
+            sock: Any,
+            interface: str,
+            keep: Collection[str],
+            turn: Turn | None = None,
+        ):
             super().__init__(stream, sock)
             self._interface = interface
             self._keep = keep
+            self._turn = turn
+
+        def unmarshall(self) -> Message | None:
+            """The next message; None when none is there yet, or this turn's are read."""
+            if self._turn is not None and self._turn.spent():
+                return None
+            message: Message | None = super().unmarshall()
+            if message is not None and self._turn is not None:
+                self._turn.read += 1
+            return message
 
         def _unmarshall(self) -> None:
             # as dbus-next's: the fixed part, then the whole message (a short read raises,
             # and the next call starts again with what was read kept)
             self.offset = 0
             self.read(16, prefetch=True)
+            if self.buf[1] == _METHOD_CALL:
+                order = "<" if self.buf[0] == _LITTLE_ENDIAN else ">"
+                body_len, _, fields_len = unpack_from(order + "III", self.buf, 4)
+                if body_len > MAX_CALL_BODY:
+                    head = 16 + fields_len + (-fields_len & 7)
+                    self.read(head + body_len, prefetch=True)  # the whole call, then past it
+                    self.message = Unread(_header_only(self.buf[:head], order), body_len)
+                    return
             if self.buf[0] == _LITTLE_ENDIAN and self.buf[1] == _SIGNAL:
                 body_len, _, fields_len = unpack_from("<III", self.buf, 4)
                 self.read(16 + fields_len + (-fields_len & 7) + body_len, prefetch=True)
@@ -239,6 +328,14 @@ if Unmarshaller is not None:
                     return
             super()._unmarshall()
 
+    def _header_only(head: bytearray, order: str) -> Message:
+        """The message whose fixed part and header fields `head` is, read by dbus-next's
+        reader as if it had no body (its signature names no type to read then)."""
+        head = bytearray(head)
+        pack_into(order + "I", head, 4, 0)
+        message: Message = Unmarshaller(io.BytesIO(bytes(head))).unmarshall()
+        return message
+
 
 def install(bus: MessageBus, interface: str, keep: Collection[str]) -> bool:
     """Read `bus`'s next messages with Reader: PropertiesChanged of `interface` keep only
@@ -248,10 +345,11 @@ def install(bus: MessageBus, interface: str, keep: Collection[str]) -> bool:
         hasattr(bus, a) for a in ("_create_unmarshaller", "_stream", "_sock", "_negotiate_unix_fd")
     ):
         return False
+    turn = Turn(bus) if hasattr(bus, "_message_reader") else None
 
     def create() -> Reader:
         sock = bus._sock if bus._negotiate_unix_fd else None
-        return Reader(bus._stream, sock, interface, keep)
+        return Reader(bus._stream, sock, interface, keep, turn)
 
     bus._create_unmarshaller = create
     return True

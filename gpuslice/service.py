@@ -17,6 +17,7 @@ from dbus_next import Message, MessageType
 from dbus_next.aio import MessageBus
 from dbus_next.constants import NameFlag, RequestNameReply
 
+from gpuslice.busread import Unread
 from gpuslice.unitfiles import is_valid_unit_name, printable
 
 BUS_NAME = "org.gpuslice.Scheduler1"
@@ -127,6 +128,10 @@ class SchedulerService:
             return Message.new_error(msg, "org.freedesktop.DBus.Error.Failed", "internal error")
 
     def _route(self, msg: Message) -> Message | bool:
+        if isinstance(msg, Unread):  # arguments longer than any method of ours takes
+            return Message.new_error(
+                msg, LIMITS_EXCEEDED, f"arguments of {msg.body_len} bytes: not read"
+            )
         if msg.interface == "org.freedesktop.DBus.Introspectable" and msg.member == "Introspect":
             return Message.new_method_return(msg, "s", [INTROSPECTION])
         if msg.interface not in (INTERFACE, None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,72 @@ def test_a_message_delivered_in_parts_is_read_once_whole() -> None:
         assert reader.unmarshall() is None
     stream.budget = len(RECORDED[1])
     assert_same_but_kept(reader.unmarshall(), stock(RECORDED[1]))
+
+
+def call_bytes(signature: str, body: list[Any]) -> bytes:
+    """A call of Status as dbus-next sends it (little-endian)."""
+    call = Message(
+        destination="org.gpuslice.Scheduler1",
+        path="/org/gpuslice/Scheduler1",
+        interface="org.gpuslice.Scheduler1",
+        member="Status",
+        signature=signature,
+        body=body,
+        serial=7,
+    )
+    return bytes(call._marshall())
+
+
+def big_endian_call(body: bytes) -> bytes:
+    """A call of Status with `body` as an `ay`, big-endian (dbus-next sends only the other)."""
+    fields = bytearray()
+    for code, sig, value in (
+        (1, "o", "/org/gpuslice/Scheduler1"),
+        (3, "s", "Status"),
+        (8, "g", "ay"),
+    ):
+        fields += b"\0" * (-len(fields) & 7)
+        fields += bytes([code, 1, ord(sig), 0])
+        if sig == "g":
+            fields += bytes([len(value)]) + value.encode() + b"\0"
+        else:
+            fields += b"\0" * (-len(fields) & 3)  # at 16 + len(fields): the same alignment
+            fields += struct.pack(">I", len(value)) + value.encode() + b"\0"
+    head = b"B\x01\x00\x01" + struct.pack(">III", 4 + len(body), 7, len(fields)) + fields
+    return head + b"\0" * (-len(head) & 7) + struct.pack(">I", len(body)) + body
+
+
+def test_a_method_calls_long_arguments_are_not_read() -> None:
+    """Anyone may call Status, with any arguments (a bus policy names no signature), and
+    dbus-next reads them a value at a time: 32 MiB of variants, the system bus's largest
+    message, held the controller's loop for a minute, past its watchdog. Past MAX_CALL_BODY
+    the call comes with its header alone; a call that fits is read as dbus-next reads it."""
+    variants = [Variant("y", 1)] * 5000
+    data = call_bytes("av", [variants])
+    got = fast(data)
+    assert isinstance(got, busread.Unread)
+    want = stock(data)
+    for field in ("path", "interface", "member", "destination", "serial", "flags"):
+        assert getattr(got, field) == getattr(want, field), field
+    assert (got.message_type, got.signature, got.body) == (want.message_type, "", [])
+    assert got.body_len > busread.MAX_CALL_BODY
+    big_endian = big_endian_call(b"x" * 5000)
+    assert stock(big_endian).body == [b"x" * 5000]
+    got = fast(big_endian)
+    assert isinstance(got, busread.Unread)
+    assert (got.path, got.member, got.serial, got.body_len) == (
+        "/org/gpuslice/Scheduler1",
+        "Status",
+        7,
+        5004,
+    )
+    short = call_bytes("s", ["a.service"])
+    assert not isinstance(fast(short), busread.Unread)
+    assert fast(short).body == ["a.service"]
+    # the reader goes on with the message after it, in one stream
+    reader = busread.Reader(io.BytesIO(data + short), None, UNIT, KEEP)
+    assert isinstance(reader.unmarshall(), busread.Unread)
+    assert busread.Reader(reader.stream, None, UNIT, KEEP).unmarshall().body == ["a.service"]
 
 
 # -- any property of any type --------------------------------------------------------------

@@ -575,6 +575,77 @@ def test_service_answers_bad_acquire_calls_with_errors(bus_address: str) -> None
     run(scenario)
 
 
+def test_a_call_with_long_arguments_is_refused_unread(bus_address: str) -> None:
+    """Anyone may call Status, and the bus policy cannot say with which arguments: 32 MiB of
+    variants (the system bus's largest message) took dbus-next a minute to read, the
+    controller's loop blocked past its watchdog. On the controller's connection (Systemd
+    installs its reader) a call's arguments past busread.MAX_CALL_BODY are not read: the
+    call is refused, and the next one is answered as before."""
+
+    async def scenario() -> None:
+        systemd = Systemd(await connect(bus_address))
+        service = SchedulerService(systemd.bus, lambda u, s: None, lambda: "{}", lambda: None)
+        await service.claim_name()
+        client = await connect(bus_address)
+        padded = await call(client, "Status", "av", [[Variant("y", 1)] * 50_000])
+        assert padded.error_name == "org.freedesktop.DBus.Error.LimitsExceeded"
+        assert padded.body == ["arguments of 200004 bytes: not read"]
+        assert (await call(client, "Status")).body == ["{}"]
+        short = await call(client, "Status", "s", ["x" * 100])  # read, and ignored
+        assert short.body == ["{}"]
+
+    run(scenario)
+
+
+def test_a_flood_of_calls_is_read_a_turn_of_the_loop_at_a_time(bus_address: str) -> None:
+    """Anyone may call Status, as often as they like. dbus-next read every message its
+    socket held before the loop went on: one process's flood of calls kept the controller's
+    loop there for as long as it lasted, its timers and the watchdog's feed waiting. On the
+    controller's connection at most busread.MAX_PER_TURN are read per turn of the loop."""
+
+    async def scenario() -> None:
+        systemd = Systemd(await connect(bus_address))
+        bus = systemd.bus
+        turn = [0]
+        answered: list[int] = []  # the turn of the loop each call was answered in
+
+        def status() -> str:
+            answered.append(turn[0])
+            return "{}"
+
+        service = SchedulerService(bus, lambda u, s: None, status, lambda: None)
+        await service.claim_name()
+        client = Systemd(await connect(bus_address)).bus  # its writer waits when the bus lags
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(bus._fd)  # the calls pile up in its socket meanwhile
+        for _ in range(300):
+            client.send(
+                Message(
+                    destination=BUS_NAME,
+                    path=OBJECT_PATH,
+                    interface=INTERFACE,
+                    member="Status",
+                    flags=MessageFlag.NO_REPLY_EXPECTED,
+                )
+            )
+        await sync(client)
+        await asyncio.sleep(0.05)
+
+        def tick() -> None:
+            turn[0] += 1
+            if len(answered) < 300:
+                loop.call_soon(tick)
+
+        loop.call_soon(tick)
+        loop.add_reader(bus._fd, bus._message_reader)
+        while len(answered) < 300:
+            await asyncio.sleep(0.01)
+        per_turn = [answered.count(t) for t in set(answered)]
+        assert max(per_turn) == busread.MAX_PER_TURN
+
+    run(scenario)
+
+
 def test_service_caps_pending_calls_per_unit(bus_address: str) -> None:
     async def scenario() -> None:
         bus = await connect(bus_address)
