@@ -60,6 +60,7 @@ needs: strict order, no backfill).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -194,6 +195,9 @@ class Sim:
         self.failed: set[str] = set()
         self.out_since: dict[str, int] = {}  # unit -> when it last became inactive
         self.unmanaged: set[str] = set()  # still running, annotation removed
+        # each unit's annotation before the last reload: a unit whose annotation went still
+        # holds its GPUs on those terms while it runs
+        self.last_specs: dict[str, UnitSpec] = {}
         self._clock = itertools.count(1)
         # the thrash rule: when each unit's start became known (announced, asked, or
         # started by gpuslice) and when its gate was answered
@@ -308,11 +312,17 @@ class Sim:
 
     def annotate(self, specs: Iterable[UnitSpec]) -> list[Action]:
         """New annotations (daemon-reload): the whole set, replacing the old one."""
+        # a running unit whose annotation went keeps its GPUs in gpuslice's books until it
+        # ends (its job still runs there), on the terms it was granted them on (`_spec`),
+        # but for how it gives way (a stop) and its comeback (none)
+        specs = list(specs)
+        names = {s.name for s in specs}
+        for name in self.running:
+            if name in self.annotations and name not in names:
+                self.last_specs[name] = dataclasses.replace(
+                    self.annotations[name], preempt=(Rung.STOP,), requeue=False
+                )
         self.annotations = {s.name: s for s in specs}
-        for name in [n for n in self.running if n not in self.annotations]:
-            if name not in self.pending_stops and not self._giving_way_or_back(name):
-                del self.running[name]  # runs on, but gpuslice no longer accounts for it
-                self.unmanaged.add(name)
         actions = self._feed(self.sched.set_specs(self.annotations))
         for name in sorted(self.unmanaged & set(self.annotations)):
             # annotated while it runs: the adapter tells the core, which counts it somewhere
@@ -350,6 +360,11 @@ class Sim:
         saved = self.sched.save()
         self.sched = self._scheduler()
         self.sched.load(saved)
+        for name, gpus in self.running.items():
+            if name not in self.annotations and gpus:
+                # its annotation went while it ran: the new controller keeps its GPUs for it
+                # on the least urgent terms (the annotation's are gone)
+                self.last_specs[name] = UnitSpec(name, 999, gpus=len(gpus), requeue=False)
         for forgotten in (self.out_since, self.known_at, self.answered_at):
             forgotten.clear()
         self.suspend_failed.clear()
@@ -458,10 +473,7 @@ class Sim:
         (`ok`), or its restore failed (it must then be stopped)."""
         name = self.pending_resumes[0] if name is None else name
         self.pending_resumes.remove(name)
-        if ok:
-            if name not in self.annotations:  # its annotation went while it was away
-                del self.running[name]
-                self.unmanaged.add(name)
+        if ok:  # (its annotation may have gone meanwhile: it holds its GPUs until it ends)
             return self._feed(self.sched.resumed(name, "after 1 s: restored in 1 s"))
         self._resume_failing = name
         try:
@@ -540,7 +552,7 @@ class Sim:
         return {
             n
             for n in self.preempted
-            if n in self.annotations and self.annotations[n].requeue and not self.active(n)
+            if n in self.annotations and self._spec(n).requeue and not self.active(n)
         }
 
     def idle_background(self) -> set[str]:
@@ -558,6 +570,11 @@ class Sim:
             and n not in self.failed
         }
 
+    def _spec(self, name: str) -> UnitSpec:
+        """The unit's annotation, or the last one it had (it runs on, holding its GPUs)."""
+        spec = self.annotations.get(name)
+        return spec if spec is not None else self.last_specs[name]
+
     def could_fit_alone(self, unit: UnitSpec, besides: Collection[int] = ()) -> bool:
         """Whether the unit fits on this host with nothing else running (on GPUs but
         `besides`)."""
@@ -571,7 +588,7 @@ class Sim:
         return {
             g
             for other, on in self.suspended.items()
-            if other in self.annotations and self.annotations[other].priority < unit.priority
+            if other in self.annotations and self._spec(other).priority < unit.priority
             for g in on
         }
 
@@ -751,7 +768,7 @@ class Sim:
         its GPUs from `unit`, about to hold `gpus`: it still fits there next to everyone."""
         key = self._resume_key(unit.name)
         checks = [
-            (self.annotations[other], self.devices[index])
+            (self._spec(other), self.devices[index])
             for other, where in sorted(self.suspended.items())
             if other != unit.name
             and self._resume_key(other) <= key
@@ -779,7 +796,7 @@ class Sim:
         return any(
             self._resume_key(other) < self._resume_key(name)
             and gpus & set(on)
-            and not self._fits_alone_on(self.annotations[other], on)
+            and not self._fits_alone_on(self._spec(other), on)
             for other, on in self.suspended.items()
             if other != name and other in self.annotations
         )
@@ -789,7 +806,7 @@ class Sim:
         return (1000 if unit is None else unit.priority, self.suspended_at.get(name, 0))
 
     def _memory_of(self, name: str) -> int | None:
-        unit = self.annotations.get(name)
+        unit = self.annotations.get(name, self.last_specs.get(name))
         return None if unit is None else unit.memory
 
     def _on_stop(self, stop: Stop, stopping_for: set[str]) -> None:
@@ -826,7 +843,8 @@ class Sim:
         if d.code is not Code.PREEMPT or d.priority is None or d.for_priority is None:
             raise InvariantError(f"Stop {stop.unit} is neither a preemption nor a yield: {d}")
         record = StopRecord(d.unit, d.priority, d.for_unit, d.for_priority)
-        victim, waiter = self.annotations.get(record.victim), self.annotations.get(record.waiter)
+        victim = self.annotations.get(record.victim, self.last_specs.get(record.victim))
+        waiter = self.annotations.get(record.waiter)
         if record.victim != stop.unit or victim is None or waiter is None:
             raise InvariantError(f"Stop {stop.unit}: {stop.reason}")
         if (victim.priority, waiter.priority) != (record.victim_priority, record.waiter_priority):
@@ -906,13 +924,13 @@ class Sim:
             raise InvariantError(f"Resume {name}, which is not suspended: {resume.reason}")
         if tuple(sorted(resume.gpus)) != tuple(sorted(gpus)):
             raise InvariantError(f"Resume {name} on {resume.gpus}: it was suspended from {gpus}")
-        unit = self.annotations[name]
+        unit = self._spec(name)
         for index in gpus:
             gpu = self.devices.get(index)
             if gpu is None or gpu.lost or (self._avoids_foreign(unit) and gpu.foreign_pids):
                 raise InvariantError(f"Resume {name} on GPU {index}: lost, unknown or foreign")
             self._check_room(unit, gpu, "Resume")
-        urgent = sorted(n for n in self.at_gate if self.annotations[n].priority < unit.priority)
+        urgent = sorted(n for n in self.at_gate if self._spec(n).priority < unit.priority)
         if urgent:
             raise InvariantError(f"Resume {unit.describe()} while more urgent {urgent} wait")
         key = self._resume_key(name)
@@ -969,7 +987,7 @@ class Sim:
             raise InvariantError(f"Thaw {name} while {sorted(owners)}, more urgent, still run")
 
     def _check_yield(self, unit: str, named: str) -> None:
-        spec = self.annotations.get(unit)
+        spec = self.annotations.get(unit, self.last_specs.get(unit))
         if named != unit or spec is None or spec.kind is not BG or not self.yield_to_foreign:
             raise InvariantError(f"{unit} told to yield: not a background unit that must")
         on = self.running.get(unit)
@@ -1006,19 +1024,19 @@ class Sim:
         if start.reason.startswith("restarting preempted "):
             key = (unit.priority, self.preempted.get(start.unit, 0))
             for name in sorted(owed - {start.unit}):
-                other = self.annotations[name]
+                other = self._spec(name)
                 if (other.priority, self.preempted[name]) < key and self._fits_wherever(
                     other, unit
                 ):
                     raise InvariantError(f"requeued {start.unit} before {name}, preempted first")
             return
         for name in sorted(owed):
-            other = self.annotations[name]
+            other = self._spec(name)
             if other.priority <= unit.priority and self._fits_wherever(other, unit):
                 raise InvariantError(f"background {start.unit} started before preempted {name}")
         key = (unit.priority, self.out_since.get(start.unit, -1))
         for name in sorted(idle - {start.unit}):
-            other = self.annotations[name]
+            other = self._spec(name)
             if (other.priority, self.out_since.get(name, -1)) < key and self._fits_wherever(
                 other, unit
             ):
@@ -1039,7 +1057,7 @@ class Sim:
         """No unit still waiting at its gate, or whose start job was seen, is more urgent than
         a unit just granted GPUs it would fit on (unless capacity is being freed for it)."""
         for grant in grants:
-            granted = self.annotations[grant.unit]
+            granted = self._spec(grant.unit)
             foreign = any(self.devices[g].foreign_pids for g in grant.gpus)
             # an announced unit gets GPUs kept silently unless it was told to wait first
             for name in sorted(self.at_gate | (self.announced & self.told_to_wait)):
@@ -1065,11 +1083,11 @@ class Sim:
         for name, gpus in sorted(self.running.items()):
             if name not in self.frozen:
                 continue
-            priority = self.annotations[name].priority
+            priority = self._spec(name).priority
             beside = [
                 o
                 for o, on in self.running.items()
-                if self.runs(o) and set(on) & set(gpus) and self.annotations[o].priority < priority
+                if self.runs(o) and set(on) & set(gpus) and self._spec(o).priority < priority
             ]
             if not beside:
                 raise InvariantError(f"{name} frozen at rest, no more urgent unit runs beside it")
@@ -1093,9 +1111,9 @@ class Sim:
         self.check_quiet()
         # A waiter that cannot fit (a foreign process, a lost GPU) keeps capacity from units
         # as urgent or less: strict order, no backfill. A waiter it holds back is not stuck.
-        waiting = [self.annotations[n].priority for n in self.at_gate]
+        waiting = [self._spec(n).priority for n in self.at_gate]
         for name in sorted(self.at_gate):
-            unit = self.annotations[name]
+            unit = self._spec(name)
             behind = sum(1 for p in waiting if p <= unit.priority) > 1
             if self.could_fit_alone(unit, besides=self._rooms_kept_from(unit)) and not behind:
                 raise InvariantError(f"{name} still waits on an idle host it fits on")
@@ -1107,8 +1125,8 @@ class Sim:
         forgotten = sorted(
             n
             for n in self.owed()
-            if self.could_fit_alone(self.annotations[n])
-            and not any(p < self.annotations[n].priority for p in waiting)
+            if self.could_fit_alone(self._spec(n))
+            and not any(p < self._spec(n).priority for p in waiting)
         )
         if forgotten:
             raise InvariantError(f"preempted, Requeue=yes, never brought back: {forgotten}")
@@ -1118,8 +1136,8 @@ class Sim:
         stuck = sorted(
             n
             for n, gpus in self.suspended.items()
-            if self._fits_alone_on(self.annotations[n], gpus)
-            and not any(p < self.annotations[n].priority for p in waiting)
+            if self._fits_alone_on(self._spec(n), gpus)
+            and not any(p < self._spec(n).priority for p in waiting)
             and not self._behind_one_that_cannot_come_back(n)
         )
         if stuck:

@@ -422,7 +422,7 @@ def test_start_up_keeps_a_suspended_unit_whose_annotation_went_while_it_still_ru
     """b.service was suspended, then lost its annotation, then the controller restarted. The
     core keeps it (nobody else would resume it), but systemd's list was read for annotated
     units only, so b.service, active and frozen, was taken for stopped by hand: held, and
-    left frozen for good. It is resumed, then forgotten."""
+    left frozen for good. It is resumed, and holds its GPU until it ends."""
     bed = Bed(
         tmp_path,
         {"a.service": "Priority=50\n"},
@@ -435,7 +435,7 @@ def test_start_up_keeps_a_suspended_unit_whose_annotation_went_while_it_still_ru
         await ctl.start()
         await settle()
         assert ctl.scheduler.held == set()
-        assert ctl.scheduler.phase("b.service") in (Phase.RESUMING, None)
+        assert ctl.scheduler.phase("b.service") in (Phase.RESUMING, Phase.RUNNING)
         assert ctl.counters.to_json([])["decisions"].get("resume") == 1
 
     run(test)
@@ -702,6 +702,58 @@ def test_a_victim_whose_annotation_went_while_it_stopped_still_gives_its_gpu_to_
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
         assert ctl.scheduler.phase("low.service") is None
+
+    run(test)
+
+
+def test_a_running_unit_whose_annotation_went_keeps_its_gpu_until_it_ends(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """A daemon-reload removes low.service's annotation (or a typo leaves it unmanaged)
+    while it runs: its job still runs on GPU 0, so a start of the same priority waits for it
+    instead of joining it there, and is granted when low.service ends."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    write_unit(tmp_path, "urgent.service", "Priority=90\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        write_unannotated(tmp_path, "low.service")
+        ctl.request_rescan()
+        await until(lambda: ctl.spec_for("low.service") is None)
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.service.granted == []
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert ctl.scheduler.phase("low.service") is None
+
+    run(test)
+
+
+def test_a_restart_keeps_the_gpu_of_a_running_unit_whose_annotation_went(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """The last controller kept GPU 0 for gone.service, whose annotation went while it ran.
+    Its successor keeps it too (at the least urgent priority: the annotation's is gone), so
+    urgent.service stops it rather than joining it there."""
+    bed = Bed(
+        tmp_path,
+        {"urgent.service": "Priority=10\n"},
+        [state("gone.service", "active", "running")],
+        SavedState(holders={"gone.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    cgroup_of[4242] = "urgent.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.grants() == {"gone.service": frozenset({0})}
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert ("stop", "gone.service") in bed.systemd.calls
+        assert bed.service.granted == []
 
     run(test)
 

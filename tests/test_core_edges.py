@@ -382,8 +382,8 @@ def test_a_reload_forgets_every_unit_no_longer_annotated_after_one_still_stoppin
     s.request(a)
     s.request(b)
     s.request(spec("top", 10, devices=("0",)))  # a is stopping
-    s.set_specs({})
-    assert "b.service" not in s.grants()
+    logs = [x.decision for x in s.set_specs({}) if isinstance(x, Log)]
+    assert logs == [Decision(Code.UNMANAGED, "b.service", 90, gpus=(1,), cause=Cause.RUNS)]
     assert s.phase("a.service") is Phase.STOPPING
 
 
@@ -505,12 +505,57 @@ def test_a_stop_overdue_names_its_waiter_and_gpus_as_data() -> None:
     )
 
 
-def test_a_unit_no_longer_annotated_releases_its_gpus_as_data() -> None:
-    a = spec("a", 50)
-    s = Scheduler([sized(0)], {a.name: a})
+def test_a_unit_no_longer_annotated_keeps_its_gpus_while_it_runs_as_data() -> None:
+    """Its job still runs on GPU 0: handed to v.service, two jobs would share it. Once it
+    ends, the GPU is v.service's and the unit is forgotten (not refilled, not requeued)."""
+    a = spec("a", 50, BG)
+    v = spec("v", 50)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v})
     s.request(a)
+    (log,) = [x for x in s.set_specs({v.name: v}) if isinstance(x, Log)]
+    assert log.decision == Decision(Code.UNMANAGED, "a.service", 50, gpus=(0,), cause=Cause.RUNS)
+    assert s.set_specs({v.name: v}) == []  # said once, not at every reload
+    assert brief(s.request(v)) == []
+    assert s.grants() == {"a.service": frozenset({0})}
+    assert brief(s.inactive("a.service", Outcome.EXITED)) == ["grant v.service 0"]
+    assert brief(s.inactive("v.service", Outcome.EXITED)) == []
+    assert s.phase("a.service") is None
+
+
+def test_a_unit_no_longer_annotated_gives_way_only_by_a_stop_and_does_not_come_back() -> None:
+    """Frozen or suspended, nothing would bring it back once its annotation is gone."""
+    a = spec("a", 50, mem_gib=4, preempt="suspend freeze stop")
+    v = spec("v", 10)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v})
+    s.request(a)
+    s.set_specs({v.name: v})
+    assert brief(s.request(v)) == ["stop a.service"]
+    assert brief(s.inactive("a.service", Outcome.STOPPED)) == ["grant v.service 0"]
+    assert brief(s.inactive("v.service", Outcome.EXITED)) == []
+
+
+def test_a_restart_keeps_a_running_unit_whose_annotation_went_on_the_least_urgent_terms() -> None:
+    a = spec("a", 50, gpus=2)
+    s = Scheduler([sized(0), sized(1)], {a.name: a})
+    s.request(a)
+    s.set_specs({})
+    fresh = Scheduler([sized(0), sized(1)], {})
+    fresh.load(s.save())
+    assert fresh.grants() == {"a.service": frozenset({0, 1})}
+    v = spec("v", 998)
+    fresh.set_specs({v.name: v})
+    assert brief(fresh.request(v)) == ["stop a.service"]
+
+
+def test_a_unit_no_longer_annotated_on_its_way_to_its_gate_releases_its_gpus_as_data() -> None:
+    """A start on its way (its place kept) runs ungated once its gate's drop-in has gone:
+    nothing of gpuslice's runs there yet, so its GPU is free again."""
+    a = spec("a", 50, BG)
+    s = Scheduler([sized(0)], {a.name: a})
+    assert brief(s.schedule()) == ["start a.service"]
     (log,) = [x for x in s.set_specs({}) if isinstance(x, Log)]
     assert log.decision == Decision(Code.UNMANAGED, "a.service", 50, gpus=(0,))
+    assert s.grants() == {}
 
 
 def test_a_wait_behind_a_unit_stopping_for_another_is_data() -> None:

@@ -428,13 +428,19 @@ def test_a_gate_asking_again_leaves_a_frozen_or_suspending_unit_alone() -> None:
     assert s.phase("emb.service") is Phase.FROZEN
 
 
-def test_an_unannotated_frozen_unit_is_thawed_and_a_suspended_one_kept() -> None:
+def test_an_unannotated_frozen_unit_is_thawed_and_holds_its_gpu_until_it_ends() -> None:
+    """Thawed, it runs beside the unit it was frozen for (as if thawed by hand); its GPU is
+    not handed out while it runs, even once that unit has left."""
     emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
     voice = spec("voice", 10, mem_gib=8)
     s = host(emb, voice, VLM)
     running(s, emb, voice)
     acts = s.set_specs({voice.name: voice})
     assert "thaw emb.service" in brief(acts)
+    assert s.phase("emb.service") is Phase.RUNNING
+    s.inactive(voice.name, Outcome.EXITED)
+    assert s.phase("emb.service") is Phase.RUNNING
+    assert brief(s.inactive("emb.service", Outcome.EXITED)) == []
     assert s.phase("emb.service") is None
 
 
@@ -758,7 +764,7 @@ def test_a_suspended_unit_that_cannot_come_back_does_not_hold_back_the_next() ->
     assert brief(s.schedule()) == [f"stop {two.name}", f"resume {one.name} 0"]
 
 
-def test_a_unit_no_longer_annotated_while_suspended_comes_back_then_is_let_go() -> None:
+def test_a_unit_no_longer_annotated_while_suspended_comes_back_and_is_let_go_when_it_ends() -> None:
     s = host(VLM, VOICE)
     running(s, VLM)
     s.request(VOICE)
@@ -771,7 +777,11 @@ def test_a_unit_no_longer_annotated_while_suspended_comes_back_then_is_let_go() 
         (Code.RESUMED, V, (0,)),
         (Code.UNMANAGED, V, (0,)),
     ]
-    assert words(acts)[1] == "vlm.service is no longer annotated: released its GPUs"
+    assert words(acts)[1] == (
+        "vlm.service is no longer annotated: it keeps GPU 0 until it ends, then gpuslice forgets it"
+    )
+    assert s.phase(V) is Phase.RUNNING  # its job runs on GPU 0 again
+    s.inactive(V, Outcome.EXITED)
     assert s.phase(V) is None
 
 

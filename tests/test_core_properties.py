@@ -299,12 +299,22 @@ class HostMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 7))
     def annotation_toggles(self, index: int) -> None:
-        """Only for units at rest: removing the annotation of an active unit makes gpuslice
-        forget it by design (tests/test_core_rules.py covers that)."""
+        """For units at rest, and for running ones: a running unit whose annotation went
+        keeps its GPUs on the terms it was granted them on until it ends (no second job on
+        them meanwhile), is never brought back, and is forgotten when it ends. Elsewhere
+        (waiting at its gate, its start or stop on its way) the adapter's part decides,
+        which the controller's tests cover."""
         index %= len(self.specs)
         name = self.specs[index].name
-        if self.sim.active(name) or name in self.sim.unmanaged:
+        sim = self.sim
+        if name in sim.unmanaged or (sim.active(name) and name not in sim.running):
             return
+        if name in sim.pending_stops or name in sim.pending_resumes:
+            return
+        if name in sim.pending_suspends:
+            return
+        if name in sim.running and not self.annotated[index]:
+            return  # annotated again while it runs: the adapter's adoption, covered elsewhere
         self.annotated[index] = not self.annotated[index]
         self.sim.annotate(self._annotations())
 

@@ -700,13 +700,18 @@ def test_set_specs_new_priorities_preempt_and_reorder() -> None:
     assert brief(sim.exit("b.service")) == ["start a.service"]
 
 
-def test_set_specs_removing_an_annotation_releases_and_forgets() -> None:
+def test_set_specs_removing_an_annotation_keeps_its_gpus_until_it_ends_then_forgets() -> None:
     sim = Sim(1, [VLM, VOICE])
     sim.boot()
     sim.settle()
     actions = sim.annotate([VOICE])
-    assert words(actions) == ["vlm-analysis.service is no longer annotated: released its GPUs"]
-    assert brief(sim.start(VO)) == [f"grant {VO} 0"]
+    assert words(actions) == [
+        "vlm-analysis.service is no longer annotated: it keeps GPU 0 until it ends, "
+        "then gpuslice forgets it"
+    ]
+    # still more urgent than what it was granted on: it gives way, and is not brought back
+    assert brief(sim.start(VO)) == [f"stop {V}"]
+    assert brief(sim.settle()) == [f"grant {VO} 0"]
     assert brief(sim.exit(VO)) == []
     # annotated again while idle: a background unit is started again
     assert brief(sim.annotate([VLM, VOICE])) == [f"start {V}"]

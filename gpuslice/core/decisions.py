@@ -45,7 +45,8 @@ class Code(enum.Enum):
     LOST_GPU = "lost-gpu"  # a GPU stopped answering; `units` held it
     EXCEEDS_HOST = "exceeds-host"  # it needs more GPUs than the host has
     UNACCOUNTED = "running-unaccounted"  # runs without enough free GPUs to count it on
-    UNMANAGED = "unmanaged"  # no longer annotated: its GPUs are released
+    # no longer annotated: its GPUs are released, or with `cause` RUNS kept until it ends
+    UNMANAGED = "unmanaged"
     SUSPEND = "suspend"  # its VRAM goes to host memory for `for_unit` (Preempt=suspend)
     SUSPENDED = "suspended"  # done: its VRAM left `gpus` (`detail`: how much, how fast)
     RESUME = "resume"  # a suspended unit's VRAM is restored onto its `gpus`, reserved for it
@@ -69,6 +70,7 @@ class Cause(enum.Enum):
     PREEMPTS = "must-preempt"  # requeue: its gate will preempt less urgent units
     QUEUES = "waits-at-gate"  # requeue: it waits at its gate for more urgent units' GPUs
     SUSPENDED = "suspended"  # thawed-outside: the unit was suspended (else frozen)
+    RUNS = "still-runs"  # unmanaged: it runs on, holding `gpus` until it ends
 
 
 class Blocker(enum.Enum):
@@ -385,4 +387,9 @@ def render(d: Decision) -> str:
         return f"cannot {d.rung} {who}{for_whom}: {d.detail}; {then}"
     if code is Code.UNACCOUNTED:
         return f"{who} is running without enough free GPUs to account for it; counting it on none"
+    if d.cause is Cause.RUNS:
+        return (
+            f"{d.unit} is no longer annotated: it keeps {format_gpus(d.gpus)} until it ends, "
+            "then gpuslice forgets it"
+        )
     return f"{d.unit} is no longer annotated: released its GPUs"

@@ -15,7 +15,7 @@ import enum
 import heapq
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part, level, reason, render
@@ -253,6 +253,16 @@ class SavedState:
     suspended: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     frozen_for: dict[str, list[str]] = field(default_factory=dict)
     started: list[str] = field(default_factory=list)  # STARTING holders gpuslice started
+
+
+LEAST_URGENT = 999  # the largest Priority=
+
+
+def _orphan(name: str, gpus: int) -> UnitSpec:
+    """The terms a running unit whose annotation went holds its GPUs on after a controller
+    restart (its annotation, and with it its priority, are gone): the least urgent, whole
+    GPUs, given way by a stop, never brought back."""
+    return UnitSpec(name, LEAST_URGENT, gpus=gpus, requeue=False)
 
 
 def _seq(waiter: Waiter) -> int:
@@ -663,9 +673,18 @@ class Scheduler:
         gpus = tuple(sorted(holder.gpus))
         actions: list[Action] = [_log(_about(holder.spec, Code.RESUMED, gpus=gpus, detail=detail))]
         if name not in self.specs:  # its annotation went while it was suspended
-            del self.holders[name]
-            actions.append(_log(_about(holder.spec, Code.UNMANAGED, gpus=gpus)))
+            actions.append(_log(self._still_runs(holder)))
         return actions + self.schedule()
+
+    def _still_runs(self, holder: Holder) -> Decision:
+        """A running unit whose annotation went keeps its GPUs until it ends, then is
+        forgotten like any unannotated unit: its job still runs there, and handed out they
+        would hold two jobs. It keeps the terms it was granted them on (its priority, its
+        memory), but gives way only by a stop (frozen or suspended, nobody's annotation
+        would bring it back) and is not brought back after one."""
+        holder.spec = replace(holder.spec, preempt=(Rung.STOP,), requeue=False)
+        gpus = tuple(sorted(holder.gpus))
+        return _about(holder.spec, Code.UNMANAGED, gpus=gpus, cause=Cause.RUNS)
 
     def resume_failed(self, name: str, why: str) -> list[Action]:
         """A restore failed: the process cannot continue (a restore that ran out of memory
@@ -752,18 +771,27 @@ class Scheduler:
         self.refill_paused = reason
 
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
-        """Annotations were (re)read: apply new priorities, forget units no longer managed."""
+        """Annotations were (re)read: apply new priorities, forget units no longer managed
+        (those still running once they end)."""
         actions: list[Action] = []
+        was = self.specs
         self._set_specs(specs)
         for name in list(self.holders):
             phase = self.holders[name].phase
             if name not in self.specs and phase in (*GIVING_WAY, Phase.RESUMING):
                 continue  # it holds its GPUs until its stop, suspend or resume is done
             if name not in self.specs and phase is Phase.FROZEN:
-                thaw = _about(
-                    self.holders[name].spec, Code.THAW, gpus=tuple(sorted(self.holders[name].gpus))
-                )
+                holder = self.holders[name]
+                thaw = _about(holder.spec, Code.THAW, gpus=tuple(sorted(holder.gpus)))
                 actions.append(Thaw(name, render(thaw), thaw))  # never left frozen unowned
+                holder.phase = Phase.RUNNING  # beside the units it was frozen for, as thawed
+                holder.frozen_for.clear()  # by hand (thawed_outside)
+                phase = Phase.RUNNING
+            if name not in self.specs and phase is Phase.RUNNING:
+                # its job still runs on them: handed out, two jobs would share a GPU
+                if name in was:
+                    actions.append(_log(self._still_runs(self.holders[name])))
+                continue
             if name not in self.specs:
                 gone = self.holders.pop(name)
                 gpus = tuple(sorted(gone.gpus))
@@ -1548,9 +1576,15 @@ class Scheduler:
                 )
                 if Phase(phase) is Phase.FROZEN:
                     self.holders[name].frozen_for = set(saved.frozen_for.get(name, ()))
+            elif Phase(phase) in (Phase.RUNNING, Phase.STOPPING) and gpus:
+                # its annotation went while it ran (set_specs): its job still runs there
+                stopping_for = rest[0] if rest and rest[0] else None
+                self.holders[name] = Holder(
+                    _orphan(name, len(gpus)), frozenset(gpus), Phase(phase), seq, stopping_for
+                )
         for name, (gpus, seq) in saved.suspended.items():
             # kept even if no longer annotated: nobody else would ever resume it
-            spec = self.specs.get(name) or UnitSpec(name, 999)
+            spec = self.specs.get(name) or UnitSpec(name, LEAST_URGENT)
             self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
         self.started = {n for n in saved.started if self.phase(n) is Phase.STARTING}
         self.preempted = dict(saved.preempted)
