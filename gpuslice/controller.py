@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -509,6 +510,7 @@ class Controller:
             return
         for warning in warnings:
             log.warning("%s", warning)
+        config = self._keep_paths(config)
         self.config = config
         self.watch.reconfigure(config)
         self.scheduler.set_policy(
@@ -518,6 +520,26 @@ class Controller:
         logging.getLogger().setLevel(config.log_level.upper())
         self.watch.refresh()
         self.request_rescan()
+
+    def _keep_paths(self, config: Config) -> Config:
+        """`config` with the paths this controller started with. The gates' drop-ins name
+        runtime_dir (written at `daemon-reload`) and the state file was read from state_dir
+        at start: env files written elsewhere on a reload alone would leave a unit reading
+        a stale one (its last grant's GPUs) or none (every GPU)."""
+        kept = dataclasses.replace(
+            config, runtime_dir=self.config.runtime_dir, state_dir=self.config.state_dir
+        )
+        for key in ("runtime_dir", "state_dir"):
+            if getattr(config, key) != getattr(kept, key):
+                log.warning(
+                    "%s: %s: %s takes effect when gpuslice.service restarts, after "
+                    "systemctl daemon-reload (until then %s)",
+                    self.config_path,
+                    key,
+                    getattr(config, key),
+                    getattr(kept, key),
+                )
+        return kept
 
     def _concrete_specs(self, remembered: Iterable[str] = ()) -> dict[str, UnitSpec]:
         """Specs of plain units, and of the instances systemd shows or we remember (a

@@ -28,6 +28,7 @@ from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
 from gpuslice.nvml import DeviceScan, GpuInfo, GpuProcess, Nvml, NvmlStatus
+from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import StateStore
 from gpuslice.systemd import Queued, Systemd, SystemdError
@@ -1919,3 +1920,28 @@ def test_the_sampler_runs_only_while_something_needs_protecting(tmp_path: Path) 
     assert [delay for delay, _ in timers.due] == [5]
     timers.fire()
     assert [[g.index for g in gpus] for gpus in decided] == [[0, 1]]
+
+
+def test_a_reload_keeps_the_paths_the_controller_started_with(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """runtime_dir edited, then `systemctl reload gpuslice` alone: the gates' drop-ins still
+    name the old one. Env files written to the new one left a unit to read its last grant's
+    file (another GPU) or none (every GPU)."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    old = bed.config.runtime_dir
+    (tmp_path / "config.yaml").write_text("runtime_dir: /run/gpuslice/elsewhere\n")
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.reload_config()
+        assert ctl.config.runtime_dir == old
+        await bed.acquire("a.service", ":1.9", 4242)
+        assert "CUDA_VISIBLE_DEVICES=0" in env_file(old, "a.service").read_text()
+        assert not Path("/run/gpuslice/elsewhere").exists()
+
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        run(test)
+    assert "runtime_dir: /run/gpuslice/elsewhere takes effect when gpuslice.service" in caplog.text
