@@ -134,12 +134,20 @@ def _size(v: Any) -> int | None:
     return size if 0 <= size <= SIZE_MAX else None
 
 
+def _reserve_key_valid(gpu: Any) -> bool:
+    return gpu == "*" or _gpu_id(gpu)
+
+
+def _size_valid(v: Any) -> bool:
+    return _size(v) is not None
+
+
 def _reserve_valid(v: Any) -> bool:
     if isinstance(v, dict):
         return len(v) <= MAX_GPUS and all(
-            (k == "*" or _gpu_id(k)) and _size(size) is not None for k, size in v.items()
+            _reserve_key_valid(k) and _size_valid(size) for k, size in v.items()
         )
-    return _size(v) is not None
+    return _size_valid(v)
 
 
 def _reserve_convert(v: Any) -> tuple[tuple[str, int], ...]:
@@ -162,6 +170,9 @@ class Setting:
     help: str
     convert: Callable[[Any], Any] = lambda v: v
     item_valid: Callable[[Any], bool] | None = None
+    # for a mapping setting, one key and one value, so that an error can point at its line
+    key_valid: Callable[[Any], bool] | None = None
+    value_valid: Callable[[Any], bool] | None = None
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -213,6 +224,8 @@ SETTINGS: tuple[Setting, ...] = (
         f'{SIZE_ALLOWED}, or a mapping of GPU index or GPU- UUID (or "*") to such a size',
         "VRAM per GPU that gpuslice never hands out (e.g. 1G for a desktop).",
         convert=_reserve_convert,
+        key_valid=_reserve_key_valid,
+        value_valid=_size_valid,
     ),
     Setting(
         "foreign_processes",
@@ -485,6 +498,23 @@ def _check(setting: Setting, node: yaml.Node, path: str) -> tuple[Any, str | Non
     ):
         blame = next(
             (n for n, v in zip(node.value, value, strict=False) if not setting.item_valid(v)),
+            node,
+        )
+    key_valid, value_valid = setting.key_valid, setting.value_valid
+    if (
+        key_valid is not None
+        and value_valid is not None
+        and isinstance(value, dict)
+        and isinstance(node, yaml.MappingNode)
+        and len(node.value) <= MAX_GPUS
+    ):
+        blame = next(
+            (
+                bad
+                for k, v in node.value
+                for bad, ok in ((k, key_valid), (v, value_valid))
+                if not ok(_construct(bad))
+            ),
             node,
         )
     return None, (

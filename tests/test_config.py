@@ -446,6 +446,16 @@ def test_reserve_keys_and_sizes(text: str) -> None:
     assert problem.endswith(fill("(allowed: {RESERVE})", Path("/c")))
 
 
+def test_a_bad_reserve_entry_is_named_at_its_own_line() -> None:
+    text = "reserve:\n  0: 1G\n  '*': 2G\n  1: lots\n  first: 1G\n"
+    assert problems_of(text, "/c") == [
+        fill('/c:4: reserve: invalid value "lots" (allowed: {RESERVE})', Path("/c"))
+    ]
+    assert problems_of("reserve:\n  0: 1G\n\n  first: 1G\n", "/c") == [
+        fill('/c:4: reserve: invalid value "first" (allowed: {RESERVE})', Path("/c"))
+    ]
+
+
 def test_hundreds_of_problems_are_cut_short() -> None:
     text = "".join(f"unknown{i}: 1\n" for i in range(500))
     _, warnings = parse_config(text, "/c")
