@@ -7,6 +7,7 @@ Recorded systemd 252 signals, generated ones of every D-Bus type, corrupted ones
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -483,3 +484,67 @@ def test_installed_only_on_the_dbus_next_it_is_built_for(monkeypatch: pytest.Mon
     assert busread.install(object(), UNIT, KEEP) is False
     monkeypatch.setattr(busread, "DBUS_NEXT_VERSION", "0.2.4")
     assert busread.install(Bus(), UNIT, KEEP) is False
+
+
+class Socketlike(io.BytesIO):
+    """A non-blocking socket's stream: at its end a read would block, it has not ended."""
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        data = super().read(size)
+        if not data:
+            raise BlockingIOError
+        return data
+
+
+def test_at_most_max_per_turn_messages_are_read_in_one_turn_of_the_loop() -> None:
+    """As dbus-next's reader runs them (a loop over the socket's messages), the installed
+    readers stop after MAX_PER_TURN and read on at the loop's next turn, whether or not
+    the socket becomes readable again (the stream may hold the rest already). Without a
+    `_message_reader` (no such loop) nothing is counted. tests/test_dbus_adapter.py floods
+    a real bus."""
+    per_turn = busread.MAX_PER_TURN
+    calls = b"".join(call_bytes("s", [f"u{i}.service"]) for i in range(2 * per_turn + 1))
+
+    class Bus:  # what of dbus-next's MessageBus the readers use
+        _unmarshaller: Unmarshaller
+
+        def __init__(self) -> None:
+            self._stream = Socketlike(calls)
+            self._sock: object = None
+            self._negotiate_unix_fd = False
+            self.connected = True
+            self.got: list[Any] = []
+
+        def _create_unmarshaller(self) -> Unmarshaller:
+            return Unmarshaller(self._stream, self._sock)
+
+    class Looping(Bus):  # and its reading loop
+        def _message_reader(self) -> None:  # as dbus-next 0.2.3's
+            while self._unmarshaller.unmarshall():
+                self.got.append(self._unmarshaller.message.body[0])
+                self._unmarshaller = self._create_unmarshaller()
+
+    async def scenario() -> None:
+        bus = Looping()
+        assert busread.install(bus, UNIT, KEEP) is True
+        bus._unmarshaller = bus._create_unmarshaller()
+        bus._message_reader()
+        assert len(bus.got) == per_turn
+        bus._message_reader()  # readable again in the same turn: nothing more
+        assert len(bus.got) == per_turn
+        await asyncio.sleep(0)
+        assert len(bus.got) == 2 * per_turn
+        await asyncio.sleep(0)
+        assert bus.got == [f"u{i}.service" for i in range(2 * per_turn + 1)]
+        bus._stream.write(calls)  # more come: the count goes on (the last turn read one)
+        bus._stream.seek(-len(calls), io.SEEK_END)
+        bus.connected = False
+        bus._message_reader()
+        assert len(bus.got) == 3 * per_turn
+        await asyncio.sleep(0)
+        assert len(bus.got) == 3 * per_turn  # a connection gone is not read on
+
+    asyncio.run(scenario())
+    plain = Bus()
+    assert busread.install(plain, UNIT, KEEP) is True
+    assert all(plain._create_unmarshaller().unmarshall() for _ in range(per_turn + 1))

@@ -454,6 +454,11 @@ def test_a_bad_reserve_entry_is_named_at_its_own_line() -> None:
     assert problems_of("reserve:\n  0: 1G\n\n  first: 1G\n", "/c") == [
         fill('/c:4: reserve: invalid value "first" (allowed: {RESERVE})', Path("/c"))
     ]
+    # as many entries as a host may have GPUs, the last one bad
+    most = "".join(f"  {i}: 1G\n" for i in range(1023)) + "  1023: lots\n"
+    assert problems_of("reserve:\n" + most, "/c") == [
+        fill('/c:1025: reserve: invalid value "lots" (allowed: {RESERVE})', Path("/c"))
+    ]
 
 
 def test_hundreds_of_problems_are_cut_short() -> None:

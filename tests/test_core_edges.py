@@ -9,8 +9,17 @@ from collections.abc import Sequence
 
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision
 from gpuslice.core.model import Gpu
-from gpuslice.core.scheduler import Action, Log, Outcome, Phase, Scheduler, Start, Stop
-from tests.core_builders import BG, GIB, brief, sized, spec
+from gpuslice.core.scheduler import (
+    Action,
+    Log,
+    Outcome,
+    Phase,
+    SavedState,
+    Scheduler,
+    Start,
+    Stop,
+)
+from tests.core_builders import BG, GIB, brief, sized, spec, words
 
 
 def log_levels(actions: Sequence[Action]) -> list[tuple[str, str]]:
@@ -530,8 +539,19 @@ def test_a_unit_no_longer_annotated_gives_way_only_by_a_stop_and_does_not_come_b
     s.request(a)
     s.set_specs({v.name: v})
     assert brief(s.request(v)) == ["stop a.service"]
-    assert brief(s.inactive("a.service", Outcome.STOPPED)) == ["grant v.service 0"]
+    acts = s.inactive("a.service", Outcome.STOPPED)
+    assert brief(acts) == ["grant v.service 0"]
+    assert "a.service (priority 50) preempted; Requeue=no, not restarting" in words(acts)
     assert brief(s.inactive("v.service", Outcome.EXITED)) == []
+
+
+def test_a_reload_goes_on_past_a_running_unit_whose_annotation_went() -> None:
+    a, b = spec("a", 50), spec("b", 50)
+    s = Scheduler([sized(0), sized(1)], {a.name: a, b.name: b})
+    s.request(a)
+    s.request(b)
+    s.set_specs({"b.service": spec("b", 5)})  # a's annotation went; b's priority rose
+    assert brief(s.request(spec("v", 10, devices=("1",)))) == []  # b is more urgent now
 
 
 def test_a_restart_keeps_a_running_unit_whose_annotation_went_on_the_least_urgent_terms() -> None:
@@ -542,9 +562,21 @@ def test_a_restart_keeps_a_running_unit_whose_annotation_went_on_the_least_urgen
     fresh = Scheduler([sized(0), sized(1)], {})
     fresh.load(s.save())
     assert fresh.grants() == {"a.service": frozenset({0, 1})}
-    v = spec("v", 998)
+    v = spec("v", 998, gpus=2)
     fresh.set_specs({v.name: v})
     assert brief(fresh.request(v)) == ["stop a.service"]
+    acts = fresh.inactive("a.service", Outcome.STOPPED)
+    assert brief(acts) == ["grant v.service 0,1"]
+    assert "a.service (priority 999) preempted; Requeue=no, not restarting" in words(acts)
+
+
+def test_a_restart_forgets_a_start_on_its_way_whose_annotation_went() -> None:
+    """Only a unit that runs is kept: a start still on its way runs ungated now, with no
+    GPUs of gpuslice's (as set_specs does)."""
+    saved = SavedState(holders={"a.service": ((0,), "starting", 1, "")}, seq=1)
+    fresh = Scheduler([sized(0)], {})
+    fresh.load(saved)
+    assert fresh.grants() == {}
 
 
 def test_a_unit_no_longer_annotated_on_its_way_to_its_gate_releases_its_gpus_as_data() -> None:

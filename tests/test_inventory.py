@@ -14,7 +14,7 @@ import pytest
 
 from gpuslice.config import Config
 from gpuslice.core.model import Gpu
-from gpuslice.inventory import GpuUse, Inventory, command_of, unit_of_pid
+from gpuslice.inventory import COMM_MAX, GpuUse, Inventory, command_of, unit_of_pid
 from gpuslice.nvml import (
     DeviceScan,
     GpuInfo,
@@ -272,6 +272,11 @@ def test_a_process_name_is_read_as_bytes_and_kept_escaped(tmp_path: Path) -> Non
     assert [p.command for p in sample.processes] == ["\\xff\\xfe", "\\x1b[2J\\x1b[Hjob"]
     assert (sample.gpus[0].foreign, sample.gpus[0].foreign_pids) == (2 * GIB, (200, 201))
     assert command_of(200, tmp_path) == "\\xff\\xfe"
+    # at most COMM_MAX bytes are read, and at most COMM_MAX characters shown (escapes count)
+    (tmp_path / "200" / "comm").write_bytes(b"a" * 1000)
+    assert command_of(200, tmp_path) == "a" * COMM_MAX
+    (tmp_path / "200" / "comm").write_bytes(b"\xff" * 100)
+    assert command_of(200, tmp_path) == "\\xff" * (COMM_MAX // 4) + "..."
 
 
 def test_a_desktops_display_server_takes_memory_but_is_yielded_to_by_nobody(

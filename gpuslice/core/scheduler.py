@@ -258,11 +258,12 @@ class SavedState:
 LEAST_URGENT = 999  # the largest Priority=
 
 
-def _orphan(name: str, gpus: int) -> UnitSpec:
+def _orphan(name: str) -> UnitSpec:
     """The terms a running unit whose annotation went holds its GPUs on after a controller
     restart (its annotation, and with it its priority, are gone): the least urgent, whole
-    GPUs, given way by a stop, never brought back."""
-    return UnitSpec(name, LEAST_URGENT, gpus=gpus, requeue=False)
+    GPUs, given way by a stop, never brought back. (Its GPUs are its holder's; a spec's
+    count is read only to place a unit, which it never is again.)"""
+    return UnitSpec(name, LEAST_URGENT, requeue=False)
 
 
 def _seq(waiter: Waiter) -> int:
@@ -1569,8 +1570,8 @@ class Scheduler:
         """
         self._seq = max(self._seq, saved.seq)
         for name, (gpus, phase, seq, *rest) in saved.holders.items():
+            stopping_for = rest[0] if rest and rest[0] else None
             if name in self.specs:
-                stopping_for = rest[0] if rest and rest[0] else None
                 self.holders[name] = Holder(
                     self.specs[name], frozenset(gpus), Phase(phase), seq, stopping_for
                 )
@@ -1578,9 +1579,8 @@ class Scheduler:
                     self.holders[name].frozen_for = set(saved.frozen_for.get(name, ()))
             elif Phase(phase) in (Phase.RUNNING, Phase.STOPPING) and gpus:
                 # its annotation went while it ran (set_specs): its job still runs there
-                stopping_for = rest[0] if rest and rest[0] else None
                 self.holders[name] = Holder(
-                    _orphan(name, len(gpus)), frozenset(gpus), Phase(phase), seq, stopping_for
+                    _orphan(name), frozenset(gpus), Phase(phase), seq, stopping_for
                 )
         for name, (gpus, seq) in saved.suspended.items():
             # kept even if no longer annotated: nobody else would ever resume it
