@@ -15,15 +15,15 @@ loop, which would close the connection.
 
 At most `MAX_PER_TURN` messages are read in one turn of the event loop; the rest wait for
 its next turn, after its timers and tasks (the watchdog's among them). dbus-next reads every
-message the socket holds in one go: anyone may call Status, and one process's 30,000 calls a
-second kept the controller's loop in that read for as long as they came (4 s of calls, 12 s
-without a timer, on a 2-core VM; past WatchdogSec=, systemd kills the controller).
+message the socket holds in one go: anyone may call Status, and one process's 4 s of calls
+(~340,000) kept the controller's loop in that read for 88 s on a 2-core VM, past
+WatchdogSec=, after which systemd kills the controller (0.22 s with the limit).
 
 A method call's body longer than any of our methods takes (`MAX_CALL_BODY`) is not read at
 all: the call comes with its header only, as `Unread`, and is answered with an error. Anyone
 may call Status, with whatever arguments (a bus policy names no signature), and dbus-next
-reads a body a value at a time: a MiB of variants took 1.75 s of the controller's event
-loop, and the system bus passes 32 MiB in one message, a minute, past the watchdog.
+reads a body a value at a time: 8 MiB of variants took 7.8 s of the controller's loop, and
+the system bus passes 32 MiB in one message. Both measured by `python -m bench.flood --old`.
 """
 
 from __future__ import annotations
