@@ -1076,3 +1076,25 @@ def test_a_waiter_is_told_of_the_most_urgent_suspended_unit_on_its_gpu() -> None
     assert words(s.request(LATE)) == [
         "late.service waiting: GPU 0 kept for suspended a.service, priority 30"
     ]
+
+
+def test_a_suspended_unit_waits_for_its_gpu_while_nvml_is_not_ready() -> None:
+    """After a controller restart while NVML does not answer yet, the GPUs are a guess
+    (gpus: from config.yaml). A suspended unit on a GPU not in that guess waits for NVML:
+    stopped, it lost its work. Once NVML answers without its GPU, it is stopped."""
+    two = spec("two", 20, mem_gib=16, devices=("1",), preempt="suspend stop")
+    one = spec("one", 10, mem_gib=16, devices=("1",))
+    s = host(two, one, gpus=[sized(0), sized(1)])
+    running(s, two)
+    assert brief(s.request(one)) == ["suspend two.service 1"]
+    assert brief(s.suspended_done(two.name, "")) == ["grant one.service 1"]
+    saved = s.save()
+    for answered in ([sized(0), sized(1)], [sized(0)]):
+        fresh = host(two, one)  # one GPU listed: config.yaml's guess
+        fresh.pause_refill("NVML is not ready yet")
+        fresh.load(saved)
+        assert brief(fresh.inactive(one.name, Outcome.EXITED)) == []
+        assert fresh.phase(two.name) is Phase.SUSPENDED
+        fresh.pause_refill("")  # NVML answers (as gpuwatch says so, then samples)
+        outcome = brief(fresh.set_gpus(answered))
+        assert outcome == (["resume two.service 1"] if len(answered) == 2 else ["stop two.service"])

@@ -1099,7 +1099,8 @@ class Scheduler:
             spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
             gpus = tuple(sorted(entry.gpus))
             if not self._can_come_back(entry):
-                actions.append(self._stop_suspended(entry, spec))
+                if not self._gpus_a_guess(entry):
+                    actions.append(self._stop_suspended(entry, spec))
                 continue
             others = [p for p in promises if p[1].unit != spec.name]  # its own room is its
             # a waiter as urgent keeps nothing from it: it ran before that waiter came, and
@@ -1144,6 +1145,14 @@ class Scheduler:
     def _can_come_back(self, entry: Suspended) -> bool:
         """Its GPUs are all here and answering: a restore puts its memory back on them."""
         return all(g in self.devices and not self.devices[g].lost for g in entry.gpus)
+
+    def _gpus_a_guess(self, entry: Suspended) -> bool:
+        """NVML is not ready yet (the GPUs are config.yaml's guess, `pause_refill`) and none
+        of its GPUs is known lost: it waits for NVML rather than being stopped, which would
+        lose its work (a controller restarted while the driver does not answer)."""
+        return bool(self.refill_paused) and not any(
+            g in self.devices and self.devices[g].lost for g in entry.gpus
+        )
 
     def _stop_suspended(self, entry: Suspended, spec: UnitSpec) -> Stop:
         """A suspended unit whose GPU is lost or gone can never be restored: it is stopped
