@@ -231,6 +231,28 @@ def test_bad_annotation_is_reported_and_ignored(container: Container) -> None:
     assert holders(container) == {0: ["good.service"]}
 
 
+def test_a_running_unit_whose_annotation_goes_keeps_its_gpu_until_it_ends(
+    container: Container,
+) -> None:
+    """Its job still runs on GPU 0: a start of the same priority waits for it instead of
+    joining it there (it used to be granted at once), and runs once it has ended."""
+    write_job(container, "a.service", 20)
+    write_job(container, "b.service", 20)
+    reload(container)
+    container.systemctl("start", "a.service")
+    pid = main_pid(container, "a.service")
+    write_job(container, "a.service", None)  # the annotation goes
+    reload(container)
+    wait_journal(container, "a.service is no longer annotated: it keeps GPU 0 until it ends")
+    container.systemctl("start", "--no-block", "b.service")
+    wait_sub(container, "b.service", "start-pre")
+    assert holders(container) == {0: ["a.service"]}
+    assert main_pid(container, "a.service") == pid  # never preempted: as urgent
+    container.systemctl("stop", "a.service")
+    wait_state(container, "b.service", "active")
+    assert holders(container) == {0: ["b.service"]}
+
+
 def test_template_instances(container: Container) -> None:
     write_job(container, VLM, 90, "background")
     write_job(container, "worker@.service", 10)
