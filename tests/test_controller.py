@@ -170,6 +170,14 @@ def write_unannotated(tmp_path: Path, name: str) -> None:
     (tmp_path / "root" / UNIT_DIR / name).write_text("[Service]\nExecStart=/bin/true\n")
 
 
+async def unannotate(ctl: Controller, tmp_path: Path, name: str) -> None:
+    """An admin takes the unit's annotation out and runs daemon-reload: once the rescan has
+    taken it in."""
+    write_unannotated(tmp_path, name)
+    ctl.request_rescan()
+    await until(lambda: ctl.spec_for(name) is None)
+
+
 def state(name: str, active: str, sub: str, job: int = 0, job_type: str = "") -> UnitState:
     return UnitState(name, active, sub, job, job_type)
 
@@ -221,6 +229,12 @@ class Bed:
         self.service.call(unit, sender)
         self.controller.on_acquire(unit, sender)
         await settle()
+
+
+def goes_down(bed: Bed, name: str) -> None:
+    """Systemd shows the unit inactive (dead) and signals it."""
+    bed.systemd.units[name] = state(name, "inactive", "dead")
+    bed.controller.on_unit_changed(name, {"ActiveState": "inactive", "SubState": "dead"})
 
 
 async def settle() -> None:
@@ -665,8 +679,7 @@ def test_a_victim_that_goes_down_in_time_gives_its_gpu_to_the_waiter(
         await ctl.start()
         await bed.acquire("urgent.service", ":1.9", 4242)
         ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        goes_down(bed, "low.service")
         ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
@@ -693,12 +706,9 @@ def test_a_victim_whose_annotation_went_while_it_stopped_still_gives_its_gpu_to_
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert ("stop", "low.service") in bed.systemd.calls
         ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
-        write_unannotated(tmp_path, "low.service")
-        ctl.request_rescan()
-        await until(lambda: ctl.spec_for("low.service") is None)
+        await unannotate(ctl, tmp_path, "low.service")
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        goes_down(bed, "low.service")
         ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
@@ -719,14 +729,11 @@ def test_a_running_unit_whose_annotation_went_keeps_its_gpu_until_it_ends(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        write_unannotated(tmp_path, "low.service")
-        ctl.request_rescan()
-        await until(lambda: ctl.spec_for("low.service") is None)
+        await unannotate(ctl, tmp_path, "low.service")
         assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert bed.service.granted == []
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        goes_down(bed, "low.service")
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
         assert ctl.scheduler.phase("low.service") is None
@@ -778,9 +785,7 @@ def test_a_waiter_whose_annotation_went_and_that_was_stopped_is_not_granted_late
         await ctl.start()
         await bed.acquire("w.service", ":1.9", 4242)
         assert ctl.scheduler.is_waiting("w.service")
-        write_unannotated(tmp_path, "w.service")
-        ctl.request_rescan()
-        await until(lambda: ctl.spec_for("w.service") is None)
+        await unannotate(ctl, tmp_path, "w.service")
         ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "w.service")  # systemctl stop
         ctl.on_unit_changed("w.service", {"ActiveState": "inactive", "SubState": "dead"})
         ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "w.service", "done")
