@@ -206,18 +206,18 @@ class Controller:
         self.scheduler.set_gpus(self.watch.sample.gpus)
         saved, saved_boot = self.store.load()
         units = await self.systemd.list_units()
-        self.tracker.listed(units)
         remembered = set(saved.preempted) | set(saved.holders) | set(saved.held)
+        shown = {u.name for u in units}  # instances among them are annotated by templates
         with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
-            self.scheduler.set_specs(self._concrete_specs(remembered))
+            self.scheduler.set_specs(self._concrete_specs(remembered | shown))
         if saved_boot != self.boot_id:
             saved.holders = {}  # nothing runs after a reboot that we granted before it
         self.scheduler.load(saved)
         if saved_boot != self.boot_id:
             self.scheduler.forget_boot()
-        # again, now that the core knows what it kept without an annotation (a suspended
-        # unit whose annotation went): read for annotated units only, such a unit, still
-        # active and frozen, was taken for stopped by hand and left frozen
+        # once the core knows what it kept without an annotation (a suspended unit whose
+        # annotation went): read before, such a unit, still active and frozen, was taken
+        # for stopped by hand and left frozen
         self.tracker.listed(units)
         actions = self._rebuild()
         await self.service.claim_name()
@@ -398,8 +398,7 @@ class Controller:
     def on_unit_changed(self, name: str, props: dict[str, Any], *, read: bool = False) -> None:
         spec = self.spec_for(name)
         if spec is None and not self._known(name):
-            if self.gates.holds(name) and props.get("SubState", "start-pre") != "start-pre":
-                self.gates.close(name)  # its annotation went while it waited at its gate
+            self._close_gate_left(name, props)  # its annotation went while it waited there
             return
         if not self.ready:
             self.tracker.unit_changed(name, props)  # counts it; judged after start-up
@@ -412,8 +411,14 @@ class Controller:
                 self._apply(change)
             if spec is not None:
                 self._follow_gate(name, props.get("InvocationID"))
-            elif self.gates.holds(name) and props.get("SubState", "start-pre") != "start-pre":
-                self.gates.close(name)  # known to the core only until it ends
+            else:
+                self._close_gate_left(name, props)  # known to the core only until it ends
+
+    def _close_gate_left(self, name: str, props: dict[str, Any]) -> None:
+        """An unannotated unit's pipe, once the unit has left its gate: no gate of it will
+        read it again."""
+        if self.gates.holds(name) and props.get("SubState", "start-pre") != "start-pre":
+            self.gates.close(name)
 
     def _follow_gate(self, name: str, invocation: str | None) -> None:
         """A start systemd shows at the gate, with the InvocationID that names it, is taken
