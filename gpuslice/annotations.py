@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
-from gpuslice.core.model import GPU_ID, INSTANCE_DEVICE, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import GPU_ID, INSTANCE_DEVICE, PRIORITY_MAX, Rung, UnitKind, UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.sizes import SIZE_ALLOWED, parse_size
 from gpuslice.unitfiles import (
@@ -165,9 +165,9 @@ KEYS: tuple[Key, ...] = (
     Key(
         "Priority",
         "priority",
-        partial(_integer, low=0, high=999),
+        partial(_integer, low=0, high=PRIORITY_MAX),
         None,
-        "an integer 0-999",
+        f"an integer 0-{PRIORITY_MAX}",
         required=True,
     ),
     Key(

@@ -17,6 +17,8 @@ GPU_ID = re.compile(r"[0-9]{1,4}|GPU-[0-9A-Za-z-]{1,80}", re.ASCII)
 # (`worker@0.service` to GPU 0, `gpuslice-claim@GPU-8f6c....service` to that GPU). An instance
 # that names no GPU of the host waits, as a unit whose Devices= names none does.
 INSTANCE_DEVICE = "%i"
+# Priority= runs from 0, the most urgent, to this, the least.
+PRIORITY_MAX = 999
 
 
 class Rung(enum.Enum):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part, level, reason, render
-from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import PRIORITY_MAX, Gpu, Rung, UnitKind, UnitSpec
 from gpuslice.core.placement import (
     Placement,
     Use,
@@ -255,15 +255,12 @@ class SavedState:
     started: list[str] = field(default_factory=list)  # STARTING holders gpuslice started
 
 
-LEAST_URGENT = 999  # the largest Priority=
-
-
 def _orphan(name: str) -> UnitSpec:
     """The terms a running unit whose annotation went holds its GPUs on after a controller
     restart (its annotation, and with it its priority, are gone): the least urgent, whole
     GPUs, given way by a stop, never brought back. (Its GPUs are its holder's; a spec's
     count is read only to place a unit, which it never is again.)"""
-    return UnitSpec(name, LEAST_URGENT, requeue=False)
+    return UnitSpec(name, PRIORITY_MAX, requeue=False)
 
 
 def _seq(waiter: Waiter) -> int:
@@ -1593,7 +1590,7 @@ class Scheduler:
                 )
         for name, (gpus, seq) in saved.suspended.items():
             # kept even if no longer annotated: nobody else would ever resume it
-            spec = self.specs.get(name) or UnitSpec(name, LEAST_URGENT)
+            spec = self.specs.get(name) or UnitSpec(name, PRIORITY_MAX)
             self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
         self.started = {n for n in saved.started if self.phase(n) is Phase.STARTING}
         self.preempted = dict(saved.preempted)
