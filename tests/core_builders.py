@@ -66,7 +66,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuslice.core.decisions import Code, render
-from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import PRIORITY_MAX, Gpu, Rung, UnitKind, UnitSpec
 from gpuslice.core.scheduler import (
     Action,
     Freeze,
@@ -364,7 +364,7 @@ class Sim:
             if name not in self.annotations and gpus:
                 # its annotation went while it ran: the new controller keeps its GPUs for it
                 # on the least urgent terms (the annotation's are gone)
-                self.last_specs[name] = UnitSpec(name, 999, gpus=len(gpus), requeue=False)
+                self.last_specs[name] = UnitSpec(name, PRIORITY_MAX, gpus=len(gpus), requeue=False)
         for forgotten in (self.out_since, self.known_at, self.answered_at):
             forgotten.clear()
         self.suspend_failed.clear()
