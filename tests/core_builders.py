@@ -1120,13 +1120,15 @@ class Sim:
             told = [a.message for a in self.actions if isinstance(a, Log)]
             if not any(m.startswith(f"{name} waiting: ") for m in told):
                 raise InvariantError(f"{name} waits and was never told why")
-        # A more urgent unit still waiting keeps the capacity it needs from less urgent ones
-        # (they would be preempted as soon as it fits): what it blocks is not forgotten.
+        # A unit still waiting keeps the capacity it needs from units as urgent or less (those
+        # less urgent would be preempted as soon as it fits, an equal one would block it):
+        # what it blocks is not forgotten. Waiters come before preempted units of their own
+        # priority (README, "The rules in short").
         forgotten = sorted(
             n
             for n in self.owed()
             if self.could_fit_alone(self._spec(n))
-            and not any(p < self._spec(n).priority for p in waiting)
+            and not any(p <= self._spec(n).priority for p in waiting)
         )
         if forgotten:
             raise InvariantError(f"preempted, Requeue=yes, never brought back: {forgotten}")

@@ -770,6 +770,21 @@ def test_preempted_units_come_back_before_background_units_are_started() -> None
     assert brief(sim.exit(V)) == ["start bg-new.service"]
 
 
+def test_a_waiter_that_cannot_run_yet_keeps_its_gpu_from_an_equally_urgent_preempted_unit() -> None:
+    """Waiters before preempted units of their own priority, with no backfill: w (50, two GPUs
+    of 20 GiB) cannot run while a foreign process takes 10 GiB of GPU 1, and keeps GPU 0 from
+    p (50, background, which avoids GPU 1's foreign process): once p ran there, w could not
+    preempt it (equal priority never preempts). Found by the ladder's property test."""
+    w, p = spec("w", 50, gpus=2, mem_gib=20), spec("p", 50, BG)
+    busy = sized(1, foreign=10 * GIB, foreign_pids=(7,))
+    s = Scheduler([sized(0), busy], {w.name: w, p.name: p}, yield_to_foreign=True)
+    s.load(SavedState(preempted={p.name: 1}))
+    assert brief(s.request(w)) == []
+    assert p.name in s.preempted  # not restarted onto the GPU kept for w
+    assert brief(s.set_gpus([sized(0), sized(1)])) == ["grant w.service 0,1"]
+    assert brief(s.inactive(w.name, Outcome.EXITED)) == ["start p.service"]
+
+
 def test_preempted_units_come_back_by_priority_then_the_one_preempted_first() -> None:
     """The state file lists them in any order: priority, then when it was preempted, decide."""
     specs = [spec("late", 50), spec("early", 50), spec("low", 60), spec("top", 10)]
