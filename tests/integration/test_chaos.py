@@ -1,12 +1,14 @@
 """Chaos against systemd's truth: hundreds of preemptions and refills on one GPU while the
-controller is killed (-9), restarted and systemd reloaded at random moments.
+controller is killed (-9), restarted and systemd reloaded at random moments, and one background
+unit's annotation is taken out and put back.
 
 Seeded: GPUSLICE_CHAOS_SEED (printed) replays a run; GPUSLICE_CHAOS_CYCLES sets its length.
 Every cycle hands one script to the container's systemd (`systemd-run`, so it runs on while
 the test samples): on-demand starts with --no-block, sometimes a stop or start by hand of a
 background unit, sometimes kill -9 / daemon-reload / restart of the controller after a random
-delay. While it plays, every sample of systemd's state must show at most one managed unit past
-its gate and no held unit running; once it settles (no job queued, controller active) the
+delay, sometimes TOGGLED's annotation taken out or put back (and systemd reloaded). While it
+plays, every sample of systemd's state must show at most one managed unit past its gate and
+no held unit running; once it settles (no job queued, controller active) the
 controller's status must match systemd: the same holder, nobody waiting, the same holds, and
 the GPU in use whenever a background unit may run.
 """
@@ -28,7 +30,18 @@ from tests.integration.jobs import describe, holding, reload, unit_states, write
 
 SEED = int(os.environ.get("GPUSLICE_CHAOS_SEED", "20261130"))
 CYCLES = int(os.environ.get("GPUSLICE_CHAOS_CYCLES", "200"))
-BACKGROUND = {"bg80a.service": 80, "bg80b.service": 80, "bg90.service": 90}
+BACKGROUND = {
+    "bg80a.service": 80,
+    "bg80b.service": 80,
+    "bg85.service": 85,
+    "bg90.service": 90,
+}
+# Its annotation comes and goes (never stopped or started by hand, so that it only ever runs
+# from a start gpuslice granted): while it runs unannotated it keeps the GPU until it ends,
+# so "at most one unit past its gate" counts it either way; unannotated and down, it is not
+# gpuslice's to start.
+TOGGLED = "bg85.service"
+TOGGLE_DIR = "/var/lib/chaos"
 ON_DEMAND = {"od10.service": (10, "0.1"), "od20.service": (20, "0.3"), "od30.service": (30, "0.6")}
 UNITS = [*BACKGROUND, *ON_DEMAND]
 PRIORITY = {**BACKGROUND, **{u: p for u, (p, _) in ON_DEMAND.items()}}
@@ -52,6 +65,7 @@ class Chaos:
     last_ctl_restart: float = 0.0
     samples: int = 0
     start_pre_since: dict[str, float] = field(default_factory=dict)  # first seen at its gate
+    annotated: bool = True  # TOGGLED's annotation, once this cycle's script has run
     running: list[str] = field(default_factory=list)  # past their gate at the last sample
 
     def count(self, what: str) -> None:
@@ -81,7 +95,7 @@ class Chaos:
     def plan(self, table: dict[str, dict[str, str]]) -> list[str]:
         """Shell commands for this cycle, chosen by the seeded generator."""
         rng, steps = self.rng, []
-        running = holding({u: table[u] for u in BACKGROUND})
+        running = holding({u: table[u] for u in BACKGROUND if u != TOGGLED})
         roll = rng.random()
         if roll < 0.08 and running and len(self.held) + len(self.stopping) < 2:
             unit = running[0]  # a stop by hand: a hold
@@ -99,6 +113,16 @@ class Chaos:
                     steps.append(f"sleep 0.{rng.randint(0, 3)}")
                 steps.append(f"systemctl start --no-block {unit}")
                 self.count("on-demand starts")
+        if rng.random() < 0.1:
+            self.annotated = not self.annotated
+            which = "annotated" if self.annotated else "plain"
+            if steps:
+                steps.append(f"sleep {rng.uniform(0, 0.5):.2f}")
+            steps += [
+                f"cp {TOGGLE_DIR}/{which} /etc/systemd/system/{TOGGLED}",
+                "systemctl daemon-reload",
+            ]
+            self.count("annotation toggles")
         chaos = rng.random()
         spaced = time.monotonic() - self.last_ctl_restart >= CTL_SPACING
         delay = f"sleep {rng.uniform(0, 0.7):.2f}"
@@ -198,7 +222,11 @@ class Chaos:
         if waiters and not (running and all(PRIORITY[running[0]] <= PRIORITY[w] for w in waiters)):
             return False
         eligible = [
-            u for u in BACKGROUND if u not in self.held and table[u]["ActiveState"] != "failed"
+            u
+            for u in BACKGROUND
+            if u not in self.held
+            and table[u]["ActiveState"] != "failed"
+            and (u != TOGGLED or self.annotated)
         ]
         return bool(running) or not eligible
 
@@ -288,6 +316,11 @@ def test_chaos_against_systemds_truth(container: Container) -> None:
         write_job(bed, unit, priority, "background")
     for unit, (priority, seconds) in ON_DEMAND.items():
         write_job(bed, unit, priority, exec_start=f"/bin/sleep {seconds}")
+    bed.run(["mkdir", "-p", TOGGLE_DIR])
+    bed.run(["cp", f"/etc/systemd/system/{TOGGLED}", f"{TOGGLE_DIR}/annotated"])
+    write_job(bed, TOGGLED, None)
+    bed.run(["cp", f"/etc/systemd/system/{TOGGLED}", f"{TOGGLE_DIR}/plain"])
+    bed.run(["cp", f"{TOGGLE_DIR}/annotated", f"/etc/systemd/system/{TOGGLED}"])
     reload(bed)
     chaos = Chaos(bed, random.Random(SEED))
     chaos.settle("chaos-setup.service")  # a background unit fills the GPU
