@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpuslice import exporter
 from gpuslice.metrics import exposition
+from gpuslice.unitfiles import parse_sections
 
 STATUS: dict[str, Any] = {
     "version": 1,
@@ -192,3 +194,21 @@ def test_serve_stdin_answers_the_socket_on_fd_0(monkeypatch: pytest.MonkeyPatch)
         ours.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
         assert exporter.serve_stdin(good) == 200
         assert receive(ours).startswith(b"HTTP/1.0 200 OK\r\n")
+
+
+SOCKET_UNIT = Path(__file__).resolve().parent.parent / "units/gpuslice-metrics.socket"
+
+
+def test_a_connection_flood_cannot_fail_the_socket_for_good() -> None:
+    """Systemd counts every connection it accepts against a socket's trigger limit, those
+    beyond MaxConnections= that it drops too, and one over it (by default 200 in 2 s with
+    Accept=yes) fails the socket until an admin restarts it: any local user's connection loop
+    would end the exporter. The shipped socket has none, and still bounds the processes.
+    tests/integration/test_metrics.py floods a real one as nobody."""
+    socket_section = {
+        e.key: e.value for e in parse_sections(SOCKET_UNIT.read_text()) if e.section == "Socket"
+    }
+    assert socket_section.get("TriggerLimitIntervalSec") == "0" or (
+        socket_section.get("TriggerLimitBurst") == "0"
+    ), socket_section
+    assert socket_section["Accept"] == "yes" and int(socket_section["MaxConnections"]) <= 64

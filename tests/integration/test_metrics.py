@@ -3,11 +3,12 @@ the Prometheus client's own parser, and the socket-activated exporter serving /m
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.bed.container import Container
+from tests.bed.container import Container, wait_until
 from tests.integration.jobs import reload, wait_journal, wait_state, write_job
 
 VOICE = "voice.service"
@@ -24,6 +25,20 @@ FETCH = (
     "print(r.headers['Content-Type'])\n"
     "sys.stdout.write(r.read().decode())\n"
 ).replace("{PORT}", str(PORT))
+
+# python3 as nobody: connect and close at once, as fast as it can; prints how many were
+# refused (the socket failed, or systemd dropped them past MaxConnections=)
+FLOOD = (
+    "import socket, sys\n"
+    "refused = 0\n"
+    "for _ in range(int(sys.argv[1])):\n"
+    "    try:\n"
+    "        socket.create_connection(('127.0.0.1', {PORT}), timeout=5).close()\n"
+    "    except OSError:\n"
+    "        refused += 1\n"
+    "print(refused)\n"
+).replace("{PORT}", str(PORT))
+NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--")
 
 
 def samples(text: str) -> dict[tuple[Any, ...], float]:
@@ -90,3 +105,24 @@ def test_metrics_after_a_preemption_and_the_exporter(container: Container) -> No
     assert "no status from the controller" in down.stderr
     code, _, body = fetch(container, "/metrics")
     assert code == 200 and samples(body) == {("gpuslice_up",): 0}
+
+
+def test_a_connection_flood_leaves_the_exporter_serving(container: Container) -> None:
+    """Any local user may connect. Systemd counts each connection it accepts against the
+    socket's trigger limit (by default 200 in 2 s with Accept=yes), those it drops past
+    MaxConnections= too, and one over it fails the socket for good: with that limit, 1,800
+    connections from nobody (in under a second here) end the exporter until an admin
+    restarts it. Once the flood stops, Prometheus is answered again."""
+    container.systemctl("start", "gpuslice-metrics.socket")
+    # six loops at once: one alone, a connection at a time, stays under 200 in 2 s here
+    one = " ".join(shlex.quote(a) for a in [*NOBODY, "python3", "-c", FLOOD, "300"])
+    flood = container.run(["sh", "-c", " & ".join([one] * 6) + " & wait"], timeout=300)
+    print(f"of 6 x 300 connections refused: {flood.stdout.split()}")
+    failed = container.systemctl("show", "-P", "Result", "gpuslice-metrics.socket").stdout
+    assert container.active_state("gpuslice-metrics.socket") == "active", failed
+
+    def served() -> bool:
+        res = container.run(["python3", "-c", FETCH, "/metrics"], check=False, timeout=60)
+        return res.returncode == 0 and res.stdout.startswith("200\n")
+
+    wait_until(served, 60, interval=0.5, what="GET /metrics answered after the flood")
