@@ -119,12 +119,19 @@ def unit_name(name: str) -> str:
     return name
 
 
+# What exec_quote replaces, in one pass. systemd's read_line ends a unit-file line at "\r"
+# as at "\n" (gpuslice/unitfiles.py, _LINE_END): a raw one in an argument would start a line
+# of its own, e.g. `ExecStartPre=+...`, run as root whatever User= says.
+_EXEC_ESCAPES = str.maketrans(
+    {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", "$": "$$", "%": "%%"}
+)
+
+
 def exec_quote(arg: str) -> str:
-    """One ExecStart= argument in systemd's syntax: double-quoted with C escapes, `$` and
-    `%` doubled so that systemd expands neither variables nor specifiers."""
-    out = arg.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
-    out = out.replace("$", "$$").replace("%", "%%")
-    return f'"{out}"'
+    """One ExecStart= argument in systemd's syntax: double-quoted with C escapes (`\\n` and
+    `\\r` among them: an argument never ends its line), `$` and `%` doubled so that systemd
+    expands neither variables nor specifiers. A NUL cannot come: no argv holds one."""
+    return f'"{arg.translate(_EXEC_ESCAPES)}"'
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:

@@ -13,6 +13,7 @@ from gpuslice.annotations import KEYS, check_file, load_spec
 from gpuslice.cli import main
 from gpuslice.core.model import Rung
 from gpuslice.newunit import exec_quote, option_name
+from gpuslice.unitfiles import parse_sections
 
 GIB = 1 << 30
 
@@ -162,10 +163,28 @@ def test_enroll_preempt_round_trips_through_check(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("arg", "quoted"),
-    [("a b", '"a b"'), ("100%", '"100%%"'), ("$HOME", '"$$HOME"'), ("a\\b", '"a\\\\b"')],
+    [
+        ("a b", '"a b"'),
+        ("100%", '"100%%"'),
+        ("$HOME", '"$$HOME"'),
+        ("a\\b", '"a\\\\b"'),
+        ("a\r\nb", '"a\\r\\nb"'),
+    ],
 )
 def test_exec_quote(arg: str, quoted: str) -> None:
     assert exec_quote(arg) == quoted
+
+
+@pytest.mark.parametrize("end", ["\n", "\r", "\r\n"])
+def test_no_argument_of_the_command_starts_a_line_of_its_own(tmp_path: Path, end: str) -> None:
+    """systemd ends a unit-file line at "\\r" as at "\\n": an argument that held one raw
+    would add a setting of its own, here a root ExecStartPre=+ to a job that runs as nobody."""
+    evil = f"x{end}ExecStartPre=+/bin/sh -c id{end}"
+    code, out = new(tmp_path, "job", "--priority", "5", "--user", "nobody", "--", "/bin/echo", evil)
+    assert code == 0, out
+    text = unit_file(tmp_path, "job.service").read_bytes().decode()  # no newline translation
+    service = [e.key for e in parse_sections(text) if e.section == "Service"]
+    assert service.count("ExecStart") == 1 and "ExecStartPre" not in service, service
 
 
 def test_devices_from_the_instance_name_only_in_a_template(tmp_path: Path) -> None:
