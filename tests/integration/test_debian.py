@@ -208,3 +208,26 @@ def test_remove_keeps_jobs_and_purge_leaves_nothing(bare_container: Container, d
     after = file_list(c)
     assert sorted(after - before) == []
     assert sorted(before - after) == []
+
+
+def test_a_start_waiting_at_its_gate_during_remove_runs_once_gpuslice_is_gone(
+    bare_container: Container, deb: Path
+) -> None:
+    """`apt remove` while a start waits for its GPUs: no controller will answer it again, and
+    the daemon-reload of postrm took every gate away, so it runs ungated like every later
+    start (its unit has no ExecStartPre= of its own), instead of waiting at its gate for ever
+    (TimeoutStartSec=infinity)."""
+    c = bare_container
+    _install(c, deb)
+    for unit in ("holder.service", "waiter.service"):
+        c.write_file(f"/etc/systemd/system/{unit}", PLAIN_JOB)  # priority 50 both: no preempt
+    c.systemctl("daemon-reload")
+    c.systemctl("start", "--no-block", "holder.service")
+    c.wait_active_state("holder.service", "active", STEP)
+    c.systemctl("start", "--no-block", "waiter.service")
+    c.wait_active_state("waiter.service", "activating", STEP)
+
+    c.run(["apt-get", "remove", "-y", "gpuslice"], timeout=120)
+    c.wait_active_state("waiter.service", "active", STEP)
+    assert "gpuslice.service is not installed any more" in c.journal("waiter.service")
+    assert c.active_state("holder.service") == "active"

@@ -1,0 +1,100 @@
+"""The shipped gate (data/gpuslice-gate) while the controller is away, and after gpuslice is
+removed.
+
+`apt remove gpuslice` stops the controller (prerm), deletes its files, and daemon-reloads
+(postrm): every later start of an annotated unit runs ungated (README). A start that was
+already waiting at its gate keeps its gate process, which asks a controller that will never
+come back. It must notice that gpuslice.service no longer exists and end, and only then: a
+stopped, failed or masked controller is waited for. It lets the start go when the unit has
+no ExecStartPre= lines of its own: systemd does not go on with a command list whose running
+command (the gate) a reload removed, so the unit's own lines would be skipped; a unit that
+has some fails this start instead. `dbus-send` and `systemctl` are stubs in PATH, as systemd
+would show each case.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gpuslice.paths import PACKAGE_DIR
+
+GATE = PACKAGE_DIR.parent / "data" / "gpuslice-gate"
+
+
+def _gate(tmp_path: Path, active: str, load: str, pre: str = "") -> subprocess.Popen[str]:
+    """The gate for job.service with the controller away (every Acquire fails), while
+    `systemctl` says gpuslice.service is `active` (ActiveState) and `load` (LoadState), and
+    job.service's ExecStartPre= is `pre`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stubs = {
+        "dbus-send": "exit 1\n",
+        "systemctl": (
+            'case "$1 $3 $5" in\n'
+            f"  is-active*) echo {active}; exit 3 ;;\n"
+            f'  "show LoadState gpuslice.service") echo {load} ;;\n'
+            f"  \"show ExecStartPre job.service\") echo '{pre}' ;;\n"
+            "  *) exit 1 ;;\nesac\n"
+        ),
+    }
+    for name, body in stubs.items():
+        stub = bin_dir / name
+        stub.write_text("#!/bin/sh\n" + body)
+        stub.chmod(0o755)
+    return subprocess.Popen(
+        ["/bin/sh", str(GATE), "job.service", "0.05"],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ended(gate: subprocess.Popen[str]) -> tuple[int, str]:
+    try:
+        _out, err = gate.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        gate.kill()
+        gate.communicate()
+        raise AssertionError(
+            "the gate still waits for a controller that is not installed"
+        ) from None
+    return gate.returncode, err
+
+
+def test_a_start_waiting_when_gpuslice_is_removed_goes_on_ungated(tmp_path: Path) -> None:
+    assert _ended(_gate(tmp_path, "inactive", "not-found")) == (
+        0,
+        "gpuslice.service is not installed any more: starting without waiting for GPUs\n",
+    )
+
+
+def test_a_unit_with_its_own_exec_start_pre_fails_that_start_instead(tmp_path: Path) -> None:
+    pre = "{ path=/bin/mkdir ; argv[]=/bin/mkdir -p /var/tmp/job ; ignore_errors=no }"
+    assert _ended(_gate(tmp_path, "inactive", "not-found", pre)) == (
+        1,
+        "gpuslice.service is not installed any more: failing this start, so that the next "
+        "one runs ungated with its own ExecStartPre= lines\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("active", "load"),
+    [("inactive", "loaded"), ("failed", "loaded"), ("inactive", "masked"), ("inactive", "")],
+)
+def test_a_controller_that_is_only_away_is_waited_for(
+    tmp_path: Path, active: str, load: str
+) -> None:
+    gate = _gate(tmp_path, active, load)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            gate.wait(1.5)  # past several asks (0.05 s, doubling)
+    finally:
+        gate.kill()
+        _out, err = gate.communicate()
+    assert err == (
+        f"waiting for gpuslice.service, which is {active}: see 'systemctl status gpuslice'\n"
+    )
