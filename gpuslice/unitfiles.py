@@ -378,8 +378,10 @@ class UnitIndex:
         # files that systemd ignores, as they are met (listing names, looking up drop-ins)
         self.issues: list[IndexIssue] = []
         self._issue_set: set[IndexIssue] = set()
+        # every directory systemd searches, found or not: a link into one of them is an alias
+        self._search_path = tuple(search_path)
         seen: set[tuple[int, int]] = set()
-        for sysdir in search_path:
+        for sysdir in self._search_path:
             real = self.chase(sysdir)
             st = _stat(real)
             if real is None or st is None or not stat.S_ISDIR(st.st_mode):
@@ -465,18 +467,21 @@ class UnitIndex:
         """Every `.service` name that has a fragment (file or symlink) in some search directory.
 
         Templates are listed as `foo@.service`; instance files (`foo@a.service`) as themselves.
-        Alias symlinks (a link whose target has another unit name) are left out: their unit is
-        listed under its own name.
+        Alias symlinks (a link into the search path whose target has another unit name) are left
+        out: their unit is listed under its own name, and the alias hides that name in lower
+        directories. A link out of the search path (`systemctl link`) is the unit's file under
+        the link's name, whatever the target's (`_alias_of`).
 
         Names that are not valid unit names and entries that are neither files nor symlinks
         (a FIFO, a socket, a device) are left out, as systemd leaves them out, with an issue.
         """
         names: set[str] = set()
+        aliases: set[str] = set()  # as systemd, the first directory that names a unit wins
         for sysdir, _real, entries in self._dirs:
             for name, kind in sorted(entries.items()):
                 if kind & _DIR or not name.endswith(UNIT_SUFFIX) or name.startswith("."):
                     continue
-                if name in names:
+                if name in names or name in aliases:
                     continue
                 if not is_valid_unit_name(name):
                     self._issue(
@@ -496,14 +501,43 @@ class UnitIndex:
                             "a symlink that leads nowhere (dangling, a loop, too long), ignored",
                         )
                         continue
-                    if self._is_alias(target, name):
+                    if self._alias_of(sysdir, name) is not None:
+                        aliases.add(name)
                         continue
                 names.add(name)
         return sorted(names)
 
-    def _is_alias(self, target: str, name: str) -> bool:
+    def _alias_of(self, sysdir: str, name: str) -> str | None:
+        """The unit name that the symlink `sysdir/name` makes `name` an alias of, or None.
+
+        systemd 252 (unit_file_build_name_map) decides by the link's own target, its last
+        component not followed: inside the search path, the link is an alias of the target's
+        name; outside it (`systemctl link /opt/app/x.service`, any name, or a mask), the
+        target is the unit's file under the link's name. The fully resolved target's name
+        would leave such a linked unit out of the scan: ungated, without a word."""
+        target = self._link_target(sysdir, name)
+        if target is None or not any(
+            target.startswith(d.rstrip("/") + "/") for d in self._search_path
+        ):
+            return None
         base = target.rsplit("/", 1)[-1]
-        return target != "/dev/null" and base.endswith(UNIT_SUFFIX) and base != name
+        return base if base.endswith(UNIT_SUFFIX) and base != name else None
+
+    def _link_target(self, sysdir: str, name: str) -> str | None:
+        """Where the symlink `sysdir/name` points, as systemd reads it (chase_symlinks with
+        CHASE_NOFOLLOW): absolute, the links of its directories resolved, its last component
+        as the link says. None when it cannot be read or its directories loop."""
+        try:
+            target = os.readlink(self.real_path(f"{sysdir}/{name}"))
+        except (OSError, ValueError):
+            return None
+        if not target.startswith("/"):
+            target = f"{sysdir}/{target}"
+        head, _, last = target.rstrip("/").rpartition("/")
+        if last in ("", ".", ".."):
+            return self._chase_system(target)
+        parent = self._chase_system(head or "/")
+        return None if parent is None else f"{parent.rstrip('/')}/{last}"
 
     def instance_dropin_names(self) -> list[str]:
         """Instance names (`foo@a.service`) that have a drop-in directory of their own."""

@@ -60,6 +60,15 @@ def test_plain_unit(tmp_path: Path) -> None:
     assert written(run(tmp_path)) == {"a.service.d/gpuslice-gate.conf": gate()}
 
 
+def test_a_unit_linked_from_outside_the_search_path_under_another_name(tmp_path: Path) -> None:
+    # `ln -s /opt/vlm/vlm-prod.service /etc/systemd/system/vlm.service`: systemd loads it as
+    # vlm.service, so the gate goes to vlm.service
+    write(tmp_path, "/opt/vlm/vlm-prod.service", f"[Service]\nExecStart=/bin/a\n{ANNOTATION}")
+    (tmp_path / ETC.lstrip("/")).mkdir(parents=True)
+    (tmp_path / ETC.lstrip("/") / "vlm.service").symlink_to("/opt/vlm/vlm-prod.service")
+    assert written(run(tmp_path)) == {"vlm.service.d/gpuslice-gate.conf": gate()}
+
+
 def test_unit_with_its_own_exec_start_pre_lines(tmp_path: Path) -> None:
     write(
         tmp_path,

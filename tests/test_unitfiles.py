@@ -240,6 +240,48 @@ def test_list_unit_names(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/opt/vlm/vlm-prod.service",  # absolute
+        "../../../opt/vlm/vlm-prod.service",  # relative to the search directory
+        "/opt/vlm/link.service",  # a link itself, into the search path: not followed
+    ],
+)
+def test_a_link_out_of_the_search_path_is_the_units_file_under_the_links_name(
+    tmp_path: Path, target: str
+) -> None:
+    # systemd 252 (unit_file_build_name_map): a linked unit file, whatever the target's name
+    write(tmp_path, "/opt/vlm/vlm-prod.service", "[Unit]\nDescription=x\n")
+    write(tmp_path, f"{LIB}/other.service")
+    link(tmp_path, "/opt/vlm/link.service", f"{LIB}/other.service")
+    link(tmp_path, f"{ETC}/vlm.service", target)
+    index = UnitIndex(tmp_path)
+    assert index.unit_names() == ["other.service", "vlm.service"]
+    fragment = index.fragment("vlm.service")
+    assert fragment is not None
+    assert fragment.path == f"{ETC}/vlm.service"
+
+
+@pytest.mark.parametrize(
+    "target",
+    [f"{LIB}/a.service", "../../../usr/lib/systemd/system/a.service", "/opt/units/a.service"],
+)
+def test_a_link_into_the_search_path_is_an_alias(tmp_path: Path, target: str) -> None:
+    write(tmp_path, f"{LIB}/a.service")
+    link(tmp_path, "/opt/units", LIB)  # a directory link: resolved, as systemd does
+    link(tmp_path, f"{ETC}/b.service", target)
+    assert UnitIndex(tmp_path).unit_names() == ["a.service"]
+
+
+def test_an_alias_hides_its_name_in_lower_directories(tmp_path: Path) -> None:
+    # systemd maps each name once, in the first directory that has it: b.service is a.service
+    write(tmp_path, f"{LIB}/a.service")
+    write(tmp_path, f"{LIB}/b.service")
+    link(tmp_path, f"{ETC}/b.service", f"{LIB}/a.service")
+    assert UnitIndex(tmp_path).unit_names() == ["a.service"]
+
+
 def test_same_directory_twice_is_searched_once(tmp_path: Path) -> None:
     # merged /usr: /lib -> usr/lib; systemd 252 on Debian names such files /lib/systemd/system/...
     write(tmp_path, f"{LIB}/a.service")
