@@ -30,7 +30,11 @@ from gpuslice.unitfiles import printable
 if TYPE_CHECKING:
     import yaml
 
-MAX_CONFIG_BYTES = 1 << 20  # a config of ten keys is a few KiB
+# A config of ten keys is a few KiB, one that reserves memory on each of 1,024 GPUs ~50 KiB.
+# The cap bounds what a hostile file costs the controller's loop on reload (and the
+# generator at boot): a flow sequence of 1 MiB took PyYAML 12.7 s and 350 MiB here.
+MAX_CONFIG_BYTES = 256 << 10
+_TOO_LARGE = f"larger than {MAX_CONFIG_BYTES} bytes ({MAX_CONFIG_BYTES >> 10} KiB), not read"
 MAX_DEPTH = 16  # the deepest valid config is 3 levels (settings -> reserve -> size)
 MAX_GPUS = 1024
 MAX_PATH_LENGTH = 200
@@ -529,7 +533,7 @@ def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
     import yaml
 
     if len(text) > MAX_CONFIG_BYTES:
-        raise ConfigError([f"{path}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB), not read"])
+        raise ConfigError([f"{path}: {_TOO_LARGE}"])
     root = _compose(text, path)
     if root is None or (isinstance(root, yaml.ScalarNode) and root.tag.endswith(":null")):
         return Config(), []
@@ -610,7 +614,7 @@ def read_config_text(path: str | os.PathLike[str]) -> str | None:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError([f"{shown}: larger than {MAX_CONFIG_BYTES} bytes (1 MiB), not read"])
+        raise ConfigError([f"{shown}: {_TOO_LARGE}"])
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

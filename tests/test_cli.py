@@ -127,7 +127,7 @@ def test_check_config_option_that_is_a_directory(tmp_path: Path) -> None:
     ("data", "expected"),
     [
         (b"gpus: \xff\n", "{C}:1: not UTF-8 text (byte 0xff at offset 6)"),
-        (b"#" * (1 << 21), "{C}: larger than 1048576 bytes (1 MiB), not read"),
+        (b"#" * (1 << 21), "{C}: larger than 262144 bytes (256 KiB), not read"),
         (
             b"gpus: " + b"[" * 5000 + b"]" * 5000 + b"\n",
             "{C}:1: not valid YAML: nested deeper than 16 levels",
