@@ -808,7 +808,7 @@ def test_the_largest_config_text_is_parsed_and_one_more_character_refused() -> N
     head = "gpus: 2\n#"
     assert parse_config(head + "x" * (MAX_CONFIG_BYTES - len(head)), P)[0].gpus == 2
     assert config_problems(head + "x" * (MAX_CONFIG_BYTES + 1 - len(head))) == [
-        f"{P}: larger than 1048576 bytes (1 MiB), not read"
+        f"{P}: larger than 262144 bytes (256 KiB), not read"
     ]
 
 
@@ -858,7 +858,7 @@ def test_short_reads_are_joined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert read_config_text(tmp_path / "config.yaml") == text
 
 
-def test_no_more_than_1_mib_and_a_byte_is_read(
+def test_no_more_than_the_cap_and_a_byte_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "config.yaml"
@@ -866,11 +866,11 @@ def test_no_more_than_1_mib_and_a_byte_is_read(
     sizes = chunked_reads(monkeypatch)
     with pytest.raises(ConfigError) as caught:
         read_config_text(path)
-    assert caught.value.problems == [f"{path}: larger than 1048576 bytes (1 MiB), not read"]
+    assert caught.value.problems == [f"{path}: larger than 262144 bytes (256 KiB), not read"]
     assert sum(sizes) == MAX_CONFIG_BYTES + 1
 
 
-def test_a_config_of_exactly_1_mib_is_read(tmp_path: Path) -> None:
+def test_a_config_of_exactly_the_cap_is_read(tmp_path: Path) -> None:
     text = "gpus: 2\n#" + "x" * (MAX_CONFIG_BYTES - 9)
     (tmp_path / "config.yaml").write_text(text)
     assert read_config_text(tmp_path / "config.yaml") == text
