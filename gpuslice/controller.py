@@ -207,6 +207,7 @@ class Controller:
         saved, saved_boot = self.store.load()
         units = await self.systemd.list_units()
         remembered = set(saved.preempted) | set(saved.holders) | set(saved.held)
+        remembered |= set(saved.suspended)  # stopped by hand while we were away: held
         shown = {u.name for u in units}  # instances among them are annotated by templates
         with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
             self.scheduler.set_specs(self._concrete_specs(remembered | shown))
@@ -398,7 +399,7 @@ class Controller:
     def on_unit_changed(self, name: str, props: dict[str, Any], *, read: bool = False) -> None:
         spec = self.spec_for(name)
         if spec is None and not self._known(name):
-            self._close_gate_left(name, props)  # its annotation went while it waited there
+            self._unmanaged_gate(name, props)  # its annotation went while it waited there
             return
         if not self.ready:
             self.tracker.unit_changed(name, props)  # counts it; judged after start-up
@@ -412,12 +413,19 @@ class Controller:
             if spec is not None:
                 self._follow_gate(name, props.get("InvocationID"))
             else:
-                self._close_gate_left(name, props)  # known to the core only until it ends
+                self._unmanaged_gate(name, props)  # known to the core only until it ends
 
-    def _close_gate_left(self, name: str, props: dict[str, Any]) -> None:
-        """An unannotated unit's pipe, once the unit has left its gate: no gate of it will
-        read it again."""
-        if self.gates.holds(name) and props.get("SubState", "start-pre") != "start-pre":
+    def _unmanaged_gate(self, name: str, props: dict[str, Any]) -> None:
+        """A gate of an unannotated unit, which systemd runs while its drop-in stays (a start
+        spawned before the daemon-reload that took the annotation out, or a rescan that read
+        the file before the reload): at its gate, one that waits on a pipe nobody will write
+        (the controller opens only annotated units' pipes) is sent to D-Bus, where it passes
+        (`_serve_gate`); once the unit has left its gate, its pipe is closed (no gate of it
+        will read it again)."""
+        sub = props.get("SubState", "start-pre")
+        if sub == "start-pre" and "SubState" in props:
+            self.gates.at_gate_unknown(name)  # but one whose pipe we hold: granted, it passes
+        elif sub != "start-pre" and self.gates.holds(name):
             self.gates.close(name)
 
     def _follow_gate(self, name: str, invocation: str | None) -> None:
@@ -504,7 +512,11 @@ class Controller:
         self.scan = result
         for problem in result.problems:
             self._log_problem(problem)
+        starts = set(self.scheduler.waiting_units()) | set(self.scheduler.grants())
         self.execute(self.scheduler.set_specs(self._concrete_specs()))
+        for unit in sorted(starts):
+            if self.spec_for(unit) is None and not self._known(unit):
+                self._let_through(unit)  # its start, not yet answered, is forgotten
         self._spawn(self._watch_units())
 
     def reload_config(self) -> None:
@@ -608,8 +620,7 @@ class Controller:
         """The unit's gate asks (over D-Bus, or systemd showed it at its gate)."""
         spec = self.spec_for(unit)
         if spec is None:
-            log.info("%s passed the gate: not managed by gpuslice", unit)
-            self.service.grant(unit, "")
+            self._let_through(unit)
             return
         self.tracker.passed_gate(unit)
         if self.scheduler.phase(unit) is Phase.STOPPING:
@@ -619,6 +630,16 @@ class Controller:
         self.watch.refresh_if_older(FRESH_SAMPLE)  # grant against what is on the GPUs now
         with self._batched():
             self.execute(self.scheduler.request(spec))
+
+    def _let_through(self, unit: str) -> None:
+        """An unannotated unit's gate passes, with no GPUs of gpuslice's (the core forgot its
+        start, or never knew it): its calls over D-Bus are answered so, and a gate on its
+        pipe is sent there. Not through the pipe: that needs our end held until the unit has
+        left its gate, which its signals, no longer matched, would not tell."""
+        self.gates.close(unit)
+        self.gates.at_gate_unknown(unit)
+        if self.service.pending(unit) and self.service.grant(unit, ""):
+            log.info("%s passed the gate: not managed by gpuslice", unit)
 
     @contextlib.contextmanager
     def _batched(self) -> Iterator[None]:

@@ -28,7 +28,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
+from gpuslice.core.model import PRIORITY_MAX, UnitKind
 from gpuslice.core.scheduler import Phase, SavedState
+from gpuslice.sizes import SIZE_MAX
 from gpuslice.unitfiles import is_valid_unit_name, printable
 
 log = logging.getLogger(__name__)
@@ -40,9 +42,11 @@ BOOT_ID_MAX = 256  # "<kernel boot id>/<systemd's UserspaceTimestamp>"
 # a suspended unit holds no GPU: it is listed under "suspended", never as a holder
 PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
-# written since the Preempt= ladder, and since starts are saved before they are sent; a
-# file without them (an older controller's) is complete
-LATER_FIELDS = ("frozen_for", "started", "suspended")
+# written since the Preempt= ladder, since starts are saved before they are sent, and since
+# the terms of units whose annotation goes are kept; a file without them (an older
+# controller's) is complete
+LATER_FIELDS = ("frozen_for", "started", "suspended", "terms")
+KINDS = tuple(k.value for k in UnitKind)
 _SHOWN_PROBLEMS = 5
 
 
@@ -202,6 +206,21 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         else:
             frozen_for[name] = list(dict.fromkeys(units))
 
+    terms: dict[str, tuple[int, str, int, int | None]] = {}
+    raw_terms = data.get("terms", {})
+    if not isinstance(raw_terms, dict):
+        problems.add(f"terms: expected an object, got {_show(raw_terms)}")
+        raw_terms = {}
+    for name, entry in raw_terms.items():
+        why = _terms_problem(name, entry)
+        if not why and name not in holders and name not in suspended:
+            why = "neither a holder nor a suspended unit"
+        if why:
+            problems.add(f"terms: dropped {_show(name)}: {why}")
+        else:
+            priority, kind, gpus, memory = entry
+            terms[name] = (priority, kind, gpus, memory)
+
     started: list[str] = []
     for name in lists["started"]:
         if name in holders and holders[name][1] == Phase.STARTING.value:
@@ -242,8 +261,28 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         suspended=suspended,
         frozen_for=frozen_for,
         started=started,
+        terms=terms,
     )
     return saved, boot_id
+
+
+def _terms_problem(name: str, entry: object) -> str:
+    """Why a terms entry is invalid ("" when it is valid): what a unit whose annotation
+    went is judged by must be what an annotation could have said."""
+    if not _is_unit(name):
+        return "not a unit name"
+    if not isinstance(entry, list) or len(entry) != 4:
+        return "expected [priority, kind, GPUs, memory]"
+    priority, kind, gpus, memory = entry
+    if not _is_int(priority, 0, PRIORITY_MAX):
+        return f"priority {_show(priority)} is not an integer 0-{PRIORITY_MAX}"
+    if kind not in KINDS:
+        return f"kind {_show(kind)} is not one of {', '.join(KINDS)}"
+    if not _is_int(gpus, 1, GPU_INDEX_MAX + 1):
+        return f"GPUs {_show(gpus)} is not an integer 1-{GPU_INDEX_MAX + 1}"
+    if memory is not None and not _is_int(memory, 1, SIZE_MAX):
+        return f"memory {_show(memory)} is neither null nor 1-{SIZE_MAX} bytes"
+    return ""
 
 
 def _suspended_problem(name: str, entry: object) -> str:

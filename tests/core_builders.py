@@ -66,7 +66,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuslice.core.decisions import Code, render
-from gpuslice.core.model import PRIORITY_MAX, Gpu, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
 from gpuslice.core.scheduler import (
     Action,
     Freeze,
@@ -270,9 +270,9 @@ class Sim:
         del self.running[name]
         self._went_out(name)
         if outcome is Outcome.EXITED:
-            self.finished.add(name)
+            self._record(self.finished, name)
         elif outcome is Outcome.FAILED:
-            self.failed.add(name)
+            self._record(self.failed, name)
         return self._feed(self.sched.inactive(name, outcome))
 
     def ends_before_its_stop(self) -> list[str]:
@@ -292,7 +292,7 @@ class Sim:
         self.pending_stops.remove(name)
         del self.running[name]
         self._went_out(name)
-        (self.finished if outcome is Outcome.EXITED else self.failed).add(name)
+        self._record(self.finished if outcome is Outcome.EXITED else self.failed, name)
         return self._feed(self.sched.inactive(name, outcome, by_itself=True))
 
     def stop(self, name: str) -> list[Action]:
@@ -306,7 +306,7 @@ class Sim:
         self.running.pop(name, None)
         self.at_gate.discard(name)
         self._went_out(name)  # victims stopping for it stay its own if it is started again
-        self.held.add(name)
+        self._record(self.held, name)
         self.preempted.pop(name, None)  # its start was queued behind gpuslice's stop
         return self._feed(self.sched.inactive(name, Outcome.STOPPED))
 
@@ -323,6 +323,17 @@ class Sim:
                     self.annotations[name], preempt=(Rung.STOP,), requeue=False
                 )
         self.annotations = {s.name: s for s in specs}
+        for name in sorted((self.at_gate | set(self.pending_starts)) - names):
+            # a start not answered yet is forgotten (units stopping for it stop for nobody,
+            # as for a start that was cancelled): one at its gate is let through by the
+            # controller and runs ungated, on no GPUs of gpuslice's; one on its way runs so
+            # too (`finish_start`), unless annotated again before: then it asks anew
+            if name in self.at_gate:
+                self.at_gate.discard(name)
+                self.unmanaged.add(name)
+            self.announced.discard(name)
+            self.told_to_wait.discard(name)
+            self.known_at.pop(name, None)
         actions = self._feed(self.sched.set_specs(self.annotations))
         for name in sorted(self.unmanaged & set(self.annotations)):
             # annotated while it runs: the adapter tells the core, which counts it somewhere
@@ -360,11 +371,8 @@ class Sim:
         saved = self.sched.save()
         self.sched = self._scheduler()
         self.sched.load(saved)
-        for name, gpus in self.running.items():
-            if name not in self.annotations and gpus:
-                # its annotation went while it ran: the new controller keeps its GPUs for it
-                # on the least urgent terms (the annotation's are gone)
-                self.last_specs[name] = UnitSpec(name, PRIORITY_MAX, gpus=len(gpus), requeue=False)
+        # a unit whose annotation went while it ran keeps its GPUs on the same terms
+        # (`last_specs`): the last controller saved them
         for forgotten in (self.out_since, self.known_at, self.answered_at):
             forgotten.clear()
         self.suspend_failed.clear()
@@ -380,7 +388,9 @@ class Sim:
         # systemd's queue and queues them with the gates, as its rebuild does
         # (tracker.bound_for_gate), but for the starts of its own it saved (their places kept)
         self.announced.clear()
-        queued = {n for n in self.pending_starts if self.sched.phase(n) is None}
+        queued = {
+            n for n in self.pending_starts if self.sched.phase(n) is None and n in self.annotations
+        }  # one whose annotation went runs ungated (finish_start)
         gates = sorted(self.at_gate | queued)
         self.at_gate.clear()
         adopted: list[Action] = []
@@ -424,7 +434,9 @@ class Sim:
         self.at_gate.discard(name)
         for victims in self.victims_of.values():
             victims.discard(name)
-        self.preempted[name] = self._went_out(name)
+        out = self._went_out(name)
+        if name in self.annotations:  # else forgotten: it is not brought back
+            self.preempted[name] = out
         actions = self._feed(self.sched.inactive(name, Outcome.STOPPED))
         if name in self.start_after_stop:
             self.start_after_stop.discard(name)
@@ -569,6 +581,13 @@ class Sim:
             and n not in self.finished
             and n not in self.failed
         }
+
+    def _record(self, ended: set[str], name: str) -> None:
+        """How a unit ended (held, finished, failed), kept while it is annotated: one whose
+        annotation went is forgotten when it ends, and a refill may start it once it is
+        annotated again."""
+        if name in self.annotations:
+            ended.add(name)
 
     def _spec(self, name: str) -> UnitSpec:
         """The unit's annotation, or the last one it had (it runs on, holding its GPUs)."""

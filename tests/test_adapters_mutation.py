@@ -616,7 +616,8 @@ def test_save_writes_sorted_keys(tmp_path: Path) -> None:
     assert (tmp_path / "state.json").read_text() == (
         '{"boot_id": "b", "failed": [], "finished": [], "frozen_for": {}, '
         '"held": ["train.service"], "holders": {"asr.service": [[0], "running", 4, ""]}, '
-        '"preempted": {"vlm.service": 3}, "seq": 5, "started": [], "suspended": {}, "version": 1}'
+        '"preempted": {"vlm.service": 3}, "seq": 5, "started": [], "suspended": {}, "terms": {}, '
+        '"version": 1}'
     )
 
 

@@ -771,7 +771,8 @@ def test_a_waiter_whose_annotation_went_and_that_was_stopped_is_not_granted_late
 ) -> None:
     """w.service waits behind a more urgent unit; a daemon-reload removes its annotation,
     then someone stops it. Its end used to be dropped: it stayed queued and was granted GPU 0
-    once free, a holder that nothing would ever release."""
+    once free, a holder that nothing would ever release. Its gate is let through at the
+    reload now, with no GPU (its start goes on as any unannotated unit's)."""
     bed = Bed(
         tmp_path,
         {"top.service": "Priority=10\n", "w.service": "Priority=50\n"},
@@ -793,7 +794,152 @@ def test_a_waiter_whose_annotation_went_and_that_was_stopped_is_not_granted_late
         await settle()
         assert not ctl.scheduler.is_waiting("w.service")
         assert ctl.scheduler.grants() == {}
-        assert bed.service.granted == []
+        assert bed.service.granted == [("w.service", "")]
+
+    run(test)
+
+
+def test_a_waiter_at_its_pipe_whose_annotation_went_is_let_through_at_once(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service waits at its gate (on its pipe) for low.service to stop when a
+    daemon-reload removes its annotation: its gate is sent to D-Bus at once, and passes there
+    with no GPU of gpuslice's. Kept waiting, it was granted GPU 0 once low.service stopped:
+    after the reload its process reads no environment file of ours, so it ran on every GPU
+    while gpuslice counted it on GPU 0, and low.service had been stopped for an unmanaged
+    unit. Our end of its pipe is let go at once: its signals are no longer matched."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    pipe = Path(bed.config.runtime_dir) / "gate" / "urgent.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("urgent.service", at_gate())
+        await settle()
+        gate = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # the gate, reading its pipe
+        try:
+            await unannotate(ctl, tmp_path, "urgent.service")
+            assert os.read(gate, 4096) == b"-\n"  # to D-Bus
+        finally:
+            os.close(gate)
+        assert not pipe.exists() and ctl.gates.holding() == []
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.service.granted == [("urgent.service", "")]
+        goes_down(bed, "low.service")
+        await settle()
+        assert "urgent.service" not in ctl.scheduler.grants()
+        assert not env_file(bed.config.runtime_dir, "urgent.service").exists()
+
+    run(test)
+
+
+def test_a_gate_of_a_unit_no_longer_annotated_waiting_on_its_pipe_is_sent_to_dbus(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service's start job made its pipe (JobNew); its annotation went before the
+    controller saw its gate (a rescan that read the file before systemd's daemon-reload, or
+    a start job that outran the reload): the gate blocked in open() on a pipe the controller
+    never opens, for ever. It is sent to D-Bus, where it passes with no GPU."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    pipe = Path(bed.config.runtime_dir) / "gate" / "urgent.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "urgent.service")
+        assert pipe.exists()
+        await unannotate(ctl, tmp_path, "urgent.service")
+        ctl.on_unit_changed("urgent.service", at_gate())
+        assert not pipe.exists()  # opened (which wakes a gate in open()), "-", removed
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.service.granted == [("urgent.service", "")]
+        assert ("stop", "low.service") not in bed.systemd.calls
+
+    run(test)
+
+
+def test_a_start_job_seen_whose_annotation_went_is_forgotten_and_its_pipe_let_go(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service's start job waits in systemd's queue; low.service is stopping for it
+    when its annotation goes: the core forgets the start (no gate of it will ask: it runs
+    ungated), and the pipe made for its gate is let go, so that a gate that still runs
+    asks over D-Bus and passes."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    pipe = Path(bed.config.runtime_dir) / "gate" / "urgent.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        queued(bed, "urgent.service", "start")
+        await past_queued_delay()
+        assert ctl.scheduler.is_waiting("urgent.service") and pipe.exists()
+        await unannotate(ctl, tmp_path, "urgent.service")
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        assert not pipe.exists()
+        goes_down(bed, "low.service")
+        await settle()
+        assert "urgent.service" not in ctl.scheduler.grants()
+        assert bed.systemd.calls[-1] == ("start", "low.service")  # back: preempted for nobody
+
+    run(test)
+
+
+def test_a_suspended_instance_stopped_while_the_controller_was_away_is_held(
+    tmp_path: Path,
+) -> None:
+    """t@1.service (of an annotated template) was suspended; stopped by hand while the
+    controller was away, systemd no longer lists it. Its spec comes from the saved state,
+    as a preempted or held instance's does: without one it counted as no longer annotated,
+    and was forgotten instead of held (a refill would start it again)."""
+    bed = Bed(
+        tmp_path,
+        {"t@.service": "Priority=50\nType=background\nMemory=4G\nPreempt=suspend stop\n"},
+        [],
+        SavedState(suspended={"t@1.service": ((0,), 1)}, seq=1),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.snapshot().held == ["t@1.service"]
+        assert ctl.scheduler.suspended_units() == []
+
+    run(test)
+
+
+def test_a_stopped_unit_whose_annotation_went_is_forgotten_after_a_restart_too(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """gone.service held GPU 0 at priority 50 when its annotation went; the controller
+    restarts; it still holds GPU 0 at 50 (so a start at 60 waits for it), and once it has
+    ended (it finished) it is recorded nowhere."""
+    bed = Bed(
+        tmp_path,
+        {"mid.service": "Priority=60\n"},
+        [state("gone.service", "active", "running")],
+        SavedState(
+            holders={"gone.service": ((0,), "running", 1, "")},
+            seq=1,
+            terms={"gone.service": (50, "on-demand", 1, None)},
+        ),
+    )
+    cgroup_of[4242] = "mid.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("mid.service", ":1.9", 4242)
+        assert ("stop", "gone.service") not in bed.systemd.calls
+        assert ctl.scheduler.is_waiting("mid.service")
+        goes_down(bed, "gone.service")
+        await settle()
+        assert bed.service.granted == [("mid.service", "0")]
+        snap = ctl.scheduler.snapshot()
+        assert (snap.held, snap.finished, snap.failed, snap.preempted) == ([], [], [], [])
+        saved = json.loads(ctl.store.path.read_text())
+        assert [saved[k] for k in ("held", "finished", "failed")] == [[], [], []]
 
     run(test)
 

@@ -5,10 +5,11 @@ mutation of the scheduler broke without any other test noticing (`make mutate`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision
-from gpuslice.core.model import Gpu
+from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import (
     Action,
     Log,
@@ -392,7 +393,10 @@ def test_a_reload_forgets_every_unit_no_longer_annotated_after_one_still_stoppin
     s.request(b)
     s.request(spec("top", 10, devices=("0",)))  # a is stopping
     logs = [x.decision for x in s.set_specs({}) if isinstance(x, Log)]
-    assert logs == [Decision(Code.UNMANAGED, "b.service", 90, gpus=(1,), cause=Cause.RUNS)]
+    assert logs == [
+        Decision(Code.UNMANAGED, "b.service", 90, gpus=(1,), cause=Cause.RUNS),
+        Decision(Code.UNMANAGED, "top.service", 10),  # its start, not yet answered
+    ]
     assert s.phase("a.service") is Phase.STOPPING
 
 
@@ -554,20 +558,221 @@ def test_a_reload_goes_on_past_a_running_unit_whose_annotation_went() -> None:
     assert brief(s.request(spec("v", 10, devices=("1",)))) == []  # b is more urgent now
 
 
-def test_a_restart_keeps_a_running_unit_whose_annotation_went_on_the_least_urgent_terms() -> None:
+def restarted(s: Scheduler, specs: Sequence[UnitSpec] = ()) -> Scheduler:
+    """The controller restarts: a fresh scheduler on the same GPUs loads what `s` saved."""
+    fresh = Scheduler(s.devices.values(), {x.name: x for x in specs})
+    fresh.load(s.save())
+    return fresh
+
+
+def test_a_restart_keeps_a_running_unit_whose_annotation_went_on_the_terms_it_held() -> None:
+    """Before the restart a.service holds its GPUs at priority 50: v.service (60) does not
+    preempt it, and w.service (40) does. A restarted controller kept it at 999, so v.service
+    stopped it there (only there); and a restart after that one keeps the same terms."""
     a = spec("a", 50, gpus=2)
     s = Scheduler([sized(0), sized(1)], {a.name: a})
     s.request(a)
     s.set_specs({})
-    fresh = Scheduler([sized(0), sized(1)], {})
-    fresh.load(s.save())
-    assert fresh.grants() == {"a.service": frozenset({0, 1})}
-    v = spec("v", 998, gpus=2)
-    fresh.set_specs({v.name: v})
-    assert brief(fresh.request(v)) == ["stop a.service"]
+    v, w = spec("v", 60, gpus=2), spec("w", 40, gpus=2)
+    for holder in (s, restarted(s), restarted(restarted(s))):
+        assert holder.grants() == {"a.service": frozenset({0, 1})}
+        assert holder.holders["a.service"].spec == UnitSpec("a.service", 50, gpus=2, requeue=False)
+        assert brief(copy.deepcopy(holder).request(v)) == []
+        assert brief(copy.deepcopy(holder).request(w)) == ["stop a.service"]
+    fresh = restarted(restarted(s))
+    fresh.request(w)
     acts = fresh.inactive("a.service", Outcome.STOPPED)
-    assert brief(acts) == ["grant v.service 0,1"]
-    assert "a.service (priority 999) preempted; Requeue=no, not restarting" in words(acts)
+    assert brief(acts) == ["grant w.service 0,1"]
+    assert "a.service (priority 50) preempted; Requeue=no, not restarting" in words(acts)
+
+
+def test_a_restart_keeps_the_memory_and_kind_an_unannotated_holder_held_its_gpu_by() -> None:
+    """bg.service declared 8 GiB and is a background unit: x.service (8 GiB, less urgent)
+    fits beside it, and a foreign process makes it yield, before and after a restart (which
+    took it for a whole GPU of an on-demand unit: x.service stopped it, and it stayed)."""
+    bg = spec("bg", 50, BG, mem_gib=8)
+    x = spec("x", 60, mem_gib=8)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    s.request(bg)
+    s.set_specs({})
+    for holder in (s, restarted(s)):
+        assert brief(copy.deepcopy(holder).request(x)) == ["grant x.service 0"]
+        foreign = copy.deepcopy(holder).set_gpus([sized(0, foreign=GIB, foreign_pids=(7,))])
+        assert brief(foreign) == ["stop bg.service"]
+
+
+def test_a_restart_keeps_the_terms_of_a_unit_whose_annotation_went_while_it_was_away() -> None:
+    """The last controller saved a.service annotated at priority 50; a daemon-reload took its
+    annotation out before the next one read it: it holds its GPU at 50, as set_specs keeps it."""
+    a = spec("a", 50)
+    s = Scheduler([sized(0)], {a.name: a})
+    s.request(a)
+    fresh = restarted(s)
+    assert fresh.holders["a.service"].spec == UnitSpec("a.service", 50, requeue=False)
+    assert brief(fresh.request(spec("v", 60))) == []
+
+
+def test_a_restart_after_an_older_controller_keeps_an_unannotated_holder_least_urgent() -> None:
+    """Its file has no terms: the priority the holder was granted at is not known."""
+    saved = SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1)
+    fresh = Scheduler([sized(0)], {})
+    fresh.load(saved)
+    assert fresh.holders["a.service"].spec == UnitSpec("a.service", 999, requeue=False)
+    assert brief(fresh.request(spec("v", 998))) == ["stop a.service"]
+
+
+def test_a_unit_whose_annotation_went_while_it_was_being_suspended_survives_a_restart() -> None:
+    """Caught between suspend and resume with no annotation, it was dropped: its GPU handed
+    out while its memory was still there, and nobody resumed it (left frozen, locked)."""
+    a = spec("a", 50, mem_gib=4, preempt="suspend stop")
+    s = Scheduler([sized(0)], {a.name: a})
+    s.request(a)
+    s.request(spec("v", 10))
+    assert s.phase("a.service") is Phase.SUSPENDING
+    s.set_specs({})
+    fresh = restarted(s)
+    assert brief(fresh.recover()) == ["resume a.service 0"]
+    assert fresh.holders["a.service"].spec == UnitSpec(
+        "a.service", 50, memory=4 * GIB, requeue=False
+    )
+    assert "a.service is no longer annotated" in words(fresh.resumed("a.service", "after 1 s"))[1]
+
+
+def test_a_frozen_unit_whose_annotation_went_while_the_controller_was_away_is_thawed() -> None:
+    """As set_specs thaws one whose annotation goes: never left frozen with nobody's
+    annotation to thaw it, nor dropped with its GPU handed out while its memory is there."""
+    a = spec("a", 50, mem_gib=4, preempt="freeze stop")
+    v = spec("v", 10, mem_gib=4)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v})
+    s.request(a)
+    assert brief(s.request(v)) == ["grant v.service 0", "freeze a.service"]
+    fresh = restarted(s, [v])
+    assert brief(fresh.recover()) == ["thaw a.service"]
+    assert fresh.phase("a.service") is Phase.RUNNING
+    assert fresh.grants() == {"a.service": frozenset({0}), "v.service": frozenset({0})}
+
+
+def test_a_suspended_unit_keeps_its_terms_across_a_restart() -> None:
+    """Its annotation went while it was suspended: it comes back in the order of the
+    priority it was suspended at (before gone.service, 60), before and after a restart."""
+    a = spec("a", 50, mem_gib=4, preempt="suspend stop")
+    g = spec("gone", 60, mem_gib=4, preempt="suspend stop")
+    v = spec("v", 10)
+    s = Scheduler([sized(0)], {a.name: a, g.name: g, v.name: v})
+    s.request(a)
+    s.request(g)
+    s.request(v)
+    s.suspended_done("a.service", "")
+    s.suspended_done("gone.service", "")
+    s.set_specs({v.name: v})
+    for holder in (s, restarted(s, [v])):
+        assert holder.snapshot().suspended == [("a.service", 50, (0,)), ("gone.service", 60, (0,))]
+
+
+def test_a_unit_being_suspended_whose_annotation_went_falls_back_to_a_stop() -> None:
+    """Once unannotated it gives way by a stop only (as after a restart): its suspend failed,
+    it is stopped for the waiter, not left running with no rung of its ladder left."""
+    a = spec("a", 50, preempt="suspend")
+    v = spec("v", 10)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v})
+    s.request(a)
+    assert brief(s.request(v)) == ["suspend a.service 0"]
+    s.set_specs({v.name: v})
+    assert brief(s.suspend_failed("a.service", "no cuda-checkpoint")) == ["stop a.service"]
+
+
+def test_a_unit_no_longer_annotated_stopped_for_another_is_forgotten() -> None:
+    """It is not brought back (Requeue=no, its journal line says): no preemption of it is
+    kept, which a.service's annotation coming back (Requeue=yes) would have restarted, and
+    which status showed for ever."""
+    a = spec("a", 50)
+    v = spec("v", 10)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v})
+    s.request(a)
+    s.set_specs({v.name: v})
+    assert brief(s.request(v)) == ["stop a.service"]
+    acts = s.inactive("a.service", Outcome.STOPPED)
+    assert "a.service (priority 50) preempted; Requeue=no, not restarting" in words(acts)
+    assert s.snapshot().preempted == [] and "a.service" not in s.save().preempted
+    s.inactive("v.service", Outcome.EXITED)
+    assert not s.has_work()
+    assert brief(s.set_specs({a.name: a, v.name: v})) == []
+
+
+def test_a_unit_whose_annotation_went_while_it_stopped_is_forgotten_too() -> None:
+    a = spec("a", 50)
+    v = spec("v", 10)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v})
+    s.request(a)
+    s.request(v)
+    s.set_specs({v.name: v})
+    acts = s.inactive("a.service", Outcome.STOPPED)
+    assert brief(acts) == ["grant v.service 0"]
+    assert "a.service (priority 50) preempted; Requeue=no, not restarting" in words(acts)
+    assert s.preempted == {}
+
+
+def test_how_a_unit_no_longer_annotated_ended_is_not_kept() -> None:
+    """Stopped by hand, finished or failed: forgotten, so that a background unit annotated
+    again is refilled as any new one."""
+    units = [spec(n, 50, BG, devices=(str(i),)) for i, n in enumerate(("held", "done", "bad"))]
+    s = Scheduler([sized(0), sized(1), sized(2)], {u.name: u for u in units})
+    for unit in units:
+        s.request(unit)
+    s.set_specs({})
+    s.inactive("held.service", Outcome.STOPPED)
+    s.inactive("done.service", Outcome.EXITED)
+    s.inactive("bad.service", Outcome.FAILED)
+    snap = s.snapshot()
+    assert (snap.held, snap.finished, snap.failed) == ([], [], [])
+    started = brief(s.set_specs({u.name: u for u in units}))
+    assert started == ["start held.service", "start done.service", "start bad.service"]
+
+
+def test_a_waiter_whose_annotation_went_is_forgotten_not_granted_later() -> None:
+    """Its gate is let through (the controller), its start goes on ungated: granted later,
+    it would hold GPUs its process is not told of, after a unit was stopped for it."""
+    low = spec("low", 50)
+    w = spec("w", 10)
+    s = Scheduler([sized(0)], {low.name: low, w.name: w})
+    s.request(low)
+    assert brief(s.request(w)) == ["stop low.service"]
+    (log,) = [a for a in s.set_specs({low.name: low}) if isinstance(a, Log)]
+    assert log.decision == Decision(Code.UNMANAGED, "w.service", 10)
+    assert not s.is_waiting("w.service")
+    assert brief(s.inactive("low.service", Outcome.STOPPED)) == ["start low.service"]
+
+
+def test_a_start_job_seen_whose_annotation_went_preempts_nothing() -> None:
+    """Announced before its gate ran, it would have waited in the queue for ever (no gate
+    asks once its drop-in went), stopping less urgent units for an unmanaged one."""
+    low = spec("low", 50)
+    w = spec("w", 10)
+    s = Scheduler([sized(0)], {low.name: low, w.name: w})
+    s.request(low)
+    s.request(spec("top", 5))  # low stops for top; w's start job is seen meanwhile
+    s.announce(w)
+    s.set_specs({low.name: low, "top.service": spec("top", 5)})
+    assert brief(s.inactive("low.service", Outcome.STOPPED)) == ["grant top.service 0"]
+    assert brief(s.inactive("top.service", Outcome.EXITED)) == ["start low.service"]
+    assert s.grants() == {"low.service": frozenset({0})}
+
+
+def test_a_requeue_whose_annotation_went_is_not_taken_for_ours_after_it_comes_back() -> None:
+    """a.service's requeue was forgotten with its annotation; annotated again, a start of
+    someone else's is seen: a restarted controller must not send it again as its own."""
+    a = spec("a", 50)
+    v = spec("v", 10)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v})
+    s.request(a)
+    s.request(v)
+    s.inactive("a.service", Outcome.STOPPED)
+    assert brief(s.inactive("v.service", Outcome.EXITED)) == ["start a.service"]
+    s.set_specs({v.name: v})
+    s.set_specs({a.name: a, v.name: v})
+    s.announce(a)
+    assert s.phase("a.service") is Phase.STARTING
+    assert s.save().started == []
 
 
 def test_a_restart_forgets_a_start_on_its_way_whose_annotation_went() -> None:

@@ -906,6 +906,7 @@ def test_suspended_units_are_shown_most_urgent_first_then_in_the_order_they_left
 
 
 def test_a_saved_suspended_unit_no_longer_annotated_is_kept_least_urgent_in_its_order() -> None:
+    """A file of a controller before `terms`: the priority it was suspended at is not known."""
     s = host(VOICE, gpus=[sized(0), sized(1)])
     s.load(
         dataclasses.replace(
@@ -913,7 +914,7 @@ def test_a_saved_suspended_unit_no_longer_annotated_is_kept_least_urgent_in_its_
         )
     )
     assert s.snapshot().suspended == [("old.service", 999, (0,)), ("gone.service", 999, (1,))]
-    assert s.suspended["gone.service"].spec == UnitSpec("gone.service", 999)
+    assert s.suspended["gone.service"].spec == UnitSpec("gone.service", 999, requeue=False)
     assert s.suspended["gone.service"].seq == 4
 
 

@@ -299,22 +299,24 @@ class HostMachine(RuleBasedStateMachine):
 
     @rule(index=st.integers(0, 7))
     def annotation_toggles(self, index: int) -> None:
-        """For units at rest, and for running ones: a running unit whose annotation went
-        keeps its GPUs on the terms it was granted them on until it ends (no second job on
-        them meanwhile), is never brought back, and is forgotten when it ends. Elsewhere
-        (waiting at its gate, its start or stop on its way) the adapter's part decides,
-        which the controller's tests cover."""
+        """For units at rest, running ones, and starts not answered yet: a running unit
+        whose annotation went keeps its GPUs on the terms it was granted them on until it
+        ends (no second job on them meanwhile), also across controller restarts, is never
+        brought back, and is forgotten when it ends; annotated again while it runs, it holds
+        them on its annotation's terms again. A start on its way (gpuslice's, or one
+        systemd announced) or waiting at its gate is forgotten: it runs ungated, on no GPUs
+        of gpuslice's (`Sim.annotate`, `Sim.finish_start`); annotated again before its gate
+        runs, it asks there. Elsewhere (its stop, suspend or resume on its way, suspended)
+        the adapter's part decides, which the controller's tests cover."""
         index %= len(self.specs)
         name = self.specs[index].name
         sim = self.sim
-        if name in sim.unmanaged or (sim.active(name) and name not in sim.running):
+        if name in sim.unmanaged or name in sim.suspended:
             return
         if name in sim.pending_stops or name in sim.pending_resumes:
             return
         if name in sim.pending_suspends:
             return
-        if name in sim.running and not self.annotated[index]:
-            return  # annotated again while it runs: the adapter's adoption, covered elsewhere
         self.annotated[index] = not self.annotated[index]
         self.sim.annotate(self._annotations())
 

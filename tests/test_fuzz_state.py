@@ -19,8 +19,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuslice.core.model import PRIORITY_MAX
 from gpuslice.core.scheduler import SavedState, Scheduler
-from gpuslice.state import FIELDS, GPU_INDEX_MAX, PHASES, SEQ_MAX, StateStore
+from gpuslice.sizes import SIZE_MAX
+from gpuslice.state import FIELDS, GPU_INDEX_MAX, KINDS, PHASES, SEQ_MAX, StateStore
 from gpuslice.unitfiles import UNIT_NAME_MAX, is_valid_unit_name
 from tests.core_builders import spec
 
@@ -53,6 +55,13 @@ def unit_names(draw: st.DrawFn) -> str:
 
 
 NAMES = unit_names()
+# what a unit whose annotation goes holds its GPUs on: (priority, kind, GPUs, memory)
+TERMS = st.tuples(
+    st.integers(0, PRIORITY_MAX),
+    st.sampled_from(KINDS),
+    st.integers(1, GPU_INDEX_MAX + 1),
+    st.none() | st.integers(1, SIZE_MAX),
+)
 SEQS = st.integers(0, SEQ_MAX)
 GPU_LISTS = st.lists(st.integers(0, GPU_INDEX_MAX), unique=True, max_size=8).map(tuple)
 KEYS = NAMES | st.text(max_size=20)  # JSON object keys: strings only
@@ -72,7 +81,8 @@ def valid_states(draw: st.DrawFn) -> SavedState:
     lists = [draw(st.lists(NAMES, unique=True, max_size=3)) for _ in range(3)]
     floor = max([0, *(h[2] for h in holders.values()), *preempted.values()])
     seq = draw(st.integers(floor, SEQ_MAX))
-    return SavedState(holders, preempted, lists[0], lists[1], lists[2], seq)
+    terms = {n: draw(TERMS) for n in holders if draw(st.booleans())}
+    return SavedState(holders, preempted, lists[0], lists[1], lists[2], seq, terms=terms)
 
 
 # any JSON value, NaN and infinities included (json.dumps writes them as NaN/Infinity)
@@ -108,6 +118,14 @@ def near_valid_files(draw: st.DrawFn) -> dict[str, Any]:
         data["held"].append(draw(near(NAMES)))
     if isinstance(data.get("preempted"), dict) and draw(st.booleans()):
         data["preempted"][draw(KEYS)] = draw(near(SEQS))
+    if draw(st.integers(0, 9)) == 0:
+        data["terms"] = draw(JSON)
+    if isinstance(data["terms"], dict) and draw(st.booleans()):
+        holders = data.get("holders")
+        names = sorted(holders) if isinstance(holders, dict) and holders else [draw(KEYS)]
+        name = draw(st.sampled_from(names) | KEYS)  # a holder's, mostly
+        term = st.lists(near(st.integers(-1, 1000)) | near(st.sampled_from(KINDS)))
+        data["terms"][name] = draw(near(TERMS.map(list)) | near(term))
     if draw(st.booleans()):
         data[draw(st.text(max_size=8))] = draw(JSON)
     return data
@@ -127,6 +145,7 @@ def check_load(content: bytes) -> None:
         check_types(saved, boot_id)
         names = set(saved.holders) | set(saved.preempted)
         Scheduler(range(4), {n: spec(n, 10) for n in names}).load(saved)
+        Scheduler(range(4), {}).load(saved)  # no longer annotated: held on their terms
         again = Records()
         assert again.around(store.load) == (saved, boot_id)
         assert again.seen == []
@@ -153,6 +172,12 @@ def check_types(saved: SavedState, boot_id: str) -> None:
         assert isinstance(names, list) and len(set(names)) == len(names)
         assert all(unit(n) for n in names)
     assert type(saved.seq) is int and 0 <= saved.seq <= SEQ_MAX
+    assert isinstance(saved.terms, dict)
+    for name, (priority, kind, count, memory) in saved.terms.items():
+        assert name in saved.holders or name in saved.suspended
+        assert type(priority) is int and 0 <= priority <= PRIORITY_MAX and kind in KINDS
+        assert type(count) is int and 1 <= count <= GPU_INDEX_MAX + 1
+        assert memory is None or (type(memory) is int and 1 <= memory <= SIZE_MAX)
 
 
 class Records(logging.Handler):

@@ -19,7 +19,7 @@ import pytest
 from gpuslice.core.scheduler import SavedState, Scheduler
 from gpuslice.state import STATE_FILE_MAX, StateStore
 from gpuslice.unitfiles import UNIT_NAME_MAX
-from tests.core_builders import spec
+from tests.core_builders import BG, sized, spec
 
 GOOD: dict[str, Any] = {
     "version": 1,
@@ -33,6 +33,7 @@ GOOD: dict[str, Any] = {
     "suspended": {},
     "frozen_for": {},
     "started": [],
+    "terms": {},
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -464,6 +465,86 @@ def test_bad_ladder_entries_are_dropped(
     saved, _, records = load(tmp_path, content, caplog)
     assert any(problem in r.getMessage() for r in records), [r.getMessage() for r in records]
     assert "x.service" not in saved.suspended and "x.service" not in saved.holders
+
+
+# the terms units hold their GPUs on, for one whose annotation goes: (priority, kind, GPUs,
+# memory); ocr.service is suspended
+TERMS = {
+    **LADDER,
+    "terms": {
+        "asr.service": [10, "on-demand", 1, None],
+        "emb.service": [90, "background", 2, 8 << 30],
+        "ocr.service": [50, "on-demand", 1, 4 << 30],
+    },
+}
+
+
+def test_round_trip_of_the_terms(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    saved, _, records = load(tmp_path, json.dumps(TERMS).encode(), caplog)
+    assert records == []
+    assert saved.terms == {
+        "asr.service": (10, "on-demand", 1, None),
+        "emb.service": (90, "background", 2, 8 << 30),
+        "ocr.service": (50, "on-demand", 1, 4 << 30),
+    }
+    store = StateStore(tmp_path / "again")
+    store.save(saved, "0f6c/1234")
+    assert json.loads(store.path.read_text()) == TERMS
+
+
+def test_a_restarted_controller_holds_unannotated_units_on_their_saved_terms(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The annotations of all three went: each keeps what it held its GPUs on."""
+    saved, _, _ = load(tmp_path, json.dumps(TERMS).encode(), caplog)
+    scheduler = Scheduler([sized(0), sized(1)], {})
+    scheduler.load(saved)
+    emb = scheduler.holders["emb.service"].spec
+    assert (emb.priority, emb.kind, emb.gpus, emb.memory) == (90, BG, 2, 8 << 30)
+    assert scheduler.holders["asr.service"].spec.priority == 10
+    assert scheduler.suspended["ocr.service"].spec.memory == 4 << 30
+
+
+def test_a_file_of_a_controller_before_the_terms_is_complete(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = {k: v for k, v in LADDER.items() if k != "terms"}
+    saved, _, records = load(tmp_path, json.dumps(old).encode(), caplog)
+    assert records == []
+    assert saved.terms == {} and set(saved.holders) == {"asr.service", "emb.service"}
+
+
+@pytest.mark.parametrize(
+    ("terms", "problem"),
+    [
+        ([], "terms: expected an object, got a list"),
+        ({"asr.service": 10}, 'dropped "asr.service": expected [priority, kind, GPUs, memory]'),
+        ({"asr.service": [10, "on-demand", 1]}, "expected [priority, kind, GPUs, memory]"),
+        ({"asr.service": [-1, "on-demand", 1, None]}, "priority -1 is not an integer 0-999"),
+        ({"asr.service": [1000, "on-demand", 1, None]}, "priority 1000 is not an integer 0-999"),
+        ({"asr.service": [True, "on-demand", 1, None]}, "priority true is not an integer"),
+        ({"asr.service": ["10", "on-demand", 1, None]}, 'priority "10" is not an integer'),
+        ({"asr.service": [10, "daemon", 1, None]}, 'kind "daemon" is not one of on-demand,'),
+        ({"asr.service": [10, None, 1, None]}, "kind null is not one of"),
+        ({"asr.service": [10, "on-demand", 0, None]}, "GPUs 0 is not an integer 1-1024"),
+        ({"asr.service": [10, "on-demand", 1025, None]}, "GPUs 1025 is not an integer 1-1024"),
+        ({"asr.service": [10, "on-demand", 1, 0]}, "memory 0 is neither null nor 1-"),
+        ({"asr.service": [10, "on-demand", 1, (1 << 50) + 1]}, "memory 1125899906842625 is"),
+        ({"asr.service": [10, "on-demand", 1, "8G"]}, 'memory "8G" is neither null nor'),
+        ({"asr.service": [10, "on-demand", 1, 1.5]}, "memory 1.5 is neither null nor"),
+        ({"../x": [10, "on-demand", 1, None]}, 'terms: dropped "../x": not a unit name'),
+        ({"x.service": [10, "on-demand", 1, None]}, "neither a holder nor a suspended unit"),
+    ],
+)
+def test_bad_terms_are_dropped_with_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, terms: Any, problem: str
+) -> None:
+    """A unit whose terms are dropped is judged as before them (the least urgent, whole
+    GPUs); the rest of the file is kept."""
+    saved, _, records = load(tmp_path, json.dumps({**LADDER, "terms": terms}).encode(), caplog)
+    assert any(problem in r.getMessage() for r in records), [r.getMessage() for r in records]
+    assert saved.terms == {}
+    assert set(saved.holders) == {"asr.service", "emb.service"}
 
 
 def test_a_suspended_unit_of_seq_0_is_kept(

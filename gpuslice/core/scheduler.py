@@ -253,14 +253,36 @@ class SavedState:
     suspended: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     frozen_for: dict[str, list[str]] = field(default_factory=dict)
     started: list[str] = field(default_factory=list)  # STARTING holders gpuslice started
+    # unit -> (priority, kind, GPUs, memory or None): the terms each holder (but a starting
+    # one) and each suspended unit holds its GPUs on, for one whose annotation goes before
+    # the next controller reads it (`_kept_terms`)
+    terms: dict[str, tuple[int, str, int, int | None]] = field(default_factory=dict)
 
 
-def _orphan(name: str) -> UnitSpec:
-    """The terms a running unit whose annotation went holds its GPUs on after a controller
-    restart (its annotation, and with it its priority, are gone): the least urgent, whole
-    GPUs, given way by a stop, never brought back. (Its GPUs are its holder's; a spec's
-    count is read only to place a unit, which it never is again.)"""
-    return UnitSpec(name, PRIORITY_MAX, requeue=False)
+def _unannotated(spec: UnitSpec) -> UnitSpec:
+    """The terms a unit whose annotation went holds its GPUs on until it ends: those it was
+    granted them on (its priority, its memory, its kind), but it gives way only by a stop
+    (frozen or suspended, nobody's annotation would bring it back) and is not brought back
+    after one."""
+    return replace(spec, preempt=(Rung.STOP,), requeue=False)
+
+
+def _terms(spec: UnitSpec) -> tuple[int, str, int, int | None]:
+    """What `SavedState.terms` keeps of a spec: what an unannotated holder is judged by."""
+    return (spec.priority, spec.kind.value, spec.gpus, spec.memory)
+
+
+def _kept_terms(name: str, saved: SavedState) -> UnitSpec:
+    """After a controller restart, the terms of a unit whose annotation went: those the last
+    controller held it on, so that it is preempted for no request it would not have been
+    preempted for before. A file of a controller before `terms` has none: then the least
+    urgent, whole GPUs (its GPUs are its holder's; a spec's count is read only to place a
+    unit, which it never is again)."""
+    kept = saved.terms.get(name)
+    if kept is None:
+        return _unannotated(UnitSpec(name, PRIORITY_MAX))
+    priority, kind, gpus, memory = kept
+    return _unannotated(UnitSpec(name, priority, UnitKind(kind), gpus, memory=memory))
 
 
 def _seq(waiter: Waiter) -> int:
@@ -509,7 +531,20 @@ class Scheduler:
         if holder is not None and outcome is Outcome.SHUTDOWN:
             gpus = tuple(sorted(holder.gpus))
             actions.append(_log(_about(holder.spec, Code.SHUTDOWN, gpus=gpus)))
+        if name not in self.specs:
+            self._forget_end(name)
         return actions + self.schedule()
+
+    def _forget_end(self, name: str) -> None:
+        """How a unit no longer annotated ended is not kept: it is forgotten like any
+        unannotated unit. Kept, its preemption would bring it back once it is annotated
+        again (it held its GPUs without a comeback), a hold or end would keep it from a
+        refill then, and status would show it for ever."""
+        self.preempted.pop(name, None)
+        self.held.discard(name)
+        self.finished.discard(name)
+        self.failed.discard(name)
+        self.wait_failed.discard(name)
 
     def running(
         self, name: str, gpus: Iterable[int] | None = None, *, stopping: bool = False
@@ -677,10 +712,8 @@ class Scheduler:
     def _still_runs(self, holder: Holder) -> Decision:
         """A running unit whose annotation went keeps its GPUs until it ends, then is
         forgotten like any unannotated unit: its job still runs there, and handed out they
-        would hold two jobs. It keeps the terms it was granted them on (its priority, its
-        memory), but gives way only by a stop (frozen or suspended, nobody's annotation
-        would bring it back) and is not brought back after one."""
-        holder.spec = replace(holder.spec, preempt=(Rung.STOP,), requeue=False)
+        would hold two jobs. It holds them on `_unannotated` terms."""
+        holder.spec = _unannotated(holder.spec)
         gpus = tuple(sorted(holder.gpus))
         return _about(holder.spec, Code.UNMANAGED, gpus=gpus, cause=Cause.RUNS)
 
@@ -744,9 +777,13 @@ class Scheduler:
     def recover(self) -> list[Action]:
         """After a controller restart: units caught between suspend and resume are resumed
         on the GPUs they still hold (a resume is safe in any state: it restores what was
-        moved and unlocks what was locked); the scheduler suspends them again if it must."""
+        moved and unlocks what was locked); the scheduler suspends them again if it must.
+        A frozen unit whose annotation went while the last controller was away is thawed,
+        as set_specs would have."""
         actions: list[Action] = []
         for name, holder in sorted(self.holders.items()):
+            if holder.phase is Phase.FROZEN and name not in self.specs:
+                actions.append(self._thaw_unannotated(holder))
             if holder.phase in (Phase.SUSPENDING, Phase.RESUMING):
                 holder.phase = Phase.RESUMING
                 holder.stopping_for = None
@@ -769,37 +806,66 @@ class Scheduler:
         self.refill_paused = reason
 
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
-        """Annotations were (re)read: apply new priorities, forget units no longer managed
-        (those still running once they end)."""
+        """Annotations were (re)read: apply new priorities. A unit no longer annotated whose
+        start was not answered yet is forgotten: its start goes on ungated, as any
+        unannotated unit's (its gate's drop-in went with the daemon-reload; a gate of it
+        that still runs is let through by the controller), with no GPUs of gpuslice's. One
+        that was answered holds its GPUs until it ends (`_keep_unannotated`)."""
         actions: list[Action] = []
         was = self.specs
         self._set_specs(specs)
+        self._tops_cache = None  # priorities change, holders go
         for name in list(self.holders):
-            phase = self.holders[name].phase
-            if name not in self.specs and phase in (*GIVING_WAY, Phase.RESUMING):
-                continue  # it holds its GPUs until its stop, suspend or resume is done
-            if name not in self.specs and phase is Phase.FROZEN:
-                holder = self.holders[name]
-                thaw = _about(holder.spec, Code.THAW, gpus=tuple(sorted(holder.gpus)))
-                actions.append(Thaw(name, render(thaw), thaw))  # never left frozen unowned
-                holder.phase = Phase.RUNNING  # beside the units it was frozen for, as thawed
-                holder.frozen_for.clear()  # by hand (thawed_outside)
-                phase = Phase.RUNNING
-            if name not in self.specs and phase is Phase.RUNNING:
-                # its job still runs on them: handed out, two jobs would share a GPU
-                if name in was:
-                    actions.append(_log(self._still_runs(self.holders[name])))
-                continue
-            if name not in self.specs:
-                gone = self.holders.pop(name)
-                gpus = tuple(sorted(gone.gpus))
-                actions.append(_log(_about(gone.spec, Code.UNMANAGED, gpus=gpus)))
+            holder = self.holders[name]
+            if name in self.specs:
+                holder.spec = self.specs[name]
+            elif holder.phase is Phase.STARTING:
+                actions.append(self._forget_start(name))
             else:
-                self.holders[name].spec = self.specs[name]
+                actions += self._keep_unannotated(holder, told=name not in was)
         for name in list(self.waiters):
             if name in self.specs:
                 self.waiters[name].spec = self.specs[name]
+            else:
+                actions.append(self._forget_start(name))
+        for name, entry in self.suspended.items():
+            if name not in self.specs:
+                entry.spec = _unannotated(entry.spec)
         return actions + self.schedule()
+
+    def _forget_start(self, name: str) -> Log:
+        """A start not answered yet (a place kept for it, or waiting) of a unit whose
+        annotation went: nothing of it runs on GPUs of gpuslice's, and the units stopping for
+        it stop for nobody now, as for a start that was cancelled. Never granted later: its
+        gate would pass onto GPUs its process is not told of (the environment file's drop-in
+        went with its annotation), after less urgent units were stopped for an unmanaged one."""
+        self.started.discard(name)
+        self.requeued.discard(name)
+        gone = self.holders.pop(name, None)
+        if gone is not None:
+            return _log(_about(gone.spec, Code.UNMANAGED, gpus=tuple(sorted(gone.gpus))))
+        return _log(_about(self.waiters.pop(name).spec, Code.UNMANAGED))
+
+    def _keep_unannotated(self, holder: Holder, *, told: bool) -> list[Action]:
+        """A holder whose annotation went, its start answered: its job runs on its GPUs (or
+        is being stopped, suspended or resumed there), so it keeps them until it ends, on
+        `_unannotated` terms; a frozen one is thawed (never left frozen with nobody's
+        annotation to thaw it), and one that runs is told so (once: `told` already)."""
+        holder.spec = _unannotated(holder.spec)
+        actions: list[Action] = []
+        if holder.phase is Phase.FROZEN:
+            actions.append(self._thaw_unannotated(holder))
+        if holder.phase is Phase.RUNNING and not told:
+            actions.append(_log(self._still_runs(holder)))
+        return actions
+
+    def _thaw_unannotated(self, holder: Holder) -> Thaw:
+        """Thaw a frozen unit whose annotation went: it runs beside the units it was frozen
+        for, as if thawed by hand (`thawed_outside`)."""
+        thaw = _about(holder.spec, Code.THAW, gpus=tuple(sorted(holder.gpus)))
+        holder.phase = Phase.RUNNING
+        holder.frozen_for.clear()
+        return Thaw(holder.spec.name, render(thaw), thaw)
 
     # -- the rules --------------------------------------------------------------------------
 
@@ -1562,6 +1628,14 @@ class Scheduler:
                 n: sorted(h.frozen_for) for n, h in self.holders.items() if h.phase is Phase.FROZEN
             },
             started=sorted(n for n in self.started if self.phase(n) is Phase.STARTING),
+            terms={
+                **{
+                    n: _terms(h.spec)
+                    for n, h in self.holders.items()
+                    if h.phase is not Phase.STARTING
+                },
+                **{n: _terms(e.spec) for n, e in self.suspended.items()},
+            },
         )
 
     def load(self, saved: SavedState) -> None:
@@ -1577,20 +1651,18 @@ class Scheduler:
         self._seq = max(self._seq, saved.seq)
         for name, (gpus, phase, seq, *rest) in saved.holders.items():
             stopping_for = rest[0] if rest and rest[0] else None
-            if name in self.specs:
-                self.holders[name] = Holder(
-                    self.specs[name], frozenset(gpus), Phase(phase), seq, stopping_for
-                )
-                if Phase(phase) is Phase.FROZEN:
-                    self.holders[name].frozen_for = set(saved.frozen_for.get(name, ()))
-            elif Phase(phase) in (Phase.RUNNING, Phase.STOPPING) and gpus:
-                # its annotation went while it ran (set_specs): its job still runs there
-                self.holders[name] = Holder(
-                    _orphan(name), frozenset(gpus), Phase(phase), seq, stopping_for
-                )
+            spec = self.specs.get(name)
+            if spec is None and (Phase(phase) is Phase.STARTING or not gpus):
+                continue  # its start goes on ungated (set_specs), or it holds nothing
+            # no longer annotated, its job still runs there (or is being stopped, suspended,
+            # resumed, or is frozen: `recover` thaws it), as set_specs keeps it
+            spec = spec or _kept_terms(name, saved)
+            self.holders[name] = Holder(spec, frozenset(gpus), Phase(phase), seq, stopping_for)
+            if Phase(phase) is Phase.FROZEN:
+                self.holders[name].frozen_for = set(saved.frozen_for.get(name, ()))
         for name, (gpus, seq) in saved.suspended.items():
             # kept even if no longer annotated: nobody else would ever resume it
-            spec = self.specs.get(name) or UnitSpec(name, PRIORITY_MAX)
+            spec = self.specs.get(name) or _kept_terms(name, saved)
             self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
         self.started = {n for n in saved.started if self.phase(n) is Phase.STARTING}
         self.preempted = dict(saved.preempted)
