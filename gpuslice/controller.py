@@ -619,13 +619,16 @@ class Controller:
     def _serve_gate(self, unit: str) -> None:
         """The unit's gate asks (over D-Bus, or systemd showed it at its gate)."""
         spec = self.spec_for(unit)
+        if spec is not None:
+            self.tracker.passed_gate(unit)
+        if self.scheduler.phase(unit) is Phase.STOPPING:
+            # its start job outran our stop job (a preemption, or a start of ours withdrawn
+            # when its annotation went): stop it again rather than leave it waiting or let
+            # it through
+            self._call_systemd(self.systemd.stop_unit, unit, "stop")
+            return
         if spec is None:
             self._let_through(unit)
-            return
-        self.tracker.passed_gate(unit)
-        if self.scheduler.phase(unit) is Phase.STOPPING:
-            # its start job outran our stop job: stop it again rather than leave it waiting
-            self._call_systemd(self.systemd.stop_unit, unit, "stop")
             return
         self.watch.refresh_if_older(FRESH_SAMPLE)  # grant against what is on the GPUs now
         with self._batched():

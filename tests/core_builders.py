@@ -843,6 +843,11 @@ class Sim:
         if d is None or stop.reason != render(d):
             raise InvariantError(f"Stop {stop.unit} without its decision, or other words: {stop}")
         self.frozen.pop(stop.unit, None)  # stopped: whatever froze it no longer matters
+        if d.code is Code.UNMANAGED:
+            # a start of gpuslice's own whose annotation went before its gate was answered
+            if stop.unit in self.annotations or stop.unit in self.running:
+                raise InvariantError(f"Stop {stop.unit}, annotated or running: {stop.reason}")
+            return
         if d.code is Code.YIELD:
             self._check_yield(stop.unit, d.unit)
             return

@@ -799,6 +799,41 @@ def test_a_waiter_whose_annotation_went_and_that_was_stopped_is_not_granted_late
     run(test)
 
 
+def test_a_start_of_ours_whose_annotation_went_is_stopped_and_its_gate_not_let_through(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """gpuslice started bg.service onto the free GPU 0 (a refill) when a daemon-reload took
+    its annotation out: its start is stopped, as gpuslice starts no unannotated unit; its
+    gate, asking meanwhile, is stopped again, not let through (it would run on GPU 0, which
+    would go to the next unit). Once it is down nothing of it is kept or started again."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "inactive", "dead")],
+    )
+    cgroup_of[4242] = "bg.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ("start", "bg.service") in bed.systemd.calls
+        assert ctl.scheduler.phase("bg.service") is Phase.STARTING
+        await unannotate(ctl, tmp_path, "bg.service")
+        await settle()
+        assert bed.systemd.calls.count(("stop", "bg.service")) == 1
+        await bed.acquire("bg.service", ":1.9", 4242)
+        assert bed.systemd.calls.count(("stop", "bg.service")) == 2
+        assert bed.service.granted == []
+        goes_down(bed, "bg.service")
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        assert "bg.service" not in ctl.scheduler.preempted
+        assert bed.systemd.calls.count(("start", "bg.service")) == 1
+
+    run(test)
+
+
 def test_a_waiter_at_its_pipe_whose_annotation_went_is_let_through_at_once(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

@@ -759,8 +759,8 @@ def test_a_start_job_seen_whose_annotation_went_preempts_nothing() -> None:
 
 
 def test_a_requeue_whose_annotation_went_is_not_taken_for_ours_after_it_comes_back() -> None:
-    """a.service's requeue was forgotten with its annotation; annotated again, a start of
-    someone else's is seen: a restarted controller must not send it again as its own."""
+    """a.service's requeue was withdrawn with its annotation (stopped); annotated again before
+    it is down, a restarted controller must not send that start again as its own."""
     a = spec("a", 50)
     v = spec("v", 10)
     s = Scheduler([sized(0)], {a.name: a, v.name: v})
@@ -768,10 +768,9 @@ def test_a_requeue_whose_annotation_went_is_not_taken_for_ours_after_it_comes_ba
     s.request(v)
     s.inactive("a.service", Outcome.STOPPED)
     assert brief(s.inactive("v.service", Outcome.EXITED)) == ["start a.service"]
-    s.set_specs({v.name: v})
+    assert brief(s.set_specs({v.name: v})) == ["stop a.service"]
     s.set_specs({a.name: a, v.name: v})
-    s.announce(a)
-    assert s.phase("a.service") is Phase.STARTING
+    assert s.phase("a.service") is Phase.STOPPING
     assert s.save().started == []
 
 
@@ -784,15 +783,45 @@ def test_a_restart_forgets_a_start_on_its_way_whose_annotation_went() -> None:
     assert fresh.grants() == {}
 
 
-def test_a_unit_no_longer_annotated_on_its_way_to_its_gate_releases_its_gpus_as_data() -> None:
-    """A start on its way (its place kept) runs ungated once its gate's drop-in has gone:
-    nothing of gpuslice's runs there yet, so its GPU is free again."""
-    a = spec("a", 50, BG)
-    s = Scheduler([sized(0)], {a.name: a})
+def test_a_start_of_gpuslices_own_whose_annotation_went_is_stopped_keeping_its_gpu() -> None:
+    """A refill on its way (its place kept) when the annotation goes: gpuslice starts no
+    unannotated unit, so its start is stopped; let through, it would run ungated on GPU 0
+    while the GPU went to the next unit. GPU 0 stays its until it is down; then it is
+    forgotten, not restarted, and the GPU goes on."""
+    a, b = spec("a", 50, BG), spec("b", 60, BG)
+    s = Scheduler([sized(0)], {a.name: a, b.name: b})
     assert brief(s.schedule()) == ["start a.service"]
-    (log,) = [x for x in s.set_specs({}) if isinstance(x, Log)]
-    assert log.decision == Decision(Code.UNMANAGED, "a.service", 50, gpus=(0,))
-    assert s.grants() == {}
+    actions = s.set_specs({b.name: b})
+    assert brief(actions) == ["stop a.service"]
+    (stop,) = [x for x in actions if isinstance(x, Stop)]
+    assert stop.decision == Decision(
+        Code.UNMANAGED, "a.service", 50, gpus=(0,), cause=Cause.WITHDRAWN
+    )
+    assert stop.reason == (
+        "a.service is no longer annotated: stopping the start gpuslice gave it; "
+        "it keeps GPU 0 until it is down"
+    )
+    assert s.grants() == {"a.service": frozenset({0})}
+    assert s.save().started == []
+    down = s.inactive("a.service", Outcome.STOPPED)
+    assert brief(down) == ["start b.service"]
+    assert not [x for x in down if isinstance(x, Log)]  # no "Requeue=no, not restarting"
+    assert "a.service" not in s.preempted and "a.service" not in s.held
+
+
+def test_a_start_of_gpuslices_own_whose_annotation_went_while_it_was_away_is_stopped() -> None:
+    """The same after a controller restart: the saved start of its own is withdrawn at load
+    (its gate, when it asks, is stopped by the controller), keeping its GPU until it is down."""
+    saved = SavedState(
+        holders={"a.service": ((0,), "starting", 1, "")}, seq=1, started=["a.service"]
+    )
+    fresh = Scheduler([sized(0)], {})
+    fresh.load(saved)
+    assert fresh.phase("a.service") is Phase.STOPPING
+    assert fresh.grants() == {"a.service": frozenset({0})}
+    assert fresh.start_lost("a.service") == []  # never sent again
+    assert brief(fresh.inactive("a.service", Outcome.STOPPED)) == []
+    assert "a.service" not in fresh.preempted
 
 
 def test_a_wait_behind_a_unit_stopping_for_another_is_data() -> None:

@@ -71,6 +71,7 @@ class Cause(enum.Enum):
     QUEUES = "waits-at-gate"  # requeue: it waits at its gate for more urgent units' GPUs
     SUSPENDED = "suspended"  # thawed-outside: the unit was suspended (else frozen)
     RUNS = "still-runs"  # unmanaged: it runs on, holding `gpus` until it ends
+    WITHDRAWN = "start-withdrawn"  # unmanaged: gpuslice's own start of it is stopped
 
 
 class Blocker(enum.Enum):
@@ -392,4 +393,7 @@ def render(d: Decision) -> str:
             f"{d.unit} is no longer annotated: it keeps {format_gpus(d.gpus)} until it ends, "
             "then gpuslice forgets it"
         )
+    if d.cause is Cause.WITHDRAWN:
+        kept = f"; it keeps {format_gpus(d.gpus)} until it is down" if d.gpus else ""
+        return f"{d.unit} is no longer annotated: stopping the start gpuslice gave it{kept}"
     return f"{d.unit} is no longer annotated: released its GPUs"

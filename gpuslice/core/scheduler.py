@@ -506,7 +506,8 @@ class Scheduler:
         if holder is not None and holder.phase is Phase.STOPPING and not by_itself:
             spec = self.specs.get(name, holder.spec)
             self.preempted[name] = self.out_since[name]
-            if not spec.requeue:
+            withdrawn = name not in self.specs and holder.stopping_for is None
+            if not spec.requeue and not withdrawn:
                 actions.append(_log(_about(spec, Code.NOT_REQUEUED)))
         elif outcome is Outcome.STOPPED:
             self.held.add(name)
@@ -819,6 +820,8 @@ class Scheduler:
             holder = self.holders[name]
             if name in self.specs:
                 holder.spec = self.specs[name]
+            elif holder.phase is Phase.STARTING and name in self.started:
+                actions.append(self._withdraw_start(holder))
             elif holder.phase is Phase.STARTING:
                 actions.append(self._forget_start(name))
             else:
@@ -832,6 +835,21 @@ class Scheduler:
             if name not in self.specs:
                 entry.spec = _unannotated(entry.spec)
         return actions + self.schedule()
+
+    def _withdraw_start(self, holder: Holder) -> Stop:
+        """A start gpuslice sent itself (a refill, a requeue) of a unit whose annotation went
+        before its gate was answered is stopped: gpuslice starts no unannotated unit. Let
+        through instead, it would run, ungated, on the GPUs kept for it, and those would be
+        handed to the next unit: two jobs on one GPU, both started by gpuslice. It keeps
+        them until it is down, then is forgotten (`inactive`)."""
+        name = holder.spec.name
+        self.started.discard(name)
+        self.requeued.discard(name)
+        holder.spec = _unannotated(holder.spec)
+        holder.phase = Phase.STOPPING
+        holder.stopping_for = None
+        gpus = tuple(sorted(holder.gpus))
+        return _stop(_about(holder.spec, Code.UNMANAGED, gpus=gpus, cause=Cause.WITHDRAWN))
 
     def _forget_start(self, name: str) -> Log:
         """A start not answered yet (a place kept for it, or waiting) of a unit whose
@@ -1652,7 +1670,11 @@ class Scheduler:
         for name, (gpus, phase, seq, *rest) in saved.holders.items():
             stopping_for = rest[0] if rest and rest[0] else None
             spec = self.specs.get(name)
-            if spec is None and (Phase(phase) is Phase.STARTING or not gpus):
+            if spec is None and Phase(phase) is Phase.STARTING and name in saved.started:
+                # a start of ours whose annotation went while we were away: withdrawn, as
+                # set_specs does (its gate, when it asks, is stopped; Controller._serve_gate)
+                phase, stopping_for = Phase.STOPPING.value, None
+            elif spec is None and (Phase(phase) is Phase.STARTING or not gpus):
                 continue  # its start goes on ungated (set_specs), or it holds nothing
             # no longer annotated, its job still runs there (or is being stopped, suspended,
             # resumed, or is frozen: `recover` thaws it), as set_specs keeps it

@@ -33,14 +33,15 @@ CYCLES = int(os.environ.get("GPUSLICE_CHAOS_CYCLES", "200"))
 BACKGROUND = {
     "bg80a.service": 80,
     "bg80b.service": 80,
-    "bg85.service": 85,
+    "bg75.service": 75,
     "bg90.service": 90,
 }
 # Its annotation comes and goes (never stopped or started by hand, so that it only ever runs
 # from a start gpuslice granted): while it runs unannotated it keeps the GPU until it ends,
-# so "at most one unit past its gate" counts it either way; unannotated and down, it is not
-# gpuslice's to start.
-TOGGLED = "bg85.service"
+# and a start of gpuslice's on its way is stopped, so "at most one unit past its gate"
+# counts it either way; unannotated and down, it is not gpuslice's to start. The most
+# urgent background unit: it is the one that usually runs, or is being started.
+TOGGLED = "bg75.service"
 TOGGLE_DIR = "/var/lib/chaos"
 ON_DEMAND = {"od10.service": (10, "0.1"), "od20.service": (20, "0.3"), "od30.service": (30, "0.6")}
 UNITS = [*BACKGROUND, *ON_DEMAND]
