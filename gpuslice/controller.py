@@ -90,6 +90,9 @@ QUEUED_DELAY = 0.02
 # nothing at every job's end (issue 10: the read of the victim's stop job was answered while
 # systemd forked the waiter's main process).
 REFRESH_DELAY = 0.02
+# Phases only a unit that passed its gate (and has not gone down since) can be in: one that
+# systemd shows at its gate again ran and ended while the controller was away.
+_RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
 
@@ -260,7 +263,8 @@ class Controller:
 
     def _rebuild(self) -> list[Action]:
         """Take in what systemd shows, then decide once: restored holders that ended while
-        we were away are recorded as finished, failed or preempted, but a start of ours that
+        we were away (a frozen or suspended one systemd shows starting again among them,
+        `_started_again`) are recorded as finished, failed or preempted, but a start of ours that
         systemd shows no job for is sent again (Scheduler.start_lost); a stop we had asked
         for that systemd no longer runs is given up; running units we did not know are
         adopted; units at their gate, or whose start job waits for us to be ready, queue at
@@ -276,6 +280,8 @@ class Controller:
                     # no job: a StartUnit of ours may have died with the last controller
                     lost = self.scheduler.start_lost(name) if state.job_id == 0 else []
                     actions += lost or self.scheduler.inactive(name, self.tracker.outcome(state))
+                elif self._started_again(name, state):
+                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
                 elif (
                     kind is Kind.RUNNING
                     and self.scheduler.phase(name) is Phase.STOPPING
@@ -285,7 +291,7 @@ class Controller:
                     actions += self.scheduler.stop_failed(name, why, refused=False)
             for name in self.scheduler.suspended_units():  # stopped by hand while we were away
                 state = self.tracker.state(name)
-                if classify(state) is Kind.DOWN:
+                if classify(state) is Kind.DOWN or self._started_again(name, state):
                     actions += self.scheduler.inactive(name, self.tracker.outcome(state))
             states = sorted(self.tracker.states.values(), key=lambda s: s.name)
             for state in states:
@@ -302,6 +308,15 @@ class Controller:
                     actions += self.scheduler.request(spec)
             actions += self.scheduler.recover()  # caught between suspend and resume
         return actions + self.scheduler.schedule()
+
+    def _started_again(self, name: str, state: UnitState) -> bool:
+        """Whether a unit the last controller had frozen or suspended (or was suspending or
+        resuming) is shown starting afresh: at its gate, or down with a start job queued.
+        Only a unit past its gate is in those phases, so it was stopped while we were away
+        (systemd thaws a frozen unit to stop it) and started again: that run ended. Kept in
+        its phase, the new start's gate would ask a core that answers no frozen, suspended
+        or resuming unit (Scheduler.request), and wait for ever."""
+        return self.scheduler.phase(name) in _RAN_PAST_GATE and bound_for_gate(state)
 
     # -- signals from systemd ---------------------------------------------------------------
 

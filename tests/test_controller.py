@@ -456,6 +456,84 @@ def test_start_up_keeps_a_suspended_unit_whose_annotation_went_while_it_still_ru
     run(test)
 
 
+def test_start_up_takes_a_frozen_unit_shown_at_its_gate_for_a_new_start(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service was frozen beside b.service; while the controller was away someone stopped
+    it (systemd thaws it first) and started it again: it waits at its gate. Its run ended:
+    the new start waits for GPU 0 like any start and is granted once b.service ends. Kept
+    frozen, its gate was never answered (the core answers no frozen unit's gate)."""
+    bed = Bed(
+        tmp_path,
+        {
+            "a.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "b.service": "Priority=80\nMemory=4G\n",
+        },
+        [
+            state("a.service", "activating", "start-pre", 5, "start"),
+            state("b.service", "active", "running"),
+        ],
+        SavedState(
+            holders={"a.service": ((0,), "frozen", 1, ""), "b.service": ((0,), "running", 2, "")},
+            frozen_for={"a.service": ["b.service"]},
+            seq=2,
+        ),
+    )
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("a.service")
+        assert ctl.scheduler.is_waiting("a.service")
+        assert ctl.scheduler.grants() == {"b.service": frozenset({0})}
+        goes_down(bed, "b.service")
+        await settle()
+        assert bed.service.granted == [("a.service", "0")]
+
+    run(test)
+
+
+def test_start_up_takes_a_suspended_unit_shown_starting_for_a_new_start(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service was suspended for b.service; while the controller was away someone stopped
+    it and started it again: its start job waits for the controller. That start waits for
+    GPU 0 like any other, and a.service is no longer suspended (never resumed onto b.service's
+    GPU beside the grant of its new start)."""
+    bed = Bed(
+        tmp_path,
+        {
+            "a.service": "Priority=90\nPreempt=suspend stop\n",
+            "b.service": "Priority=80\n",
+        },
+        [
+            state("a.service", "inactive", "dead", 5, "start"),
+            state("b.service", "active", "running"),
+        ],
+        SavedState(
+            holders={"b.service": ((0,), "running", 2, "")},
+            suspended={"a.service": ((0,), 1)},
+            seq=2,
+        ),
+    )
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.suspended_units() == []
+        await bed.acquire("a.service")
+        assert ctl.scheduler.is_waiting("a.service")
+        goes_down(bed, "b.service")
+        await settle()
+        assert bed.service.granted == [("a.service", "0")]
+        assert ctl.scheduler.suspended_units() == []
+        assert not ctl.counters.to_json([])["decisions"].get("resume")
+
+    run(test)
+
+
 def test_start_up_adopts_a_running_unit_it_did_not_know(tmp_path: Path) -> None:
     bed = Bed(
         tmp_path, {"known.service": "Priority=50\n"}, [state("known.service", "active", "running")]
