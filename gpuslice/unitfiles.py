@@ -516,11 +516,9 @@ class UnitIndex:
         target is the unit's file under the link's name. The fully resolved target's name
         would leave such a linked unit out of the scan: ungated, without a word."""
         target = self._link_target(sysdir, name)
-        if target is None or not any(
-            target.startswith(d.rstrip("/") + "/") for d in self._search_path
-        ):
+        if target is None or not any(target.startswith(f"{d}/") for d in self._search_path):
             return None
-        base = target.rsplit("/", 1)[-1]
+        base = os.path.basename(target)
         return base if base.endswith(UNIT_SUFFIX) and base != name else None
 
     def _link_target(self, sysdir: str, name: str) -> str | None:
@@ -531,13 +529,9 @@ class UnitIndex:
             target = os.readlink(self.real_path(f"{sysdir}/{name}"))
         except (OSError, ValueError):
             return None
-        if not target.startswith("/"):
-            target = f"{sysdir}/{target}"
-        head, _, last = target.rstrip("/").rpartition("/")
-        if last in ("", ".", ".."):
-            return self._chase_system(target)
-        parent = self._chase_system(head or "/")
-        return None if parent is None else f"{parent.rstrip('/')}/{last}"
+        head, last = os.path.split(os.path.join(sysdir, target))  # an absolute one stays
+        parent = self._chase_system(head)
+        return None if parent is None else os.path.join(parent, last)
 
     def instance_dropin_names(self) -> list[str]:
         """Instance names (`foo@a.service`) that have a drop-in directory of their own."""

@@ -681,6 +681,76 @@ def test_a_unit_being_suspended_whose_annotation_went_falls_back_to_a_stop() -> 
     assert brief(s.suspend_failed("a.service", "no cuda-checkpoint")) == ["stop a.service"]
 
 
+def test_a_suspended_unit_whose_annotation_went_gives_way_by_a_stop_once_resumed() -> None:
+    """Resumed on the terms it kept (`_unannotated`): suspended again, nobody's annotation
+    would bring it back, so a more urgent unit stops it."""
+    a = spec("a", 50, mem_gib=4, preempt="suspend stop")
+    v = spec("v", 10, mem_gib=22)
+    w = spec("w", 20, mem_gib=22)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v, w.name: w})
+    s.request(a)
+    assert brief(s.request(v)) == ["suspend a.service 0"]
+    s.suspended_done("a.service", "")
+    s.set_specs({v.name: v, w.name: w})
+    assert brief(s.inactive("v.service", Outcome.EXITED)) == ["resume a.service 0"]
+    s.resumed("a.service", "after 1 s")
+    assert brief(s.request(w)) == ["stop a.service"]
+
+
+def test_someone_elses_start_on_its_way_whose_annotation_went_is_forgotten() -> None:
+    """a.service's start was seen and GPU 0 kept for it when its annotation went: it runs
+    ungated now (its gate is let through), so GPU 0 is free for the next unit."""
+    a, b = spec("a", 50), spec("b", 60)
+    s = Scheduler([sized(0)], {a.name: a, b.name: b})
+    s.announce(a)
+    assert s.phase("a.service") is Phase.STARTING
+    (log,) = [x for x in s.set_specs({b.name: b}) if isinstance(x, Log)]
+    assert log.decision == Decision(Code.UNMANAGED, "a.service", 50, gpus=(0,))
+    assert s.grants() == {}
+    assert brief(s.request(b)) == ["grant b.service 0"]
+
+
+def requeue_waiting_at_its_gate() -> Scheduler:
+    """With requeue_at_gate: a.service (50) preempted by v.service (10) was restarted by
+    gpuslice to wait at its gate, and its gate asked: a waiter of gpuslice's start."""
+    a, v = spec("a", 50), spec("v", 10)
+    s = Scheduler([sized(0)], {a.name: a, v.name: v}, requeue_at_gate=True)
+    s.request(a)
+    s.request(v)
+    assert brief(s.inactive("a.service", Outcome.STOPPED)) == [
+        "grant v.service 0",
+        "start a.service",
+    ]
+    assert brief(s.request(a)) == []
+    assert s.is_waiting("a.service")
+    return s
+
+
+def test_a_requeue_waiting_whose_annotation_went_is_not_taken_for_ours_later() -> None:
+    """Forgotten with its annotation; annotated again and started by someone, its start is
+    not saved as one of gpuslice's (a restarted controller would send it again)."""
+    s = requeue_waiting_at_its_gate()
+    a, v = spec("a", 50), spec("v", 10)
+    (log,) = [x for x in s.set_specs({v.name: v}) if isinstance(x, Log)]
+    assert log.decision == Decision(Code.UNMANAGED, "a.service", 50)
+    s.set_specs({a.name: a, v.name: v})
+    s.inactive("v.service", Outcome.EXITED)
+    s.announce(a)
+    assert s.phase("a.service") is Phase.STARTING
+    assert s.save().started == []
+
+
+def test_a_requeue_waiting_whose_annotation_went_fails_as_its_own_start() -> None:
+    """Forgotten with its annotation, then annotated again: its start failing is its own
+    failure, not a requeue's wait that failed (which would bring it back)."""
+    s = requeue_waiting_at_its_gate()
+    a, v = spec("a", 50), spec("v", 10)
+    s.set_specs({v.name: v})
+    s.set_specs({a.name: a, v.name: v})
+    s.inactive("a.service", Outcome.FAILED)
+    assert "a.service" in s.failed and "a.service" not in s.preempted
+
+
 def test_a_unit_no_longer_annotated_stopped_for_another_is_forgotten() -> None:
     """It is not brought back (Requeue=no, its journal line says): no preemption of it is
     kept, which a.service's annotation coming back (Requeue=yes) would have restarted, and
@@ -777,10 +847,14 @@ def test_a_requeue_whose_annotation_went_is_not_taken_for_ours_after_it_comes_ba
 def test_a_restart_forgets_a_start_on_its_way_whose_annotation_went() -> None:
     """Only a unit that runs is kept: a start still on its way runs ungated now, with no
     GPUs of gpuslice's (as set_specs does)."""
-    saved = SavedState(holders={"a.service": ((0,), "starting", 1, "")}, seq=1)
-    fresh = Scheduler([sized(0)], {})
+    saved = SavedState(
+        holders={"a.service": ((0,), "starting", 1, ""), "b.service": ((1,), "running", 2, "")},
+        seq=2,
+    )
+    b = spec("b", 50)
+    fresh = Scheduler([sized(0), sized(1)], {b.name: b})
     fresh.load(saved)
-    assert fresh.grants() == {}
+    assert fresh.grants() == {"b.service": frozenset({1})}  # the holders after it are kept
 
 
 def test_a_start_of_gpuslices_own_whose_annotation_went_is_stopped_keeping_its_gpu() -> None:

@@ -174,6 +174,20 @@ def check_rendered(actions: list[Action]) -> None:
             "counting it on none",
         ),
         (Decision(Code.UNMANAGED, V), "vlm.service is no longer annotated: released its GPUs"),
+        (
+            Decision(Code.UNMANAGED, V, gpus=(0,), cause=Cause.RUNS),
+            "vlm.service is no longer annotated: it keeps GPU 0 until it ends, "
+            "then gpuslice forgets it",
+        ),
+        (
+            Decision(Code.UNMANAGED, V, gpus=(0, 1), cause=Cause.WITHDRAWN),
+            "vlm.service is no longer annotated: stopping the start gpuslice gave it; "
+            "it keeps GPUs 0,1 until it is down",
+        ),
+        (  # a requeue waiting at its gate keeps no GPU
+            Decision(Code.UNMANAGED, V, cause=Cause.WITHDRAWN),
+            "vlm.service is no longer annotated: stopping the start gpuslice gave it",
+        ),
     ],
 )
 def test_render_every_code(decision: Decision, sentence: str) -> None:

@@ -533,7 +533,10 @@ def test_a_file_of_a_controller_before_the_terms_is_complete(
         ({"asr.service": [10, "on-demand", 1, "8G"]}, 'memory "8G" is neither null nor'),
         ({"asr.service": [10, "on-demand", 1, 1.5]}, "memory 1.5 is neither null nor"),
         ({"../x": [10, "on-demand", 1, None]}, 'terms: dropped "../x": not a unit name'),
-        ({"x.service": [10, "on-demand", 1, None]}, "neither a holder nor a suspended unit"),
+        (
+            {"x.service": [10, "on-demand", 1, None]},
+            'terms: dropped "x.service": neither a holder nor a suspended unit',
+        ),
     ],
 )
 def test_bad_terms_are_dropped_with_why(
@@ -545,6 +548,16 @@ def test_bad_terms_are_dropped_with_why(
     assert any(problem in r.getMessage() for r in records), [r.getMessage() for r in records]
     assert saved.terms == {}
     assert set(saved.holders) == {"asr.service", "emb.service"}
+
+
+def test_the_terms_at_their_bounds_are_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Priority 0, as many GPUs as a host may have, 1 byte: what an annotation may say."""
+    widest = {**TERMS, "terms": {"asr.service": [0, "on-demand", 1024, 1]}}
+    saved, _, records = load(tmp_path, json.dumps(widest).encode(), caplog)
+    assert records == []
+    assert saved.terms == {"asr.service": (0, "on-demand", 1024, 1)}
 
 
 def test_a_suspended_unit_of_seq_0_is_kept(

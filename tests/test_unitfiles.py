@@ -274,6 +274,23 @@ def test_a_link_into_the_search_path_is_an_alias(tmp_path: Path, target: str) ->
     assert UnitIndex(tmp_path).unit_names() == ["a.service"]
 
 
+def test_a_link_to_a_name_in_its_own_directory_is_an_alias(tmp_path: Path) -> None:
+    # `b.service -> a.service`: relative to the link's directory, not to the root
+    write(tmp_path, f"{ETC}/a.service")
+    link(tmp_path, f"{ETC}/b.service", "a.service")
+    assert UnitIndex(tmp_path).unit_names() == ["a.service"]
+
+
+def test_a_link_to_its_own_name_in_another_directory_is_no_alias(tmp_path: Path) -> None:
+    # /etc's a.service points at /usr/lib's a.service: the same unit, listed once
+    write(tmp_path, f"{LIB}/a.service")
+    link(tmp_path, f"{ETC}/a.service", f"{LIB}/a.service")
+    index = UnitIndex(tmp_path)
+    assert index.unit_names() == ["a.service"]
+    fragment = index.fragment("a.service")
+    assert fragment is not None and fragment.path == f"{ETC}/a.service"
+
+
 def test_an_alias_hides_its_name_in_lower_directories(tmp_path: Path) -> None:
     # systemd maps each name once, in the first directory that has it: b.service is a.service
     write(tmp_path, f"{LIB}/a.service")

@@ -545,7 +545,6 @@ class Scheduler:
         self.held.discard(name)
         self.finished.discard(name)
         self.failed.discard(name)
-        self.wait_failed.discard(name)
 
     def running(
         self, name: str, gpus: Iterable[int] | None = None, *, stopping: bool = False
@@ -831,9 +830,6 @@ class Scheduler:
                 self.waiters[name].spec = self.specs[name]
             else:
                 actions.append(self._forget_start(name))
-        for name, entry in self.suspended.items():
-            if name not in self.specs:
-                entry.spec = _unannotated(entry.spec)
         return actions + self.schedule()
 
     def _withdraw_start(self, holder: Holder) -> Stop:
@@ -841,10 +837,8 @@ class Scheduler:
         before its gate was answered is stopped: gpuslice starts no unannotated unit. Let
         through instead, it would run, ungated, on the GPUs kept for it, and those would be
         handed to the next unit: two jobs on one GPU, both started by gpuslice. It keeps
-        them until it is down, then is forgotten (`inactive`)."""
-        name = holder.spec.name
-        self.started.discard(name)
-        self.requeued.discard(name)
+        them until it is down, then is forgotten (`inactive`, which also drops it from
+        `started` and `requeued`: neither is read of a unit that is not STARTING)."""
         holder.spec = _unannotated(holder.spec)
         holder.phase = Phase.STOPPING
         holder.stopping_for = None
