@@ -832,8 +832,12 @@ class Sim:
         if stop.unit in self.pending_stops:
             raise InvariantError(f"{stop.unit} stopped twice")
         lost_home = stop.unit in self.suspended  # suspended: only for a GPU lost or gone
+        withdrawn = stop.decision is not None and stop.decision.code is Code.UNMANAGED
         if stop.unit in self.pending_starts:
             self.pending_starts.remove(stop.unit)  # the stop job replaces the start job
+        elif withdrawn and stop.unit in self.unmanaged:
+            self.unmanaged.discard(stop.unit)  # ours, at its gate: stopped, not let through
+            self.at_gate.add(stop.unit)
         elif stop.unit not in self.running and stop.unit not in self.at_gate and not lost_home:
             raise InvariantError(f"Stop {stop.unit}, which is not active")
         self.pending_stops.append(stop.unit)

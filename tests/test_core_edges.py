@@ -726,29 +726,34 @@ def requeue_waiting_at_its_gate() -> Scheduler:
     return s
 
 
-def test_a_requeue_waiting_whose_annotation_went_is_not_taken_for_ours_later() -> None:
-    """Forgotten with its annotation; annotated again and started by someone, its start is
-    not saved as one of gpuslice's (a restarted controller would send it again)."""
+def test_a_requeue_waiting_at_its_gate_whose_annotation_went_is_stopped() -> None:
+    """gpuslice restarted a.service to wait at its gate: once unannotated that start is
+    stopped, not let through beside v.service (gpuslice starts no unannotated unit). Held
+    as being stopped, on no GPU, so that its gate is stopped again should it ask; once down
+    it is forgotten."""
     s = requeue_waiting_at_its_gate()
-    a, v = spec("a", 50), spec("v", 10)
-    (log,) = [x for x in s.set_specs({v.name: v}) if isinstance(x, Log)]
-    assert log.decision == Decision(Code.UNMANAGED, "a.service", 50)
-    s.set_specs({a.name: a, v.name: v})
-    s.inactive("v.service", Outcome.EXITED)
-    s.announce(a)
-    assert s.phase("a.service") is Phase.STARTING
-    assert s.save().started == []
+    v = spec("v", 10)
+    actions = s.set_specs({v.name: v})
+    assert brief(actions) == ["stop a.service"]
+    (stop,) = [x for x in actions if isinstance(x, Stop)]
+    assert stop.decision == Decision(Code.UNMANAGED, "a.service", 50, cause=Cause.WITHDRAWN)
+    assert not s.is_waiting("a.service") and s.phase("a.service") is Phase.STOPPING
+    assert s.grants()["a.service"] == frozenset()
+    gpus, phase, seq, _ = s.save().holders["a.service"]  # saved as any holder being stopped
+    assert (gpus, phase, isinstance(seq, int) and seq > 0) == ((), "stopping", True)
+    assert brief(s.inactive("a.service", Outcome.STOPPED)) == []
+    assert "a.service" not in s.preempted and "a.service" not in s.held
 
 
-def test_a_requeue_waiting_whose_annotation_went_fails_as_its_own_start() -> None:
-    """Forgotten with its annotation, then annotated again: its start failing is its own
-    failure, not a requeue's wait that failed (which would bring it back)."""
+def test_a_requeue_withdrawn_and_annotated_again_before_it_is_down_is_still_owed() -> None:
+    """It was preempted, and its comeback was stopped only for its annotation: annotated
+    again, it is owed that comeback still, and waits at its gate again."""
     s = requeue_waiting_at_its_gate()
     a, v = spec("a", 50), spec("v", 10)
     s.set_specs({v.name: v})
     s.set_specs({a.name: a, v.name: v})
-    s.inactive("a.service", Outcome.FAILED)
-    assert "a.service" in s.failed and "a.service" not in s.preempted
+    assert brief(s.inactive("a.service", Outcome.STOPPED)) == ["start a.service"]
+    assert s.save().started == ["a.service"]
 
 
 def test_a_unit_no_longer_annotated_stopped_for_another_is_forgotten() -> None:

@@ -807,10 +807,11 @@ class Scheduler:
 
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
         """Annotations were (re)read: apply new priorities. A unit no longer annotated whose
-        start was not answered yet is forgotten: its start goes on ungated, as any
-        unannotated unit's (its gate's drop-in went with the daemon-reload; a gate of it
-        that still runs is let through by the controller), with no GPUs of gpuslice's. One
-        that was answered holds its GPUs until it ends (`_keep_unannotated`)."""
+        start was not answered yet: one gpuslice sent itself is stopped (`_withdraw_start`);
+        anyone else's is forgotten, and goes on ungated, as any unannotated unit's start
+        (its gate's drop-in went with the daemon-reload; a gate of it that still runs is let
+        through by the controller), with no GPUs of gpuslice's. One that was answered holds
+        its GPUs until it ends (`_keep_unannotated`)."""
         actions: list[Action] = []
         was = self.specs
         self._set_specs(specs)
@@ -820,7 +821,7 @@ class Scheduler:
             if name in self.specs:
                 holder.spec = self.specs[name]
             elif holder.phase is Phase.STARTING and name in self.started:
-                actions.append(self._withdraw_start(holder))
+                actions.append(self._withdraw_start(name))
             elif holder.phase is Phase.STARTING:
                 actions.append(self._forget_start(name))
             else:
@@ -828,17 +829,26 @@ class Scheduler:
         for name in list(self.waiters):
             if name in self.specs:
                 self.waiters[name].spec = self.specs[name]
+            elif name in self.started:  # ours, moved back to waiting, or a requeue at its gate
+                actions.append(self._withdraw_start(name))
             else:
                 actions.append(self._forget_start(name))
         return actions + self.schedule()
 
-    def _withdraw_start(self, holder: Holder) -> Stop:
+    def _withdraw_start(self, name: str) -> Stop:
         """A start gpuslice sent itself (a refill, a requeue) of a unit whose annotation went
         before its gate was answered is stopped: gpuslice starts no unannotated unit. Let
         through instead, it would run, ungated, on the GPUs kept for it, and those would be
-        handed to the next unit: two jobs on one GPU, both started by gpuslice. It keeps
-        them until it is down, then is forgotten (`inactive`, which also drops it from
-        `started` and `requeued`: neither is read of a unit that is not STARTING)."""
+        handed to the next unit, or beside the units it waited for: two jobs on one GPU,
+        both started by gpuslice. It keeps what was kept for it (one waiting, nothing) until
+        it is down, as a holder being stopped (so that its gate, should it ask, is stopped
+        again), then is forgotten (`inactive`, which also drops it from `started` and
+        `requeued`: neither is read of a unit that is not STARTING)."""
+        holder = self.holders.get(name)
+        if holder is None:
+            waiter = self.waiters.pop(name)
+            holder = Holder(waiter.spec, frozenset(), Phase.STARTING, waiter.seq)
+            self.holders[name] = holder
         holder.spec = _unannotated(holder.spec)
         holder.phase = Phase.STOPPING
         holder.stopping_for = None
@@ -846,13 +856,12 @@ class Scheduler:
         return _stop(_about(holder.spec, Code.UNMANAGED, gpus=gpus, cause=Cause.WITHDRAWN))
 
     def _forget_start(self, name: str) -> Log:
-        """A start not answered yet (a place kept for it, or waiting) of a unit whose
-        annotation went: nothing of it runs on GPUs of gpuslice's, and the units stopping for
-        it stop for nobody now, as for a start that was cancelled. Never granted later: its
-        gate would pass onto GPUs its process is not told of (the environment file's drop-in
-        went with its annotation), after less urgent units were stopped for an unmanaged one."""
-        self.started.discard(name)
-        self.requeued.discard(name)
+        """A start not answered yet (a place kept for it, or waiting), not one gpuslice sent
+        itself, of a unit whose annotation went: nothing of it runs on GPUs of gpuslice's,
+        and the units stopping for it stop for nobody now, as for a start that was
+        cancelled. Never granted later: its gate would pass onto GPUs its process is not
+        told of (the environment file's drop-in went with its annotation), after less
+        urgent units were stopped for an unmanaged one."""
         gone = self.holders.pop(name, None)
         if gone is not None:
             return _log(_about(gone.spec, Code.UNMANAGED, gpus=tuple(sorted(gone.gpus))))
@@ -1668,8 +1677,8 @@ class Scheduler:
                 # a start of ours whose annotation went while we were away: withdrawn, as
                 # set_specs does (its gate, when it asks, is stopped; Controller._serve_gate)
                 phase, stopping_for = Phase.STOPPING.value, None
-            elif spec is None and (Phase(phase) is Phase.STARTING or not gpus):
-                continue  # its start goes on ungated (set_specs), or it holds nothing
+            elif spec is None and Phase(phase) is Phase.STARTING:
+                continue  # its start goes on ungated (set_specs)
             # no longer annotated, its job still runs there (or is being stopped, suspended,
             # resumed, or is frozen: `recover` thaws it), as set_specs keeps it
             spec = spec or _kept_terms(name, saved)
