@@ -75,6 +75,15 @@ class Problems:
         return "; ".join(self.shown) + (f"; and {more} more" if more else "")
 
 
+def _object(data: dict[str, Any], key: str, problems: Problems) -> dict[Any, Any]:
+    """The file's object under `key` ({} when absent, or when it is no object: said)."""
+    value = data.get(key, {})
+    if isinstance(value, dict):
+        return value
+    problems.add(f"{key}: expected an object, got {_show(value)}")
+    return {}
+
+
 def _show(value: object) -> str:
     """A value from the file, short and safe for the journal (no repr of deep structures)."""
     if isinstance(value, str):
@@ -139,10 +148,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         boot_id = ""
 
     holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {}
-    raw_holders = data.get("holders", {})
-    if not isinstance(raw_holders, dict):
-        problems.add(f"holders: expected an object, got {_show(raw_holders)}")
-        raw_holders = {}
+    raw_holders = _object(data, "holders", problems)
     for name, entry in raw_holders.items():
         why = _holder_problem(name, entry)
         if why:
@@ -152,10 +158,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             holders[name] = (tuple(gpus), phase, seq, rest[0] if rest else "")
 
     preempted: dict[str, int] = {}
-    raw_preempted = data.get("preempted", {})
-    if not isinstance(raw_preempted, dict):
-        problems.add(f"preempted: expected an object, got {_show(raw_preempted)}")
-        raw_preempted = {}
+    raw_preempted = _object(data, "preempted", problems)
     for name, seq in raw_preempted.items():
         if not _is_unit(name):
             problems.add(f"preempted: dropped {_show(name)}: not a unit name")
@@ -182,10 +185,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
                 lists[key].append(name)
 
     suspended: dict[str, tuple[tuple[int, ...], int]] = {}
-    raw_suspended = data.get("suspended", {})
-    if not isinstance(raw_suspended, dict):
-        problems.add(f"suspended: expected an object, got {_show(raw_suspended)}")
-        raw_suspended = {}
+    raw_suspended = _object(data, "suspended", problems)
     for name, entry in raw_suspended.items():
         why = _suspended_problem(name, entry)
         if why or name in holders:
@@ -194,10 +194,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             suspended[name] = (tuple(entry[0]), entry[1])
 
     frozen_for: dict[str, list[str]] = {}
-    raw_frozen = data.get("frozen_for", {})
-    if not isinstance(raw_frozen, dict):
-        problems.add(f"frozen_for: expected an object, got {_show(raw_frozen)}")
-        raw_frozen = {}
+    raw_frozen = _object(data, "frozen_for", problems)
     for name, units in raw_frozen.items():
         if name not in holders or holders[name][1] != Phase.FROZEN.value:
             problems.add(f"frozen_for: dropped {_show(name)}: not a frozen holder")
@@ -207,10 +204,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             frozen_for[name] = list(dict.fromkeys(units))
 
     terms: dict[str, tuple[int, str, int, int | None]] = {}
-    raw_terms = data.get("terms", {})
-    if not isinstance(raw_terms, dict):
-        problems.add(f"terms: expected an object, got {_show(raw_terms)}")
-        raw_terms = {}
+    raw_terms = _object(data, "terms", problems)
     for name, entry in raw_terms.items():
         why = _terms_problem(name, entry)
         if not why and name not in holders and name not in suspended:
