@@ -230,6 +230,9 @@ class Controller:
         for name, props in self._buffered:
             self.on_unit_changed(name, props)
         self._buffered.clear()
+        for name in sorted(self.scheduler.annotated()):  # down since, or kept by a version
+            if is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN:
+                self._forget_instance(name)
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
         self._spawn(self._watch_units())
@@ -456,12 +459,21 @@ class Controller:
             if kind is Kind.DOWN and is_instance(name):
                 self.gates.retire(name)  # instances' names are many: not one pipe each
                 self._instances.discard(name)  # the core's knowledge keeps it watched
+                self._forget_instance(name)
         elif invocation is None:
             if not self.gates.holds(name):
                 loop = asyncio.get_running_loop()
                 loop.call_later(GATE_UNSEEN_DELAY, self._gate_unseen, name)
         elif self.gates.at_gate(name, invocation):
             self._serve_gate(name)
+
+    def _forget_instance(self, name: str) -> None:
+        """An instance down that gpuslice owes nothing is forgotten by the core and the
+        tracker, as systemd unloads it (Scheduler.forget_instance says why); its signals are
+        no longer matched from the next change of the matched set on. Not while a call of
+        ours about it is unanswered: the answer is judged with what we know."""
+        if not self.tracker.in_flight(name) and self.scheduler.forget_instance(name):
+            self.tracker.forget(name)
 
     def _gate_unseen(self, name: str) -> None:
         """A state read showed the unit at its gate and no signal has named that start since

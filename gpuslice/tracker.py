@@ -10,6 +10,7 @@ are ours decides "stopped by someone" (a hold) from "preempted" or "finished".
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,8 +127,11 @@ class Tracker:
         self._stop_results: dict[str, str] = {}  # unit -> how our stop job for it ended
         self._in_flight: dict[str, int] = {}  # our StartUnit/StopUnit calls not yet answered
         self._deferred: set[str] = set()  # went down while a call of ours was in flight
-        self._signals: dict[str, int] = {}  # signals seen per unit (to drop stale reads)
-        self._answers: dict[str, int] = {}  # answers to our calls about it, read in order
+        # when systemd last spoke of each unit, to drop stale reads: a stamp from one count
+        # for all units, so that a unit forgotten and heard of again never shows an old one
+        self._stamps = itertools.count(1)
+        self._signals: dict[str, int] = {}  # its last signal's stamp
+        self._answers: dict[str, int] = {}  # its last answer's to a call of ours
         self._job_paths: dict[str, str] = {}  # unit -> the job path its last signal named
         self._by_itself: set[str] = set()  # left running with no job since its gate
 
@@ -254,7 +258,7 @@ class Tracker:
         """A StartUnit/StopUnit of ours queued `job`, told as systemd's answer is read (after
         JobNew, before the job's other signals): those are judged knowing the job is ours. A
         read of the unit answered before it is older (`heard`). As call_answered."""
-        self._answers[unit] = self._answers.get(unit, 0) + 1
+        self._answers[unit] = next(self._stamps)
         return self.call_answered(unit, job, what)
 
     def in_flight(self, unit: str) -> bool:
@@ -285,15 +289,29 @@ class Tracker:
         return self.states.get(name, UnitState(name, "inactive", "dead", 0))
 
     def signals(self, name: str) -> int:
-        """How many signals about the unit were seen: a read of its state answered after
-        the count moved is older than what we know."""
+        """When a signal about the unit was last seen (a stamp, 0 for none): a read of its
+        state answered after this moved is older than what we know."""
         return self._signals.get(name, 0)
 
     def heard(self, name: str) -> int:
-        """How many words of systemd's about the unit were read in order (signals, and
-        answers to our calls): a read of its state answered after it moved is older than
-        what we know."""
-        return self.signals(name) + self._answers.get(name, 0)
+        """When systemd's last word about the unit was read in order (a signal, or an answer
+        to our call; a stamp, 0 for none): a read of its state answered after this moved is
+        older than what we know."""
+        return max(self.signals(name), self._answers.get(name, 0))
 
     def _count(self, unit: str) -> None:
-        self._signals[unit] = self._signals.get(unit, 0) + 1
+        self._signals[unit] = next(self._stamps)
+
+    def forget(self, name: str) -> bool:
+        """The unit is down and gpuslice has forgotten it (an instance it owes nothing):
+        drop what is known of it, unless a call of ours about it is still unanswered (the
+        answer is judged with what we know). Whether it was dropped. A read of its state
+        sent before is still found older: its stamp was not 0, and new ones are new."""
+        if self._in_flight.get(name) or name in self._deferred:
+            return False
+        self.states.pop(name, None)
+        self.passed_gate(name)
+        self._signals.pop(name, None)
+        self._answers.pop(name, None)
+        self._job_paths.pop(name, None)
+        return True

@@ -310,6 +310,30 @@ class Sim:
         self.preempted.pop(name, None)  # its start was queued behind gpuslice's stop
         return self._feed(self.sched.inactive(name, Outcome.STOPPED))
 
+    def forget_instance(self, name: str) -> bool:
+        """The controller sees the unit down and asks the core to forget it, as it does for
+        an instance (`Scheduler.forget_instance`). Only one the model says is owed nothing
+        may go: on-demand, its start not known, no comeback owed; the model forgets how
+        it ended too. Whether it went."""
+        if self.active(name):
+            return False
+        forgot = self.sched.forget_instance(name)
+        if forgot:
+            spec = self.annotations.get(name)
+            owed = (
+                spec is None
+                or spec.kind is not UnitKind.ON_DEMAND
+                or name in self.announced
+                or self._waits(name)
+                or (name in self.preempted and spec.requeue)
+            )
+            if owed:
+                raise InvariantError(f"{name} forgotten while gpuslice owes it: {spec}")
+            for ended in (self.held, self.finished, self.failed):
+                ended.discard(name)
+            self.preempted.pop(name, None)
+        return forgot
+
     def annotate(self, specs: Iterable[UnitSpec]) -> list[Action]:
         """New annotations (daemon-reload): the whole set, replacing the old one."""
         # a running unit whose annotation went keeps its GPUs in gpuslice's books until it

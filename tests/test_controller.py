@@ -2209,3 +2209,93 @@ def test_a_reload_keeps_the_paths_the_controller_started_with(
     with caplog.at_level(logging.WARNING, logger="gpuslice"):
         run(test)
     assert "runtime_dir: /run/gpuslice/elsewhere takes effect when gpuslice.service" in caplog.text
+
+
+# ---- instances: one name per job, forgotten once owed nothing ----
+
+
+def run_instance(ctl: Controller, unit: str, job: int) -> None:
+    """An instance of an annotated template started by someone, granted through its pipe,
+    run and ended by itself."""
+    ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", unit)
+    ctl.on_unit_changed(unit, at_gate())
+    ctl.on_unit_changed(unit, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+    ctl.on_unit_changed(unit, {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")})
+
+
+def test_instances_that_ended_leave_nothing_behind(tmp_path: Path) -> None:
+    """A transcription per recording (`tx@REC.service`): after 300 of them the controller
+    watches the units it watched before, saves what it saved before, and knows none of
+    them. Kept, each would be saved with every change, and past 200 units watched every
+    unit's signals on the host (issue 10)."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "tx@.service": "Priority=50\n"}, [])
+    state_file = Path(bed.config.state_dir) / "state.json"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"a.service"})
+        run_instance(ctl, "tx@first.service", 1000)
+        await settle()
+        saved = {**json.loads(state_file.read_text()), "seq": 0}  # a count of decisions
+        for i in range(300):
+            run_instance(ctl, f"tx@{i}.service", i + 1)
+            await settle()
+        assert ctl.scheduler.annotated() == {"a.service"}
+        assert ctl.tracker.states == {}
+        assert {**json.loads(state_file.read_text()), "seq": 0} == saved
+        await until(lambda: bed.systemd.watched == {"a.service"})
+
+    run(test)
+
+
+def test_an_instance_preempted_is_kept_and_comes_back(tmp_path: Path) -> None:
+    bed = Bed(tmp_path, {"p@.service": "Priority=60\n", "u.service": "Priority=10\n"}, [])
+    down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "p@1.service")
+        await settle()
+        ctl.on_unit_changed("p@1.service", at_gate())
+        ctl.on_unit_changed("p@1.service", {"ActiveState": "active", "SubState": "running"})
+        ctl.on_unit_changed("u.service", at_gate(bytes(16)))
+        await settle()
+        assert bed.systemd.calls[-1] == ("stop", "p@1.service")
+        ctl.on_job_new(50, "/org/freedesktop/systemd1/job/1", "p@1.service")  # our stop job
+        ctl.on_unit_changed("p@1.service", {"ActiveState": "deactivating", "SubState": "stop"})
+        ctl.on_unit_changed("p@1.service", down)
+        ctl.on_job_removed(50, "/org/freedesktop/systemd1/job/1", "p@1.service", "done")
+        await settle()
+        assert "p@1.service" in ctl.scheduler.preempted
+        assert "p@1.service" in ctl.scheduler.annotated()
+        ctl.on_unit_changed("p@1.service", down)  # a late signal: still kept
+        ctl.on_unit_changed("u.service", {"ActiveState": "active", "SubState": "running"})
+        ctl.on_unit_changed("u.service", down)
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "p@1.service")
+
+    run(test)
+
+
+def test_start_up_forgets_instances_down_that_an_earlier_controller_kept(
+    tmp_path: Path,
+) -> None:
+    """An on-demand instance stopped by hand was saved as held (and so remembered) by the
+    versions before: forgotten at start-up; a background one stays held."""
+    bed = Bed(
+        tmp_path,
+        {"tx@.service": "Priority=50\n", "bg@.service": "Priority=90\nType=background\n"},
+        [],
+        SavedState(held=["tx@1.service", "bg@1.service"], seq=1),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.annotated() == {"bg@1.service"}
+        assert ctl.scheduler.snapshot().held == ["bg@1.service"]
+        assert ("start", "bg@1.service") not in bed.systemd.calls
+
+    run(test)

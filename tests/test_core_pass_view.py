@@ -71,6 +71,7 @@ _TWINNED = [
     "save",
     "load",
     "forget_boot",
+    "forget_instance",
 ]
 
 

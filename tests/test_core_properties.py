@@ -232,6 +232,17 @@ class HostMachine(RuleBasedStateMachine):
     def person_stops(self, index: int) -> None:
         self.sim.stop(self._unit(index))
 
+    @rule(index=st.integers(0, 7))
+    def seen_down_as_an_instance(self, index: int) -> None:
+        """The controller forgets an instance it sees down that is owed nothing; any unit
+        here may be one (`Sim.forget_instance` checks what went against the model). Units
+        owed a comeback first: they are down only until their GPUs are free."""
+        sim = self.sim
+        down = [s.name for s in self.specs if not sim.active(s.name)]
+        down.sort(key=lambda name: name not in sim.preempted)
+        if down:
+            sim.forget_instance(down[index % len(down)])
+
     # -- systemd plays gpuslice's jobs ------------------------------------------------------
 
     @precondition(lambda self: bool(self.sim.pending_stops))

@@ -1353,3 +1353,62 @@ def test_a_start_whose_gate_asked_is_no_longer_one_to_send_again() -> None:
     sched.request(VLM)
     assert sched.save().started == []
     assert sched.start_lost(V) == []
+
+
+def test_an_on_demand_instance_that_ended_is_forgotten_with_how_it_ended() -> None:
+    """One name per job (`transcribe@REC.service`): kept, each would be saved and watched
+    for ever. Finished, failed or stopped by hand, nothing of it is kept."""
+    s = Scheduler([Gpu(0)], {})
+    for name, outcome in (("t@1", Outcome.EXITED), ("t@2", Outcome.FAILED), ("t@3", None)):
+        s.learn(spec(name, 50))
+        s.request(spec(name, 50))
+        s.inactive(f"{name}.service", outcome or Outcome.STOPPED, by_itself=outcome is not None)
+        assert s.forget_instance(f"{name}.service")
+    saved = s.save()
+    assert (saved.finished, saved.failed, saved.held) == ([], [], [])
+    assert s.annotated() == frozenset() and s.out_since == {}
+    assert not s.forget_instance("t@1.service")  # not known now
+
+
+def test_an_instance_owed_something_or_refilled_is_not_forgotten() -> None:
+    """Waiting, holding, suspended, owed a comeback, or background (refill may start it
+    again, and how it ended keeps it from that): kept."""
+    s = Scheduler([Gpu(0)], {})
+    urgent, late, back = spec("u@1", 10), spec("w@1", 50), spec("b@1", 90, BG)
+    for unit in (spec("p@1", 60), back, urgent, late):
+        s.learn(unit)
+    s.request(spec("p@1", 60))
+    s.request(urgent)  # p@1 is stopped for it
+    s.request(late)
+    assert s.phase("p@1.service") is Phase.STOPPING
+    assert not s.forget_instance("p@1.service")  # holding, being stopped
+    assert not s.forget_instance("w@1.service")  # waiting
+    s.inactive("p@1.service", Outcome.STOPPED)
+    assert not s.forget_instance("p@1.service")  # owed its comeback
+    assert not s.forget_instance("u@1.service")  # running
+    s.inactive("b@1.service", Outcome.EXITED, by_itself=True)
+    assert not s.forget_instance("b@1.service")
+    assert {"p@1.service", "b@1.service"} <= s.annotated()
+
+
+def test_an_instance_preempted_without_a_comeback_is_forgotten() -> None:
+    s = Scheduler([Gpu(0)], {})
+    s.learn(spec("p@1", 60, requeue=False))
+    s.request(spec("p@1", 60, requeue=False))
+    s.request(spec("u", 10))
+    s.inactive("p@1.service", Outcome.STOPPED)
+    assert s.forget_instance("p@1.service")
+    assert s.save().preempted == {}
+
+
+def test_a_suspended_instance_is_not_forgotten() -> None:
+    s = Scheduler([sized(0)], {})
+    p = spec("p@1", 60, mem_gib=8, preempt="suspend stop")
+    s.learn(p)
+    s.request(p)
+    s.request(spec("u", 10, mem_gib=20))
+    assert s.phase("p@1.service") is Phase.SUSPENDING
+    assert not s.forget_instance("p@1.service")
+    s.suspended_done("p@1.service", "")
+    assert s.phase("p@1.service") is Phase.SUSPENDED
+    assert not s.forget_instance("p@1.service")

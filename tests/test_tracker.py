@@ -23,6 +23,7 @@ from gpuslice.tracker import (
 )
 
 A = "a.service"
+B = "b.service"
 JOB1 = "/org/freedesktop/systemd1/job/1"
 JOB2 = "/org/freedesktop/systemd1/job/2"
 
@@ -341,13 +342,45 @@ def test_passing_the_gate_forgets_earlier_jobs() -> None:
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
 
 
-def test_signals_are_counted_so_stale_reads_can_be_dropped() -> None:
+def test_each_signal_moves_the_units_stamp_so_stale_reads_can_be_dropped() -> None:
+    tracker = Model().tracker(frozenset({A, B}))
+    seen = [tracker.signals(A)]
+    for signal in (
+        lambda: tracker.unit_changed(A, props("activating", "start-pre", 1)),
+        lambda: tracker.job_new(JOB1, A),
+        lambda: tracker.job_removed(JOB1, A, "done"),
+    ):
+        signal()
+        assert tracker.signals(A) not in seen
+        seen.append(tracker.signals(A))
+    tracker.unit_changed(B, props("activating", "start-pre", 2))  # another unit's
+    assert tracker.signals(A) == seen[-1] == tracker.heard(A)
+
+
+def test_a_forgotten_unit_never_shows_a_stamp_a_read_was_sent_with() -> None:
+    """An instance forgotten once down and started again under the same name: a read of
+    its state sent before it was forgotten is still older than what was heard since."""
     tracker = Model().tracker()
-    before = tracker.signals(A)
-    tracker.unit_changed(A, props("activating", "start-pre", 1))
     tracker.job_new(JOB1, A)
-    tracker.job_removed(JOB1, A, "done")
-    assert tracker.signals(A) == before + 3
+    sent_at = {tracker.heard(A)}
+    tracker.unit_changed(A, props("inactive", "dead"))
+    sent_at.add(tracker.heard(A))
+    assert tracker.forget(A)
+    assert (tracker.states, tracker.heard(A)) == ({}, 0)
+    for _ in range(3):
+        tracker.job_new(JOB2, A)
+        assert tracker.heard(A) not in sent_at
+
+
+def test_a_unit_with_a_call_of_ours_unanswered_is_not_forgotten() -> None:
+    """The answer is judged with what is known of the unit (its job is ours)."""
+    tracker = our_stop_sent()
+    tracker.unit_changed(A, props("active", "running"))
+    assert not tracker.forget(A)
+    assert tracker.state(A).active == "active"
+    tracker.call_queued(A, JOB1, "stop")
+    assert tracker.forget(A)
+    assert tracker.state(A) == UnitState(A, "inactive", "dead", 0)
 
 
 def test_our_stop_told_as_its_answer_is_read_decides_the_signals_after_it_at_once() -> None:
@@ -357,11 +390,12 @@ def test_our_stop_told_as_its_answer_is_read_decides_the_signals_after_it_at_onc
     tracker = our_stop_sent()
     heard, signals = tracker.heard(A), tracker.signals(A)
     assert tracker.call_queued(A, JOB1, "stop") is False  # nothing deferred: no read
-    assert (tracker.heard(A), tracker.signals(A)) == (heard + 1, signals)
+    assert tracker.heard(A) != heard and tracker.signals(A) == signals
+    answered = tracker.heard(A)
     assert not tracker.in_flight(A)
     tracker.job_new(JOB1, A)
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
-    assert tracker.heard(A) == heard + 3
+    assert tracker.heard(A) not in (heard, answered)
 
 
 def props_of(active: str, sub: str, job: int) -> dict[str, object]:
@@ -544,12 +578,13 @@ def test_calls_in_flight_are_counted_one_by_one() -> None:
     assert not tracker.in_flight(A)
     tracker.call_sent(A)
     assert tracker.call_answered(A, None, "stop") is False  # nothing deferred any more
-    before = tracker.heard(A)
+    heard = [tracker.heard(A)]
     tracker.call_sent(A)
     tracker.call_sent(A)
-    tracker.call_queued(A, JOB1, "stop")
-    tracker.call_queued(A, JOB2, "stop")
-    assert tracker.heard(A) == before + 2
+    for job in (JOB1, JOB2):
+        tracker.call_queued(A, job, "stop")
+        assert tracker.heard(A) not in heard
+        heard.append(tracker.heard(A))
 
 
 def test_listed_replaces_what_was_known_with_the_managed_units_only() -> None:

@@ -1567,6 +1567,31 @@ class Scheduler:
             if _refillable(spec):
                 self._background[spec.name] = spec
 
+    def forget_instance(self, name: str) -> bool:
+        """An instance that systemd shows down (`transcribe@REC.service`: a name per job)
+        is forgotten once gpuslice owes it nothing: on-demand, not waiting, holding,
+        suspended or owed a comeback (preempted with `Requeue=no` is owed none). Kept, every
+        instance ever started would stay in memory, be saved with each change of state and be
+        watched, which beyond 200 units means every unit's signals (issue 10). Whether it was
+        forgotten. Never a background instance: refill may start it again, and how it ended
+        (held, finished, failed) keeps it from that; nor a unit that is not an instance (the
+        controller asks for instances only: a plain unit's annotation is its file's)."""
+        spec = self.specs.get(name)
+        if (
+            spec is None
+            or spec.kind is not UnitKind.ON_DEMAND
+            or name in self.holders
+            or name in self.waiters
+            or name in self.suspended
+            or (name in self.preempted and spec.requeue)
+        ):
+            return False
+        del self.specs[name]
+        self.out_since.pop(name, None)
+        self._forget_end(name)
+        self.wait_failed.discard(name)
+        return True
+
     def _set_specs(self, specs: Mapping[str, UnitSpec]) -> None:
         self.specs = dict(specs)
         self._background = {n: s for n, s in self.specs.items() if _refillable(s)}

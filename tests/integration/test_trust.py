@@ -261,3 +261,31 @@ def test_a_unit_that_asked_while_the_controller_was_away_comes_first_on_its_retu
 
     always_for(background_stays_down, 2)
     wait_state(container, BG, "active", timeout=30)
+
+
+def test_instances_that_ended_leave_no_trace(container: Container) -> None:
+    """One instance per job (`transcribe@RECORDING`): once down and owed nothing, each is
+    forgotten, as systemd unloads it. Kept, every one ever started stayed in status and in
+    the state file (saved with every change) and was watched for ever."""
+    job = "/bin/sh -c 'case %i in fail) exit 3;; hold) exec sleep 60;; esac'"
+    write_job(container, "tx@.service", 20, exec_start=job)
+    reload(container)
+    container.systemctl("start", "tx@done.service")
+    container.run(["systemctl", "start", "tx@fail.service"], check=False)
+    container.systemctl("start", "tx@hold.service")
+    container.systemctl("stop", "tx@hold.service")  # stopped by hand: held
+    for line in (
+        "tx@done.service finished",
+        "tx@fail.service failed",
+        "tx@hold.service was stopped",
+    ):
+        wait_journal(container, line)
+    wait_until(
+        lambda: all(not g["holders"] for g in status(container)["gpus"]) or None,
+        20,
+        what="no unit holding a GPU",
+    )
+    now = status(container)
+    assert (now["finished"], now["failed"], now["held"]) == ([], [], []), now
+    saved = container.run(["cat", "/var/lib/gpuslice/state.json"]).stdout
+    assert "tx@" not in saved, saved
