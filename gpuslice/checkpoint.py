@@ -214,6 +214,11 @@ async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: boo
             start_new_session=True,
         )
     except FileNotFoundError:
+        if via_systemd:  # what was not found is systemd-run: the tool was found before
+            raise _ToolFailed(
+                f"systemd-run not found: {TOOL_NAME} cannot be run as a transient service",
+                not_run=True,
+            ) from None
         raise _ToolFailed(
             f"{TOOL_NAME} is not installed ({printable(tool)} not found)", not_run=True
         ) from None

@@ -16,6 +16,7 @@ restore, unlock.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -35,6 +36,10 @@ log = logging.getLogger("gpuslice")
 
 # systemd's freezer needs the unified hierarchy; hybrid hosts have no cgroup.controllers here
 UNIFIED_MARKER = Path("/sys/fs/cgroup/cgroup.controllers")
+# systemd answers FreezeUnit once every process of the unit is frozen, and ThawUnit once every
+# one is thawed: a process stuck in the kernel (in the driver, on a dead NFS server) never is,
+# and then no answer comes at all. A call not answered within this counts as failed.
+FREEZER_TIMEOUT = 30.0
 
 
 class Freezer(Protocol):
@@ -93,6 +98,7 @@ class Ladder:
         unified_marker: Path = UNIFIED_MARKER,
         host_memory: Callable[[], int | None] = checkpoint.host_memory_available,
         unit_of_pid: Callable[[int], str | None] = unit_of_pid,
+        freezer_timeout: float = FREEZER_TIMEOUT,
     ) -> None:
         self.systemd = systemd
         self.events = events
@@ -102,6 +108,7 @@ class Ladder:
         self.unified_marker = unified_marker
         self.host_memory = host_memory
         self.unit_of_pid = unit_of_pid
+        self.freezer_timeout = freezer_timeout
         self.suspensions: dict[str, Suspension] = {}
         # units with a freeze, thaw, suspend or resume under way, and how many
         self.busy: dict[str, int] = {}
@@ -123,10 +130,7 @@ class Ladder:
         self.report(lambda: self.events.suspended_done(unit, done))
 
     async def _thaw_for_suspend(self, unit: str) -> None:
-        try:
-            await self.systemd.thaw_unit(unit)
-        except Exception as e:  # a bus error is a reason, not a crash
-            raise CheckpointError(f"ThawUnit failed: {e}") from None
+        await self._freezer("ThawUnit", unit)
 
     async def _suspend(self, unit: str) -> str:
         s = self.settings()
@@ -141,14 +145,12 @@ class Ladder:
             raise CheckpointError(f"not enough host memory: {too_big}")
         seconds = await checkpoint.suspend(tool, pids, s)
         try:
-            left = [p for p in self.processes() or [] if p.pid in pids]
-            if left:
-                raise CheckpointError(
-                    f"NVML still shows PID {left[0].pid} on GPU {left[0].gpu} after the checkpoint"
-                )
-            await self.systemd.freeze_unit(unit)
+            self._confirm_gone(unit, pids)
+            await self._freezer("FreezeUnit", unit)
         except Exception as e:  # a bus error is a reason, not a crash
-            why = e.reason if isinstance(e, CheckpointError) else f"FreezeUnit failed: {e}"
+            why = _reason(e, "suspending")
+            if isinstance(e, _FreezerHung):  # half frozen: a restore would hang in it
+                why += await self._thaw_after_hung_freeze(unit)
             try:
                 await checkpoint.resume(tool, pids, s)
             except CheckpointError as undo:
@@ -156,6 +158,26 @@ class Ladder:
             raise CheckpointError(why) from None
         self.suspensions[unit] = Suspension(pids, vram, time.monotonic(), time.time())
         return f"{format_size(vram)} to host memory in {seconds:.1f} s"
+
+    def _confirm_gone(self, unit: str, pids: tuple[int, ...]) -> None:
+        """A fresh sample shows none of the checkpointed processes on a GPU, and no process
+        of the unit either (one that started CUDA after the first sample was not checkpointed:
+        frozen on its GPU, it would share it with the unit given way to)."""
+        processes = self.processes()
+        if processes is None:
+            raise CheckpointError(
+                "NVML is not available: the memory could not be confirmed gone after the checkpoint"
+            )
+        for p in processes:
+            if p.pid in pids:
+                raise CheckpointError(
+                    f"NVML still shows PID {p.pid} on GPU {p.gpu} after the checkpoint"
+                )
+            if p.unit == unit:
+                raise CheckpointError(
+                    f"NVML shows PID {p.pid} of it on GPU {p.gpu} after the checkpoint: a "
+                    "process started on a GPU meanwhile"
+                )
 
     def _cuda_processes(self, unit: str) -> tuple[tuple[int, ...], int]:
         """The unit's processes on GPUs, from a fresh sample, and the bytes they use; every
@@ -192,10 +214,13 @@ class Ladder:
     async def _resume(self, unit: str) -> str:
         s = self.settings()
         suspension = self.suspensions.pop(unit, None)
-        try:
-            await self.systemd.thaw_unit(unit)  # before the restore: it runs in the process
-        except Exception as e:  # a bus error is a reason, not a crash
-            log.debug("ThawUnit %s: %s", unit, e)
+        try:  # before the restore: it runs in the process
+            await self._freezer("ThawUnit", unit)
+        except CheckpointError as e:  # a bus error is a reason, not a crash
+            # (none when it was stopped meanwhile); one not answered may leave it frozen,
+            # and then its restore fails: the journal says why first
+            level = logging.WARNING if isinstance(e, _FreezerHung) else logging.DEBUG
+            log.log(level, "resuming %s: %s", unit, e.reason)
         tool = checkpoint.find_tool(s.tool)
         if tool is None:
             if suspension is None:
@@ -240,9 +265,11 @@ class Ladder:
     async def _freeze(self, unit: str) -> None:
         try:
             self._require_freezer()
-            await self.systemd.freeze_unit(unit)
+            await self._freezer("FreezeUnit", unit)
         except Exception as e:
-            why = e.reason if isinstance(e, CheckpointError) else f"FreezeUnit failed: {e}"
+            why = _reason(e, "freezing")
+            if isinstance(e, _FreezerHung):  # left half frozen, and the core takes it running
+                why += await self._thaw_after_hung_freeze(unit)
             self.report(lambda: self.events.freeze_failed(unit, why))
 
     def thaw(self, unit: str) -> Coroutine[Any, Any, None]:
@@ -250,9 +277,29 @@ class Ladder:
 
     async def _thaw(self, unit: str) -> None:
         try:
-            await self.systemd.thaw_unit(unit)
-        except Exception as e:
-            log.warning("thawing %s failed: %s (thaw it with systemctl thaw %s)", unit, e, unit)
+            await self._freezer("ThawUnit", unit)
+        except CheckpointError as e:
+            log.warning("thawing %s: %s (thaw it with systemctl thaw %s)", unit, e.reason, unit)
+
+    async def _freezer(self, what: str, unit: str) -> None:
+        """FreezeUnit or ThawUnit (`what`), answered within `freezer_timeout`; else
+        CheckpointError (_FreezerHung when no answer came)."""
+        try:
+            call = self.systemd.freeze_unit if what == "FreezeUnit" else self.systemd.thaw_unit
+            await asyncio.wait_for(call(unit), self.freezer_timeout)
+        except TimeoutError:
+            raise _FreezerHung(f"{what} did not answer within {self.freezer_timeout:g} s") from None
+        except Exception as e:  # a bus error is a reason, not a crash
+            raise CheckpointError(f"{what} failed: {e}") from None
+
+    async def _thaw_after_hung_freeze(self, unit: str) -> str:
+        """ThawUnit after a FreezeUnit that got no answer (it ends the freeze systemd still
+        waits for); what to add to the reason."""
+        try:
+            await self._freezer("ThawUnit", unit)
+        except CheckpointError as e:
+            return f"; and {e.reason} (thaw it with systemctl thaw {unit})"
+        return ": thawed again"
 
     # -- a thaw by hand -----------------------------------------------------------------------
 
@@ -286,6 +333,10 @@ class Ladder:
                     self.busy.pop(unit, None)
 
         return run()
+
+
+class _FreezerHung(CheckpointError):
+    """FreezeUnit or ThawUnit got no answer in time: the unit may be half frozen."""
 
 
 def _reason(error: Exception, doing: str) -> str:

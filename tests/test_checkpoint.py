@@ -732,3 +732,15 @@ def test_via_systemd_the_tool_runs_as_a_transient_service_that_systemd_ends_in_t
         "--pid",
         "7",
     ]
+
+
+def test_without_systemd_run_the_reason_names_it_not_the_tool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tool = stub(tmp_path, "exit 0")  # installed: what is missing is systemd-run
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    s = CheckpointSettings("", 0.3, 5.0, 5.0, 0, via_systemd=True)
+    assert failure(suspend(tool, [11], s)).reason == (
+        "systemd-run not found: cuda-checkpoint cannot be run as a transient service"
+    )
+    assert calls(tmp_path) == []

@@ -296,7 +296,7 @@ def test_a_thaw_that_fails_is_logged_not_raised(
 ) -> None:
     host.freezer.fail.add("thaw")
     run(host.ladder.thaw(UNIT))
-    assert f"thawing {UNIT} failed: thaw refused" in caplog.text
+    assert f"thawing {UNIT}: ThawUnit failed: thaw refused" in caplog.text
 
 
 def test_a_bug_while_suspending_is_a_failed_suspend_not_a_stuck_unit(host: Host) -> None:
@@ -321,3 +321,108 @@ def test_a_thaw_by_hand_is_found_by_asking_systemd(host: Host) -> None:
     host.freezer.fail.add("state")
     run(host.ladder.check_thawed(["a.service"]))  # an error is no thaw
     assert len(host.said()) == 1
+
+
+def run_within(coro: object, seconds: float = 10.0) -> None:
+    """`run`, failing (not hanging) when it takes longer than `seconds`."""
+
+    async def bounded() -> None:
+        await asyncio.wait_for(coro, seconds)  # type: ignore[arg-type]
+
+    run(bounded())
+
+
+def test_nvml_gone_after_the_checkpoint_is_no_confirmation(host: Host) -> None:
+    pid = host.job()
+    real = host.processes
+    samples = iter([real(), None])  # NVML stops answering during the checkpoint
+    host.ladder.processes = lambda: next(samples)
+    run(host.ladder.suspend(UNIT))
+    assert host.said() == [
+        (
+            "suspend_failed",
+            UNIT,
+            "NVML is not available: the memory could not be confirmed gone after the checkpoint",
+        )
+    ]
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert host.freezer.calls == [] and UNIT not in host.ladder.suspensions
+
+
+def test_a_process_of_the_unit_that_reached_a_gpu_during_the_checkpoint_fails_it(
+    host: Host,
+) -> None:
+    pid = host.job()
+    real = host.processes
+    late: list[int] = []
+
+    def sample() -> list[GpuUse] | None:
+        shown = real()
+        if not late:  # the first sample: then the unit starts another CUDA process
+            late.append(host.job())
+        return shown
+
+    host.ladder.processes = sample
+    run(host.ladder.suspend(UNIT))
+    [(event, _, words)] = host.said()
+    assert (event, words) == (
+        "suspend_failed",
+        f"NVML shows PID {late[0]} of it on GPU 0 after the checkpoint: a process started on a "
+        "GPU meanwhile",
+    )
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert host.freezer.calls == [] and UNIT not in host.ladder.suspensions
+
+
+class HungFreezer(Freezer):
+    """FreezeUnit (or ThawUnit) never answered, as systemd does while a process of the unit
+    cannot be frozen (stuck in the kernel)."""
+
+    def __init__(self, hangs: str) -> None:
+        super().__init__()
+        self.hangs = hangs
+
+    async def _do(self, what: str, name: str) -> None:
+        await super()._do(what, name)
+        if what == self.hangs:
+            await asyncio.Event().wait()
+
+
+def test_a_freeze_that_is_never_answered_fails_the_suspend_and_is_undone(host: Host) -> None:
+    pid = host.job()
+    host.ladder.systemd = host.freezer = HungFreezer("freeze")
+    host.ladder.freezer_timeout = 0.2
+    run_within(host.ladder.suspend(UNIT))
+    assert host.said() == [
+        ("suspend_failed", UNIT, "FreezeUnit did not answer within 0.2 s: thawed again")
+    ]
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]  # thawed, then restored
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert UNIT not in host.ladder.suspensions and host.ladder.busy == {}
+
+
+def test_a_freeze_beside_that_is_never_answered_fails_and_is_thawed(host: Host) -> None:
+    host.ladder.systemd = host.freezer = HungFreezer("freeze")
+    host.ladder.freezer_timeout = 0.2
+    run_within(host.ladder.freeze(UNIT))
+    assert host.said() == [
+        ("freeze_failed", UNIT, "FreezeUnit did not answer within 0.2 s: thawed again")
+    ]
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.ladder.busy == {}
+
+
+def test_a_thaw_that_is_never_answered_ends_resume_and_thaw(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    pid = host.job()
+    run(host.ladder.suspend(UNIT))
+    host.ladder.systemd = host.freezer = HungFreezer("thaw")
+    host.ladder.freezer_timeout = 0.2
+    run_within(host.ladder.resume(UNIT))  # the fake's processes were never frozen
+    assert host.said()[-1][0] == "resumed"
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert f"resuming {UNIT}: ThawUnit did not answer within 0.2 s" in caplog.text
+    run_within(host.ladder.thaw(UNIT))
+    assert f"thawing {UNIT}: ThawUnit did not answer within 0.2 s" in caplog.text
+    assert host.ladder.busy == {}
