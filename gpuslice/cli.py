@@ -18,12 +18,14 @@ from gpuslice import __version__, driver
 from gpuslice.annotations import check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings
 from gpuslice.core.model import UnitKind, UnitSpec
+from gpuslice.generator import NAME_MAX, fits_dropin_dir
 from gpuslice.newunit import (
-    USER_NAME,
     annotation_options,
     annotation_text,
     existing_unit,
+    is_user_name,
     printable_path,
+    read_regular,
     resolve_command,
     unit_name,
     unit_text,
@@ -31,7 +33,13 @@ from gpuslice.newunit import (
     written_by_new,
 )
 from gpuslice.paths import CONFIG_PATH
-from gpuslice.unitfiles import UnitFile, is_template, is_valid_unit_name, printable
+from gpuslice.unitfiles import (
+    MAX_FILE_SIZE,
+    UnitFile,
+    is_template,
+    is_valid_unit_name,
+    printable,
+)
 
 ENROLL_DROPIN = "gpuslice.conf"
 
@@ -93,7 +101,12 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
 
     from gpuslice.service import ACCESS_DENIED, BUS_NAME, INTERFACE, NOT_MANAGED, OBJECT_PATH
 
-    bus = await MessageBus(bus_address=address, bus_type=BusType.SYSTEM).connect()
+    try:
+        bus = await MessageBus(bus_address=address, bus_type=BusType.SYSTEM).connect()
+    except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS
+        raise click.ClickException(
+            f"cannot reach the system bus to ask the gpuslice controller ({_reason(e)})"
+        ) from None
     try:
         reply = await bus.call(
             Message(
@@ -105,6 +118,11 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
                 body=list(args),
             )
         )
+    except Exception as e:  # the connection dropped mid-call
+        raise click.ClickException(
+            f"the gpuslice controller did not answer ({_reason(e)}); "
+            "is it running? Try: systemctl status gpuslice"
+        ) from None
     finally:
         bus.disconnect()
     if reply is not None and reply.error_name == NOT_MANAGED:
@@ -118,6 +136,39 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
             "is it running? Try: systemctl status gpuslice"
         )
     return str(reply.body[0])
+
+
+def _answer(text: str, member: str) -> dict[str, Any]:
+    """The controller's JSON answer as an object, or a ClickException that says what came."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise click.ClickException(
+            f"the controller's {member} answer is not JSON ({_reason(e)}): {printable(text, 80)}"
+        ) from None
+    if not isinstance(data, dict):
+        raise click.ClickException(
+            f"the controller's {member} answer is not a JSON object: {printable(text, 80)}"
+        )
+    return data
+
+
+def _malformed(member: str, e: Exception) -> click.ClickException:
+    """An answer that is JSON but not what this gpuslice reads (another version, a bug)."""
+    what = f"{type(e).__name__}: {printable(str(e), 80)}"
+    return click.ClickException(
+        f"the controller's {member} answer is not what this gpuslice reads ({what}); "
+        f"--json shows it as it came"
+    )
+
+
+def _printable_lines(text: str) -> str:
+    """What the controller said, each line escaped: whatever a unit name or a process's name
+    holds, no control sequence reaches the terminal."""
+    return "\n".join(printable(line, 4000) for line in text.split("\n"))
+
+
+_SHAPE_ERRORS = (KeyError, TypeError, AttributeError, ValueError, IndexError)
 
 
 @main.command()
@@ -146,7 +197,10 @@ def status(as_json: bool, watch: bool, interval: float) -> None:
         try:
             while True:
                 try:
-                    shown = render(json.loads(asyncio.run(_call_status(address))), time.time())
+                    shown = render(
+                        _answer(asyncio.run(_call_status(address)), "Status"), time.time()
+                    )
+                    shown = _printable_lines(shown)
                 except Exception as e:  # the controller restarting: say so, keep watching
                     shown = f"no status from the controller: {printable(str(e), 300)}"
                 click.clear()
@@ -154,11 +208,15 @@ def status(as_json: bool, watch: bool, interval: float) -> None:
                 time.sleep(interval)
         except KeyboardInterrupt:
             return
-    text = asyncio.run(_call_status(address))
+    data = _answer(asyncio.run(_call_status(address)), "Status")
     if as_json:
-        click.echo(json.dumps(json.loads(text), indent=2, sort_keys=True))
-    else:
-        click.echo(render(json.loads(text), time.time()))
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    try:
+        shown = render(data, time.time())
+    except _SHAPE_ERRORS as e:
+        raise _malformed("Status", e) from None
+    click.echo(_printable_lines(shown))
 
 
 @main.command()
@@ -176,15 +234,18 @@ def plan(unit: str, as_json: bool) -> None:
             f"{unit} is a template: name one of its instances ({unit.replace('@', '@0', 1)})",
             param_hint="UNIT",
         )
-    data = json.loads(
-        asyncio.run(_call_controller(os.environ.get("GPUSLICE_BUS_ADDRESS"), "Plan", unit))
+    data = _answer(
+        asyncio.run(_call_controller(os.environ.get("GPUSLICE_BUS_ADDRESS"), "Plan", unit)),
+        "Plan",
     )
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
-    click.echo(data["summary"])
-    for step in data["decisions"]:
-        click.echo(f"  {step['message']}")
+    try:
+        lines = [str(data["summary"]), *(f"  {step['message']}" for step in data["decisions"])]
+    except _SHAPE_ERRORS as e:
+        raise _malformed("Plan", e) from None
+    click.echo(_printable_lines("\n".join(lines)))
 
 
 @main.command()
@@ -356,12 +417,20 @@ def enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
         unit += ".service"
     if not is_valid_unit_name(unit):
         raise click.BadParameter(f"{printable(unit)!r}: not a unit name", param_hint="UNIT")
+    if not unit.endswith(".service"):  # the scan reads services only: the rest runs ungated
+        raise click.BadParameter(
+            f"{unit}: only services are scheduled; enroll the service it starts",
+            param_hint="UNIT",
+        )
+    _check_gateable(unit, "UNIT")
     dropin = Path(root) / "etc/systemd/system" / f"{unit}.d" / ENROLL_DROPIN
     text = "# Written by `gpuslice enroll`; edit or remove it with systemctl edit.\n"
     # every key the parser knows by default, so that the drop-in says the whole annotation
     defaults = {"kind": UnitKind.ON_DEMAND.value, "gpus": 1, "requeue": True}
-    write_atomically(dropin, text + annotation_text({**defaults, **_given(keys)}))
-    spec = _validated(unit, root, dropin)
+    previous = read_regular(dropin)
+    made_dir = not os.path.lexists(dropin.parent)
+    _write(dropin, text + annotation_text({**defaults, **_given(keys)}))
+    spec = _validated(unit, root, dropin, previous, made_dir)
     if spec.priority != int(keys["priority"]):
         click.echo(
             f"warning: a later drop-in overrides this one: {unit} has priority {spec.priority}",
@@ -369,7 +438,7 @@ def enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
         )
     click.echo(f"enrolled {spec.describe()} via {dropin}")
     if not no_reload:
-        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        _systemctl("daemon-reload")
 
 
 @main.command()
@@ -396,8 +465,13 @@ def new(
     gpuslice new voice --priority 10 --memory 8G -- /usr/bin/python3 /srv/voice.py
     """
     unit = unit_name(name)
-    if user is not None and not USER_NAME.fullmatch(user):
-        raise click.BadParameter(f"{printable(user)!r}: not a user name", param_hint="--user")
+    _check_gateable(unit, "NAME")
+    if user is not None and not is_user_name(user):
+        raise click.BadParameter(
+            f"{printable(user)!r}: not a user name "
+            "(nor a UID systemd takes: 0-4294967294 but 65535)",
+            param_hint="--user",
+        )
     if workdir is not None and (not os.path.isabs(workdir) or not printable_path(workdir)):
         raise click.BadParameter(
             f"{printable(workdir)!r}: not an absolute path", param_hint="--workdir"
@@ -417,14 +491,20 @@ def new(
         kind=kind,
         user=user,
         workdir=workdir,
-    )
-    write_atomically(path, text)
-    spec = _validated(unit, root, path)
+    ).encode("utf-8")
+    if len(text) > MAX_FILE_SIZE:  # systemd's longest line; the parser reads no more
+        raise click.BadParameter(
+            f"too long: the unit file would be {len(text)} bytes, at most {MAX_FILE_SIZE}",
+            param_hint="COMMAND",
+        )
+    previous = read_regular(path) if found is not None else None
+    _write(path, text)
+    spec = _validated(unit, root, path, previous)
     click.echo(f"wrote {path}: {spec.describe()}")
     if not no_reload:
-        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        _systemctl("daemon-reload")
     if now:
-        subprocess.run(["systemctl", "start", "--no-block", unit], check=True)
+        _systemctl("start", "--no-block", unit)
         click.echo(f"queued {unit}: `systemctl status {unit}` says whether it waits and why")
 
 
@@ -432,15 +512,63 @@ def _given(keys: dict[str, Any]) -> dict[str, Any]:
     return {field: value for field, value in keys.items() if value is not None}
 
 
-def _validated(unit: str, root: str, written: Path) -> UnitSpec:
-    """Read the unit back through the parser; remove what was written if it is refused."""
+def _check_gateable(unit: str, hint: str) -> None:
+    """The generator gates a unit through `UNIT.d/`, which must fit in one file name: a
+    longer name (254 or 255 characters, valid for systemd) would run ungated."""
+    if not fits_dropin_dir(unit):
+        raise click.BadParameter(
+            f"{printable(unit, 60)}: {len(unit)} characters; a unit gpuslice gates has at most "
+            f"{NAME_MAX - 2}, so that its drop-in directory (UNIT.d) fits in a file name",
+            param_hint=hint,
+        )
+
+
+def _write(path: Path, data: str | bytes) -> None:
+    try:
+        write_atomically(path, data)
+    except OSError as e:  # a read-only /etc, a file where a directory should be, not root
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise click.ClickException(
+            printable(f"cannot write {path}: {_reason(e)}{where}", 600)
+        ) from None
+
+
+def _systemctl(*args: str) -> None:
+    try:
+        status = subprocess.run(["systemctl", *args], check=False).returncode
+    except OSError as e:
+        raise click.ClickException(f"cannot run systemctl: {_reason(e)}") from None
+    if status != 0:
+        raise click.ClickException(f"systemctl {' '.join(args)} failed (exit status {status})")
+
+
+def _validated(
+    unit: str, root: str, written: Path, previous: bytes | None = None, made_dir: bool = False
+) -> UnitSpec:
+    """Read the unit back through the parser. If it is refused, put back the file it
+    replaced (`previous`), else remove it, and the directory made for it (`made_dir`): a
+    command that fails leaves what worked before."""
     spec, problems = load_spec(unit, root)
     for problem in problems:
         click.echo(f"{problem.severity}: {problem}", err=True)
-    if spec is None or any(p.severity == "error" for p in problems):
-        written.unlink()
-        raise click.ClickException(f"{unit}: annotation rejected; removed {written}")
-    return spec
+    if spec is not None and not any(p.severity == "error" for p in problems):
+        return spec
+    try:
+        if previous is not None:
+            write_atomically(written, previous)
+            undone = f"put back the previous {written}"
+        else:
+            written.unlink()
+            if made_dir:
+                written.parent.rmdir()
+            undone = f"removed {written}"
+    except OSError as e:
+        undone = f"could not undo {written}: {_reason(e)}"
+    if spec is None and not problems:
+        raise click.ClickException(
+            f"{unit}: no such unit in systemd's search path (or masked); {undone}"
+        )
+    raise click.ClickException(f"{unit}: annotation rejected; {undone}")
 
 
 if __name__ == "__main__":

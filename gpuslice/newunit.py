@@ -9,10 +9,13 @@ and the controller will see.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import re
 import shutil
+import stat
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,7 @@ import click
 
 from gpuslice.annotations import KEYS, SECTION, Key
 from gpuslice.core.model import UnitKind
-from gpuslice.unitfiles import is_valid_unit_name
+from gpuslice.unitfiles import UNIT_NAME_MAX, is_valid_unit_name, printable
 
 NEW_MARKER = "# Written by `gpuslice new`"
 # Where a unit of this name would already be found (systemd's system search path).
@@ -34,6 +37,15 @@ UNIT_DIRS = (
 STOP_TIMEOUT = 30  # seconds between KillSignal= and SIGKILL: time to save work and exit
 # User= as systemd accepts it without a lookup: a POSIX-ish name or a numeric UID.
 USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}\$?|[0-9]{1,10}", re.ASCII)
+# UIDs systemd's uid_is_valid() refuses: User= with one makes the unit fail to load.
+_INVALID_UIDS = (0xFFFF, 0xFFFFFFFF)
+
+
+def is_user_name(user: str) -> bool:
+    """A User= systemd takes without a lookup: a name, or a numeric UID it deems valid."""
+    if not USER_NAME.fullmatch(user):
+        return False
+    return not user.isdigit() or (int(user) < 0xFFFFFFFF and int(user) not in _INVALID_UIDS)
 
 
 def printable_path(path: str) -> bool:
@@ -53,8 +65,9 @@ def _validator(key: Key) -> Callable[[click.Context, click.Parameter, Any], Any]
             key.parse(str(value))
         except ValueError as e:
             detail = "" if str(e) in ("", str(value)) else f": {e}"
+            # printable: a line break or a terminal's escape sequence is echoed escaped
             raise click.BadParameter(
-                f"{key.name}={value}{detail} (allowed: {key.allowed})"
+                printable(f"{key.name}={value}{detail}", 300) + f" (allowed: {key.allowed})"
             ) from None
         return str(value)
 
@@ -112,9 +125,16 @@ def unit_name(name: str) -> str:
     """NAME or NAME.service; a plain service name, not a template or another unit type."""
     if "." not in name:
         name += ".service"
+    if len(name) > UNIT_NAME_MAX and is_valid_unit_name(name[-UNIT_NAME_MAX:]):
+        raise click.BadParameter(
+            f"'{printable(name, 60)}': not a service name: {len(name)} characters, "
+            f"systemd takes at most {UNIT_NAME_MAX}",
+            param_hint="NAME",
+        )
     if not is_valid_unit_name(name) or not name.endswith(".service") or "@" in name:
         raise click.BadParameter(
-            f"{name!r}: not a service name (letters, digits and :-_.\\, no @)", param_hint="NAME"
+            f"'{printable(name, 100)}': not a service name (letters, digits and :-_.\\, no @)",
+            param_hint="NAME",
         )
     return name
 
@@ -122,22 +142,49 @@ def unit_name(name: str) -> str:
 # What exec_quote replaces, in one pass. systemd's read_line ends a unit-file line at "\r"
 # as at "\n" (gpuslice/unitfiles.py, _LINE_END): a raw one in an argument would start a line
 # of its own, e.g. `ExecStartPre=+...`, run as root whatever User= says.
+# Every other control character as \\xNN (a C escape systemd decodes): the file stays text
+# that `systemctl cat` shows an admin without sending their terminal a sequence.
 _EXEC_ESCAPES = str.maketrans(
-    {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", "$": "$$", "%": "%%"}
+    {
+        **{chr(c): f"\\x{c:02x}" for c in (*range(1, 32), 127)},
+        **{"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", "$": "$$", "%": "%%"},
+    }
 )
 
 
 def exec_quote(arg: str) -> str:
     """One ExecStart= argument in systemd's syntax: double-quoted with C escapes (`\\n` and
-    `\\r` among them: an argument never ends its line), `$` and `%` doubled so that systemd
-    expands neither variables nor specifiers. A NUL cannot come: no argv holds one."""
+    `\\r` among them: an argument never ends its line; other control characters as `\\xNN`),
+    `$` and `%` doubled so that systemd expands neither variables nor specifiers. A NUL
+    cannot come: no argv holds one."""
     return f'"{arg.translate(_EXEC_ESCAPES)}"'
+
+
+def is_utf8(arg: str) -> bool:
+    """False for an argument the shell passed as bytes that are no UTF-8 (Python holds them
+    as lone surrogates): systemd ignores a unit-file line that is not UTF-8."""
+    try:
+        arg.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown_bytes(arg: str) -> str:
+    """`arg` for a message, its undecodable bytes as `\\xff`."""
+    return printable(arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"), 80)
 
 
 def resolve_command(command: Sequence[str]) -> list[str]:
     """The command with its program as an absolute path (systemd runs no shell)."""
     if not command:
         raise click.UsageError("give the command after --, e.g. -- /usr/bin/python3 job.py")
+    for number, arg in enumerate(command, start=1):
+        if not is_utf8(arg):
+            raise click.BadParameter(
+                f"argument {number} ('{shown_bytes(arg)}') is not UTF-8, and a unit file is",
+                param_hint="COMMAND",
+            )
     program = command[0]
     if not os.path.isabs(program):
         found = shutil.which(program)
@@ -189,15 +236,42 @@ def existing_unit(name: str, root: Path) -> Path | None:
 
 
 def written_by_new(path: Path) -> bool:
+    previous = read_regular(path, len(NEW_MARKER))
+    return previous is not None and previous.decode("ascii", "replace") == NEW_MARKER
+
+
+def read_regular(path: Path, limit: int | None = None) -> bytes | None:
+    """A regular file's bytes (symlinks followed), the first `limit` only if given; None for
+    anything else. A FIFO is never waited on (O_NONBLOCK), a device never read."""
     try:
-        with open(path, "rb") as f:
-            return f.read(len(NEW_MARKER)).decode("ascii", "replace") == NEW_MARKER
-    except OSError:
-        return False
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return f.read() if limit is None else f.read(limit)
+        except OSError:
+            return None
 
 
-def write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, data: str | bytes) -> None:
+    """Write `data` to a new file next to `path`, then rename it over `path`: systemd, which
+    may reload meanwhile, sees the old file or the new one, never half of one. The temporary
+    name is short (a 253-character unit name leaves no room for a suffix within NAME_MAX),
+    made with O_EXCL, and has no unit or `.conf` suffix, so systemd never reads it; it is
+    removed when anything fails (OSError)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.gpuslice-tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=".gpuslice-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -3,6 +3,8 @@ hand-written one, and `enroll --memory` round-trips through `gpuslice check`."""
 
 from __future__ import annotations
 
+import base64
+
 from tests.bed.container import Container, wait_until
 from tests.integration.jobs import UNIT_DIR, reload, wait_journal, wait_state, write_job
 
@@ -87,3 +89,28 @@ def test_an_annotated_user_unit_says_in_its_journal_that_it_is_not_scheduled(
     assert said in out and "gpuslice-not-scheduled.conf" in out, out  # status shows both
     assert "asr.service" not in container.journal("gpuslice.service")
     container.systemctl("stop", "user@1500.service")
+
+
+def test_every_argument_reaches_the_job_as_given(container: Container) -> None:
+    """What `gpuslice new` escapes (quotes, backslashes, `$`, `%`, line ends, other control
+    characters as `\\xNN`) systemd decodes back: the job gets each argument byte for byte."""
+    arg = 'a "b" \\c $HOME %n\r\nd\te\x01\x1b[31mf\x7f g'
+    container.run(
+        [
+            "gpuslice",
+            "new",
+            "echoer",
+            "--priority",
+            "50",
+            "--now",
+            "--",
+            "/bin/sh",
+            "-c",
+            'printf %s "$1" > /run/echoed',
+            "sh",
+            arg,
+        ]
+    )
+    wait_state(container, "echoer.service", "inactive")
+    echoed = base64.b64decode(container.run(["base64", "-w0", "/run/echoed"]).stdout).decode()
+    assert echoed == arg, (echoed, container.run(["cat", f"{UNIT_DIR}/echoer.service"]).stdout)

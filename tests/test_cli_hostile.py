@@ -1,0 +1,287 @@
+"""Every `gpuslice` command under hostile or unlucky input: a located error (exit 2 for usage,
+1 otherwise), never a traceback, never a broken file left behind or a working one destroyed,
+and nothing printed that could drive the admin's terminal."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+import gpuslice.cli
+from gpuslice.cli import main
+from gpuslice.unitfiles import MAX_FILE_SIZE
+
+SYSTEM = "etc/systemd/system"
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+    result = CliRunner().invoke(main, list(args), env=env)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
+    assert "Traceback" not in result.output
+    return result
+
+
+def new(root: Path, name: str, *args: str, command: tuple[str, ...] = ("/bin/true",)) -> Result:
+    return invoke("new", name, *args, "--no-reload", "--root", str(root), "--", *command)
+
+
+def enroll(root: Path, unit: str, *args: str) -> Result:
+    return invoke("enroll", unit, *args, "--no-reload", "--root", str(root))
+
+
+def files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
+
+
+def plain_unit(root: Path, name: str = "plain.service") -> Path:
+    path = root / SYSTEM / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[Service]\nExecStart=/bin/true\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+
+
+def test_new_takes_the_longest_name_it_can_gate_and_refuses_longer_ones(tmp_path: Path) -> None:
+    """systemd takes 255 characters, but the generator gates a unit through `UNIT.d/`, one file
+    name of at most 255: a 254- or 255-character unit would run ungated. The temporary file
+    was the name plus 15 characters: every name over 240 characters was a traceback."""
+    longest = "a" * (253 - len(".service"))
+    result = new(tmp_path, longest, "--priority", "5")
+    assert result.exit_code == 0, result.output
+    assert files(tmp_path) == [f"{SYSTEM}/{longest}.service"]  # no temporary file left
+    for name in ("a" * 246, "a" * 247, "a" * 246 + ".service"):
+        root = tmp_path / str(len(name))
+        result = new(root, name, "--priority", "5")
+        assert result.exit_code == 2, result.output
+        assert "characters; a unit gpuslice gates has at most 253" in result.output
+        assert files(root) == []
+    result = new(tmp_path / "x", "a" * 255, "--priority", "5")
+    assert result.exit_code == 2
+    assert "not a service name: 263 characters, systemd takes at most 255" in result.output
+
+
+def test_enroll_refuses_a_unit_whose_dropin_directory_cannot_exist(tmp_path: Path) -> None:
+    unit = "b" * 246 + ".service"  # 254: valid for systemd, `UNIT.d` is not a file name
+    result = enroll(tmp_path, unit, "--priority", "5")
+    assert result.exit_code == 2, result.output
+    assert "254 characters; a unit gpuslice gates has at most 253" in result.output
+    assert not (tmp_path / "etc").exists()
+
+
+@pytest.mark.parametrize("unit", ["a.socket", "a.timer", "a.target", "a.mount"])
+def test_enroll_refuses_units_that_are_not_services(tmp_path: Path, unit: str) -> None:
+    """The scan reads services only: an enrolled timer was "enrolled" and then never gated."""
+    plain_unit(tmp_path, unit)
+    result = enroll(tmp_path, unit, "--priority", "5")
+    assert result.exit_code == 2, result.output
+    assert f"{unit}: only services are scheduled" in result.output
+    assert not (tmp_path / SYSTEM / f"{unit}.d").exists()
+
+
+def test_enroll_of_a_unit_that_does_not_exist_says_so_and_leaves_nothing(tmp_path: Path) -> None:
+    (tmp_path / SYSTEM).mkdir(parents=True)
+    result = enroll(tmp_path, "ghost", "--priority", "5")
+    assert result.exit_code == 1
+    assert "ghost.service: no such unit in systemd's search path (or masked)" in result.output
+    assert list((tmp_path / SYSTEM).iterdir()) == []  # nor an empty ghost.service.d/
+
+
+# ---------------------------------------------------------------------------------------------
+# the command and the options
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (("/bin/echo", "\udcff"), "argument 2 ('\\xff') is not UTF-8"),
+        (("/bin/echo\udcfe",), "argument 1 ('/bin/echo\\xfe') is not UTF-8"),
+    ],
+)
+def test_new_refuses_an_argument_that_is_not_utf8(
+    tmp_path: Path, command: tuple[str, ...], expected: str
+) -> None:
+    """`gpuslice new x -- /bin/echo $'\\xff'`: a traceback that left `.x.service.gpuslice-tmp`."""
+    result = new(tmp_path, "x", "--priority", "5", command=command)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
+    assert files(tmp_path) == []
+
+
+def test_control_characters_of_the_command_are_escaped_in_the_unit(tmp_path: Path) -> None:
+    """A unit file is text an admin reads with `systemctl cat`: a raw ESC would reach the
+    terminal; systemd decodes `\\x1b` back into the same argument."""
+    result = new(tmp_path, "x", "--priority", "5", command=("/bin/echo", "\x1b]0;pwn\x07\x7f\x0b"))
+    assert result.exit_code == 0, result.output
+    data = (tmp_path / SYSTEM / "x.service").read_bytes()
+    assert b'ExecStart="/bin/echo" "\\x1b]0;pwn\\x07\\x7f\\x0b"\n' in data
+    assert all(32 <= b < 127 or b == 10 for b in data)
+
+
+def test_new_refuses_a_command_too_long_for_a_unit_file(tmp_path: Path) -> None:
+    """It wrote the file, read it back as "cannot read: larger than 1 MiB" at line 0, and
+    removed it: exit 1, after destroying the previous version of the unit."""
+    result = new(tmp_path, "x", "--priority", "5", command=("/bin/echo", "a" * MAX_FILE_SIZE))
+    assert result.exit_code == 2, result.output
+    assert "COMMAND: too long: the unit file would be" in result.output
+    assert files(tmp_path) == []
+
+
+@pytest.mark.parametrize("uid", ["65535", "4294967295", "4294967296", "9999999999"])
+def test_new_refuses_a_uid_systemd_refuses(tmp_path: Path, uid: str) -> None:
+    """systemd's uid_is_valid() refuses these: the unit would fail to load (bad-setting)."""
+    result = new(tmp_path, "x", "--priority", "5", "--user", uid)
+    assert result.exit_code == 2, result.output
+    assert "not a user name" in result.output
+    assert files(tmp_path) == []
+
+
+def test_new_takes_the_highest_uid_systemd_takes(tmp_path: Path) -> None:
+    result = new(tmp_path, "x", "--priority", "5", "--user", "4294967294")
+    assert result.exit_code == 0, result.output
+    assert "User=4294967294\n" in (tmp_path / SYSTEM / "x.service").read_text()
+
+
+@pytest.mark.parametrize("option", ["--memory", "--devices", "--preempt", "--priority"])
+def test_a_bad_option_value_is_echoed_escaped(tmp_path: Path, option: str) -> None:
+    args = ["--priority", "5"] if option != "--priority" else []
+    result = new(tmp_path, "x", *args, option, "1\x1b]0;pwn\x07\n2")
+    assert result.exit_code == 2, result.output
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    assert "1\\x1b]0;pwn\\x07\\x0a2" in result.output
+
+
+# ---------------------------------------------------------------------------------------------
+# the files around
+
+
+def test_a_rejected_rewrite_puts_the_previous_unit_back(tmp_path: Path) -> None:
+    """A second `gpuslice new` whose annotation the parser refuses removed the unit the first
+    one wrote: a working, gated job gone by a typo."""
+    assert new(tmp_path, "job", "--priority", "5").exit_code == 0
+    path = tmp_path / SYSTEM / "job.service"
+    before = path.read_bytes()
+    result = new(tmp_path, "job", "--priority", "6", "--devices", "%i")
+    assert result.exit_code == 1
+    assert "annotation rejected; put back the previous" in result.output
+    assert path.read_bytes() == before
+    assert files(tmp_path) == [f"{SYSTEM}/job.service"]
+
+
+def test_a_rejected_enroll_puts_the_previous_dropin_back(tmp_path: Path) -> None:
+    """Removed, the drop-in took the unit's annotation with it: after the next daemon-reload
+    the job ran ungated, on whatever GPU it found."""
+    plain_unit(tmp_path)
+    assert enroll(tmp_path, "plain", "--priority", "5").exit_code == 0
+    dropin = tmp_path / SYSTEM / "plain.service.d/gpuslice.conf"
+    before = dropin.read_bytes()
+    result = enroll(tmp_path, "plain", "--priority", "6", "--devices", "%i")
+    assert result.exit_code == 1
+    assert "annotation rejected; put back the previous" in result.output
+    assert dropin.read_bytes() == before
+
+
+def test_a_unit_file_it_cannot_write_is_a_located_error(tmp_path: Path) -> None:
+    """A read-only /etc, or a file where a directory should be: a traceback before."""
+    (tmp_path / "etc/systemd").mkdir(parents=True)
+    (tmp_path / SYSTEM).write_text("")
+    result = new(tmp_path, "job", "--priority", "5")
+    assert result.exit_code == 1
+    assert f"cannot write {tmp_path / SYSTEM}/job.service: File exists" in result.output
+    result = enroll(tmp_path, "job", "--priority", "5")
+    assert result.exit_code == 1
+    assert f"cannot write {tmp_path / SYSTEM}/job.service.d/gpuslice.conf: " in result.output
+
+
+@pytest.mark.timeout(10)
+def test_new_does_not_wait_on_a_unit_that_is_a_fifo(tmp_path: Path) -> None:
+    """Whether the unit is its own was read with a blocking open(): a FIFO there (or a link
+    to one) held `gpuslice new` forever."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / SYSTEM).mkdir(parents=True)
+    (tmp_path / SYSTEM / "job.service").symlink_to(fifo)
+    result = new(tmp_path, "job", "--priority", "5")
+    assert result.exit_code == 1
+    assert "exists and was not written by gpuslice new: not overwritten" in result.output
+
+
+def test_a_systemctl_that_cannot_run_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    result = invoke(
+        "new", "job", "--priority", "5", "--root", str(tmp_path), "--", "/bin/true",
+        env={"PATH": str(tmp_path)},
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "wrote " in result.output and "cannot run systemctl: " in result.output
+
+
+# ---------------------------------------------------------------------------------------------
+# the controller's answers
+
+
+# dbus-next leaves the socket of a connection that failed unclosed (message_bus.py,
+# _setup_socket): harmless in a command that exits, a ResourceWarning here.
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["plan", "x"]])
+def test_no_system_bus_is_an_error_not_a_traceback(tmp_path: Path, args: list[str]) -> None:
+    address = f"unix:path={tmp_path}/no-bus-here"
+    result = invoke(*args, env={"GPUSLICE_BUS_ADDRESS": address})
+    assert result.exit_code == 1
+    assert "cannot reach the system bus to ask the gpuslice controller (" in result.output
+    del result
+    gc.collect()  # the leaked socket warns now, under this test's filters
+
+
+def _answering(monkeypatch: pytest.MonkeyPatch, answer: str) -> None:
+    async def call(address: Any, member: str, *args: str) -> str:
+        return answer
+
+    monkeypatch.setattr(gpuslice.cli, "_call_controller", call)
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        ("not json", "answer is not JSON ("),
+        ("[" * 100_000 + "]" * 100_000, "answer is not JSON ("),
+        ("[]", "answer is not a JSON object: []"),
+        ("1e999", "answer is not a JSON object: 1e999"),
+        ("{}", "answer is not what this gpuslice reads (KeyError"),
+        ('{"gpus": 1, "summary": 2, "decisions": 3}', "answer is not what this gpuslice reads ("),
+    ],
+)
+@pytest.mark.parametrize("args", [["status"], ["plan", "x"]])
+def test_a_malformed_answer_is_an_error_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], answer: str, expected: str
+) -> None:
+    _answering(monkeypatch, answer)
+    result = invoke(*args)
+    assert result.exit_code == 1, result.output
+    assert expected in result.output
+
+
+def test_status_and_plan_print_no_control_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    evil = "a\x1b]0;pwn\x07.service"
+    _answering(
+        monkeypatch,
+        '{"gpus": [{"index": 0, "holders": [{"unit": "a\\u001b]0;pwn\\u0007.service",'
+        ' "priority": 1, "state": "running"}]}], "waiting": [], "preempted": [], "held": [],'
+        ' "finished": [], "failed": [], "summary": "a\\u001b[2J", "decisions":'
+        ' [{"message": "b\\u009b31m"}]}',
+    )
+    for args in (["status"], ["plan", "x"]):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+        assert not any(c in result.output for c in "\x1b\x07\x9b"), result.output
+    assert "a\\x1b]0;pwn\\x07.service" in invoke("status").output
+    assert evil not in invoke("status", "--json").output  # JSON escapes it itself
