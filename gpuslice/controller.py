@@ -223,6 +223,8 @@ class Controller:
         # annotation went): read before, such a unit, still active and frozen, was taken
         # for stopped by hand and left frozen
         self.tracker.listed(units)
+        with self.scheduler.deferred():  # the first sample took every job's process for foreign
+            self.scheduler.set_gpus(self.watch.resample())
         actions = self._rebuild()
         await self.service.claim_name()
         self.ready = True

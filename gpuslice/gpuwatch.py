@@ -104,6 +104,13 @@ class GpuWatch:
             self.inventory.open_hung(NVML_OPEN_DEADLINE)  # hung: schedule `gpus:` from config
         self._take_sample()
 
+    def resample(self) -> list[Gpu]:
+        """Start-up, once the units are known: a sample that knows whose processes are whose.
+        The first one (`open`) was taken before any unit was, and took every running job's
+        process for foreign. The caller takes the GPUs in, as after `open`."""
+        self._take_sample()
+        return self.sample.gpus
+
     def _open_nvml(self) -> bool:
         self.inventory.open()
         return True

@@ -2045,6 +2045,32 @@ def test_a_process_named_in_bytes_that_are_no_utf8_stops_nothing(
     run(test)
 
 
+def test_a_restart_takes_the_processes_of_running_units_for_theirs(tmp_path: Path) -> None:
+    """The first NVML sample is taken before the controller knows any unit: every running
+    job's process was foreign then, and a background unit running after a restart (an
+    upgrade, a crash) yielded its GPU to its own process: stopped for nothing."""
+    proc = tmp_path / "proc" / "200"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("0::/system.slice/bg.service\n")
+    (proc / "comm").write_text("python3\n")
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "active", "running")],
+        SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
+        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+        nvml=OneForeignProcess(),
+    )
+
+    async def test() -> None:
+        await bed.controller.start()
+        await settle()
+        assert bed.systemd.calls == [("subscribe", "")]
+        assert json.loads(bed.controller.status_json())["gpus"][1]["foreign"] == []
+
+    run(test)
+
+
 # ---- GpuWatch on its own: a fake scheduler, a manual clock of timers ----
 
 

@@ -8,6 +8,7 @@ gpu-alloc process holding "VRAM" while it runs. Tests drive `systemctl`, `system
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -477,3 +478,20 @@ def test_leftover_process_of_a_victim_delays_the_grant(bed: Container) -> None:
     bed.run(["kill", str(worker)])
     wait_state(bed, "urgent.service", "active")
     assert holders(bed)[0] == ["urgent.service"]
+
+
+def test_a_controller_restart_leaves_running_background_units_alone(bed: Container) -> None:
+    """The first NVML sample after a restart (an upgrade, a crash) was taken before the
+    controller knew any unit: every running job's process was foreign, and background units
+    yielded their GPUs to themselves, stopped for nothing."""
+    fakegpu.write_alloc_job(bed, "asr.service", 90, "background", memory="10G", alloc="4G")
+    reload(bed)
+    wait_state(bed, "asr.service", "active")
+    pid = main_pid(bed, "asr.service")
+    wait_used(bed, 0, "asr.service", 4 * GIB)
+    fakegpu.restart_gpuslice(bed)
+    time.sleep(2)  # several samples
+    journal = bed.journal("gpuslice.service")
+    assert "yielding" not in journal, journal
+    assert main_pid(bed, "asr.service") == pid
+    assert [g["foreign"] for g in status(bed)["gpus"]] == [[], []]
