@@ -11,13 +11,15 @@ freezes and thaws units, and reserves the GPU memory a restore needs.
 cuda-checkpoint's output is input from outside: only `MAX_OUTPUT` bytes of each stream are kept
 and they are decoded leniently and escaped before they reach a reason; a run that outlasts its
 timeout is killed with its process group and reaped, waiting at most `REAP_TIMEOUT` for a process
-stuck in the driver.
+stuck in the driver. Run as a transient service (`via_systemd`), that service is named and
+stopped first (`_stop_service`): killing systemd-run does not end it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import re
@@ -45,8 +47,14 @@ LOCK_GRACE = 5.0
 STATE_TIMEOUT = 30.0
 # After SIGKILL a tool stuck in the driver (uninterruptible) is not waited for longer than this.
 REAP_TIMEOUT = 5.0
+# A transient service's stop (systemd's TimeoutStopSec=): SIGTERM, SIGKILL after this, and
+# after as long again systemd gives up on a process that does not die; `systemctl stop` is
+# waited for that long and a little more.
+SERVICE_STOP_TIMEOUT = 5.0
+SERVICE_STOP_WAIT = 2 * SERVICE_STOP_TIMEOUT + 5.0
 MAX_OUTPUT = 512  # bytes kept of each stream; the rest is read and dropped
 MAX_MESSAGE = 200  # characters of the tool's message in a reason
+SYSTEMCTL_NOT_LOADED = 5  # `systemctl stop` of a unit systemd does not know (gone, or never made)
 
 RUNNING = "running"
 LOCKED = "locked"
@@ -182,10 +190,24 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
             proc.kill()
 
 
-def _command(tool: str, args: Sequence[str], timeout: float, via_systemd: bool) -> list[str]:
-    """The tool's command line; `via_systemd`: as a transient service that systemd itself ends
-    after `timeout` (killing the client would not end the service), its output piped back."""
-    if not via_systemd:
+_runs = itertools.count(1)
+
+
+def _service_name(args: Sequence[str]) -> str:
+    """The transient service of one run: `gpuslice-checkpoint-ACTION-PID-CONTROLLER-N.service`,
+    unique to this controller's process (a stuck one an earlier controller left cannot clash)
+    and named so that the journal says what ran. Only [a-z0-9-]: nothing to escape, under
+    100 characters."""
+    action = args[1] if args[0] == "--action" else args[0].lstrip("-")
+    pid = args[args.index("--pid") + 1] if "--pid" in args[:-1] else "0"
+    return f"gpuslice-checkpoint-{action}-{pid}-{os.getpid()}-{next(_runs)}.service"
+
+
+def _command(tool: str, args: Sequence[str], timeout: float, service: str | None) -> list[str]:
+    """The tool's command line; with a `service` name: run as that transient service, which
+    systemd itself ends after `timeout` (a backstop should the controller die), its output
+    piped back. Killing the client would not end the service: `_stop_service` does."""
+    if service is None:
         return [tool, *args]
     return [
         "systemd-run",
@@ -194,20 +216,60 @@ def _command(tool: str, args: Sequence[str], timeout: float, via_systemd: bool) 
         "--pipe",
         "--collect",
         "--service-type=exec",
+        f"--unit={service}",
         "--description=gpuslice: cuda-checkpoint " + " ".join(args),
         f"--property=RuntimeMaxSec={math.ceil(timeout)}",
+        f"--property=TimeoutStopSec={SERVICE_STOP_TIMEOUT:g}",
         "--",
         tool,
         *args,
     ]
 
 
-async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: bool = False) -> bytes:
-    """Run the tool once; its kept stdout, or _ToolFailed. Killed and reaped on timeout and on
-    cancellation."""
+async def _stop_service(service: str) -> str:
+    """Stop a run's transient service after its client was killed, and wait until it is down:
+    a lock that ends after the undo would leave the job locked with nobody responsible for
+    it. "" when it is down (or was never started, or has ended and been collected); else
+    what to add to the reason."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            *_command(tool, args, timeout, via_systemd),
+            "systemctl",
+            "stop",
+            "--quiet",
+            "--",
+            service,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+    except (OSError, ValueError) as e:
+        return f"; its service {service} could not be stopped: {printable(str(e), MAX_MESSAGE)}"
+    try:
+        err, code = await asyncio.wait_for(
+            asyncio.gather(_drain(proc.stderr), proc.wait()), SERVICE_STOP_WAIT
+        )
+    except BaseException as e:
+        _kill_group(proc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
+        if isinstance(e, TimeoutError):
+            return f"; its service {service} was not down {SERVICE_STOP_WAIT:g} s after a stop"
+        raise
+    if code in (0, SYSTEMCTL_NOT_LOADED):
+        return ""
+    detail = _message(err) or f"exit status {code}"
+    return f"; its service {service} could not be stopped: {detail}"
+
+
+async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: bool = False) -> bytes:
+    """Run the tool once; its kept stdout, or _ToolFailed. Killed and reaped on timeout and on
+    cancellation, and its transient service (`via_systemd`) stopped: what the reason says
+    it did, it did, and nothing more is done later."""
+    service = _service_name(args) if via_systemd else None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *_command(tool, args, timeout, service),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -233,11 +295,13 @@ async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: boo
         )
     except BaseException as e:  # TimeoutError, or the caller cancelled: never leave it running
         _kill_group(proc)
+        # systemd-run's death does not end the service, which holds our pipes (--pipe)
+        stopped = await _stop_service(service) if service is not None else ""
         try:
             await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
-            gone = ""
+            gone = stopped
         except TimeoutError:
-            gone = f", and it had not exited {REAP_TIMEOUT:g} s after SIGKILL"
+            gone = f", and it had not exited {REAP_TIMEOUT:g} s after SIGKILL{stopped}"
         if isinstance(e, TimeoutError):
             raise _ToolFailed(
                 f"{TOOL_NAME} did not return within {timeout:g} s and was killed{gone}",

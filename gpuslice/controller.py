@@ -229,6 +229,7 @@ class Controller:
         await self.service.claim_name()
         self.ready = True
         self.execute(actions)
+        self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
         for name, props in self._buffered:
             self.on_unit_changed(name, props)
         self._buffered.clear()
@@ -770,14 +771,22 @@ class Controller:
         sampling pace, whether someone thawed a unit gpuslice froze (nothing signals it)."""
         self._status_cache = None
         self.execute(self.scheduler.set_gpus(gpus))
-        frozen = self.scheduler.frozen_units()
-        if frozen and self.ready and not self._checking_thaws:
-            self._checking_thaws = True
-            self._spawn(self._check_thaws(frozen))
+        self._check_freezer()
 
-    async def _check_thaws(self, units: list[str]) -> None:
+    def _check_freezer(self) -> None:
+        """Ask systemd for the FreezerState of the units gpuslice froze: held frozen, was one
+        thawed by hand? No longer held frozen, is one still frozen (a ThawUnit that failed,
+        or that a killed controller never sent)? Then it is thawed. One check at a time."""
+        frozen = self.scheduler.frozen_units()
+        owed = self.scheduler.thaws_owed()
+        if (frozen or owed) and self.ready and not self._checking_thaws:
+            self._checking_thaws = True
+            self._spawn(self._check_thaws(frozen, owed))
+
+    async def _check_thaws(self, frozen: list[str], owed: list[str]) -> None:
         try:
-            await self.ladder.check_thawed(units)
+            await self.ladder.check_thawed(frozen)
+            await self.ladder.thaw_owed(owed)
         finally:
             self._checking_thaws = False
 

@@ -31,6 +31,7 @@ from gpuslice.checkpoint import CheckpointError, CheckpointSettings
 from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
 from gpuslice.sizes import format_size
+from gpuslice.unitfiles import printable
 
 log = logging.getLogger("gpuslice")
 
@@ -68,6 +69,8 @@ class LadderEvents(Protocol):
     def freeze_failed(self, name: str, why: str) -> list[Action]: ...
 
     def thawed_outside(self, name: str) -> list[Action]: ...
+
+    def thaw_done(self, name: str) -> list[Action]: ...
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ class Ladder:
         self.suspensions: dict[str, Suspension] = {}
         # units with a freeze, thaw, suspend or resume under way, and how many
         self.busy: dict[str, int] = {}
+        # units owed a thaw whose ThawUnit failed, said once (a warning) until one works
+        self.thaw_failing: set[str] = set()
 
     # -- suspend ------------------------------------------------------------------------------
 
@@ -279,7 +284,15 @@ class Ladder:
         try:
             await self._freezer("ThawUnit", unit)
         except CheckpointError as e:
-            log.warning("thawing %s: %s (thaw it with systemctl thaw %s)", unit, e.reason, unit)
+            self.thaw_failing.add(unit)
+            log.warning(
+                "thawing %s: %s (tried again at each sample; systemctl thaw %s thaws it)",
+                unit,
+                e.reason,
+                unit,
+            )
+            return
+        self.report(functools.partial(self.events.thaw_done, unit))
 
     async def _freezer(self, what: str, unit: str) -> None:
         """FreezeUnit or ThawUnit (`what`), answered within `freezer_timeout`; else
@@ -316,6 +329,54 @@ class Ladder:
                 continue
             if state == "running" and unit not in self.busy:
                 self.report(functools.partial(self.events.thawed_outside, unit))
+
+    async def thaw_owed(self, units: list[str]) -> None:
+        """Units gpuslice froze and no longer holds frozen, not yet seen running (a ThawUnit
+        that failed or got no answer; one a killed controller never sent; a freeze or suspend
+        that failed half way): each that systemd shows frozen (or freezing, thawing) is
+        thawed, with a journal line that says why; one shown running is owed nothing more.
+        A unit with an operation of ours under way is left to it."""
+        self.thaw_failing &= set(units)  # one no longer owed (it went down) is not said
+        for unit in units:
+            if unit in self.busy:
+                continue
+            try:
+                state = await self.systemd.freezer_state(unit)
+            except Exception as e:  # gone meanwhile: its inactive state says so
+                log.debug("FreezerState of %s: %s", unit, e)
+                continue
+            if unit in self.busy:  # the core froze, suspended or resumed it meanwhile
+                continue
+            if state == "running":
+                self.thaw_failing.discard(unit)
+                self.report(functools.partial(self.events.thaw_done, unit))
+            else:
+                await self._run(unit, self._thaw_left(unit, state))
+
+    async def _thaw_left(self, unit: str, state: str) -> None:
+        try:
+            await self._freezer("ThawUnit", unit)
+        except CheckpointError as e:
+            level = logging.DEBUG if unit in self.thaw_failing else logging.WARNING
+            self.thaw_failing.add(unit)
+            log.log(
+                level,
+                "thawing %s, %s though gpuslice no longer holds it frozen: %s (tried again at "
+                "each sample; systemctl thaw %s thaws it)",
+                unit,
+                printable(state, 20),
+                e.reason,
+                unit,
+            )
+            return
+        self.thaw_failing.discard(unit)
+        log.info(
+            "thawed %s: systemd showed it %s, and gpuslice, which froze it, no longer holds "
+            "it frozen",
+            unit,
+            printable(state, 20),
+        )
+        self.report(functools.partial(self.events.thaw_done, unit))
 
     def _run(self, unit: str, work: Coroutine[Any, Any, None]) -> Coroutine[Any, Any, None]:
         """The unit counts as busy from now (before its task first runs: a check of thaws by

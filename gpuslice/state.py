@@ -42,10 +42,12 @@ BOOT_ID_MAX = 256  # "<kernel boot id>/<systemd's UserspaceTimestamp>"
 # a suspended unit holds no GPU: it is listed under "suspended", never as a holder
 PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
-# written since the Preempt= ladder, since starts are saved before they are sent, and since
-# the terms of units whose annotation goes are kept; a file without them (an older
-# controller's) is complete
-LATER_FIELDS = ("frozen_for", "started", "suspended", "terms")
+# written since the Preempt= ladder, since starts are saved before they are sent, since
+# the terms of units whose annotation goes are kept, and since thaws owed are; a file
+# without them (an older controller's) is complete
+LATER_FIELDS = ("frozen_for", "started", "suspended", "terms", "thaw_owed")
+# the phases of a holder that may be owed a thaw (Scheduler.thaws_owed)
+THAW_OWED_PHASES = (Phase.RUNNING.value, Phase.STOPPING.value)
 KINDS = tuple(k.value for k in UnitKind)
 _SHOWN_PROBLEMS = 5
 
@@ -168,7 +170,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             preempted[name] = seq
 
     lists: dict[str, list[str]] = {}
-    for key in ("held", "finished", "failed", "started"):
+    for key in ("held", "finished", "failed", "started", "thaw_owed"):
         lists[key] = []
         names = data.get(key, [])
         if not isinstance(names, list):
@@ -222,6 +224,13 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         else:
             problems.add(f"started: dropped {_show(name)}: not a starting holder")
 
+    thaw_owed: list[str] = []
+    for name in lists["thaw_owed"]:
+        if name in holders and holders[name][1] in THAW_OWED_PHASES:
+            thaw_owed.append(name)
+        else:
+            problems.add(f"thaw_owed: dropped {_show(name)}: not a running or stopping holder")
+
     seq = data.get("seq", 0)
     if not _is_int(seq, 0, SEQ_MAX):
         problems.add(f"seq: {_show(seq)} is no sequence number")
@@ -255,6 +264,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         suspended=suspended,
         frozen_for=frozen_for,
         started=started,
+        thaw_owed=thaw_owed,
         terms=terms,
     )
     return saved, boot_id

@@ -617,7 +617,7 @@ def test_save_writes_sorted_keys(tmp_path: Path) -> None:
         '{"boot_id": "b", "failed": [], "finished": [], "frozen_for": {}, '
         '"held": ["train.service"], "holders": {"asr.service": [[0], "running", 4, ""]}, '
         '"preempted": {"vlm.service": 3}, "seq": 5, "started": [], "suspended": {}, "terms": {}, '
-        '"version": 1}'
+        '"thaw_owed": [], "version": 1}'
     )
 
 

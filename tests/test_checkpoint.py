@@ -9,6 +9,8 @@ for output lines and process exits, never for a fixed time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import select
 import signal
@@ -711,27 +713,129 @@ def test_a_suspended_job_that_is_killed_needs_no_resume(bed: Bed) -> None:
 
 
 def test_via_systemd_the_tool_runs_as_a_transient_service_that_systemd_ends_in_time() -> None:
-    assert checkpoint._command("/t", ["--get-state", "--pid", "7"], 2.5, False) == [
+    assert checkpoint._command("/t", ["--get-state", "--pid", "7"], 2.5, None) == [
         "/t",
         "--get-state",
         "--pid",
         "7",
     ]
-    assert checkpoint._command("/t", ["--get-state", "--pid", "7"], 2.5, True) == [
+    assert checkpoint._command("/t", ["--get-state", "--pid", "7"], 2.5, "x.service") == [
         "systemd-run",
         "--quiet",
         "--wait",
         "--pipe",
         "--collect",
         "--service-type=exec",
+        "--unit=x.service",
         "--description=gpuslice: cuda-checkpoint --get-state --pid 7",
         "--property=RuntimeMaxSec=3",
+        "--property=TimeoutStopSec=5",
         "--",
         "/t",
         "--get-state",
         "--pid",
         "7",
     ]
+
+
+def test_each_run_s_service_has_its_own_name_that_says_what_ran() -> None:
+    me = os.getpid()
+    first = checkpoint._service_name(["--action", "checkpoint", "--pid", "4194304"])
+    second = checkpoint._service_name(["--get-state", "--pid", "7"])
+    assert first.startswith(f"gpuslice-checkpoint-checkpoint-4194304-{me}-")
+    assert second.startswith(f"gpuslice-checkpoint-get-state-7-{me}-")
+    assert int(second.split("-")[-1].removesuffix(".service")) > int(
+        first.split("-")[-1].removesuffix(".service")
+    )
+    assert all(c.isascii() and (c.isalnum() or c in "-.") for c in first + second)
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[None]:
+    """Whatever run as a fake transient service is killed after the test, passed or not."""
+    yield
+    for pid_file in tmp_path.glob("*.service.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def fake_systemd(tmp_path: Path, stop_body: str = "") -> None:
+    """systemd-run and systemctl on PATH, as systemd behaves for them: the tool runs as the
+    named service, in a session of its own, so that killing systemd-run leaves it running
+    (holding the client's pipes, as with --pipe); `systemctl stop NAME` kills it (then
+    `stop_body`). Both log what they were asked."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    run_stub = bin_dir / "systemd-run"
+    run_stub.write_text(
+        "#!/bin/sh\n"
+        'for a; do case "$a" in --unit=*) unit="${a#--unit=}" ;; esac; done\n'
+        f'echo "run $unit" >> {tmp_path}/log\n'
+        'while [ "$1" != "--" ]; do shift; done; shift\n'
+        'setsid "$@" < /dev/null &\n'
+        f"echo $! > {tmp_path}/$unit.pid\n"
+        "wait $!\n"
+    )
+    stop_stub = bin_dir / "systemctl"
+    stop_stub.write_text(
+        "#!/bin/sh\n"
+        "for unit; do :; done\n"
+        f'echo "$1 $unit" >> {tmp_path}/log\n'
+        f'[ -f {tmp_path}/$unit.pid ] && kill -KILL "$(cat {tmp_path}/$unit.pid)"\n'
+        f"{stop_body}\n"
+    )
+    for path in (run_stub, stop_stub):
+        path.chmod(0o755)
+
+
+def test_a_hung_lock_s_service_is_stopped_before_the_undo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, services: None
+) -> None:
+    """The lock's client (systemd-run) is killed at its deadline; the transient service it
+    started would go on, and a lock that succeeds after the undo read the process running
+    would leave the job's CUDA locked with nobody responsible for it. The service is
+    stopped, and is down, before the undo looks at the process."""
+    monkeypatch.setattr(checkpoint, "LOCK_GRACE", 0.2)
+    fake_systemd(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    tool = stub(
+        tmp_path,
+        'case "$*" in\n'
+        '  "--action lock --pid 11 --timeout 300") exec sleep 60 ;;\n'
+        '  "--get-state --pid 11") echo running ;;\n'
+        "esac",
+    )
+    s = dataclasses.replace(FAST, via_systemd=True)
+    error = failure(suspend(tool, [11], s))
+    assert error.reason == (
+        "lock of PID 11 timed out after 0.3 s: cuda-checkpoint did not return within 0.5 s and "
+        "was killed"
+    )
+    log = calls(tmp_path)
+    lock = log[0].removeprefix("run ")
+    assert lock.startswith("gpuslice-checkpoint-lock-11-")
+    assert log[1:4] == ["--action lock --pid 11 --timeout 300", f"stop {lock}", log[3]]
+    assert log[3].startswith("run gpuslice-checkpoint-get-state-11-")
+    assert log[4:] == ["--get-state --pid 11"]
+    wait_gone(int((tmp_path / lock).with_suffix(".service.pid").read_text()))
+
+
+def test_a_service_that_cannot_be_stopped_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, services: None
+) -> None:
+    monkeypatch.setattr(checkpoint, "LOCK_GRACE", 0.2)
+    fake_systemd(tmp_path, "echo 'Failed to stop it: Access denied' >&2; exit 4")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    tool = stub(tmp_path, "exec sleep 60")
+    s = dataclasses.replace(FAST, via_systemd=True)
+    with pytest.raises(checkpoint._ToolFailed) as caught:
+        run(checkpoint._call(tool, ("--action", "lock", "--pid", "11"), 0.3, True))
+    unit = calls(tmp_path)[0].removeprefix("run ")
+    assert caught.value.detail == (
+        f"cuda-checkpoint did not return within 0.3 s and was killed; its service {unit} could "
+        "not be stopped: Failed to stop it: Access denied"
+    )
+    assert caught.value.timed_out and s.via_systemd
 
 
 def test_without_systemd_run_the_reason_names_it_not_the_tool(

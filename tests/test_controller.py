@@ -50,6 +50,8 @@ class FakeSystemd:
         self.dropped = 0
         self.watched: set[str] | None = None  # the units whose signals are matched
         self.reads: list[str] = []  # units whose state was read one by one
+        self.freezer: dict[str, str] = {}  # FreezerState by unit ("running" if not named)
+        self.refused_thaws = 0  # how many ThawUnit calls fail from now
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -82,6 +84,21 @@ class FakeSystemd:
         if sender not in self.pids:
             raise SystemdError("org.freedesktop.DBus.Error.NameHasNoOwner", sender)
         return self.pids[sender]
+
+    async def freezer_state(self, name: str) -> str:
+        self.calls.append(("freezer_state", name))
+        return self.freezer.get(name, "running")
+
+    async def freeze_unit(self, name: str) -> None:
+        self.calls.append(("freeze", name))
+        self.freezer[name] = "frozen"
+
+    async def thaw_unit(self, name: str) -> None:
+        self.calls.append(("thaw", name))
+        if self.refused_thaws:
+            self.refused_thaws -= 1
+            raise SystemdError("org.freedesktop.DBus.Error.TimedOut", "no answer")
+        self.freezer[name] = "running"
 
     def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._job("stop", name, queued)
@@ -530,6 +547,93 @@ def test_start_up_takes_a_suspended_unit_shown_starting_for_a_new_start(
         assert bed.service.granted == [("a.service", "0")]
         assert ctl.scheduler.suspended_units() == []
         assert not ctl.counters.to_json([])["decisions"].get("resume")
+
+    run(test)
+
+
+def test_start_up_thaws_a_unit_the_last_controller_owed_a_thaw_not_one_frozen_by_hand(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """a.service was frozen beside a unit that ended; the last controller saved it running
+    (thaw owed) and was killed before its ThawUnit left, or the ThawUnit failed: systemd
+    still shows it frozen, a stuck job. The next controller thaws it at start-up, saying
+    why. b.service, which an admin froze by hand while gpuslice held it running, stays
+    frozen: nothing says gpuslice froze it, and a controller restart undoes no admin's act."""
+    bed = Bed(
+        tmp_path,
+        {
+            "a.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "b.service": "Priority=80\nMemory=4G\n",
+        },
+        [state("a.service", "active", "running"), state("b.service", "active", "running")],
+        SavedState(
+            holders={"a.service": ((0,), "running", 1, ""), "b.service": ((0,), "running", 2, "")},
+            thaw_owed=["a.service"],
+            seq=2,
+        ),
+    )
+    bed.systemd.freezer = {"a.service": "frozen", "b.service": "frozen"}
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await ctl.start()
+            await until(lambda: not ctl._checking_thaws)
+        assert bed.systemd.freezer == {"a.service": "running", "b.service": "frozen"}
+        assert ("thaw", "b.service") not in bed.systemd.calls
+        assert ("freezer_state", "b.service") not in bed.systemd.calls
+        assert (
+            "thawed a.service: systemd showed it frozen, and gpuslice, which froze it, no "
+            "longer holds it frozen"
+        ) in messages(caplog)
+        assert ctl.scheduler.thaws_owed() == []
+
+    run(test)
+
+
+def test_a_thaw_that_fails_is_tried_again_at_the_next_sample(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """emb.service was frozen beside voice.service; voice.service ends and the ThawUnit fails:
+    before, the journal said "thaw it with systemctl thaw" and the job stayed frozen for
+    good. At the next sample (NVML's pace) its FreezerState is read and it is thawed."""
+    bed = Bed(
+        tmp_path,
+        {
+            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+        },
+        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
+        SavedState(
+            holders={
+                "emb.service": ((0,), "frozen", 1, ""),
+                "voice.service": ((0,), "running", 2, ""),
+            },
+            frozen_for={"emb.service": ["voice.service"]},
+            seq=2,
+        ),
+    )
+    bed.systemd.freezer = {"emb.service": "frozen"}
+    bed.systemd.refused_thaws = 1
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await ctl.start()
+            await settle()
+            goes_down(bed, "voice.service")
+            await settle()
+            assert bed.systemd.calls.count(("thaw", "emb.service")) == 1
+            assert bed.systemd.freezer["emb.service"] == "frozen"
+            assert ctl.scheduler.phase("emb.service") is Phase.RUNNING
+            ctl._decide_on(list(ctl.watch.sample.gpus))  # the next sample
+            await until(lambda: not ctl._checking_thaws)
+        assert bed.systemd.freezer["emb.service"] == "running"
+        assert bed.systemd.calls.count(("thaw", "emb.service")) == 2
+        assert ctl.scheduler.thaws_owed() == []
+        said = messages(caplog)
+        assert any(m.startswith("thawing emb.service: ThawUnit failed: ") for m in said), said
+        assert any(m.startswith("thawed emb.service: systemd showed it frozen") for m in said)
 
     run(test)
 

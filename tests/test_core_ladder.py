@@ -129,6 +129,50 @@ def test_freeze_when_the_urgent_unit_fits_beside_and_thaw_when_it_leaves() -> No
     assert s.phase("emb.service") is Phase.RUNNING
 
 
+def test_a_thawed_unit_is_owed_its_thaw_until_systemd_shows_it_running() -> None:
+    """The core takes a Thaw as done when it decides it; systemd may not have done it (a
+    ThawUnit that failed, or that a controller killed after its save never sent). Until the
+    adapter reports the unit running (`thaw_done`) it is owed one, across a restart too;
+    one frozen again is the freeze's, and one that ends is owed nothing."""
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb)
+    s.request(voice)
+    assert s.thaws_owed() == []  # held frozen: not owed
+    assert brief(s.inactive(VO, Outcome.EXITED)) == ["thaw emb.service"]
+    assert s.thaws_owed() == ["emb.service"]
+    assert s.save().thaw_owed == ["emb.service"]
+    after = host(emb, voice)
+    after.load(s.save())
+    assert after.thaws_owed() == ["emb.service"]
+    assert after.thaw_done("emb.service") == []
+    assert after.thaws_owed() == [] and after.save().thaw_owed == []
+    s.request(voice)  # frozen again: the freeze's now
+    assert s.phase("emb.service") is Phase.FROZEN and s.thaws_owed() == []
+    s.inactive("emb.service", Outcome.STOPPED)  # systemd thaws a unit to stop it
+    assert s.thaws_owed() == [] and "emb.service" not in s.thaw_owed
+
+
+def test_a_failed_freeze_or_suspend_leaves_a_thaw_owed() -> None:
+    """A FreezeUnit not answered, or a suspend that failed after its freeze or before its
+    thaw, may have left the unit frozen while the core holds it running: owed a thaw, so
+    that the adapter looks."""
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb)
+    s.request(voice)
+    s.freeze_failed("emb.service", "FreezeUnit did not answer within 30 s")
+    assert s.thaws_owed() == ["emb.service"]
+    only_suspend = spec("vlm", 90, BG, preempt="suspend")
+    s = host(only_suspend, VOICE)
+    running(s, only_suspend)
+    s.request(VOICE)
+    s.suspend_failed(V, "FreezeUnit failed")
+    assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [V]
+
+
 def test_a_unit_without_freeze_shares_its_gpu_as_before() -> None:
     emb = spec("emb", 90, BG, mem_gib=8, preempt="suspend stop")
     voice = spec("voice", 10, mem_gib=8)

@@ -72,6 +72,8 @@ _TWINNED = [
     "load",
     "forget_boot",
     "forget_instance",
+    "thaw_done",
+    "thaws_owed",
 ]
 
 

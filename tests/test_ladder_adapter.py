@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -78,6 +79,9 @@ class Events:
 
     def thawed_outside(self, name: str) -> list[Action]:
         return self._note("thawed_outside", name, "")
+
+    def thaw_done(self, name: str) -> list[Action]:
+        return self._note("thaw_done", name, "")
 
 
 class Host:
@@ -297,6 +301,47 @@ def test_a_thaw_that_fails_is_logged_not_raised(
     host.freezer.fail.add("thaw")
     run(host.ladder.thaw(UNIT))
     assert f"thawing {UNIT}: ThawUnit failed: thaw refused" in caplog.text
+
+
+def test_a_thaw_that_failed_is_tried_again_until_systemd_shows_the_unit_running(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ThawUnit that fails left the unit frozen while the core holds it running: each
+    check of the thaws owed (the sampling pace) reads its FreezerState and thaws it again,
+    warning once, until one works; the core hears when it is done, and a unit shown running
+    is owed nothing without a ThawUnit."""
+    host.freezer.fail.add("thaw")
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        run(host.ladder.thaw(UNIT))
+        assert host.said() == []
+        run(host.ladder.thaw_owed([UNIT]))  # still frozen, still failing
+        assert host.freezer.calls == [f"thaw {UNIT}", f"state {UNIT}", f"thaw {UNIT}"]
+        warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 1, [r.getMessage() for r in warned]  # said once, not per sample
+        host.freezer.fail.clear()
+        host.freezer.states[UNIT] = "freezing"
+        run(host.ladder.thaw_owed([UNIT]))
+    assert host.freezer.calls[-2:] == [f"state {UNIT}", f"thaw {UNIT}"]
+    assert host.said() == [("thaw_done", UNIT, "")]
+    assert (
+        f"thawed {UNIT}: systemd showed it freezing, and gpuslice, which froze it, no longer "
+        "holds it frozen"
+    ) in caplog.text
+    assert host.ladder.busy == {}
+    host.freezer.states[UNIT] = "running"
+    host.freezer.calls.clear()
+    run(host.ladder.thaw_owed([UNIT]))
+    assert host.freezer.calls == [f"state {UNIT}"]
+    assert host.said()[-1] == ("thaw_done", UNIT, "")
+    busy = host.ladder.freeze(UNIT)  # frozen again meanwhile: the freeze's, not asked
+    run(host.ladder.thaw_owed([UNIT]))
+    assert host.freezer.calls == [f"state {UNIT}"]
+    run(busy)
+
+
+def test_a_thaw_that_works_is_no_thaw_owed(host: Host) -> None:
+    run(host.ladder.thaw(UNIT))
+    assert host.said() == [("thaw_done", UNIT, "")]
 
 
 def test_a_bug_while_suspending_is_a_failed_suspend_not_a_stuck_unit(host: Host) -> None:

@@ -34,6 +34,7 @@ GOOD: dict[str, Any] = {
     "frozen_for": {},
     "started": [],
     "terms": {},
+    "thaw_owed": [],
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -435,6 +436,32 @@ def test_the_starts_gpuslice_sent_are_kept_for_starting_holders_only(
         'started: dropped "gone.service": not a starting holder',
     ):
         assert problem in said, said
+
+
+def test_thaws_owed_are_kept_for_running_and_stopping_holders_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted controller thaws a unit the last one owed a thaw (saved before its
+    ThawUnit left); a name that is no running or stopping holder is dropped, with why, and
+    never thawed (one held frozen stays frozen)."""
+    holders = {
+        "asr.service": [[0], "running", 4, ""],
+        "emb.service": [[0], "frozen", 1, ""],
+        "low.service": [[1], "stopping", 3, ""],
+    }
+    owed = ["asr.service", "low.service", "emb.service", "gone.service", "../x"]
+    saved, _, records = load(tmp_path, good(holders=holders, thaw_owed=owed), caplog)
+    assert saved.thaw_owed == ["asr.service", "low.service"]
+    said = " ".join(r.getMessage() for r in records)
+    for problem in (
+        'thaw_owed: dropped "../x": not a unit name',
+        'thaw_owed: dropped "emb.service": not a running or stopping holder',
+        'thaw_owed: dropped "gone.service": not a running or stopping holder',
+    ):
+        assert problem in said, said
+    store = StateStore(tmp_path / "again")
+    store.save(saved, "b")
+    assert store.load()[0].thaw_owed == ["asr.service", "low.service"]
 
 
 @pytest.mark.parametrize(

@@ -159,6 +159,9 @@ Action = Grant | Stop | Start | Log | Suspend | Resume | Freeze | Thaw
 
 # Phases in which a unit is on its way out of a waiter's way (Holder.stopping_for names it)
 GIVING_WAY = (Phase.STOPPING, Phase.SUSPENDING)
+# Phases in which a unit gpuslice froze is owed a thaw (Scheduler.thaws_owed): it holds the
+# unit neither frozen nor in the middle of a suspend or resume, which freeze and thaw it
+_THAW_OWED_IN = (Phase.RUNNING, Phase.STOPPING)
 
 
 @dataclass
@@ -253,6 +256,8 @@ class SavedState:
     suspended: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)
     frozen_for: dict[str, list[str]] = field(default_factory=dict)
     started: list[str] = field(default_factory=list)  # STARTING holders gpuslice started
+    # running or stopping holders gpuslice froze and has not yet seen thawed (thaws_owed)
+    thaw_owed: list[str] = field(default_factory=list)
     # unit -> (priority, kind, GPUs, memory or None): the terms each holder (but a starting
     # one) and each suspended unit holds its GPUs on, for one whose annotation goes before
     # the next controller reads it (`_kept_terms`)
@@ -378,6 +383,11 @@ class Scheduler:
         self.unstoppable: set[str] = set()
         self.unfreezable: set[str] = set()  # units whose freeze failed: not tried again
         self.unsuspendable: set[str] = set()  # units whose suspend failed: the next rung
+        # units gpuslice froze, or may have left frozen (a freeze, suspend or resume that
+        # failed half way), that it now holds running or stopping: owed a thaw until systemd
+        # shows them running (`thaws_owed`, `thaw_done`); saved, so that a controller killed
+        # before its ThawUnit left leaves the next one to send it
+        self.thaw_owed: set[str] = set()
         # Why background units must not start now (the GPUs are a guess: NVML is not ready
         # yet); empty: they may. Refill, requeue and background waiters honour it.
         self.refill_paused = ""
@@ -492,6 +502,7 @@ class Scheduler:
         self.unstoppable.discard(name)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
+        self.thaw_owed.discard(name)  # systemd thaws a unit before it stops it
         waiter = self.waiters.pop(name, None)
         holder = self.holders.pop(name, None)
         requeued = name in self.requeued
@@ -690,6 +701,7 @@ class Scheduler:
             return [_log(decision), self._stop_for(holder, waiter.spec, on)]
         holder.phase = Phase.RUNNING
         holder.stopping_for = None
+        self.thaw_owed.add(name)  # frozen beside, or a freeze after the checkpoint that hung
         if waiter is not None:
             waiter.target = ()
         if fallback is None:
@@ -702,6 +714,7 @@ class Scheduler:
         if holder is None or holder.phase is not Phase.RESUMING:
             return []
         holder.phase = Phase.RUNNING
+        self.thaw_owed.add(name)  # its ThawUnit came first, and may have failed
         self._tops_cache = None
         gpus = tuple(sorted(holder.gpus))
         actions: list[Action] = [_log(_about(holder.spec, Code.RESUMED, gpus=gpus, detail=detail))]
@@ -736,6 +749,7 @@ class Scheduler:
         if holder is None or holder.phase is not Phase.FROZEN:
             return []
         holder.phase = Phase.RUNNING
+        self.thaw_owed.add(name)  # a FreezeUnit not answered may have frozen it after all
         for_unit = min(holder.frozen_for, default="")
         holder.frozen_for.clear()
         self.unfreezable.add(name)
@@ -773,6 +787,17 @@ class Scheduler:
         """Units gpuslice froze: frozen beside a more urgent unit, or suspended."""
         frozen = [n for n, h in self.holders.items() if h.phase is Phase.FROZEN]
         return sorted([*frozen, *self.suspended])
+
+    def thaws_owed(self) -> list[str]:
+        """Units gpuslice froze (or may have left frozen) and no longer holds frozen, not yet
+        seen running: the adapter reads their FreezerState and thaws a frozen one. One it
+        holds frozen, suspending or resuming again is that operation's, not owed."""
+        return sorted(n for n in self.thaw_owed if self.phase(n) in _THAW_OWED_IN)
+
+    def thaw_done(self, name: str) -> list[Action]:
+        """systemd answered a ThawUnit, or shows the unit running: no thaw is owed."""
+        self.thaw_owed.discard(name)
+        return []
 
     def recover(self) -> list[Action]:
         """After a controller restart: units caught between suspend and resume are resumed
@@ -886,6 +911,7 @@ class Scheduler:
         thaw = _about(holder.spec, Code.THAW, gpus=tuple(sorted(holder.gpus)))
         holder.phase = Phase.RUNNING
         holder.frozen_for.clear()
+        self.thaw_owed.add(holder.spec.name)
         return Thaw(holder.spec.name, render(thaw), thaw)
 
     # -- the rules --------------------------------------------------------------------------
@@ -1167,6 +1193,7 @@ class Scheduler:
             if not any(self.holders[u].phase in running for u in holder.frozen_for):
                 holder.frozen_for.clear()
                 holder.phase = Phase.RUNNING
+                self.thaw_owed.add(name)
                 thaw = _about(holder.spec, Code.THAW, gpus=tuple(sorted(holder.gpus)))
                 actions.append(Thaw(name, render(thaw), thaw))
         return actions
@@ -1674,6 +1701,7 @@ class Scheduler:
                 n: sorted(h.frozen_for) for n, h in self.holders.items() if h.phase is Phase.FROZEN
             },
             started=sorted(n for n in self.started if self.phase(n) is Phase.STARTING),
+            thaw_owed=self.thaws_owed(),
             terms={
                 **{
                     n: _terms(h.spec)
@@ -1715,6 +1743,7 @@ class Scheduler:
             spec = self.specs.get(name) or _kept_terms(name, saved)
             self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
         self.started = {n for n in saved.started if self.phase(n) is Phase.STARTING}
+        self.thaw_owed = {n for n in saved.thaw_owed if self.phase(n) in _THAW_OWED_IN}
         self.preempted = dict(saved.preempted)
         self.held = set(saved.held)
         self.finished = set(saved.finished)

@@ -273,3 +273,79 @@ def test_on_cgroup_v1_suspend_falls_to_stop(container: Container) -> None:
     start_vlm_and_preempt_it(container)
     line = wait_line(container, "cannot suspend vlm.service (priority 90) for voice.service")
     assert "cgroup v1" in line
+
+
+# what a controller killed between saving a thaw and sending its ThawUnit leaves behind: the
+# unit saved running (its freeze forgotten), and owed a thaw
+LOSE_THE_THAW = r"""
+import json, sys
+path, unit = "/var/lib/gpuslice/state.json", sys.argv[1]
+state = json.load(open(path))
+state["holders"][unit][1] = "running"
+state["frozen_for"].pop(unit, None)
+state["thaw_owed"] = [unit]
+json.dump(state, open(path, "w"))
+"""
+
+
+def test_a_thaw_the_last_controller_saved_but_never_sent_is_sent_by_the_next(
+    bed: Container,
+) -> None:
+    """Killed between saving its decision to thaw a unit and sending the ThawUnit, the
+    controller leaves a state that says the unit runs while systemd shows it frozen: the next
+    controller thaws it at start-up, saying why. A unit an admin froze by hand meanwhile is
+    left frozen."""
+    write_urgent(bed, memory="8G")
+    fakegpu.write_alloc_job(bed, "other.service", 50, memory="2G", alloc="2G")
+    reload(bed)
+    bed.systemctl("start", "other.service")  # first: emb is not frozen beside it
+    write_worker(bed, "emb.service", 90, memory="8G", alloc="8G", preempt="freeze stop")
+    reload(bed)
+    wait_state(bed, "emb.service", "active")
+    bed.systemctl("start", VOICE)
+    wait_journal(bed, "freezing emb.service (priority 90) on GPU 0 for voice.service")
+    wait_until(
+        lambda: prop(bed, "emb.service", "FreezerState") == "frozen" or None, TIMEOUT, what="frozen"
+    )
+    bed.systemctl("stop", "gpuslice.service")
+    bed.run(["python3", "-c", LOSE_THE_THAW, "emb.service"])
+    bed.systemctl("freeze", "other.service")  # an admin's
+    bed.systemctl("start", "gpuslice.service")
+    wait_journal(
+        bed,
+        "thawed emb.service: systemd showed it frozen, and gpuslice, which froze it, no longer "
+        "holds it frozen",
+    )
+    assert prop(bed, "emb.service", "FreezerState") == "running"
+    counting(bed, "emb.service")
+    time.sleep(1)  # a sample or two later
+    assert prop(bed, "other.service", "FreezerState") == "frozen"
+
+
+HANGING_LOCK = "/usr/local/lib/fakenvml/cuda-checkpoint-hanging-lock"
+
+
+def test_a_lock_whose_client_times_out_has_its_service_stopped_before_the_undo(
+    bed: Container,
+) -> None:
+    """The lock hangs: systemd-run is killed at the client's deadline (lock timeout + grace),
+    which does not end its transient service. The named service is stopped before the undo,
+    so no lock can land after it: nothing of it is left running."""
+    bed.write_file(
+        HANGING_LOCK,
+        '#!/bin/sh\ncase "$*" in --action\\ lock*) exec sleep 600 ;; esac\n'
+        f'exec {fakegpu.CHECKPOINT} "$@"\n',
+    )
+    bed.run(["chmod", "755", HANGING_LOCK])
+    bed.write_file(fakegpu.CONFIG, LADDER_CONFIG.replace(fakegpu.CHECKPOINT, HANGING_LOCK))
+    fakegpu.restart_gpuslice(bed)
+    start_vlm_and_preempt_it(bed)
+    line = wait_line(bed, "cannot suspend vlm.service (priority 90) for voice.service")
+    assert "lock of PID" in line and line.endswith("trying stop instead"), line
+    journal = bed.run("journalctl --no-pager -o cat -u 'gpuslice-checkpoint-lock-*'").stdout
+    assert "gpuslice: cuda-checkpoint --action lock" in journal, journal
+    units = bed.run(
+        "systemctl list-units --all --plain --no-legend 'gpuslice-checkpoint-*' --state=active"
+    ).stdout
+    assert units.strip() == "", units
+    assert bed.run("pgrep -x sleep -a | grep -c 'sleep 600' || true").stdout.strip() == "0"
