@@ -121,8 +121,12 @@ class Tracker:
         self.ledger = ledger
         self.states: dict[str, UnitState] = {}
         self.shutting_down = False
-        # jobs systemd announced for a unit since it last passed the gate (or went down)
-        self._unit_jobs: dict[str, set[str]] = {}
+        # jobs systemd announced for a unit since it last passed the gate (or went down),
+        # each with the stamp of its JobNew
+        self._unit_jobs: dict[str, dict[str, int]] = {}
+        self._gate_seen: dict[str, int] = {}  # the stamp of the signal that showed it at its gate
+        self._restarting: set[str] = set()  # told down in auto-restart, and still there
+        self._sent: dict[str, list[int]] = {}  # stamps of our calls not yet answered, in order
         self._own_jobs: dict[str, str] = {}  # job path -> "start" | "stop", from our calls
         self._stop_results: dict[str, str] = {}  # unit -> how our stop job for it ended
         self._in_flight: dict[str, int] = {}  # our StartUnit/StopUnit calls not yet answered
@@ -141,8 +145,8 @@ class Tracker:
         if unit in SHUTDOWN_TARGETS:
             self.shutting_down = True
         if self.managed(unit):
-            self._unit_jobs.setdefault(unit, set()).add(path)
             self._count(unit)
+            self._unit_jobs.setdefault(unit, {})[path] = self._signals[unit]
 
     def job_removed(self, path: str, unit: str, result: str) -> bool:
         """Whether the unit's state must be read again: a job that changed nothing sends
@@ -174,6 +178,8 @@ class Tracker:
             job[0] if job is not None else old.job_id,
         )
         self.states[name] = state
+        if classify(state) is Kind.GATE and classify(old) is not Kind.GATE:
+            self._gate_seen[name] = self._signals[name]
         if job is not None:
             self._job_paths[name] = job[1]
         if job is not None and not read:  # only a signal tells what came first
@@ -206,7 +212,11 @@ class Tracker:
         if kind is Kind.TRANSITION and self._our_stop_ends(state):
             kind = Kind.DOWN
         phase = self.ledger.phase(name)
+        if state.sub != "auto-restart":
+            self._restarting.discard(name)
         if kind is Kind.DOWN:
+            if name in self._restarting:
+                return []  # its restart queued (Restart='s, a person's): told once already
             if self._in_flight.get(name):
                 self._deferred.add(name)  # decide once we know which of its jobs are ours
                 return []
@@ -216,7 +226,9 @@ class Tracker:
             self._by_itself.discard(name)  # said of this run only
             if phase is None and not self.ledger.waiting(name) and not self.stopped_by_others(name):
                 return []
-            self.passed_gate(name)
+            self._went_down(name)
+            if state.sub == "auto-restart":
+                self._restarting.add(name)
             return [WentDown(name, outcome, by_itself)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
             return [ReachedGate(name)]
@@ -238,11 +250,26 @@ class Tracker:
 
     def call_sent(self, unit: str) -> None:
         self._in_flight[unit] = self._in_flight.get(unit, 0) + 1
+        self._sent.setdefault(unit, []).append(next(self._stamps))
 
     def call_answered(self, unit: str, job: str | None, what: str) -> bool:
         """A StartUnit/StopUnit of ours returned (`job` is None when it failed). Whether the
         unit's state must be read again: it went down while we did not know the job."""
-        if job is not None:
+        return self._answered(unit, job, what, in_order=False)
+
+    def _answered(self, unit: str, job: str | None, what: str, *, in_order: bool) -> bool:
+        """Systemd answers a call merged into a job already queued (a person's stop, when
+        ours comes while it runs) with that job's path, and announces no job: a job
+        announced before our call was sent is not ours, nor, told in order, one announced
+        before other signals of the unit (a new job's JobNew comes right before the answer)."""
+        sent = self._sent.get(unit, [])
+        since = sent.pop(0) if sent else 0
+        if not sent:
+            self._sent.pop(unit, None)
+        announced = self._unit_jobs.get(unit, {}).get(job or "")
+        if in_order and announced is not None and announced != self._signals.get(unit):
+            announced = -1
+        if job is not None and (announced is None or announced >= since):
             self._own_jobs[job] = what
         count = self._in_flight.get(unit, 0) - 1
         if count > 0:
@@ -259,7 +286,7 @@ class Tracker:
         JobNew, before the job's other signals): those are judged knowing the job is ours. A
         read of the unit answered before it is older (`heard`). As call_answered."""
         self._answers[unit] = next(self._stamps)
-        return self.call_answered(unit, job, what)
+        return self._answered(unit, job, what, in_order=True)
 
     def in_flight(self, unit: str) -> bool:
         return bool(self._in_flight.get(unit))
@@ -267,11 +294,23 @@ class Tracker:
     # -- questions ------------------------------------------------------------------------
 
     def passed_gate(self, unit: str) -> None:
-        """The unit starts afresh: jobs before this one no longer say who stopped it."""
-        for path in self._unit_jobs.pop(unit, set()):
-            self._own_jobs.pop(path, None)
+        """The unit starts afresh: jobs before this one no longer say who stopped it. A job
+        announced since a signal showed it at its gate came while it waited there (a
+        person's stop): it still says."""
+        gate = self._gate_seen.pop(unit, None)
+        jobs = self._unit_jobs.pop(unit, {})
+        for path, stamp in jobs.items():
+            if gate is not None and stamp > gate:
+                self._unit_jobs.setdefault(unit, {})[path] = stamp
+            else:
+                self._own_jobs.pop(path, None)
         self._stop_results.pop(unit, None)
         self._by_itself.discard(unit)
+
+    def _went_down(self, unit: str) -> None:
+        """Down: no job announced before says anything of its next run."""
+        self._gate_seen.pop(unit, None)
+        self.passed_gate(unit)
 
     def stopped_by_others(self, name: str) -> bool:
         return any(path not in self._own_jobs for path in self._unit_jobs.get(name, ()))
@@ -310,7 +349,9 @@ class Tracker:
         if self._in_flight.get(name) or name in self._deferred:
             return False
         self.states.pop(name, None)
-        self.passed_gate(name)
+        self._went_down(name)
+        self._sent.pop(name, None)
+        self._restarting.discard(name)
         self._signals.pop(name, None)
         self._answers.pop(name, None)
         self._job_paths.pop(name, None)

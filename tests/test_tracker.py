@@ -594,3 +594,99 @@ def test_listed_replaces_what_was_known_with_the_managed_units_only() -> None:
     tracker.listed([UnitState(A, "inactive", "dead", 3, "start"), other])
     assert tracker.states == {A: UnitState(A, "inactive", "dead", 3, "start")}
     assert tracker.state("other.service") == UnitState("other.service", "inactive", "dead", 0)
+
+
+# -- found by tests/test_tracker_properties.py ----------------------------------------------
+
+JOB3 = "/org/freedesktop/systemd1/job/3"
+
+
+def test_our_stop_merged_into_a_persons_stop_is_theirs() -> None:
+    """`systemctl stop` of a unit that takes a while to stop, then our StopUnit of it:
+    systemd merges ours into the stop job installed and answers with that job's path, and
+    announces no job. It is the person's stop: a hold, not our preemption."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.job_new(JOB3, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 3))
+    model.phases[A] = Phase.STOPPING
+    tracker.call_sent(A)
+    assert tracker.call_queued(A, JOB3, "stop") is False
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 3)) == []
+    tracker.job_removed(JOB3, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+    # theirs reached systemd between our call's sending and its arrival: told in order,
+    # the answer names a job announced before other signals, not just before it
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.call_sent(A)
+    tracker.job_new(JOB3, A)
+    tracker.unit_changed(A, props_of("active", "running", 3))
+    tracker.call_queued(A, JOB3, "stop")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 3)) == []
+    tracker.job_removed(JOB3, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+    # sent after the person's job was announced, told late: not ours either
+    tracker = our_stop_sent()
+    tracker.job_new(JOB3, A)
+    tracker.call_sent(A)  # a second call, after the person's stop was announced
+    tracker.call_answered(A, JOB1, "stop")
+    tracker.call_answered(A, JOB3, "stop")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 3)) == []
+
+
+def test_a_stop_announced_while_the_unit_waited_at_its_gate_outlives_its_ask() -> None:
+    """A person's stop queued while the unit waits at its gate, whose ask (over D-Bus)
+    comes after: the unit stops by that stop, a hold, though its start passed the gate."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 1)) == [ReachedGate(A)]
+    model.waiters.add(A)
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("activating", "start-pre", 2))
+    tracker.passed_gate(A)  # its gate asks, and is granted
+    model.waiters.clear()
+    model.phases[A] = Phase.RUNNING
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 2)) == []
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+
+
+def test_a_unit_restarting_is_told_down_once_though_its_restart_job_is_queued() -> None:
+    """Restart=: systemd shows the unit in auto-restart, then queues its restart job (a job
+    of nobody's we know) while it is still there: one WentDown, not a second failure."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    restart = props_of("activating", "auto-restart", 0)
+    assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
+    model.phases.pop(A)
+    tracker.job_new(JOB2, A)
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 2)) == []
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == [ReachedGate(A)]
+    # a person's stop of it there is theirs: a hold (it is not restarted)
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
+    model.phases.pop(A)
+    tracker.job_new(JOB3, A)
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 3)) == []
+    tracker.job_removed(JOB3, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
