@@ -184,6 +184,9 @@ class Controller:
         self._rescan: asyncio.Task[None] | None = None
         self._rescan_again = False
         self._parked: list[str] = []
+        # match rules change one set at a time (_rewatch)
+        self._rewatching = False
+        self._rewatch_again = False
         self._stop_timers: dict[str, asyncio.TimerHandle] = {}
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
         self._batching = 0  # depth of _batched: the state its events change is saved once
@@ -233,12 +236,14 @@ class Controller:
         for name, props in self._buffered:
             self.on_unit_changed(name, props)
         self._buffered.clear()
+        if self._rescan_again:  # a daemon-reload ended during start-up
+            self.request_rescan()
         for name in sorted(self.scheduler.annotated()):  # down since, or kept by a version
             if is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN:
                 self._forget_instance(name)
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
-        self._spawn(self._watch_units())
+        self._rewatch()
 
     def _watched(self) -> set[str]:
         """The units whose signals matter: every annotated unit; the instances of annotated
@@ -250,6 +255,27 @@ class Controller:
         names = {n for n in self.scan.specs if not is_template(n)} | self._instances
         core = self.scheduler
         return names | set(core.specs) | set(core.grants()) | set(core.waiting_units())
+
+    def _rewatch(self) -> None:
+        """Match anew the signals of the units that matter (`_watch_units`): one change at a
+        time, and one more after it for every request meanwhile. A task per request, each
+        computing the set of every unit that matters, cost a flood of new instances (one
+        JobNew each) time quadratic in their number, on the loop."""
+        if self._rewatching:
+            self._rewatch_again = True
+            return
+        self._rewatching = True
+        self._spawn(self._rewatch_until_done())
+
+    async def _rewatch_until_done(self) -> None:
+        try:
+            while True:
+                self._rewatch_again = False
+                await self._watch_units()
+                if not self._rewatch_again:
+                    return
+        finally:
+            self._rewatching = False
 
     async def _watch_units(self) -> None:
         """Match the signals of the units that matter only; read the state of those newly
@@ -265,7 +291,7 @@ class Controller:
             # a gate waiting on a pipe an earlier start left, its start unseen while the unit
             # was not matched, asks over D-Bus (a later signal names only later starts)
             self.gates.at_gate_unknown(name)
-            await self._refresh(name)
+            self._spawn(self._refresh(name))  # not awaited: the next re-match need not wait
 
     def _rebuild(self) -> list[Action]:
         """Take in what systemd shows, then decide once: restored holders that ended while
@@ -345,13 +371,17 @@ class Controller:
         self.tracker.job_new(path, unit)
         if not self.ready or self.spec_for(unit) is None:
             return
+        if is_instance(unit) and unit not in self._instances:
+            # an instance of an annotated template, new to us: heard from now on (its gate,
+            # without a pipe this time, asks over D-Bus; the unit is read once matched). One
+            # still matched (it ended and was forgotten, its rule not removed yet) is kept
+            # matched too: a re-match meanwhile would drop the rule, and its gate, waiting on
+            # the pipe made below, would never be seen at start-pre
+            self._instances.add(unit)
+            if not self.systemd.watches(unit):
+                self._rewatch()
         if self.systemd.watches(unit):  # else its gate's signal may not reach us: no pipe
             self.gates.expect(unit)  # before its gate looks for its pipe
-        elif is_instance(unit) and unit not in self._instances:
-            # an instance of an annotated template, new to us: heard from now on (its gate,
-            # without a pipe this time, asks over D-Bus; the unit is read once matched)
-            self._instances.add(unit)
-            self._spawn(self._watch_units())
         if self.scheduler.phase(unit) is None and not self.scheduler.is_waiting(unit):
             # a start the scheduler does not know yet (not its own, not one at its gate)
             seen = self.tracker.heard(unit)
@@ -517,8 +547,11 @@ class Controller:
 
     def request_rescan(self) -> None:
         """Read the annotations again, off the loop; requests while one runs make one
-        more run after it (a flood of daemon-reloads costs two scans, not a thousand)."""
-        if self._rescan is not None:
+        more run after it (a flood of daemon-reloads costs two scans, not a thousand).
+        Before start-up is done, one run once it is: applied while start-up claimed its
+        name, a scan's decisions left before start-up's own (a stop withdrawing a start
+        sent after it, which systemd's start job then replaced)."""
+        if self._rescan is not None or not self.ready:
             self._rescan_again = True
             return
         self._rescan = asyncio.get_running_loop().create_task(self._run_rescans())
@@ -547,7 +580,7 @@ class Controller:
         for unit in sorted(starts):
             if self.spec_for(unit) is None and not self._known(unit):
                 self._let_through(unit)  # its start, not yet answered, is forgotten
-        self._spawn(self._watch_units())
+        self._rewatch()
 
     def reload_config(self) -> None:
         try:

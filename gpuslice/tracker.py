@@ -243,8 +243,12 @@ class Tracker:
         return []
 
     def listed(self, units: Iterable[UnitState]) -> None:
-        """ListUnits answered (start-up): the managed units' states replace what was known."""
+        """ListUnits answered (start-up): the managed units' states replace what was known.
+        Each counts as heard now: a read of one sent before it is forgotten (an instance that
+        ended) is then still found older, its stamp not 0 (`forget`)."""
         self.states = {u.name: u for u in units if self.managed(u.name)}
+        for name in self.states:
+            self._count(name)
 
     # -- our own calls --------------------------------------------------------------------
 

@@ -2429,3 +2429,156 @@ def test_start_up_forgets_instances_down_that_an_earlier_controller_kept(
         assert ("start", "bg@1.service") not in bed.systemd.calls
 
     run(test)
+
+
+# ---- races across the controller's own awaits and timers ----
+
+
+def signal(bed: Bed, unit: str, props: dict[str, Any]) -> None:
+    """A PropertiesChanged of the unit, as the bus delivers it: only while it is matched."""
+    if bed.systemd.watches(unit):
+        bed.controller.on_unit_changed(unit, props)
+
+
+def test_an_instance_started_again_while_still_matched_stays_matched(tmp_path: Path) -> None:
+    """t@1 ended and was forgotten, its match rule not yet removed: its next start's JobNew
+    finds it matched and makes its pipe. A re-match for another new instance must not drop
+    t@1's rule then: its gate, waiting on that pipe, would never be seen at start-pre and
+    never be answered (a stuck start)."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "t@.service": "Priority=50\n"}, [])
+    down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"a.service"})
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "t@1.service")
+        await until(lambda: bed.systemd.watches("t@1.service"))
+        signal(bed, "t@1.service", at_gate(bytes(16)))
+        signal(bed, "t@1.service", {"ActiveState": "active", "SubState": "running"})
+        signal(bed, "t@1.service", down)
+        await settle()
+        assert ctl.scheduler.annotated() == {"a.service"}  # forgotten, still matched
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "t@1.service")  # pipe made
+        ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "t@2.service")  # a re-match
+        await settle()
+        bed.systemd.units["t@1.service"] = state("t@1.service", "activating", "start-pre", 2)
+        signal(bed, "t@1.service", at_gate())
+        await past_queued_delay()
+        assert read_pipe(bed, "t@1.service") in (START.hex() + "\n", "-\n")
+
+    run(test)
+
+
+def test_a_flood_of_new_instances_changes_the_match_rules_a_few_times_not_once_each(
+    tmp_path: Path,
+) -> None:
+    """3,000 instances of an annotated template started at once (one JobNew each): their
+    rules are changed by one re-match in flight and one after it, each computing the set of
+    units that matter once, not by a task per JobNew, each of them computing it again for
+    every instance known (quadratic: seconds of a blocked loop while gates wait)."""
+    bed = Bed(tmp_path, {"t@.service": "Priority=50\n"}, [])
+    watch = bed.systemd.watch
+    asked: list[int] = []
+
+    async def counted(units: Collection[str] | None) -> list[str]:
+        asked.append(len(units or ()))
+        await asyncio.sleep(0)  # the bus daemon answers the AddMatch later
+        return await watch(units)
+
+    bed.systemd.watch = counted  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        asked.clear()
+        for i in range(3000):
+            ctl.on_job_new(i + 1, f"/org/freedesktop/systemd1/job/{i + 1}", f"t@{i}.service")
+        await settle()
+        assert asked[0] == 3000
+        assert len(asked) <= 2, len(asked)
+
+    run(test)
+
+
+def test_a_read_answered_before_an_instance_ended_and_was_forgotten_is_dropped(
+    tmp_path: Path,
+) -> None:
+    """systemd re-executed: t@1, running since before the controller started (listed, no
+    signal since), is read again. It ends, and is forgotten, before the read resumes: the
+    read showing it running is older than that end and must be dropped, not make a unit
+    that is gone a holder of GPU 0 for good."""
+    bed = Bed(
+        tmp_path,
+        {"t@.service": "Priority=50\n"},
+        [state("t@1.service", "active", "running")],
+    )
+    reply = asyncio.Event()
+    read = bed.systemd.unit_state
+
+    async def slow_read(name: str) -> UnitState:
+        got = await read(name)  # answered now: running
+        await reply.wait()
+        return got
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.phase("t@1.service") is Phase.RUNNING
+        bed.systemd.unit_state = slow_read  # type: ignore[method-assign]
+        ctl.on_systemd_restarted()
+        await settle()
+        assert "t@1.service" in bed.systemd.reads
+        bed.systemd.units["t@1.service"] = state("t@1.service", "inactive", "dead")
+        ctl.on_unit_changed(
+            "t@1.service", {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        )
+        await settle()
+        assert ctl.scheduler.annotated() == set()  # forgotten
+        reply.set()
+        await settle()
+        assert ctl.scheduler.phase("t@1.service") is None
+        assert ctl.scheduler.grants() == {}
+
+    run(test)
+
+
+def test_a_daemon_reload_during_start_up_is_taken_in_after_start_ups_decisions(
+    tmp_path: Path,
+) -> None:
+    """Start-up decides to bring preempted bg.service back, then claims its bus name. A
+    daemon-reload that takes bg.service's annotation out ends meanwhile: its rescan must not
+    be applied before start-up's decisions are carried out, or the stop that withdraws
+    bg.service's start leaves before the start it withdraws, and systemd runs bg.service
+    ungated while the core takes it for stopping."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\n"},
+        [state("bg.service", "inactive", "dead")],
+        SavedState(preempted={"bg.service": 1}, seq=1),
+    )
+    claimed = asyncio.Event()
+
+    async def claim_name() -> None:
+        await claimed.wait()
+
+    bed.service.claim_name = claim_name  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        starting = asyncio.get_running_loop().create_task(ctl.start())
+        await until(lambda: ctl.scheduler.phase("bg.service") is Phase.STARTING)
+        assert bed.systemd.calls == [("subscribe", "")]  # decided, not sent yet
+        write_unannotated(tmp_path, "bg.service")
+        ctl.on_reloading(False)
+        await asyncio.sleep(0.2)  # the scan, off the loop, has had time to end
+        claimed.set()
+        await starting
+        await until(lambda: ctl.spec_for("bg.service") is None)
+        await settle()
+        jobs = [call for call in bed.systemd.calls if call[1] == "bg.service"]
+        assert jobs == [("start", "bg.service"), ("stop", "bg.service")]
+
+    run(test)
