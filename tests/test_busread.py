@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dbus_next import Message, Variant
+from dbus_next import Message, MessageFlag, MessageType, Variant
 from dbus_next._private.marshaller import Marshaller
 from dbus_next._private.unmarshaller import Unmarshaller
 from dbus_next.errors import InvalidMessageError
@@ -225,6 +225,30 @@ def test_a_method_calls_long_arguments_are_not_read() -> None:
     assert isinstance(reader.unmarshall(), busread.Unread)
     after = busread.Reader(reader.stream, None, UNIT, KEEP).unmarshall()
     assert after is not None and after.body == ["a.service"]
+
+
+def test_an_unread_message_keeps_every_field_of_its_header() -> None:
+    """Its error reply goes to its sender, names its serial, and is not sent when its flags
+    say none is expected; a signal that is too long stays a signal (never answered)."""
+    for message_type, flags in (
+        (MessageType.METHOD_CALL, MessageFlag.NO_REPLY_EXPECTED),
+        (MessageType.SIGNAL, MessageFlag.NO_AUTOSTART),
+    ):
+        whole = Message(
+            destination="org.gpuslice.Scheduler1",
+            path="/org/gpuslice/Scheduler1",
+            interface="org.gpuslice.Scheduler1",
+            member="Status",
+            message_type=message_type,
+            flags=flags,
+            sender=":1.42",
+            serial=7,
+        )
+        got = busread.Unread(whole, 1 << 20)
+        fields = ("destination", "path", "interface", "member", "message_type", "flags")
+        for field in (*fields, "sender", "serial"):
+            assert getattr(got, field) == getattr(whole, field), field
+        assert (got.body, got.body_len) == ([], 1 << 20)
 
 
 # -- any property of any type --------------------------------------------------------------

@@ -1412,3 +1412,20 @@ def test_a_suspended_instance_is_not_forgotten() -> None:
     s.suspended_done("p@1.service", "")
     assert s.phase("p@1.service") is Phase.SUSPENDED
     assert not s.forget_instance("p@1.service")
+
+
+def test_a_start_of_ours_whose_place_went_before_its_gate_asked_queues_from_its_start() -> None:
+    """b1 is started by refill on the free GPU; b2, as urgent, asks after; a more urgent
+    start (w) is known in the same turn as b1's gate asks, so b1 cannot keep its place: it
+    waits, ahead of b2, from when it was started, and has the GPU once w is done."""
+    b1, b2, w = spec("b1", 50, BG), spec("b2", 50), spec("w", 10)
+    s = Scheduler([Gpu(0)], {"b1.service": b1})
+    assert brief(s.schedule()) == ["start b1.service"]
+    s.request(b2)
+    with s.deferred():  # one turn of the controller's loop: decided once, after
+        s.announce(w)
+        s.request(b1)
+    assert s.is_waiting("b1.service") and s.is_waiting("b2.service")
+    assert brief(s.schedule()) == []
+    assert brief(s.request(w)) == ["grant w.service 0"]
+    assert brief(s.inactive("w.service", Outcome.EXITED, by_itself=True)) == ["grant b1.service 0"]
