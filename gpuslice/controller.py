@@ -376,9 +376,10 @@ class Controller:
             # without a pipe this time, asks over D-Bus; the unit is read once matched). One
             # still matched (it ended and was forgotten, its rule not removed yet) is kept
             # matched too: a re-match meanwhile would drop the rule, and its gate, waiting on
-            # the pipe made below, would never be seen at start-pre
+            # the pipe made below, would never be seen at start-pre. A re-match under way
+            # was computed without it and may drop its rule: one more follows it
             self._instances.add(unit)
-            if not self.systemd.watches(unit):
+            if not self.systemd.watches(unit) or self._rewatching:
                 self._rewatch()
         if self.systemd.watches(unit):  # else its gate's signal may not reach us: no pipe
             self.gates.expect(unit)  # before its gate looks for its pipe
@@ -504,8 +505,12 @@ class Controller:
         """An instance down that gpuslice owes nothing is forgotten by the core and the
         tracker, as systemd unloads it (Scheduler.forget_instance says why); its signals are
         no longer matched from the next change of the matched set on. Not while a call of
-        ours about it is unanswered: the answer is judged with what we know."""
-        if not self.tracker.in_flight(name) and self.scheduler.forget_instance(name):
+        ours about it is unanswered: the answer is judged with what we know. Nor while
+        it waits in auto-restart: its restart job comes, and the tracker, which told it
+        down once, must still know that (a second WentDown, a second "failed")."""
+        if self.tracker.in_flight(name) or self.tracker.state(name).sub == "auto-restart":
+            return
+        if self.scheduler.forget_instance(name):
             self.tracker.forget(name)
 
     def _gate_unseen(self, name: str) -> None:

@@ -300,8 +300,10 @@ class Tracker:
     def passed_gate(self, unit: str) -> None:
         """The unit starts afresh: jobs before this one no longer say who stopped it. A job
         announced since a signal showed it at its gate came while it waited there (a
-        person's stop): it still says."""
-        gate = self._gate_seen.pop(unit, None)
+        person's stop): it still says, also when the same start is served again (taken in
+        at its signal, then asked over D-Bus by a gate that found no pipe). That stamp goes
+        when it is down, or is replaced when it is next seen at its gate."""
+        gate = self._gate_seen.get(unit)
         jobs = self._unit_jobs.pop(unit, {})
         for path, stamp in jobs.items():
             if gate is not None and stamp > gate:

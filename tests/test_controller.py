@@ -2582,3 +2582,87 @@ def test_a_daemon_reload_during_start_up_is_taken_in_after_start_ups_decisions(
         assert jobs == [("start", "bg.service"), ("stop", "bg.service")]
 
     run(test)
+
+
+def test_an_instance_started_again_during_a_re_match_that_drops_it_stays_matched(
+    tmp_path: Path,
+) -> None:
+    """t@1 ended and was forgotten, its match rule not yet removed. A re-match for t@2
+    is under way, computed without t@1, when t@1's next start is announced: its JobNew
+    finds it still matched and makes its pipe. The re-match then drops t@1's rule, and its
+    gate, waiting on that pipe, is never seen at start-pre nor answered (a stuck start)
+    unless t@1 is matched again once that re-match is done."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "t@.service": "Priority=50\n"}, [])
+    down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+    watch = bed.systemd.watch
+    answer = asyncio.Event()
+    answer.set()
+
+    async def slow(units: Collection[str] | None) -> list[str]:
+        await answer.wait()  # the bus daemon answers the AddMatch later
+        return await watch(units)
+
+    bed.systemd.watch = slow  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"a.service"})
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "t@1.service")
+        await until(lambda: bed.systemd.watches("t@1.service"))
+        signal(bed, "t@1.service", at_gate(bytes(16)))
+        signal(bed, "t@1.service", {"ActiveState": "active", "SubState": "running"})
+        signal(bed, "t@1.service", down)
+        await settle()
+        assert ctl.scheduler.annotated() == {"a.service"}  # forgotten, still matched
+        answer.clear()
+        ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "t@2.service")  # a re-match
+        await settle()
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "t@1.service")  # pipe made
+        answer.set()
+        await settle()
+        bed.systemd.units["t@1.service"] = state("t@1.service", "activating", "start-pre", 2)
+        signal(bed, "t@1.service", at_gate())
+        await past_queued_delay()
+        assert read_pipe(bed, "t@1.service") in (START.hex() + "\n", "-\n")
+
+    run(test)
+
+
+def test_an_instance_restarting_by_its_restart_policy_is_told_failed_once(
+    tmp_path: Path,
+) -> None:
+    """t@1 (Restart=on-failure) fails: systemd shows it in auto-restart, then queues its
+    restart job while it is still there. Forgotten at auto-restart, the tracker forgot it
+    was told down already: the restart job's signal told it down again, a second "failed"
+    decision for one failure, and its pipe, made for the restart's gate, was retired."""
+    bed = Bed(tmp_path, {"t@.service": "Priority=50\n"}, [])
+    unit = "t@1.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", unit)
+        await until(lambda: bed.systemd.watches(unit))
+        signal(bed, unit, at_gate(bytes(16)))
+        signal(bed, unit, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+        await settle()
+        restart = {"ActiveState": "activating", "SubState": "auto-restart"}
+        signal(bed, unit, {**restart, "Job": (0, "/")})
+        await settle()
+        assert ctl.counters.decisions["failed"] == 1
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", unit)  # its restart job
+        signal(bed, unit, {**restart, "Job": (2, "/org/freedesktop/systemd1/job/2")})
+        await settle()
+        assert ctl.counters.decisions["failed"] == 1
+        bed.systemd.units[unit] = state(unit, "activating", "start-pre", 2)
+        signal(bed, unit, at_gate())
+        await past_queued_delay()
+        assert read_pipe(bed, unit) == START.hex() + "\n"
+        assert ctl.scheduler.phase(unit) is Phase.RUNNING
+        # its restarts end: down for good, and then forgotten
+        signal(bed, unit, {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
+        await settle()
+        assert ctl.scheduler.annotated() == set()
+
+    run(test)

@@ -173,6 +173,32 @@ def test_a_failed_freeze_or_suspend_leaves_a_thaw_owed() -> None:
     assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [V]
 
 
+def test_a_frozen_unit_whose_stop_fails_is_owed_a_thaw() -> None:
+    """emb.service, frozen beside voice.service, must go for a more urgent unit: its stop
+    is refused (RefuseManualStop=yes) or cancelled. The core holds it running again, and
+    systemd, which thaws a unit only once it stops it, still has it frozen: owed a thaw,
+    or it stays frozen for good, a stuck job that status shows running."""
+    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    big = spec("big", 5, mem_gib=16)
+    s = host(emb, voice, big)
+    running(s, emb)
+    s.request(voice)
+    assert s.phase("emb.service") is Phase.FROZEN
+    assert "stop emb.service" in brief(s.request(big))
+    assert s.phase("emb.service") is Phase.STOPPING
+    s.stop_failed("emb.service", "refused", refused=True)
+    assert s.phase("emb.service") is Phase.RUNNING
+    assert s.thaws_owed() == ["emb.service"]
+    # a suspend that failed half way, then its stop rung, which fails too
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    assert brief(s.suspend_failed(V, "FreezeUnit did not answer within 30 s"))[-1] == f"stop {V}"
+    s.stop_failed(V, "refused", refused=True)
+    assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [V]
+
+
 def test_a_unit_without_freeze_shares_its_gpu_as_before() -> None:
     emb = spec("emb", 90, BG, mem_gib=8, preempt="suspend stop")
     voice = spec("voice", 10, mem_gib=8)

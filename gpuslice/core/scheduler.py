@@ -694,6 +694,9 @@ class Scheduler:
             fallback=fallback.value if fallback is not None else "",
         )
         self._tops_cache = None
+        # frozen beside, or a freeze after the checkpoint that hung; so too before a stop,
+        # which may fail (stop_failed holds it running then)
+        self.thaw_owed.add(name)
         # the stop only while it is still for a more urgent waiter (a reload may have changed
         # either priority since the suspend was decided)
         if fallback is Rung.STOP and waiter is not None and spec.priority > waiter.spec.priority:
@@ -701,7 +704,6 @@ class Scheduler:
             return [_log(decision), self._stop_for(holder, waiter.spec, on)]
         holder.phase = Phase.RUNNING
         holder.stopping_for = None
-        self.thaw_owed.add(name)  # frozen beside, or a freeze after the checkpoint that hung
         if waiter is not None:
             waiter.target = ()
         if fallback is None:
@@ -1132,6 +1134,8 @@ class Scheduler:
         return _memory_rungs(holder.spec, suspend_failed=name in self.unsuspendable)
 
     def _stop_for(self, holder: Holder, spec: UnitSpec, on: tuple[int, ...]) -> Stop:
+        if holder.phase is Phase.FROZEN:  # systemd thaws it as it stops it: a stop that
+            self.thaw_owed.add(holder.spec.name)  # fails (stop_failed) would leave it frozen
         holder.phase = Phase.STOPPING
         holder.stopping_for = spec.name
         preempt = _about(
