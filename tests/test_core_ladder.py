@@ -956,6 +956,7 @@ def test_a_frozen_unit_whose_annotation_goes_is_thawed_with_its_reason() -> None
     assert thaws[0].decision.gpus == (0,)
     assert thaws[0].reason == render(thaws[0].decision)
     assert thaws[0].reason.startswith("thawing emb.service")
+    assert s.thaws_owed() == ["emb.service"]  # until systemd shows it running
 
 
 def test_suspended_units_are_shown_most_urgent_first_then_in_the_order_they_left() -> None:

@@ -1429,3 +1429,22 @@ def test_a_start_of_ours_whose_place_went_before_its_gate_asked_queues_from_its_
     assert brief(s.schedule()) == []
     assert brief(s.request(w)) == ["grant w.service 0"]
     assert brief(s.inactive("w.service", Outcome.EXITED, by_itself=True)) == ["grant b1.service 0"]
+
+
+def test_an_instance_forgotten_after_its_failed_wait_leaves_no_trace_of_it() -> None:
+    """Its wait at the gate failed (a requeue), it was started again and a person stopped
+    that start: held, owed nothing, forgotten, with nothing of its failed wait kept."""
+    p = spec("p@1", 60)
+    s = Scheduler([Gpu(0)], {}, requeue_at_gate=True)
+    s.learn(p)
+    s.request(p)
+    s.request(spec("u", 10))
+    assert brief(s.inactive("p@1.service", Outcome.STOPPED)) == [
+        "grant u.service 0",
+        "start p@1.service",
+    ]
+    s.inactive("p@1.service", Outcome.FAILED)  # its wait at the gate failed
+    assert brief(s.inactive("u.service", Outcome.EXITED, by_itself=True)) == ["start p@1.service"]
+    s.inactive("p@1.service", Outcome.STOPPED)  # a person stopped that start
+    assert s.forget_instance("p@1.service")
+    assert "p@1.service" not in s.wait_failed

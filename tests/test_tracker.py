@@ -714,3 +714,76 @@ def test_a_unit_restarting_is_told_down_once_though_its_restart_job_is_queued() 
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
         WentDown(A, Outcome.STOPPED)
     ]
+
+
+def _kept_of(tracker: Tracker, unit: str) -> dict[str, object]:
+    """Every per-unit record of the tracker's that still names `unit`."""
+    kept: dict[str, object] = {}
+    for field, value in vars(tracker).items():
+        if isinstance(value, dict) and unit in value:
+            kept[field] = value[unit]
+        elif isinstance(value, set) and unit in value:
+            kept[field] = True
+    return kept
+
+
+def test_a_forgotten_unit_leaves_no_record_whatever_its_life_was() -> None:
+    """A person's stop at its gate, our calls, a restart by Restart=, then down: forgotten,
+    nothing of it is kept (an instance per job would grow the tracker for ever); and a unit
+    never heard of is forgotten as well."""
+    model = Model()
+    tracker = model.tracker()
+    assert tracker.forget(A) and _kept_of(tracker, A) == {}
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
+    model.waiters.add(A)
+    tracker.job_new(JOB2, A)  # a person's stop, while it waits at its gate
+    tracker.passed_gate(A)
+    model.waiters.clear()
+    model.phases[A] = Phase.RUNNING
+    tracker.unit_changed(A, props_of("active", "running", 2))
+    tracker.call_sent(A)
+    tracker.call_queued(A, JOB2, "stop")  # ours merged into theirs
+    tracker.unit_changed(A, props_of("activating", "auto-restart", 0))
+    tracker.job_removed(JOB2, A, "canceled")
+    tracker.unit_changed(A, props_of("failed", "failed", 0))
+    assert tracker.forget(A)
+    assert _kept_of(tracker, A) == {}
+    assert all(path not in tracker._own_jobs for path in (JOB1, JOB2))
+
+
+def test_units_listed_at_start_up_count_as_heard() -> None:
+    """A read sent before one of them changes (and, an instance, is forgotten) must be
+    found older than what was heard: its stamp is never 0, as a forgotten unit's is."""
+    tracker = Model().tracker()
+    tracker.listed([UnitState(A, "active", "running", 0)])
+    assert tracker.heard(A) != 0
+
+
+def test_an_answer_naming_a_job_announced_before_other_signals_is_not_ours_from_the_start() -> None:
+    """Told in order, our answer comes right after our job's JobNew: one naming a job
+    announced before other signals of the unit is someone else's, into which ours merged.
+    Also when our call was the first thing the tracker ever counted."""
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.call_sent(A)  # the first stamp
+    tracker.job_new(JOB1, A)  # a person's stop
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1))
+    tracker.call_queued(A, JOB1, "stop")
+    assert tracker.stopped_by_others(A)
+
+
+def test_a_persons_stop_kept_at_the_gate_is_still_theirs_when_our_stop_merges_into_it() -> None:
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
+    model.waiters.add(A)
+    tracker.job_new(JOB2, A)  # a person's stop, while it waits at its gate
+    tracker.passed_gate(A)  # its gate is granted
+    model.waiters.clear()
+    model.phases[A] = Phase.STOPPING
+    tracker.call_sent(A)
+    tracker.call_answered(A, JOB2, "stop")  # ours merged into theirs, told late
+    assert tracker.stopped_by_others(A)
