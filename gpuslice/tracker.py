@@ -356,7 +356,6 @@ class Tracker:
             return False
         self.states.pop(name, None)
         self._went_down(name)
-        self._sent.pop(name, None)
         self._restarting.discard(name)
         self._signals.pop(name, None)
         self._answers.pop(name, None)

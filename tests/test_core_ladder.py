@@ -72,6 +72,9 @@ def test_a_unit_with_suspend_first_is_suspended_not_stopped_and_resumed_on_its_g
     assert words(acts) == ["resuming vlm.service on GPU 0 after 6 s: restored in 1.3 s"]
     assert s.phase(V) is Phase.RUNNING
     assert s.preempted == {}
+    assert s.thaws_owed() == [V]  # its ThawUnit may have failed: until systemd shows it running
+    s.thaw_done(V)
+    assert s.thaws_owed() == []
 
 
 def test_a_failed_suspend_falls_to_stop_with_one_line_saying_why() -> None:

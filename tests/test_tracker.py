@@ -787,3 +787,20 @@ def test_a_persons_stop_kept_at_the_gate_is_still_theirs_when_our_stop_merges_in
     tracker.call_sent(A)
     tracker.call_answered(A, JOB2, "stop")  # ours merged into theirs, told late
     assert tracker.stopped_by_others(A)
+
+
+def test_a_unit_forgotten_in_any_state_leaves_no_record() -> None:
+    """Seen at its gate and gone down with no run the core knew of (nothing told down, so
+    nothing cleared), or waiting to be restarted by Restart=: forgotten, nothing kept."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []
+    assert _kept_of(tracker, A) != {}
+    assert tracker.forget(A) and _kept_of(tracker, A) == {}
+    model.phases[A] = Phase.RUNNING
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.unit_changed(A, props_of("activating", "auto-restart", 0))
+    model.phases.clear()
+    assert tracker.forget(A) and _kept_of(tracker, A) == {}
