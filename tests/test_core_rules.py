@@ -1330,6 +1330,7 @@ def test_a_start_of_ours_that_a_restarted_controller_cannot_find_is_sent_again_o
         "before the controller restarted is not in systemd's queue"
     ]
     assert again.phase(V) is Phase.STARTING  # its place is kept
+    assert again.save().started == [V]  # still gpuslice's own start
     assert again.start_lost(V) == []  # once
     assert again.start_lost("other.service") == []
     assert again.start_lost("nobody.service") == []
@@ -1448,3 +1449,16 @@ def test_an_instance_forgotten_after_its_failed_wait_leaves_no_trace_of_it() -> 
     s.inactive("p@1.service", Outcome.STOPPED)  # a person stopped that start
     assert s.forget_instance("p@1.service")
     assert "p@1.service" not in s.wait_failed
+
+
+def test_a_lost_start_sent_again_whose_annotation_goes_before_its_gate_asks_is_withdrawn() -> None:
+    """Sent again after a restart, the start is still gpuslice's: its annotation gone
+    before its gate asks, it is stopped, not let through onto a GPU that goes to others."""
+    sched = Scheduler([0], {V: VLM})
+    assert brief(sched.schedule()) == [f"start {V}"]
+    again = Scheduler([0], {V: VLM})
+    again.load(sched.save())
+    assert brief(again.start_lost(V)) == [f"start {V}"]
+    withdrawn = again.set_specs({})
+    assert [a for a in withdrawn if isinstance(a, Stop)] != []
+    assert again.phase(V) is Phase.STOPPING

@@ -374,6 +374,9 @@ class Scheduler:
         # started by gpuslice (refill, requeue), their gates not yet asking: saved, so that a
         # restarted controller can tell a StartUnit it may never have sent (start_lost)
         self.started: set[str] = set()
+        # lost starts sent again by this controller, once each (start_lost: at start-up, so
+        # no more than the starts the last controller saved)
+        self._sent_again: set[str] = set()
         self.suspended: dict[str, Suspended] = {}
         self.held: set[str] = set()
         self.finished: set[str] = set()
@@ -624,11 +627,15 @@ class Scheduler:
         (by this controller), keeping its place. A start that systemd did run and end (a
         failed condition or dependency) ends the same way again and is then taken as it
         ended. [] for any other unit: a start announced by systemd that ended meanwhile
-        was someone's, and what ended it stands."""
+        was someone's, and what ended it stands. Sent again, it is still gpuslice's own
+        (`started`): withdrawn, not let through, should its annotation go before its gate
+        asks."""
         holder = self.holders.get(name)
         if holder is None or holder.phase is not Phase.STARTING or name not in self.started:
             return []
-        self.started.discard(name)
+        if name in self._sent_again:
+            return []
+        self._sent_again.add(name)
         return [_start(_about(holder.spec, Code.START_LOST))]
 
     def stop_overdue(self, name: str, after: str) -> list[Action]:
