@@ -492,7 +492,7 @@ class Controller:
                 self.counters.gate_answers["pipe"] += 1
             if kind is Kind.DOWN and is_instance(name):
                 self.gates.retire(name)  # instances' names are many: not one pipe each
-                self._instances.discard(name)  # the core's knowledge keeps it watched
+                self._instances.discard(name)  # watched while the core knows it (_watched)
                 self._forget_instance(name)
         elif invocation is None:
             if not self.gates.holds(name):
