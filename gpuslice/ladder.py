@@ -20,7 +20,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -319,16 +319,24 @@ class Ladder:
     async def check_thawed(self, units: list[str]) -> None:
         """Ask systemd which of these frozen units someone thawed by hand (systemd 252 signals
         no FreezerState change); a unit with an operation of ours under way is not asked."""
+        async for unit, state in self._freezer_states(units):
+            if state == "running":
+                self.report(functools.partial(self.events.thawed_outside, unit))
+
+    async def _freezer_states(self, units: list[str]) -> AsyncIterator[tuple[str, str]]:
+        """Each unit's FreezerState, for those with no operation of ours under way before
+        the read or after it (the core froze, suspended or resumed it meanwhile); a unit
+        whose read fails is gone meanwhile, and its inactive state says so."""
         for unit in units:
             if unit in self.busy:
                 continue
             try:
                 state = await self.systemd.freezer_state(unit)
-            except Exception as e:  # gone meanwhile: its inactive state says so
+            except Exception as e:
                 log.debug("FreezerState of %s: %s", unit, e)
                 continue
-            if state == "running" and unit not in self.busy:
-                self.report(functools.partial(self.events.thawed_outside, unit))
+            if unit not in self.busy:
+                yield unit, state
 
     async def thaw_owed(self, units: list[str]) -> None:
         """Units gpuslice froze and no longer holds frozen, not yet seen running (a ThawUnit
@@ -337,16 +345,7 @@ class Ladder:
         thawed, with a journal line that says why; one shown running is owed nothing more.
         A unit with an operation of ours under way is left to it."""
         self.thaw_failing &= set(units)  # one no longer owed (it went down) is not said
-        for unit in units:
-            if unit in self.busy:
-                continue
-            try:
-                state = await self.systemd.freezer_state(unit)
-            except Exception as e:  # gone meanwhile: its inactive state says so
-                log.debug("FreezerState of %s: %s", unit, e)
-                continue
-            if unit in self.busy:  # the core froze, suspended or resumed it meanwhile
-                continue
+        async for unit, state in self._freezer_states(units):
             if state == "running":
                 self.thaw_failing.discard(unit)
                 self.report(functools.partial(self.events.thaw_done, unit))
