@@ -50,10 +50,19 @@ def test_an_annotated_user_unit_is_told_it_is_not_scheduled(tmp_path: Path) -> N
     ]
     text = (out / "asr.service.d" / DROPIN).read_text()
     assert (
-        "\n[Service]\nExecStartPre=-/bin/echo gpuslice does not schedule user units: the "
+        '\n[Service]\nExecStartPre=-/bin/sh -c \'printf "%%s\\\\n" "$1"; exec sleep 1\' '
+        'gpuslice-not-scheduled "gpuslice does not schedule user units: the '
         "[X-GPUSlice] section of %n is ignored and it starts without waiting for GPUs" in text
     )
     assert done.stderr.count("is read only in system units") == 2, done.stderr
+
+
+def test_a_unit_name_with_a_backslash_is_said_whole(tmp_path: Path) -> None:
+    """dash's echo reads "\\c" as "print no more": the manager's journal line uses printf."""
+    home = tmp_path / "home"
+    (user_dir(home) / "a\\cb.service").write_text(ANNOTATED)
+    _, done = generate(home)
+    assert "a\\cb.service starts without waiting for GPUs" in done.stderr, done.stderr
 
 
 def test_names_no_unit_could_have_and_bad_arguments_are_passed_over(tmp_path: Path) -> None:

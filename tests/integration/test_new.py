@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 
-from tests.bed.container import Container, wait_until
+from tests.bed.container import Container, WaitTimeout, wait_until
 from tests.integration.jobs import UNIT_DIR, reload, wait_journal, wait_state, write_job
 
 BG = "bg.service"
@@ -83,7 +83,12 @@ def test_an_annotated_user_unit_says_in_its_journal_that_it_is_not_scheduled(
         out = container.run(query, check=False).stdout
         return out if said in out else None
 
-    wait_until(in_its_journal, 20, what="the unit's journal line")
+    try:
+        wait_until(in_its_journal, 20, what="the unit's journal line")
+    except WaitTimeout:  # say which fields journald gave the line, if it has it at all
+        lines = ["journalctl", "--no-pager", "-o", "verbose", "_UID=1500"]
+        print(container.run(lines, check=False).stdout)
+        raise
     status = [*user, "--user", "status", "--no-pager", "-n", "20", "asr.service"]
     out = container.run(status, check=False).stdout
     assert said in out and "gpuslice-not-scheduled.conf" in out, out  # status shows both
