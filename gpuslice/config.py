@@ -43,11 +43,14 @@ MAX_PROBLEMS = 20
 
 
 class ConfigError(Exception):
-    """The config file is unusable; `problems` holds one line per problem."""
+    """The config file is unusable; `problems` holds one line per problem. `valid` holds the
+    settings the file does set validly (each once) when only others are bad: the generator
+    takes runtime_dir from there, since the running controller keeps the last good one."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], valid: dict[str, Any] | None = None):
         super().__init__("\n".join(problems))
         self.problems = problems
+        self.valid = valid or {}
 
 
 def _is_int(v: Any) -> bool:
@@ -491,6 +494,9 @@ def _check(setting: Setting, node: yaml.Node, path: str) -> tuple[Any, str | Non
     import yaml
 
     value = _construct(node)
+    twice = _set_twice(setting, node, path)
+    if twice is not None:
+        return None, twice
     if setting.valid(value):
         return setting.convert(value), None
     blame = node
@@ -527,6 +533,27 @@ def _check(setting: Setting, node: yaml.Node, path: str) -> tuple[Any, str | Non
     )
 
 
+def _set_twice(setting: Setting, node: yaml.Node, path: str) -> str | None:
+    """The error for a mapping setting that names one key twice (`0:` and `"0":` too): YAML
+    keeps the last silently, as it would a setting given twice."""
+    import yaml
+
+    if setting.key_valid is None or not isinstance(node, yaml.MappingNode):
+        return None
+    first: dict[str, int] = {}
+    for key, _value in node.value:
+        if not isinstance(key, yaml.ScalarNode):
+            continue
+        line = key.start_mark.line + 1
+        if key.value in first:
+            return (
+                f'{path}:{line}: {setting.name}: "{printable(key.value, 60)}" set twice '
+                f"(first at line {first[key.value]})"
+            )
+        first[key.value] = line
+    return None
+
+
 def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
     """Validate config text; returns the config and warnings, or raises ConfigError (whose
     every line starts with `path`). Never raises anything else."""
@@ -548,6 +575,7 @@ def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
     warnings: list[str] = []
     values: dict[str, Any] = {}
     first_line: dict[str, int] = {}
+    twice: set[str] = set()
     known = ", ".join(SETTINGS_BY_NAME)
     for key_node, value_node in root.value:
         line = key_node.start_mark.line + 1
@@ -566,6 +594,7 @@ def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
             continue
         if key in first_line:
             errors.append(f"{path}:{line}: {key}: set twice (first at line {first_line[key]})")
+            twice.add(key)
             continue
         first_line[key] = line
         value, error = _check(setting, value_node, path)
@@ -574,7 +603,8 @@ def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
         else:
             values[key] = value
     if errors:
-        raise ConfigError(_limited(errors, path, "errors"))
+        valid = {k: v for k, v in values.items() if k not in twice}
+        raise ConfigError(_limited(errors, path, "errors"), valid)
     return Config(**values), _limited(warnings, path, "warnings")
 
 

@@ -194,6 +194,7 @@ class Controller:
         self._save_failing = False
         self._checking_thaws = False  # a check of FreezerState is under way
         self._status_due = False  # a STATUS= update is scheduled
+        self._reload_due = False  # a config reload is queued for this turn of the loop
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -586,6 +587,18 @@ class Controller:
             if self.spec_for(unit) is None and not self._known(unit):
                 self._let_through(unit)  # its start, not yet answered, is forgotten
         self._rewatch()
+
+    def request_reload(self) -> None:
+        """SIGHUP: reload config.yaml once for every signal that came in this turn of the
+        loop. Each reload reads and parses the file, takes an NVML sample and logs its
+        warnings on the loop: a thousand signals at once cost a thousand of each."""
+        if not self._reload_due:
+            self._reload_due = True
+            asyncio.get_running_loop().call_soon(self._reload_now)
+
+    def _reload_now(self) -> None:
+        self._reload_due = False  # a signal from now on reads the file again
+        self.reload_config()
 
     def reload_config(self) -> None:
         try:
@@ -1068,7 +1081,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
 
     loop.add_signal_handler(signal.SIGTERM, request_stop)
     loop.add_signal_handler(signal.SIGINT, request_stop)
-    loop.add_signal_handler(signal.SIGHUP, controller.reload_config)
+    loop.add_signal_handler(signal.SIGHUP, controller.request_reload)
     await controller.start()
     interval = controller.notifier.watchdog_interval()
     if interval:

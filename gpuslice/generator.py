@@ -8,7 +8,8 @@ then puts back the unit's own ExecStartPre= lines from the files applied before 
 If the generator failed, every annotated unit would start ungated, so nothing stops it: each unit
 is planned and written on its own, and a problem with one (an unreadable file, a name too long
 for a drop-in directory, a line that would not be one line) is one line on stderr while every
-other unit still gets its gate. A bad config.yaml means the defaults and a warning. `main`
+other unit still gets its gate. A bad config.yaml means a warning, and its settings that are
+valid (the running controller keeps the last good config), else the defaults. `main`
 always exits 0 once it has written what it could.
 """
 
@@ -207,24 +208,36 @@ def plan(
 
 
 def _settings(root: Path) -> tuple[str, float]:
-    """runtime_dir and gate_retry_seconds from config.yaml; the defaults if it is bad."""
+    """runtime_dir and gate_retry_seconds from config.yaml. A file with errors gives those of
+    the two it sets validly, the defaults for the rest: the running controller keeps the last
+    good config, so a typo in another key must not point the gates' EnvironmentFile= away
+    from where it writes (a unit would then start with every GPU visible)."""
     path = root / CONFIG_PATH.lstrip("/")
-    defaults = (
-        f"using the defaults runtime_dir {DEFAULTS.runtime_dir}, "
-        f"gate_retry_seconds {DEFAULTS.gate_retry_seconds:g}"
-    )
     try:
         config, warnings = load_config_with_warnings(path)
     except ConfigError as e:
+        runtime_dir = e.valid.get("runtime_dir", DEFAULTS.runtime_dir)
+        retry = e.valid.get("gate_retry_seconds", DEFAULTS.gate_retry_seconds)
+        kept = _kept(runtime_dir, retry)
         for problem in e.problems:
-            _warn(f"{problem} ({defaults})")
-        return DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds
+            _warn(f"{problem} ({kept})")
+        return runtime_dir, retry
     except Exception as e:  # belt and braces: config.py raises only ConfigError
-        _warn(f"{path}: {_reason(e)} ({defaults})")
+        _warn(f"{path}: {_reason(e)} ({_kept(DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds)})")
         return DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds
     for warning in warnings:
         _warn(warning)
     return config.runtime_dir, config.gate_retry_seconds
+
+
+def _kept(runtime_dir: str, retry: float) -> str:
+    """What a generator run with a bad config.yaml uses, in words."""
+    if (runtime_dir, retry) == (DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds):
+        return f"using the defaults runtime_dir {runtime_dir}, gate_retry_seconds {retry:g}"
+    return (
+        f"using runtime_dir {runtime_dir}, gate_retry_seconds {retry:g}: "
+        "the file's where valid, else the defaults"
+    )
 
 
 def _warn(message: str, severity: str = "warning") -> None:

@@ -190,6 +190,16 @@ def test_valid(tmp_path: Path, text: str, expected: Config) -> None:
             "gpus: 2\ngpus: 3\n", ["{P}:2: gpus: set twice (first at line 1)"], id="duplicate"
         ),
         pytest.param(
+            'reserve:\n  0: 20G\n  "0": 1G\n',
+            ['{P}:3: reserve: "0" set twice (first at line 2)'],
+            id="duplicate-reserve-gpu",  # 1G kept silently before
+        ),
+        pytest.param(
+            'reserve: {"*": 2G, "*": 1G}\n',
+            ['{P}:1: reserve: "*" set twice (first at line 1)'],
+            id="duplicate-reserve-default",
+        ),
+        pytest.param(
             "- gpus\n", ["{P}:1: expected a mapping of settings, got a list"], id="not-a-mapping"
         ),
         pytest.param(

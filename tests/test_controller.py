@@ -14,13 +14,14 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from pathlib import Path
+from signal import SIGHUP
 from typing import Any, cast
 
 import pytest
 
 from gpuslice import controller as controller_module
 from gpuslice.annotations import scan
-from gpuslice.config import Config
+from gpuslice.config import Config, load_config_with_warnings
 from gpuslice.controller import Controller
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Phase, SavedState
@@ -2339,6 +2340,45 @@ def test_a_reload_keeps_the_paths_the_controller_started_with(
     with caplog.at_level(logging.WARNING, logger="gpuslice"):
         run(test)
     assert "runtime_dir: /run/gpuslice/elsewhere takes effect when gpuslice.service" in caplog.text
+
+
+def test_a_hundred_sighups_at_once_reload_the_config_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kill -HUP` in a loop: each reload parses the file, samples NVML and logs its
+    warnings on the loop. The signals that came in one turn of the loop are one reload; a
+    signal after it has begun reads the file again."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    (tmp_path / "config.yaml").write_text("gpus: 2\nbogus: 1\n")
+    loads: list[Path] = []
+    load = load_config_with_warnings
+
+    def counted(path: Path) -> tuple[Config, list[str]]:
+        loads.append(path)
+        return load(path)
+
+    monkeypatch.setattr(controller_module, "load_config_with_warnings", counted)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(SIGHUP, ctl.request_reload)
+        try:
+            for _ in range(100):  # more fill the loop's wakeup socket (dropped, warned)
+                os.kill(os.getpid(), SIGHUP)
+            await settle()
+            assert len(loads) == 1
+            assert ctl.scheduler.gpus == {0, 1}
+            os.kill(os.getpid(), SIGHUP)
+            await settle()
+            assert len(loads) == 2
+        finally:
+            loop.remove_signal_handler(SIGHUP)
+
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        run(test)
+    assert sum("bogus: unknown setting" in m for m in messages(caplog)) == 2
 
 
 # ---- instances: one name per job, forgotten once owed nothing ----

@@ -196,6 +196,43 @@ def test_bad_config_uses_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[
     ]
 
 
+def test_a_config_bad_elsewhere_keeps_its_runtime_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in another key, then a daemon-reload: the running controller keeps its last
+    good config and writes env files under /run/gpuslice/other. Gates pointed at the
+    default's env files found none: the unit started with every GPU visible."""
+    write(
+        tmp_path,
+        "/etc/gpuslice/config.yaml",
+        "runtime_dir: /run/gpuslice/other\ngpus: 0\ngate_retry_seconds: 99\n",
+    )
+    write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
+    out = run(tmp_path)
+    assert written(out) == {"a.service.d/gpuslice-gate.conf": gate(runtime="/run/gpuslice/other")}
+    config = tmp_path / "etc/gpuslice/config.yaml"
+    kept = (
+        "(using runtime_dir /run/gpuslice/other, gate_retry_seconds 0.5: the file's where "
+        "valid, else the defaults)"
+    )
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(": invalid value")[0] for line in lines] == [
+        f"gpuslice-generator: warning: {config}:2: gpus",
+        f"gpuslice-generator: warning: {config}:3: gate_retry_seconds",
+    ]
+    assert all(line.endswith(kept) for line in lines)
+
+
+def test_a_setting_given_twice_in_a_bad_config_is_not_taken(tmp_path: Path) -> None:
+    write(
+        tmp_path,
+        "/etc/gpuslice/config.yaml",
+        "runtime_dir: /run/gpuslice/a\nruntime_dir: /run/gpuslice/b\n",
+    )
+    write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
+    assert written(run(tmp_path)) == {"a.service.d/gpuslice-gate.conf": gate()}
+
+
 def test_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert generator.main([]) == 2
     assert "usage:" in capsys.readouterr().err
