@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -97,12 +98,26 @@ _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Pha
 JobCall = Callable[[str, Queued], Awaitable[str]]
 
 
+ENV_FILE_MAX = 4096  # an env file is two or three lines: more is not ours
+
+
+def _no_follow(path: str, flags: int) -> int:
+    """open() that never follows a link nor waits on a FIFO put where a file was."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+
+
 def env_file_text(gpus: Sequence[Gpu]) -> str:
-    """What a granted unit's processes see. CUDA numbers GPUs by its own order unless told
-    PCI_BUS_ID, so UUIDs (when NVML gave them) name exactly the GPUs granted."""
+    """What a granted unit's processes see. CUDA numbers GPUs by its own order (fastest
+    first) unless told PCI_BUS_ID, so UUIDs (when NVML gave them) name exactly the GPUs
+    granted; without them (NVML not ready yet) an index is NVML's, which is PCI bus order,
+    and CUDA is told so: else on a host of mixed GPUs, index 1 was another GPU for CUDA, one
+    granted by UUID to another unit once NVML answered."""
     indices = ",".join(str(g.index) for g in gpus)
     if not all(g.uuid for g in gpus):
-        return f"CUDA_VISIBLE_DEVICES={indices}\nGPUSLICE_GPUS={indices}\n"
+        return (
+            f"CUDA_VISIBLE_DEVICES={indices}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+            f"GPUSLICE_GPUS={indices}\n"
+        )
     uuids = ",".join(g.uuid for g in gpus)
     return (
         f"CUDA_VISIBLE_DEVICES={uuids}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
@@ -329,7 +344,7 @@ class Controller:
             states = sorted(self.tracker.states.values(), key=lambda s: s.name)
             for state in states:
                 if classify(state) is Kind.RUNNING and self.scheduler.phase(state.name) is None:
-                    actions += self.scheduler.running(state.name)
+                    actions += self.scheduler.running(state.name, self._told_gpus(state.name))
             for state in states:
                 spec = self.spec_for(state.name)
                 if (
@@ -341,6 +356,29 @@ class Controller:
                     actions += self.scheduler.request(spec)
             actions += self.scheduler.recover()  # caught between suspend and resume
         return actions + self.scheduler.schedule()
+
+    def _told_gpus(self, unit: str) -> list[int]:
+        """The GPUs a running unit the saved state does not name was last told, from its env
+        file (GPUSLICE_GPUS=), a hint the core takes where they fit: placed anywhere free
+        instead (the state file lost, set aside or from another version), its books named
+        other GPUs than those it runs on, and the GPU it really uses was granted again once
+        the one it was booked on ended."""
+        path = env_file(self.config.runtime_dir, unit)
+        try:
+            with open(path, "rb", opener=_no_follow) as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    return []
+                text = f.read(ENV_FILE_MAX)
+        except OSError:
+            return []
+        for line in text.decode("ascii", "replace").splitlines():
+            key, _, value = line.partition("=")
+            if key == "GPUSLICE_GPUS":
+                found = [int(g) for g in value.split(",") if g.isascii() and g.isdigit()]
+                if found:
+                    log.info("%s runs without a saved grant: GPUs %s from %s", unit, value, path)
+                return found
+        return []
 
     def _started_again(self, name: str, state: UnitState) -> bool:
         """Whether a unit the last controller had frozen or suspended (or was suspending or

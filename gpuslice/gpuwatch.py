@@ -82,7 +82,7 @@ class GpuWatch:
         self._ready = ready
         self._call_later = call_later
         self.nvml = OffLoop(NVML_DEADLINE)
-        self.sample = Sample([Gpu(i) for i in range(config.gpus)])
+        self.sample = Sample(inventory.fallback_gpus())
         self.stale = False  # the last sample was not taken: NVML is hung
         self._sampler: Timer | None = None
         self._overusing: set[tuple[str, int]] = set()
@@ -138,7 +138,9 @@ class GpuWatch:
         managed = self._managed()
         sample = self.nvml.call(lambda: self.inventory.sample(managed, holding))
         self.stale = sample is None
-        if sample is not None:
+        if sample is None:  # the last one, its processes told by the units known now
+            self.sample = self.inventory.reattribute(self.sample, managed, holding)
+        else:
             self.sample = sample
             self._report_overuse()
         self._nvml_settle()

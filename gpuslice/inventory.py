@@ -18,6 +18,7 @@ one of unknown size.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -158,6 +159,8 @@ class Inventory:
     def _fallback(self) -> str:
         if self._last is not None:
             return f"the {len(self._last.gpus)} GPUs NVML last showed, as whole GPUs"
+        if _guessed(self.config) != list(range(self.config.gpus)):
+            return f"manage_gpus: {', '.join(self.config.manage_gpus)} from config.yaml"
         return f"gpus: {self.config.gpus} from config.yaml"
 
     def open(self) -> None:
@@ -265,11 +268,11 @@ class Inventory:
 
     def fallback_gpus(self, holding: Mapping[str, Collection[int]] | None = None) -> list[Gpu]:
         """The GPUs without NVML: those NVML last showed (by index, UUID and name, of
-        unknown size), else `gpus:` from config.yaml; GPUs held beyond them are lost."""
+        unknown size), else config.yaml's guess (`_guessed`); GPUs held beyond them are lost."""
         if self._last is not None:
             gpus = [Gpu(g.index, g.uuid, g.name, lost=g.lost) for g in self._last.gpus]
         else:
-            gpus = [Gpu(i) for i in range(self.config.gpus)]
+            gpus = [Gpu(i) for i in _guessed(self.config)]
         return self._with_gone(gpus, holding or {})
 
     def _with_gone(self, gpus: list[Gpu], holding: Mapping[str, Collection[int]]) -> list[Gpu]:
@@ -319,7 +322,7 @@ class Inventory:
                 log.error("NVML failed (%s): keeping the GPUs as they were", e)
             self._failing = True
             if self._last is not None:
-                return self._last
+                return self.reattribute(self._last, managed_units, holding)
             return Sample(self.fallback_gpus(holding), taken_at=now, health=self.health)
         if self._failing:
             log.info("NVML answers again")
@@ -340,6 +343,28 @@ class Inventory:
         status = self.nvml.reopen(fallback=self._fallback())
         if not status.available:
             self._went_away(NvmlUnavailableError("nvmlInit", 0, _reason_of(status.warning)))
+
+    def reattribute(
+        self,
+        sample: Sample,
+        managed_units: Collection[str],
+        holding: Mapping[str, Collection[int]],
+    ) -> Sample:
+        """A sample kept while NVML does not answer (hung, failing), its processes attributed
+        anew to the units known now, from their cgroups (no NVML call). Kept as it was, the
+        first sample of a start-up, taken before any unit was known, took every running
+        job's process for foreign, and a background unit yielded its GPU to itself."""
+        if not sample.processes:
+            return sample
+        uses: list[GpuUse] = []
+        for use in sample.processes:
+            path = cgroup_path_of_pid(use.pid, self.proc)
+            uses.append(use if path is None else _attributed(use, path, managed_units))
+        gpus = [
+            g if g.lost else _with_foreign(g, [u for u in uses if u.gpu == g.index], holding)
+            for g in sample.gpus
+        ]
+        return dataclasses.replace(sample, gpus=gpus, processes=uses)
 
     def _build(
         self,
@@ -366,12 +391,9 @@ class Inventory:
             except GpuLostError:
                 gpus.append(Gpu(info.index, info.uuid, info.name, lost=True))
                 continue
-            foreign = 0
-            foreign_pids: list[int] = []
-            owners: set[str] = set()
+            uses: list[GpuUse] = []
             for proc in found:
                 path = cgroup_path_of_pid(proc.pid, self.proc)
-                unit = unit_of_cgroup_path(path) if path is not None else None
                 alive = (self.proc / str(proc.pid)).exists()
                 if not alive and not self._still_releasing(
                     proc.pid, proc.used_memory, info.index, now
@@ -380,39 +402,28 @@ class Inventory:
                     continue
                 if not alive:
                     seen_gone.add(proc.pid)
-                owned = unit is not None and unit in managed_units
-                owner = None
-                if not owned:
-                    owner = owner_of_cgroup_path(path) if path is not None else UNKNOWN
-                processes.append(
-                    GpuUse(
-                        proc.pid,
-                        info.index,
-                        proc.used_memory,
-                        unit if owned else None,
-                        command_of(proc.pid, self.proc),
-                        owner,
-                        proc.compute,
-                    )
-                )
-                if owner is not None:
-                    foreign += proc.used_memory or 0
-                    if proc.compute:  # a desktop's display server is no job to yield to
-                        foreign_pids.append(proc.pid)
-                        owners.add(owner.label())
-                elif info.index not in holding.get(unit or "", ()):
-                    foreign += proc.used_memory or 0  # a stray of a unit not holding this GPU
-            gpus.append(
-                Gpu(
+                use = GpuUse(
+                    proc.pid,
                     info.index,
-                    info.uuid,
-                    info.name,
-                    total=info.memory_total,
-                    reserve=self.config.reserve_for(info.index, info.uuid),
-                    foreign=foreign,
-                    foreign_pids=tuple(foreign_pids),
-                    used=info.memory_used,
-                    foreign_owners=tuple(sorted(owners - {""})),
+                    proc.used_memory,
+                    None,
+                    command_of(proc.pid, self.proc),
+                    compute=proc.compute,
+                )
+                uses.append(_attributed(use, path, managed_units))
+            processes += uses
+            gpus.append(
+                _with_foreign(
+                    Gpu(
+                        info.index,
+                        info.uuid,
+                        info.name,
+                        total=info.memory_total,
+                        reserve=self.config.reserve_for(info.index, info.uuid),
+                        used=info.memory_used,
+                    ),
+                    uses,
+                    holding,
                 )
             )
         for pid in set(self._gone_since) - seen_gone:
@@ -445,6 +456,49 @@ class Inventory:
                 self.config.vram_release_timeout,
             )
         return False
+
+
+def _attributed(use: GpuUse, path: str | None, managed_units: Collection[str]) -> GpuUse:
+    """The process with its unit (`path`: its cgroup), or, of no managed unit, its owner."""
+    unit = unit_of_cgroup_path(path) if path is not None else None
+    if unit is not None and unit in managed_units:
+        return dataclasses.replace(use, unit=unit, owner=None)
+    owner = owner_of_cgroup_path(path) if path is not None else UNKNOWN
+    return dataclasses.replace(use, unit=None, owner=owner)
+
+
+def _with_foreign(
+    gpu: Gpu, uses: Collection[GpuUse], holding: Mapping[str, Collection[int]]
+) -> Gpu:
+    """`gpu` with the foreign use its processes `uses` make: every process of no managed unit,
+    and a stray of a managed unit that does not hold it (left after a KillMode=process stop)."""
+    foreign = 0
+    foreign_pids: list[int] = []
+    owners: set[str] = set()
+    for use in uses:
+        if use.owner is not None:
+            foreign += use.used or 0
+            if use.compute:  # a desktop's display server is no job to yield to
+                foreign_pids.append(use.pid)
+                owners.add(use.owner.label())
+        elif gpu.index not in holding.get(use.unit or "", ()):
+            foreign += use.used or 0  # a stray of a unit not holding this GPU
+    return dataclasses.replace(
+        gpu,
+        foreign=foreign,
+        foreign_pids=tuple(foreign_pids),
+        foreign_owners=tuple(sorted(owners - {""})),
+    )
+
+
+def _guessed(config: Config) -> list[int]:
+    """The GPUs before NVML has shown any: those `manage_gpus` names by index, when it names
+    them all so (a split host: the others are a cluster's, and a unit granted one would run
+    beside its job), else `gpus:`, 0 to gpus-1."""
+    wanted = config.manage_gpus
+    if wanted and all(w.isdigit() for w in wanted):
+        return sorted({int(w) for w in wanted})
+    return list(range(config.gpus))
 
 
 def _reason_of(warning: str | None) -> str:

@@ -651,6 +651,47 @@ def test_start_up_adopts_a_running_unit_it_did_not_know(tmp_path: Path) -> None:
     run(test)
 
 
+def test_a_running_unit_without_a_saved_grant_keeps_the_gpus_its_env_file_names(
+    tmp_path: Path,
+) -> None:
+    """The state file lost (set aside, another version): each running unit is booked on the
+    GPUs it was told, not the first free ones, which would have booked a.service on GPU 0
+    and b.service on GPU 1 and granted GPU 1 again, where a.service runs, once b ended."""
+    units = {
+        "a.service": "Priority=50\n",
+        "b.service": "Priority=50\n",
+        "c.service": "Priority=50\n",
+    }
+    bed = Bed(
+        tmp_path,
+        units,
+        [state(n, "active", "running") for n in units],
+        config=Config(gpus=4, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+    )
+    told = {
+        "a.service": "CUDA_VISIBLE_DEVICES=2\nGPUSLICE_GPUS=2\n",
+        "b.service": "GPUSLICE_GPUS=0\n",
+    }
+    for unit, text in told.items():
+        path = env_file(bed.config.runtime_dir, unit)
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+    (tmp_path / "elsewhere").write_text("GPUSLICE_GPUS=3\n")
+    other = env_file(bed.config.runtime_dir, "c.service")  # a link is not followed
+    other.parent.mkdir(parents=True)
+    other.symlink_to(tmp_path / "elsewhere")
+
+    async def test() -> None:
+        await bed.controller.start()
+        assert bed.controller.scheduler.grants() == {
+            "a.service": frozenset({2}),
+            "b.service": frozenset({0}),
+            "c.service": frozenset({1}),
+        }
+
+    run(test)
+
+
 def test_signals_before_ready_are_applied_after_start_up(tmp_path: Path) -> None:
     """A unit that went down while the controller rebuilt its state is released then."""
     bed = Bed(
@@ -753,7 +794,9 @@ def test_a_granted_unit_gets_its_environment_file(
 
     run(test)
     env = tmp_path / "run" / "env" / "a.service" / "gpuslice.env"
-    assert env.read_text() == "CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n"
+    assert (
+        env.read_text() == "CUDA_VISIBLE_DEVICES=0\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=0\n"
+    )
 
 
 def test_an_environment_file_that_cannot_be_written_still_grants(
@@ -2116,6 +2159,35 @@ def test_without_nvidia_hardware_nothing_waits_for_nvml(
         assert bed.controller.scheduler.refill_paused == ""
         await bed.acquire("bg.service", ":1.9", 4242)
         assert bed.service.granted == [("bg.service", "0")]
+
+    run(test)
+
+
+def test_a_split_host_grants_only_its_own_gpus_before_nvml_answers(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """manage_gpus: [1] leaves GPU 0 to a cluster scheduler. While the driver is not ready
+    (at boot), the fallback was `gpus: 1` from config.yaml, GPU 0: the on-demand unit ran
+    on the cluster's GPU, beside its job."""
+    bed = Bed(
+        tmp_path,
+        {"od.service": "Priority=10\n"},
+        [],
+        config=Config(
+            manage_gpus=("1",),
+            state_dir=str(tmp_path / "state"),
+            runtime_dir=str(tmp_path / "run"),
+        ),
+        nvml=StubNvml(available=False),
+        driver_root=nvidia_root(tmp_path),
+    )
+    cgroup_of[4242] = "od.service"
+
+    async def test() -> None:
+        await bed.controller.start()
+        assert bed.controller.watch.inventory.health.state == "waiting"
+        await bed.acquire("od.service", ":1.9", 4242)
+        assert bed.service.granted == [("od.service", "1")]
 
     run(test)
 

@@ -70,7 +70,10 @@ def test_controller_starts_before_the_driver(container: Container) -> None:
 
     # nothing urgent waits on the driver: the on-demand unit runs on the guessed GPU 0
     bed.systemctl("start", "od.service")
-    assert env_of(bed, "od.service") == "CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n"
+    assert (
+        env_of(bed, "od.service")
+        == "CUDA_VISIBLE_DEVICES=0\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=0\n"
+    )
     # background units are not started on guessed GPUs, nor when started by hand
     never_started(bed, "bg.service")
     bed.systemctl("start", "--no-block", "bg.service")
@@ -108,7 +111,10 @@ def test_driver_wait_runs_out_then_nvml_still_switches(container: Container) -> 
     wait_state(bed, "bg.service", "active")  # after driver_wait, on the guessed GPU 0
     wait_journal(bed, "NVML still not ready after")
     assert nvml_state(bed) == "fallback"
-    assert env_of(bed, "bg.service") == "CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n"
+    assert (
+        env_of(bed, "bg.service")
+        == "CUDA_VISIBLE_DEVICES=0\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=0\n"
+    )
     fakegpu.load_driver(bed, 1)
     wait_nvml(bed, "ready")
     wait_journal(bed, "holders keep their GPUs by index: bg.service on GPU 0")

@@ -393,7 +393,7 @@ def test_nvml_missing_falls_back_to_configured_count_with_one_warning(
         (1, None, None),
     ]
     env = container.run("cat /run/gpuslice/env/job.service/gpuslice.env").stdout
-    assert env == "CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n"
+    assert env == "CUDA_VISIBLE_DEVICES=0\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=0\n"
 
 
 def test_gpu_lost_at_runtime(bed: Container) -> None:

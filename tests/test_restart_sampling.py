@@ -1,0 +1,101 @@
+"""A real host's boot and the NVIDIA driver's lifecycle, as the controller sees them: NVML
+that hangs or answers late, a controller restarted beside running jobs."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from gpuslice.config import Config
+from gpuslice.core.scheduler import SavedState
+from gpuslice.nvml import GpuProcess, NvmlError
+from tests.test_controller import (
+    Bed,
+    OneForeignProcess,
+    run,
+    settle,
+    state,
+)
+
+
+class HangsAfterFirstSample(OneForeignProcess):
+    """The GPUs with a job's process (PID 200) on GPU 1; the second sample hangs in the
+    driver until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.samples = 0
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        if index == 0:
+            self.samples += 1
+            if self.samples > 1:
+                self.release.wait(10)
+        return super().processes(index)
+
+
+def test_a_restart_whose_second_sample_hangs_stops_no_running_unit(tmp_path: Path) -> None:
+    proc = tmp_path / "proc" / "200"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("0::/system.slice/bg.service\n")
+    (proc / "comm").write_text("python3\n")
+    nvml = HangsAfterFirstSample()
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "active", "running")],
+        SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
+        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+        nvml=nvml,
+    )
+    bed.controller.watch.nvml.deadline = 0.05
+
+    async def test() -> None:
+        try:
+            await bed.controller.start()
+            await settle()
+            assert bed.controller.watch.stale
+            assert bed.systemd.calls == [("subscribe", "")]
+        finally:
+            nvml.release.set()
+
+    run(test)
+
+
+class FailsAfterFirstSample(OneForeignProcess):
+    """The GPUs with a job's process (PID 200) on GPU 1; later samples fail (an NVML error
+    that is not the driver going away)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples = 0
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        if index == 0:
+            self.samples += 1
+            if self.samples > 1:
+                raise NvmlError("nvmlDeviceGetComputeRunningProcesses", 999, "Unknown Error", 0)
+        return super().processes(index)
+
+
+def test_a_restart_whose_second_sample_fails_stops_no_running_unit(tmp_path: Path) -> None:
+    proc = tmp_path / "proc" / "200"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("0::/system.slice/bg.service\n")
+    (proc / "comm").write_text("python3\n")
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "active", "running")],
+        SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
+        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+        nvml=FailsAfterFirstSample(),
+    )
+
+    async def test() -> None:
+        await bed.controller.start()
+        await settle()
+        assert bed.systemd.calls == [("subscribe", "")]
+
+    run(test)
