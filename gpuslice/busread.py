@@ -24,6 +24,11 @@ all: the call comes with its header only, as `Unread`, and is answered with an e
 may call Status, with whatever arguments (a bus policy names no signature), and dbus-next
 reads a body a value at a time: 8 MiB of variants took 7.8 s of the controller's loop, and
 the system bus passes 32 MiB in one message. Both measured by `python -m bench.flood --old`.
+A call whose header fields are longer than `MAX_CALL_HEADER` comes as `Unread` too, with no
+path: only an object path can make them long (every other field is a name of at most 255
+characters), the bus daemon sets no limit on one but the message's, and dbus-next checks it
+one element at a time (twice): a call to `/a/a/...` of 8 MiB held the loop 1.7 s, and 64 of
+32 MiB fit in one turn, far past WatchdogSec=.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ MAX_PER_TURN = 64
 # Bytes of a method call's arguments read, at most: every method of ours takes at most one
 # unit name (255 characters).
 MAX_CALL_BODY = 4096
+# Bytes of a method call's header fields read, at most: ours are a short path and a few names.
+MAX_CALL_HEADER = 4096
 _PATH, _INTERFACE, _MEMBER, _DESTINATION, _SENDER, _SIGNATURE = 1, 2, 3, 6, 7, 8
 # The alignment of each type's values, and the size of those of fixed size.
 _ALIGN = {"y": 1, "b": 4, "n": 2, "q": 2, "i": 4, "u": 4, "x": 8, "t": 8, "d": 8, "h": 4}
@@ -94,9 +101,10 @@ class Turn:
 
 class Unread(Message):  # type: ignore[misc]
     """A method call whose arguments were not read (`body_len` bytes, over MAX_CALL_BODY):
-    its header, with no arguments."""
+    its header, with no arguments; or one whose header fields were not read whole
+    (`header_len` bytes, over MAX_CALL_HEADER): then its path is `/`, not its own."""
 
-    def __init__(self, call: Message, body_len: int) -> None:
+    def __init__(self, call: Message, body_len: int, header_len: int = 0) -> None:
         super().__init__(
             destination=call.destination,
             path=call.path,
@@ -108,6 +116,7 @@ class Unread(Message):  # type: ignore[misc]
             serial=call.serial,
         )
         self.body_len = body_len
+        self.header_len = header_len
 
 
 def _text(buf: bytearray, o: int) -> tuple[str, int]:
@@ -311,10 +320,19 @@ if Unmarshaller is not None:
             if self.buf[1] == _METHOD_CALL:
                 order = "<" if self.buf[0] == _LITTLE_ENDIAN else ">"
                 body_len, _, fields_len = unpack_from(order + "III", self.buf, 4)
-                if body_len > MAX_CALL_BODY:
+                if body_len > MAX_CALL_BODY or fields_len > MAX_CALL_HEADER:
                     head = 16 + fields_len + (-fields_len & 7)
                     self.read(head + body_len, prefetch=True)  # the whole call, then past it
-                    self.message = Unread(_header_only(self.buf[:head], order), body_len)
+                    if fields_len <= MAX_CALL_HEADER:
+                        call = _header_only(self.buf[:head], order)
+                        self.message = Unread(call, body_len)
+                        return
+                    try:
+                        call = _header_but_path(self.buf, order, 16 + fields_len)
+                    except Exception:  # whatever it is, dbus-next's reader decides
+                        super()._unmarshall()
+                        return
+                    self.message = Unread(call, body_len, fields_len)
                     return
             if self.buf[0] == _LITTLE_ENDIAN and self.buf[1] == _SIGNAL:
                 body_len, _, fields_len = unpack_from("<III", self.buf, 4)
@@ -335,6 +353,38 @@ if Unmarshaller is not None:
         pack_into(order + "I", head, 4, 0)
         message: Message = Unmarshaller(io.BytesIO(bytes(head))).unmarshall()
         return message
+
+
+def _header_but_path(buf: bytearray, order: str, end: int) -> Message:
+    """The method call whose header fields run from 16 to `end` in `buf`, read by their
+    lengths, its path stepped over (never decoded, never checked) and given as `/`."""
+    fields: dict[int, Any] = {}
+    o = 16
+    while o < end:
+        o += -o & 7
+        code = buf[o]
+        sig, o = _signature(buf, o + 1)
+        if sig == "g":
+            fields[code], o = _signature(buf, o)
+            continue
+        if sig not in ("s", "o", "u"):
+            raise NotTaken(f"header field {code} of type {sig!r}")
+        o += -o & 3
+        (n,) = unpack_from(order + "I", buf, o)
+        if sig == "u":
+            fields[code], o = n, o + 4
+        else:
+            fields[code] = None if code == _PATH else buf[o + 4 : o + 4 + n].decode()
+            o += 5 + n
+    return Message(
+        destination=fields.get(_DESTINATION),
+        path="/",
+        interface=fields.get(_INTERFACE),
+        member=fields.get(_MEMBER),
+        flags=MessageFlag(buf[2]),
+        sender=fields.get(_SENDER),
+        serial=unpack_from(order + "I", buf, 8)[0],
+    )
 
 
 def install(bus: MessageBus, interface: str, keep: Collection[str]) -> bool:

@@ -551,6 +551,7 @@ class Controller:
             return
         if self.scheduler.forget_instance(name):
             self.tracker.forget(name)
+            self._status_cache = None  # gone from held, finished and failed
 
     def _gate_unseen(self, name: str) -> None:
         """A state read showed the unit at its gate and no signal has named that start since
@@ -617,6 +618,7 @@ class Controller:
 
     def _apply_scan(self, result: Scan) -> None:
         self.scan = result
+        self._status_cache = None  # its problems and priorities, even if nothing is decided
         for problem in result.problems:
             self._log_problem(problem)
         starts = set(self.scheduler.waiting_units()) | set(self.scheduler.grants())
@@ -1038,6 +1040,7 @@ class Controller:
                 self.watch.sample,
                 {n: wall for n, (wall, _) in self.waiting_since.items()},
                 {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
+                self.scheduler.declared_memory(),
             )
             self._status_cache = json.dumps(snapshot, sort_keys=True)
         # the counters move without a change of state: added at each call (a few hundred
@@ -1079,17 +1082,27 @@ def _log_failure(task: asyncio.Task[None]) -> None:
         log.error("internal error", exc_info=task.exception())
 
 
+_PRIORITIES = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}  # syslog's
+
+
+class JournalFormatter(logging.Formatter):
+    """Plain sentences with the <N> syslog prefix journald reads, on every line: journald
+    makes each line of a stream an entry, so a traceback (`log.exception`, "internal error")
+    is kept, at its record's level, and no line of a message can set its own level."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        prefix = f"<{_PRIORITIES.get(record.levelname, 6)}>"
+        return "\n".join(prefix + line for line in text.splitlines() or [""])
+
+
 def _journal_logging(level: str) -> None:
-    """Plain sentences on stderr with <N> syslog prefixes that journald understands."""
-    prefixes = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
-
-    class Prefix(logging.Formatter):
-        def format(self, record: logging.LogRecord) -> str:
-            return f"<{prefixes.get(record.levelname, 6)}>{record.getMessage()}"
-
+    """Plain sentences on stderr that journald files at their levels."""
     handler = logging.StreamHandler()
     handler.setFormatter(
-        Prefix()
+        JournalFormatter()
         if os.environ.get("JOURNAL_STREAM")
         else logging.Formatter("%(levelname)s %(message)s")
     )

@@ -119,7 +119,13 @@ class SchedulerService:
             self._pending.pop(unit, None)
 
     def _handle(self, msg: Message) -> Message | bool:
-        if msg.message_type != MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
+        if msg.message_type != MessageType.METHOD_CALL:
+            return False
+        if isinstance(msg, Unread) and msg.header_len:  # its path was not read: not ours
+            return Message.new_error(
+                msg, LIMITS_EXCEEDED, f"a header of {msg.header_len} bytes: not read"
+            )
+        if msg.path != OBJECT_PATH:
             return False
         try:
             return self._route(msg)

@@ -86,7 +86,11 @@ JSON_VERSION = 1
 
 
 def _gpu_json(
-    index: int, holders: list[tuple[str, int, str]], scan: Scan, sample: Sample
+    index: int,
+    holders: list[tuple[str, int, str]],
+    scan: Scan,
+    sample: Sample,
+    declared: Mapping[str, int] | None,
 ) -> dict[str, Any]:
     gpu = next((g for g in sample.gpus if g.index == index), Gpu(index))
     foreign = [p for p in sample.processes if p.gpu == index and p.unit is None]
@@ -111,13 +115,17 @@ def _gpu_json(
         ],
     }
     for unit, prio, state in holders:
-        spec = scan.spec_for(unit)
+        if declared is not None:
+            memory = declared.get(unit)
+        else:
+            spec = scan.spec_for(unit)
+            memory = spec.memory if spec is not None else None
         out["holders"].append(
             {
                 "unit": unit,
                 "priority": prio,
                 "state": state,
-                "memory_declared": spec.memory if spec is not None else None,
+                "memory_declared": memory,
                 "memory_used": sample.used_by(unit).get(index),
             }
         )
@@ -130,15 +138,20 @@ def snapshot_to_json(
     sample: Sample,
     since: Mapping[str, float] | None = None,
     suspensions: Mapping[str, tuple[int, float]] | None = None,
+    declared: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """`since`: Unix time each waiter started waiting, as the controller saw it;
-    `suspensions`: the bytes each suspended unit moved to host memory, and when."""
+    `suspensions`: the bytes each suspended unit moved to host memory, and when;
+    `declared`: the memory each holder with `Memory=` holds its GPUs on, as the scheduler
+    counts it (Scheduler.declared_memory: a unit whose annotation went keeps its terms),
+    else read from the annotations."""
     since = since or {}
     suspensions = suspensions or {}
     out = {
         "version": JSON_VERSION,
         "gpus": [
-            _gpu_json(index, holders, scan, sample) for index, holders in sorted(snap.gpus.items())
+            _gpu_json(index, holders, scan, sample, declared)
+            for index, holders in sorted(snap.gpus.items())
         ],
         "waiting": [
             {

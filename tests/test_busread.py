@@ -572,3 +572,54 @@ def test_at_most_max_per_turn_messages_are_read_in_one_turn_of_the_loop() -> Non
     plain = Bus()
     assert busread.install(plain, UNIT, KEEP) is True
     assert all(plain._create_unmarshaller().unmarshall() for _ in range(per_turn + 1))
+
+
+def long_path_call(path: str, order: str = "<") -> bytes:
+    """A call of Introspect on `path` (anyone may call Introspect, on any path), with the
+    sender the bus daemon adds; `order` "<" little-endian, ">" big-endian."""
+    fields = bytearray()
+    for code, sig, value in (
+        (1, "o", path),
+        (2, "s", "org.freedesktop.DBus.Introspectable"),
+        (3, "s", "Introspect"),
+        (6, "s", "org.gpuslice.Scheduler1"),
+        (7, "s", ":1.42"),
+    ):
+        fields += b"\0" * (-len(fields) & 7)
+        fields += bytes([code, 1, ord(sig), 0])
+        fields += struct.pack(order + "I", len(value)) + value.encode() + b"\0"
+    endian = b"l" if order == "<" else b"B"
+    head = endian + b"\x01\x00\x01" + struct.pack(order + "III", 0, 9, len(fields)) + fields
+    return head + b"\0" * (-len(head) & 7)
+
+
+def test_a_method_calls_long_header_is_not_read() -> None:
+    """Anyone may call Introspect on any path, and an object path has no limit but the
+    message's (32 MiB on the system bus). dbus-next checks a path one element at a time, and
+    twice: an 8 MiB `/a/a/...` held the controller's loop 1.7 s, and 64 such calls are read
+    in one turn. Past MAX_CALL_HEADER the call comes unread, its path not decoded; its sender,
+    serial, member and flags kept for its error reply. A short header is read as before."""
+    path = "/a" * busread.MAX_CALL_HEADER
+    for order in ("<", ">"):
+        data = long_path_call(path, order)
+        assert stock(data).path == path
+        got = fast(data)
+        assert isinstance(got, busread.Unread)
+        assert (got.path, got.member, got.sender, got.serial, got.destination) == (
+            "/",
+            "Introspect",
+            ":1.42",
+            9,
+            "org.gpuslice.Scheduler1",
+        )
+        fields_len = struct.unpack_from(order + "I", data, 12)[0]
+        assert fields_len > busread.MAX_CALL_HEADER
+        assert (got.body, got.body_len, got.header_len) == ([], 0, fields_len)
+    short = long_path_call("/org/gpuslice/Scheduler1")
+    assert not isinstance(fast(short), busread.Unread)
+    assert fast(short).path == "/org/gpuslice/Scheduler1"
+    # the reader goes on with the message after it, in one stream
+    reader = busread.Reader(io.BytesIO(long_path_call(path) + short), None, UNIT, KEEP)
+    assert isinstance(reader.unmarshall(), busread.Unread)
+    after = busread.Reader(reader.stream, None, UNIT, KEEP).unmarshall()
+    assert after is not None and after.path == "/org/gpuslice/Scheduler1"

@@ -597,6 +597,33 @@ def test_a_call_with_long_arguments_is_refused_unread(bus_address: str) -> None:
     run(scenario)
 
 
+def test_a_call_with_a_long_path_is_refused_unread(bus_address: str) -> None:
+    """Anyone may call Introspect on any path of ours, and the bus daemon passes a path of up
+    to 32 MiB, which dbus-next checked an element at a time (an 8 MiB one held the loop
+    1.7 s). On the controller's connection a call whose header is past
+    busread.MAX_CALL_HEADER is refused without its path being read; the next is answered."""
+
+    async def scenario() -> None:
+        systemd = Systemd(await connect(bus_address))
+        service = SchedulerService(systemd.bus, lambda u, s: None, lambda: "{}", lambda: None)
+        await service.claim_name()
+        client = await connect(bus_address)
+        reply = await client.call(
+            Message(
+                destination=BUS_NAME,
+                path="/a" * busread.MAX_CALL_HEADER,
+                interface="org.freedesktop.DBus.Introspectable",
+                member="Introspect",
+            )
+        )
+        assert reply is not None
+        assert reply.error_name == "org.freedesktop.DBus.Error.LimitsExceeded"
+        assert reply.body[0].startswith("a header of ")
+        assert (await call(client, "Status")).body == ["{}"]
+
+    run(scenario)
+
+
 def test_a_flood_of_calls_is_read_a_turn_of_the_loop_at_a_time(bus_address: str) -> None:
     """Anyone may call Status, as often as they like. dbus-next read every message its
     socket held before the loop went on: one process's flood of calls kept the controller's

@@ -1,0 +1,141 @@
+"""What anyone on the host sees (`gpuslice status`, metrics, the journal) tells the truth.
+
+Status is built once per change (Controller.status_json) and read by every local user and
+by the metrics exporter; these cases are changes that decide nothing and so once left it
+stale, and a holder whose annotation went, which status showed on terms the scheduler did
+not hold it on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from gpuslice.config import Config
+from gpuslice.controller import JournalFormatter
+from gpuslice.metrics import exposition
+from tests.test_controller import (
+    GIB,
+    Bed,
+    StubNvml,
+    at_gate,
+    run,
+    settle,
+    signal,
+    state,
+    unannotate,
+    until,
+    write_unit,
+)
+
+
+def test_status_shows_a_problem_a_rescan_found_though_nothing_was_decided(
+    tmp_path: Path,
+) -> None:
+    """A daemon-reload brings a unit with a typo (Priority=high): the controller logs the
+    problem, decides nothing, and status (and gpuslice_annotation_problems) said there was
+    none until some later decision happened to rebuild it."""
+    bed = Bed(tmp_path, {"a.service": "Priority=10\n"}, [state("a.service", "inactive", "dead")])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert json.loads(ctl.status_json())["problems"] == []
+        write_unit(tmp_path, "b.service", "Priority=high\n")
+        ctl.request_rescan()
+        await until(lambda: ctl._rescan is None and bool(ctl.scan.problems))
+        [problem] = json.loads(ctl.status_json())["problems"]
+        assert 'Priority: expected an integer 0-999, got "high"' in problem
+        assert b"gpuslice_annotation_problems 1.0" in exposition(json.loads(ctl.status_json()))
+
+    run(test)
+
+
+def test_status_drops_an_instance_forgotten_without_a_decision(tmp_path: Path) -> None:
+    """t@1 fails and waits in auto-restart (told failed, kept: its restart job may come);
+    its restarts then end, failed for good, which decides nothing more, and the core
+    forgets it. Status still listed it under Failed until the next decision."""
+    bed = Bed(tmp_path, {"t@.service": "Priority=50\n"}, [])
+    unit = "t@1.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", unit)
+        await until(lambda: bed.systemd.watches(unit))
+        signal(bed, unit, at_gate(bytes(16)))
+        signal(bed, unit, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+        await settle()
+        signal(
+            bed, unit, {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}
+        )
+        await settle()
+        assert json.loads(ctl.status_json())["failed"] == [unit]
+        signal(bed, unit, {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
+        await settle()
+        assert ctl.scheduler.annotated() == set()  # forgotten
+        assert json.loads(ctl.status_json())["failed"] == []
+
+    run(test)
+
+
+def test_status_shows_the_memory_a_unit_whose_annotation_went_is_still_held_on(
+    tmp_path: Path,
+) -> None:
+    """small.service (Memory=8G) runs beside other.service on GPU 0; its annotation goes. It
+    keeps its GPU on the terms it was granted (8 GiB: other.service stays beside it), but
+    status read its memory from the annotations: `whole GPU` (memory_declared null), two
+    jobs on one whole GPU as far as anyone could tell, and its
+    gpuslice_job_memory_declared_bytes series vanished."""
+    bed = Bed(
+        tmp_path,
+        {"small.service": "Priority=50\nMemory=8G\n", "other.service": "Priority=50\nMemory=8G\n"},
+        [],
+        config=Config(gpus=1, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+        nvml=StubNvml(),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        for n, unit in enumerate(("small.service", "other.service"), start=1):
+            ctl.on_job_new(n, f"/org/freedesktop/systemd1/job/{n}", unit)
+            signal(bed, unit, at_gate(bytes([n]) * 16))
+            await settle()
+            signal(bed, unit, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+            await settle()
+        assert ctl.scheduler.grants() == {
+            "small.service": frozenset({0}),
+            "other.service": frozenset({0}),
+        }
+        await unannotate(ctl, tmp_path, "small.service")
+        assert ctl.scheduler.declared_memory()["small.service"] == 8 * GIB
+        status = json.loads(ctl.status_json())
+        holders = {h["unit"]: h["memory_declared"] for h in status["gpus"][0]["holders"]}
+        assert holders == {"small.service": 8 * GIB, "other.service": 8 * GIB}
+        text = exposition(status).decode()
+        assert 'gpuslice_job_memory_declared_bytes{gpu="0",unit="small.service"}' in text
+
+    run(test)
+
+
+def test_the_controllers_log_keeps_tracebacks_and_each_lines_level() -> None:
+    """Under systemd the controller's log is a stream journald reads a line at a time: a
+    traceback was dropped (only the message was written), and a line after a newline in a
+    message took journald's default level, or a "<N>" it began with."""
+    formatter = JournalFormatter()
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord(
+            "gpuslice", logging.ERROR, __file__, 1, "internal error\n<0>%s", ("x",), sys.exc_info()
+        )
+    lines = formatter.format(record).split("\n")
+    assert lines[:2] == ["<3>internal error", "<3><0>x"]
+    assert lines[2] == "<3>Traceback (most recent call last):"
+    assert lines[-1] == "<3>ValueError: boom"
+    assert all(line.startswith("<3>") for line in lines)
+    info = logging.LogRecord("gpuslice", logging.INFO, __file__, 1, "", (), None)
+    assert formatter.format(info) == "<6>"
