@@ -91,6 +91,12 @@ QUEUED_DELAY = 0.02
 # nothing at every job's end (issue 10: the read of the victim's stop job was answered while
 # systemd forked the waiter's main process).
 REFRESH_DELAY = 0.02
+# How often the units the core knows (holders, waiters, suspended) are read from systemd in
+# one call, to take in what a lost signal did not tell (Controller._audit): the bus daemon
+# drops a signal for a connection whose queue is full (max_outgoing_bytes), anyone can fill
+# ours with calls or signals while the loop is busy, and nothing tells the recipient. A
+# holder whose end was lost would keep its GPUs, and its waiters wait, for ever.
+AUDIT_INTERVAL = 30.0
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
@@ -260,6 +266,7 @@ class Controller:
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
         self._rewatch()
+        asyncio.get_running_loop().call_later(AUDIT_INTERVAL, self._audit_due)
 
     def _watched(self) -> set[str]:
         """The units whose signals matter: every annotated unit; the instances of annotated
@@ -474,6 +481,59 @@ class Controller:
             {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")},
             read=True,
         )
+
+    def _audit_due(self) -> None:
+        self._spawn(self._audit())
+
+    async def _audit(self) -> None:
+        """Read every unit the core knows in one call, and take in a state its signals did
+        not tell (AUDIT_INTERVAL: a signal lost on the bus). A unit systemd said anything
+        of since the call was sent is skipped: the answer may be older than that."""
+        try:
+            names = sorted(
+                n
+                for n in {
+                    *self.scheduler.grants(),
+                    *self.scheduler.waiting_units(),
+                    *self.scheduler.suspended_units(),
+                }
+                if self.systemd.watches(n)
+            )
+            if not names:
+                return
+            seen = {n: self.tracker.heard(n) for n in names}
+            try:
+                states = await self.systemd.units_state(names)
+            except SystemdError as e:
+                self.counters.error("dbus_call_errors")
+                log.debug("cannot read the units gpuslice knows: %s", e)
+                return
+            for state in states:
+                if state.name in seen and self.tracker.heard(state.name) == seen[state.name]:
+                    self._take_audited(state)
+        finally:
+            asyncio.get_running_loop().call_later(AUDIT_INTERVAL, self._audit_due)
+
+    def _take_audited(self, state: UnitState) -> None:
+        known = self.tracker.state(state.name)
+        if (known.active, known.sub, known.job_id) == (state.active, state.sub, state.job_id):
+            return
+        self.counters.error("dbus_signals_lost")
+        log.warning(
+            "%s: systemd shows it %s (%s), job %d, where its signals left it %s (%s), job "
+            "%d: a signal was lost on the bus; taken in now",
+            state.name,
+            state.active,
+            state.sub,
+            state.job_id,
+            known.active,
+            known.sub,
+            known.job_id,
+        )
+        props: dict[str, Any] = {"ActiveState": state.active, "SubState": state.sub}
+        if state.job_id != known.job_id:  # else the path its signal named is kept
+            props["Job"] = (state.job_id, "/")
+        self.on_unit_changed(state.name, props, read=True)
 
     async def _read_fresh(self, unit: str, seen: int) -> UnitState | None:
         """The unit's state read from systemd; None when it cannot be read, or when a signal

@@ -74,6 +74,7 @@ class Histogram:
 ERRORS: dict[str, str] = {
     "dbus_signals_dropped": "D-Bus signals not believed (not systemd's own, malformed)",
     "dbus_call_errors": "calls to systemd over D-Bus that failed",
+    "dbus_signals_lost": "unit states systemd's signals did not tell (found by a read)",
     "dbus_acquire_refused": "Acquire calls refused (the caller does not run in its unit)",
     "nvml_errors": "NVML calls that failed",
     "nvml_timeouts": "NVML calls that did not answer within their deadline",

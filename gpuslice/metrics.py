@@ -65,6 +65,10 @@ ERROR_COUNTERS = {
         "gpuslice_dbus_call_errors",
         "Calls to systemd over D-Bus that returned an error.",
     ),
+    "dbus_signals_lost": (
+        "gpuslice_dbus_signals_lost",
+        "Unit states systemd's signals did not tell, found by the periodic read: lost on the bus.",
+    ),
     "dbus_acquire_refused": (
         "gpuslice_dbus_acquire_refused",
         "Acquire calls refused because the caller does not run in the unit it names.",

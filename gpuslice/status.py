@@ -48,8 +48,9 @@ Added later, for `gpuslice metrics` (absent from older controllers):
   "priorities": {unit: int} for the units in held, finished and failed that are annotated;
   "controller": {"version": str, "start_time": float (Unix time it started)};
   "counters": {"decisions": {code: int for every code}, "dbus_signals_dropped": int,
-               "dbus_call_errors": int, "dbus_acquire_refused": int, "nvml_errors": int,
-               "nvml_timeouts": int, "journal_write_errors": int, "state_save_errors": int};
+               "dbus_call_errors": int, "dbus_signals_lost": int, "dbus_acquire_refused": int,
+               "nvml_errors": int, "nvml_timeouts": int, "journal_write_errors": int,
+               "state_save_errors": int};
   "admission_wait_seconds": {"buckets": [[upper bound (s), cumulative count], ...,
                              ["+Inf", count]], "sum": float, "count": int}: how long each
                              grant waited at its gate (0 when at once).

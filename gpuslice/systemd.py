@@ -412,6 +412,11 @@ class Systemd:
                 return _listed(u)
         raise SystemdError("org.gpuslice.Error.NoUnit", f"systemd did not list {name}")
 
+    async def units_state(self, names: Collection[str]) -> list[UnitState]:
+        """The states of `names` in one call (those systemd lists)."""
+        (units,) = await self.call("ListUnitsByNames", "as", [sorted(names)])
+        return [_listed(u) for u in units]
+
     def start_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._queue("StartUnit", name, queued)
 

@@ -81,6 +81,10 @@ class FakeSystemd:
         self.reads.append(name)
         return self.units.get(name, UnitState(name, "inactive", "dead", 0))
 
+    async def units_state(self, names: Collection[str]) -> list[UnitState]:
+        self.calls.append(("units_state", ",".join(sorted(names))))
+        return [self.units.get(n, UnitState(n, "inactive", "dead", 0)) for n in sorted(names)]
+
     async def caller_pid(self, sender: str) -> int:
         if sender not in self.pids:
             raise SystemdError("org.freedesktop.DBus.Error.NameHasNoOwner", sender)
@@ -2776,5 +2780,94 @@ def test_an_instance_restarting_by_its_restart_policy_is_told_failed_once(
         signal(bed, unit, {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
         await settle()
         assert ctl.scheduler.annotated() == set()
+
+    run(test)
+
+
+# ---- a signal lost on the bus ----
+
+
+def test_a_holders_end_that_no_signal_told_is_read_and_its_gpu_granted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bus daemon drops a signal for a controller whose queue is full (anyone can fill it
+    while the loop is busy): a.service's end never reached us. Its GPU stayed held and
+    b.service waited at its gate for ever; the periodic read of the units the core knows
+    takes the end in, and b.service is granted."""
+    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 0.01)
+    bed = Bed(
+        tmp_path,
+        {
+            "a.service": "Priority=50\n",
+            "b.service": "Priority=50\n",
+            "idle.service": "Priority=9\n",
+        },
+        [state("a.service", "active", "running"), state("b.service", "activating", "start-pre")],
+        SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("b.service")
+        assert ctl.scheduler.is_waiting("b.service")
+        bed.systemd.units["a.service"] = state("a.service", "inactive", "dead")  # not signalled
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            await until(lambda: bed.service.granted == [("b.service", "0")])
+        audits = [c for c in bed.systemd.calls if c[0] == "units_state"]
+        assert audits[0] == ("units_state", "a.service,b.service")  # not idle.service: unknown
+        assert ctl.counters.errors["dbus_signals_lost"] == 1
+        assert ctl.scheduler.snapshot().finished == ["a.service"]
+
+    run(test)
+    assert any(
+        "a.service: systemd shows it inactive (dead), job 0, where its signals left it active "
+        "(running), job 0: a signal was lost on the bus" in m
+        for m in messages(caplog)
+    )
+
+
+def test_a_read_older_than_a_signal_is_not_taken_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal about a unit read while the periodic read was out makes its answer older
+    than what is known: a.service ended and started again meanwhile, and the answer that
+    still shows it down must not end its new run."""
+    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 0.01)
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n"},
+        [state("a.service", "active", "running")],
+        SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    answer = bed.systemd.units_state
+
+    async def test() -> None:
+        ctl = bed.controller
+
+        async def overtaken(names: Collection[str]) -> list[UnitState]:
+            old = [state("a.service", "inactive", "dead")]
+            ctl.on_unit_changed("a.service", {"SubState": "running"})  # heard meanwhile
+            bed.systemd.units_state = answer  # type: ignore[method-assign]
+            return old
+
+        bed.systemd.units_state = overtaken  # type: ignore[method-assign]
+        await ctl.start()
+        await until(lambda: ("units_state", "a.service") in bed.systemd.calls)
+        assert ctl.scheduler.grants() == {"a.service": frozenset({0})}
+        assert ctl.counters.errors["dbus_signals_lost"] == 0
+
+    run(test)
+
+
+def test_nothing_known_nothing_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An idle host costs systemd no call: the read is of the units the core knows only."""
+    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 0.001)
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        await bed.controller.start()
+        await asyncio.sleep(0.05)
+        assert [c for c in bed.systemd.calls if c[0] == "units_state"] == []
 
     run(test)

@@ -738,7 +738,8 @@ def test_a_failing_handler_answers_without_a_traceback(bus_address: str) -> None
 
 
 def test_a_units_state_is_read_from_its_listing(bus_address: str) -> None:
-    """One small ListUnitsByNames reply, not the unit's GetAll (kilobytes to unmarshal)."""
+    """One small ListUnitsByNames reply, not the unit's GetAll (kilobytes to unmarshal); the
+    periodic read of the units the core knows asks for all of them in one."""
 
     async def body() -> None:
         owner = await connect(bus_address)
@@ -767,7 +768,9 @@ def test_a_units_state_is_read_from_its_listing(bus_address: str) -> None:
         )
         with pytest.raises(SystemdError, match=r"did not list b\.service"):
             await systemd.unit_state("b.service")
-        assert asked == [["a.service"], ["b.service"]]
+        many = await systemd.units_state({"b.service", "a.service"})  # one call, sorted
+        assert [(u.name, u.sub) for u in many] == [("a.service", "start-pre")]
+        assert asked == [["a.service"], ["b.service"], ["a.service", "b.service"]]
 
     run(body)
 

@@ -151,6 +151,7 @@ def test_names_types_and_labels() -> None:
         "gpuslice_gate_answers": "counter",
         "gpuslice_dbus_signals_dropped": "counter",
         "gpuslice_dbus_call_errors": "counter",
+        "gpuslice_dbus_signals_lost": "counter",
         "gpuslice_dbus_acquire_refused": "counter",
         "gpuslice_nvml_errors": "counter",
         "gpuslice_nvml_timeouts": "counter",
