@@ -16,20 +16,24 @@ import pytest
 DEBIAN = Path(__file__).resolve().parent.parent / "debian"
 
 
-def _run(tmp_path: Path, script: str, *args: str) -> list[str]:
-    """`script ARGS` with deb-systemd-invoke and systemctl as stubs; the calls they got.
-    /run/systemd/system is taken as present (a host booted with systemd)."""
+# Every command the hand-written parts run that acts on the system: stubs that only record.
+STUBS = ("deb-systemd-invoke", "systemctl", "systemd-sysusers", "busctl", "rm")
+
+
+def _run(tmp_path: Path, script: str, *args: str, dpkg_root: str = "") -> list[str]:
+    """`script ARGS` with the STUBS; the calls they got. /run/systemd/system is taken as
+    present (a host booted with systemd); DPKG_ROOT is `dpkg_root` if given."""
     calls = tmp_path / "calls"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name in ("deb-systemd-invoke", "systemctl"):
+    for name in STUBS:
         stub = bin_dir / name
         stub.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
         stub.chmod(0o755)
     text = (DEBIAN / script).read_text().replace("[ -d /run/systemd/system ]", "true")
     subprocess.run(
         ["/bin/sh", "-c", text, script, *args],
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", **({"DPKG_ROOT": dpkg_root} if dpkg_root else {})},
         check=True,
     )
     return calls.read_text().splitlines() if calls.exists() else []
@@ -46,6 +50,31 @@ def test_remove_stops_the_metrics_socket(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args", [("upgrade", "0.1.0"), ("deconfigure", "in-favour", "x")])
 def test_other_prerm_calls_stop_nothing(tmp_path: Path, args: tuple[str, ...]) -> None:
     assert _run(tmp_path, "gpuslice.prerm", *args) == []
+
+
+@pytest.mark.parametrize("root", ["", "/srv/target"])
+def test_configure_makes_the_exporters_user_in_the_system_installed(
+    tmp_path: Path, root: str
+) -> None:
+    """With DPKG_ROOT (dpkg --root, chrootless), the user goes into that system's
+    /etc/passwd, not the host's."""
+    option = f"--root={root} " if root else ""
+    assert f"systemd-sysusers {option}gpuslice-metrics.conf" in _run(
+        tmp_path, "gpuslice.postinst", "configure", dpkg_root=root
+    )
+
+
+@pytest.mark.parametrize("root", ["", "/srv/target"])
+def test_purge_removes_the_directories_of_the_system_installed(tmp_path: Path, root: str) -> None:
+    """With DPKG_ROOT, purge removes that system's state and config, never the host's."""
+    assert _run(tmp_path, "gpuslice.postrm", "purge", dpkg_root=root) == [
+        f"rm -rf {root}/var/lib/gpuslice {root}/etc/gpuslice {root}/run/gpuslice"
+    ]
+
+
+@pytest.mark.parametrize("args", [("remove",), ("upgrade", "0.1.0")])
+def test_remove_and_upgrade_remove_no_directory(tmp_path: Path, args: tuple[str, ...]) -> None:
+    assert _run(tmp_path, "gpuslice.postrm", *args) == []
 
 
 @pytest.mark.parametrize("script", ["gpuslice.prerm", "gpuslice.postinst", "gpuslice.postrm"])

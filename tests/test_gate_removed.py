@@ -65,8 +65,14 @@ def _ended(gate: subprocess.Popen[str]) -> tuple[int, str]:
     return gate.returncode, err
 
 
-def test_a_start_waiting_when_gpuslice_is_removed_goes_on_ungated(tmp_path: Path) -> None:
-    assert _ended(_gate(tmp_path, "inactive", "not-found")) == (
+@pytest.mark.parametrize("active", ["inactive", "failed"])
+def test_a_start_waiting_when_gpuslice_is_removed_goes_on_ungated(
+    tmp_path: Path, active: str
+) -> None:
+    """`failed`: a controller that had failed (a config.yaml it rejects, its start limit)
+    when the package was removed; prerm's stop and postrm's reload leave it failed, its
+    record kept by systemd until reset-failed."""
+    assert _ended(_gate(tmp_path, active, "not-found")) == (
         0,
         "gpuslice.service is not installed any more: starting without waiting for GPUs\n",
     )

@@ -7,6 +7,7 @@ is built from a copy of the sources with the version bumped. Facts about the bed
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -231,3 +232,48 @@ def test_a_start_waiting_at_its_gate_during_remove_runs_once_gpuslice_is_gone(
     c.wait_active_state("waiter.service", "active", STEP)
     assert "gpuslice.service is not installed any more" in c.journal("waiter.service")
     assert c.active_state("holder.service") == "active"
+
+
+def test_a_start_waiting_while_gpuslice_is_failed_runs_once_gpuslice_is_removed(
+    bare_container: Container, deb: Path
+) -> None:
+    """`apt remove` of a controller that had failed (here a config.yaml it rejects, exit 78):
+    prerm's stop and postrm's reload leave gpuslice.service failed, its record kept by
+    systemd though its file is gone, and a start waiting at its gate must still go on."""
+    c = bare_container
+    _install(c, deb)
+    c.write_file("/etc/systemd/system/waiter.service", PLAIN_JOB)
+    c.systemctl("daemon-reload")
+    c.run(["sed", "-i", "s/^log_level: .*/log_level: loud/", "/etc/gpuslice/config.yaml"])
+    c.systemctl("restart", "gpuslice.service", check=False)
+    c.wait_active_state("gpuslice.service", "failed", STEP)
+    c.systemctl("start", "--no-block", "waiter.service")
+    c.wait_active_state("waiter.service", "activating", STEP)
+
+    c.run(["apt-get", "remove", "-y", "gpuslice"], timeout=120)
+    assert c.active_state("gpuslice.service") == "failed"
+    c.wait_active_state("waiter.service", "active", STEP)
+    assert "gpuslice.service is not installed any more" in c.journal("waiter.service")
+
+
+def test_a_unit_linked_from_roots_home_is_scheduled(bare_container: Container, deb: Path) -> None:
+    """`systemctl link /root/linked.service`: the generator (unsandboxed) gates it, so the
+    controller must read it too (ProtectHome=read-only, not yes): hidden from it, the unit
+    was unmanaged and its gate let through beside the holder of the only GPU."""
+    c = bare_container
+    _install(c, deb)
+    c.write_file("/etc/systemd/system/holder.service", PLAIN_JOB)  # priority 50 both
+    c.write_file("/root/linked.service", PLAIN_JOB)
+    c.systemctl("link", "/root/linked.service")
+    c.systemctl("daemon-reload")
+    c.systemctl("start", "--no-block", "holder.service")
+    c.wait_active_state("holder.service", "active", STEP)
+    c.systemctl("start", "--no-block", "linked.service")
+
+    def waiting() -> bool:
+        out = c.run(["gpuslice", "status", "--json"]).stdout
+        return any(w["unit"] == "linked.service" for w in json.loads(out)["waiting"])
+
+    wait_until(waiting, STEP, what="linked.service waiting for the GPU held by holder.service")
+    assert c.active_state("linked.service") == "activating"
+    assert "linked.service: cannot read" not in c.journal("gpuslice.service")
