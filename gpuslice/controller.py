@@ -627,7 +627,11 @@ class Controller:
             if self.watch.available and self.scheduler.phase(name) is not None:
                 # VRAM release: what NVML still shows of it now counts against its GPUs
                 self.watch.refresh(released=name)
-            self.execute(self.scheduler.inactive(name, change.outcome, by_itself=change.by_itself))
+            self.execute(
+                self.scheduler.inactive(
+                    name, change.outcome, by_itself=change.by_itself, not_ours=change.not_ours
+                )
+            )
             self.service.forget(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))

@@ -73,6 +73,9 @@ class WentDown:
     unit: str
     outcome: Outcome
     by_itself: bool = False
+    # a stop of ours was sent but did not end it: it went down before systemd announced our
+    # stop's job, or systemd merged our stop into someone's stop announced before we sent it
+    not_ours: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ class Tracker:
         self._answers: dict[str, int] = {}  # its last answer's to a call of ours
         self._job_paths: dict[str, str] = {}  # unit -> the job path its last signal named
         self._by_itself: set[str] = set()  # left running with no job since its gate
+        self._not_ours: set[str] = set()  # down, but not by our stop (WentDown.not_ours)
+        self._down_at: dict[str, int] = {}  # the stamp of a down deferred to our answer
 
     # -- systemd's signals ----------------------------------------------------------------
 
@@ -219,17 +224,20 @@ class Tracker:
                 return []  # its restart queued (Restart='s, a person's): told once already
             if self._in_flight.get(name):
                 self._deferred.add(name)  # decide once we know which of its jobs are ours
+                self._down_at.setdefault(name, self._signals.get(name, 0))
                 return []
             outcome = self.outcome(state)
             # one that auto-restarts has not ended: a stop of ours is what ends it
             by_itself = name in self._by_itself and state.sub != "auto-restart"
+            not_ours = name in self._not_ours
             self._by_itself.discard(name)  # said of this run only
+            self._not_ours.discard(name)
             if phase is None and not self.ledger.waiting(name) and not self.stopped_by_others(name):
                 return []
             self._went_down(name)
             if state.sub == "auto-restart":
                 self._restarting.add(name)
-            return [WentDown(name, outcome, by_itself)]
+            return [WentDown(name, outcome, by_itself, not_ours)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
             return [ReachedGate(name)]
         if kind is not Kind.RUNNING:
@@ -275,11 +283,17 @@ class Tracker:
             announced = -1
         if job is not None and (announced is None or announced >= since):
             self._own_jobs[job] = what
+            down_at = self._down_at.get(unit, 0)  # stamps start at 1
+            if what == "stop" and in_order and announced is not None and 0 < down_at < announced:
+                self._not_ours.add(unit)  # down before systemd had our stop: not by it
+        elif job is not None and what == "stop" and job not in self._own_jobs:
+            self._not_ours.add(unit)  # merged into someone's stop: theirs ends it
         count = self._in_flight.get(unit, 0) - 1
         if count > 0:
             self._in_flight[unit] = count
             return False
         self._in_flight.pop(unit, None)
+        self._down_at.pop(unit, None)
         if unit in self._deferred:
             self._deferred.discard(unit)
             return True
@@ -312,6 +326,7 @@ class Tracker:
                 self._own_jobs.pop(path, None)
         self._stop_results.pop(unit, None)
         self._by_itself.discard(unit)
+        self._not_ours.discard(unit)
 
     def _went_down(self, unit: str) -> None:
         """Down: no job announced before says anything of its next run."""

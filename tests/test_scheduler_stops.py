@@ -112,3 +112,21 @@ def test_facts_taken_in_deferred_are_decided_once_waiters_before_preempted_units
         assert brief(sched.request(second)) == []
     assert brief(sched.schedule()) == ["grant second.service 0"]
     assert sched.phase("bga.service") is None
+
+
+def test_a_victim_stopped_by_someone_before_our_stop_is_held_not_brought_back() -> None:
+    """A person's `systemctl stop` ended the victim before our stop reached systemd (the
+    tracker's WentDown.not_ours): held as they wanted. Our own stop, or a person's start
+    job that came meanwhile (STOPPED without not_ours), stays a preemption owed its comeback."""
+    sched, first = preempting()
+    assert first == ["stop bga.service"]
+    assert brief(sched.inactive("bga.service", Outcome.STOPPED, not_ours=True)) == [
+        "grant voice.service 0"
+    ]
+    assert "bga.service" in sched.held and "bga.service" not in sched.preempted
+    sched, _ = preempting()
+    sched.inactive("bga.service", Outcome.STOPPED)
+    assert "bga.service" in sched.preempted and "bga.service" not in sched.held
+    sched, _ = preempting()  # down before ours, by itself: its work is done
+    sched.inactive("bga.service", Outcome.EXITED, by_itself=True, not_ours=True)
+    assert "bga.service" not in sched.preempted and "bga.service" not in sched.held

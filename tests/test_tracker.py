@@ -133,7 +133,7 @@ def test_a_unit_that_left_running_with_no_job_ended_by_itself_though_our_stop_ca
     assert tracker.call_queued(A, JOB1, "stop") is True
     assert tracker.job_removed(JOB1, A, "done") is True
     assert tracker.unit_changed(A, props("inactive", "dead")) == [
-        WentDown(A, Outcome.EXITED, by_itself=True)
+        WentDown(A, Outcome.EXITED, by_itself=True, not_ours=True)
     ]
     # a oneshot: its start job runs while it does, until it is down, and is no stop
     model = Model()
@@ -618,7 +618,7 @@ def test_our_stop_merged_into_a_persons_stop_is_theirs() -> None:
     assert tracker.unit_changed(A, props_of("inactive", "dead", 3)) == []
     tracker.job_removed(JOB3, A, "done")
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
-        WentDown(A, Outcome.STOPPED)
+        WentDown(A, Outcome.STOPPED, not_ours=True)
     ]
     # theirs reached systemd between our call's sending and its arrival: told in order,
     # the answer names a job announced before other signals, not just before it
@@ -632,7 +632,7 @@ def test_our_stop_merged_into_a_persons_stop_is_theirs() -> None:
     assert tracker.unit_changed(A, props_of("inactive", "dead", 3)) == []
     tracker.job_removed(JOB3, A, "done")
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
-        WentDown(A, Outcome.STOPPED)
+        WentDown(A, Outcome.STOPPED, not_ours=True)
     ]
     # sent after the person's job was announced, told late: not ours either
     tracker = our_stop_sent()
@@ -804,3 +804,40 @@ def test_a_unit_forgotten_in_any_state_leaves_no_record() -> None:
     tracker.unit_changed(A, props_of("activating", "auto-restart", 0))
     model.phases.clear()
     assert tracker.forget(A) and _kept_of(tracker, A) == {}
+
+
+def test_a_persons_stop_that_ended_the_unit_before_ours_reached_systemd_is_theirs() -> None:
+    """Chaos in CI: `systemctl stop bg` while an urgent start came; the controller chose bg
+    as its victim before it had read bg's stop, and sent StopUnit. Systemd had bg down by
+    then and ran our stop as a job of its own on a unit down. The person's stop ended it: a
+    hold, not our preemption (bg was started again, against the stop)."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    model.phases[A] = Phase.STOPPING
+    tracker.call_sent(A)  # our StopUnit, sent before the signals below were read
+    tracker.job_new(JOB1, A)  # the person's stop
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []  # waits for ours
+    tracker.job_removed(JOB1, A, "done")
+    tracker.job_new(JOB2, A)  # ours, on a unit down: it changes nothing
+    assert tracker.call_queued(A, JOB2, "stop") is True
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0), read=True) == [
+        WentDown(A, Outcome.STOPPED, not_ours=True)
+    ]
+
+
+def test_our_second_stop_merged_into_our_first_is_still_ours() -> None:
+    """Two StopUnit calls of ours (a stop sent again): systemd merges the second into the
+    first's job. Both are ours: a preemption, owed its comeback."""
+    tracker = our_stop_sent()
+    tracker.job_new(JOB1, A)
+    assert tracker.call_queued(A, JOB1, "stop") is False
+    tracker.call_sent(A)
+    assert tracker.call_queued(A, JOB1, "stop") is False
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [WentDown(A, Outcome.EXITED)]

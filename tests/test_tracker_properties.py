@@ -525,10 +525,13 @@ class Harness:
                     outcomes |= {Outcome.FAILED, Outcome.SHUTDOWN}
                 assert change.outcome in outcomes, (change, run)
                 assert change.by_itself in run.by_itself, (change, run)
+                # a run our own stop ended is never told another's: it would not come back
+                assert not (change.not_ours and run.cause == "stop:us"), (change, run)
                 self.reported[run.number] = change
                 was = self.model.phases.pop(A, None)
                 self.model.waiters.discard(A)
-                if was is Phase.STOPPING and not change.by_itself:
+                theirs = change.not_ours and change.outcome is Outcome.STOPPED
+                if was is Phase.STOPPING and not change.by_itself and not theirs:
                     self.preempted = True
             elif isinstance(change, CameUp):
                 assert shown.run and shown.run not in self.reported, "up after down"

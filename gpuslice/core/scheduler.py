@@ -494,12 +494,16 @@ class Scheduler:
                 return False
         return True
 
-    def inactive(self, name: str, outcome: Outcome, *, by_itself: bool = False) -> list[Action]:
+    def inactive(
+        self, name: str, outcome: Outcome, *, by_itself: bool = False, not_ours: bool = False
+    ) -> list[Action]:
         """The unit is inactive or failed (or its waiting start job was cancelled).
 
         `by_itself`: it ended with no stop of anyone's (its main process exited), though we
         may have been stopping it: its work is done (or failed) and is not owed a comeback;
-        restarting it would run a finished job again."""
+        restarting it would run a finished job again. `not_ours`: a stop of ours was sent
+        but another's ended it (it was down before ours reached systemd, or ours merged into
+        theirs): stopped by someone, it is held as they wanted, not brought back."""
         actions: list[Action] = []
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
@@ -517,7 +521,8 @@ class Scheduler:
             outcome = Outcome.STOPPED
         if waiter is not None and holder is None:
             actions.append(_log(_about(waiter.spec, Code.CANCELLED)))
-        if holder is not None and holder.phase is Phase.STOPPING and not by_itself:
+        theirs = not_ours and outcome is Outcome.STOPPED
+        if holder is not None and holder.phase is Phase.STOPPING and not by_itself and not theirs:
             spec = self.specs.get(name, holder.spec)
             self.preempted[name] = self.out_since[name]
             withdrawn = name not in self.specs and holder.stopping_for is None
