@@ -321,9 +321,10 @@ class Controller:
         we were away (a frozen or suspended one systemd shows starting again among them,
         `_started_again`) are recorded as finished, failed or preempted, but a start of ours that
         systemd shows no job for is sent again (Scheduler.start_lost); a stop we had asked
-        for that systemd no longer runs is given up; running units we did not know are
-        adopted; units at their gate, or whose start job waits for us to be ready, queue at
-        once (their gate calls within a second), so a released GPU goes to them before any
+        for that systemd no longer runs is given up; running units we did not know, or
+        knew only as starting, are adopted (once the ended ones released their GPUs);
+        units at their gate, or whose start job waits for us to be ready, queue at once
+        (their gate calls within a second), so a released GPU goes to them before any
         preempted unit comes back. A start job that is cancelled instead removes its
         waiter as usual (JobRemoved, then the unit is read down)."""
         actions: list[Action] = []
@@ -350,7 +351,13 @@ class Controller:
                     actions += self.scheduler.inactive(name, self.tracker.outcome(state))
             states = sorted(self.tracker.states.values(), key=lambda s: s.name)
             for state in states:
-                if classify(state) is Kind.RUNNING and self.scheduler.phase(state.name) is None:
+                # one saved starting that runs was granted, and the last controller killed
+                # before the grant was saved (execute answers a gate first): kept starting,
+                # it was moved back to waiting for a more urgent start, beside its own job
+                if classify(state) is Kind.RUNNING and self.scheduler.phase(state.name) in (
+                    None,
+                    Phase.STARTING,
+                ):
                     actions += self.scheduler.running(state.name, self._told_gpus(state.name))
             for state in states:
                 spec = self.spec_for(state.name)
@@ -865,13 +872,20 @@ class Controller:
 
     def execute(self, actions: list[Action]) -> None:
         """Carry out the core's actions, the waiting unit's first: gates are answered, then
-        the state is saved, then the calls to systemd leave (a controller killed after a
-        StopUnit knows its victim was preempted), and only then is each decision written
-        to the journal, whose write would delay them (issue 10)."""
+        the state is saved, then the calls to systemd and the ladder's tasks leave (a
+        controller killed after a StopUnit knows its victim was preempted; after a FreezeUnit
+        or a cuda-checkpoint lock, that it froze or was suspending the unit), and only then
+        is each decision written to the journal, whose write would delay them (issue 10).
+        Only a batch of events that answered no gate and sent nothing leaves its save to
+        the pass due this turn: a grant saved a turn later left a killed controller's
+        successor to take a start it had granted for one never sent (`start_lost`)."""
         calls: list[tuple[JobCall, str, str]] = []
+        urgent = False  # a grant, or a ladder step: saved now, not by the pass due this turn
         for action in actions:
             if action.decision is not None:
                 self.counters.decided(action.decision.code)
+            if isinstance(action, (Grant, Suspend, Resume, Freeze, Thaw)):
+                urgent = True
             if isinstance(action, Grant):
                 self.counters.admission_wait.observe(self._waited(action.unit))
                 self._write_env(action.unit, action.gpus)
@@ -884,7 +898,7 @@ class Controller:
                 calls.append((self.systemd.restart_preempted, action.unit, "start"))
         if actions:
             self._status_cache = None
-            if calls or not self._batching:
+            if calls or urgent or not self._batching:
                 self._persist()
             else:  # the pass due this turn saves once for its batch (a unit's end, then
                 self._save_due = True  # the refill it allows: one save, not two, issue 10)
