@@ -251,6 +251,7 @@ async def _stop_service(service: str) -> str:
         )
     except BaseException as e:
         _kill_group(proc)
+        _close_pipes(proc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
         if isinstance(e, TimeoutError):
@@ -297,6 +298,7 @@ async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: boo
         _kill_group(proc)
         # systemd-run's death does not end the service, which holds our pipes (--pipe)
         stopped = await _stop_service(service) if service is not None else ""
+        _close_pipes(proc)
         try:
             await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
             gone = stopped
@@ -318,6 +320,18 @@ async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: boo
             name = str(-code)
         detail = f"{detail} (killed by {name})" if detail else f"killed by {name}"
     raise _ToolFailed(detail or f"exit status {code}")
+
+
+def _close_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Close our ends of a killed run's pipes, before it is reaped. Its readers were
+    cancelled, and a process outside its group (the transient service) may hold the other
+    ends: asyncio's wait() waits for the pipes too, so the reap waited REAP_TIMEOUT and
+    said the run "had not exited" when it had, and the pipes and transport stayed open as
+    long as the controller ran (tests saw them closed with their loop: ResourceWarning).
+    The transport's own close(); asyncio's Process has no public one."""
+    transport = getattr(proc, "_transport", None)
+    if transport is not None:
+        transport.close()
 
 
 def _pid_exists(pid: int) -> bool:

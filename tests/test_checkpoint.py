@@ -256,6 +256,44 @@ def test_a_hung_checkpoint_is_killed_with_what_it_started(tmp_path: Path) -> Non
     wait_gone(int((tmp_path / "child").read_text()))
 
 
+def test_a_killed_runs_pipes_are_closed_though_another_process_holds_them(
+    tmp_path: Path,
+) -> None:
+    """A process outside the tool's group (setsid here; the transient service in
+    production) keeps the pipes' other ends: our ends are closed when the run is killed,
+    not left open with their transport as long as the controller runs."""
+    tool = stub(
+        tmp_path,
+        'case "$*" in\n'
+        '  "--action checkpoint --pid 11")\n'
+        f"    setsid sleep 60 & echo $! > {tmp_path}/child; sleep 60 ;;\n"
+        '  "--get-state --pid 11") echo locked ;;\n'
+        "esac",
+    )
+    s = CheckpointSettings("", 1.0, 0.3, 5.0, 0)
+    left: list[asyncio.SubprocessTransport] = []
+    create = asyncio.create_subprocess_exec
+
+    async def recorded(*args: object, **kwargs: object) -> asyncio.subprocess.Process:
+        proc = await create(*args, **kwargs)  # type: ignore[arg-type]
+        left.append(proc._transport)  # type: ignore[attr-defined]
+        return proc
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(asyncio, "create_subprocess_exec", recorded)
+            error = failure(suspend(tool, [11], s))
+        assert left and all(t.is_closing() for t in left)
+        # reaped at once: asyncio's wait() waited for the held pipes too (REAP_TIMEOUT)
+        assert error.reason == (
+            "checkpoint of PID 11 timed out after 0.3 s: cuda-checkpoint did not return "
+            "within 0.3 s and was killed"
+        )
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((tmp_path / "child").read_text()), signal.SIGKILL)
+
+
 def test_a_cancelled_suspend_kills_the_tool(tmp_path: Path) -> None:
     tool = stub(
         tmp_path,
