@@ -274,7 +274,17 @@ async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    asyncio.run(test())
+    async def main() -> None:
+        try:
+            await test()
+        finally:
+            # the controller's timers still set (QUEUED_DELAY, REFRESH_DELAY, ...) go with
+            # the test: one that fired while asyncio.run shut the loop down spawned a task
+            # the closed loop never ran, "coroutine never awaited" in whichever test came next
+            for handle in getattr(asyncio.get_running_loop(), "_scheduled", ()):
+                handle.cancel()
+
+    asyncio.run(main())
 
 
 def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
