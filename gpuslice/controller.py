@@ -16,13 +16,12 @@ import json
 import logging
 import os
 import signal
-import stat
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gpuslice import __version__
+from gpuslice import __version__, envfiles
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.cgroups import unit_of_pid
 from gpuslice.checkpoint import CheckpointSettings
@@ -102,33 +101,6 @@ AUDIT_INTERVAL = 30.0
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
-
-
-ENV_FILE_MAX = 4096  # an env file is two or three lines: more is not ours
-
-
-def _no_follow(path: str, flags: int) -> int:
-    """open() that never follows a link nor waits on a FIFO put where a file was."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
-
-
-def env_file_text(gpus: Sequence[Gpu]) -> str:
-    """What a granted unit's processes see. CUDA numbers GPUs by its own order (fastest
-    first) unless told PCI_BUS_ID, so UUIDs (when NVML gave them) name exactly the GPUs
-    granted; without them (NVML not ready yet) an index is NVML's, which is PCI bus order,
-    and CUDA is told so: else on a host of mixed GPUs, index 1 was another GPU for CUDA, one
-    granted by UUID to another unit once NVML answered."""
-    indices = ",".join(str(g.index) for g in gpus)
-    if not all(g.uuid for g in gpus):
-        return (
-            f"CUDA_VISIBLE_DEVICES={indices}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
-            f"GPUSLICE_GPUS={indices}\n"
-        )
-    uuids = ",".join(g.uuid for g in gpus)
-    return (
-        f"CUDA_VISIBLE_DEVICES={uuids}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
-        f"NVIDIA_VISIBLE_DEVICES={uuids}\nGPUSLICE_GPUS={indices}\n"
-    )
 
 
 async def _raising(error: Exception) -> str:
@@ -372,27 +344,15 @@ class Controller:
         return actions + self.scheduler.schedule()
 
     def _told_gpus(self, unit: str) -> list[int]:
-        """The GPUs a running unit the saved state does not name was last told, from its env
-        file (GPUSLICE_GPUS=), a hint the core takes where they fit: placed anywhere free
-        instead (the state file lost, set aside or from another version), its books named
-        other GPUs than those it runs on, and the GPU it really uses was granted again once
-        the one it was booked on ended."""
-        path = env_file(self.config.runtime_dir, unit)
-        try:
-            with open(path, "rb", opener=_no_follow) as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    return []
-                text = f.read(ENV_FILE_MAX)
-        except OSError:
-            return []
-        for line in text.decode("ascii", "replace").splitlines():
-            key, _, value = line.partition("=")
-            if key == "GPUSLICE_GPUS":
-                found = [int(g) for g in value.split(",") if g.isascii() and g.isdigit()]
-                if found:
-                    log.info("%s runs without a saved grant: GPUs %s from %s", unit, value, path)
-                return found
-        return []
+        """The GPUs a running unit the saved state does not name was last told (its env
+        file), a hint the core takes where they fit: placed anywhere free instead (the state
+        file lost, set aside or from another version), its books named other GPUs than those
+        it runs on, and the GPU it really uses was granted again once the one it was booked
+        on ended."""
+        found = envfiles.told_gpus(self.config.runtime_dir, unit)
+        if found:
+            log.info("%s runs without a saved grant: GPUs %s from its env file", unit, found)
+        return found
 
     def _started_again(self, name: str, state: UnitState) -> bool:
         """Whether a unit the last controller had frozen or suspended (or was suspending or
@@ -1053,17 +1013,12 @@ class Controller:
         """Write what the unit's processes see before its gate is answered. If it cannot
         be written the unit still starts (a gate must never hang), without the stale file
         of an earlier grant, and the journal says so."""
-        path = env_file(self.config.runtime_dir, unit)
         devices = [self.scheduler.device(g) for g in sorted(gpus)]
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text(env_file_text(devices))
-            os.replace(tmp, path)
+            envfiles.write(self.config.runtime_dir, unit, devices)
         except OSError as e:
+            path = env_file(self.config.runtime_dir, unit)
             log.error("cannot write %s (%s): %s starts without CUDA_VISIBLE_DEVICES", path, e, unit)
-            with contextlib.suppress(OSError):
-                path.unlink()
 
     def _persist(self) -> None:
         """Save what systemd cannot tell a restarted controller. A full disk is reported

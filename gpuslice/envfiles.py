@@ -1,0 +1,72 @@
+"""A granted unit's environment file (RUNTIME_DIR/env/UNIT/gpuslice.env): what its processes
+see, written before its gate is answered, and read back when the saved state does not say
+which GPUs a running unit was granted.
+
+The gate drop-in names the file with `EnvironmentFile=-`, so a missing file starts the unit
+with every GPU visible: the controller says so when it cannot write one (Controller._write_env).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Sequence
+
+from gpuslice.core.model import Gpu
+from gpuslice.paths import env_file
+
+MAX_BYTES = 4096  # an env file is three lines: more is not ours
+
+
+def text(gpus: Sequence[Gpu]) -> str:
+    """What a granted unit's processes see. CUDA numbers GPUs by its own order (fastest
+    first) unless told PCI_BUS_ID, so UUIDs (when NVML gave them) name exactly the GPUs
+    granted; without them (NVML not ready yet) an index is NVML's, which is PCI bus order,
+    and CUDA is told so: else on a host of mixed GPUs, index 1 was another GPU for CUDA, one
+    granted by UUID to another unit once NVML answered."""
+    indices = ",".join(str(g.index) for g in gpus)
+    if not all(g.uuid for g in gpus):
+        return (
+            f"CUDA_VISIBLE_DEVICES={indices}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+            f"GPUSLICE_GPUS={indices}\n"
+        )
+    uuids = ",".join(g.uuid for g in gpus)
+    return (
+        f"CUDA_VISIBLE_DEVICES={uuids}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+        f"NVIDIA_VISIBLE_DEVICES={uuids}\nGPUSLICE_GPUS={indices}\n"
+    )
+
+
+def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu]) -> None:
+    """Replace the unit's file at once (a reader sees the old or the new one); OSError if it
+    cannot be written, the stale one removed if it could not be replaced."""
+    path = env_file(runtime_dir, unit)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text(gpus))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise
+
+
+def told_gpus(runtime_dir: str, unit: str) -> list[int]:
+    """The GPU indices the unit's file names (GPUSLICE_GPUS=), [] if none can be read. Never
+    follows a link, waits on a FIFO or reads more than MAX_BYTES."""
+    path = env_file(runtime_dir, unit)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        with os.fdopen(os.open(path, flags), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return []
+            data = f.read(MAX_BYTES)
+    except OSError:
+        return []
+    for line in data.decode("ascii", "replace").splitlines():
+        key, _, value = line.partition("=")
+        if key == "GPUSLICE_GPUS":
+            return [int(g) for g in value.split(",") if g.isascii() and g.isdigit()]
+    return []

@@ -1,0 +1,67 @@
+"""A granted unit's env file: what it says, replaced whole, read back only as a plain file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from gpuslice import envfiles
+from gpuslice.core.model import Gpu
+from gpuslice.paths import env_file
+
+
+def test_with_uuids_every_name_of_the_gpus_is_given() -> None:
+    gpus = [Gpu(0, "GPU-a"), Gpu(2, "GPU-c")]
+    assert envfiles.text(gpus) == (
+        "CUDA_VISIBLE_DEVICES=GPU-a,GPU-c\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+        "NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-c\nGPUSLICE_GPUS=0,2\n"
+    )
+
+
+def test_without_uuids_cuda_is_told_nvmls_order() -> None:
+    assert envfiles.text([Gpu(1)]) == (
+        "CUDA_VISIBLE_DEVICES=1\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=1\n"
+    )
+
+
+def test_written_then_told_back(tmp_path: Path) -> None:
+    envfiles.write(str(tmp_path), "a.service", [Gpu(0), Gpu(3)])
+    assert envfiles.told_gpus(str(tmp_path), "a.service") == [0, 3]
+    envfiles.write(str(tmp_path), "a.service", [Gpu(1)])  # replaced, no temporary left
+    assert envfiles.told_gpus(str(tmp_path), "a.service") == [1]
+    assert os.listdir(env_file(str(tmp_path), "a.service").parent) == ["gpuslice.env"]
+
+
+def test_a_file_that_cannot_be_replaced_is_removed(tmp_path: Path) -> None:
+    """A stale file would give the unit its last grant's GPUs: gone, it sees a missing file,
+    and the controller says so."""
+    envfiles.write(str(tmp_path), "a.service", [Gpu(0)])
+    env_file(str(tmp_path), "a.service").with_name(".gpuslice.env.tmp").mkdir()  # in the way
+    with pytest.raises(OSError):
+        envfiles.write(str(tmp_path), "a.service", [Gpu(1)])
+    assert not env_file(str(tmp_path), "a.service").exists()
+
+
+@pytest.mark.parametrize(
+    "kind", ["missing", "link", "fifo", "directory", "no line", "garbage", "huge"]
+)
+def test_only_a_plain_file_of_ours_is_told_back(tmp_path: Path, kind: str) -> None:
+    path = env_file(str(tmp_path), "a.service")
+    path.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("GPUSLICE_GPUS=3\n")
+    if kind == "link":
+        path.symlink_to(elsewhere)
+    elif kind == "fifo":
+        os.mkfifo(path)  # never waited on
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "no line":
+        path.write_text("CUDA_VISIBLE_DEVICES=3\n")
+    elif kind == "garbage":
+        path.write_text("GPUSLICE_GPUS=x,-1,\u0663,\n")
+    elif kind == "huge":
+        path.write_text("#" * envfiles.MAX_BYTES + "\nGPUSLICE_GPUS=3\n")
+    assert envfiles.told_gpus(str(tmp_path), "a.service") == []
