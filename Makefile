@@ -235,8 +235,10 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 	gpuslice.inventory.x_command_of__mutmut_* gpuslice.inventory.x*Sample*used_by__mutmut_* \
 	gpuslice.inventory.x*Inventory*_managed__mutmut_* \
 	gpuslice.inventory.x*Inventory*_build__mutmut_* \
-	gpuslice.inventory.x*Inventory*_still_releasing__mutmut_* gpuslice.gatepipes.* \
-	gpuslice.busread.* gpuslice.tracker.* gpuslice.owners.*
+	gpuslice.inventory.x*Inventory*_still_releasing__mutmut_* \
+	gpuslice.inventory.x*Inventory*reattribute__mutmut_* gpuslice.inventory.x__attributed__mutmut_* \
+	gpuslice.inventory.x__with_foreign__mutmut_* gpuslice.inventory.x__guessed__mutmut_* \
+	gpuslice.gatepipes.* gpuslice.busread.* gpuslice.tracker.* gpuslice.owners.* gpuslice.envfiles.*
 MUTATE_all := $(MUTATE_core) $(MUTATE_adapters)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
 mutate: venv

@@ -591,3 +591,56 @@ def test_no_restart_when_the_driver_was_there_at_start(
     monkeypatch.setattr("gpuslice.inventory.device_denied", lambda root: True)
     assert inventory.retry() is False
     assert inventory.restart_needed == ""
+
+
+@pytest.mark.parametrize(
+    ("manage", "expected", "said"),
+    [
+        ((), [0, 1, 2], "gpus: 3 from config.yaml"),
+        (("2", "0"), [0, 2], "manage_gpus: 2, 0 from config.yaml"),  # a split host's own
+        (("1", "GPU-x"), [0, 1, 2], "gpus: 3 from config.yaml"),  # a UUID: not known yet
+    ],
+)
+def test_before_nvml_answers_a_split_host_guesses_only_its_own_gpus(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    manage: tuple[str, ...],
+    expected: list[int],
+    said: str,
+) -> None:
+    nvml = StubNvml(available=False)
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=3, manage_gpus=manage))
+        sample = inventory.sample(MANAGED)
+    assert [g.index for g in sample.gpus] == expected
+    assert inventory.fallback_gpus() == [Gpu(i) for i in expected]
+    assert said in caplog.records[0].getMessage()
+
+
+def test_a_kept_sample_is_attributed_again_to_the_units_known_now(tmp_path: Path) -> None:
+    """The first sample of a start-up knows no unit: every job's process is foreign. Kept
+    while NVML fails, it is attributed again from the processes' cgroups (no NVML call):
+    a unit's own process counts as its, a stray of a unit not holding that GPU as foreign,
+    and a process whose cgroup cannot be read keeps how it was counted."""
+    nvml = StubNvml()
+    write_proc(tmp_path, 100, "0::/system.slice/asr.service\n")
+    write_proc(tmp_path, 101, "0::/system.slice/asr.service\n")
+    nvml.add(0, 100, 3 * GIB)
+    nvml.add(1, 101, 1 * GIB)  # asr holds GPU 0 only: a stray on GPU 1
+    nvml.add(1, 102, 2 * GIB)  # gone from /proc: no cgroup to read
+    inventory, clock = make_inventory(tmp_path, nvml)
+    first = inventory.sample(frozenset())
+    assert [(p.pid, p.unit) for p in first.processes] == [(100, None), (101, None), (102, None)]
+    assert [g.foreign for g in first.gpus] == [3 * GIB, 3 * GIB]
+    nvml.devices_error = NvmlError("nvmlDeviceGetCount", 999, "Unknown Error")
+    clock.now += 1
+    kept = inventory.sample(MANAGED, {"asr.service": {0}})
+    assert [(p.pid, p.unit) for p in kept.processes] == [
+        (100, "asr.service"),
+        (101, "asr.service"),
+        (102, None),
+    ]
+    assert kept.processes[2].owner == first.processes[2].owner
+    assert [g.foreign for g in kept.gpus] == [0, 3 * GIB]  # the stray and PID 102
+    assert [g.foreign_pids for g in kept.gpus] == [(), (102,)]
+    assert kept.gpus[0].total == first.gpus[0].total  # all else as NVML last showed it
