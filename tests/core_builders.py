@@ -48,10 +48,13 @@ whatever the test:
 - a Start is only for a preempted unit with Requeue=yes (in the order priority, then the one
   preempted first) or an idle background unit (priority, then the one out longest), never for
   a unit a person stopped, one that failed or finished, or a suspended one (it still runs);
-  preempted units come back before idle background units are started.
+  preempted units come back before idle background units are started; a refill (or a
+  requeue onto free GPUs) names GPUs that take it next to every unit on them: it never
+  preempts.
 
 `check_quiet` adds what must hold once everything has played out (nothing left to decide; no
-unit frozen without a more urgent unit running beside it), and `drain` what must hold once
+unit frozen without a more urgent unit running beside it; the most urgent waiter is not left
+waiting beside a GPU held only by units it may preempt), and `drain` what must hold once
 every unit has ended: every waiter that can fit on the host was granted, the others were told
 why they wait, and every preempted unit with Requeue=yes and every suspended unit came back
 (unless a waiter that cannot fit, more urgent, or as urgent and earlier, keeps the capacity it
@@ -65,7 +68,7 @@ import itertools
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from gpuslice.core.decisions import Code, render
+from gpuslice.core.decisions import Cause, Code, render
 from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
 from gpuslice.core.scheduler import (
     Action,
@@ -1062,6 +1065,18 @@ class Sim:
                 raise InvariantError(f"requeue of {name}, not preempted or Requeue=no")
         elif not (start.reason.startswith("starting background ") and spec.kind is BG):
             raise InvariantError(f"spontaneous Start of {name}: {start.reason}")
+        d = start.decision
+        if d is not None and (
+            d.code is Code.REFILL or (d.code is Code.REQUEUE and d.cause is Cause.FREE)
+        ):
+            # onto free capacity: the GPUs it names take it next to every unit on them
+            if len(set(d.gpus)) != spec.gpus:
+                raise InvariantError(f"{start.reason}: it needs {spec.gpus} GPUs")
+            for index in d.gpus:
+                gpu = self.devices.get(index)
+                if gpu is None or gpu.lost or not self._may_use(spec, gpu):
+                    raise InvariantError(f"{start.reason}: GPU {index} may not run it")
+                self._check_room(spec, gpu, "Start")
         self.preempted.pop(name, None)
         self.known_at.setdefault(name, next(self._clock))
         if name not in self.pending_starts:  # else it merges with a person's start job
@@ -1143,6 +1158,42 @@ class Sim:
             ]
             if not beside:
                 raise InvariantError(f"{name} frozen at rest, no more urgent unit runs beside it")
+        self._check_preempted_for_the_first_waiter()
+
+    def _check_preempted_for_the_first_waiter(self) -> None:
+        """At rest, the most urgent waiter (no other as urgent) is not left waiting while a GPU
+        it may use is held only by units it may preempt: strictly less urgent, granted before
+        its start was known (the thrash rule), with a way to free their memory left (stop, or
+        a suspend that has not failed). GPUs where a unit is suspended are left out (its room
+        is kept), as are units whose annotation went."""
+        waiting = sorted(self.at_gate, key=lambda n: self._spec(n).priority)
+        if not waiting:
+            return
+        first = self._spec(waiting[0])
+        if first.gpus != 1 or any(self._spec(n).priority <= first.priority for n in waiting[1:]):
+            return
+        kept = {g for on in self.suspended.values() for g in on}
+        for gpu in self.devices.values():
+            if gpu.index in kept or not self._may_use(first, gpu):
+                continue
+            holders = sorted(n for n, on in self.running.items() if gpu.index in on)
+            if holders and all(self._gives_way_to(n, first) for n in holders):
+                raise InvariantError(
+                    f"{first.describe()} waits at rest while {holders}, less urgent, hold "
+                    f"GPU {gpu.index}: none was preempted"
+                )
+
+    def _gives_way_to(self, name: str, waiter: UnitSpec) -> bool:
+        """Whether the running unit must give way to the waiter when it needs its GPU."""
+        unit = self.annotations.get(name)
+        if unit is None or unit.priority <= waiter.priority:
+            return False
+        if self.answered_at.get(name, 0) > self.known_at.get(waiter.name, 0):
+            return False  # granted knowing of the waiter: never stopped for it
+        rungs = _memory_rungs(unit)
+        if name in self.suspend_failed:
+            rungs = [r for r in rungs if r is not Rung.SUSPEND]
+        return bool(rungs)
 
     def drain(self, limit: int = 200) -> None:
         """Every running unit ends, again and again, until nothing runs: then every unit still

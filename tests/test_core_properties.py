@@ -134,9 +134,9 @@ class HostMachine(RuleBasedStateMachine):
         yield_to_foreign: bool,
         requeue_at_gate: bool = False,
     ) -> None:
+        # no NVML (GPUs of unknown size): units keep their `Memory=`, which must change
+        # nothing there (each such GPU holds one unit: the oracle's `_no_room`)
         self.specs = [replace(s, name=f"u{i}.service") for i, (s, _) in enumerate(units)]
-        if isinstance(host[0], int):  # no NVML: sizes are unknown, `Memory=` changes nothing
-            self.specs = [replace(s, memory=None) for s in self.specs]
         self.annotated = [annotated for _, annotated in units]
         self.sim = Sim(
             host,
@@ -183,6 +183,19 @@ class HostMachine(RuleBasedStateMachine):
         granted = any(isinstance(a, Grant) and a.unit == spec.name for a in actions)
         assert granted == (plan.verdict is Verdict.STARTS), plan
         assert bool(plan.victims) == (plan.verdict is Verdict.PREEMPTS), plan
+
+    @rule(index=st.integers(0, 7))
+    def more_urgent_starts(self, index: int) -> None:
+        """A person starts a unit more urgent than the least urgent one that runs: someone
+        must give way (a plain start is as often of a unit no more urgent, or too big)."""
+        sim = self.sim
+        running = [sim.annotations[n].priority for n in sim.running if n in sim.annotations]
+        least = max(running, default=0)
+        idle = sorted(
+            n for n, s in sim.annotations.items() if not sim.active(n) and s.priority < least
+        )
+        if idle:
+            sim.start(idle[index % len(idle)])
 
     @rule(index=st.integers(0, 7))
     def start_job_announced(self, index: int) -> None:
