@@ -262,6 +262,7 @@ class Tracker:
 
     def call_sent(self, unit: str) -> None:
         self._in_flight[unit] = self._in_flight.get(unit, 0) + 1
+        self._not_ours.discard(unit)  # said of the stop before this call: a new story
         self._sent.setdefault(unit, []).append(next(self._stamps))
 
     def call_answered(self, unit: str, job: str | None, what: str) -> bool:

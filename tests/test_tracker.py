@@ -841,3 +841,30 @@ def test_our_second_stop_merged_into_our_first_is_still_ours() -> None:
     assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
     tracker.job_removed(JOB1, A, "done")
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [WentDown(A, Outcome.EXITED)]
+
+
+def test_a_person_stop_that_ours_joined_and_that_was_cancelled_says_nothing_of_our_next() -> None:
+    """Our stop merged into a person's stop job, which was then cancelled (a start replaced
+    it): the unit ran on, our stop was lost. Our next stop, which ends it, is ours: told
+    another's, the preempted unit would never come back."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.job_new(JOB3, A)  # the person's stop, queued behind something
+    model.phases[A] = Phase.STOPPING
+    tracker.call_sent(A)
+    assert tracker.call_queued(A, JOB3, "stop") is False  # merged into theirs
+    tracker.job_removed(JOB3, A, "canceled")
+    assert tracker.unit_changed(A, props_of("active", "running", 0)) == [
+        StopLost(A, "no stop job runs")
+    ]
+    model.phases[A] = Phase.STOPPING  # the core stops it again
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    assert tracker.call_queued(A, JOB1, "stop") is False
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+    tracker.job_removed(JOB1, A, "done")
+    down = tracker.unit_changed(A, props_of("inactive", "dead", 0))
+    assert len(down) == 1 and isinstance(down[0], WentDown) and not down[0].not_ours, down
