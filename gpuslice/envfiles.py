@@ -68,5 +68,7 @@ def told_gpus(runtime_dir: str, unit: str) -> list[int]:
     for line in data.decode("ascii", "replace").splitlines():
         key, _, value = line.partition("=")
         if key == "GPUSLICE_GPUS":
-            return [int(g) for g in value.split(",") if g.isascii() and g.isdigit()]
+            parts = value.split(",")
+            ours = all(p.isascii() and p.isdigit() for p in parts)
+            return [int(p) for p in parts] if ours else []  # anything else is no file of ours
     return []

@@ -574,22 +574,32 @@ def test_at_most_max_per_turn_messages_are_read_in_one_turn_of_the_loop() -> Non
     assert all(plain._create_unmarshaller().unmarshall() for _ in range(per_turn + 1))
 
 
-def long_path_call(path: str, order: str = "<") -> bytes:
+def long_path_call(path: str, order: str = "<", serial: int = 9, flags: int = 0) -> bytes:
     """A call of Introspect on `path` (anyone may call Introspect, on any path), with the
-    sender the bus daemon adds; `order` "<" little-endian, ">" big-endian."""
+    sender the bus daemon adds; `order` "<" little-endian, ">" big-endian. A reply serial
+    (`u`) and an empty signature (`g`) come between names: header fields of every type the
+    bus passes, each to be stepped over by its own length."""
     fields = bytearray()
     for code, sig, value in (
-        (1, "o", path),
         (2, "s", "org.freedesktop.DBus.Introspectable"),
+        (5, "u", 0x80000001),
         (3, "s", "Introspect"),
+        (8, "g", ""),
+        (1, "o", path),
         (6, "s", "org.gpuslice.Scheduler1"),
         (7, "s", ":1.42"),
     ):
         fields += b"\0" * (-len(fields) & 7)
         fields += bytes([code, 1, ord(sig), 0])
-        fields += struct.pack(order + "I", len(value)) + value.encode() + b"\0"
+        if isinstance(value, int):
+            fields += struct.pack(order + "I", value)
+        elif sig == "g":
+            fields += bytes([len(value)]) + value.encode() + b"\0"
+        else:
+            fields += struct.pack(order + "I", len(value)) + value.encode() + b"\0"
     endian = b"l" if order == "<" else b"B"
-    head = endian + b"\x01\x00\x01" + struct.pack(order + "III", 0, 9, len(fields)) + fields
+    head = endian + bytes([1, flags, 1]) + struct.pack(order + "III", 0, serial, len(fields))
+    head += fields
     return head + b"\0" * (-len(head) & 7)
 
 
@@ -601,7 +611,7 @@ def test_a_method_calls_long_header_is_not_read() -> None:
     serial, member and flags kept for its error reply. A short header is read as before."""
     path = "/a" * busread.MAX_CALL_HEADER
     for order in ("<", ">"):
-        data = long_path_call(path, order)
+        data = long_path_call(path, order, serial=0x80000009, flags=MessageFlag.NO_AUTOSTART)
         assert stock(data).path == path
         got = fast(data)
         assert isinstance(got, busread.Unread)
@@ -609,9 +619,11 @@ def test_a_method_calls_long_header_is_not_read() -> None:
             "/",
             "Introspect",
             ":1.42",
-            9,
+            0x80000009,
             "org.gpuslice.Scheduler1",
         )
+        assert got.interface == "org.freedesktop.DBus.Introspectable"
+        assert got.flags == MessageFlag.NO_AUTOSTART
         fields_len = struct.unpack_from(order + "I", data, 12)[0]
         assert fields_len > busread.MAX_CALL_HEADER
         assert (got.body, got.body_len, got.header_len) == ([], 0, fields_len)

@@ -200,6 +200,11 @@ def test_valid(tmp_path: Path, text: str, expected: Config) -> None:
             id="duplicate-reserve-default",
         ),
         pytest.param(
+            f"reserve: {{{'G' * 70}: 2G, {'G' * 70}: 1G}}\n",
+            [f'{{P}}:1: reserve: "{"G" * 60}..." set twice (first at line 1)'],
+            id="duplicate-reserve-long-key",  # cut as every echoed value is
+        ),
+        pytest.param(
             "- gpus\n", ["{P}:1: expected a mapping of settings, got a list"], id="not-a-mapping"
         ),
         pytest.param(

@@ -45,7 +45,7 @@ def test_a_file_that_cannot_be_replaced_is_removed(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind", ["missing", "link", "fifo", "directory", "no line", "garbage", "huge"]
+    "kind", ["missing", "link", "fifo", "directory", "no line", "garbage", "part", "huge"]
 )
 def test_only_a_plain_file_of_ours_is_told_back(tmp_path: Path, kind: str) -> None:
     path = env_file(str(tmp_path), "a.service")
@@ -62,6 +62,8 @@ def test_only_a_plain_file_of_ours_is_told_back(tmp_path: Path, kind: str) -> No
         path.write_text("CUDA_VISIBLE_DEVICES=3\n")
     elif kind == "garbage":
         path.write_text("GPUSLICE_GPUS=x,-1,\u0663,\n")
+    elif kind == "part":  # one index then garbage: not a file of ours, no part of it taken
+        path.write_text("GPUSLICE_GPUS=1,2=\n")
     elif kind == "huge":
         path.write_text("#" * envfiles.MAX_BYTES + "\nGPUSLICE_GPUS=3\n")
     assert envfiles.told_gpus(str(tmp_path), "a.service") == []

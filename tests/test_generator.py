@@ -223,6 +223,12 @@ def test_a_config_bad_elsewhere_keeps_its_runtime_dir(
     assert all(line.endswith(kept) for line in lines)
 
 
+def test_a_config_bad_elsewhere_keeps_its_gate_retry(tmp_path: Path) -> None:
+    write(tmp_path, "/etc/gpuslice/config.yaml", "gate_retry_seconds: 2\ngpus: 0\n")
+    write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
+    assert written(run(tmp_path)) == {"a.service.d/gpuslice-gate.conf": gate(retry="2")}
+
+
 def test_a_setting_given_twice_in_a_bad_config_is_not_taken(tmp_path: Path) -> None:
     write(
         tmp_path,

@@ -625,22 +625,45 @@ def test_a_kept_sample_is_attributed_again_to_the_units_known_now(tmp_path: Path
     nvml = StubNvml()
     write_proc(tmp_path, 100, "0::/system.slice/asr.service\n")
     write_proc(tmp_path, 101, "0::/system.slice/asr.service\n")
+    write_proc(tmp_path, 102, "0::/user.slice/user-1000.slice/session-3.scope\n")
+    write_proc(tmp_path, 103, "0::/system.slice/old.service\n")
     nvml.add(0, 100, 3 * GIB)
     nvml.add(1, 101, 1 * GIB)  # asr holds GPU 0 only: a stray on GPU 1
-    nvml.add(1, 102, 2 * GIB)  # gone from /proc: no cgroup to read
+    nvml.add(1, 102, 2 * GIB)  # a user's, gone from /proc before the next sample
+    nvml.add(0, 103, 1 * GIB)  # old.service's, no longer managed by then
     inventory, clock = make_inventory(tmp_path, nvml)
-    first = inventory.sample(frozenset())
-    assert [(p.pid, p.unit) for p in first.processes] == [(100, None), (101, None), (102, None)]
-    assert [g.foreign for g in first.gpus] == [3 * GIB, 3 * GIB]
+    first = inventory.sample(frozenset({"old.service"}))
+    assert [(p.pid, p.unit) for p in first.processes] == [
+        (100, None),
+        (103, "old.service"),
+        (101, None),
+        (102, None),
+    ]
+    assert [g.foreign for g in first.gpus] == [3 * GIB + 1 * GIB, 3 * GIB]
     nvml.devices_error = NvmlError("nvmlDeviceGetCount", 999, "Unknown Error")
     clock.now += 1
+    (tmp_path / "102" / "cgroup").unlink()  # its cgroup cannot be read now
     kept = inventory.sample(MANAGED, {"asr.service": {0}})
     assert [(p.pid, p.unit) for p in kept.processes] == [
         (100, "asr.service"),
+        (103, None),
         (101, "asr.service"),
         (102, None),
     ]
-    assert kept.processes[2].owner == first.processes[2].owner
-    assert [g.foreign for g in kept.gpus] == [0, 3 * GIB]  # the stray and PID 102
-    assert [g.foreign_pids for g in kept.gpus] == [(), (102,)]
+    assert kept.processes[3].owner == first.processes[3].owner  # the user's, as it was
+    assert kept.processes[3].owner is not None and "1000" in kept.processes[3].owner.label()
+    assert kept.processes[1].owner is not None  # old.service's process is foreign now
+    assert [g.foreign for g in kept.gpus] == [1 * GIB, 3 * GIB]  # old's; the stray and 102
+    assert [g.foreign_pids for g in kept.gpus] == [(103,), (102,)]
     assert kept.gpus[0].total == first.gpus[0].total  # all else as NVML last showed it
+
+
+def test_without_nvml_the_gpus_it_last_showed_keep_their_marks(tmp_path: Path) -> None:
+    nvml = StubNvml()
+    nvml.lost = [1]
+    inventory, _ = make_inventory(tmp_path, nvml)
+    inventory.sample(MANAGED)
+    assert [(g.index, g.uuid, g.lost) for g in inventory.fallback_gpus()] == [
+        (0, UUIDS[0], False),
+        (1, "", True),  # lost before NVML named it
+    ]

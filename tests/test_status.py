@@ -675,3 +675,17 @@ def test_suspended_units_in_json_and_table() -> None:
 )
 def test_a_foreign_processs_owner_as_the_table_says_it(owner: object, label: str) -> None:
     assert _owner_label(owner) == label
+
+
+def test_a_holder_shows_the_memory_it_is_held_on_not_its_annotation() -> None:
+    """`declared` (Scheduler.declared_memory) wins over the annotations: a unit whose
+    annotation went is still held on its Memory=, and another unit may share its GPU."""
+    snap = snapshot(gpus={0: [("gone.service", 30, "running"), ("other.service", 40, "running")]})
+    declared = {"gone.service": 4 << 30}
+    holders = snapshot_to_json(snap, Scan(), Sample([Gpu(0)]), declared=declared)["gpus"][0][
+        "holders"
+    ]
+    assert [(h["unit"], h["memory_declared"]) for h in holders] == [
+        ("gone.service", 4 << 30),
+        ("other.service", None),
+    ]
