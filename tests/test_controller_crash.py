@@ -167,3 +167,34 @@ def test_a_grant_of_a_kept_place_is_saved_in_the_turn_that_answers_its_gate(
         assert saved.holders["bg.service"][1] == "running"
 
     run(test)
+
+
+def test_a_kept_place_granted_elsewhere_just_before_the_kill_is_booked_where_it_runs(
+    tmp_path: Path,
+) -> None:
+    """a.service's place was kept on GPU 0 (saved starting there); when its gate asked the
+    place was no longer its (moved back to waiting), and a pass granted it GPU 1, its env
+    file written and its gate answered; the controller was killed before that grant was
+    saved. After the restart a.service runs on GPU 1, as its env file says: booked on GPU 0,
+    the place saved, GPU 1 looked free and was granted again (two jobs on one GPU)."""
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n"},
+        [
+            state("a.service", "active", "running"),
+            state("b.service", "activating", "start-pre", 7, "start"),
+        ],
+        SavedState(holders={"a.service": ((0,), "starting", 1, "")}, seq=1),
+        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+    )
+    env = Path(bed.config.runtime_dir) / "env" / "a.service" / "gpuslice.env"
+    env.parent.mkdir(parents=True)
+    env.write_text("CUDA_VISIBLE_DEVICES=1\nGPUSLICE_GPUS=1\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.grants() == {"a.service": frozenset({1}), "b.service": frozenset({0})}
+
+    run(test)

@@ -578,14 +578,18 @@ class Scheduler:
         if spec is None:
             return []
         holder = self.holders.get(name)
+        told = frozenset(gpus or ())
         if holder is not None and holder.phase is Phase.STARTING and holder.gpus:
-            holder.phase = Phase.RUNNING
-            return self.schedule()
-        if holder is not None and (holder.gpus or holder.phase is Phase.STOPPING):
+            if not told or told == holder.gpus:
+                holder.phase = Phase.RUNNING
+                return self.schedule()
+            # granted elsewhere than the place kept (moved back to waiting, then granted by
+            # a pass, and the last controller killed before it saved that): where it runs
+        elif holder is not None and (holder.gpus or holder.phase is Phase.STOPPING):
             return []  # known (a suspended unit being stopped holds no GPU)
         self.holders.pop(name, None)
         self.waiters.pop(name, None)
-        wanted = frozenset(gpus or ()) & self.gpus
+        wanted = told & self.gpus
         uses = self._uses([])
         if len(wanted) != spec.gpus or not all(
             fits(spec, self.devices[g], uses[g]) for g in wanted
