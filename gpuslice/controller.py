@@ -91,7 +91,8 @@ QUEUED_DELAY = 0.02
 # systemd forked the waiter's main process).
 REFRESH_DELAY = 0.02
 # How often the units the core knows (holders, waiters, suspended) are read from systemd in
-# one call, to take in what a lost signal did not tell (Controller._audit): the bus daemon
+# one call, to take in what a lost signal did not tell (Controller._audit; a state is taken
+# in when two reads in a row show it and no signal came between): the bus daemon
 # drops a signal for a connection whose queue is full (max_outgoing_bytes), anyone can fill
 # ours with calls or signals while the loop is busy, and nothing tells the recipient. A
 # holder whose end was lost would keep its GPUs, and its waiters wait, for ever.
@@ -188,6 +189,9 @@ class Controller:
         self._checking_thaws = False  # a check of FreezerState is under way
         self._status_due = False  # a STATUS= update is scheduled
         self._reload_due = False  # a config reload is queued for this turn of the loop
+        # units a periodic read showed otherwise than their signals: (that state, the stamp
+        # of systemd's last word then), taken in if the next read finds the same (_audit)
+        self._suspects: dict[str, tuple[UnitState, int]] = {}
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -475,15 +479,25 @@ class Controller:
                 self.counters.error("dbus_call_errors")
                 log.debug("cannot read the units gpuslice knows: %s", e)
                 return
+            suspects, self._suspects = self._suspects, {}
             for state in states:
                 if state.name in seen and self.tracker.heard(state.name) == seen[state.name]:
-                    self._take_audited(state)
+                    self._take_audited(state, suspects.get(state.name))
         finally:
             asyncio.get_running_loop().call_later(AUDIT_INTERVAL, self._audit_due)
 
-    def _take_audited(self, state: UnitState) -> None:
+    def _take_audited(self, state: UnitState, suspect: tuple[UnitState, int] | None) -> None:
+        """A state its signals did not tell is taken in when the next read, AUDIT_INTERVAL
+        later, still shows it and no word of systemd's on the unit came between: systemd
+        holds its PropertiesChanged back while its bus queue is long, and answers a read at
+        once, so a first read may only be ahead of a signal on its way (taken in as a read,
+        a unit that ended by itself while we stopped it would count as preempted)."""
         known = self.tracker.state(state.name)
         if (known.active, known.sub, known.job_id) == (state.active, state.sub, state.job_id):
+            return
+        heard = self.tracker.heard(state.name)
+        if suspect != (state, heard):
+            self._suspects[state.name] = (state, heard)
             return
         self.counters.error("dbus_signals_lost")
         log.warning(

@@ -2870,6 +2870,35 @@ def test_a_read_older_than_a_signal_is_not_taken_in(
     run(test)
 
 
+def test_a_read_ahead_of_its_signal_is_not_taken_for_a_lost_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Systemd holds its PropertiesChanged back while its bus queue is long and answers a
+    read at once: a first read that shows a.service down may only be ahead of the signal.
+    Taken in then, as a read, a.service (which ended by itself while we stopped it) would
+    count as preempted and run again. Taken in only when the next read still shows it."""
+    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 3600)  # driven by hand here
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n"},
+        [state("a.service", "active", "running")],
+        SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.units["a.service"] = state("a.service", "inactive", "dead")
+        await ctl._audit()
+        assert ctl.scheduler.grants() == {"a.service": frozenset({0})}  # not yet
+        goes_down(bed, "a.service")  # the signal, late
+        await ctl._audit()
+        assert ctl.counters.errors["dbus_signals_lost"] == 0
+        assert ctl.scheduler.snapshot().finished == ["a.service"]
+
+    run(test)
+
+
 def test_nothing_known_nothing_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An idle host costs systemd no call: the read is of the units the core knows only."""
     monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 0.001)
