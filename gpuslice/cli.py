@@ -83,11 +83,16 @@ def release_gates(config_path: str) -> None:
     from gpuslice.paths import DEFAULT_RUNTIME_DIR, gate_pipe_dir
 
     try:
-        runtime_dir = load_config_with_warnings(Path(config_path))[0].runtime_dir
-    except ConfigError as e:  # the controller refused it too: release where it may have run
-        click.echo(f"gpuslice release-gates: {e}; using {DEFAULT_RUNTIME_DIR}", err=True)
-        runtime_dir = DEFAULT_RUNTIME_DIR
-    wake_and_remove(gate_pipe_dir(runtime_dir))
+        runtime_dirs = [load_config_with_warnings(Path(config_path))[0].runtime_dir]
+    except ConfigError as e:
+        # the controller may have started before the file went bad, with its runtime_dir
+        # (the generator points the gates there too), or on the defaults: release in both
+        runtime_dirs = sorted(
+            {e.valid.get("runtime_dir", DEFAULT_RUNTIME_DIR), DEFAULT_RUNTIME_DIR}
+        )
+        click.echo(f"gpuslice release-gates: {e}; using {', '.join(runtime_dirs)}", err=True)
+    for runtime_dir in runtime_dirs:
+        wake_and_remove(gate_pipe_dir(runtime_dir))
 
 
 async def _call_status(address: str | None) -> str:

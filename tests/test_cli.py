@@ -306,3 +306,26 @@ def test_plan_of_a_template_names_an_instance_instead() -> None:
     assert "worker@.service is a template: name one of its instances (worker@0.service)" in (
         result.output
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "released"),
+    [
+        ("runtime_dir: /run/gpuslice/x\n", ["/run/gpuslice/x/gate"]),
+        # bad elsewhere: the file's runtime_dir (a controller started before the typo, and
+        # the gates the generator wrote since), and the default's
+        ("runtime_dir: /run/gpuslice/x\ngpus: 0\n", ["/run/gpuslice/gate", "/run/gpuslice/x/gate"]),
+        ("gpus: 0\n", ["/run/gpuslice/gate"]),
+    ],
+)
+def test_release_gates_wakes_them_wherever_the_controller_may_have_made_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, released: list[str]
+) -> None:
+    from gpuslice import gatepipes
+
+    woken: list[str] = []
+    monkeypatch.setattr(gatepipes, "wake_and_remove", lambda d: woken.append(str(d)))
+    (tmp_path / "config.yaml").write_text(text)
+    result = CliRunner().invoke(main, ["release-gates", "--config", str(tmp_path / "config.yaml")])
+    assert result.exit_code == 0, result.output
+    assert woken == released
