@@ -50,8 +50,12 @@ def install_old(c: Container, commit: str, only: list[str]) -> list[str]:
     """COMMIT's version of each package file that differs (or of `only`), then a restart."""
     files = _git("diff", "--name-only", commit, "--", "gpuslice").split()
     files = [f for f in files if not only or f in only]
+    old = set(_git("ls-tree", "-r", "--name-only", commit, "--", "gpuslice").split())
     for name in files:
-        c.run(f"cat > {INSTALLED}/{name}", input=_git("show", f"{commit}:{name}"))
+        if name in old:
+            c.run(f"cat > {INSTALLED}/{name}", input=_git("show", f"{commit}:{name}"))
+        else:  # new since COMMIT: the old code never imports it
+            c.run(["rm", "-f", f"{INSTALLED}/{name}"])
     c.run("systemctl restart gpuslice && sleep 2")
     return files
 
