@@ -90,6 +90,10 @@ QUEUED_DELAY = 0.02
 # nothing at every job's end (issue 10: the read of the victim's stop job was answered while
 # systemd forked the waiter's main process).
 REFRESH_DELAY = 0.02
+# How long that read waits for the signal of a change it shows before it is taken in itself
+# (Controller._refresh): a change always comes with a PropertiesChanged, held back a while
+# only when systemd's bus queue is long.
+CONFIRM_DELAY = 0.5
 # How often the units the core knows (holders, waiters, suspended) are read from systemd in
 # one call, to take in what a lost signal did not tell (Controller._audit; a state is taken
 # in when two reads in a row show it and no signal came between): the bus daemon
@@ -430,22 +434,33 @@ class Controller:
             seen = self.tracker.heard(unit)
             asyncio.get_running_loop().call_later(REFRESH_DELAY, self._refresh_unheard, unit, seen)
 
-    def _refresh_unheard(self, unit: str, seen: int) -> None:
+    def _refresh_unheard(self, unit: str, seen: int, again: bool = False) -> None:
         """Read a unit whose job ended, unless systemd said more of it since: a job that
         changed the unit is followed by its PropertiesChanged at once, and only one that
         changed nothing leaves the read to tell."""
         if self.tracker.heard(unit) == seen:
-            self._spawn(self._refresh(unit))
+            self._spawn(self._refresh(unit, confirm=not again))
 
-    async def _refresh(self, unit: str) -> None:
+    async def _refresh(self, unit: str, *, confirm: bool = False) -> None:
         """Read a unit's state when no signal may come (a job that changed nothing).
 
         dbus-next runs signal handlers as messages are read but resumes this coroutine
         later, so signals that arrived after the reply may already have been applied: then
-        the reply is older than what we know, and is dropped.
+        the reply is older than what we know, and is dropped. With `confirm`, a read that
+        shows the unit in another state than its signals did is taken in only if nothing
+        is heard of it CONFIRM_DELAY later: its PropertiesChanged is then on its way
+        (systemd holds them back while its own bus queue is long, and answers a read at
+        once), and taken in as a read, how it left running was lost (a unit that ended by
+        itself while we stopped it counted as preempted, and its finished job ran again).
         """
         state = await self._read_fresh(unit, self.tracker.heard(unit))
         if state is None:
+            return
+        known = self.tracker.state(unit)
+        if confirm and (state.active, state.sub) != (known.active, known.sub):
+            seen = self.tracker.heard(unit)
+            loop = asyncio.get_running_loop()
+            loop.call_later(CONFIRM_DELAY, self._refresh_unheard, unit, seen, True)
             return
         self.on_unit_changed(
             unit,

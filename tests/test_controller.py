@@ -1220,11 +1220,13 @@ def test_a_stopped_unit_whose_annotation_went_is_forgotten_after_a_restart_too(
 
 
 def test_a_victim_whose_end_only_a_read_tells_is_preempted_and_comes_back(
-    tmp_path: Path, cgroup_of: dict[int, str]
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """low.service's signals were lost: a read after its stop job ended shows it down with no
     job, which cannot tell that it ended by itself, so it counts as preempted (owed its
-    comeback), not finished."""
+    comeback), not finished. The read is taken in once a second one, CONFIRM_DELAY later,
+    finds nothing heard meanwhile."""
+    monkeypatch.setattr(controller_module, "CONFIRM_DELAY", 0.2)
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
 
     async def test() -> None:
@@ -1237,12 +1239,47 @@ def test_a_victim_whose_end_only_a_read_tells_is_preempted_and_comes_back(
         ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
         await past_refresh_delay()
         assert bed.systemd.reads[-1] == "low.service"
+        assert bed.service.granted == []  # its signal may be on its way: read again
+        await past(controller_module.CONFIRM_DELAY)
+        assert bed.systemd.reads[-2:] == ["low.service", "low.service"]
         assert bed.service.granted == [("urgent.service", "0")]
         assert ctl.scheduler.snapshot().preempted == [("low.service", 90, True)]
         ctl.on_unit_changed("urgent.service", {"ActiveState": "active", "SubState": "running"})
         ctl.on_unit_changed("urgent.service", {"ActiveState": "inactive", "SubState": "dead"})
         await settle()
         assert bed.systemd.calls[-1] == ("start", "low.service")
+
+    run(test)
+
+
+def test_a_read_ahead_of_a_held_back_signal_waits_for_it(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Systemd holds its PropertiesChanged back while its bus queue is long, and answers a
+    read at once: the read after low.service's job ended shows it down before the signals
+    that tell how (here: it left running with no job, by itself, before our stop reached
+    it). Taken in as a read, that was lost and low.service counted as preempted: its
+    finished work ran again. The read waits for the signals, which tell it."""
+    monkeypatch.setattr(controller_module, "CONFIRM_DELAY", 0.2)
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert ("stop", "low.service") in bed.systemd.calls
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
+        await past_refresh_delay()
+        assert bed.service.granted == []
+        left = {"ActiveState": "deactivating", "SubState": "stop-post", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", left)  # the held-back signals, late
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await past(controller_module.CONFIRM_DELAY)
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert ctl.scheduler.snapshot().preempted == []  # finished: not run again
+        assert bed.systemd.reads.count("low.service") == 1  # no second read: it was heard
 
     run(test)
 
