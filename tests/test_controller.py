@@ -1219,6 +1219,19 @@ def test_a_stopped_unit_whose_annotation_went_is_forgotten_after_a_restart_too(
     run(test)
 
 
+async def victims_stop_job_ends_unheard(bed: Bed) -> None:
+    """urgent.service's gate asks, low.service is stopped for it; its stop job ends and
+    systemd shows it down, but no PropertiesChanged has come (lost, or held back): the
+    controller's read after the job's end has been answered."""
+    await bed.controller.start()
+    await bed.acquire("urgent.service", ":1.9", 4242)
+    assert ("stop", "low.service") in bed.systemd.calls
+    bed.controller.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
+    bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+    bed.controller.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
+    await past_refresh_delay()
+
+
 def test_a_victim_whose_end_only_a_read_tells_is_preempted_and_comes_back(
     tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1231,13 +1244,7 @@ def test_a_victim_whose_end_only_a_read_tells_is_preempted_and_comes_back(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
-        assert ("stop", "low.service") in bed.systemd.calls
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
-        await past_refresh_delay()
+        await victims_stop_job_ends_unheard(bed)
         assert bed.systemd.reads[-1] == "low.service"
         assert bed.service.granted == []  # its signal may be on its way: read again
         await past(controller_module.CONFIRM_DELAY)
@@ -1265,13 +1272,7 @@ def test_a_read_ahead_of_a_held_back_signal_waits_for_it(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
-        assert ("stop", "low.service") in bed.systemd.calls
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "low.service")
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        ctl.on_job_removed(1, "/org/freedesktop/systemd1/job/1", "low.service", "done")
-        await past_refresh_delay()
+        await victims_stop_job_ends_unheard(bed)
         assert bed.service.granted == []
         left = {"ActiveState": "deactivating", "SubState": "stop-post", "Job": (0, "/")}
         ctl.on_unit_changed("low.service", left)  # the held-back signals, late
@@ -2273,22 +2274,28 @@ def test_a_process_named_in_bytes_that_are_no_utf8_stops_nothing(
     run(test)
 
 
-def test_a_restart_takes_the_processes_of_running_units_for_theirs(tmp_path: Path) -> None:
-    """The first NVML sample is taken before the controller knows any unit: every running
-    job's process was foreign then, and a background unit running after a restart (an
-    upgrade, a crash) yielded its GPU to its own process: stopped for nothing."""
+def bg_running_on_gpu_1(tmp_path: Path, nvml: StubNvml) -> Bed:
+    """A controller about to start again beside bg.service (background), which runs on
+    GPU 1 as saved, its process PID 200 there (`nvml` shows it: OneForeignProcess)."""
     proc = tmp_path / "proc" / "200"
     proc.mkdir(parents=True)
     (proc / "cgroup").write_text("0::/system.slice/bg.service\n")
     (proc / "comm").write_text("python3\n")
-    bed = Bed(
+    return Bed(
         tmp_path,
         {"bg.service": "Priority=90\nType=background\n"},
         [state("bg.service", "active", "running")],
         SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
         config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
-        nvml=OneForeignProcess(),
+        nvml=nvml,
     )
+
+
+def test_a_restart_takes_the_processes_of_running_units_for_theirs(tmp_path: Path) -> None:
+    """The first NVML sample is taken before the controller knows any unit: every running
+    job's process was foreign then, and a background unit running after a restart (an
+    upgrade, a crash) yielded its GPU to its own process: stopped for nothing."""
+    bed = bg_running_on_gpu_1(tmp_path, OneForeignProcess())
 
     async def test() -> None:
         await bed.controller.start()
@@ -2792,6 +2799,16 @@ def test_an_instance_started_again_during_a_re_match_that_drops_it_stays_matched
     run(test)
 
 
+async def an_instance_runs(bed: Bed, unit: str) -> None:
+    """systemd queues a start of `unit` (an instance new to the controller, matched once
+    its JobNew is read), which passes its gate and runs."""
+    bed.controller.on_job_new(1, "/org/freedesktop/systemd1/job/1", unit)
+    await until(lambda: bed.systemd.watches(unit))
+    signal(bed, unit, at_gate(bytes(16)))
+    signal(bed, unit, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+    await settle()
+
+
 def test_an_instance_restarting_by_its_restart_policy_is_told_failed_once(
     tmp_path: Path,
 ) -> None:
@@ -2805,11 +2822,7 @@ def test_an_instance_restarting_by_its_restart_policy_is_told_failed_once(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", unit)
-        await until(lambda: bed.systemd.watches(unit))
-        signal(bed, unit, at_gate(bytes(16)))
-        signal(bed, unit, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
-        await settle()
+        await an_instance_runs(bed, unit)
         restart = {"ActiveState": "activating", "SubState": "auto-restart"}
         signal(bed, unit, {**restart, "Job": (0, "/")})
         await settle()

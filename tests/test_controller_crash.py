@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
+from gpuslice import envfiles
 from gpuslice.config import Config
+from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.state import StateStore
 from tests.test_controller import Bed, StubNvml, at_gate, run, settle, state
@@ -79,9 +81,7 @@ def test_a_requeue_granted_just_before_the_kill_keeps_the_gpus_it_was_told(
         ),
         config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
     )
-    env = Path(bed.config.runtime_dir) / "env" / "a.service" / "gpuslice.env"
-    env.parent.mkdir(parents=True)
-    env.write_text("CUDA_VISIBLE_DEVICES=1\nGPUSLICE_GPUS=1\n")
+    envfiles.write(bed.config.runtime_dir, "a.service", [Gpu(1)])  # its grant, not saved
 
     async def test() -> None:
         ctl = bed.controller
@@ -187,9 +187,7 @@ def test_a_kept_place_granted_elsewhere_just_before_the_kill_is_booked_where_it_
         SavedState(holders={"a.service": ((0,), "starting", 1, "")}, seq=1),
         config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
     )
-    env = Path(bed.config.runtime_dir) / "env" / "a.service" / "gpuslice.env"
-    env.parent.mkdir(parents=True)
-    env.write_text("CUDA_VISIBLE_DEVICES=1\nGPUSLICE_GPUS=1\n")
+    envfiles.write(bed.config.runtime_dir, "a.service", [Gpu(1)])  # its grant, not saved
 
     async def test() -> None:
         ctl = bed.controller

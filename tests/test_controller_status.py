@@ -20,6 +20,7 @@ from tests.test_controller import (
     GIB,
     Bed,
     StubNvml,
+    an_instance_runs,
     at_gate,
     run,
     settle,
@@ -63,11 +64,7 @@ def test_status_drops_an_instance_forgotten_without_a_decision(tmp_path: Path) -
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", unit)
-        await until(lambda: bed.systemd.watches(unit))
-        signal(bed, unit, at_gate(bytes(16)))
-        signal(bed, unit, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
-        await settle()
+        await an_instance_runs(bed, unit)
         signal(
             bed, unit, {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}
         )

@@ -6,16 +6,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from gpuslice.config import Config
-from gpuslice.core.scheduler import SavedState
 from gpuslice.nvml import GpuProcess, NvmlError
-from tests.test_controller import (
-    Bed,
-    OneForeignProcess,
-    run,
-    settle,
-    state,
-)
+from tests.test_controller import OneForeignProcess, bg_running_on_gpu_1, run, settle
 
 
 class HangsAfterFirstSample(OneForeignProcess):
@@ -36,19 +28,8 @@ class HangsAfterFirstSample(OneForeignProcess):
 
 
 def test_a_restart_whose_second_sample_hangs_stops_no_running_unit(tmp_path: Path) -> None:
-    proc = tmp_path / "proc" / "200"
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text("0::/system.slice/bg.service\n")
-    (proc / "comm").write_text("python3\n")
     nvml = HangsAfterFirstSample()
-    bed = Bed(
-        tmp_path,
-        {"bg.service": "Priority=90\nType=background\n"},
-        [state("bg.service", "active", "running")],
-        SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
-        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
-        nvml=nvml,
-    )
+    bed = bg_running_on_gpu_1(tmp_path, nvml)
     bed.controller.watch.nvml.deadline = 0.05
 
     async def test() -> None:
@@ -80,18 +61,7 @@ class FailsAfterFirstSample(OneForeignProcess):
 
 
 def test_a_restart_whose_second_sample_fails_stops_no_running_unit(tmp_path: Path) -> None:
-    proc = tmp_path / "proc" / "200"
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text("0::/system.slice/bg.service\n")
-    (proc / "comm").write_text("python3\n")
-    bed = Bed(
-        tmp_path,
-        {"bg.service": "Priority=90\nType=background\n"},
-        [state("bg.service", "active", "running")],
-        SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
-        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
-        nvml=FailsAfterFirstSample(),
-    )
+    bed = bg_running_on_gpu_1(tmp_path, FailsAfterFirstSample())
 
     async def test() -> None:
         await bed.controller.start()
