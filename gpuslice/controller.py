@@ -52,7 +52,7 @@ from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
 from gpuslice.paths import env_file, gate_pipe_dir
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
-from gpuslice.state import StateStore
+from gpuslice.state import Flusher, StateStore
 from gpuslice.status import snapshot_to_json
 from gpuslice.systemd import Queued, Systemd, SystemdError
 from gpuslice.tracker import (
@@ -101,6 +101,9 @@ CONFIRM_DELAY = 0.5
 # ours with calls or signals while the loop is busy, and nothing tells the recipient. A
 # holder whose end was lost would keep its GPUs, and its waiters wait, for ever.
 AUDIT_INTERVAL = 30.0
+# How long after a save the state file is made durable (gpuslice/state.py: Flusher): a
+# power cut may lose the decisions of this last stretch, never the file.
+FLUSH_DELAY = 1.0
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
@@ -162,6 +165,7 @@ class Controller:
             self._report,
         )
         self.store = StateStore(Path(config.state_dir))
+        self._flusher = Flusher(self.store, FLUSH_DELAY, self._flushed)
         self.notifier = Notifier()
         # the gate calls in wait; the bus adapter unless one is given (tests)
         self.service = service or SchedulerService(
@@ -190,6 +194,7 @@ class Controller:
         self._batching = 0  # depth of _batched: the state its events change is saved once
         self._save_due = False  # changed, and saved by the scheduling pass due this turn
         self._save_failing = False
+        self._flush_failing = False
         self._checking_thaws = False  # a check of FreezerState is under way
         self._status_due = False  # a STATUS= update is scheduled
         self._reload_due = False  # a config reload is queued for this turn of the loop
@@ -1066,9 +1071,27 @@ class Controller:
             if self._save_failing:
                 log.info("state saved to %s again", self.store.path)
             self._save_failing = False
+            self._flusher.saved(asyncio.get_running_loop())
         if not self._status_due:  # STATUS= at most once per STATUS_DELAY: see there
             self._status_due = True
             asyncio.get_running_loop().call_later(STATUS_DELAY, self._send_status)
+
+    def _flushed(self, error: OSError | None) -> None:
+        """A flush of the state file ended: a failing disk is reported once, as saves are."""
+        if error is None:
+            if self._flush_failing:
+                log.info("state flushed to disk again (%s)", self.store.path)
+            self._flush_failing = False
+            return
+        self.counters.error("state_save_errors")
+        if not self._flush_failing:
+            log.error(
+                "cannot flush the state in %s to disk: %s (said once until it works); "
+                "a power cut may lose it",
+                self.store.path,
+                error.strerror or error,
+            )
+        self._flush_failing = True
 
     def _send_status(self) -> None:
         self._status_due = False

@@ -1,8 +1,11 @@
 """What systemd cannot tell a restarted controller, kept in one JSON file written atomically.
 
 Holds, the preempted set and GPU assignments must survive `kill -9` and reboots; a torn
-write must never lose them, so the file is replaced with rename(2). It is not fsynced: a
-power cut may lose the last decisions (holders are rebuilt from systemd at boot anyway).
+write must never lose them, so the file is replaced with rename(2). A power cut must not
+lose them either, but a disk flush before every StartUnit/StopUnit would cost each decision
+milliseconds on a real disk (issue 10): `flush()` makes the file durable, and the controller
+calls it off the event loop at most FLUSH_DELAY after a save. A power cut may then lose the
+decisions of the last second, never the file (holders are rebuilt from systemd at boot).
 
 Every GPU job waits on the controller, so no content of the file may stop it: `load()`
 never raises. A file that is not exactly what `save()` writes costs one error line, and:
@@ -19,11 +22,14 @@ One `.bad` file is kept, replaced each time. A file that cannot be read (EIO) is
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
 import stat
+import threading
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
@@ -351,7 +357,8 @@ def _write_atomic(path: Path, data: bytes) -> None:
         finally:
             os.close(fd)
         # rename(2) makes the replacement atomic for a crashed or killed controller; no
-        # fsync, which would put a disk flush before every StartUnit/StopUnit we send
+        # fsync, which would put a disk flush before every StartUnit/StopUnit we send:
+        # StateStore.flush() follows off the loop
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -457,6 +464,67 @@ class StateStore:
         except FileNotFoundError:  # no state directory yet (made once, not at every save)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _write_atomic(self.path, text)
+
+    def flush(self) -> None:
+        """Make the last save durable: the file's data, then the directory entry the rename
+        changed. Blocks on the disk: the controller calls it on a worker thread. A state
+        file not there (never saved) is nothing to flush."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+class Flusher:
+    """Calls `store.flush()` on a daemon thread at most once per `delay`, after saves.
+
+    A thread of its own, not the loop's executor: a disk that hangs an fsync then holds
+    one thread, never the loop, the watchdog or the controller's exit. A save made while a
+    flush runs is flushed by the next one; each flush's outcome (None or its OSError) goes
+    to `flushed`, on the loop."""
+
+    def __init__(
+        self, store: StateStore, delay: float, flushed: Callable[[OSError | None], None]
+    ) -> None:
+        self.store = store
+        self.delay = delay
+        self.flushed = flushed
+        self._due = False  # a flush is scheduled or running
+        self._dirty = False  # saved since the running flush began
+
+    def saved(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._dirty = True
+        if not self._due:
+            self._due = True
+            loop.call_later(self.delay, self._begin, loop)
+
+    def _begin(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._dirty = False
+        threading.Thread(target=self._work, args=(loop,), name="state-flush", daemon=True).start()
+
+    def _work(self, loop: asyncio.AbstractEventLoop) -> None:
+        error: OSError | None = None
+        try:
+            self.store.flush()
+        except OSError as e:
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to tell
+            loop.call_soon_threadsafe(self._done, loop, error)
+
+    def _done(self, loop: asyncio.AbstractEventLoop, error: OSError | None) -> None:
+        self._due = False
+        self.flushed(error)
+        if self._dirty:
+            self.saved(loop)
 
 
 def _file_kind(mode: int) -> str:

@@ -1401,6 +1401,54 @@ def test_a_holders_end_and_the_refill_it_allows_are_saved_once_before_the_start(
     run(test)
 
 
+def test_a_decision_saved_is_flushed_to_disk_soon_after_and_a_failing_disk_said_once(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A grant is saved before its calls leave (no disk flush on that path) and made
+    durable off the loop within FLUSH_DELAY: a power cut loses at most that last stretch.
+    A disk that fails its flushes is said once and counted with the failed saves."""
+    monkeypatch.setattr(controller_module, "FLUSH_DELAY", 0.0)
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    flushed: list[bytes] = []
+    failing: list[OSError] = []
+
+    def flush() -> None:
+        if failing:
+            raise failing[0]
+        flushed.append(bed.controller.store.path.read_bytes())
+
+    bed.controller.store.flush = flush  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        flushed.clear()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        await until(lambda: bool(flushed))
+        assert b"urgent.service" in flushed[-1]
+        failing.append(OSError(5, "Input/output error"))
+        for n in range(1, 4):
+            ctl._save_due = True
+            ctl.save_now()
+            await until(lambda n=n: ctl.counters.errors["state_save_errors"] == n)  # type: ignore[misc]
+        failing.clear()
+        ctl._save_due = True
+        ctl.save_now()
+        await until(lambda: not ctl._flush_failing)
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    said = [m for m in messages(caplog) if "flush" in m]
+    assert said == [
+        f"cannot flush the state in {bed.controller.store.path} to disk: Input/output error "
+        "(said once until it works); a power cut may lose it",
+        f"state flushed to disk again ({bed.controller.store.path})",
+    ]
+
+
 def test_a_call_that_raises_as_it_is_sent_is_reported_and_decides_nothing_more(
     tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -8,16 +8,19 @@ file is moved to state.json.bad; bad entries are dropped and the valid ones kept
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpuslice.core.scheduler import SavedState, Scheduler
-from gpuslice.state import STATE_FILE_MAX, StateStore
+from gpuslice.state import STATE_FILE_MAX, Flusher, StateStore
 from gpuslice.unitfiles import UNIT_NAME_MAX
 from tests.core_builders import BG, sized, spec
 
@@ -712,3 +715,109 @@ def test_a_leftover_temporary_file_of_a_killed_save_is_replaced(tmp_path: Path) 
     store.save(GOOD_STATE, "b")
     assert store.load() == (GOOD_STATE, "b")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_flush_syncs_the_file_then_the_directory_its_rename_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power cut after a flush finds the last save: rename(2) alone is atomic against a
+    kill, not against the disk's cache (an empty file on filesystems without ext4's
+    flush-on-rename)."""
+    store = StateStore(tmp_path)
+    store.save(SavedState(held=["a.service"]), "b")
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    store.flush()
+    assert synced == [str(store.path), str(tmp_path)]
+
+
+def test_flush_before_any_save_does_nothing(tmp_path: Path) -> None:
+    StateStore(tmp_path / "none").flush()
+
+
+class _Flushes:
+    """A StateStore whose flush() is counted and may be held or fail."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.hold = threading.Event()
+        self.hold.set()
+        self.error: OSError | None = None
+
+    def flush(self) -> None:
+        self.count += 1
+        self.hold.wait()
+        if self.error is not None:
+            raise self.error
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    deadline = asyncio.get_running_loop().time() + 5
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_saves_in_a_row_are_flushed_once_and_a_save_during_a_flush_again() -> None:
+    store, outcomes = _Flushes(), list[OSError | None]()
+    flusher = Flusher(store, 0.01, outcomes.append)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(100):
+            flusher.saved(loop)
+        await _until(lambda: len(outcomes) == 1)
+        assert store.count == 1
+        store.hold.clear()
+        flusher.saved(loop)
+        await _until(lambda: store.count == 2)
+        flusher.saved(loop)  # while the flush runs: may not be in what it flushes
+        flusher.saved(loop)
+        store.hold.set()
+        await _until(lambda: len(outcomes) == 3)
+        await asyncio.sleep(0.05)
+        assert store.count == 3 and outcomes == [None, None, None]
+
+    asyncio.run(main())
+
+
+def test_a_hung_flush_holds_its_thread_never_the_loop() -> None:
+    store, outcomes = _Flushes(), list[OSError | None]()
+    store.hold.clear()
+    flusher = Flusher(store, 0.0, outcomes.append)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        flusher.saved(asyncio.get_running_loop())
+        await _until(lambda: store.count == 1)
+        ticks = 0
+        for _ in range(10):
+            await asyncio.sleep(0.001)
+            ticks += 1
+        assert ticks == 10 and outcomes == []
+
+    asyncio.run(main())
+    store.hold.set()  # the daemon thread ends; its word to the closed loop is dropped
+
+
+def test_a_failed_flush_is_reported_and_the_next_save_flushes_again() -> None:
+    store, outcomes = _Flushes(), list[OSError | None]()
+    store.error = OSError(5, "Input/output error")
+    flusher = Flusher(store, 0.0, outcomes.append)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        flusher.saved(loop)
+        await _until(lambda: len(outcomes) == 1)
+        assert outcomes == [store.error]
+        store.error = None
+        flusher.saved(loop)
+        await _until(lambda: len(outcomes) == 2)
+        assert outcomes[1] is None
+
+    asyncio.run(main())
