@@ -221,8 +221,8 @@ deb: deb-deps
 # the core and the adapters (the core alone, 2,923 mutants, took 57 minutes on a 2-core VM);
 # MUTATE=adapters runs only the validating adapters: the parsers, the generator, the status
 # JSON and table, the gate's pipes, the reader of units' signals, the tracker of systemd's
-# word, whose a foreign process is (owners.py), and of inventory.py only the attribution of
-# GPU processes to units. A selection is mutmut's names, globs allowed (`*` for the `ǁ` of a
+# word, whose a foreign process is (owners.py), the reader of regular files (safefile.py),
+# and of inventory.py only the attribution of GPU processes to units. A selection is mutmut's names, globs allowed (`*` for the `ǁ` of a
 # method). To add an adapter: put its file in only_mutate and its
 # fast tests in pytest_add_cli_args_test_selection ([tool.mutmut]), and its module in
 # MUTATE_adapters.
@@ -238,7 +238,8 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 	gpuslice.inventory.x*Inventory*_still_releasing__mutmut_* \
 	gpuslice.inventory.x*Inventory*reattribute__mutmut_* gpuslice.inventory.x__attributed__mutmut_* \
 	gpuslice.inventory.x__with_foreign__mutmut_* gpuslice.inventory.x__guessed__mutmut_* \
-	gpuslice.gatepipes.* gpuslice.busread.* gpuslice.tracker.* gpuslice.owners.* gpuslice.envfiles.*
+	gpuslice.gatepipes.* gpuslice.busread.* gpuslice.tracker.* gpuslice.owners.* gpuslice.envfiles.* \
+	gpuslice.safefile.*
 MUTATE_all := $(MUTATE_core) $(MUTATE_adapters)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
 mutate: venv

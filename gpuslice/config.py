@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuslice import safefile
 from gpuslice.core.model import GPU_ID
 from gpuslice.paths import CONFIG_PATH, DEFAULT_RUNTIME_DIR, DEFAULT_STATE_DIR
 from gpuslice.sizes import SIZE_ALLOWED, SIZE_MAX, parse_size
@@ -611,40 +612,23 @@ def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
 def read_config_text(path: str | os.PathLike[str]) -> str | None:
     """The file's text; None when it does not exist. ConfigError (one line naming the file)
     when it is not a regular file, cannot be read, is larger than `MAX_CONFIG_BYTES` or is not
-    UTF-8. A FIFO or a device is never read from, so this never blocks."""
+    UTF-8. A symlink is followed; a FIFO or a device is never read from (`safefile`), so this
+    never blocks."""
     shown = printable(os.fspath(path))
-
-    def check_regular(mode: int) -> None:
-        if not stat.S_ISREG(mode):
-            what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else ""
-            what = f"{what}, not a regular file" if what else "not a regular file"
-            raise ConfigError([f"{shown}: cannot read: {what}"])
-
     try:
-        check_regular(os.stat(path).st_mode)  # a device is never opened
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        data = safefile.read_bytes(path, MAX_CONFIG_BYTES, follow_links=True)
+    except safefile.Unreadable as e:
+        if e.why is safefile.Why.MISSING:
+            return None
+        if e.why is safefile.Why.TOO_LARGE:
+            raise ConfigError([f"{shown}: {_TOO_LARGE}"]) from None
+        if e.error is not None:
+            reason = e.error.strerror or str(e.error)
+        elif stat.S_ISDIR(e.mode) or stat.S_ISFIFO(e.mode):
+            reason = f"{e.kind}, not a regular file"
+        else:
+            reason = "not a regular file"
         raise ConfigError([f"{shown}: cannot read: {reason}"]) from None
-    try:
-        check_regular(os.fstat(fd).st_mode)  # O_NONBLOCK: a FIFO swapped in is not waited on
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_CONFIG_BYTES:
-            chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as e:
-        raise ConfigError([f"{shown}: cannot read: {e.strerror or e}"]) from None
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError([f"{shown}: {_TOO_LARGE}"])
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

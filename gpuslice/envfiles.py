@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from collections.abc import Sequence
 
+from gpuslice import safefile
 from gpuslice.core.model import Gpu
 from gpuslice.paths import env_file
 
@@ -56,14 +56,11 @@ def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu]) -> None:
 def told_gpus(runtime_dir: str, unit: str) -> list[int]:
     """The GPU indices the unit's file names (GPUSLICE_GPUS=), [] if none can be read. Never
     follows a link, waits on a FIFO or reads more than MAX_BYTES."""
-    path = env_file(runtime_dir, unit)
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        with os.fdopen(os.open(path, flags), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return []
-            data = f.read(MAX_BYTES)
-    except OSError:
+        data = safefile.read_bytes(
+            env_file(runtime_dir, unit), MAX_BYTES, follow_links=False, prefix=True
+        )
+    except safefile.Unreadable:
         return []
     for line in data.decode("ascii", "replace").splitlines():
         key, _, value = line.partition("=")

@@ -14,7 +14,6 @@ import enum
 import os
 import re
 import shutil
-import stat
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 import click
 
+from gpuslice import safefile
 from gpuslice.annotations import KEYS, SECTION, Key
 from gpuslice.core.model import UnitKind
 from gpuslice.unitfiles import UNIT_NAME_MAX, is_valid_unit_name, printable
@@ -242,18 +242,11 @@ def written_by_new(path: Path) -> bool:
 
 def read_regular(path: Path, limit: int | None = None) -> bytes | None:
     """A regular file's bytes (symlinks followed), the first `limit` only if given; None for
-    anything else. A FIFO is never waited on (O_NONBLOCK), a device never read."""
+    anything else. A FIFO or a device is never opened (`safefile`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except (OSError, ValueError):
+        return safefile.read_bytes(path, limit, follow_links=True, prefix=True)
+    except safefile.Unreadable:
         return None
-    with os.fdopen(fd, "rb") as f:
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            return f.read() if limit is None else f.read(limit)
-        except OSError:
-            return None
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:

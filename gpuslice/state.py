@@ -27,13 +27,13 @@ import contextlib
 import json
 import logging
 import os
-import stat
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
+from gpuslice import safefile
 from gpuslice.core.model import PRIORITY_MAX, UnitKind
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.sizes import SIZE_MAX
@@ -417,21 +417,17 @@ class StateStore:
         return saved, boot_id
 
     def _read(self) -> bytes:
-        """The file's bytes; BadFile for a path that is no regular file or too big. Opens
-        without following a symlink or blocking on a FIFO."""
-        st = os.lstat(self.path)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadFile(f"not a regular file ({_file_kind(st.st_mode)})")
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-        fd = os.open(self.path, flags)
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)  # replaced since lstat: check again what was opened
-            if not stat.S_ISREG(st.st_mode):
-                raise BadFile(f"not a regular file ({_file_kind(st.st_mode)})")
-            raw = f.read(STATE_FILE_MAX + 1)
-        if len(raw) > STATE_FILE_MAX:
-            raise BadFile(f"larger than {STATE_FILE_MAX >> 20} MiB")
-        return raw
+        """The file's bytes; BadFile for a path that is no regular file or too big, the OSError
+        when it cannot be read (FileNotFoundError: there is none yet). Never follows a symlink
+        or blocks on a FIFO (`safefile`)."""
+        try:
+            return safefile.read_bytes(self.path, STATE_FILE_MAX, follow_links=False)
+        except safefile.Unreadable as e:
+            if e.error is not None:
+                raise e.error from None
+            if e.why is safefile.Why.TOO_LARGE:
+                raise BadFile(f"larger than {STATE_FILE_MAX >> 20} MiB") from None
+            raise BadFile(f"not a regular file ({e.kind or 'an unknown kind of file'})") from None
 
     def _move_aside(self) -> str:
         try:
@@ -525,17 +521,3 @@ class Flusher:
         self.flushed(error)
         if self._dirty:
             self.saved(loop)
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return kind
-    return "an unknown kind of file"

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes
+
 # `systemd-analyze unit-paths` of systemd 252 (Debian 12) for the system manager, highest
 # priority first. Two names for one directory (/lib -> /usr/lib on merged-/usr) count once.
 SYSTEM_UNIT_PATH: tuple[str, ...] = (
@@ -235,61 +237,27 @@ def _parse_line(
 
 MAX_FILE_SIZE = 1 << 20  # systemd's LONG_LINE_MAX; no real unit file comes near it
 
-_FILE_TYPES = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
-
 
 def _not_regular(mode: int) -> str | None:
     """What the file is when it is not a regular file, for a message."""
     if stat.S_ISREG(mode):
         return None
-    return next((what for test, what in _FILE_TYPES if test(mode)), "not a regular file")
+    return file_kind(mode) or "not a regular file"
 
 
 def read_unit_text(path: str | os.PathLike[str]) -> str:
     """See `UnitFile.read_text`."""
     try:
-        st = os.stat(path)
-    except ValueError as e:  # a NUL in the path
-        raise OSError(errno.EINVAL, str(e)) from e
-    what = _not_regular(st.st_mode)
-    if what is not None:
-        raise OSError(errno.EINVAL, f"{what}, not a regular file")
-    # O_NONBLOCK: should it have become a FIFO since the stat, open() still returns at once
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        what = _not_regular(st.st_mode)
-        if what is not None:
-            raise OSError(errno.EINVAL, f"{what}, not a regular file")
-        data = _read_at_most(fd, MAX_FILE_SIZE + 1, st.st_size)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_FILE_SIZE:
-        raise OSError(
-            errno.EFBIG, f"larger than {MAX_FILE_SIZE >> 20} MiB, which no unit file needs"
-        )
+        data = read_bytes(path, MAX_FILE_SIZE, follow_links=True)
+    except Unreadable as e:
+        if e.error is not None:
+            raise e.error from None
+        if e.why is Why.TOO_LARGE:
+            raise OSError(
+                errno.EFBIG, f"larger than {MAX_FILE_SIZE >> 20} MiB, which no unit file needs"
+            ) from None
+        raise OSError(errno.EINVAL, f"{_not_regular(e.mode)}, not a regular file") from None
     return data.decode("utf-8", errors="surrogateescape")
-
-
-def _read_at_most(fd: int, limit: int, expected: int) -> bytes:
-    """Up to `limit` bytes, to the end of the file, in reads of the size fstat() gave: a
-    buffered read of `limit` bytes allocates a megabyte per file (64 us a file here, against
-    19 us). The size is a hint only: a file that grew since is read on, up to the limit."""
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = os.read(fd, min(limit - size, max(expected, 4096)))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import inspect
 import os
 from pathlib import Path
-from types import TracebackType
-from typing import IO
 
 import pytest
 import yaml
@@ -24,6 +22,7 @@ from gpuslice.config import Config, Setting, _check, _gpu_id, parse_config
 from gpuslice.core.scheduler import SavedState
 from gpuslice.state import STATE_FILE_MAX, StateStore
 from gpuslice.unitfiles import Entry, TextIssue, parse_sections
+from tests.test_adapters_mutation4 import spy_on_os_reads
 from tests.test_cgroups import write_cgroup
 from tests.test_config import ALLOWED, fill, problems_of
 from tests.test_state import GOOD_STATE, good
@@ -120,42 +119,6 @@ def test_the_state_file_is_opened_without_side_effects(
     assert opened == [expected]
 
 
-class ReadSpy:
-    """The file `os.fdopen` opened, recording how many bytes each read asks for."""
-
-    def __init__(self, file: IO[bytes]) -> None:
-        self.file = file
-        self.sizes: list[int] = []
-
-    def __enter__(self) -> ReadSpy:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.file.close()
-
-    def read(self, size: int) -> bytes:
-        self.sizes.append(size)
-        return self.file.read(size)
-
-
-def spy_on_reads(monkeypatch: pytest.MonkeyPatch) -> list[ReadSpy]:
-    """Every file `os.fdopen` opens from now on, each recording the sizes of its reads."""
-    spies: list[ReadSpy] = []
-    real_fdopen = os.fdopen
-
-    def spy(fd: int, mode: str = "r") -> ReadSpy:
-        spies.append(ReadSpy(real_fdopen(fd, mode)))
-        return spies[-1]
-
-    monkeypatch.setattr(os, "fdopen", spy)
-    return spies
-
-
 def test_no_more_than_one_byte_past_the_limit_is_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -164,9 +127,9 @@ def test_no_more_than_one_byte_past_the_limit_is_read(
     store = StateStore(tmp_path)
     with open(store.path, "wb") as f:
         f.truncate(STATE_FILE_MAX + 10)  # sparse: instant
-    spies = spy_on_reads(monkeypatch)
+    reads = spy_on_os_reads(monkeypatch)
     assert store.load() == (SavedState(), "")
-    assert [s.sizes for s in spies] == [[STATE_FILE_MAX + 1]]
+    assert reads == [STATE_FILE_MAX + 1]
     assert store.bad_path.stat().st_size == STATE_FILE_MAX + 10
 
 

@@ -1,0 +1,109 @@
+"""Reading a regular file at a path that someone else may have put anything at: a FIFO, a
+socket or a device is never opened (`stat` first: opening a FIFO blocks, opening a device can
+do things), and one swapped in after the `stat` is not waited on (O_NONBLOCK) or read (`fstat`
+on the open file); at most a set number of bytes is read, whatever the file's size says.
+
+`read_bytes` raises `Unreadable` saying why; each caller words that its own way.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import stat
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def file_kind(mode: int) -> str | None:
+    """What a file that is no regular file (nor a symlink) is, for a message; None for a
+    regular file or a type of no name here."""
+    return next((kind for test, kind in _KINDS if test(mode)), None)
+
+
+class Why(enum.Enum):
+    MISSING = "not found"
+    LINK = "a symbolic link"  # only when links are not followed
+    NOT_REGULAR = "not a regular file"
+    TOO_LARGE = "too large"
+    FAILED = "cannot be read"  # permission, I/O error, a NUL in the path, ...
+
+
+class Unreadable(Exception):
+    """Why `read_bytes` gave nothing. `mode`: the file's mode (LINK, NOT_REGULAR); `error`:
+    the OSError (MISSING, FAILED), whose strerror says why in the system's words (a NUL in the
+    path is EINVAL, "embedded null byte")."""
+
+    def __init__(self, why: Why, *, mode: int = 0, error: OSError | None = None) -> None:
+        super().__init__(why.value if error is None else error.strerror or str(error))
+        self.why = why
+        self.mode = mode
+        self.error = error
+
+    @property
+    def kind(self) -> str | None:
+        """What the file is (LINK, NOT_REGULAR), as `file_kind` says."""
+        return Why.LINK.value if self.why is Why.LINK else file_kind(self.mode)
+
+
+def read_bytes(
+    path: str | os.PathLike[str], limit: int | None, *, follow_links: bool, prefix: bool = False
+) -> bytes:
+    """The bytes of the regular file at `path`: all of them, TOO_LARGE when there are more than
+    `limit`; or, with `prefix`, the first `limit` of them. `limit` None reads the whole file.
+    Without `follow_links`, a symlink is LINK (and one swapped in after the `lstat` makes the
+    open fail: FAILED, ELOOP)."""
+    try:
+        mode = (os.stat(path) if follow_links else os.lstat(path)).st_mode
+        _check_regular(mode)
+        fd = os.open(path, _OPEN_FLAGS if follow_links else _OPEN_FLAGS | os.O_NOFOLLOW)
+    except FileNotFoundError as e:
+        raise Unreadable(Why.MISSING, error=e) from None
+    except OSError as e:
+        raise Unreadable(Why.FAILED, error=e) from None
+    except ValueError as e:  # a NUL in the path
+        raise Unreadable(Why.FAILED, error=OSError(errno.EINVAL, str(e))) from None
+    try:
+        st = os.fstat(fd)
+        _check_regular(st.st_mode)
+        data = _read_at_most(fd, limit if prefix or limit is None else limit + 1, st.st_size)
+    except OSError as e:
+        raise Unreadable(Why.FAILED, error=e) from None
+    finally:
+        os.close(fd)
+    if limit is not None and len(data) > limit:
+        raise Unreadable(Why.TOO_LARGE)
+    return data
+
+
+def _check_regular(mode: int) -> None:
+    if stat.S_ISLNK(mode):
+        raise Unreadable(Why.LINK, mode=mode)
+    if not stat.S_ISREG(mode):
+        raise Unreadable(Why.NOT_REGULAR, mode=mode)
+
+
+def _read_at_most(fd: int, limit: int | None, expected: int) -> bytes:
+    """Up to `limit` bytes, to the end of the file, in reads of the size fstat() gave: a
+    buffered read of `limit` bytes allocates all of them per file (a megabyte for a unit file:
+    64 us a file, against 19 us). The size is a hint only: a file that grew since is read on,
+    up to the limit."""
+    chunks: list[bytes] = []
+    size = 0
+    while limit is None or size < limit:
+        want = max(expected, 4096)
+        chunk = os.read(fd, want if limit is None else min(limit - size, want))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
