@@ -732,9 +732,23 @@ def test_flush_syncs_the_file_then_the_directory_its_rename_changed(
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real(fd)
 
+    opened: list[int] = []
+    real_open = os.open
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        opened.append(flags)
+        return real_open(path, flags, *args, **kwargs)
+
     monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "open", open_)
     store.flush()
     assert synced == [str(store.path), str(tmp_path)]
+    # neither a link nor a FIFO put in its place is followed or waited on
+    assert len(opened) == 2
+    for flags, wanted in zip(
+        opened, (os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, os.O_DIRECTORY | os.O_CLOEXEC)
+    ):
+        assert flags & wanted == wanted
 
 
 def test_flush_before_any_save_does_nothing(tmp_path: Path) -> None:
@@ -800,6 +814,9 @@ def test_a_hung_flush_holds_its_thread_never_the_loop() -> None:
             await asyncio.sleep(0.001)
             ticks += 1
         assert ticks == 10 and outcomes == []
+        # a daemon thread: the controller's exit never waits on the disk
+        flushing = [t for t in threading.enumerate() if t.name == "state-flush"]
+        assert len(flushing) == 1 and flushing[0].daemon
 
     asyncio.run(main())
     store.hold.set()  # the daemon thread ends; its word to the closed loop is dropped
