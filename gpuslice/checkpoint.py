@@ -231,20 +231,27 @@ async def _stop_service(service: str) -> str:
     a lock that ends after the undo would leave the job locked with nobody responsible for
     it. "" when it is down (or was never started, or has ended and been collected); else
     what to add to the reason."""
+    problem = await _systemctl_stop([service])
+    return f"; its service {service} {problem}" if problem else ""
+
+
+async def _systemctl_stop(units: Sequence[str]) -> str:
+    """`systemctl stop` of these units (globs match the loaded ones), waited for until they
+    are down: "" when they are (or none was loaded); else what went wrong, in words."""
     try:
         proc = await asyncio.create_subprocess_exec(
             "systemctl",
             "stop",
             "--quiet",
             "--",
-            service,
+            *units,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
         )
     except (OSError, ValueError) as e:
-        return f"; its service {service} could not be stopped: {printable(str(e), MAX_MESSAGE)}"
+        return f"could not be stopped: {printable(str(e), MAX_MESSAGE)}"
     try:
         err, code = await asyncio.wait_for(
             asyncio.gather(_drain(proc.stderr), proc.wait()), SERVICE_STOP_WAIT
@@ -255,12 +262,29 @@ async def _stop_service(service: str) -> str:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
         if isinstance(e, TimeoutError):
-            return f"; its service {service} was not down {SERVICE_STOP_WAIT:g} s after a stop"
+            return f"was not down {SERVICE_STOP_WAIT:g} s after a stop"
         raise
     if code in (0, SYSTEMCTL_NOT_LOADED):
         return ""
     detail = _message(err) or f"exit status {code}"
-    return f"; its service {service} could not be stopped: {detail}"
+    return f"could not be stopped: {detail}"
+
+
+# The actions whose run changes a process's state (a --get-state changes nothing).
+_CHANGING = ("lock", "checkpoint", "restore", "unlock")
+
+
+async def stop_earlier_runs(pids: Sequence[int]) -> str:
+    """Stop the runs on these processes that an earlier controller left as transient
+    services, and wait until they are down: killed in the middle of a suspend or resume,
+    its systemd-run clients died with it but their services did not, and a lock, checkpoint
+    or restore that ended after the next controller's resume had read the process left it
+    locked or checkpointed (its CUDA calls blocked for good) while it counted as resumed, or
+    ran a second restore beside one under way. Only runs named for these PIDs (`_service_name`):
+    another unit's runs of this controller are never touched. "" when none is left; else
+    what went wrong, in words."""
+    names = [f"gpuslice-checkpoint-{a}-{pid}-*.service" for pid in _unique(pids) for a in _CHANGING]
+    return await _systemctl_stop(names) if names else ""
 
 
 async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: bool = False) -> bytes:

@@ -262,7 +262,11 @@ class Controller:
         (gpuslice-claim@.service). Beyond MAX_UNIT_RULES units it still does (Systemd.watch)."""
         names = {n for n in self.scan.specs if not is_template(n)} | self._instances
         core = self.scheduler
-        return names | set(core.specs) | set(core.grants()) | set(core.waiting_units())
+        names |= set(core.specs) | set(core.grants()) | set(core.waiting_units())
+        # a suspended unit whose annotation went: unmatched, a stop of it by hand was never
+        # heard (nor read: the audit reads matched units only), and once it was resumed
+        # neither was its end, and its GPUs stayed held until the controller restarted
+        return names | set(core.suspended_units())
 
     def _rewatch(self) -> None:
         """Match anew the signals of the units that matter (`_watch_units`): one change at a
@@ -368,10 +372,10 @@ class Controller:
         return found
 
     def _started_again(self, name: str, state: UnitState) -> bool:
-        """Whether a unit the last controller had frozen or suspended (or was suspending or
-        resuming) is shown starting afresh: at its gate, or down with a start job queued.
-        Only a unit past its gate is in those phases, so it was stopped while we were away
-        (systemd thaws a frozen unit to stop it) and started again: that run ended. Kept in
+        """Whether a unit frozen or suspended (or being suspended or resumed) is shown
+        starting afresh: at its gate, or down with a start job queued. Only a unit past its
+        gate is in those phases, so it was stopped while we were away, or restarted
+        (systemd thaws a frozen unit to stop it), and started again: that run ended. Kept in
         its phase, the new start's gate would ask a core that answers no frozen, suspended
         or resuming unit (Scheduler.request), and wait for ever."""
         return self.scheduler.phase(name) in _RAN_PAST_GATE and bound_for_gate(state)
@@ -805,6 +809,18 @@ class Controller:
     def _serve_gate(self, unit: str) -> None:
         """The unit's gate asks (over D-Bus, or systemd showed it at its gate)."""
         spec = self.spec_for(unit)
+        state = self.tracker.state(unit)
+        if self._started_again(unit, state) and not self.gates.answered(unit):
+            # restarted (systemctl restart) while frozen, suspended, or being suspended or
+            # resumed: systemd thawed it and ended that run, with no moment down between (a
+            # restart job's stop turns into its start), so only its new gate tells. Kept in
+            # its phase, that gate was never answered (`request` answers none of those), or
+            # a suspended unit was resumed onto the GPUs its new start was granted. Taken
+            # before the gate counts as passed: the restart job says who ended the run.
+            if self.watch.available:
+                self.watch.refresh(released=unit)
+            with self._batched():
+                self.execute(self.scheduler.inactive(unit, self.tracker.outcome(state)))
         if spec is not None:
             self.tracker.passed_gate(unit)
         if self.scheduler.phase(unit) is Phase.STOPPING:

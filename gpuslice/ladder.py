@@ -249,6 +249,15 @@ class Ladder:
             pids = await self.systemd.unit_pids(unit)
         except Exception as e:
             raise CheckpointError(f"cannot list its processes: {e}") from None
+        if via_systemd:  # a run the last controller left must not land after this resume
+            problem = await checkpoint.stop_earlier_runs(pids)
+            if problem:
+                log.warning(
+                    "resuming %s: cuda-checkpoint runs an earlier controller left on its "
+                    "processes %s (systemd ends them at their RuntimeMaxSec=)",
+                    unit,
+                    problem,
+                )
         known = []
         for pid in pids:
             try:

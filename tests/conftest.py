@@ -6,9 +6,12 @@ means a change broke something, never chance; `make fuzz` explores new ones
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,3 +36,13 @@ def fake_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ["make", "-s", "-C", str(FAKE_SRC), f"BUILD={build}"], check=True, capture_output=True
     )
     return build
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[None]:
+    """Whatever ran as a fake transient service (tests/test_checkpoint.py's fake_systemd) is
+    killed after the test, passed or not."""
+    yield
+    for pid_file in tmp_path.glob("*.service.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -788,15 +788,6 @@ def test_each_run_s_service_has_its_own_name_that_says_what_ran() -> None:
     assert all(c.isascii() and (c.isalnum() or c in "-.") for c in first + second)
 
 
-@pytest.fixture
-def services(tmp_path: Path) -> Iterator[None]:
-    """Whatever run as a fake transient service is killed after the test, passed or not."""
-    yield
-    for pid_file in tmp_path.glob("*.service.pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-
-
 def fake_systemd(tmp_path: Path, stop_body: str = "") -> None:
     """systemd-run and systemctl on PATH, as systemd behaves for them: the tool runs as the
     named service, in a session of its own, so that killing systemd-run leaves it running
@@ -817,9 +808,11 @@ def fake_systemd(tmp_path: Path, stop_body: str = "") -> None:
     stop_stub = bin_dir / "systemctl"
     stop_stub.write_text(
         "#!/bin/sh\n"
-        "for unit; do :; done\n"
-        f'echo "$1 $unit" >> {tmp_path}/log\n'
-        f'[ -f {tmp_path}/$unit.pid ] && kill -KILL "$(cat {tmp_path}/$unit.pid)"\n'
+        'verb="$1"; while [ "$1" != "--" ]; do shift; done; shift\n'
+        f'echo "$verb $*" >> {tmp_path}/log\n'
+        "for unit; do\n"  # a glob matches the services running (loaded), as systemctl's
+        f'  for f in {tmp_path}/$unit.pid; do [ ! -f "$f" ] || kill -KILL "$(cat "$f")"; done\n'
+        "done\n"
         f"{stop_body}\n"
     )
     for path in (run_stub, stop_stub):
@@ -874,6 +867,37 @@ def test_a_service_that_cannot_be_stopped_is_said(
         "not be stopped: Failed to stop it: Access denied"
     )
     assert caught.value.timed_out and s.via_systemd
+
+
+def test_runs_an_earlier_controller_left_on_the_processes_are_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, services: None
+) -> None:
+    """A controller killed in the middle of a suspend leaves its lock, checkpoint, restore or
+    unlock running as a transient service: each of those named for the PIDs is stopped and
+    down before the call returns; another process's runs and a --get-state are left."""
+    fake_systemd(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    left = {}
+    for name in ("lock-11-900-3", "restore-11-901-1", "lock-12-900-4", "get-state-11-900-5"):
+        left[name] = subprocess.Popen(["sleep", "60"])
+        pid_file = tmp_path / f"gpuslice-checkpoint-{name}.service.pid"
+        pid_file.write_text(str(left[name].pid))
+    assert run(checkpoint.stop_earlier_runs([11, 11])) == ""
+    assert calls(tmp_path) == [
+        "stop "
+        + " ".join(
+            f"gpuslice-checkpoint-{a}-11-*.service"
+            for a in ("lock", "checkpoint", "restore", "unlock")
+        )
+    ]
+    assert left["lock-11-900-3"].wait(TIMEOUT) == -signal.SIGKILL
+    assert left["restore-11-901-1"].wait(TIMEOUT) == -signal.SIGKILL
+    assert left["lock-12-900-4"].poll() is None
+    assert left["get-state-11-900-5"].poll() is None
+    for proc in left.values():
+        proc.kill()
+        proc.wait(TIMEOUT)
+    assert run(checkpoint.stop_earlier_runs([])) == ""
 
 
 def test_without_systemd_run_the_reason_names_it_not_the_tool(

@@ -566,6 +566,133 @@ def test_start_up_takes_a_suspended_unit_shown_starting_for_a_new_start(
     run(test)
 
 
+def test_a_unit_suspended_when_the_host_went_down_comes_back_after_the_reboot(
+    tmp_path: Path,
+) -> None:
+    """The host rebooted while vlm.service was suspended. The state file still named it
+    suspended (holders go with a boot; suspended units did not), and systemd showing it down
+    made it a suspended unit stopped by hand: held, so this background unit never ran again
+    until someone started it. Its run ended with the boot, as a preempted unit's: it comes
+    back."""
+    bed = Bed(tmp_path, {"vlm.service": "Priority=90\nType=background\nPreempt=suspend stop\n"}, [])
+    before = SavedState(suspended={"vlm.service": ((0,), 1)}, seq=1)
+    StateStore(Path(bed.config.state_dir)).save(before, "boot-0")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.held == set()
+        assert ("start", "vlm.service") in bed.systemd.calls
+        assert ctl.scheduler.suspended_units() == []
+
+    run(test)
+
+
+def restarted_by_hand(bed: Bed, unit: str, job: int) -> None:
+    """`systemctl restart UNIT`: systemd thaws it, stops it and starts it again in one job,
+    which turns from stop to start with the unit down, so no moment shows it down with no
+    job; its new start reaches its gate."""
+    path = f"/org/freedesktop/systemd1/job/{job}"
+    bed.systemd.freezer[unit] = "running"
+    bed.controller.on_job_new(job, path, unit)
+    for active, sub in (("deactivating", "stop-sigterm"), ("inactive", "dead")):
+        signal(bed, unit, {"ActiveState": active, "SubState": sub, "Job": (job, path)})
+    bed.systemd.units[unit] = state(unit, "activating", "start-pre", job, "start")
+    signal(bed, unit, {**at_gate(), "Job": (job, path)})
+
+
+@pytest.mark.parametrize("phase", ["frozen", "suspended"])
+def test_a_frozen_or_suspended_unit_restarted_by_hand_is_served_as_a_new_start(
+    tmp_path: Path, phase: str
+) -> None:
+    """An admin restarts emb.service while it is frozen beside voice.service (or suspended
+    for it). Systemd ends that run and starts a new one, which waits at its gate. Kept in its
+    phase, the core answered no gate of it: frozen, its start waited at the gate for ever
+    (TimeoutStartSec=infinity); suspended, its new start was served beside an entry still
+    suspended, whose room stayed kept and which was to be "resumed" (the ended run's PIDs
+    restored, its holder put over the new run's) once that fit. The run that ended is taken
+    as stopped by the restart, and the new start is granted, through its pipe, once
+    voice.service has left GPU 0."""
+    preempt = "freeze stop" if phase == "frozen" else "suspend stop"
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        "voice.service": ((0,), "running", 2, "")
+    }
+    if phase == "frozen":
+        holders["emb.service"] = ((0,), "frozen", 1, "")
+    bed = Bed(
+        tmp_path,
+        {
+            "emb.service": f"Priority=90\nMemory=4G\nPreempt={preempt}\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+        },
+        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
+        SavedState(
+            holders=holders,
+            frozen_for={"emb.service": ["voice.service"]} if phase == "frozen" else {},
+            suspended={"emb.service": ((0,), 1)} if phase == "suspended" else {},
+            seq=2,
+        ),
+    )
+    bed.systemd.freezer = {"emb.service": "frozen"}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.phase("emb.service") is Phase(phase)
+        restarted_by_hand(bed, "emb.service", 9)
+        await settle()
+        assert ctl.scheduler.phase("emb.service") is None
+        assert ctl.scheduler.is_waiting("emb.service")  # GPU 0 is voice.service's whole
+        goes_down(bed, "voice.service")
+        await settle()
+        assert read_pipe(bed, "emb.service") == START.hex() + "\n"
+        assert ctl.scheduler.phase("emb.service") is Phase.RUNNING
+        assert ctl.scheduler.suspended_units() == []
+        assert not ctl.counters.to_json([])["decisions"].get("resume")
+
+    run(test)
+
+
+def test_a_suspended_unit_whose_annotation_went_is_still_heard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vlm.service is suspended for voice.service when an admin takes its annotation out:
+    the core keeps it (nobody else would resume it), but the re-match that followed the
+    rescan matched annotated units, holders and waiters only. Its signals unmatched, and the
+    periodic read skipping what is not matched, its stop by hand was never taken in: it
+    stayed suspended, its room on GPU 0 kept from less urgent units, until the controller
+    restarted (and once resumed, its end went unheard and its GPU stayed held)."""
+    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 3600)  # driven by hand here
+    bed = Bed(
+        tmp_path,
+        {"vlm.service": "Priority=90\nPreempt=suspend stop\n", "voice.service": "Priority=10\n"},
+        [state("vlm.service", "active", "running"), state("voice.service", "active", "running")],
+        SavedState(
+            holders={"voice.service": ((0,), "running", 2, "")},
+            suspended={"vlm.service": ((0,), 1)},
+            seq=2,
+        ),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotate(ctl, tmp_path, "vlm.service")
+        await until(lambda: not ctl._rewatching)
+        assert ctl.scheduler.suspended_units() == ["vlm.service"]
+        bed.systemd.units["vlm.service"] = state("vlm.service", "inactive", "dead")
+        signal(bed, "vlm.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await ctl._audit()  # and were that signal lost, two reads would tell
+        await ctl._audit()
+        assert ctl.scheduler.suspended_units() == []
+        assert ctl.scheduler.phase("vlm.service") is None
+        assert bed.systemd.watches("vlm.service")  # until the next re-match
+
+    run(test)
+
+
 def test_start_up_thaws_a_unit_the_last_controller_owed_a_thaw_not_one_frozen_by_hand(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -19,6 +19,7 @@ from gpuslice.core.scheduler import (
     Outcome,
     Phase,
     Resume,
+    SavedState,
     Scheduler,
     Stop,
     Suspend,
@@ -1173,3 +1174,15 @@ def test_a_suspended_unit_waits_for_its_gpu_while_nvml_is_not_ready() -> None:
         fresh.pause_refill("")  # NVML answers (as gpuwatch says so, then samples)
         outcome = brief(fresh.set_gpus(answered))
         assert outcome == (["resume two.service 1"] if len(answered) == 2 else ["stop two.service"])
+
+
+def test_a_unit_suspended_when_the_host_went_down_is_preempted_after_the_reboot() -> None:
+    """Its processes and host memory went with the boot: it lost its work as a stopped unit
+    does, and comes back as one (Requeue=), not held as if stopped by hand (which a
+    suspended unit that systemd shows down was); one whose annotation went is owed nothing."""
+    s = host(VLM, VOICE)
+    s.load(SavedState(suspended={V: ((0,), 1), "gone.service": ((0,), 2)}, seq=2))
+    s.forget_boot()
+    assert s.suspended_units() == []
+    assert s.snapshot().preempted == [(V, 90, True)]
+    assert brief(s.schedule()) == [f"start {V}"]

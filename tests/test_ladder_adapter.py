@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
 from gpuslice.ladder import Ladder
-from tests.test_checkpoint import FAST, Bed
+from tests.test_checkpoint import FAST, TIMEOUT, Bed, calls, fake_systemd
 
 UNIT = "vlm.service"
 GIB = 1 << 30
@@ -282,6 +285,45 @@ def test_resume_after_a_controller_restart_finds_the_processes_itself(host: Host
     assert event == "resumed"
     assert words.startswith("a controller restart: restored in ")
     assert host.bed.holds(a) and host.bed.state_of(a) == "running"
+
+
+def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_running(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, services: None
+) -> None:
+    """The last controller was killed while it restored a (or locked it): its systemd-run
+    client died with it, the transient service did not. The next controller's resume reads
+    the process and settles it; a run of the old one landing after that (a lock, a
+    checkpoint) would leave the job locked or checkpointed, its CUDA calls blocked for good,
+    while it counted as resumed and held its GPU. Those runs are stopped, and down, before
+    the resume runs anything on the process."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    fake_systemd(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    left = subprocess.Popen(["sleep", "60"])  # the old controller's restore, still running
+    (tmp_path / f"gpuslice-checkpoint-restore-{a}-900-7.service.pid").write_text(str(left.pid))
+    host.settings = dataclasses.replace(host.settings, via_systemd=True)
+    fresh = Ladder(
+        host.freezer,
+        host.events,
+        host.processes,
+        lambda: host.settings,
+        host.report,
+        unified_marker=host.marker,
+        unit_of_pid=lambda pid: UNIT,
+    )
+    host.freezer.pids = [a]
+    try:
+        run(fresh.resume(UNIT))
+        assert host.said()[-1][0] == "resumed"
+        log = calls(tmp_path)
+        assert log[0].startswith("stop ") and f"gpuslice-checkpoint-restore-{a}-*" in log[0]
+        assert log[1].startswith(f"run gpuslice-checkpoint-get-state-{a}-")
+        assert left.wait(TIMEOUT) == -signal.SIGKILL
+        assert host.bed.holds(a) and host.bed.state_of(a) == "running"
+    finally:
+        left.kill()
+        left.wait(TIMEOUT)
 
 
 def test_freeze_and_its_failures(host: Host) -> None:

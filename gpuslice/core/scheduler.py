@@ -1770,6 +1770,15 @@ class Scheduler:
         self.failed = set(saved.failed)
 
     def forget_boot(self) -> None:
-        """A new boot: finished and failed units may run again; holds and preemptions stay."""
+        """A new boot: finished and failed units may run again; holds and preemptions stay.
+        A suspended unit's processes and host memory went with the last boot: it was
+        preempted and its work is lost, as a stopped one's (Requeue= decides whether it
+        comes back). Kept suspended, systemd showed it down, and a suspended unit down was
+        stopped by hand: held, and a background unit never ran again until someone started
+        it."""
         self.finished.clear()
         self.failed.clear()
+        for name, entry in self.suspended.items():
+            if name in self.specs:  # one no longer annotated is owed nothing
+                self.preempted.setdefault(name, entry.seq)
+        self.suspended.clear()

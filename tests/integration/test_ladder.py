@@ -349,3 +349,95 @@ def test_a_lock_whose_client_times_out_has_its_service_stopped_before_the_undo(
     ).stdout
     assert units.strip() == "", units
     assert bed.run("pgrep -x sleep -a | grep -c 'sleep 600' || true").stdout.strip() == "0"
+
+
+def test_a_frozen_unit_restarted_by_hand_starts_again(bed: Container) -> None:
+    """`systemctl restart` of a unit frozen beside a more urgent one: systemd thaws it, stops
+    it and starts it again in one job, with no moment down and jobless between, so only the
+    new start at its gate tells that the frozen run ended. Taken for the frozen unit, that
+    gate was never answered: the restart waited in start-pre for ever. It is granted (beside
+    voice.service, where it fits, and frozen there again)."""
+    write_worker(bed, "emb.service", 90, memory="8G", alloc="8G", preempt="freeze stop")
+    write_urgent(bed, memory="8G")
+    reload(bed)
+    bed.systemctl("start", "emb.service")
+    wait_state(bed, "emb.service", "active")
+    old = main_pid(bed, "emb.service")
+    bed.systemctl("start", VOICE)
+    wait_journal(bed, "freezing emb.service (priority 90) on GPU 0 for voice.service")
+    wait_until(
+        lambda: prop(bed, "emb.service", "FreezerState") == "frozen" or None, TIMEOUT, what="frozen"
+    )
+    bed.systemctl("restart", "--no-block", "emb.service")
+    wait_until(
+        lambda: prop(bed, "emb.service", "SubState") == "running" or None,
+        TIMEOUT,
+        what="emb.service past its gate again",
+    )
+    assert main_pid(bed, "emb.service") != old
+    bed.systemctl("stop", VOICE)
+    wait_until(
+        lambda: prop(bed, "emb.service", "FreezerState") == "running" or None, TIMEOUT, what="thaw"
+    )
+    counting(bed, "emb.service")
+
+
+def test_a_suspended_unit_restarted_by_hand_is_a_new_start_not_resumed(bed: Container) -> None:
+    """`systemctl restart` of a suspended unit ends the suspended run (systemd thaws it to
+    stop it): its new start waits at its gate for GPU 0 like any start and is granted once
+    voice.service leaves, with nothing "resumed" (no restore of the ended run's PIDs)."""
+    old = start_vlm_and_preempt_it(bed)
+    wait_journal(bed, "suspending vlm.service (priority 90) for voice.service (priority 10): ")
+    bed.systemctl("restart", "--no-block", VLM)
+    wait_until(
+        lambda: prop(bed, VLM, "SubState") == "start-pre" or None, TIMEOUT, what="vlm at its gate"
+    )
+    wait_until(lambda: suspended(bed) == [] or None, TIMEOUT, what="vlm no longer suspended")
+    bed.systemctl("stop", VOICE)
+    wait_state(bed, VLM, "active", TIMEOUT)
+    wait_until(lambda: prop(bed, VLM, "SubState") == "running" or None, TIMEOUT, what="running")
+    assert main_pid(bed, VLM) != old
+    counting(bed, VLM)
+    assert "resuming vlm.service" not in bed.journal("gpuslice.service")
+
+
+def test_a_lock_left_running_by_a_killed_controller_is_stopped_before_the_resume(
+    bed: Container,
+) -> None:
+    """The controller is killed (kill -9) while a lock of vlm.service's process runs as a
+    transient service: systemd-run died with it, the service did not. The next controller
+    resumes vlm.service (recover) and first stops that service, well before its
+    RuntimeMaxSec= (35 s here) would: a lock landing after the resume read the process left
+    the job locked, its CUDA calls blocked, while it counted as resumed."""
+    bed.write_file(
+        HANGING_LOCK,
+        "#!/bin/sh\n"
+        'case "$*" in --action\\ lock*) [ -e /run/hung-once ] || { touch /run/hung-once; '
+        "exec sleep 600; } ;; esac\n"
+        f'exec {fakegpu.CHECKPOINT} "$@"\n',
+    )
+    bed.run(["chmod", "755", HANGING_LOCK])
+    config = LADDER_CONFIG.replace(fakegpu.CHECKPOINT, HANGING_LOCK)
+    bed.write_file(fakegpu.CONFIG, config.replace("lock_timeout: 1", "lock_timeout: 30"))
+    fakegpu.restart_gpuslice(bed)
+    write_worker(bed, VLM, 90)
+    write_urgent(bed)
+    reload(bed)
+    bed.systemctl("start", VLM)
+    wait_state(bed, VLM, "active")
+    pid = main_pid(bed, VLM)
+    bed.systemctl("start", "--no-block", VOICE)  # waits while the lock hangs
+    listed = "systemctl list-units --all --plain --no-legend 'gpuslice-checkpoint-lock-*'"
+    lock = wait_until(
+        lambda: bed.run(f"{listed} --state=active").stdout.split()[:1] or None,
+        TIMEOUT,
+        what="the lock running",
+    )[0]
+    bed.systemctl("kill", "--signal=SIGKILL", "gpuslice.service")
+    bed.wait_active_state("gpuslice.service", "active", TIMEOUT)  # Restart=on-failure
+    wait_until(
+        lambda: bed.active_state(lock) != "active" or None, 15, what=f"{lock} stopped by then"
+    )
+    wait_journal(bed, "resuming vlm.service on GPU 0 after a controller restart", TIMEOUT)
+    assert main_pid(bed, VLM) == pid
+    wait_state(bed, VOICE, "active", TIMEOUT)  # vlm.service suspended again, this time whole
