@@ -104,7 +104,14 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
     from dbus_next import BusType, Message, MessageType
     from dbus_next.aio import MessageBus
 
-    from gpuslice.service import ACCESS_DENIED, BUS_NAME, INTERFACE, NOT_MANAGED, OBJECT_PATH
+    from gpuslice.service import (
+        ACCESS_DENIED,
+        BUS_NAME,
+        INTERFACE,
+        LIMITS_EXCEEDED,
+        NOT_MANAGED,
+        OBJECT_PATH,
+    )
 
     try:
         bus = await MessageBus(bus_address=address, bus_type=BusType.SYSTEM).connect()
@@ -134,6 +141,9 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
         raise click.ClickException(printable(str(reply.body[0]), 300))
     if reply is not None and reply.error_name == ACCESS_DENIED:
         raise click.ClickException(f"only root may ask the controller for {member}")
+    if reply is not None and reply.error_name == LIMITS_EXCEEDED:  # it runs, and says why not
+        detail = printable(str(reply.body[0]) if reply.body else "", 300)
+        raise click.ClickException(f"the gpuslice controller refused: {detail}")
     if reply is None or reply.message_type == MessageType.ERROR:
         detail = reply.body[0] if reply is not None and reply.body else "no reply"
         raise click.ClickException(

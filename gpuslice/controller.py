@@ -79,6 +79,13 @@ GATE_UNSEEN_DELAY = 1.0
 # that the controller itself receives and unmarshals, and a handover changes the line four
 # times within ~50 ms, just when the signal it waits for is due (issue 10).
 STATUS_DELAY = 0.25
+# Characters of running units' names STATUS= lists; the rest are counted ("and 37 more").
+# sd_notify is one datagram, and systemd ignores one past 4,096 bytes whole
+# (NOTIFY_BUFFER_MAX): with 16 running units of 255-character names, or ~80 of 50 sharing
+# GPUs, the line was missing from `systemctl status gpuslice`, and at start-up so was the
+# READY=1 sent with it: the controller was killed at TimeoutStartSec and restarted into the
+# same line, again and again.
+STATUS_NAMES_MAX = 1024
 # How long a start job systemd announced (JobNew) may go without its unit reaching its gate
 # before the controller reads whether it is a queued start (Controller._queued): a start
 # that runs at once shows at its gate within milliseconds, and a read sent at JobNew would
@@ -1129,7 +1136,15 @@ class Controller:
         snap = self.scheduler.snapshot(reasons=False)
         count = len(snap.gpus)
         running = sorted({name for holders in snap.gpus.values() for name, _, _ in holders})
-        what = ", ".join(running) + " running" if running else "idle"
+        shown: list[str] = []
+        length = 0  # of the names shown, with their separators
+        for name in running:
+            length += len(name) + 2
+            if shown and length > STATUS_NAMES_MAX:
+                break
+            shown.append(name)
+        more = f" and {len(running) - len(shown)} more" if len(shown) < len(running) else ""
+        what = ", ".join(shown) + more + " running" if running else "idle"
         return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
 
     def status_json(self) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from dbus_next import Message, MessageType
+from dbus_next import Message, MessageFlag, MessageType
 from dbus_next.aio import MessageBus
 from dbus_next.constants import NameFlag, RequestNameReply
 
@@ -50,6 +50,20 @@ NOT_MANAGED = "org.gpuslice.Error.NotManaged"
 # One start job runs one gate; a few more calls per unit can only be a gate that retried
 # while an earlier call of it was still on its way. More than this is not a gate.
 MAX_PENDING_PER_UNIT = 8
+# Bytes of Status answers handed to the bus connection and not yet written to its socket:
+# while they are past this, a Status call is refused (LimitsExceeded) instead of answered.
+# An answer is the whole status (2 MiB at 1,000 waiting units on 8 GPUs), anyone may ask,
+# and dbus-next queues what it sends without bound, in one queue with the controller's own
+# calls: callers that asked faster than the bus daemon took the answers filled the
+# controller's memory (2.2 GiB from eight connections at 1,000 waiting units) and held its
+# own calls to systemd behind them (4.5 s). One answer always goes, however long. A call that
+# asks for no answer (NO_REPLY_EXPECTED, which no limit of the bus daemon's counts) gets none.
+MAX_STATUS_UNSENT = 16 << 20
+# The longest Status answer sent: the system bus's dbus-daemon takes no message over 32 MiB
+# (max_message_size) and drops the connection that sends one, and the controller exits with
+# its bus. Its status reaches that at ~15,000 waiting units on 8 GPUs (2.2 KiB each), ~2,200
+# on 64. Past it, Status is refused with a sentence that says so.
+MAX_STATUS_ANSWER = (32 << 20) - 4096  # less a header
 
 
 class NameTaken(Exception):
@@ -88,6 +102,7 @@ class SchedulerService:
         self._on_reload = on_reload
         self._on_plan = on_plan
         self._pending: dict[str, list[Message]] = {}
+        self._status_unsent = 0  # bytes of Status answers not yet written: MAX_STATUS_UNSENT
         bus.add_message_handler(self._handle)
 
     async def claim_name(self) -> None:
@@ -128,10 +143,13 @@ class SchedulerService:
         if msg.path != OBJECT_PATH:
             return False
         try:
-            return self._route(msg)
+            answer = self._route(msg)
         except Exception:  # never a traceback to a caller, never a lost connection
             log.exception("error handling %s from %s", msg.member, msg.sender)
-            return Message.new_error(msg, "org.freedesktop.DBus.Error.Failed", "internal error")
+            answer = Message.new_error(msg, "org.freedesktop.DBus.Error.Failed", "internal error")
+        if isinstance(answer, Message) and msg.flags & MessageFlag.NO_REPLY_EXPECTED:
+            return True  # the caller asked for none (the bus daemon would drop it, once read)
+        return answer
 
     def _route(self, msg: Message) -> Message | bool:
         if isinstance(msg, Unread):  # arguments longer than any method of ours takes
@@ -153,7 +171,7 @@ class SchedulerService:
             self._on_acquire(unit, msg.sender)
             return True
         if msg.member == "Status":
-            return Message.new_method_return(msg, "s", [self._on_status()])
+            return self._status(msg)
         if msg.member == "Plan" and self._on_plan is not None:
             unit = _unit_arg(msg)
             if unit is None:
@@ -168,3 +186,29 @@ class SchedulerService:
         return Message.new_error(
             msg, "org.freedesktop.DBus.Error.UnknownMethod", f"no method {msg.member}"
         )
+
+    def _status(self, msg: Message) -> Message | bool:
+        """The answer is sent here, to know when it is written (MAX_STATUS_UNSENT); a call
+        that asks for no answer costs nothing."""
+        if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
+            return True
+        if self._status_unsent >= MAX_STATUS_UNSENT:
+            return Message.new_error(
+                msg, LIMITS_EXCEEDED, "too many status answers still being sent: try again"
+            )
+        text = self._on_status()
+        size = len(text)  # bytes: the JSON is ASCII
+        if size > MAX_STATUS_ANSWER:
+            return Message.new_error(
+                msg,
+                LIMITS_EXCEEDED,
+                f"the status is {size >> 20} MiB, more than one D-Bus message carries (32 MiB)",
+            )
+        sent = self.bus.send(Message.new_method_return(msg, "s", [text]))
+        self._status_unsent += size
+
+        def written(_: object) -> None:
+            self._status_unsent -= size
+
+        sent.add_done_callback(written)
+        return True

@@ -136,3 +136,32 @@ def test_the_controllers_log_keeps_tracebacks_and_each_lines_level() -> None:
     assert all(line.startswith("<3>") for line in lines)
     info = logging.LogRecord("gpuslice", logging.INFO, __file__, 1, "", (), None)
     assert formatter.format(info) == "<6>"
+
+
+def test_the_status_line_fits_in_one_notify_datagram(tmp_path: Path) -> None:
+    """STATUS= goes to systemd in one datagram, READY=1 with it at start-up, and systemd
+    ignores a datagram past 4,096 bytes whole (NOTIFY_BUFFER_MAX). The line named every
+    running unit: 32 of 250-character names made it 8 KiB, so the controller's READY=1
+    never counted and systemd killed it at TimeoutStartSec, to restart into the same line.
+    The names stop at STATUS_NAMES_MAX characters; the rest are counted."""
+    names = [f"{i:02d}{'x' * 240}.service" for i in range(33)]
+    bed = Bed(
+        tmp_path,
+        {name: "Priority=10\n" for name in names},
+        [state(name, "activating", "start-pre", i + 1, "start") for i, name in enumerate(names)],
+        config=Config(
+            gpus=32, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")
+        ),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        line = ctl.status_line()
+        assert len(f"READY=1\nSTATUS={line}".encode()) <= 4096
+        assert line.startswith(f"32 GPUs: {names[0]}, {names[1]}, ")
+        assert line.endswith(" more running; 1 waiting")
+        shown = line.removeprefix("32 GPUs: ").split(" and ")[0].split(", ")
+        assert line.endswith(f" and {32 - len(shown)} more running; 1 waiting")
+
+    run(test)
