@@ -53,7 +53,7 @@ from gpuslice.notify import Notifier
 from gpuslice.paths import env_file, gate_pipe_dir
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import Flusher, StateStore
-from gpuslice.status import snapshot_to_json
+from gpuslice.status import CachedStatus, snapshot_to_json
 from gpuslice.systemd import Queued, Systemd, SystemdError
 from gpuslice.tracker import (
     CameUp,
@@ -187,7 +187,7 @@ class Controller:
         # have not been seen down since: watched (_watched) before the core knows them
         self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._status_cache: str | None = None
+        self._status = CachedStatus(self._status_snapshot)
         # rescans run off the loop, one at a time; Acquire calls of units the running scan
         # may not know yet wait for it
         self._rescan: asyncio.Task[None] | None = None
@@ -623,7 +623,7 @@ class Controller:
             return
         if self.scheduler.forget_instance(name):
             self.tracker.forget(name)
-            self._status_cache = None  # gone from held, finished and failed
+            self._status.changed()  # gone from held, finished and failed
 
     def _gate_unseen(self, name: str) -> None:
         """A state read showed the unit at its gate and no signal has named that start since
@@ -694,7 +694,7 @@ class Controller:
 
     def _apply_scan(self, result: Scan) -> None:
         self.scan = result
-        self._status_cache = None  # its problems and priorities, even if nothing is decided
+        self._status.changed()  # its problems and priorities, even if nothing is decided
         for problem in result.problems:
             self._log_problem(problem)
         starts = set(self.scheduler.waiting_units()) | set(self.scheduler.grants())
@@ -914,7 +914,7 @@ class Controller:
             elif isinstance(action, Start):
                 calls.append((self.systemd.restart_preempted, action.unit, "start"))
         if actions:
-            self._status_cache = None
+            self._status.changed()
             if calls or urgent or not self._batching:
                 self._persist()
             else:  # the pass due this turn saves once for its batch (a unit's end, then
@@ -955,7 +955,7 @@ class Controller:
     def _decide_on(self, gpus: list[Gpu]) -> None:
         """New GPUs from NVML (a sample, the driver back or gone): decide again; and, at the
         sampling pace, whether someone thawed a unit gpuslice froze (nothing signals it)."""
-        self._status_cache = None
+        self._status.changed()
         self.execute(self.scheduler.set_gpus(gpus))
         self._check_freezer()
 
@@ -1148,21 +1148,24 @@ class Controller:
         return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
 
     def status_json(self) -> str:
-        """Anyone may ask, as often as they like: the answer is built once per change."""
-        if self._status_cache is None:
-            snapshot = snapshot_to_json(
-                self.scheduler.snapshot(),
-                self.scan,
-                self.watch.sample,
-                {n: wall for n, (wall, _) in self.waiting_since.items()},
-                {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
-                self.scheduler.declared_memory(),
-            )
-            self._status_cache = json.dumps(snapshot, sort_keys=True)
+        """Anyone may ask, as often as they like: the answer is built once per change, and a
+        slow one less often (gpuslice/status.py: CachedStatus)."""
+        cached = self._status.text()
         # the counters move without a change of state: added at each call (a few hundred
         # bytes) to the cached snapshot's object, whose last character is its closing brace
         extra = json.dumps(self.status_counters(), sort_keys=True)
-        return f"{self._status_cache[:-1]}, {extra[1:]}"
+        return f"{cached[:-1]}, {extra[1:]}"
+
+    def _status_snapshot(self) -> str:
+        snapshot = snapshot_to_json(
+            self.scheduler.snapshot(),
+            self.scan,
+            self.watch.sample,
+            {n: wall for n, (wall, _) in self.waiting_since.items()},
+            {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
+            self.scheduler.declared_memory(),
+        )
+        return json.dumps(snapshot, sort_keys=True)
 
     def plan_json(self, unit: str) -> str:
         """`gpuslice plan UNIT`: what a start of it would do now, changing nothing (root
@@ -1187,7 +1190,11 @@ class Controller:
         ]
         return {
             "admission_wait_seconds": self.counters.admission_wait.to_json(),
-            "controller": {"version": __version__, "start_time": self.started},
+            "controller": {
+                "version": __version__,
+                "start_time": self.started,
+                "status_time": self._status.built,
+            },
             "counters": self.counters.to_json(external),
         }
 

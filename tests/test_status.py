@@ -3,6 +3,7 @@ word and column for column (gpuslice/status.py)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +15,10 @@ from gpuslice.core.scheduler import Snapshot
 from gpuslice.inventory import GpuUse, Health, Sample
 from gpuslice.owners import Owner
 from gpuslice.status import (
+    REBUILD_FACTOR,
+    SLOW_BUILD,
+    STALE_SAID,
+    CachedStatus,
     _duration,
     _gpu_line,
     _holder_memory,
@@ -381,6 +386,19 @@ def test_render_an_idle_host_without_nvml() -> None:
     assert render(data, now=1e9) == render(data)
 
 
+def test_render_says_how_old_a_state_built_a_while_ago_is() -> None:
+    """A large status is rebuilt less often (CachedStatus): the table says when it shows a
+    state STALE_SAID or more behind, and nothing when it is of the moment."""
+    data = snapshot_to_json(snapshot(gpus={0: []}), Scan(), Sample([Gpu(0)]))
+    data["controller"] = {"version": "1", "start_time": 0.0, "status_time": 1000.0}
+    table = "\n".join([HEADER, free_line(0), *IDLE_TAIL])
+    assert render(data, now=1000.0 + STALE_SAID - 0.1) == table
+    assert render(data) == table
+    assert render(data, now=1000.0 + 75) == (
+        "As of 1 min 15 s ago (a large status is built less often)\n" + table
+    )
+
+
 def test_render_a_busy_host() -> None:
     """Named, unknown-use, lost and free GPUs; holders' memory; foreign processes; waiters
     numbered by position, with how long they waited; every list; the problems."""
@@ -689,3 +707,51 @@ def test_a_holder_shows_the_memory_it_is_held_on_not_its_annotation() -> None:
         ("gone.service", 4 << 30),
         ("other.service", None),
     ]
+
+
+class _Clock:
+    """time.monotonic for CachedStatus, moved by the builds it times."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _cached(monkeypatch: pytest.MonkeyPatch, cost: float) -> tuple[CachedStatus, list[int], _Clock]:
+    clock = _Clock()
+    monkeypatch.setattr(time, "monotonic", clock)  # only CachedStatus runs meanwhile
+    builds: list[int] = []
+
+    def build() -> str:
+        builds.append(len(builds))
+        clock.now += cost
+        return f"{{{len(builds)}}}"
+
+    return CachedStatus(build), builds, clock
+
+
+def test_a_fast_status_is_built_again_at_every_change_and_only_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cached, builds, _ = _cached(monkeypatch, SLOW_BUILD / 2)
+    assert [cached.text() for _ in range(3)] == ["{1}"] * 3
+    cached.changed()
+    assert cached.text() == "{2}" and len(builds) == 2
+
+
+def test_a_slow_status_is_built_at_most_once_per_ten_times_its_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At 10,000 waiting units a build takes ~1.2 s of the loop: rebuilt at each change for
+    anyone who asks, one `gpuslice status --watch` held the controller half of its time."""
+    cached, builds, clock = _cached(monkeypatch, 1.0)
+    assert cached.text() == "{1}"
+    built = cached.built
+    clock.now += REBUILD_FACTOR * 1.0 - 1.5  # the build began 1 s before it ended
+    cached.changed()
+    assert cached.text() == "{1}" and cached.built == built  # the state of a moment ago
+    clock.now += 1.0
+    assert cached.text() == "{2}" and len(builds) == 2
+    assert cached.text() == "{2}" and len(builds) == 2  # unchanged since: not built again
