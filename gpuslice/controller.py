@@ -805,7 +805,16 @@ class Controller:
     def _acquire_verified(self, unit: str) -> None:
         if not self.service.pending(unit):
             return
-        if self.gates.answered(unit) and self.scheduler.phase(unit) is Phase.RUNNING:
+        running = self.scheduler.phase(unit) is Phase.RUNNING
+        if running and classify(self.tracker.state(unit)) is not Kind.GATE:
+            # granted, and systemd last showed it past its gate: no gate of that start asks
+            # any more. This is the gate of its next start, whose call came before the
+            # signals of this one's end: granted again (Scheduler.request, for a gate that
+            # asks again after a controller restart), it ran on GPUs that end frees for
+            # another unit. Answered with an error, it asks again, after them.
+            self.service.forget(unit)
+            return
+        if self.gates.answered(unit) and running:
             # granted at its pipe, which its gate had not found: the same grant, said again
             gpus = sorted(self.scheduler.grants()[unit])
             if self.service.grant(unit, ",".join(map(str, gpus))):

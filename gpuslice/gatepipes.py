@@ -25,13 +25,18 @@ Why this is as safe as the bus:
 - Too many gates at once (more than MAX_OPEN) are sent to the bus rather than holding
   more file descriptors.
 
-A failure here (a full /run, EMFILE) is logged and sends the gate to the bus: it never
-blocks a start and never takes the controller down.
+A failure here (a full /run, a pipe that cannot be written) is logged and sends the gate to
+the bus: it never blocks a start and never takes the controller down. One exception: when the
+controller can open no file at all (EMFILE, ENFILE), a gate already blocked in open() on its
+pipe cannot be woken, as only an open does that; the pipe is then kept, not removed (removed,
+nothing could ever reach that gate again), and the journal says so: `gpuslice release-gates`
+at the controller's stop, and the next controller, wake it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -53,6 +58,8 @@ MAX_OPEN = 256
 # How every pipe is opened: for reading and writing, so that open() never blocks on the gate
 # and the pipe stays open when a gate goes; never through a link someone put in its place
 _PIPE_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
+# Why an open fails for want of room, whatever the pipe (not for what is in its place)
+_NO_ROOM = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 @dataclass
@@ -170,7 +177,8 @@ class GatePipes:
                 os.mkfifo(path, 0o600)
             fd = os.open(path, _PIPE_FLAGS)
         except OSError as e:
-            log.warning("gate pipe of %s: %s; its gate asks over D-Bus", unit, e)
+            if e.errno not in _NO_ROOM:  # else _to_the_bus cannot open it either, and says so
+                log.warning("gate pipe of %s: %s; its gate asks over D-Bus", unit, e)
             self._to_the_bus(unit, "")
             return None
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
@@ -200,7 +208,16 @@ class GatePipes:
         path = self.directory / unit
         try:
             fd = os.open(path, _PIPE_FLAGS)
-        except OSError:  # no pipe (the gate asks over the bus anyway), or not ours: remove it
+        except OSError as e:
+            if e.errno in _NO_ROOM:  # a gate blocked in open() on it is woken by an open only
+                log.warning(
+                    "gate pipe of %s: %s; kept: a gate waiting on it waits until gpuslice can "
+                    "open it (`systemctl restart gpuslice` wakes it)",
+                    unit,
+                    e,
+                )
+                return
+            # no pipe (the gate asks over the bus anyway), or not ours: remove it
             with contextlib.suppress(OSError):
                 path.unlink()
             return

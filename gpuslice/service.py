@@ -47,6 +47,8 @@ ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 LIMITS_EXCEEDED = "org.freedesktop.DBus.Error.LimitsExceeded"
 NOT_MANAGED = "org.gpuslice.Error.NotManaged"
+# An Acquire answered without a grant, for its gate to ask again (any error does: it retries)
+START_ENDED = "org.gpuslice.Error.StartEnded"
 # One start job runs one gate; a few more calls per unit can only be a gate that retried
 # while an earlier call of it was still on its way. More than this is not a gate.
 MAX_PENDING_PER_UNIT = 8
@@ -118,8 +120,14 @@ class SchedulerService:
         return len(calls)
 
     def forget(self, unit: str) -> None:
-        """The unit's start was cancelled: its callers are gone."""
-        self._pending.pop(unit, None)
+        """The unit's start ended (or was cancelled): its calls are answered with an error,
+        never dropped. A call may be the gate of the unit's next start, read before that
+        end's signals (systemd holds them back while its bus queue is long): dropped, its
+        dbus-send waited for ever (its reply timeout is ~24 days); answered, it asks again.
+        The gate of the start that ended is gone: its answer goes nowhere."""
+        for call in self._pending.pop(unit, []):
+            text = f"the start of {unit} this call waited for has ended: ask again"
+            self.bus.send(Message.new_error(call, START_ENDED, text))
 
     def pending(self, unit: str) -> bool:
         return bool(self._pending.get(unit))

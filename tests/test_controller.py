@@ -133,6 +133,7 @@ class FakeService:
         self.waiting: dict[str, list[str]] = {}  # unit -> senders of calls in wait
         self.granted: list[tuple[str, str]] = []
         self.refused: list[tuple[str, str, str, str]] = []
+        self.sent_back: list[str] = []  # units whose calls were answered "ask again"
 
     async def claim_name(self) -> None:
         pass
@@ -146,7 +147,8 @@ class FakeService:
         return len(self.waiting.pop(unit, []))
 
     def forget(self, unit: str) -> None:
-        self.waiting.pop(unit, None)
+        if self.waiting.pop(unit, None):
+            self.sent_back.append(unit)
 
     def pending(self, unit: str) -> bool:
         return bool(self.waiting.get(unit))
@@ -2100,6 +2102,41 @@ def test_a_gate_that_asks_over_dbus_after_its_pipe_grant_is_told_the_same(
         ]
         ctl.on_unit_changed("a.service", {"ActiveState": "active", "SubState": "running"})
         assert ctl.counters.gate_answers == {"pipe": 0, "dbus": 1}  # its line was not read
+
+    run(test)
+
+
+def test_the_gate_of_a_next_start_heard_before_the_last_ones_end_is_not_granted_its_gpus(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service was granted GPU 0 and runs; its job ends and its next start's gate (a
+    Restart=, a person's restart, one that found no pipe) asks over D-Bus before the
+    controller has read the signals of that end (systemd holds them back while its bus queue
+    is long). An Acquire names a unit, not a start: granted again as a gate that asks after
+    a controller restart, that start ran on GPU 0, which the end read a moment later freed for
+    b.service. Its call is answered "ask again"; asked again, it waits its turn."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "b.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        ctl.on_unit_changed("a.service", {"ActiveState": "active", "SubState": "running"})
+        ctl.on_unit_changed("b.service", at_gate())
+        await settle()
+        assert bed.service.granted == [("a.service", "0")]
+        await bed.acquire("a.service")  # the next start's gate, ahead of the end's signals
+        assert bed.service.granted == [("a.service", "0")]
+        assert bed.service.sent_back == ["a.service"]
+        goes_down(bed, "a.service")  # the signals of the end come
+        await settle()
+        assert bed.service.granted[1:] == [("b.service", "0")]
+        ctl.on_unit_changed("a.service", at_gate(bytes.fromhex("f" * 32)))
+        await bed.acquire("a.service")  # asked again: waits for b.service, as urgent
+        assert bed.service.granted[2:] == []
+        assert ctl.scheduler.is_waiting("a.service")
 
     run(test)
 

@@ -31,6 +31,7 @@ from gpuslice.service import (
     INTERFACE,
     NOT_MANAGED,
     OBJECT_PATH,
+    START_ENDED,
     NotManaged,
     SchedulerService,
 )
@@ -821,6 +822,33 @@ def test_service_caps_pending_calls_per_unit(bus_address: str) -> None:
         service.grant("a.service", "0")
         granted = await asyncio.gather(*(c for c in calls if c not in done))
         assert [r.body for r in granted] == [["0"]] * 8
+
+    run(scenario)
+
+
+def test_calls_of_a_start_that_ended_are_answered_not_dropped(bus_address: str) -> None:
+    """The controller forgets a unit's calls when its start ends. A call in wait then may be
+    the gate of the unit's next start, whose Acquire came before the signals of that end
+    (systemd holds them back while its bus queue is long): dropped, its dbus-send waited for
+    ever (a reply timeout of ~24 days), and the start with it. Answered with an error, the
+    gate asks again (data/gpuslice-gate retries on any failure)."""
+
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+        service = SchedulerService(bus, lambda unit, sender: None, lambda: "{}", lambda: None)
+        await service.claim_name()
+        client = await connect(bus_address)
+        pending = asyncio.ensure_future(call(client, "Acquire", "s", ["a.service"]))
+        await sync(client)
+        await sync(bus)
+        assert service.pending("a.service")
+        service.forget("a.service")
+        reply = await asyncio.wait_for(pending, timeout=5)
+        assert reply.error_name == START_ENDED
+        assert reply.body == ["the start of a.service this call waited for has ended: ask again"]
+        assert not service.pending("a.service")
+        service.forget("a.service")  # nothing in wait: nothing sent
+        assert service.grant("a.service", "0") == 0
 
     run(scenario)
 

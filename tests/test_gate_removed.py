@@ -24,19 +24,36 @@ from gpuslice.paths import PACKAGE_DIR
 GATE = PACKAGE_DIR.parent / "data" / "gpuslice-gate"
 
 
-def _gate(tmp_path: Path, active: str, load: str, pre: str = "") -> subprocess.Popen[str]:
-    """The gate for job.service with the controller away (every Acquire fails), while
+# systemctl's own reading of its arguments (getopt_long): an argument that starts with `-`
+# is an option, wherever it stands, until `--`; one it does not know fails the command.
+SYSTEMCTL_ARGS = """verb=$1; shift; prop=; unit=
+while [ $# -gt 0 ]; do
+    case $1 in
+        -p) prop=$2; shift 2 ;;
+        --value) shift ;;
+        --) unit=$2; shift $# ;;
+        -*) echo "systemctl: invalid option -- '${1#-}'" >&2; exit 1 ;;
+        *) unit=$1; shift ;;
+    esac
+done
+"""
+
+
+def _gate(
+    tmp_path: Path, active: str, load: str, pre: str = "", unit: str = "job.service"
+) -> subprocess.Popen[str]:
+    """The gate for `unit` with the controller away (every Acquire fails), while
     `systemctl` says gpuslice.service is `active` (ActiveState) and `load` (LoadState), and
-    job.service's ExecStartPre= is `pre`."""
+    the unit's ExecStartPre= is `pre`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
         "dbus-send": "exit 1\n",
         "systemctl": (
-            'case "$1 $3 $5" in\n'
+            SYSTEMCTL_ARGS + 'case "$verb $prop $unit" in\n'
             f"  is-active*) echo {active}; exit 3 ;;\n"
             f'  "show LoadState gpuslice.service") echo {load} ;;\n'
-            f"  \"show ExecStartPre job.service\") echo '{pre}' ;;\n"
+            f"  \"show ExecStartPre {unit}\") echo '{pre}' ;;\n"
             "  *) exit 1 ;;\nesac\n"
         ),
     }
@@ -45,7 +62,7 @@ def _gate(tmp_path: Path, active: str, load: str, pre: str = "") -> subprocess.P
         stub.write_text("#!/bin/sh\n" + body)
         stub.chmod(0o755)
     return subprocess.Popen(
-        ["/bin/sh", str(GATE), "job.service", "0.05"],
+        ["/bin/sh", str(GATE), unit, "0.05"],
         env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -78,9 +95,14 @@ def test_a_start_waiting_when_gpuslice_is_removed_goes_on_ungated(
     )
 
 
-def test_a_unit_with_its_own_exec_start_pre_fails_that_start_instead(tmp_path: Path) -> None:
+# `-job.service` is a valid unit name (systemd's own `-.mount` and `-.slice` start so): given
+# to systemctl before `--`, it was read as options (`-j`: refused; `-Hhost`: a remote host)
+@pytest.mark.parametrize("unit", ["job.service", "-job.service"])
+def test_a_unit_with_its_own_exec_start_pre_fails_that_start_instead(
+    tmp_path: Path, unit: str
+) -> None:
     pre = "{ path=/bin/mkdir ; argv[]=/bin/mkdir -p /var/tmp/job ; ignore_errors=no }"
-    assert _ended(_gate(tmp_path, "inactive", "not-found", pre)) == (
+    assert _ended(_gate(tmp_path, "inactive", "not-found", pre, unit)) == (
         1,
         "gpuslice.service is not installed any more: failing this start, so that the next "
         "one runs ungated with its own ExecStartPre= lines\n",

@@ -11,9 +11,11 @@ too many gates) it asks over D-Bus instead: it never waits on a pipe nobody will
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import resource
 import signal
 import stat
 import subprocess
@@ -571,5 +573,55 @@ def test_the_gate_does_not_wait_on_a_link_to_a_pipe(tmp_path: Path, pipes: GateP
     pipes.directory.mkdir(parents=True)
     (pipes.directory / UNIT).symlink_to(elsewhere)
     gate = Gate(tmp_path, pipes)
+    assert gate.ended() == 0
+    assert gate.asked_over_dbus()
+
+
+@contextlib.contextmanager
+def no_file_can_be_opened() -> Iterator[None]:
+    """EMFILE for every open() of this process (as for a controller at its LimitNOFILE=, or
+    ENFILE with the host's file table full): the soft limit lowered to the descriptors open
+    now, and the holes below it filled."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1, hard))
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        with pytest.raises(OSError) as full:
+            os.open("/dev/null", os.O_RDONLY)
+        assert full.value.errno == errno.EMFILE
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_gate_in_open_stays_within_reach_when_its_pipe_cannot_be_opened(
+    tmp_path: Path, pipes: GatePipes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gate blocked in open() on its pipe (made at JobNew) is woken only by an open of that
+    pipe. When the controller can open no file (EMFILE), its pipe must stay: removed, the gate
+    waited on a pipe nobody could ever reach again, not `gpuslice release-gates` nor the next
+    controller, and its start for ever. Kept, either wakes it; the journal says so."""
+    gate = blocked_in_open(tmp_path, pipes)
+    with caplog.at_level(logging.WARNING, logger="gpuslice.gatepipes"), no_file_can_be_opened():
+        assert not pipes.at_gate(UNIT, START)
+        pipes.at_gate_unknown(UNIT)
+        pipes.retire(UNIT)
+    assert stat.S_ISFIFO((pipes.directory / UNIT).stat().st_mode)
+    assert pipes.holding() == []
+    assert gate.waits()
+    kept = (
+        f"gate pipe of {UNIT}: [Errno 24] Too many open files: '{pipes.directory / UNIT}'; "
+        "kept: a gate waiting on it waits until gpuslice can open it "
+        "(`systemctl restart gpuslice` wakes it)"
+    )
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [kept] * 3, said  # at its gate, its start unknown, retired
+    wake_and_remove(pipes.directory)  # ExecStopPost=, or the next controller's start-up
     assert gate.ended() == 0
     assert gate.asked_over_dbus()
