@@ -623,7 +623,7 @@ def read_config_text(path: str | os.PathLike[str]) -> str | None:
         if e.why is safefile.Why.TOO_LARGE:
             raise ConfigError([f"{shown}: {_TOO_LARGE}"]) from None
         if e.error is not None:
-            reason = e.error.strerror or str(e.error)
+            reason = str(e)  # the system's words
         elif stat.S_ISDIR(e.mode) or stat.S_ISFIFO(e.mode):
             reason = f"{e.kind}, not a regular file"
         else:

@@ -54,12 +54,10 @@ def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu]) -> None:
 
 
 def told_gpus(runtime_dir: str, unit: str) -> list[int]:
-    """The GPU indices the unit's file names (GPUSLICE_GPUS=), [] if none can be read. Never
-    follows a link, waits on a FIFO or reads more than MAX_BYTES."""
+    """The GPU indices the unit's file names (GPUSLICE_GPUS=), [] if none can be read or the
+    file is larger than one of ours (MAX_BYTES). Never follows a link or waits on a FIFO."""
     try:
-        data = safefile.read_bytes(
-            env_file(runtime_dir, unit), MAX_BYTES, follow_links=False, prefix=True
-        )
+        data = safefile.read_bytes(env_file(runtime_dir, unit), MAX_BYTES, follow_links=False)
     except safefile.Unreadable:
         return []
     for line in data.decode("ascii", "replace").splitlines():

@@ -87,7 +87,7 @@ def read_bytes(
 
 def _check_regular(mode: int) -> None:
     if stat.S_ISLNK(mode):
-        raise Unreadable(Why.LINK, mode=mode)
+        raise Unreadable(Why.LINK)
     if not stat.S_ISREG(mode):
         raise Unreadable(Why.NOT_REGULAR, mode=mode)
 

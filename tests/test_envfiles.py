@@ -45,7 +45,8 @@ def test_a_file_that_cannot_be_replaced_is_removed(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "kind", ["missing", "link", "fifo", "directory", "no line", "garbage", "part", "huge"]
+    "kind",
+    ["missing", "link", "fifo", "directory", "no line", "garbage", "part", "huge", "line, huge"],
 )
 def test_only_a_plain_file_of_ours_is_told_back(tmp_path: Path, kind: str) -> None:
     path = env_file(str(tmp_path), "a.service")
@@ -66,4 +67,6 @@ def test_only_a_plain_file_of_ours_is_told_back(tmp_path: Path, kind: str) -> No
         path.write_text("GPUSLICE_GPUS=1,2=\n")
     elif kind == "huge":
         path.write_text("#" * envfiles.MAX_BYTES + "\nGPUSLICE_GPUS=3\n")
+    elif kind == "line, huge":  # larger than any file of ours: not one, whatever it begins with
+        path.write_text("GPUSLICE_GPUS=3\n" + "#" * envfiles.MAX_BYTES)
     assert envfiles.told_gpus(str(tmp_path), "a.service") == []

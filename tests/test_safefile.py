@@ -270,6 +270,17 @@ def test_a_refused_open_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert (error.why, str(error)) == (Why.FAILED, "Permission denied")
 
 
+def test_an_error_without_the_systems_words_is_said_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object) -> int:
+        raise OSError("refused by a filter")
+
+    monkeypatch.setattr(os, "open", refuse)
+    (tmp_path / "f").write_bytes(b"x")
+    assert str(refused(tmp_path / "f", follow_links=True)) == "refused by a filter"
+
+
 def test_a_read_error_closes_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "f"
     path.write_bytes(b"x")
