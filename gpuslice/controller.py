@@ -44,7 +44,7 @@ from gpuslice.core.scheduler import (
     Thaw,
 )
 from gpuslice.counters import Counters
-from gpuslice.gatepipes import GatePipes
+from gpuslice.gatepipes import GatePipes, raise_fd_limit
 from gpuslice.gpuwatch import FRESH_SAMPLE, GpuWatch
 from gpuslice.inventory import GpuUse, Inventory
 from gpuslice.journal import Journal, decision_fields
@@ -1251,6 +1251,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     _journal_logging(config.log_level)
     for warning in warnings:
         log.warning("%s", warning)
+    raise_fd_limit()  # before anything opens: gatepipes.MAX_OPEN
     systemd = await Systemd.connect(bus_address)
     # under systemd (stderr to the journal) decisions also go to their units' journals
     journal = Journal() if os.environ.get("JOURNAL_STREAM") else None

@@ -40,6 +40,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import shutil
 import stat
 import sys
@@ -52,9 +53,37 @@ log = logging.getLogger(__name__)
 # The line that sends a gate to the bus (no InvocationID is ever "-").
 TO_THE_BUS = "-"
 # Gates holding a pipe open at once (one file descriptor each); beyond, new ones ask over the
-# bus. A service's soft limit is 1024 descriptors, which the bus, NVML, the journal and the
-# state file need too.
-MAX_OPEN = 256
+# bus, each holding a connection of root's to the bus daemon until it is answered: the system
+# bus allows 256 per user, and past them every other root client (pam_systemd at a login,
+# `gpuslice status` as root) is refused. So as many as the descriptors allow (pipe_budget),
+# up to this: the controller raises its soft limit to what it needs (raise_fd_limit).
+MAX_OPEN = 16384
+# Descriptors kept for the rest of the controller: the bus, NVML, the journal, the state file,
+# cuda-checkpoint's pipes, Python's own.
+RESERVED_FDS = 512
+
+
+def raise_fd_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE to what MAX_OPEN pipes need, within the hard limit (a
+    service gets 1024 soft and 524288 hard from systemd): raised by `LimitNOFILE=` instead,
+    a container's lower hard limit would stop the controller from starting at all."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_OPEN + RESERVED_FDS
+    if soft != resource.RLIM_INFINITY and soft < want:
+        limit = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+
+
+def pipe_budget() -> int:
+    """How many pipes may be open at once under this process's soft RLIMIT_NOFILE (1024 for
+    a service that does not raise it: 512)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN
+    return max(0, min(MAX_OPEN, soft - RESERVED_FDS))
+
+
 # How every pipe is opened: for reading and writing, so that open() never blocks on the gate
 # and the pipe stays open when a gate goes; never through a link someone put in its place
 _PIPE_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -72,9 +101,9 @@ class _Open:
 class GatePipes:
     """The controller's ends of the pipes of units at their gate."""
 
-    def __init__(self, directory: Path, max_open: int = MAX_OPEN) -> None:
+    def __init__(self, directory: Path, max_open: int | None = None) -> None:
         self.directory = directory
-        self.max_open = max_open
+        self.max_open = pipe_budget() if max_open is None else max_open
         self._open: dict[str, _Open] = {}
 
     def reset(self) -> None:

@@ -24,7 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice.gatepipes import GatePipes, wake_and_remove
+from gpuslice.gatepipes import (
+    MAX_OPEN,
+    RESERVED_FDS,
+    GatePipes,
+    pipe_budget,
+    raise_fd_limit,
+    wake_and_remove,
+)
 from gpuslice.paths import PACKAGE_DIR
 
 GATE = PACKAGE_DIR.parent / "data" / "gpuslice-gate"
@@ -625,3 +632,55 @@ def test_a_gate_in_open_stays_within_reach_when_its_pipe_cannot_be_opened(
     wake_and_remove(pipes.directory)  # ExecStopPost=, or the next controller's start-up
     assert gate.ended() == 0
     assert gate.asked_over_dbus()
+
+
+@pytest.mark.parametrize(
+    ("soft", "budget"),
+    [(1024, 1024 - RESERVED_FDS), (RESERVED_FDS - 1, 0), (1 << 20, MAX_OPEN)],
+)
+def test_as_many_pipes_as_the_descriptors_allow(
+    monkeypatch: pytest.MonkeyPatch, soft: int, budget: int
+) -> None:
+    """A gate beyond the pipes holds one of root's 256 connections to the system bus until it
+    is answered; past them, every other root client of the bus (pam_systemd at a login) is
+    refused. So pipes go as far as the descriptors go, leaving RESERVED_FDS to the rest."""
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, 1 << 20))
+    assert pipe_budget() == budget
+    assert GatePipes(Path("/nonexistent")).max_open == budget
+
+
+def test_an_unlimited_soft_limit_allows_max_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (resource.RLIM_INFINITY,) * 2)
+    assert pipe_budget() == MAX_OPEN
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "raised"),
+    [
+        (1024, 524288, MAX_OPEN + RESERVED_FDS),
+        (1024, 2000, 2000),
+        (1024, resource.RLIM_INFINITY, MAX_OPEN + RESERVED_FDS),
+        (MAX_OPEN + RESERVED_FDS, 524288, None),
+        (resource.RLIM_INFINITY, resource.RLIM_INFINITY, None),
+    ],
+)
+def test_the_controller_raises_its_soft_limit_within_the_hard_one(
+    monkeypatch: pytest.MonkeyPatch, soft: int, hard: int, raised: int | None
+) -> None:
+    """systemd gives a service 1024 descriptors (soft): 512 pipes only. Raised within the hard
+    limit by the controller itself (a LimitNOFILE= above a container's hard limit would keep
+    it from starting at all)."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (soft, hard))
+    monkeypatch.setattr(resource, "setrlimit", lambda _, limits: calls.append(limits))
+    raise_fd_limit()
+    assert calls == ([] if raised is None else [(raised, hard)])
+
+
+def test_a_refused_raise_leaves_the_limit_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: object) -> None:
+        raise ValueError("not allowed to raise maximum limit")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 524288))
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    raise_fd_limit()
