@@ -350,3 +350,15 @@ def test_a_gate_blocked_before_the_controller_opened_its_pipe_is_woken_when_it_d
     container.systemctl("start", CONTROLLER)
     wait_state(container, WAITER, "active", timeout=CAP_S + 25)
     assert "Traceback" not in container.journal(CONTROLLER)
+
+
+def test_the_controller_holds_enough_descriptors_for_every_gate_pipe(container: Container) -> None:
+    """systemd starts a service with 1024 descriptors (soft): 512 pipes, and every gate past
+    them held one of root's 256 connections to the bus. The controller raises its own."""
+    from gpuslice.gatepipes import MAX_OPEN, RESERVED_FDS
+
+    pid = prop(container, CONTROLLER, "MainPID")
+    limits = container.run(["cat", f"/proc/{pid}/limits"]).stdout
+    soft, hard = next(line.split()[3:5] for line in limits.splitlines() if "Max open files" in line)
+    wanted = MAX_OPEN + RESERVED_FDS
+    assert int(soft) == (wanted if hard == "unlimited" else min(wanted, int(hard))), limits
