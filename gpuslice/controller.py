@@ -815,12 +815,37 @@ class Controller:
             self.service.forget(unit)
             return
         if self.gates.answered(unit) and running:
-            # granted at its pipe, which its gate had not found: the same grant, said again
-            gpus = sorted(self.scheduler.grants()[unit])
-            if self.service.grant(unit, ",".join(map(str, gpus))):
-                self.counters.gate_answers["dbus"] += 1
+            self._spawn(self._grant_again(unit, self.gates.granted(unit)))
             return
         self._serve_gate(unit)
+
+    async def _grant_again(self, unit: str, granted: str | None) -> None:
+        """A unit granted at its pipe asks over D-Bus: its gate had not found the pipe (the
+        same grant, said again), or this is the gate of its next start, and that start ran
+        and ended before its signals reached us (a unit that fails at once, Restart=): its
+        gate read our line for the last start, not its own, and granted again it ran on GPUs
+        that end frees for another unit. Which, systemd's InvocationID of the unit tells
+        (the gate's call names the unit, not the start); the next start is told to ask
+        again (StartEnded), after the signals of the last one's end."""
+        try:
+            current = await self.systemd.invocation(unit)
+        except SystemdError as e:
+            self.counters.error("dbus_call_errors")
+            log.debug("cannot read the InvocationID of %s: %s", unit, e)
+            current = None
+        if not self.service.pending(unit):
+            return
+        if (
+            current is None
+            or current != granted
+            or self.gates.granted(unit) != granted
+            or self.scheduler.phase(unit) is not Phase.RUNNING
+        ):
+            self.service.forget(unit)  # it asks again, and is judged on what we know then
+            return
+        gpus = sorted(self.scheduler.grants()[unit])
+        if self.service.grant(unit, ",".join(map(str, gpus))):
+            self.counters.gate_answers["dbus"] += 1
 
     def _serve_gate(self, unit: str) -> None:
         """The unit's gate asks (over D-Bus, or systemd showed it at its gate)."""

@@ -176,6 +176,11 @@ class GatePipes:
         held = self._open.get(unit)
         return held is not None and held.answered
 
+    def granted(self, unit: str) -> str | None:
+        """The InvocationID of the start granted at the unit's pipe (None: none was)."""
+        held = self._open.get(unit)
+        return held.invocation if held is not None and held.answered else None
+
     def close(self, unit: str) -> bool:
         """The unit left its gate (it runs, or went down): drop our end of its pipe. Whether
         its gate took the grant from the pipe (it may have asked over D-Bus instead)."""

@@ -478,6 +478,14 @@ class Systemd:
         )
         return str(value.value)
 
+    async def invocation(self, name: str) -> str | None:
+        """The InvocationID of the unit's current (or last) start, hex as in $INVOCATION_ID;
+        None for a unit that never ran."""
+        (value,) = await self.call(
+            "Get", "ss", [UNIT, "InvocationID"], path=unit_path(name), interface=PROPERTIES
+        )
+        return invocation_hex(value.value)
+
     async def unit_pids(self, name: str) -> list[int]:
         """Every process in the unit's cgroup, as systemd lists them."""
         (processes,) = await self.call("GetUnitProcesses", "s", [name])

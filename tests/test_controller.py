@@ -53,6 +53,7 @@ class FakeSystemd:
         self.reads: list[str] = []  # units whose state was read one by one
         self.freezer: dict[str, str] = {}  # FreezerState by unit ("running" if not named)
         self.refused_thaws = 0  # how many ThawUnit calls fail from now
+        self.invocations: dict[str, str] = {}  # each unit's InvocationID, where a test says
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -84,6 +85,9 @@ class FakeSystemd:
     async def units_state(self, names: Collection[str]) -> list[UnitState]:
         self.calls.append(("units_state", ",".join(sorted(names))))
         return [self.units.get(n, UnitState(n, "inactive", "dead", 0)) for n in sorted(names)]
+
+    async def invocation(self, name: str) -> str | None:
+        return self.invocations.get(name)
 
     async def caller_pid(self, sender: str) -> int:
         if sender not in self.pids:
@@ -2087,6 +2091,7 @@ def test_a_gate_that_asks_over_dbus_after_its_pipe_grant_is_told_the_same(
     """A unit's first start: its gate found no pipe yet and asks over D-Bus, while the
     controller grants it at the start-pre signal. One grant, said on both ways, logged once."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    bed.systemd.invocations["a.service"] = START.hex()  # systemd: the same start
     cgroup_of[4242] = "a.service"
 
     async def test() -> None:
@@ -2096,12 +2101,41 @@ def test_a_gate_that_asks_over_dbus_after_its_pipe_grant_is_told_the_same(
             ctl.on_unit_changed("a.service", at_gate())
             await settle()
             await bed.acquire("a.service", ":1.9", 4242)
+            await settle()
         assert bed.service.waiting == {}
         assert [m for m in messages(caplog) if m.startswith("starting a.service")] == [
             "starting a.service (priority 50) on GPU 0"
         ]
         ctl.on_unit_changed("a.service", {"ActiveState": "active", "SubState": "running"})
         assert ctl.counters.gate_answers == {"pipe": 0, "dbus": 1}  # its line was not read
+
+    run(test)
+
+
+def test_the_gate_of_a_next_start_that_finds_the_last_starts_line_is_not_granted_again(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service was granted GPU 0 at its pipe; that start ran and ended (Restart= after a
+    crash at once) before any of its signals reached the controller, which still shows it at
+    its gate. Its next start's gate reads the line for the last start, not its own, and asks
+    over D-Bus: granted again as a gate that had not found its pipe, it ran on GPU 0, which
+    the last start's end, read a moment later, freed for b.service. systemd's InvocationID
+    tells the two apart: the call is answered "ask again"."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "b.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "a.service"
+    bed.systemd.invocations["a.service"] = "ab" * 16  # systemd: its next start
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        assert bed.service.granted == [("a.service", "0")]
+        assert read_pipe(bed, "a.service") == START.hex() + "\n"  # read by the next gate
+        await bed.acquire("a.service", ":1.9", 4242)  # the next start's gate
+        await settle()
+        assert bed.service.granted == [("a.service", "0")]
+        assert bed.service.sent_back == ["a.service"]
 
     run(test)
 

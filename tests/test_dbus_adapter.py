@@ -1084,3 +1084,33 @@ def test_a_job_call_leaves_when_made_and_the_rest_in_turn(bus_address: str) -> N
         assert systemd._calls.free == MAX_CALLS_IN_FLIGHT
 
     run(body)
+
+
+def test_a_units_invocation_id_is_read_as_the_gate_sees_it(bus_address: str) -> None:
+    """Systemd.invocation: the 16 bytes systemd gives, hex as in $INVOCATION_ID; None for a
+    unit that never ran (no bytes)."""
+    ids = {unit_path("a.service"): bytes(range(16)), unit_path("b.service"): b""}
+
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+
+        def answer(msg: Message) -> Message | bool:
+            if (
+                msg.interface == PROPERTIES
+                and msg.member == "Get"
+                and msg.body
+                == [
+                    UNIT,
+                    "InvocationID",
+                ]
+            ):
+                return Message.new_method_return(msg, "v", [Variant("ay", ids[msg.path])])
+            return False
+
+        bus.add_message_handler(answer)
+        await bus.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        assert await systemd.invocation("a.service") == bytes(range(16)).hex()
+        assert await systemd.invocation("b.service") is None
+
+    run(scenario)
