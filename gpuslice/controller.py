@@ -645,6 +645,7 @@ class Controller:
                 )
             )
             self.service.forget(name)
+            self.ladder.went_down(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))
         elif isinstance(change, ReachedGate):

@@ -118,6 +118,11 @@ class Ladder:
         # units owed a thaw whose ThawUnit failed, said once (a warning) until one works
         self.thaw_failing: set[str] = set()
 
+    def went_down(self, unit: str) -> None:
+        """The unit's processes are gone: what a suspend of it kept is of no use (one entry
+        per unit ever suspended, instances without end, kept until the controller exits)."""
+        self.suspensions.pop(unit, None)
+
     # -- suspend ------------------------------------------------------------------------------
 
     def suspend(self, unit: str, thaw_first: bool = False) -> Coroutine[Any, Any, None]:

@@ -28,6 +28,7 @@ from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
+from gpuslice.ladder import Suspension
 from gpuslice.nvml import DeviceScan, GpuInfo, GpuProcess, Nvml, NvmlStatus
 from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
@@ -695,6 +696,32 @@ def test_a_suspended_unit_whose_annotation_went_is_still_heard(
         assert ctl.scheduler.suspended_units() == []
         assert ctl.scheduler.phase("vlm.service") is None
         assert bed.systemd.watches("vlm.service")  # until the next re-match
+
+    run(test)
+
+
+def test_what_a_suspend_kept_goes_with_the_units_end(tmp_path: Path) -> None:
+    """One entry per unit ever suspended (every instance of a template) was kept until the
+    controller exited."""
+    bed = Bed(
+        tmp_path,
+        {"vlm.service": "Priority=90\nPreempt=suspend stop\n", "voice.service": "Priority=10\n"},
+        [state("vlm.service", "active", "running"), state("voice.service", "active", "running")],
+        SavedState(
+            holders={"voice.service": ((0,), "running", 2, "")},
+            suspended={"vlm.service": ((0,), 1)},
+            seq=2,
+        ),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.ladder.suspensions["vlm.service"] = Suspension((4242,), 1 << 30, 0.0, 0.0)
+        goes_down(bed, "vlm.service")  # stopped by hand while suspended
+        await settle()
+        assert ctl.scheduler.suspended_units() == []
+        assert ctl.ladder.suspensions == {}
 
     run(test)
 
