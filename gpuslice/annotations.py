@@ -2,7 +2,9 @@
 
 One table (`KEYS`) declares every key; adding a key is one row there plus a `UnitSpec` field.
 Every problem is collected with its file and line; a unit with an error is left unmanaged, and
-the other units are unaffected. Pure stdlib + `core.model` + `paths`, so the generator can import
+the other units are unaffected. A unit run as another user whose `EnvironmentFile=` someone but
+root can change is an error too (`envsafety`: the gate runs as root with the unit's
+environment). Pure stdlib + `core.model` + `paths` + `envsafety`, so the generator can import
 it cheaply.
 """
 
@@ -19,6 +21,7 @@ from functools import partial
 from typing import Any, Literal, NamedTuple
 
 from gpuslice.core.model import GPU_ID, INSTANCE_DEVICE, PRIORITY_MAX, Rung, UnitKind, UnitSpec
+from gpuslice.envsafety import RUN_AS_KEYS, EnvFileChecker, RunAs
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.sizes import SIZE_ALLOWED, parse_size
 from gpuslice.unitfiles import (
@@ -236,6 +239,8 @@ class Loader:
         # text for every unit whose own ExecStartPre= lines are alike (10,000 units: 1 parse)
         self._by_text: dict[str, _Parsed] = {}
         self._files: dict[str, list[UnitFile] | None] = {}
+        # whether the EnvironmentFile= of a unit run as another user is root's alone
+        self.env_files = EnvFileChecker(index.root)
 
     def parsed(self, unit_file: UnitFile) -> _Parsed:
         """The file's entries, ignorable lines, and the line of its first `[X-GPUSlice]`.
@@ -285,8 +290,13 @@ class Loader:
 
         A file that cannot be read (gone: a warning; anything else, such as a FIFO, a file over
         `MAX_FILE_SIZE` or a symlink loop: an error) leaves the unit unmanaged, whether or not
-        its readable files are annotated: what the unread file says is unknown."""
+        its readable files are annotated: what the unread file says is unknown.
+
+        A unit that runs as another user (`User=`, `DynamicUser=`) is unmanaged too when
+        someone but root can change one of its `EnvironmentFile=`s (gpuslice/envsafety.py):
+        the gate runs as root with the unit's environment."""
         problems: list[Problem] = []
+        run_as = RunAs()
         unreadable: list[Problem] = []
         settings: dict[str, _Setting] = {}
         # where the first [X-GPUSlice] header is: the place to report a missing key
@@ -311,9 +321,15 @@ class Loader:
             for entry in parsed.entries:
                 if entry.section == SECTION:
                     self._assign(name, path, entry, settings, problems)
+                elif entry.section == "Service" and entry.key in RUN_AS_KEYS:
+                    run_as.assign(path, entry)
         if section_at is None:
             return None, _capped(unreadable)
         problems = unreadable + problems
+        problems += [
+            Problem(f.path, f.line, "EnvironmentFile", f.message, "error", name, "Service")
+            for f in self.env_files.check(name, run_as)
+        ]
 
         values: dict[str, Any] = {}
         for key in KEYS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -134,6 +135,48 @@ def test_template_covers_its_instances(tmp_path: Path) -> None:
         "train@file.service.d/gpuslice-gate.conf": gate("/bin/f"),
         "train@none.service.d/gpuslice-gate.conf": generator.MASK_TEXT,
     }
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_a_unit_run_as_a_user_who_can_change_its_environment_file_is_not_gated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gate runs as root with the unit's environment (tests/test_envsafety.py)."""
+    tmp_path.chmod(0o755)
+    write(tmp_path, "/etc/asr/ours.env", "A=1\n")
+    write(tmp_path, "/srv/asr/theirs.env", "LD_PRELOAD=/srv/asr/evil.so\n")
+    os.chown(tmp_path / "srv/asr", 1000, 1000)
+    for name, env in (("ours", "/etc/asr/ours.env"), ("theirs", "/srv/asr/theirs.env")):
+        write(
+            tmp_path,
+            f"{ETC}/{name}.service",
+            f"[Service]\nUser=asr\nEnvironmentFile={env}\n{ANNOTATION}",
+        )
+    # an instance whose own drop-in names such a file: its template's gate is hidden
+    write(tmp_path, f"{ETC}/job@.service", f"[Service]\nUser=asr\n{ANNOTATION}")
+    write(
+        tmp_path,
+        f"{ETC}/job@x.service.d/env.conf",
+        "[Service]\nEnvironmentFile=-/srv/asr/theirs.env\n",
+    )
+    assert written(run(tmp_path)) == {
+        "job@.service.d/gpuslice-gate.conf": gate(),
+        "job@x.service.d/gpuslice-gate.conf": generator.MASK_TEXT,
+        "ours.service.d/gpuslice-gate.conf": gate(),
+    }
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"gpuslice-generator: error: {ETC}/theirs.service:3: [Service] EnvironmentFile: "
+        "/srv/asr/theirs.env: its directory /srv/asr is owned by UID 1000, who can change it; "
+        "gpuslice's gate runs as root with this unit's environment, so gpuslice does not "
+        "manage theirs.service until only root can change that file and its directories "
+        "(unit not managed)",
+        f"gpuslice-generator: error: {ETC}/job@x.service.d/env.conf:2: [Service] "
+        "EnvironmentFile: /srv/asr/theirs.env: its directory /srv/asr is owned by UID 1000, "
+        "who can change it; gpuslice's gate runs as root with this unit's environment, so "
+        "gpuslice does not manage job@x.service until only root can change that file and its "
+        "directories (unit not managed)",
+    ]
 
 
 def test_escaped_template_name(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from tests.integration.jobs import (
     UNIT_DIR,
     always_for,
     describe,
+    holders,
     main_pid,
     prop,
     reload,
@@ -290,3 +291,53 @@ def test_instances_that_ended_leave_no_trace(container: Container) -> None:
     assert (now["finished"], now["failed"], now["held"]) == ([], [], []), now
     saved = container.run(["cat", "/var/lib/gpuslice/state.json"]).stdout
     assert "tx@" not in saved, saved
+
+
+def test_a_unit_whose_user_can_change_its_environment_file_is_not_gated(
+    container: Container,
+) -> None:
+    """The gate runs as root (`ExecStartPre=+`) with the unit's environment: a unit with
+    `User=nobody` whose EnvironmentFile= nobody owns would hand nobody root (LD_PRELOAD=,
+    PATH=), so it is not managed, and says why (gpuslice/envsafety.py). The same unit with a
+    file only root can change is gated as before."""
+    sleeper = "/bin/sleep 600"
+    container.run("mkdir -p /srv/asr && echo A=1 > /srv/asr/asr.env && echo A=1 > /etc/ok.env")
+    container.run(["chown", "nobody:nogroup", "/srv/asr/asr.env"])
+    write_job(
+        container,
+        "asr.service",
+        10,
+        exec_start=sleeper,
+        extra_service="User=nobody\nEnvironmentFile=/srv/asr/asr.env",
+    )
+    write_job(
+        container,
+        "ok.service",
+        10,
+        exec_start=sleeper,
+        extra_service="User=nobody\nEnvironmentFile=/etc/ok.env",
+    )
+    reload(container)
+    said = (
+        "/etc/systemd/system/asr.service:7: [Service] EnvironmentFile: /srv/asr/asr.env is "
+        "owned by UID 65534, who can change it; gpuslice's gate runs as root with this unit's "
+        "environment, so gpuslice does not manage asr.service until only root can change that "
+        "file and its directories"
+    )
+    assert "gpuslice-gate" not in prop(container, "asr.service", "ExecStartPre")
+    assert "gpuslice-gate.conf" not in prop(container, "asr.service", "DropInPaths")
+    assert "gpuslice-gate" in prop(container, "ok.service", "ExecStartPre")
+    check = container.run(["gpuslice", "check"], check=False)
+    assert check.returncode == 1
+    assert f"error: {said}" in check.stderr, check.stderr
+    wait_until(
+        lambda: said in status(container)["problems"] or None,
+        20,
+        what="the refusal in gpuslice status",
+    )
+    wait_journal(container, said)
+    container.systemctl("start", "asr.service")  # unmanaged: starts at once, no gate run
+    assert prop(container, "asr.service", "ActiveState") == "active"
+    assert "asr.service" not in str(holders(container))
+    container.systemctl("start", "ok.service")
+    assert holders(container) == {0: ["ok.service"]}

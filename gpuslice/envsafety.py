@@ -1,0 +1,458 @@
+"""Whether only root can change the `EnvironmentFile=` of a unit that runs as another user.
+
+gpuslice's gate runs as `ExecStartPre=+`: as root, outside `User=` and the unit's sandbox, but
+with the unit's environment, `EnvironmentFile=` included. A unit with `User=asr` (or
+`DynamicUser=yes`) whose environment file asr can change ran nothing as root before gpuslice
+gated it; once gated, asr's `LD_PRELOAD=` or `PATH=` runs in the gate's root shell (the dynamic
+loader acts before the gate can). Such a unit is not managed: `EnvFileChecker.check` says why,
+for each file, and `annotations.Loader` makes that an error on the unit (no gate).
+
+A file is root's alone when every component of its path, walked from / with symlinks followed
+(the link's directory, then its target's components), is owned by UID 0 and writable by no
+group but GID 0 (without an access ACL) and by no one else (a sticky world-writable directory
+such as /tmp included). A file that does not exist is fine when the deepest directory that does
+is root's alone, so that only root can make it. A path under `USER_TREES` is refused whatever
+it holds: users make files there, and /home may not be mounted yet when systemd runs the
+generator at boot (its empty mount point looks like root's). Whatever cannot be checked (a
+specifier whose value is not known here, a relative path, a wildcard, a loop of symlinks, a
+FIFO, a path longer than systemd takes) is refused too, with the reason.
+
+Paths are system paths, looked up under the scan's root (tests use a temporary directory, as
+`unitfiles.UnitIndex` does). Only lstat(2), readlink(2) and getxattr(2) are used: nothing is
+opened, so a FIFO cannot block. Results are cached for the checker's life (one scan): 10,000
+units that share one file cost one walk. Pure stdlib + `unitfiles`; `check` never raises.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from gpuslice.safefile import file_kind
+from gpuslice.unitfiles import Entry, is_instance, is_template, printable
+
+# Where users make files, or file systems are mounted after the generator ran at boot.
+USER_TREES: tuple[str, ...] = (
+    "/home",
+    "/run/user",
+    "/tmp",
+    "/var/tmp",
+    "/dev/shm",
+    "/media",
+    "/run/media",
+)
+PATH_MAX = 4096  # Linux's, with the NUL: systemd ignores a longer EnvironmentFile=
+MAX_SYMLINKS = 32  # systemd's chase limit (the kernel's is 40)
+MAX_STEPS = 1024  # components walked, symlinks' targets included: no real path comes near
+RUN_AS_KEYS = frozenset({"User", "DynamicUser", "EnvironmentFile"})
+_ROOT_USERS = frozenset({"root", "0"})
+_FALSE = frozenset({"0", "no", "n", "false", "f", "off"})
+# systemd's specifiers whose value is fixed for the system manager (systemd.unit(5))
+_SYSTEM_DIRS = {
+    "t": "/run",
+    "S": "/var/lib",
+    "C": "/var/cache",
+    "L": "/var/log",
+    "E": "/etc",
+    "T": "/tmp",
+    "V": "/var/tmp",
+}
+_NAME_SPECIFIERS = "nNpPiIjJ"
+_BY_INSTANCE = "nNiI"  # in a template, these depend on the instance, chosen at each start
+_WILDCARDS = "*?[\\"  # systemd globs EnvironmentFile= (glob(3) without flags: \ escapes)
+_ACL = "system.posix_acl_access"
+_NO_ACL = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+class EnvFile(NamedTuple):
+    """One `EnvironmentFile=` assignment: where it is and what it says."""
+
+    path: str
+    line: int
+    value: str
+
+
+@dataclass
+class RunAs:
+    """The `[Service]` settings that decide whether the gate's environment is the admin's:
+    `User=` (last wins, empty resets), `DynamicUser=`, `EnvironmentFile=` (each appends, an
+    empty one resets the list). Collected while the unit's files are read, in order."""
+
+    user: str = ""
+    dynamic: bool = False
+    env_files: list[EnvFile] = field(default_factory=list)
+
+    def assign(self, path: str, entry: Entry) -> None:
+        if entry.key == "User":
+            self.user = entry.value
+        elif entry.key == "DynamicUser":
+            # systemd ignores a bad value and keeps the last: taken as yes here, which only
+            # adds a check
+            self.dynamic = entry.value.lower() not in _FALSE
+        elif entry.key == "EnvironmentFile":
+            if entry.value == "":
+                self.env_files.clear()
+            else:
+                self.env_files.append(EnvFile(path, entry.line, entry.value))
+
+    def other_user(self) -> bool:
+        """Whether the unit runs as a user other than root (a specifier in `User=` counts)."""
+        return self.dynamic or (self.user != "" and self.user not in _ROOT_USERS)
+
+
+# what an admin does about a refusal, ending its message
+FIX_OWNERS = "until only root can change that file and its directories"
+FIX_PATH = "until it names, by an absolute path, a file only root can change"
+FIX_TREE = "until it names a file elsewhere, that only root can change"
+
+
+class Refusal(NamedTuple):
+    """Why one EnvironmentFile= is refused, and what fixes it (`FIX_*`)."""
+
+    reason: str
+    fix: str
+
+
+class Finding(NamedTuple):
+    """A refused `EnvironmentFile=` assignment: its file, line and the whole message."""
+
+    path: str
+    line: int
+    message: str
+
+
+def _unescape(text: str) -> str | None:
+    """systemd's unit_name_unescape: `-` is `/`, `\\xNN` a byte (kept as a surrogate when
+    not ASCII, so that the file system sees that byte). None for a bad escape."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "-":
+            out.append("/")
+        elif c == "\\":
+            code = text[i + 2 : i + 4]
+            if text[i + 1 : i + 2] != "x" or len(code) != 2:
+                return None
+            try:
+                byte = int(code, 16)
+            except ValueError:
+                return None
+            out.append(chr(byte) if byte < 0x80 else chr(0xDC00 + byte))
+            i += 3
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _name_parts(unit: str) -> dict[str, str | None]:
+    """The values of the name specifiers; None where unescaping fails."""
+    dot = unit.rfind(".")
+    at = unit.find("@")
+    prefix = unit[:at] if at > 0 else unit[:dot]
+    instance = unit[at + 1 : dot] if is_instance(unit) else ""
+    last = prefix[prefix.rfind("-") + 1 :]
+    return {
+        "n": unit,
+        "N": unit[:dot],
+        "p": prefix,
+        "P": _unescape(prefix),
+        "i": instance,
+        "I": _unescape(instance),
+        "j": last,
+        "J": _unescape(last),
+    }
+
+
+def expand(unit: str, value: str) -> tuple[str, None] | tuple[None, str]:
+    """`value` with its specifiers expanded, or why it cannot be (systemd's specifier_printf:
+    `%%` is `%`, a lone `%` at the end stays)."""
+    if "%" not in value:
+        return value, None
+    names: dict[str, str | None] | None = None
+    out: list[str] = []
+    i = 0
+    while i < len(value):
+        c = value[i]
+        if c != "%" or i + 1 == len(value):
+            out.append(c)
+            i += 1
+            continue
+        spec = value[i + 1]
+        i += 2
+        if spec == "%":
+            out.append("%")
+        elif spec in _SYSTEM_DIRS:
+            out.append(_SYSTEM_DIRS[spec])
+        elif spec in _NAME_SPECIFIERS:
+            if spec in _BY_INSTANCE and is_template(unit):
+                return None, (
+                    f"%{spec} depends on the instance's name, which whoever starts an "
+                    f"instance of {unit} chooses, so the file cannot be checked for every "
+                    "instance"
+                )
+            names = names or _name_parts(unit)
+            part = names[spec]
+            if part is None:
+                return None, f"%{spec} of {unit} cannot be unescaped"
+            out.append(part)
+        else:
+            return None, (
+                f"the specifier %{printable(spec)} has a value gpuslice does not work out "
+                "(it knows %n %N %p %P %i %I %j %J %t %S %C %L %E %T %V %%)"
+            )
+    return "".join(out), None
+
+
+def _user_tree(path: str) -> str | None:
+    for tree in USER_TREES:
+        if path == tree or path.startswith(tree + "/"):
+            return tree
+    return None
+
+
+class EnvFileChecker:
+    """Checks EnvironmentFile= paths under `root`, remembering every lstat and verdict."""
+
+    def __init__(self, root: str | os.PathLike[str] = "/"):
+        self._root = os.fspath(root).rstrip("/")
+        self._stats: dict[str, os.stat_result | OSError] = {}
+        self._links: dict[str, str | OSError] = {}
+        self._verdicts: dict[str, Refusal | None] = {}
+        # directories found root's alone, by their path without symlinks: a walk to a file in
+        # one starts there (10,000 files in one directory: one walk of its parents)
+        self._safe_dirs: set[str] = set()
+
+    def check(self, unit: str, run_as: RunAs) -> list[Finding]:
+        """A finding for each of the unit's environment files that someone other than root
+        can change, or that cannot be checked; none for a unit that runs as root. Never
+        raises."""
+        if not run_as.env_files or not run_as.other_user():
+            return []
+        findings: list[Finding] = []
+        for env_file in run_as.env_files:
+            try:
+                refusal = self.refusal(unit, env_file.value)
+            except Exception as e:  # belt and braces: no file may crash a scan
+                quoted = printable(env_file.value, 200)
+                refusal = Refusal(f"{quoted} cannot be checked ({type(e).__name__})", FIX_PATH)
+            if refusal is not None:
+                findings.append(Finding(env_file.path, env_file.line, _message(unit, refusal)))
+        return findings
+
+    def refusal(self, unit: str, value: str) -> Refusal | None:
+        """Why the value of one EnvironmentFile= (`-` first when optional) is refused, or None
+        when only root can change the file it names."""
+        quoted = printable(value, 200)
+        path, why = expand(unit, value[1:] if value.startswith("-") else value)
+        if path is None:
+            return Refusal(f"{quoted} cannot be checked: {why}", FIX_PATH)
+        if "\0" in path:
+            return Refusal(f"{quoted} cannot be checked: it holds a NUL", FIX_PATH)
+        if not path.startswith("/"):
+            return Refusal(
+                f"{quoted} is not an absolute path, which gpuslice cannot check", FIX_PATH
+            )
+        if len(os.fsencode(path)) >= PATH_MAX:
+            return Refusal(
+                f"{quoted} cannot be checked: longer than {PATH_MAX - 1} bytes", FIX_PATH
+            )
+        if any(c in path for c in _WILDCARDS):
+            return Refusal(
+                f"{quoted} cannot be checked: systemd reads it as a wildcard pattern "
+                "(*, ?, [ or \\), which gpuslice does not expand; name each file",
+                FIX_PATH,
+            )
+        if path not in self._verdicts:
+            self._verdicts[path] = self._walk(path)
+        return self._verdicts[path]
+
+    # -- the walk
+
+    def _real(self, path: str) -> str:
+        """Where the system path `path` (absolute) is under the root."""
+        return self._root + path if path != "/" else self._root or "/"
+
+    def _lstat(self, path: str) -> os.stat_result | OSError:
+        found = self._stats.get(path)
+        if found is None:
+            try:
+                found = os.lstat(self._real(path))
+            except OSError as e:
+                found = _kept(e)
+            except ValueError as e:  # a NUL: refused before, but never raise
+                found = OSError(errno.EINVAL, str(e))
+            self._stats[path] = found
+        return found
+
+    def _readlink(self, path: str) -> str | OSError:
+        found = self._links.get(path)
+        if found is None:
+            try:
+                found = os.readlink(self._real(path))
+            except OSError as e:
+                found = _kept(e)
+            self._links[path] = found
+        return found
+
+    def _walk(self, path: str) -> Refusal | None:
+        shown = printable(path)
+        # the path as written, and each directory the walk goes through (symlinks resolved)
+        tree = _user_tree(os.path.normpath(path))
+        trees = [(tree, "")] if tree is not None else []
+        root = self._lstat("/")
+        if isinstance(root, OSError):
+            return Refusal(f"{shown} cannot be checked: /: {_strerror(root)}", FIX_PATH)
+        refusal = self._component(shown, "/", root, "", False)
+        if refusal is not None:
+            return refusal
+        current = ""  # the directory reached, symlinks resolved ("" is /)
+        head, _, name = path.rpartition("/")
+        if head in self._safe_dirs and not trees and name not in ("", ".", ".."):
+            current, parts = head, [name]  # a directory already walked: root's alone
+        else:
+            parts = [p for p in path.split("/") if p]
+            parts.reverse()  # popped from the end
+        via = ""  # the first symlink followed, for the message
+        hops = steps = 0
+        while parts:
+            steps += 1
+            if steps > MAX_STEPS:
+                return Refusal(
+                    f"{shown} cannot be checked: more than {MAX_STEPS} path components to "
+                    "walk, symlinks' targets included",
+                    FIX_PATH,
+                )
+            part = parts.pop()
+            if part == ".":
+                continue
+            if part == "..":
+                current = current[: current.rfind("/")]
+                continue
+            here = f"{current}/{part}"
+            # the walk goes through every directory above: meeting the tree itself is enough
+            if here in USER_TREES and not trees:
+                trees.append((here, here))
+            st = self._lstat(here)
+            if isinstance(st, OSError):
+                if st.errno in (errno.ENOENT, errno.ENOTDIR):
+                    # only root can make it (`current` is root's alone), unless it is where
+                    # users make files or a file system is mounted later
+                    return _in_user_tree(shown, trees)
+                return Refusal(
+                    f"{shown} cannot be checked: {printable(here)}: {_strerror(st)}", FIX_PATH
+                )
+            if stat.S_ISLNK(st.st_mode):
+                # a symlink's own owner and mode change nothing: only who may write its
+                # directory (`current`, checked) can replace it
+                hops += 1
+                if hops > MAX_SYMLINKS:
+                    return Refusal(
+                        f"{shown} cannot be checked: more than {MAX_SYMLINKS} symlinks (a loop?)",
+                        FIX_PATH,
+                    )
+                target = self._readlink(here)
+                if isinstance(target, OSError):
+                    return Refusal(
+                        f"{shown} cannot be checked: the symlink {printable(here)} cannot "
+                        f"be read: {_strerror(target)}",
+                        FIX_PATH,
+                    )
+                via = via or here
+                if target.startswith("/"):
+                    current = ""
+                parts.extend(reversed([p for p in target.split("/") if p]))
+                continue
+            refusal = self._component(shown, here, st, via, not parts)
+            if refusal is not None:
+                return refusal
+            if parts and not stat.S_ISDIR(st.st_mode):
+                # the path cannot exist while this file of root's does
+                return _in_user_tree(shown, trees)
+            if not trees and stat.S_ISDIR(st.st_mode):
+                self._safe_dirs.add(here)  # no symlink in it, each directory above checked
+            current = here
+        st = self._lstat(current or "/")
+        if isinstance(st, os.stat_result) and not stat.S_ISREG(st.st_mode):
+            kind = file_kind(st.st_mode) or "not a regular file"
+            return Refusal(
+                f"{_subject(shown, current, via, True)} is {kind}, not a regular file", FIX_PATH
+            )
+        return _in_user_tree(shown, trees)
+
+    def _component(
+        self, shown: str, here: str, st: os.stat_result, via: str, last: bool
+    ) -> Refusal | None:
+        """Why someone other than root can change `here` (not a symlink; `last`: the file
+        itself), or None."""
+        mode = st.st_mode
+        if st.st_uid != 0:
+            what = f"is owned by UID {st.st_uid}, who can change it"
+        elif mode & stat.S_IWOTH:
+            if stat.S_ISDIR(mode) and mode & stat.S_ISVTX:
+                what = "is a sticky directory anyone can make files in (as /tmp)"
+            else:
+                what = f"is writable by anyone (mode {stat.S_IMODE(mode):04o})"
+        elif mode & stat.S_IWGRP and st.st_gid != 0:
+            what = f"is writable by group GID {st.st_gid} (mode {stat.S_IMODE(mode):04o})"
+        elif mode & stat.S_IWGRP and self._has_acl(here):
+            what = "is group-writable with an access ACL, which may let others write it"
+        else:
+            return None
+        return Refusal(f"{_subject(shown, here, via, last)} {what}", FIX_OWNERS)
+
+    def _has_acl(self, here: str) -> bool:
+        """Whether `here` has an access ACL (or cannot be asked): its group bits are then the
+        ACL's mask, and named users or groups may write."""
+        try:
+            os.getxattr(self._real(here), _ACL, follow_symlinks=False)
+        except OSError as e:
+            return e.errno not in _NO_ACL
+        return True
+
+
+def _subject(shown: str, here: str, via: str, last: bool) -> str:
+    """The component named in a message: the file itself (`last`), one of its directories,
+    or what a symlink on its way leads to."""
+    here_shown = printable(here or "/")
+    if via:
+        return f"{shown}: {here_shown}, reached through the symlink {printable(via)},"
+    if here_shown == shown:
+        return shown
+    return f"{shown}: {'' if last else 'its directory '}{here_shown}"
+
+
+def _kept(e: OSError) -> OSError:
+    """`e` to remember: without its traceback, whose frames would hold the checker (a cycle
+    per failed lstat, which the collector then walks: at 10,000 files, a quarter second)."""
+    e.__traceback__ = None
+    return e
+
+
+def _strerror(e: OSError) -> str:
+    return printable(e.strerror or str(e), 200)
+
+
+def _in_user_tree(shown: str, trees: list[tuple[str, str]]) -> Refusal | None:
+    """None when the walk went through no user tree; else a refusal naming the first (and
+    the directory of it the walk reached, when the path as written is not under it)."""
+    if not trees:
+        return None
+    tree, here = trees[0]
+    way = f" (by way of {printable(here)})" if here and not shown.startswith(tree + "/") else ""
+    return Refusal(
+        f"{shown} is under {tree}{way}, where users make files or file systems are mounted "
+        "after systemd runs gpuslice's generator at boot",
+        FIX_TREE,
+    )
+
+
+def _message(unit: str, refusal: Refusal) -> str:
+    return (
+        f"{refusal.reason}; gpuslice's gate runs as root with this unit's environment, so "
+        f"gpuslice does not manage {printable(unit)} {refusal.fix}"
+    )
