@@ -51,6 +51,7 @@ from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
 from gpuslice.paths import env_file, gate_pipe_dir
+from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import Flusher, StateStore
 from gpuslice.status import CachedStatus, snapshot_to_json
@@ -91,23 +92,6 @@ STATUS_NAMES_MAX = 1024
 # that runs at once shows at its gate within milliseconds, and a read sent at JobNew would
 # cost every such start a call that systemd answers before it runs the start.
 QUEUED_DELAY = 0.02
-# How long after a JobRemoved the unit is read if systemd said nothing more of it meanwhile
-# (Controller._refresh_unheard). Read at once, the answer came after the PropertiesChanged
-# that follows a JobRemoved and was dropped as stale: a round trip through systemd for
-# nothing at every job's end (issue 10: the read of the victim's stop job was answered while
-# systemd forked the waiter's main process).
-REFRESH_DELAY = 0.02
-# How long that read waits for the signal of a change it shows before it is taken in itself
-# (Controller._refresh): a change always comes with a PropertiesChanged, held back a while
-# only when systemd's bus queue is long.
-CONFIRM_DELAY = 0.5
-# How often the units the core knows (holders, waiters, suspended) are read from systemd in
-# one call, to take in what a lost signal did not tell (Controller._audit; a state is taken
-# in when two reads in a row show it and no signal came between): the bus daemon
-# drops a signal for a connection whose queue is full (max_outgoing_bytes), anyone can fill
-# ours with calls or signals while the loop is busy, and nothing tells the recipient. A
-# holder whose end was lost would keep its GPUs, and its waiters wait, for ever.
-AUDIT_INTERVAL = 30.0
 # How long after a save the state file is made durable (gpuslice/state.py: Flusher): a
 # power cut may lose the decisions of this last stretch, never the file.
 FLUSH_DELAY = 1.0
@@ -163,6 +147,16 @@ class Controller:
         self.tracker = Tracker(
             self._followed, Ledger(self.scheduler.phase, self.scheduler.is_waiting)
         )
+        # reads that take in what signals did not say (a job that changed nothing, a lost
+        # signal), each taken in as a signal would be
+        self.reads = Rereads(
+            systemd,
+            self.tracker,
+            self.counters,
+            lambda unit, props: self.on_unit_changed(unit, props, read=True),
+            self._known_units,
+            self._spawn,
+        )
         # freeze, suspend and resume (the Preempt= ladder), carried out as tasks
         self.ladder = Ladder(
             systemd,
@@ -205,9 +199,6 @@ class Controller:
         self._checking_thaws = False  # a check of FreezerState is under way
         self._status_due = False  # a STATUS= update is scheduled
         self._reload_due = False  # a config reload is queued for this turn of the loop
-        # units a periodic read showed otherwise than their signals: (that state, the stamp
-        # of systemd's last word then), taken in if the next read finds the same (_audit)
-        self._suspects: dict[str, tuple[UnitState, int]] = {}
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -258,7 +249,7 @@ class Controller:
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
         self._rewatch()
-        asyncio.get_running_loop().call_later(AUDIT_INTERVAL, self._audit_due)
+        self.reads.start_audits()
 
     def _watched(self) -> set[str]:
         """The units whose signals matter: every annotated unit; the instances of annotated
@@ -310,7 +301,7 @@ class Controller:
             # a gate waiting on a pipe an earlier start left, its start unseen while the unit
             # was not matched, asks over D-Bus (a later signal names only later starts)
             self.gates.at_gate_unknown(name)
-            self._spawn(self._refresh(name))  # not awaited: the next re-match need not wait
+            self._spawn(self.reads.refresh(name))  # not awaited: the next re-match need not wait
 
     def _rebuild(self) -> list[Action]:
         """Take in what systemd shows, then decide once: restored holders that ended while
@@ -438,7 +429,7 @@ class Controller:
         JobNew names no job type, so systemd's queue is read first: a stop job must preempt
         nothing. Any word of systemd's on the unit since JobNew makes the answer stale
         (signals read after it may be applied before this resumes): its gate decides then."""
-        state = await self._read_fresh(unit, seen)
+        state = await self.reads.read_fresh(unit, seen)
         spec = self.spec_for(unit)
         if spec is None or state is None or state.job_id != job_id or not bound_for_gate(state):
             return
@@ -447,117 +438,7 @@ class Controller:
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
         if self.tracker.job_removed(path, unit, result):
-            seen = self.tracker.heard(unit)
-            asyncio.get_running_loop().call_later(REFRESH_DELAY, self._refresh_unheard, unit, seen)
-
-    def _refresh_unheard(self, unit: str, seen: int, again: bool = False) -> None:
-        """Read a unit whose job ended, unless systemd said more of it since: a job that
-        changed the unit is followed by its PropertiesChanged at once, and only one that
-        changed nothing leaves the read to tell."""
-        if self.tracker.heard(unit) == seen:
-            self._spawn(self._refresh(unit, confirm=not again))
-
-    async def _refresh(self, unit: str, *, confirm: bool = False) -> None:
-        """Read a unit's state when no signal may come (a job that changed nothing).
-
-        dbus-next runs signal handlers as messages are read but resumes this coroutine
-        later, so signals that arrived after the reply may already have been applied: then
-        the reply is older than what we know, and is dropped. With `confirm`, a read that
-        shows the unit in another state than its signals did is taken in only if nothing
-        is heard of it CONFIRM_DELAY later: its PropertiesChanged is then on its way
-        (systemd holds them back while its own bus queue is long, and answers a read at
-        once), and taken in as a read, how it left running was lost (a unit that ended by
-        itself while we stopped it counted as preempted, and its finished job ran again).
-        """
-        state = await self._read_fresh(unit, self.tracker.heard(unit))
-        if state is None:
-            return
-        known = self.tracker.state(unit)
-        if confirm and (state.active, state.sub) != (known.active, known.sub):
-            seen = self.tracker.heard(unit)
-            loop = asyncio.get_running_loop()
-            loop.call_later(CONFIRM_DELAY, self._refresh_unheard, unit, seen, True)
-            return
-        self.on_unit_changed(
-            unit,
-            {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")},
-            read=True,
-        )
-
-    def _audit_due(self) -> None:
-        self._spawn(self._audit())
-
-    async def _audit(self) -> None:
-        """Read every unit the core knows in one call, and take in a state its signals did
-        not tell (AUDIT_INTERVAL: a signal lost on the bus). A unit systemd said anything
-        of since the call was sent is skipped: the answer may be older than that."""
-        try:
-            names = sorted(
-                n
-                for n in {
-                    *self.scheduler.grants(),
-                    *self.scheduler.waiting_units(),
-                    *self.scheduler.suspended_units(),
-                }
-                if self.systemd.watches(n)
-            )
-            if not names:
-                return
-            seen = {n: self.tracker.heard(n) for n in names}
-            try:
-                states = await self.systemd.units_state(names)
-            except SystemdError as e:
-                self.counters.error("dbus_call_errors")
-                log.debug("cannot read the units gpuslice knows: %s", e)
-                return
-            suspects, self._suspects = self._suspects, {}
-            for state in states:
-                if state.name in seen and self.tracker.heard(state.name) == seen[state.name]:
-                    self._take_audited(state, suspects.get(state.name))
-        finally:
-            asyncio.get_running_loop().call_later(AUDIT_INTERVAL, self._audit_due)
-
-    def _take_audited(self, state: UnitState, suspect: tuple[UnitState, int] | None) -> None:
-        """A state its signals did not tell is taken in when the next read, AUDIT_INTERVAL
-        later, still shows it and no word of systemd's on the unit came between: systemd
-        holds its PropertiesChanged back while its bus queue is long, and answers a read at
-        once, so a first read may only be ahead of a signal on its way (taken in as a read,
-        a unit that ended by itself while we stopped it would count as preempted)."""
-        known = self.tracker.state(state.name)
-        if (known.active, known.sub, known.job_id) == (state.active, state.sub, state.job_id):
-            return
-        heard = self.tracker.heard(state.name)
-        if suspect != (state, heard):
-            self._suspects[state.name] = (state, heard)
-            return
-        self.counters.error("dbus_signals_lost")
-        log.warning(
-            "%s: systemd shows it %s (%s), job %d, where its signals left it %s (%s), job "
-            "%d: a signal was lost on the bus; taken in now",
-            state.name,
-            state.active,
-            state.sub,
-            state.job_id,
-            known.active,
-            known.sub,
-            known.job_id,
-        )
-        props: dict[str, Any] = {"ActiveState": state.active, "SubState": state.sub}
-        if state.job_id != known.job_id:  # else the path its signal named is kept
-            props["Job"] = (state.job_id, "/")
-        self.on_unit_changed(state.name, props, read=True)
-
-    async def _read_fresh(self, unit: str, seen: int) -> UnitState | None:
-        """The unit's state read from systemd; None when it cannot be read, or when a signal
-        about the unit (or an answer to our call) came after `seen` (then the answer may be
-        older than what we know)."""
-        try:
-            state = await self.systemd.unit_state(unit)
-        except SystemdError as e:
-            self.counters.error("dbus_call_errors")
-            log.debug("cannot read %s: %s", unit, e)
-            return None
-        return state if self.tracker.heard(unit) == seen else None
+            self.reads.job_ended(unit)
 
     def on_unit_changed(self, name: str, props: dict[str, Any], *, read: bool = False) -> None:
         spec = self.spec_for(name)
@@ -664,7 +545,7 @@ class Controller:
         """systemd re-executed: signals may have been lost meanwhile; read every unit we
         track again, and the unit files."""
         for name in list(self.tracker.states):
-            self._spawn(self._refresh(name))
+            self._spawn(self.reads.refresh(name))
         self.request_rescan()
 
     def request_rescan(self) -> None:
@@ -1057,7 +938,7 @@ class Controller:
             seen down as preempted at once, not read again (issue 10: 3 ms of an idle GPU)."""
             told[0] = True
             if self.tracker.call_queued(unit, path, what):
-                self._spawn(self._refresh(unit))
+                self._spawn(self.reads.refresh(unit))
 
         try:
             answer = method(unit, queued)
@@ -1079,7 +960,7 @@ class Controller:
                 self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
         finally:
             if not told[0] and self.tracker.call_answered(unit, job, what):
-                await self._refresh(unit)
+                await self.reads.refresh(unit)
 
     def _arm_stop_timer(self, unit: str) -> None:
         self._cancel_stop_timer(unit)
@@ -1095,6 +976,12 @@ class Controller:
     def _stop_overdue(self, unit: str, timeout: float) -> None:
         self._stop_timers.pop(unit, None)
         self.execute(self.scheduler.stop_overdue(unit, f"{timeout:g} s"))
+
+    def _known_units(self) -> set[str]:
+        """The units the core knows (holders, waiters, suspended): what the periodic read
+        checks against their signals."""
+        core = self.scheduler
+        return {*core.grants(), *core.waiting_units(), *core.suspended_units()}
 
     def _managed_units(self) -> set[str]:
         """Units whose GPU processes are not foreign: known, holding, or tracked."""

@@ -20,6 +20,7 @@ from typing import Any, cast
 import pytest
 
 from gpuslice import controller as controller_module
+from gpuslice import rereads as rereads_module
 from gpuslice.annotations import scan
 from gpuslice.config import Config, load_config_with_warnings
 from gpuslice.controller import Controller
@@ -671,7 +672,7 @@ def test_a_suspended_unit_whose_annotation_went_is_still_heard(
     periodic read skipping what is not matched, its stop by hand was never taken in: it
     stayed suspended, its room on GPU 0 kept from less urgent units, until the controller
     restarted (and once resumed, its end went unheard and its GPU stayed held)."""
-    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 3600)  # driven by hand here
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 3600)  # driven by hand here
     bed = Bed(
         tmp_path,
         {"vlm.service": "Priority=90\nPreempt=suspend stop\n", "voice.service": "Priority=10\n"},
@@ -691,8 +692,8 @@ def test_a_suspended_unit_whose_annotation_went_is_still_heard(
         assert ctl.scheduler.suspended_units() == ["vlm.service"]
         bed.systemd.units["vlm.service"] = state("vlm.service", "inactive", "dead")
         signal(bed, "vlm.service", {"ActiveState": "inactive", "SubState": "dead"})
-        await ctl._audit()  # and were that signal lost, two reads would tell
-        await ctl._audit()
+        await ctl.reads.audit()  # and were that signal lost, two reads would tell
+        await ctl.reads.audit()
         assert ctl.scheduler.suspended_units() == []
         assert ctl.scheduler.phase("vlm.service") is None
         assert bed.systemd.watches("vlm.service")  # until the next re-match
@@ -1399,7 +1400,7 @@ def test_a_victim_whose_end_only_a_read_tells_is_preempted_and_comes_back(
     job, which cannot tell that it ended by itself, so it counts as preempted (owed its
     comeback), not finished. The read is taken in once a second one, CONFIRM_DELAY later,
     finds nothing heard meanwhile."""
-    monkeypatch.setattr(controller_module, "CONFIRM_DELAY", 0.2)
+    monkeypatch.setattr(rereads_module, "CONFIRM_DELAY", 0.2)
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
 
     async def test() -> None:
@@ -1407,7 +1408,7 @@ def test_a_victim_whose_end_only_a_read_tells_is_preempted_and_comes_back(
         await victims_stop_job_ends_unheard(bed)
         assert bed.systemd.reads[-1] == "low.service"
         assert bed.service.granted == []  # its signal may be on its way: read again
-        await past(controller_module.CONFIRM_DELAY)
+        await past(rereads_module.CONFIRM_DELAY)
         assert bed.systemd.reads[-2:] == ["low.service", "low.service"]
         assert bed.service.granted == [("urgent.service", "0")]
         assert ctl.scheduler.snapshot().preempted == [("low.service", 90, True)]
@@ -1427,7 +1428,7 @@ def test_a_read_ahead_of_a_held_back_signal_waits_for_it(
     that tell how (here: it left running with no job, by itself, before our stop reached
     it). Taken in as a read, that was lost and low.service counted as preempted: its
     finished work ran again. The read waits for the signals, which tell it."""
-    monkeypatch.setattr(controller_module, "CONFIRM_DELAY", 0.2)
+    monkeypatch.setattr(rereads_module, "CONFIRM_DELAY", 0.2)
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
 
     async def test() -> None:
@@ -1437,7 +1438,7 @@ def test_a_read_ahead_of_a_held_back_signal_waits_for_it(
         left = {"ActiveState": "deactivating", "SubState": "stop-post", "Job": (0, "/")}
         ctl.on_unit_changed("low.service", left)  # the held-back signals, late
         ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
-        await past(controller_module.CONFIRM_DELAY)
+        await past(rereads_module.CONFIRM_DELAY)
         assert bed.service.granted == [("urgent.service", "0")]
         assert ctl.scheduler.snapshot().preempted == []  # finished: not run again
         assert bed.systemd.reads.count("low.service") == 1  # no second read: it was heard
@@ -1453,7 +1454,7 @@ async def past(delay: float) -> None:
 
 async def past_refresh_delay() -> None:
     """The controller reads a unit whose job ended only if it heard nothing more of it."""
-    await past(controller_module.REFRESH_DELAY)
+    await past(rereads_module.REFRESH_DELAY)
 
 
 def held_after_answer(bed: Bed, job_new: bool = True) -> tuple[asyncio.Event, list[str]]:
@@ -3127,7 +3128,7 @@ def test_a_holders_end_that_no_signal_told_is_read_and_its_gpu_granted(
     while the loop is busy): a.service's end never reached us. Its GPU stayed held and
     b.service waited at its gate for ever; the periodic read of the units the core knows
     takes the end in, and b.service is granted."""
-    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 0.01)
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 0.01)
     bed = Bed(
         tmp_path,
         {
@@ -3166,7 +3167,7 @@ def test_a_read_older_than_a_signal_is_not_taken_in(
     """A signal about a unit read while the periodic read was out makes its answer older
     than what is known: a.service ended and started again meanwhile, and the answer that
     still shows it down must not end its new run."""
-    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 0.01)
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 0.01)
     bed = Bed(
         tmp_path,
         {"a.service": "Priority=50\n"},
@@ -3200,7 +3201,7 @@ def test_a_read_ahead_of_its_signal_is_not_taken_for_a_lost_one(
     read at once: a first read that shows a.service down may only be ahead of the signal.
     Taken in then, as a read, a.service (which ended by itself while we stopped it) would
     count as preempted and run again. Taken in only when the next read still shows it."""
-    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 3600)  # driven by hand here
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 3600)  # driven by hand here
     bed = Bed(
         tmp_path,
         {"a.service": "Priority=50\n"},
@@ -3212,10 +3213,10 @@ def test_a_read_ahead_of_its_signal_is_not_taken_for_a_lost_one(
         ctl = bed.controller
         await ctl.start()
         bed.systemd.units["a.service"] = state("a.service", "inactive", "dead")
-        await ctl._audit()
+        await ctl.reads.audit()
         assert ctl.scheduler.grants() == {"a.service": frozenset({0})}  # not yet
         goes_down(bed, "a.service")  # the signal, late
-        await ctl._audit()
+        await ctl.reads.audit()
         assert ctl.counters.errors["dbus_signals_lost"] == 0
         assert ctl.scheduler.snapshot().finished == ["a.service"]
 
@@ -3224,7 +3225,7 @@ def test_a_read_ahead_of_its_signal_is_not_taken_for_a_lost_one(
 
 def test_nothing_known_nothing_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An idle host costs systemd no call: the read is of the units the core knows only."""
-    monkeypatch.setattr(controller_module, "AUDIT_INTERVAL", 0.001)
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 0.001)
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
 
     async def test() -> None:

@@ -21,7 +21,7 @@ answer of ours is told as it is read (`call_queued`), or, with `late`, only when
 awaiting it resumes (`call_answered`, any time later). A read of the unit's state is sent
 when the tracker asks for one (and after JobRemoved, when nothing was heard meanwhile) and
 answered by systemd later; it is applied only when nothing about the unit was heard in
-between (`Controller._read_fresh`). A small core stands in for the scheduler's answers
+between (`Rereads.read_fresh`). A small core stands in for the scheduler's answers
 (its phase and waiting), from the tracker's events, the gate and its own stops and starts.
 
 Each event the tracker gives is judged against the model's ground truth: a WentDown names a

@@ -1,0 +1,169 @@
+"""Reads of units' states that take in what systemd's signals did not say.
+
+Systemd's PropertiesChanged signals are the controller's view of every unit (the tracker).
+Three cases need a read instead:
+- a job that changed nothing sends no PropertiesChanged: the unit is read REFRESH_DELAY after
+  its JobRemoved, unless systemd said more of it meanwhile (`job_ended`);
+- an answer of systemd's or a re-match may have outrun a change: read at once (`refresh`);
+- the bus daemon drops signals for a connection whose queue is full, and says nothing: every
+  AUDIT_INTERVAL the units the core knows are read in one call (`audit`).
+A read is never taken in over a later word of systemd's (`read_fresh`). And because systemd
+holds its PropertiesChanged back while its own bus queue is long but answers a read at once, a
+read that shows a change is first taken for a signal on its way: it is taken in only when a
+second look, with nothing heard of the unit between, still shows it (CONFIRM_DELAY after a
+job's end; the next audit for the periodic read). Taken in at once, how a unit left running
+was lost (one that ended by itself while we stopped it counted as preempted, and its finished
+work ran again).
+
+The controller takes what a read says as it takes a signal (`take`), marked as a read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
+
+from gpuslice.counters import Counters
+from gpuslice.systemd import Systemd, SystemdError
+from gpuslice.tracker import Tracker, UnitState
+
+log = logging.getLogger("gpuslice")
+
+# How long after a JobRemoved the unit is read if systemd said nothing more of it meanwhile.
+# Read at once, the answer came after the PropertiesChanged that follows a JobRemoved and was
+# dropped as stale: a round trip through systemd for nothing at every job's end (issue 10:
+# the read of the victim's stop job was answered while systemd forked the waiter's process).
+REFRESH_DELAY = 0.02
+# How long that read waits for the signal of a change it shows before it is taken in itself.
+CONFIRM_DELAY = 0.5
+# How often the units the core knows (holders, waiters, suspended) are read in one call.
+# Anyone can fill the controller's bus queue with calls or signals while its loop is busy; a
+# holder whose end was lost would keep its GPUs, and its waiters wait, for ever.
+AUDIT_INTERVAL = 30.0
+
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+class Rereads:
+    """`take(unit, props)`: a read taken in, as PropertiesChanged-like props; `known()`: the
+    units the core knows, for the periodic read; `spawn`: runs a read as the controller's
+    task (its failures logged)."""
+
+    def __init__(
+        self,
+        systemd: Systemd,
+        tracker: Tracker,
+        counters: Counters,
+        take: Callable[[str, dict[str, Any]], None],
+        known: Callable[[], Iterable[str]],
+        spawn: Spawn,
+    ) -> None:
+        self.systemd = systemd
+        self.tracker = tracker
+        self.counters = counters
+        self.take = take
+        self.known = known
+        self.spawn = spawn
+        # units a periodic read showed otherwise than their signals: (that state, the stamp of
+        # systemd's last word then), taken in if the next read finds the same
+        self._suspects: dict[str, tuple[UnitState, int]] = {}
+
+    # -- a job's end --------------------------------------------------------------------------
+
+    def job_ended(self, unit: str) -> None:
+        seen = self.tracker.heard(unit)
+        asyncio.get_running_loop().call_later(REFRESH_DELAY, self._unheard, unit, seen)
+
+    def _unheard(self, unit: str, seen: int, again: bool = False) -> None:
+        """Read a unit whose job ended, unless systemd said more of it since: a job that
+        changed the unit is followed by its PropertiesChanged at once."""
+        if self.tracker.heard(unit) == seen:
+            self.spawn(self.refresh(unit, confirm=not again))
+
+    async def refresh(self, unit: str, *, confirm: bool = False) -> None:
+        """Read a unit's state when no signal may come. dbus-next runs signal handlers as
+        messages are read but resumes this coroutine later: a reply older than what we know
+        is dropped (`read_fresh`). With `confirm`, a change it shows waits CONFIRM_DELAY for
+        its signal, and is read again then if none came."""
+        state = await self.read_fresh(unit, self.tracker.heard(unit))
+        if state is None:
+            return
+        known = self.tracker.state(unit)
+        if confirm and (state.active, state.sub) != (known.active, known.sub):
+            seen = self.tracker.heard(unit)
+            loop = asyncio.get_running_loop()
+            loop.call_later(CONFIRM_DELAY, self._unheard, unit, seen, True)
+            return
+        props = {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")}
+        self.take(unit, props)
+
+    async def read_fresh(self, unit: str, seen: int) -> UnitState | None:
+        """The unit's state read from systemd; None when it cannot be read, or when a signal
+        about the unit (or an answer to our call) came after `seen` (then the answer may be
+        older than what we know)."""
+        try:
+            state = await self.systemd.unit_state(unit)
+        except SystemdError as e:
+            self.counters.error("dbus_call_errors")
+            log.debug("cannot read %s: %s", unit, e)
+            return None
+        return state if self.tracker.heard(unit) == seen else None
+
+    # -- lost signals ---------------------------------------------------------------------------
+
+    def start_audits(self) -> None:
+        asyncio.get_running_loop().call_later(AUDIT_INTERVAL, self._audit_due)
+
+    def _audit_due(self) -> None:
+        self.spawn(self.audit())
+
+    async def audit(self) -> None:
+        """Read every unit the core knows in one call, and take in a state its signals did
+        not tell. A unit systemd said anything of since the call was sent is skipped: the
+        answer may be older than that. The next audit follows AUDIT_INTERVAL later."""
+        try:
+            names = sorted(n for n in set(self.known()) if self.systemd.watches(n))
+            if not names:
+                return
+            seen = {n: self.tracker.heard(n) for n in names}
+            try:
+                states = await self.systemd.units_state(names)
+            except SystemdError as e:
+                self.counters.error("dbus_call_errors")
+                log.debug("cannot read the units gpuslice knows: %s", e)
+                return
+            suspects, self._suspects = self._suspects, {}
+            for state in states:
+                if state.name in seen and self.tracker.heard(state.name) == seen[state.name]:
+                    self._take_audited(state, suspects.get(state.name))
+        finally:
+            self.start_audits()
+
+    def _take_audited(self, state: UnitState, suspect: tuple[UnitState, int] | None) -> None:
+        """A state its signals did not tell is taken in when the next read still shows it and
+        no word of systemd's on the unit came between."""
+        known = self.tracker.state(state.name)
+        if (known.active, known.sub, known.job_id) == (state.active, state.sub, state.job_id):
+            return
+        heard = self.tracker.heard(state.name)
+        if suspect != (state, heard):
+            self._suspects[state.name] = (state, heard)
+            return
+        self.counters.error("dbus_signals_lost")
+        log.warning(
+            "%s: systemd shows it %s (%s), job %d, where its signals left it %s (%s), job "
+            "%d: a signal was lost on the bus; taken in now",
+            state.name,
+            state.active,
+            state.sub,
+            state.job_id,
+            known.active,
+            known.sub,
+            known.job_id,
+        )
+        props: dict[str, Any] = {"ActiveState": state.active, "SubState": state.sub}
+        if state.job_id != known.job_id:  # else the path its signal named is kept
+            props["Job"] = (state.job_id, "/")
+        self.take(state.name, props)

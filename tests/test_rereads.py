@@ -1,0 +1,207 @@
+"""gpuslice/rereads.py on its own: a real Tracker, a systemd that answers reads from a table.
+
+The controller's tests drive the same reads through whole scenarios (a victim whose end only a
+read tells, a lost signal); these pin each rule of the module in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Coroutine
+from typing import Any, cast
+
+import pytest
+
+from gpuslice import rereads as rereads_module
+from gpuslice.counters import Counters
+from gpuslice.rereads import Rereads
+from gpuslice.systemd import Systemd, SystemdError
+from gpuslice.tracker import Ledger, Tracker, UnitState
+
+UNIT = "a.service"
+RUNNING = {"ActiveState": "active", "SubState": "running"}
+
+
+class Reads:
+    """Systemd's reads: each answers the state in `now`, after `answered` is set."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, UnitState] = {UNIT: UnitState(UNIT, "inactive", "dead", 0)}
+        self.count = 0
+        self.fail = False
+        self.before_answer: Callable[[], None] = lambda: None
+
+    async def unit_state(self, name: str) -> UnitState:
+        self.count += 1
+        self.before_answer()
+        if self.fail:
+            raise SystemdError("org.freedesktop.DBus.Error.NoReply", "no reply")
+        return self.now[name]
+
+    async def units_state(self, names: Collection[str]) -> list[UnitState]:
+        self.count += 1
+        self.before_answer()
+        return [self.now[n] for n in sorted(names) if n in self.now]
+
+    def watches(self, unit: str) -> bool:
+        return True
+
+
+class Bed:
+    def __init__(self) -> None:
+        self.systemd = Reads()
+        self.tracker = Tracker(lambda _: True, Ledger(lambda _: None, lambda _: False))
+        self.counters = Counters()
+        self.taken: list[tuple[str, dict[str, Any]]] = []
+        self.tasks: list[asyncio.Task[None]] = []
+
+        def take(unit: str, props: dict[str, Any]) -> None:
+            self.taken.append((unit, props))
+            self.tracker.unit_changed(unit, props, read=True)
+
+        def spawn(coro: Coroutine[Any, Any, None]) -> None:
+            self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+        self.reads = Rereads(
+            cast(Systemd, self.systemd), self.tracker, self.counters, take, lambda: [UNIT], spawn
+        )
+
+    def signal(self, props: dict[str, Any]) -> None:
+        self.tracker.unit_changed(UNIT, props)
+
+
+def run(test: Callable[[Bed], Coroutine[Any, Any, None]]) -> None:
+    async def main() -> None:
+        try:
+            await test(Bed())
+        finally:
+            for handle in getattr(asyncio.get_running_loop(), "_scheduled", ()):
+                handle.cancel()
+
+    asyncio.run(main())
+
+
+async def turns(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture(autouse=True)
+def _short_delays(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rereads_module, "REFRESH_DELAY", 0.001)
+    monkeypatch.setattr(rereads_module, "CONFIRM_DELAY", 0.2)  # far past a loaded turn
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 3600.0)  # driven by hand
+
+
+def test_a_job_that_changed_nothing_is_read_and_the_same_state_taken_in() -> None:
+    async def test(bed: Bed) -> None:
+        bed.signal(RUNNING)
+        bed.systemd.now[UNIT] = UnitState(UNIT, "active", "running", 0)
+        bed.reads.job_ended(UNIT)
+        await turns(0.05)
+        assert bed.taken == [(UNIT, {**RUNNING, "Job": (0, "/")})]
+
+    run(test)
+
+
+def test_a_job_whose_signal_came_is_not_read() -> None:
+    async def test(bed: Bed) -> None:
+        bed.reads.job_ended(UNIT)
+        bed.signal(RUNNING)  # systemd said more of it before the read was due
+        await turns(0.05)
+        assert bed.systemd.count == 0 and bed.taken == []
+
+    run(test)
+
+
+def test_a_change_a_read_shows_waits_for_its_signal_then_a_second_look() -> None:
+    """Systemd answers a read at once and holds its PropertiesChanged back while its queue is
+    long: the change is taken in only when nothing was heard by the second look."""
+
+    async def test(bed: Bed) -> None:
+        bed.signal(RUNNING)
+        bed.systemd.now[UNIT] = UnitState(UNIT, "inactive", "dead", 0)
+        bed.reads.job_ended(UNIT)
+        await turns(0.005)
+        assert bed.systemd.count == 1 and bed.taken == []
+        await turns(0.3)
+        assert bed.systemd.count == 2
+        assert bed.taken == [
+            (UNIT, {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")})
+        ]
+
+    run(test)
+
+
+def test_a_change_whose_signal_comes_meanwhile_is_left_to_it() -> None:
+    async def test(bed: Bed) -> None:
+        bed.signal(RUNNING)
+        bed.systemd.now[UNIT] = UnitState(UNIT, "inactive", "dead", 0)
+        bed.reads.job_ended(UNIT)
+        await turns(0.005)
+        bed.signal({"ActiveState": "inactive", "SubState": "dead"})  # the held-back signal
+        await turns(0.3)
+        assert bed.systemd.count == 1 and bed.taken == []
+
+    run(test)
+
+
+def test_a_read_answered_after_a_later_word_is_dropped() -> None:
+    """dbus-next applies signals as it reads them, before the read's coroutine resumes."""
+
+    async def test(bed: Bed) -> None:
+        bed.systemd.before_answer = lambda: bed.signal(RUNNING)
+        await bed.reads.refresh(UNIT)
+        assert bed.taken == []
+        seen = bed.tracker.heard(UNIT)
+        bed.systemd.before_answer = lambda: None
+        assert await bed.reads.read_fresh(UNIT, seen) == bed.systemd.now[UNIT]
+
+    run(test)
+
+
+def test_a_read_that_fails_is_counted_and_takes_nothing() -> None:
+    async def test(bed: Bed) -> None:
+        bed.systemd.fail = True
+        await bed.reads.refresh(UNIT)
+        assert bed.taken == [] and bed.counters.errors["dbus_call_errors"] == 1
+
+    run(test)
+
+
+def test_a_lost_signal_is_taken_in_when_two_audits_in_a_row_show_it() -> None:
+    async def test(bed: Bed) -> None:
+        bed.signal(RUNNING)
+        bed.systemd.now[UNIT] = UnitState(UNIT, "inactive", "dead", 0)
+        await bed.reads.audit()
+        assert bed.taken == []  # perhaps only ahead of a signal on its way
+        await bed.reads.audit()
+        assert bed.taken == [(UNIT, {"ActiveState": "inactive", "SubState": "dead"})]
+        assert bed.counters.errors["dbus_signals_lost"] == 1
+
+    run(test)
+
+
+def test_an_audit_suspect_heard_of_between_is_not_taken_in() -> None:
+    async def test(bed: Bed) -> None:
+        bed.signal(RUNNING)
+        bed.systemd.now[UNIT] = UnitState(UNIT, "inactive", "dead", 0)
+        await bed.reads.audit()
+        bed.signal({"ActiveState": "deactivating", "SubState": "stop-sigterm"})
+        await bed.reads.audit()  # a new suspect, not the old one confirmed
+        assert bed.taken == [] and bed.counters.errors["dbus_signals_lost"] == 0
+
+    run(test)
+
+
+def test_an_audit_schedules_the_next_whatever_happened() -> None:
+    async def test(bed: Bed) -> None:
+        bed.systemd.before_answer = lambda: (_ for _ in ()).throw(RuntimeError("a bug"))
+        loop = asyncio.get_running_loop()
+        before = len(getattr(loop, "_scheduled", ()))
+        with pytest.raises(RuntimeError):
+            await bed.reads.audit()
+        assert len(getattr(loop, "_scheduled", ())) == before + 1
+
+    run(test)
