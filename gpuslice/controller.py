@@ -1115,7 +1115,7 @@ class Controller:
             "controller": {
                 "version": __version__,
                 "start_time": self.started,
-                "status_time": self._status.built,
+                "status_time": self._status.as_of,
             },
             "counters": self.counters.to_json(external),
         }

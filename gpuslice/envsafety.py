@@ -12,10 +12,11 @@ A file is root's alone when every component of its path, walked from / with syml
 group but GID 0 (without an access ACL) and by no one else (a sticky world-writable directory
 such as /tmp included). A file that does not exist is fine when the deepest directory that does
 is root's alone, so that only root can make it. A path under `USER_TREES` is refused whatever
-it holds: users make files there, and /home may not be mounted yet when systemd runs the
-generator at boot (its empty mount point looks like root's). Whatever cannot be checked (a
-specifier whose value is not known here, a relative path, a wildcard, a loop of symlinks, a
-FIFO, a path longer than systemd takes) is refused too, with the reason.
+it holds, and nothing in it is looked at: users make files there, /home may not be mounted
+yet when systemd runs the generator at boot (its empty mount point looks like root's), and
+an automounted or network home that does not answer would hang the walk. Whatever cannot be
+checked (a specifier whose value is not known here, a relative path, a wildcard, a loop of
+symlinks, a FIFO, a path longer than systemd takes) is refused too, with the reason.
 
 Paths are system paths, looked up under the scan's root (tests use a temporary directory, as
 `unitfiles.UnitIndex` does). Only lstat(2), readlink(2) and getxattr(2) are used: nothing is
@@ -301,9 +302,12 @@ class EnvFileChecker:
 
     def _walk(self, path: str) -> Refusal | None:
         shown = printable(path)
-        # the path as written, and each directory the walk goes through (symlinks resolved)
+        # refused whatever it holds, so nothing in a user tree is looked at: an lstat there
+        # may go through an automounted or network home that does not answer, and hang the
+        # generator (and the scans) on it
         tree = _user_tree(os.path.normpath(path))
-        trees = [(tree, "")] if tree is not None else []
+        if tree is not None:
+            return _in_user_tree(shown, tree, "")
         root = self._lstat("/")
         if isinstance(root, OSError):
             return Refusal(f"{shown} cannot be checked: /: {_strerror(root)}", FIX_PATH)
@@ -312,7 +316,7 @@ class EnvFileChecker:
             return refusal
         current = ""  # the directory reached, symlinks resolved ("" is /)
         head, _, name = path.rpartition("/")
-        if head in self._safe_dirs and not trees and name not in ("", ".", ".."):
+        if head in self._safe_dirs and name not in ("", ".", ".."):
             current, parts = head, [name]  # a directory already walked: root's alone
         else:
             parts = [p for p in path.split("/") if p]
@@ -335,14 +339,13 @@ class EnvFileChecker:
                 continue
             here = f"{current}/{part}"
             # the walk goes through every directory above: meeting the tree itself is enough
-            if here in USER_TREES and not trees:
-                trees.append((here, here))
+            if here in USER_TREES:
+                return _in_user_tree(shown, here, here)
             st = self._lstat(here)
             if isinstance(st, OSError):
                 if st.errno in (errno.ENOENT, errno.ENOTDIR):
-                    # only root can make it (`current` is root's alone), unless it is where
-                    # users make files or a file system is mounted later
-                    return _in_user_tree(shown, trees)
+                    # only root can make it (`current` is root's alone)
+                    return None
                 return Refusal(
                     f"{shown} cannot be checked: {printable(here)}: {_strerror(st)}", FIX_PATH
                 )
@@ -372,8 +375,8 @@ class EnvFileChecker:
                 return refusal
             if parts and not stat.S_ISDIR(st.st_mode):
                 # the path cannot exist while this file of root's does
-                return _in_user_tree(shown, trees)
-            if not trees and stat.S_ISDIR(st.st_mode):
+                return None
+            if stat.S_ISDIR(st.st_mode):
                 self._safe_dirs.add(here)  # no symlink in it, each directory above checked
             current = here
         st = self._lstat(current or "/")
@@ -382,7 +385,7 @@ class EnvFileChecker:
             return Refusal(
                 f"{_subject(shown, current, via, True)} is {kind}, not a regular file", FIX_PATH
             )
-        return _in_user_tree(shown, trees)
+        return None
 
     def _component(
         self, shown: str, here: str, st: os.stat_result, via: str, last: bool
@@ -437,12 +440,9 @@ def _strerror(e: OSError) -> str:
     return printable(e.strerror or str(e), 200)
 
 
-def _in_user_tree(shown: str, trees: list[tuple[str, str]]) -> Refusal | None:
-    """None when the walk went through no user tree; else a refusal naming the first (and
-    the directory of it the walk reached, when the path as written is not under it)."""
-    if not trees:
-        return None
-    tree, here = trees[0]
+def _in_user_tree(shown: str, tree: str, here: str) -> Refusal:
+    """The refusal of a path in a user tree (`here`: the directory of it the walk reached,
+    when the path as written is not under it)."""
     way = f" (by way of {printable(here)})" if here and not shown.startswith(tree + "/") else ""
     return Refusal(
         f"{shown} is under {tree}{way}, where users make files or file systems are mounted "

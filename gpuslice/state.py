@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -505,7 +506,12 @@ class Flusher:
 
     def _begin(self, loop: asyncio.AbstractEventLoop) -> None:
         self._dirty = False
-        threading.Thread(target=self._work, args=(loop,), name="state-flush", daemon=True).start()
+        thread = threading.Thread(target=self._work, args=(loop,), name="state-flush", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as e:  # no thread to be had (TasksMax=, memory): tried again
+            self._dirty = True
+            self._done(loop, OSError(errno.EAGAIN, f"cannot start a thread to flush: {e}"))
 
     def _work(self, loop: asyncio.AbstractEventLoop) -> None:
         error: OSError | None = None

@@ -100,25 +100,34 @@ STALE_SAID = 2.0
 
 class CachedStatus:
     """The status JSON, built once per change; a slow build (SLOW_BUILD) is reused, at most
-    REBUILD_FACTOR times its cost, after a change: a reader then sees the state of a moment
-    ago (`built`, Unix time, says which), and the controller spends at most a tenth of its
-    time on readers. Fast builds (every host but the largest) are always of the moment."""
+    REBUILD_FACTOR times its cost (the loop's CPU), after a change: a reader then sees the
+    state of a moment ago (`as_of`, Unix time, says which), and the controller spends at most
+    a tenth of its time on readers. Fast builds (every host but the largest) are always of
+    the moment."""
 
     def __init__(self, build: Callable[[], str]) -> None:
         self._build = build
         self._text: str | None = None
         self._fresh = False
         self._until = 0.0  # monotonic time before which a slow build is not repeated
-        self.built = 0.0  # Unix time of the state the text shows
+        self.built = 0.0  # Unix time of the last build
 
     def changed(self) -> None:
         self._fresh = False
 
+    @property
+    def as_of(self) -> float:
+        """Unix time of the state `text()` last gave: now while nothing changed since its
+        build (an idle host's status, built once, is of the moment hours later)."""
+        return time.time() if self._fresh else self.built
+
     def text(self) -> str:
         if self._text is None or not (self._fresh or time.monotonic() < self._until):
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.thread_time()
             self._text, self.built = self._build(), time.time()
-            cost = time.monotonic() - start
+            # the loop's CPU, not the wall clock: a fast build that waited for a CPU on a busy
+            # host is no reason to show readers a state of a moment ago
+            cost = time.thread_time() - cpu
             self._until = start + cost * REBUILD_FACTOR if cost > SLOW_BUILD else 0.0
             self._fresh = True
         return self._text

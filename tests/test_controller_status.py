@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from gpuslice.config import Config
 from gpuslice.controller import JournalFormatter
 from gpuslice.metrics import exposition
+from gpuslice.status import render
 from tests.test_controller import (
     GIB,
     Bed,
@@ -163,5 +167,27 @@ def test_the_status_line_fits_in_one_notify_datagram(tmp_path: Path) -> None:
         assert line.endswith(" more running; 1 waiting")
         shown = line.removeprefix("32 GPUs: ").split(" and ")[0].split(", ")
         assert line.endswith(f" and {32 - len(shown)} more running; 1 waiting")
+
+    run(test)
+
+
+def test_a_status_of_the_moment_says_so_however_long_ago_it_was_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an idle host nothing changes for hours and the status built once stays the state
+    of the moment: its status_time is now, not the time of that build, or `gpuslice status`
+    said "As of 3 h ago (a large status is built less often)" on every small host."""
+    bed = Bed(tmp_path, {"a.service": "Priority=10\n"}, [state("a.service", "inactive", "dead")])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        first = json.loads(ctl.status_json())
+        later = time.time() + 3 * 3600
+        monkeypatch.setattr(time, "time", lambda: later)
+        data = json.loads(ctl.status_json())
+        assert data["controller"]["status_time"] == later
+        assert not render(data, later).startswith("As of")
+        assert data["gpus"] == first["gpus"]
 
     run(test)

@@ -224,6 +224,40 @@ def test_the_user_trees_can_be_pointed_elsewhere(
     assert "/data/asr.env is under /data, " in error
 
 
+def test_nothing_in_a_user_tree_is_looked_at(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path in a user tree is refused whatever it holds, so nothing in it is looked at: an
+    lstat there goes through an automounted or network home (every GPU cluster's /home),
+    which a server that does not answer hangs, and with it the generator at each
+    daemon-reload (systemd kills it: no gate for any unit) and the controller's scans. And
+    the refusal says why it is one: a home directory that root made its own is refused too,
+    so "until only root can change that file" was a fix that fixed nothing."""
+    put(root, "/home/asr/asr.env", uid=ASR)
+    os.chown(root / "home/asr", ASR, ASR)
+    link(root, "/etc/asr/to-home", "/home/asr")
+    install(root, "home.service", "User=asr", "EnvironmentFile=/home/asr/asr.env")
+    install(root, "via.service", "User=asr", "EnvironmentFile=/etc/asr/to-home/asr.env")
+    looked: list[str] = []
+    real_lstat, real_readlink = os.lstat, os.readlink
+
+    def lstat(path: str) -> os.stat_result:
+        looked.append(path)
+        return real_lstat(path)
+
+    def readlink(path: str) -> str:
+        looked.append(path)
+        return real_readlink(path)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    monkeypatch.setattr(os, "readlink", readlink)
+    [error] = errors(root, "home.service")
+    assert "/home/asr/asr.env is under /home, where users make files" in error
+    assert error.endswith("until it names a file elsewhere, that only root can change")
+    [error] = errors(root, "via.service")
+    assert "/etc/asr/to-home/asr.env is under /home (by way of /home), " in error
+    home = str(root / "home")
+    assert [p for p in looked if p == home or p.startswith(home + "/")] == []
+
+
 def test_specifiers_are_expanded_per_instance_and_unknown_ones_refused(root: Path) -> None:
     put(root, "/etc/job/good.env")
     put(root, "/etc/job/bad.env", uid=ASR)

@@ -839,3 +839,35 @@ def test_a_failed_flush_is_reported_and_the_next_save_flushes_again() -> None:
         assert outcomes[1] is None
 
     asyncio.run(main())
+
+
+def test_a_flush_whose_thread_cannot_start_is_reported_and_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Thread.start raises when the controller is at its TasksMax= (or out of memory): that
+    went to the loop's exception handler, the flusher stayed "due" and no save was ever
+    flushed again, unsaid. Now it is a failed flush, said as one, and tried again."""
+    store, outcomes = _Flushes(), list[OSError | None]()
+    flusher = Flusher(store, 0.0, outcomes.append)  # type: ignore[arg-type]
+    real_start = threading.Thread.start
+    refused: list[str] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "state-flush" and not refused:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        errors: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        flusher.saved(loop)
+        await _until(lambda: len(outcomes) == 2)
+        assert errors == []
+        assert isinstance(outcomes[0], OSError) and "can't start new thread" in str(outcomes[0])
+        assert outcomes[1] is None and store.count == 1
+
+    asyncio.run(main())

@@ -710,7 +710,7 @@ def test_a_holder_shows_the_memory_it_is_held_on_not_its_annotation() -> None:
 
 
 class _Clock:
-    """time.monotonic for CachedStatus, moved by the builds it times."""
+    """time.monotonic (or time.thread_time) for CachedStatus, moved by the builds it times."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -719,14 +719,20 @@ class _Clock:
         return self.now
 
 
-def _cached(monkeypatch: pytest.MonkeyPatch, cost: float) -> tuple[CachedStatus, list[int], _Clock]:
-    clock = _Clock()
+def _cached(
+    monkeypatch: pytest.MonkeyPatch, cost: float, waited: float = 0.0
+) -> tuple[CachedStatus, list[int], _Clock]:
+    """A CachedStatus whose builds take `cost` of the loop's CPU, and `waited` more of the
+    wall clock (a busy host: the loop waited for a CPU meanwhile)."""
+    clock, cpu = _Clock(), _Clock()
     monkeypatch.setattr(time, "monotonic", clock)  # only CachedStatus runs meanwhile
+    monkeypatch.setattr(time, "thread_time", cpu)
     builds: list[int] = []
 
     def build() -> str:
         builds.append(len(builds))
-        clock.now += cost
+        clock.now += cost + waited
+        cpu.now += cost
         return f"{{{len(builds)}}}"
 
     return CachedStatus(build), builds, clock
@@ -737,6 +743,19 @@ def test_a_fast_status_is_built_again_at_every_change_and_only_then(
 ) -> None:
     cached, builds, _ = _cached(monkeypatch, SLOW_BUILD / 2)
     assert [cached.text() for _ in range(3)] == ["{1}"] * 3
+    cached.changed()
+    assert cached.text() == "{2}" and len(builds) == 2
+
+
+def test_a_fast_status_is_of_the_moment_on_a_busy_host_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cost is what the build took of the loop's CPU, not of the wall clock: on a host
+    whose CPUs GPU jobs' data loaders keep busy (or a CI's shared cores), a 1 ms build that
+    waited 50 ms for a CPU made every reader see the state of half a second before, e.g.
+    `gpuslice status` right after a start, and tests that read status after a change."""
+    cached, builds, _ = _cached(monkeypatch, SLOW_BUILD / 20, waited=SLOW_BUILD * 2.5)
+    assert cached.text() == "{1}"
     cached.changed()
     assert cached.text() == "{2}" and len(builds) == 2
 
@@ -752,6 +771,7 @@ def test_a_slow_status_is_built_at_most_once_per_ten_times_its_cost(
     clock.now += REBUILD_FACTOR * 1.0 - 1.5  # the build began 1 s before it ended
     cached.changed()
     assert cached.text() == "{1}" and cached.built == built  # the state of a moment ago
+    assert cached.as_of == built  # what status_time says
     clock.now += 1.0
     assert cached.text() == "{2}" and len(builds) == 2
     assert cached.text() == "{2}" and len(builds) == 2  # unchanged since: not built again
