@@ -270,6 +270,9 @@ async def _systemctl_stop(units: Sequence[str]) -> str:
     return f"could not be stopped: {detail}"
 
 
+# Names one `systemctl stop` is given at most: a unit's processes may be thousands, four
+# patterns each, and one command line is limited (E2BIG).
+MAX_STOP_NAMES = 512
 # The actions whose run changes a process's state (a --get-state changes nothing).
 _CHANGING = ("lock", "checkpoint", "restore", "unlock")
 
@@ -284,7 +287,11 @@ async def stop_earlier_runs(pids: Sequence[int]) -> str:
     another unit's runs of this controller are never touched. "" when none is left; else
     what went wrong, in words."""
     names = [f"gpuslice-checkpoint-{a}-{pid}-*.service" for pid in _unique(pids) for a in _CHANGING]
-    return await _systemctl_stop(names) if names else ""
+    for first in range(0, len(names), MAX_STOP_NAMES):  # a unit of 10,000 processes: E2BIG
+        problem = await _systemctl_stop(names[first : first + MAX_STOP_NAMES])
+        if problem:
+            return problem
+    return ""
 
 
 async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: bool = False) -> bytes:

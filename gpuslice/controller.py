@@ -744,6 +744,7 @@ class Controller:
                 self.watch.refresh(released=unit)
             with self._batched():
                 self.execute(self.scheduler.inactive(unit, self.tracker.outcome(state)))
+            self.ladder.went_down(unit)  # that run's processes, and what a suspend kept, went
         if spec is not None:
             self.tracker.passed_gate(unit)
         if self.scheduler.phase(unit) is Phase.STOPPING:

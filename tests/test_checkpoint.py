@@ -900,6 +900,17 @@ def test_runs_an_earlier_controller_left_on_the_processes_are_stopped(
     assert run(checkpoint.stop_earlier_runs([])) == ""
 
 
+def test_the_runs_of_a_unit_of_many_processes_are_stopped_in_several_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, services: None
+) -> None:
+    """Four patterns per process: 10,000 processes in one command line was E2BIG."""
+    fake_systemd(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setattr(checkpoint, "MAX_STOP_NAMES", 8)
+    assert run(checkpoint.stop_earlier_runs([1, 2, 3])) == ""
+    assert [len(c.split()) - 1 for c in calls(tmp_path)] == [8, 4]
+
+
 def test_without_systemd_run_the_reason_names_it_not_the_tool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

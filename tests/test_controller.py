@@ -649,9 +649,11 @@ def test_a_frozen_or_suspended_unit_restarted_by_hand_is_served_as_a_new_start(
         await ctl.start()
         await settle()
         assert ctl.scheduler.phase("emb.service") is Phase(phase)
+        ctl.ladder.suspensions["emb.service"] = Suspension((4242,), 1 << 30, 0.0, 0.0)
         restarted_by_hand(bed, "emb.service", 9)
         await settle()
         assert ctl.scheduler.phase("emb.service") is None
+        assert ctl.ladder.suspensions == {}  # that run's processes went with it
         assert ctl.scheduler.is_waiting("emb.service")  # GPU 0 is voice.service's whole
         goes_down(bed, "voice.service")
         await settle()
