@@ -7,6 +7,7 @@ read tells, a lost signal); these pin each rule of the module in milliseconds.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Collection, Coroutine
 from typing import Any, cast
 
@@ -30,6 +31,7 @@ class Reads:
         self.count = 0
         self.fail = False
         self.before_answer: Callable[[], None] = lambda: None
+        self.unwatched: set[str] = set()
 
     async def unit_state(self, name: str) -> UnitState:
         self.count += 1
@@ -41,10 +43,12 @@ class Reads:
     async def units_state(self, names: Collection[str]) -> list[UnitState]:
         self.count += 1
         self.before_answer()
+        if self.fail:
+            raise SystemdError("org.freedesktop.DBus.Error.NoReply", "no reply")
         return [self.now[n] for n in sorted(names) if n in self.now]
 
     def watches(self, unit: str) -> bool:
-        return True
+        return unit not in self.unwatched
 
 
 class Bed:
@@ -203,5 +207,95 @@ def test_an_audit_schedules_the_next_whatever_happened() -> None:
         with pytest.raises(RuntimeError):
             await bed.reads.audit()
         assert len(getattr(loop, "_scheduled", ())) == before + 1
+
+    run(test)
+
+
+def test_a_read_asked_for_at_once_takes_a_change_in_at_once() -> None:
+    """An answer of systemd's or a re-match may have outrun a change: no second look."""
+
+    async def test(bed: Bed) -> None:
+        bed.signal(RUNNING)
+        await bed.reads.refresh(UNIT)
+        dead = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        assert bed.taken == [(UNIT, dead)] and bed.systemd.count == 1
+
+    run(test)
+
+
+def test_a_read_that_fails_is_said_at_debug_level(caplog: pytest.LogCaptureFixture) -> None:
+    async def test(bed: Bed) -> None:
+        bed.systemd.fail = True
+        with caplog.at_level(logging.DEBUG, "gpuslice"):
+            await bed.reads.refresh(UNIT)
+            await bed.reads.audit()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"cannot read {UNIT}: org.freedesktop.DBus.Error.NoReply: no reply",
+            "cannot read the units gpuslice knows: org.freedesktop.DBus.Error.NoReply: no reply",
+        ]
+        assert bed.counters.errors["dbus_call_errors"] == 2 and bed.taken == []
+
+    run(test)
+
+
+def test_audits_follow_one_another_on_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 0.01)
+
+    async def test(bed: Bed) -> None:
+        bed.reads.start_audits()
+        await turns(0.1)
+        assert bed.systemd.count >= 2
+
+    run(test)
+
+
+def test_an_audit_reads_only_the_units_whose_signals_are_matched() -> None:
+    """A unit whose signals are not matched would always look lost."""
+
+    async def test(bed: Bed) -> None:
+        bed.systemd.unwatched = {UNIT}
+        await bed.reads.audit()
+        assert bed.systemd.count == 0
+
+    run(test)
+
+
+def test_a_lost_signal_is_said_and_a_new_job_taken_in_with_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The warning says what systemd shows and where the signals left the unit; a job that
+    changed goes in with it (a path it cannot know: "/"), an unchanged one keeps its path."""
+
+    async def test(bed: Bed) -> None:
+        bed.signal(RUNNING)
+        bed.systemd.now[UNIT] = UnitState(UNIT, "activating", "start-pre", 7, "start")
+        with caplog.at_level(logging.WARNING, "gpuslice"):
+            await bed.reads.audit()
+            await bed.reads.audit()
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{UNIT}: systemd shows it activating (start-pre), job 7, where its signals left "
+            "it active (running), job 0: a signal was lost on the bus; taken in now"
+        ]
+        taken = {"ActiveState": "activating", "SubState": "start-pre", "Job": (7, "/")}
+        assert bed.taken == [(UNIT, taken)]
+
+    run(test)
+
+
+def test_an_audit_whose_answer_a_signal_outran_judges_nothing() -> None:
+    """A word of systemd's on the unit while the read was on its way makes the answer old:
+    the unit is neither taken in nor kept as a suspect."""
+
+    async def test(bed: Bed) -> None:
+        bed.signal(RUNNING)
+        bed.systemd.now[UNIT] = UnitState(UNIT, "inactive", "dead", 0)
+        await bed.reads.audit()  # a suspect
+        bed.systemd.before_answer = lambda: bed.signal(RUNNING)  # the same, said again
+        await bed.reads.audit()  # judged nothing: the suspect is gone
+        bed.systemd.before_answer = lambda: None
+        await bed.reads.audit()  # a suspect again, not yet taken in
+        assert bed.taken == []
+        await bed.reads.audit()
+        assert [unit for unit, _ in bed.taken] == [UNIT]
 
     run(test)
