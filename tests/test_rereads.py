@@ -243,8 +243,10 @@ def test_audits_follow_one_another_on_their_own(monkeypatch: pytest.MonkeyPatch)
 
     async def test(bed: Bed) -> None:
         bed.reads.start_audits()
-        await turns(0.1)
-        assert bed.systemd.count >= 2
+        deadline = asyncio.get_running_loop().time() + 5
+        while bed.systemd.count < 2:  # polled: a loaded host may stretch each turn
+            assert asyncio.get_running_loop().time() < deadline, "timed out"
+            await asyncio.sleep(0.005)
 
     run(test)
 
