@@ -220,7 +220,9 @@ class EnvFileChecker:
     """Checks EnvironmentFile= paths under `root`, remembering every lstat and verdict."""
 
     def __init__(self, root: str | os.PathLike[str] = "/"):
-        self._root = os.fspath(root).rstrip("/")
+        # the root is the caller's, trusted: a symlink to it is followed once here (its lstat
+        # is a link's, mode 0777: every file under it would be refused as anyone's to change)
+        self._root = os.path.realpath(root).rstrip("/")
         self._stats: dict[str, os.stat_result | OSError] = {}
         self._links: dict[str, str | OSError] = {}
         self._verdicts: dict[str, Refusal | None] = {}
@@ -282,11 +284,11 @@ class EnvFileChecker:
         found = self._stats.get(path)
         if found is None:
             try:
+                # never a ValueError: refusal lets no NUL or unencodable path through, and a
+                # symlink's target (read as bytes, decoded as the file system's) has neither
                 found = os.lstat(self._real(path))
             except OSError as e:
                 found = _kept(e)
-            except ValueError as e:  # a NUL: refused before, but never raise
-                found = OSError(errno.EINVAL, str(e))
             self._stats[path] = found
         return found
 

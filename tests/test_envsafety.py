@@ -11,13 +11,14 @@ import errno
 import os
 import stat
 import struct
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from gpuslice import envsafety
 from gpuslice.annotations import Problem, load_spec, scan
-from gpuslice.envsafety import EnvFileChecker, RunAs
+from gpuslice.envsafety import FIX_OWNERS, FIX_PATH, FIX_TREE, EnvFileChecker, Refusal, RunAs
 from gpuslice.unitfiles import Entry
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
@@ -26,6 +27,7 @@ ETC = "/etc/systemd/system"
 ASR = 1000  # a user's UID and GID
 ANNOTATION = "\n[X-GPUSlice]\nPriority=10\n"
 GATE = "gpuslice's gate runs as root with this unit's environment, so gpuslice does not manage"
+TREE = "where users make files or file systems are mounted after systemd runs gpuslice's generator"
 
 
 def put(root: Path, path: str, text: str = "X=1\n", uid: int = 0, mode: int = 0o644) -> Path:
@@ -100,21 +102,32 @@ def test_group_writable_by_a_users_group_is_refused_by_gid_0_is_not(root: Path) 
     put(root, "/etc/asr/group.env", mode=0o664)
     os.chown(root / "etc/asr/group.env", 0, ASR)
     put(root, "/etc/asr/root-group.env", mode=0o664)
+    put(root, "/etc/asr/read-only.env", mode=0o644)  # a user's group that may only read
+    os.chown(root / "etc/asr/read-only.env", 0, ASR)
     install(root, "group.service", "User=asr", "EnvironmentFile=/etc/asr/group.env")
     install(root, "root-group.service", "User=asr", "EnvironmentFile=/etc/asr/root-group.env")
+    install(root, "read-only.service", "User=asr", "EnvironmentFile=/etc/asr/read-only.env")
     assert errors(root, "root-group.service") == []
+    assert errors(root, "read-only.service") == []
     [error] = errors(root, "group.service")
     assert f"/etc/asr/group.env is writable by group GID {ASR} (mode 0664); {GATE}" in error
 
 
-def _acl(path: Path, user: int) -> None:
-    """An access ACL that lets `user` write, as `setfacl -m u:USER:rw` makes it."""
+def _acl(path: Path, user: int, perm: int = 6) -> None:
+    """An access ACL that gives `user` `perm` (rw by default), as `setfacl -m u:USER:rw`
+    makes it: the mask, shown as the group bits, is `perm` with the group's r."""
 
     def entry(tag: int, perm: int, ident: int = 0xFFFFFFFF) -> bytes:
         return struct.pack("<HHI", tag, perm, ident)
 
     blob = struct.pack("<I", 2) + b"".join(
-        [entry(0x01, 6), entry(0x02, 6, user), entry(0x04, 4), entry(0x10, 6), entry(0x20, 4)]
+        [
+            entry(0x01, 6),
+            entry(0x02, perm, user),
+            entry(0x04, 4),
+            entry(0x10, perm | 4),
+            entry(0x20, 4),
+        ]
     )
     try:
         os.setxattr(path, "system.posix_acl_access", blob)
@@ -125,15 +138,25 @@ def _acl(path: Path, user: int) -> None:
 
 
 def test_an_acl_that_lets_a_user_write_is_refused(root: Path) -> None:
+    """An access ACL whose mask lets write may let a named user write; one that does not
+    (group bits r--) lets no one but the owner write, and is fine."""
     real = put(root, "/etc/asr/acl.env", mode=0o644)
     _acl(real, ASR)
     assert stat.S_IMODE(real.stat().st_mode) == 0o664 and real.stat().st_gid == 0
+    read = put(root, "/etc/asr/acl-read.env", mode=0o644)
+    _acl(read, ASR, perm=4)
+    assert stat.S_IMODE(read.stat().st_mode) == 0o644
     put(root, "/etc/asr/plain.env", mode=0o664)
     install(root, "acl.service", "User=asr", "EnvironmentFile=/etc/asr/acl.env")
+    install(root, "acl-read.service", "User=asr", "EnvironmentFile=/etc/asr/acl-read.env")
     install(root, "plain.service", "User=asr", "EnvironmentFile=/etc/asr/plain.env")
     assert errors(root, "plain.service") == []
-    [error] = errors(root, "acl.service")
-    assert "/etc/asr/acl.env is group-writable with an access ACL" in error
+    assert errors(root, "acl-read.service") == []
+    assert errors(root, "acl.service") == [
+        f"{ETC}/acl.service:5: [Service] EnvironmentFile: /etc/asr/acl.env is group-writable "
+        f"with an access ACL, which may let others write it; {GATE} acl.service until only "
+        "root can change that file and its directories"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -285,16 +308,54 @@ def test_specifiers_are_expanded_per_instance_and_unknown_ones_refused(root: Pat
     assert {"other.service", "plain@.service"} <= set(result.specs)
 
 
+NAMES = "/%n/%N/%p/%P/%i/%I/%j/%J"
+
+
 @pytest.mark.parametrize(
-    ("value", "expected"),
+    ("unit", "value", "expected"),
     [
-        ("/a/%n/%N/%p/%P/%i/%I/%j/%J", "/a/x-y@a-b.service/x-y@a-b/x-y/x/y/a-b/a/b/y/y"),
-        ("%t %S %C %L %E %T %V %% %", "/run /var/lib /var/cache /var/log /etc /tmp /var/tmp % %"),
-        ("/e/%I", "/e/a/b"),
+        pytest.param(
+            "x-y@a-b.service",
+            "/a" + NAMES,
+            ("/a/x-y@a-b.service/x-y@a-b/x-y/x/y/a-b/a/b/y/y", None),
+            id="instance",
+        ),
+        pytest.param(
+            "x-y@a-b.service",
+            "%t %S %C %L %E %T %V %% %",
+            ("/run /var/lib /var/cache /var/log /etc /tmp /var/tmp % %", None),
+            id="system-dirs",
+        ),
+        pytest.param("x-y@a-b.service", "/e/%I", ("/e/a/b", None), id="unescaped-instance"),
+        # no instance: %i and %I are empty, the prefix is the name without its suffix, and
+        # %j the prefix's part after its last dash
+        pytest.param(
+            "a-b-c.service", NAMES, ("/a-b-c.service/a-b-c/a-b-c/a/b/c///c/c", None), id="plain"
+        ),
+        pytest.param("a@b-c.service", "/%p/%i/%j", ("/a/b-c/a", None), id="one-letter-prefix"),
+        # the instance runs from the first @ to the suffix's dot
+        pytest.param("x@a@b.service", "/%p/%i/%I", ("/x/a@b/a@b", None), id="two-ats"),
+        # \xNN is a byte: an ASCII one is its character, any other kept as that byte
+        pytest.param("x@a\\x2dbc.service", "/%I", ("/a-bc", None), id="escape"),
+        pytest.param(
+            "x@a\\x2db\\xe9\\x80.service",
+            "/%I",
+            ("/a-b\udce9\udc80", None),
+            id="escapes",
+        ),
+        pytest.param(
+            "x@\\y41.service",
+            "/%I",
+            (None, "%I of x@\\y41.service cannot be unescaped"),
+            id="bad-escape",
+        ),
     ],
 )
-def test_specifier_values(value: str, expected: str) -> None:
-    assert envsafety.expand("x-y@a-b.service", value) == (expected, None)
+def test_specifier_values(
+    unit: str, value: str, expected: tuple[str, None] | tuple[None, str]
+) -> None:
+    """Each name specifier has systemd's value for the unit (systemd.unit(5))."""
+    assert envsafety.expand(unit, value) == expected
 
 
 def test_an_unescaped_instance_is_walked_as_systemd_would_name_it(root: Path) -> None:
@@ -383,27 +444,84 @@ def test_unannotated_units_and_the_generators_gate_are_not_checked(root: Path) -
     ]
 
 
+LONG_NAME = "/etc/asr/" + "a" * 260  # a name longer than the file system's 255 bytes
+
+
 @pytest.mark.parametrize(
-    ("make", "value", "why"),
+    ("make", "value", "reason"),
     [
-        ("fifo", "/etc/asr/fifo.env", "/etc/asr/fifo.env is a FIFO, not a regular file"),
-        ("dir", "/etc/asr", "/etc/asr is a directory, not a regular file"),
-        ("loop", "/etc/asr/loop1", "more than 32 symlinks (a loop?)"),
-        (None, "/a" * 10_000, "longer than 4095 bytes"),
-        (None, "asr.env", "asr.env is not an absolute path"),
-        (None, "-", "- is not an absolute path"),
-        (None, "/etc/asr/*.env", "systemd reads it as a wildcard pattern"),
-        (None, "/etc/asr/%I", "cannot be checked: it holds a NUL"),
-        (None, "/etc/%Z", "the specifier %Z has a value gpuslice does not work out"),
+        pytest.param(
+            "fifo",
+            "/etc/asr/fifo.env",
+            "/etc/asr/fifo.env is a FIFO, not a regular file",
+            id="fifo",
+        ),
+        pytest.param("dir", "/etc/asr", "/etc/asr is a directory, not a regular file", id="dir"),
+        pytest.param(
+            "to-dir",
+            "/etc/asr/to-dir",
+            "/etc/asr/to-dir: /etc/asr/real, reached through the symlink /etc/asr/to-dir, is a "
+            "directory, not a regular file",
+            id="link-to-dir",
+        ),
+        pytest.param(
+            "loop",
+            "/etc/asr/loop1",
+            "/etc/asr/loop1 cannot be checked: more than 32 symlinks (a loop?)",
+            id="loop",
+        ),
+        pytest.param(
+            None,
+            LONG_NAME,
+            f"{LONG_NAME} cannot be checked: {LONG_NAME}: File name too long",
+            id="long-name",
+        ),
+        pytest.param(
+            None,
+            "/a" * 10_000,
+            "/a" * 100 + "... cannot be checked: longer than 4095 bytes",
+            id="long-path",
+        ),
+        pytest.param(
+            None,
+            "asr.env",
+            "asr.env is not an absolute path, which gpuslice cannot check",
+            id="relative",
+        ),
+        pytest.param(
+            None, "-", "- is not an absolute path, which gpuslice cannot check", id="dash"
+        ),
+        pytest.param(
+            None,
+            "/etc/asr/*.env",
+            "/etc/asr/*.env cannot be checked: systemd reads it as a wildcard pattern (*, ?, [ "
+            "or \\), which gpuslice does not expand; name each file",
+            id="wildcard",
+        ),
+        pytest.param(
+            None, "/etc/asr/%I", "/etc/asr/%I cannot be checked: it holds a NUL", id="nul"
+        ),
+        pytest.param(
+            None,
+            "/etc/%Z",
+            "/etc/%Z cannot be checked: the specifier %Z has a value gpuslice does not work out "
+            "(it knows %n %N %p %P %i %I %j %J %t %S %C %L %E %T %V %%)",
+            id="unknown-specifier",
+        ),
     ],
 )
 def test_hostile_paths_are_located_refusals(
-    root: Path, make: str | None, value: str, why: str
+    root: Path, make: str | None, value: str, reason: str
 ) -> None:
+    """What cannot be checked, or is no regular file, is refused saying why, its fix to name
+    a file by an absolute path (the messages are an admin's only guide)."""
     asr = root / "etc/asr"
     asr.mkdir(parents=True)
     if make == "fifo":
         os.mkfifo(asr / "fifo.env")
+    elif make == "to-dir":
+        (asr / "real").mkdir()
+        (asr / "to-dir").symlink_to("real")
     elif make == "loop":
         (asr / "loop1").symlink_to("loop2")
         (asr / "loop2").symlink_to("loop1")
@@ -413,9 +531,10 @@ def test_hostile_paths_are_located_refusals(
     put(root, f"{ETC}/{name}.d/x.conf", "[Unit]\n")
     result = scan(root)  # never raises
     found = [str(p) for p in result.problems if p.unit == name and p.severity == "error"]
-    [error] = found
-    assert error.startswith(f"{ETC}/x@.service:5: [Service] EnvironmentFile: ")
-    assert why in error and GATE in error
+    assert found == [
+        f"{ETC}/x@.service:5: [Service] EnvironmentFile: {reason}; {GATE} {name} until it "
+        "names, by an absolute path, a file only root can change"
+    ]
 
 
 def test_odd_paths_of_roots_are_checked_like_any_other(root: Path) -> None:
@@ -441,11 +560,16 @@ def test_a_failure_of_the_walk_is_a_refusal_not_an_exception(
     def boom(*args: object, **kwargs: object) -> None:
         raise RecursionError
 
-    put(root, "/etc/asr/ours.env")
-    install(root, "x.service", "User=asr", "EnvironmentFile=/etc/asr/ours.env")
+    """Whatever the walk raises is a refusal naming the exception, the value cut at 200
+    characters as in every other refusal."""
+    value = "/etc/asr/" + "a" * 250
+    install(root, "x.service", "User=asr", f"EnvironmentFile={value}")
     monkeypatch.setattr(EnvFileChecker, "_walk", boom)
-    [error] = errors(root, "x.service")
-    assert "/etc/asr/ours.env cannot be checked (RecursionError)" in error
+    assert errors(root, "x.service") == [
+        f"{ETC}/x.service:5: [Service] EnvironmentFile: {value[:200]}... cannot be checked "
+        f"(RecursionError); {GATE} x.service until it names, by an absolute path, a file only "
+        "root can change"
+    ]
 
 
 def test_a_shared_file_is_walked_once_per_scan(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -463,10 +587,180 @@ def test_a_shared_file_is_walked_once_per_scan(root: Path, monkeypatch: pytest.M
     monkeypatch.setattr(os, "lstat", counting)
     result = scan(root)
     assert len(result.specs) == 100 and result.problems == []
-    # /, /etc, /etc/asr once; ours.env once; each k*.env once
-    assert sorted(calls) == sorted(
-        [str(root), str(root / "etc"), str(root / "etc/asr"), str(root / "etc/asr/ours.env")]
+    # /etc, /etc/asr once; ours.env once; each k*.env once
+    assert sorted(c for c in calls if c.startswith(f"{root}/")) == sorted(
+        [str(root / "etc"), str(root / "etc/asr"), str(root / "etc/asr/ours.env")]
         + [str(root / f"etc/asr/k{i}.env") for i in range(50)]
+    )
+    assert calls.count(str(root)) <= 2  # / once, and once as the checker resolves its root
+
+
+def test_a_symlink_is_read_and_a_directory_checked_once_per_scan(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """10,000 files in one directory cost one walk of its parents: each directory above a
+    file is checked once per scan, and each symlink read once."""
+    (root / "etc/asr/deep/er").mkdir(parents=True)
+    link(root, "/etc/asr/conf", "deep/er")
+    read: list[str] = []
+    checked: list[str] = []
+    real_readlink, real_component = os.readlink, EnvFileChecker._component
+
+    def readlink(path: str) -> str:
+        read.append(path)
+        return real_readlink(path)
+
+    def component(
+        self: EnvFileChecker, shown: str, here: str, st: os.stat_result, via: str, last: bool
+    ) -> Refusal | None:
+        checked.append(here)
+        return real_component(self, shown, here, st, via, last)
+
+    checker = EnvFileChecker(root)
+    monkeypatch.setattr(os, "readlink", readlink)
+    monkeypatch.setattr(EnvFileChecker, "_component", component)
+    for i in range(20):
+        assert checker.refusal("x.service", f"-/etc/asr/deep/er/k{i}.env") is None
+    directories = Counter(checked)
+    del directories["/"]
+    assert directories == {"/etc": 1, "/etc/asr": 1, "/etc/asr/deep": 1, "/etc/asr/deep/er": 1}
+    for i in range(20):
+        assert checker.refusal("x.service", f"-/etc/asr/conf/k{i}.env") is None
+    assert read == [str(root / "etc/asr/conf")]
+
+
+def test_the_limits_hold_at_their_boundaries(root: Path) -> None:
+    """32 symlinks (systemd's), 1024 components walked and 4095 bytes (PATH_MAX with its
+    NUL) are checked; one more of any is refused, as what cannot be checked."""
+    put(root, "/etc/asr/ours.env")
+    for i in range(33):  # l0 -> l1 -> ... -> l32 -> ours.env
+        link(root, f"/etc/asr/l{i}", f"l{i + 1}" if i < 32 else "ours.env")
+    checker = EnvFileChecker(root)
+    assert checker.refusal("x.service", "/etc/asr/l1") is None
+    assert checker.refusal("x.service", "/etc/asr/l0") == Refusal(
+        "/etc/asr/l0 cannot be checked: more than 32 symlinks (a loop?)", FIX_PATH
+    )
+    components = "/etc/asr" + "/." * 1021 + "/ours.env"  # . is a component walked
+    assert checker.refusal("x.service", components) is None
+    more = "/etc/asr" + "/." * 1022 + "/ours.env"
+    assert checker.refusal("x.service", more) == Refusal(
+        f"{more[:300]}... cannot be checked: more than 1024 path components to walk, "
+        "symlinks' targets included",
+        FIX_PATH,
+    )
+    longest = "/a" * 2046 + "/bc"  # /a is not there: only root can make it
+    assert len(longest) == 4095 and checker.refusal("x.service", longest) is None
+    assert checker.refusal("x.service", "/a" * 2048) == Refusal(
+        "/a" * 100 + "... cannot be checked: longer than 4095 bytes", FIX_PATH
+    )
+
+
+def test_dot_and_dot_dot_are_walked_as_the_kernel_resolves_them(root: Path) -> None:
+    """`.` stays where the walk is and `..` goes up from there; a refusal names the path as
+    written and, when it differs, the file the walk reached."""
+    put(root, "/etc/asr/ours.env")
+    put(root, "/etc/asr/theirs.env", uid=ASR)
+    checker = EnvFileChecker(root)
+    assert checker.refusal("x.service", "/etc/./asr/../asr/ours.env") is None
+    for value in ("/etc/asr/../asr/theirs.env", "/etc/./asr/theirs.env"):
+        assert checker.refusal("x.service", value) == Refusal(
+            f"{value}: /etc/asr/theirs.env is owned by UID {ASR}, who can change it", FIX_OWNERS
+        )
+    # /etc/asr was walked above: a name after it that is no file's is still walked
+    for value, reached in [
+        ("/", "/"),
+        ("/etc/..", "/"),
+        ("/etc/asr/", "/etc/asr"),
+        ("/etc/asr/.", "/etc/asr"),
+    ]:
+        subject = value if value == reached else f"{value}: {reached}"
+        assert checker.refusal("x.service", value) == Refusal(
+            f"{subject} is a directory, not a regular file", FIX_PATH
+        )
+
+
+def test_a_path_through_a_user_tree_is_refused_however_it_is_written(root: Path) -> None:
+    """A path whose walk meets a user tree is refused, naming the tree; `by way of` only
+    when the path as written does not start with it and the walk reached it otherwise."""
+    put(root, "/etc/asr/ours.env")
+    (root / "run").mkdir()
+    link(root, "/etc/asr/to-run", "/run")
+    checker = EnvFileChecker(root)
+    for value, tree in [
+        ("/home", "/home"),
+        ("/etc/../home/asr.env", "/home"),
+        ("/home/../etc/asr/ours.env", "/home"),
+        ("/etc/asr/to-run/user/1000/x.env", "/run/user (by way of /run/user)"),
+    ]:
+        assert checker.refusal("x.service", value) == Refusal(
+            f"{value} is under {tree}, {TREE} at boot", FIX_TREE
+        )
+
+
+def test_the_scans_root_directory_is_walked_like_any_other(root: Path) -> None:
+    """The root of the scan is the first directory of every walk: another UID's is refused,
+    root's group-writable by GID 0 is fine, and one that is not there cannot be checked."""
+    put(root, "/etc/asr/ours.env")
+    os.chown(root, ASR, ASR)
+    assert EnvFileChecker(root).refusal("x.service", "/etc/asr/ours.env") == Refusal(
+        f"/etc/asr/ours.env: its directory / is owned by UID {ASR}, who can change it",
+        FIX_OWNERS,
+    )
+    os.chown(root, 0, 0)
+    root.chmod(0o775)
+    assert EnvFileChecker(root).refusal("x.service", "/etc/asr/ours.env") is None
+    assert EnvFileChecker(root / "gone").refusal("x.service", "/etc/asr/ours.env") == Refusal(
+        "/etc/asr/ours.env cannot be checked: /: No such file or directory", FIX_PATH
+    )
+
+
+@pytest.mark.parametrize("name", ["image", "image/", "imageX", "image "])
+def test_the_root_is_taken_as_named(tmp_path: Path, name: str) -> None:
+    """Paths are looked up under the root as it is named (a trailing slash aside)."""
+    tmp_path.chmod(0o755)
+    image = tmp_path / name.rstrip("/")
+    image.mkdir(mode=0o755)
+    put(image, "/etc/asr/theirs.env", uid=ASR)
+    assert EnvFileChecker(f"{tmp_path}/{name}").refusal("x.service", "/etc/asr/theirs.env") == (
+        Refusal(f"/etc/asr/theirs.env is owned by UID {ASR}, who can change it", FIX_OWNERS)
+    )
+
+
+def test_a_root_named_through_a_symlink_is_its_target(tmp_path: Path) -> None:
+    """A root named through a symlink is the directory it leads to (the symlink itself,
+    mode 0777, was taken for a directory anyone can write: every file was refused)."""
+    tmp_path.chmod(0o755)
+    image = tmp_path / "image"
+    image.mkdir(mode=0o755)
+    put(image, "/etc/asr/ours.env")
+    (tmp_path / "link").symlink_to("image")
+    assert EnvFileChecker(tmp_path / "link").refusal("x.service", "/etc/asr/ours.env") is None
+
+
+def test_the_default_root_is_the_systems() -> None:
+    """Without a root, paths are the system's own (the host's / is a directory of root's)."""
+    assert EnvFileChecker().refusal("x.service", "/") == Refusal(
+        "/ is a directory, not a regular file", FIX_PATH
+    )
+
+
+def test_a_symlink_that_cannot_be_read_is_refused_naming_it(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A symlink that cannot be read (replaced by a file between its lstat and its readlink:
+    EINVAL) is refused, naming it and why."""
+    put(root, "/etc/asr/ours.env")
+    link(root, "/etc/asr/asr.env", "ours.env")
+
+    def readlink(path: str) -> str:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    checker = EnvFileChecker(root)
+    monkeypatch.setattr(os, "readlink", readlink)
+    assert checker.refusal("x.service", "/etc/asr/asr.env") == Refusal(
+        "/etc/asr/asr.env cannot be checked: the symlink /etc/asr/asr.env cannot be read: "
+        "Invalid argument",
+        FIX_PATH,
     )
 
 
