@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dbus_next import BusType
@@ -62,6 +64,33 @@ asyncio.run(main())
 """ % {"name": BUS_NAME, "path": OBJECT_PATH, "interface": INTERFACE, "seconds": FLOOD_S}  # noqa: UP031 (the script holds braces)
 
 
+@contextlib.contextmanager
+def private_bus() -> Iterator[str]:
+    """A private dbus-daemon with tests/test_dbus_adapter.py's policy, for the time of the
+    block: its address. DaemonMissing when there is no dbus-daemon."""
+    daemon_path = shutil.which("dbus-daemon")
+    if daemon_path is None:
+        raise DaemonMissing("dbus-daemon is needed (Debian package dbus-daemon)")
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "bus.conf"
+        config.write_text(BUS_CONFIG.format(socket=Path(tmp) / "bus"))
+        daemon = subprocess.Popen(
+            [daemon_path, f"--config-file={config}", "--nofork", "--nopidfile"],
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            while not _accepts(Path(tmp) / "bus"):
+                time.sleep(0.01)
+            yield f"unix:path={tmp}/bus"
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=5)
+
+
+class DaemonMissing(Exception):
+    pass
+
+
 async def longest_stall(address: str, mode: str) -> float:
     """The controller's side: serve Status, tick, let the caller run, drain."""
     bus = await MessageBus(bus_address=address, bus_type=BusType.SYSTEM).connect()
@@ -94,27 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     if old:
         busread.MAX_PER_TURN = 10**9
         busread.MAX_CALL_BODY = 1 << 40
-    daemon_path = shutil.which("dbus-daemon")
-    if daemon_path is None:
-        print("bench.flood: dbus-daemon is needed (Debian package dbus-daemon)", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "bus.conf"
-        config.write_text(BUS_CONFIG.format(socket=Path(tmp) / "bus"))
-        daemon = subprocess.Popen(
-            [daemon_path, f"--config-file={config}", "--nofork", "--nopidfile"],
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            while not _accepts(Path(tmp) / "bus"):
-                time.sleep(0.01)
+    try:
+        with private_bus() as address:
             for mode, what in (("flood", f"{FLOOD_S} s of small calls"), ("big", "one 8 MiB call")):
-                stall = asyncio.run(longest_stall(f"unix:path={tmp}/bus", mode))
+                stall = asyncio.run(longest_stall(address, mode))
                 reader = "without limits" if old else "as shipped"
                 print(f"reader {reader}, {what}: the loop's longest stall {stall:.3f} s")
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=5)
+    except DaemonMissing as e:
+        print(f"bench.flood: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

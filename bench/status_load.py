@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import resource
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,11 +30,11 @@ from pathlib import Path
 from dbus_next import BusType, Message
 from dbus_next.aio import MessageBus
 
+from bench.flood import private_bus
 from gpuslice.config import Config
 from gpuslice.service import SchedulerService
 from gpuslice.systemd import Systemd
 from tests.test_controller import Bed, settle, state
-from tests.test_dbus_adapter import BUS_CONFIG, _accepts
 
 # The flooding process: marshals 100 calls at a time and writes them as its sockets take them.
 CALLER = r"""
@@ -140,22 +138,8 @@ async def _flood(address: str, size: int, mode: str, seconds: float, conns: int)
 
 
 def _flood_on_a_private_bus(size: int, mode: str, seconds: float, conns: int) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "bus.conf"
-        config.write_text(BUS_CONFIG.format(socket=Path(tmp) / "bus"))
-        daemon_path = shutil.which("dbus-daemon")
-        assert daemon_path, "dbus-daemon is needed (Debian package dbus-daemon)"
-        daemon = subprocess.Popen(
-            [daemon_path, f"--config-file={config}", "--nofork", "--nopidfile"],
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            while not _accepts(Path(tmp) / "bus"):
-                time.sleep(0.01)
-            asyncio.run(_flood(f"unix:path={tmp}/bus", size, mode, seconds, conns))
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=5)
+    with private_bus() as address:
+        asyncio.run(_flood(address, size, mode, seconds, conns))
 
 
 def main(argv: list[str]) -> None:
