@@ -29,11 +29,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from gpuslice.safefile import file_kind
 from gpuslice.unitfiles import Entry, is_instance, is_template, printable
+
+T = TypeVar("T")
 
 # Where users make files, or file systems are mounted after the generator ran at boot.
 USER_TREES: tuple[str, ...] = (
@@ -281,25 +284,24 @@ class EnvFileChecker:
         return self._root + path if path != "/" else self._root or "/"
 
     def _lstat(self, path: str) -> os.stat_result | OSError:
-        found = self._stats.get(path)
-        if found is None:
-            try:
-                # never a ValueError: refusal lets no NUL or unencodable path through, and a
-                # symlink's target (read as bytes, decoded as the file system's) has neither
-                found = os.lstat(self._real(path))
-            except OSError as e:
-                found = _kept(e)
-            self._stats[path] = found
-        return found
+        return self._remembered(self._stats, path, os.lstat)
 
     def _readlink(self, path: str) -> str | OSError:
-        found = self._links.get(path)
+        return self._remembered(self._links, path, os.readlink)
+
+    def _remembered(
+        self, seen: dict[str, T | OSError], path: str, ask: Callable[[str], T]
+    ) -> T | OSError:
+        """`ask` of the system path `path`, or its OSError, asked once per scan. Never a
+        ValueError: `refusal` lets no NUL or unencodable path through, and a symlink's
+        target (read as bytes, decoded as the file system's) has neither."""
+        found = seen.get(path)
         if found is None:
             try:
-                found = os.readlink(self._real(path))
+                found = ask(self._real(path))
             except OSError as e:
                 found = _kept(e)
-            self._links[path] = found
+            seen[path] = found
         return found
 
     def _walk(self, path: str) -> Refusal | None:
