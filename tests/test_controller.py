@@ -665,6 +665,21 @@ def test_a_frozen_or_suspended_unit_restarted_by_hand_is_served_as_a_new_start(
     run(test)
 
 
+def vlm_suspended_for_voice(tmp_path: Path) -> Bed:
+    """vlm.service (90, Preempt=suspend stop) suspended for voice.service (10), which runs on
+    GPU 0; both active for systemd."""
+    return Bed(
+        tmp_path,
+        {"vlm.service": "Priority=90\nPreempt=suspend stop\n", "voice.service": "Priority=10\n"},
+        [state("vlm.service", "active", "running"), state("voice.service", "active", "running")],
+        SavedState(
+            holders={"voice.service": ((0,), "running", 2, "")},
+            suspended={"vlm.service": ((0,), 1)},
+            seq=2,
+        ),
+    )
+
+
 def test_a_suspended_unit_whose_annotation_went_is_still_heard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -675,16 +690,7 @@ def test_a_suspended_unit_whose_annotation_went_is_still_heard(
     stayed suspended, its room on GPU 0 kept from less urgent units, until the controller
     restarted (and once resumed, its end went unheard and its GPU stayed held)."""
     monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 3600)  # driven by hand here
-    bed = Bed(
-        tmp_path,
-        {"vlm.service": "Priority=90\nPreempt=suspend stop\n", "voice.service": "Priority=10\n"},
-        [state("vlm.service", "active", "running"), state("voice.service", "active", "running")],
-        SavedState(
-            holders={"voice.service": ((0,), "running", 2, "")},
-            suspended={"vlm.service": ((0,), 1)},
-            seq=2,
-        ),
-    )
+    bed = vlm_suspended_for_voice(tmp_path)
 
     async def test() -> None:
         ctl = bed.controller
@@ -706,16 +712,7 @@ def test_a_suspended_unit_whose_annotation_went_is_still_heard(
 def test_what_a_suspend_kept_goes_with_the_units_end(tmp_path: Path) -> None:
     """One entry per unit ever suspended (every instance of a template) was kept until the
     controller exited."""
-    bed = Bed(
-        tmp_path,
-        {"vlm.service": "Priority=90\nPreempt=suspend stop\n", "voice.service": "Priority=10\n"},
-        [state("vlm.service", "active", "running"), state("voice.service", "active", "running")],
-        SavedState(
-            holders={"voice.service": ((0,), "running", 2, "")},
-            suspended={"vlm.service": ((0,), 1)},
-            seq=2,
-        ),
-    )
+    bed = vlm_suspended_for_voice(tmp_path)
 
     async def test() -> None:
         ctl = bed.controller

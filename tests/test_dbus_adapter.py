@@ -627,6 +627,17 @@ def test_a_call_with_a_long_path_is_refused_unread(bus_address: str) -> None:
     run(scenario)
 
 
+def status_asking_no_answer() -> Message:
+    """A Status call with NO_REPLY_EXPECTED, which no limit of the bus daemon's counts."""
+    return Message(
+        destination=BUS_NAME,
+        path=OBJECT_PATH,
+        interface=INTERFACE,
+        member="Status",
+        flags=MessageFlag.NO_REPLY_EXPECTED,
+    )
+
+
 def test_a_flood_of_calls_is_read_a_turn_of_the_loop_at_a_time(bus_address: str) -> None:
     """Anyone may call Status, as often as they like. dbus-next read every message its
     socket held before the loop went on: one process's flood of calls kept the controller's
@@ -651,15 +662,7 @@ def test_a_flood_of_calls_is_read_a_turn_of_the_loop_at_a_time(bus_address: str)
         loop = asyncio.get_running_loop()
         loop.remove_reader(bus._fd)  # the calls pile up in its socket meanwhile
         for _ in range(300):
-            client.send(
-                Message(
-                    destination=BUS_NAME,
-                    path=OBJECT_PATH,
-                    interface=INTERFACE,
-                    member="Status",
-                    flags=MessageFlag.NO_REPLY_EXPECTED,
-                )
-            )
+            client.send(status_asking_no_answer())
         await sync(client)
         await asyncio.sleep(0.05)
 
@@ -698,15 +701,7 @@ def test_a_status_call_that_asks_for_no_answer_gets_none(bus_address: str) -> No
         await service.claim_name()
         client = await connect(bus_address)
         for _ in range(3):
-            client.send(
-                Message(
-                    destination=BUS_NAME,
-                    path=OBJECT_PATH,
-                    interface=INTERFACE,
-                    member="Status",
-                    flags=MessageFlag.NO_REPLY_EXPECTED,
-                )
-            )
+            client.send(status_asking_no_answer())
         assert (await call(client, "Status")).body == ["{}"]  # read after the three
         assert built == [1]
 

@@ -133,6 +133,18 @@ class Host:
         self.mine.add(pid)
         return pid
 
+    def restarted_ladder(self) -> Ladder:
+        """The ladder of a controller restarted since: nothing kept of what it suspended."""
+        return Ladder(
+            self.freezer,
+            self.events,
+            self.processes,
+            lambda: self.settings,
+            self.report,
+            unified_marker=self.marker,
+            unit_of_pid=lambda pid: UNIT,
+        )
+
     def said(self) -> list[tuple[str, str, str]]:
         return self.events.said
 
@@ -269,15 +281,7 @@ def test_a_restore_that_runs_out_of_memory_is_reported_as_fatal(host: Host) -> N
 def test_resume_after_a_controller_restart_finds_the_processes_itself(host: Host) -> None:
     a = host.job()
     run(host.ladder.suspend(UNIT))
-    fresh = Ladder(
-        host.freezer,
-        host.events,
-        host.processes,
-        lambda: host.settings,
-        host.report,
-        unified_marker=host.marker,
-        unit_of_pid=lambda pid: UNIT,
-    )
+    fresh = host.restarted_ladder()
     # systemd lists the unit's processes: the CUDA one and a shell that is no CUDA process
     host.freezer.pids = [a, 1]
     run(fresh.resume(UNIT))
@@ -303,15 +307,7 @@ def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_
     left = subprocess.Popen(["sleep", "60"])  # the old controller's restore, still running
     (tmp_path / f"gpuslice-checkpoint-restore-{a}-900-7.service.pid").write_text(str(left.pid))
     host.settings = dataclasses.replace(host.settings, via_systemd=True)
-    fresh = Ladder(
-        host.freezer,
-        host.events,
-        host.processes,
-        lambda: host.settings,
-        host.report,
-        unified_marker=host.marker,
-        unit_of_pid=lambda pid: UNIT,
-    )
+    fresh = host.restarted_ladder()
     host.freezer.pids = [a]
     try:
         run(fresh.resume(UNIT))
