@@ -20,6 +20,7 @@ from gpuslice import envsafety
 from gpuslice.annotations import Problem, load_spec, scan
 from gpuslice.envsafety import FIX_OWNERS, FIX_PATH, FIX_TREE, EnvFileChecker, Refusal, RunAs
 from gpuslice.unitfiles import Entry
+from tests.test_unitfiles import link  # a symlink at a system path under the root
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 
@@ -40,12 +41,6 @@ def put(root: Path, path: str, text: str = "X=1\n", uid: int = 0, mode: int = 0o
     os.chown(real, uid, uid)
     real.chmod(mode)
     return real
-
-
-def link(root: Path, path: str, target: str) -> None:
-    real = root / path.lstrip("/")
-    real.parent.mkdir(parents=True, exist_ok=True)
-    real.symlink_to(target)
 
 
 def service(name: str, *service_lines: str) -> tuple[str, str]:
