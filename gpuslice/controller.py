@@ -165,7 +165,7 @@ class Controller:
             lambda: CheckpointSettings.from_config(self.config),
             self._report,
         )
-        self.store = StateStore(Path(config.state_dir))
+        self.store = StateStore(Path(config.state_dir), Path(config.runtime_dir))
         self._flusher = Flusher(self.store, FLUSH_DELAY, self._flushed)
         self.notifier = Notifier()
         # the gate calls in wait; the bus adapter unless one is given (tests)
@@ -1005,22 +1005,31 @@ class Controller:
         once, not at every decision, and again when saving works."""
         self._save_due = False
         try:
-            self.store.save(self.scheduler.save(), self.boot_id)
+            where = self.store.save(self.scheduler.save(), self.boot_id)
         except OSError as e:
-            self.counters.error("state_save_errors")
-            if not self._save_failing:
-                log.error(
-                    "cannot save state to %s: %s (said once until it works)", self.store.path, e
-                )
-            self._save_failing = True
+            self._save_failed(e)
         else:
-            if self._save_failing:
-                log.info("state saved to %s again", self.store.path)
-            self._save_failing = False
-            self._flusher.saved(asyncio.get_running_loop())
+            if where != self.store.path:
+                self._save_failed(self.store.failure, f"; kept in {where} meanwhile (until reboot)")
+            else:
+                if self._save_failing:
+                    log.info("state saved to %s again", self.store.path)
+                self._save_failing = False
+                self._flusher.saved(asyncio.get_running_loop())
         if not self._status_due:  # STATUS= at most once per STATUS_DELAY: see there
             self._status_due = True
             asyncio.get_running_loop().call_later(STATUS_DELAY, self._send_status)
+
+    def _save_failed(self, error: OSError | None, meanwhile: str = "") -> None:
+        self.counters.error("state_save_errors")
+        if not self._save_failing:
+            log.error(
+                "cannot save state to %s: %s (said once until it works)%s",
+                self.store.path,
+                error,
+                meanwhile,
+            )
+        self._save_failing = True
 
     def _flushed(self, error: OSError | None) -> None:
         """A flush of the state file ended: a failing disk is reported once, as saves are."""

@@ -18,6 +18,11 @@ never raises. A file that is not exactly what `save()` writes costs one error li
   at once (a restart before the next save must not lose them). When no entry is valid, the
   file is moved aside as a bad one.
 One `.bad` file is kept, replaced each time. A file that cannot be read (EIO) is left alone.
+
+A state directory that cannot be written (a full or read-only disk) must not make a restarted
+controller forget what it preempted: the state then goes to a stand-in in runtime_dir (a
+tmpfs, so it lasts until the next reboot), which `load()` prefers while it is the newer of the
+two; the first save that reaches the state directory again removes it.
 """
 
 from __future__ import annotations
@@ -367,16 +372,34 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _write_new(path: Path, data: bytes) -> None:
+    """`_write_atomic`, making the directory the first time (made once, not at every save)."""
+    try:
+        _write_atomic(path, data)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, data)
+
+
 class StateStore:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, runtime_dir: Path | None = None) -> None:
         self.path = state_dir / "state.json"
         self.bad_path = state_dir / "state.json.bad"
+        # where the state goes while state_dir cannot be written; none in the same directory
+        self.standin: Path | None = None
+        if runtime_dir is not None and os.path.abspath(runtime_dir) != os.path.abspath(state_dir):
+            self.standin = runtime_dir / "state.json"
+        self.failure: OSError | None = None  # why the last save went to the stand-in
+        self._standin_left = self.standin is not None  # a stand-in may exist: removed once
 
     def load(self) -> tuple[SavedState, str]:
         """The saved state and the boot id it was written in ("" when there is none).
 
         Never raises: whatever the file holds, the controller must start."""
         try:
+            standin = self._load_standin()
+            if standin is not None:
+                return standin
             return self._load()
         except Exception:  # a bug here must not keep every GPU job waiting: log it, go on
             log.exception(
@@ -417,12 +440,62 @@ class StateStore:
             )
         return saved, boot_id
 
-    def _read(self) -> bytes:
+    def _load_standin(self) -> tuple[SavedState, str] | None:
+        """The stand-in's state when it is there, valid and newer than the state file. One
+        older than the state file is the trace of a controller killed between a save that
+        reached state_dir again and the stand-in's removal; an invalid one is removed (it is
+        ours, in a directory only root writes, and the state file is the better guess)."""
+        if self.standin is None:
+            return None
+        try:
+            found = os.lstat(self.standin).st_mtime_ns
+        except (FileNotFoundError, NotADirectoryError):
+            self._standin_left = False
+            return None
+        except OSError as e:
+            log.error("%s: cannot look at the stand-in (%s); not used", self.standin, e)
+            return None
+        with contextlib.suppress(OSError):
+            if os.lstat(self.path).st_mtime_ns > found:
+                log.info("%s: older than %s; removed", self.standin, self.path)
+                self._remove_standin()
+                return None
+        problems = Problems()
+        try:
+            data = parse(self._read(self.standin), problems)
+            saved, boot_id = validate(data, problems)
+        except (BadFile, OSError) as e:
+            problems.add(str(e))
+        if problems:
+            log.error("%s: %s; removed, using %s", self.standin, problems, self.path)
+            self._remove_standin()
+            return None
+        log.warning(
+            "%s: the state saved while %s could not be written (newer than it); "
+            "it goes back there at the next save",
+            self.standin,
+            self.path,
+        )
+        return saved, boot_id
+
+    def _remove_standin(self) -> None:
+        assert self.standin is not None
+        try:
+            os.unlink(self.standin)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as e:  # kept for the next save to try again (load prefers the newer)
+            log.error("cannot remove %s: %s", self.standin, e)
+            return
+        self._standin_left = False
+
+    def _read(self, path: Path | None = None) -> bytes:
         """The file's bytes; BadFile for a path that is no regular file or too big, the OSError
         when it cannot be read (FileNotFoundError: there is none yet). Never follows a symlink
         or blocks on a FIFO (`safefile`)."""
+        path = path or self.path
         try:
-            return safefile.read_bytes(self.path, STATE_FILE_MAX, follow_links=False)
+            return safefile.read_bytes(path, STATE_FILE_MAX, follow_links=False)
         except safefile.Unreadable as e:
             if e.error is not None:
                 raise e.error from None
@@ -447,20 +520,35 @@ class StateStore:
         except OSError as e:
             return f"could not copy it to {self.bad_path} ({e.strerror or e}); left it as it is"
         try:
-            self.save(saved, boot_id)
+            where = self.save(saved, boot_id)
         except OSError as e:
             return f"copied it to {self.bad_path}; could not rewrite it ({e.strerror or e})"
+        if where != self.path:
+            return f"copied it to {self.bad_path}; kept the valid entries in {where}"
         return f"copied it to {self.bad_path} and kept the valid entries"
 
-    def save(self, saved: SavedState, boot_id: str) -> None:
-        """Write the state atomically; an OSError reaches the caller (the controller logs it)."""
+    def save(self, saved: SavedState, boot_id: str) -> Path:
+        """Write the state atomically; where it went: the state file, or the stand-in when
+        the state file cannot be written (`failure` says why). An OSError reaches the caller
+        (the controller logs it) when neither can be written."""
         data = {"version": FORMAT_VERSION, "boot_id": boot_id, **asdict(saved)}
         text = json.dumps(data, sort_keys=True, allow_nan=False).encode()
         try:
-            _write_atomic(self.path, text)
-        except FileNotFoundError:  # no state directory yet (made once, not at every save)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.path, text)
+            _write_new(self.path, text)
+        except OSError as e:
+            if self.standin is None:
+                raise
+            try:
+                _write_new(self.standin, text)
+            except OSError:
+                raise e from None
+            self.failure = e
+            self._standin_left = True
+            return self.standin
+        self.failure = None
+        if self._standin_left:
+            self._remove_standin()
+        return self.path
 
     def flush(self) -> None:
         """Make the last save durable: the file's data, then the directory entry the rename

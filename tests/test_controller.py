@@ -21,6 +21,7 @@ import pytest
 
 from gpuslice import controller as controller_module
 from gpuslice import rereads as rereads_module
+from gpuslice import state as state_module
 from gpuslice.annotations import scan
 from gpuslice.config import Config, load_config_with_warnings
 from gpuslice.controller import Controller
@@ -1523,9 +1524,9 @@ def test_a_holders_end_and_the_refill_it_allows_are_saved_once_before_the_start(
     saves: list[SavedState] = []
     save = bed.controller.store.save
 
-    def counted(saved: SavedState, boot_id: str) -> None:
+    def counted(saved: SavedState, boot_id: str) -> Path:
         saves.append(saved)
-        save(saved, boot_id)
+        return save(saved, boot_id)
 
     bed.controller.store.save = counted  # type: ignore[method-assign]
     start = bed.systemd.restart_preempted
@@ -1606,6 +1607,59 @@ def test_a_decision_saved_is_flushed_to_disk_soon_after_and_a_failing_disk_said_
         f"cannot flush the state in {bed.controller.store.path} to disk: Input/output error "
         "(said once until it works); a power cut may lose it",
         f"state flushed to disk again ({bed.controller.store.path})",
+    ]
+
+
+def test_a_full_disk_keeps_the_preemptions_for_a_restarted_controller(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With state_dir full, a restarted controller forgot low.service, preempted for
+    urgent.service: it never came back. The state goes to runtime_dir meanwhile, which the
+    restarted controller reads; the journal says so once, and again when saving works."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    state_dir = Path(bed.config.state_dir)
+    write = state_module._write_atomic
+    full = [True]
+
+    def on_full_disk(path: Path, data: bytes) -> None:
+        if full and path.parent == state_dir:
+            raise OSError(28, "No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(state_module, "_write_atomic", on_full_disk)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("urgent.service", at_gate(invocation=None))
+        await settle()
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert "low.service" in ctl.scheduler.preempted
+        assert ctl.counters.errors["state_save_errors"] >= 2
+        assert "low.service" in restarted().load()[0].preempted
+        full.clear()  # room again: the next save goes to state_dir, the stand-in goes
+        ctl._save_due = True
+        ctl.save_now()
+        assert not standin.exists()
+        assert "low.service" in StateStore(state_dir).load()[0].preempted
+
+    def restarted() -> StateStore:
+        return StateStore(state_dir, Path(bed.config.runtime_dir))
+
+    standin = Path(bed.config.runtime_dir) / "state.json"
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    said = [m for m in messages(caplog) if "save" in m]
+    assert said == [
+        f"cannot save state to {state_dir}/state.json: [Errno 28] No space left on device "
+        f"(said once until it works); kept in {standin} meanwhile (until reboot)",
+        f"{standin}: the state saved while {state_dir}/state.json could not be written "
+        "(newer than it); it goes back there at the next save",
+        f"state saved to {state_dir}/state.json again",
     ]
 
 

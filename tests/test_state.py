@@ -670,6 +670,95 @@ def test_save_error_propagates_and_leaves_no_temporary_file(tmp_path: Path) -> N
         blocked.save(GOOD_STATE, "b")
 
 
+# ---- a state directory that cannot be written: the stand-in in runtime_dir ---------------
+
+PREEMPTED = SavedState(preempted={"vlm.service": 3}, seq=3)
+
+
+def store_on_disk(tmp_path: Path) -> StateStore:
+    return StateStore(tmp_path / "disk" / "state", tmp_path / "run")
+
+
+def blocked_store(tmp_path: Path) -> StateStore:
+    """A store whose state_dir cannot be made (its parent is a file: a full or read-only
+    disk to save(), as root passes every permission check) and whose runtime_dir can."""
+    (tmp_path / "disk").touch()
+    return store_on_disk(tmp_path)
+
+
+def test_a_state_dir_that_cannot_be_written_leaves_the_state_in_the_stand_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk lost every preemption at the controller's next restart: the state
+    that save() could not write was only in the memory of the controller that stopped."""
+    store = blocked_store(tmp_path)
+    assert store.save(PREEMPTED, "b") == tmp_path / "run" / "state.json"
+    assert isinstance(store.failure, NotADirectoryError)
+    with caplog.at_level(logging.INFO, "gpuslice"):
+        assert blocked_store(tmp_path).load() == (PREEMPTED, "b")
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"{tmp_path}/run/state.json: the state saved while")
+
+    (tmp_path / "disk").unlink()  # the disk has room again: the next save goes there
+    (tmp_path / "disk").mkdir()
+    restarted = store_on_disk(tmp_path)
+    assert restarted.load() == (PREEMPTED, "b")
+    later = SavedState(preempted={"vlm.service": 3}, held=["x.service"], seq=4)
+    assert restarted.save(later, "b") == restarted.path and restarted.failure is None
+    assert not (tmp_path / "run" / "state.json").exists()  # removed once it is not needed
+    assert store_on_disk(tmp_path).load() == (later, "b")
+
+
+def test_neither_directory_writable_raises_the_state_dirs_error(tmp_path: Path) -> None:
+    (tmp_path / "run").touch()
+    store = blocked_store(tmp_path)
+    with pytest.raises(NotADirectoryError, match="disk/state"):
+        store.save(PREEMPTED, "b")
+    alone = StateStore(tmp_path / "disk" / "state")  # no runtime_dir: no stand-in
+    with pytest.raises(NotADirectoryError):
+        alone.save(PREEMPTED, "b")
+    assert alone.standin is None
+    assert StateStore(tmp_path / "x", tmp_path / "y" / ".." / "x").standin is None
+
+
+def test_a_stand_in_older_than_the_state_file_is_removed_unread(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trace of a controller killed between a save that reached state_dir again and
+    the stand-in's removal: the state file is the newer, so it is what is loaded."""
+    StateStore(tmp_path / "state").save(GOOD_STATE, "0f6c/1234")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.json").write_bytes(good(seq=2))
+    os.utime(tmp_path / "run" / "state.json", ns=(1, 1))
+    with caplog.at_level(logging.INFO, "gpuslice"):
+        assert StateStore(tmp_path / "state", tmp_path / "run").load() == (GOOD_STATE, "0f6c/1234")
+    assert not (tmp_path / "run" / "state.json").exists()
+    assert "older than" in caplog.text
+
+
+@pytest.mark.parametrize("content", [b"{", good(seq=-1), b"x" * (STATE_FILE_MAX + 1)])
+def test_an_invalid_stand_in_is_removed_and_the_state_file_used(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes
+) -> None:
+    StateStore(tmp_path / "state").save(GOOD_STATE, "0f6c/1234")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.json").write_bytes(content)
+    with caplog.at_level(logging.INFO, "gpuslice"):
+        assert StateStore(tmp_path / "state", tmp_path / "run").load() == (GOOD_STATE, "0f6c/1234")
+    assert not (tmp_path / "run" / "state.json").exists()
+    assert f"{tmp_path}/run/state.json: " in one_error(caplog.records, "removed, using")
+
+
+def test_a_stand_in_link_is_not_followed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere.json").write_bytes(good())
+    (tmp_path / "run" / "state.json").symlink_to(tmp_path / "elsewhere.json")
+    with caplog.at_level(logging.INFO, "gpuslice"):
+        assert StateStore(tmp_path / "state", tmp_path / "run").load() == (SavedState(), "")
+    assert (tmp_path / "elsewhere.json").read_bytes() == good()
+    one_error(caplog.records, "not a regular file")
+
+
 def test_save_does_not_follow_a_planted_temporary_name(tmp_path: Path) -> None:
     """The old save wrote through whatever `state.tmp` was, a symlink included."""
     victim = tmp_path / "victim"
