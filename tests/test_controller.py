@@ -9,6 +9,7 @@ real systemd does end to end is tests/integration's: this is the fast layer unde
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -213,6 +214,13 @@ def state(name: str, active: str, sub: str, job: int = 0, job_type: str = "") ->
     return UnitState(name, active, sub, job, job_type)
 
 
+def bed_config(tmp_path: Path, **settings: Any) -> Config:
+    """The settings of a Bed: its state and runtime directories under tmp_path, one GPU
+    unless `settings` say otherwise."""
+    config = Config(gpus=1, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run"))
+    return dataclasses.replace(config, **settings)
+
+
 class Bed:
     """A controller on fakes, with its annotated units and saved state under tmp_path."""
 
@@ -229,11 +237,7 @@ class Bed:
         for name, section in units.items():
             write_unit(tmp_path, name, section)
         (tmp_path / "root" / UNIT_DIR).mkdir(parents=True, exist_ok=True)
-        self.config = config or Config(
-            gpus=1,
-            state_dir=str(tmp_path / "state"),
-            runtime_dir=str(tmp_path / "run"),
-        )
+        self.config = config or bed_config(tmp_path)
         if saved is not None:
             StateStore(Path(self.config.state_dir)).save(saved, BOOT)
         self.systemd = FakeSystemd(states)
@@ -841,7 +845,7 @@ def test_a_running_unit_without_a_saved_grant_keeps_the_gpus_its_env_file_names(
         tmp_path,
         units,
         [state(n, "active", "running") for n in units],
-        config=Config(gpus=4, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+        config=bed_config(tmp_path, gpus=4),
     )
     told = {
         "a.service": "CUDA_VISIBLE_DEVICES=2\nGPUSLICE_GPUS=2\n",
@@ -978,11 +982,7 @@ def test_an_environment_file_that_cannot_be_written_still_grants(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
 ) -> None:
     (tmp_path / "not-a-directory").write_text("")
-    config = Config(
-        gpus=1,
-        state_dir=str(tmp_path / "state"),
-        runtime_dir=str(tmp_path / "not-a-directory"),
-    )
+    config = bed_config(tmp_path, runtime_dir=str(tmp_path / "not-a-directory"))
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
     cgroup_of[4242] = "a.service"
 
@@ -1006,12 +1006,7 @@ def test_an_environment_file_that_cannot_be_written_still_grants(
 def low_holds_gpu_0(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
     """low.service (90) runs on the one GPU; urgent.service (10) asks from PID 4242; a stop
     is overdue after 0.05 s."""
-    config = Config(
-        gpus=1,
-        state_dir=str(tmp_path / "state"),
-        runtime_dir=str(tmp_path / "run"),
-        stop_timeout=0.05,
-    )
+    config = bed_config(tmp_path, stop_timeout=0.05)
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
@@ -2552,11 +2547,7 @@ def test_a_split_host_grants_only_its_own_gpus_before_nvml_answers(
         tmp_path,
         {"od.service": "Priority=10\n"},
         [],
-        config=Config(
-            manage_gpus=("1",),
-            state_dir=str(tmp_path / "state"),
-            runtime_dir=str(tmp_path / "run"),
-        ),
+        config=bed_config(tmp_path, gpus=Config().gpus, manage_gpus=("1",)),
         nvml=StubNvml(available=False),
         driver_root=nvidia_root(tmp_path),
     )
@@ -2613,7 +2604,7 @@ def bg_running_on_gpu_1(tmp_path: Path, nvml: StubNvml) -> Bed:
         {"bg.service": "Priority=90\nType=background\n"},
         [state("bg.service", "active", "running")],
         SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
-        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+        config=bed_config(tmp_path, gpus=2),
         nvml=nvml,
     )
 

@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 
 from gpuslice import envfiles
-from gpuslice.config import Config
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.state import StateStore
-from tests.test_controller import Bed, StubNvml, at_gate, run, settle, state
+from tests.test_controller import Bed, StubNvml, at_gate, bed_config, run, settle, state
 
 
 @pytest.mark.parametrize("started", [["bg.service"], []])
@@ -79,7 +78,7 @@ def test_a_requeue_granted_just_before_the_kill_keeps_the_gpus_it_was_told(
             seq=2,
             started=["a.service"],
         ),
-        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+        config=bed_config(tmp_path, gpus=2),
     )
     envfiles.write(bed.config.runtime_dir, "a.service", [Gpu(1)])  # its grant, not saved
 
@@ -185,7 +184,7 @@ def test_a_kept_place_granted_elsewhere_just_before_the_kill_is_booked_where_it_
             state("b.service", "activating", "start-pre", 7, "start"),
         ],
         SavedState(holders={"a.service": ((0,), "starting", 1, "")}, seq=1),
-        config=Config(gpus=2, state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")),
+        config=bed_config(tmp_path, gpus=2),
     )
     envfiles.write(bed.config.runtime_dir, "a.service", [Gpu(1)])  # its grant, not saved
 
