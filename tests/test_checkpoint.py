@@ -91,7 +91,11 @@ def calls(tmp_path: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-ME = os.getpid()  # a PID that exists, for stubs that never look at it
+def me() -> int:
+    """A PID that exists, for stubs that never look at it: the test's own, asked when the
+    test runs (mutmut imports the tests once and forks a process per mutant: a PID taken at
+    import was mutmut's own, which a mutant of `os.kill(pid, 0)` then killed)."""
+    return os.getpid()
 
 
 def test_suspend_locks_every_process_before_it_checkpoints_any(tmp_path: Path) -> None:
@@ -345,13 +349,14 @@ def test_silent_failures_say_how_the_tool_ended(tmp_path: Path) -> None:
 
 
 def test_missing_tool(tmp_path: Path) -> None:
+    pid = me()
     tool = str(tmp_path / "cuda-checkpoint")
-    assert failure(suspend(tool, [ME], FAST)).reason == (
+    assert failure(suspend(tool, [pid], FAST)).reason == (
         f"cuda-checkpoint is not installed ({tool} not found)"
     )
     # resume cannot read the state of a live process
-    assert failure(resume(tool, [ME], FAST)).reason == (
-        f"the state of PID {ME} could not be read: cuda-checkpoint is not installed "
+    assert failure(resume(tool, [pid], FAST)).reason == (
+        f"the state of PID {pid} could not be read: cuda-checkpoint is not installed "
         f"({tool} not found)"
     )
 
@@ -400,8 +405,9 @@ def test_resume_skips_processes_that_have_exited(tmp_path: Path) -> None:
     gone.wait()
     tool = stub(tmp_path, '[ "$1" = --get-state ] && { echo "no such process" >&2; exit 1; }')
     run(resume(tool, [gone.pid], FAST))
-    assert failure(resume(tool, [ME], FAST)).reason == (
-        f"the state of PID {ME} could not be read: no such process"
+    pid = me()
+    assert failure(resume(tool, [pid], FAST)).reason == (
+        f"the state of PID {pid} could not be read: no such process"
     )
 
 
@@ -736,8 +742,9 @@ def test_injected_restore_oom(bed: Bed) -> None:
 
 
 def test_not_a_cuda_process(bed: Bed) -> None:
-    error = failure(suspend(bed.tool, [ME], FAST))
-    assert error.reason.startswith(f"cuda-checkpoint refused to lock PID {ME}: ")
+    pid = me()
+    error = failure(suspend(bed.tool, [pid], FAST))
+    assert error.reason.startswith(f"cuda-checkpoint refused to lock PID {pid}: ")
     assert ";" not in error.reason
 
 
