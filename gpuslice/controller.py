@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,9 @@ QUEUED_DELAY = 0.02
 # How long after a save the state file is made durable (gpuslice/state.py: Flusher): a
 # power cut may lose the decisions of this last stretch, never the file.
 FLUSH_DELAY = 1.0
+# How often a granted unit's environment file that could not be written (a full /run) is
+# tried again while its gate waits (Controller._deliver).
+ENV_RETRY = 1.0
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
@@ -191,6 +194,8 @@ class Controller:
         self._rewatching = False
         self._rewatch_again = False
         self._stop_timers: dict[str, asyncio.TimerHandle] = {}
+        # granted units whose gate waits for their environment file to be written
+        self._withheld: dict[str, asyncio.TimerHandle] = {}
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
         self._batching = 0  # depth of _batched: the state its events change is saved once
         self._save_due = False  # changed, and saved by the scheduling pass due this turn
@@ -822,10 +827,7 @@ class Controller:
                 urgent = True
             if isinstance(action, Grant):
                 self.counters.admission_wait.observe(self._waited(action.unit))
-                self._write_env(action.unit, action.gpus)
-                self.gates.grant(action.unit)  # counted when its gate took it (_follow_gate)
-                if self.service.grant(action.unit, ",".join(map(str, action.gpus))):
-                    self.counters.gate_answers["dbus"] += 1
+                self._deliver(action.unit, action.gpus)
             elif isinstance(action, Stop):
                 calls.append((self.systemd.stop_unit, action.unit, "stop"))
             elif isinstance(action, Start):
@@ -989,16 +991,46 @@ class Controller:
         names = set(self.scheduler.annotated()) | set(self.scheduler.grants())
         return names | set(self.tracker.states)
 
-    def _write_env(self, unit: str, gpus: Iterable[int]) -> None:
-        """Write what the unit's processes see before its gate is answered. If it cannot
-        be written the unit still starts (a gate must never hang), without the stale file
-        of an earlier grant, and the journal says so."""
+    def _deliver(self, unit: str, gpus: Sequence[int], again: bool = False) -> None:
+        """Let a granted unit's gate through once the unit's environment file says which
+        GPUs are its own. Started without one, its processes saw every GPU, those granted
+        to other units included. While the file cannot be written (a full /run) the gate
+        waits, its GPUs kept for it, and the write is tried again every ENV_RETRY s; the
+        journal says so once, and when it starts."""
+        withheld = self._withheld.pop(unit, None)
+        if withheld is not None:
+            withheld.cancel()
+        path = env_file(self.config.runtime_dir, unit)
         devices = [self.scheduler.device(g) for g in sorted(gpus)]
         try:
             envfiles.write(self.config.runtime_dir, unit, devices)
         except OSError as e:
-            path = env_file(self.config.runtime_dir, unit)
-            log.error("cannot write %s (%s): %s starts without CUDA_VISIBLE_DEVICES", path, e, unit)
+            if not again:
+                log.error(
+                    "cannot write %s (%s): %s waits at its gate until it can (tried again "
+                    "every %g s)",
+                    path,
+                    e,
+                    unit,
+                    ENV_RETRY,
+                )
+            loop = asyncio.get_running_loop()
+            self._withheld[unit] = loop.call_later(ENV_RETRY, self._deliver_withheld, unit)
+            return
+        if again:
+            log.info("wrote %s: %s goes past its gate", path, unit)
+        self.gates.grant(unit)  # counted when its gate took it (_follow_gate)
+        if self.service.grant(unit, ",".join(map(str, gpus))):
+            self.counters.gate_answers["dbus"] += 1
+
+    def _deliver_withheld(self, unit: str) -> None:
+        """Try a withheld grant again, if the unit still holds it and its gate was not let
+        through meanwhile (a gate that asked again after a controller restart, say)."""
+        self._withheld.pop(unit, None)
+        gpus = self.scheduler.grants().get(unit)
+        running = self.scheduler.phase(unit) is Phase.RUNNING
+        if running and gpus is not None and not self.gates.answered(unit):
+            self._deliver(unit, sorted(gpus), again=True)
 
     def _persist(self) -> None:
         """Save what systemd cannot tell a restarted controller. A full disk is reported

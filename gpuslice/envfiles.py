@@ -3,7 +3,8 @@ see, written before its gate is answered, and read back when the saved state doe
 which GPUs a running unit was granted.
 
 The gate drop-in names the file with `EnvironmentFile=-`, so a missing file starts the unit
-with every GPU visible: the controller says so when it cannot write one (Controller._write_env).
+with every GPU visible: the controller lets no gate through before its unit's file is written
+(Controller._deliver).
 """
 
 from __future__ import annotations

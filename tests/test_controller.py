@@ -978,26 +978,72 @@ def test_a_granted_unit_gets_its_environment_file(
     )
 
 
-def test_an_environment_file_that_cannot_be_written_still_grants(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+def test_a_grant_waits_at_the_gate_until_its_environment_file_is_written(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """A grant whose environment file could not be written (a full /run) let the unit
+    start without one: its processes saw every GPU, those other units held included. Its
+    gate now waits, GPU 0 kept for it, until the file is written (tried every ENV_RETRY)."""
+    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    (tmp_path / "not-a-directory").write_text("")
+    config = bed_config(tmp_path, gpus=2, runtime_dir=str(tmp_path / "not-a-directory"))
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
+    cgroup_of[4242] = "a.service"
+    path = tmp_path / "not-a-directory" / "env" / "a.service" / "gpuslice.env"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        caplog.clear()
+        await bed.acquire("a.service", ":1.9", 4242)
+        await asyncio.sleep(0.05)  # retried, and not said again
+        assert bed.service.granted == []
+        assert ctl.scheduler.grants() == {"a.service": {0}}
+        (tmp_path / "not-a-directory").unlink()  # room again
+        await until(lambda: bool(bed.service.granted))
+        assert bed.service.granted == [("a.service", "0")]
+        assert "CUDA_VISIBLE_DEVICES=0\n" in path.read_text()
+        assert not ctl._withheld
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    said = [m for m in messages(caplog) if "gpuslice.env" in m]
+    assert said == [
+        f"cannot write {path} ([Errno 20] Not a directory: '{path.parent}'): "
+        "a.service waits at its gate until it can (tried again every 0.01 s)",
+        f"wrote {path}: a.service goes past its gate",
+    ]
+
+
+def test_a_withheld_grant_is_dropped_when_the_unit_no_longer_holds_its_gpus(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its start cancelled while the file could not be written: no later write lets a gate
+    through on GPUs the unit no longer holds."""
+    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
     (tmp_path / "not-a-directory").write_text("")
     config = bed_config(tmp_path, runtime_dir=str(tmp_path / "not-a-directory"))
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
     cgroup_of[4242] = "a.service"
 
     async def test() -> None:
-        await bed.controller.start()
-        caplog.clear()
-        with caplog.at_level(logging.ERROR, logger="gpuslice"):
-            await bed.acquire("a.service", ":1.9", 4242)
-        assert bed.service.granted == [("a.service", "0")]
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("a.service", ":1.9", 4242)
+        await until(lambda: "a.service" in ctl._withheld)
+        ctl.on_unit_changed("a.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        (tmp_path / "not-a-directory").unlink()
+        await asyncio.sleep(0.05)
+        assert not ctl._withheld
+        assert bed.service.granted == []
+        assert not (tmp_path / "not-a-directory" / "env" / "a.service").exists()
 
     run(test)
-    path = tmp_path / "not-a-directory" / "env" / "a.service" / "gpuslice.env"
-    [line] = messages(caplog)
-    assert line.startswith(f"cannot write {path} (")
-    assert line.endswith("): a.service starts without CUDA_VISIBLE_DEVICES")
 
 
 # ---- preemption: the stop timer ----
