@@ -211,6 +211,21 @@ _QUOTE_MAX = 100  # how much of a bad value or key a message quotes
 # What the loader catches from reading and parsing files so that no file can crash a scan; a
 # failure is an error on the unit (left unmanaged), never an exception.
 _READ_ERRORS = (OSError, ValueError, RecursionError, UnicodeError)
+# Units that no gate may hold: the controller's own, and those it starts after
+# (units/gpuslice.service's After=) or needs to answer (the bus). A gate makes its unit wait
+# for the controller (After=gpuslice.service, then a grant over D-Bus): annotated, one of
+# these is a start that waits for itself, or an ordering cycle, which systemd breaks by
+# dropping a start job, perhaps the controller's; either way every GPU job waits.
+NEVER_GATED = frozenset(
+    {
+        "gpuslice.service",
+        "dbus.service",
+        "dbus-broker.service",
+        "systemd-modules-load.service",
+        "nvidia-persistenced.service",
+        "nvidia-fabricmanager.service",
+    }
+)
 
 
 @dataclass
@@ -326,6 +341,19 @@ class Loader:
         if section_at is None:
             return None, _capped(unreadable)
         problems = unreadable + problems
+        if name in NEVER_GATED:
+            path, line = section_at
+            problems.append(
+                Problem(
+                    path,
+                    line,
+                    "",
+                    "gpuslice.service starts after this unit, or is it: a gate here would wait "
+                    "for the controller that waits for it (left unmanaged, ungated)",
+                    "error",
+                    name,
+                )
+            )
         problems += [
             Problem(f.path, f.line, "EnvironmentFile", f.message, "error", name, "Service")
             for f in self.env_files.check(name, run_as)

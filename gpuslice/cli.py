@@ -489,7 +489,9 @@ def new(
         )
     if workdir is not None and (not os.path.isabs(workdir) or not printable_path(workdir)):
         raise click.BadParameter(
-            f"{printable(workdir)!r}: not an absolute path", param_hint="--workdir"
+            f"{printable(workdir)!r}: not an absolute path (printable ASCII, no backslash "
+            "at the end)",
+            param_hint="--workdir",
         )
     path = Path(root) / "etc/systemd/system" / unit
     found = existing_unit(unit, Path(root))

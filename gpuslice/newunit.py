@@ -24,16 +24,16 @@ import click
 from gpuslice import safefile
 from gpuslice.annotations import KEYS, SECTION, Key
 from gpuslice.core.model import UnitKind
-from gpuslice.unitfiles import UNIT_NAME_MAX, is_valid_unit_name, printable
+from gpuslice.unitfiles import SYSTEM_UNIT_PATH, UNIT_NAME_MAX, is_valid_unit_name, printable
 
 NEW_MARKER = "# Written by `gpuslice new`"
-# Where a unit of this name would already be found (systemd's system search path).
-UNIT_DIRS = (
-    "etc/systemd/system",
-    "run/systemd/system",
-    "usr/lib/systemd/system",
-    "lib/systemd/system",
-)
+# Where a unit of this name would already be found: every directory of systemd's system
+# search path. A subset (/etc, /run, /usr/lib, /lib) missed /usr/local/lib/systemd/system,
+# where `make install` puts gpuslice.service itself: `gpuslice new gpuslice ...` shadowed the
+# controller's unit with a GPU job, and at its next restart no controller ran at all. It
+# missed the generators' units too (a SysV script's, from /etc/init.d), portable services'
+# (system.attached) and the transient and control units that would shadow the one written.
+UNIT_DIRS = tuple(d.lstrip("/") for d in SYSTEM_UNIT_PATH)
 STOP_TIMEOUT = 30  # seconds between KillSignal= and SIGKILL: time to save work and exit
 # User= as systemd accepts it without a lookup: a POSIX-ish name or a numeric UID.
 USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}\$?|[0-9]{1,10}", re.ASCII)
@@ -49,8 +49,10 @@ def is_user_name(user: str) -> bool:
 
 
 def printable_path(path: str) -> bool:
-    """Printable ASCII only, so that no line break or control character reaches the unit."""
-    return 0 < len(path) <= 4096 and all(32 <= ord(c) < 127 for c in path)
+    """Printable ASCII only, so that no line break or control character reaches the unit,
+    and no backslash at the end: systemd joins such a line with the next one, and
+    `WorkingDirectory=/srv/job\\` named /srv/job."""
+    return 0 < len(path) <= 4096 and all(32 <= ord(c) < 127 for c in path) and path[-1] != "\\"
 
 
 def option_name(key: Key) -> str:
@@ -62,6 +64,10 @@ def _validator(key: Key) -> Callable[[click.Context, click.Parameter, Any], Any]
         if value is None or isinstance(value, bool):
             return value
         try:
+            # The value is written as given: the parser strips the blanks around a size, and
+            # `--memory $'\n8G'` wrote `Memory=` (whole GPU) above a stray line `8G`.
+            if any(c != "\t" and not c.isprintable() for c in str(value)):
+                raise ValueError("a line end or control character")
             key.parse(str(value))
         except ValueError as e:
             detail = "" if str(e) in ("", str(value)) else f": {e}"
@@ -152,12 +158,27 @@ _EXEC_ESCAPES = str.maketrans(
 )
 
 
+def _utf8_escaped(char: str) -> str:
+    """A character as its UTF-8 bytes, each `\\xNN`: systemd copies each such byte as it is,
+    so the argument it decodes is the one given, whatever the character (a `\\U` escape of
+    a noncharacter such as U+1FFFE is refused, and with it the whole ExecStart=)."""
+    return "".join(f"\\x{b:02x}" for b in char.encode("utf-8"))
+
+
 def exec_quote(arg: str) -> str:
     """One ExecStart= argument in systemd's syntax: double-quoted with C escapes (`\\n` and
     `\\r` among them: an argument never ends its line; other control characters as `\\xNN`),
     `$` and `%` doubled so that systemd expands neither variables nor specifiers. A NUL
-    cannot come: no argv holds one."""
-    return f'"{arg.translate(_EXEC_ESCAPES)}"'
+    cannot come: no argv holds one.
+
+    Beyond ASCII, every character Python does not call printable goes as its UTF-8 bytes
+    (`_utf8_escaped`): a C1 control (U+009B is CSI, U+009D OSC to a terminal that honours
+    them in UTF-8), a BiDi override (U+202E shows the arguments after it reversed), a
+    zero-width character, a line separator. `systemctl cat` then shows the admin what runs."""
+    quoted = arg.translate(_EXEC_ESCAPES)
+    if not quoted.isascii():
+        quoted = "".join(c if c.isprintable() else _utf8_escaped(c) for c in quoted)
+    return f'"{quoted}"'
 
 
 def is_utf8(arg: str) -> bool:
@@ -254,7 +275,13 @@ def write_atomically(path: Path, data: str | bytes) -> None:
     may reload meanwhile, sees the old file or the new one, never half of one. The temporary
     name is short (a 253-character unit name leaves no room for a suffix within NAME_MAX),
     made with O_EXCL, and has no unit or `.conf` suffix, so systemd never reads it; it is
-    removed when anything fails (OSError)."""
+    removed when anything fails (OSError).
+
+    The data is on disk before the rename, and the rename before this returns (fsync of the
+    file, then of its directory): without them a power cut soon after could leave the name
+    on an empty file (a filesystem may commit the rename before the delayed data), and
+    systemd takes an empty unit file for a masked unit: the job, or the drop-in's
+    annotation, gone."""
     if isinstance(data, str):
         data = data.encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,8 +290,17 @@ def write_atomically(path: Path, data: str | bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o644)
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    # The file is in place: a directory this filesystem cannot sync does not make it unwritten.
+    with contextlib.suppress(OSError):
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,25 @@ def test_control_characters_of_the_command_are_escaped_in_the_unit(tmp_path: Pat
     assert all(32 <= b < 127 or b == 10 for b in data)
 
 
+def test_no_character_beyond_ascii_that_drives_or_fools_a_terminal_reaches_the_unit(
+    tmp_path: Path,
+) -> None:
+    """Only C0 controls and DEL were escaped: a C1 control went raw (U+009B is CSI to a
+    terminal that honours C1 in UTF-8), as did a BiDi override (`systemctl cat` showed the
+    arguments after U+202E reversed) and zero-width characters; a noncharacter (U+1FFFE) made
+    systemd drop ExecStart= as "not UTF-8 clean", and the unit failed to load. Each goes as
+    its UTF-8 bytes, which systemd decodes back into the same argument; printable text stays."""
+    command = ("/bin/echo", "\u009b31m", "\u202etxt.exe", "a\u200bb", "\U0001fffe", "café")
+    result = new(tmp_path, "x", "--priority", "5", command=command)
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / SYSTEM / "x.service").read_text()
+    assert (
+        'ExecStart="/bin/echo" "\\xc2\\x9b31m" "\\xe2\\x80\\xaetxt.exe" "a\\xe2\\x80\\x8bb" '
+        '"\\xf0\\x9f\\xbf\\xbe" "café"\n'
+    ) in text
+    assert all(c.isprintable() or c == "\n" for c in text)
+
+
 def test_new_refuses_a_command_too_long_for_a_unit_file(tmp_path: Path) -> None:
     """It wrote the file, read it back as "cannot read: larger than 1 MiB" at line 0, and
     removed it: exit 1, after destroying the previous version of the unit."""
@@ -160,6 +180,20 @@ def test_a_bad_option_value_is_echoed_escaped(tmp_path: Path, option: str) -> No
     assert "1\\x1b]0;pwn\\x07\\x0a2" in result.output
 
 
+@pytest.mark.parametrize("value", ["\n8G", "8G\r", "8G\n", "\x0b8G"])
+def test_an_option_value_with_a_line_end_is_refused(tmp_path: Path, value: str) -> None:
+    """The parser takes a size with blanks around it, and the value was written as given:
+    `--memory $'\\n8G'` wrote `Memory=` (the whole GPU) and a stray line `8G` below it."""
+    result = new(tmp_path, "x", "--priority", "5", "--memory", value)
+    assert result.exit_code == 2, result.output
+    assert "a line end or control character" in result.output
+    assert files(tmp_path) == []
+    plain_unit(tmp_path)
+    result = enroll(tmp_path, "plain", "--priority", "5", "--memory", value)
+    assert result.exit_code == 2, result.output
+    assert files(tmp_path) == [f"{SYSTEM}/plain.service"]
+
+
 # ---------------------------------------------------------------------------------------------
 # the files around
 
@@ -190,6 +224,49 @@ def test_a_rejected_enroll_puts_the_previous_dropin_back(tmp_path: Path) -> None
     assert dropin.read_bytes() == before
 
 
+def test_a_unit_is_on_disk_before_its_name_and_its_name_before_new_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Renamed without an fsync, a unit's name could outlive its data in a power cut: an
+    empty unit file, which systemd takes for a masked unit (the job gone, or the drop-in's
+    annotation, so the unit ran ungated)."""
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        events.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    assert new(tmp_path, "job", "--priority", "5").exit_code == 0
+    assert events == ["fsync file", "rename", "fsync directory"]
+    events.clear()
+    plain_unit(tmp_path)
+    assert enroll(tmp_path, "plain", "--priority", "5").exit_code == 0
+    assert events == ["fsync file", "rename", "fsync directory"]
+
+
+@pytest.mark.parametrize(
+    "unit", ["gpuslice", "dbus", "nvidia-persistenced", "nvidia-fabricmanager", "dbus-broker"]
+)
+def test_enroll_refuses_the_controller_and_what_it_starts_after(tmp_path: Path, unit: str) -> None:
+    """`gpuslice enroll nvidia-persistenced --priority 0` was taken: gated, the unit was
+    ordered after gpuslice.service, which starts after it, a cycle systemd breaks at boot by
+    dropping a start job, perhaps the controller's; gpuslice.service itself, gated, waited at
+    its restart for the controller it was. The annotation is refused and the drop-in removed."""
+    plain_unit(tmp_path, f"{unit}.service")
+    result = enroll(tmp_path, unit, "--priority", "0")
+    assert result.exit_code == 1, result.output
+    assert "gpuslice.service starts after this unit, or is it" in result.output
+    assert "annotation rejected; removed" in result.output
+    assert files(tmp_path) == [f"{SYSTEM}/{unit}.service"]
+
+
 def test_a_unit_file_it_cannot_write_is_a_located_error(tmp_path: Path) -> None:
     """A read-only /etc, or a file where a directory should be: a traceback before."""
     (tmp_path / "etc/systemd").mkdir(parents=True)
@@ -213,6 +290,30 @@ def test_new_does_not_wait_on_a_unit_that_is_a_fifo(tmp_path: Path) -> None:
     result = new(tmp_path, "job", "--priority", "5")
     assert result.exit_code == 1
     assert "exists and was not written by gpuslice new: not overwritten" in result.output
+
+
+@pytest.mark.parametrize(
+    "directory",
+    [
+        "usr/local/lib/systemd/system",  # `make install`'s gpuslice.service, an admin's units
+        "run/systemd/generator.late",  # a SysV script's unit
+        "run/systemd/generator",
+        "etc/systemd/system.attached",  # a portable service
+        "run/systemd/transient",  # systemd-run --unit: it would shadow the one written
+        "etc/systemd/system.control",
+    ],
+)
+def test_new_shadows_no_unit_anywhere_in_the_search_path(tmp_path: Path, directory: str) -> None:
+    """`gpuslice new gpuslice ...` on a host where `make install` put gpuslice.service in
+    /usr/local/lib/systemd/system wrote /etc/systemd/system/gpuslice.service over it: after the
+    next daemon-reload the controller's unit was a GPU job that waited for the controller."""
+    theirs = tmp_path / directory / "gpuslice.service"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("[Service]\nExecStart=/usr/local/bin/gpuslice controller\n")
+    result = new(tmp_path, "gpuslice", "--priority", "5")
+    assert result.exit_code == 1, result.output
+    assert f"{theirs} exists and was not written by gpuslice new" in result.output
+    assert files(tmp_path) == [f"{directory}/gpuslice.service"]
 
 
 def test_a_systemctl_that_cannot_run_is_an_error_not_a_traceback(tmp_path: Path) -> None:

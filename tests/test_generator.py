@@ -61,6 +61,16 @@ def test_plain_unit(tmp_path: Path) -> None:
     assert written(run(tmp_path)) == {"a.service.d/gpuslice-gate.conf": gate()}
 
 
+def test_the_controllers_own_unit_is_never_gated(tmp_path: Path) -> None:
+    """Its gate would wait for the controller it starts (gpuslice/annotations.NEVER_GATED)."""
+    write(tmp_path, f"{LIB}/gpuslice.service", "[Service]\nExecStart=/bin/gpuslice\n")
+    write(tmp_path, f"{ETC}/gpuslice.service.d/prio.conf", ANNOTATION)
+    write(
+        tmp_path, f"{LIB}/nvidia-persistenced.service", f"[Service]\nExecStart=/bin/a\n{ANNOTATION}"
+    )
+    assert written(run(tmp_path)) == {}
+
+
 def test_a_unit_linked_from_outside_the_search_path_under_another_name(tmp_path: Path) -> None:
     # `ln -s /opt/vlm/vlm-prod.service /etc/systemd/system/vlm.service`: systemd loads it as
     # vlm.service, so the gate goes to vlm.service

@@ -109,6 +109,7 @@ def test_new_rewrites_its_own_unit_but_no_other(tmp_path: Path) -> None:
         (["--priority", "5", "--user", "root\nExecStartPre=/bin/evil"], "not a user name"),
         (["--priority", "5", "--workdir", "relative"], "not an absolute path"),
         (["--priority", "5", "--workdir", "/a\nExecStartPre=/bin/evil"], "not an absolute path"),
+        (["--priority", "5", "--workdir", "/srv/job\\"], "not an absolute path"),
     ],
 )
 def test_new_refuses_bad_values_and_writes_nothing(

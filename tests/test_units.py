@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpuslice.annotations import NEVER_GATED
+
 UNIT = Path(__file__).resolve().parent.parent / "units" / "gpuslice.service"
 
 
-def _service_settings() -> dict[str, list[str]]:
-    """[Service] KEY=VALUE lines of the unit, every value of each key in order."""
+def _service_settings(wanted: str = "[Service]") -> dict[str, list[str]]:
+    """KEY=VALUE lines of one section of the unit, every value of each key in order."""
     settings: dict[str, list[str]] = {}
     section = ""
     for line in UNIT.read_text().splitlines():
@@ -24,7 +26,7 @@ def _service_settings() -> dict[str, list[str]]:
             continue
         if line.startswith("["):
             section = line
-        elif section == "[Service]":
+        elif section == wanted:
             key, _, value = line.partition("=")
             settings.setdefault(key.strip(), []).append(value.strip())
     return settings
@@ -38,3 +40,12 @@ def test_the_controller_can_read_a_unit_linked_from_a_home_directory() -> None:
     assert settings["ProtectHome"] == ["read-only"]
     assert settings["ProtectSystem"] == ["strict"]
     assert settings["CapabilityBoundingSet"] == [""]
+
+
+def test_no_unit_the_controller_starts_after_may_be_gated() -> None:
+    """A gate orders its unit after gpuslice.service: gated, a unit gpuslice.service starts
+    after is an ordering cycle, which systemd breaks by dropping a start job (perhaps the
+    controller's). The loader refuses an annotation on each of them (NEVER_GATED)."""
+    after = {u for v in _service_settings("[Unit]")["After"] for u in v.split()}
+    assert after <= NEVER_GATED
+    assert "gpuslice.service" in NEVER_GATED
