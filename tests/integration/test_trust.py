@@ -341,3 +341,52 @@ def test_a_unit_whose_user_can_change_its_environment_file_is_not_gated(
     assert "asr.service" not in str(holders(container))
     container.systemctl("start", "ok.service")
     assert holders(container) == {0: ["ok.service"]}
+
+
+def test_a_granted_unit_waits_at_its_gate_while_its_environment_file_cannot_be_written(
+    container: Container,
+) -> None:
+    """A full /run (here: a file where the unit's env directory goes) started the unit
+    without its environment file, so with every GPU visible, those other units held
+    included. Its gate waits, GPU 0 kept for it, until the file can be written."""
+    set_config(container, "gpus: 2\n")
+    write_job(container, VOICE, 10)
+    reload(container)
+    container.run("mkdir -p /run/gpuslice/env && touch /run/gpuslice/env/voice.service")
+    container.systemctl("start", "--no-block", VOICE)
+    wait_journal(container, "voice.service waits at its gate until it can")
+
+    def waits() -> None:
+        assert prop(container, VOICE, "ActiveState") == "activating", describe(container, [VOICE])
+
+    always_for(waits, 1.5)
+    container.run("rm /run/gpuslice/env/voice.service")
+    wait_state(container, VOICE, "active")
+    env = container.run("cat /run/gpuslice/env/voice.service/gpuslice.env").stdout
+    assert env.startswith("CUDA_VISIBLE_DEVICES=0\n"), env
+    wait_journal(container, "voice.service goes past its gate")
+
+
+def test_a_preemption_outlives_a_controller_restart_while_the_state_dir_cannot_be_written(
+    container: Container,
+) -> None:
+    """With /var/lib/gpuslice unwritable (here: a directory where state.json goes), a
+    restarted controller forgot low.service, preempted for voice.service: an on-demand unit
+    that nobody starts again. The state went to /run/gpuslice/state.json meanwhile."""
+    low = "low.service"
+    write_job(container, low, 90)
+    write_job(container, VOICE, 10, seconds=3)
+    reload(container)
+    container.systemctl("start", low)
+    container.run("rm /var/lib/gpuslice/state.json; mkdir -p /var/lib/gpuslice/state.json/x")
+    container.systemctl("start", "--no-block", VOICE)
+    wait_state(container, VOICE, "active")
+    wait_journal(container, "kept in /run/gpuslice/state.json meanwhile")
+    container.systemctl("restart", "gpuslice.service")
+    wait_journal(container, "/run/gpuslice/state.json: the state saved while")
+    wait_state(container, VOICE, "inactive")
+    wait_state(container, low, "active")  # restarted when the GPU was free again
+    container.run("rm -r /var/lib/gpuslice/state.json")
+    container.systemctl("start", "--no-block", VOICE)  # a save that reaches state_dir again
+    wait_journal(container, "state saved to /var/lib/gpuslice/state.json again")
+    assert container.run("test -e /run/gpuslice/state.json", check=False).returncode == 1
