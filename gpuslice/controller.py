@@ -190,6 +190,9 @@ class Controller:
         self._rescan: asyncio.Task[None] | None = None
         self._rescan_again = False
         self._parked: list[str] = []
+        # units whose gate asked while neither the scan nor the core knew them, each
+        # rescanned for once until the next daemon-reload (_rescan_for_gate)
+        self._rescanned_for_gate: set[str] = set()
         # match rules change one set at a time (_rewatch)
         self._rewatching = False
         self._rewatch_again = False
@@ -544,6 +547,7 @@ class Controller:
 
     def on_reloading(self, active: bool) -> None:
         if not active:
+            self._rescanned_for_gate.clear()
             self.request_rescan()
 
     def on_systemd_restarted(self) -> None:
@@ -551,6 +555,7 @@ class Controller:
         track again, and the unit files."""
         for name in list(self.tracker.states):
             self._spawn(self.reads.refresh(name))
+        self._rescanned_for_gate.clear()
         self.request_rescan()
 
     def request_rescan(self) -> None:
@@ -684,10 +689,26 @@ class Controller:
         if self.tracker.signals(unit) != seen and classify(self.tracker.state(unit)) is Kind.DOWN:
             self.service.forget(unit)  # its start was cancelled while we checked
             return
-        if self._rescan is not None and self.spec_for(unit) is None:
+        if self.spec_for(unit) is None and (
+            self._rescan is not None or self._rescan_for_gate(unit)
+        ):
             self._parked.append(unit)  # it may be annotated by the scan under way
             return
         self._acquire_verified(unit)
+
+    def _rescan_for_gate(self, unit: str) -> bool:
+        """Whether a rescan was asked for the gate of a unit that neither the scan nor the
+        core knows. Only the generator gives a unit its gate, from the same annotations, at
+        each daemon-reload: the scan may be older than that reload, its Reloading signal
+        lost (the bus daemon drops signals for a connection whose queue is full, and anyone
+        can fill it). Let through on that scan, a unit newly annotated ran ungated, on GPUs
+        that others held. Once per unit until the next daemon-reload: a gate left in place
+        when its annotation went (no reload since) costs one scan, not one per start."""
+        if self._known(unit) or unit in self._rescanned_for_gate:
+            return False
+        self._rescanned_for_gate.add(unit)
+        self.request_rescan()
+        return True
 
     def _acquire_verified(self, unit: str) -> None:
         if not self.service.pending(unit):

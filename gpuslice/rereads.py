@@ -6,7 +6,8 @@ Three cases need a read instead:
   its JobRemoved, unless systemd said more of it meanwhile (`job_ended`);
 - an answer of systemd's or a re-match may have outrun a change: read at once (`refresh`);
 - the bus daemon drops signals for a connection whose queue is full, and says nothing: every
-  AUDIT_INTERVAL the units the core knows are read in one call (`audit`).
+  AUDIT_INTERVAL the units the core knows are read in one call (`audit`), and the bus daemon
+  is asked who owns systemd's name (its NameOwnerChanged is a signal too: Systemd.check_owner).
 A read is never taken in over a later word of systemd's (`read_fresh`). And because systemd
 holds its PropertiesChanged back while its own bus queue is long but answers a read at once, a
 read that shows a change is first taken for a signal on its way: it is taken in only when a
@@ -124,6 +125,12 @@ class Rereads:
         not tell. A unit systemd said anything of since the call was sent is skipped: the
         answer may be older than that. The next audit follows AUDIT_INTERVAL later."""
         try:
+            try:  # systemd's name changed hands unheard: its signals were all dropped since
+                if await self.systemd.check_owner():
+                    self.counters.error("dbus_signals_lost")
+            except SystemdError as e:
+                self.counters.error("dbus_call_errors")
+                log.debug("cannot ask who owns systemd's name: %s", e)
             names = sorted(n for n in set(self.known()) if self.systemd.watches(n))
             if not names:
                 return

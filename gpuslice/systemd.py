@@ -243,6 +243,7 @@ class Systemd:
         self.on_systemd_restarted: Callable[[], None] = lambda: None
         self.owner: str | None = None  # systemd's unique name on the bus: the only sender believed
         self._last_owner: str | None = None
+        self._owner_heard = 0  # NameOwnerChanged of systemd's name handled: check_owner
         self.dropped = 0  # signals not believed, for status and tests
         # the units whose PropertiesChanged are matched one by one; None: every unit's
         self._watching: frozenset[str] | None = None
@@ -543,12 +544,43 @@ class Systemd:
         NameOwnerChanged. Its other signals (NameAcquired of our own names) are not systemd's
         and are not counted as dropped: that counter is for signals someone forged."""
         if msg.member == "NameOwnerChanged" and msg.signature == "sss" and msg.body[0] == SYSTEMD:
-            self.owner = msg.body[2] or None
-            if self.owner is not None and self.owner != self._last_owner:
-                if self._last_owner is not None:
-                    log.info("systemd is back on the bus as %s", self.owner)
-                    self.on_systemd_restarted()
-                self._last_owner = self.owner
+            self._owner_heard += 1
+            self._take_owner(msg.body[2] or None)
+
+    def _take_owner(self, owner: str | None) -> None:
+        self.owner = owner
+        if owner is not None and owner != self._last_owner:
+            if self._last_owner is not None:
+                log.info("systemd is back on the bus as %s", owner)
+                self.on_systemd_restarted()
+            self._last_owner = owner
+
+    async def check_owner(self) -> bool:
+        """Ask the bus daemon who owns systemd's name now, and follow it if NameOwnerChanged
+        did not say: whether it had not. That signal is dropped like any other for a
+        connection whose queue in the bus daemon is full (anyone can fill it: Rereads.audit),
+        and one lost at a daemon-reexec left the old, gone name believed: every signal of
+        systemd's was taken for forged, and every later start, stop and daemon-reload went
+        unheard, until the controller restarted. A NameOwnerChanged handled while the answer
+        was on its way is the newer word."""
+        heard = self._owner_heard
+        try:
+            (owner,) = await self._bus_daemon("GetNameOwner", "s", [SYSTEMD])
+        except SystemdError as e:
+            if e.name != "org.freedesktop.DBus.Error.NameHasNoOwner":
+                raise
+            owner = None  # between two executions of systemd
+        owner = owner if isinstance(owner, str) and owner else None
+        if heard != self._owner_heard or owner == self.owner:
+            return False
+        log.warning(
+            "systemd's name is owned by %s, not %s as last heard: a NameOwnerChanged was "
+            "lost on the bus; following it now",
+            owner,
+            self.owner,
+        )
+        self._take_owner(owner)
+        return True
 
     def _believed(self, msg: Message) -> bool:
         """Whether the signal comes from systemd (its current owner, as followed)."""

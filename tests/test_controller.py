@@ -71,6 +71,9 @@ class FakeSystemd:
     def watches(self, unit: str) -> bool:
         return self.watched is None or unit in self.watched
 
+    async def check_owner(self) -> bool:
+        return False
+
     async def watch(self, units: Collection[str] | None) -> list[str]:
         """As Systemd.watch: the units matched now and not before (none after every unit's)."""
         old, self.watched = self.watched, None if units is None else set(units)
@@ -953,11 +956,44 @@ def test_an_acquire_of_an_unmanaged_unit_is_granted_nothing(
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="gpuslice"):
             await bed.acquire("plain.service", ":1.9", 4242)
+            # the scan is read again first: it may be older than the unit's gate
+            await until(lambda: bed.service.granted != [])
         assert bed.service.granted == [("plain.service", "")]
         assert bed.controller.scheduler.grants() == {}
+        await bed.acquire("plain.service", ":1.9", 4242)  # its next start: no scan again
+        assert bed.service.granted == [("plain.service", "")] * 2
 
     run(test)
     assert "plain.service passed the gate: not managed by gpuslice" in messages(caplog)
+
+
+def test_a_gate_the_scan_does_not_know_waits_for_a_rescan_not_let_through(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """An admin annotates new.service and runs daemon-reload; the generator gives it its gate,
+    but systemd's Reloading signal is lost (the bus daemon drops signals for a connection
+    whose queue is full, which any user can fill). Its gate asked a controller whose scan
+    did not know it, and was let through at once: new.service ran ungated on GPU 0, which
+    top.service holds. The scan is read again first: new.service waits its turn."""
+    bed = Bed(
+        tmp_path,
+        {"top.service": "Priority=10\n"},
+        [state("top.service", "active", "running")],
+        SavedState(holders={"top.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    cgroup_of[4242] = "new.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        write_unit(tmp_path, "new.service", "Priority=50\n")  # daemon-reload: signal lost
+        bed.systemd.units["new.service"] = state("new.service", "activating", "start-pre", 5)
+        await bed.acquire("new.service", ":1.9", 4242)
+        await until(lambda: ctl.scheduler.is_waiting("new.service"))
+        assert bed.service.granted == [] and bed.service.pending("new.service")
+        assert ctl.scheduler.grants() == {"top.service": frozenset({0})}
+
+    run(test)
 
 
 def test_a_granted_unit_gets_its_environment_file(
@@ -1302,6 +1338,7 @@ def test_a_waiter_at_its_pipe_whose_annotation_went_is_let_through_at_once(
         assert not pipe.exists() and ctl.gates.holding() == []
         assert not ctl.scheduler.is_waiting("urgent.service")
         await bed.acquire("urgent.service", ":1.9", 4242)
+        await until(lambda: bed.service.granted != [])  # after one more scan (_rescan_for_gate)
         assert bed.service.granted == [("urgent.service", "")]
         goes_down(bed, "low.service")
         await settle()
@@ -1330,6 +1367,7 @@ def test_a_gate_of_a_unit_no_longer_annotated_waiting_on_its_pipe_is_sent_to_dbu
         ctl.on_unit_changed("urgent.service", at_gate())
         assert not pipe.exists()  # opened (which wakes a gate in open()), "-", removed
         await bed.acquire("urgent.service", ":1.9", 4242)
+        await until(lambda: bed.service.granted != [])  # after one more scan (_rescan_for_gate)
         assert bed.service.granted == [("urgent.service", "")]
         assert ("stop", "low.service") not in bed.systemd.calls
 

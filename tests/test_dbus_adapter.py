@@ -434,6 +434,38 @@ def test_systemd_changing_hands_is_followed(bus_address: str) -> None:
     run(scenario)
 
 
+def test_systemd_changing_hands_unheard_is_found_by_asking(bus_address: str) -> None:
+    """The bus daemon drops its NameOwnerChanged like any signal for a connection whose
+    queue is full: lost at a daemon-reexec, the old name stayed believed and every signal
+    of the new systemd was dropped as forged. Asked (the audit asks), the new owner is
+    followed and the controller told to read everything again; asked again, nothing."""
+
+    async def scenario() -> None:
+        systemd, owner, seen = await adapter(bus_address)
+        old = owner.unique_name
+        # as if every NameOwnerChanged from now on were dropped for our full queue
+        await systemd._remove_match(
+            f"type='signal',sender='org.freedesktop.DBus',path='/org/freedesktop/DBus',"
+            f"interface='org.freedesktop.DBus',member='NameOwnerChanged',arg0='{SYSTEMD}'"
+        )
+        assert await systemd.check_owner() is False
+        owner.disconnect()
+        await owner.wait_for_disconnect()
+        new_owner = await fake_systemd(bus_address)
+        new_owner.send(manager_signal("Reloading", "b", [False]))
+        await sync(new_owner)
+        await sync(systemd.bus)
+        assert systemd.owner == old  # deaf: the new systemd's signals are dropped
+        assert seen.events == [] and systemd.dropped == 1
+        assert await systemd.check_owner() is True
+        assert systemd.owner == new_owner.unique_name
+        assert await systemd.check_owner() is False
+        new_owner.send(manager_signal("Reloading", "b", [False]))
+        assert await seen.after(new_owner) == [("restarted",), ("reloading", False)]
+
+    run(scenario)
+
+
 JOB = "/org/freedesktop/systemd1/job/7"
 
 

@@ -32,6 +32,12 @@ class Reads:
         self.fail = False
         self.before_answer: Callable[[], None] = lambda: None
         self.unwatched: set[str] = set()
+        self.owner_moved: bool | Exception = False  # what check_owner says, or raises
+
+    async def check_owner(self) -> bool:
+        if isinstance(self.owner_moved, Exception):
+            raise self.owner_moved
+        return self.owner_moved
 
     async def unit_state(self, name: str) -> UnitState:
         self.count += 1
@@ -183,6 +189,25 @@ def test_a_lost_signal_is_taken_in_when_two_audits_in_a_row_show_it() -> None:
         await bed.reads.audit()
         assert bed.taken == [(UNIT, {"ActiveState": "inactive", "SubState": "dead"})]
         assert bed.counters.errors["dbus_signals_lost"] == 1
+
+    run(test)
+
+
+def test_an_audit_asks_who_owns_systemds_name_and_counts_a_change_unheard() -> None:
+    """Systemd's NameOwnerChanged is a signal too, and lost like one: every audit asks the
+    bus daemon (Systemd.check_owner follows it); a failed question costs no audit."""
+
+    async def test(bed: Bed) -> None:
+        bed.systemd.owner_moved = True
+        await bed.reads.audit()
+        assert bed.counters.errors["dbus_signals_lost"] == 1
+        bed.systemd.owner_moved = SystemdError("org.freedesktop.DBus.Error.NoReply", "no")
+        bed.signal(RUNNING)
+        bed.systemd.now[UNIT] = UnitState(UNIT, "inactive", "dead", 0)
+        await bed.reads.audit()
+        await bed.reads.audit()
+        assert bed.counters.errors["dbus_call_errors"] == 2
+        assert bed.taken == [(UNIT, {"ActiveState": "inactive", "SubState": "dead"})]
 
     run(test)
 
