@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -68,6 +69,9 @@ def main() -> None:
 @config_option
 def controller(config_path: str) -> None:
     """Run the controller daemon (started by gpuslice.service)."""
+    # Until run() takes SIGHUP in, its default action would end the controller (controller.run);
+    # the file is not read yet: nothing to reload.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     from gpuslice.controller import run
 
     sys.exit(asyncio.run(run(Path(config_path), os.environ.get("GPUSLICE_BUS_ADDRESS"))))

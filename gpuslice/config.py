@@ -1,8 +1,9 @@
 """`/etc/gpuslice/config.yaml`: one table declares every setting; load and validate it.
 
 Validation collects every problem as `PATH:LINE: KEY: message (allowed: ...)`; unknown keys are
-warnings. A missing file means the defaults. Keeping the last good config on a bad reload is the
-caller's job: `load_config` either returns a complete `Config` or raises `ConfigError`.
+warnings. A missing file means the defaults (a symlink that leads nowhere is an error).
+Keeping the last good config on a bad reload is the caller's job: `load_config` either returns
+a complete `Config` or raises `ConfigError`.
 
 The file is input from outside the daemon, so nothing in it may crash or stall its readers (the
 controller, the generator at boot, `gpuslice check`): the read is capped at `MAX_CONFIG_BYTES`,
@@ -611,15 +612,25 @@ def parse_config(text: str, path: str) -> tuple[Config, list[str]]:
 
 def read_config_text(path: str | os.PathLike[str]) -> str | None:
     """The file's text; None when it does not exist. ConfigError (one line naming the file)
-    when it is not a regular file, cannot be read, is larger than `MAX_CONFIG_BYTES` or is not
-    UTF-8. A symlink is followed; a FIFO or a device is never read from (`safefile`), so this
-    never blocks."""
+    when it, or a directory above it, is a symlink that leads nowhere, or it is not a regular
+    file, cannot be read, is larger than `MAX_CONFIG_BYTES` or is not UTF-8. A symlink is
+    followed; a FIFO or a device is never read from (`safefile`), so this never blocks."""
     shown = printable(os.fspath(path))
     try:
         data = safefile.read_bytes(path, MAX_CONFIG_BYTES, follow_links=True)
     except safefile.Unreadable as e:
         if e.why is safefile.Why.MISSING:
-            return None
+            nowhere = _dangling_link(os.fspath(path))
+            if nowhere is None:
+                return None
+            raise ConfigError(
+                [
+                    f"{shown}: cannot read: {printable(nowhere)} is a symbolic link that leads "
+                    f"nowhere (to {printable(_link_target(nowhere))}: a file system not "
+                    "mounted yet, a file moved?); not taken for a missing file, which would "
+                    "mean the defaults"
+                ]
+            ) from None
         if e.why is safefile.Why.TOO_LARGE:
             raise ConfigError([f"{shown}: {_TOO_LARGE}"]) from None
         if e.error is not None:
@@ -636,6 +647,29 @@ def read_config_text(path: str | os.PathLike[str]) -> str | None:
         raise ConfigError(
             [f"{shown}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"]
         ) from None
+
+
+def _dangling_link(path: str) -> str | None:
+    """For a config file that is not there: the symlink on its way that leads nowhere (the
+    file itself, or a directory above it), or None when the file is simply absent. An admin
+    who linked the file (or /etc/gpuslice) elsewhere configured something: read as a missing
+    file, a link whose target was moved, or is on a file system not mounted yet, silently
+    meant the defaults, on a reload too: every GPU for a host that manage_gpus splits with
+    a cluster, no reserve for the desktop."""
+    here = os.path.abspath(path)
+    while not os.path.lexists(here):  # lexists: the last component's link is not followed
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+    return here if os.path.islink(here) and not os.path.exists(here) else None
+
+
+def _link_target(link: str) -> str:
+    try:
+        return os.readlink(link)
+    except OSError as e:
+        return f"? ({e.strerror})"
 
 
 def load_config_with_warnings(

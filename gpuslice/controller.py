@@ -251,6 +251,8 @@ class Controller:
         self._buffered.clear()
         if self._rescan_again:  # a daemon-reload ended during start-up
             self.request_rescan()
+        if self._reload_due:  # a SIGHUP came during start-up
+            self._reload_now()
         for name in sorted(self.scheduler.annotated()):  # down since, or kept by a version
             if is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN:
                 self._forget_instance(name)
@@ -599,10 +601,13 @@ class Controller:
     def request_reload(self) -> None:
         """SIGHUP: reload config.yaml once for every signal that came in this turn of the
         loop. Each reload reads and parses the file, takes an NVML sample and logs its
-        warnings on the loop: a thousand signals at once cost a thousand of each."""
+        warnings on the loop: a thousand signals at once cost a thousand of each. Before
+        start-up is done, once it is (start): as for a rescan, a reload's sample decides,
+        and its decisions would leave before start-up's own, on a core not yet rebuilt."""
         if not self._reload_due:
             self._reload_due = True
-            asyncio.get_running_loop().call_soon(self._reload_now)
+            if self.ready:
+                asyncio.get_running_loop().call_soon(self._reload_now)
 
     def _reload_now(self) -> None:
         self._reload_due = False  # a signal from now on reads the file again
@@ -1218,6 +1223,14 @@ def _journal_logging(level: str) -> None:
 
 
 async def run(config_path: Path, bus_address: str | None = None) -> int:
+    loop = asyncio.get_running_loop()
+    # SIGHUP's default action ends the process: a `kill -HUP` while this connects to the
+    # bus or reads the unit files failed the start (before READY=1), which systemd restarts
+    # a second later and counts against its start limit (five in ten seconds: then failed,
+    # every gate waiting). One that comes before the controller exists is a reload once it
+    # has started (the file may have changed since it was read below).
+    early_reload: list[None] = []
+    loop.add_signal_handler(signal.SIGHUP, early_reload.append, None)
     try:
         config, warnings = load_config_with_warnings(config_path)
     except ConfigError as e:
@@ -1232,7 +1245,6 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     # under systemd (stderr to the journal) decisions also go to their units' journals
     journal = Journal() if os.environ.get("JOURNAL_STREAM") else None
     controller = Controller(config, config_path, systemd, journal=journal)
-    loop = asyncio.get_running_loop()
     stop = loop.create_future()
 
     def request_stop() -> None:
@@ -1242,6 +1254,8 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     loop.add_signal_handler(signal.SIGTERM, request_stop)
     loop.add_signal_handler(signal.SIGINT, request_stop)
     loop.add_signal_handler(signal.SIGHUP, controller.request_reload)
+    if early_reload:
+        controller.request_reload()
     await controller.start()
     interval = controller.notifier.watchdog_interval()
     if interval:

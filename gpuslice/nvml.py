@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from gpuslice.unitfiles import printable
+
 # NVML return codes (nvml.h); named here so the mapping does not need pynvml imported.
 _NO_PERMISSION = 4
 _DRIVER_NOT_LOADED = 9
 _LIBRARY_NOT_FOUND = 12
 _LIB_RM_VERSION_MISMATCH = 18
+_UNKNOWN = 999
 
 _CONFIG_HINT = "set gpus: in config.yaml"
 
@@ -276,6 +279,13 @@ class Nvml:
         except nvml.NVMLError as e:
             code = int(e.value)
             raise _OUTCOMES.get(code, NvmlError)(name, code, str(e), gpu) from e
+        except Exception as e:
+            # pynvml's own failures (a name that is not UTF-8, its NVMLLibraryMismatchError,
+            # a function this pynvml lacks) are NVML not answering, like any NVMLError: let
+            # through, one crashed start-up after another, or left a gate that asked
+            # during a sample unanswered, its unit waiting for ever.
+            reason = printable(f"pynvml failed: {type(e).__name__}: {e}", 300)
+            raise NvmlError(name, _UNKNOWN, reason, gpu) from e
 
 
 def _unavailable(reason: str, fallback: str, hint: str) -> NvmlStatus:

@@ -82,6 +82,35 @@ def test_missing_file_gives_defaults(tmp_path: Path) -> None:
     assert load_config_with_warnings(tmp_path / "absent.yaml") == (Config(), [])
 
 
+def test_a_symlink_that_leads_nowhere_is_no_missing_file(tmp_path: Path) -> None:
+    """config.yaml (or the directory above it) linked elsewhere, and the target not there:
+    a file moved, a file system not mounted yet. Read as a missing file, it meant the
+    defaults, on a reload too (manage_gpus gone: the cluster's GPUs handed out)."""
+    linked = tmp_path / "config.yaml"
+    linked.symlink_to(tmp_path / "srv" / "gpuslice.yaml")
+    with pytest.raises(ConfigError) as caught:
+        load_config(linked)
+    assert caught.value.problems == [
+        f"{linked}: cannot read: {linked} is a symbolic link that leads nowhere (to "
+        f"{tmp_path}/srv/gpuslice.yaml: a file system not mounted yet, a file moved?); not "
+        "taken for a missing file, which would mean the defaults"
+    ]
+    etc = tmp_path / "etc-gpuslice"
+    etc.symlink_to("../not-mounted/gpuslice")
+    with pytest.raises(ConfigError) as caught:
+        load_config(etc / "config.yaml")
+    assert caught.value.problems[0].startswith(
+        f"{etc}/config.yaml: cannot read: {etc} is a symbolic link that leads nowhere (to "
+        "../not-mounted/gpuslice: "
+    )
+    (tmp_path / "srv").mkdir()  # a link to a directory that is there: the file is absent
+    here = tmp_path / "here"
+    here.symlink_to(tmp_path / "srv")
+    assert load_config_with_warnings(here / "config.yaml") == (Config(), [])
+    (tmp_path / "srv" / "gpuslice.yaml").write_text("gpus: 3\n")
+    assert load_config(linked) == Config(gpus=3)
+
+
 @pytest.mark.parametrize("text", ["", "# only comments\n", "---\n", "~\n"])
 def test_empty_file_gives_defaults(tmp_path: Path, text: str) -> None:
     assert load_config(write(tmp_path, text)) == Config()

@@ -13,6 +13,10 @@ import dataclasses
 import json
 import logging
 import os
+import socket
+import subprocess
+import sys
+import types
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from pathlib import Path
 from signal import SIGHUP
@@ -32,7 +36,7 @@ from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
 from gpuslice.ladder import Suspension
-from gpuslice.nvml import DeviceScan, GpuInfo, GpuProcess, Nvml, NvmlStatus
+from gpuslice.nvml import DeviceScan, GpuInfo, GpuProcess, Nvml, NvmlError, NvmlStatus
 from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import StateStore
@@ -2605,6 +2609,78 @@ def test_a_restart_while_nvml_does_not_answer_keeps_the_gpus_units_hold(
     run(test)
 
 
+def fake_pynvml(name: Callable[[int], str]) -> types.SimpleNamespace:
+    """A pynvml module for gpuslice.nvml's own code (Nvml._call): two GPUs, no process;
+    `name` answers nvmlDeviceGetName."""
+
+    class NVMLError(Exception):
+        def __init__(self, value: int) -> None:
+            super().__init__(value)
+            self.value = value
+
+    def nothing(*args: Any) -> None:
+        return None
+
+    def no_processes(handle: int) -> list[Any]:
+        return []
+
+    return types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=nothing,
+        nvmlShutdown=nothing,
+        nvmlSystemGetDriverVersion=lambda: "550.54.15",
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetMemoryInfo=lambda handle: types.SimpleNamespace(total=24 * GIB, used=0),
+        nvmlDeviceGetUUID=lambda handle: f"GPU-{handle}",
+        nvmlDeviceGetName=name,
+        nvmlDeviceGetComputeRunningProcesses_v3=no_processes,
+        nvmlDeviceGetGraphicsRunningProcesses_v3=no_processes,
+    )
+
+
+class PynvmlNvml(StubNvml):
+    """Nvml's own code (every call through Nvml._call) on whatever `pynvml` imports."""
+
+    open = Nvml.open
+    devices = Nvml.devices
+    processes = Nvml.processes
+
+
+def test_pynvml_failing_its_own_way_is_nvml_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroup_of: dict[int, str]
+) -> None:
+    """pynvml raises something of its own, not an NVMLError (here a GPU name that is not
+    UTF-8; or its NVMLLibraryMismatchError, a function it lacks): NVML not answering, like
+    any NVMLError. Let through, it ended each start-up (a crash loop, every gate waiting)
+    and, from a sample taken for a gate, left that gate unanswered for ever."""
+
+    def undecodable(handle: int) -> str:
+        return b"NVIDIA \xff".decode()
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(undecodable))
+    with Nvml() as nvml:
+        assert nvml.open().available
+        with pytest.raises(NvmlError) as failed:
+            nvml.devices()
+    assert str(failed.value).startswith(
+        "nvmlDeviceGetName on GPU 0: pynvml failed: UnicodeDecodeError: 'utf-8' codec "
+    )
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], nvml=PynvmlNvml())
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.watch.available
+        assert ctl.watch.inventory.errors == 2  # the sample at open, and once units are known
+        ctl.watch.sample.taken_at = -1.0  # the gate's request samples again
+        await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0")]  # on the fallback: gpus: 1
+
+    run(test)
+
+
 def test_without_nvidia_hardware_nothing_waits_for_nvml(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
@@ -2874,6 +2950,37 @@ def test_a_reload_keeps_the_paths_the_controller_started_with(
     assert "runtime_dir: /run/gpuslice/elsewhere takes effect when gpuslice.service" in caplog.text
 
 
+def test_a_reload_through_a_symlink_that_leads_nowhere_keeps_the_last_good_config(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """config.yaml links into a deployment directory, which a deploy has just removed, when
+    `systemctl reload gpuslice` comes: the file was taken for missing, the defaults applied,
+    and manage_gpus' split with a cluster was gone (its GPU 0 handed out)."""
+    deployed = tmp_path / "deploy" / "gpuslice.yaml"
+    deployed.parent.mkdir()
+    deployed.write_text("manage_gpus: [1]\n")
+    (tmp_path / "config.yaml").symlink_to(deployed)
+    config = Config(
+        manage_gpus=("1",), state_dir=str(tmp_path / "state"), runtime_dir=str(tmp_path / "run")
+    )
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.gpus == {1}
+        deployed.unlink()
+        deployed.parent.rmdir()
+        with caplog.at_level(logging.ERROR, logger="gpuslice"):
+            ctl.reload_config()
+        assert ctl.config.manage_gpus == ("1",)
+        assert ctl.scheduler.gpus == {1}
+
+    run(test)
+    assert "keeping the last good configuration: " in caplog.text
+    assert "is a symbolic link that leads nowhere" in caplog.text
+
+
 def test_a_hundred_sighups_at_once_reload_the_config_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -2911,6 +3018,86 @@ def test_a_hundred_sighups_at_once_reload_the_config_once(
     with caplog.at_level(logging.WARNING, logger="gpuslice"):
         run(test)
     assert sum("bogus: unknown setting" in m for m in messages(caplog)) == 2
+
+
+def test_a_sighup_during_start_up_is_a_reload_once_start_up_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kill -HUP` while start-up claims its bus name, the file now saying gpus: 2. A reload
+    then took a sample and decided on a core start-up had not finished with, and those
+    decisions left before start-up's own (as a rescan's would, which waits for start-up):
+    it is made once start-up is done, and once."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    (tmp_path / "config.yaml").write_text("gpus: 2\n")
+    loads: list[Path] = []
+    load = load_config_with_warnings
+
+    def counted(path: Path) -> tuple[Config, list[str]]:
+        loads.append(path)
+        return load(path)
+
+    monkeypatch.setattr(controller_module, "load_config_with_warnings", counted)
+    claiming = asyncio.Event()
+    claimed = asyncio.Event()
+
+    async def claim_name() -> None:
+        claiming.set()
+        await claimed.wait()
+
+    bed.service.claim_name = claim_name  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        starting = asyncio.get_running_loop().create_task(ctl.start())
+        await claiming.wait()
+        ctl.request_reload()
+        ctl.request_reload()
+        await settle()
+        assert loads == [] and ctl.scheduler.gpus == {0}  # start-up is not done
+        claimed.set()
+        await starting
+        assert loads == [tmp_path / "config.yaml"]
+        assert ctl.scheduler.gpus == {0, 1}
+        await settle()
+        assert len(loads) == 1
+
+    run(test)
+
+
+def test_a_sighup_while_the_controller_connects_does_not_end_it(tmp_path: Path) -> None:
+    """`kill -HUP` while the controller connects to the bus (or reads the unit files): its
+    default action ended the process, before READY=1, a failed start that systemd restarts
+    RestartSec= later and counts against its start limit (five in ten seconds: then
+    `failed`, every gate waiting). Here the bus answers nothing and then hangs up: the
+    controller must end by that (exit status 1), not by the signal."""
+    bus = tmp_path / "bus"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(bus))
+    server.listen(1)
+    (tmp_path / "config.yaml").write_text("gpus: 1\n")
+    env = dict(
+        os.environ,
+        GPUSLICE_BUS_ADDRESS=f"unix:path={bus}",
+        PYTHONPATH=str(Path(__file__).parent.parent),
+    )
+    command = "from gpuslice.cli import main; main()"
+    config = str(tmp_path / "config.yaml")
+    with subprocess.Popen(
+        [sys.executable, "-c", command, "controller", "--config", config],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        try:
+            server.settimeout(60)
+            connection, _ = server.accept()  # the controller is connecting
+            os.kill(proc.pid, SIGHUP)
+            connection.close()
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            server.close()
+    assert proc.returncode == 1, err.decode(errors="replace")[-2000:]
 
 
 # ---- instances: one name per job, forgotten once owed nothing ----

@@ -249,6 +249,26 @@ def test_bad_config_uses_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[
     ]
 
 
+def test_a_config_on_a_file_system_not_mounted_yet_is_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At boot, config.yaml links to /srv, mounted later: the gates use the defaults, as
+    before, but the generator says why (the controller, started after the mount, may well
+    read another runtime_dir there)."""
+    (tmp_path / "etc/gpuslice").mkdir(parents=True)
+    (tmp_path / "etc/gpuslice/config.yaml").symlink_to(tmp_path / "srv/gpuslice.yaml")
+    write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
+    out = run(tmp_path)
+    assert written(out) == {"a.service.d/gpuslice-gate.conf": gate()}
+    config = tmp_path / "etc/gpuslice/config.yaml"
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpuslice-generator: warning: {config}: cannot read: {config} is a symbolic link "
+        f"that leads nowhere (to {tmp_path}/srv/gpuslice.yaml: a file system not mounted yet, "
+        "a file moved?); not taken for a missing file, which would mean the defaults "
+        "(using the defaults runtime_dir /run/gpuslice, gate_retry_seconds 0.5)"
+    ]
+
+
 def test_a_config_bad_elsewhere_keeps_its_runtime_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
