@@ -759,6 +759,102 @@ def test_a_stand_in_link_is_not_followed(tmp_path: Path, caplog: pytest.LogCaptu
     one_error(caplog.records, "not a regular file")
 
 
+def test_a_stand_in_as_new_as_the_state_file_is_the_one_read(tmp_path: Path) -> None:
+    """A stand-in is written only when the state file could not be: on a tie (a clock
+    of coarse steps) it is the newer word."""
+    StateStore(tmp_path / "state").save(GOOD_STATE, "0f6c/1234")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.json").write_bytes(good(seq=7))
+    for path in (tmp_path / "state" / "state.json", tmp_path / "run" / "state.json"):
+        os.utime(path, ns=(5, 5))
+    store = StateStore(tmp_path / "state", tmp_path / "run")
+    assert store.failure is None
+    assert store.load()[0].seq == 7
+
+
+def test_the_older_stand_in_is_named_as_it_is_removed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    StateStore(tmp_path / "state").save(GOOD_STATE, "0f6c/1234")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.json").write_bytes(good(seq=2))
+    os.utime(tmp_path / "run" / "state.json", ns=(1, 1))
+    with caplog.at_level(logging.INFO, "gpuslice"):
+        StateStore(tmp_path / "state", tmp_path / "run").load()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}/run/state.json: older than {tmp_path}/state/state.json; removed"
+    ]
+
+
+def test_a_stand_in_that_cannot_be_looked_at_is_not_used(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    StateStore(tmp_path / "state").save(GOOD_STATE, "0f6c/1234")
+    (tmp_path / "run").symlink_to(tmp_path / "run")  # a loop: ELOOP
+    with caplog.at_level(logging.INFO, "gpuslice"):
+        assert StateStore(tmp_path / "state", tmp_path / "run").load() == (GOOD_STATE, "0f6c/1234")
+    message = one_error(caplog.records)
+    assert message == (
+        f"{tmp_path}/run/state.json: cannot look at the stand-in ([Errno 40] Too many levels "
+        f"of symbolic links: '{tmp_path}/run/state.json'); not used"
+    )
+
+
+def test_a_stand_in_with_a_key_twice_is_removed_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    StateStore(tmp_path / "state").save(GOOD_STATE, "0f6c/1234")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.json").write_bytes(b'{"seq": 1, ' + good()[1:])
+    with caplog.at_level(logging.INFO, "gpuslice"):
+        assert StateStore(tmp_path / "state", tmp_path / "run").load() == (GOOD_STATE, "0f6c/1234")
+    message = one_error(caplog.records)
+    assert message.startswith(f"{tmp_path}/run/state.json: ")
+    assert message.endswith(f"; removed, using {tmp_path}/state/state.json")
+    assert not (tmp_path / "run" / "state.json").exists()
+
+
+def test_a_stand_in_that_cannot_be_removed_is_said_and_tried_again_at_each_save(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stand-in left behind would be read by a restarted controller while it looks the
+    newer: its removal is tried until it works."""
+    (tmp_path / "run" / "state.json").mkdir(parents=True)  # unlink(2) cannot remove it
+    store = StateStore(tmp_path / "state", tmp_path / "run")
+    with caplog.at_level(logging.INFO, "gpuslice"):
+        store.save(GOOD_STATE, "b")
+        store.save(GOOD_STATE, "b")
+    said = [r.getMessage() for r in caplog.records]
+    assert said == 2 * [
+        f"cannot remove {tmp_path}/run/state.json: [Errno 21] Is a directory: "
+        f"'{tmp_path}/run/state.json'"
+    ]
+    (tmp_path / "run" / "state.json").rmdir()
+    store.save(GOOD_STATE, "b")
+
+
+def test_the_stand_in_is_looked_for_once_not_at_every_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save comes before every StartUnit and StopUnit (issue 10): once no stand-in is
+    left, saves make no call for it."""
+    unlinked: list[str] = []
+    unlink = os.unlink
+
+    def counted(path: Any, *args: Any, **kwargs: Any) -> None:
+        unlinked.append(os.fspath(path))
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", counted)
+    for runtime in ("run", "run2"):
+        store = StateStore(tmp_path / "state", tmp_path / runtime)
+        if runtime == "run2":
+            store.load()  # no stand-in found: none to remove
+        for _ in range(3):
+            store.save(GOOD_STATE, "b")
+    assert unlinked == [f"{tmp_path}/run/state.json"]
+
+
 def test_save_does_not_follow_a_planted_temporary_name(tmp_path: Path) -> None:
     """The old save wrote through whatever `state.tmp` was, a symlink included."""
     victim = tmp_path / "victim"
