@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice.annotations import KEYS, Loader, Problem, load_spec, scan
+from gpuslice.annotations import KEYS, NEVER_GATED, Loader, Problem, load_spec, scan
 from gpuslice.core.model import Rung, UnitKind, UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.unitfiles import MAX_FILE_SIZE, UNIT_NAME_MAX, Fragment, UnitIndex
@@ -214,6 +214,41 @@ def test_problem_fields(tmp_path: Path) -> None:
     assert problems == [
         Problem(X, 8, "Priority", 'expected an integer 0-999, got "high"', "error", "x.service")
     ]
+
+
+@pytest.mark.parametrize("name", sorted(NEVER_GATED))
+def test_the_controller_and_what_it_starts_after_are_never_managed(
+    tmp_path: Path, name: str
+) -> None:
+    """Gated, each would wait for the controller that waits for it (or is it): an error at
+    the annotation's header, so the unit is left unmanaged and ungated."""
+    path = f"{ETC}/{name}"
+    write(tmp_path, path, unit("Priority=1\n"))
+    assert load_spec(name, tmp_path) == (
+        None,
+        [
+            Problem(
+                path,
+                7,
+                "",
+                "gpuslice.service starts after this unit, or is it: a gate here would wait "
+                "for the controller that waits for it (left unmanaged, ungated)",
+                "error",
+                name,
+            )
+        ],
+    )
+
+
+def test_run_as_keys_count_in_service_only(tmp_path: Path) -> None:
+    """`User=` outside [Service] is no setting of systemd's: the unit runs as root, and its
+    environment file, which only root can change here, is not refused either way."""
+    write(tmp_path, "/etc/env", "A=1\n")
+    os.chmod(tmp_path / "etc", 0o755)
+    text = unit("Priority=1\n").replace("[Unit]\n", "[Unit]\nUser=nobody\nEnvironmentFile=/tmp/x\n")
+    write(tmp_path, X, text.replace("[Service]\n", "[Service]\nEnvironmentFile=/etc/env\n"))
+    spec, problems = load_spec("x.service", tmp_path)
+    assert spec is not None and problems == []
 
 
 @pytest.mark.parametrize(

@@ -193,9 +193,12 @@ def test_a_lost_signal_is_taken_in_when_two_audits_in_a_row_show_it() -> None:
     run(test)
 
 
-def test_an_audit_asks_who_owns_systemds_name_and_counts_a_change_unheard() -> None:
+def test_an_audit_asks_who_owns_systemds_name_and_counts_a_change_unheard(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Systemd's NameOwnerChanged is a signal too, and lost like one: every audit asks the
     bus daemon (Systemd.check_owner follows it); a failed question costs no audit."""
+    caplog.set_level(logging.DEBUG, "gpuslice")
 
     async def test(bed: Bed) -> None:
         bed.systemd.owner_moved = True
@@ -210,6 +213,10 @@ def test_an_audit_asks_who_owns_systemds_name_and_counts_a_change_unheard() -> N
         assert bed.taken == [(UNIT, {"ActiveState": "inactive", "SubState": "dead"})]
 
     run(test)
+    said = [r.getMessage() for r in caplog.records if "owns" in r.getMessage()]
+    assert said == 2 * [
+        "cannot ask who owns systemd's name: org.freedesktop.DBus.Error.NoReply: no"
+    ]
 
 
 def test_an_audit_suspect_heard_of_between_is_not_taken_in() -> None:
