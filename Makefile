@@ -239,7 +239,8 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 	gpuslice.inventory.x*Inventory*reattribute__mutmut_* gpuslice.inventory.x__attributed__mutmut_* \
 	gpuslice.inventory.x__with_foreign__mutmut_* gpuslice.inventory.x__guessed__mutmut_* \
 	gpuslice.gatepipes.* gpuslice.busread.* gpuslice.tracker.* gpuslice.owners.* gpuslice.envfiles.* \
-	gpuslice.safefile.* gpuslice.rereads.* gpuslice.envsafety.*
+	gpuslice.safefile.* gpuslice.rereads.* gpuslice.envsafety.* gpuslice.ladder.* \
+	gpuslice.checkpoint.*
 MUTATE_all := $(MUTATE_core) $(MUTATE_adapters)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
 mutate: venv
