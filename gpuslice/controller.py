@@ -55,7 +55,7 @@ from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import Flusher, StateStore
 from gpuslice.status import CachedStatus, snapshot_to_json
-from gpuslice.systemd import Queued, Systemd, SystemdError
+from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient
 from gpuslice.tracker import (
     CameUp,
     Change,
@@ -98,6 +98,12 @@ FLUSH_DELAY = 1.0
 # How often a granted unit's environment file that could not be written (a full /run) is
 # tried again while its gate waits (Controller._deliver).
 ENV_RETRY = 1.0
+# A StartUnit or StopUnit of ours that did not reach systemd (an error of the bus, or of a
+# systemd that is re-executing: gpuslice.systemd.is_transient) is sent again this long
+# after, the delay doubling while it keeps failing so, up to CALL_RETRY_MAX: never a tight
+# loop against a bus that fails at once (Controller._call_not_taken).
+CALL_RETRY_FIRST = 1.0
+CALL_RETRY_MAX = 30.0
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
@@ -197,6 +203,10 @@ class Controller:
         self._rewatching = False
         self._rewatch_again = False
         self._stop_timers: dict[str, asyncio.TimerHandle] = {}
+        # (unit, "start" | "stop"): the last delay of a call that did not reach systemd, until
+        # one goes through or is no longer wanted, and the timer that sends it again
+        self._retry_delays: dict[tuple[str, str], float] = {}
+        self._retry_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         # granted units whose gate waits for their environment file to be written
         self._withheld: dict[str, asyncio.TimerHandle] = {}
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
@@ -959,6 +969,9 @@ class Controller:
         before the answer must not take the unit for one nobody is stopping. The caller
         has saved the state first (execute)."""
         self.tracker.call_sent(unit)
+        retry = self._retry_timers.pop((unit, what), None)
+        if retry is not None:  # this call is the one sent again
+            retry.cancel()
         told = [False]
 
         def queued(path: str) -> None:
@@ -981,15 +994,77 @@ class Controller:
             job = await answer
         except SystemdError as e:
             self.counters.error("dbus_call_errors")
+            if is_transient(e):
+                self._call_not_taken(unit, what, e)
+                return
+            self._retry_delays.pop((unit, what), None)
             log.error("%s %s failed: %s", what, unit, e.text)
             if what == "start":
                 self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
             else:
                 self._cancel_stop_timer(unit)
                 self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
+        else:
+            if self._retry_delays.pop((unit, what), None) is not None:
+                doing = "starting" if what == "start" else "stopping"
+                log.info("%s %s reached systemd: sent again, it went through", doing, unit)
         finally:
             if not told[0] and self.tracker.call_answered(unit, job, what):
                 await self.reads.refresh(unit)
+
+    def _call_not_taken(self, unit: str, what: str, error: SystemdError) -> None:
+        """A StartUnit or StopUnit of ours did not reach systemd, for an error that passes
+        (systemd re-executing, its name without an owner for a moment, the bus daemon's
+        limits: gpuslice.systemd.TRANSIENT_ERRORS). Taken for systemd's refusal, a preempted
+        unit whose start failed so was recorded failed and never came back, and a victim
+        whose stop failed so was never asked again, its waiter left behind it for as long as
+        it ran. Both are sent again after a delay (CALL_RETRY_FIRST, doubling up to
+        CALL_RETRY_MAX), if still wanted then; the journal says so once until one goes
+        through."""
+        key = (unit, what)
+        first = key not in self._retry_delays
+        delay = min(self._retry_delays.get(key, CALL_RETRY_FIRST / 2) * 2, CALL_RETRY_MAX)
+        self._retry_delays[key] = delay
+        why = f"{error.text} ({error.name})"
+        log.debug("%s %s did not reach systemd: %s; sent again in %g s", what, unit, why, delay)
+        if what == "start":
+            # the core says it (once), owes the start as before, and releases its GPUs
+            self.execute(self.scheduler.start_failed(unit, why))
+        elif first:
+            log.warning(
+                "stopping %s did not reach systemd: %s; sent again in %g s, and until "
+                "systemd takes it (said once)",
+                unit,
+                why,
+                delay,
+            )
+        old = self._retry_timers.pop(key, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        self._retry_timers[key] = loop.call_later(delay, self._send_again, unit, what)
+
+    def _send_again(self, unit: str, what: str) -> None:
+        """The delay after a call that did not reach systemd is over. A start: the core
+        decides again whether to send it (`Scheduler.retry_start`). A stop: sent again while
+        the core still stops the unit and systemd shows no job for it (a stop that reached
+        systemd after all runs as a job, and its end tells: a second StopUnit merged into
+        it would be taken for someone else's stop). Not wanted any more: forgotten."""
+        key = (unit, what)
+        self._retry_timers.pop(key, None)
+        if what == "start":
+            actions = self.scheduler.retry_start(unit)
+            self.execute(actions)
+            if not any(isinstance(a, Start) and a.unit == unit for a in actions):
+                self._retry_delays.pop(key, None)  # started later, if ever: a new story
+            return
+        state = self.tracker.state(unit)
+        kind = classify(state)
+        unsent = kind is Kind.GATE or (kind is Kind.RUNNING and state.job_id == 0)
+        if self.scheduler.phase(unit) is Phase.STOPPING and unsent:
+            self._call_systemd(self.systemd.stop_unit, unit, "stop")
+        else:
+            self._retry_delays.pop(key, None)
 
     def _arm_stop_timer(self, unit: str) -> None:
         self._cancel_stop_timer(unit)

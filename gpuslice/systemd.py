@@ -67,6 +67,38 @@ class SystemdError(Exception):
         self.text = text
 
 
+# D-Bus errors of the bus, or of a systemd that is away for a moment, after which the same
+# call may well work: a job call of ours that fails with one is sent again later
+# (Controller._call), not taken for systemd's refusal. Systemd's own errors
+# (org.freedesktop.systemd1.*: a unit masked, not found, a destructive transaction, ...)
+# and AccessDenied are refusals that a second call would only repeat.
+TRANSIENT_ERRORS = frozenset(
+    {
+        # systemd left the bus with our call unanswered (`systemctl daemon-reexec`, which
+        # Debian's systemd upgrade runs), or the bus daemon's reply timeout ran out
+        "org.freedesktop.DBus.Error.NoReply",
+        # systemd's name had no owner for a moment (between two executions of systemd)
+        "org.freedesktop.DBus.Error.ServiceUnknown",
+        "org.freedesktop.DBus.Error.NameHasNoOwner",
+        # the bus daemon turned the call away for its limits (replies pending per
+        # connection, its memory): it takes calls again once those are answered
+        "org.freedesktop.DBus.Error.LimitsExceeded",
+        "org.freedesktop.DBus.Error.NoMemory",
+        # timeouts and a connection lost on the way (a lost bus ends the controller anyway)
+        "org.freedesktop.DBus.Error.Timeout",
+        "org.freedesktop.DBus.Error.TimedOut",
+        "org.freedesktop.DBus.Error.Disconnected",
+        "org.freedesktop.DBus.Error.NoServer",
+        "org.gpuslice.Error.NoReply",  # ours (`_check`): no answer at all
+    }
+)
+
+
+def is_transient(error: SystemdError) -> bool:
+    """Whether a call that failed so may work if sent again (TRANSIENT_ERRORS)."""
+    return error.name in TRANSIENT_ERRORS
+
+
 def unit_path(name: str) -> str:
     """The object path systemd gives a unit (its bus_label_escape)."""
     safe = string.ascii_letters

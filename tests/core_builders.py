@@ -7,7 +7,9 @@ becomes the adapter's work, done or failed later (`finish_suspend`, `finish_resu
 They are queued and played by `finish_start`, `finish_stop`, those two or `settle`, so a
 test (or hypothesis) decides what happens in between. A `Freeze` or `Thaw` takes effect at
 once; FreezeUnit may fail (`fail_freeze`, or at once for the units in `freeze_fails`).
-`restart` is a controller restart: save, load, adopt, `recover()`.
+`restart` is a controller restart: save, load, adopt, `recover()`. A start of gpuslice's may
+not reach systemd (`fail_start`: the bus failed it on the way); it is owed as before and is
+not started again until the adapter's delay is over (`retry_start`).
 
 `Sim` is also the oracle: it keeps its own model of the host, built only from the events
 it fed in and the actions that came back (who runs where, who waits at the gate, who a
@@ -47,7 +49,8 @@ whatever the test:
   annotation went: a frozen unit is never left frozen unmanaged);
 - a Start is only for a preempted unit with Requeue=yes (in the order priority, then the one
   preempted first) or an idle background unit (priority, then the one out longest), never for
-  a unit a person stopped, one that failed or finished, or a suspended one (it still runs);
+  a unit a person stopped, one that failed or finished, or a suspended one (it still runs),
+  nor for one whose start did not reach systemd before the adapter's delay is over;
   preempted units come back before idle background units are started; a refill (or a
   requeue onto free GPUs) names GPUs that take it next to every unit on them: it never
   preempts.
@@ -187,6 +190,9 @@ class Sim:
         self.running: dict[str, tuple[int, ...]] = {}  # granted, not yet inactive
         self.at_gate: set[str] = set()  # start job waiting in the gate for a reply
         self.pending_starts: list[str] = []  # Start issued, gate not yet reached
+        self.ours: set[str] = set()  # of those, start jobs of gpuslice's alone
+        # gpuslice's start did not reach systemd: not started again until `retry_start`
+        self.paused: set[str] = set()
         self.pending_stops: list[str] = []  # Stop issued, unit not yet inactive
         self.start_after_stop: set[str] = set()  # a person started it while it stopped
         self.stops: list[StopRecord] = []  # every Stop that preempts, in order
@@ -260,6 +266,7 @@ class Sim:
         for gone in (self.held, self.finished, self.failed):
             gone.discard(name)
         self.preempted.pop(name, None)
+        self.paused.discard(name)
         self.pending_starts.append(name)
         self.announced.add(name)
         self.known_at.setdefault(name, next(self._clock))
@@ -304,6 +311,7 @@ class Sim:
             return []  # merges with gpuslice's own stop job
         if name in self.pending_starts:
             self.pending_starts.remove(name)
+            self.ours.discard(name)
         elif not self.active(name):
             return []  # already inactive: systemd reports nothing
         self.running.pop(name, None)
@@ -335,6 +343,7 @@ class Sim:
             for ended in (self.held, self.finished, self.failed):
                 ended.discard(name)
             self.preempted.pop(name, None)
+            self.paused.discard(name)
         return forgot
 
     def annotate(self, specs: Iterable[UnitSpec]) -> list[Action]:
@@ -404,6 +413,7 @@ class Sim:
             forgotten.clear()
         self.suspend_failed.clear()
         self.unfreezable.clear()
+        self.paused.clear()  # the delays were the last controller's
         caught = set(self.pending_suspends) | set(self.pending_resumes)
         for name in self.pending_suspends:
             self.suspend_for.pop(name, None)
@@ -429,6 +439,7 @@ class Sim:
             for name in gates:
                 if name in self.pending_starts:  # started by refill before its gate asked again
                     self.pending_starts.remove(name)  # one start job: the one at the gate
+                    self.ours.discard(name)
                 self.start(name)
             recovered = self.sched.recover()
         resumed = sorted(a.unit for a in recovered if isinstance(a, Resume))
@@ -448,10 +459,35 @@ class Sim:
         """The oldest (or the named) pending start job reaches the gate."""
         name = self.pending_starts[0] if name is None else name
         self.pending_starts.remove(name)
+        self.ours.discard(name)
         if name not in self.annotations:
             self.unmanaged.add(name)  # its gate went away with its annotation
             return []
         return self._request(name)
+
+    def fail_start(self, name: str) -> list[Action]:
+        """A start job of gpuslice's did not reach systemd (the bus failed the call on its
+        way: systemd re-executing): nothing runs and no gate will ask. The unit is owed as
+        before: a unit refill may start is idle again, any other is preempted again (from
+        now); it holds no GPU, and is not started again until `retry_start`."""
+        assert name in self.ours and name in self.pending_starts, name
+        self.pending_starts.remove(name)
+        self.ours.discard(name)
+        self.known_at.pop(name, None)
+        self.told_to_wait.discard(name)
+        spec = self.annotations.get(name)
+        if spec is not None and not (spec.kind is BG and "@." not in name):
+            self.preempted[name] = next(self._clock)
+        self.paused.add(name)
+        actions = self._feed(self.sched.start_failed(name, "no reply (NoReply)"))
+        if name in self.sched.holders or name in self.sched.waiters:
+            raise InvariantError(f"{name}'s start did not reach systemd: the core still counts it")
+        return actions
+
+    def retry_start(self, name: str) -> list[Action]:
+        """The adapter's delay after a start that did not reach systemd is over."""
+        self.paused.discard(name)
+        return self._feed(self.sched.retry_start(name))
 
     def finish_stop(self, name: str | None = None) -> list[Action]:
         """The oldest (or the named) pending stop job completes: the unit is inactive."""
@@ -591,7 +627,10 @@ class Sim:
         return {
             n
             for n in self.preempted
-            if n in self.annotations and self._spec(n).requeue and not self.active(n)
+            if n in self.annotations
+            and self._spec(n).requeue
+            and not self.active(n)
+            and n not in self.paused
         }
 
     def idle_background(self) -> set[str]:
@@ -607,6 +646,7 @@ class Sim:
             and n not in self.held
             and n not in self.finished
             and n not in self.failed
+            and n not in self.paused
         }
 
     def _record(self, ended: set[str], name: str) -> None:
@@ -695,6 +735,7 @@ class Sim:
         for gone in (self.held, self.finished, self.failed):
             gone.discard(name)
         self.preempted.pop(name, None)
+        self.paused.discard(name)
         self.known_at.setdefault(name, next(self._clock))
         return self._feed(self.sched.request(spec))
 
@@ -862,6 +903,7 @@ class Sim:
         withdrawn = stop.decision is not None and stop.decision.code is Code.UNMANAGED
         if stop.unit in self.pending_starts:
             self.pending_starts.remove(stop.unit)  # the stop job replaces the start job
+            self.ours.discard(stop.unit)
         elif withdrawn and stop.unit in self.unmanaged:
             self.unmanaged.discard(stop.unit)  # ours, at its gate: stopped, not let through
             self.at_gate.add(stop.unit)
@@ -1058,6 +1100,8 @@ class Sim:
             raise InvariantError(f"Start for suspended {name}: it still runs")
         if name in self.held or name in self.finished or name in self.failed:
             raise InvariantError(f"Start for {name}, stopped, failed or finished: {start.reason}")
+        if name in self.paused:
+            raise InvariantError(f"Start for {name} before the delay after its failed start")
         if self.active(name) and name not in self.pending_starts:
             raise InvariantError(f"Start for {name}, which is not inactive")
         if start.reason.startswith("restarting preempted "):
@@ -1081,6 +1125,7 @@ class Sim:
         self.known_at.setdefault(name, next(self._clock))
         if name not in self.pending_starts:  # else it merges with a person's start job
             self.pending_starts.append(name)
+            self.ours.add(name)
 
     def _check_start_order(self, start: Start, owed: set[str], idle: set[str]) -> None:
         """Preempted units come back before idle background units start; each kind in its
@@ -1199,7 +1244,10 @@ class Sim:
         """Every running unit ends, again and again, until nothing runs: then every unit still
         waiting cannot fit on this host and was told why, and every preempted unit with
         Requeue=yes that fits on this host has come back, unless a more urgent unit still
-        waits (it keeps the capacity it needs)."""
+        waits (it keeps the capacity it needs). Starts that did not reach systemd are
+        sent again first (their delays end)."""
+        for name in sorted(self.paused):
+            self.retry_start(name)
         for _ in range(limit):
             self.settle()
             # a frozen unit cannot end: it is thawed once those it gave way to have ended

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -1758,6 +1759,212 @@ def test_a_full_disk_keeps_the_preemptions_for_a_restarted_controller(
         "(newer than it); it goes back there at the next save",
         f"state saved to {state_dir}/state.json again",
     ]
+
+
+NO_REPLY = SystemdError(
+    "org.freedesktop.DBus.Error.NoReply",
+    "Message recipient disconnected from message bus without replying",
+)
+NO_OWNER = SystemdError(
+    "org.freedesktop.DBus.Error.ServiceUnknown",
+    "The name org.freedesktop.systemd1 was not provided by any .service files",
+)
+
+
+def failing_calls(bed: Bed, what: str, errors: list[SystemdError]) -> list[float]:
+    """The next StartUnits (`what` "start") or StopUnits ("stop") fail with `errors`, one
+    each, as the bus answers them; systemd takes those after. Returns when each call was
+    sent (the loop's clock)."""
+    attribute = "restart_preempted" if what == "start" else "stop_unit"
+    method = getattr(bed.systemd, attribute)
+    sent: list[float] = []
+
+    def call(name: str, queued: Queued | None = None) -> Awaitable[str]:
+        sent.append(asyncio.get_running_loop().time())
+        if not errors:
+            return cast(Awaitable[str], method(name, queued))
+        bed.systemd.calls.append((what, name))
+        error = errors.pop(0)
+
+        async def fail() -> str:
+            raise error
+
+        return fail()
+
+    setattr(bed.systemd, attribute, call)
+    return sent
+
+
+def test_a_requeue_that_did_not_reach_systemd_is_sent_again_not_recorded_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Systemd re-executed (`daemon-reexec`, which Debian's systemd upgrade runs) as the
+    requeue of low.service went out: the bus answered NoReply, then ServiceUnknown while
+    systemd's name had no owner. Taken for systemd's refusal, low.service was recorded
+    failed and never came back. Its GPU is released and the start sent again after a delay
+    that doubles up to its cap (1 s to 30 s; here scaled down); the journal says so once,
+    and once when it went through."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 0.05)
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n"},
+        [state("low.service", "inactive", "dead")],
+        SavedState(preempted={"low.service": 1}, seq=1),
+    )
+    sent = failing_calls(bed, "start", [NO_REPLY, NO_OWNER, NO_REPLY])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert len(sent) == 1
+        assert ctl.scheduler.phase("low.service") is None  # its GPU released meanwhile
+        assert ctl.scheduler.snapshot().failed == []
+        assert "low.service" in ctl.scheduler.preempted
+        await until(lambda: len(sent) == 4)
+        await settle()
+        assert ctl.scheduler.phase("low.service") is Phase.STARTING
+        gaps = [later - first for first, later in itertools.pairwise(sent)]
+        assert [round(g, 2) >= d for g, d in zip(gaps, (0.02, 0.04, 0.05), strict=True)] == [
+            True
+        ] * 3, gaps
+        assert ctl.counters.to_json([])["dbus_call_errors"] == 3
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    assert [m for m in messages(caplog) if "reach" in m] == [
+        "starting low.service (priority 90) did not reach systemd: Message recipient "
+        "disconnected from message bus without replying (org.freedesktop.DBus.Error.NoReply); "
+        "it is started again in a moment, until systemd takes the start; GPU 0 released "
+        "meanwhile",
+        "starting low.service reached systemd: sent again, it went through",
+    ]
+
+
+def test_a_start_that_did_not_reach_systemd_is_sent_again_only_while_still_wanted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service takes the GPU while the requeue of low.service waits for its delay:
+    the delay's end sends nothing, and low.service, still owed, comes back once urgent.service
+    has ended."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
+        [state("low.service", "inactive", "dead"), state("urgent.service", "inactive", "dead")],
+        SavedState(preempted={"low.service": 1}, seq=1),
+    )
+    cgroup_of[4242] = "urgent.service"
+    sent = failing_calls(bed, "start", [NO_REPLY])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.service.granted == [("urgent.service", "0")]
+        await until(lambda: not ctl._retry_timers)
+        assert len(sent) == 1
+        assert "low.service" in ctl.scheduler.preempted
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert len(sent) == 2
+        assert ctl.scheduler.phase("low.service") is Phase.STARTING
+
+    run(test)
+
+
+def test_a_start_systemd_refuses_is_failed_and_not_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal that will not change (a masked unit) is the unit's failure, as before."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n"},
+        [state("low.service", "inactive", "dead")],
+        SavedState(preempted={"low.service": 1}, seq=1),
+    )
+    masked = SystemdError("org.freedesktop.systemd1.UnitMasked", "Unit low.service is masked.")
+    sent = failing_calls(bed, "start", [masked])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.snapshot().failed == ["low.service"]
+        assert ctl._retry_timers == {} and len(sent) == 1
+
+    run(test)
+
+
+def test_a_stop_that_did_not_reach_systemd_is_sent_again_and_its_waiter_served(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cgroup_of: dict[int, str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """urgent.service preempts low.service as systemd re-executes: the StopUnit gets NoReply.
+    Taken for systemd's refusal, low.service was never chosen again while it ran, and
+    urgent.service waited behind it with nobody stopping it. The stop is sent again after a
+    delay; urgent.service is granted once low.service is down, which is preempted (it comes
+    back), not held."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    sent = failing_calls(bed, "stop", [NO_REPLY, NO_OWNER])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert len(sent) == 1
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        await until(lambda: len(sent) == 3, timeout=2.0)
+        await settle()
+        goes_down(bed, "low.service")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    assert [m for m in messages(caplog) if "reach" in m] == [
+        "stopping low.service did not reach systemd: Message recipient disconnected from "
+        "message bus without replying (org.freedesktop.DBus.Error.NoReply); sent again in "
+        "0.02 s, and until systemd takes it (said once)",
+        "stopping low.service reached systemd: sent again, it went through",
+    ]
+
+
+def test_a_stop_that_reached_systemd_after_all_is_not_sent_again_and_preempts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroup_of: dict[int, str]
+) -> None:
+    """The answer was lost, not the call: systemd shows low.service stopping. A second
+    StopUnit would merge into that job and be taken for someone else's stop (a hold): none
+    is sent, and low.service, down, is preempted (taken for refused before, then held)."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    sent = failing_calls(bed, "stop", [NO_REPLY])
+    job = "/org/freedesktop/systemd1/job/77"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        ctl.on_job_new(77, job, "low.service")
+        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
+        ctl.on_unit_changed("low.service", stopping)
+        await until(lambda: not ctl._retry_timers)
+        assert len(sent) == 1
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", down)
+        ctl.on_job_removed(77, job, "low.service", "done")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+
+    run(test)
 
 
 def test_a_call_that_raises_as_it_is_sent_is_reported_and_decides_nothing_more(

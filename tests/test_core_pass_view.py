@@ -51,6 +51,8 @@ _TWINNED = [
     "inactive",
     "running",
     "stop_failed",
+    "start_failed",
+    "retry_start",
     "stop_overdue",
     "suspended_done",
     "suspend_failed",

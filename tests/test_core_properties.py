@@ -6,7 +6,8 @@ in, and 2-8 units (priorities with ties, kinds, 1-3 GPUs, whole GPU or `Memory=`
 Requeue=yes/no, a Preempt= ladder, some not yet annotated). It then interleaves what people
 and units do (start; a start job seen before its gate asks; exit, fail, manual stop), what
 systemd and the ladder's adapter do with gpuslice's work (a pending stop, start, suspend or
-resume completes, in any order; a suspend or resume fails; a freeze fails), daemon-reloads (a
+resume completes, in any order; a suspend or resume fails; a freeze fails; a start of
+gpuslice's does not reach systemd, and is sent again once its delay ends), daemon-reloads (a
 priority or GPUs= changes, an annotation is removed or added), controller restarts (save, load,
 `recover()`) and, on hosts with NVML, new samples (reserve, foreign processes, a GPU lost or
 back). tests/test_core_ladder_properties.py runs the same rules on hosts where the ladder
@@ -267,6 +268,21 @@ class HostMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 7))
     def start_reaches_gate(self, index: int) -> None:
         self.sim.finish_start(self.sim.pending_starts[index % len(self.sim.pending_starts)])
+
+    @precondition(lambda self: bool(self.sim.ours & set(self.sim.pending_starts)))
+    @rule(index=st.integers(0, 7))
+    def start_does_not_reach_systemd(self, index: int) -> None:
+        """A StartUnit of gpuslice's fails on the bus (systemd re-executing, its name without
+        an owner for a moment): owed as before, its GPUs released, not sent again at once."""
+        ours = sorted(self.sim.ours & set(self.sim.pending_starts))
+        self.sim.fail_start(ours[index % len(ours)])
+
+    @precondition(lambda self: bool(self.sim.paused))
+    @rule(index=st.integers(0, 7))
+    def delay_after_a_failed_start_ends(self, index: int) -> None:
+        """The adapter's delay is over: the core may start the unit again, if it still wants."""
+        paused = sorted(self.sim.paused)
+        self.sim.retry_start(paused[index % len(paused)])
 
     # -- the adapter plays the Preempt= ladder ----------------------------------------------
 

@@ -1356,6 +1356,110 @@ def test_a_start_whose_gate_asked_is_no_longer_one_to_send_again() -> None:
     assert sched.start_lost(V) == []
 
 
+# -- a start of ours that did not reach systemd (an error of the bus) ------------------------
+
+LOW = spec("low", 90)
+L = LOW.name
+NO_REPLY = "Message recipient disconnected from message bus without replying (NoReply)"
+
+
+def _low_requeued() -> Scheduler:
+    """low.service was preempted by voice, which ended: low's requeue is on its way."""
+    sched = Scheduler([0], {L: LOW, VO: VOICE})
+    sched.request(LOW)
+    assert brief(sched.request(VOICE)) == [f"stop {L}"]
+    assert brief(sched.inactive(L, Outcome.STOPPED)) == [f"grant {VO} 0"]
+    assert brief(sched.inactive(VO, Outcome.EXITED)) == [f"start {L}"]
+    return sched
+
+
+def test_a_requeue_that_did_not_reach_systemd_is_owed_again_and_sent_when_its_delay_ends() -> None:
+    """A StartUnit that systemd never got (it was re-executing) was taken for a failure:
+    the preempted unit was never brought back. It is preempted again, its GPU released, not
+    started again until the adapter's delay is over; the journal says so once."""
+    sched = _low_requeued()
+    acts = sched.start_failed(L, NO_REPLY)
+    assert _codes(acts) == ["start-retry"]
+    assert words(acts) == [
+        f"starting low.service (priority 90) did not reach systemd: {NO_REPLY}; it is started "
+        "again in a moment, until systemd takes the start; GPU 0 released meanwhile"
+    ]
+    assert acts[0].level == "warning"  # type: ignore[union-attr]
+    assert sched.phase(L) is None and sched.grants() == {}
+    assert sched.snapshot().preempted == [(L, 90, True)] and sched.snapshot().failed == []
+    assert sched.schedule() == []  # not at once: the bus may still fail it
+    assert brief(sched.retry_start(L)) == [f"start {L}"]
+    assert sched.retry_start(L) == []  # once per delay
+    assert sched.start_failed(L, NO_REPLY) == []  # failed again: said once already
+    assert brief(sched.retry_start(L)) == [f"start {L}"]
+    assert brief(sched.request(LOW)) == [f"grant {L} 0"]  # it went through
+    assert sched.start_retries == {}
+
+
+def test_a_refill_that_did_not_reach_systemd_is_idle_again_and_its_gpu_goes_to_others() -> None:
+    other = spec("other", 95, BG)
+    sched = Scheduler([0], {V: VLM, other.name: other})
+    assert brief(sched.schedule()) == [f"start {V}"]
+    acts = sched.start_failed(V, NO_REPLY)
+    assert _codes(acts) == ["start-retry", "refill"]  # the GPU released, refilled at once
+    assert brief(acts) == [f"start {other.name}"]
+    assert sched.snapshot().preempted == [] and sched.snapshot().failed == []
+    assert sched.retry_start(V) == []  # GPU 0 is taken now: nothing to send
+    sched.request(other)
+    assert brief(sched.inactive(other.name, Outcome.STOPPED)) == [f"start {V}"]
+
+
+def test_a_start_no_longer_wanted_when_its_delay_ends_is_not_sent() -> None:
+    """A more urgent unit took the GPU meanwhile; someone else started the unit; its
+    annotation went: the delay's end sends nothing."""
+    sched = _low_requeued()
+    sched.start_failed(L, NO_REPLY)
+    assert brief(sched.request(VOICE)) == [f"grant {VO} 0"]
+    assert sched.retry_start(L) == []
+    assert sched.snapshot().preempted == [(L, 90, True)]  # still owed: back once voice ends
+    assert brief(sched.inactive(VO, Outcome.EXITED)) == [f"start {L}"]
+    sched.start_failed(L, NO_REPLY)
+    assert brief(sched.request(LOW)) == [f"grant {L} 0"]  # a person's start, let through
+    assert sched.retry_start(L) == []
+    gone = _low_requeued()
+    gone.start_failed(L, NO_REPLY)
+    gone.set_specs({VO: VOICE})
+    assert gone.retry_start(L) == []
+
+
+def test_a_start_that_reached_systemd_after_all_is_not_taken_back() -> None:
+    """Its gate asked before the error came (the answer was lost, not the call), or the
+    start is not one of ours: the error changes nothing."""
+    sched = _low_requeued()
+    sched.request(LOW)
+    assert sched.start_failed(L, NO_REPLY) == []
+    assert sched.phase(L) is Phase.RUNNING
+    person = Scheduler([0], {VO: VOICE})
+    person.announce(VOICE)
+    assert person.start_failed(VO, NO_REPLY) == []
+    assert person.phase(VO) is Phase.STARTING
+
+
+def test_a_start_of_ours_moved_back_to_waiting_that_did_not_reach_systemd_waits_no_more() -> None:
+    """Its place was taken back for a more urgent start: it waited for a gate that will
+    never ask, keeping others behind it. Preempted again instead."""
+    sched = _low_requeued()
+    sched.announce(VOICE)  # the place kept for low goes to voice, low waits again
+    assert sched.is_waiting(L)
+    acts = sched.start_failed(L, NO_REPLY)
+    assert words(acts)[0].endswith("until systemd takes the start")  # it held no GPU
+    assert not sched.is_waiting(L)
+    assert sched.snapshot().preempted == [(L, 90, True)]
+
+
+def test_a_restarted_controller_does_not_wait_for_the_last_ones_delay() -> None:
+    sched = _low_requeued()
+    sched.start_failed(L, NO_REPLY)
+    again = Scheduler([0], {L: LOW, VO: VOICE})
+    again.load(sched.save())
+    assert brief(again.schedule()) == [f"start {L}"]
+
+
 def test_an_on_demand_instance_that_ended_is_forgotten_with_how_it_ended() -> None:
     """One name per job (`transcribe@REC.service`): kept, each would be saved and watched
     for ever. Finished, failed or stopped by hand, nothing of it is kept."""

@@ -45,6 +45,7 @@ from gpuslice.systemd import (
     UNIT,
     Systemd,
     SystemdError,
+    is_transient,
     unit_path,
 )
 
@@ -495,6 +496,39 @@ async def queuing_systemd(address: str, held: list[Message] | None = None) -> Me
     bus.add_message_handler(answer)
     await bus.request_name(SYSTEMD)
     return bus
+
+
+def test_a_call_systemd_never_got_is_told_apart_from_its_refusal(bus_address: str) -> None:
+    """What a real bus daemon answers a StartUnit that systemd never took: systemd left the
+    bus with it pending (daemon-reexec: NoReply), then its name had no owner for a moment
+    (ServiceUnknown). Both pass, and the controller sends the call again; systemd's own
+    refusal (a unit not found) does not, and a second call would only repeat it."""
+
+    async def scenario() -> None:
+        held: list[Message] = []
+        owner = await queuing_systemd(bus_address, held)
+        systemd = Systemd(await connect(bus_address))
+        await systemd.subscribe()
+        pending = asyncio.ensure_future(systemd.start_unit("a.service"))
+        while not held:
+            await asyncio.sleep(0.01)
+        owner.disconnect()  # systemd re-executes: it leaves the bus, our call unanswered
+        with pytest.raises(SystemdError) as left:
+            await pending
+        assert left.value.name == "org.freedesktop.DBus.Error.NoReply"
+        with pytest.raises(SystemdError) as away:
+            await systemd.start_unit("a.service")
+        assert away.value.name == "org.freedesktop.DBus.Error.ServiceUnknown"
+        assert is_transient(left.value) and is_transient(away.value)
+        await queuing_systemd(bus_address)  # back, as a new connection
+        with pytest.raises(SystemdError) as refused:
+            await systemd.start_unit("refused.service")
+        assert not is_transient(refused.value)
+        masked = SystemdError("org.freedesktop.systemd1.UnitMasked", "Unit a.service is masked.")
+        denied = SystemdError("org.freedesktop.DBus.Error.AccessDenied", "not allowed")
+        assert not is_transient(masked) and not is_transient(denied)
+
+    run(scenario)
 
 
 def test_the_job_a_call_queued_is_told_before_the_signals_after_its_answer(

@@ -154,6 +154,12 @@ def check_rendered(actions: list[Action]) -> None:
             "GPU 0; gpuslice will not try to stop it again while it runs",
         ),
         (
+            Decision(Code.START_RETRY, V, 90, gpus=(0,), detail="no reply (NoReply)"),
+            "starting vlm.service (priority 90) did not reach systemd: no reply (NoReply); it "
+            "is started again in a moment, until systemd takes the start; GPU 0 released "
+            "meanwhile",
+        ),
+        (
             Decision(Code.STOP_OVERDUE, V, 90, for_unit=VOICE, detail="90 s"),
             "vlm.service (priority 90) has not stopped 90 s after gpuslice asked (voice.service "
             "waits for it): see its TimeoutStopSec= and ExecStop=",

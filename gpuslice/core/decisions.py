@@ -39,6 +39,9 @@ class Code(enum.Enum):
     # after a controller restart, a start gpuslice had decided on is not in systemd's queue
     # (the last controller may have died before sending it): sent again, once
     START_LOST = "start-lost"
+    # a start gpuslice sent did not reach systemd (an error of the bus, or of a systemd that
+    # was re-executing: `detail`): it is owed as before, its GPUs released, sent again soon
+    START_RETRY = "start-retry"
     STOP_FAILED = "stop-failed"  # a stop gpuslice asked for did not happen
     STOP_REFUSED = "stop-refused"  # systemd refused the stop: not tried again while it runs
     STOP_OVERDUE = "stop-overdue"  # still running `detail` after gpuslice asked it to stop
@@ -175,6 +178,7 @@ class Decision:
 LEVELS: dict[Code, str] = {
     Code.FAILED: "warning",
     Code.STOP_FAILED: "warning",
+    Code.START_RETRY: "warning",
     Code.STOP_REFUSED: "warning",
     Code.STOP_OVERDUE: "warning",
     Code.EXCEEDS_HOST: "warning",
@@ -328,6 +332,12 @@ def render(d: Decision) -> str:
         return (
             f"starting {who} again: the start gpuslice decided on before the controller "
             "restarted is not in systemd's queue"
+        )
+    if code is Code.START_RETRY:
+        released = f"; {format_gpus(d.gpus)} released meanwhile" if d.gpus else ""
+        return (
+            f"starting {who} did not reach systemd: {d.detail}; it is started again in a "
+            f"moment, until systemd takes the start{released}"
         )
     if code is Code.STOP_OVERDUE:
         waits = f" ({d.for_unit} waits for it)" if d.for_unit else ""

@@ -377,6 +377,11 @@ class Scheduler:
         # lost starts sent again by this controller, once each (start_lost: at start-up, so
         # no more than the starts the last controller saved)
         self._sent_again: set[str] = set()
+        # units a start of ours failed to reach systemd for (`start_failed`), until a start
+        # of them goes through: True while no start of them is sent again (the adapter's
+        # delay, `retry_start`); the journal said so once. Not saved: a restarted controller
+        # may start them at once
+        self.start_retries: dict[str, bool] = {}
         self.suspended: dict[str, Suspended] = {}
         self.held: set[str] = set()
         self.finished: set[str] = set()
@@ -465,6 +470,7 @@ class Scheduler:
         self.failed.discard(name)
         self.wait_failed.discard(name)
         self.preempted.pop(name, None)
+        self.start_retries.pop(name, None)
 
     def _arrive(self, spec: UnitSpec, *, asked: bool) -> list[Action]:
         self.waiters[spec.name] = Waiter(spec, self._next(), asked=asked)
@@ -510,6 +516,7 @@ class Scheduler:
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
         self.thaw_owed.discard(name)  # systemd thaws a unit before it stops it
+        self.start_retries.pop(name, None)
         waiter = self.waiters.pop(name, None)
         holder = self.holders.pop(name, None)
         requeued = name in self.requeued
@@ -646,6 +653,50 @@ class Scheduler:
             return []
         self._sent_again.add(name)
         return [_start(_about(holder.spec, Code.START_LOST))]
+
+    def start_failed(self, name: str, why: str) -> list[Action]:
+        """A start gpuslice sent itself (refill, requeue, a lost start sent again) did not
+        reach systemd: an error of the bus, or of a systemd that is re-executing (`why`),
+        not a refusal (those are `inactive` FAILED). Taken for failed, a preempted unit was
+        never brought back: its work was lost without a word. It is owed as before the
+        start, its GPUs released: a unit refill may start is idle again (refill or a
+        requeue brings it back), any other is preempted again (only a requeue started it).
+        Nothing starts it until the adapter's delay is over (`retry_start`): at once, the
+        same failure would be sent again in a tight loop while the bus fails. [] when the
+        start is no longer ours and unanswered: its gate asked (it reached systemd after
+        all), it went down, or its annotation went (its withdrawal's stop decides)."""
+        holder = self.holders.get(name)
+        waiter = self.waiters.get(name)
+        if name not in self.started:
+            return []
+        if holder is not None and holder.phase is Phase.STARTING:
+            del self.holders[name]
+            self._tops_cache = None
+            spec, gpus = holder.spec, holder.gpus
+        elif holder is None and waiter is not None and not waiter.asked:
+            del self.waiters[name]  # its place was taken back for a more urgent start
+            spec, gpus = waiter.spec, frozenset()
+        else:
+            return []
+        self.started.discard(name)
+        self.requeued.discard(name)
+        if name in self.specs and not _refillable(self.specs[name]):
+            self.preempted[name] = self._next()
+        said = name in self.start_retries
+        self.start_retries[name] = True
+        if said:
+            return self.schedule()
+        retry = _about(spec, Code.START_RETRY, gpus=tuple(sorted(gpus)), detail=why)
+        return [_log(retry), *self.schedule()]
+
+    def retry_start(self, name: str) -> list[Action]:
+        """The adapter's delay after a start that did not reach systemd is over: a pass may
+        start the unit again, if it still wants to (nobody started it meanwhile, no more
+        urgent unit took its GPUs, it is still annotated and owed)."""
+        if not self.start_retries.get(name):
+            return []
+        self.start_retries[name] = False
+        return self.schedule()
 
     def stop_overdue(self, name: str, after: str) -> list[Action]:
         """A unit asked to stop is still running after the stop timeout (`after`, in words):
@@ -1354,6 +1405,7 @@ class Scheduler:
                 or name in self.holders
                 or name in self.waiters
                 or name in self.suspended
+                or self.start_retries.get(name)  # its last start failed: not yet again
             ):
                 continue
             if self.refill_paused and spec.kind is UnitKind.BACKGROUND:
@@ -1405,6 +1457,7 @@ class Scheduler:
             and name not in self.finished
             and name not in self.failed
             and name not in self.suspended  # it runs (frozen): resumed, never started
+            and not self.start_retries.get(name)  # its last start failed: not yet again
         ]
         # Placing only takes capacity away, and a later unit is no more urgent (no fewer
         # places kept from it): one that asks no less than a unit that did not fit, of the
@@ -1635,6 +1688,7 @@ class Scheduler:
             return False
         del self.specs[name]
         self.out_since.pop(name, None)
+        self.start_retries.pop(name, None)
         self._forget_end(name)
         self.wait_failed.discard(name)
         return True
