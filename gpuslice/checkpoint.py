@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuslice.envsafety import EnvFileChecker
 from gpuslice.sizes import format_size
 from gpuslice.unitfiles import printable
 
@@ -78,6 +79,9 @@ class CheckpointSettings:
     # run the tool as a transient systemd service (systemd-run), outside the controller's
     # sandbox: it needs what the controller is denied (no capabilities, a read-only system)
     via_systemd: bool = False
+    # run it only when root alone can change it (`tool_refusal`): the controller's settings
+    # (tests run stub tools from their temporary directories)
+    root_only: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> CheckpointSettings:
@@ -88,6 +92,7 @@ class CheckpointSettings:
             restore_timeout=config.restore_timeout,
             host_memory_margin=config.suspend_host_memory_margin,
             via_systemd=True,
+            root_only=True,
         )
 
 
@@ -131,14 +136,34 @@ def find_tool(configured: str, *, locations: Sequence[str] = TOOL_LOCATIONS) -> 
     return None
 
 
-def require_tool(configured: str, *, locations: Sequence[str] = TOOL_LOCATIONS) -> str:
-    """`find_tool`, or CheckpointError saying why there is none (the job is then stopped)."""
+def require_tool(
+    configured: str, *, locations: Sequence[str] = TOOL_LOCATIONS, root_only: bool = False
+) -> str:
+    """`find_tool`, or CheckpointError saying why there is none (the job is then stopped), or
+    why it is not run (`check_tool`, with `root_only`)."""
     tool = find_tool(configured, locations=locations)
     if tool is not None:
+        check_tool(tool, root_only)
         return tool
     if configured:
         raise CheckpointError(f"cuda_checkpoint {printable(configured)} is not an executable file")
     raise CheckpointError(f"{TOOL_NAME} is not installed")
+
+
+def check_tool(tool: str, root_only: bool) -> None:
+    """CheckpointError when `root_only` and someone other than root can change the tool.
+    gpuslice runs it as root: a cuda-checkpoint that an admin cloned and built as a user,
+    or put in a directory a group can write, was any such user's way to root at the next
+    suspend or resume."""
+    if not root_only:
+        return
+    refusal = EnvFileChecker().refusal(TOOL_NAME, tool)
+    if refusal is not None:
+        raise CheckpointError(
+            f"{printable(tool)} is not run: gpuslice runs it as root, and someone other than "
+            f"root can change it ({refusal.reason}); give it to root, or set cuda_checkpoint "
+            "to a copy only root can change"
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ class Ladder:
 
     async def _suspend(self, unit: str) -> str:
         s = self.settings()
-        tool = checkpoint.require_tool(s.tool)
+        tool = checkpoint.require_tool(s.tool, root_only=s.root_only)
         self._require_freezer()
         pids, vram = self._cuda_processes(unit)
         moved = [p for p in pids if self.unit_of_pid(p) != unit]
@@ -236,6 +236,7 @@ class Ladder:
             if suspension is None:
                 return "a controller restart: nothing to restore without cuda-checkpoint"
             raise CheckpointError("cuda-checkpoint is not installed any more: cannot restore")
+        checkpoint.check_tool(tool, s.root_only)
         pids = (
             suspension.pids
             if suspension is not None

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import select
+import shutil
 import signal
 import subprocess
 import time
@@ -26,6 +27,7 @@ from gpuslice import checkpoint
 from gpuslice.checkpoint import (
     CheckpointError,
     CheckpointSettings,
+    check_tool,
     find_tool,
     get_state,
     host_memory_available,
@@ -34,6 +36,7 @@ from gpuslice.checkpoint import (
     resume,
     suspend,
 )
+from gpuslice.config import Config
 
 GIB = 1 << 30
 TIMEOUT = 30.0  # ceiling for a line or an exit; a pass never waits this long
@@ -460,6 +463,27 @@ def executable(path: Path) -> Path:
     path.write_text("#!/bin/sh\n")
     path.chmod(0o755)
     return path
+
+
+def test_a_tool_someone_other_than_root_can_change_is_not_run_as_root(tmp_path: Path) -> None:
+    """gpuslice runs cuda-checkpoint as root: one an admin cloned and built as a user, or
+    put where a group can write, gave that user root at the next suspend or resume."""
+    tool = tmp_path / "cuda-checkpoint"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    assert require_tool(str(tool)) == str(tool)  # a stub of the tests' own: not checked
+    with pytest.raises(CheckpointError) as e:
+        require_tool(str(tool), root_only=True)
+    assert e.value.reason == (
+        f"{tool} is not run: gpuslice runs it as root, and someone other than root can "
+        f"change it ({tool} is under /tmp, where users make files or file systems are "
+        "mounted after systemd runs gpuslice's generator at boot); give it to root, or set "
+        "cuda_checkpoint to a copy only root can change"
+    )
+    true = shutil.which("true")
+    assert true is not None and require_tool(true, root_only=True) == true  # root's alone
+    check_tool(str(tool), root_only=False)
+    assert CheckpointSettings.from_config(Config()).root_only  # the controller's settings
 
 
 def test_find_tool_configured(tmp_path: Path) -> None:

@@ -196,6 +196,10 @@ def test_suspend_then_resume(host: Host) -> None:
             lambda h: setattr(h, "settings", dataclasses.replace(h.settings, tool="/nonexistent")),
             "cuda_checkpoint /nonexistent is not an executable file",
         ),
+        (  # the stub is in the test's temporary directory: anyone may make files in /tmp
+            lambda h: setattr(h, "settings", dataclasses.replace(h.settings, root_only=True)),
+            "is not run: gpuslice runs it as root, and someone other than root can change it",
+        ),
     ],
 )
 def test_what_is_checked_before_anything_is_done(

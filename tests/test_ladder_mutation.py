@@ -741,6 +741,18 @@ def test_a_resume_without_the_tool_says_what_it_means(host: Host) -> None:
     )
 
 
+def test_a_resume_runs_no_tool_that_someone_other_than_root_can_change(host: Host) -> None:
+    """Checked at each run, not only at the suspend: the tool may have changed hands since."""
+    pid = host.job()
+    run(host.ladder.suspend(UNIT))
+    host.settings = dataclasses.replace(host.settings, root_only=True)
+    run(host.ladder.resume(UNIT))
+    event, unit, why = host.said()[-1]
+    assert (event, unit) == ("resume_failed", UNIT)
+    assert why.startswith(f"{host.bed.tool} is not run: gpuslice runs it as root"), why
+    assert host.bed.state_of(pid) == "checkpointed"  # nothing was run
+
+
 def test_a_resume_after_a_restart_acts_on_the_unit_s_processes_through_systemd(
     host: Host,
     tmp_path: Path,
