@@ -629,6 +629,7 @@ def test_checkpoint_settings_for_the_checkpoint_module() -> None:
         restore_timeout=9.0,
         host_memory_margin=2 << 30,
         via_systemd=True,
+        root_only=True,
     )
 
 
