@@ -1452,6 +1452,31 @@ def test_a_start_of_ours_moved_back_to_waiting_that_did_not_reach_systemd_waits_
     assert sched.snapshot().preempted == [(L, 90, True)]
 
 
+def test_a_start_that_did_not_reach_systemd_is_saved_as_owed_not_as_sent() -> None:
+    """Kept as started, a restarted controller took it for a start systemd had lost and
+    sent it again at once; kept as a requeue, its end was taken for a requeue's. It is
+    preempted again, after the units preempted before it."""
+    sched = _low_requeued()
+    before = sched.save().seq
+    sched.start_failed(L, NO_REPLY)
+    saved = sched.save()
+    assert saved.started == [] and L not in sched.requeued
+    assert saved.preempted[L] > before
+
+
+def test_a_forgotten_instance_leaves_no_start_to_retry() -> None:
+    """An instance is forgotten once nothing is owed to it: a delay kept for it was a
+    record that outlived it, one per name."""
+    job = spec("t@1", 50, requeue=False)  # on-demand: owed no comeback once out
+    sched = Scheduler([0], {job.name: job})
+    sched.load(SavedState(holders={job.name: ((0,), "starting", 1, "")}, seq=1, started=[job.name]))
+    assert brief(sched.start_lost(job.name)) == [f"start {job.name}"]
+    sched.start_failed(job.name, NO_REPLY)
+    assert job.name in sched.start_retries
+    assert sched.forget_instance(job.name)
+    assert sched.start_retries == {}
+
+
 def test_a_restarted_controller_does_not_wait_for_the_last_ones_delay() -> None:
     sched = _low_requeued()
     sched.start_failed(L, NO_REPLY)
