@@ -1464,6 +1464,24 @@ def test_a_start_that_did_not_reach_systemd_is_saved_as_owed_not_as_sent() -> No
     assert saved.preempted[L] > before
 
 
+def test_after_a_start_that_did_not_reach_systemd_a_persons_start_is_theirs() -> None:
+    """Nothing of the start that failed stays on the unit: a person's start of it whose
+    annotation goes while it waits is let through, not stopped as a withdrawn start of
+    ours; one that fails at its gate failed, it was no requeue whose wait failed."""
+    sched = _low_requeued()
+    sched.start_failed(L, NO_REPLY)
+    assert brief(sched.request(VOICE)) == [f"grant {VO} 0"]
+    sched.request(LOW)  # someone starts it by hand: it waits behind voice
+    assert "stop" not in " ".join(brief(sched.set_specs({VO: VOICE})))
+    at_gate = Scheduler([0], {L: LOW, VO: VOICE}, requeue_at_gate=True)
+    at_gate.request(LOW)
+    at_gate.request(VOICE)
+    assert brief(at_gate.inactive(L, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {L}"]
+    at_gate.start_failed(L, NO_REPLY)  # its requeue to wait at the gate
+    at_gate.announce(LOW)
+    assert _codes(at_gate.inactive(L, Outcome.FAILED)) == ["cancelled", "failed"]
+
+
 def test_a_forgotten_instance_leaves_no_start_to_retry() -> None:
     """An instance is forgotten once nothing is owed to it: a delay kept for it was a
     record that outlived it, one per name."""
