@@ -286,6 +286,7 @@ async def _systemctl_stop(units: Sequence[str]) -> str:
         _close_pipes(proc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(proc.wait(), REAP_TIMEOUT)
+        _close_transport(proc)
         if isinstance(e, TimeoutError):
             return f"was not down {SERVICE_STOP_WAIT:g} s after a stop"
         raise
@@ -360,6 +361,7 @@ async def _call(tool: str, args: Sequence[str], timeout: float, via_systemd: boo
             gone = stopped
         except TimeoutError:
             gone = f", and it had not exited {REAP_TIMEOUT:g} s after SIGKILL{stopped}"
+        _close_transport(proc)
         if isinstance(e, TimeoutError):
             raise _ToolFailed(
                 f"{TOOL_NAME} did not return within {timeout:g} s and was killed{gone}",
@@ -384,7 +386,21 @@ def _close_pipes(proc: asyncio.subprocess.Process) -> None:
     ends: asyncio's wait() waits for the pipes too, so the reap waited REAP_TIMEOUT and
     said the run "had not exited" when it had, and the pipes and transport stayed open as
     long as the controller ran (tests saw them closed with their loop: ResourceWarning).
-    The transport's own close(); asyncio's Process has no public one."""
+    The pipes alone: the transport's close() polls the process too, and one already dead
+    was reaped there, behind asyncio's child watcher, which then logged a warning and took
+    255 for its exit status (`_close_transport` follows the reap)."""
+    transport = getattr(proc, "_transport", None)
+    if transport is None:
+        return
+    for fd in (0, 1, 2):
+        pipe = transport.get_pipe_transport(fd)
+        if pipe is not None:
+            pipe.close()
+
+
+def _close_transport(proc: asyncio.subprocess.Process) -> None:
+    """After the reap (or giving up on it): the transport itself, which asyncio's Process
+    does not close (else a ResourceWarning when it is collected)."""
     transport = getattr(proc, "_transport", None)
     if transport is not None:
         transport.close()

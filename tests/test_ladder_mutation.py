@@ -293,6 +293,36 @@ def test_kill_group_of_a_run_already_reaped_does_nothing() -> None:
     run(scenario())
 
 
+def test_a_killed_runs_pipes_close_without_reaping_it_behind_asyncio() -> None:
+    """The transport's close() polls the process: one already dead was reaped there, behind
+    asyncio's child watcher, which logged "Unknown child process pid N" into the journal and
+    took 255 for its exit status (a loaded machine let the poll come first). Only the pipes
+    close before the reap; the transport after it."""
+
+    async def scenario() -> None:
+        proc = await asyncio.create_subprocess_exec(
+            "sleep", "60", stdout=asyncio.subprocess.PIPE, start_new_session=True
+        )
+        popen = proc._transport._proc  # type: ignore[attr-defined]
+        poll = popen.poll
+        polled: list[int | None] = []
+
+        def recorded() -> int | None:
+            polled.append(poll())
+            return polled[-1]
+
+        popen.poll = recorded
+        checkpoint._kill_group(proc)
+        checkpoint._close_pipes(proc)
+        assert polled == []
+        assert proc._transport.get_pipe_transport(1).is_closing()  # type: ignore[attr-defined]
+        assert await asyncio.wait_for(proc.wait(), TIMEOUT) == -signal.SIGKILL
+        checkpoint._close_transport(proc)
+        assert proc._transport.is_closing()  # type: ignore[attr-defined]
+
+    run(scenario())
+
+
 def test_pid_exists_sends_no_signal() -> None:
     """Signal 0 only asks: whatever else it sent would reach the job's process."""
     proc = subprocess.Popen(["sleep", "60"])
