@@ -20,18 +20,36 @@ symlinks, a FIFO, a path longer than systemd takes) is refused too, with the rea
 
 Paths are system paths, looked up under the scan's root (tests use a temporary directory, as
 `unitfiles.UnitIndex` does). Only lstat(2), readlink(2) and getxattr(2) are used: nothing is
-opened, so a FIFO cannot block. Results are cached for the checker's life (one scan): 10,000
-units that share one file cost one walk. Pure stdlib + `unitfiles`; `check` never raises.
+opened (but /proc/self/mountinfo), so a FIFO cannot block. Results are cached for the
+checker's life (one scan): 10,000 units that share one file cost one walk. Pure stdlib +
+`unitfiles`; `check` never raises.
+
+A file system elsewhere (NFS at /srv/nfs, /mnt, /data) may not answer either, and a hung
+lstat would hang the generator (systemd kills it: no unit gated, as it plans every unit
+before writing any drop-in) or a controller's scan (no later annotation change taken in).
+So each system call of the walk on a file system mounted under the root (/proc/self/
+mountinfo, polled: a mount made during the scan is seen) runs on a daemon thread and is
+waited for at most `DEADLINE` seconds: one that does not answer refuses its path, and every
+later path under the same mount point is refused without asking: a hung mount costs one
+deadline per scan, however many units name files on it. The thread stuck in the kernel is
+left there; a daemon, it never holds up the process's exit. Calls on the root's own file
+system (/etc: most environment files) are made directly, as the unit files are read from it
+without a deadline: were it not to answer, the scan would hang on those first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import re
+import select
 import stat
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from gpuslice.safefile import file_kind
 from gpuslice.unitfiles import Entry, is_instance, is_template, printable
@@ -69,6 +87,11 @@ _BY_INSTANCE = "nNiI"  # in a template, these depend on the instance, chosen at 
 _WILDCARDS = "*?[\\"  # systemd globs EnvironmentFile= (glob(3) without flags: \ escapes)
 _ACL = "system.posix_acl_access"
 _NO_ACL = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
+# seconds one lstat, readlink or getxattr of the walk may take: a local one takes
+# microseconds, a network file system whose server is gone never answers
+DEADLINE = 2.0
+MOUNTINFO = "/proc/self/mountinfo"  # which file system a path is on
+_MOUNTINFO_MANGLED = re.compile(rb"\\([0-7]{3})")  # the kernel writes " \t\n\\" as \ooo
 
 
 class EnvFile(NamedTuple):
@@ -111,6 +134,7 @@ class RunAs:
 FIX_OWNERS = "until only root can change that file and its directories"
 FIX_PATH = "until it names, by an absolute path, a file only root can change"
 FIX_TREE = "until it names a file elsewhere, that only root can change"
+FIX_ANSWER = "until that file system answers at a later scan (systemctl daemon-reload)"
 
 
 class Refusal(NamedTuple):
@@ -219,6 +243,126 @@ def _user_tree(path: str) -> str | None:
     return None
 
 
+class _Unanswered(NamedTuple):
+    """A system call that did not answer within `DEADLINE`, or one not made because an
+    earlier one did: `where` is the mount point of that one's file system (its own path when
+    the mount table cannot be read), under which nothing more is asked."""
+
+    where: str
+
+
+class _Worker:
+    """A daemon thread that makes one call at a time, handed over through two locks (a
+    call costs two thread switches, not a thread)."""
+
+    def __init__(self) -> None:
+        self.go = threading.Lock()
+        self.go.acquire()
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.call: tuple[Callable[[str], Any], str] | None = None
+        self.answer: Any = None
+        self.stopped = False
+        threading.Thread(target=self._run, name="gpuslice-envsafety", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.go.acquire()
+            if self.stopped or self.call is None:
+                return
+            fn, arg = self.call
+            try:
+                self.answer = fn(arg)
+            except BaseException as e:  # handed to the caller's thread
+                e.__traceback__ = None  # frames of this thread: nothing to keep
+                self.answer = e
+            self.call = None
+            self.done.release()
+
+    def stop(self) -> None:
+        """Ends the thread once it is free: now when idle, else when its call returns."""
+        if not self.stopped:
+            self.stopped = True
+            # a call handed over, not yet taken (go not held): the thread sees `stopped`
+            with contextlib.suppress(RuntimeError):
+                self.go.release()
+
+
+class _Caller:
+    """Calls made on a `_Worker`, each waited for at most `DEADLINE` s. A worker whose call
+    did not answer is stopped (it ends when the kernel lets it go) and the next call gets a
+    new one."""
+
+    def __init__(self) -> None:
+        self._worker: _Worker | None = None
+
+    def call(self, fn: Callable[[str], T], arg: str) -> T | None:
+        """fn(arg) (never None here), or None when it did not answer; an exception of fn's
+        is raised here."""
+        worker = self._worker
+        if worker is None:
+            worker = self._worker = _Worker()
+        worker.call = (fn, arg)
+        worker.go.release()
+        if not worker.done.acquire(timeout=DEADLINE):
+            worker.stop()
+            self._worker = None
+            return None
+        answer: T | BaseException = worker.answer
+        worker.answer = None
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
+
+
+class _MountTable:
+    """The mount points under a root (system paths, the root's own left out), read through
+    `caller` at the first use; None when the table cannot be read. The file stays open and
+    is polled before each use: the kernel flags it at each mount and unmount, and it is read
+    again."""
+
+    def __init__(self, caller: _Caller, root: str) -> None:
+        self._caller = caller
+        self._root = root
+        self._fd: int | None = None
+        self._poll: select.poll | None = None
+        self._points: set[str] | None = None
+
+    def points(self) -> set[str] | None:
+        if self._poll is None:
+            self._poll = select.poll()
+            try:
+                self._fd = os.open(MOUNTINFO, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+            self._poll.register(self._fd, select.POLLPRI)
+            self._points = self._read()
+        elif self._fd is not None and self.changed():
+            self._points = self._read()
+        return self._points
+
+    def _read(self) -> set[str] | None:
+        try:
+            table = self._caller.call(_read_mount_table, MOUNTINFO)
+        except OSError:
+            return None
+        return None if table is None else _mount_points(table, self._root) - {"/"}
+
+    def changed(self) -> bool:
+        """Whether the kernel flagged the table since it was last polled."""
+        return self._poll is not None and bool(self._poll.poll(0))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class EnvFileChecker:
     """Checks EnvironmentFile= paths under `root`, remembering every lstat and verdict."""
 
@@ -232,6 +376,13 @@ class EnvFileChecker:
         # directories found root's alone, by their path without symlinks: a walk to a file in
         # one starts there (10,000 files in one directory: one walk of its parents)
         self._safe_dirs: set[str] = set()
+        # mount points (system paths) of file systems where a call did not answer (`_Unanswered`)
+        self._unanswered: list[str] = []
+        self._caller = _Caller()
+        self._mounts = _MountTable(self._caller, self._root)
+        # the worker thread ends with the checker, and the mount table is closed (neither
+        # holds a reference to it)
+        weakref.finalize(self, _close, self._caller, self._mounts)
 
     def check(self, unit: str, run_as: RunAs) -> list[Finding]:
         """A finding for each of the unit's environment files that someone other than root
@@ -283,26 +434,48 @@ class EnvFileChecker:
         """Where the system path `path` (absolute) is under the root."""
         return self._root + path if path != "/" else self._root or "/"
 
-    def _lstat(self, path: str) -> os.stat_result | OSError:
+    def _lstat(self, path: str) -> os.stat_result | OSError | _Unanswered:
         return self._remembered(self._stats, path, os.lstat)
 
-    def _readlink(self, path: str) -> str | OSError:
+    def _readlink(self, path: str) -> str | OSError | _Unanswered:
         return self._remembered(self._links, path, os.readlink)
 
     def _remembered(
         self, seen: dict[str, T | OSError], path: str, ask: Callable[[str], T]
-    ) -> T | OSError:
+    ) -> T | OSError | _Unanswered:
         """`ask` of the system path `path`, or its OSError, asked once per scan. Never a
         ValueError: `refusal` lets no NUL or unencodable path through, and a symlink's
         target (read as bytes, decoded as the file system's) has neither."""
         found = seen.get(path)
         if found is None:
-            try:
-                found = ask(self._real(path))
-            except OSError as e:
-                found = _kept(e)
-            seen[path] = found
+            answer = self._ask(ask, path)
+            if isinstance(answer, _Unanswered):
+                return answer  # not kept: its file system is, in `_unanswered`
+            found = seen[path] = answer
         return found
+
+    def _ask(self, ask: Callable[[str], T], path: str) -> T | OSError | _Unanswered:
+        """`ask` of the system path `path`: on the root's file system directly, else on the
+        worker, waited for at most `DEADLINE`; not asked when an earlier call under the same
+        mount point did not answer."""
+        for where in self._unanswered:
+            if path == where or path.startswith(where + "/"):
+                return _Unanswered(where)
+        points = self._mounts.points()
+        mount = None if points is None else _mount_of(path, points)
+        try:
+            if points is not None and mount is None:
+                return ask(self._real(path))
+            answer = self._caller.call(ask, self._real(path))
+        except OSError as e:
+            return _kept(e)
+        if answer is None:
+            # every later path under its mount point refused unasked; under `path` only
+            # when the table cannot be read
+            where = mount or path
+            self._unanswered.append(where)
+            return _Unanswered(where)
+        return answer
 
     def _walk(self, path: str) -> Refusal | None:
         shown = printable(path)
@@ -313,6 +486,8 @@ class EnvFileChecker:
         if tree is not None:
             return _in_user_tree(shown, tree, "")
         root = self._lstat("/")
+        if isinstance(root, _Unanswered):
+            return _no_answer(shown, root)
         if isinstance(root, OSError):
             return Refusal(f"{shown} cannot be checked: /: {_strerror(root)}", FIX_PATH)
         refusal = self._component(shown, "/", root, "", False)
@@ -346,6 +521,8 @@ class EnvFileChecker:
             if here in USER_TREES:
                 return _in_user_tree(shown, here, here)
             st = self._lstat(here)
+            if isinstance(st, _Unanswered):
+                return _no_answer(shown, st)
             if isinstance(st, OSError):
                 if st.errno in (errno.ENOENT, errno.ENOTDIR):
                     # only root can make it (`current` is root's alone)
@@ -363,6 +540,8 @@ class EnvFileChecker:
                         FIX_PATH,
                     )
                 target = self._readlink(here)
+                if isinstance(target, _Unanswered):
+                    return _no_answer(shown, target)
                 if isinstance(target, OSError):
                     return Refusal(
                         f"{shown} cannot be checked: the symlink {printable(here)} cannot "
@@ -383,7 +562,9 @@ class EnvFileChecker:
             if stat.S_ISDIR(st.st_mode):
                 self._safe_dirs.add(here)  # no symlink in it, each directory above checked
             current = here
-        st = self._lstat(current or "/")
+        st = self._lstat(current or "/")  # walked: remembered, not asked again
+        if isinstance(st, _Unanswered):
+            return _no_answer(shown, st)
         if isinstance(st, os.stat_result) and not stat.S_ISREG(st.st_mode):
             kind = file_kind(st.st_mode) or "not a regular file"
             return Refusal(
@@ -406,20 +587,60 @@ class EnvFileChecker:
                 what = f"is writable by anyone (mode {stat.S_IMODE(mode):04o})"
         elif mode & stat.S_IWGRP and st.st_gid != 0:
             what = f"is writable by group GID {st.st_gid} (mode {stat.S_IMODE(mode):04o})"
-        elif mode & stat.S_IWGRP and self._has_acl(here):
+        elif mode & stat.S_IWGRP and (acl := self._has_acl(here)):
+            if isinstance(acl, _Unanswered):
+                return _no_answer(shown, acl)
             what = "is group-writable with an access ACL, which may let others write it"
         else:
             return None
         return Refusal(f"{_subject(shown, here, via, last)} {what}", FIX_OWNERS)
 
-    def _has_acl(self, here: str) -> bool:
+    def _has_acl(self, here: str) -> bool | _Unanswered:
         """Whether `here` has an access ACL (or cannot be asked): its group bits are then the
         ACL's mask, and named users or groups may write."""
-        try:
-            os.getxattr(self._real(here), _ACL, follow_symlinks=False)
-        except OSError as e:
-            return e.errno not in _NO_ACL
-        return True
+        answer = self._ask(_access_acl, here)
+        if isinstance(answer, OSError):
+            return answer.errno not in _NO_ACL
+        return answer if isinstance(answer, _Unanswered) else True
+
+
+def _close(caller: _Caller, mounts: _MountTable) -> None:
+    caller.close()
+    mounts.close()
+
+
+def _mount_of(path: str, points: set[str]) -> str | None:
+    """The deepest of `points` that is `path` or a directory above it, or None."""
+    while path != "/":
+        if path in points:
+            return path
+        path = path[: path.rfind("/")] or "/"
+    return None
+
+
+def _access_acl(path: str) -> bytes:
+    return os.getxattr(path, _ACL, follow_symlinks=False)
+
+
+def _read_mount_table(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _mount_points(table: bytes, root: str) -> set[str]:
+    """The mount points in `table` (/proc/self/mountinfo: the fifth field of each line,
+    with the kernel's \\ooo escapes undone) at or under `root` ("" for /), as system paths."""
+    found: set[str] = set()
+    for line in table.split(b"\n"):
+        fields = line.split(b" ", 5)
+        if len(fields) < 6:
+            continue
+        point = os.fsdecode(
+            _MOUNTINFO_MANGLED.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), fields[4])
+        )
+        if point == root or point.startswith(root + "/"):
+            found.add(point[len(root) :] or "/")
+    return found
 
 
 def _subject(shown: str, here: str, via: str, last: bool) -> str:
@@ -442,6 +663,14 @@ def _kept(e: OSError) -> OSError:
 
 def _strerror(e: OSError) -> str:
     return printable(e.strerror or str(e), 200)
+
+
+def _no_answer(shown: str, unanswered: _Unanswered) -> Refusal:
+    return Refusal(
+        f"{shown} cannot be checked: {printable(unanswered.where)} did not answer within "
+        f"{DEADLINE:g} s (a network file system not answering?)",
+        FIX_ANSWER,
+    )
 
 
 def _in_user_tree(shown: str, tree: str, here: str) -> Refusal:

@@ -8,11 +8,18 @@ os.chown (the tests run as root), and pairs what is refused with what is not.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import stat
 import struct
+import subprocess
+import sys
+import threading
+import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -21,6 +28,8 @@ from gpuslice.annotations import Problem, load_spec, scan
 from gpuslice.envsafety import FIX_OWNERS, FIX_PATH, FIX_TREE, EnvFileChecker, Refusal, RunAs
 from gpuslice.unitfiles import Entry
 from tests.test_unitfiles import link  # a symlink at a system path under the root
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 
@@ -773,3 +782,279 @@ def test_run_as_collects_as_systemd_reads() -> None:
         run_as.assign("/f", Entry("Service", key, value, 1))
     assert run_as.env_files == [envsafety.EnvFile("/f", 1, "-/b")]
     assert not run_as.other_user()
+
+
+# ---------------------------------------------------------------------------------------------
+# a file system that does not answer
+
+NFS = "/srv/nfs"  # the mount point of a network file system whose server is gone
+MISSING = "no such file: the mount table cannot be read"
+
+
+class Hang:
+    """A file system that does not answer: each lstat, readlink and getxattr of a path at or
+    under `at` (system paths under the root) blocks until `release`, as a call to an NFS
+    server that is gone does (for at most CAP s: a checker that waits for it fails its test,
+    it does not hang the run). The mount table says what `mounts` lists (system paths, or
+    MISSING)."""
+
+    CAP = 10.0
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch, mountinfo: Path) -> None:
+        self.root = root
+        self.at: tuple[str, ...] = ()
+        self.calls: tuple[str, ...] = ("lstat", "readlink", "getxattr")
+        self.blocked: list[str] = []  # system paths of the calls that blocked
+        self.threads: list[threading.Thread] = []
+        self._released = threading.Event()
+        self._mountinfo = mountinfo
+        # a healthy call answers well within it, on a loaded machine too (no flaky refusal)
+        monkeypatch.setattr(envsafety, "DEADLINE", 1.0)
+        monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
+        for name in ("lstat", "readlink", "getxattr"):
+            monkeypatch.setattr(os, name, self._fake(name, getattr(os, name)))
+
+    def mounts(self, *points: str) -> None:
+        """A mount table (/proc/self/mountinfo) with the host's / and `points` under the root
+        (each a network file system)."""
+        if points == (MISSING,):
+            return
+        lines = ["22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw"]
+        for i, point in enumerate(points):
+            escaped = str(self.root / point.lstrip("/")).replace(" ", "\\040")
+            lines.append(f"{40 + i} 22 0:{50 + i} / {escaped} rw shared:9 - nfs4 nas:/x rw")
+        self._mountinfo.write_text("\n".join(lines) + "\n")
+
+    def _fake(self, name: str, real: Callable[..., T]) -> Callable[..., T]:
+        def call(path: str | os.PathLike[str], *args: object, **kwargs: object) -> T:
+            system = os.fspath(path).removeprefix(str(self.root)) or "/"
+            if name in self.calls and any(
+                system == at or system.startswith(at + "/") for at in self.at
+            ):
+                self.blocked.append(system)
+                self.threads.append(threading.current_thread())
+                self._released.wait(self.CAP)
+            return real(path, *args, **kwargs)
+
+        return call
+
+    def release(self) -> None:
+        """Lets every blocked call answer; each thread that made one then ends."""
+        self._released.set()
+        for thread in set(self.threads) - {threading.current_thread()}:
+            thread.join(5)
+            assert not thread.is_alive(), thread
+
+
+@pytest.fixture
+def hang(
+    root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Hang]:
+    hanging = Hang(root, monkeypatch, tmp_path_factory.mktemp("proc") / "mountinfo")
+    yield hanging
+    hanging.release()
+
+
+def no_answer(path: str, where: str) -> str:
+    return (
+        f"{path} cannot be checked: {where} did not answer within 1 s (a network file system "
+        f"not answering?); {GATE}"
+    )
+
+
+@pytest.mark.parametrize("mount_point_answers", [True, False])
+def test_a_file_system_that_does_not_answer_costs_one_deadline_per_scan(
+    root: Path, hang: Hang, mount_point_answers: bool
+) -> None:
+    """An lstat on an NFS mount whose server is gone never returns: the walk made it on the
+    scan's own thread, so the generator hung until systemd killed it (it plans every unit
+    before writing any drop-in: no unit gated, every GPU job then ran ungated) and a
+    controller's scan hung for good (no later annotation change taken in). Each call now
+    waits at most DEADLINE; the one that does not answer refuses its unit, and every later
+    path on that file system (under its mount point) is refused without asking: 300 units
+    there cost one deadline, not 300. The units elsewhere, beside the mount point included,
+    are checked as before."""
+    put(root, "/etc/asr/ok.env")
+    put(root, "/srv/local/ok.env")
+    put(root, "/srv/local/theirs.env", uid=ASR)
+    for d in range(3):
+        (root / f"srv/nfs/d{d}").mkdir(parents=True)
+        for i in range(100):
+            install(root, f"n{d}-{i}.service", "User=asr", f"EnvironmentFile={NFS}/d{d}/{i}.env")
+    install(root, "ok.service", "User=asr", "EnvironmentFile=/etc/asr/ok.env")
+    install(root, "local.service", "User=asr", "EnvironmentFile=/srv/local/ok.env")
+    install(root, "theirs.service", "User=asr", "EnvironmentFile=/srv/local/theirs.env")
+    hang.mounts(NFS)
+    # the mount point's attributes cached, or not: the calls below it hang, or it does too
+    hang.at = tuple(f"{NFS}/d{d}" for d in range(3)) if mount_point_answers else (NFS,)
+    start = time.monotonic()
+    result = scan(root)
+    elapsed = time.monotonic() - start
+    assert len(hang.blocked) == 1 and elapsed < 5, (hang.blocked, elapsed)
+    assert sorted(result.specs) == ["local.service", "ok.service"]
+    errors = [p for p in result.problems if p.severity == "error"]
+    assert len(errors) == 301
+    by_unit = {p.unit: p.message for p in errors}
+    for d in range(3):
+        for i in range(100):
+            assert by_unit[f"n{d}-{i}.service"] == (
+                no_answer(f"{NFS}/d{d}/{i}.env", NFS) + f" n{d}-{i}.service until that file "
+                "system answers at a later scan (systemctl daemon-reload)"
+            )
+    assert "is owned by UID 1000" in by_unit["theirs.service"]
+    # the scan's own worker thread ended with it (the one stuck in the kernel ends when let
+    # go); those of checkers that earlier tests left in reference cycles are collected first
+    gc.collect()
+    for thread in threading.enumerate():
+        if thread.name == "gpuslice-envsafety" and thread not in hang.threads:
+            thread.join(5)
+            assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("call", ["readlink", "getxattr"])
+def test_a_readlink_or_getxattr_that_does_not_answer(root: Path, hang: Hang, call: str) -> None:
+    """readlink (of a symlink there) and getxattr (of a file of root's group-writable by GID 0,
+    whose access ACL is asked for) wait at most DEADLINE too."""
+    put(root, "/etc/asr/ok.env")
+    (root / "srv/nfs").mkdir(parents=True)
+    put(root, f"{NFS}/group.env", mode=0o664)
+    link(root, f"{NFS}/link.env", "/etc/asr/ok.env")
+    hang.mounts(NFS)
+    hang.calls = (call,)
+    hang.at = (NFS,)
+    checker = EnvFileChecker(root)
+    path = f"{NFS}/link.env" if call == "readlink" else f"{NFS}/group.env"
+    refusal = checker.refusal("x.service", path)
+    assert refusal is not None and refusal.reason == no_answer(path, NFS).split(";")[0]
+    assert refusal.fix == envsafety.FIX_ANSWER
+    assert len(hang.blocked) == 1
+    # refused without asking, whatever is asked next there; asked as ever elsewhere
+    other = f"{NFS}/group.env" if call == "readlink" else f"{NFS}/link.env"
+    assert checker.refusal("x.service", other) == Refusal(
+        no_answer(other, NFS).split(";")[0], envsafety.FIX_ANSWER
+    )
+    assert checker.refusal("x.service", "/etc/asr/ok.env") is None
+    assert len(hang.blocked) == 1
+
+
+def test_without_the_mount_table_only_what_is_under_the_call_is_refused_unasked(
+    root: Path, hang: Hang
+) -> None:
+    """Where the mount table cannot be read, every call is made on the worker, and one that
+    does not answer refuses what is under its own path without asking again, nothing else."""
+    put(root, "/etc/asr/ok.env")
+    for d in ("a", "b"):
+        (root / f"srv/nfs/{d}").mkdir(parents=True)
+    hang.mounts(MISSING)
+    hang.at = (f"{NFS}/a", f"{NFS}/b")
+    checker = EnvFileChecker(root)
+    for i in range(20):
+        for d in ("a", "b"):
+            path = f"{NFS}/{d}/{i}.env"
+            assert checker.refusal("x.service", path) == Refusal(
+                no_answer(path, f"{NFS}/{d}").split(";")[0], envsafety.FIX_ANSWER
+            )
+    assert hang.blocked == [f"{NFS}/a", f"{NFS}/b"]
+    assert checker.refusal("x.service", "/etc/asr/ok.env") is None
+
+
+def test_calls_on_the_roots_file_system_are_made_directly_others_on_the_worker(
+    root: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unit files are read from the root's own file system without a deadline: a call
+    there is made on the scan's thread (a call on the worker costs two thread switches,
+    ~20-60 us: 10,000 files in /etc would cost ~0.5 s more). One under a mount point is made
+    on the worker, and a mount made during the scan (the kernel flags the table) is seen
+    before the next call."""
+    put(root, "/etc/asr/a.env")
+    put(root, "/etc/asr/b.env")
+    put(root, "/srv/nfs/a.env")
+    (root / "etc/nas").mkdir()
+    put(root, "/etc/nas/b.env")
+    hang.mounts(NFS)
+    threads: dict[str, str] = {}
+    real_lstat = os.lstat
+
+    def lstat(path: str, *args: object, **kwargs: object) -> os.stat_result:
+        threads[os.fspath(path).removeprefix(str(root)) or "/"] = threading.current_thread().name
+        return real_lstat(path)
+
+    checker = EnvFileChecker(root)
+    monkeypatch.setattr(os, "lstat", lstat)
+    for path in ("/etc/asr/a.env", f"{NFS}/a.env"):
+        assert checker.refusal("x.service", path) is None
+    assert threads == {
+        "/": "MainThread",
+        "/etc": "MainThread",
+        "/etc/asr": "MainThread",
+        "/etc/asr/a.env": "MainThread",
+        "/srv": "MainThread",
+        NFS: "gpuslice-envsafety",
+        f"{NFS}/a.env": "gpuslice-envsafety",
+    }
+    # /etc/nas mounted now: the table is read again
+    hang.mounts(NFS, "/etc/nas")
+    monkeypatch.setattr(envsafety._MountTable, "changed", lambda self: True)
+    for path in ("/etc/asr/b.env", "/etc/nas/b.env"):
+        assert checker.refusal("x.service", path) is None
+    assert threads["/etc/asr/b.env"] == "MainThread"
+    assert threads["/etc/nas"] == threads["/etc/nas/b.env"] == "gpuslice-envsafety"
+
+
+def test_the_mount_table_as_the_kernel_writes_it() -> None:
+    """/proc/self/mountinfo: the mount point is the fifth field, with space, tab, newline and
+    backslash written as \\ooo; only those at or under the root are kept, as system paths."""
+    table = (
+        b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        b"40 22 0:50 / /r/srv/nfs\\040data rw shared:9 - nfs4 nas:/x rw\n"
+        b"41 22 0:51 / /r/a\\134b\\011c\\012d rw - nfs nas:/y rw\n"
+        b"42 22 0:52 / /r rw - tmpfs tmpfs rw\n"
+        b"43 22 0:53 / /rx rw - tmpfs tmpfs rw\n"
+        b"44 22 0:54 / /r/\\377 rw - tmpfs tmpfs rw\n"
+        b"short line\n"
+    )
+    assert envsafety._mount_points(table, "/r") == {
+        "/",
+        "/srv/nfs data",
+        "/a\\b\tc\nd",
+        os.fsdecode(b"/\xff"),
+    }
+    assert "/rx" in envsafety._mount_points(table, "")
+
+
+def test_a_call_that_does_not_answer_never_holds_up_the_exit(
+    root: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The thread stuck in the kernel is a daemon: the generator (or the controller) that
+    gave up on it still exits."""
+    script = (
+        "import os, sys, threading\n"
+        "from gpuslice import envsafety\n"
+        "envsafety.MOUNTINFO = sys.argv[2]\n"
+        "real = os.lstat\n"
+        "def lstat(path, *a, **k):\n"
+        "    if os.fspath(path).endswith('/srv/nfs'):\n"
+        "        threading.Event().wait()\n"
+        "    return real(path, *a, **k)\n"
+        "os.lstat = lstat\n"
+        "envsafety.DEADLINE = 1.0\n"
+        "checker = envsafety.EnvFileChecker(sys.argv[1])\n"
+        "print(checker.refusal('x.service', '/srv/nfs/x.env').reason)\n"
+    )
+    (root / "srv/nfs").mkdir(parents=True)
+    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
+    mountinfo.write_text(
+        f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n40 22 0:50 / {root}/srv/nfs rw - nfs4 nas:/x rw\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(root), str(mountinfo)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == (
+        "/srv/nfs/x.env cannot be checked: /srv/nfs did not answer within 1 s "
+        "(a network file system not answering?)\n"
+    )

@@ -12,6 +12,7 @@ from gpuslice import generator
 from gpuslice.annotations import Loader
 from gpuslice.config import SETTINGS_BY_NAME
 from gpuslice.paths import DEFAULT_LIBEXEC_DIR, find_libexec_dir
+from tests.test_envsafety import Hang
 
 ETC = "/etc/systemd/system"
 LIB = "/usr/lib/systemd/system"
@@ -336,6 +337,54 @@ def test_thousand_units(tmp_path: Path) -> None:
     elapsed = time.perf_counter() - start
     assert len(written(out)) == 1000
     assert elapsed < 10  # measured ~0.1 s; this only catches something quadratic
+
+
+def test_a_file_system_that_does_not_answer_leaves_every_other_unit_gated(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An EnvironmentFile= on an NFS mount whose server is gone: the generator's lstat there
+    never returned, systemd killed it at its timeout, and as it plans every unit before
+    writing any drop-in, no unit was gated (every GPU job then ran ungated, several on one
+    GPU). Now the mount costs one deadline: its 500 units are refused (not managed, said on
+    stderr) and the 501 others are gated."""
+    tmp_path.chmod(0o755)
+    write(tmp_path, "/etc/asr/ok.env", "A=1\n")
+    (tmp_path / "srv/nfs/jobs").mkdir(parents=True)
+    for i in range(500):
+        env = f"EnvironmentFile=/srv/nfs/jobs/{i}.env"
+        write(tmp_path, f"{ETC}/n{i}.service", f"[Service]\nUser=asr\n{env}\n{ANNOTATION}")
+        write(tmp_path, f"{ETC}/p{i}.service", f"[Service]\nUser=asr\n{ANNOTATION}")
+    write(
+        tmp_path,
+        f"{ETC}/ok.service",
+        f"[Service]\nUser=asr\nEnvironmentFile=/etc/asr/ok.env\n{ANNOTATION}",
+    )
+    hang = Hang(tmp_path, monkeypatch, tmp_path_factory.mktemp("proc") / "mountinfo")
+    hang.mounts("/srv/nfs")
+    hang.at = ("/srv/nfs",)
+    try:
+        start = time.monotonic()
+        out = run(tmp_path)
+        elapsed = time.monotonic() - start
+    finally:
+        hang.release()
+    assert len(hang.blocked) == 1 and elapsed < 10, (hang.blocked, elapsed)
+    assert sorted(written(out)) == sorted(
+        [f"p{i}.service.d/gpuslice-gate.conf" for i in range(500)]
+        + ["ok.service.d/gpuslice-gate.conf"]
+    )
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 500
+    assert err[0] == (
+        f"gpuslice-generator: error: {ETC}/n0.service:3: [Service] EnvironmentFile: "
+        "/srv/nfs/jobs/0.env cannot be checked: /srv/nfs did not answer within 1 s (a "
+        "network file system not answering?); gpuslice's gate runs as root with this unit's "
+        "environment, so gpuslice does not manage n0.service until that file system answers "
+        "at a later scan (systemctl daemon-reload) (unit not managed)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
