@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
+from gpuslice import cli as cli_module
 from gpuslice.annotations import Problem, Scan
 from gpuslice.cli import main
 from gpuslice.core.model import Gpu, UnitSpec
@@ -347,3 +349,21 @@ def test_release_gates_wakes_them_wherever_the_controller_may_have_made_them(
     result = CliRunner().invoke(main, ["release-gates", "--config", str(tmp_path / "config.yaml")])
     assert result.exit_code == 0, result.output
     assert woken == released
+
+
+def test_metrics_without_an_answer_prints_only_up_0_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """README, "Metrics": when the controller does not answer, `gpuslice metrics` prints only
+    `gpuslice_up 0` and exits 1 (a textfile collector's cron job sees the failure; the
+    stale file is not taken for a healthy scrape)."""
+
+    async def away(address: str | None) -> str:
+        raise click.ClickException("the name org.gpuslice.Scheduler1 has no owner")
+
+    monkeypatch.setattr(cli_module, "_call_status", away)
+    result = CliRunner().invoke(main, ["metrics"])
+    assert result.exit_code == 1, result.output
+    samples = [line for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert samples == ["gpuslice_up 0.0"]
+    assert "gpuslice metrics: no status from the controller: " in result.stderr

@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import types
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any, cast
 import pytest
 
 from gpuslice import controller as controller_module
+from gpuslice import gpuwatch as gpuwatch_module
 from gpuslice import rereads as rereads_module
 from gpuslice import state as state_module
 from gpuslice.annotations import scan
@@ -2448,6 +2450,44 @@ def test_a_grant_reaches_its_gate_before_its_journal_line_is_written(
     asyncio.run(test())
 
 
+def test_a_decision_the_journal_cannot_take_is_a_plain_line_and_log_level_applies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """README, "A unit's own journal": if journald cannot take an entry at all (no socket,
+    the backlog full) the decision is logged as a plain line in `journalctl -u gpuslice`,
+    not lost; and the controller's `log_level` applies to the entries too (an info
+    decision under `log_level: warning` is neither an entry nor a line)."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "b.service": "Priority=50\n"}, [])
+    taken: list[bool] = []
+    entries: list[str] = []
+
+    class Refusing:
+        def send(self, fields: list[tuple[str, str]]) -> bool:
+            entries.append(dict(fields)["GPUSLICE_DECISION"])
+            return taken.pop(0)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.journal = cast(Journal, Refusing())
+        caplog.set_level(logging.INFO, "gpuslice")
+        taken.append(False)
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        assert entries == ["grant"]
+        assert [m for m in messages(caplog) if m.startswith("starting a.service")] == [
+            "starting a.service (priority 50) on GPU 0"
+        ]
+        caplog.clear()
+        caplog.set_level(logging.WARNING, "gpuslice")
+        ctl.on_unit_changed("b.service", at_gate())  # told to wait: an info decision
+        await settle()
+        assert ctl.scheduler.is_waiting("b.service")
+        assert entries == ["grant"] and not [m for m in messages(caplog) if "b.service" in m]
+
+    run(test)
+
+
 def test_a_start_at_its_gate_is_granted_through_its_pipe(tmp_path: Path) -> None:
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
 
@@ -2727,6 +2767,38 @@ def test_a_unit_that_cannot_be_suspended_is_stopped_with_the_reason_said(
     run(test)
 
 
+def test_a_stop_after_a_failed_suspend_leaves_after_the_state_that_names_it_is_saved(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """README, "Faults": the state file is replaced before every call that acts on it. A
+    suspend that fails falls to a stop, decided in the ladder's report (a batch of its own,
+    not the loop's pass that saves): the StopUnit must still find the state saved that names
+    low.service stopping for urgent.service. Sent before that save, a controller killed
+    then left its successor the suspend it had given up, not the victim it stopped."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    write_unit(tmp_path, "low.service", "Priority=90\nPreempt=suspend stop\n")
+    stop = bed.systemd.stop_unit
+    at_call: list[tuple[str, str, str]] = []
+
+    def sent(name: str, queued: Queued | None = None) -> Awaitable[str]:
+        saved, _ = StateStore(Path(bed.config.state_dir)).load()
+        _, phase, _, stopping_for = saved.holders[name]
+        at_call.append((name, phase, stopping_for))
+        return stop(name, queued)
+
+    bed.systemd.stop_unit = sent  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.scan = scan(str(tmp_path / "root"))
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        await settle()
+        assert at_call == [("low.service", Phase.STOPPING.value, "urgent.service")]
+
+    run(test)
+
+
 def test_signals_of_one_turn_of_the_loop_are_decided_once(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
@@ -2971,6 +3043,62 @@ def test_a_process_named_in_bytes_that_are_no_utf8_stops_nothing(
         assert (foreign["pid"], foreign["command"]) == (200, "\\xff")
 
     run(test)
+
+
+class HangingForeign(StubNvml):
+    """The two GPUs, with a user's process (PID 200) using 20 GiB of GPU 1; its listing
+    hangs (a driver that stops answering) once `hang` is set, until `release` is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang = threading.Event()
+        self.release = threading.Event()
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        if self.hang.is_set():
+            self.release.wait(10)
+        return [GpuProcess(200, 1, 20 * GIB, compute=True)] if index == 1 else []
+
+
+def test_a_hung_driver_leaves_the_last_sample_in_force(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README, "Faults": NVML runs with a deadline, and a hung driver leaves the last sample
+    in force. A user's process used 20 GiB of GPU 1 when the driver stopped answering: that
+    memory still counts, and b.service (Memory=8G) waits rather than being put beside it
+    on a sample that forgot it (a job out of memory, or two jobs on one GPU's memory)."""
+    monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.05)
+    proc = tmp_path / "proc" / "200"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("0::/user.slice/user-1000.slice/session-2.scope\n")
+    (proc / "comm").write_text("python3\n")
+    nvml = HangingForeign()
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\nMemory=8G\n"},
+        [],
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    cgroup_of[4242] = "a.service"
+    cgroup_of[4243] = "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0")]
+        nvml.hang.set()
+        ctl.watch.refresh()
+        assert ctl.watch.stale
+        await bed.acquire("b.service", ":1.10", 4243)
+        assert bed.service.granted == [("a.service", "0")]
+        assert ctl.scheduler.is_waiting("b.service")
+
+    try:
+        run(test)
+    finally:
+        nvml.release.set()
 
 
 def bg_running_on_gpu_1(tmp_path: Path, nvml: StubNvml) -> Bed:
