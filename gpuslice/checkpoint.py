@@ -157,7 +157,8 @@ def check_tool(tool: str, root_only: bool) -> None:
     suspend or resume."""
     if not root_only:
         return
-    refusal = EnvFileChecker().refusal(TOOL_NAME, tool)
+    # a path, not an EnvironmentFile= value: a `%` in it is no systemd specifier
+    refusal = EnvFileChecker().refusal(TOOL_NAME, tool.replace("%", "%%"))
     if refusal is not None:
         raise CheckpointError(
             f"{printable(tool)} is not run: gpuslice runs it as root, and someone other than "

@@ -483,6 +483,13 @@ def test_a_tool_someone_other_than_root_can_change_is_not_run_as_root(tmp_path: 
     true = shutil.which("true")
     assert true is not None and require_tool(true, root_only=True) == true  # root's alone
     check_tool(str(tool), root_only=False)
+    odd = tmp_path / "cuda%h-checkpoint"  # a literal %, no specifier: the path walked is this
+    odd.write_text("#!/bin/sh\n")
+    odd.chmod(0o755)
+    with pytest.raises(CheckpointError, match="is under /tmp") as e:
+        require_tool(str(odd), root_only=True)
+    assert e.value.reason.startswith(f"{odd} is not run: ")
+    assert f"({odd} is under /tmp" in e.value.reason
     assert CheckpointSettings.from_config(Config()).root_only  # the controller's settings
 
 

@@ -8,6 +8,7 @@ os.chown (the tests run as root), and pairs what is refused with what is not.
 from __future__ import annotations
 
 import errno
+import fcntl
 import gc
 import os
 import stat
@@ -1057,4 +1058,85 @@ def test_a_call_that_does_not_answer_never_holds_up_the_exit(
     assert done.stdout == (
         "/srv/nfs/x.env cannot be checked: /srv/nfs did not answer within 1 s "
         "(a network file system not answering?)\n"
+    )
+
+
+def test_the_worker_is_a_daemon_and_hands_back_what_its_call_raised(root: Path, hang: Hang) -> None:
+    """A stuck call's thread must never hold up the exit (a daemon thread; the subprocess
+    test above runs the source tree, not a mutated copy); an error of a call on the worker
+    (a file not there under a mount point: only root can make it) is the call's answer, not
+    a call that did not answer."""
+    put(root, "/srv/nfs/a.env")
+    hang.mounts(NFS)
+    checker = EnvFileChecker(root)
+    assert checker.refusal("x.service", f"{NFS}/missing.env") is None
+    assert checker.refusal("x.service", f"{NFS}/a.env") is None
+    workers = [t for t in threading.enumerate() if t.name == "gpuslice-envsafety"]
+    assert workers and all(t.daemon for t in workers)
+
+
+def test_the_mount_table_is_read_once_until_the_kernel_flags_it(
+    root: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Polled, not read again at every call (10,000 files: a read each); its descriptor is
+    not inherited by what the controller runs."""
+    put(root, "/etc/asr/a.env")
+    put(root, "/etc/asr/b.env")
+    hang.mounts(NFS)
+    reads: list[str] = []
+    read = envsafety._read_mount_table
+
+    def counted(path: str) -> bytes:
+        reads.append(path)
+        return read(path)
+
+    monkeypatch.setattr(envsafety, "_read_mount_table", counted)
+    checker = EnvFileChecker(root)
+    for name in ("a", "b"):
+        assert checker.refusal("x.service", f"/etc/asr/{name}.env") is None
+    assert len(reads) == 1
+    fd = checker._mounts._fd
+    assert fd is not None and fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+
+
+def test_a_mount_table_that_does_not_answer_is_no_table(
+    root: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/proc does not hang, but the read of the table goes through the worker too: one that
+    did not answer leaves the walk as without a table (every call on the worker)."""
+    put(root, "/etc/asr/a.env")
+    hang.mounts(NFS)
+    monkeypatch.setattr(envsafety, "_read_mount_table", lambda path: hang_for(hang))
+    assert EnvFileChecker(root).refusal("x.service", "/etc/asr/a.env") is None
+
+
+def hang_for(hang: Hang) -> bytes:
+    hang.threads.append(threading.current_thread())
+    hang._released.wait(Hang.CAP)
+    return b""
+
+
+def test_a_mount_point_is_a_whole_path_component() -> None:
+    assert envsafety._mount_of("/srv/nfs2/a", {"/srv/nfs"}) is None
+    assert envsafety._mount_of("/srv/nfs/a/b", {"/srv/nfs", "/srv"}) == "/srv/nfs"
+    assert envsafety._mount_of("/srv", {"/srv/nfs"}) is None
+
+
+def test_a_short_line_does_not_end_the_mount_table() -> None:
+    table = b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\nshort\n40 22 0:50 / /srv/nfs rw - nfs4 x rw\n"
+    assert envsafety._mount_points(table, "") == {"/", "/srv/nfs"}
+
+
+def test_a_root_that_does_not_answer_is_named(root: Path, hang: Hang) -> None:
+    """Without a mount table every call goes to the worker, the root's own lstat too: one
+    that does not answer refuses the path naming /."""
+    put(root, "/etc/asr/a.env")
+    hang.mounts(MISSING)
+    checker = EnvFileChecker(root)  # its realpath of the root is made here, unhung
+    hang.at = ("/",)
+    refusal = checker.refusal("x.service", "/etc/asr/a.env")
+    assert refusal == Refusal(
+        "/etc/asr/a.env cannot be checked: / did not answer within 1 s (a network file system "
+        "not answering?)",
+        envsafety.FIX_ANSWER,
     )

@@ -143,18 +143,22 @@ def test_a_killed_run_that_does_not_exit_is_given_up_in_time_and_said(
         except checkpoint._ToolFailed as e:
             return e
         finally:
+            # given up on, its transport is closed all the same (else a ResourceWarning)
+            closed.extend(proc._transport.is_closing() for _, _, proc in runs)  # type: ignore[attr-defined]
             for _, _, proc in runs:
                 kill(proc)
                 close(proc)
                 await proc.wait()
         raise AssertionError("the hung run returned")
 
+    closed: list[bool] = []
     error = run(scenario())
     assert error.detail == (
         "cuda-checkpoint did not return within 0.2 s and was killed, and it had not exited "
         "0.1 s after SIGKILL"
     )
     assert error.timed_out
+    assert closed == [True]
 
 
 def test_a_tool_killed_by_a_signal_says_which_and_what_it_wrote(tmp_path: Path) -> None:
@@ -382,7 +386,9 @@ def test_a_systemctl_stop_that_hangs_is_killed_reaped_and_said(
     and reaped, and our ends of its pipes closed although a process outside its group holds
     the others."""
     monkeypatch.setattr(checkpoint, "SERVICE_STOP_WAIT", 0.2)
-    monkeypatch.setattr(checkpoint, "REAP_TIMEOUT", 2.0)
+    # far over bounded()'s 10 s: a reap that waited for the pipes the setsid child holds
+    # (ours not closed first) fails the test instead of passing slowly
+    monkeypatch.setattr(checkpoint, "REAP_TIMEOUT", 60.0)
     fake_systemd(tmp_path)
     (tmp_path / "bin" / "systemctl").write_text(
         f"#!/bin/sh\nsetsid sleep 60 & echo $! > {tmp_path}/child\nexec sleep 60\n"
@@ -415,16 +421,20 @@ def test_a_systemctl_stop_that_outlives_its_kill_is_given_up_in_time(
     on_path(tmp_path, monkeypatch)
     runs = record_runs(monkeypatch)
 
+    closed: list[bool] = []
+
     async def scenario() -> str:
         try:
             return await asyncio.wait_for(checkpoint.stop_earlier_runs([11]), 10)
         finally:
+            closed.extend(proc._transport.is_closing() for _, _, proc in runs)  # type: ignore[attr-defined]
             for _, _, proc in runs:
                 kill(proc)
                 close(proc)
                 await proc.wait()
 
     assert run(scenario()) == "was not down 0.2 s after a stop"
+    assert closed == [True]
 
 
 def test_a_systemctl_that_cannot_be_run_is_said(
