@@ -79,7 +79,7 @@ class CheckpointSettings:
     # run the tool as a transient systemd service (systemd-run), outside the controller's
     # sandbox: it needs what the controller is denied (no capabilities, a read-only system)
     via_systemd: bool = False
-    # run it only when root alone can change it (`tool_refusal`): the controller's settings
+    # run it only when root alone can change it (`check_tool`): the controller's settings
     # (tests run stub tools from their temporary directories)
     root_only: bool = False
 
