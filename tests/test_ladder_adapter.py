@@ -149,13 +149,19 @@ class Host:
         return self.events.said
 
 
-@pytest.fixture
-def host(fake_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
+def hosted(fake_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
+    """A Host on its own fake GPU, closed after the test: the `host` fixtures' body (here
+    and in test_ladder_mutation, which cannot import a fixture under its parameter's name)."""
     state = tmp_path / "nvml"
     monkeypatch.setenv("FAKE_NVML_DIR", str(state))
     bed = Bed(fake_build, state)
     yield Host(bed, tmp_path)
     bed.close()
+
+
+@pytest.fixture
+def host(fake_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
+    yield from hosted(fake_build, tmp_path, monkeypatch)
 
 
 def run(coro: object) -> None:

@@ -41,14 +41,13 @@ from gpuslice.ladder import Ladder
 from tests.test_checkpoint import (
     FAST,
     TIMEOUT,
-    Bed,
     calls,
     failure,
     fake_systemd,
     run,
     stub,
 )
-from tests.test_ladder_adapter import UNIT, Freezer, Host, HungFreezer
+from tests.test_ladder_adapter import UNIT, Freezer, Host, HungFreezer, hosted
 
 Runs = list[tuple[tuple[Any, ...], dict[str, Any], asyncio.subprocess.Process]]
 
@@ -452,11 +451,7 @@ def test_a_systemctl_that_cannot_be_run_is_said(
 
 @pytest.fixture
 def host(fake_build: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Host]:
-    state = tmp_path / "nvml"
-    monkeypatch.setenv("FAKE_NVML_DIR", str(state))
-    bed = Bed(fake_build, state)
-    yield Host(bed, tmp_path)
-    bed.close()
+    yield from hosted(fake_build, tmp_path, monkeypatch)
 
 
 class Recorded(Freezer):
