@@ -1252,6 +1252,7 @@ class Controller:
             ("nvml_errors", self.watch.inventory.errors),
             ("nvml_timeouts", self.watch.nvml.timeouts),
             ("journal_write_errors", self.journal.failures if self.journal is not None else 0),
+            ("notify_errors", self.notifier.failures),
         ]
         return {
             "admission_wait_seconds": self.counters.admission_wait.to_json(),

@@ -80,6 +80,7 @@ ERRORS: dict[str, str] = {
     "nvml_timeouts": "NVML calls that did not answer within their deadline",
     "journal_write_errors": "decision entries journald did not take",
     "state_save_errors": "state file writes that failed",
+    "notify_errors": "sd_notify messages systemd did not take (READY=1, STATUS=, WATCHDOG=1)",
 }
 
 

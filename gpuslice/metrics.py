@@ -83,6 +83,10 @@ ERROR_COUNTERS = {
         "Decision entries that journald did not take.",
     ),
     "state_save_errors": ("gpuslice_state_save_errors", "Writes of the state file that failed."),
+    "notify_errors": (
+        "gpuslice_notify_errors",
+        "sd_notify messages (READY=1, STATUS=, WATCHDOG=1) that systemd did not take.",
+    ),
 }
 
 

@@ -50,7 +50,7 @@ Added later, for `gpuslice metrics` (absent from older controllers):
   "counters": {"decisions": {code: int for every code}, "dbus_signals_dropped": int,
                "dbus_call_errors": int, "dbus_signals_lost": int, "dbus_acquire_refused": int,
                "nvml_errors": int, "nvml_timeouts": int, "journal_write_errors": int,
-               "state_save_errors": int};
+               "state_save_errors": int, "notify_errors": int (added later)};
   "admission_wait_seconds": {"buckets": [[upper bound (s), cumulative count], ...,
                              ["+Inf", count]], "sum": float, "count": int}: how long each
                              grant waited at its gate (0 when at once).

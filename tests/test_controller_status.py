@@ -18,6 +18,8 @@ import pytest
 
 from gpuslice.config import Config
 from gpuslice.controller import JournalFormatter
+from gpuslice.counters import ERRORS
+from gpuslice.journal import Journal
 from gpuslice.metrics import exposition
 from gpuslice.status import render
 from tests.test_controller import (
@@ -189,5 +191,36 @@ def test_a_status_of_the_moment_says_so_however_long_ago_it_was_built(
         assert data["controller"]["status_time"] == later
         assert not render(data, later).startswith("As of")
         assert data["gpus"] == first["gpus"]
+
+    run(test)
+
+
+def test_the_status_counts_what_the_adapters_counted(tmp_path: Path) -> None:
+    """The counts kept outside the controller's own counters (signals the bus adapter
+    dropped, NVML calls failed or timed out, journal entries and sd_notify messages not
+    taken) are the status's and so `gpuslice metrics`': each from its own source."""
+    bed = Bed(tmp_path, {"a.service": "Priority=10\n"}, [state("a.service", "inactive", "dead")])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.dropped = 3
+        ctl.watch.inventory.errors = 5
+        ctl.watch.nvml.timeouts = 7
+        ctl.journal = Journal()
+        ctl.journal.failures = 11
+        ctl.notifier.failures = 13
+        ctl.counters.error("state_save_errors", 2)
+        counters = json.loads(ctl.status_json())["counters"]
+        assert {k: counters[k] for k in ERRORS} == {
+            **dict.fromkeys(ERRORS, 0),
+            "dbus_signals_dropped": 3,
+            "nvml_errors": 5,
+            "nvml_timeouts": 7,
+            "journal_write_errors": 11,
+            "notify_errors": 13,
+            "state_save_errors": 2,
+        }
+        ctl.journal.close()
 
     run(test)

@@ -157,6 +157,7 @@ def test_names_types_and_labels() -> None:
         "gpuslice_nvml_timeouts": "counter",
         "gpuslice_journal_write_errors": "counter",
         "gpuslice_state_save_errors": "counter",
+        "gpuslice_notify_errors": "counter",
         "gpuslice_admission_wait_time_seconds": "histogram",
     }
     assert families["gpuslice_up"][1] == {("gpuslice_up",): 1.0}
