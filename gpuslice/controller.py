@@ -249,9 +249,11 @@ class Controller:
         # annotation went): read before, such a unit, still active and frozen, was taken
         # for stopped by hand and left frozen
         self.tracker.listed(units)
+        self._remember_told()  # before a sample decides: NVML may number the GPUs anew
         with self.scheduler.deferred():  # the first sample took every job's process for foreign
             self.scheduler.set_gpus(self.watch.resample())
         actions = self._rebuild()
+        self._remember_told()  # those booked on the GPUs their env files name (_told_gpus)
         await self.service.claim_name()
         self.ready = True
         self.execute(actions)
@@ -388,6 +390,19 @@ class Controller:
         if found:
             log.info("%s runs without a saved grant: GPUs %s from its env file", unit, found)
         return found
+
+    def _remember_told(self) -> None:
+        """Tell the inventory which GPU, by UUID, each holder past its gate was granted (its
+        env file; a starting one's is an earlier run's). The books name GPUs by NVML index,
+        and the NVML this controller opened may number them otherwise than the last one's
+        (a card gone off the bus, the driver reloaded meanwhile): the index a unit holds may
+        be another GPU now, and its own GPU the one the books say is free (Inventory)."""
+        for name, gpus in self.scheduler.grants().items():
+            if self.scheduler.phase(name) is Phase.STARTING:
+                continue
+            told = envfiles.told_uuids(self.config.runtime_dir, name)
+            if set(told) == gpus:
+                self.watch.inventory.remember(told)
 
     def _started_again(self, name: str, state: UnitState) -> bool:
         """Whether a unit frozen or suspended (or being suspended or resumed) is shown

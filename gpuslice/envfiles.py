@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 
 from gpuslice import safefile
-from gpuslice.core.model import Gpu
+from gpuslice.core.model import GPU_ID, Gpu
 from gpuslice.paths import env_file
 
 MAX_BYTES = 4096  # an env file is three lines: more is not ours
@@ -57,14 +57,37 @@ def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu]) -> None:
 def told_gpus(runtime_dir: str, unit: str) -> list[int]:
     """The GPU indices the unit's file names (GPUSLICE_GPUS=), [] if none can be read or the
     file is larger than one of ours (MAX_BYTES). Never follows a link or waits on a FIFO."""
+    return _indices(_told(runtime_dir, unit))
+
+
+def told_uuids(runtime_dir: str, unit: str) -> dict[int, str]:
+    """Each GPU index the unit's file names, with the UUID it names that GPU by: the GPU the
+    unit's processes see, whatever NVML numbers it now. {} when the file names no UUIDs
+    (written before NVML answered) or is no file of ours."""
+    told = _told(runtime_dir, unit)
+    indices = _indices(told)
+    uuids = told.get("NVIDIA_VISIBLE_DEVICES", "").split(",")
+    ours = all(u.startswith("GPU-") and GPU_ID.fullmatch(u) for u in uuids)
+    return dict(zip(indices, uuids, strict=True)) if ours and len(uuids) == len(indices) else {}
+
+
+def _told(runtime_dir: str, unit: str) -> dict[str, str]:
+    """The file's KEY=VALUE lines, the first of each key; {} if it cannot be read."""
     try:
         data = safefile.read_bytes(env_file(runtime_dir, unit), MAX_BYTES, follow_links=False)
     except safefile.Unreadable:
-        return []
+        return {}
+    told: dict[str, str] = {}
     for line in data.decode("ascii", "replace").splitlines():
         key, _, value = line.partition("=")
-        if key == "GPUSLICE_GPUS":
-            parts = value.split(",")
-            ours = all(p.isascii() and p.isdigit() for p in parts)
-            return [int(p) for p in parts] if ours else []  # anything else is no file of ours
-    return []
+        told.setdefault(key, value)
+    return told
+
+
+def _indices(told: dict[str, str]) -> list[int]:
+    value = told.get("GPUSLICE_GPUS")
+    if value is None:
+        return []
+    parts = value.split(",")
+    ours = all(p.isascii() and p.isdigit() for p in parts)
+    return [int(p) for p in parts] if ours else []  # anything else is no file of ours

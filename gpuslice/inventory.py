@@ -29,6 +29,7 @@ from gpuslice.cgroups import cgroup_path_of_pid, unit_of_cgroup_path
 from gpuslice.cgroups import unit_of_pid as unit_of_pid  # re-exported: callers import it here
 from gpuslice.config import Config
 from gpuslice.core.model import Gpu
+from gpuslice.core.placement import format_gpus
 from gpuslice.driver import (
     DriverProbe,
     device_denied,
@@ -145,6 +146,9 @@ class Inventory:
         self._overrun_logged: set[int] = set()
         self._lost_logged: set[int] = set()
         self._gone_logged: set[int] = set()
+        # The UUID each held GPU index named when its units were granted it (`_as_booked`)
+        self._booked: dict[int, str] = {}
+        self._renumbered_logged: set[tuple[int, str, str, int | None]] = set()
         self._last: Sample | None = None  # the last good sample, kept while NVML fails
         self.errors = 0  # NVML calls that failed while sampling (`gpuslice metrics`)
         self._failing = False
@@ -429,7 +433,69 @@ class Inventory:
         for pid in set(self._gone_since) - seen_gone:
             del self._gone_since[pid]
             self._overrun_logged.discard(pid)
+        gpus = self._as_booked(gpus, holding)
         return Sample(self._with_gone(gpus, holding), processes, now, self.health)
+
+    def remember(self, told: Mapping[int, str]) -> None:
+        """The UUIDs a restarted controller's holders were told, by index (their env files):
+        the NVML it opened afresh may number the GPUs otherwise than the last one did."""
+        for index, uuid in told.items():
+            if uuid:
+                self._booked.setdefault(index, uuid)
+
+    def _as_booked(self, gpus: list[Gpu], holding: Mapping[str, Collection[int]]) -> list[Gpu]:
+        """`gpus` with every GPU whose index no longer names the GPU its holders were granted
+        marked lost, for as long as they hold it.
+
+        Units hold GPUs by NVML index, which is only NVML's order of enumeration: once NVML
+        was opened afresh (the driver reloaded, a card gone off the bus, a reload or restart
+        of gpuslice) the same index may be another GPU. A unit granted GPU 1 runs on the GPU
+        its env file names by UUID; with the card before it gone, that GPU is GPU 0, which
+        the books said was free: granted again, two jobs shared it. So both the index held
+        and the one its GPU now has take nothing new until the holders release the index.
+        The UUID an index is booked with is the one the grant saw, the last sample's (a grant
+        is decided on it), else the one shown now."""
+        held: dict[int, list[str]] = {}
+        for name, indices in sorted(holding.items()):
+            for index in indices:
+                held.setdefault(index, []).append(name)
+        before = {g.index: g.uuid for g in self._last.gpus} if self._last is not None else {}
+        now = {g.index: g.uuid for g in gpus}
+        self._booked = {i: u for i, u in self._booked.items() if i in held}
+        for index in held:
+            uuid = self._booked.get(index) or before.get(index) or now.get(index)
+            if uuid:
+                self._booked[index] = uuid
+        where = {u: i for i, u in now.items() if u}
+        lost: set[int] = set()
+        changes: set[tuple[int, str, str, int | None]] = set()
+        for index, uuid in sorted(self._booked.items()):
+            current = now.get(index, "")
+            moved = where.get(uuid, index)  # its GPU's index now
+            if (current and current != uuid) or moved != index:
+                changes.add((index, uuid, current, None if moved == index else moved))
+                lost |= {index, moved}
+        for index, uuid, current, now_at in sorted(changes - self._renumbered_logged):
+            also = {index} if now_at is None else {index, now_at}
+            log.error(
+                "GPU %d names another GPU since NVML numbered the GPUs anew: it was %s when "
+                "granted to %s, and %s (%s); %s %s treated as lost until %s released",
+                index,
+                uuid,
+                ", ".join(held[index]),
+                f"is now {current}" if current else "is no longer listed",
+                f"{uuid} is now GPU {now_at}"
+                if now_at is not None
+                else f"{uuid} is no longer listed",
+                format_gpus(also),
+                "is" if len(also) == 1 else "are",
+                "it is" if now_at is None else f"GPU {index} is",
+            )
+        self._renumbered_logged = changes
+        return [
+            Gpu(g.index, g.uuid, g.name, lost=True) if g.index in lost and not g.lost else g
+            for g in gpus
+        ]
 
     def _still_releasing(self, pid: int, used: int | None, gpu: int, now: float) -> bool:
         """An exited process NVML still lists: its VRAM counts until the configured bound."""

@@ -182,11 +182,12 @@ class FakeService:
 
 
 class StubNvml(Nvml):
-    """Two 24 GiB GPUs once `available`; no process on them."""
+    """Two 24 GiB GPUs once `available` (`uuids`, numbered 0 and 1); no process on them."""
 
     def __init__(self, *, available: bool = True) -> None:
         super().__init__()
         self.available = available
+        self.uuids = ("GPU-0", "GPU-1")
 
     def open(self, fallback: str = "no GPUs") -> NvmlStatus:
         if self.available:
@@ -195,7 +196,7 @@ class StubNvml(Nvml):
 
     def devices(self) -> DeviceScan:
         return DeviceScan(
-            [GpuInfo(i, f"GPU-{i}", "NVIDIA Fake 24GB", 24 * GIB, 0) for i in (0, 1)], []
+            [GpuInfo(i, u, "NVIDIA Fake 24GB", 24 * GIB, 0) for i, u in enumerate(self.uuids)], []
         )
 
     def processes(self, index: int) -> list[GpuProcess]:
@@ -887,6 +888,46 @@ def test_a_running_unit_without_a_saved_grant_keeps_the_gpus_its_env_file_names(
             "b.service": frozenset({0}),
             "c.service": frozenset({1}),
         }
+
+    run(test)
+
+
+def test_a_restart_after_nvml_numbered_the_gpus_anew_grants_no_gpu_a_holder_runs_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
+) -> None:
+    """a.service was granted GPU 1 when that was GPU-B (its env file says so); GPU-A went
+    and the controller restarted: NVML numbers GPU-B 0 now. The books (GPU 1 held, GPU 0
+    free) granted b.service GPU 0, GPU-B, beside a.service. Both wait for a.service's end."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-B", "GPU-C")
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n"},
+        [state("a.service", "active", "running"), state("b.service", "activating", "start-pre")],
+        SavedState(holders={"a.service": ((1,), "running", 1, "")}, seq=1),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    env = env_file(bed.config.runtime_dir, "a.service")
+    env.parent.mkdir(parents=True)
+    env.write_text(
+        "CUDA_VISIBLE_DEVICES=GPU-B\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+        "NVIDIA_VISIBLE_DEVICES=GPU-B\nGPUSLICE_GPUS=1\n"
+    )
+    cgroup_of[4242] = "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.ERROR, logger="gpuslice"):
+            await ctl.start()
+            await bed.acquire("b.service", ":1.9", 4242)
+        assert bed.service.granted == []
+        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, True), (1, True)]
+        assert "it was GPU-B when granted to a.service, and is now GPU-C" in "\n".join(
+            messages(caplog)
+        )
+        goes_down(bed, "a.service")
+        await until(lambda: bed.service.granted == [("b.service", "0")])
 
     run(test)
 

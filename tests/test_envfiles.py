@@ -70,3 +70,22 @@ def test_only_a_plain_file_of_ours_is_told_back(tmp_path: Path, kind: str) -> No
     elif kind == "line, huge":  # larger than any file of ours: not one, whatever it begins with
         path.write_text("GPUSLICE_GPUS=3\n" + "#" * envfiles.MAX_BYTES)
     assert envfiles.told_gpus(str(tmp_path), "a.service") == []
+
+
+def test_the_uuids_told_are_read_back_by_index(tmp_path: Path) -> None:
+    """What a restarted controller checks its books against (Controller._remember_told): the
+    GPU each index a unit holds named when it was granted. A file without UUIDs (written
+    before NVML answered) or not of ours tells none."""
+    envfiles.write(str(tmp_path), "a.service", [Gpu(0, "GPU-a"), Gpu(2, "GPU-c")])
+    assert envfiles.told_uuids(str(tmp_path), "a.service") == {0: "GPU-a", 2: "GPU-c"}
+    envfiles.write(str(tmp_path), "a.service", [Gpu(1)])
+    assert envfiles.told_uuids(str(tmp_path), "a.service") == {}
+    path = env_file(str(tmp_path), "a.service")
+    for text in (
+        "NVIDIA_VISIBLE_DEVICES=GPU-a,GPU-b\nGPUSLICE_GPUS=0\n",  # not one UUID per index
+        "NVIDIA_VISIBLE_DEVICES=GPU-a\x1b[2J\nGPUSLICE_GPUS=0\n",  # no UUID
+        "NVIDIA_VISIBLE_DEVICES=1\nGPUSLICE_GPUS=1\n",
+        "NVIDIA_VISIBLE_DEVICES=GPU-a\nGPUSLICE_GPUS=x\n",
+    ):
+        path.write_text(text)
+        assert envfiles.told_uuids(str(tmp_path), "a.service") == {}

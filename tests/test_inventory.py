@@ -544,6 +544,101 @@ def test_held_gpus_that_are_gone_are_reported_like_lost(
     assert [g.index for g in inventory.sample(MANAGED, {"w@a.service": [0]}).gpus] == [0, 1]
 
 
+def enumerate_as(nvml: StubNvml, *uuids: str) -> None:
+    """NVML numbers these GPUs 0, 1, ... (as at its next init: a card gone shifts the rest)."""
+    nvml.infos = [GpuInfo(i, u, "NVIDIA Fake 24GB", 24 * GIB, 0) for i, u in enumerate(uuids)]
+    nvml.procs = {i: [] for i in range(len(uuids))}
+
+
+def test_a_held_index_that_names_another_gpu_after_nvml_came_back_is_lost_until_released(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """asr.service was granted GPU 1, told GPU-B (its env file names UUIDs). GPU-A goes and
+    NVML comes back numbering GPU-B 0 and GPU-C 1: by index the books said GPU 0 was free,
+    and a unit granted it ran on GPU-B beside asr.service. Both are lost while it holds 1."""
+    nvml = StubNvml()
+    enumerate_as(nvml, "GPU-A", "GPU-B", "GPU-C")
+    inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=3))
+    holding = {"asr.service": [1]}
+    assert not any(g.lost for g in inventory.sample(MANAGED, holding).gpus)
+    nvml.devices_error = NvmlUnavailableError("nvmlDeviceGetCount", 9, "Driver Not Loaded")
+    inventory.sample(MANAGED, holding)
+    assert not inventory.available
+    nvml.devices_error = None
+    enumerate_as(nvml, "GPU-B", "GPU-C")
+    assert inventory.retry()
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        back = inventory.sample(MANAGED, holding)
+        again = inventory.sample(MANAGED, holding)
+    assert [(g.index, g.uuid, g.lost) for g in back.gpus] == [
+        (0, "GPU-B", True),
+        (1, "GPU-C", True),
+    ]
+    assert again.gpus == back.gpus
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 1 names another GPU since NVML numbered the GPUs anew: it was GPU-B when "
+        "granted to asr.service, and is now GPU-C (GPU-B is now GPU 0); GPUs 0,1 are treated "
+        "as lost until GPU 1 is released"
+    ]
+    released = inventory.sample(MANAGED, {})
+    assert [(g.index, g.lost) for g in released.gpus] == [(0, False), (1, False)]
+
+
+def test_a_held_index_whose_gpu_is_gone_keeps_its_gpu_from_being_granted_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A grant made while NVML was away (on the GPUs it last showed) counts as made on them:
+    asr.service holds GPU 2 (GPU-C) and w@a.service GPU 0 (GPU-A); GPU-A goes."""
+    nvml = StubNvml()
+    enumerate_as(nvml, "GPU-A", "GPU-B", "GPU-C")
+    inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=3))
+    inventory.sample(MANAGED, {"asr.service": [2]})
+    nvml.devices_error = NvmlUnavailableError("nvmlDeviceGetCount", 9, "Driver Not Loaded")
+    inventory.sample(MANAGED, {"asr.service": [2]})
+    holding = {"asr.service": [2], "w@a.service": [0]}  # granted GPU-A meanwhile
+    assert [g.uuid for g in inventory.sample(MANAGED, holding).gpus] == [
+        "GPU-A",
+        "GPU-B",
+        "GPU-C",
+    ]
+    nvml.devices_error = None
+    enumerate_as(nvml, "GPU-B", "GPU-C")
+    assert inventory.retry()
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        back = inventory.sample(MANAGED, holding)
+    assert [(g.index, g.lost) for g in back.gpus] == [(0, True), (1, True), (2, True)]
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "GPU 0 names another GPU since NVML numbered the GPUs anew: it was GPU-A when "
+        "granted to w@a.service, and is now GPU-B (GPU-A is no longer listed); GPU 0 is "
+        "treated as lost until it is released",
+        "GPU 2 is no longer among the GPUs gpuslice manages, but units hold it: treated as lost",
+        "GPU 2 names another GPU since NVML numbered the GPUs anew: it was GPU-C when "
+        "granted to asr.service, and is no longer listed (GPU-C is now GPU 1); GPUs 1,2 are "
+        "treated as lost until GPU 2 is released",
+    ]
+    after = inventory.sample(MANAGED, {"asr.service": [2]})
+    assert [(g.index, g.lost) for g in after.gpus] == [(0, False), (1, True), (2, True)]
+
+
+def test_a_restarted_controller_checks_its_holders_gpus_against_what_they_were_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The books (state.json) say GPU 1, its env file GPU-B: NVML, opened afresh by the new
+    controller, numbers GPU-B 0. Told nothing, the inventory trusts today's numbering."""
+    nvml = StubNvml()
+    enumerate_as(nvml, "GPU-B", "GPU-C")
+    inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=2))
+    inventory.sample(MANAGED)  # the first sample, before the books are read
+    inventory.remember({1: "GPU-B", 0: ""})
+    holding = {"asr.service": [1]}
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        after = inventory.sample(MANAGED, holding)
+    assert [(g.index, g.lost) for g in after.gpus] == [(0, True), (1, True)]
+    assert len(caplog.records) == 1
+
+
 def test_a_reload_enumerates_the_gpus_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
