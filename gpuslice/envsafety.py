@@ -32,9 +32,14 @@ mountinfo, polled: a mount made during the scan is seen) runs on a daemon thread
 waited for at most `DEADLINE` seconds: one that does not answer refuses its path, and every
 later path under the same mount point is refused without asking: a hung mount costs one
 deadline per scan, however many units name files on it. The thread stuck in the kernel is
-left there; a daemon, it never holds up the process's exit. Calls on the root's own file
-system (/etc: most environment files) are made directly, as the unit files are read from it
-without a deadline: were it not to answer, the scan would hang on those first.
+left there; a daemon, it never holds up the process's exit. It is remembered process-wide
+(`_STUCK`) under that mount point: until it returns, every later scan refuses the paths under
+that mount point at once, without a call (the controller rescans at each daemon-reload, and a
+new call each time would leave one more stuck thread each: a daemon-reload loop during an NFS
+outage grew the controller's threads without bound); once it returns, the next scan asks that
+file system again. Calls on the root's own file system (/etc: most environment files) are
+made directly, as the unit files are read from it without a deadline: were it not to answer,
+the scan would hang on those first.
 """
 
 from __future__ import annotations
@@ -263,7 +268,8 @@ class _Worker:
         self.call: tuple[Callable[[str], Any], str] | None = None
         self.answer: Any = None
         self.stopped = False
-        threading.Thread(target=self._run, name="gpuslice-envsafety", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="gpuslice-envsafety", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         while True:
@@ -288,17 +294,47 @@ class _Worker:
                 self.go.release()
 
 
+class _StuckWorkers:
+    """Workers whose call did not answer, process-wide (every checker's: a scan's, the next
+    scan's, `checkpoint.check_tool`'s), by the real path under which they were stuck: the
+    mount point of that call's file system (its own path without a mount table), or
+    MOUNTINFO. At most one per path: while one has not returned, nothing under its path is
+    asked again. Scans run on threads of their own (`asyncio.to_thread`): one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._workers: dict[str, _Worker] = {}
+
+    def under(self, real: str) -> str | None:
+        """The path of a worker still stuck at or above the real path `real`, or None;
+        those whose call has returned since (their thread ended) are forgotten."""
+        with self._lock:
+            for where, worker in list(self._workers.items()):
+                if not worker.thread.is_alive():
+                    del self._workers[where]
+                elif real == where or real.startswith(where + "/"):
+                    return where
+        return None
+
+    def add(self, where: str, worker: _Worker) -> None:
+        with self._lock:
+            self._workers[where] = worker
+
+
+_STUCK = _StuckWorkers()
+
+
 class _Caller:
     """Calls made on a `_Worker`, each waited for at most `DEADLINE` s. A worker whose call
-    did not answer is stopped (it ends when the kernel lets it go) and the next call gets a
-    new one."""
+    did not answer is stopped (it ends when the kernel lets it go), remembered in `_STUCK`,
+    and the next call gets a new one."""
 
     def __init__(self) -> None:
         self._worker: _Worker | None = None
 
-    def call(self, fn: Callable[[str], T], arg: str) -> T | None:
-        """fn(arg) (never None here), or None when it did not answer; an exception of fn's
-        is raised here."""
+    def call(self, fn: Callable[[str], T], arg: str, where: str) -> T | None:
+        """fn(arg) (never None here), or None when it did not answer (the worker then kept
+        in `_STUCK` under the real path `where`); an exception of fn's is raised here."""
         worker = self._worker
         if worker is None:
             worker = self._worker = _Worker()
@@ -307,6 +343,7 @@ class _Caller:
         if not worker.done.acquire(timeout=DEADLINE):
             worker.stop()
             self._worker = None
+            _STUCK.add(where, worker)
             return None
         answer: T | BaseException = worker.answer
         worker.answer = None
@@ -347,8 +384,10 @@ class _MountTable:
         return self._points
 
     def _read(self) -> set[str] | None:
+        if _STUCK.under(MOUNTINFO) is not None:  # an earlier read has not returned
+            return None
         try:
-            table = self._caller.call(_read_mount_table, MOUNTINFO)
+            table = self._caller.call(_read_mount_table, MOUNTINFO, MOUNTINFO)
         except OSError:
             return None
         return None if table is None else _mount_points(table, self._root) - {"/"}
@@ -463,16 +502,20 @@ class EnvFileChecker:
                 return _Unanswered(where)
         points = self._mounts.points()
         mount = None if points is None else _mount_of(path, points)
+        # every later path under its mount point refused unasked; under `path` only when
+        # the table cannot be read
+        where = mount or path
         try:
             if points is not None and mount is None:
                 return ask(self._real(path))
-            answer = self._caller.call(ask, self._real(path))
+            # a call of an earlier scan there still stuck: refused without one more
+            if _STUCK.under(self._real(path)) is None:
+                answer = self._caller.call(ask, self._real(path), self._real(where))
+            else:
+                answer = None
         except OSError as e:
             return _kept(e)
         if answer is None:
-            # every later path under its mount point refused unasked; under `path` only
-            # when the table cannot be read
-            where = mount or path
             self._unanswered.append(where)
             return _Unanswered(where)
         return answer

@@ -10,8 +10,8 @@ Suspend, in this order (NVIDIA's and CRIU's findings, ../shared/notes/cuda-check
 check what can be checked first (the tool, NVML, cgroup v2, every process visible to NVML,
 host memory), lock every CUDA process of the unit, checkpoint each, confirm through NVML
 that none is left on a GPU, then FreezeUnit for the CPU side. Resume: the core has already
-reserved the unit's memory on its GPUs; ThawUnit (the restore runs inside the process),
-restore, unlock.
+reserved the unit's memory on its GPUs; ThawUnit (the restore runs inside the process; sent
+again a few times while the bus fails for a moment, THAW_RETRY), restore, unlock.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from gpuslice.checkpoint import CheckpointError, CheckpointSettings
 from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
 from gpuslice.sizes import format_size
+from gpuslice.systemd import SystemdError, is_transient
 from gpuslice.unitfiles import printable
 
 log = logging.getLogger("gpuslice")
@@ -41,6 +42,15 @@ UNIFIED_MARKER = Path("/sys/fs/cgroup/cgroup.controllers")
 # one is thawed: a process stuck in the kernel (in the driver, on a dead NFS server) never is,
 # and then no answer comes at all. A call not answered within this counts as failed.
 FREEZER_TIMEOUT = 30.0
+# A ThawUnit that must work before cuda-checkpoint runs in the process (a restore, or the
+# checkpoint of a unit frozen beside another) and failed for an error that passes (systemd
+# re-executing, as Debian's upgrade of it does; the bus daemon's limits:
+# gpuslice.systemd.TRANSIENT_ERRORS) is sent again after each of these waits, as the
+# controller sends a job call again (Controller._call_not_taken). Taken for a refusal, it left
+# the unit frozen: the restore failed and the job was stopped, its work lost. Bounded (15 s
+# of waits, each call FREEZER_TIMEOUT at most): the resume must not hold the unit's GPUs
+# forever, nor the suspend its waiter.
+THAW_RETRY = (1.0, 2.0, 4.0, 8.0)
 
 
 class Freezer(Protocol):
@@ -102,6 +112,7 @@ class Ladder:
         host_memory: Callable[[], int | None] = checkpoint.host_memory_available,
         unit_of_pid: Callable[[int], str | None] = unit_of_pid,
         freezer_timeout: float = FREEZER_TIMEOUT,
+        sleep: Callable[[float], Coroutine[Any, Any, None]] = asyncio.sleep,
     ) -> None:
         self.systemd = systemd
         self.events = events
@@ -112,6 +123,7 @@ class Ladder:
         self.host_memory = host_memory
         self.unit_of_pid = unit_of_pid
         self.freezer_timeout = freezer_timeout
+        self.sleep = sleep  # THAW_RETRY's waits
         self.suspensions: dict[str, Suspension] = {}
         # units with a freeze, thaw, suspend or resume under way, and how many
         self.busy: dict[str, int] = {}
@@ -140,7 +152,7 @@ class Ladder:
         self.report(lambda: self.events.suspended_done(unit, done))
 
     async def _thaw_for_suspend(self, unit: str) -> None:
-        await self._freezer("ThawUnit", unit)
+        await self._thaw_patiently(unit, "suspending")
 
     async def _suspend(self, unit: str) -> str:
         s = self.settings()
@@ -225,11 +237,13 @@ class Ladder:
         s = self.settings()
         suspension = self.suspensions.pop(unit, None)
         try:  # before the restore: it runs in the process
-            await self._freezer("ThawUnit", unit)
+            await self._thaw_patiently(unit, "resuming")
         except CheckpointError as e:  # a bus error is a reason, not a crash
-            # (none when it was stopped meanwhile); one not answered may leave it frozen,
-            # and then its restore fails: the journal says why first
-            level = logging.WARNING if isinstance(e, _FreezerHung) else logging.DEBUG
+            # (none when it was stopped meanwhile); one not answered, or failing still
+            # after THAW_RETRY, may leave it frozen, and then its restore fails: the journal
+            # says why first
+            left_frozen = isinstance(e, _FreezerHung | _FreezerTransient)
+            level = logging.WARNING if left_frozen else logging.DEBUG
             log.log(level, "resuming %s: %s", unit, e.reason)
         tool = checkpoint.find_tool(s.tool)
         if tool is None:
@@ -317,8 +331,28 @@ class Ladder:
             await asyncio.wait_for(call(unit), self.freezer_timeout)
         except TimeoutError:
             raise _FreezerHung(f"{what} did not answer within {self.freezer_timeout:g} s") from None
+        except SystemdError as e:
+            if is_transient(e):
+                raise _FreezerTransient(f"{what} failed: {e}") from None
+            raise CheckpointError(f"{what} failed: {e}") from None
         except Exception as e:  # a bus error is a reason, not a crash
             raise CheckpointError(f"{what} failed: {e}") from None
+
+    async def _thaw_patiently(self, unit: str, doing: str) -> None:
+        """ThawUnit, sent again after each of THAW_RETRY's waits while it fails for an error
+        that passes; else CheckpointError, as `_freezer`. One not answered (_FreezerHung: a
+        process stuck in the kernel, which a second call would not thaw) and systemd's
+        refusal (the unit stopped meanwhile) are not sent again."""
+        for delay in THAW_RETRY:
+            try:
+                return await self._freezer("ThawUnit", unit)
+            except _FreezerTransient as e:
+                log.debug("%s %s: %s; sent again in %g s", doing, unit, e.reason, delay)
+            await self.sleep(delay)
+        try:
+            await self._freezer("ThawUnit", unit)
+        except _FreezerTransient as e:
+            raise _FreezerTransient(f"{e.reason} (sent {len(THAW_RETRY) + 1} times)") from None
 
     async def _thaw_after_hung_freeze(self, unit: str) -> str:
         """ThawUnit after a FreezeUnit that got no answer (it ends the freeze systemd still
@@ -412,6 +446,11 @@ class Ladder:
 
 class _FreezerHung(CheckpointError):
     """FreezeUnit or ThawUnit got no answer in time: the unit may be half frozen."""
+
+
+class _FreezerTransient(CheckpointError):
+    """FreezeUnit or ThawUnit failed for an error that passes (gpuslice.systemd.is_transient):
+    the same call may work a moment later."""
 
 
 def _reason(error: Exception, doing: str) -> str:

@@ -1140,3 +1140,88 @@ def test_a_root_that_does_not_answer_is_named(root: Path, hang: Hang) -> None:
         "not answering?)",
         envsafety.FIX_ANSWER,
     )
+
+
+def test_a_mount_that_does_not_answer_keeps_one_stuck_thread_however_many_scans(
+    root: Path, hang: Hang
+) -> None:
+    """The controller rescans at each daemon-reload, a long-lived process: each scan asked
+    the hung mount again and left one more thread stuck in the kernel, so a daemon-reload
+    loop during an NFS outage grew the controller's threads without bound. While the call of
+    an earlier scan has not returned, later scans refuse paths under its mount point without
+    a call of their own, and at once (no deadline waited); another mount that does not
+    answer gets its own one. Once the stuck call returns, the next scan asks again (the
+    refusal's fix: "until that file system answers at a later scan")."""
+    nas = "/srv/nas"
+    for point in (NFS, nas):
+        put(root, f"{point}/a.env")
+    put(root, "/etc/asr/ok.env")
+    hang.mounts(NFS, nas)
+    hang.at = (NFS, nas)
+    for _ in range(5):
+        checker = EnvFileChecker(root)  # a scan's
+        start = time.monotonic()
+        for point in (NFS, nas):
+            path = f"{point}/a.env"
+            assert checker.refusal("x.service", path) == Refusal(
+                no_answer(path, point).split(";")[0], envsafety.FIX_ANSWER
+            )
+        assert checker.refusal("x.service", "/etc/asr/ok.env") is None
+        took = time.monotonic() - start
+    assert hang.blocked == [NFS, nas]  # one call, and one stuck thread, per mount
+    assert took < 0.5  # the last scan waited no deadline
+    stuck = [t for t in threading.enumerate() if t in hang.threads and t.is_alive()]
+    assert len(stuck) == 2
+    hang.release()  # the server is back: the stuck calls return, their threads end
+    checker = EnvFileChecker(root)
+    assert checker.refusal("x.service", f"{NFS}/a.env") is None
+    assert checker.refusal("x.service", f"{nas}/a.env") is None
+    assert {f"{NFS}/a.env", f"{nas}/a.env"} <= set(hang.blocked[2:])  # asked again, answered
+
+
+def test_without_the_mount_table_a_stuck_call_refuses_what_is_under_its_path_at_later_scans(
+    root: Path, hang: Hang
+) -> None:
+    """Where the mount table cannot be read, a stuck call is remembered under its own path:
+    later scans refuse what is under it without a call, and ask elsewhere as ever."""
+    put(root, "/etc/asr/ok.env")
+    (root / "srv/nfs/a").mkdir(parents=True)
+    hang.mounts(MISSING)
+    hang.at = (f"{NFS}/a",)
+    for _ in range(3):
+        checker = EnvFileChecker(root)
+        path = f"{NFS}/a/x.env"
+        assert checker.refusal("x.service", path) == Refusal(
+            no_answer(path, f"{NFS}/a").split(";")[0], envsafety.FIX_ANSWER
+        )
+        assert checker.refusal("x.service", "/etc/asr/ok.env") is None
+    assert hang.blocked == [f"{NFS}/a"]
+
+
+def test_a_mount_table_read_that_does_not_answer_is_not_read_again_until_it_returns(
+    root: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read of the table goes through the worker too: a later scan does not leave a
+    second thread stuck on it, it goes without a table; once it returns, the table is read
+    again."""
+    put(root, "/etc/asr/a.env")
+    hang.mounts(NFS)
+    reads: list[str] = []
+    read = envsafety._read_mount_table
+
+    def hung(path: str) -> bytes:
+        reads.append(path)
+        hang_for(hang)
+        return read(path)
+
+    monkeypatch.setattr(envsafety, "_read_mount_table", hung)
+    for _ in range(3):
+        checker = EnvFileChecker(root)
+        assert checker.refusal("x.service", "/etc/asr/a.env") is None
+        assert checker._mounts.points() is None
+    assert len(reads) == 1
+    hang.release()
+    checker = EnvFileChecker(root)
+    assert checker.refusal("x.service", "/etc/asr/a.env") is None
+    assert checker._mounts.points() == {NFS}
+    assert len(reads) == 2

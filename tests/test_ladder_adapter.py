@@ -18,7 +18,8 @@ import pytest
 
 from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
-from gpuslice.ladder import Ladder
+from gpuslice.ladder import THAW_RETRY, Ladder
+from gpuslice.systemd import SystemdError
 from tests.test_checkpoint import FAST, TIMEOUT, Bed, calls, fake_systemd
 
 UNIT = "vlm.service"
@@ -519,3 +520,155 @@ def test_a_thaw_that_is_never_answered_ends_resume_and_thaw(
     run_within(host.ladder.thaw(UNIT))
     assert f"thawing {UNIT}: ThawUnit did not answer within 0.2 s" in caplog.text
     assert host.ladder.busy == {}
+
+
+NO_REPLY = SystemdError(
+    "org.freedesktop.DBus.Error.NoReply",
+    "Message recipient disconnected from message bus without replying",
+)
+
+
+class BlinkingFreezer(Freezer):
+    """systemd re-executing (`systemctl daemon-reexec`, as Debian's upgrade of it does): its
+    next `blips` ThawUnit calls fail with `error` (NoReply, an error that passes), the unit
+    left frozen; then they thaw it. FreezeUnit freezes it."""
+
+    def __init__(self, blips: int, error: SystemdError = NO_REPLY) -> None:
+        super().__init__()
+        self.blips = blips
+        self.error = error
+
+    async def _do(self, what: str, name: str) -> None:
+        await super()._do(what, name)
+        if what == "thaw" and self.blips:
+            self.blips -= 1
+            raise self.error
+        self.states[name] = "running" if what == "thaw" else "frozen"
+
+
+def blinking(host: Host, blips: int, error: SystemdError = NO_REPLY) -> list[float]:
+    """The host's freezer made a BlinkingFreezer, and the ladder's waits recorded (not
+    waited): the list they go to."""
+    host.ladder.systemd = host.freezer = BlinkingFreezer(blips, error)
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    host.ladder.sleep = sleep
+    return waits
+
+
+def test_a_resume_sends_a_thaw_that_failed_for_a_moment_again(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ThawUnit before the restore fails as systemd re-executes. Taken for a refusal (as
+    it was), the process stayed frozen, its restore failed and the job was stopped: its work
+    lost for a blip of the bus. It is sent again after a wait, as the controller sends a job
+    call again, and the restore finds the process running."""
+    pid = host.job()
+    waits = blinking(host, 2)
+    run(host.ladder.suspend(UNIT))
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        run(host.ladder.resume(UNIT))
+    assert host.said()[-1][0] == "resumed"
+    assert host.freezer.calls == [f"freeze {UNIT}"] + [f"thaw {UNIT}"] * 3
+    assert host.freezer.states[UNIT] == "running"  # thawed before the restore
+    assert waits == [1.0, 2.0]
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert f"resuming {UNIT}: ThawUnit failed: {NO_REPLY}; sent again in 1 s" in caplog.messages
+    assert host.ladder.busy == {}
+
+
+def test_a_resume_sends_a_thaw_that_keeps_failing_for_a_moment_a_bounded_number_of_times(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bus that keeps failing does not hold the resume (and the unit's reserved GPUs)
+    forever: after THAW_RETRY's waits the resume goes on, with a warning that says why its
+    restore may fail."""
+    host.job()
+    waits = blinking(host, 1000)
+    run(host.ladder.suspend(UNIT))
+    run(host.ladder.resume(UNIT))
+    assert host.freezer.calls == [f"freeze {UNIT}"] + [f"thaw {UNIT}"] * (len(THAW_RETRY) + 1)
+    assert waits == list(THAW_RETRY) == [1.0, 2.0, 4.0, 8.0]
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [f"resuming {UNIT}: ThawUnit failed: {NO_REPLY} (sent 5 times)"]
+    assert host.said()[-1][0] == "resumed"  # the fake's restore does not mind the freezer
+    assert host.ladder.busy == {}
+
+
+def test_a_frozen_unit_whose_thaw_fails_for_a_moment_is_still_suspended(host: Host) -> None:
+    """A unit frozen beside another, then suspended for a waiter: its ThawUnit failing as
+    systemd re-executes failed the suspend, and Preempt= fell to stop: its work lost."""
+    pid = host.job()
+    waits = blinking(host, 1)
+    run(host.ladder.suspend(UNIT, thaw_first=True))
+    assert host.said()[0][0] == "suspended"
+    assert host.freezer.calls == [f"thaw {UNIT}", f"thaw {UNIT}", f"freeze {UNIT}"]
+    assert waits == [1.0]
+    assert not host.bed.holds(pid)
+    blinking(host, 1000)
+    host.ladder.suspensions.clear()
+    run(host.ladder.suspend(UNIT, thaw_first=True))  # failing still: the next rung
+    assert host.said()[-1] == (
+        "suspend_failed",
+        UNIT,
+        f"ThawUnit failed: {NO_REPLY} (sent 5 times)",
+    )
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        SystemdError("org.freedesktop.systemd1.UnitInactive", "Unit is inactive."),
+        SystemdError("org.freedesktop.DBus.Error.AccessDenied", "denied"),
+    ],
+)
+def test_a_thaw_systemd_refused_is_not_sent_again(
+    host: Host, caplog: pytest.LogCaptureFixture, error: SystemdError
+) -> None:
+    """systemd's own refusal (the unit stopped meanwhile) would only be repeated: the resume
+    goes on at once, as before, with a debug line; a suspend fails at once."""
+    host.job()
+    run(host.ladder.suspend(UNIT))
+    waits = blinking(host, 1000, error)
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        run(host.ladder.resume(UNIT))
+    assert host.freezer.calls == [f"thaw {UNIT}"] and waits == []
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.DEBUG, f"resuming {UNIT}: ThawUnit failed: {error}")
+    ]
+    run(host.ladder.suspend(UNIT, thaw_first=True))
+    assert host.said()[-1] == ("suspend_failed", UNIT, f"ThawUnit failed: {error}")
+    assert waits == []
+
+
+def test_a_thaw_after_a_freeze_that_fails_for_a_moment_is_left_to_the_next_sample(
+    host: Host,
+) -> None:
+    """The plain thaw (the unit it gave way to left) holds nothing back: it is owed, and the
+    next check of the thaws owed sends it again (at each sample): no waits of its own."""
+    waits = blinking(host, 1)
+    run(host.ladder.thaw(UNIT))
+    assert host.freezer.calls == [f"thaw {UNIT}"] and waits == []
+    assert UNIT in host.ladder.thaw_failing and host.said() == []
+    run(host.ladder.thaw_owed([UNIT]))
+    assert host.freezer.calls == [f"thaw {UNIT}", f"state {UNIT}", f"thaw {UNIT}"]
+    assert host.said() == [("thaw_done", UNIT, "")]
+
+
+def test_a_thaw_before_a_restore_that_is_never_answered_is_not_sent_again(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No answer: a process stuck in the kernel, which a second ThawUnit would not thaw
+    either; the resume goes on after one FREEZER_TIMEOUT, as before."""
+    host.job()
+    run(host.ladder.suspend(UNIT))
+    waits = blinking(host, 0)
+    host.ladder.systemd = host.freezer = HungFreezer("thaw")
+    host.ladder.freezer_timeout = 0.2
+    run_within(host.ladder.resume(UNIT))
+    assert host.freezer.calls == [f"thaw {UNIT}"] and waits == []
+    assert f"resuming {UNIT}: ThawUnit did not answer within 0.2 s" in caplog.text

@@ -74,6 +74,7 @@ ROWS = [
     ("entries wait in order, up to 2,000 (4 MiB)", journal.MAX_BACKLOG_BYTES, 4 << 20),
     # Preemption that loses no work
     ("`FreezeUnit` failing or not answered within 30 s", _freezer_timeout(), 30.0),
+    ("is sent again after 1, 2, 4 and 8 s; then the resume", ladder.THAW_RETRY, (1, 2, 4, 8)),
     ("(`systemctl stop`, `TimeoutStopSec=5`)", checkpoint.SERVICE_STOP_TIMEOUT, 5.0),
     # Reading it, Metrics
     ("redrawn in place every 2 s (-n SECONDS)", _interval_default(), 2.0),
