@@ -99,6 +99,97 @@ def release_gates(config_path: str) -> None:
         wake_and_remove(gate_pipe_dir(runtime_dir))
 
 
+@main.command("release-jobs", hidden=True)
+@config_option
+def release_jobs(config_path: str) -> None:
+    """Undo what only the controller would undo, once gpuslice is being removed and its
+    controller has stopped (debian/gpuslice.prerm, `make uninstall`; with it still running,
+    nothing is done, as thawing behind its back would fight it): no controller will
+    ever thaw, resume or requeue a unit again. A unit frozen beside a more urgent one
+    (Preempt=freeze) kept its GPU memory, so it is thawed: left frozen, it held that memory
+    and never ended. A suspended unit cannot come back without the controller, nor a
+    preempted one without a start: each is named on stderr with what to do, instead of
+    being left silently."""
+    from gpuslice.core.scheduler import Phase
+    from gpuslice.paths import DEFAULT_RUNTIME_DIR, DEFAULT_STATE_DIR
+    from gpuslice.state import StateStore
+
+    controller = _unit_state("gpuslice.service").get("ActiveState", "unknown")
+    if controller not in ("inactive", "failed"):  # its stop refused (policy-rc.d), or unknown
+        click.echo(
+            f"gpuslice release-jobs: gpuslice.service is {printable(controller, 60)}: "
+            "its units are left to it",
+            err=True,
+        )
+        return
+    try:
+        config = load_config_with_warnings(Path(config_path))[0]
+        state_dir, runtime_dir = config.state_dir, config.runtime_dir
+    except ConfigError as e:  # the controller kept its last good file's dirs, or the defaults
+        state_dir = e.valid.get("state_dir", DEFAULT_STATE_DIR)
+        runtime_dir = e.valid.get("runtime_dir", DEFAULT_RUNTIME_DIR)
+    saved, saved_boot = StateStore(Path(state_dir), Path(runtime_dir)).load()
+    try:
+        this_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        this_boot = ""
+    # holders and suspended units of an earlier boot ran no process in this one (the
+    # controller drops them too); a suspended unit then was preempted (forget_boot)
+    same_boot = bool(this_boot) and saved_boot.split("/", 1)[0] == this_boot
+    holders = saved.holders if same_boot else {}
+    phases = {name: Phase(entry[1]) for name, entry in holders.items()}
+    to_thaw = {n for n, p in phases.items() if p is Phase.FROZEN}
+    to_thaw |= set(saved.thaw_owed) if same_boot else set()
+    suspended = set(saved.suspended) if same_boot else set()
+    suspended |= {n for n, p in phases.items() if p in (Phase.SUSPENDING, Phase.RESUMING)}
+    preempted = set(saved.preempted) | {n for n, p in phases.items() if p is Phase.STOPPING}
+    if not same_boot:
+        preempted |= set(saved.suspended)
+    for unit in sorted(to_thaw | suspended | preempted):
+        shown = _unit_state(unit)
+        frozen = shown.get("FreezerState") in ("frozen", "freezing")
+        where = f"gpuslice is being removed: {printable(unit, 300)}"
+        if unit in suspended and shown.get("ActiveState") == "active":
+            click.echo(
+                f"{where} is left suspended by cuda-checkpoint: nothing can resume it now; "
+                f"`systemctl stop {printable(unit, 300)}` ends it",
+                err=True,
+            )
+        elif unit in to_thaw and frozen:
+            try:
+                command = ["systemctl", "thaw", "--", unit]
+                failed = subprocess.run(command, check=False, timeout=60).returncode != 0
+            except (OSError, subprocess.SubprocessError):
+                failed = True
+            if failed:
+                click.echo(f"{where} stays frozen: `systemctl thaw` failed", err=True)
+        elif unit in preempted and shown.get("ActiveState") in (
+            "inactive",
+            "failed",
+            "deactivating",
+        ):
+            click.echo(
+                f"{where} was preempted and nothing will start it again: "
+                f"`systemctl start {printable(unit, 300)}` if it is still wanted",
+                err=True,
+            )
+
+
+def _unit_state(unit: str) -> dict[str, str]:
+    """The unit's ActiveState and FreezerState as systemctl shows them ({} if it cannot)."""
+    try:
+        shown = subprocess.run(
+            ["systemctl", "show", "-p", "ActiveState", "-p", "FreezerState", "--", unit],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {key: value for key, _, value in (line.partition("=") for line in shown.splitlines())}
+
+
 async def _call_status(address: str | None) -> str:
     return await _call_controller(address, "Status")
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -13,8 +15,9 @@ from gpuslice import cli as cli_module
 from gpuslice.annotations import Problem, Scan
 from gpuslice.cli import main
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.scheduler import Scheduler
+from gpuslice.core.scheduler import SavedState, Scheduler
 from gpuslice.inventory import GpuUse, Sample
+from gpuslice.state import StateStore
 from gpuslice.status import render, snapshot_to_json
 
 GIB = 1 << 30
@@ -367,3 +370,103 @@ def test_metrics_without_an_answer_prints_only_up_0_and_exits_1(
     samples = [line for line in result.stdout.splitlines() if not line.startswith("#")]
     assert samples == ["gpuslice_up 0.0"]
     assert "gpuslice metrics: no status from the controller: " in result.stderr
+
+
+def _left_behind(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    saved: SavedState,
+    boot: str,
+    shown: dict[str, tuple[str, str]],
+) -> tuple[list[list[str]], str]:
+    """`gpuslice release-jobs` on the saved state `saved` of boot `boot`, systemd showing
+    each unit's (ActiveState, FreezerState) as `shown`: the systemctl commands it ran but
+    `show`, and its stderr."""
+    monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot))
+    ran: list[list[str]] = []
+
+    def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        active, freezer = shown.get(command[-1], ("inactive", "running"))
+        if command[1] == "show":
+            out = f"ActiveState={active}\nFreezerState={freezer}\n"
+            return subprocess.CompletedProcess(command, 0, out, "")
+        ran.append(command)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", systemctl)
+    (tmp_path / "config.yaml").write_text("log_level: info\n")
+    result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "config.yaml")])
+    assert result.exit_code == 0, result.output
+    return ran, result.stderr
+
+
+def _this_boot() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "/1700000000000000"
+
+
+def test_release_jobs_thaws_what_only_the_controller_would_thaw_and_names_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`apt remove` (debian/gpuslice.prerm, after the controller's stop): a unit frozen beside
+    a more urgent one kept its GPU memory and was left frozen for ever; a suspended unit and
+    a preempted one were never brought back, and nothing said so."""
+    saved = SavedState(
+        holders={
+            "frozen.service": ((0,), "frozen", 1, ""),
+            "runs.service": ((0,), "running", 2, ""),
+            "stopping.service": ((1,), "stopping", 3, "urgent.service"),
+        },
+        suspended={"suspended.service": ((1,), 4)},
+        preempted={"preempted.service": 5, "restarted.service": 6},
+        thaw_owed=["owed.service"],
+    )
+    shown = {
+        "frozen.service": ("active", "frozen"),
+        "owed.service": ("active", "frozen"),
+        "runs.service": ("active", "running"),
+        "suspended.service": ("active", "frozen"),
+        "restarted.service": ("active", "running"),  # started by hand since
+    }
+    ran, stderr = _left_behind(tmp_path, monkeypatch, saved, _this_boot(), shown)
+    assert ran == [
+        ["systemctl", "thaw", "--", "frozen.service"],
+        ["systemctl", "thaw", "--", "owed.service"],
+    ]
+    lines = stderr.splitlines()
+    assert len(lines) == 3, stderr
+    assert "suspended.service is left suspended" in lines[2]
+    assert "`systemctl stop suspended.service`" in lines[2]
+    for line, unit in zip(lines[:2], ("preempted.service", "stopping.service"), strict=True):
+        assert f"{unit} was preempted and nothing will start it again" in line
+        assert f"`systemctl start {unit}`" in line
+
+
+def test_release_jobs_of_an_earlier_boot_thaws_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Holders of an earlier boot ran no process in this one: a unit of that name frozen now
+    is someone else's. A unit suspended then was preempted (its processes died)."""
+    saved = SavedState(
+        holders={"frozen.service": ((0,), "frozen", 1, "")},
+        suspended={"suspended.service": ((1,), 4)},
+        thaw_owed=["frozen.service"],
+    )
+    shown = {"frozen.service": ("active", "frozen")}
+    ran, stderr = _left_behind(tmp_path, monkeypatch, saved, "another-boot/1", shown)
+    assert ran == []
+    assert stderr.splitlines() == [
+        "gpuslice is being removed: suspended.service was preempted and nothing will start it "
+        "again: `systemctl start suspended.service` if it is still wanted"
+    ]
+
+
+def test_release_jobs_leaves_a_running_controllers_units_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop the removal asked for and did not get (a policy-rc.d refused it): the
+    controller still holds that unit frozen, and a thaw behind its back would fight it."""
+    saved = SavedState(holders={"frozen.service": ((0,), "frozen", 1, "")})
+    shown = {"gpuslice.service": ("active", "running"), "frozen.service": ("active", "frozen")}
+    ran, stderr = _left_behind(tmp_path, monkeypatch, saved, _this_boot(), shown)
+    assert ran == []
+    assert "gpuslice.service is active: its units are left to it" in stderr

@@ -277,3 +277,41 @@ def test_a_unit_linked_from_roots_home_is_scheduled(bare_container: Container, d
     wait_until(waiting, STEP, what="linked.service waiting for the GPU held by holder.service")
     assert c.active_state("linked.service") == "activating"
     assert "linked.service: cannot read" not in c.journal("gpuslice.service")
+
+
+def test_upgrade_keeps_an_enabled_metrics_socket_listening(
+    bare_container: Container, deb: Path, deb_next: Path
+) -> None:
+    """`systemctl enable --now gpuslice-metrics.socket`, then an upgrade: debhelper's
+    --no-start alone stopped the socket in preinst and started it nowhere, so the exporter
+    stopped answering at every upgrade until the next boot (debian/rules)."""
+    c = bare_container
+    _install(c, deb)
+    c.systemctl("enable", "--now", "gpuslice-metrics.socket")
+    assert c.active_state("gpuslice-metrics.socket") == "active"
+    _install(c, deb_next)
+    assert c.active_state("gpuslice-metrics.socket") == "active"
+    assert c.systemctl("is-enabled", "gpuslice-metrics.socket").stdout.strip() == "enabled"
+
+
+def test_remove_names_a_unit_it_preempted_and_leaves_it_to_the_admin(
+    bare_container: Container, deb: Path
+) -> None:
+    """`apt remove` while a unit is preempted: no controller will ever start it again, so the
+    removal says so (gpuslice release-jobs, from prerm) instead of leaving it silently."""
+    c = bare_container
+    _install(c, deb)
+    _copy_example(c, BACKGROUND)  # priority 90, background
+    c.write_file("/etc/systemd/system/urgent.service", PLAIN_JOB.replace("=50", "=10"))
+    c.systemctl("daemon-reload")
+    c.systemctl("start", "--no-block", BACKGROUND)
+    c.wait_active_state(BACKGROUND, "active", STEP)
+    c.systemctl("start", "--no-block", "urgent.service")
+    c.wait_active_state("urgent.service", "active", STEP)
+    c.wait_active_state(BACKGROUND, "inactive", STEP)
+
+    removed = c.run(["apt-get", "remove", "-y", "gpuslice"], timeout=120)
+    said = removed.stdout + removed.stderr
+    assert f"{BACKGROUND} was preempted and nothing will start it again" in said
+    assert c.active_state(BACKGROUND) == "inactive"
+    assert c.active_state("urgent.service") == "active"
