@@ -311,14 +311,21 @@ class Controller:
 
     async def _watch_units(self) -> None:
         """Match the signals of the units that matter only; read the state of those newly
-        matched, whose changes before their rule went unseen."""
+        matched, whose changes before their rule went unseen. Those the rule for every unit
+        matches instead, when the bus daemon refuses a rule each, are read as well: left
+        unread, a unit annotated while it ran was never adopted, and its GPU was granted
+        beside it."""
+        wanted = self._watched()
+        unmatched = sorted(n for n in wanted if not self.systemd.watches(n))
         try:
-            added = await self.systemd.watch(self._watched())
+            added = await self.systemd.watch(wanted)
         except SystemdError as e:
             log.warning("cannot match each unit's signals (%s): reading every unit's", e.text)
-            with contextlib.suppress(SystemdError):
+            try:
                 await self.systemd.watch(None)
-            return
+            except SystemdError:
+                return
+            added = unmatched
         for name in added:
             # a gate waiting on a pipe an earlier start left, its start unseen while the unit
             # was not matched, asks over D-Bus (a later signal names only later starts)
@@ -612,6 +619,15 @@ class Controller:
                 self._acquire_verified(unit)
 
     def _apply_scan(self, result: Scan) -> None:
+        # plain units this scan annotates, that the tracker did not follow: their signals
+        # were dropped, and a re-match reads only the units it matches anew, none while the
+        # rule for every unit is in force (beyond MAX_UNIT_RULES): a unit annotated while it
+        # ran was never adopted then, and its GPU was granted beside it
+        fresh = [
+            n
+            for n in sorted(result.specs)
+            if not is_template(n) and self.spec_for(n) is None and not self._known(n)
+        ]
         self.scan = result
         self._status.changed()  # its problems and priorities, even if nothing is decided
         for problem in result.problems:
@@ -621,7 +637,15 @@ class Controller:
         for unit in sorted(starts):
             if self.spec_for(unit) is None and not self._known(unit):
                 self._let_through(unit)  # its start, not yet answered, is forgotten
+        for unit in fresh:
+            if self.systemd.watches(unit):  # else read once matched (_watch_units)
+                self._spawn(self._read_unheard(unit, self.tracker.heard(unit)))
         self._rewatch()
+
+    async def _read_unheard(self, unit: str, seen: int) -> None:
+        """Read a unit newly followed, unless a signal of it told its state meanwhile."""
+        if self.tracker.heard(unit) == seen:
+            await self.reads.refresh(unit)
 
     def request_reload(self) -> None:
         """SIGHUP: reload config.yaml once for every signal that came in this turn of the
@@ -803,6 +827,14 @@ class Controller:
             self.ladder.went_down(unit)  # that run's processes, and what a suspend kept, went
         if spec is not None:
             self.tracker.passed_gate(unit)
+        if self.scheduler.phase(unit) in _RAN_PAST_GATE:
+            # granted at its pipe, then frozen (or suspended) before the call of its gate,
+            # which had not found the pipe, was served: the core answers no such unit
+            # (`request`), and the call, left waiting, was answered by nobody once the unit
+            # ran again: its start stuck at its gate on GPUs counted as in use. It asks
+            # again, and is judged then (`_grant_again`)
+            self.service.forget(unit)
+            return
         if self.scheduler.phase(unit) is Phase.STOPPING:
             # its start job outran our stop job (a preemption, or a start of ours withdrawn
             # when its annotation went): stop it again rather than leave it waiting or let
@@ -1118,6 +1150,10 @@ class Controller:
             withheld.cancel()
         path = env_file(self.config.runtime_dir, unit)
         devices = [self.scheduler.device(g) for g in sorted(gpus)]
+        # granted again while withheld (its gate asked again): said once already, so said
+        # again only when it goes through (a process of the unit calling in a loop wrote
+        # an error line per call)
+        again = again or withheld is not None
         try:
             envfiles.write(self.config.runtime_dir, unit, devices)
         except OSError as e:

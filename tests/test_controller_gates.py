@@ -1,0 +1,873 @@
+"""The gate path of the controller, pinned where mutation testing found no test holding it.
+
+gpuslice/controller.py answers each start's gate (through its pipe, or over D-Bus), checks
+who calls, withholds a grant until its environment file is written, counts every answer and
+takes in what systemd says of the units at their gates (on_unit_changed, _unmanaged_gate,
+_follow_gate, _apply, _verify_acquire, _acquire_verified, _grant_again, _serve_gate,
+_deliver, _deliver_withheld). Mutants of those functions survived the other controller
+tests: a gate's pipe let go while its line was unread, a cancelled start granted, a gate
+sent to D-Bus early, a stale grant said again on GPUs a more urgent unit takes, a counter
+that stopped counting, a log line an admin reads with other words. Each test here states
+the rule it holds, and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from pathlib import Path
+
+import pytest
+
+from gpuslice import controller as controller_module
+from gpuslice.core.scheduler import Phase, SavedState
+from gpuslice.nvml import DeviceScan, GpuProcess
+from gpuslice.systemd import Queued, SystemdError
+from tests.test_controller import (
+    GIB,
+    START,
+    Bed,
+    StubNvml,
+    _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
+    at_gate,
+    bed_config,
+    goes_down,
+    low_holds_gpu_0,
+    messages,
+    past,
+    read_pipe,
+    restarted_by_hand,
+    run,
+    settle,
+    state,
+    unannotate,
+    until,
+    write_unit,
+)
+
+
+@pytest.fixture
+def cgroup_of(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
+    """PID -> the unit its cgroup says (unit_of_pid reads /proc otherwise)."""
+    units: dict[int, str] = {}
+    monkeypatch.setattr(controller_module, "unit_of_pid", lambda pid: units.get(pid))
+    return units
+
+
+NO_REPLY = SystemdError(
+    "org.freedesktop.DBus.Error.NoReply",
+    "Message recipient disconnected from message bus without replying",
+)
+
+
+def running() -> dict[str, object]:
+    """PropertiesChanged of a unit past its gate."""
+    return {"ActiveState": "active", "SubState": "running"}
+
+
+# ---- the pipe of a unit gpuslice no longer manages ----
+
+
+def test_a_granted_gate_whose_annotation_went_keeps_its_pipe_until_systemd_names_its_state(
+    tmp_path: Path,
+) -> None:
+    """a.service was granted GPU 0 at its pipe and its gate has not read the line yet when
+    a daemon-reload takes its annotation out. A change of the unit that names no SubState (a
+    job queued on it; the adapter drops a SubState it cannot read) says nothing of its gate:
+    our end of the pipe stays open, so the gate still reads its grant. Closed before the
+    gate had opened the pipe, the line went with the last writer, and the gate blocked in
+    open() on a pipe nobody would open again. Once systemd shows it past its gate, the pipe
+    is let go."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        assert ctl.gates.answered("a.service")
+        await unannotate(ctl, tmp_path, "a.service")
+        assert ctl.gates.holding() == ["a.service"]
+        ctl.on_unit_changed("a.service", {"Job": (7, "/org/freedesktop/systemd1/job/7")})
+        ctl.on_unit_changed("a.service", {"ActiveState": "activating"})
+        assert ctl.gates.holding() == ["a.service"]
+        assert read_pipe(bed, "a.service") == START.hex() + "\n"
+        ctl.on_unit_changed("a.service", running())
+        assert ctl.gates.holding() == []
+
+    run(test)
+
+
+# ---- the counters of gate answers ----
+
+
+def test_every_gate_answer_is_counted_once_by_the_way_it_went(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """`gpuslice metrics` shows how gates were answered (gpuslice_gate_answers_total by
+    way): two starts that took their line from the pipe count 2 there; two grants said over
+    D-Bus, and a pipe grant said again over D-Bus to a gate that had not found its pipe,
+    count 3 there. A counter that is set rather than added to tells an admin that the fast
+    way was taken once."""
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n", "c.service": "Priority=50\n"},
+        [],
+    )
+    cgroup_of[4242] = "b.service"
+    cgroup_of[4243] = "c.service"
+    cgroup_of[4244] = "a.service"
+    second = bytes.fromhex("ab" * 16)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        for start in (START, second):  # two starts of a.service, each read at its pipe
+            ctl.on_unit_changed("a.service", at_gate(start))
+            await settle()
+            assert read_pipe(bed, "a.service") == start.hex() + "\n"
+            ctl.on_unit_changed("a.service", running())
+            goes_down(bed, "a.service")
+            await settle()
+        assert ctl.counters.gate_answers == {"pipe": 2, "dbus": 0}
+        for unit, sender, pid in (("b.service", ":1.9", 4242), ("c.service", ":1.10", 4243)):
+            await bed.acquire(unit, sender, pid)  # no pipe: over D-Bus
+            assert bed.service.granted[-1] == (unit, "0")
+            goes_down(bed, unit)
+            await settle()
+        assert ctl.counters.gate_answers == {"pipe": 2, "dbus": 2}
+        bed.systemd.invocations["a.service"] = START.hex()
+        ctl.on_unit_changed("a.service", at_gate(START))
+        await settle()
+        await bed.acquire("a.service", ":1.11", 4244)  # its gate found no pipe
+        assert bed.service.waiting == {}
+        assert ctl.counters.gate_answers == {"pipe": 2, "dbus": 3}
+
+    run(test)
+
+
+# ---- a read that names no start ----
+
+
+def test_a_read_of_a_start_taken_in_at_its_pipe_leaves_the_next_starts_gate_its_grace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A state read shows a.service at its gate, with no InvocationID, after the signal
+    that named that start: its pipe is held, and nothing is armed. Armed, the timer fired
+    GATE_UNSEEN_DELAY after that read, when a.service's next start was at its gate, read
+    but not yet signalled: that gate was sent to D-Bus (a second process, two round trips)
+    before its own read's delay was over, though its signal was on its way. Here the first
+    read's delay is over at once, the second's is long: the next start still gets its line
+    through the pipe."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    pipe = tmp_path / "run" / "gate" / "a.service"
+    second = bytes.fromhex("ab" * 16)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        assert read_pipe(bed, "a.service") == START.hex() + "\n"
+        monkeypatch.setattr(controller_module, "GATE_UNSEEN_DELAY", 0.0)
+        ctl.on_unit_changed("a.service", at_gate(invocation=None), read=True)
+        monkeypatch.setattr(controller_module, "GATE_UNSEEN_DELAY", 60.0)
+        ctl.on_unit_changed("a.service", running())
+        goes_down(bed, "a.service")
+        ctl.on_unit_changed("a.service", at_gate(invocation=None), read=True)  # next start
+        with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+            await settle()
+        assert pipe.exists()
+        assert not [m for m in messages(caplog) if "sent to D-Bus" in m]
+        ctl.on_unit_changed("a.service", at_gate(second))  # its signal
+        await settle()
+        assert read_pipe(bed, "a.service") == second.hex() + "\n"
+
+    run(test)
+
+
+# ---- a unit's end: what NVML still shows of it, how it ended, its gate's call ----
+
+
+class LingeringVram(StubNvml):
+    """One 24 GiB GPU; `shown` lists the processes NVML shows on it (PID, bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__(available=True)
+        self.shown: list[tuple[int, int]] = []
+        self.scans = 0
+
+    def devices(self) -> DeviceScan:
+        self.scans += 1
+        return DeviceScan(super().devices().gpus[:1], [])
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        return [GpuProcess(pid, 1, used, compute=True) for pid, used in self.shown]
+
+
+def process_of(tmp_path: Path, pid: int, unit: str) -> None:
+    """PID runs in `unit`'s cgroup, as /proc says."""
+    proc = tmp_path / "proc" / str(pid)
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text(f"0::/system.slice/{unit}\n")
+    (proc / "comm").write_text("python3\n")
+
+
+def test_a_holders_end_counts_the_vram_nvml_still_shows_of_it_until_released(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service (Memory=16G) ends; NVML still shows its process's 16 GiB on GPU 0 (the
+    driver frees VRAM a moment after the process is gone). A sample is taken at its end
+    with a.service no longer counted as holding GPU 0, so those 16 GiB are in use by no
+    declaration: b.service (Memory=16G) waits until NVML shows them freed. Decided on the
+    sample before the end, b.service was granted 16 GiB of a GPU that had 8 free, and its
+    job ran out of memory."""
+    nvml = LingeringVram()
+    process_of(tmp_path, 300, "a.service")
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\nMemory=16G\n", "b.service": "Priority=50\nMemory=16G\n"},
+        [],
+        nvml=nvml,
+    )
+    cgroup_of[4242] = "a.service"
+    cgroup_of[4243] = "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0")]
+        nvml.shown = [(300, 16 * GIB)]
+        ctl.on_unit_changed("a.service", running())
+        await bed.acquire("b.service", ":1.10", 4243)
+        assert ctl.scheduler.is_waiting("b.service")
+        goes_down(bed, "a.service")
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        assert ctl.scheduler.is_waiting("b.service")
+        nvml.shown = []  # released
+        ctl.watch.refresh()
+        await settle()
+        assert bed.service.granted[1:] == [("b.service", "0")]
+
+    run(test)
+
+
+def test_a_start_that_held_no_gpu_takes_no_nvml_sample_when_it_is_cancelled(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """A sample costs NVML calls on the controller's loop (issue 10): one is taken at a
+    unit's end only when the unit held GPUs, whose VRAM may still be in use. A start that
+    waited at its gate and was cancelled released nothing."""
+    nvml = LingeringVram()
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n"},
+        [],
+        nvml=nvml,
+    )
+    cgroup_of[4242] = "a.service"
+    cgroup_of[4243] = "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("a.service", ":1.9", 4242)
+        await bed.acquire("b.service", ":1.10", 4243)
+        assert ctl.scheduler.is_waiting("b.service")
+        scans = nvml.scans
+        goes_down(bed, "b.service")
+        assert nvml.scans == scans
+        assert not ctl.scheduler.is_waiting("b.service")
+        goes_down(bed, "a.service")
+        assert nvml.scans == scans + 1
+
+    run(test)
+
+
+def test_a_victim_a_person_stopped_before_our_stop_is_held_not_brought_back(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An admin runs `systemctl stop low.service` as urgent.service's gate asks: systemd
+    merges gpuslice's StopUnit into the admin's stop job, announced before it, and answers
+    with that job. low.service was stopped by the admin, not preempted: it is held until
+    someone starts it (told so), not started again once urgent.service ends."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    theirs = "/org/freedesktop/systemd1/job/5"
+
+    async def merged(name: str, queued: Queued | None = None) -> str:
+        bed.systemd.calls.append(("stop", name))
+        if queued is not None:
+            queued(theirs)
+        return theirs
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(5, theirs, "low.service")  # the admin's stop
+        bed.systemd.stop_unit = merged  # type: ignore[method-assign]
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.systemd.calls[-1] == ("stop", "low.service")
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            goes_down(bed, "low.service")
+            await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert ctl.scheduler.snapshot().held == ["low.service"]
+        assert "low.service" not in ctl.scheduler.preempted
+        assert "low.service was stopped outside gpuslice: held until started again" in (
+            messages(caplog)
+        )
+
+    run(test)
+
+
+def test_a_gate_whose_start_is_cancelled_while_it_waits_is_told_to_ask_again(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service's gate waits over D-Bus for low.service to stop when its start is
+    cancelled (`systemctl stop urgent.service`). Its calls are answered "ask again" at once
+    (SchedulerService.forget): one may be the gate of its next start, read before this
+    end's signals, and dropped or left waiting its dbus-send waited for ever (its reply
+    timeout is ~24 days)."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.service.pending("urgent.service")
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        assert bed.service.waiting == {}
+        assert bed.service.sent_back == ["urgent.service"]
+        assert bed.service.granted == []
+
+    run(test)
+
+
+def test_a_stop_of_ours_that_systemd_cancelled_is_said_and_asked_again(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Someone cancels gpuslice's stop job of low.service (`systemctl cancel`): it still
+    runs on GPU 0, and urgent.service still waits. The journal says so, with the job's
+    result, at warning level; low.service keeps GPU 0 and, not having refused, is asked to
+    stop again for urgent.service (a refusal, told otherwise, would not be)."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.systemd.calls.count(("stop", "low.service")) == 1
+        path = "/org/freedesktop/systemd1/job/1"
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            ctl.on_job_removed(1, path, "low.service", "canceled")
+            ctl.on_unit_changed("low.service", {**running(), "Job": (0, "/")})
+            await settle()
+        assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+            (
+                "WARNING",
+                "low.service (priority 90) did not stop for urgent.service (priority 10): "
+                "its stop job ended with result 'canceled'; it keeps GPU 0",
+            )
+        ]
+        assert bed.systemd.calls.count(("stop", "low.service")) == 2
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        assert "low.service" not in ctl.scheduler.unstoppable
+
+    run(test)
+
+
+# ---- who calls, and whether the start still waits ----
+
+
+def test_an_acquire_from_a_process_in_no_unit_is_refused_and_says_so(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any local user can call Acquire naming any unit, from a login shell's process that
+    runs in no service unit: refused, and the journal names the unit asked for, the PID and
+    where it runs, in the words an admin greps for."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        await bed.controller.start()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            await bed.acquire("a.service", ":1.9", 4242)  # PID 4242's cgroup names no unit
+        assert bed.service.granted == []
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            "refused an Acquire for a.service from PID 4242, which runs in no unit"
+        ]
+
+    run(test)
+
+
+def test_a_start_cancelled_while_its_caller_is_checked_is_told_to_ask_again(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service's first start asks over D-Bus (no pipe yet) and is cancelled while the
+    controller asks the bus daemon who calls: systemd shows it down. Its call is answered
+    "ask again", nothing is granted or kept for it. Granted, a start that no longer runs
+    held GPU 0 until its unit was seen down again; left unanswered, a gate that is gone held
+    a bus connection of root's."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.pids[":1.9"] = 4242
+        bed.service.call("a.service", ":1.9")
+        ctl.on_acquire("a.service", ":1.9")
+        goes_down(bed, "a.service")  # before the caller's PID is known
+        await settle()
+        assert bed.service.granted == []
+        assert bed.service.waiting == {}
+        assert bed.service.sent_back == ["a.service"]
+        assert ctl.scheduler.grants() == {} and not ctl.scheduler.is_waiting("a.service")
+
+    run(test)
+
+
+def test_a_start_shown_at_its_gate_while_its_caller_is_checked_is_served(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """Systemd's word on the unit while its caller is checked is not always an end: a read
+    showing it at its gate changes nothing, and the call is granted."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.pids[":1.9"] = 4242
+        bed.service.call("a.service", ":1.9")
+        ctl.on_acquire("a.service", ":1.9")
+        ctl.on_unit_changed("a.service", at_gate(invocation=None), read=True)
+        await settle()
+        assert bed.service.granted == [("a.service", "0")]
+        assert bed.service.sent_back == []
+
+    run(test)
+
+
+def test_each_gate_the_scan_does_not_know_gets_its_own_rescan(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """An admin annotates new.service, then later other.service, each time with a
+    daemon-reload whose Reloading signal is lost (a full bus queue, which any user can
+    cause). Each unit's gate asks a controller whose scan does not know it: each is worth
+    one rescan, and waits its turn behind top.service. One rescan for the first unknown gate
+    only let the second through at once, ungated, onto GPU 0 that top.service holds."""
+    bed = Bed(
+        tmp_path,
+        {"top.service": "Priority=10\n"},
+        [state("top.service", "active", "running")],
+        SavedState(holders={"top.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    cgroup_of[4242] = "new.service"
+    cgroup_of[4243] = "other.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        for unit, sender, pid in (("new.service", ":1.9", 4242), ("other.service", ":1.10", 4243)):
+            write_unit(tmp_path, unit, "Priority=50\n")  # daemon-reload: signal lost
+            bed.systemd.units[unit] = state(unit, "activating", "start-pre", 5)
+            await bed.acquire(unit, sender, pid)
+            await until(lambda: ctl._rescan is None)
+            assert ctl.scheduler.is_waiting(unit)
+        assert bed.service.granted == []
+        assert ctl.scheduler.grants() == {"top.service": frozenset({0})}
+
+    run(test)
+
+
+def test_a_gate_that_asks_again_after_a_controller_restart_is_granted_again(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service was granted GPU 0 over D-Bus and the controller restarted before its gate
+    had the answer: systemd still shows it at its gate, and its gate asks again. Nothing
+    was granted at a pipe of this controller's: the grant kept for it is said again. Taken
+    for a gate on a pipe that a next start found, it was told to ask again, and asked again
+    until its start timed out."""
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n"},
+        [state("a.service", "activating", "start-pre", 3, "start")],
+        SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.phase("a.service") is Phase.RUNNING
+        await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0")]
+        assert bed.service.sent_back == []
+
+    run(test)
+
+
+# ---- a pipe grant asked for again over D-Bus ----
+
+
+def test_a_pipe_grant_whose_start_cannot_be_read_is_not_said_again(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """a.service was granted at its pipe and a gate of it asks over D-Bus: only systemd's
+    InvocationID tells whether it is the same start. When that read fails (systemd
+    re-executing), the call is answered "ask again", the failed call is counted with the
+    bus's errors, and the journal's debug line names the unit and the error."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    cgroup_of[4242] = "a.service"
+
+    async def unreadable(name: str) -> str | None:
+        raise NO_REPLY
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.invocation = unreadable  # type: ignore[method-assign]
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+            await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0")]  # the pipe's, said once
+        assert bed.service.sent_back == ["a.service"]
+        assert ctl.counters.to_json([])["dbus_call_errors"] == 1
+        assert ctl.counters.gate_answers == {"pipe": 0, "dbus": 0}
+        assert (
+            "cannot read the InvocationID of a.service: org.freedesktop.DBus.Error.NoReply: "
+            "Message recipient disconnected from message bus without replying"
+        ) in messages(caplog)
+
+    run(test)
+
+
+def test_a_pipe_grant_is_not_said_again_to_a_unit_preempted_while_its_start_was_read(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service was granted GPU 0 at its pipe; its gate, which found no pipe, asks over
+    D-Bus, and while systemd's answer on which start that is comes, urgent.service's gate
+    takes GPU 0 from it (its stop is sent). The answer names the same start, but the grant
+    is no longer low.service's to say: its call is answered "ask again" (and its gate, asking
+    again, is stopped). Said again, low.service ran on GPU 0 beside urgent.service."""
+    bed = Bed(tmp_path, {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"}, [])
+    cgroup_of[4242] = "low.service"
+    read = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def invocation(name: str) -> str | None:
+        read.set()
+        await answer.wait()
+        return START.hex()  # the start granted at the pipe
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.invocation = invocation  # type: ignore[method-assign]
+        ctl.on_unit_changed("low.service", at_gate())
+        await settle()
+        assert bed.service.granted == [("low.service", "0")]
+        bed.systemd.pids[":1.9"] = 4242
+        bed.service.call("low.service", ":1.9")
+        ctl.on_acquire("low.service", ":1.9")
+        await until(read.is_set)
+        ctl.on_unit_changed("urgent.service", at_gate(bytes.fromhex("cd" * 16)))
+        await settle()
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        answer.set()
+        await settle()
+        assert bed.service.granted == [("low.service", "0")]
+        assert bed.service.sent_back == ["low.service"]
+
+    run(test)
+
+
+def test_a_grant_of_several_gpus_names_them_all_on_both_ways(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """A unit with GPUs=2 is told "0,1" over D-Bus, the form the gate writes into its
+    environment: at its grant, and when its gate asks over D-Bus after its pipe grant."""
+    bed = Bed(
+        tmp_path, {"a.service": "Priority=50\nGPUs=2\n"}, [], config=bed_config(tmp_path, gpus=2)
+    )
+    bed.systemd.invocations["a.service"] = START.hex()
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        await bed.acquire("a.service", ":1.9", 4242)
+        assert bed.service.granted == [("a.service", "0,1")] * 2
+        assert bed.service.waiting == {}
+
+    run(test)
+
+
+# ---- a grant withheld until the environment file is written ----
+
+
+def unwritable_run(tmp_path: Path) -> Path:
+    """A runtime directory that cannot be made (a file in its place: a full /run, say);
+    removing the file makes room."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    return blocker
+
+
+def test_a_gate_that_asks_again_while_its_grant_is_withheld_goes_through_once(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """a.service is granted GPU 0 while its environment file cannot be written, and its
+    gate asks again meanwhile (a second call of it over D-Bus): the grant is decided again
+    and still withheld, with one retry of the write pending, not two, and the journal does
+    not say it again (a unit's process calling in a loop wrote an error line per call).
+    Once the file is written the gate goes through once, and the journal says so; two
+    retries said it twice and answered twice."""
+    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    blocker = unwritable_run(tmp_path)
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n"},
+        [],
+        config=bed_config(tmp_path, runtime_dir=str(blocker)),
+    )
+    cgroup_of[4242] = "a.service"
+    cgroup_of[4243] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate(invocation=None), read=True)
+        await bed.acquire("a.service", ":1.9", 4242)
+        await bed.acquire("a.service", ":1.10", 4243)  # asks again
+        assert bed.service.granted == []
+        assert ctl.scheduler.grants() == {"a.service": {0}}
+        blocker.unlink()
+        await until(lambda: bool(bed.service.granted))
+        await past(controller_module.ENV_RETRY)
+        assert bed.service.granted == [("a.service", "0")]
+        assert bed.service.waiting == {}
+        assert not ctl._withheld
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    path = blocker / "env" / "a.service" / "gpuslice.env"
+    assert [m for m in messages(caplog) if "gpuslice.env" in m] == [
+        f"cannot write {path} ([Errno 20] Not a directory: '{path.parent}'): "
+        "a.service waits at its gate until it can (tried again every 0.01 s)",
+        f"wrote {path}: a.service goes past its gate",
+    ]
+
+
+def test_a_withheld_grant_of_a_unit_being_preempted_is_not_let_through(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """low.service's grant waits for its environment file when urgent.service's gate asks
+    and takes GPU 0 (low.service is stopped). The file written later does not let
+    low.service's gate through onto GPU 0, which is urgent.service's once low.service is
+    down."""
+    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    blocker = unwritable_run(tmp_path)
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
+        [],
+        config=bed_config(tmp_path, runtime_dir=str(blocker)),
+    )
+    cgroup_of[4242] = "low.service"
+    errors: list[dict[str, object]] = []
+
+    async def test() -> None:
+        ctl = bed.controller
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: errors.append(context)
+        )
+        await ctl.start()
+        ctl.on_unit_changed("low.service", at_gate(invocation=None), read=True)
+        await bed.acquire("low.service", ":1.9", 4242)
+        await until(lambda: "low.service" in ctl._withheld)
+        ctl.on_unit_changed("urgent.service", at_gate(invocation=None), read=True)
+        await settle()
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        blocker.unlink()
+        await until(lambda: not ctl._withheld)
+        await settle()
+        assert bed.service.granted == []
+        assert bed.service.pending("low.service")
+        assert not (blocker / "env" / "low.service").exists()
+        assert errors == []
+
+    run(test)
+
+
+# ---- a gate served: a frozen unit's new start, a victim's gate ----
+
+
+def test_a_frozen_unit_restarted_by_hand_ended_stopped_and_its_vram_counts_until_released(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """emb.service is frozen beside voice.service on GPU 0 when an admin restarts it: that
+    run was ended by the admin's restart job, so it is taken as stopped from outside (said
+    so), and its new start is served. NVML still shows the 18 GiB of the run that ended:
+    sampled with emb.service no longer counted as holding GPU 0, they count as in use, and
+    the new start (Memory=4G) waits for them to be freed instead of being granted 4 GiB of
+    a GPU that has 2 free."""
+    nvml = LingeringVram()
+    process_of(tmp_path, 300, "emb.service")
+    bed = Bed(
+        tmp_path,
+        {
+            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+        },
+        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
+        SavedState(
+            holders={
+                "voice.service": ((0,), "running", 2, ""),
+                "emb.service": ((0,), "frozen", 1, ""),
+            },
+            frozen_for={"emb.service": ["voice.service"]},
+            seq=2,
+        ),
+        nvml=nvml,
+    )
+    bed.systemd.freezer = {"emb.service": "frozen"}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
+        nvml.shown = [(300, 18 * GIB)]
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            restarted_by_hand(bed, "emb.service", 9)
+            await settle()
+        assert "emb.service was stopped outside gpuslice: held until started again" in (
+            messages(caplog)
+        )
+        assert ctl.scheduler.phase("emb.service") is None
+        assert ctl.scheduler.is_waiting("emb.service")
+        nvml.shown = []
+        ctl.watch.refresh()
+        await settle()
+        assert ctl.scheduler.phase("emb.service") is Phase.RUNNING
+        assert read_pipe(bed, "emb.service") == START.hex() + "\n"
+
+    run(test)
+
+
+def test_a_gate_on_dbus_of_a_start_frozen_after_its_pipe_grant_asks_again_once_thawed(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """emb.service's first start found no pipe and its gate asks over D-Bus; the controller
+    granted that start at its start-pre signal (through the pipe, unread), and froze it for
+    voice.service before the call was served. The call is the same start's: emb.service is
+    not taken for ended (its run did not end, systemd still holds it frozen), and the call
+    is answered "ask again". Left waiting, as the core answers no frozen unit, nobody
+    answered it once emb.service was thawed: its start stayed at its gate for good while
+    the core counted it running on GPU 0. Thawed, its gate asks again and is granted."""
+    nvml = LingeringVram()
+    bed = Bed(
+        tmp_path,
+        {
+            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+        },
+        [],
+        nvml=nvml,
+    )
+    bed.systemd.invocations["emb.service"] = START.hex()
+    cgroup_of[4242] = "emb.service"
+    (tmp_path / "cgroup.controllers").write_text("")  # the unified hierarchy: a freezer
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.ladder.unified_marker = tmp_path / "cgroup.controllers"
+        await ctl.start()
+        ctl.on_unit_changed("emb.service", at_gate())
+        await settle()
+        assert bed.service.granted == [("emb.service", "0")]
+        ctl.on_unit_changed("voice.service", at_gate(bytes.fromhex("cd" * 16)))
+        await settle()
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.acquire("emb.service", ":1.9", 4242)
+        assert bed.service.sent_back == ["emb.service"]
+        assert bed.service.waiting == {}
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
+        assert [m for m in messages(caplog) if "emb.service" in m] == []
+        goes_down(bed, "voice.service")
+        await until(lambda: ctl.scheduler.phase("emb.service") is Phase.RUNNING)
+        assert ("thaw", "emb.service") in bed.systemd.calls
+        await bed.acquire("emb.service", ":1.10", 4242)  # thawed, its gate asks again
+        assert bed.service.granted[-1] == ("emb.service", "0")
+        assert bed.service.waiting == {}
+
+    run(test)
+
+
+def test_the_gate_of_a_unit_being_stopped_is_stopped_again_and_said_as_a_stop(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """low.service, granted at its pipe, is being stopped for urgent.service when its gate,
+    which found no pipe, asks over D-Bus: it is stopped again, not let through. That second
+    StopUnit does not reach systemd (re-executing): the journal's lines say "stop" of it,
+    the words an admin greps for, and it is sent again until it does."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    bed = Bed(tmp_path, {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"}, [])
+    cgroup_of[4242] = "low.service"
+    stop = bed.systemd.stop_unit
+    fails = [False, True]  # the first stop goes through, the one at the gate does not
+
+    def flaky(name: str, queued: Queued | None = None) -> Awaitable[str]:
+        if not (fails.pop(0) if fails else False):
+            return stop(name, queued)
+        bed.systemd.calls.append(("stop", name))
+
+        async def lost() -> str:
+            raise NO_REPLY
+
+        return lost()
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.stop_unit = flaky  # type: ignore[method-assign]
+        ctl.on_unit_changed("low.service", at_gate())
+        await settle()
+        ctl.on_unit_changed("urgent.service", at_gate(bytes.fromhex("cd" * 16)))
+        await settle()
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+            await bed.acquire("low.service", ":1.9", 4242)
+            await until(lambda: bed.systemd.calls.count(("stop", "low.service")) == 3)
+            await settle()
+        assert bed.service.granted == [("low.service", "0")]  # the pipe's, not said again
+        assert [m for m in messages(caplog) if "reach" in m] == [
+            "stop low.service did not reach systemd: Message recipient disconnected from "
+            "message bus without replying (org.freedesktop.DBus.Error.NoReply); sent again "
+            "in 0.02 s",
+            "stopping low.service did not reach systemd: Message recipient disconnected from "
+            "message bus without replying (org.freedesktop.DBus.Error.NoReply); sent again in "
+            "0.02 s, and until systemd takes it (said once)",
+            "stopping low.service reached systemd: sent again, it went through",
+        ]
+
+    run(test)

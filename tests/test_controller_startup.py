@@ -1,0 +1,1233 @@
+"""The controller's start-up, its wiring and what it re-reads: rules no test held.
+
+Mutation testing of gpuslice/controller.py showed these kept by nothing: how the daemon
+builds the controller (the host's root, its own Inventory, the bus service routing every
+method to the controller), the policy switches of config.yaml at start and at a reload, the
+callbacks it hands the systemd adapter, the rebuild after a restart (each end, lost stop
+and adoption it finds said once, and the stops and starts still under way left alone),
+which units' signals are matched, the read of a start job queued, a stop job cancelled,
+rescans and their problems, reloads and their words. Each is what an admin reads in
+`journalctl -u gpuslice`, a call sent to systemd, or what the state file and status say.
+
+And one fault found on the way (the last tests): a unit annotated while it ran was never
+read, so never adopted, while one rule matched every unit's signals (beyond
+MAX_UNIT_RULES units, or once the bus daemon refused a rule per unit): its GPU was granted
+beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from dbus_next import Message
+from dbus_next.constants import MessageType, NameFlag, RequestNameReply
+
+from gpuslice import checkpoint
+from gpuslice import controller as controller_module
+from gpuslice import rereads as rereads_module
+from gpuslice.annotations import Scan, scan
+from gpuslice.config import Config
+from gpuslice.controller import Controller
+from gpuslice.core.scheduler import Phase, SavedState
+from gpuslice.inventory import Inventory
+from gpuslice.journal import Journal
+from gpuslice.nvml import GpuProcess
+from gpuslice.paths import env_file
+from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH
+from gpuslice.state import StateStore
+from gpuslice.systemd import Systemd, SystemdError
+from gpuslice.tracker import UnitState
+from tests.test_controller import (
+    BOOT,
+    Bed,
+    FakeSystemd,
+    StubNvml,
+    at_gate,
+    bed_config,
+    goes_down,
+    past_queued_delay,
+    queued,
+    run,
+    settle,
+    state,
+    unannotate,
+    until,
+    write_unit,
+)
+
+JOB1 = "/org/freedesktop/systemd1/job/1"
+DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+
+
+@pytest.fixture(autouse=True)
+def _no_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    monkeypatch.delenv("GPUSLICE_DRIVER_ROOT", raising=False)
+
+
+@pytest.fixture
+def cgroup_of(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
+    """PID -> the unit its cgroup says (unit_of_pid reads /proc otherwise)."""
+    units: dict[int, str] = {}
+    monkeypatch.setattr(controller_module, "unit_of_pid", lambda pid: units.get(pid))
+    return units
+
+
+def lines(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
+    """The controller's journal lines at `level` or above, as `journalctl -u gpuslice`."""
+    return [r.getMessage() for r in caplog.records if r.name == "gpuslice" and r.levelno >= level]
+
+
+def low_holds_gpu_0_patiently(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
+    """low.service (90) runs on the one GPU; urgent.service (10) asks from PID 4242; a stop
+    is overdue after the default 90 s (no overdue line in a busy test run)."""
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
+        [state("low.service", "active", "running")],
+        SavedState(holders={"low.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    cgroup_of[4242] = "urgent.service"
+    return bed
+
+
+def rebuilt(bed: Bed, tmp_path: Path, **kwargs: Any) -> Controller:
+    """The bed's controller, built again as the daemon would with `kwargs` (a journal)."""
+    bed.controller = Controller(
+        bed.config,
+        tmp_path / "config.yaml",
+        cast(Systemd, bed.systemd),
+        root=str(tmp_path / "root"),
+        inventory=bed.controller.watch.inventory,
+        service=bed.controller.service,
+        **kwargs,
+    )
+    return bed.controller
+
+
+# ---- how the daemon builds it: the host's root, its own inventory, the bus service ----
+
+
+class FakeBus:
+    """dbus-next's MessageBus as SchedulerService uses it: one handler, messages sent."""
+
+    def __init__(self) -> None:
+        self.handlers: list[Any] = []
+        self.sent: list[Message] = []
+        self.names: list[str] = []
+
+    def add_message_handler(self, handler: Any) -> None:
+        self.handlers.append(handler)
+
+    def send(self, msg: Message) -> asyncio.Future[None]:
+        self.sent.append(msg)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    async def request_name(self, name: str, flags: NameFlag) -> RequestNameReply:
+        self.names.append(name)
+        return RequestNameReply.PRIMARY_OWNER
+
+    def call(self, member: str, *body: str, serial: int = 1) -> Any:
+        """A method call on the controller's object, from PID 4242's connection."""
+        [handler] = self.handlers
+        msg = Message(
+            destination=BUS_NAME,
+            path=OBJECT_PATH,
+            interface=INTERFACE,
+            member=member,
+            signature="s" * len(body),
+            body=list(body),
+            sender=":1.9",
+            serial=serial,
+        )
+        return handler(msg)
+
+    def answer_to(self, serial: int) -> Message:
+        [answer] = [m for m in self.sent if m.reply_serial == serial]
+        return answer
+
+
+def test_the_daemons_controller_reads_the_hosts_units_and_answers_every_method_on_the_bus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cgroup_of: dict[int, str]
+) -> None:
+    """`gpuslice controller` builds the controller with no root, inventory or service: it
+    reads the unit files under / (at start and at each rescan), samples with an Inventory
+    of the config it was given, and its bus service routes Acquire, Status, Plan and Reload
+    to it. Every test bed passes its own, so none held what the daemon itself runs on."""
+    write_unit(tmp_path, "a.service", "Priority=50\n")
+    roots: list[str] = []
+
+    def scanned(root: str) -> Scan:
+        roots.append(root)
+        return scan(str(tmp_path / "root"))
+
+    configs: list[Config] = []
+
+    def inventory(config: Config) -> Inventory:
+        configs.append(config)
+        nvml = StubNvml(available=False)
+        return Inventory(config, nvml=nvml, proc=tmp_path / "proc", driver_root=tmp_path / "no")
+
+    monkeypatch.setattr(controller_module, "scan", scanned)
+    monkeypatch.setattr(controller_module, "Inventory", inventory)
+    config = bed_config(tmp_path, gpus=2)
+    systemd = FakeSystemd([])
+    systemd.pids[":1.9"] = 4242
+    cgroup_of[4242] = "a.service"
+    bus = FakeBus()
+    systemd.bus = bus  # type: ignore[attr-defined]
+    before = time.time()
+    ctl = Controller(config, tmp_path / "config.yaml", cast(Systemd, systemd))
+    after = time.time()
+    assert roots == ["/"] and configs == [config]
+
+    async def test() -> None:
+        # answered from the moment the service is on the bus (its unique name), start-up
+        # or not: the GPUs of config.yaml, each by its index
+        assert bus.call("Status", serial=5) is True
+        early = json.loads(bus.answer_to(5).body[0])
+        assert [g["index"] for g in early["gpus"]] == [0, 1]
+        assert before <= early["controller"]["start_time"] <= after
+        await ctl.start()
+        assert bus.names == [BUS_NAME]
+        assert ctl.status_line() == "2 GPUs: idle; 0 waiting"
+        assert bus.call("Acquire", "a.service", serial=1) is True
+        await settle()
+        assert bus.answer_to(1).body == ["0"]
+        assert bus.call("Status", serial=2) is True
+        status = json.loads(bus.answer_to(2).body[0])
+        assert status["gpus"][0]["holders"][0]["unit"] == "a.service"
+        plan = bus.call("Plan", "a.service", serial=3)
+        assert plan.message_type is MessageType.METHOD_RETURN
+        assert json.loads(plan.body[0])["unit"] == "a.service"
+        reload = bus.call("Reload", serial=4)
+        assert reload.message_type is MessageType.METHOD_RETURN
+        await until(lambda: len(roots) == 2 and ctl._rescan is None)
+        assert roots == ["/", "/"]
+
+    run(test)
+
+
+def test_decisions_go_to_the_journal_the_daemon_built_the_controller_with(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under systemd the daemon hands the controller a Journal: each decision is an entry
+    that its unit's own journal shows too (`journalctl -u a.service`), not a plain line, and
+    status counts the entries journald did not take."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    entries: list[dict[str, str]] = []
+
+    class Recorder:
+        failures = 3
+
+        def send(self, fields: list[tuple[str, str]]) -> bool:
+            entries.append(dict(fields))
+            return True
+
+    ctl = rebuilt(bed, tmp_path, journal=cast(Journal, Recorder()))
+
+    async def test() -> None:
+        await ctl.start()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.on_unit_changed("a.service", at_gate())
+            await settle()
+        assert [(e["MESSAGE"], e["GPUSLICE_DECISION"]) for e in entries] == [
+            ("starting a.service (priority 50) on GPU 0", "grant")
+        ]
+        assert not [m for m in lines(caplog) if "a.service" in m]
+        counters = json.loads(ctl.status_json())["counters"]
+        assert counters["journal_write_errors"] == 3
+
+    run(test)
+
+
+# ---- config.yaml's policy switches, at start and at a reload ----
+
+
+class UsersProcessOnGpu1(StubNvml):
+    """The two GPUs, with a user's process (PID 200, in a login session) on GPU 1 while
+    `present`."""
+
+    present = True
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        return [GpuProcess(200, 1, 1 << 30, compute=True)] if index == 1 and self.present else []
+
+
+def bg_beside_a_users_process(tmp_path: Path, foreign_processes: str) -> Bed:
+    """bg.service (background) runs on GPU 1 as saved; a user's CUDA process runs there."""
+    proc = tmp_path / "proc" / "200"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("0::/user.slice/user-1000.slice/session-2.scope\n")
+    (proc / "comm").write_text("python3\n")
+    return Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "active", "running")],
+        SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
+        config=bed_config(tmp_path, gpus=2, foreign_processes=foreign_processes),
+        nvml=UsersProcessOnGpu1(),
+    )
+
+
+YIELDED = (
+    "yielding GPU 1: stopping background bg.service (priority 90) while a process gpuslice "
+    "does not manage uses it (PID 200; UID 1000)"
+)
+
+
+@pytest.mark.parametrize("policy", ["yield", "ignore"])
+def test_foreign_processes_in_config_decides_whether_a_background_unit_yields_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """README, foreign_processes: `yield` stops a background unit on a GPU that a process no
+    managed unit owns uses; `ignore` only counts that process's memory. The controller
+    starts with the policy its config.yaml says, not the core's default (yield)."""
+    bed = bg_beside_a_users_process(tmp_path, policy)
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+            await settle()
+        stopped = ("stop", "bg.service") in bed.systemd.calls
+        assert stopped is (policy == "yield")
+        assert (YIELDED in lines(caplog)) is (policy == "yield"), lines(caplog)
+
+    run(test)
+
+
+@pytest.mark.parametrize(("before", "after"), [("ignore", "yield"), ("yield", "ignore")])
+def test_a_reload_applies_the_foreign_processes_policy_it_reads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, before: str, after: str
+) -> None:
+    """`systemctl reload gpuslice` after foreign_processes was changed, as a user's process
+    starts on bg.service's GPU: the reload's sample decides on the new policy (the
+    background unit yields to it, or no longer does), without a restart."""
+    bed = bg_beside_a_users_process(tmp_path, before)
+    cast(UsersProcessOnGpu1, bed.nvml).present = False
+    (tmp_path / "config.yaml").write_text(f"gpus: 2\nforeign_processes: {after}\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.systemd.calls == [("subscribe", "")]
+        cast(UsersProcessOnGpu1, bed.nvml).present = True
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.reload_config()
+            await until(lambda: ctl._rescan is None)
+            await settle()
+        stopped = ("stop", "bg.service") in bed.systemd.calls
+        assert stopped is (after == "yield")
+        assert (YIELDED in lines(caplog)) is (after == "yield"), lines(caplog)
+
+    run(test)
+
+
+def p_preempted_by_urgent(tmp_path: Path, requeue_at_gate: bool) -> Bed:
+    """p.service (50) was preempted for urgent.service (10), which runs on the one GPU."""
+    return Bed(
+        tmp_path,
+        {"p.service": "Priority=50\n", "urgent.service": "Priority=10\n"},
+        [state("urgent.service", "active", "running")],
+        SavedState(
+            holders={"urgent.service": ((0,), "running", 2, "")}, preempted={"p.service": 1}, seq=2
+        ),
+        config=bed_config(tmp_path, requeue_at_gate=requeue_at_gate),
+    )
+
+
+QUEUED_AT_GATE = (
+    "restarting preempted p.service (priority 50): it waits at its gate for more urgent units"
+)
+
+
+@pytest.mark.parametrize("requeue_at_gate", [True, False])
+def test_requeue_at_gate_in_config_restarts_a_preempted_unit_to_wait_at_its_gate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, requeue_at_gate: bool
+) -> None:
+    """README, requeue_at_gate: true restarts a preempted unit whose GPUs are taken at once,
+    to wait at its gate (systemctl list-jobs shows it); false (the default) restarts it once
+    they are free. The controller starts with what config.yaml says."""
+    bed = p_preempted_by_urgent(tmp_path, requeue_at_gate)
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+            await settle()
+        assert (("start", "p.service") in bed.systemd.calls) is requeue_at_gate
+        assert (QUEUED_AT_GATE in lines(caplog)) is requeue_at_gate, lines(caplog)
+
+    run(test)
+
+
+def test_a_reload_that_turns_requeue_at_gate_on_restarts_a_preempted_unit_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """requeue_at_gate: true written and the config reloaded: p.service, preempted and its
+    GPU still taken, is restarted to wait at its gate by the reload's rescan."""
+    bed = p_preempted_by_urgent(tmp_path, False)
+    (tmp_path / "config.yaml").write_text("requeue_at_gate: true\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.systemd.calls == [("subscribe", "")]
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.reload_config()
+            await until(lambda: ctl._rescan is None)
+            await settle()
+        assert bed.systemd.calls == [("subscribe", ""), ("start", "p.service")]
+        assert QUEUED_AT_GATE in lines(caplog)
+
+    run(test)
+
+
+def test_a_requeue_waiting_at_its_gate_whose_annotation_went_is_stopped_not_let_through(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpuslice restarted the preempted p.service to wait at its gate (requeue_at_gate), and
+    its gate asks, when a daemon-reload takes p.service's annotation out. The start is
+    gpuslice's own: it is stopped, as gpuslice starts no unannotated unit. Let through, its
+    gate passed with no GPU of gpuslice's and p.service ran ungated, beside urgent.service."""
+    bed = p_preempted_by_urgent(tmp_path, True)
+    cgroup_of[4242] = "p.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "p.service")
+        bed.systemd.units["p.service"] = state("p.service", "activating", "start-pre", 3)
+        await bed.acquire("p.service")
+        assert ctl.scheduler.is_waiting("p.service")
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await unannotate(ctl, tmp_path, "p.service")
+            await settle()
+        assert bed.systemd.calls[-1] == ("stop", "p.service")
+        assert bed.service.granted == []
+        assert ctl.scheduler.phase("p.service") is Phase.STOPPING
+        assert not [m for m in lines(caplog) if "passed the gate" in m], lines(caplog)
+
+    run(test)
+
+
+# ---- the rebuild after a restart: what it finds is said once, what is under way stays ----
+
+
+def test_start_up_says_each_end_and_lost_stop_it_finds_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the controller was away a.service and b.service ended, c.service (frozen) was
+    stopped and started again, d.service's stop for g.service was lost, e.service (suspended)
+    was stopped by hand, and f.service started unknown to it. Start-up takes each in, and the
+    journal says each once, in that order: none of the lines of one unit may be lost to the
+    next unit's."""
+    units = {f"{c}.service": "Priority=50\nMemory=1G\n" for c in "abcdfg"}
+    units["e.service"] = "Priority=90\nMemory=1G\nPreempt=suspend stop\n"
+    bed = Bed(
+        tmp_path,
+        units,
+        [
+            state("a.service", "inactive", "dead"),
+            state("b.service", "inactive", "dead"),
+            state("c.service", "activating", "start-pre", 5, "start"),
+            state("d.service", "active", "running"),
+            state("f.service", "active", "running"),
+        ],
+        SavedState(
+            holders={
+                "a.service": ((0,), "running", 1, ""),
+                "b.service": ((0,), "running", 2, ""),
+                "c.service": ((0,), "frozen", 3, ""),
+                "d.service": ((0,), "stopping", 4, "g.service"),
+            },
+            suspended={"e.service": ((0,), 5)},
+            frozen_for={"c.service": ["b.service"]},
+            seq=6,
+        ),
+    )
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+        assert bed.systemd.calls == [("subscribe", "")]
+        snap = bed.controller.scheduler.snapshot()
+        assert snap.finished == ["a.service", "b.service"]
+        assert snap.held == ["e.service"]
+        assert bed.controller.scheduler.phase("d.service") is Phase.RUNNING
+        assert bed.controller.scheduler.is_waiting("c.service")
+
+    run(test)
+    assert lines(caplog, logging.INFO)[1:] == [
+        "a.service finished: released GPU 0",
+        "b.service finished: released GPU 0",
+        "c.service finished: released GPU 0",
+        "d.service (priority 50) did not stop: its stop was lost while the controller was away;"
+        " it keeps GPU 0",
+        "e.service was stopped outside gpuslice: held until started again",
+        "f.service (priority 50) is running without enough free GPUs to account for it; "
+        "counting it on none",
+        "c.service waiting: needs 1 GiB on one GPU; GPU 0 held by d.service, priority 50",
+        "gpuslice ready: 1 GPU: d.service running; 1 waiting",
+    ]
+
+
+def test_start_up_leaves_stops_under_way_to_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """h.service and i.service were stopping for u.service, which waits at its gate: h.service
+    is on its way down by itself (no job), i.service's stop job is queued. Neither stop was
+    lost: both stay stopping (preempted once down), nothing is sent again, and u.service
+    waits for both, the journal says."""
+    bed = Bed(
+        tmp_path,
+        {"h.service": "Priority=90\n", "i.service": "Priority=90\n", "u.service": "Priority=10\n"},
+        [
+            state("h.service", "deactivating", "stop-sigterm"),
+            state("i.service", "active", "running", 7, "stop"),
+            state("u.service", "activating", "start-pre", 3, "start"),
+        ],
+        SavedState(
+            holders={
+                "h.service": ((0,), "stopping", 1, "u.service"),
+                "i.service": ((1,), "stopping", 2, "u.service"),
+            },
+            seq=2,
+        ),
+        config=bed_config(tmp_path, gpus=2),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await ctl.start()
+            await settle()
+        assert bed.systemd.calls == [("subscribe", "")]
+        assert ctl.scheduler.phase("h.service") is Phase.STOPPING
+        assert ctl.scheduler.phase("i.service") is Phase.STOPPING
+
+    run(test)
+    assert lines(caplog, logging.INFO)[1:] == [
+        "u.service waiting for h.service (priority 90) to stop on GPU 0, i.service "
+        "(priority 90) to stop on GPU 1",
+        "gpuslice ready: 2 GPUs: h.service, i.service running; 1 waiting",
+    ]
+
+
+def test_start_up_leaves_starts_of_ours_that_systemd_runs_to_their_gates(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpuslice had started j.service and k.service (refills). systemd shows j.service
+    failed and waiting to restart (its restart job queued), k.service's start job queued:
+    both starts reached systemd, so neither is sent again (a second StartUnit would be a
+    second run, or merge into someone's job). k.service keeps GPU 1 for its gate, which is
+    granted when it asks, not before (nothing of it runs yet)."""
+    bed = Bed(
+        tmp_path,
+        {
+            "j.service": "Priority=80\nType=background\n",
+            "k.service": "Priority=80\nType=background\n",
+        },
+        [
+            state("j.service", "activating", "auto-restart", 8, "restart"),
+            state("k.service", "inactive", "dead", 9, "start"),
+        ],
+        SavedState(
+            holders={
+                "j.service": ((0,), "starting", 1, ""),
+                "k.service": ((1,), "starting", 2, ""),
+            },
+            seq=2,
+            started=["j.service", "k.service"],
+        ),
+        config=bed_config(tmp_path, gpus=2),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await ctl.start()
+            await settle()
+        assert bed.systemd.calls == [("subscribe", "")]
+        assert ctl.scheduler.phase("k.service") is Phase.STARTING
+        assert ctl.scheduler.grants()["k.service"] == frozenset({1})
+        assert not env_file(bed.config.runtime_dir, "k.service").exists()
+
+    run(test)
+    assert lines(caplog, logging.INFO)[1:] == [
+        "j.service failed: gpuslice will not start it by itself (its own Restart= policy applies)",
+        "starting j.service (priority 80) on GPU 0",
+        "gpuslice ready: 2 GPUs: j.service, k.service running; 0 waiting",
+    ]
+
+
+def test_a_running_unit_booked_from_its_env_file_is_said_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The state file lost: a.service, running, is booked on GPU 1 that its env file names,
+    and the journal says where that came from (an admin comparing the books with nvidia-smi
+    needs to know they are a guess from the file, not a saved grant)."""
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n"},
+        [state("a.service", "active", "running")],
+        config=bed_config(tmp_path, gpus=2),
+    )
+    path = env_file(bed.config.runtime_dir, "a.service")
+    path.parent.mkdir(parents=True)
+    path.write_text("CUDA_VISIBLE_DEVICES=1\nGPUSLICE_GPUS=1\n")
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+        assert bed.controller.scheduler.grants() == {"a.service": frozenset({1})}
+
+    run(test)
+    assert "a.service runs without a saved grant: GPUs [1] from its env file" in lines(caplog)
+
+
+def test_what_start_up_decided_is_saved_before_it_is_ready(tmp_path: Path) -> None:
+    """gone.service ended while the controller was away: start-up records it finished and
+    saves that at once. The save was left to a scheduling pass that nothing was due to run:
+    a controller killed then, or stopped, left the state file naming gone.service a holder
+    of GPU 0 (a restart adopted the GPU of a unit long gone)."""
+    bed = Bed(
+        tmp_path,
+        {"gone.service": "Priority=50\n"},
+        [state("gone.service", "inactive", "dead")],
+        SavedState(holders={"gone.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    store = StateStore(Path(bed.config.state_dir))
+
+    async def test() -> None:
+        await bed.controller.start()
+        saved, boot = store.load()
+        assert (saved.holders, saved.finished, boot) == ({}, ["gone.service"], BOOT)
+
+    run(test)
+
+
+def test_a_controller_that_decided_nothing_writes_no_state(tmp_path: Path) -> None:
+    """Nothing to take in at start-up, no event since: stopping (`save_now`) or a pass
+    writes nothing; a save costs a rename and an fsync on the state directory's disk."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    state_file = Path(bed.config.state_dir) / "state.json"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", DOWN)  # a signal that changes nothing: one pass
+        await settle()
+        ctl.save_now()
+        assert not state_file.exists()
+
+    run(test)
+
+
+def test_status_in_systemctl_follows_each_change_after_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl status gpuslice` shows STATUS=: READY=1 carries the first, and each change
+    since is sent STATUS_DELAY later (a grant here). The first change's was never sent,
+    nor any after it: the line stayed "idle" while jobs ran."""
+    monkeypatch.setattr(controller_module, "STATUS_DELAY", 0.01)
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    said: list[str] = []
+
+    class Told:
+        def ready(self, status: str) -> None:
+            said.append(f"READY=1 {status}")
+
+        def status(self, status: str) -> None:
+            said.append(status)
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.notifier = cast(Any, Told())
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate())
+        await until(lambda: len(said) == 2)
+        assert said == [
+            "READY=1 1 GPU: idle; 0 waiting",
+            "1 GPU: a.service running; 0 waiting",
+        ]
+
+    run(test)
+
+
+# ---- what systemd says reaches the controller; which units' signals are matched ----
+
+
+def test_systemds_signals_reach_the_controller_through_the_adapter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up hands the systemd adapter the controller's handlers for each signal: a
+    unit's change, JobNew, JobRemoved, Reloading and systemd's re-execution. Left with the
+    adapter's own (which drop them), the controller heard nothing after start-up."""
+    monkeypatch.setattr(rereads_module, "REFRESH_DELAY", 0.01)
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n"},
+        [state("a.service", "active", "running")],
+        config=bed_config(tmp_path, gpus=2),
+    )
+    pipe = Path(bed.config.runtime_dir) / "gate" / "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        adapter = bed.systemd
+        await ctl.start()
+        await settle()
+        adapter.on_job_new(1, JOB1, "b.service")
+        assert pipe.exists()  # made for its gate
+        adapter.on_unit_changed("b.service", at_gate())
+        await settle()
+        assert bed.controller.scheduler.grants()["b.service"] == frozenset({1})
+        adapter.units["b.service"] = state("b.service", "active", "running")
+        adapter.on_unit_changed("b.service", {"ActiveState": "active", "SubState": "running"})
+        adapter.on_job_removed(1, JOB1, "b.service", "done")
+        await until(lambda: adapter.reads == ["b.service"])  # nothing said since: read
+        adapter.on_systemd_restarted()
+        await until(lambda: sorted(adapter.reads) == ["a.service", "b.service", "b.service"])
+        write_unit(tmp_path, "c.service", "Priority=50\n")
+        adapter.on_reloading(True)
+        adapter.on_reloading(False)
+        await until(lambda: ctl.spec_for("c.service") is not None)
+
+    run(test)
+
+
+def test_annotation_problems_are_said_at_start_up_and_at_each_rescan(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo in an annotation (Priority=high) is an error naming the file, line and key,
+    in the journal at start-up and again at each rescan (daemon-reload), where an admin who
+    just edited it looks."""
+    write_unit(tmp_path, "b.service", "Priority=high\n")
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    problem = (
+        "/etc/systemd/system/b.service:5: [X-GPUSlice] Priority: expected an integer 0-999, "
+        'got "high"'
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await ctl.start()
+            assert lines(caplog, logging.ERROR) == [problem]
+            caplog.clear()
+            ctl.request_rescan()
+            await until(lambda: ctl._rescan is None)
+            assert lines(caplog, logging.ERROR) == [problem]
+
+    run(test)
+
+
+def test_a_preempted_instance_systemd_no_longer_lists_is_heard_and_comes_back(
+    tmp_path: Path,
+) -> None:
+    """p@1.service (an instance of an annotated template) was preempted for urgent.service;
+    systemd garbage-collected it meanwhile, so only the state file names it. Start-up knows
+    it by that name: its signals are matched (a start by hand must be heard), and it is
+    started again once urgent.service's GPU is free."""
+    bed = Bed(
+        tmp_path,
+        {"p@.service": "Priority=60\n", "urgent.service": "Priority=10\n"},
+        [state("urgent.service", "active", "running")],
+        SavedState(
+            holders={"urgent.service": ((0,), "running", 2, "")},
+            preempted={"p@1.service": 1},
+            seq=2,
+        ),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"urgent.service", "p@1.service"})
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "p@1.service")
+
+    run(test)
+
+
+def test_a_running_unit_whose_annotation_went_is_still_heard_until_it_ends(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service's annotation went while it runs on GPU 0, which it keeps until it ends:
+    its signals stay matched, or its end was never heard and GPU 0 stayed held for good."""
+    bed = low_holds_gpu_0_patiently(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotate(ctl, tmp_path, "low.service")
+        await until(lambda: bed.systemd.watched == {"urgent.service", "low.service"})
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+
+    run(test)
+
+
+def test_an_instance_on_its_way_down_at_start_up_is_heard_until_it_is_down(
+    tmp_path: Path,
+) -> None:
+    """t@2.service is stopping (deactivating) when the controller starts: the core knows
+    it as systemd lists it, and hears its end before forgetting it. Forgotten at once, as
+    one already down is, its signals were unmatched and its end unheard."""
+    bed = Bed(
+        tmp_path,
+        {"t@.service": "Priority=50\n"},
+        [
+            state("t@1.service", "inactive", "dead"),
+            state("t@2.service", "deactivating", "stop-sigterm", 4, "stop"),
+        ],
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.annotated() == {"t@2.service"}
+        await until(lambda: bed.systemd.watched == {"t@2.service"})
+        bed.controller.on_unit_changed("t@2.service", DOWN)
+        await settle()
+        assert ctl.scheduler.annotated() == set()
+
+    run(test)
+
+
+def test_a_template_systemd_lists_is_no_unit_of_the_core(tmp_path: Path) -> None:
+    """Anyone may have systemd load a template (`systemctl show t@.service`), and it is
+    listed then: t@.service annotates its instances, it is no unit to schedule, save or
+    match signals of."""
+    bed = Bed(
+        tmp_path,
+        {"t@.service": "Priority=50\n", "a.service": "Priority=50\n"},
+        [state("t@.service", "inactive", "dead"), state("a.service", "inactive", "dead")],
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.annotated() == {"a.service"}
+        await until(lambda: bed.systemd.watched == {"a.service"})
+        ctl.request_rescan()
+        await until(lambda: ctl._rescan is None)
+        assert ctl.scheduler.annotated() == {"a.service"}
+
+    run(test)
+
+
+def test_a_plain_unit_whose_annotation_went_is_no_longer_heard_after_its_start(
+    tmp_path: Path,
+) -> None:
+    """a.service's start job was seen (JobNew), then its annotation went: its signals are
+    no longer matched. Only an instance of a template is matched for its start's sake; a
+    plain unit kept so was listened to (every signal of it read) for good."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n", "b.service": "Priority=50\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"a.service", "b.service"})
+        ctl.on_job_new(1, JOB1, "a.service")
+        await unannotate(ctl, tmp_path, "a.service")
+        await until(lambda: bed.systemd.watched == {"b.service"})
+
+    run(test)
+
+
+def test_an_instance_started_again_while_still_matched_costs_no_re_match(
+    tmp_path: Path,
+) -> None:
+    """t@1 ran, ended and was forgotten; its rule is still matched when its next start's
+    JobNew comes: no AddMatch/RemoveMatch round (the bus daemon's work grows with every
+    rule) is needed to hear it."""
+    bed = Bed(tmp_path, {"t@.service": "Priority=50\n"}, [])
+    watch = bed.systemd.watch
+    asked: list[set[str] | None] = []
+
+    async def counted(units: Collection[str] | None) -> list[str]:
+        asked.append(None if units is None else set(units))
+        return await watch(units)
+
+    bed.systemd.watch = counted  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == set())
+        ctl.on_job_new(1, JOB1, "t@1.service")
+        await until(lambda: bed.systemd.watched == {"t@1.service"})
+        ctl.on_unit_changed("t@1.service", at_gate(bytes(16)))
+        ctl.on_unit_changed("t@1.service", {"ActiveState": "active", "SubState": "running"})
+        ctl.on_unit_changed("t@1.service", DOWN)
+        await settle()
+        assert ctl.scheduler.annotated() == set()
+        assert asked == [set(), {"t@1.service"}]
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "t@1.service")
+        await settle()
+        assert asked == [set(), {"t@1.service"}]
+
+    run(test)
+
+
+def test_a_job_of_a_unit_that_holds_its_gpus_costs_no_read(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """`systemctl stop low.service` (or a restart) while it runs: its JobNew is no start
+    the core does not know, and is not read to see whether it is one (a read per job of
+    every running unit, for nothing)."""
+    bed = low_holds_gpu_0_patiently(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(5, JOB1, "low.service")
+        await past_queued_delay()
+        assert bed.systemd.reads == []
+
+    run(test)
+
+
+def test_a_queued_start_whose_annotation_went_before_its_read_answered_is_not_announced(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """urgent.service's start job waits in systemd's queue; the read of its type is answered
+    after a daemon-reload took its annotation out: nothing is announced (its start goes on
+    ungated) and low.service is not stopped for it. Announced, the core was asked about a
+    unit with no annotation, and the controller's task failed."""
+    bed = low_holds_gpu_0_patiently(tmp_path, cgroup_of)
+    read = bed.systemd.unit_state
+    answer = asyncio.Event()
+
+    async def slow(name: str) -> UnitState:
+        await answer.wait()
+        return await read(name)
+
+    bed.systemd.unit_state = slow  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            queued(bed, "urgent.service", "start")
+            await past_queued_delay()
+            await unannotate(ctl, tmp_path, "urgent.service")
+            answer.set()
+            await settle()
+        assert bed.systemd.calls == [("subscribe", "")]
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        assert lines(caplog, logging.ERROR) == []
+
+    run(test)
+
+
+def test_a_stop_job_systemd_cancelled_is_said_with_its_result(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """low.service is stopped for urgent.service, and someone's job cancels our stop job
+    (`systemctl start low.service --job-mode=replace`): low.service still runs, the journal
+    says how our stop ended, in systemd's word, and it is asked to stop again."""
+    bed = low_holds_gpu_0_patiently(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service")
+        assert bed.systemd.calls[-1] == ("stop", "low.service")
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.on_job_removed(1, JOB1, "low.service", "canceled")
+            ctl.on_unit_changed(
+                "low.service", {"ActiveState": "active", "SubState": "running", "Job": (0, "/")}
+            )
+            await settle()
+        assert bed.systemd.calls.count(("stop", "low.service")) == 2
+        assert lines(caplog, logging.WARNING) == [
+            "low.service (priority 90) did not stop for urgent.service (priority 10): its stop "
+            "job ended with result 'canceled'; it keeps GPU 0"
+        ]
+
+    run(test)
+
+
+def test_a_rescan_that_fails_is_said_in_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug (or an exception nobody foresaw) in reading the unit files off the loop must
+    show in `journalctl -u gpuslice` with its traceback, not vanish with the rescan's task;
+    the next daemon-reload scans again."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    real = scan
+
+    def broken(root: str) -> Scan:
+        raise RuntimeError("the scan broke")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        monkeypatch.setattr(controller_module, "scan", broken)
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.request_rescan()
+            await until(lambda: ctl._rescan is None)
+            await settle()
+        [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert (record.name, record.getMessage()) == ("gpuslice", "internal error")
+        assert record.exc_info is not None and str(record.exc_info[1]) == "the scan broke"
+        monkeypatch.setattr(controller_module, "scan", real)
+        write_unit(tmp_path, "b.service", "Priority=50\n")
+        ctl.on_reloading(False)
+        await until(lambda: ctl.spec_for("b.service") is not None)
+
+    run(test)
+
+
+class Unmatchable(FakeSystemd):
+    """A bus daemon that refuses our AddMatch calls (its limit on match rules reached);
+    `also_every_unit`: its limit on every unit's rule too."""
+
+    also_every_unit = False
+
+    async def watch(self, units: Collection[str] | None) -> list[str]:
+        if units is not None or self.also_every_unit:
+            raise SystemdError("org.freedesktop.DBus.Error.LimitsExceeded", "too many rules")
+        return await super().watch(units)
+
+
+@pytest.mark.parametrize("also_every_unit", [False, True])
+def test_signals_that_cannot_be_matched_unit_by_unit_are_read_for_every_unit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, also_every_unit: bool
+) -> None:
+    """The bus daemon refuses a match rule per unit: the controller says so and matches
+    every unit's signals instead (costlier, never deaf). If that fails too, the rules in
+    force stay and the next change of the set tries again: a failure here is said once,
+    never a crash of the task that matches."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    systemd = Unmatchable([])
+    systemd.also_every_unit = also_every_unit
+    systemd.watched = {"a.service"}
+    bed.systemd = systemd
+    ctl = rebuilt(bed, tmp_path)
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await ctl.start()
+            await settle()
+        assert lines(caplog, logging.WARNING)[1:] == [
+            "cannot match each unit's signals (too many rules): reading every unit's"
+        ]
+        assert systemd.watched == ({"a.service"} if also_every_unit else None)
+
+    run(test)
+
+
+# ---- reloads: their words, and the paths kept ----
+
+
+def test_a_reload_says_each_warning_and_keeps_the_paths_it_started_with_in_so_many_words(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """config.yaml edited (a misspelt key, new state_dir and runtime_dir), then `systemctl
+    reload gpuslice`: each warning is a line naming file, line and key, and the paths stay
+    those the controller started with until it restarts, which the journal says with both
+    values."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(
+        "gpus: 1\nstate_dir: /var/lib/gpuslice/b\nruntime_dir: /run/gpuslice/b\nbogus: 1\n"
+    )
+    old_state, old_runtime = bed.config.state_dir, bed.config.runtime_dir
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.reload_config()
+            await until(lambda: ctl._rescan is None)
+        assert (ctl.config.state_dir, ctl.config.runtime_dir) == (old_state, old_runtime)
+        [bogus, runtime, state_dir] = lines(caplog, logging.WARNING)
+        assert bogus.startswith(f"{config_path}:4: bogus: unknown setting, ignored (known: ")
+        assert runtime == (
+            f"{config_path}: runtime_dir: /run/gpuslice/b takes effect when gpuslice.service "
+            f"restarts, after systemctl daemon-reload (until then {old_runtime})"
+        )
+        assert state_dir == (
+            f"{config_path}: state_dir: /var/lib/gpuslice/b takes effect when gpuslice.service "
+            f"restarts, after systemctl daemon-reload (until then {old_state})"
+        )
+
+    run(test)
+
+
+def test_a_reload_of_a_broken_config_keeps_the_last_good_one_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo in config.yaml, then a reload: the controller goes on with what it had, and
+    the journal says so with the file's own error (file, line, key)."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text("gpus: many\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.reload_config()
+            await settle()
+        [said] = lines(caplog, logging.ERROR)
+        assert said.startswith(f"keeping the last good configuration: {config_path}:1: gpus: ")
+        assert ctl.config is bed.config
+
+    run(test)
+
+
+# ---- the Preempt= ladder asks the controller's NVML ----
+
+
+def test_a_suspend_without_nvml_is_refused_for_that_reason_and_the_unit_stopped(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Preempt=suspend stop, cuda-checkpoint installed and cgroup v2, but NVML does not
+    answer: the suspend needs a fresh sample of the unit's GPU processes from the
+    controller's own NVML to know what to move and that it went. Without it, the journal
+    says that, not a failure of gpuslice's own, and the next rung (stop) follows."""
+    monkeypatch.setattr(checkpoint, "require_tool", lambda *_, **__: "/bin/true")
+    marker = tmp_path / "cgroup.controllers"
+    marker.write_text("cpu memory\n")
+    bed = low_holds_gpu_0_patiently(tmp_path, cgroup_of)
+    write_unit(tmp_path, "low.service", "Priority=90\nPreempt=suspend stop\n")
+    bed.controller.scan = scan(str(tmp_path / "root"))
+    bed.controller.ladder.unified_marker = marker
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.acquire("urgent.service")
+            await until(lambda: ("stop", "low.service") in bed.systemd.calls)
+        assert lines(caplog, logging.WARNING) == [
+            "cannot suspend low.service (priority 90) for urgent.service (priority 10): NVML "
+            "is not available: the memory could not be confirmed; trying stop instead"
+        ]
+
+    run(test)
+
+
+# ---- a unit annotated while it runs, with every unit's signals matched ----
+
+
+class Crowded(FakeSystemd):
+    """As Systemd.watch beyond MAX_UNIT_RULES (here 2 units): more units than that are
+    matched by one rule for every unit."""
+
+    async def watch(self, units: Collection[str] | None) -> list[str]:
+        new = None if units is None or len(units) > 2 else set(units)
+        old, self.watched = self.watched, new
+        if new == old or old is None:
+            return []
+        return sorted((set(units or ()) if new is None else new) - old)
+
+
+class Limited(FakeSystemd):
+    """A bus daemon that takes at most 4 match rules of ours (max_match_rules_per_connection):
+    one more is refused."""
+
+    async def watch(self, units: Collection[str] | None) -> list[str]:
+        if units is not None and len(units) > 4:
+            raise SystemdError("org.freedesktop.DBus.Error.LimitsExceeded", "too many rules")
+        return await super().watch(units)
+
+
+@pytest.mark.parametrize("systemd", [FakeSystemd, Crowded, Limited])
+def test_a_unit_annotated_while_it_runs_is_adopted_when_every_units_signals_are_matched(
+    tmp_path: Path, cgroup_of: dict[int, str], systemd: type[FakeSystemd]
+) -> None:
+    """b.service runs on the one GPU when a daemon-reload annotates it. Its signals were
+    dropped while it was not annotated, so its state is read once it matters: adopted, it
+    holds GPU 0 and urgent.service waits for it. With every unit's signals matched (more
+    than MAX_UNIT_RULES units matter, or the bus daemon refused a rule per unit), the unit
+    was matched already and never read: GPU 0 looked free and was granted beside it."""
+    units = {n: "Priority=50\n" for n in ("a.service", "c.service", "d.service")}
+    bed = Bed(tmp_path, {**units, "urgent.service": "Priority=10\n"}, [])
+    bed.systemd = systemd([state("b.service", "active", "running")])
+    ctl = rebuilt(bed, tmp_path)
+    cgroup_of[4242] = "urgent.service"
+
+    async def test() -> None:
+        await ctl.start()
+        await settle()
+        write_unit(tmp_path, "b.service", "Priority=90\n")
+        ctl.request_rescan()
+        await until(lambda: ctl.scheduler.grants() == {"b.service": frozenset({0})})
+        assert bed.systemd.reads == ["b.service"]  # once
+        await bed.acquire("urgent.service")
+        assert bed.service.granted == []
+        assert bed.systemd.calls[-1] == ("stop", "b.service")
+
+    run(test)
+
+
+def test_a_unit_newly_annotated_whose_signal_came_first_is_not_read(tmp_path: Path) -> None:
+    """b.service is annotated by a rescan while every unit's signals are matched, and a
+    signal of it (at its gate) comes before its read would be sent: that signal told its
+    state, and a read answered later could only repeat it, or be older."""
+    bed = Bed(tmp_path, {n: "Priority=50\n" for n in ("a.service", "c.service", "d.service")}, [])
+    bed.systemd = Crowded([])
+    ctl = rebuilt(bed, tmp_path)
+
+    async def test() -> None:
+        await ctl.start()
+        await settle()
+        write_unit(tmp_path, "b.service", "Priority=90\n")
+        ctl._apply_scan(scan(str(tmp_path / "root")))
+        ctl.on_unit_changed("b.service", at_gate())
+        await settle()
+        assert bed.systemd.reads == []
+        assert ctl.scheduler.grants() == {"b.service": frozenset({0})}
+
+    run(test)
+
+
+def test_only_units_whose_signals_were_dropped_are_read_when_annotated(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """With every unit's signals matched, a rescan reads the units it newly annotates, and
+    no others: not low.service, whose annotation comes back while it still holds GPU 0
+    (followed all along), nor t@.service, a template (no unit: read, it was taken for one)."""
+    bed = low_holds_gpu_0_patiently(tmp_path, cgroup_of)
+    write_unit(tmp_path, "x.service", "Priority=50\n")  # three units: every unit's rule
+    bed.systemd = Crowded([state("low.service", "active", "running")])
+    ctl = rebuilt(bed, tmp_path)
+
+    async def test() -> None:
+        await ctl.start()
+        await settle()
+        await unannotate(ctl, tmp_path, "low.service")
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        write_unit(tmp_path, "low.service", "Priority=90\n")
+        write_unit(tmp_path, "t@.service", "Priority=50\n")
+        ctl.request_rescan()
+        await until(lambda: ctl.spec_for("low.service") is not None and ctl._rescan is None)
+        await settle()
+        assert bed.systemd.watched is None and bed.systemd.reads == []
+        assert ctl.scheduler.annotated() == {"low.service", "urgent.service", "x.service"}
+
+    run(test)
