@@ -12,6 +12,7 @@ unit name in it is a valid unit name. Everything else is dropped before the cont
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import string
@@ -400,8 +401,9 @@ class Systemd:
             if new is None:
                 await self._add_match(_EVERY_UNIT)
             else:
-                for name in sorted(new - (old or frozenset())):
-                    await self._add_match(_UNIT_SIGNALS + f"path='{unit_path(name)}'")
+                await self._add_matches(
+                    [_UNIT_SIGNALS + f"path='{unit_path(n)}'" for n in sorted(new - (old or set()))]
+                )
             self._watching = new
             if old is None:
                 await self._remove_match(_EVERY_UNIT)
@@ -409,6 +411,22 @@ class Systemd:
             for name in sorted(old - (new or frozenset())):
                 await self._remove_match(_UNIT_SIGNALS + f"path='{unit_path(name)}'")
             return sorted((set(units or ()) if new is None else set(new)) - old)
+
+    async def _add_matches(self, rules: list[str]) -> None:
+        """Add every rule or none: the bus daemon keeps a rule until it is removed, and one
+        left by a change refused halfway (max_match_rules_per_connection) went unrecorded;
+        each later try of that change added it again, until no rule could be added at all
+        and every unit's signals were read for good."""
+        added: list[str] = []
+        try:
+            for rule in rules:
+                await self._add_match(rule)
+                added.append(rule)
+        except SystemdError:
+            for rule in added:
+                with contextlib.suppress(SystemdError):
+                    await self._remove_match(rule)
+            raise
 
     async def _add_match(self, rule: str) -> None:
         await self._bus_daemon("AddMatch", "s", [rule])

@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Config
 <busconfig>
   <type>system</type>
   <listen>unix:path={socket}</listen>
-  <auth>EXTERNAL</auth>
+  <auth>EXTERNAL</auth>{limits}
   <policy context="default">
     <allow user="*"/>
     <allow own="*"/>
@@ -74,11 +74,18 @@ BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Config
 @pytest.fixture
 def bus_daemon(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A private dbus-daemon: its address, and its process (to stop it for a while)."""
+    yield from _bus_daemon(tmp_path)
+
+
+def _bus_daemon(
+    tmp_path: Path, limits: str = ""
+) -> Generator[tuple[str, subprocess.Popen[bytes]], None, None]:
+    """The daemon of `bus_daemon`, with these <limit> elements in its configuration."""
     daemon = shutil.which("dbus-daemon")
     assert daemon, "dbus-daemon is needed (Debian package dbus-daemon)"
     path = tmp_path / "bus"
     config = tmp_path / "bus.conf"
-    config.write_text(BUS_CONFIG.format(socket=path))
+    config.write_text(BUS_CONFIG.format(socket=path, limits=limits))
     log = tmp_path / "bus.log"
     with open(log, "wb") as stderr:
         proc = subprocess.Popen(
@@ -416,6 +423,36 @@ def test_only_the_units_watched_are_heard_and_every_unit_again_on_demand(
         assert [e[1] for e in await seen.after(owner) if e[0] == "unit"] == ["d.service"]
 
     run(scenario)
+
+
+def test_rules_of_a_change_the_bus_daemon_refused_halfway_are_taken_back(
+    tmp_path: Path,
+) -> None:
+    """The bus daemon keeps at most so many match rules per connection
+    (max_match_rules_per_connection). A change of the units matched that it refused halfway
+    left the rules already added in place, unrecorded: each later try added them again,
+    until no rule at all could be added and every unit's signals were read for good."""
+    limits = '\n  <limit name="max_match_rules_per_connection">12</limit>'
+    daemon = _bus_daemon(tmp_path, limits)
+    address, _ = next(daemon)
+
+    async def scenario() -> None:
+        systemd, owner, seen = await adapter(address)
+        many = {f"u{i:02}.service" for i in range(20)}
+        for _ in range(3):  # the controller tries again at each change of the units it follows
+            with pytest.raises(SystemdError):
+                await systemd.watch(many)
+            assert systemd.watches("b.service")  # every unit's, as before the refused change
+        assert await systemd.watch({"a.service", "marker.service"}) == []
+        assert not systemd.watches("b.service")
+        owner.send(properties_changed("a.service", "active"))
+        owner.send(properties_changed("b.service", "active"))
+        assert [e[1] for e in await seen.after(owner) if e[0] == "unit"] == ["a.service"]
+
+    try:
+        run(scenario)
+    finally:
+        daemon.close()
 
 
 def test_systemd_changing_hands_is_followed(bus_address: str) -> None:
