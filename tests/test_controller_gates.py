@@ -871,3 +871,26 @@ def test_the_gate_of_a_unit_being_stopped_is_stopped_again_and_said_as_a_stop(
         ]
 
     run(test)
+
+
+def test_the_gate_of_a_unit_the_core_still_knows_is_judged_without_a_rescan(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service holds GPU 0 and its annotation went (the core keeps it until it ends);
+    a gate of its asks over D-Bus. The core knows it: judged at once (sent back, as a gate
+    of a unit systemd shows past its gate), with no rescan spent on it: the one rescan per
+    unknown unit is for units neither the scan nor the core knows."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    cgroup_of[4343] = "low.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotate(ctl, tmp_path, "low.service")
+        await until(lambda: ctl._rescan is None)
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        await bed.acquire("low.service", ":1.7", 4343)
+        assert bed.service.sent_back == ["low.service"]
+        assert ctl._rescan is None and ctl._rescanned_for_gate == set()
+
+    run(test)

@@ -1231,3 +1231,100 @@ def test_only_units_whose_signals_were_dropped_are_read_when_annotated(
         assert ctl.scheduler.annotated() == {"low.service", "urgent.service", "x.service"}
 
     run(test)
+
+
+def test_a_unit_annotated_again_while_its_old_rule_still_matches_it_is_read(
+    tmp_path: Path,
+) -> None:
+    """b.service's annotation went and came back before the re-match that would drop its
+    rule: still matched, it is named by no re-match as newly matched, and its signals in
+    between were dropped (not annotated then). Read by the scan that annotates it, it is
+    adopted on the GPU it runs on; unread, that GPU looked free."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [state("b.service", "active", "running")])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.systemd.watched == {"a.service"}
+        bed.systemd.watched.add("b.service")  # its rule, not yet taken back
+        write_unit(tmp_path, "b.service", "Priority=90\n")
+        ctl._apply_scan(scan(str(tmp_path / "root")))
+        await until(lambda: ctl.scheduler.grants() == {"b.service": frozenset({0})})
+        assert bed.systemd.reads == ["b.service"]
+
+    run(test)
+
+
+def test_a_unit_heard_before_its_annotation_went_is_read_when_it_comes_back(
+    tmp_path: Path,
+) -> None:
+    """b.service was annotated and heard (inactive), lost its annotation, started meanwhile
+    (its signals dropped), and is annotated again while every unit's signals are matched.
+    What was heard of it before is older than its start: it is read, and adopted."""
+    units = {n: "Priority=50\n" for n in ("a.service", "c.service", "d.service")}
+    bed = Bed(tmp_path, {**units, "b.service": "Priority=90\n"}, [])
+    bed.systemd = Crowded([state("b.service", "inactive", "dead")])
+    ctl = rebuilt(bed, tmp_path)
+
+    async def test() -> None:
+        await ctl.start()
+        await settle()
+        ctl.on_unit_changed("b.service", {"ActiveState": "inactive", "SubState": "dead"})
+        assert ctl.tracker.heard("b.service") > 0
+        await unannotate(ctl, tmp_path, "b.service")
+        bed.systemd.units["b.service"] = state("b.service", "active", "running")
+        ctl.on_unit_changed("b.service", {"ActiveState": "active", "SubState": "running"})
+        write_unit(tmp_path, "b.service", "Priority=90\n")
+        ctl._apply_scan(scan(str(tmp_path / "root")))
+        await until(lambda: ctl.scheduler.grants() == {"b.service": frozenset({0})})
+        assert bed.systemd.reads == ["b.service"]
+
+    run(test)
+
+
+def _told(bed: Bed, unit: str, index: int, uuid: str) -> None:
+    """The unit's env file, as a grant of GPU `index` named `uuid` wrote it."""
+    env = env_file(bed.config.runtime_dir, unit)
+    env.parent.mkdir(parents=True, exist_ok=True)
+    env.write_text(
+        f"CUDA_VISIBLE_DEVICES={uuid}\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+        f"NVIDIA_VISIBLE_DEVICES={uuid}\nGPUSLICE_GPUS={index}\n"
+    )
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_a_restart_checks_the_gpus_of_holders_past_their_gate_only(
+    tmp_path: Path, running: bool
+) -> None:
+    """a.service was granted GPU 0 and waits at its gate: its env file is an earlier run's
+    (GPU-A, since gone), not this grant's, and names no GPU it runs on: no GPU is taken for
+    renumbered for it. b.service runs, told GPU 1 when that was GPU-B, which NVML now
+    numbers 0: both GPUs are lost while it holds 1, whatever a.service's file says."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-B", "GPU-C")
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        "a.service": ((0,), "starting", 1, "")
+    }
+    states = [state("a.service", "activating", "start-pre", 3, "start")]
+    if running:
+        holders["b.service"] = ((1,), "running", 2, "")
+        states.append(state("b.service", "active", "running"))
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n"},
+        states,
+        SavedState(holders=holders, seq=2),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    _told(bed, "a.service", 0, "GPU-A")
+    _told(bed, "b.service", 1, "GPU-B")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        lost = [g.index for g in ctl.watch.sample.gpus if g.lost]
+        assert lost == ([0, 1] if running else [])
+
+    run(test)
