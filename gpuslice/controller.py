@@ -104,6 +104,8 @@ ENV_RETRY = 1.0
 # loop against a bus that fails at once (Controller._call_not_taken).
 CALL_RETRY_FIRST = 1.0
 CALL_RETRY_MAX = 30.0
+# The order STATUS= names holders in, by what they are doing (Controller.status_line).
+_LINE_PHASES = ("running", "starting", "stopping", "frozen", "suspending", "resuming")
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
@@ -1249,18 +1251,34 @@ class Controller:
     # -- status -------------------------------------------------------------------------------
 
     def status_line(self) -> str:
+        """`N GPUs: a.service running; b.service stopping; 1 waiting`: the holders by what
+        they are doing (a victim being stopped, a unit frozen beside a more urgent one, once
+        all said "running" for as long as that lasted, hours for a frozen one), names up to
+        STATUS_NAMES_MAX characters and the rest counted."""
         snap = self.scheduler.snapshot(reasons=False)
         count = len(snap.gpus)
-        running = sorted({name for holders in snap.gpus.values() for name, _, _ in holders})
+        phase_of = {name: phase for holders in snap.gpus.values() for name, _, phase in holders}
+        order = {phase: i for i, phase in enumerate(_LINE_PHASES)}
+        names = sorted(phase_of, key=lambda n: (order.get(phase_of[n], len(order)), n))
         shown: list[str] = []
         length = 0  # of the names shown, with their separators
-        for name in running:
+        for name in names:
             length += len(name) + 2
             if shown and length > STATUS_NAMES_MAX:
                 break
             shown.append(name)
-        more = f" and {len(running) - len(shown)} more" if len(shown) < len(running) else ""
-        what = ", ".join(shown) + more + " running" if running else "idle"
+        groups: dict[str, list[str]] = {}
+        for name in shown:
+            groups.setdefault(phase_of[name], []).append(name)
+        unshown: dict[str, int] = {}
+        for name in names[len(shown) :]:
+            unshown[phase_of[name]] = unshown.get(phase_of[name], 0) + 1
+        parts = []
+        for phase, group in groups.items():  # only the last one's may go on unshown
+            more = unshown.pop(phase, 0)
+            parts.append(", ".join(group) + (f" and {more} more" if more else "") + f" {phase}")
+        parts += [f"{n} more {phase}" for phase, n in unshown.items()]
+        what = "; ".join(parts) if parts else "idle"
         return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
 
     def status_json(self) -> str:

@@ -521,7 +521,7 @@ def test_start_up_leaves_stops_under_way_to_end(
     assert lines(caplog, logging.INFO)[1:] == [
         "u.service waiting for h.service (priority 90) to stop on GPU 0, i.service "
         "(priority 90) to stop on GPU 1",
-        "gpuslice ready: 2 GPUs: h.service, i.service running; 1 waiting",
+        "gpuslice ready: 2 GPUs: h.service, i.service stopping; 1 waiting",
     ]
 
 
@@ -568,7 +568,7 @@ def test_start_up_leaves_starts_of_ours_that_systemd_runs_to_their_gates(
     assert lines(caplog, logging.INFO)[1:] == [
         "j.service failed: gpuslice will not start it by itself (its own Restart= policy applies)",
         "starting j.service (priority 80) on GPU 0",
-        "gpuslice ready: 2 GPUs: j.service, k.service running; 0 waiting",
+        "gpuslice ready: 2 GPUs: j.service running; k.service starting; 0 waiting",
     ]
 
 

@@ -12,10 +12,12 @@ import json
 import logging
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
+from gpuslice import controller as controller_module
 from gpuslice.config import Config
 from gpuslice.controller import JournalFormatter
 from gpuslice.counters import ERRORS
@@ -28,6 +30,8 @@ from tests.test_controller import (
     StubNvml,
     an_instance_runs,
     at_gate,
+    goes_down,
+    low_holds_gpu_0,
     run,
     settle,
     signal,
@@ -36,6 +40,7 @@ from tests.test_controller import (
     until,
     write_unit,
 )
+from tests.test_controller import cgroup_of as cgroup_of
 
 
 def test_status_shows_a_problem_a_rescan_found_though_nothing_was_decided(
@@ -224,3 +229,53 @@ def test_the_status_counts_what_the_adapters_counted(tmp_path: Path) -> None:
         ctl.journal.close()
 
     run(test)
+
+
+def test_the_status_line_says_what_each_holder_is_doing(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """A victim being stopped is "stopping", not "running": `systemctl status gpuslice` said
+    "low.service running" for as long as its stop took (and a frozen unit was "running" for
+    hours)."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.status_line() == "1 GPU: low.service running; 0 waiting"
+        await bed.acquire("urgent.service")
+        assert ctl.status_line() == "1 GPU: low.service stopping; 1 waiting"
+        goes_down(bed, "low.service")
+        await until(lambda: ctl.status_line() == "1 GPU: urgent.service running; 0 waiting")
+
+    run(test)
+
+
+def test_the_status_line_groups_holders_by_phase_and_counts_those_past_its_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the order running, starting, stopping, frozen, suspending, resuming; the names
+    past STATUS_NAMES_MAX counted with their group, or by phase when none of it is shown."""
+    bed = Bed(tmp_path, {}, [])
+    ctl = bed.controller
+    holders = {
+        0: [("b.service", 50, "frozen"), ("a.service", 10, "running")],
+        1: [("c.service", 90, "stopping"), ("d.service", 90, "running")],
+        2: [("e.service", 20, "starting"), ("f.service", 20, "resuming")],
+    }
+    snap = types.SimpleNamespace(gpus=holders, waiting=["w.service"])
+    monkeypatch.setattr(ctl.scheduler, "snapshot", lambda reasons=True: snap)
+    assert ctl.status_line() == (
+        "3 GPUs: a.service, d.service running; e.service starting; c.service stopping; "
+        "b.service frozen; f.service resuming; 1 waiting"
+    )
+    monkeypatch.setattr(controller_module, "STATUS_NAMES_MAX", 33)  # three names of 9, each + 2
+    assert ctl.status_line() == (
+        "3 GPUs: a.service, d.service running; e.service starting; 1 more stopping; "
+        "1 more frozen; 1 more resuming; 1 waiting"
+    )
+    monkeypatch.setattr(controller_module, "STATUS_NAMES_MAX", 11)
+    assert ctl.status_line() == (
+        "3 GPUs: a.service and 1 more running; 1 more starting; 1 more stopping; "
+        "1 more frozen; 1 more resuming; 1 waiting"
+    )
