@@ -89,3 +89,20 @@ def test_the_uuids_told_are_read_back_by_index(tmp_path: Path) -> None:
     ):
         path.write_text(text)
         assert envfiles.told_uuids(str(tmp_path), "a.service") == {}
+
+
+def test_a_key_is_told_by_its_first_line_up_to_its_first_equals_sign(tmp_path: Path) -> None:
+    """As systemd reads the file, a value runs from the first `=` to the end of the line: a
+    first GPUSLICE_GPUS= or NVIDIA_VISIBLE_DEVICES= whose value holds one is no file of ours,
+    and a later line of the same key does not stand in for it (read from the last `=`, the
+    first line was no key at all, and the second one's GPUs were taken)."""
+    path = env_file(str(tmp_path), "a.service")
+    path.parent.mkdir(parents=True)
+    path.write_text("NVIDIA_VISIBLE_DEVICES=GPU-a\nGPUSLICE_GPUS=0=1\nGPUSLICE_GPUS=1\n")
+    assert envfiles.told_gpus(str(tmp_path), "a.service") == []
+    assert envfiles.told_uuids(str(tmp_path), "a.service") == {}
+    path.write_text(
+        "NVIDIA_VISIBLE_DEVICES=GPU-a=b\nNVIDIA_VISIBLE_DEVICES=GPU-b\nGPUSLICE_GPUS=0\n"
+    )
+    assert envfiles.told_gpus(str(tmp_path), "a.service") == [0]
+    assert envfiles.told_uuids(str(tmp_path), "a.service") == {}

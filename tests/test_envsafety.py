@@ -812,6 +812,9 @@ class Hang:
         # a healthy call answers well within it, on a loaded machine too (no flaky refusal)
         monkeypatch.setattr(envsafety, "DEADLINE", 1.0)
         monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
+        # the process-wide record of stuck calls, made afresh: no test sees another's, and
+        # each one's is built by the code under test (not once, at import)
+        monkeypatch.setattr(envsafety, "_STUCK", envsafety._StuckWorkers())
         for name in ("lstat", "readlink", "getxattr"):
             monkeypatch.setattr(os, name, self._fake(name, getattr(os, name)))
 
@@ -1225,3 +1228,54 @@ def test_a_mount_table_read_that_does_not_answer_is_not_read_again_until_it_retu
     assert checker.refusal("x.service", "/etc/asr/a.env") is None
     assert checker._mounts.points() == {NFS}
     assert len(reads) == 2
+
+
+def test_a_mount_that_did_not_answer_stays_refused_for_the_rest_of_the_scan(
+    root: Path, hang: Hang
+) -> None:
+    """Once a call under a mount point did not answer, every later path under it is refused
+    for the rest of the scan without asking, even when the stuck call has returned since:
+    the scan's units there are judged alike (not some refused, some managed, by when the
+    server came back), and the refusal's fix ("at a later scan") holds. The mount point's
+    own attributes answered (cached): the calls refused are those below it."""
+    for d in ("d", "e"):
+        put(root, f"{NFS}/{d}/x.env")
+    hang.mounts(NFS)
+    hang.at = (f"{NFS}/d",)
+    checker = EnvFileChecker(root)
+    path = f"{NFS}/d/x.env"
+    assert checker.refusal("x.service", path) == Refusal(
+        no_answer(path, NFS).split(";")[0], envsafety.FIX_ANSWER
+    )
+    hang.release()  # the server is back, the stuck call returned: its thread ended
+    hang.at = ()
+    for path in (f"{NFS}/d/y.env", f"{NFS}/e/x.env"):
+        assert checker.refusal("x.service", path) == Refusal(
+            no_answer(path, NFS).split(";")[0], envsafety.FIX_ANSWER
+        )
+    assert hang.blocked == [f"{NFS}/d"]
+    assert EnvFileChecker(root).refusal("x.service", f"{NFS}/e/x.env") is None  # next scan
+
+
+def test_a_stuck_call_refuses_the_paths_under_its_mount_point_that_another_checker_asks(
+    root: Path, hang: Hang
+) -> None:
+    """Two checkers at once (a scan's and `checkpoint.check_tool`'s): one whose walk has the
+    mount point's attributes already asks next for a path below it, not the mount point
+    itself. While another checker's call there is stuck, that path is refused at once,
+    without a call: a second thread stuck on the same mount, and a deadline waited, each
+    time."""
+    for name in ("a", "b"):
+        put(root, f"{NFS}/{name}.env")
+    hang.mounts(NFS)
+    early = EnvFileChecker(root)
+    assert early.refusal("x.service", f"{NFS}/a.env") is None  # / ... /srv/nfs remembered
+    hang.at = (NFS,)
+    late = EnvFileChecker(root)
+    assert late.refusal("x.service", f"{NFS}/a.env") is not None
+    assert hang.blocked == [NFS]
+    start = time.monotonic()
+    assert early.refusal("x.service", f"{NFS}/b.env") == Refusal(
+        no_answer(f"{NFS}/b.env", NFS).split(";")[0], envsafety.FIX_ANSWER
+    )
+    assert hang.blocked == [NFS] and time.monotonic() - start < 0.5

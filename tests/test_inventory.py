@@ -639,6 +639,51 @@ def test_a_restarted_controller_checks_its_holders_gpus_against_what_they_were_t
     assert len(caplog.records) == 1
 
 
+def test_a_renumbered_gpu_shared_by_units_names_them_all_and_keeps_its_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two units share GPU 1 (each a part of its memory): the error names both, the units an
+    admin must release it from. A GPU marked lost is still shown by its UUID and model (what
+    `gpuslice status` lists): only what it can hold is gone."""
+    nvml = StubNvml()
+    enumerate_as(nvml, "GPU-A", "GPU-B", "GPU-C")
+    inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=3))
+    holding = {"w@a.service": [1], "asr.service": [1]}
+    inventory.sample(MANAGED, holding)
+    enumerate_as(nvml, "GPU-B", "GPU-C")
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        after = inventory.sample(MANAGED, holding)
+    assert [(g.index, g.uuid, g.name, g.lost) for g in after.gpus] == [
+        (0, "GPU-B", "NVIDIA Fake 24GB", True),
+        (1, "GPU-C", "NVIDIA Fake 24GB", True),
+    ]
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 1 names another GPU since NVML numbered the GPUs anew: it was GPU-B when "
+        "granted to asr.service, w@a.service, and is now GPU-C (GPU-B is now GPU 0); GPUs 0,1 "
+        "are treated as lost until GPU 1 is released"
+    ]
+
+
+def test_a_held_gpu_gone_with_its_index_is_gone_not_renumbered(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last card goes: its index and its UUID are both unlisted, and no other GPU took
+    its number. One error says so (_with_gone); the GPUs still there are not renumbered, so
+    none of them is lost and none is said to name another GPU."""
+    nvml = StubNvml()
+    enumerate_as(nvml, "GPU-A", "GPU-B")
+    inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=2))
+    holding = {"asr.service": [1]}
+    inventory.sample(MANAGED, holding)
+    enumerate_as(nvml, "GPU-A")
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        after = inventory.sample(MANAGED, holding)
+    assert [(g.index, g.uuid, g.lost) for g in after.gpus] == [(0, "GPU-A", False), (1, "", True)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 1 is no longer among the GPUs gpuslice manages, but units hold it: treated as lost"
+    ]
+
+
 def test_a_reload_enumerates_the_gpus_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -103,6 +103,7 @@ class Host:
         self.marker.touch()
         self.host_memory: int | None = 64 * GIB
         self.settings = dataclasses.replace(FAST, tool=bed.tool)
+        self.waits: list[float] = []  # THAW_RETRY's, recorded (not waited)
         self.ladder = Ladder(
             self.freezer,
             self.events,
@@ -112,6 +113,7 @@ class Host:
             unified_marker=self.marker,
             host_memory=lambda: self.host_memory,
             unit_of_pid=lambda pid: UNIT if pid in self.mine and pid not in self.moved else None,
+            sleep=self.wait,
         )
 
     def processes(self) -> list[GpuUse] | None:
@@ -128,6 +130,9 @@ class Host:
 
     def report(self, event: Callable[[], list[Action]]) -> None:
         event()
+
+    async def wait(self, seconds: float) -> None:
+        self.waits.append(seconds)
 
     def job(self, size: str = "2G") -> int:
         pid = self.bed.alloc(size)
@@ -547,16 +552,10 @@ class BlinkingFreezer(Freezer):
 
 
 def blinking(host: Host, blips: int, error: SystemdError = NO_REPLY) -> list[float]:
-    """The host's freezer made a BlinkingFreezer, and the ladder's waits recorded (not
-    waited): the list they go to."""
+    """The host's freezer made a BlinkingFreezer; the list the ladder's waits go to (the
+    Host's, given to the Ladder as it is made: recorded, not waited)."""
     host.ladder.systemd = host.freezer = BlinkingFreezer(blips, error)
-    waits: list[float] = []
-
-    async def sleep(seconds: float) -> None:
-        waits.append(seconds)
-
-    host.ladder.sleep = sleep
-    return waits
+    return host.waits
 
 
 def test_a_resume_sends_a_thaw_that_failed_for_a_moment_again(
@@ -599,12 +598,17 @@ def test_a_resume_sends_a_thaw_that_keeps_failing_for_a_moment_a_bounded_number_
     assert host.ladder.busy == {}
 
 
-def test_a_frozen_unit_whose_thaw_fails_for_a_moment_is_still_suspended(host: Host) -> None:
+def test_a_frozen_unit_whose_thaw_fails_for_a_moment_is_still_suspended(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
     """A unit frozen beside another, then suspended for a waiter: its ThawUnit failing as
-    systemd re-executes failed the suspend, and Preempt= fell to stop: its work lost."""
+    systemd re-executes failed the suspend, and Preempt= fell to stop: its work lost. The
+    debug line says what the thaw was sent again for."""
     pid = host.job()
     waits = blinking(host, 1)
-    run(host.ladder.suspend(UNIT, thaw_first=True))
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        run(host.ladder.suspend(UNIT, thaw_first=True))
+    assert f"suspending {UNIT}: ThawUnit failed: {NO_REPLY}; sent again in 1 s" in caplog.messages
     assert host.said()[0][0] == "suspended"
     assert host.freezer.calls == [f"thaw {UNIT}", f"thaw {UNIT}", f"freeze {UNIT}"]
     assert waits == [1.0]
