@@ -53,6 +53,8 @@ from tests.test_controller import (
     write_unannotated,
     write_unit,
 )
+from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
+from tests.test_controller import cgroup_of as cgroup_of  # a fixture
 
 JOB = "/org/freedesktop/systemd1/job/"
 REFUSED = SystemdError(
@@ -112,20 +114,6 @@ async def past_time(moment: float) -> None:
     """The loop's clock is past `moment`, and what its timers due by then spawned has run."""
     await until(lambda: asyncio.get_running_loop().time() > moment)
     await settle()
-
-
-@pytest.fixture(autouse=True)
-def _no_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    monkeypatch.delenv("GPUSLICE_DRIVER_ROOT", raising=False)
-
-
-@pytest.fixture
-def cgroup_of(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
-    """PID -> the unit its cgroup says (unit_of_pid reads /proc otherwise)."""
-    units: dict[int, str] = {}
-    monkeypatch.setattr(controller_module, "unit_of_pid", lambda pid: units.get(pid))
-    return units
 
 
 def errors(caplog: pytest.LogCaptureFixture) -> list[str]:

@@ -45,15 +45,7 @@ from tests.test_controller import (
     until,
     write_unit,
 )
-
-
-@pytest.fixture
-def cgroup_of(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
-    """PID -> the unit its cgroup says (unit_of_pid reads /proc otherwise)."""
-    units: dict[int, str] = {}
-    monkeypatch.setattr(controller_module, "unit_of_pid", lambda pid: units.get(pid))
-    return units
-
+from tests.test_controller import cgroup_of as cgroup_of  # a fixture
 
 NO_REPLY = SystemdError(
     "org.freedesktop.DBus.Error.NoReply",

@@ -61,23 +61,11 @@ from tests.test_controller import (
     until,
     write_unit,
 )
+from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
+from tests.test_controller import cgroup_of as cgroup_of  # a fixture
 
 JOB1 = "/org/freedesktop/systemd1/job/1"
 DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
-
-
-@pytest.fixture(autouse=True)
-def _no_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
-    monkeypatch.delenv("GPUSLICE_DRIVER_ROOT", raising=False)
-
-
-@pytest.fixture
-def cgroup_of(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
-    """PID -> the unit its cgroup says (unit_of_pid reads /proc otherwise)."""
-    units: dict[int, str] = {}
-    monkeypatch.setattr(controller_module, "unit_of_pid", lambda pid: units.get(pid))
-    return units
 
 
 def lines(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
