@@ -139,7 +139,8 @@ endif
 	    $(DESTDIR)$(BUSCONFDIR)/org.gpuslice.Scheduler1.conf
 	-rmdir --ignore-fail-on-non-empty $(DESTDIR)$(LIBDIR)
 ifneq ($(PURGE),)
-	rm -rf $(DESTDIR)$(SYSCONFDIR)/gpuslice $(DESTDIR)/var/lib/gpuslice
+	rm -rf $(DESTDIR)$(SYSCONFDIR)/gpuslice $(DESTDIR)/var/lib/gpuslice \
+	    $(DESTDIR)$(SYSCONFDIR)/systemd/system/.gpuslice.lock
 endif
 ifeq ($(DESTDIR),)
 	systemctl daemon-reload

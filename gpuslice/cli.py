@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ from gpuslice.newunit import (
     annotation_text,
     existing_unit,
     is_user_name,
+    lock_unit_dir,
+    own_dropins,
     printable_path,
     read_regular,
     resolve_command,
@@ -43,6 +47,8 @@ from gpuslice.unitfiles import (
 )
 
 ENROLL_DROPIN = "gpuslice.conf"
+ENROLL_MARKER = "# Written by `gpuslice enroll`"
+UNIT_DIR = "etc/systemd/system"  # below --root: where `new` and `enroll` write
 
 config_option = click.option(
     "--config",
@@ -533,14 +539,22 @@ def enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
             param_hint="UNIT",
         )
     _check_gateable(unit, "UNIT")
-    dropin = Path(root) / "etc/systemd/system" / f"{unit}.d" / ENROLL_DROPIN
-    text = "# Written by `gpuslice enroll`; edit or remove it with systemctl edit.\n"
+    dropin = Path(root) / UNIT_DIR / f"{unit}.d" / ENROLL_DROPIN
+    text = f"{ENROLL_MARKER}; edit or remove it with systemctl edit.\n"
     # every key the parser knows by default, so that the drop-in says the whole annotation
     defaults = {"kind": UnitKind.ON_DEMAND.value, "gpus": 1, "requeue": True}
-    previous = read_regular(dropin)
-    made_dir = not os.path.lexists(dropin.parent)
-    _write(dropin, text + annotation_text({**defaults, **_given(keys)}))
-    spec = _validated(unit, root, dropin, previous, made_dir)
+    with _unit_dir_locked(root, dropin):
+        previous = read_regular(dropin)
+        # an admin's own gpuslice.conf (the README says any drop-in may carry the section)
+        # was replaced whole, its other settings with it
+        if os.path.lexists(dropin) and not (previous or b"").startswith(ENROLL_MARKER.encode()):
+            raise click.ClickException(
+                f"{dropin} exists and was not written by gpuslice enroll: not overwritten "
+                "(edit its [X-GPUSlice] section, or remove it first)"
+            )
+        made_dir = not os.path.lexists(dropin.parent)
+        _write(dropin, text + annotation_text({**defaults, **_given(keys)}))
+        spec = _validated(unit, root, dropin, previous, made_dir)
     if spec.priority != int(keys["priority"]):
         click.echo(
             f"warning: a later drop-in overrides this one: {unit} has priority {spec.priority}",
@@ -576,6 +590,8 @@ def new(
     """
     unit = unit_name(name)
     _check_gateable(unit, "NAME")
+    if now and no_reload:  # systemd would start the unit it knew before: none, or the old one
+        raise click.UsageError("--now needs the daemon-reload that --no-reload leaves out")
     if user is not None and not is_user_name(user):
         raise click.BadParameter(
             f"{printable(user)!r}: not a user name "
@@ -585,15 +601,8 @@ def new(
     if workdir is not None and (not os.path.isabs(workdir) or not printable_path(workdir)):
         raise click.BadParameter(
             f"{printable(workdir)!r}: not an absolute path (printable ASCII, no backslash "
-            "at the end)",
+            "or blank at the end, no '..', names of at most 255 characters)",
             param_hint="--workdir",
-        )
-    path = Path(root) / "etc/systemd/system" / unit
-    found = existing_unit(unit, Path(root))
-    if found is not None and not (found == path and written_by_new(path)):
-        raise click.ClickException(
-            f"{found} exists and was not written by gpuslice new: not overwritten "
-            f"(use gpuslice enroll {unit} to annotate it)"
         )
     kind = UnitKind(keys["kind"]) if keys.get("kind") else UnitKind.ON_DEMAND
     text = unit_text(
@@ -609,10 +618,27 @@ def new(
             f"too long: the unit file would be {len(text)} bytes, at most {MAX_FILE_SIZE}",
             param_hint="COMMAND",
         )
-    previous = read_regular(path) if found is not None else None
-    _write(path, text)
-    spec = _validated(unit, root, path, previous)
+    path = Path(root) / UNIT_DIR / unit
+    with _unit_dir_locked(root, path):
+        found = existing_unit(unit, Path(root))
+        if found is not None and not (found == path and written_by_new(path)):
+            raise click.ClickException(
+                f"{found} exists and was not written by gpuslice new: not overwritten "
+                f"(use gpuslice enroll {unit} to annotate it)"
+            )
+        previous = read_regular(path) if found is not None else None
+        left = own_dropins(unit, Path(root)) if found is None else []
+        # none found: created, never replaced (an admin's unit written since the look stays)
+        _write(path, text, exclusive=found is None)
+        spec = _validated(unit, root, path, previous)
     click.echo(f"wrote {path}: {spec.describe()}")
+    if left:  # a unit of this name before left them; they apply to this one
+        click.echo(
+            f"warning: drop-ins made before {unit} apply to it too: "
+            + printable(", ".join(left), 1000)
+            + " (remove those an earlier unit of this name left)",
+            err=True,
+        )
     if not no_reload:
         _systemctl("daemon-reload")
     if now:
@@ -635,14 +661,42 @@ def _check_gateable(unit: str, hint: str) -> None:
         )
 
 
-def _write(path: Path, data: str | bytes) -> None:
+@contextlib.contextmanager
+def _unit_dir_locked(root: str, path: Path) -> Iterator[None]:
+    """Hold the unit directory's lock (newunit.LOCK_NAME) while `path` is looked at, written,
+    read back and perhaps undone; says so while another `gpuslice new` or `enroll` holds it."""
     try:
-        write_atomically(path, data)
-    except OSError as e:  # a read-only /etc, a file where a directory should be, not root
-        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        directory = Path(root) / UNIT_DIR
+        try:
+            fd = lock_unit_dir(directory, wait=False)
+        except BlockingIOError:
+            click.echo(f"waiting for another gpuslice new or enroll ({directory})...", err=True)
+            fd = lock_unit_dir(directory)
+    except OSError as e:  # not root, a read-only /etc, a file where the directory should be
+        raise _cannot_write(path, e) from None
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, data: str | bytes, *, exclusive: bool = False) -> None:
+    try:
+        write_atomically(path, data, exclusive=exclusive)
+    except FileExistsError as e:
+        if not (exclusive and os.path.lexists(path)):
+            raise _cannot_write(path, e) from None
         raise click.ClickException(
-            printable(f"cannot write {path}: {_reason(e)}{where}", 600)
+            f"{path} appeared while gpuslice new wrote it (another program, or an admin, "
+            "wrote it meanwhile): not overwritten"
         ) from None
+    except OSError as e:  # a read-only /etc, a file where a directory should be, not root
+        raise _cannot_write(path, e) from None
+
+
+def _cannot_write(path: Path, e: OSError) -> click.ClickException:
+    where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+    return click.ClickException(printable(f"cannot write {path}: {_reason(e)}{where}", 600))
 
 
 def _systemctl(*args: str) -> None:

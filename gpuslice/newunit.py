@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
 import os
 import re
 import shutil
@@ -24,9 +25,23 @@ import click
 from gpuslice import safefile
 from gpuslice.annotations import KEYS, SECTION, Key
 from gpuslice.core.model import UnitKind
-from gpuslice.unitfiles import SYSTEM_UNIT_PATH, UNIT_NAME_MAX, is_valid_unit_name, printable
+from gpuslice.paths import GATE_DROPIN_NAME
+from gpuslice.unitfiles import (
+    SYSTEM_UNIT_PATH,
+    UNIT_NAME_MAX,
+    find_dropins,
+    is_valid_unit_name,
+    printable,
+)
 
 NEW_MARKER = "# Written by `gpuslice new`"
+# `gpuslice new` and `enroll` hold this lock from the look at what is there to the read-back
+# (and the undo): two of them at once (two admins, a script in a loop) each read the unit,
+# then wrote, then validated what was there; one's undo put back the file the other had just
+# replaced, and each could report the other's unit as its own. Hidden and with no unit
+# suffix, so that systemd never reads it; 0600, so that no other user can open it (flock
+# needs only an open file) and hold every `gpuslice new` waiting.
+LOCK_NAME = ".gpuslice.lock"
 # Where a unit of this name would already be found: every directory of systemd's system
 # search path. A subset (/etc, /run, /usr/lib, /lib) missed /usr/local/lib/systemd/system,
 # where `make install` puts gpuslice.service itself: `gpuslice new gpuslice ...` shadowed the
@@ -51,8 +66,18 @@ def is_user_name(user: str) -> bool:
 def printable_path(path: str) -> bool:
     """Printable ASCII only, so that no line break or control character reaches the unit,
     and no backslash at the end: systemd joins such a line with the next one, and
-    `WorkingDirectory=/srv/job\\` named /srv/job."""
-    return 0 < len(path) <= 4096 and all(32 <= ord(c) < 127 for c in path) and path[-1] != "\\"
+    `WorkingDirectory=/srv/job\\` named /srv/job. No blank at the end either (systemd strips
+    it: `/srv/job ` named /srv/job), and no `..` component nor one over 255 characters:
+    systemd refuses such a WorkingDirectory= (not normalized, not a valid path) and with it
+    the whole unit, which `gpuslice new` had reported written."""
+    parts = path.split("/")
+    return (
+        0 < len(path) <= 4096
+        and all(32 <= ord(c) < 127 for c in path)
+        and path[-1] not in "\\ "
+        and ".." not in parts
+        and max(map(len, parts)) <= 255
+    )
 
 
 def option_name(key: Key) -> str:
@@ -142,6 +167,14 @@ def unit_name(name: str) -> str:
             f"'{printable(name, 100)}': not a service name (letters, digits and :-_.\\, no @)",
             param_hint="NAME",
         )
+    # systemd takes `-H.service`, systemctl does not: `--now` ran `systemctl start --no-block
+    # -H.service`, which went to connect to a host named ".service", and every later
+    # `systemctl stop NAME` an admin types is an option too
+    if name.startswith("-"):
+        raise click.BadParameter(
+            f"'{printable(name, 100)}': a name that starts with '-' is an option to systemctl",
+            param_hint="NAME",
+        )
     return name
 
 
@@ -212,7 +245,27 @@ def resolve_command(command: Sequence[str]) -> list[str]:
         if found is None:
             raise click.BadParameter(f"{program!r}: not found in PATH", param_hint="COMMAND")
         program = os.path.abspath(found)
+    why = _unrunnable(program)
+    if why:
+        raise click.BadParameter(f"'{shown_bytes(program)}': {why}", param_hint="COMMAND")
     return [program, *command[1:]]
+
+
+def _unrunnable(program: str) -> str | None:
+    """Why systemd would not run this absolute program path, if it would not. It refuses
+    the whole unit for a quote, a backslash or a control character in it ("Executable name
+    contains special characters"), a trailing `/`, or a name over 255 bytes: `gpuslice new`
+    had reported written a unit that never loaded. And it expands no `$` in the path (only
+    in the arguments): the `$$` that keeps an argument's `$` made the path another file."""
+    if any(c < " " or c in "\"'\\\x7f" for c in program):
+        return (
+            "a quote, a backslash or a control character in the program's path: systemd refuses it"
+        )
+    if "$" in program:
+        return "'$' in the program's path: systemd keeps it there, but expands it in argv[0]"
+    if program.endswith("/") or max(len(p.encode("utf-8")) for p in program.split("/")) > 255:
+        return "a directory, or a name over 255 bytes: systemd refuses such a program's path"
+    return None
 
 
 def unit_text(
@@ -256,6 +309,21 @@ def existing_unit(name: str, root: Path) -> Path | None:
     return None
 
 
+def own_dropins(name: str, root: Path) -> list[str]:
+    """The drop-ins in a directory named for this unit (`NAME.d/`, anywhere in the search
+    path), but the generator's gate: what a unit of this name gets besides its own file.
+    Before `gpuslice new` makes the unit, they were left by an earlier one (an enroll's
+    `gpuslice.conf`, a `systemctl edit` override), and they change the job it writes."""
+    return [
+        f.path
+        for f in find_dropins(name, root)
+        if os.path.basename(os.path.dirname(f.path)) == name + ".d"
+        and not (
+            f.path.startswith("/run/systemd/generator/") and f.path.endswith("/" + GATE_DROPIN_NAME)
+        )
+    ]
+
+
 def written_by_new(path: Path) -> bool:
     previous = read_regular(path, len(NEW_MARKER))
     return previous is not None and previous.decode("ascii", "replace") == NEW_MARKER
@@ -270,9 +338,26 @@ def read_regular(path: Path, limit: int | None = None) -> bytes | None:
         return None
 
 
-def write_atomically(path: Path, data: str | bytes) -> None:
+def lock_unit_dir(directory: Path, *, wait: bool = True) -> int:
+    """An open descriptor of `directory`'s LOCK_NAME, locked (flock, exclusive; closing it
+    unlocks), the directory made first if needed. Waits while another holds it, or, without
+    `wait`, raises BlockingIOError."""
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(directory / LOCK_NAME, flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_atomically(path: Path, data: str | bytes, *, exclusive: bool = False) -> None:
     """Write `data` to a new file next to `path`, then rename it over `path`: systemd, which
-    may reload meanwhile, sees the old file or the new one, never half of one. The temporary
+    may reload meanwhile, sees the old file or the new one, never half of one. With
+    `exclusive`, link it to `path` instead, which fails (FileExistsError) if anything is
+    there: a unit an admin wrote after the look that found none is not replaced. The temporary
     name is short (a 253-character unit name leaves no room for a suffix within NAME_MAX),
     made with O_EXCL, and has no unit or `.conf` suffix, so systemd never reads it; it is
     removed when anything fails (OSError).
@@ -292,7 +377,12 @@ def write_atomically(path: Path, data: str | bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

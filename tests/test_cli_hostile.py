@@ -7,14 +7,18 @@ from __future__ import annotations
 import gc
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner, Result
 
 import gpuslice.cli
+from gpuslice import newunit
 from gpuslice.cli import main
+from gpuslice.newunit import LOCK_NAME
 from gpuslice.unitfiles import MAX_FILE_SIZE
 
 SYSTEM = "etc/systemd/system"
@@ -38,7 +42,10 @@ def enroll(root: Path, unit: str, *args: str) -> Result:
 
 
 def files(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
+    """The files below `root`, but the lock `new` and `enroll` keep in the unit directory."""
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir() and p.name != LOCK_NAME
+    )
 
 
 def plain_unit(root: Path, name: str = "plain.service") -> Path:
@@ -71,6 +78,20 @@ def test_new_takes_the_longest_name_it_can_gate_and_refuses_longer_ones(tmp_path
     assert "not a service name: 263 characters, systemd takes at most 255" in result.output
 
 
+@pytest.mark.parametrize("name", ["-H", "--user.service", "-.service"])
+def test_new_refuses_a_name_that_systemctl_takes_for_an_option(tmp_path: Path, name: str) -> None:
+    """`gpuslice new --priority 5 --now -- -H /bin/true` wrote -H.service (a name systemd
+    takes) and ran `systemctl start --no-block -H.service`: systemctl's -H, a host to reach
+    over ssh, ".service"."""
+    result = invoke(
+        "new", "--priority", "5", "--now", "--root", str(tmp_path), "--", name, "/bin/true",
+        env={"PATH": str(tmp_path)},  # no systemctl: nothing could be started by mistake
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "a name that starts with '-' is an option to systemctl" in result.output
+    assert files(tmp_path) == []
+
+
 def test_enroll_refuses_a_unit_whose_dropin_directory_cannot_exist(tmp_path: Path) -> None:
     unit = "b" * 246 + ".service"  # 254: valid for systemd, `UNIT.d` is not a file name
     result = enroll(tmp_path, unit, "--priority", "5")
@@ -94,7 +115,8 @@ def test_enroll_of_a_unit_that_does_not_exist_says_so_and_leaves_nothing(tmp_pat
     result = enroll(tmp_path, "ghost", "--priority", "5")
     assert result.exit_code == 1
     assert "ghost.service: no such unit in systemd's search path (or masked)" in result.output
-    assert list((tmp_path / SYSTEM).iterdir()) == []  # nor an empty ghost.service.d/
+    assert files(tmp_path) == []
+    assert [p.name for p in (tmp_path / SYSTEM).iterdir()] == [LOCK_NAME]  # no ghost.service.d/
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +135,31 @@ def test_new_refuses_an_argument_that_is_not_utf8(
 ) -> None:
     """`gpuslice new x -- /bin/echo $'\\xff'`: a traceback that left `.x.service.gpuslice-tmp`."""
     result = new(tmp_path, "x", "--priority", "5", command=command)
+    assert result.exit_code == 2, result.output
+    assert expected in result.output
+    assert files(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("program", "expected"),
+    [
+        ('/opt/my "app"/run', "a quote, a backslash or a control character in the program's"),
+        ("/opt/it's/run", "a quote, a backslash or a control character in the program's"),
+        ("/opt/a\\b/run", "a quote, a backslash or a control character in the program's"),
+        ("/opt/a\nb/run", "a quote, a backslash or a control character in the program's"),
+        ("/opt/jobs/$JOB/run", "'$' in the program's path: systemd keeps it there"),
+        ("/usr/bin/", "a directory, or a name over 255 bytes"),
+        ("/opt/" + "r" * 256, "a directory, or a name over 255 bytes"),
+    ],
+)
+def test_new_refuses_a_program_path_systemd_would_not_run(
+    tmp_path: Path, program: str, expected: str
+) -> None:
+    """systemd refuses a unit whose program path holds a quote, a backslash or a control
+    character ("Executable name contains special characters"), ends in `/` or has a name over
+    255 bytes; and it does not expand `$` there, so the `$$` written for an argument's `$`
+    named another file. `gpuslice new` reported each unit written: it never loaded or ran."""
+    result = new(tmp_path, "job", "--priority", "5", command=(program, "arg"))
     assert result.exit_code == 2, result.output
     assert expected in result.output
     assert files(tmp_path) == []
@@ -224,6 +271,23 @@ def test_a_rejected_enroll_puts_the_previous_dropin_back(tmp_path: Path) -> None
     assert dropin.read_bytes() == before
 
 
+def test_enroll_never_replaces_a_gpuslice_conf_it_did_not_write(tmp_path: Path) -> None:
+    """An admin's own `plain.service.d/gpuslice.conf` (any drop-in may carry the section) was
+    replaced whole by `gpuslice enroll plain`: its Environment= and the rest were lost."""
+    plain_unit(tmp_path)
+    theirs = tmp_path / SYSTEM / "plain.service.d/gpuslice.conf"
+    theirs.parent.mkdir()
+    theirs.write_text("[Service]\nEnvironment=MODEL=/srv/m\n\n[X-GPUSlice]\nPriority=40\n")
+    before = theirs.read_bytes()
+    result = enroll(tmp_path, "plain", "--priority", "5")
+    assert result.exit_code == 1, result.output
+    assert f"{theirs} exists and was not written by gpuslice enroll: not overwritten" in (
+        result.output
+    )
+    assert theirs.read_bytes() == before
+    assert files(tmp_path) == [f"{SYSTEM}/plain.service", f"{SYSTEM}/plain.service.d/gpuslice.conf"]
+
+
 def test_a_unit_is_on_disk_before_its_name_and_its_name_before_new_returns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,7 +295,7 @@ def test_a_unit_is_on_disk_before_its_name_and_its_name_before_new_returns(
     empty unit file, which systemd takes for a masked unit (the job gone, or the drop-in's
     annotation, so the unit ran ungated)."""
     events: list[str] = []
-    real_fsync, real_replace = os.fsync, os.replace
+    real_fsync, real_replace, real_link = os.fsync, os.replace, os.link
 
     def fsync(fd: int) -> None:
         events.append("fsync directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
@@ -241,9 +305,17 @@ def test_a_unit_is_on_disk_before_its_name_and_its_name_before_new_returns(
         events.append("rename")
         real_replace(src, dst)
 
+    def link(src: Any, dst: Any) -> None:
+        events.append("link")
+        real_link(src, dst)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "link", link)
     assert new(tmp_path, "job", "--priority", "5").exit_code == 0
+    assert events == ["fsync file", "link", "fsync directory"]  # made: never over another
+    events.clear()
+    assert new(tmp_path, "job", "--priority", "6").exit_code == 0
     assert events == ["fsync file", "rename", "fsync directory"]
     events.clear()
     plain_unit(tmp_path)
@@ -265,6 +337,112 @@ def test_enroll_refuses_the_controller_and_what_it_starts_after(tmp_path: Path, 
     assert "gpuslice.service starts after this unit, or is it" in result.output
     assert "annotation rejected; removed" in result.output
     assert files(tmp_path) == [f"{SYSTEM}/{unit}.service"]
+
+
+def test_new_names_the_dropins_an_earlier_unit_of_its_name_left(tmp_path: Path) -> None:
+    """A unit once enrolled (its `gpuslice.conf` says every key) and then deleted without its
+    `NAME.d/`: `gpuslice new NAME --type background` wrote a unit that the old drop-in made
+    on-demand and gave the old priority, and said nothing of it."""
+    old = tmp_path / SYSTEM / "job.service.d/gpuslice.conf"
+    old.parent.mkdir(parents=True)
+    old.write_text("[X-GPUSlice]\nPriority=5\nType=on-demand\nGPUs=1\nRequeue=yes\n")
+    edit = tmp_path / "run/systemd/system/job.service.d/override.conf"
+    edit.parent.mkdir(parents=True)
+    edit.write_text("[Service]\nEnvironment=OLD=1\n")
+    gate = tmp_path / "run/systemd/generator/job.service.d/gpuslice-gate.conf"
+    gate.parent.mkdir(parents=True)
+    gate.write_text("[Service]\n")  # the generator's: made anew at the next reload
+    service_wide = tmp_path / SYSTEM / "service.d/all.conf"
+    service_wide.parent.mkdir(parents=True)
+    service_wide.write_text("[Service]\n")  # every service's, on purpose
+    result = new(tmp_path, "job", "--priority", "50", "--type", "background")
+    assert result.exit_code == 0, result.output
+    assert (
+        "warning: drop-ins made before job.service apply to it too: "
+        "/etc/systemd/system/job.service.d/gpuslice.conf, "
+        "/run/systemd/system/job.service.d/override.conf (remove those"
+    ) in result.output
+    # a rewrite of its own unit says nothing: the drop-ins were made for it, or named before
+    result = new(tmp_path, "job", "--priority", "50", "--type", "background")
+    assert result.exit_code == 0 and "warning" not in result.output
+
+
+def test_new_never_replaces_a_unit_written_after_it_looked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An admin's unit (or another program's) written between `gpuslice new`'s look at the
+    search path and its write: the rename replaced it, and the admin's job was gone."""
+    real_existing_unit = newunit.existing_unit
+
+    def look(unit: str, root: Path) -> Path | None:
+        found = real_existing_unit(unit, root)
+        plain_unit(tmp_path, "job.service")  # the admin's, just after the look
+        return found
+
+    monkeypatch.setattr(gpuslice.cli, "existing_unit", look)
+    result = new(tmp_path, "job", "--priority", "5")
+    assert result.exit_code == 1, result.output
+    assert f"{tmp_path / SYSTEM}/job.service appeared while gpuslice new wrote it" in result.output
+    assert (tmp_path / SYSTEM / "job.service").read_text() == "[Service]\nExecStart=/bin/true\n"
+    assert files(tmp_path) == [f"{SYSTEM}/job.service"]  # no temporary file left
+
+
+@pytest.mark.timeout(20)
+def test_two_new_of_one_name_at_once_run_one_after_the_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `gpuslice new job` at once (two admins, a script in a loop) each read the unit
+    there, wrote its own and read back whatever was there by then: the last rename won. Here
+    the first one's annotation is refused, and its undo put back the unit it had read over
+    the one the second had written and reported written: the second's unit lost, silently.
+    With the unit directory's lock, the second waits, then rewrites what the first left."""
+    assert new(tmp_path, "job", "--priority", "5").exit_code == 0
+    path = tmp_path / SYSTEM / "job.service"
+    first_writes, second_waits_or_done = threading.Event(), threading.Event()
+    real_write, real_lock = newunit.write_atomically, newunit.lock_unit_dir
+
+    def write(path: Path, data: bytes, **kwargs: Any) -> None:
+        if threading.current_thread().name == "first" and not first_writes.is_set():
+            first_writes.set()
+            assert second_waits_or_done.wait(10)
+        real_write(path, data, **kwargs)
+
+    def lock(directory: Path, *, wait: bool = True) -> int:
+        if threading.current_thread().name == "second" and wait:
+            second_waits_or_done.set()
+        return real_lock(directory, wait=wait)
+
+    monkeypatch.setattr(gpuslice.cli, "write_atomically", write)
+    monkeypatch.setattr(gpuslice.cli, "lock_unit_dir", lock)
+    outcome: dict[str, str] = {}
+
+    def run(*args: str) -> None:
+        name = threading.current_thread().name
+        try:
+            main.main(
+                ["new", "job", *args, "--no-reload", "--root", str(tmp_path), "--", "/bin/true"],
+                standalone_mode=False,
+            )
+            outcome[name] = "written"
+        except click.ClickException as e:
+            outcome[name] = e.format_message()
+        finally:
+            if name == "second":
+                second_waits_or_done.set()
+
+    first = threading.Thread(target=run, args=("--priority", "6", "--devices", "%i"), name="first")
+    second = threading.Thread(target=run, args=("--priority", "7"), name="second")
+    first.start()
+    assert first_writes.wait(10)
+    second.start()
+    first.join(10)
+    second.join(10)
+    assert "annotation rejected; put back the previous" in outcome["first"]
+    assert outcome["second"] == "written"
+    assert "Priority=7\n" in path.read_text()  # what the second said it wrote
+    assert files(tmp_path) == [f"{SYSTEM}/job.service"]
+    # no other user can open the lock, and so hold every `gpuslice new` waiting
+    assert stat.S_IMODE((tmp_path / SYSTEM / LOCK_NAME).stat().st_mode) == 0o600
 
 
 def test_a_unit_file_it_cannot_write_is_a_located_error(tmp_path: Path) -> None:
@@ -314,6 +492,15 @@ def test_new_shadows_no_unit_anywhere_in_the_search_path(tmp_path: Path, directo
     assert result.exit_code == 1, result.output
     assert f"{theirs} exists and was not written by gpuslice new" in result.output
     assert files(tmp_path) == [f"{directory}/gpuslice.service"]
+
+
+def test_new_now_refuses_to_leave_out_the_reload(tmp_path: Path) -> None:
+    """`--now --no-reload` started the unit as systemd knew it before the reload it left out:
+    a new one not found, a rewritten one with its old command and old annotation."""
+    result = new(tmp_path, "job", "--priority", "5", "--now")
+    assert result.exit_code == 2, result.output
+    assert "--now needs the daemon-reload that --no-reload leaves out" in result.output
+    assert files(tmp_path) == []
 
 
 def test_a_systemctl_that_cannot_run_is_an_error_not_a_traceback(tmp_path: Path) -> None:

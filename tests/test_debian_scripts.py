@@ -97,6 +97,7 @@ def test_purge_removes_the_directories_of_the_system_installed(tmp_path: Path, r
     """With DPKG_ROOT, purge removes that system's state and config, never the host's."""
     assert _run(tmp_path, "gpuslice.postrm", "purge", dpkg_root=root) == [
         f"rm -rf {root}/var/lib/gpuslice {root}/etc/gpuslice {root}/run/gpuslice"
+        f" {root}/etc/systemd/system/.gpuslice.lock"
     ]
 
 

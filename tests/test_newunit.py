@@ -110,6 +110,10 @@ def test_new_rewrites_its_own_unit_but_no_other(tmp_path: Path) -> None:
         (["--priority", "5", "--workdir", "relative"], "not an absolute path"),
         (["--priority", "5", "--workdir", "/a\nExecStartPre=/bin/evil"], "not an absolute path"),
         (["--priority", "5", "--workdir", "/srv/job\\"], "not an absolute path"),
+        # systemd would refuse the unit (not normalized, a name too long), or strip the blank
+        (["--priority", "5", "--workdir", "/srv/job/../data"], "not an absolute path"),
+        (["--priority", "5", "--workdir", "/srv/" + "d" * 256], "not an absolute path"),
+        (["--priority", "5", "--workdir", "/srv/job "], "not an absolute path"),
     ],
 )
 def test_new_refuses_bad_values_and_writes_nothing(

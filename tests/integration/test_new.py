@@ -119,3 +119,30 @@ def test_every_argument_reaches_the_job_as_given(container: Container) -> None:
     wait_journal(container, "echoer.service finished")  # not `inactive`: its job may be queued
     echoed = base64.b64decode(container.run(["base64", "-w0", "/run/echoed"]).stdout).decode()
     assert echoed == arg, (echoed, container.run(["cat", f"{UNIT_DIR}/echoer.service"]).stdout)
+
+
+def test_two_new_of_one_name_at_once_leave_one_whole_unit(container: Container) -> None:
+    """Two `gpuslice new racer` at once, again and again (two admins, a script in a loop):
+    they take turns on /etc/systemd/system/.gpuslice.lock, so each one reads, writes and
+    reads back alone. Every one says it wrote, and the unit left is whole and one of the
+    two, never a mix nor one that neither asked for; systemd loads it."""
+    container.run(
+        "for i in $(seq 20); do "
+        "gpuslice new racer --priority 10 --no-reload -- /bin/sleep 10 >/run/race-a.$i 2>&1 & "
+        "gpuslice new racer --priority 20 --no-reload -- /bin/sleep 20 >/run/race-b.$i 2>&1 & "
+        "wait; done",
+        timeout=300,
+    )
+    said = container.run("cat /run/race-*").stdout
+    assert said.count("wrote ") == 40 and "Error" not in said, said
+    text = container.run(["cat", f"{UNIT_DIR}/racer.service"]).stdout
+    assert text.count("[X-GPUSlice]") == 1 and text.count("ExecStart=") == 1, text
+    assert ('"/bin/sleep" "10"\n' in text and "Priority=10\n" in text) or (
+        '"/bin/sleep" "20"\n' in text and "Priority=20\n" in text
+    ), text
+    reload(container)
+    assert container.run(["systemctl", "show", "-P", "LoadState", "racer.service"]).stdout == (
+        "loaded\n"
+    )
+    lock = container.run(["stat", "-c", "%a %U", f"{UNIT_DIR}/.gpuslice.lock"]).stdout
+    assert lock == "600 root\n"  # no other user can open it, and so hold it
