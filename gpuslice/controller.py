@@ -28,6 +28,7 @@ from gpuslice.checkpoint import CheckpointSettings
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
 from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.core.placement import format_gpus
 from gpuslice.core.plan import plan_start
 from gpuslice.core.scheduler import (
     Action,
@@ -255,7 +256,6 @@ class Controller:
         with self.scheduler.deferred():  # the first sample took every job's process for foreign
             self.scheduler.set_gpus(self.watch.resample())
         actions = self._rebuild()
-        self._remember_told()  # those booked on the GPUs their env files name (_told_gpus)
         await self.service.claim_name()
         self.ready = True
         self.execute(actions)
@@ -377,6 +377,8 @@ class Controller:
                     Phase.STARTING,
                 ):
                     actions += self.scheduler.running(state.name, self._told_gpus(state.name))
+            if self._remember_told():  # those adopted: checked before anything is granted
+                self.scheduler.set_gpus(self.watch.resample())  # as start-up's first sample
             for state in states:
                 spec = self.spec_for(state.name)
                 if (
@@ -400,18 +402,25 @@ class Controller:
             log.info("%s runs without a saved grant: GPUs %s from its env file", unit, found)
         return found
 
-    def _remember_told(self) -> None:
+    def _remember_told(self) -> bool:
         """Tell the inventory which GPU, by UUID, each holder past its gate was granted (its
-        env file; a starting one's is an earlier run's). The books name GPUs by NVML index,
-        and the NVML this controller opened may number them otherwise than the last one's
-        (a card gone off the bus, the driver reloaded meanwhile): the index a unit holds may
-        be another GPU now, and its own GPU the one the books say is free (Inventory)."""
+        env file; a starting one's is an earlier run's), and the core which GPU each
+        suspended unit was suspended from. The books name GPUs by NVML index, and the NVML
+        this controller opened may number them otherwise than the last one's (a card gone
+        off the bus, the driver reloaded meanwhile): the index a unit holds may be another
+        GPU now, and its own GPU the one the books say is free (Inventory); a suspended
+        unit's processes wake on their own GPU, whatever its index (Suspended). Whether
+        the inventory learned a GPU it had booked otherwise (a new sample then shows it)."""
+        learned = False
         for name, gpus in self.scheduler.grants().items():
             if self.scheduler.phase(name) is Phase.STARTING:
                 continue
             told = envfiles.told_uuids(self.config.runtime_dir, name)
             if set(told) == gpus:
-                self.watch.inventory.remember(told)
+                learned |= self.watch.inventory.remember(told)
+        for name in self.scheduler.suspended_units():
+            self.scheduler.remember_uuids(name, envfiles.told_uuids(self.config.runtime_dir, name))
+        return learned
 
     def _started_again(self, name: str, state: UnitState) -> bool:
         """Whether a unit frozen or suspended (or being suspended or resumed) is shown
@@ -935,6 +944,7 @@ class Controller:
             if isinstance(action, Suspend):
                 self._spawn(self.ladder.suspend(action.unit, action.thaw_first))
             elif isinstance(action, Resume):
+                self._tell_again(action.unit, action.gpus)
                 self._spawn(self.ladder.resume(action.unit))
             elif isinstance(action, Freeze):
                 self._spawn(self.ladder.freeze(action.unit))
@@ -1176,6 +1186,29 @@ class Controller:
         self.gates.grant(unit)  # counted when its gate took it (_follow_gate)
         if self.service.grant(unit, ",".join(map(str, gpus))):
             self.counters.gate_answers["dbus"] += 1
+
+    def _tell_again(self, unit: str, gpus: Sequence[int]) -> None:
+        """A unit resumed on GPUs its env file names by other indices (NVML numbered them
+        anew while it was suspended: the same GPUs, by UUID) gets the file written anew:
+        a restarted controller checks the GPUs it holds against the file (`_remember_told`),
+        and an index the file does not name would leave them unchecked. Its processes read
+        the file at their start only: they keep the UUIDs they run on."""
+        told = envfiles.told_uuids(self.config.runtime_dir, unit)
+        if not told or sorted(told) == sorted(gpus):
+            return
+        try:
+            envfiles.write(
+                self.config.runtime_dir, unit, [self.scheduler.device(g) for g in sorted(gpus)]
+            )
+        except OSError as e:
+            log.warning(
+                "cannot write %s (%s): it still names the GPUs of %s by the indices they had "
+                "before NVML numbered them anew (%s)",
+                env_file(self.config.runtime_dir, unit),
+                e,
+                unit,
+                format_gpus(told),
+            )
 
     def _deliver_withheld(self, unit: str) -> None:
         """Try a withheld grant again, if the unit still holds it and its gate was not let

@@ -436,12 +436,19 @@ class Inventory:
         gpus = self._as_booked(gpus, holding)
         return Sample(self._with_gone(gpus, holding), processes, now, self.health)
 
-    def remember(self, told: Mapping[int, str]) -> None:
+    def remember(self, told: Mapping[int, str]) -> bool:
         """The UUIDs a restarted controller's holders were told, by index (their env files):
-        the NVML it opened afresh may number the GPUs otherwise than the last one did."""
+        the NVML it opened afresh may number the GPUs otherwise than the last one did.
+        An env file's word replaces a booking a sample made: the file names the GPU the
+        unit's processes run on, a sample only NVML's numbering of the moment (a unit
+        adopted at start-up is told after the sample that booked its index by that
+        numbering, or that booked it for a unit beside it). Whether a booking changed."""
+        changed = False
         for index, uuid in told.items():
-            if uuid:
-                self._booked.setdefault(index, uuid)
+            if uuid and self._booked.get(index) != uuid:
+                self._booked[index] = uuid
+                changed = True
+        return changed
 
     def _as_booked(self, gpus: list[Gpu], holding: Mapping[str, Collection[int]]) -> list[Gpu]:
         """`gpus` with every GPU whose index no longer names the GPU its holders were granted

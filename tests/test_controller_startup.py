@@ -29,7 +29,7 @@ import pytest
 from dbus_next import Message
 from dbus_next.constants import MessageType, NameFlag, RequestNameReply
 
-from gpuslice import checkpoint
+from gpuslice import checkpoint, envfiles
 from gpuslice import controller as controller_module
 from gpuslice import rereads as rereads_module
 from gpuslice.annotations import Scan, scan
@@ -1314,5 +1314,135 @@ def test_a_restart_checks_the_gpus_of_holders_past_their_gate_only(
         await ctl.start()
         lost = [g.index for g in ctl.watch.sample.gpus if g.lost]
         assert lost == ([0, 1] if running else [])
+
+    run(test)
+
+
+def test_a_restart_resumes_a_suspended_unit_on_the_gpu_its_env_file_names_at_its_index_now(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """vlm.service was suspended from GPU 1 when that was GPU-B (its env file says so; the
+    state file names GPU 1 only). GPU-A went and the controller restarted: NVML numbers
+    GPU-B 0 now. By index, its room was kept on GPU 1 (GPU-C), batch.service was granted
+    GPU 0 and vlm.service was resumed on GPU 1: its processes woke on GPU-B, beside
+    batch.service. It comes back on GPU 0, its env file says so, and batch.service gets 1."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-B", "GPU-C")
+    bed = Bed(
+        tmp_path,
+        {
+            "vlm.service": "Priority=90\nType=background\nPreempt=suspend stop\n",
+            "batch.service": "Priority=95\n",
+        },
+        [
+            state("vlm.service", "active", "running"),
+            state("batch.service", "activating", "start-pre", 3, "start"),
+        ],
+        SavedState(suspended={"vlm.service": ((1,), 1)}, seq=1),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    _told(bed, "vlm.service", 1, "GPU-B")
+    cgroup_of[4242] = "batch.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("batch.service", ":1.9", 4242)
+        assert ctl.scheduler.grants() == {
+            "vlm.service": frozenset({0}),
+            "batch.service": frozenset({1}),
+        }
+        assert set(bed.service.granted) == {("batch.service", "1")}
+        assert envfiles.told_uuids(bed.config.runtime_dir, "vlm.service") == {0: "GPU-B"}
+
+    run(test)
+
+
+def test_a_holder_adopted_at_a_restart_is_checked_against_its_env_file_before_a_grant(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service was saved starting on GPU 1, granted when that was GPU-B, and the last
+    controller was killed before it saved the grant: the restart finds it running and
+    adopts it. Its env file was read only after the first grant of the restart, and its
+    word lost to the booking the sample before had made by today's numbering (GPU 1 is
+    GPU-C): b.service was granted GPU 0, GPU-B, beside it. Both wait for a.service's end."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-B", "GPU-C")
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n"},
+        [
+            state("a.service", "active", "running"),
+            state("b.service", "activating", "start-pre", 3, "start"),
+        ],
+        SavedState(holders={"a.service": ((1,), "starting", 1, "")}, seq=1),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    _told(bed, "a.service", 1, "GPU-B")
+    cgroup_of[4242] = "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("b.service", ":1.9", 4242)
+        assert bed.service.granted == []
+        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, True), (1, True)]
+        goes_down(bed, "a.service")
+        await until(lambda: bed.service.granted == [("b.service", "0")])
+
+    run(test)
+
+
+def test_a_frozen_unit_keeps_its_gpu_from_a_grant_after_nvml_numbered_the_gpus_anew(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """emb.service is frozen beside voice.service on GPU 1, GPU-B when both were granted (it
+    keeps its VRAM there); the controller restarts and NVML numbers GPU-B 0. A frozen unit
+    holds its GPU like a running one: both GPUs are lost while either holds GPU 1, through
+    its thaw, and b.service gets GPU 0 only once both have ended."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-B", "GPU-C")
+    bed = Bed(
+        tmp_path,
+        {
+            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+            "b.service": "Priority=50\n",
+        },
+        [
+            state("emb.service", "active", "running"),
+            state("voice.service", "active", "running"),
+            state("b.service", "activating", "start-pre", 3, "start"),
+        ],
+        SavedState(
+            holders={
+                "emb.service": ((1,), "frozen", 1, ""),
+                "voice.service": ((1,), "running", 2, ""),
+            },
+            frozen_for={"emb.service": ["voice.service"]},
+            seq=2,
+        ),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    bed.systemd.freezer = {"emb.service": "frozen"}
+    _told(bed, "emb.service", 1, "GPU-B")
+    _told(bed, "voice.service", 1, "GPU-B")
+    cgroup_of[4242] = "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("b.service", ":1.9", 4242)
+        assert bed.service.granted == []
+        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, True), (1, True)]
+        goes_down(bed, "voice.service")
+        await until(lambda: ctl.scheduler.phase("emb.service") is Phase.RUNNING)
+        ctl.watch.refresh()
+        assert bed.service.granted == []
+        goes_down(bed, "emb.service")
+        await until(lambda: bed.service.granted == [("b.service", "0")])
 
     run(test)

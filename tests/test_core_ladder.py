@@ -1186,3 +1186,92 @@ def test_a_unit_suspended_when_the_host_went_down_is_preempted_after_the_reboot(
     assert s.suspended_units() == []
     assert s.snapshot().preempted == [(V, 90, True)]
     assert brief(s.schedule()) == [f"start {V}"]
+
+
+def numbered(*uuids: str) -> list[Gpu]:
+    """The GPUs as NVML numbers them once opened afresh: 0, 1, ... in this order (a card
+    gone off the bus shifts the ones after it)."""
+    return [Gpu(i, u, "Fake", 24 * GIB) for i, u in enumerate(uuids)]
+
+
+def suspended_from_gpu_b() -> tuple[Scheduler, UnitSpec]:
+    """vlm.service suspended from GPU 1, GPU-B, for voice.service (pinned to GPU-B), which
+    then runs there; GPU 0 (GPU-A) and GPU 2 (GPU-C) are free."""
+    voice = spec("voice", 10, devices=("GPU-B",))
+    first = spec("first", 50)
+    s = host(VLM, voice, first, gpus=numbered("GPU-A", "GPU-B", "GPU-C"))
+    running(s, first, VLM)
+    s.inactive(first.name, Outcome.EXITED)
+    assert brief(s.request(voice)) == [f"suspend {V} 1"]
+    assert brief(s.suspended_done(V, "")) == [f"grant {voice.name} 1"]
+    return s, voice
+
+
+def test_a_suspended_unit_comes_back_on_its_own_gpu_at_the_index_nvml_gives_it_now() -> None:
+    """GPU-A goes off the bus while vlm.service is suspended from GPU 1 (GPU-B), and NVML,
+    opened afresh, numbers GPU-B 0 and GPU-C 1. A restore wakes its processes on GPU-B (their
+    environment and CUDA context name it by UUID): resumed by index onto GPU 1, the books
+    said GPU-C was its and GPU 0 free, and the next unit granted GPU 0 ran beside it."""
+    s, voice = suspended_from_gpu_b()
+    with s.deferred():  # voice.service ends in the batch that takes in NVML's new numbering
+        s.inactive(voice.name, Outcome.EXITED)
+        s.set_gpus(numbered("GPU-B", "GPU-C"))
+    assert s.snapshot().suspended == [(V, 90, (0,))]
+    acts = s.schedule()
+    assert brief(acts) == [f"resume {V} 0"]
+    assert words(acts) == [
+        "restoring the VRAM of vlm.service (priority 90) on GPU 0 (GPU-B was GPU 1 when it was "
+        "suspended: NVML numbered the GPUs anew)"
+    ]
+    assert s.grants() == {V: frozenset({0})}
+    assert brief(s.request(spec("other", 50))) == ["grant other.service 1"]
+
+
+def test_a_suspended_unit_keeps_its_room_on_its_own_gpu_wherever_nvml_numbers_it() -> None:
+    """While vlm.service waits to come back (a foreign process on GPU-B), the room kept for
+    it is on GPU-B, now GPU 0: a less urgent unit is granted GPU-C, now GPU 1."""
+    s, voice = suspended_from_gpu_b()
+    b, c = numbered("GPU-B", "GPU-C")
+    with s.deferred():
+        s.inactive(voice.name, Outcome.EXITED)
+        s.set_gpus([dataclasses.replace(b, foreign_pids=(7,)), c])
+    assert brief(s.schedule()) == []
+    assert s.phase(V) is Phase.SUSPENDED
+    assert brief(s.request(spec("other", 95))) == ["grant other.service 1"]
+
+
+def test_a_suspended_unit_whose_gpu_is_gone_is_stopped_not_resumed_on_another() -> None:
+    """GPU-B itself went: GPU 1 names GPU-C now. By index it was resumed onto GPU 1, booked
+    as if GPU-C were its GPU; it is stopped instead, the line naming the GPU it lost, and
+    comes back as a preempted unit (Requeue=)."""
+    s, voice = suspended_from_gpu_b()
+    with s.deferred():
+        s.inactive(voice.name, Outcome.EXITED)
+        s.set_gpus(numbered("GPU-A", "GPU-C"))
+    acts = s.schedule()
+    assert brief(acts) == [f"stop {V}"]
+    assert words(acts) == [
+        "vlm.service (priority 90) could not be resumed on GPU 1: its GPU 1 was GPU-B, which "
+        "NVML no longer lists: its memory cannot be restored on another GPU; stopping it "
+        "(Requeue= decides whether it starts again)"
+    ]
+    assert s.grants() == {V: frozenset()}
+    assert brief(s.inactive(V, Outcome.STOPPED)) == [f"start {V}"]
+
+
+def test_a_restarted_controller_resumes_a_suspended_unit_on_the_gpu_its_env_file_names() -> None:
+    """The state file names a suspended unit's GPUs by index only; its env file says GPU-B.
+    The NVML a restarted controller opened numbers GPU-B 0."""
+    s, voice = suspended_from_gpu_b()
+    after = host(VLM, voice, gpus=numbered("GPU-B", "GPU-C"))
+    after.load(s.save())
+    after.remember_uuids(V, {0: "GPU-A"})  # not its GPUs: another file's word, ignored
+    after.remember_uuids(V, {1: "GPU-B"})
+    with after.deferred():
+        after.inactive(voice.name, Outcome.EXITED)
+    assert brief(after.schedule()) == [f"resume {V} 0"]
+    told_nothing = host(VLM, voice, gpus=numbered("GPU-B", "GPU-C"))
+    told_nothing.load(s.save())  # no env file to tell: by index, as before
+    with told_nothing.deferred():
+        told_nothing.inactive(voice.name, Outcome.EXITED)
+    assert brief(told_nothing.schedule()) == [f"resume {V} 1"]

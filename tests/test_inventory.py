@@ -639,6 +639,28 @@ def test_a_restarted_controller_checks_its_holders_gpus_against_what_they_were_t
     assert len(caplog.records) == 1
 
 
+def test_an_env_files_word_replaces_a_booking_a_sample_made_by_todays_numbering(
+    tmp_path: Path,
+) -> None:
+    """GPU 1 was booked by the sample that saw asr.service hold it (GPU-C, NVML's numbering
+    of the moment); then the env file of a unit adopted beside it says GPU 1 was GPU-B
+    when granted. The file names what the unit's processes run on: it wins, and GPU-B's
+    index now (0) is lost with GPU 1. Kept, the sample's word hid that GPU 0 is GPU-B, and
+    it was granted beside the adopted unit. A word the books already hold teaches nothing
+    (the controller samples again only after one that does)."""
+    nvml = StubNvml()
+    enumerate_as(nvml, "GPU-B", "GPU-C")
+    inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=2))
+    holding = {"asr.service": [1]}
+    assert not any(g.lost for g in inventory.sample(MANAGED, holding).gpus)
+    assert not inventory.remember({1: "GPU-C"})  # booked so by the first sample itself
+    assert inventory.remember({1: "GPU-B"})
+    assert not inventory.remember({1: "GPU-B"})
+    holding = {"asr.service": [1], "tts.service": [1]}
+    after = inventory.sample(MANAGED, holding)
+    assert [(g.index, g.lost) for g in after.gpus] == [(0, True), (1, True)]
+
+
 def test_a_renumbered_gpu_shared_by_units_names_them_all_and_keeps_its_name(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -181,11 +181,18 @@ class Holder:
 @dataclass
 class Suspended:
     """A unit whose VRAM is in host memory: it comes back on the same GPUs (a restore puts
-    its memory back at the same device addresses), most urgent first."""
+    its memory back at the same device addresses), most urgent first.
+
+    `gpus` are the indices it held; `uuids` what each of them named then, where known. NVML
+    numbers GPUs only in its order of enumeration, and may number them anew while the unit
+    is suspended (a card gone off the bus, the driver reloaded, a controller restart): its
+    processes wake on their own GPU (their environment and CUDA context name it by UUID),
+    whatever index it has now (`Scheduler._where_now`)."""
 
     spec: UnitSpec
     gpus: frozenset[int]
     seq: int
+    uuids: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -727,7 +734,14 @@ class Scheduler:
         del self.holders[name]
         self._tops_cache = None
         waiter = self.waiters.get(holder.stopping_for or "")
-        self.suspended[name] = Suspended(holder.spec, holder.gpus, self._next())
+        # a GPU the inventory reports lost may be one NVML numbered anew under it: its UUID
+        # now is no word of what the unit runs on (it is not resumed there: lost)
+        uuids = {
+            g: self.devices[g].uuid
+            for g in holder.gpus
+            if g in self.devices and self.devices[g].uuid and not self.devices[g].lost
+        }
+        self.suspended[name] = Suspended(holder.spec, holder.gpus, self._next(), uuids)
         decision = _about(
             holder.spec,
             Code.SUSPENDED,
@@ -847,7 +861,7 @@ class Scheduler:
             return [_log(_about(holder.spec, Code.THAWED_OUTSIDE, gpus=gpus))]
         entry = self.suspended.get(name)
         if entry is not None:
-            gpus = tuple(sorted(entry.gpus))
+            gpus = self._where_now(entry) or tuple(sorted(entry.gpus))
             thawed = _about(entry.spec, Code.THAWED_OUTSIDE, gpus=gpus, cause=Cause.SUSPENDED)
             return [_log(thawed)]
         return []
@@ -887,6 +901,15 @@ class Scheduler:
                 )
                 actions.append(Resume(name, gpus, render(resume), resume))
         return actions
+
+    def remember_uuids(self, name: str, told: Mapping[int, str]) -> None:
+        """After a controller restart: the UUID of each GPU a suspended unit was suspended
+        from, as its env file tells (what its processes run on). The state file names its
+        GPUs by index only, and the NVML this controller opened may number them otherwise
+        (`Suspended`). A file that names other GPUs than its own says nothing of it."""
+        entry = self.suspended.get(name)
+        if entry is not None and set(told) == entry.gpus and all(told.values()):
+            entry.uuids = dict(told)
 
     def set_policy(self, *, yield_to_foreign: bool, requeue_at_gate: bool) -> None:
         """config.yaml's two policy switches, changed by a reload. Decides nothing: they
@@ -1279,8 +1302,8 @@ class Scheduler:
         ahead: list[tuple[int, Use]] = []  # the room of those before it that stay suspended
         for entry in sorted(self.suspended.values(), key=self._resume_order):
             spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
-            gpus = tuple(sorted(entry.gpus))
-            if not self._can_come_back(entry):
+            gpus = self._where_now(entry)
+            if gpus is None or not self._can_come_back(entry):
                 if not self._gpus_a_guess(entry):
                     actions.append(self._stop_suspended(entry, spec))
                 continue
@@ -1306,9 +1329,37 @@ class Scheduler:
             holder.granted = holder.seq
             self.holders[spec.name] = holder
             self._tops_cache = None
-            resume = _about(spec, Code.RESUME, gpus=gpus)
+            resume = _about(spec, Code.RESUME, gpus=gpus, detail=self._moved(entry, gpus))
             actions.append(Resume(spec.name, gpus, render(resume), resume))
         return actions
+
+    def _where_now(self, entry: Suspended) -> tuple[int, ...] | None:
+        """The indices its GPUs have now: each GPU whose UUID it was suspended from is
+        found by that UUID, the others (suspended before NVML named them) by their index;
+        None when one of its GPUs NVML no longer lists (its index may name another GPU:
+        its memory cannot be restored there). GPUs not named at all (config.yaml's guess,
+        NVML not ready) say nothing: then by index, as before NVML answered."""
+        at = {g.uuid: g.index for g in self.devices.values() if g.uuid}
+        where: list[int] = []
+        for index in sorted(entry.gpus):
+            uuid = entry.uuids.get(index, "")
+            if uuid and uuid in at:
+                where.append(at[uuid])
+            elif uuid and at:
+                return None
+            else:
+                where.append(index)
+        return tuple(sorted(where))
+
+    def _moved(self, entry: Suspended, gpus: tuple[int, ...]) -> str:
+        """The resume's detail when NVML numbered its GPUs anew since it was suspended."""
+        if gpus == tuple(sorted(entry.gpus)):
+            return ""
+        uuids = [entry.uuids[g] for g in sorted(entry.gpus) if g in entry.uuids]
+        return (
+            f"{', '.join(uuids)} {'was' if len(uuids) == 1 else 'were'} "
+            f"{format_gpus(entry.gpus)} when it was suspended: NVML numbered the GPUs anew"
+        )
 
     def _kept_by_an_equal(self, use: Use, spec: UnitSpec) -> bool:
         """A place kept by a waiter (that cannot run yet) of the unit's own priority."""
@@ -1319,21 +1370,26 @@ class Scheduler:
         the start of a pass: waiters are served first; `_resume` gives it back)."""
         promises: list[tuple[int, Use]] = []
         for entry in self.suspended.values():
-            if self._can_come_back(entry):
+            gpus = self._where_now(entry)
+            if gpus is not None and self._can_come_back(entry):
                 spec = self.specs.get(entry.spec.name, entry.spec)
-                self._promise(promises, spec, sorted(entry.gpus), kept_from=spec.priority + 1)
+                self._promise(promises, spec, gpus, kept_from=spec.priority + 1)
         return promises
 
     def _can_come_back(self, entry: Suspended) -> bool:
         """Its GPUs are all here and answering: a restore puts its memory back on them."""
-        return all(g in self.devices and not self.devices[g].lost for g in entry.gpus)
+        gpus = self._where_now(entry)
+        return gpus is not None and all(
+            g in self.devices and not self.devices[g].lost for g in gpus
+        )
 
     def _gpus_a_guess(self, entry: Suspended) -> bool:
         """NVML is not ready yet (the GPUs are config.yaml's guess, `pause_refill`) and none
         of its GPUs is known lost: it waits for NVML rather than being stopped, which would
         lose its work (a controller restarted while the driver does not answer)."""
+        gpus = self._where_now(entry) or entry.gpus
         return bool(self.refill_paused) and not any(
-            g in self.devices and self.devices[g].lost for g in entry.gpus
+            g in self.devices and self.devices[g].lost for g in gpus
         )
 
     def _stop_suspended(self, entry: Suspended, spec: UnitSpec) -> Stop:
@@ -1341,10 +1397,20 @@ class Scheduler:
         (never left frozen for good), and Requeue= decides whether it starts again."""
         del self.suspended[spec.name]
         self.holders[spec.name] = Holder(spec, frozenset(), Phase.STOPPING, self._next())
-        gone = sorted(g for g in entry.gpus if g not in self.devices or self.devices[g].lost)
-        why = f"{format_gpus(gone)} lost or gone: its memory cannot be restored there"
-        decision = _about(spec, Code.RESUME_FAILED, gpus=tuple(sorted(entry.gpus)), detail=why)
-        return _stop(decision)
+        where = self._where_now(entry)
+        if where is None:  # never onto another GPU: its processes would wake on their own
+            at = {g.uuid for g in self.devices.values()}
+            why = "; ".join(
+                f"its GPU {g} was {entry.uuids[g]}, which NVML no longer lists"
+                for g in sorted(entry.gpus)
+                if entry.uuids.get(g, "") and entry.uuids[g] not in at
+            )
+            why += ": its memory cannot be restored on another GPU"
+        else:
+            gone = sorted(g for g in where if g not in self.devices or self.devices[g].lost)
+            why = f"{format_gpus(gone)} lost or gone: its memory cannot be restored there"
+        gpus = where or tuple(sorted(entry.gpus))
+        return _stop(_about(spec, Code.RESUME_FAILED, gpus=gpus, detail=why))
 
     def _resume_order(self, entry: Suspended) -> tuple[int, int]:
         return (self.specs.get(entry.spec.name, entry.spec).priority, entry.seq)
@@ -1601,7 +1667,7 @@ class Scheduler:
         kept = [
             self.specs.get(e.spec.name, e.spec)
             for e in self.suspended.values()
-            if gpu in e.gpus and self._can_come_back(e)
+            if gpu in (self._where_now(e) or ()) and self._can_come_back(e)
         ]
         ahead = [k for k in kept if k.priority < priority]
         return min(ahead, key=lambda k: (k.priority, k.name), default=None)
@@ -1745,7 +1811,7 @@ class Scheduler:
             for n in sorted(self.preempted, key=lambda n: (self._prio(n), self.preempted[n]))
         ]
         suspended = [
-            (e.spec.name, e.spec.priority, tuple(sorted(e.gpus)))
+            (e.spec.name, e.spec.priority, self._where_now(e) or tuple(sorted(e.gpus)))
             for e in sorted(self.suspended.values(), key=lambda e: (e.spec.priority, e.seq))
         ]
         return Snapshot(
