@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cgroupcost import describe_cgroup_cost, host_cgroup_cost
+from gpuslice.config import SETTLE_SECONDS
 from tests.bed.container import REPO, BedError, Container, ensure_tree, wait_until
 
 RESULTS_DIR = REPO / "bench-results"
@@ -193,7 +194,9 @@ def set_requeue_at_gate(c: Container, on: bool) -> None:
         f"echo 'requeue_at_gate: {value}' >> /etc/gpuslice/config.yaml"
     )
     c.systemctl("reload", CONTROLLER)
-    time.sleep(0.3)  # SIGHUP is handled by the controller's loop, after reload returns
+    # SIGHUP is handled by the controller's loop, after reload returns, and a file changed
+    # less than SETTLE_SECONDS ago is read once it has been left alone that long
+    time.sleep(SETTLE_SECONDS + 0.3)
 
 
 def bg_lines(c: Container) -> int:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuslice import safefile
 from gpuslice.core.model import GPU_ID
-from gpuslice.paths import CONFIG_PATH, DEFAULT_RUNTIME_DIR, DEFAULT_STATE_DIR
+from gpuslice.paths import CONFIG_PATH, DEFAULT_RUNTIME_DIR, DEFAULT_STATE_DIR, RUNTIME_DIR_RECORD
 from gpuslice.sizes import SIZE_ALLOWED, SIZE_MAX, parse_size
 from gpuslice.unitfiles import printable
 
@@ -91,6 +91,12 @@ def _directory_below(v: Any, base: str) -> bool:
         and (path == base or path.startswith(base + "/"))
         and all(part not in ("", ".", "..") for part in parts)
     )
+
+
+def _runtime_dir(v: Any) -> bool:
+    """`_directory_below` /run/gpuslice, but not where the runtime_dir of this boot is recorded
+    (paths.RUNTIME_DIR_RECORD, a file) or below it."""
+    return _directory_below(v, DEFAULT_RUNTIME_DIR) and not _directory_below(v, RUNTIME_DIR_RECORD)
 
 
 _PATH_ALLOWED = (
@@ -210,10 +216,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "runtime_dir",
         DEFAULT_RUNTIME_DIR,
-        functools.partial(_directory_below, base=DEFAULT_RUNTIME_DIR),
-        _PATH_ALLOWED.format(base=DEFAULT_RUNTIME_DIR),
+        _runtime_dir,
+        _PATH_ALLOWED.format(base=DEFAULT_RUNTIME_DIR)
+        + f"; not {RUNTIME_DIR_RECORD}, where gpuslice records the one it runs with",
         "Where the controller writes per-unit environment files "
-        "(RUNTIME_DIR/env/UNIT/gpuslice.env) and the gate's pipes (RUNTIME_DIR/gate/UNIT).",
+        "(RUNTIME_DIR/env/UNIT/gpuslice.env) and the gate's pipes (RUNTIME_DIR/gate/UNIT); "
+        "a change takes effect at the next boot.",
         convert=lambda v: v.rstrip("/"),
     ),
     Setting(
@@ -640,6 +648,15 @@ def read_config_text(path: str | os.PathLike[str]) -> str | None:
         else:
             reason = "not a regular file"
         raise ConfigError([f"{shown}: cannot read: {reason}"]) from None
+    untrusted = _changeable_by_others(os.fspath(path))
+    if untrusted is not None:
+        raise ConfigError(
+            [
+                f"{shown}: not read: {untrusted}: only root may be able to change what "
+                "gpuslice does as root (it runs cuda_checkpoint); make the file and its "
+                "directories root's, writable by root alone"
+            ]
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -647,6 +664,49 @@ def read_config_text(path: str | os.PathLike[str]) -> str | None:
         raise ConfigError(
             [f"{shown}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"]
         ) from None
+
+
+def _changeable_by_others(path: str) -> str | None:
+    """Why someone but root (or this process's own user) can change the config file that was
+    just read, or None: the file, a directory above it, or a directory above the symlink that
+    led to it, is another user's, or writable by a group but root's, or by anyone. A sticky
+    directory (/tmp) is fine: only a file's owner may replace it there. config.yaml steers a
+    root daemon, which runs the cuda_checkpoint it names as root: a file that a user could
+    write (a symlink into a home, `chmod 666`, a group-writable /etc/gpuslice) was trusted.
+    Access ACLs are not looked at."""
+    euid = os.geteuid()
+    owners = {0, euid}
+    groups = {0} if euid == 0 else {0, os.getegid()}
+    real = os.path.realpath(path)
+    places = [
+        real,
+        *_with_parents(os.path.dirname(real)),
+        *_with_parents(os.path.realpath(os.path.dirname(os.path.abspath(path)))),
+    ]
+    for place in dict.fromkeys(places):
+        shown = printable(place)
+        try:
+            st = os.lstat(place)
+        except (OSError, ValueError) as e:
+            return f"{shown} cannot be checked: {getattr(e, 'strerror', None) or e}"
+        mode = st.st_mode
+        if st.st_uid not in owners:
+            return f"{shown} is owned by UID {st.st_uid}"
+        if stat.S_ISDIR(mode) and mode & stat.S_ISVTX:
+            continue
+        if mode & stat.S_IWOTH:
+            return f"{shown} is writable by anyone (mode {stat.S_IMODE(mode):04o})"
+        if mode & stat.S_IWGRP and st.st_gid not in groups:
+            return f"{shown} is writable by group GID {st.st_gid} (mode {stat.S_IMODE(mode):04o})"
+    return None
+
+
+def _with_parents(directory: str) -> list[str]:
+    out = [directory]
+    while directory not in ("/", ""):
+        directory = os.path.dirname(directory)
+        out.append(directory)
+    return out
 
 
 def _dangling_link(path: str) -> str | None:
@@ -684,3 +744,95 @@ def load_config_with_warnings(
 
 def load_config(path: str | os.PathLike[str] = CONFIG_PATH) -> Config:
     return load_config_with_warnings(path)[0]
+
+
+def located(path: str | os.PathLike[str], key: str) -> str:
+    """`PATH:LINE` of the setting `key` in the config file, `PATH` when it is not found there
+    (the file changed, or went bad, since it was read): for a message about a setting."""
+    import yaml
+
+    shown = printable(os.fspath(path))
+    try:
+        text = read_config_text(path)
+        root = None if text is None else _compose(text, shown)
+    except ConfigError:
+        return shown
+    if isinstance(root, yaml.MappingNode):
+        for key_node, _value in root.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value == key:
+                return f"{shown}:{key_node.start_mark.line + 1}"
+    return shown
+
+
+# ---------------------------------------------------------------------------------------------
+# a file being written at the moment it is read
+
+# A file written in place (`cp new config.yaml`, an editor that does not rename, a
+# configuration tool) is truncated, then written: read in between, its first lines, or
+# nothing, are valid YAML, and every setting past the cut falls back to its default
+# (manage_gpus: every GPU, no reserve), silently. So the controller reads a file only once it
+# has been left alone this long (its status change time: a write, a rename into place or a
+# `touch` sets it), and again if it changed while it was read. A writer that pauses longer
+# mid-file is not caught: an admin writes a new file and renames it over the old one.
+SETTLE_SECONDS = 1.0
+
+
+def unsettled(path: str | os.PathLike[str], now: float, settle: float = SETTLE_SECONDS) -> float:
+    """Seconds until the file has been left alone for `settle` (0: read it now). A file that
+    cannot be looked at is read now (the read says why); so is one changed "in the future"
+    (the clock was set back): waited for, it would not be read until the clock caught up."""
+    try:
+        changed = os.stat(path).st_ctime
+    except (OSError, ValueError):
+        return 0.0
+    age = now - changed
+    return settle - age if 0 <= age < settle else 0.0
+
+
+Stamp = tuple[int, int, int, int, int]
+
+
+def stamp(path: str | os.PathLike[str]) -> Stamp | None:
+    """What changes when the file does (which file, its size and times), None when it cannot
+    be looked at: equal before and after a read, the read saw one version of the file."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# ---------------------------------------------------------------------------------------------
+# the runtime_dir of this boot (paths.RUNTIME_DIR_RECORD)
+
+
+def runtime_dir_value(value: str) -> str | None:
+    """`value` as a runtime_dir (its trailing "/" off), None when it is not a valid one."""
+    setting = SETTINGS_BY_NAME["runtime_dir"]
+    return str(setting.convert(value)) if setting.valid(value) else None
+
+
+def read_pinned_runtime_dir(record: str | os.PathLike[str]) -> str | None:
+    """The runtime_dir the controller recorded at `record` when it started this boot; None
+    when none did, or the record is no valid one (only root writes there)."""
+    try:
+        data = safefile.read_bytes(record, 1024, follow_links=False)
+    except safefile.Unreadable:
+        return None
+    text = data.decode("ascii", "replace")
+    return runtime_dir_value(text[:-1] if text.endswith("\n") else text)
+
+
+def pin_runtime_dir(record: str | os.PathLike[str], runtime_dir: str) -> bool:
+    """Record the runtime_dir the controller runs with (at once: a reader sees the old record
+    or the new one). False, and nothing written, when the record's directory does not exist:
+    not started by gpuslice.service, whose RuntimeDirectory= makes it. OSError when it cannot
+    be written."""
+    path = os.fspath(record)
+    if not os.path.isdir(os.path.dirname(path)):
+        return False
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(runtime_dir + "\n")
+    os.replace(tmp, path)
+    return True

@@ -25,7 +25,18 @@ from gpuslice import __version__, envfiles
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.cgroups import unit_of_pid
 from gpuslice.checkpoint import CheckpointSettings
-from gpuslice.config import Config, ConfigError, load_config_with_warnings
+from gpuslice.config import (
+    SETTLE_SECONDS,
+    Config,
+    ConfigError,
+    load_config_with_warnings,
+    located,
+    pin_runtime_dir,
+    read_pinned_runtime_dir,
+    runtime_dir_value,
+    stamp,
+    unsettled,
+)
 from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.placement import format_gpus
@@ -51,7 +62,7 @@ from gpuslice.inventory import GpuUse, Inventory
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
-from gpuslice.paths import env_file, gate_pipe_dir
+from gpuslice.paths import RUNTIME_DIR_ENV, RUNTIME_DIR_RECORD, env_file, gate_pipe_dir
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import Flusher, StateStore
@@ -105,6 +116,13 @@ ENV_RETRY = 1.0
 # loop against a bus that fails at once (Controller._call_not_taken).
 CALL_RETRY_FIRST = 1.0
 CALL_RETRY_MAX = 30.0
+# config.yaml is read once it has been left alone this long (config.SETTLE_SECONDS says
+# why), and a reload waits for that at most CONFIG_SETTLE_WAITS times before it reads the
+# file as it is (a file rewritten without end is not waited for without end).
+CONFIG_SETTLE = SETTLE_SECONDS
+CONFIG_SETTLE_WAITS = 10
+# Where the controller records the runtime_dir it runs with (paths.RUNTIME_DIR_RECORD)
+RUNTIME_RECORD = Path(RUNTIME_DIR_RECORD)
 # The order STATUS= names holders in, by what they are doing (Controller.status_line).
 _LINE_PHASES = ("running", "starting", "stopping", "frozen", "suspending", "resuming")
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
@@ -219,7 +237,8 @@ class Controller:
         self._flush_failing = False
         self._checking_thaws = False  # a check of FreezerState is under way
         self._status_due = False  # a STATUS= update is scheduled
-        self._reload_due = False  # a config reload is queued for this turn of the loop
+        self._reload_due = False  # a config reload is queued, or waits for the file to settle
+        self._settle_waits = 0  # how long the reload under way has waited, in waits
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -670,15 +689,51 @@ class Controller:
                 asyncio.get_running_loop().call_soon(self._reload_now)
 
     def _reload_now(self) -> None:
+        """Reload config.yaml once it has been left alone for CONFIG_SETTLE s, and again if it
+        changed while it was read (config.SETTLE_SECONDS: a file written in place, read
+        half-way, is valid YAML whose missing settings are the defaults). Signals meanwhile
+        are this reload; after CONFIG_SETTLE_WAITS waits the file is read as it is."""
+        loop = asyncio.get_running_loop()
+        waited = self._settle_waits < CONFIG_SETTLE_WAITS
+        wait = unsettled(self.config_path, time.time(), CONFIG_SETTLE)
+        if wait > 0 and waited:
+            if self._settle_waits == 0:
+                log.info(
+                    "%s changed less than %g s ago: reloading it once it has been left alone "
+                    "that long (a file written in place may be cut short)",
+                    self.config_path,
+                    CONFIG_SETTLE,
+                )
+            self._settle_waits += 1
+            loop.call_later(wait, self._reload_now)
+            return
+        if not waited:
+            log.warning(
+                "%s kept changing for %g s: reloading it as it is now",
+                self.config_path,
+                CONFIG_SETTLE_WAITS * CONFIG_SETTLE,
+            )
+        waits, self._settle_waits = self._settle_waits, 0
         self._reload_due = False  # a signal from now on reads the file again
-        self.reload_config()
+        if self.reload_config(recheck=waited):
+            return
+        self._reload_due = True  # changed while it was read: read again once left alone
+        self._settle_waits = waits + 1
+        loop.call_later(CONFIG_SETTLE, self._reload_now)
 
-    def reload_config(self) -> None:
+    def reload_config(self, recheck: bool = False) -> bool:
+        """Read config.yaml and apply it, or keep the last good one. With `recheck`, False
+        and nothing done when the file changed while it was read."""
+        before = stamp(self.config_path) if recheck else None
         try:
             config, warnings = load_config_with_warnings(self.config_path)
         except ConfigError as e:
+            if recheck and stamp(self.config_path) != before:
+                return False
             log.error("keeping the last good configuration: %s", e)
-            return
+            return True
+        if recheck and stamp(self.config_path) != before:
+            return False
         for warning in warnings:
             log.warning("%s", warning)
         config = self._keep_paths(config)
@@ -689,27 +744,29 @@ class Controller:
             requeue_at_gate=config.requeue_at_gate,
         )
         logging.getLogger().setLevel(config.log_level.upper())
+        # said: a reload takes effect up to a few seconds after the signal (_reload_now)
+        log.info("configuration reloaded from %s", self.config_path)
         self.watch.refresh()
         self.request_rescan()
+        return True
 
     def _keep_paths(self, config: Config) -> Config:
         """`config` with the paths this controller started with. The gates' drop-ins name
-        runtime_dir (written at `daemon-reload`) and the state file was read from state_dir
-        at start: env files written elsewhere on a reload alone would leave a unit reading
-        a stale one (its last grant's GPUs) or none (every GPU)."""
+        runtime_dir, which is this boot's (paths.RUNTIME_DIR_RECORD), and the state file was
+        read from state_dir at start: env files written elsewhere on a reload alone would
+        leave a unit reading a stale one (its last grant's GPUs) or none (every GPU)."""
         kept = dataclasses.replace(
             config, runtime_dir=self.config.runtime_dir, state_dir=self.config.state_dir
         )
-        for key in ("runtime_dir", "state_dir"):
-            if getattr(config, key) != getattr(kept, key):
-                log.warning(
-                    "%s: %s: %s takes effect when gpuslice.service restarts, after "
-                    "systemctl daemon-reload (until then %s)",
-                    self.config_path,
-                    key,
-                    getattr(config, key),
-                    getattr(kept, key),
-                )
+        if config.runtime_dir != kept.runtime_dir:
+            _runtime_dir_not_yet(self.config_path, config.runtime_dir, kept.runtime_dir)
+        if config.state_dir != kept.state_dir:
+            log.warning(
+                "%s: state_dir: %s takes effect when gpuslice.service restarts (until then %s)",
+                located(self.config_path, "state_dir"),
+                config.state_dir,
+                kept.state_dir,
+            )
         return kept
 
     def _concrete_specs(self, remembered: Iterable[str] = ()) -> dict[str, UnitSpec]:
@@ -1400,6 +1457,64 @@ def _journal_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
+def _runtime_dir_not_yet(config_path: Path, configured: str, kept: str) -> None:
+    log.warning(
+        "%s: runtime_dir: %s takes effect at the next boot: the gates' drop-ins name %s, "
+        "where gpuslice writes until then",
+        located(config_path, "runtime_dir"),
+        configured,
+        kept,
+    )
+
+
+def _runtime_dir_of_this_boot(config: Config, config_path: Path) -> Config:
+    """`config` with the runtime_dir the gates' drop-ins name, recorded (RUNTIME_RECORD) for
+    the generator to keep naming it: the one gpuslice-generator told this start
+    (RUNTIME_DIR_ENV), else the one recorded by a controller earlier this boot, else
+    config.yaml's. Taken from config.yaml alone, a restart (Restart=, a driver loaded late)
+    after runtime_dir was edited wrote env files where no unit read them (every GPU visible),
+    and a daemon-reload while the controller ran pointed the gates where it did not write."""
+    told = os.environ.get(RUNTIME_DIR_ENV)
+    runtime_dir = None if told is None else runtime_dir_value(told)
+    if told is not None and runtime_dir is None:
+        log.error("%s=%s is not a valid runtime_dir: ignored", RUNTIME_DIR_ENV, printable(told))
+    runtime_dir = runtime_dir or read_pinned_runtime_dir(RUNTIME_RECORD) or config.runtime_dir
+    if runtime_dir != config.runtime_dir:
+        _runtime_dir_not_yet(config_path, config.runtime_dir, runtime_dir)
+    try:
+        pin_runtime_dir(RUNTIME_RECORD, runtime_dir)
+    except OSError as e:
+        log.error(
+            "cannot record the runtime_dir in %s (%s): a daemon-reload after runtime_dir is "
+            "changed in %s points the gates elsewhere",
+            RUNTIME_RECORD,
+            e,
+            config_path,
+        )
+    return dataclasses.replace(config, runtime_dir=runtime_dir)
+
+
+async def _load_settled(config_path: Path) -> tuple[Config, list[str]]:
+    """config.yaml once it has been left alone for CONFIG_SETTLE s, read again if it changed
+    while it was read (Controller._reload_now); as it is after CONFIG_SETTLE_WAITS waits."""
+    for tries in range(CONFIG_SETTLE_WAITS + 1):
+        last = tries == CONFIG_SETTLE_WAITS
+        wait = unsettled(config_path, time.time(), CONFIG_SETTLE)
+        if wait > 0 and not last:
+            await asyncio.sleep(wait)
+            continue
+        before = stamp(config_path)
+        try:
+            loaded = load_config_with_warnings(config_path)
+        except ConfigError:
+            if last or stamp(config_path) == before:
+                raise
+            continue
+        if last or stamp(config_path) == before:
+            return loaded
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
 async def run(config_path: Path, bus_address: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     # SIGHUP's default action ends the process: a `kill -HUP` while this connects to the
@@ -1410,7 +1525,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     early_reload: list[None] = []
     loop.add_signal_handler(signal.SIGHUP, early_reload.append, None)
     try:
-        config, warnings = load_config_with_warnings(config_path)
+        config, warnings = await _load_settled(config_path)
     except ConfigError as e:
         _journal_logging("info")
         log.error("%s", e)
@@ -1420,6 +1535,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
         log.warning("%s", warning)
     raise_fd_limit()  # before anything opens: gatepipes.MAX_OPEN
     systemd = await Systemd.connect(bus_address)
+    config = _runtime_dir_of_this_boot(config, config_path)  # before any gate is answered
     # under systemd (stderr to the journal) decisions also go to their units' journals
     journal = Journal() if os.environ.get("JOURNAL_STREAM") else None
     controller = Controller(config, config_path, systemd, journal=journal)

@@ -3,7 +3,9 @@
 systemd runs this at boot and at every daemon-reload as
 `gpuslice-generator NORMAL_DIR [EARLY_DIR LATE_DIR]`. For each valid annotated unit it writes
 `NORMAL_DIR/UNIT.d/gpuslice-gate.conf`. The drop-in resets ExecStartPre= so the gate runs first,
-then puts back the unit's own ExecStartPre= lines from the files applied before it.
+then puts back the unit's own ExecStartPre= lines from the files applied before it. It also
+writes `NORMAL_DIR/gpuslice.service.d/gpuslice-runtime-dir.conf`, which tells the controller
+the runtime_dir the gates name (paths.RUNTIME_DIR_RECORD says why).
 
 If the generator failed, every annotated unit would start ungated, so nothing stops it: each unit
 is planned and written on its own, and a problem with one (an unreadable file, a name too long
@@ -22,8 +24,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuslice.annotations import Loader, Scan, scan
-from gpuslice.config import Config, ConfigError, load_config_with_warnings
-from gpuslice.paths import CONFIG_PATH, ENV_FILE_SPECIFIER, GATE_DROPIN_NAME, GATE_PIPE_SPECIFIER
+from gpuslice.config import (
+    Config,
+    ConfigError,
+    load_config_with_warnings,
+    located,
+    read_pinned_runtime_dir,
+)
+from gpuslice.paths import (
+    CONFIG_PATH,
+    ENV_FILE_SPECIFIER,
+    GATE_DROPIN_NAME,
+    GATE_PIPE_SPECIFIER,
+    RUNTIME_DIR_DROPIN,
+    RUNTIME_DIR_ENV,
+    RUNTIME_DIR_RECORD,
+)
 from gpuslice.unitfiles import UnitIndex, is_instance, is_valid_unit_name, printable, template_of
 
 _PROG = "gpuslice-generator"
@@ -208,36 +224,64 @@ def plan(
 
 
 def _settings(root: Path) -> tuple[str, float]:
-    """runtime_dir and gate_retry_seconds from config.yaml. A file with errors gives those of
-    the two it sets validly, the defaults for the rest: the running controller keeps the last
-    good config, so a typo in another key must not point the gates' EnvironmentFile= away
-    from where it writes (a unit would then start with every GPU visible)."""
+    """runtime_dir and gate_retry_seconds. runtime_dir is the one gpuslice.service recorded
+    this boot (paths.RUNTIME_DIR_RECORD), whatever config.yaml says: gates naming another
+    than the running controller's sent its units to read no env file (every GPU visible) or
+    a stale one (another unit's GPUs). Else, and for the retry, config.yaml's. A file with
+    errors gives those of the two it sets validly, the defaults for the rest: the running
+    controller keeps the last good config, so a typo in another key must not point the
+    gates' EnvironmentFile= away from where it writes."""
     path = root / CONFIG_PATH.lstrip("/")
+    pinned = read_pinned_runtime_dir(root / RUNTIME_DIR_RECORD.lstrip("/"))
     try:
         config, warnings = load_config_with_warnings(path)
     except ConfigError as e:
-        runtime_dir = e.valid.get("runtime_dir", DEFAULTS.runtime_dir)
+        runtime_dir = pinned or e.valid.get("runtime_dir", DEFAULTS.runtime_dir)
         retry = e.valid.get("gate_retry_seconds", DEFAULTS.gate_retry_seconds)
-        kept = _kept(runtime_dir, retry)
+        kept = _kept(runtime_dir, retry, pinned is not None)
         for problem in e.problems:
             _warn(f"{problem} ({kept})")
         return runtime_dir, retry
     except Exception as e:  # belt and braces: config.py raises only ConfigError
-        _warn(f"{path}: {_reason(e)} ({_kept(DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds)})")
-        return DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds
+        runtime_dir = pinned or DEFAULTS.runtime_dir
+        retry = DEFAULTS.gate_retry_seconds
+        _warn(f"{path}: {_reason(e)} ({_kept(runtime_dir, retry, pinned is not None)})")
+        return runtime_dir, retry
     for warning in warnings:
         _warn(warning)
-    return config.runtime_dir, config.gate_retry_seconds
+    if pinned is not None and pinned != config.runtime_dir:
+        _warn(
+            f"{located(path, 'runtime_dir')}: runtime_dir: {config.runtime_dir} takes effect "
+            f"at the next boot: gpuslice.service runs with {pinned} this boot, which the "
+            "gates keep naming"
+        )
+    return pinned or config.runtime_dir, config.gate_retry_seconds
 
 
-def _kept(runtime_dir: str, retry: float) -> str:
+def _kept(runtime_dir: str, retry: float, pinned: bool = False) -> str:
     """What a generator run with a bad config.yaml uses, in words."""
+    if pinned:
+        return (
+            f"using runtime_dir {runtime_dir}, gpuslice.service's this boot, and "
+            f"gate_retry_seconds {retry:g}: the file's if valid, else the default"
+        )
     if (runtime_dir, retry) == (DEFAULTS.runtime_dir, DEFAULTS.gate_retry_seconds):
         return f"using the defaults runtime_dir {runtime_dir}, gate_retry_seconds {retry:g}"
     return (
         f"using runtime_dir {runtime_dir}, gate_retry_seconds {retry:g}: "
         "the file's where valid, else the defaults"
     )
+
+
+def runtime_dir_dropin(runtime_dir: str) -> str:
+    """gpuslice.service's drop-in that tells the controller, when it starts, which runtime_dir
+    the gates name (config.yaml may say another by then)."""
+    lines = [
+        "# Added by gpuslice-generator: the runtime_dir the GPU gates name.",
+        "[Service]",
+        f"Environment={RUNTIME_DIR_ENV}={_escape_specifiers(runtime_dir)}",
+    ]
+    return "\n".join(_one_line(line) for line in lines) + "\n"
 
 
 def _warn(message: str, severity: str = "warning") -> None:
@@ -271,6 +315,16 @@ def generate(
     for error in planned.errors:
         _warn(error, "error")
     out_dir = Path(normal_dir)
+    try:
+        own = out_dir / RUNTIME_DIR_DROPIN
+        own.parent.mkdir(parents=True, exist_ok=True)
+        own.write_text(runtime_dir_dropin(runtime_dir), encoding="utf-8")
+    except Exception as e:
+        _warn(
+            f"cannot write {RUNTIME_DIR_DROPIN}: {_reason(e)} (gpuslice.service takes the "
+            "runtime_dir it recorded this boot, else config.yaml's)",
+            "error",
+        )
     written = 0
     for unit, text in planned.dropins.items():
         try:

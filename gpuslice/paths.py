@@ -15,6 +15,17 @@ CONFIG_PATH = "/etc/gpuslice/config.yaml"
 DEFAULT_STATE_DIR = "/var/lib/gpuslice"
 DEFAULT_RUNTIME_DIR = "/run/gpuslice"
 DEFAULT_LIBEXEC_DIR = "/usr/lib/gpuslice"
+# The runtime_dir of this boot. The gates' drop-ins name it (EnvironmentFile=, the pipe), and
+# the controller writes there: the two must never disagree, or a unit starts reading no env
+# file (every GPU visible) or a stale one (another unit's GPUs). So the controller records the
+# one it runs with here at start (gpuslice.service's RuntimeDirectory=, kept until reboot), the
+# generator names that one in the gates while it is recorded, and tells gpuslice.service which
+# one its gates name (RUNTIME_DIR_ENV, in a drop-in of its own): a runtime_dir changed in
+# config.yaml takes effect at the next boot.
+RUNTIME_DIR_RECORD = "/run/gpuslice/runtime-dir"
+RUNTIME_DIR_ENV = "GPUSLICE_RUNTIME_DIR"
+# gpuslice.service's drop-in that the generator writes with RUNTIME_DIR_ENV
+RUNTIME_DIR_DROPIN = "gpuslice.service.d/gpuslice-runtime-dir.conf"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 

@@ -348,10 +348,32 @@ def test_release_gates_wakes_them_wherever_the_controller_may_have_made_them(
 
     woken: list[str] = []
     monkeypatch.setattr(gatepipes, "wake_and_remove", lambda d: woken.append(str(d)))
+    monkeypatch.setattr("gpuslice.paths.RUNTIME_DIR_RECORD", str(tmp_path / "no-record"))
+    monkeypatch.delenv("GPUSLICE_RUNTIME_DIR", raising=False)
     (tmp_path / "config.yaml").write_text(text)
     result = CliRunner().invoke(main, ["release-gates", "--config", str(tmp_path / "config.yaml")])
     assert result.exit_code == 0, result.output
     assert woken == released
+
+
+def test_release_gates_wakes_them_in_the_runtime_dir_the_controller_ran_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runtime_dir edited in config.yaml since the controller started: it made its pipes in
+    the runtime_dir of this boot, which gpuslice.service is told (GPUSLICE_RUNTIME_DIR) and
+    recorded (paths.RUNTIME_DIR_RECORD). Only config.yaml's was woken: a gate blocked in
+    open() on its pipe waited for the next controller."""
+    from gpuslice import gatepipes
+
+    woken: list[str] = []
+    monkeypatch.setattr(gatepipes, "wake_and_remove", lambda d: woken.append(str(d)))
+    (tmp_path / "record").write_text("/run/gpuslice/a\n")
+    monkeypatch.setattr("gpuslice.paths.RUNTIME_DIR_RECORD", str(tmp_path / "record"))
+    monkeypatch.setenv("GPUSLICE_RUNTIME_DIR", "/run/gpuslice/b")
+    (tmp_path / "config.yaml").write_text("runtime_dir: /run/gpuslice/c\n")
+    result = CliRunner().invoke(main, ["release-gates", "--config", str(tmp_path / "config.yaml")])
+    assert result.exit_code == 0, result.output
+    assert woken == ["/run/gpuslice/a/gate", "/run/gpuslice/b/gate", "/run/gpuslice/c/gate"]
 
 
 def test_metrics_without_an_answer_prints_only_up_0_and_exits_1(

@@ -12,11 +12,17 @@ import pytest
 from gpuslice.config import (
     SETTINGS,
     SETTINGS_BY_NAME,
+    SETTLE_SECONDS,
     Config,
     ConfigError,
     load_config,
     load_config_with_warnings,
+    located,
     parse_config,
+    pin_runtime_dir,
+    read_pinned_runtime_dir,
+    stamp,
+    unsettled,
 )
 
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "config.yaml"
@@ -29,7 +35,8 @@ ALLOWED = {
     "it write nowhere else",
     "RUNTIME": "/run/gpuslice or a directory below it, at most 200 characters of letters, "
     'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s sandbox lets '
-    "it write nowhere else",
+    "it write nowhere else; not /run/gpuslice/runtime-dir, where gpuslice records the one it "
+    "runs with",
     "MANAGE": "a list of at most 1024 GPU indices or GPU- UUIDs (MIG devices are not supported; "
     "empty: every GPU NVML finds)",
     "RESERVE": "a size such as 512M, 20G or 20GiB (binary units, at most 1P), or a mapping of "
@@ -707,3 +714,132 @@ def test_suspend_host_memory_margin_refuses_what_is_not_one_size(value: str) -> 
     assert problem.endswith(
         "(allowed: a size such as 512M, 20G or 20GiB (binary units, at most 1P))"
     )
+
+
+# ---- who may change the file -----------------------------------------------------------------
+
+ROOTS_ALONE = (
+    ": only root may be able to change what gpuslice does as root (it runs cuda_checkpoint); "
+    "make the file and its directories root's, writable by root alone"
+)
+
+
+def test_a_file_anyone_can_write_is_not_read(tmp_path: Path) -> None:
+    """config.yaml `chmod 666`, or in a directory anyone can write (a user replaces it): a
+    user set cuda_checkpoint to a program of theirs, which the controller ran as root."""
+    path = write(tmp_path, "cuda_checkpoint: /home/eve/pwn\n")
+    path.chmod(0o666)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        f"{path}: not read: {path} is writable by anyone (mode 0666){ROOTS_ALONE}"
+    ]
+    path.chmod(0o644)
+    tmp_path.chmod(0o777)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        f"{path}: not read: {tmp_path} is writable by anyone (mode 0777){ROOTS_ALONE}"
+    ]
+    tmp_path.chmod(0o1777)  # sticky, as /tmp: only the file's owner may replace it there
+    assert load_config(path).cuda_checkpoint == "/home/eve/pwn"
+
+
+def test_a_symlink_to_a_file_anyone_can_write_is_not_read(tmp_path: Path) -> None:
+    """/etc/gpuslice/config.yaml linked to a file elsewhere: the file it leads to counts,
+    and the directories above it; so do those above the link."""
+    target = tmp_path / "srv" / "gpuslice.yaml"
+    target.parent.mkdir()
+    target.write_text("gpus: 2\n")
+    target.parent.chmod(0o777)
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "config.yaml").symlink_to(target)
+    with pytest.raises(ConfigError) as caught:
+        load_config(etc / "config.yaml")
+    assert caught.value.problems == [
+        f"{etc}/config.yaml: not read: {target.parent} is writable by anyone (mode 0777)"
+        f"{ROOTS_ALONE}"
+    ]
+    target.parent.chmod(0o755)
+    assert load_config(etc / "config.yaml") == Config(gpus=2)
+    etc.chmod(0o777)  # the link itself can be replaced
+    with pytest.raises(ConfigError) as caught:
+        load_config(etc / "config.yaml")
+    assert f"not read: {etc} is writable by anyone (mode 0777)" in caught.value.problems[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_a_file_of_another_user_or_group_is_not_read_by_root(tmp_path: Path) -> None:
+    path = write(tmp_path, "gpus: 2\n")
+    os.chown(path, 1000, 0)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [f"{path}: not read: {path} is owned by UID 1000{ROOTS_ALONE}"]
+    os.chown(path, 0, 1000)
+    path.chmod(0o664)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.problems == [
+        f"{path}: not read: {path} is writable by group GID 1000 (mode 0664){ROOTS_ALONE}"
+    ]
+    os.chown(path, 0, 0)  # group root may write: root's
+    assert load_config(path) == Config(gpus=2)
+    os.chown(tmp_path, 1000, 1000)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert f"not read: {tmp_path} is owned by UID 1000" in caught.value.problems[0]
+
+
+# ---- the runtime_dir of this boot, a file being written, where a key is ------------------------
+
+
+@pytest.mark.parametrize("value", ["/run/gpuslice/runtime-dir", "/run/gpuslice/runtime-dir/x"])
+def test_runtime_dir_is_not_where_the_runtime_dir_of_this_boot_is_recorded(value: str) -> None:
+    (problem,) = problems_of(f"runtime_dir: {value}\n", "/c")
+    assert problem == f'/c:1: runtime_dir: invalid value "{value}" (allowed: {ALLOWED["RUNTIME"]})'
+    assert parse_config("runtime_dir: /run/gpuslice/runtime-dirs\n", "/c")[0].runtime_dir == (
+        "/run/gpuslice/runtime-dirs"
+    )
+
+
+def test_the_runtime_dir_record(tmp_path: Path) -> None:
+    """Written at once, read back; a record that is no runtime_dir, or a symlink, is none;
+    no record without the directory systemd makes for gpuslice.service."""
+    record = tmp_path / "gpuslice" / "runtime-dir"
+    assert not pin_runtime_dir(record, "/run/gpuslice/a")
+    assert not record.parent.exists() and read_pinned_runtime_dir(record) is None
+    record.parent.mkdir()
+    assert pin_runtime_dir(record, "/run/gpuslice/a")
+    assert record.read_text() == "/run/gpuslice/a\n"
+    assert read_pinned_runtime_dir(record) == "/run/gpuslice/a"
+    assert sorted(p.name for p in record.parent.iterdir()) == ["runtime-dir"]
+    for text in ("/etc\n", "/run/gpuslice/a\nX=1\n", "", "/run/gpuslice/\xe9\n"):
+        record.write_text(text)
+        assert read_pinned_runtime_dir(record) is None, text
+    record.unlink()
+    (tmp_path / "elsewhere").write_text("/run/gpuslice/b\n")
+    record.symlink_to(tmp_path / "elsewhere")
+    assert read_pinned_runtime_dir(record) is None
+
+
+def test_a_file_is_settled_once_left_alone_for_a_second(tmp_path: Path) -> None:
+    path = write(tmp_path, "gpus: 2\n")
+    changed = os.stat(path).st_ctime
+    assert unsettled(path, changed + 0.25) == pytest.approx(SETTLE_SECONDS - 0.25)
+    assert unsettled(path, changed + SETTLE_SECONDS) == 0
+    assert unsettled(path, changed - 3600) == 0  # the clock set back: not waited for
+    assert unsettled(tmp_path / "absent.yaml", changed) == 0
+    before = stamp(path)
+    assert before is not None and stamp(path) == before
+    path.write_text("gpus: 3\n")
+    assert stamp(path) != before and stamp(tmp_path / "absent.yaml") is None
+
+
+def test_located_names_the_line_of_a_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "gpus: 2\n# runtime_dir: /x\nruntime_dir: /run/gpuslice/b\n")
+    assert located(path, "runtime_dir") == f"{path}:3"
+    assert located(path, "state_dir") == str(path)
+    assert located(tmp_path / "absent.yaml", "gpus") == str(tmp_path / "absent.yaml")
+    path.write_text("gpus: [\n")
+    assert located(path, "gpus") == str(path)

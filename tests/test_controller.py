@@ -3321,9 +3321,9 @@ def test_the_sampler_runs_only_while_something_needs_protecting(tmp_path: Path) 
 def test_a_reload_keeps_the_paths_the_controller_started_with(
     tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """runtime_dir edited, then `systemctl reload gpuslice` alone: the gates' drop-ins still
-    name the old one. Env files written to the new one left a unit to read its last grant's
-    file (another GPU) or none (every GPU)."""
+    """runtime_dir edited, then `systemctl reload gpuslice`: the gates' drop-ins still name
+    the old one (until the next boot: paths.RUNTIME_DIR_RECORD). Env files written to the new
+    one left a unit to read its last grant's file (another GPU) or none (every GPU)."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     old = bed.config.runtime_dir
     (tmp_path / "config.yaml").write_text("runtime_dir: /run/gpuslice/elsewhere\n")
@@ -3340,7 +3340,7 @@ def test_a_reload_keeps_the_paths_the_controller_started_with(
 
     with caplog.at_level(logging.WARNING, logger="gpuslice"):
         run(test)
-    assert "runtime_dir: /run/gpuslice/elsewhere takes effect when gpuslice.service" in caplog.text
+    assert "runtime_dir: /run/gpuslice/elsewhere takes effect at the next boot" in caplog.text
 
 
 def test_a_reload_through_a_symlink_that_leads_nowhere_keeps_the_last_good_config(
@@ -3382,6 +3382,7 @@ def test_a_hundred_sighups_at_once_reload_the_config_once(
     signal after it has begun reads the file again."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     (tmp_path / "config.yaml").write_text("gpus: 2\nbogus: 1\n")
+    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0)  # written just now
     loads: list[Path] = []
     load = load_config_with_warnings
 
@@ -3422,6 +3423,7 @@ def test_a_sighup_during_start_up_is_a_reload_once_start_up_is_done(
     it is made once start-up is done, and once."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     (tmp_path / "config.yaml").write_text("gpus: 2\n")
+    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0)  # written just now
     loads: list[Path] = []
     load = load_config_with_warnings
 

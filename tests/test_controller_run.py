@@ -161,6 +161,10 @@ class Host:
             return self.journals[-1]
 
         monkeypatch.setattr(controller_module, "load_config_with_warnings", load)
+        # written just now: read at once (config.SETTLE_SECONDS); no /run/gpuslice here
+        monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0)
+        monkeypatch.setattr(controller_module, "RUNTIME_RECORD", tmp_path / "none" / "runtime-dir")
+        monkeypatch.delenv("GPUSLICE_RUNTIME_DIR", raising=False)
         monkeypatch.setattr(Systemd, "connect", connect)
         monkeypatch.setattr(controller_module, "SchedulerService", service)
         monkeypatch.setattr(controller_module, "Journal", journal)

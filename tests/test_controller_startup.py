@@ -1029,7 +1029,8 @@ def test_a_reload_says_each_warning_and_keeps_the_paths_it_started_with_in_so_ma
 ) -> None:
     """config.yaml edited (a misspelt key, new state_dir and runtime_dir), then `systemctl
     reload gpuslice`: each warning is a line naming file, line and key, and the paths stay
-    those the controller started with until it restarts, which the journal says with both
+    those the controller started with (runtime_dir: until the next boot, as the gates'
+    drop-ins keep naming it; state_dir: until it restarts), which the journal says with both
     values."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     config_path = tmp_path / "config.yaml"
@@ -1049,12 +1050,12 @@ def test_a_reload_says_each_warning_and_keeps_the_paths_it_started_with_in_so_ma
         [bogus, runtime, state_dir] = lines(caplog, logging.WARNING)
         assert bogus.startswith(f"{config_path}:4: bogus: unknown setting, ignored (known: ")
         assert runtime == (
-            f"{config_path}: runtime_dir: /run/gpuslice/b takes effect when gpuslice.service "
-            f"restarts, after systemctl daemon-reload (until then {old_runtime})"
+            f"{config_path}:3: runtime_dir: /run/gpuslice/b takes effect at the next boot: "
+            f"the gates' drop-ins name {old_runtime}, where gpuslice writes until then"
         )
         assert state_dir == (
-            f"{config_path}: state_dir: /var/lib/gpuslice/b takes effect when gpuslice.service "
-            f"restarts, after systemctl daemon-reload (until then {old_state})"
+            f"{config_path}:2: state_dir: /var/lib/gpuslice/b takes effect when "
+            f"gpuslice.service restarts (until then {old_state})"
         )
 
     run(test)

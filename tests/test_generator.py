@@ -297,6 +297,37 @@ def test_a_config_bad_elsewhere_keeps_its_runtime_dir(
     assert all(line.endswith(kept) for line in lines)
 
 
+def test_the_controller_is_told_the_runtime_dir_its_gates_name(tmp_path: Path) -> None:
+    """gpuslice.service reads it when it starts (controller._runtime_dir_of_this_boot):
+    config.yaml may say another by then (edited after the boot's generator run, and the
+    controller not started yet, or failed on a bad file at boot)."""
+    write(tmp_path, "/etc/gpuslice/config.yaml", "runtime_dir: /run/gpuslice/other\n")
+    out = run(tmp_path)
+    assert (out / "gpuslice.service.d/gpuslice-runtime-dir.conf").read_text() == (
+        "# Added by gpuslice-generator: the runtime_dir the GPU gates name.\n"
+        "[Service]\n"
+        "Environment=GPUSLICE_RUNTIME_DIR=/run/gpuslice/other\n"
+    )
+
+
+def test_a_bad_config_keeps_the_runtime_dir_the_controller_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The controller of this boot runs with /run/gpuslice/a; config.yaml now says b, with a
+    typo elsewhere: the gates keep a, and the warning says so."""
+    write(tmp_path, "/run/gpuslice/runtime-dir", "/run/gpuslice/a\n")
+    write(tmp_path, "/etc/gpuslice/config.yaml", "runtime_dir: /run/gpuslice/b\ngpus: 0\n")
+    write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")
+    out = run(tmp_path)
+    assert written(out) == {"a.service.d/gpuslice-gate.conf": gate(runtime="/run/gpuslice/a")}
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.endswith(
+        ': gpus: invalid value "0" (allowed: an integer 1-1024) (using runtime_dir '
+        "/run/gpuslice/a, gpuslice.service's this boot, and gate_retry_seconds 0.5: the "
+        "file's if valid, else the default)"
+    )
+
+
 def test_a_config_bad_elsewhere_keeps_its_gate_retry(tmp_path: Path) -> None:
     write(tmp_path, "/etc/gpuslice/config.yaml", "gate_retry_seconds: 2\ngpus: 0\n")
     write(tmp_path, f"{ETC}/a.service", "[X-GPUSlice]\nPriority=1\n")

@@ -91,6 +91,22 @@ def reload(bed: Container) -> None:
     bed.systemctl("daemon-reload")
 
 
+RELOADED = "configuration reloaded from /etc/gpuslice/config.yaml"
+
+
+def reload_config(bed: Container, timeout: float = 20) -> None:
+    """`systemctl reload gpuslice`, and wait until the controller has applied the file: it
+    reads a file changed less than a second ago only once it has been left alone that long
+    (gpuslice/config.py, SETTLE_SECONDS)."""
+    before = bed.journal("gpuslice.service").count(RELOADED)
+    bed.systemctl("reload", "gpuslice.service")
+    wait_until(
+        lambda: bed.journal("gpuslice.service").count(RELOADED) > before or None,
+        timeout,
+        what="the controller to apply config.yaml",
+    )
+
+
 def start_count(bed: Container, unit: str) -> int:
     """How many times systemd began starting UNIT in this boot (its "Starting" lines)."""
     out = bed.run(["journalctl", "-b", "--no-pager", "-o", "cat", "-u", unit]).stdout

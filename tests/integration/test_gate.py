@@ -362,3 +362,49 @@ def test_the_controller_holds_enough_descriptors_for_every_gate_pipe(container: 
     soft, hard = next(line.split()[3:5] for line in limits.splitlines() if "Max open files" in line)
     wanted = MAX_OPEN + RESERVED_FDS
     assert int(soft) == (wanted if hard == "unlimited" else min(wanted, int(hard))), limits
+
+
+# ---- the runtime_dir: the gates' EnvironmentFile= and the controller never disagree ----
+
+
+def test_a_runtime_dir_edited_while_gpuslice_runs_never_starts_a_job_without_its_gpus(
+    container: Container,
+) -> None:
+    """runtime_dir changed in config.yaml, then `systemctl daemon-reload`, then a restart of
+    gpuslice.service: a job started after each still reads its env file (its
+    CUDA_VISIBLE_DEVICES). Before, the daemon-reload pointed the gates' EnvironmentFile= at
+    the new directory while the running controller wrote in the old one (and a restart
+    alone did the reverse): the job started with no CUDA_VISIBLE_DEVICES, every GPU in
+    view. The new one takes effect at the next boot, as the journal says."""
+    job = "env-job.service"
+    write_job(
+        container,
+        job,
+        20,
+        exec_start='/bin/sh -c \'echo "x$CUDA_VISIBLE_DEVICES" > /run/env-job.cvd; '
+        "sleep infinity'",
+    )
+    reload(container)
+    config = "/etc/gpuslice/config.yaml"
+    container.run(
+        f"sed -i '/^runtime_dir:/d' {config} && echo 'runtime_dir: /run/gpuslice/moved' >> {config}"
+    )
+    for step in ("daemon-reload", "restart"):
+        if step == "daemon-reload":
+            reload(container)
+        else:
+            container.systemctl("restart", CONTROLLER)
+        container.run("rm -f /run/env-job.cvd")
+        container.systemctl("start", job)
+        seen = wait_until(
+            lambda: container.run("cat /run/env-job.cvd", check=False).stdout.strip() or None,
+            20,
+            what=f"{job} to write its CUDA_VISIBLE_DEVICES after the {step}",
+        )
+        env = container.run(f"cat /run/gpuslice/env/{job}/gpuslice.env").stdout
+        assert seen != "x" and f"CUDA_VISIBLE_DEVICES={seen[1:]}\n" in env, (step, seen, env)
+        container.systemctl("stop", job)
+    assert "runtime_dir: /run/gpuslice/moved takes effect at the next boot" in (
+        container.journal(CONTROLLER)
+    )
+    assert container.run("cat /run/gpuslice/runtime-dir").stdout == "/run/gpuslice\n"

@@ -17,6 +17,7 @@ from tests.integration.jobs import (
     main_pid,
     prop,
     reload,
+    reload_config,
     start_count,
     status,
     wait_journal,
@@ -432,7 +433,7 @@ def test_with_requeue_at_gate_a_preempted_unit_waits_at_its_gate_in_systemds_job
     once the GPU is free."""
     config = "/etc/gpuslice/config.yaml"
     container.run(f"sed -i 's/^requeue_at_gate: false$/requeue_at_gate: true/' {config}")
-    container.systemctl("reload", "gpuslice.service")
+    reload_config(container)
     write_job(container, VLM, 90, "background")
     # an admin's drop-in: after the generator's gpuslice-gate.conf, so it overrides
     container.write_file(

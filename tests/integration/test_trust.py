@@ -22,6 +22,7 @@ from tests.integration.jobs import (
     main_pid,
     prop,
     reload,
+    reload_config,
     start_count,
     status,
     wait_journal,
@@ -36,7 +37,7 @@ IGNORES_TERM = "/bin/sh -c 'trap \"\" TERM; while :; do sleep 1; done'"
 
 def set_config(bed: Container, text: str) -> None:
     bed.write_file("/etc/gpuslice/config.yaml", text)
-    bed.systemctl("reload", "gpuslice.service")
+    reload_config(bed)
 
 
 def test_a_victim_that_refuses_to_stop_is_named_and_not_asked_again(container: Container) -> None:

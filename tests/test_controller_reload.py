@@ -1,0 +1,334 @@
+"""config.yaml's reload and the runtime_dir of this boot, as an unlucky admin meets them.
+
+The gates' drop-ins (written by the generator at each daemon-reload) and the controller (which
+reads config.yaml at start and keeps its paths at a reload) must name the same runtime_dir,
+or a unit starts reading no env file (every GPU visible) or a stale one (another unit's
+GPUs): the controller records the one it runs with (paths.RUNTIME_DIR_RECORD), the generator
+keeps naming it and tells the controller which one its gates name. And a config.yaml read
+while it is being written in place is valid YAML that lacks its last settings: a reload, or
+a start, reads it once it has been left alone (config.SETTLE_SECONDS), and again if it
+changed while it was read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuslice import controller as controller_module
+from gpuslice import generator
+from gpuslice.config import Config, load_config_with_warnings, read_pinned_runtime_dir
+from gpuslice.paths import RUNTIME_DIR_DROPIN, RUNTIME_DIR_ENV
+from tests.test_controller import Bed, bed_config, run, settle, until
+from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
+from tests.test_controller_run import ENDS_WITHIN, Host
+from tests.test_controller_run import host as host  # fixture
+
+ETC_UNIT = "etc/systemd/system/a.service"
+CONFIG = "etc/gpuslice/config.yaml"
+
+
+# ---- the runtime_dir of this boot ------------------------------------------------------------
+
+
+class Machine:
+    """A host's files under `root`: config.yaml, one annotated unit, the generator's output
+    (what systemd loaded at the last daemon-reload) and /run/gpuslice, which a reboot
+    empties. `controller_starts` runs what run() does with the runtime_dir at a start, in
+    the environment systemd gives gpuslice.service from the generator's drop-in."""
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = root
+        self.monkeypatch = monkeypatch
+        self.out = root / "run/systemd/generator"
+        (root / ETC_UNIT).parent.mkdir(parents=True)
+        (root / ETC_UNIT).write_text("[Service]\nExecStart=/bin/a\n[X-GPUSlice]\nPriority=1\n")
+        (root / CONFIG).parent.mkdir(parents=True)
+        self.boot()
+        monkeypatch.setattr(controller_module, "RUNTIME_RECORD", root / "run/gpuslice/runtime-dir")
+
+    def boot(self) -> None:
+        for path in sorted((self.root / "run").rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        (self.root / "run/gpuslice").mkdir(parents=True)  # RuntimeDirectory=
+
+    def edit(self, runtime_dir: str) -> None:
+        (self.root / CONFIG).write_text(f"gpus: 1\nruntime_dir: {runtime_dir}\n")
+
+    def daemon_reload(self) -> None:
+        for path in sorted(self.out.rglob("*"), reverse=True):  # systemd empties it first
+            path.rmdir() if path.is_dir() else path.unlink()
+        generator.generate(self.out, root=self.root, libexec_dir="/usr/lib/gpuslice")
+
+    def gates_name(self) -> str:
+        """The runtime_dir a.service's EnvironmentFile= names."""
+        text = (self.out / "a.service.d/gpuslice-gate.conf").read_text()
+        [line] = [x for x in text.splitlines() if x.startswith("EnvironmentFile=-")]
+        return line.removeprefix("EnvironmentFile=-").removesuffix("/env/%n/gpuslice.env")
+
+    def controller_starts(self) -> str:
+        """The runtime_dir a controller started now writes env files in."""
+        text = (self.out / RUNTIME_DIR_DROPIN).read_text()
+        [line] = [x for x in text.splitlines() if x.startswith("Environment=")]
+        name, value = line.removeprefix("Environment=").split("=", 1)
+        self.monkeypatch.setenv(name, value)
+        config, _ = load_config_with_warnings(self.root / CONFIG)
+        started = controller_module._runtime_dir_of_this_boot(config, self.root / CONFIG)
+        return started.runtime_dir
+
+
+def test_the_gates_and_the_controller_name_one_runtime_dir_whatever_config_yaml_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """runtime_dir edited in config.yaml, then, in any order, `systemctl daemon-reload` and a
+    restart of gpuslice.service (by hand, by Restart= after a crash, by the exit that a
+    driver loaded late asks for). Before, the generator took the new one from the file at
+    the daemon-reload while the running controller kept the old one, and a restart alone
+    took the new one while the gates named the old: either way units started with no env
+    file (every GPU visible) or a stale one (another unit's GPUs). Now the one the
+    controller runs with holds until the next boot."""
+    machine = Machine(tmp_path, monkeypatch)
+    machine.edit("/run/gpuslice/a")
+    machine.daemon_reload()  # at boot
+    assert machine.gates_name() == "/run/gpuslice/a"
+    assert machine.controller_starts() == "/run/gpuslice/a"
+
+    machine.edit("/run/gpuslice/b")
+    assert machine.controller_starts() == "/run/gpuslice/a"  # Restart= before a daemon-reload
+    machine.daemon_reload()
+    assert machine.gates_name() == "/run/gpuslice/a"
+    assert machine.controller_starts() == "/run/gpuslice/a"  # and after it
+    assert (
+        f"gpuslice-generator: warning: {tmp_path / CONFIG}:2: runtime_dir: /run/gpuslice/b "
+        "takes effect at the next boot: gpuslice.service runs with /run/gpuslice/a this "
+        "boot, which the gates keep naming"
+    ) in capsys.readouterr().err.splitlines()
+
+    machine.boot()
+    machine.daemon_reload()
+    assert machine.gates_name() == "/run/gpuslice/b"
+    assert machine.controller_starts() == "/run/gpuslice/b"
+
+
+def test_a_first_start_after_the_file_changed_since_boot_takes_what_the_gates_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """config.yaml was bad at boot (gpuslice.service failed, exit 78: nothing recorded), and
+    the admin fixes it, runtime_dir with it, then `systemctl start gpuslice`: the gates were
+    generated at boot with the default. Taken from the file, the controller wrote where no
+    gate looked."""
+    machine = Machine(tmp_path, monkeypatch)
+    (tmp_path / CONFIG).write_text("gpus: 0\n")
+    machine.daemon_reload()
+    assert machine.gates_name() == "/run/gpuslice"
+    machine.edit("/run/gpuslice/new")
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        assert machine.controller_starts() == "/run/gpuslice"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / CONFIG}:2: runtime_dir: /run/gpuslice/new takes effect at the next "
+        "boot: the gates' drop-ins name /run/gpuslice, where gpuslice writes until then"
+    ]
+    assert read_pinned_runtime_dir(tmp_path / "run/gpuslice/runtime-dir") == "/run/gpuslice"
+
+
+def test_without_a_word_from_the_generator_the_record_of_this_boot_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No GPUSLICE_RUNTIME_DIR (a generator of an older version, or none): the record of
+    this boot, else config.yaml's, which is then recorded. A value in the environment that
+    is no runtime_dir is said and ignored."""
+    record = tmp_path / "gpuslice" / "runtime-dir"
+    record.parent.mkdir()
+    monkeypatch.setattr(controller_module, "RUNTIME_RECORD", record)
+    path = tmp_path / "config.yaml"
+    monkeypatch.delenv(RUNTIME_DIR_ENV, raising=False)
+    pick = controller_module._runtime_dir_of_this_boot
+    assert pick(Config(runtime_dir="/run/gpuslice/a"), path).runtime_dir == "/run/gpuslice/a"
+    assert record.read_text() == "/run/gpuslice/a\n"
+    assert pick(Config(runtime_dir="/run/gpuslice/b"), path).runtime_dir == "/run/gpuslice/a"
+    monkeypatch.setenv(RUNTIME_DIR_ENV, "/etc")
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        assert pick(Config(), path).runtime_dir == "/run/gpuslice/a"
+    assert "GPUSLICE_RUNTIME_DIR=/etc is not a valid runtime_dir: ignored" in caplog.text
+
+
+def test_the_daemon_records_the_runtime_dir_it_runs_with(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run() records its runtime_dir before it answers any gate (the generator reads it at
+    the next daemon-reload)."""
+    record = host.tmp_path / "gpuslice" / "runtime-dir"
+    record.parent.mkdir()
+    monkeypatch.setattr(controller_module, "RUNTIME_RECORD", record)
+
+    async def test() -> None:
+        daemon = host.start()
+        await host.waiting_on_its_bus(daemon)
+        assert record.read_text() == host.controller.config.runtime_dir + "\n"
+        signal.raise_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0
+
+    run(test)
+
+
+# ---- a config.yaml being written when it is read ---------------------------------------------
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, meanwhile: Any = None) -> list[Path]:
+    """The controller's reads of config.yaml; `meanwhile(n)` runs after the n-th read, as a
+    writer would while the file was read."""
+    loads: list[Path] = []
+    load = load_config_with_warnings
+
+    def counted(path: Path) -> tuple[Config, list[str]]:
+        loads.append(path)
+        read = load(path)
+        if meanwhile is not None:
+            meanwhile(len(loads))
+        return read
+
+    monkeypatch.setattr(controller_module, "load_config_with_warnings", counted)
+    return loads
+
+
+def test_a_reload_waits_for_a_file_being_written_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cp new.yaml /etc/gpuslice/config.yaml` (truncate, then write) as `systemctl reload`
+    comes: read at once, the file cut before `manage_gpus: [1]` was valid YAML, and every GPU
+    was handed out (this host shares GPU 0 with a cluster); the whole file was never read.
+    The reload reads the file once it has been left alone for CONFIG_SETTLE s."""
+    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.3)
+    path = tmp_path / "config.yaml"
+    config = bed_config(tmp_path, gpus=2, manage_gpus=("1",))
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
+    loads = counting(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.gpus == {1}
+        path.write_text("gpus: 2\n")  # cut short
+        ctl.request_reload()
+        await settle()
+        assert loads == []
+        path.write_text("gpus: 2\nmanage_gpus: [1]\nlog_level: warning\n")
+        await until(lambda: ctl.config.log_level == "warning")
+        assert ctl.scheduler.gpus == {1}
+        assert loads == [path]
+
+    run(test)
+
+
+def test_a_reload_reads_again_a_file_that_changed_while_it_was_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file was left alone when the reload began to read it, and a writer truncated it
+    meanwhile: what was read is not applied; the file is read again once left alone."""
+    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.05)
+    path = tmp_path / "config.yaml"
+    path.write_text("gpus: 2\n")
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    applied: list[int] = []
+
+    def writer(n: int) -> None:
+        applied.append(bed.controller.config.gpus)
+        if n == 1:
+            path.write_text("gpus: 3\n")
+
+    loads = counting(monkeypatch, writer)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.request_reload()
+        await until(lambda: len(loads) == 2)
+        await settle()
+        assert ctl.scheduler.gpus == {0, 1, 2}
+        assert applied == [1, 1]  # the first read was never applied
+
+    run(test)
+
+
+def test_ten_thousand_sighups_while_the_file_settles_are_one_reload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reload storm while the reload waits for the file: one read, once."""
+    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.1)
+    path = tmp_path / "config.yaml"
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    loads = counting(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        path.write_text("gpus: 2\n")
+        for _ in range(10_000):
+            ctl.request_reload()
+        await until(lambda: loads != [])
+        for _ in range(10_000):
+            ctl.request_reload()  # after that read: one more
+        await until(lambda: len(loads) == 2)
+        await asyncio.sleep(0.2)
+        assert len(loads) == 2
+        assert ctl.scheduler.gpus == {0, 1}
+
+    run(test)
+
+
+def test_a_file_that_never_stops_changing_is_read_after_so_many_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tool rewriting config.yaml without end: the reload is not put off for ever."""
+    monkeypatch.setattr(controller_module, "CONFIG_SETTLE_WAITS", 3)
+    waits: list[Path] = []
+
+    def unsettled(path: Path, now: float, settle: float) -> float:
+        waits.append(path)
+        return 0.01
+
+    monkeypatch.setattr(controller_module, "unsettled", unsettled)
+    (tmp_path / "config.yaml").write_text("gpus: 2\n")
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    loads = counting(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.request_reload()
+            await until(lambda: loads != [])
+        assert len(waits) == 4 and ctl.scheduler.gpus == {0, 1}
+
+    run(test)
+    said = [r.getMessage() for r in caplog.records]
+    assert (
+        f"{tmp_path / 'config.yaml'} changed less than 1 s ago: reloading it once it has "
+        "been left alone that long (a file written in place may be cut short)"
+    ) in said
+    assert f"{tmp_path / 'config.yaml'} kept changing for 3 s: reloading it as it is now" in said
+
+
+def test_a_start_reads_a_file_being_written_once_it_is_whole(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpuslice.service (re)started while config.yaml is being written: the start reads it
+    once it has been left alone, as a reload does."""
+    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.3)
+    host.config_path.write_text("")  # truncated, not written yet
+
+    async def test() -> None:
+        daemon = host.start()
+        await settle()
+        host.config_path.write_text("gpus: 2\n")
+        await host.waiting_on_its_bus(daemon)
+        assert host.controller.scheduler.gpus == {0, 1}
+        signal.raise_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0
+
+    run(test)
