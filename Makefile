@@ -215,7 +215,7 @@ deb: deb-deps
 	@ls -l $(DEB_DIR)/gpuslice_$(DEB_VERSION)_all.deb
 
 # ---------------------------------------------------------------- mutation testing (not part of `make test`)
-# `make mutate [MUTATE=core|adapters|controller|all]`: mutmut (pinned in the test extras, configured in
+# `make mutate [MUTATE=core|adapters|controller|outer|all]`: mutmut (pinned in the test extras, configured in
 # pyproject.toml [tool.mutmut]) breaks the chosen modules on purpose, one mutant at a time, and
 # runs the fast tests that reach the broken function (one worker: the CPU is shared). Prints
 # killed/survived/hung per module (a mutant that hangs or crashes the test run is caught);
@@ -248,10 +248,16 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 # the controller (the composition root: wiring, gates, calls to systemd, its journal lines,
 # run()): 1,698 mutants, ~25 minutes on two workers, longer on one
 MUTATE_controller := gpuslice.controller.*
-MUTATE_all := $(MUTATE_core) $(MUTATE_adapters) $(MUTATE_controller)
+# the adapters to the outside world: systemd's bus, NVML and the driver's arrival, the GPU
+# watcher and the whole inventory, `gpuslice new`, the metrics and their exporter, the
+# journal's lines and sd_notify
+MUTATE_outer := gpuslice.systemd.* gpuslice.nvml.* gpuslice.driver.* gpuslice.gpuwatch.* \
+	gpuslice.inventory.* gpuslice.newunit.* gpuslice.metrics.* gpuslice.exporter.* \
+	gpuslice.journal.* gpuslice.notify.* gpuslice.counters.* gpuslice.offloop.*
+MUTATE_all := $(MUTATE_core) $(MUTATE_adapters) $(MUTATE_controller) $(MUTATE_outer)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
 mutate: venv
-	@test -n "$(MUTATE_$(MUTATE))" || { echo "make mutate: MUTATE=$(MUTATE): no modules (core, adapters, controller, all)" >&2; exit 2; }
+	@test -n "$(MUTATE_$(MUTATE))" || { echo "make mutate: MUTATE=$(MUTATE): no modules (core, adapters, controller, outer, all)" >&2; exit 2; }
 	$(if $(MUTATE_KEEP),,rm -rf mutants)
 	$(VENV)/bin/mutmut run --max-children 1 $(MUTATE_$(MUTATE))
 	@$(MAKE) --no-print-directory mutate-report MUTATE=$(MUTATE)
