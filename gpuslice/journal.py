@@ -18,6 +18,7 @@ them (a burst of decisions is when they matter most in `journalctl -u UNIT`).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import re
 import socket
@@ -104,6 +105,7 @@ class Journal:
         self.max_backlog = max_backlog
         self.failures = 0
         self._failing = False
+        self._failures_before = 0  # `failures` when the failure under way began
         self._sock: socket.socket | None = None
         self.backlog: deque[bytes] = deque()  # taken, not yet written (journald lagged)
         self._held = 0  # bytes in the backlog
@@ -158,9 +160,9 @@ class Journal:
         elif isinstance(error, BlockingIOError):
             self._retry = asyncio.get_running_loop().call_later(RETRY_DELAY, self._drain)
         else:  # journald is gone: what waits is lost, and counted
-            self.failures += len(self.backlog) - 1
+            lost = len(self.backlog)
             self._drop_backlog()
-            self._failed(error)
+            self._failed(error, lost)
 
     def _write_backlog(self) -> OSError | None:
         """Send held entries, oldest first, until none is left (None) or one is refused
@@ -169,7 +171,11 @@ class Journal:
             try:
                 self._socket().sendto(self.backlog[0], self.path)
             except OSError as e:
-                return e
+                if e.errno != errno.EMSGSIZE:
+                    return e
+                # that one entry is too big for the socket (held without being tried): it
+                # alone is lost and counted, never the entries held with it
+                self._failed(e)
             self._held -= len(self.backlog.popleft())
         return None
 
@@ -177,8 +183,10 @@ class Journal:
         self.backlog.clear()
         self._held = 0
 
-    def _failed(self, error: Exception) -> bool:
-        self.failures += 1
+    def _failed(self, error: Exception, lost: int = 1) -> bool:
+        if not self._failing:
+            self._failures_before = self.failures
+        self.failures += lost
         if not self._failing:
             log.warning(
                 "cannot write to the journal at %s: %s; decisions are logged as plain lines, "
@@ -190,9 +198,12 @@ class Journal:
         return False
 
     def _works(self) -> None:
+        """Said when a failure ends, with the entries lost to that failure (not since start:
+        a second outage said the first one's losses again)."""
         if self._failing:
             log.info(
-                "writing to the journal works again (%d entries were not written)", self.failures
+                "writing to the journal works again (%d entries were not written)",
+                self.failures - self._failures_before,
             )
             self._failing = False
 

@@ -342,3 +342,57 @@ def test_the_backlog_is_bounded_in_bytes_too(
         assert journal.send([("MESSAGE", "y" * 2500)])  # room again once written
 
     asyncio.run(scenario())
+
+
+def test_a_second_outage_says_its_own_losses_not_the_firsts_again(
+    make: Make, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ "works again (N entries were not written)" counts the entries lost to that outage:
+    the total since start said the first outage's losses again at every later one."""
+    path = str(tmp_path / "socket")
+    journal = make(path)
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        for outage in (3, 2):
+            for _ in range(outage):
+                assert not journal.send([("MESSAGE", "lost")])  # no journald at `path`
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            server.bind(path)
+            assert journal.send([("MESSAGE", "back")])
+            server.close()
+            Path(path).unlink()
+    said = [r.getMessage() for r in caplog.records if "works again" in r.getMessage()]
+    assert said == [
+        "writing to the journal works again (3 entries were not written)",
+        "writing to the journal works again (2 entries were not written)",
+    ]
+    assert journal.failures == 5
+
+
+def test_an_entry_too_big_for_the_socket_among_held_ones_loses_only_itself(
+    make: Make, journald: tuple[str, socket.socket], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An entry held behind others is queued without being tried; one the kernel refuses as
+    too big (EMSGSIZE, e.g. a lost-GPU decision naming thousands of units) when the backlog
+    is written is that entry lost, not a journald gone: the entries held with it go."""
+
+    async def scenario() -> None:
+        path, server = journald
+        server.settimeout(None)  # read with MSG_DONTWAIT, no timeout's wait
+        journal = make(path, max_entry=64 << 20)  # no cutting: the kernel says EMSGSIZE
+        sent = _fill(journal)
+        assert journal.send([("GPUSLICE_X", "z" * 16000)] * 40)  # held, not tried
+        assert journal.send([("MESSAGE", "after")])
+        got: list[bytes] = []
+        deadline = asyncio.get_running_loop().time() + 10
+        while journal.backlog or len(got) < sent + 1:
+            assert asyncio.get_running_loop().time() < deadline, (len(got), journal.backlog)
+            got += _read_all(server)
+            await asyncio.sleep(0.002)
+        assert got[-2:] == [f"MESSAGE={sent - 1}\n".encode(), b"MESSAGE=after\n"]
+        assert journal.failures == 1
+
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("cannot write to the journal at ") and "too long" in said[0]
+    assert said[-1] == "writing to the journal works again (1 entries were not written)"
