@@ -257,16 +257,16 @@ class Inventory:
         self.health.detail = detail
         self.health.driver_version = version if state == READY else self.driver.version
 
-    def _went_away(self, error: NvmlError) -> None:
+    def _went_away(self, reason: str) -> None:
         """NVML as a whole stopped answering (driver unloaded, reset): back to waiting."""
         self.available = False
         self.nvml.forget()
-        self._reason = str(error)
+        self._reason = reason
         self.driver = probe(self.driver_root)
         self._set(WAITING, self._waiting_detail(), None)
         log.error(
             "NVML went away (%s): using %s until it answers again; background units wait for it",
-            error,
+            reason,
             self._fallback(),
         )
 
@@ -318,7 +318,7 @@ class Inventory:
             sample = self._build(self.nvml.devices(), managed_units, holding, now)
         except NvmlUnavailableError as e:
             self.errors += 1
-            self._went_away(e)
+            self._went_away(str(e))
             return Sample(self.fallback_gpus(holding), taken_at=now, health=self.health)
         except NvmlError as e:
             self.errors += 1
@@ -342,11 +342,14 @@ class Inventory:
 
     def _enumerate_again(self) -> None:
         """The configuration changed (a reload): NVML counts GPUs only at init, so open it
-        afresh to see a card added or removed since (and apply manage_gpus)."""
+        afresh to see a card added or removed since (and apply manage_gpus). NVML not
+        answering then is said as `open` and `retry` say it: NVML's reason alone (an error
+        made up here named "NVML error 0", which is NVML_SUCCESS, and an unknown failure's
+        call and code twice)."""
         self._opened_with = self.config
         status = self.nvml.reopen(fallback=self._fallback())
         if not status.available:
-            self._went_away(NvmlUnavailableError("nvmlInit", 0, _reason_of(status.warning)))
+            self._went_away(_reason_of(status.warning))
 
     def reattribute(
         self,
