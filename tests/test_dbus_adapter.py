@@ -9,6 +9,7 @@ attacker. No container, a fraction of a second per test.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import shutil
 import signal
@@ -89,7 +90,9 @@ def _bus_daemon(
     log = tmp_path / "bus.log"
     with open(log, "wb") as stderr:
         proc = subprocess.Popen(
-            [daemon, f"--config-file={config}", "--nofork", "--nopidfile"], stderr=stderr
+            [daemon, f"--config-file={config}", "--nofork", "--nopidfile"],
+            stderr=stderr,
+            preexec_fn=_die_with_parent,
         )
     try:
         deadline = time.monotonic() + 10
@@ -102,6 +105,12 @@ def _bus_daemon(
             proc.send_signal(signal.SIGCONT)
         proc.terminate()
         proc.wait(timeout=5)
+
+
+def _die_with_parent() -> None:
+    """In the dbus-daemon's child, before exec: SIGTERM when the test process dies, so a
+    killed test run (a timeout, a mutant that hangs under mutmut) leaves no daemon behind."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _accepts(path: Path) -> bool:
