@@ -42,14 +42,19 @@ class _TooLarge(Exception):
 
 def _read_head(sock: socket.socket, limit: int, timeout: float) -> bytes | None:
     """The request head (up to its blank line); None when the client closed first. Raises
-    TimeoutError after `timeout` seconds in all, _TooLarge past `limit` bytes."""
+    TimeoutError after `timeout` seconds in all, _TooLarge for a head over `limit` bytes.
+    Whether a head fits is decided by its length alone, never by how its bytes arrived (a
+    head within 4 bytes of `limit` was once served or refused by where the client's writes
+    happened to split it, and one ending in a bare blank line served 2 bytes over it)."""
     deadline = time.monotonic() + timeout
     data = b""
     while True:
         end = min((i for i in (data.find(b"\r\n\r\n"), data.find(b"\n\n")) if i >= 0), default=-1)
+        if end > limit:
+            raise _TooLarge
         if end >= 0:
             return data[:end]
-        if len(data) >= limit:
+        if len(data) >= limit + 4:  # a blank line found now would begin past `limit`
             raise _TooLarge
         left = deadline - time.monotonic()
         if left <= 0:
