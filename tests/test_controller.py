@@ -187,7 +187,7 @@ class StubNvml(Nvml):
     def __init__(self, *, available: bool = True) -> None:
         super().__init__()
         self.available = available
-        self.uuids = ("GPU-0", "GPU-1")
+        self.uuids: tuple[str, ...] = ("GPU-0", "GPU-1")
 
     def open(self, fallback: str = "no GPUs") -> NvmlStatus:
         if self.available:

@@ -1447,3 +1447,116 @@ def test_a_frozen_unit_keeps_its_gpu_from_a_grant_after_nvml_numbered_the_gpus_a
         await until(lambda: bed.service.granted == [("b.service", "0")])
 
     run(test)
+
+
+def test_a_restart_rechecks_the_gpus_when_any_holders_env_file_changed_the_books(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """Two holders adopted at a restart (saved starting, found running: the last controller
+    was killed before it saved their grants): a.service's env file names GPU-B at index 1 (NVML
+    numbers GPU-C 1 now), c.service's names what the books say already. That the first
+    changed the books is enough to sample again before a grant, whatever the second says:
+    b.service is not granted GPU 0 (GPU-B) beside a.service."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-B", "GPU-C", "GPU-D")
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n", "c.service": "Priority=50\n"},
+        [
+            state("a.service", "active", "running"),
+            state("c.service", "active", "running"),
+            state("b.service", "activating", "start-pre", 3, "start"),
+        ],
+        SavedState(
+            holders={
+                "a.service": ((1,), "starting", 1, ""),
+                "c.service": ((2,), "starting", 2, ""),
+            },
+            seq=2,
+        ),
+        config=bed_config(tmp_path, gpus=3),
+        nvml=nvml,
+    )
+    _told(bed, "a.service", 1, "GPU-B")
+    _told(bed, "c.service", 2, "GPU-D")
+    cgroup_of[4242] = "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert list(ctl.scheduler.grants()) == ["a.service", "c.service"]
+        await bed.acquire("b.service", ":1.9", 4242)
+        assert bed.service.granted == []
+        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [
+            (0, True),
+            (1, True),
+            (2, False),
+        ]
+
+    run(test)
+
+
+def _moved_on_restart(tmp_path: Path, cgroup_of: dict[int, str], told: bool) -> Bed:
+    """vlm.service suspended from GPU 1 (GPU-B, as its env file says when `told`); NVML
+    numbers GPU-B 0 since the restart."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-B", "GPU-C")
+    bed = Bed(
+        tmp_path,
+        {"vlm.service": "Priority=90\nType=background\nPreempt=suspend stop\n"},
+        [state("vlm.service", "active", "running")],
+        SavedState(suspended={"vlm.service": ((1,), 1)}, seq=1),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    if told:
+        _told(bed, "vlm.service", 1, "GPU-B")
+    return bed
+
+
+def test_an_env_file_that_cannot_be_written_anew_after_a_moved_resume_is_said(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The resume goes on (its processes keep the UUIDs they run on); the journal names the
+    file, why, the unit and the indices the file still gives."""
+    bed = _moved_on_restart(tmp_path, cgroup_of, told=True)
+
+    def refused(runtime_dir: str, unit: str, devices: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(envfiles, "write", refused)
+
+    async def test() -> None:
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            await bed.controller.start()
+            await until(lambda: bed.controller.scheduler.grants() != {})
+        assert bed.controller.scheduler.grants() == {"vlm.service": frozenset({0})}
+
+    run(test)
+    path = env_file(bed.config.runtime_dir, "vlm.service")
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert (
+        logging.WARNING,
+        f"cannot write {path} ([Errno 30] Read-only file system): it still names the GPUs of "
+        "vlm.service by the indices they had before NVML numbered them anew (GPU 1)",
+    ) in said
+    assert envfiles.told_uuids(bed.config.runtime_dir, "vlm.service") == {1: "GPU-B"}
+
+
+def test_a_resumed_unit_without_an_env_file_gets_none_written(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """No env file (unreadable, or removed) says nothing of the GPUs it was suspended from:
+    it is resumed by index, and no file is made up for it."""
+    bed = _moved_on_restart(tmp_path, cgroup_of, told=False)
+
+    async def test() -> None:
+        await bed.controller.start()
+        await until(lambda: bed.controller.scheduler.grants() != {})
+        assert bed.controller.scheduler.grants() == {"vlm.service": frozenset({1})}
+
+    run(test)
+    assert not env_file(bed.config.runtime_dir, "vlm.service").exists()

@@ -1275,3 +1275,74 @@ def test_a_restarted_controller_resumes_a_suspended_unit_on_the_gpu_its_env_file
     with told_nothing.deferred():
         told_nothing.inactive(voice.name, Outcome.EXITED)
     assert brief(told_nothing.schedule()) == [f"resume {V} 1"]
+
+
+def test_a_two_gpu_unit_moved_by_nvml_is_said_with_both_its_gpus() -> None:
+    """The resume's line names each GPU it was suspended from and the indices they had
+    ("were", GPUs joined by ", "), as an admin reads them in the journal."""
+    vlm2 = spec("vlm2", 90, BG, gpus=2, preempt="suspend stop")
+    voice = spec("voice", 10, gpus=2, devices=("GPU-B", "GPU-C"))
+    first = spec("first", 50)
+    s = host(vlm2, voice, first, gpus=numbered("GPU-A", "GPU-B", "GPU-C"))
+    running(s, first, vlm2)
+    assert s.grants()[vlm2.name] == frozenset({1, 2})
+    s.inactive(first.name, Outcome.EXITED)
+    assert brief(s.request(voice)) == ["suspend vlm2.service 1,2"]
+    assert brief(s.suspended_done(vlm2.name, "")) == ["grant voice.service 1,2"]
+    with s.deferred():
+        s.inactive(voice.name, Outcome.EXITED)
+        s.set_gpus(numbered("GPU-B", "GPU-C"))  # GPU-A went: B and C are 0 and 1 now
+    acts = s.schedule()
+    assert brief(acts) == ["resume vlm2.service 0,1"]
+    assert words(acts) == [
+        "restoring the VRAM of vlm2.service (priority 90) on GPUs 0,1 (GPU-B, GPU-C were "
+        "GPUs 1,2 when it was suspended: NVML numbered the GPUs anew)"
+    ]
+
+
+def test_a_two_gpu_unit_whose_gpus_are_gone_names_each_gpu_it_lost() -> None:
+    """Each GPU NVML no longer lists is named, joined by "; ", and only those: one still
+    listed (at another index) is not said to be gone."""
+    vlm2 = spec("vlm2", 90, BG, gpus=2, preempt="suspend stop")
+    voice = spec("voice", 10, gpus=2, devices=("GPU-B", "GPU-C"))
+    first = spec("first", 50)
+    s = host(vlm2, voice, first, gpus=numbered("GPU-A", "GPU-B", "GPU-C"))
+    running(s, first, vlm2)
+    s.inactive(first.name, Outcome.EXITED)
+    assert brief(s.request(voice)) == ["suspend vlm2.service 1,2"]
+    assert brief(s.suspended_done(vlm2.name, "")) == ["grant voice.service 1,2"]
+    with s.deferred():
+        s.inactive(voice.name, Outcome.EXITED)
+        s.set_gpus(numbered("GPU-A", "GPU-D"))  # B and C both gone
+    acts = s.schedule()
+    assert brief(acts) == ["stop vlm2.service"]
+    assert words(acts) == [
+        "vlm2.service (priority 90) could not be resumed on GPUs 1,2: its GPU 1 was GPU-B, "
+        "which NVML no longer lists; its GPU 2 was GPU-C, which NVML no longer lists: its "
+        "memory cannot be restored on another GPU; stopping it (Requeue= decides whether it "
+        "starts again)"
+    ]
+    s2 = host(vlm2, voice, first, gpus=numbered("GPU-A", "GPU-B", "GPU-C"))
+    running(s2, first, vlm2)
+    s2.inactive(first.name, Outcome.EXITED)
+    s2.request(voice)
+    s2.suspended_done(vlm2.name, "")
+    with s2.deferred():
+        s2.inactive(voice.name, Outcome.EXITED)
+        s2.set_gpus(numbered("GPU-C", "GPU-D"))  # B gone, C now GPU 0
+    acts = s2.schedule()
+    assert words(acts) == [
+        "vlm2.service (priority 90) could not be resumed on GPUs 1,2: its GPU 1 was GPU-B, "
+        "which NVML no longer lists: its memory cannot be restored on another GPU; stopping "
+        "it (Requeue= decides whether it starts again)"
+    ]
+
+
+def test_uuids_told_of_a_unit_not_suspended_or_of_other_gpus_are_no_word_of_it() -> None:
+    """remember_uuids takes an env file's word only for a suspended unit and only when it
+    names exactly the unit's GPUs, each with a UUID."""
+    s, _voice = suspended_from_gpu_b()
+    s.remember_uuids("nobody.service", {1: "GPU-X"})  # not suspended: nothing, no error
+    s.remember_uuids(V, {1: "GPU-X", 2: "GPU-Y"})  # more GPUs than its own
+    s.remember_uuids(V, {1: ""})  # its GPU, but no UUID
+    assert s.suspended[V].uuids == {1: "GPU-B"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 import struct
 from collections import deque
@@ -396,3 +397,42 @@ def test_an_entry_too_big_for_the_socket_among_held_ones_loses_only_itself(
     said = [r.getMessage() for r in caplog.records]
     assert said[0].startswith("cannot write to the journal at ") and "too long" in said[0]
     assert said[-1] == "writing to the journal works again (1 entries were not written)"
+
+
+def test_the_bytes_held_are_room_again_once_written(
+    make: Make, journald: tuple[str, socket.socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each entry written from the backlog gives its bytes back to the bound: a count that
+    kept them (or kept the last one's) refused entries with the backlog empty."""
+    monkeypatch.setattr(journal_module, "MAX_BACKLOG_BYTES", 3000)
+
+    async def scenario() -> None:
+        path, server = journald
+        server.settimeout(None)  # read with MSG_DONTWAIT, no timeout's wait
+        journal = make(path)
+        _fill(journal)
+        assert journal.send([("MESSAGE", "x" * 2000)])  # the last one held
+        while journal.backlog:
+            _read_all(server)
+            await asyncio.sleep(0.002)
+        _fill(journal)  # held again: a few bytes
+        assert journal.send([("MESSAGE", "y" * 2500)])
+        assert journal.backlog[-1] == b"MESSAGE=" + b"y" * 2500 + b"\n"
+
+    asyncio.run(scenario())
+
+
+def test_every_documented_filter_on_gpuslices_fields_keeps_only_gpuslices_entries() -> None:
+    """Any local user may send journald entries with GPUSLICE_DECISION=, GPUSLICE_UNIT=,
+    SYSLOG_IDENTIFIER=gpuslice and any MESSAGE (`logger --journald`): only the fields that
+    journald itself sets, `_SYSTEMD_UNIT=` from the sender's cgroup, tell gpuslice's
+    decisions from theirs. README and the man page showed filters on the GPUSLICE_* fields
+    alone, which an admin's audit of what was preempted took for gpuslice's word."""
+    root = Path(__file__).resolve().parent.parent
+    readme = " ".join((root / "README.md").read_text().split())
+    man = " ".join((root / "debian" / "gpuslice.h2m").read_text().split())
+    commands = re.findall(r"`(journalctl [^`]*)`", readme)
+    commands += re.findall(r"\\fB(journalctl .*?)\\fR", man)
+    filters = [c for c in commands if "GPUSLICE_" in c]
+    assert len(filters) >= 3
+    assert [c for c in filters if "_SYSTEMD_UNIT=gpuslice.service" not in c.split()] == []
