@@ -578,10 +578,12 @@ def _guessed(config: Config) -> list[int]:
 
 
 def _reason_of(warning: str | None) -> str:
-    """ "NVML unavailable (REASON): using ..." -> REASON."""
+    """ "NVML unavailable (REASON): using ..." -> REASON. Cut at the last "): ": what follows
+    REASON is gpuslice's own words (`nvml._unavailable`: GPU indices or UUIDs, a hint), with
+    none in them, while REASON may hold one (the message of whatever pynvml raised)."""
     text = warning or "NVML unavailable"
     if text.startswith("NVML unavailable (") and "): " in text:
-        return text[len("NVML unavailable (") : text.index("): ")]
+        return text[len("NVML unavailable (") : text.rindex("): ")]
     return text
 
 
