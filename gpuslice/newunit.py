@@ -69,10 +69,12 @@ def printable_path(path: str) -> bool:
     `WorkingDirectory=/srv/job\\` named /srv/job. No blank at the end either (systemd strips
     it: `/srv/job ` named /srv/job), and no `..` component nor one over 255 characters:
     systemd refuses such a WorkingDirectory= (not normalized, not a valid path) and with it
-    the whole unit, which `gpuslice new` had reported written."""
+    the whole unit, which `gpuslice new` had reported written. At most 4095 characters:
+    systemd's PATH_MAX (4096) counts the NUL, and it refused a 4096-character one ("Failed to
+    resolve unit specifiers"), the whole unit with it."""
     parts = path.split("/")
     return (
-        0 < len(path) <= 4096
+        0 < len(path) < 4096
         and all(32 <= ord(c) < 127 for c in path)
         and path[-1] not in "\\ "
         and ".." not in parts
@@ -81,7 +83,7 @@ def printable_path(path: str) -> bool:
 
 
 def option_name(key: Key) -> str:
-    return "--" + ("type" if key.field == "kind" else key.name.lower())
+    return "--" + key.name.lower()
 
 
 def _validator(key: Key) -> Callable[[click.Context, click.Parameter, Any], Any]:

@@ -814,6 +814,8 @@ def test_the_runtime_dir_record(tmp_path: Path) -> None:
     assert record.read_text() == "/run/gpuslice/a\n"
     assert read_pinned_runtime_dir(record) == "/run/gpuslice/a"
     assert sorted(p.name for p in record.parent.iterdir()) == ["runtime-dir"]
+    record.write_text("/run/gpuslice/c")  # no newline at the end: the whole of it
+    assert read_pinned_runtime_dir(record) == "/run/gpuslice/c"
     for text in ("/etc\n", "/run/gpuslice/a\nX=1\n", "", "/run/gpuslice/\xe9\n"):
         record.write_text(text)
         assert read_pinned_runtime_dir(record) is None, text
@@ -826,6 +828,7 @@ def test_the_runtime_dir_record(tmp_path: Path) -> None:
 def test_a_file_is_settled_once_left_alone_for_a_second(tmp_path: Path) -> None:
     path = write(tmp_path, "gpus: 2\n")
     changed = os.stat(path).st_ctime
+    assert unsettled(path, changed) == SETTLE_SECONDS  # changed this very instant
     assert unsettled(path, changed + 0.25) == pytest.approx(SETTLE_SECONDS - 0.25)
     assert unsettled(path, changed + SETTLE_SECONDS) == 0
     assert unsettled(path, changed - 3600) == 0  # the clock set back: not waited for
@@ -843,3 +846,25 @@ def test_located_names_the_line_of_a_key(tmp_path: Path) -> None:
     assert located(tmp_path / "absent.yaml", "gpus") == str(tmp_path / "absent.yaml")
     path.write_text("gpus: [\n")
     assert located(path, "gpus") == str(path)
+
+
+def test_the_record_is_written_beside_itself_then_renamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The temporary file is made in the record's own directory (a rename is atomic within
+    one file system only), never in the process's working directory."""
+    record = tmp_path / "gpuslice" / "runtime-dir"
+    record.parent.mkdir()
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    renamed: list[tuple[str, str]] = []
+    replace = os.replace
+
+    def spy(src: str, dst: str) -> None:
+        renamed.append((os.path.abspath(src), os.fspath(dst)))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    assert pin_runtime_dir(record, "/run/gpuslice/a")
+    assert renamed == [(str(record.parent / ".runtime-dir.tmp"), str(record))]
