@@ -423,12 +423,13 @@ class Controller:
 
     def _remember_told(self) -> bool:
         """Tell the inventory which GPU, by UUID, each holder past its gate was granted (its
-        env file; a starting one's is an earlier run's), and the core which GPU each
-        suspended unit was suspended from. The books name GPUs by NVML index, and the NVML
+        env file; a starting one's is an earlier run's), and the core that and which GPU
+        each suspended unit was suspended from. The books name GPUs by NVML index, and the NVML
         this controller opened may number them otherwise than the last one's (a card gone
         off the bus, the driver reloaded meanwhile): the index a unit holds may be another
         GPU now, and its own GPU the one the books say is free (Inventory); a suspended
-        unit's processes wake on their own GPU, whatever its index (Suspended). Whether
+        unit's processes wake on their own GPU, whatever its index (Suspended), a holder
+        suspended later too (Holder.uuids). Whether
         the inventory learned a GPU it had booked otherwise (a new sample then shows it)."""
         learned = False
         for name, gpus in self.scheduler.grants().items():
@@ -437,6 +438,7 @@ class Controller:
             told = envfiles.told_uuids(self.config.runtime_dir, name)
             if set(told) == gpus:
                 learned |= self.watch.inventory.remember(told)
+                self.scheduler.remember_uuids(name, told)  # what a suspend of it takes along
         for name in self.scheduler.suspended_units():
             self.scheduler.remember_uuids(name, envfiles.told_uuids(self.config.runtime_dir, name))
         return learned

@@ -503,7 +503,9 @@ class Inventory:
             )
         self._renumbered_logged = changes
         return [
-            Gpu(g.index, g.uuid, g.name, lost=True) if g.index in lost and not g.lost else g
+            Gpu(g.index, g.uuid, g.name, lost=True, renumbered=True)
+            if g.index in lost and not g.lost
+            else g
             for g in gpus
         ]
 

@@ -407,6 +407,7 @@ class Sim:
         saved = self.sched.save()
         self.sched = self._scheduler()
         self.sched.load(saved)
+        self._loaded()
         # a unit whose annotation went while it ran keeps its GPUs on the same terms
         # (`last_specs`): the last controller saved them
         for forgotten in (self.out_since, self.known_at, self.answered_at):
@@ -452,6 +453,11 @@ class Sim:
             return self._feed(adopted + recovered + self.sched.schedule())
         finally:
             self._caught = set()
+
+    def _loaded(self) -> None:
+        """In `restart`: the new controller has read the saved state and decided nothing
+        yet. What it reads besides (env files, a new NVML sample) goes here in a subclass
+        (tests/test_core_renumber_properties.py)."""
 
     # -- what systemd does with gpuslice's actions ---------------------------------------------
 

@@ -1319,6 +1319,31 @@ def test_a_restart_checks_the_gpus_of_holders_past_their_gate_only(
     run(test)
 
 
+def test_a_restart_tells_the_core_the_gpus_its_holders_run_on(tmp_path: Path) -> None:
+    """b.service runs on GPU 1, told GPU-B, which NVML numbers 0 now. The state file names
+    GPU 1 only: the core learns GPU-B from its env file, so that a suspend of it takes
+    GPU-B along and it comes back there, whatever NVML numbers it then (`Holder.uuids`;
+    unknown, it came back by index once the renumbered indices were released)."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-B", "GPU-C")
+    bed = Bed(
+        tmp_path,
+        {"b.service": "Priority=50\nPreempt=suspend stop\n"},
+        [state("b.service", "active", "running")],
+        SavedState(holders={"b.service": ((1,), "running", 1, "")}, seq=1),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    _told(bed, "b.service", 1, "GPU-B")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.holders["b.service"].uuids == {1: "GPU-B"}
+
+    run(test)
+
+
 def test_a_restart_resumes_a_suspended_unit_on_the_gpu_its_env_file_names_at_its_index_now(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

@@ -585,6 +585,26 @@ def test_a_held_index_that_names_another_gpu_after_nvml_came_back_is_lost_until_
     assert [(g.index, g.lost) for g in released.gpus] == [(0, False), (1, False)]
 
 
+def test_a_gpu_lost_to_a_renumbering_is_told_from_one_that_nvml_lost(tmp_path: Path) -> None:
+    """Both take nothing new; only one NVML lost is no place for a suspended unit's memory.
+    One lost because units hold another GPU by its number (`renumbered`) is there: a unit
+    suspended from it waits for them to release it (Scheduler._held_by_old_numbers), where
+    it was stopped, its work lost. asr.service holds GPU 1, GPU-B; GPU-A goes off the bus
+    and GPU-C, now GPU 1, stops answering."""
+    nvml = StubNvml()
+    enumerate_as(nvml, "GPU-A", "GPU-B", "GPU-C")
+    inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=3))
+    holding = {"asr.service": [1]}
+    inventory.sample(MANAGED, holding)
+    enumerate_as(nvml, "GPU-B", "GPU-C")
+    nvml.raises[1] = GpuLostError("nvmlDeviceGetComputeRunningProcesses", 15, "GPU is lost", 1)
+    after = inventory.sample(MANAGED, holding)
+    assert [(g.index, g.uuid, g.lost, g.renumbered) for g in after.gpus] == [
+        (0, "GPU-B", True, True),
+        (1, "GPU-C", True, False),
+    ]
+
+
 def test_a_held_index_whose_gpu_is_gone_keeps_its_gpu_from_being_granted_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

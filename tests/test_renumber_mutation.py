@@ -34,7 +34,8 @@ from tests.test_core_ladder import (
 def test_a_lost_gpu_s_uuid_is_not_taken_for_the_one_a_unit_was_suspended_from() -> None:
     """GPU 0 goes lost while vlm.service's VRAM moves off it, reporting another GPU's UUID
     (NVML numbered a card anew under it); in the same batch GPU-A, its own, is back at 0.
-    Taken as its GPU, GPU-X (listed nowhere now) stopped it: its work was lost."""
+    Taken as its GPU, GPU-X (listed nowhere now) stopped it: its work was lost. Its GPU is
+    the one it was granted (Holder.uuids)."""
     s = host(VLM, VOICE, gpus=numbered("GPU-A"))
     running(s, VLM)
     assert brief(s.request(VOICE)) == [f"suspend {V} 0"]
@@ -42,7 +43,7 @@ def test_a_lost_gpu_s_uuid_is_not_taken_for_the_one_a_unit_was_suspended_from() 
         s.set_gpus([Gpu(0, "GPU-X", "Fake", 24 * GIB, lost=True)])
         s.suspended_done(V, "")
         s.set_gpus(numbered("GPU-A"))
-    assert s.suspended[V].uuids == {}
+    assert s.suspended[V].uuids == {0: "GPU-A"}  # as granted, not GPU-X
     assert brief(s.schedule()) == [f"grant {VO} 0"]
     assert brief(s.inactive(VO, Outcome.EXITED)) == [f"resume {V} 0"]
 
@@ -59,8 +60,9 @@ def test_a_suspend_done_on_a_gpu_no_longer_listed_stops_the_unit_with_its_reason
     acts = s.suspended_done(two.name, "")
     assert s.phase(two.name) is Phase.STOPPING
     assert words(acts)[-1] == (
-        "two.service (priority 20) could not be resumed on GPUs 0,1: GPU 1 lost or gone: its "
-        "memory cannot be restored there; stopping it (Requeue= decides whether it starts again)"
+        "two.service (priority 20) could not be resumed on GPUs 0,1: its GPU 1 was GPU-1, "
+        "which NVML no longer lists: its memory cannot be restored on another GPU; stopping it "
+        "(Requeue= decides whether it starts again)"
     )
 
 

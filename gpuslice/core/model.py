@@ -83,7 +83,10 @@ class Gpu:
     GPU. `foreign` is VRAM that no declaration covers: processes of no managed unit, and
     leftovers of managed units that do not hold this GPU; `foreign_pids` names the former's
     compute processes (only they make background units yield: a desktop's display server
-    only takes memory), `foreign_owners` says whose those are, for people.
+    only takes memory), `foreign_owners` says whose those are, for people. `renumbered`: lost
+    for new work only: NVML numbered the GPUs anew, and units hold this index as another GPU,
+    or this GPU by another index, until they release it (`Inventory._as_booked`). The GPU
+    answers: a unit suspended from it waits for it, as for a GPU in use.
     """
 
     index: int
@@ -96,6 +99,7 @@ class Gpu:
     lost: bool = False
     used: int | None = None  # what NVML reports in use, for people; decisions use the rest
     foreign_owners: tuple[str, ...] = ()
+    renumbered: bool = False
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gpu:
         return self  # immutable through and through: a copy of the scheduler shares it

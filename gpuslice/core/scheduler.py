@@ -176,6 +176,9 @@ class Holder:
     # a restart, or running when its annotation appeared), and no request was known then
     granted: int = 0
     frozen_for: set[str] = field(default_factory=set)  # FROZEN: the units it gave way to
+    # what each of its GPUs was, by UUID, when granted or resumed (its env file: what its
+    # processes run on), where known: a suspend takes it along (`suspended_done`)
+    uuids: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -448,8 +451,12 @@ class Scheduler:
         if holder is not None and holder.phase not in (Phase.RUNNING, Phase.STARTING):
             return []  # its start is being cancelled by our own stop job (or it runs)
         if holder is not None:
-            if holder.phase is Phase.RUNNING and holder.gpus:
+            if holder.phase is Phase.RUNNING and holder.gpus and not self._lost(holder.gpus):
                 return [self._grant(holder)]  # asked again (after a controller restart)
+            # asked again on a GPU lost since: a GPU that stopped answering, or an index NVML
+            # numbered anew while the controller was away, whose GPU now is one another
+            # unit runs on (told by UUID). Granted again, its env file named that GPU and
+            # two jobs shared it; its processes have not started: it waits like any start
             if holder.phase is Phase.STARTING and holder.gpus and self._keeps_its_place(holder):
                 holder.seq = holder.granted = self._next()  # the thrash rule counts from here
                 holder.phase = Phase.RUNNING
@@ -734,13 +741,13 @@ class Scheduler:
         del self.holders[name]
         self._tops_cache = None
         waiter = self.waiters.get(holder.stopping_for or "")
-        # a GPU the inventory reports lost may be one NVML numbered anew under it: its UUID
-        # now is no word of what the unit runs on (it is not resumed there: lost)
-        uuids = {
-            g: self.devices[g].uuid
-            for g in holder.gpus
-            if g in self.devices and self.devices[g].uuid and not self.devices[g].lost
-        }
+        # what it was granted (or resumed on): a GPU the inventory reports lost may be one
+        # NVML numbered anew under it, whose UUID now is no word of what the unit runs on;
+        # taken as lost, it was resumed by its index once released: on another GPU
+        uuids = {g: u for g, u in holder.uuids.items() if g in holder.gpus}
+        for g in holder.gpus - uuids.keys():
+            if g in self.devices and self.devices[g].uuid and not self.devices[g].lost:
+                uuids[g] = self.devices[g].uuid
         self.suspended[name] = Suspended(holder.spec, holder.gpus, self._next(), uuids)
         decision = _about(
             holder.spec,
@@ -904,12 +911,16 @@ class Scheduler:
 
     def remember_uuids(self, name: str, told: Mapping[int, str]) -> None:
         """After a controller restart: the UUID of each GPU a suspended unit was suspended
-        from, as its env file tells (what its processes run on). The state file names its
-        GPUs by index only, and the NVML this controller opened may number them otherwise
-        (`Suspended`). A file that names other GPUs than its own says nothing of it."""
+        from, or a holder past its gate was granted, as its env file tells (what its
+        processes run on). The state file names its GPUs by index only, and the NVML this
+        controller opened may number them otherwise (`Suspended`, `Holder.uuids`). A file
+        that names other GPUs than its own says nothing of it."""
         entry = self.suspended.get(name)
         if entry is not None and set(told) == entry.gpus and all(told.values()):
             entry.uuids = dict(told)
+        holder = self.holders.get(name)
+        if holder is not None and set(told) == holder.gpus and all(told.values()):
+            holder.uuids = dict(told)
 
     def set_policy(self, *, yield_to_foreign: bool, requeue_at_gate: bool) -> None:
         """config.yaml's two policy switches, changed by a reload. Decides nothing: they
@@ -1304,7 +1315,7 @@ class Scheduler:
             spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
             gpus = self._where_now(entry)
             if gpus is None or not self._can_come_back(entry):
-                if not self._gpus_a_guess(entry):
+                if not self._gpus_a_guess(entry) and not self._held_by_old_numbers(gpus):
                     actions.append(self._stop_suspended(entry, spec))
                 continue
             others = [p for p in promises if p[1].unit != spec.name]  # its own room is its
@@ -1327,6 +1338,7 @@ class Scheduler:
             del self.suspended[spec.name]
             holder = Holder(spec, frozenset(gpus), Phase.RESUMING, self._next())
             holder.granted = holder.seq
+            self._note_uuids(holder)
             self.holders[spec.name] = holder
             self._tops_cache = None
             resume = _about(spec, Code.RESUME, gpus=gpus, detail=self._moved(entry, gpus))
@@ -1390,6 +1402,19 @@ class Scheduler:
         gpus = self._where_now(entry) or entry.gpus
         return bool(self.refill_paused) and not any(
             g in self.devices and self.devices[g].lost for g in gpus
+        )
+
+    def _lost(self, gpus: Iterable[int]) -> bool:
+        return any(g in self.devices and self.devices[g].lost for g in gpus)
+
+    def _held_by_old_numbers(self, gpus: tuple[int, ...] | None) -> bool:
+        """Its GPUs are all listed and answer, but some are lost for new work only: NVML
+        numbered the GPUs anew under units that hold them (`Gpu.renumbered`; a card off the
+        bus shifts every GPU after it). It waits until they are released, as for a GPU in
+        use: stopped, it lost the work its suspend kept, on a GPU that is there."""
+        return gpus is not None and all(
+            g in self.devices and (not self.devices[g].lost or self.devices[g].renumbered)
+            for g in gpus
         )
 
     def _stop_suspended(self, entry: Suspended, spec: UnitSpec) -> Stop:
@@ -1564,7 +1589,17 @@ class Scheduler:
     def _grant(self, holder: Holder, gpus: tuple[int, ...] | None = None) -> Grant:
         """`gpus` in the order placement chose them (the unit's CUDA order)."""
         where = gpus if gpus is not None else tuple(sorted(holder.gpus))
+        self._note_uuids(holder)
         return _grant(_about(holder.spec, Code.GRANT, gpus=where))
+
+    def _note_uuids(self, holder: Holder) -> None:
+        """The UUIDs of its GPUs as the adapter tells them to the unit now (its env file
+        names what `device` says), but for a GPU lost: its UUID now may be another GPU's
+        than the one the unit was told before (`Holder.uuids`)."""
+        for g in holder.gpus:
+            gpu = self.devices.get(g)
+            if gpu is not None and gpu.uuid and not gpu.lost:
+                holder.uuids[g] = gpu.uuid
 
     def _stopping_reason(self, waiter: Waiter) -> Decision:
         parts = []
