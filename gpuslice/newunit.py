@@ -256,9 +256,10 @@ def resolve_command(command: Sequence[str]) -> list[str]:
 def _unrunnable(program: str) -> str | None:
     """Why systemd would not run this absolute program path, if it would not. It refuses
     the whole unit for a quote, a backslash or a control character in it ("Executable name
-    contains special characters"), a trailing `/`, or a name over 255 bytes: `gpuslice new`
-    had reported written a unit that never loaded. And it expands no `$` in the path (only
-    in the arguments): the `$$` that keeps an argument's `$` made the path another file."""
+    contains special characters"), a trailing `/`, a name over 255 bytes, or a path of
+    PATH_MAX (4096) bytes or more: `gpuslice new` had reported written a unit that never
+    loaded. And it expands no `$` in the path (only in the arguments): the `$$` that keeps an
+    argument's `$` made the path another file."""
     if any(c < " " or c in "\"'\\\x7f" for c in program):
         return (
             "a quote, a backslash or a control character in the program's path: systemd refuses it"
@@ -267,6 +268,8 @@ def _unrunnable(program: str) -> str | None:
         return "'$' in the program's path: systemd keeps it there, but expands it in argv[0]"
     if program.endswith("/") or max(len(p.encode("utf-8")) for p in program.split("/")) > 255:
         return "a directory, or a name over 255 bytes: systemd refuses such a program's path"
+    if len(program.encode("utf-8")) >= 4096:  # PATH_MAX, which counts the NUL
+        return "a path of 4096 bytes or more: systemd refuses such a program's path"
     return None
 
 

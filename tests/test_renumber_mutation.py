@@ -129,3 +129,27 @@ def test_a_suspend_done_for_a_holder_that_names_no_waiter_names_none() -> None:
     s.load(SavedState(holders={V: ((0,), Phase.SUSPENDING.value, 1, "")}, seq=1))
     done = decisions(s.suspended_done(V, ""))[0]
     assert (done.code, done.for_unit, done.for_priority) == (Code.SUSPENDED, "", None)
+
+
+def test_a_unit_granted_before_nvml_named_its_gpu_takes_the_uuid_its_gpu_has_at_the_suspend() -> (
+    None
+):
+    """Granted while the GPUs were config.yaml's guess (no UUID), a unit has no UUID of its
+    own: its suspend takes the one its GPU answers with then, never a lost GPU's (which may be
+    another card's, numbered anew under it)."""
+    guess = [Gpu(0, "", "Fake", 24 * GIB)]
+    s = host(VLM, VOICE, gpus=guess)
+    running(s, VLM)
+    assert brief(s.request(VOICE)) == [f"suspend {V} 0"]
+    with s.deferred():
+        s.set_gpus(numbered("GPU-A"))
+        s.suspended_done(V, "")
+    assert s.suspended[V].uuids == {0: "GPU-A"}
+    lost = host(VLM, VOICE, gpus=guess)
+    running(lost, VLM)
+    assert brief(lost.request(VOICE)) == [f"suspend {V} 0"]
+    with lost.deferred():
+        lost.set_gpus([Gpu(0, "GPU-X", "Fake", 24 * GIB, lost=True)])
+        lost.suspended_done(V, "")
+        lost.set_gpus(numbered("GPU-A"))
+    assert lost.suspended[V].uuids == {}

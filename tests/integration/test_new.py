@@ -146,3 +146,33 @@ def test_two_new_of_one_name_at_once_leave_one_whole_unit(container: Container) 
     )
     lock = container.run(["stat", "-c", "%a %U", f"{UNIT_DIR}/.gpuslice.lock"]).stdout
     assert lock == "600 root\n"  # no other user can open it, and so hold it
+
+
+def test_a_program_path_systemd_would_refuse_for_its_length_is_refused(
+    container: Container,
+) -> None:
+    """systemd takes an ExecStart= program path of at most 4095 bytes (PATH_MAX with the NUL):
+    a longer one is a fatal error of the unit (bad-setting). `gpuslice new` writes the longest
+    and refuses the next, which it had reported written."""
+    head = ("/" + "d" * 200) * 20
+
+    def path_of(size: int) -> str:
+        return head + "/" + "r" * (size - len(head) - 1)
+
+    written = container.run(
+        ["gpuslice", "new", "longest", "--priority", "50", "--no-reload", "--", path_of(4095)]
+    ).stdout
+    assert "wrote " in written, written
+    refused = container.run(
+        ["gpuslice", "new", "longer", "--priority", "50", "--no-reload", "--", path_of(4096)],
+        check=False,
+    )
+    assert refused.returncode == 2 and "a path of 4096 bytes or more" in refused.stderr
+    # what systemd makes of the longer path, written by hand
+    container.write_file(f"{UNIT_DIR}/byhand.service", f'[Service]\nExecStart="{path_of(4096)}"\n')
+    reload(container)
+    state = ["systemctl", "show", "-P", "LoadState"]
+    assert container.run([*state, "longest.service"]).stdout == "loaded\n"
+    assert container.run([*state, "byhand.service"]).stdout == "bad-setting\n"
+    container.run(["rm", f"{UNIT_DIR}/byhand.service", f"{UNIT_DIR}/longest.service"])
+    reload(container)
