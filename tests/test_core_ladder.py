@@ -1346,3 +1346,24 @@ def test_uuids_told_of_a_unit_not_suspended_or_of_other_gpus_are_no_word_of_it()
     s.remember_uuids(V, {1: "GPU-X", 2: "GPU-Y"})  # more GPUs than its own
     s.remember_uuids(V, {1: ""})  # its GPU, but no UUID
     assert s.suspended[V].uuids == {1: "GPU-B"}
+
+
+def test_a_unit_frozen_by_one_frozen_in_turn_at_a_gate_runs_again_at_once() -> None:
+    """u3 is frozen for u0; u2, more urgent, started by the core into a kept place, asks at
+    its gate and freezes u0 on GPU 0. u0 no longer runs on GPU 1: u3 runs again in the same
+    answer. The gate's grant of a kept place froze without the end-of-pass thaw, and u3 stayed
+    frozen until the next event of any kind (found by the ladder machine at 20,000 examples)."""
+    u3 = spec("u3", 50, mem_gib=4, preempt="freeze stop", devices=("1",))
+    u0 = spec("u0", 20, gpus=2, mem_gib=4, preempt="freeze stop")
+    u2 = spec("u2", 10, BG, mem_gib=4, preempt="suspend stop", devices=("0",))
+    s = host(u3, u0, gpus=[sized(0), sized(1)])
+    assert brief(s.request(u3)) == ["grant u3.service 1"]
+    assert brief(s.request(u0)) == ["grant u0.service 0,1", "freeze u3.service"]
+    assert brief(s.set_specs({u.name: u for u in (u3, u0, u2)})) == ["start u2.service"]
+    assert brief(s.request(u2)) == [
+        "grant u2.service 0",
+        "freeze u0.service",
+        "thaw u3.service",
+    ]
+    assert s.phase(u3.name) is Phase.RUNNING
+    assert brief(s.schedule()) == []

@@ -460,7 +460,10 @@ class Scheduler:
             if holder.phase is Phase.STARTING and holder.gpus and self._keeps_its_place(holder):
                 holder.seq = holder.granted = self._next()  # the thrash rule counts from here
                 holder.phase = Phase.RUNNING
-                return [self._grant(holder), *self._freeze_beside(spec, holder.gpus)]
+                # a unit it freezes may have frozen others, which then run again (as at the
+                # end of a pass): left frozen, they waited for the next event of any kind
+                freezes = self._freeze_beside(spec, holder.gpus)
+                return [self._grant(holder), *freezes, *self._thaw()]
             del self.holders[name]
             if holder.phase is Phase.STARTING:
                 # A requeue that must preempt, GPUs lost or filled meanwhile, or a more
