@@ -1402,12 +1402,10 @@ class Scheduler:
         """NVML is not ready yet (the GPUs are config.yaml's guess, `pause_refill`) and none
         of its GPUs is known lost: it waits for NVML rather than being stopped, which would
         lose its work (a controller restarted while the driver does not answer)."""
-        gpus = self._where_now(entry) or entry.gpus
-        return bool(self.refill_paused) and not any(
-            g in self.devices and self.devices[g].lost for g in gpus
-        )
+        return bool(self.refill_paused) and not self._lost(self._where_now(entry) or entry.gpus)
 
     def _lost(self, gpus: Iterable[int]) -> bool:
+        """Any of these GPUs listed and known lost (one not listed at all is not)."""
         return any(g in self.devices and self.devices[g].lost for g in gpus)
 
     def _held_by_old_numbers(self, gpus: tuple[int, ...] | None) -> bool:
