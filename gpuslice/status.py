@@ -71,6 +71,11 @@ manage), or "other" (id ""); and "compute": bool, false for a graphics-only proc
 display server, a compositor), which background units do not yield to.
 Added with the slow-build cache: "controller" "status_time": float, the Unix time of the state
 shown (CachedStatus: on the largest hosts up to ten builds' time behind).
+Added with the cap on owners: PART "owners_left_out": int, how many owners "owners" leaves
+out. "owners" names at most the first 8 (LISTED_MAX in gpuslice/core/decisions.py; sorted,
+those the reason names, which says "and N more"): a user of the host's Slurm or Kubernetes
+runs processes of thousands of owners (a job or pod each), and every waiter's part on every
+GPU named them all.
 """
 
 from __future__ import annotations

@@ -288,6 +288,7 @@ def test_status_json_waiters_position_since_and_decision() -> None:
                 "rung": None,
                 "others": 0,
                 "owners": [],
+                "owners_left_out": 0,
             }
         ],
         "need_gpus": 1,

@@ -291,6 +291,7 @@ def test_to_json_has_every_key() -> None:
                 "rung": None,
                 "others": 0,
                 "owners": [],
+                "owners_left_out": 0,
             }
         ],
         "need_gpus": 1,

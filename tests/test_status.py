@@ -342,6 +342,7 @@ def test_json_decisions_are_the_reasons_as_data() -> None:
             "rung": None,
             "others": 0,
             "owners": [],
+            "owners_left_out": 0,
         }
     ]
     assert (waiting[2]["decision"]["cause"], waiting[2]["decision"]["detail"]) == (

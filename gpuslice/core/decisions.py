@@ -88,6 +88,11 @@ class Blocker(enum.Enum):
     SUSPENDED = "suspended"  # kept for `unit`, suspended, more urgent: it comes back there
 
 
+# A line, or a part in the status JSON, names at most this many processes or owners: a user
+# can start thousands of them
+LISTED_MAX = 8
+
+
 @dataclass(frozen=True)
 class Part:
     """One part of a waiter's reason."""
@@ -102,7 +107,7 @@ class Part:
     overdue: str = ""  # VICTIM still running this long after the stop (in words)
     rung: str = ""  # VICTIM, STOPPING: how it gives way (Preempt=): "suspend", else a stop
     others: int = 0  # MEMORY: bytes used by processes of no holder (foreign, or leftovers)
-    owners: tuple[str, ...] = ()  # MEMORY: whose the foreign ones are (`Slurm job 881`)
+    owners: tuple[str, ...] = ()  # MEMORY: whose the foreign ones are (`Slurm job 881`), sorted
 
     def __deepcopy__(self, memo: dict[int, object]) -> Part:
         return self  # immutable through and through: a copy of the scheduler shares it
@@ -119,7 +124,10 @@ class Part:
             "overdue": self.overdue or None,
             "rung": self.rung or None,
             "others": self.others,
-            "owners": list(self.owners),
+            # the first LISTED_MAX, as the reason names them: every waiter's part on every
+            # GPU repeated them all, and a user can run processes of thousands of owners
+            "owners": list(self.owners[:LISTED_MAX]),
+            "owners_left_out": max(len(self.owners) - LISTED_MAX, 0),
         }
 
 
@@ -207,10 +215,6 @@ def _need(d: Decision) -> str:
 
 # The thrash rule, as a waiter's reason says it (README "Preemption and thrash")
 GRANTED_AFTER = " (granted while this unit was known: not stopped for it)"
-
-
-# A line names at most this many processes or owners: a user can start thousands of them
-LISTED_MAX = 8
 
 
 def _listed(items: tuple[object, ...]) -> str:
