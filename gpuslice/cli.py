@@ -34,6 +34,7 @@ from gpuslice.newunit import (
     resolve_command,
     unit_name,
     unit_text,
+    user_exists,
     write_atomically,
     written_by_new,
 )
@@ -565,8 +566,8 @@ def enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
                 "(edit its [X-GPUSlice] section, or remove it first)"
             )
         made_dir = not os.path.lexists(dropin.parent)
-        _write(dropin, text + annotation_text({**defaults, **_given(keys)}))
-        spec = _validated(unit, root, dropin, previous, made_dir)
+        written = _write(dropin, text + annotation_text({**defaults, **_given(keys)}))
+        spec = _validated(unit, root, dropin, written, previous, made_dir)
     if spec.priority != int(keys["priority"]):
         click.echo(
             f"warning: a later drop-in overrides this one: {unit} has priority {spec.priority}",
@@ -610,6 +611,12 @@ def new(
             "(nor a UID systemd takes: 0-4294967294 but 65535)",
             param_hint="--user",
         )
+    if user is not None and not user_exists(user):  # systemd would fail each start
+        raise click.BadParameter(
+            f"{user!r}: no such user on this host (systemd would fail the start: "
+            '"Failed to determine user credentials")',
+            param_hint="--user",
+        )
     if workdir is not None and (not os.path.isabs(workdir) or not printable_path(workdir)):
         raise click.BadParameter(
             f"{printable(workdir)!r}: not an absolute path (printable ASCII, no backslash "
@@ -641,20 +648,31 @@ def new(
         previous = read_regular(path) if found is not None else None
         left = own_dropins(unit, Path(root)) if found is None else []
         # none found: created, never replaced (an admin's unit written since the look stays)
-        _write(path, text, exclusive=found is None)
-        spec = _validated(unit, root, path, previous)
-    click.echo(f"wrote {path}: {spec.describe()}")
-    if left:  # a unit of this name before left them; they apply to this one
-        click.echo(
-            f"warning: drop-ins made before {unit} apply to it too: "
-            + printable(", ".join(left), 1000)
-            + " (remove those an earlier unit of this name left)",
-            err=True,
-        )
-    if not no_reload:
-        _systemctl("daemon-reload")
+        written = _write(path, text, exclusive=found is None)
+        spec = _validated(unit, root, path, written, previous)
+        click.echo(f"wrote {path}: {spec.describe()}")
+        if left:  # a unit of this name before left them; they apply to this one
+            click.echo(
+                f"warning: drop-ins made before {unit} apply to it too: "
+                + printable(", ".join(left), 1000)
+                + " (remove those an earlier unit of this name left)",
+                err=True,
+            )
+        # Still under the lock: a reload that fails leaves nothing half-done (a unit on disk
+        # that systemd has not loaded, and loads at some later reload), and its undo meets no
+        # other `gpuslice new`'s unit.
+        if not no_reload and (failed := _systemctl_failure("daemon-reload")):
+            raise click.ClickException(
+                f"{failed}, so systemd has not loaded {unit}: {_undo(path, written, previous)}"
+            )
     if now:
-        _systemctl("start", "--no-block", unit)
+        # The unit is valid and loaded: it stays, and the start can be tried again.
+        if failed := _systemctl_failure("start", "--no-block", unit):
+            raise click.ClickException(
+                f"{failed}: {unit} is written ({path}) and installed, but not started; "
+                f"`systemctl status {unit}` and `journalctl -u {unit}` say why, "
+                f"`systemctl start {unit}` tries again"
+            )
         click.echo(f"queued {unit}: `systemctl status {unit}` says whether it waits and why")
 
 
@@ -692,9 +710,9 @@ def _unit_dir_locked(root: str, path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _write(path: Path, data: str | bytes, *, exclusive: bool = False) -> None:
+def _write(path: Path, data: str | bytes, *, exclusive: bool = False) -> os.stat_result:
     try:
-        write_atomically(path, data, exclusive=exclusive)
+        return write_atomically(path, data, exclusive=exclusive)
     except FileExistsError as e:
         if not (exclusive and os.path.lexists(path)):
             raise _cannot_write(path, e) from None
@@ -712,41 +730,64 @@ def _cannot_write(path: Path, e: OSError) -> click.ClickException:
 
 
 def _systemctl(*args: str) -> None:
+    if failed := _systemctl_failure(*args):
+        raise click.ClickException(failed)
+
+
+def _systemctl_failure(*args: str) -> str | None:
+    """Run `systemctl ARGS`; why it failed, if it did."""
     try:
         status = subprocess.run(["systemctl", *args], check=False).returncode
     except OSError as e:
-        raise click.ClickException(f"cannot run systemctl: {_reason(e)}") from None
+        return f"cannot run systemctl: {_reason(e)}"
     if status != 0:
-        raise click.ClickException(f"systemctl {' '.join(args)} failed (exit status {status})")
+        return f"systemctl {' '.join(args)} failed (exit status {status})"
+    return None
 
 
 def _validated(
-    unit: str, root: str, written: Path, previous: bytes | None = None, made_dir: bool = False
+    unit: str,
+    root: str,
+    written: Path,
+    identity: os.stat_result,
+    previous: bytes | None = None,
+    made_dir: bool = False,
 ) -> UnitSpec:
-    """Read the unit back through the parser. If it is refused, put back the file it
-    replaced (`previous`), else remove it, and the directory made for it (`made_dir`): a
+    """Read the unit back through the parser. If it is refused, undo the write (`_undo`): a
     command that fails leaves what worked before."""
     spec, problems = load_spec(unit, root)
     for problem in problems:
         click.echo(f"{problem.severity}: {problem}", err=True)
     if spec is not None and not any(p.severity == "error" for p in problems):
         return spec
-    try:
-        if previous is not None:
-            write_atomically(written, previous)
-            undone = f"put back the previous {written}"
-        else:
-            written.unlink()
-            if made_dir:
-                written.parent.rmdir()
-            undone = f"removed {written}"
-    except OSError as e:
-        undone = f"could not undo {written}: {_reason(e)}"
+    undone = _undo(written, identity, previous, made_dir)
     if spec is None and not problems:
         raise click.ClickException(
             f"{unit}: no such unit in systemd's search path (or masked); {undone}"
         )
     raise click.ClickException(f"{unit}: annotation rejected; {undone}")
+
+
+def _undo(
+    written: Path, identity: os.stat_result, previous: bytes | None, made_dir: bool = False
+) -> str:
+    """Put back the file `written` replaced (`previous`), else remove it, and the directory
+    made for it (`made_dir`); what was done, said. Only while `written` is still the file this
+    command wrote (`identity`, from `write_atomically`: same device and inode): one another
+    writer put there since (an admin's editor, another program) is left as it is."""
+    try:
+        there = os.lstat(written)
+        if (there.st_dev, there.st_ino) != (identity.st_dev, identity.st_ino):
+            return f"left {written} as it is: another program replaced it since it was written"
+        if previous is not None:
+            write_atomically(written, previous)
+            return f"put back the previous {written}"
+        written.unlink()
+        if made_dir:
+            written.parent.rmdir()
+        return f"removed {written}"
+    except OSError as e:
+        return f"could not undo {written}: {_reason(e)}"
 
 
 if __name__ == "__main__":

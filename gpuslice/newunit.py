@@ -13,6 +13,7 @@ import contextlib
 import enum
 import fcntl
 import os
+import pwd
 import re
 import shutil
 import tempfile
@@ -63,6 +64,24 @@ def is_user_name(user: str) -> bool:
     return not user.isdigit() or (int(user) < 0xFFFFFFFF and int(user) not in _INVALID_UIDS)
 
 
+def user_exists(user: str) -> bool:
+    """Whether the host's user database (NSS) knows User=: systemd looks it up at each start
+    and fails the start ("Failed to determine user credentials") for a user it does not know,
+    a numeric UID too (it needs the user's group), and `gpuslice new` had reported the unit
+    written. root and nobody (0, 65534) it makes up without a lookup. Looked up through `pwd`
+    when called, so that a test can stand in for the host's users."""
+    if user in ("root", "0", "nobody", "65534"):
+        return True
+    try:
+        if user.isdigit():
+            pwd.getpwuid(int(user))
+        else:
+            pwd.getpwnam(user)
+    except (KeyError, OverflowError):
+        return False
+    return True
+
+
 def printable_path(path: str) -> bool:
     """Printable ASCII only, so that no line break or control character reaches the unit,
     and no backslash at the end: systemd joins such a line with the next one, and
@@ -84,6 +103,16 @@ def printable_path(path: str) -> bool:
 
 def option_name(key: Key) -> str:
     return "--" + key.name.lower()
+
+
+class EscapedChoice(click.Choice):  # type: ignore[type-arg]
+    """click.Choice, its error quoting a value that is not printable ASCII escaped
+    (`printable`): a line break or a terminal's escape sequence in it is not echoed raw."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        shown = printable(str(value), 100)
+        # never one of the choices (printable ASCII, no backslash): refused in click's words
+        return super().convert(shown if shown != value else value, param, ctx)
 
 
 def _validator(key: Key) -> Callable[[click.Context, click.Parameter, Any], Any]:
@@ -110,7 +139,8 @@ def _validator(key: Key) -> Callable[[click.Context, click.Parameter, Any], Any]
 def annotation_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """One option per annotation key, validated by the key's own parser: `--priority`
     (required), `--type`, `--gpus`, `--requeue/--no-requeue`, `--memory`, `--devices`,
-    `--preempt`."""
+    `--preempt`. A key that takes one of an enum's values (`--type`) is a click choice: a
+    value outside it is refused in click's words, not in the enum's."""
     for key in reversed(KEYS):
         name = option_name(key)
         if key.name == "Requeue":
@@ -126,6 +156,9 @@ def annotation_options(func: Callable[..., Any]) -> Callable[..., Any]:
             name,
             key.field,
             required=key.required,
+            type=EscapedChoice([e.value for e in type(key.default)])
+            if isinstance(key.default, enum.Enum)
+            else None,
             callback=_validator(key),
             help=f"{key.name}=: {key.allowed}"
             + ("" if key.required or key.default in (None, ()) else f" (default: {_shown(key)})"),
@@ -358,7 +391,7 @@ def lock_unit_dir(directory: Path, *, wait: bool = True) -> int:
     return fd
 
 
-def write_atomically(path: Path, data: str | bytes, *, exclusive: bool = False) -> None:
+def write_atomically(path: Path, data: str | bytes, *, exclusive: bool = False) -> os.stat_result:
     """Write `data` to a new file next to `path`, then rename it over `path`: systemd, which
     may reload meanwhile, sees the old file or the new one, never half of one. With
     `exclusive`, link it to `path` instead, which fails (FileExistsError) if anything is
@@ -371,7 +404,10 @@ def write_atomically(path: Path, data: str | bytes, *, exclusive: bool = False) 
     file, then of its directory): without them a power cut soon after could leave the name
     on an empty file (a filesystem may commit the rename before the delayed data), and
     systemd takes an empty unit file for a masked unit: the job, or the drop-in's
-    annotation, gone."""
+    annotation, gone.
+
+    Returns the written file's status (`os.fstat`): its st_dev and st_ino tell an undo whether
+    `path` is still this file or one another writer put there since."""
     if isinstance(data, str):
         data = data.encode("utf-8")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -382,6 +418,7 @@ def write_atomically(path: Path, data: str | bytes, *, exclusive: bool = False) 
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            written = os.fstat(f.fileno())
         if exclusive:
             os.link(tmp, path)
             with contextlib.suppress(OSError):
@@ -399,3 +436,4 @@ def write_atomically(path: Path, data: str | bytes, *, exclusive: bool = False) 
             os.fsync(directory)
         finally:
             os.close(directory)
+    return written

@@ -212,7 +212,10 @@ def test_new_refuses_a_uid_systemd_refuses(tmp_path: Path, uid: str) -> None:
     assert files(tmp_path) == []
 
 
-def test_new_takes_the_highest_uid_systemd_takes(tmp_path: Path) -> None:
+def test_new_takes_the_highest_uid_systemd_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gpuslice.cli.user_exists", lambda user: True)  # not the host's users
     result = new(tmp_path, "x", "--priority", "5", "--user", "4294967294")
     assert result.exit_code == 0, result.output
     assert "User=4294967294\n" in (tmp_path / SYSTEM / "x.service").read_text()
@@ -401,11 +404,11 @@ def test_two_new_of_one_name_at_once_run_one_after_the_other(
     first_writes, second_waits_or_done = threading.Event(), threading.Event()
     real_write, real_lock = newunit.write_atomically, newunit.lock_unit_dir
 
-    def write(path: Path, data: bytes, **kwargs: Any) -> None:
+    def write(path: Path, data: bytes, **kwargs: Any) -> os.stat_result:
         if threading.current_thread().name == "first" and not first_writes.is_set():
             first_writes.set()
             assert second_waits_or_done.wait(10)
-        real_write(path, data, **kwargs)
+        return real_write(path, data, **kwargs)
 
     def lock(directory: Path, *, wait: bool = True) -> int:
         if threading.current_thread().name == "second" and wait:

@@ -47,7 +47,10 @@ def test_every_annotation_key_is_an_option_of_new_and_enroll() -> None:
         assert {option_name(k) for k in KEYS} <= params, command
 
 
-def test_new_writes_a_complete_unit_that_the_parser_reads_back(tmp_path: Path) -> None:
+def test_new_writes_a_complete_unit_that_the_parser_reads_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gpuslice.cli.user_exists", lambda user: user == "asr")  # not the host's
     code, out = new(
         tmp_path,
         "voice",
@@ -104,7 +107,10 @@ def test_new_rewrites_its_own_unit_but_no_other(tmp_path: Path) -> None:
         (["--priority", "5", "--memory", "lots"], "Memory=lots (allowed: a size such as 512M"),
         (["--priority", "5", "--devices", "MIG-1"], "MIG"),
         (["--priority", "5", "--gpus", "0"], "an integer 1-64"),
-        (["--priority", "5", "--type", "urgent"], "one of on-demand, background"),
+        (
+            ["--priority", "5", "--type", "urgent"],
+            "'urgent' is not one of 'on-demand', 'background'.",
+        ),
         (["--priority", "5", "--preempt", "pause"], "Preempt=pause (allowed: stop, freeze and"),
         (["--priority", "5", "--user", "root\nExecStartPre=/bin/evil"], "not a user name"),
         (["--priority", "5", "--workdir", "relative"], "not an absolute path"),

@@ -44,11 +44,12 @@ def written(root: Path, name: str = "job.service") -> str:
 # the unit text
 
 
-def test_new_writes_exactly_this_unit(tmp_path: Path) -> None:
+def test_new_writes_exactly_this_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every line is what systemd runs: Type=exec (a missing program fails the start, not
     later), KillMode=mixed (SIGTERM to the main process, SIGKILL to all at the timeout), the
     Description an admin sees in `systemctl status`, then the annotation in the key table's
     order."""
+    monkeypatch.setattr("gpuslice.cli.user_exists", lambda user: user == "asr")  # not the host's
     result = new(
         tmp_path,
         "vlm",
@@ -119,7 +120,7 @@ def test_help_names_each_key_what_it_allows_and_its_default() -> None:
     lines = [" ".join(line.split()) for line in result.output.splitlines()]
     for expected in (
         "--priority TEXT Priority=: an integer 0-999 [required]",
-        "--type TEXT Type=: one of on-demand, background (default: on-demand)",
+        "--type [on-demand|background] Type=: one of on-demand, background (default: on-demand)",
         "--gpus TEXT GPUs=: an integer 1-64 (default: 1)",
         "--requeue / --no-requeue Restart the unit when capacity returns after it was "
         "preempted (default: yes).",

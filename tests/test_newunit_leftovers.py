@@ -1,0 +1,302 @@
+"""`gpuslice new` where it failed late or spoke Python: a User= the host does not know (the
+unit failed only when started), a daemon-reload or a start that fails after the unit was
+written (the file was left behind, unsaid), and an invalid `--type` (the enum's own error).
+systemctl and the host's users are stood in for: nothing here depends on the machine."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from gpuslice import newunit
+from gpuslice.annotations import load_spec as real_load_spec
+from gpuslice.cli import main
+from gpuslice.newunit import LOCK_NAME, lock_unit_dir
+
+SYSTEM = "etc/systemd/system"
+NO_SUCH_USER = "gpuslice-no-such-user"  # 21 characters: a name systemd takes without a lookup
+
+
+def invoke(*args: str) -> Result:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
+    assert "Traceback" not in result.output
+    return result
+
+
+def new(root: Path, name: str, *args: str, reload: bool = False) -> Result:
+    """`gpuslice new NAME ARGS -- /bin/true`; with `reload`, systemctl (stood in for) runs."""
+    return invoke(
+        "new", name, *args, *([] if reload else ["--no-reload"]), "--root", str(root),
+        "--", "/bin/true",
+    )  # fmt: skip
+
+
+def files(root: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir() and p.name != LOCK_NAME
+    )
+
+
+def systemctl(
+    monkeypatch: pytest.MonkeyPatch, status: Callable[[list[str]], int]
+) -> list[list[str]]:
+    """systemctl stood in for: each command's exit status is `status(command)` (which may
+    raise OSError: not found); the commands run, in order."""
+    ran: list[list[str]] = []
+
+    def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        ran.append(command)
+        return subprocess.CompletedProcess(command, status(command), "", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return ran
+
+
+# ---------------------------------------------------------------------------------------------
+# --user
+
+
+def test_new_refuses_a_user_the_host_does_not_know_and_takes_root(tmp_path: Path) -> None:
+    """User=NAME was written as given: the unit was reported written and failed only when
+    started ("Failed to determine user credentials")."""
+    with pytest.raises(KeyError):
+        pwd.getpwnam(NO_SUCH_USER)
+    result = new(tmp_path, "job", "--priority", "5", "--user", NO_SUCH_USER)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for --user: '{NO_SUCH_USER}': no such user on this host" in (
+        result.output
+    )
+    assert files(tmp_path) == []
+    for user in ("root", "0"):
+        result = new(tmp_path, f"job{user}", "--priority", "5", "--user", user)
+        assert result.exit_code == 0, result.output
+        assert f"User={user}\n" in (tmp_path / SYSTEM / f"job{user}.service").read_text()
+
+
+def test_new_looks_a_user_up_by_name_or_by_uid_when_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A numeric UID must be known too: systemd needs the user's group, and fails the start
+    for one its database lacks. root and nobody (0, 65534) it makes up without a lookup."""
+    names, uids = {"asr": 1234}, {1234: "asr"}
+
+    def getpwnam(name: str) -> Any:
+        return names[name]
+
+    def getpwuid(uid: int) -> Any:
+        return uids[uid]
+
+    monkeypatch.setattr(pwd, "getpwnam", getpwnam)
+    monkeypatch.setattr(pwd, "getpwuid", getpwuid)
+    for user, known in [
+        ("asr", True), ("1234", True), ("root", True), ("0", True), ("nobody", True),
+        ("65534", True),
+        ("bob", False), ("4321", False), ("asr1", False),
+    ]:  # fmt: skip
+        result = new(tmp_path, "job", "--priority", "5", "--user", user)
+        assert result.exit_code == (0 if known else 2), (user, result.output)
+        assert ("no such user on this host" in result.output) is not known, user
+
+
+def test_a_uid_past_what_the_database_takes_is_unknown_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def getpwuid(uid: int) -> Any:
+        raise OverflowError("uid is greater than maximum")
+
+    monkeypatch.setattr(pwd, "getpwuid", getpwuid)
+    assert not newunit.user_exists("4294967294")
+
+
+# ---------------------------------------------------------------------------------------------
+# a daemon-reload or a start that fails after the write
+
+
+def _fails(*failing: str) -> Callable[[list[str]], int]:
+    return lambda command: 1 if command[1] in failing else 0
+
+
+@pytest.mark.parametrize("now", [False, True])
+def test_a_failed_reload_removes_the_unit_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, now: bool
+) -> None:
+    """The unit stayed on disk, unloaded, for some later daemon-reload to bring in: a job
+    half installed, and the error did not say the file was there."""
+    ran = systemctl(monkeypatch, _fails("daemon-reload"))
+    result = new(tmp_path, "job", "--priority", "5", *(["--now"] if now else []), reload=True)
+    assert result.exit_code == 1, result.output
+    path = tmp_path / SYSTEM / "job.service"
+    assert (
+        "Error: systemctl daemon-reload failed (exit status 1), so systemd has not loaded "
+        f"job.service: removed {path}\n"
+    ) in result.output
+    assert files(tmp_path) == []
+    assert ran == [["systemctl", "daemon-reload"]]  # and no start
+
+
+def test_a_systemctl_that_cannot_run_removes_the_unit_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing(command: list[str]) -> int:
+        raise FileNotFoundError(2, "No such file or directory", "systemctl")
+
+    systemctl(monkeypatch, missing)
+    result = new(tmp_path, "job", "--priority", "5", reload=True)
+    assert result.exit_code == 1, result.output
+    assert "cannot run systemctl: " in result.output
+    assert f"removed {tmp_path / SYSTEM / 'job.service'}" in result.output
+    assert files(tmp_path) == []
+
+
+def test_a_failed_reload_puts_back_the_unit_new_had_written_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert new(tmp_path, "job", "--priority", "5").exit_code == 0
+    path = tmp_path / SYSTEM / "job.service"
+    before = path.read_bytes()
+    systemctl(monkeypatch, _fails("daemon-reload"))
+    result = new(tmp_path, "job", "--priority", "6", reload=True)
+    assert result.exit_code == 1, result.output
+    assert f"so systemd has not loaded job.service: put back the previous {path}" in (result.output)
+    assert path.read_bytes() == before
+
+
+def test_a_failed_reload_leaves_a_unit_another_writer_put_there_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The undo removes the file this run wrote (its device and inode), never one an admin's
+    editor or another program renamed over it while the reload ran."""
+    path = tmp_path / SYSTEM / "job.service"
+    theirs = "[Service]\nExecStart=/bin/true\n"
+
+    def reload_fails_after_a_rewrite(command: list[str]) -> int:
+        tmp = path.with_name(".theirs")
+        tmp.write_text(theirs)
+        os.replace(tmp, path)
+        return 1
+
+    systemctl(monkeypatch, reload_fails_after_a_rewrite)
+    result = new(tmp_path, "job", "--priority", "5", reload=True)
+    assert result.exit_code == 1, result.output
+    assert f"left {path} as it is: another program replaced it since it was written" in (
+        result.output
+    )
+    assert path.read_text() == theirs
+
+
+def test_the_reload_and_its_undo_hold_the_unit_directory_s_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another `gpuslice new` of this name waits until the reload is done or undone: the undo
+    never meets its unit."""
+    held: list[bool] = []
+
+    def reload(command: list[str]) -> int:
+        try:
+            os.close(lock_unit_dir(tmp_path / SYSTEM, wait=False))
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        return 1
+
+    systemctl(monkeypatch, reload)
+    assert new(tmp_path, "job", "--priority", "5", reload=True).exit_code == 1
+    assert held == [True]
+
+
+def test_a_failed_start_keeps_the_unit_and_says_where_it_is_and_how_to_see_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reloaded, the unit is valid and installed: it stays, and the start can be tried
+    again. The error said only `systemctl start --no-block job.service failed`."""
+    ran = systemctl(monkeypatch, _fails("start"))
+    result = new(tmp_path, "job", "--priority", "5", "--now", reload=True)
+    assert result.exit_code == 1, result.output
+    path = tmp_path / SYSTEM / "job.service"
+    assert (
+        "Error: systemctl start --no-block job.service failed (exit status 1): job.service is "
+        f"written ({path}) and installed, but not started; `systemctl status job.service` and "
+        "`journalctl -u job.service` say why, `systemctl start job.service` tries again\n"
+    ) in result.output
+    assert files(tmp_path) == [f"{SYSTEM}/job.service"]
+    assert ran == [
+        ["systemctl", "daemon-reload"],
+        ["systemctl", "start", "--no-block", "job.service"],
+    ]
+
+
+def test_a_rejected_annotation_leaves_a_unit_another_writer_put_there_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-back's undo, as the reload's: it removed whatever file was at the path."""
+    path = tmp_path / SYSTEM / "job.service"
+    theirs = "[Service]\nExecStart=/bin/true\n"
+
+    def load_spec(unit: str, root: Any) -> Any:
+        found = real_load_spec(unit, root)
+        tmp = path.with_name(".theirs")
+        tmp.write_text(theirs)
+        os.replace(tmp, path)
+        return found
+
+    monkeypatch.setattr("gpuslice.cli.load_spec", load_spec)
+    result = new(tmp_path, "job", "--priority", "5", "--devices", "%i")
+    assert result.exit_code == 1, result.output
+    assert f"annotation rejected; left {path} as it is" in result.output
+    assert path.read_text() == theirs
+
+
+# ---------------------------------------------------------------------------------------------
+# --type and the other options: click's words, not Python's
+
+
+@pytest.mark.parametrize("command", ["new", "enroll"])
+def test_an_invalid_type_is_refused_in_click_s_words(tmp_path: Path, command: str) -> None:
+    """It said "Type=urgent: 'urgent' is not a valid UnitKind", the enum's own error."""
+    plain = tmp_path / SYSTEM / "plain.service"
+    plain.parent.mkdir(parents=True)
+    plain.write_text("[Service]\nExecStart=/bin/true\n")
+    args = ["--priority", "5", "--type", "urgent", "--no-reload", "--root", str(tmp_path)]
+    if command == "new":
+        result = invoke("new", "job", *args, "--", "/bin/true")
+    else:
+        result = invoke("enroll", "plain", *args)
+    assert result.exit_code == 2, result.output
+    assert (
+        "Error: Invalid value for '--type': 'urgent' is not one of 'on-demand', 'background'.\n"
+    ) in result.output
+    assert files(tmp_path) == [f"{SYSTEM}/plain.service"]
+
+
+def test_no_option_of_new_speaks_python(tmp_path: Path) -> None:
+    """Each annotation option with a value none takes (Preempt= is a list of rungs, not one
+    enum value: its own words, as before); nothing names a Python type."""
+    for option in ("--priority", "--type", "--gpus", "--memory", "--devices", "--preempt"):
+        args = ["--priority", "5"] if option != "--priority" else []
+        result = new(tmp_path, "job", *args, option, "urgent")
+        assert result.exit_code == 2, result.output
+        assert f"Invalid value for '{option}': " in result.output
+        for python in ("is not a valid", "UnitKind", "Rung"):
+            assert python not in result.output, option
+
+
+def test_a_type_with_a_control_character_is_echoed_escaped(tmp_path: Path) -> None:
+    """click.Choice quotes the value as given: a terminal's escape sequence would reach the
+    admin's terminal raw."""
+    result = new(tmp_path, "job", "--priority", "5", "--type", "on-\x1b]0;pwn\x07demand\n")
+    assert result.exit_code == 2, result.output
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    assert "on-\\\\x1b]0;pwn\\\\x07demand\\\\x0a' is not one of 'on-demand', 'background'." in (
+        result.output
+    )
+    assert files(tmp_path) == []
