@@ -90,7 +90,7 @@ def release_gates(config_path: str) -> None:
     """Send every gate that waits on a pipe to D-Bus (ExecStopPost= of gpuslice.service):
     a gate that opened its pipe before the controller went away must not wait for a writer
     that will never come."""
-    from gpuslice.config import read_pinned_runtime_dir, runtime_dir_value
+    from gpuslice.config import runtime_dirs_of_this_boot
     from gpuslice.gatepipes import wake_and_remove
     from gpuslice.paths import (
         DEFAULT_RUNTIME_DIR,
@@ -99,21 +99,21 @@ def release_gates(config_path: str) -> None:
         gate_pipe_dir,
     )
 
-    # where the controller that stopped made its pipes: the runtime_dir of this boot, which
-    # config.yaml may no longer say (paths.RUNTIME_DIR_RECORD)
-    told = runtime_dir_value(os.environ.get(RUNTIME_DIR_ENV, ""))
-    pinned = {d for d in (told, read_pinned_runtime_dir(RUNTIME_DIR_RECORD)) if d is not None}
+    bad: ConfigError | None = None
     try:
-        runtime_dirs = sorted(
-            {load_config_with_warnings(Path(config_path))[0].runtime_dir} | pinned
-        )
+        configured = [load_config_with_warnings(Path(config_path))[0].runtime_dir]
     except ConfigError as e:
         # the controller may have started before the file went bad, with its runtime_dir
         # (the generator points the gates there too), or on the defaults: release in both
-        runtime_dirs = sorted(
-            {e.valid.get("runtime_dir", DEFAULT_RUNTIME_DIR), DEFAULT_RUNTIME_DIR} | pinned
-        )
-        click.echo(f"gpuslice release-gates: {e}; using {', '.join(runtime_dirs)}", err=True)
+        configured = [e.valid.get("runtime_dir", DEFAULT_RUNTIME_DIR), DEFAULT_RUNTIME_DIR]
+        bad = e
+    # where the controller that stopped made its pipes: the runtime_dir of this boot, which
+    # config.yaml may no longer say (paths.RUNTIME_DIR_RECORD); released in each, to be sure
+    runtime_dirs = sorted(
+        runtime_dirs_of_this_boot(os.environ.get(RUNTIME_DIR_ENV), RUNTIME_DIR_RECORD, *configured)
+    )
+    if bad is not None:
+        click.echo(f"gpuslice release-gates: {bad}; using {', '.join(runtime_dirs)}", err=True)
     for runtime_dir in runtime_dirs:
         wake_and_remove(gate_pipe_dir(runtime_dir))
 

@@ -19,9 +19,10 @@ import math
 import os
 import re
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpuslice import safefile
 from gpuslice.core.model import GPU_ID
@@ -802,6 +803,56 @@ def stamp(path: str | os.PathLike[str]) -> Stamp | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+_Read = TypeVar("_Read")
+
+
+def read_unchanged(
+    path: str | os.PathLike[str], load: Callable[[str | os.PathLike[str]], _Read]
+) -> _Read | None:
+    """`load(path)`, None when the file changed while it was read (`stamp`): what was read,
+    good or bad, may be a version cut short. Its ConfigError when the file did not change."""
+    before = stamp(path)
+    try:
+        loaded = load(path)
+    except ConfigError:
+        if stamp(path) != before:
+            return None
+        raise
+    return loaded if stamp(path) == before else None
+
+
+@dataclass
+class Settling:
+    """The waits of one read of the config file, at start or at a reload (each waits as it
+    can: asleep, or on the loop's timers): it is read once it has been left alone for
+    `settle` s (`wait`), and again when it changed while it was read (`read_unchanged`, then
+    `changed`); after `max_waits` waits of either kind (`last`) it is read as it is: a file
+    rewritten without end is not waited for without end."""
+
+    path: str | os.PathLike[str]
+    settle: float
+    max_waits: int
+    waits: int = 0
+
+    @property
+    def last(self) -> bool:
+        """No wait is left: the file is read as it is."""
+        return self.waits >= self.max_waits
+
+    def wait(self) -> float:
+        """Seconds to wait before the file is read, counted as a wait; 0: read it now (also
+        when no wait is left, once the file has been looked at)."""
+        wait = unsettled(self.path, time.time(), self.settle)
+        if wait > 0 and not self.last:
+            self.waits += 1
+            return wait
+        return 0.0
+
+    def changed(self) -> None:
+        """The file changed while it was read: one wait more before it is read again."""
+        self.waits += 1
+
+
 # ---------------------------------------------------------------------------------------------
 # the runtime_dir of this boot (paths.RUNTIME_DIR_RECORD)
 
@@ -821,6 +872,18 @@ def read_pinned_runtime_dir(record: str | os.PathLike[str]) -> str | None:
         return None
     text = data.decode("ascii", "replace")
     return runtime_dir_value(text[:-1] if text.endswith("\n") else text)
+
+
+def runtime_dirs_of_this_boot(
+    told: str | None, record: str | os.PathLike[str], *configured: str
+) -> list[str]:
+    """The runtime_dirs the gates' drop-ins may name this boot, most binding first, each once:
+    `told` (paths.RUNTIME_DIR_ENV: what gpuslice-generator told gpuslice.service its gates
+    name) when it is a valid runtime_dir, the one a controller recorded at `record` earlier
+    this boot, then `configured` (config.yaml's). The controller runs with the first; a stop
+    releases the gates in each."""
+    dirs = [None if told is None else runtime_dir_value(told), read_pinned_runtime_dir(record)]
+    return list(dict.fromkeys(d for d in (*dirs, *configured) if d is not None))
 
 
 def pin_runtime_dir(record: str | os.PathLike[str], runtime_dir: str) -> bool:

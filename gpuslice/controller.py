@@ -29,13 +29,13 @@ from gpuslice.config import (
     SETTLE_SECONDS,
     Config,
     ConfigError,
+    Settling,
     load_config_with_warnings,
     located,
     pin_runtime_dir,
-    read_pinned_runtime_dir,
+    read_unchanged,
     runtime_dir_value,
-    stamp,
-    unsettled,
+    runtime_dirs_of_this_boot,
 )
 from gpuslice.core.decisions import Code, Decision
 from gpuslice.core.model import Gpu, UnitSpec
@@ -238,7 +238,7 @@ class Controller:
         self._checking_thaws = False  # a check of FreezerState is under way
         self._status_due = False  # a STATUS= update is scheduled
         self._reload_due = False  # a config reload is queued, or waits for the file to settle
-        self._settle_waits = 0  # how long the reload under way has waited, in waits
+        self._settling: Settling | None = None  # the waits of the reload under way
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -696,46 +696,49 @@ class Controller:
         half-way, is valid YAML whose missing settings are the defaults). Signals meanwhile
         are this reload; after CONFIG_SETTLE_WAITS waits the file is read as it is."""
         loop = asyncio.get_running_loop()
-        waited = self._settle_waits < CONFIG_SETTLE_WAITS
-        wait = unsettled(self.config_path, time.time(), CONFIG_SETTLE)
-        if wait > 0 and waited:
-            if self._settle_waits == 0:
+        if self._settling is None:
+            self._settling = Settling(self.config_path, CONFIG_SETTLE, CONFIG_SETTLE_WAITS)
+        settling = self._settling
+        wait = settling.wait()
+        if wait > 0:
+            if settling.waits == 1:
                 log.info(
                     "%s changed less than %g s ago: reloading it once it has been left alone "
                     "that long (a file written in place may be cut short)",
                     self.config_path,
                     CONFIG_SETTLE,
                 )
-            self._settle_waits += 1
             loop.call_later(wait, self._reload_now)
             return
-        if not waited:
+        if settling.last:
             log.warning(
                 "%s kept changing for %g s: reloading it as it is now",
                 self.config_path,
                 CONFIG_SETTLE_WAITS * CONFIG_SETTLE,
             )
-        waits, self._settle_waits = self._settle_waits, 0
+        self._settling = None  # the next reload waits anew
         self._reload_due = False  # a signal from now on reads the file again
-        if self.reload_config(recheck=waited):
+        if self.reload_config(recheck=not settling.last):
             return
         self._reload_due = True  # changed while it was read: read again once left alone
-        self._settle_waits = waits + 1
+        settling.changed()
+        self._settling = settling
         loop.call_later(CONFIG_SETTLE, self._reload_now)
 
     def reload_config(self, recheck: bool = False) -> bool:
         """Read config.yaml and apply it, or keep the last good one. With `recheck`, False
         and nothing done when the file changed while it was read."""
-        before = stamp(self.config_path) if recheck else None
         try:
-            config, warnings = load_config_with_warnings(self.config_path)
+            if recheck:
+                loaded = read_unchanged(self.config_path, load_config_with_warnings)
+            else:
+                loaded = load_config_with_warnings(self.config_path)
         except ConfigError as e:
-            if recheck and stamp(self.config_path) != before:
-                return False
             log.error("keeping the last good configuration: %s", e)
             return True
-        if recheck and stamp(self.config_path) != before:
+        if loaded is None:
             return False
+        config, warnings = loaded
         for warning in warnings:
             log.warning("%s", warning)
         config = self._keep_paths(config)
@@ -1477,10 +1480,9 @@ def _runtime_dir_of_this_boot(config: Config, config_path: Path) -> Config:
     after runtime_dir was edited wrote env files where no unit read them (every GPU visible),
     and a daemon-reload while the controller ran pointed the gates where it did not write."""
     told = os.environ.get(RUNTIME_DIR_ENV)
-    runtime_dir = None if told is None else runtime_dir_value(told)
-    if told is not None and runtime_dir is None:
+    if told is not None and runtime_dir_value(told) is None:
         log.error("%s=%s is not a valid runtime_dir: ignored", RUNTIME_DIR_ENV, printable(told))
-    runtime_dir = runtime_dir or read_pinned_runtime_dir(RUNTIME_RECORD) or config.runtime_dir
+    runtime_dir = runtime_dirs_of_this_boot(told, RUNTIME_RECORD, config.runtime_dir)[0]
     if runtime_dir != config.runtime_dir:
         _runtime_dir_not_yet(config_path, config.runtime_dir, runtime_dir)
     try:
@@ -1499,22 +1501,18 @@ def _runtime_dir_of_this_boot(config: Config, config_path: Path) -> Config:
 async def _load_settled(config_path: Path) -> tuple[Config, list[str]]:
     """config.yaml once it has been left alone for CONFIG_SETTLE s, read again if it changed
     while it was read (Controller._reload_now); as it is after CONFIG_SETTLE_WAITS waits."""
-    for tries in range(CONFIG_SETTLE_WAITS + 1):
-        last = tries == CONFIG_SETTLE_WAITS
-        wait = unsettled(config_path, time.time(), CONFIG_SETTLE)
-        if wait > 0 and not last:
+    settling = Settling(config_path, CONFIG_SETTLE, CONFIG_SETTLE_WAITS)
+    while True:
+        wait = settling.wait()
+        if wait > 0:
             await asyncio.sleep(wait)
             continue
-        before = stamp(config_path)
-        try:
-            loaded = load_config_with_warnings(config_path)
-        except ConfigError:
-            if last or stamp(config_path) == before:
-                raise
-            continue
-        if last or stamp(config_path) == before:
+        if settling.last:
+            return load_config_with_warnings(config_path)
+        loaded = read_unchanged(config_path, load_config_with_warnings)
+        if loaded is not None:
             return loaded
-    raise AssertionError("unreachable: the last try returns or raises")
+        settling.changed()  # looked at again at once (a reload waits CONFIG_SETTLE first)
 
 
 async def run(config_path: Path, bus_address: str | None = None) -> int:

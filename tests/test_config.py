@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,15 @@ from gpuslice.config import (
     SETTLE_SECONDS,
     Config,
     ConfigError,
+    Settling,
     load_config,
     load_config_with_warnings,
     located,
     parse_config,
     pin_runtime_dir,
     read_pinned_runtime_dir,
+    read_unchanged,
+    runtime_dirs_of_this_boot,
     stamp,
     unsettled,
 )
@@ -837,6 +841,66 @@ def test_a_file_is_settled_once_left_alone_for_a_second(tmp_path: Path) -> None:
     assert before is not None and stamp(path) == before
     path.write_text("gpus: 3\n")
     assert stamp(path) != before and stamp(tmp_path / "absent.yaml") is None
+
+
+def test_read_unchanged_is_none_when_the_file_changed_while_it_was_read(tmp_path: Path) -> None:
+    """What was read, good or bad, is None when the file changed meanwhile (a writer half-way);
+    a bad file left alone is its ConfigError."""
+    path = write(tmp_path, "gpus: 2\n")
+    assert read_unchanged(path, load_config_with_warnings) == (Config(gpus=2), [])
+
+    def rewritten(text: str) -> Callable[[str | os.PathLike[str]], tuple[Config, list[str]]]:
+        def load(p: str | os.PathLike[str]) -> tuple[Config, list[str]]:
+            try:
+                return load_config_with_warnings(p)
+            finally:
+                Path(p).write_text(text)
+
+        return load
+
+    # sizes differ: a file's times may not move between two writes in one clock tick
+    assert read_unchanged(path, rewritten("gpus: 0\n# x\n")) is None  # read good, changed
+    assert read_unchanged(path, rewritten("gpus: 3\n")) is None  # read bad, then changed
+    path.write_text("gpus: 0\n")
+    with pytest.raises(ConfigError, match="gpus"):
+        read_unchanged(path, load_config_with_warnings)
+
+
+def test_settling_counts_waits_and_changed_reads_up_to_its_limit(tmp_path: Path) -> None:
+    """A file changed just now is waited for, each wait counted; a read it changed under is
+    one more; once `max_waits` are spent the file is read as it is, however fresh."""
+    path = write(tmp_path, "gpus: 2\n")
+    settling = Settling(path, settle=60, max_waits=3)
+    assert 0 < settling.wait() <= 60 and settling.waits == 1 and not settling.last
+    settling.changed()
+    assert settling.waits == 2 and not settling.last
+    assert settling.wait() > 0 and settling.waits == 3 and settling.last
+    assert settling.wait() == 0 and settling.waits == 3  # none left: read it now
+    left_alone = Settling(path, settle=0, max_waits=3)
+    assert left_alone.wait() == 0 and left_alone.waits == 0 and not left_alone.last
+    assert Settling(path, settle=60, max_waits=0).wait() == 0
+
+
+def test_the_runtime_dirs_of_this_boot_most_binding_first(tmp_path: Path) -> None:
+    """The generator's word (when valid), then the record, then config.yaml's, each once."""
+    record = tmp_path / "gpuslice" / "runtime-dir"
+    record.parent.mkdir()
+    pick = runtime_dirs_of_this_boot
+    assert pick(None, record, "/run/gpuslice/c") == ["/run/gpuslice/c"]
+    assert pick(None, record, "/run/gpuslice/c", "/run/gpuslice") == [
+        "/run/gpuslice/c",
+        "/run/gpuslice",
+    ]
+    record.write_text("/run/gpuslice/a\n")
+    assert pick(None, record, "/run/gpuslice/c") == ["/run/gpuslice/a", "/run/gpuslice/c"]
+    assert pick("/run/gpuslice/b/", record, "/run/gpuslice/c") == [
+        "/run/gpuslice/b",
+        "/run/gpuslice/a",
+        "/run/gpuslice/c",
+    ]
+    for invalid in ("", "/etc", "/run/gpuslice/runtime-dir", "/run/gpuslice/\x1b"):
+        assert pick(invalid, record, "/run/gpuslice/c") == ["/run/gpuslice/a", "/run/gpuslice/c"]
+    assert pick("/run/gpuslice/a", record, "/run/gpuslice/a") == ["/run/gpuslice/a"]
 
 
 def test_located_names_the_line_of_a_key(tmp_path: Path) -> None:

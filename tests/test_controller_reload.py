@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from gpuslice import config as config_module
 from gpuslice import controller as controller_module
 from gpuslice import generator
 from gpuslice.config import Config, load_config_with_warnings, read_pinned_runtime_dir
@@ -292,7 +293,7 @@ def test_a_file_that_never_stops_changing_is_read_after_so_many_waits(
         waits.append(path)
         return 0.01
 
-    monkeypatch.setattr(controller_module, "unsettled", unsettled)
+    monkeypatch.setattr(config_module, "unsettled", unsettled)
     (tmp_path / "config.yaml").write_text("gpus: 2\n")
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     loads = counting(monkeypatch)

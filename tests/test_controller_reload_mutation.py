@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice import config as config_module
 from gpuslice import controller as controller_module
 from gpuslice.config import Config, ConfigError, load_config_with_warnings, pin_runtime_dir
 from gpuslice.controller import Controller
@@ -70,8 +71,8 @@ class Script:
         self.events: list[str] = []
         monkeypatch.setattr(controller_module, "CONFIG_SETTLE", SETTLE)
         monkeypatch.setattr(controller_module, "CONFIG_SETTLE_WAITS", WAITS)
-        monkeypatch.setattr(controller_module, "unsettled", self.unsettled)
-        monkeypatch.setattr(controller_module, "stamp", self.stamp)
+        monkeypatch.setattr(config_module, "unsettled", self.unsettled)  # Settling's look
+        monkeypatch.setattr(config_module, "stamp", self.stamp)  # read_unchanged's
         monkeypatch.setattr(controller_module, "load_config_with_warnings", self.load)
 
     def unsettled(self, path: Path, now: float, settle: float) -> float:

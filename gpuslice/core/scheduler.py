@@ -1317,9 +1317,9 @@ class Scheduler:
         for entry in sorted(self.suspended.values(), key=self._resume_order):
             spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
             gpus = self._where_now(entry)
-            if gpus is None or not self._can_come_back(entry):
-                if not self._gpus_a_guess(entry) and not self._held_by_old_numbers(gpus):
-                    actions.append(self._stop_suspended(entry, spec))
+            if gpus is None or not self._can_come_back(gpus):
+                if not self._gpus_a_guess(entry, gpus) and not self._held_by_old_numbers(gpus):
+                    actions.append(self._stop_suspended(entry, spec, gpus))
                 continue
             others = [p for p in promises if p[1].unit != spec.name]  # its own room is its
             # a waiter as urgent keeps nothing from it: it ran before that waiter came, and
@@ -1386,23 +1386,22 @@ class Scheduler:
         promises: list[tuple[int, Use]] = []
         for entry in self.suspended.values():
             gpus = self._where_now(entry)
-            if gpus is not None and self._can_come_back(entry):
+            if gpus is not None and self._can_come_back(gpus):
                 spec = self.specs.get(entry.spec.name, entry.spec)
                 self._promise(promises, spec, gpus, kept_from=spec.priority + 1)
         return promises
 
-    def _can_come_back(self, entry: Suspended) -> bool:
-        """Its GPUs are all here and answering: a restore puts its memory back on them."""
-        gpus = self._where_now(entry)
-        return gpus is not None and all(
-            g in self.devices and not self.devices[g].lost for g in gpus
-        )
+    def _can_come_back(self, gpus: tuple[int, ...]) -> bool:
+        """A suspended unit's GPUs (`_where_now`) are all here and answering: a restore puts
+        its memory back on them."""
+        return all(g in self.devices and not self.devices[g].lost for g in gpus)
 
-    def _gpus_a_guess(self, entry: Suspended) -> bool:
+    def _gpus_a_guess(self, entry: Suspended, gpus: tuple[int, ...] | None) -> bool:
         """NVML is not ready yet (the GPUs are config.yaml's guess, `pause_refill`) and none
-        of its GPUs is known lost: it waits for NVML rather than being stopped, which would
-        lose its work (a controller restarted while the driver does not answer)."""
-        return bool(self.refill_paused) and not self._lost(self._where_now(entry) or entry.gpus)
+        of its GPUs (`gpus`: `_where_now`, None when one is gone) is known lost: it waits for
+        NVML rather than being stopped, which would lose its work (a controller restarted
+        while the driver does not answer)."""
+        return bool(self.refill_paused) and not self._lost(gpus or entry.gpus)
 
     def _lost(self, gpus: Iterable[int]) -> bool:
         """Any of these GPUs listed and known lost (one not listed at all is not)."""
@@ -1418,12 +1417,14 @@ class Scheduler:
             for g in gpus
         )
 
-    def _stop_suspended(self, entry: Suspended, spec: UnitSpec) -> Stop:
-        """A suspended unit whose GPU is lost or gone can never be restored: it is stopped
-        (never left frozen for good), and Requeue= decides whether it starts again."""
+    def _stop_suspended(
+        self, entry: Suspended, spec: UnitSpec, where: tuple[int, ...] | None
+    ) -> Stop:
+        """A suspended unit whose GPU is lost or gone (`where`: `_where_now`) can never be
+        restored: it is stopped (never left frozen for good), and Requeue= decides whether it
+        starts again."""
         del self.suspended[spec.name]
         self.holders[spec.name] = Holder(spec, frozenset(), Phase.STOPPING, self._next())
-        where = self._where_now(entry)
         if where is None:  # never onto another GPU: its processes would wake on their own
             at = {g.uuid for g in self.devices.values()}
             why = "; ".join(
@@ -1703,7 +1704,9 @@ class Scheduler:
         kept = [
             self.specs.get(e.spec.name, e.spec)
             for e in self.suspended.values()
-            if gpu in (self._where_now(e) or ()) and self._can_come_back(e)
+            if (gpus := self._where_now(e)) is not None
+            and gpu in gpus
+            and self._can_come_back(gpus)
         ]
         ahead = [k for k in kept if k.priority < priority]
         return min(ahead, key=lambda k: (k.priority, k.name), default=None)
