@@ -474,6 +474,8 @@ class Inventory:
         self._booked = {i: u for i, u in self._booked.items() if i in held}
         for index in held:
             uuid = self._booked.get(index) or before.get(index) or now.get(index)
+            # one NVML names by no UUID (a fake, an odd driver) is not booked: nothing tells
+            # its renumbering, and it is held by index, as before NVML answered
             if uuid:
                 self._booked[index] = uuid
         where = {u: i for i, u in now.items() if u}

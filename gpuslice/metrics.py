@@ -237,8 +237,16 @@ def _gpus(status: Mapping[str, Any]) -> Iterator[Metric]:
             ("unmanaged", "GPU memory used by processes of no managed unit."),
         )
     }
+    # A GPU lost only to a renumbering answers, and its units run on: `lost` pages an admin
+    # for a broken GPU, `renumbered` says it takes no new work for now (status "renumbered").
     lost = GaugeMetricFamily(
         "gpuslice_gpu_lost", "Whether the GPU stopped answering NVML.", labels=labels
+    )
+    renumbered = GaugeMetricFamily(
+        "gpuslice_gpu_renumbered",
+        "Whether the GPU takes no new work because NVML numbered the GPUs anew under units "
+        "that hold it (it answers; they run on).",
+        labels=labels,
     )
     by_owner = GaugeMetricFamily(
         "gpuslice_gpu_foreign_memory_bytes",
@@ -277,7 +285,9 @@ def _gpus(status: Mapping[str, Any]) -> Iterator[Metric]:
         for key, value in values.items():
             if value is not None:
                 memory[key].add_metric(where, value)
-        lost.add_metric(where, 1.0 if gpu.get("lost") is True else 0.0)
+        moved = gpu.get("renumbered") is True
+        lost.add_metric(where, 1.0 if gpu.get("lost") is True and not moved else 0.0)
+        renumbered.add_metric(where, 1.0 if moved else 0.0)
         for holder in _dicts(gpu.get("holders")):
             unit = holder.get("unit")
             if not isinstance(unit, str):
@@ -289,6 +299,7 @@ def _gpus(status: Mapping[str, Any]) -> Iterator[Metric]:
     yield from memory.values()
     yield by_owner
     yield lost
+    yield renumbered
     yield declared
     yield used
 

@@ -76,6 +76,9 @@ out. "owners" names at most the first 8 (LISTED_MAX in gpuslice/core/decisions.p
 those the reason names, which says "and N more"): a user of the host's Slurm or Kubernetes
 runs processes of thousands of owners (a job or pod each), and every waiter's part on every
 GPU named them all.
+Added with renumbered GPUs: each GPU's "renumbered": bool, true when it is "lost" only because
+NVML numbered the GPUs anew under units that hold it (`Gpu.renumbered`): it answers, and takes
+no new work until they release it ("lost" stays true, as it was before this key).
 """
 
 from __future__ import annotations
@@ -155,6 +158,7 @@ def _gpu_json(
         "memory_reserved": gpu.reserve,
         "memory_used": gpu.used,
         "lost": gpu.lost,
+        "renumbered": gpu.renumbered,
         "holders": [],
         "foreign": [
             {
@@ -337,6 +341,11 @@ def _duration(seconds: float) -> str:
 
 
 def _gpu_line(gpu: dict[str, Any]) -> str:
+    if gpu.get("renumbered") is True:
+        return (
+            f"GPU {gpu['index']}: RENUMBERED (NVML numbered the GPUs anew: no new work here "
+            "until its units release it)"
+        )
     if gpu.get("lost"):
         return f"GPU {gpu['index']}: LOST (stopped answering NVML)"
     total, used = gpu.get("memory_total"), gpu.get("memory_used")

@@ -685,8 +685,11 @@ class Sim:
         }
 
     def _fits_alone_on(self, unit: UnitSpec, gpus: Iterable[int]) -> bool:
-        """Whether the unit fits on these GPUs with nothing else running."""
-        return all(i in self.devices and self._may_use(unit, self.devices[i]) for i in gpus)
+        """Whether the suspended unit fits back on its GPUs with nothing else running: its
+        Devices= chose them when it was granted and is not asked again (NVML may have numbered
+        them anew since, or the pin was edited: it applies from the next start)."""
+        unpinned = dataclasses.replace(unit, devices=())
+        return all(i in self.devices and self._may_use(unpinned, self.devices[i]) for i in gpus)
 
     def _may_use(self, unit: UnitSpec, gpu: Gpu) -> bool:
         if gpu.lost or (unit.devices and not any(gpu.matches(d) for d in unit.devices)):

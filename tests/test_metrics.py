@@ -140,6 +140,7 @@ def test_names_types_and_labels() -> None:
         "gpuslice_gpu_memory_unmanaged_bytes": "gauge",
         "gpuslice_gpu_foreign_memory_bytes": "gauge",
         "gpuslice_gpu_lost": "gauge",
+        "gpuslice_gpu_renumbered": "gauge",
         "gpuslice_job_memory_declared_bytes": "gauge",
         "gpuslice_job_memory_used_bytes": "gauge",
         # the parser names counter families without _total; their samples keep it

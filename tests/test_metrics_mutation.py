@@ -55,6 +55,10 @@ HELP = {
         "kubernetes, docker, podman, machine, user, unit, other)."
     ),
     "gpuslice_gpu_lost": "Whether the GPU stopped answering NVML.",
+    "gpuslice_gpu_renumbered": (
+        "Whether the GPU takes no new work because NVML numbered the GPUs anew under units "
+        "that hold it (it answers; they run on)."
+    ),
     "gpuslice_job_memory_declared_bytes": (
         "GPU memory a running job declared (Memory=); absent for a whole-GPU job."
     ),

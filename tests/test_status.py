@@ -94,6 +94,7 @@ def test_json_of_an_idle_host_without_nvml() -> None:
                 "memory_reserved": 0,
                 "memory_used": None,
                 "lost": False,
+                "renumbered": False,
                 "holders": [],
                 "foreign": [],
             }
@@ -188,6 +189,7 @@ def test_json_of_a_busy_host() -> None:
                 "memory_reserved": 2 * GIB,
                 "memory_used": 13 * GIB,
                 "lost": False,
+                "renumbered": False,
                 "holders": [
                     {
                         "unit": "voice.service",
@@ -222,6 +224,7 @@ def test_json_of_a_busy_host() -> None:
                 "memory_reserved": 0,
                 "memory_used": None,
                 "lost": False,
+                "renumbered": False,
                 "holders": [
                     {
                         "unit": "train.service",
@@ -263,6 +266,7 @@ def test_json_of_a_busy_host() -> None:
                 "memory_reserved": 0,
                 "memory_used": None,
                 "lost": True,
+                "renumbered": False,
                 "holders": [],
                 "foreign": [],
             },
@@ -274,6 +278,7 @@ def test_json_of_a_busy_host() -> None:
                 "memory_reserved": 0,
                 "memory_used": None,
                 "lost": False,
+                "renumbered": False,
                 "holders": [],
                 "foreign": [],
             },

@@ -1316,6 +1316,8 @@ class Scheduler:
         ahead: list[tuple[int, Use]] = []  # the room of those before it that stay suspended
         for entry in sorted(self.suspended.values(), key=self._resume_order):
             spec = self.specs.get(entry.spec.name, entry.spec)  # a priority edited meanwhile
+            if self._awaits_names(entry):
+                continue
             gpus = self._where_now(entry)
             if gpus is None or not self._can_come_back(gpus):
                 if not self._gpus_a_guess(entry, gpus) and not self._held_by_old_numbers(gpus):
@@ -1327,9 +1329,15 @@ class Scheduler:
             kept = [p for p in others if not self._kept_by_an_equal(p[1], spec)]
             uses = self._uses(kept + ahead)  # no backfill: as urgent and earlier goes first
             avoid = self._avoids_foreign(spec)
+            # Devices= chose where it was granted; a resume places nothing: its memory goes
+            # back on its own GPUs, as a running unit stays on them. Its pin may name them no
+            # longer (NVML numbered them anew: `Devices=1` is GPU 0 now; or Devices= edited
+            # meanwhile, which applies from its next start, as systemd's unit files do), and
+            # it waited forever, keeping their room from less urgent units
+            unpinned = replace(spec, devices=())
             fits_now = all(
                 index in self.devices
-                and allowed(spec, self.devices[index], avoid)
+                and allowed(unpinned, self.devices[index], avoid)
                 and self._fits_now(spec, self.devices[index], uses)
                 for index in gpus
             )
@@ -1353,7 +1361,8 @@ class Scheduler:
         found by that UUID, the others (suspended before NVML named them) by their index;
         None when one of its GPUs NVML no longer lists (its index may name another GPU:
         its memory cannot be restored there). GPUs not named at all (config.yaml's guess,
-        NVML not ready) say nothing: then by index, as before NVML answered."""
+        NVML not ready) say nothing: then by index, as before NVML answered (once NVML is
+        no longer awaited: `_awaits_names`)."""
         at = {g.uuid: g.index for g in self.devices.values() if g.uuid}
         where: list[int] = []
         for index in sorted(entry.gpus):
@@ -1395,6 +1404,26 @@ class Scheduler:
         """A suspended unit's GPUs (`_where_now`) are all here and answering: a restore puts
         its memory back on them."""
         return all(g in self.devices and not self.devices[g].lost for g in gpus)
+
+    def _awaits_names(self, entry: Suspended) -> bool:
+        """NVML is not ready yet (`pause_refill`) and no GPU listed has a UUID (config.yaml's
+        guess: a controller started before NVML answered), while it was suspended from GPUs
+        known by UUID (its env file): the index each has now is unknown. Resumed by index
+        (`_where_now`), its processes wake on their own GPU, by UUID, while the books say
+        it holds what the guess calls that index; once NVML numbers the GPUs otherwise, its
+        own GPU is free on the books and granted again: two jobs on one GPU. It waits for
+        NVML, as one whose index the guess does not list (`_gpus_a_guess`); after
+        driver_wait (fallback: NVML may never come) it comes back by index, as before.
+
+        Without any UUID (NVML gives none: a fake or an odd driver; or the unit was
+        suspended before NVML named its GPU) a renumbering cannot be told from nothing at
+        all: its GPU is taken by index, as every grant and holder is then
+        (`Inventory._as_booked` books only GPUs with a UUID)."""
+        return (
+            bool(self.refill_paused)
+            and any(entry.uuids.values())
+            and not any(g.uuid for g in self.devices.values())
+        )
 
     def _gpus_a_guess(self, entry: Suspended, gpus: tuple[int, ...] | None) -> bool:
         """NVML is not ready yet (the GPUs are config.yaml's guess, `pause_refill`) and none
