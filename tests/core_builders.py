@@ -79,6 +79,7 @@ from gpuslice.core.scheduler import (
     Grant,
     Log,
     Outcome,
+    Phase,
     Resume,
     Scheduler,
     Start,
@@ -213,6 +214,7 @@ class Sim:
         self.known_at: dict[str, int] = {}
         self.answered_at: dict[str, int] = {}
         self.announced: set[str] = set()  # start jobs seen, gates not yet asking
+        self._kept: set[str] = set()  # places the core keeps for starts (`_renew_unkept`)
         self.told_to_wait: set[str] = set()  # its last word: "waiting" (not "keeping GPUs")
         # the Preempt= ladder, as the adapter carries it out
         self._falling_back = ""  # the unit whose failed suspend is being reported
@@ -750,6 +752,7 @@ class Sim:
 
     def _feed(self, actions: list[Action]) -> list[Action]:
         self.actions += actions
+        self._renew_unkept()
         # a unit frozen for others is frozen for those still running, and still more urgent
         # than it (a reload), when the core looks again: the others no longer count
         for name, owners in self.frozen.items():
@@ -797,6 +800,17 @@ class Sim:
             if name in self.frozen:
                 actions = actions + self.fail_freeze(name)
         return actions
+
+    def _renew_unkept(self) -> None:
+        """A start whose place the core kept (silently, before its gate asked) and that lost
+        it (its GPU lost or filled, a more urgent start) is known anew for the thrash rule:
+        what was granted while its place was kept was not granted before it. Read from the
+        core's books: a place kept is the core's own (`Scheduler._unkept`)."""
+        kept = {n for n in self.sched.grants() if self.sched.phase(n) is Phase.STARTING}
+        for name in sorted(self._kept - kept):
+            if name in self.sched.waiting_units():
+                self.known_at[name] = next(self._clock)
+        self._kept = kept
 
     def _on_grant(self, grant: Grant) -> None:
         name = grant.unit

@@ -7,6 +7,7 @@ tests after the table.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -578,23 +579,49 @@ def test_a_unit_granted_while_a_request_was_known_is_not_stopped_for_it() -> Non
     assert brief(sim.exit("big.service")) == ["grant b.service 0"]
 
 
-def test_a_place_kept_and_taken_back_keeps_the_units_arrival() -> None:
+def test_a_place_kept_and_taken_back_counts_anew_for_the_thrash_rule() -> None:
     """A background unit started by refill, moved back to waiting for a more urgent start,
-    given a place again and moved back again is still known since its first start: a unit
-    granted in between is not stopped for it (the thrash rule), even once that unit's
-    priority is lowered below it."""
+    given a place again and moved back again is known anew for the thrash rule each time it
+    loses its place: a unit granted while its place was kept was not granted before it, and
+    once that unit's priority is lowered below it, it is stopped for it."""
     bg = spec("bg", 20, BG)
     a, c, d = spec("a", 10), spec("c", 10), spec("d", 10)
     sim = Sim(2, [bg, a, c, d])
     assert brief(sim.boot()) == ["start bg.service"]  # GPU 0, its gate not asking yet
-    assert brief(sim.start("a.service")) == ["grant a.service 1"]  # after bg was known
+    assert brief(sim.start("a.service")) == ["grant a.service 1"]  # bg's place kept
     assert brief(sim.start("c.service")) == ["grant c.service 0"]  # bg waits again
     assert brief(sim.exit("c.service")) == []  # GPU 0 kept for bg
     assert brief(sim.start("d.service")) == ["grant d.service 0"]  # bg waits again
     lowered = [bg, spec("a", 50), c, d]
-    assert brief(sim.annotate(lowered)) == []  # a was granted while bg was known
+    assert brief(sim.annotate(lowered)) == ["stop a.service"]
     reason = sim.sched.snapshot().waiting[0][2]
-    assert "held by a.service, priority 50 (granted while this unit was known" in reason, reason
+    assert reason == "waiting for a.service (priority 50) to stop on GPU 1", reason
+
+
+def test_a_start_whose_kept_gpu_is_lost_preempts_what_was_granted_meanwhile() -> None:
+    """Its place kept on GPU 0 before its gate asked, GPU 0 falls off the bus: the more urgent
+    start is not left waiting behind a less urgent unit granted GPU 1 while its place was
+    kept (found by the renumbering machine at 20,000 examples): that one was not granted
+    before it, so the thrash rule does not hold it back."""
+    w, h = spec("w", 10), spec("h", 50)
+    s = Scheduler([sized(0), sized(1)], {w.name: w, h.name: h})
+    assert brief(s.announce(w)) == []  # GPU 0 kept for w
+    assert brief(s.request(h)) == ["grant h.service 1"]
+    assert brief(s.set_gpus([dataclasses.replace(sized(0), lost=True), sized(1)])) == []
+    assert brief(s.request(w)) == ["stop h.service"]
+    assert s.waiting(w.name).victims == ("h.service",)
+
+
+def test_a_start_that_lost_its_kept_place_keeps_its_place_in_the_queue() -> None:
+    """Known anew for the thrash rule only: among starts of its own priority it still comes
+    first, from when it was started."""
+    w1, w2, u = spec("w1", 20), spec("w2", 20), spec("u", 10)
+    s = Scheduler([sized(0)], {n.name: n for n in (w1, w2, u)})
+    assert brief(s.announce(w1)) == []  # GPU 0 kept for w1
+    assert brief(s.request(w2)) == []  # started after w1
+    assert brief(s.request(u)) == ["grant u.service 0"]  # w1 waits again
+    assert brief(s.request(w1)) == []
+    assert brief(s.inactive(u.name, Outcome.EXITED)) == ["grant w1.service 0"]
 
 
 def test_the_thrash_rule_is_said_in_the_waiters_reason() -> None:

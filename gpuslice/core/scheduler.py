@@ -207,6 +207,13 @@ class Waiter:
     decision: Decision | None = None  # the reason as data
     target: tuple[int, ...] = ()  # where it goes once its victims have stopped
     asked: bool = True  # its gate asked (False: only its start job is known so far)
+    # The thrash rule protects from it what was granted after this (`seq` unless it lost a
+    # place kept for it: `_unkept`); `seq` alone orders the queue.
+    since: int = -1
+
+    def __post_init__(self) -> None:
+        if self.since < 0:
+            self.since = self.seq
 
 
 @dataclass(frozen=True)
@@ -470,7 +477,7 @@ class Scheduler:
                 # urgent start seen since its place was kept (and not yet decided on: the
                 # controller decides once per turn of its loop): it queues from when it was
                 # started, with every start known, and is granted from a pass.
-                self.waiters[name] = Waiter(spec, holder.seq, asked=True)
+                self.waiters[name] = self._unkept(holder, asked=True)
                 return self.schedule()
         waiter = self.waiters.get(name)
         if waiter is not None:
@@ -1159,7 +1166,7 @@ class Scheduler:
             # cost less than GPUs with victims, so it names victims only when the unit does
             # not fit on free capacity. A free fit is placed again without preemption (the
             # choice among free GPUs must not depend on how many GPUs have victims).
-            found = self._place(spec, promises, preempt=True, known_since=waiter.seq, uses=uses)
+            found = self._place(spec, promises, preempt=True, known_since=waiter.since, uses=uses)
             if found is not None and not found.victims:
                 found = self._place(spec, promises, preempt=False, uses=uses)
             if found is not None and not found.victims:
@@ -1479,11 +1486,20 @@ class Scheduler:
             holder = self.holders[name]
             if holder.phase is Phase.STARTING:
                 del self.holders[name]
-                self.waiters[name] = Waiter(holder.spec, holder.seq, asked=False)
+                self.waiters[name] = self._unkept(holder, asked=False)
                 self._displaced.append(self.waiters[name])
                 self._tops_cache = None
                 moved = True
         return moved
+
+    def _unkept(self, holder: Holder, *, asked: bool) -> Waiter:
+        """A start whose kept place it loses (its GPU lost or filled, a reload, a more urgent
+        start) waits again. Its place in the queue is where its start put it (`seq`); for the
+        thrash rule it is new (`since`): what was granted while its place was kept was not
+        granted before it, and protected from it, it left a more urgent start waiting behind
+        a less urgent one that runs for hours (found by tests/test_core_renumber_properties.py
+        at 20,000 examples: its GPU lost while its place was kept)."""
+        return Waiter(holder.spec, holder.seq, asked=asked, since=self._next())
 
     def _fits_now(self, spec: UnitSpec, gpu: Gpu, uses: dict[int, list[Use]]) -> bool:
         here = [u for u in uses.get(gpu.index, []) if applies(u, spec.priority)]
@@ -1503,7 +1519,7 @@ class Scheduler:
                 and spec.gpus >= first.gpus
                 and spec.priority >= first.priority
                 and _asks_no_less_memory(spec, first)
-                and (waiter.seq <= seen.seq or view.newest_grant < seen.seq)
+                and (waiter.since <= seen.since or view.newest_grant < seen.since)
             ):
                 return True
         return False
@@ -1691,7 +1707,7 @@ class Scheduler:
                 and top.spec.name not in self.unstoppable
                 and top.spec.priority > spec.priority
                 and top.phase is Phase.RUNNING
-                and top.granted > waiter.seq
+                and top.granted > waiter.since
             )
             if spec.memory is not None and free is not None and not whole:
                 parts.append(
