@@ -670,11 +670,12 @@ def read_config_text(path: str | os.PathLike[str]) -> str | None:
 def _changeable_by_others(path: str) -> str | None:
     """Why someone but root (or this process's own user) can change the config file that was
     just read, or None: the file, a directory above it, or a directory above the symlink that
-    led to it, is another user's, or writable by a group but root's, or by anyone. A sticky
-    directory (/tmp) is fine: only a file's owner may replace it there. config.yaml steers a
-    root daemon, which runs the cuda_checkpoint it names as root: a file that a user could
-    write (a symlink into a home, `chmod 666`, a group-writable /etc/gpuslice) was trusted.
-    Access ACLs are not looked at."""
+    led to it, is another user's, or writable by a group but root's, or by anyone, or has an
+    access ACL whose mask lets write (as `envsafety` decides: the users and groups it names
+    may write, whatever st_gid says). A sticky directory (/tmp) is fine: only a file's owner
+    may replace it there. config.yaml steers a root daemon, which runs the cuda_checkpoint it
+    names as root: a file that a user could write (a symlink into a home, `chmod 666`, a
+    group-writable /etc/gpuslice, `setfacl -m u:bob:rw`) was trusted."""
     euid = os.geteuid()
     owners = {0, euid}
     groups = {0} if euid == 0 else {0, os.getegid()}
@@ -699,6 +700,16 @@ def _changeable_by_others(path: str) -> str | None:
             return f"{shown} is writable by anyone (mode {stat.S_IMODE(mode):04o})"
         if mode & stat.S_IWGRP and st.st_gid not in groups:
             return f"{shown} is writable by group GID {st.st_gid} (mode {stat.S_IMODE(mode):04o})"
+        if mode & stat.S_IWGRP:
+            try:
+                acl = safefile.has_access_acl(place)
+            except OSError as e:
+                return f"{shown} cannot be checked: {e.strerror or e}"
+            if acl:
+                return (
+                    f"{shown} is group-writable with an access ACL, which may let others write "
+                    f"it (mode {stat.S_IMODE(mode):04o})"
+                )
     return None
 
 

@@ -56,7 +56,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
-from gpuslice.safefile import file_kind
+from gpuslice.safefile import file_kind, has_access_acl
 from gpuslice.unitfiles import Entry, is_instance, is_template, printable
 
 T = TypeVar("T")
@@ -90,8 +90,6 @@ _SYSTEM_DIRS = {
 _NAME_SPECIFIERS = "nNpPiIjJ"
 _BY_INSTANCE = "nNiI"  # in a template, these depend on the instance, chosen at each start
 _WILDCARDS = "*?[\\"  # systemd globs EnvironmentFile= (glob(3) without flags: \ escapes)
-_ACL = "system.posix_acl_access"
-_NO_ACL = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
 # seconds one lstat, readlink or getxattr of the walk may take: a local one takes
 # microseconds, a network file system whose server is gone never answers
 DEADLINE = 2.0
@@ -641,10 +639,8 @@ class EnvFileChecker:
     def _has_acl(self, here: str) -> bool | _Unanswered:
         """Whether `here` has an access ACL (or cannot be asked): its group bits are then the
         ACL's mask, and named users or groups may write."""
-        answer = self._ask(_access_acl, here)
-        if isinstance(answer, OSError):
-            return answer.errno not in _NO_ACL
-        return answer if isinstance(answer, _Unanswered) else True
+        answer = self._ask(has_access_acl, here)
+        return True if isinstance(answer, OSError) else answer
 
 
 def _close(caller: _Caller, mounts: _MountTable) -> None:
@@ -659,10 +655,6 @@ def _mount_of(path: str, points: set[str]) -> str | None:
             return path
         path = path[: path.rfind("/")] or "/"
     return None
-
-
-def _access_acl(path: str) -> bytes:
-    return os.getxattr(path, _ACL, follow_symlinks=False)
 
 
 def _read_mount_table(path: str) -> bytes:

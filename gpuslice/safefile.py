@@ -4,6 +4,9 @@ do things), and one swapped in after the `stat` is not waited on (O_NONBLOCK) or
 on the open file); at most a set number of bytes is read, whatever the file's size says.
 
 `read_bytes` raises `Unreadable` saying why; each caller words that its own way.
+
+`has_access_acl` is the one reader of POSIX access ACLs, for the checks that a file is root's
+alone (`config`, `envsafety`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import os
 import stat
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+ACCESS_ACL = "system.posix_acl_access"
+# what getxattr(2) of ACCESS_ACL says of a file with no access ACL, or on a file system with none
+_NO_ACL = (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -28,6 +34,22 @@ def file_kind(mode: int) -> str | None:
     """What a file that is no regular file (nor a symlink) is, for a message; None for a
     regular file or a type of no name here."""
     return next((kind for test, kind in _KINDS if test(mode)), None)
+
+
+def has_access_acl(path: str) -> bool:
+    """Whether `path` carries a POSIX access ACL (a symlink is not followed: it has none of
+    its own); OSError when that cannot be asked. With one, the mode's group bits are the ACL's
+    mask, and each user or group it names may write when the mask has `w`, whatever st_gid is
+    (`setfacl -m u:bob:rw`). The kernel keeps no ACL that the mode bits say alone, so one that
+    is there names someone. Never None: `envsafety`'s calls under a deadline take None for no
+    answer."""
+    try:
+        os.getxattr(path, ACCESS_ACL, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in _NO_ACL:
+            return False
+        raise
+    return True
 
 
 class Why(enum.Enum):
