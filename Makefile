@@ -127,7 +127,8 @@ ifeq ($(DESTDIR),)
 	-systemctl disable --now gpuslice-metrics.socket
 	-systemctl disable --now gpuslice.service
 	# the controller stopped, nothing would thaw, resume or requeue a unit again: thaw those
-	# it froze, name those left suspended or preempted (debian/gpuslice.prerm does the same)
+	# it froze, resume those it suspended, name those left suspended or preempted
+	# (debian/gpuslice.prerm does the same)
 	-$(PREFIX)/bin/gpuslice release-jobs
 endif
 	rm -rf $(DESTDIR)$(PYDIR)

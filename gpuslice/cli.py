@@ -11,9 +11,9 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -46,6 +46,10 @@ from gpuslice.unitfiles import (
     is_valid_unit_name,
     printable,
 )
+
+if TYPE_CHECKING:
+    from gpuslice.checkpoint import CheckpointSettings
+    from gpuslice.core.scheduler import Action
 
 ENROLL_DROPIN = "gpuslice.conf"
 ENROLL_MARKER = "# Written by `gpuslice enroll`"
@@ -126,11 +130,18 @@ def release_jobs(config_path: str) -> None:
     nothing is done, as thawing behind its back would fight it): no controller will
     ever thaw, resume or requeue a unit again. A unit frozen beside a more urgent one
     (Preempt=freeze) kept its GPU memory, so it is thawed: left frozen, it held that memory
-    and never ended. A suspended unit cannot come back without the controller, nor a
-    preempted one without a start: each is named on stderr with what to do, instead of
-    being left silently."""
+    and never ended. A unit suspended by cuda-checkpoint in this boot, still active and
+    frozen, is resumed by the controller's own code (`_resume_left`): frozen for ever with
+    its memory in host memory, only a stop (its work lost) ended it. Thaws come first, then
+    resumes, most urgent first, as the controller orders them: a resume needs GPU memory,
+    which other jobs may hold now. One whose resume fails (the tool missing or changeable by
+    others, a restore refused or out of GPU memory, a timeout) is left frozen, as it was,
+    never stopped; it and a preempted one, which nothing will start again, are named on
+    stderr with why and what to do, instead of being left silently."""
+    from gpuslice.checkpoint import CheckpointSettings
+    from gpuslice.config import Config
+    from gpuslice.core.model import PRIORITY_MAX
     from gpuslice.core.scheduler import Phase
-    from gpuslice.paths import DEFAULT_RUNTIME_DIR, DEFAULT_STATE_DIR
     from gpuslice.state import StateStore
 
     controller = _unit_state("gpuslice.service").get("ActiveState", "unknown")
@@ -143,11 +154,9 @@ def release_jobs(config_path: str) -> None:
         return
     try:
         config = load_config_with_warnings(Path(config_path))[0]
-        state_dir, runtime_dir = config.state_dir, config.runtime_dir
-    except ConfigError as e:  # the controller kept its last good file's dirs, or the defaults
-        state_dir = e.valid.get("state_dir", DEFAULT_STATE_DIR)
-        runtime_dir = e.valid.get("runtime_dir", DEFAULT_RUNTIME_DIR)
-    saved, saved_boot = StateStore(Path(state_dir), Path(runtime_dir)).load()
+    except ConfigError as e:  # the controller kept its last good file's settings, or defaults
+        config = Config(**e.valid)
+    saved, saved_boot = StateStore(Path(config.state_dir), Path(config.runtime_dir)).load()
     try:
         this_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -164,14 +173,33 @@ def release_jobs(config_path: str) -> None:
     preempted = set(saved.preempted) | {n for n, p in phases.items() if p is Phase.STOPPING}
     if not same_boot:
         preempted |= set(saved.suspended)
-    for unit in sorted(to_thaw | suspended | preempted):
+
+    def order(unit: str) -> tuple[int, int, int, int, str]:
+        """The controller's order: thaws (Scheduler.schedule thaws before it resumes), then
+        units caught between suspend and resume (they still hold their GPUs: its `recover`
+        resumes them at once), then suspended units most urgent first (`_resume_order`: the
+        priority it last held them on, then who was suspended first); the rest by name."""
+        if unit in suspended:
+            priority = saved.terms[unit][0] if unit in saved.terms else PRIORITY_MAX
+            seq = saved.suspended[unit][1] if unit in saved.suspended else holders[unit][2]
+            return (1, 0 if unit in holders else 1, priority, seq, unit)
+        return (0 if unit in to_thaw else 2, 0, 0, 0, unit)
+
+    settings = CheckpointSettings.from_config(config)
+    for unit in sorted(to_thaw | suspended | preempted, key=order):
         shown = _unit_state(unit)
         frozen = shown.get("FreezerState") in ("frozen", "freezing")
         where = f"gpuslice is being removed: {printable(unit, 300)}"
         if unit in suspended and shown.get("ActiveState") == "active":
+            state = printable(shown.get("FreezerState", "unknown"), 20)
+            why = _resume_left(unit, settings) if frozen else f"systemd shows it {state}"
+            if not why:
+                click.echo(f"{where} resumed from host memory", err=True)
+                continue
             click.echo(
                 f"{where} is left suspended by cuda-checkpoint: nothing can resume it now; "
-                f"`systemctl stop {printable(unit, 300)}` ends it",
+                f"`systemctl stop {printable(unit, 300)}` ends it (not resumed: "
+                f"{printable(why, 600)})",
                 err=True,
             )
         elif unit in to_thaw and frozen:
@@ -192,6 +220,80 @@ def release_jobs(config_path: str) -> None:
                 f"`systemctl start {printable(unit, 300)}` if it is still wanted",
                 err=True,
             )
+
+
+def _resume_left(unit: str, settings: CheckpointSettings) -> str:
+    """Resume a unit left suspended by the controller that stopped, by the controller's own
+    code (Ladder.resume: ThawUnit, then each process that cuda-checkpoint finds checkpointed
+    is restored, each locked one unlocked); "" when it came back, else why not. The tool is
+    required first (installed, changeable by root alone): nothing is thawed without it. A
+    resume that fails once thawed (a restore refused, out of GPU memory, timed out) leaves
+    the unit frozen again, as it was: nothing is stopped."""
+    from gpuslice.checkpoint import CheckpointError, require_tool
+
+    try:
+        require_tool(settings.tool, root_only=settings.root_only)
+    except CheckpointError as e:
+        return e.reason
+    return asyncio.run(_resume_by_ladder(unit, settings))
+
+
+async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> str:
+    from gpuslice.ladder import Ladder
+    from gpuslice.systemd import Systemd
+
+    try:
+        systemd = await Systemd.connect(os.environ.get("GPUSLICE_BUS_ADDRESS"))
+    except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS
+        return f"cannot reach systemd on the system bus ({_reason(e)})"
+    told = _LadderOutcome()
+
+    def report(event: Callable[[], list[Action]]) -> None:
+        event()
+
+    try:
+        ladder = Ladder(systemd, told, lambda: None, lambda: settings, report)
+        await ladder.resume(unit)
+        if told.failed is None:
+            return ""
+        why, told.failed = told.failed, None
+        await ladder.freeze(unit)  # as it was: thawed, a process left checkpointed would hang
+        if told.failed is not None:
+            why += f"; and it could not be frozen again: {told.failed}"
+        return why
+    finally:
+        systemd.bus.disconnect()
+
+
+class _LadderOutcome:
+    """The core's side of a Ladder (gpuslice.ladder.LadderEvents) for release-jobs, which
+    has no scheduler: why the last resume or freeze failed (None when it did not)."""
+
+    def __init__(self) -> None:
+        self.failed: str | None = None
+
+    def resume_failed(self, name: str, why: str) -> list[Action]:
+        self.failed = why
+        return []
+
+    def freeze_failed(self, name: str, why: str) -> list[Action]:
+        self.failed = why
+        return []
+
+    def resumed(self, name: str, detail: str) -> list[Action]:
+        return []
+
+    def suspended_done(self, name: str, detail: str) -> list[Action]:
+        return []
+
+    def suspend_failed(self, name: str, why: str) -> list[Action]:
+        return []
+
+    def thawed_outside(self, name: str) -> list[Action]:
+        return []
+
+    def thaw_done(self, name: str) -> list[Action]:
+        return []
 
 
 def _unit_state(unit: str) -> dict[str, str]:

@@ -403,9 +403,11 @@ def _left_behind(
     shown: dict[str, tuple[str, str]],
 ) -> tuple[list[list[str]], str]:
     """`gpuslice release-jobs` on the saved state `saved` of boot `boot`, systemd showing
-    each unit's (ActiveState, FreezerState) as `shown`: the systemctl commands it ran but
-    `show`, and its stderr."""
+    each unit's (ActiveState, FreezerState) as `shown`, no cuda-checkpoint to resume a
+    suspended unit with (tests/test_release_jobs_resume.py resumes): the systemctl commands
+    it ran but `show`, and its stderr."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot))
+    monkeypatch.setattr(cli_module, "_resume_left", lambda unit, s: f"{unit}: no cuda-checkpoint")
     ran: list[list[str]] = []
 
     def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
@@ -455,11 +457,12 @@ def test_release_jobs_thaws_what_only_the_controller_would_thaw_and_names_the_re
         ["systemctl", "thaw", "--", "frozen.service"],
         ["systemctl", "thaw", "--", "owed.service"],
     ]
-    lines = stderr.splitlines()
+    lines = stderr.splitlines()  # thaws and resumes first, as the controller orders them
     assert len(lines) == 3, stderr
-    assert "suspended.service is left suspended" in lines[2]
-    assert "`systemctl stop suspended.service`" in lines[2]
-    for line, unit in zip(lines[:2], ("preempted.service", "stopping.service"), strict=True):
+    assert "suspended.service is left suspended" in lines[0]
+    assert "`systemctl stop suspended.service`" in lines[0]
+    assert "(not resumed: suspended.service: no cuda-checkpoint)" in lines[0]
+    for line, unit in zip(lines[1:], ("preempted.service", "stopping.service"), strict=True):
         assert f"{unit} was preempted and nothing will start it again" in line
         assert f"`systemctl start {unit}`" in line
 

@@ -1,0 +1,324 @@
+"""`gpuslice release-jobs` resumes the units the stopped controller left suspended by
+cuda-checkpoint (their processes frozen, their GPU memory in host memory), by the controller's
+own resume (gpuslice.ladder.Ladder.resume), instead of leaving them frozen for ever with only
+a stop, their work lost, to end them. No systemd and no cuda-checkpoint: the state, systemd's
+answers and the resume are stand-ins."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from gpuslice import checkpoint
+from gpuslice import cli as cli_module
+from gpuslice.checkpoint import CheckpointError, CheckpointSettings
+from gpuslice.cli import main
+from gpuslice.config import Config
+from gpuslice.core.scheduler import SavedState
+from gpuslice.ladder import Ladder
+from gpuslice.state import StateStore
+from gpuslice.systemd import Systemd
+
+TOOL = "/opt/nvidia/cuda-checkpoint"
+
+
+def _this_boot() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "/1700000000000000"
+
+
+def _release(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    saved: SavedState,
+    shown: dict[str, tuple[str, str]],
+    resume: dict[str, str] | None = None,
+    boot: str = "",
+) -> tuple[list[tuple[str, str]], list[CheckpointSettings], str]:
+    """Run release-jobs on the saved state `saved` (of this boot unless `boot`), systemd showing
+    each unit's (ActiveState, FreezerState) as `shown`, each resume answering as `resume` says
+    ("" when it worked, the default): what it did in order (("thaw" | "resume" | systemctl's
+    verb, unit)), the settings each resume got, and its stderr."""
+    monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot or _this_boot()))
+    done: list[tuple[str, str]] = []
+    settings: list[CheckpointSettings] = []
+
+    def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        active, freezer = shown.get(command[-1], ("inactive", "running"))
+        if command[1] == "show":
+            out = f"ActiveState={active}\nFreezerState={freezer}\n"
+            return subprocess.CompletedProcess(command, 0, out, "")
+        done.append((command[1], command[-1]))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    def resume_left(unit: str, s: CheckpointSettings) -> str:
+        done.append(("resume", unit))
+        settings.append(s)
+        return (resume or {}).get(unit, "")
+
+    monkeypatch.setattr(subprocess, "run", systemctl)
+    monkeypatch.setattr(cli_module, "_resume_left", resume_left)
+    (tmp_path / "config.yaml").write_text("restore_timeout: 42\n")
+    result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "config.yaml")])
+    assert result.exit_code == 0, result.output
+    return done, settings, result.stderr
+
+
+def test_a_unit_suspended_in_this_boot_is_resumed_with_the_controllers_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removing gpuslice while a job was suspended left it frozen for ever, its memory in
+    host memory: `systemctl stop` (its work lost) was the only way out. Resumed with
+    config.yaml's settings, the tool run as the controller runs it (root's alone, through
+    systemd-run)."""
+    saved = SavedState(suspended={"train.service": ((1,), 4)})
+    done, settings, stderr = _release(
+        tmp_path, monkeypatch, saved, {"train.service": ("active", "frozen")}
+    )
+    assert done == [("resume", "train.service")]
+    assert stderr.splitlines() == [
+        "gpuslice is being removed: train.service resumed from host memory"
+    ]
+    (s,) = settings
+    assert (s.restore_timeout, s.root_only, s.via_systemd) == (42.0, True, True)
+
+
+@pytest.mark.parametrize(
+    "why",
+    [
+        "restore of PID 7 ran out of GPU memory; the process cannot be resumed and must be stopped",
+        "cuda-checkpoint is not installed",
+        "restore of PID 7 timed out after 42 s: cuda-checkpoint did not return",
+    ],
+)
+def test_a_failed_resume_leaves_the_unit_suspended_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """Other jobs may hold the GPU memory a restore needs now, the tool may be gone: the unit
+    is left as it was (never stopped), named with what ends it and why it was not resumed."""
+    saved = SavedState(suspended={"train.service": ((1,), 4)})
+    shown = {"train.service": ("active", "frozen")}
+    done, _, stderr = _release(tmp_path, monkeypatch, saved, shown, {"train.service": why})
+    assert done == [("resume", "train.service")]  # no stop, no kill, no thaw of its own
+    assert stderr.splitlines() == [
+        "gpuslice is being removed: train.service is left suspended by cuda-checkpoint: "
+        "nothing can resume it now; `systemctl stop train.service` ends it "
+        f"(not resumed: {why})"
+    ]
+
+
+def test_only_a_unit_active_and_frozen_in_this_boot_is_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit thawed since (by hand) is not frozen: nothing is tried, and the line says why.
+    One down needs nothing; one of an earlier boot was preempted (its processes died)."""
+    saved = SavedState(
+        suspended={"thawed.service": ((0,), 1), "down.service": ((1,), 2)},
+    )
+    shown = {"thawed.service": ("active", "running"), "down.service": ("inactive", "running")}
+    done, _, stderr = _release(tmp_path, monkeypatch, saved, shown)
+    assert done == []
+    assert stderr.splitlines() == [
+        "gpuslice is being removed: thawed.service is left suspended by cuda-checkpoint: "
+        "nothing can resume it now; `systemctl stop thawed.service` ends it "
+        "(not resumed: systemd shows it running)"
+    ]
+    shown = {"thawed.service": ("active", "frozen")}
+    done, _, stderr = _release(tmp_path, monkeypatch, saved, shown, boot="another-boot/1")
+    assert done == []
+    assert "resumed from host memory" not in stderr
+
+
+def test_a_running_controllers_suspended_units_are_left_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop the removal asked for and did not get: the controller resumes its units, and a
+    second resume beside its own would fight it."""
+    saved = SavedState(suspended={"train.service": ((1,), 4)})
+    shown = {"gpuslice.service": ("active", "running"), "train.service": ("active", "frozen")}
+    done, _, stderr = _release(tmp_path, monkeypatch, saved, shown)
+    assert done == []
+    assert "gpuslice.service is active: its units are left to it" in stderr
+
+
+def test_thaws_then_resumes_most_urgent_first_as_the_controller_orders_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume needs GPU memory that other jobs may hold now: the most urgent unit gets it
+    first (the priority it was last held on, then who was suspended first), after a unit
+    caught between suspend and resume (it still holds its GPUs: the controller's `recover`
+    resumes it at once), after the thaws (the controller thaws before it resumes), not in
+    the order of their names."""
+    terms: dict[str, tuple[int, str, int, int | None]] = {
+        "a-mid.service": (50, "background", 1, None),
+        "b-urgent-late.service": (10, "background", 1, None),
+        "c-urgent-early.service": (10, "background", 1, None),
+        "d-caught.service": (900, "background", 1, None),
+    }
+    saved = SavedState(
+        holders={
+            "d-caught.service": ((2,), "suspending", 8, ""),
+            "z-frozen.service": ((0,), "frozen", 2, ""),
+        },
+        suspended={
+            "a-mid.service": ((1,), 3),
+            "b-urgent-late.service": ((1,), 12),
+            "c-urgent-early.service": ((1,), 5),
+            "e-no-terms.service": ((1,), 1),  # an older controller's file: the least urgent
+        },
+        terms=terms,
+    )
+    shown = {n: ("active", "frozen") for n in [*saved.suspended, *saved.holders]}
+    done, _, _ = _release(tmp_path, monkeypatch, saved, shown)
+    assert done == [
+        ("thaw", "z-frozen.service"),
+        ("resume", "d-caught.service"),
+        ("resume", "c-urgent-early.service"),
+        ("resume", "b-urgent-late.service"),
+        ("resume", "a-mid.service"),
+        ("resume", "e-no-terms.service"),
+    ]
+
+
+# --- the resume itself: the controller's Ladder, on a stand-in systemd and cuda-checkpoint
+
+
+class _Bus:
+    def __init__(self) -> None:
+        self.disconnected = False
+
+    def disconnect(self) -> None:
+        self.disconnected = True
+
+
+class _Systemd:
+    """What Ladder asks of gpuslice.systemd.Systemd, recorded in `calls`."""
+
+    def __init__(self, calls: list[tuple[str, ...]], pids: list[int]) -> None:
+        self.bus = _Bus()
+        self.calls = calls
+        self.pids = pids
+
+    async def freeze_unit(self, name: str) -> None:
+        self.calls.append(("FreezeUnit", name))
+
+    async def thaw_unit(self, name: str) -> None:
+        self.calls.append(("ThawUnit", name))
+
+    async def freezer_state(self, name: str) -> str:
+        return "frozen"
+
+    async def unit_pids(self, name: str) -> list[int]:
+        self.calls.append(("GetUnitProcesses", name))
+        return self.pids
+
+
+def _tool_and_systemd(
+    monkeypatch: pytest.MonkeyPatch,
+    restore_fails: str = "",
+) -> tuple[list[tuple[str, ...]], list[_Systemd]]:
+    """A trusted tool at TOOL that finds PIDs 11 and 12 checkpointed and knows nothing of 13
+    (no CUDA process), whose restore fails with `restore_fails` when given; systemd listing
+    the unit's processes 11-13. What was called, in order, and each connection made."""
+    calls: list[tuple[str, ...]] = []
+    made: list[_Systemd] = []
+
+    async def connect(address: str | None = None) -> _Systemd:
+        made.append(_Systemd(calls, [11, 12, 13]))
+        return made[-1]
+
+    async def get_state(tool: str, pid: int, via_systemd: bool = False) -> str:
+        if pid == 13:
+            raise CheckpointError("the state of PID 13 could not be read: no CUDA")
+        return checkpoint.CHECKPOINTED
+
+    async def stop_earlier_runs(pids: list[int]) -> str:
+        return ""
+
+    async def resume(tool: str, pids: list[int], s: CheckpointSettings) -> float:
+        calls.append(("restore", tool, *map(str, pids)))
+        if restore_fails:
+            raise CheckpointError(restore_fails, lost=(pids[0],))
+        return 0.5
+
+    monkeypatch.setattr(Systemd, "connect", connect)
+    monkeypatch.setattr(checkpoint, "find_tool", lambda configured, **kw: TOOL)
+    monkeypatch.setattr(checkpoint, "check_tool", lambda tool, root_only: None)
+    monkeypatch.setattr(checkpoint, "get_state", get_state)
+    monkeypatch.setattr(checkpoint, "stop_earlier_runs", stop_earlier_runs)
+    monkeypatch.setattr(checkpoint, "resume", resume)
+    monkeypatch.setattr(Ladder, "_require_freezer", lambda self: None)  # no cgroup v2 here
+    return calls, made
+
+
+def test_the_resume_is_the_controllers_thaw_then_restore_of_its_cuda_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ladder.resume, as after a controller restart: ThawUnit first (the restore runs in
+    the process), then each process cuda-checkpoint knows is restored; nothing frozen again."""
+    calls, made = _tool_and_systemd(monkeypatch)
+    saved = SavedState(suspended={"train.service": ((1,), 4)})
+    monkeypatch.setattr(StateStore, "load", lambda self: (saved, _this_boot()))
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda command, **kw: subprocess.CompletedProcess(
+            command,
+            0,
+            "ActiveState=inactive\n"
+            if command[-1] == "gpuslice.service"
+            else "ActiveState=active\nFreezerState=frozen\n",
+            "",
+        ),
+    )
+    (tmp_path / "config.yaml").write_text("log_level: info\n")
+    result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "config.yaml")])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "gpuslice is being removed: train.service resumed from host memory"
+    ]
+    assert calls == [
+        ("ThawUnit", "train.service"),
+        ("GetUnitProcesses", "train.service"),
+        ("restore", TOOL, "11", "12"),
+    ]
+    assert made[0].bus.disconnected
+
+
+def test_a_restore_that_fails_leaves_the_unit_frozen_again_never_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Thawed for its restore, a unit whose restore failed (out of GPU memory: other jobs
+    run now) is frozen again, as it was; its reason says why."""
+    why = "restore of PID 11 ran out of GPU memory; the process cannot be resumed"
+    calls, made = _tool_and_systemd(monkeypatch, restore_fails=why)
+    settings = CheckpointSettings.from_config(Config())
+    assert cli_module._resume_left("train.service", settings) == why
+    assert calls == [
+        ("ThawUnit", "train.service"),
+        ("GetUnitProcesses", "train.service"),
+        ("restore", TOOL, "11", "12"),
+        ("FreezeUnit", "train.service"),
+    ]
+    assert made[0].bus.disconnected
+
+
+def test_no_thaw_without_a_tool_that_only_root_can_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run as root: a cuda-checkpoint that anyone can write is not run (check_tool, as the
+    controller runs it), and one not there cannot restore; either way the unit is not thawed
+    (not even connected to systemd for), so it stays as it was."""
+    monkeypatch.setattr(Systemd, "connect", lambda address=None: pytest.fail("connected"))
+    tool = tmp_path / "cuda-checkpoint"
+    tool.write_text("#!/bin/sh\nexit 0\n")
+    os.chmod(tool, 0o777)
+    anyones = CheckpointSettings.from_config(Config(cuda_checkpoint=str(tool)))
+    why = cli_module._resume_left("train.service", anyones)
+    assert "is not run: gpuslice runs it as root, and someone other than root" in why
+    gone = CheckpointSettings.from_config(Config(cuda_checkpoint=str(tmp_path / "gone")))
+    assert "is not an executable file" in cli_module._resume_left("train.service", gone)
