@@ -49,7 +49,7 @@ from gpuslice.core.decisions import render
 from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
 from gpuslice.core.plan import Verdict, plan_start
 from gpuslice.core.scheduler import Action, Grant, Outcome, Scheduler
-from tests.core_builders import GIB, InvariantError, Sim, sized
+from tests.core_builders import BG, GIB, OD, InvariantError, Sim, sized
 
 EXAMPLES = int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "300"))
 
@@ -412,3 +412,21 @@ def machine_settings(examples: int) -> settings:
 
 CoreMachine.TestCase.settings = machine_settings(EXAMPLES)
 TestCore = CoreMachine.TestCase
+
+
+def test_a_background_start_whose_kept_gpu_was_lost_at_a_restart_preempts_a_later_grant() -> None:
+    """Found at 20,000 examples (`make fuzz`): a refill's start of a background unit, its
+    place kept on GPU 0, the controller restarts, NVML then says GPUs 0 and 1 are lost, and a
+    less urgent start is granted GPU 2. Once the background unit's gate asks, its place is
+    gone: it waited behind the less urgent unit (the thrash rule counted it known since its
+    first start), and is now new for that rule (`Scheduler._unkept`)."""
+    state = CoreMachine()
+    stop = (Rung.STOP,)
+    units = [(UnitSpec("", 10, BG, 1, False, preempt=stop), True)]
+    units += [(UnitSpec("", p, OD, 1, False, preempt=stop), True) for p in (20, 10, 10, 10)]
+    state.boot(whole=False, gpus=3, units=units, yield_to_foreign=False, requeue_at_gate=False)
+    state.controller_restarts()
+    state.nvml_samples(samples=[(0, 0, False, True), (0, 0, False, True), (0, 0, False, False)])
+    state.person_plans_then_starts(index=1)
+    state.quiesce()
+    state.teardown()
