@@ -103,8 +103,13 @@ class Script:
 def said(
     caplog: pytest.LogCaptureFixture, functions: tuple[str, ...] = RELOAD_FUNCTIONS
 ) -> list[str]:
-    """`LEVEL message` of each line the named functions logged, in order."""
-    return [f"{r.levelname} {r.getMessage()}" for r in caplog.records if r.funcName in functions]
+    """`LEVEL message` of each line the named functions logged, in order (under mutmut a
+    method's code runs as `xǁClassǁname__mutmut_orig` or `..._mutmut_N`)."""
+    return [
+        f"{r.levelname} {r.getMessage()}"
+        for r in caplog.records
+        if r.funcName.split("ǁ")[-1].split("__mutmut")[0] in functions
+    ]
 
 
 @pytest.fixture
