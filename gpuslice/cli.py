@@ -19,7 +19,7 @@ import click
 
 from gpuslice import __version__, driver
 from gpuslice.annotations import check_file, load_spec, scan
-from gpuslice.config import ConfigError, load_config_with_warnings
+from gpuslice.config import ConfigError, load_config_with_warnings, read_recorded_state_dir
 from gpuslice.core.model import UnitKind, UnitSpec
 from gpuslice.generator import NAME_MAX, fits_dropin_dir
 from gpuslice.newunit import (
@@ -142,7 +142,8 @@ def release_jobs(config_path: str) -> None:
     from gpuslice.config import Config
     from gpuslice.core.model import PRIORITY_MAX
     from gpuslice.core.scheduler import Phase
-    from gpuslice.state import StateStore
+    from gpuslice.paths import DEFAULT_STATE_DIR, STATE_DIR_RECORD
+    from gpuslice.state import StateStore, saved_in
 
     controller = _unit_state("gpuslice.service").get("ActiveState", "unknown")
     if controller not in ("inactive", "failed"):  # its stop refused (policy-rc.d), or unknown
@@ -156,7 +157,11 @@ def release_jobs(config_path: str) -> None:
         config = load_config_with_warnings(Path(config_path))[0]
     except ConfigError as e:  # the controller kept its last good file's settings, or defaults
         config = Config(**e.valid)
-    saved, saved_boot = StateStore(Path(config.state_dir), Path(config.runtime_dir)).load()
+    # state_dir edited since the controller last started: its state is still in the old one
+    # (none recorded: the default, where a gpuslice without the record saved it)
+    recorded = read_recorded_state_dir(STATE_DIR_RECORD) or DEFAULT_STATE_DIR
+    state_path = saved_in(Path(config.state_dir), Path(recorded))
+    saved, saved_boot = StateStore(state_path, Path(config.runtime_dir)).load()
     try:
         this_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:

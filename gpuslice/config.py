@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpuslice import safefile
 from gpuslice.core.model import GPU_ID
-from gpuslice.paths import CONFIG_PATH, DEFAULT_RUNTIME_DIR, DEFAULT_STATE_DIR, RUNTIME_DIR_RECORD
+from gpuslice.paths import (
+    CONFIG_PATH,
+    DEFAULT_RUNTIME_DIR,
+    DEFAULT_STATE_DIR,
+    RUNTIME_DIR_RECORD,
+    STATE_DIR_RECORD,
+)
 from gpuslice.sizes import SIZE_ALLOWED, SIZE_MAX, parse_size
 from gpuslice.unitfiles import printable
 
@@ -98,6 +104,12 @@ def _runtime_dir(v: Any) -> bool:
     """`_directory_below` /run/gpuslice, but not where the runtime_dir of this boot is recorded
     (paths.RUNTIME_DIR_RECORD, a file) or below it."""
     return _directory_below(v, DEFAULT_RUNTIME_DIR) and not _directory_below(v, RUNTIME_DIR_RECORD)
+
+
+def _state_dir(v: Any) -> bool:
+    """`_directory_below` /var/lib/gpuslice, but not where the state_dir in use is recorded
+    (paths.STATE_DIR_RECORD, a file) or below it."""
+    return _directory_below(v, DEFAULT_STATE_DIR) and not _directory_below(v, STATE_DIR_RECORD)
 
 
 _PATH_ALLOWED = (
@@ -209,9 +221,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "state_dir",
         DEFAULT_STATE_DIR,
-        functools.partial(_directory_below, base=DEFAULT_STATE_DIR),
-        _PATH_ALLOWED.format(base=DEFAULT_STATE_DIR),
-        "Where the controller keeps what must survive a reboot.",
+        _state_dir,
+        _PATH_ALLOWED.format(base=DEFAULT_STATE_DIR)
+        + f"; not {STATE_DIR_RECORD}, where gpuslice records the one it runs with",
+        "Where the controller keeps what must survive a reboot; a change takes effect when "
+        "gpuslice.service restarts, which moves the state there.",
         convert=lambda v: v.rstrip("/"),
     ),
     Setting(
@@ -910,3 +924,32 @@ def pin_runtime_dir(record: str | os.PathLike[str], runtime_dir: str) -> bool:
         f.write(runtime_dir + "\n")
     os.replace(tmp, path)
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# the state_dir the controller last ran with (paths.STATE_DIR_RECORD)
+
+
+def read_recorded_state_dir(record: str | os.PathLike[str]) -> str | None:
+    """The state_dir the controller recorded at `record` when it last started (its trailing
+    "/" off); None when none did, or the record names no state_dir: one spelled as config.yaml
+    must spell it, in the record's directory (paths.DEFAULT_STATE_DIR) or below it, and not
+    the record itself. Only root writes there, but the controller removes a file in it."""
+    try:
+        data = safefile.read_bytes(record, 1024, follow_links=False)
+    except safefile.Unreadable:
+        return None
+    text = data.decode("ascii", "replace")
+    value = text[:-1] if text.endswith("\n") else text
+    path = os.fspath(record)
+    if _directory_below(value, os.path.dirname(path)) and not _directory_below(value, path):
+        return value.rstrip("/")
+    return None
+
+
+def record_state_dir(record: str | os.PathLike[str], state_dir: str) -> bool:
+    """Record the state_dir the controller runs with, as pin_runtime_dir records its
+    runtime_dir (one line, replaced at once). False, and nothing written, when the record's
+    directory does not exist (not started by gpuslice.service, whose StateDirectory= makes it).
+    OSError when it cannot be written."""
+    return pin_runtime_dir(record, state_dir)

@@ -33,7 +33,9 @@ from gpuslice.config import (
     load_config_with_warnings,
     located,
     pin_runtime_dir,
+    read_recorded_state_dir,
     read_unchanged,
+    record_state_dir,
     runtime_dir_value,
     runtime_dirs_of_this_boot,
 )
@@ -49,6 +51,7 @@ from gpuslice.core.scheduler import (
     Outcome,
     Phase,
     Resume,
+    SavedState,
     Scheduler,
     Start,
     Stop,
@@ -62,7 +65,13 @@ from gpuslice.inventory import GpuUse, Inventory
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
-from gpuslice.paths import RUNTIME_DIR_ENV, RUNTIME_DIR_RECORD, env_file, gate_pipe_dir
+from gpuslice.paths import (
+    RUNTIME_DIR_ENV,
+    RUNTIME_DIR_RECORD,
+    STATE_DIR_RECORD,
+    env_file,
+    gate_pipe_dir,
+)
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import Flusher, StateStore
@@ -123,6 +132,8 @@ CONFIG_SETTLE = SETTLE_SECONDS
 CONFIG_SETTLE_WAITS = 10
 # Where the controller records the runtime_dir it runs with (paths.RUNTIME_DIR_RECORD)
 RUNTIME_RECORD = Path(RUNTIME_DIR_RECORD)
+# Where the controller records the state_dir it runs with (paths.STATE_DIR_RECORD)
+STATE_RECORD = Path(STATE_DIR_RECORD)
 # The order STATUS= names holders in, by what they are doing (Controller.status_line).
 _LINE_PHASES = ("running", "starting", "stopping", "frozen", "suspending", "resuming")
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
@@ -137,6 +148,10 @@ async def _raising(error: Exception) -> str:
 
 
 class Controller:
+    # where the state_dir the controller runs with is recorded for the next start, which
+    # moves the state from it (_load_state); run() sets STATE_RECORD, None: not kept
+    state_record: Path | None = None
+
     def __init__(
         self,
         config: Config,
@@ -255,7 +270,7 @@ class Controller:
             self._log_problem(problem)
         self.watch.open()  # and acts on NVML's case
         self.scheduler.set_gpus(self.watch.sample.gpus)
-        saved, saved_boot = self.store.load()
+        saved, saved_boot = self._load_state()
         units = await self.systemd.list_units()
         remembered = set(saved.preempted) | set(saved.holders) | set(saved.held)
         remembered |= set(saved.suspended)  # stopped by hand while we were away: held
@@ -293,6 +308,38 @@ class Controller:
         log.info("gpuslice ready: %s", self.status_line())
         self._rewatch()
         self.reads.start_audits()
+
+    def _load_state(self) -> tuple[SavedState, str]:
+        """The saved state and its boot, from where the last controller saved it. After
+        state_dir was edited in config.yaml, a restart (Restart= after a crash, the exit a
+        driver loaded late asks for, by hand) read the new one, empty: units preempted and
+        owed a restart were never started again, suspended ones stayed frozen with their
+        memory on the host. The state moves (StateStore.take_over), and the state_dir it is
+        in is recorded (`state_record`, across reboots: preempted units outlive one) for the
+        next start."""
+        record = self.state_record
+        if record is None:
+            return self.store.load()
+        state_dir = self.config.state_dir
+        found = read_recorded_state_dir(record)
+        # none recorded (a gpuslice of a version without the record ran last): the default
+        # state_dir, the record's directory
+        recorded = found or str(record.parent)
+        moved = recorded == state_dir or self.store.take_over(Path(recorded))
+        if not moved:  # read there, saved here; recorded there until it moves
+            return StateStore(Path(recorded), Path(self.config.runtime_dir)).load()
+        if found != state_dir:
+            try:
+                record_state_dir(record, state_dir)
+            except OSError as e:
+                log.error(
+                    "cannot record the state_dir in %s (%s): a restart after state_dir is "
+                    "changed in %s starts without the state",
+                    record,
+                    e,
+                    self.config_path,
+                )
+        return self.store.load()
 
     def _watched(self) -> set[str]:
         """The units whose signals matter: every annotated unit; the instances of annotated
@@ -1550,6 +1597,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     loop.add_signal_handler(signal.SIGHUP, controller.request_reload)
     if early_reload:
         controller.request_reload()
+    controller.state_record = STATE_RECORD
     await controller.start()
     interval = controller.notifier.watchdog_interval()
     if interval:

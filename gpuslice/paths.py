@@ -24,6 +24,12 @@ DEFAULT_LIBEXEC_DIR = "/usr/lib/gpuslice"
 # config.yaml takes effect at the next boot.
 RUNTIME_DIR_RECORD = "/run/gpuslice/runtime-dir"
 RUNTIME_DIR_ENV = "GPUSLICE_RUNTIME_DIR"
+# The state_dir the controller last ran with. A state_dir edited in config.yaml takes effect at
+# the next start, which would read an empty directory and forget every unit owed a restart or
+# a resume: the controller moves the state there from the one recorded here. Kept across
+# reboots (preempted units are owed a restart after one), in the directory every state_dir is
+# in (StateDirectory=), so that config.yaml can name none that holds it.
+STATE_DIR_RECORD = f"{DEFAULT_STATE_DIR}/state-dir"
 # gpuslice.service's drop-in that the generator writes with RUNTIME_DIR_ENV
 RUNTIME_DIR_DROPIN = "gpuslice.service.d/gpuslice-runtime-dir.conf"
 PACKAGE_DIR = Path(__file__).resolve().parent

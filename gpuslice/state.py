@@ -33,6 +33,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
@@ -381,6 +382,20 @@ def _write_new(path: Path, data: bytes) -> None:
         _write_atomic(path, data)
 
 
+def saved_in(configured: Path, recorded: Path) -> Path:
+    """The state_dir whose state a stopped controller left: `recorded` (paths.STATE_DIR_RECORD,
+    where it last ran) while its state file is there and no older than `configured`'s
+    (config.yaml's state_dir, where its next start moves it: StateStore.take_over)."""
+    try:
+        found = os.lstat(recorded / "state.json").st_mtime_ns
+    except OSError:
+        return configured
+    try:
+        return configured if os.lstat(configured / "state.json").st_mtime_ns > found else recorded
+    except OSError:
+        return recorded
+
+
 class StateStore:
     def __init__(self, state_dir: Path, runtime_dir: Path | None = None) -> None:
         self.path = state_dir / "state.json"
@@ -439,6 +454,99 @@ class StateStore:
                 start,
             )
         return saved, boot_id
+
+    def take_over(self, old_dir: Path) -> bool:
+        """Move here the state file of `old_dir`, the state_dir the controller last ran with:
+        state_dir was edited in config.yaml since. Read from here alone (empty), the state was
+        lost: units preempted and owed a restart never started again, suspended ones stayed
+        frozen with their memory on the host.
+
+        The newer of the two files is kept, by the time each was saved: a file moved keeps
+        its own, as `mv` does (the stand-in is judged against it). The other is removed once
+        the kept one is on disk: left, it would be read again if state_dir came back to that
+        directory without the record, and its units restarted long after. A file that cannot
+        be moved is said and left there. True when the state to load is here; False when
+        the one in `old_dir` is the newer but could not be written here: load it there."""
+        old = old_dir / self.path.name
+        if os.path.abspath(old) == os.path.abspath(self.path):
+            return True
+        try:
+            found = os.lstat(old)
+        except (FileNotFoundError, NotADirectoryError):
+            return True  # never saved there, or moved already
+        except OSError as e:
+            log.error("%s: cannot look at it (%s); left there, starting from %s", old, e, self.path)
+            return True
+        if not stat.S_ISREG(found.st_mode):
+            log.error("%s: not a regular file; left there, not moved to %s", old, self.path)
+            return True
+        try:
+            here = os.lstat(self.path)
+        except OSError:  # none yet, or none to look at (EIO): the move replaces it
+            mine = None
+        else:
+            if (here.st_dev, here.st_ino) == (found.st_dev, found.st_ino):
+                return True  # one directory by two names (a link): nothing to move
+            mine = here.st_mtime_ns
+        if mine is not None and mine > found.st_mtime_ns:
+            log.warning(
+                "%s: older than %s, saved since, which holds the state; removed", old, self.path
+            )
+            self._remove_moved(old)
+            return True
+        try:
+            self._move_here(old, found.st_mtime_ns)
+        except BadFile as e:
+            log.error("%s: cannot move it to %s (%s); left there", old, self.path, e)
+            return True
+        except OSError as e:
+            log.error(
+                "cannot move the state from %s to %s (%s); read from %s, saved to %s",
+                old,
+                self.path,
+                e.strerror or e,
+                old,
+                self.path,
+            )
+            return False
+        if mine is None:
+            log.info("state moved from %s to %s", old, self.path)
+        else:
+            log.warning("state moved from %s to %s, replacing an older state there", old, self.path)
+        return True
+
+    def _move_here(self, old: Path, saved_ns: int) -> None:
+        """rename(2) on one file system: atomic, and the file keeps the time it was saved at.
+        Across two, a copy given that time, on disk before the old one is removed."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(old, self.path)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            _write_new(self.path, self._read(old))
+            os.utime(self.path, ns=(saved_ns, saved_ns), follow_symlinks=False)
+            if self._flushed():
+                self._remove_moved(old)
+        else:
+            self._flushed()
+
+    def _flushed(self) -> bool:
+        """`flush()`; False, said, when the disk failed it (the file is there all the same)."""
+        try:
+            self.flush()
+        except OSError as e:
+            log.error("cannot flush %s to disk (%s): a power cut may lose it", self.path, e)
+            return False
+        return True
+
+    def _remove_moved(self, old: Path) -> None:
+        try:
+            os.unlink(old)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # the record names the new one: this one is not read again
+            log.error("cannot remove %s: %s", old, e.strerror or e)
 
     def _load_standin(self) -> tuple[SavedState, str] | None:
         """The stand-in's state when it is there, valid and newer than the state file. One

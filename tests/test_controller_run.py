@@ -164,6 +164,7 @@ class Host:
         # written just now: read at once (config.SETTLE_SECONDS); no /run/gpuslice here
         monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0)
         monkeypatch.setattr(controller_module, "RUNTIME_RECORD", tmp_path / "none" / "runtime-dir")
+        monkeypatch.setattr(controller_module, "STATE_RECORD", tmp_path / "none" / "state-dir")
         monkeypatch.delenv("GPUSLICE_RUNTIME_DIR", raising=False)
         monkeypatch.setattr(Systemd, "connect", connect)
         monkeypatch.setattr(controller_module, "SchedulerService", service)
