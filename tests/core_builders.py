@@ -88,6 +88,9 @@ from gpuslice.core.scheduler import (
     Thaw,
 )
 
+# the thrash rule's "known since" of a start that lost its kept place, while its batch is
+# checked (`Sim._unkept`)
+_LATER_THAN_ANY_GRANT = 1 << 62
 BG = UnitKind.BACKGROUND
 OD = UnitKind.ON_DEMAND
 GIB = 1 << 30
@@ -211,7 +214,7 @@ class Sim:
         self._clock = itertools.count(1)
         # the thrash rule: when each unit's start became known (announced, asked, or
         # started by gpuslice) and when its gate was answered
-        self.known_at: dict[str, int] = {}
+        self.known_at: dict[str, float] = {}  # `_known_anew` places some between grants
         self.answered_at: dict[str, int] = {}
         self.announced: set[str] = set()  # start jobs seen, gates not yet asking
         self._kept: set[str] = set()  # places the core keeps for starts (`_renew_unkept`)
@@ -752,7 +755,7 @@ class Sim:
 
     def _feed(self, actions: list[Action]) -> list[Action]:
         self.actions += actions
-        self._renew_unkept()
+        start, unkept = next(self._clock), self._unkept()
         # a unit frozen for others is frozen for those still running, and still more urgent
         # than it (a reload), when the core looks again: the others no longer count
         for name, owners in self.frozen.items():
@@ -792,6 +795,7 @@ class Sim:
         unowned = sorted(n for n in self.frozen if n not in self.annotations)
         if unowned:
             raise InvariantError(f"{unowned} left frozen without an annotation")
+        self._known_anew(unkept, start, granted)
         self._check_books()
         self._check_waiters(granted)
         # FreezeUnit fails for these units: the adapter says so right after
@@ -801,16 +805,33 @@ class Sim:
                 actions = actions + self.fail_freeze(name)
         return actions
 
-    def _renew_unkept(self) -> None:
-        """A start whose place the core kept (silently, before its gate asked) and that lost
-        it (its GPU lost or filled, a more urgent start) is known anew for the thrash rule:
-        what was granted while its place was kept was not granted before it. Read from the
-        core's books: a place kept is the core's own (`Scheduler._unkept`)."""
+    def _unkept(self) -> dict[str, int]:
+        """Starts whose place the core kept (silently, before its gate asked) and that lost
+        it in the batch being fed (its GPU lost or filled, a more urgent start), each with
+        when the core counts it known anew for the thrash rule (`Scheduler._unkept`): a
+        moment inside the batch, before or after the batch's grants, that this model cannot
+        see, and reads from the core's sequence (`Waiter.since` against `Holder.granted`).
+        While the batch is checked they count as known after every grant (a stop for them
+        is of a unit granted before); `_known_anew` places them among the batch's grants.
+        A place kept is the core's own too."""
         kept = {n for n in self.sched.grants() if self.sched.phase(n) is Phase.STARTING}
-        for name in sorted(self._kept - kept):
-            if name in self.sched.waiting_units():
-                self.known_at[name] = next(self._clock)
+        waiting = set(self.sched.waiting_units())
+        unkept = {n: self.sched.waiters[n].since for n in sorted(self._kept - kept) if n in waiting}
         self._kept = kept
+        for name in unkept:
+            self.known_at[name] = _LATER_THAN_ANY_GRANT
+        return unkept
+
+    def _known_anew(self, unkept: dict[str, int], start: float, grants: list[Grant]) -> None:
+        """Each start that lost its kept place in this batch is known from just after the
+        batch's grants the core made before it lost it (`start`: the batch's beginning)."""
+        for name, since in unkept.items():
+            before = [
+                self.answered_at[g.unit]
+                for g in grants
+                if g.unit in self.sched.holders and self.sched.holders[g.unit].granted < since
+            ]
+            self.known_at[name] = max(before, default=start) + 0.5
 
     def _on_grant(self, grant: Grant) -> None:
         name = grant.unit

@@ -103,13 +103,17 @@ class Script:
 def said(
     caplog: pytest.LogCaptureFixture, functions: tuple[str, ...] = RELOAD_FUNCTIONS
 ) -> list[str]:
-    """`LEVEL message` of each line the named functions logged, in order (under mutmut a
-    method's code runs as `xǁClassǁname__mutmut_orig` or `..._mutmut_N`)."""
-    return [
-        f"{r.levelname} {r.getMessage()}"
-        for r in caplog.records
-        if r.funcName.split("ǁ")[-1].split("__mutmut")[0] in functions
-    ]
+    """`LEVEL message` of each line the named functions logged, in order."""
+    return [f"{r.levelname} {r.getMessage()}" for r in caplog.records if _named(r) in functions]
+
+
+def _named(record: logging.LogRecord) -> str:
+    """The function that logged, also under mutmut, whose copies of a method run as
+    `xǁClassǁname__mutmut_orig` (or `_N`), of a module function as `x_name__mutmut_orig`."""
+    name = record.funcName.split("__mutmut")[0]
+    if "ǁ" in name:
+        return name.split("ǁ")[-1]
+    return name.removeprefix("x_") if name != record.funcName else name
 
 
 @pytest.fixture

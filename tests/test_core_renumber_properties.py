@@ -47,7 +47,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from gpuslice.config import Config
 from gpuslice.core.decisions import Code
-from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
 from gpuslice.core.scheduler import Action, Grant, Outcome, Phase, Resume, Scheduler, Stop
 from gpuslice.inventory import Inventory
 from gpuslice.nvml import GpuInfo, GpuLostError
@@ -650,3 +650,33 @@ def test_a_gate_asking_again_after_a_restart_gets_no_gpu_renumbered_meanwhile() 
     assert s.is_waiting(a.name)
     assert brief(s.inactive(b.name, Outcome.EXITED)) == []
     assert brief(s.set_gpus([_gpu(0, "GPU-B"), _gpu(1, "GPU-A")])) == ["grant a.service 0"]
+
+
+def test_a_start_displaced_in_a_grants_wake_is_not_protected_from_by_that_grant() -> None:
+    """Found at 20,000 examples (the thrash rule for a start that lost its kept place): places
+    kept for a refill's u0 (GPUs 0-1) and u3 (GPU 2); u2, pinned to GPU 0, is granted it, u0
+    is placed again on GPUs 1-2 and u3 loses its place, in the same pass, after u2's grant.
+    u2 was granted while u3's place was kept: once u2 is made less urgent than u3, u3 may
+    suspend it (`Scheduler._unkept`; the model counts u3 as known from that batch)."""
+
+    def unit(
+        prio: int, kind: UnitKind, gpus: int, devices: tuple[str, ...] = ()
+    ) -> tuple[UnitSpec, bool]:
+        ladder = (Rung.SUSPEND, Rung.STOP)
+        return (UnitSpec("", prio, kind, gpus, False, devices=devices, preempt=ladder), True)
+
+    state = RenumberMachine()
+    bg, od = UnitKind.BACKGROUND, UnitKind.ON_DEMAND
+    units = [unit(20, bg, 2), unit(10, od, 1), unit(10, od, 1, ("0",)), unit(50, bg, 1)]
+    state.boot(
+        gpus=3,
+        units=units,
+        yield_to_foreign=False,
+        requeue_at_gate=False,
+        started=[0, 0],
+        freeze_fails=set(),
+    )
+    state.person_starts(index=2)
+    state.priority_changes(index=2, prio=90)
+    assert "suspend u2.service 0" in brief(state.sim.actions)
+    state.teardown()
