@@ -22,6 +22,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpuslice import safefile
@@ -30,8 +31,8 @@ from gpuslice.paths import (
     CONFIG_PATH,
     DEFAULT_RUNTIME_DIR,
     DEFAULT_STATE_DIR,
+    OWN_STATE_NAME_PREFIXES,
     RUNTIME_DIR_RECORD,
-    STATE_DIR_RECORD,
 )
 from gpuslice.sizes import SIZE_ALLOWED, SIZE_MAX, parse_size
 from gpuslice.unitfiles import printable
@@ -107,10 +108,19 @@ def _runtime_dir(v: Any) -> bool:
 
 
 def _state_dir(v: Any) -> bool:
-    """`_directory_below` /var/lib/gpuslice, but not where the state_dir in use is recorded
-    (paths.STATE_DIR_RECORD, a file) or below it."""
-    return _directory_below(v, DEFAULT_STATE_DIR) and not _directory_below(v, STATE_DIR_RECORD)
+    """`_directory_below` /var/lib/gpuslice, with no name below it that gpuslice gives its own
+    files there (paths.OWN_STATE_NAME_PREFIXES, or "." and one of them): not the record of
+    the state_dir in use, the default state_dir's state file, their temporary files, nor
+    below them."""
+    if not _directory_below(v, DEFAULT_STATE_DIR):
+        return False
+    below = v[len(DEFAULT_STATE_DIR) :].split("/")
+    return not any(n.removeprefix(".").startswith(OWN_STATE_NAME_PREFIXES) for n in below)
 
+
+# what no name in a state_dir below /var/lib/gpuslice begins with, in words
+_OWN_NAMES = [f'"{dot}{name}"' for name in OWN_STATE_NAME_PREFIXES for dot in ("", ".")]
+_OWN_STATE_NAMES = f"{', '.join(_OWN_NAMES[:-1])} or {_OWN_NAMES[-1]}"
 
 _PATH_ALLOWED = (
     f"{{base}} or a directory below it, at most {MAX_PATH_LENGTH} characters of letters, "
@@ -223,7 +233,8 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_STATE_DIR,
         _state_dir,
         _PATH_ALLOWED.format(base=DEFAULT_STATE_DIR)
-        + f"; not {STATE_DIR_RECORD}, where gpuslice records the one it runs with",
+        + f"; with no name below it that begins with {_OWN_STATE_NAMES}: gpuslice names its "
+        "own files there so",
         "Where the controller keeps what must survive a reboot; a change takes effect when "
         "gpuslice.service restarts, which moves the state there.",
         convert=lambda v: v.rstrip("/"),
@@ -913,16 +924,18 @@ def runtime_dirs_of_this_boot(
 
 def pin_runtime_dir(record: str | os.PathLike[str], runtime_dir: str) -> bool:
     """Record the runtime_dir the controller runs with (at once: a reader sees the old record
-    or the new one). False, and nothing written, when the record's directory does not exist:
-    not started by gpuslice.service, whose RuntimeDirectory= makes it. OSError when it cannot
-    be written."""
+    or the new one), as the state file is written: never through what is found at the
+    temporary name (a link), and on disk before this returns. False, and nothing written, when
+    the record's directory does not exist: not started by gpuslice.service, whose
+    RuntimeDirectory= makes it. OSError when it cannot be written."""
+    # imported here: the generator imports this module and must not load the state's
+    # (asyncio, the scheduler) at every daemon-reload
+    from gpuslice.state import write_durably
+
     path = os.fspath(record)
     if not os.path.isdir(os.path.dirname(path)):
         return False
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(runtime_dir + "\n")
-    os.replace(tmp, path)
+    write_durably(Path(path), f"{runtime_dir}\n".encode("ascii"))
     return True
 
 

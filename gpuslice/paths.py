@@ -29,7 +29,18 @@ RUNTIME_DIR_ENV = "GPUSLICE_RUNTIME_DIR"
 # a resume: the controller moves the state there from the one recorded here. Kept across
 # reboots (preempted units are owed a restart after one), in the directory every state_dir is
 # in (StateDirectory=), so that config.yaml can name none that holds it.
-STATE_DIR_RECORD = f"{DEFAULT_STATE_DIR}/state-dir"
+STATE_DIR_RECORD_NAME = "state-dir"
+STATE_DIR_RECORD = f"{DEFAULT_STATE_DIR}/{STATE_DIR_RECORD_NAME}"
+# The state file (gpuslice/state.py), in every state_dir, beside the copy of a bad one
+# (`state.json.bad`), and in runtime_dir while state_dir cannot be written.
+STATE_FILE_NAME = "state.json"
+# Every name gpuslice writes in a state_dir, DEFAULT_STATE_DIR included, begins with one of
+# these (the record, the state file, its bad copy), or with "." and one of these: their
+# temporary files, `.NAME.tmp` (state._write_atomic). A state_dir named so below
+# DEFAULT_STATE_DIR would be one of those files (`/var/lib/gpuslice/state.json` cannot be
+# made while the default's state file is there: every save went to runtime_dir, lost at a
+# reboot), or be made where one of them is written, which then fails.
+OWN_STATE_NAME_PREFIXES = (STATE_DIR_RECORD_NAME, STATE_FILE_NAME)
 # gpuslice.service's drop-in that the generator writes with RUNTIME_DIR_ENV
 RUNTIME_DIR_DROPIN = "gpuslice.service.d/gpuslice-runtime-dir.conf"
 PACKAGE_DIR = Path(__file__).resolve().parent

@@ -43,6 +43,7 @@ from typing import Any, NoReturn
 from gpuslice import safefile
 from gpuslice.core.model import PRIORITY_MAX, UnitKind
 from gpuslice.core.scheduler import Phase, SavedState
+from gpuslice.paths import STATE_FILE_NAME
 from gpuslice.sizes import SIZE_MAX
 from gpuslice.unitfiles import is_valid_unit_name, printable
 
@@ -373,6 +374,31 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def write_durably(path: Path, data: bytes) -> None:
+    """`_write_atomic`, then on disk before this returns (`_flush`): for a file written once
+    in a while, such as the records of the state_dir and runtime_dir in use (config.py)."""
+    _write_atomic(path, data)
+    _flush(path)
+
+
+def _flush(path: Path) -> None:
+    """Make `path` durable: its data, then the directory entry a rename changed. Blocks on the
+    disk. A file not there is nothing to flush."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def _write_new(path: Path, data: bytes) -> None:
     """`_write_atomic`, making the directory the first time (made once, not at every save)."""
     try:
@@ -387,23 +413,24 @@ def saved_in(configured: Path, recorded: Path) -> Path:
     where it last ran) while its state file is there and no older than `configured`'s
     (config.yaml's state_dir, where its next start moves it: StateStore.take_over)."""
     try:
-        found = os.lstat(recorded / "state.json").st_mtime_ns
+        found = os.lstat(recorded / STATE_FILE_NAME).st_mtime_ns
     except OSError:
         return configured
     try:
-        return configured if os.lstat(configured / "state.json").st_mtime_ns > found else recorded
+        saved = os.lstat(configured / STATE_FILE_NAME).st_mtime_ns
     except OSError:
         return recorded
+    return configured if saved > found else recorded
 
 
 class StateStore:
     def __init__(self, state_dir: Path, runtime_dir: Path | None = None) -> None:
-        self.path = state_dir / "state.json"
-        self.bad_path = state_dir / "state.json.bad"
+        self.path = state_dir / STATE_FILE_NAME
+        self.bad_path = state_dir / f"{STATE_FILE_NAME}.bad"
         # where the state goes while state_dir cannot be written; none in the same directory
         self.standin: Path | None = None
         if runtime_dir is not None and os.path.abspath(runtime_dir) != os.path.abspath(state_dir):
-            self.standin = runtime_dir / "state.json"
+            self.standin = runtime_dir / STATE_FILE_NAME
         self.failure: OSError | None = None  # why the last save went to the stand-in
         self._standin_left = self.standin is not None  # a stand-in may exist: removed once
 
@@ -659,22 +686,9 @@ class StateStore:
         return self.path
 
     def flush(self) -> None:
-        """Make the last save durable: the file's data, then the directory entry the rename
-        changed. Blocks on the disk: the controller calls it on a worker thread. A state
-        file not there (never saved) is nothing to flush."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        """Make the last save durable (`_flush`). Blocks on the disk: the controller calls it
+        on a worker thread. A state file not there (never saved) is nothing to flush."""
+        _flush(self.path)
 
 
 class Flusher:

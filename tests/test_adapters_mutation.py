@@ -316,8 +316,12 @@ def test_directories_below_the_sandbox(key: str) -> None:
             f"(allowed: {base} or a directory below it, at most 200 characters of letters, "
             'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s '
             "sandbox lets it write nowhere else"
-            + f"; not {base}/{'runtime' if key == 'runtime_dir' else 'state'}-dir, where "
-            "gpuslice records the one it runs with)"
+            + (
+                f"; not {base}/runtime-dir, where gpuslice records the one it runs with)"
+                if key == "runtime_dir"
+                else '; with no name below it that begins with "state-dir", ".state-dir", '
+                '"state.json" or ".state.json": gpuslice names its own files there so)'
+            )
         ), problem
 
 

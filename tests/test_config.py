@@ -36,8 +36,8 @@ ALLOWED = {
     "RETRY": "a number of seconds 0.05-60",
     "STATE": "/var/lib/gpuslice or a directory below it, at most 200 characters of letters, "
     'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s sandbox lets '
-    "it write nowhere else; not /var/lib/gpuslice/state-dir, where gpuslice records the one it "
-    "runs with",
+    'it write nowhere else; with no name below it that begins with "state-dir", ".state-dir", '
+    '"state.json" or ".state.json": gpuslice names its own files there so',
     "RUNTIME": "/run/gpuslice or a directory below it, at most 200 characters of letters, "
     'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s sandbox lets '
     "it write nowhere else; not /run/gpuslice/runtime-dir, where gpuslice records the one it "

@@ -324,14 +324,16 @@ def test_a_record_that_names_no_state_dir_is_ignored(
 
 
 def test_config_yaml_cannot_name_the_record_as_state_dir(tmp_path: Path) -> None:
-    """A state_dir where the record is would be a file, not a directory: no state saved."""
+    """A state_dir where the record is would be a file, not a directory: no state saved. Any
+    name that begins as the record's does is refused too (tests/test_record_files.py); a
+    shorter one is a state_dir."""
     path = tmp_path / "config.yaml"
     for value in (paths.STATE_DIR_RECORD, paths.STATE_DIR_RECORD + "/x"):
         path.write_text(f"state_dir: {value}\n")
         with pytest.raises(ConfigError, match="state_dir"):
             load_config_with_warnings(path)
-    path.write_text(f"state_dir: {paths.DEFAULT_STATE_DIR}/state-dirs\n")
-    assert load_config_with_warnings(path)[0].state_dir == f"{paths.DEFAULT_STATE_DIR}/state-dirs"
+    path.write_text(f"state_dir: {paths.DEFAULT_STATE_DIR}/state-di\n")
+    assert load_config_with_warnings(path)[0].state_dir == f"{paths.DEFAULT_STATE_DIR}/state-di"
 
 
 def test_the_daemon_records_the_state_dir_it_runs_with(
