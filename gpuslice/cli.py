@@ -675,14 +675,19 @@ def enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
         made_dir = not os.path.lexists(dropin.parent)
         written = _write(dropin, text + annotation_text({**defaults, **_given(keys)}))
         spec = _validated(unit, root, dropin, written, previous, made_dir)
+        # As `new`'s, under the lock: a failed reload leaves no drop-in that systemd has not
+        # loaded (and loads at some later reload), and its undo meets no other command's.
+        if not no_reload and (failed := _systemctl_failure("daemon-reload")):
+            undone = _undo(dropin, written, previous, made_dir)
+            raise click.ClickException(
+                f"{failed}, so systemd has not loaded {unit}'s drop-in: {undone}"
+            )
     if spec.priority != int(keys["priority"]):
         click.echo(
             f"warning: a later drop-in overrides this one: {unit} has priority {spec.priority}",
             err=True,
         )
     click.echo(f"enrolled {spec.describe()} via {dropin}")
-    if not no_reload:
-        _systemctl("daemon-reload")
 
 
 @main.command()
@@ -834,11 +839,6 @@ def _write(path: Path, data: str | bytes, *, exclusive: bool = False) -> os.stat
 def _cannot_write(path: Path, e: OSError) -> click.ClickException:
     where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
     return click.ClickException(printable(f"cannot write {path}: {_reason(e)}{where}", 600))
-
-
-def _systemctl(*args: str) -> None:
-    if failed := _systemctl_failure(*args):
-        raise click.ClickException(failed)
 
 
 def _systemctl_failure(*args: str) -> str | None:

@@ -88,6 +88,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpuslice.annotations import Scan
+from gpuslice.core.decisions import LISTED_MAX
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Snapshot
 from gpuslice.inventory import Sample
@@ -264,9 +265,10 @@ def _owner_label(owner: object) -> str:
 
 
 def render(data: dict[str, Any], now: float | None = None) -> str:
-    """A table a person reads at a glance; every list is shown, empty ones as "-". Waiters
-    are numbered by their place in the queue; with `now` (Unix time) each says how long it
-    has waited."""
+    """A table a person reads at a glance; every list is shown, empty ones as "-", but for
+    each GPU's foreign processes: at most LISTED_MAX of them, the largest, and how many more
+    and their memory (the JSON names them all). Waiters are numbered by their place in the
+    queue; with `now` (Unix time) each says how long it has waited."""
     lines = []
     shown = (data.get("controller") or {}).get("status_time")
     if isinstance(shown, (int, float)) and now is not None and now - shown >= STALE_SAID:
@@ -285,7 +287,8 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
                 f"{gpu['index']:<4} {h['unit']:<40} {h['priority']:>8}  {h['state']:<9} "
                 + _holder_memory(h)
             )
-        for p in gpu.get("foreign", []):
+        foreign, left_out = _foreign_shown(gpu.get("foreign", []))
+        for p in foreign:
             memory = format_size(p["memory"]) if p["memory"] is not None else "?"
             graphics = "graphics only" if p.get("compute") is False else ""
             whose = "; ".join(s for s in (graphics, _owner_label(p.get("owner"))) if s)
@@ -293,6 +296,8 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
                 f"{gpu['index']:<4} {'foreign: PID ' + str(p['pid']) + ' ' + p['command']:<40} "
                 f"{'':>8}  {'':<9} {memory}" + (f"  ({whose})" if whose else "")
             )
+        if left_out:
+            lines.append(f"{gpu['index']:<4} {_left_out_line(left_out)}")
     lines.append("")
     lines.append("Waiting:")
     for number, w in enumerate(data["waiting"], start=1):
@@ -328,6 +333,30 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
         lines.append("Annotation problems:")
         lines += [f"  {p}" for p in data["problems"]]
     return "\n".join(lines)
+
+
+def _foreign_shown(
+    foreign: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The foreign processes a GPU's lines name, and those they leave out: all of them (in
+    the JSON's order, by PID) up to LISTED_MAX, else the LISTED_MAX using the most memory,
+    largest first (unknown memory last): a user of the host can run thousands of them, and
+    one line each scrolled the rest of the table away."""
+    if len(foreign) <= LISTED_MAX:
+        return foreign, []
+    ranked = sorted(foreign, key=lambda p: -p["memory"] if p["memory"] is not None else 1)
+    return ranked[:LISTED_MAX], ranked[LISTED_MAX:]
+
+
+def _left_out_line(left_out: list[dict[str, Any]]) -> str:
+    """`... and 492 more foreign processes using 37 GiB` (`at least` when some of their
+    memory is unknown; no memory said when none is known)."""
+    known = [p["memory"] for p in left_out if p["memory"] is not None]
+    text = f"... and {len(left_out)} more foreign process" + ("es" if len(left_out) > 1 else "")
+    if not known:
+        return text
+    least = "at least " if len(known) < len(left_out) else ""
+    return f"{text} using {least}{format_size(sum(known))}"
 
 
 def _duration(seconds: float) -> str:
