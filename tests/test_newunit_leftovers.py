@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from gpuslice import newunit
+from gpuslice.annotations import KEYS
 from gpuslice.annotations import load_spec as real_load_spec
 from gpuslice.cli import main
 from gpuslice.newunit import LOCK_NAME, lock_unit_dir
@@ -300,3 +301,27 @@ def test_a_type_with_a_control_character_is_echoed_escaped(tmp_path: Path) -> No
         result.output
     )
     assert files(tmp_path) == []
+
+
+def test_the_annotation_options_built_now_are_those_new_and_enroll_take() -> None:
+    """`annotation_options` runs once, when gpuslice.cli is imported: options built again now
+    are the ones `gpuslice new` and `gpuslice enroll` were built with (names, flags, whether
+    required, defaults, choices, help, validated or not). mutmut runs each mutant in a
+    process that imported gpuslice.cli before the mutant was switched on; this is where a
+    mutant of the option table is seen."""
+    import click
+
+    from gpuslice import cli
+
+    def shape(p: click.Parameter) -> tuple[object, ...]:
+        kind = getattr(p.type, "choices", None) or p.type.name
+        shown = getattr(p, "help", None), getattr(p, "is_flag", None)
+        validated = p.callback is not None
+        return (p.name, p.opts, p.secondary_opts, p.required, p.default, kind, *shown, validated)
+
+    built = click.command()(newunit.annotation_options(lambda **_: None))
+    names = {p.name for p in built.params}
+    assert len(names) == len(KEYS)
+    for command in (cli.new, cli.enroll):
+        taken = [p for p in command.params if p.name in names]
+        assert [shape(p) for p in taken] == [shape(p) for p in built.params]

@@ -5,6 +5,7 @@ come back blind on config.yaml's guess while NVML is not ready."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -220,3 +221,19 @@ def test_a_unit_never_known_by_uuid_comes_back_by_index_on_the_guess() -> None:
     after.pause_refill("NVML is not ready yet")
     after.load(s.save())
     assert brief(after.inactive(voice.name, Outcome.EXITED)) == ["resume vlm.service 1"]
+
+
+def test_a_unit_waiting_for_nvml_does_not_hold_back_a_less_urgent_one_never_known_by_uuid() -> None:
+    """vlm.service waits for NVML (its GPU known by UUID); bulk.service, less urgent and
+    suspended from GPU 2 before NVML named it, comes back by index as before: the wait of one
+    is its own, not the end of the resumes of those after it."""
+    s, vlm, voice = suspended_pinned()
+    bulk = spec("bulk", 95, BG, preempt="suspend stop")
+    saved = s.save()
+    saved = dataclasses.replace(saved, suspended={**saved.suspended, bulk.name: ((2,), 1000)})
+    after = Scheduler([Gpu(0), Gpu(1), Gpu(2)], {u.name: u for u in (vlm, voice, bulk)})
+    after.pause_refill("NVML is not ready yet")
+    after.load(saved)
+    after.remember_uuids(vlm.name, {1: "GPU-B"})
+    assert brief(after.inactive(voice.name, Outcome.EXITED)) == ["resume bulk.service 2"]
+    assert after.phase(vlm.name) is Phase.SUSPENDED
