@@ -325,3 +325,8 @@ def test_the_annotation_options_built_now_are_those_new_and_enroll_take() -> Non
     for command in (cli.new, cli.enroll):
         taken = [p for p in command.params if p.name in names]
         assert [shape(p) for p in taken] == [shape(p) for p in built.params]
+    # and each validates by its own key: a value taken, a bad one refused in the key's words
+    given = CliRunner().invoke(built, ["--priority", "5", "--memory", "8G", "--gpus", "2"])
+    assert given.exit_code == 0 and given.exception is None, given.output
+    refused = CliRunner().invoke(built, ["--priority", "5", "--gpus", "many"])
+    assert refused.exit_code == 2 and "--gpus" in refused.output, refused.output
