@@ -344,14 +344,14 @@ def _foreign_shown(
     one line each scrolled the rest of the table away."""
     if len(foreign) <= LISTED_MAX:
         return foreign, []
-    ranked = sorted(foreign, key=lambda p: -p["memory"] if p["memory"] is not None else 1)
+    ranked = sorted(foreign, key=lambda p: -p["memory"] if p.get("memory") is not None else 1)
     return ranked[:LISTED_MAX], ranked[LISTED_MAX:]
 
 
 def _left_out_line(left_out: list[dict[str, Any]]) -> str:
     """`... and 492 more foreign processes using 37 GiB` (`at least` when some of their
     memory is unknown; no memory said when none is known)."""
-    known = [p["memory"] for p in left_out if p["memory"] is not None]
+    known = [p["memory"] for p in left_out if p.get("memory") is not None]
     text = f"... and {len(left_out)} more foreign process" + ("es" if len(left_out) > 1 else "")
     if not known:
         return text
