@@ -13,7 +13,7 @@ from click.testing import Result
 
 from gpuslice.newunit import lock_unit_dir
 from tests.test_cli_hostile import SYSTEM, files, invoke, plain_unit
-from tests.test_newunit_leftovers import _fails, systemctl
+from tests.test_newunit_leftovers import _fails, reload_fails_after_a_rewrite, systemctl
 
 DROPIN = f"{SYSTEM}/plain.service.d/gpuslice.conf"
 FAILED = "Error: systemctl daemon-reload failed (exit status 1), so systemd has not loaded "
@@ -90,14 +90,7 @@ def test_a_failed_reload_leaves_a_dropin_another_writer_put_there_meanwhile(
     plain_unit(tmp_path)
     dropin = tmp_path / DROPIN
     theirs = "[X-GPUSlice]\nPriority=9\n"
-
-    def reload_fails_after_a_rewrite(command: list[str]) -> int:
-        tmp = dropin.with_name(".theirs")
-        tmp.write_text(theirs)
-        os.replace(tmp, dropin)
-        return 1
-
-    systemctl(monkeypatch, reload_fails_after_a_rewrite)
+    systemctl(monkeypatch, reload_fails_after_a_rewrite(dropin, theirs))
     result = enroll(tmp_path, "--priority", "5")
     assert result.exit_code == 1, result.output
     assert f"left {dropin} as it is: another program replaced it since it was written" in (

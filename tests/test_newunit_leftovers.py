@@ -172,6 +172,19 @@ def test_a_failed_reload_puts_back_the_unit_new_had_written_before(
     assert path.read_bytes() == before
 
 
+def reload_fails_after_a_rewrite(path: Path, theirs: str) -> Callable[[list[str]], int]:
+    """A systemctl whose daemon-reload fails after another writer renamed its own file over
+    `path` (an admin's editor, `systemctl edit`)."""
+
+    def run(command: list[str]) -> int:
+        tmp = path.with_name(".theirs")
+        tmp.write_text(theirs)
+        os.replace(tmp, path)
+        return 1
+
+    return run
+
+
 def test_a_failed_reload_leaves_a_unit_another_writer_put_there_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -179,14 +192,7 @@ def test_a_failed_reload_leaves_a_unit_another_writer_put_there_meanwhile(
     editor or another program renamed over it while the reload ran."""
     path = tmp_path / SYSTEM / "job.service"
     theirs = "[Service]\nExecStart=/bin/true\n"
-
-    def reload_fails_after_a_rewrite(command: list[str]) -> int:
-        tmp = path.with_name(".theirs")
-        tmp.write_text(theirs)
-        os.replace(tmp, path)
-        return 1
-
-    systemctl(monkeypatch, reload_fails_after_a_rewrite)
+    systemctl(monkeypatch, reload_fails_after_a_rewrite(path, theirs))
     result = new(tmp_path, "job", "--priority", "5", reload=True)
     assert result.exit_code == 1, result.output
     assert f"left {path} as it is: another program replaced it since it was written" in (
