@@ -461,11 +461,14 @@ class StateStore:
                 "%s: %s; %s; starting from what systemd reports", self.path, e, self._move_aside()
             )
             return SavedState(), ""
-        except OSError as e:  # EIO, EACCES: the content may be fine; save() replaces it
+        except OSError as e:  # EIO, EACCES: the content may be fine, and the next save()
+            # replaced it: its units preempted and owed a restart were lost for good; moved
+            # aside (a rename reads nothing), it is there for an admin to look at
             log.error(
-                "%s: cannot read the state (%s); starting from what systemd reports",
+                "%s: cannot read the state (%s); %s; starting from what systemd reports",
                 self.path,
                 e.strerror or e,
+                self._move_aside(),
             )
             return SavedState(), ""
         saved, boot_id = validate(data, problems)

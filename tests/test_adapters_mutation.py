@@ -466,7 +466,7 @@ def test_bad_entries_are_one_exact_line(tmp_path: Path, caplog: pytest.LogCaptur
     )
 
 
-def test_a_file_that_cannot_be_read_is_left_alone(
+def test_a_file_that_cannot_be_read_is_moved_aside_before_a_save_replaces_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "state.json"
@@ -483,10 +483,12 @@ def test_a_file_that_cannot_be_read_is_left_alone(
         assert StateStore(tmp_path).load() == (SavedState(), "")
     [record] = [r for r in caplog.records if r.name.startswith("gpuslice")]
     assert record.getMessage() == (
-        f"{path}: cannot read the state (Input/output error); starting from what systemd reports"
+        f"{path}: cannot read the state (Input/output error); moved it to {path}.bad; "
+        "starting from what systemd reports"
     )
-    assert json.loads(path.read_text()) == FULL
-    assert not (tmp_path / "state.json.bad").exists()
+    # kept, byte for byte, where the next save does not replace it
+    assert not path.exists()
+    assert json.loads((tmp_path / "state.json.bad").read_text()) == FULL
 
 
 def test_a_long_json_error_is_cut_at_120_characters(
@@ -523,9 +525,11 @@ def test_a_symlink_swapped_in_after_the_check_is_not_followed(
         assert StateStore(tmp_path).load() == (SavedState(), "")
     [record] = [r for r in caplog.records if r.name.startswith("gpuslice")]
     assert record.getMessage() == (
-        f"{path}: cannot read the state (Too many levels of symbolic links); "
-        "starting from what systemd reports"
+        f"{path}: cannot read the state (Too many levels of symbolic links); moved it to "
+        f"{path}.bad; starting from what systemd reports"
     )
+    assert (tmp_path / "state.json.bad").is_symlink()  # the link itself, not what it names
+    assert json.loads((tmp_path / "elsewhere.json").read_text())["held"] == ["a.service"]
 
 
 @pytest.mark.timeout(20)
