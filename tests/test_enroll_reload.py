@@ -5,15 +5,18 @@ write. systemctl is stood in for: nothing here depends on the machine."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 from click.testing import Result
 
-from gpuslice.newunit import lock_unit_dir
 from tests.test_cli_hostile import SYSTEM, files, invoke, plain_unit
-from tests.test_newunit_leftovers import _fails, reload_fails_after_a_rewrite, systemctl
+from tests.test_newunit_leftovers import (
+    _fails,
+    reload_fails_after_a_rewrite,
+    reload_noting_the_lock,
+    systemctl,
+)
 
 DROPIN = f"{SYSTEM}/plain.service.d/gpuslice.conf"
 FAILED = "Error: systemctl daemon-reload failed (exit status 1), so systemd has not loaded "
@@ -107,16 +110,7 @@ def test_the_reload_and_its_undo_hold_the_unit_directory_s_lock(
     never meets its write. A reload that succeeds keeps the drop-in and says it enrolled."""
     plain_unit(tmp_path)
     held: list[bool] = []
-
-    def reload(command: list[str]) -> int:
-        try:
-            os.close(lock_unit_dir(tmp_path / SYSTEM, wait=False))
-            held.append(False)
-        except BlockingIOError:
-            held.append(True)
-        return status
-
-    systemctl(monkeypatch, reload)
+    systemctl(monkeypatch, reload_noting_the_lock(tmp_path, held, status))
     result = enroll(tmp_path, "--priority", "5")
     assert result.exit_code == status, result.output
     assert held == [True]

@@ -201,22 +201,28 @@ def test_a_failed_reload_leaves_a_unit_another_writer_put_there_meanwhile(
     assert path.read_text() == theirs
 
 
+def reload_noting_the_lock(root: Path, held: list[bool], status: int) -> Callable[[list[str]], int]:
+    """A systemctl whose daemon-reload notes in `held` whether the unit directory's lock is
+    held while it runs, and exits with `status`."""
+
+    def run(command: list[str]) -> int:
+        try:
+            os.close(lock_unit_dir(root / SYSTEM, wait=False))
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        return status
+
+    return run
+
+
 def test_the_reload_and_its_undo_hold_the_unit_directory_s_lock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another `gpuslice new` of this name waits until the reload is done or undone: the undo
     never meets its unit."""
     held: list[bool] = []
-
-    def reload(command: list[str]) -> int:
-        try:
-            os.close(lock_unit_dir(tmp_path / SYSTEM, wait=False))
-            held.append(False)
-        except BlockingIOError:
-            held.append(True)
-        return 1
-
-    systemctl(monkeypatch, reload)
+    systemctl(monkeypatch, reload_noting_the_lock(tmp_path, held, 1))
     assert new(tmp_path, "job", "--priority", "5", reload=True).exit_code == 1
     assert held == [True]
 
