@@ -902,12 +902,19 @@ def runtime_dir_value(value: str) -> str | None:
 def read_pinned_runtime_dir(record: str | os.PathLike[str]) -> str | None:
     """The runtime_dir the controller recorded at `record` when it started this boot; None
     when none did, or the record is no valid one (only root writes there)."""
+    value = _record_line(record)
+    return None if value is None else runtime_dir_value(value)
+
+
+def _record_line(record: str | os.PathLike[str]) -> str | None:
+    """The one line a record of the controller's holds (pin_runtime_dir), without its line
+    end; None when there is none to read. 1 KiB at most, never through a link."""
     try:
         data = safefile.read_bytes(record, 1024, follow_links=False)
     except safefile.Unreadable:
         return None
     text = data.decode("ascii", "replace")
-    return runtime_dir_value(text[:-1] if text.endswith("\n") else text)
+    return text[:-1] if text.endswith("\n") else text
 
 
 def runtime_dirs_of_this_boot(
@@ -948,16 +955,10 @@ def read_recorded_state_dir(record: str | os.PathLike[str]) -> str | None:
     "/" off); None when none did, or the record names no state_dir: one spelled as config.yaml
     must spell it, in the record's directory (paths.DEFAULT_STATE_DIR) or below it, and not
     the record itself. Only root writes there, but the controller removes a file in it."""
-    try:
-        data = safefile.read_bytes(record, 1024, follow_links=False)
-    except safefile.Unreadable:
+    value, path = _record_line(record), os.fspath(record)
+    if value is None or _directory_below(value, path):
         return None
-    text = data.decode("ascii", "replace")
-    value = text[:-1] if text.endswith("\n") else text
-    path = os.fspath(record)
-    if _directory_below(value, os.path.dirname(path)) and not _directory_below(value, path):
-        return value.rstrip("/")
-    return None
+    return value.rstrip("/") if _directory_below(value, os.path.dirname(path)) else None
 
 
 def record_state_dir(record: str | os.PathLike[str], state_dir: str) -> bool:
