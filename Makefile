@@ -251,10 +251,11 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 MUTATE_controller := gpuslice.controller.*
 # the adapters to the outside world: systemd's bus, NVML and the driver's arrival, the GPU
 # watcher and the whole inventory, `gpuslice new`, the metrics and their exporter, the
-# journal's lines and sd_notify
+# journal's lines and sd_notify, the `gpuslice` command's own code (each click command hands
+# its work to a plain function: mutmut mutates no decorated one)
 MUTATE_outer := gpuslice.systemd.* gpuslice.nvml.* gpuslice.driver.* gpuslice.gpuwatch.* \
 	gpuslice.inventory.* gpuslice.newunit.* gpuslice.metrics.* gpuslice.exporter.* \
-	gpuslice.journal.* gpuslice.notify.* gpuslice.counters.* gpuslice.offloop.*
+	gpuslice.journal.* gpuslice.notify.* gpuslice.counters.* gpuslice.offloop.* gpuslice.cli.*
 MUTATE_all := $(MUTATE_core) $(MUTATE_adapters) $(MUTATE_controller) $(MUTATE_outer)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
 mutate: venv

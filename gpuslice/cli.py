@@ -94,6 +94,10 @@ def release_gates(config_path: str) -> None:
     """Send every gate that waits on a pipe to D-Bus (ExecStopPost= of gpuslice.service):
     a gate that opened its pipe before the controller went away must not wait for a writer
     that will never come."""
+    _release_gates(config_path)
+
+
+def _release_gates(config_path: str) -> None:
     from gpuslice.config import runtime_dirs_of_this_boot
     from gpuslice.gatepipes import wake_and_remove
     from gpuslice.paths import (
@@ -461,6 +465,10 @@ def status(as_json: bool, watch: bool, interval: float) -> None:
 def plan(unit: str, as_json: bool) -> None:
     """Say what `systemctl start UNIT` would make gpuslice do now, changing nothing:
     start at once, preempt which units first, or wait and why (as root)."""
+    _plan(unit, as_json)
+
+
+def _plan(unit: str, as_json: bool) -> None:
     if "." not in unit:
         unit += ".service"
     if not is_valid_unit_name(unit):
@@ -494,6 +502,10 @@ def plan(unit: str, as_json: bool) -> None:
 def metrics(serve: bool) -> None:
     """Print the Prometheus text exposition of the controller's status (for node_exporter's
     textfile collector). When the controller does not answer: only gpuslice_up 0, exit 1."""
+    _metrics(serve)
+
+
+def _metrics(serve: bool) -> None:
     from gpuslice.metrics import exposition
 
     failed: list[str] = []
@@ -565,6 +577,10 @@ def check(files: tuple[str, ...], config_path: str, config_only: bool, root: str
     Without FILES, checks the configuration and every installed unit. With FILES, checks
     those unit files (and any .yaml file as a gpuslice configuration).
     """
+    _check(files, config_path, config_only, root)
+
+
+def _check(files: tuple[str, ...], config_path: str, config_only: bool, root: str) -> None:
     if config_only and files:
         raise click.UsageError("--config-only takes no FILES")
     # (severity, line) in the order found
@@ -649,6 +665,10 @@ def _device_allow_entries(shown: str) -> list[str]:
 @click.option("--root", default="/", show_default=True, hidden=True)
 def enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
     """Annotate UNIT through a drop-in (for units you cannot edit), validate it, reload."""
+    _enroll(unit, no_reload, root, keys)
+
+
+def _enroll(unit: str, no_reload: bool, root: str, keys: dict[str, Any]) -> None:
     if "." not in unit:
         unit += ".service"
     if not is_valid_unit_name(unit):
@@ -713,6 +733,19 @@ def new(
 
     gpuslice new voice --priority 10 --memory 8G -- /usr/bin/python3 /srv/voice.py
     """
+    _new(name, user, workdir, now, no_reload, root, command, keys)
+
+
+def _new(
+    name: str,
+    user: str | None,
+    workdir: str | None,
+    now: bool,
+    no_reload: bool,
+    root: str,
+    command: tuple[str, ...],
+    keys: dict[str, Any],
+) -> None:
     unit = unit_name(name)
     _check_gateable(unit, "NAME")
     if now and no_reload:  # systemd would start the unit it knew before: none, or the old one
