@@ -99,12 +99,26 @@ class CheckpointSettings:
 class CheckpointError(Exception):
     """A suspend or resume failed. `reason` is one line for the journal and `gpuslice status`;
     `lost` names the processes whose restore failed: they cannot run again and must be
-    stopped."""
+    stopped; `restored` those a resume restored all the same (their memory is back on a GPU:
+    frozen again, the unit would hold it)."""
 
-    def __init__(self, reason: str, lost: Sequence[int] = ()) -> None:
+    def __init__(self, reason: str, lost: Sequence[int] = (), restored: Sequence[int] = ()) -> None:
         super().__init__(reason)
         self.reason = reason
         self.lost = tuple(lost)
+        self.restored = tuple(restored)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resume did, so that nobody says more: `restored` the checkpointed processes
+    whose memory went back to a GPU, `unlocked` the locked ones only unlocked (a suspend cut
+    short). Both empty: cuda-checkpoint found nothing to do (every process running, exited,
+    or none it could read), and "restored" would be a claim nothing backs."""
+
+    seconds: float
+    restored: tuple[int, ...] = ()
+    unlocked: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,13 +532,18 @@ def _unique(pids: Sequence[int]) -> list[int]:
     return list(dict.fromkeys(pids))
 
 
-async def _settle(tool: str, pids: Sequence[int], s: CheckpointSettings) -> CheckpointError | None:
+async def _settle(
+    tool: str, pids: Sequence[int], s: CheckpointSettings
+) -> tuple[CheckpointError | None, Resumed]:
     """Bring every process back to running: restore the checkpointed ones, then unlock the
     locked ones, in the order a suspend did its steps. After a restore fails, the other
     checkpointed processes are left so (a second out-of-memory restore would lose them too);
-    the rest goes on. Returns the problems, None when there were none."""
+    the rest goes on. Returns the problems (None when there were none; `restored` set on
+    them) and what was done (its `seconds` 0: the callers time their whole step)."""
     problems: list[str] = []
     lost: list[int] = []
+    restored: list[int] = []
+    locked: list[int] = []
     to_unlock: list[int] = []
     for pid in pids:
         try:
@@ -544,6 +563,7 @@ async def _settle(tool: str, pids: Sequence[int], s: CheckpointSettings) -> Chec
         elif state == CHECKPOINTED:
             try:
                 await _restore(tool, pid, s)
+                restored.append(pid)
                 to_unlock.append(pid)
             except CheckpointError as e:
                 lost.extend(e.lost)
@@ -553,9 +573,12 @@ async def _settle(tool: str, pids: Sequence[int], s: CheckpointSettings) -> Chec
     for pid in to_unlock:
         try:
             await _unlock(tool, pid, s)
+            if pid not in restored:
+                locked.append(pid)
         except CheckpointError as e:
             problems.append(e.reason)
-    return CheckpointError("; ".join(problems), lost) if problems else None
+    done = Resumed(0.0, tuple(restored), tuple(locked))
+    return (CheckpointError("; ".join(problems), lost, restored) if problems else None), done
 
 
 async def suspend(tool: str, pids: Sequence[int], s: CheckpointSettings) -> float:
@@ -579,24 +602,25 @@ async def suspend(tool: str, pids: Sequence[int], s: CheckpointSettings) -> floa
     except CheckpointError as e:
         # A refused step changed nothing; every locked process is found as it is and brought
         # back, a timed-out checkpoint's too.
-        undo = await _settle(tool, locked, s)
+        undo, _ = await _settle(tool, locked, s)
         if undo is None:
             raise
         raise CheckpointError(f"{e.reason}; and {undo.reason}", undo.lost) from None
     return time.monotonic() - start
 
 
-async def resume(tool: str, pids: Sequence[int], s: CheckpointSettings) -> float:
+async def resume(tool: str, pids: Sequence[int], s: CheckpointSettings) -> Resumed:
     """Bring every process back as `get_state` finds it: checkpointed ones are restored, then
     every locked one is unlocked; running ones and processes that have exited are left alone.
     Idempotent, so it is also the recovery after a crash in the middle of a suspend. Returns
-    the seconds taken; CheckpointError lists every problem, `lost` the processes whose restore
-    failed (fatal: they must be stopped)."""
+    the seconds taken and which processes were restored or unlocked (none: nothing was to be
+    done); CheckpointError lists every problem, `lost` the processes whose restore failed
+    (fatal: they must be stopped), `restored` those restored all the same."""
     start = time.monotonic()
-    problem = await _settle(tool, _unique(pids), s)
+    problem, done = await _settle(tool, _unique(pids), s)
     if problem is not None:
         raise problem
-    return time.monotonic() - start
+    return Resumed(time.monotonic() - start, done.restored, done.unlocked)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,12 +48,15 @@ from gpuslice.unitfiles import (
 )
 
 if TYPE_CHECKING:
-    from gpuslice.checkpoint import CheckpointSettings
+    from gpuslice.checkpoint import CheckpointError, CheckpointSettings, Resumed
     from gpuslice.core.scheduler import Action
 
 ENROLL_DROPIN = "gpuslice.conf"
 ENROLL_MARKER = "# Written by `gpuslice enroll`"
 UNIT_DIR = "etc/systemd/system"  # below --root: where `new` and `enroll` write
+# release-jobs runs in prerm, and `apt remove` waits for it: no resume starts after this many
+# seconds (one under way is left to finish: a restore cut short loses its process for good).
+RELEASE_DEADLINE = 120.0
 
 config_option = click.option(
     "--config",
@@ -138,17 +141,29 @@ def release_jobs(config_path: str) -> None:
     frozen, is resumed by the controller's own code (`_resume_left`): frozen for ever with
     its memory in host memory, only a stop (its work lost) ended it. Thaws come first, then
     resumes, most urgent first, as the controller orders them: a resume needs GPU memory,
-    which other jobs may hold now. One whose resume fails (the tool missing or changeable by
-    others, a restore refused or out of GPU memory, a timeout) is left frozen, as it was,
-    never stopped; it and a preempted one, which nothing will start again, are named on
-    stderr with why and what to do, instead of being left silently."""
-    from gpuslice.checkpoint import CheckpointSettings
+    which other jobs may hold now. Each is named on stderr with what was done: resumed (how
+    many processes restored), or thawed with nothing to restore (cuda-checkpoint found no
+    process checkpointed), never "resumed" for a restore that did not happen. One whose
+    resume fails (the tool missing or changeable by others, a restore refused or out of GPU
+    memory, a timeout) with nothing restored is left frozen, as it was; one that failed after
+    restoring some of its processes is stopped (`systemctl stop`, as the controller stops a
+    unit whose resume failed): frozen again it would hold that GPU memory for ever, and the
+    rest can never be resumed. No resume starts RELEASE_DEADLINE seconds after this began:
+    `apt remove` waits; the units left are named, left suspended, their work kept. These,
+    and a preempted one, which nothing will start again, are named on stderr with why and
+    what to do, instead of being left silently."""
+    _release_jobs(config_path)
+
+
+def _release_jobs(config_path: str) -> None:
+    from gpuslice.checkpoint import CheckpointError, CheckpointSettings
     from gpuslice.config import Config
     from gpuslice.core.model import PRIORITY_MAX
     from gpuslice.core.scheduler import Phase
     from gpuslice.paths import DEFAULT_STATE_DIR, STATE_DIR_RECORD
     from gpuslice.state import StateStore, saved_in
 
+    deadline = time.monotonic() + RELEASE_DEADLINE
     controller = _unit_state("gpuslice.service").get("ActiveState", "unknown")
     if controller not in ("inactive", "failed"):  # its stop refused (policy-rc.d), or unknown
         click.echo(
@@ -201,10 +216,19 @@ def release_jobs(config_path: str) -> None:
         where = f"gpuslice is being removed: {printable(unit, 300)}"
         if unit in suspended and shown.get("ActiveState") == "active":
             state = printable(shown.get("FreezerState", "unknown"), 20)
-            why = _resume_left(unit, settings) if frozen else f"systemd shows it {state}"
-            if not why:
-                click.echo(f"{where} resumed from host memory", err=True)
-                continue
+            if not frozen:
+                why = f"systemd shows it {state}"
+            elif time.monotonic() > deadline:
+                why = f"release-jobs spent its {RELEASE_DEADLINE:g} s on the units before it"
+            else:
+                outcome = _resume_left(unit, settings)
+                if not isinstance(outcome, CheckpointError):
+                    click.echo(f"{where} {_resumed(outcome)}", err=True)
+                    continue
+                if outcome.restored:
+                    click.echo(f"{where} {_stop_partly_resumed(unit, outcome)}", err=True)
+                    continue
+                why = outcome.reason
             click.echo(
                 f"{where} is left suspended by cuda-checkpoint: nothing can resume it now; "
                 f"`systemctl stop {printable(unit, 300)}` ends it (not resumed: "
@@ -231,30 +255,70 @@ def release_jobs(config_path: str) -> None:
             )
 
 
-def _resume_left(unit: str, settings: CheckpointSettings) -> str:
+def _resumed(done: Resumed) -> str:
+    """What release-jobs' resume of a unit did, in words that claim no restore it did not
+    do (the ladder's own, `resumed_words`, the journal's)."""
+    from gpuslice.ladder import resumed_words
+
+    words = resumed_words(done)
+    if not done.restored:
+        return f"thawed, not resumed from host memory: {words}"
+    count = len(done.restored)
+    return f"resumed from host memory, {count} process{'es' if count > 1 else ''}: {words}"
+
+
+def _stop_partly_resumed(unit: str, failed: CheckpointError) -> str:
+    """Stop a unit whose resume restored some of its processes and failed for another: frozen
+    again it held their GPU memory for ever, and no controller will try again. What became
+    of it, in words."""
+    shown = printable(unit, 300)
+    restored = failed.restored
+    pids = ", ".join(map(str, restored[:10])) + (", ..." if len(restored) > 10 else "")
+    plural = "s" if len(restored) > 1 else ""
+    what = f"restored PID{plural} {pids} but failed for the rest ({printable(failed.reason, 600)})"
+    try:
+        command = ["systemctl", "stop", "--no-block", "--", unit]
+        stopped = subprocess.run(command, check=False, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        stopped = False
+    if not stopped:
+        return (
+            f"{what}, and `systemctl stop` failed: it runs thawed, part of its memory never "
+            f"restored; `systemctl stop {shown}` ends it"
+        )
+    return (
+        f"is being stopped (systemctl stop): its resume {what}; frozen again it would hold "
+        "that GPU memory for ever, and nothing can resume the rest now: its work since its "
+        "last save is lost"
+    )
+
+
+def _resume_left(unit: str, settings: CheckpointSettings) -> Resumed | CheckpointError:
     """Resume a unit left suspended by the controller that stopped, by the controller's own
-    code (Ladder.resume: ThawUnit, then each process that cuda-checkpoint finds checkpointed
-    is restored, each locked one unlocked); "" when it came back, else why not. The tool is
+    code (Ladder.restore: ThawUnit, then each process that cuda-checkpoint finds checkpointed
+    is restored, each locked one unlocked): what was done, or why it failed. The tool is
     required first (installed, changeable by root alone): nothing is thawed without it. A
-    resume that fails once thawed (a restore refused, out of GPU memory, timed out) leaves
-    the unit frozen again, as it was: nothing is stopped."""
+    resume that fails once thawed with nothing restored (a restore refused, out of GPU
+    memory, timed out) leaves the unit frozen again, as it was; one that restored some
+    processes first is left thawed (`restored` on the error) for the caller to stop."""
     from gpuslice.checkpoint import CheckpointError, require_tool
 
     try:
         require_tool(settings.tool, root_only=settings.root_only)
     except CheckpointError as e:
-        return e.reason
+        return e
     return asyncio.run(_resume_by_ladder(unit, settings))
 
 
-async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> str:
+async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> Resumed | CheckpointError:
+    from gpuslice.checkpoint import CheckpointError
     from gpuslice.ladder import Ladder
     from gpuslice.systemd import Systemd
 
     try:
         systemd = await Systemd.connect(os.environ.get("GPUSLICE_BUS_ADDRESS"))
     except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS
-        return f"cannot reach systemd on the system bus ({_reason(e)})"
+        return CheckpointError(f"cannot reach systemd on the system bus ({_reason(e)})")
     told = _LadderOutcome()
 
     def report(event: Callable[[], list[Action]]) -> None:
@@ -262,21 +326,29 @@ async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> str:
 
     try:
         ladder = Ladder(systemd, told, lambda: None, lambda: settings, report)
-        await ladder.resume(unit)
-        if told.failed is None:
-            return ""
-        why, told.failed = told.failed, None
+        try:
+            done = await ladder.restore(unit)
+            if done is not None:
+                return done
+            failed = CheckpointError("cuda-checkpoint is not installed any more: cannot restore")
+        except CheckpointError as e:
+            failed = e
+        except Exception as e:  # a bug must not end release-jobs: the other units are owed
+            failed = CheckpointError(f"gpuslice failed while resuming ({_reason(e)})")
+        if failed.restored:  # frozen again, it held their GPU memory for ever
+            return failed
         await ladder.freeze(unit)  # as it was: thawed, a process left checkpointed would hang
         if told.failed is not None:
-            why += f"; and it could not be frozen again: {told.failed}"
-        return why
+            failed.reason += f"; and it could not be frozen again: {told.failed}"
+        return failed
     finally:
         systemd.bus.disconnect()
 
 
 class _LadderOutcome:
     """The core's side of a Ladder (gpuslice.ladder.LadderEvents) for release-jobs, which
-    has no scheduler: why the last resume or freeze failed (None when it did not)."""
+    has no scheduler: why the last freeze failed (None when it did not; a resume's outcome
+    comes back from Ladder.restore itself)."""
 
     def __init__(self) -> None:
         self.failed: str | None = None

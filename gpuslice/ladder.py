@@ -20,7 +20,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -234,8 +234,22 @@ class Ladder:
         self.report(lambda: self.events.resumed(unit, done))
 
     async def _resume(self, unit: str) -> str:
-        s = self.settings()
         suspension = self.suspensions.pop(unit, None)
+        if suspension is None:
+            return f"a controller restart: {resumed_words(await self.restore(unit))}"
+        done = await self.restore(unit, suspension.pids)
+        away = time.monotonic() - suspension.since
+        return f"{away:.0f} s: {resumed_words(done)}"
+
+    async def restore(
+        self, unit: str, pids: Sequence[int] | None = None
+    ) -> checkpoint.Resumed | None:
+        """ThawUnit, then restore and unlock `pids` (those this controller checkpointed; None
+        after a restart: those of the unit that cuda-checkpoint knows). What was done, None
+        when there is no tool and nothing known to restore; CheckpointError when it failed
+        (`restored` on it: what is back on a GPU all the same). `resume` reports it to the
+        core; `gpuslice release-jobs`, which has none, calls it itself."""
+        s = self.settings()
         try:  # before the restore: it runs in the process
             await self._thaw_patiently(unit, "resuming")
         except CheckpointError as e:  # a bus error is a reason, not a crash
@@ -247,20 +261,13 @@ class Ladder:
             log.log(level, "resuming %s: %s", unit, e.reason)
         tool = checkpoint.find_tool(s.tool)
         if tool is None:
-            if suspension is None:
-                return "a controller restart: nothing to restore without cuda-checkpoint"
+            if pids is None:
+                return None
             raise CheckpointError("cuda-checkpoint is not installed any more: cannot restore")
         checkpoint.check_tool(tool, s.root_only)
-        pids = (
-            suspension.pids
-            if suspension is not None
-            else await self._recovered_pids(unit, tool, s.via_systemd)
-        )
-        seconds = await checkpoint.resume(tool, pids, s)
-        if suspension is None:
-            return f"a controller restart: restored in {seconds:.1f} s"
-        away = time.monotonic() - suspension.since
-        return f"{away:.0f} s: restored in {seconds:.1f} s"
+        if pids is None:
+            pids = await self._recovered_pids(unit, tool, s.via_systemd)
+        return await checkpoint.resume(tool, pids, s)
 
     async def _recovered_pids(self, unit: str, tool: str, via_systemd: bool) -> list[int]:
         """After a controller restart: the processes of the unit that cuda-checkpoint knows
@@ -442,6 +449,23 @@ class Ladder:
                     self.busy.pop(unit, None)
 
         return run()
+
+
+def resumed_words(done: checkpoint.Resumed | None) -> str:
+    """What a resume did (`Ladder.restore`), in the journal's words and release-jobs':
+    "restored" only when cuda-checkpoint restored a process. A resume that found none
+    checkpointed (every PID exited, or none whose state the tool could read) is no
+    restore, whatever the time it took."""
+    if done is None:
+        return "nothing to restore without cuda-checkpoint"
+    if done.restored:
+        return f"restored in {done.seconds:.1f} s"
+    if done.unlocked:
+        return (
+            f"unlocked in {done.seconds:.1f} s: cuda-checkpoint found no process of it "
+            "checkpointed, nothing restored"
+        )
+    return "cuda-checkpoint found no process of it checkpointed or locked: nothing restored"
 
 
 class _FreezerHung(CheckpointError):

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from gpuslice import cli as cli_module
 from gpuslice.annotations import Problem, Scan
+from gpuslice.checkpoint import CheckpointError
 from gpuslice.cli import main
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import SavedState, Scheduler
@@ -407,7 +408,9 @@ def _left_behind(
     suspended unit with (tests/test_release_jobs_resume.py resumes): the systemctl commands
     it ran but `show`, and its stderr."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot))
-    monkeypatch.setattr(cli_module, "_resume_left", lambda unit, s: f"{unit}: no cuda-checkpoint")
+    monkeypatch.setattr(
+        cli_module, "_resume_left", lambda unit, s: CheckpointError(f"{unit}: no cuda-checkpoint")
+    )
     ran: list[list[str]] = []
 
     def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -207,7 +207,7 @@ def test_a_resume_goes_on_past_a_process_that_has_exited(tmp_path: Path) -> None
         '  "--get-state --pid 11") echo locked ;;\n'
         "esac",
     )
-    assert 0 <= run(resume(tool, [gone.pid, 11], FAST)) < TIMEOUT  # seconds taken
+    assert 0 <= run(resume(tool, [gone.pid, 11], FAST)).seconds < TIMEOUT  # seconds taken
     assert calls(tmp_path)[1:] == ["--get-state --pid 11", "--action unlock --pid 11"]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from click.testing import CliRunner
 
 from gpuslice import checkpoint
 from gpuslice import cli as cli_module
-from gpuslice.checkpoint import CheckpointError, CheckpointSettings
+from gpuslice.checkpoint import CheckpointError, CheckpointSettings, Resumed
 from gpuslice.cli import main
 from gpuslice.config import Config
 from gpuslice.core.scheduler import SavedState
@@ -36,13 +37,14 @@ def _release(
     monkeypatch: pytest.MonkeyPatch,
     saved: SavedState,
     shown: dict[str, tuple[str, str]],
-    resume: dict[str, str] | None = None,
+    resume: Mapping[str, str | Resumed | CheckpointError] | None = None,
     boot: str = "",
 ) -> tuple[list[tuple[str, str]], list[CheckpointSettings], str]:
     """Run release-jobs on the saved state `saved` (of this boot unless `boot`), systemd showing
     each unit's (ActiveState, FreezerState) as `shown`, each resume answering as `resume` says
-    ("" when it worked, the default): what it did in order (("thaw" | "resume" | systemctl's
-    verb, unit)), the settings each resume got, and its stderr."""
+    (why it failed, or its outcome; one process restored by default): what it did in order
+    (("thaw" | "resume" | systemctl's verb, unit)), the settings each resume got, and its
+    stderr."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot or _this_boot()))
     done: list[tuple[str, str]] = []
     settings: list[CheckpointSettings] = []
@@ -55,10 +57,13 @@ def _release(
         done.append((command[1], command[-1]))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    def resume_left(unit: str, s: CheckpointSettings) -> str:
+    def resume_left(unit: str, s: CheckpointSettings) -> Resumed | CheckpointError:
         done.append(("resume", unit))
         settings.append(s)
-        return (resume or {}).get(unit, "")
+        answer = (resume or {}).get(unit, "")
+        if isinstance(answer, str):
+            return CheckpointError(answer) if answer else Resumed(0.5, (11,))
+        return answer
 
     monkeypatch.setattr(subprocess, "run", systemctl)
     monkeypatch.setattr(cli_module, "_resume_left", resume_left)
@@ -81,7 +86,8 @@ def test_a_unit_suspended_in_this_boot_is_resumed_with_the_controllers_settings(
     )
     assert done == [("resume", "train.service")]
     assert stderr.splitlines() == [
-        "gpuslice is being removed: train.service resumed from host memory"
+        "gpuslice is being removed: train.service resumed from host memory, 1 process: "
+        "restored in 0.5 s"
     ]
     (s,) = settings
     assert (s.restore_timeout, s.root_only, s.via_systemd) == (42.0, True, True)
@@ -239,11 +245,11 @@ def _tool_and_systemd(
     async def stop_earlier_runs(pids: list[int]) -> str:
         return ""
 
-    async def resume(tool: str, pids: list[int], s: CheckpointSettings) -> float:
+    async def resume(tool: str, pids: list[int], s: CheckpointSettings) -> Resumed:
         calls.append(("restore", tool, *map(str, pids)))
         if restore_fails:
             raise CheckpointError(restore_fails, lost=(pids[0],))
-        return 0.5
+        return Resumed(0.5, tuple(pids))
 
     monkeypatch.setattr(Systemd, "connect", connect)
     monkeypatch.setattr(checkpoint, "find_tool", lambda configured, **kw: TOOL)
@@ -279,7 +285,8 @@ def test_the_resume_is_the_controllers_thaw_then_restore_of_its_cuda_processes(
     result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "config.yaml")])
     assert result.exit_code == 0, result.output
     assert result.stderr.splitlines() == [
-        "gpuslice is being removed: train.service resumed from host memory"
+        "gpuslice is being removed: train.service resumed from host memory, 2 processes: "
+        "restored in 0.5 s"
     ]
     assert calls == [
         ("ThawUnit", "train.service"),
@@ -297,7 +304,8 @@ def test_a_restore_that_fails_leaves_the_unit_frozen_again_never_stopped(
     why = "restore of PID 11 ran out of GPU memory; the process cannot be resumed"
     calls, made = _tool_and_systemd(monkeypatch, restore_fails=why)
     settings = CheckpointSettings.from_config(Config())
-    assert cli_module._resume_left("train.service", settings) == why
+    failed = cli_module._resume_left("train.service", settings)
+    assert isinstance(failed, CheckpointError) and failed.reason == why
     assert calls == [
         ("ThawUnit", "train.service"),
         ("GetUnitProcesses", "train.service"),
@@ -319,6 +327,8 @@ def test_no_thaw_without_a_tool_that_only_root_can_change(
     os.chmod(tool, 0o777)
     anyones = CheckpointSettings.from_config(Config(cuda_checkpoint=str(tool)))
     why = cli_module._resume_left("train.service", anyones)
-    assert "is not run: gpuslice runs it as root, and someone other than root" in why
+    assert isinstance(why, CheckpointError)
+    assert "is not run: gpuslice runs it as root, and someone other than root" in why.reason
     gone = CheckpointSettings.from_config(Config(cuda_checkpoint=str(tmp_path / "gone")))
-    assert "is not an executable file" in cli_module._resume_left("train.service", gone)
+    why = cli_module._resume_left("train.service", gone)
+    assert isinstance(why, CheckpointError) and "is not an executable file" in why.reason

@@ -92,7 +92,7 @@ def main(args: Sequence[str] | None = None) -> int:
         print(f"suspended in {down:.2f} s ({down / opts.gib:.3f} s/GiB); left NVML: {bool(gone)}")
         time.sleep(1)
         try:
-            up = asyncio.run(checkpoint.resume(tool, [child.pid], settings))
+            up = asyncio.run(checkpoint.resume(tool, [child.pid], settings)).seconds
         except CheckpointError as e:
             print(f"FAIL: resume: {e.reason}")
             return 1
