@@ -23,7 +23,7 @@ import logging
 import re
 import socket
 import struct
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
 from gpuslice.core.decisions import Code, Decision, until
@@ -39,6 +39,11 @@ MAX_ENTRY = 128 * 1024  # bytes of one datagram (journald reads up to its socket
 MAX_BACKLOG = 2_000
 MAX_BACKLOG_BYTES = 4 << 20
 RETRY_DELAY = 0.005  # seconds between tries to write the backlog
+# Fields of one entry. journald drops an entry of more than 1,024 without a word
+# (ENTRY_FIELD_COUNT_MAX in journald-native.c; the send succeeds), and adds its own fields
+# (_PID=, _SYSTEMD_UNIT=, ...) to those it keeps. A lost GPU's entry names each unit that held
+# it twice: past ~510 units it was lost from every journal, gpuslice's own too.
+MAX_FIELDS = 960
 # Field names as journald accepts them: A-Z, 0-9 and _, not starting with _ or a digit.
 FIELD_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,63}", re.ASCII)
 SYSLOG = {"critical": 2, "error": 3, "warning": 4, "info": 6, "debug": 7}
@@ -62,6 +67,23 @@ def encode(fields: Iterable[tuple[str, str]], max_value: int = MAX_VALUE) -> byt
         else:
             out += name + b"=" + data + b"\n"
     return bytes(out)
+
+
+def entries(fields: Fields, max_fields: int = MAX_FIELDS) -> list[list[tuple[str, str]]]:
+    """`fields` as entries journald keeps: the one entry, or past `max_fields` several, each
+    with every field given once and its share of those given several times (a decision's
+    units, whose OBJECT_SYSTEMD_UNIT= and GPUSLICE_UNIT= stay together). ValueError when the
+    fields given once alone are too many."""
+    if len(fields) <= max_fields:
+        return [list(fields)]
+    counts = Counter(key for key, _ in fields)
+    once = [field for field in fields if counts[field[0]] == 1]
+    many = [field for field in fields if counts[field[0]] > 1]
+    keys = len({key for key, _ in many})
+    room = (max_fields - len(once)) // keys * keys if keys else 0
+    if room <= 0:
+        raise ValueError(f"an entry of {len(fields)} fields, {len(once)} of them different")
+    return [once + many[i : i + room] for i in range(0, len(many), room)]
 
 
 def decision_fields(
@@ -113,7 +135,16 @@ class Journal:
 
     def send(self, fields: Fields) -> bool:
         """Whether the entry was taken: written, or held until journald takes it (only
-        within an event loop, which writes it later). A failure is counted and said once."""
+        within an event loop, which writes it later). A failure is counted and said once.
+        Too many fields for one entry go as several (`entries`); False once one is not taken
+        (the caller's plain line then says it all)."""
+        try:
+            parts = entries(fields)
+        except ValueError as e:
+            return self._failed(e)
+        return all(self._send(part) for part in parts)
+
+    def _send(self, fields: Fields) -> bool:
         try:
             data = encode(fields)
             if len(data) > self.max_entry:
