@@ -157,10 +157,10 @@ def release_jobs(config_path: str) -> None:
 
 def _release_jobs(config_path: str) -> None:
     from gpuslice.checkpoint import CheckpointError, CheckpointSettings
-    from gpuslice.config import Config
+    from gpuslice.config import Config, runtime_dirs_of_this_boot
     from gpuslice.core.model import PRIORITY_MAX
     from gpuslice.core.scheduler import Phase
-    from gpuslice.paths import DEFAULT_STATE_DIR, STATE_DIR_RECORD
+    from gpuslice.paths import DEFAULT_STATE_DIR, RUNTIME_DIR_RECORD, STATE_DIR_RECORD
     from gpuslice.state import StateStore, saved_in
 
     deadline = time.monotonic() + RELEASE_DEADLINE
@@ -180,7 +180,10 @@ def _release_jobs(config_path: str) -> None:
     # (none recorded: the default, where a gpuslice without the record saved it)
     recorded = read_recorded_state_dir(STATE_DIR_RECORD) or DEFAULT_STATE_DIR
     state_path = saved_in(Path(config.state_dir), Path(recorded))
-    saved, saved_boot = StateStore(state_path, Path(config.runtime_dir)).load()
+    # the stand-in is in the runtime_dir the controller ran with this boot (pinned at its
+    # start), which config.yaml may no longer name
+    runtime_dir = runtime_dirs_of_this_boot(None, RUNTIME_DIR_RECORD, config.runtime_dir)[0]
+    saved, saved_boot = StateStore(state_path, Path(runtime_dir)).load()
     try:
         this_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:

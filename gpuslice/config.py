@@ -31,8 +31,8 @@ from gpuslice.paths import (
     CONFIG_PATH,
     DEFAULT_RUNTIME_DIR,
     DEFAULT_STATE_DIR,
+    OWN_RUNTIME_NAME_PREFIXES,
     OWN_STATE_NAME_PREFIXES,
-    RUNTIME_DIR_RECORD,
 )
 from gpuslice.sizes import SIZE_ALLOWED, SIZE_MAX, parse_size
 from gpuslice.unitfiles import printable
@@ -101,10 +101,21 @@ def _directory_below(v: Any, base: str) -> bool:
     )
 
 
+def _own_name_below(v: str, base: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether a name in `v` below `base` begins with one of `prefixes`, or with "." and one
+    of them: a name gpuslice gives its own files in every such directory (paths.py)."""
+    below = v[len(base) :].split("/")
+    return any(n.removeprefix(".").startswith(prefixes) for n in below)
+
+
 def _runtime_dir(v: Any) -> bool:
-    """`_directory_below` /run/gpuslice, but not where the runtime_dir of this boot is recorded
-    (paths.RUNTIME_DIR_RECORD, a file) or below it."""
-    return _directory_below(v, DEFAULT_RUNTIME_DIR) and not _directory_below(v, RUNTIME_DIR_RECORD)
+    """`_directory_below` /run/gpuslice, with no name below it that gpuslice gives its own
+    files there (paths.OWN_RUNTIME_NAME_PREFIXES): not the record of this boot's runtime_dir,
+    the stand-in state file, the env files' or the gates' directory, their temporary or
+    moved-aside names, nor below them."""
+    return _directory_below(v, DEFAULT_RUNTIME_DIR) and not _own_name_below(
+        v, DEFAULT_RUNTIME_DIR, OWN_RUNTIME_NAME_PREFIXES
+    )
 
 
 def _state_dir(v: Any) -> bool:
@@ -112,15 +123,16 @@ def _state_dir(v: Any) -> bool:
     files there (paths.OWN_STATE_NAME_PREFIXES, or "." and one of them): not the record of
     the state_dir in use, the default state_dir's state file, their temporary files, nor
     below them."""
-    if not _directory_below(v, DEFAULT_STATE_DIR):
-        return False
-    below = v[len(DEFAULT_STATE_DIR) :].split("/")
-    return not any(n.removeprefix(".").startswith(OWN_STATE_NAME_PREFIXES) for n in below)
+    return _directory_below(v, DEFAULT_STATE_DIR) and not _own_name_below(
+        v, DEFAULT_STATE_DIR, OWN_STATE_NAME_PREFIXES
+    )
 
 
-# what no name in a state_dir below /var/lib/gpuslice begins with, in words
-_OWN_NAMES = [f'"{dot}{name}"' for name in OWN_STATE_NAME_PREFIXES for dot in ("", ".")]
-_OWN_STATE_NAMES = f"{', '.join(_OWN_NAMES[:-1])} or {_OWN_NAMES[-1]}"
+def _own_names(prefixes: tuple[str, ...]) -> str:
+    """What no name below the base of a path setting begins with, in words."""
+    names = [f'"{dot}{name}"' for name in prefixes for dot in ("", ".")]
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
 
 _PATH_ALLOWED = (
     f"{{base}} or a directory below it, at most {MAX_PATH_LENGTH} characters of letters, "
@@ -233,8 +245,8 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_STATE_DIR,
         _state_dir,
         _PATH_ALLOWED.format(base=DEFAULT_STATE_DIR)
-        + f"; with no name below it that begins with {_OWN_STATE_NAMES}: gpuslice names its "
-        "own files there so",
+        + f"; with no name below it that begins with {_own_names(OWN_STATE_NAME_PREFIXES)}: "
+        "gpuslice names its own files there so",
         "Where the controller keeps what must survive a reboot; a change takes effect when "
         "gpuslice.service restarts, which moves the state there.",
         convert=lambda v: v.rstrip("/"),
@@ -244,7 +256,8 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_RUNTIME_DIR,
         _runtime_dir,
         _PATH_ALLOWED.format(base=DEFAULT_RUNTIME_DIR)
-        + f"; not {RUNTIME_DIR_RECORD}, where gpuslice records the one it runs with",
+        + f"; with no name below it that begins with {_own_names(OWN_RUNTIME_NAME_PREFIXES)}: "
+        "gpuslice names its own files there so",
         "Where the controller writes per-unit environment files "
         "(RUNTIME_DIR/env/UNIT/gpuslice.env) and the gate's pipes (RUNTIME_DIR/gate/UNIT); "
         "a change takes effect at the next boot.",
@@ -954,11 +967,13 @@ def read_recorded_state_dir(record: str | os.PathLike[str]) -> str | None:
     """The state_dir the controller recorded at `record` when it last started (its trailing
     "/" off); None when none did, or the record names no state_dir: one spelled as config.yaml
     must spell it, in the record's directory (paths.DEFAULT_STATE_DIR) or below it, and not
-    the record itself. Only root writes there, but the controller removes a file in it."""
+    the record itself nor another of gpuslice's own files there (`_state_dir`'s rule). Only
+    root writes there, but the controller removes a file in it."""
     value, path = _record_line(record), os.fspath(record)
-    if value is None or _directory_below(value, path):
+    base = os.path.dirname(path)
+    if value is None or _directory_below(value, path) or not _directory_below(value, base):
         return None
-    return value.rstrip("/") if _directory_below(value, os.path.dirname(path)) else None
+    return None if _own_name_below(value, base, OWN_STATE_NAME_PREFIXES) else value.rstrip("/")
 
 
 def record_state_dir(record: str | os.PathLike[str], state_dir: str) -> bool:

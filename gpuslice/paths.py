@@ -22,7 +22,8 @@ DEFAULT_LIBEXEC_DIR = "/usr/lib/gpuslice"
 # generator names that one in the gates while it is recorded, and tells gpuslice.service which
 # one its gates name (RUNTIME_DIR_ENV, in a drop-in of its own): a runtime_dir changed in
 # config.yaml takes effect at the next boot.
-RUNTIME_DIR_RECORD = "/run/gpuslice/runtime-dir"
+RUNTIME_DIR_RECORD_NAME = "runtime-dir"
+RUNTIME_DIR_RECORD = f"{DEFAULT_RUNTIME_DIR}/{RUNTIME_DIR_RECORD_NAME}"
 RUNTIME_DIR_ENV = "GPUSLICE_RUNTIME_DIR"
 # The state_dir the controller last ran with. A state_dir edited in config.yaml takes effect at
 # the next start, which would read an empty directory and forget every unit owed a restart or
@@ -66,13 +67,14 @@ LIBEXEC_DIR = find_libexec_dir()
 # A granted unit's environment: one directory per unit, so that every valid unit name (up to
 # systemd's 255 characters) fits in one path component. The generator writes the specifier
 # form into each gate drop-in; the controller writes the file before it answers the gate.
+ENV_DIR_NAME = "env"
 ENV_FILE_NAME = "gpuslice.env"
-ENV_FILE_SPECIFIER = f"env/%n/{ENV_FILE_NAME}"
+ENV_FILE_SPECIFIER = f"{ENV_DIR_NAME}/%n/{ENV_FILE_NAME}"
 
 
 def env_file(runtime_dir: str, unit: str) -> Path:
     """RUNTIME_DIR/env/UNIT/gpuslice.env, the file `EnvironmentFile=` names."""
-    return Path(runtime_dir) / "env" / unit / ENV_FILE_NAME
+    return Path(runtime_dir) / ENV_DIR_NAME / unit / ENV_FILE_NAME
 
 
 # The gate's pipes (gpuslice/gatepipes.py): one per unit, named by the unit, in one directory
@@ -84,3 +86,19 @@ GATE_PIPE_SPECIFIER = f"{GATE_PIPE_DIR_NAME}/%n"
 def gate_pipe_dir(runtime_dir: str) -> Path:
     """RUNTIME_DIR/gate, where the pipe of each unit at its gate is."""
     return Path(runtime_dir) / GATE_PIPE_DIR_NAME
+
+
+# Every name gpuslice writes in a runtime_dir, DEFAULT_RUNTIME_DIR included, begins with one of
+# these, or with "." and one of them: the record of this boot's runtime_dir, the stand-in state
+# file, the directories of the env files and of the gates' pipes, and their temporary or
+# moved-aside names (`.NAME.tmp`, `.gate.released-PID`). The runtime_dir of this boot is
+# pinned, but `gpuslice release-gates` empties RUNTIME_DIR/gate of config.yaml's runtime_dir
+# too (and of DEFAULT_RUNTIME_DIR's while config.yaml is bad): a runtime_dir of
+# /run/gpuslice/gate lost its env files and its stand-in (the units owed a restart) there, and
+# one of /run/gpuslice/.runtime-dir.tmp kept the record from being written.
+OWN_RUNTIME_NAME_PREFIXES = (
+    RUNTIME_DIR_RECORD_NAME,
+    STATE_FILE_NAME,
+    ENV_DIR_NAME,
+    GATE_PIPE_DIR_NAME,
+)

@@ -21,8 +21,16 @@ One `.bad` file is kept, replaced each time. A file that cannot be read (EIO) is
 
 A state directory that cannot be written (a full or read-only disk) must not make a restarted
 controller forget what it preempted: the state then goes to a stand-in in runtime_dir (a
-tmpfs, so it lasts until the next reboot), which `load()` prefers while it is the newer of the
-two; the first save that reaches the state directory again removes it.
+tmpfs, so it lasts until the next reboot), which `load()` prefers while it is the later saved
+of the two; the first save that reaches the state directory again removes it.
+
+Which of two state files was saved later is told by their save generation, a number each save
+writes one higher than any the store has seen (`generation`), never by their modification
+times: a clock stepped back between two saves (an NTP correction at boot, a board without a
+real-time clock that starts in 1970) made the stale file the newer, and the units the other
+owed a restart or a resume were lost (or a long-finished preemption replayed). A file without
+one (an older gpuslice's) is generation 0; of two files of one generation, the later modified
+wins.
 """
 
 from __future__ import annotations
@@ -53,13 +61,14 @@ STATE_FILE_MAX = 16 << 20  # save() writes kilobytes; a bigger file is not ours
 GPU_INDEX_MAX = 1023
 SEQ_MAX = (1 << 63) - 1
 BOOT_ID_MAX = 256  # "<kernel boot id>/<systemd's UserspaceTimestamp>"
+GENERATION_MAX = SEQ_MAX  # a save a microsecond would take 292,000 years to reach it
 # a suspended unit holds no GPU: it is listed under "suspended", never as a holder
 PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
 # written since the Preempt= ladder, since starts are saved before they are sent, since
-# the terms of units whose annotation goes are kept, and since thaws owed are; a file
-# without them (an older controller's) is complete
-LATER_FIELDS = ("frozen_for", "started", "suspended", "terms", "thaw_owed")
+# the terms of units whose annotation goes are kept, since thaws owed are, and since saves
+# are numbered; a file without them (an older controller's) is complete
+LATER_FIELDS = ("frozen_for", "generation", "started", "suspended", "terms", "thaw_owed")
 # the phases of a holder that may be owed a thaw (Scheduler.thaws_owed)
 THAW_OWED_PHASES = (Phase.RUNNING.value, Phase.STOPPING.value)
 KINDS = tuple(k.value for k in UnitKind)
@@ -152,7 +161,24 @@ def parse(raw: bytes, problems: Problems) -> dict[str, Any]:
     version = data.get("version")
     if not _is_int(version, FORMAT_VERSION, FORMAT_VERSION):
         raise BadFile(f"format version {_show(version)}, expected {FORMAT_VERSION}")
+    # a bad one leaves no way to tell this file from an older or a newer one: the file is bad
+    generation = data.get("generation", 0)
+    if not _is_int(generation, 0, GENERATION_MAX):
+        raise BadFile(
+            f"save generation {_show(generation)}, expected an integer 0-{GENERATION_MAX}"
+        )
     return data
+
+
+def _generation(path: Path) -> int:
+    """The save generation of the state file at `path`; 0 when it has none (an older
+    gpuslice's), cannot be read or is bad: then only its modification time tells it from
+    another file of generation 0."""
+    try:
+        raw = safefile.read_bytes(path, STATE_FILE_MAX, follow_links=False)
+        return int(parse(raw, Problems()).get("generation", 0))
+    except (safefile.Unreadable, BadFile):
+        return 0
 
 
 def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]:
@@ -408,19 +434,27 @@ def _write_new(path: Path, data: bytes) -> None:
         _write_atomic(path, data)
 
 
+def _rank(path: Path, mtime_ns: int) -> tuple[int, int]:
+    """How late the state file at `path`, modified at `mtime_ns`, was saved: of two files,
+    the higher ranked was saved after the other. Its save generation, then, for two of one
+    generation (two files of an older gpuslice), its modification time."""
+    return _generation(path), mtime_ns
+
+
 def saved_in(configured: Path, recorded: Path) -> Path:
     """The state_dir whose state a stopped controller left: `recorded` (paths.STATE_DIR_RECORD,
-    where it last ran) while its state file is there and no older than `configured`'s
+    where it last ran) while its state file is there and not saved after `configured`'s
     (config.yaml's state_dir, where its next start moves it: StateStore.take_over)."""
+    found, saved = recorded / STATE_FILE_NAME, configured / STATE_FILE_NAME
     try:
-        found = os.lstat(recorded / STATE_FILE_NAME).st_mtime_ns
+        found_ns = os.lstat(found).st_mtime_ns
     except OSError:
         return configured
     try:
-        saved = os.lstat(configured / STATE_FILE_NAME).st_mtime_ns
+        saved_ns = os.lstat(saved).st_mtime_ns
     except OSError:
         return recorded
-    return configured if saved > found else recorded
+    return configured if _rank(saved, saved_ns) > _rank(found, found_ns) else recorded
 
 
 class StateStore:
@@ -433,6 +467,10 @@ class StateStore:
             self.standin = runtime_dir / STATE_FILE_NAME
         self.failure: OSError | None = None  # why the last save went to the stand-in
         self._standin_left = self.standin is not None  # a stand-in may exist: removed once
+        # the highest save generation seen in a file (load, take_over) or written: the next
+        # save writes one more, so that it is the later saved of any two files, whatever
+        # the clock said
+        self.generation = 0
 
     def load(self) -> tuple[SavedState, str]:
         """The saved state and the boot id it was written in ("" when there is none).
@@ -471,6 +509,7 @@ class StateStore:
                 self._move_aside(),
             )
             return SavedState(), ""
+        self._seen(data)
         saved, boot_id = validate(data, problems)
         if problems and saved == SavedState():
             boot_id = ""  # the file is moved aside: nothing was written in that boot
@@ -491,8 +530,9 @@ class StateStore:
         lost: units preempted and owed a restart never started again, suspended ones stayed
         frozen with their memory on the host.
 
-        The newer of the two files is kept, by the time each was saved: a file moved keeps
-        its own, as `mv` does (the stand-in is judged against it). The other is removed once
+        The later saved of the two files is kept (`_rank`: by their save generation;
+        a file moved keeps its modification time too, as `mv` does, for a file of an older
+        gpuslice, and the stand-in is judged against it). The other is removed once
         the kept one is on disk: left, it would be read again if state_dir came back to that
         directory without the record, and its units restarted long after. A file that cannot
         be moved is said and left there. True when the state to load is here; False when
@@ -517,8 +557,12 @@ class StateStore:
         else:
             if (here.st_dev, here.st_ino) == (found.st_dev, found.st_ino):
                 return True  # one directory by two names (a link): nothing to move
-            mine = here.st_mtime_ns
-        if mine is not None and mine > found.st_mtime_ns:
+            mine = _rank(self.path, here.st_mtime_ns)
+        theirs = _rank(old, found.st_mtime_ns)
+        # whichever is kept, the next save is numbered after both (after the one left in
+        # old_dir when the move fails too)
+        self.generation = max(self.generation, theirs[0], 0 if mine is None else mine[0])
+        if mine is not None and mine > theirs:
             log.warning(
                 "%s: older than %s, saved since, which holds the state; removed", old, self.path
             )
@@ -579,10 +623,12 @@ class StateStore:
             log.error("cannot remove %s: %s", old, e.strerror or e)
 
     def _load_standin(self) -> tuple[SavedState, str] | None:
-        """The stand-in's state when it is there, valid and newer than the state file. One
-        older than the state file is the trace of a controller killed between a save that
-        reached state_dir again and the stand-in's removal; an invalid one is removed (it is
-        ours, in a directory only root writes, and the state file is the better guess)."""
+        """The stand-in's state when it is there, valid and not saved before the state file
+        (`_rank`; its generation is read from it, so a stand-in that cannot be parsed is
+        said as an invalid one). One saved before it is the trace of a controller killed
+        between a save that reached state_dir again and the stand-in's removal; an invalid
+        one is removed (it is ours, in a directory only root writes, and the state file is
+        the better guess)."""
         if self.standin is None:
             return None
         try:
@@ -593,21 +639,25 @@ class StateStore:
         except OSError as e:
             log.error("%s: cannot look at the stand-in (%s); not used", self.standin, e)
             return None
-        with contextlib.suppress(OSError):
-            if os.lstat(self.path).st_mtime_ns > found:
-                log.info("%s: older than %s; removed", self.standin, self.path)
-                self._remove_standin()
-                return None
         problems = Problems()
         try:
             data = parse(self._read(self.standin), problems)
-            saved, boot_id = validate(data, problems)
         except (BadFile, OSError) as e:
             problems.add(str(e))
+        else:
+            with contextlib.suppress(OSError):
+                mine = _rank(self.path, os.lstat(self.path).st_mtime_ns)
+                self.generation = max(self.generation, mine[0])
+                if mine > (int(data.get("generation", 0)), found):
+                    log.info("%s: older than %s; removed", self.standin, self.path)
+                    self._remove_standin()
+                    return None
+            saved, boot_id = validate(data, problems)
         if problems:
             log.error("%s: %s; removed, using %s", self.standin, problems, self.path)
             self._remove_standin()
             return None
+        self._seen(data)
         log.warning(
             "%s: the state saved while %s could not be written (newer than it); "
             "it goes back there at the next save",
@@ -626,6 +676,10 @@ class StateStore:
             log.error("cannot remove %s: %s", self.standin, e)
             return
         self._standin_left = False
+
+    def _seen(self, data: dict[str, Any]) -> None:
+        """Number the next save after the file `data` was parsed from (`parse` checked it)."""
+        self.generation = max(self.generation, int(data.get("generation", 0)))
 
     def _read(self, path: Path | None = None) -> bytes:
         """The file's bytes; BadFile for a path that is no regular file or too big, the OSError
@@ -669,7 +723,14 @@ class StateStore:
         """Write the state atomically; where it went: the state file, or the stand-in when
         the state file cannot be written (`failure` says why). An OSError reaches the caller
         (the controller logs it) when neither can be written."""
-        data = {"version": FORMAT_VERSION, "boot_id": boot_id, **asdict(saved)}
+        # one more than any seen, whichever file it goes to (at the bound: as high as that)
+        self.generation = min(self.generation + 1, GENERATION_MAX)
+        data = {
+            "version": FORMAT_VERSION,
+            "boot_id": boot_id,
+            "generation": self.generation,
+            **asdict(saved),
+        }
         text = json.dumps(data, sort_keys=True, allow_nan=False).encode()
         try:
             _write_new(self.path, text)

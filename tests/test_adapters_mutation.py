@@ -317,7 +317,9 @@ def test_directories_below_the_sandbox(key: str) -> None:
             'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s '
             "sandbox lets it write nowhere else"
             + (
-                f"; not {base}/runtime-dir, where gpuslice records the one it runs with)"
+                '; with no name below it that begins with "runtime-dir", ".runtime-dir", '
+                '"state.json", ".state.json", "env", ".env", "gate" or ".gate": gpuslice '
+                "names its own files there so)"
                 if key == "runtime_dir"
                 else '; with no name below it that begins with "state-dir", ".state-dir", '
                 '"state.json" or ".state.json": gpuslice names its own files there so)'
@@ -628,7 +630,7 @@ def test_cannot_rewrite_says_why_in_the_systems_words(
 def test_save_writes_sorted_keys(tmp_path: Path) -> None:
     StateStore(tmp_path).save(STATE, "b")
     assert (tmp_path / "state.json").read_text() == (
-        '{"boot_id": "b", "failed": [], "finished": [], "frozen_for": {}, '
+        '{"boot_id": "b", "failed": [], "finished": [], "frozen_for": {}, "generation": 1, '
         '"held": ["train.service"], "holders": {"asr.service": [[0], "running", 4, ""]}, '
         '"preempted": {"vlm.service": 3}, "seq": 5, "started": [], "suspended": {}, "terms": {}, '
         '"thaw_owed": [], "version": 1}'

@@ -40,8 +40,9 @@ ALLOWED = {
     '"state.json" or ".state.json": gpuslice names its own files there so',
     "RUNTIME": "/run/gpuslice or a directory below it, at most 200 characters of letters, "
     'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s sandbox lets '
-    "it write nowhere else; not /run/gpuslice/runtime-dir, where gpuslice records the one it "
-    "runs with",
+    'it write nowhere else; with no name below it that begins with "runtime-dir", ".runtime-dir", '
+    '"state.json", ".state.json", "env", ".env", "gate" or ".gate": gpuslice names its own '
+    "files there so",
     "MANAGE": "a list of at most 1024 GPU indices or GPU- UUIDs (MIG devices are not supported; "
     "empty: every GPU NVML finds)",
     "RESERVE": "a size such as 512M, 20G or 20GiB (binary units, at most 1P), or a mapping of "
@@ -803,8 +804,9 @@ def test_a_file_of_another_user_or_group_is_not_read_by_root(tmp_path: Path) -> 
 def test_runtime_dir_is_not_where_the_runtime_dir_of_this_boot_is_recorded(value: str) -> None:
     (problem,) = problems_of(f"runtime_dir: {value}\n", "/c")
     assert problem == f'/c:1: runtime_dir: invalid value "{value}" (allowed: {ALLOWED["RUNTIME"]})'
-    assert parse_config("runtime_dir: /run/gpuslice/runtime-dirs\n", "/c")[0].runtime_dir == (
-        "/run/gpuslice/runtime-dirs"
+    # any name that begins as the record's does is refused too (tests/test_state_records.py)
+    assert parse_config("runtime_dir: /run/gpuslice/runtime-di\n", "/c")[0].runtime_dir == (
+        "/run/gpuslice/runtime-di"
     )
 
 

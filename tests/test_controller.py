@@ -3521,13 +3521,14 @@ def test_instances_that_ended_leave_nothing_behind(tmp_path: Path) -> None:
         await until(lambda: bed.systemd.watched == {"a.service"})
         run_instance(ctl, "tx@first.service", 1000)
         await settle()
-        saved = {**json.loads(state_file.read_text()), "seq": 0}  # a count of decisions
+        # counts of decisions and of saves
+        saved = {**json.loads(state_file.read_text()), "seq": 0, "generation": 0}
         for i in range(300):
             run_instance(ctl, f"tx@{i}.service", i + 1)
             await settle()
         assert ctl.scheduler.annotated() == {"a.service"}
         assert ctl.tracker.states == {}
-        assert {**json.loads(state_file.read_text()), "seq": 0} == saved
+        assert {**json.loads(state_file.read_text()), "seq": 0, "generation": 0} == saved
         await until(lambda: bed.systemd.watched == {"a.service"})
 
     run(test)

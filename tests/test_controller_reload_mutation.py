@@ -423,12 +423,12 @@ def test_the_generators_word_goes_before_the_record_and_config_yaml_and_is_recor
     said to take effect at the next boot."""
     boot = Boot(tmp_path, monkeypatch)
     boot.record.write_text("/run/gpuslice/rec\n")
-    assert boot.pick("/run/gpuslice/cfg", env="/run/gpuslice/env/") == "/run/gpuslice/env"
-    assert boot.record.read_text() == "/run/gpuslice/env\n"
-    assert said(logs, BOOT_FUNCTIONS) == [boot.not_yet("/run/gpuslice/cfg", "/run/gpuslice/env")]
+    assert boot.pick("/run/gpuslice/cfg", env="/run/gpuslice/told/") == "/run/gpuslice/told"
+    assert boot.record.read_text() == "/run/gpuslice/told\n"
+    assert said(logs, BOOT_FUNCTIONS) == [boot.not_yet("/run/gpuslice/cfg", "/run/gpuslice/told")]
     logs.clear()
 
-    assert boot.pick("/run/gpuslice/env", env="/run/gpuslice/env") == "/run/gpuslice/env"
+    assert boot.pick("/run/gpuslice/told", env="/run/gpuslice/told") == "/run/gpuslice/told"
     assert said(logs, BOOT_FUNCTIONS) == []  # config.yaml says the same: nothing to say
 
 

@@ -388,7 +388,7 @@ def test_round_trip(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "new")
     store.save(GOOD_STATE, "0f6c/1234")
     assert store.load() == (GOOD_STATE, "0f6c/1234")
-    assert json.loads(store.path.read_text()) == GOOD
+    assert json.loads(store.path.read_text()) == {**GOOD, "generation": 1}
 
 
 def test_round_trip_of_the_ladder(tmp_path: Path) -> None:
@@ -409,7 +409,7 @@ def test_round_trip_of_the_ladder(tmp_path: Path) -> None:
         ),
         "0f6c/1234",
     )
-    assert json.loads(store.path.read_text()) == LADDER
+    assert json.loads(store.path.read_text()) == {**LADDER, "generation": 1}
     assert store.load()[0].suspended == {"ocr.service": ((1,), 2)}
     assert store.load()[0].frozen_for == {"emb.service": ["asr.service"]}
 
@@ -519,7 +519,7 @@ def test_round_trip_of_the_terms(tmp_path: Path, caplog: pytest.LogCaptureFixtur
     }
     store = StateStore(tmp_path / "again")
     store.save(saved, "0f6c/1234")
-    assert json.loads(store.path.read_text()) == TERMS
+    assert json.loads(store.path.read_text()) == {**TERMS, "generation": 1}
 
 
 def test_a_restarted_controller_holds_unannotated_units_on_their_saved_terms(
@@ -736,7 +736,7 @@ def test_a_stand_in_older_than_the_state_file_is_removed_unread(
     assert "older than" in caplog.text
 
 
-@pytest.mark.parametrize("content", [b"{", good(seq=-1), b"x" * (STATE_FILE_MAX + 1)])
+@pytest.mark.parametrize("content", [b"{", good(seq=-1, generation=2), b"x" * (STATE_FILE_MAX + 1)])
 def test_an_invalid_stand_in_is_removed_and_the_state_file_used(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, content: bytes
 ) -> None:
@@ -760,11 +760,11 @@ def test_a_stand_in_link_is_not_followed(tmp_path: Path, caplog: pytest.LogCaptu
 
 
 def test_a_stand_in_as_new_as_the_state_file_is_the_one_read(tmp_path: Path) -> None:
-    """A stand-in is written only when the state file could not be: on a tie (a clock
-    of coarse steps) it is the newer word."""
+    """A stand-in is written only when the state file could not be: on a tie (one save
+    generation, and a clock of coarse steps) it is the newer word."""
     StateStore(tmp_path / "state").save(GOOD_STATE, "0f6c/1234")
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "state.json").write_bytes(good(seq=7))
+    (tmp_path / "run" / "state.json").write_bytes(good(seq=7, generation=1))
     for path in (tmp_path / "state" / "state.json", tmp_path / "run" / "state.json"):
         os.utime(path, ns=(5, 5))
     store = StateStore(tmp_path / "state", tmp_path / "run")
@@ -805,7 +805,7 @@ def test_a_stand_in_with_a_key_twice_is_removed_and_named(
 ) -> None:
     StateStore(tmp_path / "state").save(GOOD_STATE, "0f6c/1234")
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "state.json").write_bytes(b'{"seq": 1, ' + good()[1:])
+    (tmp_path / "run" / "state.json").write_bytes(b'{"seq": 1, ' + good(generation=2)[1:])
     with caplog.at_level(logging.INFO, "gpuslice"):
         assert StateStore(tmp_path / "state", tmp_path / "run").load() == (GOOD_STATE, "0f6c/1234")
     message = one_error(caplog.records)

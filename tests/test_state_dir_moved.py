@@ -376,3 +376,32 @@ def test_release_jobs_reads_the_state_where_the_stopped_controller_left_it(
     assert result.exit_code == 0, result.output
     assert "low.service was preempted and nothing will start it again" in result.stderr
     assert (dirs.old / "state.json").exists()  # read, never moved by the CLI
+
+
+def test_release_jobs_reads_the_stand_in_where_the_controller_of_this_boot_kept_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """runtime_dir edited this boot: the controller kept running with the one it pinned at
+    its start, and its stand-in (state_dir unwritable) is there. Read from config.yaml's,
+    release-jobs found no stand-in and named no preempted unit."""
+    from gpuslice import config as config_module
+
+    pinned, configured, state_dir = tmp_path / "run-old", tmp_path / "run-new", tmp_path / "lib"
+    pinned.mkdir()
+    state_dir.mkdir()
+    StateStore(pinned).save(SavedState(preempted={"low.service": 1}, seq=1), BOOT)
+    config = Config(state_dir=str(state_dir), runtime_dir=str(configured))
+    monkeypatch.setattr(cli_module, "load_config_with_warnings", lambda path: (config, []))
+    monkeypatch.setattr(paths, "STATE_DIR_RECORD", str(tmp_path / "no-record"))
+    monkeypatch.setattr(paths, "RUNTIME_DIR_RECORD", str(tmp_path / "runtime-dir"))
+    # the record names a runtime_dir below /run/gpuslice; here, the test's own directory
+    monkeypatch.setattr(config_module, "read_pinned_runtime_dir", lambda record: str(pinned))
+
+    def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        out = "ActiveState=inactive\nFreezerState=running\n" if command[1] == "show" else ""
+        return subprocess.CompletedProcess(command, 0, out, "")
+
+    monkeypatch.setattr(subprocess, "run", systemctl)
+    result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "c.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "low.service was preempted and nothing will start it again" in result.stderr
