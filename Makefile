@@ -255,7 +255,8 @@ MUTATE_controller := gpuslice.controller.*
 # its work to a plain function: mutmut mutates no decorated one)
 MUTATE_outer := gpuslice.systemd.* gpuslice.nvml.* gpuslice.driver.* gpuslice.gpuwatch.* \
 	gpuslice.inventory.* gpuslice.newunit.* gpuslice.metrics.* gpuslice.exporter.* \
-	gpuslice.journal.* gpuslice.notify.* gpuslice.counters.* gpuslice.offloop.* gpuslice.cli.*
+	gpuslice.journal.* gpuslice.notify.* gpuslice.counters.* gpuslice.offloop.* gpuslice.cli.* \
+	gpuslice.procmount.*
 MUTATE_all := $(MUTATE_core) $(MUTATE_adapters) $(MUTATE_controller) $(MUTATE_outer)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
 mutate: venv

@@ -72,6 +72,7 @@ from gpuslice.paths import (
     env_file,
     gate_pipe_dir,
 )
+from gpuslice.procmount import ProcHiding, read_proc_hiding
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import Flusher, StateStore
@@ -215,8 +216,16 @@ class Controller:
         self.notifier = Notifier()
         # the gate calls in wait; the bus adapter unless one is given (tests)
         self.service = service or SchedulerService(
-            systemd.bus, self.on_acquire, self.status_json, self.request_rescan, self.plan_json
+            systemd.bus,
+            self.on_acquire,
+            self.status_json,
+            self.request_rescan,
+            self.plan_json,
+            self.status_for,
         )
+        # whether /proc hides other users' processes, read at start and at each reload:
+        # Status then hides them from callers /proc hides them from (status_for)
+        self.proc_hiding = ProcHiding()
         # the gates' fast way: answered through a pipe when systemd shows them at the gate
         self.gates = GatePipes(gate_pipe_dir(config.runtime_dir))
         self.boot_id = ""
@@ -227,6 +236,7 @@ class Controller:
         self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._status = CachedStatus(self._status_snapshot)
+        self._redacted = self._status.variant(lambda: self._status_snapshot(redact=True))
         # rescans run off the loop, one at a time; Acquire calls of units the running scan
         # may not know yet wait for it
         self._rescan: asyncio.Task[None] | None = None
@@ -264,6 +274,7 @@ class Controller:
         self.systemd.on_reloading = self.on_reloading
         self.systemd.on_systemd_restarted = self.on_systemd_restarted
         self.gates.reset()  # gates left waiting by an earlier controller ask over D-Bus
+        self._read_proc_hiding()
         await self.systemd.subscribe()
         self.boot_id = await self.systemd.boot_id()
         for problem in self.scan.problems:
@@ -774,7 +785,9 @@ class Controller:
 
     def reload_config(self, recheck: bool = False) -> bool:
         """Read config.yaml and apply it, or keep the last good one. With `recheck`, False
-        and nothing done when the file changed while it was read."""
+        and nothing done when the file changed while it was read. /proc's mount is read
+        again whatever the file holds (an admin who remounted it with hidepid= sends SIGHUP)."""
+        self._read_proc_hiding()
         try:
             if recheck:
                 loaded = read_unchanged(self.config_path, load_config_with_warnings)
@@ -801,6 +814,22 @@ class Controller:
         self.watch.refresh()
         self.request_rescan()
         return True
+
+    def _read_proc_hiding(self) -> None:
+        """Whether /proc hides other users' processes now (said when it changes)."""
+        hiding = read_proc_hiding()
+        if hiding != self.proc_hiding:
+            if hiding.hides:
+                group = f", or of group {hiding.gid}" if hiding.gid is not None else ""
+                log.info(
+                    "/proc hides other users' processes (%s): Status shows them only to "
+                    "callers that are root%s",
+                    hiding.said,
+                    group,
+                )
+            elif self.proc_hiding.hides:
+                log.info("/proc no longer hides other users' processes: Status shows them all")
+        self.proc_hiding = hiding
 
     def _keep_paths(self, config: Config) -> Config:
         """`config` with the paths this controller started with. The gates' drop-ins name
@@ -1423,16 +1452,34 @@ class Controller:
         what = "; ".join(parts) if parts else "idle"
         return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
 
-    def status_json(self) -> str:
+    def status_json(self, redacted: bool = False) -> str:
         """Anyone may ask, as often as they like: the answer is built once per change, and a
-        slow one less often (gpuslice/status.py: CachedStatus)."""
-        cached = self._status.text()
+        slow one less often (gpuslice/status.py: CachedStatus); `redacted`, without what
+        /proc hides from other users (status_for), cached alike."""
+        cache = self._redacted if redacted else self._status
+        cached = cache.text()
         # the counters move without a change of state: added at each call (a few hundred
         # bytes) to the cached snapshot's object, whose last character is its closing brace
-        extra = json.dumps(self.status_counters(), sort_keys=True)
+        extra = json.dumps(self.status_counters(cache.as_of), sort_keys=True)
         return f"{cached[:-1]}, {extra[1:]}"
 
-    def _status_snapshot(self) -> str:
+    def status_for(self, sender: str) -> str | Awaitable[str]:
+        """The Status answer for the caller of this unique bus name: where /proc hides other
+        users' processes, without them unless /proc shows them to it (root, the mount's
+        gid= group), asked of the bus daemon; now, and as for anyone, where it hides none."""
+        if not self.proc_hiding.hides:
+            return self.status_json()
+        return self._status_for_caller(sender)
+
+    async def _status_for_caller(self, sender: str) -> str:
+        try:
+            uid, groups = await self.systemd.caller_credentials(sender)
+        except Exception as e:  # not said who it is: hidden from it (fail closed)
+            log.debug("Status from %s, whom the bus daemon did not name: %s", sender, e)
+            uid, groups = None, frozenset()
+        return self.status_json(redacted=not self.proc_hiding.exempts(uid, groups))
+
+    def _status_snapshot(self, redact: bool = False) -> str:
         snapshot = snapshot_to_json(
             self.scheduler.snapshot(),
             self.scan,
@@ -1440,6 +1487,7 @@ class Controller:
             {n: wall for n, (wall, _) in self.waiting_since.items()},
             {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
             self.scheduler.declared_memory(),
+            redact,
         )
         return json.dumps(snapshot, sort_keys=True)
 
@@ -1456,8 +1504,9 @@ class Controller:
             self._decide()  # events taken in this turn are decided first, as they will be
         return json.dumps(plan_start(self.scheduler, spec).to_json(), sort_keys=True)
 
-    def status_counters(self) -> dict[str, Any]:
-        """The status keys that count since the controller started (gpuslice/status.py)."""
+    def status_counters(self, as_of: float | None = None) -> dict[str, Any]:
+        """The status keys that count since the controller started (gpuslice/status.py);
+        `as_of`: the Unix time of the state the answer shows (else the full answer's)."""
         external = [
             ("dbus_signals_dropped", self.systemd.dropped),
             ("nvml_errors", self.watch.inventory.errors),
@@ -1470,7 +1519,7 @@ class Controller:
             "controller": {
                 "version": __version__,
                 "start_time": self.started,
-                "status_time": self._status.as_of,
+                "status_time": self._status.as_of if as_of is None else as_of,
             },
             "counters": self.counters.to_json(external),
         }

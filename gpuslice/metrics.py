@@ -216,13 +216,18 @@ def _jobs(status: Mapping[str, Any]) -> Iterator[Metric]:
 
 def _foreign_by_owner(gpu: Mapping[str, Any]) -> dict[str, float]:
     """Bytes the GPU's foreign processes use, summed per owner kind (a known kind or
-    `other`: the label's values stay the few of gpuslice/owners.py)."""
+    `other`: the label's values stay the few of gpuslice/owners.py): those listed, and
+    those the controller left out of the list (`foreign_left_out_by_kind`)."""
     out: dict[str, float] = {}
     for p in _dicts(gpu.get("foreign")):
         owner = p.get("owner")
         kind = owner.get("kind") if isinstance(owner, Mapping) else None
         kind = kind if kind in KINDS else OTHER
         out[kind] = out.get(kind, 0.0) + (_number(p.get("memory")) or 0.0)
+    left_out = gpu.get("foreign_left_out_by_kind")
+    for kind, memory in left_out.items() if isinstance(left_out, Mapping) else ():
+        kind = kind if kind in KINDS else OTHER
+        out[kind] = out.get(kind, 0.0) + (_number(memory) or 0.0)
     return out
 
 

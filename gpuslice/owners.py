@@ -24,6 +24,7 @@ The owner is information only: no decision reads it. Anything else is `other`.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpuslice.cgroups import unit_of_cgroup_path
@@ -64,6 +65,45 @@ _SAID = {
     MACHINE: "container {}",
     USER: "UID {}",
 }
+
+
+# How owners of each kind are counted where their IDs are not said (a Status answer that
+# hides other users' processes: gpuslice/procmount.py): one, several
+_COUNTED = {
+    SLURM: ("Slurm job", "Slurm jobs"),
+    KUBERNETES: ("Kubernetes pod", "Kubernetes pods"),
+    DOCKER: ("Docker container", "Docker containers"),
+    PODMAN: ("Podman container", "Podman containers"),
+    MACHINE: ("container", "containers"),
+    USER: ("user", "users"),
+    UNIT: ("unit", "units"),
+    OTHER: ("other owner", "other owners"),
+}
+
+
+def kind_of_label(label: str) -> str:
+    """The kind of an owner from its `label()`: each kind in _SAID says words then a space
+    before the ID (none is the start of another's); a unit says its name, which has no
+    space; `other` says nothing."""
+    for kind, said in _SAID.items():
+        if label.startswith(said.removesuffix("{}")):
+            return kind
+    return UNIT if label else OTHER
+
+
+def kind_said(kind: str) -> str:
+    """`Slurm job`: one owner of a kind, without its ID (an unknown kind as other)."""
+    return _COUNTED.get(kind, _COUNTED[OTHER])[0]
+
+
+def kinds_counted(counts: Mapping[str, int]) -> tuple[str, ...]:
+    """`1 Slurm job`, `2 users`: how many owners of each kind, in KINDS' order."""
+    said = []
+    for kind in KINDS:
+        n = counts.get(kind, 0)
+        if n > 0:
+            said.append(f"{n} {_COUNTED[kind][0 if n == 1 else 1]}")
+    return tuple(said)
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,16 @@
 unit may run, so `systemctl start` blocks exactly as long as the unit waits. `Plan` says
 what a start of a unit would do now (`gpuslice plan`), changing nothing. The shipped bus
 policy lets only root call Acquire, Plan and Reload and send us signals; anyone may call
-Status. The controller still checks that an Acquire comes from a process of the unit it
-names (`refuse` answers those that do not).
+Status (where /proc hides other users' processes, a caller it would hide them from is
+answered without them: gpuslice/procmount.py). The controller still checks that an Acquire
+comes from a process of the unit it names (`refuse` answers those that do not).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from dbus_next import Message, MessageFlag, MessageType
 from dbus_next.aio import MessageBus
@@ -66,6 +68,12 @@ MAX_STATUS_UNSENT = 16 << 20
 # its bus. Its status reaches that at ~15,000 waiting units on 8 GPUs (2.2 KiB each), ~2,200
 # on 64. Past it, Status is refused with a sentence that says so.
 MAX_STATUS_ANSWER = (32 << 20) - 4096  # less a header
+# Status calls waiting for the bus daemon to say who called (only where /proc hides other
+# users' processes: gpuslice/procmount.py): past this many, a Status call is refused
+# (LimitsExceeded, "try again"). Anyone may call Status as often as they like, and each
+# question takes one of the controller's calls in flight, which its calls to systemd share
+# (systemd.MAX_CALLS_IN_FLIGHT): a flood of them held its StartUnit and StopUnit back.
+MAX_STATUS_ASKING = 8
 
 
 class NameTaken(Exception):
@@ -97,14 +105,19 @@ class SchedulerService:
         on_status: Callable[[], str],
         on_reload: Callable[[], None],
         on_plan: Callable[[str], str] | None = None,
+        on_status_for: Callable[[str], str | Awaitable[str]] | None = None,
     ) -> None:
+        """`on_status_for`, given, answers Status instead of `on_status`: the answer for the
+        caller of that unique bus name, now (a string) or once it has asked who that is."""
         self.bus = bus
         self._on_acquire = on_acquire
         self._on_status = on_status
         self._on_reload = on_reload
         self._on_plan = on_plan
+        self._on_status_for = on_status_for
         self._pending: dict[str, list[Message]] = {}
         self._status_unsent = 0  # bytes of Status answers not yet written: MAX_STATUS_UNSENT
+        self._asking: set[asyncio.Task[None]] = set()  # Status calls: MAX_STATUS_ASKING
         bus.add_message_handler(self._handle)
 
     async def claim_name(self) -> None:
@@ -200,11 +213,42 @@ class SchedulerService:
         that asks for no answer costs nothing."""
         if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
             return True
+        refused = self._status_refused(msg)
+        if refused is not None:
+            return refused
+        if self._on_status_for is None:
+            return self._send_status(msg, self._on_status())
+        if len(self._asking) >= MAX_STATUS_ASKING:
+            return Message.new_error(
+                msg, LIMITS_EXCEEDED, "too many status calls being answered: try again"
+            )
+        answer = self._on_status_for(msg.sender or "")
+        if isinstance(answer, str):
+            return self._send_status(msg, answer)
+        task = asyncio.ensure_future(self._send_status_later(msg, answer))
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
+        return True
+
+    def _status_refused(self, msg: Message) -> Message | None:
         if self._status_unsent >= MAX_STATUS_UNSENT:
             return Message.new_error(
                 msg, LIMITS_EXCEEDED, "too many status answers still being sent: try again"
             )
-        text = self._on_status()
+        return None
+
+    async def _send_status_later(self, msg: Message, answer: Awaitable[str]) -> None:
+        """An answer that waited for the bus daemon: the answers sent meanwhile count."""
+        try:
+            text = await answer
+            reply = self._status_refused(msg) or self._send_status(msg, text)
+        except Exception:  # never a traceback to a caller, never a lost connection
+            log.exception("error handling Status from %s", msg.sender)
+            reply = Message.new_error(msg, "org.freedesktop.DBus.Error.Failed", "internal error")
+        if isinstance(reply, Message):
+            self.bus.send(reply)
+
+    def _send_status(self, msg: Message, text: str) -> Message | bool:
         size = len(text)  # bytes: the JSON is ASCII
         if size > MAX_STATUS_ANSWER:
             return Message.new_error(

@@ -7,6 +7,7 @@ The JSON (version 1) is a documented interface: keys are only ever added.
              "holders": [{"unit": str, "priority": int, "state": str,
                           "memory_declared": int|null, "memory_used": int|null}],
              "foreign": [{"pid": int, "command": str, "memory": int|null}]}],
+             (pid and command are null in a redacted answer: below)
    "waiting": [{"unit": str, "priority": int, "reason": str,
                 "position": int, "since": float|null, "decision": DECISION|null}],
    "preempted": [{"unit": str, "priority": int, "requeue": bool}],
@@ -79,20 +80,38 @@ GPU named them all.
 Added with renumbered GPUs: each GPU's "renumbered": bool, true when it is "lost" only because
 NVML numbered the GPUs anew under units that hold it (`Gpu.renumbered`): it answers, and takes
 no new work until they release it ("lost" stays true, as it was before this key).
+Added with the cap on foreign processes: each GPU's "foreign" names at most LISTED_MAX
+processes: all of them (by PID) when they are no more, else the LISTED_MAX using the most
+memory, largest first, unknown memory last (the table's): a user of the host can run
+thousands, and every answer named them all. And, for those it leaves out:
+  "foreign_left_out": int (how many), "foreign_left_out_memory": int (the bytes they use, of
+  those whose use NVML knows), "foreign_left_out_unknown": int (how many NVML gave no memory
+  for), "foreign_left_out_by_kind": {kind: int} (their known bytes by owner kind, which
+  `gpuslice metrics` adds to those listed); 0, 0, 0 and {} when none is left out.
+Added for a /proc mounted with hidepid= or subset=pid (gpuslice/procmount.py), where the admin
+hides each user's processes from the others: the answer to a caller /proc would hide them
+from (neither root nor of the mount's gid= group, or whom the bus daemon did not name) is
+redacted, and says so: "redacted": true (absent from every other answer). Each "foreign"
+entry's "pid", "command" and "owner" "id" are null ("memory", "owner" "kind", "compute" and
+the counts stay: a user still sees why a GPU is busy); each PART's "owners" is [] and
+"owners_left_out" their number, "owner_kinds": {kind: int} (redacted answers only) counts
+them by kind, and the waiter's `reason` says them so ("1 Slurm job, 2 users").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpuslice.annotations import Scan
-from gpuslice.core.decisions import LISTED_MAX
+from gpuslice.core.decisions import LISTED_MAX, Decision, reason
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Snapshot
-from gpuslice.inventory import Sample
-from gpuslice.owners import UNKNOWN, Owner
+from gpuslice.inventory import GpuUse, Sample
+from gpuslice.owners import OTHER, UNKNOWN, Owner, kind_of_label, kind_said, kinds_counted
 from gpuslice.sizes import format_size
 
 JSON_VERSION = 1
@@ -105,6 +124,11 @@ SLOW_BUILD = 0.02
 REBUILD_FACTOR = 10
 # `gpuslice status` says how old a state this far behind is.
 STALE_SAID = 2.0
+# The table's first line for a redacted answer
+REDACTED_SAID = (
+    "Processes of other users are hidden (/proc is mounted with hidepid): their PIDs, "
+    "commands and owners are not shown"
+)
 
 
 class CachedStatus:
@@ -120,9 +144,19 @@ class CachedStatus:
         self._fresh = False
         self._until = 0.0  # monotonic time before which a slow build is not repeated
         self.built = 0.0  # Unix time of the last build
+        self._variants: list[CachedStatus] = []
+
+    def variant(self, build: Callable[[], str]) -> CachedStatus:
+        """Another text of the same state (the answer that hides other users' processes),
+        cached alike: built only when asked for, once per change (each of this one's)."""
+        other = CachedStatus(build)
+        self._variants.append(other)
+        return other
 
     def changed(self) -> None:
         self._fresh = False
+        for other in self._variants:
+            other.changed()
 
     @property
     def as_of(self) -> float:
@@ -148,6 +182,7 @@ def _gpu_json(
     scan: Scan,
     sample: Sample,
     declared: Mapping[str, int] | None,
+    redact: bool = False,
 ) -> dict[str, Any]:
     gpu = next((g for g in sample.gpus if g.index == index), Gpu(index))
     foreign = [p for p in sample.processes if p.gpu == index and p.unit is None]
@@ -161,16 +196,7 @@ def _gpu_json(
         "lost": gpu.lost,
         "renumbered": gpu.renumbered,
         "holders": [],
-        "foreign": [
-            {
-                "pid": p.pid,
-                "command": p.command,
-                "memory": p.used,
-                "owner": (p.owner or UNKNOWN).to_json(),
-                "compute": p.compute,
-            }
-            for p in foreign
-        ],
+        **_foreign_json(foreign, redact),
     }
     for unit, prio, state in holders:
         if declared is not None:
@@ -190,6 +216,78 @@ def _gpu_json(
     return out
 
 
+def _rank(memory: Any) -> Any:
+    """The order foreign processes are listed in past LISTED_MAX: the most memory first,
+    unknown memory last (a stable sort: then in their order, by PID)."""
+    return -memory if memory is not None else 1
+
+
+def _foreign_json(foreign: list[GpuUse], redact: bool) -> dict[str, Any]:
+    """A GPU's "foreign" list: every process up to LISTED_MAX, by PID, else the LISTED_MAX
+    using the most memory (as the table shows them), and what the rest use (a user of the
+    host can run thousands, and each answer named them all). `redact`: without PID,
+    command or owner ID."""
+    listed, left_out = foreign, []
+    if len(foreign) > LISTED_MAX:
+        ranked = sorted(foreign, key=lambda p: _rank(p.used))
+        listed, left_out = ranked[:LISTED_MAX], ranked[LISTED_MAX:]
+    by_kind: dict[str, int] = {}
+    for p in left_out:
+        if p.used is not None:
+            kind = (p.owner or UNKNOWN).kind
+            by_kind[kind] = by_kind.get(kind, 0) + p.used
+    return {
+        "foreign": [_process_json(p, redact) for p in listed],
+        "foreign_left_out": len(left_out),
+        "foreign_left_out_memory": sum(by_kind.values()),
+        "foreign_left_out_unknown": sum(1 for p in left_out if p.used is None),
+        "foreign_left_out_by_kind": by_kind,
+    }
+
+
+def _process_json(p: GpuUse, redact: bool) -> dict[str, Any]:
+    owner = p.owner or UNKNOWN
+    if redact:
+        return {
+            "pid": None,
+            "command": None,
+            "memory": p.used,
+            "owner": {"kind": owner.kind, "id": None},
+            "compute": p.compute,
+        }
+    return {
+        "pid": p.pid,
+        "command": p.command,
+        "memory": p.used,
+        "owner": owner.to_json(),
+        "compute": p.compute,
+    }
+
+
+def _waiter_json(
+    words: str, decision: Decision | None, redact: bool
+) -> tuple[str, dict[str, Any] | None]:
+    """A waiter's reason and decision; `redact`: each part's owners only counted by kind
+    (`owner_kinds`), the reason saying them so (`1 Slurm job, 2 users`)."""
+    if decision is None:
+        return words, None
+    if not redact:
+        return words, decision.to_json()
+    kinds = [Counter(kind_of_label(o) for o in p.owners) for p in decision.parts]
+    out = decision.to_json()
+    for part, p, counted in zip(out["parts"], decision.parts, kinds, strict=True):
+        part["owners"] = []
+        part["owners_left_out"] = len(p.owners)
+        part["owner_kinds"] = dict(sorted(counted.items()))
+    if any(p.owners for p in decision.parts):
+        parts = tuple(
+            dataclasses.replace(p, owners=kinds_counted(counted))
+            for p, counted in zip(decision.parts, kinds, strict=True)
+        )
+        words = reason(dataclasses.replace(decision, parts=parts))
+    return words, out
+
+
 def snapshot_to_json(
     snap: Snapshot,
     scan: Scan,
@@ -197,31 +295,37 @@ def snapshot_to_json(
     since: Mapping[str, float] | None = None,
     suspensions: Mapping[str, tuple[int, float]] | None = None,
     declared: Mapping[str, int] | None = None,
+    redact: bool = False,
 ) -> dict[str, Any]:
     """`since`: Unix time each waiter started waiting, as the controller saw it;
     `suspensions`: the bytes each suspended unit moved to host memory, and when;
     `declared`: the memory each holder with `Memory=` holds its GPUs on, as the scheduler
     counts it (Scheduler.declared_memory: a unit whose annotation went keeps its terms),
-    else read from the annotations."""
+    else read from the annotations; `redact`: the answer for a caller that /proc hides
+    other users' processes from (gpuslice/procmount.py): no foreign process's PID,
+    command or owner ID, no owner named in a waiter's reason."""
     since = since or {}
     suspensions = suspensions or {}
-    out = {
-        "version": JSON_VERSION,
-        "gpus": [
-            _gpu_json(index, holders, scan, sample, declared)
-            for index, holders in sorted(snap.gpus.items())
-        ],
-        "waiting": [
+    waiting = []
+    for position, (unit, prio, words) in enumerate(snap.waiting, start=1):
+        said, decision = _waiter_json(words, snap.reasons.get(unit), redact)
+        waiting.append(
             {
                 "unit": unit,
                 "priority": prio,
-                "reason": reason,
+                "reason": said,
                 "position": position,
                 "since": since.get(unit),
-                "decision": snap.reasons[unit].to_json() if unit in snap.reasons else None,
+                "decision": decision,
             }
-            for position, (unit, prio, reason) in enumerate(snap.waiting, start=1)
+        )
+    out = {
+        "version": JSON_VERSION,
+        "gpus": [
+            _gpu_json(index, holders, scan, sample, declared, redact)
+            for index, holders in sorted(snap.gpus.items())
         ],
+        "waiting": waiting,
         "preempted": [
             {"unit": unit, "priority": prio, "requeue": requeue}
             for unit, prio, requeue in snap.preempted
@@ -244,6 +348,8 @@ def snapshot_to_json(
     }
     if sample.health is not None:
         out["nvml"] = sample.health.to_json()
+    if redact:
+        out["redacted"] = True
     return out
 
 
@@ -256,12 +362,21 @@ def _priorities(units: tuple[str, ...], scan: Scan) -> dict[str, int]:
     return out
 
 
+# A foreign process whose PID and command a redacted answer leaves out
+HIDDEN = "(hidden by /proc's hidepid)"
+
+
 def _owner_label(owner: object) -> str:
-    """`Slurm job 881` from the JSON's owner (absent from older controllers: "")."""
+    """`Slurm job 881` from the JSON's owner (absent from older controllers: ""); its kind
+    alone (`Slurm job`) when its ID is left out (redacted), nothing for `other`."""
     if not isinstance(owner, dict):
         return ""
     kind, ident = owner.get("kind"), owner.get("id")
-    return Owner(kind, ident).label() if isinstance(kind, str) and isinstance(ident, str) else ""
+    if not isinstance(kind, str):
+        return ""
+    if ident is None and "id" in owner:
+        return kind_said(kind) if kind != OTHER else ""
+    return Owner(kind, ident).label() if isinstance(ident, str) else ""
 
 
 def render(data: dict[str, Any], now: float | None = None) -> str:
@@ -276,6 +391,8 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
     nvml = data.get("nvml") or {}
     if nvml.get("state") in ("waiting", "fallback"):
         lines.append(f"NVML {nvml['state']}: {nvml.get('detail', '')}")
+    if data.get("redacted") is True:
+        lines.append(REDACTED_SAID)
     lines.append(f"{'GPU':<4} {'UNIT':<40} {'PRIORITY':>8}  {'STATE':<9} MEMORY")
     for gpu in data["gpus"]:
         if gpu.get("name") or gpu.get("lost"):
@@ -292,12 +409,14 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
             memory = format_size(p["memory"]) if p["memory"] is not None else "?"
             graphics = "graphics only" if p.get("compute") is False else ""
             whose = "; ".join(s for s in (graphics, _owner_label(p.get("owner"))) if s)
+            what = f"PID {p['pid']} {p['command']}" if p.get("pid") is not None else HIDDEN
             lines.append(
-                f"{gpu['index']:<4} {'foreign: PID ' + str(p['pid']) + ' ' + p['command']:<40} "
+                f"{gpu['index']:<4} {'foreign: ' + what:<40} "
                 f"{'':>8}  {'':<9} {memory}" + (f"  ({whose})" if whose else "")
             )
-        if left_out:
-            lines.append(f"{gpu['index']:<4} {_left_out_line(left_out)}")
+        count, memory_left, unknown = _left_out_of(gpu, left_out)
+        if count:
+            lines.append(f"{gpu['index']:<4} {_left_out_line(count, memory_left, unknown)}")
     lines.append("")
     lines.append("Waiting:")
     for number, w in enumerate(data["waiting"], start=1):
@@ -344,19 +463,32 @@ def _foreign_shown(
     one line each scrolled the rest of the table away."""
     if len(foreign) <= LISTED_MAX:
         return foreign, []
-    ranked = sorted(foreign, key=lambda p: -p["memory"] if p.get("memory") is not None else 1)
+    ranked = sorted(foreign, key=lambda p: _rank(p.get("memory")))
     return ranked[:LISTED_MAX], ranked[LISTED_MAX:]
 
 
-def _left_out_line(left_out: list[dict[str, Any]]) -> str:
+def _left_out_of(gpu: dict[str, Any], left_out: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """How many foreign processes the GPU's lines leave out, the bytes they use (of those
+    whose use is known) and how many of them NVML gave none for: from those the table left
+    out of the list, or, as the controller capped the list itself, from its counts."""
+    if left_out:
+        known = [p["memory"] for p in left_out if p.get("memory") is not None]
+        return len(left_out), sum(known), len(left_out) - len(known)
+    counts = [gpu.get(f"foreign_left_out{key}") for key in ("", "_memory", "_unknown")]
+    said = [n for n in counts if isinstance(n, int) and n >= 0]
+    if len(said) != len(counts):
+        return 0, 0, 0  # an older controller's
+    return said[0], said[1], said[2]
+
+
+def _left_out_line(count: int, memory: int, unknown: int) -> str:
     """`... and 492 more foreign processes using 37 GiB` (`at least` when some of their
     memory is unknown; no memory said when none is known)."""
-    known = [p["memory"] for p in left_out if p.get("memory") is not None]
-    text = f"... and {len(left_out)} more foreign process" + ("es" if len(left_out) > 1 else "")
-    if not known:
+    text = f"... and {count} more foreign process" + ("es" if count > 1 else "")
+    if unknown >= count:
         return text
-    least = "at least " if len(known) < len(left_out) else ""
-    return f"{text} using {least}{format_size(sum(known))}"
+    least = "at least " if unknown else ""
+    return f"{text} using {least}{format_size(memory)}"
 
 
 def _duration(seconds: float) -> str:

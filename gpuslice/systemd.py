@@ -449,6 +449,12 @@ class Systemd:
         (pid,) = await self._bus_daemon("GetConnectionUnixProcessID", "s", [sender])
         return int(pid)
 
+    async def caller_credentials(self, sender: str) -> tuple[int | None, frozenset[int]]:
+        """The user ID and group IDs behind a bus connection, as the bus daemon saw it
+        connect (GetConnectionCredentials): None and none when it did not say them."""
+        (found,) = await self._bus_daemon("GetConnectionCredentials", "s", [sender])
+        return credentials_of(found)
+
     async def list_units(self) -> list[UnitState]:
         (units,) = await self.call("ListUnits")
         return [_listed(u) for u in units]
@@ -661,3 +667,23 @@ class Systemd:
             self.on_job_removed(body[0], body[1], body[2], body[3])
         elif member == "Reloading" and msg.signature == "b":
             self.on_reloading(bool(body[0]))
+
+
+# More group IDs than a caller's are taken for no answer (the kernel's NGROUPS_MAX is 65,536)
+_GROUPS_MAX = 1 << 16
+
+
+def credentials_of(found: object) -> tuple[int | None, frozenset[int]]:
+    """UnixUserID and UnixGroupIDs of a GetConnectionCredentials answer, each only when it
+    is of its documented type (u, au)."""
+    if not isinstance(found, dict):
+        return None, frozenset()
+    uid, groups = found.get("UnixUserID"), found.get("UnixGroupIDs")
+    user = uid.value if isinstance(uid, Variant) and uid.signature == "u" else None
+    listed = groups.value if isinstance(groups, Variant) and groups.signature == "au" else []
+    if not isinstance(listed, list) or len(listed) > _GROUPS_MAX:
+        listed = []
+    return (
+        user if isinstance(user, int) else None,
+        frozenset(g for g in listed if isinstance(g, int)),
+    )

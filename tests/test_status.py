@@ -43,6 +43,15 @@ IDLE_TAIL = [
 ]
 
 
+# A GPU's counts of the foreign processes its "foreign" list leaves out: none
+NONE_LEFT_OUT = {
+    "foreign_left_out": 0,
+    "foreign_left_out_memory": 0,
+    "foreign_left_out_unknown": 0,
+    "foreign_left_out_by_kind": {},
+}
+
+
 def free_line(index: int) -> str:
     """A GPU nobody holds: the index in 4 columns, `(free)` in 40, an empty PRIORITY of 8."""
     return f"{index}    (free)" + " " * 43
@@ -97,6 +106,7 @@ def test_json_of_an_idle_host_without_nvml() -> None:
                 "renumbered": False,
                 "holders": [],
                 "foreign": [],
+                **NONE_LEFT_OUT,
             }
         ],
         "waiting": [],
@@ -215,6 +225,7 @@ def test_json_of_a_busy_host() -> None:
                         "compute": False,
                     }
                 ],
+                **NONE_LEFT_OUT,
             },
             {
                 "index": 1,
@@ -257,6 +268,7 @@ def test_json_of_a_busy_host() -> None:
                         "compute": True,
                     },
                 ],
+                **NONE_LEFT_OUT,
             },
             {
                 "index": 2,
@@ -269,6 +281,7 @@ def test_json_of_a_busy_host() -> None:
                 "renumbered": False,
                 "holders": [],
                 "foreign": [],
+                **NONE_LEFT_OUT,
             },
             {
                 "index": 5,
@@ -281,6 +294,7 @@ def test_json_of_a_busy_host() -> None:
                 "renumbered": False,
                 "holders": [],
                 "foreign": [],
+                **NONE_LEFT_OUT,
             },
         ],
         "waiting": [

@@ -1,6 +1,7 @@
 """`gpuslice status`'s table names at most LISTED_MAX foreign processes per GPU, the largest,
 and how many more and their memory: a user of the host can run thousands (gpuslice/status.py).
-The JSON still names every one."""
+The JSON names the same ones, and counts the rest (`foreign_left_out`); the table of an older
+controller's JSON, which named every one, is the same (tests/test_status_privacy.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _lines_of(table: str, gpu: int) -> list[str]:
 def test_thousands_of_foreign_processes_are_the_largest_and_how_many_more() -> None:
     """500 on GPU 0: its lines are the GPU, (free), the 8 largest (largest first, then by
     PID), and one line for the other 492 and the memory they use; the 3 on GPU 1 are shown
-    as before, each, in PID order; the JSON names all 503."""
+    as before, each, in PID order; the JSON names the same 8 and counts the other 492."""
     uses = [
         GpuUse(1000 + i, 0, BIG.get(i, 100 * MIB), None, "worker", Owner("slurm", str(i)))
         for i in range(500)
@@ -47,7 +48,8 @@ def test_thousands_of_foreign_processes_are_the_largest_and_how_many_more() -> N
         GpuUse(9, 1, 3 * GIB, None, "c"),
     ]
     data = _status(uses, 2)
-    assert len(data["gpus"][0]["foreign"]) == 500
+    assert len(data["gpus"][0]["foreign"]) == LISTED_MAX
+    assert data["gpus"][0]["foreign_left_out"] == 492
     table = render(data)
     assert _lines_of(table, 0) == [
         "GPU 0: Fake 80GB, ? / 80 GiB used",
