@@ -738,12 +738,12 @@ def _device_allow_entries(shown: str) -> list[str]:
 @annotation_options
 @click.option("--no-reload", is_flag=True, help="Do not run systemctl daemon-reload.")
 @click.option("--root", default="/", show_default=True, hidden=True)
-def enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
+def enroll(**options: Any) -> None:
     """Annotate UNIT through a drop-in (for units you cannot edit), validate it, reload."""
-    _enroll(unit, no_reload, root, keys)
+    _enroll(**options)
 
 
-def _enroll(unit: str, no_reload: bool, root: str, keys: dict[str, Any]) -> None:
+def _enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
     if "." not in unit:
         unit += ".service"
     if not is_valid_unit_name(unit):
@@ -794,21 +794,12 @@ def _enroll(unit: str, no_reload: bool, root: str, keys: dict[str, Any]) -> None
 @click.option("--no-reload", is_flag=True, help="Do not run systemctl daemon-reload.")
 @click.option("--root", default="/", show_default=True, hidden=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def new(
-    name: str,
-    user: str | None,
-    workdir: str | None,
-    now: bool,
-    no_reload: bool,
-    root: str,
-    command: tuple[str, ...],
-    **keys: Any,
-) -> None:
+def new(**options: Any) -> None:
     """Write a complete unit NAME.service that runs COMMAND (after --) as a GPU job.
 
     gpuslice new voice --priority 10 --memory 8G -- /usr/bin/python3 /srv/voice.py
     """
-    _new(name, user, workdir, now, no_reload, root, command, keys)
+    _new(**options)
 
 
 def _new(
@@ -819,7 +810,7 @@ def _new(
     no_reload: bool,
     root: str,
     command: tuple[str, ...],
-    keys: dict[str, Any],
+    **keys: Any,
 ) -> None:
     unit = unit_name(name)
     _check_gateable(unit, "NAME")
