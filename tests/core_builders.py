@@ -1071,7 +1071,13 @@ class Sim:
             if gpu is None or gpu.lost or (self._avoids_foreign(unit) and gpu.foreign_pids):
                 raise InvariantError(f"Resume {name} on GPU {index}: lost, unknown or foreign")
             self._check_room(unit, gpu, "Resume")
-        urgent = sorted(n for n in self.at_gate if self._spec(n).priority < unit.priority)
+        # a start at its gate that is being stopped (its annotation went: Code.UNMANAGED)
+        # waits for nothing
+        urgent = sorted(
+            n
+            for n in self.at_gate
+            if n not in self.pending_stops and self._spec(n).priority < unit.priority
+        )
         if urgent:
             raise InvariantError(f"Resume {unit.describe()} while more urgent {urgent} wait")
         key = self._resume_key(name)

@@ -430,3 +430,32 @@ def test_a_background_start_whose_kept_gpu_was_lost_at_a_restart_preempts_a_late
     state.person_plans_then_starts(index=1)
     state.quiesce()
     state.teardown()
+
+
+def test_a_resume_beside_a_start_withdrawn_at_its_gate_is_judged_without_it() -> None:
+    """Found at 20,000 examples (`make fuzz`): a background unit's start waits at its gate
+    for all three GPUs, a suspended unit waits to be resumed; the waiting unit's annotation
+    goes, so the core stops its start (ours, withdrawn: Code.UNMANAGED) and, in the same
+    batch, resumes the suspended one. The model took the withdrawn start, at its gate until
+    its stop ends, for a more urgent waiter and looked up an annotation it no longer has."""
+    state = CoreMachine()
+    stop, suspend = (Rung.STOP,), (Rung.SUSPEND, Rung.STOP)
+    units = [(UnitSpec("", 10, OD, 1, False, preempt=stop), True) for _ in range(5)]
+    units += [
+        (UnitSpec("", 50, BG, 1, False, preempt=suspend), True),
+        (UnitSpec("", 20, BG, 3, True, preempt=stop), True),
+        (UnitSpec("", 20, BG, 1, True, preempt=stop), True),
+    ]
+    state.boot(whole=False, gpus=3, units=units, yield_to_foreign=True, requeue_at_gate=True)
+    state.annotation_toggles(index=0)
+    state.quiesce()
+    state.annotation_toggles(index=0)
+    state.person_plans_then_starts(index=0)
+    state.quiesce()
+    free, foreign = (0, 0, False, False), (0, 2 * GIB, True, False)
+    state.nvml_samples(samples=[free, foreign, free])
+    state.nvml_samples(samples=[free, free, free])
+    state.quiesce()
+    state.annotation_toggles(index=6)
+    state.books_balance()
+    state.teardown()
