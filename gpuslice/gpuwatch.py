@@ -13,9 +13,10 @@ that holds background units back: the core's `Scheduler` is one) and three callb
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable, Collection
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from gpuslice.config import Config
 from gpuslice.core.model import Gpu
@@ -35,6 +36,8 @@ NVML_RETRY_FIRST = 0.25
 NVML_RETRY_MAX = 2.0
 NVML_RETRY_SLOW = 30.0
 EX_TEMPFAIL = 75
+
+T = TypeVar("T")
 
 
 class Holdings(Protocol):
@@ -100,7 +103,7 @@ class GpuWatch:
         """Start-up: the first nvmlInit (on the worker thread, with a deadline), then the
         first sample, acted on like every other (`_nvml_settle`). The caller takes
         `sample.gpus` in itself: nothing is decided before the state is rebuilt."""
-        if self.nvml.call(self._open_nvml, NVML_OPEN_DEADLINE) is None:
+        if self._call(_open_nvml, NVML_OPEN_DEADLINE) is None:
             self.inventory.open_hung(NVML_OPEN_DEADLINE)  # hung: schedule `gpus:` from config
         self._take_sample()
 
@@ -110,10 +113,6 @@ class GpuWatch:
         process for foreign. The caller takes the GPUs in, as after `open`."""
         self._take_sample()
         return self.sample.gpus
-
-    def _open_nvml(self) -> bool:
-        self.inventory.open()
-        return True
 
     def reconfigure(self, config: Config) -> None:
         """A reloaded config.yaml: the next sample applies it (manage_gpus, reserve, ...)."""
@@ -136,14 +135,29 @@ class GpuWatch:
     def _take_sample(self, released: str = "") -> None:
         holding = {n: gpus for n, gpus in self.holdings.grants().items() if n != released}
         managed = self._managed()
-        sample = self.nvml.call(lambda: self.inventory.sample(managed, holding))
+        sample = self._call(lambda inventory: inventory.sample(managed, holding))
         self.stale = sample is None
         if sample is None:  # the last one, its processes told by the units known now
             self.sample = self.inventory.reattribute(self.sample, managed, holding)
-        else:
-            self.sample = sample
+        else:  # with the inventory's Health, which the loop keeps current (not the fork's)
+            self.sample = dataclasses.replace(sample, health=self.inventory.health)
             self._report_overuse()
         self._nvml_settle()
+
+    def _call(self, fn: Callable[[Inventory], T], deadline: float | None = None) -> T | None:
+        """fn on a fork of the inventory, on the worker thread (`OffLoop`), its state taken
+        back on the loop: at once when it answers in time, else (`Inventory.adopt`, late)
+        before the next call once it returned. Run on the inventory itself, a call that
+        outlived its deadline changed it from the thread while the loop used it."""
+        if self.nvml.hung:  # a late call's state is taken back first (`OffLoop.hung`)
+            return None
+        twin = self.inventory.fork()
+        result = self.nvml.call(
+            lambda: fn(twin), deadline, late=lambda: self.inventory.adopt(twin, late=True)
+        )
+        if result is not None:
+            self.inventory.adopt(twin)
+        return result
 
     def _needs_sampling(self) -> bool:
         """Something to protect: a waiter, a holder, a unit to bring back, or a GPU that a
@@ -220,7 +234,7 @@ class GpuWatch:
         if not self._ready():  # still starting up: start() acts on the outcome
             self._arm_nvml_retry()
             return
-        self.nvml.call(self.inventory.retry)  # None when hung: retried after the back-off
+        self._call(Inventory.retry)  # None when hung: retried after the back-off
         if self.inventory.restart_needed:
             log.error(
                 "%s: exiting so that systemd restarts gpuslice with the devices allowed "
@@ -265,3 +279,8 @@ class GpuWatch:
                             format_size(declared),
                         )
         self._overusing = now
+
+
+def _open_nvml(inventory: Inventory) -> bool:
+    inventory.open()
+    return True

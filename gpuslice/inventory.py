@@ -18,6 +18,7 @@ one of unknown size.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -67,6 +68,17 @@ READY = "ready"
 WAITING = "waiting"
 FALLBACK = "fallback"
 ABSENT = "absent"
+
+# What `Inventory.adopt` takes of a call that answered late: NVML's session, as it left it
+_SESSION = (
+    "available",
+    "driver",
+    "_reason",
+    "_opened_with",
+    "_failing",
+    "_frontend_at_start",
+    "restart_needed",
+)
 
 
 @dataclass
@@ -159,6 +171,45 @@ class Inventory:
         # node answers EPERM, only a restart of the service lets NVML in (`restart_needed`).
         self._frontend_at_start: bool | None = None
         self.restart_needed = ""
+        self._base: Inventory | None = None  # a fork's: the inventory it was forked from
+
+    def fork(self) -> Inventory:
+        """A copy for one NVML call on the worker thread (gpuwatch): its books and Health
+        its own, so that a call that outlives its deadline changes nothing the event loop
+        reads or writes meanwhile; `adopt` takes the copy's state back, on the loop."""
+        twin = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (dict, set, list)):
+                setattr(twin, name, copy.copy(value))
+        twin.health = dataclasses.replace(self.health)
+        twin._base = copy.copy(self)  # what the call began from (its fields are only read)
+        twin._base.health = dataclasses.replace(self.health)
+        return twin
+
+    def adopt(self, twin: Inventory, late: bool = False) -> None:
+        """The state `twin` (`fork`) was left in by its NVML call. A call that answered in
+        time: all of it (the loop waited for it). One that answered `late`: its errors and
+        what it did to NVML's session (opened, reopened, gone: dropped, a slow nvmlInit
+        never got through), never the books of its sample: taken on the holders of when
+        it began and never acted on, they replaced the loop's since (the GPUs holders' env
+        files named: a renumbered GPU went unseen)."""
+        base = twin._base
+        assert base is not None, "adopt takes a fork"
+        if not late:
+            state = dict(vars(twin))
+            del state["health"], state["_base"]
+            vars(self).update(state)
+        else:
+            self.errors += twin.errors - base.errors
+            for name in _SESSION:  # each the call set; the loop's own writes stand otherwise
+                if getattr(twin, name) is not getattr(base, name):
+                    setattr(self, name, getattr(twin, name))
+            if twin.health == base.health or (
+                self.health.state == FALLBACK and twin.health.state == WAITING
+            ):
+                return  # the loop's (it gave up waiting: a late "not yet" changes nothing)
+        for f in dataclasses.fields(Health):  # in place: samples carry this one
+            setattr(self.health, f.name, getattr(twin.health, f.name))
 
     def _fallback(self) -> str:
         if self._last is not None:

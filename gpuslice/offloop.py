@@ -17,22 +17,34 @@ class OffLoop:
 
     A hung driver call then costs the event loop (and the watchdog) `deadline` once; until
     that call returns, later calls are not made and the caller keeps what it had. The
-    thread is a daemon: a call hung in the driver never holds up the controller's exit."""
+    thread is a daemon: a call hung in the driver never holds up the controller's exit.
+    A call given up on finishes on its thread whenever the driver answers: its `late`
+    runs on the caller's thread, at the first `hung` (or `call`) after that."""
 
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
         self.timeouts = 0  # calls that did not answer within their deadline
         self._hung: threading.Event | None = None
+        self._late: tuple[list[Any], Callable[[], None] | None] = ([], None)  # the hung call's
 
     @property
     def hung(self) -> bool:
         if self._hung is not None and self._hung.is_set():
             self._hung = None
             log.info("NVML answers again")
+            (outcome, late), self._late = self._late, ([], None)
+            if late is not None and not isinstance(outcome[0], BaseException):
+                late()
         return self._hung is not None
 
-    def call(self, fn: Callable[[], T], deadline: float | None = None) -> T | None:
-        """fn()'s result, or None when NVML is hung (an exception of fn's is raised)."""
+    def call(
+        self,
+        fn: Callable[[], T],
+        deadline: float | None = None,
+        late: Callable[[], None] | None = None,
+    ) -> T | None:
+        """fn()'s result, or None when NVML is hung (an exception of fn's is raised);
+        `late`: run on this thread if fn outlives the deadline and then returns (not raises)."""
         if self.hung:
             return None
         done = threading.Event()
@@ -47,7 +59,7 @@ class OffLoop:
 
         threading.Thread(target=work, name="nvml", daemon=True).start()
         if not done.wait(deadline or self.deadline):
-            self._hung = done
+            self._hung, self._late = done, (outcome, late)
             self.timeouts += 1
             log.error(
                 "NVML did not answer within %g s: keeping the last GPU sample (stale) "
