@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import stat
@@ -453,10 +454,23 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
     return str(reply.body[0])
 
 
+def _finite(text: str) -> float:
+    """A JSON number as the controller writes them (allow_nan=False): `1e999` is infinity to
+    Python's reader, and the table's sizes and durations raised OverflowError on it."""
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{printable(text, 40)} is not a finite number")
+    return number
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
 def _answer(text: str, member: str) -> dict[str, Any]:
     """The controller's JSON answer as an object, or a ClickException that says what came."""
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:
         raise click.ClickException(
             f"the controller's {member} answer is not JSON ({_reason(e)}): {printable(text, 80)}"
@@ -483,7 +497,8 @@ def _printable_lines(text: str) -> str:
     return "\n".join(printable(line, 4000) for line in text.split("\n"))
 
 
-_SHAPE_ERRORS = (KeyError, TypeError, AttributeError, ValueError, IndexError)
+# ArithmeticError: a number too large for the arithmetic the table does (an int of 400 digits)
+_SHAPE_ERRORS = (KeyError, TypeError, AttributeError, ValueError, IndexError, ArithmeticError)
 
 
 @main.command()

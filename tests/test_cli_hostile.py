@@ -546,7 +546,8 @@ def _answering(monkeypatch: pytest.MonkeyPatch, answer: str) -> None:
         ("not json", "answer is not JSON ("),
         ("[" * 100_000 + "]" * 100_000, "answer is not JSON ("),
         ("[]", "answer is not a JSON object: []"),
-        ("1e999", "answer is not a JSON object: 1e999"),
+        ("1e999", "answer is not JSON (1e999 is not a finite number)"),
+        ('{"x": NaN}', "answer is not JSON (NaN is not JSON)"),
         ("{}", "answer is not what this gpuslice reads (KeyError"),
         ('{"gpus": 1, "summary": 2, "decisions": 3}', "answer is not what this gpuslice reads ("),
     ],
@@ -559,6 +560,31 @@ def test_a_malformed_answer_is_an_error_not_a_traceback(
     result = invoke(*args)
     assert result.exit_code == 1, result.output
     assert expected in result.output
+
+
+_HOLDER = '{"unit": "a.service", "priority": 1, "state": "running", "memory_declared": %s}'
+_WAITER = '{"unit": "w.service", "priority": 1, "reason": "r", "position": 1, "since": %s}'
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        # Python's reader takes 1e999 for infinity; the table's sizes and durations then
+        # raised OverflowError: a traceback
+        ('{"gpus": [{"index": 0, "holders": [%s]}]}' % (_HOLDER % "1e999"), "not JSON (1e999"),
+        ('{"gpus": [], "waiting": [%s]}' % (_WAITER % "-1e999"), "not JSON (-1e999"),
+        # a number Python's ints hold, too large for the float arithmetic of a duration
+        ('{"gpus": [], "waiting": [%s]}' % (_WAITER % ("9" * 400)), "not what this gpuslice"),
+    ],
+)
+def test_an_answer_whose_numbers_the_table_cannot_take_is_an_error_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, answer: str, expected: str
+) -> None:
+    _answering(monkeypatch, answer)
+    result = invoke("status")
+    assert result.exit_code == 1, result.output
+    assert expected in result.output
+    assert not isinstance(result.exception, ArithmeticError), result.exception
 
 
 def test_status_and_plan_print_no_control_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
