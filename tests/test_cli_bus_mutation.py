@@ -1,0 +1,571 @@
+"""The CLI's edges to the buses and to systemctl (gpuslice/cli.py): its one call to the
+controller (`_call_controller`) on a real, private dbus-daemon and the words a user reads for
+each answer; `_unit_state`, systemctl show read back; `_resume_by_ladder`, release-jobs' resume
+by the controller's own Ladder; `_release_gates`, gpuslice.service's ExecStopPost=."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+from dbus_next import Message, MessageType
+from dbus_next.aio import MessageBus
+
+from gpuslice import checkpoint
+from gpuslice import cli as cli_module
+from gpuslice.checkpoint import CheckpointError, CheckpointSettings, Resumed
+from gpuslice.cli import main
+from gpuslice.config import Config
+from gpuslice.ladder import Ladder
+from gpuslice.service import (
+    ACCESS_DENIED,
+    BUS_NAME,
+    INTERFACE,
+    LIMITS_EXCEEDED,
+    NOT_MANAGED,
+    OBJECT_PATH,
+)
+from gpuslice.systemd import Systemd
+from tests.test_dbus_adapter import _OPEN, _bus_daemon, connect, run
+from tests.test_dbus_adapter import bus_address as bus_address
+from tests.test_dbus_adapter import bus_daemon as bus_daemon
+
+POLICY = Path(__file__).parent.parent / "data" / "org.gpuslice.Scheduler1.conf"
+TRY = "is it running? Try: systemctl status gpuslice"
+
+# ---------------------------------------------------------------------------------------------
+# _call_controller: one call, and the words for each answer
+
+
+@pytest.fixture
+def closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's own connection is closed by `run` too (dbus-next leaves its socket open)."""
+    real_connect = MessageBus.connect
+
+    async def closed_by_run(bus: MessageBus) -> MessageBus:
+        _OPEN.append(bus)
+        return await real_connect(bus)
+
+    monkeypatch.setattr(MessageBus, "connect", closed_by_run)
+
+
+Answer = Callable[[Message], Message | bool]
+
+
+async def controller(address: str, answer: Answer) -> list[Message]:
+    """A connection that owns the controller's name and answers each call on its object as
+    `answer` says: the calls it got."""
+    bus = await connect(address)
+    calls: list[Message] = []
+
+    def handle(msg: Message) -> Message | bool:
+        if msg.message_type is MessageType.METHOD_CALL and msg.path == OBJECT_PATH:
+            calls.append(msg)
+            return answer(msg)
+        return False
+
+    bus.add_message_handler(handle)
+    await bus.request_name(BUS_NAME)
+    return calls
+
+
+def error(name: str, *body: str) -> Answer:
+    """An answer that is the error `name`, its body `body` (none at all when empty)."""
+
+    def answer(msg: Message) -> Message:
+        return Message(
+            message_type=MessageType.ERROR,
+            reply_serial=msg.serial,
+            destination=msg.sender,
+            error_name=name,
+            signature="s" * len(body),
+            body=list(body),
+        )
+
+    return answer
+
+
+def refused_with(address: str, answer: Answer) -> str:
+    """What the CLI says when the controller answers its call as `answer` does."""
+    said: list[str] = []
+
+    async def scenario() -> None:
+        await controller(address, answer)
+        with pytest.raises(click.ClickException) as refused:
+            await cli_module._call_controller(address, "Status")
+        said.append(refused.value.message)
+
+    run(scenario)
+    return said[0]
+
+
+def test_the_answer_is_the_controllers_text_to_a_call_that_names_its_interface(
+    bus_address: str, closed: None
+) -> None:
+    """Plan carries its unit as one string, on the controller's interface (the policy that
+    gpuslice installs lets a user call only a member named with it); the answer is the
+    controller's text as it came."""
+    answered = '{"summary": "starts at once", "decisions": []}'
+
+    async def scenario() -> None:
+        calls = await controller(
+            bus_address, lambda msg: Message.new_method_return(msg, "s", [answered])
+        )
+        assert await cli_module._call_controller(bus_address, "Plan", "x.service") == answered
+        (call,) = calls
+        assert (call.interface, call.member) == (INTERFACE, "Plan")
+        assert (call.signature, call.body) == ("s", ["x.service"])
+
+    run(scenario)
+
+
+LONG = "\x1b[2J" + "a" * 400  # a control sequence, and more than a line of the terminal
+LONG_SHOWN = "\\x1b[2J" + "a" * (300 - len("\\x1b[2J")) + "..."
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        # the controller's own sentence: the unit has no annotation in force
+        (error(NOT_MANAGED, "x.service is not managed"), "x.service is not managed"),
+        (error(NOT_MANAGED, LONG), LONG_SHOWN),
+        (error(ACCESS_DENIED, "who are you"), "only root may ask the controller for Status"),
+        # a controller that runs and says why not: not "is it running?"
+        (error(LIMITS_EXCEEDED, "try again"), "the gpuslice controller refused: try again"),
+        (error(LIMITS_EXCEEDED), "the gpuslice controller refused: "),
+        (error(LIMITS_EXCEEDED, LONG), f"the gpuslice controller refused: {LONG_SHOWN}"),
+        # any other error: what it says, and where to look
+        (
+            error("org.freedesktop.DBus.Error.Failed", "internal error"),
+            f"the gpuslice controller did not answer (internal error); {TRY}",
+        ),
+        (
+            error("org.freedesktop.DBus.Error.Failed"),
+            f"the gpuslice controller did not answer (no reply); {TRY}",
+        ),
+        (
+            error("org.freedesktop.DBus.Error.Failed", LONG),
+            f"the gpuslice controller did not answer ({LONG_SHOWN}); {TRY}",
+        ),
+    ],
+)
+def test_each_error_of_the_controller_in_its_own_words(
+    bus_address: str, closed: None, answer: Answer, said: str
+) -> None:
+    assert refused_with(bus_address, answer) == said
+
+
+def test_no_controller_on_the_bus_is_said_with_the_bus_daemons_words(
+    bus_address: str, closed: None
+) -> None:
+    said: list[str] = []
+
+    async def scenario() -> None:
+        with pytest.raises(click.ClickException) as refused:
+            await cli_module._call_controller(bus_address, "Status")
+        said.append(refused.value.message)
+
+    run(scenario)
+    assert said[0].startswith(f"the gpuslice controller did not answer (The name {BUS_NAME} ")
+    assert said[0].endswith(f"); {TRY}")
+
+
+def test_a_connection_dropped_mid_call_is_said_with_why(
+    bus_daemon: tuple[str, subprocess.Popen[bytes]], closed: None
+) -> None:
+    """The bus daemon gone while the controller holds the call: what dbus-next said, and
+    where to look, not a traceback."""
+    address, daemon = bus_daemon
+
+    said: list[str] = []
+
+    def kill_the_bus(msg: Message) -> bool:
+        daemon.kill()
+        return True
+
+    async def scenario() -> None:
+        await controller(address, kill_the_bus)
+        with pytest.raises(click.ClickException) as refused:
+            await cli_module._call_controller(address, "Status")
+        said.append(refused.value.message)
+        for bus in _OPEN:  # each connection's end, taken (else printed at exit)
+            with contextlib.suppress(EOFError):
+                await bus.wait_for_disconnect()
+
+    run(scenario)
+    assert said == [f"the gpuslice controller did not answer (EOFError); {TRY}"]
+
+
+POLICED = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <listen>unix:path={{socket}}</listen>
+  <auth>EXTERNAL</auth>{{limits}}
+  <policy context="default">
+    <allow user="*"/>
+    <deny own="*"/>
+    <deny send_type="method_call"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
+    <allow send_requested_reply="true" send_type="method_return"/>
+    <allow send_requested_reply="true" send_type="error"/>
+    <allow receive_type="method_call"/>
+    <allow receive_type="method_return"/>
+    <allow receive_type="error"/>
+    <allow receive_type="signal"/>
+  </policy>
+  {default}
+  <policy user="root">
+    <allow own="{name}"/>
+  </policy>
+</busconfig>
+"""
+
+
+@pytest.fixture
+def policed_bus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A bus daemon that holds every sender to the rules a user's sends get on a system bus
+    with gpuslice installed: the system bus's own (method calls denied unless allowed), then
+    the default context of data/org.gpuslice.Scheduler1.conf. The tests run as root, whose
+    policy there allows any send: only its right to own the name is kept."""
+    (default,) = ET.parse(POLICY).getroot().findall("policy[@context='default']")
+    config = POLICED.format(default=ET.tostring(default, encoding="unicode"), name=BUS_NAME)
+    monkeypatch.setattr("tests.test_dbus_adapter.BUS_CONFIG", config)
+    for address, _ in _bus_daemon(tmp_path):
+        yield address
+
+
+def test_a_users_status_call_passes_the_policy_gpuslice_installs(
+    policed_bus: str, closed: None
+) -> None:
+    """Anyone may read the status: the policy allows them Status named with the controller's
+    interface, and nothing without it (a call left unnamed was refused, and the user read
+    "only root may ask")."""
+
+    async def scenario() -> None:
+        await controller(policed_bus, lambda msg: Message.new_method_return(msg, "s", ["{}"]))
+        assert await cli_module._call_controller(policed_bus, "Status") == "{}"
+        unnamed = await (await connect(policed_bus)).call(
+            Message(destination=BUS_NAME, path=OBJECT_PATH, member="Status")
+        )
+        assert unnamed is not None and unnamed.error_name == ACCESS_DENIED
+
+    run(scenario)
+
+
+def test_without_an_address_the_call_goes_to_the_system_bus(
+    bus_address: str, closed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No GPUSLICE_BUS_ADDRESS: the controller is on the system bus (DBUS_SYSTEM_BUS_ADDRESS
+    where set, as for any D-Bus client), never the caller's session bus."""
+    monkeypatch.setenv("DBUS_SYSTEM_BUS_ADDRESS", bus_address)
+    monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", "unix:path=/nonexistent/session-bus")
+
+    async def scenario() -> None:
+        await controller(bus_address, lambda msg: Message.new_method_return(msg, "s", ["{}"]))
+        assert await cli_module._call_controller(None, "Status") == "{}"
+
+    run(scenario)
+
+
+# dbus-next leaves the socket of a connection that failed unclosed (message_bus.py,
+# _setup_socket): harmless in a command that exits, a ResourceWarning here.
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_no_bus_is_said_with_why(tmp_path: Path) -> None:
+    with pytest.raises(click.ClickException) as refused:
+        asyncio.run(cli_module._call_controller(f"unix:path={tmp_path}/no-bus", "Status"))
+    assert refused.value.message == (
+        "cannot reach the system bus to ask the gpuslice controller (No such file or directory)"
+    )
+    del refused
+    gc.collect()  # the leaked socket warns now, under this test's filters
+
+
+# ---------------------------------------------------------------------------------------------
+# _resume_by_ladder: release-jobs' resume, by the controller's Ladder
+
+TOOL = "/opt/nvidia/cuda-checkpoint"
+UNIT = "train.service"
+
+
+class _Bus:
+    def __init__(self) -> None:
+        self.disconnected = False
+
+    def disconnect(self) -> None:
+        self.disconnected = True
+
+
+class _Systemd:
+    """What Ladder asks of gpuslice.systemd.Systemd, each call recorded; FreezeUnit fails
+    with `freeze_fails` when given."""
+
+    def __init__(self, calls: list[tuple[str, ...]], freeze_fails: str) -> None:
+        self.bus = _Bus()
+        self.calls = calls
+        self.freeze_fails = freeze_fails
+
+    async def freeze_unit(self, name: str) -> None:
+        self.calls.append(("FreezeUnit", name))
+        if self.freeze_fails:
+            raise RuntimeError(self.freeze_fails)
+
+    async def thaw_unit(self, name: str) -> None:
+        self.calls.append(("ThawUnit", name))
+
+    async def freezer_state(self, name: str) -> str:
+        return "frozen"
+
+    async def unit_pids(self, name: str) -> list[int]:
+        self.calls.append(("GetUnitProcesses", name))
+        return [11]
+
+
+def _ladder(
+    monkeypatch: pytest.MonkeyPatch,
+    tool: str | None = TOOL,
+    restore: Callable[[], Resumed] | None = None,
+    freeze_fails: str = "",
+) -> tuple[list[tuple[str, ...]], list[_Systemd]]:
+    """systemd and cuda-checkpoint stood in for: `tool` found (None: none), PID 11 of the
+    unit checkpointed, its restore doing `restore`. What was called, and each connection."""
+    calls: list[tuple[str, ...]] = []
+    made: list[_Systemd] = []
+
+    async def connect(address: str | None = None) -> _Systemd:
+        made.append(_Systemd(calls, freeze_fails))
+        return made[-1]
+
+    async def get_state(tool: str, pid: int, via_systemd: bool = False) -> str:
+        return checkpoint.CHECKPOINTED
+
+    async def stop_earlier_runs(pids: list[int]) -> str:
+        return ""
+
+    async def resume(tool: str, pids: list[int], s: CheckpointSettings) -> Resumed:
+        calls.append(("restore", tool, *map(str, pids)))
+        return restore() if restore else Resumed(0.5, tuple(pids))
+
+    monkeypatch.setattr(Systemd, "connect", connect)
+    monkeypatch.setattr(checkpoint, "find_tool", lambda configured, **kw: tool)
+    monkeypatch.setattr(checkpoint, "check_tool", lambda tool, root_only: None)
+    monkeypatch.setattr(checkpoint, "get_state", get_state)
+    monkeypatch.setattr(checkpoint, "stop_earlier_runs", stop_earlier_runs)
+    monkeypatch.setattr(checkpoint, "resume", resume)
+    monkeypatch.setattr(Ladder, "_require_freezer", lambda self: None)  # no cgroup v2 here
+    return calls, made
+
+
+def _resume() -> Resumed | CheckpointError:
+    settings = CheckpointSettings.from_config(Config())
+    return asyncio.run(cli_module._resume_by_ladder(UNIT, settings))
+
+
+def test_the_resume_asks_systemd_on_the_bus_gpuslice_is_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPUSLICE_BUS_ADDRESS, as for the controller; a bus that cannot be reached is a reason
+    (the unit left as it was), not the end of release-jobs."""
+    asked: list[str | None] = []
+
+    async def refused(address: str | None = None) -> Systemd:
+        asked.append(address)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(Systemd, "connect", refused)
+    monkeypatch.setenv("GPUSLICE_BUS_ADDRESS", "unix:path=/run/elsewhere")
+    failed = _resume()
+    assert isinstance(failed, CheckpointError)
+    assert failed.reason == "cannot reach systemd on the system bus (Connection refused)"
+    assert asked == ["unix:path=/run/elsewhere"]
+
+
+def test_a_tool_gone_since_leaves_the_unit_frozen_again_and_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cuda-checkpoint removed between the check and the restore: nothing is restored, the
+    unit is frozen again as it was, and the reason says why."""
+    calls, made = _ladder(monkeypatch, tool=None)
+    failed = _resume()
+    assert isinstance(failed, CheckpointError)
+    assert failed.reason == "cuda-checkpoint is not installed any more: cannot restore"
+    assert calls == [("ThawUnit", UNIT), ("FreezeUnit", UNIT)]
+    assert made[0].bus.disconnected
+
+
+def test_a_unit_that_cannot_be_frozen_again_is_said_to_be_thawed_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The freeze back failed: the reason says both, what failed first and that the unit
+    runs thawed now."""
+    _ladder(monkeypatch, tool=None, freeze_fails="the bus went away")
+    failed = _resume()
+    assert isinstance(failed, CheckpointError)
+    assert failed.reason == (
+        "cuda-checkpoint is not installed any more: cannot restore; and it could not be "
+        "frozen again: FreezeUnit failed: the bus went away"
+    )
+
+
+def test_a_bug_while_resuming_is_a_reason_and_the_unit_frozen_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug must not end release-jobs (the other units are owed their resume): it is the
+    unit's reason, and the unit is frozen again."""
+
+    def bug() -> Resumed:
+        raise KeyError("pid")
+
+    calls, made = _ladder(monkeypatch, restore=bug)
+    failed = _resume()
+    assert isinstance(failed, CheckpointError)
+    assert failed.reason == "gpuslice failed while resuming ('pid')"
+    assert calls[-1] == ("FreezeUnit", UNIT)
+    assert made[0].bus.disconnected
+
+
+# ---------------------------------------------------------------------------------------------
+# _unit_state: systemctl show, read back
+
+FAKE_SYSTEMCTL = """\
+#!{python}
+# `systemctl show` as systemd's parses its arguments: -p NAME (each), -P NAME (--value: the
+# values alone), `--` ends the options; properties matched as spelled. Units: {units}.
+import json, sys, time
+units = json.loads({units!r})
+args, props, value_only, names = sys.argv[1:], [], False, []
+while args:
+    arg = args.pop(0)
+    if arg == "--":
+        names += args
+        break
+    if arg in ("-p", "-P"):
+        props.append(args.pop(0))
+        value_only = value_only or arg == "-P"
+    elif arg.startswith("-"):
+        sys.exit(f"systemctl: invalid option -- '{{arg}}'")
+    else:
+        names.append(arg)
+time.sleep({sleep})
+verb, *names = names
+assert verb == "show"
+blocks = []
+for name in names:
+    shown = units.get(name, {{"ActiveState": "inactive", "FreezerState": "running"}})
+    blocks.append("".join(
+        v + "\\n" if value_only else f"{{k}}={{v}}\\n" for k, v in shown.items() if k in props
+    ))
+print("\\n".join(blocks), end="")
+sys.exit({status})
+"""
+
+
+def _systemctl(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    units: dict[str, dict[str, str]],
+    status: int = 0,
+    sleep: float = 0,
+) -> None:
+    """A systemctl first on PATH that shows `units` so, exiting with `status` after `sleep`
+    seconds."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "systemctl"
+    fake.write_text(
+        FAKE_SYSTEMCTL.format(
+            python=sys.executable, units=json.dumps(units), status=status, sleep=sleep
+        )
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("status", [0, 1])
+@pytest.mark.parametrize("unit", ["train.service", "-h.service"])
+def test_the_state_is_what_systemctl_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, unit: str, status: int
+) -> None:
+    """Both properties, by their names, as name=value; a unit whose name begins with a dash
+    is a unit, never an option; what systemctl printed counts whatever its exit status."""
+    shown = {"Id": unit, "ActiveState": "active", "SubState": "running", "FreezerState": "frozen"}
+    _systemctl(tmp_path, monkeypatch, {unit: shown}, status=status)
+    assert cli_module._unit_state(unit) == {"ActiveState": "active", "FreezerState": "frozen"}
+
+
+def test_a_systemctl_that_hangs_is_given_up_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """release-jobs runs in prerm, which `apt remove` waits for: a systemctl that does not
+    answer is no state, not a wait for ever (its time limit shortened a hundredfold here)."""
+    _systemctl(tmp_path, monkeypatch, {UNIT: {"ActiveState": "active"}}, sleep=5)
+    real_run = subprocess.run
+
+    def hurried(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("timeout") is not None:
+            kwargs["timeout"] /= 100
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", hurried)
+    assert cli_module._unit_state(UNIT) == {}
+
+
+def test_no_systemctl_is_no_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert cli_module._unit_state(UNIT) == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# _release_gates: gpuslice.service's ExecStopPost=
+
+
+def _release_gates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str
+) -> tuple[list[str], Any]:
+    """release-gates with config.yaml holding `text`: the gate directories woken, the run."""
+    from gpuslice import gatepipes
+
+    woken: list[str] = []
+    monkeypatch.setattr(gatepipes, "wake_and_remove", lambda d: woken.append(str(d)))
+    monkeypatch.setattr("gpuslice.paths.RUNTIME_DIR_RECORD", str(tmp_path / "no-record"))
+    monkeypatch.delenv("GPUSLICE_RUNTIME_DIR", raising=False)
+    (tmp_path / "config.yaml").write_text(text)
+    result = CliRunner().invoke(main, ["release-gates", "--config", str(tmp_path / "config.yaml")])
+    assert result.exit_code == 0, result.output
+    return woken, result
+
+
+def test_release_gates_says_nothing_when_the_config_is_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    woken, result = _release_gates(tmp_path, monkeypatch, "runtime_dir: /run/gpuslice/x\n")
+    assert woken == ["/run/gpuslice/x/gate"]
+    assert (result.stdout, result.stderr) == ("", "")
+
+
+def test_release_gates_says_on_stderr_which_dirs_a_bad_config_left_it_to_guess(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal of gpuslice.service tells why gates were woken in more than one place:
+    the file's problem, and each runtime_dir tried."""
+    text = "runtime_dir: /run/gpuslice/x\ngpus: 0\n"
+    woken, result = _release_gates(tmp_path, monkeypatch, text)
+    assert woken == ["/run/gpuslice/gate", "/run/gpuslice/x/gate"]
+    assert result.stdout == ""
+    assert result.stderr == (
+        f'gpuslice release-gates: {tmp_path}/config.yaml:2: gpus: invalid value "0" '
+        "(allowed: an integer 1-1024); using /run/gpuslice, /run/gpuslice/x\n"
+    )
