@@ -1504,9 +1504,9 @@ class Controller:
             self._decide()  # events taken in this turn are decided first, as they will be
         return json.dumps(plan_start(self.scheduler, spec).to_json(), sort_keys=True)
 
-    def status_counters(self, as_of: float | None = None) -> dict[str, Any]:
+    def status_counters(self, as_of: float) -> dict[str, Any]:
         """The status keys that count since the controller started (gpuslice/status.py);
-        `as_of`: the Unix time of the state the answer shows (else the full answer's)."""
+        `as_of`: the Unix time of the state the answer shows (each cached text has its own)."""
         external = [
             ("dbus_signals_dropped", self.systemd.dropped),
             ("nvml_errors", self.watch.inventory.errors),
@@ -1519,7 +1519,7 @@ class Controller:
             "controller": {
                 "version": __version__,
                 "start_time": self.started,
-                "status_time": self._status.as_of if as_of is None else as_of,
+                "status_time": as_of,
             },
             "counters": self.counters.to_json(external),
         }

@@ -195,3 +195,39 @@ def test_a_retry_whose_nvml_init_always_outlasts_the_deadline_still_gets_nvml(
         assert [g.uuid for g in watch.sample.gpus] == ["GPU-0", "GPU-1"]
     finally:
         nvml.release.set()
+
+
+class StillLoading(HangingInit):
+    """As HangingInit, but the hung nvmlInit fails in words of its own: its "waiting" is
+    another than the one the loop had."""
+
+    def open(self, fallback: str = "no GPUs") -> NvmlStatus:
+        if self.hang.is_set():
+            self.release.wait(10)
+            return NvmlStatus(False, warning="NVML still loading (stub)")
+        return super().open(fallback)
+
+
+def test_a_late_retry_that_found_no_nvml_leaves_the_loops_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop gave up waiting (fallback: GPUs from config.yaml) while a retry's nvmlInit
+    hung; that nvmlInit then failed. Its "not ready yet" is older news than the loop's
+    fallback: taken back, status said "waiting" again while background units ran on the
+    GPUs config.yaml guessed."""
+    monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.05)
+    nvml = StillLoading()
+    watch, _, timers, clock = watch_on(tmp_path, nvml, Config(gpus=1, driver_wait=60))
+    watch.open()
+    assert watch.inventory.health.state == "waiting"
+    nvml.hang.set()
+    clock.now += 60  # driver_wait runs out
+    try:
+        timers.fire()  # the retry's nvmlInit hangs; the loop gives up waiting
+        assert watch.inventory.health.state == "fallback"
+    finally:
+        nvml.release.set()
+    finish_nvml_threads()  # it answered: still no NVML
+    assert not watch.nvml.hung  # its state is taken back here
+    assert watch.inventory.health.state == "fallback"
+    assert "still loading" not in watch.inventory.health.detail
