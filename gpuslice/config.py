@@ -31,8 +31,8 @@ from gpuslice.paths import (
     CONFIG_PATH,
     DEFAULT_RUNTIME_DIR,
     DEFAULT_STATE_DIR,
-    OWN_RUNTIME_NAME_PREFIXES,
-    OWN_STATE_NAME_PREFIXES,
+    OWN_RUNTIME_NAMES,
+    OWN_STATE_NAMES,
 )
 from gpuslice.sizes import SIZE_ALLOWED, SIZE_MAX, parse_size
 from gpuslice.unitfiles import printable
@@ -101,37 +101,42 @@ def _directory_below(v: Any, base: str) -> bool:
     )
 
 
-def _own_name_below(v: str, base: str, prefixes: tuple[str, ...]) -> bool:
-    """Whether a name in `v` below `base` begins with one of `prefixes`, or with "." and one
-    of them: a name gpuslice gives its own files in every such directory (paths.py)."""
-    below = v[len(base) :].split("/")
-    return any(n.removeprefix(".").startswith(prefixes) for n in below)
+def _own_name_below(v: str, base: str, names: tuple[str, ...]) -> bool:
+    """Whether a name in `v` below `base` is one gpuslice gives its own files in every such
+    directory (paths.py): one of `names`, or one of them then "." or "-" (`state.json.bad`,
+    `gate.released-42`), each also after a "." (`.state.json.tmp`). Not any name that merely
+    begins so: `/run/gpuslice/gateway` is an admin's, and a runtime_dir pinned for the boot
+    under an older gpuslice must stay valid through an upgrade."""
+    below = [n.removeprefix(".") for n in v[len(base) :].split("/")]
+    own = tuple(f"{name}{end}" for name in names for end in (".", "-"))
+    return any(n in names or n.startswith(own) for n in below)
 
 
 def _runtime_dir(v: Any) -> bool:
     """`_directory_below` /run/gpuslice, with no name below it that gpuslice gives its own
-    files there (paths.OWN_RUNTIME_NAME_PREFIXES): not the record of this boot's runtime_dir,
+    files there (paths.OWN_RUNTIME_NAMES): not the record of this boot's runtime_dir,
     the stand-in state file, the env files' or the gates' directory, their temporary or
     moved-aside names, nor below them."""
     return _directory_below(v, DEFAULT_RUNTIME_DIR) and not _own_name_below(
-        v, DEFAULT_RUNTIME_DIR, OWN_RUNTIME_NAME_PREFIXES
+        v, DEFAULT_RUNTIME_DIR, OWN_RUNTIME_NAMES
     )
 
 
 def _state_dir(v: Any) -> bool:
     """`_directory_below` /var/lib/gpuslice, with no name below it that gpuslice gives its own
-    files there (paths.OWN_STATE_NAME_PREFIXES, or "." and one of them): not the record of
+    files there (paths.OWN_STATE_NAMES, `_own_name_below`): not the record of
     the state_dir in use, the default state_dir's state file, their temporary files, nor
     below them."""
     return _directory_below(v, DEFAULT_STATE_DIR) and not _own_name_below(
-        v, DEFAULT_STATE_DIR, OWN_STATE_NAME_PREFIXES
+        v, DEFAULT_STATE_DIR, OWN_STATE_NAMES
     )
 
 
-def _own_names(prefixes: tuple[str, ...]) -> str:
-    """What no name below the base of a path setting begins with, in words."""
-    names = [f'"{dot}{name}"' for name in prefixes for dot in ("", ".")]
-    return f"{', '.join(names[:-1])} or {names[-1]}"
+def _own_names(names: tuple[str, ...]) -> str:
+    """What no name below the base of a path setting may be (`_own_name_below`), in words."""
+    said = [f'"{name}"' for name in names]
+    listed = said[0] if len(said) == 1 else f"{', '.join(said[:-1])} or {said[-1]}"
+    return f'{listed}, nor one of them followed by "." or "-", nor any of these after a "."'
 
 
 _PATH_ALLOWED = (
@@ -245,7 +250,7 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_STATE_DIR,
         _state_dir,
         _PATH_ALLOWED.format(base=DEFAULT_STATE_DIR)
-        + f"; with no name below it that begins with {_own_names(OWN_STATE_NAME_PREFIXES)}: "
+        + f"; with no name below it that is {_own_names(OWN_STATE_NAMES)}: "
         "gpuslice names its own files there so",
         "Where the controller keeps what must survive a reboot; a change takes effect when "
         "gpuslice.service restarts, which moves the state there.",
@@ -256,7 +261,7 @@ SETTINGS: tuple[Setting, ...] = (
         DEFAULT_RUNTIME_DIR,
         _runtime_dir,
         _PATH_ALLOWED.format(base=DEFAULT_RUNTIME_DIR)
-        + f"; with no name below it that begins with {_own_names(OWN_RUNTIME_NAME_PREFIXES)}: "
+        + f"; with no name below it that is {_own_names(OWN_RUNTIME_NAMES)}: "
         "gpuslice names its own files there so",
         "Where the controller writes per-unit environment files "
         "(RUNTIME_DIR/env/UNIT/gpuslice.env) and the gate's pipes (RUNTIME_DIR/gate/UNIT); "
@@ -973,7 +978,7 @@ def read_recorded_state_dir(record: str | os.PathLike[str]) -> str | None:
     base = os.path.dirname(path)
     if value is None or _directory_below(value, path) or not _directory_below(value, base):
         return None
-    return None if _own_name_below(value, base, OWN_STATE_NAME_PREFIXES) else value.rstrip("/")
+    return None if _own_name_below(value, base, OWN_STATE_NAMES) else value.rstrip("/")
 
 
 def record_state_dir(record: str | os.PathLike[str], state_dir: str) -> bool:

@@ -1,5 +1,6 @@
-"""Whether the host hides processes from other users (/proc mounted `hidepid=` or
-`subset=pid`), read from the controller's own mount table.
+"""Whether the host hides processes from other users (/proc mounted `hidepid=`), read from
+the controller's own mount table. (`subset=pid` hides /proc's files that are not of a
+process, not other users' processes: it changes nothing here.)
 
 An admin who mounts /proc so (proc(5)) hides each user's processes from the others: their
 PIDs, command lines, owners. The controller is root and sees them all; `Status`, which anyone
@@ -66,9 +67,6 @@ def _hiding_of(options: list[str]) -> ProcHiding:
         if key == "hidepid":
             said.append(option)
             hides = hides or value not in _SHOWS_ALL  # an unknown value: taken to hide
-        elif key == "subset":
-            said.append(option)
-            hides = hides or value == "pid"
         elif key == "gid":
             said.append(option)
             ok = value.isascii() and value.isdigit() and len(value) <= _GID_DIGITS
@@ -94,7 +92,7 @@ def proc_hiding_of(mountinfo: str) -> ProcHiding | None:
             continue
         if len(fields) < dash + 4 or fields[dash + 1] != "proc":
             continue
-        # hidepid and subset are the super block's options since Linux 5.8; the mount's
+        # hidepid is the super block's option since Linux 5.8; the mount's
         # own are read too
         options = fields[5].split(",") + fields[dash + 3].split(",")
         found[fields[0]] = (fields[1], _hiding_of([_unescape(o) for o in options]))

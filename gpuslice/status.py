@@ -88,7 +88,7 @@ thousands, and every answer named them all. And, for those it leaves out:
   those whose use NVML knows), "foreign_left_out_unknown": int (how many NVML gave no memory
   for), "foreign_left_out_by_kind": {kind: int} (their known bytes by owner kind, which
   `gpuslice metrics` adds to those listed); 0, 0, 0 and {} when none is left out.
-Added for a /proc mounted with hidepid= or subset=pid (gpuslice/procmount.py), where the admin
+Added for a /proc mounted with hidepid= (gpuslice/procmount.py), where the admin
 hides each user's processes from the others: the answer to a caller /proc would hide them
 from (neither root nor of the mount's gid= group, or whom the bus daemon did not name) is
 redacted, and says so: "redacted": true (absent from every other answer). Each "foreign"

@@ -317,12 +317,13 @@ def test_directories_below_the_sandbox(key: str) -> None:
             'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s '
             "sandbox lets it write nowhere else"
             + (
-                '; with no name below it that begins with "runtime-dir", ".runtime-dir", '
-                '"state.json", ".state.json", "env", ".env", "gate" or ".gate": gpuslice '
-                "names its own files there so)"
+                '; with no name below it that is "runtime-dir", "state.json", "env" or "gate", '
+                'nor one of them followed by "." or "-", nor any of these after a ".": '
+                "gpuslice names its own files there so)"
                 if key == "runtime_dir"
-                else '; with no name below it that begins with "state-dir", ".state-dir", '
-                '"state.json" or ".state.json": gpuslice names its own files there so)'
+                else '; with no name below it that is "state-dir" or "state.json", nor one of '
+                'them followed by "." or "-", nor any of these after a ".": gpuslice names its '
+                "own files there so)"
             )
         ), problem
 

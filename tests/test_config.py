@@ -36,13 +36,14 @@ ALLOWED = {
     "RETRY": "a number of seconds 0.05-60",
     "STATE": "/var/lib/gpuslice or a directory below it, at most 200 characters of letters, "
     'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s sandbox lets '
-    'it write nowhere else; with no name below it that begins with "state-dir", ".state-dir", '
-    '"state.json" or ".state.json": gpuslice names its own files there so',
+    'it write nowhere else; with no name below it that is "state-dir" or "state.json", nor one '
+    'of them followed by "." or "-", nor any of these after a ".": gpuslice names its own '
+    "files there so",
     "RUNTIME": "/run/gpuslice or a directory below it, at most 200 characters of letters, "
     'digits, ".", "_", "-" and "/", without "." or ".." components: the service\'s sandbox lets '
-    'it write nowhere else; with no name below it that begins with "runtime-dir", ".runtime-dir", '
-    '"state.json", ".state.json", "env", ".env", "gate" or ".gate": gpuslice names its own '
-    "files there so",
+    'it write nowhere else; with no name below it that is "runtime-dir", "state.json", "env" or '
+    '"gate", nor one of them followed by "." or "-", nor any of these after a ".": gpuslice '
+    "names its own files there so",
     "MANAGE": "a list of at most 1024 GPU indices or GPU- UUIDs (MIG devices are not supported; "
     "empty: every GPU NVML finds)",
     "RESERVE": "a size such as 512M, 20G or 20GiB (binary units, at most 1P), or a mapping of "

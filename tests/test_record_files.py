@@ -54,7 +54,8 @@ def valid_state_dir(value: str) -> bool:
         # another state_dir's state file
         f"{DEFAULT_STATE_DIR}/a/state.json",
         f"{DEFAULT_STATE_DIR}/a/.state.json.tmp",
-        f"{DEFAULT_STATE_DIR}/state-dirs",
+        f"{DEFAULT_STATE_DIR}/state-dir.x",
+        f"{DEFAULT_STATE_DIR}/state-dir-x",
     ],
 )
 def test_a_state_dir_named_as_gpuslices_own_file_is_refused(value: str) -> None:
@@ -73,6 +74,9 @@ def test_a_state_dir_named_as_gpuslices_own_file_is_refused(value: str) -> None:
         f"{DEFAULT_STATE_DIR}/statejson",
         f"{DEFAULT_STATE_DIR}/my-state.json",
         f"{DEFAULT_STATE_DIR}/a.b/x-state-dir",
+        # a name that only begins as one of ours is an admin's
+        f"{DEFAULT_STATE_DIR}/state-dirs",
+        f"{DEFAULT_STATE_DIR}/state.jsonl",
         f"{DEFAULT_STATE_DIR}/.x",  # a hidden directory of the admin's
         f"{DEFAULT_STATE_DIR}/..state.json",
     ],

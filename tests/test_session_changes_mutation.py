@@ -58,16 +58,20 @@ def written_generation(store: StateStore) -> int:
 # ---- config.yaml's path settings and the record -----------------------------------------
 
 
-def test_the_names_a_path_setting_refuses_are_said_each_plain_and_with_a_dot() -> None:
-    assert _own_names(("a",)) == '"a" or ".a"'
-    assert _own_names(("a", "b")) == '"a", ".a", "b" or ".b"'
+def test_the_names_a_path_setting_refuses_are_said_with_what_may_follow_or_precede() -> None:
+    rest = ', nor one of them followed by "." or "-", nor any of these after a "."'
+    assert _own_names(("a",)) == '"a"' + rest
+    assert _own_names(("a", "b")) == '"a" or "b"' + rest
+    assert _own_names(("a", "b", "c")) == '"a", "b" or "c"' + rest
     assert SETTINGS_BY_NAME["state_dir"].allowed.endswith(
-        '; with no name below it that begins with "state-dir", ".state-dir", "state.json" or '
-        '".state.json": gpuslice names its own files there so'
+        '; with no name below it that is "state-dir" or "state.json"'
+        + rest
+        + ": gpuslice names its own files there so"
     )
     assert SETTINGS_BY_NAME["runtime_dir"].allowed.endswith(
-        '; with no name below it that begins with "runtime-dir", ".runtime-dir", "state.json", '
-        '".state.json", "env", ".env", "gate" or ".gate": gpuslice names its own files there so'
+        '; with no name below it that is "runtime-dir", "state.json", "env" or "gate"'
+        + rest
+        + ": gpuslice names its own files there so"
     )
 
 

@@ -281,15 +281,39 @@ def test_the_refusal_names_the_file_line_and_key(tmp_path: Path) -> None:
         load_config_with_warnings(path)
     [problem] = caught.value.problems
     assert problem.startswith(f'{path}:3: runtime_dir: invalid value "/run/gpuslice/gate" ')
-    assert '"env", ".env", "gate" or ".gate": gpuslice names its own files there so' in problem
+    assert '"env" or "gate", nor one of them followed by "." or "-"' in problem
 
 
 @pytest.mark.parametrize(
     "value",
-    ["/run/gpuslice/a", "/run/gpuslice/x.env", "/run/gpuslice/a-gate/b", "/run/gpuslice/.x"],
+    [
+        "/run/gpuslice/a",
+        "/run/gpuslice/x.env",
+        "/run/gpuslice/a-gate/b",
+        "/run/gpuslice/.x",
+        # a name that only begins as one of ours is an admin's
+        "/run/gpuslice/gateway",
+        "/run/gpuslice/environment",
+        "/run/gpuslice/env2",
+        "/run/gpuslice/runtime-dirs",
+    ],
 )
 def test_other_runtime_dirs_are_still_valid(value: str) -> None:
     assert problems_of(f"runtime_dir: {value}\n") == []
+
+
+def test_a_runtime_dir_pinned_under_the_last_version_stays_pinned(tmp_path: Path) -> None:
+    """An upgrade within a boot: the record names the runtime_dir the gates' drop-ins name
+    (valid for the gpuslice that wrote it). Refused by a rule wider than gpuslice's own
+    names, the new controller and generator switched to /run/gpuslice mid-boot: the
+    holders' env files and the stand-in state were left behind."""
+    record = tmp_path / "runtime-dir"
+    record.write_text("/run/gpuslice/gateway\n")
+    assert read_pinned_runtime_dir(record) == "/run/gpuslice/gateway"
+    assert runtime_dirs_of_this_boot(None, record, DEFAULT_RUNTIME_DIR) == [
+        "/run/gpuslice/gateway",
+        DEFAULT_RUNTIME_DIR,
+    ]
 
 
 @pytest.mark.parametrize("name", OWN_NAMES)

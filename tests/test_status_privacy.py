@@ -1,4 +1,4 @@
-"""Where /proc hides each user's processes from the others (`hidepid=`, `subset=pid`), Status
+"""Where /proc hides each user's processes from the others (`hidepid=`), Status
 hides them too from a caller /proc would hide them from (gpuslice/procmount.py): anyone may
 call Status, and the controller, root, sees every process. And each GPU's `foreign` list is
 capped in the JSON as in the table (gpuslice/status.py).
@@ -73,8 +73,10 @@ def mountinfo(*lines: str) -> str:
         ("rw,hidepid=invisible,gid=27", True, 27),
         ("rw,hidepid=ptraceable", True, None),
         ("rw,hidepid=4", True, None),
-        ("rw,subset=pid", True, None),
-        ("rw,subset=pid,gid=1001", True, 1001),
+        # subset=pid hides /proc's files that are no process's, not other users' processes
+        ("rw,subset=pid", False, None),
+        ("rw,subset=pid,gid=1001", False, None),
+        ("rw,subset=pid,hidepid=invisible,gid=1001", True, 1001),
         ("rw,hidepid=seven", True, None),  # unknown: taken to hide
         ("rw,hidepid=2,gid=x27", True, None),
         ("rw,hidepid=2,gid=4294967296", True, None),  # past 32 bits

@@ -72,7 +72,8 @@ def test_the_admin_is_told_when_proc_starts_or_stops_hiding_processes(
                 ("rw,hidepid=2", []),
                 ("rw", ["/proc no longer hides other users' processes: Status shows them all"]),
                 ("rw,hidepid=0", []),  # another mount that hides nothing: nothing to say
-                ("rw,subset=pid,gid=5", [hides.format("subset=pid,gid=5") + "root, or of group 5"]),
+                ("rw,subset=pid,gid=5", []),  # it hides /proc's other files, no process
+                ("rw,hidepid=2,gid=5", [hides.format("hidepid=2,gid=5") + "root, or of group 5"]),
             ]:
                 caplog.clear()
                 procmount.MOUNTINFO.write_text(mountinfo(proc_line(options)))
