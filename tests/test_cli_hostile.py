@@ -602,3 +602,13 @@ def test_status_and_plan_print_no_control_sequence(monkeypatch: pytest.MonkeyPat
         assert not any(c in result.output for c in "\x1b\x07\x9b"), result.output
     assert "a\\x1b]0;pwn\\x07.service" in invoke("status").output
     assert evil not in invoke("status", "--json").output  # JSON escapes it itself
+
+
+def test_a_number_too_large_is_named_in_its_first_40_characters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A float of 400 digits is infinity to Python's reader: the error names it, cut."""
+    _answering(monkeypatch, '{"x": 1' + "0" * 400 + ".5}")
+    result = invoke("status")
+    assert result.exit_code == 1, result.output
+    assert f"not JSON (1{'0' * 39}... is not a finite number)" in result.output
