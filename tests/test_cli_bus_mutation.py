@@ -41,6 +41,7 @@ from gpuslice.systemd import Systemd
 from tests.test_dbus_adapter import _OPEN, _bus_daemon, connect, run
 from tests.test_dbus_adapter import bus_address as bus_address
 from tests.test_dbus_adapter import bus_daemon as bus_daemon
+from tests.test_release_jobs_resume import _Systemd
 
 POLICY = Path(__file__).parent.parent / "data" / "org.gpuslice.Scheduler1.conf"
 TRY = "is it running? Try: systemctl status gpuslice"
@@ -301,39 +302,6 @@ TOOL = "/opt/nvidia/cuda-checkpoint"
 UNIT = "train.service"
 
 
-class _Bus:
-    def __init__(self) -> None:
-        self.disconnected = False
-
-    def disconnect(self) -> None:
-        self.disconnected = True
-
-
-class _Systemd:
-    """What Ladder asks of gpuslice.systemd.Systemd, each call recorded; FreezeUnit fails
-    with `freeze_fails` when given."""
-
-    def __init__(self, calls: list[tuple[str, ...]], freeze_fails: str) -> None:
-        self.bus = _Bus()
-        self.calls = calls
-        self.freeze_fails = freeze_fails
-
-    async def freeze_unit(self, name: str) -> None:
-        self.calls.append(("FreezeUnit", name))
-        if self.freeze_fails:
-            raise RuntimeError(self.freeze_fails)
-
-    async def thaw_unit(self, name: str) -> None:
-        self.calls.append(("ThawUnit", name))
-
-    async def freezer_state(self, name: str) -> str:
-        return "frozen"
-
-    async def unit_pids(self, name: str) -> list[int]:
-        self.calls.append(("GetUnitProcesses", name))
-        return [11]
-
-
 def _ladder(
     monkeypatch: pytest.MonkeyPatch,
     tool: str | None = TOOL,
@@ -346,7 +314,7 @@ def _ladder(
     made: list[_Systemd] = []
 
     async def connect(address: str | None = None) -> _Systemd:
-        made.append(_Systemd(calls, freeze_fails))
+        made.append(_Systemd(calls, [11], freeze_fails))
         return made[-1]
 
     async def get_state(tool: str, pid: int, via_systemd: bool = False) -> str:

@@ -202,15 +202,21 @@ class _Bus:
 
 
 class _Systemd:
-    """What Ladder asks of gpuslice.systemd.Systemd, recorded in `calls`."""
+    """What Ladder asks of gpuslice.systemd.Systemd, recorded in `calls`; FreezeUnit fails
+    with `freeze_fails` when given."""
 
-    def __init__(self, calls: list[tuple[str, ...]], pids: list[int]) -> None:
+    def __init__(
+        self, calls: list[tuple[str, ...]], pids: list[int], freeze_fails: str = ""
+    ) -> None:
         self.bus = _Bus()
         self.calls = calls
         self.pids = pids
+        self.freeze_fails = freeze_fails
 
     async def freeze_unit(self, name: str) -> None:
         self.calls.append(("FreezeUnit", name))
+        if self.freeze_fails:
+            raise RuntimeError(self.freeze_fails)
 
     async def thaw_unit(self, name: str) -> None:
         self.calls.append(("ThawUnit", name))
