@@ -616,6 +616,8 @@ class Controller:
                 self.counters.gate_answers["pipe"] += 1
             if kind is Kind.DOWN and is_instance(name):
                 self.gates.retire(name)  # instances' names are many: not one pipe each
+                # nor one env file: the next start's gate passes only once _deliver wrote it
+                envfiles.remove(self.config.runtime_dir, name)
                 self._instances.discard(name)  # watched while the core knows it (_watched)
                 self._forget_instance(name)
         elif invocation is None:

@@ -54,6 +54,26 @@ def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu]) -> None:
         raise
 
 
+def remove(runtime_dir: str, unit: str) -> None:
+    """Remove the unit's file and its directory, if they are there: an instance's name may
+    never come again (`transcribe@RECORDING`, a socket's Accept=yes instance per connection),
+    and /run would keep a directory and a file for every instance ever granted until reboot.
+    A directory holding anything else is left, and nothing is removed through a link."""
+    path = env_file(runtime_dir, unit)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        for name in (path.name, f".{path.name}.tmp"):
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        path.parent.rmdir()
+
+
 def told_gpus(runtime_dir: str, unit: str) -> list[int]:
     """The GPU indices the unit's file names (GPUSLICE_GPUS=), [] if none can be read or the
     file is larger than one of ours (MAX_BYTES). Never follows a link or waits on a FIFO."""
