@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import stat
+import threading
 from pathlib import Path
 
 from gpuslice import envfiles
@@ -66,3 +69,27 @@ def test_removing_an_env_file_leaves_what_else_is_there_and_follows_no_link(
     envfiles.remove(runtime_dir, "c@1.service")
     assert not env_file(runtime_dir, "c@1.service").exists()
     assert (Path(runtime_dir) / "env" / "c@1.service" / "other").exists()
+
+
+def test_removing_an_env_file_never_waits_on_a_fifo_in_the_directorys_place(
+    tmp_path: Path,
+) -> None:
+    """Opened as anything but a directory, a FIFO where the unit's directory should be would
+    hold the controller's loop until a writer came: every gated start would wait."""
+    unit = "job@7.service"
+    fifo = env_file(str(tmp_path), unit).parent
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def remove() -> None:
+        envfiles.remove(str(tmp_path), unit)
+        done.set()
+
+    worker = threading.Thread(target=remove, daemon=True)
+    worker.start()
+    finished = done.wait(5)
+    if not finished:  # let the thread go: open a writer, which ends its wait
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert finished, "remove() waited on the FIFO"
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # not ours to remove
