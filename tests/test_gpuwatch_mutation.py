@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,11 +62,16 @@ class HangsAtOpen(Models):
 
 
 def watch_on(
-    tmp_path: Path, nvml: StubNvml, config: Config
+    tmp_path: Path, nvml: StubNvml, config: Config, wall: Callable[[], float] = time.time
 ) -> tuple[GpuWatch, Holdings, Timers, Clock]:
     clock = Clock()
     inventory = Inventory(
-        config, nvml=nvml, clock=clock, proc=tmp_path, driver_root=nvidia_root(tmp_path)
+        config,
+        nvml=nvml,
+        clock=clock,
+        proc=tmp_path,
+        driver_root=nvidia_root(tmp_path),
+        wall=wall,
     )
     holdings, timers = Holdings(), Timers()
     watch = GpuWatch(

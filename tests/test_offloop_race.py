@@ -19,12 +19,9 @@ import pytest
 
 import gpuslice.gpuwatch as gpuwatch_module
 from gpuslice.config import Config
-from gpuslice.gpuwatch import GpuWatch
-from gpuslice.inventory import Inventory
 from gpuslice.nvml import GpuProcess, NvmlStatus
-from tests.test_controller import Clock, Holdings, StubNvml, Timers
+from tests.test_controller import StubNvml
 from tests.test_gpuwatch_mutation import watch_on
-from tests.test_inventory import nvidia_root
 
 
 def finish_nvml_threads() -> None:
@@ -117,22 +114,8 @@ def test_a_retry_that_answers_late_while_the_loop_gives_up_waiting_leaves_nvml_r
             finish_nvml_threads()
         return 1000.0
 
-    config = Config(gpus=1, driver_wait=60)
-    clock = Clock()
-    inventory = Inventory(
-        config, nvml=nvml, clock=clock, proc=tmp_path, driver_root=nvidia_root(tmp_path),
-        wall=wall,
-    )  # fmt: skip
-    holdings, timers = Holdings(), Timers()
-    watch = GpuWatch(
-        config,
-        inventory,
-        holdings,
-        managed=set,
-        decide=lambda gpus: None,
-        ready=lambda: True,
-        call_later=timers,
-    )
+    watch, _, timers, clock = watch_on(tmp_path, nvml, Config(gpus=1, driver_wait=60), wall)
+    inventory = watch.inventory
     watch.open()
     assert inventory.health.state == "waiting"
     nvml.available = True
