@@ -58,6 +58,9 @@ UNIT_DIR = "etc/systemd/system"  # below --root: where `new` and `enroll` write
 # release-jobs runs in prerm, and `apt remove` waits for it: no resume starts after this many
 # seconds (one under way is left to finish: a restore cut short loses its process for good).
 RELEASE_DEADLINE = 120.0
+# how long release-jobs waits for the bus: systemd to say when it started (`_this_boot`), a
+# connection for a resume to be made (a bus daemon that accepts and never authenticates)
+BOOT_READ_TIMEOUT = 30.0
 
 config_option = click.option(
     "--config",
@@ -152,7 +155,11 @@ def release_jobs(config_path: str) -> None:
     rest can never be resumed. No resume starts RELEASE_DEADLINE seconds after this began:
     `apt remove` waits; the units left are named, left suspended, their work kept. These,
     and a preempted one, which nothing will start again, are named on stderr with why and
-    what to do, instead of being left silently."""
+    what to do, instead of being left silently. Only a state of this boot is acted on, the
+    boot told as the controller tells it (`state.same_boot`, with systemd's start: a
+    container restarted keeps the kernel's boot id): one of an earlier boot names units
+    whose processes are gone, and a unit of that name now is another. When this boot cannot
+    be told (systemd not reachable on the bus), no unit is touched: each is named."""
     _release_jobs(config_path)
 
 
@@ -162,7 +169,7 @@ def _release_jobs(config_path: str) -> None:
     from gpuslice.core.model import PRIORITY_MAX
     from gpuslice.core.scheduler import Phase
     from gpuslice.paths import DEFAULT_STATE_DIR, RUNTIME_DIR_RECORD, STATE_DIR_RECORD
-    from gpuslice.state import StateStore, saved_in
+    from gpuslice.state import StateStore, same_boot, saved_in
 
     deadline = time.monotonic() + RELEASE_DEADLINE
     controller = _unit_state("gpuslice.service").get("ActiveState", "unknown")
@@ -185,21 +192,24 @@ def _release_jobs(config_path: str) -> None:
     # start), which config.yaml may no longer name
     runtime_dir = runtime_dirs_of_this_boot(None, RUNTIME_DIR_RECORD, config.runtime_dir)[0]
     saved, saved_boot = StateStore(state_path, Path(runtime_dir)).load()
-    try:
-        this_boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        this_boot = ""
-    # holders and suspended units of an earlier boot ran no process in this one (the
-    # controller drops them too); a suspended unit then was preempted (forget_boot)
-    same_boot = bool(this_boot) and saved_boot.split("/", 1)[0] == this_boot
-    holders = saved.holders if same_boot else {}
-    phases = {name: Phase(entry[1]) for name, entry in holders.items()}
-    to_thaw = {n for n, p in phases.items() if p is Phase.FROZEN}
-    to_thaw |= set(saved.thaw_owed) if same_boot else set()
-    suspended = set(saved.suspended) if same_boot else set()
-    suspended |= {n for n, p in phases.items() if p in (Phase.SUSPENDING, Phase.RESUMING)}
-    preempted = set(saved.preempted) | {n for n, p in phases.items() if p is Phase.STOPPING}
-    if not same_boot:
+    phases = {name: Phase(entry[1]) for name, entry in saved.holders.items()}
+    thaws = {n for n, p in phases.items() if p is Phase.FROZEN} | set(saved.thaw_owed)
+    caught = {n for n, p in phases.items() if p in (Phase.SUSPENDING, Phase.RESUMING)}
+    stopping = {n for n, p in phases.items() if p is Phase.STOPPING}
+    of_boot = thaws | caught | stopping | set(saved.suspended)  # true in its boot alone
+    # holders and suspended units of another boot ran no process in this one (the
+    # controller drops them too, judging the boot as it does: same_boot); a suspended unit
+    # then was preempted (forget_boot). Only a state that names them needs this boot's id.
+    this_boot, unknown = _this_boot() if saved_boot and of_boot else ("", "")
+    ours = same_boot(saved_boot, this_boot)
+    holders = saved.holders if ours else {}
+    to_thaw = thaws if ours else set()
+    suspended = set(saved.suspended) | caught if ours else set()
+    preempted = set(saved.preempted) | (stopping if ours else set())
+    if unknown:  # a unit of that name may be another now: none is touched, each is named
+        _name_left_alone(unknown, thaws, caught | set(saved.suspended), stopping)
+        preempted -= of_boot
+    elif not ours:
         preempted |= set(saved.suspended)
 
     def order(unit: str) -> tuple[int, int, int, int, str]:
@@ -257,6 +267,61 @@ def _release_jobs(config_path: str) -> None:
                 f"`systemctl start {printable(unit, 300)}` if it is still wanted",
                 err=True,
             )
+
+
+def _this_boot() -> tuple[str, str]:
+    """This boot as the controller tells it at its start (`Systemd.boot_id`, asked of the
+    systemd on the bus gpuslice is told, GPUSLICE_BUS_ADDRESS): the kernel's boot id alone
+    is a container's last boot's too when it restarted without its host. ("", why) when it
+    cannot be told: no bus, systemd refusing or silent for BOOT_READ_TIMEOUT s (`apt
+    remove` waits), no kernel boot id."""
+    try:
+        return asyncio.run(asyncio.wait_for(_read_boot(), BOOT_READ_TIMEOUT)), ""
+    except TimeoutError:
+        return "", f"systemd did not answer within {BOOT_READ_TIMEOUT:g} s"
+    except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS, D-Bus errors
+        return "", _reason(e)
+
+
+async def _read_boot() -> str:
+    from gpuslice.systemd import Systemd
+
+    systemd = await Systemd.connect(os.environ.get("GPUSLICE_BUS_ADDRESS"))
+    try:
+        return await systemd.boot_id()
+    finally:
+        systemd.bus.disconnect()
+
+
+def _name_left_alone(why: str, frozen: set[str], suspended: set[str], stopping: set[str]) -> None:
+    """Say that release-jobs cannot tell whether the saved state is this boot's (`why`), and
+    name each unit that only a state of this boot would have it thaw, resume, stop or call
+    preempted, with what to do if it is still so: a state of an earlier boot (a container
+    restarted without its host) names units whose processes are gone, and a unit of that
+    name now is someone else's, never to be thawed or stopped on its word."""
+    click.echo(
+        f"gpuslice release-jobs: cannot tell whether the saved state is of this boot "
+        f"({printable(why, 300)}): a container restarted without its host has the kernel "
+        "boot id of its last boot, whose units are others now; no unit the state names is "
+        "thawed, resumed or stopped",
+        err=True,
+    )
+    for unit in sorted(frozen | suspended | stopping):
+        shown = printable(unit, 300)
+        if unit in suspended:
+            what = "suspended by cuda-checkpoint"
+            then = f"if systemd shows it frozen, `systemctl stop {shown}` ends it"
+        elif unit in frozen:
+            what = "frozen beside a more urgent unit"
+            then = f"if systemd shows it frozen, `systemctl thaw {shown}`"
+        else:
+            what = "preempted"
+            then = f"if it is down, `systemctl start {shown}` if it is still wanted"
+        click.echo(
+            f"gpuslice is being removed: {shown} is left as it is ({what} in a state that "
+            f"may be an earlier boot's); {then}",
+            err=True,
+        )
 
 
 def _resumed(done: Resumed) -> str:
@@ -319,8 +384,12 @@ async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> Resumed 
     from gpuslice.ladder import Ladder
     from gpuslice.systemd import Systemd
 
-    try:
-        systemd = await Systemd.connect(os.environ.get("GPUSLICE_BUS_ADDRESS"))
+    try:  # `apt remove` waits: a bus daemon that never answers is given up on
+        systemd = await Systemd.connect(os.environ.get("GPUSLICE_BUS_ADDRESS"), BOOT_READ_TIMEOUT)
+    except TimeoutError:
+        return CheckpointError(
+            f"cannot reach systemd on the system bus (no answer within {BOOT_READ_TIMEOUT:g} s)"
+        )
     except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS
         return CheckpointError(f"cannot reach systemd on the system bus ({_reason(e)})")
     told = _LadderOutcome()

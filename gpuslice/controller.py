@@ -75,7 +75,7 @@ from gpuslice.paths import (
 from gpuslice.procmount import ProcHiding, read_proc_hiding
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
-from gpuslice.state import Flusher, StateStore
+from gpuslice.state import Flusher, StateStore, same_boot
 from gpuslice.status import CachedStatus, snapshot_to_json
 from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient
 from gpuslice.tracker import (
@@ -288,10 +288,11 @@ class Controller:
         shown = {u.name for u in units}  # instances among them are annotated by templates
         with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
             self.scheduler.set_specs(self._concrete_specs(remembered | shown))
-        if saved_boot != self.boot_id:
+        this_boot = same_boot(saved_boot, self.boot_id)
+        if not this_boot:
             saved.holders = {}  # nothing runs after a reboot that we granted before it
         self.scheduler.load(saved)
-        if saved_boot != self.boot_id:
+        if not this_boot:
             self.scheduler.forget_boot()
         # once the core knows what it kept without an annotation (a suspended unit whose
         # annotation went): read before, such a unit, still active and frozen, was taken

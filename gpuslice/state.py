@@ -310,6 +310,17 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
     return saved, boot_id
 
 
+def same_boot(saved: str, current: str) -> bool:
+    """Whether a state saved in boot `saved` was saved in this one, `current`: both as
+    `Systemd.boot_id` tells a boot (the kernel's boot id and when systemd started: a
+    container restarted without its host keeps the first and changes the second). The one
+    judgment of the controller at its start (holders and suspended units of another boot
+    ran no process in this one) and of `gpuslice release-jobs` (nothing of another boot is
+    thawed or resumed: a unit of that name now is someone else's). A file without a boot
+    ("": an empty or moved-aside state) is of no boot."""
+    return bool(saved) and saved == current
+
+
 def _terms_problem(name: str, entry: object) -> str:
     """Why a terms entry is invalid ("" when it is valid): what a unit whose annotation
     went is judged by must be what an annotation could have said."""

@@ -262,6 +262,16 @@ async def _job_path(answer: Awaitable[list[Any]]) -> str:
     return str(job)
 
 
+def _close_unconnected(bus: MessageBus) -> None:
+    """Close a bus whose connect() did not finish: dbus-next's disconnect() only shuts its
+    socket down, and leaves the reader it may have added."""
+    with contextlib.suppress(Exception):
+        bus._loop.remove_reader(bus._fd)
+    for closable in (bus._stream, bus._sock):
+        with contextlib.suppress(Exception):
+            closable.close()
+
+
 class Systemd:
     """A connection to the system bus and the systemd manager on it."""
 
@@ -287,9 +297,16 @@ class Systemd:
         bus.add_message_handler(self._dispatch)
 
     @classmethod
-    async def connect(cls, address: str | None = None) -> Systemd:
+    async def connect(cls, address: str | None = None, timeout: float | None = None) -> Systemd:
+        """Connect to the system bus (or `address`); past `timeout` seconds without the bus
+        daemon's hello (one that takes the connection and never authenticates it), or when
+        cancelled, TimeoutError or CancelledError with the connection closed, not leaked."""
         bus = MessageBus(bus_address=address, bus_type=BusType.SYSTEM)
-        await bus.connect()
+        try:
+            await asyncio.wait_for(bus.connect(), timeout)
+        except BaseException:
+            _close_unconnected(bus)
+            raise
         return cls(bus)
 
     async def call(

@@ -20,6 +20,7 @@ from gpuslice.core.scheduler import SavedState, Scheduler
 from gpuslice.inventory import GpuUse, Sample
 from gpuslice.state import StateStore
 from gpuslice.status import render, snapshot_to_json
+from tests.test_release_jobs_resume import _systemd_started, _this_boot
 
 GIB = 1 << 30
 UNIT = "[Unit]\nDescription=x\n[Service]\nExecStart=/bin/true\n[X-GPUSlice]\n"
@@ -408,6 +409,7 @@ def _left_behind(
     suspended unit with (tests/test_release_jobs_resume.py resumes): the systemctl commands
     it ran but `show`, and its stderr."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot))
+    _systemd_started(monkeypatch)
     monkeypatch.setattr(
         cli_module, "_resume_left", lambda unit, s: CheckpointError(f"{unit}: no cuda-checkpoint")
     )
@@ -426,10 +428,6 @@ def _left_behind(
     result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "config.yaml")])
     assert result.exit_code == 0, result.output
     return ran, result.stderr
-
-
-def _this_boot() -> str:
-    return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "/1700000000000000"
 
 
 def test_release_jobs_thaws_what_only_the_controller_would_thaw_and_names_the_rest(

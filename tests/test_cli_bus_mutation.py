@@ -10,6 +10,7 @@ import contextlib
 import gc
 import json
 import os
+import socket
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -313,7 +314,7 @@ def _ladder(
     calls: list[tuple[str, ...]] = []
     made: list[_Systemd] = []
 
-    async def connect(address: str | None = None) -> _Systemd:
+    async def connect(address: str | None = None, timeout: float | None = None) -> _Systemd:
         made.append(_Systemd(calls, [11], freeze_fails))
         return made[-1]
 
@@ -349,7 +350,7 @@ def test_the_resume_asks_systemd_on_the_bus_gpuslice_is_told(
     (the unit left as it was), not the end of release-jobs."""
     asked: list[str | None] = []
 
-    async def refused(address: str | None = None) -> Systemd:
+    async def refused(address: str | None = None, timeout: float | None = None) -> Systemd:
         asked.append(address)
         raise ConnectionRefusedError(111, "Connection refused")
 
@@ -537,3 +538,22 @@ def test_release_gates_says_on_stderr_which_dirs_a_bad_config_left_it_to_guess(
         f'gpuslice release-gates: {tmp_path}/config.yaml:2: gpus: invalid value "0" '
         "(allowed: an integer 1-1024); using /run/gpuslice, /run/gpuslice/x\n"
     )
+
+
+def test_a_bus_that_accepts_and_never_answers_is_given_up_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`apt remove` waits on release-jobs: a bus daemon that takes the connection and never
+    authenticates it costs BOOT_READ_TIMEOUT, then the unit is a reason, left as it was."""
+    path = tmp_path / "silent"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    monkeypatch.setenv("GPUSLICE_BUS_ADDRESS", f"unix:path={path}")
+    monkeypatch.setattr(cli_module, "BOOT_READ_TIMEOUT", 0.2)
+    try:
+        failed = _resume()
+    finally:
+        listener.close()
+    assert isinstance(failed, CheckpointError)
+    assert failed.reason == "cannot reach systemd on the system bus (no answer within 0.2 s)"

@@ -23,7 +23,12 @@ from gpuslice.cli import main
 from gpuslice.config import Config
 from gpuslice.core.scheduler import SavedState
 from gpuslice.state import StateStore
-from tests.test_release_jobs_resume import _Systemd, _this_boot, _tool_and_systemd
+from tests.test_release_jobs_resume import (
+    _Systemd,
+    _systemd_started,
+    _this_boot,
+    _tool_and_systemd,
+)
 
 WHERE = "gpuslice is being removed:"
 FROZEN = "ActiveState=active\nFreezerState=frozen\n"
@@ -56,6 +61,7 @@ def _release(
     answering `resume[unit]` (one process restored by default). Every systemctl is run with
     a timeout of at most a minute: `apt remove` waits on each."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, _this_boot()))
+    _systemd_started(monkeypatch)
     run = Run()
 
     def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:

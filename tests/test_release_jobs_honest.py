@@ -46,7 +46,7 @@ def _release_with_tool(
     bus: list[tuple[str, ...]] = []
     commands: list[list[str]] = []
 
-    async def connect(address: str | None = None) -> _Systemd:
+    async def connect(address: str | None = None, timeout: float | None = None) -> _Systemd:
         return _Systemd(bus, [11, 12, 13])
 
     def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:

@@ -6,6 +6,7 @@ answers and the resume are stand-ins."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from dbus_next import Variant
 
 from gpuslice import checkpoint
 from gpuslice import cli as cli_module
@@ -23,13 +25,34 @@ from gpuslice.config import Config
 from gpuslice.core.scheduler import SavedState
 from gpuslice.ladder import Ladder
 from gpuslice.state import StateStore
-from gpuslice.systemd import Systemd
+from gpuslice.systemd import MANAGER, PROPERTIES, Systemd
 
 TOOL = "/opt/nvidia/cuda-checkpoint"
 
 
-def _this_boot() -> str:
-    return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "/1700000000000000"
+STARTED = 1700000000000000  # the stand-in systemd's UserspaceTimestamp
+
+
+def _this_boot(started: int = STARTED) -> str:
+    """This boot as the controller's Systemd.boot_id tells it, systemd having started at
+    `started` (the stand-in's, `_Systemd`)."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + f"/{started}"
+
+
+def _systemd_started(
+    monkeypatch: pytest.MonkeyPatch, started: int | BaseException | None = STARTED
+) -> list[tuple[str | None, _Systemd]]:
+    """systemd on the bus as release-jobs asks it when it started (`_Systemd`: answering
+    `started`, or failing with it, or never answering): each connection made, with the bus
+    address it was for."""
+    made: list[tuple[str | None, _Systemd]] = []
+
+    async def connect(address: str | None = None, timeout: float | None = None) -> _Systemd:
+        made.append((address, _Systemd([], [], started=started)))
+        return made[-1][1]
+
+    monkeypatch.setattr(Systemd, "connect", connect)
+    return made
 
 
 def _release(
@@ -46,6 +69,7 @@ def _release(
     (("thaw" | "resume" | systemctl's verb, unit)), the settings each resume got, and its
     stderr."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot or _this_boot()))
+    _systemd_started(monkeypatch)
     done: list[tuple[str, str]] = []
     settings: list[CheckpointSettings] = []
 
@@ -203,15 +227,39 @@ class _Bus:
 
 class _Systemd:
     """What Ladder asks of gpuslice.systemd.Systemd, recorded in `calls`; FreezeUnit fails
-    with `freeze_fails` when given."""
+    with `freeze_fails` when given. Asked when it started (the Get of UserspaceTimestamp
+    that the controller's own Systemd.boot_id sends), it answers `started`, or fails with
+    it, or never answers (None)."""
+
+    boot_id = Systemd.boot_id  # the controller's reading of this boot, on these answers
 
     def __init__(
-        self, calls: list[tuple[str, ...]], pids: list[int], freeze_fails: str = ""
+        self,
+        calls: list[tuple[str, ...]],
+        pids: list[int],
+        freeze_fails: str = "",
+        started: int | BaseException | None = STARTED,
     ) -> None:
         self.bus = _Bus()
         self.calls = calls
         self.pids = pids
         self.freeze_fails = freeze_fails
+        self.started = started
+
+    async def call(
+        self, member: str, signature: str = "", body: list[Any] | None = None, **where: str
+    ) -> list[Any]:
+        assert (member, signature, body, where) == (
+            "Get",
+            "ss",
+            [MANAGER, "UserspaceTimestamp"],
+            {"interface": PROPERTIES},
+        )
+        if self.started is None:
+            await asyncio.Event().wait()  # never answers
+        if isinstance(self.started, BaseException):
+            raise self.started
+        return [Variant("t", self.started)]
 
     async def freeze_unit(self, name: str) -> None:
         self.calls.append(("FreezeUnit", name))
@@ -239,7 +287,7 @@ def _tool_and_systemd(
     calls: list[tuple[str, ...]] = []
     made: list[_Systemd] = []
 
-    async def connect(address: str | None = None) -> _Systemd:
+    async def connect(address: str | None = None, timeout: float | None = None) -> _Systemd:
         made.append(_Systemd(calls, [11, 12, 13]))
         return made[-1]
 
