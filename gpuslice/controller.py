@@ -66,6 +66,7 @@ from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
 from gpuslice.paths import (
+    ENV_DIR_NAME,
     RUNTIME_DIR_ENV,
     RUNTIME_DIR_RECORD,
     STATE_DIR_RECORD,
@@ -120,6 +121,13 @@ FLUSH_DELAY = 1.0
 # How often a granted unit's environment file that could not be written (a full /run) is
 # tried again while its gate waits (Controller._deliver).
 ENV_RETRY = 1.0
+# Entries of RUNTIME_DIR/env a controller start looks at for the env files of units that
+# ended while no controller ran (Controller._sweep_env_files): at most this many entries
+# read (~15 ms) and removals (5 system calls each, ~0.3 s on tmpfs for all of them: a start
+# usually finds a few, the units that ran when the last controller stopped). The rest, if
+# any (a /run filled before instances lost their file when they went down), goes at the
+# next start.
+ENV_SWEEP_MAX = 8192
 # A StartUnit or StopUnit of ours that did not reach systemd (an error of the bus, or of a
 # systemd that is re-executing: gpuslice.systemd.is_transient) is sent again this long
 # after, the delay doubling while it keeps failing so, up to CALL_RETRY_MAX: never a tight
@@ -303,6 +311,7 @@ class Controller:
             self.scheduler.set_gpus(self.watch.resample())
         actions = self._rebuild()
         await self.service.claim_name()
+        self._sweep_env_files(units)  # ours alone now: no other controller writes one
         self.ready = True
         self.execute(actions)
         self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
@@ -320,6 +329,36 @@ class Controller:
         log.info("gpuslice ready: %s", self.status_line())
         self._rewatch()
         self.reads.start_audits()
+
+    def _sweep_env_files(self, units: Sequence[UnitState]) -> None:
+        """Remove the env files of units that ended while no controller ran (a crash, a
+        restart, an upgrade): a running instance's file goes when it is seen going down
+        (`_follow_gate`), and the start-up that forgot it since removed none, so a job queue
+        or an Accept=yes socket still filled /run across restarts, and then no env file could
+        be written and every gated start waited. Kept: the file of every unit systemd listed
+        other than inactive or failed with no job (running, at its gate, starting or
+        stopping, waiting to restart: its processes, or those of its next run, may read it),
+        or that the core holds GPUs for or keeps suspended (its resume rewrites the file,
+        `_tell_again`). Any other unit's next start is let through its gate only once a grant
+        of ours wrote its file anew (`_deliver`). Called after `_rebuild`, which read back the
+        files of running units the saved state named no grant for, and before any grant is
+        delivered; after our name is claimed, so that no other controller writes one meanwhile.
+        At most ENV_SWEEP_MAX entries are looked at; one line says how many went."""
+        core = self.scheduler
+        keep = {u.name for u in units if u.active not in ("inactive", "failed") or u.job_id}
+        keep |= {*core.grants(), *core.suspended_units()}
+        names, more = envfiles.present(self.config.runtime_dir, ENV_SWEEP_MAX)
+        removed = sum(envfiles.remove(self.config.runtime_dir, n) for n in names if n not in keep)
+        if more:
+            log.warning(
+                "removed env files of units no longer running: %d; %s holds more than %d "
+                "entries, the rest are looked at when gpuslice starts again",
+                removed,
+                Path(self.config.runtime_dir) / ENV_DIR_NAME,
+                ENV_SWEEP_MAX,
+            )
+        elif removed:
+            log.info("removed env files of units no longer running: %d", removed)
 
     def _load_state(self) -> tuple[SavedState, str]:
         """The saved state and its boot, from where the last controller saved it. After

@@ -1,6 +1,8 @@
 """A granted unit's environment file (RUNTIME_DIR/env/UNIT/gpuslice.env): what its processes
 see, written before its gate is answered, and read back when the saved state does not say
-which GPUs a running unit was granted.
+which GPUs a running unit was granted. A unit's file and directory go when it can no longer
+need them (`remove`): an instance seen going down, and at start-up every unit listed (`present`)
+that neither runs nor holds anything.
 
 The gate drop-in names the file with `EnvironmentFile=-`, so a missing file starts the unit
 with every GPU visible: the controller lets no gate through before its unit's file is written
@@ -15,7 +17,8 @@ from collections.abc import Sequence
 
 from gpuslice import safefile
 from gpuslice.core.model import GPU_ID, Gpu
-from gpuslice.paths import env_file
+from gpuslice.paths import ENV_DIR_NAME, env_file
+from gpuslice.unitfiles import is_valid_unit_name
 
 MAX_BYTES = 4096  # an env file is three lines: more is not ours
 
@@ -54,24 +57,56 @@ def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu]) -> None:
         raise
 
 
-def remove(runtime_dir: str, unit: str) -> None:
+def remove(runtime_dir: str, unit: str) -> bool:
     """Remove the unit's file and its directory, if they are there: an instance's name may
     never come again (`transcribe@RECORDING`, a socket's Accept=yes instance per connection),
     and /run would keep a directory and a file for every instance ever granted until reboot.
-    A directory holding anything else is left, and nothing is removed through a link."""
+    A directory holding anything else is left, and nothing is removed through a link.
+    Whether the unit's directory was removed."""
     path = env_file(runtime_dir, unit)
     try:
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return
+        return False
     try:
         for name in (path.name, f".{path.name}.tmp"):
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=fd)
     finally:
         os.close(fd)
-    with contextlib.suppress(OSError):
+    try:
         path.parent.rmdir()
+    except OSError:
+        return False
+    return True
+
+
+def present(runtime_dir: str, limit: int) -> tuple[list[str], bool]:
+    """The units that have a directory in RUNTIME_DIR/env (sorted), among its first `limit`
+    entries, and whether there were more: what a restarted controller sweeps (the files of
+    units that ended while it was away). Only a real directory named as a unit counts: a
+    link, FIFO or file in its place, or a name no unit has, is not listed (nor ever opened:
+    a FIFO opened would wait for a writer). Nothing at RUNTIME_DIR/env, or a link there:
+    none."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(os.path.join(runtime_dir, ENV_DIR_NAME), flags)
+    except OSError:
+        return [], False
+    units: list[str] = []
+    try:
+        with os.scandir(fd) as entries:
+            for seen, entry in enumerate(entries):
+                if seen == limit:
+                    return sorted(units), True
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    if entry.is_dir(follow_symlinks=False) and is_valid_unit_name(entry.name):
+                        units.append(entry.name)
+    except OSError:  # read as far as it could be
+        pass
+    finally:
+        os.close(fd)
+    return sorted(units), False
 
 
 def told_gpus(runtime_dir: str, unit: str) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,90 @@ def test_a_key_is_told_by_its_first_line_up_to_its_first_equals_sign(tmp_path: P
     )
     assert envfiles.told_gpus(str(tmp_path), "a.service") == [0]
     assert envfiles.told_uuids(str(tmp_path), "a.service") == {}
+
+
+def _listed_in_a_thread(runtime_dir: str, limit: int) -> tuple[list[str], bool]:
+    """envfiles.present, failing (not hanging the run) if it waits: a FIFO opened would wait
+    for a writer, and the controller's start-up with it."""
+    found: list[tuple[list[str], bool]] = []
+    worker = threading.Thread(
+        target=lambda: found.append(envfiles.present(runtime_dir, limit)), daemon=True
+    )
+    worker.start()
+    worker.join(5)
+    assert found, "envfiles.present waited"
+    return found[0]
+
+
+def test_the_units_present_are_the_real_directories_named_as_units(tmp_path: Path) -> None:
+    """What a restarted controller sweeps: a directory per unit (`a@1.service`, written as the
+    controller writes them, a directory left empty included). A link, FIFO or file in a
+    unit's place, or a name no unit has, is not listed, so never removed, and never opened."""
+    runtime_dir = str(tmp_path)
+    envfiles.write(runtime_dir, "a@1.service", [Gpu(0)])
+    envfiles.write(runtime_dir, "b.service", [Gpu(0)])
+    env = tmp_path / "env"
+    (env / "empty.service").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (env / "link@1.service").symlink_to(elsewhere)
+    (env / "dangling@1.service").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(env / "fifo@1.service")
+    (env / "file@1.service").write_text("x")
+    for name in ("no-suffix", ".gpuslice.env.tmp", "a b.service", "\u00e9.service", "a.service.d"):
+        (env / name).mkdir()
+    os.mkdir(os.fsencode(env) + b"/\xff.service")  # not UTF-8
+    assert _listed_in_a_thread(runtime_dir, 100) == (
+        ["a@1.service", "b.service", "empty.service"],
+        False,
+    )
+
+
+@pytest.mark.parametrize("kind", ["missing", "link", "fifo", "file"])
+def test_no_env_directory_lists_nothing(tmp_path: Path, kind: str) -> None:
+    """RUNTIME_DIR/env missing (no unit granted since boot), or not a directory: nothing
+    through a link, nothing waited on."""
+    elsewhere = tmp_path / "elsewhere"
+    envfiles.write(str(elsewhere), "a.service", [Gpu(0)])
+    env = tmp_path / "env"
+    if kind == "link":
+        env.symlink_to(elsewhere / "env")
+    elif kind == "fifo":
+        os.mkfifo(env)
+    elif kind == "file":
+        env.write_text("x")
+    assert _listed_in_a_thread(str(tmp_path), 100) == ([], False)
+
+
+def test_the_listing_stops_after_its_limit_of_entries_and_says_so(tmp_path: Path) -> None:
+    """A /run filled with units' directories costs a start `limit` entries, whatever they
+    are (entries not listed count too): the rest wait for the next start."""
+    runtime_dir = str(tmp_path)
+    jobs = [f"job@{i}.service" for i in range(5)]
+    for job in jobs:
+        envfiles.write(runtime_dir, job, [Gpu(0)])
+    units, more = envfiles.present(runtime_dir, 3)
+    assert (len(units), more) == (3, True) and set(units) <= set(jobs), units
+    assert envfiles.present(runtime_dir, 4)[1] is True
+    assert envfiles.present(runtime_dir, 5) == (jobs, False)  # every entry, none left
+    assert envfiles.present(runtime_dir, 0) == ([], True)
+    other = tmp_path / "other"
+    (other / "env" / "not a unit").mkdir(parents=True)
+    assert envfiles.present(str(other), 0) == ([], True)
+    assert envfiles.present(str(other), 1) == ([], False)
+
+
+def test_removing_says_whether_the_units_directory_went(tmp_path: Path) -> None:
+    """What the start-up sweep counts: a directory that held only our file goes; one that
+    holds anything else, a link, or nothing there at all, does not count."""
+    runtime_dir = str(tmp_path)
+    envfiles.write(runtime_dir, "a.service", [Gpu(0)])
+    envfiles.write(runtime_dir, "b.service", [Gpu(0)])
+    (env_file(runtime_dir, "b.service").parent / "other").write_text("x")
+    (tmp_path / "env" / "c.service").symlink_to(tmp_path)
+    assert envfiles.remove(runtime_dir, "a.service") is True
+    assert envfiles.remove(runtime_dir, "a.service") is False
+    assert envfiles.remove(runtime_dir, "b.service") is False
+    assert not env_file(runtime_dir, "b.service").exists()
+    assert envfiles.remove(runtime_dir, "c.service") is False
+    assert (tmp_path / "env" / "c.service").is_symlink()
