@@ -169,7 +169,7 @@ def _release_jobs(config_path: str) -> None:
     from gpuslice.core.model import PRIORITY_MAX
     from gpuslice.core.scheduler import Phase
     from gpuslice.paths import DEFAULT_STATE_DIR, RUNTIME_DIR_RECORD, STATE_DIR_RECORD
-    from gpuslice.state import StateStore, same_boot, saved_in
+    from gpuslice.state import StateStore, find_saved, same_boot
 
     deadline = time.monotonic() + RELEASE_DEADLINE
     controller = _unit_state("gpuslice.service").get("ActiveState", "unknown")
@@ -187,11 +187,13 @@ def _release_jobs(config_path: str) -> None:
     # state_dir edited since the controller last started: its state is still in the old one
     # (none recorded: the default, where a gpuslice without the record saved it)
     recorded = read_recorded_state_dir(STATE_DIR_RECORD) or DEFAULT_STATE_DIR
-    state_path = saved_in(Path(config.state_dir), Path(recorded))
+    state_path, found = find_saved(Path(config.state_dir), Path(recorded))  # read once
     # the stand-in is in the runtime_dir the controller ran with this boot (pinned at its
     # start), which config.yaml may no longer name
     runtime_dir = runtime_dirs_of_this_boot(None, RUNTIME_DIR_RECORD, config.runtime_dir)[0]
-    saved, saved_boot = StateStore(state_path, Path(runtime_dir)).load()
+    store = StateStore(state_path, Path(runtime_dir))
+    store.read_ahead = found  # read once: to choose it and to load it
+    saved, saved_boot = store.load()
     phases = {name: Phase(entry[1]) for name, entry in saved.holders.items()}
     thaws = {n for n, p in phases.items() if p is Phase.FROZEN} | set(saved.thaw_owed)
     caught = {n for n, p in phases.items() if p in (Phase.SUSPENDING, Phase.RESUMING)}

@@ -378,7 +378,9 @@ class Controller:
         recorded = found or str(record.parent)
         moved = recorded == state_dir or self.store.take_over(Path(recorded))
         if not moved:  # read there, saved here; recorded there until it moves
-            return StateStore(Path(recorded), Path(self.config.runtime_dir)).load()
+            there = StateStore(Path(recorded), Path(self.config.runtime_dir))
+            there.read_ahead, self.store.read_ahead = self.store.read_ahead, None  # read once
+            return there.load()
         if found != state_dir:
             try:
                 record_state_dir(record, state_dir)

@@ -605,20 +605,22 @@ def _with_foreign(
     and a stray of a managed unit that does not hold it (left after a KillMode=process stop)."""
     foreign = 0
     foreign_pids: list[int] = []
-    owners: set[str] = set()
+    owners: dict[str, str] = {}  # each owner's label: its kind (one label, one owner)
     for use in uses:
         if use.owner is not None:
             foreign += use.used or 0
             if use.compute:  # a desktop's display server is no job to yield to
                 foreign_pids.append(use.pid)
-                owners.add(use.owner.label())
+                owners[use.owner.label()] = use.owner.kind
         elif gpu.index not in holding.get(use.unit or "", ()):
             foreign += use.used or 0  # a stray of a unit not holding this GPU
+    labels = sorted(owners.keys() - {""})
     return dataclasses.replace(
         gpu,
         foreign=foreign,
         foreign_pids=tuple(foreign_pids),
-        foreign_owners=tuple(sorted(owners - {""})),
+        foreign_owners=tuple(labels),
+        foreign_owner_kinds=tuple(owners[label] for label in labels),
     )
 
 

@@ -81,16 +81,6 @@ _COUNTED = {
 }
 
 
-def kind_of_label(label: str) -> str:
-    """The kind of an owner from its `label()`: each kind in _SAID says words then a space
-    before the ID (none is the start of another's); a unit says its name, which has no
-    space; `other` says nothing."""
-    for kind, said in _SAID.items():
-        if label.startswith(said.removesuffix("{}")):
-            return kind
-    return UNIT if label else OTHER
-
-
 def kind_said(kind: str) -> str:
     """`Slurm job`: one owner of a kind, without its ID (an unknown kind as other)."""
     return _COUNTED.get(kind, _COUNTED[OTHER])[0]

@@ -30,7 +30,7 @@ times: a clock stepped back between two saves (an NTP correction at boot, a boar
 real-time clock that starts in 1970) made the stale file the newer, and the units the other
 owed a restart or a resume were lost (or a long-finished preemption replayed). A file without
 one (an older gpuslice's) is generation 0; of two files of one generation, the later modified
-wins.
+wins. Each file is read once (`Found`): the bytes that rank it are the bytes loaded.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -170,15 +170,66 @@ def parse(raw: bytes, problems: Problems) -> dict[str, Any]:
     return data
 
 
-def _generation(path: Path) -> int:
-    """The save generation of the state file at `path`; 0 when it has none (an older
-    gpuslice's), cannot be read or is bad: then only its modification time tells it from
-    another file of generation 0."""
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes; BadFile for a path that is no regular file or too big, the OSError
+    when it cannot be read (FileNotFoundError: there is none yet). Never follows a symlink
+    or blocks on a FIFO (`safefile`)."""
     try:
-        raw = safefile.read_bytes(path, STATE_FILE_MAX, follow_links=False)
-        return int(parse(raw, Problems()).get("generation", 0))
-    except (safefile.Unreadable, BadFile):
-        return 0
+        return safefile.read_bytes(path, STATE_FILE_MAX, follow_links=False)
+    except safefile.Unreadable as e:
+        if e.error is not None:
+            raise e.error from None
+        if e.why is safefile.Why.TOO_LARGE:
+            raise BadFile(f"larger than {STATE_FILE_MAX >> 20} MiB") from None
+        raise BadFile(f"not a regular file ({e.kind or 'an unknown kind of file'})") from None
+
+
+@dataclass
+class Found:
+    """A state file read once: one bounded read, parsed once. Which of two files was saved
+    later (`rank`) and the state loaded come from these same bytes: read again for each (up
+    to three reads of 16 MiB at a start), a file replaced between the reads was ranked by
+    one content and loaded with another."""
+
+    path: Path
+    mtime_ns: int | None  # when it was modified (lstat); None: it could not be looked at
+    raw: bytes | None = None  # None: it could not be read (`error`)
+    data: dict[str, Any] | None = None  # its object (`parse`); None: `error` says why not
+    error: BadFile | OSError | None = None
+    # what parse found wrong (a key twice): the first of what validate adds to
+    problems: Problems = field(default_factory=Problems)
+
+    def rank(self) -> tuple[int, int]:
+        """How late it was saved: of two files, the higher ranked was saved after the other.
+        Its save generation (0 when it has none, an older gpuslice's, or is bad: then only
+        its modification time tells it from another file of generation 0), then, for two of
+        one generation, its modification time."""
+        generation = int(self.data.get("generation", 0)) if self.data is not None else 0
+        return generation, self.mtime_ns or 0
+
+    def parsed(self) -> tuple[bytes, dict[str, Any]]:
+        """Its bytes and its object; its `error` raised when it has none."""
+        if self.error is not None:
+            raise self.error
+        assert self.raw is not None and self.data is not None  # read_found set them
+        return self.raw, self.data
+
+
+def read_found(path: Path, mtime_ns: int | None = None) -> Found:
+    """The state file at `path`, read and parsed once (`Found`); `mtime_ns`: its lstat's
+    modification time when the caller looked already (else looked at here). Never raises."""
+    if mtime_ns is None:
+        try:
+            mtime_ns = os.lstat(path).st_mtime_ns
+        except OSError as e:
+            return Found(path, None, error=e)
+    found = Found(path, mtime_ns)
+    try:
+        found.raw = _read_bytes(path)
+        found.data = parse(found.raw, found.problems)
+    except (BadFile, OSError) as e:
+        found.error = e
+    return found
 
 
 def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]:
@@ -445,27 +496,27 @@ def _write_new(path: Path, data: bytes) -> None:
         _write_atomic(path, data)
 
 
-def _rank(path: Path, mtime_ns: int) -> tuple[int, int]:
-    """How late the state file at `path`, modified at `mtime_ns`, was saved: of two files,
-    the higher ranked was saved after the other. Its save generation, then, for two of one
-    generation (two files of an older gpuslice), its modification time."""
-    return _generation(path), mtime_ns
-
-
 def saved_in(configured: Path, recorded: Path) -> Path:
     """The state_dir whose state a stopped controller left: `recorded` (paths.STATE_DIR_RECORD,
     where it last ran) while its state file is there and not saved after `configured`'s
     (config.yaml's state_dir, where its next start moves it: StateStore.take_over)."""
+    return find_saved(configured, recorded)[0]
+
+
+def find_saved(configured: Path, recorded: Path) -> tuple[Path, Found | None]:
+    """`saved_in`, and its state file as read to choose it (None: none was read): a
+    StateStore's `read_ahead`, for `load` to load without reading it again."""
     found, saved = recorded / STATE_FILE_NAME, configured / STATE_FILE_NAME
     try:
         found_ns = os.lstat(found).st_mtime_ns
     except OSError:
-        return configured
+        return configured, None
     try:
         saved_ns = os.lstat(saved).st_mtime_ns
     except OSError:
-        return recorded
-    return configured if _rank(saved, saved_ns) > _rank(found, found_ns) else recorded
+        return recorded, None
+    theirs, mine = read_found(found, found_ns), read_found(saved, saved_ns)
+    return (configured, mine) if mine.rank() > theirs.rank() else (recorded, theirs)
 
 
 class StateStore:
@@ -482,27 +533,36 @@ class StateStore:
         # save writes one more, so that it is the later saved of any two files, whatever
         # the clock said
         self.generation = 0
+        # the state file to load as already read: by take_over (here, or in the old
+        # state_dir when it could not be moved here), or find_saved; load reads it no
+        # second time (a Found of another path is not used)
+        self.read_ahead: Found | None = None
 
     def load(self) -> tuple[SavedState, str]:
-        """The saved state and the boot id it was written in ("" when there is none).
+        """The saved state and the boot id it was written in ("" when there is none). The
+        state file is read here unless `read_ahead` holds it (take_over, find_saved): each
+        file is read once.
 
         Never raises: whatever the file holds, the controller must start."""
         try:
-            standin = self._load_standin()
+            found, self.read_ahead = self.read_ahead, None
+            mine = found if found is not None and found.path == self.path else None
+            mine = mine or read_found(self.path)
+            standin = self._load_standin(mine)
             if standin is not None:
                 return standin
-            return self._load()
+            return self._load(mine)
         except Exception:  # a bug here must not keep every GPU job waiting: log it, go on
             log.exception(
                 "%s: cannot load the state; starting from what systemd reports", self.path
             )
             return SavedState(), ""
 
-    def _load(self) -> tuple[SavedState, str]:
-        problems = Problems()
+    def _load(self, mine: Found) -> tuple[SavedState, str]:
+        """The state in the state file, as read once (`mine`)."""
+        problems = mine.problems
         try:
-            raw = self._read()
-            data = parse(raw, problems)
+            raw, data = mine.parsed()
         except FileNotFoundError:
             return SavedState(), ""
         except BadFile as e:
@@ -541,13 +601,15 @@ class StateStore:
         lost: units preempted and owed a restart never started again, suspended ones stayed
         frozen with their memory on the host.
 
-        The later saved of the two files is kept (`_rank`: by their save generation;
+        The later saved of the two files is kept (`Found.rank`: by their save generation;
         a file moved keeps its modification time too, as `mv` does, for a file of an older
         gpuslice, and the stand-in is judged against it). The other is removed once
         the kept one is on disk: left, it would be read again if state_dir came back to that
         directory without the record, and its units restarted long after. A file that cannot
         be moved is said and left there. True when the state to load is here; False when
-        the one in `old_dir` is the newer but could not be written here: load it there."""
+        the one in `old_dir` is the newer but could not be written here: load it there.
+        Each file is read once: the one to load is left in `read_ahead` for `load`."""
+        self.read_ahead = None
         old = old_dir / self.path.name
         if os.path.abspath(old) == os.path.abspath(self.path):
             return True
@@ -568,21 +630,25 @@ class StateStore:
         else:
             if (here.st_dev, here.st_ino) == (found.st_dev, found.st_ino):
                 return True  # one directory by two names (a link): nothing to move
-            mine = _rank(self.path, here.st_mtime_ns)
-        theirs = _rank(old, found.st_mtime_ns)
+            mine = read_found(self.path, here.st_mtime_ns)
+        theirs = read_found(old, found.st_mtime_ns)
         # whichever is kept, the next save is numbered after both (after the one left in
         # old_dir when the move fails too)
-        self.generation = max(self.generation, theirs[0], 0 if mine is None else mine[0])
-        if mine is not None and mine > theirs:
+        self.generation = max(
+            self.generation, theirs.rank()[0], 0 if mine is None else mine.rank()[0]
+        )
+        if mine is not None and mine.rank() > theirs.rank():
             log.warning(
                 "%s: older than %s, saved since, which holds the state; removed", old, self.path
             )
             self._remove_moved(old)
+            self.read_ahead = mine
             return True
         try:
-            self._move_here(old, found.st_mtime_ns)
+            self._move_here(theirs)
         except BadFile as e:
             log.error("%s: cannot move it to %s (%s); left there", old, self.path, e)
+            self.read_ahead = mine
             return True
         except OSError as e:
             log.error(
@@ -593,23 +659,32 @@ class StateStore:
                 old,
                 self.path,
             )
+            self.read_ahead = theirs
             return False
+        # the file here now is the one read there (renamed, or copied with its time)
+        self.read_ahead = replace(theirs, path=self.path)
         if mine is None:
             log.info("state moved from %s to %s", old, self.path)
         else:
             log.warning("state moved from %s to %s, replacing an older state there", old, self.path)
         return True
 
-    def _move_here(self, old: Path, saved_ns: int) -> None:
+    def _move_here(self, theirs: Found) -> None:
         """rename(2) on one file system: atomic, and the file keeps the time it was saved at.
-        Across two, a copy given that time, on disk before the old one is removed."""
+        Across two, a copy of the bytes read (`theirs`) given that time, on disk before the
+        old one is removed."""
+        old = theirs.path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(old, self.path)
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise
-            _write_new(self.path, self._read(old))
+            if theirs.raw is None:  # not read: its error, as a read now would say
+                assert theirs.error is not None
+                raise theirs.error from None
+            _write_new(self.path, theirs.raw)
+            saved_ns = theirs.mtime_ns or 0
             os.utime(self.path, ns=(saved_ns, saved_ns), follow_symlinks=False)
             if self._flushed():
                 self._remove_moved(old)
@@ -633,13 +708,13 @@ class StateStore:
         except OSError as e:  # the record names the new one: this one is not read again
             log.error("cannot remove %s: %s", old, e.strerror or e)
 
-    def _load_standin(self) -> tuple[SavedState, str] | None:
+    def _load_standin(self, mine: Found) -> tuple[SavedState, str] | None:
         """The stand-in's state when it is there, valid and not saved before the state file
-        (`_rank`; its generation is read from it, so a stand-in that cannot be parsed is
-        said as an invalid one). One saved before it is the trace of a controller killed
-        between a save that reached state_dir again and the stand-in's removal; an invalid
-        one is removed (it is ours, in a directory only root writes, and the state file is
-        the better guess)."""
+        (`mine`, as read once for `_load` too; `Found.rank`: the stand-in's generation is
+        read from it, so a stand-in that cannot be parsed is said as an invalid one). One
+        saved before it is the trace of a controller killed between a save that reached
+        state_dir again and the stand-in's removal; an invalid one is removed (it is ours,
+        in a directory only root writes, and the state file is the better guess)."""
         if self.standin is None:
             return None
         try:
@@ -650,16 +725,16 @@ class StateStore:
         except OSError as e:
             log.error("%s: cannot look at the stand-in (%s); not used", self.standin, e)
             return None
-        problems = Problems()
+        standin = read_found(self.standin, found)
+        problems = standin.problems
         try:
-            data = parse(self._read(self.standin), problems)
+            data = standin.parsed()[1]
         except (BadFile, OSError) as e:
             problems.add(str(e))
         else:
-            with contextlib.suppress(OSError):
-                mine = _rank(self.path, os.lstat(self.path).st_mtime_ns)
-                self.generation = max(self.generation, mine[0])
-                if mine > (int(data.get("generation", 0)), found):
+            if mine.mtime_ns is not None:  # a state file is there (else the stand-in is kept)
+                self.generation = max(self.generation, mine.rank()[0])
+                if mine.rank() > standin.rank():
                     log.info("%s: older than %s; removed", self.standin, self.path)
                     self._remove_standin()
                     return None
@@ -692,20 +767,6 @@ class StateStore:
         """Number the next save after the file `data` was parsed from (`parse` checked it)."""
         self.generation = max(self.generation, int(data.get("generation", 0)))
 
-    def _read(self, path: Path | None = None) -> bytes:
-        """The file's bytes; BadFile for a path that is no regular file or too big, the OSError
-        when it cannot be read (FileNotFoundError: there is none yet). Never follows a symlink
-        or blocks on a FIFO (`safefile`)."""
-        path = path or self.path
-        try:
-            return safefile.read_bytes(path, STATE_FILE_MAX, follow_links=False)
-        except safefile.Unreadable as e:
-            if e.error is not None:
-                raise e.error from None
-            if e.why is safefile.Why.TOO_LARGE:
-                raise BadFile(f"larger than {STATE_FILE_MAX >> 20} MiB") from None
-            raise BadFile(f"not a regular file ({e.kind or 'an unknown kind of file'})") from None
-
     def _move_aside(self) -> str:
         try:
             os.replace(self.path, self.bad_path)
@@ -736,6 +797,7 @@ class StateStore:
         (the controller logs it) when neither can be written."""
         # one more than any seen, whichever file it goes to (at the bound: as high as that)
         self.generation = min(self.generation + 1, GENERATION_MAX)
+        self.read_ahead = None  # a file read before this save is no longer the one to load
         data = {
             "version": FORMAT_VERSION,
             "boot_id": boot_id,

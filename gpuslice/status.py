@@ -111,7 +111,7 @@ from gpuslice.core.decisions import LISTED_MAX, Decision, reason
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Snapshot
 from gpuslice.inventory import GpuUse, Sample
-from gpuslice.owners import OTHER, UNKNOWN, Owner, kind_of_label, kind_said, kinds_counted
+from gpuslice.owners import OTHER, UNKNOWN, Owner, kind_said, kinds_counted
 from gpuslice.sizes import format_size
 
 JSON_VERSION = 1
@@ -273,7 +273,7 @@ def _waiter_json(
         return words, None
     if not redact:
         return words, decision.to_json()
-    kinds = [Counter(kind_of_label(o) for o in p.owners) for p in decision.parts]
+    kinds = [Counter(p.owner_kinds) for p in decision.parts]
     out = decision.to_json()
     for part, p, counted in zip(out["parts"], decision.parts, kinds, strict=True):
         part["owners"] = []
@@ -281,7 +281,7 @@ def _waiter_json(
         part["owner_kinds"] = dict(sorted(counted.items()))
     if any(p.owners for p in decision.parts):
         parts = tuple(
-            dataclasses.replace(p, owners=kinds_counted(counted))
+            dataclasses.replace(p, owners=kinds_counted(counted), owner_kinds=())
             for p, counted in zip(decision.parts, kinds, strict=True)
         )
         words = reason(dataclasses.replace(decision, parts=parts))

@@ -28,7 +28,7 @@ from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Scheduler
 from gpuslice.inventory import GpuUse, Sample, _with_foreign
 from gpuslice.metrics import exposition
-from gpuslice.owners import KINDS, Owner, kind_of_label, kinds_counted
+from gpuslice.owners import KINDS, Owner, kinds_counted
 from gpuslice.procmount import ProcHiding, proc_hiding_of, read_proc_hiding
 from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
 from gpuslice.status import CachedStatus, render, snapshot_to_json
@@ -230,20 +230,43 @@ def test_the_bus_daemon_says_who_is_behind_a_connection(bus_address: str) -> Non
 # the redacted JSON and its table
 
 
-def test_owner_kinds_from_their_labels_and_counted() -> None:
-    for kind, ident in [
-        ("slurm", "881"),
-        ("kubernetes", "1b4e28ba-2fa1-11d2-883f-0016d3cca427"),
-        ("docker", "0123456789ab"),
-        ("podman", "0123456789ab"),
-        ("machine", "Docker container x"),  # a machine's name may hold spaces
-        ("user", "1000"),
-        ("unit", "ollama.service"),
-    ]:
-        assert kind_of_label(Owner(kind, ident).label()) == kind
-    assert kind_of_label("") == "other"
+def test_owner_kinds_counted() -> None:
     assert kinds_counted({"user": 2, "slurm": 1, "unit": 0}) == ("1 Slurm job", "2 users")
     assert kinds_counted(dict.fromkeys(KINDS, 1))[-1] == "1 other owner"
+
+
+OF_EACH_KIND = [
+    Owner("slurm", "881"),
+    Owner("kubernetes", "1b4e28ba-2fa1-11d2-883f-0016d3cca427"),
+    Owner("docker", "0123456789ab"),
+    Owner("podman", "0123456789ab"),
+    Owner("machine", "Docker container x"),  # a machine's name may hold spaces
+    Owner("user", "1000"),
+    Owner("unit", "ollama.service"),
+    Owner("other"),  # said by no label: named nowhere, as before
+]
+
+
+def test_a_gpu_carries_each_owners_kind_beside_its_label() -> None:
+    """The inventory keeps each owner's kind as data, in the order of the labels (sorted,
+    once each), for Status to count them without reading their words back."""
+    uses = [GpuUse(n, 0, GIB, None, "p", o) for n, o in enumerate(OF_EACH_KIND * 2, start=100)]
+    gpu = _with_foreign(Gpu(0, "GPU-0", "Fake 24GB", 24 * GIB), uses, {})
+    said = sorted((o.label(), o.kind) for o in OF_EACH_KIND if o.label())
+    assert list(zip(gpu.foreign_owners, gpu.foreign_owner_kinds, strict=True)) == said
+
+
+def test_owners_are_counted_by_their_kind_whatever_their_labels_say(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Status counted a redacted part's owners by parsing each label back into a kind
+    (owners.kind_of_label): words reworded, or an ID that reads as another kind's words,
+    miscounted silently. Here each owner is said by its ID alone, as a unit is: read back,
+    all three were `unit`s."""
+    monkeypatch.setattr(Owner, "label", lambda self: self.id)
+    [waiter] = _json(True)["waiting"]
+    assert waiter["decision"]["parts"][0]["owner_kinds"] == {"slurm": 1, "user": 2}
+    assert "(1 Slurm job, 2 users)" in waiter["reason"]
 
 
 def _foreign_host() -> tuple[Sample, Scheduler]:

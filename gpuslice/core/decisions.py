@@ -10,7 +10,7 @@ the data, and the words stay the same wherever they are shown.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuslice.core.placement import format_gpus
@@ -108,6 +108,10 @@ class Part:
     rung: str = ""  # VICTIM, STOPPING: how it gives way (Preempt=): "suspend", else a stop
     others: int = 0  # MEMORY: bytes used by processes of no holder (foreign, or leftovers)
     owners: tuple[str, ...] = ()  # MEMORY: whose the foreign ones are (`Slurm job 881`), sorted
+    # MEMORY: the kind of each of `owners` (`slurm`), in its order: a status that may not
+    # name them counts them by kind from these, never from their words. Told by the owners
+    # (one label, one owner), so no part of equality
+    owner_kinds: tuple[str, ...] = field(default=(), compare=False)
 
     def __deepcopy__(self, memo: dict[int, object]) -> Part:
         return self  # immutable through and through: a copy of the scheduler shares it

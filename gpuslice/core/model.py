@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # A GPU as `Devices=` and config.yaml name it: its NVML index (ASCII digits) or its UUID.
 GPU_ID = re.compile(r"[0-9]{1,4}|GPU-[0-9A-Za-z-]{1,80}", re.ASCII)
@@ -83,9 +83,11 @@ class Gpu:
     GPU. `foreign` is VRAM that no declaration covers: processes of no managed unit, and
     leftovers of managed units that do not hold this GPU; `foreign_pids` names the former's
     compute processes (only they make background units yield: a desktop's display server
-    only takes memory), `foreign_owners` says whose those are, for people. `renumbered`: lost
-    for new work only: NVML numbered the GPUs anew, and units hold this index as another GPU,
-    or this GPU by another index, until they release it (`Inventory._as_booked`). The GPU
+    only takes memory), `foreign_owners` says whose those are, for people, and
+    `foreign_owner_kinds` the kind of each (`slurm`, `user`: gpuslice/owners.py), for a status
+    that may count them but not name them. `renumbered`: lost for new work only: NVML
+    numbered the GPUs anew, and units hold this index as another GPU, or this GPU by another
+    index, until they release it (`Inventory._as_booked`). The GPU
     answers: a unit suspended from it waits for it, as for a GPU in use.
     """
 
@@ -100,6 +102,9 @@ class Gpu:
     used: int | None = None  # what NVML reports in use, for people; decisions use the rest
     foreign_owners: tuple[str, ...] = ()
     renumbered: bool = False
+    # the kind of each of foreign_owners, in its order: told by the labels (one label, one
+    # owner), so no part of equality
+    foreign_owner_kinds: tuple[str, ...] = field(default=(), compare=False)
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gpu:
         return self  # immutable through and through: a copy of the scheduler shares it

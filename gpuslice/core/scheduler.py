@@ -1720,6 +1720,7 @@ class Scheduler:
                         granted_after=protected,
                         others=gpu.foreign,
                         owners=gpu.foreign_owners,
+                        owner_kinds=gpu.foreign_owner_kinds,
                     )
                 )
             elif top is not None and top.phase in GIVING_WAY:
