@@ -23,6 +23,7 @@ from typing import Any
 
 from gpuslice import __version__, envfiles
 from gpuslice.annotations import Problem, Scan, scan
+from gpuslice.callers import KnownCallers
 from gpuslice.cgroups import unit_of_pid
 from gpuslice.checkpoint import CheckpointSettings
 from gpuslice.config import (
@@ -61,7 +62,7 @@ from gpuslice.core.scheduler import (
 from gpuslice.counters import Counters
 from gpuslice.gatepipes import GatePipes, raise_fd_limit
 from gpuslice.gpuwatch import FRESH_SAMPLE, GpuWatch
-from gpuslice.inventory import GpuUse, Inventory
+from gpuslice.inventory import GpuUse, Inventory, Sample
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
@@ -77,7 +78,7 @@ from gpuslice.procmount import ProcHiding, read_proc_hiding
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import Flusher, StateStore, same_boot
-from gpuslice.status import CachedStatus, snapshot_to_json
+from gpuslice.status import CachedStatus, RedactedStatus, snapshot_to_json
 from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient
 from gpuslice.tracker import (
     CameUp,
@@ -234,6 +235,8 @@ class Controller:
         # whether /proc hides other users' processes, read at start and at each reload:
         # Status then hides them from callers /proc hides them from (status_for)
         self.proc_hiding = ProcHiding()
+        # who each unique bus name that called Status is, as the bus daemon said
+        self.callers = KnownCallers()
         # the gates' fast way: answered through a pipe when systemd shows them at the gate
         self.gates = GatePipes(gate_pipe_dir(config.runtime_dir))
         self.boot_id = ""
@@ -244,7 +247,7 @@ class Controller:
         self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._status = CachedStatus(self._status_snapshot)
-        self._redacted = self._status.variant(lambda: self._status_snapshot(redact=True))
+        self._redacted = self._status.variant(self._redacted_snapshot)
         # rescans run off the loop, one at a time; Acquire calls of units the running scan
         # may not know yet wait for it
         self._rescan: asyncio.Task[None] | None = None
@@ -1496,44 +1499,65 @@ class Controller:
         what = "; ".join(parts) if parts else "idle"
         return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
 
-    def status_json(self, redacted: bool = False) -> str:
+    def status_json(self, redacted: bool = False, uid: int | None = None) -> str:
         """Anyone may ask, as often as they like: the answer is built once per change, and a
         slow one less often (gpuslice/status.py: CachedStatus); `redacted`, without what
-        /proc hides from other users (status_for), cached alike."""
-        cache = self._redacted if redacted else self._status
-        cached = cache.text()
+        /proc hides from other users (status_for), cached alike, but the processes of `uid`
+        (RedactedStatus: the caller's own)."""
+        if redacted:
+            cached, as_of = self._redacted.text().text_for(uid), self._redacted.as_of
+        else:
+            cached, as_of = self._status.text(), self._status.as_of
         # the counters move without a change of state: added at each call (a few hundred
         # bytes) to the cached snapshot's object, whose last character is its closing brace
-        extra = json.dumps(self.status_counters(cache.as_of), sort_keys=True)
+        extra = json.dumps(self.status_counters(as_of), sort_keys=True)
         return f"{cached[:-1]}, {extra[1:]}"
 
-    def status_for(self, sender: str) -> str | Awaitable[str]:
+    def status_for(self, sender: str) -> str | Coroutine[Any, Any, str]:
         """The Status answer for the caller of this unique bus name: where /proc hides other
-        users' processes, without them unless /proc shows them to it (root, the mount's
-        gid= group), asked of the bus daemon; now, and as for anyone, where it hides none."""
+        users' processes, without them (but the caller's own: RedactedStatus) unless /proc
+        shows them to it (root, the mount's gid= group), as the bus daemon says who it is,
+        asked once per unique name (gpuslice/callers.py). Now (a string) where /proc hides
+        none, and for a caller named before; else once the bus daemon has answered."""
         if not self.proc_hiding.hides:
             return self.status_json()
+        known = self.callers.get(sender)  # asked before (gpuslice/callers.py)
+        if known is not None:
+            return self._status_of(*known)
         return self._status_for_caller(sender)
 
     async def _status_for_caller(self, sender: str) -> str:
         try:
             uid, groups = await self.systemd.caller_credentials(sender)
-        except Exception as e:  # not said who it is: hidden from it (fail closed)
+        except Exception as e:  # not said who it is: hidden from it (fail closed), not kept
             log.debug("Status from %s, whom the bus daemon did not name: %s", sender, e)
-            uid, groups = None, frozenset()
-        return self.status_json(redacted=not self.proc_hiding.exempts(uid, groups))
+            return self._status_of(None, frozenset())
+        self.callers.put(sender, (uid, groups))
+        return self._status_of(uid, groups)
 
-    def _status_snapshot(self, redact: bool = False) -> str:
-        snapshot = snapshot_to_json(
+    def _status_of(self, uid: int | None, groups: frozenset[int]) -> str:
+        """The answer for a caller of this UID and these groups (as of /proc's mount now)."""
+        if self.proc_hiding.exempts(uid, groups):
+            return self.status_json()
+        return self.status_json(redacted=True, uid=uid)
+
+    def _status_snapshot(self) -> str:
+        return json.dumps(self._snapshot_json(self.watch.sample, False), sort_keys=True)
+
+    def _redacted_snapshot(self) -> RedactedStatus:
+        sample = self.watch.sample  # the one it is built of, read once
+        return RedactedStatus(self._snapshot_json(sample, True), sample)
+
+    def _snapshot_json(self, sample: Sample, redact: bool) -> dict[str, Any]:
+        return snapshot_to_json(
             self.scheduler.snapshot(),
             self.scan,
-            self.watch.sample,
+            sample,
             {n: wall for n, (wall, _) in self.waiting_since.items()},
             {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
             self.scheduler.declared_memory(),
             redact,
         )
-        return json.dumps(snapshot, sort_keys=True)
 
     def plan_json(self, unit: str) -> str:
         """`gpuslice plan UNIT`: what a start of it would do now, changing nothing (root

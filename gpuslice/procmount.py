@@ -6,8 +6,8 @@ An admin who mounts /proc so (proc(5)) hides each user's processes from the othe
 PIDs, command lines, owners. The controller is root and sees them all; `Status`, which anyone
 may call, said them (each GPU's foreign processes, whose they are). Where /proc hides them,
 Status answers a caller that /proc would not show them to with those details left out
-(gpuslice/status.py, `redacted`): root, and members of the mount's `gid=` group (hidepid's
-own exemption), see everything.
+(gpuslice/status.py, `redacted`), but of its own processes (RedactedStatus): root, and
+members of the mount's `gid=` group (hidepid's own exemption), see everything.
 """
 
 from __future__ import annotations

@@ -5,15 +5,17 @@ unit may run, so `systemctl start` blocks exactly as long as the unit waits. `Pl
 what a start of a unit would do now (`gpuslice plan`), changing nothing. The shipped bus
 policy lets only root call Acquire, Plan and Reload and send us signals; anyone may call
 Status (where /proc hides other users' processes, a caller it would hide them from is
-answered without them: gpuslice/procmount.py). The controller still checks that an Acquire
-comes from a process of the unit it names (`refuse` answers those that do not).
+answered without them, its own shown: gpuslice/procmount.py). The controller still checks
+that an Acquire comes from a process of the unit it names (`refuse` answers those that do
+not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from dbus_next import Message, MessageFlag, MessageType
 from dbus_next.aio import MessageBus
@@ -69,9 +71,10 @@ MAX_STATUS_UNSENT = 16 << 20
 # on 64. Past it, Status is refused with a sentence that says so.
 MAX_STATUS_ANSWER = (32 << 20) - 4096  # less a header
 # Status calls waiting for the bus daemon to say who called (only where /proc hides other
-# users' processes: gpuslice/procmount.py): past this many, a Status call is refused
-# (LimitsExceeded, "try again"). Anyone may call Status as often as they like, and each
-# question takes one of the controller's calls in flight, which its calls to systemd share
+# users' processes: gpuslice/procmount.py): past this many, a Status call that would ask is
+# refused (LimitsExceeded, "try again"); one whose caller is known already is answered
+# (gpuslice/callers.py). Anyone may call Status as often as they like, and each question
+# takes one of the controller's calls in flight, which its calls to systemd share
 # (systemd.MAX_CALLS_IN_FLIGHT): a flood of them held its StartUnit and StopUnit back.
 MAX_STATUS_ASKING = 8
 
@@ -105,10 +108,11 @@ class SchedulerService:
         on_status: Callable[[], str],
         on_reload: Callable[[], None],
         on_plan: Callable[[str], str] | None = None,
-        on_status_for: Callable[[str], str | Awaitable[str]] | None = None,
+        on_status_for: Callable[[str], str | Coroutine[Any, Any, str]] | None = None,
     ) -> None:
         """`on_status_for`, given, answers Status instead of `on_status`: the answer for the
-        caller of that unique bus name, now (a string) or once it has asked who that is."""
+        caller of that unique bus name, now (a string: known already) or once it has asked
+        who that is (a coroutine, closed unawaited when MAX_STATUS_ASKING are in wait)."""
         self.bus = bus
         self._on_acquire = on_acquire
         self._on_status = on_status
@@ -218,13 +222,14 @@ class SchedulerService:
             return refused
         if self._on_status_for is None:
             return self._send_status(msg, self._on_status())
+        answer = self._on_status_for(msg.sender or "")
+        if isinstance(answer, str):  # known already: no question, whatever is in flight
+            return self._send_status(msg, answer)
         if len(self._asking) >= MAX_STATUS_ASKING:
+            answer.close()  # not begun: nothing was asked
             return Message.new_error(
                 msg, LIMITS_EXCEEDED, "too many status calls being answered: try again"
             )
-        answer = self._on_status_for(msg.sender or "")
-        if isinstance(answer, str):
-            return self._send_status(msg, answer)
         task = asyncio.ensure_future(self._send_status_later(msg, answer))
         self._asking.add(task)
         task.add_done_callback(self._asking.discard)
@@ -237,7 +242,7 @@ class SchedulerService:
             )
         return None
 
-    async def _send_status_later(self, msg: Message, answer: Awaitable[str]) -> None:
+    async def _send_status_later(self, msg: Message, answer: Coroutine[Any, Any, str]) -> None:
         """An answer that waited for the bus daemon: the answers sent meanwhile count."""
         try:
             text = await answer

@@ -96,22 +96,30 @@ entry's "pid", "command" and "owner" "id" are null ("memory", "owner" "kind", "c
 the counts stay: a user still sees why a GPU is busy); each PART's "owners" is [] and
 "owners_left_out" their number, "owner_kinds": {kind: int} (redacted answers only) counts
 them by kind, and the waiter's `reason` says them so ("1 Slurm job, 2 users").
+Added with a caller's own processes: a redacted answer shows the caller's own foreign
+processes whole, as /proc shows a user their own: each "foreign" entry whose "owner" is
+{"kind": "user", "id": the caller's UID} (a process of that user's sessions or user manager,
+in user-UID.slice: gpuslice/owners.py) keeps its "pid", "command" and "id". Every other
+entry stays redacted, whoever runs it: its owner (a Slurm job, a pod, a container, a unit,
+even one run as that user) says no UID. The list, its order and the counts are the same for
+every caller; the PARTs still count owners by kind only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from gpuslice.annotations import Scan
 from gpuslice.core.decisions import LISTED_MAX, Decision, reason
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Snapshot
 from gpuslice.inventory import GpuUse, Sample
-from gpuslice.owners import OTHER, UNKNOWN, Owner, kind_said, kinds_counted
+from gpuslice.owners import OTHER, UNKNOWN, USER, Owner, kind_said, kinds_counted
 from gpuslice.sizes import format_size
 
 JSON_VERSION = 1
@@ -129,24 +137,32 @@ REDACTED_SAID = (
     "Processes of other users are hidden (/proc is mounted with hidepid): their PIDs, "
     "commands and owners are not shown"
 )
+# The callers' own texts a redacted answer keeps (RedactedStatus), the most recently asked
+# for: one for each UID that owns a foreign process it lists (at most LISTED_MAX a GPU), each
+# the whole status long (MiBs on the largest hosts). Past them, a text is made again, at the
+# cost of its GPUs' JSON and one copy.
+OWN_KEPT = 4
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 
-class CachedStatus:
-    """The status JSON, built once per change; a slow build (SLOW_BUILD) is reused, at most
-    REBUILD_FACTOR times its cost (the loop's CPU), after a change: a reader then sees the
-    state of a moment ago (`as_of`, Unix time, says which), and the controller spends at most
-    a tenth of its time on readers. Fast builds (every host but the largest) are always of
-    the moment."""
+class CachedStatus(Generic[T]):
+    """The status JSON (or what its build gives: a RedactedStatus), built once per change;
+    a slow build (SLOW_BUILD) is reused, at most REBUILD_FACTOR times its cost (the loop's
+    CPU), after a change: a reader then sees the state of a moment ago (`as_of`, Unix time,
+    says which), and the controller spends at most a tenth of its time on readers. Fast
+    builds (every host but the largest) are always of the moment."""
 
-    def __init__(self, build: Callable[[], str]) -> None:
+    def __init__(self, build: Callable[[], T]) -> None:
         self._build = build
-        self._text: str | None = None
+        self._text: T | None = None
         self._fresh = False
         self._until = 0.0  # monotonic time before which a slow build is not repeated
         self.built = 0.0  # Unix time of the last build
-        self._variants: list[CachedStatus] = []
+        self._variants: list[CachedStatus[Any]] = []
 
-    def variant(self, build: Callable[[], str]) -> CachedStatus:
+    def variant(self, build: Callable[[], U]) -> CachedStatus[U]:
         """Another text of the same state (the answer that hides other users' processes),
         cached alike: built only when asked for, once per change (each of this one's)."""
         other = CachedStatus(build)
@@ -164,7 +180,7 @@ class CachedStatus:
         build (an idle host's status, built once, is of the moment hours later)."""
         return time.time() if self._fresh else self.built
 
-    def text(self) -> str:
+    def text(self) -> T:
         if self._text is None or not (self._fresh or time.monotonic() < self._until):
             start, cpu = time.monotonic(), time.thread_time()
             self._text, self.built = self._build(), time.time()
@@ -185,7 +201,7 @@ def _gpu_json(
     redact: bool = False,
 ) -> dict[str, Any]:
     gpu = next((g for g in sample.gpus if g.index == index), Gpu(index))
-    foreign = [p for p in sample.processes if p.gpu == index and p.unit is None]
+    foreign = _foreigners(sample, index)
     out: dict[str, Any] = {
         "index": index,
         "uuid": gpu.uuid or None,
@@ -222,15 +238,26 @@ def _rank(memory: Any) -> Any:
     return -memory if memory is not None else 1
 
 
+def _listed(foreign: list[GpuUse]) -> tuple[list[GpuUse], list[GpuUse]]:
+    """The foreign processes a GPU's "foreign" list names, in its order, and those it
+    leaves out (_foreign_json)."""
+    if len(foreign) <= LISTED_MAX:
+        return foreign, []
+    ranked = sorted(foreign, key=lambda p: _rank(p.used))
+    return ranked[:LISTED_MAX], ranked[LISTED_MAX:]
+
+
+def _foreigners(sample: Sample, index: int) -> list[GpuUse]:
+    """The foreign processes on GPU `index`: of no unit gpuslice manages."""
+    return [p for p in sample.processes if p.gpu == index and p.unit is None]
+
+
 def _foreign_json(foreign: list[GpuUse], redact: bool) -> dict[str, Any]:
     """A GPU's "foreign" list: every process up to LISTED_MAX, by PID, else the LISTED_MAX
     using the most memory (as the table shows them), and what the rest use (a user of the
     host can run thousands, and each answer named them all). `redact`: without PID,
     command or owner ID."""
-    listed, left_out = foreign, []
-    if len(foreign) > LISTED_MAX:
-        ranked = sorted(foreign, key=lambda p: _rank(p.used))
-        listed, left_out = ranked[:LISTED_MAX], ranked[LISTED_MAX:]
+    listed, left_out = _listed(foreign)
     by_kind: dict[str, int] = {}
     for p in left_out:
         if p.used is not None:
@@ -351,6 +378,64 @@ def snapshot_to_json(
     if redact:
         out["redacted"] = True
     return out
+
+
+def own_uid(p: GpuUse) -> int | None:
+    """The UID whose process it is, where its owner says one: a process in a user's slice
+    (user-UID.slice, which only root, logind, makes: gpuslice/owners.py); None for any
+    other owner, whose UID is not known here."""
+    owner = p.owner
+    if owner is None or owner.kind != USER:
+        return None
+    return int(owner.id) if owner.id.isascii() and owner.id.isdigit() else None
+
+
+class RedactedStatus:
+    """The redacted answer of one state, for each caller: `text` for one who owns none of
+    the foreign processes it lists, `text_for(uid)` with that UID's own shown whole (as
+    /proc shows a user their own). Only "gpus" differs between them: the rest is serialized
+    once, and a caller's own text costs its GPUs' JSON and one copy. The OWN_KEPT asked for
+    last are kept: one is made once per change (a RedactedStatus is built per change, and
+    what it keeps goes with it) and per UID that owns a process listed, never per caller."""
+
+    def __init__(self, data: dict[str, Any], sample: Sample) -> None:
+        """`data`: snapshot_to_json's redacted answer built from `sample`."""
+        self._rest = json.dumps({k: v for k, v in data.items() if k != "gpus"}, sort_keys=True)
+        self._gpus: list[dict[str, Any]] = data["gpus"]
+        # each GPU's foreign processes as its "foreign" lists them (_gpu_json's)
+        self._listed = [_listed(_foreigners(sample, gpu["index"]))[0] for gpu in self._gpus]
+        self.owners = frozenset(
+            uid for listed in self._listed for p in listed if (uid := own_uid(p)) is not None
+        )
+        self.text = self._joined(self._gpus)
+        self._own: OrderedDict[int, str] = OrderedDict()
+
+    def _joined(self, gpus: list[dict[str, Any]]) -> str:
+        """The answer's text, "gpus" first and then the rest with its keys sorted: the JSON
+        of json.dumps(data, sort_keys=True), all but the place of one key."""
+        return '{"gpus": ' + json.dumps(gpus, sort_keys=True) + ", " + self._rest[1:]
+
+    def text_for(self, uid: int | None) -> str:
+        """The answer for a caller of this UID (None: unknown, the caller's own none)."""
+        if uid is None or uid not in self.owners:
+            return self.text
+        text = self._own.get(uid)
+        if text is not None:
+            self._own.move_to_end(uid)
+            return text
+        pairs = zip(self._gpus, self._listed, strict=True)
+        gpus = [_own_shown(gpu, listed, uid) for gpu, listed in pairs]
+        text = self._own[uid] = self._joined(gpus)
+        if len(self._own) > OWN_KEPT:
+            self._own.popitem(last=False)
+        return text
+
+
+def _own_shown(gpu: dict[str, Any], listed: list[GpuUse], uid: int) -> dict[str, Any]:
+    """A redacted GPU's JSON with the processes of `uid` among `listed` shown whole."""
+    if all(own_uid(p) != uid for p in listed):
+        return gpu
+    return {**gpu, "foreign": [_process_json(p, own_uid(p) != uid) for p in listed]}
 
 
 def _priorities(units: tuple[str, ...], scan: Scan) -> dict[str, int]:

@@ -16,6 +16,7 @@ import pytest
 
 from gpuslice import (
     busread,
+    callers,
     checkpoint,
     controller,
     exporter,
@@ -70,6 +71,9 @@ ROWS = [
     ("an answer over 32 MiB", service.MAX_STATUS_ANSWER + 4096, 32 << 20),
     ("a build over 20 ms of CPU is made again", status.SLOW_BUILD, 0.02),
     ("at most once per ten times its cost", status.REBUILD_FACTOR, 10),
+    ("at most 8 such lookups in flight", service.MAX_STATUS_ASKING, 8),
+    ("(the 4 asked for last kept)", status.OWN_KEPT, 4),
+    ("(the 256 names used last;", callers.CALLERS_KEPT, 256),
     # A unit's own journal
     ("entries wait in order, up to 2,000 (4 MiB)", journal.MAX_BACKLOG, 2000),
     ("entries wait in order, up to 2,000 (4 MiB)", journal.MAX_BACKLOG_BYTES, 4 << 20),

@@ -741,7 +741,7 @@ class _Clock:
 
 def _cached(
     monkeypatch: pytest.MonkeyPatch, cost: float, waited: float = 0.0
-) -> tuple[CachedStatus, list[int], _Clock]:
+) -> tuple[CachedStatus[str], list[int], _Clock]:
     """A CachedStatus whose builds take `cost` of the loop's CPU, and `waited` more of the
     wall clock (a busy host: the loop waited for a CPU meanwhile)."""
     clock, cpu = _Clock(), _Clock()

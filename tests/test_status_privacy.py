@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -497,6 +497,7 @@ def _foreign_bed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: str) 
         ":1.2": (0, frozenset()),
         ":1.3": (1001, frozenset({1001, 27})),
         ":1.4": (None, frozenset()),
+        ":1.5": (1002, frozenset({1002})),
     }
     bed.systemd.caller_credentials = credentials  # type: ignore[attr-defined]
     return bed
@@ -530,15 +531,16 @@ def test_without_hidepid_status_is_answered_at_once_without_asking_who(
 def test_with_hidepid_only_root_and_the_group_see_other_users_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A user, a caller the bus daemon does not name, or names without a UID: redacted.
-    Root and a member of gid=27: everything."""
+    """Another user, a caller the bus daemon does not name, or names without a UID:
+    redacted. Root and a member of gid=27: everything. (The user whose process it is sees
+    it: tests/test_status_own_processes.py.)"""
     bed = _foreign_bed(tmp_path, monkeypatch, "rw,hidepid=invisible,gid=27")
 
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
         assert ctl.proc_hiding == ProcHiding(True, 27, "hidepid=invisible,gid=27")
-        for sender in (":1.1", ":1.4", ":1.9"):
+        for sender in (":1.5", ":1.4", ":1.9"):
             data = await _answer(ctl, sender)
             assert data["redacted"] is True, sender
             assert data["gpus"][1]["foreign"] == [
@@ -649,18 +651,19 @@ def status_call(serial: int, flags: MessageFlag = MessageFlag.NONE) -> Message:
 
 
 class Asked:
-    """on_status_for whose answers wait until `go` is set; who was asked for."""
+    """on_status_for whose answers wait until `go` is set; who was asked about (once its
+    question began: a refused call's is closed unbegun)."""
 
     def __init__(self, text: str = '{"a": 1}') -> None:
         self.text = text
         self.go = asyncio.Event()
         self.asked: list[str] = []
 
-    def __call__(self, sender: str) -> str | Awaitable[str]:
-        self.asked.append(sender)
-        return self._later()
+    def __call__(self, sender: str) -> str | Coroutine[Any, Any, str]:
+        return self._later(sender)
 
-    async def _later(self) -> str:
+    async def _later(self, sender: str) -> str:
+        self.asked.append(sender)
         await self.go.wait()
         return self.text
 
@@ -697,8 +700,8 @@ def test_an_answer_that_asks_who_is_sent_once_known_and_those_in_wait_are_bounde
         refused = service._handle(status_call(5))
         assert isinstance(refused, Message)
         assert refused.error_name == "org.freedesktop.DBus.Error.LimitsExceeded"
-        assert asked.asked == [":1.2", ":1.3", ":1.4"]
         await _turns()
+        assert asked.asked == [":1.2", ":1.3", ":1.4"]
         assert bus.sent == []
         asked.go.set()
         await _turns()

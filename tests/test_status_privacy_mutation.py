@@ -223,7 +223,7 @@ class _Clock:
 
 def _cached(
     monkeypatch: pytest.MonkeyPatch, cost: float, start: float = 100.0
-) -> tuple[CachedStatus, list[int], _Clock]:
+) -> tuple[CachedStatus[str], list[int], _Clock]:
     """A CachedStatus whose builds take `cost` of the loop's CPU (its clock from 0, so that
     the cost is exactly `cost`), the monotonic clock from `start`."""
     clock, cpu = _Clock(start), _Clock(0.0)
