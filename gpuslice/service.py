@@ -259,7 +259,8 @@ class SchedulerService:
             return Message.new_error(
                 msg,
                 LIMITS_EXCEEDED,
-                f"the status is {size >> 20} MiB, more than one D-Bus message carries (32 MiB)",
+                f"the status is {size} bytes, more than one D-Bus message carries "
+                f"({MAX_STATUS_ANSWER})",
             )
         sent = self.bus.send(Message.new_method_return(msg, "s", [text]))
         self._status_unsent += size

@@ -877,7 +877,8 @@ def test_a_status_too_long_for_the_bus_is_refused_and_the_controller_stays(
         refused = await call(client, "Status")
         assert refused.error_name == "org.freedesktop.DBus.Error.LimitsExceeded"
         assert refused.body == [
-            "the status is 33 MiB, more than one D-Bus message carries (32 MiB)"
+            f"the status is {len(huge)} bytes, more than one D-Bus message carries "
+            f"({service_module.MAX_STATUS_ANSWER})"
         ]
         assert (await call(client, "Status")).body == ["{}"]
         assert systemd.bus.connected
@@ -907,7 +908,8 @@ def test_gpuslice_status_says_why_the_controller_refused_not_that_it_may_be_down
             await cli._call_status(bus_address)
         assert refused.value.message == (
             "the gpuslice controller refused: "
-            "the status is 33 MiB, more than one D-Bus message carries (32 MiB)"
+            f"the status is {len(huge)} bytes, more than one D-Bus message carries "
+            f"({service_module.MAX_STATUS_ANSWER})"
         )
 
     run(scenario)
