@@ -49,6 +49,8 @@ from gpuslice.unitfiles import (
 )
 
 if TYPE_CHECKING:
+    from dbus_next.aio import MessageBus
+
     from gpuslice.checkpoint import CheckpointError, CheckpointSettings, Resumed
     from gpuslice.core.scheduler import Action
 
@@ -472,9 +474,39 @@ async def _call_status(address: str | None) -> str:
 
 
 async def _call_controller(address: str | None, member: str, *args: str) -> str:
-    """One call to the controller's interface; its JSON answer, or a ClickException."""
-    from dbus_next import BusType, Message, MessageType
+    """One call to the controller's interface on a connection of its own; its JSON answer,
+    or a ClickException."""
+    bus = await _connect(address)
+    try:
+        return await _ask(bus, member, *args)
+    finally:
+        bus.disconnect()
+
+
+async def _connect(address: str | None) -> MessageBus:
+    """A connection to the system bus (GPUSLICE_BUS_ADDRESS's bus where set), or a
+    ClickException that says why not."""
+    from dbus_next import BusType
     from dbus_next.aio import MessageBus
+
+    from gpuslice.systemd import close_bus
+
+    bus = None
+    try:
+        bus = MessageBus(bus_address=address, bus_type=BusType.SYSTEM)
+        return await bus.connect()
+    except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS
+        if bus is not None:  # its socket closed: a watch tries again at each redraw
+            close_bus(bus)
+        raise click.ClickException(
+            f"cannot reach the system bus to ask the gpuslice controller ({_reason(e)})"
+        ) from None
+
+
+async def _ask(bus: MessageBus, member: str, *args: str) -> str:
+    """One call to the controller's interface on `bus`; its JSON answer, or a
+    ClickException in the words each answer gets."""
+    from dbus_next import Message, MessageType
 
     from gpuslice.service import (
         ACCESS_DENIED,
@@ -485,12 +517,6 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
         OBJECT_PATH,
     )
 
-    try:
-        bus = await MessageBus(bus_address=address, bus_type=BusType.SYSTEM).connect()
-    except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS
-        raise click.ClickException(
-            f"cannot reach the system bus to ask the gpuslice controller ({_reason(e)})"
-        ) from None
     try:
         reply = await bus.call(
             Message(
@@ -507,8 +533,6 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
             f"the gpuslice controller did not answer ({_reason(e)}); "
             "is it running? Try: systemctl status gpuslice"
         ) from None
-    finally:
-        bus.disconnect()
     if reply is not None and reply.error_name == NOT_MANAGED:
         raise click.ClickException(printable(str(reply.body[0]), 300))
     if reply is not None and reply.error_name == ACCESS_DENIED:
@@ -523,6 +547,39 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
             "is it running? Try: systemctl status gpuslice"
         )
     return str(reply.body[0])
+
+
+async def _watch_status(address: str | None, interval: float) -> None:
+    """`gpuslice status --watch`: the table redrawn every `interval` seconds until cancelled
+    (Ctrl-C), each redraw one Status call on ONE connection kept for the whole watch. A new
+    connection per redraw cost the bus daemon a Hello each time, and the controller, where
+    /proc hides processes, a lookup of the new name's credentials (a unique name is never
+    given twice). A failed call (the controller restarting: ServiceUnknown, NoReply) keeps
+    the connection; only one the bus dropped is replaced, at the next redraw."""
+    from gpuslice.status import render
+    from gpuslice.systemd import close_bus
+
+    bus: MessageBus | None = None
+    try:
+        while True:
+            try:
+                if bus is not None and not bus.connected:  # the bus dropped it
+                    close_bus(bus)
+                    bus = None
+                if bus is None:
+                    bus = await _connect(address)
+                shown = render(_answer(await _ask(bus, "Status"), "Status"), time.time())
+                shown = _printable_lines(shown)
+            except Exception as e:  # the controller restarting: say so, keep watching
+                shown = f"no status from the controller: {printable(str(e), 300)}"
+            click.clear()
+            click.echo(time.strftime("%H:%M:%S ") + f"every {interval:g} s\n\n" + shown)
+            await asyncio.sleep(interval)
+    finally:
+        if bus is not None and bus.connected:
+            bus.disconnect()
+        elif bus is not None:
+            close_bus(bus)
 
 
 def _finite(text: str) -> float:
@@ -595,20 +652,9 @@ def status(as_json: bool, watch: bool, interval: float) -> None:
 
     address = os.environ.get("GPUSLICE_BUS_ADDRESS")
     if watch and not as_json:
-        try:
-            while True:
-                try:
-                    shown = render(
-                        _answer(asyncio.run(_call_status(address)), "Status"), time.time()
-                    )
-                    shown = _printable_lines(shown)
-                except Exception as e:  # the controller restarting: say so, keep watching
-                    shown = f"no status from the controller: {printable(str(e), 300)}"
-                click.clear()
-                click.echo(time.strftime("%H:%M:%S ") + f"every {interval:g} s\n\n" + shown)
-                time.sleep(interval)
-        except KeyboardInterrupt:
-            return
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: the watch ends, no traceback
+            asyncio.run(_watch_status(address, interval))
+        return
     data = _answer(asyncio.run(_call_status(address)), "Status")
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))

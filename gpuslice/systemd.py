@@ -262,14 +262,21 @@ async def _job_path(answer: Awaitable[list[Any]]) -> str:
     return str(job)
 
 
-def _close_unconnected(bus: MessageBus) -> None:
-    """Close a bus whose connect() did not finish: dbus-next's disconnect() only shuts its
-    socket down, and leaves the reader it may have added."""
+def close_bus(bus: MessageBus) -> None:
+    """Put away a connection that will not be used again and that disconnect() cannot end
+    cleanly: one whose connect() did not finish, or that the bus daemon dropped. dbus-next
+    only shuts its socket down, and leaves it open (a descriptor per attempt or per bus
+    restart), the reader it may have added, and the error it ended with unretrieved
+    (asyncio then prints "Future exception was never retrieved" with a traceback)."""
+    with contextlib.suppress(Exception):  # dbus-next's own fields: none of them may fail us
+        ended = bus._disconnect_future
+        if ended.done() and not ended.cancelled():
+            ended.exception()
     with contextlib.suppress(Exception):
         bus._loop.remove_reader(bus._fd)
-    for closable in (bus._stream, bus._sock):
+    for closable in ("_stream", "_sock"):
         with contextlib.suppress(Exception):
-            closable.close()
+            getattr(bus, closable).close()
 
 
 class Systemd:
@@ -305,7 +312,7 @@ class Systemd:
         try:
             await asyncio.wait_for(bus.connect(), timeout)
         except BaseException:
-            _close_unconnected(bus)
+            close_bus(bus)
             raise
         return cls(bus)
 

@@ -10,11 +10,14 @@ import contextlib
 import gc
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +300,236 @@ def test_no_bus_is_said_with_why(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# status --watch: one connection for the whole watch
+
+STATUS = json.dumps(
+    {"gpus": [], "waiting": [], "preempted": [], "held": [], "finished": [], "failed": []}
+)
+TABLE = "Waiting:\n  -\n"  # what a screen that shows the controller's answer holds
+HEADER = re.compile(r"^\d\d:\d\d:\d\d every 0\.1 s\n\n", re.MULTILINE)
+
+
+def answered(msg: Message) -> Message:
+    return Message.new_method_return(msg, "s", [STATUS])
+
+
+class Enough(Exception):
+    """The end of a watch that ran for as many redraws as its test needed."""
+
+
+Step = Callable[[list[MessageBus]], Awaitable[None]]
+
+
+async def watch(
+    address: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *steps: Step
+) -> tuple[list[str], list[MessageBus]]:
+    """`_watch_status` on `address` every 0.1 s, for one redraw more than `steps`: the pause
+    after the n-th redraw does steps[n] (given the connections made so far) and takes no
+    time. Each screen as drawn (its header checked, then left out), and each connection
+    the watch made."""
+    screens: list[str] = []
+    made: list[MessageBus] = []
+    real_connect = cli_module._connect
+
+    async def connect(at: str | None) -> MessageBus:
+        made.append(await real_connect(at))
+        return made[-1]
+
+    async def pause(seconds: float) -> None:
+        assert seconds == 0.1
+        drawn = capsys.readouterr().out
+        assert HEADER.match(drawn), drawn
+        screens.append(HEADER.sub("", drawn, count=1))
+        if len(screens) > len(steps):
+            raise Enough
+        await steps[len(screens) - 1](made)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(cli_module, "_connect", connect)
+        patched.setattr(asyncio, "sleep", pause)
+        with pytest.raises(Enough):
+            await cli_module._watch_status(address, 0.1)
+    return screens, made
+
+
+async def nothing(made: list[MessageBus]) -> None:
+    pass
+
+
+def test_a_watch_asks_on_one_connection_for_all_its_redraws(
+    bus_address: str,
+    closed: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each redraw is one Status call on the connection of the first: a connection per
+    redraw cost the bus daemon a Hello, and the controller, where /proc hides processes,
+    the bus daemon's word on each new name (callers.py keeps it per unique name). Ended,
+    the watch leaves its connection closed."""
+
+    async def scenario() -> None:
+        calls = await controller(bus_address, answered)
+        screens, made = await watch(bus_address, monkeypatch, capsys, nothing, nothing)
+        assert [call.sender for call in calls] == [made[0].unique_name] * 3, made
+        assert len(made) == 1
+        assert all(TABLE in screen for screen in screens), screens
+        assert not made[0].connected
+
+    run(scenario)
+
+
+def test_a_watch_keeps_its_connection_while_the_controller_restarts(
+    bus_address: str,
+    closed: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The controller away (its name without owner: ServiceUnknown) is said on the screen
+    in the words of `gpuslice status`, and the watch goes on, on the same connection: the
+    controller back (another connection, as after a restart) is asked on it."""
+    restarted: list[list[Message]] = []
+
+    async def scenario() -> None:
+        calls = await controller(bus_address, answered)
+        gone = _OPEN[-1]  # the controller's connection
+
+        async def stop(made: list[MessageBus]) -> None:
+            await gone.release_name(BUS_NAME)
+
+        async def start(made: list[MessageBus]) -> None:
+            restarted.append(await controller(bus_address, answered))
+
+        screens, made = await watch(bus_address, monkeypatch, capsys, stop, start)
+        assert len(made) == 1, made
+        assert [call.sender for call in calls + restarted[0]] == [made[0].unique_name] * 2
+        away = "no status from the controller: the gpuslice controller did not answer ("
+        assert screens[1].startswith(f"{away}The name {BUS_NAME} "), screens[1]
+        assert screens[1].endswith(f"; {TRY}\n"), screens[1]
+        assert TABLE in screens[0] and TABLE in screens[2], screens
+
+    run(scenario)
+
+
+def test_a_connection_the_bus_dropped_is_replaced_at_the_next_redraw(
+    bus_address: str,
+    closed: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The bus daemon ends the watch's connection (here: for bytes that are no D-Bus
+    message): the next redraw asks on a new one (a call on the one dropped waits for ever),
+    and the one dropped is closed, its end taken (else asyncio prints "Future exception
+    was never retrieved" over the watch, or as it exits)."""
+
+    async def scenario() -> None:
+        calls = await controller(bus_address, answered)
+
+        async def drop(made: list[MessageBus]) -> None:
+            made[0]._sock.send(b"X" * 16)  # no byte order: the bus daemon hangs up
+            await asyncio.wait([made[0]._disconnect_future])  # its EOFError left untaken
+
+        screens, made = await watch(bus_address, monkeypatch, capsys, drop)
+        assert len(made) == 2, made
+        assert [call.sender for call in calls] == [bus.unique_name for bus in made]
+        assert made[0].unique_name != made[1].unique_name
+        assert all(TABLE in screen for screen in screens), screens
+        assert made[0]._sock.fileno() == -1  # closed
+
+    run(scenario)
+    gc.collect()  # the connections' futures, gone: one whose end was not taken logs it
+    assert "never retrieved" not in caplog.text
+
+
+# as test_no_bus_is_said_with_why: the socket of each connect that failed is left unclosed
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_watch_without_a_bus_says_why_at_each_redraw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No bus to connect to: each redraw says so in the words of `gpuslice status`, and
+    tries again."""
+
+    async def scenario() -> list[str]:
+        screens, made = await watch(f"unix:path={tmp_path}/no-bus", monkeypatch, capsys, nothing)
+        assert made == []
+        return screens
+
+    screens = asyncio.run(scenario())
+    said = "cannot reach the system bus to ask the gpuslice controller (No such file or directory)"
+    assert screens == [f"no status from the controller: {said}\n"] * 2
+    gc.collect()  # the leaked sockets warn now, under this test's filters
+
+
+@contextlib.contextmanager
+def controller_aside(address: str, answer: Answer) -> Iterator[list[Message]]:
+    """The stand-in controller on an event loop of its own, in a thread: for a command that
+    runs its own loop (asyncio.run). The calls it got."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    own: list[MessageBus] = []
+
+    async def close() -> None:
+        for bus in own:
+            bus.disconnect()
+            await bus.wait_for_disconnect()
+            bus._stream.close()
+            bus._sock.close()
+
+    try:
+        calls = asyncio.run_coroutine_threadsafe(controller(address, answer), loop).result(10)
+        own.append(_OPEN.pop())  # closed here, on its loop, not by `run`
+        yield calls
+    finally:
+        asyncio.run_coroutine_threadsafe(close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_gpuslice_status_watch_asks_on_one_connection_until_ctrl_c(
+    bus_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gpuslice status --watch -n 0.1` to its end: Ctrl-C (SIGINT to the main thread, sent
+    by the controller on the third call) ends it with exit status 0 and no traceback, its
+    connection closed; all three calls came on one connection (each redraw made its own:
+    three senders)."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # as in a shell
+    asked: list[Message] = []
+    cli_thread = threading.get_ident()
+
+    def answer_then_ctrl_c(msg: Message) -> Message:
+        asked.append(msg)
+        if len(asked) == 3:
+            signal.pthread_kill(cli_thread, signal.SIGINT)
+        return answered(msg)
+
+    made: list[MessageBus] = []
+    real_connect = MessageBus.connect
+
+    async def connect(bus: MessageBus) -> MessageBus:
+        made.append(bus)
+        return await real_connect(bus)
+
+    monkeypatch.setenv("GPUSLICE_BUS_ADDRESS", bus_address)
+    try:
+        with controller_aside(bus_address, answer_then_ctrl_c) as calls:
+            monkeypatch.setattr(MessageBus, "connect", connect)  # the CLI's connections
+            result = CliRunner().invoke(main, ["status", "--watch", "-n", "0.1"])
+    finally:
+        for bus in made:  # dbus-next leaves the socket open
+            bus._stream.close()
+            bus._sock.close()
+    assert [call.sender for call in calls] == [made[0].unique_name] * 3
+    assert len(made) == 1
+    assert result.exit_code == 0 and result.exception is None, result.output
+    screens = HEADER.split(result.output)[1:]
+    assert len(screens) >= 2 and all(TABLE in screen for screen in screens), result.output
+    assert not made[0].connected
+
+
+# ---------------------------------------------------------------------------------------------
 # _resume_by_ladder: release-jobs' resume, by the controller's Ladder
 
 TOOL = "/opt/nvidia/cuda-checkpoint"
@@ -557,3 +790,30 @@ def test_a_bus_that_accepts_and_never_answers_is_given_up_on(
         listener.close()
     assert isinstance(failed, CheckpointError)
     assert failed.reason == "cannot reach systemd on the system bus (no answer within 0.2 s)"
+
+
+def test_a_connection_the_bus_daemon_hangs_up_on_is_closed_not_leaked(tmp_path: Path) -> None:
+    """A bus daemon that takes the connection and hangs up before authenticating it: the
+    call says why, and the socket dbus-next opened is closed (a watch tries again at each
+    redraw: a descriptor left per redraw until garbage collection)."""
+    path = tmp_path / "hangs-up"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def hang_up() -> None:
+        conn, _ = listener.accept()
+        conn.close()
+
+    thread = threading.Thread(target=hang_up, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(click.ClickException) as raised:
+            asyncio.run(cli_module._call_controller(f"unix:path={path}", "Status"))
+    finally:
+        thread.join(5)
+        listener.close()
+    assert raised.value.message.startswith(
+        "cannot reach the system bus to ask the gpuslice controller ("
+    )
+    gc.collect()  # an unclosed socket says so here (ResourceWarning: the run fails)
