@@ -1048,7 +1048,11 @@ class Controller:
         """An unannotated unit's gate passes, with no GPUs of gpuslice's (the core forgot its
         start, or never knew it): its calls over D-Bus are answered so, and a gate on its
         pipe is sent there. Not through the pipe: that needs our end held until the unit has
-        left its gate, which its signals, no longer matched, would not tell."""
+        left its gate, which its signals, no longer matched, would not tell. Its env file
+        goes first: a grant of an earlier run's (its gate drop-in, until the next
+        daemon-reload, still names it) would tell its processes GPUs gpuslice may have
+        handed to another unit since, as if granted them."""
+        envfiles.remove(self.config.runtime_dir, unit)
         self.gates.close(unit)
         self.gates.at_gate_unknown(unit)
         if self.service.pending(unit) and self.service.grant(unit, ""):

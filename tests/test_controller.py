@@ -1008,15 +1008,21 @@ def test_an_acquire_of_an_unmanaged_unit_is_granted_nothing(
 ) -> None:
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     cgroup_of[4242] = "plain.service"
+    # an earlier run's grant, when plain.service was annotated: its gate drop-in (until the
+    # next daemon-reload) still names the file, and GPU 0 may be another unit's now
+    stale = env_file(bed.config.runtime_dir, "plain.service")
 
     async def test() -> None:
         await bed.controller.start()
+        stale.parent.mkdir(parents=True)
+        stale.write_text("CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n")
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="gpuslice"):
             await bed.acquire("plain.service", ":1.9", 4242)
             # the scan is read again first: it may be older than the unit's gate
             await until(lambda: bed.service.granted != [])
         assert bed.service.granted == [("plain.service", "")]
+        assert not stale.parent.exists()  # it runs as any unannotated unit: every GPU seen
         assert bed.controller.scheduler.grants() == {}
         await bed.acquire("plain.service", ":1.9", 4242)  # its next start: no scan again
         assert bed.service.granted == [("plain.service", "")] * 2
