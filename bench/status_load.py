@@ -82,7 +82,7 @@ async def _cost(units: int, seconds: float = 60.0) -> None:
     spent, calls, begin, changed = 0.0, 0, time.monotonic(), 0.0
     while time.monotonic() - begin < seconds:
         if time.monotonic() - changed >= 2:
-            ctl._status.changed()
+            ctl.answers.changed()
             changed = time.monotonic()
         start = time.perf_counter()
         ctl.status_json()

@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from pathlib import Path
 from typing import Any
 
-from gpuslice import __version__, envfiles
+from gpuslice import envfiles
 from gpuslice.annotations import Problem, Scan, scan
-from gpuslice.callers import KnownCallers
+from gpuslice.answers import StatusAnswers
 from gpuslice.cgroups import unit_of_pid
 from gpuslice.checkpoint import CheckpointSettings
 from gpuslice.config import (
@@ -62,7 +62,7 @@ from gpuslice.core.scheduler import (
 from gpuslice.counters import Counters
 from gpuslice.gatepipes import GatePipes, raise_fd_limit
 from gpuslice.gpuwatch import FRESH_SAMPLE, GpuWatch
-from gpuslice.inventory import GpuUse, Inventory, Sample
+from gpuslice.inventory import GpuUse, Inventory
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
@@ -74,11 +74,9 @@ from gpuslice.paths import (
     env_file,
     gate_pipe_dir,
 )
-from gpuslice.procmount import ProcHiding, read_proc_hiding
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import Flusher, StateStore, same_boot
-from gpuslice.status import CachedStatus, RedactedStatus, snapshot_to_json
 from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient
 from gpuslice.tracker import (
     CameUp,
@@ -104,13 +102,6 @@ GATE_UNSEEN_DELAY = 1.0
 # that the controller itself receives and unmarshals, and a handover changes the line four
 # times within ~50 ms, just when the signal it waits for is due (issue 10).
 STATUS_DELAY = 0.25
-# Characters of running units' names STATUS= lists; the rest are counted ("and 37 more").
-# sd_notify is one datagram, and systemd ignores one past 4,096 bytes whole
-# (NOTIFY_BUFFER_MAX): with 16 running units of 255-character names, or ~80 of 50 sharing
-# GPUs, the line was missing from `systemctl status gpuslice`, and at start-up so was the
-# READY=1 sent with it: the controller was killed at TimeoutStartSec and restarted into the
-# same line, again and again.
-STATUS_NAMES_MAX = 1024
 # How long a start job systemd announced (JobNew) may go without its unit reaching its gate
 # before the controller reads whether it is a queued start (Controller._queued): a start
 # that runs at once shows at its gate within milliseconds, and a read sent at JobNew would
@@ -144,8 +135,6 @@ CONFIG_SETTLE_WAITS = 10
 RUNTIME_RECORD = Path(RUNTIME_DIR_RECORD)
 # Where the controller records the state_dir it runs with (paths.STATE_DIR_RECORD)
 STATE_RECORD = Path(STATE_DIR_RECORD)
-# The order STATUS= names holders in, by what they are doing (Controller.status_line).
-_LINE_PHASES = ("running", "starting", "stopping", "frozen", "suspending", "resuming")
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
@@ -223,20 +212,27 @@ class Controller:
         self.store = StateStore(Path(config.state_dir), Path(config.runtime_dir))
         self._flusher = Flusher(self.store, FLUSH_DELAY, self._flushed)
         self.notifier = Notifier()
+        # the readers of status (Status, STATUS=): each answer built once per change
+        self.answers = StatusAnswers(
+            self.scheduler,
+            scan=lambda: self.scan,
+            sample=lambda: self.watch.sample,
+            waiting_since=lambda: {n: wall for n, (wall, _) in self.waiting_since.items()},
+            suspensions=lambda: {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
+            counters=self.counters,
+            adapter_counts=self._adapter_counts,
+            started=self.started,
+            credentials=lambda sender: self.systemd.caller_credentials(sender),
+        )
         # the gate calls in wait; the bus adapter unless one is given (tests)
         self.service = service or SchedulerService(
             systemd.bus,
             self.on_acquire,
-            self.status_json,
+            self.answers.status_json,
             self.request_rescan,
             self.plan_json,
-            self.status_for,
+            self.answers.status_for,
         )
-        # whether /proc hides other users' processes, read at start and at each reload:
-        # Status then hides them from callers /proc hides them from (status_for)
-        self.proc_hiding = ProcHiding()
-        # who each unique bus name that called Status is, as the bus daemon said
-        self.callers = KnownCallers()
         # the gates' fast way: answered through a pipe when systemd shows them at the gate
         self.gates = GatePipes(gate_pipe_dir(config.runtime_dir))
         self.boot_id = ""
@@ -246,8 +242,6 @@ class Controller:
         # have not been seen down since: watched (_watched) before the core knows them
         self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._status = CachedStatus(self._status_snapshot)
-        self._redacted = self._status.variant(self._redacted_snapshot)
         # rescans run off the loop, one at a time; Acquire calls of units the running scan
         # may not know yet wait for it
         self._rescan: asyncio.Task[None] | None = None
@@ -285,7 +279,7 @@ class Controller:
         self.systemd.on_reloading = self.on_reloading
         self.systemd.on_systemd_restarted = self.on_systemd_restarted
         self.gates.reset()  # gates left waiting by an earlier controller ask over D-Bus
-        self._read_proc_hiding()
+        self.answers.read_proc_mount()
         await self.systemd.subscribe()
         self.boot_id = await self.systemd.boot_id()
         for problem in self.scan.problems:
@@ -683,7 +677,7 @@ class Controller:
             return
         if self.scheduler.forget_instance(name):
             self.tracker.forget(name)
-            self._status.changed()  # gone from held, finished and failed
+            self.answers.changed()  # gone from held, finished and failed
 
     def _gate_unseen(self, name: str) -> None:
         """A state read showed the unit at its gate and no signal has named that start since
@@ -766,7 +760,7 @@ class Controller:
             if not is_template(n) and self.spec_for(n) is None and not self._known(n)
         ]
         self.scan = result
-        self._status.changed()  # its problems and priorities, even if nothing is decided
+        self.answers.changed()  # its problems and priorities, even if nothing is decided
         for problem in result.problems:
             self._log_problem(problem)
         starts = set(self.scheduler.waiting_units()) | set(self.scheduler.grants())
@@ -834,7 +828,7 @@ class Controller:
         """Read config.yaml and apply it, or keep the last good one. With `recheck`, False
         and nothing done when the file changed while it was read. /proc's mount is read
         again whatever the file holds (an admin who remounted it with hidepid= sends SIGHUP)."""
-        self._read_proc_hiding()
+        self.answers.read_proc_mount()
         try:
             if recheck:
                 loaded = read_unchanged(self.config_path, load_config_with_warnings)
@@ -861,22 +855,6 @@ class Controller:
         self.watch.refresh()
         self.request_rescan()
         return True
-
-    def _read_proc_hiding(self) -> None:
-        """Whether /proc hides other users' processes now (said when it changes)."""
-        hiding = read_proc_hiding()
-        if hiding != self.proc_hiding:
-            if hiding.hides:
-                group = f", or of group {hiding.gid}" if hiding.gid is not None else ""
-                log.info(
-                    "/proc hides other users' processes (%s): Status shows them only to "
-                    "callers that are root%s",
-                    hiding.said,
-                    group,
-                )
-            elif self.proc_hiding.hides:
-                log.info("/proc no longer hides other users' processes: Status shows them all")
-        self.proc_hiding = hiding
 
     def _keep_paths(self, config: Config) -> Config:
         """`config` with the paths this controller started with. The gates' drop-ins name
@@ -1116,7 +1094,7 @@ class Controller:
             elif isinstance(action, Start):
                 calls.append((self.systemd.restart_preempted, action.unit, "start"))
         if actions:
-            self._status.changed()
+            self.answers.changed()
             if calls or urgent or not self._batching:
                 self._persist()
             else:  # the pass due this turn saves once for its batch (a unit's end, then
@@ -1158,7 +1136,7 @@ class Controller:
     def _decide_on(self, gpus: list[Gpu]) -> None:
         """New GPUs from NVML (a sample, the driver back or gone): decide again; and, at the
         sampling pace, whether someone thawed a unit gpuslice froze (nothing signals it)."""
-        self._status.changed()
+        self.answers.changed()
         self.execute(self.scheduler.set_gpus(gpus))
         self._check_freezer()
 
@@ -1473,95 +1451,16 @@ class Controller:
     # -- status -------------------------------------------------------------------------------
 
     def status_line(self) -> str:
-        """`N GPUs: a.service running; b.service stopping; 1 waiting`: the holders by what
-        they are doing (a victim being stopped, a unit frozen beside a more urgent one, once
-        all said "running" for as long as that lasted, hours for a frozen one), names up to
-        STATUS_NAMES_MAX characters and the rest counted."""
-        snap = self.scheduler.snapshot(reasons=False)
-        count = len(snap.gpus)
-        phase_of = {name: phase for holders in snap.gpus.values() for name, _, phase in holders}
-        order = {phase: i for i, phase in enumerate(_LINE_PHASES)}
-        names = sorted(phase_of, key=lambda n: (order.get(phase_of[n], len(order)), n))
-        shown: list[str] = []
-        length = 0  # of the names shown, with their separators
-        for name in names:
-            length += len(name) + 2
-            if shown and length > STATUS_NAMES_MAX:
-                break
-            shown.append(name)
-        groups: dict[str, list[str]] = {}
-        for name in shown:
-            groups.setdefault(phase_of[name], []).append(name)
-        unshown: dict[str, int] = {}
-        for name in names[len(shown) :]:
-            unshown[phase_of[name]] = unshown.get(phase_of[name], 0) + 1
-        parts = []
-        for phase, group in groups.items():  # only the last one's may go on unshown
-            more = unshown.pop(phase, 0)
-            parts.append(", ".join(group) + (f" and {more} more" if more else "") + f" {phase}")
-        parts += [f"{n} more {phase}" for phase, n in unshown.items()]
-        what = "; ".join(parts) if parts else "idle"
-        return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
+        """STATUS=: the holders by what they are doing (StatusAnswers.status_line)."""
+        return self.answers.status_line()
 
     def status_json(self, redacted: bool = False, uid: int | None = None) -> str:
-        """Anyone may ask, as often as they like: the answer is built once per change, and a
-        slow one less often (gpuslice/status.py: CachedStatus); `redacted`, without what
-        /proc hides from other users (status_for), cached alike, but the processes of `uid`
-        (RedactedStatus: the caller's own)."""
-        if redacted:
-            cached, as_of = self._redacted.text().text_for(uid), self._redacted.as_of
-        else:
-            cached, as_of = self._status.text(), self._status.as_of
-        # the counters move without a change of state: added at each call (a few hundred
-        # bytes) to the cached snapshot's object, whose last character is its closing brace
-        extra = json.dumps(self.status_counters(as_of), sort_keys=True)
-        return f"{cached[:-1]}, {extra[1:]}"
+        """The Status answer (StatusAnswers.status_json)."""
+        return self.answers.status_json(redacted, uid)
 
     def status_for(self, sender: str) -> str | Coroutine[Any, Any, str]:
-        """The Status answer for the caller of this unique bus name: where /proc hides other
-        users' processes, without them (but the caller's own: RedactedStatus) unless /proc
-        shows them to it (root, the mount's gid= group), as the bus daemon says who it is,
-        asked once per unique name (gpuslice/callers.py). Now (a string) where /proc hides
-        none, and for a caller named before; else once the bus daemon has answered."""
-        if not self.proc_hiding.hides:
-            return self.status_json()
-        known = self.callers.get(sender)  # asked before (gpuslice/callers.py)
-        if known is not None:
-            return self._status_of(*known)
-        return self._status_for_caller(sender)
-
-    async def _status_for_caller(self, sender: str) -> str:
-        try:
-            uid, groups = await self.systemd.caller_credentials(sender)
-        except Exception as e:  # not said who it is: hidden from it (fail closed), not kept
-            log.debug("Status from %s, whom the bus daemon did not name: %s", sender, e)
-            return self._status_of(None, frozenset())
-        self.callers.put(sender, (uid, groups))
-        return self._status_of(uid, groups)
-
-    def _status_of(self, uid: int | None, groups: frozenset[int]) -> str:
-        """The answer for a caller of this UID and these groups (as of /proc's mount now)."""
-        if self.proc_hiding.exempts(uid, groups):
-            return self.status_json()
-        return self.status_json(redacted=True, uid=uid)
-
-    def _status_snapshot(self) -> str:
-        return json.dumps(self._snapshot_json(self.watch.sample, False), sort_keys=True)
-
-    def _redacted_snapshot(self) -> RedactedStatus:
-        sample = self.watch.sample  # the one it is built of, read once
-        return RedactedStatus(self._snapshot_json(sample, True), sample)
-
-    def _snapshot_json(self, sample: Sample, redact: bool) -> dict[str, Any]:
-        return snapshot_to_json(
-            self.scheduler.snapshot(),
-            self.scan,
-            sample,
-            {n: wall for n, (wall, _) in self.waiting_since.items()},
-            {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
-            self.scheduler.declared_memory(),
-            redact,
-        )
+        """The Status answer for the caller of this unique bus name (StatusAnswers)."""
+        return self.answers.status_for(sender)
 
     def plan_json(self, unit: str) -> str:
         """`gpuslice plan UNIT`: what a start of it would do now, changing nothing (root
@@ -1576,25 +1475,15 @@ class Controller:
             self._decide()  # events taken in this turn are decided first, as they will be
         return json.dumps(plan_start(self.scheduler, spec).to_json(), sort_keys=True)
 
-    def status_counters(self, as_of: float) -> dict[str, Any]:
-        """The status keys that count since the controller started (gpuslice/status.py);
-        `as_of`: the Unix time of the state the answer shows (each cached text has its own)."""
-        external = [
+    def _adapter_counts(self) -> list[tuple[str, int]]:
+        """What the adapters count, for status's "counters" (StatusAnswers.status_counters)."""
+        return [
             ("dbus_signals_dropped", self.systemd.dropped),
             ("nvml_errors", self.watch.inventory.errors),
             ("nvml_timeouts", self.watch.nvml.timeouts),
             ("journal_write_errors", self.journal.failures if self.journal is not None else 0),
             ("notify_errors", self.notifier.failures),
         ]
-        return {
-            "admission_wait_seconds": self.counters.admission_wait.to_json(),
-            "controller": {
-                "version": __version__,
-                "start_time": self.started,
-                "status_time": as_of,
-            },
-            "counters": self.counters.to_json(external),
-        }
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:

@@ -626,7 +626,7 @@ def test_the_status_answer_holds_each_part_with_its_keys_sorted_and_the_times_it
         ctl.on_unit_changed("a.service", at_gate())
         await settle()
         ctl.ladder.suspensions["vlm.service"] = Suspension((4242,), 3 << 30, 0.0, 1234.5)
-        ctl._status.changed()
+        ctl.answers.changed()
         text = ctl.status_json()
         status = json.loads(text)
         assert [(w["unit"], w["since"]) for w in status["waiting"]] == [
@@ -645,7 +645,7 @@ def test_the_status_answer_holds_each_part_with_its_keys_sorted_and_the_times_it
         assert json.loads(ctl.status_json())["counters"]["journal_write_errors"] == 3
         *inner, top = key_orders(text)
         assert all(keys == sorted(keys) for keys in inner)
-        snapshot = sorted(json.loads(ctl._status.text()))
+        snapshot = sorted(json.loads(ctl.answers._status.text()))
         assert top == [*snapshot, "admission_wait_seconds", "controller", "counters"]
 
     run(test)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice import controller as controller_module
+from gpuslice import answers
 from gpuslice.config import Config
 from gpuslice.controller import JournalFormatter
 from gpuslice.counters import ERRORS
@@ -269,12 +269,12 @@ def test_the_status_line_groups_holders_by_phase_and_counts_those_past_its_limit
         "3 GPUs: a.service, d.service running; e.service starting; c.service stopping; "
         "b.service frozen; f.service resuming; 1 waiting"
     )
-    monkeypatch.setattr(controller_module, "STATUS_NAMES_MAX", 33)  # three names of 9, each + 2
+    monkeypatch.setattr(answers, "STATUS_NAMES_MAX", 33)  # three names of 9, each + 2
     assert ctl.status_line() == (
         "3 GPUs: a.service, d.service running; e.service starting; 1 more stopping; "
         "1 more frozen; 1 more resuming; 1 waiting"
     )
-    monkeypatch.setattr(controller_module, "STATUS_NAMES_MAX", 11)
+    monkeypatch.setattr(answers, "STATUS_NAMES_MAX", 11)
     assert ctl.status_line() == (
         "3 GPUs: a.service and 1 more running; 1 more starting; 1 more stopping; "
         "1 more frozen; 1 more resuming; 1 waiting"

@@ -230,17 +230,17 @@ def test_a_callers_own_answer_is_made_once_per_change(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl._status.changed()
+        ctl.answers.changed()
         answers = [await _answer(ctl, f":2.{n}") for n in range(5)]
-        built = ctl._redacted.text()
+        built = ctl.answers._redacted.text()
         assert list(built._own) == [1000]
         assert all(a["gpus"][1]["foreign"][0]["pid"] == 200 for a in answers)
         await _answer(ctl, ":1.5")
         assert list(built._own) == [1000]
-        ctl._status.changed()
+        ctl.answers.changed()
         assert (await _answer(ctl, ":2.0"))["gpus"][1]["foreign"][0]["pid"] == 200
-        assert ctl._redacted.text() is not built
-        assert list(ctl._redacted.text()._own) == [1000]
+        assert ctl.answers._redacted.text() is not built
+        assert list(ctl.answers._redacted.text()._own) == [1000]
 
     run(test)
 
@@ -272,7 +272,7 @@ def test_a_caller_is_asked_about_once_per_unique_name(
                 assert data["redacted"] is True
                 assert data["gpus"][1]["foreign"] == [_hidden(GIB, "user")]
         assert credentials.asked == [":1.1", ":1.9", ":1.9", ":1.4", ":1.4"]
-        assert len(ctl.callers) == 1
+        assert len(ctl.answers.callers) == 1
 
     run(test)
 
@@ -312,13 +312,13 @@ def test_a_user_connecting_again_and_again_keeps_a_bounded_number_of_names(
         await ctl.start()
         for sender in senders:
             assert (await _answer(ctl, sender))["gpus"][1]["foreign"][0]["pid"] == 200
-        assert len(ctl.callers) == CALLERS_KEPT
+        assert len(ctl.answers.callers) == CALLERS_KEPT
         assert isinstance(ctl.status_for(senders[-1]), str)
         assert len(credentials.asked) == len(senders)
         assert (await _answer(ctl, senders[0]))["gpus"][1]["foreign"][0]["pid"] == 200
         assert credentials.asked[-1] == senders[0]
-        assert len(ctl.callers) == CALLERS_KEPT
-        assert list(ctl._redacted.text()._own) == [1000]
+        assert len(ctl.answers.callers) == CALLERS_KEPT
+        assert list(ctl.answers._redacted.text()._own) == [1000]
 
     run(test)
 
@@ -464,7 +464,7 @@ def test_over_the_bus_each_connection_is_asked_about_once_by_the_name_the_bus_st
         hold[leaving.unique_name].set()
         while service._asking:
             await asyncio.sleep(0.01)
-        assert ctl.callers.get(leaving.unique_name) is None
+        assert ctl.answers.callers.get(leaving.unique_name) is None
         reply = await call(two, "Status")
         assert reply.message_type is MessageType.METHOD_RETURN
         assert asked.count(two.unique_name) == 1

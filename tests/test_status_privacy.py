@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from dbus_next import Message, MessageFlag, MessageType, Variant
 
+from gpuslice import answers, procmount, status
 from gpuslice import controller as controller_module
-from gpuslice import procmount, status
 from gpuslice import service as service_module
 from gpuslice.annotations import Scan
 from gpuslice.core.decisions import LISTED_MAX
@@ -539,7 +539,7 @@ def test_with_hidepid_only_root_and_the_group_see_other_users_processes(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        assert ctl.proc_hiding == ProcHiding(True, 27, "hidepid=invisible,gid=27")
+        assert ctl.answers.proc_hiding == ProcHiding(True, 27, "hidepid=invisible,gid=27")
         for sender in (":1.5", ":1.4", ":1.9"):
             data = await _answer(ctl, sender)
             assert data["redacted"] is True, sender
@@ -577,17 +577,17 @@ def test_the_redacted_answer_is_built_once_per_change(
         built.append(bool(args[6] if len(args) > 6 else kwargs.get("redact", False)))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(controller_module, "snapshot_to_json", counted)
+    monkeypatch.setattr(answers, "snapshot_to_json", counted)
 
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl._status.changed()
+        ctl.answers.changed()
         built.clear()
         for _ in range(5):
             await _answer(ctl, ":1.1")
         assert built == [True]
-        ctl._status.changed()
+        ctl.answers.changed()
         await _answer(ctl, ":1.1")
         await _answer(ctl, ":1.2")
         await _answer(ctl, ":1.2")

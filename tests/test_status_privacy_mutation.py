@@ -115,8 +115,8 @@ def test_a_redacted_answer_says_the_time_of_the_state_it_shows(
         ctl = bed.controller
         await ctl.start()
         ctl.status_json()
-        ctl._status.changed()  # the full text not built since: its state is of its build
-        ctl._status.built = 1000.0
+        ctl.answers.changed()  # the full text not built since: its state is of its build
+        ctl.answers._status.built = 1000.0
         before = time.time()
         data = await _answer(ctl, ":1.1")
         assert data["redacted"] is True
