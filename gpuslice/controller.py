@@ -1029,8 +1029,12 @@ class Controller:
         left its gate, which its signals, no longer matched, would not tell. Its env file
         goes first: a grant of an earlier run's (its gate drop-in, until the next
         daemon-reload, still names it) would tell its processes GPUs gpuslice may have
-        handed to another unit since, as if granted them."""
-        envfiles.remove(self.config.runtime_dir, unit)
+        handed to another unit since, as if granted them. Not the file of a unit the core
+        still holds GPUs for (its annotation went while it ran, and `systemctl restart` ran
+        it again with no moment down between): those GPUs are still booked for it, and
+        without its file its new run saw every GPU, another unit's too."""
+        if not self._known(unit):
+            envfiles.remove(self.config.runtime_dir, unit)
         self.gates.close(unit)
         self.gates.at_gate_unknown(unit)
         if self.service.pending(unit) and self.service.grant(unit, ""):

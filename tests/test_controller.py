@@ -1308,6 +1308,40 @@ def test_a_restart_keeps_the_gpu_of_a_running_unit_whose_annotation_went(
     run(test)
 
 
+def test_a_restarted_unit_whose_annotation_went_keeps_the_env_file_of_the_gpu_it_holds(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service runs on GPU 0, its env file saying so; its annotation goes, and a rescan
+    (no daemon-reload yet: its gate drop-in stays) keeps GPU 0 booked for it until it ends.
+    `systemctl restart low.service` runs it again with no moment down between, and its gate
+    asks. Let through ungated, it had its env file removed: its new run saw every GPU,
+    another unit's too, while the core still counted GPU 0 as its own. The file stays."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    told = env_file(bed.config.runtime_dir, "low.service")
+    told.parent.mkdir(parents=True)
+    told.write_text("CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotate(ctl, tmp_path, "low.service")
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        bed.systemd.units["low.service"] = state("low.service", "activating", "start-pre")
+        signal(
+            bed,
+            "low.service",
+            {"ActiveState": "activating", "SubState": "start-pre", "InvocationID": "next"},
+        )
+        cgroup_of[4343] = "low.service"
+        await bed.acquire("low.service", ":1.10", 4343)
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [("low.service", "")]
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        assert told.read_text() == "CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n"
+
+    run(test)
+
+
 def test_a_waiter_whose_annotation_went_and_that_was_stopped_is_not_granted_later(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
