@@ -60,9 +60,10 @@ UNIT_DIR = "etc/systemd/system"  # below --root: where `new` and `enroll` write
 # release-jobs runs in prerm, and `apt remove` waits for it: no resume starts after this many
 # seconds (one under way is left to finish: a restore cut short loses its process for good).
 RELEASE_DEADLINE = 120.0
-# how long release-jobs waits for the bus: systemd to say when it started (`_this_boot`), a
-# connection for a resume to be made (a bus daemon that accepts and never authenticates)
-BOOT_READ_TIMEOUT = 30.0
+# how long a gpuslice command waits for the bus: a connection to be made (a bus daemon that
+# takes it and never authenticates it), a call to be answered (the controller's Status,
+# Plan, Reload; systemd saying when it started, for release-jobs, which `apt remove` waits on)
+BUS_TIMEOUT = 30.0
 
 config_option = click.option(
     "--config",
@@ -277,12 +278,12 @@ def _this_boot() -> tuple[str, str]:
     """This boot as the controller tells it at its start (`Systemd.boot_id`, asked of the
     systemd on the bus gpuslice is told, GPUSLICE_BUS_ADDRESS): the kernel's boot id alone
     is a container's last boot's too when it restarted without its host. ("", why) when it
-    cannot be told: no bus, systemd refusing or silent for BOOT_READ_TIMEOUT s (`apt
+    cannot be told: no bus, systemd refusing or silent for BUS_TIMEOUT s (`apt
     remove` waits), no kernel boot id."""
     try:
-        return asyncio.run(asyncio.wait_for(_read_boot(), BOOT_READ_TIMEOUT)), ""
+        return asyncio.run(asyncio.wait_for(_read_boot(), BUS_TIMEOUT)), ""
     except TimeoutError:
-        return "", f"systemd did not answer within {BOOT_READ_TIMEOUT:g} s"
+        return "", f"systemd did not answer within {BUS_TIMEOUT:g} s"
     except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS, D-Bus errors
         return "", _reason(e)
 
@@ -389,10 +390,10 @@ async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> Resumed 
     from gpuslice.systemd import Systemd
 
     try:  # `apt remove` waits: a bus daemon that never answers is given up on
-        systemd = await Systemd.connect(os.environ.get("GPUSLICE_BUS_ADDRESS"), BOOT_READ_TIMEOUT)
+        systemd = await Systemd.connect(os.environ.get("GPUSLICE_BUS_ADDRESS"), BUS_TIMEOUT)
     except TimeoutError:
         return CheckpointError(
-            f"cannot reach systemd on the system bus (no answer within {BOOT_READ_TIMEOUT:g} s)"
+            f"cannot reach systemd on the system bus (no answer within {BUS_TIMEOUT:g} s)"
         )
     except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS
         return CheckpointError(f"cannot reach systemd on the system bus ({_reason(e)})")
@@ -494,12 +495,13 @@ async def _connect(address: str | None) -> MessageBus:
     bus = None
     try:
         bus = MessageBus(bus_address=address, bus_type=BusType.SYSTEM)
-        return await bus.connect()
-    except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS
+        return await asyncio.wait_for(bus.connect(), BUS_TIMEOUT)
+    except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS, silent
         if bus is not None:  # its socket closed: a watch tries again at each redraw
             close_bus(bus)
+        why = f"no answer within {BUS_TIMEOUT:g} s" if isinstance(e, TimeoutError) else _reason(e)
         raise click.ClickException(
-            f"cannot reach the system bus to ask the gpuslice controller ({_reason(e)})"
+            f"cannot reach the system bus to ask the gpuslice controller ({why})"
         ) from None
 
 
@@ -517,17 +519,21 @@ async def _ask(bus: MessageBus, member: str, *args: str) -> str:
         OBJECT_PATH,
     )
 
+    call = Message(
+        destination=BUS_NAME,
+        path=OBJECT_PATH,
+        interface=INTERFACE,
+        member=member,
+        signature="s" * len(args),
+        body=list(args),
+    )
     try:
-        reply = await bus.call(
-            Message(
-                destination=BUS_NAME,
-                path=OBJECT_PATH,
-                interface=INTERFACE,
-                member=member,
-                signature="s" * len(args),
-                body=list(args),
-            )
-        )
+        reply = await asyncio.wait_for(bus.call(call), BUS_TIMEOUT)
+    except TimeoutError:  # a bus daemon that takes calls and passes none on
+        raise click.ClickException(
+            f"the gpuslice controller did not answer within {BUS_TIMEOUT:g} s; "
+            "is it running? Try: systemctl status gpuslice"
+        ) from None
     except Exception as e:  # the connection dropped mid-call
         raise click.ClickException(
             f"the gpuslice controller did not answer ({_reason(e)}); "

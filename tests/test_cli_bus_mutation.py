@@ -187,6 +187,39 @@ def test_no_controller_on_the_bus_is_said_with_the_bus_daemons_words(
     assert said[0].endswith(f"); {TRY}")
 
 
+def test_a_controller_that_never_answers_is_given_up_on(
+    bus_address: str, closed: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name owner that takes the call and never answers (the bus daemon's own reply
+    timeout is the config's, none at all on some): the CLI says so after BUS_TIMEOUT, as
+    systemctl gives up after its own, instead of waiting for ever."""
+    assert cli_module.BUS_TIMEOUT == 30.0
+    monkeypatch.setattr(cli_module, "BUS_TIMEOUT", 0.2)
+    said = refused_with(bus_address, lambda msg: True)  # taken, never answered
+    assert said == f"the gpuslice controller did not answer within 0.2 s; {TRY}"
+
+
+def test_a_bus_daemon_that_never_authenticates_is_given_up_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A socket that takes the connection and says nothing: the CLI says so after
+    BUS_TIMEOUT, its socket closed (ResourceWarning at the collection below otherwise)."""
+    path = tmp_path / "silent"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    monkeypatch.setattr(cli_module, "BUS_TIMEOUT", 0.2)
+    try:
+        with pytest.raises(click.ClickException) as raised:
+            asyncio.run(cli_module._call_controller(f"unix:path={path}", "Status"))
+    finally:
+        listener.close()
+    assert raised.value.message == (
+        "cannot reach the system bus to ask the gpuslice controller (no answer within 0.2 s)"
+    )
+    gc.collect()
+
+
 def test_a_connection_dropped_mid_call_is_said_with_why(
     bus_daemon: tuple[str, subprocess.Popen[bytes]], closed: None
 ) -> None:
@@ -777,13 +810,13 @@ def test_a_bus_that_accepts_and_never_answers_is_given_up_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """`apt remove` waits on release-jobs: a bus daemon that takes the connection and never
-    authenticates it costs BOOT_READ_TIMEOUT, then the unit is a reason, left as it was."""
+    authenticates it costs BUS_TIMEOUT, then the unit is a reason, left as it was."""
     path = tmp_path / "silent"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(1)
     monkeypatch.setenv("GPUSLICE_BUS_ADDRESS", f"unix:path={path}")
-    monkeypatch.setattr(cli_module, "BOOT_READ_TIMEOUT", 0.2)
+    monkeypatch.setattr(cli_module, "BUS_TIMEOUT", 0.2)
     try:
         failed = _resume()
     finally:

@@ -207,9 +207,9 @@ def test_a_systemd_that_never_answers_is_given_up_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`apt remove` waits on release-jobs: a Get that is never answered ends after
-    BOOT_READ_TIMEOUT, and the units are left alone."""
-    assert cli_module.BOOT_READ_TIMEOUT == 30.0
-    monkeypatch.setattr(cli_module, "BOOT_READ_TIMEOUT", 0.01)
+    BUS_TIMEOUT, and the units are left alone."""
+    assert cli_module.BUS_TIMEOUT == 30.0
+    monkeypatch.setattr(cli_module, "BUS_TIMEOUT", 0.01)
     done, stderr, _ = _release(tmp_path, monkeypatch, _this_boot(), None)
     assert done == []
     assert stderr.splitlines()[0].startswith(
