@@ -256,6 +256,7 @@ POLICED = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configura
     <allow user="*"/>
     <deny own="*"/>
     <deny send_type="method_call"/>
+    <allow send_type="signal"/>
     <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
     <allow send_requested_reply="true" send_type="method_return"/>
     <allow send_requested_reply="true" send_type="error"/>
@@ -275,7 +276,8 @@ POLICED = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configura
 @pytest.fixture
 def policed_bus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A bus daemon that holds every sender to the rules a user's sends get on a system bus
-    with gpuslice installed: the system bus's own (method calls denied unless allowed), then
+    with gpuslice installed: the system bus's own (Debian's system.conf: method calls denied
+    unless allowed, signals allowed unless denied), then
     the default context of data/org.gpuslice.Scheduler1.conf. The tests run as root, whose
     policy there allows any send: only its right to own the name is kept."""
     (default,) = ET.parse(POLICY).getroot().findall("policy[@context='default']")
