@@ -17,7 +17,15 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +91,14 @@ from gpuslice.tracker import (
     Change,
     Kind,
     Ledger,
+    MainExit,
     ReachedGate,
     Tracker,
     UnitState,
     WentDown,
     bound_for_gate,
     classify,
+    stopped_by_a_job,
 )
 from gpuslice.unitfiles import is_instance, is_template, printable
 
@@ -138,6 +148,10 @@ STATE_RECORD = Path(STATE_DIR_RECORD)
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
+# Phases of a holder whose end, found down at start-up, is read from systemd's record of its
+# main process (Controller._stopped_while_away): a unit gpuslice was stopping is preempted
+# however it went down, and a suspended one is held already (frozen, it cannot have ended).
+_READ_IF_DOWN = frozenset({Phase.RUNNING, Phase.STARTING, Phase.FROZEN})
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
 
@@ -306,7 +320,7 @@ class Controller:
         self._remember_told()  # before a sample decides: NVML may number the GPUs anew
         with self.scheduler.deferred():  # the first sample took every job's process for foreign
             self.scheduler.set_gpus(self.watch.resample())
-        actions = self._rebuild()
+        actions = self._rebuild(await self._stopped_while_away())
         await self.service.claim_name()
         self._sweep_env_files(units)  # ours alone now: no other controller writes one
         self.ready = True
@@ -450,11 +464,63 @@ class Controller:
             self.gates.at_gate_unknown(name)
             self._spawn(self.reads.refresh(name))  # not awaited: the next re-match need not wait
 
-    def _rebuild(self) -> list[Action]:
+    async def _stopped_while_away(self) -> set[str]:
+        """The holders the last controller saw running or starting (or froze) that systemd
+        shows down with no job, and whose end systemd's record of their main process says
+        was a stop (`stopped_by_a_job`): stopped by hand while no controller ran, they are
+        held, not finished (a reboot forgets finished units, and refill started them again).
+        No signal told how they ended, and the state systemd lists is the same for a unit
+        that ended by itself. Read for those few only; a read that fails, or that a signal
+        of the unit overtook, leaves the unit to be taken as it was before (finished).
+        Scheduling is deferred meanwhile: a timer's sample decides nothing before _rebuild."""
+        core = self.scheduler
+        names = [
+            name
+            for name in sorted(core.grants())
+            if core.phase(name) in _READ_IF_DOWN
+            and name.endswith(".service")
+            and name in self.tracker.states  # loaded: systemd unloaded it with its record
+            and self.tracker.state(name).active == "inactive"
+            and classify(self.tracker.state(name)) is Kind.DOWN
+        ]
+        if not names:
+            return set()
+        heard = {name: self.tracker.heard(name) for name in names}
+        with core.deferred():
+            found = await asyncio.gather(*(self._main_exit(name) for name in names))
+        stopped: set[str] = set()
+        for name, main in zip(names, found, strict=True):
+            state = self.tracker.state(name)
+            if main is None or self.tracker.heard(name) != heard[name]:
+                continue
+            if stopped_by_a_job(state, main):
+                log.debug(
+                    "%s was stopped while no controller ran (its main process was killed by "
+                    "signal %d)",
+                    name,
+                    main.status,
+                )
+                stopped.add(name)
+        return stopped
+
+    async def _main_exit(self, name: str) -> MainExit | None:
+        try:
+            return await self.systemd.main_exit(name)
+        except SystemdError as e:
+            self.counters.error("dbus_call_errors")
+            log.warning(
+                "cannot read how the main process of %s ended (%s): taken for ended by itself",
+                name,
+                e.text,
+            )
+            return None
+
+    def _rebuild(self, stopped: Collection[str] = frozenset()) -> list[Action]:
         """Take in what systemd shows, then decide once: restored holders that ended while
         we were away (a frozen or suspended one systemd shows starting again among them,
-        `_started_again`) are recorded as finished, failed or preempted, but a start of ours that
-        systemd shows no job for is sent again (Scheduler.start_lost); a stop we had asked
+        `_started_again`) are recorded as finished, failed, preempted or held (`stopped`:
+        `_stopped_while_away`), but a start of ours that systemd shows no job for is sent
+        again (Scheduler.start_lost); a stop we had asked
         for that systemd no longer runs is given up; running units we did not know, or
         knew only as starting, are adopted (once the ended ones released their GPUs);
         units at their gate, or whose start job waits for us to be ready, queue at once
@@ -469,7 +535,8 @@ class Controller:
                 if kind is Kind.DOWN:
                     # no job: a StartUnit of ours may have died with the last controller
                     lost = self.scheduler.start_lost(name) if state.job_id == 0 else []
-                    actions += lost or self.scheduler.inactive(name, self.tracker.outcome(state))
+                    outcome = self.tracker.outcome(state, stopped=name in stopped)
+                    actions += lost or self.scheduler.inactive(name, outcome)
                 elif self._started_again(name, state):
                     actions += self.scheduler.inactive(name, self.tracker.outcome(state))
                 elif (

@@ -24,13 +24,14 @@ from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from gpuslice import busread
-from gpuslice.tracker import UnitState
+from gpuslice.tracker import MainExit, UnitState
 from gpuslice.unitfiles import is_valid_unit_name
 
 SYSTEMD = "org.freedesktop.systemd1"
 MANAGER_PATH = "/org/freedesktop/systemd1"
 MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT = "org.freedesktop.systemd1.Unit"
+SERVICE = "org.freedesktop.systemd1.Service"
 PROPERTIES = "org.freedesktop.DBus.Properties"
 UNIT_PATH_PREFIX = "/org/freedesktop/systemd1/unit/"
 BUS_DAEMON = "org.freedesktop.DBus"
@@ -566,6 +567,24 @@ class Systemd:
             "Get", "ss", [UNIT, "InvocationID"], path=unit_path(name), interface=PROPERTIES
         )
         return invocation_hex(value.value)
+
+    async def main_exit(self, name: str) -> MainExit:
+        """How a service's main process last ended (ExecMainCode=, ExecMainStatus=, Result=):
+        three Gets, where the Service's GetAll is kilobytes. SystemdError for a reply not of
+        the form systemd gives."""
+        path = unit_path(name)
+        found: list[Any] = []
+        for prop, signature in (("ExecMainCode", "i"), ("ExecMainStatus", "i"), ("Result", "s")):
+            (value,) = await self.call(
+                "Get", "ss", [SERVICE, prop], path=path, interface=PROPERTIES
+            )
+            if not isinstance(value, Variant) or value.signature != signature:
+                raise SystemdError(
+                    "org.gpuslice.Error.BadReply", f"{prop} of {name}: {repr(value)[:80]}"
+                )
+            found.append(value.value)
+        code, status, result = found
+        return MainExit(code, status, _short_text(result) or "")
 
     async def unit_pids(self, name: str) -> list[int]:
         """Every process in the unit's cgroup, as systemd lists them."""

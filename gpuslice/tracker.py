@@ -36,6 +36,38 @@ class UnitState:
 # Jobs that run a unit's ExecStartPre=, and so its gate.
 START_JOBS = frozenset({"start", "restart"})
 
+# How a service's main process last ended (its ExecMainCode=): waitid()'s si_code, as
+# systemd records it; 0 while it runs or when it never ran.
+CLD_EXITED = 1
+CLD_KILLED = 2
+CLD_DUMPED = 3
+
+
+@dataclass(frozen=True)
+class MainExit:
+    """How a service's main process last ended, as systemd recorded it: ExecMainCode=
+    (CLD_*), ExecMainStatus= (its exit status, or the signal's number), the unit's Result=."""
+
+    code: int
+    status: int
+    result: str
+
+
+def stopped_by_a_job(state: UnitState, main: MainExit) -> bool:
+    """Whether a service found down with no job, no signal of its end heard (the controller
+    was away), was stopped rather than ended by itself: its main process died of a signal and
+    systemd left it `inactive`, Result=success. A signal outside a stop job fails it
+    (Result=signal), unless it is one systemd takes for a clean end (SuccessExitStatus=, or
+    SIGHUP, SIGINT, SIGTERM, SIGPIPE for a daemon): only someone's `kill` sends those. One that
+    exited with a code is not told apart from one that ended by itself (it may have trapped
+    the stop's SIGTERM and exited 0)."""
+    return (
+        state.active == "inactive"
+        and state.job_id == 0
+        and main.result == "success"
+        and main.code in (CLD_KILLED, CLD_DUMPED)
+    )
+
 
 class Kind(enum.Enum):
     RUNNING = "running"  # past the gate (or active): it uses its GPUs
@@ -337,11 +369,16 @@ class Tracker:
     def stopped_by_others(self, name: str) -> bool:
         return any(path not in self._own_jobs for path in self._unit_jobs.get(name, ()))
 
-    def outcome(self, state: UnitState) -> Outcome:
+    def outcome(self, state: UnitState, *, stopped: bool = False) -> Outcome:
+        """`stopped`: systemd's record of its main process says a stop job ended it
+        (`stopped_by_a_job`, read at start-up for a unit that ended while no controller ran,
+        whose jobs nobody saw)."""
         if state.active == "failed" or state.sub == "auto-restart":
             return Outcome.FAILED
         if self.shutting_down:
             return Outcome.SHUTDOWN
+        if stopped:
+            return Outcome.STOPPED
         if self.stopped_by_others(state.name) and state.name not in self._by_itself:
             return Outcome.STOPPED
         return Outcome.EXITED

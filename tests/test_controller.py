@@ -45,7 +45,7 @@ from gpuslice.paths import env_file
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import StateStore
 from gpuslice.systemd import Queued, Systemd, SystemdError
-from gpuslice.tracker import UnitState
+from gpuslice.tracker import CLD_EXITED, MainExit, UnitState
 from tests.test_inventory import nvidia_root
 
 GIB = 1 << 30
@@ -66,6 +66,10 @@ class FakeSystemd:
         self.freezer: dict[str, str] = {}  # FreezerState by unit ("running" if not named)
         self.refused_thaws = 0  # how many ThawUnit calls fail from now
         self.invocations: dict[str, str] = {}  # each unit's InvocationID, where a test says
+        # how each unit's main process last ended, where a test says (else exited 0), or the
+        # error its read fails with; the units whose record was read, in order
+        self.main_exits: dict[str, MainExit | SystemdError] = {}
+        self.exit_reads: list[str] = []
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -103,6 +107,13 @@ class FakeSystemd:
 
     async def invocation(self, name: str) -> str | None:
         return self.invocations.get(name)
+
+    async def main_exit(self, name: str) -> MainExit:
+        self.exit_reads.append(name)
+        found = self.main_exits.get(name, MainExit(CLD_EXITED, 0, "success"))
+        if isinstance(found, SystemdError):
+            raise found
+        return found
 
     async def caller_pid(self, sender: str) -> int:
         if sender not in self.pids:

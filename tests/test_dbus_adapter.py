@@ -42,6 +42,7 @@ from gpuslice.systemd import (
     MAX_CALLS_IN_FLIGHT,
     MAX_UNIT_RULES,
     PROPERTIES,
+    SERVICE,
     SYSTEMD,
     UNIT,
     Systemd,
@@ -1223,3 +1224,44 @@ def test_a_units_invocation_id_is_read_as_the_gate_sees_it(bus_address: str) -> 
         assert await systemd.invocation("b.service") is None
 
     run(scenario)
+
+
+def test_how_a_services_main_process_ended_is_read_from_its_own_object(bus_address: str) -> None:
+    """Systemd.main_exit: ExecMainCode=, ExecMainStatus= and Result= of the Service interface,
+    read on the unit's object; a reply of another form than systemd's (here a Result= that is
+    not a string) is a SystemdError, which the controller takes for no record."""
+    record = {"ExecMainCode": Variant("i", 2), "ExecMainStatus": Variant("i", 15)}
+    results = {
+        unit_path("a.service"): Variant("s", "success"),
+        unit_path("b.service"): Variant("u", 1),
+    }
+    asked: list[tuple[str, list[Any]]] = []
+
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+
+        def answer(msg: Message) -> Message | bool:
+            if msg.interface != PROPERTIES or msg.member != "Get":
+                return False
+            asked.append((msg.path or "", list(msg.body)))
+            interface, prop = msg.body
+            if interface != SERVICE:
+                return Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownProperty", prop)
+            value = results[msg.path] if prop == "Result" else record[prop]
+            return Message.new_method_return(msg, "v", [value])
+
+        bus.add_message_handler(answer)
+        await bus.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        main = await systemd.main_exit("a.service")
+        assert (main.code, main.status, main.result) == (2, 15, "success")
+        with pytest.raises(SystemdError, match="BadReply"):
+            await systemd.main_exit("b.service")
+
+    run(scenario)
+    path = unit_path("a.service")
+    assert asked[:3] == [
+        (path, [SERVICE, "ExecMainCode"]),
+        (path, [SERVICE, "ExecMainStatus"]),
+        (path, [SERVICE, "Result"]),
+    ]

@@ -7,6 +7,7 @@ held on its own.
 from __future__ import annotations
 
 from pathlib import Path
+from signal import SIGTERM
 
 import pytest
 
@@ -15,6 +16,7 @@ from gpuslice.controller import Controller
 from gpuslice.core.scheduler import SavedState
 from gpuslice.state import StateStore
 from gpuslice.systemd import SystemdError
+from gpuslice.tracker import CLD_KILLED, MainExit
 from tests.test_controller import BOOT, Bed, bed_config, failing_calls, run, settle, state, until
 
 BACKGROUND = {
@@ -107,27 +109,22 @@ def test_a_start_not_reaching_systemd_is_sent_again_after_a_delay_doubling_to_it
     run(test)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a holder found down at start-up is taken for finished (Controller._rebuild, "
-    "Tracker.outcome): systemd's state does not say whether someone stopped it",
-)
 def test_a_background_unit_stopped_by_hand_while_no_controller_ran_stays_held_after_a_reboot(
     tmp_path: Path,
 ) -> None:
     """README: "A unit you stop by hand (systemctl stop) is held [...] across controller restarts
     and reboots": also one stopped while no controller ran (gpuslice.service restarting, failed, or
     stopped for an upgrade). Found down at start-up with no job, a unit the last controller saw
-    running is recorded finished (its Result= is "success" either way), and the first refill after
-    the next boot starts it again. Not fixed: the same state is what a unit that ended by itself
-    leaves, which must run again after a reboot; telling them apart needs more of systemd's word
-    (ExecMainCode=, killed or exited) than the tracker reads."""
+    running was recorded finished (its Result= is "success" either way, the state a unit that
+    ended by itself leaves), and the first refill after the next boot started it again.
+    Systemd's record of its main process tells them apart: killed by the stop's SIGTERM."""
     config = bed_config(tmp_path)
     saved = SavedState(holders={"bg.service": ((0,), "running", 1, "")}, seq=1)
     StateStore(Path(config.state_dir)).save(saved, BOOT)
     units = {"bg.service": "Priority=50\nType=background\n"}
 
     async def restarted(bed: Bed) -> list[str]:
+        bed.systemd.main_exits["bg.service"] = MainExit(CLD_KILLED, SIGTERM, "success")
         await bed.controller.start()
         await settle()
         return [unit for what, unit in bed.systemd.calls if what == "start"]

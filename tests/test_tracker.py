@@ -10,9 +10,13 @@ import pytest
 
 from gpuslice.core.scheduler import Outcome, Phase
 from gpuslice.tracker import (
+    CLD_DUMPED,
+    CLD_EXITED,
+    CLD_KILLED,
     CameUp,
     Kind,
     Ledger,
+    MainExit,
     ReachedGate,
     StopLost,
     Tracker,
@@ -20,6 +24,7 @@ from gpuslice.tracker import (
     WentDown,
     bound_for_gate,
     classify,
+    stopped_by_a_job,
 )
 
 A = "a.service"
@@ -868,3 +873,36 @@ def test_a_person_stop_that_ours_joined_and_that_was_cancelled_says_nothing_of_o
     tracker.job_removed(JOB1, A, "done")
     down = tracker.unit_changed(A, props_of("inactive", "dead", 0))
     assert len(down) == 1 and isinstance(down[0], WentDown) and not down[0].not_ours, down
+
+
+@pytest.mark.parametrize(
+    ("active", "job", "main", "stopped"),
+    [
+        ("inactive", 0, MainExit(CLD_KILLED, 15, "success"), True),  # the stop's SIGTERM
+        ("inactive", 0, MainExit(CLD_DUMPED, 3, "success"), True),
+        ("inactive", 0, MainExit(CLD_EXITED, 0, "success"), False),  # ended, or trapped it
+        ("inactive", 0, MainExit(0, 0, "success"), False),  # no record (loaded anew)
+        ("inactive", 0, MainExit(CLD_KILLED, 15, "signal"), False),
+        ("failed", 0, MainExit(CLD_KILLED, 9, "signal"), False),  # killed outside a stop job
+        ("inactive", 3, MainExit(CLD_KILLED, 15, "success"), False),  # a job still to run
+    ],
+)
+def test_a_unit_found_down_was_stopped_when_its_main_process_died_of_a_signal(
+    active: str, job: int, main: MainExit, stopped: bool
+) -> None:
+    """stopped_by_a_job: killed (or dumped) and left inactive with Result=success, no job."""
+    state = UnitState(A, active, "dead" if active == "inactive" else "failed", job)
+    assert stopped_by_a_job(state, main) is stopped
+
+
+def test_an_outcome_read_as_stopped_gives_way_to_failed_and_shutdown() -> None:
+    """Tracker.outcome of a unit whose record says a stop ended it: STOPPED, unless it failed
+    or the host shuts down."""
+    model = Model()
+    tracker = model.tracker()
+    down = UnitState(A, "inactive", "dead", 0)
+    assert tracker.outcome(down) is Outcome.EXITED
+    assert tracker.outcome(down, stopped=True) is Outcome.STOPPED
+    assert tracker.outcome(UnitState(A, "failed", "failed", 0), stopped=True) is Outcome.FAILED
+    tracker.shutting_down = True
+    assert tracker.outcome(down, stopped=True) is Outcome.SHUTDOWN
