@@ -172,7 +172,7 @@ class Tracker:
         self._signals: dict[str, int] = {}  # its last signal's stamp
         self._answers: dict[str, int] = {}  # its last answer's to a call of ours
         self._job_paths: dict[str, str] = {}  # unit -> the job path its last signal named
-        self._by_itself: set[str] = set()  # left running with no job since its gate
+        self._by_itself: set[str] = set()  # left running with no job since its gate, not to restart
         self._not_ours: set[str] = set()  # down, but not by our stop (WentDown.not_ours)
         self._down_at: dict[str, int] = {}  # the stamp of a down deferred to our answer
 
@@ -249,7 +249,12 @@ class Tracker:
         if kind is Kind.TRANSITION and self._our_stop_ends(state):
             kind = Kind.DOWN
         phase = self.ledger.phase(name)
-        if state.sub != "auto-restart":
+        if state.sub == "auto-restart":
+            # Restart= starts it again: it has not ended by itself, whatever stop ends it
+            # now (ours, a person's, a shutdown's), also when its down waits for our call's
+            # answer and is judged from a later state
+            self._by_itself.discard(name)
+        else:
             self._restarting.discard(name)
         if kind is Kind.DOWN:
             if name in self._restarting:
@@ -259,8 +264,7 @@ class Tracker:
                 self._down_at.setdefault(name, self._signals.get(name, 0))
                 return []
             outcome = self.outcome(state)
-            # one that auto-restarts has not ended: a stop of ours is what ends it
-            by_itself = name in self._by_itself and state.sub != "auto-restart"
+            by_itself = name in self._by_itself
             not_ours = name in self._not_ours
             self._by_itself.discard(name)  # said of this run only
             self._not_ours.discard(name)

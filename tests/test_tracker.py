@@ -222,6 +222,26 @@ def test_ending_by_itself_is_forgotten_when_the_unit_starts_again() -> None:
     assert tracker.unit_changed(A, props_of("inactive", "dead", 1)) == [WentDown(A, Outcome.EXITED)]
 
 
+def test_ending_by_itself_is_forgotten_when_a_start_asks_at_its_gate_before_our_answer() -> None:
+    """Down by itself while our stop was on its way, then started again by someone (found
+    by tests/test_tracker_properties.py): the new start's gate asks before our StopUnit's
+    answer, and the core leaves it to our stop (Scheduler.request), which reaches systemd
+    and cancels it there. One run to the core, ended by our stop: not by itself, so it is
+    owed the comeback that the start our stop cut would have given it."""
+    _, tracker = running_being_stopped()
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []  # deferred
+    tracker.job_new(JOB2, A)  # someone's start
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 2)) == []
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == []
+    tracker.job_removed(JOB2, A, "canceled")  # our stop replaces it
+    tracker.job_new(JOB3, A)
+    assert tracker.call_queued(A, JOB3, "stop") is True
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 3)) == []
+    tracker.passed_gate(A)  # its gate asks
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 3)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 3)) == [WentDown(A, Outcome.EXITED)]
+
+
 def test_ending_by_itself_is_said_of_one_run_only() -> None:
     """A unit that ended by itself while nobody followed it, then was started and stopped
     by someone before its gate, is held: the earlier run's end says nothing of this one."""
@@ -718,6 +738,75 @@ def test_a_unit_restarting_is_told_down_once_though_its_restart_job_is_queued() 
     tracker.job_removed(JOB3, A, "done")
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
         WentDown(A, Outcome.STOPPED)
+    ]
+
+
+JOB4 = "/org/freedesktop/systemd1/job/4"
+
+
+def test_a_unit_restarting_when_our_stop_comes_did_not_end_by_itself_though_told_later() -> None:
+    """Restart=: its main process failed while our StopUnit was on its way, and systemd
+    shows it in auto-restart; a shutdown's stop, queued before ours reached systemd, takes
+    ours in and ends the restart. Its down waited for our answer and is judged from the state
+    after it (inactive, dead), but it never ended by itself: by itself, the unit we were
+    preempting would be owed no comeback after the reboot."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)  # a person's start
+    tracker.unit_changed(A, props_of("inactive", "dead", 1))
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 1)) == [ReachedGate(A)]
+    model.waiters.add(A)
+    tracker.passed_gate(A)  # its gate asks, and is granted
+    model.waiters.clear()
+    model.phases[A] = Phase.STOPPING
+    tracker.call_sent(A)  # our stop
+    tracker.job_removed(JOB1, A, "canceled")  # a person's stop, then start, replace it
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("activating", "start-pre", 2))
+    tracker.job_removed(JOB2, A, "canceled")
+    tracker.job_new(JOB3, A)
+    tracker.unit_changed(A, props_of("activating", "start-pre", 3))
+    assert tracker.unit_changed(A, props_of("active", "running", 3)) == []
+    tracker.job_removed(JOB3, A, "done")
+    assert tracker.unit_changed(A, props_of("active", "running", 0)) == []
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 0)) == []  # deferred
+    tracker.job_new("/org/freedesktop/systemd1/job/999", "shutdown.target")
+    tracker.job_new(JOB4, A)  # the shutdown's stop
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 4)) == []
+    assert tracker.call_queued(A, JOB4, "stop") is True  # ours, merged into it
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 4)) == []
+    tracker.job_removed(JOB4, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.SHUTDOWN, by_itself=False, not_ours=True)
+    ]
+
+
+def test_a_persons_stop_of_a_unit_restarting_while_our_stop_came_is_theirs() -> None:
+    """As above, a person's `systemctl stop` ending the restart: theirs (a hold), whether
+    ours merged into it or reached the unit down after it. Not by itself: it would be told
+    finished, and the person's stop forgotten."""
+    _, tracker = running_being_stopped()
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 0)) == []
+    tracker.job_new(JOB2, A)  # the person's stop
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 2)) == []
+    assert tracker.call_queued(A, JOB2, "stop") is True  # ours, merged into it
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 2)) == []
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED, not_ours=True)
+    ]
+    # theirs done before ours reached systemd, which runs ours on a unit down
+    _, tracker = running_being_stopped()
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 0)) == []
+    tracker.job_new(JOB2, A)
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 2)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 2)) == []
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []
+    tracker.job_new(JOB3, A)
+    assert tracker.call_queued(A, JOB3, "stop") is True
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 3)) == [
+        WentDown(A, Outcome.STOPPED, not_ours=True)
     ]
 
 
