@@ -1160,10 +1160,11 @@ def test_a_withheld_grant_is_dropped_when_the_unit_no_longer_holds_its_gpus(
 # ---- preemption: the stop timer ----
 
 
-def low_holds_gpu_0(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
+def low_holds_gpu_0(tmp_path: Path, cgroup_of: dict[int, str], stop_timeout: float = 90.0) -> Bed:
     """low.service (90) runs on the one GPU; urgent.service (10) asks from PID 4242; a stop
-    is overdue after 0.05 s."""
-    config = bed_config(tmp_path, stop_timeout=0.05)
+    is overdue after `stop_timeout` s: 90 unless a test waits for it to be (0.05 s was one
+    decision more, in any test whose awaits outlasted it on a loaded host)."""
+    config = bed_config(tmp_path, stop_timeout=stop_timeout)
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
@@ -1204,7 +1205,7 @@ def test_plan_says_what_a_start_would_do_and_sends_nothing(
 def test_a_stop_that_takes_too_long_names_the_overdue_victim(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, cgroup_of: dict[int, str]
 ) -> None:
-    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    bed = low_holds_gpu_0(tmp_path, cgroup_of, stop_timeout=0.05)
 
     async def test() -> None:
         await bed.controller.start()
@@ -1760,10 +1761,7 @@ def test_a_decision_saved_is_flushed_to_disk_soon_after_and_a_failing_disk_said_
     durable off the loop within FLUSH_DELAY: a power cut loses at most that last stretch.
     A disk that fails its flushes is said once and counted with the failed saves."""
     monkeypatch.setattr(controller_module, "FLUSH_DELAY", 0.0)
-    bed = low_holds_gpu_0(tmp_path, cgroup_of)
-    # the victim's stop overdue after 0.05 s was one decision more, saved and flushed: on a
-    # busy machine its failed flush landed between two counted below (4 == 3)
-    bed.controller.config = dataclasses.replace(bed.controller.config, stop_timeout=90.0)
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)  # no stop overdue: one decision more
     flushed: list[bytes] = []
     failing: list[OSError] = []
 
@@ -2071,8 +2069,6 @@ def test_a_call_that_raises_as_it_is_sent_is_reported_and_decides_nothing_more(
     decision is carried out, the error is logged by the call's task, and the unit is not
     left counted as having a call in flight."""
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
-    # the stop's timer is looked at, not run: 0.05 s passed within settle() on a loaded host
-    bed.controller.config = dataclasses.replace(bed.controller.config, stop_timeout=90.0)
 
     def broken(name: str, queued: Queued | None = None) -> Awaitable[str]:
         raise RuntimeError("the bus broke")

@@ -132,7 +132,7 @@ def test_a_stop_systemd_refuses_is_said_with_its_error_and_the_victim_not_chosen
     never picks it as a victim again while it runs (else the waiter asks for the same refused
     stop in a loop), so no second StopUnit; its stop timer goes with it: no "overdue" line
     later about a stop nobody is running."""
-    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    bed = low_holds_gpu_0(tmp_path, cgroup_of, stop_timeout=0.05)
     scripted(bed, "stop", [Answer(error=REFUSED)])
     caplog.set_level(logging.DEBUG, logger="gpuslice")
 
