@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from tests.bed.container import Container, wait_until
+from tests.bed.container import BedError, Container, WaitTimeout, wait_until
 
 UNIT_DIR = "/etc/systemd/system"
+T = TypeVar("T")
 
 # A job that records when its main process started, runs SECONDS (0: until stopped) and
 # ends gracefully on SIGTERM, as a GPU job that checkpoints would.
@@ -62,20 +63,74 @@ def main_pid(bed: Container, unit: str) -> int:
     return int(prop(bed, unit, "MainPID"))
 
 
+def _now(bed: Container, unit: str) -> str:
+    """UNIT's ActiveState/SubState at this moment, for a failure message."""
+    try:
+        out = bed.systemctl("show", "-pActiveState", "-pSubState", unit).stdout.split()
+    except BedError as e:
+        return f"unknown ({e})"
+    return " ".join(out)
+
+
+def _wait_unit(bed: Container, unit: str, name: str, value: str, timeout: float) -> None:
+    """Wait until UNIT's property NAME is VALUE. A timeout says the state it ended in (asking
+    for it up front, as the message once did, cost a command before the first look and
+    showed the state at the start)."""
+    try:
+        wait_until(lambda: prop(bed, unit, name) == value or None, timeout, what=f"{unit} {value}")
+    except WaitTimeout as e:
+        raise WaitTimeout(f"{e}; now {_now(bed, unit)}") from None
+
+
 def wait_state(bed: Container, unit: str, state: str, timeout: float = 20) -> None:
-    wait_until(
-        lambda: prop(bed, unit, "ActiveState") == state or None,
-        timeout,
-        what=f"{unit} {state} (now {prop(bed, unit, 'ActiveState')}/{prop(bed, unit, 'SubState')})",
-    )
+    _wait_unit(bed, unit, "ActiveState", state, timeout)
 
 
 def wait_sub(bed: Container, unit: str, sub: str, timeout: float = 20) -> None:
+    _wait_unit(bed, unit, "SubState", sub, timeout)
+
+
+def wait_answer(ask: Callable[[], T], good: Callable[[T], bool], timeout: float, what: str) -> T:
+    """Ask again and again until GOOD(answer); that answer, so that the checks after it are
+    of one moment. For what the controller learns from systemd's signals, which may reach it
+    after `systemctl` already shows the change. A timeout fails with the last answer."""
+    last: list[T] = []
+
+    def once() -> tuple[T] | None:
+        last[:] = [ask()]
+        return (last[0],) if good(last[0]) else None
+
+    try:
+        return wait_until(once, timeout, what=what)[0]
+    except WaitTimeout as e:
+        raise AssertionError(f"{e}; last answer: {last[0] if last else '-'!r}") from None
+
+
+def wait_started(bed: Container, unit: str, timeout: float = 20) -> None:
+    """Wait for systemd's record that UNIT became active (its "Started" line): a job of a few
+    seconds may have ended before a poll of its state, on a loaded host, saw it running."""
     wait_until(
-        lambda: prop(bed, unit, "SubState") == sub or None,
+        lambda: (
+            any(line.startswith("Started ") for line in bed.journal(unit, "-o", "cat").splitlines())
+            or None
+        ),
         timeout,
-        what=f"{unit} in {sub} (now {prop(bed, unit, 'SubState')})",
+        what=f"systemd to say {unit} started",
     )
+
+
+def wait_restarted(bed: Container, unit: str, old_pid: int, timeout: float = 30) -> int:
+    """Wait until systemd runs UNIT again, active, with a main process other than OLD_PID
+    (killed); returns the new one. Right after a kill, systemd may not have seen the death
+    yet: "active" alone can still be the killed process's."""
+
+    def back() -> int | None:
+        out = bed.systemctl("show", "-pMainPID", "-pActiveState", unit).stdout
+        fields = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        pid = int(fields.get("MainPID") or 0)
+        return pid if fields.get("ActiveState") == "active" and pid not in (0, old_pid) else None
+
+    return wait_until(back, timeout, what=f"{unit} active again, main process not {old_pid}")
 
 
 def wait_journal(bed: Container, text: str, timeout: float = 20) -> str:

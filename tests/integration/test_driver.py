@@ -20,6 +20,7 @@ from tests.integration.jobs import (
     reload,
     start_count,
     status,
+    wait_answer,
     wait_journal,
     wait_state,
     write_job,
@@ -40,11 +41,9 @@ def nvml_state(bed: Container) -> str:
 
 
 def wait_nvml(bed: Container, state: str) -> None:
-    wait_until(
-        lambda: nvml_state(bed) == state or None,
-        TIMEOUT,
-        what=f"status to say nvml {state} (says {nvml_state(bed)})",
-    )
+    # the last answer in a timeout's message (asked up front, it cost a Python start before
+    # the first look and showed the state at the start)
+    wait_answer(lambda: nvml_state(bed), lambda now: now == state, TIMEOUT, f"nvml {state}")
 
 
 def never_started(bed: Container, *units: str) -> None:

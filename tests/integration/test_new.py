@@ -6,7 +6,14 @@ from __future__ import annotations
 import base64
 
 from tests.bed.container import Container, WaitTimeout, wait_until
-from tests.integration.jobs import UNIT_DIR, reload, wait_journal, wait_state, write_job
+from tests.integration.jobs import (
+    UNIT_DIR,
+    reload,
+    wait_journal,
+    wait_started,
+    wait_state,
+    write_job,
+)
 
 BG = "bg.service"
 
@@ -19,7 +26,7 @@ def test_a_unit_from_gpuslice_new_preempts_and_is_preempted_like_a_hand_written_
     wait_state(container, BG, "active")
     container.run(["gpuslice", "new", "voice", "--priority", "10", "--now", "--", "sleep", "3"])
     wait_journal(container, "preempting bg.service (priority 90) for voice.service (priority 10)")
-    wait_state(container, "voice.service", "active")
+    wait_started(container, "voice.service")  # it runs 3 s: a poll of its state may miss it
     wait_state(container, BG, "active", timeout=30)  # voice finished: bg is back
     assert container.run(["systemctl", "show", "-P", "Result", "voice.service"]).stdout.strip() == (
         "success"

@@ -20,7 +20,10 @@ from tests.integration.jobs import (
     reload_config,
     start_count,
     status,
+    unit_states,
+    wait_answer,
     wait_journal,
+    wait_started,
     wait_state,
     wait_sub,
     write_job,
@@ -107,15 +110,22 @@ def test_equal_priority_waits_then_runs(container: Container) -> None:
     pid = main_pid(container, "a.service")
     container.systemctl("start", "--no-block", "b.service")
     wait_sub(container, "b.service", "start-pre")
-    waiting = status(container)["waiting"]
     v1 = ("unit", "priority", "reason")  # the keys of JSON version 1; later ones are added
-    assert [{k: w[k] for k in v1} for w in waiting] == [
+    expected = [
         {
             "unit": "b.service",
             "priority": 20,
             "reason": "waiting: GPU 0 held by a.service, priority 20",
         }
     ]
+    # the controller decides from systemd's signals, which may reach it after `systemctl`
+    # shows start-pre: one answer, once it says so, checked whole
+    waiting = wait_answer(
+        lambda: status(container)["waiting"],
+        lambda w: [{k: x[k] for k in v1} for x in w] == expected,
+        20,
+        "b.service waiting behind a.service",
+    )
     assert waiting[0]["position"] == 1 and waiting[0]["since"] > 0
     assert (waiting[0]["decision"]["code"], waiting[0]["decision"]["parts"][0]["unit"]) == (
         "wait",
@@ -131,7 +141,9 @@ def test_three_levels(container: Container) -> None:
     """50 preempts 90, yields to 10; after 10 ends 50 returns, and 90 returns last."""
     write_job(container, VLM, 90, "background")
     write_job(container, MID, 50, seconds=3)
-    write_job(container, VOICE, 10, seconds=1)
+    # voice must still run for a `systemctl show` and a `gpuslice status` (a Python start, up
+    # to ~1 s on a loaded host) after its start: 1 s was not enough
+    write_job(container, VOICE, 10, seconds=4)
     reload(container)
     wait_state(container, VLM, "active")
     container.systemctl("start", MID)
@@ -286,7 +298,8 @@ def test_two_gpus_and_a_two_gpu_unit(container: Container) -> None:
     container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\n")
     write_job(container, "bg1.service", 90, "background")
     write_job(container, "bg2.service", 91, "background")
-    write_job(container, "big.service", 10, gpus=2, seconds=1)
+    # long enough for the four checks after its start (a status among them: a Python start)
+    write_job(container, "big.service", 10, gpus=2, seconds=5)
     reload(container)
     container.systemctl("restart", "gpuslice.service")
     wait_state(container, "bg1.service", "active")
@@ -311,8 +324,14 @@ def test_cancelled_wait_leaves_no_reservation(container: Container) -> None:
     container.systemctl("start", "--no-block", "waiter.service")
     wait_sub(container, "waiter.service", "start-pre")
     container.systemctl("stop", "waiter.service")
-    # vlm may wait at its gate too (displaced by holder before its gate was answered)
-    assert "waiter.service" not in [w["unit"] for w in status(container)["waiting"]]
+    # vlm may wait at its gate too (displaced by holder before its gate was answered); the
+    # controller hears of the stop from systemd's signals, a moment after it is done
+    wait_answer(
+        lambda: [w["unit"] for w in status(container)["waiting"]],
+        lambda units: "waiter.service" not in units,
+        20,
+        "waiter.service gone from the waiting list",
+    )
     container.systemctl("stop", "holder.service")
     wait_state(container, VLM, "active")  # the free GPU was not kept for the cancelled start
 
@@ -379,7 +398,7 @@ def test_holds_survive_a_reboot(bed_tree: Path) -> None:
         write_job(first, VLM, 90, "background")
         write_job(first, "done.service", 80, "background", seconds=1)
         reload(first)
-        wait_state(first, "done.service", "active")
+        wait_started(first, "done.service")  # it runs 1 s: a poll of its state may miss it
         wait_journal(first, "done.service finished")
         wait_state(first, VLM, "active")
         first.systemctl("stop", VLM)
@@ -420,9 +439,18 @@ def test_a_start_job_queued_behind_another_unit_preempts_before_its_gate_runs(
     container.systemctl("stop", VOICE)  # a stop job for an inactive unit: nothing moves
     always_for(vlm_runs, 1.0)
     container.systemctl("start", "--no-block", VOICE)
-    wait_state(container, VLM, "inactive", timeout=7)  # the prep still runs
-    assert prop(container, "slow-prep.service", "ActiveState") == "activating"
-    assert prop(container, VOICE, "SubState") == "dead"  # its start job still waits
+    # the first instant of systemd's state (one call) that shows vlm down must show the prep
+    # still running and voice's start job still waiting: read apart, the prep's 10 s could
+    # run out between the questions on a loaded host
+    units = [VLM, "slow-prep.service", VOICE]
+    seen = wait_answer(
+        lambda: unit_states(container, units),
+        lambda t: t[VLM]["ActiveState"] == "inactive",
+        20,
+        f"{VLM} inactive",
+    )
+    assert seen["slow-prep.service"]["ActiveState"] == "activating", seen  # the prep still runs
+    assert seen[VOICE]["SubState"] == "dead", seen  # its start job still waits
     wait_state(container, VOICE, "active", timeout=15)
     assert holders(container) == {0: [VOICE]}
 
@@ -446,9 +474,17 @@ def test_with_requeue_at_gate_a_preempted_unit_waits_at_its_gate_in_systemds_job
     reload(container)
     wait_state(container, VLM, "active")
     container.systemctl("start", VOICE)
-    wait_sub(container, VLM, "start-pre")
-    assert prop(container, VLM, "ActiveState") == "activating"
-    assert f"{VLM}" in container.run("systemctl list-jobs --no-legend").stdout
+    # one instant of systemd's state: TimeoutStartSec=3 ends vlm's wait at its gate, which
+    # three questions in a row could outlast on a loaded host; its Job is the start job in
+    # systemd's queue that `systemctl list-jobs` lists
+    seen = wait_answer(
+        lambda: unit_states(container, [VLM])[VLM],
+        lambda u: u["SubState"] == "start-pre",
+        20,
+        f"{VLM} in start-pre",
+    )
+    assert seen["ActiveState"] == "activating", seen
+    assert seen["Job"], seen  # waiting in systemd's job queue
     assert holders(container) == {0: [VOICE]}
     wait_journal(container, "restarting preempted vlm-analysis.service (priority 90): it waits")
     # TimeoutStartSec=3 ends the wait (voice runs 5 s): it comes back once voice is done
@@ -475,7 +511,7 @@ def test_a_unit_that_ended_by_itself_is_finished_though_a_stop_of_ours_came_afte
     wait_sub(container, post, "stop-post")  # its work is done; it uploads
     container.systemctl("start", "--no-block", VOICE)
     wait_journal(container, f"preempting {post} (priority 50) for {VOICE}")
-    wait_state(container, VOICE, "active", timeout=15)
+    wait_started(container, VOICE, timeout=15)  # it runs 1 s: a poll of its state may miss it
     wait_journal(container, f"{post} finished: released GPU 0")
     wait_state(container, VOICE, "inactive")
 

@@ -154,7 +154,9 @@ def test_a_preempted_instance_survives_a_controller_restart_and_garbage_collecti
         "[Service]\nExecStart=/bin/sh -c 'trap \"exit 0\" TERM; while :; do sleep 1; done'\n"
         "[X-GPUSlice]\nPriority=90\n",
     )
-    write_job(container, VOICE, 10, seconds=4)
+    # voice must outlast the wait for the collection, a controller restart (two Python starts:
+    # ExecStopPost= and the controller) and a status: 4 s left no margin on a loaded host
+    write_job(container, VOICE, 10, seconds=8)
     reload(container)
     container.systemctl("start", "worker@a.service")
     container.systemctl("start", "--no-block", VOICE)
@@ -245,7 +247,8 @@ def test_a_unit_that_asked_while_the_controller_was_away_comes_first_on_its_retu
     whose gate waited meanwhile (killed: Restart= brings it back a second later)."""
     write_job(container, BG, 90, "background")
     write_job(container, VOICE, 10)
-    write_job(container, "second.service", 20, seconds=4)
+    # it must outlast the 2 s window below and its last check (a journal read)
+    write_job(container, "second.service", 20, seconds=6)
     reload(container)
     wait_state(container, BG, "active")
     container.systemctl("start", "--no-block", VOICE)
@@ -376,7 +379,8 @@ def test_a_preemption_outlives_a_controller_restart_while_the_state_dir_cannot_b
     that nobody starts again. The state went to /run/gpuslice/state.json meanwhile."""
     low = "low.service"
     write_job(container, low, 90)
-    write_job(container, VOICE, 10, seconds=3)
+    # voice must still run at the controller's restart, after three waits on a loaded host
+    write_job(container, VOICE, 10, seconds=5)
     reload(container)
     container.systemctl("start", low)
     container.run("rm /var/lib/gpuslice/state.json; mkdir -p /var/lib/gpuslice/state.json/x")
