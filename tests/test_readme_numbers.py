@@ -18,6 +18,7 @@ from gpuslice import (
     busread,
     callers,
     checkpoint,
+    cli,
     controller,
     exporter,
     journal,
@@ -57,6 +58,7 @@ ROWS = [
     ),
     ("until the file is written (tried every second)", controller.ENV_RETRY, 1.0),
     ("A start looks at up to 8,192 entries of `runtime_dir/env`", controller.ENV_SWEEP_MAX, 8192),
+    ("Each of these gives up on the bus after 30 s", cli.BUS_TIMEOUT, 30.0),
     # While the controller is down: a call systemd never got
     ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_FIRST, 1.0),
     ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_MAX, 30.0),
