@@ -487,18 +487,11 @@ async def _call_controller(address: str | None, member: str, *args: str) -> str:
 async def _connect(address: str | None) -> MessageBus:
     """A connection to the system bus (GPUSLICE_BUS_ADDRESS's bus where set), or a
     ClickException that says why not."""
-    from dbus_next import BusType
-    from dbus_next.aio import MessageBus
+    from gpuslice.systemd import open_bus
 
-    from gpuslice.systemd import close_bus
-
-    bus = None
-    try:
-        bus = MessageBus(bus_address=address, bus_type=BusType.SYSTEM)
-        return await asyncio.wait_for(bus.connect(), BUS_TIMEOUT)
+    try:  # its socket closed when it fails: a watch tries again at each redraw
+        return await open_bus(address, BUS_TIMEOUT)
     except Exception as e:  # no bus socket, refused, a bad GPUSLICE_BUS_ADDRESS, silent
-        if bus is not None:  # its socket closed: a watch tries again at each redraw
-            close_bus(bus)
         why = f"no answer within {BUS_TIMEOUT:g} s" if isinstance(e, TimeoutError) else _reason(e)
         raise click.ClickException(
             f"cannot reach the system bus to ask the gpuslice controller ({why})"

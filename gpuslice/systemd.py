@@ -280,6 +280,19 @@ def close_bus(bus: MessageBus) -> None:
             getattr(bus, closable).close()
 
 
+async def open_bus(address: str | None = None, timeout: float | None = None) -> MessageBus:
+    """A connection to the system bus (or `address`); past `timeout` seconds without the bus
+    daemon's hello (one that takes the connection and never authenticates it), or when
+    cancelled, TimeoutError or CancelledError with the connection closed, not leaked."""
+    bus = MessageBus(bus_address=address, bus_type=BusType.SYSTEM)
+    try:
+        await asyncio.wait_for(bus.connect(), timeout)
+    except BaseException:
+        close_bus(bus)
+        raise
+    return bus
+
+
 class Systemd:
     """A connection to the system bus and the systemd manager on it."""
 
@@ -306,16 +319,8 @@ class Systemd:
 
     @classmethod
     async def connect(cls, address: str | None = None, timeout: float | None = None) -> Systemd:
-        """Connect to the system bus (or `address`); past `timeout` seconds without the bus
-        daemon's hello (one that takes the connection and never authenticates it), or when
-        cancelled, TimeoutError or CancelledError with the connection closed, not leaked."""
-        bus = MessageBus(bus_address=address, bus_type=BusType.SYSTEM)
-        try:
-            await asyncio.wait_for(bus.connect(), timeout)
-        except BaseException:
-            close_bus(bus)
-            raise
-        return cls(bus)
+        """Connect to the system bus (or `address`), as `open_bus` does."""
+        return cls(await open_bus(address, timeout))
 
     async def call(
         self,

@@ -20,6 +20,7 @@ from click.testing import CliRunner, Result
 from dbus_next import Message, MessageType
 
 import gpuslice.status
+import gpuslice.systemd
 from gpuslice.cli import BUS_TIMEOUT, main
 from gpuslice.service import BUS_NAME, INTERFACE, LIMITS_EXCEEDED, OBJECT_PATH
 
@@ -86,6 +87,7 @@ def bus(monkeypatch: pytest.MonkeyPatch) -> type[Bus]:
     monkeypatch.setattr(Bus, "connected", [])
     monkeypatch.setattr(Bus, "calls", [])
     monkeypatch.setattr(dbus_next.aio, "MessageBus", Bus)
+    monkeypatch.setattr(gpuslice.systemd, "MessageBus", Bus)  # open_bus: the CLI's connect
     monkeypatch.setenv("GPUSLICE_BUS_ADDRESS", ADDRESS)
     return Bus
 
