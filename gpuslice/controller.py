@@ -272,7 +272,8 @@ class Controller:
         # one goes through or is no longer wanted, and the timer that sends it again
         self._retry_delays: dict[tuple[str, str], float] = {}
         self._retry_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
-        # granted units whose gate waits for their environment file to be written
+        # units whose gate waits for their environment file to be written: granted
+        # (_deliver), or let through on GPUs still held for them (_let_through)
         self._withheld: dict[str, asyncio.TimerHandle] = {}
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
         self._batching = 0  # depth of _batched: the state its events change is saved once
@@ -1090,22 +1091,78 @@ class Controller:
             self.execute(self.scheduler.request(spec))
 
     def _let_through(self, unit: str) -> None:
-        """An unannotated unit's gate passes, with no GPUs of gpuslice's (the core forgot its
-        start, or never knew it): its calls over D-Bus are answered so, and a gate on its
-        pipe is sent there. Not through the pipe: that needs our end held until the unit has
-        left its gate, which its signals, no longer matched, would not tell. Its env file
-        goes first: a grant of an earlier run's (its gate drop-in, until the next
-        daemon-reload, still names it) would tell its processes GPUs gpuslice may have
-        handed to another unit since, as if granted them. Not the file of a unit the core
-        still holds GPUs for (its annotation went while it ran, and `systemctl restart` ran
-        it again with no moment down between): those GPUs are still booked for it, and
-        without its file its new run saw every GPU, another unit's too."""
-        if not self._known(unit):
-            envfiles.remove(self.config.runtime_dir, unit)
+        """An unannotated unit's gate passes (the core forgot its start, or never knew it):
+        its calls over D-Bus are answered, and a gate on its pipe is sent there. Not through
+        the pipe: that needs our end held until the unit has left its gate, which its
+        signals, no longer matched, would not tell. Its env file is made to say what the
+        core books for it first, as the gate drop-in (until the next daemon-reload) still
+        names it with `EnvironmentFile=-`, which starts a unit without the file on every GPU:
+        - a unit the core holds no GPU for passes with no GPUs of gpuslice's: its file goes
+          (a grant of an earlier run's would tell its processes GPUs gpuslice may have
+          handed to another unit since, as if granted them), and it runs as any unannotated
+          unit does;
+        - a unit the core still holds GPUs for (its annotation went while it ran, and
+          `systemctl restart` ran it again with no moment down between) passes only once
+          its file names them: one that names them stays (the word its last run was told,
+          by UUID, `_remember_told`), one missing (a /run that was full at its grant,
+          removed by hand) or naming others is written from the core's books
+          (`Scheduler.told`). While it cannot be written, the gate waits, as `_deliver`'s
+          does: without it, the new run saw every GPU, another unit's too."""
+        withheld = self._withheld.pop(unit, None)
+        if withheld is not None:
+            withheld.cancel()
+        held = sorted(self.scheduler.grants().get(unit, ()))
         self.gates.close(unit)
         self.gates.at_gate_unknown(unit)
-        if self.service.pending(unit) and self.service.grant(unit, ""):
-            log.info("%s passed the gate: not managed by gpuslice", unit)
+        if not held:
+            envfiles.remove(self.config.runtime_dir, unit)
+        elif not self._names_held(unit, held, again=withheld is not None):
+            return
+        if self.service.pending(unit) and self.service.grant(unit, ",".join(map(str, held))):
+            if held:
+                log.info(
+                    "%s passed the gate on %s, which it keeps until it ends: no longer annotated",
+                    unit,
+                    format_gpus(held),
+                )
+            else:
+                log.info("%s passed the gate: not managed by gpuslice", unit)
+
+    def _names_held(self, unit: str, held: Sequence[int], again: bool) -> bool:
+        """Whether the env file of a unit let through names the GPUs the core holds for it,
+        written anew if need be (`_let_through`); if it cannot be, the gate waits and is
+        judged again in ENV_RETRY s (said once: `again` when it was said already)."""
+        if sorted(envfiles.told_gpus(self.config.runtime_dir, unit)) == list(held):
+            return True
+        path = env_file(self.config.runtime_dir, unit)
+        try:
+            envfiles.write(self.config.runtime_dir, unit, self.scheduler.told(unit))
+        except OSError as e:
+            if not again:
+                log.error(
+                    "cannot write %s (%s): %s waits at its gate until it can (tried again "
+                    "every %g s)",
+                    path,
+                    e,
+                    unit,
+                    ENV_RETRY,
+                )
+            loop = asyncio.get_running_loop()
+            self._withheld[unit] = loop.call_later(ENV_RETRY, self._let_through_withheld, unit)
+            return False
+        if again:
+            log.info("wrote %s: %s goes past its gate", path, unit)
+        return True
+
+    def _let_through_withheld(self, unit: str) -> None:
+        """A gate held by `_names_held` asks again, in effect: judged on what is known now
+        (annotated again, preempted, down meanwhile), its file tried again if it is still
+        let through (`_let_through` takes over this retry)."""
+        handle = self._withheld.get(unit)
+        if self.service.pending(unit):
+            self._acquire_verified(unit)
+        if self._withheld.get(unit) is handle:  # judged otherwise: nothing left to retry
+            self._withheld.pop(unit, None)
 
     @contextlib.contextmanager
     def _batched(self) -> Iterator[None]:

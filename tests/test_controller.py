@@ -1347,7 +1347,7 @@ def test_a_restarted_unit_whose_annotation_went_keeps_the_env_file_of_the_gpu_it
         cgroup_of[4343] = "low.service"
         await bed.acquire("low.service", ":1.10", 4343)
         await until(lambda: bed.service.granted != [])
-        assert bed.service.granted == [("low.service", "")]
+        assert bed.service.granted == [("low.service", "0")]
         assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
         assert told.read_text() == "CUDA_VISIBLE_DEVICES=0\nGPUSLICE_GPUS=0\n"
 

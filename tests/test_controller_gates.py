@@ -8,7 +8,8 @@ _deliver, _deliver_withheld). Mutants of those functions survived the other cont
 tests: a gate's pipe let go while its line was unread, a cancelled start granted, a gate
 sent to D-Bus early, a stale grant said again on GPUs a more urgent unit takes, a counter
 that stopped counting, a log line an admin reads with other words. Each test here states
-the rule it holds, and why.
+the rule it holds, and why. The last ones hold the env file of a unit let through on GPUs
+still held for it, its annotation gone (_let_through, _names_held, _let_through_withheld).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 from gpuslice import controller as controller_module
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.nvml import DeviceScan, GpuProcess
+from gpuslice.paths import env_file
 from gpuslice.systemd import Queued, SystemdError
 from tests.test_controller import (
     GIB,
@@ -40,6 +42,7 @@ from tests.test_controller import (
     restarted_by_hand,
     run,
     settle,
+    signal,
     state,
     unannotate,
     until,
@@ -884,5 +887,230 @@ def test_the_gate_of_a_unit_the_core_still_knows_is_judged_without_a_rescan(
         await bed.acquire("low.service", ":1.7", 4343)
         assert bed.service.sent_back == ["low.service"]
         assert ctl._rescan is None and ctl._rescanned_for_gate == set()
+
+    run(test)
+
+
+# ---- a unit held without its annotation, let through: its env file first ----
+
+
+def low_unannotated_holds_gpu_0(tmp_path: Path, **settings: object) -> Bed:
+    """low.service (90) runs on GPU 0, urgent.service (10) is annotated too; `settings`
+    change the bed's config (a second GPU, a runtime directory that cannot be made)."""
+    return Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
+        [state("low.service", "active", "running")],
+        SavedState(holders={"low.service": ((0,), "running", 1, "")}, seq=1),
+        config=bed_config(tmp_path, **settings),
+    )
+
+
+async def unannotated_and_restarted(bed: Bed, tmp_path: Path) -> None:
+    """low.service's annotation goes (the core keeps GPU 0 booked for it until it ends),
+    then `systemctl restart low.service` runs it again with no moment down between: its
+    gate, still in place until the next daemon-reload, asks over D-Bus."""
+    await unannotate(bed.controller, tmp_path, "low.service")
+    assert bed.controller.scheduler.grants() == {"low.service": frozenset({0})}
+    bed.systemd.units["low.service"] = state("low.service", "activating", "start-pre")
+    signal(bed, "low.service", at_gate(invocation=b"next"))
+
+
+@pytest.mark.parametrize(
+    "left",
+    [None, "CUDA_VISIBLE_DEVICES=1\nGPUSLICE_GPUS=1\n", "GPUSLICE_GPUS=zero\n"],
+    ids=["none", "another-gpu", "not-ours"],
+)
+def test_a_restarted_unit_whose_annotation_went_passes_once_its_env_file_names_its_gpu(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    caplog: pytest.LogCaptureFixture,
+    left: str | None,
+) -> None:
+    """low.service holds GPU 0 when its annotation goes and it is restarted. Its env file
+    is missing (/run was full at its grant and the controller restarted since, or someone
+    removed it), names GPU 1, or is no file of ours: let through so, its new run saw every
+    GPU (the drop-in's `EnvironmentFile=-` starts it without the file), GPU 1 among them,
+    which the core may grant to another unit. The file is written from the core's books
+    first: GPU 0 only."""
+    bed = low_unannotated_holds_gpu_0(tmp_path, gpus=2)
+    cgroup_of[4343] = "low.service"
+    path = env_file(bed.config.runtime_dir, "low.service")
+    if left is not None:
+        path.parent.mkdir(parents=True)
+        path.write_text(left)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotated_and_restarted(bed, tmp_path)
+        caplog.clear()
+        await bed.acquire("low.service", ":1.10", 4343)
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [("low.service", "0")]
+        assert path.read_text() == (
+            "CUDA_VISIBLE_DEVICES=0\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=0\n"
+        )
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        assert not ctl._withheld
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    assert (
+        "low.service passed the gate on GPU 0, which it keeps until it ends: no longer annotated"
+    ) in messages(caplog)
+
+
+def test_a_restarted_unit_whose_annotation_went_waits_while_its_env_file_cannot_be_written(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As above, and the file cannot be written (a full /run): the gate waits, GPU 0 kept
+    for it, as a withheld grant's does, rather than pass onto every GPU. Its gate asking
+    again meanwhile leaves one retry pending and says nothing more; once the file is
+    written the gate goes through once, and the journal says so."""
+    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    blocker = unwritable_run(tmp_path)
+    bed = low_unannotated_holds_gpu_0(tmp_path, runtime_dir=str(blocker))
+    cgroup_of[4343] = "low.service"
+    cgroup_of[4344] = "low.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotated_and_restarted(bed, tmp_path)
+        caplog.clear()
+        await bed.acquire("low.service", ":1.10", 4343)
+        await bed.acquire("low.service", ":1.11", 4344)  # asks again
+        await past(controller_module.ENV_RETRY)
+        assert bed.service.granted == []
+        assert bed.service.pending("low.service")
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        assert list(ctl._withheld) == ["low.service"]
+        blocker.unlink()  # room again
+        await until(lambda: bool(bed.service.granted))
+        await past(controller_module.ENV_RETRY)
+        assert bed.service.granted == [("low.service", "0")]
+        assert bed.service.waiting == {}
+        assert not ctl._withheld
+        assert "CUDA_VISIBLE_DEVICES=0\n" in env_file(str(blocker), "low.service").read_text()
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    path = env_file(str(blocker), "low.service")
+    assert [m for m in messages(caplog) if "low.service" in m] == [
+        f"cannot write {path} ([Errno 20] Not a directory: '{path.parent}'): "
+        "low.service waits at its gate until it can (tried again every 0.01 s)",
+        f"wrote {path}: low.service goes past its gate",
+        "low.service passed the gate on GPU 0, which it keeps until it ends: no longer annotated",
+    ]
+
+
+def test_a_held_gate_waiting_for_its_env_file_is_judged_again_when_its_unit_is_preempted(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """low.service's gate waits for its env file when urgent.service takes GPU 0 from it
+    (low.service is stopped). The retry judges the gate again: it is stopped again, not let
+    through onto GPU 0, which is urgent.service's once low.service is down, and no file
+    names GPU 0 for it."""
+    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    blocker = unwritable_run(tmp_path)
+    bed = low_unannotated_holds_gpu_0(tmp_path, runtime_dir=str(blocker))
+    cgroup_of[4343] = "low.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotated_and_restarted(bed, tmp_path)
+        await bed.acquire("low.service", ":1.10", 4343)
+        assert "low.service" in ctl._withheld
+        ctl.on_unit_changed("urgent.service", at_gate(invocation=None), read=True)
+        await settle()
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        assert bed.systemd.calls.count(("stop", "low.service")) == 1
+        blocker.unlink()
+        await until(lambda: not ctl._withheld)
+        await past(controller_module.ENV_RETRY)
+        assert bed.service.granted == []
+        assert bed.systemd.calls.count(("stop", "low.service")) == 2
+        assert not (blocker / "env" / "low.service").exists()
+
+    run(test)
+
+
+def test_a_held_unit_at_its_gate_after_a_controller_restart_gets_its_env_file_first(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """The last controller held GPU 0 for low.service, whose annotation went while it ran,
+    and stopped (an upgrade) while low.service, restarted, waited at its gate for its env
+    file (/run was full). Its gate asks the next controller, which holds GPU 0 for it from
+    the state file: the file is written before the gate passes."""
+    bed = Bed(
+        tmp_path,
+        {"urgent.service": "Priority=10\n"},
+        [state("low.service", "activating", "start-pre")],
+        SavedState(holders={"low.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    cgroup_of[4343] = "low.service"
+    path = env_file(bed.config.runtime_dir, "low.service")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        await bed.acquire("low.service", ":1.10", 4343)
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [("low.service", "0")]
+        assert "CUDA_VISIBLE_DEVICES=0\n" in path.read_text()
+
+    run(test)
+
+
+def test_a_held_unit_let_through_is_told_the_gpu_it_holds_by_uuid_after_a_renumbering(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service holds GPU 0, GPU-A (its env file says so); NVML numbers the GPUs anew
+    (GPU-B is 0 now), its annotation goes, its file is removed by hand, and it is
+    restarted. Its file is written with GPU-A, the GPU the books hold for it (both indices
+    are lost to new work meanwhile), not GPU-B, which another unit may run on by its old
+    index."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-A", "GPU-B")
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n"},
+        [state("low.service", "active", "running")],
+        SavedState(holders={"low.service": ((0,), "running", 1, "")}, seq=1),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    cgroup_of[4343] = "low.service"
+    path = env_file(bed.config.runtime_dir, "low.service")
+    path.parent.mkdir(parents=True)
+    path.write_text(
+        "CUDA_VISIBLE_DEVICES=GPU-A\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+        "NVIDIA_VISIBLE_DEVICES=GPU-A\nGPUSLICE_GPUS=0\n"
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        nvml.uuids = ("GPU-B", "GPU-A")
+        ctl.watch.refresh()
+        assert [(g.uuid, g.lost) for g in ctl.watch.sample.gpus] == [
+            ("GPU-B", True),
+            ("GPU-A", True),
+        ]
+        path.unlink()
+        await unannotated_and_restarted(bed, tmp_path)
+        await bed.acquire("low.service", ":1.10", 4343)
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [("low.service", "0")]
+        assert path.read_text() == (
+            "CUDA_VISIBLE_DEVICES=GPU-A\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+            "NVIDIA_VISIBLE_DEVICES=GPU-A\nGPUSLICE_GPUS=0\n"
+        )
 
     run(test)

@@ -207,6 +207,26 @@ def test_device_of_an_unknown_index_is_a_gpu_of_unknown_size() -> None:
     assert s.device(5) == Gpu(5)
 
 
+def test_a_holder_is_told_the_gpus_it_was_granted_by_uuid_though_nvml_numbered_them_anew() -> None:
+    """What a unit's env file, written again (Controller._let_through), names: the GPU it was
+    granted, GPU-A, though NVML now numbers that GPU 2 and calls GPU-B 0, which another
+    unit may run on; a GPU known by no UUID when granted, by what `device` says now;
+    nobody's, none."""
+    a, b = spec("a", 50, gpus=2), spec("b", 50)
+    s = Scheduler([Gpu(0, "GPU-A"), Gpu(1), Gpu(2, "GPU-B")], {a.name: a, b.name: b})
+    assert brief(s.request(a)) == ["grant a.service 0,1"]
+    assert s.told("a.service") == [Gpu(0, "GPU-A"), Gpu(1)]
+    s.set_gpus(
+        [
+            Gpu(0, "GPU-B", lost=True, renumbered=True),
+            Gpu(1, "GPU-C"),
+            Gpu(2, "GPU-A", lost=True, renumbered=True),
+        ]
+    )
+    assert s.told("a.service") == [Gpu(0, "GPU-A"), Gpu(1, "GPU-C")]
+    assert s.told("b.service") == []
+
+
 # -- preempted units coming back ---------------------------------------------------------------
 
 

@@ -1862,6 +1862,19 @@ class Scheduler:
     def device(self, index: int) -> Gpu:
         return self.devices.get(index, Gpu(index))
 
+    def told(self, name: str) -> list[Gpu]:
+        """The GPUs a holder runs on, as its env file names them (by index): each by the UUID
+        it had when granted or resumed, or that the file a restart read gave
+        (`Holder.uuids`), else as `device` says now. NVML may have numbered the GPUs anew
+        since: the index held may name another GPU now, one another unit runs on."""
+        holder = self.holders.get(name)
+        if holder is None:
+            return []
+        return [
+            Gpu(g, holder.uuids[g]) if holder.uuids.get(g) else self.device(g)
+            for g in sorted(holder.gpus)
+        ]
+
     def has_work(self) -> bool:
         """Something the GPUs' state matters to: a waiter, a holder, a unit to bring back."""
         return bool(self.waiters or self.holders or self.preempted or self.suspended)
