@@ -4,6 +4,8 @@ do things), and one swapped in after the `stat` is not waited on (O_NONBLOCK) or
 on the open file); at most a set number of bytes is read, whatever the file's size says.
 
 `read_bytes` raises `Unreadable` saying why; each caller words that its own way.
+`read_with_stat` gives the fstat of the descriptor the bytes came from too: a time or an
+identity taken by another look at the path may be another file's (one replaced in between).
 
 `has_access_acl` is the one reader of POSIX access ACLs, for the checks that a file is root's
 alone (`config`, `envsafety`).
@@ -63,13 +65,23 @@ class Why(enum.Enum):
 class Unreadable(Exception):
     """Why `read_bytes` gave nothing. `mode`: the file's mode (LINK, NOT_REGULAR); `error`:
     the OSError (MISSING, FAILED), whose strerror says why in the system's words (a NUL in the
-    path is EINVAL, "embedded null byte")."""
+    path is EINVAL, "embedded null byte"). `stat`: the file as last looked at, the open one's
+    fstat once opened (else the first look's); None when it was not there or could not be
+    looked at."""
 
-    def __init__(self, why: Why, *, mode: int = 0, error: OSError | None = None) -> None:
+    def __init__(
+        self,
+        why: Why,
+        *,
+        mode: int = 0,
+        error: OSError | None = None,
+        stat: os.stat_result | None = None,
+    ) -> None:
         super().__init__(why.value if error is None else error.strerror or str(error))
         self.why = why
         self.mode = mode
         self.error = error
+        self.stat = stat
 
     @property
     def kind(self) -> str | None:
@@ -84,34 +96,45 @@ def read_bytes(
     `limit`; or, with `prefix`, the first `limit` of them. `limit` None reads the whole file.
     Without `follow_links`, a symlink is LINK (and one swapped in after the `lstat` makes the
     open fail: FAILED, ELOOP)."""
+    return read_with_stat(path, limit, follow_links=follow_links, prefix=prefix)[0]
+
+
+def read_with_stat(
+    path: str | os.PathLike[str], limit: int | None, *, follow_links: bool, prefix: bool = False
+) -> tuple[bytes, os.stat_result]:
+    """`read_bytes`, and the fstat of the descriptor they were read from: its time and
+    identity are those of the bytes, whatever was at `path` before the open or is since."""
+    looked: os.stat_result | None = None
     try:
-        mode = (os.stat(path) if follow_links else os.lstat(path)).st_mode
-        _check_regular(mode)
+        looked = os.stat(path) if follow_links else os.lstat(path)
+        _check_regular(looked)
         fd = os.open(path, _OPEN_FLAGS if follow_links else _OPEN_FLAGS | os.O_NOFOLLOW)
-    except FileNotFoundError as e:
+    except FileNotFoundError as e:  # gone, whatever the look saw
         raise Unreadable(Why.MISSING, error=e) from None
     except OSError as e:
-        raise Unreadable(Why.FAILED, error=e) from None
+        raise Unreadable(Why.FAILED, error=e, stat=looked) from None
     except ValueError as e:  # a NUL in the path
         raise Unreadable(Why.FAILED, error=OSError(errno.EINVAL, str(e))) from None
+    st = looked
     try:
         st = os.fstat(fd)
-        _check_regular(st.st_mode)
+        _check_regular(st)
         data = _read_at_most(fd, limit if prefix or limit is None else limit + 1, st.st_size)
     except OSError as e:
-        raise Unreadable(Why.FAILED, error=e) from None
+        raise Unreadable(Why.FAILED, error=e, stat=st) from None
     finally:
         os.close(fd)
     if limit is not None and len(data) > limit:
-        raise Unreadable(Why.TOO_LARGE)
-    return data
+        raise Unreadable(Why.TOO_LARGE, stat=st)
+    return data, st
 
 
-def _check_regular(mode: int) -> None:
+def _check_regular(looked: os.stat_result) -> None:
+    mode = looked.st_mode
     if stat.S_ISLNK(mode):
-        raise Unreadable(Why.LINK)
+        raise Unreadable(Why.LINK, stat=looked)
     if not stat.S_ISREG(mode):
-        raise Unreadable(Why.NOT_REGULAR, mode=mode)
+        raise Unreadable(Why.NOT_REGULAR, mode=mode, stat=looked)
 
 
 def _read_at_most(fd: int, limit: int | None, expected: int) -> bytes:

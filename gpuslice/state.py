@@ -170,18 +170,14 @@ def parse(raw: bytes, problems: Problems) -> dict[str, Any]:
     return data
 
 
-def _read_bytes(path: Path) -> bytes:
-    """The file's bytes; BadFile for a path that is no regular file or too big, the OSError
-    when it cannot be read (FileNotFoundError: there is none yet). Never follows a symlink
-    or blocks on a FIFO (`safefile`)."""
-    try:
-        return safefile.read_bytes(path, STATE_FILE_MAX, follow_links=False)
-    except safefile.Unreadable as e:
-        if e.error is not None:
-            raise e.error from None
-        if e.why is safefile.Why.TOO_LARGE:
-            raise BadFile(f"larger than {STATE_FILE_MAX >> 20} MiB") from None
-        raise BadFile(f"not a regular file ({e.kind or 'an unknown kind of file'})") from None
+def _read_error(e: safefile.Unreadable) -> BadFile | OSError:
+    """Why a state file gave no bytes: BadFile for a path that is no regular file or too big,
+    the OSError when it cannot be read (FileNotFoundError: there is none yet)."""
+    if e.error is not None:
+        return e.error
+    if e.why is safefile.Why.TOO_LARGE:
+        return BadFile(f"larger than {STATE_FILE_MAX >> 20} MiB")
+    return BadFile(f"not a regular file ({e.kind or 'an unknown kind of file'})")
 
 
 @dataclass
@@ -192,7 +188,9 @@ class Found:
     one content and loaded with another."""
 
     path: Path
-    mtime_ns: int | None  # when it was modified (lstat); None: it could not be looked at
+    # when it was modified: the fstat of the descriptor `raw` was read from (else the look
+    # that refused it); None: none was there, or it could not be looked at
+    mtime_ns: int | None
     raw: bytes | None = None  # None: it could not be read (`error`)
     data: dict[str, Any] | None = None  # its object (`parse`); None: `error` says why not
     error: BadFile | OSError | None = None
@@ -215,19 +213,22 @@ class Found:
         return self.raw, self.data
 
 
-def read_found(path: Path, mtime_ns: int | None = None) -> Found:
-    """The state file at `path`, read and parsed once (`Found`); `mtime_ns`: its lstat's
-    modification time when the caller looked already (else looked at here). Never raises."""
-    if mtime_ns is None:
-        try:
-            mtime_ns = os.lstat(path).st_mtime_ns
-        except OSError as e:
-            return Found(path, None, error=e)
-    found = Found(path, mtime_ns)
+def read_found(path: Path) -> Found:
+    """The state file at `path`, read and parsed once (`Found`). One open: its time is the
+    open file's, never a look at the path just before, which may be of a file replaced since
+    (ranked by one file's time, loaded with another's bytes). Never raises; never follows a
+    symlink or blocks on a FIFO (`safefile`)."""
+    found = Found(path, None)
     try:
-        found.raw = _read_bytes(path)
+        found.raw, st = safefile.read_with_stat(path, STATE_FILE_MAX, follow_links=False)
+    except safefile.Unreadable as e:
+        found.mtime_ns = None if e.stat is None else e.stat.st_mtime_ns
+        found.error = _read_error(e)
+        return found
+    found.mtime_ns = st.st_mtime_ns
+    try:
         found.data = parse(found.raw, found.problems)
-    except (BadFile, OSError) as e:
+    except BadFile as e:
         found.error = e
     return found
 
@@ -507,15 +508,23 @@ def find_saved(configured: Path, recorded: Path) -> tuple[Path, Found | None]:
     """`saved_in`, and its state file as read to choose it (None: none was read): a
     StateStore's `read_ahead`, for `load` to load without reading it again."""
     found, saved = recorded / STATE_FILE_NAME, configured / STATE_FILE_NAME
+    # a look first: with one of them not there, the other is chosen unread (its store reads
+    # it); their times are read with their bytes, below
     try:
-        found_ns = os.lstat(found).st_mtime_ns
+        os.lstat(found)
     except OSError:
         return configured, None
     try:
-        saved_ns = os.lstat(saved).st_mtime_ns
+        os.lstat(saved)
     except OSError:
         return recorded, None
-    theirs, mine = read_found(found, found_ns), read_found(saved, saved_ns)
+    theirs, mine = read_found(found), read_found(saved)
+    # one gone since the look (removed, or moved to the other by root): the other, never an
+    # empty directory chosen over a file that is there
+    if theirs.mtime_ns is None:
+        return configured, mine
+    if mine.mtime_ns is None:
+        return recorded, theirs
     return (configured, mine) if mine.rank() > theirs.rank() else (recorded, theirs)
 
 
@@ -608,7 +617,9 @@ class StateStore:
         directory without the record, and its units restarted long after. A file that cannot
         be moved is said and left there. True when the state to load is here; False when
         the one in `old_dir` is the newer but could not be written here: load it there.
-        Each file is read once: the one to load is left in `read_ahead` for `load`."""
+        Each file is read once: the one to load is left in `read_ahead` for `load`. One gone
+        between the look at it and its read was never there: the state here is loaded; one
+        gone after it, before the move, is loaded as read."""
         self.read_ahead = None
         old = old_dir / self.path.name
         if os.path.abspath(old) == os.path.abspath(self.path):
@@ -630,8 +641,14 @@ class StateStore:
         else:
             if (here.st_dev, here.st_ino) == (found.st_dev, found.st_ino):
                 return True  # one directory by two names (a link): nothing to move
-            mine = read_found(self.path, here.st_mtime_ns)
-        theirs = read_found(old, found.st_mtime_ns)
+            mine = read_found(self.path)
+        theirs = read_found(old)
+        if theirs.mtime_ns is None:  # gone since the look (removed, or moved here by root):
+            # chosen again, as if never there; load reads what is here now (the read above
+            # may be of a file it replaced), never the old state_dir, empty
+            why = theirs.error.strerror if isinstance(theirs.error, OSError) else theirs.error
+            log.warning("%s: not there to read (%s); starting from %s", old, why, self.path)
+            return True
         # whichever is kept, the next save is numbered after both (after the one left in
         # old_dir when the move fails too)
         self.generation = max(
@@ -718,14 +735,18 @@ class StateStore:
         if self.standin is None:
             return None
         try:
-            found = os.lstat(self.standin).st_mtime_ns
-        except (FileNotFoundError, NotADirectoryError):
+            os.lstat(self.standin)  # a look first: most starts have none, and read nothing
+        except OSError as e:
+            gone: BadFile | OSError | None = e
+        else:  # its time is read with its bytes: None, it went since the look
+            standin = read_found(self.standin)
+            gone = standin.error if standin.mtime_ns is None else None
+        if isinstance(gone, (FileNotFoundError, NotADirectoryError)):
             self._standin_left = False
             return None
-        except OSError as e:
-            log.error("%s: cannot look at the stand-in (%s); not used", self.standin, e)
+        if gone is not None:
+            log.error("%s: cannot look at the stand-in (%s); not used", self.standin, gone)
             return None
-        standin = read_found(self.standin, found)
         problems = standin.problems
         try:
             data = standin.parsed()[1]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes
+from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes, read_with_stat
 from tests.test_adapters_mutation4 import spy_on_os_reads
 
 LIMIT = 100
@@ -110,6 +110,39 @@ def test_without_a_limit_the_whole_file_is_read(tmp_path: Path) -> None:
 def test_an_empty_file_is_read(tmp_path: Path) -> None:
     (tmp_path / "f").touch()
     assert read_bytes(tmp_path / "f", LIMIT, follow_links=False) == b""
+
+
+def test_the_stat_given_is_that_of_the_file_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file replaced between the look and the open: the stat is the open file's, whose
+    bytes were read, not the one looked at."""
+    path, other = tmp_path / "f", tmp_path / "other"
+    path.write_bytes(b"looked at")
+    other.write_bytes(b"read")
+    os.utime(other, ns=(7, 7))
+    real_open = os.open
+
+    def replaced_first(name: Any, flags: int, *args: Any) -> int:
+        os.replace(other, path)
+        return real_open(name, flags, *args)
+
+    monkeypatch.setattr(os, "open", replaced_first)
+    data, st = read_with_stat(path, LIMIT, follow_links=False)
+    assert (data, st.st_mtime_ns, st.st_size) == (b"read", 7, 4)
+
+
+def test_a_file_refused_carries_the_stat_it_was_refused_by(tmp_path: Path) -> None:
+    """Too large: the open file's; no regular file: the look's; not there: none."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * (LIMIT + 1))
+    os.utime(path, ns=(7, 7))
+    too_large = refused(path, follow_links=False).stat
+    assert too_large is not None and too_large.st_mtime_ns == 7
+    (tmp_path / "link").symlink_to(path)
+    link = refused(tmp_path / "link", follow_links=False).stat
+    assert link is not None and stat.S_ISLNK(link.st_mode)
+    assert refused(tmp_path / "none", follow_links=False).stat is None
 
 
 # ---- links -------------------------------------------------------------------------------------

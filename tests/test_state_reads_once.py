@@ -33,17 +33,17 @@ EARLY, MIDDLE, LATE = 10**18, 12 * 10**17, 15 * 10**17
 
 
 def count_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """How many times each state file is read (safefile.read_bytes, which every read of one
-    goes through), by path."""
+    """How many times each state file is read (safefile.read_with_stat, which every read of
+    one goes through), by path."""
     reads: Counter[str] = Counter()
-    read_bytes = safefile.read_bytes
+    read_with_stat = safefile.read_with_stat
 
-    def counted(path: Any, limit: int | None, **kwargs: Any) -> bytes:
+    def counted(path: Any, limit: int | None, **kwargs: Any) -> tuple[bytes, os.stat_result]:
         if Path(path).name == STATE_FILE_NAME:
             reads[str(path)] += 1
-        return read_bytes(path, limit, **kwargs)
+        return read_with_stat(path, limit, **kwargs)
 
-    monkeypatch.setattr(safefile, "read_bytes", counted)
+    monkeypatch.setattr(safefile, "read_with_stat", counted)
     return reads
 
 
@@ -164,16 +164,18 @@ def test_the_state_loaded_is_the_one_ranked_against_the_stand_in(
     standin = saved_at(tmp_path / "run", SavedState(held=["x.service"]), MIDDLE)
     stale = tmp_path / "stale"
     saved_at(stale, SavedState(held=["stale.service"]), EARLY)
-    read_bytes = safefile.read_bytes
+    read_with_stat = safefile.read_with_stat
     replaced: list[Path] = []
 
-    def replaced_after_read(path_read: Any, limit: int | None, **kwargs: Any) -> bytes:
-        data = read_bytes(path_read, limit, **kwargs)
+    def replaced_after_read(
+        path_read: Any, limit: int | None, **kwargs: Any
+    ) -> tuple[bytes, os.stat_result]:
+        data = read_with_stat(path_read, limit, **kwargs)
         if Path(path_read) == path and not replaced:
             os.replace(stale / STATE_FILE_NAME, path)
             replaced.append(path)
         return data
 
-    monkeypatch.setattr(safefile, "read_bytes", replaced_after_read)
+    monkeypatch.setattr(safefile, "read_with_stat", replaced_after_read)
     assert StateStore(tmp_path / "state", tmp_path / "run").load() == (OWED, BOOT)
     assert replaced and not standin.exists()
