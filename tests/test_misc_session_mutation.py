@@ -39,10 +39,11 @@ from gpuslice.systemd import (
     unit_path,
 )
 from gpuslice.tracker import ReachedGate, WentDown
+from tests.service_bus import ServiceBus
 from tests.test_dbus_adapter import bus_address as bus_address  # fixture
 from tests.test_dbus_adapter import bus_daemon as bus_daemon  # fixture
 from tests.test_dbus_adapter import connect, run
-from tests.test_service_mutation import _Bus, _in_loop
+from tests.test_service_mutation import _in_loop
 from tests.test_tracker import JOB1, JOB2, A, Model, props
 
 BAD_REPLY = "org.gpuslice.Error.BadReply"
@@ -287,7 +288,7 @@ def test_a_status_call_without_a_sender_is_answered_for_no_name() -> None:
         return "{}"
 
     async def scenario() -> None:
-        bus = _Bus()
+        bus = ServiceBus()
         SchedulerService(
             cast(MessageBus, bus), lambda u, s: None, lambda: "{}", lambda: None, None, status_for
         )

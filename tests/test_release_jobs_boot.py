@@ -4,24 +4,21 @@ container restarted without its host keeps the kernel's boot id: its last boot's
 units whose processes are gone, and a unit of that name now (started since, frozen by someone
 else) is not the one gpuslice froze or suspended. When systemd cannot say when it started,
 nothing is touched and each unit is named. No systemd and no container: the state, systemctl,
-the resume and the bus are stand-ins (tests/test_release_jobs_resume.py)."""
+the resume and the bus are stand-ins (tests/release_jobs_standins.py,
+tests/test_release_jobs_resume.py)."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
-from click.testing import CliRunner
 from dbus_next.errors import DBusError
 
 from gpuslice import cli as cli_module
-from gpuslice.checkpoint import CheckpointError, CheckpointSettings, Resumed
-from gpuslice.cli import main
 from gpuslice.core.scheduler import SavedState
 from gpuslice.state import StateStore, same_boot
 from gpuslice.systemd import Systemd
+from tests.release_jobs_standins import release_jobs, systemctl_and_resume
 from tests.test_release_jobs_resume import STARTED, _Systemd, _systemd_started, _this_boot
 
 WHERE = "gpuslice is being removed:"
@@ -70,27 +67,10 @@ def _release(
             raise no_bus
 
         monkeypatch.setattr(Systemd, "connect", refused)
-    done: list[tuple[str, str]] = []
-
-    def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        active, freezer = SHOWN.get(command[-1], ("inactive", "running"))
-        if command[1] == "show":
-            out = f"ActiveState={active}\nFreezerState={freezer}\n"
-            return subprocess.CompletedProcess(command, 0, out, "")
-        done.append((command[1], command[-1]))
-        return subprocess.CompletedProcess(command, 0, "", "")
-
-    def resume_left(unit: str, s: CheckpointSettings) -> Resumed | CheckpointError:
-        done.append(("resume", unit))
-        return Resumed(0.5, (11,))
-
-    monkeypatch.setattr(subprocess, "run", systemctl)
-    monkeypatch.setattr(cli_module, "_resume_left", resume_left)
-    (tmp_path / "config.yaml").write_text("log_level: info\n")
-    result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "config.yaml")])
-    assert result.exit_code == 0, result.output
+    done, _ = systemctl_and_resume(monkeypatch, SHOWN)
+    stderr = release_jobs(tmp_path, "log_level: info\n")
     assert all(systemd.bus.disconnected for _, systemd in made), made
-    return done, result.stderr, made
+    return done, stderr, made
 
 
 def _preempted(unit: str) -> str:

@@ -14,18 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 from dbus_next import Variant
 
 from gpuslice import checkpoint
 from gpuslice import cli as cli_module
 from gpuslice.checkpoint import CheckpointError, CheckpointSettings, Resumed
-from gpuslice.cli import main
 from gpuslice.config import Config
 from gpuslice.core.scheduler import SavedState
 from gpuslice.ladder import Ladder
 from gpuslice.state import StateStore
 from gpuslice.systemd import MANAGER, PROPERTIES, Systemd
+from tests.release_jobs_standins import release_jobs, systemctl_and_resume
 
 TOOL = "/opt/nvidia/cuda-checkpoint"
 
@@ -70,31 +69,8 @@ def _release(
     stderr."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot or _this_boot()))
     _systemd_started(monkeypatch)
-    done: list[tuple[str, str]] = []
-    settings: list[CheckpointSettings] = []
-
-    def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        active, freezer = shown.get(command[-1], ("inactive", "running"))
-        if command[1] == "show":
-            out = f"ActiveState={active}\nFreezerState={freezer}\n"
-            return subprocess.CompletedProcess(command, 0, out, "")
-        done.append((command[1], command[-1]))
-        return subprocess.CompletedProcess(command, 0, "", "")
-
-    def resume_left(unit: str, s: CheckpointSettings) -> Resumed | CheckpointError:
-        done.append(("resume", unit))
-        settings.append(s)
-        answer = (resume or {}).get(unit, "")
-        if isinstance(answer, str):
-            return CheckpointError(answer) if answer else Resumed(0.5, (11,))
-        return answer
-
-    monkeypatch.setattr(subprocess, "run", systemctl)
-    monkeypatch.setattr(cli_module, "_resume_left", resume_left)
-    (tmp_path / "config.yaml").write_text("restore_timeout: 42\n")
-    result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "config.yaml")])
-    assert result.exit_code == 0, result.output
-    return done, settings, result.stderr
+    done, settings = systemctl_and_resume(monkeypatch, shown, resume)
+    return done, settings, release_jobs(tmp_path, "restore_timeout: 42\n")
 
 
 def test_a_unit_suspended_in_this_boot_is_resumed_with_the_controllers_settings(
@@ -335,10 +311,7 @@ def test_the_resume_is_the_controllers_thaw_then_restore_of_its_cuda_processes(
             "",
         ),
     )
-    (tmp_path / "config.yaml").write_text("log_level: info\n")
-    result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "config.yaml")])
-    assert result.exit_code == 0, result.output
-    assert result.stderr.splitlines() == [
+    assert release_jobs(tmp_path, "log_level: info\n").splitlines() == [
         "gpuslice is being removed: train.service resumed from host memory, 2 processes: "
         "restored in 0.5 s"
     ]

@@ -34,6 +34,7 @@ from gpuslice.service import (
     NameTaken,
     SchedulerService,
 )
+from tests.service_bus import ServiceBus
 from tests.test_dbus_adapter import bus_address as bus_address  # fixture
 from tests.test_dbus_adapter import bus_daemon as bus_daemon  # fixture
 from tests.test_dbus_adapter import call, connect, run, sync
@@ -45,41 +46,6 @@ BUSY = "too many status answers still being sent: try again"
 
 def _nothing(*_: object) -> None:
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# a stand-in for the controller's bus connection
-
-
-class _Bus:
-    """Records what the service sends; each send's future (written to the socket) stays
-    pending until `write` says it was."""
-
-    def __init__(self) -> None:
-        self.handlers: list[Callable[[Message], Message | bool]] = []
-        self.sent: list[Message] = []
-        self.unwritten: list[asyncio.Future[None]] = []
-
-    def add_message_handler(self, handler: Callable[[Message], Message | bool]) -> None:
-        self.handlers.append(handler)
-
-    def send(self, msg: Message) -> asyncio.Future[None]:
-        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.sent.append(msg)
-        self.unwritten.append(written)
-        return written
-
-    def write(self, count: int | None = None) -> None:
-        """The oldest `count` answers (all by default) are written to the socket."""
-        done = self.unwritten[: len(self.unwritten) if count is None else count]
-        del self.unwritten[: len(done)]
-        for written in done:
-            written.set_result(None)
-
-    def deliver(self, msg: Message) -> Message | bool:
-        """A message read from the socket, as dbus-next hands it to the handlers."""
-        (handler,) = self.handlers
-        return handler(msg)
 
 
 _SERIALS = itertools.count(1)
@@ -106,7 +72,7 @@ def _call(
 
 
 def _service(
-    bus: _Bus,
+    bus: ServiceBus,
     on_status: Callable[[], str] = lambda: "{}",
     on_status_for: Callable[[str], str | Coroutine[Any, Any, str]] | None = None,
     on_acquire: Callable[[str, str], None] = _nothing,
@@ -250,7 +216,7 @@ def test_a_status_answer_that_failed_while_asking_is_internal_error_and_said(
         raise RuntimeError("secret detail")
 
     async def body() -> None:
-        bus = _Bus()
+        bus = ServiceBus()
         service = _service(bus, on_status_for=lambda sender: failing())
         with caplog.at_level(logging.ERROR, logger="gpuslice"):
             assert bus.deliver(_call("Status", sender=":1.42")) is True
@@ -374,7 +340,7 @@ def test_a_call_that_asks_for_no_answer_is_ours_and_gets_none(bus_address: str) 
 
 def test_refuse_answers_that_senders_calls_only_and_the_others_stay_pending() -> None:
     async def body() -> None:
-        bus = _Bus()
+        bus = ServiceBus()
         service = _service(bus)
         calls = [
             _call("Acquire", "s", ["a.service"], sender=sender)
@@ -403,7 +369,7 @@ def test_refuse_of_calls_already_answered_does_nothing() -> None:
     nothing; a unit none of whose calls are left holds nothing in the service."""
 
     async def body() -> None:
-        bus = _Bus()
+        bus = ServiceBus()
         service = _service(bus)
         service.refuse("a.service", ":1.5", ACCESS_DENIED, "no")  # never called
         assert bus.deliver(_call("Acquire", "s", ["a.service"], sender=":1.5")) is True
@@ -429,7 +395,7 @@ def test_status_answers_unwritten_up_to_exactly_the_bound_refuse_the_next() -> N
     half = "x" * (MAX_STATUS_UNSENT // 2)
 
     async def body() -> None:
-        bus = _Bus()
+        bus = ServiceBus()
         service = _service(bus, on_status=lambda: half)
         assert bus.deliver(_call("Status")) is True
         assert bus.deliver(_call("Status")) is True  # now exactly at the bound
@@ -453,7 +419,7 @@ def test_a_status_of_exactly_the_longest_answer_is_sent() -> None:
 
     async def body() -> None:
         for size, sent in [(MAX_STATUS_ANSWER, True), (MAX_STATUS_ANSWER + 1, False)]:
-            bus = _Bus()
+            bus = ServiceBus()
             _service(bus, on_status=_saying("x" * size))
             answer = bus.deliver(_call("Status"))
             assert (answer is True) == sent, size
@@ -470,7 +436,7 @@ def test_status_calls_waiting_for_the_bus_daemon_are_bounded_and_go_back_down() 
     is taken again."""
 
     async def body() -> None:
-        bus = _Bus()
+        bus = ServiceBus()
         loop = asyncio.get_running_loop()
         asked: dict[str, asyncio.Future[str]] = {}
 

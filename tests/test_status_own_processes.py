@@ -33,6 +33,7 @@ from gpuslice.owners import Owner
 from gpuslice.service import SchedulerService
 from gpuslice.status import OWN_KEPT, RedactedStatus, render, snapshot_to_json
 from gpuslice.systemd import Systemd
+from tests.service_bus import ServiceBus
 from tests.test_controller import run
 from tests.test_dbus_adapter import bus_address as bus_address
 from tests.test_dbus_adapter import bus_daemon as bus_daemon
@@ -42,7 +43,6 @@ from tests.test_status import snapshot
 from tests.test_status_privacy import (
     Asked,
     Credentials,
-    FakeBus,
     _answer,
     _foreign_bed,
     _foreign_host,
@@ -356,7 +356,7 @@ def test_a_known_caller_is_answered_while_the_questions_in_wait_are_at_their_bou
     monkeypatch.setattr(service_module, "MAX_STATUS_ASKING", 2)
 
     async def scenario() -> None:
-        bus, asked = FakeBus(), Asked()
+        bus, asked = ServiceBus(), Asked()
 
         def for_caller(sender: str) -> str | Coroutine[Any, Any, str]:
             return '{"known": 1}' if sender == ":1.7" else asked(sender)

@@ -33,6 +33,7 @@ from gpuslice.procmount import ProcHiding, proc_hiding_of, read_proc_hiding
 from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
 from gpuslice.status import CachedStatus, render, snapshot_to_json
 from gpuslice.systemd import Systemd, SystemdError, credentials_of
+from tests.service_bus import ServiceBus
 from tests.test_controller import Bed, OneForeignProcess, run
 from tests.test_dbus_adapter import bus_address as bus_address
 from tests.test_dbus_adapter import bus_daemon as bus_daemon
@@ -620,24 +621,6 @@ def test_a_reload_reads_the_proc_mount_again(
 # the service
 
 
-class FakeBus:
-    """What SchedulerService uses of a MessageBus: what it sent, each written when a test
-    says so."""
-
-    def __init__(self) -> None:
-        self.sent: list[Message] = []
-        self.writes: list[asyncio.Future[None]] = []
-
-    def add_message_handler(self, handler: Any) -> None:
-        self.handler = handler
-
-    def send(self, msg: Message) -> asyncio.Future[None]:
-        self.sent.append(msg)
-        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.writes.append(written)
-        return written
-
-
 def status_call(serial: int, flags: MessageFlag = MessageFlag.NONE) -> Message:
     return Message(
         destination=BUS_NAME,
@@ -668,7 +651,7 @@ class Asked:
         return self.text
 
 
-def _service(bus: FakeBus, asked: Any) -> SchedulerService:
+def _service(bus: ServiceBus, asked: Any) -> SchedulerService:
     return SchedulerService(
         bus,
         lambda u, s: None,
@@ -691,7 +674,7 @@ def test_an_answer_that_asks_who_is_sent_once_known_and_those_in_wait_are_bounde
     monkeypatch.setattr(service_module, "MAX_STATUS_ASKING", 3)
 
     async def scenario() -> None:
-        bus, asked = FakeBus(), Asked()
+        bus, asked = ServiceBus(), Asked()
         service = _service(bus, asked)
         assert service._handle(status_call(1, MessageFlag.NO_REPLY_EXPECTED)) is True
         assert asked.asked == []
@@ -724,7 +707,7 @@ def test_an_answer_that_asked_who_keeps_the_guards(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(service_module, "MAX_STATUS_ANSWER", 20)
 
     async def scenario() -> None:
-        bus, asked = FakeBus(), Asked("x" * 12)
+        bus, asked = ServiceBus(), Asked("x" * 12)
         service = _service(bus, asked)
         service._handle(status_call(1))
         service._handle(status_call(2))
@@ -733,7 +716,7 @@ def test_an_answer_that_asked_who_keeps_the_guards(monkeypatch: pytest.MonkeyPat
         assert bus.sent[0].message_type is MessageType.METHOD_RETURN
         assert bus.sent[1].error_name == "org.freedesktop.DBus.Error.LimitsExceeded"
         assert bus.sent[1].body == ["too many status answers still being sent: try again"]
-        bus.writes[0].set_result(None)
+        bus.write(1)
         await _turns()
         asked.text = "x" * 21
         service._handle(status_call(3))
