@@ -1250,9 +1250,16 @@ class Controller:
         self.watch.arm_sampler()
 
     def _report(self, event: Callable[[], list[Action]]) -> None:
-        """The ladder reports the outcome of a freeze, suspend or resume: a core event."""
+        """The ladder reports the outcome of a freeze, suspend or resume: a core event,
+        saved at once. Left to the pass due this turn, the save came after the grants that
+        pass makes, and `execute` answers gates first: a suspend done frees its waiter's
+        GPUs, and a controller killed between that grant and its save left its successor
+        the unit saved as suspending, which `recover` resumes on the GPUs it held, now the
+        granted unit's (two jobs on one GPU; a restore that runs out of memory is
+        permanent). A suspend takes seconds; one more save, far less."""
         with self._batched():
             self.execute(event())
+        self.save_now()
 
     def _gpu_processes(self) -> list[GpuUse] | None:
         """Every GPU process with its unit, from a sample taken now; None without NVML."""

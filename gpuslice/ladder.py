@@ -129,6 +129,8 @@ class Ladder:
         self.busy: dict[str, int] = {}
         # units owed a thaw whose ThawUnit failed, said once (a warning) until one works
         self.thaw_failing: set[str] = set()
+        # bytes the suspends under way are moving to host memory: not yet out of MemAvailable
+        self.moving = 0
 
     def went_down(self, unit: str) -> None:
         """The unit's processes are gone: what a suspend of it kept is of no use (one entry
@@ -162,10 +164,18 @@ class Ladder:
         moved = [p for p in pids if self.unit_of_pid(p) != unit]
         if moved:  # exited since the sample: its PID may be another unit's process by now
             raise CheckpointError(f"PID {moved[0]} is no longer a process of it")
-        too_big = checkpoint.host_memory_fits(vram, s, self.host_memory())
+        too_big = checkpoint.host_memory_fits(vram, s, self._host_memory_left())
         if too_big:
+            if self.moving:
+                too_big += f"; other suspends under way are moving {format_size(self.moving)} there"
             raise CheckpointError(f"not enough host memory: {too_big}")
-        seconds = await checkpoint.suspend(tool, pids, s)
+        # counted until the copy is done (then MemAvailable shows it) or undone: two suspends
+        # decided at once (one waiter's two victims) each found the other's memory available
+        self.moving += vram
+        try:
+            seconds = await checkpoint.suspend(tool, pids, s)
+        finally:
+            self.moving -= vram
         try:
             self._confirm_gone(unit, pids)
             await self._freezer("FreezeUnit", unit)
@@ -180,6 +190,11 @@ class Ladder:
             raise CheckpointError(why) from None
         self.suspensions[unit] = Suspension(pids, vram, time.monotonic(), time.time())
         return f"{format_size(vram)} to host memory in {seconds:.1f} s"
+
+    def _host_memory_left(self) -> int | None:
+        """MemAvailable less what the suspends under way are still moving there."""
+        available = self.host_memory()
+        return None if available is None else max(0, available - self.moving)
 
     def _confirm_gone(self, unit: str, pids: tuple[int, ...]) -> None:
         """A fresh sample shows none of the checkpointed processes on a GPU, and no process
@@ -267,7 +282,24 @@ class Ladder:
         checkpoint.check_tool(tool, s.root_only)
         if pids is None:
             pids = await self._recovered_pids(unit, tool, s.via_systemd)
+        else:
+            pids = self._still_its_own(unit, pids)
         return await checkpoint.resume(tool, pids, s)
+
+    def _still_its_own(self, unit: str, pids: Sequence[int]) -> list[int]:
+        """The PIDs a suspend checkpointed, less those another unit's processes have now.
+        One killed meanwhile (frozen processes die of SIGKILL; thawed by hand, they may
+        exit) frees its PID, and the host may give it to another unit's process: one locked
+        or checkpointed by its own suspend was restored or unlocked by this resume, beside
+        its own ladder's work (onto a GPU given away, or a frozen process whose restore
+        never returns). One whose unit cannot be told is kept: gone, the resume passes it
+        by; skipped while it was the unit's, it stayed checkpointed, its CUDA calls blocked
+        for good."""
+        owners = {p: self.unit_of_pid(p) for p in pids}
+        others = [p for p, owner in owners.items() if owner not in (unit, None)]
+        if others:
+            log.info("resuming %s: PIDs %s are other units' processes now", unit, others)
+        return [p for p in pids if p not in others]
 
     async def _recovered_pids(self, unit: str, tool: str, via_systemd: bool) -> list[int]:
         """After a controller restart: the processes of the unit that cuda-checkpoint knows

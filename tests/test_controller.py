@@ -2892,6 +2892,44 @@ def test_a_stop_after_a_failed_suspend_leaves_after_the_state_that_names_it_is_s
     run(test)
 
 
+def test_a_grant_a_suspend_allows_leaves_after_the_state_that_names_it_suspended(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service gives way to urgent.service by a suspend. The pass that grants
+    urgent.service its GPU answers the gate before it saves; the ladder's report of the
+    suspend done was saved by that pass only, after that grant. A controller killed in
+    between left its successor low.service saved as suspending, resumed in place by
+    `recover` on GPU 0, where urgent.service now ran (unaccounted). At the grant, the state
+    file must name low.service suspended, holding no GPU."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    write_unit(tmp_path, "low.service", "Priority=90\nPreempt=suspend stop\n")
+    grant = bed.service.grant
+    at_grant: list[tuple[str, list[str], list[str]]] = []
+
+    def granted(unit: str, gpus: str) -> int:
+        saved, _ = StateStore(Path(bed.config.state_dir)).load()
+        at_grant.append((unit, sorted(saved.suspended), sorted(saved.holders)))
+        return grant(unit, gpus)
+
+    bed.service.grant = granted  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.scan = scan(str(tmp_path / "root"))
+
+        async def suspended(unit: str) -> None:  # the ladder's task, done at once
+            ctl._report(lambda: ctl.scheduler.suspended_done(unit, "1 GiB in 0.1 s"))
+
+        ctl.ladder.suspend = lambda unit, thaw_first=False: suspended(unit)  # type: ignore[method-assign]
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        await settle()
+        assert ctl.scheduler.suspended_units() == ["low.service"]
+        assert at_grant == [("urgent.service", ["low.service"], [])]
+
+    run(test)
+
+
 def test_signals_of_one_turn_of_the_loop_are_decided_once(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

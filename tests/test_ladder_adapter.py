@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice import checkpoint
 from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
 from gpuslice.ladder import THAW_RETRY, Ladder
@@ -292,6 +293,82 @@ def test_a_restore_that_runs_out_of_memory_is_reported_as_fatal(host: Host) -> N
     event, _, words = host.said()[-1]
     assert event == "resume_failed"
     assert words.startswith(f"restore of PID {pid} ran out of GPU memory")
+
+
+def test_a_resume_leaves_alone_a_pid_another_unit_s_process_has_now(host: Host) -> None:
+    """b was killed while vlm.service was suspended, and the host gave its PID to another
+    unit's process, suspended by a ladder of its own (here: b itself, now in another unit's
+    cgroup). The resume restored it by the PID its suspend had recorded: another unit's
+    memory back on a GPU given away, or a frozen process whose restore never returns."""
+    a, b = host.job("1G"), host.job("1G")
+    run(host.ladder.suspend(UNIT))
+    # b's cgroup is another unit's now; a's cannot be read (kept: the resume passes by a
+    # process that is gone, and leaves none of its own checkpointed)
+    host.ladder.unit_of_pid = {a: None, b: "other.service"}.get
+    run(host.ladder.resume(UNIT))
+    event, _, words = host.said()[-1]
+    assert (event, UNIT) == ("resumed", UNIT) and " s: restored in " in words
+    assert host.bed.holds(a) and host.bed.state_of(a) == "running"
+    assert not host.bed.holds(b) and host.bed.state_of(b) == "checkpointed"
+
+
+def test_two_suspends_at_once_count_each_other_s_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One waiter's two victims are suspended at once: each task checked MemAvailable before
+    either had moved anything, so both found the 10 GiB free and 12 GiB went to host memory.
+    The second is refused, saying why; once the first has moved its memory (MemAvailable
+    shows it), it counts no more."""
+    tool = tmp_path / "cuda-checkpoint"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    marker = tmp_path / "cgroup.controllers"
+    marker.touch()
+    units = {11: "a.service", 12: "b.service"}
+    shown = [GpuUse(pid, pid - 11, 6 * GIB, unit, "job") for pid, unit in units.items()]
+    available = [10 * GIB]
+
+    async def suspend(tool: str, pids: list[int], s: object) -> float:
+        await asyncio.sleep(0)  # the other task runs its checks meanwhile
+        shown[:] = [p for p in shown if p.pid not in pids]
+        available[0] -= 6 * GIB
+        return 0.1
+
+    monkeypatch.setattr(checkpoint, "suspend", suspend)
+    events = Events()
+    settings = dataclasses.replace(FAST, tool=str(tool), host_memory_margin=0)
+
+    def report(event: Callable[[], list[Action]]) -> None:
+        event()
+
+    ladder = Ladder(
+        Freezer(),
+        events,
+        lambda: list(shown),
+        lambda: settings,
+        report,
+        unified_marker=marker,
+        host_memory=lambda: available[0],
+        unit_of_pid=units.get,
+    )
+
+    async def both() -> None:
+        await asyncio.gather(ladder.suspend("a.service"), ladder.suspend("b.service"))
+
+    run(both())
+    assert events.said == [
+        (
+            "suspend_failed",
+            "b.service",
+            "not enough host memory: 6 GiB to move but 4 GiB of host memory available "
+            "(margin 0 B); other suspends under way are moving 6 GiB there",
+        ),
+        ("suspended", "a.service", "6 GiB to host memory in 0.1 s"),
+    ]
+    assert ladder.moving == 0
+    available[0] = 10 * GIB  # a resumed meanwhile: b alone, and nothing under way
+    run(ladder.suspend("b.service"))
+    assert events.said[-1] == ("suspended", "b.service", "6 GiB to host memory in 0.1 s")
 
 
 def test_resume_after_a_controller_restart_finds_the_processes_itself(host: Host) -> None:
