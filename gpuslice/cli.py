@@ -43,6 +43,7 @@ from gpuslice.paths import CONFIG_PATH
 from gpuslice.unitfiles import (
     MAX_FILE_SIZE,
     UnitFile,
+    UnitIndex,
     is_template,
     is_valid_unit_name,
     printable,
@@ -884,6 +885,12 @@ def _enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
             f"{unit}: only services are scheduled; enroll the service it starts",
             param_hint="UNIT",
         )
+    # An alias's own drop-in directory (`Alias=`, `ln -s a.service b.service`) annotates
+    # nothing gpuslice scans: `enroll b` said enrolled, and a.service ran ungated.
+    primary = UnitIndex(root).primary_name(unit)
+    if primary != unit:
+        click.echo(f"{unit} is an alias of {primary}: enrolling {primary}", err=True)
+        unit = primary
     _check_gateable(unit, "UNIT")
     dropin = Path(root) / UNIT_DIR / f"{unit}.d" / ENROLL_DROPIN
     text = f"{ENROLL_MARKER}; edit or remove it with systemctl edit.\n"

@@ -17,6 +17,7 @@ always exits 0 once it has written what it could.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -288,6 +289,25 @@ def _warn(message: str, severity: str = "warning") -> None:
     print(f"{_PROG}: {severity}: {printable(message, 2000)}", file=sys.stderr)
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: the text goes to a hidden name without `.conf` (which
+    systemd never reads) in the same directory, renamed over `path` once all of it is there,
+    and removed when anything fails. Written in place, a drop-in cut short by a full /run
+    (ENOSPC after the first pages) or by systemd killing the generator at its timeout stayed
+    and was applied: its gate without the EnvironmentFile= line after it (every GPU visible),
+    or a unit's own ExecStartPre= line cut mid-word and run, while the message said the unit
+    was not gated."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def generate(
     normal_dir: str | os.PathLike[str],
     root: str | os.PathLike[str] = "/",
@@ -318,7 +338,7 @@ def generate(
     try:
         own = out_dir / RUNTIME_DIR_DROPIN
         own.parent.mkdir(parents=True, exist_ok=True)
-        own.write_text(runtime_dir_dropin(runtime_dir), encoding="utf-8")
+        write_whole(own, runtime_dir_dropin(runtime_dir))
     except Exception as e:
         _warn(
             f"cannot write {RUNTIME_DIR_DROPIN}: {_reason(e)} (gpuslice.service takes the "
@@ -330,7 +350,7 @@ def generate(
         try:
             dropin_dir = out_dir / f"{unit}.d"
             dropin_dir.mkdir(parents=True, exist_ok=True)
-            (dropin_dir / GATE_DROPIN_NAME).write_text(text, encoding="utf-8")
+            write_whole(dropin_dir / GATE_DROPIN_NAME, text)
             written += 1
         except Exception as e:
             gated = "not gated correctly" if is_instance(unit) else "not gated"

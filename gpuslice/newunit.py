@@ -50,6 +50,11 @@ LOCK_NAME = ".gpuslice.lock"
 # missed the generators' units too (a SysV script's, from /etc/init.d), portable services'
 # (system.attached) and the transient and control units that would shadow the one written.
 UNIT_DIRS = tuple(d.lstrip("/") for d in SYSTEM_UNIT_PATH)
+# A directory made for a unit or a drop-in (`enroll`'s `UNIT.d/`): root's to write, whatever
+# the umask gpuslice runs with, as the files in it are 0644 whatever it is. Made with the
+# umask's mode, a root shell or script with `umask 0` made it 0777: any local user could add a
+# drop-in (`ExecStartPre=+...`, run as root at the unit's next start) or replace the annotation.
+DIR_MODE = 0o755
 STOP_TIMEOUT = 30  # seconds between KillSignal= and SIGKILL: time to save work and exit
 # User= as systemd accepts it without a lookup: a POSIX-ish name or a numeric UID.
 USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}\$?|[0-9]{1,10}", re.ASCII)
@@ -378,9 +383,9 @@ def read_regular(path: Path, limit: int | None = None) -> bytes | None:
 
 def lock_unit_dir(directory: Path, *, wait: bool = True) -> int:
     """An open descriptor of `directory`'s LOCK_NAME, locked (flock, exclusive; closing it
-    unlocks), the directory made first if needed. Waits while another holds it, or, without
-    `wait`, raises BlockingIOError."""
-    directory.mkdir(parents=True, exist_ok=True)
+    unlocks), the directory made first if needed (`DIR_MODE`). Waits while another holds it,
+    or, without `wait`, raises BlockingIOError."""
+    directory.mkdir(DIR_MODE, parents=True, exist_ok=True)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(directory / LOCK_NAME, flags, 0o600)
     try:
@@ -410,7 +415,7 @@ def write_atomically(path: Path, data: str | bytes, *, exclusive: bool = False) 
     `path` is still this file or one another writer put there since."""
     if isinstance(data, str):
         data = data.encode("utf-8")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".gpuslice-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -501,6 +501,48 @@ class UnitIndex:
         parent = self._chase_system(head)
         return None if parent is None else os.path.join(parent, last)
 
+    def primary_name(self, name: str) -> str:
+        """The name systemd loads unit `name` under: an alias (a symlink in the search path to
+        another unit's name, as `Alias=` makes) followed to that name, an instance of an
+        aliased template to the same instance of the template it names (`b@x.service` for
+        `a@x.service` when `a@.service -> b@.service`); `name` itself otherwise, and after
+        `_MAX_SYMLINKS` aliases (a loop, which systemd does not load). As `systemctl edit`
+        does: scanned under its own name, a unit gets no annotation or gate from a drop-in
+        directory named for an alias."""
+        current = name
+        for _ in range(_MAX_SYMLINKS):
+            target = self._alias_target(current)
+            # an instance with no file of its own is its template's: so are its aliases
+            if target is None and is_instance(current) and not self._named(current):
+                of_template = self._alias_target(template_of(current))
+                if of_template is not None and is_template(of_template):
+                    at = current.index("@")
+                    target = of_template[: of_template.index("@")] + current[at:]
+            if target is None or not is_valid_unit_name(target):
+                return current
+            current = target
+        return name
+
+    def _named(self, name: str) -> bool:
+        """Whether some directory of the search path has an entry called `name`."""
+        return any(name in entries for _sysdir, _real, entries in self._dirs)
+
+    def _alias_target(self, name: str) -> str | None:
+        """The unit name the first entry called `name` in the search path makes it an alias
+        of; None when that entry is no such link (a file, a link out of the search path, an
+        instance's link to its own template) or there is none."""
+        for sysdir, _real, entries in self._dirs:
+            kind = entries.get(name)
+            if kind is None:
+                continue
+            if kind & _DIR or not kind & _LINK:
+                return None
+            target = self._alias_of(sysdir, name)
+            if target is None or (is_instance(name) and is_template(target)):
+                return None
+            return target
+        return None
+
     def instance_dropin_names(self) -> list[str]:
         """Instance names (`foo@a.service`) that have a drop-in directory of their own."""
         found: set[str] = set()

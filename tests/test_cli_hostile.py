@@ -17,6 +17,7 @@ from click.testing import CliRunner, Result
 
 import gpuslice.cli
 from gpuslice import newunit
+from gpuslice.annotations import load_spec
 from gpuslice.cli import main
 from gpuslice.newunit import LOCK_NAME
 from gpuslice.unitfiles import MAX_FILE_SIZE
@@ -289,6 +290,57 @@ def test_enroll_never_replaces_a_gpuslice_conf_it_did_not_write(tmp_path: Path) 
     )
     assert theirs.read_bytes() == before
     assert files(tmp_path) == [f"{SYSTEM}/plain.service", f"{SYSTEM}/plain.service.d/gpuslice.conf"]
+
+
+@pytest.mark.parametrize(
+    ("target", "alias", "enrolled"),
+    [
+        ("real.service", "alias", "real.service"),  # `Alias=alias.service` in real's [Install]
+        ("real@.service", "alias@gpu0", "real@gpu0.service"),  # a template's alias
+    ],
+)
+def test_enroll_of_an_alias_annotates_the_unit_it_names(
+    tmp_path: Path, target: str, alias: str, enrolled: str
+) -> None:
+    """`gpuslice enroll alias` wrote `alias.service.d/gpuslice.conf` and said `enrolled
+    alias.service`: systemd reads that directory for the unit, but gpuslice scans a unit under
+    its own name, so the generator gave it no gate and it ran ungated. Now the drop-in goes
+    where `systemctl edit alias` puts its own: the directory of the name the alias leads to."""
+    lib = tmp_path / "usr/lib/systemd/system"
+    lib.mkdir(parents=True)
+    (lib / target).write_text("[Service]\nExecStart=/bin/true\n")
+    (tmp_path / SYSTEM).mkdir(parents=True)
+    alias_name = target.replace("real", "alias")
+    (tmp_path / SYSTEM / alias_name).symlink_to(f"/usr/lib/systemd/system/{target}")
+    result = enroll(tmp_path, alias, "--priority", "5")
+    assert result.exit_code == 0, result.output
+    assert f"is an alias of {enrolled}: enrolling {enrolled}" in result.output
+    assert files(tmp_path) == [
+        f"{SYSTEM}/{alias_name}",
+        f"{SYSTEM}/{enrolled}.d/gpuslice.conf",
+        f"usr/lib/systemd/system/{target}",
+    ]
+    assert load_spec(enrolled, tmp_path)[0] is not None
+
+
+def test_a_directory_made_for_a_unit_or_a_drop_in_is_root_s_whatever_the_umask(
+    tmp_path: Path,
+) -> None:
+    """Made with the umask's mode, `enroll`'s `UNIT.d/` was 0777 when root ran it with
+    `umask 0` (its drop-in 0644 all the same): any local user could then add a drop-in with
+    `ExecStartPre=+...` (run as root at the unit's next start) or swap the annotation. The
+    unit directory itself likewise, where `new` had to make it."""
+    (tmp_path / "etc/systemd").mkdir(parents=True)
+    old = os.umask(0)
+    try:
+        made = new(tmp_path, "job", "--priority", "1")
+        plain_unit(tmp_path)
+        enrolled = enroll(tmp_path, "plain", "--priority", "5")
+    finally:
+        os.umask(old)
+    assert (made.exit_code, enrolled.exit_code) == (0, 0), made.output + enrolled.output
+    for directory in (SYSTEM, f"{SYSTEM}/plain.service.d"):
+        assert stat.S_IMODE((tmp_path / directory).stat().st_mode) == 0o755, directory
 
 
 def test_a_unit_is_on_disk_before_its_name_and_its_name_before_new_returns(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -501,6 +503,47 @@ def test_a_write_error_for_one_unit_is_reported_and_the_others_are_written(
     ]
     assert capsys.readouterr().err.splitlines() == [
         "gpuslice-generator: error: b.service: cannot write its gate: File exists (unit not gated)"
+    ]
+
+
+# A child that can write no file past 4 KiB: the kernel cuts a longer write short, then
+# refuses the rest (EFBIG), as a full /run does (ENOSPC after the pages it found room for).
+_SMALL_FILES = """
+import resource, signal, sys
+from gpuslice import generator
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+generator.generate(sys.argv[1], root=sys.argv[2], libexec_dir=sys.argv[3])
+"""
+
+
+def test_a_gate_cut_short_by_a_full_disk_is_not_left_behind(tmp_path: Path) -> None:
+    """Written in place, a gate drop-in that /run had room for only part of stayed, and
+    systemd applied it: the gate and the unit's first ExecStartPre= lines, the last of them
+    cut mid-word (`+/bin/rm -rf /var/cache/job/0066/scratch/ol`, run as root), and no
+    EnvironmentFile= (the job saw every GPU), while the generator said the unit was not gated.
+    Now a drop-in is there whole or not at all, and no piece of it is left under another
+    name either."""
+    pre = "".join(f"ExecStartPre=+/bin/rm -rf /var/cache/job/{i:04d}/old\n" for i in range(200))
+    write(tmp_path, f"{ETC}/big.service", f"[Service]\n{pre}ExecStart=/bin/a\n{ANNOTATION}")
+    write(tmp_path, f"{ETC}/small.service", ANNOTATION)
+    out = tmp_path / "run/systemd/generator"
+    package_root = Path(generator.__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-B", "-c", _SMALL_FILES, str(out), str(tmp_path), LIBEXEC],
+        env={**os.environ, "PYTHONPATH": str(package_root)},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert len(pre) > 4096  # big's gate holds these lines: longer than the child may write
+    assert written(out) == {"small.service.d/gpuslice-gate.conf": gate()}
+    assert os.listdir(out / "big.service.d") == []
+    assert done.stderr.splitlines() == [
+        "gpuslice-generator: error: big.service: cannot write its gate: File too large "
+        "(unit not gated)"
     ]
 
 

@@ -291,6 +291,41 @@ def test_a_link_to_its_own_name_in_another_directory_is_no_alias(tmp_path: Path)
     assert fragment is not None and fragment.path == f"{ETC}/a.service"
 
 
+@pytest.mark.parametrize(
+    ("links", "name", "primary"),
+    [
+        ([("b.service", f"{LIB}/a.service")], "b.service", "a.service"),
+        ([("b.service", "a.service")], "b.service", "a.service"),  # in its own directory
+        ([("c.service", f"{ETC}/b.service"), ("b.service", "a.service")], "c.service", "a.service"),
+        ([("b.service", f"{LIB}/a.service")], "a.service", "a.service"),  # no alias
+        ([("b.service", "/opt/a.service")], "b.service", "b.service"),  # a linked unit file
+        ([("b.service", f"{LIB}/b.service")], "b.service", "b.service"),  # the same name
+        ([("t@x.service", f"{LIB}/t@.service")], "t@x.service", "t@x.service"),  # an instance
+        ([("u@.service", f"{LIB}/t@.service")], "u@x.service", "t@x.service"),
+        ([("u@.service", f"{LIB}/t@.service")], "u@.service", "t@.service"),
+        # an instance with a file of its own is not its template's, nor its template's alias
+        (
+            [("u@.service", f"{LIB}/t@.service"), ("u@x.service", "/opt/a.service")],
+            "u@x.service",
+            "u@x.service",
+        ),
+        ([("x.service", "y.service"), ("y.service", "x.service")], "x.service", "x.service"),
+        ([], "none.service", "none.service"),
+    ],
+)
+def test_the_primary_name_follows_aliases_as_systemd_does(
+    tmp_path: Path, links: list[tuple[str, str]], name: str, primary: str
+) -> None:
+    """`gpuslice enroll` annotates a unit under the name systemd loads it by: a drop-in
+    directory named for an alias is one the scan of the unit does not read."""
+    write(tmp_path, f"{LIB}/a.service")
+    write(tmp_path, f"{LIB}/t@.service")
+    write(tmp_path, "/opt/a.service")
+    for alias, target in links:
+        link(tmp_path, f"{ETC}/{alias}", target)
+    assert UnitIndex(tmp_path).primary_name(name) == primary
+
+
 def test_an_alias_hides_its_name_in_lower_directories(tmp_path: Path) -> None:
     # systemd maps each name once, in the first directory that has it: b.service is a.service
     write(tmp_path, f"{LIB}/a.service")
