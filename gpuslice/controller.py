@@ -722,10 +722,7 @@ class Controller:
             if self.gates.close(name):
                 self.counters.gate_answers["pipe"] += 1
             if kind is Kind.DOWN and is_instance(name):
-                self.gates.retire(name)  # instances' names are many: not one pipe each
-                # nor one env file: the next start's gate passes only once _deliver wrote it
-                envfiles.remove(self.config.runtime_dir, name)
-                self._instances.discard(name)  # watched while the core knows it (_watched)
+                self._instance_down(name)
                 self._forget_instance(name)
         elif invocation is None:
             if not self.gates.holds(name):
@@ -733,6 +730,16 @@ class Controller:
                 loop.call_later(GATE_UNSEEN_DELAY, self._gate_unseen, name)
         elif self.gates.at_gate(name, invocation):
             self._serve_gate(name)
+
+    def _instance_down(self, name: str) -> None:
+        """An instance is down: its pipe and env file go. Instances' names are many (one per
+        recording, per `Accept=yes` connection) and may never come again: kept, /run would
+        hold one of each for every instance ever started until the controller restarts. The
+        next start's gate passes only once `_deliver` wrote its file anew (or, no longer
+        annotated, once `_let_through` removed or wrote it)."""
+        self.gates.retire(name)
+        envfiles.remove(self.config.runtime_dir, name)
+        self._instances.discard(name)  # watched while the core knows it (_watched)
 
     def _forget_instance(self, name: str) -> None:
         """An instance down that gpuslice owes nothing is forgotten by the core and the
@@ -768,6 +775,13 @@ class Controller:
             )
             self.service.forget(name)
             self.ladder.went_down(name)
+            if is_instance(name) and self.spec_for(name) is None and not self._known(name):
+                # its annotation went while it held GPUs (let through since on them, maybe):
+                # released now, it is no longer followed, and no later signal of it comes
+                # to _follow_gate, which only annotated units reach. Taken here, at the down
+                # that released it, even when that down is our stop's, whose end (its job
+                # gone) is no longer heard
+                self._instance_down(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))
         elif isinstance(change, ReachedGate):

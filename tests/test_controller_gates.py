@@ -9,7 +9,8 @@ tests: a gate's pipe let go while its line was unread, a cancelled start granted
 sent to D-Bus early, a stale grant said again on GPUs a more urgent unit takes, a counter
 that stopped counting, a log line an admin reads with other words. Each test here states
 the rule it holds, and why. The last ones hold the env file of a unit let through on GPUs
-still held for it, its annotation gone (_let_through, _names_held, _let_through_withheld).
+still held for it, its annotation gone (_let_through, _names_held, _let_through_withheld),
+and of an instance so held when it goes down (_apply, _instance_down).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tests.test_controller import (
     at_gate,
     bed_config,
     goes_down,
+    held_after_answer,
     low_holds_gpu_0,
     messages,
     past,
@@ -46,6 +48,7 @@ from tests.test_controller import (
     state,
     unannotate,
     until,
+    write_unannotated,
     write_unit,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
@@ -1112,5 +1115,238 @@ def test_a_held_unit_let_through_is_told_the_gpu_it_holds_by_uuid_after_a_renumb
             "CUDA_VISIBLE_DEVICES=GPU-A\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
             "NVIDIA_VISIBLE_DEVICES=GPU-A\nGPUSLICE_GPUS=0\n"
         )
+
+    run(test)
+
+
+# ---- an instance held without its annotation: its env file goes when it goes down ----
+
+INSTANCE = "t@1.service"
+TOLD_GPU_0 = "CUDA_VISIBLE_DEVICES=0\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=0\n"
+DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+
+
+def instance_holds_gpu_0(tmp_path: Path) -> tuple[Bed, Path]:
+    """t@1.service, an instance of annotated t@.service (90), runs on GPU 0, its env file
+    naming it; urgent.service (10) asks from PID 4242. The bed, and the instance's file."""
+    bed = Bed(
+        tmp_path,
+        {"t@.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
+        [state(INSTANCE, "active", "running")],
+        SavedState(holders={INSTANCE: ((0,), "running", 1, "")}, seq=1),
+    )
+    path = env_file(bed.config.runtime_dir, INSTANCE)
+    path.parent.mkdir(parents=True)
+    path.write_text(TOLD_GPU_0)
+    return bed, path
+
+
+async def template_unannotated(bed: Bed, tmp_path: Path) -> None:
+    """t@.service's annotation goes (daemon-reload): t@1.service keeps GPU 0 until it ends,
+    its file with it."""
+    ctl = bed.controller
+    write_unannotated(tmp_path, "t@.service")
+    ctl.request_rescan()
+    await until(lambda: ctl.spec_for(INSTANCE) is None and ctl._rescan is None)
+    assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
+    assert bed.systemd.watches(INSTANCE)  # followed while the core holds GPU 0 for it
+
+
+@pytest.mark.parametrize(
+    "down",
+    [
+        DOWN,
+        {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")},
+        {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")},
+    ],
+    ids=["dead", "failed", "auto-restart"],
+)
+def test_an_instance_whose_annotation_went_loses_its_env_file_when_it_goes_down(
+    tmp_path: Path, down: dict[str, object]
+) -> None:
+    """t@1.service's template loses its annotation while it runs on GPU 0; then it ends (or
+    fails, or waits to restart by its Restart=). Its GPU is released, and it is no longer
+    followed: its file stayed in /run until the next controller start, one for each such
+    instance, whose names may never come again. It goes with the down that released the GPU,
+    its directory too (a restart by its Restart= that is gated is let through with no GPUs
+    of gpuslice's, its file removed then anyway: `_let_through`)."""
+    bed, path = instance_holds_gpu_0(tmp_path)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await template_unannotated(bed, tmp_path)
+        assert path.read_text() == TOLD_GPU_0
+        signal(bed, INSTANCE, down)
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        assert not path.parent.exists()
+        assert INSTANCE not in ctl._watched()
+
+    run(test)
+
+
+def test_an_instance_granted_then_unannotated_loses_its_pipe_and_env_file_when_down(
+    tmp_path: Path,
+) -> None:
+    """t@1.service is started, granted GPU 0 through its pipe (its env file written), and
+    runs; its template's annotation goes, then it ends. Its pipe and env file go, as an
+    annotated instance's do: kept, /run held one of each for every such instance."""
+    bed = Bed(tmp_path, {"t@.service": "Priority=90\n"}, [])
+    path = env_file(bed.config.runtime_dir, INSTANCE)
+    pipe = Path(bed.config.runtime_dir) / "gate" / INSTANCE
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", INSTANCE)
+        await until(lambda: bed.systemd.watches(INSTANCE))
+        signal(bed, INSTANCE, at_gate())
+        await settle()
+        assert read_pipe(bed, INSTANCE) == START.hex() + "\n"
+        signal(bed, INSTANCE, {**running(), "Job": (0, "/")})
+        await settle()
+        assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
+        assert path.read_text() == TOLD_GPU_0
+        assert pipe.exists()
+        await template_unannotated(bed, tmp_path)
+        signal(bed, INSTANCE, DOWN)
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        assert not path.parent.exists()
+        assert not pipe.exists()
+
+    run(test)
+
+
+def test_an_instance_let_through_on_its_gpu_keeps_its_env_file_until_it_goes_down(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """t@1.service's template loses its annotation while it runs on GPU 0, and
+    `systemctl restart t@1.service` runs it again with no moment down between (its restart
+    job shows it inactive, the job still queued): it keeps GPU 0 and its file, and is let
+    through on them. When that run ends, the file goes."""
+    bed, path = instance_holds_gpu_0(tmp_path)
+    cgroup_of[4343] = INSTANCE
+    job = "/org/freedesktop/systemd1/job/7"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await template_unannotated(bed, tmp_path)
+        ctl.on_job_new(7, job, INSTANCE)
+        signal(bed, INSTANCE, {"ActiveState": "deactivating", "SubState": "stop", "Job": (7, job)})
+        signal(bed, INSTANCE, {"ActiveState": "inactive", "SubState": "dead", "Job": (7, job)})
+        await settle()
+        assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
+        assert path.read_text() == TOLD_GPU_0
+        bed.systemd.units[INSTANCE] = state(INSTANCE, "activating", "start-pre", 7)
+        signal(bed, INSTANCE, {**at_gate(invocation=b"next"), "Job": (7, job)})
+        await bed.acquire(INSTANCE, ":1.10", 4343)
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [(INSTANCE, "0")]
+        assert path.read_text() == TOLD_GPU_0
+        signal(bed, INSTANCE, {**running(), "Job": (0, "/")})
+        await settle()
+        assert path.read_text() == TOLD_GPU_0
+        bed.systemd.units[INSTANCE] = state(INSTANCE, "inactive", "dead")
+        signal(bed, INSTANCE, DOWN)
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        assert not path.parent.exists()
+
+    run(test)
+
+
+def test_an_instance_whose_annotation_went_loses_its_env_file_at_the_down_our_stop_ends(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service takes GPU 0 from t@1.service, whose template lost its annotation: the
+    signal showing t@1.service down while our stop job is still there releases GPU 0, and
+    t@1.service is no longer followed, so the signals that end the job are not heard. The
+    file goes at that down."""
+    bed, path = instance_holds_gpu_0(tmp_path)
+    cgroup_of[4242] = "urgent.service"
+    resume, jobs = held_after_answer(bed)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await template_unannotated(bed, tmp_path)
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert bed.systemd.calls[-1] == ("stop", INSTANCE)
+        (job,) = jobs
+        signal(bed, INSTANCE, {"ActiveState": "deactivating", "SubState": "stop", "Job": (1, job)})
+        assert path.read_text() == TOLD_GPU_0
+        signal(bed, INSTANCE, {"ActiveState": "inactive", "SubState": "dead", "Job": (1, job)})
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert not path.parent.exists()
+        ctl.on_job_removed(1, job, INSTANCE, "done")
+        signal(bed, INSTANCE, DOWN)
+        resume.set()
+        await settle()
+        assert ctl.scheduler.grants() == {"urgent.service": frozenset({0})}
+
+    run(test)
+
+
+def test_an_instance_whose_annotation_went_keeps_its_env_file_while_its_down_waits(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """t@1.service, its template's annotation gone, shows down before systemd answered our
+    stop of it: the tracker waits for the answer to judge that down, and the core still
+    holds GPU 0 for it meanwhile, so its file stays. The read at the answer takes the down
+    in, and the file goes then."""
+    bed, path = instance_holds_gpu_0(tmp_path)
+    cgroup_of[4242] = "urgent.service"
+    answer = asyncio.Event()
+    stop = bed.systemd.stop_unit
+
+    async def late(name: str, queued: Queued | None = None) -> str:
+        await answer.wait()
+        return await stop(name, queued)
+
+    bed.systemd.stop_unit = late  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await template_unannotated(bed, tmp_path)
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert ctl.tracker.in_flight(INSTANCE)  # our stop, not answered yet
+        bed.systemd.units[INSTANCE] = state(INSTANCE, "inactive", "dead")
+        signal(bed, INSTANCE, DOWN)
+        await settle()
+        assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
+        assert path.read_text() == TOLD_GPU_0
+        answer.set()
+        await until(lambda: bed.service.granted != [])
+        assert bed.systemd.reads == [INSTANCE]
+        assert not path.parent.exists()
+
+    run(test)
+
+
+def test_a_plain_unit_whose_annotation_went_keeps_its_env_file_when_it_goes_down(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """Not an instance: low.service, its annotation gone while it ran on GPU 0, ends. Its
+    file stays, as an annotated plain unit's does (one per unit file, not per job): a start
+    of it that is still gated is let through only after `_let_through` removed the file
+    (no GPUs held), and the next controller start sweeps it."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    path = env_file(bed.config.runtime_dir, "low.service")
+    path.parent.mkdir(parents=True)
+    path.write_text(TOLD_GPU_0)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotate(ctl, tmp_path, "low.service")
+        goes_down(bed, "low.service")
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        assert path.read_text() == TOLD_GPU_0
 
     run(test)
