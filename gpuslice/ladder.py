@@ -8,10 +8,13 @@ nothing here raises into the event loop, and nothing is left locked or frozen by
 
 Suspend, in this order (NVIDIA's and CRIU's findings, ../shared/notes/cuda-checkpoint.md):
 check what can be checked first (the tool, NVML, cgroup v2, every process visible to NVML,
-host memory), lock every CUDA process of the unit, checkpoint each, confirm through NVML
-that none is left on a GPU, then FreezeUnit for the CPU side. Resume: the core has already
-reserved the unit's memory on its GPUs; ThawUnit (the restore runs inside the process; sent
-again a few times while the bus fails for a moment, THAW_RETRY), restore, unlock.
+host memory), lock every CUDA process of the unit, checkpoint each, FreezeUnit for the CPU
+side, then confirm through NVML that no process of it is on a GPU (frozen, none can reach
+one after that look). A failed suspend is undone: ThawUnit if it was frozen, then restore
+and unlock; a process whose undo failed is `lost` to the core, which stops the unit as after
+a failed resume. Resume: the core has already reserved the unit's memory on its GPUs;
+ThawUnit (the restore runs inside the process; sent again a few times while the bus fails
+for a moment, THAW_RETRY), restore, unlock.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class LadderEvents(Protocol):
 
     def suspended_done(self, name: str, detail: str) -> list[Action]: ...
 
-    def suspend_failed(self, name: str, why: str) -> list[Action]: ...
+    def suspend_failed(self, name: str, why: str, *, lost: bool = False) -> list[Action]: ...
 
     def resumed(self, name: str, detail: str) -> list[Action]: ...
 
@@ -149,7 +152,9 @@ class Ladder:
             done = await self._suspend(unit)
         except Exception as e:  # a bug here must not leave the unit (and its waiter) stuck
             why = _reason(e, "suspending")
-            self.report(lambda: self.events.suspend_failed(unit, why))
+            # a process its undo could not restore cannot run again, whatever Preempt= says
+            lost = isinstance(e, CheckpointError) and bool(e.lost)
+            self.report(lambda: self.events.suspend_failed(unit, why, lost=lost))
             return
         self.report(lambda: self.events.suspended_done(unit, done))
 
@@ -176,18 +181,27 @@ class Ladder:
             seconds = await checkpoint.suspend(tool, pids, s)
         finally:
             self.moving -= vram
+        frozen = False
         try:
-            self._confirm_gone(unit, pids)
             await self._freezer("FreezeUnit", unit)
+            frozen = True
+            # After the freeze, not before: looked at first, a process of the unit that made
+            # a CUDA context between the look and the freeze was missed, and stayed frozen on
+            # the GPU given away. Frozen, none can make one now; still one sample, none more.
+            self._confirm_gone(unit, pids)
         except Exception as e:  # a bus error is a reason, not a crash
             why = _reason(e, "suspending")
             if isinstance(e, _FreezerHung):  # half frozen: a restore would hang in it
                 why += await self._thaw_after_hung_freeze(unit)
+            elif frozen:  # the restore runs in the process: thawed first
+                why += await self._thaw_to_undo(unit)
+            lost: tuple[int, ...] = ()
             try:
                 await checkpoint.resume(tool, pids, s)
             except CheckpointError as undo:
                 why += f"; and undoing the checkpoint failed: {undo.reason}"
-            raise CheckpointError(why) from None
+                lost = undo.lost
+            raise CheckpointError(why, lost) from None
         self.suspensions[unit] = Suspension(pids, vram, time.monotonic(), time.time())
         return f"{format_size(vram)} to host memory in {seconds:.1f} s"
 
@@ -197,9 +211,10 @@ class Ladder:
         return None if available is None else max(0, available - self.moving)
 
     def _confirm_gone(self, unit: str, pids: tuple[int, ...]) -> None:
-        """A fresh sample shows none of the checkpointed processes on a GPU, and no process
-        of the unit either (one that started CUDA after the first sample was not checkpointed:
-        frozen on its GPU, it would share it with the unit given way to)."""
+        """A fresh sample, taken once the unit is frozen, shows none of the checkpointed
+        processes on a GPU, and no process of the unit either (one that started CUDA after
+        the first sample was not checkpointed: frozen on its GPU, it would share it with the
+        unit given way to)."""
         processes = self.processes()
         if processes is None:
             raise CheckpointError(
@@ -392,6 +407,15 @@ class Ladder:
             await self._freezer("ThawUnit", unit)
         except _FreezerTransient as e:
             raise _FreezerTransient(f"{e.reason} (sent {len(THAW_RETRY) + 1} times)") from None
+
+    async def _thaw_to_undo(self, unit: str) -> str:
+        """ThawUnit before the undo of a suspend whose FreezeUnit worked (sent again while it
+        fails for an error that passes, as before a restore); what to add to the reason."""
+        try:
+            await self._thaw_patiently(unit, "suspending")
+        except CheckpointError as e:
+            return f"; and {e.reason} (thaw it with systemctl thaw {unit})"
+        return ""
 
     async def _thaw_after_hung_freeze(self, unit: str) -> str:
         """ThawUnit after a FreezeUnit that got no answer (it ends the freeze systemd still

@@ -2860,6 +2860,38 @@ def test_a_unit_that_cannot_be_suspended_is_stopped_with_the_reason_said(
     run(test)
 
 
+def test_a_suspend_whose_undo_lost_a_process_stops_the_unit_with_suspend_alone(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Preempt=suspend alone: a failed suspend leaves the unit its GPUs. One whose undo
+    could not restore a process (lost: it can never run again) ran on broken; it is stopped
+    as after a failed resume, and the journal says why."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    write_unit(tmp_path, "low.service", "Priority=90\nPreempt=suspend\n")
+    why = "FreezeUnit failed: refused; and undoing the checkpoint failed: restore of PID 7 failed"
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.scan = scan(str(tmp_path / "root"))
+
+        async def undone(unit: str) -> None:  # the ladder's report of such a suspend
+            ctl._report(lambda: ctl.scheduler.suspend_failed(unit, why, lost=True))
+
+        ctl.ladder.suspend = lambda unit, thaw_first=False: undone(unit)  # type: ignore[method-assign]
+        await ctl.start()
+        with caplog.at_level(logging.INFO, "gpuslice"):
+            await bed.acquire("urgent.service", ":1.9", 4242)
+            await settle()
+        assert ("stop", "low.service") in bed.systemd.calls
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        assert (
+            f"low.service (priority 90) could not be resumed on GPU 0: undoing its suspend: "
+            f"{why}; stopping it"
+        ) in caplog.text
+
+    run(test)
+
+
 def test_a_stop_after_a_failed_suspend_leaves_after_the_state_that_names_it_is_saved(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

@@ -437,6 +437,60 @@ def test_a_failed_resume_stops_the_unit_and_requeue_restarts_it() -> None:
     assert brief(s.inactive(V, Outcome.STOPPED)) == [f"start {V}"]
 
 
+def test_a_suspend_whose_undo_lost_a_process_stops_the_unit_with_suspend_alone() -> None:
+    """Undoing a failed suspend (restore, unlock) failed for a process of it: that process
+    can never run again. With `Preempt=suspend` alone the unit kept its GPUs and ran on,
+    that process dead, its work broken: it is stopped, as after a failed resume, and
+    Requeue= decides whether it starts again; its waiter waits for that stop."""
+    only = spec("vlm", 90, BG, preempt="suspend")
+    s = host(only, VOICE)
+    running(s, only)
+    s.request(VOICE)
+    why = (
+        "FreezeUnit failed: refused; and undoing the checkpoint failed: restore of PID 7 ran "
+        "out of GPU memory; the process cannot be resumed and must be stopped"
+    )
+    acts = s.suspend_failed(V, why, lost=True)
+    assert brief(acts) == [f"stop {V}"]
+    [stop] = [a for a in acts if isinstance(a, Stop)]
+    assert stop.decision is not None
+    assert stop.decision.code is Code.RESUME_FAILED
+    assert stop.reason == (
+        f"vlm.service (priority 90) could not be resumed on GPU 0: undoing its suspend: {why}; "
+        "stopping it (Requeue= decides whether it starts again)"
+    )
+    assert s.phase(V) is Phase.STOPPING and V not in s.unstoppable
+    assert s.holders[V].stopping_for == VO  # the waiter waits for this stop
+    assert brief(s.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0"]
+    assert brief(s.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
+
+
+@pytest.mark.parametrize("preempt", ["suspend", "suspend stop", "freeze suspend", "suspend freeze"])
+def test_a_lost_process_after_an_undo_stops_the_unit_whatever_its_ladder(preempt: str) -> None:
+    """Not only `suspend` alone: a ladder with stop after it stopped it only for a waiter
+    still more urgent (a reload made the unit as urgent: it ran on, broken). Whoever waits,
+    the unit is stopped; a waiter no longer more urgent plans anew, not behind it."""
+    unit = spec("vlm", 90, BG, preempt=preempt)
+    s = host(unit, VOICE)
+    running(s, unit)
+    s.request(VOICE)
+    s.set_specs({V: dataclasses.replace(unit, priority=10), VO: VOICE})
+    acts = s.suspend_failed(V, "restore of PID 7 failed", lost=True)
+    assert brief(acts)[0] == f"stop {V}"
+    assert s.phase(V) is Phase.STOPPING
+    assert s.holders[V].stopping_for is None and s.waiters[VO].target == ()
+    assert s.thaws_owed() == [V]  # a freeze that hung: a failed stop leaves it running
+
+
+def test_a_suspend_failed_without_a_lost_process_keeps_the_ladder() -> None:
+    only = spec("vlm", 90, BG, preempt="suspend")
+    s = host(only, VOICE)
+    running(s, only)
+    s.request(VOICE)
+    assert brief(s.suspend_failed(V, "FreezeUnit failed: refused", lost=False)) == []
+    assert s.phase(V) is Phase.RUNNING
+
+
 def test_a_suspended_unit_stopped_by_hand_is_held() -> None:
     s = host(VLM, VOICE)
     running(s, VLM)

@@ -70,8 +70,8 @@ class Events:
     def suspended_done(self, name: str, detail: str) -> list[Action]:
         return self._note("suspended", name, detail)
 
-    def suspend_failed(self, name: str, why: str) -> list[Action]:
-        return self._note("suspend_failed", name, why)
+    def suspend_failed(self, name: str, why: str, *, lost: bool = False) -> list[Action]:
+        return self._note("suspend_failed_lost" if lost else "suspend_failed", name, why)
 
     def resumed(self, name: str, detail: str) -> list[Action]:
         return self._note("resumed", name, detail)
@@ -273,7 +273,7 @@ def test_memory_still_shown_after_the_checkpoint_is_not_believed_gone(host: Host
         f"NVML still shows PID {pid} on GPU 0 after the checkpoint",
     )
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
-    assert host.freezer.calls == []
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]  # looked at frozen
 
 
 def test_a_lock_timeout_leaves_the_job_running(host: Host) -> None:
@@ -522,7 +522,8 @@ def test_nvml_gone_after_the_checkpoint_is_no_confirmation(host: Host) -> None:
         )
     ]
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
-    assert host.freezer.calls == [] and UNIT not in host.ladder.suspensions
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert UNIT not in host.ladder.suspensions
 
 
 def test_a_process_of_the_unit_that_reached_a_gpu_during_the_checkpoint_fails_it(
@@ -547,7 +548,104 @@ def test_a_process_of_the_unit_that_reached_a_gpu_during_the_checkpoint_fails_it
         "GPU meanwhile",
     )
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
-    assert host.freezer.calls == [] and UNIT not in host.ladder.suspensions
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert UNIT not in host.ladder.suspensions
+
+
+class LateFreezer(Freezer):
+    """FreezeUnit on its way (one bus round trip) while a process of the unit makes its
+    CUDA context: `late` starts it, and the freeze then catches it on its GPU. ThawUnit
+    records which of the unit's processes are on the GPU at that moment (`at_thaw`)."""
+
+    def __init__(self, host: Host) -> None:
+        super().__init__()
+        self.host = host
+        self.late: list[int] = []
+        self.at_thaw: dict[int, bool] = {}
+
+    async def freeze_unit(self, name: str) -> None:
+        self.late.append(self.host.job())
+        await super().freeze_unit(name)
+
+    async def thaw_unit(self, name: str) -> None:
+        self.at_thaw = {p: self.host.bed.holds(p) for p in self.host.mine}
+        await super().thaw_unit(name)
+
+
+def test_a_process_that_reached_a_gpu_just_before_the_freeze_fails_the_suspend(
+    host: Host,
+) -> None:
+    """NVML was asked before FreezeUnit: a process of the unit that made a CUDA context in
+    between was not seen, and stayed frozen on the GPU given to the more urgent unit. The
+    look comes after the freeze now; the suspend fails and is undone, thawed before the
+    restore (it runs in the process)."""
+    pid = host.job()
+    host.ladder.systemd = host.freezer = LateFreezer(host)
+    run(host.ladder.suspend(UNIT))
+    [late] = host.freezer.late
+    assert host.said() == [
+        (
+            "suspend_failed",
+            UNIT,
+            f"NVML shows PID {late} of it on GPU 0 after the checkpoint: a process started on "
+            "a GPU meanwhile",
+        )
+    ]
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.freezer.at_thaw == {pid: False, late: True}  # thawed, then restored
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert UNIT not in host.ladder.suspensions and host.ladder.busy == {}
+
+
+def test_a_suspend_asks_nvml_twice_the_second_time_once_frozen(host: Host) -> None:
+    """The look after the freeze is the one that confirms the memory gone: no sample more
+    than before per suspend."""
+    host.job()
+    real = host.processes
+    seen: list[list[str]] = []
+
+    def sample() -> list[GpuUse] | None:
+        seen.append(list(host.freezer.calls))
+        return real()
+
+    host.ladder.processes = sample
+    run(host.ladder.suspend(UNIT))
+    assert host.said()[0][0] == "suspended"
+    assert seen == [[], [f"freeze {UNIT}"]]
+
+
+def test_a_thaw_that_fails_before_the_undo_says_so(host: Host) -> None:
+    pid = host.job()
+    host.ladder.systemd = host.freezer = LateFreezer(host)
+    host.freezer.fail.add("thaw")
+    run(host.ladder.suspend(UNIT))
+    [(_, _, words)] = host.said()
+    assert (
+        f"a GPU meanwhile; and ThawUnit failed: thaw refused (thaw it with systemctl thaw {UNIT})"
+    ) in words
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]  # a refusal: not again
+    assert host.bed.state_of(pid) == "running"  # the fake's processes were never frozen
+
+
+def test_a_process_lost_by_the_undo_inside_the_checkpoint_step_is_reported_lost(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint.suspend undoes its own failures (a checkpoint that timed out after another
+    process was checkpointed): a restore that fails there loses that process too, and the
+    core must hear it (it stops the unit), not only the words."""
+    pid = host.job()
+    why = (
+        f"checkpoint of PID 9 timed out after 1 s; and restore of PID {pid} failed: boom; "
+        "the process cannot be resumed and must be stopped"
+    )
+
+    async def suspend(tool: str, pids: list[int], s: object) -> float:
+        raise checkpoint.CheckpointError(why, lost=(pid,))
+
+    monkeypatch.setattr(checkpoint, "suspend", suspend)
+    run(host.ladder.suspend(UNIT))
+    assert host.said() == [("suspend_failed_lost", UNIT, why)]
+    assert host.freezer.calls == [] and host.ladder.moving == 0
 
 
 class HungFreezer(Freezer):

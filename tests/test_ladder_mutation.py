@@ -687,8 +687,8 @@ def test_a_failed_freeze_whose_undo_fails_says_both(host: Host) -> None:
     host.bed.inject("restore-oom")
     run(host.ladder.suspend(UNIT))
     assert host.said() == [
-        (
-            "suspend_failed",
+        (  # lost: the core stops the unit, whatever its ladder
+            "suspend_failed_lost",
             UNIT,
             f"FreezeUnit failed: freeze refused; and undoing the checkpoint failed: restore of "
             f"PID {pid} ran out of GPU memory; the process cannot be resumed and must be stopped",

@@ -769,16 +769,20 @@ class Scheduler:
         )
         return [_log(decision), *self.schedule()]
 
-    def suspend_failed(self, name: str, why: str) -> list[Action]:
+    def suspend_failed(self, name: str, why: str, *, lost: bool = False) -> list[Action]:
         """Suspending did not work (no cuda-checkpoint, a lock that timed out, too little
         host memory...): the next rung of its ladder, or, with none left, it keeps its GPUs
-        and is not chosen as a victim again while it runs."""
+        and is not chosen as a victim again while it runs. `lost`: undoing it failed for a
+        process of it (its restore), which cannot run again: the unit is stopped, as after
+        a failed resume, whatever its ladder (kept running, its work was broken)."""
         holder = self.holders.get(name)
         if holder is None or holder.phase is not Phase.SUSPENDING:
             return []
         waiter = self.waiters.get(holder.stopping_for or "")
         self.unsuspendable.add(name)  # not tried again while it runs, whoever waits next
         spec = self.specs.get(name, holder.spec)  # its annotation now (a reload may edit it)
+        if lost:
+            return self._stop_undone(holder, spec, waiter, why)
         rungs = _memory_rungs(spec, suspend_failed=True)
         fallback = rungs[0] if rungs else None
         decision = _about(
@@ -807,6 +811,24 @@ class Scheduler:
         if fallback is None:
             self.unstoppable.add(name)
         return [_log(decision), *self.schedule()]
+
+    def _stop_undone(
+        self, holder: Holder, spec: UnitSpec, waiter: Waiter | None, why: str
+    ) -> list[Action]:
+        """A suspend whose undo lost a process: stopped, as a failed resume's unit. While
+        still less urgent than its waiter the stop is for it (the waiter waits for it, as
+        for the stop rung); else the waiter plans anew."""
+        self.thaw_owed.add(holder.spec.name)  # a freeze that hung; stop_failed holds it running
+        holder.phase = Phase.STOPPING
+        self._tops_cache = None
+        if waiter is None or spec.priority <= waiter.spec.priority:
+            holder.stopping_for = None
+            if waiter is not None:
+                waiter.target = ()
+        gpus = tuple(sorted(holder.gpus))
+        detail = f"undoing its suspend: {why}"
+        stop = _stop(_about(holder.spec, Code.RESUME_FAILED, gpus=gpus, detail=detail))
+        return [stop, *self.schedule()]
 
     def resumed(self, name: str, detail: str) -> list[Action]:
         """Its VRAM is back and it runs again. `detail`: after how long, how fast."""
