@@ -754,6 +754,17 @@ class Controller:
             self.tracker.forget(name)
             self.answers.changed()  # gone from held, finished and failed
 
+    def _unfollowed_down(self, name: str) -> None:
+        """A unit no longer followed is down: the tracker forgets it, as `_forget_instance`
+        has it forget an annotated instance, and on the same terms (no call of ours about it
+        unanswered; not waiting to restart, whose down was told once, should its annotation
+        come back before the restart). Kept, it held one entry for every such unit until
+        the controller restarted (an instance's name may never come again). Annotated
+        again, a plain unit is read anew by the rescan (`_apply_scan`), an instance at its
+        next start, as any instance forgotten."""
+        if self.tracker.state(name).sub != "auto-restart":
+            self.tracker.forget(name)
+
     def _gate_unseen(self, name: str) -> None:
         """A state read showed the unit at its gate and no signal has named that start since
         (a read answered just before the start's signal is the usual case, and the signal
@@ -775,13 +786,15 @@ class Controller:
             )
             self.service.forget(name)
             self.ladder.went_down(name)
-            if is_instance(name) and self.spec_for(name) is None and not self._known(name):
+            if self.spec_for(name) is None and not self._known(name):
                 # its annotation went while it held GPUs (let through since on them, maybe):
                 # released now, it is no longer followed, and no later signal of it comes
-                # to _follow_gate, which only annotated units reach. Taken here, at the down
-                # that released it, even when that down is our stop's, whose end (its job
-                # gone) is no longer heard
-                self._instance_down(name)
+                # to _follow_gate, which only annotated units reach. Its pipe, env file and
+                # tracker entry go here, at the down that released it, even when that down
+                # is our stop's, whose end (its job gone) is no longer heard
+                if is_instance(name):
+                    self._instance_down(name)
+                self._unfollowed_down(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))
         elif isinstance(change, ReachedGate):
@@ -1463,9 +1476,14 @@ class Controller:
         return {*core.grants(), *core.waiting_units(), *core.suspended_units()}
 
     def _managed_units(self) -> set[str]:
-        """Units whose GPU processes are not foreign: known, holding, or tracked."""
+        """Units whose GPU processes are not foreign: annotated, holding, or tracked and still
+        followed (an instance not learned yet, a waiter or suspended unit whose annotation
+        went). The tracker also keeps units no longer followed (one unannotated while down,
+        or left at its down: `_unfollowed_down`): counted, an ungated run's processes were a
+        managed unit's, never foreign, and a background unit kept (or was granted) their GPU
+        under `foreign_processes: yield`."""
         names = set(self.scheduler.annotated()) | set(self.scheduler.grants())
-        return names | set(self.tracker.states)
+        return names | {n for n in self.tracker.states if self._followed(n)}
 
     def _deliver(self, unit: str, gpus: Sequence[int], again: bool = False) -> None:
         """Let a granted unit's gate through once the unit's environment file says which

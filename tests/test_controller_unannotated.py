@@ -1,0 +1,241 @@
+"""A unit whose annotation went is no longer gpuslice's once the core has let it go.
+
+The controller follows a unit while it is annotated or the core still knows it (a holder, a
+waiter, a suspended unit: `Controller._followed`); the tracker kept systemd's last word on
+every unit it ever followed, and every name it kept counted as managed (`_managed_units`):
+the GPU processes of such a unit, run again ungated after the daemon-reload that took its
+gate out, were taken for a managed unit's leftovers, never foreign. Under
+`foreign_processes: yield` a background unit then stayed on that process's GPU, and was
+granted it (README, "GPUs, memory and processes gpuslice does not manage": background units
+step aside while a foreign compute process uses their GPU). And the tracker's entry of such
+a unit, released at its down, was never dropped: one for each instance ever so released
+(`_apply`'s WentDown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from gpuslice.core.scheduler import SavedState
+from gpuslice.nvml import GpuProcess
+from gpuslice.systemd import Queued
+from tests.test_controller import (
+    GIB,
+    Bed,
+    StubNvml,
+    _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
+    bed_config,
+    goes_down,
+    run,
+    settle,
+    signal,
+    state,
+    unannotate,
+    until,
+)
+from tests.test_controller import cgroup_of as cgroup_of  # a fixture
+from tests.test_controller_gates import DOWN, INSTANCE, instance_holds_gpu_0, template_unannotated
+
+JOB = "job.service"
+BG = "bg.service"
+
+
+class Shown(StubNvml):
+    """The two GPUs, with the processes `shown` on each (none until a test puts some)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shown: dict[int, list[GpuProcess]] = {}
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        return self.shown.get(index, [])
+
+
+def job_beside_bg(tmp_path: Path, nvml: Shown, *, held: bool) -> Bed:
+    """bg.service (background) runs on GPU 1; job.service (50) runs on GPU 0 (`held`), or
+    is down. PID 300, on /proc, runs in job.service's cgroup."""
+    proc = tmp_path / "proc" / "300"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text(f"0::/system.slice/{JOB}\n")
+    (proc / "comm").write_text("python3\n")
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {BG: ((1,), "running", 1, "")}
+    states = [state(BG, "active", "running")]
+    if held:
+        holders[JOB] = ((0,), "running", 2, "")
+        states.append(state(JOB, "active", "running"))
+    else:
+        states.append(state(JOB, "inactive", "dead"))
+    return Bed(
+        tmp_path,
+        {BG: "Priority=90\nType=background\n", JOB: "Priority=50\n"},
+        states,
+        SavedState(holders=holders, seq=2),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held-when-it-went", "down-when-it-went"])
+def test_a_process_of_a_unit_whose_annotation_went_is_foreign_once_it_is_let_go(
+    tmp_path: Path, held: bool
+) -> None:
+    """job.service's annotation goes (daemon-reload, its gate with it) while it runs on GPU
+    0, and it ends; or while it is down. Later it runs, ungated, and its process (PID 300)
+    uses GPU 1, where bg.service (background) runs: a process of no managed unit, so
+    bg.service yields GPU 1 to it, and status shows it foreign. Taken for job.service's
+    because the tracker still had its last state, bg.service ran on beside it."""
+    nvml = Shown()
+    bed = job_beside_bg(tmp_path, nvml, held=held)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotate(ctl, tmp_path, JOB)
+        if held:
+            assert ctl.scheduler.grants() == {BG: frozenset({1}), JOB: frozenset({0})}
+            goes_down(bed, JOB)
+            await settle()
+        assert ctl.scheduler.grants() == {BG: frozenset({1})}
+        assert JOB not in ctl._managed_units()
+        bed.systemd.units[JOB] = state(JOB, "active", "running")
+        signal(bed, JOB, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+        nvml.shown[1] = [GpuProcess(300, 1, 2 * GIB, compute=True)]
+        ctl.watch.refresh()
+        await settle()
+        [foreign] = json.loads(ctl.status_json())["gpus"][1]["foreign"]
+        assert foreign["pid"] == 300
+        assert ("stop", BG) in bed.systemd.calls
+
+    run(test)
+
+
+def test_a_running_unit_whose_annotation_went_keeps_its_processes_until_it_ends(
+    tmp_path: Path,
+) -> None:
+    """While job.service, its annotation gone, still holds GPU 0 (the core keeps it until it
+    ends), its process there is its own, not foreign: bg.service on GPU 1 is not stopped."""
+    nvml = Shown()
+    bed = job_beside_bg(tmp_path, nvml, held=True)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotate(ctl, tmp_path, JOB)
+        nvml.shown[0] = [GpuProcess(300, 0, 2 * GIB, compute=True)]
+        ctl.watch.refresh()
+        await settle()
+        assert JOB in ctl._managed_units()
+        assert json.loads(ctl.status_json())["gpus"][0]["foreign"] == []
+        assert ("stop", BG) not in bed.systemd.calls
+
+    run(test)
+
+
+def test_a_plain_unit_whose_annotation_went_leaves_the_tracker_at_its_down(
+    tmp_path: Path,
+) -> None:
+    """job.service, its annotation gone while it ran on GPU 0, ends: the core lets it go and
+    its signals are no longer taken in, so the tracker forgets it too."""
+    bed = job_beside_bg(tmp_path, Shown(), held=True)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await unannotate(ctl, tmp_path, JOB)
+        assert JOB in ctl.tracker.states  # followed while the core holds GPU 0 for it
+        goes_down(bed, JOB)
+        await settle()
+        assert JOB not in ctl.tracker.states
+        assert ctl.tracker.signals(JOB) == 0
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    "down",
+    [DOWN, {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")}],
+    ids=["dead", "failed"],
+)
+def test_an_instance_whose_annotation_went_leaves_the_tracker_at_its_down(
+    tmp_path: Path, down: dict[str, object]
+) -> None:
+    """t@1.service's template loses its annotation while it runs on GPU 0; it ends: its
+    entry goes from the tracker, as an annotated instance's does (`_forget_instance`). Kept,
+    the tracker held one for every such instance, whose names may never come again."""
+    bed, _ = instance_holds_gpu_0(tmp_path)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await template_unannotated(bed, tmp_path)
+        assert INSTANCE in ctl.tracker.states
+        signal(bed, INSTANCE, down)
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        assert INSTANCE not in ctl.tracker.states
+        assert INSTANCE not in ctl._managed_units()
+
+    run(test)
+
+
+def test_an_instance_waiting_to_restart_stays_in_the_tracker_but_is_not_managed(
+    tmp_path: Path,
+) -> None:
+    """t@1.service, its template's annotation gone, fails and waits to restart by its
+    Restart=: the tracker, which told it down once, keeps it (as `_forget_instance` does),
+    but its processes are no longer a managed unit's."""
+    bed, _ = instance_holds_gpu_0(tmp_path)
+    restarting = {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await template_unannotated(bed, tmp_path)
+        signal(bed, INSTANCE, restarting)
+        await settle()
+        assert ctl.scheduler.grants() == {}
+        assert INSTANCE in ctl.tracker.states
+        assert INSTANCE not in ctl._managed_units()
+
+    run(test)
+
+
+def test_an_instance_whose_annotation_went_stays_in_the_tracker_while_our_stop_is_unanswered(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service takes GPU 0 from t@1.service, whose template lost its annotation, and
+    t@1.service shows down before systemd answered our stop: the tracker waits for the
+    answer to judge that down, so it keeps what it knows of t@1.service until then, and
+    forgets it at the down the answer's read takes in."""
+    bed, _ = instance_holds_gpu_0(tmp_path)
+    cgroup_of[4242] = "urgent.service"
+    answer = asyncio.Event()
+    stop = bed.systemd.stop_unit
+
+    async def late(name: str, queued: Queued | None = None) -> str:
+        await answer.wait()
+        return await stop(name, queued)
+
+    bed.systemd.stop_unit = late  # type: ignore[method-assign]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await template_unannotated(bed, tmp_path)
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert ctl.tracker.in_flight(INSTANCE)
+        bed.systemd.units[INSTANCE] = state(INSTANCE, "inactive", "dead")
+        signal(bed, INSTANCE, DOWN)
+        await settle()
+        assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
+        assert INSTANCE in ctl.tracker.states
+        answer.set()
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert INSTANCE not in ctl.tracker.states
+
+    run(test)
