@@ -885,8 +885,9 @@ def _enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
             f"{unit}: only services are scheduled; enroll the service it starts",
             param_hint="UNIT",
         )
-    # An alias's own drop-in directory (`Alias=`, `ln -s a.service b.service`) annotates
-    # nothing gpuslice scans: `enroll b` said enrolled, and a.service ran ungated.
+    # An alias (`Alias=`, `ln -s a.service b.service`) is enrolled under the name systemd loads
+    # the unit by, where `systemctl edit` puts its drop-ins (an alias's directory, read too,
+    # is no place an admin looks for the unit's).
     primary = UnitIndex(root).primary_name(unit)
     if primary != unit:
         click.echo(f"{unit} is an alias of {primary}: enrolling {primary}", err=True)

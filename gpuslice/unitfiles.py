@@ -99,20 +99,50 @@ def template_of(name: str) -> str:
     return name[: at + 1] + name[name.rfind(".") :]
 
 
-def _dash_prefixes(name: str) -> list[str]:
-    """`foo-bar-baz.service` -> [`foo-bar-.service`, `foo-.service`] (systemd's prefix drop-ins)."""
-    dot = name.rfind(".")
-    suffix = name[dot:]
-    at = name.find("@")
-    prefix = name[:at] if at > 0 else name[:dot]
-    if prefix.endswith("-"):  # `foo-.service` is itself a prefix name: chop its dash once
-        prefix = prefix[:-1]
+def _dash_prefixes(stem: str) -> list[str]:
+    """`foo-bar-baz` -> [`foo-bar-`, `foo-`]: the dash prefixes systemd 252 looks up for a
+    name whose part before its first `@` (or its suffix) is `stem` (`unit_file_find_dirs` in
+    src/shared/dropin.c): a trailing dash is chopped once, a leading one gives none."""
+    if stem.endswith("-"):  # `foo-.service` is itself a prefix name: chop its dash once
+        stem = stem[:-1]
     out: list[str] = []
-    dash = prefix.rfind("-")
+    dash = stem.rfind("-")
     while dash > 0:
-        out.append(prefix[: dash + 1] + suffix)
-        dash = prefix.rfind("-", 0, dash)
+        out.append(stem[: dash + 1])
+        dash = stem.rfind("-", 0, dash)
     return out
+
+
+def _dropin_names(name: str) -> list[str]:
+    """The names whose `NAME.d` directories systemd 252 reads for unit name `name`, in its
+    order. `unit_file_find_dirs` reads the name, then (an instance) its template's names,
+    then its dash prefix's, built with the instance: `foo-bar@a.service` reads `foo-bar@a`,
+    `foo-bar@`, `foo-` (the template's prefix), `foo-@a` and `foo-@`.
+
+    A template stands for every instance (its gate covers them all): its names are an
+    instance's less those that name the instance (`foo-bar@`, `foo-`, `foo-@`)."""
+    dot = name.rfind(".")
+    at = name.find("@")
+    suffix = name[dot:]
+    stem = name[:at] if at >= 0 else name[:dot]
+    prefixes = _dash_prefixes(stem)
+    names = [name]
+    if at < 0:
+        return names + [p + suffix for p in prefixes]
+    instance = name[at + 1 : dot]  # "" in a template
+    if instance:
+        names.append(f"{stem}@{suffix}")
+    names += [p + suffix for p in prefixes]
+    for p in prefixes:
+        if instance:
+            names.append(f"{p}@{instance}{suffix}")
+        names.append(f"{p}@{suffix}")
+    return names
+
+
+def _kind_of_name(name: str) -> int:
+    """0 for a plain name, 1 for an instance, 2 for a template: an alias is of its unit's kind."""
+    return 2 if is_template(name) else 1 if is_instance(name) else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,6 +400,8 @@ class UnitIndex:
             for name, kind in entries.items()
             if kind & (_DIR | _LINK) and name.endswith(".d")
         }
+        # (primary name of each alias link, the alias names of each primary name), when asked
+        self._alias_maps: tuple[dict[str, str], dict[str, list[str]]] | None = None
 
     # -- paths
 
@@ -506,9 +538,9 @@ class UnitIndex:
         another unit's name, as `Alias=` makes) followed to that name, an instance of an
         aliased template to the same instance of the template it names (`b@x.service` for
         `a@x.service` when `a@.service -> b@.service`); `name` itself otherwise, and after
-        `_MAX_SYMLINKS` aliases (a loop, which systemd does not load). As `systemctl edit`
-        does: scanned under its own name, a unit gets no annotation or gate from a drop-in
-        directory named for an alias."""
+        `_MAX_SYMLINKS` aliases (a loop, which systemd does not load). The scan keys a unit by
+        this name, and `gpuslice enroll` writes under it, as `systemctl edit` does; its
+        aliases' drop-in directories are read with its own (`names_of`)."""
         current = name
         for _ in range(_MAX_SYMLINKS):
             target = self._alias_target(current)
@@ -543,16 +575,92 @@ class UnitIndex:
             return target
         return None
 
+    def _aliases(self) -> tuple[dict[str, str], dict[str, list[str]]]:
+        """Alias name -> the name it leads to (`primary_name`), and that name -> its aliases,
+        for every alias link in the search path (systemd's unit_name_map), built on first use:
+        one `primary_name` per link, not per unit. A link between names of different kinds
+        (`a.service -> t@.service`) is no alias: systemd refuses it."""
+        if self._alias_maps is None:
+            primary_of: dict[str, str] = {}
+            aliases: dict[str, list[str]] = {}
+            seen: set[str] = set()
+            for _sysdir, _real, entries in self._dirs:
+                for name, kind in entries.items():
+                    if not kind & _LINK or kind & _DIR or not name.endswith(UNIT_SUFFIX):
+                        continue
+                    if name in seen or not is_valid_unit_name(name):
+                        continue
+                    seen.add(name)
+                    primary = self.primary_name(name)
+                    if primary != name and _kind_of_name(primary) == _kind_of_name(name):
+                        primary_of[name] = primary
+                        aliases.setdefault(primary, []).append(name)
+            self._alias_maps = (primary_of, aliases)
+        return self._alias_maps
+
+    def names_of(self, name: str) -> list[str]:
+        """Every name of the unit systemd loads as `name`, whose drop-in directories it reads
+        (load-dropin.c: the unit's id, then its aliases): the name it loads it under
+        (`primary_name`) first, then its aliases in name order. An instance of an aliased
+        template has the alias's instance too (`a@x.service` of `b@x.service` when
+        `a@.service -> b@.service`), unless that instance is a unit of its own. (systemd's order
+        among aliases is its hash set's: it decides only between drop-ins of one file name in
+        two aliases' directories.)"""
+        primary_of, aliases = self._aliases()
+        primary = name
+        if name in primary_of or template_of(name) in primary_of:
+            primary = self.primary_name(name)
+        others = set(aliases.get(primary, ()))
+        template = template_of(primary)
+        if template != primary:  # an instance: its template's aliases name it too
+            at = primary.index("@")
+            for alias in aliases.get(template, ()):
+                instance = alias[: alias.index("@")] + primary[at:]
+                if is_valid_unit_name(instance) and self.primary_name(instance) == primary:
+                    others.add(instance)
+        return [primary, *sorted(others)]
+
     def instance_dropin_names(self) -> list[str]:
-        """Instance names (`foo@a.service`) that have a drop-in directory of their own."""
+        """Instances, by the name systemd loads them under, that read a drop-in directory named
+        for an instance: their own (`foo-bar@a.service.d`), an alias's (`baz@a.service.d`
+        when `baz@.service -> foo-bar@.service`) or a dash prefix's (`foo-@a.service.d`, read
+        by `foo-bar@a.service` and by every other `foo-...@a.service`). Their templates' scan
+        cannot see these: each is scanned with its own name."""
+        named: set[str] = set()
+        for dir_name in self._dropin_dir_names:
+            unit = dir_name[:-2]
+            if unit.endswith(UNIT_SUFFIX) and is_instance(unit) and is_valid_unit_name(unit):
+                named.add(unit)
+        if not named:
+            return []
+        # template-form name `X@.service` -> the templates whose instances read `X@i.service.d`
+        readers: dict[str, set[str]] = {}
+        for template in self._template_names():
+            primary = self.primary_name(template)
+            for n in _dropin_names(template):
+                if is_template(n):
+                    readers.setdefault(n, set()).add(primary)
         found: set[str] = set()
-        for _sysdir, _real, entries in self._dirs:
-            for name, kind in entries.items():
-                if kind & (_DIR | _LINK) and name.endswith(UNIT_SUFFIX + ".d"):
-                    unit = name[:-2]
-                    if is_instance(unit) and is_valid_unit_name(unit):
-                        found.add(unit)
-        return sorted(found)
+        for unit in named:
+            found.add(self.primary_name(unit))
+            instance = unit[unit.index("@") :]
+            for template in readers.get(template_of(unit), ()):
+                reader = template[: template.index("@")] + instance
+                if is_valid_unit_name(reader):
+                    found.add(self.primary_name(reader))
+        return sorted(n for n in found if is_instance(n))
+
+    def _template_names(self) -> set[str]:
+        """Every `foo@.service` that is a file or a symlink in some search directory."""
+        return {
+            name
+            for _sysdir, _real, entries in self._dirs
+            for name, kind in entries.items()
+            if not kind & (_DIR | _OTHER)
+            and name.endswith(UNIT_SUFFIX)
+            and is_template(name)
+            and is_valid_unit_name(name)
+        }
 
     def fragment(self, name: str) -> Fragment | None:
         """The unit's main file: first match in path order; an instance without its own file
@@ -577,24 +685,18 @@ class UnitIndex:
         return None
 
     def dropin_dirs(self, name: str) -> list[tuple[str, str]]:
-        """Drop-in directories that exist, in systemd's precedence order (earlier wins a tie)."""
-        names: list[str] = []
-
-        def add(n: str) -> None:
-            if n not in names:
-                names.append(n)
-            if is_instance(n):
-                add(template_of(n))
-
-        add(name)
-        for p in _dash_prefixes(name):
-            if p not in names:
-                names.append(p)
+        """Drop-in directories that exist, in systemd's precedence order (earlier wins a tie):
+        for each name of the unit (`names_of`), each search directory in turn holds the
+        directories of that name's `_dropin_names`; the type-level `service.d` comes last."""
+        groups = [_dropin_names(n) for n in self.names_of(name)]
+        groups.append([name[name.rfind(".") + 1 :]])
         dirs: list[tuple[str, str]] = []
-        for group in (names, [name[name.rfind(".") + 1 :]]):  # then the type-level `service.d`
-            group = [n for n in group if n + ".d" in self._dropin_dir_names]
+        seen: set[str] = set()  # a name met again adds nothing: its files are all taken
+        for group in groups:
+            group = [n for n in group if n + ".d" in self._dropin_dir_names and n not in seen]
             if not group:
                 continue
+            seen.update(group)
             for sysdir, real, entries in self._dirs:
                 for n in group:
                     kind = entries.get(n + ".d", 0)

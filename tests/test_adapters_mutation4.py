@@ -30,7 +30,7 @@ from gpuslice.unitfiles import (
     Fragment,
     UnitFile,
     UnitIndex,
-    _dash_prefixes,
+    _dropin_names,
     _not_regular,
     read_unit_text,
 )
@@ -345,16 +345,30 @@ def test_an_instance_file_keeps_its_spec_even_when_it_equals_the_templates(
     assert result.spec_for("t@a.service") == UnitSpec("t@a.service", 5, source=source)
 
 
-def test_instance_dropins_of_a_template_not_listed_are_not_scanned(tmp_path: Path) -> None:
-    """An instance drop-in directory counts only when its template is a listed unit: the
-    drop-ins of `alias@a.service`, whose template is an alias, are not read on their own."""
+def test_instance_dropins_of_an_aliased_template_are_its_units(tmp_path: Path) -> None:
+    """systemd reads the drop-ins of every name of a unit: `alias@a.service.d` applies to
+    `real@a.service` when `alias@.service -> real@.service`, so that instance is scanned under
+    the name systemd loads it by, with the alias's drop-in."""
     write(tmp_path, f"{LIB}/real@.service", unit("Priority=1\n"))
     (tmp_path / ETC.lstrip("/")).mkdir(parents=True)
     (tmp_path / ETC.lstrip("/") / "alias@.service").symlink_to(f"{LIB}/real@.service")
-    write(tmp_path, f"{ETC}/alias@a.service.d/x.conf", "[X-GPUSlice]\nGPUs=2\n")
+    source = f"{ETC}/alias@a.service.d/x.conf"
+    write(tmp_path, source, "[X-GPUSlice]\nGPUs=2\n")
     result = scan(tmp_path)
-    assert set(result.specs) == {"real@.service"}
+    assert set(result.specs) == {"real@.service", "real@a.service"}
+    assert result.specs["real@a.service"].gpus == 2
     assert result.problems == []
+
+
+def test_instance_dropins_of_a_template_not_listed_are_not_scanned(tmp_path: Path) -> None:
+    """An instance drop-in directory counts only when its template is a listed unit: a
+    template that is a dangling link is no unit, and its instance's drop-ins are not read."""
+    (tmp_path / ETC.lstrip("/")).mkdir(parents=True)
+    (tmp_path / ETC.lstrip("/") / "t@.service").symlink_to("/nowhere/t@.service")
+    write(tmp_path, f"{ETC}/t@a.service.d/x.conf", "[X-GPUSlice]\nPriority=1\n")
+    result = scan(tmp_path)
+    assert result.specs == {}
+    assert [p.path for p in result.problems] == [f"{ETC}/t@.service"]
 
 
 # ---- unit index ---------------------------------------------------------------------------------
@@ -544,8 +558,8 @@ def test_dash_prefix_dropin_dirs_follow_systemd(
 def test_a_units_own_name_is_not_among_its_dash_prefixes() -> None:
     """`a-b-.service` is itself a prefix name: its dash is chopped once and it is not its own
     prefix (private: `dropin_dirs` lists a directory once, so the public API cannot tell)."""
-    assert _dash_prefixes("a-b-.service") == ["a-.service"]
-    assert _dash_prefixes("a-.service") == []
+    assert _dropin_names("a-b-.service") == ["a-b-.service", "a-.service"]
+    assert _dropin_names("a-.service") == ["a-.service"]
 
 
 # ---- the unit-file reader: what changes after the stat ------------------------------------------

@@ -103,6 +103,31 @@ def test_the_problem_is_an_error_located_at_the_assignment(root: Path) -> None:
     assert isinstance(problems[0], Problem)
 
 
+def test_an_environment_file_in_a_prefix_or_an_aliass_dir_is_checked(root: Path) -> None:
+    """systemd applies `job-@a.service.d/` to `job-x@a.service` and `web.service.d/` to the
+    unit `web.service` is an alias of: a User= and an EnvironmentFile= there reach the gate."""
+    put(root, "/etc/asr/theirs.env", uid=ASR)
+    install(root, "job-x@.service")
+    put(
+        root,
+        f"{ETC}/job-@a.service.d/env.conf",
+        "[Service]\nUser=asr\nEnvironmentFile=/etc/asr/theirs.env\n",
+    )
+    install(root, "real.service")
+    link(root, f"{ETC}/web.service", f"{ETC}/real.service")
+    put(
+        root,
+        f"{ETC}/web.service.d/env.conf",
+        "[Service]\nUser=asr\nEnvironmentFile=/etc/asr/theirs.env\n",
+    )
+    scanned = scan(root)
+    assert set(scanned.specs) == {"job-x@.service"}
+    assert sorted((p.unit, p.path, p.line) for p in scanned.problems if p.severity == "error") == [
+        ("job-x@a.service", f"{ETC}/job-@a.service.d/env.conf", 3),
+        ("real.service", f"{ETC}/web.service.d/env.conf", 3),
+    ]
+
+
 def test_group_writable_by_a_users_group_is_refused_by_gid_0_is_not(root: Path) -> None:
     put(root, "/etc/asr/group.env", mode=0o664)
     os.chown(root / "etc/asr/group.env", 0, ASR)

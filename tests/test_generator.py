@@ -150,6 +150,23 @@ def test_template_covers_its_instances(tmp_path: Path) -> None:
     }
 
 
+def test_exec_start_pre_lines_of_prefix_and_alias_dirs_are_kept(tmp_path: Path) -> None:
+    """systemd applies `job-@big.service.d/` to `job-train@big.service` and an alias's
+    directory to its unit: the ExecStartPre= lines there come before the gate's reset, so the
+    gate must carry them (they were dropped: the unit started without its own preparation)."""
+    write(tmp_path, f"{LIB}/job-train@.service", f"[Service]\nExecStart=/bin/t\n{ANNOTATION}")
+    write(tmp_path, f"{ETC}/job-@big.service.d/10-pre.conf", "[Service]\nExecStartPre=/bin/big\n")
+    write(tmp_path, f"{ETC}/job-@.service.d/10-all.conf", "[Service]\nExecStartPre=/bin/all\n")
+    write(tmp_path, f"{LIB}/real.service", f"[Service]\nExecStart=/bin/r\n{ANNOTATION}")
+    (tmp_path / ETC.lstrip("/") / "web.service").symlink_to(f"{LIB}/real.service")
+    write(tmp_path, f"{ETC}/web.service.d/10-pre.conf", "[Service]\nExecStartPre=/bin/web\n")
+    assert written(run(tmp_path)) == {
+        "job-train@.service.d/gpuslice-gate.conf": gate("/bin/all"),
+        "job-train@big.service.d/gpuslice-gate.conf": gate("/bin/all", "/bin/big"),
+        "real.service.d/gpuslice-gate.conf": gate("/bin/web"),
+    }
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 def test_a_unit_run_as_a_user_who_can_change_its_environment_file_is_not_gated(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

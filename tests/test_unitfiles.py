@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice.annotations import scan
 from gpuslice.unitfiles import (
     MAX_FILE_SIZE,
     SYSTEM_UNIT_PATH,
@@ -623,3 +624,195 @@ def test_chase_gives_up_after_32_links(tmp_path: Path) -> None:
     index = UnitIndex(tmp_path)
     assert index.chase(f"{ETC}/l1") == str(etc / "target.service")  # 32 links
     assert index.chase(f"{ETC}/l0") is None  # 33 links
+
+
+# ---------------------------------------------------------------------------------------------
+# drop-in directories of every name of a unit (systemd 252: src/shared/dropin.c
+# unit_file_find_dirs, src/basic/unit-file.c unit_file_find_fragment)
+
+
+def dirs_of(root: Path, name: str) -> list[str]:
+    return [path for path, _real in UnitIndex(root).dropin_dirs(name)]
+
+
+def test_an_instances_dash_prefixes_keep_the_instance(tmp_path: Path) -> None:
+    """systemd builds the prefix name with the instance: `foo-bar@a.service` reads
+    `foo-@a.service.d` and `foo-@.service.d` too, after its template's prefix `foo-.service.d`,
+    each search directory in turn. Other instances' and other prefixes' directories do not apply."""
+    for name in ("foo-bar@a", "foo-bar@", "foo-", "foo-@a", "foo-@", "foo-@b", "fo-@a", "foo-b@a"):
+        (tmp_path / ETC.lstrip("/") / f"{name}.service.d").mkdir(parents=True, exist_ok=True)
+    (tmp_path / LIB.lstrip("/") / "foo-@a.service.d").mkdir(parents=True)
+    assert dirs_of(tmp_path, "foo-bar@a.service") == [
+        f"{ETC}/foo-bar@a.service.d",
+        f"{ETC}/foo-bar@.service.d",
+        f"{ETC}/foo-.service.d",
+        f"{ETC}/foo-@a.service.d",
+        f"{ETC}/foo-@.service.d",
+        f"{LIB}/foo-@a.service.d",
+    ]
+    # the template stands for every instance: what no one instance's name adds
+    assert dirs_of(tmp_path, "foo-bar@.service") == [
+        f"{ETC}/foo-bar@.service.d",
+        f"{ETC}/foo-.service.d",
+        f"{ETC}/foo-@.service.d",
+    ]
+
+
+def test_a_longer_instance_prefix_chain_is_systemds_order(tmp_path: Path) -> None:
+    """Each step reads the name, its template's names, then its prefix's (recursively)."""
+    names = ["a-b-c@i", "a-b-c@", "a-b-", "a-", "a-b-@i", "a-b-@", "a-@i", "a-@"]
+    for name in names:
+        (tmp_path / ETC.lstrip("/") / f"{name}.service.d").mkdir(parents=True)
+    assert dirs_of(tmp_path, "a-b-c@i.service") == [f"{ETC}/{n}.service.d" for n in names]
+    assert dirs_of(tmp_path, "a-b-c@.service") == [
+        f"{ETC}/{n}.service.d" for n in names if not n.endswith("@i")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        pytest.param(
+            [f"{ETC}/foo-@a.service.d/x.conf", f"{ETC}/foo-.service.d/x.conf"],
+            [f"{ETC}/foo-.service.d/x.conf"],
+            id="template-prefix-before-instance-prefix",
+        ),
+        pytest.param(
+            [f"{ETC}/foo-@a.service.d/x.conf", f"{LIB}/foo-bar@a.service.d/x.conf"],
+            [f"{ETC}/foo-@a.service.d/x.conf"],
+            id="higher-directory-first",
+        ),
+        pytest.param(
+            [f"{ETC}/foo-@.service.d/10-pre.conf", f"{ETC}/foo-@a.service.d/20-user.conf"],
+            [f"{ETC}/foo-@.service.d/10-pre.conf", f"{ETC}/foo-@a.service.d/20-user.conf"],
+            id="both-read",
+        ),
+    ],
+)
+def test_instance_prefix_dropins(tmp_path: Path, files: list[str], expected: list[str]) -> None:
+    write(tmp_path, f"{LIB}/foo-bar@.service")
+    for f in files:
+        write(tmp_path, f)
+    assert [d.path for d in find_dropins("foo-bar@a.service", tmp_path)] == expected
+
+
+@pytest.mark.parametrize(
+    "target", [f"{LIB}/real.service", "../../../usr/lib/systemd/system/real.service"]
+)
+def test_an_aliass_dropin_dirs_are_the_units(tmp_path: Path, target: str) -> None:
+    """`systemctl enable` of a unit with `Alias=alias.service` links it into /etc: systemd reads
+    `alias.service.d/` for real.service, after every directory of real.service's own names
+    (load-dropin.c: the unit's id, then its aliases), so a file of the same name in real's
+    directory wins even from a lower search directory."""
+    write(tmp_path, f"{LIB}/real.service")
+    link(tmp_path, f"{ETC}/alias.service", target)
+    link(tmp_path, f"{ETC}/alias2.service", "alias.service")  # an alias of the alias
+    write(tmp_path, f"{ETC}/alias.service.d/x.conf")
+    write(tmp_path, f"{ETC}/alias.service.d/y.conf")
+    write(tmp_path, f"{ETC}/alias2.service.d/w.conf")
+    write(tmp_path, f"{LIB}/real.service.d/x.conf")
+    write(tmp_path, f"{RUN}/real.service.d/z.conf")
+    write(tmp_path, f"{ETC}/service.d/y.conf")
+    write(tmp_path, f"{ETC}/other.service.d/v.conf")
+    expected_dirs = [
+        f"{RUN}/real.service.d",
+        f"{LIB}/real.service.d",
+        f"{ETC}/alias.service.d",
+        f"{ETC}/alias2.service.d",
+        f"{ETC}/service.d",
+    ]
+    index = UnitIndex(tmp_path)
+    assert index.names_of("real.service") == ["real.service", "alias.service", "alias2.service"]
+    assert [p for p, _r in index.dropin_dirs("real.service")] == expected_dirs
+    # asked by an alias: the same unit, the same directories
+    assert [p for p, _r in index.dropin_dirs("alias2.service")] == expected_dirs
+    assert [f.path for f in index.dropins("real.service")] == [
+        f"{ETC}/alias2.service.d/w.conf",
+        f"{LIB}/real.service.d/x.conf",
+        f"{ETC}/alias.service.d/y.conf",
+        f"{RUN}/real.service.d/z.conf",
+    ]
+
+
+def test_an_aliass_dash_prefixes_are_read_too(tmp_path: Path) -> None:
+    """Each name of the unit has its own prefix directories."""
+    write(tmp_path, f"{LIB}/real.service")
+    link(tmp_path, f"{ETC}/web-front.service", f"{LIB}/real.service")
+    (tmp_path / ETC.lstrip("/") / "web-.service.d").mkdir()
+    assert dirs_of(tmp_path, "real.service") == [f"{ETC}/web-.service.d"]
+
+
+def test_an_instance_of_an_aliased_template_reads_the_aliass_dirs(tmp_path: Path) -> None:
+    """`a@.service -> b@.service` makes `a@x.service` a name of `b@x.service` (with its
+    template `a@.service`), unless `a@x.service` is a unit of its own."""
+    write(tmp_path, f"{LIB}/b@.service")
+    link(tmp_path, f"{ETC}/a@.service", f"{LIB}/b@.service")
+    for name in ("a@x", "a@", "b@", "a@y"):
+        (tmp_path / ETC.lstrip("/") / f"{name}.service.d").mkdir(exist_ok=True)
+    assert dirs_of(tmp_path, "b@x.service") == [
+        f"{ETC}/b@.service.d",
+        f"{ETC}/a@x.service.d",
+        f"{ETC}/a@.service.d",
+    ]
+    assert dirs_of(tmp_path, "a@x.service") == dirs_of(tmp_path, "b@x.service")
+    assert dirs_of(tmp_path, "b@.service") == [f"{ETC}/b@.service.d", f"{ETC}/a@.service.d"]
+    write(tmp_path, f"{ETC}/a@x.service")  # now a unit of its own
+    assert dirs_of(tmp_path, "b@x.service") == [f"{ETC}/b@.service.d"]
+
+
+@pytest.mark.parametrize(
+    ("target", "unit"),
+    [
+        # a linked unit file: the unit itself, under the link's name, whatever the target's
+        ("/opt/real.service", "real.service"),
+        (f"{LIB}/t@.service", "t@.service"),  # a plain name to a template: systemd refuses it
+    ],
+)
+def test_a_link_that_is_no_alias_adds_no_dropin_dirs(
+    tmp_path: Path, target: str, unit: str
+) -> None:
+    write(tmp_path, f"{LIB}/t@.service")
+    write(tmp_path, "/opt/real.service")
+    link(tmp_path, f"{ETC}/x.service", target)
+    (tmp_path / ETC.lstrip("/") / "x.service.d").mkdir()
+    index = UnitIndex(tmp_path)
+    assert index.names_of(unit) == [unit]
+    assert index.dropin_dirs(unit) == []
+    assert index.names_of("x.service") == ["x.service"]
+
+
+def test_instances_that_read_a_prefix_or_an_aliass_instance_dir_are_listed(tmp_path: Path) -> None:
+    """The scan reads a template once for all its instances: an instance that reads a
+    directory named for it (`foo-@a.service.d`, `alias@b.service.d`) is scanned on its own,
+    under the name systemd loads it by."""
+    for template in ("foo-bar@", "foo-baz@", "other@"):
+        write(tmp_path, f"{LIB}/{template}.service")
+    link(tmp_path, f"{ETC}/alias@.service", f"{LIB}/other@.service")
+    for name in ("foo-@a", "alias@b", "foo-@", "plain-x"):
+        (tmp_path / ETC.lstrip("/") / f"{name}.service.d").mkdir(exist_ok=True)
+    assert UnitIndex(tmp_path).instance_dropin_names() == [
+        "foo-@a.service",  # its own name, as before: its template is no unit
+        "foo-bar@a.service",
+        "foo-baz@a.service",
+        "other@b.service",
+    ]
+
+
+def test_the_scan_sees_annotations_in_prefix_and_alias_dirs(tmp_path: Path) -> None:
+    """End to end: an annotation in `job-@big.service.d/` manages `job-train@big.service`
+    (GPUs=2) apart from its template, and one in an alias's directory manages the unit."""
+    write(tmp_path, f"{LIB}/job-train@.service", "[Service]\nExecStart=/bin/t\n")
+    write(tmp_path, f"{LIB}/job-.service.d/prio.conf", "[X-GPUSlice]\nPriority=5\n")
+    source = f"{ETC}/job-@big.service.d/gpus.conf"
+    write(tmp_path, source, "[X-GPUSlice]\nGPUs=2\n")
+    write(tmp_path, f"{LIB}/real.service", "[Service]\nExecStart=/bin/r\n")
+    link(tmp_path, f"{ETC}/web.service", f"{LIB}/real.service")
+    write(tmp_path, f"{ETC}/web.service.d/gpu.conf", "[X-GPUSlice]\nPriority=7\n")
+    result = scan(tmp_path)
+    assert result.problems == []
+    assert {n: (s.priority, s.gpus) for n, s in result.specs.items()} == {
+        "job-train@.service": (5, 1),
+        "job-train@big.service": (5, 2),
+        "real.service": (7, 1),
+    }
+    assert result.specs["real.service"].source == f"{ETC}/web.service.d/gpu.conf"
