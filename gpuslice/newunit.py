@@ -381,11 +381,23 @@ def read_regular(path: Path, limit: int | None = None) -> bytes | None:
         return None
 
 
+def make_dir(directory: Path) -> None:
+    """`directory`, and each missing one above it, made `DIR_MODE` whatever the umask.
+    `mkdir(DIR_MODE)` alone left the umask to take bits off it (0700 under `umask 077`, the
+    files in it 0644), and `parents=` made those above it with the umask's mode (0777 under
+    `umask 0`: any user could swap `system/` for a directory of their own)."""
+    old = os.umask(0o022)
+    try:
+        directory.mkdir(DIR_MODE, parents=True, exist_ok=True)
+    finally:
+        os.umask(old)
+
+
 def lock_unit_dir(directory: Path, *, wait: bool = True) -> int:
     """An open descriptor of `directory`'s LOCK_NAME, locked (flock, exclusive; closing it
-    unlocks), the directory made first if needed (`DIR_MODE`). Waits while another holds it,
+    unlocks), the directory made first if needed (`make_dir`). Waits while another holds it,
     or, without `wait`, raises BlockingIOError."""
-    directory.mkdir(DIR_MODE, parents=True, exist_ok=True)
+    make_dir(directory)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(directory / LOCK_NAME, flags, 0o600)
     try:
@@ -415,7 +427,7 @@ def write_atomically(path: Path, data: str | bytes, *, exclusive: bool = False) 
     `path` is still this file or one another writer put there since."""
     if isinstance(data, str):
         data = data.encode("utf-8")
-    path.parent.mkdir(DIR_MODE, parents=True, exist_ok=True)
+    make_dir(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=".gpuslice-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

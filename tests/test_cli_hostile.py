@@ -343,6 +343,26 @@ def test_a_directory_made_for_a_unit_or_a_drop_in_is_root_s_whatever_the_umask(
         assert stat.S_IMODE((tmp_path / directory).stat().st_mode) == 0o755, directory
 
 
+@pytest.mark.parametrize("umask", [0, 0o077])
+def test_every_directory_new_makes_is_0755_those_above_the_unit_directory_too(
+    tmp_path: Path, umask: int
+) -> None:
+    """Under a root with no `etc/systemd/` yet (an image being prepared), `mkdir -p` made
+    `etc/` and `etc/systemd/` with the umask's mode: 0777 under `umask 0`, where any user
+    could move `system/` aside and put a directory of their own there. And the umask took
+    bits off the directories it did make 0755: 0700 under `umask 077` (the README says 0755
+    whatever the umask, as its files are 0644 whatever it is)."""
+    old = os.umask(umask)
+    try:
+        made = new(tmp_path, "job", "--priority", "1")
+        enrolled = enroll(tmp_path, "job", "--priority", "5")
+    finally:
+        os.umask(old)
+    assert (made.exit_code, enrolled.exit_code) == (0, 0), made.output + enrolled.output
+    for directory in ("etc", "etc/systemd", SYSTEM, f"{SYSTEM}/job.service.d"):
+        assert stat.S_IMODE((tmp_path / directory).stat().st_mode) == 0o755, directory
+
+
 def test_a_unit_is_on_disk_before_its_name_and_its_name_before_new_returns(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -670,6 +670,51 @@ def test_a_gate_that_asks_again_while_its_grant_is_withheld_goes_through_once(
     ]
 
 
+def test_a_withheld_grant_names_the_gpu_granted_by_uuid_after_a_renumbering(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a.service is granted GPU 0, GPU-A, while its env file cannot be written, and NVML
+    numbers the GPUs anew meanwhile (GPU-B is 0 now: both indices lost to new work). The
+    file written at the retry names GPU-A, the GPU granted, by its UUID: written as NVML
+    numbers index 0 now, it named GPU-B, which the unit holding index 1 runs on (two jobs
+    on one GPU), as `_let_through` and a resume already have it (`Scheduler.told`)."""
+    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    blocker = unwritable_run(tmp_path)
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-A", "GPU-B")
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n"},
+        [],
+        config=bed_config(tmp_path, gpus=2, runtime_dir=str(blocker)),
+        nvml=nvml,
+    )
+    cgroup_of[4242] = "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate(invocation=None), read=True)
+        await bed.acquire("a.service", ":1.9", 4242)
+        await until(lambda: "a.service" in ctl._withheld)
+        assert ctl.scheduler.grants() == {"a.service": {0}}
+        nvml.uuids = ("GPU-B", "GPU-A")
+        ctl.watch.refresh()
+        assert [(g.uuid, g.lost) for g in ctl.watch.sample.gpus] == [
+            ("GPU-B", True),
+            ("GPU-A", True),
+        ]
+        blocker.unlink()
+        await until(lambda: bool(bed.service.granted))
+        assert bed.service.granted == [("a.service", "0")]
+        assert env_file(str(blocker), "a.service").read_text() == (
+            "CUDA_VISIBLE_DEVICES=GPU-A\nCUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+            "NVIDIA_VISIBLE_DEVICES=GPU-A\nGPUSLICE_GPUS=0\n"
+        )
+
+    run(test)
+
+
 def test_a_withheld_grant_of_a_unit_being_preempted_is_not_let_through(
     tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

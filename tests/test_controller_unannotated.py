@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice.core.model import UnitSpec
 from gpuslice.core.scheduler import SavedState
 from gpuslice.nvml import GpuProcess
 from gpuslice.systemd import Queued
@@ -237,5 +238,33 @@ def test_an_instance_whose_annotation_went_stays_in_the_tracker_while_our_stop_i
         await until(lambda: bed.service.granted != [])
         assert bed.service.granted == [("urgent.service", "0")]
         assert INSTANCE not in ctl.tracker.states
+
+    run(test)
+
+
+def test_the_managed_set_builds_no_spec_for_a_tracked_unit_the_core_knows_annotated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The managed set is taken at every NVML sample, each holder's down among them (a
+    handover). Asking `_followed` of every tracked unit built a spec anew for each instance
+    (its template's, renamed): 46 ms a sample at 10,000 instances running or waiting, where
+    the whole set took 0.4 ms. A unit the core knows annotated, or holding, is managed
+    without asking."""
+    bed, _ = instance_holds_gpu_0(tmp_path)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert INSTANCE in ctl.tracker.states
+        asked: list[str] = []
+        spec_for = ctl.scan.spec_for
+
+        def counted(name: str) -> UnitSpec | None:
+            asked.append(name)
+            return spec_for(name)
+
+        monkeypatch.setattr(ctl.scan, "spec_for", counted)
+        assert INSTANCE in ctl._managed_units()
+        assert asked == []
 
     run(test)
