@@ -8,8 +8,8 @@ come back. It must notice that gpuslice.service no longer exists and end, and on
 stopped, failed or masked controller is waited for. It lets the start go when the unit has
 no ExecStartPre= lines of its own: systemd does not go on with a command list whose running
 command (the gate) a reload removed, so the unit's own lines would be skipped; a unit that
-has some fails this start instead. `dbus-send` and `systemctl` are stubs in PATH, as systemd
-would show each case.
+has some fails this start instead. `dbus-send` and `systemctl` are stubs first in the PATH of
+a copy of the gate (tests/test_gatepipes.py), as systemd would show each case.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice.paths import PACKAGE_DIR
-
-GATE = PACKAGE_DIR.parent / "data" / "gpuslice-gate"
-
+from tests.test_gatepipes import gate_with_stubs
 
 # systemctl's own reading of its arguments (getopt_long): an argument that starts with `-`
 # is an option, wherever it stands, until `--`; one it does not know fails the command.
@@ -62,8 +59,8 @@ def _gate(
         stub.write_text("#!/bin/sh\n" + body)
         stub.chmod(0o755)
     return subprocess.Popen(
-        ["/bin/sh", str(GATE), unit, "0.05"],
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+        ["/bin/sh", str(gate_with_stubs(tmp_path, bin_dir)), unit, "0.05"],
+        env={"PATH": "/usr/bin:/bin"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -40,26 +40,62 @@ START = "0123456789abcdef0123456789abcdef"
 OTHER = "fedcba9876543210fedcba9876543210"
 
 
-class Gate:
-    """One run of the shipped gate for UNIT, as the start `invocation`."""
+# The gate's own PATH (it runs as root: the unit's PATH= chooses nothing there)
+GATE_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
 
-    def __init__(self, tmp_path: Path, pipes: GatePipes, invocation: str = START) -> None:
+
+def gate_with_stubs(tmp_path: Path, bin_dir: Path) -> Path:
+    """A copy of the shipped gate that finds the stubs in `bin_dir` first: the gate sets its
+    PATH itself, so stubs in the PATH it is given are never run."""
+    text = GATE.read_text()
+    assert text.count(GATE_PATH) == 1
+    copy = tmp_path / "gpuslice-gate"
+    copy.write_text(text.replace(GATE_PATH, f"PATH={bin_dir}:{GATE_PATH[5:]}"))
+    return copy
+
+
+def stub(path: Path, body: str) -> None:
+    """An executable sh script, renamed into place: an earlier gate of the same test may be
+    running the stub right now, and opening a file being executed for writing fails
+    (ETXTBSY: a flaky test)."""
+    path.parent.mkdir(exist_ok=True)
+    new = path.with_name(f".{path.name}.new")
+    new.write_text(f"#!/bin/sh\n{body}")
+    new.chmod(0o755)
+    new.replace(path)
+
+
+class Gate:
+    """One run of the shipped gate for UNIT, as the start `invocation`: its `dbus-send`
+    records each call and answers as `dbus_send` says (at once, a grant, by default), and its
+    `systemctl` shows the unit in the ActiveState written to `self.state` (none: a
+    `systemctl` that fails)."""
+
+    def __init__(
+        self,
+        tmp_path: Path,
+        pipes: GatePipes,
+        invocation: str = START,
+        dbus_send: str = "",
+    ) -> None:
         self.calls = tmp_path / "dbus-send.calls"
-        stub = tmp_path / "bin" / "dbus-send"
-        stub.parent.mkdir(exist_ok=True)
-        # renamed into place: an earlier gate of the same test may be running the stub right
-        # now, and opening a file being executed for writing fails (ETXTBSY: a flaky test)
-        new = stub.with_name(".dbus-send.new")
-        new.write_text(f'#!/bin/sh\necho "$@" >> {self.calls}\n')
-        new.chmod(0o755)
-        new.replace(stub)
+        self.state = tmp_path / "active-state"
+        bin_dir = tmp_path / "bin"
+        stub(bin_dir / "dbus-send", f'echo "$@" >> {self.calls}\n{dbus_send}\n')
+        stub(
+            bin_dir / "systemctl",
+            'if [ "$1" = is-active ]; then echo active; exit 0; fi\n'
+            f'[ "$*" = "show -p ActiveState --value -- {UNIT}" ] || exit 1\n'
+            f"exec cat {self.state}\n",
+        )
         env = {
-            "PATH": f"{stub.parent}:/usr/bin:/bin",
+            # a PATH that would run stubs of the unit's, were the gate to keep it
+            "PATH": f"{unit_bin(tmp_path)}:/usr/bin:/bin",
             "INVOCATION_ID": invocation,
         }
         pipe = pipes.directory / UNIT
         self.proc = subprocess.Popen(
-            ["/bin/sh", str(GATE), UNIT, "0.5", str(pipe)],
+            ["/bin/sh", str(gate_with_stubs(tmp_path, bin_dir)), UNIT, "0.5", str(pipe)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -70,14 +106,15 @@ class Gate:
     def asked_over_dbus(self) -> bool:
         return self.calls.exists() and "Acquire" in self.calls.read_text()
 
-    def ended(self, timeout: float = 10) -> int:
+    def ended(self, timeout: float = 10, said: str = "") -> int:
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             out, err = self.proc.communicate()
             raise AssertionError(f"the gate still waits: {out!r} {err!r}") from None
-        assert err == ""
+        assert err == said
+        assert not (unit_bin(self.calls.parent) / "ran").exists()  # nothing of the unit's PATH
         return self.proc.returncode
 
     def close(self) -> None:
@@ -91,6 +128,16 @@ class Gate:
         except subprocess.TimeoutExpired:
             return True
         return False
+
+
+def unit_bin(tmp_path: Path) -> Path:
+    """The directory a unit's PATH= names first (a user's conda or venv, under User=): each
+    command the gate runs is there, and says so if run."""
+    bin_dir = tmp_path / "unit-bin"
+    if not bin_dir.exists():
+        for name in ("dbus-send", "systemctl", "sleep"):
+            stub(bin_dir / name, f"echo {name} >> {bin_dir / 'ran'}\n")
+    return bin_dir
 
 
 STARTED: list[Gate] = []
@@ -322,9 +369,46 @@ def test_a_waiting_gate_stopped_ends_at_once_without_asking(
         pipes.close_all()
     gate = Gate(tmp_path, pipes)
     assert gate.waits()
+    gate.state.write_text("deactivating\n")  # systemd shows the stop before it reads a call
     gate.proc.send_signal(signal.SIGTERM)
     assert gate.ended() == 0  # inactive, not failed
     assert not gate.asked_over_dbus()
+
+
+@pytest.mark.parametrize("blocked_in", ["open", "read", "dbus"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["TERM", "INT", "HUP"]
+)
+def test_a_signal_that_is_no_stop_lets_no_start_through(
+    tmp_path: Path, pipes: GatePipes, blocked_in: str, sig: signal.Signals
+) -> None:
+    """`systemctl kill UNIT` (whoever may start a unit may send it; an admin ending a start
+    that seems stuck) signals the gate while systemd still shows the unit activating. The gate
+    ended 0 at any TERM, INT or HUP, and systemd went on with the start: ungated, with no env
+    file (every GPU visible) or an earlier grant's. It keeps waiting for its grant instead,
+    and says why; a stop still ends it at once."""
+    answer = tmp_path / "granted"
+    if blocked_in != "dbus":
+        pipes.at_gate(UNIT, START)
+        if blocked_in == "open":
+            pipes.close_all()
+    else:
+        pipes.directory.mkdir(parents=True)  # no pipe: it asks over D-Bus, and waits there
+    waits_for_grant = f"while [ ! -e {answer} ]; do sleep 0.02; done"
+    gate = Gate(tmp_path, pipes, dbus_send=waits_for_grant)
+    assert gate.waits()
+    gate.state.write_text("activating\n")
+    gate.proc.send_signal(sig)
+    assert gate.waits(1.0)  # not let through
+    if blocked_in != "dbus":  # its pipe read cut short: it asks over D-Bus instead
+        until_asked = 50
+        while not gate.asked_over_dbus() and until_asked:
+            gate.waits(0.1)
+            until_asked -= 1
+    assert gate.asked_over_dbus()
+    answer.write_text("")  # the grant, over D-Bus
+    said = f"signalled while {UNIT} is not being stopped: still waiting for its GPUs\n"
+    assert gate.ended(said=said) == 0
 
 
 def test_the_pipes_are_the_controllers_alone(tmp_path: Path, pipes: GatePipes) -> None:
@@ -402,6 +486,26 @@ def test_a_granted_start_costs_no_process_but_the_shell(tmp_path: Path, pipes: G
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert os.path.exists(pipes.directory / UNIT)  # kept for the unit's next start
+
+
+def test_the_units_path_chooses_nothing_the_gate_runs(tmp_path: Path, pipes: GatePipes) -> None:
+    """The gate runs as root with the unit's environment: a `User=` unit whose `PATH=` names
+    a user's directory first (a conda or venv bin) had that user's dbus-send, sleep or
+    systemctl run as root by its gate: any file the user put there. The shipped gate, as
+    systemd runs it."""
+    pipes.directory.mkdir(parents=True)  # no pipe: it asks over D-Bus
+    env = {"PATH": f"{unit_bin(tmp_path)}:/usr/bin:/bin", "INVOCATION_ID": START}
+    proc = subprocess.Popen(
+        ["/bin/sh", str(GATE), UNIT, "0.05", str(pipes.directory / UNIT)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(1.0)  # asks, pauses and looks at gpuslice.service a few times
+    proc.kill()
+    proc.wait()
+    assert not (unit_bin(tmp_path) / "ran").exists()
 
 
 # ---- what mutation testing asked for: each path out of the pipes, and its words ----
