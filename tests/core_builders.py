@@ -3,7 +3,8 @@
 `Sim` feeds events to a `Scheduler` and plays its actions back the way systemd and the
 adapter would: a `Start` becomes a start job whose gate later asks (`request`), a `Stop`
 becomes a stop job after which the unit is later reported inactive, a `Suspend` or `Resume`
-becomes the adapter's work, done or failed later (`finish_suspend`, `finish_resume`).
+becomes the adapter's work, done or failed later (`finish_suspend`, `finish_resume`); a
+stop may fail (`fail_stop`: the unit runs on).
 They are queued and played by `finish_start`, `finish_stop`, those two or `settle`, so a
 test (or hypothesis) decides what happens in between. A `Freeze` or `Thaw` takes effect at
 once; FreezeUnit may fail (`fail_freeze`, or at once for the units in `freeze_fails`).
@@ -28,10 +29,12 @@ whatever the test:
   on; a Grant leaves a more urgent suspended unit its room on its GPUs;
 - a Stop preempts a unit strictly less urgent (by its annotation) than the waiting unit it is
   for, or makes a background unit yield to a foreign process, or follows a failed resume of
-  that unit; never twice, never a unit that is not active, never more victims while earlier
-  ones still stop or suspend; only a unit whose Preempt= has stop, and when suspend comes
-  first, only after its suspend failed (then at once, for the same waiter); never a unit
-  being resumed;
+  that unit, or an undo of its failed suspend that lost a process of it (whatever its
+  Preempt=: then, while still less urgent than its waiter, the waiter waits for it); never
+  twice, never a unit that is not active, never more victims while earlier ones still stop
+  or suspend; only a unit whose Preempt= has stop, and when suspend comes first, only after
+  its suspend failed (then at once, for the same waiter); never a unit being resumed; never
+  to preempt or yield a unit whose stop systemd refused while it runs;
 - a Suspend is of a running unit (not stopping, suspending or resuming) whose Preempt= gives
   way by suspend first, on GPUs it holds, strictly less urgent than the waiting unit it is
   for, by the same thrash and one-round-of-victims rules as a Stop; never again after its
@@ -41,7 +44,8 @@ whatever the test:
   a more urgent unit waits at its gate, most urgent first (then suspended first) within a
   batch, never taking the room of a more urgent suspended unit; after a restart `recover()`
   resumes exactly the units caught being suspended or resumed, on the GPUs they hold; a
-  failed resume is followed by a Stop, a failed suspend by the Stop its Preempt= names next;
+  failed resume is followed by a Stop, a failed suspend by the Stop its Preempt= names next,
+  one whose undo lost a process by a Stop whatever its Preempt=;
 - a Freeze is of a unit granted beside a unit just granted in this batch, and every such
   unit is frozen: running (not frozen, stopping, suspending or resuming), with freeze in its
   Preempt=, strictly less urgent, not one whose freeze failed while it runs; a Thaw is of a
@@ -201,6 +205,10 @@ class Sim:
         self.start_after_stop: set[str] = set()  # a person started it while it stopped
         self.stops: list[StopRecord] = []  # every Stop that preempts, in order
         self.stopped_to_give_way: set[str] = set()  # its Stop preempts it or yields
+        # its Stop follows an undo of its failed suspend that lost a process of it (the main
+        # one, maybe: it may end by itself first)
+        self.undo_lost: set[str] = set()
+        self.unstoppable: set[str] = set()  # systemd refused its stop: never again while it runs
         self.victims_of: dict[str, set[str]] = {}  # waiter -> its victims not yet inactive
         self.preempted: dict[str, int] = {}  # stopped by gpuslice -> when; until started again
         self.held: set[str] = set()  # stopped by a person
@@ -231,6 +239,8 @@ class Sim:
         self.unfreezable: set[str] = set()  # its freeze failed while it runs: never again
         self.freeze_fails: set[str] = set()  # units FreezeUnit fails for (set by the test)
         self._resume_failing = ""  # the unit whose failed resume is being reported
+        # the unit whose suspend's undo lost a process, being reported, and its waiter
+        self._undo_losing: tuple[str, str] = ("", "")
         self._caught: set[str] = set()  # restarting: units `recover()` resumes
         self._to_freeze: dict[str, set[str]] = {}  # in a batch: granted -> who must freeze
         self._resumed: list[str] = []  # in a batch: resumed, in order
@@ -291,12 +301,15 @@ class Sim:
         return self._feed(self.sched.inactive(name, outcome))
 
     def ends_before_its_stop(self) -> list[str]:
-        """Units gpuslice is stopping (to preempt them, or to yield to a foreign process)
-        whose main process may still end by itself before the stop takes effect."""
+        """Units gpuslice is stopping (to preempt them, to yield to a foreign process, or
+        because undoing their suspend lost a process of theirs) whose main process may still
+        end by itself before the stop takes effect."""
         return [
             n
             for n in self.pending_stops
-            if n in self.running and n not in self.frozen and n in self.stopped_to_give_way
+            if n in self.running
+            and n not in self.frozen
+            and (n in self.stopped_to_give_way or n in self.undo_lost)
         ]
 
     def exit_while_stopping(self, name: str, outcome: Outcome = Outcome.EXITED) -> list[Action]:
@@ -419,6 +432,7 @@ class Sim:
             forgotten.clear()
         self.suspend_failed.clear()
         self.unfreezable.clear()
+        self.unstoppable.clear()
         self.paused.clear()  # the delays were the last controller's
         caught = set(self.pending_suspends) | set(self.pending_resumes)
         for name in self.pending_suspends:
@@ -519,10 +533,17 @@ class Sim:
         return actions
 
     def finish_suspend(
-        self, name: str | None = None, ok: bool = True, why: str = "the lock timed out"
+        self,
+        name: str | None = None,
+        ok: bool = True,
+        why: str = "the lock timed out",
+        *,
+        lost: bool = False,
     ) -> list[Action]:
         """The adapter is done with the oldest (or the named) suspend: its VRAM left its GPUs
-        (`ok`), or it could not move it (`why`)."""
+        (`ok`), or it could not move it (`why`); `lost`: and undoing it (restore, unlock)
+        failed for a process of the unit, which can never run again."""
+        assert not (ok and lost)
         name = self.pending_suspends[0] if name is None else name
         self.pending_suspends.remove(name)
         waiter = self.suspend_for.pop(name)
@@ -533,6 +554,8 @@ class Sim:
             self.suspended_at[name] = next(self._clock)
             return self._feed(self.sched.suspended_done(name, "1 GiB to host memory in 1 s"))
         self.suspend_failed.add(name)
+        if lost:
+            return self._undo_lost_a_process(name, waiter, why)
         self._falling_back = name
         try:
             actions = self._feed(self.sched.suspend_failed(name, why))
@@ -553,6 +576,49 @@ class Sim:
         ):
             raise InvariantError(f"{name}'s suspend failed: no Stop, the next rung, for {waiter}")
         return actions
+
+    def _undo_lost_a_process(self, name: str, waiter: str, why: str) -> list[Action]:
+        """A unit whose suspend's undo lost a process is stopped, whatever its Preempt=
+        (it runs on broken otherwise): still for its waiter while less urgent than it."""
+        self._undo_losing = (name, waiter)
+        try:
+            actions = self._feed(self.sched.suspend_failed(name, why, lost=True))
+        finally:
+            self._undo_losing = ("", "")
+        if name not in self.pending_stops:
+            raise InvariantError(f"{name}'s suspend undo lost a process: it was not stopped")
+        # whom its waiter waits for is not in any action: read from the core, as `_unkept`
+        if self.sched.is_waiting(waiter):
+            kept = self._above(waiter, name)
+            if kept != (name in self.sched.waiting(waiter).victims):
+                how = "no longer waits" if kept else "still waits"
+                raise InvariantError(f"{waiter} {how} for {name}, stopped: its undo lost a process")
+        return actions
+
+    def fail_stop(self, name: str, *, refused: bool) -> list[Action]:
+        """A stop gpuslice asked for did not happen (the job failed or was cancelled; or
+        systemd `refused` it): the unit runs on, on its GPUs, and its waiter plans anew. One
+        whose stop was refused is never stopped or suspended for anyone while it runs."""
+        assert name in self.failing_stops(), name
+        self.pending_stops.remove(name)
+        for victims in self.victims_of.values():
+            victims.discard(name)
+        self.stopped_to_give_way.discard(name)
+        self.undo_lost.discard(name)
+        self.start_after_stop.discard(name)  # queued behind the stop: it merges, the unit runs
+        if refused:
+            self.unstoppable.add(name)
+        why = "the unit refused it" if refused else "the job failed"
+        actions = self._feed(self.sched.stop_failed(name, why, refused=refused))
+        if name not in self.sched.holders:
+            raise InvariantError(f"{name}'s stop failed: it runs, the core counts it nowhere")
+        return actions
+
+    def failing_stops(self) -> list[str]:
+        """Stops of gpuslice's that may fail: of units that run on GPUs (not of a start
+        withdrawn before its gate was answered, nor of a suspended unit whose GPU was lost:
+        those the adapter's tests cover)."""
+        return [n for n in self.pending_stops if self.running.get(n)]
 
     def finish_resume(self, name: str | None = None, ok: bool = True) -> list[Action]:
         """The adapter is done with the oldest (or the named) resume: the unit runs again
@@ -732,6 +798,8 @@ class Sim:
         self.suspend_failed.discard(name)
         self.unfreezable.discard(name)
         self.stopped_to_give_way.discard(name)
+        self.undo_lost.discard(name)
+        self.unstoppable.discard(name)
         self.at_gate.discard(name)
         self.announced.discard(name)
         self.told_to_wait.discard(name)
@@ -968,6 +1036,8 @@ class Sim:
         if d.code is Code.YIELD:
             self._check_yield(stop.unit, d.unit)
             return
+        if d.code is Code.PREEMPT and stop.unit in self.unstoppable:
+            raise InvariantError(f"Stop {stop.unit} again: systemd refused its stop: {stop}")
         if d.code is Code.RESUME_FAILED and lost_home:
             home = self.suspended.pop(stop.unit)
             if all(g in self.devices and not self.devices[g].lost for g in home):
@@ -977,6 +1047,9 @@ class Sim:
             return
         if lost_home:
             raise InvariantError(f"Stop {stop.unit}, suspended: {stop.reason}")
+        if d.code is Code.RESUME_FAILED and stop.unit == self._undo_losing[0]:
+            self._on_undo_lost(stop)
+            return
         if d.code is Code.RESUME_FAILED:
             if stop.unit != self._resume_failing:
                 raise InvariantError(f"Stop {stop.unit} for a failed resume it did not have")
@@ -1015,6 +1088,20 @@ class Sim:
         self.stops.append(record)
         self.victims_of.setdefault(record.waiter, set()).add(stop.unit)
 
+    def _on_undo_lost(self, stop: Stop) -> None:
+        """The Stop of a unit whose suspend's undo lost a process: of its GPUs, whatever its
+        Preempt=. While still strictly less urgent than the waiter it was suspended for, and
+        that one waits, it is that waiter's victim (no Grant for it before it is down);
+        else the waiter plans anew."""
+        name, waiter = self._undo_losing
+        d = stop.decision
+        assert d is not None
+        if d.unit != name or tuple(sorted(d.gpus)) != tuple(sorted(self.running[name])):
+            raise InvariantError(f"Stop {name} after its undo lost a process: {stop.reason}")
+        self.undo_lost.add(name)
+        if self._above(waiter, name) and self._waits(waiter):
+            self.victims_of.setdefault(waiter, set()).add(name)
+
     def _on_suspend(self, suspend: Suspend, stopping_for: set[str]) -> None:
         name, d = suspend.unit, suspend.decision
         if d is None or suspend.reason != render(d) or d.code is not Code.SUSPEND:
@@ -1031,6 +1118,8 @@ class Sim:
             raise InvariantError(f"Suspend {name}: Preempt= {_ladder(victim)}")
         if name in self.suspend_failed:
             raise InvariantError(f"Suspend {name} again: its suspend failed while it runs")
+        if name in self.unstoppable:
+            raise InvariantError(f"Suspend {name}: systemd refused its stop while it runs")
         if name not in self.running or name in self.pending_stops or self._giving_way_or_back(name):
             raise InvariantError(f"Suspend {name}, which is not running: {suspend.reason}")
         if not suspend.gpus or not set(suspend.gpus) <= set(self.running[name]):
@@ -1137,6 +1226,8 @@ class Sim:
         spec = self.annotations.get(unit, self.last_specs.get(unit))
         if named != unit or spec is None or spec.kind is not BG or not self.yield_to_foreign:
             raise InvariantError(f"{unit} told to yield: not a background unit that must")
+        if unit in self.unstoppable:
+            raise InvariantError(f"{unit} told to yield: systemd refused its stop while it runs")
         on = self.running.get(unit)
         if on is not None and not any(self.devices[g].foreign_pids for g in on):
             raise InvariantError(f"{unit} told to yield GPUs {on}: no foreign process there")
@@ -1281,7 +1372,7 @@ class Sim:
     def _gives_way_to(self, name: str, waiter: UnitSpec) -> bool:
         """Whether the running unit must give way to the waiter when it needs its GPU."""
         unit = self.annotations.get(name)
-        if unit is None or unit.priority <= waiter.priority:
+        if unit is None or unit.priority <= waiter.priority or name in self.unstoppable:
             return False
         if self.answered_at.get(name, 0) > self.known_at.get(waiter.name, 0):
             return False  # granted knowing of the waiter: never stopped for it

@@ -4,7 +4,9 @@
 matters: 1-2 GPUs of known size and 3-6 units that mostly declare `Memory=` (so that units
 share GPUs: freeze) and mostly give way by suspend or freeze (so that suspends, resumes,
 freezes and thaws happen in most histories, and fail: `suspend_completes`,
-`resume_completes`, `freeze_fails`). The oracle is `Sim` (tests/core_builders.py), as there.
+`resume_completes`, `freeze_fails`; a suspend whose undo loses a process of the unit, which
+is then stopped, `undo_loses_a_process`; a stop that fails or is refused, `stop_fails`). The
+oracle is `Sim` (tests/core_builders.py), as there.
 
 `GPUSLICE_FUZZ_EXAMPLES` sets the number of histories here too (two thirds of it).
 
@@ -16,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import initialize, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from gpuslice.core.model import Rung, UnitKind, UnitSpec
 from gpuslice.core.scheduler import Outcome, Scheduler
@@ -114,6 +117,37 @@ class LadderMachine(HostMachine):
         if now == 0:
             HostMachine.person_stops(self, index)
 
+    @precondition(lambda self: bool(self.sim.pending_suspends))
+    @rule(index=st.integers(0, 7), as_urgent=st.booleans())
+    def undo_loses_a_process(self, index: int, as_urgent: bool) -> None:
+        """The suspend failed, and undoing it (restore, unlock) failed for a process of the
+        unit, which can never run again: the unit is stopped whatever its Preempt=. Half the
+        time a reload made it as urgent as its waiter meanwhile (then the waiter plans anew,
+        not behind its stop). Drawn only while a suspend is on its way, which is rare."""
+        sim = self.sim
+        name = sim.pending_suspends[index % len(sim.pending_suspends)]
+        waiter = sim.annotations.get(sim.suspend_for[name])
+        if as_urgent and waiter is not None:
+            at = [s.name for s in self.specs].index(name)
+            self.specs[at] = replace(self.specs[at], priority=waiter.priority)
+            sim.annotate(self._annotations())
+        if name in sim.pending_suspends:
+            why = "FreezeUnit failed; and undoing the checkpoint failed: restore of PID 7 failed"
+            sim.finish_suspend(name, False, why, lost=True)
+
+    @precondition(lambda self: bool(self.sim.failing_stops()))
+    @rule(index=st.integers(0, 7), refused=st.booleans(), now=st.integers(0, 2))
+    def stop_fails(self, index: int, refused: bool, now: int) -> None:
+        """A stop of gpuslice's fails or is refused: the unit runs on. Most often that of a
+        unit whose suspend's undo lost a process (then it runs on broken), when one is being
+        stopped; now and then any stop of a unit that runs on GPUs."""
+        failing = self.sim.failing_stops()
+        lost = [n for n in failing if n in self.sim.undo_lost]
+        if now != 0 and not lost:
+            return
+        names = failing if now == 0 else lost
+        self.sim.fail_stop(names[index % len(names)], refused=refused)
+
 
 LadderMachine.TestCase.settings = machine_settings(EXAMPLES * 2 // 3)
 TestLadder = LadderMachine.TestCase
@@ -209,3 +243,51 @@ def test_a_thaw_that_a_freeze_allows_is_not_left_for_the_next_event() -> None:
         "thaw mid.service",
     ]
     assert brief(s.schedule()) == []  # nothing left undone at rest
+
+
+@pytest.mark.parametrize("as_urgent", [False, True])
+@pytest.mark.parametrize("then", ["stopped", "exits", "stop fails", "stop refused"])
+def test_the_model_follows_a_unit_whose_suspend_undo_lost_a_process(
+    as_urgent: bool, then: str
+) -> None:
+    """`undo_loses_a_process` needs a suspend on its way, which few histories at the default
+    count have: each way it goes, played once. u0 (`Preempt=suspend` alone) is suspended for
+    u1; undoing its failed suspend loses a process: it is stopped, u1 waiting for that stop
+    unless a reload made u0 as urgent (then u1 plans anew: u2's GPU is free, it is granted
+    there). The stop completes, u0 ends by itself first, or the stop fails or is refused (u0
+    runs on; refused, it is never a victim again while it runs)."""
+    state = LadderMachine()
+    units = [
+        (spec("", 90, preempt="suspend", requeue=False), True),
+        (spec("", 10, preempt="stop"), True),
+        (spec("", 50, preempt="stop"), True),
+    ]
+    state.boot(
+        gpus=2,
+        units=units,
+        yield_to_foreign=False,
+        requeue_at_gate=False,
+        started=[0, 2],
+        freeze_fails=set(),
+    )
+    sim = state.sim
+    assert sim.running == {"u0.service": (0,), "u2.service": (1,)}
+    state.person_starts(index=1)
+    assert sim.pending_suspends == ["u0.service"]
+    if as_urgent:
+        sim.exit("u2.service")  # GPU 1 free: u1 waits for u0 all the same, as for its suspend
+    state.undo_loses_a_process(index=0, as_urgent=as_urgent)
+    assert sim.pending_stops == ["u0.service"]
+    if as_urgent:
+        assert sim.running["u1.service"] == (1,)  # planned anew: granted the free GPU
+    else:
+        assert sim.victims_of["u1.service"] == {"u0.service"}
+    if then == "stopped":
+        state.stop_completes(index=0)
+    elif then == "exits":
+        state.unit_exits_before_its_stop(index=0, outcome=Outcome.FAILED)
+    else:
+        state.stop_fails(index=0, refused=then == "stop refused", now=1)
+        assert sim.runs("u0.service")
+    state.quiesce()
+    state.teardown()
