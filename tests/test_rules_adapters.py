@@ -18,7 +18,7 @@ from gpuslice.service import ACCESS_DENIED, BUS_NAME, INTERFACE, OBJECT_PATH
 from tests.test_cli_bus_mutation import closed as closed
 from tests.test_cli_bus_mutation import policed_bus as policed_bus
 from tests.test_dbus_adapter import connect, run
-from tests.test_gatepipes import GATE
+from tests.test_gatepipes import gate_with_stubs
 
 # ---------------------------------------------------------------------------------------------
 # "Only root may call Acquire, Plan and Reload"; "the shipped bus policy also refuses
@@ -126,9 +126,12 @@ def test_a_gate_stopped_while_its_dbus_call_waits_ends_at_once_and_ends_its_call
         "while :; do sleep 0.05; done\n"
     )
     stub.chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}  # no INVOCATION_ID, no pipe: the D-Bus way
+    systemctl = bin_dir / "systemctl"  # a stop: systemd shows the unit deactivating
+    systemctl.write_text("#!/bin/sh\necho deactivating\n")
+    systemctl.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin"}  # no INVOCATION_ID, no pipe: the D-Bus way
     gate = subprocess.Popen(
-        ["/bin/sh", str(GATE), "job.service", "0.5"],
+        ["/bin/sh", str(gate_with_stubs(tmp_path, bin_dir)), "job.service", "0.5"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
