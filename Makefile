@@ -253,12 +253,12 @@ MUTATE_controller := gpuslice.controller.* gpuslice.answers.*
 # the adapters to the outside world: systemd's bus, NVML and the driver's arrival, the GPU
 # watcher and the whole inventory, `gpuslice new`, the metrics and their exporter, the
 # journal's lines and sd_notify, gpuslice's own D-Bus interface and who calls it, the
-# `gpuslice` command's own code (each click command hands
+# journal's word of stop jobs (journalctl), the `gpuslice` command's own code (each click command hands
 # its work to a plain function: mutmut mutates no decorated one)
 MUTATE_outer := gpuslice.systemd.* gpuslice.nvml.* gpuslice.driver.* gpuslice.gpuwatch.* \
 	gpuslice.inventory.* gpuslice.newunit.* gpuslice.metrics.* gpuslice.exporter.* \
 	gpuslice.journal.* gpuslice.notify.* gpuslice.counters.* gpuslice.offloop.* gpuslice.cli.* \
-	gpuslice.procmount.* gpuslice.service.* gpuslice.callers.*
+	gpuslice.procmount.* gpuslice.service.* gpuslice.callers.* gpuslice.stopjournal.*
 MUTATE_all := $(MUTATE_core) $(MUTATE_adapters) $(MUTATE_controller) $(MUTATE_outer)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
 mutate: venv

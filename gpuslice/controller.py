@@ -24,12 +24,13 @@ from collections.abc import (
     Coroutine,
     Iterable,
     Iterator,
+    Mapping,
     Sequence,
 )
 from pathlib import Path
 from typing import Any
 
-from gpuslice import envfiles
+from gpuslice import envfiles, stopjournal
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.answers import StatusAnswers
 from gpuslice.cgroups import unit_of_pid
@@ -148,12 +149,15 @@ STATE_RECORD = Path(STATE_DIR_RECORD)
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
-# Phases of a holder whose end, found down at start-up, is read from systemd's record of its
-# main process (Controller._stopped_while_away): a unit gpuslice was stopping is preempted
-# however it went down, and a suspended one is held already (frozen, it cannot have ended).
+# Phases of a holder whose end, found down at start-up, is asked of the journal, or read from
+# systemd's record of its main process (Controller._stopped_while_away): a unit gpuslice was
+# stopping is preempted however it went down, and a suspended one is held already (frozen,
+# it cannot have ended).
 _READ_IF_DOWN = frozenset({Phase.RUNNING, Phase.STARTING, Phase.FROZEN})
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
+# stopjournal.ask: whether systemd's journal shows a stop job ending each unit's last run.
+AskJournal = Callable[[Sequence[str]], Awaitable[Mapping[str, stopjournal.Answer]]]
 
 
 async def _raising(error: Exception) -> str:
@@ -174,10 +178,14 @@ class Controller:
         inventory: Inventory | None = None,
         journal: Journal | None = None,
         service: SchedulerService | None = None,
+        ask_journal: AskJournal | None = None,
     ) -> None:
         self.config = config
         # decisions go there, into their units' own journals too; None: plain log lines
         self.journal = journal
+        # asks the journal how holders found down at start-up ended (_stopped_while_away);
+        # run() gives stopjournal.ask, None: not asked, each main process's record decides
+        self.ask_journal = ask_journal
         # decisions, errors and admission waits since we started (status, `gpuslice metrics`)
         self.counters = Counters()
         self.started = time.time()
@@ -467,34 +475,49 @@ class Controller:
 
     async def _stopped_while_away(self) -> set[str]:
         """The holders the last controller saw running or starting (or froze) that systemd
-        shows down with no job, and whose end systemd's record of their main process says
-        was a stop (`stopped_by_a_job`): stopped by hand while no controller ran, they are
-        held, not finished (a reboot forgets finished units, and refill started them again).
-        No signal told how they ended, and the state systemd lists is the same for a unit
-        that ended by itself. Read for those few only; a read that fails, or that a signal
-        of the unit overtook, leaves the unit to be taken as it was before (finished).
-        Scheduling is deferred meanwhile: a timer's sample decides nothing before _rebuild."""
+        shows down with no job (or no longer loads), and that a stop job ended: stopped by
+        hand while no controller ran, they are held, not finished (a reboot forgets finished
+        units, and refill started them again). No signal told how they ended, and the state
+        systemd lists is the same for a unit that ended by itself. The journal says it first
+        (`ask_journal`: PID 1's "Stopped" after a stop job, or its "Starting" with none
+        after, the better word: a unit that trapped SIGTERM and exited 0, or one systemd
+        unloaded with its record, is told too, and a `kill` of the main process is an end by
+        itself, as while a controller runs); where it cannot tell, systemd's record of the
+        main process of a loaded unit (`stopped_by_a_job`). Asked of those few only; an
+        answer that fails, or that a signal of the unit overtook, leaves the unit to be
+        taken as it was before (finished). Scheduling is deferred meanwhile: a timer's
+        sample decides nothing before _rebuild."""
         core = self.scheduler
         names = [
             name
             for name in sorted(core.grants())
             if core.phase(name) in _READ_IF_DOWN
             and name.endswith(".service")
-            and name in self.tracker.states  # loaded: systemd unloaded it with its record
-            and self.tracker.state(name).active == "inactive"
+            and self.tracker.state(name).active == "inactive"  # unloaded: inactive, no job
             and classify(self.tracker.state(name)) is Kind.DOWN
         ]
         if not names:
             return set()
         heard = {name: self.tracker.heard(name) for name in names}
         with core.deferred():
-            found = await asyncio.gather(*(self._main_exit(name) for name in names))
+            told = await self._ask_journal(names)
+            # loaded: systemd unloaded the others with their record (a Get loads one anew)
+            unknown = [n for n in names if told.get(n) is None and n in self.tracker.states]
+            found = await asyncio.gather(*(self._main_exit(name) for name in unknown))
+        mains = dict(zip(unknown, found, strict=True))
         stopped: set[str] = set()
-        for name, main in zip(names, found, strict=True):
-            state = self.tracker.state(name)
-            if main is None or self.tracker.heard(name) != heard[name]:
+        for name in names:
+            if self.tracker.heard(name) != heard[name]:
                 continue
-            if stopped_by_a_job(state, main):
+            main = mains.get(name)
+            if told.get(name):
+                log.debug(
+                    "%s was stopped while no controller ran (the journal shows systemd's stop "
+                    "job ending it)",
+                    name,
+                )
+                stopped.add(name)
+            elif main is not None and stopped_by_a_job(self.tracker.state(name), main):
                 log.debug(
                     "%s was stopped while no controller ran (its main process was killed by "
                     "signal %d)",
@@ -503,6 +526,23 @@ class Controller:
                 )
                 stopped.add(name)
         return stopped
+
+    async def _ask_journal(self, names: Sequence[str]) -> dict[str, bool | None]:
+        """Whether a stop job ended each unit's last run, as the journal says (None: it
+        cannot tell); one line for those it could not tell of."""
+        if self.ask_journal is None:
+            return {}
+        answers = await self.ask_journal(names)
+        said = stopjournal.unknown_line(answers)
+        if said is not None:
+            failed, text = said
+            log.log(
+                logging.WARNING if failed else logging.INFO,
+                "the journal cannot tell whether systemd stopped %s: judged by how systemd "
+                "recorded the main process ending (a unit it no longer loads: ended by itself)",
+                text,
+            )
+        return {name: answers[name].stopped if name in answers else None for name in names}
 
     async def _main_exit(self, name: str) -> MainExit | None:
         try:
@@ -1767,7 +1807,9 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     config = _runtime_dir_of_this_boot(config, config_path)  # before any gate is answered
     # under systemd (stderr to the journal) decisions also go to their units' journals
     journal = Journal() if os.environ.get("JOURNAL_STREAM") else None
-    controller = Controller(config, config_path, systemd, journal=journal)
+    controller = Controller(
+        config, config_path, systemd, journal=journal, ask_journal=stopjournal.ask
+    )
     stop = loop.create_future()
 
     def request_stop() -> None:

@@ -374,9 +374,9 @@ class Tracker:
         return any(path not in self._own_jobs for path in self._unit_jobs.get(name, ()))
 
     def outcome(self, state: UnitState, *, stopped: bool = False) -> Outcome:
-        """`stopped`: systemd's record of its main process says a stop job ended it
-        (`stopped_by_a_job`, read at start-up for a unit that ended while no controller ran,
-        whose jobs nobody saw)."""
+        """`stopped`: the journal, or systemd's record of its main process, says a stop job
+        ended it (stopjournal, `stopped_by_a_job`: asked at start-up of a unit that ended
+        while no controller ran, whose jobs nobody saw)."""
         if state.active == "failed" or state.sub == "auto-restart":
             return Outcome.FAILED
         if self.shutting_down:

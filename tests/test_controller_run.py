@@ -38,7 +38,7 @@ from typing import Any, cast
 
 import pytest
 
-from gpuslice import __version__
+from gpuslice import __version__, stopjournal
 from gpuslice import controller as controller_module
 from gpuslice.annotations import scan
 from gpuslice.config import ConfigError, load_config_with_warnings
@@ -258,7 +258,9 @@ def test_the_daemon_says_ready_feeds_the_watchdog_and_a_stop_signal_ends_it_clea
     that stops feeding it); SIGTERM (systemctl stop) or SIGINT (^C by hand) ends it with
     STOPPING=1, the journal closed and exit 0. A stop that exited non-zero would have systemd
     mark gpuslice failed at each upgrade; one left waiting would be killed at
-    TimeoutStopSec."""
+    TimeoutStopSec. Holders found down at start-up are asked of the journal
+    (stopjournal.ask): without it, one stopped by hand while no controller ran and since
+    unloaded by systemd was taken for finished."""
     monkeypatch.setenv("JOURNAL_STREAM", "8:4242")
     monkeypatch.setenv("WATCHDOG_USEC", "20000")  # fed every 10 ms
     host.config_path.write_text("gpus: 1\nfrobnicate: yes\n")
@@ -275,6 +277,7 @@ def test_the_daemon_says_ready_feeds_the_watchdog_and_a_stop_signal_ends_it_clea
         await until(lambda: host.heard().count("WATCHDOG=1") >= 2)
         assert host.heard()[0] == "READY=1\nSTATUS=1 GPU: a.service running; 0 waiting"
         assert host.controller.journal is cast(Journal, host.journals[0])
+        assert host.controller.ask_journal is stopjournal.ask
         assert not host.journals[0].closed
         signal.raise_signal(stop)
         assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0

@@ -26,6 +26,7 @@ from gpuslice import (
     rereads,
     service,
     status,
+    stopjournal,
 )
 from gpuslice.cli import status as status_command
 from gpuslice.unitfiles import parse_sections
@@ -37,6 +38,11 @@ README = " ".join((ROOT / "README.md").read_text().split())  # sentences across 
 def _freezer_timeout() -> object:
     """The FreezeUnit deadline the controller's Ladder gets (it passes none of its own)."""
     return inspect.signature(ladder.Ladder.__init__).parameters["freezer_timeout"].default
+
+
+def _journal_seconds() -> object:
+    """How long a start-up waits for the journal's answers (stopjournal.ask's default)."""
+    return inspect.signature(stopjournal.ask).parameters["seconds"].default
 
 
 def _interval_default() -> object:
@@ -58,6 +64,8 @@ ROWS = [
     ),
     ("until the file is written (tried every second)", controller.ENV_RETRY, 1.0),
     ("A start looks at up to 8,192 entries of `runtime_dir/env`", controller.ENV_SWEEP_MAX, 8192),
+    ("no `journalctl`, no answer within 3 s", _journal_seconds(), 3.0),
+    ("`journalctl`'s answer is read up to 4 KiB", stopjournal.OUTPUT_MAX, 4096),
     ("Each of these gives up on the bus after 30 s", cli.BUS_TIMEOUT, 30.0),
     # While the controller is down: a call systemd never got
     ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_FIRST, 1.0),
