@@ -39,7 +39,7 @@ from gpuslice.newunit import (
     write_atomically,
     written_by_new,
 )
-from gpuslice.paths import CONFIG_PATH
+from gpuslice.paths import BOOT_RECORD, CONFIG_PATH
 from gpuslice.unitfiles import (
     MAX_FILE_SIZE,
     UnitFile,
@@ -65,6 +65,8 @@ RELEASE_DEADLINE = 120.0
 # takes it and never authenticates it), a call to be answered (the controller's Status,
 # Plan, Reload; systemd saying when it started, for release-jobs, which `apt remove` waits on)
 BUS_TIMEOUT = 30.0
+# this boot as a controller of this boot told it (paths.BOOT_RECORD), for release-jobs
+THIS_BOOT_RECORD = Path(BOOT_RECORD)
 
 config_option = click.option(
     "--config",
@@ -161,9 +163,11 @@ def release_jobs(config_path: str) -> None:
     and a preempted one, which nothing will start again, are named on stderr with why and
     what to do, instead of being left silently. Only a state of this boot is acted on, the
     boot told as the controller tells it (`state.same_boot`, with systemd's start: a
-    container restarted keeps the kernel's boot id): one of an earlier boot names units
-    whose processes are gone, and a unit of that name now is another. When this boot cannot
-    be told (systemd not reachable on the bus), no unit is touched: each is named."""
+    container restarted keeps the kernel's boot id), and as a controller of this boot
+    recorded it while it can (`_this_boot`): one of an earlier boot names units whose
+    processes are gone, and a unit of that name now is another. When this boot cannot be
+    told (no record, systemd not reachable on the bus), no unit is touched: each is
+    named."""
     _release_jobs(config_path)
 
 
@@ -276,11 +280,19 @@ def _release_jobs(config_path: str) -> None:
 
 
 def _this_boot() -> tuple[str, str]:
-    """This boot as the controller tells it at its start (`Systemd.boot_id`, asked of the
-    systemd on the bus gpuslice is told, GPUSLICE_BUS_ADDRESS): the kernel's boot id alone
-    is a container's last boot's too when it restarted without its host. ("", why) when it
-    cannot be told: no bus, systemd refusing or silent for BUS_TIMEOUT s (`apt
-    remove` waits), no kernel boot id."""
+    """This boot as the controller tells it at its start: as a controller of this boot
+    recorded it (THIS_BOOT_RECORD, in /run, which every boot empties), else asked as it asks
+    (`Systemd.boot_id`, of the systemd on the bus gpuslice is told, GPUSLICE_BUS_ADDRESS):
+    the kernel's boot id alone is a container's last boot's too when it restarted without
+    its host. The record comes first: in a container the controller's sandbox reads the
+    host kernel's boot id and release-jobs the container's, and asked here, no saved state
+    was ever this boot's. ("", why) when it cannot be told: no record, and no bus, systemd
+    refusing or silent for BUS_TIMEOUT s (`apt remove` waits), no kernel boot id."""
+    from gpuslice.state import read_recorded_boot
+
+    recorded = read_recorded_boot(THIS_BOOT_RECORD)
+    if recorded is not None:
+        return recorded, ""
     try:
         return asyncio.run(asyncio.wait_for(_read_boot(), BUS_TIMEOUT)), ""
     except TimeoutError:

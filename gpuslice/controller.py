@@ -76,6 +76,7 @@ from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
 from gpuslice.paths import (
+    BOOT_RECORD,
     ENV_DIR_NAME,
     RUNTIME_DIR_ENV,
     RUNTIME_DIR_RECORD,
@@ -85,7 +86,7 @@ from gpuslice.paths import (
 )
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
-from gpuslice.state import Flusher, StateStore, same_boot
+from gpuslice.state import Flusher, StateStore, record_boot, same_boot
 from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient
 from gpuslice.tracker import (
     CameUp,
@@ -146,6 +147,8 @@ CONFIG_SETTLE_WAITS = 10
 RUNTIME_RECORD = Path(RUNTIME_DIR_RECORD)
 # Where the controller records the state_dir it runs with (paths.STATE_DIR_RECORD)
 STATE_RECORD = Path(STATE_DIR_RECORD)
+# Where the controller records this boot as it tells it (paths.BOOT_RECORD)
+THIS_BOOT_RECORD = Path(BOOT_RECORD)
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
@@ -168,6 +171,10 @@ class Controller:
     # where the state_dir the controller runs with is recorded for the next start, which
     # moves the state from it (_load_state); run() sets STATE_RECORD, None: not kept
     state_record: Path | None = None
+    # where this boot as it tells it is recorded for `gpuslice release-jobs`, which cannot
+    # tell it so in a container (paths.BOOT_RECORD); run() sets THIS_BOOT_RECORD, None: not
+    # recorded
+    boot_record: Path | None = None
 
     def __init__(
         self,
@@ -305,6 +312,7 @@ class Controller:
         self.answers.read_proc_mount()
         await self.systemd.subscribe()
         self.boot_id = await self.systemd.boot_id()
+        self._record_boot()
         for problem in self.scan.problems:
             self._log_problem(problem)
         self.watch.open()  # and acts on NVML's case
@@ -379,6 +387,24 @@ class Controller:
             )
         elif removed:
             log.info("removed env files of units no longer running: %d", removed)
+
+    def _record_boot(self) -> None:
+        """Record this boot (`boot_record`) before any state is saved with it: release-jobs
+        judges the saved state's boot by it. Unrecorded, it asks systemd itself, which in a
+        container reads another kernel boot id than this sandbox does."""
+        record = self.boot_record
+        if record is None:
+            return
+        try:
+            record_boot(record, self.boot_id)
+        except OSError as e:
+            log.error(
+                "cannot record this boot in %s (%s): in a container, `gpuslice release-jobs` "
+                "(apt remove) takes this boot's state for an earlier boot's and leaves its "
+                "frozen and suspended units as they are",
+                record,
+                e,
+            )
 
     def _load_state(self) -> tuple[SavedState, str]:
         """The saved state and its boot, from where the last controller saved it. After
@@ -1822,6 +1848,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     if early_reload:
         controller.request_reload()
     controller.state_record = STATE_RECORD
+    controller.boot_record = THIS_BOOT_RECORD
     await controller.start()
     interval = controller.notifier.watchdog_interval()
     if interval:

@@ -25,6 +25,17 @@ DEFAULT_LIBEXEC_DIR = "/usr/lib/gpuslice"
 RUNTIME_DIR_RECORD_NAME = "runtime-dir"
 RUNTIME_DIR_RECORD = f"{DEFAULT_RUNTIME_DIR}/{RUNTIME_DIR_RECORD_NAME}"
 RUNTIME_DIR_ENV = "GPUSLICE_RUNTIME_DIR"
+# This boot as the controller tells it (`Systemd.boot_id`), recorded at its start for
+# `gpuslice release-jobs` (apt remove), which runs outside the unit's sandbox and judges the
+# saved state's boot by it. In a container the two read different kernel boot ids: nspawn
+# mounts the container's own over /proc/sys/kernel/random/boot_id, and the sandbox's fresh
+# /proc/sys (ProtectKernelTunables=, ProtectControlGroups=) shows the host's; asked by
+# release-jobs itself, every state was "not this boot's", and its frozen units stayed frozen.
+# /run is emptied at every boot (a tmpfs), so a record here was written this boot. Named as
+# the runtime_dir record's own names are (`runtime-dir.`, config._own_name_below), which no
+# runtime_dir may be, then as now: a runtime_dir pinned before an upgrade is never this file.
+BOOT_RECORD_NAME = f"{RUNTIME_DIR_RECORD_NAME}.boot"
+BOOT_RECORD = f"{DEFAULT_RUNTIME_DIR}/{BOOT_RECORD_NAME}"
 # The state_dir the controller last ran with. A state_dir edited in config.yaml takes effect at
 # the next start, which would read an empty directory and forget every unit owed a restart or
 # a resume: the controller moves the state there from the one recorded here. Kept across

@@ -373,6 +373,35 @@ def same_boot(saved: str, current: str) -> bool:
     return bool(saved) and saved == current
 
 
+def record_boot(record: Path, boot_id: str) -> bool:
+    """Record this boot as the controller tells it (paths.BOOT_RECORD), replaced at once, as
+    config.pin_runtime_dir records the runtime_dir: a restart writes the same. False, and
+    nothing written, when the record's directory does not exist: not started by
+    gpuslice.service, whose RuntimeDirectory= makes it. OSError when it cannot be written."""
+    if not record.parent.is_dir():
+        return False
+    write_durably(record, f"{boot_id}\n".encode())
+    return True
+
+
+def read_recorded_boot(record: Path) -> str | None:
+    """This boot as a controller of this boot told it (record_boot); None when none recorded
+    it (no controller ran this boot, or one of a gpuslice without the record), or what is
+    there is no record of its: a link or no regular file (never followed or opened), not the
+    reader's own (root's: only root writes there) or writable by others, longer than a boot
+    id (`state.validate`'s bound), or not one line of printable ASCII."""
+    try:
+        data, st = safefile.read_with_stat(record, BOOT_ID_MAX + 1, follow_links=False)
+    except safefile.Unreadable:
+        return None
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None
+    if not data.endswith(b"\n"):
+        return None
+    boot = data[:-1].decode("ascii", "replace")
+    return boot if boot and boot.isascii() and boot.isprintable() else None
+
+
 def _terms_problem(name: str, entry: object) -> str:
     """Why a terms entry is invalid ("" when it is valid): what a unit whose annotation
     went is judged by must be what an annotation could have said."""

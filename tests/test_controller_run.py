@@ -47,9 +47,11 @@ from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
 from gpuslice.ladder import Suspension
 from gpuslice.service import NotManaged
+from gpuslice.state import read_recorded_boot
 from gpuslice.systemd import Systemd
 from gpuslice.tracker import UnitState
 from tests.test_controller import (
+    BOOT,
     UNIT_DIR,
     Bed,
     FakeService,
@@ -165,6 +167,7 @@ class Host:
         monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0)
         monkeypatch.setattr(controller_module, "RUNTIME_RECORD", tmp_path / "none" / "runtime-dir")
         monkeypatch.setattr(controller_module, "STATE_RECORD", tmp_path / "none" / "state-dir")
+        monkeypatch.setattr(controller_module, "THIS_BOOT_RECORD", tmp_path / "none" / "boot")
         monkeypatch.delenv("GPUSLICE_RUNTIME_DIR", raising=False)
         monkeypatch.setattr(Systemd, "connect", connect)
         monkeypatch.setattr(controller_module, "SchedulerService", service)
@@ -337,6 +340,27 @@ def test_a_lost_system_bus_is_said_and_exits_1_so_that_systemd_restarts_the_cont
     assert stderr_lines(capsys)[-1] == (
         "<3>lost the system bus; exiting so that systemd restarts the controller"
     )
+
+
+def test_the_daemon_records_this_boot_for_release_jobs(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """run() has the controller record this boot as it tells it where `gpuslice
+    release-jobs` reads it (paths.BOOT_RECORD): in a container, release-jobs reads another
+    kernel boot id than the controller's sandbox does, and without the record took every
+    state for an earlier boot's (its frozen units left frozen at `apt remove`)."""
+    record = host.tmp_path / "run" / "gpuslice" / "runtime-dir.boot"
+    record.parent.mkdir(parents=True)  # RuntimeDirectory=
+    monkeypatch.setattr(controller_module, "THIS_BOOT_RECORD", record)
+
+    async def test() -> None:
+        daemon = host.start()
+        await host.waiting_on_its_bus(daemon)
+        assert read_recorded_boot(record) == BOOT
+        signal.raise_signal(SIGTERM)
+        assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0
+
+    run(test)
 
 
 def test_a_sighup_while_starting_up_is_a_reload_once_started_and_one_after_at_once(

@@ -41,7 +41,7 @@ from gpuslice.journal import Journal
 from gpuslice.nvml import GpuProcess
 from gpuslice.paths import env_file
 from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH
-from gpuslice.state import StateStore
+from gpuslice.state import StateStore, read_recorded_boot
 from gpuslice.systemd import Systemd, SystemdError
 from gpuslice.tracker import UnitState
 from tests.test_controller import (
@@ -621,6 +621,51 @@ def test_a_controller_that_decided_nothing_writes_no_state(tmp_path: Path) -> No
         assert not state_file.exists()
 
     run(test)
+
+
+def test_start_up_records_the_boot_it_saves_the_state_with(tmp_path: Path) -> None:
+    """This boot as the controller tells it (Systemd.boot_id) is recorded where `gpuslice
+    release-jobs` reads it (paths.BOOT_RECORD), the boot its state is saved with: in a
+    container release-jobs reads another kernel boot id than this sandbox, and asked
+    itself, no state was ever this boot's."""
+    bed = Bed(
+        tmp_path,
+        {"gone.service": "Priority=50\n"},
+        [state("gone.service", "inactive", "dead")],
+        SavedState(holders={"gone.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    record = tmp_path / "run" / "gpuslice" / "runtime-dir.boot"
+    record.parent.mkdir(parents=True)  # RuntimeDirectory=
+    bed.controller.boot_record = record
+
+    async def test() -> None:
+        await bed.controller.start()
+        _, boot = StateStore(Path(bed.config.state_dir)).load()
+        assert read_recorded_boot(record) == boot == BOOT
+
+    run(test)
+
+
+def test_a_boot_that_cannot_be_recorded_is_said_and_start_up_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    record = tmp_path / "runtime-dir.boot"
+    record.mkdir()  # what no file replaces
+    bed.controller.boot_record = record
+
+    async def test() -> None:
+        await bed.controller.start()
+        assert bed.controller.ready
+
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        run(test)
+    [said] = lines(caplog, logging.ERROR)
+    assert said.startswith(f"cannot record this boot in {record} (")
+    assert said.endswith(
+        "): in a container, `gpuslice release-jobs` (apt remove) takes this boot's state for "
+        "an earlier boot's and leaves its frozen and suspended units as they are"
+    )
 
 
 def test_status_in_systemctl_follows_each_change_after_start_up(

@@ -459,3 +459,29 @@ def test_a_lock_left_running_by_a_killed_controller_is_stopped_before_the_resume
     wait_journal(bed, "resuming vlm.service on GPU 0 after a controller restart", TIMEOUT)
     assert main_pid(bed, VLM) == pid
     wait_state(bed, VOICE, "active", TIMEOUT)  # vlm.service suspended again, this time whole
+
+
+def test_release_jobs_in_a_container_thaws_what_the_controller_froze(bed: Container) -> None:
+    """`gpuslice release-jobs` (the Debian prerm's, unsandboxed) judges this boot as the
+    controller did: inside a container, sandboxed gpuslice.service reads the host kernel's
+    boot id and the prerm the container's own, so it took the saved state for another boot's
+    and left the unit frozen for good after `apt remove` (the boot record fixes that)."""
+    write_worker(bed, "emb.service", 90, memory="8G", alloc="8G", preempt="freeze stop")
+    write_urgent(bed, memory="8G")
+    reload(bed)
+    bed.systemctl("start", "emb.service")
+    wait_state(bed, "emb.service", "active")
+    bed.systemctl("start", VOICE)
+    wait_until(
+        lambda: prop(bed, "emb.service", "FreezerState") == "frozen" or None, TIMEOUT, what="frozen"
+    )
+    bed.systemctl("stop", "gpuslice.service")  # running jobs are left alone: still frozen
+    assert prop(bed, "emb.service", "FreezerState") == "frozen"
+    released = bed.run(["gpuslice", "release-jobs"], check=False)
+    said = released.stdout + released.stderr
+    wait_until(
+        lambda: prop(bed, "emb.service", "FreezerState") == "running" or None,
+        TIMEOUT,
+        what=f"emb.service thawed by release-jobs (it said: {said!r})",
+    )
+    counting(bed, "emb.service")
