@@ -244,7 +244,7 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 	gpuslice.inventory.x*Inventory*reattribute__mutmut_* gpuslice.inventory.x__attributed__mutmut_* \
 	gpuslice.inventory.x__with_foreign__mutmut_* gpuslice.inventory.x__guessed__mutmut_* \
 	gpuslice.gatepipes.* gpuslice.busread.* gpuslice.tracker.* gpuslice.owners.* gpuslice.envfiles.* \
-	gpuslice.safefile.* gpuslice.rereads.* gpuslice.envsafety.* gpuslice.ladder.* \
+	gpuslice.safefile.* gpuslice.rereads.* gpuslice.envsafety.* gpuslice.envsyntax.* gpuslice.ladder.* \
 	gpuslice.checkpoint.*
 # the controller (the composition root: wiring, gates, calls to systemd, its journal lines,
 # run()): 1,698 mutants, ~25 minutes on two workers, longer on one; with it, the answers to

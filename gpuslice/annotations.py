@@ -2,10 +2,11 @@
 
 One table (`KEYS`) declares every key; adding a key is one row there plus a `UnitSpec` field.
 Every problem is collected with its file and line; a unit with an error is left unmanaged, and
-the other units are unaffected. A unit run as another user whose `EnvironmentFile=` someone but
-root can change is an error too (`envsafety`: the gate runs as root with the unit's
-environment). Pure stdlib + `core.model` + `paths` + `envsafety`, so the generator can import
-it cheaply.
+the other units are unaffected. A unit run as another user whose `EnvironmentFile=` or loader
+paths (`LD_PRELOAD=`, ...) someone but root can change is an error too, as is any unit whose
+mounts replace what the gate runs (`envsafety`: the gate runs as root with the unit's
+environment and mounts). Pure stdlib + `core.model` + `paths` + `envsafety`, so the generator
+can import it cheaply.
 """
 
 from __future__ import annotations
@@ -254,7 +255,8 @@ class Loader:
         # text for every unit whose own ExecStartPre= lines are alike (10,000 units: 1 parse)
         self._by_text: dict[str, _Parsed] = {}
         self._files: dict[str, list[UnitFile] | None] = {}
-        # whether the EnvironmentFile= of a unit run as another user is root's alone
+        # whether what the gate runs with as root (environment files, loader paths, mounts)
+        # is root's alone
         self.env_files = EnvFileChecker(index.root)
 
     def parsed(self, unit_file: UnitFile) -> _Parsed:
@@ -308,8 +310,10 @@ class Loader:
         its readable files are annotated: what the unread file says is unknown.
 
         A unit that runs as another user (`User=`, `DynamicUser=`) is unmanaged too when
-        someone but root can change one of its `EnvironmentFile=`s (gpuslice/envsafety.py):
-        the gate runs as root with the unit's environment."""
+        someone but root can change one of its `EnvironmentFile=`s or a path its
+        environment's `LD_PRELOAD=`, `LD_LIBRARY_PATH=`, ... names, and any unit whose root
+        directory or mounts replace or hide what the gate uses (gpuslice/envsafety.py): the
+        gate runs as root with the unit's environment and mounts."""
         problems: list[Problem] = []
         run_as = RunAs()
         unreadable: list[Problem] = []
@@ -355,7 +359,7 @@ class Loader:
                 )
             )
         problems += [
-            Problem(f.path, f.line, "EnvironmentFile", f.message, "error", name, "Service")
+            Problem(f.path, f.line, f.key, f.message, "error", name, "Service")
             for f in self.env_files.check(name, run_as)
         ]
 

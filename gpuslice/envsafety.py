@@ -1,11 +1,21 @@
-"""Whether only root can change the `EnvironmentFile=` of a unit that runs as another user.
+"""Whether only root can change what gpuslice's gate runs with as root.
 
-gpuslice's gate runs as `ExecStartPre=+`: as root, outside `User=` and the unit's sandbox, but
-with the unit's environment, `EnvironmentFile=` included. A unit with `User=asr` (or
-`DynamicUser=yes`) whose environment file asr can change ran nothing as root before gpuslice
-gated it; once gated, asr's `LD_PRELOAD=` or `PATH=` runs in the gate's root shell (the dynamic
-loader acts before the gate can). Such a unit is not managed: `EnvFileChecker.check` says why,
-for each file, and `annotations.Loader` makes that an error on the unit (no gate).
+gpuslice's gate runs as `ExecStartPre=+`: as root, without `User=`, capabilities and most of
+the unit's sandbox, but with the unit's environment (`EnvironmentFile=` included), working
+directory, root directory and mounts (systemd v252's apply_mount_namespace, in
+src/core/execute.c, passes RootDirectory=/RootImage= unless RootDirectoryStartOnly=yes, the
+bind mounts, TemporaryFileSystem=, MountImages=, ExtensionImages= and ExtensionDirectories=
+to every command, `+` or not; only ReadOnlyPaths=, InaccessiblePaths=, ProtectSystem= and the
+like wait on `needs_sandboxing`). A unit with `User=asr` (or `DynamicUser=yes`) whose
+environment file asr can change ran nothing as root before gpuslice gated it; once gated,
+asr's `LD_PRELOAD=` runs in the gate's root shell (the dynamic loader acts before the gate
+can). So is a root-written `LD_LIBRARY_PATH=/home/asr/lib`: the loader takes asr's
+libc.so.6. Such a unit is not managed: `EnvFileChecker.check` says why, for each file and
+each loader variable (`LOADER_PATHS`), and `annotations.Loader` makes that an error on the
+unit (no gate). A unit that runs as root is not checked there: its own processes already load
+what those paths name, as root. A root directory or mount of any gated unit that replaces or
+hides what the gate runs or talks through (`GATE_PATHS`) is an error too: a user's files
+there would run as root, and a hidden bus or pipe holds the start for ever without a word.
 
 A file is root's alone when every component of its path, walked from / with symlinks followed
 (the link's directory, then its target's components), is owned by UID 0 and writable by no
@@ -19,10 +29,13 @@ checked (a specifier whose value is not known here, a relative path, a wildcard,
 symlinks, a FIFO, a path longer than systemd takes) is refused too, with the reason.
 
 Paths are system paths, looked up under the scan's root (tests use a temporary directory, as
-`unitfiles.UnitIndex` does). Only lstat(2), readlink(2) and getxattr(2) are used: nothing is
-opened (but /proc/self/mountinfo), so a FIFO cannot block. Results are cached for the
-checker's life (one scan): 10,000 units that share one file cost one walk. Pure stdlib +
-`unitfiles`; `check` never raises.
+`unitfiles.UnitIndex` does). Only lstat(2), readlink(2), getxattr(2) and, for a loader
+directory, listdir are used; besides /proc/self/mountinfo, only an environment file is opened
+(O_NONBLOCK, so a FIFO cannot block), once the walk found it a regular file root's alone, to
+read its loader variables. A loader directory is root's alone with everything in it, at any
+depth (symlinks followed), at most `MAX_TREE` entries. Results are cached for the checker's
+life (one scan): 10,000 units that share one file cost one walk. Pure stdlib + `unitfiles`,
+`envsyntax`, `paths`; `check` never raises.
 
 A file system elsewhere (NFS at /srv/nfs, /mnt, /data) may not answer either, and a hung
 lstat would hang the generator (systemd kills it: no unit gated, as it plans every unit
@@ -46,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import select
@@ -56,8 +70,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
+from gpuslice import envsyntax
+from gpuslice.paths import DEFAULT_RUNTIME_DIR, LIBEXEC_DIR
 from gpuslice.safefile import file_kind, has_access_acl
-from gpuslice.unitfiles import Entry, is_instance, is_template, printable
+from gpuslice.unitfiles import MAX_FILE_SIZE, Entry, is_instance, is_template, printable
 
 T = TypeVar("T")
 
@@ -74,9 +90,6 @@ USER_TREES: tuple[str, ...] = (
 PATH_MAX = 4096  # Linux's, with the NUL: systemd ignores a longer EnvironmentFile=
 MAX_SYMLINKS = 32  # systemd's chase limit (the kernel's is 40)
 MAX_STEPS = 1024  # components walked, symlinks' targets included: no real path comes near
-RUN_AS_KEYS = frozenset({"User", "DynamicUser", "EnvironmentFile"})
-_ROOT_USERS = frozenset({"root", "0"})
-_FALSE = frozenset({"0", "no", "n", "false", "f", "off"})
 # systemd's specifiers whose value is fixed for the system manager (systemd.unit(5))
 _SYSTEM_DIRS = {
     "t": "/run",
@@ -94,39 +107,135 @@ _WILDCARDS = "*?[\\"  # systemd globs EnvironmentFile= (glob(3) without flags: \
 # microseconds, a network file system whose server is gone never answers
 DEADLINE = 2.0
 MOUNTINFO = "/proc/self/mountinfo"  # which file system a path is on
+
+# The variables whose paths the gate's programs load code from as root before its script can
+# act: glibc's dynamic loader (every program: /bin/sh first), and the locale and gconv modules
+# of a /bin/sh that sets its locale at start (bash does, dash does not). Name -> (whether it
+# lists directories, its separators: glibc's). An empty directory element is the current
+# directory; an empty file element is skipped. DBUS_SYSTEM_BUS_ADDRESS, read by dbus-send
+# only once the script runs, is unset by the gate itself.
+LOADER_PATHS: dict[str, tuple[bool, str]] = {
+    "LD_LIBRARY_PATH": (True, ":;"),
+    "LD_PRELOAD": (False, " :"),
+    "LD_AUDIT": (False, ":"),
+    "GCONV_PATH": (True, ":"),
+    "LOCPATH": (True, ":"),
+}
+MAX_TREE = 10_000  # entries of a loader directory and its subdirectories, walked per scan
+MAX_ENV_FILE = MAX_FILE_SIZE  # systemd reads more; no real environment file comes near it
+# What the gate (its PATH's programs, their libraries and the loader's own files, the bus,
+# systemctl's socket, the gate's pipe, the gate itself) needs to find as the host has it. A
+# component ending in `*` stands for every name that starts with what is before it.
+GATE_PATHS: tuple[str, ...] = (
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+    "/lib*",
+    "/usr/lib*",
+    "/usr/local/lib*",
+    "/etc/ld.so.preload",
+    "/etc/ld.so.cache",
+    "/run/dbus",
+    "/var/run",  # libdbus's default bus address is under it (a symlink to /run)
+    "/run/systemd",
+    DEFAULT_RUNTIME_DIR,
+    LIBEXEC_DIR,
+    "/proc",
+    "/sys",
+)
+GATE_USES = (
+    "where gpuslice's gate finds the programs and libraries it runs as root, or its way to "
+    "the controller"
+)
 _MOUNTINFO_MANGLED = re.compile(rb"\\([0-7]{3})")  # the kernel writes " \t\n\\" as \ooo
 
 
-class EnvFile(NamedTuple):
-    """One `EnvironmentFile=` assignment: where it is and what it says."""
+class Assignment(NamedTuple):
+    """One assignment of a setting collected in `RunAs`: where it is and what it says."""
 
     path: str
     line: int
     value: str
 
 
+# the settings that add mounts to a command of ExecStartPre=+ too (systemd v252's
+# apply_mount_namespace passes them whatever the command's flags), each a list an empty
+# assignment resets
+MOUNT_KEYS = (
+    "BindPaths",
+    "BindReadOnlyPaths",
+    "TemporaryFileSystem",
+    "MountImages",
+    "ExtensionImages",
+    "ExtensionDirectories",
+)
+ROOT_KEYS = ("RootDirectory", "RootImage")  # last wins, an empty one resets
+RUN_AS_KEYS = frozenset(
+    {
+        "User",
+        "DynamicUser",
+        "EnvironmentFile",
+        "Environment",
+        "UnsetEnvironment",
+        "RootDirectoryStartOnly",
+        *MOUNT_KEYS,
+        *ROOT_KEYS,
+    }
+)
+_ROOT_USERS = frozenset({"root", "0"})
+_FALSE = frozenset({"0", "no", "n", "false", "f", "off"})
+_TRUE = frozenset({"1", "yes", "y", "true", "t", "on"})
+
+
 @dataclass
 class RunAs:
-    """The `[Service]` settings that decide whether the gate's environment is the admin's:
-    `User=` (last wins, empty resets), `DynamicUser=`, `EnvironmentFile=` (each appends, an
-    empty one resets the list). Collected while the unit's files are read, in order."""
+    """The `[Service]` settings that decide what the gate runs with as root: `User=` (last
+    wins, empty resets), `DynamicUser=`, `EnvironmentFile=`, `Environment=`,
+    `UnsetEnvironment=` and the mount lists (each appends, an empty one resets the list),
+    `RootDirectory=`/`RootImage=` (last wins, empty resets) and `RootDirectoryStartOnly=`.
+    Collected while the unit's files are read, in order; values are parsed by `check`, which
+    knows the unit's name (specifiers)."""
 
     user: str = ""
     dynamic: bool = False
-    env_files: list[EnvFile] = field(default_factory=list)
+    env_files: list[Assignment] = field(default_factory=list)
+    environment: list[Assignment] = field(default_factory=list)
+    unset: list[Assignment] = field(default_factory=list)
+    mounts: dict[str, list[Assignment]] = field(default_factory=dict)
+    roots: dict[str, Assignment] = field(default_factory=dict)
+    start_only: bool = False
 
     def assign(self, path: str, entry: Entry) -> None:
-        if entry.key == "User":
-            self.user = entry.value
-        elif entry.key == "DynamicUser":
+        key, value = entry.key, entry.value
+        lists = {
+            "EnvironmentFile": self.env_files,
+            "Environment": self.environment,
+            "UnsetEnvironment": self.unset,
+        }
+        if key == "User":
+            self.user = value
+        elif key == "DynamicUser":
             # systemd ignores a bad value and keeps the last: taken as yes here, which only
             # adds a check
-            self.dynamic = entry.value.lower() not in _FALSE
-        elif entry.key == "EnvironmentFile":
-            if entry.value == "":
-                self.env_files.clear()
+            self.dynamic = value.lower() not in _FALSE
+        elif key == "RootDirectoryStartOnly":
+            # a bad value is ignored, the last good one kept; only a yes spares the gate
+            if value.lower() in _TRUE | _FALSE:
+                self.start_only = value.lower() in _TRUE
+        elif key in ROOT_KEYS:
+            if value == "":
+                self.roots.pop(key, None)
             else:
-                self.env_files.append(EnvFile(path, entry.line, entry.value))
+                self.roots[key] = Assignment(path, entry.line, value)
+        elif key in lists or key in MOUNT_KEYS:
+            found = lists[key] if key in lists else self.mounts.setdefault(key, [])
+            if value == "":
+                found.clear()
+            else:
+                found.append(Assignment(path, entry.line, value))
 
     def other_user(self) -> bool:
         """Whether the unit runs as a user other than root (a specifier in `User=` counts)."""
@@ -138,21 +247,33 @@ FIX_OWNERS = "until only root can change that file and its directories"
 FIX_PATH = "until it names, by an absolute path, a file only root can change"
 FIX_TREE = "until it names a file elsewhere, that only root can change"
 FIX_ANSWER = "until that file system answers at a later scan (systemctl daemon-reload)"
+FIX_LOADER = (
+    "until only root can change each path it names (a directory and everything in it), "
+    "named by an absolute path"
+)
+FIX_MOUNT = "until none of its mounts lands on, in or above a path the gate uses"
+FIX_DESTINATION = (
+    "until each bind lands on a path only root can change (or on its own source, which shows "
+    "what is there)"
+)
+FIX_ROOT = "until RootDirectoryStartOnly=yes (the gate then runs outside it)"
+FIX_IMAGES = "until it has none (gpuslice does not look into images)"
 
 
 class Refusal(NamedTuple):
-    """Why one EnvironmentFile= is refused, and what fixes it (`FIX_*`)."""
+    """Why one setting is refused, and what fixes it (`FIX_*`)."""
 
     reason: str
     fix: str
 
 
 class Finding(NamedTuple):
-    """A refused `EnvironmentFile=` assignment: its file, line and the whole message."""
+    """A refused assignment: its file, line, key and the whole message."""
 
     path: str
     line: int
     message: str
+    key: str = "EnvironmentFile"
 
 
 def _unescape(text: str) -> str | None:
@@ -244,6 +365,25 @@ def _user_tree(path: str) -> str | None:
         if path == tree or path.startswith(tree + "/"):
             return tree
     return None
+
+
+class _Reached(NamedTuple):
+    """Where a walk led: `real`, the system path with symlinks followed, and its lstat
+    (None: not there)."""
+
+    real: str
+    st: os.stat_result | None
+
+
+class _Value(NamedTuple):
+    """A loader variable's value as the gate would get it (None: `unknown` says why it
+    cannot be told), the assignment that set it, and the environment file it came from
+    ("": the assignment's own)."""
+
+    value: str | None
+    assignment: Assignment
+    file: str
+    unknown: str
 
 
 class _Unanswered(NamedTuple):
@@ -410,6 +550,14 @@ class EnvFileChecker:
         self._stats: dict[str, os.stat_result | OSError] = {}
         self._links: dict[str, str | OSError] = {}
         self._verdicts: dict[str, Refusal | None] = {}
+        self._trees: dict[str, Refusal | None] = {}  # loader directories, with what is in them
+        self._listings: dict[str, list[str] | OSError] = {}
+        self._texts: dict[str, str | Refusal | None] = {}  # environment files' texts
+        # what a value says, and its verdict, by the value (10,000 units alike: one look)
+        self._words: dict[str, list[str]] = {}
+        self._pairs: dict[str, list[tuple[str, str]] | None] = {}
+        self._loader_verdicts: dict[tuple[str, str, str], Refusal | None] = {}
+        self._mount_verdicts: dict[tuple[str, str, bool], Refusal | None] = {}
         # directories found root's alone, by their path without symlinks: a walk to a file in
         # one starts there (10,000 files in one directory: one walk of its parents)
         self._safe_dirs: set[str] = set()
@@ -422,29 +570,56 @@ class EnvFileChecker:
         weakref.finalize(self, _close, self._caller, self._mounts)
 
     def check(self, unit: str, run_as: RunAs) -> list[Finding]:
-        """A finding for each of the unit's environment files that someone other than root
-        can change, or that cannot be checked; none for a unit that runs as root. Never
-        raises."""
-        if not run_as.env_files or not run_as.other_user():
-            return []
+        """A finding for each setting that would let someone other than root choose what
+        gpuslice's gate runs as root, or that cannot be checked: for a unit that runs as
+        another user, each environment file someone else can change and each loader path
+        (`LOADER_PATHS`) of its environment; for every gated unit, each root directory or
+        mount that replaces or hides what the gate uses (`GATE_PATHS`). Never raises."""
         findings: list[Finding] = []
-        for env_file in run_as.env_files:
-            try:
-                refusal = self.refusal(unit, env_file.value)
-            except Exception as e:  # belt and braces: no file may crash a scan
-                quoted = printable(env_file.value, 200)
-                refusal = Refusal(f"{quoted} cannot be checked ({type(e).__name__})", FIX_PATH)
-            if refusal is not None:
-                findings.append(Finding(env_file.path, env_file.line, _message(unit, refusal)))
+        other = run_as.other_user()
+        # the environment files found root's alone, in order: (assignment, path, text)
+        texts: list[tuple[Assignment, str, str]] = []
+        if other:
+            for env_file in run_as.env_files:
+                try:
+                    path, refusal = self._env_file(unit, env_file.value)
+                    if path is not None and refusal is None:
+                        text = self._env_text(path)
+                        if isinstance(text, Refusal):
+                            refusal = text
+                        elif text is not None:
+                            texts.append((env_file, path, text))
+                except Exception as e:  # belt and braces: no file may crash a scan
+                    quoted = printable(env_file.value, 200)
+                    refusal = Refusal(f"{quoted} cannot be checked ({type(e).__name__})", FIX_PATH)
+                if refusal is not None:
+                    findings.append(Finding(env_file.path, env_file.line, _message(unit, refusal)))
+            spots = [("Environment", a) for a in run_as.environment]
+            spots += [("EnvironmentFile", a) for a in run_as.env_files]
+            findings += self._guarded(unit, spots, self._loader_findings, unit, run_as, texts)
+        spots = list(run_as.roots.items())
+        spots += [(key, a) for key, found in run_as.mounts.items() for a in found]
+        findings += self._guarded(unit, spots, self._mount_findings, unit, run_as, other)
         return findings
 
     def refusal(self, unit: str, value: str) -> Refusal | None:
         """Why the value of one EnvironmentFile= (`-` first when optional) is refused, or None
         when only root can change the file it names."""
+        return self._env_file(unit, value)[1]
+
+    def _env_file(self, unit: str, value: str) -> tuple[str | None, Refusal | None]:
+        """The file one EnvironmentFile= names, and why it is refused (None: only root can
+        change it)."""
         quoted = printable(value, 200)
         path, why = expand(unit, value[1:] if value.startswith("-") else value)
         if path is None:
-            return Refusal(f"{quoted} cannot be checked: {why}", FIX_PATH)
+            return None, Refusal(f"{quoted} cannot be checked: {why}", FIX_PATH)
+        return path, self._file(path, quoted, globbed=True)
+
+    def _file(self, path: str, quoted: str, globbed: bool = False) -> Refusal | None:
+        """Why the file at the system path `path` (as written: `quoted`; `globbed`: a
+        pattern to systemd) is refused, or None when only root can change it (or make it: it
+        is not there)."""
         if "\0" in path:
             return Refusal(f"{quoted} cannot be checked: it holds a NUL", FIX_PATH)
         if not path.startswith("/"):
@@ -455,7 +630,7 @@ class EnvFileChecker:
             return Refusal(
                 f"{quoted} cannot be checked: longer than {PATH_MAX - 1} bytes", FIX_PATH
             )
-        if any(c in path for c in _WILDCARDS):
+        if globbed and any(c in path for c in _WILDCARDS):
             return Refusal(
                 f"{quoted} cannot be checked: systemd reads it as a wildcard pattern "
                 "(*, ?, [ or \\), which gpuslice does not expand; name each file",
@@ -464,6 +639,267 @@ class EnvFileChecker:
         if path not in self._verdicts:
             self._verdicts[path] = self._walk(path)
         return self._verdicts[path]
+
+    def _env_text(self, path: str) -> str | Refusal | None:
+        """The text of the environment file at `path` (found root's alone), None when it is
+        not there (systemd then skips it, or fails the start), or why it cannot be read."""
+        if path not in self._texts:
+            self._texts[path] = self._read_env(path)
+        return self._texts[path]
+
+    def _read_env(self, path: str) -> str | Refusal | None:
+        shown = printable(path)
+        answer = self._ask(_read_head, path)
+        if isinstance(answer, _Unanswered):
+            return _no_answer(shown, answer)
+        if isinstance(answer, OSError):
+            if answer.errno in (errno.ENOENT, errno.ENOTDIR):
+                return None
+            return Refusal(f"{shown} cannot be read: {_strerror(answer)}", FIX_PATH)
+        if len(answer) > MAX_ENV_FILE:
+            return Refusal(f"{shown} cannot be checked: larger than {MAX_ENV_FILE} bytes", FIX_PATH)
+        return answer.decode("utf-8", "surrogateescape")
+
+    def _guarded(
+        self,
+        unit: str,
+        spots: list[tuple[str, Assignment]],
+        check: Callable[..., list[Finding]],
+        *args: Any,
+    ) -> list[Finding]:
+        """`check(*args)`, or one finding that says it failed (belt and braces: no unit may
+        crash a scan), at the first of the assignments it reads (`spots`: key, assignment)."""
+        try:
+            return check(*args)
+        except Exception as e:
+            key, at = spots[0] if spots else ("", Assignment(printable(unit), 0, ""))
+            reason = f"{printable(unit)} cannot be checked ({type(e).__name__})"
+            message = _message(unit, Refusal(reason, FIX_PATH))
+            return [Finding(at.path, at.line, message, key)]
+
+    # -- loader paths
+
+    def _loader_findings(
+        self, unit: str, run_as: RunAs, texts: list[tuple[Assignment, str, str]]
+    ) -> list[Finding]:
+        """A finding for each `LOADER_PATHS` variable the gate would start with that names a
+        path someone but root can change: its value as systemd makes it (`Environment=`, in
+        order, then each environment file, then `UnsetEnvironment=`)."""
+        findings: list[Finding] = []
+        values: dict[str, _Value] = {}
+        for assignment in run_as.environment:
+            for word in self._split(assignment.value):
+                text, why = expand(unit, word)
+                name = (text if text is not None else word).partition("=")[0]
+                if text is None:
+                    if name in LOADER_PATHS or "%" in name:
+                        # systemd knows what gpuslice cannot tell: a LD_* of any value, maybe
+                        reason = f"{printable(word, 200)} cannot be checked: {why}"
+                        values[name] = _Value(None, assignment, "", reason)
+                elif name in LOADER_PATHS and (pair := envsyntax.assignment(text)) is not None:
+                    values[name] = _Value(pair[1], assignment, "", "")
+        for env_file, path, text in texts:
+            if path not in self._pairs:
+                self._pairs[path] = envsyntax.parse_env_file(text)
+            for name, value in self._pairs[path] or ():
+                if name in LOADER_PATHS:
+                    values[name] = _Value(value, env_file, path, "")
+        for unset in run_as.unset:
+            for word in self._split(unset.value):
+                text, _ = expand(unit, word)
+                name, eq, value = (text or "").partition("=")
+                found = values.get(name)
+                if found is not None and (not eq or found.value == value):
+                    del values[name]  # strv_env_delete: a name, or that very assignment
+        for name, found in values.items():
+            if found.value is None:
+                refusal: Refusal | None = Refusal(found.unknown, FIX_PATH)
+            else:
+                said = (name, found.value, found.file)
+                if said not in self._loader_verdicts:
+                    self._loader_verdicts[said] = self._loader_refusal(*said)
+                refusal = self._loader_verdicts[said]
+            if refusal is not None:
+                key = "EnvironmentFile" if found.file else "Environment"
+                at = found.assignment
+                findings.append(Finding(at.path, at.line, _message(unit, refusal), key))
+        return findings
+
+    def _split(self, value: str) -> list[str]:
+        """The words of an `Environment=`/`UnsetEnvironment=`, split once per scan."""
+        if value not in self._words:
+            self._words[value] = envsyntax.words(value)
+        return self._words[value]
+
+    def _loader_refusal(self, name: str, value: str, file: str) -> Refusal | None:
+        """Why the loader path list `name`=`value` (from the environment file `file`, or "")
+        is refused, or None when only root can change what it names."""
+        if value == "":
+            return None  # an empty list names nothing (glibc ignores it)
+        where = f" (set in {printable(file)})" if file else ""
+        said = f"{name}={printable(value, 200)}{where}"
+        directories, separators = LOADER_PATHS[name]
+        if "$" in value:
+            return Refusal(
+                f"{said}: the dynamic loader expands $ORIGIN, $LIB and $PLATFORM there, to "
+                "paths gpuslice does not work out",
+                FIX_LOADER,
+            )
+        for element in re.split(f"[{re.escape(separators)}]", value):
+            if element == "" and not directories:
+                continue  # skipped: names no file
+            if element == "":
+                return Refusal(
+                    f"{said}: its empty element is the current directory (the unit's "
+                    "WorkingDirectory=)",
+                    FIX_LOADER,
+                )
+            if not directories and "/" not in element:
+                continue  # a library's name, looked up in the directories checked here
+            quoted = printable(element, 200)
+            if not element.startswith("/"):
+                return Refusal(f"{said}: {quoted} is relative to the current directory", FIX_LOADER)
+            if len(os.fsencode(element)) >= PATH_MAX:
+                return Refusal(
+                    f"{said}: {quoted} cannot be checked: longer than {PATH_MAX - 1} bytes",
+                    FIX_LOADER,
+                )
+            refusal = self._tree(element) if directories else self._file(element, quoted)
+            if refusal is not None:
+                fix = FIX_ANSWER if refusal.fix == FIX_ANSWER else FIX_LOADER
+                return Refusal(f"{said}: {refusal.reason}", fix)
+        return None
+
+    def _tree(self, path: str) -> Refusal | None:
+        """Why the directory at the system path `path` is refused (someone but root can
+        change it, a directory above it or anything in it, however deep), or None."""
+        if path not in self._trees:
+            self._trees[path] = self._walk_tree(path)
+        return self._trees[path]
+
+    def _walk_tree(self, path: str) -> Refusal | None:
+        shown = printable(path)
+        reached = self._resolve(path, True)
+        if isinstance(reached, Refusal):
+            return reached
+        if reached.st is None or not stat.S_ISDIR(reached.st.st_mode):
+            return None  # nothing in it: a file of root's, or not there and only root can make it
+        todo = [reached.real]
+        seen = {reached.real}
+        count = 0
+        while todo:
+            directory = todo.pop()
+            names = self._listdir(directory)
+            if isinstance(names, _Unanswered):
+                return _no_answer(shown, names)
+            if isinstance(names, OSError):
+                return Refusal(
+                    f"{shown} cannot be checked: {printable(directory)}: {_strerror(names)}",
+                    FIX_PATH,
+                )
+            for name in sorted(names):
+                count += 1
+                if count > MAX_TREE:
+                    return Refusal(
+                        f"{shown} cannot be checked: more than {MAX_TREE} entries in it and "
+                        "its directories",
+                        FIX_PATH,
+                    )
+                entry = self._resolve(f"{directory.rstrip('/')}/{name}", True)
+                if isinstance(entry, Refusal):
+                    return entry
+                is_dir = entry.st is not None and stat.S_ISDIR(entry.st.st_mode)
+                if is_dir and entry.real not in seen:
+                    seen.add(entry.real)
+                    todo.append(entry.real)
+        return None
+
+    # -- mounts
+
+    def _mount_findings(self, unit: str, run_as: RunAs, other: bool) -> list[Finding]:
+        """A finding for each root directory, image or mount of the unit's that the gate
+        (ExecStartPre=+) gets too and that replaces or hides what it runs or reaches the
+        controller through; for a unit of another user, also a bind whose destination that
+        user may move there (systemd follows symlinks where a mount lands)."""
+        findings: list[Finding] = []
+
+        def add(at: Assignment, key: str, refusal: Refusal) -> None:
+            said = printable(at.value, 200)
+            message = _mount_message(unit, Refusal(f"{said}: {refusal.reason}", refusal.fix))
+            findings.append(Finding(at.path, at.line, message, key))
+
+        if not run_as.start_only:
+            for key in ROOT_KEYS:
+                if key in run_as.roots:
+                    reason = (
+                        "gpuslice's gate would run inside it, with its programs and without "
+                        "the controller's bus and pipe"
+                    )
+                    add(run_as.roots[key], key, Refusal(reason, FIX_ROOT))
+        for key in ("MountImages", "ExtensionImages", "ExtensionDirectories"):
+            for at in run_as.mounts.get(key, ()):
+                reason = "what it mounts may replace the programs the gate runs"
+                add(at, key, Refusal(reason, FIX_IMAGES))
+
+        def resolve(text: str) -> str | None:
+            return expand(unit, text)[0]
+
+        for key in ("BindPaths", "BindReadOnlyPaths", "TemporaryFileSystem"):
+            parse = (
+                envsyntax.temporary_file_systems
+                if key == "TemporaryFileSystem"
+                else envsyntax.bind_paths
+            )
+            binds = other and key != "TemporaryFileSystem"
+            for at in run_as.mounts.get(key, ()):
+                said = (key, at.value, binds)
+                if "%" in at.value:  # specifiers: the unit's own
+                    refusal = self._mount_refusal(parse(at.value, resolve), binds)
+                elif said in self._mount_verdicts:
+                    refusal = self._mount_verdicts[said]
+                else:
+                    refusal = self._mount_refusal(parse(at.value, resolve), binds)
+                    self._mount_verdicts[said] = refusal
+                if refusal is not None:
+                    add(at, key, refusal)
+        return findings
+
+    def _mount_refusal(self, mounts: list[envsyntax.Mount], binds: bool) -> Refusal | None:
+        """Why one assignment's mounts are refused, or None. `binds`: a user may change
+        what they mount (a bind of another user's unit), so where they land must be
+        root's alone, symlinks followed."""
+        for mount in mounts:
+            if mount.same:
+                continue  # a path bound onto itself shows what was there
+            if mount.destination is None:
+                return Refusal(
+                    "a destination has a specifier gpuslice does not work out (it knows "
+                    "%n %N %p %P %i %I %j %J %t %S %C %L %E %T %V %%; %i %I %n %N not in a "
+                    "template), so where it lands cannot be checked",
+                    FIX_MOUNT,
+                )
+            shown = printable(mount.destination)
+            covered = _covered(mount.destination)
+            if covered is not None:
+                return Refusal(
+                    f"its mount at {shown} lands on, in or above {covered}, {GATE_USES}", FIX_MOUNT
+                )
+            if not binds:
+                continue
+            reached = self._resolve(mount.destination, True)
+            if isinstance(reached, Refusal):
+                fix = FIX_ANSWER if reached.fix == FIX_ANSWER else FIX_DESTINATION
+                reason = f"systemd follows symlinks where a mount lands, and {reached.reason}"
+                return Refusal(reason, fix)
+            covered = _covered(reached.real)
+            if covered is not None:
+                real = printable(reached.real)
+                return Refusal(
+                    f"its mount at {shown} lands at {real} (symlinks followed), on, in or "
+                    f"above {covered}, {GATE_USES}",
+                    FIX_MOUNT,
+                )
+        return None
 
     # -- the walk
 
@@ -476,6 +912,9 @@ class EnvFileChecker:
 
     def _readlink(self, path: str) -> str | OSError | _Unanswered:
         return self._remembered(self._links, path, os.readlink)
+
+    def _listdir(self, path: str) -> list[str] | OSError | _Unanswered:
+        return self._remembered(self._listings, path, os.listdir)
 
     def _remembered(
         self, seen: dict[str, T | OSError], path: str, ask: Callable[[str], T]
@@ -519,6 +958,14 @@ class EnvFileChecker:
         return answer
 
     def _walk(self, path: str) -> Refusal | None:
+        """Why the regular file at `path` is refused, or None."""
+        reached = self._resolve(path, False)
+        return reached if isinstance(reached, Refusal) else None
+
+    def _resolve(self, path: str, any_kind: bool) -> Refusal | _Reached:
+        """Where `path` leads, walked from / with symlinks followed, or why it is refused:
+        someone but root can change it or a directory on the way (`_component`), or it is
+        no regular file (unless `any_kind`)."""
         shown = printable(path)
         # refused whatever it holds, so nothing in a user tree is looked at: an lstat there
         # may go through an automounted or network home that does not answer, and hang the
@@ -567,7 +1014,7 @@ class EnvFileChecker:
             if isinstance(st, OSError):
                 if st.errno in (errno.ENOENT, errno.ENOTDIR):
                     # only root can make it (`current` is root's alone)
-                    return None
+                    return _missing(here, parts)
                 return Refusal(
                     f"{shown} cannot be checked: {printable(here)}: {_strerror(st)}", FIX_PATH
                 )
@@ -599,19 +1046,21 @@ class EnvFileChecker:
                 return refusal
             if parts and not stat.S_ISDIR(st.st_mode):
                 # the path cannot exist while this file of root's does
-                return None
+                return _missing(here, parts)
             if stat.S_ISDIR(st.st_mode):
                 self._safe_dirs.add(here)  # no symlink in it, each directory above checked
             current = here
         st = self._lstat(current or "/")  # walked: remembered, not asked again
         if isinstance(st, _Unanswered):
             return _no_answer(shown, st)
-        if isinstance(st, os.stat_result) and not stat.S_ISREG(st.st_mode):
+        if isinstance(st, OSError):  # remembered from the walk: not reached when it failed
+            return _missing(current, [])
+        if not any_kind and not stat.S_ISREG(st.st_mode):
             kind = file_kind(st.st_mode) or "not a regular file"
             return Refusal(
                 f"{_subject(shown, current, via, True)} is {kind}, not a regular file", FIX_PATH
             )
-        return None
+        return _Reached(current or "/", st)
 
     def _component(
         self, shown: str, here: str, st: os.stat_result, via: str, last: bool
@@ -641,6 +1090,51 @@ class EnvFileChecker:
         ACL's mask, and named users or groups may write."""
         answer = self._ask(has_access_acl, here)
         return True if isinstance(answer, OSError) else answer
+
+
+def _missing(here: str, parts: list[str]) -> _Reached:
+    """What a walk reached where `here` is not there: that path with the rest of the walk
+    (`parts`, popped from the end) after it."""
+    rest = "/".join(reversed(parts))
+    return _Reached(os.path.normpath(f"{here}/{rest}") if rest else here, None)
+
+
+def _read_head(path: str) -> bytes:
+    """Up to MAX_ENV_FILE + 1 bytes of the regular file at `path` (opened without waiting,
+    as a FIFO put there by root would make it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        chunks: list[bytes] = []
+        left = MAX_ENV_FILE + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+@functools.lru_cache(maxsize=4096)  # 10,000 units with one data mount: one look
+def _covered(destination: str) -> str | None:
+    """The one of `GATE_PATHS` that a mount at `destination` (absolute, simplified) lands
+    on, in or above, or None. /var/run is /run (a symlink systemd follows)."""
+    if destination == "/var/run" or destination.startswith("/var/run/"):
+        destination = "/run" + destination[len("/var/run") :]
+    parts = [p for p in destination.split("/") if p]
+    for gate_path in GATE_PATHS:
+        want = [p for p in gate_path.split("/") if p]
+        if all(_component_matches(p, w) for p, w in zip(parts, want, strict=False)):
+            return gate_path
+    return None
+
+
+def _component_matches(name: str, want: str) -> bool:
+    return name == want or (want.endswith("*") and name.startswith(want[:-1]))
 
 
 def _close(caller: _Caller, mounts: _MountTable) -> None:
@@ -723,4 +1217,12 @@ def _message(unit: str, refusal: Refusal) -> str:
     return (
         f"{refusal.reason}; gpuslice's gate runs as root with this unit's environment, so "
         f"gpuslice does not manage {printable(unit)} {refusal.fix}"
+    )
+
+
+def _mount_message(unit: str, refusal: Refusal) -> str:
+    return (
+        f"{refusal.reason}; gpuslice's gate runs as root with this unit's mounts "
+        f"(ExecStartPre=+ keeps them), so gpuslice does not manage {printable(unit)} "
+        f"{refusal.fix}"
     )

@@ -602,6 +602,25 @@ def test_a_failure_of_the_walk_is_a_refusal_not_an_exception(
     ]
 
 
+def test_a_failure_of_the_loader_or_mount_checks_is_a_refusal_not_an_exception(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RecursionError
+
+    install(root, "x.service", "User=asr", "BindPaths=/a:/b", "Environment=A=1")
+    monkeypatch.setattr(EnvFileChecker, "_mount_refusal", boom)
+    monkeypatch.setattr(EnvFileChecker, "_split", boom)
+    said = (
+        f"x.service cannot be checked (RecursionError); {GATE} x.service until it names, by an "
+        "absolute path, a file only root can change"
+    )
+    assert errors(root, "x.service") == [
+        f"{ETC}/x.service:6: [Service] Environment: {said}",
+        f"{ETC}/x.service:5: [Service] BindPaths: {said}",
+    ]
+
+
 def test_a_shared_file_is_walked_once_per_scan(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     put(root, "/etc/asr/ours.env")
     for i in range(50):
@@ -806,8 +825,330 @@ def test_run_as_collects_as_systemd_reads() -> None:
         ("User", ""),
     ]:
         run_as.assign("/f", Entry("Service", key, value, 1))
-    assert run_as.env_files == [envsafety.EnvFile("/f", 1, "-/b")]
+    assert run_as.env_files == [envsafety.Assignment("/f", 1, "-/b")]
     assert not run_as.other_user()
+
+
+# ---------------------------------------------------------------------------------------------
+# the loader's paths: the gate's /bin/sh loads what LD_LIBRARY_PATH=, LD_PRELOAD=, ... name,
+# as root, before its first line
+
+LOADER = (
+    "until only root can change each path it names (a directory and everything in it), named "
+    "by an absolute path"
+)
+CUDA = "/usr/local/cuda/lib64"
+
+
+def cuda(root: Path) -> None:
+    """A CUDA toolkit as its installer leaves it, root's: links to the version, to the
+    target's lib directory, between a library's names, and a subdirectory."""
+    lib = "/usr/local/cuda-12.4/targets/x86_64-linux/lib"
+    put(root, f"{lib}/libcudart.so.12.4.99", "elf")
+    link(root, f"{lib}/libcudart.so.12", "libcudart.so.12.4.99")
+    put(root, f"{lib}/stubs/libcuda.so", "elf")
+    link(root, "/usr/local/cuda-12.4/lib64", "targets/x86_64-linux/lib")
+    link(root, "/usr/local/cuda", "/usr/local/cuda-12.4")
+
+
+def test_a_users_library_path_leaves_a_unit_run_as_that_user_unmanaged(root: Path) -> None:
+    """`User=asr` plus a root-written `LD_LIBRARY_PATH=/home/asr/cuda/lib64` (a classic CUDA
+    setup): the gate's /bin/sh loaded asr's libc.so.6 as root. A unit run as root loads it as
+    root anyway: not checked. A toolkit only root can change is fine."""
+    cuda(root)
+    install(root, "asr.service", "User=asr", "Environment=LD_LIBRARY_PATH=/home/asr/cuda/lib64")
+    install(root, "rooted.service", "Environment=LD_LIBRARY_PATH=/home/asr/cuda/lib64")
+    install(root, "toolkit.service", "User=asr", f"Environment=LD_LIBRARY_PATH={CUDA}:/opt/x")
+    assert errors(root, "asr.service") == [
+        f"{ETC}/asr.service:5: [Service] Environment: LD_LIBRARY_PATH=/home/asr/cuda/lib64: "
+        f"/home/asr/cuda/lib64 is under /home, {TREE} at boot; {GATE} asr.service {LOADER}"
+    ]
+    assert errors(root, "rooted.service") == []
+    assert errors(root, "toolkit.service") == []
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("LD_PRELOAD", "/opt/hook/libhook.so", "/opt/hook/libhook.so is owned by UID 1000"),
+        ("LD_PRELOAD", "libc.so.6 /opt/hook/libhook.so", "/opt/hook/libhook.so is owned"),
+        ("LD_PRELOAD", "libc.so.6::/opt/hook/libhook.so", "/opt/hook/libhook.so is owned"),
+        ("LD_AUDIT", "/opt/hook/libhook.so", "/opt/hook/libhook.so is owned by UID 1000"),
+        ("LD_LIBRARY_PATH", "/opt/hook", "/opt/hook/libhook.so is owned by UID 1000"),
+        ("LD_LIBRARY_PATH", f"{CUDA};/opt/hook", "/opt/hook/libhook.so is owned"),
+        ("GCONV_PATH", "/opt/hook", "/opt/hook/libhook.so is owned by UID 1000"),
+        ("LOCPATH", "/opt/hook", "/opt/hook/libhook.so is owned by UID 1000"),
+        ("LD_LIBRARY_PATH", f"{CUDA}:", "its empty element is the current directory"),
+        ("LD_LIBRARY_PATH", f":{CUDA}", "its empty element is the current directory"),
+        ("LD_LIBRARY_PATH", f"{CUDA}::/usr/lib", "its empty element is the current directory"),
+        ("LD_LIBRARY_PATH", "lib64", "lib64 is relative to the current directory"),
+        ("LD_PRELOAD", "hook/libhook.so", "hook/libhook.so is relative to the current directory"),
+        ("LD_LIBRARY_PATH", "$ORIGIN/../lib", "the dynamic loader expands $ORIGIN"),
+        ("LD_PRELOAD", "/opt/${LIB}/libhook.so", "the dynamic loader expands $ORIGIN"),
+        ("LD_LIBRARY_PATH", "/opt/hook/libhook.so", "/opt/hook/libhook.so is owned by UID"),
+        ("LD_PRELOAD", "/opt/hook", "/opt/hook is a directory, not a regular file"),
+    ],
+)
+def test_each_loader_path_is_checked_as_the_loader_reads_it(
+    root: Path, variable: str, value: str, said: str
+) -> None:
+    """Directories (LD_LIBRARY_PATH split at `:` and `;`, GCONV_PATH, LOCPATH) with all they
+    hold; files (LD_PRELOAD split at blanks and `:`, LD_AUDIT), a bare name being looked up
+    in those directories. An empty directory element is the current directory, the unit's
+    WorkingDirectory= (a home, maybe); `$ORIGIN`, `$LIB`, `$PLATFORM` are expanded by the
+    loader."""
+    cuda(root)
+    put(root, "/opt/hook/libhook.so", "elf", uid=ASR)
+    install(root, "x.service", "User=asr", f'Environment="{variable}={value}"')
+    [error] = errors(root, "x.service")
+    assert error.startswith(f"{ETC}/x.service:5: [Service] Environment: {variable}={value}: ")
+    assert said in error
+    assert error.endswith(f"{GATE} x.service {LOADER}")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("LD_LIBRARY_PATH", ""),  # an empty list: glibc ignores it
+        ("LD_LIBRARY_PATH", CUDA),
+        ("LD_LIBRARY_PATH", "/usr/local/cuda-12.4/targets/x86_64-linux/lib/libcudart.so.12"),
+        ("LD_LIBRARY_PATH", "/opt/not-there/lib"),  # only root can make it
+        ("LD_PRELOAD", "libhook.so"),  # a name, looked up in the directories checked
+        ("LD_PRELOAD", " libhook.so: :"),  # empty elements skipped
+        ("LD_PRELOAD", f"{CUDA}/libcudart.so.12"),
+        ("GCONV_PATH", "/usr/local/cuda-12.4"),
+        ("OTHER_PATH", "/home/asr/x:"),  # not the loader's
+    ],
+)
+def test_loader_paths_only_root_can_change_are_managed(
+    root: Path, variable: str, value: str
+) -> None:
+    cuda(root)
+    install(root, "x.service", "User=asr", f'Environment="{variable}={value}"')
+    assert errors(root, "x.service") == []
+
+
+def test_what_a_loader_directory_holds_is_checked_at_any_depth(root: Path) -> None:
+    """The loader opens files in it and in subdirectories (glibc-hwcaps/x86-64-v3/, tls/):
+    each entry, symlinks followed, must be root's alone too."""
+    cuda(root)
+    lib = "/usr/local/cuda-12.4/targets/x86_64-linux/lib"
+    install(root, "x.service", "User=asr", f"Environment=LD_LIBRARY_PATH={CUDA}")
+    put(root, "/opt/asr/libc.so.6", "elf", uid=ASR)
+    link(root, f"{lib}/glibc-hwcaps/x86-64-v3/libc.so.6", "/opt/asr/libc.so.6")
+    [error] = errors(root, "x.service")
+    assert f"{ETC}/x.service:5: [Service] Environment: LD_LIBRARY_PATH={CUDA}: " in error
+    assert f"{lib}/glibc-hwcaps/x86-64-v3/libc.so.6: /opt/asr/libc.so.6, reached through " in error
+    assert f"is owned by UID {ASR}" in error
+    os.unlink(root / f"{lib[1:]}/glibc-hwcaps/x86-64-v3/libc.so.6")
+    (root / f"{lib[1:]}/glibc-hwcaps").chmod(0o777)  # anyone may put a libc.so.6 in
+    [error] = errors(root, "x.service")
+    assert f"{lib}/glibc-hwcaps is writable by anyone (mode 0777)" in error
+    (root / f"{lib[1:]}/glibc-hwcaps").chmod(0o755)
+    link(root, f"{lib}/loop", ".")  # a link back up is walked once
+    assert errors(root, "x.service") == []
+
+
+def test_a_loader_directory_too_large_to_walk_is_refused(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuda(root)
+    monkeypatch.setattr(envsafety, "MAX_TREE", 3)  # the toolkit has 4 entries
+    install(root, "x.service", "User=asr", f"Environment=LD_LIBRARY_PATH={CUDA}")
+    [error] = errors(root, "x.service")
+    assert f"{CUDA} cannot be checked: more than 3 entries in it and its directories" in error
+    monkeypatch.setattr(envsafety, "MAX_TREE", 4)
+    assert errors(root, "x.service") == []
+
+
+def test_environment_is_read_as_systemd_reads_it(root: Path) -> None:
+    """Quotes, several assignments on a line, C escapes, the later assignment winning, an
+    empty Environment= resetting the list, a syntax error dropping the rest of its line, and
+    UnsetEnvironment= (a name, or that very assignment) applied last."""
+    bad = "LD_PRELOAD=/home/asr/x.so"
+    cases = {
+        # name: (lines, refused)
+        "quoted.service": ([f'Environment=A=1 "{bad}" B=2'], True),
+        "escaped.service": (["Environment=LD_PRELOAD=\\x2fhome/asr/x.so"], True),
+        "later-wins.service": ([f"Environment={bad}", "Environment=LD_PRELOAD="], False),
+        "later-bad.service": (["Environment=LD_PRELOAD=", f"Environment=A=1 {bad}"], True),
+        "reset.service": ([f"Environment={bad}", "Environment="], False),
+        "syntax.service": ([f"Environment=A=\\q {bad}"], False),  # systemd ignores it too
+        "before-syntax.service": ([f"Environment={bad} A=\\q"], True),
+        "unset.service": ([f"Environment={bad}", "UnsetEnvironment=LD_PRELOAD"], False),
+        "unset-that.service": ([f"Environment={bad}", f"UnsetEnvironment={bad}"], False),
+        "unset-other.service": ([f"Environment={bad}", "UnsetEnvironment=LD_PRELOAD=/y"], True),
+        "unset-reset.service": (
+            [f"Environment={bad}", "UnsetEnvironment=LD_PRELOAD", "UnsetEnvironment="],
+            True,
+        ),
+        "specifier.service": (["Environment=LD_PRELOAD=%t/x.so"], False),  # /run/x.so
+        "unknown.service": (["Environment=LD_PRELOAD=%h/x.so"], True),  # %h: not known here
+        "named.service": (["Environment=%p=1"], False),  # named.service's %p: `named`
+    }
+    for name, (lines, _) in cases.items():
+        install(root, name, "User=asr", *lines)
+    refused = {name for name in cases if errors(root, name)}
+    assert refused == {name for name, (_, bad_one) in cases.items() if bad_one}
+    [error] = errors(root, "unknown.service")
+    assert error == (
+        f"{ETC}/unknown.service:5: [Service] Environment: LD_PRELOAD=%h/x.so cannot be "
+        "checked: the specifier %h has a value gpuslice does not work out (it knows %n %N %p "
+        f"%P %i %I %j %J %t %S %C %L %E %T %V %%); {GATE} unknown.service until it names, by "
+        "an absolute path, a file only root can change"
+    )
+    [error] = errors(root, "later-bad.service")
+    assert error.startswith(f"{ETC}/later-bad.service:6: [Service] Environment: {bad}: ")
+
+
+def test_a_loader_path_in_an_environment_file_only_root_can_change(root: Path) -> None:
+    """The file is root's alone, what it says is not: located at the EnvironmentFile= line,
+    naming the file. Its assignment wins over Environment=, a later file's over its own."""
+    put(root, "/etc/asr/asr.env", "# the job\nLD_PRELOAD='/home/asr/x.so'\nA=1\n")
+    put(root, "/etc/asr/fix.env", 'LD_PRELOAD=""\n')
+    install(root, "x.service", "User=asr", "EnvironmentFile=/etc/asr/asr.env")
+    install(
+        root,
+        "fixed.service",
+        "User=asr",
+        "EnvironmentFile=/etc/asr/asr.env",
+        "EnvironmentFile=-/etc/asr/fix.env",
+    )
+    install(
+        root,
+        "overridden.service",
+        "User=asr",
+        "Environment=LD_PRELOAD=",
+        "EnvironmentFile=/etc/asr/asr.env",
+    )
+    install(root, "missing.service", "User=asr", "EnvironmentFile=-/etc/asr/none.env")
+    assert errors(root, "x.service") == [
+        f"{ETC}/x.service:5: [Service] EnvironmentFile: LD_PRELOAD=/home/asr/x.so (set in "
+        f"/etc/asr/asr.env): /home/asr/x.so is under /home, {TREE} at boot; {GATE} x.service "
+        f"{LOADER}"
+    ]
+    assert errors(root, "fixed.service") == []
+    assert len(errors(root, "overridden.service")) == 1
+    assert errors(root, "missing.service") == []
+
+
+def test_an_environment_file_that_cannot_be_read_whole_is_refused(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    put(root, "/etc/asr/big.env", "A=1\n" * 10)
+    install(root, "x.service", "User=asr", "EnvironmentFile=/etc/asr/big.env")
+    monkeypatch.setattr(envsafety, "MAX_ENV_FILE", 39)
+    assert errors(root, "x.service") == [
+        f"{ETC}/x.service:5: [Service] EnvironmentFile: /etc/asr/big.env cannot be checked: "
+        f"larger than 39 bytes; {GATE} x.service until it names, by an absolute path, a file "
+        "only root can change"
+    ]
+    monkeypatch.setattr(envsafety, "MAX_ENV_FILE", 40)
+    assert errors(root, "x.service") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# mounts: systemd applies a unit's root directory and mounts to its ExecStartPre=+ too
+
+MOUNTS = "gpuslice's gate runs as root with this unit's mounts (ExecStartPre=+ keeps them), so"
+USES = (
+    "where gpuslice's gate finds the programs and libraries it runs as root, or its way to "
+    "the controller"
+)
+ANYWHERE = "until none of its mounts lands on, in or above a path the gate uses"
+
+
+@pytest.mark.parametrize("user", ["", "User=asr"])
+def test_mounts_over_what_the_gate_uses_leave_any_unit_unmanaged(root: Path, user: str) -> None:
+    """A user's bind over /usr/local/bin (first in the gate's PATH) ran their dbus-send as
+    root; a TemporaryFileSystem=/run hid the bus and the pipe (the start waited for ever,
+    without a word why); a root directory is where the gate ran. Ordinary data mounts, a
+    path bound onto itself, and RootDirectoryStartOnly=yes are fine."""
+    cases = {
+        "bin.service": ["BindPaths=/home/asr/bin:/usr/local/bin"],
+        "lib.service": ["BindReadOnlyPaths=/srv/x:/usr/lib/x86_64-linux-gnu"],
+        "lib64.service": ["BindReadOnlyPaths=/srv/x:/lib64"],
+        "root.service": ["TemporaryFileSystem=/"],
+        "run.service": ["TemporaryFileSystem=/run:mode=0755"],
+        "var-run.service": ["BindPaths=/srv/x:/var/run/dbus"],
+        "var.service": ["BindPaths=/srv/x:/var:norbind"],
+        "preload.service": ["BindReadOnlyPaths=/srv/x:/etc/ld.so.preload"],
+        "gate.service": ["TemporaryFileSystem=/run/gpuslice/gate"],
+        "usr.service": ["BindPaths=/srv/x:/usr"],
+        "chroot.service": ["RootDirectory=/srv/chroot"],
+        "image.service": ["RootImage=/srv/image.raw", "RootDirectoryStartOnly=bogus"],
+        "ext.service": ["ExtensionImages=/srv/ext.raw"],
+        "extdir.service": ["ExtensionDirectories=/srv/ext"],
+        "mountimg.service": ["MountImages=/srv/img.raw:/data"],
+        "norbind.service": ["BindPaths=/run:/run:norbind"],
+        "spec.service": ["BindPaths=/srv/x:%h/bin"],
+        # fine
+        "data.service": ["BindPaths=/data/models:/models", "TemporaryFileSystem=/run/myapp"],
+        "same.service": ["BindReadOnlyPaths=/run/dbus/system_bus_socket /usr/local/bin"],
+        "usrshare.service": ["BindPaths=/data/ollama:/usr/share/ollama/.ollama/models"],
+        "varrunapp.service": ["TemporaryFileSystem=/var/run/myapp /etc/myapp"],
+        "startonly.service": ["RootDirectory=/srv/chroot", "RootDirectoryStartOnly=yes"],
+        "reset.service": [
+            "RootImage=/srv/image.raw",
+            "RootImage=",
+            "BindPaths=/x:/usr/bin",
+            "BindPaths=",
+        ],
+    }
+    for name, lines in cases.items():
+        install(root, name, *([user] if user else []), *lines)
+    refused = {name for name in cases if errors(root, name)}
+    assert refused == set(list(cases)[:17])
+    line = 5 if user else 4
+    assert errors(root, "bin.service") == [
+        f"{ETC}/bin.service:{line}: [Service] BindPaths: /home/asr/bin:/usr/local/bin: its "
+        f"mount at /usr/local/bin lands on, in or above /usr/local/bin, {USES}; {MOUNTS} "
+        f"gpuslice does not manage bin.service {ANYWHERE}"
+    ]
+    assert errors(root, "run.service") == [
+        f"{ETC}/run.service:{line}: [Service] TemporaryFileSystem: /run:mode=0755: its mount "
+        f"at /run lands on, in or above /run/dbus, {USES}; {MOUNTS} gpuslice does not manage "
+        f"run.service {ANYWHERE}"
+    ]
+    assert errors(root, "chroot.service") == [
+        f"{ETC}/chroot.service:{line}: [Service] RootDirectory: /srv/chroot: gpuslice's gate "
+        "would run inside it, with its programs and without the controller's bus and pipe; "
+        f"{MOUNTS} gpuslice does not manage chroot.service until RootDirectoryStartOnly=yes "
+        "(the gate then runs outside it)"
+    ]
+    assert errors(root, "ext.service") == [
+        f"{ETC}/ext.service:{line}: [Service] ExtensionImages: /srv/ext.raw: what it mounts "
+        f"may replace the programs the gate runs; {MOUNTS} gpuslice does not manage "
+        "ext.service until it has none (gpuslice does not look into images)"
+    ]
+
+
+def test_a_bind_of_another_users_unit_must_land_where_only_root_can_change(root: Path) -> None:
+    """systemd follows symlinks where a mount lands: asr could point ~/data at /usr/local/bin,
+    where the gate's bind of asr's files then ran as root. A unit that runs as root is not
+    checked so (its own processes run with the same mounts), nor a temporary file system
+    (empty: it hides, it brings nothing), nor a path bound onto itself."""
+    put(root, "/srv/links/keep", "")
+    link(root, "/srv/links/bin", "/usr/local/bin")
+    install(root, "home.service", "User=asr", "BindPaths=/srv/asr:/home/asr/data")
+    install(root, "link.service", "User=asr", "BindPaths=/srv/asr:/srv/links/bin/x")
+    install(root, "rooted.service", "BindPaths=/srv/asr:/home/asr/data")
+    install(root, "tmpfs.service", "User=asr", "TemporaryFileSystem=/home/asr/tmp")
+    install(root, "same.service", "User=asr", "BindPaths=/home/asr/project")
+    install(root, "fine.service", "User=asr", "BindPaths=/srv/asr:/srv/links/new")
+    assert errors(root, "home.service") == [
+        f"{ETC}/home.service:5: [Service] BindPaths: /srv/asr:/home/asr/data: systemd follows "
+        f"symlinks where a mount lands, and /home/asr/data is under /home, {TREE} at boot; "
+        f"{MOUNTS} gpuslice does not manage home.service until each bind lands on a path only "
+        "root can change (or on its own source, which shows what is there)"
+    ]
+    assert errors(root, "link.service") == [
+        f"{ETC}/link.service:5: [Service] BindPaths: /srv/asr:/srv/links/bin/x: its mount at "
+        "/srv/links/bin/x lands at /usr/local/bin/x (symlinks followed), on, in or above "
+        f"/usr/local/bin, {USES}; {MOUNTS} gpuslice does not manage link.service {ANYWHERE}"
+    ]
+    for name in ("rooted.service", "tmpfs.service", "same.service", "fine.service"):
+        assert errors(root, name) == [], name
 
 
 # ---------------------------------------------------------------------------------------------

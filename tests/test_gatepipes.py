@@ -77,6 +77,7 @@ class Gate:
         pipes: GatePipes,
         invocation: str = START,
         dbus_send: str = "",
+        unit_env: dict[str, str] | None = None,
     ) -> None:
         self.calls = tmp_path / "dbus-send.calls"
         self.state = tmp_path / "active-state"
@@ -92,6 +93,7 @@ class Gate:
             # a PATH that would run stubs of the unit's, were the gate to keep it
             "PATH": f"{unit_bin(tmp_path)}:/usr/bin:/bin",
             "INVOCATION_ID": invocation,
+            **(unit_env or {}),
         }
         pipe = pipes.directory / UNIT
         self.proc = subprocess.Popen(
@@ -506,6 +508,26 @@ def test_the_units_path_chooses_nothing_the_gate_runs(tmp_path: Path, pipes: Gat
     proc.kill()
     proc.wait()
     assert not (unit_bin(tmp_path) / "ran").exists()
+
+
+def test_the_units_bus_address_and_locale_paths_reach_nothing_the_gate_runs(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """dbus-send follows DBUS_SYSTEM_BUS_ADDRESS: a `User=` unit's made its gate, as root, ask
+    a user's socket (which answered Acquire: the start let through ungated) or run a user's
+    program (`unixexec:path=`); glibc in the gate's programs loads locale data and gconv
+    modules from LOCPATH and GCONV_PATH. The gate asks the system bus whatever the unit says."""
+    seen = tmp_path / "dbus-send.env"
+    unit_env = {
+        "DBUS_SYSTEM_BUS_ADDRESS": "unixexec:path=/home/asr/evil",
+        "GCONV_PATH": "/home/asr/gconv",
+        "LOCPATH": "/home/asr/locale",
+        "UNIT_OWN": "kept",
+    }
+    gate = Gate(tmp_path, pipes, dbus_send=f"env > {seen}", unit_env=unit_env)
+    assert gate.ended() == 0
+    names = {line.partition("=")[0] for line in seen.read_text().splitlines()}
+    assert names & set(unit_env) == {"UNIT_OWN"}
 
 
 # ---- what mutation testing asked for: each path out of the pipes, and its words ----

@@ -209,6 +209,47 @@ def test_a_unit_run_as_a_user_who_can_change_its_environment_file_is_not_gated(
     ]
 
 
+def test_a_users_loader_path_or_a_mount_over_the_gates_path_leaves_the_unit_ungated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gate runs as root with the unit's environment and mounts (tests/test_envsafety.py):
+    under `User=asr`, a root-written `LD_LIBRARY_PATH=` of asr's had the gate's /bin/sh load
+    asr's libc.so.6 as root; a bind over /usr/local/bin, first in the gate's PATH, ran asr's
+    dbus-send as root."""
+    tmp_path.chmod(0o755)
+    write(
+        tmp_path,
+        f"{ETC}/cuda.service",
+        f"[Service]\nUser=asr\nEnvironment=LD_LIBRARY_PATH=/home/asr/cuda/lib64\n{ANNOTATION}",
+    )
+    write(
+        tmp_path,
+        f"{ETC}/bind.service",
+        f"[Service]\nBindPaths=/home/asr/bin:/usr/local/bin\n{ANNOTATION}",
+    )
+    write(
+        tmp_path,
+        f"{ETC}/ok.service",
+        "[Service]\nUser=asr\nEnvironment=LD_LIBRARY_PATH=/opt/cuda/lib64\n"
+        f"BindPaths=/data/models:/models\n{ANNOTATION}",
+    )
+    assert written(run(tmp_path)) == {"ok.service.d/gpuslice-gate.conf": gate()}
+    assert capsys.readouterr().err.splitlines() == [
+        f"gpuslice-generator: error: {ETC}/bind.service:2: [Service] BindPaths: "
+        "/home/asr/bin:/usr/local/bin: its mount at /usr/local/bin lands on, in or above "
+        "/usr/local/bin, where gpuslice's gate finds the programs and libraries it runs as "
+        "root, or its way to the controller; gpuslice's gate runs as root with this unit's "
+        "mounts (ExecStartPre=+ keeps them), so gpuslice does not manage bind.service until "
+        "none of its mounts lands on, in or above a path the gate uses (unit not managed)",
+        f"gpuslice-generator: error: {ETC}/cuda.service:3: [Service] Environment: "
+        "LD_LIBRARY_PATH=/home/asr/cuda/lib64: /home/asr/cuda/lib64 is under /home, where "
+        "users make files or file systems are mounted after systemd runs gpuslice's generator "
+        "at boot; gpuslice's gate runs as root with this unit's environment, so gpuslice does "
+        "not manage cuda.service until only root can change each path it names (a directory "
+        "and everything in it), named by an absolute path (unit not managed)",
+    ]
+
+
 def test_escaped_template_name(tmp_path: Path) -> None:
     write(tmp_path, f"{LIB}/foo\\x2dbar@.service", "[X-GPUSlice]\nPriority=1\n")
     assert written(run(tmp_path)) == {"foo\\x2dbar@.service.d/gpuslice-gate.conf": gate()}

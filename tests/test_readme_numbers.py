@@ -20,6 +20,7 @@ from gpuslice import (
     checkpoint,
     cli,
     controller,
+    envsafety,
     exporter,
     journal,
     ladder,
@@ -84,6 +85,12 @@ ROWS = [
     ("at most 8 such lookups in flight", service.MAX_STATUS_ASKING, 8),
     ("(the 4 asked for last kept)", status.OWN_KEPT, 4),
     ("(the 256 names used last;", callers.CALLERS_KEPT, 256),
+    # Security model: the gate's environment
+    (
+        "or a directory and everything in it, at any depth (at most 10,000 entries)",
+        envsafety.MAX_TREE,
+        10_000,
+    ),
     # A unit's own journal
     ("entries wait in order, up to 2,000 (4 MiB)", journal.MAX_BACKLOG, 2000),
     ("entries wait in order, up to 2,000 (4 MiB)", journal.MAX_BACKLOG_BYTES, 4 << 20),
