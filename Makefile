@@ -22,6 +22,9 @@ USERGENDIR := $(PREFIX)/lib/systemd/user-generators
 EXAMPLEDIR := $(LIBDIR)/examples
 BUSCONFDIR := $(SYSCONFDIR)/dbus-1/system.d
 SYSUSERSDIR := $(PREFIX)/lib/sysusers.d
+# While `make uninstall` runs, any start of gpuslice.service is skipped (debian/gpuslice.prerm)
+REMOVAL_DROPIN_DIR := /run/systemd/system/gpuslice.service.d
+REMOVAL_DROPIN := $(REMOVAL_DROPIN_DIR)/gpuslice-removal.conf
 # The default config shipped to /etc/gpuslice/config.yaml (top level, else data/).
 CONFIG ?= $(or $(wildcard config.yaml),$(wildcard data/config.yaml),config.yaml)
 
@@ -78,6 +81,18 @@ clean:
 # Writes only below $(DESTDIR): the source tree may be read-only (the test bed mounts it so).
 
 install:
+ifeq ($(DESTDIR),)
+	@# Two copies would share gpuslice.service: systemd takes this one (/usr/local/lib before
+	@# /usr/lib), and the package's upgrades would restart it and its removal stop it, its own
+	@# code never run. A package removed but not purged (config-files) is no copy.
+	@status=$$(dpkg-query -W -f='$${Status}' gpuslice 2>/dev/null || true); \
+	case "$${status##* }" in \
+	    '' | not-installed | config-files) ;; \
+	    *) echo "make install: the gpuslice Debian package is installed ($$status): upgrade" \
+	        "it with \`make deb\` and \`apt install ./build/deb/gpuslice_VERSION_all.deb\`," \
+	        "or \`apt remove gpuslice\` first" >&2; exit 1 ;; \
+	esac
+endif
 	@for f in units/gpuslice.service units/gpuslice-metrics.socket units/gpuslice-metrics@.service \
 	    units/gpuslice-claim@.service data/gpuslice-user-generator data/gpuslice-metrics.sysusers \
 	    data/gpuslice-gate data/org.gpuslice.Scheduler1.conf data/gpuslice.in data/gpuslice-generator.in $(CONFIG); do \
@@ -116,6 +131,8 @@ ifeq ($(DESTDIR),)
 	# (READY=1 in the test bed: 533 ms without the compiled files, 461 ms with them)
 	python3 -m compileall -q $(PYDIR)
 	systemd-sysusers $(SYSUSERSDIR)/gpuslice-metrics.conf
+	# left by an uninstall cut short, it would skip the start below
+	rm -f $(REMOVAL_DROPIN)
 	systemctl daemon-reload
 	busctl call org.freedesktop.DBus / org.freedesktop.DBus ReloadConfig \
 	    || systemctl reload dbus.service
@@ -124,6 +141,12 @@ endif
 
 uninstall:
 ifeq ($(DESTDIR),)
+	# until the reload at the end shows gpuslice.service gone, no gated start may bring the
+	# controller back (each gate's drop-in Wants= it): release-jobs would leave every unit
+	# to it, and it would run on from removed files (debian/gpuslice.prerm does the same)
+	mkdir -p $(REMOVAL_DROPIN_DIR) && printf '%s\n' '# Written by `make uninstall`.' \
+	    '[Unit]' 'ConditionPathExists=!$(REMOVAL_DROPIN)' > $(REMOVAL_DROPIN)
+	systemctl daemon-reload
 	-systemctl disable --now gpuslice-metrics.socket
 	-systemctl disable --now gpuslice.service
 	# the controller stopped, nothing would thaw, resume or requeue a unit again: thaw those
@@ -144,6 +167,8 @@ ifneq ($(PURGE),)
 	    $(DESTDIR)$(SYSCONFDIR)/systemd/system/.gpuslice.lock
 endif
 ifeq ($(DESTDIR),)
+	rm -f $(REMOVAL_DROPIN)
+	-rmdir --ignore-fail-on-non-empty $(REMOVAL_DROPIN_DIR)
 	systemctl daemon-reload
 	-busctl call org.freedesktop.DBus / org.freedesktop.DBus ReloadConfig
 endif

@@ -30,6 +30,62 @@ STUBS = (
 )
 
 
+# Where the scripts' paths on the host lead in these tests (below tmp_path): prerm's runtime
+# drop-in that keeps the controller from starting during a removal, and a `make install`
+# copy's unit.
+REMOVAL_DIR = "/run/systemd/system/gpuslice.service.d"
+LOCAL_UNIT = "/usr/local/lib/systemd/system/gpuslice.service"
+
+
+def _removal_dropin(tmp_path: Path) -> Path:
+    return tmp_path / "run" / "gpuslice.service.d" / "gpuslice-removal.conf"
+
+
+def _run_full(
+    tmp_path: Path,
+    script: str,
+    *args: str,
+    dpkg_root: str = "",
+    text: str | None = None,
+) -> tuple[list[str], str]:
+    """`script ARGS` (or `text`, named `script`) with the STUBS; the calls they got, and
+    what it said on stderr. /run/systemd/system is taken as present (a host booted with
+    systemd); DPKG_ROOT is `dpkg_root` if given. debhelper's part (#DEBHELPER#) is one call,
+    `debhelper-part`. The package's own command (/usr/bin/gpuslice) is a stub of its own,
+    told apart from the `gpuslice` first in PATH, and says whether Python may write bytecode
+    (tmp_path/bytecode)."""
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in (*STUBS, "debhelper-part"):
+        stub = bin_dir / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+        stub.chmod(0o755)
+    own = tmp_path / "usr-bin-gpuslice"
+    own.write_text(
+        f'#!/bin/sh\necho "/usr/bin/gpuslice $*" >> {calls}\n'
+        f'echo "${{PYTHONDONTWRITEBYTECODE:-}}" > {tmp_path / "bytecode"}\n'
+    )
+    own.chmod(0o755)
+    if text is None:
+        text = (DEBIAN / script).read_text()
+    text = (
+        text.replace("[ -d /run/systemd/system ]", "true")
+        .replace("\n#DEBHELPER#\n", '\ndebhelper-part "$@"\n')
+        .replace(REMOVAL_DIR, str(_removal_dropin(tmp_path).parent))
+        .replace(LOCAL_UNIT, str(tmp_path / "local-gpuslice.service"))
+        .replace("/usr/bin/gpuslice ", f"{own} ")
+    )
+    done = subprocess.run(
+        ["/bin/sh", "-c", text, script, *args],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", **({"DPKG_ROOT": dpkg_root} if dpkg_root else {})},
+        check=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return (calls.read_text().splitlines() if calls.exists() else []), done.stderr
+
+
 def _run(
     tmp_path: Path,
     script: str,
@@ -37,25 +93,9 @@ def _run(
     dpkg_root: str = "",
     text: str | None = None,
 ) -> list[str]:
-    """`script ARGS` (or `text`, named `script`) with the STUBS; the calls they got.
-    /run/systemd/system is taken as present (a host booted with systemd); DPKG_ROOT is
-    `dpkg_root` if given."""
-    calls = tmp_path / "calls"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    for name in STUBS:
-        stub = bin_dir / name
-        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
-        stub.chmod(0o755)
-    if text is None:
-        text = (DEBIAN / script).read_text()
-    text = text.replace("[ -d /run/systemd/system ]", "true")
-    subprocess.run(
-        ["/bin/sh", "-c", text, script, *args],
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin", **({"DPKG_ROOT": dpkg_root} if dpkg_root else {})},
-        check=True,
-    )
-    return calls.read_text().splitlines() if calls.exists() else []
+    """The calls of `_run_full`, debhelper's part left out."""
+    calls, _ = _run_full(tmp_path, script, *args, dpkg_root=dpkg_root, text=text)
+    return [c for c in calls if not c.startswith("debhelper-part")]
 
 
 def test_remove_stops_the_metrics_socket(tmp_path: Path) -> None:
@@ -70,9 +110,67 @@ def test_remove_releases_the_jobs_once_the_controller_is_stopped(tmp_path: Path)
     """After debhelper's stop of the controller (at #DEBHELPER#), nothing would ever thaw a
     unit it froze, resume one it suspended or start one it preempted: `gpuslice
     release-jobs` thaws the first and names the others. After the stop, never before."""
-    text = (DEBIAN / "gpuslice.prerm").read_text()
-    assert text.index("#DEBHELPER#") < text.index("gpuslice release-jobs")
-    assert _run(tmp_path, "gpuslice.prerm", "remove")[1:] == ["gpuslice release-jobs"]
+    calls, _ = _run_full(tmp_path, "gpuslice.prerm", "remove")
+    assert calls[-2:] == ["debhelper-part remove", "/usr/bin/gpuslice release-jobs"]
+
+
+def test_remove_runs_the_packages_own_release_jobs_without_bytecode(tmp_path: Path) -> None:
+    """release-jobs is the package's /usr/bin/gpuslice, not a `gpuslice` first in PATH
+    (/usr/local/bin: a `make install` or pip copy); and it writes no bytecode: dh_python3's
+    py3clean runs in prerm before it, and the __pycache__ Python wrote then, in no package's
+    file list, kept /usr/lib/gpuslice/python/gpuslice after `apt purge`."""
+    calls = _run(tmp_path, "gpuslice.prerm", "remove")
+    assert "/usr/bin/gpuslice release-jobs" in calls
+    assert not [c for c in calls if c.startswith("gpuslice ")], calls
+    assert (tmp_path / "bytecode").read_text().strip() == "1"
+
+
+def test_remove_keeps_the_controller_from_starting_again(tmp_path: Path) -> None:
+    """Every gated unit Wants= gpuslice.service (its gate's drop-in) until postrm's reload:
+    a gated start after debhelper's stop (a Restart=, a timer) started the controller again,
+    release-jobs then left every unit to it, and it ran on from removed files. prerm writes
+    a runtime drop-in whose condition fails while it exists, and reloads, before the stop."""
+    calls, _ = _run_full(tmp_path, "gpuslice.prerm", "remove")
+    assert calls[1:3] == ["systemctl daemon-reload", "debhelper-part remove"]
+    dropin = _removal_dropin(tmp_path)
+    condition = f"ConditionPathExists=!{dropin}"
+    assert dropin.read_text().splitlines()[1:] == ["[Unit]", condition]
+    if shutil.which("systemd-analyze") is not None:  # unmet while the file exists
+        checked = subprocess.run(["systemd-analyze", "condition", condition], capture_output=True)
+        assert checked.returncode != 0, checked
+
+
+def test_postrm_lifts_the_removal_dropin_before_its_reload(tmp_path: Path) -> None:
+    """Gone before debhelper's daemon-reload: that reload must show gpuslice.service not
+    found, the sign a waiting gate lets its start go on by."""
+    _run(tmp_path, "gpuslice.prerm", "remove")
+    (tmp_path / "calls").unlink()
+    calls, _ = _run_full(tmp_path, "gpuslice.postrm", "remove")
+    assert calls == [f"rm -f {_removal_dropin(tmp_path)}", "debhelper-part remove"]
+
+
+@pytest.mark.parametrize("args", [("abort-remove",), ("configure", "0.1.0")])
+def test_postinst_lifts_the_removal_dropin_before_the_start(
+    tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    """A removal undone (abort-remove), or cut short after prerm and installed again: left,
+    the drop-in skipped debhelper's start, and every gate waited until the next boot."""
+    _run(tmp_path, "gpuslice.prerm", "remove")
+    (tmp_path / "calls").unlink()
+    calls, _ = _run_full(tmp_path, "gpuslice.postinst", *args)
+    rm = calls.index(f"rm -f {_removal_dropin(tmp_path)}")
+    assert rm < calls.index(f"debhelper-part {' '.join(args)}")
+
+
+def test_configure_says_a_make_install_copy_hides_the_package(tmp_path: Path) -> None:
+    """/usr/local/lib/systemd/system/gpuslice.service (`make install`) comes before the
+    package's: its controller is the one started, restarted at each upgrade and stopped at
+    removal. Said at install, not silently."""
+    _, quiet = _run_full(tmp_path, "gpuslice.postinst", "configure")
+    assert "make install" not in quiet
+    (tmp_path / "local-gpuslice.service").touch()
+    _, said = _run_full(tmp_path, "gpuslice.postinst", "configure")
+    assert "(`make install`) hides this package's controller" in said
 
 
 @pytest.mark.parametrize("args", [("upgrade", "0.1.0"), ("deconfigure", "in-favour", "x")])
@@ -172,3 +270,73 @@ def test_make_uninstall_releases_the_jobs_after_the_controllers_stop() -> None:
     release = commands.index("/usr/local/bin/gpuslice release-jobs")
     removal = next(i for i, c in enumerate(commands) if c.startswith("rm "))
     assert stop < release < removal
+
+
+def test_make_uninstall_keeps_the_controller_from_starting_again() -> None:
+    """As prerm: the removal drop-in is written and read (a reload) before the controller's
+    stop, and goes before the last reload, which must show gpuslice.service gone."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    commands = subprocess.run(
+        ["make", "-n", "--no-print-directory", "uninstall", "PREFIX=/usr/local"],
+        cwd=DEBIAN.parent,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    written = next(i for i, c in enumerate(commands) if c.startswith(f"mkdir -p {REMOVAL_DIR}"))
+    reloads = [i for i, c in enumerate(commands) if c == "systemctl daemon-reload"]
+    stop = commands.index("systemctl disable --now gpuslice.service")
+    lifted = commands.index(f"rm -f {REMOVAL_DIR}/gpuslice-removal.conf")
+    assert written < reloads[0] < stop < lifted < reloads[-1]
+
+
+@pytest.mark.parametrize(
+    ("status", "refused"),
+    [
+        ("install ok installed", True),
+        ("install ok half-configured", True),
+        ("deinstall ok config-files", False),
+        ("", False),  # no such package, or no dpkg at all
+    ],
+)
+def test_make_install_refuses_beside_the_package(
+    tmp_path: Path, status: str, refused: bool
+) -> None:
+    """`make install` beside the installed package made two copies of gpuslice.service, this
+    one first in systemd's search path: the package's upgrades restarted it and its removal
+    stopped it, its own code never ran. Refused before anything is written or called."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("systemctl", "systemd-sysusers", "busctl"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+    (bin_dir / "dpkg-query").write_text(f"#!/bin/sh\nprintf '%s' '{status}'\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    prefix = tmp_path / "prefix"
+    done = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "install",
+            f"PREFIX={prefix}",
+            f"SYSCONFDIR={tmp_path / 'etc'}",
+            f"REMOVAL_DROPIN_DIR={tmp_path / 'run'}",
+        ],
+        cwd=DEBIAN.parent,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if refused:
+        assert done.returncode != 0
+        assert "the gpuslice Debian package is installed" in done.stderr
+        assert not prefix.exists()
+        assert not calls.exists()
+    else:
+        assert done.returncode == 0, done.stderr
+        assert "systemctl enable --now gpuslice.service" in calls.read_text()

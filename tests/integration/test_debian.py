@@ -315,3 +315,36 @@ def test_remove_names_a_unit_it_preempted_and_leaves_it_to_the_admin(
     assert f"{BACKGROUND} was preempted and nothing will start it again" in said
     assert c.active_state(BACKGROUND) == "inactive"
     assert c.active_state("urgent.service") == "active"
+
+
+def test_a_gated_start_during_removal_does_not_start_the_controller_again(
+    bare_container: Container, deb: Path
+) -> None:
+    """Between prerm's stop of the controller and postrm's daemon-reload, every gated unit
+    still Wants= gpuslice.service (its gate's drop-in): a gated start then (a Restart=, a
+    timer, by hand) started the controller again, release-jobs left every unit to it, and
+    it ran on from the files dpkg removed. prerm's runtime drop-in makes that start a
+    skipped one; the gate waits, and goes on once the removal is done."""
+    c = bare_container
+    _install(c, deb)
+    c.write_file("/etc/systemd/system/plain-job.service", PLAIN_JOB)
+    c.systemctl("daemon-reload")
+    # prerm alone, as dpkg runs it before it removes the files
+    c.run(["/var/lib/dpkg/info/gpuslice.prerm", "remove"], timeout=120)
+    assert c.active_state("gpuslice.service") == "inactive"
+    c.systemctl("start", "--no-block", "plain-job.service")
+    c.wait_active_state("plain-job.service", "activating", STEP)
+    wait_until(
+        lambda: (
+            c.systemctl("show", "-P", "ConditionResult", "gpuslice.service").stdout.strip() == "no"
+        ),
+        STEP,
+        what="the start of gpuslice.service that plain-job.service wants, skipped",
+    )
+    assert c.active_state("gpuslice.service") == "inactive"
+    assert c.active_state("plain-job.service") == "activating"
+
+    c.run(["apt-get", "remove", "-y", "gpuslice"], timeout=120)
+    c.wait_active_state("plain-job.service", "active", STEP)
+    dropin = "/run/systemd/system/gpuslice.service.d/gpuslice-removal.conf"
+    assert c.run(["test", "-e", dropin], check=False).returncode != 0
