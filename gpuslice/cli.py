@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,8 @@ if TYPE_CHECKING:
     from dbus_next.aio import MessageBus
 
     from gpuslice.checkpoint import CheckpointError, CheckpointSettings, Resumed
-    from gpuslice.core.scheduler import Action
+    from gpuslice.core.scheduler import Action, Phase, SavedState
+    from gpuslice.state import StateStore
 
 ENROLL_DROPIN = "gpuslice.conf"
 ENROLL_MARKER = "# Written by `gpuslice enroll`"
@@ -161,7 +163,9 @@ def release_jobs(config_path: str) -> None:
     rest can never be resumed. No resume starts RELEASE_DEADLINE seconds after this began:
     `apt remove` waits; the units left are named, left suspended, their work kept. These,
     and a preempted one, which nothing will start again, are named on stderr with why and
-    what to do, instead of being left silently. Only a state of this boot is acted on, the
+    what to do, instead of being left silently. What it did is saved in the state it read
+    (`_record_released`): a gpuslice installed again this boot judges those units as they
+    are, not as frozen or suspended still. Only a state of this boot is acted on, the
     boot told as the controller tells it (`state.same_boot`, with systemd's start: a
     container restarted keeps the kernel's boot id), and as a controller of this boot
     recorded it while it can (`_this_boot`): one of an earlier boot names units whose
@@ -234,6 +238,8 @@ def _release_jobs(config_path: str) -> None:
         return (0 if unit in to_thaw else 2, 0, 0, 0, unit)
 
     settings = CheckpointSettings.from_config(config)
+    thawed: list[str] = []
+    resumed: dict[str, Phase] = {}  # in the order done: running again, or being stopped
     for unit in sorted(to_thaw | suspended | preempted, key=order):
         shown = _unit_state(unit)
         frozen = shown.get("FreezerState") in ("frozen", "freezing")
@@ -248,9 +254,12 @@ def _release_jobs(config_path: str) -> None:
                 outcome = _resume_left(unit, settings)
                 if not isinstance(outcome, CheckpointError):
                     click.echo(f"{where} {_resumed(outcome)}", err=True)
+                    resumed[unit] = Phase.RUNNING
                     continue
                 if outcome.restored:
-                    click.echo(f"{where} {_stop_partly_resumed(unit, outcome)}", err=True)
+                    stopped, words = _stop_partly_resumed(unit, outcome)
+                    click.echo(f"{where} {words}", err=True)
+                    resumed[unit] = Phase.STOPPING if stopped else Phase.RUNNING
                     continue
                 why = outcome.reason
             click.echo(
@@ -267,6 +276,8 @@ def _release_jobs(config_path: str) -> None:
                 failed = True
             if failed:
                 click.echo(f"{where} stays frozen: `systemctl thaw` failed", err=True)
+            else:
+                thawed.append(unit)
         elif unit in preempted and shown.get("ActiveState") in (
             "inactive",
             "failed",
@@ -277,6 +288,88 @@ def _release_jobs(config_path: str) -> None:
                 f"`systemctl start {printable(unit, 300)}` if it is still wanted",
                 err=True,
             )
+    _record_released(store, saved_boot, saved, _released(saved, thawed, resumed))
+
+
+def _released(saved: SavedState, thawed: list[str], resumed: dict[str, Phase]) -> SavedState:
+    """The saved state once release-jobs thawed (`thawed`), resumed or stopped (`resumed`:
+    running again, or being stopped) these units, as the controller records what it did
+    itself: a unit frozen beside another runs again (`thaw_done`; a thaw owed is paid), one
+    resumed holds its GPUs running (`resumed`: a thaw owed, as its ThawUnit may have failed),
+    one stopped holds them until systemd shows it down (`resume_failed`: then preempted,
+    and Requeue= decides). Kept frozen or suspended, the next controller of this boot
+    (`apt install` again) said a unit thawed here was thawed outside and never froze it
+    again, and booked no GPU for a unit resumed here until a resume found nothing to
+    restore: another unit was granted the GPU it runs on. Everything else is kept."""
+    from gpuslice.core.scheduler import Phase
+
+    holders = dict(saved.holders)
+    suspended = dict(saved.suspended)
+    seq = saved.seq
+    for unit in thawed:
+        gpus, phase, held_since, _ = holders.get(unit, ((), "", 0, ""))
+        if phase == Phase.FROZEN.value:
+            holders[unit] = (gpus, Phase.RUNNING.value, held_since, "")
+    for unit, now in resumed.items():
+        if unit in suspended:  # held anew, as a resume numbers its holder (Scheduler)
+            gpus, seq = suspended.pop(unit)[0], seq + 1
+            holders[unit] = (gpus, now.value, seq, "")
+        elif unit in holders:  # caught between suspend and resume
+            gpus, _, held_since, _ = holders[unit]
+            holders[unit] = (gpus, now.value, held_since, "")
+    owed = [n for n in saved.thaw_owed if n not in thawed]
+    owed += [n for n, now in resumed.items() if now is Phase.RUNNING and n not in owed]
+    frozen_for = {
+        n: units for n, units in saved.frozen_for.items() if holders[n][1] == Phase.FROZEN.value
+    }
+    return replace(
+        saved,
+        holders=holders,
+        suspended=suspended,
+        seq=seq,
+        frozen_for=frozen_for,
+        thaw_owed=owed,
+    )
+
+
+def _record_released(store: StateStore, boot: str, was: SavedState, now: SavedState) -> None:
+    """Save `now`, what release-jobs did to the state it loaded (`was`), with the store's own
+    atomic save, numbered after it, for the next controller of this boot to judge those units
+    as they are. Only over the state it read: none is written when nothing was done, when
+    neither the state file nor the stand-in is there any more, when one was saved since or
+    cannot be read now, or when gpuslice.service is no longer stopped (started meanwhile: it
+    loaded the old state, or loads it, and saves its own). The controller shares no lock:
+    one that starts after the last look loaded the state as it was, and its saves replace
+    this one; each save is whole (rename(2)). Left, it is said: the units it names are taken
+    for still frozen or suspended."""
+    if now == was:
+        return
+    why = store.saved_since()
+    if why is None:  # removed: no controller reads what it said
+        return
+    if not why:
+        controller = _unit_state("gpuslice.service").get("ActiveState", "unknown")
+        if controller not in ("inactive", "failed"):
+            why = f"gpuslice.service is {printable(controller, 60)} now"
+    if not why:
+        try:
+            store.save(now, boot)
+        except OSError as e:
+            why = f"cannot write it: {e.strerror or e}"
+        else:
+            with contextlib.suppress(OSError):  # written; a power cut ends the boot it is of
+                store.flush()
+            return
+    changed = sorted(
+        {n for n in now.holders if now.holders[n] != was.holders.get(n)}
+        | set(was.thaw_owed) - set(now.thaw_owed)
+    )
+    click.echo(
+        f"gpuslice release-jobs: the saved state {printable(str(store.path), 300)} is left as it "
+        f"was ({printable(why, 300)}): a gpuslice started again this boot takes "
+        f"{', '.join(printable(n, 300) for n in changed)} for still frozen or suspended",
+        err=True,
+    )
 
 
 def _this_boot() -> tuple[str, str]:
@@ -354,10 +447,10 @@ def _resumed(done: Resumed) -> str:
     return f"resumed from host memory, {count} process{'es' if count > 1 else ''}: {words}"
 
 
-def _stop_partly_resumed(unit: str, failed: CheckpointError) -> str:
+def _stop_partly_resumed(unit: str, failed: CheckpointError) -> tuple[bool, str]:
     """Stop a unit whose resume restored some of its processes and failed for another: frozen
-    again it held their GPU memory for ever, and no controller will try again. What became
-    of it, in words."""
+    again it held their GPU memory for ever, and no controller will try again. Whether its
+    stop was sent, and what became of it, in words."""
     shown = printable(unit, 300)
     restored = failed.restored
     pids = ", ".join(map(str, restored[:10])) + (", ..." if len(restored) > 10 else "")
@@ -369,11 +462,11 @@ def _stop_partly_resumed(unit: str, failed: CheckpointError) -> str:
     except (OSError, subprocess.SubprocessError):
         stopped = False
     if not stopped:
-        return (
+        return False, (
             f"{what}, and `systemctl stop` failed: it runs thawed, part of its memory never "
             f"restored; `systemctl stop {shown}` ends it"
         )
-    return (
+    return True, (
         f"is being stopped (systemctl stop): its resume {what}; frozen again it would hold "
         "that GPU memory for ever, and nothing can resume the rest now: its work since its "
         "last save is lost"

@@ -872,6 +872,27 @@ class StateStore:
             self._remove_standin()
         return self.path
 
+    def saved_since(self) -> str | None:
+        """Why the state on disk may not be what this store last loaded or saved ("" when it
+        is): a state file or stand-in numbered beyond `generation` (another writer saved
+        since: a controller started meanwhile), or one that cannot be read or parsed now.
+        None when neither is there: nothing to replace. Read anew, for a writer that is not
+        the controller (`gpuslice release-jobs`): no lock is shared with the controller, so
+        its save between this look and a save of ours is not seen."""
+        files = [self.path] if self.standin is None else [self.path, self.standin]
+        gone = (FileNotFoundError, NotADirectoryError)
+        there = [f for f in map(read_found, files) if not isinstance(f.error, gone)]
+        if not there:
+            return None
+        for f in there:
+            if isinstance(f.error, OSError):
+                return f"{f.path}: {f.error.strerror or f.error}"
+            if f.error is not None:
+                return f"{f.path}: {f.error}"
+            if f.rank()[0] > self.generation:
+                return f"{f.path} was saved again since it was read"
+        return ""
+
     def flush(self) -> None:
         """Make the last save durable (`_flush`). Blocks on the disk: the controller calls it
         on a worker thread. A state file not there (never saved) is nothing to flush."""
