@@ -637,6 +637,8 @@ class UnitIndex:
         readers: dict[str, set[str]] = {}
         for template in self._template_names():
             primary = self.primary_name(template)
+            if not is_template(primary):
+                continue  # `t@.service -> a.service`: no alias, systemd refuses it (`_aliases`)
             for n in _dropin_names(template):
                 if is_template(n):
                     readers.setdefault(n, set()).add(primary)
