@@ -88,9 +88,26 @@ def test_a_failed_suspend_falls_to_stop_with_one_line_saying_why() -> None:
         "cannot suspend vlm.service (priority 90) for voice.service (priority 10): "
         "cuda-checkpoint is not installed; trying stop instead"
     )
-    assert codes(acts) == [Code.RUNG_FAILED]
+    assert codes(acts) == [Code.RUNG_FAILED, Code.WAIT]  # and its waiter's new reason
     assert brief(s.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0"]
     assert brief(s.inactive(VO, Outcome.EXITED)) == [f"start {V}"]  # requeued as today
+
+
+def test_a_waiter_whose_victim_s_suspend_fell_to_stop_is_told_it_waits_for_the_stop() -> None:
+    """Told it waits for a suspend, the waiter is told (and status shows) that it waits for
+    a stop once the suspend failed and the unit is stopped, as if the stop was the rung the
+    pass chose; before, it went on saying "to be suspended" while vlm.service was stopped."""
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    stopping = "voice.service waiting for vlm.service (priority 90) to stop on GPU 0"
+    assert words(s.suspend_failed(V, "cuda-checkpoint is not installed"))[-1] == stopping
+    assert s.snapshot().waiting == [(VO, 10, stopping.removeprefix(f"{VO} "))]
+    only = dataclasses.replace(VLM, preempt=VLM.preempt[1:])  # the stop rung alone
+    plain = host(only, VOICE)
+    running(plain, only)
+    assert brief(plain.request(VOICE)) == [f"stop {V}"]
+    assert s.waiting(VO).decision == plain.waiting(VO).decision
 
 
 def test_a_ladder_without_stop_keeps_its_gpus_when_suspend_fails() -> None:

@@ -8,8 +8,10 @@
 - the thaw before the undo of a suspend whose freeze worked, sent again after an error that
   passes, says so in a debug line naming the suspend (`_thaw_to_undo`); the resume's line
   for a PID another unit's process has now, in its exact words (`_still_its_own`);
-- status right after a failed suspend fell to stop still says why each waiter waits (the
-  core's cache of each GPU's top holder, reset then, was read by `snapshot` outside a pass);
+- status read right after a suspend or resume ended (in the controller's batch, before its
+  pass; or after a failed resume, which no pass follows) or a resume began still says why
+  each waiter waits (the core's cache of each GPU's top holder, reset then, is read by
+  `snapshot` outside a pass);
 - a systemd re-exec reads again an annotated unit that ended before it: one started while
   its signals were lost is taken in (`Controller._apply` keeps the tracker's record of an
   annotated unit at its down).
@@ -27,7 +29,7 @@ import pytest
 
 from gpuslice import checkpoint
 from gpuslice.checkpoint import CheckpointSettings, Resumed
-from gpuslice.core.scheduler import Action, Phase, Scheduler
+from gpuslice.core.scheduler import Action, Outcome, Phase, Scheduler
 from gpuslice.inventory import GpuUse
 from gpuslice.ladder import Ladder
 from tests.core_builders import BG, brief, sized, spec
@@ -211,26 +213,68 @@ def test_a_restore_says_which_pids_are_other_units_processes_now(
     ]
 
 
-# ---- the core: status after a failed suspend -------------------------------------------------
+# ---- the core: status read outside a pass after a ladder report ------------------------------
 
 
-def test_status_after_a_failed_suspend_fell_to_stop_says_why_each_waits() -> None:
-    """late.service waits for GPU 0 (vlm.service holds it, and is more urgent); vlm.service's
-    suspend for voice.service fails and falls to a stop, with no pass after it: status, asked
-    then, names vlm.service as stopping."""
+def _late_waits_behind_vlm() -> Scheduler:
+    """late.service waits for GPU 0, which vlm.service (more urgent) holds and is being
+    suspended for voice.service."""
     vlm = spec("vlm", 90, BG, preempt="suspend stop")
     voice, late = spec("voice", 10), spec("late", 95)
     s = Scheduler([sized(0)], {u.name: u for u in (vlm, voice, late)})
     assert brief(s.request(vlm)) == ["grant vlm.service 0"]
     assert brief(s.request(late)) == []
     assert brief(s.request(voice)) == ["suspend vlm.service 0"]
-    assert brief(s.suspend_failed(vlm.name, "cuda-checkpoint is not installed")) == [
-        "stop vlm.service"
-    ]
-    assert s.phase(vlm.name) is Phase.STOPPING
-    assert dict((n, w) for n, _, w in s.snapshot().waiting)["late.service"] == (
-        "waiting: GPU 0 being freed by vlm.service (stopping)"
-    )
+    return s
+
+
+def _late_s_reason(s: Scheduler) -> str:
+    return dict((n, w) for n, _, w in s.snapshot().waiting)["late.service"]
+
+
+@pytest.mark.parametrize(
+    ("report", "then", "says"),
+    [
+        ("failed", ["stop vlm.service"], "GPU 0 being freed by vlm.service (stopping)"),
+        ("lost", ["stop vlm.service"], "GPU 0 being freed by vlm.service (stopping)"),
+        ("done", [], "GPU 0 kept for suspended vlm.service, priority 90"),
+    ],
+    ids=["failed", "lost", "done"],
+)
+def test_status_read_in_a_batch_after_a_suspend_ended_says_why_each_waits(
+    report: str, then: list[str], says: str
+) -> None:
+    """vlm.service's suspend for voice.service ends (fails and falls to a stop; fails and
+    its undo lost a process; is done) in a batch of the controller's, whose pass comes only
+    after it: status, asked before that pass, names GPU 0's holder as it is now (the core's
+    cache of each GPU's top holder, reset then, is read by `snapshot` outside a pass)."""
+    s = _late_waits_behind_vlm()
+    with s.deferred():  # as Controller._batched takes in a ladder's report
+        if report == "done":
+            acts = s.suspended_done("vlm.service", "14 GiB to host memory in 2 s")
+        else:
+            acts = s.suspend_failed("vlm.service", "no cuda-checkpoint", lost=report == "lost")
+    assert brief(acts) == then
+    assert _late_s_reason(s) == f"waiting: {says}"
+
+
+@pytest.mark.parametrize("report", ["resumed", "resume_failed"])
+def test_status_after_a_resume_began_and_ended_says_why_each_waits(report: str) -> None:
+    """voice.service exits and vlm.service is resumed on GPU 0, then is resumed or stopped
+    after a failed resume (in a batch, or with no pass after it): status, asked after each,
+    names GPU 0's holder as it is now."""
+    s = _late_waits_behind_vlm()
+    assert brief(s.suspended_done("vlm.service", "")) == ["grant voice.service 0"]
+    assert brief(s.inactive("voice.service", Outcome.EXITED)) == ["resume vlm.service 0"]
+    assert _late_s_reason(s) == "waiting: GPU 0 held by vlm.service, priority 90"
+    with s.deferred():  # as Controller._batched takes in a ladder's report
+        if report == "resumed":
+            assert brief(s.resumed("vlm.service", "6 s")) == []
+            says = "GPU 0 held by vlm.service, priority 90"
+        else:  # a pass would change nothing: none follows
+            assert brief(s.resume_failed("vlm.service", "out of memory")) == ["stop vlm.service"]
+            says = "GPU 0 being freed by vlm.service (stopping)"
+    assert _late_s_reason(s) == f"waiting: {says}"
 
 
 # ---- the controller: an annotated unit's record kept at its down -----------------------------

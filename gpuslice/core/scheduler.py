@@ -803,7 +803,8 @@ class Scheduler:
         # either priority since the suspend was decided)
         if fallback is Rung.STOP and waiter is not None and spec.priority > waiter.spec.priority:
             on = tuple(sorted(holder.gpus & set(waiter.target)) or sorted(holder.gpus))
-            return [_log(decision), self._stop_for(holder, waiter.spec, on)]
+            # a pass tells its waiter that it waits for a stop now, not for a suspend
+            return [_log(decision), self._stop_for(holder, waiter.spec, on), *self.schedule()]
         holder.phase = Phase.RUNNING
         holder.stopping_for = None
         if waiter is not None:
