@@ -409,6 +409,9 @@ def _left_behind(
     suspended unit with (tests/test_release_jobs_resume.py resumes): the systemctl commands
     it ran but `show`, and its stderr."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot))
+    # the state is this stand-in, in no file: nothing on the host to save over or
+    # to find saved since (a /var/lib/gpuslice left by another run made it so)
+    monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
     _systemd_started(monkeypatch)
     monkeypatch.setattr(
         cli_module, "_resume_left", lambda unit, s: CheckpointError(f"{unit}: no cuda-checkpoint")

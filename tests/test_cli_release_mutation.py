@@ -61,6 +61,9 @@ def _release(
     answering `resume[unit]` (one process restored by default). Every systemctl is run with
     a timeout of at most a minute: `apt remove` waits on each."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, _this_boot()))
+    # the state is this stand-in, in no file: nothing on the host to save over or
+    # to find saved since (a /var/lib/gpuslice left by another run made it so)
+    monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
     _systemd_started(monkeypatch)
     run = Run()
 

@@ -70,6 +70,9 @@ def _release(
     recorded this boot (RECORD, unless a test puts one there): what it did in order
     (("thaw" | "stop" | "resume", unit)), its stderr, the connections it made."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, saved_boot))
+    # the state is this stand-in, in no file: nothing on the host to save over or
+    # to find saved since (a /var/lib/gpuslice left by another run made it so)
+    monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
     monkeypatch.setattr(cli_module, "THIS_BOOT_RECORD", tmp_path / RECORD)
     made = _systemd_started(monkeypatch, started)
     if no_bus is not None:

@@ -61,6 +61,9 @@ def _release_with_tool(
     settings = dataclasses.replace(FAST, tool=tool)
     saved = SavedState(suspended={UNIT: ((1,), 4)})
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, _this_boot()))
+    # the state is this stand-in, in no file: nothing on the host to save over or
+    # to find saved since (a /var/lib/gpuslice left by another run made it so)
+    monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
     monkeypatch.setattr(CheckpointSettings, "from_config", classmethod(lambda cls, c: settings))
     monkeypatch.setattr(Systemd, "connect", connect)
     monkeypatch.setattr(subprocess, "run", systemctl)

@@ -68,6 +68,9 @@ def _release(
     (("thaw" | "resume" | systemctl's verb, unit)), the settings each resume got, and its
     stderr."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, boot or _this_boot()))
+    # the state is this stand-in, in no file: nothing on the host to save over or
+    # to find saved since (a /var/lib/gpuslice left by another run made it so)
+    monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
     _systemd_started(monkeypatch)
     done, settings = systemctl_and_resume(monkeypatch, shown, resume)
     return done, settings, release_jobs(tmp_path, "restore_timeout: 42\n")
@@ -299,6 +302,9 @@ def test_the_resume_is_the_controllers_thaw_then_restore_of_its_cuda_processes(
     calls, made = _tool_and_systemd(monkeypatch)
     saved = SavedState(suspended={"train.service": ((1,), 4)})
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, _this_boot()))
+    # the state is this stand-in, in no file: nothing on the host to save over or
+    # to find saved since (a /var/lib/gpuslice left by another run made it so)
+    monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
     monkeypatch.setattr(
         subprocess,
         "run",

@@ -79,6 +79,8 @@ def _release(
     StateStore(Path(config.state_dir)).save(saved, boot)
     monkeypatch.setattr(cli_module, "load_config_with_warnings", lambda path: (config, []))
     monkeypatch.setattr(paths, "STATE_DIR_RECORD", str(tmp_path / "no-record"))
+    # nor the host's default state_dir (release-jobs looks there for an older controller's)
+    monkeypatch.setattr(paths, "DEFAULT_STATE_DIR", str(tmp_path / "no-default-state"))
     monkeypatch.setattr(paths, "RUNTIME_DIR_RECORD", str(tmp_path / "no-runtime-record"))
     monkeypatch.setattr(cli_module, "_this_boot", lambda: (BOOT, ""))
     done, _ = systemctl_and_resume(monkeypatch, shown, RESUME)
