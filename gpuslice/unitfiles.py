@@ -145,6 +145,36 @@ def _kind_of_name(name: str) -> int:
     return 2 if is_template(name) else 1 if is_instance(name) else 0
 
 
+_KINDS = ("a plain name", "an instance", "a template")  # by `_kind_of_name`
+
+
+def _instance_part(name: str) -> str:
+    """`x@a@b.service` -> `a@b`: all between the first `@` and the type's dot, as systemd's."""
+    return name[name.index("@") + 1 : name.rfind(".")]
+
+
+def _alias_refused(name: str, target: str) -> str | None:
+    """Why systemd 252 refuses the symlink `name` (a valid `.service` name) into the search
+    path as an alias of `target` (the name its target path ends in), or None when it takes it
+    (`unit_validate_alias_symlink_or_warn` in src/basic/unit-file.c). A refused link is
+    ignored: its name stays unmapped, and a lower directory's entry of that name is the unit's.
+    "" for an alias to its own name, which systemd ignores too, but logs at debug level only."""
+    if target == name:
+        return ""
+    if not is_valid_unit_name(target):
+        return "not a valid unit name"
+    kind = _kind_of_name(name)
+    target_kind = _kind_of_name(target)
+    # an instance may alias a template: `foo@a.service -> bar@.service` is `bar@a.service`
+    if target_kind != kind and not (kind == 1 and is_template(target)):
+        return f"{_KINDS[kind]} to {_KINDS[target_kind]}"
+    if kind == target_kind == 1 and _instance_part(name) != _instance_part(target):
+        return "another instance"
+    if not target.endswith(UNIT_SUFFIX):
+        return "another unit type"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # systemd-style ini text
 
@@ -402,6 +432,9 @@ class UnitIndex:
         }
         # (primary name of each alias link, the alias names of each primary name), when asked
         self._alias_maps: tuple[dict[str, str], dict[str, list[str]]] | None = None
+        # (system dir, link name) -> what systemd maps the link's name to (`_alias_of`): asked
+        # by unit_names, then by fragment and primary_name, of the same links
+        self._link_maps: dict[tuple[str, str], str | None] = {}
 
     # -- paths
 
@@ -470,7 +503,9 @@ class UnitIndex:
         Alias symlinks (a link into the search path whose target has another unit name) are left
         out: their unit is listed under its own name, and the alias hides that name in lower
         directories. A link out of the search path (`systemctl link`) is the unit's file under
-        the link's name, whatever the target's (`_alias_of`).
+        the link's name, whatever the target's (`_alias_of`). A link into the search path that
+        systemd refuses as an alias (`t@.service -> a.service`) is ignored, as a directory is:
+        a lower directory's entry of that name is the unit's.
 
         Names that are not valid unit names and entries that are neither files nor symlinks
         (a FIFO, a socket, a device) are left out, as systemd leaves them out, with an issue.
@@ -479,7 +514,9 @@ class UnitIndex:
         aliases: set[str] = set()  # as systemd, the first directory that names a unit wins
         for sysdir, _real, entries in self._dirs:
             for name, kind in sorted(entries.items()):
-                if kind & _DIR or not name.endswith(UNIT_SUFFIX) or name.startswith("."):
+                if kind & _DIR and not kind & _LINK:
+                    continue  # a link to a directory is a link: systemd takes it by its text
+                if not name.endswith(UNIT_SUFFIX) or name.startswith("."):
                     continue
                 if name in names or name in aliases:
                     continue
@@ -501,25 +538,53 @@ class UnitIndex:
                             "a symlink that leads nowhere (dangling, a loop, too long), ignored",
                         )
                         continue
-                    if self._alias_of(sysdir, name) is not None:
+                    mapped = self._alias_of(sysdir, name)
+                    if mapped is None:
+                        self._refused_issue(sysdir, name)
+                        continue
+                    if mapped != name:
                         aliases.add(name)
                         continue
                 names.add(name)
         return sorted(names)
 
+    def _refused_issue(self, sysdir: str, name: str) -> None:
+        """Say why systemd ignores the link `sysdir/name` (`_alias_of` gave None), as it does."""
+        target = self._link_target(sysdir, name)
+        if target is None:
+            return  # unreadable since it was listed: systemd says so in its own words
+        why = _alias_refused(name, os.path.basename(target))
+        if why:  # not an alias to its own name, which systemd ignores quietly
+            self._issue(
+                f"{sysdir}/{name}",
+                f"a symlink to {printable(target)}, which systemd refuses as an alias"
+                f" ({why}) and ignores: a lower directory's file of this name is the unit's",
+            )
+
     def _alias_of(self, sysdir: str, name: str) -> str | None:
-        """The unit name that the symlink `sysdir/name` makes `name` an alias of, or None.
+        """What systemd maps the symlink `sysdir/name` (a valid `.service` name) to: the
+        target's name for an alias; `name` itself for the unit's own file; None for a link it
+        ignores, whose name is then a lower directory's (a link into the search path that it
+        refuses as an alias (`_alias_refused`), one it cannot read).
 
         systemd 252 (unit_file_build_name_map) decides by the link's own target, its last
         component not followed: inside the search path, the link is an alias of the target's
         name; outside it (`systemctl link /opt/app/x.service`, any name, or a mask), the
         target is the unit's file under the link's name. The fully resolved target's name
-        would leave such a linked unit out of the scan: ungated, without a word."""
+        would leave such a linked unit out of the scan: ungated, without a word. Whether the
+        target is a file or a directory does not matter: systemd reads only the link's text."""
+        key = (sysdir, name)
+        if key in self._link_maps:
+            return self._link_maps[key]
         target = self._link_target(sysdir, name)
-        if target is None or not any(target.startswith(f"{d}/") for d in self._search_path):
-            return None
-        base = os.path.basename(target)
-        return base if base.endswith(UNIT_SUFFIX) and base != name else None
+        mapped: str | None = None
+        if target is not None:
+            mapped = name
+            if any(target.startswith(f"{d}/") for d in self._search_path):
+                base = os.path.basename(target)
+                mapped = None if _alias_refused(name, base) is not None else base
+        self._link_maps[key] = mapped
+        return mapped
 
     def _link_target(self, sysdir: str, name: str) -> str | None:
         """Where the symlink `sysdir/name` points, as systemd reads it (chase_symlinks with
@@ -544,9 +609,13 @@ class UnitIndex:
         current = name
         for _ in range(_MAX_SYMLINKS):
             target = self._alias_target(current)
-            # an instance with no file of its own is its template's: so are its aliases
-            if target is None and is_instance(current) and not self._named(current):
+            # an instance with no file of its own, or an alias of its own template (`t@x.service
+            # -> t@.service`), is its template's: so are its aliases
+            if is_instance(current) and (
+                target == current or (target is None and not self._named(current))
+            ):
                 of_template = self._alias_target(template_of(current))
+                target = None
                 if of_template is not None and is_template(of_template):
                     at = current.index("@")
                     target = of_template[: of_template.index("@")] + current[at:]
@@ -555,44 +624,58 @@ class UnitIndex:
             current = target
         return name
 
-    def _named(self, name: str) -> bool:
-        """Whether some directory of the search path has an entry called `name`."""
-        return any(name in entries for _sysdir, _real, entries in self._dirs)
+    def _maps(self, sysdir: str, name: str, kind: int) -> bool:
+        """Whether systemd maps `name` to the entry `sysdir/name` of `kind` (one `_scan_dir`
+        gave): a file, or a link it does not ignore (`_alias_of`); not a directory, a FIFO, a
+        socket or a device. An entry it does not map leaves the name to lower directories."""
+        if kind & _LINK:
+            return self._alias_of(sysdir, name) is not None
+        return not kind & (_DIR | _OTHER)
 
-    def _alias_target(self, name: str) -> str | None:
-        """The unit name the first entry called `name` in the search path makes it an alias
-        of; None when that entry is no such link (a file, a link out of the search path, an
-        instance's link to its own template) or there is none."""
+    def _named(self, name: str) -> bool:
+        """Whether some directory of the search path has an entry that systemd maps `name` to."""
         for sysdir, _real, entries in self._dirs:
             kind = entries.get(name)
-            if kind is None:
+            if kind is not None and self._maps(sysdir, name, kind):
+                return True
+        return False
+
+    def _alias_target(self, name: str) -> str | None:
+        """The unit name that the first entry systemd maps `name` to (`_maps`) makes it an
+        alias of: an instance's alias of a template (`a@x.service -> b@.service`) is of that
+        template's instance (`b@x.service`; `name` itself for its own template's). None when
+        that entry is the unit's own file (a file, a link out of the search path) or there is
+        none."""
+        for sysdir, _real, entries in self._dirs:
+            kind = entries.get(name)
+            if kind is None or not self._maps(sysdir, name, kind):
                 continue
-            if kind & _DIR or not kind & _LINK:
+            target = self._alias_of(sysdir, name) if kind & _LINK else None
+            if target is None or target == name:
                 return None
-            target = self._alias_of(sysdir, name)
-            if target is None or (is_instance(name) and is_template(target)):
-                return None
+            if is_instance(name) and is_template(target):
+                target = target[: target.index("@")] + name[name.index("@") :]
             return target
         return None
 
     def _aliases(self) -> tuple[dict[str, str], dict[str, list[str]]]:
         """Alias name -> the name it leads to (`primary_name`), and that name -> its aliases,
         for every alias link in the search path (systemd's unit_name_map), built on first use:
-        one `primary_name` per link, not per unit. A link between names of different kinds
-        (`a.service -> t@.service`) is no alias: systemd refuses it."""
+        one `primary_name` per link, not per unit. A link systemd refuses (`_alias_of`) is no
+        alias: an alias and its unit are names of one kind, and of one instance."""
         if self._alias_maps is None:
             primary_of: dict[str, str] = {}
             aliases: dict[str, list[str]] = {}
             seen: set[str] = set()
             for _sysdir, _real, entries in self._dirs:
                 for name, kind in entries.items():
-                    if not kind & _LINK or kind & _DIR or not name.endswith(UNIT_SUFFIX):
+                    if not kind & _LINK or not name.endswith(UNIT_SUFFIX):
                         continue
                     if name in seen or not is_valid_unit_name(name):
                         continue
                     seen.add(name)
                     primary = self.primary_name(name)
-                    if primary != name and _kind_of_name(primary) == _kind_of_name(name):
+                    if primary != name:
                         primary_of[name] = primary
                         aliases.setdefault(primary, []).append(name)
             self._alias_maps = (primary_of, aliases)
@@ -638,7 +721,7 @@ class UnitIndex:
         for template in self._template_names():
             primary = self.primary_name(template)
             if not is_template(primary):
-                continue  # `t@.service -> a.service`: no alias, systemd refuses it (`_aliases`)
+                continue  # never (`_alias_of` refuses `t@.service -> a.service`): no crash
             for n in _dropin_names(template):
                 if is_template(n):
                     readers.setdefault(n, set()).add(primary)
@@ -653,26 +736,29 @@ class UnitIndex:
         return sorted(n for n in found if is_instance(n))
 
     def _template_names(self) -> set[str]:
-        """Every `foo@.service` that is a file or a symlink in some search directory."""
+        """Every `foo@.service` that systemd maps to a file or a symlink (`_maps`) in some
+        search directory."""
         return {
             name
-            for _sysdir, _real, entries in self._dirs
+            for sysdir, _real, entries in self._dirs
             for name, kind in entries.items()
-            if not kind & (_DIR | _OTHER)
-            and name.endswith(UNIT_SUFFIX)
+            if name.endswith(UNIT_SUFFIX)
             and is_template(name)
             and is_valid_unit_name(name)
+            and self._maps(sysdir, name, kind)
         }
 
     def fragment(self, name: str) -> Fragment | None:
         """The unit's main file: first match in path order; an instance without its own file
         uses its template's. None when systemd would say not-found. Masked: a symlink to
-        /dev/null or an empty file."""
+        /dev/null or an empty file. An entry systemd does not map (`_maps`: a directory, a
+        refused alias) leaves the name to lower directories; a link to a directory is the
+        fragment, which then cannot be read, as systemd cannot load it."""
         candidates = [name, template_of(name)] if is_instance(name) else [name]
         for candidate in candidates:
             for sysdir, real_dir, entries in self._dirs:
                 kind = entries.get(candidate)
-                if kind is None or kind & (_DIR | _OTHER):
+                if kind is None or not self._maps(sysdir, candidate, kind):
                     continue
                 real, masked = self._resolve(sysdir, real_dir, candidate, kind)
                 if real is None:

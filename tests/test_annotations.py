@@ -791,7 +791,11 @@ def test_fifo_fragment_is_ignored_and_never_opened(tmp_path: Path) -> None:
 def test_symlink_to_fifo_is_an_error_on_that_unit(tmp_path: Path) -> None:
     etc = _hostile_root(tmp_path)
     os.mkfifo(etc / "pipe")
-    (etc / "fifo.service").symlink_to("pipe")
+    os.mkfifo(etc.parent / "pipe")
+    # out of the search path: the unit's file (a link into it is an alias, and `pipe` no
+    # unit name: systemd refuses that link and ignores it)
+    (etc / "fifo.service").symlink_to("../pipe")
+    (etc / "refused.service").symlink_to("pipe")
     (etc / "good.service.d").mkdir()
     os.mkfifo(etc / "good.service.d" / "pipe.conf")
     (etc / "good.service.d" / "link.conf").symlink_to("../pipe")
@@ -806,6 +810,12 @@ def test_symlink_to_fifo_is_an_error_on_that_unit(tmp_path: Path) -> None:
             "warning",
         ),
         (f"{ETC}/good.service.d/pipe.conf:0: not a regular file or a symlink, ignored", "warning"),
+        (
+            f"{ETC}/refused.service:0: a symlink to {ETC}/pipe, which systemd refuses as an alias"
+            " (not a valid unit name) and ignores: a lower directory's file of this name is the"
+            " unit's",
+            "warning",
+        ),
     ]
 
 
@@ -827,8 +837,8 @@ def test_fifo_swapped_in_after_the_listing_is_still_not_blocking(tmp_path: Path)
 def test_device_node_named_like_a_unit(tmp_path: Path) -> None:
     etc = _hostile_root(tmp_path)
     os.mknod(etc / "blk.service", 0o600 | stat.S_IFBLK, os.makedev(7, 0))
-    (etc / "chr.service").symlink_to("chr")
-    os.mknod(etc / "chr", 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero: masked, as systemd
+    (etc / "chr.service").symlink_to("../chr")  # out of the search path: the unit's file
+    os.mknod(etc.parent / "chr", 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero: masked
     result = scan(tmp_path)
     assert set(result.specs) == {"good.service"}
     assert [str(p) for p in result.problems] == [

@@ -230,6 +230,7 @@ def test_list_unit_names(tmp_path: Path) -> None:
     write(tmp_path, f"{LIB}/b.socket")
     write(tmp_path, f"{LIB}/a.service.d/x.conf")
     (tmp_path / ETC.lstrip("/") / "multi-user.target.wants").mkdir()
+    (tmp_path / ETC.lstrip("/") / "dir.service").mkdir()  # a directory is no unit
     link(tmp_path, f"{ETC}/alias.service", f"{LIB}/a.service")
     link(tmp_path, f"{ETC}/masked.service", "/dev/null")
     assert list_unit_names(tmp_path) == [
@@ -282,14 +283,22 @@ def test_a_link_to_a_name_in_its_own_directory_is_an_alias(tmp_path: Path) -> No
     assert UnitIndex(tmp_path).unit_names() == ["a.service"]
 
 
-def test_a_link_to_its_own_name_in_another_directory_is_no_alias(tmp_path: Path) -> None:
-    # /etc's a.service points at /usr/lib's a.service: the same unit, listed once
+@pytest.mark.parametrize("between", [True, False])
+def test_a_link_to_its_own_name_in_another_directory_is_ignored(
+    tmp_path: Path, between: bool
+) -> None:
+    """/etc's a.service points at /usr/lib's a.service: systemd 252 ignores an alias to its
+    own name (unit_validate_alias_symlink_or_warn: -ELOOP), so the next directory's a.service
+    is the unit's, /run's when it has one, quietly."""
     write(tmp_path, f"{LIB}/a.service")
+    if between:
+        write(tmp_path, f"{RUN}/a.service")
     link(tmp_path, f"{ETC}/a.service", f"{LIB}/a.service")
     index = UnitIndex(tmp_path)
     assert index.unit_names() == ["a.service"]
     fragment = index.fragment("a.service")
-    assert fragment is not None and fragment.path == f"{ETC}/a.service"
+    assert fragment is not None and fragment.path == f"{RUN if between else LIB}/a.service"
+    assert index.issues == []
 
 
 @pytest.mark.parametrize(
@@ -302,6 +311,20 @@ def test_a_link_to_its_own_name_in_another_directory_is_no_alias(tmp_path: Path)
         ([("b.service", "/opt/a.service")], "b.service", "b.service"),  # a linked unit file
         ([("b.service", f"{LIB}/b.service")], "b.service", "b.service"),  # the same name
         ([("t@x.service", f"{LIB}/t@.service")], "t@x.service", "t@x.service"),  # an instance
+        # an instance's alias of another template is that template's instance
+        ([("u@x.service", f"{LIB}/t@.service")], "u@x.service", "t@x.service"),
+        ([("u@x.service", f"{LIB}/t@x.service")], "u@x.service", "t@x.service"),
+        # links systemd refuses as aliases: the name stays its own
+        ([("b.service", f"{LIB}/t@.service")], "b.service", "b.service"),
+        ([("u@.service", f"{LIB}/a.service")], "u@.service", "u@.service"),
+        ([("u@x.service", f"{LIB}/t@y.service")], "u@x.service", "u@x.service"),
+        ([("b.service", f"{LIB}/a.socket")], "b.service", "b.service"),
+        # a refused link is no file of the instance's own: its template's alias decides
+        (
+            [("u@.service", f"{LIB}/t@.service"), ("u@x.service", f"{LIB}/t@y.service")],
+            "u@x.service",
+            "t@x.service",
+        ),
         ([("u@.service", f"{LIB}/t@.service")], "u@x.service", "t@x.service"),
         ([("u@.service", f"{LIB}/t@.service")], "u@.service", "t@.service"),
         # an instance with a file of its own is not its template's, nor its template's alias
@@ -333,6 +356,182 @@ def test_an_alias_hides_its_name_in_lower_directories(tmp_path: Path) -> None:
     write(tmp_path, f"{LIB}/b.service")
     link(tmp_path, f"{ETC}/b.service", f"{LIB}/a.service")
     assert UnitIndex(tmp_path).unit_names() == ["a.service"]
+
+
+@pytest.mark.parametrize(
+    ("name", "target", "why"),
+    [
+        ("t@.service", f"{LIB}/a.service", "a template to a plain name"),
+        ("t@.service", f"{LIB}/b@x.service", "a template to an instance"),
+        ("p.service", f"{LIB}/b@.service", "a plain name to a template"),
+        ("p.service", f"{LIB}/b@x.service", "a plain name to an instance"),
+        ("t@x.service", f"{LIB}/a.service", "an instance to a plain name"),
+        ("t@y.service", f"{LIB}/b@x.service", "another instance"),
+        ("p.service", f"{LIB}/b.socket", "another unit type"),
+        ("t@x.service", f"{LIB}/b@x.socket", "another unit type"),
+        ("p.service", f"{LIB}/b!.service", "not a valid unit name"),
+        ("p.service", "/opt/units/b@.service", "a plain name to a template"),  # via a dir link
+    ],
+)
+def test_a_link_systemd_refuses_as_an_alias_hides_nothing(
+    tmp_path: Path, name: str, target: str, why: str
+) -> None:
+    """systemd 252 ignores a link into the search path that it refuses as an alias
+    (unit_validate_alias_symlink_or_warn: another kind of name, another instance, another
+    type, no unit name): the name stays unmapped, and the next directory's file of that name
+    is the unit's. Taken for an alias, the link hid that file: its unit ran ungated."""
+    for unit in ("a.service", "b@.service", "b@x.service", "b.socket", "b@x.socket", "b!.service"):
+        write(tmp_path, f"{LIB}/{unit}")
+    link(tmp_path, "/opt/units", LIB)
+    write(tmp_path, f"{RUN}/{name}")
+    link(tmp_path, f"{ETC}/{name}", target)
+    write(tmp_path, f"{ETC}/zz.service")  # after the link, in the same directory
+    index = UnitIndex(tmp_path)
+    assert {name, "zz.service"} <= set(index.unit_names())
+    fragment = index.fragment(name)
+    assert fragment is not None and fragment.path == f"{RUN}/{name}"
+    assert index.primary_name(name) == name
+    assert name not in index.names_of(os.path.basename(target))
+    assert [i.message for i in index.issues if i.path == f"{ETC}/{name}"] == [
+        f"a symlink to {LIB}/{os.path.basename(target)}, which systemd refuses as an alias"
+        f" ({why}) and ignores: a lower directory's file of this name is the unit's"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "target", "primary"),
+    [
+        ("u@x.service", f"{LIB}/b@x.service", "b@x.service"),  # one instance, two templates
+        ("u@x.service", f"{LIB}/b@.service", "b@x.service"),  # an instance to a template
+        ("u@.service", f"{LIB}/b@.service", "b@.service"),
+        ("p.service", f"{LIB}/a.service", "a.service"),
+        # an instance is all that follows the first `@`, up to the type's dot
+        ("u@x@y.service", f"{LIB}/b@x@y.service", "b@x@y.service"),
+        ("u@x@y.service", f"{LIB}/b@.service", "b@x@y.service"),
+        ("u@x.y.service", f"{LIB}/b@x.y.service", "b@x.y.service"),
+        ("u.v@x.service", f"{LIB}/b@x.service", "b@x.service"),
+    ],
+)
+def test_a_link_systemd_takes_as_an_alias_hides_its_name(
+    tmp_path: Path, name: str, target: str, primary: str
+) -> None:
+    for unit in ("a.service", "b@.service", "b@x.service", "b@x@y.service", "b@x.y.service"):
+        write(tmp_path, f"{LIB}/{unit}")
+    write(tmp_path, f"{RUN}/{name}")
+    link(tmp_path, f"{ETC}/{name}", target)
+    index = UnitIndex(tmp_path)
+    assert name not in index.unit_names()
+    assert index.primary_name(name) == primary
+    assert index.names_of(primary) == [primary, name]
+    assert index.issues == []
+
+
+def test_an_instances_alias_of_its_own_aliased_template_is_the_aliass_instance(
+    tmp_path: Path,
+) -> None:
+    """`t@x.service -> t@.service` with `t@.service -> b@.service`: systemd follows the names,
+    t@.service to b@.service, and loads `b@x.service`."""
+    write(tmp_path, f"{LIB}/b@.service")
+    write(tmp_path, f"{LIB}/t@.service")
+    link(tmp_path, f"{ETC}/t@.service", f"{LIB}/b@.service")
+    link(tmp_path, f"{ETC}/t@x.service", f"{LIB}/t@.service")
+    assert UnitIndex(tmp_path).primary_name("t@x.service") == "b@x.service"
+
+
+def test_an_instance_too_long_for_its_aliased_template_keeps_its_name(tmp_path: Path) -> None:
+    """`u@<240 x>.service -> a-longer-template@.service`: the instance's name under that
+    template would pass 255 characters, no unit name (systemd cannot build it either)."""
+    write(tmp_path, f"{LIB}/a-longer-template@.service")
+    link(tmp_path, f"{ETC}/u@.service", f"{LIB}/a-longer-template@.service")
+    long = f"u@{'x' * 240}.service"
+    link(tmp_path, f"{ETC}/{long}", f"{LIB}/a-longer-template@.service")
+    index = UnitIndex(tmp_path)
+    assert index.primary_name(long) == long
+    assert index.primary_name(f"u@{'y' * 240}.service") == f"u@{'y' * 240}.service"
+
+
+def test_an_aliased_templates_prefix_dir_is_read_by_its_units_instances(tmp_path: Path) -> None:
+    """`foo-bar@.service -> other@.service` makes `foo-bar@a.service` a name of
+    `other@a.service`, which so reads `foo-@a.service.d/` (foo-bar@'s dash prefix)."""
+    write(tmp_path, f"{LIB}/other@.service")
+    link(tmp_path, f"{ETC}/foo-bar@.service", f"{LIB}/other@.service")
+    (tmp_path / ETC.lstrip("/") / "foo-@a.service.d").mkdir()
+    assert UnitIndex(tmp_path).instance_dropin_names() == ["foo-@a.service", "other@a.service"]
+    assert dirs_of(tmp_path, "other@a.service") == [f"{ETC}/foo-@a.service.d"]
+
+
+def test_the_scan_sees_the_file_a_refused_link_does_not_hide(tmp_path: Path) -> None:
+    """The reported case: `/etc/.../t@.service -> /usr/lib/.../a.service` is no alias for
+    systemd, which runs t@'s instances from /usr/lib's t@.service: the scan manages them by
+    its annotation, and says why the link is ignored."""
+    write(tmp_path, f"{LIB}/a.service", "[Service]\nExecStart=/bin/a\n")
+    source = f"{LIB}/t@.service"
+    write(tmp_path, source, "[Service]\nExecStart=/bin/t\n[X-GPUSlice]\nPriority=3\n")
+    link(tmp_path, f"{ETC}/t@.service", f"{LIB}/a.service")
+    result = scan(tmp_path)
+    assert {n: (s.priority, s.source) for n, s in result.specs.items()} == {
+        "t@.service": (3, source)
+    }
+    assert [(p.path, p.severity) for p in result.problems] == [(f"{ETC}/t@.service", "warning")]
+    assert "refuses as an alias" in result.problems[0].message
+
+
+def test_the_scan_reads_an_instance_aliass_dropins_for_the_instance(tmp_path: Path) -> None:
+    """`u@x.service -> t@.service` makes `u@x.service` a name of `t@x.service`, whose
+    drop-ins systemd reads in `u@x.service.d/` too."""
+    write(tmp_path, f"{LIB}/t@.service", "[Service]\nExecStart=/bin/t\n[X-GPUSlice]\nPriority=1\n")
+    link(tmp_path, f"{ETC}/u@x.service", f"{LIB}/t@.service")
+    write(tmp_path, f"{ETC}/u@x.service.d/gpus.conf", "[X-GPUSlice]\nGPUs=2\n")
+    assert UnitIndex(tmp_path).names_of("t@x.service") == ["t@x.service", "u@x.service"]
+    result = scan(tmp_path)
+    assert result.problems == []
+    assert {n: s.gpus for n, s in result.specs.items()} == {"t@.service": 1, "t@x.service": 2}
+
+
+def test_a_link_to_a_directory_is_taken_by_its_text(tmp_path: Path) -> None:
+    """systemd 252 maps a symlink by its text, whatever it leads to: out of the search path,
+    a link to a directory is the unit's fragment, which systemd then fails to read (the unit
+    does not load), and hides the name's lower files; into it, it is an alias."""
+    annotated = "[Service]\nExecStart=/bin/x\n[X-GPUSlice]\nPriority=3\n"
+    write(tmp_path, f"{LIB}/x.service", annotated)
+    (tmp_path / "opt/x.service").mkdir(parents=True)
+    # relative targets: scandir follows a link on this machine's root, not the test's
+    link(tmp_path, f"{ETC}/x.service", "../../../opt/x.service")
+    assert UnitIndex(tmp_path).unit_names() == ["x.service"]
+    result = scan(tmp_path)
+    assert result.specs == {}
+    assert result.invalid == {"x.service"}
+    assert [(p.path, p.severity) for p in result.problems] == [(f"{ETC}/x.service", "error")]
+    # an alias: of b.service, whose file is /run's
+    (tmp_path / "opt/x.service").rmdir()
+    (tmp_path / LIB.lstrip("/") / "b.service").mkdir()
+    write(tmp_path, f"{RUN}/b.service", annotated)
+    (tmp_path / ETC.lstrip("/") / "x.service").unlink()
+    link(tmp_path, f"{ETC}/x.service", "../../../usr/lib/systemd/system/b.service")
+    index = UnitIndex(tmp_path)
+    assert index.unit_names() == ["b.service"]
+    assert index.primary_name("x.service") == "b.service"
+    assert index.names_of("b.service") == ["b.service", "x.service"]
+
+
+def test_a_link_through_a_directory_loop_is_ignored(tmp_path: Path) -> None:
+    """systemd cannot resolve `a.service -> loop/a.service` (`loop -> loop`) and ignores it:
+    /usr/lib's a.service is the unit's. Every question about the name gets that answer; an
+    instance with no other file of its own is its template's."""
+    write(tmp_path, f"{LIB}/a.service", "[Service]\nExecStart=/bin/a\n[X-GPUSlice]\nPriority=3\n")
+    link(tmp_path, f"{ETC}/loop", "loop")
+    link(tmp_path, f"{ETC}/a.service", "loop/a.service")
+    index = UnitIndex(tmp_path)
+    assert index.primary_name("a.service") == "a.service"
+    assert index.names_of("a.service") == ["a.service"]
+    fragment = index.fragment("a.service")
+    assert fragment is not None and fragment.path == f"{LIB}/a.service"
+    result = scan(tmp_path)
+    assert {n: s.source for n, s in result.specs.items()} == {"a.service": f"{LIB}/a.service"}
+    write(tmp_path, f"{LIB}/b@.service")
+    link(tmp_path, f"{ETC}/t@.service", f"{LIB}/b@.service")
+    link(tmp_path, f"{ETC}/t@x.service", "loop/t@x.service")
+    assert UnitIndex(tmp_path).primary_name("t@x.service") == "b@x.service"
 
 
 def test_same_directory_twice_is_searched_once(tmp_path: Path) -> None:
