@@ -1200,10 +1200,13 @@ class Controller:
           by UUID, `_remember_told`), one missing (a /run that was full at its grant,
           removed by hand) or naming others is written from the core's books
           (`Scheduler.told`). While it cannot be written, the gate waits, as `_deliver`'s
-          does: without it, the new run saw every GPU, another unit's too."""
+          does: without it, the new run saw every GPU, another unit's too. One whose books
+          cannot name a GPU it holds (lost since, the UUID it was granted unknown) is let go
+          first, and passes as the first kind (`Scheduler.let_through`)."""
         withheld = self._withheld.pop(unit, None)
         if withheld is not None:
             withheld.cancel()
+        self.execute(self.scheduler.let_through(unit))  # let go: its GPUs cannot be named
         held = sorted(self.scheduler.grants().get(unit, ()))
         self.gates.close(unit)
         self.gates.at_gate_unknown(unit)
@@ -1227,25 +1230,7 @@ class Controller:
         judged again in ENV_RETRY s (said once: `again` when it was said already)."""
         if sorted(envfiles.told_gpus(self.config.runtime_dir, unit)) == list(held):
             return True
-        path = env_file(self.config.runtime_dir, unit)
-        try:
-            envfiles.write(self.config.runtime_dir, unit, self.scheduler.told(unit))
-        except OSError as e:
-            if not again:
-                log.error(
-                    "cannot write %s (%s): %s waits at its gate until it can (tried again "
-                    "every %g s)",
-                    path,
-                    e,
-                    unit,
-                    ENV_RETRY,
-                )
-            loop = asyncio.get_running_loop()
-            self._withheld[unit] = loop.call_later(ENV_RETRY, self._let_through_withheld, unit)
-            return False
-        if again:
-            log.info("wrote %s: %s goes past its gate", path, unit)
-        return True
+        return self._write_or_withhold(unit, again, self._let_through_withheld)
 
     def _let_through_withheld(self, unit: str) -> None:
         """A gate held by `_names_held` asks again, in effect: judged on what is known now
@@ -1563,16 +1548,26 @@ class Controller:
         withheld = self._withheld.pop(unit, None)
         if withheld is not None:
             withheld.cancel()
-        path = env_file(self.config.runtime_dir, unit)
-        # by the UUIDs it was granted (`Scheduler.told`): NVML may number the GPUs anew while
-        # a write is withheld, and index 0 then named another GPU, one another unit runs on
-        devices = self.scheduler.told(unit)
         # granted again while withheld (its gate asked again): said once already, so said
         # again only when it goes through (a process of the unit calling in a loop wrote
         # an error line per call)
         again = again or withheld is not None
+        if not self._write_or_withhold(unit, again, self._deliver_withheld):
+            return
+        self.gates.grant(unit)  # counted when its gate took it (_follow_gate)
+        if self.service.grant(unit, ",".join(map(str, gpus))):
+            self.counters.gate_answers["dbus"] += 1
+
+    def _write_or_withhold(self, unit: str, again: bool, retry: Callable[[str], None]) -> bool:
+        """Write the unit's env file from the core's books before its gate passes (`_deliver`,
+        `_let_through`): by the UUIDs it was granted (`Scheduler.told`), as NVML may number
+        the GPUs anew while a write is withheld, and index 0 then named another GPU, one
+        another unit runs on. While it cannot be written (a full /run) the gate waits and
+        `retry` judges it again in ENV_RETRY s; the journal says so once (`again`: said
+        already), and when it goes through. Whether it was written."""
+        path = env_file(self.config.runtime_dir, unit)
         try:
-            envfiles.write(self.config.runtime_dir, unit, devices)
+            envfiles.write(self.config.runtime_dir, unit, self.scheduler.told(unit))
         except OSError as e:
             if not again:
                 log.error(
@@ -1584,13 +1579,11 @@ class Controller:
                     ENV_RETRY,
                 )
             loop = asyncio.get_running_loop()
-            self._withheld[unit] = loop.call_later(ENV_RETRY, self._deliver_withheld, unit)
-            return
+            self._withheld[unit] = loop.call_later(ENV_RETRY, retry, unit)
+            return False
         if again:
             log.info("wrote %s: %s goes past its gate", path, unit)
-        self.gates.grant(unit)  # counted when its gate took it (_follow_gate)
-        if self.service.grant(unit, ",".join(map(str, gpus))):
-            self.counters.gate_answers["dbus"] += 1
+        return True
 
     def _tell_again(self, unit: str, gpus: Sequence[int]) -> None:
         """A unit resumed on GPUs its env file names by other indices (NVML numbered them

@@ -77,6 +77,8 @@ REAP_SECONDS = 2.0  # after SIGKILL: journalctl holds no lock a kill could leave
 _SHOWN = 3  # units named in the line that says which the journal could not tell
 _FIELDS = ("MESSAGE_ID", "JOB_RESULT", "UNIT", "_PID", "_TRANSPORT", "OBJECT_PID")
 _ID = re.compile(r"[0-9a-f]{32}")  # sd_id128_to_string: a boot's, an invocation's
+# every question asks for the latest matching entry alone, as one JSON object (`_entry`)
+_LATEST = ("-q", "--no-pager", "-o", "json", "-n", "1")
 
 
 @dataclass(frozen=True)
@@ -101,12 +103,7 @@ def command(name: str, boot: str | None = None) -> list[str]:
     return [
         JOURNALCTL,
         *([] if boot is not None else ["-b"]),
-        "-q",
-        "--no-pager",
-        "-o",
-        "json",
-        "-n",
-        "1",
+        *_LATEST,
         "--output-fields=" + ",".join(_FIELDS),
         *this,
         "_PID=1",
@@ -131,12 +128,7 @@ def boot_command(invocation: str) -> list[str]:
     controller's); its _BOOT_ID, always printed, is this boot as journald wrote it."""
     return [
         JOURNALCTL,
-        "-q",
-        "--no-pager",
-        "-o",
-        "json",
-        "-n",
-        "1",
+        *_LATEST,
         "--output-fields=_PID,INVOCATION_ID",
         "_PID=1",
         f"INVOCATION_ID={invocation}",

@@ -1672,6 +1672,20 @@ def held_after_answer(bed: Bed, job_new: bool = True) -> tuple[asyncio.Event, li
     return resume, jobs
 
 
+def late_stops(bed: Bed) -> asyncio.Event:
+    """Systemd takes our StopUnits only once the event is set: what it shows of a victim
+    meanwhile comes before its answer."""
+    answer = asyncio.Event()
+    stop = bed.systemd.stop_unit
+
+    async def late(name: str, queued: Queued | None = None) -> str:
+        await answer.wait()
+        return await stop(name, queued)
+
+    bed.systemd.stop_unit = late  # type: ignore[method-assign]
+    return answer
+
+
 def test_a_stop_leaves_with_its_decision_after_the_state_that_names_it_is_saved(
     tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -2130,14 +2144,7 @@ def test_a_victim_seen_down_before_systemd_answered_our_stop_is_read_again_at_th
     """A state systemd sent before it took our StopUnit (the unit ended by itself just then)
     cannot say whether our job stopped it: read again once the answer names our job."""
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
-    answer = asyncio.Event()
-    stop = bed.systemd.stop_unit
-
-    async def late(name: str, queued: Queued | None = None) -> str:
-        await answer.wait()
-        return await stop(name, queued)
-
-    bed.systemd.stop_unit = late  # type: ignore[method-assign]
+    answer = late_stops(bed)
 
     async def test() -> None:
         ctl = bed.controller

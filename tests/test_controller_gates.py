@@ -4,13 +4,14 @@ gpuslice/controller.py answers each start's gate (through its pipe, or over D-Bu
 who calls, withholds a grant until its environment file is written, counts every answer and
 takes in what systemd says of the units at their gates (on_unit_changed, _unmanaged_gate,
 _follow_gate, _apply, _verify_acquire, _acquire_verified, _grant_again, _serve_gate,
-_deliver, _deliver_withheld). Mutants of those functions survived the other controller
-tests: a gate's pipe let go while its line was unread, a cancelled start granted, a gate
-sent to D-Bus early, a stale grant said again on GPUs a more urgent unit takes, a counter
-that stopped counting, a log line an admin reads with other words. Each test here states
-the rule it holds, and why. The last ones hold the env file of a unit let through on GPUs
-still held for it, its annotation gone (_let_through, _names_held, _let_through_withheld),
-and of an instance so held when it goes down (_apply, _instance_down).
+_deliver, _write_or_withhold, _deliver_withheld). Mutants of those functions survived the
+other controller tests: a gate's pipe let go while its line was unread, a cancelled start
+granted, a gate sent to D-Bus early, a stale grant said again on GPUs a more urgent unit
+takes, a counter that stopped counting, a log line an admin reads with other words. Each
+test here states the rule it holds, and why. The last ones hold the env file of a unit let
+through on GPUs still held for it, its annotation gone (_let_through, _names_held,
+_let_through_withheld), and of an instance so held when it goes down (_apply,
+_instance_down).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice import controller as controller_module
+from gpuslice.controller import Controller
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.nvml import DeviceScan, GpuProcess
 from gpuslice.paths import env_file
@@ -37,6 +39,7 @@ from tests.test_controller import (
     bed_config,
     goes_down,
     held_after_answer,
+    late_stops,
     low_holds_gpu_0,
     messages,
     past,
@@ -622,6 +625,17 @@ def unwritable_run(tmp_path: Path) -> Path:
     return blocker
 
 
+def renumbered(ctl: Controller, nvml: StubNvml) -> None:
+    """NVML numbers the GPUs anew: GPU-B, 1 before, is 0 now, and GPU-A 1; both indices are
+    lost to new work while units hold them by the old numbers."""
+    nvml.uuids = ("GPU-B", "GPU-A")
+    ctl.watch.refresh()
+    assert [(g.uuid, g.lost) for g in ctl.watch.sample.gpus] == [
+        ("GPU-B", True),
+        ("GPU-A", True),
+    ]
+
+
 def test_a_gate_that_asks_again_while_its_grant_is_withheld_goes_through_once(
     tmp_path: Path,
     cgroup_of: dict[int, str],
@@ -698,12 +712,7 @@ def test_a_withheld_grant_names_the_gpu_granted_by_uuid_after_a_renumbering(
         await bed.acquire("a.service", ":1.9", 4242)
         await until(lambda: "a.service" in ctl._withheld)
         assert ctl.scheduler.grants() == {"a.service": {0}}
-        nvml.uuids = ("GPU-B", "GPU-A")
-        ctl.watch.refresh()
-        assert [(g.uuid, g.lost) for g in ctl.watch.sample.gpus] == [
-            ("GPU-B", True),
-            ("GPU-A", True),
-        ]
+        renumbered(ctl, nvml)
         blocker.unlink()
         await until(lambda: bool(bed.service.granted))
         assert bed.service.granted == [("a.service", "0")]
@@ -942,6 +951,10 @@ def test_the_gate_of_a_unit_the_core_still_knows_is_judged_without_a_rescan(
 # ---- a unit held without its annotation, let through: its env file first ----
 
 
+# an env file written before NVML answered: GPU 0 by its index, in PCI bus order
+TOLD_GPU_0_BY_INDEX = "CUDA_VISIBLE_DEVICES=0\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=0\n"
+
+
 def low_unannotated_holds_gpu_0(tmp_path: Path, **settings: object) -> Bed:
     """low.service (90) runs on GPU 0, urgent.service (10) is annotated too; `settings`
     change the bed's config (a second GPU, a runtime directory that cannot be made)."""
@@ -954,12 +967,21 @@ def low_unannotated_holds_gpu_0(tmp_path: Path, **settings: object) -> Bed:
     )
 
 
+def env_file_left(bed: Bed, left: str | None) -> Path:
+    """low.service's env file, as an earlier run or someone left it (None: none)."""
+    path = env_file(bed.config.runtime_dir, "low.service")
+    if left is not None:
+        path.parent.mkdir(parents=True)
+        path.write_text(left)
+    return path
+
+
 async def unannotated_and_restarted(bed: Bed, tmp_path: Path) -> None:
     """low.service's annotation goes (the core keeps GPU 0 booked for it until it ends),
     then `systemctl restart low.service` runs it again with no moment down between: its
     gate, still in place until the next daemon-reload, asks over D-Bus."""
     await unannotate(bed.controller, tmp_path, "low.service")
-    assert bed.controller.scheduler.grants() == {"low.service": frozenset({0})}
+    assert bed.controller.scheduler.grants()["low.service"] == frozenset({0})
     bed.systemd.units["low.service"] = state("low.service", "activating", "start-pre")
     signal(bed, "low.service", at_gate(invocation=b"next"))
 
@@ -983,10 +1005,7 @@ def test_a_restarted_unit_whose_annotation_went_passes_once_its_env_file_names_i
     first: GPU 0 only."""
     bed = low_unannotated_holds_gpu_0(tmp_path, gpus=2)
     cgroup_of[4343] = "low.service"
-    path = env_file(bed.config.runtime_dir, "low.service")
-    if left is not None:
-        path.parent.mkdir(parents=True)
-        path.write_text(left)
+    path = env_file_left(bed, left)
 
     async def test() -> None:
         ctl = bed.controller
@@ -1145,12 +1164,7 @@ def test_a_held_unit_let_through_is_told_the_gpu_it_holds_by_uuid_after_a_renumb
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        nvml.uuids = ("GPU-B", "GPU-A")
-        ctl.watch.refresh()
-        assert [(g.uuid, g.lost) for g in ctl.watch.sample.gpus] == [
-            ("GPU-B", True),
-            ("GPU-A", True),
-        ]
+        renumbered(ctl, nvml)
         path.unlink()
         await unannotated_and_restarted(bed, tmp_path)
         await bed.acquire("low.service", ":1.10", 4343)
@@ -1162,6 +1176,56 @@ def test_a_held_unit_let_through_is_told_the_gpu_it_holds_by_uuid_after_a_renumb
         )
 
     run(test)
+
+
+@pytest.mark.parametrize("left", [None, TOLD_GPU_0_BY_INDEX], ids=["none", "by-index"])
+def test_a_held_unit_whose_gpu_is_lost_by_an_unknown_uuid_is_let_go_not_told_another_gpu(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture, left: str | None
+) -> None:
+    """As above, but no UUID of low.service's GPU 0 was read at start-up (its file was gone,
+    or named it by index only: written before NVML answered), and other.service runs on GPU
+    1, GPU-B. NVML numbers the GPUs anew (GPU-B is 0 now), low.service's annotation goes and
+    it is restarted: its books cannot name its GPU, so the core lets it go and its gate
+    passes with no GPUs of gpuslice's, its file removed, as an annotated unit's gate on a
+    lost index waits like any start (`Scheduler.request`). Told from the books, its file
+    named index 0 as NVML numbers it now, GPU-B, or kept, by index: other.service's GPU."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-A", "GPU-B")
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n", "other.service": "Priority=50\n"},
+        [state("low.service", "active", "running"), state("other.service", "active", "running")],
+        SavedState(
+            holders={
+                "low.service": ((0,), "running", 1, ""),
+                "other.service": ((1,), "running", 2, ""),
+            },
+            seq=2,
+        ),
+        config=bed_config(tmp_path, gpus=2),
+        nvml=nvml,
+    )
+    cgroup_of[4343] = "low.service"
+    path = env_file_left(bed, left)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        renumbered(ctl, nvml)
+        await unannotated_and_restarted(bed, tmp_path)
+        caplog.clear()
+        await bed.acquire("low.service", ":1.10", 4343)
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [("low.service", "")]
+        assert not path.exists()
+        assert ctl.scheduler.grants() == {"other.service": frozenset({1})}
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    assert [m for m in messages(caplog) if "low.service" in m] == [
+        "low.service is no longer annotated: released its GPUs",
+        "low.service passed the gate: not managed by gpuslice",
+    ]
 
 
 # ---- an instance held without its annotation: its env file goes when it goes down ----
@@ -1195,6 +1259,20 @@ async def template_unannotated(bed: Bed, tmp_path: Path) -> None:
     await until(lambda: ctl.spec_for(INSTANCE) is None and ctl._rescan is None)
     assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
     assert bed.systemd.watches(INSTANCE)  # followed while the core holds GPU 0 for it
+
+
+async def instance_down_before_our_stop_is_answered(bed: Bed, tmp_path: Path) -> None:
+    """t@.service's annotation goes, then urgent.service (PID 4242) takes GPU 0 from
+    t@1.service, which shows down before systemd answered our stop of it (systemd takes
+    our stops late: `late_stops`): the core still holds GPU 0 for it."""
+    ctl = bed.controller
+    await template_unannotated(bed, tmp_path)
+    await bed.acquire("urgent.service", ":1.9", 4242)
+    assert ctl.tracker.in_flight(INSTANCE)  # our stop, not answered yet
+    bed.systemd.units[INSTANCE] = state(INSTANCE, "inactive", "dead")
+    signal(bed, INSTANCE, DOWN)
+    await settle()
+    assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
 
 
 @pytest.mark.parametrize(
@@ -1345,25 +1423,11 @@ def test_an_instance_whose_annotation_went_keeps_its_env_file_while_its_down_wai
     in, and the file goes then."""
     bed, path = instance_holds_gpu_0(tmp_path)
     cgroup_of[4242] = "urgent.service"
-    answer = asyncio.Event()
-    stop = bed.systemd.stop_unit
-
-    async def late(name: str, queued: Queued | None = None) -> str:
-        await answer.wait()
-        return await stop(name, queued)
-
-    bed.systemd.stop_unit = late  # type: ignore[method-assign]
+    answer = late_stops(bed)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await template_unannotated(bed, tmp_path)
-        await bed.acquire("urgent.service", ":1.9", 4242)
-        assert ctl.tracker.in_flight(INSTANCE)  # our stop, not answered yet
-        bed.systemd.units[INSTANCE] = state(INSTANCE, "inactive", "dead")
-        signal(bed, INSTANCE, DOWN)
-        await settle()
-        assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
+        await bed.controller.start()
+        await instance_down_before_our_stop_is_answered(bed, tmp_path)
         assert path.read_text() == TOLD_GPU_0
         answer.set()
         await until(lambda: bed.service.granted != [])

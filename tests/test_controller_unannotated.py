@@ -14,7 +14,6 @@ a unit, released at its down, was never dropped: one for each instance ever so r
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import pytest
 from gpuslice.core.model import UnitSpec
 from gpuslice.core.scheduler import SavedState
 from gpuslice.nvml import GpuProcess
-from gpuslice.systemd import Queued
 from tests.test_controller import (
     GIB,
     Bed,
@@ -31,6 +29,7 @@ from tests.test_controller import (
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
     bed_config,
     goes_down,
+    late_stops,
     run,
     settle,
     signal,
@@ -39,7 +38,13 @@ from tests.test_controller import (
     until,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
-from tests.test_controller_gates import DOWN, INSTANCE, instance_holds_gpu_0, template_unannotated
+from tests.test_controller_gates import (
+    DOWN,
+    INSTANCE,
+    instance_down_before_our_stop_is_answered,
+    instance_holds_gpu_0,
+    template_unannotated,
+)
 
 JOB = "job.service"
 BG = "bg.service"
@@ -214,25 +219,12 @@ def test_an_instance_whose_annotation_went_stays_in_the_tracker_while_our_stop_i
     forgets it at the down the answer's read takes in."""
     bed, _ = instance_holds_gpu_0(tmp_path)
     cgroup_of[4242] = "urgent.service"
-    answer = asyncio.Event()
-    stop = bed.systemd.stop_unit
-
-    async def late(name: str, queued: Queued | None = None) -> str:
-        await answer.wait()
-        return await stop(name, queued)
-
-    bed.systemd.stop_unit = late  # type: ignore[method-assign]
+    answer = late_stops(bed)
 
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        await template_unannotated(bed, tmp_path)
-        await bed.acquire("urgent.service", ":1.9", 4242)
-        assert ctl.tracker.in_flight(INSTANCE)
-        bed.systemd.units[INSTANCE] = state(INSTANCE, "inactive", "dead")
-        signal(bed, INSTANCE, DOWN)
-        await settle()
-        assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
+        await instance_down_before_our_stop_is_answered(bed, tmp_path)
         assert INSTANCE in ctl.tracker.states
         answer.set()
         await until(lambda: bed.service.granted != [])

@@ -227,6 +227,49 @@ def test_a_holder_is_told_the_gpus_it_was_granted_by_uuid_though_nvml_numbered_t
     assert s.told("b.service") == []
 
 
+def test_a_held_unit_whose_annotation_went_is_let_go_at_its_gate_on_a_gpu_told_by_no_uuid() -> None:
+    """a.service holds GPU 0, granted as GPU-A, and GPU 1, known by no UUID then; its
+    annotation goes, and it is restarted (Controller._let_through). Its books name GPU 0 by
+    GPU-A, lost or not: it keeps both. Once GPU 1 is lost too, they name it by no GPU: told
+    as NVML numbers it now, it ran on another GPU than its own, so the core lets it go. An
+    annotated unit's gate is `request`'s, and a unit the core does not hold has nothing to
+    let go."""
+    a, b = spec("a", 50, gpus=2), spec("b", 50)
+    s = Scheduler([Gpu(0, "GPU-A"), Gpu(1), Gpu(2)], {a.name: a, b.name: b})
+    assert brief(s.request(a)) == ["grant a.service 0,1"]
+    assert brief(s.request(b)) == ["grant b.service 2"]
+    s.set_specs({b.name: b})
+    assert s.let_through("a.service") == []
+    moved = [
+        Gpu(0, "GPU-B", lost=True, renumbered=True),
+        Gpu(2, "GPU-A", lost=True, renumbered=True),
+    ]
+    s.set_gpus([moved[0], Gpu(1), moved[1]])
+    assert s.let_through("a.service") == []
+    assert s.grants()["a.service"] == {0, 1}
+    s.set_gpus([moved[0], Gpu(1, lost=True), moved[1]])
+    assert s.let_through("b.service") == []
+    assert s.let_through("c.service") == []
+    assert words(s.let_through("a.service")) == [
+        "a.service is no longer annotated: released its GPUs"
+    ]
+    assert s.grants() == {"b.service": {2}}
+
+
+def test_a_unit_whose_annotation_went_being_stopped_is_not_let_go_at_its_gate() -> None:
+    """a.service, its annotation gone, is stopped for urgent.service on GPU 0, known by no
+    UUID, which is then lost: its processes still run there until the stop ends, so its
+    books keep GPU 0 (the controller stops its gate again, `_serve_gate`)."""
+    a, urgent = spec("a", 90), spec("urgent", 10)
+    s = Scheduler([Gpu(0)], {a.name: a, urgent.name: urgent})
+    assert brief(s.request(a)) == ["grant a.service 0"]
+    s.set_specs({urgent.name: urgent})
+    assert brief(s.request(urgent)) == ["stop a.service"]
+    s.set_gpus([Gpu(0, lost=True)])
+    assert s.let_through("a.service") == []
+    assert s.phase("a.service") is Phase.STOPPING
+
+
 # -- preempted units coming back ---------------------------------------------------------------
 
 

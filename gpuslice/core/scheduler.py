@@ -1050,6 +1050,26 @@ class Scheduler:
         self.thaw_owed.add(holder.spec.name)
         return Thaw(holder.spec.name, render(thaw), thaw)
 
+    def let_through(self, name: str) -> list[Action]:
+        """The gate of a unit whose annotation went, that still holds its GPUs (restarted
+        with no moment down between, `_keep_unannotated`), is let through on them once its
+        env file names them (`told`). It cannot be while one of them is lost and its books
+        lack the UUID it was granted (its file named none, or none was read at a controller
+        restart): `told` then names what the index is now, another GPU after a renumbering
+        (one another unit may run on, by its old index) or, stopped answering, one CUDA
+        numbers otherwise. Its new run's processes have not started: its GPUs are released,
+        as `request` gives up an annotated unit's, and it runs as any unannotated unit does,
+        with no GPUs of gpuslice's. [] for any other unit."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.RUNNING or name in self.specs:
+            return []
+        if not any(self.device(g).lost and not holder.uuids.get(g) for g in holder.gpus):
+            return []
+        del self.holders[name]
+        self._tops_cache = None
+        gone = _about(holder.spec, Code.UNMANAGED, gpus=tuple(sorted(holder.gpus)))
+        return [_log(gone), *self.schedule()]
+
     # -- the rules --------------------------------------------------------------------------
 
     @contextmanager
