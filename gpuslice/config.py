@@ -104,7 +104,8 @@ def _directory_below(v: Any, base: str) -> bool:
 def _own_name_below(v: str, base: str, names: tuple[str, ...]) -> bool:
     """Whether a name in `v` below `base` is one gpuslice gives its own files in every such
     directory (paths.py): one of `names`, or one of them then "." or "-" (`state.json.bad`,
-    `gate.released-42`), each also after a "." (`.state.json.tmp`). Not any name that merely
+    `gate.released-42`), each also after a "." (`.state.json.tmp-PID-N`, safefile.write_atomic's
+    temporary files; `.state.json.tmp`, an older gpuslice's). Not any name that merely
     begins so: `/run/gpuslice/gateway` is an admin's, and a runtime_dir pinned for the boot
     under an older gpuslice must stay valid through an upgrade."""
     below = [n.removeprefix(".") for n in v[len(base) :].split("/")]

@@ -44,14 +44,15 @@ def text(gpus: Sequence[Gpu]) -> str:
 
 
 def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu]) -> None:
-    """Replace the unit's file at once (a reader sees the old or the new one); OSError if it
-    cannot be written, the stale one removed if it could not be replaced."""
+    """Replace the unit's file at once (`safefile.write_atomic`: a reader sees the old or the
+    new one); OSError if it cannot be written, the stale one removed if it could not be
+    replaced. The temporary files of writes killed mid-way go first (`safefile.remove_stale`:
+    a directory of one file, listed in microseconds), as they go with the unit's directory."""
     path = env_file(runtime_dir, unit)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text(gpus))
-        os.replace(tmp, path)
+        safefile.remove_stale(path)
+        safefile.write_atomic(path, text(gpus).encode())
     except OSError:
         with contextlib.suppress(OSError):
             path.unlink()
@@ -70,9 +71,9 @@ def remove(runtime_dir: str, unit: str) -> bool:
     except OSError:
         return False
     try:
-        for name in (path.name, f".{path.name}.tmp"):
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path.name, dir_fd=fd)
+        safefile.remove_stale(path, dir_fd=fd)  # a write killed mid-way left its own
     finally:
         os.close(fd)
     try:

@@ -17,13 +17,13 @@ always exits 0 once it has written what it could.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuslice import safefile
 from gpuslice.annotations import Loader, Scan, scan
 from gpuslice.config import (
     Config,
@@ -290,22 +290,16 @@ def _warn(message: str, severity: str = "warning") -> None:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: the text goes to a hidden name without `.conf` (which
-    systemd never reads) in the same directory, renamed over `path` once all of it is there,
-    and removed when anything fails. Written in place, a drop-in cut short by a full /run
-    (ENOSPC after the first pages) or by systemd killing the generator at its timeout stayed
-    and was applied: its gate without the EnvironmentFile= line after it (every GPU visible),
-    or a unit's own ExecStartPre= line cut mid-word and run, while the message said the unit
-    was not gated."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    """Write `path` whole or not at all (`safefile.write_atomic`): the text goes to a hidden
+    name without `.conf` (which systemd never reads) in the same directory, renamed over
+    `path` once all of it is there, and removed when anything fails. Written in place, a
+    drop-in cut short by a full /run (ENOSPC after the first pages) or by systemd killing the
+    generator at its timeout stayed and was applied: its gate without the EnvironmentFile=
+    line after it (every GPU visible), or a unit's own ExecStartPre= line cut mid-word and
+    run, while the message said the unit was not gated. One killed leaves its temporary file,
+    which systemd removes with the rest of the generator's directory before its next run
+    (lookup_paths_flush_generator)."""
+    safefile.write_atomic(path, text.encode("utf-8"))
 
 
 def generate(

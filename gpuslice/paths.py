@@ -48,10 +48,11 @@ STATE_DIR_RECORD = f"{DEFAULT_STATE_DIR}/{STATE_DIR_RECORD_NAME}"
 STATE_FILE_NAME = "state.json"
 # Every name gpuslice writes in a state_dir, DEFAULT_STATE_DIR included, is one of these, or one
 # of them followed by "." or "-" (the record, the state file, its bad copy), each also after a "."
-# (config._own_name_below): their temporary files, `.NAME.tmp` (state._write_atomic). A state_dir
-# named so below DEFAULT_STATE_DIR would be one of those files (`/var/lib/gpuslice/state.json`
-# cannot be made while the default's state file is there: every save went to runtime_dir, lost at
-# a reboot), or be made where one of them is written, which then fails.
+# (config._own_name_below): their temporary files, `.NAME.tmp-PID-N` (safefile.write_atomic). A
+# state_dir named so below DEFAULT_STATE_DIR would be one of those files
+# (`/var/lib/gpuslice/state.json` cannot be made while the default's state file is there: every
+# save went to runtime_dir, lost at a reboot), or be made where one of them is written, which
+# then fails.
 OWN_STATE_NAMES = (STATE_DIR_RECORD_NAME, STATE_FILE_NAME)
 # gpuslice.service's drop-in that the generator writes with RUNTIME_DIR_ENV
 RUNTIME_DIR_DROPIN = "gpuslice.service.d/gpuslice-runtime-dir.conf"
@@ -102,11 +103,12 @@ def gate_pipe_dir(runtime_dir: str) -> Path:
 # Every name gpuslice writes in a runtime_dir, DEFAULT_RUNTIME_DIR included, is one of these, or
 # one of them followed by "." or "-", each also after a "." (config._own_name_below): the record
 # of this boot's runtime_dir, the stand-in state file, the directories of the env files and of the
-# gates' pipes, and their temporary or moved-aside names (`.NAME.tmp`, `.gate.released-PID`). The
-# runtime_dir of this boot is pinned, but `gpuslice release-gates` empties RUNTIME_DIR/gate of
-# config.yaml's runtime_dir too (and of DEFAULT_RUNTIME_DIR's while config.yaml is bad): a
-# runtime_dir of /run/gpuslice/gate lost its env files and its stand-in (the units owed a restart)
-# there, and one of /run/gpuslice/.runtime-dir.tmp kept the record from being written.
+# gates' pipes, and their temporary or moved-aside names (`.NAME.tmp-PID-N`,
+# `.gate.released-PID`). The runtime_dir of this boot is pinned, but `gpuslice release-gates`
+# empties RUNTIME_DIR/gate of config.yaml's runtime_dir too (and of DEFAULT_RUNTIME_DIR's while
+# config.yaml is bad): a runtime_dir of /run/gpuslice/gate lost its env files and its stand-in
+# (the units owed a restart) there, and one of /run/gpuslice/.runtime-dir.tmp kept the record
+# from being written.
 OWN_RUNTIME_NAMES = (
     RUNTIME_DIR_RECORD_NAME,
     STATE_FILE_NAME,

@@ -457,44 +457,18 @@ def _holder_problem(name: str, entry: object) -> str:
     return ""
 
 
-# A new file of its own, never one that is there already (a link someone put in its place).
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` in one rename(2); a temporary file never outlives an error.
-
-    The temporary file has one name, `.NAME.tmp`: it is saved before every StartUnit and
-    StopUnit, and mkstemp's random names and Python file objects cost 4 times the time
-    (95 against 24 us on tmpfs, issue 10). Whatever is found at that name (a file left by
-    a controller killed mid-save, a link) is removed, never written through."""
-    tmp = str(path.with_name(f".{path.name}.tmp"))
-    try:
-        fd = os.open(tmp, _NEW_FILE, 0o644)
-    except FileExistsError:
-        os.unlink(tmp)
-        fd = os.open(tmp, _NEW_FILE, 0o644)
-    try:
-        try:
-            os.fchmod(fd, 0o644)  # whatever the umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        # rename(2) makes the replacement atomic for a crashed or killed controller; no
-        # fsync, which would put a disk flush before every StartUnit/StopUnit we send:
-        # StateStore.flush() follows off the loop
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+# Every file of the state written whole (safefile.write_atomic: a temporary file of the
+# writer's own, renamed; no fsync, StateStore.flush follows off the loop); a name of this
+# module's, for the tests that stand in for it.
+_write_atomic = safefile.write_atomic
 
 
 def write_durably(path: Path, data: bytes) -> None:
     """`_write_atomic`, then on disk before this returns (`_flush`): for a file written once
-    in a while, such as the records of the state_dir and runtime_dir in use (config.py)."""
+    in a while, such as the records of the state_dir and runtime_dir in use (config.py). The
+    temporary files of its writers killed mid-write go first (`safefile.remove_stale`): once
+    a write, it costs little."""
+    safefile.remove_stale(path)
     _write_atomic(path, data)
     _flush(path)
 
@@ -583,6 +557,7 @@ class StateStore:
 
         Never raises: whatever the file holds, the controller must start."""
         try:
+            self._remove_stale()
             found, self.read_ahead = self.read_ahead, None
             mine = found if found is not None and found.path == self.path else None
             mine = mine or read_found(self.path)
@@ -595,6 +570,14 @@ class StateStore:
                 "%s: cannot load the state; starting from what systemd reports", self.path
             )
             return SavedState(), ""
+
+    def _remove_stale(self) -> None:
+        """Remove the temporary files of saves killed mid-write (`safefile.remove_stale`),
+        once a load: at each start of the controller or of release-jobs, not at every save,
+        which comes before each StartUnit and StopUnit the controller sends."""
+        for path in (self.path, self.bad_path, self.standin):
+            if path is not None:
+                safefile.remove_stale(path)
 
     def _load(self, mine: Found) -> tuple[SavedState, str]:
         """The state in the state file, as read once (`mine`)."""

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import stat
 import threading
 import tracemalloc
@@ -657,7 +658,8 @@ def test_the_temporary_file_lies_beside_the_state_with_a_hidden_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """So that rename(2) stays on one filesystem, and a leftover of a kill is recognisable
-    (and removed by the next save: one name, not a new one at every kill)."""
+    (its writer's process id: removed at the next load once that process is gone), and no
+    other writer's (safefile.write_atomic)."""
     real_replace = os.replace
     moved: list[tuple[str, str]] = []
 
@@ -670,7 +672,7 @@ def test_the_temporary_file_lies_beside_the_state_with_a_hidden_name(
     [(src, dst)] = moved
     assert dst == str(tmp_path / "state.json")
     assert Path(src).parent == tmp_path
-    assert Path(src).name == ".state.json.tmp"
+    assert re.fullmatch(rf"\.state\.json\.tmp-{os.getpid()}-[0-9]+", Path(src).name)
 
 
 def test_a_failed_save_reports_its_own_error_when_cleaning_up_fails(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -935,4 +936,6 @@ def test_the_record_is_written_beside_itself_then_renamed(
 
     monkeypatch.setattr(os, "replace", spy)
     assert pin_runtime_dir(record, "/run/gpuslice/a")
-    assert renamed == [(str(record.parent / ".runtime-dir.tmp"), str(record))]
+    [(src, dst)] = renamed
+    assert dst == str(record) and os.path.dirname(src) == str(record.parent)
+    assert re.fullmatch(rf"\.runtime-dir\.tmp-{os.getpid()}-[0-9]+", os.path.basename(src))

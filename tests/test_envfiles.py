@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -35,14 +36,20 @@ def test_written_then_told_back(tmp_path: Path) -> None:
     assert os.listdir(env_file(str(tmp_path), "a.service").parent) == ["gpuslice.env"]
 
 
-def test_a_file_that_cannot_be_replaced_is_removed(tmp_path: Path) -> None:
+def test_a_file_that_cannot_be_replaced_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A stale file would give the unit its last grant's GPUs: gone, it sees a missing file,
     and the controller says so."""
     envfiles.write(str(tmp_path), "a.service", [Gpu(0)])
-    env_file(str(tmp_path), "a.service").with_name(".gpuslice.env.tmp").mkdir()  # in the way
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)  # a full /run
     with pytest.raises(OSError):
         envfiles.write(str(tmp_path), "a.service", [Gpu(1)])
-    assert not env_file(str(tmp_path), "a.service").exists()
+    assert os.listdir(env_file(str(tmp_path), "a.service").parent) == []  # no temporary left
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import stat
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from gpuslice import generator
+from gpuslice import generator, safefile
 from gpuslice.core.scheduler import SavedState
 from gpuslice.newunit import lock_unit_dir
 from gpuslice.paths import env_file
@@ -226,14 +227,15 @@ def test_write_whole_raises_the_writes_own_error(tmp_path: Path) -> None:
 
 
 def test_a_runtime_dir_drop_in_that_cannot_be_written_is_one_error_in_its_own_words(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A directory at its temporary name (left there by hand, say): the open fails, so does
-    the clean-up's unlink, and the message names the open's error; the units' gates are
+    the unlink of what is in the way, and the message names that error; the units' gates are
     written all the same."""
     write(tmp_path, f"{ETC}/a.service", ANNOTATION)
     out = tmp_path / "run/systemd/generator"
-    (out / "gpuslice.service.d/.gpuslice-runtime-dir.conf.tmp").mkdir(parents=True)
+    monkeypatch.setattr(safefile, "_numbers", itertools.count(7))  # its next temporary name
+    (out / f"gpuslice.service.d/.gpuslice-runtime-dir.conf.tmp-{os.getpid()}-7").mkdir(parents=True)
     assert generator.generate(out, root=tmp_path, libexec_dir=LIBEXEC) == 1
     assert written(out) == {"a.service.d/gpuslice-gate.conf": gate()}
     assert capsys.readouterr().err.splitlines() == [
