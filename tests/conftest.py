@@ -19,6 +19,23 @@ from hypothesis import settings
 
 FAKE_SRC = Path(__file__).parent / "fakenvml"
 
+
+def _signals_as_a_shell_leaves_them() -> None:
+    """Undo signals ignored by whatever started the tests: bash without job control starts a
+    background command (`make test &` in a script, a CI runner's shell) with SIGINT and SIGQUIT
+    ignored, mutmut's runner with SIGINT ignored, and an ignored signal stays ignored through
+    exec: the gate shell the tests run could not trap SIGINT (POSIX: ignored on entry stays
+    ignored), and its test failed only there. Systemd resets every signal of what it starts,
+    the gate included; the tests start theirs as systemd does."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+_signals_as_a_shell_leaves_them()
+
 settings.register_profile("repeatable", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("GPUSLICE_HYPOTHESIS", "repeatable"))
