@@ -616,6 +616,7 @@ async def _ask(bus: MessageBus, member: str, *args: str) -> str:
         LIMITS_EXCEEDED,
         NOT_MANAGED,
         OBJECT_PATH,
+        STARTING,
     )
 
     call = Message(
@@ -642,7 +643,7 @@ async def _ask(bus: MessageBus, member: str, *args: str) -> str:
         raise click.ClickException(printable(str(reply.body[0]), 300))
     if reply is not None and reply.error_name == ACCESS_DENIED:
         raise click.ClickException(f"only root may ask the controller for {member}")
-    if reply is not None and reply.error_name == LIMITS_EXCEEDED:  # it runs, and says why not
+    if reply is not None and reply.error_name in (LIMITS_EXCEEDED, STARTING):  # it runs: why not
         detail = printable(str(reply.body[0]) if reply.body else "", 300)
         raise click.ClickException(f"the gpuslice controller refused: {detail}")
     if reply is None or reply.message_type == MessageType.ERROR:

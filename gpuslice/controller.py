@@ -85,7 +85,7 @@ from gpuslice.paths import (
     gate_pipe_dir,
 )
 from gpuslice.rereads import Rereads
-from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
+from gpuslice.service import ACCESS_DENIED, NameTaken, NotManaged, SchedulerService, Starting
 from gpuslice.state import Flusher, StateStore, record_boot, same_boot
 from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient
 from gpuslice.tracker import (
@@ -168,6 +168,9 @@ async def _raising(error: Exception) -> str:
 
 
 class Controller:
+    # where the runtime_dir the controller runs with is recorded for the generator to keep
+    # naming it this boot (_record_runtime_dir); run() sets RUNTIME_RECORD, None: not kept
+    runtime_record: Path | None = None
     # where the state_dir the controller runs with is recorded for the next start, which
     # moves the state from it (_load_state); run() sets STATE_RECORD, None: not kept
     state_record: Path | None = None
@@ -257,16 +260,19 @@ class Controller:
         self.service = service or SchedulerService(
             systemd.bus,
             self.on_acquire,
-            self.answers.status_json,
+            self.status_json,
             self.request_rescan,
             self.plan_json,
-            self.answers.status_for,
+            self.status_for,
         )
         # the gates' fast way: answered through a pipe when systemd shows them at the gate
         self.gates = GatePipes(gate_pipe_dir(config.runtime_dir))
         self.boot_id = ""
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
+        # Acquire calls taken before start-up was done: (unit, sender, its signals then),
+        # served once it is (on_acquire)
+        self._early_acquires: list[tuple[str, str, int]] = []
         # instances of annotated templates whose start systemd announced (JobNew) and that
         # have not been seen down since: watched (_watched) before the core knows them
         self._instances: set[str] = set()
@@ -303,13 +309,21 @@ class Controller:
     # -- start-up ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.answers.read_proc_mount()  # before anyone's Status reaches us by our name
+        # Our bus name before anything is written or removed: a second controller (one run
+        # by hand beside gpuslice.service) is refused it (NameTaken) and ends here. Claimed
+        # later, it had by then recorded its runtime_dir and boot, moved or rewritten the
+        # running controller's state file, and removed its gate pipes. Gates that ask
+        # meanwhile wait for the state to be loaded (on_acquire).
+        await self.service.claim_name()
+        if self.runtime_record is not None:  # before any gate is answered
+            _record_runtime_dir(self.runtime_record, self.config.runtime_dir, self.config_path)
         self.systemd.on_unit_changed = self.on_unit_changed
         self.systemd.on_job_new = self.on_job_new
         self.systemd.on_job_removed = self.on_job_removed
         self.systemd.on_reloading = self.on_reloading
         self.systemd.on_systemd_restarted = self.on_systemd_restarted
         self.gates.reset()  # gates left waiting by an earlier controller ask over D-Bus
-        self.answers.read_proc_mount()
         await self.systemd.subscribe()
         self.boot_id = await self.systemd.boot_id()
         self._record_boot()
@@ -338,14 +352,16 @@ class Controller:
         with self.scheduler.deferred():  # the first sample took every job's process for foreign
             self.scheduler.set_gpus(self.watch.resample())
         actions = self._rebuild(await self._stopped_while_away())
-        await self.service.claim_name()
-        self._sweep_env_files(units)  # ours alone now: no other controller writes one
+        self._sweep_env_files(units)  # ours alone (our name): no other controller writes one
         self.ready = True
         self.execute(actions)
         self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
         for name, props in self._buffered:
             self.on_unit_changed(name, props)
         self._buffered.clear()
+        early, self._early_acquires = self._early_acquires, []
+        for unit, sender, seen in early:
+            self._spawn(self._verify_acquire(unit, sender, seen))
         if self._rescan_again:  # a daemon-reload ended during start-up
             self.request_rescan()
         if self._reload_due:  # a SIGHUP came during start-up
@@ -1051,7 +1067,15 @@ class Controller:
     # -- the gate ---------------------------------------------------------------------------
 
     def on_acquire(self, unit: str, sender: str) -> None:
-        self._spawn(self._verify_acquire(unit, sender, self.tracker.signals(unit)))
+        """A gate's call. One that comes before start-up is done (our name is claimed first)
+        waits for it: served on a core the saved state is not loaded into yet, a unit
+        preempted or granted before the restart could be granted GPUs that others hold.
+        Its call waits in the service meanwhile (MAX_PENDING_PER_UNIT)."""
+        seen = self.tracker.signals(unit)
+        if not self.ready:
+            self._early_acquires.append((unit, sender, seen))
+            return
+        self._spawn(self._verify_acquire(unit, sender, seen))
 
     async def _verify_acquire(self, unit: str, sender: str, seen: int) -> None:
         """Serve only the gate of the unit it names: the calling process must run in that
@@ -1686,16 +1710,29 @@ class Controller:
         return self.answers.status_line()
 
     def status_json(self, redacted: bool = False, uid: int | None = None) -> str:
-        """The Status answer (StatusAnswers.status_json)."""
+        """The Status answer (StatusAnswers.status_json); `Starting` before start-up is done
+        (`_not_before_ready`)."""
+        self._not_before_ready()
         return self.answers.status_json(redacted, uid)
 
     def status_for(self, sender: str) -> str | Coroutine[Any, Any, str]:
-        """The Status answer for the caller of this unique bus name (StatusAnswers)."""
+        """The Status answer for the caller of this unique bus name (StatusAnswers);
+        `Starting` before start-up is done (`_not_before_ready`)."""
+        self._not_before_ready()
         return self.answers.status_for(sender)
+
+    def _not_before_ready(self) -> None:
+        """Status and Plan wait for start-up: our name is claimed first (`start`), and until
+        the saved state and systemd's units are read in, the core would say "idle" of GPUs
+        that jobs hold."""
+        if not self.ready:
+            raise Starting("gpuslice is starting: ask again in a moment")
 
     def plan_json(self, unit: str) -> str:
         """`gpuslice plan UNIT`: what a start of it would do now, changing nothing (root
-        only, by the bus policy: a copy of the state costs tens of ms at 10,000 units)."""
+        only, by the bus policy: a copy of the state costs tens of ms at 10,000 units). Not
+        before start-up is done: the core does not hold the saved state yet."""
+        self._not_before_ready()
         spec = self.spec_for(unit)
         if spec is None:
             raise NotManaged(
@@ -1761,29 +1798,36 @@ def _runtime_dir_not_yet(config_path: Path, configured: str, kept: str) -> None:
 
 
 def _runtime_dir_of_this_boot(config: Config, config_path: Path) -> Config:
-    """`config` with the runtime_dir the gates' drop-ins name, recorded (RUNTIME_RECORD) for
-    the generator to keep naming it: the one gpuslice-generator told this start
-    (RUNTIME_DIR_ENV), else the one recorded by a controller earlier this boot, else
-    config.yaml's. Taken from config.yaml alone, a restart (Restart=, a driver loaded late)
-    after runtime_dir was edited wrote env files where no unit read them (every GPU visible),
-    and a daemon-reload while the controller ran pointed the gates where it did not write."""
+    """`config` with the runtime_dir the gates' drop-ins name, which the controller records
+    once its bus name is its own (`_record_runtime_dir`) for the generator to keep naming it:
+    the one gpuslice-generator told this start (RUNTIME_DIR_ENV), else the one recorded by a
+    controller earlier this boot, else config.yaml's. Taken from config.yaml alone, a restart
+    (Restart=, a driver loaded late) after runtime_dir was edited wrote env files where no
+    unit read them (every GPU visible), and a daemon-reload while the controller ran pointed
+    the gates where it did not write."""
     told = os.environ.get(RUNTIME_DIR_ENV)
     if told is not None and runtime_dir_value(told) is None:
         log.error("%s=%s is not a valid runtime_dir: ignored", RUNTIME_DIR_ENV, printable(told))
     runtime_dir = runtime_dirs_of_this_boot(told, RUNTIME_RECORD, config.runtime_dir)[0]
     if runtime_dir != config.runtime_dir:
         _runtime_dir_not_yet(config_path, config.runtime_dir, runtime_dir)
+    return dataclasses.replace(config, runtime_dir=runtime_dir)
+
+
+def _record_runtime_dir(record: Path, runtime_dir: str, config_path: Path) -> None:
+    """Record the runtime_dir the controller runs with (`_runtime_dir_of_this_boot`) at
+    `record`, by the controller that owns our bus name only: a second one's record, of
+    another config.yaml, pointed the gates away from the one that runs."""
     try:
-        pin_runtime_dir(RUNTIME_RECORD, runtime_dir)
+        pin_runtime_dir(record, runtime_dir)
     except OSError as e:
         log.error(
             "cannot record the runtime_dir in %s (%s): a daemon-reload after runtime_dir is "
             "changed in %s points the gates elsewhere",
-            RUNTIME_RECORD,
+            record,
             e,
             config_path,
         )
-    return dataclasses.replace(config, runtime_dir=runtime_dir)
 
 
 async def _load_settled(config_path: Path) -> tuple[Config, list[str]]:
@@ -1823,7 +1867,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
         log.warning("%s", warning)
     raise_fd_limit()  # before anything opens: gatepipes.MAX_OPEN
     systemd = await Systemd.connect(bus_address)
-    config = _runtime_dir_of_this_boot(config, config_path)  # before any gate is answered
+    config = _runtime_dir_of_this_boot(config, config_path)  # recorded by start()
     # under systemd (stderr to the journal) decisions also go to their units' journals
     journal = Journal() if os.environ.get("JOURNAL_STREAM") else None
     controller = Controller(
@@ -1840,9 +1884,14 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     loop.add_signal_handler(signal.SIGHUP, controller.request_reload)
     if early_reload:
         controller.request_reload()
+    controller.runtime_record = RUNTIME_RECORD
     controller.state_record = STATE_RECORD
     controller.boot_record = THIS_BOOT_RECORD
-    await controller.start()
+    try:
+        await controller.start()
+    except NameTaken as e:  # claimed before anything was written: nothing to undo
+        log.error("%s; this controller exits, having changed nothing", e)
+        return 1
     interval = controller.notifier.watchdog_interval()
     if interval:
 

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from dbus_next import Message, MessageFlag, MessageType
+from dbus_next import DBusError, Message, MessageFlag, MessageType
 from dbus_next.aio import MessageBus
 from dbus_next.constants import NameFlag, RequestNameReply
 
@@ -51,6 +51,8 @@ ACCESS_DENIED = "org.freedesktop.DBus.Error.AccessDenied"
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 LIMITS_EXCEEDED = "org.freedesktop.DBus.Error.LimitsExceeded"
 NOT_MANAGED = "org.gpuslice.Error.NotManaged"
+# A call the controller answers only once its start-up is done (Status, Plan): ask again
+STARTING = "org.gpuslice.Error.Starting"
 # An Acquire answered without a grant, for its gate to ask again (any error does: it retries)
 START_ENDED = "org.gpuslice.Error.StartEnded"
 # One start job runs one gate; a few more calls per unit can only be a gate that retried
@@ -80,7 +82,12 @@ MAX_STATUS_ASKING = 8
 
 
 class NameTaken(Exception):
-    """Another controller already owns the bus name."""
+    """The bus name cannot be ours: another controller owns it, or the bus policy refuses
+    it to this user (only root may own it)."""
+
+
+class Starting(Exception):
+    """The controller's start-up is not done: its words say to ask again."""
 
 
 class NotManaged(LookupError):
@@ -125,9 +132,15 @@ class SchedulerService:
         bus.add_message_handler(self._handle)
 
     async def claim_name(self) -> None:
-        reply = await self.bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
+        try:
+            reply = await self.bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
+        except DBusError as e:  # AccessDenied: not root
+            raise NameTaken(f"cannot own {BUS_NAME}: {printable(e.text, 300)}") from None
         if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
-            raise NameTaken(f"{BUS_NAME} is owned by another process ({reply.name})")
+            raise NameTaken(
+                f"{BUS_NAME} is owned by another process ({reply.name}): another gpuslice "
+                "controller runs (systemctl status gpuslice)"
+            )
 
     def grant(self, unit: str, gpus: str) -> int:
         """Answer every gate call of this unit: its start job continues. How many there were."""
@@ -205,6 +218,8 @@ class SchedulerService:
                 return Message.new_method_return(msg, "s", [self._on_plan(unit)])
             except NotManaged as e:
                 return Message.new_error(msg, NOT_MANAGED, str(e))
+            except Starting as e:
+                return Message.new_error(msg, STARTING, str(e))
         if msg.member == "Reload":
             self._on_reload()
             return Message.new_method_return(msg)
@@ -220,9 +235,12 @@ class SchedulerService:
         refused = self._status_refused(msg)
         if refused is not None:
             return refused
-        if self._on_status_for is None:
-            return self._send_status(msg, self._on_status())
-        answer = self._on_status_for(msg.sender or "")
+        try:
+            if self._on_status_for is None:
+                return self._send_status(msg, self._on_status())
+            answer = self._on_status_for(msg.sender or "")
+        except Starting as e:
+            return Message.new_error(msg, STARTING, str(e))
         if isinstance(answer, str):  # known already: no question, whatever is in flight
             return self._send_status(msg, answer)
         if len(self._asking) >= MAX_STATUS_ASKING:

@@ -3829,33 +3829,38 @@ def test_a_read_answered_before_an_instance_ended_and_was_forgotten_is_dropped(
 def test_a_daemon_reload_during_start_up_is_taken_in_after_start_ups_decisions(
     tmp_path: Path,
 ) -> None:
-    """Start-up decides to bring preempted bg.service back, then claims its bus name. A
-    daemon-reload that takes bg.service's annotation out ends meanwhile: its rescan must not
-    be applied before start-up's decisions are carried out, or the stop that withdraws
-    bg.service's start leaves before the start it withdraws, and systemd runs bg.service
-    ungated while the core takes it for stopping."""
+    """Start-up, which will decide to bring preempted bg.service back, waits for systemd's
+    list of units. A daemon-reload that takes bg.service's annotation out ends meanwhile: its
+    rescan must not be applied before start-up's decisions are carried out (once, start-up
+    claimed its bus name between the two), or the stop that withdraws bg.service's start
+    leaves before the start it withdraws, and systemd runs bg.service ungated while the
+    core takes it for stopping."""
     bed = Bed(
         tmp_path,
         {"bg.service": "Priority=90\n"},
         [state("bg.service", "inactive", "dead")],
         SavedState(preempted={"bg.service": 1}, seq=1),
     )
-    claimed = asyncio.Event()
+    listing = asyncio.Event()
+    listed = asyncio.Event()
+    list_units = bed.systemd.list_units
 
-    async def claim_name() -> None:
-        await claimed.wait()
+    async def slow_list() -> list[UnitState]:
+        listing.set()
+        await listed.wait()
+        return await list_units()
 
-    bed.service.claim_name = claim_name  # type: ignore[method-assign]
+    bed.systemd.list_units = slow_list  # type: ignore[method-assign]
 
     async def test() -> None:
         ctl = bed.controller
         starting = asyncio.get_running_loop().create_task(ctl.start())
-        await until(lambda: ctl.scheduler.phase("bg.service") is Phase.STARTING)
-        assert bed.systemd.calls == [("subscribe", "")]  # decided, not sent yet
+        await listing.wait()
         write_unannotated(tmp_path, "bg.service")
         ctl.on_reloading(False)
         await asyncio.sleep(0.2)  # the scan, off the loop, has had time to end
-        claimed.set()
+        assert ctl.spec_for("bg.service") is not None  # not taken in yet
+        listed.set()
         await starting
         await until(lambda: ctl.spec_for("bg.service") is None)
         await settle()

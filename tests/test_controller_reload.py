@@ -40,8 +40,9 @@ CONFIG = "etc/gpuslice/config.yaml"
 class Machine:
     """A host's files under `root`: config.yaml, one annotated unit, the generator's output
     (what systemd loaded at the last daemon-reload) and /run/gpuslice, which a reboot
-    empties. `controller_starts` runs what run() does with the runtime_dir at a start, in
-    the environment systemd gives gpuslice.service from the generator's drop-in."""
+    empties. `controller_starts` runs what run() and start() do with the runtime_dir at a
+    start (chosen, then recorded once the bus name is ours), in the environment systemd gives
+    gpuslice.service from the generator's drop-in."""
 
     def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.root = root
@@ -79,8 +80,16 @@ class Machine:
         name, value = line.removeprefix("Environment=").split("=", 1)
         self.monkeypatch.setenv(name, value)
         config, _ = load_config_with_warnings(self.root / CONFIG)
-        started = controller_module._runtime_dir_of_this_boot(config, self.root / CONFIG)
-        return started.runtime_dir
+        return started(config, self.root / CONFIG).runtime_dir
+
+
+def started(config: Config, config_path: Path) -> Config:
+    """The config a controller started now runs with, its runtime_dir recorded as it would
+    be once its bus name is its own (Controller.start)."""
+    picked = controller_module._runtime_dir_of_this_boot(config, config_path)
+    record = controller_module.RUNTIME_RECORD
+    controller_module._record_runtime_dir(record, picked.runtime_dir, config_path)
+    return picked
 
 
 def test_the_gates_and_the_controller_name_one_runtime_dir_whatever_config_yaml_says(
@@ -148,7 +157,7 @@ def test_without_a_word_from_the_generator_the_record_of_this_boot_holds(
     monkeypatch.setattr(controller_module, "RUNTIME_RECORD", record)
     path = tmp_path / "config.yaml"
     monkeypatch.delenv(RUNTIME_DIR_ENV, raising=False)
-    pick = controller_module._runtime_dir_of_this_boot
+    pick = started
     assert pick(Config(runtime_dir="/run/gpuslice/a"), path).runtime_dir == "/run/gpuslice/a"
     assert record.read_text() == "/run/gpuslice/a\n"
     assert pick(Config(runtime_dir="/run/gpuslice/b"), path).runtime_dir == "/run/gpuslice/a"

@@ -402,6 +402,8 @@ class Boot:
             self.monkeypatch.setenv(RUNTIME_DIR_ENV, env)
         config = Config(gpus=2, runtime_dir=configured, log_level="debug")
         picked = controller_module._runtime_dir_of_this_boot(config, self.config_path)
+        # recorded as Controller.start records it, once the bus name is ours
+        controller_module._record_runtime_dir(self.record, picked.runtime_dir, self.config_path)
         assert (picked.gpus, picked.log_level) == (2, "debug")  # the rest as it was
         return picked.runtime_dir
 
@@ -412,7 +414,7 @@ class Boot:
         )
 
 
-BOOT_FUNCTIONS = ("_runtime_dir_of_this_boot", "_runtime_dir_not_yet")
+BOOT_FUNCTIONS = ("_runtime_dir_of_this_boot", "_runtime_dir_not_yet", "_record_runtime_dir")
 
 
 def test_the_generators_word_goes_before_the_record_and_config_yaml_and_is_recorded(

@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -37,17 +38,20 @@ from signal import SIGHUP, SIGINT, SIGTERM
 from typing import Any, cast
 
 import pytest
+from dbus_next.constants import NameFlag, RequestNameReply
 
 from gpuslice import __version__, stopjournal
 from gpuslice import controller as controller_module
 from gpuslice.annotations import scan
 from gpuslice.config import ConfigError, load_config_with_warnings
 from gpuslice.controller import Controller, JournalFormatter
+from gpuslice.core.scheduler import SavedState
 from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
 from gpuslice.ladder import Suspension
-from gpuslice.service import NotManaged
-from gpuslice.state import read_recorded_boot
+from gpuslice.paths import env_file, gate_pipe_dir
+from gpuslice.service import NotManaged, SchedulerService
+from gpuslice.state import StateStore, read_recorded_boot
 from gpuslice.systemd import Systemd
 from gpuslice.tracker import UnitState
 from tests.test_controller import (
@@ -361,6 +365,77 @@ def test_the_daemon_records_this_boot_for_release_jobs(
         assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0
 
     run(test)
+
+
+class NameOwned:
+    """The system bus where another controller owns org.gpuslice.Scheduler1."""
+
+    def add_message_handler(self, handler: object) -> None:
+        pass
+
+    async def request_name(self, name: str, flags: NameFlag) -> RequestNameReply:
+        return RequestNameReply.EXISTS
+
+
+def tree(*roots: Path) -> dict[str, tuple[int, int, bytes | None]]:
+    """Every entry under `roots`: its mode, its modification time, a regular file's bytes."""
+    found: dict[str, tuple[int, int, bytes | None]] = {}
+    for root in roots:
+        for path in [root, *sorted(root.rglob("*"))]:
+            st = path.lstat()
+            data = path.read_bytes() if path.is_file() and not path.is_symlink() else None
+            found[str(path)] = (st.st_mode, st.st_mtime_ns, data)
+    return found
+
+
+def test_a_second_controller_is_refused_the_bus_name_and_has_changed_nothing(
+    host: Host, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpuslice controller` run by hand while gpuslice.service runs: the bus name is the
+    other's (EXISTS). Before, it claimed the name only once started up, and by then had
+    recorded its runtime_dir, its boot and its state_dir over the running controller's
+    records, rewritten that controller's state file (one invalid entry: copied to
+    state.json.bad, rewritten with the valid ones; a stand-in is taken over the same way)
+    and removed the gate pipes that controller holds (`gpuslice release-jobs` and the
+    generator read those records). Now it claims the name first: one line says why it ends,
+    exit 1, and not one file, name, byte or time under the state_dir, the runtime_dir (gate
+    pipes, env files) or the records' directory has changed."""
+    config = bed_config(host.tmp_path)
+    state_dir, runtime_dir = Path(config.state_dir), Path(config.runtime_dir)
+    records = host.tmp_path / "run-gpuslice"  # RuntimeDirectory=, as gpuslice.service has it
+    records.mkdir()
+    (records / "runtime-dir").write_text(config.runtime_dir + "\n")
+    (records / "boot").write_text("the-running-controllers-boot\n")
+    monkeypatch.setattr(controller_module, "RUNTIME_RECORD", records / "runtime-dir")
+    monkeypatch.setattr(controller_module, "STATE_RECORD", records / "state-dir")
+    monkeypatch.setattr(controller_module, "THIS_BOOT_RECORD", records / "boot")
+    write_unit(host.tmp_path, "a.service", "Priority=50\n")
+    saved = StateStore(state_dir)
+    saved.save(SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1), BOOT)
+    text = json.loads(saved.path.read_text())
+    text["holders"]["b.service"] = "not an entry"
+    saved.path.write_text(json.dumps(text))
+    gate_pipe_dir(config.runtime_dir).mkdir(parents=True)
+    os.mkfifo(gate_pipe_dir(config.runtime_dir) / "a.service", 0o600)
+    env_file(config.runtime_dir, "gone.service").parent.mkdir(parents=True)
+    env_file(config.runtime_dir, "gone.service").write_text("CUDA_VISIBLE_DEVICES=0\n")
+    host.systemd.units["a.service"] = state("a.service", "active", "running")
+    real = SchedulerService(NameOwned(), lambda unit, sender: None, str, lambda: None)
+    host.service.claim_name = real.claim_name  # type: ignore[method-assign]
+    before = tree(state_dir, runtime_dir, records)
+
+    async def test() -> None:
+        assert await asyncio.wait_for(host.start(), ENDS_WITHIN) == 1
+
+    run(test)
+    assert tree(state_dir, runtime_dir, records) == before
+    assert stderr_lines(capsys) == [
+        "ERROR org.gpuslice.Scheduler1 is owned by another process (EXISTS): another gpuslice "
+        "controller runs (systemctl status gpuslice); this controller exits, having changed "
+        "nothing"
+    ]
+    assert host.systemd.calls == []  # nor asked systemd for its signals
+    assert not host.heard()  # nor told systemd it is ready
 
 
 def test_a_sighup_while_starting_up_is_a_reload_once_started_and_one_after_at_once(

@@ -40,7 +40,7 @@ from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
 from gpuslice.nvml import GpuProcess
 from gpuslice.paths import env_file
-from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH
+from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, STARTING
 from gpuslice.state import StateStore, read_recorded_boot
 from gpuslice.systemd import Systemd, SystemdError
 from gpuslice.tracker import UnitState
@@ -179,13 +179,17 @@ def test_the_daemons_controller_reads_the_hosts_units_and_answers_every_method_o
     assert roots == ["/"] and configs == [config]
 
     async def test() -> None:
-        # answered from the moment the service is on the bus (its unique name), start-up
-        # or not: the GPUs of config.yaml, each by its index
-        assert bus.call("Status", serial=5) is True
-        early = json.loads(bus.answer_to(5).body[0])
-        assert [g["index"] for g in early["gpus"]] == [0, 1]
-        assert before <= early["controller"]["start_time"] <= after
+        # refused until start-up is done (the name is claimed first): an empty core would
+        # say "idle" of GPUs that jobs hold
+        early = bus.call("Status", serial=5)
+        assert early.message_type is MessageType.ERROR
+        assert early.error_name == STARTING
+        assert early.body == ["gpuslice is starting: ask again in a moment"]
         await ctl.start()
+        assert bus.call("Status", serial=6) is True
+        started = json.loads(bus.answer_to(6).body[0])
+        assert [g["index"] for g in started["gpus"]] == [0, 1]  # config.yaml's, by index
+        assert before <= started["controller"]["start_time"] <= after
         assert bus.names == [BUS_NAME]
         assert ctl.status_line() == "2 GPUs: idle; 0 waiting"
         assert bus.call("Acquire", "a.service", serial=1) is True
@@ -201,6 +205,72 @@ def test_the_daemons_controller_reads_the_hosts_units_and_answers_every_method_o
         assert reload.message_type is MessageType.METHOD_RETURN
         await until(lambda: len(roots) == 2 and ctl._rescan is None)
         assert roots == ["/", "/"]
+
+    run(test)
+
+
+def test_a_gates_call_while_starting_up_waits_for_the_saved_state(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """The controller claims its bus name before it loads the state (so that a second one,
+    refused the name, has written nothing: test_controller_run), and gates call it by name
+    from then on. b.service's gate asks while start-up waits for systemd's list of units:
+    served then, on a core that did not yet know a.service holds GPU 0 (saved), it was
+    granted GPU 0 beside it. It waits for start-up, then for a.service (equal priority
+    preempts nothing). A Plan meanwhile is refused for now, not answered from that core."""
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=50\n", "b.service": "Priority=50\n"},
+        [state("a.service", "active", "running")],
+        SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    bus = FakeBus()
+    bed.systemd.bus = bus  # type: ignore[attr-defined]
+    bed.systemd.pids[":1.9"] = 4242
+    cgroup_of[4242] = "b.service"
+    ctl = Controller(
+        bed.config,
+        tmp_path / "config.yaml",
+        cast(Systemd, bed.systemd),
+        root=str(tmp_path / "root"),
+        inventory=bed.controller.watch.inventory,
+    )
+    listing = asyncio.Event()
+    listed = asyncio.Event()
+    list_units = bed.systemd.list_units
+
+    async def slow_list() -> list[UnitState]:
+        listing.set()
+        await listed.wait()
+        return await list_units()
+
+    bed.systemd.list_units = slow_list  # type: ignore[method-assign]
+
+    def answered(serial: int) -> list[Message]:
+        return [m for m in bus.sent if m.reply_serial == serial]
+
+    async def test() -> None:
+        starting = asyncio.get_running_loop().create_task(ctl.start())
+        await listing.wait()
+        assert bus.names == [BUS_NAME]  # ours already
+        assert bus.call("Acquire", "b.service", serial=1) is True
+        plan = bus.call("Plan", "b.service", serial=2)
+        assert (plan.error_name, plan.body) == (
+            STARTING,
+            ["gpuslice is starting: ask again in a moment"],
+        )
+        await settle()
+        assert answered(1) == []
+        listed.set()
+        await starting
+        await settle()
+        assert answered(1) == []  # a.service holds GPU 0
+        assert ctl.scheduler.grants() == {"a.service": {0}}
+        assert ctl.scheduler.is_waiting("b.service")
+        bed.systemd.units["a.service"] = state("a.service", "inactive", "dead")
+        ctl.on_unit_changed("a.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert [m.body for m in answered(1)] == [["0"]]
 
     run(test)
 

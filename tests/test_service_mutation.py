@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, cast
 
 import pytest
-from dbus_next import Message, MessageFlag, MessageType
+from dbus_next import DBusError, Message, MessageFlag, MessageType
 from dbus_next.aio import MessageBus
 
 from gpuslice.service import (
@@ -161,10 +161,38 @@ def test_a_name_owned_by_another_controller_is_said_with_the_bus_daemons_word(
         service = SchedulerService(await connect(bus_address), _nothing, lambda: "{}", _nothing)
         with pytest.raises(NameTaken) as taken:
             await service.claim_name()
-        assert str(taken.value) == f"{BUS_NAME} is owned by another process (EXISTS)"
+        assert str(taken.value) == (
+            f"{BUS_NAME} is owned by another process (EXISTS): another gpuslice controller "
+            "runs (systemctl status gpuslice)"
+        )
         await first.release_name(BUS_NAME)
         await service.claim_name()
         await service.claim_name()  # already ours: fine
+
+    run(scenario)
+
+
+class RefusingBus(ServiceBus):
+    """A system bus whose policy lets only root own the name (data/org.gpuslice.Scheduler1.conf)."""
+
+    async def request_name(self, name: str, flags: object) -> object:
+        raise DBusError(
+            ACCESS_DENIED, f'Connection ":1.5" is not allowed to own the service "{name}"\x1b[2J'
+        )
+
+
+def test_a_name_the_bus_policy_refuses_is_said_in_the_bus_daemons_words() -> None:
+    """`gpuslice controller` run by a user other than root: refused the name, as the second
+    controller is, in one line that says why (escaped), not a traceback."""
+
+    async def scenario() -> None:
+        service = _service(RefusingBus())
+        with pytest.raises(NameTaken) as taken:
+            await service.claim_name()
+        assert str(taken.value) == (
+            f'cannot own {BUS_NAME}: Connection ":1.5" is not allowed to own the service '
+            f'"{BUS_NAME}"\\x1b[2J'
+        )
 
     run(scenario)
 
