@@ -282,6 +282,10 @@ class Controller:
         self._rescan: asyncio.Task[None] | None = None
         self._rescan_again = False
         self._parked: list[str] = []
+        # starts not answered yet that systemd showed at their gate while a rescan ran:
+        # taken in once it is applied (_gates_after_scan), with the InvocationID last named
+        self._after_scan: dict[str, str | None] = {}
+        self._scan_waits: list[asyncio.Future[None]] = []  # queued starts' (_announce_queued)
         # units whose gate asked while neither the scan nor the core knew them, each
         # rescanned for once until the next daemon-reload (_rescan_for_gate)
         self._rescanned_for_gate: set[str] = set()
@@ -751,6 +755,9 @@ class Controller:
         nothing. Any word of systemd's on the unit since JobNew makes the answer stale
         (signals read after it may be applied before this resumes): its gate decides then."""
         state = await self.reads.read_fresh(unit, seen)
+        await self._scanned()  # judged on the annotations of now (_gate_after_scan)
+        if self.tracker.heard(unit) != seen:
+            return  # systemd said more of it meanwhile: its gate decides
         spec = self.spec_for(unit)
         if spec is None or state is None or state.job_id != job_id or not bound_for_gate(state):
             return
@@ -773,12 +780,46 @@ class Controller:
         if spec is not None:
             self.scheduler.learn(spec)
         with self._batched():
-            for change in self.tracker.unit_changed(name, props, read=read):
+            changes = self.tracker.unit_changed(name, props, read=read)
+            if spec is not None and self._gate_after_scan(name, props.get("InvocationID")):
+                return
+            for change in changes:
                 self._apply(change)
             if spec is not None:
                 self._follow_gate(name, props.get("InvocationID"))
             else:
                 self._unmanaged_gate(name, props)  # known to the core only until it ends
+
+    def _gate_after_scan(self, name: str, invocation: str | None) -> bool:
+        """Whether a start systemd shows at its gate, not answered yet, waits for the rescan
+        under way (`_gates_after_scan` takes it in once it is applied). Systemd already runs
+        on the unit files that rescan reads (a daemon-reload, and a `systemctl start` right
+        after it): decided on the scan before, a start whose annotation was just taken out,
+        or its priority made less urgent, preempted units with the priority it no longer
+        has, and their work was lost for it."""
+        if self._rescan is None or classify(self.tracker.state(name)) is not Kind.GATE:
+            return False
+        if not self._unanswered(name):
+            return False  # answered: its gate asks again, as after a controller restart
+        self._after_scan[name] = invocation or self._after_scan.get(name)
+        return True
+
+    def _gates_after_scan(self, pending: dict[str, str | None]) -> None:
+        """The starts `_gate_after_scan` held back, judged on the annotations of now: as
+        their last signal would have been, if they are still at their gate (one that left
+        it meanwhile was told by the signals that said so)."""
+        for name, invocation in pending.items():
+            if classify(self.tracker.state(name)) is not Kind.GATE:
+                continue
+            spec = self.spec_for(name)
+            if spec is None:  # its annotation went: its gate, if any, passes over D-Bus
+                self._unmanaged_gate(name, {"SubState": "start-pre"})
+                continue
+            with self._batched():
+                self.scheduler.learn(spec)
+                if not self._known(name):
+                    self._apply(ReachedGate(name))
+                self._follow_gate(name, invocation)
 
     def _unmanaged_gate(self, name: str, props: dict[str, Any]) -> None:
         """A gate of an unannotated unit, which systemd runs while its drop-in stays (a start
@@ -858,8 +899,12 @@ class Controller:
         if isinstance(change, WentDown):
             name = change.unit
             self._cancel_stop_timer(name)
-            if self.watch.available and self.scheduler.phase(name) is not None:
-                # VRAM release: what NVML still shows of it now counts against its GPUs
+            held = self.scheduler.grants().get(name, frozenset())
+            if self.scheduler.phase(name) is not None and (
+                self.watch.available or self._holds_lost(held)
+            ):
+                # VRAM release: what NVML still shows of it now counts against its GPUs;
+                # without NVML, a GPU no longer configured that it held goes with it
                 self.watch.refresh(released=name)
             self.execute(
                 self.scheduler.inactive(
@@ -887,6 +932,13 @@ class Controller:
             self._cancel_stop_timer(change.unit)
             self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))
 
+    def _holds_lost(self, gpus: Collection[int]) -> bool:
+        """Whether any of these GPUs is lost in the last sample. Without NVML, one is only
+        while units hold it (`gpus:` or `manage_gpus` made fewer by a reload, or a restart):
+        not sampled again at the holder's end, it stayed lost in status and in
+        `gpuslice_gpu_lost` until the next reload."""
+        return any(g.lost for g in self.watch.sample.gpus if g.index in gpus)
+
     def on_reloading(self, active: bool) -> None:
         if not active:
             self._rescanned_for_gate.clear()
@@ -913,18 +965,50 @@ class Controller:
         self._rescan.add_done_callback(_log_failure)
 
     async def _run_rescans(self) -> None:
+        """Scan until no daemon-reload came during a scan. The starts held back before a
+        scan began (`_gate_after_scan`, `_verify_acquire`) are judged once it is applied:
+        it read the unit files after their reload. Held back until the last scan, a start
+        waited as long as daemon-reloads kept coming."""
+        gates: dict[str, str | None] = {}
+        parked: list[str] = []
+        waits: list[asyncio.Future[None]] = []
         try:
             while True:
                 self._rescan_again = False
+                gates, self._after_scan = self._after_scan, {}
+                parked, self._parked = self._parked, []
+                waits, self._scan_waits = self._scan_waits, []
                 result = await asyncio.to_thread(scan, self.root)
                 self._apply_scan(result)
+                self._judge_held_back(gates, parked, waits)
+                gates, parked, waits = {}, [], []
                 if not self._rescan_again:
                     break
         finally:
             self._rescan = None
-            parked, self._parked = self._parked, []
-            for unit in parked:
-                self._acquire_verified(unit)
+            # those of the last scan (or of one that failed: judged on the scan before)
+            gates, self._after_scan = {**gates, **self._after_scan}, {}
+            parked, self._parked = parked + self._parked, []
+            waits, self._scan_waits = waits + self._scan_waits, []
+            self._judge_held_back(gates, parked, waits)
+
+    def _judge_held_back(
+        self, gates: dict[str, str | None], parked: list[str], waits: list[asyncio.Future[None]]
+    ) -> None:
+        self._gates_after_scan(gates)
+        for unit in parked:
+            self._acquire_verified(unit)
+        for wait in waits:
+            if not wait.done():
+                wait.set_result(None)
+
+    async def _scanned(self) -> None:
+        """Return once a scan begun after now is applied, at once when none is under way:
+        a start systemd shows now runs on the unit files of the last daemon-reload."""
+        if self._rescan is not None:
+            wait = asyncio.get_running_loop().create_future()
+            self._scan_waits.append(wait)
+            await wait
 
     def _apply_scan(self, result: Scan) -> None:
         # plain units this scan annotates, that the tracker did not follow: their signals
@@ -1102,12 +1186,21 @@ class Controller:
         if self.tracker.signals(unit) != seen and classify(self.tracker.state(unit)) is Kind.DOWN:
             self.service.forget(unit)  # its start was cancelled while we checked
             return
-        if self.spec_for(unit) is None and (
-            self._rescan is not None or self._rescan_for_gate(unit)
-        ):
-            self._parked.append(unit)  # it may be annotated by the scan under way
+        spec = self.spec_for(unit)
+        # a unit the scan does not know gets a rescan of its own, even while one runs: that
+        # one may have read its files before the daemon-reload that gave it its gate
+        if spec is None and self._rescan_for_gate(unit):
+            self._parked.append(unit)
+            return
+        if self._rescan is not None and (spec is None or self._unanswered(unit)):
+            self._parked.append(unit)  # judged on the annotations of now (_gate_after_scan)
             return
         self._acquire_verified(unit)
+
+    def _unanswered(self, unit: str) -> bool:
+        """Whether the core has not answered the unit's start: unknown, waiting, or its
+        GPUs kept for it until its gate asks."""
+        return self.scheduler.phase(unit) in (None, Phase.STARTING)
 
     def _rescan_for_gate(self, unit: str) -> bool:
         """Whether a rescan was asked for the gate of a unit that neither the scan nor the

@@ -115,9 +115,17 @@ class GpuWatch:
         return self.sample.gpus
 
     def reconfigure(self, config: Config) -> None:
-        """A reloaded config.yaml: the next sample applies it (manage_gpus, reserve, ...)."""
+        """A reloaded config.yaml: the next sample applies it (manage_gpus, reserve, ...).
+        A sampler armed with another sample_interval is armed anew: left, a reload from
+        3600 s to 2 s sampled again only an hour later, and a foreign process that came
+        meanwhile went unseen that long."""
+        interval = self.config.sample_interval
         self.config = config
         self.inventory.config = config
+        if self._sampler is not None and config.sample_interval != interval:
+            self._sampler.cancel()
+            self._sampler = None
+            self.arm_sampler()
 
     def refresh(self, released: str = "") -> None:
         """Sample now and decide again on what NVML shows; `released`: a unit that just went

@@ -3461,6 +3461,7 @@ def test_a_reload_keeps_the_paths_the_controller_started_with(
         ctl.reload_config()
         assert ctl.config.runtime_dir == old
         await bed.acquire("a.service", ":1.9", 4242)
+        await until(lambda: bed.service.granted != [])  # once the reload's rescan is read
         assert "CUDA_VISIBLE_DEVICES=0" in env_file(old, "a.service").read_text()
         assert not Path("/run/gpuslice/elsewhere").exists()
 

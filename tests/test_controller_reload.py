@@ -7,14 +7,18 @@ GPUs): the controller records the one it runs with (paths.RUNTIME_DIR_RECORD), t
 keeps naming it and tells the controller which one its gates name. And a config.yaml read
 while it is being written in place is valid YAML that lacks its last settings: a reload, or
 a start, reads it once it has been left alone (config.SETTLE_SECONDS), and again if it
-changed while it was read.
+changed while it was read. And a start that comes while the annotations are read again after a
+daemon-reload is judged on what that reload read, not on the scan before it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +27,25 @@ import pytest
 from gpuslice import config as config_module
 from gpuslice import controller as controller_module
 from gpuslice import generator
+from gpuslice.annotations import Scan, scan
 from gpuslice.config import Config, load_config_with_warnings, read_pinned_runtime_dir
+from gpuslice.core.scheduler import SavedState
 from gpuslice.paths import RUNTIME_DIR_DROPIN, RUNTIME_DIR_ENV
-from tests.test_controller import Bed, bed_config, run, settle, until
+from tests.test_controller import (
+    Bed,
+    at_gate,
+    bed_config,
+    low_holds_gpu_0,
+    run,
+    settle,
+    state,
+    until,
+    write_unannotated,
+    write_unit,
+)
 from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
+from tests.test_controller import cgroup_of as cgroup_of  # a fixture
+from tests.test_controller import signal as signal_of  # `signal` is the standard module here
 from tests.test_controller_run import ENDS_WITHIN, Host
 from tests.test_controller_run import host as host  # fixture
 
@@ -340,5 +359,232 @@ def test_a_start_reads_a_file_being_written_once_it_is_whole(
         assert host.controller.scheduler.gpus == {0, 1}
         signal.raise_signal(signal.SIGTERM)
         assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0
+
+    run(test)
+
+
+# ---- fewer GPUs configured while units hold them -----------------------------------------------
+
+
+def test_a_gpu_configured_away_while_held_is_lost_only_until_its_holder_ends(
+    tmp_path: Path,
+) -> None:
+    """A host without NVML schedules `gpus:` from config.yaml. An admin makes it 1 and
+    reloads while b.service holds GPU 1: GPU 1 is reported lost while b.service runs there.
+    Once b.service ended, nothing sampled again: GPU 1 stayed lost in status (and in
+    `gpuslice_gpu_lost`, an alert) until the next reload."""
+    config = bed_config(tmp_path, gpus=2)
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=10\n", "b.service": "Priority=20\n"},
+        [state("a.service", "active", "running"), state("b.service", "active", "running")],
+        SavedState(
+            holders={"a.service": ((0,), "running", 1, ""), "b.service": ((1,), "running", 2, "")},
+            seq=2,
+        ),
+        config=config,
+    )
+    (tmp_path / "config.yaml").write_text("gpus: 1\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.reload_config()
+        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, False), (1, True)]
+        assert ctl.scheduler.grants()["b.service"] == frozenset({1})
+        bed.systemd.units["b.service"] = state("b.service", "inactive", "dead")
+        ctl.on_unit_changed("b.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, False)]
+        assert ctl.scheduler.gpus == {0}
+        assert [g["index"] for g in json.loads(ctl.status_json())["gpus"]] == [0]
+
+    run(test)
+
+
+# ---- a daemon-reload while starts are in flight ------------------------------------------------
+
+
+class HeldScan:
+    """The controller's next rescan reads the unit files, then waits for `go` before it is
+    applied: a scan of many units (~1 s at 10,000) under way while the loop goes on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.read = threading.Event()
+        self.go = threading.Event()
+        self.scans = 0
+
+        def held(root: str) -> Scan:
+            result = scan(root)
+            self.scans += 1
+            if self.scans == 1:
+                self.read.set()
+                self.go.wait(ENDS_WITHIN)
+            return result
+
+        monkeypatch.setattr(controller_module, "scan", held)
+
+    async def has_read(self) -> None:
+        await until(self.read.is_set)
+
+
+def test_a_gate_asking_during_a_scan_older_than_its_reload_gets_a_scan_of_its_own(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rescan is under way (a config reload, an earlier daemon-reload) and has read the unit
+    files when an admin annotates new.service and runs daemon-reload, whose Reloading signal
+    is lost (a full bus queue, which any user can cause). new.service's gate asks: it waited
+    for the scan under way, which did not know it, and was let through on it, ungated, onto
+    GPU 0 that top.service holds. It gets a scan read after its gate asked."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    cgroup_of[4243] = "new.service"
+    held = HeldScan(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.request_rescan()
+        await held.has_read()
+        write_unit(tmp_path, "new.service", "Priority=50\n")  # daemon-reload: signal lost
+        bed.systemd.units["new.service"] = state("new.service", "activating", "start-pre", 5)
+        await bed.acquire("new.service", ":1.8", 4243)
+        held.go.set()
+        await until(lambda: ctl._rescan is None)
+        await settle()
+        assert bed.service.granted == []
+        assert ctl.scheduler.is_waiting("new.service")
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        assert held.scans == 2
+
+    run(test)
+
+
+def start_in_flight(bed: Bed, way: str) -> Callable[[], Any]:
+    """urgent.service's start, as systemd shows it right after a daemon-reload: a start job
+    queued (its JobNew), its gate seen in systemd's signal (the pipe), or its gate's call."""
+    ctl = bed.controller
+    job = "/org/freedesktop/systemd1/job/7"
+    if way == "queued":
+        bed.systemd.units["urgent.service"] = state(
+            "urgent.service", "inactive", "dead", 7, "start"
+        )
+        ctl.on_job_new(7, job, "urgent.service")
+        return lambda: asyncio.sleep(0.1)  # past QUEUED_DELAY: the queue is read
+    bed.systemd.units["urgent.service"] = state(
+        "urgent.service", "activating", "start-pre", 7, "start"
+    )
+    if way == "pipe":
+        ctl.on_job_new(7, job, "urgent.service")
+        signal_of(bed, "urgent.service", {**at_gate(), "Job": (7, job)})
+        return settle
+    return lambda: bed.acquire("urgent.service", ":1.9", 4242)
+
+
+WAYS = ["queued", "pipe", "dbus"]
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("edit", ["less urgent", "unannotated"])
+def test_a_start_right_after_a_daemon_reload_is_judged_on_what_that_reload_read(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    way: str,
+    edit: str,
+) -> None:
+    """`gpuslice enroll urgent --priority 95` (or its annotation taken out), then
+    `systemctl daemon-reload && systemctl start urgent`: systemd runs the new unit files
+    while the controller still reads them (its rescan, off the loop: ~35 ms at 250 units,
+    ~1 s at 10,000). Its start was judged on the scan before, with priority 10, and
+    low.service (90) was stopped for a unit that now waits behind it, or that is no longer
+    managed: its work lost, and then thrash as each came back. The start is judged once
+    the rescan is read: low.service keeps its GPU."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    held = HeldScan(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        if edit == "less urgent":
+            write_unit(tmp_path, "urgent.service", "Priority=95\n")
+        else:
+            write_unannotated(tmp_path, "urgent.service")
+        ctl.on_reloading(False)
+        await held.has_read()
+        await start_in_flight(bed, way)()
+        held.go.set()
+        await until(lambda: ctl._rescan is None)
+        await settle()
+        assert ("stop", "low.service") not in bed.systemd.calls
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
+        if edit == "less urgent":
+            assert ctl.scheduler.is_waiting("urgent.service")
+        else:
+            assert not ctl.scheduler.is_waiting("urgent.service")
+            if way == "dbus":
+                assert bed.service.granted == [("urgent.service", "")]
+
+    run(test)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_start_held_back_by_a_rescan_is_served_once_it_is_read(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    """The same with an annotation the reload left as it was: the start held back is not
+    lost: it preempts low.service once the rescan is read, and is granted GPU 0."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    held = HeldScan(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_reloading(False)
+        await held.has_read()
+        await start_in_flight(bed, way)()
+        assert ("stop", "low.service") not in bed.systemd.calls
+        held.go.set()
+        await until(lambda: ("stop", "low.service") in bed.systemd.calls)
+        assert ctl.scheduler.is_waiting("urgent.service")
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        ctl.on_unit_changed("low.service", {"ActiveState": "inactive", "SubState": "dead"})
+        await settle()
+        assert ctl.scheduler.grants() == {"urgent.service": frozenset({0})}
+
+    run(test)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_start_held_back_is_not_kept_waiting_by_daemon_reloads_that_keep_coming(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    """A daemon-reload during every scan (a tool that writes units and reloads in a loop)
+    keeps the controller scanning: a start held back until the last scan waited as long
+    as they came. It is judged on the first scan that began after it came."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    storm = threading.Event()
+    storm.set()
+    scans: list[int] = []
+
+    async def test() -> None:
+        ctl = bed.controller
+        loop = asyncio.get_running_loop()
+
+        def reloading(root: str) -> Scan:
+            scans.append(len(scans) + 1)
+            if storm.is_set():  # a daemon-reload ends while this scan reads
+                loop.call_soon_threadsafe(ctl.on_reloading, False)
+                threading.Event().wait(0.02)
+            return scan(root)
+
+        await ctl.start()
+        monkeypatch.setattr(controller_module, "scan", reloading)
+        ctl.on_reloading(False)
+        await until(lambda: len(scans) >= 1)
+        await start_in_flight(bed, way)()
+        await until(lambda: ("stop", "low.service") in bed.systemd.calls)
+        assert ctl._rescan is not None  # judged while the reloads still come
+        storm.clear()
+        await until(lambda: ctl._rescan is None)
 
     run(test)

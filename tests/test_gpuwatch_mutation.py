@@ -229,6 +229,23 @@ def test_a_reloaded_config_sets_the_next_samplers_interval(tmp_path: Path) -> No
     assert [delay for delay, _ in timers.due] == [7]
 
 
+def test_a_reload_arms_a_sampler_already_armed_with_the_new_interval(tmp_path: Path) -> None:
+    """sample_interval edited from 3600 to 2 and `systemctl reload gpuslice` while something
+    is sampled: the sampler armed before kept its hour, and the next sample (a foreign
+    process on a background unit's GPU, a unit thawed by hand) came an hour later. The
+    reload arms it anew; an interval left as it was keeps the timer running."""
+    watch, holdings, timers, _ = watch_on(
+        tmp_path, StubNvml(), Config(gpus=1, sample_interval=3600)
+    )
+    watch.open()
+    holdings.work = True
+    watch.arm_sampler()
+    watch.reconfigure(Config(gpus=1, sample_interval=3600, log_level="debug"))
+    assert [delay for delay, _ in timers.due] == [3600]
+    watch.reconfigure(Config(gpus=1, sample_interval=2))
+    assert [delay for delay, _ in timers.due] == [2]
+
+
 def test_the_sampler_is_armed_again_after_it_fired(tmp_path: Path) -> None:
     """The controller arms the sampler after each decision: one that fired must be armable
     again, or sampling stopped after its first tick."""

@@ -34,7 +34,7 @@ from gpuslice.inventory import GpuUse
 from gpuslice.ladder import Ladder
 from tests.core_builders import BG, brief, sized, spec
 from tests.test_checkpoint import FAST
-from tests.test_controller import Bed, low_holds_gpu_0, run, settle, state
+from tests.test_controller import Bed, low_holds_gpu_0, run, settle, state, until
 from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
 from tests.test_ladder_adapter import NO_REPLY, BlinkingFreezer, Events, Freezer
@@ -299,6 +299,7 @@ def test_an_annotated_unit_started_while_systemd_re_executed_is_read_and_taken_i
         bed.systemd.reads.clear()
         bed.systemd.units["low.service"] = state("low.service", "activating", "start-pre", 7)
         ctl.on_systemd_restarted()
+        await until(lambda: ctl._rescan is None)  # the start is judged on the unit files now
         await settle()
         assert "low.service" in bed.systemd.reads
         assert ctl.scheduler.phase("low.service") is Phase.STARTING  # GPU 0 kept for its gate
