@@ -1,8 +1,13 @@
-"""Hypothesis profiles, and the fakes of tests/fakenvml built once.
+"""Hypothesis profiles, the fakes of tests/fakenvml built once, and the unit tests' own host.
 
 `make test` (and CI, and `make mutate`) replays the same examples on every run, so a red run
 means a change broke something, never chance; `make fuzz` explores new ones
-(GPUSLICE_HYPOTHESIS=explore) and prints a replayable failure when it finds one."""
+(GPUSLICE_HYPOTHESIS=explore) and prints a replayable failure when it finds one.
+
+No unit test reads or writes the host's gpuslice (tests/hostpaths.py): each runs with every
+default path re-rooted below its tmp_path, and one that makes /var/lib/gpuslice, /run/gpuslice
+or /etc/gpuslice on the host all the same fails, named, rather than the next run that finds it
+there. tests/integration boots its own hosts, and is left alone."""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from tests import hostpaths
 
 FAKE_SRC = Path(__file__).parent / "fakenvml"
 
@@ -39,6 +46,62 @@ _signals_as_a_shell_leaves_them()
 settings.register_profile("repeatable", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("GPUSLICE_HYPOTHESIS", "repeatable"))
+
+INTEGRATION = Path(__file__).parent / "integration"
+# the host's own gpuslice directories, as they were when this session started, and those a
+# test was failed for making
+_HOST_BEFORE = pytest.StashKey[frozenset[str]]()
+_HOST_SAID = pytest.StashKey[set[str]]()
+
+
+def _unit_test(item: pytest.Item) -> bool:
+    return INTEGRATION not in Path(item.path).parents
+
+
+@pytest.fixture(autouse=True)
+def own_host(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A unit test's host: every default path of gpuslice's below tmp_path/host (the root it
+    yields), none of the host's environment for gpuslice; and the test fails if the host's
+    own gpuslice directories (hostpaths.WATCHED) appeared while it ran, whoever made them."""
+    if not _unit_test(request.node):
+        yield Path("/")
+        return
+    root = request.getfixturevalue("tmp_path") / "host"
+    before = hostpaths.present()
+    hostpaths.isolate(monkeypatch, root)
+    yield root
+    made = hostpaths.present() - before
+    if made:
+        request.session.stash.setdefault(_HOST_SAID, set()).update(made)
+        pytest.fail(hostpaths.leaked(made, [request.node.nodeid]), pytrace=False)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.stash[_HOST_BEFORE] = hostpaths.present()
+    session.stash[_HOST_SAID] = set()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Made during a session of unit tests alone, and not yet said by own_host (before the
+    first test, after the last, by a process a test left behind): the session fails, naming
+    the test files that ran. A session with tests/integration in it is not judged: its
+    containers' hosts are their own, but this one is not shown to be untouched by them."""
+    items = session.items if hasattr(session, "items") else []
+    if any(not _unit_test(item) for item in items):
+        return
+    before: frozenset[str] = session.stash.get(_HOST_BEFORE, frozenset())
+    said: set[str] = session.stash.get(_HOST_SAID, set())
+    made = hostpaths.present() - before - said
+    if not made:
+        return
+    files = sorted({item.nodeid.partition("::")[0] for item in items})
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")  # after the progress line
+        reporter.write_sep("!", "unit tests reached the host", red=True)
+        reporter.write_line(hostpaths.leaked(made, files))
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from gpuslice.core.scheduler import SavedState, Scheduler
 from gpuslice.inventory import GpuUse, Sample
 from gpuslice.state import StateStore
 from gpuslice.status import render, snapshot_to_json
+from tests.hostpaths import REAL
 from tests.test_release_jobs_resume import _systemd_started, _this_boot
 
 GIB = 1 << 30
@@ -352,6 +353,8 @@ def test_release_gates_wakes_them_wherever_the_controller_may_have_made_them(
     woken: list[str] = []
     monkeypatch.setattr(gatepipes, "wake_and_remove", lambda d: woken.append(str(d)))
     monkeypatch.setattr("gpuslice.paths.RUNTIME_DIR_RECORD", str(tmp_path / "no-record"))
+    # the real default, whose gates are woken by the stand-in above, not on this host
+    monkeypatch.setattr("gpuslice.paths.DEFAULT_RUNTIME_DIR", REAL["paths.DEFAULT_RUNTIME_DIR"])
     monkeypatch.delenv("GPUSLICE_RUNTIME_DIR", raising=False)
     (tmp_path / "config.yaml").write_text(text)
     result = CliRunner().invoke(main, ["release-gates", "--config", str(tmp_path / "config.yaml")])

@@ -42,6 +42,7 @@ from gpuslice.service import (
     OBJECT_PATH,
 )
 from gpuslice.systemd import Systemd
+from tests.hostpaths import REAL
 from tests.test_dbus_adapter import _OPEN, _bus_daemon, connect, run
 from tests.test_dbus_adapter import bus_address as bus_address
 from tests.test_dbus_adapter import bus_daemon as bus_daemon
@@ -778,6 +779,8 @@ def _release_gates(
     woken: list[str] = []
     monkeypatch.setattr(gatepipes, "wake_and_remove", lambda d: woken.append(str(d)))
     monkeypatch.setattr("gpuslice.paths.RUNTIME_DIR_RECORD", str(tmp_path / "no-record"))
+    # the real default, whose gates are woken by the stand-in above, not on this host
+    monkeypatch.setattr("gpuslice.paths.DEFAULT_RUNTIME_DIR", REAL["paths.DEFAULT_RUNTIME_DIR"])
     monkeypatch.delenv("GPUSLICE_RUNTIME_DIR", raising=False)
     (tmp_path / "config.yaml").write_text(text)
     result = CliRunner().invoke(main, ["release-gates", "--config", str(tmp_path / "config.yaml")])

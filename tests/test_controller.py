@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import types
+import uuid
 from collections.abc import Awaitable, Callable, Collection, Coroutine
 from pathlib import Path
 from signal import SIGHUP
@@ -3452,7 +3453,9 @@ def test_a_reload_keeps_the_paths_the_controller_started_with(
     one left a unit to read its last grant's file (another GPU) or none (every GPU)."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     old = bed.config.runtime_dir
-    (tmp_path / "config.yaml").write_text("runtime_dir: /run/gpuslice/elsewhere\n")
+    # a name of this run's own: what another run left on this host is not what this one wrote
+    new = f"/run/gpuslice/elsewhere-{uuid.uuid4().hex}"
+    (tmp_path / "config.yaml").write_text(f"runtime_dir: {new}\n")
     cgroup_of[4242] = "a.service"
 
     async def test() -> None:
@@ -3463,11 +3466,11 @@ def test_a_reload_keeps_the_paths_the_controller_started_with(
         await bed.acquire("a.service", ":1.9", 4242)
         await until(lambda: bed.service.granted != [])  # once the reload's rescan is read
         assert "CUDA_VISIBLE_DEVICES=0" in env_file(old, "a.service").read_text()
-        assert not Path("/run/gpuslice/elsewhere").exists()
+        assert not Path(new).exists()
 
     with caplog.at_level(logging.WARNING, logger="gpuslice"):
         run(test)
-    assert "runtime_dir: /run/gpuslice/elsewhere takes effect at the next boot" in caplog.text
+    assert f"runtime_dir: {new} takes effect at the next boot" in caplog.text
 
 
 def test_a_reload_through_a_symlink_that_leads_nowhere_keeps_the_last_good_config(

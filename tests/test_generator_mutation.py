@@ -333,7 +333,8 @@ def test_generate_writes_nothing_and_returns_0_when_the_unit_files_cannot_be_rea
 def test_generate_reads_the_real_root_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without `root`, generate reads config.yaml and the unit files under `/`."""
+    """Without `root`, generate reads the runtime_dir record, config.yaml and the unit files
+    under `/` (each a stand-in here: none of this host's is read)."""
     seen: list[str] = []
 
     def index(root: str | os.PathLike[str]) -> UnitIndex:
@@ -344,12 +345,16 @@ def test_generate_reads_the_real_root_by_default(
         seen.append(os.fspath(path))
         return Config(), []
 
+    def pinned(record: Path) -> None:
+        seen.append(os.fspath(record))
+
     monkeypatch.setattr(generator, "UnitIndex", index)
     monkeypatch.setattr(generator, "load_config_with_warnings", config)
+    monkeypatch.setattr(generator, "read_pinned_runtime_dir", pinned)
     write(tmp_path, f"{ETC}/a.service", ANNOTATION)
     out = tmp_path / "out"
     assert generator.generate(out, libexec_dir=LIBEXEC) == 1
-    assert seen == ["/etc/gpuslice/config.yaml", "/"]
+    assert seen == ["/run/gpuslice/runtime-dir", "/etc/gpuslice/config.yaml", "/"]
     assert written(out) == {"a.service.d/gpuslice-gate.conf": gate()}
 
 

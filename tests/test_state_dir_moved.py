@@ -33,6 +33,7 @@ from gpuslice.cli import main
 from gpuslice.config import Config, ConfigError, load_config_with_warnings
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.state import StateStore
+from tests.hostpaths import REAL
 from tests.test_controller import BOOT, Bed, bed_config, messages, run, settle, state
 from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
 from tests.test_controller_run import ENDS_WITHIN, Host
@@ -328,12 +329,13 @@ def test_config_yaml_cannot_name_the_record_as_state_dir(tmp_path: Path) -> None
     name that begins as the record's does is refused too (tests/test_record_files.py); a
     shorter one is a state_dir."""
     path = tmp_path / "config.yaml"
-    for value in (paths.STATE_DIR_RECORD, paths.STATE_DIR_RECORD + "/x"):
+    record, default = REAL["paths.STATE_DIR_RECORD"], REAL["paths.DEFAULT_STATE_DIR"]
+    for value in (record, record + "/x"):
         path.write_text(f"state_dir: {value}\n")
         with pytest.raises(ConfigError, match="state_dir"):
             load_config_with_warnings(path)
-    path.write_text(f"state_dir: {paths.DEFAULT_STATE_DIR}/state-di\n")
-    assert load_config_with_warnings(path)[0].state_dir == f"{paths.DEFAULT_STATE_DIR}/state-di"
+    path.write_text(f"state_dir: {default}/state-di\n")
+    assert load_config_with_warnings(path)[0].state_dir == f"{default}/state-di"
 
 
 def test_the_daemon_records_the_state_dir_it_runs_with(
