@@ -73,7 +73,7 @@ def private_bus() -> Iterator[str]:
         raise DaemonMissing("dbus-daemon is needed (Debian package dbus-daemon)")
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "bus.conf"
-        config.write_text(BUS_CONFIG.format(socket=Path(tmp) / "bus"))
+        config.write_text(BUS_CONFIG.format(socket=Path(tmp) / "bus", limits=""))
         daemon = subprocess.Popen(
             [daemon_path, f"--config-file={config}", "--nofork", "--nopidfile"],
             stderr=subprocess.DEVNULL,

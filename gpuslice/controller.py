@@ -49,7 +49,7 @@ from gpuslice.config import (
     runtime_dir_value,
     runtime_dirs_of_this_boot,
 )
-from gpuslice.core.decisions import Code, Decision
+from gpuslice.core.decisions import Cause, Code, Decision, render
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.placement import format_gpus
 from gpuslice.core.plan import plan_start
@@ -78,6 +78,7 @@ from gpuslice.notify import Notifier
 from gpuslice.paths import (
     BOOT_RECORD,
     ENV_DIR_NAME,
+    GATE_NAME,
     RUNTIME_DIR_ENV,
     RUNTIME_DIR_RECORD,
     STATE_DIR_RECORD,
@@ -232,6 +233,7 @@ class Controller:
             lambda unit, props: self.on_unit_changed(unit, props, read=True),
             self._known_units,
             self._spawn,
+            self._wake_unheard_gates,
         )
         # freeze, suspend and resume (the Preempt= ladder), carried out as tasks
         self.ladder = Ladder(
@@ -300,6 +302,9 @@ class Controller:
         # units whose gate waits for their environment file to be written: granted
         # (_deliver), or let through on GPUs still held for them (_let_through)
         self._withheld: dict[str, asyncio.TimerHandle] = {}
+        # units whose gate `_let_through` passes once systemd's ExecStartPre= of the unit is
+        # read (_pass_gate): the calls that come meanwhile are answered with the first
+        self._passing: set[str] = set()
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
         self._batching = 0  # depth of _batched: the state its events change is saved once
         self._save_due = False  # changed, and saved by the scheduling pass due this turn
@@ -1302,7 +1307,9 @@ class Controller:
 
     def _let_through(self, unit: str) -> None:
         """An unannotated unit's gate passes (the core forgot its start, or never knew it):
-        its calls over D-Bus are answered, and a gate on its pipe is sent there. Not through
+        its calls over D-Bus are answered (`_pass_gate`, which restarts instead a start whose
+        gate a daemon-reload took out from under its own ExecStartPre= lines), and a gate on
+        its pipe is sent there. Not through
         the pipe: that needs our end held until the unit has left its gate, which its
         signals, no longer matched, would not tell. Its env file is made to say what the
         core books for it first, as the gate drop-in (until the next daemon-reload) still
@@ -1324,22 +1331,90 @@ class Controller:
         if withheld is not None:
             withheld.cancel()
         self.execute(self.scheduler.let_through(unit))  # let go: its GPUs cannot be named
-        held = sorted(self.scheduler.grants().get(unit, ()))
+        held = self._held_for(unit)
         self.gates.close(unit)
         self.gates.at_gate_unknown(unit)
         if not held:
             envfiles.remove(self.config.runtime_dir, unit)
         elif not self._names_held(unit, held, again=withheld is not None):
             return
-        if self.service.pending(unit) and self.service.grant(unit, ",".join(map(str, held))):
-            if held:
-                log.info(
-                    "%s passed the gate on %s, which it keeps until it ends: no longer annotated",
-                    unit,
-                    format_gpus(held),
-                )
-            else:
-                log.info("%s passed the gate: not managed by gpuslice", unit)
+        if self.service.pending(unit) and unit not in self._passing:
+            self._passing.add(unit)
+            self._spawn(self._pass_gate(unit, held))
+
+    async def _pass_gate(self, unit: str, held: list[int]) -> None:
+        """Answer the gate `_let_through` lets through, once systemd's ExecStartPre= of the
+        unit is read (only here: a let-through is rare, a grant costs no read). A
+        daemon-reload that took the unit's annotation out took its gate's drop-in out too,
+        and systemd does not go on with a command list whose running command vanished from
+        it: let through, the start skipped every ExecStartPre= line of the unit's own (a
+        model download, a mount check) and ran its ExecStart= at once. A list that holds no
+        gate but other commands has the start restarted instead (`_restart_ungated`): one
+        job, the one whoever started it waits for, stopped and then started from the unit
+        file of now, every line of it run. A list that still holds the gate (no reload took
+        it out yet) goes on after it, and an empty one has nothing to skip: let through."""
+        try:
+            try:
+                commands = await self.systemd.exec_start_pre(unit)
+            except SystemdError as e:
+                self.counters.error("dbus_call_errors")
+                if is_transient(e):
+                    self.service.forget(unit)  # it asks again, and is read again then
+                    return
+                log.debug("cannot read the ExecStartPre= of %s: %s", unit, e)
+                commands = []
+            if not self.service.pending(unit):
+                return  # answered or cancelled meanwhile
+            if self.spec_for(unit) is not None or self._held_for(unit) != held:
+                self.service.forget(unit)  # it asks again, and is judged on what we know then
+                return
+            gone = all(path.rsplit("/", 1)[-1] != GATE_NAME for path, _ in commands)
+            if commands and gone and await self._restart_ungated(unit):
+                return
+            if self.service.pending(unit) and self.service.grant(unit, ",".join(map(str, held))):
+                if held:
+                    log.info(
+                        "%s passed the gate on %s, which it keeps until it ends: no longer "
+                        "annotated",
+                        unit,
+                        format_gpus(held),
+                    )
+                else:
+                    log.info("%s passed the gate: not managed by gpuslice", unit)
+        finally:
+            self._passing.discard(unit)
+
+    def _held_for(self, unit: str) -> list[int]:
+        """The GPUs the core books for the unit, in order."""
+        return sorted(self.scheduler.grants().get(unit, ()))
+
+    async def _restart_ungated(self, unit: str) -> bool:
+        """Whether systemd took a restart of a start let through whose gate a daemon-reload
+        took out (`_pass_gate`). RestartUnit on a unit still activating is merged into its
+        start job, which stops the unit (its gate ends 0, as at any stop, and the unit ends
+        inactive, not failed: no OnFailure=) and then starts it from the unit file of now:
+        no gate, and its own ExecStartPre= lines first. Its gate's calls are answered "ask
+        again": its shell is being stopped. Refused (RefuseManualStart=, say), the gate is
+        let through as before, and the journal says what that costs; a call that did not
+        reach systemd is tried again when the gate asks again."""
+        try:
+            await self.systemd.restart_unit(unit)
+        except SystemdError as e:
+            self.counters.error("dbus_call_errors")
+            if is_transient(e):
+                self.service.forget(unit)
+                return True
+            log.warning(
+                "cannot restart %s, whose gate a daemon-reload took out: %s; letting it "
+                "through, and systemd skips its own ExecStartPre= lines",
+                unit,
+                e.text,
+            )
+            return False
+        self.service.forget(unit)
+        decision = Decision(Code.UNMANAGED, unit, cause=Cause.RESTARTED)
+        self._say(render(decision), "info", decision)
+        return True
 
     def _names_held(self, unit: str, held: Sequence[int], again: bool) -> bool:
         """Whether the env file of a unit let through names the GPUs the core holds for it,
@@ -1642,6 +1717,18 @@ class Controller:
         checks against their signals."""
         core = self.scheduler
         return {*core.grants(), *core.waiting_units(), *core.suspended_units()}
+
+    def _wake_unheard_gates(self) -> None:
+        """Gates that wait on their pipe for a start whose signals were all lost, of units the
+        core does not know (the audit reads those it knows), ask over D-Bus instead: nothing
+        else would ever open their pipe (GatePipes.wake_unheard)."""
+        for unit in self.gates.wake_unheard(lambda name: not self._known(name)):
+            self.counters.error("dbus_signals_lost")
+            log.warning(
+                "%s waits at its gate on its pipe, yet no word of that start reached gpuslice "
+                "(its signals were lost on the bus): it asks over D-Bus now",
+                printable(unit),
+            )
 
     def _managed_units(self) -> set[str]:
         """Units whose GPU processes are not foreign: annotated, holding, or tracked and still

@@ -21,7 +21,9 @@ Why this is as safe as the bus:
   the pipe an earlier start leaves.
   When the controller dies, the kernel closes its ends and the gates read end of file;
   one blocked in open() before the controller opened its pipe is woken by `reset`, which
-  `gpuslice release-gates` (ExecStopPost= of gpuslice.service) and every start-up run.
+  `gpuslice release-gates` (ExecStopPost= of gpuslice.service) and every start-up run. One
+  whose start's signals the bus daemon dropped (anyone can fill the controller's queue) is
+  woken by the next audit (`wake_unheard`, every 30 s).
 - Too many gates at once (more than MAX_OPEN) are sent to the bus rather than holding
   more file descriptors.
 
@@ -45,6 +47,7 @@ import shutil
 import stat
 import sys
 import termios
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +90,9 @@ def pipe_budget() -> int:
 # How every pipe is opened: for reading and writing, so that open() never blocks on the gate
 # and the pipe stays open when a gate goes; never through a link someone put in its place
 _PIPE_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
+# How a pipe is opened to wake a gate that waits on it unheard (wake_unheard): for writing
+# only, so that it fails (ENXIO) when no gate waits on it, and never blocks
+_PROBE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
 # Why an open fails for want of room, whatever the pipe (not for what is in its place)
 _NO_ROOM = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
@@ -198,6 +204,36 @@ class GatePipes:
 
     def holding(self) -> list[str]:
         return sorted(self._open)
+
+    def wake_unheard(self, unheard: Callable[[str], bool]) -> list[str]:
+        """Wake every gate that waits on a pipe we do not hold, of a unit `unheard` says no
+        word of systemd's will bring us to (the controller's audit reads only the units the
+        core knows): its start's signals were lost, as the bus daemon drops them for a
+        connection whose queue is full, and anyone can fill it (a flood of Status calls).
+        Nothing then opened the pipe a unit's earlier start left, and its gate waited in
+        open() for ever (TimeoutStartSec=infinity). Opened for writing without blocking, a
+        pipe opens only when a reader waits on it (else ENXIO) and wakes it; closed at once,
+        its gate reads end of file and asks over D-Bus, where it is served. A gate woken in
+        the moment before its signal is read asks there too. The units whose gate was woken."""
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:  # no directory: no pipe, no gate waits on one
+            return []
+        woken = []
+        for entry in entries:
+            unit = entry.name
+            if unit in self._open or not unheard(unit):
+                continue
+            try:
+                fd = os.open(entry.path, _PROBE_FLAGS)
+            except OSError:  # ENXIO: no gate waits on it (or not a pipe we can open)
+                continue
+            try:
+                if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                    woken.append(unit)
+            finally:
+                os.close(fd)
+        return sorted(woken)
 
     # -- files ------------------------------------------------------------------------------
 

@@ -36,7 +36,9 @@ from gpuslice.paths import (
     CONFIG_PATH,
     ENV_FILE_SPECIFIER,
     GATE_DROPIN_NAME,
+    GATE_NAME,
     GATE_PIPE_SPECIFIER,
+    GATE_RETRY_ENV,
     RUNTIME_DIR_DROPIN,
     RUNTIME_DIR_ENV,
     RUNTIME_DIR_RECORD,
@@ -99,14 +101,24 @@ def _seconds(value: float) -> str:
     return f"{value:.3f}".rstrip("0").rstrip(".")
 
 
+# The gate's second argument, the same in every drop-in whatever gate_retry_seconds is: its
+# retry comes in GATE_RETRY_ENV, which the gate reads first. systemd matches the command a
+# start runs by its whole command line at a daemon-reload: one that changed (a new retry) had
+# vanished, and the start, once its gate passed, skipped the unit's own ExecStartPre= lines.
+# "0.5" is what drop-ins of versions before GATE_RETRY_ENV wrote with the default retry, so
+# that a start waiting at its gate while the upgrade's daemon-reload runs keeps its lines too.
+# Never change it.
+GATE_LINE_RETRY = "0.5"
+
+
 def gate_dropin(
     libexec_dir: str,
     runtime_dir: str,
     exec_start_pre: list[str],
     retry: float = DEFAULTS.gate_retry_seconds,
 ) -> str:
-    """The text of one gate drop-in. The retry is always passed to the gate, so its default
-    lives only in config.py's SETTINGS."""
+    """The text of one gate drop-in. The retry is always written out (GATE_RETRY_ENV), so
+    its default lives only in config.py's SETTINGS."""
     lines = [
         HEADER.rstrip("\n"),
         "[Unit]",
@@ -115,9 +127,10 @@ def gate_dropin(
         "",
         "[Service]",
         "ExecStartPre=",
-        f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/gpuslice-gate %n {_seconds(retry)} "
+        f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/{GATE_NAME} %n {GATE_LINE_RETRY} "
         f"{_escape_specifiers(runtime_dir)}/{GATE_PIPE_SPECIFIER}",
         *(f"ExecStartPre={v}" for v in exec_start_pre),
+        f"Environment={GATE_RETRY_ENV}={_seconds(retry)}",
         f"EnvironmentFile=-{_escape_specifiers(runtime_dir)}/{ENV_FILE_SPECIFIER}",
         "TimeoutStartSec=infinity",
     ]

@@ -7,6 +7,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 GATE_NAME = "gpuslice-gate"
+# The gate's retry (gate_retry_seconds), set by its drop-in's `Environment=` and read by the
+# gate first: passed in the gate's command line, a new retry changed that line, and systemd,
+# at the daemon-reload that applied it, did not go on with the ExecStartPre= list of a start
+# waiting at its gate (its running command had "vanished"): granted, the start skipped the
+# unit's own ExecStartPre= lines.
+GATE_RETRY_ENV = "GPUSLICE_GATE_RETRY"
 # The gate drop-in's file name: drop-ins that sort after it are applied after it.
 GATE_DROPIN_NAME = "gpuslice-gate.conf"
 CONFIG_PATH = "/etc/gpuslice/config.yaml"

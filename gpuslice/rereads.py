@@ -7,7 +7,8 @@ Three cases need a read instead:
 - an answer of systemd's or a re-match may have outrun a change: read at once (`refresh`);
 - the bus daemon drops signals for a connection whose queue is full, and says nothing: every
   AUDIT_INTERVAL the units the core knows are read in one call (`audit`), and the bus daemon
-  is asked who owns systemd's name (its NameOwnerChanged is a signal too: Systemd.check_owner).
+  is asked who owns systemd's name (its NameOwnerChanged is a signal too: Systemd.check_owner);
+  a gate that waits on its pipe for a start no signal told is woken (`wake_unheard`).
 A read is never taken in over a later word of systemd's (`read_fresh`). And because systemd
 holds its PropertiesChanged back while its own bus queue is long but answers a read at once, a
 read that shows a change is first taken for a signal on its way: it is taken in only when a
@@ -60,13 +61,17 @@ class Rereads:
         take: Callable[[str, dict[str, Any]], None],
         known: Callable[[], Iterable[str]],
         spawn: Spawn,
+        wake_unheard: Callable[[], None] = lambda: None,
     ) -> None:
+        """`wake_unheard`: at each audit, wake the gates that wait where no read of the
+        audit's looks (GatePipes.wake_unheard)."""
         self.systemd = systemd
         self.tracker = tracker
         self.counters = counters
         self.take = take
         self.known = known
         self.spawn = spawn
+        self.wake_unheard = wake_unheard
         # units a periodic read showed otherwise than their signals: (that state, the stamp of
         # systemd's last word then), taken in if the next read finds the same
         self._suspects: dict[str, tuple[UnitState, int]] = {}
@@ -125,6 +130,7 @@ class Rereads:
         not tell. A unit systemd said anything of since the call was sent is skipped: the
         answer may be older than that. The next audit follows AUDIT_INTERVAL later."""
         try:
+            self.wake_unheard()  # first: nothing awaited before it can hold it back
             try:  # systemd's name changed hands unheard: its signals were all dropped since
                 if await self.systemd.check_owner():
                     self.counters.error("dbus_signals_lost")

@@ -55,6 +55,20 @@ _EVERY_UNIT = _UNIT_SIGNALS + "path_namespace='/org/freedesktop/systemd1/unit'"
 # calls beyond 128 pending (max_replies_per_connection), and 200 starts queued at once would
 # each ask systemd something. Calls beyond it wait their turn here.
 MAX_CALLS_IN_FLIGHT = 64
+# Seconds a call of ours waits for its answer, then fails as unanswered (NO_REPLY, transient:
+# a job call is sent again). The bus daemon drops any message for a connection whose queue is
+# full, answers to our calls included, without a word (and the system bus's reply_timeout is
+# "never"): anyone may fill the controller's queue with Status calls, which the policy allows
+# them, and so lose the answers to the calls it makes meanwhile (one user's 4 connections of
+# 5 KB calls for 10 s lost 18 of 20). Such a call waited for ever, holding one of
+# MAX_CALLS_IN_FLIGHT: an audit that asked who owns systemd's name never ended and never
+# came again, a gate's Acquire was never checked, a re-match held its lock for good, and once
+# 64 were lost no call of the controller's ever left again. Answers that a flood only delays
+# come within tens of seconds (a queue full of 127 MiB of calls read in ~40 s); sd-bus gives
+# up after 25.
+CALL_TIMEOUT = 60.0
+# The error of a call that got no answer at all (`_check`, CALL_TIMEOUT): in TRANSIENT_ERRORS
+NO_REPLY = "org.gpuslice.Error.NoReply"
 # Told a job path the moment systemd's answer to a StartUnit/StopUnit is read, before the
 # signals systemd sent after it are handled (an awaiting coroutine resumes only after them).
 Queued = Callable[[str], None]
@@ -91,7 +105,7 @@ TRANSIENT_ERRORS = frozenset(
         "org.freedesktop.DBus.Error.TimedOut",
         "org.freedesktop.DBus.Error.Disconnected",
         "org.freedesktop.DBus.Error.NoServer",
-        "org.gpuslice.Error.NoReply",  # ours (`_check`): no answer at all
+        NO_REPLY,  # ours: no answer at all (`_check`, CALL_TIMEOUT)
     }
 )
 
@@ -251,7 +265,7 @@ def _flush(bus: MessageBus) -> None:
 
 def _check(reply: Message | None) -> Message:
     if reply is None:
-        raise SystemdError("org.gpuslice.Error.NoReply", "no reply from systemd")
+        raise SystemdError(NO_REPLY, "no reply from systemd")
     if reply.message_type == MessageType.ERROR:
         text = reply.body[0] if reply.body else ""
         raise SystemdError(reply.error_name or "unknown", str(text))
@@ -385,7 +399,27 @@ class Systemd:
             self._told.pop(message.serial, None)
             self._calls.give()
             raise
+        lost = reply.get_loop().call_later(CALL_TIMEOUT, self._unanswered, reply, message)
+        reply.add_done_callback(lambda _: lost.cancel())
         return reply
+
+    def _unanswered(self, reply: asyncio.Future[Message | None], message: Message) -> None:
+        """No answer within CALL_TIMEOUT: the bus daemon dropped it (CALL_TIMEOUT says when),
+        or it is later than any we wait for. Failed as unanswered; an answer that comes
+        after all is dropped by dbus-next, which no longer expects it."""
+        if reply.done():
+            return
+        handlers = getattr(self.bus, "_method_return_handlers", None)
+        if isinstance(handlers, dict):
+            handlers.pop(message.serial, None)
+        log.warning(
+            "no answer to %s.%s within %g s: the bus daemon drops answers to a connection "
+            "whose queue is full (a flood of calls to gpuslice?); taken as unanswered",
+            message.interface,
+            message.member,
+            CALL_TIMEOUT,
+        )
+        reply.set_exception(SystemdError(NO_REPLY, f"no answer within {CALL_TIMEOUT:g} s"))
 
     async def _answer(self, reply: asyncio.Future[Message | None], serial: int) -> list[Any]:
         try:
@@ -429,7 +463,7 @@ class Systemd:
             if new == old:
                 return []
             if new is None:
-                await self._add_match(_EVERY_UNIT)
+                await self._add_matches([_EVERY_UNIT])
             else:
                 await self._add_matches(
                     [_UNIT_SIGNALS + f"path='{unit_path(n)}'" for n in sorted(new - (old or set()))]
@@ -450,7 +484,12 @@ class Systemd:
         added: list[str] = []
         try:
             for rule in rules:
-                await self._add_match(rule)
+                try:
+                    await self._add_match(rule)
+                except SystemdError as e:
+                    if e.name == NO_REPLY:  # its answer was lost, not the call: maybe added
+                        added.append(rule)
+                    raise
                 added.append(rule)
         except SystemdError:
             for rule in added:
@@ -548,6 +587,25 @@ class Systemd:
 
     def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._queue("StopUnit", name, queued)
+
+    def restart_unit(self, name: str) -> Awaitable[str]:
+        """RestartUnit, mode replace: on a unit still activating, systemd merges it into the
+        start job under way (one job, its id kept: whoever waits for the start is told how
+        that ends), stops the unit, then starts it from its unit file of now."""
+        return self._queue("RestartUnit", name, None)
+
+    async def exec_start_pre(self, name: str) -> list[tuple[str, list[str]]]:
+        """A service's ExecStartPre= list as systemd holds it now (since its last
+        daemon-reload): each command's path and argv. SystemdError for a reply not of the
+        form systemd gives (a(sasbttttuii))."""
+        (value,) = await self.call(
+            "Get", "ss", [SERVICE, "ExecStartPre"], path=unit_path(name), interface=PROPERTIES
+        )
+        if not isinstance(value, Variant) or value.signature != "a(sasbttttuii)":
+            raise SystemdError(
+                "org.gpuslice.Error.BadReply", f"ExecStartPre of {name}: {repr(value)[:80]}"
+            )
+        return [(str(c[0]), [str(a) for a in c[1]]) for c in value.value]
 
     async def freeze_unit(self, name: str) -> None:
         """Freeze the unit's cgroup (cgroup v2 only); the reply comes when it is frozen

@@ -71,6 +71,10 @@ class FakeSystemd:
         # error its read fails with; the units whose record was read, in order
         self.main_exits: dict[str, MainExit | SystemdError] = {}
         self.exit_reads: list[str] = []
+        # each unit's ExecStartPre= (path, argv) as systemd holds it, where a test says (else
+        # none), or the error its read fails with; RestartUnit's error, where a test says
+        self.exec_start_pres: dict[str, list[tuple[str, list[str]]] | SystemdError] = {}
+        self.refused_restarts: dict[str, SystemdError] = {}
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -115,6 +119,24 @@ class FakeSystemd:
         if isinstance(found, SystemdError):
             raise found
         return found
+
+    async def exec_start_pre(self, name: str) -> list[tuple[str, list[str]]]:
+        self.calls.append(("exec_start_pre", name))
+        found = self.exec_start_pres.get(name, [])
+        if isinstance(found, SystemdError):
+            raise found
+        return found
+
+    def restart_unit(self, name: str) -> Awaitable[str]:
+        refused = self.refused_restarts.get(name)
+        if refused is None:
+            return self._job("restart", name, None)
+        self.calls.append(("restart", name))
+
+        async def answer() -> str:
+            raise refused
+
+        return answer()
 
     async def caller_pid(self, sender: str) -> int:
         if sender not in self.pids:

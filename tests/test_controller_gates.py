@@ -20,6 +20,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 
@@ -144,6 +145,51 @@ def test_every_gate_answer_is_counted_once_by_the_way_it_went(
         await bed.acquire("a.service", ":1.11", 4244)  # its gate found no pipe
         assert bed.service.waiting == {}
         assert ctl.counters.gate_answers == {"pipe": 2, "dbus": 3}
+
+    run(test)
+
+
+# ---- a start whose signals were all lost ----
+
+
+def test_a_gate_waiting_on_its_pipe_for_a_start_no_signal_told_is_woken_by_the_audit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """a.service ran once (its pipe stays); its next start's signals, JobNew and start-pre
+    alike, were all dropped by the bus daemon (a user's flood of Status calls fills the
+    controller's queue). Its gate waited in open() on that pipe for ever: nothing opens a
+    pipe but a signal of the start, and the audit read only the units the core knows. The
+    audit wakes it now, to ask over D-Bus. Not while a.service holds its GPU: the core knows
+    it, and the audit's read of it tells (a restart's signals lost)."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    pipe = Path(bed.config.runtime_dir) / "gate" / "a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate(START))
+        await settle()
+        assert read_pipe(bed, "a.service") == START.hex() + "\n"
+        ctl.on_unit_changed("a.service", running())
+        await settle()
+        assert not ctl.gates.holds("a.service") and pipe.exists()
+        gate = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE
+        )
+        await asyncio.sleep(0.2)  # in open(), as the gate of a start unheard
+        await ctl.reads.audit()
+        assert gate.returncode is None  # a holder: known to the core, read by the audit
+        goes_down(bed, "a.service")
+        await settle()
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            await ctl.reads.audit()
+            out, _ = await asyncio.wait_for(gate.communicate(), 5)
+        assert out == b"read []\n"  # end of file: the gate asks over D-Bus
+        assert ctl.counters.errors["dbus_signals_lost"] == 1
+        assert messages(caplog)[-1] == (
+            "a.service waits at its gate on its pipe, yet no word of that start reached "
+            "gpuslice (its signals were lost on the bus): it asks over D-Bus now"
+        )
 
     run(test)
 

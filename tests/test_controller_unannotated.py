@@ -15,6 +15,7 @@ a unit, released at its down, was never dropped: one for each instance ever so r
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -22,14 +23,18 @@ import pytest
 from gpuslice.core.model import UnitSpec
 from gpuslice.core.scheduler import SavedState
 from gpuslice.nvml import GpuProcess
+from gpuslice.systemd import SystemdError
 from tests.test_controller import (
     GIB,
     Bed,
     StubNvml,
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
+    at_gate,
     bed_config,
     goes_down,
     late_stops,
+    low_holds_gpu_0,
+    messages,
     run,
     settle,
     signal,
@@ -258,5 +263,125 @@ def test_the_managed_set_builds_no_spec_for_a_tracked_unit_the_core_knows_annota
         monkeypatch.setattr(ctl.scan, "spec_for", counted)
         assert INSTANCE in ctl._managed_units()
         assert asked == []
+
+    run(test)
+
+
+# ---- a start at a gate that a daemon-reload took out, of a unit with lines of its own ----
+
+URGENT = "urgent.service"
+GATE_LINE = (
+    "/usr/lib/gpuslice/gpuslice-gate",
+    ["/usr/lib/gpuslice/gpuslice-gate", URGENT, "0.5", "/run/gpuslice/gate/urgent.service"],
+)
+TOUCH = ("/bin/touch", ["/bin/touch", "/tmp/x"])
+RESTARTED = (
+    "urgent.service is no longer annotated: restarting its start, which waited at the gate a "
+    "daemon-reload took out; let through, it would skip its own ExecStartPre= lines"
+)
+
+
+async def waits_then_unannotated(bed: Bed, tmp_path: Path) -> None:
+    """urgent.service waits at its gate for low.service to stop; a daemon-reload takes its
+    annotation out, and with it its gate's drop-in; its gate asks over D-Bus."""
+    ctl = bed.controller
+    await ctl.start()
+    ctl.on_unit_changed(URGENT, at_gate())
+    await settle()
+    await unannotate(ctl, tmp_path, URGENT)
+    await bed.acquire(URGENT, ":1.9", 4242)
+
+
+def test_a_start_whose_gate_a_reload_took_out_is_restarted_with_its_own_lines(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """urgent.service has `ExecStartPre=/bin/touch /tmp/x` of its own. systemd, at the
+    daemon-reload that took its gate out, no longer finds the gate's command in the new
+    ExecStartPre= list, and does not go on with that list: let through, the start went on to
+    ExecStart= without its own line (README claimed it ran "as any unannotated unit's
+    does"). It is restarted instead (one job, stopped then started from the unit file of
+    now, every line of it run), and both journals say why; its gate's call is told to ask
+    again (its shell is being stopped), never granted."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    bed.systemd.exec_start_pres[URGENT] = [TOUCH]
+
+    async def test() -> None:
+        await waits_then_unannotated(bed, tmp_path)
+        await until(lambda: ("restart", URGENT) in bed.systemd.calls)
+        await settle()
+        assert bed.service.granted == [] and bed.service.sent_back == [URGENT]
+        assert bed.systemd.calls.count(("restart", URGENT)) == 1
+        assert not bed.controller._passing
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    assert RESTARTED in messages(caplog)
+
+
+@pytest.mark.parametrize(
+    "pre", [[GATE_LINE, TOUCH], []], ids=["gate-still-there", "no-lines-of-its-own"]
+)
+def test_a_gate_let_through_that_systemd_still_runs_or_with_nothing_to_skip_passes(
+    tmp_path: Path, cgroup_of: dict[int, str], pre: list[tuple[str, list[str]]]
+) -> None:
+    """No daemon-reload took the gate out yet (the rescan read the file first): systemd goes
+    on after it with the unit's own lines. Or the unit has none: nothing is skipped. Either
+    way its gate passes, and nothing is restarted."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    bed.systemd.exec_start_pres[URGENT] = pre
+
+    async def test() -> None:
+        await waits_then_unannotated(bed, tmp_path)
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [(URGENT, "")]
+        assert ("restart", URGENT) not in bed.systemd.calls
+
+    run(test)
+
+
+def test_a_restart_systemd_refuses_lets_the_gate_through_and_says_what_that_costs(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """RefuseManualStart=, say: the start is let through as before, never left waiting."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    bed.systemd.exec_start_pres[URGENT] = [TOUCH]
+    bed.systemd.refused_restarts[URGENT] = SystemdError(
+        "org.freedesktop.systemd1.OnlyByDependency", "Operation refused"
+    )
+
+    async def test() -> None:
+        await waits_then_unannotated(bed, tmp_path)
+        await until(lambda: bed.service.granted != [])
+        assert bed.service.granted == [(URGENT, "")]
+
+    caplog.set_level(logging.INFO, "gpuslice")
+    run(test)
+    assert (
+        "cannot restart urgent.service, whose gate a daemon-reload took out: Operation "
+        "refused; letting it through, and systemd skips its own ExecStartPre= lines"
+    ) in messages(caplog)
+    assert RESTARTED not in messages(caplog)
+
+
+@pytest.mark.parametrize("failing", ["read", "restart"])
+def test_a_read_or_restart_that_did_not_reach_systemd_has_the_gate_ask_again(
+    tmp_path: Path, cgroup_of: dict[int, str], failing: str
+) -> None:
+    """systemd re-executing: neither let through on a list not read, nor left waiting. Its
+    gate asks again, and is judged then."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    lost = SystemdError("org.freedesktop.DBus.Error.NoReply", "no reply")
+    if failing == "read":
+        bed.systemd.exec_start_pres[URGENT] = lost
+    else:
+        bed.systemd.exec_start_pres[URGENT] = [TOUCH]
+        bed.systemd.refused_restarts[URGENT] = lost
+
+    async def test() -> None:
+        await waits_then_unannotated(bed, tmp_path)
+        await until(lambda: bed.service.sent_back != [])
+        assert bed.service.granted == []
+        assert bed.service.sent_back == [URGENT]
+        assert not bed.controller._passing
 
     run(test)

@@ -1265,3 +1265,53 @@ def test_how_a_services_main_process_ended_is_read_from_its_own_object(bus_addre
         (path, [SERVICE, "ExecMainStatus"]),
         (path, [SERVICE, "Result"]),
     ]
+
+
+def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
+    bus_address: str,
+) -> None:
+    """Systemd.exec_start_pre: each command's path and argv from the Service interface's
+    ExecStartPre (a(sasbttttuii)), on the unit's object; a reply of another form is a
+    SystemdError. Systemd.restart_unit: RestartUnit with mode replace, the job's path."""
+    gate = "/usr/lib/gpuslice/gpuslice-gate"
+    argv = [gate, "a.service", "0.5", "/run/gpuslice/gate/a.service"]
+    commands = [
+        [gate, argv, False, 0, 0, 0, 0, 4242, 0, 0],
+        ["/bin/touch", ["/bin/touch", "/tmp/x"], True, 0, 0, 0, 0, 0, 0, 0],
+    ]
+    values = {
+        unit_path("a.service"): Variant("a(sasbttttuii)", commands),
+        unit_path("b.service"): Variant("as", ["/bin/touch"]),
+    }
+    calls: list[tuple[str, str, list[Any]]] = []
+
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+
+        def answer(msg: Message) -> Message | bool:
+            if msg.message_type is not MessageType.METHOD_CALL:
+                return False
+            calls.append((msg.path or "", msg.member or "", list(msg.body)))
+            if msg.interface == MANAGER and msg.member == "RestartUnit":
+                return Message.new_method_return(msg, "o", [JOB])
+            if msg.interface != PROPERTIES or msg.member != "Get":
+                return False
+            return Message.new_method_return(msg, "v", [values[msg.path]])
+
+        bus.add_message_handler(answer)
+        await bus.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        assert await systemd.exec_start_pre("a.service") == [
+            (gate, argv),
+            ("/bin/touch", ["/bin/touch", "/tmp/x"]),
+        ]
+        with pytest.raises(SystemdError, match="BadReply"):
+            await systemd.exec_start_pre("b.service")
+        assert await systemd.restart_unit("a.service") == JOB
+
+    run(scenario)
+    assert calls == [
+        (unit_path("a.service"), "Get", [SERVICE, "ExecStartPre"]),
+        (unit_path("b.service"), "Get", [SERVICE, "ExecStartPre"]),
+        ("/org/freedesktop/systemd1", "RestartUnit", ["a.service", "replace"]),
+    ]

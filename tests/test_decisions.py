@@ -194,6 +194,11 @@ def check_rendered(actions: list[Action]) -> None:
             Decision(Code.UNMANAGED, V, cause=Cause.WITHDRAWN),
             "vlm.service is no longer annotated: stopping the start gpuslice gave it",
         ),
+        (
+            Decision(Code.UNMANAGED, V, cause=Cause.RESTARTED),
+            "vlm.service is no longer annotated: restarting its start, which waited at the gate "
+            "a daemon-reload took out; let through, it would skip its own ExecStartPre= lines",
+        ),
     ],
 )
 def test_render_every_code(decision: Decision, sentence: str) -> None:

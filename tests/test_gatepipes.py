@@ -337,6 +337,43 @@ def test_release_wakes_a_gate_blocked_before_the_controller_opened_its_pipe(
     wake_and_remove(pipes.directory)  # twice, or with nothing there: nothing to do
 
 
+def test_a_gate_waiting_on_a_pipe_for_a_start_never_heard_is_woken_to_ask_over_dbus(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """The bus daemon dropped every signal of the start (any user can fill the controller's
+    queue): the gate waits in open() on the pipe an earlier start left, and nothing would
+    ever open it; the start waited for ever. The audit wakes it, it asks over D-Bus."""
+    gate = blocked_in_open(tmp_path, pipes)
+    asked: list[str] = []
+
+    def unheard(unit: str) -> bool:
+        asked.append(unit)
+        return True
+
+    assert pipes.wake_unheard(unheard) == [UNIT]
+    assert asked == [UNIT]
+    assert gate.ended() == 0
+    assert gate.asked_over_dbus()
+    assert stat.S_ISFIFO((pipes.directory / UNIT).stat().st_mode)  # kept for the next start
+
+
+def test_waking_unheard_gates_leaves_every_other_pipe_alone(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """A pipe nobody waits on (nothing to wake: ENXIO), one the controller holds (its gate is
+    answered there), one of a unit the audit reads (the controller judges it), none at all."""
+    assert pipes.wake_unheard(lambda unit: True) == []  # no directory yet
+    pipes.expect("idle.service")
+    gate = blocked_in_open(tmp_path, pipes)
+    assert pipes.wake_unheard(lambda unit: unit != UNIT) == []
+    assert gate.waits()
+    assert pipes.at_gate(UNIT, START)
+    assert pipes.wake_unheard(lambda unit: True) == []
+    pipes.grant(UNIT)
+    assert gate.ended() == 0
+    assert not gate.asked_over_dbus()
+
+
 def test_a_start_at_the_gate_without_its_invocation_is_sent_to_dbus(
     tmp_path: Path, pipes: GatePipes
 ) -> None:
@@ -554,6 +591,51 @@ def test_the_units_bus_address_and_locale_paths_reach_nothing_the_gate_runs(
     assert gate.ended() == 0
     names = {line.partition("=")[0] for line in seen.read_text().splitlines()}
     assert names & set(unit_env) == {"UNIT_OWN"}
+
+
+def first_pause(tmp_path: Path, pipes: GatePipes, unit_env: dict[str, str]) -> str:
+    """How long the gate (its argument "0.5", as the generator writes it) first sleeps after
+    an ask that failed, as its `sleep` is told."""
+    pipes.directory.mkdir(parents=True)  # no pipe: it asks over D-Bus
+    slept = tmp_path / "slept"
+    stub(tmp_path / "bin" / "sleep", f'echo "$1" >> {slept}\nexec /bin/sleep 1\n')
+    gate = Gate(tmp_path, pipes, dbus_send="exit 1", unit_env=unit_env)
+    for _ in range(500):
+        if slept.exists() and slept.read_text().endswith("\n"):
+            break
+        assert gate.waits(0.02), gate.proc.communicate()
+    return slept.read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("unit_env", "pause"),
+    [
+        ({"GPUSLICE_GATE_RETRY": "2"}, "2.000"),
+        ({"GPUSLICE_GATE_RETRY": ""}, "0.500"),
+        ({}, "0.500"),
+    ],
+    ids=["env", "empty", "argument"],
+)
+def test_the_gate_retries_after_the_retry_its_drop_ins_environment_sets(
+    tmp_path: Path, pipes: GatePipes, unit_env: dict[str, str], pause: str
+) -> None:
+    """gate_retry_seconds reaches the gate in GPUSLICE_GATE_RETRY (the drop-in's
+    Environment=), not in its command line, which stays the same whatever the retry: a
+    changed line is one systemd no longer finds at a daemon-reload, and a start waiting at
+    its gate then skipped the unit's own ExecStartPre= lines once granted. Without it (a
+    drop-in of an older version), the argument."""
+    assert first_pause(tmp_path, pipes, unit_env) == pause
+
+
+@pytest.mark.parametrize("retry", ["x", ".", "1.2.3", "-1", "1 2"])
+def test_a_retry_in_the_environment_that_is_no_number_fails_the_start_and_says_so(
+    tmp_path: Path, pipes: GatePipes, retry: str
+) -> None:
+    """As a bad RETRY_SECONDS argument does (only a drop-in of the admin's sets another)."""
+    gate = Gate(tmp_path, pipes, unit_env={"GPUSLICE_GATE_RETRY": retry})
+    said = f"gpuslice-gate: GPUSLICE_GATE_RETRY={retry} is not a number of seconds\n"
+    assert gate.ended(said=said) == 2
+    assert not gate.asked_over_dbus()
 
 
 # ---- what mutation testing asked for: each path out of the pipes, and its words ----

@@ -39,9 +39,10 @@ def gate(
         "\n"
         "[Service]\n"
         "ExecStartPre=\n"
-        f"ExecStartPre=+{libexec}/gpuslice-gate %n {retry} {runtime}/gate/%n\n"
+        f"ExecStartPre=+{libexec}/gpuslice-gate %n 0.5 {runtime}/gate/%n\n"
         + "".join(f"ExecStartPre={p}\n" for p in pre)
-        + f"EnvironmentFile=-{runtime}/env/%n/gpuslice.env\n"
+        + f"Environment=GPUSLICE_GATE_RETRY={retry}\n"
+        f"EnvironmentFile=-{runtime}/env/%n/gpuslice.env\n"
         "TimeoutStartSec=infinity\n"
     )
 
@@ -491,18 +492,32 @@ def test_libexec_dir(tmp_path: Path) -> None:
     assert find_libexec_dir({"GPUSLICE_LIBEXEC_DIR": "/x"}, package) == "/x"
 
 
-def test_the_gate_line_carries_the_retry_it_is_given_or_config_defaults() -> None:
-    assert "gpuslice-gate %n 2 /run/g/gate/%n\n" in generator.gate_dropin(
+def test_the_gate_is_told_the_retry_it_is_given_or_config_defaults() -> None:
+    assert "\nEnvironment=GPUSLICE_GATE_RETRY=2\n" in generator.gate_dropin(
         "/l", "/run/g", [], retry=2.0
     )
-    assert "gpuslice-gate %n 0.05 /run/g/gate/%n\n" in generator.gate_dropin(
+    assert "\nEnvironment=GPUSLICE_GATE_RETRY=0.05\n" in generator.gate_dropin(
         "/l", "/run/g", [], retry=0.05
     )
     # the default is config.py's, always written out: the gate's own default is not relied on
     default = SETTINGS_BY_NAME["gate_retry_seconds"].default
-    assert f"gpuslice-gate %n {default:g} /run/g/gate/%n\n" in generator.gate_dropin(
+    assert f"\nEnvironment=GPUSLICE_GATE_RETRY={default:g}\n" in generator.gate_dropin(
         "/l", "/run/g", []
     )
+
+
+@pytest.mark.parametrize("retry", [0.05, 0.5, 2.0, 60.0])
+def test_the_gates_command_line_is_the_same_whatever_the_retry(retry: float) -> None:
+    """An admin changes gate_retry_seconds and runs daemon-reload while a unit waits at its
+    gate. systemd matches the command a start runs by its whole command line: with the retry
+    in it, the gate's had vanished from the new ExecStartPre= list, and the start, once
+    granted, skipped the unit's own lines (a model download, a mount check) and went on to
+    ExecStart=. The line is the one older versions wrote with the default retry, so an
+    upgrade's daemon-reload finds it too."""
+    text = generator.gate_dropin("/usr/lib/gpuslice", "/run/gpuslice", ["/bin/touch /tmp/x"], retry)
+    [line, own] = [x for x in text.splitlines() if x.startswith("ExecStartPre=") and x[13:]]
+    assert line == "ExecStartPre=+/usr/lib/gpuslice/gpuslice-gate %n 0.5 /run/gpuslice/gate/%n"
+    assert own == "ExecStartPre=/bin/touch /tmp/x"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from gpuslice import (
     service,
     status,
     stopjournal,
+    systemd,
 )
 from gpuslice.cli import status as status_command
 from gpuslice.unitfiles import parse_sections
@@ -74,6 +75,8 @@ ROWS = [
     # Security model: lost signals
     ("So every 30 s the units gpuslice knows", rereads.AUDIT_INTERVAL, 30.0),
     ("found by two reads 30 s apart", rereads.AUDIT_INTERVAL, 30.0),
+    ("a call not answered within 60 s fails as unanswered", systemd.CALL_TIMEOUT, 60.0),
+    ("once 64 had been lost the controller sent", systemd.MAX_CALLS_IN_FLIGHT, 64),
     # Security model: floods of calls
     ("longer than any method takes (4 KiB) are refused unread", busread.MAX_CALL_BODY, 4096),
     ("a call whose header is longer than 4 KiB", busread.MAX_CALL_HEADER, 4096),

@@ -75,6 +75,9 @@ class Cause(enum.Enum):
     SUSPENDED = "suspended"  # thawed-outside: the unit was suspended (else frozen)
     RUNS = "still-runs"  # unmanaged: it runs on, holding `gpus` until it ends
     WITHDRAWN = "start-withdrawn"  # unmanaged: gpuslice's own start of it is stopped
+    # unmanaged: a start at the gate a daemon-reload took out is restarted, its own
+    # ExecStartPre= lines kept
+    RESTARTED = "start-restarted"
 
 
 class Blocker(enum.Enum):
@@ -414,4 +417,9 @@ def render(d: Decision) -> str:
     if d.cause is Cause.WITHDRAWN:
         kept = f"; it keeps {format_gpus(d.gpus)} until it is down" if d.gpus else ""
         return f"{d.unit} is no longer annotated: stopping the start gpuslice gave it{kept}"
+    if d.cause is Cause.RESTARTED:
+        return (
+            f"{d.unit} is no longer annotated: restarting its start, which waited at the gate "
+            "a daemon-reload took out; let through, it would skip its own ExecStartPre= lines"
+        )
     return f"{d.unit} is no longer annotated: released its GPUs"

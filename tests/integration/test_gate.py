@@ -10,7 +10,15 @@ import itertools
 import time
 
 from tests.bed.container import BedError, Container, WaitTimeout, wait_until
-from tests.integration.jobs import prop, reload, status, wait_state, wait_sub, write_job
+from tests.integration.jobs import (
+    prop,
+    reload,
+    start_count,
+    status,
+    wait_state,
+    wait_sub,
+    write_job,
+)
 
 CONTROLLER = "gpuslice.service"
 HOLDER = "holder.service"
@@ -408,3 +416,88 @@ def test_a_runtime_dir_edited_while_gpuslice_runs_never_starts_a_job_without_its
         container.journal(CONTROLLER)
     )
     assert container.run("cat /run/gpuslice/runtime-dir").stdout == "/run/gpuslice\n"
+
+
+# ---- a daemon-reload while a start waits at its gate: the unit's own ExecStartPre= runs ----
+
+VANISHED = "Current command vanished from the unit file"
+
+
+def _waits_with_a_line_of_its_own(bed: Container, unit: str, mark: str) -> None:
+    """HOLDER (20) runs on the GPU; UNIT (20, equal: it waits, nothing is preempted), whose
+    own `ExecStartPre=/bin/touch MARK` comes after the gate, is started by a transient
+    unit's blocking `systemctl start` (its exit status in /run/UNIT.rc) and waits at its
+    gate."""
+    bed.run(f"rm -f {mark} /run/{unit}.rc")
+    write_job(bed, HOLDER, 20)
+    write_job(bed, unit, 20, extra_service=f"ExecStartPre=/bin/touch {mark}")
+    reload(bed)
+    bed.systemctl("start", HOLDER)
+    waits = f"systemctl start {unit}; echo $? > /run/{unit}.rc"
+    bed.run(["systemd-run", "--no-block", "--collect", "/bin/sh", "-c", waits])
+    wait_sub(bed, unit, "start-pre")
+    wait_until(lambda: _waiting(bed) == {unit} or None, 20, what=f"{unit} waiting")
+
+
+def _started_whole(bed: Container, unit: str, mark: str) -> None:
+    """UNIT runs, its own ExecStartPre= line run, and the `systemctl start` that waited for
+    it ended 0."""
+    wait_state(bed, unit, "active", timeout=30)
+    assert bed.run(f"test -e {mark}", check=False).returncode == 0, bed.journal(unit)
+    rc = wait_until(
+        lambda: bed.run(f"cat /run/{unit}.rc", check=False).stdout.strip() or None,
+        20,
+        what=f"`systemctl start {unit}` to return",
+    )
+    assert rc == "0", bed.journal(unit)
+
+
+def test_a_retry_changed_while_a_start_waits_keeps_the_units_own_exec_start_pre(
+    container: Container,
+) -> None:
+    """gate_retry_seconds edited in config.yaml and `systemctl daemon-reload` while
+    WAITER waits at its gate. The retry was part of the gate's command line: systemd, at
+    the reload, no longer found the running gate in the new ExecStartPre= list ("Current
+    command vanished from the unit file, execution of the command list won't be resumed"),
+    and once the gate was granted the start went on to ExecStart= without `/bin/touch
+    /tmp/x`. The retry now reaches the gate in the drop-in's Environment=, the line stays."""
+    mark = "/tmp/x"
+    _waits_with_a_line_of_its_own(container, WAITER, mark)
+    config = "/etc/gpuslice/config.yaml"
+    container.run(
+        f"sed -i '/^gate_retry_seconds:/d' {config} && echo 'gate_retry_seconds: 2' >> {config}"
+    )
+    reload(container)
+    assert "GPUSLICE_GATE_RETRY=2" in prop(container, WAITER, "Environment")
+    assert prop(container, WAITER, "SubState") == "start-pre"
+    assert container.run(f"test -e {mark}", check=False).returncode != 0  # not yet
+    container.systemctl("stop", HOLDER)  # its GPU goes to WAITER: its gate passes
+    _started_whole(container, WAITER, mark)
+    assert VANISHED not in container.journal(WAITER)
+
+
+def test_a_start_whose_annotation_went_while_it_waited_runs_its_own_exec_start_pre(
+    container: Container,
+) -> None:
+    """WAITER's annotation is taken out and `systemctl daemon-reload` run while it waits at
+    its gate: the reload takes the gate out of its ExecStartPre= list, and systemd does not
+    go on with a list whose running command vanished. Let through, the start skipped
+    `/bin/touch /tmp/y`. The controller restarts it instead: the `systemctl start` waiting
+    for it is told it started, nothing failed, the unit ran its own line, ungated."""
+    mark = "/tmp/y"
+    _waits_with_a_line_of_its_own(container, WAITER, mark)
+    write_job(container, WAITER, None, extra_service=f"ExecStartPre=/bin/touch {mark}")
+    reload(container)
+    # systemd says so: the restart, not the list it would not resume, runs the line
+    wait_until(lambda: VANISHED in container.journal(WAITER), 10, what="the reload")
+    _started_whole(container, WAITER, mark)
+    assert prop(container, WAITER, "Result") == "success"
+    assert "gpuslice-gate" not in prop(container, WAITER, "ExecStartPre")
+    said = (
+        f"{WAITER} is no longer annotated: restarting its start, which waited at the gate a "
+        "daemon-reload took out"
+    )
+    assert said in container.journal(CONTROLLER)
+    assert said in container.journal(WAITER)  # its own journal too
+    assert start_count(container, WAITER) == 2  # the start, and its restart
+    assert prop(container, HOLDER, "ActiveState") == "active"  # ungated: nobody stopped
