@@ -350,7 +350,10 @@ class Controller:
         this_boot = same_boot(saved_boot, self.boot_id)
         if not this_boot:
             saved.holders = {}  # nothing runs after a reboot that we granted before it
-        self.scheduler.load(saved)
+        forgotten = self.scheduler.load(saved)  # said with the first decisions
+        # records of units no longer annotated, forgotten: saved once ready, even unsaid
+        recorded = {*saved.preempted, *saved.held, *saved.finished, *saved.failed}
+        forgets = bool(recorded - self.scheduler.recorded())
         if not this_boot:
             self.scheduler.forget_boot()
         # once the core knows what it kept without an annotation (a suspended unit whose
@@ -360,10 +363,12 @@ class Controller:
         self._remember_told()  # before a sample decides: NVML may number the GPUs anew
         with self.scheduler.deferred():  # the first sample took every job's process for foreign
             self.scheduler.set_gpus(self.watch.resample())
-        actions = self._rebuild(await self._stopped_while_away())
+        actions = forgotten + self._rebuild(await self._stopped_while_away())
         self._sweep_env_files(units)  # ours alone (our name): no other controller writes one
         self.ready = True
         self.execute(actions)
+        if forgets and not actions:
+            self._persist()
         self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
         for name, props in self._buffered:
             self.on_unit_changed(name, props)
@@ -1030,7 +1035,14 @@ class Controller:
         for problem in result.problems:
             self._log_problem(problem)
         starts = set(self.scheduler.waiting_units()) | set(self.scheduler.grants())
-        self.execute(self.scheduler.set_specs(self._concrete_specs()))
+        specs = self._concrete_specs()
+        # records of units no longer annotated, forgotten: saved now, even where nothing is
+        # said (a hold, an end), lest a restarted controller find them again once annotated
+        forgets = bool(self.scheduler.recorded() - specs.keys())
+        actions = self.scheduler.set_specs(specs)
+        self.execute(actions)
+        if forgets and not actions:
+            self._persist()
         for unit in sorted(starts):
             if self.spec_for(unit) is None and not self._known(unit):
                 self._let_through(unit)  # its start, not yet answered, is forgotten

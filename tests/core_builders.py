@@ -377,6 +377,13 @@ class Sim:
                     self.annotations[name], preempt=(Rung.STOP,), requeue=False
                 )
         self.annotations = {s.name: s for s in specs}
+        # how a unit went down is forgotten with its annotation: a preempted one is not
+        # brought back (the core says so), and annotated again it is a new unit
+        for ended in (self.held, self.finished, self.failed):
+            ended.intersection_update(names)
+        dropped = sorted(self.preempted.keys() - names)
+        for name in dropped:
+            del self.preempted[name]
         for name in sorted((self.at_gate | set(self.pending_starts)) - names):
             # a start not answered yet is forgotten (units stopping for it stop for nobody,
             # as for a start that was cancelled): one at its gate is let through by the
@@ -389,6 +396,13 @@ class Sim:
             self.told_to_wait.discard(name)
             self.known_at.pop(name, None)
         actions = self._feed(self.sched.set_specs(self.annotations))
+        said = [
+            a.decision.unit
+            for a in actions
+            if isinstance(a, Log) and a.decision is not None and a.decision.cause is Cause.PREEMPTED
+        ]
+        if said != dropped:
+            raise InvariantError(f"preemptions forgotten: {dropped}; said of {said}")
         for name in sorted(self.unmanaged & set(self.annotations)):
             # annotated while it runs: the adapter tells the core, which counts it somewhere
             # (no action says where: the one place the model reads the scheduler's books)

@@ -17,12 +17,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from gpuslice.core.model import UnitSpec
 from gpuslice.core.scheduler import SavedState
+from gpuslice.journal import Journal
+from gpuslice.metrics import exposition
 from gpuslice.nvml import GpuProcess
+from gpuslice.state import StateStore
 from gpuslice.systemd import SystemdError
 from tests.test_controller import (
     GIB,
@@ -41,8 +45,10 @@ from tests.test_controller import (
     state,
     unannotate,
     until,
+    write_unit,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
+from tests.test_controller_calls import FakeJournal
 from tests.test_controller_gates import (
     DOWN,
     INSTANCE,
@@ -383,5 +389,124 @@ def test_a_read_or_restart_that_did_not_reach_systemd_has_the_gate_ask_again(
         assert bed.service.granted == []
         assert bed.service.sent_back == [URGENT]
         assert not bed.controller._passing
+
+    run(test)
+
+
+# -- a unit down whose annotation goes: how it went down is forgotten --------------------------
+
+P, URGENT_UNIT = "p.service", "urgent.service"
+P_FORGOTTEN = (
+    "p.service is no longer annotated: gpuslice forgets that it preempted it and will not "
+    "start it again; start it yourself if its work is still wanted"
+)
+
+
+def p_preempted(tmp_path: Path, *, annotated: bool = True) -> Bed:
+    """p.service (50) was preempted for urgent.service (10), which runs on the one GPU;
+    `annotated`: p.service's annotation is still there when the controller starts."""
+    units = {URGENT_UNIT: "Priority=10\n"} | ({P: "Priority=50\n"} if annotated else {})
+    bed = Bed(
+        tmp_path,
+        units,
+        [state(URGENT_UNIT, "active", "running")],
+        SavedState(holders={URGENT_UNIT: ((0,), "running", 2, "")}, preempted={P: 1}, seq=2),
+    )
+    bed.controller.journal = cast(Journal, FakeJournal())
+    return bed
+
+
+def saved_state(bed: Bed) -> SavedState:
+    saved, _ = StateStore(Path(bed.config.state_dir)).load()
+    return saved
+
+
+def test_a_preempted_unit_whose_annotation_goes_is_forgotten_with_a_word_in_both_journals(
+    tmp_path: Path,
+) -> None:
+    """p.service waits to come back from its preemption when its annotation goes: gpuslice
+    manages only annotated units, so it will never bring it back. Its journal and the
+    controller's say so once (a warning); the state file and status no longer keep it (they
+    showed it preempted for ever); urgent.service's end starts nothing, nor does p.service's
+    annotation coming back days later (it was restarted by itself then)."""
+    bed = p_preempted(tmp_path)
+    journal = cast(FakeJournal, bed.controller.journal)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert P in saved_state(bed).preempted
+        await unannotate(ctl, tmp_path, P)
+        [said] = journal.of(P, "unmanaged")
+        assert said["MESSAGE"] == P_FORGOTTEN
+        assert said["PRIORITY"] == "4"  # warning
+        assert said["OBJECT_SYSTEMD_UNIT"] == P  # its own journal
+        assert said["GPUSLICE_CAUSE"] == "preemption-forgotten"
+        assert said["GPUSLICE_PRIORITY"] == "50"
+        assert saved_state(bed).preempted == {}
+        assert json.loads(ctl.status_json())["preempted"] == []
+        assert b'state="preempted"' not in exposition(json.loads(ctl.status_json()))
+        goes_down(bed, URGENT_UNIT)
+        await settle()
+        write_unit(tmp_path, P, "Priority=50\n")
+        ctl.request_rescan()
+        await until(lambda: ctl.spec_for(P) is not None)
+        await settle()
+        assert ("start", P) not in bed.systemd.calls
+        assert len(journal.of(P, "unmanaged")) == 1
+
+    run(test)
+
+
+def test_a_restarted_controller_forgets_the_preemption_of_a_unit_no_longer_annotated(
+    tmp_path: Path,
+) -> None:
+    """p.service's annotation went while no controller ran: the state file still names it
+    preempted. The new controller says so once, in both journals, saves the state without
+    it and shows it nowhere."""
+    bed = p_preempted(tmp_path, annotated=False)
+    journal = cast(FakeJournal, bed.controller.journal)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        [said] = journal.of(P, "unmanaged")
+        assert said["MESSAGE"] == P_FORGOTTEN
+        assert said["OBJECT_SYSTEMD_UNIT"] == P
+        assert saved_state(bed).preempted == {}
+        assert json.loads(ctl.status_json())["preempted"] == []
+
+    run(test)
+
+
+@pytest.mark.parametrize("gone", ["while-it-runs", "before-it-starts"])
+def test_a_held_unit_whose_annotation_goes_is_forgotten_silently_and_saved_so(
+    tmp_path: Path, gone: str
+) -> None:
+    """bg.service (background) was stopped by hand: held. Its annotation goes, while the
+    controller runs or before it starts: nothing was owed, so nothing is said, but the state
+    file no longer holds it (saved at once: a controller restarted once it is annotated
+    again found it held)."""
+    at_start = gone == "before-it-starts"
+    bed = Bed(
+        tmp_path,
+        {} if at_start else {BG: "Priority=90\nType=background\n"},
+        [state(BG, "inactive", "dead")],
+        SavedState(held=[BG], seq=2),
+    )
+    journal = FakeJournal()
+    bed.controller.journal = cast(Journal, journal)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        if not at_start:
+            assert saved_state(bed).held == [BG]
+            await unannotate(ctl, tmp_path, BG)
+        await settle()
+        assert journal.entries == []
+        assert saved_state(bed).held == []
+        assert json.loads(ctl.status_json())["held"] == []
 
     run(test)

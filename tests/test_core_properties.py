@@ -346,7 +346,9 @@ class HostMachine(RuleBasedStateMachine):
         them on its annotation's terms again. A start on its way (gpuslice's, or one
         systemd announced) or waiting at its gate is forgotten: it runs ungated, on no GPUs
         of gpuslice's (`Sim.annotate`, `Sim.finish_start`); annotated again before its gate
-        runs, it asks there. Elsewhere (its stop, suspend or resume on its way, suspended)
+        runs, it asks there. A unit down loses how it went down (preempted, held, finished,
+        failed): a preempted one is not brought back, and the core says so (`Sim.annotate`).
+        Elsewhere (its stop, suspend or resume on its way, suspended)
         the adapter's part decides, which the controller's tests cover."""
         index %= len(self.specs)
         name = self.specs[index].name
@@ -369,6 +371,15 @@ class HostMachine(RuleBasedStateMachine):
     @invariant()
     def books_balance(self) -> None:
         self.sim._check_books()
+
+    @invariant()
+    def no_record_without_an_annotation(self) -> None:
+        """How a unit went down is kept only while it is annotated: one whose annotation
+        went is neither shown preempted, held, finished or failed for ever, nor brought back
+        by itself once annotated again."""
+        sched = self.sim.sched
+        kept = sorted(sched.recorded() - sched.specs.keys())
+        assert not kept, f"records of units no longer annotated: {kept}"
 
     def teardown(self) -> None:
         if self.specs:

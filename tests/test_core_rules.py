@@ -16,7 +16,7 @@ import pytest
 from gpuslice.core.decisions import Blocker
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Action, Log, Outcome, Phase, SavedState, Scheduler, Stop
-from tests.core_builders import BG, GIB, InvariantError, Sim, brief, sized, spec, words
+from tests.core_builders import BG, GIB, OD, InvariantError, Sim, brief, sized, spec, words
 
 VLM = spec("vlm-analysis", 90, BG)
 VOICE = spec("voice-pipeline", 10)
@@ -744,6 +744,69 @@ def test_set_specs_removing_an_annotation_keeps_its_gpus_until_it_ends_then_forg
     assert brief(sim.annotate([VLM, VOICE])) == [f"start {V}"]
 
 
+FORGOTTEN = (
+    "vlm-analysis.service is no longer annotated: gpuslice forgets that it preempted it and "
+    "will not start it again; start it yourself if its work is still wanted"
+)
+
+
+def test_a_preempted_unit_whose_annotation_goes_is_forgotten_and_said_so() -> None:
+    """vlm, preempted for voice, waits to come back when its annotation goes: gpuslice
+    manages only annotated units, so it never brings it back. Kept, status showed it
+    preempted for ever (at priority 1000), its comeback kept the GPUs sampled, and annotated
+    again days later it was restarted by itself. Its journal and the controller's say once
+    that its work is not brought back; annotated again, it is a new unit."""
+    sim = Sim(1, [VLM, VOICE])
+    sim.boot()
+    sim.settle()
+    sim.start(VO)
+    sim.settle()
+    assert sim.sched.snapshot().preempted == [(V, 90, True)]
+    actions = sim.annotate([VOICE])
+    [said] = [a for a in actions if isinstance(a, Log)]
+    assert (said.message, said.level) == (FORGOTTEN, "warning")
+    assert said.decision is not None and said.decision.unit == V
+    assert sim.sched.snapshot().preempted == []
+    assert V not in sim.sched.save().preempted
+    assert brief(sim.exit(VO)) == []
+    assert not sim.sched.has_work()  # nothing owed: the GPUs need no sampling
+    # annotated again: on-demand, it is not restarted by itself; background, it is a new
+    # background unit, started on free capacity as any newly annotated one
+    assert brief(sim.annotate([dataclasses.replace(VLM, kind=OD), VOICE])) == []
+    assert brief(sim.annotate([VLM, VOICE])) == [f"start {V}"]
+
+
+@pytest.mark.parametrize("ended", ["stop", "exit", "fail"])
+def test_how_a_unit_down_ended_goes_silently_with_its_annotation(ended: str) -> None:
+    """Held, finished or failed: nothing was owed, nothing is said; status no longer shows
+    it, and the state file no longer keeps it."""
+    sim = Sim(1, [VLM, VOICE])
+    sim.boot()
+    sim.settle()
+    OPS[ended](sim, V)
+    assert sim.sched.recorded() == {V}
+    assert words(sim.annotate([VOICE])) == []
+    snap = sim.sched.snapshot()
+    assert (snap.held, snap.finished, snap.failed) == ([], [], [])
+    saved = sim.sched.save()
+    assert (saved.held, saved.finished, saved.failed) == ([], [], [])
+
+
+def test_a_restarted_controller_forgets_records_of_units_no_longer_annotated() -> None:
+    """Annotations taken out while no controller ran: the records the state file kept of
+    them are forgotten at load, a preemption said once (no spec: no priority to name)."""
+    sched = Scheduler(range(1), {VO: VOICE})
+    saved = SavedState(
+        preempted={V: 1, VO: 2}, held=["h.service"], finished=["f.service"], failed=["x.service"]
+    )
+    forgotten = sched.load(saved)
+    assert [(a.message, a.level) for a in forgotten if isinstance(a, Log)] == [
+        (FORGOTTEN, "warning")
+    ]
+    assert sched.recorded() == {VO}
+    assert sched.snapshot().preempted == [(VO, 10, True)]
+
+
 def test_set_specs_fixing_a_too_wide_unit_lets_it_run() -> None:
     sim = Sim(2, [spec("huge", 10, gpus=3)])
     sim.start("huge.service")
@@ -985,12 +1048,11 @@ def test_snapshot_and_save_exactly() -> None:
     assert saved.holders["b.service"][3] == "" and saved.seq == sim.sched._seq > 0
     sim.finish_stop("a.service")
     sched = Scheduler(range(2), {s.name: s for s in specs})
-    sched.load(SavedState(preempted={"gone.service": 1, "old.service": 2, "a.service": 3}))
-    assert sched.snapshot().preempted == [
-        ("gone.service", 40, True),
-        ("a.service", 90, True),
-        ("old.service", 1000, False),
-    ]
+    saved = SavedState(preempted={"gone.service": 1, "old.service": 2, "a.service": 3})
+    forgotten = sched.load(saved)
+    assert sched.snapshot().preempted == [("gone.service", 40, True), ("a.service", 90, True)]
+    # old.service is no longer annotated: forgotten, said once (never shown at priority 1000)
+    assert [a.decision.unit for a in forgotten if a.decision] == ["old.service"]
 
 
 def test_journal_levels() -> None:

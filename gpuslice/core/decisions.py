@@ -78,6 +78,9 @@ class Cause(enum.Enum):
     # unmanaged: a start at the gate a daemon-reload took out is restarted, its own
     # ExecStartPre= lines kept
     RESTARTED = "start-restarted"
+    # unmanaged: a unit down that gpuslice had preempted is no longer brought back (only
+    # annotated units are); its preemption is forgotten
+    PREEMPTED = "preemption-forgotten"
 
 
 class Blocker(enum.Enum):
@@ -205,6 +208,8 @@ LEVELS: dict[Code, str] = {
 
 
 def level(decision: Decision) -> str:
+    if decision.cause is Cause.PREEMPTED:
+        return "warning"  # work gpuslice stopped that nothing will bring back
     return LEVELS.get(decision.code, "info")
 
 
@@ -417,6 +422,11 @@ def render(d: Decision) -> str:
     if d.cause is Cause.WITHDRAWN:
         kept = f"; it keeps {format_gpus(d.gpus)} until it is down" if d.gpus else ""
         return f"{d.unit} is no longer annotated: stopping the start gpuslice gave it{kept}"
+    if d.cause is Cause.PREEMPTED:
+        return (
+            f"{d.unit} is no longer annotated: gpuslice forgets that it preempted it and will "
+            "not start it again; start it yourself if its work is still wanted"
+        )
     if d.cause is Cause.RESTARTED:
         return (
             f"{d.unit} is no longer annotated: restarting its start, which waited at the gate "

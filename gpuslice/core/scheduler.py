@@ -588,13 +588,41 @@ class Scheduler:
 
     def _forget_end(self, name: str) -> None:
         """How a unit no longer annotated ended is not kept: it is forgotten like any
-        unannotated unit. Kept, its preemption would bring it back once it is annotated
-        again (it held its GPUs without a comeback), a hold or end would keep it from a
+        unannotated unit, whether it ends unannotated (`inactive`) or was down when its
+        annotation went (`_forget_unannotated`). Kept, its preemption would bring it back
+        once it is annotated again, maybe days later, a hold or end would keep it from a
         refill then, and status would show it for ever."""
         self.preempted.pop(name, None)
+        self.wait_failed.discard(name)  # a note on its preemption
         self.held.discard(name)
         self.finished.discard(name)
         self.failed.discard(name)
+
+    def recorded(self) -> frozenset[str]:
+        """The units down with a record of how they went: preempted, held, finished, failed."""
+        return frozenset(self.preempted.keys() | self.held | self.finished | self.failed)
+
+    def _forget_unannotated(self, was: Mapping[str, UnitSpec]) -> list[Action]:
+        """The records of units whose annotation went while they were down (or while no
+        controller ran: `load`) are forgotten (`_forget_end`): gpuslice manages only
+        annotated units. Kept, a preempted unit was shown preempted for ever and never
+        brought back, its comeback kept the GPUs sampled, and annotated again it was
+        restarted by itself, maybe days later. Its preemption forgotten is said once, in its
+        journal and the controller's (`was`: its annotation before, where known): work
+        gpuslice stopped is not dropped without a word. A hold, an end or a failure goes
+        silently: nothing was owed."""
+        actions: list[Action] = []
+        for name in sorted(self.recorded() - self.specs.keys()):
+            if name in self.preempted:
+                spec = was.get(name)
+                forgotten = (
+                    _about(spec, Code.UNMANAGED, cause=Cause.PREEMPTED)
+                    if spec is not None
+                    else Decision(Code.UNMANAGED, name, cause=Cause.PREEMPTED)
+                )
+                actions.append(_log(forgotten))
+            self._forget_end(name)
+        return actions
 
     def running(
         self, name: str, gpus: Iterable[int] | None = None, *, stopping: bool = False
@@ -972,7 +1000,8 @@ class Scheduler:
         anyone else's is forgotten, and goes on ungated, as any unannotated unit's start
         (its gate's drop-in went with the daemon-reload; a gate of it that still runs is let
         through by the controller), with no GPUs of gpuslice's. One that was answered holds
-        its GPUs until it ends (`_keep_unannotated`)."""
+        its GPUs until it ends (`_keep_unannotated`). One down loses how it went down
+        (`_forget_unannotated`)."""
         actions: list[Action] = []
         was = self.specs
         self._set_specs(specs)
@@ -994,6 +1023,7 @@ class Scheduler:
                 actions.append(self._withdraw_start(name))
             else:
                 actions.append(self._forget_start(name))
+        actions += self._forget_unannotated(was)
         return actions + self.schedule()
 
     def _withdraw_start(self, name: str) -> Stop:
@@ -1884,7 +1914,6 @@ class Scheduler:
         self.out_since.pop(name, None)
         self.start_retries.pop(name, None)
         self._forget_end(name)
-        self.wait_failed.discard(name)
         return True
 
     def _set_specs(self, specs: Mapping[str, UnitSpec]) -> None:
@@ -1993,8 +2022,11 @@ class Scheduler:
             },
         )
 
-    def load(self, saved: SavedState) -> None:
+    def load(self, saved: SavedState) -> list[Action]:
         """Restore what the last controller knew; the caller then reconciles with systemd.
+        The records of units no longer annotated (their annotation went while no controller
+        ran) are forgotten, as `set_specs` forgets them: what that says is returned, for the
+        caller to carry out with its first decisions.
 
         Holders come back with their GPUs and phase, all at once, so that no unit is placed
         on GPUs a not-yet-adopted unit still holds. They keep GPUs not listed now, as
@@ -2029,6 +2061,7 @@ class Scheduler:
         self.held = set(saved.held)
         self.finished = set(saved.finished)
         self.failed = set(saved.failed)
+        return self._forget_unannotated({})
 
     def forget_boot(self) -> None:
         """A new boot: finished and failed units may run again; holds and preemptions stay.

@@ -457,6 +457,7 @@ def test_environment_of_a_granted_unit(bed: Container) -> None:
     assert seen == (
         "CUDA_DEVICE_ORDER=PCI_BUS_ID\n"
         f"CUDA_VISIBLE_DEVICES={UUID1}\n"
+        "GPUSLICE_GATE_RETRY=0.5\n"  # the gate's, from its drop-in (gate_retry_seconds)
         "GPUSLICE_GPUS=1\n"
         f"NVIDIA_VISIBLE_DEVICES={UUID1}\n"
     )
