@@ -1402,15 +1402,19 @@ class Controller:
 
     async def _restart_ungated(self, unit: str) -> bool:
         """Whether systemd took a restart of a start let through whose gate a daemon-reload
-        took out (`_pass_gate`). RestartUnit on a unit still activating is merged into its
-        start job, which stops the unit (its gate ends 0, as at any stop, and the unit ends
-        inactive, not failed: no OnFailure=) and then starts it from the unit file of now:
-        no gate, and its own ExecStartPre= lines first. Its gate's calls are answered "ask
-        again": its shell is being stopped. Refused (RefuseManualStart=, say), the gate is
-        let through as before, and the journal says what that costs; a call that did not
-        reach systemd is tried again when the gate asks again."""
+        took out (`_pass_gate`). TryRestartUnit on a unit still activating is merged into
+        its start job, which stops the unit (its gate ends 0, as at any stop, and the unit
+        ends inactive, not failed: no OnFailure=) and then starts it from the unit file of
+        now: no gate, and its own ExecStartPre= lines first. Its gate's calls are answered
+        "ask again": its shell is being stopped. Not RestartUnit: a unit that left its gate
+        while its list was read (`systemctl stop`, TimeoutStartSec=: its signals are no
+        longer followed, and its call stays pending) was started again by it, over that
+        stop; TryRestartUnit leaves a unit inactive or being stopped as it is. Refused
+        (RefuseManualStart=, say), the gate is let through as before, and the journal says
+        what that costs; a call that did not reach systemd is tried again when the gate
+        asks again."""
         try:
-            await self.systemd.restart_unit(unit)
+            await self.systemd.try_restart_unit(unit)
         except SystemdError as e:
             self.counters.error("dbus_call_errors")
             if is_transient(e):
@@ -1733,8 +1737,17 @@ class Controller:
     def _wake_unheard_gates(self) -> None:
         """Gates that wait on their pipe for a start whose signals were all lost, of units the
         core does not know (the audit reads those it knows), ask over D-Bus instead: nothing
-        else would ever open their pipe (GatePipes.wake_unheard)."""
-        for unit in self.gates.wake_unheard(lambda name: not self._known(name)):
+        else would ever open their pipe (GatePipes.wake_unheard). Not a start held back while
+        a rescan runs (`_gate_after_scan`): its signal was heard, and it is taken in at its
+        pipe once the scan is read; woken, each start of a burst held back was said lost."""
+        rescanning = self._rescan is not None
+
+        def unheard(name: str) -> bool:
+            if self._known(name):
+                return False
+            return not (rescanning and classify(self.tracker.state(name)) is Kind.GATE)
+
+        for unit in self.gates.wake_unheard(unheard):
             self.counters.error("dbus_signals_lost")
             log.warning(
                 "%s waits at its gate on its pipe, yet no word of that start reached gpuslice "

@@ -412,6 +412,7 @@ class Systemd:
         handlers = getattr(self.bus, "_method_return_handlers", None)
         if isinstance(handlers, dict):
             handlers.pop(message.serial, None)
+        self._told.pop(message.serial, None)  # not taken: nobody is told of a late answer
         log.warning(
             "no answer to %s.%s within %g s: the bus daemon drops answers to a connection "
             "whose queue is full (a flood of calls to gpuslice?); taken as unanswered",
@@ -588,11 +589,13 @@ class Systemd:
     def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._queue("StopUnit", name, queued)
 
-    def restart_unit(self, name: str) -> Awaitable[str]:
-        """RestartUnit, mode replace: on a unit still activating, systemd merges it into the
-        start job under way (one job, its id kept: whoever waits for the start is told how
-        that ends), stops the unit, then starts it from its unit file of now."""
-        return self._queue("RestartUnit", name, None)
+    def try_restart_unit(self, name: str) -> Awaitable[str]:
+        """TryRestartUnit, mode replace: on a unit still activating, systemd merges it into
+        the start job under way (one job, its id kept: whoever waits for the start is told
+        how that ends), stops the unit, then starts it from its unit file of now. On a unit
+        inactive, failed or being stopped it does nothing (a no-op job): RestartUnit there
+        started it, over the stop of whoever stopped it meanwhile."""
+        return self._queue("TryRestartUnit", name, None)
 
     async def exec_start_pre(self, name: str) -> list[tuple[str, list[str]]]:
         """A service's ExecStartPre= list as systemd holds it now (since its last

@@ -128,10 +128,25 @@ class FakeSystemd:
         return found
 
     def restart_unit(self, name: str) -> Awaitable[str]:
+        """RestartUnit as systemd takes it: a unit in any state is (re)started, one inactive
+        or being stopped too. gpuslice asks TryRestartUnit (below); this one shows the
+        difference."""
+        return self._restart("restart", name)
+
+    def try_restart_unit(self, name: str) -> Awaitable[str]:
+        """TryRestartUnit as systemd takes it (job_type_collapse): a unit active or activating
+        is restarted ("restart"); one inactive, failed or deactivating gets a no-op job
+        ("try-restart-nop"), and stays as it is."""
+        shown = self.units.get(name, UnitState(name, "inactive", "dead", 0)).active
+        if shown in ("inactive", "failed", "deactivating"):
+            return self._job("try-restart-nop", name, None)
+        return self._restart("restart", name)
+
+    def _restart(self, what: str, name: str) -> Awaitable[str]:
         refused = self.refused_restarts.get(name)
         if refused is None:
-            return self._job("restart", name, None)
-        self.calls.append(("restart", name))
+            return self._job(what, name, None)
+        self.calls.append((what, name))
 
         async def answer() -> str:
             raise refused

@@ -20,6 +20,7 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 import pytest
@@ -36,6 +37,7 @@ from tests.test_controller import (
     at_gate,
     bed_config,
     low_holds_gpu_0,
+    messages,
     run,
     settle,
     state,
@@ -586,5 +588,50 @@ def test_a_start_held_back_is_not_kept_waiting_by_daemon_reloads_that_keep_comin
         assert ctl._rescan is not None  # judged while the reloads still come
         storm.clear()
         await until(lambda: ctl._rescan is None)
+
+    run(test)
+
+
+def test_a_start_held_back_by_a_rescan_is_not_woken_as_a_start_never_heard(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """urgent.service's start is seen at its gate while a rescan is under way, and held back
+    until it is read; its gate waits in open() on the pipe its JobNew made. An audit then
+    (every 30 s; a scan of 10,000 units takes ~1 s) took it for a start whose signals were
+    all lost: a warning that they were, `gpuslice_dbus_signals_lost` counted, its gate sent
+    to D-Bus (one such line and one dbus-send for each start of a burst held back). It
+    waits on its pipe, and is answered there once the scan is read."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    held = HeldScan(monkeypatch)
+    pipe = Path(bed.config.runtime_dir) / "gate" / "urgent.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_reloading(False)
+        await held.has_read()
+        await start_in_flight(bed, "pipe")()
+        assert ctl._after_scan and pipe.exists()
+        gate = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE
+        )
+        try:
+            await asyncio.sleep(0.2)  # in open(), as a gate that found its pipe
+            with caplog.at_level(logging.WARNING, logger="gpuslice"):
+                await ctl.reads.audit()
+            await asyncio.sleep(0.1)
+            assert gate.returncode is None  # still waits on its pipe
+            assert ctl.counters.errors["dbus_signals_lost"] == 0
+            assert not any("signals were lost" in m for m in messages(caplog))
+            held.go.set()
+            await until(lambda: ("stop", "low.service") in bed.systemd.calls)
+            assert ctl.gates.holds("urgent.service")  # taken in at its pipe
+        finally:
+            if gate.returncode is None:
+                gate.kill()
+            await gate.wait()
 
     run(test)

@@ -292,6 +292,7 @@ async def waits_then_unannotated(bed: Bed, tmp_path: Path) -> None:
     annotation out, and with it its gate's drop-in; its gate asks over D-Bus."""
     ctl = bed.controller
     await ctl.start()
+    bed.systemd.units[URGENT] = state(URGENT, "activating", "start-pre", 7, "start")
     ctl.on_unit_changed(URGENT, at_gate())
     await settle()
     await unannotate(ctl, tmp_path, URGENT)
@@ -322,6 +323,37 @@ def test_a_start_whose_gate_a_reload_took_out_is_restarted_with_its_own_lines(
     caplog.set_level(logging.INFO, "gpuslice")
     run(test)
     assert RESTARTED in messages(caplog)
+
+
+def test_a_start_stopped_while_its_list_is_read_is_not_started_again(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """`systemctl stop urgent.service` while the controller reads its ExecStartPre= (or its
+    TimeoutStartSec= ends then): its gate is killed and the unit is down, which the
+    controller no longer hears (not annotated, not known), and the dead gate's call still
+    waits in the service. RestartUnit started the unit again over that stop (systemd
+    collapses a restart of an inactive unit into a start, and one of a unit being stopped
+    replaces its stop job); TryRestartUnit is a no-op there, and the unit stays stopped."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    bed.systemd.exec_start_pres[URGENT] = [TOUCH]
+    read = bed.systemd.exec_start_pre
+
+    async def stopped_while_read(name: str) -> list[tuple[str, list[str]]]:
+        commands = await read(name)
+        goes_down(bed, name)  # its answer, then systemd's stop, reach us in this order
+        return commands
+
+    bed.systemd.exec_start_pre = stopped_while_read  # type: ignore[method-assign]
+
+    async def test() -> None:
+        await waits_then_unannotated(bed, tmp_path)
+        await until(lambda: ("exec_start_pre", URGENT) in bed.systemd.calls)
+        await settle()
+        assert ("restart", URGENT) not in bed.systemd.calls
+        assert bed.service.granted == []
+        assert not bed.controller._passing
+
+    run(test)
 
 
 @pytest.mark.parametrize(

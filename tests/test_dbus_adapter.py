@@ -1272,7 +1272,8 @@ def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
 ) -> None:
     """Systemd.exec_start_pre: each command's path and argv from the Service interface's
     ExecStartPre (a(sasbttttuii)), on the unit's object; a reply of another form is a
-    SystemdError. Systemd.restart_unit: RestartUnit with mode replace, the job's path."""
+    SystemdError. Systemd.try_restart_unit: TryRestartUnit with mode replace, the job's
+    path."""
     gate = "/usr/lib/gpuslice/gpuslice-gate"
     argv = [gate, "a.service", "0.5", "/run/gpuslice/gate/a.service"]
     commands = [
@@ -1292,7 +1293,7 @@ def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
             if msg.message_type is not MessageType.METHOD_CALL:
                 return False
             calls.append((msg.path or "", msg.member or "", list(msg.body)))
-            if msg.interface == MANAGER and msg.member == "RestartUnit":
+            if msg.interface == MANAGER and msg.member == "TryRestartUnit":
                 return Message.new_method_return(msg, "o", [JOB])
             if msg.interface != PROPERTIES or msg.member != "Get":
                 return False
@@ -1307,11 +1308,11 @@ def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
         ]
         with pytest.raises(SystemdError, match="BadReply"):
             await systemd.exec_start_pre("b.service")
-        assert await systemd.restart_unit("a.service") == JOB
+        assert await systemd.try_restart_unit("a.service") == JOB
 
     run(scenario)
     assert calls == [
         (unit_path("a.service"), "Get", [SERVICE, "ExecStartPre"]),
         (unit_path("b.service"), "Get", [SERVICE, "ExecStartPre"]),
-        ("/org/freedesktop/systemd1", "RestartUnit", ["a.service", "replace"]),
+        ("/org/freedesktop/systemd1", "TryRestartUnit", ["a.service", "replace"]),
     ]

@@ -438,6 +438,29 @@ def test_a_waiting_gate_stopped_ends_at_once_without_asking(
     assert not gate.asked_over_dbus()
 
 
+@pytest.mark.parametrize("killed", [1, 4])
+def test_a_stop_whose_signal_kills_the_traps_own_question_still_ends_the_gate(
+    tmp_path: Path, pipes: GatePipes, killed: int
+) -> None:
+    """The stop's SIGTERM reaches every process in the unit's cgroup, those forked while
+    systemd walks it too: the `systemctl show` the trap forks died of it, said nothing, and
+    the gate took the stop for a `systemctl kill` and waited on, the unit hung in stop-sigterm
+    (seen in a loaded CI run, a start restarted by the controller). Asked again, it ends."""
+    pipes.at_gate(UNIT, START)
+    gate = Gate(tmp_path, pipes)
+    asked = tmp_path / "asked"
+    stub(
+        tmp_path / "bin" / "systemctl",
+        f'echo >> {asked}\n[ "$(wc -l < {asked})" -gt {killed} ] || kill -TERM $$\n'
+        f"exec cat {gate.state}\n",
+    )
+    assert gate.waits()
+    gate.state.write_text("deactivating\n")
+    gate.proc.send_signal(signal.SIGTERM)
+    assert gate.ended() == 0  # inactive, not failed
+    assert len(asked.read_text().splitlines()) == killed + 1
+
+
 @pytest.mark.parametrize("blocked_in", ["open", "read", "dbus"])
 @pytest.mark.parametrize(
     "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["TERM", "INT", "HUP"]
