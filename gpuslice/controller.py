@@ -1737,9 +1737,11 @@ class Controller:
     def _wake_unheard_gates(self) -> None:
         """Gates that wait on their pipe for a start whose signals were all lost, of units the
         core does not know (the audit reads those it knows), ask over D-Bus instead: nothing
-        else would ever open their pipe (GatePipes.wake_unheard). Not a start held back while
-        a rescan runs (`_gate_after_scan`): its signal was heard, and it is taken in at its
-        pipe once the scan is read; woken, each start of a burst held back was said lost."""
+        else would ever open their pipe. Not before a whole audit interval passed with no
+        signal of that start (GatePipes.wake_unheard): one read late is no loss. Nor a start
+        held back while a rescan runs (`_gate_after_scan`): its signal was heard, and it is
+        taken in at its pipe once the scan is read; woken, each start of a burst held back
+        was said lost."""
         rescanning = self._rescan is not None
 
         def unheard(name: str) -> bool:

@@ -23,7 +23,8 @@ Why this is as safe as the bus:
   one blocked in open() before the controller opened its pipe is woken by `reset`, which
   `gpuslice release-gates` (ExecStopPost= of gpuslice.service) and every start-up run. One
   whose start's signals the bus daemon dropped (anyone can fill the controller's queue) is
-  woken by the next audit (`wake_unheard`, every 30 s).
+  held by the next audit (`wake_unheard`, every 30 s), and woken by the one after when no
+  signal of that start came between.
 - Too many gates at once (more than MAX_OPEN) are sent to the bus rather than holding
   more file descriptors.
 
@@ -43,6 +44,7 @@ import fcntl
 import logging
 import os
 import resource
+import select
 import shutil
 import stat
 import sys
@@ -90,7 +92,7 @@ def pipe_budget() -> int:
 # How every pipe is opened: for reading and writing, so that open() never blocks on the gate
 # and the pipe stays open when a gate goes; never through a link someone put in its place
 _PIPE_FLAGS = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
-# How a pipe is opened to wake a gate that waits on it unheard (wake_unheard): for writing
+# How a pipe is opened to find a gate that waits on it unheard (wake_unheard): for writing
 # only, so that it fails (ENXIO) when no gate waits on it, and never blocks
 _PROBE_FLAGS = os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
 # Why an open fails for want of room, whatever the pipe (not for what is in its place)
@@ -111,6 +113,10 @@ class GatePipes:
         self.directory = directory
         self.max_open = pipe_budget() if max_open is None else max_open
         self._open: dict[str, _Open] = {}
+        # our write-only ends of the pipes whose gates the last audit found waiting unheard
+        # (wake_unheard): each gate now waits in read(), for its start's signal (at_gate)
+        # or the next audit
+        self._unheard: dict[str, int] = {}
 
     def reset(self) -> None:
         """Wake every gate that waits on a pipe of an earlier controller, and remove the
@@ -126,8 +132,12 @@ class GatePipes:
         held = self._open.get(unit)
         if held is not None and held.invocation == invocation:
             return False
+        found = self._unheard.pop(unit, None)
+        if found is not None:  # the signal an audit held its gate for: our end is open already
+            self._open[unit] = _Open(found, invocation)
+            return True
         self.close(unit)
-        if len(self._open) >= self.max_open:
+        if len(self._open) + len(self._unheard) >= self.max_open:
             self._to_the_bus(unit, "too many gates wait at once")
             return False
         fd = self._open_pipe(unit)
@@ -190,6 +200,7 @@ class GatePipes:
     def close(self, unit: str) -> bool:
         """The unit left its gate (it runs, or went down): drop our end of its pipe. Whether
         its gate took the grant from the pipe (it may have asked over D-Bus instead)."""
+        self._let_go_unheard(unit)
         held = self._open.pop(unit, None)
         if held is None:
             return False
@@ -199,43 +210,66 @@ class GatePipes:
         return taken
 
     def close_all(self) -> None:
-        for unit in list(self._open):
+        for unit in [*self._open, *self._unheard]:
             self.close(unit)
 
     def holding(self) -> list[str]:
         return sorted(self._open)
 
     def wake_unheard(self, unheard: Callable[[str], bool]) -> list[str]:
-        """Wake every gate that waits on a pipe we do not hold, of a unit `unheard` says no
-        word of systemd's will bring us to (the controller's audit reads only the units the
-        core knows): its start's signals were lost, as the bus daemon drops them for a
-        connection whose queue is full, and anyone can fill it (a flood of Status calls).
-        Nothing then opened the pipe a unit's earlier start left, and its gate waited in
-        open() for ever (TimeoutStartSec=infinity). Opened for writing without blocking, a
-        pipe opens only when a reader waits on it (else ENXIO) and wakes it; closed at once,
-        its gate reads end of file and asks over D-Bus, where it is served. A gate woken in
-        the moment before its signal is read asks there too. The units whose gate was woken."""
+        """Wake every gate that has waited a whole audit on a pipe we do not hold, of a unit
+        `unheard` says no word of systemd's will bring us to (the controller's audit reads
+        only the units the core knows): its start's signals were lost, as the bus daemon
+        drops them for a connection whose queue is full, and anyone can fill it (a flood of
+        Status calls). Nothing then opened the pipe a unit's earlier start left, and its gate
+        waited in open() for ever (TimeoutStartSec=infinity).
+
+        Opened for writing without blocking, a pipe opens only when a reader waits on it
+        (else ENXIO), whose open() it ends. Such a gate is not woken at once: its start's
+        signal may be on its way (systemd holds its PropertiesChanged back while its own bus
+        queue is long, and a busy controller reads its socket late), and woken then it asked
+        over D-Bus, a second process and two round trips, and the journal said signals were
+        lost that were not. Our end stays open, so it waits in read(): its signal, when it
+        comes, answers it through that end (`at_gate`). At the next audit each end still
+        kept is closed: its gate reads end of file and asks over D-Bus, where it is served.
+        The units whose gate was woken so, still unheard."""
+        woken = []
+        kept, self._unheard = self._unheard, {}
+        for unit, fd in kept.items():
+            try:
+                waits = _has_reader(fd)
+            finally:
+                os.close(fd)
+            if waits and unheard(unit):
+                woken.append(unit)
         try:
             entries = list(os.scandir(self.directory))
         except OSError:  # no directory: no pipe, no gate waits on one
-            return []
-        woken = []
+            return sorted(woken)
         for entry in entries:
             unit = entry.name
-            if unit in self._open or not unheard(unit):
-                continue
+            if unit in self._open or unit in kept or not unheard(unit):
+                continue  # one just closed: its gate is on its way to D-Bus
             try:
                 fd = os.open(entry.path, _PROBE_FLAGS)
             except OSError:  # ENXIO: no gate waits on it (or not a pipe we can open)
                 continue
-            try:
-                if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                    woken.append(unit)
-            finally:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
                 os.close(fd)
+            elif len(self._open) + len(self._unheard) >= self.max_open:
+                os.close(fd)  # no descriptor to spare: woken now, as over the budget at_gate
+                woken.append(unit)
+            else:
+                self._unheard[unit] = fd
         return sorted(woken)
 
     # -- files ------------------------------------------------------------------------------
+
+    def _let_go_unheard(self, unit: str) -> None:
+        """Close our end of the unit's pipe that an audit kept (wake_unheard), if any."""
+        found = self._unheard.pop(unit, None)
+        if found is not None:
+            os.close(found)
 
     def _open_pipe(self, unit: str) -> int | None:
         """Open (making it if needed) the unit's pipe for writing without blocking: O_RDWR
@@ -275,6 +309,7 @@ class GatePipes:
         unlink, say "-", close (end of file for a gate that reads later)."""
         if why:
             log.debug("gate of %s sent to D-Bus: %s", unit, why)
+        self._let_go_unheard(unit)  # a gate an audit held reads end of file, or our "-"
         path = self.directory / unit
         try:
             fd = os.open(path, _PIPE_FLAGS)
@@ -298,6 +333,14 @@ class GatePipes:
                 os.write(fd, f"{TO_THE_BUS}\n".encode())
         finally:
             os.close(fd)
+
+
+def _has_reader(fd: int) -> bool:
+    """Whether a process has the pipe of our write-only `fd` open for reading (a gate that
+    was stopped meanwhile has not: POLLERR)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return not any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 def _unread(fd: int) -> int:

@@ -27,18 +27,27 @@ from tests import hostpaths
 FAKE_SRC = Path(__file__).parent / "fakenvml"
 
 
+def _ignored_here(signum: int, frame: object) -> None:
+    """A signal the tests' starter had ignored: still ignored by this process, but, a handler
+    rather than SIG_IGN, not by what it starts (exec resets a caught signal to its default)."""
+
+
 def _signals_as_a_shell_leaves_them() -> None:
-    """Undo signals ignored by whatever started the tests: bash without job control starts a
-    background command (`make test &` in a script, a CI runner's shell) with SIGINT and SIGQUIT
-    ignored, mutmut's runner with SIGINT ignored, and an ignored signal stays ignored through
-    exec: the gate shell the tests run could not trap SIGINT (POSIX: ignored on entry stays
-    ignored), and its test failed only there. Systemd resets every signal of what it starts,
-    the gate included; the tests start theirs as systemd does."""
+    """Undo, for what the tests start, signals ignored by whatever started the tests: bash
+    without job control starts a background command (`make test &` in a script, a CI runner's
+    shell) with SIGINT and SIGQUIT ignored, mutmut's runner with SIGINT ignored, nohup with
+    SIGHUP ignored, and an ignored signal stays ignored through exec: the gate shell the tests
+    run could not trap SIGINT (POSIX: ignored on entry stays ignored), and its test failed
+    only there. Systemd resets every signal of what it starts, the gate included; the tests
+    start theirs as systemd does. This process keeps ignoring SIGQUIT, SIGTERM and SIGHUP
+    (`_ignored_here`): reset to their default, a `nohup make mutate &` of hours died with the
+    terminal it was started from. SIGINT raises KeyboardInterrupt, as in a shell (the CLI's
+    Ctrl-C test sends it)."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in (signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is signal.SIG_IGN:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, _ignored_here)
 
 
 _signals_as_a_shell_leaves_them()

@@ -158,9 +158,9 @@ def test_a_gate_waiting_on_its_pipe_for_a_start_no_signal_told_is_woken_by_the_a
     """a.service ran once (its pipe stays); its next start's signals, JobNew and start-pre
     alike, were all dropped by the bus daemon (a user's flood of Status calls fills the
     controller's queue). Its gate waited in open() on that pipe for ever: nothing opens a
-    pipe but a signal of the start, and the audit read only the units the core knows. The
-    audit wakes it now, to ask over D-Bus. Not while a.service holds its GPU: the core knows
-    it, and the audit's read of it tells (a restart's signals lost)."""
+    pipe but a signal of the start, and the audit read only the units the core knows. An
+    audit holds it, the next one wakes it, to ask over D-Bus. Not while a.service holds its
+    GPU: the core knows it, and the audit's read of it tells (a restart's signals lost)."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     pipe = Path(bed.config.runtime_dir) / "gate" / "a.service"
 
@@ -182,7 +182,11 @@ def test_a_gate_waiting_on_its_pipe_for_a_start_no_signal_told_is_woken_by_the_a
         goes_down(bed, "a.service")
         await settle()
         with caplog.at_level(logging.WARNING, logger="gpuslice"):
-            await ctl.reads.audit()
+            await ctl.reads.audit()  # held: its start's signal may be on its way
+            await asyncio.sleep(0.1)
+            assert gate.returncode is None
+            assert not [m for m in messages(caplog) if "signals were lost" in m]
+            await ctl.reads.audit()  # none came
             out, _ = await asyncio.wait_for(gate.communicate(), 5)
         assert out == b"read []\n"  # end of file: the gate asks over D-Bus
         assert ctl.counters.errors["dbus_signals_lost"] == 1
@@ -190,6 +194,47 @@ def test_a_gate_waiting_on_its_pipe_for_a_start_no_signal_told_is_woken_by_the_a
             "a.service waits at its gate on its pipe, yet no word of that start reached "
             "gpuslice (its signals were lost on the bus): it asks over D-Bus now"
         )
+
+    run(test)
+
+
+def test_an_audit_leaves_a_gate_whose_start_signal_is_late_to_that_signal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """a.service's next start is queued (its JobNew read) and its gate waits in open() on
+    its pipe, the signal that shows it at its gate not read yet: systemd holds its
+    PropertiesChanged back while its bus queue is long, and a busy controller reads its
+    socket late. An audit then is no proof the start went unheard: woken, that gate went to
+    D-Bus (a second process, two round trips), and the journal and dbus_signals_lost said
+    signals were lost that were only on their way. The audit holds it instead, and its
+    signal answers it through its pipe."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    pipe = Path(bed.config.runtime_dir) / "gate" / "a.service"
+    second = bytes.fromhex("ab" * 16)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("a.service", at_gate(START))
+        await settle()
+        ctl.on_unit_changed("a.service", running())
+        goes_down(bed, "a.service")
+        await settle()
+        ctl.on_job_new(7, "/org/freedesktop/systemd1/job/7", "a.service")  # the next start
+        gate = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE
+        )
+        await asyncio.sleep(0.2)  # in open(), its start-pre signal on its way
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            await ctl.reads.audit()
+            await asyncio.sleep(0.1)
+            assert gate.returncode is None
+            ctl.on_unit_changed("a.service", at_gate(second))  # its signal, read
+            await settle()
+            out, _ = await asyncio.wait_for(gate.communicate(), 5)
+        assert out == f"read [{second.hex()}]\n".encode()  # through its pipe
+        assert ctl.counters.errors["dbus_signals_lost"] == 0
+        assert not [m for m in messages(caplog) if "signals were lost" in m]
 
     run(test)
 

@@ -342,7 +342,8 @@ def test_a_gate_waiting_on_a_pipe_for_a_start_never_heard_is_woken_to_ask_over_d
 ) -> None:
     """The bus daemon dropped every signal of the start (any user can fill the controller's
     queue): the gate waits in open() on the pipe an earlier start left, and nothing would
-    ever open it; the start waited for ever. The audit wakes it, it asks over D-Bus."""
+    ever open it; the start waited for ever. The audit that finds it holds it (its signal
+    may be on its way); the next one, no signal between, wakes it: it asks over D-Bus."""
     gate = blocked_in_open(tmp_path, pipes)
     asked: list[str] = []
 
@@ -350,28 +351,68 @@ def test_a_gate_waiting_on_a_pipe_for_a_start_never_heard_is_woken_to_ask_over_d
         asked.append(unit)
         return True
 
-    assert pipes.wake_unheard(unheard) == [UNIT]
+    assert pipes.wake_unheard(unheard) == []
     assert asked == [UNIT]
+    gate.blocked_in_pipe(opened=True)  # out of open(), in read(): our end is open
+    assert not pipes.holds(UNIT)
+    assert pipes.wake_unheard(unheard) == [UNIT]
     assert gate.ended() == 0
     assert gate.asked_over_dbus()
     assert stat.S_ISFIFO((pipes.directory / UNIT).stat().st_mode)  # kept for the next start
+    assert pipes.wake_unheard(unheard) == []  # nothing waits any more
 
 
-def test_waking_unheard_gates_leaves_every_other_pipe_alone(
+def test_a_gate_an_audit_holds_is_answered_through_its_pipe_when_its_signal_comes(
     tmp_path: Path, pipes: GatePipes
 ) -> None:
-    """A pipe nobody waits on (nothing to wake: ENXIO), one the controller holds (its gate is
-    answered there), one of a unit the audit reads (the controller judges it), none at all."""
-    assert pipes.wake_unheard(lambda unit: True) == []  # no directory yet
-    pipes.expect("idle.service")
+    """The start's signal was late, not lost (systemd holds its PropertiesChanged back while
+    its bus queue is long): the audit found its gate waiting in open() first. Woken there,
+    it asked over D-Bus, and the journal said its signals were lost. Held, it takes its
+    grant from the pipe as any other, and the next audit has nothing to wake."""
     gate = blocked_in_open(tmp_path, pipes)
-    assert pipes.wake_unheard(lambda unit: unit != UNIT) == []
-    assert gate.waits()
-    assert pipes.at_gate(UNIT, START)
     assert pipes.wake_unheard(lambda unit: True) == []
+    gate.blocked_in_pipe(opened=True)
+    assert pipes.at_gate(UNIT, START)  # its signal: decided on now
+    assert not pipes.at_gate(UNIT, START)  # and once
+    assert pipes.wake_unheard(lambda unit: True) == []  # held for its start: not woken
     pipes.grant(UNIT)
     assert gate.ended() == 0
     assert not gate.asked_over_dbus()
+    assert pipes.close(UNIT)  # its gate took the grant
+
+
+def test_a_held_gate_stopped_before_the_next_audit_is_not_said_woken(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """A held gate whose start was stopped (its shell killed) reads nothing: the next audit
+    closes our end without a word, and a state read sending the unit's gate to D-Bus, or a
+    close, lets go of our end at once."""
+    gate = blocked_in_open(tmp_path, pipes)
+    assert pipes.wake_unheard(lambda unit: True) == []
+    gate.blocked_in_pipe(opened=True)
+    gate.close()
+    assert pipes.wake_unheard(lambda unit: True) == []
+    for let_go in (pipes.at_gate_unknown, pipes.close):
+        gate = blocked_in_open(tmp_path, pipes)
+        gate.calls.unlink(missing_ok=True)
+        assert pipes.wake_unheard(lambda unit: True) == []
+        gate.blocked_in_pipe(opened=True)
+        let_go(UNIT)
+        assert gate.ended() == 0
+        assert gate.asked_over_dbus()
+        assert pipes.wake_unheard(lambda unit: True) == []
+
+
+def test_a_gate_found_unheard_with_no_descriptor_to_spare_is_woken_at_once(
+    tmp_path: Path,
+) -> None:
+    pipes = GatePipes(tmp_path / "run" / "gate", max_open=1)
+    gate = blocked_in_open(tmp_path, pipes)
+    assert pipes.at_gate("first.service", START)  # the one descriptor there is
+    assert pipes.wake_unheard(lambda unit: unit == UNIT) == [UNIT]
+    assert gate.ended() == 0
+    assert gate.asked_over_dbus()
+    pipes.close_all()
 
 
 def test_a_start_at_the_gate_without_its_invocation_is_sent_to_dbus(

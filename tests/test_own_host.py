@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -226,3 +228,42 @@ def test_a_host_directory_made_during_a_test_is_named_with_the_tests(tmp_path: P
     said = hostpaths.leaked(frozenset({watched[1]}), ["tests/test_a.py", "tests/test_b.py"])
     assert said.startswith(f"unit tests made {watched[1]} on this host (not there before)")
     assert said.endswith("Ran: tests/test_a.py tests/test_b.py")
+
+
+# run with SIGHUP, SIGTERM and SIGQUIT ignored, as `nohup` or a shell without job control
+# starts it: what it starts traps each (one line each), and it outlives each sent to itself
+_STARTED_IGNORING = """
+import os, signal, subprocess, sys
+from tests.conftest import _signals_as_a_shell_leaves_them
+_signals_as_a_shell_leaves_them()
+trap = 'trap "echo trapped" HUP TERM QUIT; for s in HUP TERM QUIT; do kill -$s $$; done'
+print(subprocess.run(["/bin/sh", "-c", trap], capture_output=True, text=True).stdout, end="")
+for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT):
+    os.kill(os.getpid(), sig)
+print("still here")
+"""
+
+
+def test_signals_ignored_by_the_tests_starter_stay_ignored_here_and_not_in_what_they_start() -> (
+    None
+):
+    """`nohup make mutate &` (hours, over ssh): SIGHUP, SIGTERM and SIGQUIT ignored by whatever
+    started the tests stay ignored by the test process, which the terminal's hangup killed
+    when conftest reset them to their default; what the tests start (the gate shell) can
+    trap them all the same, as under systemd."""
+    root = Path(__file__).parent.parent
+    done = subprocess.run(
+        [
+            "/bin/sh",
+            "-c",
+            'trap "" HUP TERM QUIT; exec "$0" -c "$1"',
+            sys.executable,
+            _STARTED_IGNORING,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (0, "trapped\n" * 3 + "still here\n"), done.stderr
