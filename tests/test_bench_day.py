@@ -4,10 +4,9 @@ schedule. No container: these run in `make test`'s fast layer."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from bench import day_probe
 from bench.day import (
     EMBED,
     NIGHTLY,
@@ -126,12 +125,31 @@ def test_preemptions_count_each_way_of_giving_way_once() -> None:
     assert preemptions({"suspend": 1, "rung-failed": 1, "preempt": 1}) == 1
 
 
-def test_the_workers_clock_says_a_gap_as_a_pause_and_counts_only_the_time_it_ran() -> None:
+class SleepsExactly:
+    """day_probe's `time`: a clock moved only by its own sleeps (each as long as asked, a
+    microsecond at least, as a real one takes) and by the test. On the real one, a loaded
+    machine that ran the test late made a gap of its own, said as a pause."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 1e-6)
+
+
+def test_the_workers_clock_says_a_gap_as_a_pause_and_counts_only_the_time_it_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    exact = SleepsExactly()
+    monkeypatch.setattr(day_probe, "time", exact)
     lines: list[str] = []
     clock = Clock(lambda *parts: lines.append(" ".join(map(str, parts))))
     ran = clock.check(0.01)
     assert lines == [] and 0 <= ran < GAP_S
-    frozen_from = time.time() - 3.0
+    frozen_from = exact.time() - 3.0
     clock.last = frozen_from  # as if frozen for 3 s right after its last look
     assert clock.check(0.01) == 0.01
     (pause, p_at, _), (resume, r_at, _) = parse_log("\n".join(lines))

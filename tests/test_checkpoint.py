@@ -19,7 +19,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -92,6 +92,45 @@ def stub(tmp_path: Path, body: str, name: str = "cuda-checkpoint") -> str:
 def calls(tmp_path: Path) -> list[str]:
     log = tmp_path / "log"
     return log.read_text().splitlines() if log.exists() else []
+
+
+def hangs(tmp_path: Path) -> str:
+    """What a stub runs to hang: it says so (its PID, a line of tmp_path/hangs), then sleeps
+    in place of its shell."""
+    return f"echo $$ >> {tmp_path}/hangs; exec sleep 60"
+
+
+def hung(tmp_path: Path) -> list[int]:
+    """The PIDs of the stubs that hang, in the order they began to."""
+    path = tmp_path / "hangs"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def timed_once_there(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run of a tool reaches the code under test (whose deadline for it starts then)
+    only once it has ended or hangs (`hangs`): with a deadline of 0.3 s, a stub a loaded
+    machine had not run yet was killed before it logged its call or wrote its PID, and an
+    unlock given 0.5 s was killed before it answered."""
+    create = asyncio.create_subprocess_exec
+
+    async def there(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        before = len(hung(tmp_path))
+        proc = await create(*args, **kwargs)
+        deadline = time.monotonic() + TIMEOUT
+        while len(hung(tmp_path)) == before and not _ended(proc.pid):
+            assert time.monotonic() < deadline, f"{args[0]} neither ended nor hung"
+            await asyncio.sleep(0.01)
+        return proc
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", there)
+
+
+def _ended(pid: int) -> bool:
+    """Whether the child `pid` has exited (left unreaped for asyncio, or reaped by it)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def me() -> int:
@@ -221,10 +260,11 @@ def test_the_tool_s_own_lock_timeout(tmp_path: Path) -> None:
 
 def test_a_hung_lock_is_killed_and_undone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checkpoint, "LOCK_GRACE", 0.2)
+    timed_once_there(tmp_path, monkeypatch)
     tool = stub(
         tmp_path,
         'case "$*" in\n'
-        f'  "--action lock --pid 11 --timeout 300") echo $$ > {tmp_path}/hung; exec sleep 60 ;;\n'
+        f'  "--action lock --pid 11 --timeout 300") {hangs(tmp_path)} ;;\n'
         '  "--get-state --pid 11") echo locked ;;\n'
         "esac",
     )
@@ -236,16 +276,20 @@ def test_a_hung_lock_is_killed_and_undone(tmp_path: Path, monkeypatch: pytest.Mo
         "was killed"
     )
     assert calls(tmp_path)[1:] == ["--get-state --pid 11", "--action unlock --pid 11"]
-    wait_gone(int((tmp_path / "hung").read_text()))
+    [pid] = hung(tmp_path)
+    wait_gone(pid)
 
 
-def test_a_hung_checkpoint_is_killed_with_what_it_started(tmp_path: Path) -> None:
+def test_a_hung_checkpoint_is_killed_with_what_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the background sleep holds stderr open: killing the script alone would not end the read
+    timed_once_there(tmp_path, monkeypatch)
     tool = stub(
         tmp_path,
         'case "$*" in\n'
         '  "--action checkpoint --pid 11")\n'
-        f"    sleep 60 & echo $! > {tmp_path}/child; wait ;;\n"
+        f"    sleep 60 & echo $! > {tmp_path}/child; echo $$ >> {tmp_path}/hangs; wait ;;\n"
         '  "--get-state --pid 11") echo checkpointed ;;\n'
         "esac",
     )
@@ -867,10 +911,11 @@ def test_a_hung_lock_s_service_is_stopped_before_the_undo(
     monkeypatch.setattr(checkpoint, "LOCK_GRACE", 0.2)
     fake_systemd(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    timed_once_there(tmp_path, monkeypatch)
     tool = stub(
         tmp_path,
         'case "$*" in\n'
-        '  "--action lock --pid 11 --timeout 300") exec sleep 60 ;;\n'
+        f'  "--action lock --pid 11 --timeout 300") {hangs(tmp_path)} ;;\n'
         '  "--get-state --pid 11") echo running ;;\n'
         "esac",
     )
@@ -895,7 +940,8 @@ def test_a_service_that_cannot_be_stopped_is_said(
     monkeypatch.setattr(checkpoint, "LOCK_GRACE", 0.2)
     fake_systemd(tmp_path, "echo 'Failed to stop it: Access denied' >&2; exit 4")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    tool = stub(tmp_path, "exec sleep 60")
+    timed_once_there(tmp_path, monkeypatch)
+    tool = stub(tmp_path, hangs(tmp_path))
     s = dataclasses.replace(FAST, via_systemd=True)
     with pytest.raises(checkpoint._ToolFailed) as caught:
         run(checkpoint._call(tool, ("--action", "lock", "--pid", "11"), 0.3, True))

@@ -424,11 +424,12 @@ def test_every_number_has_a_range(key: str, low: str, high: str, below: str, abo
 
 
 def test_a_trillion_gpus_is_refused_at_once() -> None:
-    start = time.perf_counter()
+    # the CPU time taken, not the wall time: a loaded machine stretches the one, not the other
+    start = time.process_time()
     assert problems_of("gpus: 1000000000000\n", "/c") == [
         '/c:1: gpus: invalid value "1000000000000" (allowed: an integer 1-1024)'
     ]
-    assert time.perf_counter() - start < 1
+    assert time.process_time() - start < 1
 
 
 def test_stop_timeout() -> None:

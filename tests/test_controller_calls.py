@@ -20,7 +20,6 @@ import json
 import logging
 import socket
 import threading
-import time
 import types
 import weakref
 from collections.abc import Awaitable
@@ -38,14 +37,18 @@ from gpuslice.nvml import GpuProcess
 from gpuslice.systemd import Queued, SystemdError
 from tests.test_controller import (
     GIB,
+    HOUR,
     NO_REPLY,
     Bed,
     StubNvml,
     at_gate,
     bed_config,
+    due_now,
     goes_down,
+    hang_until,
     low_holds_gpu_0,
     messages,
+    patient_nvml,
     run,
     settle,
     state,
@@ -202,8 +205,10 @@ def test_two_stops_in_flight_that_did_not_reach_systemd_are_sent_again_once_afte
     had outran our stop), both get NoReply: systemd re-executing. Each failure says, at
     DEBUG, which call, which unit, why and when it goes again (the delay doubling); the
     journal warns once. One StopUnit follows, after the longer delay: the second failure's
-    timer replaces the first's, which would have sent one more, and then another."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.05)
+    timer replaces the first's, which would have sent one more, and then another. (Delays
+    of an hour, each ended by the test: 50 ms ran out under load before the second failure.)"""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 2 * HOUR)
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     read = asyncio.Event()
     sent = scripted(bed, "stop", [Answer(NO_REPLY, read=read), Answer(NO_REPLY, read=read)])
@@ -218,21 +223,20 @@ def test_two_stops_in_flight_that_did_not_reach_systemd_are_sent_again_once_afte
         caplog.clear()
         read.set()
         await settle()
-        failed = asyncio.get_running_loop().time()
-        await until(lambda: len(sent) == 3)
-        assert sent[2] - failed >= 0.1 - 0.01  # the doubled delay, not the first one
-        await past_time(failed + 0.1 * 2)
+        assert ctl._retry_delays[("low.service", "stop")] == 2 * HOUR  # doubled
+        assert await due_now(ctl._send_again) == 1  # the second's: the first's replaced
         assert len(sent) == 3
+        assert await due_now(ctl._send_again) == 0
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
 
     run(test)
     assert [(r.levelname, r.getMessage()) for r in caplog.records if "reach" in r.getMessage()] == [
-        ("DEBUG", f"stop low.service {NOT_REACHED} 0.05 s"),
+        ("DEBUG", f"stop low.service {NOT_REACHED} 3600 s"),
         (
             "WARNING",
-            f"stopping low.service {NOT_REACHED} 0.05 s, and until systemd takes it (said once)",
+            f"stopping low.service {NOT_REACHED} 3600 s, and until systemd takes it (said once)",
         ),
-        ("DEBUG", f"stop low.service {NOT_REACHED} 0.1 s"),
+        ("DEBUG", f"stop low.service {NOT_REACHED} 7200 s"),
         ("INFO", "stopping low.service reached systemd: sent again, it went through"),
     ]
 
@@ -247,7 +251,8 @@ def test_a_stop_sent_anew_cancels_the_timer_that_was_to_send_it_again(
     asks and the stop is sent anew (it goes through). That call is the one sent again: the
     timer goes, or it sent a third StopUnit, which systemd merges into the running job and
     the tracker takes for someone else's stop (a hold, not a preemption)."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.05)
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", HOUR)
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     scripted(bed, "stop", [Answer(NO_REPLY)])
     caplog.set_level(logging.INFO, logger="gpuslice")
@@ -256,16 +261,15 @@ def test_a_stop_sent_anew_cancels_the_timer_that_was_to_send_it_again(
         ctl = bed.controller
         await ctl.start()
         await bed.acquire("urgent.service", ":1.9", 4242)
-        failed = asyncio.get_running_loop().time()
         await bed.acquire("low.service", ":1.8", 4243)
         assert stops(bed) == 2
-        await past_time(failed + 0.05 * 3)
+        assert await due_now(ctl._send_again) == 0  # the timer went with the stop sent anew
         assert stops(bed) == 2
         assert ctl._retry_timers == {}
 
     run(test)
     assert [m for m in messages(caplog) if "reach" in m] == [
-        f"stopping low.service {NOT_REACHED} 0.05 s, and until systemd takes it (said once)",
+        f"stopping low.service {NOT_REACHED} 3600 s, and until systemd takes it (said once)",
         "stopping low.service reached systemd: sent again, it went through",
     ]
 
@@ -281,7 +285,8 @@ def test_a_stop_not_sent_again_for_a_job_systemd_shows_is_a_new_story_the_next_t
     second StopUnit would merge into that job and be taken for someone else's. The delay
     is forgotten: once low.service is back and stopped again, that stop is not said to be
     one "sent again", and a failing one is warned of anew."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.05)
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", HOUR)
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     scripted(bed, "stop", [Answer(NO_REPLY)])
     caplog.set_level(logging.INFO, logger="gpuslice")
@@ -291,11 +296,10 @@ def test_a_stop_not_sent_again_for_a_job_systemd_shows_is_a_new_story_the_next_t
         ctl = bed.controller
         await ctl.start()
         await bed.acquire("urgent.service", ":1.9", 4242)
-        failed = asyncio.get_running_loop().time()
         ctl.on_job_new(77, job, "low.service")
         queued = {"ActiveState": "active", "SubState": "running", "Job": (77, job)}
         ctl.on_unit_changed("low.service", queued)
-        await past_time(failed + 0.05 * 3)
+        assert await due_now(ctl._send_again) == 1
         assert stops(bed) == 1
         assert ctl._retry_delays == {}
         stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
@@ -317,7 +321,7 @@ def test_a_stop_not_sent_again_for_a_job_systemd_shows_is_a_new_story_the_next_t
 
     run(test)
     assert [m for m in messages(caplog) if "reach" in m] == [
-        f"stopping low.service {NOT_REACHED} 0.05 s, and until systemd takes it (said once)",
+        f"stopping low.service {NOT_REACHED} 3600 s, and until systemd takes it (said once)",
     ]
     assert errors(caplog) == []
 
@@ -331,7 +335,7 @@ def test_a_stop_that_went_through_beside_one_that_did_not_leaves_no_error_when_i
     """Two StopUnits of low.service in flight: the first gets NoReply, the second goes
     through (its job runs). When the first one's delay ends, nothing is sent (systemd shows
     the job), and the delay the second one's answer already forgot is not an error."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.05)
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     first, second = asyncio.Event(), asyncio.Event()
     job = f"{JOB}78"
@@ -345,14 +349,13 @@ def test_a_stop_that_went_through_beside_one_that_did_not_leaves_no_error_when_i
         await bed.acquire("low.service", ":1.8", 4243)
         first.set()
         await settle()
-        failed = asyncio.get_running_loop().time()
         assert ctl._retry_timers
         ctl.on_job_new(78, job, "low.service")
         second.set()
         await settle()
         stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (78, job)}
         ctl.on_unit_changed("low.service", stopping)
-        await past_time(failed + 0.05 * 3)
+        assert await due_now(ctl._send_again) == 1
         assert stops(bed) == 2
         assert ctl._retry_timers == {} and ctl._retry_delays == {}
 
@@ -416,7 +419,7 @@ def test_a_start_no_longer_wanted_when_its_delay_ends_is_a_new_story_when_it_com
     delay was over: nothing is sent then, and that call's story ends. low.service comes
     back once urgent.service has ended, with a start that is its own: not said to be one
     "sent again, it went through", and no error on the way."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.05)
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
@@ -431,10 +434,9 @@ def test_a_start_no_longer_wanted_when_its_delay_ends_is_a_new_story_when_it_com
         ctl = bed.controller
         await ctl.start()
         await settle()
-        failed = asyncio.get_running_loop().time()
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert bed.service.granted == [("urgent.service", "0")]
-        await past_time(failed + 0.05 * 3)
+        assert await due_now(ctl._send_again) == 1
         assert len(sent) == 1 and ctl._retry_timers == {}
         goes_down(bed, "urgent.service")
         await settle()
@@ -553,17 +555,17 @@ def test_a_victims_stop_timer_ends_with_it_and_its_next_stop_is_timed_afresh(
     """low.service, preempted, goes down in time: its stop timer goes with it. Brought back
     and preempted again after an admin raised stop_timeout, its new stop is overdue only
     once the new timeout has passed, said once: the first stop's timer, left running, said
-    a stop overdue that had just begun."""
+    a stop overdue that had just begun. (Timeouts of hours, ended by the test: one of 0.2 s
+    ran out under load before the test had the victim go down.)"""
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     ctl = bed.controller
-    ctl.config = dataclasses.replace(ctl.config, stop_timeout=0.2)
+    ctl.config = dataclasses.replace(ctl.config, stop_timeout=HOUR)
     caplog.set_level(logging.INFO, logger="gpuslice")
 
     async def test() -> None:
         loop = asyncio.get_running_loop()
         await ctl.start()
         await bed.acquire("urgent.service", ":1.9", 4242)
-        first = loop.time()
         goes_down(bed, "low.service")
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
@@ -572,28 +574,26 @@ def test_a_victims_stop_timer_ends_with_it_and_its_next_stop_is_timed_afresh(
         await settle()
         assert bed.systemd.calls[-1] == ("start", "low.service")
         ctl.on_unit_changed("low.service", {"ActiveState": "active", "SubState": "running"})
-        ctl.config = dataclasses.replace(ctl.config, stop_timeout=0.4)
-        await bed.acquire("urgent.service", ":1.10", 4242)
+        ctl.config = dataclasses.replace(ctl.config, stop_timeout=2 * HOUR)
         second = loop.time()
+        await bed.acquire("urgent.service", ":1.10", 4242)
         assert stops(bed) == 2
+        assert ctl._stop_timers["low.service"].when() >= second + 2 * HOUR
         caplog.clear()
-        await past_time(first + 0.2 * 1.5)
-        assert not [m for m in messages(caplog) if "0.2 s" in m]
-        await until(lambda: any("0.4 s" in m for m in messages(caplog)))
-        assert loop.time() - second >= 0.4 - 0.01
+        assert await due_now(ctl._stop_overdue) == 1  # the new stop's only
         assert ctl._stop_timers == {}  # it fired: nothing left to cancel
 
     run(test)
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         (
             "WARNING",
-            "low.service (priority 90) has not stopped 0.4 s after gpuslice asked "
+            "low.service (priority 90) has not stopped 7200 s after gpuslice asked "
             "(urgent.service waits for it): see its TimeoutStopSec= and ExecStop=",
         ),
         (
             "INFO",
             "urgent.service waiting for low.service (priority 90) to stop on GPU 0 (still "
-            "running 0.4 s after the stop)",
+            "running 7200 s after the stop)",
         ),
     ]
 
@@ -612,9 +612,9 @@ def test_a_stop_timer_left_by_a_withdrawn_start_is_replaced_by_the_next_stops(
         {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
         [state("low.service", "inactive", "dead"), state("urgent.service", "inactive", "dead")],
         SavedState(preempted={"low.service": 1}, seq=1),
-        # 2 s: the old timer must still be armed when the new stop begins (at 0.3 s it fired
-        # first once, on a machine busy with a mutation run beside the test)
-        config=bed_config(tmp_path, stop_timeout=2.0),
+        # an hour: the old timer is still armed when the new stop begins, however slow the
+        # machine (at 0.3 s, then 2 s, it fired first on one busy with other tests)
+        config=bed_config(tmp_path, stop_timeout=3600.0),
     )
     cgroup_of[4242] = "urgent.service"
     cgroup_of[4243] = "low.service"
@@ -631,7 +631,7 @@ def test_a_stop_timer_left_by_a_withdrawn_start_is_replaced_by_the_next_stops(
         write_unannotated(tmp_path, "low.service")
         ctl.request_rescan()
         await until(lambda: stops(bed) == 1)
-        armed = loop.time()
+        old = ctl._stop_timers["low.service"]
         read.set()
         await settle()
         assert ctl.scheduler.phase("low.service") is None
@@ -642,10 +642,13 @@ def test_a_stop_timer_left_by_a_withdrawn_start_is_replaced_by_the_next_stops(
         await bed.acquire("low.service", ":1.8", 4243)
         assert bed.service.granted == [("low.service", "0")]
         ctl.on_unit_changed("low.service", {"ActiveState": "active", "SubState": "running"})
+        began = loop.time()
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert stops(bed) == 2
-        assert loop.time() < armed + 2.0, "the old timer fired before the new stop began"
-        await past_time(armed + 2.0 * 1.5)
+        new = ctl._stop_timers["low.service"]
+        # left armed, the old timer would call the new stop overdue at its own moment
+        assert old.cancelled() and new is not old
+        assert new.when() >= began + 60.0  # timed by the new timeout
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
 
     run(test)
@@ -845,7 +848,7 @@ class TwoJobs(StubNvml):
 
     def processes(self, index: int) -> list[GpuProcess]:
         if self.hang.is_set():
-            self.release.wait(10)
+            hang_until(self.release)
         return [GpuProcess(200 + index, index, GIB, compute=True)]
 
 
@@ -897,6 +900,7 @@ def test_the_ladder_is_given_the_processes_of_a_sample_taken_now_or_none_it_can_
     sample is stale and the ladder gets None (a suspend is then refused, never run on an old
     list), as without NVML."""
     monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.05)
+    patient_nvml(monkeypatch)
     processes_of(tmp_path, {200: "a.service", 201: "b.service"})
     nvml = TwoJobs()
     bed = Bed(
@@ -977,8 +981,9 @@ def test_status_goes_to_systemd_once_per_delay_for_every_change_meanwhile(
     """STATUS= (`systemctl status gpuslice`) is sent STATUS_DELAY after a change, once for
     every change meanwhile (each one costs a PropertiesChanged of gpuslice.service that the
     controller itself reads, issue 10), with the line of that moment; and again after the
-    next change."""
-    monkeypatch.setattr(controller_module, "STATUS_DELAY", 0.4)
+    next change. (A delay of an hour, ended by the test: one of 0.4 s ran out under load
+    between the two changes.)"""
+    monkeypatch.setattr(controller_module, "STATUS_DELAY", HOUR)
     bed = Bed(tmp_path, {"a.service": "Priority=50\n", "b.service": "Priority=60\n"}, [])
     ctl = bed.controller
     cgroup_of[4242], cgroup_of[4243] = "a.service", "b.service"
@@ -999,13 +1004,15 @@ def test_status_goes_to_systemd_once_per_delay_for_every_change_meanwhile(
         await bed.acquire("a.service", ":1.1", 4242)
         await bed.acquire("b.service", ":1.2", 4243)
         assert bed.service.granted == [("a.service", "0")]
-        assert len(saves) == 2 and saves[1] - saves[0] < 0.4  # the grant's, then the wait's
-        await until(lambda: bool(sent))
-        await past_time(saves[1] + 0.4 * 1.5)
+        assert len(saves) == 2  # the grant's, then the wait's
+        assert sent == []
+        assert await due_now(ctl._send_status) == 1  # one for both
+        assert await due_now(ctl._send_status) == 0
         assert sent == ["1 GPU: a.service running; 1 waiting"]
         goes_down(bed, "a.service")
-        await until(lambda: len(sent) == 2)
-        assert sent[1] == "1 GPU: b.service running; 0 waiting"
+        await settle()
+        assert await due_now(ctl._send_status) == 1
+        assert sent[1:] == ["1 GPU: b.service running; 0 waiting"]
 
     run(test)
 
@@ -1079,7 +1086,9 @@ def test_a_retry_whose_pass_decides_a_signal_of_the_same_turn_ends_the_retry_qui
     mid.service for urgent.service, says so, and starts nothing of low.service's. The
     retry's story ends there, without an error; low.service comes back later with a start
     of its own, not said to be one "sent again"."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.1)
+    # never due by itself: the test ends the delay (a delay of 0.1 s ended, on a loaded
+    # machine, before the test had put the signal in the socket, or even read the timer)
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 3600.0)
     bed = Bed(
         tmp_path,
         {
@@ -1101,7 +1110,7 @@ def test_a_retry_whose_pass_decides_a_signal_of_the_same_turn_ends_the_retry_qui
         loop = asyncio.get_running_loop()
         await ctl.start()
         await settle()
-        retry = ctl._retry_timers[("low.service", "start")]
+        ctl._retry_timers[("low.service", "start")].cancel()
         await bed.acquire("mid.service", ":1.9", 4242)
         ctl.on_unit_changed("mid.service", {"ActiveState": "active", "SubState": "running"})
 
@@ -1111,13 +1120,9 @@ def test_a_retry_whose_pass_decides_a_signal_of_the_same_turn_ends_the_retry_qui
             ctl.on_job_new(5, f"{JOB}5", "urgent.service")
             ctl.on_unit_changed("urgent.service", at_gate())
 
-        def busy() -> None:  # the loop is busy until the delay is over, the signal come
-            writer.send(b"x")
-            while loop.time() < retry.when():
-                time.sleep(0.001)
-
         loop.add_reader(reader, signal_read)
-        loop.call_at(retry.when() - 0.05, busy)
+        writer.send(b"x")  # the signal is in the socket as the delay ends: one turn has both
+        loop.call_at(loop.time(), ctl._send_again, "low.service", "start")
         await until(lambda: not ctl._retry_timers)
         await settle()
         assert len(sent) == 1

@@ -32,12 +32,14 @@ from gpuslice.paths import env_file
 from gpuslice.systemd import Queued, SystemdError
 from tests.test_controller import (
     GIB,
+    HOUR,
     START,
     Bed,
     StubNvml,
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
     at_gate,
     bed_config,
+    due_now,
     goes_down,
     held_after_answer,
     late_stops,
@@ -1173,7 +1175,7 @@ def test_a_held_gate_waiting_for_its_env_file_is_judged_again_when_its_unit_is_p
     (low.service is stopped). The retry judges the gate again: it is stopped again, not let
     through onto GPU 0, which is urgent.service's once low.service is down, and no file
     names GPU 0 for it."""
-    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    monkeypatch.setattr(controller_module, "ENV_RETRY", HOUR)  # ended by the test
     blocker = unwritable_run(tmp_path)
     bed = low_unannotated_holds_gpu_0(tmp_path, runtime_dir=str(blocker))
     cgroup_of[4343] = "low.service"
@@ -1189,8 +1191,8 @@ def test_a_held_gate_waiting_for_its_env_file_is_judged_again_when_its_unit_is_p
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
         assert bed.systemd.calls.count(("stop", "low.service")) == 1
         blocker.unlink()
-        await until(lambda: not ctl._withheld)
-        await past(controller_module.ENV_RETRY)
+        assert await due_now(ctl._let_through_withheld) == 1
+        assert not ctl._withheld
         assert bed.service.granted == []
         assert bed.systemd.calls.count(("stop", "low.service")) == 2
         assert not (blocker / "env" / "low.service").exists()

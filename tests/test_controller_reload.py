@@ -18,6 +18,8 @@ import json
 import logging
 import signal
 import threading
+import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from subprocess import PIPE
@@ -227,6 +229,22 @@ def counting(monkeypatch: pytest.MonkeyPatch, meanwhile: Any = None) -> list[Pat
     return loads
 
 
+def held_at_its_change(path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """The clock config.py reads a file's age by stands at the file's last change until the
+    call returned is made: written now, it stays "changed less than CONFIG_SETTLE ago" for
+    as long as the test takes to write it whole. On a clock that ran on, a loaded machine
+    that ran the test late let the controller read the file cut short."""
+    held = [path.stat().st_ctime]
+    clock = types.SimpleNamespace(time=lambda: held[0] or time.time())
+    monkeypatch.setattr(config_module, "time", clock)
+    monkeypatch.setattr(controller_module, "CONFIG_SETTLE_WAITS", 10**6)  # each look is one
+
+    def let_go() -> None:
+        held[0] = 0.0
+
+    return let_go
+
+
 def test_a_reload_waits_for_a_file_being_written_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,10 +263,12 @@ def test_a_reload_waits_for_a_file_being_written_in_place(
         await ctl.start()
         assert ctl.scheduler.gpus == {1}
         path.write_text("gpus: 2\n")  # cut short
+        let_go = held_at_its_change(path, monkeypatch)
         ctl.request_reload()
         await settle()
         assert loads == []
         path.write_text("gpus: 2\nmanage_gpus: [1]\nlog_level: warning\n")
+        let_go()
         await until(lambda: ctl.config.log_level == "warning")
         assert ctl.scheduler.gpus == {1}
         assert loads == [path]
@@ -352,11 +372,13 @@ def test_a_start_reads_a_file_being_written_once_it_is_whole(
     once it has been left alone, as a reload does."""
     monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.3)
     host.config_path.write_text("")  # truncated, not written yet
+    let_go = held_at_its_change(host.config_path, monkeypatch)
 
     async def test() -> None:
         daemon = host.start()
         await settle()
         host.config_path.write_text("gpus: 2\n")
+        let_go()
         await host.waiting_on_its_bus(daemon)
         assert host.controller.scheduler.gpus == {0, 1}
         signal.raise_signal(signal.SIGTERM)

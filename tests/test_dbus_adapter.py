@@ -51,6 +51,9 @@ from gpuslice.systemd import (
     unit_path,
 )
 
+# seconds a test waits for the bus daemon's part (a pass never waits this long; `run` ends a
+# test at 20)
+WITHIN = 15.0
 BUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
 <busconfig>
@@ -169,6 +172,15 @@ async def fake_systemd(address: str) -> MessageBus:
     return bus
 
 
+async def until_true(condition: Callable[[], bool]) -> None:
+    """Until `condition` holds, failing after WITHIN s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN
+    while not condition():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 async def sync(bus: MessageBus) -> None:
     """A round trip to the bus daemon: everything this connection sent before is routed."""
     await bus.call(
@@ -179,6 +191,23 @@ async def sync(bus: MessageBus) -> None:
             member="Ping",
         )
     )
+
+
+async def waiting_in_socket(bus: MessageBus, member: str, count: int) -> None:
+    """Until `count` calls of `member` wait in the connection's socket (looked at, not read:
+    its reader is off). Routed by the bus daemon (`sync`) is not yet written to us: a
+    daemon that a loaded machine ran late had written only some when the test went on."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN
+    waiting = 0
+    while waiting < count:
+        assert loop.time() < deadline, f"{waiting} of {count} {member} calls came"
+        await asyncio.sleep(0.01)
+        try:
+            data = bus._sock.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            continue
+        waiting = data.count(member.encode())
 
 
 def properties_changed(unit: str, active: str, destination: str | None = None) -> Message:
@@ -777,7 +806,8 @@ def test_a_flood_of_calls_is_read_a_turn_of_the_loop_at_a_time(bus_address: str)
         for _ in range(300):
             client.send(status_asking_no_answer())
         await sync(client)
-        await asyncio.sleep(0.05)
+        # more than a turn reads (all 300 do not fit: the rest wait in the bus daemon)
+        await waiting_in_socket(bus, "Status", 2 * busread.MAX_PER_TURN)
 
         def tick() -> None:
             turn[0] += 1
@@ -844,6 +874,7 @@ def test_status_answers_not_yet_sent_are_bounded(
         calls = [asyncio.ensure_future(call(client, "Status")) for _ in range(3)]
         await asyncio.sleep(0)
         await sync(client)
+        await waiting_in_socket(bus, "Status", 3)
         loop.add_reader(bus._fd, bus._message_reader)
         replies = await asyncio.gather(*calls)
         assert [len(r.body[0]) for r in replies if r.message_type is MessageType.METHOD_RETURN] == [
@@ -925,7 +956,9 @@ def test_service_caps_pending_calls_per_unit(bus_address: str) -> None:
         calls = [
             asyncio.ensure_future(call(client, "Acquire", "s", ["a.service"])) for _ in range(12)
         ]
-        done, _ = await asyncio.wait(calls, timeout=2)
+        await asyncio.sleep(0)  # the twelve are sent
+        await call(client, "Status")  # answered after each of them was (waited 2 s before)
+        done = [c for c in calls if c.done()]
         refused = [c.result() for c in done]
         assert len(refused) == 12 - 8
         assert all(r.error_name == "org.freedesktop.DBus.Error.LimitsExceeded" for r in refused)
@@ -953,7 +986,7 @@ def test_calls_of_a_start_that_ended_are_answered_not_dropped(bus_address: str) 
         await sync(bus)
         assert service.pending("a.service")
         service.forget("a.service")
-        reply = await asyncio.wait_for(pending, timeout=5)
+        reply = await asyncio.wait_for(pending, timeout=WITHIN)
         assert reply.error_name == START_ENDED
         assert reply.body == ["the start of a.service this call waited for has ended: ask again"]
         assert not service.pending("a.service")
@@ -1175,10 +1208,12 @@ def test_a_job_call_leaves_when_made_and_the_rest_in_turn(bus_address: str) -> N
             asyncio.ensure_future(systemd.stop_unit(f"u{i}.service"))
             for i in range(MAX_CALLS_IN_FLIGHT - 1)
         ]
-        await asyncio.sleep(0.1)
+        await until_true(lambda: systemd._calls.free == 0)  # each place taken
         late = asyncio.ensure_future(systemd.start_unit("late.service"))
         given_up = asyncio.ensure_future(systemd.start_unit("given-up.service"))
-        await asyncio.sleep(0.1)
+        await until_true(lambda: len(held) >= MAX_CALLS_IN_FLIGHT)
+        await sync(systemd.bus)  # what it sent before is routed to the owner,
+        await sync(owner)  # and read there (a fixed 0.2 s was too short under load)
         assert len(held) == MAX_CALLS_IN_FLIGHT  # the two wait for a place
         given_up.cancel()
         owner.send(Message.new_method_return(held[0], "o", [JOB]))

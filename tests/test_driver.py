@@ -95,10 +95,10 @@ def test_unreadable_files_are_not_nvidia(tmp_path: Path) -> None:
 def test_a_probe_is_cheap(tmp_path: Path) -> None:
     for i in range(128):
         pci(tmp_path, f"0000:{i:02x}:00.0", "0x8086" if i % 8 else "0x10de", "0x030200")
-    start = time.perf_counter()
+    start = time.process_time()  # its CPU time: a loaded machine stretches the wall time
     for _ in range(10):
         assert len(probe(tmp_path).devices) == 16
-    assert (time.perf_counter() - start) / 10 < 0.05
+    assert (time.process_time() - start) / 10 < 0.05
 
 
 def test_missing_device_nodes(tmp_path: Path) -> None:

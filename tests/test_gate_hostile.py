@@ -95,7 +95,7 @@ def test_removing_an_env_file_never_waits_on_a_fifo_in_the_directorys_place(
 
     worker = threading.Thread(target=remove, daemon=True)
     worker.start()
-    finished = done.wait(5)
+    finished = done.wait(30)  # a pass never waits this long (5 s: short under load)
     if not finished:  # let the thread go: open a writer, which ends its wait
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     assert finished, "remove() waited on the FIFO"

@@ -69,7 +69,7 @@ def _gate(
 
 def _ended(gate: subprocess.Popen[str]) -> tuple[int, str]:
     try:
-        _out, err = gate.communicate(timeout=10)
+        _out, err = gate.communicate(timeout=30)  # a pass never waits this long
     except subprocess.TimeoutExpired:
         gate.kill()
         gate.communicate()

@@ -19,6 +19,7 @@ import resource
 import signal
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,8 @@ OTHER = "fedcba9876543210fedcba9876543210"
 
 
 # The gate's own PATH (it runs as root: the unit's PATH= chooses nothing there)
+# How long a gate may take to get where a test waits for it (a pass never waits this long)
+BLOCKS_WITHIN = 30.0
 GATE_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
 
 
@@ -137,19 +140,36 @@ class Gate:
         taken by the trap before the shell blocks, and no read is cut short. Waiting a fixed
         time made the test fail once under load."""
         wanted = _SYSCALLS.get(os.uname().machine, {}).get("read" if opened else "openat")
-        for _ in range(500):
-            try:
-                sleeping = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1]
-                call = Path(f"/proc/{self.proc.pid}/syscall").read_text().split()
-            except OSError:
-                call, sleeping = [], ""
+        deadline, call = time.monotonic() + BLOCKS_WITHIN, list[str]()
+        while time.monotonic() < deadline:
+            sleeping, call = self._sleeping()
             if wanted is None and self.waits(2.0):  # an architecture not listed: as before
                 return
-            if sleeping.split()[:1] == ["S"] and call[:1] == [str(wanted)]:
+            if sleeping and call[:1] == [str(wanted)]:
                 return
             assert self.proc.poll() is None, "the gate ended instead of waiting"
             self.waits(0.02)
         raise AssertionError(f"the gate never blocked in its pipe: syscall {call}")
+
+    def waiting_on_dbus(self) -> None:
+        """Wait until its dbus-send asked and the shell sleeps (in `wait`, the one place it
+        sleeps after that): its trap is set by then. A signal sent a fixed 0.3 s after the
+        start came, on a loaded machine, before the shell had set its trap, and killed it."""
+        deadline = time.monotonic() + BLOCKS_WITHIN
+        while not (self.asked_over_dbus() and self._sleeping()[0]):
+            assert self.proc.poll() is None, "the gate ended instead of waiting"
+            assert time.monotonic() < deadline, "the gate never waited on its D-Bus call"
+            self.waits(0.02)
+
+    def _sleeping(self) -> tuple[bool, list[str]]:
+        """Whether the shell sleeps (state S), and the system call it is in (its number
+        first, as /proc/PID/syscall gives it; none once it ended)."""
+        try:
+            state = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1]
+            call = Path(f"/proc/{self.proc.pid}/syscall").read_text().split()
+        except OSError:
+            return False, []
+        return state.split()[:1] == ["S"], call
 
 
 # read(2) and openat(2), as /proc/PID/syscall numbers them
@@ -189,7 +209,7 @@ def blocked_in_open(tmp_path: Path, pipes: GatePipes) -> Gate:
     pipes.at_gate(UNIT, START)
     pipes.close_all()
     gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate.blocked_in_pipe(opened=False)
     return gate
 
 
@@ -318,7 +338,7 @@ def test_the_controller_going_away_sends_a_waiting_gate_to_dbus(
 ) -> None:
     pipes.at_gate(UNIT, START)
     gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate.blocked_in_pipe(opened=True)  # come later, it would wait in open() for good
     pipes.close_all()  # what the kernel does when the controller dies
     assert gate.ended() == 0
     assert gate.asked_over_dbus()
@@ -472,7 +492,7 @@ def test_a_waiting_gate_stopped_ends_at_once_without_asking(
     if blocked_in == "open":
         pipes.close_all()
     gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate.blocked_in_pipe(opened=blocked_in == "read")
     gate.state.write_text("deactivating\n")  # systemd shows the stop before it reads a call
     gate.proc.send_signal(signal.SIGTERM)
     assert gate.ended() == 0  # inactive, not failed
@@ -523,17 +543,15 @@ def test_a_signal_that_is_no_stop_lets_no_start_through(
         pipes.directory.mkdir(parents=True)  # no pipe: it asks over D-Bus, and waits there
     waits_for_grant = f"while [ ! -e {answer} ]; do sleep 0.02; done"
     gate = Gate(tmp_path, pipes, dbus_send=waits_for_grant)
-    assert gate.waits()
     if blocked_in != "dbus":
         gate.blocked_in_pipe(opened=blocked_in == "read")
+    else:
+        gate.waiting_on_dbus()
     gate.state.write_text("activating\n")
     gate.proc.send_signal(sig)
     assert gate.waits(1.0)  # not let through
     if blocked_in != "dbus":  # its pipe read cut short: it asks over D-Bus instead
-        until_asked = 50
-        while not gate.asked_over_dbus() and until_asked:
-            gate.waits(0.1)
-            until_asked -= 1
+        gate.waiting_on_dbus()
     assert gate.asked_over_dbus()
     answer.write_text("")  # the grant, over D-Bus
     said = f"signalled while {UNIT} is not being stopped: still waiting for its GPUs\n"
@@ -712,7 +730,7 @@ def test_reset_wakes_a_waiting_gate_and_lets_go_of_every_pipe(
     pipes.at_gate(UNIT, START)
     pipes.close(UNIT)
     gate = Gate(tmp_path, pipes)
-    assert gate.waits()
+    gate.blocked_in_pipe(opened=False)
     pipes.reset()
     assert gate.ended() == 0
     assert gate.asked_over_dbus()

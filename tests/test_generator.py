@@ -424,9 +424,9 @@ def test_thousand_units(tmp_path: Path) -> None:
             f"[Service]\nExecStartPre=/bin/prep {i}\nExecStart=/bin/job\n"
             f"[X-GPUSlice]\nPriority={i % 1000}\nType=background\n",
         )
-    start = time.perf_counter()
+    start = time.process_time()  # its CPU time: a loaded machine stretches the wall time
     out = run(tmp_path)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(written(out)) == 1000
     assert elapsed < 10  # measured ~0.1 s; this only catches something quadratic
 
@@ -458,12 +458,10 @@ def test_a_file_system_that_does_not_answer_leaves_every_other_unit_gated(
     hang.mounts("/srv/nfs")
     hang.at = ("/srv/nfs",)
     try:
-        start = time.monotonic()
         out = run(tmp_path)
-        elapsed = time.monotonic() - start
     finally:
         hang.release()
-    assert len(hang.blocked) == 1 and elapsed < 10, (hang.blocked, elapsed)
+    assert len(hang.blocked) == 1 and hang.timeouts == 1, hang.blocked  # one deadline waited
     assert sorted(written(out)) == sorted(
         [f"p{i}.service.d/gpuslice-gate.conf" for i in range(500)]
         + ["ok.service.d/gpuslice-gate.conf"]

@@ -25,7 +25,17 @@ from gpuslice.core.model import Gpu
 from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import Inventory
 from gpuslice.nvml import DeviceScan, GpuInfo, NvmlStatus, NvmlUnavailableError
-from tests.test_controller import GIB, Clock, Holdings, StubNvml, Timers, messages
+from tests.test_controller import (
+    GIB,
+    PATIENCE,
+    Clock,
+    Holdings,
+    StubNvml,
+    Timers,
+    hang_until,
+    messages,
+    patient_nvml,
+)
 from tests.test_inventory import nvidia_root
 
 NO_MODULE = "1 NVIDIA PCI device (0000:65:00.0), nvidia module not loaded"
@@ -57,7 +67,7 @@ class HangsAtOpen(Models):
         self.release = threading.Event()
 
     def open(self, fallback: str = "no GPUs") -> NvmlStatus:
-        self.release.wait(10)
+        hang_until(self.release)
         return super().open(fallback)
 
 
@@ -90,7 +100,7 @@ def switches(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [m for m in messages(caplog) if m.startswith("NVML ready")]
 
 
-def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+def until(condition: Callable[[], bool], timeout: float = PATIENCE) -> None:
     """Wait for the worker thread (not a fixed sleep)."""
     waited = threading.Event()
     for _ in range(int(timeout / 0.005)):
@@ -172,6 +182,7 @@ def test_nvml_init_hung_at_start_holds_background_units_back_until_it_answers(
     the next retry switches to NVML and says so. Taken for ready, background units started
     at once on a guess NVML never checked, with no line saying when NVML came."""
     monkeypatch.setattr(gpuwatch_module, "NVML_OPEN_DEADLINE", 0.05)
+    patient_nvml(monkeypatch)
     nvml = HangsAtOpen("NVIDIA Fake 24GB", "NVIDIA Fake 24GB")
     watch, holdings, timers, _ = watch_on(tmp_path, nvml, Config(gpus=1))
     try:

@@ -21,7 +21,16 @@ import gpuslice.gpuwatch as gpuwatch_module
 from gpuslice.config import Config
 from gpuslice.gpuwatch import NVML_RETRY_FIRST, GpuWatch
 from gpuslice.inventory import Inventory
-from tests.test_controller import GIB, Clock, Holdings, StubNvml, Timers, make_watch, messages
+from tests.test_controller import (
+    GIB,
+    Clock,
+    Holdings,
+    StubNvml,
+    Timers,
+    make_watch,
+    messages,
+    patient_nvml,
+)
 from tests.test_gpuwatch_mutation import NO_MODULE, HangsAtOpen, Models, until, watch_on
 from tests.test_inventory import StubNvml as ProcessNvml
 from tests.test_inventory import write_proc
@@ -34,6 +43,7 @@ def test_nvml_init_has_its_own_deadline_and_its_hung_retry_gives_way_to_nvml(
 ) -> None:
     monkeypatch.setattr(gpuwatch_module, "NVML_OPEN_DEADLINE", 0.05)
     monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.5)
+    patient_nvml(monkeypatch)
     nvml = HangsAtOpen("NVIDIA Fake 24GB")
     watch, holdings, timers, _ = watch_on(tmp_path, nvml, Config(gpus=1))
     assert not watch.stale  # nothing asked yet, nothing hung

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from gpuslice.offloop import OffLoop
+from tests.test_controller import PATIENCE, hang_until, patient_nvml
 
 
 def test_a_call_that_answers_returns_its_result() -> None:
@@ -21,14 +23,17 @@ def test_an_exception_reaches_the_caller() -> None:
         OffLoop(5).call(broken)
 
 
-def test_a_hung_call_is_given_up_and_no_call_is_made_until_it_returns() -> None:
+def test_a_hung_call_is_given_up_and_no_call_is_made_until_it_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    patient_nvml(monkeypatch)
     release = threading.Event()
     calls: list[str] = []
     offloop = OffLoop(0.05)
 
     def hangs() -> int:
         calls.append("hang")
-        release.wait(10)
+        hang_until(release)
         return 1
 
     assert offloop.call(hangs) is None
@@ -41,8 +46,8 @@ def test_a_hung_call_is_given_up_and_no_call_is_made_until_it_returns() -> None:
     assert offloop.call(later) is None  # not even started
     assert calls == ["hang"]
     release.set()
-    for _ in range(200):
-        if not offloop.hung:
-            break
+    deadline = time.monotonic() + PATIENCE
+    while offloop.hung:  # until the hung call has returned
+        assert time.monotonic() < deadline, "the released call never returned"
         threading.Event().wait(0.01)
     assert offloop.call(lambda: 3) == 3

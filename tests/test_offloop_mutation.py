@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from gpuslice.offloop import OffLoop
+from tests.test_controller import hang_until, patient_nvml
 
 
 def test_a_call_runs_on_a_daemon_thread_named_nvml() -> None:
@@ -31,8 +32,9 @@ def test_a_call_runs_on_a_daemon_thread_named_nvml() -> None:
 
 
 def test_each_call_given_up_on_is_counted_once_and_said_with_its_deadline(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    patient_nvml(monkeypatch)
     offloop = OffLoop(0.05)
     assert offloop.timeouts == 0
     for n in (1, 2):
@@ -46,7 +48,7 @@ def test_each_call_given_up_on_is_counted_once_and_said_with_its_deadline(
         ) -> int:
             workers.append(threading.current_thread())
             started.set()
-            release.wait(10)
+            hang_until(release)
             return 1
 
         with caplog.at_level(logging.DEBUG, logger="gpuslice"):

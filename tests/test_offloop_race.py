@@ -20,7 +20,7 @@ import pytest
 import gpuslice.gpuwatch as gpuwatch_module
 from gpuslice.config import Config
 from gpuslice.nvml import GpuProcess, NvmlStatus
-from tests.test_controller import StubNvml
+from tests.test_controller import StubNvml, hang_until, patient_nvml
 from tests.test_gpuwatch_mutation import watch_on
 
 
@@ -42,7 +42,7 @@ class HangingListing(StubNvml):
 
     def processes(self, index: int) -> list[GpuProcess]:
         if self.hang.is_set():
-            self.release.wait(10)
+            hang_until(self.release)
         return []
 
 
@@ -56,6 +56,7 @@ def test_a_start_up_sample_that_answers_late_keeps_the_gpus_holders_were_told(
     holder's GPU was forgotten, the next sample booked GPU 1 by NVML's new numbering, and
     GPU 0, where the holder runs, was free for another job."""
     monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.05)
+    patient_nvml(monkeypatch)
     nvml = HangingListing()
     nvml.uuids = ("GPU-B", "GPU-A")  # numbered otherwise than by the last controller's NVML
     watch, holdings, _, _ = watch_on(tmp_path, nvml, Config(gpus=2))
@@ -88,7 +89,7 @@ class HangingInit(StubNvml):
 
     def open(self, fallback: str = "no GPUs") -> NvmlStatus:
         if self.hang.is_set():
-            self.release.wait(10)
+            hang_until(self.release)
         return super().open(fallback)
 
 
@@ -101,6 +102,7 @@ def test_a_retry_that_answers_late_while_the_loop_gives_up_waiting_leaves_nvml_r
     over it, for good (a retry does nothing once NVML is available): `gpuslice status`
     said fallback, on guessed GPUs, while NVML answered."""
     monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.05)
+    patient_nvml(monkeypatch)
     main = threading.current_thread()
     armed = threading.Event()
     nvml = HangingInit()
@@ -159,6 +161,7 @@ def test_a_retry_whose_nvml_init_always_outlasts_the_deadline_still_gets_nvml(
     next call): dropped like its sample's books, a host whose nvmlInit takes longer than
     the deadline every time would retry for ever and never switch to NVML."""
     monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.05)
+    patient_nvml(monkeypatch)
     nvml = HangingInit()
     watch, holdings, timers, clock = watch_on(tmp_path, nvml, Config(gpus=1, driver_wait=60))
     watch.open()
@@ -186,7 +189,7 @@ class StillLoading(HangingInit):
 
     def open(self, fallback: str = "no GPUs") -> NvmlStatus:
         if self.hang.is_set():
-            self.release.wait(10)
+            hang_until(self.release)
             return NvmlStatus(False, warning="NVML still loading (stub)")
         return super().open(fallback)
 
@@ -199,6 +202,7 @@ def test_a_late_retry_that_found_no_nvml_leaves_the_loops_fallback(
     fallback: taken back, status said "waiting" again while background units ran on the
     GPUs config.yaml guessed."""
     monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.05)
+    patient_nvml(monkeypatch)
     nvml = StillLoading()
     watch, _, timers, clock = watch_on(tmp_path, nvml, Config(gpus=1, driver_wait=60))
     watch.open()

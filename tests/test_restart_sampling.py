@@ -6,8 +6,17 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+
 from gpuslice.nvml import GpuProcess, NvmlError
-from tests.test_controller import OneForeignProcess, bg_running_on_gpu_1, run, settle
+from tests.test_controller import (
+    OneForeignProcess,
+    bg_running_on_gpu_1,
+    hang_until,
+    patient_nvml,
+    run,
+    settle,
+)
 
 
 class HangsAfterFirstSample(OneForeignProcess):
@@ -23,11 +32,14 @@ class HangsAfterFirstSample(OneForeignProcess):
         if index == 0:
             self.samples += 1
             if self.samples > 1:
-                self.release.wait(10)
+                hang_until(self.release)
         return super().processes(index)
 
 
-def test_a_restart_whose_second_sample_hangs_stops_no_running_unit(tmp_path: Path) -> None:
+def test_a_restart_whose_second_sample_hangs_stops_no_running_unit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patient_nvml(monkeypatch)
     nvml = HangsAfterFirstSample()
     bed = bg_running_on_gpu_1(tmp_path, nvml)
     bed.controller.watch.nvml.deadline = 0.05

@@ -106,6 +106,16 @@ def _wait_for(path: Path, gate: subprocess.Popen[str] | None = None) -> None:
         time.sleep(0.01)
 
 
+def _waits_in_shell(gate: subprocess.Popen[str]) -> None:
+    """Until the gate's shell sleeps: once its dbus-send runs, only in `wait`, where $child
+    names the call. A signal before that (the child forked, `child=$!` not run yet: a
+    loaded machine that ran the stub first) leaves the trap nothing to end."""
+    end = time.monotonic() + DEADLINE
+    while Path(f"/proc/{gate.pid}/stat").read_text().rsplit(")", 1)[1].split()[:1] != ["S"]:
+        assert gate.poll() is None and time.monotonic() < end, "the gate never waited"
+        time.sleep(0.01)
+
+
 def test_a_gate_stopped_while_its_dbus_call_waits_ends_at_once_and_ends_its_call(
     tmp_path: Path,
 ) -> None:
@@ -140,6 +150,7 @@ def test_a_gate_stopped_while_its_dbus_call_waits_ends_at_once_and_ends_its_call
     )
     try:
         _wait_for(asking, gate)
+        _waits_in_shell(gate)
         gate.send_signal(signal.SIGTERM)  # the shell only, as KillMode=mixed does
         try:
             out, err = gate.communicate(timeout=DEADLINE)

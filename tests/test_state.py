@@ -958,7 +958,7 @@ class _Flushes:
 
 
 async def _until(condition: Callable[[], bool]) -> None:
-    deadline = asyncio.get_running_loop().time() + 5
+    deadline = asyncio.get_running_loop().time() + 30  # a pass never waits this long
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "timed out"
         await asyncio.sleep(0.005)

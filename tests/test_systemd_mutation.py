@@ -615,7 +615,7 @@ def test_a_stop_leaves_when_made_not_at_the_loops_next_turn(bus_address: str) ->
         pending = systemd.stop_unit("a.service")
         try:
             # our loop does not turn here: only a write made now can reach systemd
-            arrived = select.select([owner._sock], [], [], 5)[0]
+            arrived = select.select([owner._sock], [], [], 15)[0]  # routed, under load too
         finally:
             job = asyncio.ensure_future(pending)
         assert arrived, "the StopUnit was still queued in the connection"
