@@ -1793,6 +1793,22 @@ def held_after_answer(bed: Bed, job_new: bool = True) -> tuple[asyncio.Event, li
     return resume, jobs
 
 
+def held_listing(bed: Bed) -> tuple[asyncio.Event, asyncio.Event]:
+    """Start-up held in systemd's ListUnits: the first event is set once the controller asks,
+    and systemd answers once the test sets the second (start-up is half done meanwhile)."""
+    listing = asyncio.Event()
+    listed = asyncio.Event()
+    list_units = bed.systemd.list_units
+
+    async def slow_list() -> list[UnitState]:
+        listing.set()
+        await listed.wait()
+        return await list_units()
+
+    bed.systemd.list_units = slow_list  # type: ignore[method-assign]
+    return listing, listed
+
+
 def late_stops(bed: Bed) -> asyncio.Event:
     """Systemd takes our StopUnits only once the event is set: what it shows of a victim
     meanwhile comes before its answer."""
@@ -3975,16 +3991,7 @@ def test_a_daemon_reload_during_start_up_is_taken_in_after_start_ups_decisions(
         [state("bg.service", "inactive", "dead")],
         SavedState(preempted={"bg.service": 1}, seq=1),
     )
-    listing = asyncio.Event()
-    listed = asyncio.Event()
-    list_units = bed.systemd.list_units
-
-    async def slow_list() -> list[UnitState]:
-        listing.set()
-        await listed.wait()
-        return await list_units()
-
-    bed.systemd.list_units = slow_list  # type: ignore[method-assign]
+    listing, listed = held_listing(bed)
 
     async def test() -> None:
         ctl = bed.controller

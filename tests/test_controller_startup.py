@@ -52,6 +52,7 @@ from tests.test_controller import (
     at_gate,
     bed_config,
     goes_down,
+    held_listing,
     past_queued_delay,
     queued,
     run,
@@ -235,16 +236,7 @@ def test_a_gates_call_while_starting_up_waits_for_the_saved_state(
         root=str(tmp_path / "root"),
         inventory=bed.controller.watch.inventory,
     )
-    listing = asyncio.Event()
-    listed = asyncio.Event()
-    list_units = bed.systemd.list_units
-
-    async def slow_list() -> list[UnitState]:
-        listing.set()
-        await listed.wait()
-        return await list_units()
-
-    bed.systemd.list_units = slow_list  # type: ignore[method-assign]
+    listing, listed = held_listing(bed)
 
     def answered(serial: int) -> list[Message]:
         return [m for m in bus.sent if m.reply_serial == serial]
