@@ -88,7 +88,7 @@ from gpuslice.paths import (
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NameTaken, NotManaged, SchedulerService, Starting
 from gpuslice.state import Flusher, StateStore, record_boot, same_boot
-from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient
+from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient, job_path
 from gpuslice.tracker import (
     CameUp,
     Change,
@@ -299,6 +299,8 @@ class Controller:
         # one goes through or is no longer wanted, and the timer that sends it again
         self._retry_delays: dict[tuple[str, str], float] = {}
         self._retry_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        # units whose stop, its delay over, waits for a read of systemd's (_stop_again)
+        self._stop_reads: set[str] = set()
         # units whose gate waits for their environment file to be written: granted
         # (_deliver), or let through on GPUs still held for them (_let_through)
         self._withheld: dict[str, asyncio.TimerHandle] = {}
@@ -1616,6 +1618,8 @@ class Controller:
         before the answer must not take the unit for one nobody is stopping. The caller
         has saved the state first (execute)."""
         self.tracker.call_sent(unit)
+        if what == "stop":
+            self._stop_reads.discard(unit)  # this one is sent again: a read under way is moot
         retry = self._retry_timers.pop((unit, what), None)
         if retry is not None:  # this call is the one sent again
             retry.cancel()
@@ -1670,8 +1674,7 @@ class Controller:
         through."""
         key = (unit, what)
         first = key not in self._retry_delays
-        delay = min(self._retry_delays.get(key, CALL_RETRY_FIRST / 2) * 2, CALL_RETRY_MAX)
-        self._retry_delays[key] = delay
+        delay = self._retry_later(unit, what)
         why = f"{error.text} ({error.name})"
         log.debug("%s %s did not reach systemd: %s; sent again in %g s", what, unit, why, delay)
         if what == "start":
@@ -1685,18 +1688,25 @@ class Controller:
                 why,
                 delay,
             )
+
+    def _retry_later(self, unit: str, what: str) -> float:
+        """Arm the timer that sends the call again (`_send_again`), its delay doubled from
+        the last one (CALL_RETRY_FIRST, up to CALL_RETRY_MAX); the delay."""
+        key = (unit, what)
+        delay = min(self._retry_delays.get(key, CALL_RETRY_FIRST / 2) * 2, CALL_RETRY_MAX)
+        self._retry_delays[key] = delay
         old = self._retry_timers.pop(key, None)
         if old is not None:
             old.cancel()
         loop = asyncio.get_running_loop()
         self._retry_timers[key] = loop.call_later(delay, self._send_again, unit, what)
+        return delay
 
     def _send_again(self, unit: str, what: str) -> None:
         """The delay after a call that did not reach systemd is over. A start: the core
-        decides again whether to send it (`Scheduler.retry_start`). A stop: sent again while
-        the core still stops the unit and systemd shows no job for it (a stop that reached
-        systemd after all runs as a job, and its end tells: a second StopUnit merged into
-        it would be taken for someone else's stop). Not wanted any more: forgotten."""
+        decides again whether to send it (`Scheduler.retry_start`). A stop: while the core
+        still stops the unit and its signals show no job for it, systemd is asked first
+        (`_stop_again`). Not wanted any more: forgotten."""
         key = (unit, what)
         self._retry_timers.pop(key, None)
         if what == "start":
@@ -1705,13 +1715,67 @@ class Controller:
             if not any(isinstance(a, Start) and a.unit == unit for a in actions):
                 self._retry_delays.pop(key, None)  # started later, if ever: a new story
             return
+        if self._stop_unsent(unit):
+            self._spawn(self._stop_again(unit))
+        else:
+            self._retry_delays.pop(key, None)
+
+    def _stop_unsent(self, unit: str) -> bool:
+        """The core still stops the unit and its signals show it running with no job (or at
+        its gate): no stop of ours is known to have reached systemd."""
         state = self.tracker.state(unit)
         kind = classify(state)
         unsent = kind is Kind.GATE or (kind is Kind.RUNNING and state.job_id == 0)
-        if self.scheduler.phase(unit) is Phase.STOPPING and unsent:
+        return unsent and self.scheduler.phase(unit) is Phase.STOPPING
+
+    async def _stop_again(self, unit: str) -> None:
+        """A stop is sent again only if a read shows the unit still running with no job. A
+        StopUnit whose answer the bus daemon dropped (NO_REPLY after CALL_TIMEOUT: anyone can
+        flood our queue) may have reached systemd, its job's signals dropped too: sent again
+        on the signals' word, it merged into our own job, announced before it, and the
+        tracker took that for someone's stop: the victim was held, never brought back. A
+        stop job the read shows is ours (the core still stops the unit, and sent a stop),
+        unless announced before ours was sent (Tracker.stop_found): taken in, its end a
+        preemption; one that shows it down is taken in at a second look. A read that fails,
+        or that systemd's word on the unit since has made stale, is tried again after the
+        next delay."""
+        key = (unit, "stop")
+        self._stop_reads.add(unit)
+        try:
+            state = await self.reads.read_fresh(unit, self.tracker.heard(unit))
+        finally:
+            sent = unit not in self._stop_reads
+            self._stop_reads.discard(unit)
+        if sent or key not in self._retry_delays:
+            return  # a stop sent meanwhile tells: its answer, or the retry its failure arms
+        if not self._stop_unsent(unit):
+            self._retry_delays.pop(key, None)  # not wanted any more: forgotten
+            return
+        if state is None:
+            delay = self._retry_later(unit, "stop")
+            log.debug(
+                "cannot tell whether stopping %s reached systemd; read again in %g s", unit, delay
+            )
+            return
+        kind = classify(state)
+        if kind is Kind.GATE or (kind is Kind.RUNNING and state.job_id == 0):
             self._call_systemd(self.systemd.stop_unit, unit, "stop")
-        else:
-            self._retry_delays.pop(key, None)
+            return
+        self._retry_delays.pop(key, None)
+        if state.job_type != "stop":
+            # down (our stop ran, its signals lost too?), or a job not ours: taken in once a
+            # second look still shows it (Rereads.confirm)
+            self.reads.confirm(unit)
+            return
+        path = job_path(state.job_id)
+        if self.tracker.stop_found(unit, path):
+            log.info(
+                "stopping %s reached systemd: its answer was lost, its job %d runs",
+                unit,
+                state.job_id,
+            )
+        props = {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, path)}
+        self.on_unit_changed(unit, props, read=True)
 
     def _arm_stop_timer(self, unit: str) -> None:
         self._cancel_stop_timer(unit)

@@ -98,12 +98,16 @@ class Rereads:
             return
         known = self.tracker.state(unit)
         if confirm and (state.active, state.sub) != (known.active, known.sub):
-            seen = self.tracker.heard(unit)
-            loop = asyncio.get_running_loop()
-            loop.call_later(CONFIRM_DELAY, self._unheard, unit, seen, True)
+            self.confirm(unit)
             return
         props = {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, "/")}
         self.take(unit, props)
+
+    def confirm(self, unit: str) -> None:
+        """A read showed the unit otherwise than its signals: read again CONFIRM_DELAY later
+        and taken in, unless systemd said more of it meanwhile (the signal on its way)."""
+        seen = self.tracker.heard(unit)
+        asyncio.get_running_loop().call_later(CONFIRM_DELAY, self._unheard, unit, seen, True)
 
     async def read_fresh(self, unit: str, seen: int) -> UnitState | None:
         """The unit's state read from systemd; None when it cannot be read, or when a signal

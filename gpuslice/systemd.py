@@ -127,6 +127,12 @@ def unit_path(name: str) -> str:
     return UNIT_PATH_PREFIX + ("".join(out) or "_")
 
 
+def job_path(job_id: int) -> str:
+    """The object path systemd gives a job (its job_dbus_path): what a read of a unit,
+    which names its job's id, would have named it in the job's signals."""
+    return f"{MANAGER_PATH}/job/{job_id}"
+
+
 def unit_name_from_path(path: str) -> str | None:
     """The inverse of `unit_path`; None for paths that are not the object of a valid unit
     name (a forged path may decode to anything: control characters, 10,000 characters)."""

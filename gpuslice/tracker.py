@@ -175,6 +175,8 @@ class Tracker:
         self._by_itself: set[str] = set()  # left running with no job since its gate, not to restart
         self._not_ours: set[str] = set()  # down, but not by our stop (WentDown.not_ours)
         self._down_at: dict[str, int] = {}  # the stamp of a down deferred to our answer
+        # unit -> when the first stop of ours that got no answer was sent (`stop_found`)
+        self._unanswered_stops: dict[str, int] = {}
 
     # -- systemd's signals ----------------------------------------------------------------
 
@@ -325,6 +327,8 @@ class Tracker:
                 self._not_ours.add(unit)  # down before systemd had our stop: not by it
         elif job is not None and what == "stop" and job not in self._own_jobs:
             self._not_ours.add(unit)  # merged into someone's stop: theirs ends it
+        elif job is None and what == "stop":
+            self._unanswered_stops.setdefault(unit, since)  # it may have reached systemd
         count = self._in_flight.get(unit, 0) - 1
         if count > 0:
             self._in_flight[unit] = count
@@ -342,6 +346,23 @@ class Tracker:
         read of the unit answered before it is older (`heard`). As call_answered."""
         self._answers[unit] = next(self._stamps)
         return self._answered(unit, job, what, in_order=True)
+
+    def stop_found(self, unit: str, job: str) -> bool:
+        """A read shows the stop job `job` for a unit whose StopUnit of ours got no answer
+        (CALL_TIMEOUT: the bus daemon drops answers to a flooded connection, and may drop
+        the job's signals too): ours reached systemd, and the job is taken for the one it
+        queued, its end ours (a preemption). One announced before our first unanswered stop
+        was sent is someone's, ours merged into it: theirs ends the unit, as `_answered`
+        tells. Whether it is ours."""
+        since = self._unanswered_stops.pop(unit, 0)
+        announced = self._unit_jobs.get(unit, {}).get(job)
+        if job not in self._own_jobs and announced is not None and announced < since:
+            self._not_ours.add(unit)
+            return False
+        self._own_jobs[job] = "stop"
+        # announced now if its JobNew was lost: a job since its gate, not an end by itself
+        self._unit_jobs.setdefault(unit, {}).setdefault(job, next(self._stamps))
+        return True
 
     def in_flight(self, unit: str) -> bool:
         return bool(self._in_flight.get(unit))
@@ -364,6 +385,7 @@ class Tracker:
         self._stop_results.pop(unit, None)
         self._by_itself.discard(unit)
         self._not_ours.discard(unit)
+        self._unanswered_stops.pop(unit, None)
 
     def _went_down(self, unit: str) -> None:
         """Down: no job announced before says anything of its next run."""

@@ -30,11 +30,13 @@ import pytest
 
 from gpuslice import controller as controller_module
 from gpuslice import gpuwatch as gpuwatch_module
+from gpuslice import rereads as rereads_module
 from gpuslice import state as state_module
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.journal import Journal
 from gpuslice.nvml import GpuProcess
 from gpuslice.systemd import Queued, SystemdError
+from gpuslice.tracker import UnitState
 from tests.test_controller import (
     GIB,
     HOUR,
@@ -512,6 +514,195 @@ def test_our_stop_merged_into_a_persons_stop_leaves_the_victim_held_not_preempte
 
     run(test)
     assert errors(caplog) == []  # an answer that found no delay to forget is no error
+
+
+def retry_fires(bed: Bed, what: str, unit: str = "low.service") -> None:
+    """The retry timer of our call (`what`) of `unit`, an hour long, fires now."""
+    ctl = bed.controller
+    ctl._retry_timers[(unit, what)].cancel()
+    ctl._send_again(unit, what)
+
+
+@pytest.mark.parametrize("job_new_heard", [True, False])
+@pytest.mark.parametrize("shown", [("deactivating", "stop-sigterm"), ("active", "running")])
+def test_a_stop_whose_answer_was_lost_is_not_sent_again_over_its_own_job(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    job_new_heard: bool,
+    shown: tuple[str, str],
+) -> None:
+    """Someone floods our bus queue: systemd takes our StopUnit of low.service (its job 77
+    runs, or waits its turn) but the bus daemon drops the answer (NO_REPLY after
+    CALL_TIMEOUT) and the unit's PropertiesChanged with it (its JobNew too, or not). The
+    signals show low.service running with no job; systemd is read before the stop is sent
+    again, and the job it shows is taken in as ours. Sent again, the StopUnit merged into
+    job 77, announced before it, and low.service was held as stopped by someone, never
+    brought back; or, its JobNew lost too, its end was taken for one by itself (a job never
+    announced, or, its deactivating dropped too, none shown before the end): finished,
+    never brought back."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    job = f"{JOB}77"
+    read = asyncio.Event()
+    scripted(bed, "stop", [Answer(NO_REPLY, read=read), Answer(job=job)])  # merged, if sent
+    caplog.set_level(logging.INFO)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert stops(bed) == 1
+        bed.systemd.units["low.service"] = state("low.service", *shown, 77, "stop")
+        if job_new_heard:
+            ctl.on_job_new(77, job, "low.service")
+        read.set()
+        await settle()
+        assert ctl.tracker.state("low.service").job_id == 0  # the signals' stale view
+        retry_fires(bed, "stop")
+        await settle()
+        assert stops(bed) == 1
+        assert bed.systemd.reads[-1] == "low.service"
+        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        if shown[0] == "active":  # signalled (the read showed its job still queued)
+            stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
+            ctl.on_unit_changed("low.service", stopping)
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", down)
+        ctl.on_job_removed(77, job, "low.service", "done")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+        assert "low.service" not in ctl.scheduler.held
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "low.service")
+
+    run(test)
+    assert "stopping low.service reached systemd: its answer was lost, its job 77 runs" in (
+        messages(caplog)
+    )
+    assert errors(caplog) == []
+
+
+def test_a_stop_whose_answer_was_lost_and_whose_job_ended_unheard_is_not_sent_again(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, but our stop's job 77 has run and ended by the time the delay is over, its
+    signals all dropped but its JobNew: the read shows low.service down. Nothing is sent;
+    a second look, no signal having come, takes the end in: a preemption, its GPU granted
+    to urgent.service, rather than left until the audits see it."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(rereads_module, "CONFIRM_DELAY", 0.0)  # the second look, next turn
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    job = f"{JOB}77"
+    scripted(bed, "stop", [Answer(NO_REPLY)])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        ctl.on_job_new(77, job, "low.service")
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        retry_fires(bed, "stop")
+        await settle()
+        assert stops(bed) == 1
+        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        assert bed.systemd.reads[-2:] == ["low.service", "low.service"]
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+
+    run(test)
+
+
+def test_a_stop_to_send_again_whose_read_fails_is_read_again_after_the_next_delay(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Our StopUnit of low.service got NoReply; when its delay ends, the read of low.service
+    fails too (the flood goes on): nothing is sent on the signals' word, and the read is
+    tried again after the doubled delay. It shows low.service running with no job then (our
+    stop never reached systemd): the stop is sent again, and its end is a preemption."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 4 * HOUR)
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    scripted(bed, "stop", [Answer(NO_REPLY)])
+    unit_state = bed.systemd.unit_state
+    failing = [NO_REPLY]
+
+    async def read(name: str) -> UnitState:
+        if failing:
+            raise failing.pop()
+        return await unit_state(name)
+
+    monkeypatch.setattr(bed.systemd, "unit_state", read)
+    key = ("low.service", "stop")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert stops(bed) == 1 and ctl._retry_delays == {key: HOUR}
+        retry_fires(bed, "stop")
+        await settle()
+        assert stops(bed) == 1 and not failing
+        assert ctl._retry_delays == {key: 2 * HOUR} and key in ctl._retry_timers
+        retry_fires(bed, "stop")
+        await settle()
+        assert stops(bed) == 2
+        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        goes_down(bed, "low.service")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+
+    run(test)
+
+
+def test_a_stop_sent_anew_while_the_read_before_its_resend_is_out_is_the_one_sent_again(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Our StopUnit of low.service got NoReply; its delay over, low.service is read first.
+    Before the answer, low.service's gate asks and the stop is sent anew (not answered yet).
+    The read then shows low.service running with no job: no third StopUnit follows, which
+    would merge into the second's job, announced before it, and be taken for someone's."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    answered = asyncio.Event()
+    scripted(bed, "stop", [Answer(NO_REPLY), Answer(job=f"{JOB}78", read=answered)])
+    unit_state = bed.systemd.unit_state
+    read = asyncio.Event()
+
+    async def slow_read(name: str) -> UnitState:
+        await read.wait()
+        return await unit_state(name)
+
+    monkeypatch.setattr(bed.systemd, "unit_state", slow_read)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        retry_fires(bed, "stop")
+        await settle()
+        await bed.acquire("low.service", ":1.8", 4243)
+        assert stops(bed) == 2
+        read.set()
+        await settle()
+        assert stops(bed) == 2
+        answered.set()
+        await settle()
+        assert stops(bed) == 2
+        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+
+    run(test)
 
 
 def test_an_answer_told_as_it_was_read_is_not_counted_again_when_its_call_resumes(

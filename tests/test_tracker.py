@@ -937,6 +937,37 @@ def test_our_second_stop_merged_into_our_first_is_still_ours() -> None:
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [WentDown(A, Outcome.EXITED)]
 
 
+def test_a_stop_job_read_after_our_unanswered_stop_is_ours_unless_announced_before_it() -> None:
+    """Our StopUnit got no answer (NO_REPLY: the bus daemon dropped it, and perhaps the job's
+    signals): a stop job a read shows then is ours, its JobNew heard or not, and its end a
+    preemption; one announced before our call was sent is someone's, ours merged into it."""
+    for heard in (True, False):
+        tracker = our_stop_sent()
+        tracker.unit_changed(A, props_of("active", "running", 0))
+        if heard:
+            tracker.job_new(JOB1, A)  # its PropertiesChanged dropped
+        assert tracker.call_answered(A, None, "stop") is False
+        assert tracker.stop_found(A, JOB1) is True
+        assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1), read=True) == []
+        tracker.job_removed(JOB1, A, "done")
+        assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+            WentDown(A, Outcome.EXITED)
+        ]
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.job_new(JOB1, A)  # a person's stop, its PropertiesChanged dropped
+    tracker.call_sent(A)
+    tracker.call_answered(A, None, "stop")
+    assert tracker.stop_found(A, JOB1) is False
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1), read=True)
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED, not_ours=True)
+    ]
+
+
 def test_a_person_stop_that_ours_joined_and_that_was_cancelled_says_nothing_of_our_next() -> None:
     """Our stop merged into a person's stop job, which was then cancelled (a start replaced
     it): the unit ran on, our stop was lost. Our next stop, which ends it, is ours: told
