@@ -286,10 +286,15 @@ MUTATE_outer := gpuslice.systemd.* gpuslice.nvml.* gpuslice.driver.* gpuslice.gp
 	gpuslice.procmount.* gpuslice.service.* gpuslice.callers.* gpuslice.stopjournal.*
 MUTATE_all := $(MUTATE_core) $(MUTATE_adapters) $(MUTATE_controller) $(MUTATE_outer)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
+# Address space of each process of the run (KiB): a mutant that makes a loop append for ever
+# fails there with MemoryError (a kill), where it grew to 16 GiB on a 24 GiB VM and the
+# kernel's OOM killer ended the whole run (seen 2026-12-06); a run works under 8 GB (4 GB
+# of address space was too little for mutmut's own process here).
+MUTATE_VMEM_KB ?= 8000000
 mutate: venv
 	@test -n "$(MUTATE_$(MUTATE))" || { echo "make mutate: MUTATE=$(MUTATE): no modules (core, adapters, controller, outer, all)" >&2; exit 2; }
 	$(if $(MUTATE_KEEP),,rm -rf mutants)
-	$(VENV)/bin/mutmut run --max-children 1 $(MUTATE_$(MUTATE))
+	ulimit -v $(MUTATE_VMEM_KB); $(VENV)/bin/mutmut run --max-children 1 $(MUTATE_$(MUTATE))
 	@$(MAKE) --no-print-directory mutate-report MUTATE=$(MUTATE)
 
 # The summary of the last `make mutate` (mutants/), e.g. after rerunning some mutants by name
