@@ -1758,7 +1758,9 @@ class Controller:
             )
             return
         kind = classify(state)
-        if kind is Kind.GATE or (kind is Kind.RUNNING and state.job_id == 0):
+        # at its gate with a stop job (one waiting its turn): ours, maybe, as when running
+        gate = kind is Kind.GATE and state.job_type != "stop"
+        if gate or (kind is Kind.RUNNING and state.job_id == 0):
             self._call_systemd(self.systemd.stop_unit, unit, "stop")
             return
         self._retry_delays.pop(key, None)

@@ -619,6 +619,53 @@ def test_a_stop_whose_answer_was_lost_and_whose_job_ended_unheard_is_not_sent_ag
     run(test)
 
 
+def test_a_stop_whose_answer_was_lost_is_not_sent_again_over_its_job_waiting_at_the_gate(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, but someone restarted low.service before our StopUnit reached systemd: it
+    waits at its gate (start job 76) when our stop replaces that job, and our stop's job 77
+    waits its turn, its JobNew heard, its PropertiesChanged and our answer dropped. The read
+    shows low.service at its gate with the stop job: that is taken in as ours, not a gate to
+    stop. Sent again, the StopUnit merged into job 77, announced before it, and low.service
+    was held as stopped by someone, never brought back."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    restart, job = f"{JOB}76", f"{JOB}77"
+    scripted(bed, "stop", [Answer(NO_REPLY), Answer(job=job)])  # merged, if sent
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        ctl.on_job_new(76, restart, "low.service")
+        gate = {"ActiveState": "activating", "SubState": "start-pre", "Job": (76, restart)}
+        ctl.on_unit_changed("low.service", gate)
+        ctl.on_job_removed(76, restart, "low.service", "canceled")
+        ctl.on_job_new(77, job, "low.service")
+        bed.systemd.units["low.service"] = state(
+            "low.service", "activating", "start-pre", 77, "stop"
+        )
+        await settle()
+        retry_fires(bed, "stop")
+        await settle()
+        assert stops(bed) == 1
+        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
+        ctl.on_unit_changed("low.service", stopping)
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", down)
+        ctl.on_job_removed(77, job, "low.service", "done")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+        assert "low.service" not in ctl.scheduler.held
+
+    run(test)
+
+
 def test_a_stop_to_send_again_whose_read_fails_is_read_again_after_the_next_delay(
     tmp_path: Path,
     cgroup_of: dict[int, str],
