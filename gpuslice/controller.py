@@ -234,6 +234,7 @@ class Controller:
             self._known_units,
             self._spawn,
             self._wake_unheard_gates,
+            self._follow_shutdown,
         )
         # freeze, suspend and resume (the Preempt= ladder), carried out as tasks
         self.ladder = Ladder(
@@ -350,8 +351,8 @@ class Controller:
         with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
             self.scheduler.set_specs(self._concrete_specs(remembered | shown))
         this_boot = same_boot(saved_boot, self.boot_id)
-        if not this_boot:
-            saved.holders = {}  # nothing runs after a reboot that we granted before it
+        if not this_boot:  # nothing runs after a reboot that we granted before it
+            saved = self.scheduler.ended_with_boot(saved)
         forgotten = self.scheduler.load(saved)  # said with the first decisions
         # records of units no longer annotated, forgotten: saved once ready, even unsaid
         recorded = {*saved.preempted, *saved.held, *saved.finished, *saved.failed}
@@ -734,6 +735,7 @@ class Controller:
 
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
         self.tracker.job_new(path, unit)
+        self._follow_shutdown()
         if not self.ready or self.spec_for(unit) is None:
             return
         if is_instance(unit) and unit not in self._instances:
@@ -779,6 +781,21 @@ class Controller:
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
         if self.tracker.job_removed(path, unit, result):
             self.reads.job_ended(unit)
+        self._follow_shutdown()
+
+    def _follow_shutdown(self) -> None:
+        """Tell the core that the host is going down, or that its shutdown was cancelled
+        (the tracker reads it from the shutdown targets' jobs): meanwhile it starts nothing
+        (Scheduler.set_shutting_down). Before start-up is done, its first pass decides."""
+        down = self.tracker.shutting_down
+        if down == self.scheduler.shutting_down:
+            return
+        if not self.ready:
+            with self.scheduler.deferred():
+                self.scheduler.set_shutting_down(down)
+            return
+        with self._batched():
+            self.execute(self.scheduler.set_shutting_down(down))
 
     def on_unit_changed(self, name: str, props: dict[str, Any], *, read: bool = False) -> None:
         spec = self.spec_for(name)

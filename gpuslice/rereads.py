@@ -62,9 +62,11 @@ class Rereads:
         known: Callable[[], Iterable[str]],
         spawn: Spawn,
         wake_unheard: Callable[[], None] = lambda: None,
+        shutdown_over: Callable[[], None] = lambda: None,
     ) -> None:
         """`wake_unheard`: at each audit, wake the gates that wait where no read of the
-        audit's looks (GatePipes.wake_unheard)."""
+        audit's looks (GatePipes.wake_unheard). `shutdown_over`: an audit found the host's
+        shutdown cancelled, which no signal told (`audit_shutdown`)."""
         self.systemd = systemd
         self.tracker = tracker
         self.counters = counters
@@ -72,6 +74,7 @@ class Rereads:
         self.known = known
         self.spawn = spawn
         self.wake_unheard = wake_unheard
+        self.shutdown_over = shutdown_over
         # units a periodic read showed otherwise than their signals: (that state, the stamp of
         # systemd's last word then), taken in if the next read finds the same
         self._suspects: dict[str, tuple[UnitState, int]] = {}
@@ -141,6 +144,7 @@ class Rereads:
             except SystemdError as e:
                 self.counters.error("dbus_call_errors")
                 log.debug("cannot ask who owns systemd's name: %s", e)
+            await self.audit_shutdown()
             names = sorted(n for n in set(self.known()) if self.systemd.watches(n))
             if not names:
                 return
@@ -157,6 +161,29 @@ class Rereads:
                     self._take_audited(state, suspects.get(state.name))
         finally:
             self.start_audits()
+
+    async def audit_shutdown(self) -> None:
+        """While the host is taken to be going down, nothing is started: had the JobRemoved
+        of its cancelled shutdown been lost, no preempted unit would come back and no
+        background unit start again until the controller restarts. systemd's SystemState
+        says `stopping` while its shutdown target is active or queued."""
+        if not self.tracker.shutting_down:
+            return
+        stamp = self.tracker.shutdown_jobs_heard()
+        try:
+            state = await self.systemd.system_state()
+        except SystemdError as e:
+            self.counters.error("dbus_call_errors")
+            log.debug("cannot ask whether the host is going down: %s", e)
+            return
+        if state != "stopping" and self.tracker.shutdown_unheard(stamp):
+            self.counters.error("dbus_signals_lost")
+            log.warning(
+                "systemd says the host is %s, not going down: the signal of its cancelled "
+                "shutdown was lost on the bus; units are started again",
+                state,
+            )
+            self.shutdown_over()
 
     def _take_audited(self, state: UnitState, suspect: tuple[UnitState, int] | None) -> None:
         """A state its signals did not tell is taken in when the next read still shows it and

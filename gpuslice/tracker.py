@@ -156,6 +156,9 @@ class Tracker:
         self.ledger = ledger
         self.states: dict[str, UnitState] = {}
         self.shutting_down = False
+        # how many jobs of the shutdown targets were heard: a read of whether the host goes
+        # down is believed only if none was heard while it was answered (`shutdown_unheard`)
+        self._shutdown_jobs = 0
         # jobs systemd announced for a unit since it last passed the gate (or went down),
         # each with the stamp of its JobNew
         self._unit_jobs: dict[str, dict[str, int]] = {}
@@ -183,15 +186,31 @@ class Tracker:
     def job_new(self, path: str, unit: str) -> None:
         if unit in SHUTDOWN_TARGETS:
             self.shutting_down = True
+            self._shutdown_jobs += 1
         if self.managed(unit):
             self._count(unit)
             self._unit_jobs.setdefault(unit, {})[path] = self._signals[unit]
 
+    def shutdown_jobs_heard(self) -> int:
+        """A stamp that moves with every job of a shutdown target heard."""
+        return self._shutdown_jobs
+
+    def shutdown_unheard(self, stamp: int) -> bool:
+        """systemd says (read when `shutdown_jobs_heard` was `stamp`) that the host is not
+        going down, where its signals left us thinking it was: the JobRemoved of a cancelled
+        shutdown was lost on the bus. Taken in (True) unless a shutdown job was heard since."""
+        if not self.shutting_down or stamp != self._shutdown_jobs:
+            return False
+        self.shutting_down = False
+        return True
+
     def job_removed(self, path: str, unit: str, result: str) -> bool:
         """Whether the unit's state must be read again: a job that changed nothing sends
         no PropertiesChanged."""
-        if unit in SHUTDOWN_TARGETS and result == "canceled":
-            self.shutting_down = False  # a cancelled shutdown must not disable holds for good
+        if unit in SHUTDOWN_TARGETS:
+            self._shutdown_jobs += 1
+            if result == "canceled":  # a cancelled shutdown must not disable holds for good
+                self.shutting_down = False
         if self._own_jobs.get(path) == "stop" and result != "done":
             self._stop_results[unit] = result
         if path not in self._unit_jobs.get(unit, ()):
@@ -223,7 +242,21 @@ class Tracker:
             self._job_paths[name] = job[1]
         if job is not None and not read:  # only a signal tells what came first
             self._note_leaving(old, state, job[1])
+        if classify(state) is Kind.RUNNING and state.job_id == 0:
+            self._jobs_done(name)
         return self._judge(state)
+
+    def _jobs_done(self, name: str) -> None:
+        """The unit runs with no job: the jobs announced for it since its gate all ended
+        without ending this run (a `systemctl start` or `reload` of a running unit, a
+        timer's start of it), so none says who stops it later; a job that does is announced
+        anew. Kept until its next gate or down, every such job of a unit that runs for
+        months stayed, one per job (a cron job that starts it each minute). Not while a call
+        of ours is unanswered: its answer looks its job up (`_answered`)."""
+        if self._in_flight.get(name):
+            return
+        for path in self._unit_jobs.pop(name, {}):
+            self._own_jobs.pop(path, None)
 
     def _note_leaving(self, old: UnitState, new: UnitState, path: str) -> None:
         """The unit stops running: by a job announced since its gate (a stop, ours or

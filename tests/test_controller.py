@@ -76,6 +76,7 @@ class FakeSystemd:
         # none), or the error its read fails with; RestartUnit's error, where a test says
         self.exec_start_pres: dict[str, list[tuple[str, list[str]]] | SystemdError] = {}
         self.refused_restarts: dict[str, SystemdError] = {}
+        self.system = "running"  # the manager's SystemState
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -91,6 +92,10 @@ class FakeSystemd:
 
     async def check_owner(self) -> bool:
         return False
+
+    async def system_state(self) -> str:
+        self.calls.append(("system-state", ""))
+        return self.system
 
     async def watch(self, units: Collection[str] | None) -> list[str]:
         """As Systemd.watch: the units matched now and not before (none after every unit's)."""

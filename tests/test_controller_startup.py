@@ -858,6 +858,70 @@ def test_a_preempted_instance_systemd_no_longer_lists_is_heard_and_comes_back(
     run(test)
 
 
+def test_a_preempted_unit_is_not_started_while_the_host_goes_down(tmp_path: Path) -> None:
+    """p.service was preempted for urgent.service; the host reboots, and urgent.service is
+    stopped for it (gpuslice.service stops after the units it gates). Started then, its
+    start was refused (the transaction is destructive), it was taken for failed, and
+    after the reboot never started again. It stays preempted, saved so; a shutdown
+    cancelled brings it back."""
+    bed = Bed(
+        tmp_path,
+        {"p.service": "Priority=60\n", "urgent.service": "Priority=10\n"},
+        [state("urgent.service", "active", "running")],
+        SavedState(
+            holders={"urgent.service": ((0,), "running", 2, "")}, preempted={"p.service": 1}, seq=2
+        ),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(7, "/org/freedesktop/systemd1/job/7", "reboot.target")
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert ("start", "p.service") not in bed.systemd.calls
+        ctl.save_now()
+        saved, _ = StateStore(Path(bed.config.state_dir)).load()
+        assert saved.preempted == {"p.service": 1}
+        ctl.on_job_removed(7, "/org/freedesktop/systemd1/job/7", "reboot.target", "canceled")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "p.service")
+
+    run(test)
+
+
+def test_a_shutdown_cancelled_unheard_is_found_by_the_audit(tmp_path: Path) -> None:
+    """The JobRemoved of the cancelled reboot is lost on the bus: the periodic audit asks
+    systemd's SystemState, and once it is no longer `stopping` p.service comes back. Without
+    it no preempted unit came back, and no background unit started, until a restart."""
+    bed = Bed(
+        tmp_path,
+        {"p.service": "Priority=60\n", "urgent.service": "Priority=10\n"},
+        [state("urgent.service", "active", "running")],
+        SavedState(
+            holders={"urgent.service": ((0,), "running", 2, "")}, preempted={"p.service": 1}, seq=2
+        ),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(7, "/org/freedesktop/systemd1/job/7", "reboot.target")
+        goes_down(bed, "urgent.service")
+        await settle()
+        bed.systemd.system = "stopping"
+        await ctl.reads.audit()
+        await settle()
+        assert ("start", "p.service") not in bed.systemd.calls  # still going down
+        bed.systemd.system = "running"  # cancelled; its JobRemoved never came
+        await ctl.reads.audit()
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "p.service")
+        assert ctl.counters.errors["dbus_signals_lost"] == 1
+
+    run(test)
+
+
 def test_a_running_unit_whose_annotation_went_is_still_heard_until_it_ends(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

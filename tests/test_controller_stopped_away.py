@@ -215,3 +215,36 @@ def test_a_read_a_signal_of_the_unit_overtook_is_not_taken(tmp_path: Path) -> No
         assert (snap.held, snap.finished) == ([], ["bg.service"])
 
     run(test)
+
+
+@pytest.mark.parametrize(
+    ("phase", "started", "back"),
+    [
+        ("frozen", [], True),
+        ("suspending", [], True),
+        ("resuming", [], True),
+        ("stopping", [], True),  # our stop of it sent, its end unseen
+        ("starting", ["od.service"], True),  # its comeback, sent by the last controller
+        ("starting", [], False),  # someone's start at its gate: cancelled with the boot
+        ("running", [], False),  # ended with the boot, as any unit
+    ],
+)
+def test_an_on_demand_unit_preempted_when_no_controller_saw_the_host_go_down_comes_back(
+    tmp_path: Path, phase: str, started: list[str], back: bool
+) -> None:
+    """The last controller saved od.service preempted while it ran (or its comeback under
+    way), and was gone before the host went down (a crash, `kill -9`, an upgrade). Its work
+    went with the boot as a suspended unit's does: preempted, it is started again once its
+    GPU is free. Dropped with the last boot's holders, no one started it again."""
+    config = bed_config(tmp_path)
+    saved = SavedState(holders={"od.service": ((0,), phase, 1, "")}, seq=1, started=started)
+    StateStore(Path(config.state_dir)).save(saved, "boot-0")
+    od = {"od.service": "Priority=50\n"}
+    bed = Bed(tmp_path, od, [state("od.service", "inactive", "dead")], config=config)
+
+    async def test() -> None:
+        await bed.controller.start()
+        await settle()
+        assert (("start", "od.service") in bed.systemd.calls) is back
+
+    run(test)

@@ -1259,6 +1259,70 @@ def test_a_unit_suspended_when_the_host_went_down_is_preempted_after_the_reboot(
     assert brief(s.schedule()) == [f"start {V}"]
 
 
+def test_a_unit_preempted_while_it_runs_that_the_shutdown_ends_comes_back_after_it() -> None:
+    """Systemd stops the units gpuslice gates before gpuslice (After=gpuslice.service), so
+    the controller sees a frozen or suspended unit end with the shutdown. Its work went with
+    the boot, as a stopped unit's: preempted, it comes back after the reboot (Requeue=), as
+    one suspended when no controller saw the shutdown (`forget_boot`). Told ended by the
+    shutdown, no on-demand unit came back. One the shutdown found running ended with the
+    boot, as any unit does."""
+    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
+    vlm = spec("vlm", 80, preempt="suspend stop")
+    voice, urgent = spec("voice", 10, mem_gib=8), spec("urgent", 10)
+    s = host(emb, vlm, voice, urgent, gpus=[sized(0), sized(1)])
+    running(s, emb, vlm)
+    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    assert brief(s.request(urgent)) == ["suspend vlm.service 1"]
+    s.suspended_done(vlm.name, "")
+    assert s.set_shutting_down(True) == []
+    for unit in (emb, vlm, voice, urgent):  # in parallel: the frozen one first, say
+        s.inactive(unit.name, Outcome.SHUTDOWN)
+    assert sorted(s.save().preempted) == ["emb.service", "vlm.service"]
+    after = host(emb, vlm, voice, urgent, gpus=[sized(0), sized(1)])
+    after.load(s.save())
+    after.forget_boot()
+    assert sorted(brief(after.schedule())) == ["start emb.service", "start vlm.service"]
+
+
+def test_the_last_boots_holders_owed_a_comeback_are_preempted_the_others_go() -> None:
+    """No controller saw the host go down: of the holders its state names, a unit preempted
+    while it ran, or whose comeback gpuslice started, is preempted; one no longer annotated
+    is owed nothing, nor a background unit gpuslice started (refill starts it anyway), nor
+    one that ran, nor a start job of anyone's."""
+    bg = spec("bg", 90, BG)
+    s = host(VLM, VOICE, bg, spec("up", 50), spec("back", 50), spec("kept", 50))
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        V: ((0,), "frozen", 3, ""),
+        "gone.service": ((0,), "frozen", 4, ""),
+        bg.name: ((0,), "starting", 5, ""),
+        "up.service": ((0,), "running", 6, ""),
+        "back.service": ((0,), "starting", 7, ""),
+        "kept.service": ((0,), "starting", 8, ""),
+    }
+    started = [bg.name, "back.service"]
+    saved = SavedState(holders=holders, preempted={VO: 2}, seq=8, started=started)
+    ended = s.ended_with_boot(saved)
+    assert ended.holders == {}
+    assert ended.preempted == {V: 3, "back.service": 7, VO: 2}
+
+
+def test_a_comeback_the_shutdown_cancelled_is_still_owed() -> None:
+    """A preempted unit restarted by gpuslice just before the host went down: systemd
+    cancels its start job. Forgotten then (its preemption went with the restart), it was
+    never started again."""
+    low = spec("low", 60, preempt="stop")
+    s = host(low, VOICE)
+    running(s, low)
+    s.request(VOICE)
+    s.inactive(low.name, Outcome.STOPPED)
+    s.running(VO)
+    assert brief(s.inactive(VO, Outcome.EXITED)) == ["start low.service"]
+    s.set_shutting_down(True)
+    assert brief(s.inactive(low.name, Outcome.SHUTDOWN)) == []
+    assert list(s.save().preempted) == ["low.service"]
+    assert brief(s.set_shutting_down(False)) == ["start low.service"]  # the shutdown cancelled
+
+
 def numbered(*uuids: str) -> list[Gpu]:
     """The GPUs as NVML numbers them once opened afresh: 0, 1, ... in this order (a card
     gone off the bus shifts the ones after it)."""

@@ -1607,6 +1607,30 @@ def test_an_on_demand_instance_that_ended_is_forgotten_with_how_it_ended() -> No
     assert not s.forget_instance("t@1.service")  # not known now
 
 
+def test_units_no_longer_annotated_leave_no_time_out_behind() -> None:
+    """When each unit went out orders refill among annotated units alone: kept for a unit
+    whose annotation went while it ran (and ended since), or for any name the core was told
+    ended, an entry stayed for every such name until the controller restarted (instances'
+    names may never come again)."""
+    s = Scheduler([Gpu(0)], {})
+    for i in range(1000):
+        job = spec(f"t@{i}", 50)
+        s.learn(job)
+        s.request(job)
+        s.set_specs({})  # the template's annotation went while the instance ran
+        s.inactive(job.name, Outcome.EXITED, by_itself=True)
+        s.inactive(f"u@{i}.service", Outcome.STOPPED)  # a name the core never knew
+    assert s.out_since == {}
+    kept = spec("bg", 50, BG)
+    s.set_specs({kept.name: kept})
+    s.inactive(kept.name, Outcome.EXITED)
+    gone = spec("t@x", 50)
+    s.learn(gone)
+    s.inactive(gone.name, Outcome.EXITED)  # a start cancelled before it queued: no record
+    s.set_specs({kept.name: kept})  # t@x's annotation went while it was down
+    assert list(s.out_since) == [kept.name]
+
+
 def test_an_instance_owed_something_or_refilled_is_not_forgotten() -> None:
     """Waiting, holding, suspended, owed a comeback, or background (refill may start it
     again, and how it ended keeps it from that): kept."""

@@ -33,11 +33,19 @@ class Reads:
         self.before_answer: Callable[[], None] = lambda: None
         self.unwatched: set[str] = set()
         self.owner_moved: bool | Exception = False  # what check_owner says, or raises
+        self.system: str | Exception = "running"  # the manager's SystemState, or its error
+        self.before_system: Callable[[], object] = lambda: None
 
     async def check_owner(self) -> bool:
         if isinstance(self.owner_moved, Exception):
             raise self.owner_moved
         return self.owner_moved
+
+    async def system_state(self) -> str:
+        self.before_system()
+        if isinstance(self.system, Exception):
+            raise self.system
+        return self.system
 
     async def unit_state(self, name: str) -> UnitState:
         self.count += 1
@@ -63,6 +71,7 @@ class Bed:
         self.tracker = Tracker(lambda _: True, Ledger(lambda _: None, lambda _: False))
         self.counters = Counters()
         self.taken: list[tuple[str, dict[str, Any]]] = []
+        self.shutdown_over = 0
         self.tasks: list[asyncio.Task[None]] = []
 
         def take(unit: str, props: dict[str, Any]) -> None:
@@ -72,8 +81,17 @@ class Bed:
         def spawn(coro: Coroutine[Any, Any, None]) -> None:
             self.tasks.append(asyncio.get_running_loop().create_task(coro))
 
+        def shutdown_over() -> None:
+            self.shutdown_over += 1
+
         self.reads = Rereads(
-            cast(Systemd, self.systemd), self.tracker, self.counters, take, lambda: [UNIT], spawn
+            cast(Systemd, self.systemd),
+            self.tracker,
+            self.counters,
+            take,
+            lambda: [UNIT],
+            spawn,
+            shutdown_over=shutdown_over,
         )
 
     def signal(self, props: dict[str, Any]) -> None:
@@ -231,6 +249,56 @@ def test_an_audit_asks_who_owns_systemds_name_and_counts_a_change_unheard(
     assert said == 2 * [
         "cannot ask who owns systemd's name: org.freedesktop.DBus.Error.NoReply: no"
     ]
+
+
+SHUTDOWN_JOB = "/org/freedesktop/systemd1/job/9"
+
+
+def test_an_audit_takes_in_a_shutdown_cancelled_unheard(caplog: pytest.LogCaptureFixture) -> None:
+    """The host was going down and no JobRemoved said its shutdown was cancelled: an audit
+    that finds systemd's SystemState no longer `stopping` says so and lets units start."""
+
+    async def test(bed: Bed) -> None:
+        await bed.reads.audit()
+        assert bed.shutdown_over == 0  # not going down: not even asked
+        bed.tracker.job_new(SHUTDOWN_JOB, "reboot.target")
+        bed.systemd.system = "stopping"
+        await bed.reads.audit()
+        assert bed.shutdown_over == 0 and bed.tracker.shutting_down
+        bed.systemd.system = SystemdError("org.freedesktop.DBus.Error.NoReply", "no reply")
+        await bed.reads.audit()
+        assert bed.shutdown_over == 0 and bed.counters.errors["dbus_call_errors"] == 1
+        bed.systemd.system = "degraded"
+        await bed.reads.audit()
+        assert bed.shutdown_over == 1 and not bed.tracker.shutting_down
+        assert bed.counters.errors["dbus_signals_lost"] == 1
+        await bed.reads.audit()
+        assert bed.shutdown_over == 1  # told once
+
+    run(test)
+    said = [r.getMessage() for r in caplog.records if "going down" in r.getMessage()]
+    assert said == [
+        "systemd says the host is degraded, not going down: the signal of its cancelled "
+        "shutdown was lost on the bus; units are started again"
+    ]
+
+
+def test_a_shutdown_heard_while_the_audit_asked_is_not_undone() -> None:
+    """A new shutdown's JobNew read before the audit's answer is taken: that answer may be
+    older than it, so the host stays taken to be going down."""
+
+    async def test(bed: Bed) -> None:
+        bed.tracker.job_new(SHUTDOWN_JOB, "reboot.target")
+        bed.systemd.before_system = lambda: bed.tracker.job_new(SHUTDOWN_JOB + "0", "halt.target")
+        await bed.reads.audit()
+        assert bed.shutdown_over == 0 and bed.tracker.shutting_down
+        bed.systemd.before_system = lambda: bed.tracker.job_removed(
+            SHUTDOWN_JOB + "0", "halt.target", "done"
+        )
+        await bed.reads.audit()
+        assert bed.shutdown_over == 0 and bed.tracker.shutting_down
+
+    run(test)
 
 
 def test_an_audit_suspect_heard_of_between_is_not_taken_in() -> None:

@@ -494,6 +494,44 @@ def test_tables_stay_small_under_ten_thousand_jobs() -> None:
     assert len(tracker._unit_jobs) <= 1
 
 
+def test_jobs_that_left_a_running_unit_running_are_forgotten() -> None:
+    """A unit that runs for months, started again each minute by a cron job (or reloaded,
+    or started by a timer while it runs): each no-op job, read once it ended, is forgotten
+    while the unit runs, not kept until it is next down. Who stops it later is still told."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.unit_changed(A, props("active", "running"))
+    for i in range(10_000):
+        path = f"/org/freedesktop/systemd1/job/{i}"
+        tracker.job_new(path, A)
+        assert tracker.job_removed(path, A, "done") is True  # read, as no signal follows
+        tracker.unit_changed(A, props("active", "running"), read=True)
+    assert len(tracker._unit_jobs.get(A, {})) <= 1 and len(tracker._own_jobs) <= 1
+    tracker.job_new(JOB1, A)  # a person's stop
+    tracker.unit_changed(A, props("deactivating", "stop-sigterm", 1))
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def test_a_job_of_a_running_unit_is_kept_while_our_call_is_unanswered() -> None:
+    """Our StartUnit of a running unit, its job ended before systemd's answer is read: the
+    answer still finds it (ours), and it is forgotten once the unit is next seen running."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.unit_changed(A, props("active", "running"))
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.job_removed(JOB1, A, "done")
+    tracker.unit_changed(A, props("active", "running"), read=True)
+    assert tracker._unit_jobs == {A: {JOB1: tracker.signals(A) - 2}}
+    tracker.call_answered(A, JOB1, "start")
+    assert tracker._own_jobs == {JOB1: "start"}
+    tracker.unit_changed(A, props("active", "running"), read=True)
+    assert (tracker._unit_jobs, tracker._own_jobs) == ({}, {})
+
+
 @pytest.mark.parametrize(
     ("active", "sub", "job_id", "job_type", "bound"),
     [

@@ -162,6 +162,8 @@ GIVING_WAY = (Phase.STOPPING, Phase.SUSPENDING)
 # Phases in which a unit gpuslice froze is owed a thaw (Scheduler.thaws_owed): it holds the
 # unit neither frozen nor in the middle of a suspend or resume, which freeze and thaw it
 _THAW_OWED_IN = (Phase.RUNNING, Phase.STOPPING)
+# preempted while it still runs: frozen, or its VRAM on its way to host memory or back
+_PREEMPTED_PHASES = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
 
 
 @dataclass
@@ -375,6 +377,8 @@ class Scheduler:
         # at once and waits at its gate, instead of being restarted once they are free
         self.requeue_at_gate = requeue_at_gate
         self.specs: dict[str, UnitSpec] = {}
+        # annotated unit -> seq when it last went inactive: refill starts the longest out first
+        self.out_since: dict[str, int] = {}
         # the background units refill may start: kept apart so that a decision costs the
         # same at 10,000 annotated units as at 10 (refill runs after every event)
         self._background: dict[str, UnitSpec] = {}
@@ -403,7 +407,6 @@ class Scheduler:
         self.held: set[str] = set()
         self.finished: set[str] = set()
         self.failed: set[str] = set()
-        self.out_since: dict[str, int] = {}
         # units whose stop systemd refused: never chosen as victims again while they run
         self.unstoppable: set[str] = set()
         self.unfreezable: set[str] = set()  # units whose freeze failed: not tried again
@@ -416,6 +419,9 @@ class Scheduler:
         # Why background units must not start now (the GPUs are a guess: NVML is not ready
         # yet); empty: they may. Refill, requeue and background waiters honour it.
         self.refill_paused = ""
+        # the host is going down (systemd queued its shutdown): no comeback and no refill is
+        # started, as systemd refuses every start then (`set_shutting_down`)
+        self.shutting_down = False
         self._deferred = 0
         self._seq = 0
         self._tops_cache: dict[int, Holder] | None = None
@@ -545,10 +551,13 @@ class Scheduler:
         holder = self.holders.pop(name, None)
         requeued = name in self.requeued
         self.requeued.discard(name)
+        # a start of ours (a refill, a comeback) whose gate was not answered yet
+        ours = name in self.started and (holder is None or holder.phase is Phase.STARTING)
         self.started.discard(name)
         # a suspended unit stopped by hand (systemd thaws it first) is held like any other;
         # frozen, it cannot have ended by itself
-        if self.suspended.pop(name, None) is not None and outcome is Outcome.EXITED:
+        suspended = self.suspended.pop(name, None) is not None
+        if suspended and outcome is Outcome.EXITED:
             outcome = Outcome.STOPPED
         if waiter is not None and holder is None:
             actions.append(_log(_about(waiter.spec, Code.CANCELLED)))
@@ -559,6 +568,19 @@ class Scheduler:
             withdrawn = name not in self.specs and holder.stopping_for is None
             if not spec.requeue and not withdrawn:
                 actions.append(_log(_about(spec, Code.NOT_REQUEUED)))
+        elif (
+            outcome is Outcome.SHUTDOWN
+            and not by_itself
+            and (
+                suspended
+                or (holder is not None and holder.phase in _PREEMPTED_PHASES)
+                or (ours and name in self.specs and self.specs[name].kind is UnitKind.ON_DEMAND)
+            )
+        ):
+            # preempted (frozen, suspended, or being suspended or resumed), or its comeback
+            # under way: its work is lost with the boot, as a stopped unit's, and it comes
+            # back after it (Requeue=); told ended by the shutdown, it was never started again
+            self.preempted[name] = self.out_since[name]
         elif outcome is Outcome.STOPPED:
             self.held.add(name)
             self.preempted.pop(name, None)
@@ -597,6 +619,7 @@ class Scheduler:
         self.held.discard(name)
         self.finished.discard(name)
         self.failed.discard(name)
+        self.out_since.pop(name, None)
 
     def recorded(self) -> frozenset[str]:
         """The units down with a record of how they went: preempted, held, finished, failed."""
@@ -994,6 +1017,14 @@ class Scheduler:
         yet), or let them start again with "". Decides nothing: the next `schedule` does."""
         self.refill_paused = reason
 
+    def set_shutting_down(self, down: bool) -> list[Action]:
+        """Systemd queued the host's shutdown (or cancelled it). Meanwhile nothing is
+        started: each unit that goes down frees GPUs, and a preempted unit brought back then
+        had its start refused (the transaction is destructive), was taken for failed and,
+        its preemption forgotten, was never started again after the reboot."""
+        was, self.shutting_down = self.shutting_down, down
+        return self.schedule() if was and not down else []
+
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
         """Annotations were (re)read: apply new priorities. A unit no longer annotated whose
         start was not answered yet: one gpuslice sent itself is stopped (`_withdraw_start`);
@@ -1134,9 +1165,11 @@ class Scheduler:
             for again in self._displaced:  # moved back to waiting: served in turn
                 heapq.heappush(queue, (again.spec.priority, again.seq, again.spec.name))
             self._displaced.clear()
-        actions += self._requeue(promises)
+        if not self.shutting_down:
+            actions += self._requeue(promises)
         actions += self._resume(promises)
-        actions += self._refill(promises)
+        if not self.shutting_down:
+            actions += self._refill(promises)
         return actions + self._thaw()  # a unit frozen in this pass no longer runs
 
     def _uses(self, promises: list[tuple[int, Use]]) -> dict[int, list[Use]]:
@@ -1911,7 +1944,6 @@ class Scheduler:
         ):
             return False
         del self.specs[name]
-        self.out_since.pop(name, None)
         self.start_retries.pop(name, None)
         self._forget_end(name)
         return True
@@ -1919,6 +1951,9 @@ class Scheduler:
     def _set_specs(self, specs: Mapping[str, UnitSpec]) -> None:
         self.specs = dict(specs)
         self._background = {n: s for n, s in self.specs.items() if _refillable(s)}
+        # read for annotated units alone (refill's order): kept for others, an entry stayed
+        # for every unit ever seen down (each instance's name, which may never come again)
+        self.out_since = {n: s for n, s in self.out_since.items() if n in self.specs}
 
     def annotated(self) -> frozenset[str]:
         """The units with an annotation in force (plain units and known instances)."""
@@ -2062,6 +2097,27 @@ class Scheduler:
         self.finished = set(saved.finished)
         self.failed = set(saved.failed)
         return self._forget_unannotated({})
+
+    def ended_with_boot(self, saved: SavedState) -> SavedState:
+        """A state saved in an earlier boot, as `load` takes it: nothing it granted runs now,
+        so its holders go. One preempted while it ran (being stopped, frozen, being suspended
+        or resumed), or an on-demand unit whose comeback gpuslice had started (refill starts
+        a background unit anyway), lost its work with that boot as a suspended unit does
+        (`forget_boot`): it counts as preempted. Dropped with the holders, it was never
+        started again."""
+        owed: dict[str, int] = {}
+        for name, (_, phase, seq, *_) in saved.holders.items():
+            spec = self.specs.get(name)
+            if spec is None:
+                continue  # one no longer annotated is owed nothing
+            comeback = Phase(phase) is Phase.STARTING and name in saved.started
+            if (
+                (comeback and spec.kind is UnitKind.ON_DEMAND)
+                or Phase(phase) in _PREEMPTED_PHASES
+                or Phase(phase) is Phase.STOPPING
+            ):
+                owed[name] = seq
+        return replace(saved, holders={}, preempted={**owed, **saved.preempted})
 
     def forget_boot(self) -> None:
         """A new boot: finished and failed units may run again; holds and preemptions stay.
