@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice import unitfiles
 from gpuslice.config import Config
 from gpuslice.generator import _reason
 from gpuslice.unitfiles import (
@@ -172,16 +173,38 @@ def test_the_host_root_is_the_default(function: Callable[..., object]) -> None:
     assert inspect.signature(function).parameters["root"].default == "/"
 
 
-def test_without_a_root_the_hosts_own_units_are_read() -> None:
-    """Called without a root, the unit index reads this host's unit directories (read only)."""
-    names = list_unit_names("/")
-    if not names:
-        pytest.skip("no unit files on this host")
-    assert list_unit_names() == names
-    assert find_fragment(names[0]) == find_fragment(names[0], "/") is not None
-    with_dropins = [n for n in names if find_dropins(n, "/")]
-    if with_dropins:
-        assert find_dropins(with_dropins[0]) == find_dropins(with_dropins[0], "/")
+def test_without_a_root_the_hosts_own_units_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Called without a root, each of them asks a unit index of this host's root ("/") and
+    gives its answer. A stand-in index records what it is asked: the units this machine
+    has installed are not read, and decide nothing (with none, the test was skipped)."""
+    asked: list[tuple[object, ...]] = []
+    fragment, dropins, names = object(), [object()], ["a.service"]
+
+    class Index:
+        def __init__(self, root: str | os.PathLike[str]) -> None:
+            asked.append((root,))
+
+        def fragment(self, name: str) -> object:
+            asked[-1] += ("fragment", name)
+            return fragment
+
+        def dropins(self, name: str) -> list[object]:
+            asked[-1] += ("dropins", name)
+            return dropins
+
+        def unit_names(self) -> list[str]:
+            asked[-1] += ("unit_names",)
+            return names
+
+    monkeypatch.setattr(unitfiles, "UnitIndex", Index)
+    assert list_unit_names() is names
+    assert find_fragment("a.service") is fragment
+    assert find_dropins("b.service") is dropins
+    assert asked == [
+        ("/", "unit_names"),
+        ("/", "fragment", "a.service"),
+        ("/", "dropins", "b.service"),
+    ]
 
 
 # ---- generator: the words for an error -------------------------------------------------------

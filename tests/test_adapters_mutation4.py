@@ -218,8 +218,7 @@ def test_each_file_is_parsed_once_per_loader(tmp_path: Path) -> None:
 def test_files_of_a_unit_not_found_or_masked_are_none(tmp_path: Path) -> None:
     """`Loader.files` says None (not an empty list) when there is no unit, also when asked
     again."""
-    (tmp_path / ETC.lstrip("/")).mkdir(parents=True)
-    (tmp_path / ETC.lstrip("/") / "masked.service").symlink_to("/dev/null")
+    link(tmp_path, f"{ETC}/masked.service", "/dev/null")
     loader = Loader(UnitIndex(tmp_path))
     for _ in range(2):
         assert loader.files("absent.service") is None
@@ -350,8 +349,7 @@ def test_instance_dropins_of_an_aliased_template_are_its_units(tmp_path: Path) -
     `real@a.service` when `alias@.service -> real@.service`, so that instance is scanned under
     the name systemd loads it by, with the alias's drop-in."""
     write(tmp_path, f"{LIB}/real@.service", unit("Priority=1\n"))
-    (tmp_path / ETC.lstrip("/")).mkdir(parents=True)
-    (tmp_path / ETC.lstrip("/") / "alias@.service").symlink_to(f"{LIB}/real@.service")
+    link(tmp_path, f"{ETC}/alias@.service", f"{LIB}/real@.service")
     source = f"{ETC}/alias@a.service.d/x.conf"
     write(tmp_path, source, "[X-GPUSlice]\nGPUs=2\n")
     result = scan(tmp_path)
@@ -363,8 +361,7 @@ def test_instance_dropins_of_an_aliased_template_are_its_units(tmp_path: Path) -
 def test_instance_dropins_of_a_template_not_listed_are_not_scanned(tmp_path: Path) -> None:
     """An instance drop-in directory counts only when its template is a listed unit: a
     template that is a dangling link is no unit, and its instance's drop-ins are not read."""
-    (tmp_path / ETC.lstrip("/")).mkdir(parents=True)
-    (tmp_path / ETC.lstrip("/") / "t@.service").symlink_to("/nowhere/t@.service")
+    link(tmp_path, f"{ETC}/t@.service", "/nowhere/t@.service")
     write(tmp_path, f"{ETC}/t@a.service.d/x.conf", "[X-GPUSlice]\nPriority=1\n")
     result = scan(tmp_path)
     assert result.specs == {}
@@ -393,8 +390,7 @@ def test_a_plain_file_is_listed_from_the_directory_listing_alone(tmp_path: Path)
 def test_a_symlink_to_a_file_of_the_same_name_is_no_alias(tmp_path: Path) -> None:
     """`x.service -> /opt/x.service` is the unit x.service itself, listed."""
     write(tmp_path, "/opt/x.service", unit("Priority=1\n"))
-    (tmp_path / ETC.lstrip("/")).mkdir(parents=True)
-    (tmp_path / X.lstrip("/")).symlink_to("/opt/x.service")
+    link(tmp_path, X, "/opt/x.service")
     assert UnitIndex(tmp_path).unit_names() == ["x.service"]
 
 

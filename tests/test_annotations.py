@@ -15,17 +15,13 @@ from gpuslice.annotations import KEYS, NEVER_GATED, Loader, Problem, load_spec, 
 from gpuslice.core.model import Rung, UnitKind, UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.unitfiles import MAX_FILE_SIZE, UNIT_NAME_MAX, Fragment, UnitIndex
+from tests.test_unitfiles import link
+from tests.test_unitfiles import write as write  # re-exported: tests import it from here
 
 ETC = "/etc/systemd/system"
 LIB = "/usr/lib/systemd/system"
 
 SERVICE = "[Unit]\nDescription=job\n\n[Service]\nExecStart=/bin/true\n"
-
-
-def write(root: Path, path: str, text: str) -> None:
-    real = root / path.lstrip("/")
-    real.parent.mkdir(parents=True, exist_ok=True)
-    real.write_text(text)
 
 
 def unit(section: str) -> str:
@@ -288,7 +284,7 @@ def test_warnings_keep_the_unit_managed(tmp_path: Path, section: str, messages: 
 def test_not_annotated_masked_or_missing(tmp_path: Path) -> None:
     write(tmp_path, f"{ETC}/plain.service", SERVICE + "[X-Other]\nPriority=1\n")
     write(tmp_path, f"{LIB}/masked.service", unit("Priority=1\n"))
-    (tmp_path / ETC.lstrip("/") / "masked.service").symlink_to("/dev/null")
+    link(tmp_path, f"{ETC}/masked.service", "/dev/null")
     for name in ("plain.service", "masked.service", "absent.service"):
         assert load_spec(name, tmp_path) == (None, [])
 
@@ -325,8 +321,7 @@ def test_annotation_only_in_dropin(tmp_path: Path) -> None:
 def test_masked_dropin_contributes_nothing(tmp_path: Path) -> None:
     write(tmp_path, f"{LIB}/x.service", unit("Priority=50\n"))
     write(tmp_path, f"{LIB}/x.service.d/gpus.conf", "[X-GPUSlice]\nGPUs=8\n")
-    (tmp_path / ETC.lstrip("/") / "x.service.d").mkdir(parents=True)
-    (tmp_path / ETC.lstrip("/") / "x.service.d" / "gpus.conf").symlink_to("/dev/null")
+    link(tmp_path, f"{ETC}/x.service.d/gpus.conf", "/dev/null")
     spec, _ = load_spec("x.service", tmp_path)
     assert spec is not None
     assert spec.gpus == 1

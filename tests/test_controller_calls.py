@@ -191,6 +191,37 @@ def low_runs_urgent_asks(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
     return bed
 
 
+def lost_stop(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    *later: Answer,
+    retry_max: float | None = None,
+) -> Bed:
+    """low_runs_urgent_asks, our first StopUnit of low.service answered NoReply (`later`: the
+    answers to the StopUnits after it) and sent again after an hour, a delay the test ends
+    (retry_fires); `retry_max`: the longest delay, if the test doubles it."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    if retry_max is not None:
+        monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", retry_max)
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    scripted(bed, "stop", [Answer(NO_REPLY), *later])
+    return bed
+
+
+def held_reads(bed: Bed, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Every read of a unit's state by bed's controller waits until the event returned is set."""
+    unit_state = bed.systemd.unit_state
+    read = asyncio.Event()
+
+    async def slow_read(name: str) -> UnitState:
+        await read.wait()
+        return await unit_state(name)
+
+    monkeypatch.setattr(bed.systemd, "unit_state", slow_read)
+    return read
+
+
 NOT_REACHED = (
     "did not reach systemd: Message recipient disconnected from message bus without "
     "replying (org.freedesktop.DBus.Error.NoReply); sent again in"
@@ -253,10 +284,7 @@ def test_a_stop_sent_anew_cancels_the_timer_that_was_to_send_it_again(
     asks and the stop is sent anew (it goes through). That call is the one sent again: the
     timer goes, or it sent a third StopUnit, which systemd merges into the running job and
     the tracker takes for someone else's stop (a hold, not a preemption)."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
-    scripted(bed, "stop", [Answer(NO_REPLY)])
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, retry_max=HOUR)
     caplog.set_level(logging.INFO, logger="gpuslice")
 
     async def test() -> None:
@@ -287,10 +315,7 @@ def test_a_stop_not_sent_again_for_a_job_systemd_shows_is_a_new_story_the_next_t
     second StopUnit would merge into that job and be taken for someone else's. The delay
     is forgotten: once low.service is back and stopped again, that stop is not said to be
     one "sent again", and a failing one is warned of anew."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
-    scripted(bed, "stop", [Answer(NO_REPLY)])
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, retry_max=HOUR)
     caplog.set_level(logging.INFO, logger="gpuslice")
     job = f"{JOB}77"
 
@@ -596,11 +621,9 @@ def test_a_stop_whose_answer_was_lost_and_whose_job_ended_unheard_is_not_sent_ag
     signals all dropped but its JobNew: the read shows low.service down. Nothing is sent;
     a second look, no signal having come, takes the end in: a preemption, its GPU granted
     to urgent.service, rather than left until the audits see it."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
     monkeypatch.setattr(rereads_module, "CONFIRM_DELAY", 0.0)  # the second look, next turn
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch)
     job = f"{JOB}77"
-    scripted(bed, "stop", [Answer(NO_REPLY)])
 
     async def test() -> None:
         ctl = bed.controller
@@ -630,10 +653,8 @@ def test_a_stop_whose_answer_was_lost_is_not_sent_again_over_its_job_waiting_at_
     shows low.service at its gate with the stop job: that is taken in as ours, not a gate to
     stop. Sent again, the StopUnit merged into job 77, announced before it, and low.service
     was held as stopped by someone, never brought back."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     restart, job = f"{JOB}76", f"{JOB}77"
-    scripted(bed, "stop", [Answer(NO_REPLY), Answer(job=job)])  # merged, if sent
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, Answer(job=job))  # merged, if sent
 
     async def test() -> None:
         ctl = bed.controller
@@ -675,10 +696,7 @@ def test_a_stop_to_send_again_whose_read_fails_is_read_again_after_the_next_dela
     fails too (the flood goes on): nothing is sent on the signals' word, and the read is
     tried again after the doubled delay. It shows low.service running with no job then (our
     stop never reached systemd): the stop is sent again, and its end is a preemption."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 4 * HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
-    scripted(bed, "stop", [Answer(NO_REPLY)])
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, retry_max=4 * HOUR)
     unit_state = bed.systemd.unit_state
     failing = [NO_REPLY]
 
@@ -720,18 +738,9 @@ def test_a_stop_sent_anew_while_the_read_before_its_resend_is_out_is_the_one_sen
     Before the answer, low.service's gate asks and the stop is sent anew (not answered yet).
     The read then shows low.service running with no job: no third StopUnit follows, which
     would merge into the second's job, announced before it, and be taken for someone's."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     answered = asyncio.Event()
-    scripted(bed, "stop", [Answer(NO_REPLY), Answer(job=f"{JOB}78", read=answered)])
-    unit_state = bed.systemd.unit_state
-    read = asyncio.Event()
-
-    async def slow_read(name: str) -> UnitState:
-        await read.wait()
-        return await unit_state(name)
-
-    monkeypatch.setattr(bed.systemd, "unit_state", slow_read)
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, Answer(job=f"{JOB}78", read=answered))
+    read = held_reads(bed, monkeypatch)
 
     async def test() -> None:
         ctl = bed.controller

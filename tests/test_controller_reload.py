@@ -451,6 +451,12 @@ class HeldScan:
     async def has_read(self) -> None:
         await until(self.read.is_set)
 
+    async def reloaded(self, bed: Bed) -> None:
+        """A daemon-reload ends (its Reloading signal): the rescan it begins has read the unit
+        files once this returns, and waits for `go`."""
+        bed.controller.on_reloading(False)
+        await self.has_read()
+
 
 def test_a_gate_asking_during_a_scan_older_than_its_reload_gets_a_scan_of_its_own(
     tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
@@ -507,6 +513,14 @@ def start_in_flight(bed: Bed, way: str) -> Callable[[], Any]:
 WAYS = ["queued", "pipe", "dbus"]
 
 
+async def start_during_rescan(bed: Bed, held: HeldScan, way: str) -> None:
+    """bed's controller starts; a daemon-reload's rescan reads the unit files, and
+    urgent.service's start comes (`way`, as in start_in_flight) before the scan is applied."""
+    await bed.controller.start()
+    await held.reloaded(bed)
+    await start_in_flight(bed, way)()
+
+
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("edit", ["less urgent", "unannotated"])
 def test_a_start_right_after_a_daemon_reload_is_judged_on_what_that_reload_read(
@@ -533,8 +547,7 @@ def test_a_start_right_after_a_daemon_reload_is_judged_on_what_that_reload_read(
             write_unit(tmp_path, "urgent.service", "Priority=95\n")
         else:
             write_unannotated(tmp_path, "urgent.service")
-        ctl.on_reloading(False)
-        await held.has_read()
+        await held.reloaded(bed)
         await start_in_flight(bed, way)()
         held.go.set()
         await until(lambda: ctl._rescan is None)
@@ -562,10 +575,7 @@ def test_a_start_held_back_by_a_rescan_is_served_once_it_is_read(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        ctl.on_reloading(False)
-        await held.has_read()
-        await start_in_flight(bed, way)()
+        await start_during_rescan(bed, held, way)
         assert ("stop", "low.service") not in bed.systemd.calls
         held.go.set()
         await until(lambda: ("stop", "low.service") in bed.systemd.calls)
@@ -632,10 +642,7 @@ def test_a_start_held_back_by_a_rescan_is_not_woken_as_a_start_never_heard(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        ctl.on_reloading(False)
-        await held.has_read()
-        await start_in_flight(bed, "pipe")()
+        await start_during_rescan(bed, held, "pipe")
         assert ctl._after_scan and pipe.exists()
         gate = await asyncio.create_subprocess_exec(
             "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE

@@ -16,10 +16,12 @@ from gpuslice import envsafety
 from gpuslice.envsafety import FIX_LOADER, EnvFileChecker
 from gpuslice.unitfiles import printable
 from tests.test_envsafety import (
+    ANYWHERE,
     ASR,
     CUDA,
     ETC,
     GATE,
+    LOADER,
     MOUNTS,
     NFS,
     USES,
@@ -29,30 +31,21 @@ from tests.test_envsafety import (
     install,
     put,
 )
+from tests.test_envsafety import root as root  # a fixture
 from tests.test_unitfiles import link
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 
 ANSWER = "until that file system answers at a later scan (systemctl daemon-reload)"
-LOADER = (
-    "until only root can change each path it names (a directory and everything in it), named "
-    "by an absolute path"
-)
-ANYWHERE = "until none of its mounts lands on, in or above a path the gate uses"
 
 
 @pytest.fixture(autouse=True)
 def fresh_covered() -> Iterator[None]:
-    """`_covered` is cached process-wide: each test works its answers out afresh."""
+    """`_covered` is cached process-wide: each test works its answers out afresh (here and
+    in test_envsafety_mutation2.py)."""
     envsafety._covered.cache_clear()
     yield
     envsafety._covered.cache_clear()
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    tmp_path.chmod(0o755)
-    return tmp_path
 
 
 @pytest.fixture

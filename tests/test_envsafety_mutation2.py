@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,32 +24,15 @@ from gpuslice.envsafety import (
     RunAs,
 )
 from gpuslice.unitfiles import Entry
-from tests.test_envsafety import GATE, MOUNTS, TREE, USES, put
+from tests.test_envsafety import ANYWHERE, GATE, LOADER, MOUNTS, TREE, USES, put
+from tests.test_envsafety import root as root  # a fixture
+from tests.test_envsafety_mutation import fresh_covered as fresh_covered  # autouse
 from tests.test_unitfiles import link
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 
 UNIT = "/etc/systemd/system/x.service"  # where the settings of `run_as` are, one a line
-LOADER = (
-    "until only root can change each path it names (a directory and everything in it), named "
-    "by an absolute path"
-)
-ANYWHERE = "until none of its mounts lands on, in or above a path the gate uses"
 CRASH = "cannot be checked (RecursionError)"
-
-
-@pytest.fixture(autouse=True)
-def fresh_covered() -> Iterator[None]:
-    """`_covered` is cached process-wide: each test works its answers out afresh."""
-    envsafety._covered.cache_clear()
-    yield
-    envsafety._covered.cache_clear()
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    tmp_path.chmod(0o755)
-    return tmp_path
 
 
 def run_as(*lines: str) -> RunAs:

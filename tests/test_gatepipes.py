@@ -638,20 +638,33 @@ def test_a_granted_start_costs_no_process_but_the_shell(tmp_path: Path, pipes: G
 def test_the_units_path_chooses_nothing_the_gate_runs(tmp_path: Path, pipes: GatePipes) -> None:
     """The gate runs as root with the unit's environment: a `User=` unit whose `PATH=` names
     a user's directory first (a conda or venv bin) had that user's dbus-send, sleep or
-    systemctl run as root by its gate: any file the user put there. The shipped gate, as
-    systemd runs it."""
+    systemctl run as root by its gate: any file the user put there. The shipped gate, its
+    own PATH as it is but for stubs first (gate_with_stubs): the host's dbus-send and
+    systemctl would ask this machine's bus and systemd, and the gate's way, and so what the
+    test saw, would be what the machine has installed. Each of the three is run, the gate's."""
     pipes.directory.mkdir(parents=True)  # no pipe: it asks over D-Bus
+    ran, own = tmp_path / "gate-ran", tmp_path / "bin"
+    stub(own / "dbus-send", f"echo dbus-send >> {ran}\nexit 1\n")  # no controller answers
+    stub(own / "sleep", f'echo sleep >> {ran}\nexec /bin/sleep "$1"\n')
+    stub(own / "systemctl", f'echo systemctl >> {ran}\n[ "$1" != is-active ] || echo active\n')
     env = {"PATH": f"{unit_bin(tmp_path)}:/usr/bin:/bin", "INVOCATION_ID": START}
     proc = subprocess.Popen(
-        ["/bin/sh", str(GATE), UNIT, "0.05", str(pipes.directory / UNIT)],
+        ["/bin/sh", str(gate_with_stubs(tmp_path, own)), UNIT, "0.05", str(pipes.directory / UNIT)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(1.0)  # asks, pauses and looks at gpuslice.service a few times
-    proc.kill()
-    proc.wait()
+    try:
+        deadline = time.monotonic() + BLOCKS_WITHIN
+        seen: set[str] = set()
+        while seen != {"dbus-send", "sleep", "systemctl"}:  # it asks, pauses, looks at gpuslice
+            assert proc.poll() is None, "the gate ended instead of waiting for the controller"
+            assert time.monotonic() < deadline, f"only {sorted(seen)} ran"
+            time.sleep(0.02)
+            seen = set(ran.read_text().split()) if ran.exists() else set()
+    finally:
+        proc.kill()
+        proc.wait()
     assert not (unit_bin(tmp_path) / "ran").exists()
 
 

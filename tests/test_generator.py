@@ -15,17 +15,12 @@ from gpuslice.annotations import Loader
 from gpuslice.config import SETTINGS_BY_NAME
 from gpuslice.paths import DEFAULT_LIBEXEC_DIR, find_libexec_dir
 from tests.test_envsafety import Hang
+from tests.test_unitfiles import write as write  # re-exported: tests import it from here
 
 ETC = "/etc/systemd/system"
 LIB = "/usr/lib/systemd/system"
 LIBEXEC = "/usr/lib/gpuslice"
 ANNOTATION = "[X-GPUSlice]\nPriority=1\n"
-
-
-def write(root: Path, path: str, text: str) -> None:
-    real = root / path.lstrip("/")
-    real.parent.mkdir(parents=True, exist_ok=True)
-    real.write_text(text)
 
 
 def gate(

@@ -121,8 +121,7 @@ def test_starts_held_back_are_each_judged_and_an_unannotated_ones_gate_sent_to_d
         ctl = bed.controller
         await ctl.start()
         write_unannotated(tmp_path, "urgent.service")
-        ctl.on_reloading(False)
-        await held.has_read()
+        await held.reloaded(bed)
         _at_gate_by_signal(bed, "urgent.service", 7)
         _at_gate_by_signal(bed, "mid.service", 8)
         await settle()

@@ -11,14 +11,12 @@ again; the restart's decision goes to the unit's journal with its fields.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 from typing import cast
 
 import pytest
 
-from gpuslice import controller as controller_module
 from gpuslice.core.scheduler import Outcome, Phase
 from gpuslice.journal import Journal
 from gpuslice.systemd import SystemdError
@@ -38,12 +36,11 @@ from tests.test_controller import _no_notify_socket as _no_notify_socket  # auto
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
 from tests.test_controller_calls import (
     JOB,
-    Answer,
     FakeJournal,
     errors,
-    low_runs_urgent_asks,
+    held_reads,
+    lost_stop,
     retry_fires,
-    scripted,
     stops,
 )
 from tests.test_controller_unannotated import RESTARTED, TOUCH, URGENT, waits_then_unannotated
@@ -101,11 +98,8 @@ def test_a_stop_job_found_is_taken_in_with_the_state_read(
     """The read that finds our stop's job is taken in whole: the controller's view of
     low.service is deactivating (stop-sigterm), job 77, not its sub-state of before; and the
     read leaves no mark of itself."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 4 * HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, retry_max=4 * HOUR)
     job = f"{JOB}77"
-    scripted(bed, "stop", [Answer(NO_REPLY)])
 
     async def test() -> None:
         ctl = bed.controller
@@ -133,19 +127,9 @@ def test_a_stop_no_longer_unsent_when_its_read_comes_back_is_forgotten(
     """While the read before a stop is sent again is out, the stop job's signals come after
     all: the read is moot, and the retry is forgotten (its delay too: the next lost stop
     starts again from CALL_RETRY_FIRST), quietly."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 4 * HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, retry_max=4 * HOUR)
     job = f"{JOB}77"
-    scripted(bed, "stop", [Answer(NO_REPLY)])
-    unit_state = bed.systemd.unit_state
-    read = asyncio.Event()
-
-    async def slow_read(name: str) -> UnitState:
-        await read.wait()
-        return await unit_state(name)
-
-    monkeypatch.setattr(bed.systemd, "unit_state", slow_read)
+    read = held_reads(bed, monkeypatch)
 
     async def test() -> None:
         ctl = bed.controller
@@ -176,10 +160,7 @@ def test_a_stop_whose_read_fails_says_when_it_is_read_again(
 ) -> None:
     """The read before a lost stop is sent again fails too: the journal's DEBUG line says
     so, with the unit and the doubled delay."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 4 * HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
-    scripted(bed, "stop", [Answer(NO_REPLY)])
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, retry_max=4 * HOUR)
 
     async def read(name: str) -> UnitState:
         raise NO_REPLY

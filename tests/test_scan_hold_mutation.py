@@ -29,7 +29,7 @@ from tests.test_controller import (
 )
 from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
-from tests.test_controller_reload import HeldScan, start_in_flight
+from tests.test_controller_reload import HeldScan, start_during_rescan
 from tests.test_tracker import JOB1, A, Model
 
 # ---- Controller._gate_after_scan ----
@@ -56,8 +56,7 @@ def test_a_start_already_granted_is_answered_at_its_pipe_while_a_rescan_reads(
         ctl = bed.controller
         await ctl.start()
         assert ctl.scheduler.phase("a.service") is Phase.RUNNING
-        ctl.on_reloading(False)
-        await held.has_read()
+        await held.reloaded(bed)
         try:
             ctl.on_unit_changed("a.service", at_gate())
             await settle()
@@ -86,10 +85,7 @@ def test_a_start_held_back_keeps_its_invocation_through_a_read_that_names_none(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        ctl.on_reloading(False)
-        await held.has_read()
-        await start_in_flight(bed, "pipe")()
+        await start_during_rescan(bed, held, "pipe")
         read = {"ActiveState": "activating", "SubState": "start-pre", "Job": (7, "/")}
         ctl.on_unit_changed("urgent.service", read, read=True)
         await settle()

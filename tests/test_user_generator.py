@@ -5,12 +5,38 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
 GENERATOR = Path(__file__).parent.parent / "data" / "gpuslice-user-generator"
 ANNOTATED = "[Service]\nExecStart=/bin/true\n\n[X-GPUSlice]\nPriority=5\n"
 DROPIN = "gpuslice-not-scheduled.conf"
+# the user units' directories of the system, as the generator names them: the host's own,
+# which a test must not read (an annotated user unit installed on this machine changed what
+# the tests saw)
+SYSTEM_DIRS = ("/etc/systemd/user", "/usr/local/lib/systemd/user", "/usr/lib/systemd/user")
+
+
+def rooted(root: Path) -> Path:
+    """A copy of the generator that reads SYSTEM_DIRS below `root` (where a test puts what it
+    wants there, none by default), all else as shipped."""
+    text = GENERATOR.read_text()
+    for path in SYSTEM_DIRS:
+        assert text.count(f" {path}") == 1, path  # named once, as a word of the loop
+        text = text.replace(f" {path}", f" {shlex.quote(f'{root}{path}')}")
+    copy = root / "gpuslice-user-generator"
+    copy.write_text(text)
+    return copy
+
+
+def test_the_generator_reads_no_system_dir_but_those_the_tests_move() -> None:
+    """`rooted` moves every directory of the system that the shipped generator's loop names:
+    no test here reads one of the host's."""
+    loop = re.search(r"^for dir in (.*?); do$", GENERATOR.read_text(), re.MULTILINE | re.DOTALL)
+    assert loop is not None
+    assert [word for word in loop[1].split() if word.startswith("/")] == list(SYSTEM_DIRS)
 
 
 def generate(home: Path, *args: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
@@ -18,7 +44,7 @@ def generate(home: Path, *args: str) -> tuple[Path, subprocess.CompletedProcess[
     out.mkdir(exist_ok=True)
     env = {"PATH": os.environ["PATH"], "HOME": str(home)}
     done = subprocess.run(
-        ["sh", str(GENERATOR), *(args or (str(out), str(out), str(out)))],
+        ["sh", str(rooted(home.parent)), *(args or (str(out), str(out), str(out)))],
         env=env,
         capture_output=True,
         text=True,
@@ -82,7 +108,7 @@ def test_without_a_home_nothing_is_read_from_it(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     done = subprocess.run(
-        ["sh", str(GENERATOR), str(out)],
+        ["sh", str(rooted(tmp_path)), str(out)],
         env={"PATH": os.environ["PATH"]},
         capture_output=True,
         text=True,
@@ -103,3 +129,18 @@ def test_a_fifo_or_a_device_among_the_units_never_blocks_the_manager(tmp_path: P
     out, done = generate(home)  # the timeout of 30 s fails the test if it blocks
     assert done.returncode == 0, done.stderr
     assert [p.name for p in out.iterdir()] == ["asr.service.d"]
+
+
+def test_the_annotated_units_every_users_manager_reads_are_told_too(tmp_path: Path) -> None:
+    """User units installed for every user (an admin's in /etc/systemd/user, a package's) are
+    each user's manager's too: each is told, as the user's own are."""
+    home = tmp_path / "home"
+    user_dir(home)
+    for i, path in enumerate(SYSTEM_DIRS):
+        units = tmp_path / path.lstrip("/")
+        units.mkdir(parents=True)
+        (units / f"shared{i}.service").write_text(ANNOTATED)
+    out, done = generate(home)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [f"shared{i}.service.d" for i in range(3)]
+    assert done.stderr.count("is read only in system units") == 3, done.stderr
