@@ -1431,7 +1431,9 @@ class Controller:
         stop; TryRestartUnit leaves a unit inactive or being stopped as it is. Refused
         (RefuseManualStart=, say), the gate is let through as before, and the journal says
         what that costs; a call that did not reach systemd is tried again when the gate
-        asks again."""
+        asks again. Its journal line says the start is restarted unless it was stopped
+        meanwhile: systemd answers a no-op with a job of its own too, so the answer does not
+        tell which happened."""
         try:
             await self.systemd.try_restart_unit(unit)
         except SystemdError as e:

@@ -180,6 +180,9 @@ class Tracker:
         self._down_at: dict[str, int] = {}  # the stamp of a down deferred to our answer
         # unit -> when the first stop of ours that got no answer was sent (`stop_found`)
         self._unanswered_stops: dict[str, int] = {}
+        # unit -> the job a signal named as it left running or its gate: the one that takes
+        # it down, whose JobRemoved ends it (`_theirs_first`)
+        self._taken_down_by: dict[str, str] = {}
 
     # -- systemd's signals ----------------------------------------------------------------
 
@@ -238,10 +241,11 @@ class Tracker:
         self.states[name] = state
         if classify(state) is Kind.GATE and classify(old) is not Kind.GATE:
             self._gate_seen[name] = self._signals[name]
+        before = self._job_paths.get(name)
         if job is not None:
             self._job_paths[name] = job[1]
         if job is not None and not read:  # only a signal tells what came first
-            self._note_leaving(old, state, job[1])
+            self._note_leaving(old, state, job[1], before)
         if classify(state) is Kind.RUNNING and state.job_id == 0:
             self._jobs_done(name)
         return self._judge(state)
@@ -258,15 +262,27 @@ class Tracker:
         for path in self._unit_jobs.pop(name, {}):
             self._own_jobs.pop(path, None)
 
-    def _note_leaving(self, old: UnitState, new: UnitState, path: str) -> None:
+    def _note_leaving(self, old: UnitState, new: UnitState, path: str, before: str | None) -> None:
         """The unit stops running: by a job announced since its gate (a stop, ours or
-        anyone's), or by itself (its main process ended: no job, or only a oneshot's start
-        job still running). Systemd signals each change as it happens, so a stop job of
-        ours that reaches a unit already down (or in its ExecStopPost=) finds it there."""
+        anyone's; or one its JobNew lost: named by our call's answer, or new since its last
+        signal (`before` named another) while a stop of ours is unanswered, taken for ours as
+        `stop_found` takes it), or by itself (its main process ended: no job, or only a
+        oneshot's start job still running). Systemd signals each change as it happens, so a
+        stop job of ours that reaches a unit already down (or in its ExecStopPost=) finds it
+        there. The job it leaves with is noted: the one that takes it down."""
+        up = (Kind.RUNNING, Kind.GATE)
+        if classify(old) in up and classify(new) not in up:
+            self._taken_down_by[new.name] = path  # "/": none, never announced
         if classify(old) is not Kind.RUNNING or classify(new) is Kind.RUNNING:
             return
-        if new.job_id == 0 or (path != "/" and path not in self._unit_jobs.get(new.name, ())):
-            self._by_itself.add(new.name)
+        name = new.name
+        unanswered = bool(self._in_flight.get(name)) or name in self._unanswered_stops
+        stopping = unanswered and self.ledger.phase(name) is Phase.STOPPING
+        ours = path in self._own_jobs or (stopping and path != before)
+        if new.job_id == 0 or (
+            path != "/" and path not in self._unit_jobs.get(name, ()) and not ours
+        ):
+            self._by_itself.add(name)
 
     def _our_stop_ends(self, state: UnitState) -> bool:
         """The unit is down and the job it still shows is our stop, about to end: down for
@@ -300,7 +316,7 @@ class Tracker:
                 return []
             outcome = self.outcome(state)
             by_itself = name in self._by_itself
-            not_ours = name in self._not_ours
+            not_ours = name in self._not_ours or self._theirs_first(name)
             self._by_itself.discard(name)  # said of this run only
             self._not_ours.discard(name)
             if phase is None and not self.ledger.waiting(name) and not self.stopped_by_others(name):
@@ -320,6 +336,22 @@ class Tracker:
             why = f"its stop job ended with result '{result}'" if result else "no stop job runs"
             return [StopLost(name, why)]
         return []
+
+    def _theirs_first(self, unit: str) -> bool:
+        """A stop of ours got no answer, and the job that took the unit down, its signals
+        heard, is not known ours and was announced before ours was sent: someone's stop
+        (`systemctl stop`), which ours joined or came after; held as they wanted, as when an
+        answer names it (`_answered`) or a read finds it (`stop_found`). One announced after
+        ours was sent is taken for ours: systemd takes calls in the order they reach it, so
+        that job is the one ours queued, unless someone's reached systemd in the moment ours
+        was on its way; a stop of someone's that came later joined ours, which ended it."""
+        since = self._unanswered_stops.get(unit, 0)  # stamps start at 1
+        return self._announced_before(unit, self._taken_down_by.get(unit, "/"), since)
+
+    def _announced_before(self, unit: str, job: str, since: int) -> bool:
+        """The job, not known ours, was announced before the stamp `since`."""
+        announced = self._unit_jobs.get(unit, {}).get(job)
+        return job not in self._own_jobs and announced is not None and announced < since
 
     def listed(self, units: Iterable[UnitState]) -> None:
         """ListUnits answered (start-up): the managed units' states replace what was known.
@@ -388,8 +420,7 @@ class Tracker:
         was sent is someone's, ours merged into it: theirs ends the unit, as `_answered`
         tells. Whether it is ours."""
         since = self._unanswered_stops.pop(unit, 0)
-        announced = self._unit_jobs.get(unit, {}).get(job)
-        if job not in self._own_jobs and announced is not None and announced < since:
+        if self._announced_before(unit, job, since):
             self._not_ours.add(unit)
             return False
         self._own_jobs[job] = "stop"
@@ -419,6 +450,7 @@ class Tracker:
         self._by_itself.discard(unit)
         self._not_ours.discard(unit)
         self._unanswered_stops.pop(unit, None)
+        self._taken_down_by.pop(unit, None)
 
     def _went_down(self, unit: str) -> None:
         """Down: no job announced before says anything of its next run."""

@@ -793,6 +793,199 @@ def test_an_answer_told_as_it_was_read_is_not_counted_again_when_its_call_resume
     run(test)
 
 
+@pytest.mark.parametrize("answer_lost", ["before-its-end", "after-its-end"])
+def test_a_persons_stop_ours_joined_is_theirs_when_our_answer_is_lost(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    answer_lost: str,
+) -> None:
+    """An admin's `systemctl stop low.service` is queued (job 77, its JobNew and every
+    signal of it heard) just before we preempt low.service; our StopUnit joins that job,
+    and the bus daemon drops systemd's answer (NO_REPLY), before or after the admin's stop
+    ends the unit. The job that took low.service down was announced before ours was sent:
+    the admin's, so low.service is held as they wanted, not brought back once urgent.service
+    ends. Booked our preemption, it was restarted over the admin's stop."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    job = f"{JOB}77"
+    read = asyncio.Event()
+    if answer_lost == "before-its-end":
+        read.set()
+    scripted(bed, "stop", [Answer(NO_REPLY, read=read)])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(77, job, "low.service")
+        queued = {"ActiveState": "active", "SubState": "running", "Job": (77, job)}
+        ctl.on_unit_changed("low.service", queued)
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        await settle()
+        assert stops(bed) == 1
+        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
+        ctl.on_unit_changed("low.service", stopping)
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", down)
+        ctl.on_job_removed(77, job, "low.service", "done")
+        read.set()
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" not in ctl.scheduler.preempted
+        assert "low.service" in ctl.scheduler.held
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert ("start", "low.service") not in bed.systemd.calls
+        assert stops(bed) == 1
+
+    run(test)
+    assert errors(caplog) == []
+
+
+def test_a_stop_job_announced_after_our_unanswered_stop_was_sent_is_ours_its_end_a_preemption(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but job 77 is announced after our StopUnit was sent, every signal of it
+    heard, systemd's answer dropped: systemd takes calls in the order they reach it, so
+    that is the job ours queued (a person's stop that came later joined it). Its end is a
+    preemption, and low.service comes back once urgent.service ends."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    job = f"{JOB}77"
+    scripted(bed, "stop", [Answer(NO_REPLY)])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        await settle()
+        ctl.on_job_new(77, job, "low.service")
+        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
+        ctl.on_unit_changed("low.service", stopping)
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", down)
+        ctl.on_job_removed(77, job, "low.service", "done")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "low.service")
+
+    run(test)
+
+
+@pytest.mark.parametrize("answer", ["heard", "lost"])
+def test_a_victim_down_with_every_signal_lost_is_preempted_once_two_audits_show_it(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    """Our StopUnit of low.service ran, and every signal of its job was dropped (JobNew,
+    PropertiesChanged, JobRemoved), its answer too or not: two audits find low.service
+    down. A stop of ours was sent: its end is a preemption (not an end by itself), and it
+    comes back once urgent.service ends."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", HOUR)  # driven by hand here
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    if answer == "lost":
+        scripted(bed, "stop", [Answer(NO_REPLY)])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        await settle()
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        await ctl.reads.audit()
+        assert bed.service.granted == []  # a first look may be ahead of a signal
+        await ctl.reads.audit()
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+        assert "low.service" not in ctl.scheduler.snapshot().finished
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "low.service")
+
+    run(test)
+
+
+def test_our_stop_whose_job_new_was_lost_is_no_end_by_itself(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """Our StopUnit of low.service is answered (job 77, told as the answer is read), but the
+    bus daemon dropped the job's JobNew; its PropertiesChanged come. low.service leaves
+    running with job 77, which no JobNew announced: that job is ours, as its answer said,
+    not a oneshot's start job. Its end is a preemption: taken for an end by itself, low.service
+    was booked finished and never brought back."""
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    job = f"{JOB}77"
+    scripted(bed, "stop", [Answer(job=job)])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        await settle()
+        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
+        ctl.on_unit_changed("low.service", stopping)
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", down)
+        ctl.on_job_removed(77, job, "low.service", "done")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+        assert "low.service" not in ctl.scheduler.snapshot().finished
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "low.service")
+
+    run(test)
+
+
+@pytest.mark.parametrize("answer_lost", ["before-its-end", "after-its-end"])
+def test_our_stop_whose_answer_and_job_new_were_lost_is_a_preemption(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch, answer_lost: str
+) -> None:
+    """The bus daemon drops our StopUnit's answer and its job's JobNew, not the job's
+    PropertiesChanged: low.service leaves running with job 77, which nothing announced, while
+    our stop has no answer. That job is taken for ours, as a read finding it is: its end is a
+    preemption, and low.service comes back once urgent.service ends. Taken for the end of a
+    unit that ended by itself, low.service was booked finished, never brought back."""
+    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    job = f"{JOB}77"
+    read = asyncio.Event()
+    if answer_lost == "before-its-end":
+        read.set()
+    scripted(bed, "stop", [Answer(NO_REPLY, read=read)])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        await settle()
+        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
+        ctl.on_unit_changed("low.service", stopping)
+        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("low.service", down)
+        ctl.on_job_removed(77, job, "low.service", "done")
+        read.set()
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        assert "low.service" in ctl.scheduler.preempted
+        assert "low.service" not in ctl.scheduler.snapshot().finished
+        goes_down(bed, "urgent.service")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "low.service")
+
+    run(test)
+
+
 # ---- the stop timer ----
 
 

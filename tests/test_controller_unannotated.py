@@ -282,8 +282,9 @@ GATE_LINE = (
 )
 TOUCH = ("/bin/touch", ["/bin/touch", "/tmp/x"])
 RESTARTED = (
-    "urgent.service is no longer annotated: restarting its start, which waited at the gate a "
-    "daemon-reload took out; let through, it would skip its own ExecStartPre= lines"
+    "urgent.service is no longer annotated: its start, which waited at the gate a "
+    "daemon-reload took out, is restarted unless it was stopped meanwhile (then it stays "
+    "stopped); let through, it would skip its own ExecStartPre= lines"
 )
 
 
@@ -326,14 +327,17 @@ def test_a_start_whose_gate_a_reload_took_out_is_restarted_with_its_own_lines(
 
 
 def test_a_start_stopped_while_its_list_is_read_is_not_started_again(
-    tmp_path: Path, cgroup_of: dict[int, str]
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """`systemctl stop urgent.service` while the controller reads its ExecStartPre= (or its
     TimeoutStartSec= ends then): its gate is killed and the unit is down, which the
     controller no longer hears (not annotated, not known), and the dead gate's call still
     waits in the service. RestartUnit started the unit again over that stop (systemd
     collapses a restart of an inactive unit into a start, and one of a unit being stopped
-    replaces its stop job); TryRestartUnit is a no-op there, and the unit stays stopped."""
+    replaces its stop job); TryRestartUnit is a no-op there, and the unit stays stopped.
+    systemd answers with a (no-op) job all the same: the journal's line says the start is
+    restarted unless it was stopped meanwhile, never that a restart runs (it said
+    "restarting its start" of a unit that stayed stopped)."""
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
     bed.systemd.exec_start_pres[URGENT] = [TOUCH]
     read = bed.systemd.exec_start_pre
@@ -350,10 +354,14 @@ def test_a_start_stopped_while_its_list_is_read_is_not_started_again(
         await until(lambda: ("exec_start_pre", URGENT) in bed.systemd.calls)
         await settle()
         assert ("restart", URGENT) not in bed.systemd.calls
+        assert ("try-restart-nop", URGENT) in bed.systemd.calls
         assert bed.service.granted == []
         assert not bed.controller._passing
 
+    caplog.set_level(logging.INFO, "gpuslice")
     run(test)
+    assert RESTARTED in messages(caplog)
+    assert not [m for m in messages(caplog) if "restarting" in m]
 
 
 @pytest.mark.parametrize(

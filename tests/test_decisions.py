@@ -196,8 +196,9 @@ def check_rendered(actions: list[Action]) -> None:
         ),
         (
             Decision(Code.UNMANAGED, V, cause=Cause.RESTARTED),
-            "vlm.service is no longer annotated: restarting its start, which waited at the gate "
-            "a daemon-reload took out; let through, it would skip its own ExecStartPre= lines",
+            "vlm.service is no longer annotated: its start, which waited at the gate a "
+            "daemon-reload took out, is restarted unless it was stopped meanwhile (then it "
+            "stays stopped); let through, it would skip its own ExecStartPre= lines",
         ),
     ],
 )

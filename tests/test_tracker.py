@@ -1006,6 +1006,134 @@ def test_a_stop_job_read_after_our_unanswered_stop_is_ours_unless_announced_befo
     ]
 
 
+def test_the_job_that_took_a_unit_down_after_our_unanswered_stop_says_whose_it_was() -> None:
+    """Our StopUnit got no answer (NO_REPLY), before or after the unit's end: the job the
+    unit left running with, its signals heard, decides. Announced before our call was sent
+    (a person's `systemctl stop`, which ours joined): theirs, a hold. Announced after: the
+    one ours queued, a preemption; so is a stop job after a start job announced before ours
+    (someone's restart, which our stop replaced at its gate)."""
+    for answer_lost_first in (True, False):
+        model = Model()
+        model.phases[A] = Phase.RUNNING
+        tracker = model.tracker()
+        tracker.passed_gate(A)
+        tracker.unit_changed(A, props_of("active", "running", 0))
+        tracker.job_new(JOB3, A)  # the person's stop, queued behind something
+        tracker.unit_changed(A, props_of("active", "running", 3))
+        model.phases[A] = Phase.STOPPING
+        tracker.call_sent(A)
+        if answer_lost_first:
+            assert tracker.call_answered(A, None, "stop") is False
+        assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 3)) == []
+        down = tracker.unit_changed(A, props_of("inactive", "dead", 0))
+        tracker.job_removed(JOB3, A, "done")
+        if not answer_lost_first:
+            assert down == []  # told once the answer says which job is ours
+            assert tracker.call_answered(A, None, "stop") is True
+            down = tracker.unit_changed(A, props_of("inactive", "dead", 0), read=True)
+        assert down == [WentDown(A, Outcome.STOPPED, not_ours=True)], answer_lost_first
+    tracker = our_stop_sent()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.call_answered(A, None, "stop")
+    tracker.job_new(JOB3, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 3))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.job_new(JOB2, A)  # someone's restart: at its gate when our stop replaces it
+    tracker.unit_changed(A, props_of("activating", "start-pre", 2))
+    tracker.call_sent(A)
+    tracker.call_answered(A, None, "stop")
+    tracker.job_removed(JOB2, A, "canceled")
+    tracker.job_new(JOB3, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 3))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+    # a person's stop queued before ours, then cancelled: the unit leaves with no job, and
+    # that stop, which it never left with, says nothing of whose stop ended it
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.job_new(JOB3, A)
+    tracker.unit_changed(A, props_of("active", "running", 3))
+    model.phases[A] = Phase.STOPPING
+    tracker.call_sent(A)
+    tracker.call_answered(A, None, "stop")
+    tracker.job_removed(JOB3, A, "canceled")
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 0))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.EXITED, by_itself=True)
+    ]
+    # a person's stop replaced that restart at its gate before ours was sent: theirs
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("activating", "start-pre", 2))
+    tracker.job_removed(JOB2, A, "canceled")
+    tracker.job_new(JOB3, A)
+    tracker.unit_changed(A, props_of("activating", "start-pre", 3))
+    tracker.call_sent(A)
+    tracker.call_answered(A, None, "stop")
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 3))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED, not_ours=True)
+    ]
+
+
+def test_our_stop_whose_job_new_was_lost_takes_the_unit_down_not_its_own_end() -> None:
+    """The bus daemon dropped our stop job's JobNew; its answer came, and the unit leaves
+    running with that job: a job of ours, not a oneshot's start job, so no end by itself
+    (that would book a preempted unit finished, never brought back)."""
+    tracker = our_stop_sent()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    assert tracker.call_queued(A, JOB1, "stop") is False
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [WentDown(A, Outcome.EXITED)]
+
+
+def test_a_job_no_job_new_announced_while_our_stop_is_unanswered_is_no_end_by_itself() -> None:
+    """The bus daemon dropped our StopUnit's answer and its job's JobNew, not its
+    PropertiesChanged: the unit leaves running with a job new since its last signal, which
+    no JobNew announced. Taken for ours, as a read finding it is (`stop_found`), whether the
+    answer was lost before or after: a preemption, not an end by itself (finished, never
+    brought back). A job the unit already ran under (a oneshot's start job) still says it
+    ended by itself."""
+    for answer_lost_first in (True, False):
+        tracker = our_stop_sent()
+        tracker.unit_changed(A, props_of("active", "running", 0))
+        if answer_lost_first:
+            tracker.call_answered(A, None, "stop")
+        assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+        down = tracker.unit_changed(A, props_of("inactive", "dead", 0))
+        if not answer_lost_first:
+            assert down == []
+            assert tracker.call_answered(A, None, "stop") is True
+            down = tracker.unit_changed(A, props_of("inactive", "dead", 0), read=True)
+        assert down == [WentDown(A, Outcome.EXITED)], answer_lost_first
+    tracker = our_stop_sent()
+    tracker.unit_changed(A, props_of("activating", "start", 1))  # a oneshot: its start job
+    tracker.call_answered(A, None, "stop")
+    tracker.unit_changed(A, props_of("deactivating", "stop-post", 1))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.EXITED, by_itself=True)
+    ]
+    model = Model()
+    model.phases[A] = Phase.RUNNING  # a call of ours unanswered, but no stop: says nothing
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.call_sent(A)
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
+    assert tracker.call_answered(A, None, "start") is False
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.EXITED, by_itself=True)
+    ]
+
+
 def test_a_person_stop_that_ours_joined_and_that_was_cancelled_says_nothing_of_our_next() -> None:
     """Our stop merged into a person's stop job, which was then cancelled (a start replaced
     it): the unit ran on, our stop was lost. Our next stop, which ends it, is ours: told

@@ -429,7 +429,8 @@ def render(d: Decision) -> str:
         )
     if d.cause is Cause.RESTARTED:
         return (
-            f"{d.unit} is no longer annotated: restarting its start, which waited at the gate "
-            "a daemon-reload took out; let through, it would skip its own ExecStartPre= lines"
+            f"{d.unit} is no longer annotated: its start, which waited at the gate a "
+            "daemon-reload took out, is restarted unless it was stopped meanwhile (then it "
+            "stays stopped); let through, it would skip its own ExecStartPre= lines"
         )
     return f"{d.unit} is no longer annotated: released its GPUs"

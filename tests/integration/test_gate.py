@@ -494,8 +494,8 @@ def test_a_start_whose_annotation_went_while_it_waited_runs_its_own_exec_start_p
     assert prop(container, WAITER, "Result") == "success"
     assert "gpuslice-gate" not in prop(container, WAITER, "ExecStartPre")
     said = (
-        f"{WAITER} is no longer annotated: restarting its start, which waited at the gate a "
-        "daemon-reload took out"
+        f"{WAITER} is no longer annotated: its start, which waited at the gate a "
+        "daemon-reload took out, is restarted unless it was stopped meanwhile"
     )
     assert said in container.journal(CONTROLLER)
     assert said in container.journal(WAITER)  # its own journal too
