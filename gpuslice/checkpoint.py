@@ -171,8 +171,9 @@ def check_tool(tool: str, root_only: bool) -> None:
     suspend or resume."""
     if not root_only:
         return
-    # a path, not an EnvironmentFile= value: a `%` in it is no systemd specifier
-    refusal = EnvFileChecker().refusal(TOOL_NAME, tool.replace("%", "%%"))
+    # a path, not an EnvironmentFile= value: a `%` in it is no systemd specifier, a `*` or
+    # `[` no wildcard
+    refusal = EnvFileChecker().path_refusal(tool)
     if refusal is not None:
         raise CheckpointError(
             f"{printable(tool)} is not run: gpuslice runs it as root, and someone other than "

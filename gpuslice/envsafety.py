@@ -10,17 +10,21 @@ like wait on `needs_sandboxing`). A unit with `User=asr` (or `DynamicUser=yes`) 
 environment file asr can change ran nothing as root before gpuslice gated it; once gated,
 asr's `LD_PRELOAD=` runs in the gate's root shell (the dynamic loader acts before the gate
 can). So is a root-written `LD_LIBRARY_PATH=/home/asr/lib`: the loader takes asr's
-libc.so.6. Such a unit is not managed: `EnvFileChecker.check` says why, for each file and
-each loader variable (`LOADER_PATHS`), and `annotations.Loader` makes that an error on the
-unit (no gate). A unit that runs as root is not checked there: its own processes already load
-what those paths name, as root. A root directory or mount of any gated unit that replaces or
+libc.so.6, and a root-written `LD_DEBUG_OUTPUT=/srv/asr/dbg` has the loader create files as
+root in whatever directory asr's symlink there leads to. Such a unit is not managed:
+`EnvFileChecker.check` says why, for each file, each loader variable (`LOADER_PATHS`) and
+each variable that names where the gate's programs write (`OUTPUT_PATHS`), and
+`annotations.Loader` makes that an error on the unit (no gate). A unit that runs as root is
+not checked there: its own processes already load what those paths name, as root (and write
+where they say, as root). A root directory or mount of any gated unit that replaces or
 hides what the gate runs or talks through (`GATE_PATHS`) is an error too: a user's files
 there would run as root, and a hidden bus or pipe holds the start for ever without a word.
 
 A file is root's alone when every component of its path, walked from / with symlinks followed
 (the link's directory, then its target's components), is owned by UID 0 and writable by no
 group but GID 0 (without an access ACL) and by no one else (a sticky world-writable directory
-such as /tmp included). A file that does not exist is fine when the deepest directory that does
+such as /tmp included), and on no FUSE file system a user mounted (it shows whatever owner
+its program likes). A file that does not exist is fine when the deepest directory that does
 is root's alone, so that only root can make it. A path under `USER_TREES` is refused whatever
 it holds, and nothing in it is looked at: users make files there, /home may not be mounted
 yet when systemd runs the generator at boot (its empty mount point looks like root's), and
@@ -121,6 +125,26 @@ LOADER_PATHS: dict[str, tuple[bool, str]] = {
     "GCONV_PATH": (True, ":"),
     "LOCPATH": (True, ":"),
 }
+# The variables whose paths the gate's programs write to as root, whatever else is set:
+# the dynamic loader's debug output (LD_DEBUG_OUTPUT=F, with LD_DEBUG=: F.PID, each program
+# its own) and profile (LD_PROFILE=LIB: LIB.profile in LD_PROFILE_OUTPUT's directory,
+# /var/tmp where that is unset or empty: `PROFILE_DIR`). The loader opens them O_NOFOLLOW,
+# but the directories on the way are followed: a user who can change one has root create
+# or append to a file where they choose, /etc included. Name -> the file written, `{}`
+# being the value. Of glibc's other "unsecure" variables (unsecvars.h), none names a path
+# the gate's programs open: MALLOC_TRACE (mtrace(3), which none calls), NLSPATH (catopen),
+# TMPDIR, TZDIR, HOSTALIASES, LOCALDOMAIN, RES_OPTIONS, GETCONF_DIR and LD_ORIGIN_PATH (read
+# only without /proc) are used by none of /bin/sh, dbus-send, sleep and systemctl as the
+# gate runs them, the rest (LD_BIND_NOW, MALLOC_ARENA_MAX, GLIBC_TUNABLES, ...) name no
+# path, and a LANG=, LC_*= or LANGUAGE= that is a path is looked for under the locale
+# directories (glibc 2.36: /usr/lib/locale//home/asr/x/LC_CTYPE).
+OUTPUT_PATHS: dict[str, str] = {
+    "LD_DEBUG_OUTPUT": "{}.PID",
+    "LD_PROFILE_OUTPUT": "{}/LIBRARY.profile",
+}
+PROFILE_DIR = "/var/tmp"  # glibc's LD_PROFILE_OUTPUT where it is unset or empty (not secure)
+# every variable `check` works out the value of
+_WATCHED = frozenset({*LOADER_PATHS, *OUTPUT_PATHS, "LD_PROFILE"})
 MAX_TREE = 10_000  # entries of a loader directory and its subdirectories, walked per scan
 MAX_ENV_FILE = MAX_FILE_SIZE  # systemd reads more; no real environment file comes near it
 # What the gate (its PATH's programs, their libraries and the loader's own files, the bus,
@@ -251,6 +275,7 @@ FIX_LOADER = (
     "until only root can change each path it names (a directory and everything in it), "
     "named by an absolute path"
 )
+FIX_OUTPUT = "until it names, by an absolute path, a place only root can change"
 FIX_MOUNT = "until none of its mounts lands on, in or above a path the gate uses"
 FIX_DESTINATION = (
     "until each bind lands on a path only root can change (or on its own source, which shows "
@@ -377,8 +402,8 @@ class _Reached(NamedTuple):
 
 class _Value(NamedTuple):
     """A loader variable's value as the gate would get it (None: `unknown` says why it
-    cannot be told), the assignment that set it, and the environment file it came from
-    ("": the assignment's own)."""
+    cannot be told), the assignment that set it, and the environment file it came from, as
+    `_named` names it ("": the assignment's own)."""
 
     value: str | None
     assignment: Assignment
@@ -507,6 +532,8 @@ class _MountTable:
         self._fd: int | None = None
         self._poll: select.poll | None = None
         self._points: set[str] | None = None
+        # FUSE file systems a user mounted (`_user_mounts`), by mount point, as last read
+        self.users: dict[str, int] = {}
 
     def points(self) -> set[str] | None:
         if self._poll is None:
@@ -528,7 +555,10 @@ class _MountTable:
             table = self._caller.call(_read_mount_table, MOUNTINFO, MOUNTINFO)
         except OSError:
             return None
-        return None if table is None else _mount_points(table, self._root) - {"/"}
+        if table is None:
+            return None
+        self.users = _user_mounts(table, self._root)
+        return _mount_points(table, self._root) - {"/"}
 
     def changed(self) -> bool:
         """Whether the kernel flagged the table since it was last polled."""
@@ -555,7 +585,9 @@ class EnvFileChecker:
         self._texts: dict[str, str | Refusal | None] = {}  # environment files' texts
         # what a value says, and its verdict, by the value (10,000 units alike: one look)
         self._words: dict[str, list[str]] = {}
-        self._pairs: dict[str, list[tuple[str, str]] | None] = {}
+        # each environment file's `_WATCHED` variables, the last of each (a file shared by
+        # 10,000 units, of 100,000 assignments: one pass over them, not one per unit)
+        self._pairs: dict[str, dict[str, str]] = {}
         self._loader_verdicts: dict[tuple[str, str, str], Refusal | None] = {}
         self._mount_verdicts: dict[tuple[str, str, bool], Refusal | None] = {}
         # directories found root's alone, by their path without symlinks: a walk to a file in
@@ -573,8 +605,9 @@ class EnvFileChecker:
         """A finding for each setting that would let someone other than root choose what
         gpuslice's gate runs as root, or that cannot be checked: for a unit that runs as
         another user, each environment file someone else can change and each loader path
-        (`LOADER_PATHS`) of its environment; for every gated unit, each root directory or
-        mount that replaces or hides what the gate uses (`GATE_PATHS`). Never raises."""
+        (`LOADER_PATHS`) or written path (`OUTPUT_PATHS`) of its environment; for every gated
+        unit, each root directory or mount that replaces or hides what the gate uses
+        (`GATE_PATHS`). Never raises."""
         findings: list[Finding] = []
         other = run_as.other_user()
         # the environment files found root's alone, in order: (assignment, path, text)
@@ -586,7 +619,7 @@ class EnvFileChecker:
                     if path is not None and refusal is None:
                         text = self._env_text(path)
                         if isinstance(text, Refusal):
-                            refusal = text
+                            refusal = _as_written(env_file.value, path, text)
                         elif text is not None:
                             texts.append((env_file, path, text))
                 except Exception as e:  # belt and braces: no file may crash a scan
@@ -607,6 +640,11 @@ class EnvFileChecker:
         when only root can change the file it names."""
         return self._env_file(unit, value)[1]
 
+    def path_refusal(self, path: str) -> Refusal | None:
+        """Why the regular file at the system path `path` (no setting's value: no specifier,
+        no wildcard) is refused, or None when only root can change it."""
+        return self._file(path, printable(path, 200))
+
     def _env_file(self, unit: str, value: str) -> tuple[str | None, Refusal | None]:
         """The file one EnvironmentFile= names, and why it is refused (None: only root can
         change it)."""
@@ -614,7 +652,7 @@ class EnvFileChecker:
         path, why = expand(unit, value[1:] if value.startswith("-") else value)
         if path is None:
             return None, Refusal(f"{quoted} cannot be checked: {why}", FIX_PATH)
-        return path, self._file(path, quoted, globbed=True)
+        return path, _as_written(value, path, self._file(path, quoted, globbed=True))
 
     def _file(self, path: str, quoted: str, globbed: bool = False) -> Refusal | None:
         """Why the file at the system path `path` (as written: `quoted`; `globbed`: a
@@ -682,9 +720,10 @@ class EnvFileChecker:
     def _loader_findings(
         self, unit: str, run_as: RunAs, texts: list[tuple[Assignment, str, str]]
     ) -> list[Finding]:
-        """A finding for each `LOADER_PATHS` variable the gate would start with that names a
-        path someone but root can change: its value as systemd makes it (`Environment=`, in
-        order, then each environment file, then `UnsetEnvironment=`)."""
+        """A finding for each `LOADER_PATHS` or `OUTPUT_PATHS` variable (or LD_PROFILE=) the
+        gate would start with that names a path someone but root can change: its value as
+        systemd makes it (`Environment=`, in order, then each environment file, then
+        `UnsetEnvironment=`)."""
         findings: list[Finding] = []
         values: dict[str, _Value] = {}
         for assignment in run_as.environment:
@@ -692,18 +731,19 @@ class EnvFileChecker:
                 text, why = expand(unit, word)
                 name = (text if text is not None else word).partition("=")[0]
                 if text is None:
-                    if name in LOADER_PATHS or "%" in name:
+                    if name in _WATCHED or "%" in name:
                         # systemd knows what gpuslice cannot tell: a LD_* of any value, maybe
                         reason = f"{printable(word, 200)} cannot be checked: {why}"
                         values[name] = _Value(None, assignment, "", reason)
-                elif name in LOADER_PATHS and (pair := envsyntax.assignment(text)) is not None:
+                elif name in _WATCHED and (pair := envsyntax.assignment(text)) is not None:
                     values[name] = _Value(pair[1], assignment, "", "")
         for env_file, path, text in texts:
             if path not in self._pairs:
-                self._pairs[path] = envsyntax.parse_env_file(text)
-            for name, value in self._pairs[path] or ():
-                if name in LOADER_PATHS:
-                    values[name] = _Value(value, env_file, path, "")
+                pairs = envsyntax.parse_env_file(text) or ()
+                self._pairs[path] = {n: v for n, v in pairs if n in _WATCHED}
+            named = _named(env_file.value, path, ", that is {}")
+            for name, value in self._pairs[path].items():
+                values[name] = _Value(value, env_file, named, "")
         for unset in run_as.unset:
             for word in self._split(unset.value):
                 text, _ = expand(unit, word)
@@ -714,6 +754,8 @@ class EnvFileChecker:
         for name, found in values.items():
             if found.value is None:
                 refusal: Refusal | None = Refusal(found.unknown, FIX_PATH)
+            elif name == "LD_PROFILE" and "LD_PROFILE_OUTPUT" in values:
+                refusal = None  # where it writes is LD_PROFILE_OUTPUT's, checked on its own
             else:
                 said = (name, found.value, found.file)
                 if said not in self._loader_verdicts:
@@ -734,10 +776,12 @@ class EnvFileChecker:
     def _loader_refusal(self, name: str, value: str, file: str) -> Refusal | None:
         """Why the loader path list `name`=`value` (from the environment file `file`, or "")
         is refused, or None when only root can change what it names."""
-        if value == "":
-            return None  # an empty list names nothing (glibc ignores it)
         where = f" (set in {printable(file)})" if file else ""
         said = f"{name}={printable(value, 200)}{where}"
+        if name not in LOADER_PATHS:
+            return self._output_refusal(name, value, said)
+        if value == "":
+            return None  # an empty list names nothing (glibc ignores it)
         directories, separators = LOADER_PATHS[name]
         if "$" in value:
             return Refusal(
@@ -768,6 +812,32 @@ class EnvFileChecker:
             if refusal is not None:
                 fix = FIX_ANSWER if refusal.fix == FIX_ANSWER else FIX_LOADER
                 return Refusal(f"{said}: {refusal.reason}", fix)
+        return None
+
+    def _output_refusal(self, name: str, value: str, said: str) -> Refusal | None:
+        """Why the file `name`=`value` has the gate's programs write as root (`OUTPUT_PATHS`;
+        LD_PROFILE= without LD_PROFILE_OUTPUT=: in `PROFILE_DIR`) is refused, or None: its
+        directory must be root's alone (the file itself is opened O_NOFOLLOW). `said`: the
+        assignment, for the message."""
+        if name == "LD_PROFILE":
+            if value == "":
+                return None  # glibc ignores it
+            name, value = "LD_PROFILE_OUTPUT", ""
+        if value == "" and name == "LD_PROFILE_OUTPUT":
+            value = PROFILE_DIR
+        written = OUTPUT_PATHS[name].format(value)
+        writes = f"{said}: the gate's programs would write {printable(written, 200)} as root"
+        if not written.startswith("/"):
+            return Refusal(
+                f"{writes}, relative to the current directory (the unit's WorkingDirectory=)",
+                FIX_OUTPUT,
+            )
+        if len(os.fsencode(written)) >= PATH_MAX:
+            return Refusal(f"{writes}: longer than {PATH_MAX - 1} bytes", FIX_OUTPUT)
+        reached = self._resolve(os.path.dirname(written), True)
+        if isinstance(reached, Refusal):
+            fix = FIX_ANSWER if reached.fix == FIX_ANSWER else FIX_OUTPUT
+            return Refusal(f"{writes}, and {reached.reason}", fix)
         return None
 
     def _tree(self, path: str) -> Refusal | None:
@@ -1018,6 +1088,13 @@ class EnvFileChecker:
                 return Refusal(
                     f"{shown} cannot be checked: {printable(here)}: {_strerror(st)}", FIX_PATH
                 )
+            if here in self._mounts.users:  # read by `_lstat`'s `_ask`, unless remembered
+                return Refusal(
+                    f"{_subject(shown, here, via, not parts)} is a FUSE file system that UID "
+                    f"{self._mounts.users[here]} mounted, whose files show whatever owner "
+                    "its program likes",
+                    FIX_OWNERS,
+                )
             if stat.S_ISLNK(st.st_mode):
                 # a symlink's own owner and mode change nothing: only who may write its
                 # directory (`current`, checked) can replace it
@@ -1172,6 +1249,28 @@ def _mount_points(table: bytes, root: str) -> set[str]:
     return found
 
 
+def _user_mounts(table: bytes, root: str) -> dict[str, int]:
+    """The FUSE file systems in `table` (/proc/self/mountinfo) at or under `root` that a user
+    mounted (`user_id=` other than 0 in their options: fusermount's), by mount point (system
+    paths), with that user's UID. Such a file system shows whatever owner and mode its
+    program likes: /srv/asr, asr's, refused, was root's 0755 once asr mounted sshfs on it
+    (`allow_other`, which /etc/fuse.conf's user_allow_other lets users ask for)."""
+    found: dict[str, int] = {}
+    for line in table.split(b"\n"):
+        point = _mount_points(line, root)  # none, or this line's
+        fields = line.partition(b" - ")[2].split(b" ")  # type, source, options
+        if not point or len(fields) < 3:
+            continue
+        if fields[0] != b"fuse" and not fields[0].startswith((b"fuse.", b"fuseblk")):
+            continue
+        for option in fields[2].split(b","):
+            name, _, value = option.partition(b"=")
+            if name == b"user_id" and value.isdigit() and int(value) != 0:
+                found[point.pop()] = int(value)
+                break
+    return found
+
+
 def _subject(shown: str, here: str, via: str, last: bool) -> str:
     """The component named in a message: the file itself (`last`), one of its directories,
     or what a symlink on its way leads to."""
@@ -1211,6 +1310,27 @@ def _in_user_tree(shown: str, tree: str, here: str) -> Refusal:
         "after systemd runs gpuslice's generator at boot",
         FIX_TREE,
     )
+
+
+def _named(value: str, path: str, then: str = " ({})") -> str:
+    """The file of the EnvironmentFile= `value` (`path`, specifiers expanded) as a message
+    names it: the value as written in the unit, then (`then`) what its specifiers made of
+    it. An admin looks for `EnvironmentFile=-%S/asr/env`; a message that named only
+    /var/lib/asr/env sent them looking for a line no unit has."""
+    if (value[1:] if value.startswith("-") else value) == path:
+        return printable(path)
+    return printable(value, 200) + then.format(printable(path))
+
+
+def _as_written(value: str, path: str, refusal: Refusal | None) -> Refusal | None:
+    """`refusal` of the file of the EnvironmentFile= `value` (`path`) naming it as `_named`
+    does (a walk's reason starts with the path it walked)."""
+    shown = printable(path)
+    if refusal is None or refusal.reason.startswith(printable(value, 200)):
+        return refusal  # as written already: the same, or `_file`'s own (a NUL, a wildcard)
+    if not refusal.reason.startswith(shown):
+        return refusal
+    return Refusal(_named(value, path) + refusal.reason[len(shown) :], refusal.fix)
 
 
 def _message(unit: str, refusal: Refusal) -> str:

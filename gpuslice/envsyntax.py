@@ -308,9 +308,12 @@ def temporary_file_systems(value: str, resolve: Resolve) -> list[Mount]:
 def parse_env_file(text: str) -> list[tuple[str, str]] | None:
     """The assignments of an `EnvironmentFile=`'s text, in order (env-file.c's
     parse_env_file_internal: shell-like quotes and backslashes, `#`/`;` comments, a key's
-    trailing blanks dropped), or None where systemd refuses the whole file (a key or value
-    that is not UTF-8: the unit's start then fails). The text ends at a NUL, as in C."""
-    text = text.partition("\0")[0]
+    trailing blanks dropped), or None where systemd refuses the whole file: a key or value
+    that is not UTF-8, or a NUL anywhere (fileio.c's read_full_stream_full, asked for no
+    size, answers EBADMSG rather than let C stop at it). The unit's start then fails, or,
+    for a `-` file, goes on without any of its assignments: an earlier `LD_PRELOAD=` stands."""
+    if "\0" in text:
+        return None
     found: list[tuple[str, str]] = []
     state = "pre_key"
     key: list[str] = []

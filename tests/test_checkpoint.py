@@ -37,6 +37,7 @@ from gpuslice.checkpoint import (
     suspend,
 )
 from gpuslice.config import Config
+from gpuslice.envsafety import EnvFileChecker
 
 GIB = 1 << 30
 TIMEOUT = 30.0  # ceiling for a line or an exit; a pass never waits this long
@@ -535,6 +536,28 @@ def test_a_tool_someone_other_than_root_can_change_is_not_run_as_root(tmp_path: 
     assert e.value.reason.startswith(f"{odd} is not run: ")
     assert f"({odd} is under /tmp" in e.value.reason
     assert CheckpointSettings.from_config(Config()).root_only  # the controller's settings
+
+
+def test_a_tool_whose_path_has_a_percent_or_a_bracket_is_checked_as_that_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuda_checkpoint is a path, not an EnvironmentFile= value: `[12]` is no wildcard (it
+    was refused as one: a root's tool never ran, each suspend failed), `100%` no specifier
+    (nor named `100%%`). Walked under a root of the test's, as the controller's is /."""
+    tmp_path.chmod(0o755)
+    root_tool = executable(tmp_path / "opt/cuda[12]/100%/cuda-checkpoint")
+    users_tool = executable(tmp_path / "opt/100%/cuda-checkpoint")
+    os.chown(users_tool, 1000, 1000)
+    monkeypatch.setattr(checkpoint, "EnvFileChecker", lambda: EnvFileChecker(tmp_path))
+    check_tool("/opt/cuda[12]/100%/cuda-checkpoint", root_only=True)
+    assert root_tool.exists()
+    with pytest.raises(CheckpointError) as e:
+        check_tool("/opt/100%/cuda-checkpoint", root_only=True)
+    assert e.value.reason == (
+        "/opt/100%/cuda-checkpoint is not run: gpuslice runs it as root, and someone other "
+        "than root can change it (/opt/100%/cuda-checkpoint is owned by UID 1000, who can "
+        "change it); give it to root, or set cuda_checkpoint to a copy only root can change"
+    )
 
 
 def test_find_tool_configured(tmp_path: Path) -> None:

@@ -326,7 +326,7 @@ def test_specifiers_are_expanded_per_instance_and_unknown_ones_refused(root: Pat
     assert "job@good.service" in result.specs
     assert {"job@.service", "job@bad.service", "home.service"} <= result.invalid
     by_unit = {p.unit: str(p) for p in result.problems}
-    assert f"/etc/job/bad.env is owned by UID {ASR}" in by_unit["job@bad.service"]
+    assert f"/etc/job/%i.env (/etc/job/bad.env) is owned by UID {ASR}" in by_unit["job@bad.service"]
     assert (
         "/etc/job/%i.env cannot be checked: %i depends on the instance's name, which whoever "
         "starts an instance of job@.service chooses, so the file cannot be checked for every "
@@ -395,7 +395,7 @@ def test_an_unescaped_instance_is_walked_as_systemd_would_name_it(root: Path) ->
     name = "job@srv-asr-asr.env.service"  # %I is srv/asr/asr.env
     put(root, f"{ETC}/{name}.d/x.conf", "[Unit]\n")
     [error] = errors(root, name)
-    assert f"EnvironmentFile: /srv/asr/asr.env is owned by UID {ASR}" in error
+    assert f"EnvironmentFile: -/%I (/srv/asr/asr.env) is owned by UID {ASR}" in error
 
 
 def test_dynamic_user_is_another_user(root: Path) -> None:
@@ -962,6 +962,156 @@ def test_a_loader_directory_too_large_to_walk_is_refused(
     assert errors(root, "x.service") == []
 
 
+def test_a_refused_file_is_named_as_written_then_as_its_specifiers_make_it(root: Path) -> None:
+    """An admin looks for the unit's `EnvironmentFile=-%S/asr/env`: a message that named only
+    /var/lib/asr/env sent them looking for a line no unit has. A value without specifiers
+    (a `-` aside) names its file once."""
+    put(root, "/var/lib/asr/env", uid=ASR)
+    put(root, "/etc/asr/asr.env", "LD_PRELOAD=/home/asr/x.so\n")
+    put(root, "/etc/asr/big.env", "A=1\n" * 300_000)  # over MAX_ENV_FILE
+    install(
+        root,
+        "x.service",
+        "User=asr",
+        "EnvironmentFile=-%S/asr/env",
+        "EnvironmentFile=-/var/lib/asr/env",
+        "EnvironmentFile=%t/user/1000/env",
+        "EnvironmentFile=-%E/asr/asr.env",
+        "EnvironmentFile=%E/asr/big.env",
+        "EnvironmentFile=-%E/asr/*.env",
+    )
+    assert errors(root, "x.service") == [
+        f"{ETC}/x.service:5: [Service] EnvironmentFile: -%S/asr/env (/var/lib/asr/env) is "
+        f"owned by UID {ASR}, who can change it; {GATE} x.service until only root can change "
+        "that file and its directories",
+        f"{ETC}/x.service:6: [Service] EnvironmentFile: /var/lib/asr/env is owned by UID "
+        f"{ASR}, who can change it; {GATE} x.service until only root can change that file and "
+        "its directories",
+        f"{ETC}/x.service:7: [Service] EnvironmentFile: %t/user/1000/env (/run/user/1000/env) "
+        f"is under /run/user, {TREE} at boot; {GATE} x.service until it names a file "
+        "elsewhere, that only root can change",
+        f"{ETC}/x.service:9: [Service] EnvironmentFile: %E/asr/big.env (/etc/asr/big.env) "
+        f"cannot be checked: larger than {envsafety.MAX_ENV_FILE} bytes; {GATE} x.service "
+        "until it names, by an absolute path, a file only root can change",
+        f"{ETC}/x.service:10: [Service] EnvironmentFile: -%E/asr/*.env cannot be checked: "
+        "systemd reads it as a wildcard pattern (*, ?, [ or \\), which gpuslice does not "
+        f"expand; name each file; {GATE} x.service until it names, by an absolute path, a "
+        "file only root can change",
+        f"{ETC}/x.service:8: [Service] EnvironmentFile: LD_PRELOAD=/home/asr/x.so (set in "
+        "-%E/asr/asr.env, that is /etc/asr/asr.env): /home/asr/x.so is under /home, "
+        f"{TREE} at boot; {GATE} x.service {LOADER}",
+    ]
+
+
+def test_a_path_of_roots_is_no_setting_value(root: Path) -> None:
+    """`path_refusal` (cuda-checkpoint's path, which gpuslice runs as root): a `%`, `*` or
+    `[` in it is part of the name, no specifier or wildcard."""
+    put(root, "/opt/cuda[12]/100%/cuda-checkpoint")
+    put(root, "/opt/x*/cuda-checkpoint", uid=ASR)
+    checker = EnvFileChecker(root)
+    assert checker.path_refusal("/opt/cuda[12]/100%/cuda-checkpoint") is None
+    assert checker.path_refusal("/opt/x*/cuda-checkpoint") == Refusal(
+        f"/opt/x*/cuda-checkpoint is owned by UID {ASR}, who can change it", FIX_OWNERS
+    )
+
+
+OUTPUT = "until it names, by an absolute path, a place only root can change"
+
+
+def test_a_users_directory_the_loader_writes_in_leaves_the_unit_unmanaged(root: Path) -> None:
+    """The gate's /bin/sh, dbus-send, sleep and systemctl write as root where LD_DEBUG_OUTPUT=
+    (FILE.PID) and LD_PROFILE_OUTPUT= (LIB.profile; /var/tmp where empty) say:
+    asr makes /srv/asr a symlink to /etc, and root creates files there."""
+    put(root, "/srv/asr/keep", uid=ASR)
+    os.chown(root / "srv/asr", ASR, ASR)
+    install(root, "x.service", "User=asr", "Environment=LD_DEBUG=all LD_DEBUG_OUTPUT=/srv/asr/d")
+    assert errors(root, "x.service") == [
+        f"{ETC}/x.service:5: [Service] Environment: LD_DEBUG_OUTPUT=/srv/asr/d: the gate's "
+        "programs would write /srv/asr/d.PID as root, and /srv/asr is owned by UID 1000, who "
+        f"can change it; {GATE} x.service {OUTPUT}"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("assignments", "said"),
+    [
+        ("LD_DEBUG_OUTPUT=/srv/asr/d", "write /srv/asr/d.PID as root, and /srv/asr is owned"),
+        ("LD_DEBUG_OUTPUT=/home/asr/d", "/home/asr/d.PID as root, and /home/asr is under /home"),
+        ("LD_DEBUG_OUTPUT=d", "write d.PID as root, relative to the current directory"),
+        ("LD_DEBUG_OUTPUT=", "write .PID as root, relative to the current directory"),
+        ("LD_PROFILE_OUTPUT=/srv/asr", "/srv/asr/LIBRARY.profile as root, and /srv/asr is"),
+        ("LD_PROFILE_OUTPUT=", "write /var/tmp/LIBRARY.profile as root, and /var/tmp is under"),
+        ("LD_PROFILE=libc.so.6", "write /var/tmp/LIBRARY.profile as root, and /var/tmp is under"),
+        ("LD_PROFILE=libc.so.6 LD_PROFILE_OUTPUT=/srv/asr", "/srv/asr/LIBRARY.profile as root"),
+        ("LD_DEBUG_OUTPUT=/etc/t/d", "/etc/t/d.PID as root, and /etc/t: /srv/asr, reached "),
+        ("LD_DEBUG_OUTPUT=/" + "d" * 4091, "ddd... as root: longer than 4095 bytes"),
+    ],
+)
+def test_each_path_the_gates_programs_write_is_checked(
+    root: Path, assignments: str, said: str
+) -> None:
+    """The directory of the file the loader opens (O_NOFOLLOW), symlinks followed: root's
+    /etc/t pointing into asr's directory counts as asr's."""
+    put(root, "/srv/asr/keep", uid=ASR)
+    os.chown(root / "srv/asr", ASR, ASR)
+    link(root, "/etc/t", "/srv/asr/t")
+    install(root, "x.service", "User=asr", f"Environment={assignments}")
+    [error] = errors(root, "x.service")
+    assert said in error
+    assert error.endswith(f"{GATE} x.service {OUTPUT}")
+
+
+@pytest.mark.parametrize(
+    "assignments",
+    [
+        "LD_DEBUG=all LD_DEBUG_OUTPUT=/var/log/gpu/d",
+        "LD_PROFILE=libc.so.6 LD_PROFILE_OUTPUT=/var/log",
+        "LD_PROFILE=",  # ignored by glibc
+        "MALLOC_TRACE=/home/asr/trace",  # mtrace(3), which none of the gate's programs calls
+        "LANG=/home/asr/locale LANGUAGE=/home/asr/x",  # looked for under /usr/lib/locale/
+        "LD_BIND_NOW=1 MALLOC_ARENA_MAX=2 GLIBC_TUNABLES=glibc.malloc.check=3 TMPDIR=/tmp",
+    ],
+)
+def test_written_paths_only_root_can_change_are_managed(root: Path, assignments: str) -> None:
+    put(root, "/var/log/keep")
+    install(root, "x.service", "User=asr", f"Environment={assignments}")
+    assert errors(root, "x.service") == []
+
+
+def test_a_written_directory_that_does_not_answer_is_refused_until_it_does(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = EnvFileChecker._ask
+
+    def ask(self: EnvFileChecker, fn: Callable[[str], T], path: str) -> object:
+        if path.startswith("/srv/nfs"):
+            return envsafety._Unanswered("/srv/nfs")
+        return real(self, fn, path)
+
+    monkeypatch.setattr(EnvFileChecker, "_ask", ask)
+    put(root, "/srv/nfs/keep")
+    install(root, "x.service", "User=asr", "Environment=LD_DEBUG_OUTPUT=/srv/nfs/d")
+    assert errors(root, "x.service") == [
+        f"{ETC}/x.service:5: [Service] Environment: LD_DEBUG_OUTPUT=/srv/nfs/d: the gate's "
+        "programs would write /srv/nfs/d.PID as root, and /srv/nfs cannot be checked: "
+        f"/srv/nfs did not answer within {envsafety.DEADLINE:g} s (a network file system not "
+        f"answering?); {GATE} x.service until that file system answers at a later scan "
+        "(systemctl daemon-reload)"
+    ]
+
+
+def test_a_written_path_in_an_environment_file_names_the_file(root: Path) -> None:
+    put(root, "/etc/asr/asr.env", "LD_DEBUG=files\nLD_DEBUG_OUTPUT=/home/asr/ld\n")
+    install(root, "x.service", "User=asr", "EnvironmentFile=/etc/asr/asr.env")
+    install(root, "root.service", "EnvironmentFile=/etc/asr/asr.env")  # writes as root anyway
+    assert errors(root, "x.service") == [
+        f"{ETC}/x.service:5: [Service] EnvironmentFile: LD_DEBUG_OUTPUT=/home/asr/ld (set in "
+        "/etc/asr/asr.env): the gate's programs would write /home/asr/ld.PID as root, and "
+        f"/home/asr is under /home, {TREE} at boot; {GATE} x.service {OUTPUT}"
+    ]
+    assert errors(root, "root.service") == []
+
+
 def test_environment_is_read_as_systemd_reads_it(root: Path) -> None:
     """Quotes, several assignments on a line, C escapes, the later assignment winning, an
     empty Environment= resetting the list, a syntax error dropping the rest of its line, and
@@ -1031,6 +1181,40 @@ def test_a_loader_path_in_an_environment_file_only_root_can_change(root: Path) -
     assert errors(root, "fixed.service") == []
     assert len(errors(root, "overridden.service")) == 1
     assert errors(root, "missing.service") == []
+
+
+def test_a_large_environment_file_many_units_share_is_read_once(root: Path) -> None:
+    """100,000 assignments, 3,000 units: each unit went through all of them (300 million
+    steps, tens of seconds of a scan or the generator at boot); now one pass per scan."""
+    put(root, "/etc/asr/big.env", "".join(f"V{i}=x\n" for i in range(100_000)))
+    checker = EnvFileChecker(root)
+    run_as = RunAs(user="asr")
+    run_as.env_files.append(envsafety.Assignment(f"{ETC}/x.service", 5, "/etc/asr/big.env"))
+    started = time.monotonic()
+    for i in range(3_000):
+        assert checker.check(f"x{i}.service", run_as) == []
+    assert time.monotonic() - started < 3
+
+
+def test_an_environment_file_systemd_refuses_whole_overrides_nothing(root: Path) -> None:
+    """A NUL, or a value that is not UTF-8, anywhere in a file: systemd refuses all of it,
+    and a `-` file's `LD_PRELOAD=` no longer clears the unit's own. Taken up to the NUL,
+    the file's empty LD_PRELOAD= hid asr's library, which the gate's shell loaded as root."""
+    put(root, "/etc/asr/nul.env", "LD_PRELOAD=\n#\0\n")
+    put(root, "/etc/asr/latin1.env", "LD_PRELOAD=\nNAME=caf\xe9\n")
+    (root / "etc/asr/latin1.env").write_bytes(b"LD_PRELOAD=\nNAME=caf\xe9\n")
+    for name in ("nul", "latin1"):
+        install(
+            root,
+            f"{name}.service",
+            "User=asr",
+            "Environment=LD_PRELOAD=/home/asr/x.so",
+            f"EnvironmentFile=-/etc/asr/{name}.env",
+        )
+        assert errors(root, f"{name}.service") == [
+            f"{ETC}/{name}.service:5: [Service] Environment: LD_PRELOAD=/home/asr/x.so: "
+            f"/home/asr/x.so is under /home, {TREE} at boot; {GATE} {name}.service {LOADER}"
+        ]
 
 
 def test_an_environment_file_that_cannot_be_read_whole_is_refused(
@@ -1439,6 +1623,54 @@ def test_calls_on_the_roots_file_system_are_made_directly_others_on_the_worker(
         assert checker.refusal("x.service", path) is None
     assert threads["/etc/asr/b.env"] == "MainThread"
     assert threads["/etc/nas"] == threads["/etc/nas/b.env"] == "gpuslice-envsafety"
+
+
+def test_a_fuse_file_system_a_user_mounted_is_no_root_directory(
+    root: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FUSE shows whatever owner and mode its program likes: asr's sshfs (allow_other, which
+    /etc/fuse.conf's user_allow_other lets users ask for) on /srv/asr, a directory of asr's,
+    showed root's 0755 there, and asr's files passed for root's. Mounted by root
+    (user_id=0), or another file system, it is judged by what it shows."""
+    for name in ("asr", "rooted", "nfs"):
+        put(root, f"/srv/{name}/job.env")
+        install(root, f"{name}.service", "User=asr", f"EnvironmentFile=/srv/{name}/job.env")
+    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
+    mountinfo.write_bytes(
+        b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        + f"60 22 0:60 / {root}/srv/asr rw,nosuid,nodev shared:1 - fuse.sshfs asr@h:/ "
+        "rw,user_id=1000,group_id=1000,allow_other\n"
+        f"61 22 0:61 / {root}/srv/rooted rw - fuse.sshfs h:/ rw,user_id=0,group_id=0\n"
+        f"62 22 0:62 / {root}/srv/nfs rw - nfs4 nas:/x rw,user_id=1000\n".encode()
+    )
+    monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
+    assert errors(root, "asr.service") == [
+        f"{ETC}/asr.service:5: [Service] EnvironmentFile: /srv/asr/job.env: its directory "
+        "/srv/asr is a FUSE file system that UID 1000 mounted, whose files show whatever "
+        f"owner its program likes; {GATE} asr.service until only root can change that file "
+        "and its directories"
+    ]
+    assert errors(root, "rooted.service") == []
+    assert errors(root, "nfs.service") == []
+    assert envsafety._user_mounts(mountinfo.read_bytes(), str(root)) == {"/srv/asr": ASR}
+
+
+def test_the_fuse_mounts_of_users_in_the_mount_table() -> None:
+    """Any FUSE type (fuse, fuse.PROGRAM, fuseblk) whose options name a user_id other than 0;
+    other file systems, and lines the kernel would not write, are not."""
+    table = (
+        b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        b"60 22 0:60 / /r/a rw - fuse x rw,user_id=1000,group_id=1000\n"
+        b"61 22 0:61 / /r/b rw shared:2 - fuseblk /dev/sdb1 rw,user_id=1001\n"
+        b"62 22 0:62 / /r/c rw - fuse.rclone x rw,group_id=5,user_id=1002\n"
+        b"63 22 0:63 / /r/d rw - fuse.rclone x rw,user_id=0,group_id=0\n"
+        b"64 22 0:64 / /r/e rw - ext4 /dev/sdc1 rw,user_id=1003\n"
+        b"65 22 0:65 / /r/f rw - fuse.x x rw,user_id=x\n"
+        b"66 22 0:66 / /r/g rw - fuse.x\n"
+        b"67 22 0:67 / /q/h rw - fuse.x x rw,user_id=1004\n"
+        b"68 22 0:68 / /r/i rw fuse.x x rw,user_id=1005\n"
+    )
+    assert envsafety._user_mounts(table, "/r") == {"/a": 1000, "/b": 1001, "/c": 1002}
 
 
 def test_the_mount_table_as_the_kernel_writes_it() -> None:

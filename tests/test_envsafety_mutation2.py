@@ -124,7 +124,7 @@ def test_a_single_refusal_expands_the_units_specifiers(root: Path) -> None:
     checker = EnvFileChecker(root)
     assert checker.refusal("x@b.service", "-/etc/asr/%i.env") is None
     assert checker.refusal("x@c.service", "/etc/asr/%i.env") == Refusal(
-        "/etc/asr/c.env is owned by UID 1000, who can change it",
+        "/etc/asr/%i.env (/etc/asr/c.env) is owned by UID 1000, who can change it",
         envsafety.FIX_OWNERS,
     )
 

@@ -192,7 +192,6 @@ def test_temporary_file_systems(value: str, expected: list[Mount]) -> None:
         ("export A=1\n", [("export A", "1")]),  # not a valid name: systemd drops it later
         ("A=1\rB=2", [("A", "1"), ("B", "2")]),
         ("A='open\nB=2\n", [("A", "open\nB=2\n")]),
-        ("A=1\0B=2\n", [("A", "1")]),  # C stops at a NUL
         ("A=1\nA=2\n", [("A", "1"), ("A", "2")]),
         ("", []),
     ],
@@ -206,6 +205,14 @@ def test_an_env_file_with_a_key_or_value_that_is_not_utf8_is_refused_whole() -> 
     assert parse_env_file(f"A=1\nB={bad}\n") is None
     assert parse_env_file(f"{bad}=1\n") is None
     assert parse_env_file(f"# {bad}\nA=1\n") == [("A", "1")]  # a comment is not looked at
+
+
+def test_an_env_file_with_a_nul_is_refused_whole() -> None:
+    """systemd's read_full_stream_full answers EBADMSG for a NUL anywhere, a comment's
+    included: none of the file's assignments apply (they did here, up to the NUL)."""
+    assert parse_env_file("A=1\0B=2\n") is None
+    assert parse_env_file("A=1\n# \0\n") is None
+    assert parse_env_file("A=1\n") == [("A", "1")]
 
 
 def test_names_are_checked_as_systemd_does() -> None:
