@@ -1,9 +1,10 @@
 """The controller daemon: the composition root that wires systemd's signals into the core.
 
-Systemd is the source of truth. The controller subscribes first, then reads every unit's
-state, restores what only it knew (holds, preemptions, grants), then claims its bus name
-and tells systemd it is ready. From then on each signal becomes one core event whose
-actions are carried out here: a reply to a gate, StartUnit/StopUnit, one journal line.
+Systemd is the source of truth. The controller claims its bus name, subscribes to systemd's
+signals, then reads the unit files and every unit's state, restores what only it knew
+(holds, preemptions, grants), and tells systemd it is ready. From then on each signal
+becomes one core event whose actions are carried out here: a reply to a gate,
+StartUnit/StopUnit, one journal line.
 Nothing polls; a lost bus connection exits non-zero so that Restart= brings us back.
 """
 
@@ -205,7 +206,9 @@ class Controller:
         self.config_path = config_path
         self.systemd = systemd
         self.root = root
-        self.scan: Scan = scan(root)
+        # the annotations: read by start() once systemd's signals reach us (read here, a
+        # daemon-reload before the subscription was never read), then at each rescan
+        self.scan = Scan(root=root)
         self.scheduler = Scheduler(
             [Gpu(i) for i in range(config.gpus)],
             {},
@@ -337,6 +340,11 @@ class Controller:
         self.systemd.on_systemd_restarted = self.on_systemd_restarted
         self.gates.reset()  # gates left waiting by an earlier controller ask over D-Bus
         await self.systemd.subscribe()
+        # the unit files, read once a daemon-reload's Reloading signal reaches us: one that
+        # ended before is in this read, one that ends during or after it asks for a rescan
+        # (on_reloading), and the starts start-up finds at their gate wait for that (_rebuild)
+        self._rescan_again = False
+        self.scan = await asyncio.to_thread(scan, self.root)
         self.boot_id = await self.systemd.boot_id()
         self._record_boot()
         for problem in self.scan.problems:
@@ -373,14 +381,16 @@ class Controller:
         if forgets and not actions:
             self._persist()
         self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
+        if self._rescan_again:  # a daemon-reload ended during start-up
+            # under way before the signals and calls that came meanwhile are taken in: a
+            # start among them is judged once it is read (_gate_after_scan, _verify_acquire)
+            self.request_rescan()
         for name, props in self._buffered:
             self.on_unit_changed(name, props)
         self._buffered.clear()
         early, self._early_acquires = self._early_acquires, []
         for unit, sender, seen in early:
             self._spawn(self._verify_acquire(unit, sender, seen))
-        if self._rescan_again:  # a daemon-reload ended during start-up
-            self.request_rescan()
         if self._reload_due:  # a SIGHUP came during start-up
             self._reload_now()
         for name in sorted(self.scheduler.annotated()):  # down since, or kept by a version
@@ -625,8 +635,10 @@ class Controller:
         knew only as starting, are adopted (once the ended ones released their GPUs);
         units at their gate, or whose start job waits for us to be ready, queue at once
         (their gate calls within a second), so a released GPU goes to them before any
-        preempted unit comes back. A start job that is cancelled instead removes its
-        waiter as usual (JobRemoved, then the unit is read down)."""
+        preempted unit comes back, unless a daemon-reload ended since the unit files were
+        read: they wait for its rescan, as a start does while one runs (`_gate_after_scan`).
+        A start job that is cancelled instead removes its waiter as usual (JobRemoved, then
+        the unit is read down)."""
         actions: list[Action] = []
         with self.scheduler.deferred():
             for name, _ in self.scheduler.grants().items():
@@ -670,7 +682,13 @@ class Controller:
                     and self.scheduler.phase(state.name) is None
                     and not self.scheduler.is_waiting(state.name)
                 ):
-                    actions += self.scheduler.request(spec)
+                    if self._rescan_again:
+                        # a daemon-reload ended since start-up read the unit files, and
+                        # systemd already runs the new ones: judged once the rescan is read
+                        # (_gates_after_scan), not on an annotation it may no longer have
+                        self._after_scan[state.name] = None
+                    else:
+                        actions += self.scheduler.request(spec)
             actions += self.scheduler.recover()  # caught between suspend and resume
         return actions + self.scheduler.schedule()
 
@@ -736,7 +754,14 @@ class Controller:
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
         self.tracker.job_new(path, unit)
         self._follow_shutdown()
-        if not self.ready or self.spec_for(unit) is None:
+        if not self.ready:
+            if is_instance(unit) and self.spec_for(unit) is not None:
+                # matched once start-up narrows the rules to the units that matter (_rewatch):
+                # announced after ListUnits, its start was not among them, and its end was
+                # never heard. Its down, if it came before ready, takes it out (_follow_gate)
+                self._instances.add(unit)
+            return
+        if self.spec_for(unit) is None:
             return
         if is_instance(unit) and unit not in self._instances:
             # an instance of an annotated template, new to us: heard from now on (its gate,

@@ -430,8 +430,9 @@ def test_a_gpu_configured_away_while_held_is_lost_only_until_its_holder_ends(
 
 
 class HeldScan:
-    """The controller's next rescan reads the unit files, then waits for `go` before it is
-    applied: a scan of many units (~1 s at 10,000) under way while the loop goes on."""
+    """The controller's first rescan (after start-up's own read, made before it is
+    ready) reads the unit files, then waits for `go` before it is applied: a scan of many
+    units (~1 s at 10,000) under way while the loop goes on. Made before start-up."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.read = threading.Event()
@@ -441,7 +442,7 @@ class HeldScan:
         def held(root: str) -> Scan:
             result = scan(root)
             self.scans += 1
-            if self.scans == 1:
+            if self.scans == 2:
                 self.read.set()
                 self.go.wait(ENDS_WITHIN)
             return result
@@ -484,7 +485,7 @@ def test_a_gate_asking_during_a_scan_older_than_its_reload_gets_a_scan_of_its_ow
         assert bed.service.granted == []
         assert ctl.scheduler.is_waiting("new.service")
         assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
-        assert held.scans == 2
+        assert held.scans == 3  # start-up's, the one under way, the one for its gate
 
     run(test)
 
