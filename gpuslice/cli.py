@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -171,18 +172,13 @@ def release_jobs(config_path: str) -> None:
     recorded it while it can (`_this_boot`): one of an earlier boot names units whose
     processes are gone, and a unit of that name now is another. When this boot cannot be
     told (no record, systemd not reachable on the bus), no unit is touched: each is
-    named."""
+    named. The controller's bus name is held meanwhile (`_controllers_name`): a controller
+    started then is refused it and exits before it reads the state; one that holds it
+    already keeps its units."""
     _release_jobs(config_path)
 
 
 def _release_jobs(config_path: str) -> None:
-    from gpuslice.checkpoint import CheckpointError, CheckpointSettings
-    from gpuslice.config import Config, runtime_dirs_of_this_boot
-    from gpuslice.core.model import PRIORITY_MAX
-    from gpuslice.core.scheduler import Phase
-    from gpuslice.paths import DEFAULT_STATE_DIR, RUNTIME_DIR_RECORD, STATE_DIR_RECORD
-    from gpuslice.state import StateStore, find_saved, same_boot
-
     deadline = time.monotonic() + RELEASE_DEADLINE
     controller = _unit_state("gpuslice.service").get("ActiveState", "unknown")
     if controller not in ("inactive", "failed"):  # its stop refused (policy-rc.d), or unknown
@@ -192,6 +188,103 @@ def _release_jobs(config_path: str) -> None:
             err=True,
         )
         return
+    with _controllers_name(os.environ.get("GPUSLICE_BUS_ADDRESS")) as taken:
+        if taken:  # a controller started since the look above: it loaded the state first
+            click.echo(
+                f"gpuslice release-jobs: {printable(taken, 300)}: its units are left to it",
+                err=True,
+            )
+            return
+        _release_stopped(config_path, deadline)
+
+
+@contextlib.contextmanager
+def _controllers_name(address: str | None) -> Iterator[str]:
+    """Hold the controller's bus name (service.BUS_NAME) on a connection of release-jobs' own
+    while it thaws, resumes and saves: every controller claims that name before it reads or
+    writes anything (Controller.start), so it is the lock both honour. A controller started
+    meanwhile (`systemctl start gpuslice` beside a `gpuslice release-jobs` run by hand, a
+    Restart= with no removal drop-in to skip it) is refused it and exits having loaded
+    nothing (Restart= tries it again); before, it loaded the state as it was before
+    release-jobs saved, took a unit release-jobs was resuming for suspended still, and
+    granted that unit's GPU to another (two jobs on one GPU). Yields "" while held, or why
+    not: the name is owned (a controller started after release-jobs' look at
+    gpuslice.service). Nothing is held, and "" yielded, when no bus takes the connection or
+    the claim (no bus: no controller can claim it either; not allowed: a bus without
+    gpuslice's policy). The connection runs in a thread of its own, so that calls sent to
+    the name meanwhile (a gate's Acquire) are answered with an error at once, not left
+    waiting until release-jobs ends."""
+    from dbus_next.constants import NameFlag, RequestNameReply
+
+    from gpuslice.service import BUS_NAME
+    from gpuslice.systemd import close_bus, open_bus
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="gpuslice-name", daemon=True)
+    thread.start()
+    held: list[MessageBus] = []
+
+    async def claim() -> str:
+        if _no_bus_socket(address):  # said before dbus-next makes a socket it leaves open
+            return ""
+        try:
+            bus = await open_bus(address, BUS_TIMEOUT)
+        except Exception:  # no bus socket, refused, silent: no controller claims it either
+            return ""
+        held.append(bus)
+        try:
+            reply = await asyncio.wait_for(
+                bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE), BUS_TIMEOUT
+            )
+        except Exception:  # AccessDenied (no policy of gpuslice's on this bus), silent
+            return ""
+        if reply in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
+            return ""
+        return f"{BUS_NAME} is owned by another process, a controller started meanwhile"
+
+    async def let_go() -> None:
+        for bus in held:
+            if bus.connected:
+                bus.disconnect()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(bus.wait_for_disconnect(), BUS_TIMEOUT)
+            close_bus(bus)
+
+    try:
+        yield asyncio.run_coroutine_threadsafe(claim(), loop).result()
+    finally:
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(let_go(), loop).result(BUS_TIMEOUT + 5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def _no_bus_socket(address: str | None) -> bool:
+    """Whether every way to the bus (`address`, else the system bus's) is a socket file that
+    is not there: dbus-next leaves open the socket it made for a connect() that failed."""
+    from dbus_next._private.address import get_bus_address, parse_address
+    from dbus_next.constants import BusType
+
+    try:
+        ways = parse_address(address or get_bus_address(BusType.SYSTEM))
+    except Exception:  # dbus-next says why when it connects
+        return False
+    return all(
+        kind == "unix" and "path" in options and not os.path.exists(options["path"])
+        for kind, options in ways
+    )
+
+
+def _release_stopped(config_path: str, deadline: float) -> None:
+    """release-jobs' work once gpuslice.service is stopped and its name held."""
+    from gpuslice.checkpoint import CheckpointError, CheckpointSettings
+    from gpuslice.config import Config, runtime_dirs_of_this_boot
+    from gpuslice.core.model import PRIORITY_MAX
+    from gpuslice.core.scheduler import Phase
+    from gpuslice.paths import DEFAULT_STATE_DIR, RUNTIME_DIR_RECORD, STATE_DIR_RECORD
+    from gpuslice.state import StateStore, find_saved, same_boot
+
     try:
         config = load_config_with_warnings(Path(config_path))[0]
     except ConfigError as e:  # the controller kept its last good file's settings, or defaults
@@ -337,11 +430,12 @@ def _record_released(store: StateStore, boot: str, was: SavedState, now: SavedSt
     atomic save, numbered after it, for the next controller of this boot to judge those units
     as they are. Only over the state it read: none is written when nothing was done, when
     neither the state file nor the stand-in is there any more, when one was saved since or
-    cannot be read now, or when gpuslice.service is no longer stopped (started meanwhile: it
-    loaded the old state, or loads it, and saves its own). The controller shares no lock:
-    one that starts after the last look loaded the state as it was, and its saves replace
-    this one; each save is whole (rename(2)). Left, it is said: the units it names are taken
-    for still frozen or suspended."""
+    cannot be read now, or when gpuslice.service is no longer stopped (started meanwhile,
+    where no bus name could be held: it loaded the old state, or loads it, and saves its
+    own). While release-jobs holds the controller's name (`_controllers_name`) no controller
+    gets that far; without it, one that starts after the last look loaded the state as it
+    was, and its saves replace this one; each save is whole (rename(2)). Left, it is said:
+    the units it names are taken for still frozen or suspended."""
     if now == was:
         return
     why = store.saved_since()

@@ -139,7 +139,8 @@ class SchedulerService:
         if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             raise NameTaken(
                 f"{BUS_NAME} is owned by another process ({reply.name}): another gpuslice "
-                "controller runs (systemctl status gpuslice)"
+                "controller runs (systemctl status gpuslice), or `gpuslice release-jobs` "
+                "releases the units of a stopped one (apt remove)"
             )
 
     def grant(self, unit: str, gpus: str) -> int:

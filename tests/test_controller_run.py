@@ -432,8 +432,8 @@ def test_a_second_controller_is_refused_the_bus_name_and_has_changed_nothing(
     assert tree(state_dir, runtime_dir, records) == before
     assert stderr_lines(capsys) == [
         "ERROR org.gpuslice.Scheduler1 is owned by another process (EXISTS): another gpuslice "
-        "controller runs (systemctl status gpuslice); this controller exits, having changed "
-        "nothing"
+        "controller runs (systemctl status gpuslice), or `gpuslice release-jobs` releases the "
+        "units of a stopped one (apt remove); this controller exits, having changed nothing"
     ]
     assert host.systemd.calls == []  # nor asked systemd for its signals
     assert not host.heard()  # nor told systemd it is ready

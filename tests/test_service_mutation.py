@@ -163,7 +163,8 @@ def test_a_name_owned_by_another_controller_is_said_with_the_bus_daemons_word(
             await service.claim_name()
         assert str(taken.value) == (
             f"{BUS_NAME} is owned by another process (EXISTS): another gpuslice controller "
-            "runs (systemctl status gpuslice)"
+            "runs (systemctl status gpuslice), or `gpuslice release-jobs` releases the units "
+            "of a stopped one (apt remove)"
         )
         await first.release_name(BUS_NAME)
         await service.claim_name()
