@@ -173,6 +173,39 @@ def test_configure_says_a_make_install_copy_hides_the_package(tmp_path: Path) ->
     assert "(`make install`) hides this package's controller" in said
 
 
+def test_configure_says_a_config_this_version_refuses_and_goes_on(tmp_path: Path) -> None:
+    """A config.yaml the new version refuses keeps the controller from starting (exit 78) and
+    every gated start waiting, where apt showed only systemctl's "Job ... failed": the
+    package's own check says which file, line and key, then the install goes on (a failed
+    configure would leave the package half-installed, the gates waiting all the same)."""
+    calls, quiet = _run_full(tmp_path, "gpuslice.postinst", "configure")
+    assert "/usr/bin/gpuslice check --config-only" in calls
+    assert calls.index("/usr/bin/gpuslice check --config-only") < calls.index(
+        "debhelper-part configure"
+    )
+    assert (tmp_path / "bytecode").read_text() == "1\n"  # nothing written under /usr/lib
+    assert "config.yaml" not in quiet
+    refused = (
+        (DEBIAN / "gpuslice.postinst")
+        .read_text()
+        .replace(
+            "/usr/bin/gpuslice check --config-only",
+            "sh -c 'echo \"error: /etc/gpuslice/config.yaml:3: gpus: bad\" >&2; exit 1' --",
+        )
+    )
+    calls, said = _run_full(tmp_path, "gpuslice.postinst", "configure", text=refused)
+    assert said.splitlines() == [
+        "error: /etc/gpuslice/config.yaml:3: gpus: bad",
+        "gpuslice: the controller will not start until /etc/gpuslice/config.yaml is fixed "
+        "(above), and gated units wait for it: fix it, then `systemctl restart gpuslice`",
+    ]
+    assert calls[-1] == "debhelper-part configure"
+    _, elsewhere = _run_full(
+        tmp_path, "gpuslice.postinst", "configure", dpkg_root="/t", text=refused
+    )
+    assert "config.yaml" not in elsewhere  # another root's /etc is not the one read here
+
+
 @pytest.mark.parametrize("args", [("upgrade", "0.1.0"), ("deconfigure", "in-favour", "x")])
 def test_other_prerm_calls_stop_nothing(tmp_path: Path, args: tuple[str, ...]) -> None:
     assert _run(tmp_path, "gpuslice.prerm", *args) == []
