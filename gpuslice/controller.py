@@ -355,6 +355,7 @@ class Controller:
         units = await self.systemd.list_units()
         remembered = set(saved.preempted) | set(saved.holders) | set(saved.held)
         remembered |= set(saved.suspended)  # stopped by hand while we were away: held
+        remembered |= set(saved.requeued)  # a comeback at its gate: owed if its wait ended
         shown = {u.name for u in units}  # instances among them are annotated by templates
         with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
             self.scheduler.set_specs(self._concrete_specs(remembered | shown))
@@ -661,6 +662,12 @@ class Controller:
             for name in self.scheduler.suspended_units():  # stopped by hand while we were away
                 state = self.tracker.state(name)
                 if classify(state) is Kind.DOWN or self._started_again(name, state):
+                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
+            for name in self.scheduler.requeued_away():
+                # a comeback whose wait at its gate ended while we were away (its
+                # TimeoutStartSec=): owed as before, not forgotten with its start
+                state = self.tracker.state(name)
+                if classify(state) is Kind.DOWN:
                     actions += self.scheduler.inactive(name, self.tracker.outcome(state))
             states = sorted(self.tracker.states.values(), key=lambda s: s.name)
             for state in states:

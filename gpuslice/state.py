@@ -66,9 +66,19 @@ GENERATION_MAX = SEQ_MAX  # a save a microsecond would take 292,000 years to rea
 PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
 # written since the Preempt= ladder, since starts are saved before they are sent, since
-# the terms of units whose annotation goes are kept, since thaws owed are, and since saves
-# are numbered; a file without them (an older controller's) is complete
-LATER_FIELDS = ("frozen_for", "generation", "started", "suspended", "terms", "thaw_owed")
+# the terms of units whose annotation goes are kept, since thaws owed are, since saves are
+# numbered, and since requeues at the gate and their failed waits are; a file without them
+# (an older controller's) is complete
+LATER_FIELDS = (
+    "frozen_for",
+    "generation",
+    "requeued",
+    "started",
+    "suspended",
+    "terms",
+    "thaw_owed",
+    "wait_failed",
+)
 # the phases of a holder that may be owed a thaw (Scheduler.thaws_owed)
 THAW_OWED_PHASES = (Phase.RUNNING.value, Phase.STOPPING.value)
 KINDS = tuple(k.value for k in UnitKind)
@@ -262,7 +272,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             preempted[name] = seq
 
     lists: dict[str, list[str]] = {}
-    for key in ("held", "finished", "failed", "started", "thaw_owed"):
+    for key in ("held", "finished", "failed", "started", "thaw_owed", "requeued", "wait_failed"):
         lists[key] = []
         names = data.get(key, [])
         if not isinstance(names, list):
@@ -323,6 +333,20 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         else:
             problems.add(f"thaw_owed: dropped {_show(name)}: not a running or stopping holder")
 
+    requeued: list[str] = []
+    for name in lists["requeued"]:
+        if name not in holders or holders[name][1] == Phase.STARTING.value:
+            requeued.append(name)  # a waiter is no holder
+        else:
+            problems.add(f"requeued: dropped {_show(name)}: a holder past its gate")
+
+    wait_failed: list[str] = []
+    for name in lists["wait_failed"]:
+        if name in preempted:
+            wait_failed.append(name)
+        else:
+            problems.add(f"wait_failed: dropped {_show(name)}: not a preempted unit")
+
     seq = data.get("seq", 0)
     if not _is_int(seq, 0, SEQ_MAX):
         problems.add(f"seq: {_show(seq)} is no sequence number")
@@ -358,6 +382,8 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         started=started,
         thaw_owed=thaw_owed,
         terms=terms,
+        requeued=requeued,
+        wait_failed=wait_failed,
     )
     return saved, boot_id
 

@@ -473,6 +473,36 @@ def test_a_requeue_waiting_at_its_gate_whose_annotation_went_is_stopped_not_let_
     run(test)
 
 
+def test_a_requeue_whose_wait_failed_while_no_controller_ran_is_still_owed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """p.service, restarted to wait at its gate (requeue_at_gate), asked there; the
+    controller went away and p.service's wait ended (its TimeoutStartSec=): failed. Its
+    comeback is owed as before, once its GPU is free, not forgotten with its start."""
+    bed = Bed(
+        tmp_path,
+        {"p.service": "Priority=50\n", "urgent.service": "Priority=10\n"},
+        [state("urgent.service", "active", "running"), state("p.service", "failed", "failed")],
+        SavedState(
+            holders={"urgent.service": ((0,), "running", 2, "")},
+            requeued=["p.service"],
+            seq=2,
+        ),
+        config=bed_config(tmp_path, requeue_at_gate=True),
+    )
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+            await settle()
+        snap = bed.controller.scheduler.snapshot()
+        assert [p[0] for p in snap.preempted] == ["p.service"]
+        assert snap.failed == []
+        assert ("start", "p.service") not in bed.systemd.calls  # not to its gate again
+
+    run(test)
+
+
 # ---- the rebuild after a restart: what it finds is said once, what is under way stays ----
 
 

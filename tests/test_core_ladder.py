@@ -1284,6 +1284,146 @@ def test_a_unit_preempted_while_it_runs_that_the_shutdown_ends_comes_back_after_
     assert sorted(brief(after.schedule())) == ["start emb.service", "start vlm.service"]
 
 
+def test_a_preempted_unit_that_fails_on_the_shutdowns_sigterm_is_still_owed() -> None:
+    """A main process that exits non-zero on SIGTERM (143, or 1 from its own handler):
+    systemd records the unit failed, which the tracker tells before the shutdown. Frozen,
+    suspended, being suspended, or its comeback under way, its work went with the boot all
+    the same: recorded failed, the new boot cleared it, and it never came back."""
+    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
+    vlm = spec("vlm", 80, preempt="suspend stop")
+    mid = spec("mid", 70, preempt="suspend stop")
+    voice, urgent, top = spec("voice", 10, mem_gib=8), spec("urgent", 10), spec("top", 10)
+    s = host(emb, vlm, mid, voice, urgent, top, gpus=[sized(0), sized(1), sized(2)])
+    running(s, emb, vlm, mid)
+    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    assert brief(s.request(urgent)) == ["suspend vlm.service 1"]
+    s.suspended_done(vlm.name, "")
+    assert brief(s.request(top)) == ["suspend mid.service 2"]  # being suspended
+    assert s.set_shutting_down(True) == []
+    for unit in (emb, vlm, mid):
+        acts = s.inactive(unit.name, Outcome.FAILED)
+        assert Code.FAILED not in codes(acts)
+    for unit in (voice, urgent, top):
+        s.inactive(unit.name, Outcome.SHUTDOWN)
+    assert sorted(s.save().preempted) == ["emb.service", "mid.service", "vlm.service"]
+    assert s.save().failed == []
+    after = host(emb, vlm, mid, voice, urgent, top, gpus=[sized(0), sized(1), sized(2)])
+    after.load(s.save())
+    after.forget_boot()
+    assert sorted(brief(after.schedule())) == [
+        "start emb.service",
+        "start mid.service",
+        "start vlm.service",
+    ]
+
+
+def test_a_comeback_whose_start_fails_as_the_host_goes_down_is_still_owed() -> None:
+    """A preempted unit that exited non-zero on our stop's SIGTERM stays failed for systemd;
+    its comeback's start job, cancelled by the shutdown, leaves it failed. Its comeback is
+    still owed, as when it shows inactive."""
+    low = spec("low", 60, preempt="stop")
+    s = host(low, VOICE)
+    running(s, low)
+    s.request(VOICE)
+    s.inactive(low.name, Outcome.FAILED)  # our stop's SIGTERM: exit 143
+    assert list(s.save().preempted) == ["low.service"]
+    s.running(VO)
+    assert brief(s.inactive(VO, Outcome.EXITED)) == ["start low.service"]
+    s.set_shutting_down(True)
+    assert codes(s.inactive(low.name, Outcome.FAILED)) == [Code.SHUTDOWN]
+    assert list(s.save().preempted) == ["low.service"]
+    assert s.save().failed == []
+
+
+def test_a_unit_failing_outside_a_preemption_at_the_shutdown_is_failed() -> None:
+    """Only a preempted unit's failure at the shutdown is its end with the boot: one that
+    ran, or one that failed by itself while frozen for nothing, is failed as before."""
+    solo = spec("solo", 50)
+    s = host(solo)
+    running(s, solo)
+    s.set_shutting_down(True)
+    assert codes(s.inactive(solo.name, Outcome.FAILED)) == [Code.FAILED]
+    assert s.save().failed == ["solo.service"]
+    assert s.save().preempted == {}
+
+
+def test_a_unit_that_fails_on_our_stops_sigterm_is_preempted_and_comes_back() -> None:
+    """Preempted by stop (no shutdown), a main process that exits non-zero on the SIGTERM
+    is recorded failed by systemd: it is preempted all the same and comes back (Requeue=),
+    not taken for a failed job."""
+    low = spec("low", 60, preempt="stop")
+    s = host(low, VOICE)
+    running(s, low)
+    assert brief(s.request(VOICE)) == ["stop low.service"]
+    assert Code.FAILED not in codes(s.inactive(low.name, Outcome.FAILED))
+    assert list(s.save().preempted) == ["low.service"]
+    assert s.save().failed == []
+    s.running(VO)
+    assert brief(s.inactive(VO, Outcome.EXITED)) == ["start low.service"]
+
+
+def test_a_suspended_unit_is_not_resumed_while_the_host_goes_down() -> None:
+    """The unit it gave way to ends with the shutdown first: resumed, its VRAM came back
+    for nothing, the restore raced the shutdown's stop, and once it ran it was owed
+    nothing after the reboot. It stays suspended and owed; a cancelled shutdown resumes it."""
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    s.set_shutting_down(True)
+    assert brief(s.inactive(VO, Outcome.SHUTDOWN)) == []
+    assert s.phase(V) is Phase.SUSPENDED
+    assert brief(s.set_shutting_down(False)) == [f"resume {V} 0"]  # cancelled
+    s.resumed(V, "")
+    s.request(VOICE)
+    s.suspended_done(V, "")
+    s.set_shutting_down(True)
+    s.inactive(VO, Outcome.SHUTDOWN)
+    assert brief(s.inactive(V, Outcome.SHUTDOWN)) == []
+    assert list(s.save().preempted) == [V]
+
+
+def test_a_frozen_unit_is_not_thawed_while_the_host_goes_down() -> None:
+    """The unit it was frozen for ends with the shutdown first: thawed, it ended running
+    and was owed nothing after the reboot. It stays frozen and owed (systemd thaws it for
+    its stop); a cancelled shutdown thaws it."""
+    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb)
+    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    s.set_shutting_down(True)
+    assert brief(s.inactive(voice.name, Outcome.SHUTDOWN)) == []
+    assert s.phase(emb.name) is Phase.FROZEN
+    down = host(emb, voice)
+    down.load(s.save())
+    assert brief(s.set_shutting_down(False)) == ["thaw emb.service"]  # cancelled
+    down.set_shutting_down(True)
+    assert brief(down.inactive(emb.name, Outcome.SHUTDOWN)) == []
+    assert list(down.save().preempted) == [emb.name]
+
+
+def test_a_frozen_unit_the_shutdowns_stop_thaws_is_still_owed() -> None:
+    """systemd thaws a frozen unit before it stops it: the look at its FreezerState while
+    the shutdown stops it finds it thawed. Taken for thawed by hand, it ran again and ended
+    owed nothing; it stays frozen in the books, and once the shutdown is cancelled the next
+    look takes it for thawed."""
+    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, voice)
+    running(s, emb)
+    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    s.set_shutting_down(True)
+    assert s.thawed_outside(emb.name) == []
+    assert s.phase(emb.name) is Phase.FROZEN
+    cancelled = host(emb, voice)
+    cancelled.load(s.save())
+    assert brief(s.inactive(emb.name, Outcome.SHUTDOWN)) == []
+    assert list(s.save().preempted) == [emb.name]
+    assert codes(cancelled.thawed_outside(emb.name)) == [Code.THAWED_OUTSIDE]
+    assert cancelled.phase(emb.name) is Phase.RUNNING
+
+
 def test_the_last_boots_holders_owed_a_comeback_are_preempted_the_others_go() -> None:
     """No controller saw the host go down: of the holders its state names, a unit preempted
     while it ran, or whose comeback gpuslice started, is preempted; one no longer annotated
@@ -1304,6 +1444,31 @@ def test_the_last_boots_holders_owed_a_comeback_are_preempted_the_others_go() ->
     ended = s.ended_with_boot(saved)
     assert ended.holders == {}
     assert ended.preempted == {V: 3, "back.service": 7, VO: 2}
+
+
+def test_a_comeback_waiting_at_its_gate_when_the_host_went_down_is_owed_after_it() -> None:
+    """requeue_at_gate: a preempted unit restarted to wait at its gate is no holder once its
+    gate asked, its requeue alone says it is a comeback: owed after the boot, whether no
+    controller saw the shutdown or one restarted meanwhile saw it (as a background unit,
+    refill starts it anyway; one no longer annotated is owed nothing)."""
+    low, bg = spec("low", 60, preempt="stop"), spec("bg", 90, BG)
+    s = host(low, VOICE, bg)
+    saved = SavedState(seq=9, requeued=[low.name, bg.name, "gone.service"])
+    assert s.ended_with_boot(saved).preempted == {low.name: 9}
+    first = Scheduler([sized(0)], {low.name: low, VO: VOICE}, requeue_at_gate=True)
+    running(first, low)
+    assert brief(first.request(VOICE)) == ["stop low.service"]
+    assert brief(first.inactive(low.name, Outcome.STOPPED)) == [
+        f"grant {VO} 0",
+        "start low.service",
+    ]
+    assert brief(first.request(low)) == []  # it waits for voice at its gate
+    fresh = Scheduler([sized(0)], {low.name: low, VO: VOICE}, requeue_at_gate=True)
+    fresh.load(first.save())
+    assert brief(fresh.request(low)) == []  # its gate asks the new controller
+    fresh.set_shutting_down(True)
+    assert codes(fresh.inactive(low.name, Outcome.SHUTDOWN)) == [Code.CANCELLED]
+    assert list(fresh.save().preempted) == [low.name]
 
 
 def test_a_comeback_the_shutdown_cancelled_is_still_owed() -> None:

@@ -1380,6 +1380,46 @@ def test_a_requeue_whose_wait_failed_loses_its_place_to_units_waiting_at_their_g
     assert brief(sched.inactive("voice2.service", Outcome.EXITED)) == ["start second.service"]
 
 
+@pytest.mark.parametrize("asked", [False, True])
+def test_a_requeue_and_its_failed_wait_outlive_a_controller_restart(asked: bool) -> None:
+    """A controller restarts while a preempted unit waits at its gate (requeue_at_gate),
+    its gate asking or not yet: its wait that fails then is its requeue's, not a failed job
+    (forgotten, it was recorded failed and never brought back). Another restart keeps that
+    its wait failed: it comes back once its GPUs are free, not to its gate again."""
+    sched = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    sched.schedule()
+    sched.request(VLM)
+    sched.request(VOICE)
+    assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
+    if asked:
+        assert brief(sched.request(VLM)) == []  # it waits for voice
+    fresh = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    fresh.load(sched.save())
+    assert brief(fresh.request(VLM)) == []  # its gate asks the new controller
+    assert _codes(fresh.inactive(V, Outcome.FAILED))[-1] == "requeue-failed"
+    assert fresh.snapshot().preempted == [(V, 90, True)]
+    again = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    again.load(fresh.save())
+    assert brief(again.schedule()) == []  # not queued at its gate again
+    assert brief(again.inactive(VO, Outcome.EXITED)) == [f"start {V}"]
+
+
+def test_a_requeue_at_its_gate_whose_annotation_goes_after_a_restart_is_withdrawn() -> None:
+    """Its gate asked before the controller restarted: a waiter, which is not saved as a
+    start of ours. Its annotation gone, it is still stopped, not let through ungated beside
+    the unit it waited for."""
+    sched = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    sched.schedule()
+    sched.request(VLM)
+    sched.request(VOICE)
+    assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
+    assert brief(sched.request(VLM)) == []
+    fresh = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    fresh.load(sched.save())
+    assert brief(fresh.request(VLM)) == []
+    assert brief(fresh.set_specs({VO: VOICE})) == [f"stop {V}"]
+
+
 def test_a_unit_started_by_hand_after_its_requeue_ran_fails_as_its_own_start() -> None:
     """Brought back through its gate, it ran and finished; started again by a person, its
     wait fails: that failure is the person's start, and gpuslice does not restart it."""

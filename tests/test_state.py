@@ -38,6 +38,8 @@ GOOD: dict[str, Any] = {
     "started": [],
     "terms": {},
     "thaw_owed": [],
+    "requeued": [],
+    "wait_failed": [],
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -465,6 +467,37 @@ def test_thaws_owed_are_kept_for_running_and_stopping_holders_only(
     store = StateStore(tmp_path / "again")
     store.save(saved, "b")
     assert store.load()[0].thaw_owed == ["asr.service", "low.service"]
+
+
+def test_requeues_and_failed_waits_are_kept_and_a_file_without_them_is_complete(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted controller knows a unit waiting at its gate for its comeback (a starting
+    holder, or a waiter, which is no holder), and that a preempted unit's wait there failed;
+    a requeue past its gate, or a failed wait of a unit not preempted, is dropped with why.
+    An older controller's file, without either, loads without a word."""
+    holders = {"bg.service": [[], "starting", 6, ""], "asr.service": [[0], "running", 4, ""]}
+    requeued = ["bg.service", "asr.service", "waits.service", "../x"]
+    wait_failed = ["vlm.service", "asr.service"]
+    content = good(holders=holders, started=["bg.service"], requeued=requeued, seq=6)
+    data = {**json.loads(content), "wait_failed": wait_failed}
+    saved, _, records = load(tmp_path, json.dumps(data).encode(), caplog)
+    assert saved.requeued == ["bg.service", "waits.service"]
+    assert saved.wait_failed == ["vlm.service"]
+    said = " ".join(r.getMessage() for r in records)
+    for problem in (
+        'requeued: dropped "../x": not a unit name',
+        'requeued: dropped "asr.service": a holder past its gate',
+        'wait_failed: dropped "asr.service": not a preempted unit',
+    ):
+        assert problem in said, said
+    store = StateStore(tmp_path / "again")
+    store.save(saved, "b")
+    assert store.load()[0] == saved
+    caplog.clear()
+    older = {k: v for k, v in GOOD.items() if k not in ("requeued", "wait_failed")}
+    saved, _, records = load(tmp_path / "again", json.dumps(older).encode(), caplog)
+    assert (saved, records) == (GOOD_STATE, [])
 
 
 @pytest.mark.parametrize(

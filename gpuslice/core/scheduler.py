@@ -281,6 +281,12 @@ class SavedState:
     # one) and each suspended unit holds its GPUs on, for one whose annotation goes before
     # the next controller reads it (`_kept_terms`)
     terms: dict[str, tuple[int, str, int, int | None]] = field(default_factory=dict)
+    # preempted units restarted to wait at their gate (requeue_at_gate) that have not passed
+    # it: a starting holder, or a waiter (which is not saved). Lost at a restart, one whose
+    # wait failed then was recorded failed, its preemption forgotten: never brought back
+    requeued: list[str] = field(default_factory=list)
+    # preempted units whose wait at the gate failed: brought back only onto free GPUs
+    wait_failed: list[str] = field(default_factory=list)
 
 
 def _unannotated(spec: UnitSpec) -> UnitSpec:
@@ -559,6 +565,18 @@ class Scheduler:
         suspended = self.suspended.pop(name, None) is not None
         if suspended and outcome is Outcome.EXITED:
             outcome = Outcome.STOPPED
+        # preempted (frozen, suspended, or being suspended or resumed), or its comeback
+        # under way: owed a comeback should the shutdown end it
+        owed = (
+            suspended
+            or (holder is not None and holder.phase in _PREEMPTED_PHASES)
+            or (ours and name in self.specs and self.specs[name].kind is UnitKind.ON_DEMAND)
+        )
+        if outcome is Outcome.FAILED and self.shutting_down and owed and not by_itself:
+            # the shutdown's SIGTERM ended it and its main process exited non-zero (143, or 1
+            # from its own handler), which systemd records as failed: its work went with the
+            # boot all the same. Recorded failed, a new boot cleared it and it was lost
+            outcome = Outcome.SHUTDOWN
         if waiter is not None and holder is None:
             actions.append(_log(_about(waiter.spec, Code.CANCELLED)))
         theirs = not_ours and outcome is Outcome.STOPPED
@@ -568,18 +586,9 @@ class Scheduler:
             withdrawn = name not in self.specs and holder.stopping_for is None
             if not spec.requeue and not withdrawn:
                 actions.append(_log(_about(spec, Code.NOT_REQUEUED)))
-        elif (
-            outcome is Outcome.SHUTDOWN
-            and not by_itself
-            and (
-                suspended
-                or (holder is not None and holder.phase in _PREEMPTED_PHASES)
-                or (ours and name in self.specs and self.specs[name].kind is UnitKind.ON_DEMAND)
-            )
-        ):
-            # preempted (frozen, suspended, or being suspended or resumed), or its comeback
-            # under way: its work is lost with the boot, as a stopped unit's, and it comes
-            # back after it (Requeue=); told ended by the shutdown, it was never started again
+        elif outcome is Outcome.SHUTDOWN and not by_itself and owed:
+            # its work is lost with the boot, as a stopped unit's, and it comes back after it
+            # (Requeue=); told ended by the shutdown, it was never started again
             self.preempted[name] = self.out_since[name]
         elif outcome is Outcome.STOPPED:
             self.held.add(name)
@@ -942,8 +951,14 @@ class Scheduler:
     def thawed_outside(self, name: str) -> list[Action]:
         """Someone thawed a frozen or suspended unit by hand (`systemctl thaw`). Frozen: it
         counts as running again and is not frozen again while it runs. Suspended: its memory
-        is still in host memory; it is restored as soon as it fits, as before."""
+        is still in host memory; it is restored as soon as it fits, as before. While the
+        host goes down a frozen unit found thawed stays frozen in the books: systemd thaws a
+        unit to stop it, and the shutdown's stop ends it, owed a comeback (`inactive`); taken
+        for running, it ended owed nothing. Told again at the next look should the shutdown
+        be cancelled."""
         holder = self.holders.get(name)
+        if holder is not None and holder.phase is Phase.FROZEN and self.shutting_down:
+            return []
         if holder is not None and holder.phase is Phase.FROZEN:
             holder.phase = Phase.RUNNING
             holder.frozen_for.clear()
@@ -1150,7 +1165,9 @@ class Scheduler:
         free capacity with background units."""
         if self._deferred:
             return []
-        actions = self._thaw() + self._yield_to_foreign()
+        # while the host goes down no frozen unit is thawed (see below)
+        actions = [] if self.shutting_down else self._thaw()
+        actions += self._yield_to_foreign()
         self._tops_cache = None
         promises = self._suspended_room()
         queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
@@ -1165,11 +1182,14 @@ class Scheduler:
             for again in self._displaced:  # moved back to waiting: served in turn
                 heapq.heappush(queue, (again.spec.priority, again.seq, again.spec.name))
             self._displaced.clear()
-        if not self.shutting_down:
-            actions += self._requeue(promises)
+        if self.shutting_down:
+            # nor is a suspended unit resumed, or a frozen one thawed: the shutdown ends it
+            # anyway, owed a comeback (`inactive`). Resumed or thawed first, its VRAM came
+            # back for nothing, racing its stop, and it ended running: owed nothing
+            return actions
+        actions += self._requeue(promises)
         actions += self._resume(promises)
-        if not self.shutting_down:
-            actions += self._refill(promises)
+        actions += self._refill(promises)
         return actions + self._thaw()  # a unit frozen in this pass no longer runs
 
     def _uses(self, promises: list[tuple[int, Use]]) -> dict[int, list[Use]]:
@@ -1906,6 +1926,12 @@ class Scheduler:
     def suspended_units(self) -> list[str]:
         return sorted(self.suspended)
 
+    def requeued_away(self) -> list[str]:
+        """Comebacks that wait at their gate with no place kept (their gate asked), not yet
+        waiting here: after a controller restart, until their gate asks again. One that
+        went down meanwhile is told with `inactive`."""
+        return sorted(n for n in self.requeued if n not in self.holders and n not in self.waiters)
+
     def is_waiting(self, name: str) -> bool:
         return name in self.waiters
 
@@ -2047,6 +2073,8 @@ class Scheduler:
             },
             started=sorted(n for n in self.started if self.phase(n) is Phase.STARTING),
             thaw_owed=self.thaws_owed(),
+            requeued=sorted(n for n in self.requeued if self.phase(n) in (None, Phase.STARTING)),
+            wait_failed=sorted(n for n in self.wait_failed if n in self.preempted),
             terms={
                 **{
                     n: _terms(h.spec)
@@ -2096,16 +2124,28 @@ class Scheduler:
         self.held = set(saved.held)
         self.finished = set(saved.finished)
         self.failed = set(saved.failed)
+        # one saved waiting at its gate is no holder: its gate asks again (`request`). Its
+        # start is ours as before (a waiter is not saved as started): withdrawn should its
+        # annotation go (`set_specs`), owed should the shutdown end it (`inactive`)
+        self.requeued = {
+            n for n in saved.requeued if self.phase(n) in (None, Phase.STARTING) and n in self.specs
+        } - self.recorded()
+        self.started |= {n for n in self.requeued if self.phase(n) is None}
+        self.wait_failed = {n for n in saved.wait_failed if n in self.preempted}
         return self._forget_unannotated({})
 
     def ended_with_boot(self, saved: SavedState) -> SavedState:
         """A state saved in an earlier boot, as `load` takes it: nothing it granted runs now,
         so its holders go. One preempted while it ran (being stopped, frozen, being suspended
         or resumed), or an on-demand unit whose comeback gpuslice had started (refill starts
-        a background unit anyway), lost its work with that boot as a suspended unit does
-        (`forget_boot`): it counts as preempted. Dropped with the holders, it was never
-        started again."""
-        owed: dict[str, int] = {}
+        a background unit anyway; one waiting at its gate is no holder, known by its requeue),
+        lost its work with that boot as a suspended unit does (`forget_boot`): it counts as
+        preempted. Dropped with the holders, it was never started again."""
+        owed: dict[str, int] = {
+            name: saved.seq
+            for name in saved.requeued
+            if name in self.specs and self.specs[name].kind is UnitKind.ON_DEMAND
+        }
         for name, (_, phase, seq, *_) in saved.holders.items():
             spec = self.specs.get(name)
             if spec is None:
@@ -2117,7 +2157,7 @@ class Scheduler:
                 or Phase(phase) is Phase.STOPPING
             ):
                 owed[name] = seq
-        return replace(saved, holders={}, preempted={**owed, **saved.preempted})
+        return replace(saved, holders={}, preempted={**owed, **saved.preempted}, requeued=[])
 
     def forget_boot(self) -> None:
         """A new boot: finished and failed units may run again; holds and preemptions stay.
