@@ -88,7 +88,7 @@ from gpuslice.paths import (
 )
 from gpuslice.rereads import Rereads
 from gpuslice.service import ACCESS_DENIED, NameTaken, NotManaged, SchedulerService, Starting
-from gpuslice.state import Flusher, StateStore, record_boot, same_boot
+from gpuslice.state import STATE_FILE_MAX, Flusher, StateStore, record_boot, same_boot
 from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient, job_path
 from gpuslice.tracker import (
     CameUp,
@@ -134,6 +134,11 @@ ENV_RETRY = 1.0
 # any (a /run filled before instances lost their file when they went down), goes at the
 # next start.
 ENV_SWEEP_MAX = 8192
+# Held or preempted instances kept (Scheduler.forget_instance keeps those alone): past this
+# many the journal says so once, until they are fewer again. Each is saved with every change
+# of state; a state file past STATE_FILE_MAX (16 MiB, some 60,000 long names) is refused whole
+# at the next start, its preemptions with it
+KEPT_INSTANCES_WARN = 10_000
 # A StartUnit or StopUnit of ours that did not reach systemd (an error of the bus, or of a
 # systemd that is re-executing: gpuslice.systemd.is_transient) is sent again this long
 # after, the delay doubling while it keeps failing so, up to CALL_RETRY_MAX: never a tight
@@ -317,6 +322,7 @@ class Controller:
         self._save_failing = False
         self._flush_failing = False
         self._checking_thaws = False  # a check of FreezerState is under way
+        self._kept_instances_said = False  # KEPT_INSTANCES_WARN was said, and still holds
         self._status_due = False  # a STATUS= update is scheduled
         self._reload_due = False  # a config reload is queued, or waits for the file to settle
         self._settling: Settling | None = None  # the waits of the reload under way
@@ -937,6 +943,31 @@ class Controller:
         if self.scheduler.forget_instance(name):
             self.tracker.forget(name)
             self.answers.changed()  # gone from held, finished and failed
+        else:
+            self._count_kept_instances()
+
+    def _count_kept_instances(self) -> None:
+        """Say once, as a warning, that more than KEPT_INSTANCES_WARN instances are kept
+        down, held or preempted: nothing forgets them until someone starts them (or their
+        template's annotation goes), and each is saved with every change of state. Counted
+        only past the bound's sum of every held and preempted unit, so cheap below it."""
+        core = self.scheduler
+        if len(core.held) + len(core.preempted) <= KEPT_INSTANCES_WARN:
+            self._kept_instances_said = False
+            return
+        if self._kept_instances_said:
+            return
+        kept = sum(1 for n in core.held | core.preempted.keys() if is_instance(n))
+        if kept > KEPT_INSTANCES_WARN:
+            self._kept_instances_said = True
+            log.warning(
+                "%d instances are kept held or preempted (more than %d): gpuslice forgets a "
+                "held one only once it is started again and has ended, a preempted one once it "
+                "is back; each is saved in the state file, which is refused whole past %d MiB",
+                kept,
+                KEPT_INSTANCES_WARN,
+                STATE_FILE_MAX >> 20,
+            )
 
     def _unfollowed_down(self, name: str) -> None:
         """A unit no longer followed is down: the tracker forgets it, as `_forget_instance`

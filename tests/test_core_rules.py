@@ -1143,9 +1143,14 @@ def test_a_reason_names_the_most_urgent_of_a_gpus_holders_and_the_first_among_eq
 
 
 def test_a_background_instance_seen_running_is_refilled_like_any_background_unit() -> None:
+    """Only learnt (a signal of it down), it is dormant: nobody started it, and its name is
+    one job, maybe one that finished and was forgotten. Seen running, someone did: ended
+    with no record of how, refill starts it again as any background unit."""
     s = Scheduler([Gpu(0)], {})
     s.learn(spec("worker@1", 90, BG))
-    assert brief(s.schedule()) == ["start worker@1.service"]
+    assert brief(s.schedule()) == []
+    assert brief(s.running("worker@1.service")) == []
+    assert brief(s.inactive("worker@1.service", Outcome.SHUTDOWN)) == ["start worker@1.service"]
 
 
 def test_a_start_announced_again_changes_nothing() -> None:
@@ -1672,8 +1677,8 @@ def test_units_no_longer_annotated_leave_no_time_out_behind() -> None:
 
 
 def test_an_instance_owed_something_or_refilled_is_not_forgotten() -> None:
-    """Waiting, holding, suspended, owed a comeback, or background (refill may start it
-    again, and how it ended keeps it from that): kept."""
+    """Waiting, holding, suspended, owed a comeback, or background and held (an admin's
+    stop, shown in status until someone starts it): kept."""
     s = Scheduler([Gpu(0)], {})
     urgent, late, back = spec("u@1", 10), spec("w@1", 50), spec("b@1", 90, BG)
     for unit in (spec("p@1", 60), back, urgent, late):
@@ -1687,7 +1692,7 @@ def test_an_instance_owed_something_or_refilled_is_not_forgotten() -> None:
     s.inactive("p@1.service", Outcome.STOPPED)
     assert not s.forget_instance("p@1.service")  # owed its comeback
     assert not s.forget_instance("u@1.service")  # running
-    s.inactive("b@1.service", Outcome.EXITED, by_itself=True)
+    s.inactive("b@1.service", Outcome.STOPPED)
     assert not s.forget_instance("b@1.service")
     assert {"p@1.service", "b@1.service"} <= s.annotated()
 

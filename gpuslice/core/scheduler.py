@@ -351,6 +351,12 @@ def _refillable(spec: UnitSpec) -> bool:
     return spec.kind is UnitKind.BACKGROUND and "@." not in spec.name
 
 
+def _instance(name: str) -> bool:
+    """An instance (`embed@a.service`): the core knows no template, and no plain unit's
+    name has an `@`."""
+    return "@" in name
+
+
 def _about(spec: UnitSpec, code: Code, **parts: Any) -> Decision:
     """A decision about the unit of this spec, with what it asks for."""
     return Decision(
@@ -388,6 +394,11 @@ class Scheduler:
         # the background units refill may start: kept apart so that a decision costs the
         # same at 10,000 annotated units as at 10 (refill runs after every event)
         self._background: dict[str, UnitSpec] = {}
+        # instances known with no start of them seen (learnt from a signal, listed at
+        # start-up, or learnt again once forgotten, `forget_instance`): refill starts no
+        # background one of them until someone starts it. An instance's name is one job:
+        # started by refill, a finished one, forgotten and learnt again, ran again
+        self.dormant: set[str] = set()
         self._set_specs(specs)
         self.holders: dict[str, Holder] = {}
         self.waiters: dict[str, Waiter] = {}
@@ -501,6 +512,7 @@ class Scheduler:
         """A new start: how the unit last ended no longer matters."""
         name = spec.name
         self.learn(spec)
+        self.dormant.discard(name)  # someone started it
         self.held.discard(name)
         self.finished.discard(name)
         self.failed.discard(name)
@@ -668,6 +680,7 @@ class Scheduler:
         spec = self.specs.get(name)
         if spec is None:
             return []
+        self.dormant.discard(name)  # someone started it
         holder = self.holders.get(name)
         told = frozenset(gpus or ())
         if holder is not None and holder.phase is Phase.STARTING and holder.gpus:
@@ -1706,6 +1719,7 @@ class Scheduler:
         and noted as started by us (saved: `start_lost`)."""
         self.holders[spec.name] = Holder(spec, gpus, Phase.STARTING, self._next())
         self.started.add(spec.name)
+        self.dormant.discard(spec.name)  # a comeback: someone started it before
 
     def _refill(self, promises: list[tuple[int, Use]]) -> list[Action]:
         actions: list[Action] = []
@@ -1721,6 +1735,7 @@ class Scheduler:
             and name not in self.finished
             and name not in self.failed
             and name not in self.suspended  # it runs (frozen): resumed, never started
+            and name not in self.dormant  # an instance nobody started since it was learnt
             and not self.start_retries.get(name)  # its last start failed: not yet again
         ]
         # Placing only takes capacity away, and a later unit is no more urgent (no fewer
@@ -1944,11 +1959,14 @@ class Scheduler:
         return Waiting(tuple(sorted(w.target)), tuple(sorted(w.victims)), w.decision)
 
     def learn(self, spec: UnitSpec) -> None:
-        """A unit seen for the first time (an instance of a managed template)."""
+        """A unit seen for the first time (an instance of a managed template): dormant until
+        a start of it is seen (`_forget_past`, `running`)."""
         if spec.name not in self.specs:
             self.specs[spec.name] = spec
             if _refillable(spec):
                 self._background[spec.name] = spec
+            if _instance(spec.name):
+                self.dormant.add(spec.name)
 
     def forget_instance(self, name: str) -> bool:
         """An instance that systemd shows down (`transcribe@REC.service`: a name per job)
@@ -1956,27 +1974,39 @@ class Scheduler:
         suspended or owed a comeback (preempted with `Requeue=no` is owed none). Kept, every
         instance ever started would stay in memory, be saved with each change of state and be
         watched, which beyond 200 units means every unit's signals (issue 10). Whether it was
-        forgotten. Never a background instance: refill may start it again, and how it ended
-        (held, finished, failed) keeps it from that; nor a unit that is not an instance (the
-        controller asks for instances only: a plain unit's annotation is its file's)."""
+        forgotten. A background instance likewise (finished, failed, ended with no record,
+        preempted with `Requeue=no`), but not one held: a hold is someone's wish, shown in
+        status until someone starts it. Learnt again (a signal, the next controller's start),
+        it is dormant: refill starts it only once someone has started it, so a finished job
+        never runs again. Never a unit that is not an instance (the controller asks for
+        instances only: a plain unit's annotation is its file's)."""
         spec = self.specs.get(name)
+        background = spec is not None and spec.kind is UnitKind.BACKGROUND and _instance(name)
         if (
             spec is None
-            or spec.kind is not UnitKind.ON_DEMAND
+            or (spec.kind is not UnitKind.ON_DEMAND and not background)
             or name in self.holders
             or name in self.waiters
             or name in self.suspended
             or (name in self.preempted and spec.requeue)
+            or (background and name in self.held)
         ):
             return False
         del self.specs[name]
+        self._background.pop(name, None)
+        self.dormant.discard(name)
         self.start_retries.pop(name, None)
         self._forget_end(name)
         return True
 
     def _set_specs(self, specs: Mapping[str, UnitSpec]) -> None:
+        was = self.specs
         self.specs = dict(specs)
         self._background = {n: s for n, s in self.specs.items() if _refillable(s)}
+        # an instance new to the core is dormant (`learn`); one known stays as it was
+        self.dormant = {
+            n for n in self.specs if n in self.dormant or (n not in was and _instance(n))
+        }
         # read for annotated units alone (refill's order): kept for others, an entry stayed
         # for every unit ever seen down (each instance's name, which may never come again)
         self.out_since = {n: s for n, s in self.out_since.items() if n in self.specs}
@@ -2119,6 +2149,7 @@ class Scheduler:
             spec = self.specs.get(name) or _kept_terms(name, saved)
             self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
         self.started = {n for n in saved.started if self.phase(n) is Phase.STARTING}
+        self.dormant -= self.holders.keys() | self.suspended.keys()  # someone started them
         self.thaw_owed = {n for n in saved.thaw_owed if self.phase(n) in _THAW_OWED_IN}
         self.preempted = dict(saved.preempted)
         self.held = set(saved.held)

@@ -1,0 +1,265 @@
+"""Instances of a background template (`embed@.service`, `Type=background`): one name per
+job (a timer's, a path unit's, an `Accept=yes` socket's connection). Each that ends owed
+nothing is forgotten, as an on-demand instance is: kept, every instance ever started stayed
+in memory, in the tracker, in the match rules and in the state file, which past 16 MiB is
+refused whole at the next start, preemptions with it. Forgotten, an instance learnt again
+(a signal: `systemctl status` loads it; the next controller's start lists it) is dormant:
+refill starts none until someone starts it, so a finished job never runs again."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sized
+from pathlib import Path
+
+import pytest
+
+from gpuslice import controller as controller_module
+from gpuslice.core.model import Gpu
+from gpuslice.core.scheduler import Outcome, SavedState, Scheduler
+from tests.core_builders import BG, brief, spec
+from tests.test_controller import Bed, at_gate, goes_down, run, run_instance, settle, state, until
+
+DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+EMBED = {"a.service": "Priority=50\n", "embed@.service": "Priority=90\nType=background\n"}
+
+# -- the core ---------------------------------------------------------------------------------
+
+
+def test_a_background_instance_only_learnt_is_not_refilled() -> None:
+    """Learnt from a signal of it down (or listed at start-up), nobody started it: its name
+    is one job, maybe one that finished and was forgotten."""
+    s = Scheduler([Gpu(0)], {})
+    s.learn(spec("embed@a", 90, BG))
+    assert brief(s.schedule()) == []
+    assert brief(s.set_specs({"embed@b.service": spec("embed@b", 90, BG)})) == []
+
+
+def test_a_finished_background_instance_is_forgotten_and_learnt_again_not_refilled() -> None:
+    s = Scheduler([Gpu(0)], {})
+    embed = spec("embed@a", 90, BG)
+    assert brief(s.request(embed)) == ["grant embed@a.service 0"]
+    s.inactive(embed.name, Outcome.EXITED)
+    assert s.finished == {embed.name}
+    assert s.forget_instance(embed.name)
+    assert (s.specs, s.finished, s.out_since, s.dormant) == ({}, set(), {}, set())
+    assert s.save().finished == []
+    s.learn(embed)  # `systemctl status embed@a` loads it again: a signal of it down
+    assert brief(s.schedule()) == []
+    assert brief(s.request(embed)) == ["grant embed@a.service 0"]  # someone starts it
+
+
+def test_a_failed_background_instance_is_forgotten_a_held_one_kept() -> None:
+    s = Scheduler([Gpu(0), Gpu(1)], {})
+    failed, held = spec("embed@f", 90, BG), spec("embed@h", 90, BG)
+    s.request(failed)
+    s.request(held)
+    s.inactive(failed.name, Outcome.FAILED)
+    s.inactive(held.name, Outcome.STOPPED)
+    assert s.forget_instance(failed.name)
+    assert not s.forget_instance(held.name)  # an admin's stop: shown held until started
+    assert s.snapshot().held == [held.name] and s.snapshot().failed == []
+
+
+def test_a_preempted_background_instance_comes_back_then_is_forgotten_once_done() -> None:
+    s = Scheduler([Gpu(0)], {})
+    embed, urgent = spec("embed@a", 90, BG), spec("urgent", 10)
+    s.request(embed)
+    assert brief(s.request(urgent)) == ["stop embed@a.service"]
+    s.inactive(embed.name, Outcome.STOPPED)
+    assert embed.name in s.preempted
+    assert not s.forget_instance(embed.name)  # owed its comeback
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == ["start embed@a.service"]
+    assert brief(s.request(embed)) == ["grant embed@a.service 0"]
+    s.inactive(embed.name, Outcome.EXITED)
+    assert s.forget_instance(embed.name)
+
+
+def test_a_preempted_background_instance_learnt_at_start_up_comes_back() -> None:
+    """A restarted controller learns it from its state file (dormant: nobody started it in
+    its time): its comeback is owed all the same."""
+    s = Scheduler([Gpu(0)], {})
+    s.set_specs({"embed@a.service": spec("embed@a", 90, BG)})
+    assert brief(s.load(SavedState(preempted={"embed@a.service": 1}, seq=1))) == []
+    assert brief(s.schedule()) == ["start embed@a.service"]
+    assert brief(s.request(spec("embed@a", 90, BG))) == ["grant embed@a.service 0"]
+    s.inactive("embed@a.service", Outcome.EXITED)
+    assert s.forget_instance("embed@a.service")
+
+
+def test_a_background_instance_a_restarted_controller_finds_running_is_not_dormant() -> None:
+    """Saved as a holder, it was started by someone: ended with no record of how (the
+    host going down), refill may start it like any background unit."""
+    s = Scheduler([Gpu(0)], {})
+    s.set_specs({"embed@a.service": spec("embed@a", 90, BG)})
+    s.load(SavedState(holders={"embed@a.service": ((0,), "running", 1, "")}, seq=1))
+    assert brief(s.inactive("embed@a.service", Outcome.SHUTDOWN)) == ["start embed@a.service"]
+
+
+# -- the controller ---------------------------------------------------------------------------
+
+
+def test_ten_thousand_background_instances_that_ended_leave_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    """A timer's or a socket's instances (`embed@N.service`), each started, finished and
+    unloaded by systemd: afterwards the controller knows, tracks, watches and saves what it
+    did before the first of them."""
+    bed = Bed(tmp_path, EMBED, [])
+    state_file = Path(bed.config.state_dir) / "state.json"
+
+    def saved() -> dict[str, object]:
+        return {**json.loads(state_file.read_text()), "seq": 0, "generation": 0}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"a.service"})
+        run_instance(ctl, "embed@first.service", 1)
+        await settle()
+        before = saved()
+        for i in range(10_000):
+            run_instance(ctl, f"embed@{i}.service", i + 2)
+            if i % 50 == 0:
+                await settle()
+        await settle()
+        core = ctl.scheduler
+        assert core.annotated() == {"a.service"}
+        assert (core.finished, core.out_since, core.dormant) == (set(), {}, set())
+        assert ctl.tracker.states == {}
+        assert ctl._instances == set()
+        for table in (core, ctl.tracker, ctl.gates, ctl.reads, ctl.answers, ctl.ladder, ctl):
+            grown = {
+                k: len(v)
+                for k, v in vars(table).items()
+                if isinstance(v, Sized) and not isinstance(v, str | bytes) and len(v) > 16
+            }
+            assert grown == {}, (type(table).__name__, grown)
+        assert saved() == before
+        assert state_file.stat().st_size < 4096
+        await until(lambda: bed.systemd.watched == {"a.service"})
+        assert not [c for c in bed.systemd.calls if c[0] == "start"]
+
+    run(test)
+
+
+def test_a_forgotten_finished_instance_seen_again_by_a_signal_is_not_started(
+    tmp_path: Path,
+) -> None:
+    """embed@a finished under this controller and was forgotten; `systemctl status
+    embed@a` loads it again, and its signal reaches the controller (beyond 200 units every
+    unit's does). Learnt as new, refill started it: a finished job ran again."""
+    bed = Bed(tmp_path, EMBED, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        run_instance(ctl, "embed@a.service", 1)
+        await settle()
+        assert ctl.scheduler.annotated() == {"a.service"}
+        ctl.on_unit_changed("embed@a.service", DOWN)
+        await settle()
+        assert ("start", "embed@a.service") not in bed.systemd.calls
+        assert ctl.scheduler.annotated() == {"a.service"}  # and forgotten again
+
+    run(test)
+
+
+def test_an_instance_finished_before_a_restart_seen_again_by_a_signal_is_not_started(
+    tmp_path: Path,
+) -> None:
+    """The last controller saved embed@a finished; systemd unloaded it since, so the next
+    start does not know it. A later signal of it (`systemctl status`) made it new: started
+    by refill."""
+    bed = Bed(tmp_path, EMBED, [], SavedState(finished=["embed@a.service"], seq=1))
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_unit_changed("embed@a.service", DOWN)
+        await settle()
+        assert ("start", "embed@a.service") not in bed.systemd.calls
+
+    run(test)
+
+
+@pytest.mark.parametrize("shown", ["failed", "inactive"])
+def test_an_instance_systemd_lists_down_at_start_up_is_not_started(
+    tmp_path: Path, shown: str
+) -> None:
+    """No record of how embed@a ended (forgotten by the last controller, or saved in the
+    boot before): listed down at start-up, it is forgotten, not started by refill."""
+    sub = "failed" if shown == "failed" else "dead"
+    bed = Bed(tmp_path, EMBED, [state("embed@a.service", shown, sub)])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ("start", "embed@a.service") not in bed.systemd.calls
+        assert ctl.scheduler.annotated() == {"a.service"}
+
+    run(test)
+
+
+def test_a_preempted_background_instance_is_brought_back_and_then_forgotten(
+    tmp_path: Path,
+) -> None:
+    bed = Bed(tmp_path, {**EMBED, "u.service": "Priority=10\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", "embed@1.service")
+        await settle()
+        ctl.on_unit_changed("embed@1.service", at_gate())
+        ctl.on_unit_changed("embed@1.service", {"ActiveState": "active", "SubState": "running"})
+        ctl.on_unit_changed("u.service", at_gate(bytes(16)))
+        await settle()
+        assert bed.systemd.calls[-1] == ("stop", "embed@1.service")
+        ctl.on_job_new(50, "/org/freedesktop/systemd1/job/50", "embed@1.service")  # our stop
+        ctl.on_unit_changed("embed@1.service", {"ActiveState": "deactivating", "SubState": "stop"})
+        ctl.on_unit_changed("embed@1.service", DOWN)
+        ctl.on_job_removed(50, "/org/freedesktop/systemd1/job/50", "embed@1.service", "done")
+        await settle()
+        assert "embed@1.service" in ctl.scheduler.preempted
+        ctl.on_unit_changed("embed@1.service", DOWN)  # a late signal: still kept
+        ctl.on_unit_changed("u.service", {"ActiveState": "active", "SubState": "running"})
+        goes_down(bed, "u.service")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "embed@1.service")
+        ctl.on_unit_changed("embed@1.service", at_gate(bytes(range(16))))
+        ctl.on_unit_changed("embed@1.service", {"ActiveState": "active", "SubState": "running"})
+        ctl.on_unit_changed("embed@1.service", DOWN)
+        await settle()
+        assert ctl.scheduler.annotated() == {"a.service", "u.service"}
+
+    run(test)
+
+
+def test_many_held_instances_are_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held instances are kept (an admin's stop), each saved: past the bound the journal
+    says how many, once."""
+    monkeypatch.setattr(controller_module, "KEPT_INSTANCES_WARN", 3)
+    bed = Bed(tmp_path, EMBED, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        with caplog.at_level(logging.WARNING, logger="gpuslice"):
+            for i in range(6):
+                name = f"embed@{i}.service"
+                ctl.on_job_new(i + 1, f"/org/freedesktop/systemd1/job/{i + 1}", name)
+                ctl.on_unit_changed(name, at_gate())
+                ctl.on_job_new(i + 100, f"/org/freedesktop/systemd1/job/{i + 100}", name)
+                ctl.on_unit_changed(name, {"ActiveState": "deactivating", "SubState": "stop"})
+                ctl.on_unit_changed(name, DOWN)
+                await settle()
+        assert len(ctl.scheduler.held) == 6
+        said = [r.getMessage() for r in caplog.records if "kept held or preempted" in r.message]
+        assert said == [said[0]] and said[0].startswith("4 instances are kept held")
+
+    run(test)
