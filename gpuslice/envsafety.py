@@ -1081,19 +1081,23 @@ class EnvFileChecker:
             st = self._lstat(here)
             if isinstance(st, _Unanswered):
                 return _no_answer(shown, st)
+            # whatever the lstat answered (its program may say ENOENT for its own root), and
+            # with the table polled again after it: a FUSE a user mounted between `_ask`'s
+            # read and the lstat showed its program's owner there, and the table read none
+            self._mounts.points()
+            if here in self._mounts.users:
+                return Refusal(
+                    f"{_subject(shown, here, via, not parts)} is a FUSE file system that UID "
+                    f"{self._mounts.users[here]} mounted, whose files show whatever owner "
+                    "its program likes",
+                    FIX_OWNERS,
+                )
             if isinstance(st, OSError):
                 if st.errno in (errno.ENOENT, errno.ENOTDIR):
                     # only root can make it (`current` is root's alone)
                     return _missing(here, parts)
                 return Refusal(
                     f"{shown} cannot be checked: {printable(here)}: {_strerror(st)}", FIX_PATH
-                )
-            if here in self._mounts.users:  # read by `_lstat`'s `_ask`, unless remembered
-                return Refusal(
-                    f"{_subject(shown, here, via, not parts)} is a FUSE file system that UID "
-                    f"{self._mounts.users[here]} mounted, whose files show whatever owner "
-                    "its program likes",
-                    FIX_OWNERS,
                 )
             if stat.S_ISLNK(st.st_mode):
                 # a symlink's own owner and mode change nothing: only who may write its

@@ -1655,6 +1655,71 @@ def test_a_fuse_file_system_a_user_mounted_is_no_root_directory(
     assert envsafety._user_mounts(mountinfo.read_bytes(), str(root)) == {"/srv/asr": ASR}
 
 
+def test_a_fuse_file_system_mounted_while_its_mount_point_is_looked_at_is_seen(
+    root: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table is polled again after each lstat: asr's sshfs mounted on /srv/asr between
+    the table's read (before the lstat) and the lstat showed its root's 0755, and the table
+    as read named no FUSE there: asr's file passed for root's."""
+    put(root, "/srv/asr/job.env")
+    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
+    mountinfo.write_bytes(b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
+    monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
+    flagged: list[bool] = []  # the kernel's flag on the table, raised at the mount
+    monkeypatch.setattr(
+        envsafety._MountTable, "changed", lambda self: bool(flagged and flagged.pop())
+    )
+    real_lstat = os.lstat
+
+    def lstat(path: str, *args: object, **kwargs: object) -> os.stat_result:
+        if os.fspath(path) == f"{root}/srv/asr" and not mountinfo.read_bytes().count(b"fuse"):
+            with mountinfo.open("ab") as f:  # asr's sshfs, mounted just before this lstat
+                f.write(
+                    f"60 22 0:60 / {root}/srv/asr rw - fuse.sshfs asr@h:/ "
+                    "rw,user_id=1000,group_id=1000,allow_other\n".encode()
+                )
+            flagged.append(True)
+        return real_lstat(path)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    refusal = EnvFileChecker(root).refusal("x.service", "/srv/asr/job.env")
+    assert refusal is not None
+    assert refusal.reason == (
+        "/srv/asr/job.env: its directory /srv/asr is a FUSE file system that UID 1000 "
+        "mounted, whose files show whatever owner its program likes"
+    )
+
+
+def test_a_fuse_file_system_of_a_user_that_says_its_root_is_not_there_is_refused(
+    root: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asr's FUSE program answers ENOENT (or ENOTDIR) for the lstat of its own root while
+    gpuslice looks: /srv/asr/job.env passed for a file not there that only root could make,
+    and the gate then read the job.env that program served."""
+    put(root, "/srv/asr/job.env")
+    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
+    mountinfo.write_bytes(
+        b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        + f"60 22 0:60 / {root}/srv/asr rw - fuse.asrfs asrfs "
+        "rw,user_id=1000,group_id=1000,allow_other\n".encode()
+    )
+    monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
+    real_lstat = os.lstat
+
+    def lstat(path: str, *args: object, **kwargs: object) -> os.stat_result:
+        if os.fspath(path) == f"{root}/srv/asr":
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        return real_lstat(path)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    refusal = EnvFileChecker(root).refusal("x.service", "/srv/asr/job.env")
+    assert refusal is not None
+    assert refusal.reason == (
+        "/srv/asr/job.env: its directory /srv/asr is a FUSE file system that UID 1000 "
+        "mounted, whose files show whatever owner its program likes"
+    )
+
+
 def test_the_fuse_mounts_of_users_in_the_mount_table() -> None:
     """Any FUSE type (fuse, fuse.PROGRAM, fuseblk) whose options name a user_id other than 0;
     other file systems, and lines the kernel would not write, are not."""
