@@ -230,7 +230,8 @@ class Controller:
             ready=lambda: self.ready,
         )
         self.tracker = Tracker(
-            self._followed, Ledger(self.scheduler.phase, self.scheduler.is_waiting)
+            self._followed,
+            Ledger(self.scheduler.phase, self.scheduler.is_waiting, self.scheduler.awaits_gate),
         )
         # reads that take in what signals did not say (a job that changed nothing, a lost
         # signal), each taken in as a signal would be
@@ -281,6 +282,11 @@ class Controller:
         self.boot_id = ""
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
+        # systemd's jobs announced or ended while start-up, subscribed, reads the unit files:
+        # taken in once they are read (which units are ours is not known before). Dropped,
+        # a `systemctl stop` announced then was never heard: its unit, down, was taken for
+        # ended by itself, finished, not held
+        self._unscanned: list[tuple[int, str, str, str | None]] | None = None
         # Acquire calls taken before start-up was done: (unit, sender, its signals then),
         # served once it is (on_acquire)
         self._early_acquires: list[tuple[str, str, int]] = []
@@ -345,12 +351,19 @@ class Controller:
         self.systemd.on_reloading = self.on_reloading
         self.systemd.on_systemd_restarted = self.on_systemd_restarted
         self.gates.reset()  # gates left waiting by an earlier controller ask over D-Bus
+        self._unscanned = []
         await self.systemd.subscribe()
         # the unit files, read once a daemon-reload's Reloading signal reaches us: one that
         # ended before is in this read, one that ends during or after it asks for a rescan
         # (on_reloading), and the starts start-up finds at their gate wait for that (_rebuild)
         self._rescan_again = False
         self.scan = await asyncio.to_thread(scan, self.root)
+        jobs, self._unscanned = self._unscanned, None
+        for job_id, path, unit, result in jobs:
+            if result is None:
+                self.on_job_new(job_id, path, unit)
+            else:
+                self.on_job_removed(job_id, path, unit, result)
         self.boot_id = await self.systemd.boot_id()
         self._record_boot()
         for problem in self.scan.problems:
@@ -765,6 +778,9 @@ class Controller:
         return self.spec_for(name) is not None or self._known(name)
 
     def on_job_new(self, job_id: int, path: str, unit: str) -> None:
+        if self._unscanned is not None:
+            self._unscanned.append((job_id, path, unit, None))
+            return
         self.tracker.job_new(path, unit)
         self._follow_shutdown()
         if not self.ready:
@@ -817,6 +833,9 @@ class Controller:
             self.execute(self.scheduler.announce(spec))
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
+        if self._unscanned is not None:
+            self._unscanned.append((job_id, path, unit, result))
+            return
         if self.tracker.job_removed(path, unit, result):
             self.reads.job_ended(unit)
         self._follow_shutdown()

@@ -142,10 +142,16 @@ class Ledger:
     """What the tracker needs to know of the scheduler's view of a unit."""
 
     def __init__(
-        self, phase: Callable[[str], Phase | None], waiting: Callable[[str], bool]
+        self,
+        phase: Callable[[str], Phase | None],
+        waiting: Callable[[str], bool],
+        away: Callable[[str], bool] = lambda _: False,
     ) -> None:
+        """`away`: a comeback of ours at its gate that the core neither holds nor queues
+        yet (Scheduler.requeued_away): its down is told all the same."""
         self.phase = phase
         self.waiting = waiting
+        self.away = away
 
 
 class Tracker:
@@ -319,7 +325,12 @@ class Tracker:
             not_ours = name in self._not_ours or self._theirs_first(name)
             self._by_itself.discard(name)  # said of this run only
             self._not_ours.discard(name)
-            if phase is None and not self.ledger.waiting(name) and not self.stopped_by_others(name):
+            if (
+                phase is None
+                and not self.ledger.waiting(name)
+                and not self.ledger.away(name)
+                and not self.stopped_by_others(name)
+            ):
                 return []
             self._went_down(name)
             if state.sub == "auto-restart":

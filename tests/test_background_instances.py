@@ -263,3 +263,55 @@ def test_many_held_instances_are_said_once(
         assert said == [said[0]] and said[0].startswith("4 instances are kept held")
 
     run(test)
+
+
+def test_a_background_instances_comeback_the_shutdown_cancelled_is_still_owed() -> None:
+    """Refill brings back a plain background unit anyway, never an instance: ended with no
+    record, it was forgotten at its down and, learnt again after the boot, dormant. Its work,
+    preempted by gpuslice, was lost without a word."""
+    s = Scheduler([Gpu(0)], {})
+    embed, urgent = spec("embed@a", 90, BG), spec("urgent", 10)
+    s.request(embed)
+    assert brief(s.request(urgent)) == ["stop embed@a.service"]
+    s.inactive(embed.name, Outcome.STOPPED)
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == ["start embed@a.service"]
+    s.set_shutting_down(True)
+    assert brief(s.inactive(embed.name, Outcome.SHUTDOWN)) == []
+    assert embed.name in s.preempted
+    assert not s.forget_instance(embed.name)
+    assert brief(s.set_shutting_down(False)) == ["start embed@a.service"]  # cancelled
+
+
+def test_a_background_instances_comeback_under_way_in_the_last_boot_is_owed() -> None:
+    """No controller saw the host go down: a background instance whose comeback gpuslice had
+    started (a place kept, or waiting at its gate) is preempted, as an on-demand unit's."""
+    s = Scheduler([Gpu(0)], {})
+    s.set_specs({f"embed@{i}.service": spec(f"embed@{i}", 90, BG) for i in "ab"})
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        "embed@a.service": ((0,), "starting", 5, "")
+    }
+    saved = SavedState(
+        holders=holders, seq=7, started=["embed@a.service"], requeued=["embed@b.service"]
+    )
+    ended = s.ended_with_boot(saved)
+    assert ended.preempted == {"embed@a.service": 5, "embed@b.service": 7}
+    s.load(ended)
+    assert brief(s.schedule()) == ["start embed@a.service"]
+
+
+def test_a_background_instances_comeback_that_did_not_reach_systemd_is_still_owed() -> None:
+    """Its StartUnit failed on the bus (`start_failed`): idle again, a plain background unit
+    is refilled anyway, never an instance once a controller restart learnt it again
+    (dormant), nor one forgotten at a signal of it down meanwhile."""
+    s = Scheduler([Gpu(0)], {})
+    embed, urgent = spec("embed@a", 90, BG), spec("urgent", 10)
+    s.request(embed)
+    assert brief(s.request(urgent)) == ["stop embed@a.service"]
+    s.inactive(embed.name, Outcome.STOPPED)
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == ["start embed@a.service"]
+    s.start_failed(embed.name, "the bus went away")
+    assert not s.forget_instance(embed.name)
+    fresh = Scheduler([Gpu(0)], {})
+    fresh.set_specs({embed.name: embed})  # listed, or remembered from the state file
+    fresh.load(s.save())
+    assert brief(fresh.schedule()) == ["start embed@a.service"]

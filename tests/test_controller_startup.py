@@ -503,6 +503,43 @@ def test_a_requeue_whose_wait_failed_while_no_controller_ran_is_still_owed(
     run(test)
 
 
+def test_a_requeue_whose_wait_fails_as_the_controller_starts_is_still_owed(
+    tmp_path: Path,
+) -> None:
+    """As above, but the controller starts while p.service's wait is ending (its gate killed
+    at its TimeoutStartSec=, not yet failed): neither down nor at its gate then, it fails
+    once the controller is ready. Nobody's holder or waiter, its down was ignored: its
+    comeback was lost, its start kept as ours for good."""
+    bed = Bed(
+        tmp_path,
+        {"p.service": "Priority=50\n", "urgent.service": "Priority=10\n"},
+        [
+            state("urgent.service", "active", "running"),
+            state("p.service", "deactivating", "stop-sigterm", 5, "start"),
+        ],
+        SavedState(
+            holders={"urgent.service": ((0,), "running", 2, "")},
+            requeued=["p.service"],
+            seq=2,
+        ),
+        config=bed_config(tmp_path, requeue_at_gate=True),
+    )
+
+    async def test() -> None:
+        await bed.controller.start()
+        await settle()
+        bed.systemd.units["p.service"] = state("p.service", "failed", "failed")
+        failed = {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")}
+        bed.controller.on_unit_changed("p.service", failed)
+        await settle()
+        core = bed.controller.scheduler
+        assert [p[0] for p in core.snapshot().preempted] == ["p.service"]
+        assert (core.requeued, core.started) == (set(), set())
+        assert ("start", "p.service") not in bed.systemd.calls  # not to its gate again
+
+    run(test)
+
+
 # ---- the rebuild after a restart: what it finds is said once, what is under way stays ----
 
 
@@ -1787,3 +1824,46 @@ def test_a_resumed_unit_without_an_env_file_gets_none_written(
 
     run(test)
     assert not env_file(bed.config.runtime_dir, "vlm.service").exists()
+
+
+def test_a_stop_announced_while_start_up_reads_the_unit_files_is_heard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone stops r.service (`systemctl stop`) while the controller, subscribed, reads
+    the unit files: its JobNew came when no unit was annotated yet (the files are read once
+    subscribed), and was not noted. r.service then left running by a job never announced:
+    taken for ended by itself, finished, not held as a stop by hand is."""
+    job = "/org/freedesktop/systemd1/job/7"
+    bed = Bed(
+        tmp_path,
+        {"r.service": "Priority=50\n"},
+        [state("r.service", "active", "running", 7, "stop")],
+        SavedState(holders={"r.service": ((0,), "running", 1, "")}, seq=1),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        loop = asyncio.get_running_loop()
+        announced = asyncio.Event()
+
+        def reading(root: str) -> Scan:
+            loop.call_soon_threadsafe(ctl.on_job_new, 7, job, "r.service")
+            loop.call_soon_threadsafe(announced.set)
+            time.sleep(0.05)
+            return scan(root)
+
+        monkeypatch.setattr(controller_module, "scan", reading)
+        await ctl.start()
+        assert announced.is_set()
+        ctl.on_unit_changed(
+            "r.service",
+            {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (7, job)},
+        )
+        bed.systemd.units["r.service"] = state("r.service", "inactive", "dead")
+        ctl.on_unit_changed("r.service", DOWN)
+        ctl.on_job_removed(7, job, "r.service", "done")
+        await settle()
+        snap = ctl.scheduler.snapshot()
+        assert (snap.held, snap.finished) == (["r.service"], [])
+
+    run(test)

@@ -1767,3 +1767,27 @@ def test_a_lost_start_sent_again_whose_annotation_goes_before_its_gate_asks_is_w
     withdrawn = again.set_specs({})
     assert [a for a in withdrawn if isinstance(a, Stop)] != []
     assert again.phase(V) is Phase.STOPPING
+
+
+def test_a_requeue_at_its_gate_unheard_since_a_restart_is_withdrawn_with_its_annotation() -> None:
+    """A restarted controller knows the comeback the last one sent to wait at its gate by
+    its requeue alone (a waiter is not saved) until its gate asks again. Its annotation
+    taken out meanwhile (a daemon-reload during start-up, whose rescan the gates found
+    then wait for), it is stopped as a holder or waiter of ours is: let through, gpuslice's
+    own start ran ungated beside the unit it was preempted for."""
+    low, urgent = spec("low", 60), spec("urgent", 10)
+    first = Scheduler([sized(0)], {low.name: low, urgent.name: urgent}, requeue_at_gate=True)
+    first.request(low)
+    assert brief(first.request(urgent)) == ["stop low.service"]
+    assert brief(first.inactive(low.name, Outcome.STOPPED)) == [
+        "grant urgent.service 0",
+        "start low.service",
+    ]
+    assert brief(first.request(low)) == []  # it waits for urgent at its gate
+    fresh = Scheduler([sized(0)], {low.name: low, urgent.name: urgent}, requeue_at_gate=True)
+    fresh.load(first.save())
+    assert fresh.requeued_away() == [low.name]
+    assert brief(fresh.set_specs({urgent.name: urgent})) == ["stop low.service"]
+    assert fresh.phase(low.name) is Phase.STOPPING  # its gate, should it ask, is stopped
+    fresh.inactive(low.name, Outcome.STOPPED)
+    assert (fresh.requeued, fresh.started, fresh.recorded()) == (set(), set(), frozenset())

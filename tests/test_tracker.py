@@ -39,11 +39,14 @@ class Model:
     def __init__(self) -> None:
         self.phases: dict[str, Phase] = {}
         self.waiters: set[str] = set()
+        self.away: set[str] = set()  # comebacks at their gate the core has not heard yet
 
     def tracker(self, managed: frozenset[str] = frozenset({A})) -> Tracker:
         return Tracker(
             lambda n: n in managed,
-            Ledger(lambda n: self.phases.get(n), lambda n: n in self.waiters),
+            Ledger(
+                lambda n: self.phases.get(n), lambda n: n in self.waiters, lambda n: n in self.away
+            ),
         )
 
 
@@ -1192,3 +1195,17 @@ def test_an_outcome_read_as_stopped_gives_way_to_failed_and_shutdown() -> None:
     assert tracker.outcome(UnitState(A, "failed", "failed", 0), stopped=True) is Outcome.FAILED
     tracker.shutting_down = True
     assert tracker.outcome(down, stopped=True) is Outcome.SHUTDOWN
+
+
+def test_the_down_of_a_comeback_away_at_its_gate_is_told() -> None:
+    """After a controller restart, a comeback of ours waiting at its gate is neither held nor
+    waiting until its gate asks again (Scheduler.requeued_away). Its wait failing then was
+    taken for the down of a unit nobody knows, and its comeback was lost."""
+    model = Model()
+    model.away.add(A)
+    tracker = model.tracker()
+    tracker.unit_changed(A, props("deactivating", "stop-sigterm", 5))
+    assert tracker.unit_changed(A, props("failed", "failed")) == [WentDown(A, Outcome.FAILED)]
+    model.away.clear()  # any other unit nobody holds or waits for: its down says nothing
+    tracker.unit_changed(A, props("activating", "start-pre", 6))
+    assert tracker.unit_changed(A, props("failed", "failed")) == []

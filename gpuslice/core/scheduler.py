@@ -357,6 +357,14 @@ def _instance(name: str) -> bool:
     return "@" in name
 
 
+def _owed_its_start(spec: UnitSpec) -> bool:
+    """Whether a start of ours of this unit that did not happen (the host's end cut it
+    short, or it did not reach systemd) is owed: refill starts a plain background unit
+    anyway, never an instance, which is forgotten at its down and, learnt again, dormant
+    (`Scheduler.dormant`)."""
+    return spec.kind is UnitKind.ON_DEMAND or _instance(spec.name)
+
+
 def _about(spec: UnitSpec, code: Code, **parts: Any) -> Decision:
     """A decision about the unit of this spec, with what it asks for."""
     return Decision(
@@ -582,7 +590,7 @@ class Scheduler:
         owed = (
             suspended
             or (holder is not None and holder.phase in _PREEMPTED_PHASES)
-            or (ours and name in self.specs and self.specs[name].kind is UnitKind.ON_DEMAND)
+            or (ours and name in self.specs and _owed_its_start(self.specs[name]))
         )
         if outcome is Outcome.FAILED and self.shutting_down and owed and not by_itself:
             # the shutdown's SIGTERM ended it and its main process exited non-zero (143, or 1
@@ -756,8 +764,9 @@ class Scheduler:
         reach systemd: an error of the bus, or of a systemd that is re-executing (`why`),
         not a refusal (those are `inactive` FAILED). Taken for failed, a preempted unit was
         never brought back: its work was lost without a word. It is owed as before the
-        start, its GPUs released: a unit refill may start is idle again (refill or a
-        requeue brings it back), any other is preempted again (only a requeue started it).
+        start, its GPUs released: a plain background unit is idle again (refill or a
+        requeue brings it back), any other is preempted again (only a requeue started it;
+        an instance, refilled, would be forgotten at its down or dormant once learnt again).
         Nothing starts it until the adapter's delay is over (`retry_start`): at once, the
         same failure would be sent again in a tight loop while the bus fails. [] when the
         start is no longer ours and unanswered: its gate asked (it reached systemd after
@@ -777,7 +786,7 @@ class Scheduler:
             return []
         self.started.discard(name)
         self.requeued.discard(name)
-        if name in self.specs and not _refillable(self.specs[name]):
+        if name in self.specs and _owed_its_start(self.specs[name]):
             self.preempted[name] = self._next()
         said = name in self.start_retries
         self.start_retries[name] = True
@@ -1082,10 +1091,13 @@ class Scheduler:
                 actions.append(self._withdraw_start(name))
             else:
                 actions.append(self._forget_start(name))
+        for name in self.requeued_away():  # its gate has not asked this controller yet
+            if name not in self.specs and name in was:
+                actions.append(self._withdraw_start(name, was[name]))
         actions += self._forget_unannotated(was)
         return actions + self.schedule()
 
-    def _withdraw_start(self, name: str) -> Stop:
+    def _withdraw_start(self, name: str, spec: UnitSpec | None = None) -> Stop:
         """A start gpuslice sent itself (a refill, a requeue) of a unit whose annotation went
         before its gate was answered is stopped: gpuslice starts no unannotated unit. Let
         through instead, it would run, ungated, on the GPUs kept for it, and those would be
@@ -1093,9 +1105,13 @@ class Scheduler:
         both started by gpuslice. It keeps what was kept for it (one waiting, nothing) until
         it is down, as a holder being stopped (so that its gate, should it ask, is stopped
         again), then is forgotten (`inactive`, which also drops it from `started` and
-        `requeued`: neither is read of a unit that is not STARTING)."""
+        `requeued`: neither is read of a unit that is not STARTING). `spec`: its terms
+        before, for a requeue at its gate that neither holds nor waits (`requeued_away`)."""
         holder = self.holders.get(name)
-        if holder is None:
+        if holder is None and spec is not None and name not in self.waiters:
+            holder = Holder(spec, frozenset(), Phase.STARTING, self._next())
+            self.holders[name] = holder
+        elif holder is None:
             waiter = self.waiters.pop(name)
             holder = Holder(waiter.spec, frozenset(), Phase.STARTING, waiter.seq)
             self.holders[name] = holder
@@ -1945,7 +1961,12 @@ class Scheduler:
         """Comebacks that wait at their gate with no place kept (their gate asked), not yet
         waiting here: after a controller restart, until their gate asks again. One that
         went down meanwhile is told with `inactive`."""
-        return sorted(n for n in self.requeued if n not in self.holders and n not in self.waiters)
+        return sorted(n for n in self.requeued if self.awaits_gate(n))
+
+    def awaits_gate(self, name: str) -> bool:
+        """One of `requeued_away`: its down, when it comes, is owed `inactive` (its wait
+        failed: preempted still), though nobody holds or waits under its name."""
+        return name in self.requeued and name not in self.holders and name not in self.waiters
 
     def is_waiting(self, name: str) -> bool:
         return name in self.waiters
@@ -2168,14 +2189,15 @@ class Scheduler:
     def ended_with_boot(self, saved: SavedState) -> SavedState:
         """A state saved in an earlier boot, as `load` takes it: nothing it granted runs now,
         so its holders go. One preempted while it ran (being stopped, frozen, being suspended
-        or resumed), or an on-demand unit whose comeback gpuslice had started (refill starts
-        a background unit anyway; one waiting at its gate is no holder, known by its requeue),
-        lost its work with that boot as a suspended unit does (`forget_boot`): it counts as
-        preempted. Dropped with the holders, it was never started again."""
+        or resumed), or an on-demand unit or instance whose comeback gpuslice had started
+        (refill starts a plain background unit anyway; one waiting at its gate is no holder,
+        known by its requeue), lost its work with that boot as a suspended unit does
+        (`forget_boot`): it counts as preempted. Dropped with the holders, it was never
+        started again."""
         owed: dict[str, int] = {
             name: saved.seq
             for name in saved.requeued
-            if name in self.specs and self.specs[name].kind is UnitKind.ON_DEMAND
+            if name in self.specs and _owed_its_start(self.specs[name])
         }
         for name, (_, phase, seq, *_) in saved.holders.items():
             spec = self.specs.get(name)
@@ -2183,7 +2205,7 @@ class Scheduler:
                 continue  # one no longer annotated is owed nothing
             comeback = Phase(phase) is Phase.STARTING and name in saved.started
             if (
-                (comeback and spec.kind is UnitKind.ON_DEMAND)
+                (comeback and _owed_its_start(spec))
                 or Phase(phase) in _PREEMPTED_PHASES
                 or Phase(phase) is Phase.STOPPING
             ):
