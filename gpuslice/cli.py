@@ -173,8 +173,8 @@ def release_jobs(config_path: str) -> None:
     processes are gone, and a unit of that name now is another. When this boot cannot be
     told (no record, systemd not reachable on the bus), no unit is touched: each is
     named. The controller's bus name is held meanwhile (`_controllers_name`): a controller
-    started then is refused it and exits before it reads the state; one that holds it
-    already keeps its units."""
+    started then waits for it before it reads the state; one that holds it already keeps
+    its units."""
     _release_jobs(config_path)
 
 
@@ -204,10 +204,12 @@ def _controllers_name(address: str | None) -> Iterator[str]:
     while it thaws, resumes and saves: every controller claims that name before it reads or
     writes anything (Controller.start), so it is the lock both honour. A controller started
     meanwhile (`systemctl start gpuslice` beside a `gpuslice release-jobs` run by hand, a
-    Restart= with no removal drop-in to skip it) is refused it and exits having loaded
-    nothing (Restart= tries it again); before, it loaded the state as it was before
-    release-jobs saved, took a unit release-jobs was resuming for suspended still, and
-    granted that unit's GPU to another (two jobs on one GPU). Yields "" while held, or why
+    Restart= with no removal drop-in to skip it) is refused it, and waits, having loaded
+    nothing, until it is let go (SchedulerService.claim_name, told by the RELEASING every
+    call to the controller's object is answered with meanwhile, `answer_releasing`);
+    before, it loaded the state as it was before release-jobs saved, took a unit
+    release-jobs was resuming for suspended still, and granted that unit's GPU to another
+    (two jobs on one GPU). Yields "" while held, or why
     not: the name is owned (a controller started after release-jobs' look at
     gpuslice.service). Nothing is held, and "" yielded, when no bus takes the connection or
     the claim (no bus: no controller can claim it either; not allowed: a bus without
@@ -216,7 +218,7 @@ def _controllers_name(address: str | None) -> Iterator[str]:
     waiting until release-jobs ends."""
     from dbus_next.constants import NameFlag, RequestNameReply
 
-    from gpuslice.service import BUS_NAME
+    from gpuslice.service import BUS_NAME, answer_releasing
     from gpuslice.systemd import close_bus, open_bus
 
     loop = asyncio.new_event_loop()
@@ -232,6 +234,7 @@ def _controllers_name(address: str | None) -> Iterator[str]:
         except Exception:  # no bus socket, refused, silent: no controller claims it either
             return ""
         held.append(bus)
+        bus.add_message_handler(answer_releasing)  # before a call can reach it by the name
         try:
             reply = await asyncio.wait_for(
                 bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE), BUS_TIMEOUT

@@ -87,7 +87,14 @@ from gpuslice.paths import (
     gate_pipe_dir,
 )
 from gpuslice.rereads import Rereads
-from gpuslice.service import ACCESS_DENIED, NameTaken, NotManaged, SchedulerService, Starting
+from gpuslice.service import (
+    ACCESS_DENIED,
+    BUS_NAME,
+    NameTaken,
+    NotManaged,
+    SchedulerService,
+    Starting,
+)
 from gpuslice.state import STATE_FILE_MAX, Flusher, StateStore, record_boot, same_boot
 from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient, job_path
 from gpuslice.tracker import (
@@ -156,6 +163,10 @@ RUNTIME_RECORD = Path(RUNTIME_DIR_RECORD)
 STATE_RECORD = Path(STATE_DIR_RECORD)
 # Where the controller records this boot as it tells it (paths.BOOT_RECORD)
 THIS_BOOT_RECORD = Path(BOOT_RECORD)
+# While `gpuslice release-jobs` holds our name, each try of it extends systemd's start timeout
+# by this (EXTEND_TIMEOUT_USEC=): systemd's default TimeoutStartSec=, so that the rest of the
+# start-up, once the name is ours, has as long as a start that waited for nothing.
+START_EXTENSION = 90.0
 # Phases only a unit that passed its gate (and has not gone down since) can be in: one that
 # systemd shows at its gate again ran and ended while the controller was away.
 _RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
@@ -332,6 +343,8 @@ class Controller:
         self._status_due = False  # a STATUS= update is scheduled
         self._reload_due = False  # a config reload is queued, or waits for the file to settle
         self._settling: Settling | None = None  # the waits of the reload under way
+        self._release_wait_said = ""  # _await_release_jobs' words, logged once
+        self.name_claimed = False  # the bus name is ours: start() reads and writes from then on
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -341,8 +354,10 @@ class Controller:
         # by hand beside gpuslice.service) is refused it (NameTaken) and ends here. Claimed
         # later, it had by then recorded its runtime_dir and boot, moved or rewritten the
         # running controller's state file, and removed its gate pipes. Gates that ask
-        # meanwhile wait for the state to be loaded (on_acquire).
-        await self.service.claim_name()
+        # meanwhile wait for the state to be loaded (on_acquire). Held by `gpuslice
+        # release-jobs`, it is waited for (_await_release_jobs), no longer than RELEASE_WAIT.
+        await self.service.claim_name(self._await_release_jobs)
+        self.name_claimed = True
         if self.runtime_record is not None:  # before any gate is answered
             _record_runtime_dir(self.runtime_record, self.config.runtime_dir, self.config_path)
         self.systemd.on_unit_changed = self.on_unit_changed
@@ -420,6 +435,17 @@ class Controller:
         log.info("gpuslice ready: %s", self.status_line())
         self._rewatch()
         self.reads.start_audits()
+
+    def _await_release_jobs(self, pid: int) -> None:
+        """Said at each try while `gpuslice release-jobs` (PID `pid`) holds our name: systemd
+        is told the start goes on (EXTEND_TIMEOUT_USEC=), or Type=notify's TimeoutStartSec=
+        (90 s by default) killed the wait, which may last RELEASE_WAIT s, and why (STATUS=)."""
+        words = f"waiting for gpuslice release-jobs (PID {pid}) to finish"
+        if words != self._release_wait_said:
+            self._release_wait_said = words
+            log.info("%s: %s is held by it until then", words, BUS_NAME)
+        self.notifier.send(f"EXTEND_TIMEOUT_USEC={round(START_EXTENSION * 1e6)}")
+        self.notifier.status(words)
 
     def _sweep_env_files(self, units: Sequence[UnitState]) -> None:
         """Remove the env files of units that ended while no controller ran (a crash, a
@@ -2261,8 +2287,21 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     controller.runtime_record = RUNTIME_RECORD
     controller.state_record = STATE_RECORD
     controller.boot_record = THIS_BOOT_RECORD
+    starting = loop.create_task(controller.start())
+    await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done() and not controller.name_claimed:
+        # stopped while it waits for `gpuslice release-jobs` to let go of the bus name, which
+        # may take RELEASE_WAIT: nothing is read or written yet. Left to wait, a `systemctl
+        # stop` (apt remove's prerm among them) waited for it until TimeoutStopSec= killed it.
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, NameTaken):
+            await starting
+        log.info(
+            "stopped while waiting for its bus name; this controller exits, having changed nothing"
+        )
+        return 0
     try:
-        await controller.start()
+        await starting
     except NameTaken as e:  # claimed before anything was written: nothing to undo
         log.error("%s; this controller exits, having changed nothing", e)
         return 1

@@ -55,6 +55,22 @@ NOT_MANAGED = "org.gpuslice.Error.NotManaged"
 STARTING = "org.gpuslice.Error.Starting"
 # An Acquire answered without a grant, for its gate to ask again (any error does: it retries)
 START_ENDED = "org.gpuslice.Error.StartEnded"
+# What `gpuslice release-jobs` answers every call to our object with while it holds our name
+# (cli._controllers_name, `answer_releasing`): a controller that finds the name held waits for
+# it only when its owner says this. Only root may own the name (the bus policy), and the bus
+# daemon routes a call to its owner alone and lets no one else answer it: no other user's
+# process can say it in its place.
+RELEASING = "org.gpuslice.Error.Releasing"
+# How long a controller waits for release-jobs to let go of our name: its RELEASE_DEADLINE
+# (cli.py, 120 s, after which it starts no resume) and a margin for the resume under way and
+# its save. Past it the controller exits 1 and Restart= starts it again, to wait once more.
+RELEASE_WAIT = 150.0
+# How often the name is asked for again meanwhile.
+CLAIM_RETRY = 0.5
+# How long the bus daemon and the name's owner are given to say who holds the name: one that
+# does not say in time is taken for a controller (refused at once, as before).
+OWNER_TIMEOUT = 5.0
+BUS_DAEMON = "org.freedesktop.DBus"
 # One start job runs one gate; a few more calls per unit can only be a gate that retried
 # while an earlier call of it was still on its way. More than this is not a gate.
 MAX_PENDING_PER_UNIT = 8
@@ -94,6 +110,22 @@ class NotManaged(LookupError):
     """The unit named has no annotation in force (`Plan`): its words say so."""
 
 
+def answer_releasing(msg: Message) -> Message | bool:
+    """release-jobs' answer to every call to our object while it holds our name
+    (cli._controllers_name): RELEASING. A gate asks again, as it does of any error; a
+    controller starting meanwhile waits for the name (SchedulerService.claim_name)."""
+    if msg.message_type != MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
+        return False
+    if msg.flags & MessageFlag.NO_REPLY_EXPECTED:
+        return True
+    return Message.new_error(
+        msg,
+        RELEASING,
+        "`gpuslice release-jobs` releases the units of a stopped controller: ask again once "
+        "it ends",
+    )
+
+
 def _unit_arg(msg: Message) -> str | None:
     """The one unit name a call carries, if it is one."""
     unit = msg.body[0] if msg.signature == "s" else None
@@ -131,17 +163,76 @@ class SchedulerService:
         self._asking: set[asyncio.Task[None]] = set()  # Status calls: MAX_STATUS_ASKING
         bus.add_message_handler(self._handle)
 
-    async def claim_name(self) -> None:
+    async def claim_name(self, waiting: Callable[[int], None] = lambda pid: None) -> None:
+        """Own BUS_NAME, or NameTaken. Held by `gpuslice release-jobs` (its owner answers
+        RELEASING), it is asked for again every CLAIM_RETRY s, `waiting` told release-jobs'
+        PID each time, for up to RELEASE_WAIT s: refused, the controller exited 1, and under
+        systemd Restart= tried again every second or two, reached the start limit (5 in
+        10 s) and left gpuslice.service failed, every gated start waiting, until someone ran
+        `systemctl reset-failed`. Held by anyone else (a second controller), refused at once."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + RELEASE_WAIT
+        while True:
+            try:
+                reply = await self.bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
+            except DBusError as e:  # AccessDenied: not root
+                raise NameTaken(f"cannot own {BUS_NAME}: {printable(e.text, 300)}") from None
+            if reply in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
+                return
+            pid = await self._release_jobs_pid()
+            if pid is None:
+                raise NameTaken(
+                    f"{BUS_NAME} is owned by another process ({reply.name}): another gpuslice "
+                    "controller runs (systemctl status gpuslice), or `gpuslice release-jobs` "
+                    "releases the units of a stopped one (apt remove)"
+                )
+            if loop.time() >= give_up:
+                held_by = f"`gpuslice release-jobs` (PID {pid})" if pid else "its owner"
+                raise NameTaken(f"{BUS_NAME} is still held by {held_by} after {RELEASE_WAIT:g} s")
+            if pid:
+                waiting(pid)
+            await asyncio.sleep(CLAIM_RETRY)
+
+    async def _release_jobs_pid(self) -> int | None:
+        """The PID of the `gpuslice release-jobs` that holds BUS_NAME now (its owner answers
+        RELEASING, `answer_releasing`); 0 when no one holds it any longer; None when another
+        does (a controller, which answers otherwise, or an owner that says nothing)."""
         try:
-            reply = await self.bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
-        except DBusError as e:  # AccessDenied: not root
-            raise NameTaken(f"cannot own {BUS_NAME}: {printable(e.text, 300)}") from None
-        if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
-            raise NameTaken(
-                f"{BUS_NAME} is owned by another process ({reply.name}): another gpuslice "
-                "controller runs (systemctl status gpuslice), or `gpuslice release-jobs` "
-                "releases the units of a stopped one (apt remove)"
+            return await asyncio.wait_for(self._ask_owner(), OWNER_TIMEOUT)
+        except Exception:  # silent, an answer not of the bus's, the bus lost: refused as before
+            return None
+
+    async def _ask_owner(self) -> int | None:
+        owner = await self._ask(BUS_DAEMON, "GetNameOwner", BUS_NAME)
+        if owner.message_type is MessageType.ERROR:  # NameHasNoOwner: let go since
+            return 0
+        [unique] = owner.body
+        said = await self._ask(unique, "Status")
+        if said.error_name != RELEASING or said.sender != unique:  # a controller, its status
+            return None
+        pid = await self._ask(BUS_DAEMON, "GetConnectionUnixProcessID", unique)
+        if pid.message_type is MessageType.ERROR:  # gone since it answered: let go
+            return 0
+        [found] = pid.body
+        return found if isinstance(found, int) and found > 0 else None
+
+    async def _ask(self, destination: str, member: str, *name: str) -> Message:
+        """The reply to a call of the bus daemon's (`member` of `name`), or of our interface
+        on `destination` (no argument)."""
+        daemon = destination == BUS_DAEMON
+        reply = await self.bus.call(
+            Message(
+                destination=destination,
+                path="/org/freedesktop/DBus" if daemon else OBJECT_PATH,
+                interface=BUS_DAEMON if daemon else INTERFACE,
+                member=member,
+                signature="s" * len(name),
+                body=list(name),
             )
+        )
+        if reply is None:  # none comes back only for a call that asks for none
+            raise ValueError(f"no reply to {member}")
+        return reply
 
     def grant(self, unit: str, gpus: str) -> int:
         """Answer every gate call of this unit: its start job continues. How many there were."""

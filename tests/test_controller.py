@@ -209,7 +209,7 @@ class FakeService:
         self.refused: list[tuple[str, str, str, str]] = []
         self.sent_back: list[str] = []  # units whose calls were answered "ask again"
 
-    async def claim_name(self) -> None:
+    async def claim_name(self, waiting: Callable[[int], None] = lambda pid: None) -> None:
         pass
 
     def call(self, unit: str, sender: str) -> None:
@@ -3716,7 +3716,7 @@ def test_a_sighup_during_start_up_is_a_reload_once_start_up_is_done(
     claiming = asyncio.Event()
     claimed = asyncio.Event()
 
-    async def claim_name() -> None:
+    async def claim_name(waiting: Callable[[int], None] = lambda pid: None) -> None:
         claiming.set()
         await claimed.wait()
 

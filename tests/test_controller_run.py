@@ -5,6 +5,8 @@ containers of tests/integration start it) and none of these rules: a SIGHUP befo
 is done is a reload once it is, never the end of the process; a bad config exits 78 saying
 why; READY=1, then WATCHDOG=1 at half WatchdogSec, then on SIGTERM or SIGINT STOPPING=1 and
 exit 0; a lost system bus is said and exits 1 so that Restart= brings the controller back;
+a bus name held by `gpuslice release-jobs` is waited for (EXTEND_TIMEOUT_USEC=, STATUS=), no
+longer than RELEASE_WAIT, and a stop meanwhile ends it at once;
 the log is in journald's `<N>` form under systemd and plain otherwise, at `log_level`,
 whatever logging was set up before; each decision's journal entry carries its sentence, its
 level and, for a grant, how long the unit waited; an annotation problem is logged at its
@@ -38,10 +40,12 @@ from signal import SIGHUP, SIGINT, SIGTERM
 from typing import Any, cast
 
 import pytest
+from dbus_next import Message
 from dbus_next.constants import NameFlag, RequestNameReply
 
 from gpuslice import __version__, stopjournal
 from gpuslice import controller as controller_module
+from gpuslice import service as service_module
 from gpuslice.annotations import scan
 from gpuslice.config import ConfigError, load_config_with_warnings
 from gpuslice.controller import Controller, JournalFormatter
@@ -50,7 +54,7 @@ from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
 from gpuslice.ladder import Suspension
 from gpuslice.paths import env_file, gate_pipe_dir
-from gpuslice.service import NotManaged, SchedulerService
+from gpuslice.service import RELEASING, NotManaged, SchedulerService
 from gpuslice.state import StateStore, read_recorded_boot
 from gpuslice.systemd import Systemd
 from gpuslice.tracker import UnitState
@@ -369,13 +373,36 @@ def test_the_daemon_records_this_boot_for_release_jobs(
 
 
 class NameOwned:
-    """The system bus where another controller owns org.gpuslice.Scheduler1."""
+    """The system bus where another process owns org.gpuslice.Scheduler1 (":1.7", PID 4242):
+    another controller, which answers Status; or, `releasing`, `gpuslice release-jobs`,
+    which answers RELEASING and lets go of the name after `held_for` claims."""
+
+    def __init__(self, releasing: bool = False, held_for: int | None = None) -> None:
+        self.releasing = releasing
+        self.held_for = held_for
+        self.claims = 0
 
     def add_message_handler(self, handler: object) -> None:
         pass
 
     async def request_name(self, name: str, flags: NameFlag) -> RequestNameReply:
+        self.claims += 1
+        if self.held_for is not None and self.claims > self.held_for:
+            return RequestNameReply.PRIMARY_OWNER
         return RequestNameReply.EXISTS
+
+    async def call(self, msg: Message) -> Message:
+        msg.serial = 1  # as the bus connection numbers what it sends
+        if msg.member == "GetNameOwner":
+            return Message.new_method_return(msg, "s", [":1.7"])
+        if msg.member == "GetConnectionUnixProcessID":
+            return Message.new_method_return(msg, "u", [4242])
+        if self.releasing:
+            reply = Message.new_error(msg, RELEASING, "ask again once it ends")
+        else:
+            reply = Message.new_method_return(msg, "s", ["{}"])
+        reply.sender = ":1.7"
+        return reply
 
 
 def tree(*roots: Path) -> dict[str, tuple[int, int, bytes | None]]:
@@ -437,6 +464,95 @@ def test_a_second_controller_is_refused_the_bus_name_and_has_changed_nothing(
     ]
     assert host.systemd.calls == []  # nor asked systemd for its signals
     assert not host.heard()  # nor told systemd it is ready
+
+
+def test_a_controller_that_finds_release_jobs_holding_its_name_waits_then_starts(
+    host: Host, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`systemctl start gpuslice` while a `gpuslice release-jobs` run by hand holds the bus
+    name: the controller asks for it again every CLAIM_RETRY s, each time telling systemd
+    its start goes on (EXTEND_TIMEOUT_USEC=, or TimeoutStartSec= killed it) and, once, why
+    (STATUS=, and the journal); once release-jobs lets go, it starts up as any other.
+    Before, it exited 1 at once, Restart= retried it into the start limit, and
+    gpuslice.service stayed failed after release-jobs ended, every gated start waiting."""
+    monkeypatch.setattr(service_module, "CLAIM_RETRY", 0.01)
+    bus = NameOwned(releasing=True, held_for=3)
+    real = SchedulerService(bus, lambda unit, sender: None, str, lambda: None)
+    host.service.claim_name = real.claim_name  # type: ignore[method-assign]
+
+    async def test() -> None:
+        daemon = host.start()
+        await host.waiting_on_its_bus(daemon)
+        signal.raise_signal(SIGTERM)
+        assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0
+
+    run(test)
+    assert bus.claims == 4
+    extend = "EXTEND_TIMEOUT_USEC=90000000"
+    assert host.heard()[:5] == [
+        extend,
+        "STATUS=waiting for gpuslice release-jobs (PID 4242) to finish",
+        extend,
+        extend,
+        "READY=1\nSTATUS=1 GPU: idle; 0 waiting",
+    ]
+    lines = stderr_lines(capsys)
+    assert lines[0] == (
+        "INFO waiting for gpuslice release-jobs (PID 4242) to finish: "
+        "org.gpuslice.Scheduler1 is held by it until then"
+    )
+    assert "INFO gpuslice ready: 1 GPU: idle; 0 waiting" in lines
+    assert sum("release-jobs" in line for line in lines) == 1  # said once, not at each try
+
+
+def test_a_controller_waits_for_release_jobs_no_longer_than_release_wait_and_exits_1(
+    host: Host, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A release-jobs that holds the name past RELEASE_WAIT (hung, or a resume that takes
+    long) is not waited for longer: the controller exits 1 saying so, having changed
+    nothing, and Restart= starts it again to wait once more."""
+    monkeypatch.setattr(service_module, "CLAIM_RETRY", 0.01)
+    monkeypatch.setattr(service_module, "RELEASE_WAIT", 0.1)
+    bus = NameOwned(releasing=True)
+    real = SchedulerService(bus, lambda unit, sender: None, str, lambda: None)
+    host.service.claim_name = real.claim_name  # type: ignore[method-assign]
+
+    async def test() -> None:
+        assert await asyncio.wait_for(host.start(), ENDS_WITHIN) == 1
+
+    run(test)
+    assert bus.claims > 3
+    assert stderr_lines(capsys)[1:] == [
+        "ERROR org.gpuslice.Scheduler1 is still held by `gpuslice release-jobs` (PID 4242) "
+        "after 0.1 s; this controller exits, having changed nothing"
+    ]
+    assert host.systemd.calls == []
+    assert "READY=1" not in "\n".join(host.heard())
+
+
+def test_a_controller_stopped_while_it_waits_for_release_jobs_exits_0_at_once(
+    host: Host, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`systemctl stop gpuslice` (SIGTERM) while the controller waits for release-jobs to
+    let go of its name: it ends at once, exit 0, having read and written nothing. Left to
+    wait, the stop waited up to RELEASE_WAIT, past TimeoutStopSec=, and was killed."""
+    monkeypatch.setattr(service_module, "CLAIM_RETRY", 0.01)
+    bus = NameOwned(releasing=True)
+    real = SchedulerService(bus, lambda unit, sender: None, str, lambda: None)
+    host.service.claim_name = real.claim_name  # type: ignore[method-assign]
+
+    async def test() -> None:
+        daemon = host.start()
+        await until(lambda: bus.claims >= 3)
+        signal.raise_signal(SIGTERM)
+        assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0
+
+    run(test)
+    assert stderr_lines(capsys)[1:] == [
+        "INFO stopped while waiting for its bus name; this controller exits, having changed nothing"
+    ]
+    assert host.systemd.calls == []
+    assert "READY=1" not in "\n".join(host.heard())
 
 
 def test_a_sighup_while_starting_up_is_a_reload_once_started_and_one_after_at_once(

@@ -197,7 +197,7 @@ def test_configure_says_a_config_this_version_refuses_and_goes_on(tmp_path: Path
     assert said.splitlines() == [
         "error: /etc/gpuslice/config.yaml:3: gpus: bad",
         "gpuslice: the controller will not start until /etc/gpuslice/config.yaml is fixed "
-        "(above), and gated units wait for it: fix it, then `systemctl restart gpuslice`",
+        "(above), and gated units wait for it: fix it, then `systemctl restart gpuslice.service`",
     ]
     assert calls[-1] == "debhelper-part configure"
     _, elsewhere = _run_full(

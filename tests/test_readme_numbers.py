@@ -69,6 +69,9 @@ ROWS = [
     ("no `journalctl`, no answer within 3 s", _journal_seconds(), 3.0),
     ("`journalctl`'s answer is read up to 4 KiB", stopjournal.OUTPUT_MAX, 4096),
     ("Each of these gives up on the bus after 30 s", cli.BUS_TIMEOUT, 30.0),
+    # Remove: a controller started while release-jobs holds its name
+    ("waits for it, asking again every half second", service.CLAIM_RETRY, 0.5),
+    ("starts once release-jobs ends (after 150 s it exits 1", service.RELEASE_WAIT, 150.0),
     # While the controller is down: a call systemd never got
     ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_FIRST, 1.0),
     ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_MAX, 30.0),
