@@ -165,6 +165,9 @@ class Tracker:
         # how many jobs of the shutdown targets were heard: a read of whether the host goes
         # down is believed only if none was heard while it was answered (`shutdown_unheard`)
         self._shutdown_jobs = 0
+        # the jobs of shutdown targets announced and not yet ended: `systemctl cancel` of one
+        # (reboot.target's) leaves the others (shutdown.target's), and the host goes down
+        self._shutdown_pending: set[str] = set()
         # jobs systemd announced for a unit since it last passed the gate (or went down),
         # each with the stamp of its JobNew
         self._unit_jobs: dict[str, dict[str, int]] = {}
@@ -196,6 +199,7 @@ class Tracker:
         if unit in SHUTDOWN_TARGETS:
             self.shutting_down = True
             self._shutdown_jobs += 1
+            self._shutdown_pending.add(path)
         if self.managed(unit):
             self._count(unit)
             self._unit_jobs.setdefault(unit, {})[path] = self._signals[unit]
@@ -211,6 +215,7 @@ class Tracker:
         if not self.shutting_down or stamp != self._shutdown_jobs:
             return False
         self.shutting_down = False
+        self._shutdown_pending.clear()
         return True
 
     def job_removed(self, path: str, unit: str, result: str) -> bool:
@@ -218,7 +223,10 @@ class Tracker:
         no PropertiesChanged."""
         if unit in SHUTDOWN_TARGETS:
             self._shutdown_jobs += 1
-            if result == "canceled":  # a cancelled shutdown must not disable holds for good
+            self._shutdown_pending.discard(path)
+            # a cancelled shutdown must not disable holds for good; one of its jobs cancelled
+            # (`systemctl cancel`) while another goes on is no cancelled shutdown
+            if result == "canceled" and not self._shutdown_pending:
                 self.shutting_down = False
         if self._own_jobs.get(path) == "stop" and result != "done":
             self._stop_results[unit] = result

@@ -292,6 +292,20 @@ def test_shutdown_is_no_hold_and_a_cancelled_shutdown_does_not_disable_holds() -
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
 
 
+def test_one_shutdown_job_cancelled_while_another_goes_on_is_no_cancelled_shutdown() -> None:
+    """`systemctl cancel` of reboot.target's job leaves shutdown.target's: the host still goes
+    down, and a start then is refused (destructive): the flag stays until the last one is
+    cancelled. Cleared at the first, a preempted unit's comeback was started, refused, taken
+    for failed and never started after the reboot."""
+    tracker = Model().tracker()
+    tracker.job_new(JOB2, "reboot.target")
+    tracker.job_new(JOB1, "shutdown.target")
+    tracker.job_removed(JOB2, "reboot.target", "canceled")
+    assert tracker.shutting_down is True
+    tracker.job_removed(JOB1, "shutdown.target", "canceled")
+    assert tracker.shutting_down is False
+
+
 def test_a_cancelled_stop_job_is_a_stop_lost() -> None:
     """`systemctl start victim` while gpuslice stops it replaces our stop job: the victim
     keeps running and the waiter must not wait for it forever."""
