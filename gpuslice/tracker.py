@@ -33,6 +33,9 @@ class UnitState:
     job_type: str = ""  # of the job queued for it (ListUnits says; signals do not)
 
 
+# A unit's ActiveState once its processes are gone.
+GONE = ("inactive", "failed")
+
 # Jobs that run a unit's ExecStartPre=, and so its gate.
 START_JOBS = frozenset({"start", "restart"})
 
@@ -187,6 +190,8 @@ class Tracker:
         self._by_itself: set[str] = set()  # left running with no job since its gate, not to restart
         self._not_ours: set[str] = set()  # down, but not by our stop (WentDown.not_ours)
         self._down_at: dict[str, int] = {}  # the stamp of a down deferred to our answer
+        # went down while the host was going down, told maybe after its cancel (`outcome`)
+        self._down_in_shutdown: set[str] = set()
         # unit -> when the first stop of ours that got no answer was sent (`stop_found`)
         self._unanswered_stops: dict[str, int] = {}
         # unit -> the job a signal named as it left running or its gate: the one that takes
@@ -234,6 +239,13 @@ class Tracker:
             self._own_jobs.pop(path, None)  # already accounted for: keep the table small
         if not self.managed(unit):
             return False
+        down = self.state(unit).active in GONE
+        if result == "canceled" and path not in self._own_jobs and down:
+            # queued for a unit down, it did nothing to it (a cancelled shutdown's stop
+            # job, `systemctl cancel`, a start replaced): no stop of anyone's, so no hold;
+            # a job that replaced it is announced itself. One cancelled while the unit ran
+            # or waited at its gate may have begun to stop it, and still says who did
+            self._unit_jobs.get(unit, {}).pop(path, None)
         self._count(unit)
         return True
 
@@ -253,12 +265,17 @@ class Tracker:
             job[0] if job is not None else old.job_id,
         )
         self.states[name] = state
+        if self.shutting_down and state.active in GONE and old.active not in GONE:
+            self._down_in_shutdown.add(name)  # its processes ended while the host went down
+        elif classify(state) in (Kind.RUNNING, Kind.GATE):
+            self._down_in_shutdown.discard(name)  # up again: said of a down before
         if classify(state) is Kind.GATE and classify(old) is not Kind.GATE:
             self._gate_seen[name] = self._signals[name]
         before = self._job_paths.get(name)
         if job is not None:
             self._job_paths[name] = job[1]
         if job is not None and not read:  # only a signal tells what came first
+            self._unannounced(old, state, job[1])
             self._note_leaving(old, state, job[1], before)
         if classify(state) is Kind.RUNNING and state.job_id == 0:
             self._jobs_done(name)
@@ -275,6 +292,25 @@ class Tracker:
             return
         for path in self._unit_jobs.pop(name, {}):
             self._own_jobs.pop(path, None)
+
+    def _unannounced(self, old: UnitState, new: UnitState, path: str) -> None:
+        """The unit, running, at its gate, or with a job queued, shows a job it did not have
+        (one that replaced it) that no JobNew announced nor answer of ours named: the bus
+        daemon dropped its JobNew. Announced now: someone's (a stop that takes the unit down
+        is theirs, a hold, as when its JobNew came; taken for an end by itself, a person's
+        stop was booked finished), or, while a stop of ours is unanswered, the one ours
+        queued (a preemption, also once the unit leaves running with it later)."""
+        if classify(old) not in (Kind.RUNNING, Kind.GATE) and old.job_id == 0:
+            return  # a start's (a oneshot's start job is no stop when it ends)
+        if new.job_id in (0, old.job_id) or path == "/" or path in self._own_jobs:
+            return
+        name = new.name
+        if path in self._unit_jobs.get(name, ()):
+            return
+        unanswered = bool(self._in_flight.get(name)) or name in self._unanswered_stops
+        if unanswered and self.ledger.phase(name) is Phase.STOPPING:
+            self._own_jobs[path] = "stop"  # the one ours queued, as `stop_found` takes it
+        self._unit_jobs.setdefault(name, {}).setdefault(path, self._signals[name])
 
     def _note_leaving(self, old: UnitState, new: UnitState, path: str, before: str | None) -> None:
         """The unit stops running: by a job announced since its gate (a stop, ours or
@@ -329,6 +365,7 @@ class Tracker:
                 self._down_at.setdefault(name, self._signals.get(name, 0))
                 return []
             outcome = self.outcome(state)
+            self._down_in_shutdown.discard(name)  # said of this down only
             by_itself = name in self._by_itself
             not_ours = name in self._not_ours or self._theirs_first(name)
             self._by_itself.discard(name)  # said of this run only
@@ -468,6 +505,7 @@ class Tracker:
         self._stop_results.pop(unit, None)
         self._by_itself.discard(unit)
         self._not_ours.discard(unit)
+        self._down_in_shutdown.discard(unit)
         self._unanswered_stops.pop(unit, None)
         self._taken_down_by.pop(unit, None)
 
@@ -485,7 +523,10 @@ class Tracker:
         while no controller ran, whose jobs nobody saw)."""
         if state.active == "failed" or state.sub == "auto-restart":
             return Outcome.FAILED
-        if self.shutting_down:
+        if self.shutting_down or state.name in self._down_in_shutdown:
+            # also where the shutdown was cancelled before its down could be told (our
+            # answer awaited, the stop job still shown): the shutdown's stop ended it,
+            # nobody's hold
             return Outcome.SHUTDOWN
         if stopped:
             return Outcome.STOPPED

@@ -1140,14 +1140,14 @@ def test_a_job_no_job_new_announced_while_our_stop_is_unanswered_is_no_end_by_it
         WentDown(A, Outcome.EXITED, by_itself=True)
     ]
     model = Model()
-    model.phases[A] = Phase.RUNNING  # a call of ours unanswered, but no stop: says nothing
+    model.phases[A] = Phase.RUNNING  # a call of ours unanswered, but no stop: someone's
     tracker = model.tracker()
     tracker.unit_changed(A, props_of("active", "running", 0))
     tracker.call_sent(A)
     assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1)) == []
     assert tracker.call_answered(A, None, "start") is False
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
-        WentDown(A, Outcome.EXITED, by_itself=True)
+        WentDown(A, Outcome.STOPPED)
     ]
 
 
@@ -1223,3 +1223,109 @@ def test_the_down_of_a_comeback_away_at_its_gate_is_told() -> None:
     model.away.clear()  # any other unit nobody holds or waits for: its down says nothing
     tracker.unit_changed(A, props("activating", "start-pre", 6))
     assert tracker.unit_changed(A, props("failed", "failed")) == []
+
+
+REBOOT = "/org/freedesktop/systemd1/job/9"
+
+
+def test_a_cancelled_job_of_a_unit_down_is_no_stop() -> None:
+    """`systemctl reboot`, then `systemctl cancel` (found by tests/test_tracker_properties.py):
+    the shutdown's stop job of a unit down is cancelled before it runs. Nobody stopped the
+    unit: no hold (a preempted unit owed its comeback was held, never brought back). A stop
+    job that had begun to stop the unit when it was cancelled still says who stopped it."""
+    tracker = Model().tracker()
+    tracker.job_new(REBOOT, "reboot.target")
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 1)) == []
+    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    assert tracker.job_removed(JOB1, A, "canceled") is True
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.job_new(JOB1, A)  # someone's stop, which runs
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1))
+    tracker.job_removed(JOB1, A, "canceled")  # `systemctl cancel`: it goes down all the same
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 0))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+
+
+def test_a_job_whose_job_new_was_lost_that_takes_a_unit_down_is_someones_stop() -> None:
+    """The bus daemon dropped the JobNew of a person's stop (found by
+    tests/test_tracker_properties.py), not its PropertiesChanged: the unit, running or at
+    its gate, shows a job it did not have and leaves with it. A stop of theirs, a hold, as
+    when its JobNew came: not an end by itself (finished), nor nothing (a waiter)."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.unit_changed(A, props_of("active", "running", 3))  # its JobNew lost
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 3)) == []
+    tracker.job_removed(JOB3, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+    model = Model()
+    model.waiters.add(A)
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)  # their start, at its gate
+    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
+    tracker.job_removed(JOB1, A, "canceled")  # their stop replaces it, its JobNew lost
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == []
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2)) == []
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+    # ours, its JobNew lost, shown queued before the unit leaves with it: not by itself
+    _, tracker = running_being_stopped()
+    assert tracker.unit_changed(A, props_of("active", "running", 2)) == []
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 2)) == []
+    assert tracker.call_answered(A, JOB2, "stop") is True
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0), read=True) == [
+        WentDown(A, Outcome.EXITED)
+    ]
+
+
+def test_a_unit_down_in_a_shutdown_told_after_its_cancel_is_the_shutdowns() -> None:
+    """The shutdown's stop took the unit down, and the shutdown was cancelled before its
+    down could be told (found by tests/test_tracker_properties.py): our StopUnit's answer
+    awaited, or the shutdown's stop job still shown.
+    The shutdown ended it, no person: never a hold (a preempted unit held, or a waiter)."""
+    # our stop unanswered: the down waits for it
+    model = Model()
+    model.phases[A] = Phase.STOPPING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.call_sent(A)
+    tracker.job_new(REBOOT, "reboot.target")
+    tracker.job_new(JOB3, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 3))
+    tracker.job_removed(JOB3, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []  # deferred
+    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    tracker.job_new(JOB2, A)
+    assert tracker.call_queued(A, JOB2, "stop") is True
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0), read=True) == [
+        WentDown(A, Outcome.SHUTDOWN, not_ours=True)
+    ]
+    # the shutdown's stop job still shown when the shutdown is cancelled
+    model = Model()
+    model.waiters.add(A)
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
+    tracker.job_new(REBOOT, "reboot.target")
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 2)) == []
+    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.SHUTDOWN)
+    ]
