@@ -750,10 +750,11 @@ class UnitIndex:
 
     def fragment(self, name: str) -> Fragment | None:
         """The unit's main file: first match in path order; an instance without its own file
-        uses its template's. None when systemd would say not-found. Masked: a symlink to
-        /dev/null or an empty file. An entry systemd does not map (`_maps`: a directory, a
-        refused alias) leaves the name to lower directories; a link to a directory is the
-        fragment, which then cannot be read, as systemd cannot load it."""
+        uses its template's. None when systemd would say not-found (a link whose target loops,
+        which systemd maps the name to and cannot open). Masked: a symlink to /dev/null or an
+        empty file. An entry systemd does not map (`_maps`: a directory, a refused alias)
+        leaves the name to lower directories; a link to a directory is the fragment, which
+        then cannot be read, as systemd cannot load it."""
         candidates = [name, template_of(name)] if is_instance(name) else [name]
         for candidate in candidates:
             for sysdir, real_dir, entries in self._dirs:
@@ -762,7 +763,10 @@ class UnitIndex:
                     continue
                 real, masked = self._resolve(sysdir, real_dir, candidate, kind)
                 if real is None:
-                    continue  # too many links: systemd ignores it, unit_names() says so
+                    # too many links past the link's own text: systemd 252 maps the name to
+                    # this link all the same (unit_file_build_name_map reads only its text),
+                    # and its load fails: not-found, never a lower directory's file
+                    return None
                 if not masked:
                     # systemd's null_or_empty(): any character device or an empty file
                     st = _stat(real)
