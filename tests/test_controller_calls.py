@@ -191,6 +191,30 @@ def low_runs_urgent_asks(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
     return bed
 
 
+def stopped_by_job_77(bed: Bed, job: str) -> None:
+    """Job 77 (`job`) takes low.service down, as its signals tell: deactivating with it, down,
+    then its JobRemoved."""
+    ctl = bed.controller
+    stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
+    ctl.on_unit_changed("low.service", stopping)
+    bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
+    down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+    ctl.on_unit_changed("low.service", down)
+    ctl.on_job_removed(77, job, "low.service", "done")
+
+
+async def preempted_and_back(bed: Bed) -> None:
+    """urgent.service got the GPU, low.service is booked preempted (not finished), and is
+    started again once urgent.service ends."""
+    ctl = bed.controller
+    assert bed.service.granted == [("urgent.service", "0")]
+    assert "low.service" in ctl.scheduler.preempted
+    assert "low.service" not in ctl.scheduler.snapshot().finished
+    goes_down(bed, "urgent.service")
+    await settle()
+    assert bed.systemd.calls[-1] == ("start", "low.service")
+
+
 def lost_stop(
     tmp_path: Path,
     cgroup_of: dict[int, str],
@@ -673,12 +697,7 @@ def test_a_stop_whose_answer_was_lost_is_not_sent_again_over_its_job_waiting_at_
         await settle()
         assert stops(bed) == 1
         assert ctl._retry_timers == {} and ctl._retry_delays == {}
-        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
-        ctl.on_unit_changed("low.service", stopping)
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
-        ctl.on_unit_changed("low.service", down)
-        ctl.on_job_removed(77, job, "low.service", "done")
+        stopped_by_job_77(bed, job)
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
         assert "low.service" in ctl.scheduler.preempted
@@ -824,12 +843,7 @@ def test_a_persons_stop_ours_joined_is_theirs_when_our_answer_is_lost(
         await bed.acquire("urgent.service", ":1.9", 4242)
         await settle()
         assert stops(bed) == 1
-        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
-        ctl.on_unit_changed("low.service", stopping)
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
-        ctl.on_unit_changed("low.service", down)
-        ctl.on_job_removed(77, job, "low.service", "done")
+        stopped_by_job_77(bed, job)
         read.set()
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
@@ -862,12 +876,7 @@ def test_a_stop_job_announced_after_our_unanswered_stop_was_sent_is_ours_its_end
         await bed.acquire("urgent.service", ":1.9", 4242)
         await settle()
         ctl.on_job_new(77, job, "low.service")
-        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
-        ctl.on_unit_changed("low.service", stopping)
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
-        ctl.on_unit_changed("low.service", down)
-        ctl.on_job_removed(77, job, "low.service", "done")
+        stopped_by_job_77(bed, job)
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
         assert "low.service" in ctl.scheduler.preempted
@@ -902,12 +911,7 @@ def test_a_victim_down_with_every_signal_lost_is_preempted_once_two_audits_show_
         assert bed.service.granted == []  # a first look may be ahead of a signal
         await ctl.reads.audit()
         await settle()
-        assert bed.service.granted == [("urgent.service", "0")]
-        assert "low.service" in ctl.scheduler.preempted
-        assert "low.service" not in ctl.scheduler.snapshot().finished
-        goes_down(bed, "urgent.service")
-        await settle()
-        assert bed.systemd.calls[-1] == ("start", "low.service")
+        await preempted_and_back(bed)
 
     run(test)
 
@@ -929,19 +933,9 @@ def test_our_stop_whose_job_new_was_lost_is_no_end_by_itself(
         await ctl.start()
         await bed.acquire("urgent.service", ":1.9", 4242)
         await settle()
-        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
-        ctl.on_unit_changed("low.service", stopping)
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
-        ctl.on_unit_changed("low.service", down)
-        ctl.on_job_removed(77, job, "low.service", "done")
+        stopped_by_job_77(bed, job)
         await settle()
-        assert bed.service.granted == [("urgent.service", "0")]
-        assert "low.service" in ctl.scheduler.preempted
-        assert "low.service" not in ctl.scheduler.snapshot().finished
-        goes_down(bed, "urgent.service")
-        await settle()
-        assert bed.systemd.calls[-1] == ("start", "low.service")
+        await preempted_and_back(bed)
 
     run(test)
 
@@ -968,20 +962,10 @@ def test_our_stop_whose_answer_and_job_new_were_lost_is_a_preemption(
         await ctl.start()
         await bed.acquire("urgent.service", ":1.9", 4242)
         await settle()
-        stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
-        ctl.on_unit_changed("low.service", stopping)
-        bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
-        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
-        ctl.on_unit_changed("low.service", down)
-        ctl.on_job_removed(77, job, "low.service", "done")
+        stopped_by_job_77(bed, job)
         read.set()
         await settle()
-        assert bed.service.granted == [("urgent.service", "0")]
-        assert "low.service" in ctl.scheduler.preempted
-        assert "low.service" not in ctl.scheduler.snapshot().finished
-        goes_down(bed, "urgent.service")
-        await settle()
-        assert bed.systemd.calls[-1] == ("start", "low.service")
+        await preempted_and_back(bed)
 
     run(test)
 

@@ -926,13 +926,9 @@ def test_a_preempted_instance_systemd_no_longer_lists_is_heard_and_comes_back(
     run(test)
 
 
-def test_a_preempted_unit_is_not_started_while_the_host_goes_down(tmp_path: Path) -> None:
-    """p.service was preempted for urgent.service; the host reboots, and urgent.service is
-    stopped for it (gpuslice.service stops after the units it gates). Started then, its
-    start was refused (the transaction is destructive), it was taken for failed, and
-    after the reboot never started again. It stays preempted, saved so; a shutdown
-    cancelled brings it back."""
-    bed = Bed(
+def preempted_beside_urgent(tmp_path: Path) -> Bed:
+    """urgent.service (10) runs on the one GPU; p.service (60) was preempted for it."""
+    return Bed(
         tmp_path,
         {"p.service": "Priority=60\n", "urgent.service": "Priority=10\n"},
         [state("urgent.service", "active", "running")],
@@ -941,12 +937,27 @@ def test_a_preempted_unit_is_not_started_while_the_host_goes_down(tmp_path: Path
         ),
     )
 
+
+async def rebooting_once_urgent_is_down(bed: Bed) -> None:
+    """The controller starts, the host's reboot is queued (job 7), and the shutdown stops
+    urgent.service: its GPU is free while the host goes down."""
+    await bed.controller.start()
+    bed.controller.on_job_new(7, "/org/freedesktop/systemd1/job/7", "reboot.target")
+    goes_down(bed, "urgent.service")
+    await settle()
+
+
+def test_a_preempted_unit_is_not_started_while_the_host_goes_down(tmp_path: Path) -> None:
+    """p.service was preempted for urgent.service; the host reboots, and urgent.service is
+    stopped for it (gpuslice.service stops after the units it gates). Started then, its
+    start was refused (the transaction is destructive), it was taken for failed, and
+    after the reboot never started again. It stays preempted, saved so; a shutdown
+    cancelled brings it back."""
+    bed = preempted_beside_urgent(tmp_path)
+
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        ctl.on_job_new(7, "/org/freedesktop/systemd1/job/7", "reboot.target")
-        goes_down(bed, "urgent.service")
-        await settle()
+        await rebooting_once_urgent_is_down(bed)
         assert ("start", "p.service") not in bed.systemd.calls
         ctl.save_now()
         saved, _ = StateStore(Path(bed.config.state_dir)).load()
@@ -962,21 +973,11 @@ def test_a_shutdown_cancelled_unheard_is_found_by_the_audit(tmp_path: Path) -> N
     """The JobRemoved of the cancelled reboot is lost on the bus: the periodic audit asks
     systemd's SystemState, and once it is no longer `stopping` p.service comes back. Without
     it no preempted unit came back, and no background unit started, until a restart."""
-    bed = Bed(
-        tmp_path,
-        {"p.service": "Priority=60\n", "urgent.service": "Priority=10\n"},
-        [state("urgent.service", "active", "running")],
-        SavedState(
-            holders={"urgent.service": ((0,), "running", 2, "")}, preempted={"p.service": 1}, seq=2
-        ),
-    )
+    bed = preempted_beside_urgent(tmp_path)
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        ctl.on_job_new(7, "/org/freedesktop/systemd1/job/7", "reboot.target")
-        goes_down(bed, "urgent.service")
-        await settle()
+        await rebooting_once_urgent_is_down(bed)
         bed.systemd.system = "stopping"
         await ctl.reads.audit()
         await settle()
