@@ -22,6 +22,7 @@ from dbus_next.aio import MessageBus
 from dbus_next.constants import NameFlag, RequestNameReply
 
 from gpuslice.busread import Unread
+from gpuslice.systemd import BUS_DAEMON, BUS_DAEMON_PATH
 from gpuslice.unitfiles import is_valid_unit_name, printable
 
 BUS_NAME = "org.gpuslice.Scheduler1"
@@ -70,7 +71,6 @@ CLAIM_RETRY = 0.5
 # How long the bus daemon and the name's owner are given to say who holds the name: one that
 # does not say in time is taken for a controller (refused at once, as before).
 OWNER_TIMEOUT = 5.0
-BUS_DAEMON = "org.freedesktop.DBus"
 # One start job runs one gate; a few more calls per unit can only be a gate that retried
 # while an earlier call of it was still on its way. More than this is not a gate.
 MAX_PENDING_PER_UNIT = 8
@@ -223,7 +223,7 @@ class SchedulerService:
         reply = await self.bus.call(
             Message(
                 destination=destination,
-                path="/org/freedesktop/DBus" if daemon else OBJECT_PATH,
+                path=BUS_DAEMON_PATH if daemon else OBJECT_PATH,
                 interface=BUS_DAEMON if daemon else INTERFACE,
                 member=member,
                 signature="s" * len(name),

@@ -86,7 +86,7 @@ def classify(state: UnitState) -> Kind:
         if state.sub == "auto-restart":
             return Kind.DOWN
         return Kind.GATE if state.sub in ("start-pre", "condition") else Kind.RUNNING
-    if state.active in ("inactive", "failed") and state.job_id == 0:
+    if state.active in GONE and state.job_id == 0:
         return Kind.DOWN
     return Kind.TRANSITION
 
@@ -96,7 +96,7 @@ def bound_for_gate(state: UnitState) -> bool:
     (behind the controller's own start, after a restart of it)."""
     if classify(state) is Kind.GATE:
         return True
-    down = state.active in ("inactive", "failed") or state.sub == "auto-restart"
+    down = state.active in GONE or state.sub == "auto-restart"
     return down and state.job_id != 0 and state.job_type in START_JOBS
 
 
@@ -339,7 +339,7 @@ class Tracker:
         good (a start queued meanwhile would be a job of its own). Its processes are gone;
         the GPUs go now rather than at the JobRemoved and PropertiesChanged a moment later
         (issue 10: 0.4-1.3 ms of a handover)."""
-        if state.active not in ("inactive", "failed") or state.job_id == 0:
+        if state.active not in GONE or state.job_id == 0:
             return False
         path = self._job_paths.get(state.name)
         return path is not None and self._own_jobs.get(path) == "stop"
