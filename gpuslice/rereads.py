@@ -135,7 +135,8 @@ class Rereads:
     async def audit(self) -> None:
         """Read every unit the core knows in one call, and take in a state its signals did
         not tell. A unit systemd said anything of since the call was sent is skipped: the
-        answer may be older than that. The next audit follows AUDIT_INTERVAL later."""
+        answer may be older than that. The next audit follows AUDIT_INTERVAL later, unless this
+        one was cancelled: a timer set while the loop ends would spawn a task it never runs."""
         try:
             self.wake_unheard()  # first: nothing awaited before it can hold it back
             try:  # systemd's name changed hands unheard: its signals were all dropped since
@@ -160,7 +161,9 @@ class Rereads:
                 if state.name in seen and self.tracker.heard(state.name) == seen[state.name]:
                     self._take_audited(state, suspects.get(state.name))
         finally:
-            self.start_audits()
+            task = asyncio.current_task()
+            if task is None or not task.cancelling():  # cancelled: the controller is ending
+                self.start_audits()
 
     async def audit_shutdown(self) -> None:
         """While the host is taken to be going down, nothing is started: had the JobRemoved

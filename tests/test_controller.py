@@ -443,16 +443,31 @@ def _shown(condition: Callable[[], bool]) -> str:
         return repr(condition)
 
 
+async def end_quietly() -> None:
+    """What the test left on its loop goes with it: the controller's timers still set
+    (QUEUED_DELAY, REFRESH_DELAY, ...) and its tasks still out, then the timers those set as
+    they were cancelled. One that fired while asyncio.run shut the loop down spawned a task
+    the closed loop never ran: "Task was destroyed but it is pending" failed whichever test
+    the garbage collector next ran in."""
+    loop = asyncio.get_running_loop()
+    for handle in getattr(loop, "_scheduled", ()):
+        handle.cancel()
+    for _ in range(3):  # tasks created in the test's last turn take their first step (a
+        await asyncio.sleep(0)  # coroutine handed to one cancelled before it, never awaited)
+    others = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
+    for handle in getattr(loop, "_scheduled", ()):
+        handle.cancel()
+
+
 def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
     async def main() -> None:
         try:
             await test()
         finally:
-            # the controller's timers still set (QUEUED_DELAY, REFRESH_DELAY, ...) go with
-            # the test: one that fired while asyncio.run shut the loop down spawned a task
-            # the closed loop never ran, "coroutine never awaited" in whichever test came next
-            for handle in getattr(asyncio.get_running_loop(), "_scheduled", ()):
-                handle.cancel()
+            await end_quietly()
 
     asyncio.run(main())
 

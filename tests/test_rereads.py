@@ -18,6 +18,7 @@ from gpuslice.counters import Counters
 from gpuslice.rereads import Rereads
 from gpuslice.systemd import Systemd, SystemdError
 from gpuslice.tracker import Ledger, Tracker, UnitState
+from tests.test_controller import end_quietly
 
 UNIT = "a.service"
 RUNNING = {"ActiveState": "active", "SubState": "running"}
@@ -103,8 +104,7 @@ def run(test: Callable[[Bed], Coroutine[Any, Any, None]]) -> None:
         try:
             await test(Bed())
         finally:
-            for handle in getattr(asyncio.get_running_loop(), "_scheduled", ()):
-                handle.cancel()
+            await end_quietly()
 
     asyncio.run(main())
 
@@ -361,6 +361,36 @@ def test_audits_follow_one_another_on_their_own(monkeypatch: pytest.MonkeyPatch)
         while bed.systemd.count < 2:  # polled: a loaded host may stretch each turn
             assert asyncio.get_running_loop().time() < deadline, "timed out"
             await asyncio.sleep(0.005)
+
+    run(test)
+
+
+def test_an_audit_cancelled_as_the_controller_ends_sets_no_next_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop's end cancels an audit still waiting on systemd. Had its `finally` set the
+    next one, that timer fired while asyncio.run shut the loop down (its executor's threads
+    joined), spawned an audit the closed loop never ran, and "Task was destroyed but it is
+    pending" failed whichever test the garbage collector ran in next."""
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 3600.0)
+
+    async def test(bed: Bed) -> None:
+        never = asyncio.Event()
+
+        async def unanswered() -> bool:
+            await never.wait()
+            return False
+
+        bed.systemd.check_owner = unanswered  # type: ignore[method-assign]
+        task = asyncio.get_running_loop().create_task(bed.reads.audit())
+        await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        before = len([h for h in getattr(loop, "_scheduled", ()) if not h.cancelled()])
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after = len([h for h in getattr(loop, "_scheduled", ()) if not h.cancelled()])
+        assert after == before
 
     run(test)
 
