@@ -55,6 +55,7 @@ from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.placement import format_gpus
 from gpuslice.core.plan import plan_start
 from gpuslice.core.scheduler import (
+    PREEMPTED_IN_PLACE,
     Action,
     Freeze,
     Grant,
@@ -167,9 +168,6 @@ THIS_BOOT_RECORD = Path(BOOT_RECORD)
 # by this (EXTEND_TIMEOUT_USEC=): systemd's default TimeoutStartSec=, so that the rest of the
 # start-up, once the name is ours, has as long as a start that waited for nothing.
 START_EXTENSION = 90.0
-# Phases only a unit that passed its gate (and has not gone down since) can be in: one that
-# systemd shows at its gate again ran and ended while the controller was away.
-_RAN_PAST_GATE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
 # Phases of a holder whose end, found down at start-up, is asked of the journal, or read from
 # systemd's record of its main process (Controller._stopped_while_away): a unit gpuslice was
 # stopping is preempted however it went down, and a suspended one is held already (frozen,
@@ -784,7 +782,7 @@ class Controller:
         (systemd thaws a frozen unit to stop it), and started again: that run ended. Kept in
         its phase, the new start's gate would ask a core that answers no frozen, suspended
         or resuming unit (Scheduler.request), and wait for ever."""
-        return self.scheduler.phase(name) in _RAN_PAST_GATE and bound_for_gate(state)
+        return self.scheduler.phase(name) in PREEMPTED_IN_PLACE and bound_for_gate(state)
 
     # -- signals from systemd ---------------------------------------------------------------
 
@@ -1423,7 +1421,7 @@ class Controller:
             self.ladder.went_down(unit)  # that run's processes, and what a suspend kept, went
         if spec is not None:
             self.tracker.passed_gate(unit)
-        if self.scheduler.phase(unit) in _RAN_PAST_GATE:
+        if self.scheduler.phase(unit) in PREEMPTED_IN_PLACE:
             # granted at its pipe, then frozen (or suspended) before the call of its gate,
             # which had not found the pipe, was served: the core answers no such unit
             # (`request`), and the call, left waiting, was answered by nobody once the unit

@@ -22,7 +22,7 @@ from dbus_next.aio import MessageBus
 from dbus_next.constants import NameFlag, RequestNameReply
 
 from gpuslice.busread import Unread
-from gpuslice.systemd import BUS_DAEMON, BUS_DAEMON_PATH
+from gpuslice.systemd import BUS_DAEMON, bus_daemon_call
 from gpuslice.unitfiles import is_valid_unit_name, printable
 
 BUS_NAME = "org.gpuslice.Scheduler1"
@@ -219,15 +219,11 @@ class SchedulerService:
     async def _ask(self, destination: str, member: str, *name: str) -> Message:
         """The reply to a call of the bus daemon's (`member` of `name`), or of our interface
         on `destination` (no argument)."""
-        daemon = destination == BUS_DAEMON
         reply = await self.bus.call(
-            Message(
-                destination=destination,
-                path=BUS_DAEMON_PATH if daemon else OBJECT_PATH,
-                interface=BUS_DAEMON if daemon else INTERFACE,
-                member=member,
-                signature="s" * len(name),
-                body=list(name),
+            bus_daemon_call(member, "s" * len(name), list(name))
+            if destination == BUS_DAEMON
+            else Message(
+                destination=destination, path=OBJECT_PATH, interface=INTERFACE, member=member
             )
         )
         if reply is None:  # none comes back only for a call that asks for none

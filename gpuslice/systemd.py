@@ -133,6 +133,20 @@ def job_path(job_id: int) -> str:
     return f"{MANAGER_PATH}/job/{job_id}"
 
 
+def bus_daemon_call(member: str, signature: str, body: list[Any]) -> Message:
+    """A call of the bus daemon's own interface (`GetNameOwner`, `AddMatch`, ...), addressed
+    in one place for Systemd, which sends it within its calls in flight (`send_call`), and
+    for the controller's service, which sends it on its bus and reads the reply itself."""
+    return Message(
+        destination=BUS_DAEMON,
+        path=BUS_DAEMON_PATH,
+        interface=BUS_DAEMON,
+        member=member,
+        signature=signature,
+        body=body,
+    )
+
+
 def unit_name_from_path(path: str) -> str | None:
     """The inverse of `unit_path`; None for paths that are not the object of a valid unit
     name (a forged path may decode to anything: control characters, 10,000 characters)."""
@@ -511,14 +525,7 @@ class Systemd:
         await self._bus_daemon("RemoveMatch", "s", [rule])
 
     async def _bus_daemon(self, member: str, signature: str, body: list[Any]) -> list[Any]:
-        return await self.call(
-            member,
-            signature,
-            body,
-            path=BUS_DAEMON_PATH,
-            interface=BUS_DAEMON,
-            destination=BUS_DAEMON,
-        )
+        return await self.send_call(bus_daemon_call(member, signature, body))
 
     async def caller_pid(self, sender: str) -> int:
         """The process ID behind a bus connection, as the bus daemon saw it connect."""

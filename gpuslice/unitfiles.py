@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+# the core's: unit names are read alike on both sides of it
+from gpuslice.core.model import is_instance as is_instance
 from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes
 
 # `systemd-analyze unit-paths` of systemd 252 (Debian 12) for the system manager, highest
@@ -82,13 +84,6 @@ def is_template(name: str) -> bool:
     instance, of `foo@.service`, as for systemd)."""
     at = name.find("@")
     return at >= 0 and at + 1 == name.rfind(".")
-
-
-def is_instance(name: str) -> bool:
-    """`foo@bar.service` (not the template `foo@.service`)."""
-    at = name.find("@")
-    dot = name.rfind(".")
-    return 0 < at < dot - 1
 
 
 def template_of(name: str) -> str:

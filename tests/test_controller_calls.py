@@ -191,6 +191,15 @@ def low_runs_urgent_asks(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
     return bed
 
 
+def job_77_queued(bed: Bed, job: str) -> None:
+    """Job 77 (`job`), a stop, is queued for low.service, as its signals tell: its JobNew,
+    then low.service still running with it."""
+    ctl = bed.controller
+    ctl.on_job_new(77, job, "low.service")
+    queued = {"ActiveState": "active", "SubState": "running", "Job": (77, job)}
+    ctl.on_unit_changed("low.service", queued)
+
+
 def stopped_by_job_77(bed: Bed, job: str) -> None:
     """Job 77 (`job`) takes low.service down, as its signals tell: deactivating with it, down,
     then its JobRemoved."""
@@ -221,16 +230,34 @@ def lost_stop(
     monkeypatch: pytest.MonkeyPatch,
     *later: Answer,
     retry_max: float | None = None,
+    read: asyncio.Event | None = None,
 ) -> Bed:
-    """low_runs_urgent_asks, our first StopUnit of low.service answered NoReply (`later`: the
-    answers to the StopUnits after it) and sent again after an hour, a delay the test ends
-    (retry_fires); `retry_max`: the longest delay, if the test doubles it."""
+    """low_runs_urgent_asks, our first StopUnit of low.service answered NoReply (once `read`
+    is set, if given; `later`: the answers to the StopUnits after it) and sent again after an
+    hour, a delay the test ends (retry_fires); `retry_max`: the longest delay, if the test
+    doubles it."""
     monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
     if retry_max is not None:
         monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", retry_max)
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
-    scripted(bed, "stop", [Answer(NO_REPLY), *later])
+    scripted(bed, "stop", [Answer(NO_REPLY, read=read), *later])
     return bed
+
+
+def lost_answer_read(answer_lost: str) -> asyncio.Event:
+    """What lets our lost stop's NoReply be read (lost_stop's `read`): set already when the
+    answer is lost "before-its-end" of low.service, left for the test to set otherwise."""
+    read = asyncio.Event()
+    if answer_lost == "before-its-end":
+        read.set()
+    return read
+
+
+async def urgent_asks(bed: Bed) -> None:
+    """The controller starts and urgent.service's gate asks (low_runs_urgent_asks): low.service
+    is stopped for it."""
+    await bed.controller.start()
+    await bed.acquire("urgent.service", ":1.9", 4242)
 
 
 def held_reads(bed: Bed, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
@@ -273,8 +300,7 @@ def test_two_stops_in_flight_that_did_not_reach_systemd_are_sent_again_once_afte
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         await bed.acquire("low.service", ":1.8", 4243)
         assert stops(bed) == 2
         caplog.clear()
@@ -313,8 +339,7 @@ def test_a_stop_sent_anew_cancels_the_timer_that_was_to_send_it_again(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         await bed.acquire("low.service", ":1.8", 4243)
         assert stops(bed) == 2
         assert await due_now(ctl._send_again) == 0  # the timer went with the stop sent anew
@@ -345,11 +370,8 @@ def test_a_stop_not_sent_again_for_a_job_systemd_shows_is_a_new_story_the_next_t
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
-        ctl.on_job_new(77, job, "low.service")
-        queued = {"ActiveState": "active", "SubState": "running", "Job": (77, job)}
-        ctl.on_unit_changed("low.service", queued)
+        await urgent_asks(bed)
+        job_77_queued(bed, job)
         assert await due_now(ctl._send_again) == 1
         assert stops(bed) == 1
         assert ctl._retry_delays == {}
@@ -359,11 +381,7 @@ def test_a_stop_not_sent_again_for_a_job_systemd_shows_is_a_new_story_the_next_t
         ctl.on_unit_changed("low.service", down)
         ctl.on_job_removed(77, job, "low.service", "done")
         await settle()
-        assert bed.service.granted == [("urgent.service", "0")]
-        assert "low.service" in ctl.scheduler.preempted
-        goes_down(bed, "urgent.service")
-        await settle()
-        assert bed.systemd.calls[-1] == ("start", "low.service")
+        await preempted_and_back(bed)
         ctl.on_unit_changed("low.service", {"ActiveState": "active", "SubState": "running"})
         await settle()
         await bed.acquire("urgent.service", ":1.10", 4242)
@@ -386,17 +404,14 @@ def test_a_stop_that_went_through_beside_one_that_did_not_leaves_no_error_when_i
     """Two StopUnits of low.service in flight: the first gets NoReply, the second goes
     through (its job runs). When the first one's delay ends, nothing is sent (systemd shows
     the job), and the delay the second one's answer already forgot is not an error."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     first, second = asyncio.Event(), asyncio.Event()
     job = f"{JOB}78"
-    scripted(bed, "stop", [Answer(NO_REPLY, read=first), Answer(job=job, read=second)])
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, Answer(job=job, read=second), read=first)
     caplog.set_level(logging.INFO, logger="gpuslice")
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         await bed.acquire("low.service", ":1.8", 4243)
         first.set()
         await settle()
@@ -516,8 +531,7 @@ def test_a_victim_down_while_our_failed_stop_was_in_flight_is_read_again_when_it
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         goes_down(bed, "low.service")
         await settle()
         assert bed.service.granted == [] and ctl.tracker.in_flight("low.service")
@@ -546,9 +560,7 @@ def test_our_stop_merged_into_a_persons_stop_leaves_the_victim_held_not_preempte
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(77, job, "low.service")
-        queued = {"ActiveState": "active", "SubState": "running", "Job": (77, job)}
-        ctl.on_unit_changed("low.service", queued)
+        job_77_queued(bed, job)
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert stops(bed) == 1
         stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
@@ -591,17 +603,14 @@ def test_a_stop_whose_answer_was_lost_is_not_sent_again_over_its_own_job(
     brought back; or, its JobNew lost too, its end was taken for one by itself (a job never
     announced, or, its deactivating dropped too, none shown before the end): finished,
     never brought back."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     job = f"{JOB}77"
     read = asyncio.Event()
-    scripted(bed, "stop", [Answer(NO_REPLY, read=read), Answer(job=job)])  # merged, if sent
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, Answer(job=job), read=read)  # merged, if sent
     caplog.set_level(logging.INFO)
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         assert stops(bed) == 1
         bed.systemd.units["low.service"] = state("low.service", *shown, 77, "stop")
         if job_new_heard:
@@ -651,8 +660,7 @@ def test_a_stop_whose_answer_was_lost_and_whose_job_ended_unheard_is_not_sent_ag
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         ctl.on_job_new(77, job, "low.service")
         bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
         retry_fires(bed, "stop")
@@ -682,8 +690,7 @@ def test_a_stop_whose_answer_was_lost_is_not_sent_again_over_its_job_waiting_at_
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         ctl.on_job_new(76, restart, "low.service")
         gate = {"ActiveState": "activating", "SubState": "start-pre", "Job": (76, restart)}
         ctl.on_unit_changed("low.service", gate)
@@ -729,8 +736,7 @@ def test_a_stop_to_send_again_whose_read_fails_is_read_again_after_the_next_dela
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         assert stops(bed) == 1 and ctl._retry_delays == {key: HOUR}
         retry_fires(bed, "stop")
         await settle()
@@ -763,8 +769,7 @@ def test_a_stop_sent_anew_while_the_read_before_its_resend_is_out_is_the_one_sen
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         retry_fires(bed, "stop")
         await settle()
         await bed.acquire("low.service", ":1.8", 4243)
@@ -794,8 +799,7 @@ def test_an_answer_told_as_it_was_read_is_not_counted_again_when_its_call_resume
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         await bed.acquire("low.service", ":1.8", 4243)
         assert stops(bed) == 2
         resume.set()
@@ -826,20 +830,14 @@ def test_a_persons_stop_ours_joined_is_theirs_when_our_answer_is_lost(
     ends the unit. The job that took low.service down was announced before ours was sent:
     the admin's, so low.service is held as they wanted, not brought back once urgent.service
     ends. Booked our preemption, it was restarted over the admin's stop."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     job = f"{JOB}77"
-    read = asyncio.Event()
-    if answer_lost == "before-its-end":
-        read.set()
-    scripted(bed, "stop", [Answer(NO_REPLY, read=read)])
+    read = lost_answer_read(answer_lost)
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, read=read)
 
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(77, job, "low.service")
-        queued = {"ActiveState": "active", "SubState": "running", "Job": (77, job)}
-        ctl.on_unit_changed("low.service", queued)
+        job_77_queued(bed, job)
         await bed.acquire("urgent.service", ":1.9", 4242)
         await settle()
         assert stops(bed) == 1
@@ -865,24 +863,17 @@ def test_a_stop_job_announced_after_our_unanswered_stop_was_sent_is_ours_its_end
     heard, systemd's answer dropped: systemd takes calls in the order they reach it, so
     that is the job ours queued (a person's stop that came later joined it). Its end is a
     preemption, and low.service comes back once urgent.service ends."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch)
     job = f"{JOB}77"
-    scripted(bed, "stop", [Answer(NO_REPLY)])
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         await settle()
         ctl.on_job_new(77, job, "low.service")
         stopped_by_job_77(bed, job)
         await settle()
-        assert bed.service.granted == [("urgent.service", "0")]
-        assert "low.service" in ctl.scheduler.preempted
-        goes_down(bed, "urgent.service")
-        await settle()
-        assert bed.systemd.calls[-1] == ("start", "low.service")
+        await preempted_and_back(bed)
 
     run(test)
 
@@ -903,8 +894,7 @@ def test_a_victim_down_with_every_signal_lost_is_preempted_once_two_audits_show_
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         await settle()
         bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
         await ctl.reads.audit()
@@ -929,9 +919,7 @@ def test_our_stop_whose_job_new_was_lost_is_no_end_by_itself(
     scripted(bed, "stop", [Answer(job=job)])
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         await settle()
         stopped_by_job_77(bed, job)
         await settle()
@@ -949,18 +937,12 @@ def test_our_stop_whose_answer_and_job_new_were_lost_is_a_preemption(
     our stop has no answer. That job is taken for ours, as a read finding it is: its end is a
     preemption, and low.service comes back once urgent.service ends. Taken for the end of a
     unit that ended by itself, low.service was booked finished, never brought back."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     job = f"{JOB}77"
-    read = asyncio.Event()
-    if answer_lost == "before-its-end":
-        read.set()
-    scripted(bed, "stop", [Answer(NO_REPLY, read=read)])
+    read = lost_answer_read(answer_lost)
+    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, read=read)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         await settle()
         stopped_by_job_77(bed, job)
         read.set()
@@ -988,8 +970,7 @@ def test_a_victims_stop_timer_ends_with_it_and_its_next_stop_is_timed_afresh(
 
     async def test() -> None:
         loop = asyncio.get_running_loop()
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         goes_down(bed, "low.service")
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
@@ -1474,8 +1455,7 @@ def test_a_call_whose_answer_is_pending_is_kept_through_a_garbage_collection(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         bed.systemd.stop_unit = stop  # type: ignore[method-assign]
         gc.collect()
         await settle()

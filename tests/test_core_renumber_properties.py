@@ -228,7 +228,7 @@ class RenumberSim(Sim):
         GPUs its answer's env file names, or, not answered at once, it waits like any start."""
         actions = self.restart()
         if name not in self.unanswered() or self.sched.phase(name) is not Phase.RUNNING:
-            return actions  # given way meanwhile: its gate is the adapter's (_RAN_PAST_GATE)
+            return actions  # given way meanwhile: its gate is the adapter's (PREEMPTED_IN_PLACE)
         spec = self.annotations[name]
         answer = self.sched.request(spec)
         again = [a for a in answer if isinstance(a, Grant) and a.unit == name]

@@ -1625,6 +1625,36 @@ def test_calls_on_the_roots_file_system_are_made_directly_others_on_the_worker(
     assert threads["/etc/nas"] == threads["/etc/nas/b.env"] == "gpuslice-envsafety"
 
 
+def mount_table(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, lines: bytes
+) -> Path:
+    """The mount table envsafety reads (its MOUNTINFO), holding `lines`."""
+    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
+    mountinfo.write_bytes(lines)
+    monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
+    return mountinfo
+
+
+def on_lstat_of(monkeypatch: pytest.MonkeyPatch, path: Path, act: Callable[[], None]) -> None:
+    """`act` runs as each lstat of `path` begins: a mount made then, or a FUSE program's
+    answer in place of the file system's (it raises)."""
+    real_lstat = os.lstat
+
+    def lstat(at: str, *args: object, **kwargs: object) -> os.stat_result:
+        if os.fspath(at) == str(path):
+            act()
+        return real_lstat(at)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+
+
+# Why /srv/asr/job.env is refused where asr (UID 1000) mounted a FUSE file system on /srv/asr
+ON_ASRS_FUSE = (
+    "/srv/asr/job.env: its directory /srv/asr is a FUSE file system that UID 1000 "
+    "mounted, whose files show whatever owner its program likes"
+)
+
+
 def test_a_fuse_file_system_a_user_mounted_is_no_root_directory(
     root: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1635,15 +1665,15 @@ def test_a_fuse_file_system_a_user_mounted_is_no_root_directory(
     for name in ("asr", "rooted", "nfs"):
         put(root, f"/srv/{name}/job.env")
         install(root, f"{name}.service", "User=asr", f"EnvironmentFile=/srv/{name}/job.env")
-    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
-    mountinfo.write_bytes(
+    mountinfo = mount_table(
+        tmp_path_factory,
+        monkeypatch,
         b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
         + f"60 22 0:60 / {root}/srv/asr rw,nosuid,nodev shared:1 - fuse.sshfs asr@h:/ "
         "rw,user_id=1000,group_id=1000,allow_other\n"
         f"61 22 0:61 / {root}/srv/rooted rw - fuse.sshfs h:/ rw,user_id=0,group_id=0\n"
-        f"62 22 0:62 / {root}/srv/nfs rw - nfs4 nas:/x rw,user_id=1000\n".encode()
+        f"62 22 0:62 / {root}/srv/nfs rw - nfs4 nas:/x rw,user_id=1000\n".encode(),
     )
-    monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
     assert errors(root, "asr.service") == [
         f"{ETC}/asr.service:5: [Service] EnvironmentFile: /srv/asr/job.env: its directory "
         "/srv/asr is a FUSE file system that UID 1000 mounted, whose files show whatever "
@@ -1662,32 +1692,25 @@ def test_a_fuse_file_system_mounted_while_its_mount_point_is_looked_at_is_seen(
     the table's read (before the lstat) and the lstat showed its root's 0755, and the table
     as read named no FUSE there: asr's file passed for root's."""
     put(root, "/srv/asr/job.env")
-    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
-    mountinfo.write_bytes(b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
-    monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
+    mountinfo = mount_table(tmp_path_factory, monkeypatch, b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
     flagged: list[bool] = []  # the kernel's flag on the table, raised at the mount
     monkeypatch.setattr(
         envsafety._MountTable, "changed", lambda self: bool(flagged and flagged.pop())
     )
-    real_lstat = os.lstat
 
-    def lstat(path: str, *args: object, **kwargs: object) -> os.stat_result:
-        if os.fspath(path) == f"{root}/srv/asr" and not mountinfo.read_bytes().count(b"fuse"):
+    def mount() -> None:
+        if not mountinfo.read_bytes().count(b"fuse"):
             with mountinfo.open("ab") as f:  # asr's sshfs, mounted just before this lstat
                 f.write(
                     f"60 22 0:60 / {root}/srv/asr rw - fuse.sshfs asr@h:/ "
                     "rw,user_id=1000,group_id=1000,allow_other\n".encode()
                 )
             flagged.append(True)
-        return real_lstat(path)
 
-    monkeypatch.setattr(os, "lstat", lstat)
+    on_lstat_of(monkeypatch, root / "srv/asr", mount)
     refusal = EnvFileChecker(root).refusal("x.service", "/srv/asr/job.env")
     assert refusal is not None
-    assert refusal.reason == (
-        "/srv/asr/job.env: its directory /srv/asr is a FUSE file system that UID 1000 "
-        "mounted, whose files show whatever owner its program likes"
-    )
+    assert refusal.reason == ON_ASRS_FUSE
 
 
 def test_a_fuse_file_system_of_a_user_that_says_its_root_is_not_there_is_refused(
@@ -1697,27 +1720,22 @@ def test_a_fuse_file_system_of_a_user_that_says_its_root_is_not_there_is_refused
     gpuslice looks: /srv/asr/job.env passed for a file not there that only root could make,
     and the gate then read the job.env that program served."""
     put(root, "/srv/asr/job.env")
-    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
-    mountinfo.write_bytes(
+    mount_table(
+        tmp_path_factory,
+        monkeypatch,
         b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
         + f"60 22 0:60 / {root}/srv/asr rw - fuse.asrfs asrfs "
-        "rw,user_id=1000,group_id=1000,allow_other\n".encode()
+        "rw,user_id=1000,group_id=1000,allow_other\n".encode(),
     )
-    monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
-    real_lstat = os.lstat
+    asrs_root = root / "srv/asr"
 
-    def lstat(path: str, *args: object, **kwargs: object) -> os.stat_result:
-        if os.fspath(path) == f"{root}/srv/asr":
-            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
-        return real_lstat(path)
+    def not_there() -> None:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(asrs_root))
 
-    monkeypatch.setattr(os, "lstat", lstat)
+    on_lstat_of(monkeypatch, asrs_root, not_there)
     refusal = EnvFileChecker(root).refusal("x.service", "/srv/asr/job.env")
     assert refusal is not None
-    assert refusal.reason == (
-        "/srv/asr/job.env: its directory /srv/asr is a FUSE file system that UID 1000 "
-        "mounted, whose files show whatever owner its program likes"
-    )
+    assert refusal.reason == ON_ASRS_FUSE
 
 
 def test_the_fuse_mounts_of_users_in_the_mount_table() -> None:

@@ -42,6 +42,7 @@ from tests.test_controller_calls import (
     lost_stop,
     retry_fires,
     stops,
+    urgent_asks,
 )
 from tests.test_controller_unannotated import RESTARTED, TOUCH, URGENT, waits_then_unannotated
 from tests.test_tracker import JOB1, A, Model, our_stop_sent, props_of
@@ -103,8 +104,7 @@ def test_a_stop_job_found_is_taken_in_with_the_state_read(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         bed.systemd.units[LOW] = state(LOW, "deactivating", "stop-sigterm", 77, "stop")
         ctl.on_job_new(77, job, LOW)
         await settle()
@@ -133,8 +133,7 @@ def test_a_stop_no_longer_unsent_when_its_read_comes_back_is_forgotten(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         assert ctl._retry_delays == {KEY: HOUR}
         retry_fires(bed, "stop")
         await settle()
@@ -170,8 +169,7 @@ def test_a_stop_whose_read_fails_says_when_it_is_read_again(
 
     async def test() -> None:
         ctl = bed.controller
-        await ctl.start()
-        await bed.acquire("urgent.service", ":1.9", 4242)
+        await urgent_asks(bed)
         retry_fires(bed, "stop")
         await settle()
         assert stops(bed) == 1 and ctl._retry_delays == {KEY: 2 * HOUR}

@@ -21,6 +21,14 @@ INSTANCE_DEVICE = "%i"
 PRIORITY_MAX = 999
 
 
+def is_instance(name: str) -> bool:
+    """`foo@bar.service` (not the template `foo@.service`): one definition for the core,
+    which knows a unit by its name alone, and the unit file scan (unitfiles)."""
+    at = name.find("@")
+    dot = name.rfind(".")
+    return 0 < at < dot - 1
+
+
 class Rung(enum.Enum):
     """One way a unit may give way to a more urgent one (`Preempt=`), tried in its order.
 

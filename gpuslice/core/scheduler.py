@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part, level, reason, render
-from gpuslice.core.model import PRIORITY_MAX, Gpu, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import PRIORITY_MAX, Gpu, Rung, UnitKind, UnitSpec, is_instance
 from gpuslice.core.placement import (
     Placement,
     Use,
@@ -162,8 +162,10 @@ GIVING_WAY = (Phase.STOPPING, Phase.SUSPENDING)
 # Phases in which a unit gpuslice froze is owed a thaw (Scheduler.thaws_owed): it holds the
 # unit neither frozen nor in the middle of a suspend or resume, which freeze and thaw it
 _THAW_OWED_IN = (Phase.RUNNING, Phase.STOPPING)
-# preempted while it still runs: frozen, or its VRAM on its way to host memory or back
-_PREEMPTED_PHASES = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
+# Preempted while it still runs: frozen, or its VRAM on its way to host memory or back. Only
+# a unit that passed its gate (and has not gone down since) can be in these phases, so one
+# that systemd shows at its gate again ran and ended meanwhile (Controller._started_again).
+PREEMPTED_IN_PLACE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
 
 
 @dataclass
@@ -351,18 +353,12 @@ def _refillable(spec: UnitSpec) -> bool:
     return spec.kind is UnitKind.BACKGROUND and "@." not in spec.name
 
 
-def _instance(name: str) -> bool:
-    """An instance (`embed@a.service`): the core knows no template, and no plain unit's
-    name has an `@`."""
-    return "@" in name
-
-
 def _owed_its_start(spec: UnitSpec) -> bool:
     """Whether a start of ours of this unit that did not happen (the host's end cut it
     short, or it did not reach systemd) is owed: refill starts a plain background unit
     anyway, never an instance, which is forgotten at its down and, learnt again, dormant
     (`Scheduler.dormant`)."""
-    return spec.kind is UnitKind.ON_DEMAND or _instance(spec.name)
+    return spec.kind is UnitKind.ON_DEMAND or is_instance(spec.name)
 
 
 def _about(spec: UnitSpec, code: Code, **parts: Any) -> Decision:
@@ -589,7 +585,7 @@ class Scheduler:
         # under way: owed a comeback should the shutdown end it
         owed = (
             suspended
-            or (holder is not None and holder.phase in _PREEMPTED_PHASES)
+            or (holder is not None and holder.phase in PREEMPTED_IN_PLACE)
             or (ours and name in self.specs and _owed_its_start(self.specs[name]))
         )
         if outcome is Outcome.FAILED and self.shutting_down and owed and not by_itself:
@@ -1986,7 +1982,7 @@ class Scheduler:
             self.specs[spec.name] = spec
             if _refillable(spec):
                 self._background[spec.name] = spec
-            if _instance(spec.name):
+            if is_instance(spec.name):
                 self.dormant.add(spec.name)
 
     def forget_instance(self, name: str) -> bool:
@@ -2002,7 +1998,7 @@ class Scheduler:
         never runs again. Never a unit that is not an instance (the controller asks for
         instances only: a plain unit's annotation is its file's)."""
         spec = self.specs.get(name)
-        background = spec is not None and spec.kind is UnitKind.BACKGROUND and _instance(name)
+        background = spec is not None and spec.kind is UnitKind.BACKGROUND and is_instance(name)
         if (
             spec is None
             or (spec.kind is not UnitKind.ON_DEMAND and not background)
@@ -2026,7 +2022,7 @@ class Scheduler:
         self._background = {n: s for n, s in self.specs.items() if _refillable(s)}
         # an instance new to the core is dormant (`learn`); one known stays as it was
         self.dormant = {
-            n for n in self.specs if n in self.dormant or (n not in was and _instance(n))
+            n for n in self.specs if n in self.dormant or (n not in was and is_instance(n))
         }
         # read for annotated units alone (refill's order): kept for others, an entry stayed
         # for every unit ever seen down (each instance's name, which may never come again)
@@ -2206,7 +2202,7 @@ class Scheduler:
             comeback = Phase(phase) is Phase.STARTING and name in saved.started
             if (
                 (comeback and _owed_its_start(spec))
-                or Phase(phase) in _PREEMPTED_PHASES
+                or Phase(phase) in PREEMPTED_IN_PLACE
                 or Phase(phase) is Phase.STOPPING
             ):
                 owed[name] = seq
