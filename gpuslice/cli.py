@@ -64,6 +64,12 @@ UNIT_DIR = "etc/systemd/system"  # below --root: where `new` and `enroll` write
 # release-jobs runs in prerm, and `apt remove` waits for it: no resume starts after this many
 # seconds (one under way is left to finish: a restore cut short loses its process for good).
 RELEASE_DEADLINE = 120.0
+# A `systemctl thaw` of release-jobs' is given this long at most, and no more than is left
+# of RELEASE_DEADLINE; past it, THAW_LATE: a thaw is never skipped (a unit left frozen with
+# no controller would never run again), but a systemd that does not answer holds `apt
+# remove` no longer than that per frozen unit
+THAW_TIMEOUT = 60.0
+THAW_LATE = 5.0
 # how long a gpuslice command waits for the bus: a connection to be made (a bus daemon that
 # takes it and never authenticates it), a call to be answered (the controller's Status,
 # Plan, Reload; systemd saying when it started, for release-jobs, which `apt remove` waits on)
@@ -365,15 +371,13 @@ def _release_stopped(config_path: str, deadline: float) -> None:
                 err=True,
             )
         elif unit in to_thaw and frozen:
-            try:
-                command = ["systemctl", "thaw", "--", unit]
-                failed = subprocess.run(command, check=False, timeout=60).returncode != 0
-            except (OSError, subprocess.SubprocessError):
-                failed = True
-            if failed:
-                click.echo(f"{where} stays frozen: `systemctl thaw` failed", err=True)
-            else:
+            # each thaw up to THAW_TIMEOUT, one after another, held `apt remove` past the
+            # deadline by as much as they took (a systemd that does not answer)
+            left = deadline - time.monotonic()
+            if _thaw(unit, min(THAW_TIMEOUT, max(left, THAW_LATE))):
                 thawed.append(unit)
+            else:
+                click.echo(f"{where} stays frozen: `systemctl thaw` failed", err=True)
         elif unit in preempted and shown.get("ActiveState") in (
             "inactive",
             "failed",
@@ -385,6 +389,15 @@ def _release_stopped(config_path: str, deadline: float) -> None:
                 err=True,
             )
     _record_released(store, saved_boot, saved, _released(saved, thawed, resumed))
+
+
+def _thaw(unit: str, timeout: float) -> bool:
+    """`systemctl thaw` of the unit, given `timeout` seconds: whether it did."""
+    try:
+        command = ["systemctl", "thaw", "--", unit]
+        return subprocess.run(command, check=False, timeout=timeout).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _released(saved: SavedState, thawed: list[str], resumed: dict[str, Phase]) -> SavedState:

@@ -147,6 +147,11 @@ ENV_SWEEP_MAX = 8192
 # of state; a state file past STATE_FILE_MAX (16 MiB, some 60,000 long names) is refused whole
 # at the next start, its preemptions with it
 KEPT_INSTANCES_WARN = 10_000
+# Preempted instances kept at most (Scheduler.drop_preempted_instances): past this many, those
+# that would come back last are no longer brought back, each named in the journal. Any local
+# user may start instances (an `Accept=yes` socket: one per connection), so this bounds the
+# core's tables and the state file, saved with every decision, whatever they start
+PREEMPTED_INSTANCES_MAX = 10_000
 # A StartUnit or StopUnit of ours that did not reach systemd (an error of the bus, or of a
 # systemd that is re-executing: gpuslice.systemd.is_transient) is sent again this long
 # after, the delay doubling while it keeps failing so, up to CALL_RETRY_MAX: never a tight
@@ -987,7 +992,21 @@ class Controller:
             self.tracker.forget(name)
             self.answers.changed()  # gone from held, finished and failed
         else:
+            self._cap_preempted()
             self._count_kept_instances()
+
+    def _cap_preempted(self) -> None:
+        """Past PREEMPTED_INSTANCES_MAX instances kept preempted, those that would come back
+        last are no longer brought back (Scheduler.drop_preempted_instances, which says so of
+        each) and forgotten as any instance owed nothing. Asked as each instance kept goes
+        down, the only way preemptions of instances pile up (at a controller's start too,
+        for those a state file names), and cheap below the bound."""
+        dropped = self.scheduler.drop_preempted_instances(PREEMPTED_INSTANCES_MAX)
+        if dropped:
+            self.execute(dropped)
+            for action in dropped:
+                if action.decision is not None:
+                    self._forget_instance(action.decision.unit)
 
     def _count_kept_instances(self) -> None:
         """Say once, as a warning, that more than KEPT_INSTANCES_WARN instances are kept

@@ -12,12 +12,13 @@ import json
 import logging
 from collections.abc import Sized
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from gpuslice import controller as controller_module
 from gpuslice.core.model import Gpu
-from gpuslice.core.scheduler import Outcome, SavedState, Scheduler
+from gpuslice.core.scheduler import Log, Outcome, SavedState, Scheduler
 from tests.core_builders import BG, brief, spec
 from tests.test_controller import Bed, at_gate, goes_down, run, run_instance, settle, state, until
 
@@ -315,3 +316,113 @@ def test_a_background_instances_comeback_that_did_not_reach_systemd_is_still_owe
     fresh.set_specs({embed.name: embed})  # listed, or remembered from the state file
     fresh.load(s.save())
     assert brief(fresh.schedule()) == ["start embed@a.service"]
+
+
+# -- preempted instances past the bound -------------------------------------------------------
+
+
+def test_preempted_instances_past_the_bound_those_last_to_come_back_are_dropped() -> None:
+    """Any local user may start instances (an `Accept=yes` socket: one per connection), each
+    preempted in turn: kept without bound, they grew the core and the state file. Past the
+    bound, those that would come back last (least urgent, then preempted last) are no longer
+    brought back, each said once as a warning; a plain unit is neither counted nor dropped."""
+    s = Scheduler([Gpu(0)], {})
+    specs = {
+        "embed@old.service": spec("embed@old", 90, BG),
+        "embed@new.service": spec("embed@new", 90, BG),
+        "embed@urgent.service": spec("embed@urgent", 20, BG),
+        "tx@a.service": spec("tx@a", 50),
+        "plain.service": spec("plain", 95, BG),
+    }
+    s.set_specs(specs)
+    seqs = {"embed@old": 1, "embed@urgent": 2, "plain": 3, "tx@a": 4, "embed@new": 5}
+    s.load(SavedState(preempted={f"{n}.service": q for n, q in seqs.items()}, seq=5))
+    assert s.drop_preempted_instances(4) == []  # 4 instances: not past it
+    dropped = [a for a in s.drop_preempted_instances(2) if isinstance(a, Log) and a.decision]
+    said = [(a.decision.unit, a.decision.code.value, a.level) for a in dropped if a.decision]
+    assert said == [
+        ("embed@new.service", "preemption-dropped", "warning"),
+        ("embed@old.service", "preemption-dropped", "warning"),
+    ]
+    assert "more than 2 preempted instances are kept" in dropped[0].message
+    assert set(s.preempted) == {"embed@urgent.service", "plain.service", "tx@a.service"}
+    assert s.drop_preempted_instances(2) == []  # said once
+    assert s.forget_instance("embed@new.service")  # owed nothing now: forgotten
+    assert "embed@new.service" not in s.save().preempted
+    assert "embed@old.service" in s.dormant  # not forgotten yet: never refilled
+    assert "start embed@old.service" not in brief(s.schedule())
+
+
+def test_preempted_instances_past_the_bound_are_dropped_by_the_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state file names more preempted instances than the bound (or they pile up while a
+    more urgent unit runs): the last to come back are dropped, forgotten by the core and the
+    tracker, gone from the state file, and named in their journal and the controller's."""
+    from gpuslice.journal import Journal
+    from gpuslice.state import StateStore
+    from tests.test_controller_calls import FakeJournal
+
+    monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 2)
+    preempted = {f"embed@{i}.service": i + 1 for i in range(3)}
+    saved = SavedState(holders={"a.service": ((0,), "running", 4, "")}, preempted=preempted, seq=4)
+    bed = Bed(tmp_path, EMBED, [state("a.service", "active", "running")], saved)
+    journal = FakeJournal()
+    bed.controller.journal = cast(Journal, journal)
+
+    def on_file() -> set[str]:
+        return set(StateStore(Path(bed.config.state_dir)).load()[0].preempted)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        [said] = journal.of("embed@2.service", "preemption-dropped")
+        assert said["PRIORITY"] == "4"  # warning
+        assert said["OBJECT_SYSTEMD_UNIT"] == "embed@2.service"  # its own journal
+        assert set(ctl.scheduler.preempted) == {"embed@0.service", "embed@1.service"}
+        assert "embed@2.service" not in ctl.scheduler.annotated()
+        assert "embed@2.service" not in ctl.tracker.states
+        assert on_file() == {"embed@0.service", "embed@1.service"}
+        monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 1)
+        ctl.on_unit_changed("embed@0.service", DOWN)  # an instance kept goes down (again)
+        await settle()
+        assert len(journal.of("embed@1.service", "preemption-dropped")) == 1
+        assert len(journal.of("embed@2.service", "preemption-dropped")) == 1  # once
+        assert on_file() == {"embed@0.service"}
+        goes_down(bed, "a.service")
+        await settle()
+        assert [c for c in bed.systemd.calls if c[0] == "start"] == [("start", "embed@0.service")]
+
+    run(test)
+
+
+def test_a_background_instance_the_shutdown_stopped_is_refilled_when_it_is_cancelled() -> None:
+    """Owed nothing (no preemption), it was forgotten at its down: a cancelled shutdown left
+    it down for good, where refill starts a plain background unit again. Kept until it is
+    down again, then forgotten as any instance."""
+    s = Scheduler([Gpu(0)], {})
+    embed = spec("embed@a", 90, BG)
+    assert brief(s.request(embed)) == ["grant embed@a.service 0"]
+    s.set_shutting_down(True)
+    assert brief(s.inactive(embed.name, Outcome.SHUTDOWN)) == []
+    assert not s.forget_instance(embed.name)
+    assert brief(s.set_shutting_down(False)) == ["start embed@a.service"]
+    assert brief(s.request(embed)) == ["grant embed@a.service 0"]
+    s.inactive(embed.name, Outcome.EXITED)
+    assert s.forget_instance(embed.name)
+
+
+def test_a_background_instance_that_ended_by_itself_in_a_shutdown_is_forgotten() -> None:
+    """Its work may be done: not started again after a cancelled shutdown. Nor is an
+    on-demand instance, which nothing but its caller starts: forgotten as before."""
+    s = Scheduler([Gpu(0), Gpu(1)], {})
+    embed, tx = spec("embed@a", 90, BG), spec("tx@a", 50)
+    s.request(embed)
+    s.request(tx)
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.SHUTDOWN, by_itself=True)
+    s.inactive(tx.name, Outcome.SHUTDOWN)
+    assert s.forget_instance(embed.name)
+    assert s.forget_instance(tx.name)
+    assert brief(s.set_shutting_down(False)) == []

@@ -72,6 +72,12 @@ ROWS = [
     # Remove: a controller started while release-jobs holds its name
     ("waits for it, asking again every half second", service.CLAIM_RETRY, 0.5),
     ("starts once release-jobs ends (after 150 s it exits 1", service.RELEASE_WAIT, 150.0),
+    ("left of the removal's first 120 s", cli.RELEASE_DEADLINE, 120.0),
+    ("at most 60 s, and 5 s past them", cli.THAW_TIMEOUT, 60.0),
+    ("at most 60 s, and 5 s past them", cli.THAW_LATE, 5.0),
+    # Background instances
+    ("At most 10,000 instances are kept preempted", controller.PREEMPTED_INSTANCES_MAX, 10_000),
+    ("past 10,000 of them `journalctl -u gpuslice` says", controller.KEPT_INSTANCES_WARN, 10_000),
     # While the controller is down: a call systemd never got
     ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_FIRST, 1.0),
     ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_MAX, 30.0),

@@ -27,9 +27,10 @@ from gpuslice.core.scheduler import Action, SavedState
 from gpuslice.ladder import Ladder, Suspension
 from gpuslice.state import StateStore
 from gpuslice.systemd import Systemd
+from tests.release_jobs_standins import release_jobs, systemctl_and_resume
 from tests.test_checkpoint import FAST, calls, failure, run, stub
 from tests.test_ladder_adapter import Events
-from tests.test_release_jobs_resume import _release, _Systemd, _this_boot
+from tests.test_release_jobs_resume import _release, _Systemd, _systemd_started, _this_boot
 
 UNIT = "train.service"
 OOM = "echo 'Error restoring CUDA in process ID 12: \"out of memory\"' >&2; exit 1"
@@ -217,3 +218,37 @@ def test_no_resume_starts_after_the_deadline_and_each_unit_left_is_named(
         "spent its 120 s on the units before it)"
         for name in ("b.service", "c.service")
     ]
+
+
+def test_a_thaw_is_given_what_is_left_of_the_deadline_and_still_sent_past_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thaws one after another, each given 60 s (a systemd that does not answer), held
+    `apt remove` past RELEASE_DEADLINE by as much as they took. Each read of the clock here
+    is 50 s later: the first thaw gets its 60 s, the second only the 20 s left, and the
+    third, past the deadline, is still sent (left frozen with no controller, its job would
+    never run again), given 5 s."""
+    clock = itertools.count(0.0, 50.0)
+    monkeypatch.setattr(cli_module, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    frozen = ("a.service", "b.service", "c.service")
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        n: ((i,), "frozen", i + 1, "") for i, n in enumerate(frozen)
+    }
+    saved = SavedState(holders=holders, seq=3)
+    monkeypatch.setattr(StateStore, "load", lambda self: (saved, _this_boot()))
+    monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
+    _systemd_started(monkeypatch)
+    done, _ = systemctl_and_resume(monkeypatch, {n: ("active", "frozen") for n in frozen})
+    systemctl = subprocess.run
+    timeouts: list[float] = []
+
+    def timed(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        if command[1] == "thaw":
+            timeouts.append(kwargs["timeout"])
+        return systemctl(command, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", timed)
+    stderr = release_jobs(tmp_path, "")
+    assert done == [("thaw", "a.service"), ("thaw", "b.service"), ("thaw", "c.service")]
+    assert timeouts == [60.0, 20.0, 5.0]
+    assert stderr == ""

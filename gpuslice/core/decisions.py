@@ -33,6 +33,9 @@ class Code(enum.Enum):
     SHUTDOWN = "shutdown"  # stopped for shutdown; its GPUs are free
     CANCELLED = "cancelled"  # its start was cancelled while it waited
     NOT_REQUEUED = "preempted-no-requeue"  # preempted with Requeue=no: not brought back
+    # a preempted instance no longer brought back: more instances than the bound (`detail`)
+    # were kept preempted, and it would have come back last
+    DROPPED = "preemption-dropped"
     # restarted to wait at its gate, its start failed before its grant: it is brought back
     # when its GPUs are free instead
     REQUEUE_FAILED = "requeue-failed"
@@ -204,6 +207,7 @@ LEVELS: dict[Code, str] = {
     Code.LOST_GPU: "error",
     Code.RUNG_FAILED: "warning",
     Code.RESUME_FAILED: "error",
+    Code.DROPPED: "warning",  # work gpuslice stopped that nothing will bring back
 }
 
 
@@ -331,6 +335,11 @@ def render(d: Decision) -> str:
         return f"{d.unit}: start cancelled while waiting; nothing reserved"
     if code is Code.NOT_REQUEUED:
         return f"{who} preempted; Requeue=no, not restarting"
+    if code is Code.DROPPED:
+        return (
+            f"{who} will not be restarted after its preemption: {d.detail}, and it would "
+            "have come back last; start it yourself if its work is still wanted"
+        )
     if code is Code.REQUEUE_FAILED:
         return (
             f"{who} failed while it waited at its gate to come back from a preemption: "

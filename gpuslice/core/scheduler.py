@@ -403,6 +403,10 @@ class Scheduler:
         # background one of them until someone starts it. An instance's name is one job:
         # started by refill, a finished one, forgotten and learnt again, ran again
         self.dormant: set[str] = set()
+        # background instances the host's shutdown stopped, owed nothing (no comeback, no
+        # record): kept, not forgotten (`forget_instance`), until they go down again, so that
+        # a cancelled shutdown's refill starts them again as it does a plain background unit
+        self.stopped_by_shutdown: set[str] = set()
         self._set_specs(specs)
         self.holders: dict[str, Holder] = {}
         self.waiters: dict[str, Waiter] = {}
@@ -567,6 +571,7 @@ class Scheduler:
         self.unstoppable.discard(name)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
+        self.stopped_by_shutdown.discard(name)  # said of a down before
         self.thaw_owed.discard(name)  # systemd thaws a unit before it stops it
         self.start_retries.pop(name, None)
         waiter = self.waiters.pop(name, None)
@@ -629,6 +634,19 @@ class Scheduler:
         if holder is not None and outcome is Outcome.SHUTDOWN:
             gpus = tuple(sorted(holder.gpus))
             actions.append(_log(_about(holder.spec, Code.SHUTDOWN, gpus=gpus)))
+        known = self.specs.get(name)
+        if (
+            outcome is Outcome.SHUTDOWN
+            and not by_itself
+            and name not in self.preempted
+            and known is not None
+            and known.kind is UnitKind.BACKGROUND
+            and is_instance(name)
+        ):
+            # forgotten at its down, a cancelled shutdown left it down for good, where refill
+            # starts a plain background unit again; the host gone, the next controller learns
+            # it dormant, as any instance
+            self.stopped_by_shutdown.add(name)
         if name not in self.specs:
             self._forget_end(name)
         return actions + self.schedule()
@@ -645,6 +663,7 @@ class Scheduler:
         self.finished.discard(name)
         self.failed.discard(name)
         self.out_since.pop(name, None)
+        self.stopped_by_shutdown.discard(name)
 
     def recorded(self) -> frozenset[str]:
         """The units down with a record of how they went: preempted, held, finished, failed."""
@@ -1993,9 +2012,10 @@ class Scheduler:
         watched, which beyond 200 units means every unit's signals (issue 10). Whether it was
         forgotten. A background instance likewise (finished, failed, ended with no record,
         preempted with `Requeue=no`), but not one held: a hold is someone's wish, shown in
-        status until someone starts it. Learnt again (a signal, the next controller's start),
-        it is dormant: refill starts it only once someone has started it, so a finished job
-        never runs again. Never a unit that is not an instance (the controller asks for
+        status until someone starts it; nor one the host's shutdown stopped until it is
+        down again (`stopped_by_shutdown`). Learnt again (a signal, the next controller's
+        start), it is dormant: refill starts it only once someone has started it, so a
+        finished job never runs again. Never a unit that is not an instance (the controller asks for
         instances only: a plain unit's annotation is its file's)."""
         spec = self.specs.get(name)
         background = spec is not None and spec.kind is UnitKind.BACKGROUND and is_instance(name)
@@ -2007,6 +2027,7 @@ class Scheduler:
             or name in self.suspended
             or (name in self.preempted and spec.requeue)
             or (background and name in self.held)
+            or name in self.stopped_by_shutdown  # its refill is owed, should the shutdown end
         ):
             return False
         del self.specs[name]
@@ -2015,6 +2036,38 @@ class Scheduler:
         self.start_retries.pop(name, None)
         self._forget_end(name)
         return True
+
+    def drop_preempted_instances(self, limit: int) -> list[Action]:
+        """More than `limit` instances kept preempted (a name per job: a flood of
+        `Accept=yes` connections, each preempted in turn, grew the tables and the state file,
+        saved with every decision, without bound): those down that would come back last (the
+        least urgent, then the last preempted) are no longer brought back, so that what is
+        kept comes back first and a flood of less urgent instances pushes out no more urgent
+        work. Each is said once in its journal and the controller's, as a warning; dormant,
+        it is then an instance owed nothing, which `forget_instance` forgets. Cheap below
+        the bound."""
+        if len(self.preempted) <= limit:
+            return []
+        kept = [n for n in self.preempted if is_instance(n)]
+        down = [
+            n
+            for n in kept
+            if n in self.specs
+            and n not in self.holders
+            and n not in self.waiters
+            and n not in self.suspended
+        ]
+        actions: list[Action] = []
+        last = heapq.nlargest(
+            len(kept) - limit, down, key=lambda n: (self._prio(n), self.preempted[n], n)
+        )
+        for name in last:
+            del self.preempted[name]
+            self.wait_failed.discard(name)  # a note on its preemption
+            self.dormant.add(name)  # refill starts it only once someone does
+            detail = f"more than {limit:,} preempted instances are kept"
+            actions.append(_log(_about(self.specs[name], Code.DROPPED, detail=detail)))
+        return actions
 
     def _set_specs(self, specs: Mapping[str, UnitSpec]) -> None:
         was = self.specs
