@@ -258,6 +258,7 @@ class Controller:
             self._spawn,
             self._wake_unheard_gates,
             self._follow_shutdown,
+            self._holds_read,
         )
         # freeze, suspend and resume (the Preempt= ladder), carried out as tasks
         self.ladder = Ladder(
@@ -883,6 +884,30 @@ class Controller:
         with self._batched():
             self.execute(self.scheduler.set_shutting_down(down))
 
+    def _holds_read(self, units: list[str], down: bool) -> None:
+        """systemd's SystemState, read after these units were held (Rereads.hold_booked):
+        the host going down, its shutdown's JobNew was lost on the bus, and their stops were
+        the shutdown's (Scheduler.holds_of_shutdown), which is now taken in; else the holds
+        stand; they stand too where the shutdown's JobNew was heard since: a unit held, not
+        ended by the shutdown (`Tracker.outcome`), went down before it was queued, by a
+        stop of someone's (systemd announces a shutdown's jobs before they run)."""
+        if not down or self.tracker.shutdown_announced():
+            self.scheduler.holds_confirmed(units)
+            return
+        if not self.tracker.shutting_down:
+            self.counters.error("dbus_signals_lost")
+            self.tracker.shutdown_read()
+            self._follow_shutdown()
+        freed = self.scheduler.holds_of_shutdown(units)
+        if freed:
+            log.warning(
+                "systemd says the host is going down, which no signal told (lost on the "
+                "bus): %s stopped with the shutdown, not held",
+                ", ".join(freed),
+            )
+            self.answers.changed()
+            self._persist()
+
     def on_unit_changed(self, name: str, props: dict[str, Any], *, read: bool = False) -> None:
         spec = self.spec_for(name)
         if spec is None and not self._known(name):
@@ -1065,6 +1090,8 @@ class Controller:
                     name, change.outcome, by_itself=change.by_itself, not_ours=change.not_ours
                 )
             )
+            if name in self.scheduler.unconfirmed_holds:
+                self.reads.hold_booked(name)  # held: unless the shutdown's JobNew was lost
             self.service.forget(name)
             self.ladder.went_down(name)
             if self.spec_for(name) is None and not self._known(name):

@@ -63,10 +63,12 @@ class Rereads:
         spawn: Spawn,
         wake_unheard: Callable[[], None] = lambda: None,
         shutdown_over: Callable[[], None] = lambda: None,
+        holds_read: Callable[[list[str], bool], None] = lambda units, down: None,
     ) -> None:
         """`wake_unheard`: at each audit, wake the gates that wait where no read of the
         audit's looks (GatePipes.wake_unheard). `shutdown_over`: an audit found the host's
-        shutdown cancelled, which no signal told (`audit_shutdown`)."""
+        shutdown cancelled, which no signal told (`audit_shutdown`). `holds_read`: whether
+        the host was going down when these units were held (`hold_booked`)."""
         self.systemd = systemd
         self.tracker = tracker
         self.counters = counters
@@ -75,6 +77,9 @@ class Rereads:
         self.spawn = spawn
         self.wake_unheard = wake_unheard
         self.shutdown_over = shutdown_over
+        self.holds_read = holds_read
+        self._holds: set[str] = set()  # held since the last SystemState read was sent
+        self._asking = False  # a read for them is under way
         # units a periodic read showed otherwise than their signals: (that state, the stamp of
         # systemd's last word then), taken in if the next read finds the same
         self._suspects: dict[str, tuple[UnitState, int]] = {}
@@ -187,6 +192,32 @@ class Rereads:
                 state,
             )
             self.shutdown_over()
+
+    def hold_booked(self, unit: str) -> None:
+        """Someone's stop took the unit down and it is held, the host taken to run: the
+        shutdown's stops are someone's when the bus lost its JobNew, and the hold outlived
+        the reboot. systemd's SystemState, read now, says `stopping` once the shutdown is
+        queued: it was queued before, with its stops (one transaction). Units held while a
+        read is under way wait for the next."""
+        self._holds.add(unit)
+        if not self._asking:
+            self._asking = True
+            self.spawn(self._read_holds())
+
+    async def _read_holds(self) -> None:
+        try:
+            while self._holds:
+                asked, self._holds = sorted(self._holds), set()
+                try:
+                    state = await self.systemd.system_state()
+                except SystemdError as e:
+                    self.counters.error("dbus_call_errors")
+                    log.debug("cannot ask whether the host is going down: %s", e)
+                    self._holds.update(asked)  # asked again with the next hold
+                    return
+                self.holds_read(asked, state == "stopping")
+        finally:
+            self._asking = False
 
     def _take_audited(self, state: UnitState, suspect: tuple[UnitState, int] | None) -> None:
         """A state its signals did not tell is taken in when the next read still shows it and

@@ -223,6 +223,17 @@ class Tracker:
         self._shutdown_pending.clear()
         return True
 
+    def shutdown_announced(self) -> bool:
+        """Whether a job of a shutdown target was heard and has not ended."""
+        return bool(self._shutdown_pending)
+
+    def shutdown_read(self) -> None:
+        """systemd's SystemState says the host is going down, where no JobNew of a shutdown
+        target was heard: the bus lost it. Taken in as that JobNew would have been (a read
+        of the host as running, sent before, is not believed: `shutdown_unheard`)."""
+        self.shutting_down = True
+        self._shutdown_jobs += 1
+
     def job_removed(self, path: str, unit: str, result: str) -> bool:
         """Whether the unit's state must be read again: a job that changed nothing sends
         no PropertiesChanged."""
@@ -521,7 +532,9 @@ class Tracker:
         """`stopped`: the journal, or systemd's record of its main process, says a stop job
         ended it (stopjournal, `stopped_by_a_job`: asked at start-up of a unit that ended
         while no controller ran, whose jobs nobody saw)."""
-        if state.active == "failed" or state.sub == "auto-restart":
+        if state.sub == "auto-restart" or (
+            state.active == "failed" and not self._stopped_frozen(state.name, stopped)
+        ):
             return Outcome.FAILED
         if self.shutting_down or state.name in self._down_in_shutdown:
             # also where the shutdown was cancelled before its down could be told (our
@@ -533,6 +546,16 @@ class Tracker:
         if self.stopped_by_others(state.name) and state.name not in self._by_itself:
             return Outcome.STOPPED
         return Outcome.EXITED
+
+    def _stopped_frozen(self, name: str, stopped: bool) -> bool:
+        """Frozen or suspended by gpuslice, its processes could not end by themselves: a
+        stop of someone's ended it, also where its main process exited non-zero on the
+        SIGTERM (143 from a shell wrapper), which systemd records as failed. Held as any
+        unit stopped by hand: booked failed, the next boot cleared it, and refill started a
+        background unit someone had stopped. One killed with no stop job failed."""
+        if self.ledger.phase(name) not in (Phase.FROZEN, Phase.SUSPENDED):
+            return False
+        return stopped or (self.stopped_by_others(name) and name not in self._by_itself)
 
     def state(self, name: str) -> UnitState:
         return self.states.get(name, UnitState(name, "inactive", "dead", 0))

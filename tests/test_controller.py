@@ -4237,3 +4237,90 @@ def test_nothing_known_nothing_read(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert [c for c in bed.systemd.calls if c[0] == "units_state"] == []
 
     run(test)
+
+
+@pytest.mark.parametrize("system", ["stopping", "running"])
+def test_the_stops_of_a_shutdown_whose_jobnew_was_lost_are_no_holds(
+    tmp_path: Path, system: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bus lost reboot.target's JobNew: the shutdown's stop of bg.service looked like
+    someone's, and the hold it booked outlived the reboot (refill never started it again).
+    systemd's SystemState, read once a unit is held, says `stopping`: the hold is undone
+    and the host taken to go down. A hold while the host runs (`systemctl stop`) stands."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "active", "running")],
+        SavedState(holders={"bg.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    bed.systemd.system = system
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        job = "/org/freedesktop/systemd1/job/1"
+        ctl.on_job_new(1, job, "bg.service")  # the shutdown's stop (or a person's)
+        ctl.on_unit_changed(
+            "bg.service",
+            {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (1, job)},
+        )
+        ctl.on_job_removed(1, job, "bg.service", "done")
+        bed.systemd.units["bg.service"] = state("bg.service", "inactive", "dead")
+        dead = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("bg.service", dead)
+        await settle()
+        assert ("system-state", "") in bed.systemd.calls
+        assert ctl.scheduler.unconfirmed_holds == {}
+        down = system == "stopping"
+        assert ctl.scheduler.save().held == ([] if down else ["bg.service"])
+        assert ctl.tracker.shutting_down is down and ctl.scheduler.shutting_down is down
+        saved, _ = StateStore(Path(bed.config.state_dir)).load()
+        assert saved.held == ctl.scheduler.save().held  # saved as it is undone
+
+    run(test)
+    lost = [m for m in messages(caplog) if "not held" in m]
+    assert lost == (
+        [
+            "systemd says the host is going down, which no signal told (lost on the bus): "
+            "bg.service stopped with the shutdown, not held"
+        ]
+        if system == "stopping"
+        else []
+    )
+
+
+def test_a_hold_before_a_shutdown_heard_while_its_state_was_read_stands(
+    tmp_path: Path,
+) -> None:
+    """Someone stopped bg.service, then rebooted; reboot.target's JobNew is heard while the
+    SystemState read that follows the hold is out, and the read says `stopping`. The stop
+    came before the shutdown (a shutdown's jobs are announced before they run, and a down
+    after it is the shutdown's, never a hold): the hold stands across the reboot."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "active", "running")],
+        SavedState(holders={"bg.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    bed.systemd.system = "stopping"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        job = "/org/freedesktop/systemd1/job/1"
+        ctl.on_job_new(1, job, "bg.service")
+        ctl.on_unit_changed(
+            "bg.service",
+            {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (1, job)},
+        )
+        ctl.on_job_removed(1, job, "bg.service", "done")
+        bed.systemd.units["bg.service"] = state("bg.service", "inactive", "dead")
+        dead = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("bg.service", dead)
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")  # read is out
+        await settle()
+        assert ("system-state", "") in bed.systemd.calls
+        assert ctl.scheduler.save().held == ["bg.service"]
+        assert ctl.counters.errors["dbus_signals_lost"] == 0
+
+    run(test)

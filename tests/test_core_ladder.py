@@ -1667,3 +1667,107 @@ def test_a_unit_frozen_by_one_frozen_in_turn_at_a_gate_runs_again_at_once() -> N
     ]
     assert s.phase(u3.name) is Phase.RUNNING
     assert brief(s.schedule()) == []
+
+
+def test_no_waiter_is_served_while_the_host_goes_down() -> None:
+    """A gate that asked before the shutdown job was heard, or asks after it: nothing is
+    granted, and no unit is stopped, frozen or suspended for it. Its victim's preemption
+    raced the shutdown's stop (a suspend's checkpoint under the SIGTERM), and a grant
+    started a job the shutdown stopped at once. It waits, and the shutdown ends it; a
+    cancelled shutdown serves it."""
+    low = spec("low", 60, preempt="stop")
+    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
+    beside = spec("beside", 10, mem_gib=8)
+    for victim, expected in ((low, "stop low.service"), (VLM, f"suspend {V} 0")):
+        s = host(victim, VOICE)
+        running(s, victim)
+        assert s.set_shutting_down(True) == []
+        assert brief(s.request(VOICE)) == []
+        assert s.is_waiting(VO)
+        assert s.phase(victim.name) is Phase.RUNNING
+        assert brief(s.set_shutting_down(False)) == [expected]  # cancelled
+    s = host(emb, beside)
+    running(s, emb)
+    s.set_shutting_down(True)
+    assert brief(s.request(beside)) == []  # neither granted nor a freeze beside it
+    assert s.phase(emb.name) is Phase.RUNNING
+    assert brief(s.set_shutting_down(False)) == [f"grant {beside.name} 0", "freeze emb.service"]
+
+
+def test_a_victim_down_while_the_host_goes_down_grants_nothing() -> None:
+    """Its waiter asked before the shutdown: the victim's stop (ours, or the shutdown's that
+    joined it) frees its GPUs as the host goes down, and a grant then started a job the
+    shutdown stopped at once. A suspend done meanwhile grants nothing either."""
+    low = spec("low", 60, preempt="stop")
+    s = host(low, VOICE)
+    running(s, low)
+    assert brief(s.request(VOICE)) == ["stop low.service"]
+    s.set_shutting_down(True)
+    assert brief(s.inactive(low.name, Outcome.SHUTDOWN)) == []
+    assert s.is_waiting(VO)
+    assert list(s.save().preempted) == [low.name]
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    assert brief(s.request(VOICE)) == [f"suspend {V} 0"]
+    s.set_shutting_down(True)
+    assert brief(s.suspended_done(V, "")) == []
+    assert s.is_waiting(VO)
+    assert brief(s.set_shutting_down(False)) == [f"grant {VO} 0"]
+
+
+def test_a_place_kept_is_not_given_while_the_host_goes_down() -> None:
+    """A start known before its gate asked had its place kept; its gate asks as the host
+    goes down: it waits like any start (granted, its job began only to be stopped), and is
+    served once the shutdown is cancelled."""
+    s = host(VOICE)
+    assert brief(s.announce(VOICE)) == []
+    assert s.phase(VO) is Phase.STARTING
+    s.set_shutting_down(True)
+    assert brief(s.request(VOICE)) == []
+    assert s.is_waiting(VO)
+    assert brief(s.set_shutting_down(False)) == [f"grant {VO} 0"]
+
+
+def test_holds_the_shutdowns_stops_made_when_its_jobnew_was_lost_are_undone() -> None:
+    """The bus lost the shutdown target's JobNew: the tracker takes the shutdown's stops for
+    someone's, and the core books holds, which outlived the reboot (a background unit never
+    ran again until someone started it; a frozen unit lost its comeback). Once systemd
+    says the host is going down they are undone: a unit preempted while it ran (or being
+    stopped by gpuslice) is owed its comeback, one that ran is neither held nor owed. A
+    hold systemd confirmed (the host not going down) stands, as one booked again later."""
+    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
+    low = spec("low", 60, preempt="stop")
+    voice, urgent = spec("voice", 10, mem_gib=8), spec("urgent", 10)
+    s = host(emb, low, voice, urgent, gpus=[sized(0), sized(1)])
+    running(s, emb, low)
+    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    assert brief(s.request(urgent)) == ["stop low.service"]
+    for unit in (emb, low):
+        assert Code.HOLD in codes(s.inactive(unit.name, Outcome.STOPPED, not_ours=True))
+    assert s.holds_of_shutdown([low.name, emb.name, "other.service"]) == [emb.name, low.name]
+    assert s.save().held == []
+    assert sorted(s.save().preempted) == [emb.name, low.name]
+    s.set_shutting_down(True)
+    for unit in (voice, urgent):
+        s.inactive(unit.name, Outcome.SHUTDOWN)
+    after = host(emb, low, voice, urgent, gpus=[sized(0), sized(1)])
+    after.load(s.save())
+    after.forget_boot()
+    assert sorted(brief(after.schedule())) == ["start emb.service", "start low.service"]
+    bg = spec("bg", 80, BG)
+    s = host(bg)
+    running(s, bg)
+    s.inactive(bg.name, Outcome.STOPPED)
+    assert s.holds_of_shutdown([bg.name]) == [bg.name]
+    assert s.save().held == [] and s.save().preempted == {}
+    s.set_shutting_down(True)
+    after = host(bg)
+    after.load(s.save())
+    after.forget_boot()
+    assert brief(after.schedule()) == ["start bg.service"]
+    s.set_shutting_down(False)  # cancelled
+    running(s, bg)
+    s.inactive(bg.name, Outcome.STOPPED)
+    s.holds_confirmed([bg.name])
+    assert s.holds_of_shutdown([bg.name]) == []
+    assert s.save().held == [bg.name]

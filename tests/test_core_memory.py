@@ -466,3 +466,15 @@ def test_a_victim_holding_several_gpus_frees_them_all() -> None:
     s.request(unit("two", 90, None, devices=("3",)))
     stops = [a.unit for a in s.request(unit("top", 10, None, gpus=2)) if isinstance(a, Stop)]
     assert stops == ["wide.service"]
+
+
+def test_no_background_unit_yields_while_the_host_goes_down() -> None:
+    """The shutdown stops it anyway: a yield's stop only raced it. A cancelled shutdown
+    yields it then."""
+    bg = unit("bg", 90, 10, BG)
+    s = Scheduler([gpu(0)], {bg.name: bg})
+    settle_starts(s, list(s.schedule()))
+    s.set_shutting_down(True)
+    assert brief(s.set_gpus([gpu(0, foreign=2 * GIB, foreign_pids=(4242,))])) == []
+    assert s.phase(bg.name) is Phase.RUNNING
+    assert brief(s.set_shutting_down(False)) == ["stop bg.service"]

@@ -85,6 +85,8 @@ class Bed:
         def shutdown_over() -> None:
             self.shutdown_over += 1
 
+        self.holds: list[tuple[list[str], bool]] = []  # what each SystemState read told
+
         self.reads = Rereads(
             cast(Systemd, self.systemd),
             self.tracker,
@@ -93,6 +95,7 @@ class Bed:
             lambda: [UNIT],
             spawn,
             shutdown_over=shutdown_over,
+            holds_read=lambda units, down: self.holds.append((units, down)),
         )
 
     def signal(self, props: dict[str, Any]) -> None:
@@ -443,5 +446,37 @@ def test_an_audit_whose_answer_a_signal_outran_judges_nothing() -> None:
         assert bed.taken == []
         await bed.reads.audit()
         assert [unit for unit, _ in bed.taken] == [UNIT]
+
+    run(test)
+
+
+def test_a_hold_is_told_whether_the_host_was_going_down() -> None:
+    """systemd's SystemState is read once a unit is held (the bus may have lost the
+    shutdown's JobNew); units held while it is asked wait for one more read, not one each.
+    A read that fails counts, and its units are asked again with the next hold."""
+
+    async def test(bed: Bed) -> None:
+        asked: list[str] = []
+
+        def before() -> None:
+            asked.append(bed.systemd.system if isinstance(bed.systemd.system, str) else "!")
+            if len(asked) == 1:
+                bed.reads.hold_booked("b.service")
+                bed.reads.hold_booked("c.service")
+
+        bed.systemd.before_system = before
+        bed.reads.hold_booked(UNIT)
+        bed.reads.hold_booked(UNIT)
+        await turns(0)
+        assert bed.holds == [([UNIT], False), (["b.service", "c.service"], False)]
+        assert len(asked) == 2
+        bed.systemd.system = SystemdError("org.freedesktop.DBus.Error.NoReply", "no reply")
+        bed.reads.hold_booked("d.service")
+        await turns(0)
+        assert bed.counters.errors["dbus_call_errors"] == 1 and len(bed.holds) == 2
+        bed.systemd.system = "stopping"
+        bed.reads.hold_booked("e.service")
+        await turns(0)
+        assert bed.holds[2:] == [(["d.service", "e.service"], True)]
 
     run(test)

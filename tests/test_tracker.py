@@ -1329,3 +1329,60 @@ def test_a_unit_down_in_a_shutdown_told_after_its_cancel_is_the_shutdowns() -> N
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
         WentDown(A, Outcome.SHUTDOWN)
     ]
+
+
+@pytest.mark.parametrize("phase", [Phase.FROZEN, Phase.SUSPENDED])
+def test_a_frozen_or_suspended_unit_stopped_by_hand_that_fails_on_the_sigterm_is_held(
+    phase: Phase,
+) -> None:
+    """systemd thaws it, then its main process exits non-zero on the SIGTERM (143 from a
+    shell wrapper), and systemd records it failed. Its processes could not end by
+    themselves: someone's stop ended it, a hold as for any unit stopped by hand. Booked
+    failed, the next boot cleared it, and refill started a background unit someone had
+    stopped. Killed with no stop job, or waiting to restart, it failed as before; one that
+    ran is left to systemd's word (failed)."""
+    model = Model()
+    model.phases[A] = phase
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1))
+    down = tracker.unit_changed(A, props_of("failed", "failed", 0))
+    assert down == [WentDown(A, Outcome.STOPPED)]
+    start = UnitState(A, "failed", "failed", 0)
+    assert tracker.outcome(start, stopped=True) is Outcome.STOPPED  # the journal said, at start-up
+    assert tracker.outcome(start) is Outcome.FAILED
+    tracker.unit_changed(A, props_of("active", "running", 0))  # killed: no job
+    down = tracker.unit_changed(A, props_of("failed", "failed", 0))
+    assert down == [WentDown(A, Outcome.FAILED, by_itself=True)]
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2))
+    restarting = tracker.unit_changed(A, props_of("activating", "auto-restart", 0))
+    assert restarting == [WentDown(A, Outcome.FAILED)]
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 1))
+    assert tracker.unit_changed(A, props_of("failed", "failed", 0)) == [WentDown(A, Outcome.FAILED)]
+
+
+def test_a_shutdown_read_where_its_jobnew_was_lost_is_taken_in() -> None:
+    """SystemState `stopping` (Rereads.hold_booked): the units' downs from now on are the
+    shutdown's; an audit's read of the host running, sent before, is not believed; the
+    JobRemoved of its cancel, or a later read of the host running, ends it."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    stamp = tracker.shutdown_jobs_heard()
+    tracker.shutdown_read()
+    assert tracker.shutting_down is True
+    assert tracker.shutdown_unheard(stamp) is False and tracker.shutting_down is True
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.SHUTDOWN)]
+    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    assert tracker.shutting_down is False
+    tracker.shutdown_read()
+    assert tracker.shutdown_unheard(tracker.shutdown_jobs_heard()) is True
+    assert tracker.shutting_down is False

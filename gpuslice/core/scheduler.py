@@ -430,6 +430,10 @@ class Scheduler:
         self.start_retries: dict[str, bool] = {}
         self.suspended: dict[str, Suspended] = {}
         self.held: set[str] = set()
+        # holds booked while the host was taken to run, not yet confirmed by systemd's
+        # SystemState, each with whether the shutdown's end of it is owed a comeback: a
+        # shutdown whose JobNew the bus lost makes its stops someone's (`holds_of_shutdown`)
+        self.unconfirmed_holds: dict[str, bool] = {}
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         # units whose stop systemd refused: never chosen as victims again while they run
@@ -495,7 +499,13 @@ class Scheduler:
             # numbered anew while the controller was away, whose GPU now is one another
             # unit runs on (told by UUID). Granted again, its env file named that GPU and
             # two jobs shared it; its processes have not started: it waits like any start
-            if holder.phase is Phase.STARTING and holder.gpus and self._keeps_its_place(holder):
+            # not while the host goes down: it waits like any start (`schedule`)
+            if (
+                holder.phase is Phase.STARTING
+                and holder.gpus
+                and not self.shutting_down
+                and self._keeps_its_place(holder)
+            ):
                 holder.seq = holder.granted = self._next()  # the thrash rule counts from here
                 holder.phase = Phase.RUNNING
                 # a unit it freezes may have frozen others, which then run again (as at the
@@ -522,6 +532,7 @@ class Scheduler:
         self.learn(spec)
         self.dormant.discard(name)  # someone started it
         self.held.discard(name)
+        self.unconfirmed_holds.pop(name, None)
         self.finished.discard(name)
         self.failed.discard(name)
         self.wait_failed.discard(name)
@@ -613,6 +624,9 @@ class Scheduler:
             self.preempted[name] = self.out_since[name]
         elif outcome is Outcome.STOPPED:
             self.held.add(name)
+            self.unconfirmed_holds[name] = owed or (
+                holder is not None and holder.phase is Phase.STOPPING
+            )
             self.preempted.pop(name, None)
             actions.append(_log(self._about_name(name, Code.HOLD)))
         elif (
@@ -660,6 +674,7 @@ class Scheduler:
         self.preempted.pop(name, None)
         self.wait_failed.discard(name)  # a note on its preemption
         self.held.discard(name)
+        self.unconfirmed_holds.pop(name, None)
         self.finished.discard(name)
         self.failed.discard(name)
         self.out_since.pop(name, None)
@@ -1071,11 +1086,36 @@ class Scheduler:
 
     def set_shutting_down(self, down: bool) -> list[Action]:
         """Systemd queued the host's shutdown (or cancelled it). Meanwhile nothing is
-        started: each unit that goes down frees GPUs, and a preempted unit brought back then
-        had its start refused (the transaction is destructive), was taken for failed and,
-        its preemption forgotten, was never started again after the reboot."""
+        started, granted or preempted (`schedule`): each unit that goes down frees GPUs, and
+        a preempted unit brought back then had its start refused (the transaction is
+        destructive), was taken for failed and, its preemption forgotten, was never started
+        again after the reboot."""
         was, self.shutting_down = self.shutting_down, down
         return self.schedule() if was and not down else []
+
+    def holds_confirmed(self, names: Iterable[str]) -> None:
+        """systemd said the host was not going down after these holds were booked: they
+        were someone's stops, and stand."""
+        for name in names:
+            self.unconfirmed_holds.pop(name, None)
+
+    def holds_of_shutdown(self, names: Iterable[str]) -> list[str]:
+        """systemd says the host is going down, which no JobNew told (the bus lost it): the
+        stops that took these units down since were the shutdown's, not someone's. Not held,
+        as when the shutdown is heard (`inactive`): a hold outlived the reboot, and a
+        background unit never ran again until someone started it; one preempted while it
+        ran (or being stopped by gpuslice, or its comeback under way) lost its work with the
+        boot, and comes back after it (Requeue=). The units no longer held."""
+        freed: list[str] = []
+        for name in sorted(set(names)):
+            owed = self.unconfirmed_holds.pop(name, None)
+            if owed is None or name not in self.held:
+                continue
+            self.held.discard(name)
+            if owed:
+                self.preempted[name] = self.out_since[name]
+            freed.append(name)
+        return freed
 
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
         """Annotations were (re)read: apply new priorities. A unit no longer annotated whose
@@ -1211,10 +1251,15 @@ class Scheduler:
             return []
         # while the host goes down no frozen unit is thawed (see below)
         actions = [] if self.shutting_down else self._thaw()
-        actions += self._yield_to_foreign()
+        if not self.shutting_down:  # nor yields a unit: the shutdown stops it anyway
+            actions += self._yield_to_foreign()
         self._tops_cache = None
         promises = self._suspended_room()
-        queue = [(w.spec.priority, w.seq, w.spec.name) for w in self.waiters.values()]
+        # nor is a waiter served: the shutdown stops its unit anyway. Granted, its job began
+        # only to be stopped; its victims' stops, freezes and suspends raced the shutdown's
+        # stop of them (a checkpoint under the SIGTERM). A cancelled shutdown serves it
+        waiting = [] if self.shutting_down else self.waiters.values()
+        queue = [(w.spec.priority, w.seq, w.spec.name) for w in waiting]
         heapq.heapify(queue)
         self._view = None
         while queue:
@@ -1227,7 +1272,7 @@ class Scheduler:
                 heapq.heappush(queue, (again.spec.priority, again.seq, again.spec.name))
             self._displaced.clear()
         if self.shutting_down:
-            # nor is a suspended unit resumed, or a frozen one thawed: the shutdown ends it
+            # no suspended unit is resumed, or a frozen one thawed: the shutdown ends it
             # anyway, owed a comeback (`inactive`). Resumed or thawed first, its VRAM came
             # back for nothing, racing its stop, and it ended running: owed nothing
             return actions
