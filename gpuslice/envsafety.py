@@ -12,8 +12,9 @@ asr's `LD_PRELOAD=` runs in the gate's root shell (the dynamic loader acts befor
 can). So is a root-written `LD_LIBRARY_PATH=/home/asr/lib`: the loader takes asr's
 libc.so.6, and a root-written `LD_DEBUG_OUTPUT=/srv/asr/dbg` has the loader create files as
 root in whatever directory asr's symlink there leads to. Such a unit is not managed:
-`EnvFileChecker.check` says why, for each file, each loader variable (`LOADER_PATHS`) and
-each variable that names where the gate's programs write (`OUTPUT_PATHS`), and
+`EnvFileChecker.check` says why, for each file, each loader variable (`LOADER_PATHS`),
+each variable that names where the gate's programs write (`OUTPUT_PATHS`) and each with which
+they exit 0 at once, the gate passed without asking (`SKIPS_GATE`), and
 `annotations.Loader` makes that an error on the unit (no gate). A unit that runs as root is
 not checked there: its own processes already load what those paths name, as root (and write
 where they say, as root). A root directory or mount of any gated unit that replaces or
@@ -23,9 +24,11 @@ there would run as root, and a hidden bus or pipe holds the start for ever witho
 A file is root's alone when every component of its path, walked from / with symlinks followed
 (the link's directory, then its target's components), is owned by UID 0 and writable by no
 group but GID 0 (without an access ACL) and by no one else (a sticky world-writable directory
-such as /tmp included), and on no FUSE file system a user mounted (it shows whatever owner
-its program likes). A file that does not exist is fine when the deepest directory that does
-is root's alone, so that only root can make it. A path under `USER_TREES` is refused whatever
+such as /tmp included), on no FUSE file system a user mounted (it shows whatever owner
+its program likes) nor one whose kernel lets others write whatever it shows (`_UNCHECKED`),
+and at or under no mount point /etc/fstab lets users mount on (`user`: a USB stick of
+theirs). A file that does not exist is fine when the deepest directory that does is root's
+alone, so that only root can make it. A path under `USER_TREES` is refused whatever
 it holds, and nothing in it is looked at: users make files there, /home may not be mounted
 yet when systemd runs the generator at boot (its empty mount point looks like root's), and
 an automounted or network home that does not answer would hang the walk. Whatever cannot be
@@ -34,11 +37,12 @@ symlinks, a FIFO, a path longer than systemd takes) is refused too, with the rea
 
 Paths are system paths, looked up under the scan's root (tests use a temporary directory, as
 `unitfiles.UnitIndex` does). Only lstat(2), readlink(2), getxattr(2) and, for a loader
-directory, listdir are used; besides /proc/self/mountinfo, only an environment file is opened
-(O_NONBLOCK, so a FIFO cannot block), once the walk found it a regular file root's alone, to
-read its loader variables. A loader directory is root's alone with everything in it, at any
-depth (symlinks followed), at most `MAX_TREE` entries. Results are cached for the checker's
-life (one scan): 10,000 units that share one file cost one walk. Pure stdlib + `unitfiles`,
+directory, listdir are used; besides /proc/self/mountinfo and /etc/fstab (once per scan),
+only an environment file is opened (O_NONBLOCK, so a FIFO cannot block), once the walk found
+it a regular file root's alone, to read its loader variables. A loader directory is root's
+alone with everything in it, at any depth (symlinks followed), at most `MAX_TREE` entries.
+Results are cached for the checker's life (one scan): 10,000 units that share one file cost
+one walk. Pure stdlib + `unitfiles`,
 `envsyntax`, `paths`; `check` never raises.
 
 A file system elsewhere (NFS at /srv/nfs, /mnt, /data) may not answer either, and a hung
@@ -111,6 +115,11 @@ _WILDCARDS = "*?[\\"  # systemd globs EnvironmentFile= (glob(3) without flags: \
 # microseconds, a network file system whose server is gone never answers
 DEADLINE = 2.0
 MOUNTINFO = "/proc/self/mountinfo"  # which file system a path is on
+# where mount(8) lets users mount a file system of theirs (a USB stick, whose files show
+# whatever owner and mode they were made with elsewhere), at any time: the entries with one
+# of `USER_MOUNTS` among their options
+FSTAB = "/etc/fstab"
+USER_MOUNTS = frozenset({b"user", b"users", b"owner", b"group"})
 
 # The variables whose paths the gate's programs load code from as root before its script can
 # act: glibc's dynamic loader (every program: /bin/sh first), and the locale and gconv modules
@@ -143,8 +152,29 @@ OUTPUT_PATHS: dict[str, str] = {
     "LD_PROFILE_OUTPUT": "{}/LIBRARY.profile",
 }
 PROFILE_DIR = "/var/tmp"  # glibc's LD_PROFILE_OUTPUT where it is unset or empty (not secure)
+# The variables with which the gate's programs exit 0 at once, doing nothing: the gate's shell
+# then "succeeds" without asking, and a job they do not stop (a static binary) runs ungated,
+# on GPUs another job holds. glibc's loader lists the libraries of the program it was to run
+# (LD_TRACE_LOADED_OBJECTS, ldd's way: whatever its value, empty included) or LD_DEBUG's
+# options (`help` among them), and bash, /bin/sh on Fedora, RHEL and Arch, takes SHELLOPTS
+# from the environment, as sh too: with `noexec` it reads the gate without running it. Name
+# -> (the word that does it, "" for any value; the separators of the words, the program's).
+# Exported functions (BASH_FUNC_dbus-send%%=, which bash as sh imports) never get there:
+# systemd drops a name that is not letters, digits and `_` (envsyntax.is_env_name).
+SKIPS_GATE: dict[str, tuple[str, str]] = {
+    "LD_TRACE_LOADED_OBJECTS": ("", ""),
+    "LD_DEBUG": ("help", " ,:"),
+    "SHELLOPTS": ("noexec", ":"),
+}
+_SKIPS_HOW = {
+    "LD_TRACE_LOADED_OBJECTS": "glibc's loader lists a program's libraries and exits 0 "
+    "instead of running it, whatever the value",
+    "LD_DEBUG": "glibc's loader prints LD_DEBUG's options and exits 0 instead of running "
+    "the program",
+    "SHELLOPTS": "a /bin/sh that is bash reads the gate without running it, and exits 0",
+}
 # every variable `check` works out the value of
-_WATCHED = frozenset({*LOADER_PATHS, *OUTPUT_PATHS, "LD_PROFILE"})
+_WATCHED = frozenset({*LOADER_PATHS, *OUTPUT_PATHS, *SKIPS_GATE, "LD_PROFILE"})
 MAX_TREE = 10_000  # entries of a loader directory and its subdirectories, walked per scan
 MAX_ENV_FILE = MAX_FILE_SIZE  # systemd reads more; no real environment file comes near it
 # What the gate (its PATH's programs, their libraries and the loader's own files, the bus,
@@ -276,6 +306,7 @@ FIX_LOADER = (
     "named by an absolute path"
 )
 FIX_OUTPUT = "until it names, by an absolute path, a place only root can change"
+FIX_SKIPS = "until its environment does not set it so"
 FIX_MOUNT = "until none of its mounts lands on, in or above a path the gate uses"
 FIX_DESTINATION = (
     "until each bind lands on a path only root can change (or on its own source, which shows "
@@ -534,6 +565,8 @@ class _MountTable:
         self._points: set[str] | None = None
         # FUSE file systems a user mounted (`_user_mounts`), by mount point, as last read
         self.users: dict[str, int] = {}
+        # file systems whose kernel does not check what their files show (`_unchecked_mounts`)
+        self.unchecked: dict[str, str] = {}
 
     def points(self) -> set[str] | None:
         if self._poll is None:
@@ -558,6 +591,7 @@ class _MountTable:
         if table is None:
             return None
         self.users = _user_mounts(table, self._root)
+        self.unchecked = _unchecked_mounts(table, self._root)
         return _mount_points(table, self._root) - {"/"}
 
     def changed(self) -> bool:
@@ -593,6 +627,8 @@ class EnvFileChecker:
         # directories found root's alone, by their path without symlinks: a walk to a file in
         # one starts there (10,000 files in one directory: one walk of its parents)
         self._safe_dirs: set[str] = set()
+        # where users may mount a file system of theirs (`_fstab_points`), read at the first walk
+        self._fstab: frozenset[str] | None = None
         # mount points (system paths) of file systems where a call did not answer (`_Unanswered`)
         self._unanswered: list[str] = []
         self._caller = _Caller()
@@ -778,6 +814,15 @@ class EnvFileChecker:
         is refused, or None when only root can change what it names."""
         where = f" (set in {printable(file)})" if file else ""
         said = f"{name}={printable(value, 200)}{where}"
+        if name in SKIPS_GATE:
+            word, separators = SKIPS_GATE[name]
+            if word and word not in re.split(f"[{re.escape(separators)}]", value):
+                return None
+            return Refusal(
+                f"{said}: {_SKIPS_HOW[name]}, so gpuslice's gate would let the start through "
+                "without asking for its GPUs",
+                FIX_SKIPS,
+            )
         if name not in LOADER_PATHS:
             return self._output_refusal(name, value, said)
         if value == "":
@@ -1037,6 +1082,7 @@ class EnvFileChecker:
         someone but root can change it or a directory on the way (`_component`), or it is
         no regular file (unless `any_kind`)."""
         shown = printable(path)
+        fstab = self._user_mount_points()
         # refused whatever it holds, so nothing in a user tree is looked at: an lstat there
         # may go through an automounted or network home that does not answer, and hang the
         # generator (and the scans) on it
@@ -1078,6 +1124,13 @@ class EnvFileChecker:
             # the walk goes through every directory above: meeting the tree itself is enough
             if here in USER_TREES:
                 return _in_user_tree(shown, here, here)
+            if here in fstab:
+                return Refusal(
+                    f"{_subject(shown, here, via, not parts)} is where {FSTAB} lets users mount "
+                    "a file system of theirs (user, users, owner or group), whose files show "
+                    "whatever owner they were made with",
+                    FIX_TREE,
+                )
             st = self._lstat(here)
             if isinstance(st, _Unanswered):
                 return _no_answer(shown, st)
@@ -1090,6 +1143,11 @@ class EnvFileChecker:
                     f"{_subject(shown, here, via, not parts)} is a FUSE file system that UID "
                     f"{self._mounts.users[here]} mounted, whose files show whatever owner "
                     "its program likes",
+                    FIX_OWNERS,
+                )
+            if here in self._mounts.unchecked:
+                return Refusal(
+                    f"{_subject(shown, here, via, not parts)} is {self._mounts.unchecked[here]}",
                     FIX_OWNERS,
                 )
             if isinstance(st, OSError):
@@ -1142,6 +1200,24 @@ class EnvFileChecker:
                 f"{_subject(shown, current, via, True)} is {kind}, not a regular file", FIX_PATH
             )
         return _Reached(current or "/", st)
+
+    def _user_mount_points(self) -> frozenset[str]:
+        """The mount points of `FSTAB` that users may mount on (`_fstab_points`), as written
+        and with their directory's symlinks followed (mount(8) follows them; the mount point
+        itself is not looked at: a network file system there may not answer), read once per
+        scan; none when it cannot be read."""
+        if self._fstab is None:
+            self._fstab = frozenset()  # the walks of their directories below see none
+            answer = self._ask(_read_head, FSTAB)
+            written = _fstab_points(answer) if isinstance(answer, bytes) else frozenset()
+            found = set(written)
+            for point in written:
+                head, _, name = point.rpartition("/")
+                reached = self._resolve(head or "/", True)
+                if isinstance(reached, _Reached):
+                    found.add(f"{reached.real.rstrip('/')}/{name}")
+            self._fstab = frozenset(found)
+        return self._fstab
 
     def _component(
         self, shown: str, here: str, st: os.stat_result, via: str, last: bool
@@ -1232,6 +1308,25 @@ def _mount_of(path: str, points: set[str]) -> str | None:
     return None
 
 
+def _fstab_points(text: bytes) -> frozenset[str]:
+    """The mount points (system paths, `.` and `..` taken away as written) of the entries of
+    `text` (fstab(5): blank-separated fields, `\\ooo` escapes, `#` comments) that mount(8)
+    lets users mount: one of `USER_MOUNTS` among their options."""
+    found: set[str] = set()
+    for line in text.split(b"\n"):
+        fields = line.split()
+        if len(fields) < 4 or fields[0].startswith(b"#"):
+            continue
+        if USER_MOUNTS.isdisjoint(fields[3].split(b",")):
+            continue
+        point = os.fsdecode(
+            _MOUNTINFO_MANGLED.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), fields[1])
+        )
+        if point.startswith("/") and "\0" not in point:
+            found.add(os.path.normpath("/" + point.lstrip("/")))
+    return frozenset(found)
+
+
 def _read_mount_table(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -1272,6 +1367,48 @@ def _user_mounts(table: bytes, root: str) -> dict[str, int]:
             if name == b"user_id" and value.isdigit() and int(value) != 0:
                 found[point.pop()] = int(value)
                 break
+    return found
+
+
+_FUSE_DECIDES = "whose program, not the kernel, decides who writes there, whatever owner it shows"
+_ANYONE_WRITES = "where the kernel lets anyone write, whatever owner and mode it shows"
+# File systems whose kernel lets users write whatever owner and mode their files show, even
+# mounted by root: (type, a prefix where it ends with `.`; the option that makes it so; an
+# option that undoes it, "" for none; its name and what it does, as a refusal says them). A
+# root FUSE that lets others in (allow_other) without default_permissions leaves each access
+# to its program (sshfs lets anyone write as its remote user), cifs noperm lets everyone (the
+# server checks the mount's credentials), ntfs3 noacsrules too. Other owner options (vfat,
+# exfat, ntfs3, cifs `uid=`, `gid=`, `umask=`; a vfat a user mounted takes the user as its
+# owner) are what the kernel shows on each file and checks: judged by what it shows.
+_UNCHECKED: tuple[tuple[bytes, bytes, bytes, str, str], ...] = (
+    (b"fuse", b"allow_other", b"default_permissions", "FUSE", _FUSE_DECIDES),
+    (b"fuse.", b"allow_other", b"default_permissions", "FUSE", _FUSE_DECIDES),
+    (b"fuseblk", b"allow_other", b"default_permissions", "FUSE", _FUSE_DECIDES),
+    (b"cifs", b"noperm", b"", "cifs", _ANYONE_WRITES),
+    (b"smb3", b"noperm", b"", "smb3", _ANYONE_WRITES),
+    (b"ntfs3", b"noacsrules", b"", "ntfs3", _ANYONE_WRITES),
+)
+
+
+def _unchecked_mounts(table: bytes, root: str) -> dict[str, str]:
+    """The file systems in `table` (/proc/self/mountinfo) at or under `root` whose kernel lets
+    other users write whatever owner and mode their files show (`_UNCHECKED`), by mount
+    point (system paths), with what a refusal says of each."""
+    found: dict[str, str] = {}
+    for line in table.split(b"\n"):
+        fields = line.partition(b" - ")[2].split(b" ")  # type, source, options
+        if len(fields) < 3:
+            continue
+        options = fields[2].split(b",")
+        for kind, option, undone, name, why in _UNCHECKED:
+            if fields[0] != kind and not (kind.endswith(b".") and fields[0].startswith(kind)):
+                continue
+            if option in options and not (undone and undone in options):
+                point = _mount_points(line, root)  # none, or this line's
+                if point:
+                    said = option.decode() + (f" without {undone.decode()}" if undone else "")
+                    found[point.pop()] = f"a {name} file system mounted {said}, {why}"
+            break
     return found
 
 

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import pytest
 
-from gpuslice import envsafety
+from gpuslice import envsafety, envsyntax
 from gpuslice.annotations import Problem, load_spec, scan
 from gpuslice.envsafety import FIX_OWNERS, FIX_PATH, FIX_TREE, EnvFileChecker, Refusal, RunAs
 from gpuslice.unitfiles import Entry
@@ -1183,6 +1183,53 @@ def test_a_loader_path_in_an_environment_file_only_root_can_change(root: Path) -
     assert errors(root, "missing.service") == []
 
 
+def test_a_variable_with_which_the_gate_exits_0_without_asking_is_refused(root: Path) -> None:
+    """LD_TRACE_LOADED_OBJECTS (any value, empty too) and LD_DEBUG=help have glibc's loader
+    exit 0 instead of running the gate's /bin/sh, and SHELLOPTS=noexec a /bin/sh that is bash
+    read the gate without running it: the start went on without asking, a static job ran
+    ungated. Other LD_DEBUG and SHELLOPTS values, and what UnsetEnvironment= takes away, are
+    fine."""
+    put(root, "/etc/asr/asr.env", "LD_TRACE_LOADED_OBJECTS=\n")
+    cases = {
+        # name: (lines, refused)
+        "trace.service": (["Environment=LD_TRACE_LOADED_OBJECTS=1"], True),
+        "trace-0.service": (["Environment=LD_TRACE_LOADED_OBJECTS=0"], True),
+        "trace-file.service": (["EnvironmentFile=/etc/asr/asr.env"], True),
+        "trace-unset.service": (
+            ["Environment=LD_TRACE_LOADED_OBJECTS=1", "UnsetEnvironment=LD_TRACE_LOADED_OBJECTS"],
+            False,
+        ),
+        "help.service": (["Environment=LD_DEBUG=libs,help"], True),
+        "help-spaced.service": (['Environment="LD_DEBUG=files help"'], True),
+        "debug.service": (["Environment=LD_DEBUG=libs,helper"], False),
+        "noexec.service": (["Environment=SHELLOPTS=xtrace:noexec"], True),
+        "xtrace.service": (["Environment=SHELLOPTS=xtrace"], False),
+    }
+    for name, (lines, _) in cases.items():
+        install(root, name, "User=asr", *lines)
+    refused = {name for name in cases if errors(root, name)}
+    assert refused == {name for name, (_, bad_one) in cases.items() if bad_one}
+    assert errors(root, "trace-file.service") == [
+        f"{ETC}/trace-file.service:5: [Service] EnvironmentFile: LD_TRACE_LOADED_OBJECTS= (set "
+        "in /etc/asr/asr.env): glibc's loader lists a program's libraries and exits 0 instead "
+        "of running it, whatever the value, so gpuslice's gate would let the start through "
+        f"without asking for its GPUs; {GATE} trace-file.service until its environment does "
+        "not set it so"
+    ]
+    [error] = errors(root, "noexec.service")
+    assert "a /bin/sh that is bash reads the gate without running it, and exits 0" in error
+
+
+def test_exported_shell_functions_never_reach_the_gate() -> None:
+    """bash, /bin/sh on Fedora, RHEL and Arch, imports BASH_FUNC_NAME%%= as a function, which
+    overrides the gate's dbus-send; systemd drops such names from Environment= and
+    EnvironmentFile= (env-util.c's env_name_is_valid: letters, digits and `_`), so gpuslice
+    need not look for them."""
+    for word in ("BASH_FUNC_dbus-send%%=() { :; }", "BASH_FUNC_sleep()=() { :; }"):
+        assert envsyntax.assignment(word) is None
+    assert envsyntax.assignment("BASH_FUNC_x=1") == ("BASH_FUNC_x", "1")  # a plain variable
+
+
 def test_a_large_environment_file_many_units_share_is_read_once(root: Path) -> None:
     """100,000 assignments, 3,000 units: each unit went through all of them (300 million
     steps, tens of seconds of a scan or the generator at boot); now one pass per scan."""
@@ -1754,6 +1801,156 @@ def test_the_fuse_mounts_of_users_in_the_mount_table() -> None:
         b"68 22 0:68 / /r/i rw fuse.x x rw,user_id=1005\n"
     )
     assert envsafety._user_mounts(table, "/r") == {"/a": 1000, "/b": 1001, "/c": 1002}
+
+
+def test_file_systems_whose_kernel_does_not_check_what_they_show_in_the_mount_table() -> None:
+    """Mounted by root all the same: a FUSE that lets others in (allow_other) without
+    default_permissions, cifs or smb3 noperm, ntfs3 noacsrules. Owner options the kernel shows
+    and checks (vfat, cifs uid=), the option elsewhere than in the super block's options (the
+    source, the mount's own), and lines the kernel would not write, are not; a mount point
+    with the kernel's escapes, and a line of a megabyte, are read as any."""
+    long = b"x" * (1 << 20)
+    table = (
+        b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        b"60 22 0:60 / /r/a rw - fuse.sshfs h:/ rw,user_id=0,group_id=0,allow_other\n"
+        b"61 22 0:61 / /r/b rw - fuse.sshfs h:/ rw,user_id=0,default_permissions,allow_other\n"
+        b"62 22 0:62 / /r/c rw - fuse.sshfs h:/ rw,user_id=0,group_id=0\n"
+        b"63 22 0:63 / /r/d\\040e rw shared:3 - fuseblk /dev/sdb1 rw,allow_other,\n"
+        b"64 22 0:64 / /r/f rw - cifs //nas/x rw,vers=3.1.1,noperm,uid=0\n"
+        b"65 22 0:65 / /r/g rw - cifs //nas/x rw,uid=1000,forceuid,file_mode=0755\n"
+        b"66 22 0:66 / /r/h rw - smb3 //nas/noperm rw,noperm\n"
+        b"67 22 0:67 / /r/i rw - ntfs3 /dev/sdc1 rw,uid=0,noacsrules\n"
+        b"68 22 0:68 / /r/j rw - vfat /dev/sdd1 rw,uid=1000,gid=1000,fmask=0022\n"
+        b"69 22 0:69 / /r/k rw - ext4 /dev/sde1 rw,noperm,allow_other\n"
+        b"70 22 0:70 / /r/l rw - cifs //nas/noperm rw,uid=0\n"
+        b"71 22 0:71 / /r/m rw,noperm - cifs //nas/x rw\n"
+        b"72 22 0:72 / /q/n rw - cifs //nas/x rw,noperm\n"
+        b"73 22 0:73 / /r/o rw cifs //nas/x rw,noperm\n"
+        b"74 22 0:74 / /r/p rw - fuse x rw,allow_other," + long + b"\n"
+        b"75 22 0:75 / /r/" + long + b" rw - cifs //nas/x rw,noperm\n"
+    )
+    found = envsafety._unchecked_mounts(table, "/r")
+    fuse = "whose program, not the kernel, decides who writes there, whatever owner it shows"
+    anyone = "where the kernel lets anyone write, whatever owner and mode it shows"
+    assert found == {
+        "/a": f"a FUSE file system mounted allow_other without default_permissions, {fuse}",
+        "/d e": f"a FUSE file system mounted allow_other without default_permissions, {fuse}",
+        "/f": f"a cifs file system mounted noperm, {anyone}",
+        "/h": f"a smb3 file system mounted noperm, {anyone}",
+        "/i": f"a ntfs3 file system mounted noacsrules, {anyone}",
+        "/p": f"a FUSE file system mounted allow_other without default_permissions, {fuse}",
+        "/" + long.decode(): f"a cifs file system mounted noperm, {anyone}",
+    }
+
+
+def test_a_file_system_whose_kernel_does_not_check_what_it_shows_is_no_root_directory(
+    root: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """root's sshfs with allow_other and without default_permissions on /srv/nas showed
+    root's 0755, and any user wrote there as its remote user: asr's job.env passed for
+    root's. With default_permissions the kernel checks what it shows."""
+    for name in ("nas", "checked"):
+        put(root, f"/srv/{name}/job.env")
+        install(root, f"{name}.service", "User=asr", f"EnvironmentFile=/srv/{name}/job.env")
+    mountinfo = tmp_path_factory.mktemp("proc") / "mountinfo"
+    mountinfo.write_bytes(
+        b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        + f"60 22 0:60 / {root}/srv/nas rw - fuse.sshfs h:/ "
+        "rw,user_id=0,group_id=0,allow_other\n"
+        f"61 22 0:61 / {root}/srv/checked rw - fuse.sshfs h:/ "
+        "rw,user_id=0,group_id=0,default_permissions,allow_other\n".encode()
+    )
+    monkeypatch.setattr(envsafety, "MOUNTINFO", str(mountinfo))
+    assert errors(root, "nas.service") == [
+        f"{ETC}/nas.service:5: [Service] EnvironmentFile: /srv/nas/job.env: its directory "
+        "/srv/nas is a FUSE file system mounted allow_other without default_permissions, "
+        "whose program, not the kernel, decides who writes there, whatever owner it shows; "
+        f"{GATE} nas.service until only root can change that file and its directories"
+    ]
+    assert errors(root, "checked.service") == []
+
+
+def test_where_fstab_lets_users_mount_a_file_system_of_theirs_is_no_root_directory(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/etc/fstab's `user` (or `users`, `owner`, `group`) lets asr mount a USB stick on
+    /mnt/usb whenever they like: its files show whatever owner they were made with elsewhere
+    (root's), and the empty mount point looked root's at the scan. A path there is refused,
+    one a symlink leads there too (mount(8) follows the fstab's symlinks), whether or not it
+    is mounted; an entry users may not mount is judged by what it shows."""
+    put(
+        root,
+        "/etc/fstab",
+        "# <file system> <mount point> <type> <options> <dump> <pass>\n"
+        "UUID=1 / ext4 errors=remount-ro 0 1\n"
+        "/dev/sdb1 /mnt/usb auto noauto,user 0 0\n"
+        "/dev/sdc1\t/srv/link/stick  vfat  users,noauto  0  0\n"
+        "/dev/sdd1 /mnt/data ext4 defaults,nouser 0 2\n",
+    )
+    put(root, "/mnt/usb/job.env")
+    put(root, "/mnt/data/job.env")
+    (root / "data/stick").mkdir(parents=True)
+    link(root, "/srv/link", "/data")
+    link(root, "/etc/asr/usb", "/mnt/usb")
+    cases = {
+        "usb.service": "/mnt/usb/job.env",
+        "missing.service": "-/mnt/usb/none/job.env",
+        "linked.service": "-/data/stick/job.env",
+        "through.service": "/etc/asr/usb/job.env",
+        "data.service": "/mnt/data/job.env",
+    }
+    for name, path in cases.items():
+        install(root, name, "User=asr", f"EnvironmentFile={path}")
+    refused = {name for name in cases if errors(root, name)}
+    assert refused == set(cases) - {"data.service"}
+    assert errors(root, "usb.service") == [
+        f"{ETC}/usb.service:5: [Service] EnvironmentFile: /mnt/usb/job.env: its directory "
+        "/mnt/usb is where /etc/fstab lets users mount a file system of theirs (user, users, "
+        f"owner or group), whose files show whatever owner they were made with; {GATE} "
+        "usb.service until it names a file elsewhere, that only root can change"
+    ]
+    # the mount points themselves are not looked at: a network file system there that does
+    # not answer would cost every scan a deadline
+    put(root, "/etc/asr/ok.env")
+    looked: list[str] = []
+    real_lstat = os.lstat
+
+    def lstat(path: str, *args: object, **kwargs: object) -> os.stat_result:
+        looked.append(os.fspath(path))
+        return real_lstat(path)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    assert EnvFileChecker(root).refusal("x.service", "/etc/asr/ok.env") is None
+    assert f"{root}/srv/link" in looked
+    assert f"{root}/mnt/usb" not in looked and f"{root}/data/stick" not in looked
+
+
+def test_the_entries_of_fstab_that_users_may_mount() -> None:
+    """fstab(5): blank-separated fields, `\\ooo` escapes, `#` comments; `user`, `users`,
+    `owner` or `group` among the options (not `nouser`, nor cifs's `user=NAME`), mount points
+    as systemd simplifies them, and lines too short or too long are read as any."""
+    long = b"x" * (1 << 20)
+    text = (
+        b"# /dev/sdz /mnt/comment auto user 0 0\n"
+        b"/dev/sda /mnt/a auto user 0 0\n"
+        b"/dev/sdb\t/mnt/b\\040c auto noauto,users\n"
+        b"/dev/sdc //mnt//d/./ auto owner\n"
+        b"/dev/sdd /mnt/e/../f auto rw,group,noexec\n"
+        b"/dev/sde /mnt/g auto nouser\n"
+        b"//nas/x /mnt/h cifs user=asr,noauto\n"
+        b"/dev/sdf /mnt/i auto\n"
+        b"/dev/sdg relative auto user\n"
+        b"/dev/sdh /mnt/" + long + b" auto user\n"
+        b"/dev/sdi /mnt/j auto " + long + b",user\n"
+    )
+    assert envsafety._fstab_points(text) == {
+        "/mnt/a",
+        "/mnt/b c",
+        "/mnt/d",
+        "/mnt/f",
+        "/mnt/" + long.decode(),
+        "/mnt/j",
+    }
 
 
 def test_the_mount_table_as_the_kernel_writes_it() -> None:
