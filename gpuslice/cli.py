@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +70,13 @@ RELEASE_DEADLINE = 120.0
 # remove` no longer than that per frozen unit
 THAW_TIMEOUT = 60.0
 THAW_LATE = 5.0
+# A `systemctl show` is given this long at most. release-jobs shows the preempted units (each
+# an instance per job: thousands) SHOW_AT_ONCE to a call (argv stays far below its limits),
+# within what is left of RELEASE_DEADLINE, at least SHOW_LATE: one call each, 30 s each,
+# held `apt remove` for minutes
+SHOW_TIMEOUT = 30.0
+SHOW_AT_ONCE = 500
+SHOW_LATE = 5.0
 # how long a gpuslice command waits for the bus: a connection to be made (a bus daemon that
 # takes it and never authenticates it), a call to be answered (the controller's Status,
 # Plan, Reload; systemd saying when it started, for release-jobs, which `apt remove` waits on)
@@ -342,8 +349,16 @@ def _release_stopped(config_path: str, deadline: float) -> None:
     settings = CheckpointSettings.from_config(config)
     thawed: list[str] = []
     resumed: dict[str, Phase] = {}  # in the order done: running again, or being stopped
-    for unit in sorted(to_thaw | suspended | preempted, key=order):
-        shown = _unit_state(unit)
+    units = sorted(to_thaw | suspended | preempted, key=order)
+    only_preempted = [u for u in units if u not in to_thaw and u not in suspended]
+    states: dict[str, dict[str, str]] | None = None
+    for unit in units:
+        if unit in to_thaw or unit in suspended:  # few; each read as it is acted on
+            shown = _unit_state(unit)
+        else:
+            if states is None:  # last in the order: shown together, once the rest is done
+                states = _unit_states(only_preempted, max(deadline, time.monotonic() + SHOW_LATE))
+            shown = states.get(unit, {})
         frozen = shown.get("FreezerState") in ("frozen", "freezing")
         where = f"gpuslice is being removed: {printable(unit, 300)}"
         if unit in suspended and shown.get("ActiveState") == "active":
@@ -388,6 +403,14 @@ def _release_stopped(config_path: str, deadline: float) -> None:
                 f"`systemctl start {printable(unit, 300)}` if it is still wanted",
                 err=True,
             )
+    unshown = [u for u in only_preempted if states is not None and not states.get(u)]
+    if unshown:
+        click.echo(
+            f"gpuslice is being removed: {len(unshown)} more units were preempted (the first "
+            f"{printable(unshown[0], 300)}), which systemctl did not show within release-jobs' "
+            f"{RELEASE_DEADLINE:g} s: nothing will start again those of them that are down",
+            err=True,
+        )
     _record_released(store, saved_boot, saved, _released(saved, thawed, resumed))
 
 
@@ -671,19 +694,57 @@ class _LadderOutcome:
         return []
 
 
-def _unit_state(unit: str) -> dict[str, str]:
+def _unit_state(unit: str, timeout: float = SHOW_TIMEOUT) -> dict[str, str]:
     """The unit's ActiveState and FreezerState as systemctl shows them ({} if it cannot)."""
+    shown = _show([unit], timeout)
+    return shown[0] if shown else {}
+
+
+def _unit_states(units: Sequence[str], deadline: float) -> dict[str, dict[str, str]]:
+    """Each unit's ActiveState and FreezerState as systemctl shows them ({} if it cannot),
+    SHOW_AT_ONCE units to a `systemctl show`, until `deadline`: units left unasked then are
+    left out. systemctl prints a block per unit, in the order named; a name it refuses fails
+    the whole call (`is_valid_unit_name` is near enough, not systemd's own), and such a
+    call's units are asked one by one."""
+    states: dict[str, dict[str, str]] = {}
+    for start in range(0, len(units), SHOW_AT_ONCE):
+        chunk = units[start : start + SHOW_AT_ONCE]
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        shown = _show(chunk, min(SHOW_TIMEOUT, left))
+        if shown is None:  # it did not answer (or is not there): nor would one by one
+            states.update({unit: {} for unit in chunk})
+        elif len(shown) == len(chunk):
+            states.update(zip(chunk, shown, strict=True))
+        else:
+            for unit in chunk:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return states
+                states[unit] = _unit_state(unit, min(SHOW_TIMEOUT, left))
+    return states
+
+
+def _show(units: Sequence[str], timeout: float) -> list[dict[str, str]] | None:
+    """What `systemctl show` prints of these units' ActiveState and FreezerState, whatever its
+    exit status: a block each, blank-line separated; None if it ran out of `timeout` or could
+    not run."""
+    command = ["systemctl", "show", "-p", "ActiveState", "-p", "FreezerState", "--", *units]
     try:
-        shown = subprocess.run(
-            ["systemctl", "show", "-p", "ActiveState", "-p", "FreezerState", "--", unit],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=30,
+        text = subprocess.run(
+            command, capture_output=True, text=True, check=False, timeout=timeout
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return {}
-    return {key: value for key, _, value in (line.partition("=") for line in shown.splitlines())}
+        return None
+    blocks: list[dict[str, str]] = [{}]
+    for line in text.splitlines():
+        if line:
+            key, _, value = line.partition("=")
+            blocks[-1][key] = value
+        else:
+            blocks.append({})
+    return blocks
 
 
 async def _call_status(address: str | None) -> str:

@@ -175,13 +175,25 @@ THIS_BOOT_RECORD = Path(BOOT_RECORD)
 START_EXTENSION = 90.0
 # Phases of a holder whose end, found down at start-up, is asked of the journal, or read from
 # systemd's record of its main process (Controller._stopped_while_away): a unit gpuslice was
-# stopping is preempted however it went down, and a suspended one is held already (frozen,
-# it cannot have ended).
+# stopping is preempted however it went down, and a suspended one found inactive is held
+# already (frozen, it cannot have ended).
 _READ_IF_DOWN = frozenset({Phase.RUNNING, Phase.STARTING, Phase.FROZEN})
+# ... and of a unit found failed: frozen or suspended, one whose main process exited non-zero
+# on a stop's SIGTERM (143) is held, not failed, where a stop job ended it
+# (Tracker._stopped_frozen); any other that failed failed.
+_READ_IF_FAILED = frozenset({Phase.FROZEN, Phase.SUSPENDED})
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
 # stopjournal.ask: whether systemd's journal shows a stop job ending each unit's last run.
 AskJournal = Callable[[Sequence[str]], Awaitable[Mapping[str, stopjournal.Answer]]]
+
+
+def _end_asked(phase: Phase | None, active: str) -> bool:
+    """Whether the end of a unit in this phase, found down with no job at start-up (one
+    systemd unloaded shows inactive), is asked of the journal (`_stopped_while_away`)."""
+    return (phase in _READ_IF_DOWN and active == "inactive") or (
+        phase in _READ_IF_FAILED and active == "failed"
+    )
 
 
 async def _raising(error: Exception) -> str:
@@ -604,24 +616,31 @@ class Controller:
         itself, as while a controller runs); where it cannot tell, systemd's record of the
         main process of a loaded unit (`stopped_by_a_job`). Asked of those few only; an
         answer that fails, or that a signal of the unit overtook, leaves the unit to be
-        taken as it was before (finished). Scheduling is deferred meanwhile: a timer's
-        sample decides nothing before _rebuild."""
+        taken as it was before (finished). A frozen or suspended unit found failed is asked
+        of too (`_READ_IF_FAILED`): stopped by hand, it is held as while a controller runs.
+        Scheduling is deferred meanwhile: a timer's sample decides nothing before _rebuild."""
         core = self.scheduler
         names = [
             name
-            for name in sorted(core.grants())
-            if core.phase(name) in _READ_IF_DOWN
-            and name.endswith(".service")
-            and self.tracker.state(name).active == "inactive"  # unloaded: inactive, no job
+            for name in sorted(core.grants().keys() | set(core.suspended_units()))
+            if name.endswith(".service")
             and classify(self.tracker.state(name)) is Kind.DOWN
+            and _end_asked(core.phase(name), self.tracker.state(name).active)
         ]
         if not names:
             return set()
         heard = {name: self.tracker.heard(name) for name in names}
         with core.deferred():
             told = await self._ask_journal(names)
-            # loaded: systemd unloaded the others with their record (a Get loads one anew)
-            unknown = [n for n in names if told.get(n) is None and n in self.tracker.states]
+            # loaded: systemd unloaded the others with their record (a Get loads one anew);
+            # inactive: the record tells no failed one stopped (`stopped_by_a_job`)
+            unknown = [
+                n
+                for n in names
+                if told.get(n) is None
+                and n in self.tracker.states
+                and self.tracker.state(n).active == "inactive"
+            ]
             found = await asyncio.gather(*(self._main_exit(name) for name in unknown))
         mains = dict(zip(unknown, found, strict=True))
         stopped: set[str] = set()
@@ -711,7 +730,8 @@ class Controller:
             for name in self.scheduler.suspended_units():  # stopped by hand while we were away
                 state = self.tracker.state(name)
                 if classify(state) is Kind.DOWN or self._started_again(name, state):
-                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
+                    outcome = self.tracker.outcome(state, stopped=name in stopped)
+                    actions += self.scheduler.inactive(name, outcome)
             for name in self.scheduler.requeued_away():
                 # a comeback whose wait at its gate ended while we were away (its
                 # TimeoutStartSec=): owed as before, not forgotten with its start

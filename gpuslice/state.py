@@ -53,7 +53,7 @@ from gpuslice.core.model import PRIORITY_MAX, UnitKind
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.paths import STATE_FILE_NAME
 from gpuslice.sizes import SIZE_MAX
-from gpuslice.unitfiles import is_valid_unit_name, printable
+from gpuslice.unitfiles import is_template, is_valid_unit_name, printable
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -137,7 +137,7 @@ def _is_int(value: object, low: int, high: int) -> bool:
 
 def _is_unit(value: object) -> bool:
     """A valid name of a concrete unit: `foo@.service` is a template, `foo@..service` not."""
-    return is_valid_unit_name(value) and str(value).find("@") + 1 != str(value).rfind(".")
+    return is_valid_unit_name(value) and not is_template(str(value))
 
 
 def _reject_constant(name: str) -> NoReturn:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 # the core's: unit names are read alike on both sides of it
 from gpuslice.core.model import is_instance as is_instance
+from gpuslice.core.model import is_template as is_template
 from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes
 
 # `systemd-analyze unit-paths` of systemd 252 (Debian 12) for the system manager, highest
@@ -77,13 +78,6 @@ def printable(text: str, limit: int = 300) -> str:
         escaped = text.encode("ascii", "backslashreplace").decode("ascii")
         escaped = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in escaped)
     return escaped if len(escaped) <= limit else escaped[:limit] + "..."
-
-
-def is_template(name: str) -> bool:
-    """`foo@.service`: nothing between the first `@` and the suffix (`foo@.b@.service` is an
-    instance, of `foo@.service`, as for systemd)."""
-    at = name.find("@")
-    return at >= 0 and at + 1 == name.rfind(".")
 
 
 def template_of(name: str) -> str:

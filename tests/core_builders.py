@@ -76,7 +76,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuslice.core.decisions import Cause, Code, render
-from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec, is_template
 from gpuslice.core.scheduler import (
     Action,
     Freeze,
@@ -515,7 +515,7 @@ class Sim:
         self.known_at.pop(name, None)
         self.told_to_wait.discard(name)
         spec = self.annotations.get(name)
-        if spec is not None and not (spec.kind is BG and "@." not in name):
+        if spec is not None and not (spec.kind is BG and not is_template(name)):
             self.preempted[name] = next(self._clock)
         self.paused.add(name)
         actions = self._feed(self.sched.start_failed(name, "no reply (NoReply)"))
@@ -730,7 +730,7 @@ class Sim:
             n
             for n, s in self.annotations.items()
             if s.kind is BG
-            and "@." not in n
+            and not is_template(n)
             and not self.active(n)
             and n not in self.unmanaged
             and n not in self.preempted

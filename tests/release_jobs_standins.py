@@ -30,10 +30,8 @@ def systemctl_and_resume(
     settings: list[CheckpointSettings] = []
 
     def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        active, freezer = shown.get(command[-1], ("inactive", "running"))
         if command[1] == "show":
-            out = f"ActiveState={active}\nFreezerState={freezer}\n"
-            return subprocess.CompletedProcess(command, 0, out, "")
+            return subprocess.CompletedProcess(command, 0, show(command, shown), "")
         done.append((command[1], command[-1]))
         return subprocess.CompletedProcess(command, 0, "", "")
 
@@ -48,6 +46,18 @@ def systemctl_and_resume(
     monkeypatch.setattr(subprocess, "run", systemctl)
     monkeypatch.setattr(cli_module, "_resume_left", resume_left)
     return done, settings
+
+
+def show(command: list[str], shown: Mapping[str, tuple[str, str]]) -> str:
+    """What `systemctl show -p ActiveState -p FreezerState -- UNIT...` prints: a block for
+    each unit named after `--`, in that order, blank-line separated; each unit's
+    (ActiveState, FreezerState) as `shown` says (inactive and running unless said)."""
+    units = command[command.index("--") + 1 :]
+    blocks = []
+    for unit in units:
+        active, freezer = shown.get(unit, ("inactive", "running"))
+        blocks.append(f"ActiveState={active}\nFreezerState={freezer}\n")
+    return "\n".join(blocks)
 
 
 def release_jobs(tmp_path: Path, config: str) -> str:

@@ -413,6 +413,26 @@ def test_a_background_instance_the_shutdown_stopped_is_refilled_when_it_is_cance
     assert s.forget_instance(embed.name)
 
 
+def test_an_instance_whose_instance_starts_with_a_dot_is_refilled_and_comes_back() -> None:
+    """`x@.y.service` is an instance (valid for systemd), not the template `x@.service`:
+    taken for one (`"@." in name`), the cancelled shutdown's refill never started it."""
+    s = Scheduler([Gpu(0)], {})
+    dotted, urgent = spec("x@.y.service", 90, BG), spec("urgent", 10)
+    assert brief(s.request(dotted)) == ["grant x@.y.service 0"]
+    s.set_shutting_down(True)
+    assert brief(s.inactive(dotted.name, Outcome.SHUTDOWN)) == []
+    assert brief(s.set_shutting_down(False)) == ["start x@.y.service"]
+    assert brief(s.request(dotted)) == ["grant x@.y.service 0"]
+    assert brief(s.request(urgent)) == ["stop x@.y.service"]
+    s.inactive(dotted.name, Outcome.STOPPED)
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == ["start x@.y.service"]
+    assert brief(s.request(dotted)) == ["grant x@.y.service 0"]
+    s.inactive(dotted.name, Outcome.EXITED)
+    assert s.forget_instance(dotted.name)
+    s.learn(dotted)  # learnt again: dormant, as any instance
+    assert brief(s.schedule()) == []
+
+
 def test_a_background_instance_that_ended_by_itself_in_a_shutdown_is_forgotten() -> None:
     """Its work may be done: not started again after a cancelled shutdown. Nor is an
     on-demand instance, which nothing but its caller starts: forgotten as before."""

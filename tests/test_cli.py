@@ -21,6 +21,7 @@ from gpuslice.inventory import GpuUse, Sample
 from gpuslice.state import StateStore
 from gpuslice.status import render, snapshot_to_json
 from tests.hostpaths import REAL
+from tests.release_jobs_standins import show
 from tests.test_release_jobs_resume import _systemd_started, _this_boot
 
 GIB = 1 << 30
@@ -422,10 +423,8 @@ def _left_behind(
     ran: list[list[str]] = []
 
     def systemctl(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        active, freezer = shown.get(command[-1], ("inactive", "running"))
         if command[1] == "show":
-            out = f"ActiveState={active}\nFreezerState={freezer}\n"
-            return subprocess.CompletedProcess(command, 0, out, "")
+            return subprocess.CompletedProcess(command, 0, show(command, shown), "")
         ran.append(command)
         return subprocess.CompletedProcess(command, 0, "", "")
 

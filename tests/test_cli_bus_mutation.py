@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -752,6 +753,23 @@ def test_the_state_is_what_systemctl_shows(
     shown = {"Id": unit, "ActiveState": "active", "SubState": "running", "FreezerState": "frozen"}
     _systemctl(tmp_path, monkeypatch, {unit: shown}, status=status)
     assert cli_module._unit_state(unit) == {"ActiveState": "active", "FreezerState": "frozen"}
+
+
+def test_several_units_are_shown_in_one_call_each_read_from_its_own_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """release-jobs' preempted units: one `systemctl show` names them all, and systemctl
+    prints a block for each, blank-line separated, in the order named."""
+    shown = {
+        "a.service": {"ActiveState": "active", "FreezerState": "frozen"},
+        "-h.service": {"ActiveState": "failed", "FreezerState": "running"},
+    }
+    _systemctl(tmp_path, monkeypatch, shown)
+    names = ["a.service", "-h.service", "b.service"]
+    assert cli_module._unit_states(names, time.monotonic() + 60) == {
+        **shown,
+        "b.service": {"ActiveState": "inactive", "FreezerState": "running"},
+    }
 
 
 def test_a_systemctl_that_hangs_is_given_up_on(

@@ -55,11 +55,11 @@ def _release(
     resume: Mapping[str, Resumed | CheckpointError] | None = None,
     config: str = "restore_timeout: 42\n",
 ) -> Run:
-    """release-jobs on `saved` (of this boot), `systemctl show` printing `shown[unit]` (or
-    raising it; gpuslice.service inactive and other units inactive unless said), each other
-    systemctl verb exiting with, or raising, `verbs[verb]` (0 by default), each resume
-    answering `resume[unit]` (one process restored by default). Every systemctl is run with
-    a timeout of at most a minute: `apt remove` waits on each."""
+    """release-jobs on `saved` (of this boot), `systemctl show` printing `shown[unit]` for
+    each unit it names (or raising it; gpuslice.service inactive and other units inactive
+    unless said), each other systemctl verb exiting with, or raising, `verbs[verb]` (0 by
+    default), each resume answering `resume[unit]` (one process restored by default). Every
+    systemctl is run with a timeout of at most a minute: `apt remove` waits on each."""
     monkeypatch.setattr(StateStore, "load", lambda self: (saved, _this_boot()))
     # the state is this stand-in, in no file: nothing on the host to save over or
     # to find saved since (a /var/lib/gpuslice left by another run made it so)
@@ -71,11 +71,14 @@ def _release(
         timeout = kwargs.get("timeout")
         assert timeout is not None and 0 < timeout <= 60, f"{command}: timeout {timeout}"
         unit = command[-1]
-        if command[1] == "show":
-            answer = shown.get(unit, "ActiveState=inactive\nFreezerState=running\n")
-            if isinstance(answer, BaseException):
-                raise answer
-            return subprocess.CompletedProcess(command, 0, answer, "")
+        if command[1] == "show":  # a block for each unit after `--`, blank-line separated
+            blocks = []
+            for one in command[command.index("--") + 1 :]:
+                answer = shown.get(one, "ActiveState=inactive\nFreezerState=running\n")
+                if isinstance(answer, BaseException):
+                    raise answer
+                blocks.append(answer)
+            return subprocess.CompletedProcess(command, 0, "\n".join(blocks), "")
         run.done.append((command[1], unit))
         code = (verbs or {}).get(command[1], 0)
         if isinstance(code, BaseException):

@@ -380,3 +380,53 @@ def test_the_journal_is_asked_through_journalctl_end_to_end(
         assert bed.controller.scheduler.snapshot().held == ["bg.service"]
 
     run(test)
+
+
+@pytest.mark.parametrize("phase", ["suspended", "frozen"])
+@pytest.mark.parametrize(
+    ("answer", "held"), [(STOPPED, True), (BY_ITSELF, False)], ids=["stop-job", "no-stop-job"]
+)
+def test_a_frozen_or_suspended_unit_that_exited_143_on_a_stop_while_away_is_held(
+    tmp_path: Path, phase: str, answer: Answer, held: bool
+) -> None:
+    """emb.service, frozen beside voice.service or suspended for it, was stopped by hand
+    while no controller ran, and its main process exited 143 on the SIGTERM: systemd shows
+    it failed. Asked of the journal as a holder found down is: a stop job ended it, held
+    (as while a controller runs), not failed (a new boot cleared that, and refill started
+    it again); with no stop job (its processes killed) it failed. Its main process's record
+    is not read: it tells no failed unit stopped."""
+    preempt = "freeze stop" if phase == "frozen" else "suspend stop"
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        "voice.service": ((0,), "running", 2, "")
+    }
+    if phase == "frozen":
+        holders["emb.service"] = ((0,), "frozen", 1, "")
+    bed = Bed(
+        tmp_path,
+        {
+            "emb.service": f"Priority=90\nMemory=4G\nType=background\nPreempt={preempt}\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+        },
+        [state("emb.service", "failed", "failed"), state("voice.service", "active", "running")],
+        SavedState(
+            holders=holders,
+            frozen_for={"emb.service": ["voice.service"]} if phase == "frozen" else {},
+            suspended={"emb.service": ((0,), 1)} if phase == "suspended" else {},
+            seq=2,
+        ),
+    )
+    journal = Journal({"emb.service": answer})
+    bed.controller.ask_journal = journal
+
+    async def test() -> None:
+        await bed.controller.start()
+        await settle()
+        assert journal.asked == [["emb.service"]]
+        assert bed.systemd.exit_reads == []
+        snap = bed.controller.scheduler.snapshot()
+        assert (snap.held, snap.failed) == (
+            (["emb.service"], []) if held else ([], ["emb.service"])
+        )
+        assert "emb.service" not in _started(bed)
+
+    run(test)

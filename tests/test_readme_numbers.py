@@ -75,6 +75,8 @@ ROWS = [
     ("left of the removal's first 120 s", cli.RELEASE_DEADLINE, 120.0),
     ("at most 60 s, and 5 s past them", cli.THAW_TIMEOUT, 60.0),
     ("at most 60 s, and 5 s past them", cli.THAW_LATE, 5.0),
+    ("preempted units are looked at 500 to a `systemctl show`", cli.SHOW_AT_ONCE, 500),
+    ("left of those 120 s, at least 5 s; those it does not show", cli.SHOW_LATE, 5.0),
     # Background instances
     ("At most 10,000 instances are kept preempted", controller.PREEMPTED_INSTANCES_MAX, 10_000),
     ("past 10,000 of them `journalctl -u gpuslice` says", controller.KEPT_INSTANCES_WARN, 10_000),

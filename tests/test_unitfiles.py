@@ -127,6 +127,8 @@ def test_parse_sections_reports_ignored_lines() -> None:
         ("foo@a.service", False, True, "foo@.service"),
         ("foo\\x2dbar@a\\x2db.service", False, True, "foo\\x2dbar@.service"),
         ("foo@a.b.service", False, True, "foo@.service"),
+        ("x@.y.service", False, True, "x@.service"),  # an instance starting with a dot
+        ("foo@.b@.service", False, True, "foo@.service"),
     ],
 )
 def test_names(name: str, template: bool, instance: bool, tmpl: str) -> None:

@@ -29,6 +29,14 @@ def is_instance(name: str) -> bool:
     return 0 < at < dot - 1
 
 
+def is_template(name: str) -> bool:
+    """`foo@.service`: nothing between the first `@` and the suffix. `x@.y.service` (its
+    instance starts with a dot) and `foo@.b@.service` are instances, as for systemd: one
+    definition for the core, which refills no template, and the unit file scan."""
+    at = name.find("@")
+    return at >= 0 and at + 1 == name.rfind(".")
+
+
 class Rung(enum.Enum):
     """One way a unit may give way to a more urgent one (`Preempt=`), tried in its order.
 

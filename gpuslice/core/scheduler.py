@@ -19,7 +19,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part, level, reason, render
-from gpuslice.core.model import PRIORITY_MAX, Gpu, Rung, UnitKind, UnitSpec, is_instance
+from gpuslice.core.model import (
+    PRIORITY_MAX,
+    Gpu,
+    Rung,
+    UnitKind,
+    UnitSpec,
+    is_instance,
+    is_template,
+)
 from gpuslice.core.placement import (
     Placement,
     Use,
@@ -350,7 +358,7 @@ def _no_better_placed(spec: UnitSpec, than: UnitSpec) -> bool:
 
 def _refillable(spec: UnitSpec) -> bool:
     """A background unit that is not a template: refill may start it."""
-    return spec.kind is UnitKind.BACKGROUND and "@." not in spec.name
+    return spec.kind is UnitKind.BACKGROUND and not is_template(spec.name)
 
 
 def _owed_its_start(spec: UnitSpec) -> bool:
