@@ -53,8 +53,13 @@ def _signals_as_a_shell_leaves_them() -> None:
 
 _signals_as_a_shell_leaves_them()
 
-settings.register_profile("repeatable", derandomize=True, database=None, print_blob=True)
-settings.register_profile("explore", derandomize=False, print_blob=True)
+# no deadline: an example that a loaded machine ran 300 ms late, and at once when replayed,
+# failed its test ("Unreliable test timings", hypothesis's 200 ms default); what each test
+# checks is its outcome, never its speed
+settings.register_profile(
+    "repeatable", derandomize=True, database=None, print_blob=True, deadline=None
+)
+settings.register_profile("explore", derandomize=False, print_blob=True, deadline=None)
 settings.load_profile(os.environ.get("GPUSLICE_HYPOTHESIS", "repeatable"))
 
 INTEGRATION = Path(__file__).parent / "integration"

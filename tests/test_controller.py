@@ -48,6 +48,7 @@ from gpuslice.service import ACCESS_DENIED, NotManaged, SchedulerService
 from gpuslice.state import StateStore
 from gpuslice.systemd import Queued, Systemd, SystemdError
 from gpuslice.tracker import CLD_EXITED, MainExit, UnitState
+from tests.test_gatepipes import _SYSCALLS
 from tests.test_inventory import nvidia_root
 
 GIB = 1 << 30
@@ -410,6 +411,31 @@ async def until(condition: Callable[[], bool], timeout: float = PATIENCE) -> Non
         if asyncio.get_running_loop().time() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s: {_shown(condition)}")
         await asyncio.sleep(0.01)
+
+
+async def shell_reader(pipe: Path) -> asyncio.subprocess.Process:
+    """A gate's read of `pipe`, once it sleeps in open(2) on it: a fixed 0.2 s was, on a
+    loaded machine, before the shell had got there, and the audit meant to find it there
+    found no gate (the gate then waited for good, and the test failed)."""
+    gate = await asyncio.create_subprocess_exec(
+        "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=subprocess.PIPE
+    )
+    wanted = _SYSCALLS.get(os.uname().machine, {}).get("openat")
+    if wanted is None:  # an architecture not listed: as the other tests do
+        await asyncio.sleep(0.5)
+        return gate
+
+    def sleeps_in_open() -> bool:
+        assert gate.returncode is None, "the reader ended instead of waiting"
+        try:
+            state = Path(f"/proc/{gate.pid}/stat").read_text().rsplit(")", 1)[1]
+            call = Path(f"/proc/{gate.pid}/syscall").read_text().split()
+        except OSError:
+            return False
+        return state.split()[:1] == ["S"] and call[:1] == [str(wanted)]
+
+    await until(sleeps_in_open)
+    return gate
 
 
 HOUR = 3600.0  # a delay no test outlives: the test ends it (`due_now`), not the clock

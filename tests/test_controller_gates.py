@@ -20,7 +20,6 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 from pathlib import Path
-from subprocess import PIPE
 
 import pytest
 
@@ -50,6 +49,7 @@ from tests.test_controller import (
     restarted_by_hand,
     run,
     settle,
+    shell_reader,
     signal,
     state,
     unannotate,
@@ -175,10 +175,7 @@ def test_a_gate_waiting_on_its_pipe_for_a_start_no_signal_told_is_woken_by_the_a
         ctl.on_unit_changed("a.service", running())
         await settle()
         assert not ctl.gates.holds("a.service") and pipe.exists()
-        gate = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE
-        )
-        await asyncio.sleep(0.2)  # in open(), as the gate of a start unheard
+        gate = await shell_reader(pipe)  # as the gate of a start unheard
         await ctl.reads.audit()
         assert gate.returncode is None  # a holder: known to the core, read by the audit
         goes_down(bed, "a.service")
@@ -223,10 +220,7 @@ def test_an_audit_leaves_a_gate_whose_start_signal_is_late_to_that_signal(
         goes_down(bed, "a.service")
         await settle()
         ctl.on_job_new(7, "/org/freedesktop/systemd1/job/7", "a.service")  # the next start
-        gate = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE
-        )
-        await asyncio.sleep(0.2)  # in open(), its start-pre signal on its way
+        gate = await shell_reader(pipe)  # its start-pre signal on its way
         with caplog.at_level(logging.WARNING, logger="gpuslice"):
             await ctl.reads.audit()
             await asyncio.sleep(0.1)

@@ -22,7 +22,6 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
-from subprocess import PIPE
 from typing import Any
 
 import pytest
@@ -42,6 +41,7 @@ from tests.test_controller import (
     messages,
     run,
     settle,
+    shell_reader,
     state,
     until,
     write_unannotated,
@@ -645,11 +645,8 @@ def test_a_start_held_back_by_a_rescan_is_not_woken_as_a_start_never_heard(
         ctl = bed.controller
         await start_during_rescan(bed, held, "pipe")
         assert ctl._after_scan and pipe.exists()
-        gate = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE
-        )
+        gate = await shell_reader(pipe)  # as a gate that found its pipe
         try:
-            await asyncio.sleep(0.2)  # in open(), as a gate that found its pipe
             with caplog.at_level(logging.WARNING, logger="gpuslice"):
                 await ctl.reads.audit()
             await asyncio.sleep(0.1)

@@ -60,6 +60,7 @@ from gpuslice.systemd import Systemd
 from gpuslice.tracker import UnitState
 from tests.test_controller import (
     BOOT,
+    HOUR,
     UNIT_DIR,
     Bed,
     FakeService,
@@ -375,11 +376,17 @@ def test_the_daemon_records_this_boot_for_release_jobs(
 class NameOwned:
     """The system bus where another process owns org.gpuslice.Scheduler1 (":1.7", PID 4242):
     another controller, which answers Status; or, `releasing`, `gpuslice release-jobs`,
-    which answers RELEASING and lets go of the name after `held_for` claims."""
+    which answers RELEASING and lets go of the name after `held_for` claims. From its
+    `late_after`th claim on, the loop's clock reads an HOUR later (a RELEASE_WAIT of an
+    HOUR has run out then, after so many claims, not after so much of a loaded machine's
+    time)."""
 
-    def __init__(self, releasing: bool = False, held_for: int | None = None) -> None:
+    def __init__(
+        self, releasing: bool = False, held_for: int | None = None, late_after: int = 0
+    ) -> None:
         self.releasing = releasing
         self.held_for = held_for
+        self.late_after = late_after
         self.claims = 0
 
     def add_message_handler(self, handler: object) -> None:
@@ -387,6 +394,10 @@ class NameOwned:
 
     async def request_name(self, name: str, flags: NameFlag) -> RequestNameReply:
         self.claims += 1
+        if self.claims == self.late_after:
+            loop = asyncio.get_running_loop()
+            now = loop.time
+            loop.time = lambda: now() + HOUR  # type: ignore[method-assign]
         if self.held_for is not None and self.claims > self.held_for:
             return RequestNameReply.PRIMARY_OWNER
         return RequestNameReply.EXISTS
@@ -512,19 +523,19 @@ def test_a_controller_waits_for_release_jobs_no_longer_than_release_wait_and_exi
     long) is not waited for longer: the controller exits 1 saying so, having changed
     nothing, and Restart= starts it again to wait once more."""
     monkeypatch.setattr(service_module, "CLAIM_RETRY", 0.01)
-    monkeypatch.setattr(service_module, "RELEASE_WAIT", 0.1)
-    bus = NameOwned(releasing=True)
+    monkeypatch.setattr(service_module, "RELEASE_WAIT", HOUR)  # past at the 4th claim
+    bus = NameOwned(releasing=True, late_after=4)
     real = SchedulerService(bus, lambda unit, sender: None, str, lambda: None)
     host.service.claim_name = real.claim_name  # type: ignore[method-assign]
 
-    async def test() -> None:
-        assert await asyncio.wait_for(host.start(), ENDS_WITHIN) == 1
+    async def test() -> None:  # the clock an HOUR on at the 4th claim: ENDS_WITHIN from then
+        assert await asyncio.wait_for(host.start(), HOUR + ENDS_WITHIN) == 1
 
     run(test)
-    assert bus.claims > 3
+    assert bus.claims == 4
     assert stderr_lines(capsys)[1:] == [
         "ERROR org.gpuslice.Scheduler1 is still held by `gpuslice release-jobs` (PID 4242) "
-        "after 0.1 s; this controller exits, having changed nothing"
+        "after 3600 s; this controller exits, having changed nothing"
     ]
     assert host.systemd.calls == []
     assert "READY=1" not in "\n".join(host.heard())

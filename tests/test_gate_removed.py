@@ -15,6 +15,7 @@ a copy of the gate (tests/test_gatepipes.py), as systemd would show each case.
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ def _gate(
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
-        "dbus-send": "exit 1\n",
+        "dbus-send": f"echo >> {tmp_path}/asks; exit 1\n",  # one line per ask
         "systemctl": (
             SYSTEMCTL_ARGS + 'case "$verb $prop $unit" in\n'
             f"  is-active*) echo {active}; exit 3 ;;\n"
@@ -114,9 +115,15 @@ def test_a_controller_that_is_only_away_is_waited_for(
     tmp_path: Path, active: str, load: str
 ) -> None:
     gate = _gate(tmp_path, active, load)
+    asks = tmp_path / "asks"
     try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            gate.wait(1.5)  # past several asks (0.05 s, doubling)
+        # past several asks (0.05 s, doubling), each after the last one's `systemctl`: a
+        # fixed 1.5 s was, on a loaded machine, before the gate had said it waits
+        deadline = time.monotonic() + 30  # a pass never waits this long
+        while len(asks.read_text().splitlines() if asks.exists() else []) < 3:
+            assert gate.poll() is None, "the gate ended instead of waiting"
+            assert time.monotonic() < deadline, "the gate never asked three times"
+            time.sleep(0.02)
     finally:
         gate.kill()
         _out, err = gate.communicate()

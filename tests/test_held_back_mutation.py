@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from subprocess import PIPE
 
 import pytest
 from dbus_next import Message
@@ -20,6 +19,7 @@ from tests.test_controller import (
     bed_config,
     run,
     settle,
+    shell_reader,
     state,
     until,
     write_unannotated,
@@ -126,11 +126,8 @@ def test_starts_held_back_are_each_judged_and_an_unannotated_ones_gate_sent_to_d
         _at_gate_by_signal(bed, "mid.service", 8)
         await settle()
         assert list(ctl._after_scan) == ["urgent.service", "mid.service"] and pipe.exists()
-        gate = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE
-        )
+        gate = await shell_reader(pipe)  # as a gate that found its pipe
         try:
-            await asyncio.sleep(0.2)  # in open(), as a gate that found its pipe
             assert gate.returncode is None
             held.go.set()  # also at the end of every path: HeldScan waits for it
             out, _ = await asyncio.wait_for(gate.communicate(), ENDS_WITHIN)

@@ -40,6 +40,7 @@ from tests.test_controller import (
     messages,
     run,
     settle,
+    shell_reader,
     state,
     until,
 )
@@ -234,29 +235,6 @@ async def reloaded(bed: Bed, held: HeldScan) -> None:
     and waits for `held.go`."""
     bed.controller.on_reloading(False)
     await held.has_read()
-
-
-async def shell_reader(pipe: Path) -> asyncio.subprocess.Process:
-    """A gate's read of `pipe`, once it waits in open(2): an audit before that finds no gate
-    (a loaded machine)."""
-    proc = await asyncio.create_subprocess_exec(
-        "/bin/sh", "-c", f'read -r line < "{pipe}"; echo "read [$line]"', stdout=PIPE
-    )
-    wanted = _SYSCALLS.get(os.uname().machine, {}).get("openat")
-    deadline = time.monotonic() + BLOCKS_WITHIN
-    while time.monotonic() < deadline:
-        assert proc.returncode is None, "the reader ended instead of waiting"
-        try:
-            call = Path(f"/proc/{proc.pid}/syscall").read_text().split()
-        except OSError:
-            call = []
-        if call[:1] == [str(wanted)]:
-            break
-        if wanted is None:  # an architecture not listed: as the other tests do
-            await asyncio.sleep(0.5)
-            break
-        await asyncio.sleep(0.02)
-    return proc
 
 
 def test_during_a_rescan_the_audit_wakes_only_the_gate_of_a_start_never_heard(
