@@ -606,7 +606,8 @@ class Controller:
 
     async def _stopped_while_away(self) -> set[str]:
         """The holders the last controller saw running or starting (or froze) that systemd
-        shows down with no job (or no longer loads), and that a stop job ended: stopped by
+        shows down with no job (or no longer loads), or frozen or suspended that it shows
+        failed (a frozen process cannot fail by itself), and that a stop job ended: stopped by
         hand while no controller ran, they are held, not finished (a reboot forgets finished
         units, and refill started them again). No signal told how they ended, and the state
         systemd lists is the same for a unit that ended by itself. The journal says it first
@@ -616,8 +617,7 @@ class Controller:
         itself, as while a controller runs); where it cannot tell, systemd's record of the
         main process of a loaded unit (`stopped_by_a_job`). Asked of those few only; an
         answer that fails, or that a signal of the unit overtook, leaves the unit to be
-        taken as it was before (finished). A frozen or suspended unit found failed is asked
-        of too (`_READ_IF_FAILED`): stopped by hand, it is held as while a controller runs.
+        taken as it was before (finished); `_end_asked` says which units are asked.
         Scheduling is deferred meanwhile: a timer's sample decides nothing before _rebuild."""
         core = self.scheduler
         names = [
@@ -766,6 +766,10 @@ class Controller:
                     else:
                         actions += self.scheduler.request(spec)
             actions += self.scheduler.recover()  # caught between suspend and resume
+        # held for stops while no controller ran: no SystemState read says now how the host
+        # was then (a shutdown's would have ended the boot), and an instance kept for one
+        # (Scheduler.forget_instance) stayed held for ever
+        self.scheduler.holds_confirmed(list(self.scheduler.unconfirmed_holds))
         return actions + self.scheduler.schedule()
 
     def _told_gpus(self, unit: str) -> list[int]:
@@ -913,6 +917,9 @@ class Controller:
         stop of someone's (systemd announces a shutdown's jobs before they run)."""
         if not down or self.tracker.shutdown_announced():
             self.scheduler.holds_confirmed(units)
+            for name in units:  # kept for this answer (forget_instance), owed nothing now
+                if is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN:
+                    self._forget_instance(name)
             return
         if not self.tracker.shutting_down:
             self.counters.error("dbus_signals_lost")
@@ -1757,8 +1764,15 @@ class Controller:
     def _check_freezer(self) -> None:
         """Ask systemd for the FreezerState of the units gpuslice froze: held frozen, was one
         thawed by hand? No longer held frozen, is one still frozen (a ThawUnit that failed,
-        or that a killed controller never sent)? Then it is thawed. One check at a time."""
-        frozen = self.scheduler.frozen_units()
+        or that a killed controller never sent)? Then it is thawed. One check at a time. Not
+        one being stopped: systemd thaws a unit to stop it, and taken for thawed by hand, a
+        frozen unit ended running (owed nothing; failed on a 143, not held:
+        Tracker._stopped_frozen) where its stop took longer than a sample."""
+        frozen = [
+            n
+            for n in self.scheduler.frozen_units()
+            if self.tracker.state(n).active != "deactivating"
+        ]
         owed = self.scheduler.thaws_owed()
         if (frozen or owed) and self.ready and not self._checking_thaws:
             self._checking_thaws = True

@@ -151,6 +151,10 @@ class Rereads:
                 self.counters.error("dbus_call_errors")
                 log.debug("cannot ask who owns systemd's name: %s", e)
             await self.audit_shutdown()
+            # holds whose read failed: asked again now. Left for the next hold, maybe hours
+            # later, one said `stopping` of a person's old stop: undone, that unit came back
+            # after the reboot
+            self._ask_holds()
             names = sorted(n for n in set(self.known()) if self.systemd.watches(n))
             if not names:
                 return
@@ -200,7 +204,10 @@ class Rereads:
         queued: it was queued before, with its stops (one transaction). Units held while a
         read is under way wait for the next."""
         self._holds.add(unit)
-        if not self._asking:
+        self._ask_holds()
+
+    def _ask_holds(self) -> None:
+        if self._holds and not self._asking:
             self._asking = True
             self.spawn(self._read_holds())
 
@@ -208,14 +215,24 @@ class Rereads:
         try:
             while self._holds:
                 asked, self._holds = sorted(self._holds), set()
+                stamp = self.tracker.shutdown_jobs_heard()
                 try:
                     state = await self.systemd.system_state()
                 except SystemdError as e:
                     self.counters.error("dbus_call_errors")
                     log.debug("cannot ask whether the host is going down: %s", e)
-                    self._holds.update(asked)  # asked again with the next hold
+                    self._holds.update(asked)  # asked again with the next hold, or audit
                     return
-                self.holds_read(asked, state == "stopping")
+                # one held again since the read was sent (started, then stopped meanwhile)
+                # waits for the next: this answer may be older than its new stop, and taken
+                # for it, the next read found that hold confirmed (a shutdown's, kept)
+                told = [unit for unit in asked if unit not in self._holds]
+                # nor is an answer older than a job of a shutdown target heard since (its
+                # JobNew, or its cancel's JobRemoved, read before this answer was taken up):
+                # believed after the cancel, it took the host for going down (`audit_shutdown`)
+                down = state == "stopping" and stamp == self.tracker.shutdown_jobs_heard()
+                if told:
+                    self.holds_read(told, down)
         finally:
             self._asking = False
 

@@ -433,6 +433,21 @@ def test_an_instance_whose_instance_starts_with_a_dot_is_refilled_and_comes_back
     assert brief(s.schedule()) == []
 
 
+def test_a_background_instance_whose_hold_was_the_shutdowns_is_kept() -> None:
+    """The bus lost the shutdown's JobNew: its stop of embed@a.service booked a hold, which
+    SystemState's `stopping` undid (`holds_of_shutdown`). Owed nothing, it was then forgotten
+    at the next word of it (a late signal, a read), and the cancelled shutdown left it down
+    for good: kept, as when the shutdown is heard, until it is down again."""
+    s = Scheduler([Gpu(0)], {})
+    embed = spec("embed@a", 90, BG)
+    assert brief(s.request(embed)) == ["grant embed@a.service 0"]
+    s.inactive(embed.name, Outcome.STOPPED)
+    s.set_shutting_down(True)
+    assert s.holds_of_shutdown([embed.name]) == [embed.name]
+    assert not s.forget_instance(embed.name)
+    assert brief(s.set_shutting_down(False)) == ["start embed@a.service"]
+
+
 def test_a_background_instance_that_ended_by_itself_in_a_shutdown_is_forgotten() -> None:
     """Its work may be done: not started again after a cancelled shutdown. Nor is an
     on-demand instance, which nothing but its caller starts: forgotten as before."""

@@ -4350,3 +4350,113 @@ def test_a_hold_before_a_shutdown_heard_while_its_state_was_read_stands(
         assert ctl.counters.errors["dbus_signals_lost"] == 0
 
     run(test)
+
+
+@pytest.mark.parametrize("system", ["stopping", "running"])
+def test_a_frozen_instance_the_shutdown_stopped_unheard_is_owed_its_comeback(
+    tmp_path: Path, system: str
+) -> None:
+    """emb@1.service (on-demand) is frozen beside voice.service; the bus lost reboot.target's
+    JobNew, and the shutdown's stop of emb@1.service looked like someone's: held, and an
+    on-demand instance held is owed nothing, so it was forgotten at its down, before the
+    SystemState read said `stopping`. Preempted while it ran, its work went with the boot:
+    it is owed its comeback (kept, preempted), as when the shutdown is heard. Stopped by a
+    person while the host runs, it is forgotten once the read says so, as any instance
+    held that is owed nothing."""
+    bed = Bed(
+        tmp_path,
+        {
+            "emb@.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+        },
+        [state("emb@1.service", "active", "running"), state("voice.service", "active", "running")],
+        SavedState(
+            holders={
+                "emb@1.service": ((0,), "frozen", 1, ""),
+                "voice.service": ((0,), "running", 2, ""),
+            },
+            frozen_for={"emb@1.service": ["voice.service"]},
+            seq=2,
+        ),
+    )
+    bed.systemd.freezer = {"emb@1.service": "frozen"}
+    bed.systemd.system = system
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.phase("emb@1.service") is Phase.FROZEN
+        job = "/org/freedesktop/systemd1/job/1"
+        ctl.on_job_new(1, job, "emb@1.service")  # the shutdown's stop: its JobNew was lost
+        ctl.on_unit_changed(
+            "emb@1.service",
+            {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (1, job)},
+        )
+        ctl.on_job_removed(1, job, "emb@1.service", "done")
+        bed.systemd.units["emb@1.service"] = state("emb@1.service", "inactive", "dead")
+        dead = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("emb@1.service", dead)
+        await settle()
+        down = system == "stopping"
+        assert ctl.scheduler.shutting_down is down
+        assert ("emb@1.service" in ctl.scheduler.preempted) is down
+        assert ("emb@1.service" in ctl.scheduler.annotated()) is down
+        assert ctl.scheduler.save().held == []
+        assert ctl.scheduler.unconfirmed_holds == {}
+
+    run(test)
+
+
+def test_a_frozen_unit_thawed_by_systemd_for_a_slow_stop_by_hand_is_held(
+    tmp_path: Path,
+) -> None:
+    """Someone stops emb.service while it is frozen beside voice.service: systemd thaws it
+    to stop it, and its job takes its time over the SIGTERM (a checkpoint), then exits 143.
+    A freezer check at a sample meanwhile found it thawed and took that for a thaw by hand:
+    running in the books, its stop ended it failed (cleared by the next boot, refill starts
+    a background unit again) where a unit stopped while frozen is held."""
+    bed = Bed(
+        tmp_path,
+        {
+            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+        },
+        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
+        SavedState(
+            holders={
+                "emb.service": ((0,), "frozen", 1, ""),
+                "voice.service": ((0,), "running", 2, ""),
+            },
+            frozen_for={"emb.service": ["voice.service"]},
+            seq=2,
+        ),
+    )
+    bed.systemd.freezer = {"emb.service": "frozen"}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
+        job = "/org/freedesktop/systemd1/job/1"
+        ctl.on_job_new(1, job, "emb.service")  # systemctl stop emb.service
+        bed.systemd.units["emb.service"] = state("emb.service", "deactivating", "stop-sigterm")
+        ctl.on_unit_changed(
+            "emb.service",
+            {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (1, job)},
+        )
+        bed.systemd.freezer["emb.service"] = "running"  # thawed by systemd, to stop it
+        ctl._check_freezer()  # a sample meanwhile
+        await settle()
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
+        ctl.on_job_removed(1, job, "emb.service", "done")
+        bed.systemd.units["emb.service"] = state("emb.service", "failed", "failed")
+        ctl.on_unit_changed(
+            "emb.service", {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")}
+        )
+        await settle()
+        saved = ctl.scheduler.save()
+        assert (saved.held, saved.failed) == (["emb.service"], [])
+
+    run(test)

@@ -430,3 +430,44 @@ def test_a_frozen_or_suspended_unit_that_exited_143_on_a_stop_while_away_is_held
         assert "emb.service" not in _started(bed)
 
     run(test)
+
+
+def test_a_frozen_instance_stopped_while_no_controller_ran_is_forgotten(
+    tmp_path: Path,
+) -> None:
+    """emb@1.service (on-demand) was frozen beside voice.service; someone stopped it while no
+    controller ran (the journal says so): held, owed nothing, and forgotten as any instance
+    held that is owed nothing. Its hold, booked at start-up, awaits no SystemState read (one
+    now says nothing of when it was stopped): kept for one, it stayed held for ever."""
+    config = bed_config(tmp_path)
+    StateStore(Path(config.state_dir)).save(
+        SavedState(
+            holders={
+                "emb@1.service": ((0,), "frozen", 1, ""),
+                "voice.service": ((0,), "running", 2, ""),
+            },
+            frozen_for={"emb@1.service": ["voice.service"]},
+            seq=2,
+        ),
+        BOOT,
+    )
+    bed = Bed(
+        tmp_path,
+        {
+            "emb@.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+        },
+        [state("emb@1.service", "inactive", "dead"), state("voice.service", "active", "running")],
+        config=config,
+    )
+    bed.controller.ask_journal = Journal({"emb@1.service": STOPPED})
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert "emb@1.service" not in ctl.scheduler.annotated()
+        assert ctl.scheduler.save().held == []
+        assert ctl.scheduler.unconfirmed_holds == {}
+
+    run(test)

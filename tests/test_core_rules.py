@@ -1739,7 +1739,9 @@ def test_a_start_of_ours_whose_place_went_before_its_gate_asked_queues_from_its_
 
 def test_an_instance_forgotten_after_its_failed_wait_leaves_no_trace_of_it() -> None:
     """Its wait at the gate failed (a requeue), it was started again and a person stopped
-    that start: held, owed nothing, forgotten, with nothing of its failed wait kept."""
+    that start: held, owed nothing once SystemState says the host runs (a shutdown's stop
+    owes the comeback: `holds_of_shutdown`), forgotten, with nothing of its failed wait
+    kept."""
     p = spec("p@1", 60)
     s = Scheduler([Gpu(0)], {}, requeue_at_gate=True)
     s.learn(p)
@@ -1752,6 +1754,8 @@ def test_an_instance_forgotten_after_its_failed_wait_leaves_no_trace_of_it() -> 
     s.inactive("p@1.service", Outcome.FAILED)  # its wait at the gate failed
     assert brief(s.inactive("u.service", Outcome.EXITED, by_itself=True)) == ["start p@1.service"]
     s.inactive("p@1.service", Outcome.STOPPED)  # a person stopped that start
+    assert not s.forget_instance("p@1.service")  # its hold is not yet checked
+    s.holds_confirmed(["p@1.service"])
     assert s.forget_instance("p@1.service")
     assert "p@1.service" not in s.wait_failed
 

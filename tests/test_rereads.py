@@ -480,3 +480,79 @@ def test_a_hold_is_told_whether_the_host_was_going_down() -> None:
         assert bed.holds[2:] == [(["d.service", "e.service"], True)]
 
     run(test)
+
+
+def test_a_unit_held_again_while_its_hold_is_read_waits_for_the_next_read() -> None:
+    """b.service was held (someone's stop), then started again and stopped again while the
+    SystemState read its first hold asked for was out; the bus lost the JobNew of the
+    shutdown whose stop that was. The first answer (`running`) is older than the second
+    stop: taken for it, it confirmed the new hold, and the next read's `stopping` found
+    nothing left to undo (held across the reboot)."""
+
+    async def test(bed: Bed) -> None:
+        asked: list[int] = []
+
+        def before() -> None:
+            asked.append(1)
+            if len(asked) == 1:
+                bed.reads.hold_booked("b.service")  # started, then the shutdown stopped it
+            else:
+                bed.systemd.system = "stopping"
+
+        bed.systemd.system = "running"
+        bed.systemd.before_system = before
+        bed.reads.hold_booked("b.service")
+        bed.reads.hold_booked(UNIT)
+        await turns(0)
+        assert bed.holds == [([UNIT], False), (["b.service"], True)]
+
+    run(test)
+
+
+def test_a_hold_read_older_than_a_shutdown_job_heard_since_is_not_believed() -> None:
+    """The bus lost reboot.target's JobNew; a unit is held and SystemState read: systemd
+    answers `stopping`, then the shutdown is cancelled, and the cancel's JobRemoved is taken
+    in before the answer (dbus-next runs signal handlers as messages are read, the reading
+    coroutine later). Believed, the answer took the host for going down after its cancel was
+    heard: nothing served, and someone's stop taken for the shutdown's (not held), until an
+    audit read the host running again. A read older than a shutdown job heard is not
+    believed, as an audit's is not (`shutdown_unheard`): the holds stand."""
+
+    async def test(bed: Bed) -> None:
+        bed.systemd.system = "stopping"
+        bed.systemd.before_system = lambda: bed.tracker.job_removed(
+            SHUTDOWN_JOB, "reboot.target", "canceled"
+        )
+        bed.reads.hold_booked(UNIT)
+        await turns(0)
+        assert bed.holds == [([UNIT], False)]
+        bed.systemd.before_system = lambda: None
+        bed.reads.hold_booked(UNIT)  # nothing heard meanwhile: believed
+        await turns(0)
+        assert bed.holds[1:] == [([UNIT], True)]
+
+    run(test)
+
+
+def test_a_hold_whose_read_failed_is_read_again_at_the_next_audit() -> None:
+    """The SystemState read that follows a hold (someone's stop, the host running) failed,
+    and its unit waited for the next hold's read, maybe hours later: if that one says
+    `stopping` (a shutdown whose JobNew the bus lost), the old hold was taken for the
+    shutdown's and undone: a unit a person stopped came back after the reboot. The next
+    audit asks again."""
+
+    async def test(bed: Bed) -> None:
+        bed.systemd.system = SystemdError("org.freedesktop.DBus.Error.NoReply", "no reply")
+        bed.reads.hold_booked(UNIT)
+        await turns(0)
+        assert bed.holds == []
+        bed.systemd.system = "running"
+        await bed.reads.audit()
+        await turns(0)
+        assert bed.holds == [([UNIT], False)]
+        bed.systemd.system = "stopping"
+        bed.reads.hold_booked("b.service")  # the shutdown's stop, hours later
+        await turns(0)
+        assert bed.holds[1:] == [(["b.service"], True)]
+
+    run(test)

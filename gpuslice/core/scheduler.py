@@ -656,14 +656,11 @@ class Scheduler:
         if holder is not None and outcome is Outcome.SHUTDOWN:
             gpus = tuple(sorted(holder.gpus))
             actions.append(_log(_about(holder.spec, Code.SHUTDOWN, gpus=gpus)))
-        known = self.specs.get(name)
         if (
             outcome is Outcome.SHUTDOWN
             and not by_itself
             and name not in self.preempted
-            and known is not None
-            and known.kind is UnitKind.BACKGROUND
-            and is_instance(name)
+            and self._kept_for_refill(name)
         ):
             # forgotten at its down, a cancelled shutdown left it down for good, where refill
             # starts a plain background unit again; the host gone, the next controller learns
@@ -672,6 +669,12 @@ class Scheduler:
         if name not in self.specs:
             self._forget_end(name)
         return actions + self.schedule()
+
+    def _kept_for_refill(self, name: str) -> bool:
+        """A background instance: one the host's shutdown stopped is kept, not forgotten
+        (`stopped_by_shutdown`), so that a cancelled shutdown's refill starts it again."""
+        known = self.specs.get(name)
+        return known is not None and known.kind is UnitKind.BACKGROUND and is_instance(name)
 
     def _forget_end(self, name: str) -> None:
         """How a unit no longer annotated ended is not kept: it is forgotten like any
@@ -1113,7 +1116,8 @@ class Scheduler:
         as when the shutdown is heard (`inactive`): a hold outlived the reboot, and a
         background unit never ran again until someone started it; one preempted while it
         ran (or being stopped by gpuslice, or its comeback under way) lost its work with the
-        boot, and comes back after it (Requeue=). The units no longer held."""
+        boot, and comes back after it (Requeue=); a background instance owed nothing is kept
+        for a cancel's refill (`stopped_by_shutdown`). The units no longer held."""
         freed: list[str] = []
         for name in sorted(set(names)):
             owed = self.unconfirmed_holds.pop(name, None)
@@ -1122,6 +1126,8 @@ class Scheduler:
             self.held.discard(name)
             if owed:
                 self.preempted[name] = self.out_since[name]
+            elif self._kept_for_refill(name):
+                self.stopped_by_shutdown.add(name)  # as `inactive` keeps it
             freed.append(name)
         return freed
 
@@ -2081,6 +2087,9 @@ class Scheduler:
             or (name in self.preempted and spec.requeue)
             or (background and name in self.held)
             or name in self.stopped_by_shutdown  # its refill is owed, should the shutdown end
+            # held where it was preempted: the shutdown's stop, should SystemState say so
+            # (`holds_of_shutdown`), owes it its comeback; forgotten, it never came back
+            or self.unconfirmed_holds.get(name, False)
         ):
             return False
         del self.specs[name]
