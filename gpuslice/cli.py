@@ -385,9 +385,12 @@ def _release_stopped(config_path: str, deadline: float) -> None:
                 f"{printable(why, 600)})",
                 err=True,
             )
-        elif unit in to_thaw and frozen:
-            # each thaw up to THAW_TIMEOUT, one after another, held `apt remove` past the
-            # deadline by as much as they took (a systemd that does not answer)
+        elif unit in to_thaw and (frozen or not shown):
+            # a state that cannot be read (`systemctl show` failed or took its 30 s) skips no
+            # thaw: left frozen, the unit would never run again, and systemd thaws a unit that
+            # is not frozen as a no-op. Each thaw up to THAW_TIMEOUT, one after another, held
+            # `apt remove` past the deadline by as much as they took (a systemd that does not
+            # answer)
             left = deadline - time.monotonic()
             if _thaw(unit, min(THAW_TIMEOUT, max(left, THAW_LATE))):
                 thawed.append(unit)

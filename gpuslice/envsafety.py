@@ -155,23 +155,29 @@ PROFILE_DIR = "/var/tmp"  # glibc's LD_PROFILE_OUTPUT where it is unset or empty
 # The variables with which the gate's programs exit 0 at once, doing nothing: the gate's shell
 # then "succeeds" without asking, and a job they do not stop (a static binary) runs ungated,
 # on GPUs another job holds. glibc's loader lists the libraries of the program it was to run
-# (LD_TRACE_LOADED_OBJECTS, ldd's way: whatever its value, empty included) or LD_DEBUG's
-# options (`help` among them), and bash, /bin/sh on Fedora, RHEL and Arch, takes SHELLOPTS
-# from the environment, as sh too: with `noexec` it reads the gate without running it. Name
-# -> (the word that does it, "" for any value; the separators of the words, the program's).
+# (LD_TRACE_LOADED_OBJECTS, ldd's way: whatever its value, empty included; before glibc 2.36,
+# Ubuntu 22.04's and RHEL 9's, LD_TRACE_PRELINKING too) or LD_DEBUG's options (`help` among
+# them), and bash, /bin/sh on Fedora, RHEL and Arch, takes SHELLOPTS from the environment, as
+# sh too: with `noexec` it reads the gate without running it, with `onecmd` it runs the
+# gate's first command (PATH=...) and exits with its status, 0. Name -> (the words that do
+# it, none for any value; the separators of the words, the program's).
 # Exported functions (BASH_FUNC_dbus-send%%=, which bash as sh imports) never get there:
 # systemd drops a name that is not letters, digits and `_` (envsyntax.is_env_name).
-SKIPS_GATE: dict[str, tuple[str, str]] = {
-    "LD_TRACE_LOADED_OBJECTS": ("", ""),
-    "LD_DEBUG": ("help", " ,:"),
-    "SHELLOPTS": ("noexec", ":"),
+SKIPS_GATE: dict[str, tuple[frozenset[str], str]] = {
+    "LD_TRACE_LOADED_OBJECTS": (frozenset(), ""),
+    "LD_TRACE_PRELINKING": (frozenset(), ""),
+    "LD_DEBUG": (frozenset({"help"}), " ,:"),
+    "SHELLOPTS": (frozenset({"noexec", "onecmd"}), ":"),
 }
 _SKIPS_HOW = {
     "LD_TRACE_LOADED_OBJECTS": "glibc's loader lists a program's libraries and exits 0 "
     "instead of running it, whatever the value",
+    "LD_TRACE_PRELINKING": "glibc's loader before 2.36 lists a program's libraries and exits "
+    "0 instead of running it, whatever the value",
     "LD_DEBUG": "glibc's loader prints LD_DEBUG's options and exits 0 instead of running "
     "the program",
-    "SHELLOPTS": "a /bin/sh that is bash reads the gate without running it, and exits 0",
+    "SHELLOPTS": "a /bin/sh that is bash reads the gate without running it (noexec), or "
+    "runs its first command alone (onecmd), and exits 0",
 }
 # every variable `check` works out the value of
 _WATCHED = frozenset({*LOADER_PATHS, *OUTPUT_PATHS, *SKIPS_GATE, "LD_PROFILE"})
@@ -815,8 +821,8 @@ class EnvFileChecker:
         where = f" (set in {printable(file)})" if file else ""
         said = f"{name}={printable(value, 200)}{where}"
         if name in SKIPS_GATE:
-            word, separators = SKIPS_GATE[name]
-            if word and word not in re.split(f"[{re.escape(separators)}]", value):
+            words, separators = SKIPS_GATE[name]
+            if words and words.isdisjoint(re.split(f"[{re.escape(separators)}]", value)):
                 return None
             return Refusal(
                 f"{said}: {_SKIPS_HOW[name]}, so gpuslice's gate would let the start through "
@@ -1217,6 +1223,10 @@ class EnvFileChecker:
                 if isinstance(reached, _Reached):
                     found.add(f"{reached.real.rstrip('/')}/{name}")
             self._fstab = frozenset(found)
+            # those walks saw no mount point of fstab's: a directory they found root's alone
+            # may be one (/srv/usb, the directory of /srv/usb/part2), and a walk that started
+            # there went past it
+            self._safe_dirs.clear()
         return self._fstab
 
     def _component(
@@ -1322,7 +1332,8 @@ def _fstab_points(text: bytes) -> frozenset[str]:
         point = os.fsdecode(
             _MOUNTINFO_MANGLED.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), fields[1])
         )
-        if point.startswith("/") and "\0" not in point:
+        point = point.partition("\0")[0]  # libmount's C string ends at an unmangled \000
+        if point.startswith("/"):
             found.add(os.path.normpath("/" + point.lstrip("/")))
     return frozenset(found)
 

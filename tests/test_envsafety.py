@@ -1184,11 +1184,11 @@ def test_a_loader_path_in_an_environment_file_only_root_can_change(root: Path) -
 
 
 def test_a_variable_with_which_the_gate_exits_0_without_asking_is_refused(root: Path) -> None:
-    """LD_TRACE_LOADED_OBJECTS (any value, empty too) and LD_DEBUG=help have glibc's loader
-    exit 0 instead of running the gate's /bin/sh, and SHELLOPTS=noexec a /bin/sh that is bash
-    read the gate without running it: the start went on without asking, a static job ran
-    ungated. Other LD_DEBUG and SHELLOPTS values, and what UnsetEnvironment= takes away, are
-    fine."""
+    """LD_TRACE_LOADED_OBJECTS (any value, empty too; LD_TRACE_PRELINKING before glibc 2.36)
+    and LD_DEBUG=help have glibc's loader exit 0 instead of running the gate's /bin/sh, and
+    SHELLOPTS=noexec (or onecmd) a /bin/sh that is bash read the gate without running it (or
+    run its first line alone): the start went on without asking, a static job ran ungated.
+    Other LD_DEBUG and SHELLOPTS values, and what UnsetEnvironment= takes away, are fine."""
     put(root, "/etc/asr/asr.env", "LD_TRACE_LOADED_OBJECTS=\n")
     cases = {
         # name: (lines, refused)
@@ -1203,7 +1203,11 @@ def test_a_variable_with_which_the_gate_exits_0_without_asking_is_refused(root: 
         "help-spaced.service": (['Environment="LD_DEBUG=files help"'], True),
         "debug.service": (["Environment=LD_DEBUG=libs,helper"], False),
         "noexec.service": (["Environment=SHELLOPTS=xtrace:noexec"], True),
+        # bash runs the gate's first command (PATH=...), then exits with its status, 0
+        "onecmd.service": (["Environment=SHELLOPTS=onecmd"], True),
         "xtrace.service": (["Environment=SHELLOPTS=xtrace"], False),
+        # glibc before 2.36 (Ubuntu 22.04, RHEL 9): ldd's trace mode too, whatever the value
+        "prelink.service": (["Environment=LD_TRACE_PRELINKING="], True),
     }
     for name, (lines, _) in cases.items():
         install(root, name, "User=asr", *lines)
@@ -1217,7 +1221,10 @@ def test_a_variable_with_which_the_gate_exits_0_without_asking_is_refused(root: 
         "not set it so"
     ]
     [error] = errors(root, "noexec.service")
-    assert "a /bin/sh that is bash reads the gate without running it, and exits 0" in error
+    assert (
+        "a /bin/sh that is bash reads the gate without running it (noexec), or runs its first "
+        "command alone (onecmd), and exits 0" in error
+    )
 
 
 def test_exported_shell_functions_never_reach_the_gate() -> None:
@@ -1925,6 +1932,23 @@ def test_where_fstab_lets_users_mount_a_file_system_of_theirs_is_no_root_directo
     assert f"{root}/mnt/usb" not in looked and f"{root}/data/stick" not in looked
 
 
+def test_an_fstab_entry_under_another_is_no_way_around_it(root: Path) -> None:
+    """The directories of fstab's user mount points are walked before those points are known
+    (as the scan's first walk starts): /srv/usb, the directory of /srv/usb/part2, was then
+    remembered as root's alone, and a later walk to /srv/usb/job.env started there, past
+    /srv/usb, which asr may mount a USB stick on."""
+    put(
+        root,
+        "/etc/fstab",
+        "/dev/sdb1 /srv/usb auto noauto,user 0 0\n/dev/sdb2 /srv/usb/part2 auto noauto,user 0 0\n",
+    )
+    (root / "srv/usb/part2").mkdir(parents=True)
+    put(root, "/srv/usb/job.env")
+    install(root, "usb.service", "User=asr", "EnvironmentFile=/srv/usb/job.env")
+    [error] = errors(root, "usb.service")
+    assert "/srv/usb is where /etc/fstab lets users mount a file system of theirs" in error
+
+
 def test_the_entries_of_fstab_that_users_may_mount() -> None:
     """fstab(5): blank-separated fields, `\\ooo` escapes, `#` comments; `user`, `users`,
     `owner` or `group` among the options (not `nouser`, nor cifs's `user=NAME`), mount points
@@ -1942,6 +1966,8 @@ def test_the_entries_of_fstab_that_users_may_mount() -> None:
         b"/dev/sdg relative auto user\n"
         b"/dev/sdh /mnt/" + long + b" auto user\n"
         b"/dev/sdi /mnt/j auto " + long + b",user\n"
+        # libmount's unmangled \\000 ends the C string there: mount(8) mounts on /mnt/k
+        b"/dev/sdj /mnt/k\\000x auto user\n"
     )
     assert envsafety._fstab_points(text) == {
         "/mnt/a",
@@ -1950,6 +1976,7 @@ def test_the_entries_of_fstab_that_users_may_mount() -> None:
         "/mnt/f",
         "/mnt/" + long.decode(),
         "/mnt/j",
+        "/mnt/k",
     }
 
 

@@ -252,3 +252,34 @@ def test_a_thaw_is_given_what_is_left_of_the_deadline_and_still_sent_past_it(
     assert done == [("thaw", "a.service"), ("thaw", "b.service"), ("thaw", "c.service")]
     assert timeouts == [60.0, 20.0, 5.0]
     assert stderr == ""
+
+
+def test_a_frozen_unit_whose_state_cannot_be_read_is_thawed_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl show` of a frozen unit that does not answer in its 30 s (a systemd busy
+    with `apt remove`'s daemon-reload) or fails: the unit was taken for not frozen and passed
+    over without a word, left frozen with no controller for ever. The thaw is sent anyway
+    (systemd thaws a unit that is not frozen as a no-op)."""
+    frozen = ("a.service", "b.service")
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        n: ((i,), "frozen", i + 1, "") for i, n in enumerate(frozen)
+    }
+    saved = SavedState(holders=holders, seq=2)
+    monkeypatch.setattr(StateStore, "load", lambda self: (saved, _this_boot()))
+    monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
+    _systemd_started(monkeypatch)
+    done, _ = systemctl_and_resume(monkeypatch, {n: ("active", "frozen") for n in frozen})
+    systemctl = subprocess.run
+
+    def slow_show(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        if command[1] == "show" and command[-1] == "a.service":
+            raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+        if command[1] == "show" and command[-1] == "b.service":
+            return subprocess.CompletedProcess(command, 1, "", "Failed to connect to bus")
+        return systemctl(command, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", slow_show)
+    stderr = release_jobs(tmp_path, "")
+    assert done == [("thaw", "a.service"), ("thaw", "b.service")]
+    assert stderr == ""
