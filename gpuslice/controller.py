@@ -406,6 +406,7 @@ class Controller:
         remembered = set(saved.preempted) | set(saved.holders) | set(saved.held)
         remembered |= set(saved.suspended)  # stopped by hand while we were away: held
         remembered |= set(saved.requeued)  # a comeback at its gate: owed if its wait ended
+        remembered |= set(saved.stopped_by_shutdown)  # refilled if its shutdown was cancelled
         shown = {u.name for u in units}  # instances among them are annotated by templates
         with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
             self.scheduler.set_specs(self._concrete_specs(remembered | shown))
@@ -912,10 +913,8 @@ class Controller:
         """systemd's SystemState, read after these units were held (Rereads.hold_booked):
         the host going down, its shutdown's JobNew was lost on the bus, and their stops were
         the shutdown's (Scheduler.holds_of_shutdown), which is now taken in; else the holds
-        stand; they stand too where the shutdown's JobNew was heard since: a unit held, not
-        ended by the shutdown (`Tracker.outcome`), went down before it was queued, by a
-        stop of someone's (systemd announces a shutdown's jobs before they run)."""
-        if not down or self.tracker.shutdown_announced():
+        stand (Rereads._shutdowns says which)."""
+        if not down:
             self.scheduler.holds_confirmed(units)
             for name in units:  # kept for this answer (forget_instance), owed nothing now
                 if is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN:

@@ -78,7 +78,9 @@ class Rereads:
         self.wake_unheard = wake_unheard
         self.shutdown_over = shutdown_over
         self.holds_read = holds_read
-        self._holds: set[str] = set()  # held since the last SystemState read was sent
+        # held since the last SystemState read was sent, each with the tracker's
+        # (`shutdown_jobs_heard`, `shutdown_queued`) at its hold
+        self._holds: dict[str, tuple[int, int]] = {}
         self._asking = False  # a read for them is under way
         # units a periodic read showed otherwise than their signals: (that state, the stamp of
         # systemd's last word then), taken in if the next read finds the same
@@ -203,7 +205,8 @@ class Rereads:
         the reboot. systemd's SystemState, read now, says `stopping` once the shutdown is
         queued: it was queued before, with its stops (one transaction). Units held while a
         read is under way wait for the next."""
-        self._holds.add(unit)
+        tracker = self.tracker
+        self._holds[unit] = (tracker.shutdown_jobs_heard(), tracker.shutdown_queued())
         self._ask_holds()
 
     def _ask_holds(self) -> None:
@@ -214,27 +217,43 @@ class Rereads:
     async def _read_holds(self) -> None:
         try:
             while self._holds:
-                asked, self._holds = sorted(self._holds), set()
-                stamp = self.tracker.shutdown_jobs_heard()
+                asked, self._holds = dict(sorted(self._holds.items())), {}
                 try:
                     state = await self.systemd.system_state()
                 except SystemdError as e:
                     self.counters.error("dbus_call_errors")
                     log.debug("cannot ask whether the host is going down: %s", e)
-                    self._holds.update(asked)  # asked again with the next hold, or audit
+                    # asked again with the next hold, or audit (a hold since is the later)
+                    self._holds = {**asked, **self._holds}
                     return
                 # one held again since the read was sent (started, then stopped meanwhile)
                 # waits for the next: this answer may be older than its new stop, and taken
                 # for it, the next read found that hold confirmed (a shutdown's, kept)
-                told = [unit for unit in asked if unit not in self._holds]
-                # nor is an answer older than a job of a shutdown target heard since (its
-                # JobNew, or its cancel's JobRemoved, read before this answer was taken up):
-                # believed after the cancel, it took the host for going down (`audit_shutdown`)
-                down = state == "stopping" and stamp == self.tracker.shutdown_jobs_heard()
-                if told:
-                    self.holds_read(told, down)
+                told = {u: at for u, at in asked.items() if u not in self._holds}
+                held: list[str] = []
+                ended: list[str] = []
+                for unit, at in told.items():
+                    (ended if self._shutdowns(state, *at) else held).append(unit)
+                if held:
+                    self.holds_read(held, False)
+                if ended:
+                    self.holds_read(ended, True)
         finally:
             self._asking = False
+
+    def _shutdowns(self, state: str, heard: int, queued: int) -> bool:
+        """Whether SystemState `state`, read after a unit was held (the tracker's stamps then,
+        `heard` and `queued`), says that the hold was a shutdown's stop whose JobNew was lost.
+        Not when shutdown.target was queued since (its JobNew heard): the stop came before that
+        shutdown, whose jobs are announced before they run (a person's stop, then a reboot).
+        Nor when the answer is older than a shutdown's cancel heard since (its JobRemoved read
+        before the answer was taken up): believed, it took the host for going down
+        (`audit_shutdown`). A shutdown heard since with no shutdown.target JobNew was merged
+        into one queued before, unheard (`systemctl poweroff` after a lost reboot): that one's
+        stop took the unit down."""
+        if state != "stopping" or queued != self.tracker.shutdown_queued():
+            return False
+        return heard == self.tracker.shutdown_jobs_heard() or self.tracker.shutting_down
 
     def _take_audited(self, state: UnitState, suspect: tuple[UnitState, int] | None) -> None:
         """A state its signals did not tell is taken in when the next read still shows it and

@@ -67,13 +67,14 @@ PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
 # written since the Preempt= ladder, since starts are saved before they are sent, since
 # the terms of units whose annotation goes are kept, since thaws owed are, since saves are
-# numbered, and since requeues at the gate and their failed waits are; a file without them
-# (an older controller's) is complete
+# numbered, since requeues at the gate and their failed waits are, and since background
+# instances the shutdown stopped are; a file without them (an older controller's) is complete
 LATER_FIELDS = (
     "frozen_for",
     "generation",
     "requeued",
     "started",
+    "stopped_by_shutdown",
     "suspended",
     "terms",
     "thaw_owed",
@@ -272,7 +273,16 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             preempted[name] = seq
 
     lists: dict[str, list[str]] = {}
-    for key in ("held", "finished", "failed", "started", "thaw_owed", "requeued", "wait_failed"):
+    for key in (
+        "held",
+        "finished",
+        "failed",
+        "started",
+        "thaw_owed",
+        "requeued",
+        "wait_failed",
+        "stopped_by_shutdown",
+    ):
         lists[key] = []
         names = data.get(key, [])
         if not isinstance(names, list):
@@ -384,6 +394,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         terms=terms,
         requeued=requeued,
         wait_failed=wait_failed,
+        stopped_by_shutdown=lists["stopped_by_shutdown"],
     )
     return saved, boot_id
 

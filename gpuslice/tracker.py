@@ -17,9 +17,21 @@ from typing import Any
 
 from gpuslice.core.scheduler import Outcome, Phase
 
+# soft-reboot.target (systemd 254+) stops every unit as a reboot does; its
+# systemd-soft-reboot.service pulls in shutdown.target too
 SHUTDOWN_TARGETS = frozenset(
-    {"shutdown.target", "reboot.target", "poweroff.target", "halt.target", "kexec.target"}
+    {
+        "shutdown.target",
+        "reboot.target",
+        "poweroff.target",
+        "halt.target",
+        "kexec.target",
+        "soft-reboot.target",
+    }
 )
+# how a shutdown target's job may end with the host still going down: it ran, or it timed
+# out and the target's JobTimeoutAction= (reboot-force, poweroff-force, ...) forces it down
+SHUTDOWN_GOES_ON = frozenset({"done", "timeout"})
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,8 @@ class Tracker:
         # how many jobs of the shutdown targets were heard: a read of whether the host goes
         # down is believed only if none was heard while it was answered (`shutdown_unheard`)
         self._shutdown_jobs = 0
+        # how many JobNews of shutdown.target were heard (`shutdown_queued`)
+        self._shutdown_queued = 0
         # the jobs of shutdown targets announced and not yet ended: `systemctl cancel` of one
         # (reboot.target's) leaves the others (shutdown.target's), and the host goes down
         self._shutdown_pending: set[str] = set()
@@ -205,6 +219,8 @@ class Tracker:
             self.shutting_down = True
             self._shutdown_jobs += 1
             self._shutdown_pending.add(path)
+        if unit == "shutdown.target":
+            self._shutdown_queued += 1
         if self.managed(unit):
             self._count(unit)
             self._unit_jobs.setdefault(unit, {})[path] = self._signals[unit]
@@ -223,9 +239,11 @@ class Tracker:
         self._shutdown_pending.clear()
         return True
 
-    def shutdown_announced(self) -> bool:
-        """Whether a job of a shutdown target was heard and has not ended."""
-        return bool(self._shutdown_pending)
+    def shutdown_queued(self) -> int:
+        """A stamp that moves with each JobNew of shutdown.target: every shutdown queues its
+        start job anew, but one queued while another's is pending (`systemctl poweroff`
+        after `systemctl reboot`) is merged into that one's, with no JobNew."""
+        return self._shutdown_queued
 
     def shutdown_read(self) -> None:
         """systemd's SystemState says the host is going down, where no JobNew of a shutdown
@@ -241,8 +259,10 @@ class Tracker:
             self._shutdown_jobs += 1
             self._shutdown_pending.discard(path)
             # a cancelled shutdown must not disable holds for good; one of its jobs cancelled
-            # (`systemctl cancel`) while another goes on is no cancelled shutdown
-            if result == "canceled" and not self._shutdown_pending:
+            # (`systemctl cancel`) while another goes on is no cancelled shutdown. The last
+            # one failed (`dependency`: a job it required did) ends it too: systemd-reboot
+            # never ran, and the host stays up with its units stopped, as after a cancel
+            if result not in SHUTDOWN_GOES_ON and not self._shutdown_pending:
                 self.shutting_down = False
         if self._own_jobs.get(path) == "stop" and result != "done":
             self._stop_results[unit] = result

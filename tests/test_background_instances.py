@@ -461,3 +461,65 @@ def test_a_background_instance_that_ended_by_itself_in_a_shutdown_is_forgotten()
     assert s.forget_instance(embed.name)
     assert s.forget_instance(tx.name)
     assert brief(s.set_shutting_down(False)) == []
+
+
+def test_a_background_instance_the_shutdown_stopped_is_refilled_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """The shutdown stopped embed@a and gpuslice.service too; someone cancelled it and
+    started gpuslice again. Not saved, the instance (unloaded by systemd) was unknown to the
+    next controller, or learnt dormant: never started again, where a plain background unit
+    is refilled."""
+    bed = Bed(tmp_path, EMBED, [])
+    embed = "embed@a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
+        ctl.on_unit_changed(embed, at_gate())
+        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
+        stop = (3, "/org/freedesktop/systemd1/job/3")  # the shutdown's stop
+        ctl.on_job_new(*stop, embed)
+        ctl.on_unit_changed(embed, {"ActiveState": "deactivating", "SubState": "stop", "Job": stop})
+        ctl.on_unit_changed(embed, DOWN)
+        ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
+        await settle()
+        assert embed in ctl.scheduler.stopped_by_shutdown
+
+    run(test)
+    again = Bed(tmp_path / "again", EMBED, [], bed.controller.scheduler.save())
+
+    async def restarted() -> None:
+        await again.controller.start()
+        await settle()
+        assert ("start", embed) in again.systemd.calls
+
+    run(restarted)
+
+
+def test_a_background_instance_the_shutdown_stopped_is_dormant_after_the_reboot() -> None:
+    """The host went down: learnt again, it is dormant as any instance (`ended_with_boot`)."""
+    s = Scheduler([Gpu(0)], {})
+    embed = spec("embed@a", 90, BG)
+    s.request(embed)
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.SHUTDOWN)
+    saved = s.save()
+    fresh = Scheduler([Gpu(0)], {})
+    fresh.set_specs({embed.name: embed})
+    fresh.load(fresh.ended_with_boot(saved))
+    assert brief(fresh.schedule()) == []
+    assert fresh.forget_instance(embed.name)
+
+
+def test_a_background_instance_the_shutdown_stopped_is_forgotten_with_its_annotation() -> None:
+    """Its template's annotation went: nothing keeps it, nor saves it for ever."""
+    s = Scheduler([Gpu(0)], {})
+    embed = spec("embed@a", 90, BG)
+    s.request(embed)
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.SHUTDOWN)
+    s.set_specs({})
+    assert s.stopped_by_shutdown == set()

@@ -4344,10 +4344,49 @@ def test_a_hold_before_a_shutdown_heard_while_its_state_was_read_stands(
         dead = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
         ctl.on_unit_changed("bg.service", dead)
         ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")  # read is out
+        ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "shutdown.target")  # queued anew
         await settle()
         assert ("system-state", "") in bed.systemd.calls
         assert ctl.scheduler.save().held == ["bg.service"]
         assert ctl.counters.errors["dbus_signals_lost"] == 0
+
+    run(test)
+
+
+def test_a_stop_of_a_shutdown_unheard_then_another_shutdown_heard_is_no_hold(
+    tmp_path: Path,
+) -> None:
+    """The bus lost the JobNews of `systemctl reboot`, whose stop of bg.service looked like
+    someone's; `systemctl poweroff` follows while the SystemState read is out: poweroff.target's
+    JobNew is heard, not shutdown.target's (its start job, the reboot's, is pending: merged).
+    Taken for a hold before that shutdown (as when shutdown.target is queued anew), the
+    reboot's stop was kept across the reboot: bg.service never ran again."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "active", "running")],
+        SavedState(holders={"bg.service": ((0,), "running", 1, "")}, seq=1),
+    )
+    bed.systemd.system = "stopping"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        job = "/org/freedesktop/systemd1/job/1"
+        ctl.on_job_new(1, job, "bg.service")  # the reboot's stop
+        ctl.on_unit_changed(
+            "bg.service",
+            {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (1, job)},
+        )
+        ctl.on_job_removed(1, job, "bg.service", "done")
+        bed.systemd.units["bg.service"] = state("bg.service", "inactive", "dead")
+        dead = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed("bg.service", dead)
+        ctl.on_job_new(9, "/org/freedesktop/systemd1/job/9", "poweroff.target")  # read is out
+        await settle()
+        assert ("system-state", "") in bed.systemd.calls
+        assert ctl.scheduler.save().held == []
+        assert ctl.scheduler.shutting_down is True
 
     run(test)
 

@@ -534,6 +534,26 @@ def test_a_hold_read_older_than_a_shutdown_job_heard_since_is_not_believed() -> 
     run(test)
 
 
+@pytest.mark.parametrize(
+    ("queued", "held"), [("poweroff.target", False), ("shutdown.target", True)]
+)
+def test_a_hold_read_while_another_shutdown_is_heard(queued: str, held: bool) -> None:
+    """A hold, its SystemState read out, and a JobNew of a shutdown target heard before the
+    answer `stopping` is taken up. shutdown.target's: a shutdown queued since, after the hold
+    (someone's stop, then a reboot), which stands. poweroff.target's alone (`systemctl
+    poweroff` merged into a reboot queued before, whose JobNews the bus lost): the hold was
+    that reboot's stop, and kept, it outlived the reboot."""
+
+    async def test(bed: Bed) -> None:
+        bed.systemd.system = "stopping"
+        bed.systemd.before_system = lambda: bed.tracker.job_new(SHUTDOWN_JOB, queued)
+        bed.reads.hold_booked(UNIT)
+        await turns(0)
+        assert bed.holds == [([UNIT], not held)]
+
+    run(test)
+
+
 def test_a_hold_whose_read_failed_is_read_again_at_the_next_audit() -> None:
     """The SystemState read that follows a hold (someone's stop, the host running) failed,
     and its unit waited for the next hold's read, maybe hours later: if that one says

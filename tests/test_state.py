@@ -40,6 +40,7 @@ GOOD: dict[str, Any] = {
     "thaw_owed": [],
     "requeued": [],
     "wait_failed": [],
+    "stopped_by_shutdown": [],
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -495,7 +496,8 @@ def test_requeues_and_failed_waits_are_kept_and_a_file_without_them_is_complete(
     store.save(saved, "b")
     assert store.load()[0] == saved
     caplog.clear()
-    older = {k: v for k, v in GOOD.items() if k not in ("requeued", "wait_failed")}
+    later = ("requeued", "wait_failed", "stopped_by_shutdown")
+    older = {k: v for k, v in GOOD.items() if k not in later}
     saved, _, records = load(tmp_path / "again", json.dumps(older).encode(), caplog)
     assert (saved, records) == (GOOD_STATE, [])
 

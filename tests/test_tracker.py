@@ -306,6 +306,48 @@ def test_one_shutdown_job_cancelled_while_another_goes_on_is_no_cancelled_shutdo
     assert tracker.shutting_down is False
 
 
+def test_a_soft_reboot_is_a_shutdown() -> None:
+    """`systemctl soft-reboot` (systemd 254+) stops every unit as a reboot does: a unit its
+    stop took down is no hold, and a preempted one stays owed (its work goes with it)."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.job_new(JOB2, "soft-reboot.target")
+    assert tracker.shutting_down is True
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.SHUTDOWN)]
+    tracker.job_removed(JOB2, "soft-reboot.target", "canceled")
+    assert tracker.shutting_down is False
+
+
+@pytest.mark.parametrize("result", ["dependency", "failed", "skipped", "invalid"])
+def test_a_shutdown_job_that_ends_undone_ends_the_shutdown(result: str) -> None:
+    """reboot.target's job removed without `done` (a dependency's job failed): systemd-reboot
+    never ran and the host stays up, every unit stopped. Taken for going down still, gpuslice
+    started nothing until it restarted: no comeback, no refill, every waiter waiting."""
+    tracker = Model().tracker()
+    tracker.job_new(JOB2, "reboot.target")
+    tracker.job_new(JOB1, "shutdown.target")
+    tracker.job_removed(JOB1, "shutdown.target", "done")
+    assert tracker.shutting_down is True
+    tracker.job_removed(JOB2, "reboot.target", result)
+    assert tracker.shutting_down is False
+
+
+def test_a_shutdown_job_that_times_out_still_takes_the_host_down() -> None:
+    """reboot.target's JobTimeoutAction=reboot-force (poweroff.target's, halt.target's, ...
+    alike): its job timed out, the host is forced down all the same; nor does one job that
+    failed end a shutdown whose other job goes on."""
+    tracker = Model().tracker()
+    tracker.job_new(JOB2, "reboot.target")
+    tracker.job_removed(JOB2, "reboot.target", "timeout")
+    assert tracker.shutting_down is True
+    tracker.job_new(JOB1, "shutdown.target")
+    tracker.job_new(JOB3, "poweroff.target")
+    tracker.job_removed(JOB1, "shutdown.target", "dependency")
+    assert tracker.shutting_down is True
+
+
 def test_a_cancelled_stop_job_is_a_stop_lost() -> None:
     """`systemctl start victim` while gpuslice stops it replaces our stop job: the victim
     keeps running and the waiter must not wait for it forever."""

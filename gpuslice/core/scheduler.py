@@ -297,6 +297,10 @@ class SavedState:
     requeued: list[str] = field(default_factory=list)
     # preempted units whose wait at the gate failed: brought back only onto free GPUs
     wait_failed: list[str] = field(default_factory=list)
+    # background instances the host's shutdown stopped (Scheduler.stopped_by_shutdown): lost
+    # at a restart after its cancel (gpuslice.service stopped with them), the next
+    # controller learnt them dormant, or not at all, and never refilled them
+    stopped_by_shutdown: list[str] = field(default_factory=list)
 
 
 def _unannotated(spec: UnitSpec) -> UnitSpec:
@@ -705,7 +709,8 @@ class Scheduler:
         gpuslice stopped is not dropped without a word. A hold, an end or a failure goes
         silently: nothing was owed."""
         actions: list[Action] = []
-        for name in sorted(self.recorded() - self.specs.keys()):
+        # one the shutdown stopped too: kept, it was saved, and kept from `forget_instance`
+        for name in sorted((self.recorded() | self.stopped_by_shutdown) - self.specs.keys()):
             if name in self.preempted:
                 spec = was.get(name)
                 forgotten = (
@@ -2237,6 +2242,7 @@ class Scheduler:
             thaw_owed=self.thaws_owed(),
             requeued=sorted(n for n in self.requeued if self.phase(n) in (None, Phase.STARTING)),
             wait_failed=sorted(n for n in self.wait_failed if n in self.preempted),
+            stopped_by_shutdown=sorted(self.stopped_by_shutdown),
             terms={
                 **{
                     n: _terms(h.spec)
@@ -2295,6 +2301,10 @@ class Scheduler:
         } - self.recorded()
         self.started |= {n for n in self.requeued if self.phase(n) is None}
         self.wait_failed = {n for n in saved.wait_failed if n in self.preempted}
+        self.stopped_by_shutdown = {
+            n for n in saved.stopped_by_shutdown if self._kept_for_refill(n)
+        } - (self.holders.keys() | self.suspended.keys() | self.recorded())
+        self.dormant -= self.stopped_by_shutdown  # someone started them before the shutdown
         return self._forget_unannotated({})
 
     def ended_with_boot(self, saved: SavedState) -> SavedState:
@@ -2321,7 +2331,14 @@ class Scheduler:
                 or Phase(phase) is Phase.STOPPING
             ):
                 owed[name] = seq
-        return replace(saved, holders={}, preempted={**owed, **saved.preempted}, requeued=[])
+        # one the shutdown stopped, owed nothing, is dormant as any instance learnt again
+        return replace(
+            saved,
+            holders={},
+            preempted={**owed, **saved.preempted},
+            requeued=[],
+            stopped_by_shutdown=[],
+        )
 
     def forget_boot(self) -> None:
         """A new boot: finished and failed units may run again; holds and preemptions stay.
