@@ -176,8 +176,9 @@ def release_jobs(config_path: str) -> None:
     unit whose resume failed): frozen again it would hold that GPU memory for ever, and the
     rest can never be resumed. No resume starts RELEASE_DEADLINE seconds after this began:
     `apt remove` waits; the units left are named, left suspended, their work kept. These,
-    and a preempted one, which nothing will start again, are named on stderr with why and
-    what to do, instead of being left silently. What it did is saved in the state it read
+    a preempted one, which nothing will start again, and a suspended one systemctl did not
+    show (not resumed: it may be down), are named on stderr with why and what to do,
+    instead of being left silently. What it did is saved in the state it read
     (`_record_released`): a gpuslice installed again this boot judges those units as they
     are, not as frozen or suspended still. Only a state of this boot is acted on, the
     boot told as the controller tells it (`state.same_boot`, with systemd's start: a
@@ -385,6 +386,17 @@ def _release_stopped(config_path: str, deadline: float) -> None:
                 f"{printable(why, 600)})",
                 err=True,
             )
+        elif unit in suspended and not shown:
+            # `systemctl show` failed or took its 30 s: resumed unseen, a unit that is down
+            # would be taken for running again (its GPUs booked by the next controller)
+            named = printable(unit, 300)
+            click.echo(
+                f"{where} may be left suspended by cuda-checkpoint: systemctl did not show "
+                "its state, so it was not resumed, and nothing can resume it now; if "
+                f"`systemctl is-active {named}` says active, it is frozen with its GPU memory "
+                f"in host memory: `systemctl stop {named}` ends it",
+                err=True,
+            )
         elif unit in to_thaw and (frozen or not shown):
             # a state that cannot be read (`systemctl show` failed or took its 30 s) skips no
             # thaw: left frozen, the unit would never run again, and systemd thaws a unit that
@@ -394,8 +406,17 @@ def _release_stopped(config_path: str, deadline: float) -> None:
             left = deadline - time.monotonic()
             if _thaw(unit, min(THAW_TIMEOUT, max(left, THAW_LATE))):
                 thawed.append(unit)
-            else:
+            elif frozen:
                 click.echo(f"{where} stays frozen: `systemctl thaw` failed", err=True)
+            else:  # unseen: systemd refuses to thaw a unit that is down, not frozen at all
+                named = printable(unit, 300)
+                click.echo(
+                    f"{where} may stay frozen: systemctl did not show its state, and "
+                    "`systemctl thaw` failed (as it does for a unit that is not running); if "
+                    f"`systemctl show -p FreezerState {named}` says frozen, "
+                    f"`systemctl thaw {named}` lets it run",
+                    err=True,
+                )
         elif unit in preempted and shown.get("ActiveState") in (
             "inactive",
             "failed",

@@ -16,10 +16,12 @@ root in whatever directory asr's symlink there leads to. Such a unit is not mana
 each variable that names where the gate's programs write (`OUTPUT_PATHS`) and each with which
 they exit 0 at once, the gate passed without asking (`SKIPS_GATE`), and
 `annotations.Loader` makes that an error on the unit (no gate). A unit that runs as root is
-not checked there: its own processes already load what those paths name, as root (and write
-where they say, as root). A root directory or mount of any gated unit that replaces or
-hides what the gate runs or talks through (`GATE_PATHS`) is an error too: a user's files
-there would run as root, and a hidden bus or pipe holds the start for ever without a word.
+checked for `SKIPS_GATE` alone (its environment files read where they are root's alone): its
+own processes already load what those paths name, as root (and write where they say, as
+root), but a gate that exits 0 unasked let it run ungated without a word. A root directory
+or mount of any gated unit that replaces or hides what the gate runs or talks through
+(`GATE_PATHS`) is an error too: a user's files there would run as root, and a hidden bus or
+pipe holds the start for ever without a word.
 
 A file is root's alone when every component of its path, walked from / with symlinks followed
 (the link's directory, then its target's components), is owned by UID 0 and writable by no
@@ -648,30 +650,34 @@ class EnvFileChecker:
         gpuslice's gate runs as root, or that cannot be checked: for a unit that runs as
         another user, each environment file someone else can change and each loader path
         (`LOADER_PATHS`) or written path (`OUTPUT_PATHS`) of its environment; for every gated
-        unit, each root directory or mount that replaces or hides what the gate uses
-        (`GATE_PATHS`). Never raises."""
+        unit, each variable of its environment that has the gate exit 0 unasked
+        (`SKIPS_GATE`: a unit run as root gains nothing by it, but would run ungated without
+        a word; its environment files are read where they are root's alone, the rest not
+        looked into) and each root directory or mount that replaces or hides what the gate
+        uses (`GATE_PATHS`). Never raises."""
         findings: list[Finding] = []
         other = run_as.other_user()
         # the environment files found root's alone, in order: (assignment, path, text)
         texts: list[tuple[Assignment, str, str]] = []
-        if other:
-            for env_file in run_as.env_files:
-                try:
-                    path, refusal = self._env_file(unit, env_file.value)
-                    if path is not None and refusal is None:
-                        text = self._env_text(path)
-                        if isinstance(text, Refusal):
-                            refusal = _as_written(env_file.value, path, text)
-                        elif text is not None:
-                            texts.append((env_file, path, text))
-                except Exception as e:  # belt and braces: no file may crash a scan
-                    quoted = printable(env_file.value, 200)
-                    refusal = Refusal(f"{quoted} cannot be checked ({type(e).__name__})", FIX_PATH)
-                if refusal is not None:
-                    findings.append(Finding(env_file.path, env_file.line, _message(unit, refusal)))
-            spots = [("Environment", a) for a in run_as.environment]
-            spots += [("EnvironmentFile", a) for a in run_as.env_files]
-            findings += self._guarded(unit, spots, self._loader_findings, unit, run_as, texts)
+        for env_file in run_as.env_files:
+            try:
+                path, refusal = self._env_file(unit, env_file.value)
+                if path is not None and refusal is None:
+                    text = self._env_text(path)
+                    if isinstance(text, Refusal):
+                        refusal = _as_written(env_file.value, path, text)
+                    elif text is not None:
+                        texts.append((env_file, path, text))
+            except Exception as e:  # belt and braces: no file may crash a scan
+                quoted = printable(env_file.value, 200)
+                refusal = Refusal(f"{quoted} cannot be checked ({type(e).__name__})", FIX_PATH)
+            if refusal is not None and other:
+                findings.append(Finding(env_file.path, env_file.line, _message(unit, refusal)))
+        spots = [("Environment", a) for a in run_as.environment]
+        spots += [("EnvironmentFile", a) for a in run_as.env_files]
+        findings += self._guarded(
+            unit, spots, self._loader_findings, unit, run_as, texts, not other
+        )
         spots = list(run_as.roots.items())
         spots += [(key, a) for key, found in run_as.mounts.items() for a in found]
         findings += self._guarded(unit, spots, self._mount_findings, unit, run_as, other)
@@ -760,12 +766,17 @@ class EnvFileChecker:
     # -- loader paths
 
     def _loader_findings(
-        self, unit: str, run_as: RunAs, texts: list[tuple[Assignment, str, str]]
+        self,
+        unit: str,
+        run_as: RunAs,
+        texts: list[tuple[Assignment, str, str]],
+        skips_only: bool = False,
     ) -> list[Finding]:
         """A finding for each `LOADER_PATHS` or `OUTPUT_PATHS` variable (or LD_PROFILE=) the
-        gate would start with that names a path someone but root can change: its value as
-        systemd makes it (`Environment=`, in order, then each environment file, then
-        `UnsetEnvironment=`)."""
+        gate would start with that names a path someone but root can change, and each
+        `SKIPS_GATE` one set so: its value as systemd makes it (`Environment=`, in order,
+        then each environment file, then `UnsetEnvironment=`). `skips_only` (a unit run as
+        root): `SKIPS_GATE` alone, and only a value known to skip the gate."""
         findings: list[Finding] = []
         values: dict[str, _Value] = {}
         for assignment in run_as.environment:
@@ -794,6 +805,10 @@ class EnvFileChecker:
                 if found is not None and (not eq or found.value == value):
                     del values[name]  # strv_env_delete: a name, or that very assignment
         for name, found in values.items():
+            if skips_only and (name not in SKIPS_GATE or found.value is None):
+                # its own processes load and write those as root already; a value not
+                # worked out may well not skip the gate, and gains no one anything
+                continue
             if found.value is None:
                 refusal: Refusal | None = Refusal(found.unknown, FIX_PATH)
             elif name == "LD_PROFILE" and "LD_PROFILE_OUTPUT" in values:

@@ -282,6 +282,45 @@ def test_a_thaw_that_fails_is_said_on_stderr_and_the_rest_released(
     assert len(run.stderr.splitlines()) == 2
 
 
+@pytest.mark.parametrize(
+    "answer", ["", subprocess.TimeoutExpired(["systemctl"], 30)], ids=["fails", "hangs"]
+)
+def test_a_suspended_unit_systemd_cannot_show_is_named_with_what_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, answer: str | BaseException
+) -> None:
+    """Suspended (or caught between suspend and resume) but not shown: it was passed over
+    without a word, maybe frozen for ever with its memory in host memory. Not resumed (a
+    unit down would be taken for running again), it is named with what ends it."""
+    saved = SavedState(
+        holders={"c.service": ((0,), "suspending", 2, "")}, suspended={"a.service": ((1,), 3)}
+    )
+    run = _release(tmp_path, monkeypatch, saved, {"a.service": answer, "c.service": answer})
+    assert run.done == []
+    assert run.stderr.splitlines() == [
+        f"{WHERE} {u} may be left suspended by cuda-checkpoint: systemctl did not show its "
+        f"state, so it was not resumed, and nothing can resume it now; if `systemctl "
+        f"is-active {u}` says active, it is frozen with its GPU memory in host memory: "
+        f"`systemctl stop {u}` ends it"
+        for u in ("c.service", "a.service")
+    ]
+
+
+def test_a_thaw_that_fails_for_a_unit_systemd_cannot_show_is_not_said_frozen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A unit owed a thaw whose state could not be read is thawed all the same; the thaw
+    fails for one that is down (systemd thaws no inactive unit): "stays frozen" was untrue
+    then. The line says what is known, and what to do if it is frozen."""
+    saved = SavedState(holders={"z.service": ((0,), "frozen", 2, "")})
+    run = _release(tmp_path, monkeypatch, saved, {"z.service": ""}, verbs={"thaw": 1})
+    assert run.done == [("thaw", "z.service")]
+    assert run.stderr.splitlines() == [
+        f"{WHERE} z.service may stay frozen: systemctl did not show its state, and `systemctl "
+        "thaw` failed (as it does for a unit that is not running); if `systemctl show -p "
+        "FreezerState z.service` says frozen, `systemctl thaw z.service` lets it run"
+    ]
+
+
 def test_a_preempted_unit_is_named_while_systemd_shows_it_down_or_going_down(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1227,6 +1227,39 @@ def test_a_variable_with_which_the_gate_exits_0_without_asking_is_refused(root: 
     )
 
 
+def test_a_unit_run_as_root_whose_environment_skips_the_gate_is_not_managed(root: Path) -> None:
+    """A unit run as root gains nothing by LD_TRACE_LOADED_OBJECTS=, LD_DEBUG=help or
+    SHELLOPTS=noexec, but its gate exited 0 unasked and it ran ungated, on GPUs another job
+    holds, without a word: a located error says why it is not managed instead. Its
+    environment file is read where it is root's alone; one a user can change (a unit of
+    root's may read it, as root) or under /home is not looked into. Its loader paths and a
+    specifier gpuslice does not work out are still its own business."""
+    put(root, "/etc/job/job.env", "LD_DEBUG=help\n")
+    put(root, "/srv/asr/job.env", "LD_DEBUG=help\n", uid=1000)
+    cases = {
+        # name: (lines, refused)
+        "trace.service": (["Environment=LD_TRACE_LOADED_OBJECTS=1"], True),
+        "noexec.service": (["User=root", "Environment=SHELLOPTS=noexec"], True),
+        "file.service": (["User=0", "EnvironmentFile=/etc/job/job.env"], True),
+        "unset.service": (["EnvironmentFile=/etc/job/job.env", "UnsetEnvironment=LD_DEBUG"], False),
+        "debug.service": (["Environment=LD_DEBUG=libs"], False),
+        "users-file.service": (["EnvironmentFile=/srv/asr/job.env"], False),
+        "home-file.service": (["EnvironmentFile=-/home/asr/job.env"], False),
+        "unknown.service": (["Environment=LD_DEBUG=%h"], False),
+        "loader.service": (["Environment=LD_PRELOAD=/home/asr/x.so LD_DEBUG_OUTPUT=d"], False),
+    }
+    for name, (lines, _) in cases.items():
+        install(root, name, *lines)
+    refused = {name for name in cases if errors(root, name)}
+    assert refused == {name for name, (_, bad_one) in cases.items() if bad_one}
+    assert errors(root, "file.service") == [
+        f"{ETC}/file.service:5: [Service] EnvironmentFile: LD_DEBUG=help (set in "
+        "/etc/job/job.env): glibc's loader prints LD_DEBUG's options and exits 0 instead of "
+        "running the program, so gpuslice's gate would let the start through without asking "
+        f"for its GPUs; {GATE} file.service until its environment does not set it so"
+    ]
+
+
 def test_exported_shell_functions_never_reach_the_gate() -> None:
     """bash, /bin/sh on Fedora, RHEL and Arch, imports BASH_FUNC_NAME%%= as a function, which
     overrides the gate's dbus-send; systemd drops such names from Environment= and

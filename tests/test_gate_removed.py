@@ -38,17 +38,25 @@ done
 
 
 def _gate(
-    tmp_path: Path, active: str, load: str, pre: str = "", unit: str = "job.service"
+    tmp_path: Path,
+    active: str,
+    load: str,
+    pre: str = "",
+    unit: str = "job.service",
+    unit_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     """The gate for `unit` with the controller away (every Acquire fails), while
     `systemctl` says gpuslice.service is `active` (ActiveState) and `load` (LoadState), and
-    the unit's ExecStartPre= is `pre`."""
+    the unit's ExecStartPre= is `pre`; `unit_env`, the unit's environment. Its systemctl
+    prints nothing and exits 0 with SYSTEMD_OFFLINE=1 set, as systemd's does."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {
         "dbus-send": f"echo >> {tmp_path}/asks; exit 1\n",  # one line per ask
         "systemctl": (
-            SYSTEMCTL_ARGS + 'case "$verb $prop $unit" in\n'
+            '[ -z "${SYSTEMD_OFFLINE:-}" ] || exit 0\n'
+            + SYSTEMCTL_ARGS
+            + 'case "$verb $prop $unit" in\n'
             f"  is-active*) echo {active}; exit 3 ;;\n"
             f'  "show LoadState gpuslice.service") echo {load} ;;\n'
             f"  \"show ExecStartPre {unit}\") echo '{pre}' ;;\n"
@@ -61,7 +69,7 @@ def _gate(
         stub.chmod(0o755)
     return subprocess.Popen(
         ["/bin/sh", str(gate_with_stubs(tmp_path, bin_dir)), unit, "0.05"],
-        env={"PATH": "/usr/bin:/bin"},
+        env={"PATH": "/usr/bin:/bin", **(unit_env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -80,14 +88,16 @@ def _ended(gate: subprocess.Popen[str]) -> tuple[int, str]:
     return gate.returncode, err
 
 
+@pytest.mark.parametrize("unit_env", [{}, {"SYSTEMD_OFFLINE": "1"}], ids=["", "offline"])
 @pytest.mark.parametrize("active", ["inactive", "failed"])
 def test_a_start_waiting_when_gpuslice_is_removed_goes_on_ungated(
-    tmp_path: Path, active: str
+    tmp_path: Path, active: str, unit_env: dict[str, str]
 ) -> None:
     """`failed`: a controller that had failed (a config.yaml it rejects, its start limit)
     when the package was removed; prerm's stop and postrm's reload leave it failed, its
-    record kept by systemd until reset-failed."""
-    assert _ended(_gate(tmp_path, active, "not-found")) == (
+    record kept by systemd until reset-failed. `offline`: the unit's SYSTEMD_OFFLINE=1 made
+    the gate's systemctl print nothing, and the gate waited for ever."""
+    assert _ended(_gate(tmp_path, active, "not-found", unit_env=unit_env)) == (
         0,
         "gpuslice.service is not installed any more: starting without waiting for GPUs\n",
     )

@@ -668,24 +668,75 @@ def test_the_units_path_chooses_nothing_the_gate_runs(tmp_path: Path, pipes: Gat
     assert not (unit_bin(tmp_path) / "ran").exists()
 
 
-def test_the_units_bus_address_and_locale_paths_reach_nothing_the_gate_runs(
-    tmp_path: Path, pipes: GatePipes
-) -> None:
+# What the unit's environment may say that steers the gate's programs: systemctl, dbus-send
+# (and glibc in each) read these, and a unit sets any of them (`Environment=`, its files)
+UNIT_ENV = {
+    "DBUS_SYSTEM_BUS_ADDRESS": "unixexec:path=/home/asr/evil",
+    "DBUS_SESSION_BUS_ADDRESS": "unix:path=/home/asr/bus",
+    "SYSTEMD_OFFLINE": "1",
+    "SYSTEMD_PAGER": "/home/asr/pager",
+    "SYSTEMD_COLORS": "1",
+    "SYSTEMD_LOG_LEVEL": "debug",
+    "SYSTEMD_BUS_TIMEOUT": "1",
+    "SYSTEMCTL_FORCE_BUS": "1",
+    "LANG": "de_DE.UTF-8",
+    "LC_ALL": "de_DE.UTF-8",
+    "GCONV_PATH": "/home/asr/gconv",
+    "LOCPATH": "/home/asr/locale",
+    "UNIT_OWN": "its own",
+}
+
+
+def test_the_gates_programs_run_with_its_path_alone(tmp_path: Path, pipes: GatePipes) -> None:
     """dbus-send follows DBUS_SYSTEM_BUS_ADDRESS: a `User=` unit's made its gate, as root, ask
     a user's socket (which answered Acquire: the start let through ungated) or run a user's
-    program (`unixexec:path=`); glibc in the gate's programs loads locale data and gconv
-    modules from LOCPATH and GCONV_PATH. The gate asks the system bus whatever the unit says."""
-    seen = tmp_path / "dbus-send.env"
-    unit_env = {
-        "DBUS_SYSTEM_BUS_ADDRESS": "unixexec:path=/home/asr/evil",
-        "GCONV_PATH": "/home/asr/gconv",
-        "LOCPATH": "/home/asr/locale",
-        "UNIT_OWN": "kept",
-    }
-    gate = Gate(tmp_path, pipes, dbus_send=f"env > {seen}", unit_env=unit_env)
-    assert gate.ended() == 0
-    names = {line.partition("=")[0] for line in seen.read_text().splitlines()}
-    assert names & set(unit_env) == {"UNIT_OWN"}
+    program (`unixexec:path=`); systemctl with SYSTEMD_OFFLINE=1 prints nothing and exits 0;
+    glibc in each loads locale data and gconv modules from LOCPATH and GCONV_PATH. Each
+    program the gate runs (dbus-send, sleep, systemctl) sees its PATH and nothing else."""
+    pipes.directory.mkdir(parents=True)  # no pipe: it asks over D-Bus
+    own = tmp_path / "bin"
+    for name in ("dbus-send", "sleep", "systemctl"):  # no controller answers
+        stub(own / name, f"env >> {tmp_path / name}.env\nexit 1\n")
+    proc = subprocess.Popen(
+        ["/bin/sh", str(gate_with_stubs(tmp_path, own)), UNIT, "0.05", str(pipes.directory / UNIT)],
+        env={"PATH": "/usr/bin:/bin", "INVOCATION_ID": START, **UNIT_ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    seen = [tmp_path / f"{name}.env" for name in ("dbus-send", "sleep", "systemctl")]
+    try:
+        deadline = time.monotonic() + BLOCKS_WITHIN
+        while not all(p.exists() for p in seen):  # it asks, pauses, looks at gpuslice
+            assert proc.poll() is None, "the gate ended instead of waiting for the controller"
+            assert time.monotonic() < deadline, [p.name for p in seen if p.exists()]
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait()
+    for path in seen:
+        names = {line.partition("=")[0] for line in path.read_text().splitlines()}
+        assert names - {"PWD"} == {"PATH"}, path.name  # PWD: the stub's own shell sets it
+
+
+def test_a_units_systemd_offline_does_not_hide_its_stop_from_the_gate(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """With the unit's SYSTEMD_OFFLINE=1, the trap's `systemctl show` printed nothing: the
+    gate took the stop for a `systemctl kill` and waited on, and the unit ended failed at
+    TimeoutStopSec=. Its stubbed systemctl prints nothing whenever that is set, as systemd's."""
+    pipes.at_gate(UNIT, START)
+    gate = Gate(tmp_path, pipes, unit_env={"SYSTEMD_OFFLINE": "1"})
+    stub(
+        tmp_path / "bin" / "systemctl",
+        '[ -z "${SYSTEMD_OFFLINE:-}" ] || exit 0\n'
+        f'[ "$*" = "show -p ActiveState --value -- {UNIT}" ] || exit 1\n'
+        f"exec cat {gate.state}\n",
+    )
+    gate.blocked_in_pipe(opened=True)
+    gate.state.write_text("deactivating\n")
+    gate.proc.send_signal(signal.SIGTERM)
+    assert gate.ended() == 0  # inactive, not failed, and nothing said
+    assert not gate.asked_over_dbus()
 
 
 def first_pause(tmp_path: Path, pipes: GatePipes, unit_env: dict[str, str]) -> str:
