@@ -727,9 +727,9 @@ def _unit_state(unit: str, timeout: float = SHOW_TIMEOUT) -> dict[str, str]:
 def _unit_states(units: Sequence[str], deadline: float) -> dict[str, dict[str, str]]:
     """Each unit's ActiveState and FreezerState as systemctl shows them ({} if it cannot),
     SHOW_AT_ONCE units to a `systemctl show`, until `deadline`: units left unasked then are
-    left out. systemctl prints a block per unit, in the order named; a name it refuses fails
-    the whole call (`is_valid_unit_name` is near enough, not systemd's own), and such a
-    call's units are asked one by one."""
+    left out. systemctl prints a block per unit, in the order named (systemd 252 escapes a
+    name it finds invalid and shows that unit); blocks that do not match the names in number
+    (a systemctl that fails the call) have that call's units asked one by one."""
     states: dict[str, dict[str, str]] = {}
     for start in range(0, len(units), SHOW_AT_ONCE):
         chunk = units[start : start + SHOW_AT_ONCE]

@@ -128,7 +128,7 @@ USER_MOUNTS = frozenset({b"user", b"users", b"owner", b"group"})
 # of a /bin/sh that sets its locale at start (bash does, dash does not). Name -> (whether it
 # lists directories, its separators: glibc's). An empty directory element is the current
 # directory; an empty file element is skipped. DBUS_SYSTEM_BUS_ADDRESS, read by dbus-send
-# only once the script runs, is unset by the gate itself.
+# only once the script runs, never reaches it: the gate runs each program with `env -i`.
 LOADER_PATHS: dict[str, tuple[bool, str]] = {
     "LD_LIBRARY_PATH": (True, ":;"),
     "LD_PRELOAD": (False, " :"),

@@ -348,6 +348,33 @@ def test_a_shutdown_job_that_times_out_still_takes_the_host_down() -> None:
     assert tracker.shutting_down is True
 
 
+@pytest.mark.parametrize(
+    ("removed", "down"),
+    [
+        # `systemctl cancel` of shutdown.target's job: systemd removes it, then fails what
+        # requires it (systemd-reboot.service, so reboot.target): `dependency`, host up
+        ([("shutdown.target", "canceled"), ("reboot.target", "dependency")], False),
+        # `systemctl isolate multi-user.target` meanwhile: each cancelled, none failed on
+        ([("reboot.target", "canceled"), ("shutdown.target", "canceled")], False),
+        # reboot.target's alone: shutdown.target's and systemd-reboot.service's go on
+        ([("reboot.target", "canceled")], True),
+    ],
+)
+def test_a_shutdown_ends_as_systemd_removes_its_jobs(
+    removed: list[tuple[str, str]], down: bool
+) -> None:
+    """The JobRemoveds systemd sends, in its order (job_finish_and_invalidate removes a job
+    before it fails those that require it), for `systemctl reboot` cut short: taken for
+    going down still after shutdown.target's cancel, nothing was started again."""
+    tracker = Model().tracker()
+    jobs = {"reboot.target": JOB2, "shutdown.target": JOB1}
+    for unit, job in jobs.items():
+        tracker.job_new(job, unit)
+    for unit, result in removed:
+        tracker.job_removed(jobs[unit], unit, result)
+    assert tracker.shutting_down is down
+
+
 def test_a_cancelled_stop_job_is_a_stop_lost() -> None:
     """`systemctl start victim` while gpuslice stops it replaces our stop job: the victim
     keeps running and the waiter must not wait for it forever."""
