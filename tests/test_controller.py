@@ -322,6 +322,17 @@ def write_unit(tmp_path: Path, name: str, section: str) -> None:
     path.write_text(f"[Service]\nExecStart=/bin/true\n\n[X-GPUSlice]\n{section}")
 
 
+SESSION = "/user.slice/user-1000.slice/session-2.scope"  # a user's login session's cgroup
+
+
+def process_in(tmp_path: Path, pid: int, cgroup: str, comm: bytes = b"python3\n") -> None:
+    """PID runs in `cgroup` (a unit's: /system.slice/NAME) as `comm`, as /proc says."""
+    proc = tmp_path / "proc" / str(pid)
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text(f"0::{cgroup}\n")
+    (proc / "comm").write_bytes(comm)
+
+
 def write_unannotated(tmp_path: Path, name: str) -> None:
     """The unit's file without its [X-GPUSlice] section (an admin took it out)."""
     (tmp_path / "root" / UNIT_DIR / name).write_text("[Service]\nExecStart=/bin/true\n")
@@ -395,6 +406,51 @@ def goes_down(bed: Bed, name: str) -> None:
     """Systemd shows the unit inactive (dead) and signals it."""
     bed.systemd.units[name] = state(name, "inactive", "dead")
     bed.controller.on_unit_changed(name, {"ActiveState": "inactive", "SubState": "dead"})
+
+
+def frozen_beside_voice(
+    tmp_path: Path,
+    unit: str = "emb.service",
+    preempt: str = "",
+    phase: str = "frozen",
+    shown: tuple[str, str] = ("active", "running"),
+    *,
+    section: str = "",
+    others: dict[str, str] | None = None,
+    freezer: bool = True,
+    nvml: StubNvml | None = None,
+) -> Bed:
+    """`unit` (90, Memory=4G, `section`, Preempt=`preempt`, else freeze stop or suspend
+    stop as `phase`; an instance through its template) as the last controller saved it:
+    frozen beside voice.service (10, Memory=4G) on GPU 0, or suspended for it (`phase`).
+    Systemd shows `unit` `shown`, voice.service running, and (`freezer`) `unit` frozen;
+    `others` are more annotated units, not running."""
+    template = unit.split("@")[0] + "@.service" if "@" in unit else unit
+    preempt = preempt or ("freeze stop" if phase == "frozen" else "suspend stop")
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        "voice.service": ((0,), "running", 2, "")
+    }
+    if phase == "frozen":
+        holders[unit] = ((0,), "frozen", 1, "")
+    bed = Bed(
+        tmp_path,
+        {
+            template: f"Priority=90\nMemory=4G\n{section}Preempt={preempt}\n",
+            "voice.service": "Priority=10\nMemory=4G\n",
+            **(others or {}),
+        },
+        [state(unit, *shown), state("voice.service", "active", "running")],
+        SavedState(
+            holders=holders,
+            frozen_for={unit: ["voice.service"]} if phase == "frozen" else {},
+            suspended={unit: ((0,), 1)} if phase == "suspended" else {},
+            seq=2,
+        ),
+        nvml=nvml,
+    )
+    if freezer:
+        bed.systemd.freezer = {unit: "frozen"}
+    return bed
 
 
 async def settle() -> None:
@@ -825,27 +881,7 @@ def test_a_frozen_or_suspended_unit_restarted_by_hand_is_served_as_a_new_start(
     restored, its holder put over the new run's) once that fit. The run that ended is taken
     as stopped by the restart, and the new start is granted, through its pipe, once
     voice.service has left GPU 0."""
-    preempt = "freeze stop" if phase == "frozen" else "suspend stop"
-    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
-        "voice.service": ((0,), "running", 2, "")
-    }
-    if phase == "frozen":
-        holders["emb.service"] = ((0,), "frozen", 1, "")
-    bed = Bed(
-        tmp_path,
-        {
-            "emb.service": f"Priority=90\nMemory=4G\nPreempt={preempt}\n",
-            "voice.service": "Priority=10\nMemory=4G\n",
-        },
-        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
-        SavedState(
-            holders=holders,
-            frozen_for={"emb.service": ["voice.service"]} if phase == "frozen" else {},
-            suspended={"emb.service": ((0,), 1)} if phase == "suspended" else {},
-            seq=2,
-        ),
-    )
-    bed.systemd.freezer = {"emb.service": "frozen"}
+    bed = frozen_beside_voice(tmp_path, phase=phase)
 
     async def test() -> None:
         ctl = bed.controller
@@ -975,23 +1011,7 @@ def test_a_thaw_that_fails_is_tried_again_at_the_next_sample(
     """emb.service was frozen beside voice.service; voice.service ends and the ThawUnit fails:
     before, the journal said "thaw it with systemctl thaw" and the job stayed frozen for
     good. At the next sample (NVML's pace) its FreezerState is read and it is thawed."""
-    bed = Bed(
-        tmp_path,
-        {
-            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
-            "voice.service": "Priority=10\nMemory=4G\n",
-        },
-        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
-        SavedState(
-            holders={
-                "emb.service": ((0,), "frozen", 1, ""),
-                "voice.service": ((0,), "running", 2, ""),
-            },
-            frozen_for={"emb.service": ["voice.service"]},
-            seq=2,
-        ),
-    )
-    bed.systemd.freezer = {"emb.service": "frozen"}
+    bed = frozen_beside_voice(tmp_path)
     bed.systemd.refused_thaws = 1
 
     async def test() -> None:
@@ -3390,10 +3410,7 @@ def test_a_process_named_in_bytes_that_are_no_utf8_stops_nothing(
     """Any local user may run a CUDA process and name it (prctl(PR_SET_NAME)). Named with a
     byte that is no UTF-8, its name raised out of every NVML sample: the controller could
     not start, and a running one left each gate that asked unanswered."""
-    proc = tmp_path / "proc" / "200"
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text("0::/user.slice/user-1000.slice/session-2.scope\n")
-    (proc / "comm").write_bytes(b"\xff\n")
+    process_in(tmp_path, 200, SESSION, b"\xff\n")
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], nvml=OneForeignProcess())
     cgroup_of[4242] = "a.service"
 
@@ -3431,10 +3448,7 @@ def test_a_hung_driver_leaves_the_last_sample_in_force(
     on a sample that forgot it (a job out of memory, or two jobs on one GPU's memory)."""
     monkeypatch.setattr(gpuwatch_module, "NVML_DEADLINE", 0.05)
     patient_nvml(monkeypatch)
-    proc = tmp_path / "proc" / "200"
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text("0::/user.slice/user-1000.slice/session-2.scope\n")
-    (proc / "comm").write_text("python3\n")
+    process_in(tmp_path, 200, SESSION)
     nvml = HangingForeign()
     bed = Bed(
         tmp_path,
@@ -3464,19 +3478,19 @@ def test_a_hung_driver_leaves_the_last_sample_in_force(
         nvml.release.set()
 
 
-def bg_running_on_gpu_1(tmp_path: Path, nvml: StubNvml) -> Bed:
+def bg_running_on_gpu_1(
+    tmp_path: Path, nvml: StubNvml, cgroup: str = "/system.slice/bg.service", **settings: Any
+) -> Bed:
     """A controller about to start again beside bg.service (background), which runs on
-    GPU 1 as saved, its process PID 200 there (`nvml` shows it: OneForeignProcess)."""
-    proc = tmp_path / "proc" / "200"
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text("0::/system.slice/bg.service\n")
-    (proc / "comm").write_text("python3\n")
+    GPU 1 as saved, the process PID 200 there (`nvml` shows it: OneForeignProcess) in
+    `cgroup` (bg.service's); two GPUs, and `settings`."""
+    process_in(tmp_path, 200, cgroup)
     return Bed(
         tmp_path,
         {"bg.service": "Priority=90\nType=background\n"},
         [state("bg.service", "active", "running")],
         SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
-        config=bed_config(tmp_path, gpus=2),
+        config=bed_config(tmp_path, gpus=2, **settings),
         nvml=nvml,
     )
 
@@ -4402,23 +4416,7 @@ def test_a_frozen_instance_the_shutdown_stopped_unheard_is_owed_its_comeback(
     it is owed its comeback (kept, preempted), as when the shutdown is heard. Stopped by a
     person while the host runs, it is forgotten once the read says so, as any instance
     held that is owed nothing."""
-    bed = Bed(
-        tmp_path,
-        {
-            "emb@.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
-            "voice.service": "Priority=10\nMemory=4G\n",
-        },
-        [state("emb@1.service", "active", "running"), state("voice.service", "active", "running")],
-        SavedState(
-            holders={
-                "emb@1.service": ((0,), "frozen", 1, ""),
-                "voice.service": ((0,), "running", 2, ""),
-            },
-            frozen_for={"emb@1.service": ["voice.service"]},
-            seq=2,
-        ),
-    )
-    bed.systemd.freezer = {"emb@1.service": "frozen"}
+    bed = frozen_beside_voice(tmp_path, "emb@1.service")
     bed.systemd.system = system
 
     async def test() -> None:
@@ -4455,23 +4453,7 @@ def test_a_frozen_unit_thawed_by_systemd_for_a_slow_stop_by_hand_is_held(
     A freezer check at a sample meanwhile found it thawed and took that for a thaw by hand:
     running in the books, its stop ended it failed (cleared by the next boot, refill starts
     a background unit again) where a unit stopped while frozen is held."""
-    bed = Bed(
-        tmp_path,
-        {
-            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
-            "voice.service": "Priority=10\nMemory=4G\n",
-        },
-        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
-        SavedState(
-            holders={
-                "emb.service": ((0,), "frozen", 1, ""),
-                "voice.service": ((0,), "running", 2, ""),
-            },
-            frozen_for={"emb.service": ["voice.service"]},
-            seq=2,
-        ),
-    )
-    bed.systemd.freezer = {"emb.service": "frozen"}
+    bed = frozen_beside_voice(tmp_path)
 
     async def test() -> None:
         ctl = bed.controller

@@ -46,11 +46,13 @@ from tests.test_controller import (
     at_gate,
     bed_config,
     due_now,
+    frozen_beside_voice,
     goes_down,
     hang_until,
     low_holds_gpu_0,
     messages,
     patient_nvml,
+    process_in,
     run,
     settle,
     state,
@@ -222,6 +224,28 @@ async def preempted_and_back(bed: Bed) -> None:
     goes_down(bed, "urgent.service")
     await settle()
     assert bed.systemd.calls[-1] == ("start", "low.service")
+
+
+def stopped_by_job_77_and_back(
+    bed: Bed, announced: bool = False, read: asyncio.Event | None = None
+) -> None:
+    """urgent.service asks, and job 77 takes low.service down (`announced` by its JobNew
+    first, `read` let go after): low.service is booked preempted, and started again once
+    urgent.service ends."""
+    job = f"{JOB}77"
+
+    async def test() -> None:
+        await urgent_asks(bed)
+        await settle()
+        if announced:
+            bed.controller.on_job_new(77, job, "low.service")
+        stopped_by_job_77(bed, job)
+        if read is not None:
+            read.set()
+        await settle()
+        await preempted_and_back(bed)
+
+    run(test)
 
 
 def lost_stop(
@@ -863,19 +887,7 @@ def test_a_stop_job_announced_after_our_unanswered_stop_was_sent_is_ours_its_end
     heard, systemd's answer dropped: systemd takes calls in the order they reach it, so
     that is the job ours queued (a person's stop that came later joined it). Its end is a
     preemption, and low.service comes back once urgent.service ends."""
-    bed = lost_stop(tmp_path, cgroup_of, monkeypatch)
-    job = f"{JOB}77"
-
-    async def test() -> None:
-        ctl = bed.controller
-        await urgent_asks(bed)
-        await settle()
-        ctl.on_job_new(77, job, "low.service")
-        stopped_by_job_77(bed, job)
-        await settle()
-        await preempted_and_back(bed)
-
-    run(test)
+    stopped_by_job_77_and_back(lost_stop(tmp_path, cgroup_of, monkeypatch), announced=True)
 
 
 @pytest.mark.parametrize("answer", ["heard", "lost"])
@@ -917,15 +929,7 @@ def test_our_stop_whose_job_new_was_lost_is_no_end_by_itself(
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     job = f"{JOB}77"
     scripted(bed, "stop", [Answer(job=job)])
-
-    async def test() -> None:
-        await urgent_asks(bed)
-        await settle()
-        stopped_by_job_77(bed, job)
-        await settle()
-        await preempted_and_back(bed)
-
-    run(test)
+    stopped_by_job_77_and_back(bed)
 
 
 @pytest.mark.parametrize("answer_lost", ["before-its-end", "after-its-end"])
@@ -937,19 +941,8 @@ def test_our_stop_whose_answer_and_job_new_were_lost_is_a_preemption(
     our stop has no answer. That job is taken for ours, as a read finding it is: its end is a
     preemption, and low.service comes back once urgent.service ends. Taken for the end of a
     unit that ended by itself, low.service was booked finished, never brought back."""
-    job = f"{JOB}77"
     read = lost_answer_read(answer_lost)
-    bed = lost_stop(tmp_path, cgroup_of, monkeypatch, read=read)
-
-    async def test() -> None:
-        await urgent_asks(bed)
-        await settle()
-        stopped_by_job_77(bed, job)
-        read.set()
-        await settle()
-        await preempted_and_back(bed)
-
-    run(test)
+    stopped_by_job_77_and_back(lost_stop(tmp_path, cgroup_of, monkeypatch, read=read), read=read)
 
 
 # ---- the stop timer ----
@@ -1157,25 +1150,9 @@ def test_a_grant_says_how_long_its_unit_waited_at_its_gate_from_when_it_began_to
 def emb_frozen_beside_voice(tmp_path: Path) -> Bed:
     """emb.service (90, Preempt=freeze suspend stop) frozen beside voice.service (10) on
     GPU 0; urgent.service (5) may ask for the whole GPU."""
-    bed = Bed(
-        tmp_path,
-        {
-            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze suspend stop\n",
-            "voice.service": "Priority=10\nMemory=4G\n",
-            "urgent.service": "Priority=5\n",
-        },
-        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
-        SavedState(
-            holders={
-                "emb.service": ((0,), "frozen", 1, ""),
-                "voice.service": ((0,), "running", 2, ""),
-            },
-            frozen_for={"emb.service": ["voice.service"]},
-            seq=2,
-        ),
+    return frozen_beside_voice(
+        tmp_path, preempt="freeze suspend stop", others={"urgent.service": "Priority=5\n"}
     )
-    bed.systemd.freezer = {"emb.service": "frozen"}
-    return bed
 
 
 def test_one_check_of_the_freezer_at_a_time_however_many_samples_come_meanwhile(
@@ -1260,10 +1237,7 @@ class TwoJobs(StubNvml):
 def processes_of(tmp_path: Path, units: dict[int, str]) -> None:
     """/proc for each PID: its cgroup (its unit's), its command."""
     for pid, unit in units.items():
-        proc = tmp_path / "proc" / str(pid)
-        proc.mkdir(parents=True)
-        (proc / "cgroup").write_text(f"0::/system.slice/{unit}\n")
-        (proc / "comm").write_text("python3\n")
+        process_in(tmp_path, pid, f"/system.slice/{unit}")
 
 
 def test_the_processes_of_a_unit_annotated_or_holding_gpus_or_followed_are_not_foreign(

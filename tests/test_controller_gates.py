@@ -39,12 +39,14 @@ from tests.test_controller import (
     at_gate,
     bed_config,
     due_now,
+    frozen_beside_voice,
     goes_down,
     held_after_answer,
     late_stops,
     low_holds_gpu_0,
     messages,
     past,
+    process_in,
     read_pipe,
     restarted_by_hand,
     run,
@@ -294,12 +296,16 @@ class LingeringVram(StubNvml):
         return [GpuProcess(pid, 1, used, compute=True) for pid, used in self.shown]
 
 
-def process_of(tmp_path: Path, pid: int, unit: str) -> None:
-    """PID runs in `unit`'s cgroup, as /proc says."""
-    proc = tmp_path / "proc" / str(pid)
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text(f"0::/system.slice/{unit}\n")
-    (proc / "comm").write_text("python3\n")
+def a_and_b_on_lingering_vram(
+    tmp_path: Path, cgroup_of: dict[int, str], section: str = "Priority=50\n"
+) -> tuple[Bed, LingeringVram]:
+    """a.service and b.service (`section` each) for the one GPU of a LingeringVram, their
+    gates to ask from PIDs 4242 and 4243."""
+    nvml = LingeringVram()
+    bed = Bed(tmp_path, {"a.service": section, "b.service": section}, [], nvml=nvml)
+    cgroup_of[4242] = "a.service"
+    cgroup_of[4243] = "b.service"
+    return bed, nvml
 
 
 def test_a_holders_end_counts_the_vram_nvml_still_shows_of_it_until_released(
@@ -311,16 +317,8 @@ def test_a_holders_end_counts_the_vram_nvml_still_shows_of_it_until_released(
     declaration: b.service (Memory=16G) waits until NVML shows them freed. Decided on the
     sample before the end, b.service was granted 16 GiB of a GPU that had 8 free, and its
     job ran out of memory."""
-    nvml = LingeringVram()
-    process_of(tmp_path, 300, "a.service")
-    bed = Bed(
-        tmp_path,
-        {"a.service": "Priority=50\nMemory=16G\n", "b.service": "Priority=50\nMemory=16G\n"},
-        [],
-        nvml=nvml,
-    )
-    cgroup_of[4242] = "a.service"
-    cgroup_of[4243] = "b.service"
+    process_in(tmp_path, 300, "/system.slice/a.service")
+    bed, nvml = a_and_b_on_lingering_vram(tmp_path, cgroup_of, "Priority=50\nMemory=16G\n")
 
     async def test() -> None:
         ctl = bed.controller
@@ -349,15 +347,7 @@ def test_a_start_that_held_no_gpu_takes_no_nvml_sample_when_it_is_cancelled(
     """A sample costs NVML calls on the controller's loop (issue 10): one is taken at a
     unit's end only when the unit held GPUs, whose VRAM may still be in use. A start that
     waited at its gate and was cancelled released nothing."""
-    nvml = LingeringVram()
-    bed = Bed(
-        tmp_path,
-        {"a.service": "Priority=50\n", "b.service": "Priority=50\n"},
-        [],
-        nvml=nvml,
-    )
-    cgroup_of[4242] = "a.service"
-    cgroup_of[4243] = "b.service"
+    bed, nvml = a_and_b_on_lingering_vram(tmp_path, cgroup_of)
 
     async def test() -> None:
         ctl = bed.controller
@@ -865,25 +855,8 @@ def test_a_frozen_unit_restarted_by_hand_ended_stopped_and_its_vram_counts_until
     the new start (Memory=4G) waits for them to be freed instead of being granted 4 GiB of
     a GPU that has 2 free."""
     nvml = LingeringVram()
-    process_of(tmp_path, 300, "emb.service")
-    bed = Bed(
-        tmp_path,
-        {
-            "emb.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
-            "voice.service": "Priority=10\nMemory=4G\n",
-        },
-        [state("emb.service", "active", "running"), state("voice.service", "active", "running")],
-        SavedState(
-            holders={
-                "voice.service": ((0,), "running", 2, ""),
-                "emb.service": ((0,), "frozen", 1, ""),
-            },
-            frozen_for={"emb.service": ["voice.service"]},
-            seq=2,
-        ),
-        nvml=nvml,
-    )
-    bed.systemd.freezer = {"emb.service": "frozen"}
+    process_in(tmp_path, 300, "/system.slice/emb.service")
+    bed = frozen_beside_voice(tmp_path, nvml=nvml)
 
     async def test() -> None:
         ctl = bed.controller

@@ -46,11 +46,13 @@ from gpuslice.systemd import Systemd, SystemdError
 from gpuslice.tracker import UnitState
 from tests.test_controller import (
     BOOT,
+    SESSION,
     Bed,
     FakeSystemd,
     StubNvml,
     at_gate,
     bed_config,
+    bg_running_on_gpu_1,
     goes_down,
     held_listing,
     past_queued_delay,
@@ -316,17 +318,8 @@ class UsersProcessOnGpu1(StubNvml):
 
 def bg_beside_a_users_process(tmp_path: Path, foreign_processes: str) -> Bed:
     """bg.service (background) runs on GPU 1 as saved; a user's CUDA process runs there."""
-    proc = tmp_path / "proc" / "200"
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text("0::/user.slice/user-1000.slice/session-2.scope\n")
-    (proc / "comm").write_text("python3\n")
-    return Bed(
-        tmp_path,
-        {"bg.service": "Priority=90\nType=background\n"},
-        [state("bg.service", "active", "running")],
-        SavedState(holders={"bg.service": ((1,), "running", 1, "")}, seq=1),
-        config=bed_config(tmp_path, gpus=2, foreign_processes=foreign_processes),
-        nvml=UsersProcessOnGpu1(),
+    return bg_running_on_gpu_1(
+        tmp_path, UsersProcessOnGpu1(), SESSION, foreign_processes=foreign_processes
     )
 
 

@@ -28,7 +28,16 @@ from gpuslice.core.scheduler import SavedState
 from gpuslice.state import StateStore
 from gpuslice.stopjournal import Answer
 from gpuslice.tracker import CLD_EXITED, CLD_KILLED, MainExit, UnitState
-from tests.test_controller import BOOT, Bed, bed_config, messages, run, settle, state
+from tests.test_controller import (
+    BOOT,
+    Bed,
+    bed_config,
+    frozen_beside_voice,
+    messages,
+    run,
+    settle,
+    state,
+)
 
 BG = {"bg.service": "Priority=50\nType=background\n"}
 KILLED = MainExit(CLD_KILLED, SIGTERM, "success")
@@ -395,25 +404,12 @@ def test_a_frozen_or_suspended_unit_that_exited_143_on_a_stop_while_away_is_held
     (as while a controller runs), not failed (a new boot cleared that, and refill started
     it again); with no stop job (its processes killed) it failed. Its main process's record
     is not read: it tells no failed unit stopped."""
-    preempt = "freeze stop" if phase == "frozen" else "suspend stop"
-    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
-        "voice.service": ((0,), "running", 2, "")
-    }
-    if phase == "frozen":
-        holders["emb.service"] = ((0,), "frozen", 1, "")
-    bed = Bed(
+    bed = frozen_beside_voice(
         tmp_path,
-        {
-            "emb.service": f"Priority=90\nMemory=4G\nType=background\nPreempt={preempt}\n",
-            "voice.service": "Priority=10\nMemory=4G\n",
-        },
-        [state("emb.service", "failed", "failed"), state("voice.service", "active", "running")],
-        SavedState(
-            holders=holders,
-            frozen_for={"emb.service": ["voice.service"]} if phase == "frozen" else {},
-            suspended={"emb.service": ((0,), 1)} if phase == "suspended" else {},
-            seq=2,
-        ),
+        phase=phase,
+        shown=("failed", "failed"),
+        section="Type=background\n",
+        freezer=False,
     )
     journal = Journal({"emb.service": answer})
     bed.controller.ask_journal = journal
@@ -439,27 +435,7 @@ def test_a_frozen_instance_stopped_while_no_controller_ran_is_forgotten(
     controller ran (the journal says so): held, owed nothing, and forgotten as any instance
     held that is owed nothing. Its hold, booked at start-up, awaits no SystemState read (one
     now says nothing of when it was stopped): kept for one, it stayed held for ever."""
-    config = bed_config(tmp_path)
-    StateStore(Path(config.state_dir)).save(
-        SavedState(
-            holders={
-                "emb@1.service": ((0,), "frozen", 1, ""),
-                "voice.service": ((0,), "running", 2, ""),
-            },
-            frozen_for={"emb@1.service": ["voice.service"]},
-            seq=2,
-        ),
-        BOOT,
-    )
-    bed = Bed(
-        tmp_path,
-        {
-            "emb@.service": "Priority=90\nMemory=4G\nPreempt=freeze stop\n",
-            "voice.service": "Priority=10\nMemory=4G\n",
-        },
-        [state("emb@1.service", "inactive", "dead"), state("voice.service", "active", "running")],
-        config=config,
-    )
+    bed = frozen_beside_voice(tmp_path, "emb@1.service", shown=("inactive", "dead"), freezer=False)
     bed.controller.ask_journal = Journal({"emb@1.service": STOPPED})
 
     async def test() -> None:

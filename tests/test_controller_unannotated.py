@@ -39,6 +39,7 @@ from tests.test_controller import (
     late_stops,
     low_holds_gpu_0,
     messages,
+    process_in,
     run,
     settle,
     signal,
@@ -75,10 +76,7 @@ class Shown(StubNvml):
 def job_beside_bg(tmp_path: Path, nvml: Shown, *, held: bool) -> Bed:
     """bg.service (background) runs on GPU 1; job.service (50) runs on GPU 0 (`held`), or
     is down. PID 300, on /proc, runs in job.service's cgroup."""
-    proc = tmp_path / "proc" / "300"
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text(f"0::/system.slice/{JOB}\n")
-    (proc / "comm").write_text("python3\n")
+    process_in(tmp_path, 300, f"/system.slice/{JOB}")
     holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {BG: ((1,), "running", 1, "")}
     states = [state(BG, "active", "running")]
     if held:

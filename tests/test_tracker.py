@@ -792,20 +792,21 @@ def test_our_stop_merged_into_a_persons_stop_is_theirs() -> None:
     assert tracker.unit_changed(A, props_of("inactive", "dead", 3)) == []
 
 
-def test_a_stop_announced_at_the_gate_outlives_a_second_ask_of_the_same_start() -> None:
-    """The controller takes a start in at its signal (its pipe) and again when its gate,
-    which found no pipe, asks over D-Bus: a person's stop announced in between must still
-    say who stopped it (a hold), not be dropped by the second ask as a job of before."""
+def a_stop_announced_at_the_gate_is_a_hold(served_at_signal: bool) -> None:
+    """A's start (job 1) waits at its gate (served at its signal, its pipe, when
+    `served_at_signal`); job 1 is cancelled and a person's stop, job 2, queued; A's gate
+    asks over D-Bus and is granted: A stops by job 2, told down stopped (a hold)."""
     model = Model()
     tracker = model.tracker()
     tracker.job_new(JOB1, A)
     assert tracker.unit_changed(A, props_of("activating", "start-pre", 1)) == [ReachedGate(A)]
-    tracker.passed_gate(A)  # served at its signal: it waits
+    if served_at_signal:
+        tracker.passed_gate(A)  # served at its signal: it waits
     model.waiters.add(A)
     tracker.job_removed(JOB1, A, "canceled")
     tracker.job_new(JOB2, A)
     tracker.unit_changed(A, props_of("activating", "start-pre", 2))
-    tracker.passed_gate(A)  # its Acquire over D-Bus: the same start, served again
+    tracker.passed_gate(A)  # its Acquire over D-Bus: granted (the same start, served again)
     model.waiters.clear()
     model.phases[A] = Phase.RUNNING
     assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2)) == []
@@ -814,28 +815,19 @@ def test_a_stop_announced_at_the_gate_outlives_a_second_ask_of_the_same_start() 
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
         WentDown(A, Outcome.STOPPED)
     ]
+
+
+def test_a_stop_announced_at_the_gate_outlives_a_second_ask_of_the_same_start() -> None:
+    """The controller takes a start in at its signal (its pipe) and again when its gate,
+    which found no pipe, asks over D-Bus: a person's stop announced in between must still
+    say who stopped it (a hold), not be dropped by the second ask as a job of before."""
+    a_stop_announced_at_the_gate_is_a_hold(served_at_signal=True)
 
 
 def test_a_stop_announced_while_the_unit_waited_at_its_gate_outlives_its_ask() -> None:
     """A person's stop queued while the unit waits at its gate, whose ask (over D-Bus)
     comes after: the unit stops by that stop, a hold, though its start passed the gate."""
-    model = Model()
-    tracker = model.tracker()
-    tracker.job_new(JOB1, A)
-    assert tracker.unit_changed(A, props_of("activating", "start-pre", 1)) == [ReachedGate(A)]
-    model.waiters.add(A)
-    tracker.job_removed(JOB1, A, "canceled")
-    tracker.job_new(JOB2, A)
-    tracker.unit_changed(A, props_of("activating", "start-pre", 2))
-    tracker.passed_gate(A)  # its gate asks, and is granted
-    model.waiters.clear()
-    model.phases[A] = Phase.RUNNING
-    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2)) == []
-    assert tracker.unit_changed(A, props_of("inactive", "dead", 2)) == []
-    tracker.job_removed(JOB2, A, "done")
-    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
-        WentDown(A, Outcome.STOPPED)
-    ]
+    a_stop_announced_at_the_gate_is_a_hold(served_at_signal=False)
 
 
 def test_a_unit_restarting_is_told_down_once_though_its_restart_job_is_queued() -> None:
