@@ -893,6 +893,8 @@ class Controller:
             return
         if self.tracker.job_removed(path, unit, result):
             self.reads.job_ended(unit)
+        if self.tracker.shutdown_in_doubt():  # its end told by SystemState alone
+            self._spawn(self.reads.audit_shutdown())
         self._follow_shutdown()
 
     def _follow_shutdown(self) -> None:

@@ -35,6 +35,7 @@ from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
 from gpuslice.sizes import format_size
 from gpuslice.systemd import SystemdError, is_transient
+from gpuslice.tracker import UnitState
 from gpuslice.unitfiles import printable
 
 log = logging.getLogger("gpuslice")
@@ -64,6 +65,8 @@ class Freezer(Protocol):
     async def thaw_unit(self, name: str) -> None: ...
 
     async def freezer_state(self, name: str) -> str: ...
+
+    async def unit_state(self, name: str) -> UnitState: ...
 
     async def unit_pids(self, name: str) -> list[int]: ...
 
@@ -430,9 +433,22 @@ class Ladder:
 
     async def check_thawed(self, units: list[str]) -> None:
         """Ask systemd which of these frozen units someone thawed by hand (systemd 252 signals
-        no FreezerState change); a unit with an operation of ours under way is not asked."""
+        no FreezerState change); a unit with an operation of ours under way is not asked.
+        One found `running` is read again: systemd thaws a unit as its stop begins, which
+        leaves `active` at once, but signals it later than it answers. Shown `active` (or
+        `reloading`) after the thaw, no stop had thawed it; taken for a thaw by hand on the
+        first read alone, a frozen unit being stopped ended owed nothing (a stop of ours) or
+        failed on its 143 (someone's), where its `deactivating` signal came after the read
+        was sent. One that cannot be read is asked again at the next sample."""
         async for unit, state in self._freezer_states(units):
-            if state == "running":
+            if state != "running":
+                continue
+            try:
+                active = (await self.systemd.unit_state(unit)).active
+            except Exception as e:
+                log.debug("ActiveState of %s: %s", unit, e)
+                continue
+            if active in ("active", "reloading") and unit not in self.busy:
                 self.report(functools.partial(self.events.thawed_outside, unit))
 
     async def _freezer_states(self, units: list[str]) -> AsyncIterator[tuple[str, str]]:

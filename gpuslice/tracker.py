@@ -185,6 +185,10 @@ class Tracker:
         # the jobs of shutdown targets announced and not yet ended: `systemctl cancel` of one
         # (reboot.target's) leaves the others (shutdown.target's), and the host goes down
         self._shutdown_pending: set[str] = set()
+        # a signal of shutdown.target's job was heard in this shutdown: without one, the end
+        # of the others says nothing of it (its JobNew lost), and SystemState is read instead
+        self._shutdown_target_heard = False
+        self._shutdown_doubted = False  # that read is owed (`shutdown_in_doubt`)
         # jobs systemd announced for a unit since it last passed the gate (or went down),
         # each with the stamp of its JobNew
         self._unit_jobs: dict[str, dict[str, int]] = {}
@@ -216,11 +220,14 @@ class Tracker:
 
     def job_new(self, path: str, unit: str) -> None:
         if unit in SHUTDOWN_TARGETS:
+            if not self.shutting_down:
+                self._shutdown_target_heard = False  # a new shutdown
             self.shutting_down = True
             self._shutdown_jobs += 1
             self._shutdown_pending.add(path)
         if unit == "shutdown.target":
             self._shutdown_queued += 1
+            self._shutdown_target_heard = True
         if self.managed(unit):
             self._count(unit)
             self._unit_jobs.setdefault(unit, {})[path] = self._signals[unit]
@@ -239,6 +246,13 @@ class Tracker:
         self._shutdown_pending.clear()
         return True
 
+    def shutdown_in_doubt(self) -> bool:
+        """Whether a shutdown's last known job ended undone, no signal of shutdown.target's
+        job heard: the host goes down still, unless systemd's SystemState, read now, says
+        otherwise (`shutdown_unheard`). Told once."""
+        doubted, self._shutdown_doubted = self._shutdown_doubted, False
+        return doubted and self.shutting_down
+
     def shutdown_queued(self) -> int:
         """A stamp that moves with each JobNew of shutdown.target: every shutdown queues its
         start job anew, but one queued while another's is pending (`systemctl poweroff`
@@ -249,6 +263,8 @@ class Tracker:
         """systemd's SystemState says the host is going down, where no JobNew of a shutdown
         target was heard: the bus lost it. Taken in as that JobNew would have been (a read
         of the host as running, sent before, is not believed: `shutdown_unheard`)."""
+        if not self.shutting_down:
+            self._shutdown_target_heard = False  # shutdown.target's JobNew among those lost
         self.shutting_down = True
         self._shutdown_jobs += 1
 
@@ -258,12 +274,20 @@ class Tracker:
         if unit in SHUTDOWN_TARGETS:
             self._shutdown_jobs += 1
             self._shutdown_pending.discard(path)
+            self._shutdown_target_heard |= unit == "shutdown.target"
             # a cancelled shutdown must not disable holds for good; one of its jobs cancelled
             # (`systemctl cancel`) while another goes on is no cancelled shutdown. The last
             # one failed (`dependency`: a job it required did) ends it too: systemd-reboot
-            # never ran, and the host stays up with its units stopped, as after a cancel
+            # never ran, and the host stays up with its units stopped, as after a cancel.
+            # Every shutdown queues shutdown.target's job: where none of its signals was
+            # heard, it may go on (reboot.target's alone cancelled, shutdown.target's JobNew
+            # lost): SystemState, read now, says (`shutdown_in_doubt`). Taken for ended,
+            # the host rebooted while gpuslice started units, each refused by systemd
             if result not in SHUTDOWN_GOES_ON and not self._shutdown_pending:
-                self.shutting_down = False
+                if self._shutdown_target_heard or not self.shutting_down:
+                    self.shutting_down = False
+                else:
+                    self._shutdown_doubted = True
         if self._own_jobs.get(path) == "stop" and result != "done":
             self._stop_results[unit] = result
         if path not in self._unit_jobs.get(unit, ()):

@@ -4452,7 +4452,9 @@ def test_a_frozen_unit_thawed_by_systemd_for_a_slow_stop_by_hand_is_held(
     to stop it, and its job takes its time over the SIGTERM (a checkpoint), then exits 143.
     A freezer check at a sample meanwhile found it thawed and took that for a thaw by hand:
     running in the books, its stop ended it failed (cleared by the next boot, refill starts
-    a background unit again) where a unit stopped while frozen is held."""
+    a background unit again) where a unit stopped while frozen is held. So did a check whose
+    FreezerState read was answered before systemd's `deactivating` signal came: read again,
+    the unit is no longer active."""
     bed = frozen_beside_voice(tmp_path)
 
     async def test() -> None:
@@ -4463,11 +4465,14 @@ def test_a_frozen_unit_thawed_by_systemd_for_a_slow_stop_by_hand_is_held(
         job = "/org/freedesktop/systemd1/job/1"
         ctl.on_job_new(1, job, "emb.service")  # systemctl stop emb.service
         bed.systemd.units["emb.service"] = state("emb.service", "deactivating", "stop-sigterm")
+        bed.systemd.freezer["emb.service"] = "running"  # thawed by systemd, to stop it
+        ctl._check_freezer()  # a sample before the signal is handled
+        await settle()
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
         ctl.on_unit_changed(
             "emb.service",
             {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (1, job)},
         )
-        bed.systemd.freezer["emb.service"] = "running"  # thawed by systemd, to stop it
         ctl._check_freezer()  # a sample meanwhile
         await settle()
         assert ctl.scheduler.phase("emb.service") is Phase.FROZEN

@@ -940,6 +940,29 @@ async def rebooting_once_urgent_is_down(bed: Bed) -> None:
     await settle()
 
 
+def test_a_reboot_target_cancel_alone_leaves_the_host_going_down(tmp_path: Path) -> None:
+    """The bus lost shutdown.target's JobNew; `systemctl cancel` of reboot.target's job
+    leaves shutdown.target's, and the host still reboots. Taken for a cancelled shutdown,
+    p.service's comeback was started and refused by systemd. SystemState, read at that
+    JobRemoved, says `stopping`: nothing started; shutdown.target's cancel brings it back."""
+    bed = preempted_beside_urgent(tmp_path)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await rebooting_once_urgent_is_down(bed)
+        bed.systemd.system = "stopping"
+        ctl.on_job_removed(7, "/org/freedesktop/systemd1/job/7", "reboot.target", "canceled")
+        await settle()
+        assert ("start", "p.service") not in bed.systemd.calls
+        assert ctl.tracker.shutting_down
+        bed.systemd.system = "running"
+        ctl.on_job_removed(8, "/org/freedesktop/systemd1/job/8", "shutdown.target", "canceled")
+        await settle()
+        assert bed.systemd.calls[-1] == ("start", "p.service")
+
+    run(test)
+
+
 def test_a_preempted_unit_is_not_started_while_the_host_goes_down(tmp_path: Path) -> None:
     """p.service was preempted for urgent.service; the host reboots, and urgent.service is
     stopped for it (gpuslice.service stops after the units it gates). Started then, its

@@ -11,8 +11,9 @@ import logging
 import os
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
 from gpuslice.ladder import THAW_RETRY, Ladder
 from gpuslice.systemd import SystemdError
+from gpuslice.tracker import UnitState
 from tests.test_checkpoint import FAST, TIMEOUT, Bed, calls, fake_systemd
 
 UNIT = "vlm.service"
@@ -35,6 +37,8 @@ class Freezer:
         self.fail: set[str] = set()
         self.pids: list[int] = []
         self.states: dict[str, str] = {}  # FreezerState by unit ("frozen" if not named)
+        self.active: dict[str, str] = {}  # ActiveState by unit ("active" if not named)
+        self.on_active: Callable[[], object] = lambda: None  # run as ActiveState is read
 
     async def _do(self, what: str, name: str) -> None:
         self.calls.append(f"{what} {name}")
@@ -55,6 +59,13 @@ class Freezer:
         if "state" in self.fail:
             raise RuntimeError("no such unit")
         return self.states.get(name, "frozen")
+
+    async def unit_state(self, name: str) -> UnitState:
+        self.calls.append(f"active {name}")
+        self.on_active()
+        if "active" in self.fail:
+            raise SystemdError("org.freedesktop.DBus.Error.NoReply", "no answer")
+        return UnitState(name, self.active.get(name, "active"), "running", 0)
 
 
 class Events:
@@ -497,6 +508,35 @@ def test_a_thaw_by_hand_is_found_by_asking_systemd(host: Host) -> None:
     host.freezer.fail.add("state")
     run(host.ladder.check_thawed(["a.service"]))  # an error is no thaw
     assert len(host.said()) == 1
+
+
+@pytest.mark.parametrize("active", ["deactivating", "inactive", "failed"])
+def test_a_thaw_found_as_its_stop_begins_is_no_thaw_by_hand(host: Host, active: str) -> None:
+    """systemd thaws a frozen unit to stop it, and answers a FreezerState read before it
+    signals `deactivating`: a read sent before that signal found the unit `running`, and
+    taken for a thaw by hand, the frozen unit being stopped counted as running (ended owed
+    nothing by our stop; failed on its 143, not held, by someone's). Read again, it is no
+    longer `active`: no thaw by hand. One whose second read fails is asked again later;
+    one `reloading` (a reload thaws it too) runs."""
+    host.freezer.states = {"a.service": "running"}
+    host.freezer.active = {"a.service": active}
+    run(host.ladder.check_thawed(["a.service"]))
+    assert host.said() == []
+    assert host.freezer.calls == ["state a.service", "active a.service"]
+    host.freezer.active = {}
+    host.freezer.fail.add("active")
+    run(host.ladder.check_thawed(["a.service"]))
+    assert host.said() == []
+    host.freezer.fail.clear()
+    host.freezer.active = {"a.service": "reloading"}
+    run(host.ladder.check_thawed(["a.service"]))
+    assert host.said() == [("thawed_outside", "a.service", "")]
+    # an operation of ours begun while ActiveState was read: left to it
+    ours: list[Coroutine[Any, Any, None]] = []
+    host.freezer.on_active = lambda: ours.append(host.ladder.freeze("a.service"))
+    run(host.ladder.check_thawed(["a.service"]))
+    assert len(host.said()) == 1
+    run(ours[0])
 
 
 def run_within(coro: object, seconds: float = 10.0) -> None:

@@ -54,9 +54,9 @@ def test_a_shutdown_read_after_a_cancel_disbelieves_an_older_read_of_the_host_ru
     host stays taken to go down. Had the stamp gone back to the audit's (reset, or counted
     down), nothing would be held back while the host went down."""
     tracker = Tracker(lambda _: True, Ledger(lambda _: None, lambda _: False))
-    tracker.job_new(SHUTDOWN_JOB, "reboot.target")
+    tracker.job_new(SHUTDOWN_JOB, "shutdown.target")
     audit_sent = tracker.shutdown_jobs_heard()
-    tracker.job_removed(SHUTDOWN_JOB, "reboot.target", "canceled")
+    tracker.job_removed(SHUTDOWN_JOB, "shutdown.target", "canceled")
     assert not tracker.shutting_down
     tracker.shutdown_read()
     assert not tracker.shutdown_unheard(audit_sent)

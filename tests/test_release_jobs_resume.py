@@ -24,6 +24,7 @@ from gpuslice.core.scheduler import SavedState
 from gpuslice.ladder import Ladder
 from gpuslice.state import StateStore
 from gpuslice.systemd import MANAGER, PROPERTIES, Systemd
+from gpuslice.tracker import UnitState
 from tests.release_jobs_standins import release_jobs, systemctl_and_resume
 
 TOOL = "/opt/nvidia/cuda-checkpoint"
@@ -250,6 +251,9 @@ class _Systemd:
 
     async def freezer_state(self, name: str) -> str:
         return "frozen"
+
+    async def unit_state(self, name: str) -> UnitState:
+        return UnitState(name, "active", "running", 0)
 
     async def unit_pids(self, name: str) -> list[int]:
         self.calls.append(("GetUnitProcesses", name))

@@ -279,14 +279,14 @@ def test_shutdown_is_no_hold_and_a_cancelled_shutdown_does_not_disable_holds() -
     model.phases[A] = Phase.RUNNING
     tracker = model.tracker()
     assert tracker.shutting_down is False
-    tracker.job_new(JOB2, "reboot.target")
+    tracker.job_new(JOB2, "shutdown.target")
     tracker.job_new(JOB1, A)
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.SHUTDOWN)]
     assert tracker.job_removed(JOB1, A, "canceled") is True  # no shutdown target's
     assert tracker.shutting_down is True
-    tracker.job_removed(JOB2, "reboot.target", "done")  # the shutdown goes on
+    tracker.job_removed(JOB2, "shutdown.target", "done")  # the shutdown goes on
     assert tracker.shutting_down is True
-    tracker.job_removed(JOB2, "reboot.target", "canceled")
+    tracker.job_removed(JOB2, "shutdown.target", "canceled")
     assert tracker.shutting_down is False
     tracker.job_new("/org/freedesktop/systemd1/job/3", A)
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
@@ -314,9 +314,11 @@ def test_a_soft_reboot_is_a_shutdown() -> None:
     tracker = model.tracker()
     tracker.job_new(JOB2, "soft-reboot.target")
     assert tracker.shutting_down is True
+    tracker.job_new(JOB3, "shutdown.target")
     tracker.job_new(JOB1, A)
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.SHUTDOWN)]
     tracker.job_removed(JOB2, "soft-reboot.target", "canceled")
+    tracker.job_removed(JOB3, "shutdown.target", "canceled")
     assert tracker.shutting_down is False
 
 
@@ -1442,8 +1444,39 @@ def test_a_shutdown_read_where_its_jobnew_was_lost_is_taken_in() -> None:
     assert tracker.shutdown_unheard(stamp) is False and tracker.shutting_down is True
     tracker.job_new(JOB1, A)
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.SHUTDOWN)]
-    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    tracker.job_removed(REBOOT, "shutdown.target", "canceled")
     assert tracker.shutting_down is False
     tracker.shutdown_read()
     assert tracker.shutdown_unheard(tracker.shutdown_jobs_heard()) is True
     assert tracker.shutting_down is False
+
+
+def test_a_shutdown_whose_shutdown_target_went_unheard_ends_only_by_systemds_word() -> None:
+    """The bus lost shutdown.target's JobNew, and reboot.target's job alone is cancelled:
+    shutdown.target's goes on, and the host still reboots. Taken for ended, every comeback
+    and refill was started, refused by systemd, until an audit read `stopping`. Its end is
+    left to SystemState, read then (`shutdown_in_doubt`, once); shutdown.target's JobRemoved
+    heard (an isolate's order: reboot.target's first) ends it, as does the same doubt where
+    the shutdown was read (`shutdown_read`) rather than heard."""
+    tracker = Model().tracker()
+    tracker.job_new(REBOOT, "reboot.target")  # shutdown.target's JobNew lost
+    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    assert tracker.shutting_down is True
+    stamp = tracker.shutdown_jobs_heard()
+    assert tracker.shutdown_in_doubt() is True
+    assert tracker.shutdown_in_doubt() is False  # told once
+    assert tracker.shutdown_unheard(stamp) is True  # systemd: `running`
+    assert tracker.shutting_down is False
+    tracker.job_new(REBOOT, "reboot.target")
+    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    tracker.job_removed(JOB1, "shutdown.target", "canceled")
+    assert tracker.shutting_down is False
+    assert tracker.shutdown_in_doubt() is False  # ended since: no read owed
+    tracker.shutdown_read()
+    tracker.job_removed(REBOOT, "reboot.target", "dependency")
+    assert tracker.shutting_down is True and tracker.shutdown_in_doubt() is True
+    # heard in an earlier shutdown, it says nothing of this one
+    tracker.job_removed(JOB1, "shutdown.target", "canceled")
+    tracker.job_new(REBOOT, "reboot.target")
+    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    assert tracker.shutting_down is True and tracker.shutdown_in_doubt() is True
