@@ -16,9 +16,10 @@ root in whatever directory asr's symlink there leads to. Such a unit is not mana
 each variable that names where the gate's programs write (`OUTPUT_PATHS`) and each with which
 they exit 0 at once, the gate passed without asking (`SKIPS_GATE`), and
 `annotations.Loader` makes that an error on the unit (no gate). A unit that runs as root is
-checked for `SKIPS_GATE` alone (its environment files read where they are root's alone): its
-own processes already load what those paths name, as root (and write where they say, as
-root), but a gate that exits 0 unasked let it run ungated without a word. A root directory
+checked for `SKIPS_GATE` alone (its environment files read where they are root's alone, and
+one someone else can change refused: they could set one at any time): its own processes
+already load what those paths name, as root (and write where they say, as root), but a gate
+that exits 0 unasked let it run ungated without a word. A root directory
 or mount of any gated unit that replaces or hides what the gate runs or talks through
 (`GATE_PATHS`) is an error too: a user's files there would run as root, and a hidden bus or
 pipe holds the start for ever without a word.
@@ -29,7 +30,8 @@ group but GID 0 (without an access ACL) and by no one else (a sticky world-writa
 such as /tmp included), on no FUSE file system a user mounted (it shows whatever owner
 its program likes) nor one whose kernel lets others write whatever it shows (`_UNCHECKED`),
 and at or under no mount point /etc/fstab lets users mount on (`user`: a USB stick of
-theirs). A file that does not exist is fine when the deepest directory that does is root's
+theirs), nor where such a mount point's own symlink leads (an fstab not read whole refuses
+every path). A file that does not exist is fine when the deepest directory that does is root's
 alone, so that only root can make it. A path under `USER_TREES` is refused whatever
 it holds, and nothing in it is looked at: users make files there, /home may not be mounted
 yet when systemd runs the generator at boot (its empty mount point looks like root's), and
@@ -119,7 +121,7 @@ DEADLINE = 2.0
 MOUNTINFO = "/proc/self/mountinfo"  # which file system a path is on
 # where mount(8) lets users mount a file system of theirs (a USB stick, whose files show
 # whatever owner and mode they were made with elsewhere), at any time: the entries with one
-# of `USER_MOUNTS` among their options
+# of `USER_MOUNTS` among their options, not cleared by its `no` form after it
 FSTAB = "/etc/fstab"
 USER_MOUNTS = frozenset({b"user", b"users", b"owner", b"group"})
 
@@ -322,6 +324,14 @@ FIX_DESTINATION = (
 )
 FIX_ROOT = "until RootDirectoryStartOnly=yes (the gate then runs outside it)"
 FIX_IMAGES = "until it has none (gpuslice does not look into images)"
+FIX_FSTAB = f"until {FSTAB} can be read whole"
+
+
+# the refusals of a file someone but root can change (or that did not answer, its text not
+# known): one of a unit run as root too, where that someone could set `SKIPS_GATE` at any time
+_ANYONES = frozenset({FIX_OWNERS, FIX_TREE, FIX_ANSWER})
+# the fixes a walk's refusal keeps wherever it is met: no path named elsewhere fixes them
+_KEEP_FIX = (FIX_ANSWER, FIX_FSTAB)
 
 
 class Refusal(NamedTuple):
@@ -637,6 +647,8 @@ class EnvFileChecker:
         self._safe_dirs: set[str] = set()
         # where users may mount a file system of theirs (`_fstab_points`), read at the first walk
         self._fstab: frozenset[str] | None = None
+        # why every walk is refused: FSTAB not read whole (`_user_mount_points`)
+        self._fstab_unknown: Refusal | None = None
         # mount points (system paths) of file systems where a call did not answer (`_Unanswered`)
         self._unanswered: list[str] = []
         self._caller = _Caller()
@@ -652,9 +664,10 @@ class EnvFileChecker:
         (`LOADER_PATHS`) or written path (`OUTPUT_PATHS`) of its environment; for every gated
         unit, each variable of its environment that has the gate exit 0 unasked
         (`SKIPS_GATE`: a unit run as root gains nothing by it, but would run ungated without
-        a word; its environment files are read where they are root's alone, the rest not
-        looked into) and each root directory or mount that replaces or hides what the gate
-        uses (`GATE_PATHS`). Never raises."""
+        a word; its environment files are read where they are root's alone) and each of its
+        environment files someone but root can change (or that did not answer: `_ANYONES`),
+        who could set such a variable at any time, and each root directory or mount that
+        replaces or hides what the gate uses (`GATE_PATHS`). Never raises."""
         findings: list[Finding] = []
         other = run_as.other_user()
         # the environment files found root's alone, in order: (assignment, path, text)
@@ -671,7 +684,7 @@ class EnvFileChecker:
             except Exception as e:  # belt and braces: no file may crash a scan
                 quoted = printable(env_file.value, 200)
                 refusal = Refusal(f"{quoted} cannot be checked ({type(e).__name__})", FIX_PATH)
-            if refusal is not None and other:
+            if refusal is not None and (other or refusal.fix in _ANYONES):
                 findings.append(Finding(env_file.path, env_file.line, _message(unit, refusal)))
         spots = [("Environment", a) for a in run_as.environment]
         spots += [("EnvironmentFile", a) for a in run_as.env_files]
@@ -876,7 +889,7 @@ class EnvFileChecker:
                 )
             refusal = self._tree(element) if directories else self._file(element, quoted)
             if refusal is not None:
-                fix = FIX_ANSWER if refusal.fix == FIX_ANSWER else FIX_LOADER
+                fix = refusal.fix if refusal.fix in _KEEP_FIX else FIX_LOADER
                 return Refusal(f"{said}: {refusal.reason}", fix)
         return None
 
@@ -902,7 +915,7 @@ class EnvFileChecker:
             return Refusal(f"{writes}: longer than {PATH_MAX - 1} bytes", FIX_OUTPUT)
         reached = self._resolve(os.path.dirname(written), True)
         if isinstance(reached, Refusal):
-            fix = FIX_ANSWER if reached.fix == FIX_ANSWER else FIX_OUTPUT
+            fix = reached.fix if reached.fix in _KEEP_FIX else FIX_OUTPUT
             return Refusal(f"{writes}, and {reached.reason}", fix)
         return None
 
@@ -1024,7 +1037,7 @@ class EnvFileChecker:
                 continue
             reached = self._resolve(mount.destination, True)
             if isinstance(reached, Refusal):
-                fix = FIX_ANSWER if reached.fix == FIX_ANSWER else FIX_DESTINATION
+                fix = reached.fix if reached.fix in _KEEP_FIX else FIX_DESTINATION
                 reason = f"systemd follows symlinks where a mount lands, and {reached.reason}"
                 return Refusal(reason, fix)
             covered = _covered(reached.real)
@@ -1104,6 +1117,9 @@ class EnvFileChecker:
         no regular file (unless `any_kind`)."""
         shown = printable(path)
         fstab = self._user_mount_points()
+        if self._fstab_unknown is not None:
+            unknown = self._fstab_unknown
+            return Refusal(f"{shown} cannot be checked: {unknown.reason}", unknown.fix)
         # refused whatever it holds, so nothing in a user tree is looked at: an lstat there
         # may go through an automounted or network home that does not answer, and hang the
         # generator (and the scans) on it
@@ -1223,20 +1239,47 @@ class EnvFileChecker:
         return _Reached(current or "/", st)
 
     def _user_mount_points(self) -> frozenset[str]:
-        """The mount points of `FSTAB` that users may mount on (`_fstab_points`), as written
-        and with their directory's symlinks followed (mount(8) follows them; the mount point
-        itself is not looked at: a network file system there may not answer), read once per
-        scan; none when it cannot be read."""
+        """The mount points of `FSTAB` that users may mount on (`_fstab_points`), as written,
+        with their directory's symlinks followed and, where the point itself is a symlink,
+        where it leads (mount(2) follows it: a stick mounted there lands on its target; a
+        point something is mounted on is not looked at: a network file system there may not
+        answer), read once per scan; none when there is no `FSTAB`. One that cannot be read
+        whole leaves `_fstab_unknown` set: every walk is refused (a user mount point past
+        the cut, or in a file not read, would have been taken for none)."""
         if self._fstab is None:
             self._fstab = frozenset()  # the walks of their directories below see none
             answer = self._ask(_read_head, FSTAB)
-            written = _fstab_points(answer) if isinstance(answer, bytes) else frozenset()
+            written: frozenset[str] = frozenset()
+            if isinstance(answer, _Unanswered):
+                reason = (
+                    f"{printable(answer.where)} did not answer within {DEADLINE:g} s as "
+                    f"{FSTAB} was read (a network file system not answering?)"
+                )
+                self._fstab_unknown = Refusal(reason, FIX_ANSWER)
+            elif isinstance(answer, OSError) and answer.errno not in (errno.ENOENT, errno.ENOTDIR):
+                reason = f"{FSTAB} cannot be read: {_strerror(answer)}"
+                self._fstab_unknown = Refusal(reason, FIX_FSTAB)
+            elif isinstance(answer, bytes) and len(answer) > MAX_ENV_FILE:
+                reason = f"{FSTAB} is larger than {MAX_ENV_FILE} bytes"
+                self._fstab_unknown = Refusal(reason, FIX_FSTAB)
+            elif isinstance(answer, bytes):
+                written = _fstab_points(answer)
             found = set(written)
+            points = self._mounts.points() or set()
             for point in written:
                 head, _, name = point.rpartition("/")
                 reached = self._resolve(head or "/", True)
-                if isinstance(reached, _Reached):
-                    found.add(f"{reached.real.rstrip('/')}/{name}")
+                if not isinstance(reached, _Reached):
+                    continue
+                real = f"{reached.real.rstrip('/')}/{name}"
+                found.add(real)
+                if real in points:
+                    continue  # a file system's root, no symlink
+                st = self._lstat(real)
+                if isinstance(st, os.stat_result) and stat.S_ISLNK(st.st_mode):
+                    target = self._resolve(real, True)
+                    if isinstance(target, _Reached):
+                        found.add(target.real)
             self._fstab = frozenset(found)
             # those walks saw no mount point of fstab's: a directory they found root's alone
             # may be one (/srv/usb, the directory of /srv/usb/part2), and a walk that started
@@ -1342,7 +1385,15 @@ def _fstab_points(text: bytes) -> frozenset[str]:
         fields = line.split()
         if len(fields) < 4 or fields[0].startswith(b"#"):
             continue
-        if USER_MOUNTS.isdisjoint(fields[3].split(b",")):
+        allowed: dict[bytes, bool] = {}
+        # libmount's flags: each option sets its own, its `no` form clears it, the last wins
+        # (`user,nouser`: no user mount; `nouser,user`: one); a comma in "..." splits nothing
+        for option in re.findall(rb'(?:[^,"]|"[^"]*"?)+', fields[3]):
+            if option in USER_MOUNTS:
+                allowed[option] = True
+            elif option.startswith(b"no") and option[2:] in USER_MOUNTS:
+                allowed[option[2:]] = False
+        if not any(allowed.values()):
             continue
         point = os.fsdecode(
             _MOUNTINFO_MANGLED.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), fields[1])

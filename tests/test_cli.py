@@ -57,14 +57,17 @@ def test_check_refuses_a_user_unit_whose_environment_file_a_user_can_change(
     tmp_path: Path,
 ) -> None:
     """`gpuslice check FILE` reads the real file system: tmp_path is under /tmp (sticky,
-    anyone makes files there), a tree of users' files (gpuslice/envsafety.py)."""
+    anyone makes files there), a tree of users' files (gpuslice/envsafety.py). A unit run as
+    root is refused too: a user could set what lets its start through ungated."""
     env = tmp_path / "asr.env"
     env.write_text("A=1\n")
     bad = tmp_path / "asr.service"
     bad.write_text(f"[Service]\nUser=asr\nEnvironmentFile={env}\n[X-GPUSlice]\nPriority=10\n")
     root_unit = tmp_path / "root.service"
     root_unit.write_text(f"[Service]\nEnvironmentFile={env}\n[X-GPUSlice]\nPriority=10\n")
-    assert CliRunner().invoke(main, ["check", str(root_unit)]).exit_code == 0
+    result = CliRunner().invoke(main, ["check", str(root_unit)])
+    assert result.exit_code == 1
+    assert result.output.startswith(f"error: {root_unit}:2: [Service] EnvironmentFile: {env}")
     result = CliRunner().invoke(main, ["check", str(bad)])
     assert result.exit_code == 1
     assert result.output.startswith(f"error: {bad}:3: [Service] EnvironmentFile: {env}")

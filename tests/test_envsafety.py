@@ -399,13 +399,13 @@ def test_an_unescaped_instance_is_walked_as_systemd_would_name_it(root: Path) ->
 
 
 def test_dynamic_user_is_another_user(root: Path) -> None:
-    put(root, "/var/lib/private/asr/asr.env", uid=61000)
+    put(root, "/var/lib/private/asr/hook.so", uid=61000)
     for value, refused in (("yes", True), ("no", False), ("bogus", True)):
         install(
             root,
             f"dyn-{value}.service",
             f"DynamicUser={value}",
-            "EnvironmentFile=/var/lib/private/asr/asr.env",
+            "Environment=LD_PRELOAD=/var/lib/private/asr/hook.so",
         )
         assert bool(errors(root, f"dyn-{value}.service")) is refused, value
 
@@ -428,11 +428,13 @@ RUNS_AS: dict[str, tuple[list[str], list[str]]] = {
 
 
 def test_who_the_unit_runs_as(root: Path) -> None:
-    """Root already gave the file's writers root before gpuslice: such a unit is not
-    checked. Only the last User= counts, and the list of files restarts at an empty one."""
+    """A unit run as root loads its loader paths as root already: they are not checked. Only
+    the last User= counts, and the list of files restarts at an empty one."""
+    put(root, "/etc/asr/ours.env", "LD_PRELOAD=/srv/asr/hook.so\n")
+    put(root, "/srv/asr/hook.so", uid=ASR)
     put(root, "/etc/asr/theirs.env", uid=ASR)
     for name, (before, after) in RUNS_AS.items():
-        install(root, name, *before, "EnvironmentFile=/etc/asr/theirs.env", *after)
+        install(root, name, *before, "EnvironmentFile=/etc/asr/ours.env", *after)
     result = scan(root)
     assert result.invalid == {
         "asr.service",
@@ -1232,10 +1234,12 @@ def test_a_unit_run_as_root_whose_environment_skips_the_gate_is_not_managed(root
     SHELLOPTS=noexec, but its gate exited 0 unasked and it ran ungated, on GPUs another job
     holds, without a word: a located error says why it is not managed instead. Its
     environment file is read where it is root's alone; one a user can change (a unit of
-    root's may read it, as root) or under /home is not looked into. Its loader paths and a
-    specifier gpuslice does not work out are still its own business."""
+    root's may read it, as root) or under /home is refused whatever it holds now: they could
+    add LD_TRACE_LOADED_OBJECTS=1 after the scan. Its loader paths and a specifier gpuslice
+    does not work out are still its own business."""
     put(root, "/etc/job/job.env", "LD_DEBUG=help\n")
     put(root, "/srv/asr/job.env", "LD_DEBUG=help\n", uid=1000)
+    put(root, "/srv/asr/plain.env", "X=1\n", uid=1000)
     cases = {
         # name: (lines, refused)
         "trace.service": (["Environment=LD_TRACE_LOADED_OBJECTS=1"], True),
@@ -1243,8 +1247,9 @@ def test_a_unit_run_as_root_whose_environment_skips_the_gate_is_not_managed(root
         "file.service": (["User=0", "EnvironmentFile=/etc/job/job.env"], True),
         "unset.service": (["EnvironmentFile=/etc/job/job.env", "UnsetEnvironment=LD_DEBUG"], False),
         "debug.service": (["Environment=LD_DEBUG=libs"], False),
-        "users-file.service": (["EnvironmentFile=/srv/asr/job.env"], False),
-        "home-file.service": (["EnvironmentFile=-/home/asr/job.env"], False),
+        "users-file.service": (["EnvironmentFile=/srv/asr/job.env"], True),
+        "users-plain.service": (["EnvironmentFile=/srv/asr/plain.env"], True),
+        "home-file.service": (["EnvironmentFile=-/home/asr/job.env"], True),
         "unknown.service": (["Environment=LD_DEBUG=%h"], False),
         "loader.service": (["Environment=LD_PRELOAD=/home/asr/x.so LD_DEBUG_OUTPUT=d"], False),
     }
@@ -1257,6 +1262,16 @@ def test_a_unit_run_as_root_whose_environment_skips_the_gate_is_not_managed(root
         "/etc/job/job.env): glibc's loader prints LD_DEBUG's options and exits 0 instead of "
         "running the program, so gpuslice's gate would let the start through without asking "
         f"for its GPUs; {GATE} file.service until its environment does not set it so"
+    ]
+    assert errors(root, "users-plain.service") == [
+        f"{ETC}/users-plain.service:4: [Service] EnvironmentFile: /srv/asr/plain.env is "
+        f"owned by UID 1000, who can change it; {GATE} "
+        "users-plain.service until only root can change that file and its directories"
+    ]
+    assert errors(root, "home-file.service") == [
+        f"{ETC}/home-file.service:4: [Service] EnvironmentFile: /home/asr/job.env is under "
+        f"/home, {TREE} at boot; {GATE} home-file.service until it names a file elsewhere, "
+        "that only root can change"
     ]
 
 
@@ -1911,7 +1926,7 @@ def test_a_file_system_whose_kernel_does_not_check_what_it_shows_is_no_root_dire
 
 
 def test_where_fstab_lets_users_mount_a_file_system_of_theirs_is_no_root_directory(
-    root: Path, monkeypatch: pytest.MonkeyPatch
+    root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """/etc/fstab's `user` (or `users`, `owner`, `group`) lets asr mount a USB stick on
     /mnt/usb whenever they like: its files show whatever owner they were made with elsewhere
@@ -1949,8 +1964,15 @@ def test_where_fstab_lets_users_mount_a_file_system_of_theirs_is_no_root_directo
         f"owner or group), whose files show whatever owner they were made with; {GATE} "
         "usb.service until it names a file elsewhere, that only root can change"
     ]
-    # the mount points themselves are not looked at: a network file system there that does
-    # not answer would cost every scan a deadline
+    # the mount points something is mounted on are not looked at: a network file system
+    # there that does not answer would cost every scan a deadline
+    mount_table(
+        tmp_path_factory,
+        monkeypatch,
+        b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        + f"23 22 8:17 / {root}/mnt/usb rw - vfat /dev/sdb1 rw\n".encode()
+        + f"24 22 8:33 / {root}/data/stick rw - vfat /dev/sdc1 rw\n".encode(),
+    )
     put(root, "/etc/asr/ok.env")
     looked: list[str] = []
     real_lstat = os.lstat
@@ -1980,6 +2002,67 @@ def test_an_fstab_entry_under_another_is_no_way_around_it(root: Path) -> None:
     install(root, "usb.service", "User=asr", "EnvironmentFile=/srv/usb/job.env")
     [error] = errors(root, "usb.service")
     assert "/srv/usb is where /etc/fstab lets users mount a file system of theirs" in error
+
+
+def test_an_fstab_mount_point_that_is_a_symlink_counts_where_it_leads(root: Path) -> None:
+    """mount(2) follows the mount point's own symlink: asr's stick mounted on /srv/usb, root's
+    link to /opt/job, lands on /opt/job, whose files then show whatever owner they were made
+    with. /opt/job was taken for root's alone (only /srv/usb and its directory's symlinks
+    counted)."""
+    put(root, "/etc/fstab", "/dev/sdb1 /srv/usb auto noauto,user 0 0\n")
+    put(root, "/opt/job/job.env")
+    put(root, "/opt/other/job.env")
+    link(root, "/srv/usb", "../opt/job")
+    for name in ("job", "other"):
+        install(root, f"{name}.service", "User=asr", f"EnvironmentFile=/opt/{name}/job.env")
+    assert errors(root, "job.service") == [
+        f"{ETC}/job.service:5: [Service] EnvironmentFile: /opt/job/job.env: its directory "
+        "/opt/job is where /etc/fstab lets users mount a file system of theirs (user, users, "
+        f"owner or group), whose files show whatever owner they were made with; {GATE} "
+        "job.service until it names a file elsewhere, that only root can change"
+    ]
+    assert errors(root, "other.service") == []
+
+
+def test_an_fstab_entrys_last_user_option_wins() -> None:
+    """libmount sets each of user, users, owner and group's flag and clears it at its `no`
+    form, the last winning: `user,nouser` is no user mount (it was taken for one), while
+    `nouser,user` (it is) and `nouser,users` (another flag) are; a comma in a quoted value
+    splits nothing."""
+    text = (
+        b"/dev/sda /mnt/a auto user,nouser 0 0\n"
+        b"/dev/sdb /mnt/b auto nouser,user 0 0\n"
+        b"/dev/sdc /mnt/c auto users,noauto,nousers 0 0\n"
+        b"/dev/sdd /mnt/d auto nouser,users 0 0\n"
+        b'/dev/sde /mnt/e auto user,context="a,nouser" 0 0\n'
+        b"/dev/sdf /mnt/f auto owner,nogroup 0 0\n"
+        b"/dev/sdg /mnt/g auto group,nogroup,,noowner 0 0\n"
+    )
+    assert envsafety._fstab_points(text) == {"/mnt/b", "/mnt/d", "/mnt/e", "/mnt/f"}
+
+
+def test_an_fstab_not_read_whole_refuses_every_walk(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fstab cut at MAX_ENV_FILE bytes hid a user mount point past the cut: /mnt/usb was
+    taken for root's alone. One larger, or that cannot be read (not a regular file here),
+    leaves where users may mount unknown: every path is refused; none there is no user
+    mount point."""
+    monkeypatch.setattr(envsafety, "MAX_ENV_FILE", 100)
+    fstab = put(root, "/etc/fstab", "#" * 99 + "\n/dev/sdb1 /mnt/usb auto noauto,user 0 0\n")
+    put(root, "/mnt/usb/job.env")
+    install(root, "usb.service", "User=asr", "EnvironmentFile=/mnt/usb/job.env")
+    assert errors(root, "usb.service") == [
+        f"{ETC}/usb.service:5: [Service] EnvironmentFile: /mnt/usb/job.env cannot be checked: "
+        f"/etc/fstab is larger than 100 bytes; {GATE} usb.service until /etc/fstab can be "
+        "read whole"
+    ]
+    fstab.unlink()
+    fstab.mkdir()
+    [error] = errors(root, "usb.service")
+    assert "/mnt/usb/job.env cannot be checked: /etc/fstab cannot be read: not a regular" in error
+    fstab.rmdir()
+    assert errors(root, "usb.service") == []
 
 
 def test_the_entries_of_fstab_that_users_may_mount() -> None:

@@ -57,11 +57,12 @@ def boom(*args: object, **kwargs: object) -> Any:
 
 
 def answering(monkeypatch: pytest.MonkeyPatch, answer: Callable[[str], object]) -> None:
-    """The environment files' reads answer `answer(path)`; every other call is made."""
+    """The environment files' reads answer `answer(path)`; every other call is made (the
+    read of /etc/fstab too)."""
     real = EnvFileChecker._ask
 
     def ask(self: EnvFileChecker, fn: Callable[[str], Any], path: str) -> Any:
-        if fn is envsafety._read_head:
+        if fn is envsafety._read_head and path != envsafety.FSTAB:
             return answer(path)
         return real(self, fn, path)
 
@@ -142,6 +143,23 @@ def test_an_environment_file_that_does_not_answer_when_read(
         f"{envsafety.DEADLINE:g} s (a network file system not answering?)"
     )
     assert found == [Finding(UNIT, 2, message("x.service", reason, FIX_ANSWER))]
+
+
+def test_an_environment_file_of_a_unit_run_as_root_that_does_not_answer(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its text unknown, it may set LD_TRACE_LOADED_OBJECTS=: refused as for another user
+    (it was let through unread); one root's alone that cannot be read is root's own doing."""
+    put(root, "/etc/asr/x.env")
+    answering(monkeypatch, lambda path: envsafety._Unanswered("/etc/asr"))
+    found = EnvFileChecker(root).check("x.service", run_as("EnvironmentFile=/etc/asr/x.env"))
+    reason = (
+        f"/etc/asr/x.env cannot be checked: /etc/asr did not answer within "
+        f"{envsafety.DEADLINE:g} s (a network file system not answering?)"
+    )
+    assert found == [Finding(UNIT, 1, message("x.service", reason, FIX_ANSWER))]
+    answering(monkeypatch, lambda path: OSError(errno.EIO, "Input/output error"))
+    assert EnvFileChecker(root).check("x.service", run_as("EnvironmentFile=/etc/asr/x.env")) == []
 
 
 def test_an_environment_file_that_cannot_be_read(
