@@ -227,6 +227,25 @@ NEVER_GATED = frozenset(
         "nvidia-fabricmanager.service",
     }
 )
+# What gpuslice.service is ordered after, or is: NEVER_GATED, and through its default
+# dependencies (After=basic.target) basic.target, sysinit.target and the targets those two
+# come after. A gated unit ordered before one of these (its own or a drop-in's Before=) is
+# ordered before the controller its gate waits for (After=gpuslice.service): a cycle as for
+# NEVER_GATED.
+BEFORE_THE_CONTROLLER = NEVER_GATED | frozenset(
+    {
+        "basic.target",
+        "sysinit.target",
+        "sockets.target",
+        "paths.target",
+        "slices.target",
+        "local-fs.target",
+        "local-fs-pre.target",
+        "swap.target",
+        "cryptsetup.target",
+        "cryptsetup-pre.target",
+    }
+)
 
 
 @dataclass
@@ -320,6 +339,7 @@ class Loader:
         settings: dict[str, _Setting] = {}
         # where the first [X-GPUSlice] header is: the place to report a missing key
         section_at: tuple[str, int] | None = None
+        before: list[tuple[str, int, str]] = []  # [Unit] Before= names: file, line, name
         for unit_file in files:
             if _is_our_gate(unit_file.path):
                 continue  # the generator's own output holds no annotation: not read
@@ -342,6 +362,8 @@ class Loader:
                     self._assign(name, path, entry, settings, problems)
                 elif entry.section == "Service" and entry.key in RUN_AS_KEYS:
                     run_as.assign(path, entry)
+                elif entry.section == "Unit" and entry.key == "Before":
+                    before += [(path, entry.line, n) for n in entry.value.split()]
         if section_at is None:
             return None, _capped(unreadable)
         problems = unreadable + problems
@@ -358,6 +380,20 @@ class Loader:
                     name,
                 )
             )
+        problems += [
+            Problem(
+                path,
+                line,
+                "Before",
+                f"{target}: this unit is ordered before gpuslice.service, which its gate would "
+                "wait for (left unmanaged, ungated)",
+                "error",
+                name,
+                "Unit",
+            )
+            for path, line, target in before
+            if target in BEFORE_THE_CONTROLLER
+        ]
         problems += [
             Problem(f.path, f.line, f.key, f.message, "error", name, "Service")
             for f in self.env_files.check(name, run_as)

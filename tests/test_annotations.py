@@ -236,6 +236,44 @@ def test_the_controller_and_what_it_starts_after_are_never_managed(
     )
 
 
+@pytest.mark.parametrize(
+    "target", ["gpuslice.service", "dbus.service", "basic.target", "sysinit.target"]
+)
+def test_a_unit_ordered_before_the_controller_is_never_managed(tmp_path: Path, target: str) -> None:
+    """An admin's GPU set-up unit ordered `Before=gpuslice.service`, or an early-boot unit
+    before a target gpuslice.service starts after (its default dependencies), then annotated
+    (`gpuslice enroll`): gated, it was ordered after the controller it is before, a cycle
+    systemd breaks at boot by dropping a start job, perhaps the controller's. Named in a
+    drop-in too, among other names."""
+    write(tmp_path, X, unit("Priority=1\n"))
+    dropin = f"{ETC}/x.service.d/order.conf"
+    write(tmp_path, dropin, f"[Unit]\nBefore=shutdown.target {target}\n")
+    assert load_spec("x.service", tmp_path) == (
+        None,
+        [
+            Problem(
+                dropin,
+                2,
+                "Before",
+                f"{target}: this unit is ordered before gpuslice.service, which its gate would "
+                "wait for (left unmanaged, ungated)",
+                "error",
+                "x.service",
+                "Unit",
+            )
+        ],
+    )
+
+
+def test_a_unit_ordered_before_other_units_is_managed(tmp_path: Path) -> None:
+    """`Before=shutdown.target` (a job's usual ordering) or another job orders nothing
+    before the controller; `Before=` outside [Unit] is no ordering of systemd's."""
+    text = unit("Priority=1\n").replace("[Unit]\n", "[Unit]\nBefore=shutdown.target y.service\n")
+    write(tmp_path, X, text.replace("[Service]\n", "[Service]\nBefore=basic.target\n"))
+    spec, problems = load_spec("x.service", tmp_path)
+    assert spec is not None and problems == []
+
+
 def test_run_as_keys_count_in_service_only(tmp_path: Path) -> None:
     """`User=` outside [Service] is no setting of systemd's: the unit runs as root, and its
     environment file, which only root can change here, is not refused either way."""
