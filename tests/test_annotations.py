@@ -811,12 +811,18 @@ def _hostile_root(tmp_path: Path) -> Path:
     return etc
 
 
+def _problems_beside_good(tmp_path: Path) -> list[str]:
+    """Scan the hostile root: good.service alone is managed; what the scan says."""
+    result = scan(tmp_path)
+    assert set(result.specs) == {"good.service"}
+    return [str(p) for p in result.problems]
+
+
 def test_fifo_fragment_is_ignored_and_never_opened(tmp_path: Path) -> None:
     etc = _hostile_root(tmp_path)
     os.mkfifo(etc / "fifo.service")
-    result = scan(tmp_path)  # opening the FIFO would block forever
-    assert set(result.specs) == {"good.service"}
-    assert [str(p) for p in result.problems] == [
+    # opening the FIFO would block forever
+    assert _problems_beside_good(tmp_path) == [
         f"{ETC}/fifo.service:0: not a regular file or a symlink, ignored"
     ]
 
@@ -872,9 +878,7 @@ def test_device_node_named_like_a_unit(tmp_path: Path) -> None:
     os.mknod(etc / "blk.service", 0o600 | stat.S_IFBLK, os.makedev(7, 0))
     (etc / "chr.service").symlink_to("../chr")  # out of the search path: the unit's file
     os.mknod(etc.parent / "chr", 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero: masked
-    result = scan(tmp_path)
-    assert set(result.specs) == {"good.service"}
-    assert [str(p) for p in result.problems] == [
+    assert _problems_beside_good(tmp_path) == [
         f"{ETC}/blk.service:0: not a regular file or a symlink, ignored"
     ]
 
@@ -883,9 +887,7 @@ def test_directory_named_like_a_unit_or_dropin(tmp_path: Path) -> None:
     etc = _hostile_root(tmp_path)
     (etc / "dir.service").mkdir()
     (etc / "good.service.d" / "d.conf").mkdir(parents=True)
-    result = scan(tmp_path)
-    assert set(result.specs) == {"good.service"}
-    assert result.problems == []
+    assert _problems_beside_good(tmp_path) == []
 
 
 def test_huge_file_is_an_error_not_a_partial_parse(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from gpuslice.state import StateStore
 from gpuslice.status import render, snapshot_to_json
 from tests.hostpaths import REAL
 from tests.release_jobs_standins import show
+from tests.test_decisions import held_wait_json
 from tests.test_release_jobs_resume import _systemd_started, _this_boot
 
 GIB = 1 << 30
@@ -33,14 +34,15 @@ def test_check_files_reports_file_line_key_and_exits_1(tmp_path: Path) -> None:
     bad.write_text(UNIT + "Priority=high\nType=sometimes\n")
     config = tmp_path / "config.yaml"
     config.write_text("gpus: 0\n")
-    result = CliRunner().invoke(main, ["check", str(bad), str(config)])
-    assert result.exit_code == 1
-    assert result.output.splitlines() == [
-        f'error: {config}:1: gpus: invalid value "0" (allowed: an integer 1-1024)',
-        f'error: {bad}:6: [X-GPUSlice] Priority: expected an integer 0-999, got "high"',
-        f"error: {bad}:7: [X-GPUSlice] Type: expected one of on-demand, background, "
-        'got "sometimes"',
-    ]
+    assert check(str(bad), str(config)) == (
+        1,
+        [
+            f'error: {config}:1: gpus: invalid value "0" (allowed: an integer 1-1024)',
+            f'error: {bad}:6: [X-GPUSlice] Priority: expected an integer 0-999, got "high"',
+            f"error: {bad}:7: [X-GPUSlice] Type: expected one of on-demand, background, "
+            'got "sometimes"',
+        ],
+    )
 
 
 def test_check_good_file(tmp_path: Path) -> None:
@@ -274,37 +276,7 @@ def test_status_json_waiters_position_since_and_decision() -> None:
         ("late.service", 2, None),
     ]
     assert waiting[0]["reason"] == "waiting: GPU 0 held by a.service, priority 20"
-    assert waiting[0]["decision"] == {
-        "code": "wait",
-        "unit": "b.service",
-        "priority": 20,
-        "for": None,
-        "for_priority": None,
-        "gpus": [],
-        "cause": "gpus-busy",
-        "parts": [
-            {
-                "kind": "held",
-                "gpus": [0],
-                "unit": "a.service",
-                "priority": 20,
-                "free": None,
-                "refused": False,
-                "granted_after": False,
-                "overdue": None,
-                "rung": None,
-                "others": 0,
-                "owners": [],
-                "owners_left_out": 0,
-            }
-        ],
-        "need_gpus": 1,
-        "need_memory": None,
-        "available": None,
-        "detail": None,
-        "rung": None,
-        "fallback": None,
-    }
+    assert waiting[0]["decision"] == held_wait_json("b.service", 20, [], 20)
     # the v1 keys are unchanged; the table numbers waiters and says how long they waited
     assert set(waiting[1]) >= {"unit", "priority", "reason"}
     text = render(data, now=1700000125.0)

@@ -26,14 +26,19 @@ from tests.test_generator import write as put
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
 
 
+def refused(path: Path) -> list[str]:
+    """What load_config says of a file it will not read."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    return caught.value.problems
+
+
 @AS_ROOT
 def test_a_file_of_any_other_uid_than_root_s_is_not_read_uid_1_too(tmp_path: Path) -> None:
     """UID 1 (daemon) is a user like any other: only root's own files are trusted."""
     path = write(tmp_path, "gpus: 2\n")
     os.chown(path, 1, 0)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert caught.value.problems == [f"{path}: not read: {path} is owned by UID 1{ROOTS_ALONE}"]
+    assert refused(path) == [f"{path}: not read: {path} is owned by UID 1{ROOTS_ALONE}"]
 
 
 @AS_ROOT
@@ -50,9 +55,7 @@ def test_a_file_of_a_group_but_root_s_is_read_when_that_group_cannot_write(
     path.chmod(0o644)
     assert load_config(path) == Config(gpus=2)
     sub.chmod(0o775)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert caught.value.problems == [
+    assert refused(path) == [
         f"{path}: not read: {sub} is writable by group GID 1000 (mode 0775){ROOTS_ALONE}"
     ]
 
@@ -67,9 +70,7 @@ def test_root_trusts_group_root_alone_whatever_its_effective_gid(
     os.chown(path, 0, 1000)
     path.chmod(0o664)
     monkeypatch.setattr(os, "getegid", lambda: 1000)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert caught.value.problems == [
+    assert refused(path) == [
         f"{path}: not read: {path} is writable by group GID 1000 (mode 0664){ROOTS_ALONE}"
     ]
 
@@ -92,13 +93,9 @@ def test_another_user_reads_a_file_of_its_own_or_of_group_root(
     os.chown(path, 1000, 0)
     assert load_config(path) == Config(gpus=2)
     os.chown(path, 1001, 1000)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert caught.value.problems == [f"{path}: not read: {path} is owned by UID 1001{ROOTS_ALONE}"]
+    assert refused(path) == [f"{path}: not read: {path} is owned by UID 1001{ROOTS_ALONE}"]
     os.chown(path, 1000, 1001)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert caught.value.problems == [
+    assert refused(path) == [
         f"{path}: not read: {path} is writable by group GID 1001 (mode 0664){ROOTS_ALONE}"
     ]
 
@@ -111,9 +108,7 @@ def test_every_directory_above_counts_not_only_the_parent(tmp_path: Path) -> Non
     deep.mkdir(parents=True)
     path = write(deep, "gpus: 2\n")
     (tmp_path / "open").chmod(0o777)
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert caught.value.problems == [
+    assert refused(path) == [
         f"{path}: not read: {tmp_path}/open is writable by anyone (mode 0777){ROOTS_ALONE}"
     ]
     (tmp_path / "open").chmod(0o755)
@@ -123,9 +118,7 @@ def test_every_directory_above_counts_not_only_the_parent(tmp_path: Path) -> Non
     (etc / "config.yaml").symlink_to(path)
     assert load_config(etc / "config.yaml") == Config(gpus=2)
     (tmp_path / "links").chmod(0o777)
-    with pytest.raises(ConfigError) as caught:
-        load_config(etc / "config.yaml")
-    assert caught.value.problems == [
+    assert refused(etc / "config.yaml") == [
         f"{etc}/config.yaml: not read: {tmp_path}/links is writable by anyone (mode 0777)"
         f"{ROOTS_ALONE}"
     ]

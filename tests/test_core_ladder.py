@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from gpuslice.core.decisions import Code, Decision, render
-from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.core.model import Gpu, UnitKind, UnitSpec
 from gpuslice.core.scheduler import (
     Freeze,
     Log,
@@ -25,7 +25,7 @@ from gpuslice.core.scheduler import (
     Suspend,
     Thaw,
 )
-from tests.core_builders import BG, GIB, brief, sized, spec, words
+from tests.core_builders import BG, GIB, OD, brief, sized, spec, words
 
 VLM = spec("vlm", 90, BG, preempt="suspend stop")
 VOICE = spec("voice", 10)
@@ -43,6 +43,25 @@ def codes(actions: Sequence[object]) -> list[Code]:
 def running(s: Scheduler, *specs: UnitSpec) -> None:
     for unit in specs:
         assert brief(s.request(unit))[0].startswith(f"grant {unit.name}")
+
+
+def frozen_beside_voice(
+    preempt: str = "freeze stop",
+    *,
+    kind: UnitKind = BG,
+    others: Sequence[UnitSpec] = (),
+    later: Sequence[UnitSpec] = (),
+) -> tuple[Scheduler, UnitSpec, UnitSpec]:
+    """emb.service (8 GiB, `preempt`) runs on GPU 0 and `others` on a GPU each after it;
+    voice.service (8 GiB) is granted GPU 0 beside emb.service, which is frozen for it.
+    `later` are known, not yet asked for."""
+    emb = spec("emb", 90, kind, mem_gib=8, preempt=preempt)
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(emb, *others, voice, *later, gpus=[sized(i) for i in range(1 + len(others))])
+    running(s, emb, *others)
+    acts = brief(s.request(voice))
+    assert acts[0] == f"grant {VO} 0" and acts[-1] == "freeze emb.service", acts
+    return s, emb, voice
 
 
 def test_a_unit_with_suspend_first_is_suspended_not_stopped_and_resumed_on_its_gpu() -> None:
@@ -155,11 +174,7 @@ def test_a_thawed_unit_is_owed_its_thaw_until_systemd_shows_it_running() -> None
     ThawUnit that failed, or that a controller killed after its save never sent). Until the
     adapter reports the unit running (`thaw_done`) it is owed one, across a restart too;
     one frozen again is the freeze's, and one that ends is owed nothing."""
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb)
-    s.request(voice)
+    s, emb, voice = frozen_beside_voice()
     assert s.thaws_owed() == []  # held frozen: not owed
     assert brief(s.inactive(VO, Outcome.EXITED)) == ["thaw emb.service"]
     assert s.thaws_owed() == ["emb.service"]
@@ -179,11 +194,7 @@ def test_a_failed_freeze_or_suspend_leaves_a_thaw_owed() -> None:
     """A FreezeUnit not answered, or a suspend that failed after its freeze or before its
     thaw, may have left the unit frozen while the core holds it running: owed a thaw, so
     that the adapter looks."""
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb)
-    s.request(voice)
+    s, _, _ = frozen_beside_voice()
     s.freeze_failed("emb.service", "FreezeUnit did not answer within 30 s")
     assert s.thaws_owed() == ["emb.service"]
     only_suspend = spec("vlm", 90, BG, preempt="suspend")
@@ -199,12 +210,8 @@ def test_a_frozen_unit_whose_stop_fails_is_owed_a_thaw() -> None:
     is refused (RefuseManualStop=yes) or cancelled. The core holds it running again, and
     systemd, which thaws a unit only once it stops it, still has it frozen: owed a thaw,
     or it stays frozen for good, a stuck job that status shows running."""
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
     big = spec("big", 5, mem_gib=16)
-    s = host(emb, voice, big)
-    running(s, emb)
-    s.request(voice)
+    s, _, _ = frozen_beside_voice(later=[big])
     assert s.phase("emb.service") is Phase.FROZEN
     assert "stop emb.service" in brief(s.request(big))
     assert s.phase("emb.service") is Phase.STOPPING
@@ -220,38 +227,46 @@ def test_a_frozen_unit_whose_stop_fails_is_owed_a_thaw() -> None:
     assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [V]
 
 
-def test_a_unit_without_freeze_shares_its_gpu_as_before() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="suspend stop")
+@pytest.mark.parametrize(
+    ("mem_gib", "preempt", "expected"),
+    [
+        pytest.param(
+            8,
+            "suspend stop",
+            [f"grant {VO} 0"],
+            id="a_unit_without_freeze_shares_its_gpu_as_before",
+        ),
+        pytest.param(
+            20,
+            "freeze stop",
+            ["stop emb.service"],
+            id="freeze_does_not_apply_when_the_memory_is_needed_the_next_rung_does",
+        ),
+    ],
+)
+def test_a_running_unit_when_an_urgent_one_asks_for_its_gpu(
+    mem_gib: int, preempt: str, expected: list[str]
+) -> None:
+    """emb.service runs on GPU 0 when voice.service (8 GiB) asks for it: a unit without
+    freeze shares its GPU as before; freeze does not apply when the memory is needed, the
+    next rung does."""
+    emb = spec("emb", 90, BG, mem_gib=mem_gib, preempt=preempt)
     voice = spec("voice", 10, mem_gib=8)
     s = host(emb, voice)
     running(s, emb)
-    assert brief(s.request(voice)) == [f"grant {VO} 0"]
-
-
-def test_freeze_does_not_apply_when_the_memory_is_needed_the_next_rung_does() -> None:
-    emb = spec("emb", 90, BG, mem_gib=20, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb)
-    assert brief(s.request(voice)) == ["stop emb.service"]
+    assert brief(s.request(voice)) == expected
 
 
 def test_a_frozen_unit_whose_memory_is_needed_is_suspended() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze suspend stop")
-    voice = spec("voice", 10, mem_gib=8)
     big = spec("big", 5, mem_gib=16)
-    s = host(emb, voice, big)
-    running(s, emb, voice)
+    s, _, _ = frozen_beside_voice("freeze suspend stop", later=[big])
     assert s.phase("emb.service") is Phase.FROZEN
     assert brief(s.request(big)) == ["suspend emb.service 0"]
 
 
 def test_a_failed_freeze_leaves_it_running_beside_and_is_not_tried_again() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
     voice2 = spec("voice2", 10, mem_gib=8)
-    s = host(emb, voice, voice2)
-    running(s, emb, voice)
+    s, _, _ = frozen_beside_voice(later=[voice2])
     acts = s.freeze_failed("emb.service", "the unit is not active")
     assert brief(acts) == []
     assert words(acts) == [
@@ -334,11 +349,8 @@ def test_units_frozen_in_turn_are_thawed_most_urgent_first() -> None:
 
 
 def test_a_unit_thawed_by_hand_counts_as_running_and_is_not_frozen_again() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
     voice2 = spec("voice2", 10, mem_gib=4)
-    s = host(emb, voice, voice2)
-    running(s, emb, voice)
+    s, _, _ = frozen_beside_voice(later=[voice2])
     assert s.frozen_units() == ["emb.service"]
     assert words(s.thawed_outside("emb.service")) == [
         "emb.service (priority 90) was thawed outside gpuslice: it runs beside the units it "
@@ -529,11 +541,8 @@ def test_a_suspended_unit_that_ended_was_stopped_by_someone_it_cannot_end_by_its
 
 
 def test_a_frozen_victim_is_thawed_before_it_is_suspended() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze suspend stop")
-    voice = spec("voice", 10, mem_gib=8)
     big = spec("big", 5, mem_gib=16)
-    s = host(emb, voice, big)
-    running(s, emb, voice)
+    s, _, _ = frozen_beside_voice("freeze suspend stop", later=[big])
     [suspend] = [a for a in s.request(big) if isinstance(a, Suspend)]
     assert suspend.thaw_first
     s2 = host(VLM, VOICE)
@@ -565,10 +574,7 @@ def test_a_controller_restart_keeps_suspended_and_frozen_units_and_recovers_the_
 
 
 def test_a_gate_asking_again_leaves_a_frozen_or_suspending_unit_alone() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb, voice)
+    s, emb, _ = frozen_beside_voice()
     assert s.request(emb) == []
     assert s.phase("emb.service") is Phase.FROZEN
 
@@ -576,10 +582,7 @@ def test_a_gate_asking_again_leaves_a_frozen_or_suspending_unit_alone() -> None:
 def test_an_unannotated_frozen_unit_is_thawed_and_holds_its_gpu_until_it_ends() -> None:
     """Thawed, it runs beside the unit it was frozen for (as if thawed by hand); its GPU is
     not handed out while it runs, even once that unit has left."""
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice, VLM)
-    running(s, emb, voice)
+    s, _, voice = frozen_beside_voice(later=[VLM])
     acts = s.set_specs({voice.name: voice})
     assert "thaw emb.service" in brief(acts)
     assert s.phase("emb.service") is Phase.RUNNING
@@ -670,10 +673,7 @@ def decisions(actions: Sequence[object]) -> list[Decision]:
 
 
 def test_every_ladder_decision_carries_its_data() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice, VLM)
-    running(s, emb, voice)
+    s, emb, voice = frozen_beside_voice(later=[VLM])
     thawed = decisions(s.thawed_outside("emb.service"))
     assert [(d.code, d.unit, d.priority, d.gpus) for d in thawed] == [
         (Code.THAWED_OUTSIDE, "emb.service", 90, (0,))
@@ -776,10 +776,7 @@ def test_a_failed_freeze_of_a_unit_whose_neighbour_left_in_the_same_batch() -> N
     """The neighbour it was frozen for ended in the same batch of events (nothing decided
     yet): the line names it without its priority; a frozen unit loaded without the units it
     was frozen for names none."""
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb, voice)
+    s, emb, voice = frozen_beside_voice()
     with s.deferred():
         s.inactive(VO, Outcome.EXITED)
         failed = decisions(s.freeze_failed("emb.service", "gone"))[0]
@@ -877,10 +874,7 @@ def test_a_thaw_says_so_with_its_data_and_reaches_units_named_after_others() -> 
 
 
 def test_a_reload_to_equal_priority_thaws_a_frozen_unit() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb, voice)
+    s, emb, voice = frozen_beside_voice()
     acts = s.set_specs({"emb.service": emb, VO: dataclasses.replace(voice, priority=90)})
     assert "thaw emb.service" in brief(acts)
 
@@ -1017,11 +1011,7 @@ def test_a_suspended_unit_s_room_follows_a_priority_edit() -> None:
 
 
 def test_a_frozen_unit_whose_annotation_goes_is_thawed_with_its_reason() -> None:
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb)
-    s.request(voice)
+    s, _, voice = frozen_beside_voice()
     acts = s.set_specs({VO: voice})
     thaws = [a for a in acts if isinstance(a, Thaw)]
     assert len(thaws) == 1
@@ -1076,10 +1066,7 @@ def test_a_rung_that_failed_is_tried_again_at_the_units_next_run() -> None:
     running(s, VLM)
     assert brief(s.request(VOICE)) == [f"suspend {V} 0"]
 
-    emb = spec("emb", 90, BG, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb, voice)
+    s, emb, voice = frozen_beside_voice()
     s.freeze_failed("emb.service", "the unit is not active")
     s.inactive(VO, Outcome.EXITED)
     s.inactive("emb.service", Outcome.EXITED)
@@ -1259,6 +1246,16 @@ def test_a_unit_suspended_when_the_host_went_down_is_preempted_after_the_reboot(
     assert brief(s.schedule()) == [f"start {V}"]
 
 
+def started_after_reboot(
+    s: Scheduler, *specs: UnitSpec, gpus: list[Gpu] | None = None
+) -> list[str]:
+    """What the controller of the next boot starts (sorted), from what `s` saved."""
+    after = host(*specs, gpus=gpus)
+    after.load(s.save())
+    after.forget_boot()
+    return sorted(brief(after.schedule()))
+
+
 def test_a_unit_preempted_while_it_runs_that_the_shutdown_ends_comes_back_after_it() -> None:
     """Systemd stops the units gpuslice gates before gpuslice (After=gpuslice.service), so
     the controller sees a frozen or suspended unit end with the shutdown. Its work went with
@@ -1266,22 +1263,19 @@ def test_a_unit_preempted_while_it_runs_that_the_shutdown_ends_comes_back_after_
     one suspended when no controller saw the shutdown (`forget_boot`). Told ended by the
     shutdown, no on-demand unit came back. One the shutdown found running ended with the
     boot, as any unit does."""
-    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
     vlm = spec("vlm", 80, preempt="suspend stop")
-    voice, urgent = spec("voice", 10, mem_gib=8), spec("urgent", 10)
-    s = host(emb, vlm, voice, urgent, gpus=[sized(0), sized(1)])
-    running(s, emb, vlm)
-    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    urgent = spec("urgent", 10)
+    s, emb, voice = frozen_beside_voice(kind=OD, others=[vlm], later=[urgent])
     assert brief(s.request(urgent)) == ["suspend vlm.service 1"]
     s.suspended_done(vlm.name, "")
     assert s.set_shutting_down(True) == []
     for unit in (emb, vlm, voice, urgent):  # in parallel: the frozen one first, say
         s.inactive(unit.name, Outcome.SHUTDOWN)
     assert sorted(s.save().preempted) == ["emb.service", "vlm.service"]
-    after = host(emb, vlm, voice, urgent, gpus=[sized(0), sized(1)])
-    after.load(s.save())
-    after.forget_boot()
-    assert sorted(brief(after.schedule())) == ["start emb.service", "start vlm.service"]
+    assert started_after_reboot(s, emb, vlm, voice, urgent, gpus=[sized(0), sized(1)]) == [
+        "start emb.service",
+        "start vlm.service",
+    ]
 
 
 def test_a_preempted_unit_that_fails_on_the_shutdowns_sigterm_is_still_owed() -> None:
@@ -1289,13 +1283,10 @@ def test_a_preempted_unit_that_fails_on_the_shutdowns_sigterm_is_still_owed() ->
     systemd records the unit failed, which the tracker tells before the shutdown. Frozen,
     suspended, being suspended, or its comeback under way, its work went with the boot all
     the same: recorded failed, the new boot cleared it, and it never came back."""
-    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
     vlm = spec("vlm", 80, preempt="suspend stop")
     mid = spec("mid", 70, preempt="suspend stop")
-    voice, urgent, top = spec("voice", 10, mem_gib=8), spec("urgent", 10), spec("top", 10)
-    s = host(emb, vlm, mid, voice, urgent, top, gpus=[sized(0), sized(1), sized(2)])
-    running(s, emb, vlm, mid)
-    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    urgent, top = spec("urgent", 10), spec("top", 10)
+    s, emb, voice = frozen_beside_voice(kind=OD, others=[vlm, mid], later=[urgent, top])
     assert brief(s.request(urgent)) == ["suspend vlm.service 1"]
     s.suspended_done(vlm.name, "")
     assert brief(s.request(top)) == ["suspend mid.service 2"]  # being suspended
@@ -1307,10 +1298,9 @@ def test_a_preempted_unit_that_fails_on_the_shutdowns_sigterm_is_still_owed() ->
         s.inactive(unit.name, Outcome.SHUTDOWN)
     assert sorted(s.save().preempted) == ["emb.service", "mid.service", "vlm.service"]
     assert s.save().failed == []
-    after = host(emb, vlm, mid, voice, urgent, top, gpus=[sized(0), sized(1), sized(2)])
-    after.load(s.save())
-    after.forget_boot()
-    assert sorted(brief(after.schedule())) == [
+    assert started_after_reboot(
+        s, emb, vlm, mid, voice, urgent, top, gpus=[sized(0), sized(1), sized(2)]
+    ) == [
         "start emb.service",
         "start mid.service",
         "start vlm.service",
@@ -1387,11 +1377,7 @@ def test_a_frozen_unit_is_not_thawed_while_the_host_goes_down() -> None:
     """The unit it was frozen for ends with the shutdown first: thawed, it ended running
     and was owed nothing after the reboot. It stays frozen and owed (systemd thaws it for
     its stop); a cancelled shutdown thaws it."""
-    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb)
-    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    s, emb, voice = frozen_beside_voice(kind=OD)
     s.set_shutting_down(True)
     assert brief(s.inactive(voice.name, Outcome.SHUTDOWN)) == []
     assert s.phase(emb.name) is Phase.FROZEN
@@ -1408,11 +1394,7 @@ def test_a_frozen_unit_the_shutdowns_stop_thaws_is_still_owed() -> None:
     the shutdown stops it finds it thawed. Taken for thawed by hand, it ran again and ended
     owed nothing; it stays frozen in the books, and once the shutdown is cancelled the next
     look takes it for thawed."""
-    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
-    voice = spec("voice", 10, mem_gib=8)
-    s = host(emb, voice)
-    running(s, emb)
-    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    s, emb, voice = frozen_beside_voice(kind=OD)
     s.set_shutting_down(True)
     assert s.thawed_outside(emb.name) == []
     assert s.phase(emb.name) is Phase.FROZEN
@@ -1507,15 +1489,20 @@ def suspended_from_gpu_b() -> tuple[Scheduler, UnitSpec]:
     return s, voice
 
 
+def voice_ends_as_nvml_numbers_anew(s: Scheduler, voice: UnitSpec, gpus: list[Gpu]) -> None:
+    """voice.service ends in the batch that takes in NVML's new numbering."""
+    with s.deferred():
+        s.inactive(voice.name, Outcome.EXITED)
+        s.set_gpus(gpus)
+
+
 def test_a_suspended_unit_comes_back_on_its_own_gpu_at_the_index_nvml_gives_it_now() -> None:
     """GPU-A goes off the bus while vlm.service is suspended from GPU 1 (GPU-B), and NVML,
     opened afresh, numbers GPU-B 0 and GPU-C 1. A restore wakes its processes on GPU-B (their
     environment and CUDA context name it by UUID): resumed by index onto GPU 1, the books
     said GPU-C was its and GPU 0 free, and the next unit granted GPU 0 ran beside it."""
     s, voice = suspended_from_gpu_b()
-    with s.deferred():  # voice.service ends in the batch that takes in NVML's new numbering
-        s.inactive(voice.name, Outcome.EXITED)
-        s.set_gpus(numbered("GPU-B", "GPU-C"))
+    voice_ends_as_nvml_numbers_anew(s, voice, numbered("GPU-B", "GPU-C"))
     assert s.snapshot().suspended == [(V, 90, (0,))]
     acts = s.schedule()
     assert brief(acts) == [f"resume {V} 0"]
@@ -1532,9 +1519,7 @@ def test_a_suspended_unit_keeps_its_room_on_its_own_gpu_wherever_nvml_numbers_it
     it is on GPU-B, now GPU 0: a less urgent unit is granted GPU-C, now GPU 1."""
     s, voice = suspended_from_gpu_b()
     b, c = numbered("GPU-B", "GPU-C")
-    with s.deferred():
-        s.inactive(voice.name, Outcome.EXITED)
-        s.set_gpus([dataclasses.replace(b, foreign_pids=(7,)), c])
+    voice_ends_as_nvml_numbers_anew(s, voice, [dataclasses.replace(b, foreign_pids=(7,)), c])
     assert brief(s.schedule()) == []
     assert s.phase(V) is Phase.SUSPENDED
     assert brief(s.request(spec("other", 95))) == ["grant other.service 1"]
@@ -1545,9 +1530,7 @@ def test_a_suspended_unit_whose_gpu_is_gone_is_stopped_not_resumed_on_another() 
     as if GPU-C were its GPU; it is stopped instead, the line naming the GPU it lost, and
     comes back as a preempted unit (Requeue=)."""
     s, voice = suspended_from_gpu_b()
-    with s.deferred():
-        s.inactive(voice.name, Outcome.EXITED)
-        s.set_gpus(numbered("GPU-A", "GPU-C"))
+    voice_ends_as_nvml_numbers_anew(s, voice, numbered("GPU-A", "GPU-C"))
     acts = s.schedule()
     assert brief(acts) == [f"stop {V}"]
     assert words(acts) == [
@@ -1577,9 +1560,9 @@ def test_a_restarted_controller_resumes_a_suspended_unit_on_the_gpu_its_env_file
     assert brief(told_nothing.schedule()) == [f"resume {V} 1"]
 
 
-def test_a_two_gpu_unit_moved_by_nvml_is_said_with_both_its_gpus() -> None:
-    """The resume's line names each GPU it was suspended from and the indices they had
-    ("were", GPUs joined by ", "), as an admin reads them in the journal."""
+def two_gpus_suspended_from_gpu_b_and_c() -> tuple[Scheduler, UnitSpec]:
+    """vlm2.service suspended from GPUs 1,2 (GPU-B, GPU-C) for voice.service (pinned to
+    both), which then runs there; GPU 0 (GPU-A) is free."""
     vlm2 = spec("vlm2", 90, BG, gpus=2, preempt="suspend stop")
     voice = spec("voice", 10, gpus=2, devices=("GPU-B", "GPU-C"))
     first = spec("first", 50)
@@ -1589,9 +1572,15 @@ def test_a_two_gpu_unit_moved_by_nvml_is_said_with_both_its_gpus() -> None:
     s.inactive(first.name, Outcome.EXITED)
     assert brief(s.request(voice)) == ["suspend vlm2.service 1,2"]
     assert brief(s.suspended_done(vlm2.name, "")) == ["grant voice.service 1,2"]
-    with s.deferred():
-        s.inactive(voice.name, Outcome.EXITED)
-        s.set_gpus(numbered("GPU-B", "GPU-C"))  # GPU-A went: B and C are 0 and 1 now
+    return s, voice
+
+
+def test_a_two_gpu_unit_moved_by_nvml_is_said_with_both_its_gpus() -> None:
+    """The resume's line names each GPU it was suspended from and the indices they had
+    ("were", GPUs joined by ", "), as an admin reads them in the journal."""
+    s, voice = two_gpus_suspended_from_gpu_b_and_c()
+    # GPU-A went: B and C are 0 and 1 now
+    voice_ends_as_nvml_numbers_anew(s, voice, numbered("GPU-B", "GPU-C"))
     acts = s.schedule()
     assert brief(acts) == ["resume vlm2.service 0,1"]
     assert words(acts) == [
@@ -1603,17 +1592,8 @@ def test_a_two_gpu_unit_moved_by_nvml_is_said_with_both_its_gpus() -> None:
 def test_a_two_gpu_unit_whose_gpus_are_gone_names_each_gpu_it_lost() -> None:
     """Each GPU NVML no longer lists is named, joined by "; ", and only those: one still
     listed (at another index) is not said to be gone."""
-    vlm2 = spec("vlm2", 90, BG, gpus=2, preempt="suspend stop")
-    voice = spec("voice", 10, gpus=2, devices=("GPU-B", "GPU-C"))
-    first = spec("first", 50)
-    s = host(vlm2, voice, first, gpus=numbered("GPU-A", "GPU-B", "GPU-C"))
-    running(s, first, vlm2)
-    s.inactive(first.name, Outcome.EXITED)
-    assert brief(s.request(voice)) == ["suspend vlm2.service 1,2"]
-    assert brief(s.suspended_done(vlm2.name, "")) == ["grant voice.service 1,2"]
-    with s.deferred():
-        s.inactive(voice.name, Outcome.EXITED)
-        s.set_gpus(numbered("GPU-A", "GPU-D"))  # B and C both gone
+    s, voice = two_gpus_suspended_from_gpu_b_and_c()
+    voice_ends_as_nvml_numbers_anew(s, voice, numbered("GPU-A", "GPU-D"))  # B and C both gone
     acts = s.schedule()
     assert brief(acts) == ["stop vlm2.service"]
     assert words(acts) == [
@@ -1622,14 +1602,8 @@ def test_a_two_gpu_unit_whose_gpus_are_gone_names_each_gpu_it_lost() -> None:
         "memory cannot be restored on another GPU; stopping it (Requeue= decides whether it "
         "starts again)"
     ]
-    s2 = host(vlm2, voice, first, gpus=numbered("GPU-A", "GPU-B", "GPU-C"))
-    running(s2, first, vlm2)
-    s2.inactive(first.name, Outcome.EXITED)
-    s2.request(voice)
-    s2.suspended_done(vlm2.name, "")
-    with s2.deferred():
-        s2.inactive(voice.name, Outcome.EXITED)
-        s2.set_gpus(numbered("GPU-C", "GPU-D"))  # B gone, C now GPU 0
+    s2, voice = two_gpus_suspended_from_gpu_b_and_c()
+    voice_ends_as_nvml_numbers_anew(s2, voice, numbered("GPU-C", "GPU-D"))  # B gone, C now GPU 0
     acts = s2.schedule()
     assert words(acts) == [
         "vlm2.service (priority 90) could not be resumed on GPUs 1,2: its GPU 1 was GPU-B, "
@@ -1641,7 +1615,7 @@ def test_a_two_gpu_unit_whose_gpus_are_gone_names_each_gpu_it_lost() -> None:
 def test_uuids_told_of_a_unit_not_suspended_or_of_other_gpus_are_no_word_of_it() -> None:
     """remember_uuids takes an env file's word only for a suspended unit and only when it
     names exactly the unit's GPUs, each with a UUID."""
-    s, _voice = suspended_from_gpu_b()
+    s, _ = suspended_from_gpu_b()
     s.remember_uuids("nobody.service", {1: "GPU-X"})  # not suspended: nothing, no error
     s.remember_uuids(V, {1: "GPU-X", 2: "GPU-Y"})  # more GPUs than its own
     s.remember_uuids(V, {1: ""})  # its GPU, but no UUID
@@ -1735,12 +1709,9 @@ def test_holds_the_shutdowns_stops_made_when_its_jobnew_was_lost_are_undone() ->
     says the host is going down they are undone: a unit preempted while it ran (or being
     stopped by gpuslice) is owed its comeback, one that ran is neither held nor owed. A
     hold systemd confirmed (the host not going down) stands, as one booked again later."""
-    emb = spec("emb", 90, mem_gib=8, preempt="freeze stop")
     low = spec("low", 60, preempt="stop")
-    voice, urgent = spec("voice", 10, mem_gib=8), spec("urgent", 10)
-    s = host(emb, low, voice, urgent, gpus=[sized(0), sized(1)])
-    running(s, emb, low)
-    assert brief(s.request(voice))[-1] == "freeze emb.service"
+    urgent = spec("urgent", 10)
+    s, emb, voice = frozen_beside_voice(kind=OD, others=[low], later=[urgent])
     assert brief(s.request(urgent)) == ["stop low.service"]
     for unit in (emb, low):
         assert Code.HOLD in codes(s.inactive(unit.name, Outcome.STOPPED, not_ours=True))
@@ -1750,10 +1721,10 @@ def test_holds_the_shutdowns_stops_made_when_its_jobnew_was_lost_are_undone() ->
     s.set_shutting_down(True)
     for unit in (voice, urgent):
         s.inactive(unit.name, Outcome.SHUTDOWN)
-    after = host(emb, low, voice, urgent, gpus=[sized(0), sized(1)])
-    after.load(s.save())
-    after.forget_boot()
-    assert sorted(brief(after.schedule())) == ["start emb.service", "start low.service"]
+    assert started_after_reboot(s, emb, low, voice, urgent, gpus=[sized(0), sized(1)]) == [
+        "start emb.service",
+        "start low.service",
+    ]
     bg = spec("bg", 80, BG)
     s = host(bg)
     running(s, bg)
@@ -1761,10 +1732,7 @@ def test_holds_the_shutdowns_stops_made_when_its_jobnew_was_lost_are_undone() ->
     assert s.holds_of_shutdown([bg.name]) == [bg.name]
     assert s.save().held == [] and s.save().preempted == {}
     s.set_shutting_down(True)
-    after = host(bg)
-    after.load(s.save())
-    after.forget_boot()
-    assert brief(after.schedule()) == ["start bg.service"]
+    assert started_after_reboot(s, bg) == ["start bg.service"]
     s.set_shutting_down(False)  # cancelled
     running(s, bg)
     s.inactive(bg.name, Outcome.STOPPED)

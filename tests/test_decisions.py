@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -274,22 +275,23 @@ def test_levels() -> None:
     assert level(Decision(Code.STOP_REFUSED)) == "warning"
 
 
-def test_to_json_has_every_key() -> None:
-    d = wait(Cause.BUSY, Part(Blocker.HELD, (0,), "a.service", 5), gpus=(0,))
-    assert d.to_json() == {
+def held_wait_json(unit: str, priority: int, gpus: list[int], held_priority: int) -> dict[str, Any]:
+    """Every key of a wait for GPU 0, which a.service holds, as to_json writes it (the status
+    JSON of tests/test_cli.py too)."""
+    return {
         "code": "wait",
-        "unit": "w.service",
-        "priority": 20,
+        "unit": unit,
+        "priority": priority,
         "for": None,
         "for_priority": None,
-        "gpus": [0],
+        "gpus": gpus,
         "cause": "gpus-busy",
         "parts": [
             {
                 "kind": "held",
                 "gpus": [0],
                 "unit": "a.service",
-                "priority": 5,
+                "priority": held_priority,
                 "free": None,
                 "refused": False,
                 "granted_after": False,
@@ -307,6 +309,11 @@ def test_to_json_has_every_key() -> None:
         "rung": None,
         "fallback": None,
     }
+
+
+def test_to_json_has_every_key() -> None:
+    d = wait(Cause.BUSY, Part(Blocker.HELD, (0,), "a.service", 5), gpus=(0,))
+    assert d.to_json() == held_wait_json("w.service", 20, [0], 5)
 
 
 def test_subjects() -> None:

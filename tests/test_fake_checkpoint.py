@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -20,6 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.test_nvml_fake import Alloc as Job
+from tests.test_nvml_fake import reap
 
 GIB = 1 << 30
 GPUS = (
@@ -54,33 +56,6 @@ print(json.dumps(out))
 """
 
 
-def _read_line(stream: object, deadline: float) -> str:
-    """One line from an unbuffered pipe, or fail at `deadline` instead of hanging."""
-    assert hasattr(stream, "fileno")
-    data = b""
-    while not data.endswith(b"\n"):
-        ready, _, _ = select.select([stream], [], [], max(deadline - time.monotonic(), 0))
-        if not ready:
-            raise AssertionError(f"no line within {TIMEOUT}s (got {data!r})")
-        chunk = os.read(stream.fileno(), 1)
-        if not chunk:
-            raise AssertionError(f"pipe closed before a full line (got {data!r})")
-        data += chunk
-    return data.decode().rstrip("\n")
-
-
-class Job:
-    """A running gpu-alloc: a fake CUDA process holding GPU memory until signalled."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout=TIMEOUT)
-
-
 class Bed:
     """A fake NVML state dir with two 4 GiB GPUs, gpu-alloc jobs and the fake cuda-checkpoint."""
 
@@ -101,7 +76,7 @@ class Bed:
         cmd = [str(self.build / "gpu-alloc"), "--gpu", str(gpu), "--bytes", size]
         job = Job(subprocess.Popen(cmd, env=self.env(), stdout=subprocess.PIPE, bufsize=0))
         self.jobs.append(job)  # before waiting, so close() reaps it even on failure
-        assert _read_line(job.proc.stdout, time.monotonic() + TIMEOUT).startswith("ready ")
+        assert job.read_line().startswith("ready ")
         return job
 
     def ckpt(self, *args: str | int) -> subprocess.CompletedProcess[str]:
@@ -154,12 +129,7 @@ class Bed:
         return result
 
     def close(self) -> None:
-        for job in self.jobs:
-            if job.proc.poll() is None:
-                job.proc.kill()
-            job.proc.wait()
-            if job.proc.stdout is not None:
-                job.proc.stdout.close()
+        reap(self.jobs)
 
 
 @pytest.fixture

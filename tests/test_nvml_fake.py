@@ -222,7 +222,8 @@ def _read_line(stream: Any, deadline: float) -> str:
 
 
 class Alloc:
-    """A running gpu-alloc: a fake job holding GPU memory until signalled."""
+    """A running gpu-alloc: a fake job holding GPU memory until signalled (the jobs of
+    tests/test_fake_checkpoint.py too)."""
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
@@ -235,6 +236,16 @@ class Alloc:
     def stop(self, sig: int = signal.SIGTERM) -> int:
         self.proc.send_signal(sig)
         return self.proc.wait(timeout=TIMEOUT)
+
+
+def reap(allocs: list[Alloc]) -> None:
+    """Kill what still runs and collect every one (tests/test_fake_checkpoint.py's jobs too)."""
+    for alloc in allocs:
+        if alloc.proc.poll() is None:
+            alloc.proc.kill()
+        alloc.proc.wait()
+        if alloc.proc.stdout is not None:
+            alloc.proc.stdout.close()
 
 
 class FakeGpus:
@@ -285,12 +296,7 @@ class FakeGpus:
         return result
 
     def close(self) -> None:
-        for alloc in self.allocs:
-            if alloc.proc.poll() is None:
-                alloc.proc.kill()
-            alloc.proc.wait()
-            if alloc.proc.stdout is not None:
-                alloc.proc.stdout.close()
+        reap(self.allocs)
 
 
 @pytest.fixture

@@ -426,6 +426,13 @@ def test_a_file_of_a_controller_before_the_ladder_is_complete(
     assert (saved.suspended, saved.frozen_for, saved.started) == ({}, {}, [])
 
 
+def said_all(records: list[logging.LogRecord], *problems: str) -> None:
+    """Each problem is said, somewhere in what was logged."""
+    said = " ".join(r.getMessage() for r in records)
+    for problem in problems:
+        assert problem in said, said
+
+
 def test_the_starts_gpuslice_sent_are_kept_for_starting_holders_only(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -435,13 +442,12 @@ def test_the_starts_gpuslice_sent_are_kept_for_starting_holders_only(
     started = ["bg.service", "asr.service", "gone.service", "../x"]
     saved, _, records = load(tmp_path, good(holders=holders, started=started, seq=6), caplog)
     assert saved.started == ["bg.service"]
-    said = " ".join(r.getMessage() for r in records)
-    for problem in (
+    said_all(
+        records,
         'started: dropped "../x": not a unit name',
         'started: dropped "asr.service": not a starting holder',
         'started: dropped "gone.service": not a starting holder',
-    ):
-        assert problem in said, said
+    )
 
 
 def test_thaws_owed_are_kept_for_running_and_stopping_holders_only(
@@ -458,13 +464,12 @@ def test_thaws_owed_are_kept_for_running_and_stopping_holders_only(
     owed = ["asr.service", "low.service", "emb.service", "gone.service", "../x"]
     saved, _, records = load(tmp_path, good(holders=holders, thaw_owed=owed), caplog)
     assert saved.thaw_owed == ["asr.service", "low.service"]
-    said = " ".join(r.getMessage() for r in records)
-    for problem in (
+    said_all(
+        records,
         'thaw_owed: dropped "../x": not a unit name',
         'thaw_owed: dropped "emb.service": not a running or stopping holder',
         'thaw_owed: dropped "gone.service": not a running or stopping holder',
-    ):
-        assert problem in said, said
+    )
     store = StateStore(tmp_path / "again")
     store.save(saved, "b")
     assert store.load()[0].thaw_owed == ["asr.service", "low.service"]
@@ -485,13 +490,12 @@ def test_requeues_and_failed_waits_are_kept_and_a_file_without_them_is_complete(
     saved, _, records = load(tmp_path, json.dumps(data).encode(), caplog)
     assert saved.requeued == ["bg.service", "waits.service"]
     assert saved.wait_failed == ["vlm.service"]
-    said = " ".join(r.getMessage() for r in records)
-    for problem in (
+    said_all(
+        records,
         'requeued: dropped "../x": not a unit name',
         'requeued: dropped "asr.service": a holder past its gate',
         'wait_failed: dropped "asr.service": not a preempted unit',
-    ):
-        assert problem in said, said
+    )
     store = StateStore(tmp_path / "again")
     store.save(saved, "b")
     assert store.load()[0] == saved

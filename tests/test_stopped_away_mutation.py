@@ -19,7 +19,7 @@ from gpuslice.core.scheduler import SavedState
 from gpuslice.state import StateStore
 from gpuslice.systemd import SystemdError
 from gpuslice.tracker import CLD_DUMPED, CLD_EXITED, CLD_KILLED, MainExit, UnitState
-from tests.test_controller import BOOT, Bed, bed_config, messages, run, settle, state
+from tests.test_controller import Bed, bed_config, messages, run, settle, state
 
 KILLED = MainExit(CLD_KILLED, SIGTERM, "success")
 EXITED = MainExit(CLD_EXITED, 0, "success")
@@ -35,7 +35,6 @@ def _started(bed: Bed) -> list[str]:
 def _pair(tmp_path: Path) -> Bed:
     """a.service and b.service held GPU 0 and GPU 1, running, when the last controller of
     this boot saved; systemd shows both down with no job."""
-    config = bed_config(tmp_path, gpus=2)
     saved = SavedState(
         holders={
             "a.service": ((0,), "running", 1, ""),
@@ -43,9 +42,8 @@ def _pair(tmp_path: Path) -> Bed:
         },
         seq=2,
     )
-    StateStore(Path(config.state_dir)).save(saved, BOOT)
     down = [state(n, "inactive", "dead") for n in PAIR]
-    return Bed(tmp_path, PAIR, down, config=config)
+    return Bed(tmp_path, PAIR, down, saved, config=bed_config(tmp_path, gpus=2))
 
 
 async def _rebooted(tmp_path: Path, bed: Bed) -> Bed:
@@ -179,13 +177,12 @@ def test_only_holders_loaded_inactive_with_no_job_and_not_being_stopped_are_read
     failed; the one with a start job queued and the one systemd unloaded are not read, and
     not held."""
     names = sorted(MIXED)
-    config = bed_config(tmp_path, gpus=len(names))
     saved = SavedState(
         holders={n: ((i,), MIXED[n][0], i + 1, "") for i, n in enumerate(names)}, seq=len(names)
     )
-    StateStore(Path(config.state_dir)).save(saved, BOOT)
     shown = [s for _, s in MIXED.values() if s is not None]
-    bed = Bed(tmp_path, dict.fromkeys(names, "Priority=50\n"), shown, config=config)
+    units = dict.fromkeys(names, "Priority=50\n")
+    bed = Bed(tmp_path, units, shown, saved, config=bed_config(tmp_path, gpus=len(names)))
     for name in names:
         bed.systemd.main_exits[name] = KILLED
 
@@ -207,14 +204,12 @@ def test_nothing_is_decided_while_the_reads_are_in_flight(tmp_path: Path) -> Non
     """A sample taken while bg.service's record is read (the sampler's timer) starts nothing:
     GPU 1 is free and back.service is owed a comeback, but start-up decides once, after the
     reads. Then back.service is brought back and bg.service, killed, is held."""
-    config = bed_config(tmp_path, gpus=2)
     saved = SavedState(
         holders={"bg.service": ((0,), "running", 1, "")}, preempted={"back.service": 2}, seq=2
     )
-    StateStore(Path(config.state_dir)).save(saved, BOOT)
     units = {"bg.service": "Priority=50\nType=background\n", "back.service": "Priority=50\n"}
     shown = [state(n, "inactive", "dead") for n in units]
-    bed = Bed(tmp_path, units, shown, config=config)
+    bed = Bed(tmp_path, units, shown, saved, config=bed_config(tmp_path, gpus=2))
     ctl = bed.controller
     bed.systemd.main_exits["bg.service"] = KILLED
     read = bed.systemd.main_exit
