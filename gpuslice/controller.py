@@ -50,7 +50,7 @@ from gpuslice.config import (
     runtime_dir_value,
     runtime_dirs_of_this_boot,
 )
-from gpuslice.core.decisions import Cause, Code, Decision, render
+from gpuslice.core.decisions import Cause, Code, Decision, listed, render
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.placement import format_gpus
 from gpuslice.core.plan import plan_start
@@ -931,7 +931,7 @@ class Controller:
             log.warning(
                 "systemd says the host is going down, which no signal told (lost on the "
                 "bus): %s stopped with the shutdown, not held",
-                ", ".join(freed),
+                listed(tuple(freed)),  # a shutdown's thousands of instances: one bounded line
             )
             self.answers.changed()
             self._persist()
@@ -1047,6 +1047,10 @@ class Controller:
         else:
             self._cap_preempted()
             self._count_kept_instances()
+
+    def _down_instance(self, name: str) -> bool:
+        """An instance its signals show down, with no job."""
+        return is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN
 
     def _cap_preempted(self) -> None:
         """Past PREEMPTED_INSTANCES_MAX instances kept preempted, those that would come back
@@ -1238,10 +1242,17 @@ class Controller:
         # records of units no longer annotated, forgotten: saved now, even where nothing is
         # said (a hold, an end), lest a restarted controller find them again once annotated
         forgets = bool(self.scheduler.recorded() - specs.keys())
+        kept = set(self.scheduler.stopped_by_shutdown)
         actions = self.scheduler.set_specs(specs)
         self.execute(actions)
-        if forgets and not actions:
+        # instances the shutdown stopped, no longer background (owed no refill): forgotten
+        # as any instance owed nothing, and not saved until the next reboot
+        unkept = kept - self.scheduler.stopped_by_shutdown
+        if (forgets or unkept) and not actions:
             self._persist()
+        for name in sorted(unkept):
+            if self._down_instance(name):
+                self._forget_instance(name)
         for unit in sorted(starts):
             if self.spec_for(unit) is None and not self._known(unit):
                 self._let_through(unit)  # its start, not yet answered, is forgotten
@@ -1868,6 +1879,12 @@ class Controller:
         finally:
             if not told[0] and self.tracker.call_answered(unit, job, what):
                 await self.reads.refresh(unit)
+            elif not told[0] and self._down_instance(unit):
+                # the call failed (`queued` tells every answer), so no job of ours ends the
+                # instance: one whose forget waited for this answer (dropped past
+                # PREEMPTED_INSTANCES_MAX meanwhile) goes now. Kept, it stayed known,
+                # dormant, until a down that may never come (its name is one job's)
+                self._forget_instance(unit)
 
     def _call_not_taken(self, unit: str, what: str, error: SystemdError) -> None:
         """A StartUnit or StopUnit of ours did not reach systemd, for an error that passes

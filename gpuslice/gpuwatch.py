@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection
 from typing import Protocol, TypeVar
 
 from gpuslice.config import Config
+from gpuslice.core.decisions import listed
 from gpuslice.core.model import Gpu
 from gpuslice.inventory import ABSENT, FALLBACK, WAITING, Inventory, Sample
 from gpuslice.offloop import OffLoop
@@ -257,10 +258,12 @@ class GpuWatch:
     def _log_nvml_switch(self) -> None:
         gpus = [g for g in self.sample.gpus if not g.lost]
         names = sorted({g.name for g in gpus if g.name})
-        held = ", ".join(
-            f"{name} on GPU {','.join(map(str, sorted(held)))}"
-            for name, held in sorted(self.holdings.grants().items())
-            if held
+        held = listed(
+            tuple(
+                f"{name} on GPU {','.join(map(str, sorted(held)))}"
+                for name, held in sorted(self.holdings.grants().items())
+                if held
+            )
         )
         log.info(
             "NVML ready (%s): switched to %d GPU%s%s without a restart; memory packing and "

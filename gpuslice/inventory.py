@@ -29,6 +29,7 @@ from pathlib import Path
 from gpuslice.cgroups import cgroup_path_of_pid, unit_of_cgroup_path
 from gpuslice.cgroups import unit_of_pid as unit_of_pid  # re-exported: callers import it here
 from gpuslice.config import Config
+from gpuslice.core.decisions import listed
 from gpuslice.core.model import Gpu
 from gpuslice.core.placement import format_gpus
 from gpuslice.driver import (
@@ -545,7 +546,7 @@ class Inventory:
                 "granted to %s, and %s (%s); %s %s treated as lost until %s released",
                 index,
                 uuid,
-                ", ".join(held[index]),
+                listed(tuple(held[index])),
                 f"is now {current}" if current else "is no longer listed",
                 f"{uuid} is now GPU {now_at}"
                 if now_at is not None

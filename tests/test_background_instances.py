@@ -20,7 +20,17 @@ from gpuslice import controller as controller_module
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Log, Outcome, SavedState, Scheduler
 from tests.core_builders import BG, brief, spec
-from tests.test_controller import Bed, at_gate, goes_down, run, run_instance, settle, state, until
+from tests.test_controller import (
+    Bed,
+    at_gate,
+    goes_down,
+    run,
+    run_instance,
+    settle,
+    state,
+    until,
+    write_unit,
+)
 
 DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
 EMBED = {"a.service": "Priority=50\n", "embed@.service": "Priority=90\nType=background\n"}
@@ -523,3 +533,60 @@ def test_a_background_instance_the_shutdown_stopped_is_forgotten_with_its_annota
     s.inactive(embed.name, Outcome.SHUTDOWN)
     s.set_specs({})
     assert s.stopped_by_shutdown == set()
+
+
+def test_a_background_instance_the_shutdown_stopped_is_forgotten_once_on_demand() -> None:
+    """Its template turned on-demand (a daemon-reload with another `Type=`): its refill was
+    owed only as a background unit's, so nothing keeps it, nor saves it until the reboot."""
+    s = Scheduler([Gpu(0)], {})
+    embed = spec("embed@a", 90, BG)
+    s.request(embed)
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.SHUTDOWN)
+    assert s.stopped_by_shutdown == {embed.name}
+    on_demand = spec("embed@a", 90)
+    s.set_specs({embed.name: on_demand})
+    assert s.stopped_by_shutdown == set()
+    assert s.save().stopped_by_shutdown == []
+    assert s.forget_instance(embed.name)
+    again = Scheduler([Gpu(0)], {})
+    again.set_specs({embed.name: on_demand})
+    again.load(s.save())
+    assert again.stopped_by_shutdown == set()
+    s.set_shutting_down(False)
+    assert brief(s.schedule()) == []
+
+
+def test_a_shutdown_stopped_instance_turned_on_demand_is_forgotten_at_the_rescan(
+    tmp_path: Path,
+) -> None:
+    """The daemon-reload that turned its template on-demand forgets it, down and owed
+    nothing, as its down would have: kept, it was saved until the next reboot."""
+    bed = Bed(tmp_path, EMBED, [])
+    embed = "embed@a.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
+        ctl.on_unit_changed(embed, at_gate())
+        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
+        stop = (3, "/org/freedesktop/systemd1/job/3")  # the shutdown's stop
+        ctl.on_job_new(*stop, embed)
+        ctl.on_unit_changed(embed, {"ActiveState": "deactivating", "SubState": "stop", "Job": stop})
+        ctl.on_unit_changed(embed, DOWN)
+        ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
+        await settle()
+        assert embed in ctl.scheduler.stopped_by_shutdown
+        write_unit(tmp_path, "embed@.service", "Priority=90\n")  # Type= gone: on-demand
+        ctl.request_rescan()
+        await until(lambda: ctl._rescan is None)
+        await settle()
+        assert embed not in ctl.scheduler.annotated()
+        assert ctl.scheduler.stopped_by_shutdown == set()
+        files = [f for f in (tmp_path / "state").rglob("*") if f.is_file()]
+        assert files
+        assert all(embed not in f.read_text() for f in files)
+
+    run(test)

@@ -170,6 +170,11 @@ def check_rendered(actions: list[Action]) -> None:
             "GPU 1 is lost; it was held by a.service, b.service",
         ),
         (Decision(Code.LOST_GPU, gpus=(1,)), "GPU 1 is lost; it was held by no unit"),
+        (  # units sharing it by Memory=: a user's Accept=yes instances may be thousands
+            Decision(Code.LOST_GPU, gpus=(1,), units=tuple(f"u{i}.service" for i in range(10))),
+            "GPU 1 is lost; it was held by u0.service, u1.service, u2.service, u3.service, "
+            "u4.service, u5.service, u6.service, u7.service and 2 more",
+        ),
         (
             Decision(Code.EXCEEDS_HOST, V, 5, need_gpus=4, available=2),
             "vlm.service (priority 5) needs 4 GPUs but this host has 2: it waits until the "

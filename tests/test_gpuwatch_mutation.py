@@ -135,6 +135,22 @@ def test_the_switch_to_nvml_names_the_models_and_every_holders_gpus_in_order(
     ]
 
 
+def test_the_switch_to_nvml_names_holders_up_to_a_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ten holders (a state file's, granted by memory before this controller): the first
+    eight and how many more, not one line as long as every holder's name."""
+    nvml = Models("NVIDIA Fake 80GB", "NVIDIA Fake 24GB")
+    watch, holdings, timers, _ = watch_on(tmp_path, nvml, Config(gpus=2))
+    watch.open()
+    holdings.held = {f"u{i}.service": frozenset({0}) for i in range(10)}
+    nvml.available = True
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        timers.fire()
+    shown = ", ".join(f"u{i}.service on GPU 0" for i in range(8))
+    assert [s.split("by index: ")[1] for s in switches(caplog)] == [f"{shown} and 2 more"]
+
+
 def test_the_switch_to_one_gpu_of_no_name_says_so_in_the_singular(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

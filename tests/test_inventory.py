@@ -585,6 +585,28 @@ def test_a_held_index_that_names_another_gpu_after_nvml_came_back_is_lost_until_
     assert [(g.index, g.lost) for g in released.gpus] == [(0, False), (1, False)]
 
 
+def test_a_renumbered_gpu_names_its_holders_up_to_a_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same with ten units sharing GPU 1 by Memory= (a user's `Accept=yes` instances may
+    be thousands): the line names the first eight and how many more, not every one."""
+    nvml = StubNvml()
+    enumerate_as(nvml, "GPU-A", "GPU-B", "GPU-C")
+    inventory, _ = make_inventory(tmp_path, nvml, Config(gpus=3))
+    holding = {f"u{i}.service": [1] for i in range(10)}
+    inventory.sample(MANAGED, holding)
+    enumerate_as(nvml, "GPU-B", "GPU-C")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        inventory.sample(MANAGED, holding)
+    assert [r.getMessage() for r in caplog.records] == [
+        "GPU 1 names another GPU since NVML numbered the GPUs anew: it was GPU-B when "
+        "granted to u0.service, u1.service, u2.service, u3.service, u4.service, u5.service, "
+        "u6.service, u7.service and 2 more, and is now GPU-C (GPU-B is now GPU 0); GPUs 0,1 "
+        "are treated as lost until GPU 1 is released"
+    ]
+
+
 def test_a_gpu_lost_to_a_renumbering_is_told_from_one_that_nvml_lost(tmp_path: Path) -> None:
     """Both take nothing new; only one NVML lost is no place for a suspended unit's memory.
     One lost because units hold another GPU by its number (`renumbered`) is there: a unit

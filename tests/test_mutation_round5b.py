@@ -176,6 +176,42 @@ def test_units_freed_by_one_hold_read_are_named_in_one_line(
     ]
 
 
+def test_units_freed_by_one_hold_read_are_named_up_to_a_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same, for ten units: the line names the first LISTED_MAX (8) and how many more.
+    Named whole, a shutdown of thousands of instances wrote one line of unbounded size."""
+    units = {f"u{i}.service": BG for i in range(10)}
+    saved = SavedState(
+        holders={f"u{i}.service": ((i,), "running", i + 1, "") for i in range(10)},
+        seq=10,
+    )
+    bed = Bed(
+        tmp_path,
+        units,
+        [state(u, "active", "running") for u in units],
+        saved,
+        config=bed_config(tmp_path, gpus=10),
+    )
+    bed.systemd.system = "stopping"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        for i in range(10):
+            _stopped_by_someone(bed, f"u{i}.service", i + 1)
+        await settle()
+        assert ctl.scheduler.save().held == []
+
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        run(test)
+    assert [m for m in messages(caplog) if "not held" in m] == [
+        "systemd says the host is going down, which no signal told (lost on the bus): "
+        + ", ".join(f"u{i}.service" for i in range(8))
+        + " and 2 more stopped with the shutdown, not held"
+    ]
+
+
 # -- the cap on kept preemptions --------------------------------------------------------------
 
 
@@ -208,6 +244,45 @@ def test_an_instance_dropped_past_the_bound_while_running_is_forgotten(
         ctl.on_unit_changed("embed@0.service", DEAD)  # an instance kept goes down (again)
         await settle()
         assert set(ctl.scheduler.preempted) == {"embed@0.service"}
+        assert "embed@1.service" not in ctl.scheduler.annotated()
+        assert "embed@1.service" not in ctl.tracker.states
+
+    run(test)
+
+
+def test_an_instance_dropped_past_the_bound_with_a_call_unanswered_goes_at_the_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same, while a call of ours on the instance dropped is unanswered: its forget waits
+    for the answer, and goes then. Kept until its next down, it stayed known, dormant, for
+    as long as the controller ran: an instance's name is one job, which may never come
+    again."""
+    monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 2)
+    embed = {"a.service": "Priority=50\n", "embed@.service": BG}
+    names = [f"embed@{i}.service" for i in range(2)]
+    saved = SavedState(
+        holders={"a.service": ((0,), "running", 3, "")},
+        preempted={n: i + 1 for i, n in enumerate(names)},
+        seq=3,
+    )
+    shown = [state("a.service", "active", "running")] + [
+        state(n, "inactive", "dead") for n in names
+    ]
+    bed = Bed(tmp_path, embed, shown, saved)
+
+    async def test() -> None:
+        ctl: Controller = bed.controller
+        await ctl.start()
+        await settle()
+        answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        ctl._call_systemd(lambda unit, queued: answer, "embed@1.service", "stop")
+        monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 1)
+        ctl.on_unit_changed("embed@0.service", DEAD)  # an instance kept goes down (again)
+        await settle()
+        assert set(ctl.scheduler.preempted) == {"embed@0.service"}
+        assert "embed@1.service" in ctl.scheduler.dormant  # kept for the answer
+        answer.set_exception(SystemdError("org.freedesktop.systemd1.NoSuchUnit", "gone"))
+        await settle()
         assert "embed@1.service" not in ctl.scheduler.annotated()
         assert "embed@1.service" not in ctl.tracker.states
 

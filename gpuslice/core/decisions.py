@@ -97,8 +97,8 @@ class Blocker(enum.Enum):
     SUSPENDED = "suspended"  # kept for `unit`, suspended, more urgent: it comes back there
 
 
-# A line, or a part in the status JSON, names at most this many processes or owners: a user
-# can start thousands of them
+# A line, or a part in the status JSON, names at most this many processes, owners or units:
+# a user can start thousands of them
 LISTED_MAX = 8
 
 
@@ -233,8 +233,9 @@ def _need(d: Decision) -> str:
 GRANTED_AFTER = " (granted while this unit was known: not stopped for it)"
 
 
-def _listed(items: tuple[object, ...]) -> str:
-    """`1, 2, 3`, or the first LISTED_MAX and how many more."""
+def listed(items: tuple[object, ...]) -> str:
+    """`1, 2, 3`, or the first LISTED_MAX and how many more: the one way a line names what a
+    user can make many of (the journal keeps a line whole, however long)."""
     shown = ", ".join(str(i) for i in items[:LISTED_MAX])
     more = len(items) - LISTED_MAX
     return f"{shown} and {more} more" if more > 0 else shown
@@ -250,7 +251,7 @@ def _part(p: Part) -> str:
         held = f", held by {p.unit}, priority {p.priority}" if p.unit else ""
         held += GRANTED_AFTER if p.granted_after else ""
         if p.others:
-            whose = f" ({_listed(p.owners)})" if p.owners else ""
+            whose = f" ({listed(p.owners)})" if p.owners else ""
             held += f", {format_size(p.others)} used by processes of no holder{whose}"
         return f"GPU {gpu} has {format_size(max(p.free or 0, 0))} free after the reserve{held}"
     if p.kind is Blocker.STOPPING:
@@ -306,10 +307,10 @@ def render(d: Decision) -> str:
     if code is Code.PREEMPT:
         return f"preempting {who} for {_who(d.for_unit, d.for_priority)} on {format_gpus(d.gpus)}"
     if code is Code.YIELD:
-        whose = f"; {_listed(d.owners)}" if d.owners else ""
+        whose = f"; {listed(d.owners)}" if d.owners else ""
         return (
             f"yielding {format_gpus(d.gpus)}: stopping background {who} while a process "
-            f"gpuslice does not manage uses it (PID {_listed(d.pids)}{whose})"
+            f"gpuslice does not manage uses it (PID {listed(d.pids)}{whose})"
         )
     if code is Code.REQUEUE:
         if d.cause is Cause.QUEUES:
@@ -371,7 +372,7 @@ def render(d: Decision) -> str:
             "see its TimeoutStopSec= and ExecStop="
         )
     if code is Code.LOST_GPU:
-        held = ", ".join(d.units) if d.units else "no unit"
+        held = listed(d.units) if d.units else "no unit"
         return f"GPU {d.gpus[0] if d.gpus else -1} is lost; it was held by {held}"
     if code is Code.EXCEEDS_HOST:
         return (

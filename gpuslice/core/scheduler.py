@@ -2147,6 +2147,12 @@ class Scheduler:
         # read for annotated units alone (refill's order): kept for others, an entry stayed
         # for every unit ever seen down (each instance's name, which may never come again)
         self.out_since = {n: s for n, s in self.out_since.items() if n in self.specs}
+        # its refill is owed to a background unit alone: one whose annotation turned
+        # on-demand (a daemon-reload with another `Type=`) is owed nothing, and kept, it was
+        # saved until the next reboot. One whose annotation went is `_forget_unannotated`'s
+        self.stopped_by_shutdown = {
+            n for n in self.stopped_by_shutdown if n not in self.specs or self._kept_for_refill(n)
+        }
 
     def annotated(self) -> frozenset[str]:
         """The units with an annotation in force (plain units and known instances)."""
