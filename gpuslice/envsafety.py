@@ -24,20 +24,22 @@ or mount of any gated unit that replaces or hides what the gate runs or talks th
 (`GATE_PATHS`) is an error too: a user's files there would run as root, and a hidden bus or
 pipe holds the start for ever without a word.
 
-A file is root's alone when every component of its path, walked from / with symlinks followed
-(the link's directory, then its target's components), is owned by UID 0 and writable by no
-group but GID 0 (without an access ACL) and by no one else (a sticky world-writable directory
-such as /tmp included), on no FUSE file system a user mounted (it shows whatever owner
-its program likes) nor one whose kernel lets others write whatever it shows (`_UNCHECKED`),
-and at or under no mount point /etc/fstab lets users mount on (`user`: a USB stick of
-theirs), nor where such a mount point's own symlink leads (an fstab not read whole refuses
-every path). A file that does not exist is fine when the deepest directory that does is root's
-alone, so that only root can make it. A path under `USER_TREES` is refused whatever
-it holds, and nothing in it is looked at: users make files there, /home may not be mounted
-yet when systemd runs the generator at boot (its empty mount point looks like root's), and
-an automounted or network home that does not answer would hang the walk. Whatever cannot be
-checked (a specifier whose value is not known here, a relative path, a wildcard, a loop of
-symlinks, a FIFO, a path longer than systemd takes) is refused too, with the reason.
+A file is root's alone when every component of its path, walked from / with symlinks
+followed (the link's directory, then its target's components), is owned by UID 0 and
+writable by no group but GID 0 (without an access ACL) and by no one else (a sticky
+world-writable directory such as /tmp included), on no FUSE file system a user mounted (it
+shows whatever owner its program likes) nor one whose kernel lets others write whatever it
+shows (`_UNCHECKED`), and at or under no mount point /etc/fstab lets users mount on (`user`:
+a USB stick of theirs), nor where such a mount point's own symlink leads (an fstab not read
+whole refuses every path, as does a /proc/self/mountinfo that cannot be read or does not
+answer: a FUSE a user mounted would be taken for root's). A file that does not exist is fine
+when the deepest directory that does is root's alone, so that only root can make it. A path
+under `USER_TREES` is refused whatever it holds, and nothing in it is looked at: users make
+files there, /home may not be mounted yet when systemd runs the generator at boot (its empty
+mount point looks like root's), and an automounted or network home that does not answer
+would hang the walk. Whatever cannot be checked (a specifier whose value is not known here,
+a relative path, a wildcard, a loop of symlinks, a FIFO, a path longer than systemd takes)
+is refused too, with the reason.
 
 Paths are system paths, looked up under the scan's root (tests use a temporary directory, as
 `unitfiles.UnitIndex` does). Only lstat(2), readlink(2), getxattr(2) and, for a loader
@@ -325,13 +327,14 @@ FIX_DESTINATION = (
 FIX_ROOT = "until RootDirectoryStartOnly=yes (the gate then runs outside it)"
 FIX_IMAGES = "until it has none (gpuslice does not look into images)"
 FIX_FSTAB = f"until {FSTAB} can be read whole"
+FIX_MOUNTINFO = f"until {MOUNTINFO} can be read"
 
 
 # the refusals of a file someone but root can change (or that did not answer, its text not
 # known): one of a unit run as root too, where that someone could set `SKIPS_GATE` at any time
 _ANYONES = frozenset({FIX_OWNERS, FIX_TREE, FIX_ANSWER})
 # the fixes a walk's refusal keeps wherever it is met: no path named elsewhere fixes them
-_KEEP_FIX = (FIX_ANSWER, FIX_FSTAB)
+_KEEP_FIX = (FIX_ANSWER, FIX_FSTAB, FIX_MOUNTINFO)
 
 
 class Refusal(NamedTuple):
@@ -571,9 +574,9 @@ class _Caller:
 
 class _MountTable:
     """The mount points under a root (system paths, the root's own left out), read through
-    `caller` at the first use; None when the table cannot be read. The file stays open and
-    is polled before each use: the kernel flags it at each mount and unmount, and it is read
-    again."""
+    `caller` at the first use; None when the table cannot be read (`unknown` says why). The
+    file stays open and is polled before each use: the kernel flags it at each mount and
+    unmount, and it is read again."""
 
     def __init__(self, caller: _Caller, root: str) -> None:
         self._caller = caller
@@ -585,13 +588,17 @@ class _MountTable:
         self.users: dict[str, int] = {}
         # file systems whose kernel does not check what their files show (`_unchecked_mounts`)
         self.unchecked: dict[str, str] = {}
+        # why the table is not known, while `points` is None: a walk then cannot tell a FUSE
+        # file system a user mounted, or a cifs `noperm`, from root's own, and is refused
+        self.unknown: Refusal | None = None
 
     def points(self) -> set[str] | None:
         if self._poll is None:
             self._poll = select.poll()
             try:
                 self._fd = os.open(MOUNTINFO, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
+            except OSError as e:
+                self.unknown = _table_unread(_strerror(e))
                 return None
             self._poll.register(self._fd, select.POLLPRI)
             self._points = self._read()
@@ -600,14 +607,19 @@ class _MountTable:
         return self._points
 
     def _read(self) -> set[str] | None:
-        if _STUCK.under(MOUNTINFO) is not None:  # an earlier read has not returned
-            return None
-        try:
-            table = self._caller.call(_read_mount_table, MOUNTINFO, MOUNTINFO)
-        except OSError:
-            return None
+        # an earlier read that has not returned counts as this one's: no second thread stuck
+        table = None
+        if _STUCK.under(MOUNTINFO) is None:
+            try:
+                table = self._caller.call(_read_mount_table, MOUNTINFO, MOUNTINFO)
+            except OSError as e:
+                self.unknown = _table_unread(_strerror(e))
+                return None
         if table is None:
+            reason = f"{printable(MOUNTINFO)} did not answer within {DEADLINE:g} s as it was read"
+            self.unknown = Refusal(reason, FIX_ANSWER)
             return None
+        self.unknown = None
         self.users = _user_mounts(table, self._root)
         self.unchecked = _unchecked_mounts(table, self._root)
         return _mount_points(table, self._root) - {"/"}
@@ -1116,6 +1128,9 @@ class EnvFileChecker:
         someone but root can change it or a directory on the way (`_component`), or it is
         no regular file (unless `any_kind`)."""
         shown = printable(path)
+        unknown = self._mounts_unknown(shown)
+        if unknown is not None:  # asked first: nothing else is read then, FSTAB included
+            return unknown
         fstab = self._user_mount_points()
         if self._fstab_unknown is not None:
             unknown = self._fstab_unknown
@@ -1174,7 +1189,9 @@ class EnvFileChecker:
             # whatever the lstat answered (its program may say ENOENT for its own root), and
             # with the table polled again after it: a FUSE a user mounted between `_ask`'s
             # read and the lstat showed its program's owner there, and the table read none
-            self._mounts.points()
+            unknown = self._mounts_unknown(shown)
+            if unknown is not None:  # read again, it could not be: users' mounts not known
+                return unknown
             if here in self._mounts.users:
                 return Refusal(
                     f"{_subject(shown, here, via, not parts)} is a FUSE file system that UID "
@@ -1237,6 +1254,15 @@ class EnvFileChecker:
                 f"{_subject(shown, current, via, True)} is {kind}, not a regular file", FIX_PATH
             )
         return _Reached(current or "/", st)
+
+    def _mounts_unknown(self, shown: str) -> Refusal | None:
+        """Why the path `shown` is refused while the mount table cannot be read (polled
+        first), or None: without it, a FUSE file system a user mounted, or a cifs `noperm`,
+        would be taken for root's (fail closed, as for an `FSTAB` not read whole)."""
+        if self._mounts.points() is not None:
+            return None
+        unknown = self._mounts.unknown or _table_unread("not read")
+        return Refusal(f"{shown} cannot be checked: {unknown.reason}", unknown.fix)
 
     def _user_mount_points(self) -> frozenset[str]:
         """The mount points of `FSTAB` that users may mount on (`_fstab_points`), as written,
@@ -1360,6 +1386,16 @@ def _covered(destination: str) -> str | None:
 
 def _component_matches(name: str, want: str) -> bool:
     return name == want or (want.endswith("*") and name.startswith(want[:-1]))
+
+
+def _table_unread(why: str) -> Refusal:
+    """The refusal of every walk while `MOUNTINFO` cannot be read: a file system a user
+    mounted, or one whose kernel lets others write what it shows, would be taken for root's."""
+    reason = (
+        f"{printable(MOUNTINFO)} cannot be read ({why}): which file systems users mounted "
+        "is not known"
+    )
+    return Refusal(reason, FIX_MOUNTINFO)
 
 
 def _close(caller: _Caller, mounts: _MountTable) -> None:

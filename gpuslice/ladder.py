@@ -305,19 +305,31 @@ class Ladder:
         return await checkpoint.resume(tool, pids, s)
 
     def _still_its_own(self, unit: str, pids: Sequence[int]) -> list[int]:
-        """The PIDs a suspend checkpointed, less those another unit's processes have now.
-        One killed meanwhile (frozen processes die of SIGKILL; thawed by hand, they may
-        exit) frees its PID, and the host may give it to another unit's process: one locked
-        or checkpointed by its own suspend was restored or unlocked by this resume, beside
-        its own ladder's work (onto a GPU given away, or a frozen process whose restore
-        never returns). One whose unit cannot be told is kept: gone, the resume passes it
-        by; skipped while it was the unit's, it stayed checkpointed, its CUDA calls blocked
-        for good."""
+        """The PIDs a suspend checkpointed that are still the unit's processes. One killed
+        meanwhile (frozen processes die of SIGKILL; thawed by hand, they may exit) frees its
+        PID, and the host may give it to another unit's process: one locked or checkpointed
+        by its own suspend was restored or unlocked by this resume, beside its own ladder's
+        work (onto a GPU given away, or a frozen process whose restore never returns). One
+        whose unit cannot be told is left alone too: gone, there is nothing to resume; still
+        there, it may be a user's process in a delegated cgroup whose name forges the file
+        (a newline in it), and root would run cuda-checkpoint on it."""
         owners = {p: self.unit_of_pid(p) for p in pids}
         others = [p for p, owner in owners.items() if owner not in (unit, None)]
         if others:
             log.info("resuming %s: PIDs %s are other units' processes now", unit, others)
-        return [p for p in pids if p not in others]
+        unknown = [p for p, owner in owners.items() if owner is None]
+        # looked at after the cgroup: one that exits between the two reads counts as gone
+        there = [p for p in unknown if _exists(p)]
+        if there:
+            log.warning(
+                "resuming %s: the cgroup of PIDs %s cannot be read as its own: not resumed",
+                unit,
+                there,
+            )
+        gone = [p for p in unknown if p not in there]
+        if gone:
+            log.debug("resuming %s: PIDs %s are gone", unit, gone)
+        return [p for p in pids if owners[p] == unit]
 
     async def _recovered_pids(self, unit: str, tool: str, via_systemd: bool) -> list[int]:
         """After a controller restart: the processes of the unit that cuda-checkpoint knows
@@ -547,6 +559,11 @@ class _FreezerHung(CheckpointError):
 class _FreezerTransient(CheckpointError):
     """FreezeUnit or ThawUnit failed for an error that passes (gpuslice.systemd.is_transient):
     the same call may work a moment later."""
+
+
+def _exists(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether process `pid` is there (a zombie too)."""
+    return (proc / str(pid)).exists()
 
 
 def _reason(error: Exception, doing: str) -> str:

@@ -1663,25 +1663,40 @@ def test_a_readlink_or_getxattr_that_does_not_answer(root: Path, hang: Hang, cal
     assert len(hang.blocked) == 1
 
 
-def test_without_the_mount_table_only_what_is_under_the_call_is_refused_unasked(
-    root: Path, hang: Hang
-) -> None:
-    """Where the mount table cannot be read, every call is made on the worker, and one that
-    does not answer refuses what is under its own path without asking again, nothing else."""
+def test_without_the_mount_table_every_path_is_refused_unasked(root: Path, hang: Hang) -> None:
+    """Where the mount table cannot be opened, a walk cannot tell a FUSE file system a user
+    mounted (allow_other, no default_permissions: it shows root's 0644 over asr's own file)
+    or a cifs `noperm` from root's own: it took them for root's, and let asr's file set a
+    unit's loader. Every path is refused, naming the table, as for an fstab not read whole;
+    nothing is asked meanwhile (not even /, which does not answer here), and a later checker
+    that can read the table judges as ever."""
     put(root, "/etc/asr/ok.env")
-    for d in ("a", "b"):
-        (root / f"srv/nfs/{d}").mkdir(parents=True)
     hang.mounts(MISSING)
-    hang.at = (f"{NFS}/a", f"{NFS}/b")
-    checker = EnvFileChecker(root)
-    for i in range(20):
-        for d in ("a", "b"):
-            path = f"{NFS}/{d}/{i}.env"
-            assert checker.refusal("x.service", path) == Refusal(
-                no_answer(path, f"{NFS}/{d}").split(";")[0], envsafety.FIX_ANSWER
-            )
-    assert hang.blocked == [f"{NFS}/a", f"{NFS}/b"]
-    assert checker.refusal("x.service", "/etc/asr/ok.env") is None
+    checker = EnvFileChecker(root)  # its realpath of the root is made here, unhung
+    hang.at = ("/",)
+    table = envsafety.MOUNTINFO  # Hang's, never written
+    for path in ("/etc/asr/ok.env", f"{NFS}/a.env"):
+        assert checker.refusal("x.service", path) == Refusal(
+            f"{path} cannot be checked: {table} cannot be read (No such file or directory): "
+            "which file systems users mounted is not known",
+            envsafety.FIX_MOUNTINFO,
+        )
+    assert hang.blocked == []
+    hang.at = ()
+    hang.mounts()
+    assert EnvFileChecker(root).refusal("x.service", "/etc/asr/ok.env") is None
+
+
+def test_without_the_mount_table_a_unit_s_own_user_is_told_why(root: Path, hang: Hang) -> None:
+    """The finding names the table and what fixes it; one run as root is left alone, as for
+    an fstab that cannot be read (`_ANYONES`)."""
+    put(root, "/etc/asr/ok.env")
+    install(root, "ok.service", "User=asr", "EnvironmentFile=/etc/asr/ok.env")
+    install(root, "mine.service", "EnvironmentFile=/etc/asr/ok.env")
+    hang.mounts(MISSING)
+    [error] = errors(root, "ok.service")
+    assert envsafety.MOUNTINFO in error and envsafety.FIX_MOUNTINFO in error
+    assert errors(root, "mine.service") == []
 
 
 def test_calls_on_the_roots_file_system_are_made_directly_others_on_the_worker(
@@ -2193,15 +2208,52 @@ def test_the_mount_table_is_read_once_until_the_kernel_flags_it(
     assert fd is not None and fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
 
 
-def test_a_mount_table_that_does_not_answer_is_no_table(
+def test_a_mount_table_that_cannot_be_read_again_refuses_the_walk_under_way(
+    root: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read at the first walk, then flagged by the kernel (a mount made) as a walk goes on,
+    and not read again: the users' mounts as last read were trusted, the new one unseen.
+    The walk under way is refused at the directory it polled at, and every later one."""
+    put(root, "/etc/asr/a.env")
+    put(root, "/etc/asr/b/c.env")
+    hang.mounts()
+    checker = EnvFileChecker(root)
+    assert checker.refusal("x.service", "/etc/asr/a.env") is None
+    flags = [False, True]  # the walk's first poll, then the one after /etc's lstat
+
+    def failing(path: str) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(envsafety, "_read_mount_table", failing)
+    monkeypatch.setattr(envsafety._MountTable, "changed", lambda self: flags and flags.pop(0))
+    for path in ("/etc/asr/b/c.env", "/etc/asr/a2.env"):
+        assert checker.refusal("x.service", path) == Refusal(
+            f"{path} cannot be checked: {envsafety.MOUNTINFO} cannot be read (Input/output "
+            "error): which file systems users mounted is not known",
+            envsafety.FIX_MOUNTINFO,
+        )
+    assert not flags
+
+
+def test_a_mount_table_that_does_not_answer_refuses_every_path(
     root: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """/proc does not hang, but the read of the table goes through the worker too: one that
-    did not answer leaves the walk as without a table (every call on the worker)."""
+    did not answer leaves the users' mounts unknown, and every path is refused (it was
+    walked as without a table, a FUSE file system a user mounted taken for root's)."""
     put(root, "/etc/asr/a.env")
     hang.mounts(NFS)
     monkeypatch.setattr(envsafety, "_read_mount_table", lambda path: hang_for(hang))
-    assert EnvFileChecker(root).refusal("x.service", "/etc/asr/a.env") is None
+    assert EnvFileChecker(root).refusal("x.service", "/etc/asr/a.env") == table_unanswered(
+        "/etc/asr/a.env"
+    )
+
+
+def table_unanswered(path: str) -> Refusal:
+    return Refusal(
+        f"{path} cannot be checked: {envsafety.MOUNTINFO} did not answer within 1 s as it was read",
+        envsafety.FIX_ANSWER,
+    )
 
 
 def hang_for(hang: Hang) -> bytes:
@@ -2218,21 +2270,6 @@ def test_a_mount_point_is_a_whole_path_component() -> None:
 def test_a_short_line_does_not_end_the_mount_table() -> None:
     table = b"22 1 8:1 / / rw - ext4 /dev/sda1 rw\nshort\n40 22 0:50 / /srv/nfs rw - nfs4 x rw\n"
     assert envsafety._mount_points(table, "") == {"/", "/srv/nfs"}
-
-
-def test_a_root_that_does_not_answer_is_named(root: Path, hang: Hang) -> None:
-    """Without a mount table every call goes to the worker, the root's own lstat too: one
-    that does not answer refuses the path naming /."""
-    put(root, "/etc/asr/a.env")
-    hang.mounts(MISSING)
-    checker = EnvFileChecker(root)  # its realpath of the root is made here, unhung
-    hang.at = ("/",)
-    refusal = checker.refusal("x.service", "/etc/asr/a.env")
-    assert refusal == Refusal(
-        "/etc/asr/a.env cannot be checked: / did not answer within 1 s (a network file system "
-        "not answering?)",
-        envsafety.FIX_ANSWER,
-    )
 
 
 def test_a_mount_that_does_not_answer_keeps_one_stuck_thread_however_many_scans(
@@ -2271,31 +2308,12 @@ def test_a_mount_that_does_not_answer_keeps_one_stuck_thread_however_many_scans(
     assert {f"{NFS}/a.env", f"{nas}/a.env"} <= set(hang.blocked[2:])  # asked again, answered
 
 
-def test_without_the_mount_table_a_stuck_call_refuses_what_is_under_its_path_at_later_scans(
-    root: Path, hang: Hang
-) -> None:
-    """Where the mount table cannot be read, a stuck call is remembered under its own path:
-    later scans refuse what is under it without a call, and ask elsewhere as ever."""
-    put(root, "/etc/asr/ok.env")
-    (root / "srv/nfs/a").mkdir(parents=True)
-    hang.mounts(MISSING)
-    hang.at = (f"{NFS}/a",)
-    for _ in range(3):
-        checker = EnvFileChecker(root)
-        path = f"{NFS}/a/x.env"
-        assert checker.refusal("x.service", path) == Refusal(
-            no_answer(path, f"{NFS}/a").split(";")[0], envsafety.FIX_ANSWER
-        )
-        assert checker.refusal("x.service", "/etc/asr/ok.env") is None
-    assert hang.blocked == [f"{NFS}/a"]
-
-
 def test_a_mount_table_read_that_does_not_answer_is_not_read_again_until_it_returns(
     root: Path, hang: Hang, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The read of the table goes through the worker too: a later scan does not leave a
-    second thread stuck on it, it goes without a table; once it returns, the table is read
-    again."""
+    second thread stuck on it, it refuses every path at once (the users' mounts not known);
+    once it returns, the table is read again."""
     put(root, "/etc/asr/a.env")
     hang.mounts(NFS)
     reads: list[str] = []
@@ -2309,7 +2327,7 @@ def test_a_mount_table_read_that_does_not_answer_is_not_read_again_until_it_retu
     monkeypatch.setattr(envsafety, "_read_mount_table", hung)
     for _ in range(3):
         checker = EnvFileChecker(root)
-        assert checker.refusal("x.service", "/etc/asr/a.env") is None
+        assert checker.refusal("x.service", "/etc/asr/a.env") == table_unanswered("/etc/asr/a.env")
         assert checker._mounts.points() is None
     assert len(reads) == 1
     hang.release()

@@ -313,14 +313,42 @@ def test_a_resume_leaves_alone_a_pid_another_unit_s_process_has_now(host: Host) 
     memory back on a GPU given away, or a frozen process whose restore never returns."""
     a, b = host.job("1G"), host.job("1G")
     run(host.ladder.suspend(UNIT))
-    # b's cgroup is another unit's now; a's cannot be read (kept: the resume passes by a
-    # process that is gone, and leaves none of its own checkpointed)
-    host.ladder.unit_of_pid = {a: None, b: "other.service"}.get
+    # b's cgroup is another unit's now; a's is still its own
+    host.ladder.unit_of_pid = {a: UNIT, b: "other.service"}.get
     run(host.ladder.resume(UNIT))
     event, _, words = host.said()[-1]
     assert (event, UNIT) == ("resumed", UNIT) and " s: restored in " in words
     assert host.bed.holds(a) and host.bed.state_of(a) == "running"
     assert not host.bed.holds(b) and host.bed.state_of(b) == "checkpointed"
+
+
+def test_a_resume_leaves_alone_a_pid_whose_cgroup_cannot_be_read_as_its_own(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """a was killed while vlm.service was suspended, and the host gave its PID to a user's
+    process in a delegated cgroup whose name holds a newline: its /proc/PID/cgroup then
+    parses as no unit's, and the PID was kept, so root ran cuda-checkpoint on the user's
+    process (here: a itself, its cgroup unreadable). A PID still there whose cgroup is not
+    the unit's is left alone, with a warning; one that is gone is passed by, said at debug
+    level."""
+    a, b = host.job("1G"), host.job("1G")
+    run(host.ladder.suspend(UNIT))
+    gone = 4194305  # past the kernel's largest pid_max: never a process
+    suspension = host.ladder.suspensions[UNIT]
+    host.ladder.suspensions[UNIT] = dataclasses.replace(suspension, pids=(*suspension.pids, gone))
+    host.ladder.unit_of_pid = {b: UNIT}.get
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        run(host.ladder.resume(UNIT))
+    event, _, words = host.said()[-1]
+    assert (event, UNIT) == ("resumed", UNIT) and " s: restored in " in words
+    assert not host.bed.holds(a) and host.bed.state_of(a) == "checkpointed"
+    assert host.bed.holds(b) and host.bed.state_of(b) == "running"
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert (
+        logging.WARNING,
+        f"resuming {UNIT}: the cgroup of PIDs [{a}] cannot be read as its own: not resumed",
+    ) in said
+    assert (logging.DEBUG, f"resuming {UNIT}: PIDs [{gone}] are gone") in said
 
 
 def test_two_suspends_at_once_count_each_other_s_memory(
