@@ -24,22 +24,23 @@ or mount of any gated unit that replaces or hides what the gate runs or talks th
 (`GATE_PATHS`) is an error too: a user's files there would run as root, and a hidden bus or
 pipe holds the start for ever without a word.
 
-A file is root's alone when every component of its path, walked from / with symlinks
-followed (the link's directory, then its target's components), is owned by UID 0 and
-writable by no group but GID 0 (without an access ACL) and by no one else (a sticky
-world-writable directory such as /tmp included), on no FUSE file system a user mounted (it
-shows whatever owner its program likes) nor one whose kernel lets others write whatever it
-shows (`_UNCHECKED`), and at or under no mount point /etc/fstab lets users mount on (`user`:
-a USB stick of theirs), nor where such a mount point's own symlink leads (an fstab not read
-whole refuses every path, as does a /proc/self/mountinfo that cannot be read or does not
-answer: a FUSE a user mounted would be taken for root's). A file that does not exist is fine
-when the deepest directory that does is root's alone, so that only root can make it. A path
-under `USER_TREES` is refused whatever it holds, and nothing in it is looked at: users make
-files there, /home may not be mounted yet when systemd runs the generator at boot (its empty
-mount point looks like root's), and an automounted or network home that does not answer
-would hang the walk. Whatever cannot be checked (a specifier whose value is not known here,
-a relative path, a wildcard, a loop of symlinks, a FIFO, a path longer than systemd takes)
-is refused too, with the reason.
+A file is root's alone when every component of its path, walked from / with symlinks followed
+(the link's directory, then its target's components), is owned by UID 0 and writable by no
+group but GID 0 (without an access ACL) and by no one else (a sticky world-writable directory
+such as /tmp included), on no FUSE file system a user mounted (it shows whatever owner
+its program likes) nor one whose kernel lets others write whatever it shows (`_UNCHECKED`),
+and at or under no mount point /etc/fstab lets users mount on (`user`: a USB stick of
+theirs), nor where such a mount point's own symlink leads (an fstab not read whole refuses
+every path, as do a user mount point someone but root may put a symlink on the way to and a
+/proc/self/mountinfo that cannot be read or does not answer: a FUSE a user mounted would be
+taken for root's). A
+file that does not exist is fine when the deepest directory that does is root's alone, so
+that only root can make it. A path under `USER_TREES` is refused whatever
+it holds, and nothing in it is looked at: users make files there, /home may not be mounted
+yet when systemd runs the generator at boot (its empty mount point looks like root's), and
+an automounted or network home that does not answer would hang the walk. Whatever cannot be
+checked (a specifier whose value is not known here, a relative path, a wildcard, a loop of
+symlinks, a FIFO, a path longer than systemd takes) is refused too, with the reason.
 
 Paths are system paths, looked up under the scan's root (tests use a temporary directory, as
 `unitfiles.UnitIndex` does). Only lstat(2), readlink(2), getxattr(2) and, for a loader
@@ -217,6 +218,7 @@ GATE_USES = (
     "the controller"
 )
 _MOUNTINFO_MANGLED = re.compile(rb"\\([0-7]{3})")  # the kernel writes " \t\n\\" as \ooo
+_FSTAB_BLANKS = re.compile(rb"[ \t]+")  # what separates fstab's fields, as for libmount
 
 
 class Assignment(NamedTuple):
@@ -328,13 +330,18 @@ FIX_ROOT = "until RootDirectoryStartOnly=yes (the gate then runs outside it)"
 FIX_IMAGES = "until it has none (gpuslice does not look into images)"
 FIX_FSTAB = f"until {FSTAB} can be read whole"
 FIX_MOUNTINFO = f"until {MOUNTINFO} can be read"
+FIX_USER_POINT = (
+    f"until each mount point {FSTAB} lets users mount on is in a directory only root can change"
+)
 
 
-# the refusals of a file someone but root can change (or that did not answer, its text not
-# known): one of a unit run as root too, where that someone could set `SKIPS_GATE` at any time
-_ANYONES = frozenset({FIX_OWNERS, FIX_TREE, FIX_ANSWER})
+# the refusals of a file someone but root can change (or that did not answer, or with FSTAB
+# not read whole or a user mount point someone may redirect, where users may mount unknown:
+# its text not known): one of a unit run as
+# root too, where that someone could set `SKIPS_GATE` at any time
+_ANYONES = frozenset({FIX_OWNERS, FIX_TREE, FIX_ANSWER, FIX_FSTAB, FIX_MOUNTINFO, FIX_USER_POINT})
 # the fixes a walk's refusal keeps wherever it is met: no path named elsewhere fixes them
-_KEEP_FIX = (FIX_ANSWER, FIX_FSTAB, FIX_MOUNTINFO)
+_KEEP_FIX = (FIX_ANSWER, FIX_FSTAB, FIX_MOUNTINFO, FIX_USER_POINT)
 
 
 class Refusal(NamedTuple):
@@ -435,6 +442,19 @@ def expand(unit: str, value: str) -> tuple[str, None] | tuple[None, str]:
                 "(it knows %n %N %p %P %i %I %j %J %t %S %C %L %E %T %V %%)"
             )
     return "".join(out), None
+
+
+def _is_pattern(path: str) -> bool:
+    """Whether systemd reads the absolute path `path` as a glob pattern."""
+    return path.startswith("/") and any(c in path for c in _WILDCARDS)
+
+
+def _pattern_base(path: str) -> str:
+    """The directory of `path` (a glob pattern) that every file it matches is under: its
+    components before the first with a wildcard."""
+    parts = path.split("/")
+    first = next(i for i, part in enumerate(parts) if any(c in part for c in _WILDCARDS))
+    return "/".join(parts[:first]) or "/"
 
 
 def _user_tree(path: str) -> str | None:
@@ -685,8 +705,13 @@ class EnvFileChecker:
         # the environment files found root's alone, in order: (assignment, path, text)
         texts: list[tuple[Assignment, str, str]] = []
         for env_file in run_as.env_files:
+            said = other  # whatever the refusal, or only one of `_ANYONES`
             try:
                 path, refusal = self._env_file(unit, env_file.value)
+                if refusal is not None and not other and path and _is_pattern(path):
+                    # a root unit's pattern, not read: said where something under where it
+                    # starts is not root's alone, who could add a file it matches
+                    said = self._tree(_pattern_base(path)) is not None
                 if path is not None and refusal is None:
                     text = self._env_text(path)
                     if isinstance(text, Refusal):
@@ -696,7 +721,7 @@ class EnvFileChecker:
             except Exception as e:  # belt and braces: no file may crash a scan
                 quoted = printable(env_file.value, 200)
                 refusal = Refusal(f"{quoted} cannot be checked ({type(e).__name__})", FIX_PATH)
-            if refusal is not None and (other or refusal.fix in _ANYONES):
+            if refusal is not None and (said or refusal.fix in _ANYONES):
                 findings.append(Finding(env_file.path, env_file.line, _message(unit, refusal)))
         spots = [("Environment", a) for a in run_as.environment]
         spots += [("EnvironmentFile", a) for a in run_as.env_files]
@@ -1123,10 +1148,11 @@ class EnvFileChecker:
         reached = self._resolve(path, False)
         return reached if isinstance(reached, Refusal) else None
 
-    def _resolve(self, path: str, any_kind: bool) -> Refusal | _Reached:
+    def _resolve(self, path: str, any_kind: bool, trees: bool = True) -> Refusal | _Reached:
         """Where `path` leads, walked from / with symlinks followed, or why it is refused:
-        someone but root can change it or a directory on the way (`_component`), or it is
-        no regular file (unless `any_kind`)."""
+        someone but root can change it or a directory on the way (`_component`), it is
+        under `USER_TREES` (unless not `trees`: walked there too), or it is no regular file
+        (unless `any_kind`)."""
         shown = printable(path)
         unknown = self._mounts_unknown(shown)
         if unknown is not None:  # asked first: nothing else is read then, FSTAB included
@@ -1138,7 +1164,7 @@ class EnvFileChecker:
         # refused whatever it holds, so nothing in a user tree is looked at: an lstat there
         # may go through an automounted or network home that does not answer, and hang the
         # generator (and the scans) on it
-        tree = _user_tree(os.path.normpath(path))
+        tree = _user_tree(os.path.normpath(path)) if trees else None
         if tree is not None:
             return _in_user_tree(shown, tree, "")
         root = self._lstat("/")
@@ -1174,7 +1200,7 @@ class EnvFileChecker:
                 continue
             here = f"{current}/{part}"
             # the walk goes through every directory above: meeting the tree itself is enough
-            if here in USER_TREES:
+            if trees and here in USER_TREES:
                 return _in_user_tree(shown, here, here)
             if here in fstab:
                 return Refusal(
@@ -1271,7 +1297,8 @@ class EnvFileChecker:
         point something is mounted on is not looked at: a network file system there may not
         answer), read once per scan; none when there is no `FSTAB`. One that cannot be read
         whole leaves `_fstab_unknown` set: every walk is refused (a user mount point past
-        the cut, or in a file not read, would have been taken for none)."""
+        the cut, or in a file not read, would have been taken for none); so does a point
+        someone but root may put a symlink on the way to (they could make it lead anywhere)."""
         if self._fstab is None:
             self._fstab = frozenset()  # the walks of their directories below see none
             answer = self._ask(_read_head, FSTAB)
@@ -1292,20 +1319,31 @@ class EnvFileChecker:
                 written = _fstab_points(answer)
             found = set(written)
             points = self._mounts.points() or set()
-            for point in written:
+            for point in sorted(written):
+                # mount(8) follows the point's symlinks as a user mounts, and the entry matches
+                # where they lead then: one someone but root may put on the way (its directory,
+                # or where its own symlink leads, not root's alone: /home/asr/usb) leads the
+                # stick anywhere. Walked in user trees too: /media/cdrom0 is Debian's default
                 head, _, name = point.rpartition("/")
-                reached = self._resolve(head or "/", True)
-                if not isinstance(reached, _Reached):
-                    continue
-                real = f"{reached.real.rstrip('/')}/{name}"
-                found.add(real)
-                if real in points:
-                    continue  # a file system's root, no symlink
-                st = self._lstat(real)
-                if isinstance(st, os.stat_result) and stat.S_ISLNK(st.st_mode):
-                    target = self._resolve(real, True)
-                    if isinstance(target, _Reached):
-                        found.add(target.real)
+                reached = self._resolve(head or "/", True, trees=False)
+                if isinstance(reached, _Reached):
+                    real = f"{reached.real.rstrip('/')}/{name}"
+                    found.add(real)
+                    if real in points:
+                        continue  # a file system's root, no symlink
+                    st = self._lstat(real)
+                    if isinstance(st, os.stat_result) and stat.S_ISLNK(st.st_mode):
+                        reached = self._resolve(real, True, trees=False)
+                        if isinstance(reached, _Reached):
+                            found.add(reached.real)
+                if isinstance(reached, Refusal) and self._fstab_unknown is None:
+                    reason = (
+                        f"{FSTAB} lets users mount on {printable(point)}, where a symlink "
+                        f"someone but root may put on its way leads as they mount: "
+                        f"{reached.reason}"
+                    )
+                    fix = FIX_ANSWER if reached.fix == FIX_ANSWER else FIX_USER_POINT
+                    self._fstab_unknown = Refusal(reason, fix)
             self._fstab = frozenset(found)
             # those walks saw no mount point of fstab's: a directory they found root's alone
             # may be one (/srv/usb, the directory of /srv/usb/part2), and a walk that started
@@ -1418,26 +1456,34 @@ def _fstab_points(text: bytes) -> frozenset[str]:
     lets users mount: one of `USER_MOUNTS` among their options."""
     found: set[str] = set()
     for line in text.split(b"\n"):
-        fields = line.split()
+        # libmount's fields end at a space or a tab alone (a form feed is part of one), and
+        # a \r before the newline goes
+        line = line[:-1] if line.endswith(b"\r") else line
+        fields = _FSTAB_BLANKS.split(line.strip(b" \t"))
         if len(fields) < 4 or fields[0].startswith(b"#"):
             continue
         allowed: dict[bytes, bool] = {}
         # libmount's flags: each option sets its own, its `no` form clears it, the last wins
-        # (`user,nouser`: no user mount; `nouser,user`: one); a comma in "..." splits nothing
-        for option in re.findall(rb'(?:[^,"]|"[^"]*"?)+', fields[3]):
+        # (`user,nouser`: no user mount; `nouser,user`: one); a comma in "..." splits nothing,
+        # one written \054 does (the field is unmangled first, as the mount point)
+        for option in re.findall(rb'(?:[^,"]|"[^"]*"?)+', _fstab_unmangled(fields[3])):
             if option in USER_MOUNTS:
                 allowed[option] = True
             elif option.startswith(b"no") and option[2:] in USER_MOUNTS:
                 allowed[option[2:]] = False
         if not any(allowed.values()):
             continue
-        point = os.fsdecode(
-            _MOUNTINFO_MANGLED.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), fields[1])
-        )
-        point = point.partition("\0")[0]  # libmount's C string ends at an unmangled \000
+        point = os.fsdecode(_fstab_unmangled(fields[1]))
         if point.startswith("/"):
             found.add(os.path.normpath("/" + point.lstrip("/")))
     return frozenset(found)
+
+
+def _fstab_unmangled(field: bytes) -> bytes:
+    """An fstab field with its `\\ooo` escapes undone, as libmount's unmangle, up to the first
+    NUL: libmount's C string ends at an unmangled \\000."""
+    field = _MOUNTINFO_MANGLED.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), field)
+    return field.partition(b"\0")[0]
 
 
 def _read_mount_table(path: str) -> bytes:

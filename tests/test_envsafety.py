@@ -1275,6 +1275,30 @@ def test_a_unit_run_as_root_whose_environment_skips_the_gate_is_not_managed(root
     ]
 
 
+def test_a_root_units_wildcard_environment_file_where_a_user_makes_files_is_refused(
+    root: Path,
+) -> None:
+    """systemd reads every file a pattern matches: asr, who owns /srv/asr, could add
+    /srv/asr/x.env with LD_TRACE_LOADED_OBJECTS=1 after the scan, and a unit run as root was
+    managed with the pattern neither read nor refused. One whose directory is root's alone,
+    however deep, matches only root's files: still managed."""
+    put(root, "/srv/asr/job.env", uid=ASR)
+    (root / "srv/asr").chmod(0o755)
+    os.chown(root / "srv/asr", ASR, ASR)
+    put(root, "/etc/job/a/job.env")
+    install(root, "users.service", "EnvironmentFile=-/srv/asr/*.env")
+    install(root, "deep.service", "EnvironmentFile=/srv/*/job.env")
+    install(root, "roots.service", "EnvironmentFile=/etc/job/*/job.env")
+    assert errors(root, "users.service") == [
+        f"{ETC}/users.service:4: [Service] EnvironmentFile: -/srv/asr/*.env cannot be checked: "
+        "systemd reads it as a wildcard pattern (*, ?, [ or \\), which gpuslice does not "
+        f"expand; name each file; {GATE} users.service until it names, by an absolute path, a "
+        "file only root can change"
+    ]
+    assert len(errors(root, "deep.service")) == 1
+    assert errors(root, "roots.service") == []
+
+
 def test_exported_shell_functions_never_reach_the_gate() -> None:
     """bash, /bin/sh on Fedora, RHEL and Arch, imports BASH_FUNC_NAME%%= as a function, which
     overrides the gate's dbus-send; systemd drops such names from Environment= and
@@ -1688,15 +1712,17 @@ def test_without_the_mount_table_every_path_is_refused_unasked(root: Path, hang:
 
 
 def test_without_the_mount_table_a_unit_s_own_user_is_told_why(root: Path, hang: Hang) -> None:
-    """The finding names the table and what fixes it; one run as root is left alone, as for
-    an fstab that cannot be read (`_ANYONES`)."""
+    """The finding names the table and what fixes it, for one run as root too, as for an
+    fstab that cannot be read (`_ANYONES`): its file may be on a FUSE a user mounted, and
+    could set what skips the gate."""
     put(root, "/etc/asr/ok.env")
     install(root, "ok.service", "User=asr", "EnvironmentFile=/etc/asr/ok.env")
     install(root, "mine.service", "EnvironmentFile=/etc/asr/ok.env")
     hang.mounts(MISSING)
     [error] = errors(root, "ok.service")
     assert envsafety.MOUNTINFO in error and envsafety.FIX_MOUNTINFO in error
-    assert errors(root, "mine.service") == []
+    [error] = errors(root, "mine.service")
+    assert envsafety.MOUNTINFO in error and envsafety.FIX_MOUNTINFO in error
 
 
 def test_calls_on_the_roots_file_system_are_made_directly_others_on_the_worker(
@@ -2039,6 +2065,43 @@ def test_an_fstab_mount_point_that_is_a_symlink_counts_where_it_leads(root: Path
     assert errors(root, "other.service") == []
 
 
+def test_an_fstab_mount_point_a_user_can_redirect_refuses_every_walk(root: Path) -> None:
+    """mount(8) follows the symlinks of a user's mount point as they mount, and the fstab
+    entry matches where it leads then: asr, who owns /srv/asr, made /srv/asr/usb a symlink to
+    /etc/job after the scan and mounted a stick of theirs on it. Where a user mount point's
+    directory, or the way its root's symlink leads, is not root's alone, every path is
+    refused; /media/cdrom0 (Debian's default fstab, /media root's) changes nothing."""
+    put(root, "/etc/job/job.env")
+    install(root, "job.service", "User=asr", "EnvironmentFile=/etc/job/job.env")
+    install(root, "rootjob.service", "EnvironmentFile=/etc/job/job.env")
+    (root / "srv/asr").mkdir(parents=True)
+    os.chown(root / "srv/asr", ASR, ASR)
+    (root / "home/asr").mkdir(parents=True)
+    os.chown(root / "home/asr", ASR, ASR)
+    (root / "media/cdrom0").mkdir(parents=True)
+    link(root, "/mnt/stick", "/srv/asr/stick")
+    fstab = "/dev/sr0 /media/cdrom0 udf,iso9660 user,noauto 0 0\n"
+    put(root, "/etc/fstab", fstab)
+    assert errors(root, "job.service") == []
+    for point, cause in (
+        ("/srv/asr/usb", "mount: /srv/asr is owned by UID 1000, who can change it;"),
+        ("/home/asr/usb", "mount: /home/asr is owned by UID 1000, who can change it;"),
+        ("/mnt/stick", "mount: /mnt/stick: /srv/asr, reached through the symlink /mnt/stick, is"),
+    ):
+        put(root, "/etc/fstab", fstab + f"/dev/sdb1 {point} auto noauto,user 0 0\n")
+        for name in ("job.service", "rootjob.service"):
+            [error] = errors(root, name)
+            assert (
+                f"/etc/job/job.env cannot be checked: /etc/fstab lets users mount on {point}, "
+                "where a symlink someone but root may put on its way leads as they mount: "
+            ) in error, error
+            assert cause in error, error
+            assert error.endswith(
+                "until each mount point /etc/fstab lets users mount on is in a directory only "
+                "root can change"
+            )
+
+
 def test_an_fstab_entrys_last_user_option_wins() -> None:
     """libmount sets each of user, users, owner and group's flag and clears it at its `no`
     form, the last winning: `user,nouser` is no user mount (it was taken for one), while
@@ -2054,6 +2117,32 @@ def test_an_fstab_entrys_last_user_option_wins() -> None:
         b"/dev/sdg /mnt/g auto group,nogroup,,noowner 0 0\n"
     )
     assert envsafety._fstab_points(text) == {"/mnt/b", "/mnt/d", "/mnt/e", "/mnt/f"}
+
+
+def test_an_fstab_entrys_options_are_unmangled_as_libmount_does() -> None:
+    """libmount undoes `\\ooo` in every field of fstab, the options too, before it splits them
+    at commas: `\\165ser` is `user`, `\\054` a comma between two options, and an unmangled
+    `\\000` ends the string there. Read as written, each was no user mount."""
+    text = (
+        b"/dev/sda /mnt/a auto \\165ser 0 0\n"
+        b"/dev/sdb /mnt/b auto noauto\\054users 0 0\n"
+        b"/dev/sdc /mnt/c auto user\\000,nouser 0 0\n"
+        b"/dev/sdd /mnt/d auto user\\054nouser 0 0\n"
+    )
+    assert envsafety._fstab_points(text) == {"/mnt/a", "/mnt/b", "/mnt/c"}
+
+
+def test_an_fstab_entrys_fields_are_split_at_blanks_and_tabs_alone() -> None:
+    """libmount splits a line of fstab at spaces and tabs, nothing else (a `\\r` before its
+    newline dropped): a form feed is part of the options `noauto\\f,user`, one user mount,
+    and a vertical tab part of the mount point. Split at any whitespace, the options read
+    `noauto` alone, and the point `/mnt/b`."""
+    text = (
+        b"/dev/sda /mnt/a auto noauto\x0c,user 0 0\n"
+        b"/dev/sdb /mnt/b\x0bc auto user 0 0\n"
+        b"/dev/sdc\t /mnt/d auto user\r\n"
+    )
+    assert envsafety._fstab_points(text) == {"/mnt/a", "/mnt/b\x0bc", "/mnt/d"}
 
 
 def test_an_fstab_not_read_whole_refuses_every_walk(
@@ -2077,6 +2166,25 @@ def test_an_fstab_not_read_whole_refuses_every_walk(
     [error] = errors(root, "usb.service")
     assert "/mnt/usb/job.env cannot be checked: /etc/fstab cannot be read: not a regular" in error
     fstab.rmdir()
+    assert errors(root, "usb.service") == []
+
+
+def test_an_fstab_not_read_whole_refuses_a_root_units_environment_file(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where users may mount is unknown, /mnt/usb/job.env may be on asr's stick, who could set
+    LD_TRACE_LOADED_OBJECTS=1 there after the scan: a unit run as root was managed with that
+    file neither read nor refused, its start let through ungated without a word."""
+    monkeypatch.setattr(envsafety, "MAX_ENV_FILE", 100)
+    put(root, "/etc/fstab", "#" * 99 + "\n/dev/sdb1 /mnt/usb auto noauto,user 0 0\n")
+    put(root, "/mnt/usb/job.env")
+    install(root, "usb.service", "EnvironmentFile=/mnt/usb/job.env")
+    assert errors(root, "usb.service") == [
+        f"{ETC}/usb.service:4: [Service] EnvironmentFile: /mnt/usb/job.env cannot be checked: "
+        f"/etc/fstab is larger than 100 bytes; {GATE} usb.service until /etc/fstab can be "
+        "read whole"
+    ]
+    (root / "etc/fstab").unlink()
     assert errors(root, "usb.service") == []
 
 
