@@ -19,7 +19,7 @@ import pytest
 from gpuslice import controller as controller_module
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Log, Outcome, SavedState, Scheduler
-from tests.core_builders import BG, brief, spec
+from tests.core_builders import BG, brief, sized, spec
 from tests.test_controller import (
     Bed,
     at_gate,
@@ -522,6 +522,81 @@ def test_a_background_instance_the_shutdown_stopped_is_dormant_after_the_reboot(
     fresh.load(fresh.ended_with_boot(saved))
     assert brief(fresh.schedule()) == []
     assert fresh.forget_instance(embed.name)
+
+
+def refilled_after_a_cancel(requeue: bool) -> tuple[Scheduler, str]:
+    """embed@a.service (background, `Requeue=` as told) ran, the host's shutdown stopped it,
+    and the shutdown's cancel refilled it: its start is sent, not yet at its gate."""
+    s = Scheduler([Gpu(0)], {})
+    embed = spec("embed@a", 90, BG, requeue=requeue)
+    s.request(embed)
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.SHUTDOWN)
+    assert brief(s.set_shutting_down(False)) == [f"start {embed.name}"]
+    return s, embed.name
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+@pytest.mark.parametrize("requeue", [True, False])
+def test_a_cancels_refill_that_did_not_reach_systemd_is_refills_again(
+    requeue: bool, restarted: bool
+) -> None:
+    """Its StartUnit did not reach systemd (start_failed): a refill, not a comeback, so
+    refill sends it again once the delay is over, as a plain background unit's. Kept
+    preempted, with `Requeue=no` it never started again and was saved until the reboot;
+    with `Requeue=yes` it came back preempting, which no refill does. The same where the
+    controller restarted meanwhile and sent the lost start again (`start_lost`)."""
+    s, embed = refilled_after_a_cancel(requeue)
+    if restarted:
+        saved = s.save()
+        s = Scheduler([Gpu(0)], {})
+        s.set_specs({embed: spec("embed@a", 90, BG, requeue=requeue)})
+        s.load(saved)
+        assert brief(s.start_lost(embed)) == [f"start {embed}"]
+    s.start_failed(embed, "systemd is re-executing")
+    assert s.preempted == {}
+    assert s.stopped_by_shutdown == {embed}  # kept: its call's failed answer forgets nothing
+    assert not s.forget_instance(embed)
+    assert brief(s.retry_start(embed)) == [f"start {embed}"]
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+@pytest.mark.parametrize("outcome", [Outcome.SHUTDOWN, Outcome.FAILED])
+def test_a_cancels_refill_cut_short_by_another_shutdown_is_kept_for_refill(
+    requeue: bool, outcome: Outcome
+) -> None:
+    """A second shutdown stops it before it ran (its gate killed: failed, 143): kept for the
+    next cancel's refill as after the first, not preempted (a comeback `Requeue=no` never
+    made), and dormant after the reboot as any instance the shutdown stopped, whose refill
+    was under way when the controller went down."""
+    s, embed = refilled_after_a_cancel(requeue)
+    saved = s.save()
+    s.set_shutting_down(True)
+    s.inactive(embed, outcome)
+    assert s.preempted == {} and s.failed == set()
+    assert s.stopped_by_shutdown == {embed}
+    assert brief(s.set_shutting_down(False)) == [f"start {embed}"]
+    fresh = Scheduler([Gpu(0)], {})
+    fresh.set_specs({embed: spec("embed@a", 90, BG, requeue=requeue)})
+    assert fresh.ended_with_boot(saved).preempted == {}
+
+
+def test_a_cancels_refill_frozen_once_it_ran_is_owed_its_comeback() -> None:
+    """Its refill ran (the name is kept until its next down), then it was frozen for a more
+    urgent unit: the shutdown that ends it cut preempted work, owed after the reboot as any
+    frozen unit's; only a refill's start that did not happen is refill's again."""
+    s = Scheduler([sized(0)], {})
+    embed = spec("embed@a", 90, BG, mem_gib=8, preempt="freeze stop")
+    s.request(embed)
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.SHUTDOWN)
+    assert brief(s.set_shutting_down(False)) == [f"start {embed.name}"]
+    assert brief(s.request(embed)) == [f"grant {embed.name} 0"]
+    voice = spec("voice", 10, mem_gib=8)
+    assert brief(s.request(voice))[-1] == f"freeze {embed.name}"
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.FAILED)  # 143 on the shutdown's SIGTERM
+    assert embed.name in s.preempted and s.stopped_by_shutdown == set()
 
 
 def test_a_background_instance_the_shutdown_stopped_is_forgotten_with_its_annotation() -> None:

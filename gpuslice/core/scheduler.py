@@ -594,6 +594,7 @@ class Scheduler:
         self.unstoppable.discard(name)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
+        refilled = self._refill_owed(name)  # before it goes (a refill's start: `ours`)
         self.stopped_by_shutdown.discard(name)  # said of a down before
         self.thaw_owed.discard(name)  # systemd thaws a unit before it stops it
         self.start_retries.pop(name, None)
@@ -610,13 +611,20 @@ class Scheduler:
         if suspended and outcome is Outcome.EXITED:
             outcome = Outcome.STOPPED
         # preempted (frozen, suspended, or being suspended or resumed), or its comeback
-        # under way: owed a comeback should the shutdown end it
+        # under way: owed a comeback should the shutdown end it. A cancel's refill of an
+        # instance the shutdown stopped is no comeback: kept for refill again, below
+        start_owed = ours and name in self.specs and _owed_its_start(self.specs[name])
         owed = (
             suspended
             or (holder is not None and holder.phase in PREEMPTED_IN_PLACE)
-            or (ours and name in self.specs and _owed_its_start(self.specs[name]))
+            or (start_owed and not refilled)
         )
-        if outcome is Outcome.FAILED and self.shutting_down and owed and not by_itself:
+        if (
+            outcome is Outcome.FAILED
+            and self.shutting_down
+            and (owed or start_owed)
+            and not by_itself
+        ):
             # the shutdown's SIGTERM ended it and its main process exited non-zero (143, or 1
             # from its own handler), which systemd records as failed: its work went with the
             # boot all the same. Recorded failed, a new boot cleared it and it was lost
@@ -673,6 +681,15 @@ class Scheduler:
         if name not in self.specs:
             self._forget_end(name)
         return actions + self.schedule()
+
+    def _refill_owed(self, name: str) -> bool:
+        """A background instance the shutdown stopped (kept until its next down, also once
+        refilled): a start of ours of it is the cancel's refill, and one that did not happen
+        (cut short by another shutdown, or not reaching systemd) is refill's to send again,
+        as a plain background unit's. Taken for a comeback, it was kept preempted: with
+        `Requeue=no` never started again, nor forgotten (saved until the reboot); with
+        `Requeue=yes` it came back preempting, which no refill does."""
+        return name in self.stopped_by_shutdown and self._kept_for_refill(name)
 
     def _kept_for_refill(self, name: str) -> bool:
         """A background instance: one the host's shutdown stopped is kept, not forgotten
@@ -811,8 +828,8 @@ class Scheduler:
         not a refusal (those are `inactive` FAILED). Taken for failed, a preempted unit was
         never brought back: its work was lost without a word. It is owed as before the
         start, its GPUs released: a plain background unit is idle again (refill or a
-        requeue brings it back), any other is preempted again (only a requeue started it;
-        an instance, refilled, would be forgotten at its down or dormant once learnt again).
+        requeue brings it back), and so is an instance the shutdown stopped (its refill:
+        `_refill_owed`); any other is preempted again (only a requeue started it).
         Nothing starts it until the adapter's delay is over (`retry_start`): at once, the
         same failure would be sent again in a tight loop while the bus fails. [] when the
         start is no longer ours and unanswered: its gate asked (it reached systemd after
@@ -832,7 +849,7 @@ class Scheduler:
             return []
         self.started.discard(name)
         self.requeued.discard(name)
-        if name in self.specs and _owed_its_start(self.specs[name]):
+        if name in self.specs and _owed_its_start(self.specs[name]) and not self._refill_owed(name):
             self.preempted[name] = self._next()
         said = name in self.start_retries
         self.start_retries[name] = True
@@ -2307,9 +2324,11 @@ class Scheduler:
         } - self.recorded()
         self.started |= {n for n in self.requeued if self.phase(n) is None}
         self.wait_failed = {n for n in saved.wait_failed if n in self.preempted}
+        # one whose refill was under way (ours, STARTING) keeps its name, as it did before
+        # the restart: a start of it that does not happen is refill's again (`_refill_owed`)
         self.stopped_by_shutdown = {
             n for n in saved.stopped_by_shutdown if self._kept_for_refill(n)
-        } - (self.holders.keys() | self.suspended.keys() | self.recorded())
+        } - ((self.holders.keys() - self.started) | self.suspended.keys() | self.recorded())
         self.dormant -= self.stopped_by_shutdown  # someone started them before the shutdown
         return self._forget_unannotated({})
 
@@ -2330,7 +2349,9 @@ class Scheduler:
             spec = self.specs.get(name)
             if spec is None:
                 continue  # one no longer annotated is owed nothing
+            # a refill of one the shutdown stopped is none: dormant, as that one (`_refill_owed`)
             comeback = Phase(phase) is Phase.STARTING and name in saved.started
+            comeback = comeback and name not in saved.stopped_by_shutdown
             if (
                 (comeback and _owed_its_start(spec))
                 or Phase(phase) in PREEMPTED_IN_PLACE
