@@ -19,7 +19,9 @@ they exit 0 at once, the gate passed without asking (`SKIPS_GATE`), and
 checked for `SKIPS_GATE` alone (its environment files read where they are root's alone, and
 one someone else can change refused: they could set one at any time): its own processes
 already load what those paths name, as root (and write where they say, as root), but a gate
-that exits 0 unasked let it run ungated without a word. A root directory
+that exits 0 unasked let it run ungated without a word; a root template's file that an
+instance's name, chosen by whoever starts it, can lead elsewhere is refused too
+(`EnvFileChecker._by_instance`). A root directory
 or mount of any gated unit that replaces or hides what the gate runs or talks through
 (`GATE_PATHS`) is an error too: a user's files there would run as root, and a hidden bus or
 pipe holds the start for ever without a word.
@@ -31,7 +33,8 @@ such as /tmp included), on no FUSE file system a user mounted (it shows whatever
 its program likes) nor one whose kernel lets others write whatever it shows (`_UNCHECKED`),
 and at or under no mount point /etc/fstab lets users mount on (`user`: a USB stick of
 theirs), nor where such a mount point's own symlink leads (an fstab not read whole refuses
-every path, as do a user mount point someone but root may put a symlink on the way to and a
+every path, as do a user mount point someone but root may put a symlink on the way to, one
+under another (a symlink on the stick mounted there leads it anywhere) and a
 /proc/self/mountinfo that cannot be read or does not answer: a FUSE a user mounted would be
 taken for root's). A
 file that does not exist is fine when the deepest directory that does is root's alone, so
@@ -333,6 +336,10 @@ FIX_MOUNTINFO = f"until {MOUNTINFO} can be read"
 FIX_USER_POINT = (
     f"until each mount point {FSTAB} lets users mount on is in a directory only root can change"
 )
+FIX_INSTANCE = (
+    "until an instance's name can only name a file in a directory only root can change (%i in "
+    "the file's name, as /etc/job/%i.env; not %I)"
+)
 
 
 # the refusals of a file someone but root can change (or that did not answer, or with FSTAB
@@ -442,6 +449,23 @@ def expand(unit: str, value: str) -> tuple[str, None] | tuple[None, str]:
                 "(it knows %n %N %p %P %i %I %j %J %t %S %C %L %E %T %V %%)"
             )
     return "".join(out), None
+
+
+def _specifiers(value: str) -> set[str]:
+    """The specifiers `value` holds, as `expand` reads them (`%%` is none)."""
+    return set(re.findall(r"%(.)", value, re.DOTALL)) - {"%"}
+
+
+def _varies(part: str) -> bool:
+    """Whether the path component `part` differs by instance (the name stands as a NUL in it:
+    `EnvFileChecker._by_instance`) or holds a wildcard."""
+    return "\0" in part or any(c in part for c in _WILDCARDS)
+
+
+def _may_be_up(part: str) -> bool:
+    """Whether the path component `part` (as `_varies`) may be `..`: an instance's name (`.`,
+    `..`, or `\\.\\.`, which glob(3) reads as `..`) and dots alone, or a wildcard."""
+    return not part.replace("\0", "").strip(".") or any(c in part for c in _WILDCARDS)
 
 
 def _is_pattern(path: str) -> bool:
@@ -708,7 +732,9 @@ class EnvFileChecker:
             said = other  # whatever the refusal, or only one of `_ANYONES`
             try:
                 path, refusal = self._env_file(unit, env_file.value)
-                if refusal is not None and not other and path and _is_pattern(path):
+                if refusal is not None and not other and path is None and is_template(unit):
+                    said, refusal = self._by_instance(unit, env_file.value, refusal)
+                elif refusal is not None and not other and path and _is_pattern(path):
                     # a root unit's pattern, not read: said where something under where it
                     # starts is not root's alone, who could add a file it matches
                     said = self._tree(_pattern_base(path)) is not None
@@ -721,6 +747,7 @@ class EnvFileChecker:
             except Exception as e:  # belt and braces: no file may crash a scan
                 quoted = printable(env_file.value, 200)
                 refusal = Refusal(f"{quoted} cannot be checked ({type(e).__name__})", FIX_PATH)
+                said = True  # a root unit's too: whose file it reads is not known
             if refusal is not None and (said or refusal.fix in _ANYONES):
                 findings.append(Finding(env_file.path, env_file.line, _message(unit, refusal)))
         spots = [("Environment", a) for a in run_as.environment]
@@ -775,6 +802,48 @@ class EnvFileChecker:
         if path not in self._verdicts:
             self._verdicts[path] = self._walk(path)
         return self._verdicts[path]
+
+    def _by_instance(self, unit: str, value: str, refusal: Refusal) -> tuple[bool, Refusal]:
+        """Whether the refusal of the EnvironmentFile= `value` of the template `unit`, run as
+        root, is said (its specifiers not all known: `refusal`), and why. Whoever may start an
+        instance (polkit can let others than root) names it: a file that depends on its name
+        is said where that name can lead it out of the directory written before it, or where
+        something under that directory is not root's alone (they could name a file someone
+        else made there). %I (the name unescaped: `-` is `/`) can name any file. %i, %n and %N
+        hold no `/`, but %i may be `.` or `..`: a directory after it that may be `..`
+        (`_may_be_up`) walks out; the file itself never does (`..` is a directory, which
+        systemd cannot read). %P and %J are the template's own name, known. Another specifier
+        not known (root's own %h) is not said, as before."""
+        bare = value[1:] if value.startswith("-") else value
+        quoted = printable(value, 200)
+        at = unit.find("@")
+        if "I" in _specifiers(bare):
+            reason = (
+                f"{quoted} cannot be checked: %I is the instance's name unescaped, which whoever "
+                f"starts an instance of {printable(unit)} chooses: a `-` in it is a `/` "
+                f"({printable(unit[:at])}@..-..-home-x.service: ../../home/x), so it can name "
+                "any file"
+            )
+            return True, Refusal(reason, FIX_INSTANCE)
+        # the instance's name stands as a NUL, which no unit file's value holds
+        path, _ = expand(f"{unit[: at + 1]}\0{unit[at + 1 :]}", bare)
+        if path is None or not path.startswith("/") or "\0" in bare:
+            return False, refusal
+        parts = path.split("/")
+        # the directory every file it may name is under, as for a pattern: the components
+        # before the first that the name (or a wildcard) makes; a directory after it that may
+        # be `..` leads out of it
+        first = next((i for i, part in enumerate(parts) if _varies(part)), len(parts))
+        base = "/".join(parts[:first]) or "/"
+        if any(_may_be_up(part) for part in parts[first:-1]):
+            reason = (
+                f"{quoted} cannot be checked: %i is the instance's name, which whoever starts "
+                f"an instance of {printable(unit)} chooses: it may be `.` or `..` "
+                f"({printable(unit[:at])}@...service), and the path then leads out of "
+                f"{printable(base)}"
+            )
+            return True, Refusal(reason, FIX_INSTANCE)
+        return self._tree(base) is not None, refusal
 
     def _env_text(self, path: str) -> str | Refusal | None:
         """The text of the environment file at `path` (found root's alone), None when it is
@@ -1317,26 +1386,37 @@ class EnvFileChecker:
                 self._fstab_unknown = Refusal(reason, FIX_FSTAB)
             elif isinstance(answer, bytes):
                 written = _fstab_points(answer)
-            found = set(written)
-            points = self._mounts.points() or set()
+            # where each point lands, walked with no user mount point known; then walked again
+            # with the others' known (none of them may be on its way either)
+            lands: dict[str, set[str]] = {}
             for point in sorted(written):
+                landed = self._lands(point, frozenset())
+                lands[point] = landed if isinstance(landed, set) else set()
+            found = set(written).union(*lands.values())
+            for point, own in lands.items():
+                if self._fstab_unknown is not None:
+                    break
                 # mount(8) follows the point's symlinks as a user mounts, and the entry matches
                 # where they lead then: one someone but root may put on the way (its directory,
-                # or where its own symlink leads, not root's alone: /home/asr/usb) leads the
-                # stick anywhere. Walked in user trees too: /media/cdrom0 is Debian's default
-                head, _, name = point.rpartition("/")
-                reached = self._resolve(head or "/", True, trees=False)
-                if isinstance(reached, _Reached):
-                    real = f"{reached.real.rstrip('/')}/{name}"
-                    found.add(real)
-                    if real in points:
-                        continue  # a file system's root, no symlink
-                    st = self._lstat(real)
-                    if isinstance(st, os.stat_result) and stat.S_ISLNK(st.st_mode):
-                        reached = self._resolve(real, True, trees=False)
-                        if isinstance(reached, _Reached):
-                            found.add(reached.real)
-                if isinstance(reached, Refusal) and self._fstab_unknown is None:
+                # or where its own symlink leads, not root's alone: /home/asr/usb), or another
+                # user mount point (/srv/usb, on the way to /srv/usb/part2: a symlink part2 on
+                # the stick mounted there), leads the stick anywhere. Walked in user trees too:
+                # /media/cdrom0 is Debian's default
+                others = frozenset(found - own - {point})
+                # under another as written too (the walk stops where a directory is missing,
+                # which root may make later: /srv/usb/a of /srv/usb/a/b, /srv/usb not there)
+                under = [(at, o) for at in sorted(own | {point}) if (o := _mount_of(at, others))]
+                reached: set[str] | Refusal
+                if under:
+                    at, outer = under[0]
+                    reached = Refusal(
+                        f"{printable(at)}: its directory {printable(outer)} is where {FSTAB} "
+                        "lets users mount a file system of theirs",
+                        FIX_USER_POINT,
+                    )
+                else:
+                    reached = self._lands(point, others)
+                if isinstance(reached, Refusal):
                     reason = (
                         f"{FSTAB} lets users mount on {printable(point)}, where a symlink "
                         f"someone but root may put on its way leads as they mount: "
@@ -1345,11 +1425,32 @@ class EnvFileChecker:
                     fix = FIX_ANSWER if reached.fix == FIX_ANSWER else FIX_USER_POINT
                     self._fstab_unknown = Refusal(reason, fix)
             self._fstab = frozenset(found)
-            # those walks saw no mount point of fstab's: a directory they found root's alone
-            # may be one (/srv/usb, the directory of /srv/usb/part2), and a walk that started
-            # there went past it
+            # those walks saw no mount point of fstab's, or not all: a directory they found
+            # root's alone may be one (/opt/job, where the symlink /srv/usb leads), and a walk
+            # that started there went past it
             self._safe_dirs.clear()
         return self._fstab
+
+    def _lands(self, point: str, others: frozenset[str]) -> set[str] | Refusal:
+        """Where a file system mounted on the `FSTAB` mount point `point` lands (its path with
+        its directory's symlinks followed and, where it is a symlink, where that leads), the
+        walks taking `others` for the user mount points; or why a walk was refused."""
+        self._fstab = others
+        self._safe_dirs.clear()  # found root's alone with other points known, or none
+        head, _, name = point.rpartition("/")
+        reached = self._resolve(head or "/", True, trees=False)
+        if isinstance(reached, Refusal):
+            return reached
+        real = f"{reached.real.rstrip('/')}/{name}"
+        if real in (self._mounts.points() or set()):
+            return {real}  # a file system's root, no symlink
+        st = self._lstat(real)
+        if isinstance(st, os.stat_result) and stat.S_ISLNK(st.st_mode):
+            target = self._resolve(real, True, trees=False)
+            if isinstance(target, Refusal):
+                return target
+            return {real, target.real}
+        return {real}
 
     def _component(
         self, shown: str, here: str, st: os.stat_result, via: str, last: bool
@@ -1441,7 +1542,7 @@ def _close(caller: _Caller, mounts: _MountTable) -> None:
     mounts.close()
 
 
-def _mount_of(path: str, points: set[str]) -> str | None:
+def _mount_of(path: str, points: set[str] | frozenset[str]) -> str | None:
     """The deepest of `points` that is `path` or a directory above it, or None."""
     while path != "/":
         if path in points:

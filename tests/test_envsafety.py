@@ -594,15 +594,20 @@ def test_a_failure_of_the_walk_is_a_refusal_not_an_exception(
         raise RecursionError
 
     """Whatever the walk raises is a refusal naming the exception, the value cut at 200
-    characters as in every other refusal."""
+    characters as in every other refusal; for a unit run as root too (a root template's
+    check of where its instances may lead it raised: taken for root's own, unsaid)."""
     value = "/etc/asr/" + "a" * 250
     install(root, "x.service", "User=asr", f"EnvironmentFile={value}")
+    install(root, "r@.service", "EnvironmentFile=/etc/asr/%i.env")
     monkeypatch.setattr(EnvFileChecker, "_walk", boom)
+    monkeypatch.setattr(EnvFileChecker, "_tree", boom)
     assert errors(root, "x.service") == [
         f"{ETC}/x.service:5: [Service] EnvironmentFile: {value[:200]}... cannot be checked "
         f"(RecursionError); {GATE} x.service until it names, by an absolute path, a file only "
         "root can change"
     ]
+    [error] = errors(root, "r@.service")
+    assert "/etc/asr/%i.env cannot be checked (RecursionError)" in error
 
 
 def test_a_failure_of_the_loader_or_mount_checks_is_a_refusal_not_an_exception(
@@ -1297,6 +1302,65 @@ def test_a_root_units_wildcard_environment_file_where_a_user_makes_files_is_refu
     ]
     assert len(errors(root, "deep.service")) == 1
     assert errors(root, "roots.service") == []
+
+
+def test_a_root_templates_instance_in_its_environment_file_may_not_lead_it_anywhere(
+    root: Path,
+) -> None:
+    """Whoever may start an instance (polkit can let others than root) names it: %I unescapes
+    `-` to `/`, so job@..-..-home-asr-x.service read /home/asr/x.env, asr's, for a template run
+    as root that was managed unread (SKIPS_GATE there: its start let through ungated). %i
+    holds no `/` but may be `.` or `..` (job@...service): a directory of %i's alone, or of
+    dots and %i, walks out (/etc/job/%i/x.env: /etc/x.env). %P and %J are the template's own
+    name, walked as written; %%I is no specifier."""
+    for directory in ("/etc/job", "/etc/openvpn", "/etc/default", "/etc/job/a.d"):
+        put(root, f"{directory}/a.env")
+    (root / "srv/asr").mkdir(parents=True)
+    os.chown(root / "srv/asr", ASR, ASR)
+    fine = (
+        "/etc/job/%i.env",
+        "-/etc/openvpn/%i.conf",
+        "/etc/default/%i",
+        "%E/job/%n.env",
+        "/etc/job/%i.d/a.env",
+        "/etc/job/%%I.env",
+        "/etc/%J/%p.env",
+    )
+    for i, value in enumerate(fine):
+        install(root, f"fine{i}-job@.service", f"EnvironmentFile={value}")
+        assert errors(root, f"fine{i}-job@.service") == [], value
+    refused = (
+        ("/etc/job/%I.env", "%I"),
+        ("-%E/job/%I", "%I"),
+        ("/etc/job/%i/x.env", ".."),
+        ("/etc/job/.%i./x.env", ".."),
+        ("/etc/job/%i*/x.env", ".."),
+        ("/etc/job/%i.d/../../asr/x.env", ".."),
+        ("/srv/asr/%i.env", "depends"),
+    )
+    for i, (value, why) in enumerate(refused):
+        install(root, f"bad{i}@.service", f"EnvironmentFile={value}")
+        [error] = errors(root, f"bad{i}@.service")
+        assert error.startswith(f"{ETC}/bad{i}@.service:4: [Service] EnvironmentFile: {value}")
+        assert why in error, error
+    [error] = errors(root, "bad0@.service")
+    assert error == (
+        f"{ETC}/bad0@.service:4: [Service] EnvironmentFile: /etc/job/%I.env cannot be checked: "
+        "%I is the instance's name unescaped, which whoever starts an instance of bad0@.service "
+        "chooses: a `-` in it is a `/` (bad0@..-..-home-x.service: ../../home/x), so it can "
+        f"name any file; {GATE} bad0@.service {envsafety.FIX_INSTANCE}"
+    )
+    [error] = errors(root, "bad2@.service")
+    assert error == (
+        f"{ETC}/bad2@.service:4: [Service] EnvironmentFile: /etc/job/%i/x.env cannot be "
+        "checked: %i is the instance's name, which whoever starts an instance of bad2@.service "
+        "chooses: it may be `.` or `..` (bad2@...service), and the path then leads out of "
+        f"/etc/job; {GATE} bad2@.service {envsafety.FIX_INSTANCE}"
+    )
+    # an instance whose name is known is walked as it is named, as before
+    put(root, f"{ETC}/bad0@a.service.d/x.conf", "[Unit]\n")
+    put(root, "/etc/job/a.env")
+    assert errors(root, "bad0@a.service") == []
 
 
 def test_exported_shell_functions_never_reach_the_gate() -> None:
@@ -2032,7 +2096,9 @@ def test_an_fstab_entry_under_another_is_no_way_around_it(root: Path) -> None:
     """The directories of fstab's user mount points are walked before those points are known
     (as the scan's first walk starts): /srv/usb, the directory of /srv/usb/part2, was then
     remembered as root's alone, and a later walk to /srv/usb/job.env started there, past
-    /srv/usb, which asr may mount a USB stick on."""
+    /srv/usb, which asr may mount a USB stick on. /srv/usb/part2, under another user mount
+    point, is now one a user can redirect (a symlink part2 on their stick): every path is
+    refused, /srv/usb/job.env too, with what fixes it."""
     put(
         root,
         "/etc/fstab",
@@ -2043,6 +2109,50 @@ def test_an_fstab_entry_under_another_is_no_way_around_it(root: Path) -> None:
     install(root, "usb.service", "User=asr", "EnvironmentFile=/srv/usb/job.env")
     [error] = errors(root, "usb.service")
     assert "/srv/usb is where /etc/fstab lets users mount a file system of theirs" in error
+    assert "/etc/fstab lets users mount on /srv/usb/part2, where a symlink" in error
+    assert error.endswith(envsafety.FIX_USER_POINT)
+
+
+def test_an_fstab_mount_point_under_another_refuses_every_walk(root: Path) -> None:
+    """asr mounts a stick of theirs on /srv/usb holding the symlink part2 -> /etc/asr, then
+    `mount /srv/usb/part2`: mount(8) follows it as asr, the second entry matches, and the
+    second device lands on /etc/asr, whose files were taken for root's. A point under where
+    another's symlink leads (/srv/link -> /opt/stick, and /opt/stick/part2), one whose own
+    symlink leads through another (/srv/x -> usb/deep/part3, /srv/usb/deep -> /opt/deep today)
+    or one under another whose directories are not there yet (/srv/none/a/b) is the same;
+    /srv/usb2 beside /srv/usb is no nesting."""
+    put(root, "/etc/asr/job.env")
+    install(root, "job.service", "User=asr", "EnvironmentFile=/etc/asr/job.env")
+    install(root, "rootjob.service", "EnvironmentFile=/etc/asr/job.env")
+    (root / "srv/usb").mkdir(parents=True)
+    (root / "srv/usb2").mkdir(parents=True)
+    (root / "opt/stick").mkdir(parents=True)
+    (root / "opt/deep").mkdir(parents=True)
+    link(root, "/srv/usb/deep", "/opt/deep")
+    link(root, "/srv/link", "/opt/stick")
+    link(root, "/srv/x", "usb/deep/part3")
+    beside = "/dev/sdb1 /srv/usb auto noauto,user 0 0\n/dev/sdc1 /srv/usb2 auto noauto,user 0 0\n"
+    put(root, "/etc/fstab", beside)
+    assert errors(root, "job.service") == []
+    for outer, inner in (
+        ("/srv/usb", "/srv/usb/part2"),
+        ("/srv/link", "/opt/stick/part2"),
+        ("/srv/usb", "/srv/x"),
+        ("/srv/none/a", "/srv/none/a/b"),
+    ):
+        put(
+            root,
+            "/etc/fstab",
+            f"/dev/sdb1 {outer} auto noauto,user 0 0\n/dev/sdb2 {inner} auto noauto,users 0 0\n",
+        )
+        for name in ("job.service", "rootjob.service"):
+            [error] = errors(root, name)
+            assert (
+                f"/etc/asr/job.env cannot be checked: /etc/fstab lets users mount on {inner}, "
+                "where a symlink someone but root may put on its way leads as they mount: "
+            ) in error, error
+            assert "is where /etc/fstab lets users mount a file system of theirs" in error
+            assert error.endswith(envsafety.FIX_USER_POINT), error
 
 
 def test_an_fstab_mount_point_that_is_a_symlink_counts_where_it_leads(root: Path) -> None:
