@@ -21,7 +21,8 @@ one someone else can change refused: they could set one at any time): its own pr
 already load what those paths name, as root (and write where they say, as root), but a gate
 that exits 0 unasked let it run ungated without a word; a root template's file that an
 instance's name, chosen by whoever starts it, can lead elsewhere is refused too
-(`EnvFileChecker._by_instance`). A root directory
+(`EnvFileChecker._by_instance`), as is a word of its environment not worked out that may
+set one (`_may_skip`). A root directory
 or mount of any gated unit that replaces or hides what the gate runs or talks through
 (`GATE_PATHS`) is an error too: a user's files there would run as root, and a hidden bus or
 pipe holds the start for ever without a word.
@@ -463,9 +464,77 @@ def _varies(part: str) -> bool:
 
 
 def _may_be_up(part: str) -> bool:
-    """Whether the path component `part` (as `_varies`) may be `..`: an instance's name (`.`,
-    `..`, or `\\.\\.`, which glob(3) reads as `..`) and dots alone, or a wildcard."""
-    return not part.replace("\0", "").strip(".") or any(c in part for c in _WILDCARDS)
+    """Whether the path component `part` (as `_varies`) may be `..` as glob(3) reads it (no
+    GLOB_PERIOD): an instance's name (a NUL in it: `.`, `..` or `\\.\\.`, chosen by whoever
+    starts it) with dots, or a wildcard that matches `..`: `.*`, `.?`, `.[.]` (glibc's glob
+    lists `.` and `..`; systemd's safe_glob skips them, an older systemd's glob(3) did not) and
+    `\\.\\.` (no wildcard: unescaped and used as it is, `..`, by both). A leading dot is
+    matched by a dot alone (`*`, `?`, `[.]` match none there)."""
+    pattern: list[str] = []
+    i = 0
+    while i < len(part):
+        c = part[i]
+        i += 1
+        if c == "\0":
+            pattern.append(".*")  # any name: a `\\` it ends with only makes the next literal
+        elif c == "\\" and i < len(part):
+            pattern.append(re.escape(part[i]))
+            i += 1
+        elif c in "*?[" and i == 1:
+            return False  # no leading dot
+        elif c == "*":
+            pattern.append(".*")
+        elif c == "?":
+            pattern.append(".")
+        elif c == "[" and (end := _bracket_end(part, i)) is not None:
+            pattern.append(".")  # whatever it holds: one character, a dot maybe
+            i = end
+        else:
+            pattern.append(re.escape(c))
+    return re.fullmatch("".join(pattern), "..", re.DOTALL) is not None
+
+
+def _bracket_end(part: str, start: int) -> int | None:
+    """Where the bracket expression whose `[` is before `start` in `part` ends (past its
+    `]`), or None when it has none (the `[` is then itself, as for fnmatch(3)): a `]` first,
+    or after `!` or `^`, is one of its characters."""
+    i = start + 1 if part[start : start + 1] in ("!", "^") else start
+    i += 1 if part[i : i + 1] == "]" else 0
+    end = part.find("]", i)
+    return None if end < 0 else end + 1
+
+
+def _may_skip(unit: str, word: str) -> str | None:
+    """Why the `Environment=` word `word` of `unit`, its specifiers not all worked out, may
+    have the gate exit 0 unasked (`SKIPS_GATE`) whoever it runs as, or None. Its name not
+    worked out may be any of them (`%i=1`: b@LD_TRACE_LOADED_OBJECTS.service); one that
+    skips whatever its value does so (`LD_TRACE_LOADED_OBJECTS=%h`); one that skips with a
+    word of its value (`LD_DEBUG`, `SHELLOPTS`) may have it from the instance's name, which
+    whoever starts an instance chooses (`LD_DEBUG=%i`: a@help.service; polkit can let others
+    than root start one). Another specifier not known is the unit's own (root's %h)."""
+    i = 0
+    while i < len(word) and word[i] != "=":
+        i += 2 if word[i] == "%" else 1  # `%=` is a specifier, no `=`
+    name, value = word[:i], word[i + 1 :]
+    text, why = expand(unit, name)
+    if text is None:
+        return (
+            f"its name is not worked out ({why}), and may be one with which the gate's "
+            f"programs exit 0 at once ({', '.join(SKIPS_GATE)})"
+        )
+    if text not in SKIPS_GATE:
+        return None
+    if not SKIPS_GATE[text][0]:
+        return f"{_SKIPS_HOW[text]}, and its value is not worked out ({expand(unit, value)[1]})"
+    by_instance = _specifiers(value) & set(_BY_INSTANCE)
+    if not by_instance or not is_template(unit):
+        return None
+    spec = sorted(by_instance)[0]
+    return (
+        f"%{spec} is the instance's name, or holds it, which whoever starts an instance of "
+        f"{printable(unit)} chooses, and {_SKIPS_HOW[text]} where one of its words is "
+        f"{' or '.join(sorted(SKIPS_GATE[text][0]))}"
+    )
 
 
 def _is_pattern(path: str) -> bool:
@@ -473,12 +542,15 @@ def _is_pattern(path: str) -> bool:
     return path.startswith("/") and any(c in path for c in _WILDCARDS)
 
 
-def _pattern_base(path: str) -> str:
-    """The directory of `path` (a glob pattern) that every file it matches is under: its
-    components before the first with a wildcard."""
+def _leads_out(path: str) -> tuple[str, bool]:
+    """The directory every file the system path `path` may name is under (an instance's name
+    a NUL in it, or a glob pattern): its components before the first that the name (or a
+    wildcard) makes; and whether a directory after it may be `..` (`_may_be_up`), which
+    leads out of it (the file itself never does: `..` is a directory, which systemd cannot
+    read)."""
     parts = path.split("/")
-    first = next(i for i, part in enumerate(parts) if any(c in part for c in _WILDCARDS))
-    return "/".join(parts[:first]) or "/"
+    first = next((i for i, part in enumerate(parts) if _varies(part)), len(parts))
+    return "/".join(parts[:first]) or "/", any(_may_be_up(part) for part in parts[first:-1])
 
 
 def _user_tree(path: str) -> str | None:
@@ -505,6 +577,9 @@ class _Value(NamedTuple):
     assignment: Assignment
     file: str
     unknown: str
+    # a value not worked out that may have the gate exit 0 unasked (`_may_skip`): refused in
+    # a unit run as root too
+    skips: bool = False
 
 
 class _Unanswered(NamedTuple):
@@ -735,9 +810,10 @@ class EnvFileChecker:
                 if refusal is not None and not other and path is None and is_template(unit):
                     said, refusal = self._by_instance(unit, env_file.value, refusal)
                 elif refusal is not None and not other and path and _is_pattern(path):
-                    # a root unit's pattern, not read: said where something under where it
-                    # starts is not root's alone, who could add a file it matches
-                    said = self._tree(_pattern_base(path)) is not None
+                    # a root unit's pattern, not read: said where a directory of it may be
+                    # `..`, or where something under where it starts is not root's alone, who
+                    # could add a file it matches
+                    said, refusal = self._by_pattern(env_file.value, path, refusal)
                 if path is not None and refusal is None:
                     text = self._env_text(path)
                     if isinstance(text, Refusal):
@@ -829,13 +905,8 @@ class EnvFileChecker:
         path, _ = expand(f"{unit[: at + 1]}\0{unit[at + 1 :]}", bare)
         if path is None or not path.startswith("/") or "\0" in bare:
             return False, refusal
-        parts = path.split("/")
-        # the directory every file it may name is under, as for a pattern: the components
-        # before the first that the name (or a wildcard) makes; a directory after it that may
-        # be `..` leads out of it
-        first = next((i for i, part in enumerate(parts) if _varies(part)), len(parts))
-        base = "/".join(parts[:first]) or "/"
-        if any(_may_be_up(part) for part in parts[first:-1]):
+        base, out = _leads_out(path)
+        if out:
             reason = (
                 f"{quoted} cannot be checked: %i is the instance's name, which whoever starts "
                 f"an instance of {printable(unit)} chooses: it may be `.` or `..` "
@@ -843,6 +914,22 @@ class EnvFileChecker:
                 f"{printable(base)}"
             )
             return True, Refusal(reason, FIX_INSTANCE)
+        return self._tree(base) is not None, refusal
+
+    def _by_pattern(self, value: str, path: str, refusal: Refusal) -> tuple[bool, Refusal]:
+        """Whether the refusal of the EnvironmentFile= `value` of a unit run as root, the
+        pattern `path` (`refusal`: not read), is said, and why: where a directory of it may be
+        `..` as systemd globs it (`/etc/job/.*/asr/x.env` matches `/etc/job/../asr/x.env`),
+        it leads out of the directory before its first wildcard, anywhere; else where
+        something under that directory is not root's alone."""
+        base, out = _leads_out(path)
+        if out:
+            reason = (
+                f"{printable(value, 200)} cannot be checked: systemd reads it as a wildcard "
+                "pattern, and a directory of it may be `..` as glob(3) reads it (`.*` matches "
+                f"`..`), so it leads out of {printable(base)}"
+            )
+            return True, Refusal(reason, FIX_PATH)
         return self._tree(base) is not None, refusal
 
     def _env_text(self, path: str) -> str | Refusal | None:
@@ -906,7 +993,11 @@ class EnvFileChecker:
                     if name in _WATCHED or "%" in name:
                         # systemd knows what gpuslice cannot tell: a LD_* of any value, maybe
                         reason = f"{printable(word, 200)} cannot be checked: {why}"
-                        values[name] = _Value(None, assignment, "", reason)
+                        # one run as root: said only where it may skip the gate
+                        skips = _may_skip(unit, word) if skips_only else None
+                        if skips is not None:
+                            reason = f"{printable(word, 200)} cannot be checked: {skips}"
+                        values[name] = _Value(None, assignment, "", reason, skips is not None)
                 elif name in _WATCHED and (pair := envsyntax.assignment(text)) is not None:
                     values[name] = _Value(pair[1], assignment, "", "")
         for env_file, path, text in texts:
@@ -924,12 +1015,15 @@ class EnvFileChecker:
                 if found is not None and (not eq or found.value == value):
                     del values[name]  # strv_env_delete: a name, or that very assignment
         for name, found in values.items():
-            if skips_only and (name not in SKIPS_GATE or found.value is None):
+            if skips_only and not found.skips and (name not in SKIPS_GATE or found.value is None):
                 # its own processes load and write those as root already; a value not
-                # worked out may well not skip the gate, and gains no one anything
+                # worked out that is root's own (%h) may well not skip the gate, and gains
+                # no one anything
                 continue
             if found.value is None:
-                refusal: Refusal | None = Refusal(found.unknown, FIX_PATH)
+                refusal: Refusal | None = Refusal(
+                    found.unknown, FIX_SKIPS if found.skips else FIX_PATH
+                )
             elif name == "LD_PROFILE" and "LD_PROFILE_OUTPUT" in values:
                 refusal = None  # where it writes is LD_PROFILE_OUTPUT's, checked on its own
             else:
@@ -1367,69 +1461,80 @@ class EnvFileChecker:
         answer), read once per scan; none when there is no `FSTAB`. One that cannot be read
         whole leaves `_fstab_unknown` set: every walk is refused (a user mount point past
         the cut, or in a file not read, would have been taken for none); so does a point
-        someone but root may put a symlink on the way to (they could make it lead anywhere)."""
+        someone but root may put a symlink on the way to (they could make it lead anywhere),
+        and one that raised (belt and braces: the points found so far, none or some, would
+        stand for all of them for the rest of the scan)."""
         if self._fstab is None:
             self._fstab = frozenset()  # the walks of their directories below see none
-            answer = self._ask(_read_head, FSTAB)
-            written: frozenset[str] = frozenset()
-            if isinstance(answer, _Unanswered):
-                reason = (
-                    f"{printable(answer.where)} did not answer within {DEADLINE:g} s as "
-                    f"{FSTAB} was read (a network file system not answering?)"
-                )
-                self._fstab_unknown = Refusal(reason, FIX_ANSWER)
-            elif isinstance(answer, OSError) and answer.errno not in (errno.ENOENT, errno.ENOTDIR):
-                reason = f"{FSTAB} cannot be read: {_strerror(answer)}"
+            try:
+                self._find_user_mount_points()
+            except Exception as e:
+                reason = f"{FSTAB}'s user mount points cannot be worked out ({type(e).__name__})"
                 self._fstab_unknown = Refusal(reason, FIX_FSTAB)
-            elif isinstance(answer, bytes) and len(answer) > MAX_ENV_FILE:
-                reason = f"{FSTAB} is larger than {MAX_ENV_FILE} bytes"
-                self._fstab_unknown = Refusal(reason, FIX_FSTAB)
-            elif isinstance(answer, bytes):
-                written = _fstab_points(answer)
-            # where each point lands, walked with no user mount point known; then walked again
-            # with the others' known (none of them may be on its way either)
-            lands: dict[str, set[str]] = {}
-            for point in sorted(written):
-                landed = self._lands(point, frozenset())
-                lands[point] = landed if isinstance(landed, set) else set()
-            found = set(written).union(*lands.values())
-            for point, own in lands.items():
-                if self._fstab_unknown is not None:
-                    break
-                # mount(8) follows the point's symlinks as a user mounts, and the entry matches
-                # where they lead then: one someone but root may put on the way (its directory,
-                # or where its own symlink leads, not root's alone: /home/asr/usb), or another
-                # user mount point (/srv/usb, on the way to /srv/usb/part2: a symlink part2 on
-                # the stick mounted there), leads the stick anywhere. Walked in user trees too:
-                # /media/cdrom0 is Debian's default
-                others = frozenset(found - own - {point})
-                # under another as written too (the walk stops where a directory is missing,
-                # which root may make later: /srv/usb/a of /srv/usb/a/b, /srv/usb not there)
-                under = [(at, o) for at in sorted(own | {point}) if (o := _mount_of(at, others))]
-                reached: set[str] | Refusal
-                if under:
-                    at, outer = under[0]
-                    reached = Refusal(
-                        f"{printable(at)}: its directory {printable(outer)} is where {FSTAB} "
-                        "lets users mount a file system of theirs",
-                        FIX_USER_POINT,
-                    )
-                else:
-                    reached = self._lands(point, others)
-                if isinstance(reached, Refusal):
-                    reason = (
-                        f"{FSTAB} lets users mount on {printable(point)}, where a symlink "
-                        f"someone but root may put on its way leads as they mount: "
-                        f"{reached.reason}"
-                    )
-                    fix = FIX_ANSWER if reached.fix == FIX_ANSWER else FIX_USER_POINT
-                    self._fstab_unknown = Refusal(reason, fix)
-            self._fstab = frozenset(found)
-            # those walks saw no mount point of fstab's, or not all: a directory they found
-            # root's alone may be one (/opt/job, where the symlink /srv/usb leads), and a walk
-            # that started there went past it
-            self._safe_dirs.clear()
+                self._safe_dirs.clear()  # found with some points, or none, known
         return self._fstab
+
+    def _find_user_mount_points(self) -> None:
+        """`_user_mount_points`'s work: `_fstab` and `_fstab_unknown` set."""
+        answer = self._ask(_read_head, FSTAB)
+        written: frozenset[str] = frozenset()
+        if isinstance(answer, _Unanswered):
+            reason = (
+                f"{printable(answer.where)} did not answer within {DEADLINE:g} s as "
+                f"{FSTAB} was read (a network file system not answering?)"
+            )
+            self._fstab_unknown = Refusal(reason, FIX_ANSWER)
+        elif isinstance(answer, OSError) and answer.errno not in (errno.ENOENT, errno.ENOTDIR):
+            reason = f"{FSTAB} cannot be read: {_strerror(answer)}"
+            self._fstab_unknown = Refusal(reason, FIX_FSTAB)
+        elif isinstance(answer, bytes) and len(answer) > MAX_ENV_FILE:
+            reason = f"{FSTAB} is larger than {MAX_ENV_FILE} bytes"
+            self._fstab_unknown = Refusal(reason, FIX_FSTAB)
+        elif isinstance(answer, bytes):
+            written = _fstab_points(answer)
+        # where each point lands, walked with no user mount point known; then walked again
+        # with the others' known (none of them may be on its way either)
+        lands: dict[str, set[str]] = {}
+        for point in sorted(written):
+            landed = self._lands(point, frozenset())
+            lands[point] = landed if isinstance(landed, set) else set()
+        found = set(written).union(*lands.values())
+        for point, own in lands.items():
+            if self._fstab_unknown is not None:
+                break
+            # mount(8) follows the point's symlinks as a user mounts, and the entry matches
+            # where they lead then: one someone but root may put on the way (its directory,
+            # or where its own symlink leads, not root's alone: /home/asr/usb), or another
+            # user mount point (/srv/usb, on the way to /srv/usb/part2: a symlink part2 on
+            # the stick mounted there), leads the stick anywhere. Walked in user trees too:
+            # /media/cdrom0 is Debian's default
+            others = frozenset(found - own - {point})
+            # under another as written too (the walk stops where a directory is missing,
+            # which root may make later: /srv/usb/a of /srv/usb/a/b, /srv/usb not there)
+            under = [(at, o) for at in sorted(own | {point}) if (o := _mount_of(at, others))]
+            reached: set[str] | Refusal
+            if under:
+                at, outer = under[0]
+                reached = Refusal(
+                    f"{printable(at)}: its directory {printable(outer)} is where {FSTAB} "
+                    "lets users mount a file system of theirs",
+                    FIX_USER_POINT,
+                )
+            else:
+                reached = self._lands(point, others)
+            if isinstance(reached, Refusal):
+                reason = (
+                    f"{FSTAB} lets users mount on {printable(point)}, where a symlink "
+                    f"someone but root may put on its way leads as they mount: "
+                    f"{reached.reason}"
+                )
+                fix = FIX_ANSWER if reached.fix == FIX_ANSWER else FIX_USER_POINT
+                self._fstab_unknown = Refusal(reason, fix)
+        self._fstab = frozenset(found)
+        # those walks saw no mount point of fstab's, or not all: a directory they found
+        # root's alone may be one (/opt/job, where the symlink /srv/usb leads), and a walk
+        # that started there went past it
+        self._safe_dirs.clear()
 
     def _lands(self, point: str, others: frozenset[str]) -> set[str] | Refusal:
         """Where a file system mounted on the `FSTAB` mount point `point` lands (its path with

@@ -7,6 +7,8 @@ os.chown (the tests run as root), and pairs what is refused with what is not.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import gc
@@ -1363,6 +1365,121 @@ def test_a_root_templates_instance_in_its_environment_file_may_not_lead_it_anywh
     assert errors(root, "bad0@a.service") == []
 
 
+def test_a_root_templates_environment_that_its_instance_may_make_skip_the_gate_is_refused(
+    root: Path,
+) -> None:
+    """Whoever may start an instance (polkit can let others than root) names it: a@help.service
+    of a template run as root with Environment=LD_DEBUG=%i had its gate exit 0 unasked, and
+    so did b@LD_TRACE_LOADED_OBJECTS.service with Environment=%i=1: the value not worked out
+    was skipped, and the job ran ungated. A name not worked out may be any variable that
+    skips, as may a value by the instance of one that skips with a word of it; one that skips
+    whatever its value (LD_TRACE_LOADED_OBJECTS=%h) does so. Ordinary words, a value of
+    root's own (%h), one a later assignment replaces or UnsetEnvironment= takes away, and
+    UnsetEnvironment=%i (it only takes away) stay the unit's own business."""
+    cases = {
+        # name: (lines, refused)
+        "a@.service": (["Environment=LD_DEBUG=%i"], True),
+        "b@.service": (["Environment=%i=1"], True),
+        "c@.service": (["Environment=SHELLOPTS=xtrace:%I"], True),
+        "d@.service": (["Environment=LD_DEBUG=files:%N"], True),
+        "e@.service": (["Environment=LD_TRACE_%i=1"], True),
+        "f@.service": (["Environment=LD_TRACE_LOADED_OBJECTS=%h"], True),
+        "trace.service": (["Environment=LD_TRACE_LOADED_OBJECTS=%h"], True),
+        "name.service": (["Environment=LD_%h=1"], True),
+        "job@.service": (["Environment=JOB=%i MODEL=/srv/models/%i"], False),
+        "own@.service": (["Environment=LD_DEBUG=%h SHELLOPTS=%u LD_PRELOAD=/x/%i.so"], False),
+        "later@.service": (["Environment=LD_DEBUG=%i", "Environment=LD_DEBUG=files"], False),
+        "unset@.service": (["Environment=LD_DEBUG=%i", "UnsetEnvironment=LD_DEBUG"], False),
+        "unsets@.service": (["UnsetEnvironment=%i LD_DEBUG=%i"], False),
+        "known.service": (["Environment=LD_DEBUG=%i"], False),  # no instance: %i is empty
+    }
+    for name, (lines, _) in cases.items():
+        install(root, name, *lines)
+    refused = {name for name in cases if errors(root, name)}
+    assert refused == {name for name, (_, bad_one) in cases.items() if bad_one}
+    assert errors(root, "a@.service") == [
+        f"{ETC}/a@.service:4: [Service] Environment: LD_DEBUG=%i cannot be checked: %i is the "
+        "instance's name, or holds it, which whoever starts an instance of a@.service "
+        "chooses, and glibc's loader prints LD_DEBUG's options and exits 0 instead of running "
+        f"the program where one of its words is help; {GATE} a@.service until its environment "
+        "does not set it so"
+    ]
+    [error] = errors(root, "b@.service")
+    assert error.startswith(
+        f"{ETC}/b@.service:4: [Service] Environment: %i=1 cannot be checked: its name is not "
+        "worked out (%i depends on the instance's name"
+    ), error
+    assert "LD_TRACE_LOADED_OBJECTS, LD_TRACE_PRELINKING, LD_DEBUG, SHELLOPTS" in error
+    [error] = errors(root, "trace.service")
+    assert "LD_TRACE_LOADED_OBJECTS=%h cannot be checked: glibc's loader lists" in error
+    assert "%h has a value gpuslice does not work out" in error
+
+
+def test_a_root_units_environment_file_pattern_that_may_lead_out_by_dot_dot_is_refused(
+    root: Path,
+) -> None:
+    """glob(3) without GLOB_PERIOD lists `.` and `..`, and `.*` matches `..`: a unit run as root
+    with EnvironmentFile=/etc/job/.*/asr/x.env read /etc/asr/x.env, though only /etc/job was
+    found root's alone (systemd's safe_glob skips `.` and `..` now; an older systemd's glob(3)
+    did not, and `\\.\\.`, no wildcard, is `..` for both). `*`, `?` and `[.]` match no
+    leading dot: a directory of theirs is one of /etc/job's."""
+    put(root, "/etc/job/a/job.env")
+    (root / "srv/asr").mkdir(parents=True)
+    os.chown(root / "srv/asr", ASR, ASR)
+    put(root, "/srv/asr/x.env", "LD_DEBUG=help\n", uid=ASR)
+    fine = ("/etc/job/*/job.env", "/etc/job/?/job.env", "/etc/job/[.a]*/job.env", "/etc/job/.d*/x")
+    for i, value in enumerate(fine):
+        install(root, f"fine{i}.service", f"EnvironmentFile={value}")
+        assert errors(root, f"fine{i}.service") == [], value
+    refused = (
+        "/etc/job/.*/asr/x.env",
+        "-/etc/job/.?/../srv/asr/x.env",
+        "/etc/job/.[.]/asr/*.env",
+        "/etc/job/\\.\\./asr/x.env",
+        "/etc/job/*/../../srv/asr/x.env",
+    )
+    for i, value in enumerate(refused):
+        install(root, f"bad{i}.service", f"EnvironmentFile={value}")
+        assert errors(root, f"bad{i}.service") == [
+            f"{ETC}/bad{i}.service:4: [Service] EnvironmentFile: {value} cannot be checked: "
+            "systemd reads it as a wildcard pattern, and a directory of it may be `..` as "
+            f"glob(3) reads it (`.*` matches `..`), so it leads out of /etc/job; {GATE} "
+            f"bad{i}.service {FIX_PATH}"
+        ], value
+
+
+def test_which_glob_component_may_be_dot_dot_is_as_glibcs_glob_reads_it(tmp_path: Path) -> None:
+    """`_may_be_up` against glibc's own glob(3) (no flags, as systemd before safe_glob): each
+    component it says may be `..` reaches /x/y/.., and none it says may not does."""
+    if not (found := ctypes.util.find_library("c")):
+        pytest.skip("no C library")
+    libc = ctypes.CDLL(found)
+
+    class Glob(ctypes.Structure):
+        _fields_ = [
+            ("pathc", ctypes.c_size_t),
+            ("pathv", ctypes.POINTER(ctypes.c_char_p)),
+            ("offs", ctypes.c_size_t),
+            ("flags", ctypes.c_int),
+            ("rest", ctypes.c_void_p * 8),
+        ]
+
+    (tmp_path / "x/y/.d").mkdir(parents=True)
+    (tmp_path / "x/z").write_text("")
+
+    def reaches_up(part: str) -> bool:
+        found = Glob()
+        if libc.glob(os.fsencode(f"{tmp_path}/x/y/{part}/z"), 0, None, ctypes.byref(found)):
+            return False
+        paths = [found.pathv[i] for i in range(found.pathc)]
+        libc.globfree(ctypes.byref(found))
+        return os.fsencode(f"{tmp_path}/x/y/../z") in paths
+
+    ups = [".*", "..*", ".?", ".[.]", "\\.\\.", ".\\.", ".."]
+    for part in [*ups, "*", "?.", "[.][.]", ".d*", "?*", "[.]*", "x.", ".x"]:
+        assert envsafety._may_be_up(part) == reaches_up(part), part
+
+
 def test_exported_shell_functions_never_reach_the_gate() -> None:
     """bash, /bin/sh on Fedora, RHEL and Arch, imports BASH_FUNC_NAME%%= as a function, which
     overrides the gate's dbus-send; systemd drops such names from Environment= and
@@ -2210,6 +2327,36 @@ def test_an_fstab_mount_point_a_user_can_redirect_refuses_every_walk(root: Path)
                 "until each mount point /etc/fstab lets users mount on is in a directory only "
                 "root can change"
             )
+
+
+@pytest.mark.parametrize("spot", ["_fstab_points", "_lands"])
+def test_fstab_user_mount_points_that_raised_refuse_every_walk(
+    root: Path, monkeypatch: pytest.MonkeyPatch, spot: str
+) -> None:
+    """An exception while the user mount points were worked out left them none, or some, for
+    the rest of the scan: the first file was refused as not checked, the next ones walked as
+    if asr's /srv/usb were root's. Now every walk is refused, saying why."""
+    put(root, "/etc/fstab", "/dev/sdb1 /srv/usb auto noauto,user 0 0\n")
+    put(root, "/srv/usb/job.env")
+    put(root, "/etc/job/job.env")
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("broken")
+
+    if spot == "_lands":
+        monkeypatch.setattr(EnvFileChecker, spot, broken)
+    else:
+        monkeypatch.setattr(envsafety, spot, broken)
+    checker = EnvFileChecker(root)
+    for value in ("/etc/job/job.env", "/srv/usb/job.env", "/etc/job/job.env"):
+        run_as = RunAs(user="asr")
+        run_as.env_files.append(envsafety.Assignment(f"{ETC}/x.service", 5, value))
+        [finding] = checker.check("x.service", run_as)
+        assert finding.message.startswith(
+            f"{value} cannot be checked: /etc/fstab's user mount points cannot be worked out "
+            "(RuntimeError)"
+        ), finding
+        assert finding.message.endswith(envsafety.FIX_FSTAB)
 
 
 def test_an_fstab_entrys_last_user_option_wins() -> None:
