@@ -1,5 +1,6 @@
-"""The scheduling pass's shortcut for blocked waiters (Scheduler._blocked_too): it saves work
-and never changes a decision.
+"""The scheduling pass's shortcuts for blocked waiters (Scheduler._blocked_too), idle
+background units (_refill_blocked_too) and preempted units (_requeue_blocked_too): each
+saves work and never changes a decision.
 
 A waiter found blocked (no placement, even preempting) changes nothing, so a later waiter in
 the same pass that asks no less and may preempt no more is blocked too without being placed
@@ -40,6 +41,9 @@ class FullPass(Scheduler):
         return False
 
     def _refill_blocked_too(self, spec: UnitSpec, unplaced: list[UnitSpec]) -> bool:
+        return False
+
+    def _requeue_blocked_too(self, spec: UnitSpec, unplaced: list[UnitSpec]) -> bool:
         return False
 
 
@@ -175,6 +179,40 @@ def test_a_burst_of_blocked_waiters_is_placed_once_per_pass(
     assert sched.schedule() == []
     assert calls == ["w00.service"]
     assert sorted(sched.waiting_units()) == [w.name for w in waiters]
+    assert all(sched.waiters[w.name].reason for w in waiters)
+
+
+def test_a_burst_of_blocked_waiters_is_judged_once_each_per_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rest of a blocked waiter's cost, paid once per pass rather than per waiter
+    (issue 10): the GPUs it may ever run on are listed once for its pins, and one found
+    blocked too is not compared with the blocked waiters again to be kept among them."""
+    holders = [spec(f"h{i}", 10) for i in range(2)]
+    waiters = [spec(f"w{i:02d}", 20 + i % 3) for i in range(40)]
+    sched = Scheduler([0, 1], {s.name: s for s in holders + waiters})
+    _busy(sched, holders)
+    for waiter in waiters:
+        sched.request(waiter)
+    asked: list[str] = []
+    real_allowed = scheduler_module.allowed  # type: ignore[attr-defined]
+
+    def allowed(unit: UnitSpec, *args: Any) -> bool:
+        asked.append(unit.name)
+        return real_allowed(unit, *args)
+
+    judged: list[str] = []
+    real_blocked_too = sched._blocked_too
+
+    def blocked_too(waiter: Waiter, view: _PassView) -> bool:
+        judged.append(waiter.spec.name)
+        return real_blocked_too(waiter, view)
+
+    monkeypatch.setattr(scheduler_module, "allowed", allowed)
+    sched._blocked_too = blocked_too  # type: ignore[method-assign]
+    assert sched.schedule() == []
+    assert asked == ["w00.service"] * 4  # 2 GPUs: placing it, then its reason
+    assert sorted(judged) == [w.name for w in waiters]  # once each, in priority order
     assert all(sched.waiters[w.name].reason for w in waiters)
 
 
@@ -357,3 +395,77 @@ def test_refill_goes_on_past_a_unit_it_skipped_to_a_smaller_one() -> None:
     c = spec("c", 60, UnitKind.BACKGROUND, mem_gib=4)
     busy = spec("busy", 10, mem_gib=10)
     assert _refilled([sized(0)], busy, a, b, c) == ["start c.service"]
+
+
+# -- requeue's shortcut (Scheduler._requeue_blocked_too): each condition pinned -------------
+
+
+def _requeued(gpus: list[Gpu], busy: list[UnitSpec], *preempted: UnitSpec) -> list[str]:
+    """`busy` run; `preempted` were preempted (in this order); then a pass: what it starts."""
+    s = Scheduler(gpus, {u.name: u for u in (*busy, *preempted)})
+    with s.deferred():
+        for unit in busy:
+            s.request(unit)
+    s.schedule()
+    for n, unit in enumerate(preempted):
+        s.preempted[unit.name] = n
+    return brief(s.schedule())
+
+
+def test_requeue_skips_units_that_ask_no_less_than_one_that_did_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst's 8 preempted background units behind more urgent holders of every GPU: one
+    placement per pass, not 8 (issue 10: a fifth of the controller's CPU in a burst)."""
+    busy = [spec(f"od{i}", 10) for i in range(8)]
+    preempted = [spec(f"bg{i}", 90, UnitKind.BACKGROUND) for i in range(8)]
+    s = Scheduler([Gpu(i) for i in range(8)], {u.name: u for u in busy + preempted})
+    with s.deferred():
+        for unit in busy:
+            s.request(unit)
+    s.schedule()
+    for n, unit in enumerate(preempted):
+        s.preempted[unit.name] = n
+    calls = _placements(monkeypatch)
+    assert brief(s.schedule()) == []
+    assert calls == ["bg0.service"]
+    assert sorted(s.preempted) == [u.name for u in preempted]
+
+
+def test_requeue_tries_a_unit_pinned_elsewhere_after_one_that_did_not_fit() -> None:
+    pinned = spec("a", 50, devices=("0",))
+    other = spec("b", 60, devices=("1",))
+    busy = spec("busy", 10, devices=("0",))
+    assert _requeued([Gpu(0), Gpu(1)], [busy], pinned, other) == ["start b.service"]
+
+
+def test_requeue_tries_a_unit_asking_fewer_gpus_after_one_that_did_not_fit() -> None:
+    wide = spec("a", 50, gpus=2)
+    narrow = spec("b", 60)
+    assert _requeued([Gpu(0), Gpu(1)], [spec("busy", 10)], wide, narrow) == ["start b.service"]
+
+
+def test_requeue_tries_a_unit_asking_less_memory_after_one_that_did_not_fit() -> None:
+    big = spec("a", 50, mem_gib=20)
+    small = spec("b", 60, mem_gib=4)
+    busy = spec("busy", 10, mem_gib=10)
+    assert _requeued([sized(0)], [busy], big, small) == ["start b.service"]
+
+
+def test_requeue_judges_a_unit_that_avoids_foreign_processes_apart() -> None:
+    """A background unit avoids a GPU with a foreign process, an on-demand unit does not:
+    the background one not fitting says nothing of the on-demand one after it."""
+    background, on_demand = spec("a", 50, UnitKind.BACKGROUND), spec("b", 60)
+    gpus = [Gpu(0, foreign_pids=(4000,)), Gpu(1)]
+    busy = spec("busy", 10, devices=("1",))
+    assert _requeued(gpus, [busy], background, on_demand) == ["start b.service"]
+
+
+def test_requeue_goes_on_past_a_unit_it_skipped_to_a_smaller_one() -> None:
+    """A unit skipped as blocked too does not end the requeue: c, later and smaller, fits
+    beside the holder and is started."""
+    a = spec("a", 50, mem_gib=20)
+    b = spec("b", 55, mem_gib=20)
+    c = spec("c", 60, mem_gib=4)
+    busy = spec("busy", 10, mem_gib=10)
+    assert _requeued([sized(0)], [busy], a, b, c) == ["start c.service"]

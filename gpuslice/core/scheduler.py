@@ -253,6 +253,8 @@ class _PassView:
     # per GPU: declared memory free (None: size unknown), and whether a use takes it whole
     gpu_room: dict[int, tuple[int | None, bool]] = field(default_factory=dict)
     first_waiters: dict[int, Waiter] = field(default_factory=dict)
+    # the GPUs a unit may ever run on, by its pins and whether it avoids foreign processes
+    usable: dict[tuple[tuple[str, ...], bool], list[Gpu]] = field(default_factory=dict)
 
 
 @dataclass
@@ -1409,7 +1411,7 @@ class Scheduler:
             if h.phase in GIVING_WAY and h.stopping_for == spec.name
         }
         if view is not None and not waiter.victims and self._blocked_too(waiter, view):
-            return self._still_blocked(waiter, view)
+            return self._still_blocked(waiter, view, dominated=True)
         uses = self._uses(promises)  # what the placements below see, built once per waiter
         found = None
         if not waiter.victims:
@@ -1775,17 +1777,26 @@ class Scheduler:
                 return True
         return False
 
-    def _still_blocked(self, waiter: Waiter, view: _PassView) -> list[Action]:
+    def _still_blocked(
+        self, waiter: Waiter, view: _PassView, *, dominated: bool = False
+    ) -> list[Action]:
         """A waiter that cannot be placed, preempting or not, and keeps no GPU: it changes
-        nothing, so the pass's view stays valid for the waiters after it."""
+        nothing, so the pass's view stays valid for the waiters after it. One `dominated`
+        (found blocked too by the caller) adds nothing to the blocked waiters that judge the
+        next ones: its dominator judges them as it would."""
         actions = self._set_reason(waiter, self._blocked_reason(waiter, view.uses, view))
-        if not self._blocked_too(waiter, view):
+        if not dominated and not self._blocked_too(waiter, view):
             view.blocked.append(waiter)
         self._view = view
         return actions
 
     def _requeue(self, promises: list[tuple[int, Use]]) -> list[Action]:
         actions: list[Action] = []
+        # Placing only takes capacity away, and a later unit is no more urgent (fewer victims,
+        # more places kept bind it): one that asks no less than a unit that did not fit even
+        # preempting does not fit either. A burst's 8 preempted background units cost one
+        # placement per pass, not 8 (issue 10: a fifth of a burst's controller CPU).
+        unplaced: list[UnitSpec] = []
         for name, _ in sorted(self.preempted.items(), key=lambda i: (self._prio(i[0]), i[1])):
             spec = self.specs.get(name)
             if (
@@ -1799,8 +1810,12 @@ class Scheduler:
                 continue
             if self.refill_paused and spec.kind is UnitKind.BACKGROUND:
                 continue
-            found = self._place(spec, promises, preempt=True)
+            if self._requeue_blocked_too(spec, unplaced):
+                found = None
+            else:
+                found = self._place(spec, promises, preempt=True)
             if found is None:
+                unplaced.append(spec)
                 if self.requeue_at_gate and name not in self.wait_failed:
                     actions.append(self._queue_at_gate(spec))
                 continue
@@ -1816,6 +1831,17 @@ class Scheduler:
             requeue = _about(spec, Code.REQUEUE, gpus=tuple(sorted(gpus)), cause=cause)
             actions.append(_start(requeue))
         return actions
+
+    def _requeue_blocked_too(self, spec: UnitSpec, unplaced: list[UnitSpec]) -> bool:
+        """Whether a preempted unit that did not fit in this pass, even preempting, shows
+        that this one, tried after it (so no more urgent), does not fit either: the same
+        GPUs allowed (pins, and foreign processes avoided alike), no fewer GPUs and no less
+        memory asked."""
+        return any(
+            self._avoids_foreign(spec) == self._avoids_foreign(than)
+            and _no_better_placed(spec, than)
+            for than in unplaced
+        )
 
     def _queue_at_gate(self, spec: UnitSpec) -> Start:
         """Restart a preempted unit whose GPUs more urgent units hold: it waits at its gate
@@ -1936,7 +1962,7 @@ class Scheduler:
         spec = waiter.spec
         room = view.gpu_room if view is not None else {}
         avoid = self._avoids_foreign(spec)
-        usable = [g for g in self.devices.values() if allowed(spec, g, avoid)]
+        usable = self._usable(spec, avoid, view)
         if spec.gpus > len(usable):
             if spec.devices or any(g.lost for g in self.devices.values()) or avoid:
                 return _about(spec, Code.WAIT, cause=Cause.UNUSABLE, available=len(usable))
@@ -1996,6 +2022,17 @@ class Scheduler:
             elif self._first_waiter(spec.priority, view) is not waiter:
                 parts.append(Part(Blocker.KEPT, on, priority=spec.priority))
         return _about(spec, Code.WAIT, cause=Cause.BUSY, parts=tuple(parts))
+
+    def _usable(self, spec: UnitSpec, avoid: bool, view: _PassView | None) -> list[Gpu]:
+        """The GPUs the unit may ever run on (`allowed`), listed once per pass for each pins
+        and avoidance of foreign processes: every blocked waiter's reason asks (issue 10)."""
+        key = (spec.devices, avoid)
+        found = view.usable.get(key) if view is not None else None
+        if found is None:
+            found = [g for g in self.devices.values() if allowed(spec, g, avoid)]
+            if view is not None:
+                view.usable[key] = found
+        return found
 
     def _suspended_ahead(self, gpu: int, priority: int) -> UnitSpec | None:
         """The most urgent suspended unit whose room on this GPU is kept from units of this
