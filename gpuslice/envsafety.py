@@ -121,6 +121,9 @@ _SYSTEM_DIRS = {
 }
 _NAME_SPECIFIERS = "nNpPiIjJ"
 _BY_INSTANCE = "nNiI"  # in a template, these depend on the instance, chosen at each start
+# and these, which gpuslice does not work out: %f is %I after a `/` (what it unescapes may be
+# `\\.\\.`, `..` to glob(3)), %d the credentials' directory, the unit's name in it
+_HOLD_INSTANCE = "fd"
 _WILDCARDS = "*?[\\"  # systemd globs EnvironmentFile= (glob(3) without flags: \ escapes)
 # seconds one lstat, readlink or getxattr of the walk may take: a local one takes
 # microseconds, a network file system whose server is gone never answers
@@ -468,8 +471,9 @@ def _may_be_up(part: str) -> bool:
     GLOB_PERIOD): an instance's name (a NUL in it: `.`, `..` or `\\.\\.`, chosen by whoever
     starts it) with dots, or a wildcard that matches `..`: `.*`, `.?`, `.[.]` (glibc's glob
     lists `.` and `..`; systemd's safe_glob skips them, an older systemd's glob(3) did not) and
-    `\\.\\.` (no wildcard: unescaped and used as it is, `..`, by both). A leading dot is
-    matched by a dot alone (`*`, `?`, `[.]` match none there)."""
+    `\\.\\.` (no wildcard: unescaped and used as it is, `..`, by both), as is `..\\` before
+    a `/` (glob(3) drops the `\\`). A leading dot is matched by a dot alone (`*`, `?`, `[.]`
+    match none there)."""
     pattern: list[str] = []
     i = 0
     while i < len(part):
@@ -480,6 +484,8 @@ def _may_be_up(part: str) -> bool:
         elif c == "\\" and i < len(part):
             pattern.append(re.escape(part[i]))
             i += 1
+        elif c == "\\":
+            pass  # last, before a `/`: glob(3) drops it (`..\\/x` is `../x`)
         elif c in "*?[" and i == 1:
             return False  # no leading dot
         elif c == "*":
@@ -497,36 +503,55 @@ def _may_be_up(part: str) -> bool:
 def _bracket_end(part: str, start: int) -> int | None:
     """Where the bracket expression whose `[` is before `start` in `part` ends (past its
     `]`), or None when it has none (the `[` is then itself, as for fnmatch(3)): a `]` first,
-    or after `!` or `^`, is one of its characters."""
+    or after `!` or `^`, is one of its characters, as are an escaped one (`[\\].]`) and the
+    `]` of a class (`[[:punct:]]`, `[[=.=]]`, `[[.-.]]`): each holds a dot, maybe."""
     i = start + 1 if part[start : start + 1] in ("!", "^") else start
     i += 1 if part[i : i + 1] == "]" else 0
-    end = part.find("]", i)
-    return None if end < 0 else end + 1
+    while i < len(part):
+        c = part[i]
+        if c == "\\":
+            i += 2
+        elif (
+            c == "["
+            and (kind := part[i + 1 : i + 2]) in (":", "=", ".")
+            and (close := part.find(f"{kind}]", i + 2)) >= 0
+        ):
+            i = close + 2
+        elif c == "]":
+            return i + 1
+        else:
+            i += 1
+    return None
 
 
 def _may_skip(unit: str, word: str) -> str | None:
     """Why the `Environment=` word `word` of `unit`, its specifiers not all worked out, may
     have the gate exit 0 unasked (`SKIPS_GATE`) whoever it runs as, or None. Its name not
-    worked out may be any of them (`%i=1`: b@LD_TRACE_LOADED_OBJECTS.service); one that
+    worked out may be any of them its known part allows (`%i=1`:
+    b@LD_TRACE_LOADED_OBJECTS.service; not `JOB_%i=1`: `_names_it_may_be`); one that
     skips whatever its value does so (`LD_TRACE_LOADED_OBJECTS=%h`); one that skips with a
     word of its value (`LD_DEBUG`, `SHELLOPTS`) may have it from the instance's name, which
     whoever starts an instance chooses (`LD_DEBUG=%i`: a@help.service; polkit can let others
-    than root start one). Another specifier not known is the unit's own (root's %h)."""
+    than root start one), as may %f (%I after a `/`) and %d (the credentials' directory, the
+    instance's unit name in it). Another specifier not known is the unit's own (root's %h)."""
     i = 0
     while i < len(word) and word[i] != "=":
         i += 2 if word[i] == "%" else 1  # `%=` is a specifier, no `=`
     name, value = word[:i], word[i + 1 :]
     text, why = expand(unit, name)
     if text is None:
+        names = _names_it_may_be(unit, name)
+        if not names:
+            return None  # `JOB_%i`: none of them, whatever the instance
         return (
             f"its name is not worked out ({why}), and may be one with which the gate's "
-            f"programs exit 0 at once ({', '.join(SKIPS_GATE)})"
+            f"programs exit 0 at once ({', '.join(names)})"
         )
     if text not in SKIPS_GATE:
         return None
     if not SKIPS_GATE[text][0]:
         return f"{_SKIPS_HOW[text]}, and its value is not worked out ({expand(unit, value)[1]})"
-    by_instance = _specifiers(value) & set(_BY_INSTANCE)
+    by_instance = _specifiers(value) & set(_BY_INSTANCE + _HOLD_INSTANCE)
     if not by_instance or not is_template(unit):
         return None
     spec = sorted(by_instance)[0]
@@ -535,6 +560,23 @@ def _may_skip(unit: str, word: str) -> str | None:
         f"{printable(unit)} chooses, and {_SKIPS_HOW[text]} where one of its words is "
         f"{' or '.join(sorted(SKIPS_GATE[text][0]))}"
     )
+
+
+def _names_it_may_be(unit: str, name: str) -> list[str]:
+    """The `SKIPS_GATE` names the `Environment=` name `name` of `unit` may be, each specifier
+    `expand` does not work out standing for any text: `%i=1` any, `LD_TRACE_%i=1` two,
+    `JOB_%i=1` none (its name is JOB_ and the instance's, whatever that is)."""
+    pattern: list[str] = []
+    i = 0
+    while i < len(name):
+        if name[i] == "%" and i + 1 < len(name):
+            text, _ = expand(unit, name[i : i + 2])
+            pattern.append(".*" if text is None else re.escape(text))
+            i += 2
+        else:
+            pattern.append(re.escape(name[i]))
+            i += 1
+    return [known for known in SKIPS_GATE if re.fullmatch("".join(pattern), known, re.DOTALL)]
 
 
 def _is_pattern(path: str) -> bool:
@@ -764,6 +806,7 @@ class EnvFileChecker:
         self._links: dict[str, str | OSError] = {}
         self._verdicts: dict[str, Refusal | None] = {}
         self._trees: dict[str, Refusal | None] = {}  # loader directories, with what is in them
+        self._entries: dict[str, Refusal | None] = {}  # directories, with what is right in them
         self._listings: dict[str, list[str] | OSError] = {}
         self._texts: dict[str, str | Refusal | None] = {}  # environment files' texts
         # what a value says, and its verdict, by the value (10,000 units alike: one look)
@@ -884,19 +927,21 @@ class EnvFileChecker:
         root, is said (its specifiers not all known: `refusal`), and why. Whoever may start an
         instance (polkit can let others than root) names it: a file that depends on its name
         is said where that name can lead it out of the directory written before it, or where
-        something under that directory is not root's alone (they could name a file someone
-        else made there). %I (the name unescaped: `-` is `/`) can name any file. %i, %n and %N
-        hold no `/`, but %i may be `.` or `..`: a directory after it that may be `..`
-        (`_may_be_up`) walks out; the file itself never does (`..` is a directory, which
-        systemd cannot read). %P and %J are the template's own name, known. Another specifier
-        not known (root's own %h) is not said, as before."""
+        something it may name there is not root's alone (they could name a file someone else
+        made there: `_names_in`). %I (the name unescaped: `-` is `/`) and %f (the same after
+        a `/`; systemd refuses a `..` in it, not `\\.\\.`, which glob(3) reads as `..`) can
+        name any file. %i, %n and %N hold no `/`, but %i may be `.` or `..`: a directory after
+        it that may be `..` (`_may_be_up`) walks out; the file itself never does (`..` is a
+        directory, which systemd cannot read). %P and %J are the template's own name, known.
+        Another specifier not known (root's own %h) is not said, as before."""
         bare = value[1:] if value.startswith("-") else value
         quoted = printable(value, 200)
         at = unit.find("@")
-        if "I" in _specifiers(bare):
+        if unescaped := sorted(_specifiers(bare) & {"I", "f"}):
             reason = (
-                f"{quoted} cannot be checked: %I is the instance's name unescaped, which whoever "
-                f"starts an instance of {printable(unit)} chooses: a `-` in it is a `/` "
+                f"{quoted} cannot be checked: %{unescaped[0]} is the instance's name unescaped"
+                f"{' after a `/`' if unescaped[0] == 'f' else ''}, which whoever starts an "
+                f"instance of {printable(unit)} chooses: a `-` in it is a `/` "
                 f"({printable(unit[:at])}@..-..-home-x.service: ../../home/x), so it can name "
                 "any file"
             )
@@ -914,14 +959,14 @@ class EnvFileChecker:
                 f"{printable(base)}"
             )
             return True, Refusal(reason, FIX_INSTANCE)
-        return self._tree(base) is not None, refusal
+        return self._names_in(path, base) is not None, refusal
 
     def _by_pattern(self, value: str, path: str, refusal: Refusal) -> tuple[bool, Refusal]:
         """Whether the refusal of the EnvironmentFile= `value` of a unit run as root, the
         pattern `path` (`refusal`: not read), is said, and why: where a directory of it may be
         `..` as systemd globs it (`/etc/job/.*/asr/x.env` matches `/etc/job/../asr/x.env`),
         it leads out of the directory before its first wildcard, anywhere; else where
-        something under that directory is not root's alone."""
+        something it may match there is not root's alone (`_names_in`)."""
         base, out = _leads_out(path)
         if out:
             reason = (
@@ -930,7 +975,47 @@ class EnvFileChecker:
                 f"`..`), so it leads out of {printable(base)}"
             )
             return True, Refusal(reason, FIX_PATH)
-        return self._tree(base) is not None, refusal
+        return self._names_in(path, base) is not None, refusal
+
+    def _names_in(self, path: str, base: str) -> Refusal | None:
+        """Why the files the system path `path` may name (an instance's name a NUL in it, or
+        a glob pattern), all under `base` (`_leads_out`), are refused: where only the file's
+        own name varies, `base` and each entry right in it (`_entries_of`); else `base` and
+        everything under it, however deep (`_tree`)."""
+        if (path.rpartition("/")[0] or "/") == base:
+            if base not in self._entries:
+                self._entries[base] = self._entries_of(base)
+            return self._entries[base]
+        return self._tree(base)
+
+    def _entries_of(self, path: str) -> Refusal | None:
+        """Why the directory at the system path `path` is refused as the one a file whose name
+        alone varies is in: someone but root can change it, a directory above it or an entry
+        right in it; or None. A directory in it is not looked into (systemd cannot read one,
+        and the name holds no `/`): /etc/postgresql, the postgres user's, leaves
+        /etc/%i.conf root's alone, which a walk of all of /etc refused."""
+        shown = printable(path)
+        reached = self._resolve(path, True)
+        if isinstance(reached, Refusal):
+            return reached
+        if reached.st is None or not stat.S_ISDIR(reached.st.st_mode):
+            return None  # nothing in it: a file of root's, or not there and only root can make it
+        names = self._listdir(reached.real)
+        if isinstance(names, _Unanswered):
+            return _no_answer(shown, names)
+        if isinstance(names, OSError):
+            return Refusal(f"{shown} cannot be checked: {_strerror(names)}", FIX_PATH)
+        if len(names) > MAX_TREE:
+            return Refusal(f"{shown} cannot be checked: more than {MAX_TREE} entries", FIX_PATH)
+        for name in sorted(names):
+            entry = f"{reached.real.rstrip('/')}/{name}"
+            st = self._lstat(entry)
+            if isinstance(st, os.stat_result) and stat.S_ISDIR(st.st_mode):
+                continue  # a directory itself, no symlink: only root can replace it in `path`
+            reached_entry = self._resolve(entry, True)
+            if isinstance(reached_entry, Refusal):
+                return reached_entry
+        return None
 
     def _env_text(self, path: str) -> str | Refusal | None:
         """The text of the environment file at `path` (found root's alone), None when it is

@@ -603,6 +603,7 @@ def test_a_failure_of_the_walk_is_a_refusal_not_an_exception(
     install(root, "r@.service", "EnvironmentFile=/etc/asr/%i.env")
     monkeypatch.setattr(EnvFileChecker, "_walk", boom)
     monkeypatch.setattr(EnvFileChecker, "_tree", boom)
+    monkeypatch.setattr(EnvFileChecker, "_entries_of", boom)
     assert errors(root, "x.service") == [
         f"{ETC}/x.service:5: [Service] EnvironmentFile: {value[:200]}... cannot be checked "
         f"(RecursionError); {GATE} x.service until it names, by an absolute path, a file only "
@@ -1339,6 +1340,10 @@ def test_a_root_templates_instance_in_its_environment_file_may_not_lead_it_anywh
         ("/etc/job/%i*/x.env", ".."),
         ("/etc/job/%i.d/../../asr/x.env", ".."),
         ("/srv/asr/%i.env", "depends"),
+        # %f is %I after a `/` (gpuslice does not work it out): bad8@home-asr-x.env.service
+        # read /home/asr/x.env, and \x5c.\x5c. unescapes to `\.\.`, `..` to glob(3)
+        ("-%f", "%f"),
+        ("/etc/job%f", "%f"),
     )
     for i, (value, why) in enumerate(refused):
         install(root, f"bad{i}@.service", f"EnvironmentFile={value}")
@@ -1365,6 +1370,36 @@ def test_a_root_templates_instance_in_its_environment_file_may_not_lead_it_anywh
     assert errors(root, "bad0@a.service") == []
 
 
+def test_a_root_units_file_named_in_a_directory_is_refused_only_by_what_is_right_in_it(
+    root: Path,
+) -> None:
+    """An instance's name, or a wildcard, in the file's own name holds no `/`: it names an
+    entry of the directory, no deeper. /etc/%i.conf of a template run as root was refused
+    wherever a directory in /etc was another user's (Debian's /etc/postgresql, the postgres
+    user's), which a directory cannot be named by (systemd cannot read one); a file or
+    symlink there someone but root can change still is refused, as is a directory of the
+    instance's or the pattern's, walked whole."""
+    put(root, "/etc/job/a.conf")
+    put(root, "/etc/postgresql/main/pg.conf", uid=ASR)
+    os.chown(root / "etc/postgresql", ASR, ASR)
+    os.chown(root / "etc/postgresql/main", ASR, ASR)
+    lines = {
+        "fine0@.service": "EnvironmentFile=/etc/%i.conf",
+        "fine1.service": "EnvironmentFile=-/etc/*.conf",
+        "fine2@.service": "EnvironmentFile=-/etc/job/%i",
+        "deep0@.service": "EnvironmentFile=/etc/%i.d/x.conf",
+        "deep1.service": "EnvironmentFile=/etc/p*/main/x.conf",
+    }
+    for name, line in lines.items():
+        install(root, name, line)
+    refused = {name for name in lines if errors(root, name)}
+    assert refused == {"deep0@.service", "deep1.service"}
+    put(root, "/etc/job/theirs.conf", uid=ASR)
+    install(root, "theirs@.service", "EnvironmentFile=/etc/job/%i.conf")
+    [error] = errors(root, "theirs@.service")
+    assert "EnvironmentFile: /etc/job/%i.conf cannot be checked: %i depends" in error
+
+
 def test_a_root_templates_environment_that_its_instance_may_make_skip_the_gate_is_refused(
     root: Path,
 ) -> None:
@@ -1383,10 +1418,17 @@ def test_a_root_templates_environment_that_its_instance_may_make_skip_the_gate_i
         "c@.service": (["Environment=SHELLOPTS=xtrace:%I"], True),
         "d@.service": (["Environment=LD_DEBUG=files:%N"], True),
         "e@.service": (["Environment=LD_TRACE_%i=1"], True),
+        # %f is %I after a `/` (x@a:help.service: /a, help), %d holds the unit's name
+        # (x@a:help:b.service: /run/credentials/x@a, help, b.service)
+        "g@.service": (["Environment=LD_DEBUG=%f"], True),
+        "h@.service": (["Environment=SHELLOPTS=%d"], True),
         "f@.service": (["Environment=LD_TRACE_LOADED_OBJECTS=%h"], True),
         "trace.service": (["Environment=LD_TRACE_LOADED_OBJECTS=%h"], True),
         "name.service": (["Environment=LD_%h=1"], True),
         "job@.service": (["Environment=JOB=%i MODEL=/srv/models/%i"], False),
+        # a name whose known part no such name has (JOB_ and the instance's) was refused
+        "jobs@.service": (["Environment=JOB_%i=1 %i_MODEL=x GPU%iDEBUG=%i"], False),
+        "trace@.service": (["Environment=%i_OBJECTS=1"], True),
         "own@.service": (["Environment=LD_DEBUG=%h SHELLOPTS=%u LD_PRELOAD=/x/%i.so"], False),
         "later@.service": (["Environment=LD_DEBUG=%i", "Environment=LD_DEBUG=files"], False),
         "unset@.service": (["Environment=LD_DEBUG=%i", "UnsetEnvironment=LD_DEBUG"], False),
@@ -1437,6 +1479,8 @@ def test_a_root_units_environment_file_pattern_that_may_lead_out_by_dot_dot_is_r
         "/etc/job/.[.]/asr/*.env",
         "/etc/job/\\.\\./asr/x.env",
         "/etc/job/*/../../srv/asr/x.env",
+        "/etc/job/.[[:punct:]]/asr/x.env",  # a class holds `.`: not `[[:punct:]`, then `]`
+        "/etc/job/..\\/..\\/srv/asr/x.env",  # glob(3) drops a `\` before a `/`
     )
     for i, value in enumerate(refused):
         install(root, f"bad{i}.service", f"EnvironmentFile={value}")
@@ -1476,7 +1520,11 @@ def test_which_glob_component_may_be_dot_dot_is_as_glibcs_glob_reads_it(tmp_path
         return os.fsencode(f"{tmp_path}/x/y/../z") in paths
 
     ups = [".*", "..*", ".?", ".[.]", "\\.\\.", ".\\.", ".."]
-    for part in [*ups, "*", "?.", "[.][.]", ".d*", "?*", "[.]*", "x.", ".x"]:
+    # a bracket's class, or escaped `]`, holds a dot too (the first `]` is not its end)
+    ups += [".[[:punct:]]", ".[![:alnum:]]", ".[[=.=]]", ".[\\].]", ".[[:alpha:].]"]
+    # a `\` before the `/` is dropped (`..\/z` is `../z`); an escaped one is itself
+    ups += ["..\\", ".\\.\\", ".*\\", ".[.]\\"]
+    for part in [*ups, "*", "?.", "[.][.]", ".d*", "?*", "[.]*", "x.", ".x", "..\\\\", "\\"]:
         assert envsafety._may_be_up(part) == reaches_up(part), part
 
 
