@@ -14,9 +14,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize
 
 import gpuslice.core.scheduler as scheduler_module
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
@@ -24,7 +28,12 @@ from gpuslice.core.scheduler import Grant, Outcome, Scheduler, Waiter, _PassView
 from tests import core_builders
 from tests.core_builders import brief, sized, spec
 from tests.test_core_ladder_properties import LadderMachine
-from tests.test_core_properties import CoreMachine, machine_settings
+from tests.test_core_properties import (
+    UNIT,
+    CoreMachine,
+    HostMachine,
+    machine_settings,
+)
 
 # under `make mutate` a few histories each: the cases below pin every condition
 EXAMPLES = (
@@ -132,13 +141,46 @@ class TwinnedLadder(LadderMachine):
     """The same on the hosts where the Preempt= ladder matters most."""
 
 
+# Devices=: the shortcuts compare pins (and key the usable GPUs by them), which the core's
+# histories never draw: some units pinned, alike or apart, on GPUs that may be lost
+PINS = st.sampled_from([(), (), ("0",), ("0",), ("1",), ("0", "1"), ("1", "2")])
+
+
+class TwinnedPins(HostMachine):
+    """The core's random histories with pinned units, checked against the full pass."""
+
+    @initialize(
+        whole=st.booleans(),
+        gpus=st.integers(2, 3),
+        units=st.lists(st.tuples(UNIT, PINS), min_size=2, max_size=8),
+        yield_to_foreign=st.booleans(),
+        requeue_at_gate=st.booleans(),
+    )
+    def boot(
+        self,
+        whole: bool,
+        gpus: int,
+        units: list[tuple[tuple[UnitSpec, bool], tuple[str, ...]]],
+        yield_to_foreign: bool,
+        requeue_at_gate: bool,
+    ) -> None:
+        host: list[int] | list[Gpu] = (
+            list(range(gpus)) if whole else [sized(i) for i in range(gpus)]
+        )
+        pinned = [(replace(u, devices=pins), on) for (u, on), pins in units]
+        self._boot(host, pinned, yield_to_foreign, requeue_at_gate)
+
+
 TwinnedMachine.TestCase.settings = machine_settings(EXAMPLES)
 TwinnedLadder.TestCase.settings = machine_settings(EXAMPLES // 2)
+TwinnedPins.TestCase.settings = machine_settings(EXAMPLES // 2)
 
 
-@pytest.mark.parametrize("machine", [TwinnedMachine, TwinnedLadder], ids=["core", "ladder"])
+@pytest.mark.parametrize(
+    "machine", [TwinnedMachine, TwinnedLadder, TwinnedPins], ids=["core", "ladder", "pins"]
+)
 def test_random_histories_decide_as_the_full_pass(
-    monkeypatch: pytest.MonkeyPatch, machine: type[CoreMachine | LadderMachine]
+    monkeypatch: pytest.MonkeyPatch, machine: type[HostMachine]
 ) -> None:
     monkeypatch.setattr(core_builders, "Scheduler", Twinned)
     machine.TestCase("runTest").runTest()
@@ -469,3 +511,72 @@ def test_requeue_goes_on_past_a_unit_it_skipped_to_a_smaller_one() -> None:
     c = spec("c", 60, mem_gib=4)
     busy = spec("busy", 10, mem_gib=10)
     assert _requeued([sized(0)], [busy], a, b, c) == ["start c.service"]
+
+
+# -- requeue's shortcut against the full pass: the histories above seldom hold two preempted
+# units in one pass, so a pass with many is drawn here: pins, sizes, kinds, lost GPUs and
+# foreign processes, the places blocked waiters keep
+
+_GIB = 1 << 30
+_REQUEUED_UNIT = st.tuples(
+    st.sampled_from([10, 20, 50, 50, 90]),
+    st.sampled_from(list(UnitKind)),
+    st.sampled_from([1, 1, 2, 3]),
+    st.sampled_from([None, None, 4, 8, 12, 20]),
+    PINS,
+)
+_GPU = st.tuples(
+    st.sampled_from([0, 0, 2 * _GIB, 10 * _GIB]),
+    st.booleans(),
+    st.sampled_from([False, False, False, True]),
+)
+
+
+def _unit(name: str, drawn: tuple[int, UnitKind, int, int | None, tuple[str, ...]]) -> UnitSpec:
+    prio, kind, gpus, mem, pins = drawn
+    return spec(name, prio, kind, gpus, mem_gib=mem, devices=pins)
+
+
+@settings(max_examples=EXAMPLES * 2, deadline=None)
+@given(
+    host=st.lists(_GPU, min_size=1, max_size=3),
+    whole=st.booleans(),
+    running=st.lists(_REQUEUED_UNIT, max_size=4),
+    waiting=st.lists(_REQUEUED_UNIT, max_size=3),
+    preempted=st.lists(_REQUEUED_UNIT, min_size=2, max_size=6),
+    yield_to_foreign=st.booleans(),
+    requeue_at_gate=st.booleans(),
+)
+def test_a_pass_with_many_preempted_units_requeues_as_the_full_pass(
+    host: list[tuple[int, bool, bool]],
+    whole: bool,
+    running: list[tuple[int, UnitKind, int, int | None, tuple[str, ...]]],
+    waiting: list[tuple[int, UnitKind, int, int | None, tuple[str, ...]]],
+    preempted: list[tuple[int, UnitKind, int, int | None, tuple[str, ...]]],
+    yield_to_foreign: bool,
+    requeue_at_gate: bool,
+) -> None:
+    gpus = [
+        Gpu(i, lost=lost)
+        if whole
+        else sized(i, foreign=foreign, foreign_pids=(4000 + i,) if pid else (), lost=lost)
+        for i, (foreign, pid, lost) in enumerate(host)
+    ]
+    run = [_unit(f"r{i}", u) for i, u in enumerate(running)]
+    wait = [_unit(f"w{i}", u) for i, u in enumerate(waiting)]
+    back = [_unit(f"p{i}", u) for i, u in enumerate(preempted)]
+    specs = {u.name: u for u in run + wait + back}
+    passes: list[object] = []
+    for kind in (Scheduler, FullPass):
+        s = kind(gpus, specs, yield_to_foreign=yield_to_foreign, requeue_at_gate=requeue_at_gate)
+        for unit in run:
+            s.request(unit)
+        with s.deferred():
+            for unit in wait:
+                s.request(unit)
+        for n, unit in enumerate(back):
+            s.preempted[unit.name] = n
+        actions = s.schedule()
+        passes.append((brief(actions), [getattr(a, "decision", None) for a in actions]))
+        passes.append(sorted(s.preempted))
+    assert passes[:2] == passes[2:]
