@@ -580,3 +580,19 @@ def test_a_pass_with_many_preempted_units_requeues_as_the_full_pass(
         passes.append((brief(actions), [getattr(a, "decision", None) for a in actions]))
         passes.append(sorted(s.preempted))
     assert passes[:2] == passes[2:]
+
+
+def test_each_pins_have_their_own_usable_gpus_in_one_pass() -> None:
+    """The GPUs a blocked waiter may run on are listed once per pass for each pins: one
+    pinned to GPU 0 and one pinned to GPU 1, both behind more urgent holders, are each told
+    of their own GPU's holder (the second was told of GPU 0's, the first one's list)."""
+    holders = [spec(f"h{i}", 10) for i in range(2)]
+    on0 = spec("on0", 20, devices=("0",))
+    on1 = spec("on1", 30, devices=("1",))
+    sched = Scheduler([0, 1], {s.name: s for s in [*holders, on0, on1]})
+    _busy(sched, holders)
+    sched.request(on0)
+    sched.request(on1)
+    sched.schedule()
+    assert sched.waiters["on0.service"].reason == "waiting: GPU 0 held by h0.service, priority 10"
+    assert sched.waiters["on1.service"].reason == "waiting: GPU 1 held by h1.service, priority 10"
