@@ -493,6 +493,8 @@ def _may_be_up(part: str) -> bool:
         elif c == "?":
             pattern.append(".")
         elif c == "[" and (end := _bracket_end(part, i)) is not None:
+            if "\0" in part[i:end]:
+                return True  # where it ends, and what follows, is the instance's to say
             pattern.append(".")  # whatever it holds: one character, a dot maybe
             i = end
         else:
