@@ -17,6 +17,7 @@ from typing import cast
 import pytest
 
 from gpuslice import controller as controller_module
+from gpuslice.controller import Controller
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Log, Outcome, SavedState, Scheduler
 from tests.core_builders import BG, brief, sized, spec
@@ -34,6 +35,23 @@ from tests.test_controller import (
 
 DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
 EMBED = {"a.service": "Priority=50\n", "embed@.service": "Priority=90\nType=background\n"}
+
+
+async def run_then_stopped_by_a_reboot(ctl: Controller, embed: str) -> None:
+    """`embed` passes its gate and runs; reboot.target's job comes, and its stop (job 3)
+    takes it down: kept as stopped by the shutdown, for a cancel's refill."""
+    ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
+    ctl.on_unit_changed(embed, at_gate())
+    ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
+    ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
+    stop = (3, "/org/freedesktop/systemd1/job/3")  # the shutdown's stop
+    ctl.on_job_new(*stop, embed)
+    ctl.on_unit_changed(embed, {"ActiveState": "deactivating", "SubState": "stop", "Job": stop})
+    ctl.on_unit_changed(embed, DOWN)
+    ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
+    await settle()
+    assert embed in ctl.scheduler.stopped_by_shutdown
+
 
 # -- the core ---------------------------------------------------------------------------------
 
@@ -486,17 +504,7 @@ def test_a_background_instance_the_shutdown_stopped_is_refilled_after_a_restart(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
-        ctl.on_unit_changed(embed, at_gate())
-        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
-        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
-        stop = (3, "/org/freedesktop/systemd1/job/3")  # the shutdown's stop
-        ctl.on_job_new(*stop, embed)
-        ctl.on_unit_changed(embed, {"ActiveState": "deactivating", "SubState": "stop", "Job": stop})
-        ctl.on_unit_changed(embed, DOWN)
-        ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
-        await settle()
-        assert embed in ctl.scheduler.stopped_by_shutdown
+        await run_then_stopped_by_a_reboot(ctl, embed)
 
     run(test)
     again = Bed(tmp_path / "again", EMBED, [], bed.controller.scheduler.save())
@@ -643,17 +651,7 @@ def test_a_shutdown_stopped_instance_turned_on_demand_is_forgotten_at_the_rescan
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
-        ctl.on_unit_changed(embed, at_gate())
-        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
-        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
-        stop = (3, "/org/freedesktop/systemd1/job/3")  # the shutdown's stop
-        ctl.on_job_new(*stop, embed)
-        ctl.on_unit_changed(embed, {"ActiveState": "deactivating", "SubState": "stop", "Job": stop})
-        ctl.on_unit_changed(embed, DOWN)
-        ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
-        await settle()
-        assert embed in ctl.scheduler.stopped_by_shutdown
+        await run_then_stopped_by_a_reboot(ctl, embed)
         write_unit(tmp_path, "embed@.service", "Priority=90\n")  # Type= gone: on-demand
         ctl.request_rescan()
         await until(lambda: ctl._rescan is None)

@@ -1492,33 +1492,42 @@ def test_a_root_units_environment_file_pattern_that_may_lead_out_by_dot_dot_is_r
         ], value
 
 
-def test_which_glob_component_may_be_dot_dot_is_as_glibcs_glob_reads_it(tmp_path: Path) -> None:
-    """`_may_be_up` against glibc's own glob(3) (no flags, as systemd before safe_glob): each
-    component it says may be `..` reaches /x/y/.., and none it says may not does."""
+class _Glob(ctypes.Structure):
+    _fields_ = [
+        ("pathc", ctypes.c_size_t),
+        ("pathv", ctypes.POINTER(ctypes.c_char_p)),
+        ("offs", ctypes.c_size_t),
+        ("flags", ctypes.c_int),
+        ("rest", ctypes.c_void_p * 8),
+    ]
+
+
+@pytest.fixture
+def reaches_up(tmp_path: Path) -> Callable[[str], bool]:
+    """Whether glibc's own glob(3) (no flags, as systemd before safe_glob) of /x/y/PART/z
+    reaches /x/y/../z."""
     if not (found := ctypes.util.find_library("c")):
         pytest.skip("no C library")
     libc = ctypes.CDLL(found)
-
-    class Glob(ctypes.Structure):
-        _fields_ = [
-            ("pathc", ctypes.c_size_t),
-            ("pathv", ctypes.POINTER(ctypes.c_char_p)),
-            ("offs", ctypes.c_size_t),
-            ("flags", ctypes.c_int),
-            ("rest", ctypes.c_void_p * 8),
-        ]
-
     (tmp_path / "x/y/.d").mkdir(parents=True)
     (tmp_path / "x/z").write_text("")
 
-    def reaches_up(part: str) -> bool:
-        found = Glob()
-        if libc.glob(os.fsencode(f"{tmp_path}/x/y/{part}/z"), 0, None, ctypes.byref(found)):
+    def reaches(part: str) -> bool:
+        globbed = _Glob()
+        if libc.glob(os.fsencode(f"{tmp_path}/x/y/{part}/z"), 0, None, ctypes.byref(globbed)):
             return False
-        paths = [found.pathv[i] for i in range(found.pathc)]
-        libc.globfree(ctypes.byref(found))
+        paths = [globbed.pathv[i] for i in range(globbed.pathc)]
+        libc.globfree(ctypes.byref(globbed))
         return os.fsencode(f"{tmp_path}/x/y/../z") in paths
 
+    return reaches
+
+
+def test_which_glob_component_may_be_dot_dot_is_as_glibcs_glob_reads_it(
+    reaches_up: Callable[[str], bool],
+) -> None:
+    """`_may_be_up` against glibc's own glob(3) (no flags, as systemd before safe_glob): each
+    component it says may be `..` reaches /x/y/.., and none it says may not does."""
     ups = [".*", "..*", ".?", ".[.]", "\\.\\.", ".\\.", ".."]
     # a bracket's class, or escaped `]`, holds a dot too (the first `]` is not its end)
     ups += [".[[:punct:]]", ".[![:alnum:]]", ".[[=.=]]", ".[\\].]", ".[[:alpha:].]"]

@@ -7,8 +7,6 @@ out."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import signal
 from collections.abc import Callable
@@ -20,6 +18,7 @@ import pytest
 from gpuslice import envsafety
 from gpuslice.envsafety import FIX_INSTANCE, FIX_PATH, FIX_SKIPS
 from tests.test_envsafety import ASR, ETC, GATE, errors, install, put
+from tests.test_envsafety import reaches_up as reaches_up  # a fixture
 from tests.test_envsafety import root as root  # a fixture
 from tests.test_envsafety_mutation import fresh_covered as fresh_covered  # autouse
 
@@ -33,37 +32,6 @@ LEADS_OUT = (
     "cannot be checked: systemd reads it as a wildcard pattern, and a directory of it may be "
     "`..` as glob(3) reads it (`.*` matches `..`), so it leads out of"
 )
-
-
-class _Glob(ctypes.Structure):
-    _fields_ = [
-        ("pathc", ctypes.c_size_t),
-        ("pathv", ctypes.POINTER(ctypes.c_char_p)),
-        ("offs", ctypes.c_size_t),
-        ("flags", ctypes.c_int),
-        ("rest", ctypes.c_void_p * 8),
-    ]
-
-
-@pytest.fixture
-def reaches_up(tmp_path: Path) -> Callable[[str], bool]:
-    """Whether glibc's own glob(3) (no flags, as systemd before safe_glob) of /x/y/PART/z
-    reaches /x/y/../z."""
-    if not (found := ctypes.util.find_library("c")):
-        pytest.skip("no C library")
-    libc = ctypes.CDLL(found)
-    (tmp_path / "x/y/.d").mkdir(parents=True)
-    (tmp_path / "x/z").write_text("")
-
-    def reaches(part: str) -> bool:
-        globbed = _Glob()
-        if libc.glob(os.fsencode(f"{tmp_path}/x/y/{part}/z"), 0, None, ctypes.byref(globbed)):
-            return False
-        paths = [globbed.pathv[i] for i in range(globbed.pathc)]
-        libc.globfree(ctypes.byref(globbed))
-        return os.fsencode(f"{tmp_path}/x/y/../z") in paths
-
-    return reaches
 
 
 def _may_be_up(part: str) -> bool:

@@ -21,7 +21,8 @@ from gpuslice.systemd import SystemdError
 from gpuslice.tracker import UnitState
 from tests.core_builders import BG, brief, spec
 from tests.test_annotations import ETC, X, unit, write
-from tests.test_controller import Bed, at_gate, run, settle, until, write_unit
+from tests.test_background_instances import run_then_stopped_by_a_reboot
+from tests.test_controller import Bed, run, settle, until, write_unit
 from tests.test_ladder_adapter import Freezer, Host, hosted
 from tests.test_ladder_adapter import run as run_ladder
 
@@ -150,17 +151,7 @@ def test_an_instance_with_a_job_queued_is_not_forgotten_when_no_longer_kept(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
-        ctl.on_unit_changed(embed, at_gate())
-        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
-        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
-        stop = (3, "/org/freedesktop/systemd1/job/3")  # the shutdown's stop
-        ctl.on_job_new(*stop, embed)
-        ctl.on_unit_changed(embed, {"ActiveState": "deactivating", "SubState": "stop", "Job": stop})
-        ctl.on_unit_changed(embed, DOWN)
-        ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
-        await settle()
-        assert embed in ctl.scheduler.stopped_by_shutdown
+        await run_then_stopped_by_a_reboot(ctl, embed)
         queued = (4, "/org/freedesktop/systemd1/job/4")
         ctl.on_job_new(*queued, embed)
         ctl.on_unit_changed(embed, {"ActiveState": "inactive", "SubState": "dead", "Job": queued})
