@@ -215,13 +215,9 @@ def test_units_freed_by_one_hold_read_are_named_up_to_a_bound(
 # -- the cap on kept preemptions --------------------------------------------------------------
 
 
-def test_an_instance_dropped_past_the_bound_while_running_is_forgotten(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An instance kept goes down and the preempted instances pass the bound: the one
-    dropped is forgotten by the core and the tracker at once, as any instance owed
-    nothing (kept, each dropped instance stayed in memory, in the state file's specs and
-    watched)."""
+def two_preempted_instances(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Bed:
+    """embed@0 and embed@1 (background) preempted for a.service, shown down, with
+    PREEMPTED_INSTANCES_MAX 2: both kept at start-up."""
     monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 2)
     embed = {"a.service": "Priority=50\n", "embed@.service": BG}
     names = [f"embed@{i}.service" for i in range(2)]
@@ -234,6 +230,18 @@ def test_an_instance_dropped_past_the_bound_while_running_is_forgotten(
         state(n, "inactive", "dead") for n in names
     ]
     bed = Bed(tmp_path, embed, shown, saved)
+    return bed
+
+
+def test_an_instance_dropped_past_the_bound_while_running_is_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instance kept goes down and the preempted instances pass the bound: the one
+    dropped is forgotten by the core and the tracker at once, as any instance owed
+    nothing (kept, each dropped instance stayed in memory, in the state file's specs and
+    watched)."""
+    bed = two_preempted_instances(tmp_path, monkeypatch)
+    names = [f"embed@{i}.service" for i in range(2)]
 
     async def test() -> None:
         ctl: Controller = bed.controller
@@ -257,18 +265,7 @@ def test_an_instance_dropped_past_the_bound_with_a_call_unanswered_goes_at_the_a
     for the answer, and goes then. Kept until its next down, it stayed known, dormant, for
     as long as the controller ran: an instance's name is one job, which may never come
     again."""
-    monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 2)
-    embed = {"a.service": "Priority=50\n", "embed@.service": BG}
-    names = [f"embed@{i}.service" for i in range(2)]
-    saved = SavedState(
-        holders={"a.service": ((0,), "running", 3, "")},
-        preempted={n: i + 1 for i, n in enumerate(names)},
-        seq=3,
-    )
-    shown = [state("a.service", "active", "running")] + [
-        state(n, "inactive", "dead") for n in names
-    ]
-    bed = Bed(tmp_path, embed, shown, saved)
+    bed = two_preempted_instances(tmp_path, monkeypatch)
 
     async def test() -> None:
         ctl: Controller = bed.controller
