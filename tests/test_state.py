@@ -9,6 +9,7 @@ file is moved to state.json.bad; bad entries are dropped and the valid ones kept
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuslice.core.scheduler import SavedState, Scheduler
-from gpuslice.state import STATE_FILE_MAX, Flusher, StateStore
+from gpuslice.state import STATE_FILE_MAX, Flusher, StateStore, saved_fields
 from gpuslice.unitfiles import UNIT_NAME_MAX
 from tests.core_builders import BG, sized, spec
 
@@ -1095,3 +1098,35 @@ def test_a_flush_whose_thread_cannot_start_is_reported_and_tried_again(
         assert outcomes[1] is None and store.count == 1
 
     asyncio.run(main())
+
+
+_names = st.text("abc@0", min_size=1, max_size=4).map(lambda s: s + ".service")
+_gpus = st.tuples(st.integers(0, 7)).map(tuple) | st.lists(st.integers(0, 7), max_size=3).map(tuple)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    holders=st.dictionaries(
+        _names,
+        st.tuples(_gpus, st.sampled_from(["running", "stopping"]), st.integers(0, 99), _names),
+    ),
+    preempted=st.dictionaries(_names, st.integers(0, 99)),
+    held=st.lists(_names),
+    suspended=st.dictionaries(_names, st.tuples(_gpus, st.integers(0, 99))),
+    frozen_for=st.dictionaries(_names, st.lists(_names)),
+    terms=st.dictionaries(
+        _names,
+        st.tuples(
+            st.integers(0, 999),
+            st.sampled_from(["on-demand", "background"]),
+            st.integers(1, 8),
+            st.none() | st.integers(1, 2**40),
+        ),
+    ),
+)
+def test_a_save_writes_what_dataclasses_asdict_would(**parts: Any) -> None:
+    """The save takes the fields as they are, not asdict's deep copy (issue 10): the same
+    JSON, tuples inside dicts and lists included."""
+    saved = SavedState(**parts, seq=7, started=["x.service"])
+    ours = json.dumps(saved_fields(saved), sort_keys=True)
+    assert ours == json.dumps(dataclasses.asdict(saved), sort_keys=True)
