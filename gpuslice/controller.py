@@ -34,6 +34,7 @@ from typing import Any
 from gpuslice import envfiles, stopjournal
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.answers import StatusAnswers
+from gpuslice.calls import Calls, JobCall
 from gpuslice.cgroups import unit_of_pid
 from gpuslice.checkpoint import CheckpointSettings
 from gpuslice.config import (
@@ -60,7 +61,6 @@ from gpuslice.core.scheduler import (
     Freeze,
     Grant,
     Log,
-    Outcome,
     Phase,
     Resume,
     SavedState,
@@ -97,7 +97,7 @@ from gpuslice.service import (
     Starting,
 )
 from gpuslice.state import STATE_FILE_MAX, Flusher, StateStore, record_boot, same_boot
-from gpuslice.systemd import Queued, Systemd, SystemdError, is_transient, job_path
+from gpuslice.systemd import Systemd, SystemdError, is_transient
 from gpuslice.tracker import (
     CameUp,
     Change,
@@ -152,12 +152,6 @@ KEPT_INSTANCES_WARN = 10_000
 # user may start instances (an `Accept=yes` socket: one per connection), so this bounds the
 # core's tables and the state file, saved with every decision, whatever they start
 PREEMPTED_INSTANCES_MAX = 10_000
-# A StartUnit or StopUnit of ours that did not reach systemd (an error of the bus, or of a
-# systemd that is re-executing: gpuslice.systemd.is_transient) is sent again this long
-# after, the delay doubling while it keeps failing so, up to CALL_RETRY_MAX: never a tight
-# loop against a bus that fails at once (Controller._call_not_taken).
-CALL_RETRY_FIRST = 1.0
-CALL_RETRY_MAX = 30.0
 # config.yaml is read once it has been left alone this long (config.SETTLE_SECONDS says
 # why), and a reload waits for that at most CONFIG_SETTLE_WAITS times before it reads the
 # file as it is (a file rewritten without end is not waited for without end).
@@ -182,8 +176,6 @@ _READ_IF_DOWN = frozenset({Phase.RUNNING, Phase.STARTING, Phase.FROZEN})
 # on a stop's SIGTERM (143) is held, not failed, where a stop job ended it
 # (Tracker._stopped_frozen); any other that failed failed.
 _READ_IF_FAILED = frozenset({Phase.FROZEN, Phase.SUSPENDED})
-# Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
-JobCall = Callable[[str, Queued], Awaitable[str]]
 # stopjournal.ask: whether systemd's journal shows a stop job ending each unit's last run.
 AskJournal = Callable[[Sequence[str]], Awaitable[Mapping[str, stopjournal.Answer]]]
 
@@ -194,10 +186,6 @@ def _end_asked(phase: Phase | None, active: str) -> bool:
     return (phase in _READ_IF_DOWN and active == "inactive") or (
         phase in _READ_IF_FAILED and active == "failed"
     )
-
-
-async def _raising(error: Exception) -> str:
-    raise error
 
 
 class Controller:
@@ -272,6 +260,20 @@ class Controller:
             self._follow_shutdown,
             self._holds_read,
         )
+        # our StartUnit/StopUnit calls: answers, those sent again, the stops' timers
+        self.calls = Calls(
+            self.scheduler,
+            self.tracker,
+            self.reads,
+            self.counters,
+            systemd,
+            self.execute,
+            self._spawn,
+            self.on_unit_changed,
+            self._down_instance,
+            self._forget_instance,
+            lambda: self.config.stop_timeout,
+        )
         # freeze, suspend and resume (the Preempt= ladder), carried out as tasks
         self.ladder = Ladder(
             systemd,
@@ -336,13 +338,6 @@ class Controller:
         # match rules change one set at a time (_rewatch)
         self._rewatching = False
         self._rewatch_again = False
-        self._stop_timers: dict[str, asyncio.TimerHandle] = {}
-        # (unit, "start" | "stop"): the last delay of a call that did not reach systemd, until
-        # one goes through or is no longer wanted, and the timer that sends it again
-        self._retry_delays: dict[tuple[str, str], float] = {}
-        self._retry_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
-        # units whose stop, its delay over, waits for a read of systemd's (_stop_again)
-        self._stop_reads: set[str] = set()
         # units whose gate waits for their environment file to be written: granted
         # (_deliver), or let through on GPUs still held for them (_let_through)
         self._withheld: dict[str, asyncio.TimerHandle] = {}
@@ -1109,7 +1104,7 @@ class Controller:
     def _apply(self, change: Change) -> None:
         if isinstance(change, WentDown):
             name = change.unit
-            self._cancel_stop_timer(name)
+            self.calls.cancel_stop_timer(name)
             held = self.scheduler.grants().get(name, frozenset())
             if self.scheduler.phase(name) is not None and (
                 self.watch.available or self._holds_lost(held)
@@ -1142,7 +1137,7 @@ class Controller:
             if spec is not None:
                 self.execute(self.scheduler.announce(spec))
         else:
-            self._cancel_stop_timer(change.unit)
+            self.calls.cancel_stop_timer(change.unit)
             self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))
 
     def _holds_lost(self, gpus: Collection[int]) -> bool:
@@ -1518,7 +1513,7 @@ class Controller:
             # its start job outran our stop job (a preemption, or a start of ours withdrawn
             # when its annotation went): stop it again rather than leave it waiting or let
             # it through
-            self._call_systemd(self.systemd.stop_unit, unit, "stop")
+            self.calls.send(self.systemd.stop_unit, unit, "stop")
             return
         if spec is None:
             self._let_through(unit)
@@ -1726,9 +1721,9 @@ class Controller:
             else:  # the pass due this turn saves once for its batch (a unit's end, then
                 self._save_due = True  # the refill it allows: one save, not two, issue 10)
         for method, unit, what in calls:
-            self._call_systemd(method, unit, what)
+            self.calls.send(method, unit, what)
             if what == "stop":
-                self._arm_stop_timer(unit)
+                self.calls.arm_stop_timer(unit)
         for action in actions:
             if isinstance(action, Log):
                 self._say(action.message, action.level, action.decision)
@@ -1829,193 +1824,6 @@ class Controller:
                 del self.waiting_since[name]
         for name in waiting:
             self.waiting_since.setdefault(name, (time.time(), time.monotonic()))
-
-    def _call_systemd(self, method: JobCall, unit: str, what: str) -> None:
-        """Sent now (Systemd.send_call), counted as in flight before: a signal handled
-        before the answer must not take the unit for one nobody is stopping. The caller
-        has saved the state first (execute)."""
-        self.tracker.call_sent(unit)
-        if what == "stop":
-            self._stop_reads.discard(unit)  # this one is sent again: a read under way is moot
-        retry = self._retry_timers.pop((unit, what), None)
-        if retry is not None:  # this call is the one sent again
-            retry.cancel()
-        told = [False]
-
-        def queued(path: str) -> None:
-            """Systemd's answer, read before the signals it sent after it (the task
-            awaiting the answer resumes only once they are handled): the unit it stops is
-            seen down as preempted at once, not read again (issue 10: 3 ms of an idle GPU)."""
-            told[0] = True
-            if self.tracker.call_queued(unit, path, what):
-                self._spawn(self.reads.refresh(unit))
-
-        try:
-            answer = method(unit, queued)
-        except Exception as e:  # raised while sending: the task reports it, as it did
-            answer = _raising(e)
-        self._spawn(self._call(answer, told, unit, what))
-
-    async def _call(self, answer: Awaitable[str], told: list[bool], unit: str, what: str) -> None:
-        job: str | None = None
-        try:
-            job = await answer
-        except SystemdError as e:
-            self.counters.error("dbus_call_errors")
-            if is_transient(e):
-                self._call_not_taken(unit, what, e)
-                return
-            self._retry_delays.pop((unit, what), None)
-            log.error("%s %s failed: %s", what, unit, e.text)
-            if what == "start":
-                self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
-            else:
-                self._cancel_stop_timer(unit)
-                self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
-        else:
-            if self._retry_delays.pop((unit, what), None) is not None:
-                doing = "starting" if what == "start" else "stopping"
-                log.info("%s %s reached systemd: sent again, it went through", doing, unit)
-        finally:
-            if not told[0] and self.tracker.call_answered(unit, job, what):
-                await self.reads.refresh(unit)
-            elif not told[0] and self._down_instance(unit):
-                # the call failed (`queued` tells every answer), so no job of ours ends the
-                # instance: one whose forget waited for this answer (dropped past
-                # PREEMPTED_INSTANCES_MAX meanwhile) goes now. Kept, it stayed known,
-                # dormant, until a down that may never come (its name is one job's)
-                self._forget_instance(unit)
-
-    def _call_not_taken(self, unit: str, what: str, error: SystemdError) -> None:
-        """A StartUnit or StopUnit of ours did not reach systemd, for an error that passes
-        (systemd re-executing, its name without an owner for a moment, the bus daemon's
-        limits: gpuslice.systemd.TRANSIENT_ERRORS). Taken for systemd's refusal, a preempted
-        unit whose start failed so was recorded failed and never came back, and a victim
-        whose stop failed so was never asked again, its waiter left behind it for as long as
-        it ran. Both are sent again after a delay (CALL_RETRY_FIRST, doubling up to
-        CALL_RETRY_MAX), if still wanted then; the journal says so once until one goes
-        through."""
-        key = (unit, what)
-        first = key not in self._retry_delays
-        delay = self._retry_later(unit, what)
-        why = f"{error.text} ({error.name})"
-        log.debug("%s %s did not reach systemd: %s; sent again in %g s", what, unit, why, delay)
-        if what == "start":
-            # the core says it (once), owes the start as before, and releases its GPUs
-            self.execute(self.scheduler.start_failed(unit, why))
-        elif first:
-            log.warning(
-                "stopping %s did not reach systemd: %s; sent again in %g s, and until "
-                "systemd takes it (said once)",
-                unit,
-                why,
-                delay,
-            )
-
-    def _retry_later(self, unit: str, what: str) -> float:
-        """Arm the timer that sends the call again (`_send_again`), its delay doubled from
-        the last one (CALL_RETRY_FIRST, up to CALL_RETRY_MAX); the delay."""
-        key = (unit, what)
-        delay = min(self._retry_delays.get(key, CALL_RETRY_FIRST / 2) * 2, CALL_RETRY_MAX)
-        self._retry_delays[key] = delay
-        old = self._retry_timers.pop(key, None)
-        if old is not None:
-            old.cancel()
-        loop = asyncio.get_running_loop()
-        self._retry_timers[key] = loop.call_later(delay, self._send_again, unit, what)
-        return delay
-
-    def _send_again(self, unit: str, what: str) -> None:
-        """The delay after a call that did not reach systemd is over. A start: the core
-        decides again whether to send it (`Scheduler.retry_start`). A stop: while the core
-        still stops the unit and its signals show no job for it, systemd is asked first
-        (`_stop_again`). Not wanted any more: forgotten."""
-        key = (unit, what)
-        self._retry_timers.pop(key, None)
-        if what == "start":
-            actions = self.scheduler.retry_start(unit)
-            self.execute(actions)
-            if not any(isinstance(a, Start) and a.unit == unit for a in actions):
-                self._retry_delays.pop(key, None)  # started later, if ever: a new story
-            return
-        if self._stop_unsent(unit):
-            self._spawn(self._stop_again(unit))
-        else:
-            self._retry_delays.pop(key, None)
-
-    def _stop_unsent(self, unit: str) -> bool:
-        """The core still stops the unit and its signals show it running with no job (or at
-        its gate): no stop of ours is known to have reached systemd."""
-        state = self.tracker.state(unit)
-        kind = classify(state)
-        unsent = kind is Kind.GATE or (kind is Kind.RUNNING and state.job_id == 0)
-        return unsent and self.scheduler.phase(unit) is Phase.STOPPING
-
-    async def _stop_again(self, unit: str) -> None:
-        """A stop is sent again only if a read shows the unit still running with no job. A
-        StopUnit whose answer the bus daemon dropped (NO_REPLY after CALL_TIMEOUT: anyone can
-        flood our queue) may have reached systemd, its job's signals dropped too: sent again
-        on the signals' word, it merged into our own job, announced before it, and the
-        tracker took that for someone's stop: the victim was held, never brought back. A
-        stop job the read shows is ours (the core still stops the unit, and sent a stop),
-        unless announced before ours was sent (Tracker.stop_found): taken in, its end a
-        preemption; one that shows it down is taken in at a second look. A read that fails,
-        or that systemd's word on the unit since has made stale, is tried again after the
-        next delay."""
-        key = (unit, "stop")
-        self._stop_reads.add(unit)
-        try:
-            state = await self.reads.read_fresh(unit, self.tracker.heard(unit))
-        finally:
-            sent = unit not in self._stop_reads
-            self._stop_reads.discard(unit)
-        if sent or key not in self._retry_delays:
-            return  # a stop sent meanwhile tells: its answer, or the retry its failure arms
-        if not self._stop_unsent(unit):
-            self._retry_delays.pop(key, None)  # not wanted any more: forgotten
-            return
-        if state is None:
-            delay = self._retry_later(unit, "stop")
-            log.debug(
-                "cannot tell whether stopping %s reached systemd; read again in %g s", unit, delay
-            )
-            return
-        kind = classify(state)
-        # at its gate with a stop job (one waiting its turn): ours, maybe, as when running
-        gate = kind is Kind.GATE and state.job_type != "stop"
-        if gate or (kind is Kind.RUNNING and state.job_id == 0):
-            self._call_systemd(self.systemd.stop_unit, unit, "stop")
-            return
-        self._retry_delays.pop(key, None)
-        if state.job_type != "stop":
-            # down (our stop ran, its signals lost too?), or a job not ours: taken in once a
-            # second look still shows it (Rereads.confirm)
-            self.reads.confirm(unit)
-            return
-        path = job_path(state.job_id)
-        if self.tracker.stop_found(unit, path):
-            log.info(
-                "stopping %s reached systemd: its answer was lost, its job %d runs",
-                unit,
-                state.job_id,
-            )
-        props = {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, path)}
-        self.on_unit_changed(unit, props, read=True)
-
-    def _arm_stop_timer(self, unit: str) -> None:
-        self._cancel_stop_timer(unit)
-        timeout = self.config.stop_timeout
-        loop = asyncio.get_running_loop()
-        self._stop_timers[unit] = loop.call_later(timeout, self._stop_overdue, unit, timeout)
-
-    def _cancel_stop_timer(self, unit: str) -> None:
-        timer = self._stop_timers.pop(unit, None)
-        if timer is not None:
-            timer.cancel()
-
-    def _stop_overdue(self, unit: str, timeout: float) -> None:
-        self._stop_timers.pop(unit, None)
-        self.execute(self.scheduler.stop_overdue(unit, f"{timeout:g} s"))
 
     def _known_units(self) -> set[str]:
         """The units the core knows (holders, waiters, suspended): what the periodic read

@@ -50,7 +50,7 @@ FREEZER_TIMEOUT = 30.0
 # checkpoint of a unit frozen beside another) and failed for an error that passes (systemd
 # re-executing, as Debian's upgrade of it does; the bus daemon's limits:
 # gpuslice.systemd.TRANSIENT_ERRORS) is sent again after each of these waits, as the
-# controller sends a job call again (Controller._call_not_taken). Taken for a refusal, it left
+# controller sends a job call again (Calls._call_not_taken). Taken for a refusal, it left
 # the unit frozen: the restore failed and the job was stopped, its work lost. Bounded (15 s
 # of waits, each call FREEZER_TIMEOUT at most): the resume must not hold the unit's GPUs
 # forever, nor the suspend its waiter.

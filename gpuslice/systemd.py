@@ -85,7 +85,7 @@ class SystemdError(Exception):
 
 # D-Bus errors of the bus, or of a systemd that is away for a moment, after which the same
 # call may well work: a job call of ours that fails with one is sent again later
-# (Controller._call), not taken for systemd's refusal. Systemd's own errors
+# (Calls._call), not taken for systemd's refusal. Systemd's own errors
 # (org.freedesktop.systemd1.*: a unit masked, not found, a destructive transaction, ...)
 # and AccessDenied are refusals that a second call would only repeat.
 TRANSIENT_ERRORS = frozenset(

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import pytest
 
+from gpuslice import calls as calls_module
 from gpuslice import controller as controller_module
 from gpuslice import gpuwatch as gpuwatch_module
 from gpuslice import offloop as offloop_module
@@ -1402,7 +1403,7 @@ def test_a_stop_that_takes_too_long_names_the_overdue_victim(
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
         with caplog.at_level(logging.WARNING, logger="gpuslice"):
             # systemd never says it went down: the stop timer fires
-            assert await due_now(ctl._stop_overdue) == 1
+            assert await due_now(ctl.calls._stop_overdue) == 1
         assert bed.service.granted == []
 
     run(test)
@@ -2116,8 +2117,8 @@ def test_a_requeue_that_did_not_reach_systemd_is_sent_again_not_recorded_failed(
     failed and never came back. Its GPU is released and the start sent again after a delay
     that doubles up to its cap (1 s to 30 s; here an hour to 2.5, each ended by the test);
     the journal says so once, and once when it went through."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 2.5 * HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_MAX", 2.5 * HOUR)
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n"},
@@ -2136,8 +2137,8 @@ def test_a_requeue_that_did_not_reach_systemd_is_sent_again_not_recorded_failed(
         assert "low.service" in ctl.scheduler.preempted
         delays = []
         while len(sent) < 4:
-            delays.append(ctl._retry_delays[("low.service", "start")])
-            assert await due_now(ctl._send_again) == 1
+            delays.append(ctl.calls._retry_delays[("low.service", "start")])
+            assert await due_now(ctl.calls._send_again) == 1
         await settle()
         assert ctl.scheduler.phase("low.service") is Phase.STARTING
         assert delays == [HOUR, 2 * HOUR, 2.5 * HOUR]
@@ -2160,8 +2161,8 @@ def test_a_start_that_did_not_reach_systemd_is_sent_again_only_while_still_wante
     """urgent.service takes the GPU while the requeue of low.service waits for its delay:
     the delay's end sends nothing, and low.service, still owed, comes back once urgent.service
     has ended."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_MAX", HOUR)
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
@@ -2177,8 +2178,8 @@ def test_a_start_that_did_not_reach_systemd_is_sent_again_only_while_still_wante
         await settle()
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert bed.service.granted == [("urgent.service", "0")]
-        assert await due_now(ctl._send_again) == 1
-        assert len(sent) == 1 and not ctl._retry_timers
+        assert await due_now(ctl.calls._send_again) == 1
+        assert len(sent) == 1 and not ctl.calls._retry_timers
         assert "low.service" in ctl.scheduler.preempted
         goes_down(bed, "urgent.service")
         await settle()
@@ -2192,7 +2193,7 @@ def test_a_start_systemd_refuses_is_failed_and_not_sent_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A refusal that will not change (a masked unit) is the unit's failure, as before."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", 0.02)
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n"},
@@ -2207,7 +2208,7 @@ def test_a_start_systemd_refuses_is_failed_and_not_sent_again(
         await ctl.start()
         await settle()
         assert ctl.scheduler.snapshot().failed == ["low.service"]
-        assert ctl._retry_timers == {} and len(sent) == 1
+        assert ctl.calls._retry_timers == {} and len(sent) == 1
 
     run(test)
 
@@ -2223,8 +2224,8 @@ def test_a_stop_that_did_not_reach_systemd_is_sent_again_and_its_waiter_served(
     urgent.service waited behind it with nobody stopping it. The stop is sent again after a
     delay; urgent.service is granted once low.service is down, which is preempted (it comes
     back), not held."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_MAX", HOUR)
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
     sent = failing_calls(bed, "stop", [NO_REPLY, NO_OWNER])
 
@@ -2234,8 +2235,8 @@ def test_a_stop_that_did_not_reach_systemd_is_sent_again_and_its_waiter_served(
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert len(sent) == 1
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
-        assert await due_now(ctl._send_again) == 1  # NO_OWNER: once more
-        assert await due_now(ctl._send_again) == 1
+        assert await due_now(ctl.calls._send_again) == 1  # NO_OWNER: once more
+        assert await due_now(ctl.calls._send_again) == 1
         assert len(sent) == 3
         goes_down(bed, "low.service")
         await settle()
@@ -2258,8 +2259,8 @@ def test_a_stop_that_reached_systemd_after_all_is_not_sent_again_and_preempts(
     """The answer was lost, not the call: systemd shows low.service stopping. A second
     StopUnit would merge into that job and be taken for someone else's stop (a hold): none
     is sent, and low.service, down, is preempted (taken for refused before, then held)."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_MAX", HOUR)
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
     sent = failing_calls(bed, "stop", [NO_REPLY])
     job = "/org/freedesktop/systemd1/job/77"
@@ -2271,8 +2272,8 @@ def test_a_stop_that_reached_systemd_after_all_is_not_sent_again_and_preempts(
         ctl.on_job_new(77, job, "low.service")
         stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
         ctl.on_unit_changed("low.service", stopping)
-        assert await due_now(ctl._send_again) == 1
-        assert len(sent) == 1 and not ctl._retry_timers
+        assert await due_now(ctl.calls._send_again) == 1
+        assert len(sent) == 1 and not ctl.calls._retry_timers
         down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
         ctl.on_unit_changed("low.service", down)
         ctl.on_job_removed(77, job, "low.service", "done")
@@ -2302,7 +2303,7 @@ def test_a_call_that_raises_as_it_is_sent_is_reported_and_decides_nothing_more(
         ctl.on_unit_changed("urgent.service", at_gate(invocation=None))
         await settle()
         assert not ctl.tracker.in_flight("low.service")
-        assert "low.service" in ctl._stop_timers  # the decision was carried out
+        assert "low.service" in ctl.calls._stop_timers  # the decision was carried out
         assert any(
             "the bus broke" in (r.exc_text or "") or "the bus broke" in r.getMessage()
             for r in caplog.records

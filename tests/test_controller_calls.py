@@ -28,6 +28,7 @@ from typing import cast
 
 import pytest
 
+from gpuslice import calls as calls_module
 from gpuslice import controller as controller_module
 from gpuslice import gpuwatch as gpuwatch_module
 from gpuslice import rereads as rereads_module
@@ -150,7 +151,7 @@ def test_a_stop_systemd_refuses_is_said_with_its_error_and_the_victim_not_chosen
         await bed.acquire("urgent.service", ":1.9", 4242)
         await settle()
         assert ctl.scheduler.phase("low.service") is Phase.RUNNING
-        assert ctl._stop_timers == {}
+        assert ctl.calls._stop_timers == {}
         await past_time(asyncio.get_running_loop().time() + bed.config.stop_timeout * 2)
         assert stops(bed) == 1
         assert bed.service.granted == []
@@ -260,9 +261,9 @@ def lost_stop(
     is set, if given; `later`: the answers to the StopUnits after it) and sent again after an
     hour, a delay the test ends (retry_fires); `retry_max`: the longest delay, if the test
     doubles it."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", HOUR)
     if retry_max is not None:
-        monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", retry_max)
+        monkeypatch.setattr(calls_module, "CALL_RETRY_MAX", retry_max)
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     scripted(bed, "stop", [Answer(NO_REPLY, read=read), *later])
     return bed
@@ -315,8 +316,8 @@ def test_two_stops_in_flight_that_did_not_reach_systemd_are_sent_again_once_afte
     journal warns once. One StopUnit follows, after the longer delay: the second failure's
     timer replaces the first's, which would have sent one more, and then another. (Delays
     of an hour, each ended by the test: 50 ms ran out under load before the second failure.)"""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 2 * HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_MAX", 2 * HOUR)
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     read = asyncio.Event()
     sent = scripted(bed, "stop", [Answer(NO_REPLY, read=read), Answer(NO_REPLY, read=read)])
@@ -330,10 +331,10 @@ def test_two_stops_in_flight_that_did_not_reach_systemd_are_sent_again_once_afte
         caplog.clear()
         read.set()
         await settle()
-        assert ctl._retry_delays[("low.service", "stop")] == 2 * HOUR  # doubled
-        assert await due_now(ctl._send_again) == 1  # the second's: the first's replaced
+        assert ctl.calls._retry_delays[("low.service", "stop")] == 2 * HOUR  # doubled
+        assert await due_now(ctl.calls._send_again) == 1  # the second's: the first's replaced
         assert len(sent) == 3
-        assert await due_now(ctl._send_again) == 0
+        assert await due_now(ctl.calls._send_again) == 0
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
 
     run(test)
@@ -366,9 +367,9 @@ def test_a_stop_sent_anew_cancels_the_timer_that_was_to_send_it_again(
         await urgent_asks(bed)
         await bed.acquire("low.service", ":1.8", 4243)
         assert stops(bed) == 2
-        assert await due_now(ctl._send_again) == 0  # the timer went with the stop sent anew
+        assert await due_now(ctl.calls._send_again) == 0  # the timer went with the stop sent anew
         assert stops(bed) == 2
-        assert ctl._retry_timers == {}
+        assert ctl.calls._retry_timers == {}
 
     run(test)
     assert [m for m in messages(caplog) if "reach" in m] == [
@@ -396,9 +397,9 @@ def test_a_stop_not_sent_again_for_a_job_systemd_shows_is_a_new_story_the_next_t
         ctl = bed.controller
         await urgent_asks(bed)
         job_77_queued(bed, job)
-        assert await due_now(ctl._send_again) == 1
+        assert await due_now(ctl.calls._send_again) == 1
         assert stops(bed) == 1
-        assert ctl._retry_delays == {}
+        assert ctl.calls._retry_delays == {}
         stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
         ctl.on_unit_changed("low.service", stopping)
         down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
@@ -439,15 +440,15 @@ def test_a_stop_that_went_through_beside_one_that_did_not_leaves_no_error_when_i
         await bed.acquire("low.service", ":1.8", 4243)
         first.set()
         await settle()
-        assert ctl._retry_timers
+        assert ctl.calls._retry_timers
         ctl.on_job_new(78, job, "low.service")
         second.set()
         await settle()
         stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (78, job)}
         ctl.on_unit_changed("low.service", stopping)
-        assert await due_now(ctl._send_again) == 1
+        assert await due_now(ctl.calls._send_again) == 1
         assert stops(bed) == 2
-        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        assert ctl.calls._retry_timers == {} and ctl.calls._retry_delays == {}
 
     run(test)
     assert errors(caplog) == []
@@ -464,7 +465,7 @@ def test_a_start_refused_after_it_was_sent_again_ends_its_retries_for_good(
     That ends the story of the call that did not reach systemd: when low.service, started
     by hand later, is preempted and brought back, that start is not said to be one "sent
     again, it went through"."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", 0.02)
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
@@ -509,7 +510,7 @@ def test_a_start_no_longer_wanted_when_its_delay_ends_is_a_new_story_when_it_com
     delay was over: nothing is sent then, and that call's story ends. low.service comes
     back once urgent.service has ended, with a start that is its own: not said to be one
     "sent again, it went through", and no error on the way."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", HOUR)  # ended by the test
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"},
@@ -526,8 +527,8 @@ def test_a_start_no_longer_wanted_when_its_delay_ends_is_a_new_story_when_it_com
         await settle()
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert bed.service.granted == [("urgent.service", "0")]
-        assert await due_now(ctl._send_again) == 1
-        assert len(sent) == 1 and ctl._retry_timers == {}
+        assert await due_now(ctl.calls._send_again) == 1
+        assert len(sent) == 1 and ctl.calls._retry_timers == {}
         goes_down(bed, "urgent.service")
         await settle()
         assert len(sent) == 2
@@ -548,7 +549,7 @@ def test_a_victim_down_while_our_failed_stop_was_in_flight_is_read_again_when_it
     the answer to know whose job ended it. The answer is an error (NoReply): the unit is
     read again and its end taken in, and urgent.service, waiting for that GPU, is granted.
     Unread, the end was never taken in and urgent.service waited for a victim long gone."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.05)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", 0.05)
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     read = asyncio.Event()
     scripted(bed, "stop", [Answer(NO_REPLY, read=read)])
@@ -604,8 +605,8 @@ def test_our_stop_merged_into_a_persons_stop_leaves_the_victim_held_not_preempte
 def retry_fires(bed: Bed, what: str, unit: str = "low.service") -> None:
     """The retry timer of our call (`what`) of `unit`, an hour long, fires now."""
     ctl = bed.controller
-    ctl._retry_timers[(unit, what)].cancel()
-    ctl._send_again(unit, what)
+    ctl.calls._retry_timers[(unit, what)].cancel()
+    ctl.calls._send_again(unit, what)
 
 
 @pytest.mark.parametrize("job_new_heard", [True, False])
@@ -646,7 +647,7 @@ def test_a_stop_whose_answer_was_lost_is_not_sent_again_over_its_own_job(
         await settle()
         assert stops(bed) == 1
         assert bed.systemd.reads[-1] == "low.service"
-        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        assert ctl.calls._retry_timers == {} and ctl.calls._retry_delays == {}
         bed.systemd.units["low.service"] = state("low.service", "inactive", "dead")
         if shown[0] == "active":  # signalled (the read showed its job still queued)
             stopping = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (77, job)}
@@ -690,7 +691,7 @@ def test_a_stop_whose_answer_was_lost_and_whose_job_ended_unheard_is_not_sent_ag
         retry_fires(bed, "stop")
         await settle()
         assert stops(bed) == 1
-        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        assert ctl.calls._retry_timers == {} and ctl.calls._retry_delays == {}
         assert bed.systemd.reads[-2:] == ["low.service", "low.service"]
         assert bed.service.granted == [("urgent.service", "0")]
         assert "low.service" in ctl.scheduler.preempted
@@ -727,7 +728,7 @@ def test_a_stop_whose_answer_was_lost_is_not_sent_again_over_its_job_waiting_at_
         retry_fires(bed, "stop")
         await settle()
         assert stops(bed) == 1
-        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        assert ctl.calls._retry_timers == {} and ctl.calls._retry_delays == {}
         stopped_by_job_77(bed, job)
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
@@ -761,15 +762,15 @@ def test_a_stop_to_send_again_whose_read_fails_is_read_again_after_the_next_dela
     async def test() -> None:
         ctl = bed.controller
         await urgent_asks(bed)
-        assert stops(bed) == 1 and ctl._retry_delays == {key: HOUR}
+        assert stops(bed) == 1 and ctl.calls._retry_delays == {key: HOUR}
         retry_fires(bed, "stop")
         await settle()
         assert stops(bed) == 1 and not failing
-        assert ctl._retry_delays == {key: 2 * HOUR} and key in ctl._retry_timers
+        assert ctl.calls._retry_delays == {key: 2 * HOUR} and key in ctl.calls._retry_timers
         retry_fires(bed, "stop")
         await settle()
         assert stops(bed) == 2
-        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        assert ctl.calls._retry_timers == {} and ctl.calls._retry_delays == {}
         goes_down(bed, "low.service")
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
@@ -804,7 +805,7 @@ def test_a_stop_sent_anew_while_the_read_before_its_resend_is_out_is_the_one_sen
         answered.set()
         await settle()
         assert stops(bed) == 2
-        assert ctl._retry_timers == {} and ctl._retry_delays == {}
+        assert ctl.calls._retry_timers == {} and ctl.calls._retry_delays == {}
 
     run(test)
 
@@ -898,7 +899,7 @@ def test_a_victim_down_with_every_signal_lost_is_preempted_once_two_audits_show_
     PropertiesChanged, JobRemoved), its answer too or not: two audits find low.service
     down. A stop of ours was sent: its end is a preemption (not an end by itself), and it
     comes back once urgent.service ends."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", HOUR)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", HOUR)
     monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", HOUR)  # driven by hand here
     bed = low_runs_urgent_asks(tmp_path, cgroup_of)
     if answer == "lost":
@@ -967,7 +968,7 @@ def test_a_victims_stop_timer_ends_with_it_and_its_next_stop_is_timed_afresh(
         goes_down(bed, "low.service")
         await settle()
         assert bed.service.granted == [("urgent.service", "0")]
-        assert ctl._stop_timers == {}
+        assert ctl.calls._stop_timers == {}
         goes_down(bed, "urgent.service")
         await settle()
         assert bed.systemd.calls[-1] == ("start", "low.service")
@@ -976,10 +977,10 @@ def test_a_victims_stop_timer_ends_with_it_and_its_next_stop_is_timed_afresh(
         second = loop.time()
         await bed.acquire("urgent.service", ":1.10", 4242)
         assert stops(bed) == 2
-        assert ctl._stop_timers["low.service"].when() >= second + 2 * HOUR
+        assert ctl.calls._stop_timers["low.service"].when() >= second + 2 * HOUR
         caplog.clear()
-        assert await due_now(ctl._stop_overdue) == 1  # the new stop's only
-        assert ctl._stop_timers == {}  # it fired: nothing left to cancel
+        assert await due_now(ctl.calls._stop_overdue) == 1  # the new stop's only
+        assert ctl.calls._stop_timers == {}  # it fired: nothing left to cancel
 
     run(test)
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
@@ -1029,7 +1030,7 @@ def test_a_stop_timer_left_by_a_withdrawn_start_is_replaced_by_the_next_stops(
         write_unannotated(tmp_path, "low.service")
         ctl.request_rescan()
         await until(lambda: stops(bed) == 1)
-        old = ctl._stop_timers["low.service"]
+        old = ctl.calls._stop_timers["low.service"]
         read.set()
         await settle()
         assert ctl.scheduler.phase("low.service") is None
@@ -1043,7 +1044,7 @@ def test_a_stop_timer_left_by_a_withdrawn_start_is_replaced_by_the_next_stops(
         began = loop.time()
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert stops(bed) == 2
-        new = ctl._stop_timers["low.service"]
+        new = ctl.calls._stop_timers["low.service"]
         # left armed, the old timer would call the new stop overdue at its own moment
         assert old.cancelled() and new is not old
         assert new.when() >= began + 60.0  # timed by the new timeout
@@ -1466,7 +1467,7 @@ def test_a_retry_whose_pass_decides_a_signal_of_the_same_turn_ends_the_retry_qui
     of its own, not said to be one "sent again"."""
     # never due by itself: the test ends the delay (a delay of 0.1 s ended, on a loaded
     # machine, before the test had put the signal in the socket, or even read the timer)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 3600.0)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", 3600.0)
     bed = Bed(
         tmp_path,
         {
@@ -1488,7 +1489,7 @@ def test_a_retry_whose_pass_decides_a_signal_of_the_same_turn_ends_the_retry_qui
         loop = asyncio.get_running_loop()
         await ctl.start()
         await settle()
-        ctl._retry_timers[("low.service", "start")].cancel()
+        ctl.calls._retry_timers[("low.service", "start")].cancel()
         await bed.acquire("mid.service", ":1.9", 4242)
         ctl.on_unit_changed("mid.service", {"ActiveState": "active", "SubState": "running"})
 
@@ -1500,8 +1501,8 @@ def test_a_retry_whose_pass_decides_a_signal_of_the_same_turn_ends_the_retry_qui
 
         loop.add_reader(reader, signal_read)
         writer.send(b"x")  # the signal is in the socket as the delay ends: one turn has both
-        loop.call_at(loop.time(), ctl._send_again, "low.service", "start")
-        await until(lambda: not ctl._retry_timers)
+        loop.call_at(loop.time(), ctl.calls._send_again, "low.service", "start")
+        await until(lambda: not ctl.calls._retry_timers)
         await settle()
         assert len(sent) == 1
         assert bed.systemd.calls[-1] == ("stop", "mid.service")

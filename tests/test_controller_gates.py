@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice import calls as calls_module
 from gpuslice import controller as controller_module
 from gpuslice.controller import Controller
 from gpuslice.core.scheduler import Phase, SavedState
@@ -942,7 +943,7 @@ def test_the_gate_of_a_unit_being_stopped_is_stopped_again_and_said_as_a_stop(
     which found no pipe, asks over D-Bus: it is stopped again, not let through. That second
     StopUnit does not reach systemd (re-executing): the journal's lines say "stop" of it,
     the words an admin greps for, and it is sent again until it does."""
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.02)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", 0.02)
     bed = Bed(tmp_path, {"low.service": "Priority=90\n", "urgent.service": "Priority=10\n"}, [])
     cgroup_of[4242] = "low.service"
     stop = bed.systemd.stop_unit

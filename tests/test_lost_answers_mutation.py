@@ -1,6 +1,6 @@
 """A stop whose answer was lost, and a gate a daemon-reload took out, under mutation.
 
-Mutation testing of the controller's `_stop_again`, `_pass_gate` and `_restart_ungated`,
+Mutation testing of `Calls._stop_again`, the controller's `_pass_gate` and `_restart_ungated`,
 and of `Tracker.stop_found`, left rules no test held: a stop job a read shows is booked as
 ours (its unit down at once with it shown, its end a preemption), whatever the books held;
 the controller's view takes the state read, sub-state and all; a retry no longer wanted is
@@ -90,7 +90,7 @@ def test_a_stop_job_found_unannounced_at_a_gate_is_one_since_that_gate() -> None
     assert tracker.stopped_by_others(A) is False
 
 
-# ---- Controller._stop_again ----
+# ---- Calls._stop_again ----
 
 
 def test_a_stop_job_found_is_taken_in_with_the_state_read(
@@ -113,7 +113,7 @@ def test_a_stop_job_found_is_taken_in_with_the_state_read(
         assert stops(bed) == 1
         shown = ctl.tracker.state(LOW)
         assert (shown.active, shown.sub, shown.job_id) == ("deactivating", "stop-sigterm", 77)
-        assert ctl._stop_reads == set()
+        assert ctl.calls._stop_reads == set()
 
     run(test)
 
@@ -134,7 +134,7 @@ def test_a_stop_no_longer_unsent_when_its_read_comes_back_is_forgotten(
     async def test() -> None:
         ctl = bed.controller
         await urgent_asks(bed)
-        assert ctl._retry_delays == {KEY: HOUR}
+        assert ctl.calls._retry_delays == {KEY: HOUR}
         retry_fires(bed, "stop")
         await settle()
         ctl.on_job_new(77, job, LOW)
@@ -144,8 +144,8 @@ def test_a_stop_no_longer_unsent_when_its_read_comes_back_is_forgotten(
         read.set()
         await settle()
         assert stops(bed) == 1
-        assert ctl._retry_timers == {} and ctl._retry_delays == {}
-        assert ctl._stop_reads == set()
+        assert ctl.calls._retry_timers == {} and ctl.calls._retry_delays == {}
+        assert ctl.calls._stop_reads == set()
 
     run(test)
     assert errors(caplog) == []
@@ -172,8 +172,8 @@ def test_a_stop_whose_read_fails_says_when_it_is_read_again(
         await urgent_asks(bed)
         retry_fires(bed, "stop")
         await settle()
-        assert stops(bed) == 1 and ctl._retry_delays == {KEY: 2 * HOUR}
-        assert ctl._stop_reads == set()
+        assert stops(bed) == 1 and ctl.calls._retry_delays == {KEY: 2 * HOUR}
+        assert ctl.calls._stop_reads == set()
 
     run(test)
     assert (

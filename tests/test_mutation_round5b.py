@@ -272,7 +272,7 @@ def test_an_instance_dropped_past_the_bound_with_a_call_unanswered_goes_at_the_a
         await ctl.start()
         await settle()
         answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        ctl._call_systemd(lambda unit, queued: answer, "embed@1.service", "stop")
+        ctl.calls.send(lambda unit, queued: answer, "embed@1.service", "stop")
         monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 1)
         ctl.on_unit_changed("embed@0.service", DEAD)  # an instance kept goes down (again)
         await settle()

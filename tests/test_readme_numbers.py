@@ -17,6 +17,7 @@ import pytest
 from gpuslice import (
     busread,
     callers,
+    calls,
     checkpoint,
     cli,
     controller,
@@ -81,8 +82,8 @@ ROWS = [
     ("At most 10,000 instances are kept preempted", controller.PREEMPTED_INSTANCES_MAX, 10_000),
     ("past 10,000 of them `journalctl -u gpuslice` says", controller.KEPT_INSTANCES_WARN, 10_000),
     # While the controller is down: a call systemd never got
-    ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_FIRST, 1.0),
-    ("is sent again after 1 s, doubling up to 30 s", controller.CALL_RETRY_MAX, 30.0),
+    ("is sent again after 1 s, doubling up to 30 s", calls.CALL_RETRY_FIRST, 1.0),
+    ("is sent again after 1 s, doubling up to 30 s", calls.CALL_RETRY_MAX, 30.0),
     # Security model: lost signals
     ("So every 30 s the units gpuslice knows", rereads.AUDIT_INTERVAL, 30.0),
     ("found by two reads 30 s apart", rereads.AUDIT_INTERVAL, 30.0),

@@ -11,7 +11,7 @@ from signal import SIGTERM
 
 import pytest
 
-from gpuslice import controller as controller_module
+from gpuslice import calls as calls_module
 from gpuslice.controller import Controller
 from gpuslice.core.scheduler import SavedState
 from gpuslice.state import StateStore
@@ -80,8 +80,8 @@ def test_a_start_not_reaching_systemd_is_sent_again_after_a_delay_doubling_to_it
     delays themselves (scaled down), as the controller sets them, not as a clock reads them. Without
     its cap, a start that failed through a long re-execution waited minutes once systemd was back.
     """
-    monkeypatch.setattr(controller_module, "CALL_RETRY_FIRST", 0.01)
-    monkeypatch.setattr(controller_module, "CALL_RETRY_MAX", 0.03)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", 0.01)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_MAX", 0.03)
     bed = Bed(
         tmp_path,
         {"low.service": "Priority=90\n"},
@@ -91,13 +91,13 @@ def test_a_start_not_reaching_systemd_is_sent_again_after_a_delay_doubling_to_it
     sent = failing_calls(bed, "start", [NO_REPLY] * 5)
     ctl = bed.controller
     delays: list[float] = []
-    not_taken = ctl._call_not_taken
+    not_taken = ctl.calls._call_not_taken
 
     def recorded(unit: str, what: str, error: SystemdError) -> None:
         not_taken(unit, what, error)
-        delays.append(ctl._retry_delays[(unit, what)])
+        delays.append(ctl.calls._retry_delays[(unit, what)])
 
-    monkeypatch.setattr(ctl, "_call_not_taken", recorded)
+    monkeypatch.setattr(ctl.calls, "_call_not_taken", recorded)
 
     async def test() -> None:
         await ctl.start()

@@ -41,7 +41,7 @@ Half the histories are lossy: the bus daemon drops any message to the controller
 the answer to our call, a read's answer) whose queue is full. A dropped answer is NO_REPLY
 60 s later (`call_answered` with no job): a start is owed as before (Scheduler.start_failed),
 a stop is sent again after a delay, once a read shows the unit running with no job
-(Controller._stop_again: a stop job it shows is taken in by `stop_found`, any other state at
+(Calls._stop_again: a stop job it shows is taken in by `stop_found`, any other state at
 a second look). The periodic audit reads the unit the core knows, and takes in a state its
 signals did not tell when two reads in a row show it with nothing heard between, and whether
 the host still goes down (Rereads.audit, audit_shutdown). A host shutdown (reboot.target's
@@ -561,7 +561,7 @@ class Harness:
             self.audit()
         elif name == "stop_retry_due":
             self.stop_retry = False
-            if self.stop_unsent():  # Controller._send_again: read first (_stop_again)
+            if self.stop_unsent():  # Calls._send_again: read first (_stop_again)
                 self.stop_read = True
                 self.reads.append(("stop", self.tracker.heard(A), -1))
         elif name == "cancel_shutdown":
@@ -625,7 +625,7 @@ class Harness:
         return A in self.model.phases or A in self.model.waiters
 
     def stop_unsent(self) -> bool:
-        """Controller._stop_unsent: the core stops it and its signals show it running with
+        """Calls._stop_unsent: the core stops it and its signals show it running with
         no job, or at its gate."""
         state = self.tracker.state(A)
         kind = classify(state)
@@ -634,10 +634,10 @@ class Harness:
 
     def resume(self, msg: Msg) -> None:
         """The task awaiting our call's answer resumes: the answer (a job), or NO_REPLY
-        after CALL_TIMEOUT when the bus daemon dropped it (Controller._call)."""
+        after CALL_TIMEOUT when the bus daemon dropped it (Calls._call)."""
         job = msg.path or None
         if job is None and msg.what == "start":
-            # Controller._call_not_taken: Scheduler.start_failed, owed as before the start
+            # Calls._call_not_taken: Scheduler.start_failed, owed as before the start
             if self.model.phases.get(A) is Phase.STARTING:
                 del self.model.phases[A]
                 self.preempted = True
@@ -711,7 +711,7 @@ class Harness:
         self.take_read(props, s)
 
     def stop_read_answered(self, msg: Msg) -> None:
-        """Controller._stop_again: the read of a unit whose stop got no answer."""
+        """Calls._stop_again: the read of a unit whose stop got no answer."""
         s = msg.shown
         assert s is not None
         if not self.stop_read:

@@ -1,0 +1,283 @@
+"""Our calls to systemd that queue a job (StartUnit, StopUnit), and what follows each.
+
+A call is counted as in flight before it is sent (`send`), its answer taken in by the tracker
+(a job of ours, or a failure read again). One that did not reach systemd (an error that
+passes: gpuslice.systemd.is_transient) is sent again after a delay that doubles up to a cap,
+while still wanted: a start once the core decides again, a stop once a read shows its unit
+still running with no job. Systemd's refusal goes to the core as it is. A stop gets a timer:
+its unit still up after `stop_timeout` is the core's `stop_overdue`.
+
+The controller carries out what the core answers (`execute`) and runs the tasks (`spawn`); a
+read that shows a stop job of ours is taken in as its signal would be (`on_unit_changed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
+
+from gpuslice.core.scheduler import Action, Outcome, Phase, Scheduler, Start
+from gpuslice.counters import Counters
+from gpuslice.rereads import Rereads
+from gpuslice.systemd import Queued, SystemdError, is_transient, job_path
+from gpuslice.tracker import Kind, Tracker, classify
+
+log = logging.getLogger("gpuslice")
+
+# A StartUnit or StopUnit of ours that did not reach systemd (an error of the bus, or of a
+# systemd that is re-executing: gpuslice.systemd.is_transient) is sent again this long
+# after, the delay doubling while it keeps failing so, up to CALL_RETRY_MAX: never a tight
+# loop against a bus that fails at once (Calls._call_not_taken).
+CALL_RETRY_FIRST = 1.0
+CALL_RETRY_MAX = 30.0
+# Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
+JobCall = Callable[[str, Queued], Awaitable[str]]
+
+
+class StopsUnits(Protocol):
+    """What a stop sent again is sent with: Systemd, looked up at each call (tests replace
+    its methods)."""
+
+    def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]: ...
+
+
+class UnitChanged(Protocol):
+    """Controller.on_unit_changed: systemd's word of a unit, here a read's."""
+
+    def __call__(self, name: str, props: dict[str, Any], *, read: bool = False) -> None: ...
+
+
+async def _raising(error: Exception) -> str:
+    raise error
+
+
+class Calls:
+    """The calls in flight, their retries and the stop timers. Everything else it touches
+    is given: the core and the tracker (shared with the controller), the rereads, and the
+    controller's callables (`down_instance`/`forget_instance`: an instance whose forget
+    waited for a failed call's answer goes; `stop_timeout`: the config's, read at each stop)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tracker: Tracker,
+        reads: Rereads,
+        counters: Counters,
+        systemd: StopsUnits,
+        execute: Callable[[list[Action]], None],
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        on_unit_changed: UnitChanged,
+        down_instance: Callable[[str], bool],
+        forget_instance: Callable[[str], None],
+        stop_timeout: Callable[[], float],
+    ) -> None:
+        self.scheduler = scheduler
+        self.tracker = tracker
+        self.reads = reads
+        self.counters = counters
+        self.systemd = systemd
+        self.execute = execute
+        self.spawn = spawn
+        self.on_unit_changed = on_unit_changed
+        self.down_instance = down_instance
+        self.forget_instance = forget_instance
+        self.stop_timeout = stop_timeout
+        self._stop_timers: dict[str, asyncio.TimerHandle] = {}
+        # (unit, "start" | "stop"): the last delay of a call that did not reach systemd, until
+        # one goes through or is no longer wanted, and the timer that sends it again
+        self._retry_delays: dict[tuple[str, str], float] = {}
+        self._retry_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
+        # units whose stop, its delay over, waits for a read of systemd's (_stop_again)
+        self._stop_reads: set[str] = set()
+
+    def send(self, method: JobCall, unit: str, what: str) -> None:
+        """Sent now (Systemd.send_call), counted as in flight before: a signal handled
+        before the answer must not take the unit for one nobody is stopping. The caller
+        has saved the state first (Controller.execute)."""
+        self.tracker.call_sent(unit)
+        if what == "stop":
+            self._stop_reads.discard(unit)  # this one is sent again: a read under way is moot
+        retry = self._retry_timers.pop((unit, what), None)
+        if retry is not None:  # this call is the one sent again
+            retry.cancel()
+        told = [False]
+
+        def queued(path: str) -> None:
+            """Systemd's answer, read before the signals it sent after it (the task
+            awaiting the answer resumes only once they are handled): the unit it stops is
+            seen down as preempted at once, not read again (issue 10: 3 ms of an idle GPU)."""
+            told[0] = True
+            if self.tracker.call_queued(unit, path, what):
+                self.spawn(self.reads.refresh(unit))
+
+        try:
+            answer = method(unit, queued)
+        except Exception as e:  # raised while sending: the task reports it, as it did
+            answer = _raising(e)
+        self.spawn(self._call(answer, told, unit, what))
+
+    async def _call(self, answer: Awaitable[str], told: list[bool], unit: str, what: str) -> None:
+        job: str | None = None
+        try:
+            job = await answer
+        except SystemdError as e:
+            self.counters.error("dbus_call_errors")
+            if is_transient(e):
+                self._call_not_taken(unit, what, e)
+                return
+            self._retry_delays.pop((unit, what), None)
+            log.error("%s %s failed: %s", what, unit, e.text)
+            if what == "start":
+                self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
+            else:
+                self.cancel_stop_timer(unit)
+                self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
+        else:
+            if self._retry_delays.pop((unit, what), None) is not None:
+                doing = "starting" if what == "start" else "stopping"
+                log.info("%s %s reached systemd: sent again, it went through", doing, unit)
+        finally:
+            if not told[0] and self.tracker.call_answered(unit, job, what):
+                await self.reads.refresh(unit)
+            elif not told[0] and self.down_instance(unit):
+                # the call failed (`queued` tells every answer), so no job of ours ends the
+                # instance: one whose forget waited for this answer (dropped past
+                # PREEMPTED_INSTANCES_MAX meanwhile) goes now. Kept, it stayed known,
+                # dormant, until a down that may never come (its name is one job's)
+                self.forget_instance(unit)
+
+    def _call_not_taken(self, unit: str, what: str, error: SystemdError) -> None:
+        """A StartUnit or StopUnit of ours did not reach systemd, for an error that passes
+        (systemd re-executing, its name without an owner for a moment, the bus daemon's
+        limits: gpuslice.systemd.TRANSIENT_ERRORS). Taken for systemd's refusal, a preempted
+        unit whose start failed so was recorded failed and never came back, and a victim
+        whose stop failed so was never asked again, its waiter left behind it for as long as
+        it ran. Both are sent again after a delay (CALL_RETRY_FIRST, doubling up to
+        CALL_RETRY_MAX), if still wanted then; the journal says so once until one goes
+        through."""
+        key = (unit, what)
+        first = key not in self._retry_delays
+        delay = self._retry_later(unit, what)
+        why = f"{error.text} ({error.name})"
+        log.debug("%s %s did not reach systemd: %s; sent again in %g s", what, unit, why, delay)
+        if what == "start":
+            # the core says it (once), owes the start as before, and releases its GPUs
+            self.execute(self.scheduler.start_failed(unit, why))
+        elif first:
+            log.warning(
+                "stopping %s did not reach systemd: %s; sent again in %g s, and until "
+                "systemd takes it (said once)",
+                unit,
+                why,
+                delay,
+            )
+
+    def _retry_later(self, unit: str, what: str) -> float:
+        """Arm the timer that sends the call again (`_send_again`), its delay doubled from
+        the last one (CALL_RETRY_FIRST, up to CALL_RETRY_MAX); the delay."""
+        key = (unit, what)
+        delay = min(self._retry_delays.get(key, CALL_RETRY_FIRST / 2) * 2, CALL_RETRY_MAX)
+        self._retry_delays[key] = delay
+        old = self._retry_timers.pop(key, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        self._retry_timers[key] = loop.call_later(delay, self._send_again, unit, what)
+        return delay
+
+    def _send_again(self, unit: str, what: str) -> None:
+        """The delay after a call that did not reach systemd is over. A start: the core
+        decides again whether to send it (`Scheduler.retry_start`). A stop: while the core
+        still stops the unit and its signals show no job for it, systemd is asked first
+        (`_stop_again`). Not wanted any more: forgotten."""
+        key = (unit, what)
+        self._retry_timers.pop(key, None)
+        if what == "start":
+            actions = self.scheduler.retry_start(unit)
+            self.execute(actions)
+            if not any(isinstance(a, Start) and a.unit == unit for a in actions):
+                self._retry_delays.pop(key, None)  # started later, if ever: a new story
+            return
+        if self._stop_unsent(unit):
+            self.spawn(self._stop_again(unit))
+        else:
+            self._retry_delays.pop(key, None)
+
+    def _stop_unsent(self, unit: str) -> bool:
+        """The core still stops the unit and its signals show it running with no job (or at
+        its gate): no stop of ours is known to have reached systemd."""
+        state = self.tracker.state(unit)
+        kind = classify(state)
+        unsent = kind is Kind.GATE or (kind is Kind.RUNNING and state.job_id == 0)
+        return unsent and self.scheduler.phase(unit) is Phase.STOPPING
+
+    async def _stop_again(self, unit: str) -> None:
+        """A stop is sent again only if a read shows the unit still running with no job. A
+        StopUnit whose answer the bus daemon dropped (NO_REPLY after CALL_TIMEOUT: anyone can
+        flood our queue) may have reached systemd, its job's signals dropped too: sent again
+        on the signals' word, it merged into our own job, announced before it, and the
+        tracker took that for someone's stop: the victim was held, never brought back. A
+        stop job the read shows is ours (the core still stops the unit, and sent a stop),
+        unless announced before ours was sent (Tracker.stop_found): taken in, its end a
+        preemption; one that shows it down is taken in at a second look. A read that fails,
+        or that systemd's word on the unit since has made stale, is tried again after the
+        next delay."""
+        key = (unit, "stop")
+        self._stop_reads.add(unit)
+        try:
+            state = await self.reads.read_fresh(unit, self.tracker.heard(unit))
+        finally:
+            sent = unit not in self._stop_reads
+            self._stop_reads.discard(unit)
+        if sent or key not in self._retry_delays:
+            return  # a stop sent meanwhile tells: its answer, or the retry its failure arms
+        if not self._stop_unsent(unit):
+            self._retry_delays.pop(key, None)  # not wanted any more: forgotten
+            return
+        if state is None:
+            delay = self._retry_later(unit, "stop")
+            log.debug(
+                "cannot tell whether stopping %s reached systemd; read again in %g s", unit, delay
+            )
+            return
+        kind = classify(state)
+        # at its gate with a stop job (one waiting its turn): ours, maybe, as when running
+        gate = kind is Kind.GATE and state.job_type != "stop"
+        if gate or (kind is Kind.RUNNING and state.job_id == 0):
+            self.send(self.systemd.stop_unit, unit, "stop")
+            return
+        self._retry_delays.pop(key, None)
+        if state.job_type != "stop":
+            # down (our stop ran, its signals lost too?), or a job not ours: taken in once a
+            # second look still shows it (Rereads.confirm)
+            self.reads.confirm(unit)
+            return
+        path = job_path(state.job_id)
+        if self.tracker.stop_found(unit, path):
+            log.info(
+                "stopping %s reached systemd: its answer was lost, its job %d runs",
+                unit,
+                state.job_id,
+            )
+        props = {"ActiveState": state.active, "SubState": state.sub, "Job": (state.job_id, path)}
+        self.on_unit_changed(unit, props, read=True)
+
+    def arm_stop_timer(self, unit: str) -> None:
+        """A stop sent: its unit still up after `stop_timeout` is overdue (`_stop_overdue`);
+        a timer armed before for the unit goes."""
+        self.cancel_stop_timer(unit)
+        timeout = self.stop_timeout()
+        loop = asyncio.get_running_loop()
+        self._stop_timers[unit] = loop.call_later(timeout, self._stop_overdue, unit, timeout)
+
+    def cancel_stop_timer(self, unit: str) -> None:
+        """The unit went down, or its stop failed: nothing is overdue."""
+        timer = self._stop_timers.pop(unit, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _stop_overdue(self, unit: str, timeout: float) -> None:
+        self._stop_timers.pop(unit, None)
+        self.execute(self.scheduler.stop_overdue(unit, f"{timeout:g} s"))

@@ -1,0 +1,523 @@
+"""gpuslice/calls.py on its own: our StartUnit/StopUnit calls, those sent again, the stop timers.
+
+Small fakes stand for the core, the tracker, the rereads and systemd (no controller, no bus):
+each records what it was asked and answers what the test set. Timers are never waited for: a
+test reads the delay a timer was armed with and runs its callback itself (`fire`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, cast
+
+import pytest
+
+from gpuslice import calls as calls_module
+from gpuslice.calls import Calls, JobCall
+from gpuslice.core.scheduler import Action, Log, Outcome, Phase, Scheduler, Start
+from gpuslice.counters import Counters
+from gpuslice.rereads import Rereads
+from gpuslice.systemd import Queued, SystemdError, job_path
+from gpuslice.tracker import Tracker, UnitState
+
+U = "low.service"
+NO_REPLY = SystemdError("org.freedesktop.DBus.Error.NoReply", "no reply")
+MASKED = SystemdError("org.freedesktop.systemd1.UnitMasked", "Unit low.service is masked.")
+RUNNING = UnitState(U, "active", "running", 0)
+STOPPING = UnitState(U, "deactivating", "stop-sigterm", 7, "stop")
+DOWN = UnitState(U, "inactive", "dead", 0)
+
+
+class FakeScheduler:
+    """The core's answers: a Log naming what was asked, or what `retry` holds."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, Phase] = {}
+        self.retry: list[Action] = []
+
+    def phase(self, name: str) -> Phase | None:
+        return self.phases.get(name)
+
+    def retry_start(self, name: str) -> list[Action]:
+        return [*self.retry, Log(f"retry_start {name}")]
+
+    def start_failed(self, name: str, why: str) -> list[Action]:
+        return [Log(f"start_failed {name}: {why}")]
+
+    def stop_failed(self, name: str, why: str, *, refused: bool) -> list[Action]:
+        return [Log(f"stop_failed {name}: {why} refused={refused}")]
+
+    def inactive(self, name: str, outcome: Outcome) -> list[Action]:
+        return [Log(f"inactive {name} {outcome.value}")]
+
+    def stop_overdue(self, name: str, after: str) -> list[Action]:
+        return [Log(f"stop_overdue {name} after {after}")]
+
+
+class FakeTracker:
+    """Systemd's word as signals told it: `states`; what the calls told it, recorded."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, UnitState] = {}
+        self.told: list[tuple[str, ...]] = []
+        self.read_after_answer = False  # call_answered's verdict: read the unit again
+
+    def state(self, name: str) -> UnitState:
+        return self.states.get(name, UnitState(name, "inactive", "dead", 0))
+
+    def heard(self, name: str) -> int:
+        return 3
+
+    def call_sent(self, unit: str) -> None:
+        self.told.append(("sent", unit))
+
+    def call_queued(self, unit: str, job: str, what: str) -> bool:
+        self.told.append(("queued", unit, job, what))
+        return False
+
+    def call_answered(self, unit: str, job: str | None, what: str) -> bool:
+        self.told.append(("answered", unit, str(job), what))
+        return self.read_after_answer
+
+    def stop_found(self, unit: str, job: str) -> bool:
+        self.told.append(("stop_found", unit, job))
+        return True
+
+
+class FakeReads:
+    """A read of systemd's shows `shown` (None: it failed, or was stale)."""
+
+    def __init__(self) -> None:
+        self.shown: UnitState | None = None
+        self.asked: list[tuple[str, ...]] = []
+
+    async def read_fresh(self, unit: str, seen: int) -> UnitState | None:
+        self.asked.append(("read_fresh", unit, str(seen)))
+        await asyncio.sleep(0)  # answered on a later turn of the loop, as systemd's is
+        return self.shown
+
+    async def refresh(self, unit: str) -> None:
+        self.asked.append(("refresh", unit))
+
+    def confirm(self, unit: str) -> None:
+        self.asked.append(("confirm", unit))
+
+
+def answering(outcomes: list[str | Exception], sent: list[str]) -> JobCall:
+    """A job call whose answers are `outcomes` in turn: a job path, told at once as systemd's
+    answer is, or an error raised as the bus answers; each call noted in `sent`."""
+
+    def call(name: str, queued: Queued) -> Awaitable[str]:
+        sent.append(name)
+        outcome = outcomes.pop(0)
+
+        async def answer() -> str:
+            if isinstance(outcome, Exception):
+                raise outcome
+            queued(outcome)
+            return outcome
+
+        return answer()
+
+    return call
+
+
+class FakeSystemd:
+    def __init__(self) -> None:
+        self.stops: list[str] = []
+        self.answers: list[str | Exception] = []
+
+    def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
+        assert queued is not None
+        return answering(self.answers, self.stops)(name, queued)
+
+
+class Kit:
+    """A Calls with its fakes; `done()` runs every task it spawned to its end."""
+
+    def __init__(self) -> None:
+        self.scheduler = FakeScheduler()
+        self.tracker = FakeTracker()
+        self.reads = FakeReads()
+        self.counters = Counters()
+        self.systemd = FakeSystemd()
+        self.executed: list[str] = []
+        self.changed: list[tuple[str, dict[str, Any], bool]] = []
+        self.forgotten: list[str] = []
+        self.down: set[str] = set()
+        self.timeout = 5.0
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.calls = Calls(
+            cast(Scheduler, self.scheduler),
+            cast(Tracker, self.tracker),
+            cast(Rereads, self.reads),
+            self.counters,
+            self.systemd,
+            self.execute,
+            self.spawn,
+            self.on_unit_changed,
+            lambda unit: unit in self.down,
+            self.forgotten.append,
+            lambda: self.timeout,
+        )
+
+    def execute(self, actions: list[Action]) -> None:
+        self.executed += [a.message for a in actions if isinstance(a, Log)]
+        self.executed += [f"Start {a.unit}" for a in actions if isinstance(a, Start)]
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.tasks.add(asyncio.get_running_loop().create_task(coro))
+
+    def on_unit_changed(self, name: str, props: dict[str, Any], *, read: bool = False) -> None:
+        self.changed.append((name, props, read))
+
+    async def done(self) -> None:
+        while self.tasks:
+            tasks, self.tasks = self.tasks, set()
+            await asyncio.gather(*tasks)
+
+
+def fire(handle: asyncio.TimerHandle) -> None:
+    """Run a timer's callback now, as the loop would once its delay is over."""
+    timer = cast(Any, handle)  # asyncio has no public way to fire a timer
+    callback, args = timer._callback, timer._args
+    handle.cancel()  # clears them
+    callback(*args)
+
+
+def delay_of(handle: asyncio.TimerHandle) -> float:
+    return round(handle.when() - asyncio.get_running_loop().time(), 3)
+
+
+def run(test: Callable[[Kit], Coroutine[Any, Any, None]]) -> Kit:
+    kit = Kit()
+    asyncio.run(test(kit))
+    return kit
+
+
+# ---- sent again: the delays ----
+
+
+def test_a_call_that_keeps_not_reaching_systemd_waits_twice_as_long_each_time_up_to_the_cap(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """1 s, doubling up to 30 s (README: "is sent again after 1 s, doubling up to 30 s"); the
+    journal says so once, and once when it goes through, which forgets the delay."""
+    caplog.set_level(logging.DEBUG, logger="gpuslice")
+    sent: list[str] = []
+
+    async def test(kit: Kit) -> None:
+        kit.scheduler.phases[U] = Phase.STOPPING
+        outcomes: list[str | Exception] = [NO_REPLY] * 7
+        call = answering([*outcomes, job_path(9)], sent)
+        delays = []
+        for _ in range(7):
+            kit.calls.send(call, U, "stop")
+            await kit.done()
+            delays.append(kit.calls._retry_delays[(U, "stop")])
+            assert delay_of(kit.calls._retry_timers[(U, "stop")]) == delays[-1]
+        assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+        timer = kit.calls._retry_timers[(U, "stop")]
+        kit.calls.send(call, U, "stop")  # went through
+        assert timer.cancelled()
+        await kit.done()
+        assert kit.calls._retry_timers == {} and kit.calls._retry_delays == {}
+
+    kit = run(test)
+    assert len(sent) == 8 and kit.counters.errors["dbus_call_errors"] == 7
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "stopping low.service did not reach systemd: no reply "
+        "(org.freedesktop.DBus.Error.NoReply); sent again in 1 s, and until systemd takes it "
+        "(said once)"
+    ]
+    assert "stopping low.service reached systemd: sent again, it went through" in caplog.messages
+    assert kit.executed == []  # a stop not taken is no core event
+
+
+def test_the_first_delay_and_the_cap_are_the_modules_constants(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(calls_module, "CALL_RETRY_FIRST", 3.0)
+    monkeypatch.setattr(calls_module, "CALL_RETRY_MAX", 10.0)
+
+    async def test(kit: Kit) -> None:
+        assert [kit.calls._retry_later(U, "start") for _ in range(4)] == [3.0, 6.0, 10.0, 10.0]
+        assert len(kit.calls._retry_timers) == 1  # each armed anew, the last one's cancelled
+        assert kit.calls._retry_delays == {(U, "start"): 10.0}
+
+    run(test)
+
+
+# ---- sent again: a start ----
+
+
+def test_a_start_not_taken_is_sent_again_only_if_the_core_sends_it_again() -> None:
+    """Its delay over, the core decides again (`retry_start`): a Start of the unit among its
+    actions keeps the delay (a failure doubles it); none forgets it, a new story."""
+    sent: list[str] = []
+
+    async def test(kit: Kit) -> None:
+        kit.calls.send(answering([NO_REPLY], sent), U, "start")
+        await kit.done()
+        assert kit.executed == [
+            "start_failed low.service: no reply (org.freedesktop.DBus.Error.NoReply)"
+        ]
+        kit.scheduler.retry = [Start(U, "again")]
+        fire(kit.calls._retry_timers[(U, "start")])
+        assert kit.executed[1:] == ["retry_start low.service", "Start low.service"]
+        assert kit.calls._retry_timers == {} and kit.calls._retry_delays == {(U, "start"): 1.0}
+        kit.calls._retry_later(U, "start")
+        kit.scheduler.retry = [Start("other.service", "not this one")]
+        fire(kit.calls._retry_timers[(U, "start")])
+        assert kit.calls._retry_timers == {} and kit.calls._retry_delays == {}
+
+    kit = run(test)
+    assert sent == [U] and kit.systemd.stops == []
+
+
+# ---- sent again: a stop ----
+
+
+def stop_not_taken(kit: Kit) -> Coroutine[Any, Any, None]:
+    """A stop of U, running, failed on the bus: its retry armed."""
+    kit.scheduler.phases[U] = Phase.STOPPING
+    kit.tracker.states[U] = RUNNING
+    kit.calls.send(answering([NO_REPLY], []), U, "stop")
+    return kit.done()
+
+
+def test_a_stop_is_sent_again_only_after_a_read_shows_its_unit_running_with_no_job() -> None:
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        kit.reads.shown = RUNNING
+        kit.systemd.answers = [job_path(9)]
+        fire(kit.calls._retry_timers[(U, "stop")])
+        assert kit.systemd.stops == []  # not on the signals' word: read first
+        await kit.done()
+        assert ("read_fresh", U, "3") in kit.reads.asked
+        assert kit.systemd.stops == [U]
+        assert kit.calls._retry_delays == {} and kit.calls._stop_reads == set()
+
+    run(test)
+
+
+def test_a_stop_whose_read_shows_a_stop_job_takes_it_in_as_ours_not_sending_another() -> None:
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        kit.reads.shown = STOPPING
+        fire(kit.calls._retry_timers[(U, "stop")])
+        await kit.done()
+        assert kit.systemd.stops == []
+        assert ("stop_found", U, job_path(7)) in kit.tracker.told
+        props = {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (7, job_path(7))}
+        assert kit.changed == [(U, props, True)]
+        assert kit.calls._retry_delays == {}
+
+    run(test)
+
+
+def test_a_stop_whose_read_shows_its_unit_down_is_confirmed_at_a_second_look() -> None:
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        kit.reads.shown = DOWN
+        fire(kit.calls._retry_timers[(U, "stop")])
+        await kit.done()
+        assert kit.systemd.stops == [] and kit.changed == []
+        assert kit.reads.asked[-1] == ("confirm", U)
+        assert kit.calls._retry_delays == {}
+
+    run(test)
+
+
+def test_a_stop_whose_read_shows_a_job_not_ours_is_not_sent_again_but_confirmed() -> None:
+    """Running with a job that is no stop (a reload, someone's restart): its signals were
+    lost too, and a second look takes it in (Rereads.confirm); a stop sent now would merge."""
+
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        kit.reads.shown = UnitState(U, "active", "running", 8, "reload")
+        fire(kit.calls._retry_timers[(U, "stop")])
+        await kit.done()
+        assert kit.systemd.stops == [] and kit.reads.asked[-1] == ("confirm", U)
+
+    run(test)
+
+
+def test_a_stop_whose_read_shows_its_unit_at_its_gate_is_sent_again_unless_a_stop_waits() -> None:
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        kit.reads.shown = UnitState(U, "activating", "start-pre", 8, "start")
+        kit.systemd.answers = [job_path(9)]
+        fire(kit.calls._retry_timers[(U, "stop")])
+        await kit.done()
+        assert kit.systemd.stops == [U]
+        await stop_not_taken(kit)
+        kit.reads.shown = UnitState(U, "activating", "start-pre", 8, "stop")
+        fire(kit.calls._retry_timers[(U, "stop")])
+        await kit.done()
+        assert kit.systemd.stops == [U]  # the stop job waiting its turn: ours, taken in
+        assert kit.changed[-1][0] == U and ("stop_found", U, job_path(8)) in kit.tracker.told
+
+    run(test)
+
+
+def test_a_stop_whose_read_fails_is_read_again_after_the_next_delay(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="gpuslice")
+
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        fire(kit.calls._retry_timers[(U, "stop")])  # kit.reads.shown: None
+        await kit.done()
+        assert kit.systemd.stops == []
+        assert kit.calls._retry_delays == {(U, "stop"): 2.0}
+        assert delay_of(kit.calls._retry_timers[(U, "stop")]) == 2.0
+
+    run(test)
+    assert "cannot tell whether stopping low.service reached systemd; read again in 2 s" in (
+        caplog.messages
+    )
+
+
+def test_a_stop_no_longer_wanted_when_its_delay_ends_is_forgotten_unread() -> None:
+    """The core no longer stops the unit, or its signals show a job for it: no read."""
+
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        kit.tracker.states[U] = STOPPING
+        fire(kit.calls._retry_timers[(U, "stop")])
+        await kit.done()
+        assert kit.reads.asked == [] and kit.calls._retry_delays == {}
+        await stop_not_taken(kit)
+        kit.scheduler.phases[U] = Phase.RUNNING
+        fire(kit.calls._retry_timers[(U, "stop")])
+        await kit.done()
+        assert kit.reads.asked == [] and kit.calls._retry_delays == {}
+
+    kit = run(test)
+    assert kit.systemd.stops == []
+
+
+def test_a_stop_sent_while_its_read_was_under_way_leaves_the_read_moot() -> None:
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        kit.reads.shown = RUNNING
+        fire(kit.calls._retry_timers[(U, "stop")])  # its read spawned, not run yet
+        assert kit.calls._stop_reads == set()
+        await asyncio.sleep(0)
+        assert kit.calls._stop_reads == {U}
+        kit.systemd.answers = [job_path(9)]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")  # a preemption sends it meanwhile
+        await kit.done()
+        assert kit.systemd.stops == [U]  # once: the read, answered after, sent nothing
+        assert kit.calls._stop_reads == set() and kit.calls._retry_delays == {}
+
+    run(test)
+
+
+# ---- an error that passes, and systemd's refusal ----
+
+
+def test_a_refused_start_is_the_cores_failure_and_not_sent_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def test(kit: Kit) -> None:
+        kit.calls.send(answering([MASKED], []), U, "start")
+        await kit.done()
+        assert kit.executed == ["inactive low.service failed"]
+        assert kit.calls._retry_timers == {} and kit.calls._retry_delays == {}
+
+    kit = run(test)
+    assert "start low.service failed: Unit low.service is masked." in caplog.messages
+    assert kit.counters.errors["dbus_call_errors"] == 1
+
+
+def test_a_refused_stop_is_the_cores_refusal_its_timer_cancelled_its_retry_forgotten() -> None:
+    async def test(kit: Kit) -> None:
+        await stop_not_taken(kit)
+        kit.calls.arm_stop_timer(U)
+        timer = kit.calls._stop_timers[U]
+        kit.calls.send(answering([MASKED], []), U, "stop")
+        await kit.done()
+        assert kit.executed == ["stop_failed low.service: Unit low.service is masked. refused=True"]
+        assert timer.cancelled() and kit.calls._stop_timers == {}
+        assert kit.calls._retry_timers == {} and kit.calls._retry_delays == {}
+
+    kit = run(test)
+    assert kit.counters.errors["dbus_call_errors"] == 2  # the error that passed, the refusal
+
+
+def test_a_call_raising_as_it_is_sent_fails_its_task_not_the_caller() -> None:
+    def broken(name: str, queued: Queued) -> Awaitable[str]:
+        raise RuntimeError("bug")
+
+    async def test(kit: Kit) -> None:
+        kit.calls.send(broken, U, "stop")
+        with pytest.raises(RuntimeError, match="bug"):
+            await kit.done()
+        assert ("answered", U, "None", "stop") in kit.tracker.told
+
+    run(test)
+
+
+def test_an_answer_goes_to_the_tracker_and_a_failed_call_is_read_again_if_it_says_so() -> None:
+    async def test(kit: Kit) -> None:
+        kit.calls.send(answering([job_path(9)], []), U, "stop")
+        await kit.done()
+        assert kit.tracker.told == [("sent", U), ("queued", U, job_path(9), "stop")]
+        kit.tracker.read_after_answer = True
+        kit.calls.send(answering([MASKED], []), U, "start")
+        await kit.done()
+        assert kit.tracker.told[-1] == ("answered", U, "None", "start")
+        assert kit.reads.asked == [("refresh", U)]
+
+    run(test)
+
+
+def test_an_instance_down_whose_call_failed_is_forgotten_once_answered() -> None:
+    name = "embed@1.service"
+
+    async def test(kit: Kit) -> None:
+        kit.down.add(name)
+        kit.calls.send(answering([MASKED], []), name, "start")
+        await kit.done()
+        assert kit.forgotten == [name]
+        kit.calls.send(answering([job_path(9)], []), name, "start")  # told: a job of ours
+        await kit.done()
+        assert kit.forgotten == [name]
+
+    run(test)
+
+
+# ---- the stop timer ----
+
+
+def test_a_stop_timer_is_armed_with_the_timeout_of_now_and_armed_anew_cancels_the_last() -> None:
+    async def test(kit: Kit) -> None:
+        kit.calls.arm_stop_timer(U)
+        first = kit.calls._stop_timers[U]
+        assert delay_of(first) == 5.0
+        kit.timeout = 60.0  # a reload changed stop_timeout
+        kit.calls.arm_stop_timer(U)
+        assert first.cancelled() and delay_of(kit.calls._stop_timers[U]) == 60.0
+        kit.calls.cancel_stop_timer(U)
+        assert kit.calls._stop_timers == {}
+        kit.calls.cancel_stop_timer(U)  # nothing armed: nothing to do
+
+    kit = run(test)
+    assert kit.executed == []
+
+
+def test_a_stop_overdue_is_the_cores_with_its_timeout_and_leaves_no_timer() -> None:
+    async def test(kit: Kit) -> None:
+        kit.timeout = 2.5
+        kit.calls.arm_stop_timer(U)
+        fire(kit.calls._stop_timers[U])
+        assert kit.executed == ["stop_overdue low.service after 2.5 s"]
+        assert kit.calls._stop_timers == {}
+
+    run(test)
