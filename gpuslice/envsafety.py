@@ -124,6 +124,13 @@ _BY_INSTANCE = "nNiI"  # in a template, these depend on the instance, chosen at 
 # and these, which gpuslice does not work out: %f is %I after a `/` (what it unescapes may be
 # `\\.\\.`, `..` to glob(3)), %d the credentials' directory, the unit's name in it
 _HOLD_INSTANCE = "fd"
+# the specifiers whose value never holds a `=`, whatever the instance: the unit's name or a
+# part of it as written (unit_name_is_valid: [a-zA-Z0-9:_.\@-] alone), and the credentials'
+# directory, /run/credentials/ and the name (%I and %f unescape it: `\x3d` is `=`)
+_NO_EQUALS = "nNijpd"
+# a bracket expression with more `]` after it than this, where it may be a dot, is taken for
+# `..` maybe: each is tried as its end, and each reading may hold another (root's patterns)
+BRACKET_ENDS_MAX = 8
 _WILDCARDS = "*?[\\"  # systemd globs EnvironmentFile= (glob(3) without flags: \ escapes)
 # seconds one lstat, readlink or getxattr of the walk may take: a local one takes
 # microseconds, a network file system whose server is gone never answers
@@ -473,7 +480,10 @@ def _may_be_up(part: str) -> bool:
     lists `.` and `..`; systemd's safe_glob skips them, an older systemd's glob(3) did not) and
     `\\.\\.` (no wildcard: unescaped and used as it is, `..`, by both), as is `..\\` before
     a `/` (glob(3) drops the `\\`). A leading dot is matched by a dot alone (`*`, `?`, `[.]`
-    match none there)."""
+    match none there). A bracket expression is one character, a dot maybe whatever it holds
+    (`.[[:alpha:]]` too: refused, never `..` to glibc, but a rule that reads brackets as
+    glibc does is glibc's fnmatch_loop.c again), and the rest is read from each `]` that may
+    end it."""
     pattern: list[str] = []
     i = 0
     while i < len(part):
@@ -492,38 +502,39 @@ def _may_be_up(part: str) -> bool:
             pattern.append(".*")
         elif c == "?":
             pattern.append(".")
-        elif c == "[" and (end := _bracket_end(part, i)) is not None:
-            if "\0" in part[i:end]:
+        elif c == "[":
+            if re.match(f"{''.join(pattern)}.", "..", re.DOTALL) is None:
+                return False  # a third character (or a second after one not a dot)
+            if "\0" in part[i:]:
                 return True  # where it ends, and what follows, is the instance's to say
-            pattern.append(".")  # whatever it holds: one character, a dot maybe
-            i = end
+            # one character, a dot maybe, whatever it holds; it ends at one of the `]` after
+            # it, which one glibc's fnmatch(3) says as it reads what matched (`.[.[:Alpha:]`
+            # is `..`): each is tried. None: the `[` is itself, never a dot
+            ends = [j + 1 for j in range(i, len(part)) if part[j] == "]"]
+            if len(ends) > BRACKET_ENDS_MAX:
+                return True
+            return any(_may_be_up(f"{part[: i - 1]}?{part[e:]}") for e in ends)
         else:
             pattern.append(re.escape(c))
     return re.fullmatch("".join(pattern), "..", re.DOTALL) is not None
 
 
-def _bracket_end(part: str, start: int) -> int | None:
-    """Where the bracket expression whose `[` is before `start` in `part` ends (past its
-    `]`), or None when it has none (the `[` is then itself, as for fnmatch(3)): a `]` first,
-    or after `!` or `^`, is one of its characters, as are an escaped one (`[\\].]`) and the
-    `]` of a class (`[[:punct:]]`, `[[=.=]]`, `[[.-.]]`): each holds a dot, maybe."""
-    i = start + 1 if part[start : start + 1] in ("!", "^") else start
-    i += 1 if part[i : i + 1] == "]" else 0
-    while i < len(part):
-        c = part[i]
-        if c == "\\":
-            i += 2
-        elif (
-            c == "["
-            and (kind := part[i + 1 : i + 2]) in (":", "=", ".")
-            and (close := part.find(f"{kind}]", i + 2)) >= 0
-        ):
-            i = close + 2
-        elif c == "]":
-            return i + 1
-        else:
-            i += 1
-    return None
+def _dropped(unit: str, word: str) -> bool:
+    """Whether systemd drops the `Environment=` word `word` of `unit`, its specifiers not all
+    worked out, whatever they turn out to be: it holds no `=`, nor can one of them make one
+    (`_NO_EQUALS`, or one `expand` works out). systemd v252's config_parse_environ expands
+    a word's specifiers, then ignores it where it is no assignment (`LD_%i`: `LD_x`), so
+    it sets nothing, whoever starts the instance."""
+    if "=" in word:
+        return False
+    known: list[str] = []
+    i = 0
+    while i < len(word):
+        pair = word[i : i + 2] if word[i] == "%" else word[i]
+        known.append("x" if pair[1:] and pair[1] in _NO_EQUALS else pair)
+        i += len(pair)
+    text, _ = expand(unit, "".join(known))
+    return text is not None and "=" not in text
 
 
 def _may_skip(unit: str, word: str) -> str | None:
@@ -1076,6 +1087,8 @@ class EnvFileChecker:
             for word in self._split(assignment.value):
                 text, why = expand(unit, word)
                 name = (text if text is not None else word).partition("=")[0]
+                if text is None and _dropped(unit, word):
+                    continue  # no assignment, whatever the instance: systemd drops it
                 if text is None:
                     if name in _WATCHED or "%" in name:
                         # systemd knows what gpuslice cannot tell: a LD_* of any value, maybe

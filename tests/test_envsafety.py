@@ -1457,6 +1457,34 @@ def test_a_root_templates_environment_that_its_instance_may_make_skip_the_gate_i
     assert "%h has a value gpuslice does not work out" in error
 
 
+def test_an_environment_word_no_instance_makes_an_assignment_is_dropped_as_systemd_does(
+    root: Path,
+) -> None:
+    """systemd v252's config_parse_environ expands a word's specifiers, then drops one that is
+    no assignment: Environment=LD_%i (LD_x, no `=`) sets nothing, whatever the instance (a unit
+    name holds no `=`; nor do %n, %N, %j, %p or %d, which hold it as written), in a template
+    run as root or as asr, yet was refused. %I and %f unescape the name (`\\x3d` is `=`:
+    b@DEBUG\\x3dhelp.service makes LD_%I LD_DEBUG=help), and a `=` of the word's own or one
+    of a specifier not worked out (%h) may make an assignment: those stay refused."""
+    cases = {
+        # name: (lines, refused)
+        "a@.service": (["Environment=LD_%i"], False),
+        "b@.service": (["Environment=LD_%n%N%j%p%d SHELLOPTS%i LD_%%i"], False),
+        "c@.service": (["User=asr", "Environment=LD_%i LD_PRELOAD%i"], False),
+        "d@.service": (["Environment=LD_%I"], True),
+        "e@.service": (["Environment=LD_DEBUG%f"], True),
+        "f@.service": (["Environment=LD_%i=1"], True),
+        "g@.service": (["Environment=LD_%i%h"], True),
+        "h@.service": (["User=asr", "Environment=LD_PRELOAD%I"], True),
+    }
+    for name, (lines, _) in cases.items():
+        install(root, name, *lines)
+    refused = {name for name in cases if errors(root, name)}
+    assert refused == {name for name, (_, bad_one) in cases.items() if bad_one}
+    [error] = errors(root, "d@.service")
+    assert "Environment: LD_%I cannot be checked: its name is not worked out" in error
+
+
 def test_a_root_units_environment_file_pattern_that_may_lead_out_by_dot_dot_is_refused(
     root: Path,
 ) -> None:
@@ -1535,6 +1563,58 @@ def test_which_glob_component_may_be_dot_dot_is_as_glibcs_glob_reads_it(
     ups += ["..\\", ".\\.\\", ".*\\", ".[.]\\"]
     for part in [*ups, "*", "?.", "[.][.]", ".d*", "?*", "[.]*", "x.", ".x", "..\\\\", "\\"]:
         assert envsafety._may_be_up(part) == reaches_up(part), part
+
+
+def test_a_bracket_is_dot_dot_maybe_wherever_glibcs_glob_reads_it_so(
+    reaches_up: Callable[[str], bool],
+) -> None:
+    """A bracket expression is taken for a dot whatever it holds, read on from each `]` that
+    may end it: never "no" where glibc's glob(3) says `..`. Those glibc says are not (a
+    class or range without a dot) are refused too, knowingly: reading them as glibc does is
+    fnmatch_loop.c again, for patterns only root writes (README, "The gate's
+    environment")."""
+    parts = [".[[:alpha:]]", ".[a-z]", ".[A-Z0-9_]", ".[!.]", ".[![:punct:]]", ".[[=a=]]"]
+    parts += [".[[.a.]]", ".[![...]]", ".[!a.]", ".[[:alnum:][:space:]]", ".[]a]", ".[!\\.]"]
+    parts += [".[!a-z]", ".[,-.]", ".[--0]", ".[.-a]", ".[!+--]", ".[[.,.]-0]", ".[[:graph:]]"]
+    parts += [".[[:print:]]", ".[a-a.]", ".[^]]", ".[\\.]", ".[[...]]", ".[[=.=]]", ".[.-.]"]
+    parts += [".[[=,=]]", ".[+--]", ".[a-.]", ".[[:foo:]]", ".[[.period.]]", ".[A-z]"]
+    for part in parts:
+        assert envsafety._may_be_up(part) or not reaches_up(part), part
+    assert envsafety._may_be_up(".[[:alpha:]]") and not reaches_up(".[[:alpha:]]")
+    for part in ("[.]", ".[.]x", "a[.]", ".[a]]b]c]x"):
+        assert not envsafety._may_be_up(part) and not reaches_up(part), part
+
+
+def test_a_bracket_with_more_ends_than_are_tried_is_dot_dot_maybe() -> None:
+    """Each `]` after a bracket is tried as its end, and each reading may hold another
+    bracket: past BRACKET_ENDS_MAX, `..` maybe, at once (a pattern only root writes)."""
+    tried = ".[" + "]" * envsafety.BRACKET_ENDS_MAX
+    assert not envsafety._may_be_up(tried + "x")
+    assert envsafety._may_be_up(tried + "]x")
+
+
+def test_a_bracket_glibc_ends_elsewhere_than_at_its_first_free_close_may_be_dot_dot(
+    root: Path, reaches_up: Callable[[str], bool]
+) -> None:
+    """glibc's fnmatch(3) ends a bracket where it reads it, and skips the rest of one whose
+    item matched otherwise than it reads it: `.[.[:Alpha:]` is `..` (once the dot matched,
+    `[:A` is no class, and `:]` ends it), as are `.[,-[=.=]` (a range's end `[` is itself),
+    `.[![=ab=]` and `.[![:zz:]` (no class: `[` is itself) and `.[\\[.a.]` (an escaped
+    `[` starts no collating symbol). gpuslice read each as a `[` with no end, never a dot:
+    EnvironmentFile=/etc/job/.[.[:Alpha:]/asr/x.env of a unit run as root read
+    /etc/asr/x.env, unsaid."""
+    ups = [".[.[:Alpha:]", ".[,-[=.=]", ".[![=ab=]", ".[![:zz:]", ".[\\[.a.]", ".[--[:punct:]"]
+    for part in ups:
+        assert envsafety._may_be_up(part) == reaches_up(part) is True, part
+    put(root, "/etc/job/a/job.env")
+    value = "/etc/job/.[.[:Alpha:]/asr/x.env"
+    install(root, "bad.service", f"EnvironmentFile={value}")
+    assert errors(root, "bad.service") == [
+        f"{ETC}/bad.service:4: [Service] EnvironmentFile: {value} cannot be checked: "
+        "systemd reads it as a wildcard pattern, and a directory of it may be `..` as "
+        f"glob(3) reads it (`.*` matches `..`), so it leads out of /etc/job; {GATE} "
+        f"bad.service {FIX_PATH}"
+    ]
 
 
 def test_exported_shell_functions_never_reach_the_gate() -> None:

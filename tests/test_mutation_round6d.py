@@ -6,33 +6,40 @@ before it, not the last), a known specifier beside one not known, and %f's `afte
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from gpuslice.envsafety import FIX_INSTANCE, _bracket_end, _names_it_may_be
+from gpuslice import envsafety
+from gpuslice.envsafety import FIX_INSTANCE, _names_it_may_be
 from tests.test_envsafety import ETC, GATE, errors, install
+from tests.test_envsafety import reaches_up as reaches_up  # a fixture
 from tests.test_envsafety import root as root  # a fixture
 
 
 @pytest.mark.parametrize(
-    ("part", "end"),
+    "part",
     [
         # `\]` is one of its characters, and the next `]` ends it: none after that one
-        pytest.param("[\\]]", 4, id="escaped-close-last"),
+        pytest.param("[.\\]]", id="escaped-close-last"),
         # `[.].]` is one class (the collating symbol `]`): the `]` after it ends the bracket
-        pytest.param("[[.].]]", 7, id="dot-class"),
-        # the class's `.]` is searched for after its `[.`, not from the pattern's start
-        pytest.param("[[.]x.]]", 8, id="dot-class-not-before"),
-        # the first `.]` after the `[.` closes the class, not the last one
-        pytest.param("[[.a.].]]", 8, id="first-class-close"),
-        # `[..]`: the class's `.]` may come right after its `[.`
-        pytest.param("[[..]]", 6, id="class-close-at-once"),
+        pytest.param("[.[.].]]", id="dot-class"),
+        pytest.param("[.[.]x.]]", id="dot-class-not-before"),
+        pytest.param("[.[..]]", id="class-close-at-once"),
+        # once a dot matched, `[:A` is no class: its `[` is itself, and `:]` ends the bracket
+        pytest.param("[.[:Alpha:]", id="skipped-no-class"),
+        pytest.param("[!a]", id="not-a"),
     ],
 )
-def test_bracket_end(part: str, end: int) -> None:
-    """Where the bracket whose `[` is at 0 ends, past its `]`."""
-    assert _bracket_end(part, 1) == end
+def test_a_bracket_is_read_on_from_the_end_glibc_gives_it(
+    part: str, reaches_up: Callable[[str], bool]
+) -> None:
+    """A dot, then a bracket that glibc's own glob(3) reads as a dot ending where the part
+    ends: `..` maybe, whichever `]` glibc ends it at."""
+    assert reaches_up(f".{part}")
+    assert envsafety._may_be_up(f".{part}")
+    assert not envsafety._may_be_up(f".{part}x")
 
 
 def test_names_a_word_may_be_with_a_known_specifier() -> None:
