@@ -67,11 +67,13 @@ PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
 # written since the Preempt= ladder, since starts are saved before they are sent, since
 # the terms of units whose annotation goes are kept, since thaws owed are, since saves are
-# numbered, since requeues at the gate and their failed waits are, and since background
-# instances the shutdown stopped are; a file without them (an older controller's) is complete
+# numbered, since requeues at the gate and their failed waits are, since background
+# instances the shutdown stopped are, and since refills are told from comebacks; a file
+# without them (an older controller's) is complete
 LATER_FIELDS = (
     "frozen_for",
     "generation",
+    "refills",
     "requeued",
     "started",
     "stopped_by_shutdown",
@@ -282,6 +284,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         "requeued",
         "wait_failed",
         "stopped_by_shutdown",
+        "refills",
     ):
         lists[key] = []
         names = data.get(key, [])
@@ -335,6 +338,14 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             started.append(name)
         else:
             problems.add(f"started: dropped {_show(name)}: not a starting holder")
+
+    refills: list[str] = []
+    ours = set(started)
+    for name in lists["refills"]:
+        if name in ours:
+            refills.append(name)
+        else:
+            problems.add(f"refills: dropped {_show(name)}: not a start of ours")
 
     thaw_owed: list[str] = []
     for name in lists["thaw_owed"]:
@@ -395,6 +406,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         requeued=requeued,
         wait_failed=wait_failed,
         stopped_by_shutdown=lists["stopped_by_shutdown"],
+        refills=refills,
     )
     return saved, boot_id
 

@@ -634,9 +634,9 @@ def test_save_writes_sorted_keys(tmp_path: Path) -> None:
     assert (tmp_path / "state.json").read_text() == (
         '{"boot_id": "b", "failed": [], "finished": [], "frozen_for": {}, "generation": 1, '
         '"held": ["train.service"], "holders": {"asr.service": [[0], "running", 4, ""]}, '
-        '"preempted": {"vlm.service": 3}, "requeued": [], "seq": 5, "started": [], '
-        '"stopped_by_shutdown": [], "suspended": {}, "terms": {}, "thaw_owed": [], '
-        '"version": 1, "wait_failed": []}'
+        '"preempted": {"vlm.service": 3}, "refills": [], "requeued": [], "seq": 5, '
+        '"started": [], "stopped_by_shutdown": [], "suspended": {}, "terms": {}, '
+        '"thaw_owed": [], "version": 1, "wait_failed": []}'
     )
 
 

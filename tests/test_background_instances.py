@@ -663,3 +663,43 @@ def test_a_shutdown_stopped_instance_turned_on_demand_is_forgotten_at_the_rescan
         assert all(embed not in f.read_text() for f in files)
 
     run(test)
+
+
+@pytest.mark.parametrize("by_itself", [False, True])
+def test_a_background_instance_failing_on_the_reboots_sigterm_is_refilled_at_its_cancel(
+    tmp_path: Path, by_itself: bool
+) -> None:
+    """The reboot's stop (job 3) takes embed@a down and its main process exits 143 on the
+    SIGTERM: systemd shows it failed. Recorded failed, it was forgotten, and the cancelled
+    reboot left it down for good, where one that exited 0 is refilled. One that failed by
+    itself (no job as it left running) failed: forgotten, not started again."""
+    bed = Bed(tmp_path, EMBED, [])
+    embed = "embed@a.service"
+    failed = {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
+        ctl.on_unit_changed(embed, at_gate())
+        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
+        if by_itself:
+            ctl.on_unit_changed(embed, failed)
+        else:
+            stop = (3, "/org/freedesktop/systemd1/job/3")  # the reboot's stop
+            ctl.on_job_new(*stop, embed)
+            ctl.on_unit_changed(
+                embed, {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": stop}
+            )
+            ctl.on_unit_changed(embed, failed)
+            ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
+        await settle()
+        assert ctl.scheduler.failed == set()  # one that failed is forgotten, as any instance
+        assert (embed in ctl.scheduler.stopped_by_shutdown) is not by_itself
+        ctl.on_job_removed(2, "/org/freedesktop/systemd1/job/2", "reboot.target", "canceled")
+        await settle()
+        started = [c for c in bed.systemd.calls if c[0] == "start"]
+        assert started == ([] if by_itself else [("start", embed)])
+
+    run(test)

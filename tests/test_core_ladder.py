@@ -1326,8 +1326,9 @@ def test_a_comeback_whose_start_fails_as_the_host_goes_down_is_still_owed() -> N
 
 
 def test_a_unit_failing_outside_a_preemption_at_the_shutdown_is_failed() -> None:
-    """Only a preempted unit's failure at the shutdown is its end with the boot: one that
-    ran, or one that failed by itself while frozen for nothing, is failed as before."""
+    """Only a preempted unit's (or a background one's: tests/test_core_refills.py) failure
+    at the shutdown is its end with the boot: an on-demand one that ran, or one that failed
+    by itself while frozen for nothing, is failed as before."""
     solo = spec("solo", 50)
     s = host(solo)
     running(s, solo)

@@ -185,6 +185,24 @@ def test_every_victim_is_named_once() -> None:
     )
 
 
+@pytest.mark.parametrize("count", [8, 9, 300])
+def test_the_summary_names_the_first_8_victims_and_the_json_all(count: int) -> None:
+    """A unit that would preempt hundreds (small units packed on many GPUs): the summary
+    is one bounded line, as the journal's (`listed`), and the JSON names every victim."""
+    small = [spec(f"v{i:03}", 90, BG) for i in range(count)]
+    big = spec("big", 10, gpus=count)
+    s = host(*small, big, gpus=count)
+    for unit in small:
+        s.request(unit)
+    plan = plan_start(s, big)
+    names = [u.name for u in small]
+    assert (plan.verdict, list(plan.victims)) == (Verdict.PREEMPTS, names)
+    more = f" and {count - 8} more" if count > 8 else ""
+    assert summary(plan).endswith(f" once {', '.join(names[:8])}{more} gave way")
+    assert plan.to_json()["victims"] == names
+    assert plan.to_json()["summary"] == summary(plan)
+
+
 def test_a_suspended_unit_holds_but_names_no_gpus() -> None:
     """Suspended, it holds no GPU: the summary names its phase and no GPUs."""
     vlm = spec("vlm-analysis", 90, BG, preempt="suspend stop")

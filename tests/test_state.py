@@ -44,6 +44,7 @@ GOOD: dict[str, Any] = {
     "requeued": [],
     "wait_failed": [],
     "stopped_by_shutdown": [],
+    "refills": [],
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -478,6 +479,26 @@ def test_thaws_owed_are_kept_for_running_and_stopping_holders_only(
     assert store.load()[0].thaw_owed == ["asr.service", "low.service"]
 
 
+def test_refills_are_kept_for_starts_of_ours_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted controller tells a refill of its own from a comeback (a unit turned
+    on-demand since is owed none); a name that is no start of ours is dropped, with why."""
+    holders = {"bg.service": [[0], "starting", 6, ""], "asr.service": [[1], "running", 4, ""]}
+    refills = ["bg.service", "asr.service", "../x"]
+    content = good(holders=holders, started=["bg.service"], refills=refills, seq=6)
+    saved, _, records = load(tmp_path, content, caplog)
+    assert saved.refills == ["bg.service"]
+    said_all(
+        records,
+        'refills: dropped "../x": not a unit name',
+        'refills: dropped "asr.service": not a start of ours',
+    )
+    store = StateStore(tmp_path / "again")
+    store.save(saved, "b")
+    assert store.load()[0].refills == ["bg.service"]
+
+
 def test_requeues_and_failed_waits_are_kept_and_a_file_without_them_is_complete(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -503,7 +524,7 @@ def test_requeues_and_failed_waits_are_kept_and_a_file_without_them_is_complete(
     store.save(saved, "b")
     assert store.load()[0] == saved
     caplog.clear()
-    later = ("requeued", "wait_failed", "stopped_by_shutdown")
+    later = ("requeued", "wait_failed", "stopped_by_shutdown", "refills")
     older = {k: v for k, v in GOOD.items() if k not in later}
     saved, _, records = load(tmp_path / "again", json.dumps(older).encode(), caplog)
     assert (saved, records) == (GOOD_STATE, [])

@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from gpuslice.core.decisions import Decision, reason, render
+from gpuslice.core.decisions import Decision, listed, reason, render
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.placement import format_gpus
 from gpuslice.core.scheduler import Grant, Scheduler, Waiting
@@ -130,13 +130,16 @@ def _of_waiter(
 
 
 def summary(plan: Plan) -> str:
-    """The plan in one line, for people."""
+    """The plan in one line, for people (its victims: the first LISTED_MAX, and how many
+    more)."""
     who = f"{plan.unit} (priority {plan.priority})"
     why = reason(plan.reason) if plan.reason is not None else "waiting"
     if plan.verdict is Verdict.STARTS:
         return f"{who} would start now on {format_gpus(plan.gpus)}"
     if plan.verdict is Verdict.PREEMPTS:
-        victims = ", ".join(plan.victims)
+        # one line, bounded as the journal's: a unit may preempt hundreds of small ones
+        # packed on its GPUs (`victims` in the JSON names every one)
+        victims = listed(plan.victims)
         return f"{who} would start on {format_gpus(plan.gpus)} once {victims} gave way"
     if plan.verdict is Verdict.WAITS:
         return f"{who} would be {why}"

@@ -303,6 +303,9 @@ class SavedState:
     # at a restart after its cancel (gpuslice.service stopped with them), the next
     # controller learnt them dormant, or not at all, and never refilled them
     stopped_by_shutdown: list[str] = field(default_factory=list)
+    # those of `started` that are refills (Scheduler.refills), not comebacks: lost, a refill
+    # whose unit turned on-demand since was taken for a comeback by its kind
+    refills: list[str] = field(default_factory=list)
 
 
 def _unannotated(spec: UnitSpec) -> UnitSpec:
@@ -434,6 +437,15 @@ class Scheduler:
         # started by gpuslice (refill, requeue), their gates not yet asking: saved, so that a
         # restarted controller can tell a StartUnit it may never have sent (start_lost)
         self.started: set[str] = set()
+        # those of them that are refills (`_refill`), not comebacks: a refill's start that does
+        # not happen (cut short by the host going down, or not reaching systemd) is owed
+        # nothing but refill's, whatever the unit's kind by then. Told by its kind, a refill of
+        # a unit (or of its template's instance) that a daemon-reload turned on-demand
+        # meanwhile ended as a comeback's, and gpuslice started again a unit it no longer
+        # starts; an instance the shutdown stopped (`stopped_by_shutdown`), refilled by the
+        # cancel, went preempted: with `Requeue=no` never started again, with `Requeue=yes`
+        # brought back preempting, which no refill does
+        self.refills: set[str] = set()
         # lost starts sent again by this controller, once each (start_lost: at start-up, so
         # no more than the starts the last controller saved)
         self._sent_again: set[str] = set()
@@ -596,7 +608,6 @@ class Scheduler:
         self.unstoppable.discard(name)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
-        refilled = self._refill_owed(name)  # before it goes (a refill's start: `ours`)
         self.stopped_by_shutdown.discard(name)  # said of a down before
         self.thaw_owed.discard(name)  # systemd thaws a unit before it stops it
         self.start_retries.pop(name, None)
@@ -606,30 +617,44 @@ class Scheduler:
         self.requeued.discard(name)
         # a start of ours (a refill, a comeback) whose gate was not answered yet
         ours = name in self.started and (holder is None or holder.phase is Phase.STARTING)
+        refill = ours and name in self.refills
         self.started.discard(name)
+        self.refills.discard(name)
         # a suspended unit stopped by hand (systemd thaws it first) is held like any other;
         # frozen, it cannot have ended by itself
         suspended = self.suspended.pop(name, None) is not None
         if suspended and outcome is Outcome.EXITED:
             outcome = Outcome.STOPPED
         # preempted (frozen, suspended, or being suspended or resumed), or its comeback
-        # under way: owed a comeback should the shutdown end it. A cancel's refill of an
-        # instance the shutdown stopped is no comeback: kept for refill again, below
-        start_owed = ours and name in self.specs and _owed_its_start(self.specs[name])
+        # under way: owed a comeback should the shutdown end it. A refill is no comeback (an
+        # instance the shutdown stopped is kept for refill again, below)
+        start_owed = (
+            ours and not refill and name in self.specs and _owed_its_start(self.specs[name])
+        )
         owed = (
-            suspended
-            or (holder is not None and holder.phase in PREEMPTED_IN_PLACE)
-            or (start_owed and not refilled)
+            suspended or (holder is not None and holder.phase in PREEMPTED_IN_PLACE) or start_owed
+        )
+        # a background unit that ran, or a start of ours (a refill, a comeback) under way:
+        # not by itself, the shutdown's stop ended it. An on-demand one that ran is failed as
+        # before: nothing of gpuslice's starts it again, so no refill is lost
+        known = self.specs.get(name)
+        ran = (
+            holder is not None
+            and holder.phase is Phase.RUNNING
+            and known is not None
+            and known.kind is UnitKind.BACKGROUND
         )
         if (
             outcome is Outcome.FAILED
             and self.shutting_down
-            and (owed or start_owed)
+            and (owed or ours or ran)
             and not by_itself
         ):
             # the shutdown's SIGTERM ended it and its main process exited non-zero (143, or 1
             # from its own handler), which systemd records as failed: its work went with the
-            # boot all the same. Recorded failed, a new boot cleared it and it was lost
+            # boot all the same. Recorded failed, a new boot cleared a preempted unit and it
+            # was lost, and a cancelled shutdown left a background unit down for good, where
+            # it refills one that exited 0 on the SIGTERM (an instance: `stopped_by_shutdown`)
             outcome = Outcome.SHUTDOWN
         if waiter is not None and holder is None:
             actions.append(_log(_about(waiter.spec, Code.CANCELLED)))
@@ -683,15 +708,6 @@ class Scheduler:
         if name not in self.specs:
             self._forget_end(name)
         return actions + self.schedule()
-
-    def _refill_owed(self, name: str) -> bool:
-        """A background instance the shutdown stopped (kept until its next down, also once
-        refilled): a start of ours of it is the cancel's refill, and one that did not happen
-        (cut short by another shutdown, or not reaching systemd) is refill's to send again,
-        as a plain background unit's. Taken for a comeback, it was kept preempted: with
-        `Requeue=no` never started again, nor forgotten (saved until the reboot); with
-        `Requeue=yes` it came back preempting, which no refill does."""
-        return name in self.stopped_by_shutdown and self._kept_for_refill(name)
 
     def _kept_for_refill(self, name: str) -> bool:
         """A background instance: one the host's shutdown stopped is kept, not forgotten
@@ -829,9 +845,10 @@ class Scheduler:
         reach systemd: an error of the bus, or of a systemd that is re-executing (`why`),
         not a refusal (those are `inactive` FAILED). Taken for failed, a preempted unit was
         never brought back: its work was lost without a word. It is owed as before the
-        start, its GPUs released: a plain background unit is idle again (refill or a
-        requeue brings it back), and so is an instance the shutdown stopped (its refill:
-        `_refill_owed`); any other is preempted again (only a requeue started it).
+        start, its GPUs released: a refill's unit is idle again (`refills`: an instance the
+        shutdown stopped is kept for refill, and one turned on-demand meanwhile is owed
+        nothing), and so is a plain background unit (refill or a requeue brings it back); any
+        other is preempted again (only a requeue started it).
         Nothing starts it until the adapter's delay is over (`retry_start`): at once, the
         same failure would be sent again in a tight loop while the bus fails. [] when the
         start is no longer ours and unanswered: its gate asked (it reached systemd after
@@ -849,9 +866,11 @@ class Scheduler:
             spec, gpus = waiter.spec, frozenset()
         else:
             return []
+        refill = name in self.refills
         self.started.discard(name)
+        self.refills.discard(name)
         self.requeued.discard(name)
-        if name in self.specs and _owed_its_start(self.specs[name]) and not self._refill_owed(name):
+        if name in self.specs and _owed_its_start(self.specs[name]) and not refill:
             self.preempted[name] = self._next()
         said = name in self.start_retries
         self.start_retries[name] = True
@@ -1890,6 +1909,7 @@ class Scheduler:
                 continue
             gpus = found.gpus
             self._starting(spec, frozenset(gpus))
+            self.refills.add(spec.name)
             actions.append(_start(_about(spec, Code.REFILL, gpus=tuple(sorted(gpus)))))
         return actions
 
@@ -2299,6 +2319,9 @@ class Scheduler:
                 n: sorted(h.frozen_for) for n, h in self.holders.items() if h.phase is Phase.FROZEN
             },
             started=sorted(n for n in self.started if self.phase(n) is Phase.STARTING),
+            refills=sorted(
+                n for n in self.refills & self.started if self.phase(n) is Phase.STARTING
+            ),
             thaw_owed=self.thaws_owed(),
             requeued=sorted(n for n in self.requeued if self.phase(n) in (None, Phase.STARTING)),
             wait_failed=sorted(n for n in self.wait_failed if n in self.preempted),
@@ -2347,6 +2370,10 @@ class Scheduler:
             spec = self.specs.get(name) or _kept_terms(name, saved)
             self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
         self.started = {n for n in saved.started if self.phase(n) is Phase.STARTING}
+        # a file of a controller before `refills`: a start of ours of an instance the shutdown
+        # stopped was its cancel's refill (a comeback's unit was preempted since, and no
+        # longer kept so: `inactive`)
+        self.refills = self.started & {*saved.refills, *saved.stopped_by_shutdown}
         self.dormant -= self.holders.keys() | self.suspended.keys()  # someone started them
         self.thaw_owed = {n for n in saved.thaw_owed if self.phase(n) in _THAW_OWED_IN}
         self.preempted = dict(saved.preempted)
@@ -2362,7 +2389,7 @@ class Scheduler:
         self.started |= {n for n in self.requeued if self.phase(n) is None}
         self.wait_failed = {n for n in saved.wait_failed if n in self.preempted}
         # one whose refill was under way (ours, STARTING) keeps its name, as it did before
-        # the restart: a start of it that does not happen is refill's again (`_refill_owed`)
+        # the restart: a start of it that does not happen is refill's again (`refills`)
         self.stopped_by_shutdown = {
             n for n in saved.stopped_by_shutdown if self._kept_for_refill(n)
         } - ((self.holders.keys() - self.started) | self.suspended.keys() | self.recorded())
@@ -2382,13 +2409,15 @@ class Scheduler:
             for name in saved.requeued
             if name in self.specs and _owed_its_start(self.specs[name])
         }
+        refills = {*saved.refills, *saved.stopped_by_shutdown}
         for name, (_, phase, seq, *_) in saved.holders.items():
             spec = self.specs.get(name)
             if spec is None:
                 continue  # one no longer annotated is owed nothing
-            # a refill of one the shutdown stopped is none: dormant, as that one (`_refill_owed`)
+            # a refill is none (`refills`): one of an instance the shutdown stopped is dormant,
+            # as that one, and one of a unit turned on-demand since is owed nothing
             comeback = Phase(phase) is Phase.STARTING and name in saved.started
-            comeback = comeback and name not in saved.stopped_by_shutdown
+            comeback = comeback and name not in refills
             if (
                 (comeback and _owed_its_start(spec))
                 or Phase(phase) in PREEMPTED_IN_PLACE

@@ -1,0 +1,163 @@
+"""A refill is no comeback: a refill's start that does not happen is owed nothing but
+refill's, whatever the unit's kind by then (`Scheduler.refills`). And a background unit
+whose main process fails on the shutdown's SIGTERM (143) is not a failed job: a cancelled
+shutdown refills it as one that exited 0."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gpuslice.core.model import Gpu
+from gpuslice.core.scheduler import Outcome, Scheduler
+from tests.core_builders import BG, brief, spec
+
+BG_UNIT = spec("bg", 90, BG)
+ON_DEMAND = spec("bg", 90)  # the same unit, its `Type=background` gone
+
+
+def refilled_then_on_demand() -> Scheduler:
+    """bg.service is refilled; a daemon-reload turns it on-demand before its gate asks."""
+    s = Scheduler([Gpu(0)], {BG_UNIT.name: BG_UNIT})
+    assert brief(s.schedule()) == ["start bg.service"]
+    assert brief(s.set_specs({BG_UNIT.name: ON_DEMAND})) == []
+    return s
+
+
+@pytest.mark.parametrize("outcome", [Outcome.SHUTDOWN, Outcome.FAILED])
+def test_a_refill_cut_short_by_a_shutdown_once_on_demand_is_no_comeback(
+    outcome: Outcome,
+) -> None:
+    """Told by its kind, the refill's start was taken for a comeback: preempted, and
+    started again once the shutdown was cancelled, an on-demand unit gpuslice no longer
+    starts. Its gate killed (143) is no failure either."""
+    s = refilled_then_on_demand()
+    s.set_shutting_down(True)
+    s.inactive(BG_UNIT.name, outcome)
+    assert (s.preempted, s.failed) == ({}, set())
+    assert brief(s.set_shutting_down(False)) == []
+
+
+def test_a_refill_that_did_not_reach_systemd_once_on_demand_is_no_comeback() -> None:
+    s = refilled_then_on_demand()
+    s.start_failed(BG_UNIT.name, "systemd is re-executing")
+    assert s.preempted == {}
+    assert brief(s.retry_start(BG_UNIT.name)) == []
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+def test_a_cancels_refill_of_an_instance_turned_on_demand_is_forgotten(restarted: bool) -> None:
+    """embed@a.service, stopped by the shutdown, is refilled by its cancel; its template
+    turns on-demand before the gate asks, and a second shutdown cuts the start short (its
+    gate killed: 143). No comeback: an on-demand instance owed nothing is forgotten. The
+    same where the controller restarted in between (the refill saved as one)."""
+    embed = spec("embed@a", 90, BG)
+    s = Scheduler([Gpu(0)], {})
+    s.request(embed)
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.SHUTDOWN)
+    assert brief(s.set_shutting_down(False)) == [f"start {embed.name}"]
+    on_demand = spec("embed@a", 90)
+    if restarted:
+        saved = s.save()
+        assert saved.refills == [embed.name]
+        s = Scheduler([Gpu(0)], {})
+        s.set_specs({embed.name: on_demand})
+        s.load(saved)
+    else:
+        s.set_specs({embed.name: on_demand})
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.FAILED)
+    assert (s.preempted, s.failed, s.stopped_by_shutdown) == ({}, set(), set())
+    assert s.forget_instance(embed.name)
+    assert brief(s.set_shutting_down(False)) == []
+
+
+def test_a_refill_saved_is_no_comeback_after_a_restart_or_the_reboot() -> None:
+    """Saved with its start (`refills`), a refill of a unit turned on-demand while no
+    controller ran is owed nothing: its start cut short, or its boot gone."""
+    s = Scheduler([Gpu(0)], {BG_UNIT.name: BG_UNIT})
+    s.schedule()
+    saved = s.save()
+    assert (saved.started, saved.refills) == ([BG_UNIT.name], [BG_UNIT.name])
+    fresh = Scheduler([Gpu(0)], {BG_UNIT.name: ON_DEMAND})
+    fresh.load(saved)
+    fresh.start_failed(BG_UNIT.name, "systemd is re-executing")
+    assert fresh.preempted == {}
+    rebooted = Scheduler([Gpu(0)], {BG_UNIT.name: ON_DEMAND})
+    assert rebooted.ended_with_boot(saved).preempted == {}
+
+
+def test_a_comeback_of_a_unit_turned_on_demand_is_still_owed() -> None:
+    """Only a refill is told apart: a preempted background unit's comeback (once refilled,
+    then preempted) cut short after its unit turned on-demand is still owed."""
+    s = Scheduler([Gpu(0)], {BG_UNIT.name: BG_UNIT})
+    assert brief(s.schedule()) == ["start bg.service"]
+    assert brief(s.request(BG_UNIT)) == ["grant bg.service 0"]
+    urgent = spec("urgent", 10)
+    assert brief(s.request(urgent)) == ["stop bg.service"]
+    s.inactive(BG_UNIT.name, Outcome.STOPPED)
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == ["start bg.service"]
+    s.set_specs({BG_UNIT.name: ON_DEMAND})
+    assert s.save().refills == []
+    s.set_shutting_down(True)
+    s.inactive(BG_UNIT.name, Outcome.FAILED)
+    assert list(s.preempted) == [BG_UNIT.name]
+    assert brief(s.set_shutting_down(False)) == ["start bg.service"]
+
+
+@pytest.mark.parametrize("name", ["bg", "embed@a"])
+def test_a_background_unit_failing_on_the_shutdowns_sigterm_is_refilled(name: str) -> None:
+    """Its main process exited 143 on the shutdown's SIGTERM, which systemd records as
+    failed: recorded failed, the cancelled shutdown left it down for good (an instance
+    forgotten), where one that exited 0 is refilled."""
+    unit = spec(name, 90, BG)
+    s = Scheduler([Gpu(0)], {})
+    assert brief(s.request(unit)) == [f"grant {unit.name} 0"]
+    s.set_shutting_down(True)
+    s.inactive(unit.name, Outcome.FAILED)
+    assert s.failed == set()
+    assert not s.forget_instance(unit.name)
+    assert brief(s.set_shutting_down(False)) == [f"start {unit.name}"]
+
+
+@pytest.mark.parametrize("name", ["bg", "embed@a"])
+def test_a_background_unit_that_failed_by_itself_in_a_shutdown_is_failed(name: str) -> None:
+    """No stop job took it down: its own failure, not refilled after the cancel."""
+    unit = spec(name, 90, BG)
+    s = Scheduler([Gpu(0)], {})
+    s.request(unit)
+    s.set_shutting_down(True)
+    s.inactive(unit.name, Outcome.FAILED, by_itself=True)
+    assert s.failed == {unit.name}
+    assert brief(s.set_shutting_down(False)) == []
+
+
+def test_a_refill_whose_gate_the_shutdown_killed_is_refilled() -> None:
+    """A plain background unit's refill, its gate killed by the shutdown (143) before it
+    ran: no failed job, refilled when the shutdown is cancelled."""
+    s = Scheduler([Gpu(0)], {BG_UNIT.name: BG_UNIT})
+    assert brief(s.schedule()) == ["start bg.service"]
+    s.set_shutting_down(True)
+    s.inactive(BG_UNIT.name, Outcome.FAILED)
+    assert s.failed == set()
+    assert brief(s.set_shutting_down(False)) == ["start bg.service"]
+
+
+def test_a_cancels_refill_saved_by_a_controller_before_refills_is_still_one() -> None:
+    """A file without `refills` (an older controller's): a start of ours of an instance the
+    shutdown stopped was its cancel's refill, as that controller took it."""
+    embed = spec("embed@a", 90, BG)
+    s = Scheduler([Gpu(0)], {})
+    s.request(embed)
+    s.set_shutting_down(True)
+    s.inactive(embed.name, Outcome.SHUTDOWN)
+    assert brief(s.set_shutting_down(False)) == [f"start {embed.name}"]
+    older = replace(s.save(), refills=[])
+    fresh = Scheduler([Gpu(0)], {embed.name: embed})
+    fresh.load(older)
+    fresh.start_failed(embed.name, "systemd is re-executing")
+    assert fresh.preempted == {}
+    assert fresh.stopped_by_shutdown == {embed.name}
+    assert fresh.ended_with_boot(older).preempted == {}
