@@ -473,3 +473,13 @@ def test_an_overdue_stop_whose_waiter_is_gone_names_no_waiter() -> None:
         "v.service (priority 50) has not stopped 30 s after gpuslice asked: "
         "see its TimeoutStopSec= and ExecStop="
     )
+
+
+def test_a_wait_for_many_victims_names_the_first_and_how_many_more() -> None:
+    """One part per victim, and a user who may start a Memory= template's instances makes
+    as many victims as fit a GPU: the reason (a journal line, status) names the first
+    LISTED_MAX and how many more, as every line naming what a user can make many of."""
+    victims = [Part(Blocker.VICTIM, (0,), f"w@{i}.service", 90) for i in range(300)]
+    words = reason(wait(Cause.STOPPING, *victims))
+    assert words.startswith("waiting for w@0.service (priority 90) to stop on GPU 0, ")
+    assert words.endswith("w@7.service (priority 90) to stop on GPU 0 and 292 more")

@@ -270,7 +270,8 @@ def reason(d: Decision) -> str:
     if d.cause is Cause.PAUSED:
         return f"waiting: {d.detail}"
     if d.cause is Cause.STOPPING:
-        return "waiting for " + ", ".join(_part(p) for p in d.parts)
+        # one part per victim: as many as Memory= units fit (instances a user may start)
+        return "waiting for " + listed(tuple(_part(p) for p in d.parts))
     if d.cause is Cause.UNUSABLE:
         return (
             f"waiting: {_need(d)}only {d.available} of this host's GPUs "
