@@ -71,6 +71,7 @@ from gpuslice.core.scheduler import (
     Thaw,
 )
 from gpuslice.counters import Counters
+from gpuslice.delivery import Delivery
 from gpuslice.gatepipes import GatePipes, raise_fd_limit
 from gpuslice.gpuwatch import FRESH_SAMPLE, GpuWatch
 from gpuslice.inventory import GpuUse, Inventory
@@ -84,7 +85,6 @@ from gpuslice.paths import (
     RUNTIME_DIR_ENV,
     RUNTIME_DIR_RECORD,
     STATE_DIR_RECORD,
-    env_file,
     gate_pipe_dir,
 )
 from gpuslice.rereads import Rereads
@@ -132,9 +132,6 @@ QUEUED_DELAY = 0.02
 # How long after a save the state file is made durable (gpuslice/state.py: Flusher): a
 # power cut may lose the decisions of this last stretch, never the file.
 FLUSH_DELAY = 1.0
-# How often a granted unit's environment file that could not be written (a full /run) is
-# tried again while its gate waits (Controller._deliver).
-ENV_RETRY = 1.0
 # Entries of RUNTIME_DIR/env a controller start looks at for the env files of units that
 # ended while no controller ran (Controller._sweep_env_files): at most this many entries
 # read (~15 ms) and removals (5 system calls each, ~0.3 s on tmpfs for all of them: a start
@@ -308,6 +305,15 @@ class Controller:
         )
         # the gates' fast way: answered through a pipe when systemd shows them at the gate
         self.gates = GatePipes(gate_pipe_dir(config.runtime_dir))
+        # a grant's way to its gate: its env file written first, withheld while it cannot be
+        self.delivery = Delivery(
+            self.scheduler,
+            self.gates,
+            self.service,
+            self.counters,
+            config.runtime_dir,
+            self._acquire_verified,
+        )
         self.boot_id = ""
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
@@ -338,9 +344,6 @@ class Controller:
         # match rules change one set at a time (_rewatch)
         self._rewatching = False
         self._rewatch_again = False
-        # units whose gate waits for their environment file to be written: granted
-        # (_deliver), or let through on GPUs still held for them (_let_through)
-        self._withheld: dict[str, asyncio.TimerHandle] = {}
         # units whose gate `_let_through` passes once systemd's ExecStartPre= of the unit is
         # read (_pass_gate): the calls that come meanwhile are answered with the first
         self._passing: set[str] = set()
@@ -468,11 +471,12 @@ class Controller:
         other than inactive or failed with no job (running, at its gate, starting or
         stopping, waiting to restart: its processes, or those of its next run, may read it),
         or that the core holds GPUs for or keeps suspended (its resume rewrites the file,
-        `_tell_again`). Any other unit's next start is let through its gate only once a grant
-        of ours wrote its file anew (`_deliver`). Called after `_rebuild`, which read back the
-        files of running units the saved state named no grant for, and before any grant is
-        delivered; after our name is claimed, so that no other controller writes one meanwhile.
-        At most ENV_SWEEP_MAX entries are looked at; one line says how many went."""
+        `Delivery.tell_again`). Any other unit's next start is let through its gate only once
+        a grant of ours wrote its file anew (`Delivery.deliver`). Called after `_rebuild`,
+        which read back the files of running units the saved state named no grant for, and
+        before any grant is delivered; after our name is claimed, so that no other controller
+        writes one meanwhile. At most ENV_SWEEP_MAX entries are looked at; one line says how
+        many went."""
         core = self.scheduler
         keep = {u.name for u in units if u.active not in ("inactive", "failed") or u.job_id}
         keep |= {*core.grants(), *core.suspended_units()}
@@ -1021,7 +1025,7 @@ class Controller:
         """An instance is down: its pipe and env file go. Instances' names are many (one per
         recording, per `Accept=yes` connection) and may never come again: kept, /run would
         hold one of each for every instance ever started until the controller restarts. The
-        next start's gate passes only once `_deliver` wrote its file anew (or, no longer
+        next start's gate passes only once `Delivery.deliver` wrote its file anew (or, no longer
         annotated, once `_let_through` removed or wrote it)."""
         self.gates.retire(name)
         envfiles.remove(self.config.runtime_dir, name)
@@ -1540,20 +1544,19 @@ class Controller:
           its file names them: one that names them stays (the word its last run was told,
           by UUID, `_remember_told`), one missing (a /run that was full at its grant,
           removed by hand) or naming others is written from the core's books
-          (`Scheduler.told`). While it cannot be written, the gate waits, as `_deliver`'s
-          does: without it, the new run saw every GPU, another unit's too. One whose books
-          cannot name a GPU it holds (lost since, the UUID it was granted unknown) is let go
-          first, and passes as the first kind (`Scheduler.let_through`)."""
-        withheld = self._withheld.pop(unit, None)
-        if withheld is not None:
-            withheld.cancel()
+          (`Scheduler.told`). While it cannot be written, the gate waits, as
+          `Delivery.deliver`'s does: without it, the new run saw every GPU, another unit's
+          too. One whose books cannot name a GPU it holds (lost since, the UUID it was
+          granted unknown) is let go first, and passes as the first kind
+          (`Scheduler.let_through`)."""
+        withheld = self.delivery.withdraw(unit)
         self.execute(self.scheduler.let_through(unit))  # let go: its GPUs cannot be named
         held = self._held_for(unit)
         self.gates.close(unit)
         self.gates.at_gate_unknown(unit)
         if not held:
             envfiles.remove(self.config.runtime_dir, unit)
-        elif not self._names_held(unit, held, again=withheld is not None):
+        elif not self.delivery.names_held(unit, held, again=withheld):
             return
         if self.service.pending(unit) and unit not in self._passing:
             self._passing.add(unit)
@@ -1639,24 +1642,6 @@ class Controller:
         self._say(render(decision), "info", decision)
         return True
 
-    def _names_held(self, unit: str, held: Sequence[int], again: bool) -> bool:
-        """Whether the env file of a unit let through names the GPUs the core holds for it,
-        written anew if need be (`_let_through`); if it cannot be, the gate waits and is
-        judged again in ENV_RETRY s (said once: `again` when it was said already)."""
-        if sorted(envfiles.told_gpus(self.config.runtime_dir, unit)) == list(held):
-            return True
-        return self._write_or_withhold(unit, again, self._let_through_withheld)
-
-    def _let_through_withheld(self, unit: str) -> None:
-        """A gate held by `_names_held` asks again, in effect: judged on what is known now
-        (annotated again, preempted, down meanwhile), its file tried again if it is still
-        let through (`_let_through` takes over this retry)."""
-        handle = self._withheld.get(unit)
-        if self.service.pending(unit):
-            self._acquire_verified(unit)
-        if self._withheld.get(unit) is handle:  # judged otherwise: nothing left to retry
-            self._withheld.pop(unit, None)
-
     @contextlib.contextmanager
     def _batched(self) -> Iterator[None]:
         """Take in an event now and decide once for every event handled before the loop
@@ -1709,7 +1694,7 @@ class Controller:
                 urgent = True
             if isinstance(action, Grant):
                 self.counters.admission_wait.observe(self._waited(action.unit))
-                self._deliver(action.unit, action.gpus)
+                self.delivery.deliver(action.unit, action.gpus)
             elif isinstance(action, Stop):
                 calls.append((self.systemd.stop_unit, action.unit, "stop"))
             elif isinstance(action, Start):
@@ -1732,7 +1717,7 @@ class Controller:
             if isinstance(action, Suspend):
                 self._spawn(self.ladder.suspend(action.unit, action.thaw_first))
             elif isinstance(action, Resume):
-                self._tell_again(action.unit, action.gpus)
+                self.delivery.tell_again(action.unit, action.gpus)
                 self._spawn(self.ladder.resume(action.unit))
             elif isinstance(action, Freeze):
                 self._spawn(self.ladder.freeze(action.unit))
@@ -1866,84 +1851,6 @@ class Controller:
         # among them), `_followed` of every tracked unit built an instance's spec anew for
         # each (46 ms a sample at 10,000 instances running or waiting)
         return names | {n for n in self.tracker.states.keys() - names if self._followed(n)}
-
-    def _deliver(self, unit: str, gpus: Sequence[int], again: bool = False) -> None:
-        """Let a granted unit's gate through once the unit's environment file says which
-        GPUs are its own. Started without one, its processes saw every GPU, those granted
-        to other units included. While the file cannot be written (a full /run) the gate
-        waits, its GPUs kept for it, and the write is tried again every ENV_RETRY s; the
-        journal says so once, and when it starts."""
-        withheld = self._withheld.pop(unit, None)
-        if withheld is not None:
-            withheld.cancel()
-        # granted again while withheld (its gate asked again): said once already, so said
-        # again only when it goes through (a process of the unit calling in a loop wrote
-        # an error line per call)
-        again = again or withheld is not None
-        if not self._write_or_withhold(unit, again, self._deliver_withheld):
-            return
-        self.gates.grant(unit)  # counted when its gate took it (_follow_gate)
-        if self.service.grant(unit, ",".join(map(str, gpus))):
-            self.counters.gate_answers["dbus"] += 1
-
-    def _write_or_withhold(self, unit: str, again: bool, retry: Callable[[str], None]) -> bool:
-        """Write the unit's env file from the core's books before its gate passes (`_deliver`,
-        `_let_through`): by the UUIDs it was granted (`Scheduler.told`), as NVML may number
-        the GPUs anew while a write is withheld, and index 0 then named another GPU, one
-        another unit runs on. While it cannot be written (a full /run) the gate waits and
-        `retry` judges it again in ENV_RETRY s; the journal says so once (`again`: said
-        already), and when it goes through. Whether it was written."""
-        path = env_file(self.config.runtime_dir, unit)
-        try:
-            envfiles.write(self.config.runtime_dir, unit, self.scheduler.told(unit))
-        except OSError as e:
-            if not again:
-                log.error(
-                    "cannot write %s (%s): %s waits at its gate until it can (tried again "
-                    "every %g s)",
-                    path,
-                    e,
-                    unit,
-                    ENV_RETRY,
-                )
-            loop = asyncio.get_running_loop()
-            self._withheld[unit] = loop.call_later(ENV_RETRY, retry, unit)
-            return False
-        if again:
-            log.info("wrote %s: %s goes past its gate", path, unit)
-        return True
-
-    def _tell_again(self, unit: str, gpus: Sequence[int]) -> None:
-        """A unit resumed on GPUs its env file names by other indices (NVML numbered them
-        anew while it was suspended: the same GPUs, by UUID) gets the file written anew:
-        a restarted controller checks the GPUs it holds against the file (`_remember_told`),
-        and an index the file does not name would leave them unchecked. Its processes read
-        the file at their start only: they keep the UUIDs they run on."""
-        told = envfiles.told_uuids(self.config.runtime_dir, unit)
-        if not told or sorted(told) == sorted(gpus):
-            return
-        try:
-            envfiles.write(
-                self.config.runtime_dir, unit, [self.scheduler.device(g) for g in sorted(gpus)]
-            )
-        except OSError as e:
-            log.warning(
-                "cannot write %s (%s): it still names the GPUs of %s by the indices they had "
-                "before NVML numbered them anew (%s)",
-                env_file(self.config.runtime_dir, unit),
-                e,
-                unit,
-                format_gpus(told),
-            )
-
-    def _deliver_withheld(self, unit: str) -> None:
-        """Try a withheld grant again, if the unit still holds it and its gate was not let
-        through meanwhile (a gate that asked again after a controller restart, say)."""
-        self._withheld.pop(unit, None)
-        gpus = self.scheduler.grants().get(unit)
-        running = self.scheduler.phase(unit) is Phase.RUNNING
-        if running and gpus is not None and not self.gates.answered(unit):
-            self._deliver(unit, sorted(gpus), again=True)
 
     def _persist(self) -> None:
         """Save what systemd cannot tell a restarted controller. A full disk is reported

@@ -30,6 +30,7 @@ import pytest
 
 from gpuslice import calls as calls_module
 from gpuslice import controller as controller_module
+from gpuslice import delivery as delivery_module
 from gpuslice import gpuwatch as gpuwatch_module
 from gpuslice import offloop as offloop_module
 from gpuslice import rereads as rereads_module
@@ -1285,7 +1286,7 @@ def test_a_grant_waits_at_the_gate_until_its_environment_file_is_written(
     """A grant whose environment file could not be written (a full /run) let the unit
     start without one: its processes saw every GPU, those other units held included. Its
     gate now waits, GPU 0 kept for it, until the file is written (tried every ENV_RETRY)."""
-    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    monkeypatch.setattr(delivery_module, "ENV_RETRY", 0.01)
     (tmp_path / "not-a-directory").write_text("")
     config = bed_config(tmp_path, gpus=2, runtime_dir=str(tmp_path / "not-a-directory"))
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
@@ -1304,7 +1305,7 @@ def test_a_grant_waits_at_the_gate_until_its_environment_file_is_written(
         await until(lambda: bool(bed.service.granted))
         assert bed.service.granted == [("a.service", "0")]
         assert "CUDA_VISIBLE_DEVICES=0\n" in path.read_text()
-        assert not ctl._withheld
+        assert not ctl.delivery.withheld
 
     caplog.set_level(logging.INFO, "gpuslice")
     run(test)
@@ -1321,7 +1322,7 @@ def test_a_withheld_grant_is_dropped_when_the_unit_no_longer_holds_its_gpus(
 ) -> None:
     """Its start cancelled while the file could not be written: no later write lets a gate
     through on GPUs the unit no longer holds."""
-    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    monkeypatch.setattr(delivery_module, "ENV_RETRY", 0.01)
     (tmp_path / "not-a-directory").write_text("")
     config = bed_config(tmp_path, runtime_dir=str(tmp_path / "not-a-directory"))
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
@@ -1331,13 +1332,13 @@ def test_a_withheld_grant_is_dropped_when_the_unit_no_longer_holds_its_gpus(
         ctl = bed.controller
         await ctl.start()
         await bed.acquire("a.service", ":1.9", 4242)
-        await until(lambda: "a.service" in ctl._withheld)
+        await until(lambda: "a.service" in ctl.delivery.withheld)
         ctl.on_unit_changed("a.service", {"ActiveState": "inactive", "SubState": "dead"})
         await settle()
         assert ctl.scheduler.grants() == {}
         (tmp_path / "not-a-directory").unlink()
         await asyncio.sleep(0.05)
-        assert not ctl._withheld
+        assert not ctl.delivery.withheld
         assert bed.service.granted == []
         assert not (tmp_path / "not-a-directory" / "env" / "a.service").exists()
 

@@ -3,14 +3,15 @@
 gpuslice/controller.py answers each start's gate (through its pipe, or over D-Bus), checks
 who calls, withholds a grant until its environment file is written, counts every answer and
 takes in what systemd says of the units at their gates (on_unit_changed, _unmanaged_gate,
-_follow_gate, _apply, _verify_acquire, _acquire_verified, _grant_again, _serve_gate,
-_deliver, _write_or_withhold, _deliver_withheld). Mutants of those functions survived the
+_follow_gate, _apply, _verify_acquire, _acquire_verified, _grant_again, _serve_gate, and
+gpuslice/delivery.py's deliver, _write_or_withhold, _deliver_withheld). Mutants of those
+functions survived the
 other controller tests: a gate's pipe let go while its line was unread, a cancelled start
 granted, a gate sent to D-Bus early, a stale grant said again on GPUs a more urgent unit
 takes, a counter that stopped counting, a log line an admin reads with other words. Each
 test here states the rule it holds, and why. The last ones hold the env file of a unit let
-through on GPUs still held for it, its annotation gone (_let_through, _names_held,
-_let_through_withheld), and of an instance so held when it goes down (_apply,
+through on GPUs still held for it, its annotation gone (_let_through, Delivery.names_held
+and _let_through_withheld), and of an instance so held when it goes down (_apply,
 _instance_down).
 """
 
@@ -25,6 +26,7 @@ import pytest
 
 from gpuslice import calls as calls_module
 from gpuslice import controller as controller_module
+from gpuslice import delivery as delivery_module
 from gpuslice.controller import Controller
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.nvml import DeviceScan, GpuProcess
@@ -726,7 +728,7 @@ def test_a_gate_that_asks_again_while_its_grant_is_withheld_goes_through_once(
     not say it again (a unit's process calling in a loop wrote an error line per call).
     Once the file is written the gate goes through once, and the journal says so; two
     retries said it twice and answered twice."""
-    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    monkeypatch.setattr(delivery_module, "ENV_RETRY", 0.01)
     blocker = unwritable_run(tmp_path)
     bed = Bed(
         tmp_path,
@@ -747,10 +749,10 @@ def test_a_gate_that_asks_again_while_its_grant_is_withheld_goes_through_once(
         assert ctl.scheduler.grants() == {"a.service": {0}}
         blocker.unlink()
         await until(lambda: bool(bed.service.granted))
-        await past(controller_module.ENV_RETRY)
+        await past(delivery_module.ENV_RETRY)
         assert bed.service.granted == [("a.service", "0")]
         assert bed.service.waiting == {}
-        assert not ctl._withheld
+        assert not ctl.delivery.withheld
 
     caplog.set_level(logging.INFO, "gpuslice")
     run(test)
@@ -770,7 +772,7 @@ def test_a_withheld_grant_names_the_gpu_granted_by_uuid_after_a_renumbering(
     file written at the retry names GPU-A, the GPU granted, by its UUID: written as NVML
     numbers index 0 now, it named GPU-B, which the unit holding index 1 runs on (two jobs
     on one GPU), as `_let_through` and a resume already have it (`Scheduler.told`)."""
-    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    monkeypatch.setattr(delivery_module, "ENV_RETRY", 0.01)
     blocker = unwritable_run(tmp_path)
     nvml = StubNvml()
     nvml.uuids = ("GPU-A", "GPU-B")
@@ -788,7 +790,7 @@ def test_a_withheld_grant_names_the_gpu_granted_by_uuid_after_a_renumbering(
         await ctl.start()
         ctl.on_unit_changed("a.service", at_gate(invocation=None), read=True)
         await bed.acquire("a.service", ":1.9", 4242)
-        await until(lambda: "a.service" in ctl._withheld)
+        await until(lambda: "a.service" in ctl.delivery.withheld)
         assert ctl.scheduler.grants() == {"a.service": {0}}
         renumbered(ctl, nvml)
         blocker.unlink()
@@ -809,7 +811,7 @@ def test_a_withheld_grant_of_a_unit_being_preempted_is_not_let_through(
     and takes GPU 0 (low.service is stopped). The file written later does not let
     low.service's gate through onto GPU 0, which is urgent.service's once low.service is
     down."""
-    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    monkeypatch.setattr(delivery_module, "ENV_RETRY", 0.01)
     blocker = unwritable_run(tmp_path)
     bed = Bed(
         tmp_path,
@@ -828,12 +830,12 @@ def test_a_withheld_grant_of_a_unit_being_preempted_is_not_let_through(
         await ctl.start()
         ctl.on_unit_changed("low.service", at_gate(invocation=None), read=True)
         await bed.acquire("low.service", ":1.9", 4242)
-        await until(lambda: "low.service" in ctl._withheld)
+        await until(lambda: "low.service" in ctl.delivery.withheld)
         ctl.on_unit_changed("urgent.service", at_gate(invocation=None), read=True)
         await settle()
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
         blocker.unlink()
-        await until(lambda: not ctl._withheld)
+        await until(lambda: not ctl.delivery.withheld)
         await settle()
         assert bed.service.granted == []
         assert bed.service.pending("low.service")
@@ -1082,7 +1084,7 @@ def test_a_restarted_unit_whose_annotation_went_passes_once_its_env_file_names_i
             "CUDA_VISIBLE_DEVICES=0\nCUDA_DEVICE_ORDER=PCI_BUS_ID\nGPUSLICE_GPUS=0\n"
         )
         assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
-        assert not ctl._withheld
+        assert not ctl.delivery.withheld
 
     caplog.set_level(logging.INFO, "gpuslice")
     run(test)
@@ -1101,7 +1103,7 @@ def test_a_restarted_unit_whose_annotation_went_waits_while_its_env_file_cannot_
     for it, as a withheld grant's does, rather than pass onto every GPU. Its gate asking
     again meanwhile leaves one retry pending and says nothing more; once the file is
     written the gate goes through once, and the journal says so."""
-    monkeypatch.setattr(controller_module, "ENV_RETRY", 0.01)
+    monkeypatch.setattr(delivery_module, "ENV_RETRY", 0.01)
     blocker = unwritable_run(tmp_path)
     bed = low_unannotated_holds_gpu_0(tmp_path, runtime_dir=str(blocker))
     cgroup_of[4343] = "low.service"
@@ -1114,17 +1116,17 @@ def test_a_restarted_unit_whose_annotation_went_waits_while_its_env_file_cannot_
         caplog.clear()
         await bed.acquire("low.service", ":1.10", 4343)
         await bed.acquire("low.service", ":1.11", 4344)  # asks again
-        await past(controller_module.ENV_RETRY)
+        await past(delivery_module.ENV_RETRY)
         assert bed.service.granted == []
         assert bed.service.pending("low.service")
         assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
-        assert list(ctl._withheld) == ["low.service"]
+        assert list(ctl.delivery.withheld) == ["low.service"]
         blocker.unlink()  # room again
         await until(lambda: bool(bed.service.granted))
-        await past(controller_module.ENV_RETRY)
+        await past(delivery_module.ENV_RETRY)
         assert bed.service.granted == [("low.service", "0")]
         assert bed.service.waiting == {}
-        assert not ctl._withheld
+        assert not ctl.delivery.withheld
         assert "CUDA_VISIBLE_DEVICES=0\n" in env_file(str(blocker), "low.service").read_text()
 
     caplog.set_level(logging.INFO, "gpuslice")
@@ -1145,7 +1147,7 @@ def test_a_held_gate_waiting_for_its_env_file_is_judged_again_when_its_unit_is_p
     (low.service is stopped). The retry judges the gate again: it is stopped again, not let
     through onto GPU 0, which is urgent.service's once low.service is down, and no file
     names GPU 0 for it."""
-    monkeypatch.setattr(controller_module, "ENV_RETRY", HOUR)  # ended by the test
+    monkeypatch.setattr(delivery_module, "ENV_RETRY", HOUR)  # ended by the test
     blocker = unwritable_run(tmp_path)
     bed = low_unannotated_holds_gpu_0(tmp_path, runtime_dir=str(blocker))
     cgroup_of[4343] = "low.service"
@@ -1155,14 +1157,14 @@ def test_a_held_gate_waiting_for_its_env_file_is_judged_again_when_its_unit_is_p
         await ctl.start()
         await unannotated_and_restarted(bed, tmp_path)
         await bed.acquire("low.service", ":1.10", 4343)
-        assert "low.service" in ctl._withheld
+        assert "low.service" in ctl.delivery.withheld
         ctl.on_unit_changed("urgent.service", at_gate(invocation=None), read=True)
         await settle()
         assert ctl.scheduler.phase("low.service") is Phase.STOPPING
         assert bed.systemd.calls.count(("stop", "low.service")) == 1
         blocker.unlink()
-        assert await due_now(ctl._let_through_withheld) == 1
-        assert not ctl._withheld
+        assert await due_now(ctl.delivery._let_through_withheld) == 1
+        assert not ctl.delivery.withheld
         assert bed.service.granted == []
         assert bed.systemd.calls.count(("stop", "low.service")) == 2
         assert not (blocker / "env" / "low.service").exists()

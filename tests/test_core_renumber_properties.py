@@ -270,7 +270,7 @@ class RenumberSim(Sim):
                 self._check_room_by_uuid(action.unit, uuids, "Resume")
                 self.on[action.unit] = uuids
                 told = self.told.get(action.unit, {})
-                if told and sorted(told) != sorted(action.gpus):  # Controller._tell_again
+                if told and sorted(told) != sorted(action.gpus):  # Delivery.tell_again
                     self.told[action.unit] = {g: self.devices[g].uuid for g in action.gpus}
         self._follow()
         return done
