@@ -274,9 +274,10 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 # the controller (the composition root: wiring, gates, calls to systemd, its journal lines,
 # run()): 1,698 mutants, ~25 minutes on two workers, longer on one; with it, the answers to
 # status's readers it was split from (answers.py), its calls to systemd that queue a job,
-# sent again (calls.py), and a grant's way to its gate, the env file first (delivery.py)
+# sent again (calls.py), a grant's way to its gate, the env file first (delivery.py), and
+# start-up's restore of the saved state against what systemd shows (restore.py)
 MUTATE_controller := gpuslice.controller.* gpuslice.calls.* gpuslice.delivery.* \
-	gpuslice.answers.*
+	gpuslice.restore.* gpuslice.answers.*
 # the adapters to the outside world: systemd's bus, NVML and the driver's arrival, the GPU
 # watcher and the whole inventory, `gpuslice new`, the metrics and their exporter, the
 # journal's lines and sd_notify, gpuslice's own D-Bus interface and who calls it, the

@@ -19,14 +19,11 @@ import os
 import signal
 import time
 from collections.abc import (
-    Awaitable,
     Callable,
     Collection,
     Coroutine,
     Iterable,
     Iterator,
-    Mapping,
-    Sequence,
 )
 from pathlib import Path
 from typing import Any
@@ -80,7 +77,6 @@ from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
 from gpuslice.paths import (
     BOOT_RECORD,
-    ENV_DIR_NAME,
     GATE_NAME,
     RUNTIME_DIR_ENV,
     RUNTIME_DIR_RECORD,
@@ -88,6 +84,7 @@ from gpuslice.paths import (
     gate_pipe_dir,
 )
 from gpuslice.rereads import Rereads
+from gpuslice.restore import AskJournal, Restore
 from gpuslice.service import (
     ACCESS_DENIED,
     BUS_NAME,
@@ -103,14 +100,11 @@ from gpuslice.tracker import (
     Change,
     Kind,
     Ledger,
-    MainExit,
     ReachedGate,
     Tracker,
-    UnitState,
     WentDown,
     bound_for_gate,
     classify,
-    stopped_by_a_job,
 )
 from gpuslice.unitfiles import is_instance, is_template, printable
 
@@ -132,13 +126,6 @@ QUEUED_DELAY = 0.02
 # How long after a save the state file is made durable (gpuslice/state.py: Flusher): a
 # power cut may lose the decisions of this last stretch, never the file.
 FLUSH_DELAY = 1.0
-# Entries of RUNTIME_DIR/env a controller start looks at for the env files of units that
-# ended while no controller ran (Controller._sweep_env_files): at most this many entries
-# read (~15 ms) and removals (5 system calls each, ~0.3 s on tmpfs for all of them: a start
-# usually finds a few, the units that ran when the last controller stopped). The rest, if
-# any (a /run filled before instances lost their file when they went down), goes at the
-# next start.
-ENV_SWEEP_MAX = 8192
 # Held or preempted instances kept (Scheduler.forget_instance keeps those alone): past this
 # many the journal says so once, until they are fewer again. Each is saved with every change
 # of state; a state file past STATE_FILE_MAX (16 MiB, some 60,000 long names) is refused whole
@@ -164,25 +151,6 @@ THIS_BOOT_RECORD = Path(BOOT_RECORD)
 # by this (EXTEND_TIMEOUT_USEC=): systemd's default TimeoutStartSec=, so that the rest of the
 # start-up, once the name is ours, has as long as a start that waited for nothing.
 START_EXTENSION = 90.0
-# Phases of a holder whose end, found down at start-up, is asked of the journal, or read from
-# systemd's record of its main process (Controller._stopped_while_away): a unit gpuslice was
-# stopping is preempted however it went down, and a suspended one found inactive is held
-# already (frozen, it cannot have ended).
-_READ_IF_DOWN = frozenset({Phase.RUNNING, Phase.STARTING, Phase.FROZEN})
-# ... and of a unit found failed: frozen or suspended, one whose main process exited non-zero
-# on a stop's SIGTERM (143) is held, not failed, where a stop job ended it
-# (Tracker._stopped_frozen); any other that failed failed.
-_READ_IF_FAILED = frozenset({Phase.FROZEN, Phase.SUSPENDED})
-# stopjournal.ask: whether systemd's journal shows a stop job ending each unit's last run.
-AskJournal = Callable[[Sequence[str]], Awaitable[Mapping[str, stopjournal.Answer]]]
-
-
-def _end_asked(phase: Phase | None, active: str) -> bool:
-    """Whether the end of a unit in this phase, found down with no job at start-up (one
-    systemd unloaded shows inactive), is asked of the journal (`_stopped_while_away`)."""
-    return (phase in _READ_IF_DOWN and active == "inactive") or (
-        phase in _READ_IF_FAILED and active == "failed"
-    )
 
 
 class Controller:
@@ -211,8 +179,9 @@ class Controller:
         self.config = config
         # decisions go there, into their units' own journals too; None: plain log lines
         self.journal = journal
-        # asks the journal how holders found down at start-up ended (_stopped_while_away);
-        # run() gives stopjournal.ask, None: not asked, each main process's record decides
+        # asks the journal how holders found down at start-up ended
+        # (Restore.stopped_while_away); run() gives stopjournal.ask, None: not asked, each main
+        # process's record decides
         self.ask_journal = ask_journal
         # decisions, errors and admission waits since we started (status, `gpuslice metrics`)
         self.counters = Counters()
@@ -314,6 +283,20 @@ class Controller:
             config.runtime_dir,
             self._acquire_verified,
         )
+        # start-up's restore: the saved state checked against what systemd shows
+        self.restore = Restore(
+            self.scheduler,
+            self.tracker,
+            systemd,
+            self.counters,
+            lambda: self.ask_journal,
+            config.runtime_dir,
+            self.spec_for,
+            self.watch.inventory.remember,
+            self.watch.resample,
+            lambda: self._rescan_again,
+            self._hold_for_rescan,
+        )
         self.boot_id = ""
         self.ready = False
         self._buffered: list[tuple[str, dict[str, Any]]] = []
@@ -384,7 +367,8 @@ class Controller:
         await self.systemd.subscribe()
         # the unit files, read once a daemon-reload's Reloading signal reaches us: one that
         # ended before is in this read, one that ends during or after it asks for a rescan
-        # (on_reloading), and the starts start-up finds at their gate wait for that (_rebuild)
+        # (on_reloading), and the starts start-up finds at their gate wait for that
+        # (Restore.rebuild)
         self._rescan_again = False
         self.scan = await asyncio.to_thread(scan, self.root)
         jobs, self._unscanned = self._unscanned, None
@@ -406,7 +390,7 @@ class Controller:
         remembered |= set(saved.requeued)  # a comeback at its gate: owed if its wait ended
         remembered |= set(saved.stopped_by_shutdown)  # refilled if its shutdown was cancelled
         shown = {u.name for u in units}  # instances among them are annotated by templates
-        with self.scheduler.deferred():  # nobody holds or waits yet: _rebuild decides
+        with self.scheduler.deferred():  # nobody holds or waits yet: Restore.rebuild decides
             self.scheduler.set_specs(self._concrete_specs(remembered | shown))
         this_boot = same_boot(saved_boot, self.boot_id)
         if not this_boot:  # nothing runs after a reboot that we granted before it
@@ -421,11 +405,11 @@ class Controller:
         # annotation went): read before, such a unit, still active and frozen, was taken
         # for stopped by hand and left frozen
         self.tracker.listed(units)
-        self._remember_told()  # before a sample decides: NVML may number the GPUs anew
+        self.restore.remember_told()  # before a sample decides: NVML may number the GPUs anew
         with self.scheduler.deferred():  # the first sample took every job's process for foreign
             self.scheduler.set_gpus(self.watch.resample())
-        actions = forgotten + self._rebuild(await self._stopped_while_away())
-        self._sweep_env_files(units)  # ours alone (our name): no other controller writes one
+        actions = forgotten + self.restore.rebuild(await self.restore.stopped_while_away())
+        self.restore.sweep_env_files(units)  # ours alone (our name): no other controller writes one
         self.ready = True
         self.execute(actions)
         if forgets and not actions:
@@ -461,37 +445,6 @@ class Controller:
             log.info("%s: %s is held by it until then", words, BUS_NAME)
         self.notifier.send(f"EXTEND_TIMEOUT_USEC={round(START_EXTENSION * 1e6)}")
         self.notifier.status(words)
-
-    def _sweep_env_files(self, units: Sequence[UnitState]) -> None:
-        """Remove the env files of units that ended while no controller ran (a crash, a
-        restart, an upgrade): a running instance's file goes when it is seen going down
-        (`_follow_gate`), and the start-up that forgot it since removed none, so a job queue
-        or an Accept=yes socket still filled /run across restarts, and then no env file could
-        be written and every gated start waited. Kept: the file of every unit systemd listed
-        other than inactive or failed with no job (running, at its gate, starting or
-        stopping, waiting to restart: its processes, or those of its next run, may read it),
-        or that the core holds GPUs for or keeps suspended (its resume rewrites the file,
-        `Delivery.tell_again`). Any other unit's next start is let through its gate only once
-        a grant of ours wrote its file anew (`Delivery.deliver`). Called after `_rebuild`,
-        which read back the files of running units the saved state named no grant for, and
-        before any grant is delivered; after our name is claimed, so that no other controller
-        writes one meanwhile. At most ENV_SWEEP_MAX entries are looked at; one line says how
-        many went."""
-        core = self.scheduler
-        keep = {u.name for u in units if u.active not in ("inactive", "failed") or u.job_id}
-        keep |= {*core.grants(), *core.suspended_units()}
-        names, more = envfiles.present(self.config.runtime_dir, ENV_SWEEP_MAX)
-        removed = sum(envfiles.remove(self.config.runtime_dir, n) for n in names if n not in keep)
-        if more:
-            log.warning(
-                "removed env files of units no longer running: %d; %s holds more than %d "
-                "entries, the rest are looked at when gpuslice starts again",
-                removed,
-                Path(self.config.runtime_dir) / ENV_DIR_NAME,
-                ENV_SWEEP_MAX,
-            )
-        elif removed:
-            log.info("removed env files of units no longer running: %d", removed)
 
     def _record_boot(self) -> None:
         """Record this boot (`boot_record`) before any state is saved with it: release-jobs
@@ -603,216 +556,6 @@ class Controller:
             # was not matched, asks over D-Bus (a later signal names only later starts)
             self.gates.at_gate_unknown(name)
             self._spawn(self.reads.refresh(name))  # not awaited: the next re-match need not wait
-
-    async def _stopped_while_away(self) -> set[str]:
-        """The holders the last controller saw running or starting (or froze) that systemd
-        shows down with no job (or no longer loads), or frozen or suspended that it shows
-        failed (a frozen process cannot fail by itself), and that a stop job ended: stopped by
-        hand while no controller ran, they are held, not finished (a reboot forgets finished
-        units, and refill started them again). No signal told how they ended, and the state
-        systemd lists is the same for a unit that ended by itself. The journal says it first
-        (`ask_journal`: PID 1's "Stopped" after a stop job, or its "Starting" with none
-        after, the better word: a unit that trapped SIGTERM and exited 0, or one systemd
-        unloaded with its record, is told too, and a `kill` of the main process is an end by
-        itself, as while a controller runs); where it cannot tell, systemd's record of the
-        main process of a loaded unit (`stopped_by_a_job`). Asked of those few only; an
-        answer that fails, or that a signal of the unit overtook, leaves the unit to be
-        taken as it was before (finished); `_end_asked` says which units are asked.
-        Scheduling is deferred meanwhile: a timer's sample decides nothing before _rebuild."""
-        core = self.scheduler
-        names = [
-            name
-            for name in sorted(core.grants().keys() | set(core.suspended_units()))
-            if name.endswith(".service")
-            and classify(self.tracker.state(name)) is Kind.DOWN
-            and _end_asked(core.phase(name), self.tracker.state(name).active)
-        ]
-        if not names:
-            return set()
-        heard = {name: self.tracker.heard(name) for name in names}
-        with core.deferred():
-            told = await self._ask_journal(names)
-            # loaded: systemd unloaded the others with their record (a Get loads one anew);
-            # inactive: the record tells no failed one stopped (`stopped_by_a_job`)
-            unknown = [
-                n
-                for n in names
-                if told.get(n) is None
-                and n in self.tracker.states
-                and self.tracker.state(n).active == "inactive"
-            ]
-            found = await asyncio.gather(*(self._main_exit(name) for name in unknown))
-        mains = dict(zip(unknown, found, strict=True))
-        stopped: set[str] = set()
-        for name in names:
-            if self.tracker.heard(name) != heard[name]:
-                continue
-            main = mains.get(name)
-            if told.get(name):
-                log.debug(
-                    "%s was stopped while no controller ran (the journal shows systemd's stop "
-                    "job ending it)",
-                    name,
-                )
-                stopped.add(name)
-            elif main is not None and stopped_by_a_job(self.tracker.state(name), main):
-                log.debug(
-                    "%s was stopped while no controller ran (its main process was killed by "
-                    "signal %d)",
-                    name,
-                    main.status,
-                )
-                stopped.add(name)
-        return stopped
-
-    async def _ask_journal(self, names: Sequence[str]) -> dict[str, bool | None]:
-        """Whether a stop job ended each unit's last run, as the journal says (None: it
-        cannot tell); one line for those it could not tell of."""
-        if self.ask_journal is None:
-            return {}
-        answers = await self.ask_journal(names)
-        said = stopjournal.unknown_line(answers)
-        if said is not None:
-            failed, text = said
-            log.log(
-                logging.WARNING if failed else logging.INFO,
-                "the journal cannot tell whether systemd stopped %s: judged by how systemd "
-                "recorded the main process ending (a unit it no longer loads: ended by itself)",
-                text,
-            )
-        return {name: answers[name].stopped if name in answers else None for name in names}
-
-    async def _main_exit(self, name: str) -> MainExit | None:
-        try:
-            return await self.systemd.main_exit(name)
-        except SystemdError as e:
-            self.counters.error("dbus_call_errors")
-            log.warning(
-                "cannot read how the main process of %s ended (%s): taken for ended by itself",
-                name,
-                e.text,
-            )
-            return None
-
-    def _rebuild(self, stopped: Collection[str] = frozenset()) -> list[Action]:
-        """Take in what systemd shows, then decide once: restored holders that ended while
-        we were away (a frozen or suspended one systemd shows starting again among them,
-        `_started_again`) are recorded as finished, failed, preempted or held (`stopped`:
-        `_stopped_while_away`), but a start of ours that systemd shows no job for is sent
-        again (Scheduler.start_lost); a stop we had asked
-        for that systemd no longer runs is given up; running units we did not know, or
-        knew only as starting, are adopted (once the ended ones released their GPUs);
-        units at their gate, or whose start job waits for us to be ready, queue at once
-        (their gate calls within a second), so a released GPU goes to them before any
-        preempted unit comes back, unless a daemon-reload ended since the unit files were
-        read: they wait for its rescan, as a start does while one runs (`_gate_after_scan`).
-        A start job that is cancelled instead removes its waiter as usual (JobRemoved, then
-        the unit is read down)."""
-        actions: list[Action] = []
-        with self.scheduler.deferred():
-            for name, _ in self.scheduler.grants().items():
-                state = self.tracker.state(name)
-                kind = classify(state)
-                if kind is Kind.DOWN:
-                    # no job: a StartUnit of ours may have died with the last controller
-                    lost = self.scheduler.start_lost(name) if state.job_id == 0 else []
-                    outcome = self.tracker.outcome(state, stopped=name in stopped)
-                    actions += lost or self.scheduler.inactive(name, outcome)
-                elif self._started_again(name, state):
-                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
-                elif (
-                    kind is Kind.RUNNING
-                    and self.scheduler.phase(name) is Phase.STOPPING
-                    and state.job_id == 0
-                ):
-                    why = "its stop was lost while the controller was away"
-                    actions += self.scheduler.stop_failed(name, why, refused=False)
-            for name in self.scheduler.suspended_units():  # stopped by hand while we were away
-                state = self.tracker.state(name)
-                if classify(state) is Kind.DOWN or self._started_again(name, state):
-                    outcome = self.tracker.outcome(state, stopped=name in stopped)
-                    actions += self.scheduler.inactive(name, outcome)
-            for name in self.scheduler.requeued_away():
-                # a comeback whose wait at its gate ended while we were away (its
-                # TimeoutStartSec=): owed as before, not forgotten with its start
-                state = self.tracker.state(name)
-                if classify(state) is Kind.DOWN:
-                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
-            states = sorted(self.tracker.states.values(), key=lambda s: s.name)
-            for state in states:
-                # one saved starting that runs was granted, and the last controller killed
-                # before the grant was saved (execute answers a gate first): kept starting,
-                # it was moved back to waiting for a more urgent start, beside its own job
-                if classify(state) is Kind.RUNNING and self.scheduler.phase(state.name) in (
-                    None,
-                    Phase.STARTING,
-                ):
-                    actions += self.scheduler.running(state.name, self._told_gpus(state.name))
-            if self._remember_told():  # those adopted: checked before anything is granted
-                self.scheduler.set_gpus(self.watch.resample())  # as start-up's first sample
-            for state in states:
-                spec = self.spec_for(state.name)
-                if (
-                    bound_for_gate(state)
-                    and spec is not None
-                    and self.scheduler.phase(state.name) is None
-                    and not self.scheduler.is_waiting(state.name)
-                ):
-                    if self._rescan_again:
-                        # a daemon-reload ended since start-up read the unit files, and
-                        # systemd already runs the new ones: judged once the rescan is read
-                        # (_gates_after_scan), not on an annotation it may no longer have
-                        self._after_scan[state.name] = None
-                    else:
-                        actions += self.scheduler.request(spec)
-            actions += self.scheduler.recover()  # caught between suspend and resume
-        # held for stops while no controller ran: no SystemState read says now how the host
-        # was then (a shutdown's would have ended the boot), and an instance kept for one
-        # (Scheduler.forget_instance) stayed held for ever
-        self.scheduler.holds_confirmed(list(self.scheduler.unconfirmed_holds))
-        return actions + self.scheduler.schedule()
-
-    def _told_gpus(self, unit: str) -> list[int]:
-        """The GPUs a running unit the saved state does not name was last told (its env
-        file), a hint the core takes where they fit: placed anywhere free instead (the state
-        file lost, set aside or from another version), its books named other GPUs than those
-        it runs on, and the GPU it really uses was granted again once the one it was booked
-        on ended."""
-        found = envfiles.told_gpus(self.config.runtime_dir, unit)
-        if found:
-            log.info("%s runs without a saved grant: GPUs %s from its env file", unit, found)
-        return found
-
-    def _remember_told(self) -> bool:
-        """Tell the inventory which GPU, by UUID, each holder past its gate was granted (its
-        env file; a starting one's is an earlier run's), and the core that and which GPU
-        each suspended unit was suspended from. The books name GPUs by NVML index, and the NVML
-        this controller opened may number them otherwise than the last one's (a card gone
-        off the bus, the driver reloaded meanwhile): the index a unit holds may be another
-        GPU now, and its own GPU the one the books say is free (Inventory); a suspended
-        unit's processes wake on their own GPU, whatever its index (Suspended), a holder
-        suspended later too (Holder.uuids). Whether
-        the inventory learned a GPU it had booked otherwise (a new sample then shows it)."""
-        learned = False
-        for name, gpus in self.scheduler.grants().items():
-            if self.scheduler.phase(name) is Phase.STARTING:
-                continue
-            told = envfiles.told_uuids(self.config.runtime_dir, name)
-            if set(told) == gpus:
-                learned |= self.watch.inventory.remember(told)
-                self.scheduler.remember_uuids(name, told)  # what a suspend of it takes along
-        for name in self.scheduler.suspended_units():
-            self.scheduler.remember_uuids(name, envfiles.told_uuids(self.config.runtime_dir, name))
-        return learned
-
-    def _started_again(self, name: str, state: UnitState) -> bool:
-        """Whether a unit frozen or suspended (or being suspended or resumed) is shown
-        starting afresh: at its gate, or down with a start job queued. Only a unit past its
-        gate is in those phases, so it was stopped while we were away, or restarted
-        (systemd thaws a frozen unit to stop it), and started again: that run ended. Kept in
-        its phase, the new start's gate would ask a core that answers no frozen, suspended
-        or resuming unit (Scheduler.request), and wait for ever."""
-        return self.scheduler.phase(name) in PREEMPTED_IN_PLACE and bound_for_gate(state)
 
     # -- signals from systemd ---------------------------------------------------------------
 
@@ -970,6 +713,10 @@ class Controller:
             return False  # answered: its gate asks again, as after a controller restart
         self._after_scan[name] = invocation or self._after_scan.get(name)
         return True
+
+    def _hold_for_rescan(self, name: str) -> None:
+        """A start start-up found at its gate waits for the rescan due (Restore.rebuild)."""
+        self._after_scan[name] = None
 
     def _gates_after_scan(self, pending: dict[str, str | None]) -> None:
         """The starts `_gate_after_scan` held back, judged on the annotations of now: as
@@ -1491,7 +1238,7 @@ class Controller:
         """The unit's gate asks (over D-Bus, or systemd showed it at its gate)."""
         spec = self.spec_for(unit)
         state = self.tracker.state(unit)
-        if self._started_again(unit, state) and not self.gates.answered(unit):
+        if self.restore.started_again(unit, state) and not self.gates.answered(unit):
             # restarted (systemctl restart) while frozen, suspended, or being suspended or
             # resumed: systemd thawed it and ended that run, with no moment down between (a
             # restart job's stop turns into its start), so only its new gate tells. Kept in
@@ -1542,7 +1289,7 @@ class Controller:
         - a unit the core still holds GPUs for (its annotation went while it ran, and
           `systemctl restart` ran it again with no moment down between) passes only once
           its file names them: one that names them stays (the word its last run was told,
-          by UUID, `_remember_told`), one missing (a /run that was full at its grant,
+          by UUID, `Restore.remember_told`), one missing (a /run that was full at its grant,
           removed by hand) or naming others is written from the core's books
           (`Scheduler.told`). While it cannot be written, the gate waits, as
           `Delivery.deliver`'s does: without it, the new run saw every GPU, another unit's

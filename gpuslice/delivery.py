@@ -128,7 +128,7 @@ class Delivery:
         """A unit resumed on GPUs its env file names by other indices (NVML numbered them
         anew while it was suspended: the same GPUs, by UUID) gets the file written anew:
         a restarted controller checks the GPUs it holds against the file
-        (Controller._remember_told), and an index the file does not name would leave them
+        (Restore.remember_told), and an index the file does not name would leave them
         unchecked. Its processes read the file at their start only: they keep the UUIDs they
         run on."""
         told = envfiles.told_uuids(self.runtime_dir, unit)

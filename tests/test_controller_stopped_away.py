@@ -1,6 +1,6 @@
 """A unit stopped by hand while no controller ran (gpuslice.service restarting, failed, or
 stopped for an upgrade): found down at start-up with no job, how it ended is read from
-systemd's record of its main process (Controller._stopped_while_away), on the fakes of
+systemd's record of its main process (Restore.stopped_while_away), on the fakes of
 tests/test_controller.py.
 
 README: "A unit you stop by hand (`systemctl stop`) is held [...] across controller

@@ -16,7 +16,7 @@ foreign use and NVML's own lost state carried by its UUID. A sample follows ever
 of the numbering (NVML numbers GPUs anew only at its init, which a sample follows), every
 unit the core knew going down (`Controller._apply`: the sample that releases its GPUs) and,
 at random, the sampling pace. A restarted controller opens NVML afresh, reads its holders'
-and suspended units' env files (`Controller._remember_told`), then samples, as it does.
+and suspended units' env files (`Restore.remember_told`), then samples, as it does.
 
 `Sim` (tests/core_builders.py) judges every batch as in the other machines, by index: the
 core's books. `RenumberSim` adds the host as it is, by UUID: where each unit's processes
@@ -612,7 +612,7 @@ def test_a_unit_suspended_from_a_renumbered_gpu_comes_back_on_the_one_it_was_gra
 def test_a_holder_adopted_at_a_restart_is_told_the_gpus_its_env_file_names() -> None:
     """As above, after a controller restart that adopted s.service and x.service: the state
     file names their GPUs by index only; their env files name the UUIDs they run on
-    (`Controller._remember_told`), and a later suspend takes them along."""
+    (`Restore.remember_told`), and a later suspend takes them along."""
     before = Scheduler(
         [_gpu(0, "GPU-A"), _gpu(1, "GPU-B")], {u.name: u for u in SUSPENDED_WHILE_RENUMBERED}
     )

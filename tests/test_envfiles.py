@@ -81,7 +81,7 @@ def test_only_a_plain_file_of_ours_is_told_back(tmp_path: Path, kind: str) -> No
 
 
 def test_the_uuids_told_are_read_back_by_index(tmp_path: Path) -> None:
-    """What a restarted controller checks its books against (Controller._remember_told): the
+    """What a restarted controller checks its books against (Restore.remember_told): the
     GPU each index a unit holds named when it was granted. A file without UUIDs (written
     before NVML answered) or not of ours tells none."""
     envfiles.write(str(tmp_path), "a.service", [Gpu(0, "GPU-a"), Gpu(2, "GPU-c")])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice import controller as controller_module
 from gpuslice import envfiles
+from gpuslice import restore as restore_module
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.paths import env_file
@@ -195,7 +195,7 @@ UP = ("active", "running")
             [state("a.service", "active", "running")],
             SavedState(holders={"a.service": ((0,), "running", 1, "")}, seq=1),
         ),
-        (  # the state file lost: its grant is read back from its file (Controller._told_gpus)
+        (  # the state file lost: its grant is read back from its file (Restore._told_gpus)
             "running, its grant read back from its env file",
             "a.service",
             [state("a.service", "active", "running")],
@@ -321,7 +321,7 @@ def test_a_restart_looks_at_a_bounded_number_of_entries_the_rest_at_the_next(
     """A /run filled before instances lost their file when they went down (an upgrade from
     such a version) costs a start ENV_SWEEP_MAX entries, not all of them: the journal says
     more are left, and each start removes its share."""
-    monkeypatch.setattr(controller_module, "ENV_SWEEP_MAX", 2)
+    monkeypatch.setattr(restore_module, "ENV_SWEEP_MAX", 2)
     units = {"tx@.service": "Priority=50\n"}
     bed = Bed(tmp_path, units, [])
     _granted_before(bed, *(f"tx@{i}.service" for i in range(5)))

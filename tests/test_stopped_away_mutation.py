@@ -1,4 +1,4 @@
-"""Controller._stopped_while_away and _main_exit under mutation: the holders found down at
+"""Restore.stopped_while_away and _main_exit under mutation: the holders found down at
 start-up whose main process's record is read, what a failed or overtaken read leaves of the
 others' findings, what is said of each (the journal, dbus_call_errors), and that nothing is
 decided while the reads are in flight; on the fakes of tests/test_controller.py.

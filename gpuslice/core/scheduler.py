@@ -172,7 +172,7 @@ GIVING_WAY = (Phase.STOPPING, Phase.SUSPENDING)
 _THAW_OWED_IN = (Phase.RUNNING, Phase.STOPPING)
 # Preempted while it still runs: frozen, or its VRAM on its way to host memory or back. Only
 # a unit that passed its gate (and has not gone down since) can be in these phases, so one
-# that systemd shows at its gate again ran and ended meanwhile (Controller._started_again).
+# that systemd shows at its gate again ran and ended meanwhile (Restore.started_again).
 PREEMPTED_IN_PLACE = frozenset({Phase.FROZEN, Phase.SUSPENDING, Phase.SUSPENDED, Phase.RESUMING})
 
 
