@@ -865,7 +865,11 @@ class Controller:
                 self.watch.refresh(released=name)
             self.execute(
                 self.scheduler.inactive(
-                    name, change.outcome, by_itself=change.by_itself, not_ours=change.not_ours
+                    name,
+                    change.outcome,
+                    by_itself=change.by_itself,
+                    not_ours=change.not_ours,
+                    in_shutdown=change.in_shutdown,
                 )
             )
             if name in self.scheduler.unconfirmed_holds:

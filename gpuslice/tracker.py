@@ -123,6 +123,9 @@ class WentDown:
     # a stop of ours was sent but did not end it: it went down before systemd announced our
     # stop's job, or systemd merged our stop into someone's stop announced before we sent it
     not_ours: bool = False
+    # failed as the host went down, told only after the shutdown's cancel (the shutdown's
+    # stop job still shown, our call's answer awaited): the core judges it as in the shutdown
+    in_shutdown: bool = False
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,13 @@ class Tracker:
                 self._down_at.setdefault(name, self._signals.get(name, 0))
                 return []
             outcome = self.outcome(state)
+            # failed on the shutdown's SIGTERM (143), maybe: the core's `shutting_down` no
+            # longer says so (an exit 0 is told SHUTDOWN: `outcome`)
+            in_shutdown = (
+                outcome is Outcome.FAILED
+                and not self.shutting_down
+                and name in self._down_in_shutdown
+            )
             self._down_in_shutdown.discard(name)  # said of this down only
             by_itself = name in self._by_itself
             not_ours = name in self._not_ours or self._theirs_first(name)
@@ -435,7 +445,7 @@ class Tracker:
             self._went_down(name)
             if state.sub == "auto-restart":
                 self._restarting.add(name)
-            return [WentDown(name, outcome, by_itself, not_ours)]
+            return [WentDown(name, outcome, by_itself, not_ours, in_shutdown)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
             return [ReachedGate(name)]
         if kind is not Kind.RUNNING:

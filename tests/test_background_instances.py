@@ -703,3 +703,39 @@ def test_a_background_instance_failing_on_the_reboots_sigterm_is_refilled_at_its
         assert started == ([] if by_itself else [("start", embed)])
 
     run(test)
+
+
+def test_a_background_instance_failed_on_the_reboots_sigterm_told_after_its_cancel_is_refilled(
+    tmp_path: Path,
+) -> None:
+    """The reboot's stop (job 3) takes embed@a down, 143 on the SIGTERM, and the reboot is
+    cancelled while systemd still shows that job: its down is told after the cancel. The
+    shutdown's all the same (Tracker._down_in_shutdown), as one that exited 0 is: taken for a
+    failed job, it was forgotten, never refilled (a preempted unit's work was lost so)."""
+    bed = Bed(tmp_path, EMBED, [])
+    embed = "embed@a.service"
+    stop = (3, "/org/freedesktop/systemd1/job/3")  # the reboot's stop
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
+        ctl.on_unit_changed(embed, at_gate())
+        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
+        ctl.on_job_new(*stop, embed)
+        ctl.on_unit_changed(
+            embed, {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": stop}
+        )
+        ctl.on_unit_changed(embed, {"ActiveState": "failed", "SubState": "failed", "Job": stop})
+        await settle()
+        ctl.on_job_removed(2, "/org/freedesktop/systemd1/job/2", "reboot.target", "canceled")
+        await settle()
+        ctl.on_job_removed(3, stop[1], embed, "done")
+        ctl.on_unit_changed(embed, {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
+        await settle()
+        assert ctl.scheduler.failed == set()
+        started = [c for c in bed.systemd.calls if c[0] == "start"]
+        assert started == [("start", embed)]
+
+    run(test)

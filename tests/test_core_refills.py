@@ -161,3 +161,20 @@ def test_a_cancels_refill_saved_by_a_controller_before_refills_is_still_one() ->
     assert fresh.preempted == {}
     assert fresh.stopped_by_shutdown == {embed.name}
     assert fresh.ended_with_boot(older).preempted == {}
+
+
+def test_a_comeback_whose_gate_the_shutdown_killed_told_after_its_cancel_is_still_owed() -> None:
+    """The shutdown killed a comeback's gate (143), its down told only after the shutdown's
+    cancel (Tracker: `WentDown.in_shutdown`). Recorded failed, the preempted unit's work was
+    lost: it is started again, as where the down is told before the cancel."""
+    job = spec("job", 50)
+    urgent = spec("urgent", 10)
+    s = Scheduler([Gpu(0)], {})
+    s.request(job)
+    assert brief(s.request(urgent)) == ["stop job.service"]
+    s.inactive(job.name, Outcome.STOPPED)
+    assert brief(s.inactive(urgent.name, Outcome.EXITED)) == ["start job.service"]
+    s.set_shutting_down(True)
+    assert brief(s.set_shutting_down(False)) == []  # its start under way
+    assert brief(s.inactive(job.name, Outcome.FAILED, in_shutdown=True)) == ["start job.service"]
+    assert s.failed == set()

@@ -1289,6 +1289,7 @@ def test_the_down_of_a_comeback_away_at_its_gate_is_told() -> None:
 
 
 REBOOT = "/org/freedesktop/systemd1/job/9"
+SHUTDOWN = "/org/freedesktop/systemd1/job/8"
 
 
 def test_a_cancelled_job_of_a_unit_down_is_no_stop() -> None:
@@ -1392,6 +1393,39 @@ def test_a_unit_down_in_a_shutdown_told_after_its_cancel_is_the_shutdowns() -> N
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
         WentDown(A, Outcome.SHUTDOWN)
     ]
+
+
+def test_a_unit_failed_in_a_shutdown_told_after_its_cancel_says_so() -> None:
+    """As above, its main process exiting 143 on the shutdown's SIGTERM: systemd shows it
+    failed, and the core, no longer shutting down, recorded a failed job (a comeback's work
+    lost, a background unit never refilled). Told `in_shutdown`; one told before the cancel,
+    or that went down before the shutdown, is not."""
+    model = Model()
+    model.waiters.add(A)
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
+    tracker.job_new(REBOOT, "reboot.target")
+    tracker.job_new(SHUTDOWN, "shutdown.target")
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2))
+    assert tracker.unit_changed(A, props_of("failed", "failed", 2)) == []
+    tracker.job_removed(REBOOT, "reboot.target", "canceled")
+    tracker.job_removed(SHUTDOWN, "shutdown.target", "canceled")
+    assert not tracker.shutting_down  # nor is the core (Controller._follow_shutdown)
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("failed", "failed", 0)) == [
+        WentDown(A, Outcome.FAILED, in_shutdown=True)
+    ]
+    # told while the host still goes down: the core knows
+    model = Model()
+    model.waiters.add(A)
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
+    tracker.job_new(REBOOT, "reboot.target")
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2))
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("failed", "failed", 0)) == [WentDown(A, Outcome.FAILED)]
 
 
 @pytest.mark.parametrize("phase", [Phase.FROZEN, Phase.SUSPENDED])

@@ -594,7 +594,13 @@ class Scheduler:
         return True
 
     def inactive(
-        self, name: str, outcome: Outcome, *, by_itself: bool = False, not_ours: bool = False
+        self,
+        name: str,
+        outcome: Outcome,
+        *,
+        by_itself: bool = False,
+        not_ours: bool = False,
+        in_shutdown: bool = False,
     ) -> list[Action]:
         """The unit is inactive or failed (or its waiting start job was cancelled).
 
@@ -602,7 +608,10 @@ class Scheduler:
         may have been stopping it: its work is done (or failed) and is not owed a comeback;
         restarting it would run a finished job again. `not_ours`: a stop of ours was sent
         but another's ended it (it was down before ours reached systemd, or ours merged into
-        theirs): stopped by someone, it is held as they wanted, not brought back."""
+        theirs): stopped by someone, it is held as they wanted, not brought back.
+        `in_shutdown`: it went down while the host went down, told after the shutdown's
+        cancel: a failure then is judged as in the shutdown (recorded failed, a preempted
+        unit's comeback was lost, and a background unit was never refilled)."""
         actions: list[Action] = []
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
@@ -646,7 +655,7 @@ class Scheduler:
         )
         if (
             outcome is Outcome.FAILED
-            and self.shutting_down
+            and (self.shutting_down or in_shutdown)
             and (owed or ours or ran)
             and not by_itself
         ):
