@@ -84,6 +84,7 @@ from gpuslice.paths import (
     gate_pipe_dir,
 )
 from gpuslice.rereads import Rereads
+from gpuslice.rescans import Rescans
 from gpuslice.restore import AskJournal, Restore
 from gpuslice.service import (
     ACCESS_DENIED,
@@ -263,12 +264,25 @@ class Controller:
             started=self.started,
             credentials=lambda sender: self.systemd.caller_credentials(sender),
         )
+        # the annotations read again after each daemon-reload, one scan at a time, and the
+        # starts held back until it is applied
+        self.rescans = Rescans(
+            lambda: scan(self.root),
+            lambda: self.ready,
+            self.tracker,
+            self._known,
+            self._unanswered,
+            self._apply_scan,
+            self._gates_after_scan,
+            self._acquire_verified,
+            _log_failure,
+        )
         # the gate calls in wait; the bus adapter unless one is given (tests)
         self.service = service or SchedulerService(
             systemd.bus,
             self.on_acquire,
             self.status_json,
-            self.request_rescan,
+            self.rescans.request,
             self.plan_json,
             self.status_for,
         )
@@ -294,8 +308,8 @@ class Controller:
             self.spec_for,
             self.watch.inventory.remember,
             self.watch.resample,
-            lambda: self._rescan_again,
-            self._hold_for_rescan,
+            lambda: self.rescans.again,
+            self.rescans.hold_for_rescan,
         )
         self.boot_id = ""
         self.ready = False
@@ -312,18 +326,6 @@ class Controller:
         # have not been seen down since: watched (_watched) before the core knows them
         self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        # rescans run off the loop, one at a time; Acquire calls of units the running scan
-        # may not know yet wait for it
-        self._rescan: asyncio.Task[None] | None = None
-        self._rescan_again = False
-        self._parked: list[str] = []
-        # starts not answered yet that systemd showed at their gate while a rescan ran:
-        # taken in once it is applied (_gates_after_scan), with the InvocationID last named
-        self._after_scan: dict[str, str | None] = {}
-        self._scan_waits: list[asyncio.Future[None]] = []  # queued starts' (_announce_queued)
-        # units whose gate asked while neither the scan nor the core knew them, each
-        # rescanned for once until the next daemon-reload (_rescan_for_gate)
-        self._rescanned_for_gate: set[str] = set()
         # match rules change one set at a time (_rewatch)
         self._rewatching = False
         self._rewatch_again = False
@@ -369,7 +371,7 @@ class Controller:
         # ended before is in this read, one that ends during or after it asks for a rescan
         # (on_reloading), and the starts start-up finds at their gate wait for that
         # (Restore.rebuild)
-        self._rescan_again = False
+        self.rescans.again = False
         self.scan = await asyncio.to_thread(scan, self.root)
         jobs, self._unscanned = self._unscanned, None
         for job_id, path, unit, result in jobs:
@@ -415,10 +417,10 @@ class Controller:
         if forgets and not actions:
             self._persist()
         self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
-        if self._rescan_again:  # a daemon-reload ended during start-up
+        if self.rescans.again:  # a daemon-reload ended during start-up
             # under way before the signals and calls that came meanwhile are taken in: a
-            # start among them is judged once it is read (_gate_after_scan, _verify_acquire)
-            self.request_rescan()
+            # start among them is judged once it is read (Rescans.hold_gate, _verify_acquire)
+            self.rescans.request()
         for name, props in self._buffered:
             self.on_unit_changed(name, props)
         self._buffered.clear()
@@ -620,7 +622,7 @@ class Controller:
         nothing. Any word of systemd's on the unit since JobNew makes the answer stale
         (signals read after it may be applied before this resumes): its gate decides then."""
         state = await self.reads.read_fresh(unit, seen)
-        await self._scanned()  # judged on the annotations of now (_gate_after_scan)
+        await self.rescans.scanned()  # judged on the annotations of now (Rescans.hold_gate)
         if self.tracker.heard(unit) != seen:
             return  # systemd said more of it meanwhile: its gate decides
         spec = self.spec_for(unit)
@@ -691,7 +693,7 @@ class Controller:
             self.scheduler.learn(spec)
         with self._batched():
             changes = self.tracker.unit_changed(name, props, read=read)
-            if spec is not None and self._gate_after_scan(name, props.get("InvocationID")):
+            if spec is not None and self.rescans.hold_gate(name, props.get("InvocationID")):
                 return
             for change in changes:
                 self._apply(change)
@@ -700,26 +702,8 @@ class Controller:
             else:
                 self._unmanaged_gate(name, props)  # known to the core only until it ends
 
-    def _gate_after_scan(self, name: str, invocation: str | None) -> bool:
-        """Whether a start systemd shows at its gate, not answered yet, waits for the rescan
-        under way (`_gates_after_scan` takes it in once it is applied). Systemd already runs
-        on the unit files that rescan reads (a daemon-reload, and a `systemctl start` right
-        after it): decided on the scan before, a start whose annotation was just taken out,
-        or its priority made less urgent, preempted units with the priority it no longer
-        has, and their work was lost for it."""
-        if self._rescan is None or classify(self.tracker.state(name)) is not Kind.GATE:
-            return False
-        if not self._unanswered(name):
-            return False  # answered: its gate asks again, as after a controller restart
-        self._after_scan[name] = invocation or self._after_scan.get(name)
-        return True
-
-    def _hold_for_rescan(self, name: str) -> None:
-        """A start start-up found at its gate waits for the rescan due (Restore.rebuild)."""
-        self._after_scan[name] = None
-
     def _gates_after_scan(self, pending: dict[str, str | None]) -> None:
-        """The starts `_gate_after_scan` held back, judged on the annotations of now: as
+        """The starts `Rescans.hold_gate` held back, judged on the annotations of now: as
         their last signal would have been, if they are still at their gate (one that left
         it meanwhile was told by the signals that said so)."""
         for name, invocation in pending.items():
@@ -904,74 +888,14 @@ class Controller:
 
     def on_reloading(self, active: bool) -> None:
         if not active:
-            self._rescanned_for_gate.clear()
-            self.request_rescan()
+            self.rescans.reloaded()
 
     def on_systemd_restarted(self) -> None:
         """systemd re-executed: signals may have been lost meanwhile; read every unit we
         track again, and the unit files."""
         for name in list(self.tracker.states):
             self._spawn(self.reads.refresh(name))
-        self._rescanned_for_gate.clear()
-        self.request_rescan()
-
-    def request_rescan(self) -> None:
-        """Read the annotations again, off the loop; requests while one runs make one
-        more run after it (a flood of daemon-reloads costs two scans, not a thousand).
-        Before start-up is done, one run once it is: applied while start-up claimed its
-        name, a scan's decisions left before start-up's own (a stop withdrawing a start
-        sent after it, which systemd's start job then replaced)."""
-        if self._rescan is not None or not self.ready:
-            self._rescan_again = True
-            return
-        self._rescan = asyncio.get_running_loop().create_task(self._run_rescans())
-        self._rescan.add_done_callback(_log_failure)
-
-    async def _run_rescans(self) -> None:
-        """Scan until no daemon-reload came during a scan. The starts held back before a
-        scan began (`_gate_after_scan`, `_verify_acquire`) are judged once it is applied:
-        it read the unit files after their reload. Held back until the last scan, a start
-        waited as long as daemon-reloads kept coming."""
-        gates: dict[str, str | None] = {}
-        parked: list[str] = []
-        waits: list[asyncio.Future[None]] = []
-        try:
-            while True:
-                self._rescan_again = False
-                gates, self._after_scan = self._after_scan, {}
-                parked, self._parked = self._parked, []
-                waits, self._scan_waits = self._scan_waits, []
-                result = await asyncio.to_thread(scan, self.root)
-                self._apply_scan(result)
-                self._judge_held_back(gates, parked, waits)
-                gates, parked, waits = {}, [], []
-                if not self._rescan_again:
-                    break
-        finally:
-            self._rescan = None
-            # those of the last scan (or of one that failed: judged on the scan before)
-            gates, self._after_scan = {**gates, **self._after_scan}, {}
-            parked, self._parked = parked + self._parked, []
-            waits, self._scan_waits = waits + self._scan_waits, []
-            self._judge_held_back(gates, parked, waits)
-
-    def _judge_held_back(
-        self, gates: dict[str, str | None], parked: list[str], waits: list[asyncio.Future[None]]
-    ) -> None:
-        self._gates_after_scan(gates)
-        for unit in parked:
-            self._acquire_verified(unit)
-        for wait in waits:
-            if not wait.done():
-                wait.set_result(None)
-
-    async def _scanned(self) -> None:
-        """Return once a scan begun after now is applied, at once when none is under way:
-        a start systemd shows now runs on the unit files of the last daemon-reload."""
-        if self._rescan is not None:
-            wait = asyncio.get_running_loop().create_future()
-            self._scan_waits.append(wait)
-            await wait
+        self.rescans.reloaded()
 
     def _apply_scan(self, result: Scan) -> None:
         # plain units this scan annotates, that the tracker did not follow: their signals
@@ -1091,7 +1015,7 @@ class Controller:
         # said: a reload takes effect up to a few seconds after the signal (_reload_now)
         log.info("configuration reloaded from %s", self.config_path)
         self.watch.refresh()
-        self.request_rescan()
+        self.rescans.request()
         return True
 
     def _keep_paths(self, config: Config) -> Config:
@@ -1166,11 +1090,11 @@ class Controller:
         spec = self.spec_for(unit)
         # a unit the scan does not know gets a rescan of its own, even while one runs: that
         # one may have read its files before the daemon-reload that gave it its gate
-        if spec is None and self._rescan_for_gate(unit):
-            self._parked.append(unit)
+        if spec is None and self.rescans.for_gate(unit):
+            self.rescans.park(unit)
             return
-        if self._rescan is not None and (spec is None or self._unanswered(unit)):
-            self._parked.append(unit)  # judged on the annotations of now (_gate_after_scan)
+        if self.rescans.task is not None and (spec is None or self._unanswered(unit)):
+            self.rescans.park(unit)  # judged on the annotations of now (Rescans.hold_gate)
             return
         self._acquire_verified(unit)
 
@@ -1178,20 +1102,6 @@ class Controller:
         """Whether the core has not answered the unit's start: unknown, waiting, or its
         GPUs kept for it until its gate asks."""
         return self.scheduler.phase(unit) in (None, Phase.STARTING)
-
-    def _rescan_for_gate(self, unit: str) -> bool:
-        """Whether a rescan was asked for the gate of a unit that neither the scan nor the
-        core knows. Only the generator gives a unit its gate, from the same annotations, at
-        each daemon-reload: the scan may be older than that reload, its Reloading signal
-        lost (the bus daemon drops signals for a connection whose queue is full, and anyone
-        can fill it). Let through on that scan, a unit newly annotated ran ungated, on GPUs
-        that others held. Once per unit until the next daemon-reload: a gate left in place
-        when its annotation went (no reload since) costs one scan, not one per start."""
-        if self._known(unit) or unit in self._rescanned_for_gate:
-            return False
-        self._rescanned_for_gate.add(unit)
-        self.request_rescan()
-        return True
 
     def _acquire_verified(self, unit: str) -> None:
         if not self.service.pending(unit):
@@ -1572,10 +1482,10 @@ class Controller:
         core does not know (the audit reads those it knows), ask over D-Bus instead: nothing
         else would ever open their pipe. Not before a whole audit interval passed with no
         signal of that start (GatePipes.wake_unheard): one read late is no loss. Nor a start
-        held back while a rescan runs (`_gate_after_scan`): its signal was heard, and it is
+        held back while a rescan runs (`Rescans.hold_gate`): its signal was heard, and it is
         taken in at its pipe once the scan is read; woken, each start of a burst held back
         was said lost."""
-        rescanning = self._rescan is not None
+        rescanning = self.rescans.task is not None
 
         def unheard(name: str) -> bool:
             if self._known(name):

@@ -104,8 +104,8 @@ class Restore:
         self.spec_for = spec_for
         self.remember_gpus = remember_gpus  # Inventory.remember
         self.resample = resample  # GpuWatch.resample
-        # a daemon-reload ended since start-up read the unit files (Controller._rescan_again),
-        # and the starts at their gate that wait for its rescan (Controller._after_scan)
+        # a daemon-reload ended since start-up read the unit files (Rescans.again),
+        # and the starts at their gate that wait for its rescan (Rescans.after_scan)
         self.rescan_due = rescan_due
         self.hold_for_rescan = hold_for_rescan
 
@@ -212,7 +212,7 @@ class Restore:
         (their gate calls within a second), so a released GPU goes to them before any
         preempted unit comes back, unless a daemon-reload ended since the unit files were
         read: they wait for its rescan (`hold_for_rescan`), as a start does while one runs
-        (Controller._gate_after_scan).
+        (Rescans.hold_gate).
         A start job that is cancelled instead removes its waiter as usual (JobRemoved, then
         the unit is read down)."""
         actions: list[Action] = []

@@ -653,8 +653,8 @@ def test_a_shutdown_stopped_instance_turned_on_demand_is_forgotten_at_the_rescan
         await ctl.start()
         await run_then_stopped_by_a_reboot(ctl, embed)
         write_unit(tmp_path, "embed@.service", "Priority=90\n")  # Type= gone: on-demand
-        ctl.request_rescan()
-        await until(lambda: ctl._rescan is None)
+        ctl.rescans.request()
+        await until(lambda: ctl.rescans.task is None)
         await settle()
         assert embed not in ctl.scheduler.annotated()
         assert ctl.scheduler.stopped_by_shutdown == set()

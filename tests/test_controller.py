@@ -344,7 +344,7 @@ async def unannotate(ctl: Controller, tmp_path: Path, name: str) -> None:
     """An admin takes the unit's annotation out and runs daemon-reload: once the rescan has
     taken it in."""
     write_unannotated(tmp_path, name)
-    ctl.request_rescan()
+    ctl.rescans.request()
     await until(lambda: ctl.spec_for(name) is None)
 
 
@@ -1637,7 +1637,7 @@ def test_a_waiter_at_its_pipe_whose_annotation_went_is_let_through_at_once(
         assert not pipe.exists() and ctl.gates.holding() == []
         assert not ctl.scheduler.is_waiting("urgent.service")
         await bed.acquire("urgent.service", ":1.9", 4242)
-        await until(lambda: bed.service.granted != [])  # after one more scan (_rescan_for_gate)
+        await until(lambda: bed.service.granted != [])  # after one more scan (Rescans.for_gate)
         assert bed.service.granted == [("urgent.service", "")]
         goes_down(bed, "low.service")
         await settle()
@@ -1666,7 +1666,7 @@ def test_a_gate_of_a_unit_no_longer_annotated_waiting_on_its_pipe_is_sent_to_dbu
         ctl.on_unit_changed("urgent.service", at_gate())
         assert not pipe.exists()  # opened (which wakes a gate in open()), "-", removed
         await bed.acquire("urgent.service", ":1.9", 4242)
-        await until(lambda: bed.service.granted != [])  # after one more scan (_rescan_for_gate)
+        await until(lambda: bed.service.granted != [])  # after one more scan (Rescans.for_gate)
         assert bed.service.granted == [("urgent.service", "")]
         assert ("stop", "low.service") not in bed.systemd.calls
 
@@ -2705,7 +2705,7 @@ def test_a_gate_on_a_pipe_left_from_before_its_unit_was_matched_is_sent_to_dbus(
         await until(lambda: bed.systemd.watched == {"a.service"})
         ctl.gates.expect("b.service")  # left by a start of b before it lost its annotation
         write_unit(tmp_path, "b.service", "Priority=60\n")
-        ctl.request_rescan()
+        ctl.rescans.request()
         await until(lambda: bed.systemd.watched == {"a.service", "b.service"})
         await until(lambda: not (gates / "b.service").exists())  # opened, "-", removed
 
@@ -2989,7 +2989,7 @@ def test_a_unit_whose_annotation_went_while_at_its_gate_lets_its_pipe_go(tmp_pat
         ctl.on_unit_changed("a.service", at_gate())
         await settle()
         (tmp_path / "root" / UNIT_DIR / "a.service").write_text("[Service]\nExecStart=/bin/true\n")
-        ctl.request_rescan()
+        ctl.rescans.request()
         await until(lambda: ctl.spec_for("a.service") is None)
         ctl.on_unit_changed("a.service", {"ActiveState": "active", "SubState": "running"})
         assert ctl.gates.holding() == []
@@ -3007,7 +3007,7 @@ def test_only_the_units_that_matter_are_listened_to(tmp_path: Path) -> None:
         await ctl.start()
         await until(lambda: bed.systemd.watched == {"a.service"})
         write_unit(tmp_path, "b.service", "Priority=60\n")
-        ctl.request_rescan()
+        ctl.rescans.request()
         await until(lambda: bed.systemd.watched == {"a.service", "b.service"})
         await until(lambda: bed.systemd.reads == ["b.service"])
 

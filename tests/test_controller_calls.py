@@ -1028,15 +1028,15 @@ def test_a_stop_timer_left_by_a_withdrawn_start_is_replaced_by_the_next_stops(
         await ctl.start()
         await settle()
         write_unannotated(tmp_path, "low.service")
-        ctl.request_rescan()
+        ctl.rescans.request()
         await until(lambda: stops(bed) == 1)
         old = ctl.calls._stop_timers["low.service"]
         read.set()
         await settle()
         assert ctl.scheduler.phase("low.service") is None
         write_unit(tmp_path, "low.service", "Priority=90\n")
-        ctl.request_rescan()
-        await until(lambda: ctl.spec_for("low.service") is not None and ctl._rescan is None)
+        ctl.rescans.request()
+        await until(lambda: ctl.spec_for("low.service") is not None and ctl.rescans.task is None)
         ctl.config = dataclasses.replace(ctl.config, stop_timeout=60.0)
         await bed.acquire("low.service", ":1.8", 4243)
         assert bed.service.granted == [("low.service", "0")]

@@ -560,7 +560,7 @@ def test_each_gate_the_scan_does_not_know_gets_its_own_rescan(
             write_unit(tmp_path, unit, "Priority=50\n")  # daemon-reload: signal lost
             bed.systemd.units[unit] = state(unit, "activating", "start-pre", 5)
             await bed.acquire(unit, sender, pid)
-            await until(lambda: ctl._rescan is None)
+            await until(lambda: ctl.rescans.task is None)
             assert ctl.scheduler.is_waiting(unit)
         assert bed.service.granted == []
         assert ctl.scheduler.grants() == {"top.service": frozenset({0})}
@@ -1004,11 +1004,11 @@ def test_the_gate_of_a_unit_the_core_still_knows_is_judged_without_a_rescan(
         ctl = bed.controller
         await ctl.start()
         await unannotate(ctl, tmp_path, "low.service")
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
         assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
         await bed.acquire("low.service", ":1.7", 4343)
         assert bed.service.sent_back == ["low.service"]
-        assert ctl._rescan is None and ctl._rescanned_for_gate == set()
+        assert ctl.rescans.task is None and ctl.rescans.rescanned_for_gate == set()
 
     run(test)
 
@@ -1320,8 +1320,8 @@ async def template_unannotated(bed: Bed, tmp_path: Path) -> None:
     its file with it."""
     ctl = bed.controller
     write_unannotated(tmp_path, "t@.service")
-    ctl.request_rescan()
-    await until(lambda: ctl.spec_for(INSTANCE) is None and ctl._rescan is None)
+    ctl.rescans.request()
+    await until(lambda: ctl.spec_for(INSTANCE) is None and ctl.rescans.task is None)
     assert ctl.scheduler.grants() == {INSTANCE: frozenset({0})}
     assert bed.systemd.watches(INSTANCE)  # followed while the core holds GPU 0 for it
 

@@ -474,13 +474,13 @@ def test_a_gate_asking_during_a_scan_older_than_its_reload_gets_a_scan_of_its_ow
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.request_rescan()
+        ctl.rescans.request()
         await held.has_read()
         write_unit(tmp_path, "new.service", "Priority=50\n")  # daemon-reload: signal lost
         bed.systemd.units["new.service"] = state("new.service", "activating", "start-pre", 5)
         await bed.acquire("new.service", ":1.8", 4243)
         held.go.set()
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
         await settle()
         assert bed.service.granted == []
         assert ctl.scheduler.is_waiting("new.service")
@@ -551,7 +551,7 @@ def test_a_start_right_after_a_daemon_reload_is_judged_on_what_that_reload_read(
         await held.reloaded(bed)
         await start_in_flight(bed, way)()
         held.go.set()
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
         await settle()
         assert ("stop", "low.service") not in bed.systemd.calls
         assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
@@ -618,9 +618,9 @@ def test_a_start_held_back_is_not_kept_waiting_by_daemon_reloads_that_keep_comin
         await until(lambda: len(scans) >= 1)
         await start_in_flight(bed, way)()
         await until(lambda: ("stop", "low.service") in bed.systemd.calls)
-        assert ctl._rescan is not None  # judged while the reloads still come
+        assert ctl.rescans.task is not None  # judged while the reloads still come
         storm.clear()
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
 
     run(test)
 
@@ -644,7 +644,7 @@ def test_a_start_held_back_by_a_rescan_is_not_woken_as_a_start_never_heard(
     async def test() -> None:
         ctl = bed.controller
         await start_during_rescan(bed, held, "pipe")
-        assert ctl._after_scan and pipe.exists()
+        assert ctl.rescans.after_scan and pipe.exists()
         gate = await shell_reader(pipe)  # as a gate that found its pipe
         try:
             with caplog.at_level(logging.WARNING, logger="gpuslice"):

@@ -207,7 +207,7 @@ def test_the_daemons_controller_reads_the_hosts_units_and_answers_every_method_o
         assert json.loads(plan.body[0])["unit"] == "a.service"
         reload = bus.call("Reload", serial=4)
         assert reload.message_type is MessageType.METHOD_RETURN
-        await until(lambda: len(roots) == 2 and ctl._rescan is None)
+        await until(lambda: len(roots) == 2 and ctl.rescans.task is None)
         assert roots == ["/", "/"]
 
     run(test)
@@ -368,7 +368,7 @@ def test_a_reload_applies_the_foreign_processes_policy_it_reads(
         cast(UsersProcessOnGpu1, bed.nvml).present = True
         with caplog.at_level(logging.INFO, logger="gpuslice"):
             ctl.reload_config()
-            await until(lambda: ctl._rescan is None)
+            await until(lambda: ctl.rescans.task is None)
             await settle()
         stopped = ("stop", "bg.service") in bed.systemd.calls
         assert stopped is (after == "yield")
@@ -429,7 +429,7 @@ def test_a_reload_that_turns_requeue_at_gate_on_restarts_a_preempted_unit_at_onc
         assert bed.systemd.calls == [("subscribe", "")]
         with caplog.at_level(logging.INFO, logger="gpuslice"):
             ctl.reload_config()
-            await until(lambda: ctl._rescan is None)
+            await until(lambda: ctl.rescans.task is None)
             await settle()
         assert bed.systemd.calls == [("subscribe", ""), ("start", "p.service")]
         assert QUEUED_AT_GATE in lines(caplog)
@@ -883,8 +883,8 @@ def test_annotation_problems_are_said_at_start_up_and_at_each_rescan(
             await ctl.start()
             assert lines(caplog, logging.ERROR) == [problem]
             caplog.clear()
-            ctl.request_rescan()
-            await until(lambda: ctl._rescan is None)
+            ctl.rescans.request()
+            await until(lambda: ctl.rescans.task is None)
             assert lines(caplog, logging.ERROR) == [problem]
 
     run(test)
@@ -1066,8 +1066,8 @@ def test_a_template_systemd_lists_is_no_unit_of_the_core(tmp_path: Path) -> None
         await ctl.start()
         assert ctl.scheduler.annotated() == {"a.service"}
         await until(lambda: bed.systemd.watched == {"a.service"})
-        ctl.request_rescan()
-        await until(lambda: ctl._rescan is None)
+        ctl.rescans.request()
+        await until(lambda: ctl.rescans.task is None)
         assert ctl.scheduler.annotated() == {"a.service"}
 
     run(test)
@@ -1224,8 +1224,8 @@ def test_a_rescan_that_fails_is_said_in_the_journal(
         await ctl.start()
         monkeypatch.setattr(controller_module, "scan", broken)
         with caplog.at_level(logging.INFO, logger="gpuslice"):
-            ctl.request_rescan()
-            await until(lambda: ctl._rescan is None)
+            ctl.rescans.request()
+            await until(lambda: ctl.rescans.task is None)
             await settle()
         [record] = [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert (record.name, record.getMessage()) == ("gpuslice", "internal error")
@@ -1301,7 +1301,7 @@ def test_a_reload_says_each_warning_and_keeps_the_paths_it_started_with_in_so_ma
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="gpuslice"):
             ctl.reload_config()
-            await until(lambda: ctl._rescan is None)
+            await until(lambda: ctl.rescans.task is None)
         assert (ctl.config.state_dir, ctl.config.runtime_dir) == (old_state, old_runtime)
         [bogus, runtime, state_dir] = lines(caplog, logging.WARNING)
         assert bogus.startswith(f"{config_path}:4: bogus: unknown setting, ignored (known: ")
@@ -1420,7 +1420,7 @@ def test_a_unit_annotated_while_it_runs_is_adopted_when_every_units_signals_are_
         await ctl.start()
         await settle()
         write_unit(tmp_path, "b.service", "Priority=90\n")
-        ctl.request_rescan()
+        ctl.rescans.request()
         await until(lambda: ctl.scheduler.grants() == {"b.service": frozenset({0})})
         assert bed.systemd.reads == ["b.service"]  # once
         await bed.acquire("urgent.service")
@@ -1469,8 +1469,8 @@ def test_only_units_whose_signals_were_dropped_are_read_when_annotated(
         assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
         write_unit(tmp_path, "low.service", "Priority=90\n")
         write_unit(tmp_path, "t@.service", "Priority=50\n")
-        ctl.request_rescan()
-        await until(lambda: ctl.spec_for("low.service") is not None and ctl._rescan is None)
+        ctl.rescans.request()
+        await until(lambda: ctl.spec_for("low.service") is not None and ctl.rescans.task is None)
         await settle()
         assert bed.systemd.watched is None and bed.systemd.reads == []
         assert ctl.scheduler.annotated() == {"low.service", "urgent.service", "x.service"}

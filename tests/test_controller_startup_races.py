@@ -123,7 +123,7 @@ def test_a_daemon_reload_while_start_up_reads_the_unit_files_is_read_again(
 
         monkeypatch.setattr(controller_module, "scan", reloaded_meanwhile)
         await ctl.start()
-        await until(lambda: len(scans) == 2 and ctl._rescan is None)
+        await until(lambda: len(scans) == 2 and ctl.rescans.task is None)
         await settle()
         judged_on_the_edit(bed, how)
 
@@ -163,7 +163,7 @@ def test_a_start_at_its_gate_during_start_up_waits_for_the_reload_start_up_heard
 
     async def test() -> None:
         await ctl.start()
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
         await settle()
         judged_on_the_edit(bed, how)
         if how == "unannotated" and way == "dbus":
@@ -183,7 +183,7 @@ def test_a_start_at_its_gate_at_start_up_with_no_reload_is_judged_at_once(
         ctl = bed.controller
         await ctl.start()
         assert ("stop", "low.service") in bed.systemd.calls
-        assert ctl._rescan is None and ctl.scheduler.is_waiting(URGENT)
+        assert ctl.rescans.task is None and ctl.scheduler.is_waiting(URGENT)
 
     run(test)
 

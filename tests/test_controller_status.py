@@ -56,8 +56,8 @@ def test_status_shows_a_problem_a_rescan_found_though_nothing_was_decided(
         await ctl.start()
         assert json.loads(ctl.status_json())["problems"] == []
         write_unit(tmp_path, "b.service", "Priority=high\n")
-        ctl.request_rescan()
-        await until(lambda: ctl._rescan is None and bool(ctl.scan.problems))
+        ctl.rescans.request()
+        await until(lambda: ctl.rescans.task is None and bool(ctl.scan.problems))
         [problem] = json.loads(ctl.status_json())["problems"]
         assert 'Priority: expected an integer 0-999, got "high"' in problem
         assert b"gpuslice_annotation_problems 1.0" in exposition(json.loads(ctl.status_json()))

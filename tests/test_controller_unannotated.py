@@ -487,7 +487,7 @@ def test_a_preempted_unit_whose_annotation_goes_is_forgotten_with_a_word_in_both
         goes_down(bed, URGENT_UNIT)
         await settle()
         write_unit(tmp_path, P, "Priority=50\n")
-        ctl.request_rescan()
+        ctl.rescans.request()
         await until(lambda: ctl.spec_for(P) is not None)
         await settle()
         assert ("start", P) not in bed.systemd.calls

@@ -125,7 +125,7 @@ def test_starts_held_back_are_each_judged_and_an_unannotated_ones_gate_sent_to_d
         _at_gate_by_signal(bed, "urgent.service", 7)
         _at_gate_by_signal(bed, "mid.service", 8)
         await settle()
-        assert list(ctl._after_scan) == ["urgent.service", "mid.service"] and pipe.exists()
+        assert list(ctl.rescans.after_scan) == ["urgent.service", "mid.service"] and pipe.exists()
         gate = await shell_reader(pipe)  # as a gate that found its pipe
         try:
             assert gate.returncode is None

@@ -221,7 +221,7 @@ def test_a_gate_annotated_again_while_its_list_is_read_asks_again(
     async def annotated_while_read(name: str) -> list[tuple[str, list[str]]]:
         commands = await read(name)
         write_unit(tmp_path, URGENT, "Priority=10\n")
-        bed.controller.request_rescan()
+        bed.controller.rescans.request()
         await until(lambda: bed.controller.spec_for(URGENT) is not None)
         return commands
 

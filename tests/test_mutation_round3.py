@@ -260,7 +260,7 @@ def test_during_a_rescan_the_audit_wakes_only_the_gate_of_a_start_never_heard(
         await ctl.start()
         await reloaded(bed, held)
         await start_in_flight(bed, "pipe")()
-        assert ctl._rescan is not None and "urgent.service" in ctl._after_scan
+        assert ctl.rescans.task is not None and "urgent.service" in ctl.rescans.after_scan
         ctl.gates.expect("low.service")  # pipes their earlier starts left
         ctl.gates.expect("a.service")
         gates = {u: await shell_reader(gate_dir / f"{u}.service") for u in ("urgent", "low", "a")}
@@ -320,12 +320,12 @@ def test_each_start_held_back_is_taken_in_after_one_that_left_its_gate(
         ctl.on_job_new(7, job, "urgent.service")
         signal_of(bed, "urgent.service", {**at_gate(), "Job": (7, job)})
         await settle()
-        assert list(ctl._after_scan) == ["a.service", "urgent.service"]
+        assert list(ctl.rescans.after_scan) == ["a.service", "urgent.service"]
         goes_down(bed, "a.service")  # stopped at its gate
         await settle()
         held.go.set()
         await until(lambda: ("stop", "low.service") in bed.systemd.calls)
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
         assert ctl.scheduler.is_waiting("urgent.service")
         assert not ctl.scheduler.is_waiting("a.service")
         assert ctl.scheduler.phase("a.service") is None

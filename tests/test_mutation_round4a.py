@@ -197,7 +197,7 @@ def test_a_start_listed_at_its_gate_during_a_reload_is_sent_to_the_bus_not_held(
 
     async def test() -> None:
         await ctl.start()
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
         await settle()
         assert ctl.scheduler.is_waiting(urgent)
         assert not ctl.gates.holds(urgent)

@@ -158,8 +158,8 @@ def test_an_instance_with_a_job_queued_is_not_forgotten_when_no_longer_kept(
         await settle()
         heard = ctl.tracker.heard(embed)
         write_unit(tmp_path, "embed@.service", "Priority=90\n")  # Type= gone: on-demand
-        ctl.request_rescan()
-        await until(lambda: ctl._rescan is None)
+        ctl.rescans.request()
+        await until(lambda: ctl.rescans.task is None)
         await settle()
         assert ctl.scheduler.stopped_by_shutdown == set()
         assert embed in ctl.scheduler.annotated()

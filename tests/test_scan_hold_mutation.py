@@ -1,7 +1,7 @@
 """A start seen at its gate while a rescan reads, and a StartUnit whose answer was lost,
 under mutation.
 
-Mutation testing of the controller's `_gate_after_scan` and of `Tracker._answered` left
+Mutation testing of `Rescans.hold_gate` and of `Tracker._answered` left
 rules no test held: a start the core has answered already is served at once, not held for
 the scan (its GPUs are its own whatever the scan reads); a start held back keeps the
 InvocationID its signal named when a read without one comes before the scan is applied (its
@@ -32,7 +32,7 @@ from tests.test_controller import cgroup_of as cgroup_of  # a fixture
 from tests.test_controller_reload import HeldScan, start_during_rescan
 from tests.test_tracker import JOB1, A, Model
 
-# ---- Controller._gate_after_scan ----
+# ---- Rescans.hold_gate ----
 
 
 def test_a_start_already_granted_is_answered_at_its_pipe_while_a_rescan_reads(
@@ -60,12 +60,12 @@ def test_a_start_already_granted_is_answered_at_its_pipe_while_a_rescan_reads(
         try:
             ctl.on_unit_changed("a.service", at_gate())
             await settle()
-            assert ctl._rescan is not None  # the scan is not applied yet
+            assert ctl.rescans.task is not None  # the scan is not applied yet
             assert ctl.gates.holds("a.service")
             assert read_pipe(bed, "a.service") == START.hex() + "\n"
         finally:
             held.go.set()  # a failure ends at once, not after the scan's patience
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
         assert ctl.scheduler.grants() == {"a.service": frozenset({0})}
 
     run(test)
@@ -91,7 +91,7 @@ def test_a_start_held_back_keeps_its_invocation_through_a_read_that_names_none(
         await settle()
         assert ("stop", "low.service") not in bed.systemd.calls
         held.go.set()
-        await until(lambda: ctl._rescan is None)
+        await until(lambda: ctl.rescans.task is None)
         await settle()
         assert ctl.gates.holds("urgent.service")  # taken in at its pipe, now
         assert ("stop", "low.service") in bed.systemd.calls

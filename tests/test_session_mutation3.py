@@ -299,7 +299,7 @@ def test_an_annotated_unit_started_while_systemd_re_executed_is_read_and_taken_i
         bed.systemd.reads.clear()
         bed.systemd.units["low.service"] = state("low.service", "activating", "start-pre", 7)
         ctl.on_systemd_restarted()
-        await until(lambda: ctl._rescan is None)  # the start is judged on the unit files now
+        await until(lambda: ctl.rescans.task is None)  # the start is judged on the unit files now
         await settle()
         assert "low.service" in bed.systemd.reads
         assert ctl.scheduler.phase("low.service") is Phase.STARTING  # GPU 0 kept for its gate
