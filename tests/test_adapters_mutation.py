@@ -548,7 +548,7 @@ def test_a_fifo_swapped_in_after_the_check_does_not_block(
     with caplog.at_level(logging.ERROR):
         loader = threading.Thread(target=lambda: result.append(StateStore(tmp_path).load()))
         loader.start()
-        loader.join(5)
+        loader.join(30)  # a pass never waits this long: a loaded machine may start it late
         if loader.is_alive():  # blocked in open(): a writer lets it go, then fail
             os.close(os.open(path, os.O_WRONLY))
             loader.join()
@@ -938,7 +938,7 @@ def test_a_fifo_swapped_in_after_the_check_is_not_waited_on(
 
     reader = threading.Thread(target=read)
     reader.start()
-    reader.join(5)
+    reader.join(30)  # a pass never waits this long: a loaded machine may start it late
     if reader.is_alive():  # blocked in open(): a writer lets it go, then fail
         os.close(os.open(path, os.O_WRONLY))
         reader.join()

@@ -35,6 +35,7 @@ from gpuslice.systemd import Queued, SystemdError
 from tests.test_controller import (
     GIB,
     HOUR,
+    PATIENCE,
     START,
     Bed,
     StubNvml,
@@ -191,7 +192,7 @@ def test_a_gate_waiting_on_its_pipe_for_a_start_no_signal_told_is_woken_by_the_a
             assert gate.returncode is None
             assert not [m for m in messages(caplog) if "signals were lost" in m]
             await ctl.reads.audit()  # none came
-            out, _ = await asyncio.wait_for(gate.communicate(), 5)
+            out, _ = await asyncio.wait_for(gate.communicate(), PATIENCE)
         assert out == b"read []\n"  # end of file: the gate asks over D-Bus
         assert ctl.counters.errors["dbus_signals_lost"] == 1
         assert messages(caplog)[-1] == (
@@ -232,7 +233,7 @@ def test_an_audit_leaves_a_gate_whose_start_signal_is_late_to_that_signal(
             assert gate.returncode is None
             ctl.on_unit_changed("a.service", at_gate(second))  # its signal, read
             await settle()
-            out, _ = await asyncio.wait_for(gate.communicate(), 5)
+            out, _ = await asyncio.wait_for(gate.communicate(), PATIENCE)
         assert out == f"read [{second.hex()}]\n".encode()  # through its pipe
         assert ctl.counters.errors["dbus_signals_lost"] == 0
         assert not [m for m in messages(caplog) if "signals were lost" in m]

@@ -1634,10 +1634,10 @@ def test_a_large_environment_file_many_units_share_is_read_once(root: Path) -> N
     checker = EnvFileChecker(root)
     run_as = RunAs(user="asr")
     run_as.env_files.append(envsafety.Assignment(f"{ETC}/x.service", 5, "/etc/asr/big.env"))
-    started = time.monotonic()
+    started = time.process_time()  # its CPU time: a loaded machine stretches the wall time
     for i in range(3_000):
         assert checker.check(f"x{i}.service", run_as) == []
-    assert time.monotonic() - started < 3
+    assert time.process_time() - started < 3
 
 
 def test_an_environment_file_systemd_refuses_whole_overrides_nothing(root: Path) -> None:

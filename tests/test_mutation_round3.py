@@ -32,6 +32,7 @@ from gpuslice.core.scheduler import SavedState
 from gpuslice.gatepipes import GatePipes
 from gpuslice.unitfiles import UnitIndex
 from tests.test_controller import (
+    PATIENCE,
     Bed,
     StubNvml,
     at_gate,
@@ -269,7 +270,7 @@ def test_during_a_rescan_the_audit_wakes_only_the_gate_of_a_start_never_heard(
             with caplog.at_level(logging.WARNING, logger="gpuslice"):
                 await ctl.reads.audit()
                 await ctl.reads.audit()
-                out, _ = await asyncio.wait_for(gates["a"].communicate(), 5)
+                out, _ = await asyncio.wait_for(gates["a"].communicate(), PATIENCE)
                 await asyncio.sleep(0.1)
             assert out == b"read []\n"  # end of file: it asks over D-Bus
             assert gates["urgent"].returncode is None

@@ -1050,10 +1050,17 @@ def test_saves_in_a_row_are_flushed_once_and_a_save_during_a_flush_again() -> No
     asyncio.run(main())
 
 
+def _flush_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "state-flush"}
+
+
 def test_a_hung_flush_holds_its_thread_never_the_loop() -> None:
     store, outcomes = _Flushes(), list[OSError | None]()
     store.hold.clear()
     flusher = Flusher(store, 0.0, outcomes.append)  # type: ignore[arg-type]
+    # an earlier test's flush may still be in its thread (an fsync on a loaded disk, or the
+    # few lines after its word to its loop): counted, it would fail this test
+    before = _flush_threads()
 
     async def main() -> None:
         flusher.saved(asyncio.get_running_loop())
@@ -1064,8 +1071,9 @@ def test_a_hung_flush_holds_its_thread_never_the_loop() -> None:
             ticks += 1
         assert ticks == 10 and outcomes == []
         # a daemon thread: the controller's exit never waits on the disk
-        flushing = [t for t in threading.enumerate() if t.name == "state-flush"]
-        assert len(flushing) == 1 and flushing[0].daemon
+        flushing = _flush_threads() - before
+        assert len(flushing) == 1, f"this test's flush threads: {flushing}"
+        assert all(t.daemon for t in flushing)
 
     asyncio.run(main())
     store.hold.set()  # the daemon thread ends; its word to the closed loop is dropped

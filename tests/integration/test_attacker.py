@@ -295,7 +295,7 @@ def bed(container: Container) -> Iterator[Bed]:
     wait_sub(c, WAITER, "start-pre")
     wait_until(
         lambda: [w["unit"] for w in status(c)["waiting"]] == [WAITER],
-        10,
+        30,
         what=f"{WAITER} in the waiting list",
     )
     c.write_file("/tmp/rawsend.py", RAW_SENDER, 0o755)

@@ -49,7 +49,7 @@ def _leftovers(bed: Container, unit: str) -> list[str]:
 
 def _wait_no_leftovers(bed: Container, unit: str) -> None:
     try:
-        wait_until(lambda: not _leftovers(bed, unit) or None, 10, what=f"{unit} to leave nothing")
+        wait_until(lambda: not _leftovers(bed, unit) or None, 30, what=f"{unit} to leave nothing")
     except WaitTimeout:
         raise AssertionError(f"left of {unit}: {_leftovers(bed, unit)}") from None
 
@@ -344,7 +344,7 @@ def test_a_gate_blocked_before_the_controller_opened_its_pipe_is_woken_when_it_d
             "partner" in container.run(f"cat /proc/{gate.split()[0]}/wchan", check=False).stdout
             or None
         ),
-        10,
+        30,
         what="the gate to wait for the controller to open its pipe",
     )
     container.systemctl("kill", "-s", "SIGKILL", CONTROLLER)
@@ -489,7 +489,7 @@ def test_a_start_whose_annotation_went_while_it_waited_runs_its_own_exec_start_p
     write_job(container, WAITER, None, extra_service=f"ExecStartPre=/bin/touch {mark}")
     reload(container)
     # systemd says so: the restart, not the list it would not resume, runs the line
-    wait_until(lambda: VANISHED in container.journal(WAITER), 10, what="the reload")
+    wait_until(lambda: VANISHED in container.journal(WAITER), 30, what="the reload")
     _started_whole(container, WAITER, mark)
     assert prop(container, WAITER, "Result") == "success"
     assert "gpuslice-gate" not in prop(container, WAITER, "ExecStartPre")

@@ -480,7 +480,7 @@ def test_leftover_process_of_a_victim_delays_the_grant(bed: Container) -> None:
     reload(bed)
     wait_state(bed, "leaky.service", "active")
     worker = wait_until(
-        lambda: next(iter(fakegpu.allocations(bed)), None), 10, what="the leaky worker"
+        lambda: next(iter(fakegpu.allocations(bed)), None), TIMEOUT, what="the leaky worker"
     )
     bed.systemctl("start", "--no-block", "urgent.service")
     wait_state(bed, "leaky.service", "inactive")
@@ -490,7 +490,7 @@ def test_leftover_process_of_a_victim_delays_the_grant(bed: Container) -> None:
     )
     wait_until(
         lambda: [w["reason"] for w in status(bed)["waiting"]] == [reason] or None,
-        10,
+        TIMEOUT,
         what="urgent.service waiting on the leftover memory",
     )
     assert prop(bed, "urgent.service", "SubState") == "start-pre"

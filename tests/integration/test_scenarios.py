@@ -50,7 +50,7 @@ def test_seed_timeline(container: Container) -> None:
     ran = float(
         wait_until(
             lambda: container.run(f"cat /run/{VOICE}.start", check=False).stdout.strip() or None,
-            10,
+            30,
             what=f"{VOICE} to record its start",
         )
     )
@@ -451,7 +451,8 @@ def test_a_start_job_queued_behind_another_unit_preempts_before_its_gate_runs(
     )
     assert seen["slow-prep.service"]["ActiveState"] == "activating", seen  # the prep still runs
     assert seen[VOICE]["SubState"] == "dead", seen  # its start job still waits
-    wait_state(container, VOICE, "active", timeout=15)
+    # slow-prep sleeps 10 s before voice's start goes on: 15 s left 5 s for the rest
+    wait_state(container, VOICE, "active", timeout=40)
     assert holders(container) == {0: [VOICE]}
 
 
@@ -511,7 +512,7 @@ def test_a_unit_that_ended_by_itself_is_finished_though_a_stop_of_ours_came_afte
     wait_sub(container, post, "stop-post")  # its work is done; it uploads
     container.systemctl("start", "--no-block", VOICE)
     wait_journal(container, f"preempting {post} (priority 50) for {VOICE}")
-    wait_started(container, VOICE, timeout=15)  # it runs 1 s: a poll of its state may miss it
+    wait_started(container, VOICE, timeout=30)  # it runs 1 s: a poll of its state may miss it
     wait_journal(container, f"{post} finished: released GPU 0")
     wait_state(container, VOICE, "inactive")
 

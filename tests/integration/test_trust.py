@@ -168,7 +168,7 @@ def test_a_preempted_instance_survives_a_controller_restart_and_garbage_collecti
         ).stdout
         return True if not out.strip() else None
 
-    wait_until(collected, 10, what="systemd to garbage-collect the stopped instance")
+    wait_until(collected, 30, what="systemd to garbage-collect the stopped instance")
     container.systemctl("restart", "gpuslice.service")
     assert [p["unit"] for p in status(container)["preempted"]] == ["worker@a.service"]
     wait_state(container, VOICE, "inactive", timeout=30)
