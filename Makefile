@@ -68,7 +68,7 @@ test: venv bed-deps
 
 # Property tests (tests/test_fuzz_*.py) with 10000 examples each; `make test` runs 200.
 fuzz: venv
-	GPUSLICE_HYPOTHESIS=explore GPUSLICE_FUZZ_EXAMPLES=10000 $(VENV)/bin/pytest tests/test_fuzz_*.py tests/test_core_properties.py tests/test_core_renumber_properties.py -q -p no:cacheprovider -o timeout=0
+	GPUSLICE_HYPOTHESIS=explore GPUSLICE_FUZZ_EXAMPLES=10000 $(VENV)/bin/pytest tests/test_fuzz_*.py tests/test_core_properties.py tests/test_core_renumber_properties.py tests/test_core_instance_properties.py -q -p no:cacheprovider -o timeout=0
 
 demo: venv bed-deps
 	$(VENV)/bin/python -m tests.bed.demo

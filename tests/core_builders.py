@@ -76,7 +76,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuslice.core.decisions import Cause, Code, render
-from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec, is_template
+from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec, is_instance, is_template
 from gpuslice.core.scheduler import (
     Action,
     Freeze,
@@ -515,7 +515,10 @@ class Sim:
         self.known_at.pop(name, None)
         self.told_to_wait.discard(name)
         spec = self.annotations.get(name)
-        if spec is not None and not (spec.kind is BG and not is_template(name)):
+        # an instance's start of ours is owed as a comeback (`Scheduler.start_failed`): it
+        # stays preempted, where a plain background unit is left to refill (as is an
+        # instance a cancelled shutdown stopped: tests/test_core_instance_properties.py)
+        if spec is not None and (spec.kind is not BG or is_instance(name)):
             self.preempted[name] = next(self._clock)
         self.paused.add(name)
         actions = self._feed(self.sched.start_failed(name, "no reply (NoReply)"))
@@ -926,6 +929,8 @@ class Sim:
             gpu = self.devices.get(index)
             if gpu is None or gpu.lost:
                 raise InvariantError(f"Grant {name} on GPU {index}: unknown or lost")
+            if unit.devices and not any(gpu.matches(d) for d in unit.devices):
+                raise InvariantError(f"Grant {name} on GPU {index}: Devices= {unit.devices}")
             self._check_room(unit, gpu)
         still = self.victims_of.pop(name, set())
         if still:

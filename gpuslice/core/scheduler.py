@@ -1194,6 +1194,9 @@ class Scheduler:
         actions: list[Action] = []
         was = self.specs
         self._set_specs(specs)
+        # one annotated again while it holds GPUs (or is suspended) is new to the annotations,
+        # not to gpuslice: someone started it, as `load` counts it
+        self.dormant -= self.holders.keys() | self.suspended.keys()
         self._tops_cache = None  # priorities change, holders go
         for name in list(self.holders):
             holder = self.holders[name]
