@@ -6,7 +6,8 @@ runs make one more run after it (`request`). Systemd already runs on the unit fi
 reads, so the starts it may concern wait for it: a start systemd shows at its gate
 (`hold_gate`, `hold_for_rescan`), a gate's call of a unit the scan may not know yet (`park`,
 `for_gate`), a queued start (`scanned`). Once a scan is applied they are judged on it, and on
-the scan before when one fails.
+the scan before when one fails; not at all when the controller stops meanwhile (its task
+cancelled): the next controller takes them in.
 
 The controller applies each scan and judges the starts held back; everything else is given:
 the read itself (`read`: annotations.scan of the controller's root), whether start-up is done
@@ -108,6 +109,17 @@ class Rescans:
                 gates, parked, waits = {}, [], []
                 if not self.again:
                     break
+        except asyncio.CancelledError:
+            # the controller stops (asyncio.run cancels its tasks once run() returns): judged
+            # here on the scan before, a start whose annotation the reload took out or made
+            # less urgent was granted, and preempted others, by a controller on its way out.
+            # Left to the next one, read on the unit files of then (Restore.rebuild), whose
+            # gates ask it again; a queued start's wait is cancelled, as its task is.
+            for wait in waits + self.waits:
+                wait.cancel()
+            gates, parked, waits = {}, [], []
+            self.after_scan, self.parked, self.waits = {}, [], []
+            raise
         finally:
             self.task = None
             # those of the last scan (or of one that failed: judged on the scan before)
@@ -163,8 +175,10 @@ class Rescans:
         lost (the bus daemon drops signals for a connection whose queue is full, and anyone
         can fill it). Let through on that scan, a unit newly annotated ran ungated, on GPUs
         that others held. Once per unit until the next daemon-reload: a gate left in place
-        when its annotation went (no reload since) costs one scan, not one per start."""
-        if self.known(unit) or unit in self.rescanned_for_gate:
+        when its annotation went (no reload since) costs one scan, not one per start. Only a
+        service has a gate (ExecStartPre=): a caller in a login's scope, a new name at each
+        login of any user, asks for none."""
+        if not unit.endswith(".service") or self.known(unit) or unit in self.rescanned_for_gate:
             return False
         self.rescanned_for_gate.add(unit)
         self.request()

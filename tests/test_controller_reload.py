@@ -14,6 +14,7 @@ daemon-reload is judged on what that reload read, not on the scan before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -561,6 +562,38 @@ def test_a_start_right_after_a_daemon_reload_is_judged_on_what_that_reload_read(
             assert not ctl.scheduler.is_waiting("urgent.service")
             if way == "dbus":
                 assert bed.service.granted == [("urgent.service", "")]
+
+    run(test)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_start_held_back_by_a_rescan_is_left_to_the_next_controller_when_this_one_stops(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    """`gpuslice enroll urgent --priority 95`, `systemctl daemon-reload`, and urgent's start
+    comes during the rescan; `systemctl restart gpuslice` then stops the controller, and
+    asyncio.run cancels the rescan. Judged at that cancel on the scan before (priority 10),
+    low.service (90) was stopped, its work lost, by a controller on its way out, for a unit
+    that now waits behind it. The next controller reads the unit files anew."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    held = HeldScan(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        write_unit(tmp_path, "urgent.service", "Priority=95\n")
+        await held.reloaded(bed)
+        await start_in_flight(bed, way)()
+        task = ctl.rescans.task
+        assert task is not None
+        task.cancel()  # as asyncio.run does once run() returns
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        held.go.set()
+        await settle()
+        assert ("stop", "low.service") not in bed.systemd.calls
+        assert bed.service.granted == []
+        assert ctl.scheduler.grants() == {"low.service": frozenset({0})}
 
     run(test)
 

@@ -323,6 +323,38 @@ def test_a_scan_that_fails_after_another_judges_what_it_held_back() -> None:
     run(test)
 
 
+def test_a_scan_cancelled_as_the_controller_stops_judges_nothing_it_held_back() -> None:
+    """asyncio.run cancels the rescan under way once run() returns (SIGTERM: `systemctl
+    restart gpuslice` right after a daemon-reload). Judged then on the scan before, a start
+    at its gate whose annotation the reload took out or made less urgent was granted, and
+    preempted others, by a controller on its way out; left alone, the next one takes it in
+    on the unit files of then (Restore.rebuild), and its gate asks that one again."""
+
+    async def test(kit: Kit) -> None:
+        kit.states.shown[A] = AT_GATE
+        kit.hold()
+        kit.rescans.hold_for_rescan(C)
+        kit.rescans.request()
+        task = kit.rescans.task
+        assert task is not None
+        await kit.begun()
+        assert kit.rescans.hold_gate(A, "inv-a")
+        kit.rescans.park(B)
+        waiting = asyncio.create_task(kit.rescans.scanned())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        kit.let_go()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiting, 1)  # ended, not let on to decide
+        assert kit.events == judged() and kit.rescans.task is None  # none of them
+        assert kit.rescans.after_scan == {} and kit.rescans.parked == []
+        assert kit.rescans.waits == []
+
+    run(test)
+
+
 # ---- scanned ---------------------------------------------------------------------------------
 
 
@@ -397,6 +429,20 @@ def test_the_gate_of_a_unit_the_core_knows_gets_no_rescan() -> None:
     async def test(kit: Kit) -> None:
         kit.known.add(A)
         assert not kit.rescans.for_gate(A)
+        assert kit.rescans.task is None and kit.rescans.rescanned_for_gate == set()
+
+    run(test)
+
+
+def test_an_acquire_from_a_unit_that_has_no_gate_gets_no_rescan() -> None:
+    """Only a service has ExecStartPre=, so only a service has a gate: an Acquire from a
+    login's session scope (any local user, a new name at each login) or a slice is no
+    reason to read 10,000 unit files again (~1 s of the controller's CPU per login, found
+    by review R2)."""
+
+    async def test(kit: Kit) -> None:
+        for name in ("session-4.scope", "session-5.scope", "user-1000.slice", "x.socket"):
+            assert not kit.rescans.for_gate(name)
         assert kit.rescans.task is None and kit.rescans.rescanned_for_gate == set()
 
     run(test)
