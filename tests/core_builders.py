@@ -125,6 +125,27 @@ def sized(index: int, total_gib: int = 24, **kw: object) -> Gpu:
     return Gpu(index, f"GPU-{index}", "Fake", total_gib * GIB, **kw)  # type: ignore[arg-type]
 
 
+def drawn(
+    prio: int,
+    kind: UnitKind,
+    gpus: int,
+    requeue: bool,
+    memory: int | None,
+    ladder: str,
+    devices: tuple[str, ...] = (),
+) -> UnitSpec:
+    """A unit as the core's random histories draw it, named later (`replace`): `ladder` is
+    its Preempt= as written, `"freeze suspend stop"`."""
+    preempt = tuple(Rung(r) for r in ladder.split())
+    return UnitSpec("", prio, kind, gpus, requeue, memory=memory, devices=devices, preempt=preempt)
+
+
+def drawn_host(whole: bool, gpus: int) -> list[int] | list[Gpu]:
+    """The host the core's random histories draw: `gpus` GPUs of unknown size (no NVML:
+    every unit takes a whole GPU), or at most 3 of known size."""
+    return list(range(gpus)) if whole else [sized(i) for i in range(min(gpus, 3))]
+
+
 def brief(actions: Iterable[Action]) -> list[str]:
     """Actions without their words: `grant a.service 0,1`, `stop b.service`, `start c.service`."""
     out: list[str] = []

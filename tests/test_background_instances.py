@@ -37,18 +37,33 @@ DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
 EMBED = {"a.service": "Priority=50\n", "embed@.service": "Priority=90\nType=background\n"}
 
 
-async def run_then_stopped_by_a_reboot(ctl: Controller, embed: str) -> None:
-    """`embed` passes its gate and runs; reboot.target's job comes, and its stop (job 3)
-    takes it down: kept as stopped by the shutdown, for a cancel's refill."""
+REBOOTS_STOP = (3, "/org/freedesktop/systemd1/job/3")  # the shutdown's stop of the instance
+
+
+def runs_as_a_reboot_begins(ctl: Controller, embed: str) -> None:
+    """`embed` passes its gate and runs; reboot.target's job (2) comes."""
     ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
     ctl.on_unit_changed(embed, at_gate())
     ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
     ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
-    stop = (3, "/org/freedesktop/systemd1/job/3")  # the shutdown's stop
-    ctl.on_job_new(*stop, embed)
-    ctl.on_unit_changed(embed, {"ActiveState": "deactivating", "SubState": "stop", "Job": stop})
+
+
+def the_reboot_stops(ctl: Controller, embed: str, sub: str = "stop-sigterm") -> None:
+    """The reboot's stop of `embed` (job 3) begins: deactivating (SubState `sub`), not down
+    yet."""
+    ctl.on_job_new(*REBOOTS_STOP, embed)
+    ctl.on_unit_changed(
+        embed, {"ActiveState": "deactivating", "SubState": sub, "Job": REBOOTS_STOP}
+    )
+
+
+async def run_then_stopped_by_a_reboot(ctl: Controller, embed: str) -> None:
+    """`embed` passes its gate and runs; reboot.target's job comes, and its stop (job 3)
+    takes it down: kept as stopped by the shutdown, for a cancel's refill."""
+    runs_as_a_reboot_begins(ctl, embed)
+    the_reboot_stops(ctl, embed, "stop")
     ctl.on_unit_changed(embed, DOWN)
-    ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
+    ctl.on_job_removed(*REBOOTS_STOP, embed, "done")
     await settle()
     assert embed in ctl.scheduler.stopped_by_shutdown
 
@@ -680,20 +695,13 @@ def test_a_background_instance_failing_on_the_reboots_sigterm_is_refilled_at_its
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
-        ctl.on_unit_changed(embed, at_gate())
-        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
-        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
+        runs_as_a_reboot_begins(ctl, embed)
         if by_itself:
             ctl.on_unit_changed(embed, failed)
         else:
-            stop = (3, "/org/freedesktop/systemd1/job/3")  # the reboot's stop
-            ctl.on_job_new(*stop, embed)
-            ctl.on_unit_changed(
-                embed, {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": stop}
-            )
+            the_reboot_stops(ctl, embed)
             ctl.on_unit_changed(embed, failed)
-            ctl.on_job_removed(3, "/org/freedesktop/systemd1/job/3", embed, "done")
+            ctl.on_job_removed(*REBOOTS_STOP, embed, "done")
         await settle()
         assert ctl.scheduler.failed == set()  # one that failed is forgotten, as any instance
         assert (embed in ctl.scheduler.stopped_by_shutdown) is not by_itself
@@ -714,24 +722,19 @@ def test_a_background_instance_failed_on_the_reboots_sigterm_told_after_its_canc
     failed job, it was forgotten, never refilled (a preempted unit's work was lost so)."""
     bed = Bed(tmp_path, EMBED, [])
     embed = "embed@a.service"
-    stop = (3, "/org/freedesktop/systemd1/job/3")  # the reboot's stop
 
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.on_job_new(1, "/org/freedesktop/systemd1/job/1", embed)
-        ctl.on_unit_changed(embed, at_gate())
-        ctl.on_unit_changed(embed, {"ActiveState": "active", "SubState": "running"})
-        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "reboot.target")
-        ctl.on_job_new(*stop, embed)
+        runs_as_a_reboot_begins(ctl, embed)
+        the_reboot_stops(ctl, embed)
         ctl.on_unit_changed(
-            embed, {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": stop}
+            embed, {"ActiveState": "failed", "SubState": "failed", "Job": REBOOTS_STOP}
         )
-        ctl.on_unit_changed(embed, {"ActiveState": "failed", "SubState": "failed", "Job": stop})
         await settle()
         ctl.on_job_removed(2, "/org/freedesktop/systemd1/job/2", "reboot.target", "canceled")
         await settle()
-        ctl.on_job_removed(3, stop[1], embed, "done")
+        ctl.on_job_removed(*REBOOTS_STOP, embed, "done")
         ctl.on_unit_changed(embed, {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
         await settle()
         assert ctl.scheduler.failed == set()

@@ -41,14 +41,13 @@ from gpuslice.core.decisions import Code
 from gpuslice.core.model import (
     INSTANCE_DEVICE,
     Gpu,
-    Rung,
     UnitKind,
     UnitSpec,
     is_instance,
     is_template,
 )
 from gpuslice.core.scheduler import Action, Log, Outcome, Scheduler, Start
-from tests.core_builders import BG, GIB, OD, InvariantError, Sim, brief, sized, spec
+from tests.core_builders import BG, GIB, OD, InvariantError, Sim, brief, drawn, drawn_host, spec
 from tests.test_core_properties import (
     EXAMPLES,
     LADDER,
@@ -77,16 +76,7 @@ URGENT = UnitSpec("urgent@.service", 5, OD, 1, False, devices=(INSTANCE_DEVICE,)
 
 TEMPLATE = st.builds(
     lambda prio, kind, gpus, requeue, memory, ladder, pinned, annotated, names: (
-        UnitSpec(
-            "",
-            prio,
-            kind,
-            gpus,
-            requeue,
-            memory=memory,
-            devices=(INSTANCE_DEVICE,) if pinned else (),
-            preempt=tuple(Rung(r) for r in ladder.split()),
-        ),
+        drawn(prio, kind, gpus, requeue, memory, ladder, (INSTANCE_DEVICE,) if pinned else ()),
         annotated,
         names[0] if pinned else names[1],
     ),
@@ -311,9 +301,7 @@ class InstanceMachine(HostMachine):
         yield_to_foreign: bool,
         requeue_at_gate: bool,
     ) -> None:
-        host: list[int] | list[Gpu] = (
-            list(range(gpus)) if whole else [sized(i) for i in range(min(gpus, 3))]
-        )
+        host = drawn_host(whole, gpus)
         self.specs = [replace(s, name=f"u{i}.service") for i, (s, _) in enumerate(units)]
         self.annotated = [on for _, on in units]
         instances: list[str] = []

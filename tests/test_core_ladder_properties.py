@@ -22,23 +22,14 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from gpuslice.core.model import Rung, UnitKind, UnitSpec
+from gpuslice.core.model import UnitKind, UnitSpec
 from gpuslice.core.scheduler import Outcome, Scheduler
-from tests.core_builders import BG, GIB, brief, sized, spec
+from tests.core_builders import BG, GIB, brief, drawn, sized, spec
 from tests.test_core_properties import EXAMPLES, EXITS, HostMachine, machine_settings
 
 LADDER_UNIT = st.builds(
     lambda prio, kind, gpus, requeue, memory, ladder, devices: (
-        UnitSpec(
-            "",
-            prio,
-            kind,
-            gpus,
-            requeue,
-            memory=memory,
-            devices=devices if gpus == 1 else (),
-            preempt=tuple(Rung(r) for r in ladder.split()),
-        ),
+        drawn(prio, kind, gpus, requeue, memory, ladder, devices if gpus == 1 else ()),
         True,
     ),
     st.sampled_from([10, 20, 20, 50, 70, 90]),

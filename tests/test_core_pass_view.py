@@ -26,7 +26,7 @@ import gpuslice.core.scheduler as scheduler_module
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
 from gpuslice.core.scheduler import Grant, Outcome, Scheduler, Waiter, _PassView
 from tests import core_builders
-from tests.core_builders import brief, sized, spec
+from tests.core_builders import brief, drawn_host, sized, spec
 from tests.test_core_ladder_properties import LadderMachine
 from tests.test_core_properties import (
     UNIT,
@@ -164,11 +164,8 @@ class TwinnedPins(HostMachine):
         yield_to_foreign: bool,
         requeue_at_gate: bool,
     ) -> None:
-        host: list[int] | list[Gpu] = (
-            list(range(gpus)) if whole else [sized(i) for i in range(gpus)]
-        )
         pinned = [(replace(u, devices=pins), on) for (u, on), pins in units]
-        self._boot(host, pinned, yield_to_foreign, requeue_at_gate)
+        self._boot(drawn_host(whole, gpus), pinned, yield_to_foreign, requeue_at_gate)
 
 
 TwinnedMachine.TestCase.settings = machine_settings(EXAMPLES)

@@ -49,7 +49,7 @@ from gpuslice.core.decisions import render
 from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
 from gpuslice.core.plan import Verdict, plan_start
 from gpuslice.core.scheduler import Action, Grant, Outcome, Scheduler
-from tests.core_builders import BG, GIB, OD, InvariantError, Sim, sized
+from tests.core_builders import BG, GIB, OD, InvariantError, Sim, drawn, drawn_host, sized
 
 EXAMPLES = int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "300"))
 
@@ -71,15 +71,7 @@ LADDER = st.sampled_from(
 
 UNIT = st.builds(
     lambda prio, kind, gpus, requeue, memory, ladder, annotated: (
-        UnitSpec(
-            "",
-            prio,
-            kind,
-            gpus,
-            requeue,
-            memory=memory,
-            preempt=tuple(Rung(r) for r in ladder.split()),
-        ),
+        drawn(prio, kind, gpus, requeue, memory, ladder),
         annotated,
     ),
     PRIORITIES,
@@ -402,10 +394,7 @@ class CoreMachine(HostMachine):
         yield_to_foreign: bool,
         requeue_at_gate: bool,
     ) -> None:
-        host: list[int] | list[Gpu] = (
-            list(range(gpus)) if whole else [sized(i) for i in range(min(gpus, 3))]
-        )
-        self._boot(host, units, yield_to_foreign, requeue_at_gate)
+        self._boot(drawn_host(whole, gpus), units, yield_to_foreign, requeue_at_gate)
 
 
 def machine_settings(examples: int) -> settings:

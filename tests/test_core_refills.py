@@ -15,6 +15,7 @@ from tests.core_builders import BG, brief, spec
 
 BG_UNIT = spec("bg", 90, BG)
 ON_DEMAND = spec("bg", 90)  # the same unit, its `Type=background` gone
+EMBED = spec("embed@a", 90, BG)
 
 
 def refilled_then_on_demand() -> Scheduler:
@@ -22,6 +23,16 @@ def refilled_then_on_demand() -> Scheduler:
     s = Scheduler([Gpu(0)], {BG_UNIT.name: BG_UNIT})
     assert brief(s.schedule()) == ["start bg.service"]
     assert brief(s.set_specs({BG_UNIT.name: ON_DEMAND})) == []
+    return s
+
+
+def refilled_at_a_cancel() -> Scheduler:
+    """embed@a.service, stopped by the shutdown, is refilled by its cancel."""
+    s = Scheduler([Gpu(0)], {})
+    s.request(EMBED)
+    s.set_shutting_down(True)
+    s.inactive(EMBED.name, Outcome.SHUTDOWN)
+    assert brief(s.set_shutting_down(False)) == [f"start {EMBED.name}"]
     return s
 
 
@@ -52,25 +63,20 @@ def test_a_cancels_refill_of_an_instance_turned_on_demand_is_forgotten(restarted
     turns on-demand before the gate asks, and a second shutdown cuts the start short (its
     gate killed: 143). No comeback: an on-demand instance owed nothing is forgotten. The
     same where the controller restarted in between (the refill saved as one)."""
-    embed = spec("embed@a", 90, BG)
-    s = Scheduler([Gpu(0)], {})
-    s.request(embed)
-    s.set_shutting_down(True)
-    s.inactive(embed.name, Outcome.SHUTDOWN)
-    assert brief(s.set_shutting_down(False)) == [f"start {embed.name}"]
+    s = refilled_at_a_cancel()
     on_demand = spec("embed@a", 90)
     if restarted:
         saved = s.save()
-        assert saved.refills == [embed.name]
+        assert saved.refills == [EMBED.name]
         s = Scheduler([Gpu(0)], {})
-        s.set_specs({embed.name: on_demand})
+        s.set_specs({EMBED.name: on_demand})
         s.load(saved)
     else:
-        s.set_specs({embed.name: on_demand})
+        s.set_specs({EMBED.name: on_demand})
     s.set_shutting_down(True)
-    s.inactive(embed.name, Outcome.FAILED)
+    s.inactive(EMBED.name, Outcome.FAILED)
     assert (s.preempted, s.failed, s.stopped_by_shutdown) == ({}, set(), set())
-    assert s.forget_instance(embed.name)
+    assert s.forget_instance(EMBED.name)
     assert brief(s.set_shutting_down(False)) == []
 
 
@@ -148,18 +154,13 @@ def test_a_refill_whose_gate_the_shutdown_killed_is_refilled() -> None:
 def test_a_cancels_refill_saved_by_a_controller_before_refills_is_still_one() -> None:
     """A file without `refills` (an older controller's): a start of ours of an instance the
     shutdown stopped was its cancel's refill, as that controller took it."""
-    embed = spec("embed@a", 90, BG)
-    s = Scheduler([Gpu(0)], {})
-    s.request(embed)
-    s.set_shutting_down(True)
-    s.inactive(embed.name, Outcome.SHUTDOWN)
-    assert brief(s.set_shutting_down(False)) == [f"start {embed.name}"]
+    s = refilled_at_a_cancel()
     older = replace(s.save(), refills=[])
-    fresh = Scheduler([Gpu(0)], {embed.name: embed})
+    fresh = Scheduler([Gpu(0)], {EMBED.name: EMBED})
     fresh.load(older)
-    fresh.start_failed(embed.name, "systemd is re-executing")
+    fresh.start_failed(EMBED.name, "systemd is re-executing")
     assert fresh.preempted == {}
-    assert fresh.stopped_by_shutdown == {embed.name}
+    assert fresh.stopped_by_shutdown == {EMBED.name}
     assert fresh.ended_with_boot(older).preempted == {}
 
 

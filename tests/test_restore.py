@@ -233,6 +233,22 @@ def said(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
     return [(r.levelno, r.getMessage()) for r in caplog.records]
 
 
+def found_down(
+    tmp_path: Path,
+    exits: dict[str, MainExit | Exception],
+    journal: dict[str, stopjournal.Answer] | None = None,
+) -> Kit:
+    """A Kit whose holders, each running on a GPU of its own in the books (GPU 0 the
+    first in `exits`), systemd shows down, their main processes ended as `exits` says;
+    `journal`: the journal's answers (None: no journal to ask)."""
+    kit = Kit(tmp_path)
+    for gpu, name in enumerate(exits):
+        kit.hold(name, [gpu], Phase.RUNNING, down(name))
+    kit.journal = journal
+    kit.systemd.exits = exits
+    return kit
+
+
 # ---- stopped_while_away: which holders found down are asked, and what decides ----------
 
 
@@ -320,10 +336,9 @@ def test_the_journal_decides_and_the_main_process_decides_where_it_cannot_tell(
 def test_a_journal_that_failed_to_answer_is_said_as_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    kit = Kit(tmp_path)
-    kit.hold(A, [0], Phase.RUNNING, down(A))
-    kit.journal = {A: stopjournal.Answer(None, "journalctl failed", failed=True)}
-    kit.systemd.exits = {A: EXITED}
+    kit = found_down(
+        tmp_path, {A: EXITED}, {A: stopjournal.Answer(None, "journalctl failed", failed=True)}
+    )
     with caplog.at_level(logging.INFO, logger="gpuslice"):
         assert kit.stopped_while_away() == set()
     assert [level for level, _ in said(caplog)] == [logging.WARNING]
@@ -335,19 +350,12 @@ def test_no_journal_leaves_every_loaded_unit_to_its_main_process(
 ) -> None:
     """Without a journal to ask (ask_journal None), and with one that leaves a unit out of
     its answer, each is read; nothing is said of the journal."""
-    kit = Kit(tmp_path)
-    kit.hold(A, [0], Phase.RUNNING, down(A))
-    kit.hold(B, [1], Phase.RUNNING, down(B))
-    kit.journal = None
-    kit.systemd.exits = {A: KILLED, B: EXITED}
+    kit = found_down(tmp_path, {A: KILLED, B: EXITED})
     with caplog.at_level(logging.INFO, logger="gpuslice"):
         assert kit.stopped_while_away() == {A}
     assert kit.did == ["defer", f"main_exit {A}", f"main_exit {B}", "decide"]
     assert said(caplog) == []
-    again = Kit(tmp_path)
-    again.hold(A, [0], Phase.RUNNING, down(A))
-    again.journal = {}  # answers nothing of a.service
-    again.systemd.exits = {A: KILLED}
+    again = found_down(tmp_path, {A: KILLED}, {})  # the journal answers nothing of a.service
     assert again.stopped_while_away() == {A}
     assert again.did == ["defer", f"journal {[A]}", f"main_exit {A}", "decide"]
 
@@ -357,11 +365,7 @@ def test_a_failed_read_is_said_counted_and_taken_for_an_end_by_itself(
 ) -> None:
     """a.service's read fails: said with its name and the error's text, counted once in
     dbus_call_errors, and a.service is not stopped; b.service's read still decides."""
-    kit = Kit(tmp_path)
-    kit.hold(A, [0], Phase.RUNNING, down(A))
-    kit.hold(B, [1], Phase.RUNNING, down(B))
-    kit.journal = None
-    kit.systemd.exits = {A: NO_REPLY, B: KILLED}
+    kit = found_down(tmp_path, {A: NO_REPLY, B: KILLED})
     with caplog.at_level(logging.WARNING, logger="gpuslice"):
         assert kit.stopped_while_away() == {B}
     assert said(caplog) == [

@@ -1292,6 +1292,21 @@ REBOOT = "/org/freedesktop/systemd1/job/9"
 SHUTDOWN = "/org/freedesktop/systemd1/job/8"
 
 
+def waiter_stopped_in_a_shutdown(*targets: tuple[str, str]) -> Tracker:
+    """A waiter at its gate as the host goes down (`targets`: the shutdown's jobs, each its
+    path and target; reboot.target's by default), and the shutdown's stop (JOB2) of it
+    begins: deactivating, not down yet."""
+    model = Model()
+    model.waiters.add(A)
+    tracker = model.tracker()
+    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
+    for job, target in targets or [(REBOOT, "reboot.target")]:
+        tracker.job_new(job, target)
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2))
+    return tracker
+
+
 def test_a_cancelled_job_of_a_unit_down_is_no_stop() -> None:
     """`systemctl reboot`, then `systemctl cancel` (found by tests/test_tracker_properties.py):
     the shutdown's stop job of a unit down is cancelled before it runs. Nobody stopped the
@@ -1380,13 +1395,7 @@ def test_a_unit_down_in_a_shutdown_told_after_its_cancel_is_the_shutdowns() -> N
         WentDown(A, Outcome.SHUTDOWN, not_ours=True)
     ]
     # the shutdown's stop job still shown when the shutdown is cancelled
-    model = Model()
-    model.waiters.add(A)
-    tracker = model.tracker()
-    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
-    tracker.job_new(REBOOT, "reboot.target")
-    tracker.job_new(JOB2, A)
-    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2))
+    tracker = waiter_stopped_in_a_shutdown()
     assert tracker.unit_changed(A, props_of("inactive", "dead", 2)) == []
     tracker.job_removed(REBOOT, "reboot.target", "canceled")
     tracker.job_removed(JOB2, A, "done")
@@ -1400,14 +1409,7 @@ def test_a_unit_failed_in_a_shutdown_told_after_its_cancel_says_so() -> None:
     failed, and the core, no longer shutting down, recorded a failed job (a comeback's work
     lost, a background unit never refilled). Told `in_shutdown`; one told before the cancel,
     or that went down before the shutdown, is not."""
-    model = Model()
-    model.waiters.add(A)
-    tracker = model.tracker()
-    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
-    tracker.job_new(REBOOT, "reboot.target")
-    tracker.job_new(SHUTDOWN, "shutdown.target")
-    tracker.job_new(JOB2, A)
-    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2))
+    tracker = waiter_stopped_in_a_shutdown((REBOOT, "reboot.target"), (SHUTDOWN, "shutdown.target"))
     assert tracker.unit_changed(A, props_of("failed", "failed", 2)) == []
     tracker.job_removed(REBOOT, "reboot.target", "canceled")
     tracker.job_removed(SHUTDOWN, "shutdown.target", "canceled")
@@ -1417,13 +1419,7 @@ def test_a_unit_failed_in_a_shutdown_told_after_its_cancel_says_so() -> None:
         WentDown(A, Outcome.FAILED, in_shutdown=True)
     ]
     # told while the host still goes down: the core knows
-    model = Model()
-    model.waiters.add(A)
-    tracker = model.tracker()
-    tracker.unit_changed(A, props_of("activating", "start-pre", 1))
-    tracker.job_new(REBOOT, "reboot.target")
-    tracker.job_new(JOB2, A)
-    tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2))
+    tracker = waiter_stopped_in_a_shutdown()
     tracker.job_removed(JOB2, A, "done")
     assert tracker.unit_changed(A, props_of("failed", "failed", 0)) == [WentDown(A, Outcome.FAILED)]
 
