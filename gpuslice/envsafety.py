@@ -525,8 +525,6 @@ def _dropped(unit: str, word: str) -> bool:
     (`_NO_EQUALS`, or one `expand` works out). systemd v252's config_parse_environ expands
     a word's specifiers, then ignores it where it is no assignment (`LD_%i`: `LD_x`), so
     it sets nothing, whoever starts the instance."""
-    if "=" in word:
-        return False
     known: list[str] = []
     i = 0
     while i < len(word):
