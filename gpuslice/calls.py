@@ -139,7 +139,14 @@ class Calls:
                 doing = "starting" if what == "start" else "stopping"
                 log.info("%s %s reached systemd: sent again, it went through", doing, unit)
         finally:
-            if not told[0] and self.tracker.call_answered(unit, job, what):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # the controller stops (asyncio.run cancels its tasks once run() returns):
+                # read again, the unit's state was decided on by a controller on its way out,
+                # after its last save (a victim seen down: its waiter granted, more stops
+                # sent). The next one reads every unit anew
+                pass
+            elif not told[0] and self.tracker.call_answered(unit, job, what):
                 await self.reads.refresh(unit)
             elif not told[0] and self.down_instance(unit):
                 # the call failed (`queued` tells every answer), so no job of ours ends the

@@ -176,8 +176,8 @@ class Rescans:
         can fill it). Let through on that scan, a unit newly annotated ran ungated, on GPUs
         that others held. Once per unit until the next daemon-reload: a gate left in place
         when its annotation went (no reload since) costs one scan, not one per start. Only a
-        service has a gate (ExecStartPre=): a caller in a login's scope, a new name at each
-        login of any user, asks for none."""
+        service has a gate (ExecStartPre=): a caller in a login's scope (a new name at each
+        login; root's alone, as the bus policy lets root alone call Acquire) asks for none."""
         if not unit.endswith(".service") or self.known(unit) or unit in self.rescanned_for_gate:
             return False
         self.rescanned_for_gate.add(unit)

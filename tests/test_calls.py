@@ -493,6 +493,34 @@ def test_an_instance_down_whose_call_failed_is_forgotten_once_answered() -> None
     run(test)
 
 
+def test_a_call_cancelled_as_the_controller_stops_reads_and_forgets_nothing() -> None:
+    """asyncio.run cancels a call still awaiting systemd's answer once run() returns (the
+    state saved, STOPPING=1 sent). Read again then, its unit's state was taken in and
+    decided on by a controller on its way out (a victim seen down: its waiter granted, more
+    stops sent, none of it saved); an instance forgotten likewise. The next controller reads
+    every unit anew."""
+    name = "embed@1.service"
+
+    async def cancelled(kit: Kit, unit: str, what: str) -> None:
+        never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        kit.calls.send(lambda unit, queued: never, unit, what)
+        await asyncio.sleep(0)  # it awaits its answer
+        for task in kit.tasks:
+            task.cancel()  # as asyncio.run does
+        with pytest.raises(asyncio.CancelledError):
+            await kit.done()
+
+    async def test(kit: Kit) -> None:
+        kit.tracker.read_after_answer = True  # its signals deferred while the call ran
+        await cancelled(kit, U, "stop")
+        kit.tracker.read_after_answer = False
+        kit.down.add(name)
+        await cancelled(kit, name, "start")
+        assert kit.reads.asked == [] and kit.forgotten == [] and kit.executed == []
+
+    run(test)
+
+
 # ---- the stop timer ----
 
 

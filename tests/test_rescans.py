@@ -436,9 +436,9 @@ def test_the_gate_of_a_unit_the_core_knows_gets_no_rescan() -> None:
 
 def test_an_acquire_from_a_unit_that_has_no_gate_gets_no_rescan() -> None:
     """Only a service has ExecStartPre=, so only a service has a gate: an Acquire from a
-    login's session scope (any local user, a new name at each login) or a slice is no
-    reason to read 10,000 unit files again (~1 s of the controller's CPU per login, found
-    by review R2)."""
+    login's session scope (a new name at each login; the bus policy lets root alone call
+    Acquire) or a slice is no reason to read 10,000 unit files again (~1 s of the
+    controller's CPU per call, found by review R2)."""
 
     async def test(kit: Kit) -> None:
         for name in ("session-4.scope", "session-5.scope", "user-1000.slice", "x.socket"):
