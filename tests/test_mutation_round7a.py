@@ -5,12 +5,18 @@ controller restart that is no refill."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from gpuslice import controller as controller_module
+from gpuslice.config import Config
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Outcome, Scheduler
 from gpuslice.envsafety import _may_be_up
+from gpuslice.paths import RUNTIME_DIR_ENV
 from tests.core_builders import brief, spec
 from tests.test_envsafety import errors, install
 from tests.test_envsafety import reaches_up as reaches_up  # a fixture
@@ -57,3 +63,22 @@ def test_a_comeback_saved_across_a_restart_is_still_owed_when_its_start_fails() 
     fresh.load(saved)
     fresh.start_failed(voice.name, "systemd is re-executing")
     assert list(fresh.preempted) == [voice.name]
+
+
+def test_a_controller_told_no_runtime_dir_says_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Started by hand (no generator told it a runtime_dir), the controller takes config.yaml's
+    and says nothing wrong; only a value told that is no runtime_dir is an error. (The
+    equivalent-mutant list excused a mutant that logged an error for the unset variable.)"""
+    monkeypatch.delenv(RUNTIME_DIR_ENV, raising=False)
+    monkeypatch.setattr(controller_module, "RUNTIME_RECORD", tmp_path / "runtime-dir")
+    config = Config(runtime_dir=str(tmp_path / "run"))
+    with caplog.at_level(logging.DEBUG):
+        picked = controller_module._runtime_dir_of_this_boot(config, tmp_path / "config.yaml")
+    assert picked.runtime_dir == config.runtime_dir
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    monkeypatch.setenv(RUNTIME_DIR_ENV, "relative/dir")
+    with caplog.at_level(logging.DEBUG):
+        controller_module._runtime_dir_of_this_boot(config, tmp_path / "config.yaml")
+    assert "is not a valid runtime_dir: ignored" in caplog.text
