@@ -17,7 +17,7 @@ from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Outcome, Scheduler
 from gpuslice.envsafety import _may_be_up
 from gpuslice.paths import RUNTIME_DIR_ENV
-from tests.core_builders import brief, spec
+from tests.core_builders import BG, brief, spec
 from tests.test_envsafety import errors, install
 from tests.test_envsafety import reaches_up as reaches_up  # a fixture
 from tests.test_envsafety import root as root  # a fixture
@@ -82,3 +82,18 @@ def test_a_controller_told_no_runtime_dir_says_no_error(
     with caplog.at_level(logging.DEBUG):
         controller_module._runtime_dir_of_this_boot(config, tmp_path / "config.yaml")
     assert "is not a valid runtime_dir: ignored" in caplog.text
+
+
+def test_a_start_of_ours_found_running_with_no_gpus_told_keeps_those_kept_for_it() -> None:
+    """A refill placed on GPU 1 (GPU 0 busy) is found running past its gate with no GPUs
+    told (its grant's word lost): it runs where its GPUs were kept, not where a placement
+    made now would put it (GPU 0, freed meanwhile), nor renumbered in the queue."""
+    busy = spec("busy", 10)
+    bg = spec("bg", 90, BG)
+    s = Scheduler([Gpu(0), Gpu(1)], {bg.name: bg})
+    assert brief(s.request(busy)) == ["grant busy.service 0", "start bg.service"]
+    assert s.grants()[bg.name] == frozenset({1})
+    s.inactive(busy.name, Outcome.EXITED)
+    seq = s.holders[bg.name].seq
+    assert brief(s.running(bg.name)) == []
+    assert (s.grants()[bg.name], s.holders[bg.name].seq) == (frozenset({1}), seq)
