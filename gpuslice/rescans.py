@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 from gpuslice.annotations import Scan
@@ -105,8 +106,9 @@ class Rescans:
                 waits, self.waits = self.waits, []
                 result = await asyncio.to_thread(self.read)
                 self.apply(result)
-                self._judge_held_back(gates, parked, waits)
-                gates, parked, waits = {}, [], []
+                # theirs now, judged once even if a step raises (`finally` judges the rest)
+                held, (gates, parked, waits) = (gates, parked, waits), ({}, [], [])
+                self._judge_held_back(*held)
                 if not self.again:
                     break
         except asyncio.CancelledError:
@@ -131,12 +133,23 @@ class Rescans:
     def _judge_held_back(
         self, gates: dict[str, str | None], parked: list[str], waits: list[asyncio.Future[None]]
     ) -> None:
-        self.judge_gates(gates)
-        for unit in parked:
-            self.acquire(unit)
+        """The gates, then the parked calls, then the queued starts' waits: each step runs
+        whatever an earlier one raised (a bug: the first error then reaches the task's
+        report). Stopped at the first, the parked calls went unanswered and the queued
+        starts' announcements waited for ever."""
+        errors: list[Exception] = []
+        steps: list[Callable[[], None]] = [partial(self.judge_gates, gates)]
+        steps += [partial(self.acquire, unit) for unit in parked]
+        for step in steps:
+            try:
+                step()
+            except Exception as e:
+                errors.append(e)
         for wait in waits:
             if not wait.done():
                 wait.set_result(None)
+        if errors:
+            raise errors[0]
 
     async def scanned(self) -> None:
         """Return once a scan begun after now is applied, at once when none is under way:

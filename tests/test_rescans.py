@@ -446,3 +446,35 @@ def test_an_acquire_from_a_unit_that_has_no_gate_gets_no_rescan() -> None:
         assert kit.rescans.task is None and kit.rescans.rescanned_for_gate == set()
 
     run(test)
+
+
+def test_a_judgement_that_raises_leaves_no_held_back_start_undecided() -> None:
+    """The gates' judgement raising (a bug, never a user's input) skipped the parked calls
+    and the queued starts' waits, which then waited for ever, and the `finally` judged the
+    same gates twice (review R2). Now every step runs once; the first error reaches the
+    task's failure report."""
+
+    async def test(kit: Kit) -> None:
+        def judge_gates(pending: dict[str, str | None]) -> None:
+            kit.events.append(("gates", dict(pending)))
+            raise RuntimeError("a bug")
+
+        kit.rescans.judge_gates = judge_gates
+        kit.states.shown[A] = AT_GATE
+        kit.hold()
+        kit.rescans.request()
+        await kit.begun()
+        kit.rescans.hold_gate(A, "inv-a")
+        kit.rescans.park(B)
+        kit.rescans.park(C)
+        waiting = asyncio.create_task(kit.rescans.scanned())
+        await asyncio.sleep(0.01)
+        kit.let_go()
+        await kit.done()
+        await asyncio.wait_for(waiting, 1)
+        # held during the scan: the next judgement's, here the `finally`'s (the loop's raised)
+        assert kit.events == [("apply", "scan 1"), *judged(), *judged({A: "inv-a"}, B, C)]
+        [task] = kit.failures
+        assert isinstance(task.exception(), RuntimeError)
+
+    run(test)
