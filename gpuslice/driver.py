@@ -16,6 +16,7 @@ in place; the controller takes it from $GPUSLICE_DRIVER_ROOT, empty meaning "/".
 from __future__ import annotations
 
 import errno
+import fnmatch
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,10 @@ ROOT_ENV = "GPUSLICE_DRIVER_ROOT"
 # Device nodes NVML opens: the control node, one per GPU, and the unified-memory nodes that
 # CUDA (and NVML's process queries on some drivers) use.
 DEVICE_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+# What /proc/devices names the nvidia module's major (195, /dev/nvidiactl and /dev/nvidiaN):
+# "nvidia-frontend" before driver 545 (550.40 in the production branch), "nvidia" and
+# "nvidiactl" since. gpuslice.service's DeviceAllow= names all three.
+FRONTEND_GROUPS = ("nvidia-frontend", "nvidia", "nvidiactl")
 
 
 @dataclass(frozen=True)
@@ -102,10 +107,13 @@ def probe(root: Path = Path("/")) -> DriverProbe:
 
 
 def frontend_registered(root: Path = Path("/")) -> bool:
-    """Whether the nvidia character-device major is registered (/proc/devices): systemd
-    resolves `DeviceAllow=char-nvidia-frontend` from it once, when the service starts."""
+    """Whether the nvidia character-device major is registered (/proc/devices), by any of
+    its names (`FRONTEND_GROUPS`): systemd resolves `DeviceAllow=char-NAME` from it once,
+    when the service starts. Known by its old name only, a driver of 550 or later was never
+    there at start, and a controller whose NVML it refused exited to be restarted, again and
+    again."""
     text = _read(root / "proc" / "devices", 16384)
-    return any(line.split()[1:2] == ["nvidia-frontend"] for line in text.splitlines())
+    return any(line.split()[1:2] in ([g] for g in FRONTEND_GROUPS) for line in text.splitlines())
 
 
 def device_denied(root: Path = Path("/")) -> bool:
@@ -141,14 +149,15 @@ def _listdir(path: Path) -> list[str]:
         return []
 
 
-def _major_names(root: Path) -> dict[int, str]:
-    """Character-device majors -> names, from /proc/devices."""
+def _major_names(root: Path) -> dict[int, list[str]]:
+    """Character-device majors -> their names, from /proc/devices: one major may have
+    several (since driver 550, 195 is "nvidia" and "nvidiactl")."""
     text = _read(root / "proc" / "devices", 16384)
-    names: dict[int, str] = {}
+    names: dict[int, list[str]] = {}
     for line in text.split("Block devices:")[0].splitlines():
         parts = line.split()
         if len(parts) == 2 and parts[0].isdigit():
-            names[int(parts[0])] = parts[1]
+            names.setdefault(int(parts[0]), []).append(parts[1])
     return names
 
 
@@ -164,6 +173,8 @@ def device_access_problems(device_allow: list[str], root: Path = Path("/")) -> l
         for node in missing_device_nodes(root)
     ]
     allowed = {entry.split()[0] for entry in device_allow if entry.split()}
+    # systemd allows a major whose name, any of them, a `char-` glob matches (fnmatch)
+    globs = [entry[len("char-") :] for entry in allowed if entry.startswith("char-")]
     majors = _major_names(root)
     dev = root / "dev"
     for name in sorted(_listdir(dev)):
@@ -173,11 +184,13 @@ def device_access_problems(device_allow: list[str], root: Path = Path("/")) -> l
             major = os.major(os.stat(dev / name).st_rdev)
         except OSError:
             continue
-        group = majors.get(major)
-        if f"/dev/{name}" in allowed or (group is not None and f"char-{group}" in allowed):
+        groups = majors.get(major, [])
+        if f"/dev/{name}" in allowed or any(
+            fnmatch.fnmatchcase(group, glob) for group in groups for glob in globs
+        ):
             continue
         problems.append(
-            f"/dev/{name} (char-{group or major}) is not in gpuslice.service's DeviceAllow=: "
-            "NVML would be refused"
+            f"/dev/{name} (char-{groups[-1] if groups else major}) is not in gpuslice.service's "
+            "DeviceAllow=: NVML would be refused"
         )
     return problems

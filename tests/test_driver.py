@@ -114,10 +114,24 @@ def test_missing_device_nodes(tmp_path: Path) -> None:
 def test_frontend_registered(tmp_path: Path) -> None:
     assert not frontend_registered(tmp_path)
     (tmp_path / "proc").mkdir()
-    devices = "Character devices:\n  1 mem\n195 nvidia\n"
+    devices = "Character devices:\n  1 mem\n508 nvidia-uvm\n511 nvidia-caps\n"
     (tmp_path / "proc" / "devices").write_text(devices)
-    assert not frontend_registered(tmp_path)
-    (tmp_path / "proc" / "devices").write_text(devices + "195 nvidia-frontend\n508 nvidia-uvm\n")
+    assert not frontend_registered(tmp_path)  # uvm and caps are not the GPUs' major
+    (tmp_path / "proc" / "devices").write_text(devices + "195 nvidia-frontend\n")
+    assert frontend_registered(tmp_path)
+
+
+@pytest.mark.parametrize("names", [("nvidia", "nvidiactl"), ("nvidia",), ("nvidiactl",)])
+def test_frontend_registered_by_its_names_since_driver_550(
+    tmp_path: Path, names: tuple[str, ...]
+) -> None:
+    """Since driver 545 (550.40) /proc/devices names major 195 "nvidia" and "nvidiactl", no
+    longer "nvidia-frontend": taken for absent, a driver there from boot was one loaded
+    after gpuslice started, and each controller whose NVML the sandbox refused exited 75
+    to be restarted, for ever."""
+    (tmp_path / "proc").mkdir()
+    lines = "".join(f"195 {name}\n" for name in names)
+    (tmp_path / "proc" / "devices").write_text(f"Character devices:\n  1 mem\n{lines}")
     assert frontend_registered(tmp_path)
 
 

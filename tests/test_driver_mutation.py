@@ -156,3 +156,48 @@ def test_proc_devices_is_read_up_to_16_kib(
     expected = [] if group == "nvidia-uvm" else [f"/dev/nvidia-uvm (char-{group}) {REFUSED}"]
     allow = ["char-nvidia-uvm rw", "/dev/nvidia0 rw", "/dev/nvidiactl rw"]
     assert device_access_problems(allow, tmp_path) == expected
+
+
+UNIT = Path(__file__).resolve().parent.parent / "units" / "gpuslice.service"
+NODES_550 = {"nvidiactl": 195, "nvidia0": 195, "nvidia1": 195, "nvidia-uvm": 508}
+
+
+def _unit_device_allow() -> list[str]:
+    """gpuslice.service's DeviceAllow= entries, as `systemctl show -P DeviceAllow` lists them."""
+    prefix = "DeviceAllow="
+    return [
+        line[len(prefix) :] for line in UNIT.read_text().splitlines() if line.startswith(prefix)
+    ]
+
+
+@pytest.mark.parametrize(
+    "devices",
+    [
+        "195 nvidia-frontend\n508 nvidia-uvm\n",  # drivers before 545
+        "195 nvidia\n195 nvidiactl\n508 nvidia-uvm\n",  # 545 (550.40) and later
+    ],
+)
+def test_the_units_sandbox_lets_nvml_open_the_gpus_of_old_and_new_drivers(
+    tmp_path: Path, majors: dict[str, int | None], devices: str
+) -> None:
+    """Since driver 545 (550.40) /proc/devices names major 195 "nvidia" and "nvidiactl":
+    `DeviceAllow=char-nvidia-frontend` alone allowed nothing there, so the controller's
+    NVML was refused on every current driver."""
+    majors.update(NODES_550)
+    _host(tmp_path, f"Character devices:\n  1 mem\n{devices}\nBlock devices:\n8 sd\n", majors)
+    assert device_access_problems(_unit_device_allow(), tmp_path) == []
+
+
+def test_a_major_of_several_names_is_allowed_by_any_and_by_globs(
+    tmp_path: Path, majors: dict[str, int | None]
+) -> None:
+    """systemd allows a major whose name, any of them, a `char-` entry matches as a glob; the
+    check said "refused" for a major allowed by its other name, or by `char-nvidia*`."""
+    majors.update(NODES_550)
+    _host(tmp_path, "Character devices:\n195 nvidia\n195 nvidiactl\n508 nvidia-uvm\n", majors)
+    assert device_access_problems(["char-nvidia rw", "char-nvidia-uvm rw"], tmp_path) == []
+    assert device_access_problems(["char-nvidia* rw"], tmp_path) == []
+    old_unit = ["char-nvidia-frontend rw", "char-nvidia-uvm rw"]
+    assert device_access_problems(old_unit, tmp_path) == [
+        f"/dev/{node} (char-nvidiactl) {REFUSED}" for node in ("nvidia0", "nvidia1", "nvidiactl")
+    ]
