@@ -434,13 +434,10 @@ class Inventory:
     ) -> Sample:
         gpus: list[Gpu] = []
         processes: list[GpuUse] = []
-        for lost in scan.lost:
-            if lost not in self._lost_logged:
-                self._lost_logged.add(lost)
-                log.error(
-                    "GPU %d is lost (it stopped answering NVML): nothing new runs on it", lost
-                )
-            gpus.append(Gpu(lost, lost=True))
+        # A lost GPU names no UUID: one manage_gpus leaves out by index is none of ours
+        # (shown, the cluster's GPU fallen off the bus was "lost" in gpuslice's status)
+        wanted = self.config.manage_gpus
+        lost = [i for i in scan.lost if not _by_index(self.config) or str(i) in wanted]
         seen_gone: set[int] = set()
         for info in scan.gpus:
             if not self._managed(info.index, info.uuid):
@@ -449,6 +446,7 @@ class Inventory:
                 found = self.nvml.processes(info.index)
             except GpuLostError:
                 gpus.append(Gpu(info.index, info.uuid, info.name, lost=True))
+                lost.append(info.index)
                 continue
             uses: list[GpuUse] = []
             for proc in found:
@@ -488,8 +486,18 @@ class Inventory:
         for pid in set(self._gone_since) - seen_gone:
             del self._gone_since[pid]
             self._overrun_logged.discard(pid)
+        self._say_lost(set(lost))
+        gpus += [Gpu(i, lost=True) for i in scan.lost if i in lost]  # in order: _with_gone
         gpus = self._as_booked(gpus, holding)
         return Sample(self._with_gone(gpus, holding), processes, now, self.health)
+
+    def _say_lost(self, lost: set[int]) -> None:
+        """Each GPU lost since the last sample, said once ("GPUs changed" says one back):
+        said once for ever, a GPU reset and lost again went unsaid, and one lost while its
+        processes were asked for never was."""
+        for index in sorted(lost - self._lost_logged):
+            log.error("GPU %d is lost (it stopped answering NVML): nothing new runs on it", index)
+        self._lost_logged = lost
 
     def remember(self, told: Mapping[int, str]) -> bool:
         """The UUIDs a restarted controller's holders were told, by index (their env files):
@@ -629,10 +637,14 @@ def _guessed(config: Config) -> list[int]:
     """The GPUs before NVML has shown any: those `manage_gpus` names by index, when it names
     them all so (a split host: the others are a cluster's, and a unit granted one would run
     beside its job), else `gpus:`, 0 to gpus-1."""
-    wanted = config.manage_gpus
-    if wanted and all(w.isdigit() for w in wanted):
-        return sorted({int(w) for w in wanted})
+    if _by_index(config):
+        return sorted({int(w) for w in config.manage_gpus})
     return list(range(config.gpus))
+
+
+def _by_index(config: Config) -> bool:
+    """`manage_gpus` names its GPUs all by index: a GPU it leaves out is known by index."""
+    return bool(config.manage_gpus) and all(w.isdigit() for w in config.manage_gpus)
 
 
 def _reason_of(warning: str | None) -> str:

@@ -6,7 +6,8 @@ pynvml's `NVMLError` into one of a few outcomes callers can act on:
 
 - NVML missing or unusable -> `NvmlUnavailableError` (and `open()` reports it as one
   warning line with a hint instead of raising);
-- a GPU that fell off the bus -> `GpuLostError` (`devices()` lists it in `lost`);
+- a GPU that fell off the bus, or that cannot be used (gpuslice may not open it, its power
+  cable is loose) -> `GpuLostError` (`devices()` lists it in `lost`);
 - a query the GPU or driver cannot answer -> an explicit unknown (`None`), never 0;
 - anything else -> `NvmlError`, carrying the call and NVML's message.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from gpuslice.core.model import GPU_ID
 from gpuslice.unitfiles import printable
 
 # NVML return codes (nvml.h); named here so the mapping does not need pynvml imported.
@@ -88,20 +90,29 @@ _OUTCOMES: dict[int, type[NvmlError]] = {
     13: _NotSupportedError,  # FUNCTION_NOT_FOUND: older driver
     21: _NotSupportedError,  # NO_DATA
 }
+# Codes that, from a call on one GPU, say that GPU cannot be used, as a lost one: NVML counts
+# it all the same. NO_PERMISSION: its node is outside the sandbox (a DeviceAllow= drop-in,
+# a container given some GPUs), taken for NVML gone as a whole, every sample said "NVML went
+# away" and each retry "ready", background units held back for ever; INSUFFICIENT_POWER (a
+# power cable loose) and IRQ_ISSUE, a failed scan, hid every healthy GPU beside it.
+_GPU_UNUSABLE = frozenset({_NO_PERMISSION, 8, 11})
 
 
 @dataclass(frozen=True)
 class GpuInfo:
-    """One GPU as NVML enumerates it; memory in bytes."""
+    """One GPU as NVML enumerates it; memory in bytes, None where NVML cannot say (a GPU
+    with no memory of its own: GB10's unified memory answers NOT_SUPPORTED)."""
 
     index: int
     uuid: str
     name: str
-    memory_total: int
-    memory_used: int
+    memory_total: int | None
+    memory_used: int | None
 
     @property
-    def memory_free(self) -> int:
+    def memory_free(self) -> int | None:
+        if self.memory_total is None or self.memory_used is None:
+            return None
         return self.memory_total - self.memory_used
 
 
@@ -245,13 +256,27 @@ class Nvml:
 
     def _device(self, index: int) -> GpuInfo:
         handle = self._call("nvmlDeviceGetHandleByIndex", index, gpu=index)
-        memory = self._call("nvmlDeviceGetMemoryInfo", handle, gpu=index)
+        total: int | None = None
+        used: int | None = None
+        try:
+            memory = self._call("nvmlDeviceGetMemoryInfo", handle, gpu=index)
+            total, used = int(memory.total), int(memory.used)
+        except _NotSupportedError:
+            # a GPU with no memory of its own (GB10, DGX Spark: unified memory) is one of
+            # unknown size, scheduled as a whole GPU; raised, it failed every sample, and
+            # NVML "ready" showed `gpus:` from config.yaml with no process on them seen
+            pass
+        uuid = str(self._call("nvmlDeviceGetUUID", handle, gpu=index))
         return GpuInfo(
             index=index,
-            uuid=str(self._call("nvmlDeviceGetUUID", handle, gpu=index)),
-            name=str(self._call("nvmlDeviceGetName", handle, gpu=index)),
-            memory_total=int(memory.total),
-            memory_used=int(memory.used),
+            # a UUID goes as is into every granted unit's env file (a line break there would
+            # start a variable of NVML's choosing) and back at a restart, which trusts only
+            # `GPU-` ones (envfiles.told_uuids): anything else names the GPU by index alone
+            uuid=uuid if uuid.startswith("GPU-") and GPU_ID.fullmatch(uuid) else "",
+            # for the journal and `gpuslice status`: one line, of a bounded length
+            name=printable(str(self._call("nvmlDeviceGetName", handle, gpu=index)), 96),
+            memory_total=total,
+            memory_used=used,
         )
 
     def _process_list(self, kind: str, handle: Any, index: int) -> list[Any]:
@@ -278,7 +303,10 @@ class Nvml:
             return getattr(nvml, name)(*args)
         except nvml.NVMLError as e:
             code = int(e.value)
-            raise _OUTCOMES.get(code, NvmlError)(name, code, str(e), gpu) from e
+            outcome = _OUTCOMES.get(code, NvmlError)
+            if gpu is not None and code in _GPU_UNUSABLE:
+                outcome = GpuLostError
+            raise outcome(name, code, str(e), gpu) from e
         except Exception as e:
             # pynvml's own failures (a name that is not UTF-8, its NVMLLibraryMismatchError,
             # a function this pynvml lacks) are NVML not answering, like any NVMLError: let

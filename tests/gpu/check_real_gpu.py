@@ -106,17 +106,11 @@ def show_gpus(nvml: Nvml) -> list[str]:
     scan = nvml.devices()
     rows = [("GPU", "UUID", "NAME", "TOTAL", "USED", "FREE")]
     for g in scan.gpus:
-        used = format_size(g.memory_used)
-        rows.append(
-            (
-                str(g.index),
-                g.uuid,
-                g.name,
-                format_size(g.memory_total),
-                used,
-                format_size(g.memory_free),
-            )
+        total, used, free = (
+            "?" if b is None else format_size(b)  # a unified-memory GPU (GB10) tells none
+            for b in (g.memory_total, g.memory_used, g.memory_free)
         )
+        rows.append((str(g.index), g.uuid, g.name, total, used, free))
     rows += [(str(i), "-", "LOST", "-", "-", "-") for i in scan.lost]
     table(rows)
     return [g.uuid for g in sorted(scan.gpus, key=lambda g: g.index)]
