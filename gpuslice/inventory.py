@@ -168,7 +168,7 @@ class Inventory:
         self._opened_with: Config | None = None  # the config NVML was last opened under
         self._reason = ""  # why NVML is not ready, as NVML said it
         # The nvidia device major was not registered when we started, so systemd's
-        # DeviceAllow=char-nvidia-frontend allowed nothing: once the driver is there and its
+        # DeviceAllow=char-nvidia(-frontend) allowed nothing: once the driver is there and its
         # node answers EPERM, only a restart of the service lets NVML in (`restart_needed`).
         self._frontend_at_start: bool | None = None
         self.restart_needed = ""
@@ -271,8 +271,8 @@ class Inventory:
             ):
                 self.restart_needed = (
                     "the nvidia driver loaded after gpuslice.service started, and systemd "
-                    "allowed its devices (DeviceAllow=char-nvidia-frontend) only as they were "
-                    "then"
+                    "allowed its devices (DeviceAllow=char-nvidia, char-nvidia-frontend) only as "
+                    "they were then"
                 )
             if self.health.state == WAITING:
                 self.health.detail = self._waiting_detail()

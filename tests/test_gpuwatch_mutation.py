@@ -240,7 +240,8 @@ def test_a_driver_loaded_after_start_says_why_gpuslice_exits(
     assert exited.value.code == 75
     assert messages(caplog) == [
         "the nvidia driver loaded after gpuslice.service started, and systemd allowed its "
-        "devices (DeviceAllow=char-nvidia-frontend) only as they were then: exiting so that "
+        "devices (DeviceAllow=char-nvidia, char-nvidia-frontend) only as they were then: "
+        "exiting so that "
         "systemd restarts gpuslice with the devices allowed (running jobs are left alone)"
     ]
 

@@ -178,7 +178,7 @@ def test_a_driver_loaded_after_start_is_checked_on_the_driver_root_and_said_in_f
     assert asked == [root]
     assert inventory.restart_needed == (
         "the nvidia driver loaded after gpuslice.service started, and systemd allowed its "
-        "devices (DeviceAllow=char-nvidia-frontend) only as they were then"
+        "devices (DeviceAllow=char-nvidia, char-nvidia-frontend) only as they were then"
     )
 
 
