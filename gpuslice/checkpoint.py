@@ -100,13 +100,22 @@ class CheckpointError(Exception):
     """A suspend or resume failed. `reason` is one line for the journal and `gpuslice status`;
     `lost` names the processes whose restore failed: they cannot run again and must be
     stopped; `restored` those a resume restored all the same (their memory is back on a GPU:
-    frozen again, the unit would hold it)."""
+    frozen again, the unit would hold it); `unsettled` those a resume did not bring back to
+    running (lost, left checkpointed or locked, their state unread while they live): their
+    CUDA calls may block for good, so an undo that leaves any must stop the unit too."""
 
-    def __init__(self, reason: str, lost: Sequence[int] = (), restored: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        reason: str,
+        lost: Sequence[int] = (),
+        restored: Sequence[int] = (),
+        unsettled: Sequence[int] = (),
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.lost = tuple(lost)
         self.restored = tuple(restored)
+        self.unsettled = tuple(unsettled)
 
 
 @dataclass(frozen=True)
@@ -539,10 +548,12 @@ async def _settle(
     """Bring every process back to running: restore the checkpointed ones, then unlock the
     locked ones, in the order a suspend did its steps. After a restore fails, the other
     checkpointed processes are left so (a second out-of-memory restore would lose them too);
-    the rest goes on. Returns the problems (None when there were none; `restored` set on
-    them) and what was done (its `seconds` 0: the callers time their whole step)."""
+    the rest goes on. Returns the problems (None when there were none; `restored` and
+    `unsettled` set on them) and what was done (its `seconds` 0: the callers time their
+    whole step)."""
     problems: list[str] = []
     lost: list[int] = []
+    unsettled: list[int] = []  # not known back to running
     restored: list[int] = []
     locked: list[int] = []
     to_unlock: list[int] = []
@@ -552,6 +563,7 @@ async def _settle(
         except CheckpointError as e:
             if _pid_exists(pid):
                 problems.append(e.reason)
+                unsettled.append(pid)
             continue  # a process that has exited needs nothing
         if state == FAILED:
             lost.append(pid)
@@ -560,6 +572,7 @@ async def _settle(
                 "must be stopped"
             )
         elif state == CHECKPOINTED and lost:
+            unsettled.append(pid)
             problems.append(f"PID {pid} left checkpointed: a restore failed before it")
         elif state == CHECKPOINTED:
             try:
@@ -577,9 +590,13 @@ async def _settle(
             if pid not in restored:
                 locked.append(pid)
         except CheckpointError as e:
+            unsettled.append(pid)
             problems.append(e.reason)
     done = Resumed(0.0, tuple(restored), tuple(locked))
-    return (CheckpointError("; ".join(problems), lost, restored) if problems else None), done
+    if not problems:
+        return None, done
+    left = dict.fromkeys([*lost, *unsettled])  # lost first, each once
+    return CheckpointError("; ".join(problems), lost, restored, tuple(left)), done
 
 
 async def suspend(tool: str, pids: Sequence[int], s: CheckpointSettings) -> float:
@@ -606,7 +623,8 @@ async def suspend(tool: str, pids: Sequence[int], s: CheckpointSettings) -> floa
         undo, _ = await _settle(tool, locked, s)
         if undo is None:
             raise
-        raise CheckpointError(f"{e.reason}; and {undo.reason}", undo.lost) from None
+        # one left locked or checkpointed blocks in its next CUDA call for good: lost too
+        raise CheckpointError(f"{e.reason}; and {undo.reason}", undo.unsettled) from None
     return time.monotonic() - start
 
 

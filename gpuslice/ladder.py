@@ -203,7 +203,7 @@ class Ladder:
                 await checkpoint.resume(tool, pids, s)
             except CheckpointError as undo:
                 why += f"; and undoing the checkpoint failed: {undo.reason}"
-                lost = undo.lost
+                lost = undo.unsettled  # left locked or checkpointed: it never runs on
             raise CheckpointError(why, lost) from None
         self.suspensions[unit] = Suspension(pids, vram, time.monotonic(), time.time())
         return f"{format_size(vram)} to host memory in {seconds:.1f} s"
@@ -269,7 +269,10 @@ class Ladder:
     async def _resume(self, unit: str) -> str:
         suspension = self.suspensions.pop(unit, None)
         if suspension is None:
-            return f"a controller restart: {resumed_words(await self.restore(unit))}"
+            done = await self.restore(unit)
+            if done is None:  # the last controller may have checkpointed it: never "resumed"
+                raise CheckpointError(_NO_TOOL)
+            return f"a controller restart: {resumed_words(done)}"
         done = await self.restore(unit, suspension.pids)
         away = time.monotonic() - suspension.since
         return f"{away:.0f} s: {resumed_words(done)}"
@@ -278,8 +281,9 @@ class Ladder:
         self, unit: str, pids: Sequence[int] | None = None
     ) -> checkpoint.Resumed | None:
         """ThawUnit, then restore and unlock `pids` (those this controller checkpointed; None
-        after a restart: those of the unit that cuda-checkpoint knows). What was done, None
-        when there is no tool and nothing known to restore; CheckpointError when it failed
+        after a restart: those of the unit that cuda-checkpoint knows). What was done; None
+        when `pids` is None and there is no tool (what is checkpointed cannot be told: both
+        callers take it for a failure); CheckpointError when it failed
         (`restored` on it: what is back on a GPU all the same). `resume` reports it to the
         core; `gpuslice release-jobs`, which has none, calls it itself."""
         s = self.settings()
@@ -296,7 +300,7 @@ class Ladder:
         if tool is None:
             if pids is None:
                 return None
-            raise CheckpointError("cuda-checkpoint is not installed any more: cannot restore")
+            raise CheckpointError(_NO_TOOL)
         checkpoint.check_tool(tool, s.root_only)
         if pids is None:
             pids = await self._recovered_pids(unit, tool, s.via_systemd)
@@ -550,6 +554,9 @@ def resumed_words(done: checkpoint.Resumed | None) -> str:
             "checkpointed, nothing restored"
         )
     return "cuda-checkpoint found no process of it checkpointed or locked: nothing restored"
+
+
+_NO_TOOL = "cuda-checkpoint is not installed any more: cannot restore"
 
 
 class _FreezerHung(CheckpointError):

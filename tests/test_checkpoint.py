@@ -232,6 +232,26 @@ def test_an_undo_that_fails_is_said(tmp_path: Path) -> None:
     )
 
 
+def test_an_undo_that_leaves_a_process_locked_or_unknown_loses_it(tmp_path: Path) -> None:
+    """An undo that could not bring a process back to running (its unlock failed; its state
+    unreadable while it lives) may have left it locked or checkpointed: its CUDA calls
+    block for good. Not named lost, the core kept the unit running as the suspend's
+    failure (with `Preempt=suspend` alone: on its GPUs, never chosen again), stuck."""
+    pid = me()
+    tool = stub(
+        tmp_path,
+        'case "$*" in\n'
+        '  "--action checkpoint --pid 11") echo busy >&2; exit 1 ;;\n'
+        '  "--get-state --pid 11") echo locked ;;\n'
+        '  "--action unlock --pid 11") echo "device lost" >&2; exit 9 ;;\n'
+        f'  "--get-state --pid {pid}") echo garbage ;;\n'
+        "esac",
+    )
+    error = failure(suspend(tool, [11, pid], FAST))
+    assert sorted(error.lost) == sorted([11, pid])
+    assert error.reason.startswith("cuda-checkpoint refused to checkpoint PID 11: busy; and ")
+
+
 def test_refused_lock_changes_nothing_and_is_not_undone(tmp_path: Path) -> None:
     tool = stub(
         tmp_path,
@@ -479,6 +499,7 @@ def test_resume_lists_every_problem_and_the_lost(tmp_path: Path) -> None:
         "not be unlocked: busy"
     )
     assert error.lost == (12, 14)
+    assert error.unsettled == (12, 14, 13, 11)  # and those left checkpointed or locked
     assert "--action restore --pid 13" not in calls(tmp_path)
 
 

@@ -376,6 +376,26 @@ def test_a_suspended_unit_thawed_by_hand_still_waits_for_its_memory() -> None:
     assert brief(s.inactive(VO, Outcome.EXITED)) == [f"resume {V} 0"]
 
 
+def test_a_suspended_unit_thawed_by_hand_is_said_once_per_suspend() -> None:
+    """The controller reads the FreezerState of every suspended unit at each sample (2 s):
+    one found thawed was said again at each, a journal line (and a state save) every
+    sample for as long as its memory did not fit. Said once; suspended anew, once again."""
+    vlm = spec("vlm", 90, BG, mem_gib=8, preempt="suspend stop")
+    voice = spec("voice", 10, mem_gib=8)
+    s = host(vlm, voice, gpus=[sized(0, 12)])
+    running(s, vlm)
+    s.request(voice)
+    s.suspended_done(V, "")
+    assert codes(s.thawed_outside(V)) == [Code.THAWED_OUTSIDE]
+    assert s.thawed_outside(V) == []  # the next sample's look: said already
+    assert s.thawed_outside(V) == []
+    assert brief(s.inactive(VO, Outcome.EXITED)) == [f"resume {V} 0"]
+    s.resumed(V, "")
+    s.request(voice)
+    s.suspended_done(V, "")
+    assert codes(s.thawed_outside(V)) == [Code.THAWED_OUTSIDE]  # a new suspend: said again
+
+
 def test_the_thaw_waits_for_every_unit_it_was_frozen_for() -> None:
     emb = spec("emb", 90, BG, mem_gib=4, preempt="freeze stop")
     a, b = spec("a", 10, mem_gib=4), spec("b", 20, mem_gib=4)

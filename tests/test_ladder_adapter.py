@@ -716,6 +716,28 @@ def test_a_process_lost_by_the_undo_inside_the_checkpoint_step_is_reported_lost(
     assert host.freezer.calls == [] and host.ladder.moving == 0
 
 
+def test_a_process_the_undo_leaves_locked_after_a_failed_freeze_is_reported_lost(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FreezeUnit failed after the checkpoint; the undo restored the process but could not
+    unlock it: its CUDA calls block for good. Told as a plain failure, the core kept the unit
+    running (with `Preempt=suspend` alone, never chosen again), stuck on its GPU."""
+    pid = host.job()
+    host.freezer.fail = {"freeze"}
+
+    async def unlock(tool: str, target: int, s: object) -> None:
+        raise checkpoint.CheckpointError(f"PID {target} could not be unlocked: busy")
+
+    monkeypatch.setattr(checkpoint, "_unlock", unlock)
+    run(host.ladder.suspend(UNIT))
+    [(event, unit, words)] = host.said()
+    assert (event, unit) == ("suspend_failed_lost", UNIT)
+    assert words.endswith(
+        f"; and undoing the checkpoint failed: PID {pid} could not be unlocked: busy"
+    )
+    assert host.bed.state_of(pid) == "locked"
+
+
 class HungFreezer(Freezer):
     """FreezeUnit (or ThawUnit) never answered, as systemd does while a process of the unit
     cannot be frozen (stuck in the kernel)."""

@@ -757,17 +757,20 @@ def test_a_resume_whose_thaw_fails_goes_on_with_a_debug_line(
 
 
 def test_a_resume_without_the_tool_says_what_it_means(host: Host) -> None:
-    """After a controller restart nothing is known to restore, so nothing is lost; a unit
-    this controller suspended cannot be restored, and the resume fails."""
-    host.job()
+    """Without the tool nothing can be restored: the resume fails (the core stops the unit),
+    after a controller restart too. Taken there for "nothing to restore", the unit whose
+    processes the last controller checkpointed was said resumed and held its GPUs as
+    running, its processes blocked in their next CUDA call for good."""
+    pid = host.job()
     run(host.ladder.suspend(UNIT))
     host.settings = dataclasses.replace(host.settings, tool="/nonexistent")
     run(host.restarted_ladder().resume(UNIT))
     assert host.said()[-1] == (
-        "resumed",
+        "resume_failed",
         UNIT,
-        "a controller restart: nothing to restore without cuda-checkpoint",
+        "cuda-checkpoint is not installed any more: cannot restore",
     )
+    assert host.bed.state_of(pid) == "checkpointed"
     run(host.ladder.resume(UNIT))
     assert host.said()[-1] == (
         "resume_failed",

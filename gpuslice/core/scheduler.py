@@ -208,6 +208,9 @@ class Suspended:
     gpus: frozenset[int]
     seq: int
     uuids: dict[int, str] = field(default_factory=dict)
+    # someone thawed it by hand, said once: its FreezerState is read at each sample, and
+    # said at each, the journal had a line (and the state file a save) every sample
+    thawed: bool = False
 
 
 @dataclass
@@ -1066,7 +1069,8 @@ class Scheduler:
     def thawed_outside(self, name: str) -> list[Action]:
         """Someone thawed a frozen or suspended unit by hand (`systemctl thaw`). Frozen: it
         counts as running again and is not frozen again while it runs. Suspended: its memory
-        is still in host memory; it is restored as soon as it fits, as before. While the
+        is still in host memory; it is restored as soon as it fits, as before (said once a
+        suspend: it is found thawed at each look until then). While the
         host goes down a frozen unit found thawed stays frozen in the books: systemd thaws a
         unit to stop it, and the shutdown's stop ends it, owed a comeback (`inactive`); taken
         for running, it ended owed nothing. Told again at the next look should the shutdown
@@ -1081,7 +1085,8 @@ class Scheduler:
             gpus = tuple(sorted(holder.gpus))
             return [_log(_about(holder.spec, Code.THAWED_OUTSIDE, gpus=gpus))]
         entry = self.suspended.get(name)
-        if entry is not None:
+        if entry is not None and not entry.thawed:
+            entry.thawed = True
             gpus = self._where_now(entry) or tuple(sorted(entry.gpus))
             thawed = _about(entry.spec, Code.THAWED_OUTSIDE, gpus=gpus, cause=Cause.SUSPENDED)
             return [_log(thawed)]
