@@ -275,10 +275,11 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 # run()): 1,698 mutants, ~25 minutes on two workers, longer on one; with it, the answers to
 # status's readers it was split from (answers.py), its calls to systemd that queue a job,
 # sent again (calls.py), a grant's way to its gate, the env file first (delivery.py),
-# start-up's restore of the saved state against what systemd shows (restore.py), and the
-# rescans after a daemon-reload with the starts they hold back (rescans.py)
+# start-up's restore of the saved state against what systemd shows (restore.py), the
+# rescans after a daemon-reload with the starts they hold back (rescans.py), and what a gate
+# that asks is answered (gates.py)
 MUTATE_controller := gpuslice.controller.* gpuslice.calls.* gpuslice.delivery.* \
-	gpuslice.restore.* gpuslice.rescans.* gpuslice.answers.*
+	gpuslice.restore.* gpuslice.rescans.* gpuslice.gates.* gpuslice.answers.*
 # the adapters to the outside world: systemd's bus, NVML and the driver's arrival, the GPU
 # watcher and the whole inventory, `gpuslice new`, the metrics and their exporter, the
 # journal's lines and sd_notify, gpuslice's own D-Bus interface and who calls it, the

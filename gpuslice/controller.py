@@ -32,7 +32,6 @@ from gpuslice import envfiles, stopjournal
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.answers import StatusAnswers
 from gpuslice.calls import Calls, JobCall
-from gpuslice.cgroups import unit_of_pid
 from gpuslice.checkpoint import CheckpointSettings
 from gpuslice.config import (
     SETTLE_SECONDS,
@@ -48,12 +47,10 @@ from gpuslice.config import (
     runtime_dir_value,
     runtime_dirs_of_this_boot,
 )
-from gpuslice.core.decisions import Cause, Code, Decision, listed, render
+from gpuslice.core.decisions import Code, Decision, listed
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.placement import format_gpus
 from gpuslice.core.plan import plan_start
 from gpuslice.core.scheduler import (
-    PREEMPTED_IN_PLACE,
     Action,
     Freeze,
     Grant,
@@ -70,14 +67,14 @@ from gpuslice.core.scheduler import (
 from gpuslice.counters import Counters
 from gpuslice.delivery import Delivery
 from gpuslice.gatepipes import GatePipes, raise_fd_limit
-from gpuslice.gpuwatch import FRESH_SAMPLE, GpuWatch
+from gpuslice.gates import Gates
+from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import GpuUse, Inventory
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
 from gpuslice.notify import Notifier
 from gpuslice.paths import (
     BOOT_RECORD,
-    GATE_NAME,
     RUNTIME_DIR_ENV,
     RUNTIME_DIR_RECORD,
     STATE_DIR_RECORD,
@@ -87,7 +84,6 @@ from gpuslice.rereads import Rereads
 from gpuslice.rescans import Rescans
 from gpuslice.restore import AskJournal, Restore
 from gpuslice.service import (
-    ACCESS_DENIED,
     BUS_NAME,
     NameTaken,
     NotManaged,
@@ -95,7 +91,7 @@ from gpuslice.service import (
     Starting,
 )
 from gpuslice.state import STATE_FILE_MAX, Flusher, StateStore, record_boot, same_boot
-from gpuslice.systemd import Systemd, SystemdError, is_transient
+from gpuslice.systemd import Systemd, SystemdError
 from gpuslice.tracker import (
     CameUp,
     Change,
@@ -271,10 +267,10 @@ class Controller:
             lambda: self.ready,
             self.tracker,
             self._known,
-            self._unanswered,
+            lambda unit: self.judge.unanswered(unit),
             self._apply_scan,
             self._gates_after_scan,
-            self._acquire_verified,
+            lambda unit: self.judge.acquire_verified(unit),
             _log_failure,
         )
         # the gate calls in wait; the bus adapter unless one is given (tests)
@@ -295,7 +291,7 @@ class Controller:
             self.service,
             self.counters,
             config.runtime_dir,
-            self._acquire_verified,
+            lambda unit: self.judge.acquire_verified(unit),
         )
         # start-up's restore: the saved state checked against what systemd shows
         self.restore = Restore(
@@ -310,6 +306,27 @@ class Controller:
             self.watch.resample,
             lambda: self.rescans.again,
             self.rescans.hold_for_rescan,
+        )
+        # the gate's judgement: what each gate that asks is answered
+        self.judge = Gates(
+            self.scheduler,
+            self.tracker,
+            systemd,
+            self.service,
+            self.gates,
+            self.counters,
+            self.spec_for,
+            self.rescans,
+            self.restore,
+            self.watch,
+            self.ladder,
+            self.calls,
+            self.delivery,
+            lambda: self.config.runtime_dir,
+            self._batched,
+            self.execute,
+            self._spawn,
+            self._say,
         )
         self.boot_id = ""
         self.ready = False
@@ -329,9 +346,6 @@ class Controller:
         # match rules change one set at a time (_rewatch)
         self._rewatching = False
         self._rewatch_again = False
-        # units whose gate `_let_through` passes once systemd's ExecStartPre= of the unit is
-        # read (_pass_gate): the calls that come meanwhile are answered with the first
-        self._passing: set[str] = set()
         self._decision_due = False  # a scheduling pass is queued for this turn of the loop
         self._batching = 0  # depth of _batched: the state its events change is saved once
         self._save_due = False  # changed, and saved by the scheduling pass due this turn
@@ -419,14 +433,14 @@ class Controller:
         self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
         if self.rescans.again:  # a daemon-reload ended during start-up
             # under way before the signals and calls that came meanwhile are taken in: a
-            # start among them is judged once it is read (Rescans.hold_gate, _verify_acquire)
+            # start among them is judged once it is read (Rescans.hold_gate, Gates.verify_acquire)
             self.rescans.request()
         for name, props in self._buffered:
             self.on_unit_changed(name, props)
         self._buffered.clear()
         early, self._early_acquires = self._early_acquires, []
         for unit, sender, seen in early:
-            self._spawn(self._verify_acquire(unit, sender, seen))
+            self._spawn(self.judge.verify_acquire(unit, sender, seen))
         if self._reload_due:  # a SIGHUP came during start-up
             self._reload_now()
         for name in sorted(self.scheduler.annotated()):  # down since, or kept by a version
@@ -724,7 +738,7 @@ class Controller:
         spawned before the daemon-reload that took the annotation out, or a rescan that read
         the file before the reload): at its gate, one that waits on a pipe nobody will write
         (the controller opens only annotated units' pipes) is sent to D-Bus, where it passes
-        (`_serve_gate`); once the unit has left its gate, its pipe is closed (no gate of it
+        (`Gates.serve_gate`); once the unit has left its gate, its pipe is closed (no gate of it
         will read it again)."""
         sub = props.get("SubState", "start-pre")
         if sub == "start-pre" and "SubState" in props:
@@ -750,14 +764,14 @@ class Controller:
                 loop = asyncio.get_running_loop()
                 loop.call_later(GATE_UNSEEN_DELAY, self._gate_unseen, name)
         elif self.gates.at_gate(name, invocation):
-            self._serve_gate(name)
+            self.judge.serve_gate(name)
 
     def _instance_down(self, name: str) -> None:
         """An instance is down: its pipe and env file go. Instances' names are many (one per
         recording, per `Accept=yes` connection) and may never come again: kept, /run would
         hold one of each for every instance ever started until the controller restarts. The
         next start's gate passes only once `Delivery.deliver` wrote its file anew (or, no longer
-        annotated, once `_let_through` removed or wrote it)."""
+        annotated, once `Gates.let_through` removed or wrote it)."""
         self.gates.retire(name)
         envfiles.remove(self.config.runtime_dir, name)
         self._instances.discard(name)  # watched while the core knows it (_watched)
@@ -929,7 +943,7 @@ class Controller:
                 self._forget_instance(name)
         for unit in sorted(starts):
             if self.spec_for(unit) is None and not self._known(unit):
-                self._let_through(unit)  # its start, not yet answered, is forgotten
+                self.judge.let_through(unit)  # its start, not yet answered, is forgotten
         for unit in fresh:
             if self.systemd.watches(unit):  # else read once matched (_watch_units)
                 self._spawn(self._read_unheard(unit, self.tracker.heard(unit)))
@@ -1052,256 +1066,16 @@ class Controller:
     # -- the gate ---------------------------------------------------------------------------
 
     def on_acquire(self, unit: str, sender: str) -> None:
-        """A gate's call. One that comes before start-up is done (our name is claimed first)
-        waits for it: served on a core the saved state is not loaded into yet, a unit
-        preempted or granted before the restart could be granted GPUs that others hold.
-        Its call waits in the service meanwhile (MAX_PENDING_PER_UNIT)."""
+        """A gate's call, judged in gpuslice/gates.py (`Gates.verify_acquire`). One that
+        comes before start-up is done (our name is claimed first) waits for it: served on a
+        core the saved state is not loaded into yet, a unit preempted or granted before the
+        restart could be granted GPUs that others hold. Its call waits in the service
+        meanwhile (MAX_PENDING_PER_UNIT)."""
         seen = self.tracker.signals(unit)
         if not self.ready:
             self._early_acquires.append((unit, sender, seen))
             return
-        self._spawn(self._verify_acquire(unit, sender, seen))
-
-    async def _verify_acquire(self, unit: str, sender: str, seen: int) -> None:
-        """Serve only the gate of the unit it names: the calling process must run in that
-        unit's cgroup, by systemd's own rule (the first unit in its cgroup path)."""
-        try:
-            pid = await self.systemd.caller_pid(sender)
-        except SystemdError as e:
-            self.counters.error("dbus_acquire_refused")
-            self.service.refuse(unit, sender, ACCESS_DENIED, f"cannot identify the caller: {e}")
-            return
-        actual = unit_of_pid(pid)
-        if actual != unit:
-            self.counters.error("dbus_acquire_refused")
-            log.warning(
-                "refused an Acquire for %s from PID %d, which runs in %s",
-                unit,
-                pid,
-                printable(actual or "no unit"),
-            )
-            self.service.refuse(unit, sender, ACCESS_DENIED, f"PID {pid} does not run in {unit}")
-            return
-        if not self.service.pending(unit):
-            return  # answered or cancelled meanwhile
-        if self.tracker.signals(unit) != seen and classify(self.tracker.state(unit)) is Kind.DOWN:
-            self.service.forget(unit)  # its start was cancelled while we checked
-            return
-        spec = self.spec_for(unit)
-        # a unit the scan does not know gets a rescan of its own, even while one runs: that
-        # one may have read its files before the daemon-reload that gave it its gate
-        if spec is None and self.rescans.for_gate(unit):
-            self.rescans.park(unit)
-            return
-        if self.rescans.task is not None and (spec is None or self._unanswered(unit)):
-            self.rescans.park(unit)  # judged on the annotations of now (Rescans.hold_gate)
-            return
-        self._acquire_verified(unit)
-
-    def _unanswered(self, unit: str) -> bool:
-        """Whether the core has not answered the unit's start: unknown, waiting, or its
-        GPUs kept for it until its gate asks."""
-        return self.scheduler.phase(unit) in (None, Phase.STARTING)
-
-    def _acquire_verified(self, unit: str) -> None:
-        if not self.service.pending(unit):
-            return
-        running = self.scheduler.phase(unit) is Phase.RUNNING
-        if running and classify(self.tracker.state(unit)) is not Kind.GATE:
-            # granted, and systemd last showed it past its gate: no gate of that start asks
-            # any more. This is the gate of its next start, whose call came before the
-            # signals of this one's end: granted again (Scheduler.request, for a gate that
-            # asks again after a controller restart), it ran on GPUs that end frees for
-            # another unit. Answered with an error, it asks again, after them.
-            self.service.forget(unit)
-            return
-        if self.gates.answered(unit) and running:
-            self._spawn(self._grant_again(unit, self.gates.granted(unit)))
-            return
-        self._serve_gate(unit)
-
-    async def _grant_again(self, unit: str, granted: str | None) -> None:
-        """A unit granted at its pipe asks over D-Bus: its gate had not found the pipe (the
-        same grant, said again), or this is the gate of its next start, and that start ran
-        and ended before its signals reached us (a unit that fails at once, Restart=): its
-        gate read our line for the last start, not its own, and granted again it ran on GPUs
-        that end frees for another unit. Which, systemd's InvocationID of the unit tells
-        (the gate's call names the unit, not the start); the next start is told to ask
-        again (StartEnded), after the signals of the last one's end."""
-        try:
-            current = await self.systemd.invocation(unit)
-        except SystemdError as e:
-            self.counters.error("dbus_call_errors")
-            log.debug("cannot read the InvocationID of %s: %s", unit, e)
-            current = None
-        if not self.service.pending(unit):
-            return
-        if (
-            current is None
-            or current != granted
-            or self.gates.granted(unit) != granted
-            or self.scheduler.phase(unit) is not Phase.RUNNING
-        ):
-            self.service.forget(unit)  # it asks again, and is judged on what we know then
-            return
-        gpus = sorted(self.scheduler.grants()[unit])
-        if self.service.grant(unit, ",".join(map(str, gpus))):
-            self.counters.gate_answers["dbus"] += 1
-
-    def _serve_gate(self, unit: str) -> None:
-        """The unit's gate asks (over D-Bus, or systemd showed it at its gate)."""
-        spec = self.spec_for(unit)
-        state = self.tracker.state(unit)
-        if self.restore.started_again(unit, state) and not self.gates.answered(unit):
-            # restarted (systemctl restart) while frozen, suspended, or being suspended or
-            # resumed: systemd thawed it and ended that run, with no moment down between (a
-            # restart job's stop turns into its start), so only its new gate tells. Kept in
-            # its phase, that gate was never answered (`request` answers none of those), or
-            # a suspended unit was resumed onto the GPUs its new start was granted. Taken
-            # before the gate counts as passed: the restart job says who ended the run.
-            if self.watch.available:
-                self.watch.refresh(released=unit)
-            with self._batched():
-                self.execute(self.scheduler.inactive(unit, self.tracker.outcome(state)))
-            self.ladder.went_down(unit)  # that run's processes, and what a suspend kept, went
-        if spec is not None:
-            self.tracker.passed_gate(unit)
-        if self.scheduler.phase(unit) in PREEMPTED_IN_PLACE:
-            # granted at its pipe, then frozen (or suspended) before the call of its gate,
-            # which had not found the pipe, was served: the core answers no such unit
-            # (`request`), and the call, left waiting, was answered by nobody once the unit
-            # ran again: its start stuck at its gate on GPUs counted as in use. It asks
-            # again, and is judged then (`_grant_again`)
-            self.service.forget(unit)
-            return
-        if self.scheduler.phase(unit) is Phase.STOPPING:
-            # its start job outran our stop job (a preemption, or a start of ours withdrawn
-            # when its annotation went): stop it again rather than leave it waiting or let
-            # it through
-            self.calls.send(self.systemd.stop_unit, unit, "stop")
-            return
-        if spec is None:
-            self._let_through(unit)
-            return
-        self.watch.refresh_if_older(FRESH_SAMPLE)  # grant against what is on the GPUs now
-        with self._batched():
-            self.execute(self.scheduler.request(spec))
-
-    def _let_through(self, unit: str) -> None:
-        """An unannotated unit's gate passes (the core forgot its start, or never knew it):
-        its calls over D-Bus are answered (`_pass_gate`, which restarts instead a start whose
-        gate a daemon-reload took out from under its own ExecStartPre= lines), and a gate on
-        its pipe is sent there. Not through
-        the pipe: that needs our end held until the unit has left its gate, which its
-        signals, no longer matched, would not tell. Its env file is made to say what the
-        core books for it first, as the gate drop-in (until the next daemon-reload) still
-        names it with `EnvironmentFile=-`, which starts a unit without the file on every GPU:
-        - a unit the core holds no GPU for passes with no GPUs of gpuslice's: its file goes
-          (a grant of an earlier run's would tell its processes GPUs gpuslice may have
-          handed to another unit since, as if granted them), and it runs as any unannotated
-          unit does;
-        - a unit the core still holds GPUs for (its annotation went while it ran, and
-          `systemctl restart` ran it again with no moment down between) passes only once
-          its file names them: one that names them stays (the word its last run was told,
-          by UUID, `Restore.remember_told`), one missing (a /run that was full at its grant,
-          removed by hand) or naming others is written from the core's books
-          (`Scheduler.told`). While it cannot be written, the gate waits, as
-          `Delivery.deliver`'s does: without it, the new run saw every GPU, another unit's
-          too. One whose books cannot name a GPU it holds (lost since, the UUID it was
-          granted unknown) is let go first, and passes as the first kind
-          (`Scheduler.let_through`)."""
-        withheld = self.delivery.withdraw(unit)
-        self.execute(self.scheduler.let_through(unit))  # let go: its GPUs cannot be named
-        held = self._held_for(unit)
-        self.gates.close(unit)
-        self.gates.at_gate_unknown(unit)
-        if not held:
-            envfiles.remove(self.config.runtime_dir, unit)
-        elif not self.delivery.names_held(unit, held, again=withheld):
-            return
-        if self.service.pending(unit) and unit not in self._passing:
-            self._passing.add(unit)
-            self._spawn(self._pass_gate(unit, held))
-
-    async def _pass_gate(self, unit: str, held: list[int]) -> None:
-        """Answer the gate `_let_through` lets through, once systemd's ExecStartPre= of the
-        unit is read (only here: a let-through is rare, a grant costs no read). A
-        daemon-reload that took the unit's annotation out took its gate's drop-in out too,
-        and systemd does not go on with a command list whose running command vanished from
-        it: let through, the start skipped every ExecStartPre= line of the unit's own (a
-        model download, a mount check) and ran its ExecStart= at once. A list that holds no
-        gate but other commands has the start restarted instead (`_restart_ungated`): one
-        job, the one whoever started it waits for, stopped and then started from the unit
-        file of now, every line of it run. A list that still holds the gate (no reload took
-        it out yet) goes on after it, and an empty one has nothing to skip: let through."""
-        try:
-            try:
-                commands = await self.systemd.exec_start_pre(unit)
-            except SystemdError as e:
-                self.counters.error("dbus_call_errors")
-                if is_transient(e):
-                    self.service.forget(unit)  # it asks again, and is read again then
-                    return
-                log.debug("cannot read the ExecStartPre= of %s: %s", unit, e)
-                commands = []
-            if not self.service.pending(unit):
-                return  # answered or cancelled meanwhile
-            if self.spec_for(unit) is not None or self._held_for(unit) != held:
-                self.service.forget(unit)  # it asks again, and is judged on what we know then
-                return
-            gone = all(path.rsplit("/", 1)[-1] != GATE_NAME for path, _ in commands)
-            if commands and gone and await self._restart_ungated(unit):
-                return
-            if self.service.pending(unit) and self.service.grant(unit, ",".join(map(str, held))):
-                if held:
-                    log.info(
-                        "%s passed the gate on %s, which it keeps until it ends: no longer "
-                        "annotated",
-                        unit,
-                        format_gpus(held),
-                    )
-                else:
-                    log.info("%s passed the gate: not managed by gpuslice", unit)
-        finally:
-            self._passing.discard(unit)
-
-    def _held_for(self, unit: str) -> list[int]:
-        """The GPUs the core books for the unit, in order."""
-        return sorted(self.scheduler.grants().get(unit, ()))
-
-    async def _restart_ungated(self, unit: str) -> bool:
-        """Whether systemd took a restart of a start let through whose gate a daemon-reload
-        took out (`_pass_gate`). TryRestartUnit on a unit still activating is merged into
-        its start job, which stops the unit (its gate ends 0, as at any stop, and the unit
-        ends inactive, not failed: no OnFailure=) and then starts it from the unit file of
-        now: no gate, and its own ExecStartPre= lines first. Its gate's calls are answered
-        "ask again": its shell is being stopped. Not RestartUnit: a unit that left its gate
-        while its list was read (`systemctl stop`, TimeoutStartSec=: its signals are no
-        longer followed, and its call stays pending) was started again by it, over that
-        stop; TryRestartUnit leaves a unit inactive or being stopped as it is. Refused
-        (RefuseManualStart=, say), the gate is let through as before, and the journal says
-        what that costs; a call that did not reach systemd is tried again when the gate
-        asks again. Its journal line says the start is restarted unless it was stopped
-        meanwhile: systemd answers a no-op with a job of its own too, so the answer does not
-        tell which happened."""
-        try:
-            await self.systemd.try_restart_unit(unit)
-        except SystemdError as e:
-            self.counters.error("dbus_call_errors")
-            if is_transient(e):
-                self.service.forget(unit)
-                return True
-            log.warning(
-                "cannot restart %s, whose gate a daemon-reload took out: %s; letting it "
-                "through, and systemd skips its own ExecStartPre= lines",
-                unit,
-                e.text,
-            )
-            return False
-        self.service.forget(unit)
-        decision = Decision(Code.UNMANAGED, unit, cause=Cause.RESTARTED)
-        self._say(render(decision), "info", decision)
-        return True
+        self._spawn(self.judge.verify_acquire(unit, sender, seen))
 
     @contextlib.contextmanager
     def _batched(self) -> Iterator[None]:

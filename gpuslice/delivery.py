@@ -9,7 +9,7 @@ ENV_RETRY s; the journal says so once, and when it goes through. A unit resumed 
 numbered anew gets its file written anew (`tell_again`).
 
 The controller decides who is granted (Controller.execute) and judges a gate again
-(`ask_again`: Controller._acquire_verified); everything else is given: the core (its books),
+(`ask_again`: Gates.acquire_verified); everything else is given: the core (its books),
 the gate pipes, the gate calls in wait, the counters and the runtime_dir.
 """
 
@@ -62,7 +62,7 @@ class Delivery:
         self.runtime_dir = runtime_dir  # this boot's, never changed (Controller._keep_paths)
         self.ask_again = ask_again
         # units whose gate waits for their environment file to be written: granted
-        # (deliver), or let through on GPUs still held for them (Controller._let_through)
+        # (deliver), or let through on GPUs still held for them (Gates.let_through)
         self.withheld: dict[str, asyncio.TimerHandle] = {}
 
     def withdraw(self, unit: str) -> bool:
@@ -91,7 +91,7 @@ class Delivery:
 
     def names_held(self, unit: str, held: Sequence[int], again: bool) -> bool:
         """Whether the env file of a unit let through names the GPUs the core holds for it,
-        written anew if need be (Controller._let_through); if it cannot be, the gate waits
+        written anew if need be (Gates.let_through); if it cannot be, the gate waits
         and is judged again in ENV_RETRY s (said once: `again` when it was said already)."""
         if sorted(envfiles.told_gpus(self.runtime_dir, unit)) == list(held):
             return True
@@ -158,7 +158,7 @@ class Delivery:
     def _let_through_withheld(self, unit: str) -> None:
         """A gate held by `names_held` asks again, in effect: judged on what is known now
         (annotated again, preempted, down meanwhile), its file tried again if it is still
-        let through (Controller._let_through takes over this retry)."""
+        let through (Gates.let_through takes over this retry)."""
         handle = self.withheld.get(unit)
         if self.service.pending(unit):
             self.ask_again(unit)

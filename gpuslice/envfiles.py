@@ -6,7 +6,7 @@ that neither runs nor holds anything.
 
 The gate drop-in names the file with `EnvironmentFile=-`, so a missing file starts the unit
 with every GPU visible: the controller lets no gate through before its unit's file is written
-(Delivery.deliver; Controller._let_through for a unit it still holds GPUs for whose
+(Delivery.deliver; Gates.let_through for a unit it still holds GPUs for whose
 annotation went).
 """
 

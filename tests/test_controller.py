@@ -31,6 +31,7 @@ import pytest
 from gpuslice import calls as calls_module
 from gpuslice import controller as controller_module
 from gpuslice import delivery as delivery_module
+from gpuslice import gates as gates_module
 from gpuslice import gpuwatch as gpuwatch_module
 from gpuslice import offloop as offloop_module
 from gpuslice import rereads as rereads_module
@@ -570,7 +571,7 @@ def _no_notify_socket(monkeypatch: pytest.MonkeyPatch) -> None:
 def cgroup_of(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
     """PID -> the unit its cgroup says (unit_of_pid reads /proc otherwise)."""
     units: dict[int, str] = {}
-    monkeypatch.setattr(controller_module, "unit_of_pid", lambda pid: units.get(pid))
+    monkeypatch.setattr(gates_module, "unit_of_pid", lambda pid: units.get(pid))
     return units
 
 

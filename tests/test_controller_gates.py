@@ -3,14 +3,14 @@
 gpuslice/controller.py answers each start's gate (through its pipe, or over D-Bus), checks
 who calls, withholds a grant until its environment file is written, counts every answer and
 takes in what systemd says of the units at their gates (on_unit_changed, _unmanaged_gate,
-_follow_gate, _apply, _verify_acquire, _acquire_verified, _grant_again, _serve_gate, and
+_follow_gate, _apply, Gates.verify_acquire, acquire_verified, _grant_again, serve_gate, and
 gpuslice/delivery.py's deliver, _write_or_withhold, _deliver_withheld). Mutants of those
 functions survived the
 other controller tests: a gate's pipe let go while its line was unread, a cancelled start
 granted, a gate sent to D-Bus early, a stale grant said again on GPUs a more urgent unit
 takes, a counter that stopped counting, a log line an admin reads with other words. Each
 test here states the rule it holds, and why. The last ones hold the env file of a unit let
-through on GPUs still held for it, its annotation gone (_let_through, Delivery.names_held
+through on GPUs still held for it, its annotation gone (Gates.let_through, Delivery.names_held
 and _let_through_withheld), and of an instance so held when it goes down (_apply,
 _instance_down).
 """
@@ -772,7 +772,7 @@ def test_a_withheld_grant_names_the_gpu_granted_by_uuid_after_a_renumbering(
     numbers the GPUs anew meanwhile (GPU-B is 0 now: both indices lost to new work). The
     file written at the retry names GPU-A, the GPU granted, by its UUID: written as NVML
     numbers index 0 now, it named GPU-B, which the unit holding index 1 runs on (two jobs
-    on one GPU), as `_let_through` and a resume already have it (`Scheduler.told`)."""
+    on one GPU), as `Gates.let_through` and a resume already have it (`Scheduler.told`)."""
     monkeypatch.setattr(delivery_module, "ENV_RETRY", 0.01)
     blocker = unwritable_run(tmp_path)
     nvml = StubNvml()
@@ -1358,7 +1358,7 @@ def test_an_instance_whose_annotation_went_loses_its_env_file_when_it_goes_down(
     followed: its file stayed in /run until the next controller start, one for each such
     instance, whose names may never come again. It goes with the down that released the GPU,
     its directory too (a restart by its Restart= that is gated is let through with no GPUs
-    of gpuslice's, its file removed then anyway: `_let_through`)."""
+    of gpuslice's, its file removed then anyway: `Gates.let_through`)."""
     bed, path = instance_holds_gpu_0(tmp_path)
 
     async def test() -> None:
@@ -1508,7 +1508,7 @@ def test_a_plain_unit_whose_annotation_went_keeps_its_env_file_when_it_goes_down
 ) -> None:
     """Not an instance: low.service, its annotation gone while it ran on GPU 0, ends. Its
     file stays, as an annotated plain unit's does (one per unit file, not per job): a start
-    of it that is still gated is let through only after `_let_through` removed the file
+    of it that is still gated is let through only after `Gates.let_through` removed the file
     (no GPUs held), and the next controller start sweeps it."""
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
     path = env_file(bed.config.runtime_dir, "low.service")

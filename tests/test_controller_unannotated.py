@@ -317,7 +317,7 @@ def test_a_start_whose_gate_a_reload_took_out_is_restarted_with_its_own_lines(
         await settle()
         assert bed.service.granted == [] and bed.service.sent_back == [URGENT]
         assert bed.systemd.calls.count(("restart", URGENT)) == 1
-        assert not bed.controller._passing
+        assert not bed.controller.judge._passing
 
     caplog.set_level(logging.INFO, "gpuslice")
     run(test)
@@ -354,7 +354,7 @@ def test_a_start_stopped_while_its_list_is_read_is_not_started_again(
         assert ("restart", URGENT) not in bed.systemd.calls
         assert ("try-restart-nop", URGENT) in bed.systemd.calls
         assert bed.service.granted == []
-        assert not bed.controller._passing
+        assert not bed.controller.judge._passing
 
     caplog.set_level(logging.INFO, "gpuslice")
     run(test)
@@ -426,7 +426,7 @@ def test_a_read_or_restart_that_did_not_reach_systemd_has_the_gate_ask_again(
         await until(lambda: bed.service.sent_back != [])
         assert bed.service.granted == []
         assert bed.service.sent_back == [URGENT]
-        assert not bed.controller._passing
+        assert not bed.controller.judge._passing
 
     run(test)
 

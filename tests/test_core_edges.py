@@ -208,7 +208,7 @@ def test_device_of_an_unknown_index_is_a_gpu_of_unknown_size() -> None:
 
 
 def test_a_holder_is_told_the_gpus_it_was_granted_by_uuid_though_nvml_numbered_them_anew() -> None:
-    """What a unit's env file, written again (Controller._let_through), names: the GPU it was
+    """What a unit's env file, written again (Gates.let_through), names: the GPU it was
     granted, GPU-A, though NVML now numbers that GPU 2 and calls GPU-B 0, which another
     unit may run on; a GPU known by no UUID when granted, by what `device` says now;
     nobody's, none."""
@@ -229,7 +229,7 @@ def test_a_holder_is_told_the_gpus_it_was_granted_by_uuid_though_nvml_numbered_t
 
 def test_a_held_unit_whose_annotation_went_is_let_go_at_its_gate_on_a_gpu_told_by_no_uuid() -> None:
     """a.service holds GPU 0, granted as GPU-A, and GPU 1, known by no UUID then; its
-    annotation goes, and it is restarted (Controller._let_through). Its books name GPU 0 by
+    annotation goes, and it is restarted (Gates.let_through). Its books name GPU 0 by
     GPU-A, lost or not: it keeps both. Once GPU 1 is lost too, they name it by no GPU: told
     as NVML numbers it now, it ran on another GPU than its own, so the core lets it go. An
     annotated unit's gate is `request`'s, and a unit the core does not hold has nothing to
@@ -259,7 +259,7 @@ def test_a_held_unit_whose_annotation_went_is_let_go_at_its_gate_on_a_gpu_told_b
 def test_a_unit_whose_annotation_went_being_stopped_is_not_let_go_at_its_gate() -> None:
     """a.service, its annotation gone, is stopped for urgent.service on GPU 0, known by no
     UUID, which is then lost: its processes still run there until the stop ends, so its
-    books keep GPU 0 (the controller stops its gate again, `_serve_gate`)."""
+    books keep GPU 0 (the controller stops its gate again, `Gates.serve_gate`)."""
     a, urgent = spec("a", 90), spec("urgent", 10)
     s = Scheduler([Gpu(0)], {a.name: a, urgent.name: urgent})
     assert brief(s.request(a)) == ["grant a.service 0"]

@@ -224,7 +224,7 @@ class RenumberSim(Sim):
     def restart_before_its_gate_read(self, name: str) -> list[Action]:
         """The controller restarted (NVML may number the GPUs otherwise) before the unit's
         gate read its grant: the saved state says it holds its GPUs, and its gate asks again
-        once the new controller is up (`Controller._serve_gate`). Its processes start on the
+        once the new controller is up (`Gates.serve_gate`). Its processes start on the
         GPUs its answer's env file names, or, not answered at once, it waits like any start."""
         actions = self.restart()
         if name not in self.unanswered() or self.sched.phase(name) is not Phase.RUNNING:

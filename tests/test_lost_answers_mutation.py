@@ -1,6 +1,6 @@
 """A stop whose answer was lost, and a gate a daemon-reload took out, under mutation.
 
-Mutation testing of `Calls._stop_again`, the controller's `_pass_gate` and `_restart_ungated`,
+Mutation testing of `Calls._stop_again`, `Gates._pass_gate` and `_restart_ungated`,
 and of `Tracker.stop_found`, left rules no test held: a stop job a read shows is booked as
 ours (its unit down at once with it shown, its end a preemption), whatever the books held;
 the controller's view takes the state read, sub-state and all; a retry no longer wanted is
@@ -181,7 +181,7 @@ def test_a_stop_whose_read_fails_says_when_it_is_read_again(
     ) in messages(caplog)
 
 
-# ---- Controller._pass_gate, _restart_ungated ----
+# ---- Gates._pass_gate, _restart_ungated ----
 
 
 def test_a_list_that_cannot_be_read_lets_the_gate_through_and_says_why(
@@ -200,7 +200,7 @@ def test_a_list_that_cannot_be_read_lets_the_gate_through_and_says_why(
         await until(lambda: bed.service.granted != [])
         assert bed.service.granted == [(URGENT, "")]
         assert ("restart", URGENT) not in bed.systemd.calls
-        assert not bed.controller._passing
+        assert not bed.controller.judge._passing
 
     run(test)
     assert (
@@ -230,7 +230,7 @@ def test_a_gate_annotated_again_while_its_list_is_read_asks_again(
     async def test() -> None:
         await waits_then_unannotated(bed, tmp_path)
         await until(lambda: ("exec_start_pre", URGENT) in bed.systemd.calls)
-        await until(lambda: not bed.controller._passing)
+        await until(lambda: not bed.controller.judge._passing)
         await settle()
         assert bed.service.granted == []
         assert bed.service.sent_back == [URGENT]

@@ -5,7 +5,7 @@
 - `gpuslice enroll ALIAS` says on stderr, not with the result on stdout, that it enrolls the
   unit the alias names (`_enroll`);
 - a unit whose annotation went while it held two GPUs, restarted, passes its gate over D-Bus
-  with both GPUs named as the gate reads them, "0,1" (`Controller._let_through`);
+  with both GPUs named as the gate reads them, "0,1" (`Gates.let_through`);
 - `safefile`'s Unreadable carries the file as last looked at, whatever the step that refused
   it: the look (not a regular file), the open (a file that can be looked at but not opened)
   or the read (an I/O error): `state.read_found` takes a refused file with no stat for one

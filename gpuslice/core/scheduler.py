@@ -2372,7 +2372,7 @@ class Scheduler:
             spec = self.specs.get(name)
             if spec is None and Phase(phase) is Phase.STARTING and name in saved.started:
                 # a start of ours whose annotation went while we were away: withdrawn, as
-                # set_specs does (its gate, when it asks, is stopped; Controller._serve_gate)
+                # set_specs does (its gate, when it asks, is stopped; Gates.serve_gate)
                 phase, stopping_for = Phase.STOPPING.value, None
             elif spec is None and Phase(phase) is Phase.STARTING:
                 continue  # its start goes on ungated (set_specs)
