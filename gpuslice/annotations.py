@@ -341,7 +341,7 @@ class Loader:
         section_at: tuple[str, int] | None = None
         before: list[tuple[str, int, str]] = []  # [Unit] Before= names: file, line, name
         for unit_file in files:
-            if _is_our_gate(unit_file.path):
+            if is_our_gate(unit_file.path):
                 continue  # the generator's own output holds no annotation: not read
             path = printable(unit_file.path)
             try:
@@ -652,7 +652,7 @@ def _scan(loader: Loader) -> Scan:
 _GENERATOR_DIR = "/run/systemd/generator/"
 
 
-def _is_our_gate(path: str) -> bool:
+def is_our_gate(path: str) -> bool:
     """The gate drop-in gpuslice-generator wrote (only generators, run by systemd as root,
     write there): at 10,000 annotated units, half the files a scan would read."""
     return path.startswith(_GENERATOR_DIR) and path.endswith("/" + GATE_DROPIN_NAME)

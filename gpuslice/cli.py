@@ -24,7 +24,8 @@ from gpuslice import __version__, driver
 from gpuslice.annotations import check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings, read_recorded_state_dir
 from gpuslice.core.model import UnitKind, UnitSpec
-from gpuslice.generator import NAME_MAX, fits_dropin_dir
+from gpuslice.envsyntax import NAME_MAX
+from gpuslice.generator import fits_dropin_dir
 from gpuslice.newunit import (
     annotation_options,
     annotation_text,

@@ -85,11 +85,12 @@ import select
 import stat
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 from gpuslice import envsyntax
+from gpuslice.envsyntax import PATH_MAX  # systemd ignores a longer EnvironmentFile=
 from gpuslice.paths import DEFAULT_RUNTIME_DIR, LIBEXEC_DIR
 from gpuslice.safefile import file_kind, has_access_acl
 from gpuslice.unitfiles import MAX_FILE_SIZE, Entry, is_instance, is_template, printable
@@ -106,7 +107,6 @@ USER_TREES: tuple[str, ...] = (
     "/media",
     "/run/media",
 )
-PATH_MAX = 4096  # Linux's, with the NUL: systemd ignores a longer EnvironmentFile=
 MAX_SYMLINKS = 32  # systemd's chase limit (the kernel's is 40)
 MAX_STEPS = 1024  # components walked, symlinks' targets included: no real path comes near
 # systemd's specifiers whose value is fixed for the system manager (systemd.unit(5))
@@ -462,6 +462,16 @@ def expand(unit: str, value: str) -> tuple[str, None] | tuple[None, str]:
     return "".join(out), None
 
 
+def _pairs(text: str) -> Iterator[str]:
+    """`text` in the pieces `expand` reads it in: a `%` with the character after it (a
+    specifier, `%%` included, `%=` too), or one other character (a lone `%` at the end)."""
+    i = 0
+    while i < len(text):
+        piece = text[i : i + 2] if text[i] == "%" else text[i]
+        yield piece
+        i += len(piece)
+
+
 def _specifiers(value: str) -> set[str]:
     """The specifiers `value` holds, as `expand` reads them (`%%` is none)."""
     return set(re.findall(r"%(.)", value, re.DOTALL)) - {"%"}
@@ -525,12 +535,7 @@ def _dropped(unit: str, word: str) -> bool:
     (`_NO_EQUALS`, or one `expand` works out). systemd v252's config_parse_environ expands
     a word's specifiers, then ignores it where it is no assignment (`LD_%i`: `LD_x`), so
     it sets nothing, whoever starts the instance."""
-    known: list[str] = []
-    i = 0
-    while i < len(word):
-        pair = word[i : i + 2] if word[i] == "%" else word[i]
-        known.append("x" if pair[1:] and pair[1] in _NO_EQUALS else pair)
-        i += len(pair)
+    known = ["x" if piece[1:] and piece[1] in _NO_EQUALS else piece for piece in _pairs(word)]
     text, _ = expand(unit, "".join(known))
     return text is not None and "=" not in text
 
@@ -546,8 +551,10 @@ def _may_skip(unit: str, word: str) -> str | None:
     than root start one), as may %f (%I after a `/`) and %d (the credentials' directory, the
     instance's unit name in it). Another specifier not known is the unit's own (root's %h)."""
     i = 0
-    while i < len(word) and word[i] != "=":
-        i += 2 if word[i] == "%" else 1  # `%=` is a specifier, no `=`
+    for piece in _pairs(word):
+        if piece == "=":  # `%=` is a specifier, no `=`
+            break
+        i += len(piece)
     name, value = word[:i], word[i + 1 :]
     text, why = expand(unit, name)
     if text is None:
@@ -578,15 +585,9 @@ def _names_it_may_be(unit: str, name: str) -> list[str]:
     `expand` does not work out standing for any text: `%i=1` any, `LD_TRACE_%i=1` two,
     `JOB_%i=1` none (its name is JOB_ and the instance's, whatever that is)."""
     pattern: list[str] = []
-    i = 0
-    while i < len(name):
-        if name[i] == "%" and i + 1 < len(name):
-            text, _ = expand(unit, name[i : i + 2])
-            pattern.append(".*" if text is None else re.escape(text))
-            i += 2
-        else:
-            pattern.append(re.escape(name[i]))
-            i += 1
+    for piece in _pairs(name):
+        text, _ = expand(unit, piece)  # a character alone (a lone `%` too) is itself
+        pattern.append(".*" if text is None else re.escape(text))
     return [known for known in SKIPS_GATE if re.fullmatch("".join(pattern), known, re.DOTALL)]
 
 

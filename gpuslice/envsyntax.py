@@ -19,13 +19,13 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple
 
-WHITESPACE = " \t\n\r"  # systemd's WHITESPACE
+WHITESPACE = " \t\n\r"  # systemd's WHITESPACE: what it strips around keys and values
 _NEWLINE = "\n\r"
 _COMMENTS = "#;"
 _SHELL_NEED_ESCAPE = '"\\`$'
 _HEX = "0123456789abcdefABCDEF"
 PATH_MAX = 4096  # Linux's, with the NUL
-NAME_MAX = 255
+NAME_MAX = 255  # Linux's: the bytes of one path component
 
 
 class WordError(ValueError):

@@ -32,6 +32,7 @@ from gpuslice.config import (
     located,
     read_pinned_runtime_dir,
 )
+from gpuslice.envsyntax import NAME_MAX
 from gpuslice.paths import (
     CONFIG_PATH,
     ENV_FILE_SPECIFIER,
@@ -47,9 +48,6 @@ from gpuslice.unitfiles import UnitIndex, is_instance, is_valid_unit_name, print
 
 _PROG = "gpuslice-generator"
 DEFAULTS = Config()
-# Linux's NAME_MAX: `UNIT.d` must fit in one path component, so a unit name of 254 or 255
-# characters (valid for systemd) can have no drop-in directory of its own.
-NAME_MAX = 255
 
 HEADER = "# Added by gpuslice-generator: the GPU gate for this unit.\n"
 # An instance that is not managed although its template is (its own drop-ins make it invalid, or
@@ -138,7 +136,8 @@ def gate_dropin(
 
 
 def fits_dropin_dir(unit: str) -> bool:
-    """Whether `UNIT.d` fits in one path component."""
+    """Whether `UNIT.d` fits in one path component (Linux's NAME_MAX): a unit name of 254 or
+    255 characters (valid for systemd) can have no drop-in directory of its own."""
     return len(f"{unit}.d".encode()) <= NAME_MAX
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import click
 
 from gpuslice import safefile
-from gpuslice.annotations import KEYS, SECTION, Key
+from gpuslice.annotations import KEYS, SECTION, Key, is_our_gate
 from gpuslice.core.model import UnitKind
-from gpuslice.paths import GATE_DROPIN_NAME
+from gpuslice.envsyntax import NAME_MAX, PATH_MAX
 from gpuslice.unitfiles import (
     SYSTEM_UNIT_PATH,
     UNIT_NAME_MAX,
@@ -98,11 +98,11 @@ def printable_path(path: str) -> bool:
     resolve unit specifiers"), the whole unit with it."""
     parts = path.split("/")
     return (
-        0 < len(path) < 4096
+        0 < len(path) < PATH_MAX
         and all(32 <= ord(c) < 127 for c in path)
         and path[-1] not in "\\ "
         and ".." not in parts
-        and max(map(len, parts)) <= 255
+        and max(map(len, parts)) <= NAME_MAX
     )
 
 
@@ -304,10 +304,12 @@ def _unrunnable(program: str) -> str | None:
         )
     if "$" in program:
         return "'$' in the program's path: systemd keeps it there, but expands it in argv[0]"
-    if program.endswith("/") or max(len(p.encode("utf-8")) for p in program.split("/")) > 255:
-        return "a directory, or a name over 255 bytes: systemd refuses such a program's path"
-    if len(program.encode("utf-8")) >= 4096:  # PATH_MAX, which counts the NUL
-        return "a path of 4096 bytes or more: systemd refuses such a program's path"
+    if program.endswith("/") or max(len(p.encode("utf-8")) for p in program.split("/")) > NAME_MAX:
+        return (
+            f"a directory, or a name over {NAME_MAX} bytes: systemd refuses such a program's path"
+        )
+    if len(program.encode("utf-8")) >= PATH_MAX:  # which counts the NUL
+        return f"a path of {PATH_MAX} bytes or more: systemd refuses such a program's path"
     return None
 
 
@@ -354,16 +356,14 @@ def existing_unit(name: str, root: Path) -> Path | None:
 
 def own_dropins(name: str, root: Path) -> list[str]:
     """The drop-ins in a directory named for this unit (`NAME.d/`, anywhere in the search
-    path), but the generator's gate: what a unit of this name gets besides its own file.
-    Before `gpuslice new` makes the unit, they were left by an earlier one (an enroll's
-    `gpuslice.conf`, a `systemctl edit` override), and they change the job it writes."""
+    path), but the generator's gate (`is_our_gate`): what a unit of this name gets besides
+    its own file. Before `gpuslice new` makes the unit, they were left by an earlier one (an
+    enroll's `gpuslice.conf`, a `systemctl edit` override), and they change the job it
+    writes."""
     return [
         f.path
         for f in find_dropins(name, root)
-        if os.path.basename(os.path.dirname(f.path)) == name + ".d"
-        and not (
-            f.path.startswith("/run/systemd/generator/") and f.path.endswith("/" + GATE_DROPIN_NAME)
-        )
+        if os.path.basename(os.path.dirname(f.path)) == name + ".d" and not is_our_gate(f.path)
     ]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from gpuslice.envsyntax import WHITESPACE
+
 _UNITS = {
     "": 1,
     "K": 1 << 10,
@@ -25,7 +27,6 @@ SIZE_MAX = 1 << 50  # 1 PiB
 _SIZE = re.compile(
     r"([0-9]+)(?:\.([0-9]+))?[ \t]*(?:([KMGTPE])(?:i?B)?|B)?", re.IGNORECASE | re.ASCII
 )
-_BLANKS = " \t\n\r"  # what systemd strips around a value; other white space is an error
 _MAX_DIGITS = 32  # far more than 1 PiB needs, so that a huge number is not even converted
 SIZE_ALLOWED = "a size such as 512M, 20G or 20GiB (binary units, at most 1P)"
 
@@ -37,7 +38,8 @@ def parse_size(text: str) -> int:
     as systemd's parse_size does; a size that is not at least 1 byte (`0`, `0.0001K`), a
     fraction of a byte (`1.5`) and anything over `SIZE_MAX` are rejected.
     """
-    match = _SIZE.fullmatch(text.strip(_BLANKS))
+    # systemd strips its WHITESPACE around a value; other white space is an error
+    match = _SIZE.fullmatch(text.strip(WHITESPACE))
     if match is None:
         raise ValueError(text)
     whole, fraction, unit = match.groups()

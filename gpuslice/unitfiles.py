@@ -22,6 +22,7 @@ from typing import NamedTuple
 # the core's: unit names are read alike on both sides of it
 from gpuslice.core.model import is_instance as is_instance
 from gpuslice.core.model import is_template as is_template
+from gpuslice.envsyntax import WHITESPACE, is_valid_utf8
 from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes
 
 # `systemd-analyze unit-paths` of systemd 252 (Debian 12) for the system manager, highest
@@ -217,7 +218,7 @@ def parse_sections(
     if lines and lines[-1] == "":
         lines.pop()  # the text ended with a line end
     for number, raw in enumerate(lines, start=1):
-        stripped = raw.strip(_WHITESPACE)
+        stripped = raw.strip(WHITESPACE)
         if stripped and stripped[0] in COMMENT_CHARS:
             continue
         if not pending:
@@ -237,10 +238,6 @@ def parse_sections(
     return entries
 
 
-_WHITESPACE = " \t\n\r"  # systemd's WHITESPACE: what it strips around keys and values
-_SURROGATES = re.compile("[\ud800-\udfff]")  # undecodable bytes, or worse
-
-
 def _parse_line(
     raw: str,
     number: int,
@@ -249,10 +246,10 @@ def _parse_line(
     issues: list[TextIssue] | None,
     headers: list[tuple[str, int]] | None,
 ) -> str | None:
-    line = raw.strip(_WHITESPACE)
+    line = raw.strip(WHITESPACE)
     if not line or line[0] in COMMENT_CHARS:
         return section
-    if _SURROGATES.search(line):
+    if not is_valid_utf8(line):  # undecodable bytes, or worse
         if issues is not None:
             issues.append(TextIssue(section, number, "line is not valid UTF-8, ignored"))
         return section
@@ -267,7 +264,7 @@ def _parse_line(
             headers.append((name, number))
         return name
     key, sep, value = line.partition("=")
-    key = key.strip(_WHITESPACE)
+    key = key.strip(WHITESPACE)
     if issues is not None:
         if section is None:
             issues.append(TextIssue(None, number, "assignment outside of any section, ignored"))
@@ -276,7 +273,7 @@ def _parse_line(
         elif not key:
             issues.append(TextIssue(section, number, "missing key before '=', line ignored"))
     if section is not None and sep and key:
-        entries.append(Entry(section, key, value.strip(_WHITESPACE), number))
+        entries.append(Entry(section, key, value.strip(WHITESPACE), number))
     return section
 
 

@@ -337,6 +337,15 @@ def _kept_terms(name: str, saved: SavedState) -> UnitSpec:
     return _unannotated(UnitSpec(name, priority, UnitKind(kind), gpus, memory=memory))
 
 
+def _saved_refills(saved: SavedState) -> set[str]:
+    """The starts of ours `saved` holds that are refills (`Scheduler.refills`), not
+    comebacks. A file of a controller before `refills` has none, but its
+    `stopped_by_shutdown` keeps the name of an instance whose refill is under way: a start
+    of ours of an instance the shutdown stopped was its cancel's refill (a comeback's unit
+    was preempted since, and no longer kept so: `inactive`)."""
+    return {*saved.refills, *saved.stopped_by_shutdown}
+
+
 def _seq(waiter: Waiter) -> int:
     return waiter.seq
 
@@ -2387,10 +2396,7 @@ class Scheduler:
             spec = self.specs.get(name) or _kept_terms(name, saved)
             self.suspended[name] = Suspended(spec, frozenset(gpus), seq)
         self.started = {n for n in saved.started if self.phase(n) is Phase.STARTING}
-        # a file of a controller before `refills`: a start of ours of an instance the shutdown
-        # stopped was its cancel's refill (a comeback's unit was preempted since, and no
-        # longer kept so: `inactive`)
-        self.refills = self.started & {*saved.refills, *saved.stopped_by_shutdown}
+        self.refills = self.started & _saved_refills(saved)
         self.dormant -= self.holders.keys() | self.suspended.keys()  # someone started them
         self.thaw_owed = {n for n in saved.thaw_owed if self.phase(n) in _THAW_OWED_IN}
         self.preempted = dict(saved.preempted)
@@ -2426,7 +2432,7 @@ class Scheduler:
             for name in saved.requeued
             if name in self.specs and _owed_its_start(self.specs[name])
         }
-        refills = {*saved.refills, *saved.stopped_by_shutdown}
+        refills = _saved_refills(saved)
         for name, (_, phase, seq, *_) in saved.holders.items():
             spec = self.specs.get(name)
             if spec is None:
