@@ -93,10 +93,16 @@ class Kit:
         self.go.release()
 
     async def done(self) -> None:
-        """Return once no scan is under way (the task ended, its held-back starts judged)."""
+        """Return once no scan is under way (the task ended, its held-back starts judged)
+        and each task's done callbacks have run: `task` is None from the task's `finally`,
+        before its failure is reported (`call_soon`), which a loaded host showed late."""
+        seen: set[asyncio.Task[None]] = set()
         for _ in range(500):
             if self.rescans.task is None:
+                if seen:
+                    await asyncio.wait(seen)  # its callbacks, registered first, ran
                 return
+            seen.add(self.rescans.task)
             await asyncio.sleep(0.01)
         raise AssertionError("the rescan did not end")
 
