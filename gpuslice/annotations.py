@@ -23,6 +23,7 @@ from typing import Any, Literal, NamedTuple
 
 from gpuslice.core.model import GPU_ID, INSTANCE_DEVICE, PRIORITY_MAX, Rung, UnitKind, UnitSpec
 from gpuslice.envsafety import RUN_AS_KEYS, EnvFileChecker, RunAs
+from gpuslice.envsyntax import NAME_MAX
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.sizes import SIZE_ALLOWED, parse_size
 from gpuslice.unitfiles import (
@@ -30,6 +31,8 @@ from gpuslice.unitfiles import (
     TextIssue,
     UnitFile,
     UnitIndex,
+    fits_dropin_dir,
+    has_control_character,
     is_instance,
     is_template,
     parse_sections,
@@ -340,7 +343,10 @@ class Loader:
         # where the first [X-GPUSlice] header is: the place to report a missing key
         section_at: tuple[str, int] | None = None
         before: list[tuple[str, int, str]] = []  # [Unit] Before= names: file, line, name
-        for unit_file in files:
+        # [Service] ExecStartPre= lines that the gate's drop-in copies (those of the files
+        # applied before it): file, entry
+        copied: list[tuple[str, Entry]] = []
+        for number, unit_file in enumerate(files):
             if is_our_gate(unit_file.path):
                 continue  # the generator's own output holds no annotation: not read
             path = printable(unit_file.path)
@@ -357,6 +363,7 @@ class Loader:
             for issue in parsed.issues:
                 if issue.section == SECTION:
                     problems.append(Problem(path, issue.line, "", issue.message, "warning", name))
+            before_gate = number == 0 or unit_file.path.rsplit("/", 1)[-1] < GATE_DROPIN_NAME
             for entry in parsed.entries:
                 if entry.section == SECTION:
                     self._assign(name, path, entry, settings, problems)
@@ -364,6 +371,11 @@ class Loader:
                     run_as.assign(path, entry)
                 elif entry.section == "Unit" and entry.key == "Before":
                     before += [(path, entry.line, n) for n in entry.value.split()]
+                elif before_gate and entry.section == "Service" and entry.key == "ExecStartPre":
+                    if entry.value == "":
+                        copied.clear()
+                    else:
+                        copied.append((path, entry))
         if section_at is None:
             return None, _capped(unreadable)
         problems = unreadable + problems
@@ -380,6 +392,23 @@ class Loader:
                     name,
                 )
             )
+        if not is_instance(name) and not fits_dropin_dir(name):
+            problems.append(_too_long(*section_at, name))  # an instance's: `_scan`
+        problems += [
+            Problem(
+                path,
+                entry.line,
+                "ExecStartPre",
+                f"{printable(entry.value, _QUOTE_MAX)}: a control character in a line the "
+                "gate's drop-in would copy, which gpuslice-generator does not write (left "
+                "unmanaged, ungated)",
+                "error",
+                name,
+                "Service",
+            )
+            for path, entry in copied
+            if has_control_character(entry.value)
+        ]
         problems += [
             Problem(
                 path,
@@ -502,6 +531,22 @@ def _bad_value(
     reason = setting.value.reason
     message = f"{reason or 'expected ' + key.allowed}, {got}{suffix}"
     return Problem(setting.path, setting.line, key.name, message, severity, unit)
+
+
+def _too_long(path: str, line: int, unit: str) -> Problem:
+    """A unit whose `UNIT.d`, where gpuslice-generator writes its gate, would not fit in a
+    file name (systemd takes names of 254 and 255 characters): ungated, it is no unit of
+    gpuslice's, which `gpuslice check` and the controller must say as the generator does."""
+    return Problem(
+        path,
+        line,
+        "",
+        f"the unit's name is too long for its gate's drop-in directory UNIT.d ({len(unit)} "
+        f"characters; at most {NAME_MAX - 2}): gpuslice-generator cannot gate it (left "
+        "unmanaged, ungated)",
+        "error",
+        unit,
+    )
 
 
 def _capped(problems: list[Problem]) -> list[Problem]:
@@ -645,6 +690,17 @@ def _scan(loader: Loader) -> Scan:
             for issue in sorted(loader.index.issues)
         ]
     )
+    # An instance is gated by its template's `UNIT.d/` while its template is managed; one
+    # whose name is too long for a directory of its own has no gate otherwise (as a plain
+    # unit's, `load_files`).
+    for name in sorted(result.specs):
+        if (
+            is_instance(name)
+            and not fits_dropin_dir(name)
+            and template_of(name) not in result.specs
+        ):
+            result.invalid.add(name)
+            report([_too_long(result.specs.pop(name).source, 0, name)])
     return result
 
 

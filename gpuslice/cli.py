@@ -25,7 +25,6 @@ from gpuslice.annotations import check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings, read_recorded_state_dir
 from gpuslice.core.model import UnitKind, UnitSpec
 from gpuslice.envsyntax import NAME_MAX
-from gpuslice.generator import fits_dropin_dir
 from gpuslice.newunit import (
     annotation_options,
     annotation_text,
@@ -47,6 +46,7 @@ from gpuslice.unitfiles import (
     MAX_FILE_SIZE,
     UnitFile,
     UnitIndex,
+    fits_dropin_dir,
     is_template,
     is_valid_unit_name,
     printable,

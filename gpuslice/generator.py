@@ -44,7 +44,15 @@ from gpuslice.paths import (
     RUNTIME_DIR_ENV,
     RUNTIME_DIR_RECORD,
 )
-from gpuslice.unitfiles import UnitIndex, is_instance, is_valid_unit_name, printable, template_of
+from gpuslice.unitfiles import (
+    UnitIndex,
+    fits_dropin_dir,
+    has_control_character,
+    is_instance,
+    is_valid_unit_name,
+    printable,
+    template_of,
+)
 
 _PROG = "gpuslice-generator"
 DEFAULTS = Config()
@@ -87,9 +95,19 @@ def exec_start_pre_before_gate(loader: Loader, unit: str) -> list[str]:
 def _one_line(line: str) -> str:
     """`line`, or ValueError when it holds a newline or another control character (a tab is
     whitespace to systemd and stays): a drop-in line must never become two."""
-    if any((c < " " and c != "\t") or c == "\x7f" for c in line):
+    if has_control_character(line):
         raise ValueError(f"refusing to write a line with a control character: {printable(line)}")
     return line
+
+
+def _no_continuation(value: str) -> str:
+    """A copied value as a line that ends where systemd ended it. A value may end in an odd
+    number of backslashes (its line ended in one and a blank, `ExecStartPre=/bin/a \\ `,
+    which systemd strips after seeing no continuation): written bare, the backslash joined
+    the gate's next line to it (the unit's next ExecStartPre=, which then never ran, or the
+    gate's retry). A blank after it ends the line as it did in the unit's file."""
+    trailing = len(value) - len(value.rstrip("\\"))
+    return value + " " if trailing % 2 == 1 else value
 
 
 def _seconds(value: float) -> str:
@@ -127,18 +145,12 @@ def gate_dropin(
         "ExecStartPre=",
         f"ExecStartPre=+{_escape_specifiers(libexec_dir)}/{GATE_NAME} %n {GATE_LINE_RETRY} "
         f"{_escape_specifiers(runtime_dir)}/{GATE_PIPE_SPECIFIER}",
-        *(f"ExecStartPre={v}" for v in exec_start_pre),
+        *(f"ExecStartPre={_no_continuation(v)}" for v in exec_start_pre),
         f"Environment={GATE_RETRY_ENV}={_seconds(retry)}",
         f"EnvironmentFile=-{_escape_specifiers(runtime_dir)}/{ENV_FILE_SPECIFIER}",
         "TimeoutStartSec=infinity",
     ]
     return "\n".join(_one_line(line) for line in lines) + "\n"
-
-
-def fits_dropin_dir(unit: str) -> bool:
-    """Whether `UNIT.d` fits in one path component (Linux's NAME_MAX): a unit name of 254 or
-    255 characters (valid for systemd) can have no drop-in directory of its own."""
-    return len(f"{unit}.d".encode()) <= NAME_MAX
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import NamedTuple
 # the core's: unit names are read alike on both sides of it
 from gpuslice.core.model import is_instance as is_instance
 from gpuslice.core.model import is_template as is_template
-from gpuslice.envsyntax import WHITESPACE, is_valid_utf8
+from gpuslice.envsyntax import NAME_MAX, WHITESPACE, is_valid_utf8
 from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes
 
 # `systemd-analyze unit-paths` of systemd 252 (Debian 12) for the system manager, highest
@@ -68,6 +68,21 @@ def is_valid_unit_name(name: object) -> bool:
         and 0 < len(name) <= UNIT_NAME_MAX
         and _UNIT_NAME.fullmatch(name) is not None
     )
+
+
+def fits_dropin_dir(unit: str) -> bool:
+    """Whether `UNIT.d` fits in one path component (Linux's NAME_MAX): a unit name of 254 or
+    255 characters (valid for systemd) can have no drop-in directory of its own."""
+    return len(f"{unit}.d".encode()) <= NAME_MAX
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # a tab is whitespace to systemd
+
+
+def has_control_character(line: str) -> bool:
+    """Whether `line` holds a newline or another control character (a tab, whitespace to
+    systemd, is none): gpuslice-generator writes no such line into a drop-in."""
+    return _CONTROL.search(line) is not None
 
 
 def printable(text: str, limit: int = 300) -> str:
@@ -818,7 +833,10 @@ class UnitIndex:
                     chosen[fname] = UnitFile(path, real)
                 elif st is not None:
                     self._issue(path, "links to something that is not a regular file, ignored")
-        return [f for _n, f in sorted(chosen.items()) if f is not None]
+        # by the names' bytes, as systemd's strcmp(3): a name that is not UTF-8 holds lone
+        # surrogates (U+DC80 for the byte 0x80), which sort after `é` (0xC3 0xA9) as text
+        ordered = sorted(chosen.items(), key=lambda item: os.fsencode(item[0]))
+        return [f for _n, f in ordered if f is not None]
 
 
 def find_fragment(name: str, root: str | os.PathLike[str] = "/") -> Fragment | None:

@@ -274,6 +274,110 @@ def test_a_unit_ordered_before_other_units_is_managed(tmp_path: Path) -> None:
     assert spec is not None and problems == []
 
 
+def test_a_control_character_the_gate_would_copy_leaves_the_unit_unmanaged(
+    tmp_path: Path,
+) -> None:
+    """The gate's drop-in copies the ExecStartPre= lines of the files applied before it, and
+    gpuslice-generator writes no line with a control character: it left such a unit ungated
+    while the scan took it as managed (`gpuslice check` said ok, the controller booked GPUs
+    for a job that ran ungated, every GPU visible). The scan says so where the line is. A
+    line reset by an empty ExecStartPre= before the gate, or in a drop-in applied after it,
+    is not copied: fine; a tab is whitespace to systemd."""
+    text = SERVICE.replace("[Service]\n", "[Service]\nExecStartPre=/bin/a\x1bb\n")
+    write(tmp_path, X, text + "\n[X-GPUSlice]\nPriority=1\n")
+    assert load_spec("x.service", tmp_path) == (
+        None,
+        [
+            Problem(
+                X,
+                5,
+                "ExecStartPre",
+                "/bin/a\\x1bb: a control character in a line the gate's drop-in would copy, "
+                "which gpuslice-generator does not write (left unmanaged, ungated)",
+                "error",
+                "x.service",
+                "Service",
+            )
+        ],
+    )
+    write(
+        tmp_path, f"{ETC}/x.service.d/a.conf", "[Service]\nExecStartPre=\nExecStartPre=/bin/\tc\n"
+    )
+    write(tmp_path, f"{ETC}/x.service.d/z.conf", "[Service]\nExecStartPre=/bin/z\x7fz\n")
+    spec, problems = load_spec("x.service", tmp_path)
+    assert spec is not None and problems == []
+
+
+@pytest.mark.parametrize("length", [253, 254, 255])
+def test_a_name_too_long_for_its_gates_drop_in_directory_leaves_the_unit_unmanaged(
+    tmp_path: Path, length: int
+) -> None:
+    """systemd takes unit names of 254 and 255 characters, but `UNIT.d` must fit in a file
+    name: gpuslice-generator cannot gate such a unit, or template, which the scan took as
+    managed (`gpuslice check` said ok, the controller booked GPUs for a job that ran ungated,
+    every GPU visible)."""
+    name = "x" * (length - len(".service")) + ".service"
+    template = "t" * (length - len("@.service")) + "@.service"
+    write(tmp_path, f"{ETC}/{name}", "[X-GPUSlice]\nPriority=1\n")
+    write(tmp_path, f"{ETC}/{template}", "[X-GPUSlice]\nPriority=1\n")
+    result = scan(tmp_path)
+    if length == 253:
+        assert sorted(result.specs) == sorted([name, template])
+        assert result.problems == []
+        return
+    assert result.specs == {}
+    assert result.problems == [
+        Problem(
+            f"{ETC}/{n}",
+            1,
+            "",
+            f"the unit's name is too long for its gate's drop-in directory UNIT.d ({length} "
+            "characters; at most 253): gpuslice-generator cannot gate it (left unmanaged, "
+            "ungated)",
+            "error",
+            n,
+        )
+        for n in sorted([name, template])
+    ]
+
+
+@pytest.mark.parametrize("length", [253, 254, 255])
+def test_an_instance_too_long_for_a_drop_in_directory_is_managed_under_its_template_only(
+    tmp_path: Path, length: int
+) -> None:
+    """An instance of a managed template is gated by the template's `t@.service.d/` (the
+    generator says when that gate is not right for it); one annotated in its own file whose
+    template is not managed needs a directory of its own, which a name of 254 or 255
+    characters cannot have: unmanaged, as the generator leaves it."""
+    covered = "t@" + "i" * (length - len("t@.service")) + ".service"
+    alone = "u@" + "i" * (length - len("u@.service")) + ".service"
+    write(tmp_path, f"{ETC}/t@.service", "[X-GPUSlice]\nPriority=1\n")
+    write(tmp_path, f"{ETC}/{covered}", "[X-GPUSlice]\nPriority=2\n")
+    write(tmp_path, f"{ETC}/u@.service", "[Service]\nExecStart=/bin/u\n")
+    write(tmp_path, f"{ETC}/{alone}", "[X-GPUSlice]\nPriority=3\n")
+    result = scan(tmp_path)
+    managed = ["t@.service", covered] + ([alone] if length == 253 else [])
+    assert sorted(result.specs) == sorted(managed)
+    assert result.problems == (
+        []
+        if length == 253
+        else [
+            Problem(
+                f"{ETC}/{alone}",
+                0,
+                "",
+                f"the unit's name is too long for its gate's drop-in directory UNIT.d "
+                f"({length} characters; at most 253): gpuslice-generator cannot gate it (left "
+                "unmanaged, ungated)",
+                "error",
+                alone,
+            )
+        ]
+    )
+    assert alone not in result.invalid or length > 253
+    assert result.spec_for(alone) is None or length == 253
+
+
 def test_run_as_keys_count_in_service_only(tmp_path: Path) -> None:
     """`User=` outside [Service] is no setting of systemd's: the unit runs as root, and its
     environment file, which only root can change here, is not refused either way."""

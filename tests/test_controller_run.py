@@ -807,22 +807,24 @@ def test_the_status_line_says_idle_running_and_waiting_with_the_gpus_counted(
 def test_the_status_line_names_units_up_to_exactly_its_limit_then_counts_the_rest(
     tmp_path: Path,
 ) -> None:
-    """STATUS_NAMES_MAX characters of names with their ", " separators: four names of 254
-    characters fill it exactly (4 x 256 = 1024) and are all named; a fifth, however short,
-    is counted instead. One character more let the datagram grow past what systemd reads."""
-    names = [f"{i}{'x' * 245}.service" for i in range(4)] + ["z.service"]
-    assert [len(n) for n in names[:4]] == [254] * 4
+    """STATUS_NAMES_MAX characters of names with their ", " separators: three names of 253
+    characters (the longest gpuslice gates), one of 246 and one of 9 fill it exactly
+    (3 x 255 + 248 + 11 = 1024) and are all named; a sixth, however short, is counted
+    instead. One character more let the datagram grow past what systemd reads."""
+    names = [f"{i}{'x' * 244}.service" for i in range(3)]
+    names += [f"3{'x' * 237}.service", "4.service", "z.service"]
+    assert [len(n) for n in names[:5]] == [253, 253, 253, 246, 9]
     bed = Bed(
         tmp_path,
         {name: "Priority=10\n" for name in names},
         [state(name, "activating", "start-pre", i + 1, "start") for i, name in enumerate(names)],
-        config=bed_config(tmp_path, gpus=5),
+        config=bed_config(tmp_path, gpus=6),
     )
 
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        assert ctl.status_line() == f"5 GPUs: {', '.join(names[:4])} and 1 more running; 0 waiting"
+        assert ctl.status_line() == f"6 GPUs: {', '.join(names[:5])} and 1 more running; 0 waiting"
 
     run(test)
 

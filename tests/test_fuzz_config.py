@@ -27,7 +27,13 @@ from gpuslice.config import MAX_GPUS, SETTINGS, Config, ConfigError, parse_confi
 from gpuslice.core.model import GPU_ID
 from gpuslice.paths import DEFAULT_RUNTIME_DIR, DEFAULT_STATE_DIR, GATE_DROPIN_NAME
 from gpuslice.sizes import SIZE_MAX
-from gpuslice.unitfiles import is_instance, is_valid_unit_name, printable, template_of
+from gpuslice.unitfiles import (
+    fits_dropin_dir,
+    is_instance,
+    is_valid_unit_name,
+    printable,
+    template_of,
+)
 
 EXAMPLES = int(os.environ.get("GPUSLICE_FUZZ_EXAMPLES", "200"))
 # pyproject's per-test timeout (120 s) is sized for 200 examples; `make fuzz` runs 50 times more
@@ -232,9 +238,7 @@ def test_generator_gates_every_valid_annotated_unit_or_says_why(units: dict[str,
         result = scan(root)
         for unit in result.specs:
             own = out / f"{unit}.d" / GATE_DROPIN_NAME
-            text: str | None = (
-                own.read_text() if generator.fits_dropin_dir(unit) and own.exists() else None
-            )
+            text: str | None = own.read_text() if fits_dropin_dir(unit) and own.exists() else None
             template = out / f"{template_of(unit)}.d" / GATE_DROPIN_NAME
             if text is None and is_instance(unit) and template.exists():
                 text = template.read_text()

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from gpuslice import generator
-from gpuslice.annotations import Loader
+from gpuslice.annotations import Loader, Scan
 from gpuslice.config import SETTINGS_BY_NAME
+from gpuslice.core.model import UnitSpec
 from gpuslice.paths import DEFAULT_LIBEXEC_DIR, find_libexec_dir
+from gpuslice.unitfiles import UnitIndex, parse_sections
 from tests.test_envsafety import Hang
 from tests.test_unitfiles import write as write  # re-exported: tests import it from here
 
@@ -527,10 +529,39 @@ def test_a_drop_in_line_with_a_control_character_is_refused_and_the_rest_is_gene
         "good.service.d/gpuslice-gate.conf": gate(),
         "tab.service.d/gpuslice-gate.conf": gate("/bin/a\tb"),  # a tab is whitespace
     }
+    # the scan leaves it unmanaged, as `gpuslice check` and the controller see it
     assert capsys.readouterr().err.splitlines() == [
-        "gpuslice-generator: error: bad.service: cannot plan its gate: refusing to write a "
-        "line with a control character: ExecStartPre=/bin/a\\x1bb (unit not gated)"
+        f"gpuslice-generator: error: {ETC}/bad.service:2: [Service] ExecStartPre: /bin/a\\x1bb: "
+        "a control character in a line the gate's drop-in would copy, which gpuslice-generator "
+        "does not write (left unmanaged, ungated) (unit not managed)"
     ]
+
+
+def test_a_copied_line_that_ends_in_a_backslash_ends_there(tmp_path: Path) -> None:
+    """`ExecStartPre=/bin/a \\ ` (a blank after the backslash, an editor's leftover) is no
+    continuation to systemd, which strips the blank: copied bare, its backslash joined the
+    gate drop-in's next line to it, and the unit's next ExecStartPre= never ran. Each line
+    reads back as the unit's file says it (the parser is systemd's)."""
+    write(
+        tmp_path,
+        f"{ETC}/a.service",
+        "[Service]\nExecStartPre=/bin/a \\ \nExecStartPre=/bin/b \\\\\n"
+        "ExecStartPre=/bin/c \\\\\\\t\nExecStartPre=/bin/d\n" + ANNOTATION,
+    )
+    text = written(run(tmp_path))["a.service.d/gpuslice-gate.conf"]
+    entries = [(e.key, e.value) for e in parse_sections(text) if e.section == "Service"]
+    assert entries == [
+        ("ExecStartPre", ""),
+        ("ExecStartPre", f"+{LIBEXEC}/gpuslice-gate %n 0.5 /run/gpuslice/gate/%n"),
+        ("ExecStartPre", "/bin/a \\"),
+        ("ExecStartPre", "/bin/b \\\\"),
+        ("ExecStartPre", "/bin/c \\\\\\"),
+        ("ExecStartPre", "/bin/d"),
+        ("Environment", "GPUSLICE_GATE_RETRY=0.5"),
+        ("EnvironmentFile", "-/run/gpuslice/env/%n/gpuslice.env"),
+        ("TimeoutStartSec", "infinity"),
+    ]
+    assert text == gate("/bin/a \\ ", "/bin/b \\\\", "/bin/c \\\\\\ ", "/bin/d")
 
 
 def test_an_exception_for_one_unit_is_reported_and_the_others_are_gated(
@@ -675,9 +706,26 @@ def test_plain_unit_name_too_long_for_a_drop_in_directory(
     write(tmp_path, f"{ETC}/{name}", ANNOTATION)
     write(tmp_path, f"{ETC}/other.service", ANNOTATION)
     assert written(run(tmp_path)) == {"other.service.d/gpuslice-gate.conf": gate()}
+    # the scan leaves it unmanaged, as `gpuslice check` and the controller see it
     assert capsys.readouterr().err.splitlines() == [
-        f"gpuslice-generator: error: {name}: name too long for a drop-in directory (254 "
-        "characters; at most 253) (unit not gated)"
+        f"gpuslice-generator: error: {ETC}/{name}:1: [X-GPUSlice] the unit's name is too long "
+        "for its gate's drop-in directory UNIT.d (254 characters; at most 253): "
+        "gpuslice-generator cannot gate it (left unmanaged, ungated) (unit not managed)"
+    ]
+
+
+def test_a_unit_the_scan_took_that_cannot_be_gated_is_still_refused_by_the_plan() -> None:
+    """Belt and braces behind the scan's errors: a spec whose name has no drop-in directory,
+    or whose copied line holds a control character, gets no gate, and says so."""
+    root = Path("/nonexistent")
+    long_name = "x" * (254 - len(".service")) + ".service"
+    loader = Loader(UnitIndex(root, search_path=()))
+    result = Scan(specs={long_name: UnitSpec(name=long_name, priority=1)})
+    planned = generator.plan(loader, result, LIBEXEC, "/run/gpuslice")
+    assert planned.dropins == {}
+    assert planned.errors == [
+        f"{long_name}: name too long for a drop-in directory (254 characters; at most 253) "
+        "(unit not gated)"
     ]
 
 

@@ -82,9 +82,12 @@ def test_a_del_character_is_refused_like_other_control_characters(
     write(tmp_path, f"{ETC}/good.service", ANNOTATION)
     assert written(run(tmp_path)) == {"good.service.d/gpuslice-gate.conf": gate()}
     assert capsys.readouterr().err.splitlines() == [
-        "gpuslice-generator: error: del.service: cannot plan its gate: refusing to write a "
-        "line with a control character: ExecStartPre=/bin/a\\x7fb (unit not gated)"
+        f"gpuslice-generator: error: {ETC}/del.service:2: [Service] ExecStartPre: /bin/a\\x7fb: "
+        "a control character in a line the gate's drop-in would copy, which gpuslice-generator "
+        "does not write (left unmanaged, ungated) (unit not managed)"
     ]
+    with pytest.raises(ValueError, match="control character"):
+        generator.gate_dropin("/l", "/run/g", ["/bin/a\x7fb"])
 
 
 @pytest.mark.parametrize("retry", [0.0, -1.0, math.inf, -math.inf, math.nan])

@@ -671,6 +671,21 @@ def test_masked_dropin_hides_lower_one(tmp_path: Path, how: str, listed: list[st
     ]
 
 
+def test_dropins_are_applied_in_the_byte_order_of_their_names(tmp_path: Path) -> None:
+    """systemd sorts drop-ins by strcmp(3) of their names, byte by byte. A name that is not
+    UTF-8 is a lone surrogate to Python (U+DC80 for the byte 0x80), which sorted after any
+    other character below U+DC80 (`é`, 0xC3 0xA9, sorts after 0x80 as bytes): the other
+    drop-in's `User=` or `[X-GPUSlice]` won in gpuslice's reading, this one's in systemd's."""
+    write(tmp_path, f"{LIB}/a.service")
+    latin = os.fsdecode(b"\x80.conf")
+    for name in ("b.conf", "\u00e9.conf", latin, "\u4e00.conf"):
+        write(tmp_path, f"{ETC}/a.service.d/{name}")
+    assert [os.fsencode(d.path) for d in find_dropins("a.service", tmp_path)] == [
+        f"{ETC}/a.service.d/".encode() + name
+        for name in (b"b.conf", b"\x80.conf", "\u00e9.conf".encode(), "\u4e00.conf".encode())
+    ]
+
+
 def test_symlinked_dropin_and_dropin_dir(tmp_path: Path) -> None:
     write(tmp_path, f"{LIB}/a.service")
     write(tmp_path, "/opt/conf/x.conf", "[Unit]\n")
