@@ -32,12 +32,17 @@ from gpuslice.owners import KINDS, OTHER
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_LABEL = 512  # characters of a label value (a unit name has at most 255)
 
-# Job states: a holder's (status "state"), then the lists of the status.
+# Job states: a holder's (status "state": the Preempt= ladder's "frozen", "suspending" and
+# "resuming" too), then the lists of the status.
 JOB_STATES = (
     "running",
     "starting",
     "stopping",
+    "frozen",
+    "suspending",
+    "resuming",
     "waiting",
+    "suspended",
     "preempted",
     "held",
     "finished",
@@ -188,8 +193,11 @@ def _jobs(status: Mapping[str, Any]) -> Iterator[Metric]:
         decision = waiter.get("decision")
         cause = decision.get("cause") if isinstance(decision, Mapping) else None
         pending[_label(cause) if isinstance(cause, str) else "undecided"] += 1
-    for preempted in _dicts(status.get("preempted")):
-        jobs[("preempted", _priority(preempted.get("priority")))] += 1
+    # a suspended unit holds no GPU and waits for none: the status's "suspended" names it
+    # alone (it vanished from here while it lasted)
+    for state in ("suspended", "preempted"):
+        for entry in _dicts(status.get(state)):
+            jobs[(state, _priority(entry.get("priority")))] += 1
     priorities = status.get("priorities")
     priorities = priorities if isinstance(priorities, Mapping) else {}
     for state in ("held", "finished", "failed"):
@@ -197,8 +205,8 @@ def _jobs(status: Mapping[str, Any]) -> Iterator[Metric]:
             jobs[(state, _priority(priorities.get(unit)))] += 1
     family = GaugeMetricFamily(
         "gpuslice_jobs",
-        "Managed jobs by state (running, starting, stopping, waiting, preempted, held, "
-        "finished, failed) and priority.",
+        "Managed jobs by state (running, starting, stopping, frozen, suspending, resuming, "
+        "waiting, suspended, preempted, held, finished, failed) and priority.",
         labels=["state", "priority"],
     )
     for (state, priority), count in sorted(jobs.items()):

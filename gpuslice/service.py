@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from dbus_next import DBusError, Message, MessageFlag, MessageType
+from dbus_next import DBusError, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 from dbus_next.constants import NameFlag, RequestNameReply
 
 from gpuslice.busread import Unread
-from gpuslice.systemd import BUS_DAEMON, bus_daemon_call
+from gpuslice.systemd import BUS_DAEMON, BUS_DAEMON_PATH, bus_daemon_call
 from gpuslice.unitfiles import is_valid_unit_name, printable
 
 BUS_NAME = "org.gpuslice.Scheduler1"
@@ -88,6 +90,33 @@ MAX_STATUS_UNSENT = 16 << 20
 # its bus. Its status reaches that at ~15,000 waiting units on 8 GPUs (2.2 KiB each), ~2,200
 # on 64. Past it, Status is refused with a sentence that says so.
 MAX_STATUS_ANSWER = (32 << 20) - 4096  # less a header
+# Bytes of our messages the bus daemon may hold for callers that have not read them yet
+# (dbus-daemon's IncomingBytes of our connection, GetConnectionStats): while they may be past
+# this, a Status call is refused (LimitsExceeded). An answer written to the bus socket is not
+# yet read by its caller: dbus-daemon keeps it, counted against our connection, until the
+# caller reads it, and once it keeps max_incoming_bytes of ours (127 MiB on the system bus)
+# it stops reading our socket. Two connections that called Status ~16,000 times (8 KiB
+# answers, ~10 s) and never read did that: every call of the controller's to systemd, its
+# StartUnit and StopUnit among them, waited behind them for as long as those callers
+# lived. Room is left for the longest answer (MAX_STATUS_ANSWER) and our own calls.
+MAX_STATUS_HELD = 64 << 20
+# Past MAX_STATUS_HELD by this much, a call anyone may make (all but root's Acquire, Plan and
+# Reload: the bus policy) gets no answer at all: a refusal waits in the bus daemon as an
+# answer does (~1,000,000 of them, or of Introspect's, reach 127 MiB as well).
+MAX_REFUSALS_HELD = 8 << 20
+# Bytes counted for each answer a call gets, besides a Status answer's text, until the bus
+# daemon says what it holds: more than its header, an error's words or an introspection
+# (ours, ~1 KiB, or dbus-next's of another path, which names that path: busread's
+# MAX_CALL_HEADER at most).
+ANSWER_BYTES = 8 << 10
+# Bytes of answers counted between two readings of what the bus daemon holds, at most (one
+# more is asked for at each refused call, one at a time, at most every READ_AGAIN s); until
+# a reading says otherwise, what was counted since is taken to be held.
+READ_EVERY = 4 << 20
+READ_AGAIN = 0.1
+# How long a reading is waited for; one that does not come is asked for again later.
+READ_TIMEOUT = 5.0
+STATS = "org.freedesktop.DBus.Debug.Stats"
 # Status calls waiting for the bus daemon to say who called (only where /proc hides other
 # users' processes: gpuslice/procmount.py): past this many, a Status call that would ask is
 # refused (LimitsExceeded, "try again"); one whose caller is known already is answered
@@ -126,6 +155,16 @@ def answer_releasing(msg: Message) -> Message | bool:
     )
 
 
+def _roots(msg: Message) -> bool:
+    """Whether the call is one that only root may make (the bus policy): answered whatever
+    the bus daemon holds of ours (a gate's Acquire above all)."""
+    return (
+        msg.path == OBJECT_PATH
+        and msg.interface == INTERFACE
+        and msg.member in ("Acquire", "Plan", "Reload")
+    )
+
+
 def _unit_arg(msg: Message) -> str | None:
     """The one unit name a call carries, if it is one."""
     unit = msg.body[0] if msg.signature == "s" else None
@@ -161,6 +200,15 @@ class SchedulerService:
         self._pending: dict[str, list[Message]] = {}
         self._status_unsent = 0  # bytes of Status answers not yet written: MAX_STATUS_UNSENT
         self._asking: set[asyncio.Task[None]] = set()  # Status calls: MAX_STATUS_ASKING
+        # what the bus daemon holds of ours (MAX_STATUS_HELD): its last word (IncomingBytes),
+        # the bytes of answers counted in all, and of those, counted before that word was
+        # asked for; None once it said it cannot tell (no Debug.Stats: dbus-broker's or a
+        # dbus-daemon built without it), then nothing is read nor refused for it
+        self._held_said: int | None = 0
+        self._answers_sent = 0
+        self._sent_when_asked = 0
+        self._reading: asyncio.Task[None] | None = None
+        self._read_at = -math.inf  # time.monotonic() of the last reading asked for
         bus.add_message_handler(self._handle)
 
     async def claim_name(self, waiting: Callable[[int], None] = lambda pid: None) -> None:
@@ -262,6 +310,12 @@ class SchedulerService:
     def _handle(self, msg: Message) -> Message | bool:
         if msg.message_type != MessageType.METHOD_CALL:
             return False
+        if not msg.flags & MessageFlag.NO_REPLY_EXPECTED:  # it gets an answer, ours or not
+            if self._held() >= MAX_STATUS_HELD + MAX_REFUSALS_HELD and not _roots(msg):
+                self._read_held(again=True)
+                return True  # no answer: it too would wait in the bus daemon
+            self._answers_sent += ANSWER_BYTES
+            self._read_held()
         if isinstance(msg, Unread) and msg.header_len:  # its path was not read: not ours
             return Message.new_error(
                 msg, LIMITS_EXCEEDED, f"a header of {msg.header_len} bytes: not read"
@@ -346,7 +400,70 @@ class SchedulerService:
             return Message.new_error(
                 msg, LIMITS_EXCEEDED, "too many status answers still being sent: try again"
             )
+        if self._held() >= MAX_STATUS_HELD:
+            self._read_held(again=True)
+            return Message.new_error(
+                msg,
+                LIMITS_EXCEEDED,
+                "too many status answers not yet read by their callers: try again",
+            )
         return None
+
+    def _held(self) -> int:
+        """The bytes of ours the bus daemon may hold, at most: its last word, and every
+        answer counted since that word was asked for (0 when it cannot tell)."""
+        if self._held_said is None:
+            return 0
+        return self._held_said + self._answers_sent - self._sent_when_asked
+
+    def _read_held(self, again: bool = False) -> None:
+        """Ask the bus daemon what it holds of ours, unless it cannot tell or is being
+        asked; `again` (a refused call): at most every READ_AGAIN s, else every READ_EVERY
+        bytes of answers."""
+        if self._held_said is None or self._reading is not None:
+            return
+        if again:
+            if time.monotonic() - self._read_at < READ_AGAIN:
+                return
+        elif self._answers_sent - self._sent_when_asked < READ_EVERY:
+            return
+        self._read_at = time.monotonic()
+        self._reading = asyncio.get_running_loop().create_task(self._read_held_now())
+
+    async def _read_held_now(self) -> None:
+        sent = self._answers_sent  # every answer sent so far is read by the daemon before this
+        try:
+            reply = await asyncio.wait_for(
+                self.bus.call(
+                    Message(
+                        destination=BUS_DAEMON,
+                        path=BUS_DAEMON_PATH,
+                        interface=STATS,
+                        member="GetConnectionStats",
+                        signature="s",
+                        body=[self.bus.unique_name],
+                    )
+                ),
+                READ_TIMEOUT,
+            )
+            held = _incoming_bytes(reply)
+        except TimeoutError:  # asked again at the next answers
+            return
+        except Exception as e:  # not a bus that says it (the stand-in of tests): not asked
+            held, reply = None, None
+            log.debug("cannot read what the bus daemon holds: %s", e)
+        finally:
+            self._reading = None
+        if held is None:
+            self._held_said = None
+            said = printable(str(reply.body[0]), 200) if reply and reply.body else "no count"
+            log.info(
+                "the bus daemon does not say how much of ours it holds (%s): Status answers "
+                "its callers do not read are not bounded",
+                said,
+            )
+            return
+        self._held_said, self._sent_when_asked = held, sent
 
     async def _send_status_later(self, msg: Message, answer: Coroutine[Any, Any, str]) -> None:
         """An answer that waited for the bus daemon: the answers sent meanwhile count."""
@@ -370,9 +487,24 @@ class SchedulerService:
             )
         sent = self.bus.send(Message.new_method_return(msg, "s", [text]))
         self._status_unsent += size
+        self._answers_sent += size
+        self._read_held()
 
         def written(_: object) -> None:
             self._status_unsent -= size
 
         sent.add_done_callback(written)
         return True
+
+
+def _incoming_bytes(reply: Message | None) -> int | None:
+    """dbus-daemon's IncomingBytes of a GetConnectionStats answer: the bytes of the
+    connection's messages it holds (a u); None for any other answer."""
+    if reply is None or reply.message_type is not MessageType.METHOD_RETURN:
+        return None
+    stats = reply.body[0] if reply.signature == "a{sv}" and reply.body else None
+    found = stats.get("IncomingBytes") if isinstance(stats, dict) else None
+    if not isinstance(found, Variant) or found.signature != "u":
+        return None
+    value = found.value
+    return value if isinstance(value, int) else None

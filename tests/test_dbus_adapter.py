@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
 import os
 import shutil
 import signal
@@ -887,6 +888,95 @@ def test_status_answers_not_yet_sent_are_bounded(
         assert service._status_unsent == 0
 
     run(scenario)
+
+
+def _never_reading(address: str) -> socket.socket:
+    """A bus connection that says Hello and then never reads: it sends what it is told to."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address.removeprefix("unix:path="))
+    sock.sendall(b"\0AUTH EXTERNAL " + str(os.getuid()).encode().hex().encode() + b"\r\n")
+    assert sock.recv(4096).startswith(b"OK")
+    sock.sendall(b"BEGIN\r\n")
+    hello = Message(
+        destination="org.freedesktop.DBus",
+        path="/org/freedesktop/DBus",
+        interface="org.freedesktop.DBus",
+        member="Hello",
+        serial=1,
+    )
+    sock.sendall(hello._marshall())
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("member", "interface", "rounds"),
+    [
+        ("Status", INTERFACE, 12),
+        # ~1 KiB answers, and once Status is refused, its refusals: held all the same
+        ("Introspect", "org.freedesktop.DBus.Introspectable", 30),
+    ],
+)
+def test_status_answers_their_callers_never_read_cannot_stop_the_controllers_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, member: str, interface: str, rounds: int
+) -> None:
+    """dbus-daemon keeps an answer until its caller reads it, counted against the connection
+    that sent it, and stops reading that connection's socket once it keeps
+    max_incoming_bytes of it (127 MiB on the system bus; 4 MiB here, the bounds scaled
+    alike). Two connections that called Status without ever reading held the controller's
+    own calls (to systemd: StartUnit, StopUnit) for as long as they lived; so did ~1 KiB
+    answers of Introspect, and refusals. Past MAX_STATUS_HELD bytes the bus daemon may hold,
+    Status is refused, past MAX_REFUSALS_HELD more not answered; the calls go on, and once
+    those callers left, Status is answered again."""
+    daemon = _bus_daemon(tmp_path, '\n  <limit name="max_incoming_bytes">4194304</limit>')
+    address, _ = next(daemon)
+    monkeypatch.setattr(service_module, "MAX_STATUS_HELD", 2 << 20)
+    monkeypatch.setattr(service_module, "MAX_REFUSALS_HELD", 1 << 20)
+    monkeypatch.setattr(service_module, "READ_EVERY", 256 << 10)
+    answer = "{" + "x" * (16 << 10) + "}"
+
+    async def scenario() -> None:
+        systemd = Systemd(await connect(address))
+        await fake_systemd(address)
+        service = SchedulerService(systemd.bus, lambda u, s: None, lambda: answer, lambda: None)
+        await service.claim_name()
+        flooders = [_never_reading(address) for _ in range(2)]
+        status = Message(destination=BUS_NAME, path=OBJECT_PATH, interface=interface, member=member)
+        serials = itertools.count(2)
+        for _ in range(rounds):  # 100 calls at a time: the daemon lets each have 128 in wait
+            for sock in flooders:
+                for _ in range(100):
+                    status.serial = next(serials)
+                    sock.sendall(status._marshall())
+            await asyncio.sleep(0.05)
+        probe = Message(destination=SYSTEMD, path=MANAGER_PATH, interface=MANAGER, member="Ping")
+        reply = await asyncio.wait_for(systemd.bus.call(probe), 5)  # held for ever before
+        assert reply is not None and reply.message_type is MessageType.METHOD_RETURN
+        client = await connect(address)
+
+        async def said() -> list[Any] | None:
+            """The answer's body; None for none (past the refusals' bound)."""
+            try:
+                body: list[Any] = (await asyncio.wait_for(call(client, "Status"), 1)).body
+                return body
+            except TimeoutError:
+                return None
+
+        refused = ["too many status answers not yet read by their callers: try again"]
+        if service._held() >= 2 << 20:  # a loaded host read fewer of the flood: the daemon
+            # refused the others itself (128 unanswered a caller), and dropped answers
+            assert await said() in (refused, None)
+        for sock in flooders:
+            sock.close()  # the daemon drops what it held for them
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WITHIN
+        while (body := await said()) != [answer]:  # asked again when refused
+            assert body in (refused, None) and loop.time() < deadline, body
+            await asyncio.sleep(0.05)
+
+    try:
+        run(scenario)
+    finally:
+        daemon.close()
 
 
 def test_a_status_too_long_for_the_bus_is_refused_and_the_controller_stays(

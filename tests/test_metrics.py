@@ -198,6 +198,24 @@ def test_jobs_by_state_and_priority_and_pending_by_reason() -> None:
     assert pending[("gpuslice_pending_jobs", ("reason", "gpus-busy"))] == 0
 
 
+def test_suspended_jobs_are_counted_as_suspended() -> None:
+    """A unit suspended by the Preempt= ladder holds no GPU and is neither waiting nor
+    preempted: it is in the status's "suspended" list alone (active for systemd, its memory
+    in the host's). It vanished from gpuslice_jobs while it lasted (hours, behind a long
+    job); it counts there as `suspended`. A frozen holder counts as its state says."""
+    data = status()
+    data["suspended"] = [
+        {"unit": "s.service", "priority": 60, "gpus": [0], "host_memory": GIB, "since": 1.0},
+        {"unit": "t.service", "priority": 60, "gpus": [1], "host_memory": None, "since": None},
+        "not an entry",
+    ]
+    data["gpus"][0]["holders"][0]["state"] = "frozen"
+    jobs = parse(data)["gpuslice_jobs"][1]
+    assert jobs[("gpuslice_jobs", ("priority", "60"), ("state", "suspended"))] == 2
+    assert jobs[("gpuslice_jobs", ("priority", "90"), ("state", "frozen"))] == 1
+    assert sum(jobs.values()) == 10
+
+
 def test_gpu_memory_and_job_memory() -> None:
     families = parse(status())
 

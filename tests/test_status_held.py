@@ -1,0 +1,366 @@
+"""What the bus daemon holds of the controller's Status answers (gpuslice/service.py:
+MAX_STATUS_HELD), on a stand-in bus whose daemon says it as the test scripts it.
+
+dbus-daemon keeps an answer until its caller reads it, counted against the controller's
+connection, and stops reading the controller's socket at max_incoming_bytes: callers that
+never read held every call of the controller's to systemd (tests/test_dbus_adapter.py shows
+it on a real daemon). Here: the count at exactly its bound, what is sent while a reading is
+on its way, how often the daemon is asked, and a daemon that cannot say."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, cast
+
+import pytest
+from dbus_next import Message, MessageFlag, MessageType, Variant
+from dbus_next.aio import MessageBus
+
+from gpuslice import service as service_module
+from gpuslice.service import (
+    BUS_NAME,
+    INTERFACE,
+    LIMITS_EXCEEDED,
+    OBJECT_PATH,
+    SchedulerService,
+    _incoming_bytes,
+)
+from tests.service_bus import ServiceBus
+
+HELD = "too many status answers not yet read by their callers: try again"
+_SERIALS = itertools.count(1)
+
+
+class StatsBus(ServiceBus):
+    """A stand-in bus whose daemon answers GetConnectionStats when the test says what."""
+
+    unique_name = ":1.1"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[Message, asyncio.Future[Message]]] = []
+
+    async def call(self, msg: Message) -> Message:
+        answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        msg.serial = next(_SERIALS)  # as the bus gives it one
+        self.asked.append((msg, answer))
+        return await answer
+
+    def say(self, stats: dict[str, Variant] | None, error: str = "") -> None:
+        """The daemon's answer to the oldest question still unanswered."""
+        msg, answer = next((m, a) for m, a in self.asked if not a.done())
+        if error:
+            answer.set_result(Message.new_error(msg, error, "said so"))
+        else:
+            answer.set_result(Message.new_method_return(msg, "a{sv}", [stats]))
+
+
+def _stats(held: int) -> dict[str, Variant]:
+    return {"IncomingBytes": Variant("u", held), "OutgoingBytes": Variant("u", 0)}
+
+
+def _status(member: str = "Status", interface: str = INTERFACE, path: str = OBJECT_PATH) -> Message:
+    return Message(
+        destination=BUS_NAME,
+        path=path,
+        interface=interface,
+        member=member,
+        signature="s" if member in ("Acquire", "Plan") else "",
+        body=["a.service"] if member in ("Acquire", "Plan") else [],
+        sender=":1.7",
+        serial=next(_SERIALS),
+    )
+
+
+def _service(bus: ServiceBus, text: str) -> SchedulerService:
+    return SchedulerService(cast(MessageBus, bus), lambda u, s: None, lambda: text, lambda: None)
+
+
+def _refused(answer: Message | bool) -> bool:
+    if answer is True:
+        return False
+    assert isinstance(answer, Message) and answer.message_type is MessageType.ERROR
+    assert (answer.error_name, answer.body) == (LIMITS_EXCEEDED, [HELD])
+    return True
+
+
+async def _turns() -> None:
+    """A few turns of the loop: a reading's task, its call, and the answer taken in."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def _in_loop(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), timeout=20))
+
+
+@pytest.fixture(autouse=True)
+def _small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounds scaled down: 100 bytes held, 50 more of refusals, a reading every 30 bytes
+    sent; an answer's own bytes (ANSWER_BYTES) counted only where a test says."""
+    monkeypatch.setattr(service_module, "MAX_STATUS_HELD", 100)
+    monkeypatch.setattr(service_module, "MAX_REFUSALS_HELD", 50)
+    monkeypatch.setattr(service_module, "READ_EVERY", 30)
+    monkeypatch.setattr(service_module, "ANSWER_BYTES", 0)
+
+
+def test_answers_count_until_exactly_the_bound_then_refused_until_the_daemon_says_less() -> None:
+    """Each answer sent counts as held until the daemon says otherwise: at exactly
+    MAX_STATUS_HELD the next call is refused; the daemon's word replaces the count."""
+
+    async def body() -> None:
+        bus = StatsBus()
+        service = _service(bus, "x" * 25)
+        for _ in range(4):
+            assert not _refused(bus.deliver(_status()))
+        assert service._held() == 100
+        assert _refused(bus.deliver(_status()))
+        assert len(bus.sent) == 4
+        await _turns()
+        bus.say(_stats(99))  # the reading asked for after 30 bytes, of all four
+        await _turns()
+        assert service._held() == 99
+        assert not _refused(bus.deliver(_status()))  # one answer goes: then past the bound
+        assert service._held() == 124
+        assert _refused(bus.deliver(_status()))
+
+    _in_loop(body)
+
+
+def test_what_is_sent_while_a_reading_is_on_its_way_still_counts() -> None:
+    """The daemon's word counts what was sent before it was asked; what was sent after
+    comes on top of it."""
+
+    async def body() -> None:
+        bus = StatsBus()
+        service = _service(bus, "x" * 20)
+        bus.deliver(_status())
+        bus.deliver(_status())  # 40 bytes: a reading is asked for
+        await _turns()
+        assert len(bus.asked) == 1
+        msg = bus.asked[0][0]
+        assert (msg.destination, msg.path, msg.interface, msg.member, msg.body) == (
+            "org.freedesktop.DBus",
+            "/org/freedesktop/DBus",
+            "org.freedesktop.DBus.Debug.Stats",
+            "GetConnectionStats",
+            [":1.1"],
+        )
+        bus.deliver(_status())  # 60 sent, 20 of them after the question
+        bus.say(_stats(5))
+        await _turns()
+        assert service._held() == 25
+
+    _in_loop(body)
+
+
+def test_the_daemon_is_asked_one_reading_at_a_time_every_read_every_bytes() -> None:
+    async def body() -> None:
+        bus = StatsBus()
+        _service(bus, "x" * 10)
+        bus.deliver(_status())
+        bus.deliver(_status())
+        await _turns()
+        assert bus.asked == []  # 20 bytes
+        bus.deliver(_status())
+        await _turns()
+        assert len(bus.asked) == 1  # 30: exactly READ_EVERY
+        for _ in range(5):
+            bus.deliver(_status())
+        await _turns()
+        assert len(bus.asked) == 1  # one on its way: no other
+        bus.say(_stats(0))
+        await _turns()
+        bus.deliver(_status())  # 90: 60 since the last was asked for
+        await _turns()
+        assert len(bus.asked) == 2
+        bus.say(_stats(0))
+        await _turns()
+        bus.deliver(_status())
+        bus.deliver(_status())
+        await _turns()
+        assert len(bus.asked) == 2  # 20 bytes since
+        bus.deliver(_status())
+        await _turns()
+        assert len(bus.asked) == 3
+
+    _in_loop(body)
+
+
+def test_a_refused_call_asks_again_at_most_every_read_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused, a call asks the daemon again (the callers may have read, or left), once per
+    READ_AGAIN s at most: once it says they did, Status is answered again."""
+    monkeypatch.setattr(service_module, "READ_EVERY", 1000)
+    monkeypatch.setattr(service_module, "READ_AGAIN", 0.05)
+
+    async def body() -> None:
+        bus = StatsBus()
+        _service(bus, "x" * 100)
+        assert not _refused(bus.deliver(_status()))
+        assert _refused(bus.deliver(_status()))
+        await _turns()
+        assert len(bus.asked) == 1
+        bus.say(_stats(100))  # not read yet
+        await _turns()
+        assert _refused(bus.deliver(_status()))
+        await _turns()
+        assert len(bus.asked) == 1  # asked less than READ_AGAIN s ago
+        await asyncio.sleep(0.06)
+        assert _refused(bus.deliver(_status()))
+        await _turns()
+        assert len(bus.asked) == 2
+        bus.say(_stats(0))  # read, or the callers left
+        await _turns()
+        assert not _refused(bus.deliver(_status()))
+
+    _in_loop(body)
+
+
+@pytest.mark.parametrize(
+    ("stats", "error"),
+    [
+        (None, "org.freedesktop.DBus.Error.UnknownMethod"),  # no Debug.Stats
+        ({"OutgoingBytes": Variant("u", 0)}, ""),  # another daemon's stats
+        ({"IncomingBytes": Variant("t", 5)}, ""),
+    ],
+)
+def test_a_daemon_that_cannot_say_is_not_asked_again_and_nothing_is_refused_for_it(
+    stats: dict[str, Variant] | None, error: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body() -> None:
+        bus = StatsBus()
+        service = _service(bus, "x" * 40)
+        bus.deliver(_status())
+        await _turns()
+        bus.say(stats, error)
+        await _turns()
+        for _ in range(10):
+            assert not _refused(bus.deliver(_status()))
+        await _turns()
+        assert len(bus.asked) == 1 and service._held() == 0
+
+    caplog.set_level(logging.INFO, logger="gpuslice.service")
+    _in_loop(body)
+    assert "Status answers its callers do not read are not bounded" in caplog.text
+
+
+def test_a_reading_that_does_not_come_keeps_the_count_and_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(service_module, "READ_TIMEOUT", 0.01)
+
+    async def body() -> None:
+        bus = StatsBus()
+        service = _service(bus, "x" * 40)
+        bus.deliver(_status())
+        await asyncio.sleep(0.05)  # timed out
+        assert service._reading is None and service._held() == 40
+        bus.deliver(_status())
+        await _turns()
+        assert len(bus.asked) == 2
+
+    _in_loop(body)
+
+
+def test_a_stand_in_without_calls_is_taken_for_a_daemon_that_cannot_say() -> None:
+    async def body() -> None:
+        bus = ServiceBus()
+        service = _service(bus, "x" * 40)
+        bus.deliver(_status())
+        await _turns()
+        assert service._held_said is None
+        for _ in range(5):
+            assert bus.deliver(_status()) is True
+
+    _in_loop(body)
+
+
+def test_incoming_bytes_only_from_a_well_formed_answer() -> None:
+    call = Message(destination=":1.2", path="/x", member="M", serial=1)
+    good = Message.new_method_return(call, "a{sv}", [_stats(7)])
+    assert _incoming_bytes(good) == 7
+    assert _incoming_bytes(None) is None
+    assert _incoming_bytes(Message.new_error(call, "a.b", "no")) is None
+    assert _incoming_bytes(Message.new_method_return(call, "s", ["x"])) is None
+    assert _incoming_bytes(Message.new_method_return(call, "a{sv}", [{}])) is None
+
+
+def test_every_answer_counts_its_own_bytes_refusals_and_introspections_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Any answer waits in the bus daemon until read: ANSWER_BYTES each, a Status answer's
+    text on top; an introspection of our path or another, a refusal, alike. A call that
+    asks for no answer counts nothing."""
+    monkeypatch.setattr(service_module, "ANSWER_BYTES", 7)
+
+    async def body() -> None:
+        bus = StatsBus()
+        service = _service(bus, "x" * 3)
+        bus.deliver(_status())
+        assert service._held() == 10
+        bus.deliver(_status("Introspect", "org.freedesktop.DBus.Introspectable"))
+        bus.deliver(_status("Introspect", "org.freedesktop.DBus.Introspectable", "/other"))
+        assert service._held() == 24
+        quiet = _status()
+        quiet.flags = MessageFlag.NO_REPLY_EXPECTED
+        assert bus.deliver(quiet) is True
+        assert service._held() == 24
+
+    _in_loop(body)
+
+
+def test_past_the_refusals_bound_only_roots_calls_are_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refused calls count, ANSWER_BYTES each: at MAX_STATUS_HELD + MAX_REFUSALS_HELD a call
+    anyone may make gets no answer at all, Status, Introspect, another path or interface
+    alike; root's Acquire, Plan and Reload (the bus policy's) are answered still. The daemon
+    is asked again, and once it says less, Status is answered again."""
+    monkeypatch.setattr(service_module, "ANSWER_BYTES", 10)
+    monkeypatch.setattr(service_module, "READ_EVERY", 1000)
+    monkeypatch.setattr(service_module, "READ_AGAIN", 0)
+    acquired: list[str] = []
+    reloads: list[int] = []
+
+    async def body() -> None:
+        bus = StatsBus()
+        service = SchedulerService(
+            cast(MessageBus, bus),
+            lambda unit, sender: acquired.append(unit),
+            lambda: "x" * 90,
+            lambda: reloads.append(1),
+            lambda unit: "{}",
+        )
+        assert bus.deliver(_status()) is True  # 100: at MAX_STATUS_HELD
+        for _ in range(4):
+            assert _refused(bus.deliver(_status()))  # 110, 120, 130, 140
+        assert service._held() == 140
+        assert _refused(bus.deliver(_status()))  # 150: exactly the refusals' bound
+        for member, interface, path in [
+            ("Status", INTERFACE, OBJECT_PATH),
+            ("Introspect", "org.freedesktop.DBus.Introspectable", OBJECT_PATH),
+            ("Introspect", "org.freedesktop.DBus.Introspectable", "/"),
+            ("Get", "org.freedesktop.DBus.Properties", OBJECT_PATH),
+            ("Acquire", "org.freedesktop.DBus.Peer", OBJECT_PATH),
+            ("Acquire", INTERFACE, "/elsewhere"),
+        ]:
+            assert bus.deliver(_status(member, interface, path)) is True, member
+        assert service._held() == 150 and len(bus.sent) == 1
+        assert bus.deliver(_status("Acquire")) is True and acquired == ["a.service"]
+        plan = bus.deliver(_status("Plan"))
+        assert isinstance(plan, Message) and plan.body == ["{}"]
+        reload = bus.deliver(_status("Reload"))
+        assert isinstance(reload, Message) and reload.message_type is MessageType.METHOD_RETURN
+        assert reloads == [1] and service._held() == 180
+        await _turns()
+        bus.say(_stats(0))
+        await _turns()
+        assert bus.deliver(_status()) is True
+        assert bus.sent[-1].body == ["x" * 90]
+
+    _in_loop(body)
