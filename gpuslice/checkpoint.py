@@ -516,12 +516,31 @@ async def _unlock(tool: str, pid: int, s: CheckpointSettings) -> None:
         raise CheckpointError(f"PID {pid} could not be unlocked: {e.detail}") from None
 
 
+class StateUnread(CheckpointError):
+    """`get_state` got no answer of the tool: it did not return in time, or did not run (not
+    installed, systemd-run failing as systemd re-executes). Unlike the tool's refusal (what
+    it says of a process with no CUDA), nothing is known of the process."""
+
+
+# What systemd-run itself says when it could not run the tool (run.c, bus_log_connect_error):
+# its exit status is 1, as the tool's may be; its words are its own.
+_SYSTEMD_RUN_FAILED = (
+    "Failed to start transient service unit",
+    "Failed to connect to ",
+    "Failed to create bus connection",
+)
+
+
 async def get_state(tool: str, pid: int, via_systemd: bool = False) -> str:
-    """One of `STATES`; CheckpointError when the tool fails or says something else."""
+    """One of `STATES`; CheckpointError when the tool fails or says something else
+    (StateUnread when it gave no answer)."""
     try:
         out = await _call(tool, ("--get-state", "--pid", str(pid)), STATE_TIMEOUT, via_systemd)
     except _ToolFailed as e:
-        raise CheckpointError(f"the state of PID {pid} could not be read: {e.detail}") from None
+        unread = e.timed_out or e.not_run
+        unread |= via_systemd and e.detail.startswith(_SYSTEMD_RUN_FAILED)
+        error = StateUnread if unread else CheckpointError
+        raise error(f"the state of PID {pid} could not be read: {e.detail}") from None
     lines = [line for line in out.decode("utf-8", "replace").splitlines() if line.strip()]
     words = lines[0].split() if lines else []
     state = words[-1].lower() if words else ""  # "running", or "State: running"

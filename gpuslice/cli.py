@@ -679,7 +679,8 @@ async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> Resumed 
             failed = CheckpointError(f"gpuslice failed while resuming ({_reason(e)})")
         if failed.restored:  # frozen again, it held their GPU memory for ever
             return failed
-        await ladder.freeze(unit)  # as it was: thawed, a process left checkpointed would hang
+        # as it was: thawed, a process left checkpointed would hang (found frozen: ours still)
+        await ladder.freeze(unit, thaw_owed=True)
         if told.failed is not None:
             failed.reason += f"; and it could not be frozen again: {told.failed}"
         return failed
@@ -699,7 +700,7 @@ class _LadderOutcome:
         self.failed = why
         return []
 
-    def freeze_failed(self, name: str, why: str) -> list[Action]:
+    def freeze_failed(self, name: str, why: str, *, not_ours: bool = False) -> list[Action]:
         self.failed = why
         return []
 
@@ -716,6 +717,9 @@ class _LadderOutcome:
         return []
 
     def thaw_done(self, name: str) -> list[Action]:
+        return []
+
+    def froze_after_end(self, name: str) -> list[Action]:
         return []
 
 

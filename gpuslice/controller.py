@@ -1155,7 +1155,7 @@ class Controller:
                 self.delivery.tell_again(action.unit, action.gpus)
                 self._spawn(self.ladder.resume(action.unit))
             elif isinstance(action, Freeze):
-                self._spawn(self.ladder.freeze(action.unit))
+                self._spawn(self.ladder.freeze(action.unit, action.thaw_owed))
             elif isinstance(action, Thaw):
                 self._spawn(self.ladder.thaw(action.unit))
         if actions:

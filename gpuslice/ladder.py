@@ -55,6 +55,11 @@ FREEZER_TIMEOUT = 30.0
 # of waits, each call FREEZER_TIMEOUT at most): the resume must not hold the unit's GPUs
 # forever, nor the suspend its waiter.
 THAW_RETRY = (1.0, 2.0, 4.0, 8.0)
+# After a controller restart a resume asks cuda-checkpoint the state of each process of the
+# unit, one at a time (up to checkpoint.STATE_TIMEOUT each): a unit with more than this many
+# fails its resume (and is stopped) rather than hold its reserved GPUs for hours (a user may
+# fork thousands of idle processes).
+MAX_RECOVERED_PIDS = 1024
 
 
 class Freezer(Protocol):
@@ -82,11 +87,13 @@ class LadderEvents(Protocol):
 
     def resume_failed(self, name: str, why: str) -> list[Action]: ...
 
-    def freeze_failed(self, name: str, why: str) -> list[Action]: ...
+    def freeze_failed(self, name: str, why: str, *, not_ours: bool = False) -> list[Action]: ...
 
     def thawed_outside(self, name: str) -> list[Action]: ...
 
     def thaw_done(self, name: str) -> list[Action]: ...
+
+    def froze_after_end(self, name: str) -> list[Action]: ...
 
 
 @dataclass(frozen=True)
@@ -137,34 +144,60 @@ class Ladder:
         self.thaw_failing: set[str] = set()
         # bytes the suspends under way are moving to host memory: not yet out of MemAvailable
         self.moving = 0
+        # the run of each busy unit that its freezes, suspends and resumes act for (`_run_of`)
+        self.runs: dict[str, object] = {}
 
     def went_down(self, unit: str) -> None:
         """The unit's processes are gone: what a suspend of it kept is of no use (one entry
-        per unit ever suspended, instances without end, kept until the controller exits)."""
+        per unit ever suspended, instances without end, kept until the controller exits).
+        Its run is over: a step of it still under way sends systemd nothing more and reports
+        nothing (_RunEnded). They know only the unit's name: a FreezeUnit or ThawUnit of the
+        ended run's suspend landed on the next run (a restart, a start after the stop), and
+        its report, ignored by the core, left that run frozen with nobody owing it a thaw."""
         self.suspensions.pop(unit, None)
+        self.runs.pop(unit, None)
+
+    def _run_of(self, unit: str) -> object:
+        """The unit's run as a step that starts now knows it: ended by `went_down`."""
+        return self.runs.setdefault(unit, object())
+
+    def _ended(self, unit: str, run: object | None) -> bool:
+        return run is not None and self.runs.get(unit) is not run
 
     # -- suspend ------------------------------------------------------------------------------
 
     def suspend(self, unit: str, thaw_first: bool = False) -> Coroutine[Any, Any, None]:
-        return self._run(unit, self._suspend_and_report(unit, thaw_first))
+        run = self._run_of(unit)
+        return self._run(unit, self._suspend_and_report(unit, thaw_first, run))
 
-    async def _suspend_and_report(self, unit: str, thaw_first: bool) -> None:
+    async def _suspend_and_report(self, unit: str, thaw_first: bool, run: object) -> None:
         try:
             if thaw_first:  # frozen beside a more urgent unit: the tool needs it running
-                await self._thaw_for_suspend(unit)
-            done = await self._suspend(unit)
+                await self._thaw_for_suspend(unit, run)
+            done = await self._suspend(unit, run)
+        except _RunEnded as e:
+            self._ended_after(unit, e)
+            return
         except Exception as e:  # a bug here must not leave the unit (and its waiter) stuck
             why = _reason(e, "suspending")
             # a process its undo could not restore cannot run again, whatever Preempt= says
             lost = isinstance(e, CheckpointError) and bool(e.lost)
-            self.report(lambda: self.events.suspend_failed(unit, why, lost=lost))
+            if not self._ended(unit, run):  # else the next run's to stop
+                self.report(lambda: self.events.suspend_failed(unit, why, lost=lost))
             return
         self.report(lambda: self.events.suspended_done(unit, done))
 
-    async def _thaw_for_suspend(self, unit: str) -> None:
-        await self._thaw_patiently(unit, "suspending")
+    def _ended_after(self, unit: str, e: _RunEnded) -> None:
+        """A step whose run ended: nothing to report, but a thaw owed when its FreezeUnit
+        may have frozen the next run."""
+        log.info("%s went down during a step of its ladder: that step ends there", unit)
+        if e.froze:
+            self.report(functools.partial(self.events.froze_after_end, unit))
 
-    async def _suspend(self, unit: str) -> str:
+    async def _thaw_for_suspend(self, unit: str, run: object) -> None:
+        await self._thaw_patiently(unit, "suspending", run)
+
+    async def _suspend(self, unit: str, run: object | None = None) -> str:
         s = self.settings()
         tool = checkpoint.require_tool(s.tool, root_only=s.root_only)
         self._require_freezer()
@@ -186,18 +219,20 @@ class Ladder:
             self.moving -= vram
         frozen = False
         try:
-            await self._freezer("FreezeUnit", unit)
+            await self._freezer("FreezeUnit", unit, run)
             frozen = True
             # After the freeze, not before: looked at first, a process of the unit that made
             # a CUDA context between the look and the freeze was missed, and stayed frozen on
             # the GPU given away. Frozen, none can make one now; still one sample, none more.
             self._confirm_gone(unit, pids)
+        except _RunEnded:  # its processes went with the run: nothing to undo
+            raise
         except Exception as e:  # a bus error is a reason, not a crash
             why = _reason(e, "suspending")
             if isinstance(e, _FreezerHung):  # half frozen: a restore would hang in it
-                why += await self._thaw_after_hung_freeze(unit)
+                why += await self._thaw_after_hung_freeze(unit, run)
             elif frozen:  # the restore runs in the process: thawed first
-                why += await self._thaw_to_undo(unit)
+                why += await self._thaw_to_undo(unit, run)
             lost: tuple[int, ...] = ()
             try:
                 await checkpoint.resume(tool, pids, s)
@@ -255,40 +290,47 @@ class Ladder:
     # -- resume -------------------------------------------------------------------------------
 
     def resume(self, unit: str) -> Coroutine[Any, Any, None]:
-        return self._run(unit, self._resume_and_report(unit))
+        run = self._run_of(unit)
+        return self._run(unit, self._resume_and_report(unit, run))
 
-    async def _resume_and_report(self, unit: str) -> None:
+    async def _resume_and_report(self, unit: str, run: object) -> None:
         try:
-            done = await self._resume(unit)
+            done = await self._resume(unit, run)
+        except _RunEnded as e:
+            self._ended_after(unit, e)
+            return
         except Exception as e:  # never left frozen with nobody responsible for it
             why = _reason(e, "resuming")
-            self.report(lambda: self.events.resume_failed(unit, why))
+            if not self._ended(unit, run):  # else the next run's to stop
+                self.report(lambda: self.events.resume_failed(unit, why))
             return
-        self.report(lambda: self.events.resumed(unit, done))
+        if not self._ended(unit, run):
+            self.report(lambda: self.events.resumed(unit, done))
 
-    async def _resume(self, unit: str) -> str:
+    async def _resume(self, unit: str, run: object) -> str:
         suspension = self.suspensions.pop(unit, None)
         if suspension is None:
-            done = await self.restore(unit)
+            done = await self.restore(unit, run=run)
             if done is None:  # the last controller may have checkpointed it: never "resumed"
                 raise CheckpointError(_NO_TOOL)
             return f"a controller restart: {resumed_words(done)}"
-        done = await self.restore(unit, suspension.pids)
+        done = await self.restore(unit, suspension.pids, run)
         away = time.monotonic() - suspension.since
         return f"{away:.0f} s: {resumed_words(done)}"
 
     async def restore(
-        self, unit: str, pids: Sequence[int] | None = None
+        self, unit: str, pids: Sequence[int] | None = None, run: object | None = None
     ) -> checkpoint.Resumed | None:
         """ThawUnit, then restore and unlock `pids` (those this controller checkpointed; None
         after a restart: those of the unit that cuda-checkpoint knows). What was done; None
         when `pids` is None and there is no tool (what is checkpointed cannot be told: both
         callers take it for a failure); CheckpointError when it failed
         (`restored` on it: what is back on a GPU all the same). `resume` reports it to the
-        core; `gpuslice release-jobs`, which has none, calls it itself."""
+        core; `gpuslice release-jobs`, which has none, calls it itself. `run`: the run it is
+        for (_RunEnded once it ended)."""
         s = self.settings()
         try:  # before the restore: it runs in the process
-            await self._thaw_patiently(unit, "resuming")
+            await self._thaw_patiently(unit, "resuming", run)
         except CheckpointError as e:  # a bus error is a reason, not a crash
             # (none when it was stopped meanwhile); one not answered, or failing still
             # after THAW_RETRY, may leave it frozen, and then its restore fails: the journal
@@ -302,6 +344,8 @@ class Ladder:
                 return None
             raise CheckpointError(_NO_TOOL)
         checkpoint.check_tool(tool, s.root_only)
+        if self._ended(unit, run):  # the thaw above failed as the run ended
+            raise _RunEnded()
         if pids is None:
             pids = await self._recovered_pids(unit, tool, s.via_systemd)
         else:
@@ -337,11 +381,18 @@ class Ladder:
 
     async def _recovered_pids(self, unit: str, tool: str, via_systemd: bool) -> list[int]:
         """After a controller restart: the processes of the unit that cuda-checkpoint knows
-        (the others are no CUDA processes)."""
+        (the others are no CUDA processes). One whose state the tool gave no answer for
+        (StateUnread) may be checkpointed: skipped, it blocked in its next CUDA call for good
+        while the unit counted as resumed; the resume fails (and the unit is stopped)."""
         try:
             pids = await self.systemd.unit_pids(unit)
         except Exception as e:
             raise CheckpointError(f"cannot list its processes: {e}") from None
+        if len(pids) > MAX_RECOVERED_PIDS:
+            raise CheckpointError(
+                f"it has {len(pids)} processes, more than the {MAX_RECOVERED_PIDS} whose "
+                f"state {checkpoint.TOOL_NAME} is asked after a controller restart"
+            )
         if via_systemd:  # a run the last controller left must not land after this resume
             problem = await checkpoint.stop_earlier_runs(pids)
             if problem:
@@ -355,6 +406,10 @@ class Ladder:
         for pid in pids:
             try:
                 await checkpoint.get_state(tool, pid, via_systemd)
+            except checkpoint.StateUnread as e:
+                if _exists(pid):  # one that has exited needs nothing
+                    raise CheckpointError(f"{e.reason}: it may be checkpointed") from None
+                continue
             except CheckpointError:
                 continue
             known.append(pid)
@@ -366,17 +421,35 @@ class Ladder:
         if not self.unified_marker.exists():
             raise CheckpointError("cgroup v1 (hybrid hierarchy): systemd cannot freeze units")
 
-    def freeze(self, unit: str) -> Coroutine[Any, Any, None]:
-        return self._run(unit, self._freeze(unit))
+    def freeze(self, unit: str, thaw_owed: bool = False) -> Coroutine[Any, Any, None]:
+        """FreezeUnit, unless someone else froze it already (not when a thaw of ours is owed
+        to it, `thaw_owed`: frozen, it may be ours still): systemd takes a FreezeUnit of a
+        frozen unit for done, and the thaw that followed undid an admin's `systemctl
+        freeze` (gpuslice thaws only what it froze)."""
+        run = self._run_of(unit)
+        return self._run(unit, self._freeze_and_report(unit, thaw_owed, run))
 
-    async def _freeze(self, unit: str) -> None:
+    async def _freeze_and_report(self, unit: str, thaw_owed: bool, run: object) -> None:
+        try:
+            await self._freeze(unit, thaw_owed, run)
+        except _RunEnded as e:
+            self._ended_after(unit, e)
+
+    async def _freeze(self, unit: str, thaw_owed: bool, run: object) -> None:
         try:
             self._require_freezer()
-            await self._freezer("FreezeUnit", unit)
+            if not thaw_owed and (why := await self._frozen_by_someone(unit)):
+                if self._ended(unit, run):  # read of its next run: nothing to tell
+                    raise _RunEnded()
+                self.report(lambda: self.events.freeze_failed(unit, why, not_ours=True))
+                return
+            await self._freezer("FreezeUnit", unit, run)
+        except _RunEnded:
+            raise
         except Exception as e:
             why = _reason(e, "freezing")
             if isinstance(e, _FreezerHung):  # left half frozen, and the core takes it running
-                why += await self._thaw_after_hung_freeze(unit)
+                why += await self._thaw_after_hung_freeze(unit, run)
             self.report(lambda: self.events.freeze_failed(unit, why))
 
     def thaw(self, unit: str) -> Coroutine[Any, Any, None]:
@@ -396,9 +469,39 @@ class Ladder:
             return
         self.report(functools.partial(self.events.thaw_done, unit))
 
-    async def _freezer(self, what: str, unit: str) -> None:
+    async def _frozen_by_someone(self, unit: str) -> str:
+        """Why the unit, which gpuslice holds running, is not frozen by gpuslice: someone
+        froze it (`systemctl freeze`); "" when systemd shows it running, or cannot be read
+        (taken for running, as before this look). Frozen, it is theirs to thaw: systemd
+        takes a FreezeUnit of a frozen unit for done, and the thaw gpuslice owed after
+        that undid their freeze (gpuslice thaws only what it froze)."""
+        try:
+            state = await asyncio.wait_for(self.systemd.freezer_state(unit), self.freezer_timeout)
+        except Exception as e:
+            log.debug("FreezerState of %s: %s", unit, e)
+            return ""
+        if state not in ("frozen", "freezing"):
+            return ""
+        return f"{printable(state, 20)} already, by someone else (systemctl freeze): theirs to thaw"
+
+    async def _freezer(self, what: str, unit: str, run: object | None = None) -> None:
         """FreezeUnit or ThawUnit (`what`), answered within `freezer_timeout`; else
-        CheckpointError (_FreezerHung when no answer came)."""
+        CheckpointError (_FreezerHung when no answer came). For a `run` (`_run_of`) that has
+        ended: not sent, or answered after its end, _RunEnded (whatever the answer: a
+        FreezeUnit then may have frozen the next run)."""
+        if self._ended(unit, run):
+            raise _RunEnded()
+        failed: CheckpointError | None = None
+        try:
+            await self._send(what, unit)
+        except CheckpointError as e:
+            failed = e
+        if self._ended(unit, run):
+            raise _RunEnded(froze=what == "FreezeUnit")
+        if failed is not None:
+            raise failed
+
+    async def _send(self, what: str, unit: str) -> None:
         try:
             call = self.systemd.freeze_unit if what == "FreezeUnit" else self.systemd.thaw_unit
             await asyncio.wait_for(call(unit), self.freezer_timeout)
@@ -411,36 +514,36 @@ class Ladder:
         except Exception as e:  # a bus error is a reason, not a crash
             raise CheckpointError(f"{what} failed: {e}") from None
 
-    async def _thaw_patiently(self, unit: str, doing: str) -> None:
+    async def _thaw_patiently(self, unit: str, doing: str, run: object | None = None) -> None:
         """ThawUnit, sent again after each of THAW_RETRY's waits while it fails for an error
         that passes; else CheckpointError, as `_freezer`. One not answered (_FreezerHung: a
         process stuck in the kernel, which a second call would not thaw) and systemd's
         refusal (the unit stopped meanwhile) are not sent again."""
         for delay in THAW_RETRY:
             try:
-                return await self._freezer("ThawUnit", unit)
+                return await self._freezer("ThawUnit", unit, run)
             except _FreezerTransient as e:
                 log.debug("%s %s: %s; sent again in %g s", doing, unit, e.reason, delay)
             await self.sleep(delay)
         try:
-            await self._freezer("ThawUnit", unit)
+            await self._freezer("ThawUnit", unit, run)
         except _FreezerTransient as e:
             raise _FreezerTransient(f"{e.reason} (sent {len(THAW_RETRY) + 1} times)") from None
 
-    async def _thaw_to_undo(self, unit: str) -> str:
+    async def _thaw_to_undo(self, unit: str, run: object) -> str:
         """ThawUnit before the undo of a suspend whose FreezeUnit worked (sent again while it
         fails for an error that passes, as before a restore); what to add to the reason."""
         try:
-            await self._thaw_patiently(unit, "suspending")
+            await self._thaw_patiently(unit, "suspending", run)
         except CheckpointError as e:
             return f"; and {e.reason} (thaw it with systemctl thaw {unit})"
         return ""
 
-    async def _thaw_after_hung_freeze(self, unit: str) -> str:
+    async def _thaw_after_hung_freeze(self, unit: str, run: object) -> str:
         """ThawUnit after a FreezeUnit that got no answer (it ends the freeze systemd still
         waits for); what to add to the reason."""
         try:
-            await self._freezer("ThawUnit", unit)
+            await self._freezer("ThawUnit", unit, run)
         except CheckpointError as e:
             return f"; and {e.reason} (thaw it with systemctl thaw {unit})"
         return ": thawed again"
@@ -535,6 +638,7 @@ class Ladder:
                     self.busy[unit] = left
                 else:
                     self.busy.pop(unit, None)
+                    self.runs.pop(unit, None)
 
         return run()
 
@@ -561,6 +665,16 @@ _NO_TOOL = "cuda-checkpoint is not installed any more: cannot restore"
 
 class _FreezerHung(CheckpointError):
     """FreezeUnit or ThawUnit got no answer in time: the unit may be half frozen."""
+
+
+class _RunEnded(Exception):
+    """The unit went down (or was restarted) during a step of its ladder (`Ladder.went_down`):
+    what the step would still do would land on its next run. `froze`: a FreezeUnit of the
+    step was answered after the end (it may have frozen the next run: a thaw is owed)."""
+
+    def __init__(self, froze: bool = False) -> None:
+        super().__init__("its run ended")
+        self.froze = froze
 
 
 class _FreezerTransient(CheckpointError):

@@ -468,6 +468,49 @@ def test_unknown_state(tmp_path: Path, body: str, shown: str) -> None:
     assert error.reason == f'cuda-checkpoint gave an unknown state for PID 11: "{shown}"'
 
 
+def test_a_state_the_tool_gave_no_answer_for_is_unread_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted controller's resume skips the processes the tool refuses (no CUDA
+    process): one whose state it gave no answer for (timed out, not run) may be
+    checkpointed, and is told apart (checkpoint.StateUnread)."""
+    monkeypatch.setattr(checkpoint, "STATE_TIMEOUT", 0.3)
+    error = failure(get_state(stub(tmp_path, hangs(tmp_path)), 11))
+    assert isinstance(error, checkpoint.StateUnread), error.reason
+    assert error.reason.startswith("the state of PID 11 could not be read: cuda-checkpoint did")
+    no_cuda = stub(
+        tmp_path,
+        """echo 'Error getting CUDA in process ID 11: "not initialized"' >&2
+exit 3""",
+    )
+    error = failure(get_state(no_cuda, 11))
+    assert not isinstance(error, checkpoint.StateUnread), error.reason
+    error = failure(get_state(str(tmp_path / "gone"), 11))
+    assert isinstance(error, checkpoint.StateUnread), error.reason
+
+
+@pytest.mark.parametrize(
+    ("said", "unread"),
+    [
+        ("Failed to start transient service unit: Connection reset by peer", True),
+        ("Failed to connect to bus: No such file or directory", True),
+        ('Error getting CUDA in process ID 11: \\"not initialized\\"', False),
+    ],
+)
+def test_systemd_run_failing_is_no_answer_of_the_tool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, said: str, unread: bool
+) -> None:
+    """systemd-run failing (systemd re-executing) exits 1, as the tool may for a process with
+    no CUDA: its own words tell the two apart."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub(bin_dir, f'echo "{said}" >&2; exit 1', name="systemd-run")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    tool = stub(tmp_path, "echo running")
+    error = failure(get_state(tool, 11, via_systemd=True))
+    assert isinstance(error, checkpoint.StateUnread) is unread, error.reason
+
+
 def test_resume_skips_processes_that_have_exited(tmp_path: Path) -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()

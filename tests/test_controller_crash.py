@@ -121,10 +121,10 @@ def test_a_freeze_beside_a_kept_place_leaves_after_the_state_that_names_it_is_sa
         await settle()
         freeze = ctl.ladder.freeze
 
-        def freezing(unit: str) -> Coroutine[Any, Any, None]:
+        def freezing(unit: str, thaw_owed: bool = False) -> Coroutine[Any, Any, None]:
             saved, _ = StateStore(Path(bed.config.state_dir)).load()
             at_freeze.append(saved.holders[unit][1])
-            return freeze(unit)
+            return freeze(unit, thaw_owed)
 
         ctl.ladder.freeze = freezing  # type: ignore[method-assign]
         ctl.on_unit_changed("urgent.service", at_gate(invocation=None))

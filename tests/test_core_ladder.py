@@ -15,6 +15,7 @@ from gpuslice.core.decisions import Code, Decision, render
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
 from gpuslice.core.scheduler import (
     Freeze,
+    Grant,
     Log,
     Outcome,
     Phase,
@@ -188,6 +189,48 @@ def test_a_thawed_unit_is_owed_its_thaw_until_systemd_shows_it_running() -> None
     assert s.phase("emb.service") is Phase.FROZEN and s.thaws_owed() == []
     s.inactive("emb.service", Outcome.STOPPED)  # systemd thaws a unit to stop it
     assert s.thaws_owed() == [] and "emb.service" not in s.thaw_owed
+
+
+def test_a_freeze_answered_after_its_run_ended_owes_the_next_run_a_thaw() -> None:
+    """The ladder's FreezeUnit answered after the unit went down (a restart): it may have
+    frozen the new run, which the core holds running. Owed a thaw, so that the adapter
+    looks; a unit the core no longer knows is owed nothing (not kept for ever)."""
+    s, _, _ = frozen_beside_voice()
+    s.inactive("emb.service", Outcome.STOPPED)
+    assert s.froze_after_end("emb.service") == []
+    assert s.thaws_owed() == [] and "emb.service" not in s.thaw_owed
+    s, emb, _ = frozen_beside_voice()
+    s.inactive("emb.service", Outcome.STOPPED)
+    running(s, emb)  # its new run
+    assert s.froze_after_end("emb.service") == []
+    assert s.thaws_owed() == ["emb.service"]
+
+
+def test_a_unit_someone_else_froze_is_owed_no_thaw_and_runs_in_the_books() -> None:
+    """The adapter found the unit frozen by someone (`systemctl freeze`) before its freeze:
+    held as running (it keeps its GPUs and VRAM), not frozen again while it runs, and owed
+    no thaw: gpuslice thaws only what it froze."""
+    s, _, _ = frozen_beside_voice()
+    acts = s.freeze_failed("emb.service", "frozen already, by someone else", not_ours=True)
+    assert codes(acts) == [Code.RUNG_FAILED]
+    assert s.phase("emb.service") is Phase.RUNNING
+    assert s.thaws_owed() == [] and "emb.service" not in s.thaw_owed
+    assert "emb.service" in s.unfreezable
+    assert brief(s.inactive(VO, Outcome.EXITED)) == []  # no thaw when voice leaves
+
+
+def test_a_freeze_of_a_unit_owed_a_thaw_says_so() -> None:
+    """Thawed (voice left), then frozen again before the thaw was seen done: the adapter
+    must not take its frozen state for someone else's."""
+    s, _, voice = frozen_beside_voice()
+    assert brief(s.inactive(VO, Outcome.EXITED)) == ["thaw emb.service"]
+    [_, freeze] = [a for a in s.request(voice) if isinstance(a, (Grant, Freeze))]
+    assert isinstance(freeze, Freeze) and freeze.thaw_owed
+    s.thaw_done("emb.service")
+    s.inactive(VO, Outcome.EXITED)
+    s.thaw_done("emb.service")
+    [freeze] = [a for a in s.request(voice) if isinstance(a, Freeze)]
+    assert not freeze.thaw_owed
 
 
 def test_a_failed_freeze_or_suspend_leaves_a_thaw_owed() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpuslice import checkpoint
+from gpuslice import checkpoint, ladder
 from gpuslice.core.scheduler import Action
 from gpuslice.inventory import GpuUse
 from gpuslice.ladder import THAW_RETRY, Ladder
@@ -90,14 +90,17 @@ class Events:
     def resume_failed(self, name: str, why: str) -> list[Action]:
         return self._note("resume_failed", name, why)
 
-    def freeze_failed(self, name: str, why: str) -> list[Action]:
-        return self._note("freeze_failed", name, why)
+    def freeze_failed(self, name: str, why: str, *, not_ours: bool = False) -> list[Action]:
+        return self._note("freeze_failed_not_ours" if not_ours else "freeze_failed", name, why)
 
     def thawed_outside(self, name: str) -> list[Action]:
         return self._note("thawed_outside", name, "")
 
     def thaw_done(self, name: str) -> list[Action]:
         return self._note("thaw_done", name, "")
+
+    def froze_after_end(self, name: str) -> list[Action]:
+        return self._note("froze_after_end", name, "")
 
 
 class Host:
@@ -423,6 +426,58 @@ def test_resume_after_a_controller_restart_finds_the_processes_itself(host: Host
     assert host.bed.holds(a) and host.bed.state_of(a) == "running"
 
 
+def test_a_resume_after_a_restart_fails_on_a_process_whose_state_got_no_answer(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a controller restart the tool is asked which processes are checkpointed; one
+    whose state it gave no answer for (timed out; systemd-run failing as systemd
+    re-executes) counted as no CUDA process: skipped, the resume said nothing restored, and
+    the unit ran on, blocked in its next CUDA call for good. Now the resume fails (and the
+    core stops the unit, as after any failed resume)."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    monkeypatch.setattr(checkpoint, "STATE_TIMEOUT", 0.3)
+    real = host.settings.tool
+    slow = tmp_path / "slow-tool"
+    slow.write_text(
+        f'#!/bin/sh\n[ "$1 $3" = "--get-state {a}" ] && exec sleep 60\nexec {real} "$@"\n'
+    )
+    slow.chmod(0o755)
+    host.settings = dataclasses.replace(host.settings, tool=str(slow))
+    host.freezer.pids = [a, 1]
+    run(host.restarted_ladder().resume(UNIT))
+    event, _, words = host.said()[-1]
+    assert event == "resume_failed", words
+    assert words == (
+        f"the state of PID {a} could not be read: cuda-checkpoint did not return within 0.3 s "
+        "and was killed: it may be checkpointed"
+    )
+    assert host.bed.state_of(a) == "checkpointed"
+
+
+def test_a_resume_after_a_restart_asks_the_state_of_a_bounded_number_of_processes(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each process's state is one run of the tool, one after another, up to 30 s each: a
+    unit whose user forked thousands held its reserved GPUs for hours. Past the cap the
+    resume fails at once, asking none."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    monkeypatch.setattr(ladder, "MAX_RECOVERED_PIDS", 2)
+    host.freezer.pids = [a, 1, 2]
+    run(host.restarted_ladder().resume(UNIT))
+    assert host.said()[-1] == (
+        "resume_failed",
+        UNIT,
+        "it has 3 processes, more than the 2 whose state cuda-checkpoint is asked after a "
+        "controller restart",
+    )
+    assert host.bed.state_of(a) == "checkpointed"
+    host.freezer.pids = [a, 1]
+    run(host.restarted_ladder().resume(UNIT))
+    assert host.said()[-1][0] == "resumed"
+
+
 def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_running(
     host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, services: None
 ) -> None:
@@ -455,8 +510,9 @@ def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_
 
 
 def test_freeze_and_its_failures(host: Host) -> None:
+    host.freezer.states[UNIT] = "running"
     run(host.ladder.freeze(UNIT))
-    assert host.freezer.calls == [f"freeze {UNIT}"] and host.said() == []
+    assert host.freezer.calls == [f"state {UNIT}", f"freeze {UNIT}"] and host.said() == []
     host.freezer.fail.add("freeze")
     run(host.ladder.freeze(UNIT))
     assert host.said() == [("freeze_failed", UNIT, "FreezeUnit failed: freeze refused")]
@@ -767,12 +823,13 @@ def test_a_freeze_that_is_never_answered_fails_the_suspend_and_is_undone(host: H
 
 def test_a_freeze_beside_that_is_never_answered_fails_and_is_thawed(host: Host) -> None:
     host.ladder.systemd = host.freezer = HungFreezer("freeze")
+    host.freezer.states[UNIT] = "running"
     host.ladder.freezer_timeout = 0.2
     run_within(host.ladder.freeze(UNIT))
     assert host.said() == [
         ("freeze_failed", UNIT, "FreezeUnit did not answer within 0.2 s: thawed again")
     ]
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.freezer.calls == [f"state {UNIT}", f"freeze {UNIT}", f"thaw {UNIT}"]
     assert host.ladder.busy == {}
 
 
@@ -941,3 +998,146 @@ def test_a_thaw_before_a_restore_that_is_never_answered_is_not_sent_again(
     run_within(host.ladder.resume(UNIT))
     assert host.freezer.calls == [f"thaw {UNIT}"] and waits == []
     assert f"resuming {UNIT}: ThawUnit did not answer within 0.2 s" in caplog.text
+
+
+# -- a step of the ladder whose run ends (R3b) ---------------------------------------------------
+
+
+def test_a_unit_restarted_during_the_thaw_before_its_suspend_is_not_suspended(host: Host) -> None:
+    """Frozen beside another, then suspended: `systemctl restart` as its ThawUnit is under
+    way (THAW_RETRY spreads it over 15 s). The step went on with the unit's name alone: it
+    checkpointed and froze the new run (NVML shows its processes as the unit's), and its
+    report, ignored by the core (no longer suspending), left that run frozen with nobody
+    owing it a thaw, and a suspension status showed."""
+    pid = host.job()
+    thaw = host.freezer.thaw_unit
+
+    async def restarted(name: str) -> None:
+        await thaw(name)
+        host.ladder.went_down(UNIT)  # the controller hears of the restart meanwhile
+
+    host.freezer.thaw_unit = restarted  # type: ignore[method-assign]
+    run(host.ladder.suspend(UNIT, thaw_first=True))
+    assert host.freezer.calls == [f"thaw {UNIT}"]
+    assert host.said() == []
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert UNIT not in host.ladder.suspensions
+    assert host.ladder.busy == {} and host.ladder.runs == {}
+
+
+def test_a_unit_that_went_down_during_the_checkpoint_is_not_frozen(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host.job()
+    real = checkpoint.suspend
+
+    async def slow(tool: str, pids: list[int], s: checkpoint.CheckpointSettings) -> float:
+        seconds = await real(tool, pids, s)
+        host.ladder.went_down(UNIT)  # stopped (and maybe started again) meanwhile
+        return seconds
+
+    monkeypatch.setattr(checkpoint, "suspend", slow)
+    run(host.ladder.suspend(UNIT))
+    assert host.freezer.calls == []  # no FreezeUnit for a run that is not the one asked
+    assert host.said() == []
+    assert UNIT not in host.ladder.suspensions
+
+
+def test_a_freeze_answered_after_the_unit_went_down_owes_a_thaw(host: Host) -> None:
+    """The FreezeUnit of a suspend (or of the freeze rung) is answered after the unit went
+    down and came back: it may have frozen the new run. The core is told (a thaw owed, as
+    after a freeze that failed half way); no suspend is reported, none is kept."""
+    host.job()
+    freeze = host.freezer.freeze_unit
+
+    async def restarted(name: str) -> None:
+        await freeze(name)
+        host.ladder.went_down(UNIT)
+
+    host.freezer.freeze_unit = restarted  # type: ignore[method-assign]
+    run(host.ladder.suspend(UNIT))
+    assert host.said() == [("froze_after_end", UNIT, "")]
+    assert UNIT not in host.ladder.suspensions
+    host.freezer.states[UNIT] = "running"
+    run(host.ladder.freeze(UNIT))
+    assert host.said()[1:] == [("froze_after_end", UNIT, "")]
+    assert host.freezer.calls == [f"freeze {UNIT}", f"state {UNIT}", f"freeze {UNIT}"]
+
+
+def test_a_resume_whose_unit_went_down_during_its_thaws_sends_and_reports_nothing_more(
+    host: Host,
+) -> None:
+    """The ThawUnit before a restore failing as systemd re-executes, sent again over 15 s:
+    the unit stopped and started again meanwhile. The old resume thawed the new run (one
+    the core may hold frozen by then) and reported on it: a failed restore stops the unit."""
+    host.job()
+    waits = blinking(host, 1000)
+    run(host.ladder.suspend(UNIT))
+    wait = host.ladder.sleep
+
+    async def restarted(seconds: float) -> None:
+        await wait(seconds)
+        host.ladder.went_down(UNIT)
+
+    host.ladder.sleep = restarted
+    run(host.ladder.resume(UNIT))
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert waits == [1.0]
+    assert host.said() == [("suspended", UNIT, host.said()[0][2])]
+    assert host.ladder.busy == {} and host.ladder.runs == {}
+
+
+def test_a_step_started_after_the_unit_went_down_acts_for_the_new_run(host: Host) -> None:
+    host.job()
+    host.ladder.went_down(UNIT)  # the last run's end: none of its steps under way
+    run(host.ladder.suspend(UNIT))
+    assert host.said()[0][0] == "suspended"
+    run(host.ladder.resume(UNIT))
+    assert host.said()[-1][0] == "resumed"
+
+
+# -- a unit someone else froze (R3b) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["frozen", "freezing"])
+def test_a_unit_someone_froze_is_not_frozen_again_nor_owed_a_thaw(host: Host, state: str) -> None:
+    """An admin froze a Preempt=freeze unit (`systemctl freeze`). systemd takes a FreezeUnit
+    of a frozen unit for done: gpuslice held it frozen as its own, and thawed it when the
+    unit it gave way to left, undoing the admin's freeze. It is told to the core as a
+    freeze that failed for that reason, not owed a thaw."""
+    host.freezer.states[UNIT] = state
+    run(host.ladder.freeze(UNIT))
+    assert host.freezer.calls == [f"state {UNIT}"]
+    assert host.said() == [
+        (
+            "freeze_failed_not_ours",
+            UNIT,
+            f"{state} already, by someone else (systemctl freeze): theirs to thaw",
+        )
+    ]
+
+
+def test_a_unit_owed_a_thaw_of_ours_is_frozen_whatever_its_state(host: Host) -> None:
+    """Thawed by gpuslice, frozen again before that thaw is seen done: frozen, it is ours
+    still; so too when FreezerState cannot be read (taken for running)."""
+    run(host.ladder.freeze(UNIT, thaw_owed=True))
+    assert host.freezer.calls == [f"freeze {UNIT}"] and host.said() == []
+    host.freezer.fail.add("state")
+    run(host.ladder.freeze(UNIT))
+    assert host.freezer.calls[1:] == [f"state {UNIT}", f"freeze {UNIT}"] and host.said() == []
+
+
+def test_a_unit_that_went_down_as_its_freezer_state_was_read_is_told_nothing(host: Host) -> None:
+    """The state read may be its next run's (frozen by someone since): the core, holding that
+    run, is told nothing of it by the ended run's freeze."""
+    host.freezer.states[UNIT] = "frozen"
+    read = host.freezer.freezer_state
+
+    async def restarted(name: str) -> str:
+        state = await read(name)
+        host.ladder.went_down(UNIT)
+        return state
+
+    host.freezer.freezer_state = restarted  # type: ignore[method-assign]
+    run(host.ladder.freeze(UNIT))
+    assert host.said() == [] and host.freezer.calls == [f"state {UNIT}"]

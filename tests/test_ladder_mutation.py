@@ -495,6 +495,7 @@ def test_each_operation_counts_its_unit_busy_from_its_start(host: Host) -> None:
     """From the moment an operation is asked for (before its task first runs), a check of
     thaws by hand must not read the unit, and until it is done."""
     freezer = recorded(host)
+    freezer.states[UNIT] = "running"  # the freeze reads it first: not frozen by someone
     host.job()
     starts: list[Callable[[str], Coroutine[Any, Any, None]]] = [
         host.ladder.suspend,
@@ -507,7 +508,7 @@ def test_each_operation_counts_its_unit_busy_from_its_start(host: Host) -> None:
         assert host.ladder.busy == {UNIT: 1}
         run(work)
         assert host.ladder.busy == {}
-    assert [c.split()[0] for c in freezer.calls] == ["freeze", "thaw", "freeze", "thaw"]
+    assert [c.split()[0] for c in freezer.calls] == ["freeze", "thaw", "state", "freeze", "thaw"]
     assert freezer.busy == [{UNIT: 1}] * 4
     assert [e for e, _, _ in host.said()] == ["suspended", "resumed", "thaw_done"]
 
@@ -523,8 +524,9 @@ def test_two_operations_on_one_unit_keep_it_busy_until_both_are_done(host: Host)
     host.ladder.systemd = host.freezer = Gated()
 
     async def scenario() -> None:
-        first = asyncio.create_task(host.ladder.freeze(UNIT))
-        second = asyncio.create_task(host.ladder.freeze(UNIT))
+        # (owed a thaw: sent without a look at FreezerState first)
+        first = asyncio.create_task(host.ladder.freeze(UNIT, thaw_owed=True))
+        second = asyncio.create_task(host.ladder.freeze(UNIT, thaw_owed=True))
         assert host.ladder.busy == {UNIT: 2}
         while len(host.freezer.calls) < 2:
             await asyncio.sleep(0)
@@ -611,6 +613,7 @@ def test_a_hung_freeze_whose_thaw_fails_says_how_to_thaw_by_hand(host: Host) -> 
     """The freezer's deadline is the one the ladder was made with."""
     freezer = HungFreezer("freeze")
     freezer.fail.add("thaw")
+    freezer.states[UNIT] = "running"
     ladder = Ladder(
         freezer,
         host.events,

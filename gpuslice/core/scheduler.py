@@ -122,11 +122,14 @@ class Resume:
 
 @dataclass(frozen=True)
 class Freeze:
-    """Freeze the unit (FreezeUnit): it keeps its VRAM; `freeze_failed` if that fails."""
+    """Freeze the unit (FreezeUnit): it keeps its VRAM; `freeze_failed` if that fails.
+    `thaw_owed`: gpuslice owes it a thaw (not yet seen done): found frozen, it may be frozen
+    by gpuslice still, not by someone else."""
 
     unit: str
     reason: str
     decision: Decision | None = field(default=None, compare=False)
+    thaw_owed: bool = False
 
 
 @dataclass(frozen=True)
@@ -1052,14 +1055,16 @@ class Scheduler:
         gpus = tuple(sorted(holder.gpus))
         return [_stop(_about(holder.spec, Code.RESUME_FAILED, gpus=gpus, detail=why))]
 
-    def freeze_failed(self, name: str, why: str) -> list[Action]:
+    def freeze_failed(self, name: str, why: str, *, not_ours: bool = False) -> list[Action]:
         """A freeze did not work: it keeps running beside the units it was to give way to
-        (they fit beside it: nothing else needs to happen)."""
+        (they fit beside it: nothing else needs to happen). `not_ours`: someone else froze
+        it (`systemctl freeze`) before ours: theirs to thaw, never owed one by gpuslice."""
         holder = self.holders.get(name)
         if holder is None or holder.phase is not Phase.FROZEN:
             return []
         holder.phase = Phase.RUNNING
-        self.thaw_owed.add(name)  # a FreezeUnit not answered may have frozen it after all
+        if not not_ours:  # a FreezeUnit not answered may have frozen it after all
+            self.thaw_owed.add(name)
         for_unit = min(holder.frozen_for, default="")
         holder.frozen_for.clear()
         self.unfreezable.add(name)
@@ -1115,6 +1120,14 @@ class Scheduler:
     def thaw_done(self, name: str) -> list[Action]:
         """systemd answered a ThawUnit, or shows the unit running: no thaw is owed."""
         self.thaw_owed.discard(name)
+        return []
+
+    def froze_after_end(self, name: str) -> list[Action]:
+        """A FreezeUnit of the ladder was answered after the run it was for went down (a
+        stop, a restart): it may have frozen the next run, which nobody holds frozen. That
+        run (one this knows) is owed a thaw, as after a freeze that failed half way."""
+        if self.phase(name) is not None:
+            self.thaw_owed.add(name)
         return []
 
     def recover(self) -> list[Action]:
@@ -1580,7 +1593,8 @@ class Scheduler:
                     for_priority=spec.priority,
                     gpus=where,
                 )
-                actions.append(Freeze(name, render(freeze), freeze))
+                owed = name in self.thaw_owed
+                actions.append(Freeze(name, render(freeze), freeze, thaw_owed=owed))
         return actions
 
     def _thaw(self) -> list[Action]:
