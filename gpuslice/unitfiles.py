@@ -391,7 +391,8 @@ class IndexIssue(NamedTuple):
 
 
 class UnitIndex:
-    """Lists each search directory once, then answers fragment and drop-in questions from memory.
+    """Lists each search directory once, then answers fragment and drop-in questions from memory
+    (each drop-in directory, too, is listed once, at the first unit that reads it).
 
     Build one per scan (a daemon-reload): it does not notice later changes on disk.
     """
@@ -436,6 +437,12 @@ class UnitIndex:
         # (system dir, link name) -> what systemd maps the link's name to (`_alias_of`): asked
         # by unit_names, then by fragment and primary_name, of the same links
         self._link_maps: dict[tuple[str, str], str | None] = {}
+        # a drop-in directory link's system path -> the directory it leads to, or None; and a
+        # drop-in directory's (system path, real path) -> what it offers (`_dropin_dir_files`).
+        # `service.d/`, a dash prefix's or a template's directory is read by thousands of units:
+        # at 10,000 units, listing it again for each was three in four of a scan's listings
+        self._linked_dirs: dict[str, str | None] = {}
+        self._dir_files: dict[tuple[str, str], list[tuple[str, UnitFile | str | None]]] = {}
 
     # -- paths
 
@@ -794,13 +801,59 @@ class UnitIndex:
                 for n in group:
                     kind = entries.get(n + ".d", 0)
                     if kind & _LINK:  # resolve inside the root
-                        target = self.chase(f"{sysdir}/{n}.d")
-                        st = _stat(target)
-                        if target is not None and st is not None and stat.S_ISDIR(st.st_mode):
+                        target = self._linked_dir(f"{sysdir}/{n}.d")
+                        if target is not None:
                             dirs.append((f"{sysdir}/{n}.d", target))
                     elif kind & _DIR:
                         dirs.append((f"{sysdir}/{n}.d", f"{real}/{n}.d"))
         return dirs
+
+    def _linked_dir(self, path: str) -> str | None:
+        """The real directory that the drop-in directory link `path` (a system path) leads to
+        inside the root; None when it leads to no directory. Once per scan: see `_linked_dirs`."""
+        if path not in self._linked_dirs:
+            target = self.chase(path)
+            st = _stat(target)
+            ok = target is not None and st is not None and stat.S_ISDIR(st.st_mode)
+            self._linked_dirs[path] = target if ok else None
+        return self._linked_dirs[path]
+
+    def _dropin_dir_files(
+        self, sysdir: str, real_dir: str
+    ) -> list[tuple[str, UnitFile | str | None]]:
+        """What the drop-in directory `sysdir` (its real path `real_dir`) offers a unit, in its
+        listing's order: (file name, its UnitFile; None when masked; or the message of the
+        issue that it is ignored with). A name left out (not `*.conf`, a directory, a dangling
+        link) hides nothing. Empty when the directory cannot be read (gone, unreadable), as
+        systemd skips it. Read once per scan: what a file is does not depend on the unit."""
+        key = (sysdir, real_dir)
+        cached = self._dir_files.get(key)
+        if cached is not None:
+            return cached
+        files: list[tuple[str, UnitFile | str | None]] = []
+        self._dir_files[key] = files
+        try:
+            entries = _scan_dir(real_dir)
+        except OSError:
+            return files
+        for fname, kind in entries.items():
+            if not fname.endswith(".conf") or fname.startswith(".") or kind & _DIR:
+                continue
+            if kind & _OTHER:
+                files.append((fname, "not a regular file or a symlink, ignored"))
+                continue
+            real, masked = self._resolve(sysdir, real_dir, fname, kind)
+            if real is None:
+                files.append((fname, "a symlink that leads nowhere (a loop, too long), ignored"))
+                continue
+            st = _stat(real) if kind & _LINK and not masked else None
+            if masked or (st is not None and stat.S_ISCHR(st.st_mode)):
+                files.append((fname, None))  # masked, as systemd's null_or_empty() says
+            elif not kind & _LINK or (st is not None and stat.S_ISREG(st.st_mode)):
+                files.append((fname, UnitFile(f"{sysdir}/{fname}", real)))
+            elif st is not None:
+                files.append((fname, "links to something that is not a regular file, ignored"))
+        return files
 
     def dropins(self, name: str) -> list[UnitFile]:
         """The unit's `*.conf` drop-ins in the order systemd applies them: sorted by file name; a
@@ -809,30 +862,13 @@ class UnitIndex:
         systemd's DropInPaths, is listed: it contributes nothing)."""
         chosen: dict[str, UnitFile | None] = {}
         for sysdir, real_dir in self.dropin_dirs(name):
-            try:
-                entries = _scan_dir(real_dir)
-            except OSError:
-                continue
-            for fname, kind in entries.items():
-                if not fname.endswith(".conf") or fname.startswith(".") or fname in chosen:
-                    continue
-                if kind & _DIR:
-                    continue
-                path = f"{sysdir}/{fname}"
-                if kind & _OTHER:
-                    self._issue(path, "not a regular file or a symlink, ignored")
-                    continue
-                real, masked = self._resolve(sysdir, real_dir, fname, kind)
-                if real is None:
-                    self._issue(path, "a symlink that leads nowhere (a loop, too long), ignored")
-                    continue
-                st = _stat(real) if kind & _LINK and not masked else None
-                if masked or (st is not None and stat.S_ISCHR(st.st_mode)):
-                    chosen[fname] = None  # masked, as systemd's null_or_empty() says
-                elif not kind & _LINK or (st is not None and stat.S_ISREG(st.st_mode)):
-                    chosen[fname] = UnitFile(path, real)
-                elif st is not None:
-                    self._issue(path, "links to something that is not a regular file, ignored")
+            for fname, found in self._dropin_dir_files(sysdir, real_dir):
+                if fname in chosen:
+                    continue  # hidden by this name's file (or mask) in a higher directory
+                if isinstance(found, str):  # ignored: said where a unit would have read it
+                    self._issue(f"{sysdir}/{fname}", found)
+                else:
+                    chosen[fname] = found
         # by the names' bytes, as systemd's strcmp(3): a name that is not UTF-8 holds lone
         # surrogates (U+DC80 for the byte 0x80), which sort after `é` (0xC3 0xA9) as text
         ordered = sorted(chosen.items(), key=lambda item: os.fsencode(item[0]))

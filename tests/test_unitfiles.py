@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -697,6 +698,89 @@ def test_symlinked_dropin_and_dropin_dir(tmp_path: Path) -> None:
         (f"{ETC}/a.service.d/x.conf", str(tmp_path / "opt/conf/x.conf")),
         (f"{RUN}/a.service.d/y.conf", str(tmp_path / "opt/dir/y.conf")),
     ]
+
+
+def test_a_shared_dropin_directory_is_read_once_per_scan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`service.d/`, a dash prefix's and a template's directories are read by every unit they
+    name: at 10,000 units, listing them again for each unit was four in five of a scan's
+    listings. One index lists each once (and follows a linked one once), and every unit
+    still gets the same drop-ins, in the same order, and each ignored file is said once."""
+    units = [f"app-{i}.service" for i in range(30)] + [f"job@{i}.service" for i in range(10)]
+    for name in units:
+        write(tmp_path, f"{LIB}/{name}")
+    write(tmp_path, f"{LIB}/job@.service")
+    write(tmp_path, f"{ETC}/service.d/10-x.conf")
+    os.mkfifo(tmp_path / f"{ETC.lstrip('/')}/service.d/15-fifo.conf")
+    write(tmp_path, f"{LIB}/service.d/10-x.conf")  # hidden by /etc's
+    write(tmp_path, "/opt/shared/30-linked.conf")
+    link(tmp_path, f"{RUN}/service.d", "/opt/shared")
+    write(tmp_path, f"{ETC}/app-.service.d/20-y.conf")
+    link(tmp_path, f"{ETC}/job@.service.d/25-masked.conf", "/dev/null")
+    write(tmp_path, f"{LIB}/job@.service.d/25-masked.conf")
+    write(tmp_path, f"{LIB}/job@.service.d/26-w.conf")
+    listed: dict[str, int] = {}
+    statted: dict[str, int] = {}
+    real_scandir, real_stat = os.scandir, os.stat
+
+    def counting(path: str) -> Any:
+        listed[path] = listed.get(path, 0) + 1
+        return real_scandir(path)
+
+    def counting_stat(path: str, **kwargs: Any) -> os.stat_result:
+        statted[path] = statted.get(path, 0) + 1
+        return real_stat(path, **kwargs)
+
+    shared = [f"{ETC}/service.d/10-x.conf", f"{RUN}/service.d/30-linked.conf"]
+    found: dict[str, list[str]] = {}
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "scandir", counting)
+        patched.setattr(os, "stat", counting_stat)
+        index = UnitIndex(tmp_path)
+        for name in units:
+            found[name] = [d.path for d in index.dropins(name)]
+    for name in units:
+        expected = (
+            [f"{ETC}/app-.service.d/20-y.conf"]
+            if name.startswith("app-")
+            else [f"{LIB}/job@.service.d/26-w.conf"]
+        )
+        by_file_name = sorted([*expected, *shared], key=lambda p: p.rsplit("/", 1)[1])
+        assert found[name] == by_file_name
+    assert [(i.path, i.message) for i in index.issues] == [
+        (f"{ETC}/service.d/15-fifo.conf", "not a regular file or a symlink, ignored")
+    ]
+    assert {p: n for p, n in listed.items() if n != 1} == {}
+    # the link `service.d` is followed once too
+    assert listed[str(tmp_path / "opt/shared")] == statted[str(tmp_path / "opt/shared")] == 1
+
+
+def test_a_shared_dropin_directory_gone_after_the_listing_is_skipped_by_every_unit(
+    tmp_path: Path,
+) -> None:
+    """A drop-in directory removed between the search path's listing and a unit's question
+    is skipped (as systemd skips a directory it cannot read), for each unit alike."""
+    for name in ("a-1.service", "a-2.service"):
+        write(tmp_path, f"{LIB}/{name}")
+    write(tmp_path, f"{ETC}/service.d/10-x.conf")
+    write(tmp_path, f"{LIB}/a-.service.d/20-y.conf")
+    index = UnitIndex(tmp_path)
+    (tmp_path / f"{ETC.lstrip('/')}/service.d/10-x.conf").unlink()
+    (tmp_path / f"{ETC.lstrip('/')}/service.d").rmdir()
+    for name in ("a-1.service", "a-2.service"):
+        assert [d.path for d in index.dropins(name)] == [f"{LIB}/a-.service.d/20-y.conf"]
+    assert index.issues == []
+
+
+def test_a_new_scan_reads_a_shared_dropin_directory_again(tmp_path: Path) -> None:
+    """Each scan (one at start-up, one per daemon-reload) has its own index: a drop-in that a
+    shared directory gained since the last scan is read by the next one."""
+    write(tmp_path, f"{LIB}/a.service", "[X-GPUSlice]\nPriority=10\n")
+    write(tmp_path, f"{ETC}/service.d/10-x.conf", "[Unit]\n")
+    assert scan(tmp_path).specs["a.service"].priority == 10
+    write(tmp_path, f"{ETC}/service.d/20-y.conf", "[X-GPUSlice]\nPriority=20\n")
+    assert scan(tmp_path).specs["a.service"].priority == 20
 
 
 # ---------------------------------------------------------------------------------------------
