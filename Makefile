@@ -136,7 +136,11 @@ ifeq ($(DESTDIR),)
 	systemctl daemon-reload
 	busctl call org.freedesktop.DBus / org.freedesktop.DBus ReloadConfig \
 	    || systemctl reload dbus.service
-	systemctl enable --now gpuslice.service
+	# restarted, not only started: run again over an earlier copy (an upgrade from a
+	# checkout), `enable --now` left that copy's controller running, its old code beside
+	# the new gate and drop-ins until the next reboot (the package's upgrade restarts it too)
+	systemctl enable gpuslice.service
+	systemctl restart gpuslice.service
 endif
 
 uninstall:

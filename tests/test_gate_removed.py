@@ -4,12 +4,14 @@ removed.
 `apt remove gpuslice` stops the controller (prerm), deletes its files, and daemon-reloads
 (postrm): every later start of an annotated unit runs ungated (README). A start that was
 already waiting at its gate keeps its gate process, which asks a controller that will never
-come back. It must notice that gpuslice.service no longer exists and end, and only then: a
-stopped, failed or masked controller is waited for. It lets the start go when the unit has
-no ExecStartPre= lines of its own: systemd does not go on with a command list whose running
-command (the gate) a reload removed, so the unit's own lines would be skipped; a unit that
-has some fails this start instead. `dbus-send` and `systemctl` are stubs first in the PATH of
-a copy of the gate (tests/test_gatepipes.py), as systemd would show each case.
+come back. It must notice that gpuslice is gone and end, and only then: a stopped, failed
+or masked controller is waited for while the gate's file is there or its unit still lists it
+(a mask, or a copy in /etc, that outlives the package is not gpuslice installed). It lets
+the start go when the unit has no ExecStartPre= lines of its own: systemd does not go on
+with a command list whose running command (the gate) a reload removed, so the unit's own
+lines would be skipped; a unit that has some fails this start instead. `dbus-send` and
+`systemctl` are stubs first in the PATH of a copy of the gate (tests/test_gatepipes.py), as
+systemd would show each case.
 """
 
 from __future__ import annotations
@@ -140,3 +142,71 @@ def test_a_controller_that_is_only_away_is_waited_for(
     assert err == (
         f"waiting for gpuslice.service, which is {active}: see 'systemctl status gpuslice'\n"
     )
+
+
+def _remove_the_gate_once_it_asked(tmp_path: Path, gate: subprocess.Popen[str]) -> None:
+    """`apt remove`'s deletion of the gate's file, once the gate runs (it asked once): the
+    shell goes on reading the file it opened, as a waiting gate does."""
+    asks = tmp_path / "asks"
+    deadline = time.monotonic() + 30  # a pass never waits this long
+    while not asks.exists():
+        assert gate.poll() is None, "the gate ended before it asked"
+        assert time.monotonic() < deadline, "the gate never asked"
+        time.sleep(0.01)
+    (tmp_path / "gpuslice-gate").unlink()
+
+
+# what the unit's ExecStartPre= holds once the removal's reload took the gate's drop-in away
+# (none, or its own line), and before it (the gate, as systemd 252 shows it)
+OWN_LINE = "{ path=/bin/mkdir ; argv[]=/bin/mkdir -p /var/tmp/job ; ignore_errors=no }"
+GATE_LISTED = (
+    "{ path=/usr/lib/gpuslice/gpuslice-gate ; argv[]=/usr/lib/gpuslice/gpuslice-gate "
+    "job.service 0.5 /run/gpuslice/gate/job.service ; ignore_errors=no }"
+)
+
+
+@pytest.mark.parametrize(
+    ("pre", "code", "said"),
+    [
+        ("", 0, "starting without waiting for GPUs"),
+        (
+            OWN_LINE,
+            1,
+            "failing this start, so that the next one runs ungated with its own "
+            "ExecStartPre= lines",
+        ),
+    ],
+)
+@pytest.mark.parametrize("load", ["masked", "loaded"])
+def test_a_controller_that_outlives_the_package_is_not_waited_for(
+    tmp_path: Path, load: str, pre: str, code: int, said: str
+) -> None:
+    """gpuslice.service masked by an admin (a link to /dev/null in /etc), or copied whole
+    to /etc (`systemctl edit --full`): `apt remove` leaves it masked or loaded, never
+    not-found, and a start that was waiting at its gate waited for ever. The gate's own
+    file gone and its drop-in taken out of the unit by the removal's reload say it too."""
+    gate = _gate(tmp_path, "inactive", load, pre)
+    _remove_the_gate_once_it_asked(tmp_path, gate)
+    returncode, err = _ended(gate)
+    assert (returncode, err.splitlines()[-1]) == (
+        code,
+        f"gpuslice.service is not installed any more: {said}",
+    )
+
+
+def test_a_gate_still_listed_is_waited_for_though_its_file_is_gone(tmp_path: Path) -> None:
+    """Between dpkg's deletion of the gate's file and postrm's reload, the unit's drop-in
+    still names it: gpuslice is not gone yet for this start (the controller may be only
+    away, a `make install` of another copy replacing the file)."""
+    gate = _gate(tmp_path, "inactive", "masked", GATE_LISTED)
+    _remove_the_gate_once_it_asked(tmp_path, gate)
+    asks = tmp_path / "asks"
+    try:
+        deadline = time.monotonic() + 30
+        while len(asks.read_text().splitlines()) < 4:
+            assert gate.poll() is None, "the gate ended instead of waiting"
+            assert time.monotonic() < deadline, "the gate never asked four times"
+            time.sleep(0.02)
+    finally:
+        gate.kill()
+        gate.communicate()
