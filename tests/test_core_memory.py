@@ -251,6 +251,38 @@ def test_whole_gpu_unit_takes_the_free_gpu_next_to_a_packed_one() -> None:
     assert brief(s.request(unit("more", 10, 4))) == ["grant more.service 0"]
 
 
+def test_a_whole_gpu_unit_takes_an_idle_gpu_over_one_a_foreign_job_fills() -> None:
+    """Seed 001's question, "is the GPU really busy?": a unit without Memory= has its GPU to
+    itself, so of two it may take it gets the one no foreign process uses (it got GPU 0, the
+    lower index, beside a Slurm job's 20 GiB, and ran out of memory there with GPU 1 idle)."""
+    slurm = gpu(0, foreign=20 * GIB, foreign_pids=(7,), foreign_owners=("Slurm job 881",))
+    s = Scheduler([slurm, gpu(1)], {})
+    assert brief(s.request(unit("voice", 10, None))) == ["grant voice.service 1"]
+    # with no idle GPU left it is granted the busy one, as before: nothing counts it there
+    assert brief(s.request(unit("asr", 10, None))) == ["grant asr.service 0"]
+
+
+def test_a_whole_gpu_background_unit_takes_the_gpu_with_the_least_foreign_memory() -> None:
+    """A display server (graphics only: no yield) still fills part of its GPU."""
+    bg = unit("bg", 90, None, BG)
+    desktop = gpu(0, foreign=3 * GIB)
+    s = Scheduler([desktop, gpu(1, foreign=GIB), gpu(2, foreign=2 * GIB)], {bg.name: bg})
+    assert brief(s.schedule()) == ["start bg.service"]
+    assert s.holders["bg.service"].gpus == frozenset({1})
+    pair = unit("pair", 10, None, gpus=2)
+    assert brief(s.request(pair)) == ["grant pair.service 0,2"]
+
+
+def test_a_whole_gpu_unit_found_running_is_booked_by_index_not_away_from_its_own_memory() -> None:
+    """Annotated while it ran ungated (CUDA's GPU 0), its own 10 GiB there count as foreign
+    until it is booked: shunned, it was booked on GPU 1, and GPU 0 granted to the next job."""
+    mine = gpu(0, foreign=10 * GIB)
+    vlm = unit("vlm", 50, None)
+    s = Scheduler([mine, gpu(1)], {vlm.name: vlm})
+    s.running(vlm.name)
+    assert s.holders[vlm.name].gpus == frozenset({0})
+
+
 # -- lost GPUs ------------------------------------------------------------------------------
 
 

@@ -875,6 +875,39 @@ def test_a_waiter_that_cannot_run_yet_keeps_its_gpu_from_an_equally_urgent_preem
     assert brief(s.inactive(w.name, Outcome.EXITED)) == ["start p.service"]
 
 
+def test_a_preempted_unit_more_urgent_than_a_waiter_comes_back_before_it_is_granted() -> None:
+    """Seed 000's ping-pong: nightly (50), preempted for voice (10), and w (70), which
+    started while voice ran and waited. When voice ended, w was granted GPU 0 and nightly
+    restarted in the same pass, whose gate then stopped w: a start of w's made only to be
+    stopped (and restarted later, Requeue=yes). Now nightly comes back and w waits on."""
+    nightly, w = spec("nightly", 50), spec("w", 70)
+    sim = Sim(1, [nightly, VOICE, w])
+    sim.start(nightly.name)
+    sim.start(VO)
+    sim.settle()
+    assert brief(sim.start(w.name)) == []
+    assert brief(sim.exit(VO)) == [f"start {nightly.name}"]
+    assert brief(sim.settle()) == [f"grant {nightly.name} 0"]
+    assert sim.sched.waiting_units() == [w.name]
+    assert brief(sim.exit(nightly.name)) == [f"grant {w.name} 0"]
+    assert not any(r.victim == w.name for r in sim.stops)
+
+
+def test_a_comeback_that_must_preempt_keeps_its_gpus_from_later_waiters_of_the_pass() -> None:
+    """p (20, two GPUs) comes back preempting bg (95, GPU 1) once u (10, GPU 0) ends; w (50,
+    two GPUs), served after it in that pass, was given GPU 0 and bg's stop, and p's gate then
+    preempted w in turn."""
+    p, w, bg = spec("p", 20, gpus=2), spec("w", 50, gpus=2), spec("bg", 95, BG, devices=("1",))
+    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
+    s.load(SavedState(preempted={p.name: 1}))
+    s.request(spec("u", 10, devices=("0",)))
+    s.request(bg)
+    assert brief(s.request(w)) == []  # u (more urgent) holds GPU 0
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    assert s.phase(bg.name) is Phase.RUNNING  # p's gate preempts it, not w
+    assert s.waiting_units() == [w.name]
+
+
 def test_preempted_units_come_back_by_priority_then_the_one_preempted_first() -> None:
     """The state file lists them in any order: priority, then when it was preempted, decide."""
     specs = [spec("late", 50), spec("early", 50), spec("low", 60), spec("top", 10)]

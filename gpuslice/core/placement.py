@@ -102,12 +102,19 @@ def victims_on(
     return victims
 
 
-def _cost(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use], victims: Sequence[Use]) -> _Cost:
+def _cost(
+    spec: UnitSpec, gpu: Gpu, uses: Sequence[Use], victims: Sequence[Use], shun_foreign: bool
+) -> _Cost:
     """The least urgent victims (and among equals the fewest), then the least slack: the
     least memory freed beyond need, or with no victims the tightest fit (large holes stay
-    for large units), then the most recently started victims."""
+    for large units); for a whole-GPU unit, the least memory foreign processes use (the
+    GPU is to be its own: it got the lower index, beside a cluster job's 20 GiB, and ran out
+    of memory there while another GPU was idle); then the most recently started victims."""
+    if spec.memory is None:
+        shunned = gpu.foreign if shun_foreign else 0
+        return (_urgency(victims), len(victims), shunned, _recency(victims))
     free = free_memory(gpu, [u for u in uses if u not in victims])
-    slack = free - spec.memory if free is not None and spec.memory is not None else 0
+    slack = free - spec.memory if free is not None else 0
     return (_urgency(victims), len(victims), slack, _recency(victims))
 
 
@@ -130,20 +137,23 @@ def place(
     preempt: bool,
     avoid_foreign: bool = False,
     known_since: int | None = None,
+    shun_foreign: bool = True,
 ) -> Placement | None:
     """The best GPUs for the unit: with `preempt`, victims may be named (see `may_preempt`
-    for `known_since`); else only free capacity counts. None when it cannot be placed."""
+    for `known_since`); else only free capacity counts. None when it cannot be placed.
+    `shun_foreign`: a whole-GPU unit is given the GPUs foreign processes use least (see
+    `_cost`); without it, the lowest indices (a guess for a unit found running)."""
     options: list[_Option] = []
     for index, gpu in sorted(gpus.items()):
         if not allowed(spec, gpu, avoid_foreign):
             continue
         here = [u for u in uses.get(index, ()) if applies(u, spec.priority)]
         if fits(spec, gpu, here):
-            options.append((_cost(spec, gpu, here, []), index, []))
+            options.append((_cost(spec, gpu, here, [], shun_foreign), index, []))
         elif preempt:
             victims = victims_on(spec, gpu, here, known_since)
             if victims is not None:
-                options.append((_cost(spec, gpu, here, victims), index, victims))
+                options.append((_cost(spec, gpu, here, victims, shun_foreign), index, victims))
     if len(options) < spec.gpus:
         return None
     options.sort(key=lambda o: (o[0], o[1]))

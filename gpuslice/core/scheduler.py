@@ -811,7 +811,10 @@ class Scheduler:
         if len(wanted) != spec.gpus or not all(
             fits(spec, self.devices[g], uses[g]) for g in wanted
         ):
-            found = self._place(spec, [], preempt=False)
+            # a guess, by index: its own processes, not yet booked, count as foreign memory
+            # on the GPU it runs on, and shunned, it was booked on another, which a grant
+            # then gave to a second job beside it
+            found = self._place(spec, [], preempt=False, shun_foreign=False)
             wanted = frozenset(found.gpus) if found is not None else frozenset()
         actions: list[Action] = []
         if len(wanted) < spec.gpus:
@@ -1357,9 +1360,21 @@ class Scheduler:
         waiting = [] if self.shutting_down else self.waiters.values()
         queue = [(w.spec.priority, w.seq, w.spec.name) for w in waiting]
         heapq.heapify(queue)
+        # the preempted units owed a comeback, the most urgent last (popped first)
+        comebacks = sorted(
+            (self._prio(n), at, i, n) for i, (n, at) in enumerate(self.preempted.items())
+        )
+        comebacks.reverse()
+        unplaced: list[UnitSpec] = []
         self._view = None
         while queue:
-            *_, name = heapq.heappop(queue)
+            priority, _, name = heapq.heappop(queue)
+            # a preempted unit more urgent than this waiter comes back first: served after
+            # it, its comeback's gate preempted the waiter granted a moment before
+            back = self._requeue(promises, comebacks, unplaced, before=priority)
+            if back:
+                self._view = None  # it took capacity the pass's view does not show
+                actions += back
             waiter = self.waiters.get(name)
             if waiter is None:
                 continue
@@ -1372,7 +1387,7 @@ class Scheduler:
             # anyway, owed a comeback (`inactive`). Resumed or thawed first, its VRAM came
             # back for nothing, racing its stop, and it ended running: owed nothing
             return actions
-        actions += self._requeue(promises)
+        actions += self._requeue(promises, comebacks, unplaced)
         actions += self._resume(promises)
         actions += self._refill(promises)
         return actions + self._thaw()  # a unit frozen in this pass no longer runs
@@ -1409,6 +1424,7 @@ class Scheduler:
         preempt: bool,
         known_since: int | None = None,
         uses: dict[int, list[Use]] | None = None,
+        shun_foreign: bool = True,
     ) -> Placement | None:
         return place(
             spec,
@@ -1417,6 +1433,7 @@ class Scheduler:
             preempt=preempt,
             avoid_foreign=self._avoids_foreign(spec),
             known_since=known_since,
+            shun_foreign=shun_foreign,
         )
 
     def _promise(
@@ -1849,14 +1866,24 @@ class Scheduler:
         self._view = view
         return actions
 
-    def _requeue(self, promises: list[tuple[int, Use]]) -> list[Action]:
+    def _requeue(
+        self,
+        promises: list[tuple[int, Use]],
+        comebacks: list[tuple[int, int, int, str]],
+        unplaced: list[UnitSpec],
+        before: int | None = None,
+    ) -> list[Action]:
+        """Bring back the preempted units of `comebacks` (by priority, then the one preempted
+        first: taken from its end) more urgent than `before` (all, if None)."""
         actions: list[Action] = []
         # Placing only takes capacity away, and a later unit is no more urgent (fewer victims,
         # more places kept bind it): one that asks no less than a unit that did not fit even
         # preempting does not fit either. A burst's 8 preempted background units cost one
         # placement per pass, not 8 (issue 10: a fifth of a burst's controller CPU).
-        unplaced: list[UnitSpec] = []
-        for name, _ in sorted(self.preempted.items(), key=lambda i: (self._prio(i[0]), i[1])):
+        while comebacks and (before is None or comebacks[-1][0] < before):
+            name = comebacks.pop()[-1]
+            if name not in self.preempted:
+                continue
             spec = self.specs.get(name)
             if (
                 spec is None
@@ -1882,6 +1909,9 @@ class Scheduler:
             if victims:
                 held: frozenset[int] = frozenset()  # its gate request preempts like any start
                 cause = Cause.PREEMPTS
+                # kept from the less urgent for the rest of the pass: one served after it
+                # here was granted, or preempted its victims too, and stopped at its gate
+                self._promise(promises, spec, gpus)
             else:
                 held = frozenset(gpus)
                 cause = Cause.FREE
