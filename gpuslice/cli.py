@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,15 +181,16 @@ def release_jobs(config_path: str) -> None:
     show (not resumed: it may be down), are named on stderr with why and what to do,
     instead of being left silently. What it did is saved in the state it read
     (`_record_released`): a gpuslice installed again this boot judges those units as they
-    are, not as frozen or suspended still. Only a state of this boot is acted on, the
-    boot told as the controller tells it (`state.same_boot`, with systemd's start: a
-    container restarted keeps the kernel's boot id), and as a controller of this boot
-    recorded it while it can (`_this_boot`): one of an earlier boot names units whose
-    processes are gone, and a unit of that name now is another. When this boot cannot be
-    told (no record, systemd not reachable on the bus), no unit is touched: each is
-    named. The controller's bus name is held meanwhile (`_controllers_name`): a controller
-    started then waits for it before it reads the state; one that holds it already keeps
-    its units."""
+    are, not as frozen or suspended still, and one installed again in any boot owes those
+    named preempted no comeback (`_released`): the admin was told to start them. Units are
+    acted on for a state of this boot alone, the boot told as the controller tells it
+    (`state.same_boot`, with systemd's start: a container restarted keeps the kernel's boot
+    id), and as a controller of this boot recorded it while it can (`_this_boot`): one of
+    an earlier boot names units whose processes are gone, and a unit of that name now is
+    another. When this boot cannot be told (no record, systemd not reachable on the bus),
+    no unit is touched: each is named. The controller's bus name is held meanwhile
+    (`_controllers_name`): a controller started then waits for it before it reads the
+    state; one that holds it already keeps its units."""
     _release_jobs(config_path)
 
 
@@ -354,6 +355,7 @@ def _release_stopped(config_path: str, deadline: float) -> None:
     units = sorted(to_thaw | suspended | preempted, key=order)
     only_preempted = [u for u in units if u not in to_thaw and u not in suspended]
     states: dict[str, dict[str, str]] | None = None
+    handed_back: set[str] = set()  # told nothing will start them again: owed no comeback
     for unit in units:
         if unit in to_thaw or unit in suspended:  # few; each read as it is acted on
             shown = _unit_state(unit)
@@ -361,6 +363,11 @@ def _release_stopped(config_path: str, deadline: float) -> None:
             if states is None:  # last in the order: shown together, once the rest is done
                 states = _unit_states(only_preempted, max(deadline, time.monotonic() + SHOW_LATE))
             shown = states.get(unit, {})
+        # one being stopped only once systemd shows it down: its GPUs are still its own
+        if unit in preempted and (
+            unit not in stopping or shown.get("ActiveState") in ("inactive", "failed")
+        ):
+            handed_back.add(unit)
         frozen = shown.get("FreezerState") in ("frozen", "freezing")
         where = f"gpuslice is being removed: {printable(unit, 300)}"
         if unit in suspended and shown.get("ActiveState") == "active":
@@ -436,7 +443,7 @@ def _release_stopped(config_path: str, deadline: float) -> None:
             f"{RELEASE_DEADLINE:g} s: nothing will start again those of them that are down",
             err=True,
         )
-    _record_released(store, saved_boot, saved, _released(saved, thawed, resumed))
+    _record_released(store, saved_boot, saved, _released(saved, thawed, resumed, handed_back))
 
 
 def _thaw(unit: str, timeout: float) -> bool:
@@ -448,7 +455,12 @@ def _thaw(unit: str, timeout: float) -> bool:
         return False
 
 
-def _released(saved: SavedState, thawed: list[str], resumed: dict[str, Phase]) -> SavedState:
+def _released(
+    saved: SavedState,
+    thawed: list[str],
+    resumed: dict[str, Phase],
+    handed_back: Collection[str],
+) -> SavedState:
     """The saved state once release-jobs thawed (`thawed`), resumed or stopped (`resumed`:
     running again, or being stopped) these units, as the controller records what it did
     itself: a unit frozen beside another runs again (`thaw_done`; a thaw owed is paid), one
@@ -457,12 +469,25 @@ def _released(saved: SavedState, thawed: list[str], resumed: dict[str, Phase]) -
     and Requeue= decides). Kept frozen or suspended, the next controller of this boot
     (`apt install` again) said a unit thawed here was thawed outside and never froze it
     again, and booked no GPU for a unit resumed here until a resume found nothing to
-    restore: another unit was granted the GPU it runs on. Everything else is kept."""
+    restore: another unit was granted the GPU it runs on. The preempted units it told the
+    admin nothing will start again (`handed_back`: preempted, suspended in an earlier boot,
+    or down since a stop of the controller's) are theirs now, owed no comeback, as a
+    preemption the controller forgets (`_forget_end`): kept, the next controller, of this
+    boot or a later one, started again a job the admin had started by hand meanwhile and
+    that had finished. Everything else is kept."""
     from gpuslice.core.scheduler import Phase
 
     holders = dict(saved.holders)
     suspended = dict(saved.suspended)
     seq = saved.seq
+    gone: set[str] = set()  # no longer a holder or suspended: its terms go too
+    for unit in handed_back:
+        if unit in suspended:  # one of an earlier boot: preempted with it (forget_boot)
+            del suspended[unit]
+            gone.add(unit)
+        if holders.get(unit, ((), "", 0, ""))[1] == Phase.STOPPING.value:
+            del holders[unit]  # down: preempted once the next controller saw it so
+            gone.add(unit)
     for unit in thawed:
         gpus, phase, held_since, _ = holders.get(unit, ((), "", 0, ""))
         if phase == Phase.FROZEN.value:
@@ -474,10 +499,12 @@ def _released(saved: SavedState, thawed: list[str], resumed: dict[str, Phase]) -
         elif unit in holders:  # caught between suspend and resume
             gpus, _, held_since, _ = holders[unit]
             holders[unit] = (gpus, now.value, held_since, "")
-    owed = [n for n in saved.thaw_owed if n not in thawed]
+    owed = [n for n in saved.thaw_owed if n not in thawed and n not in gone]
     owed += [n for n, now in resumed.items() if now is Phase.RUNNING and n not in owed]
     frozen_for = {
-        n: units for n, units in saved.frozen_for.items() if holders[n][1] == Phase.FROZEN.value
+        n: units
+        for n, units in saved.frozen_for.items()
+        if n in holders and holders[n][1] == Phase.FROZEN.value
     }
     return replace(
         saved,
@@ -486,6 +513,10 @@ def _released(saved: SavedState, thawed: list[str], resumed: dict[str, Phase]) -
         seq=seq,
         frozen_for=frozen_for,
         thaw_owed=owed,
+        preempted={n: at for n, at in saved.preempted.items() if n not in handed_back},
+        wait_failed=[n for n in saved.wait_failed if n not in handed_back],
+        requeued=[n for n in saved.requeued if n not in handed_back],
+        terms={n: t for n, t in saved.terms.items() if n not in gone},
     )
 
 
@@ -499,7 +530,8 @@ def _record_released(store: StateStore, boot: str, was: SavedState, now: SavedSt
     own). While release-jobs holds the controller's name (`_controllers_name`) no controller
     gets that far; without it, one that starts after the last look loaded the state as it
     was, and its saves replace this one; each save is whole (rename(2)). Left, it is said:
-    the units it names are taken for still frozen or suspended."""
+    the units it names are taken for still frozen or suspended, and those handed back are
+    owed a comeback still."""
     if now == was:
         return
     why = store.saved_since()
@@ -520,12 +552,25 @@ def _record_released(store: StateStore, boot: str, was: SavedState, now: SavedSt
             return
     changed = sorted(
         {n for n in now.holders if now.holders[n] != was.holders.get(n)}
-        | set(was.thaw_owed) - set(now.thaw_owed)
+        | (set(was.thaw_owed) - set(now.thaw_owed)) & set(now.holders)
     )
+    # handed back (`_released`): thousands, an instance per job
+    owed = sorted(
+        set(was.preempted) - set(now.preempted)
+        | (set(was.holders) | set(was.suspended)) - set(now.holders) - set(now.suspended)
+    )
+    told = []
+    if changed:
+        names = ", ".join(printable(n, 300) for n in changed)
+        told.append(f"this boot takes {names} for still frozen or suspended")
+    if owed:
+        told.append(
+            f"brings back {len(owed)} units named preempted above (the first "
+            f"{printable(owed[0], 300)}), even one started by hand since"
+        )
     click.echo(
         f"gpuslice release-jobs: the saved state {printable(str(store.path), 300)} is left as it "
-        f"was ({printable(why, 300)}): a gpuslice started again this boot takes "
-        f"{', '.join(printable(n, 300) for n in changed)} for still frozen or suspended",
+        f"was ({printable(why, 300)}): a gpuslice started again {' and '.join(told)}",
         err=True,
     )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import subprocess
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +120,8 @@ def test_the_state_says_what_release_jobs_did(
     resume), one caught between suspend and resume too; stopped after a resume in part, one
     holds its GPUs until systemd shows it down (then Requeue= decides, as after the
     controller's own failed resume), or runs thawed when its stop failed. The unit not
-    resumed stays suspended, and everything else is kept. Saved after the state it read, in
-    the boot it was of."""
+    resumed stays suspended, the preempted one is handed back (owed no comeback), and
+    everything else is kept. Saved after the state it read, in the boot it was of."""
     config, done, _ = _release(tmp_path, monkeypatch, SAVED, SHOWN, stop_fails=stop_fails)
     assert ("stop", "partly.service") in done  # the stand-ins did what the test says
     saved, boot, generation = _loaded(config)
@@ -139,8 +140,9 @@ def test_the_state_says_what_release_jobs_did(
     owed = ["caught.service", "train.service", "partly.service"]
     assert saved.thaw_owed == (owed if stop_fails else owed[:2])
     assert saved.seq == 10
+    # gone.service, preempted, was named as nothing will start it again: it is owed nothing
     assert (saved.preempted, saved.held, saved.finished, saved.failed) == (
-        SAVED.preempted,
+        {},
         SAVED.held,
         SAVED.finished,
         SAVED.failed,
@@ -151,14 +153,20 @@ def test_the_state_says_what_release_jobs_did(
 def test_a_state_release_jobs_did_nothing_to_is_left_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Another boot's state: nothing acted on, nothing written (its file unchanged). Nor when
-    nothing could be done in this boot (the units not frozen now)."""
+    """Another boot's state: nothing acted on, and what is written only hands back the units
+    it names preempted (gone.service, and the suspended ones, preempted with that boot), in
+    the boot it was of; with none, nothing is written (its file unchanged). Nor when nothing
+    could be done in this boot (the units not frozen now)."""
     config, done, _ = _release(tmp_path, monkeypatch, SAVED, SHOWN, boot="boot-0")
     assert done == []
-    assert _loaded(config)[1:] == ("boot-0", 1)  # as the test saved it
+    handed_back = replace(SAVED, suspended={}, preempted={}, terms={})
+    assert _loaded(config) == (handed_back, "boot-0", 2)
+    _release(tmp_path, monkeypatch, handed_back, SHOWN, boot="boot-0")
+    assert _loaded(config) == (handed_back, "boot-0", 1)  # as the test saved it
+    kept = replace(SAVED, preempted={})
     shown = {n: ("active", "running") for n in SHOWN}
-    _release(tmp_path, monkeypatch, SAVED, shown)
-    assert _loaded(config) == (SAVED, BOOT, 1)
+    _release(tmp_path, monkeypatch, kept, shown)
+    assert _loaded(config) == (kept, BOOT, 1)
 
 
 @pytest.mark.parametrize("meanwhile", ["controller", "saved", "unreadable", "unwritable"])

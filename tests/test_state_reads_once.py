@@ -146,11 +146,17 @@ def test_release_jobs_reads_each_state_file_once(
         return subprocess.CompletedProcess(command, 0, out, "")
 
     monkeypatch.setattr(subprocess, "run", systemctl)
+    # low.service handed back is saved, after a look for a save since the read, which reads
+    # the file again (tests/test_release_jobs_state.py): the read to choose and load is this
+    # test's
+    saves: list[SavedState] = []
+    monkeypatch.setattr(cli_module, "_record_released", lambda *args: saves.append(args[3]))
     reads = count_reads(monkeypatch)
     result = CliRunner().invoke(main, ["release-jobs", "--config", str(tmp_path / "c.yaml")])
     assert result.exit_code == 0, result.output
     assert "low.service was preempted and nothing will start it again" in result.stderr
     assert reads == {str(old): 1, str(new): 1}, reads
+    assert saves == [SavedState(seq=1)]
 
 
 def test_the_state_loaded_is_the_one_ranked_against_the_stand_in(
