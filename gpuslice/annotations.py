@@ -50,7 +50,9 @@ class Problem:
     """One finding, printed as `PATH:LINE: [SECTION] KEY: message`: a key of `[X-GPUSlice]`, or
     of another section where it affects gpuslice (`[Service] ExecStartPre`). `line` is 0 when
     the finding is about the whole file (it cannot be read); `section` is empty for a file that
-    systemd ignores (its name is not a valid unit name, it is a FIFO)."""
+    systemd ignores (its name is not a valid unit name, it is a FIFO). `public_message`: the
+    message as anyone but root is shown it (`public`), where `message` quotes what only root
+    may read, an environment file's text (gpuslice/envsafety.py); "" where it is the same."""
 
     path: str
     line: int
@@ -59,11 +61,20 @@ class Problem:
     severity: Severity = "error"
     unit: str = ""
     section: str = SECTION
+    public_message: str = ""
 
     def __str__(self) -> str:
+        return self._said(self.message)
+
+    def public(self) -> str:
+        """The finding as Status shows it to anyone but root (the journal and `gpuslice
+        check` show root `str`)."""
+        return self._said(self.public_message or self.message)
+
+    def _said(self, message: str) -> str:
         section = f" [{self.section}]" if self.section else ""
         key = f" {self.key}:" if self.key else ""
-        return f"{self.path}:{self.line}:{section}{key} {self.message}"
+        return f"{self.path}:{self.line}:{section}{key} {message}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +435,7 @@ class Loader:
             if target in BEFORE_THE_CONTROLLER
         ]
         problems += [
-            Problem(f.path, f.line, f.key, f.message, "error", name, "Service")
+            Problem(f.path, f.line, f.key, f.message, "error", name, "Service", f.public)
             for f in self.env_files.check(name, run_as)
         ]
 

@@ -4,8 +4,9 @@ Anyone may ask for the status, as often as they like, so the answer is built onc
 (gpuslice/status.py: CachedStatus), the redacted one alike, and the counters, which move
 without a change of state, are added at each call. Where /proc hides other users'
 processes, a caller sees them only when /proc shows them to it (root, the mount's gid=
-group); else its own processes and no one else's (RedactedStatus). Who a caller is, the bus
-daemon says, asked once per unique bus name (gpuslice/callers.py).
+group); else its own processes and no one else's (RedactedStatus). Anyone but root reads
+the problems without what only root may read, an environment file's values (FullStatus).
+Who a caller is, the bus daemon says, asked once per unique bus name (gpuslice/callers.py).
 
 The controller decides and wires: it says when the state changed (`changed`) and when to
 read /proc's mount again (`read_proc_mount`); this module reads what it shows through the
@@ -26,7 +27,13 @@ from gpuslice.core.scheduler import Snapshot
 from gpuslice.counters import Counters
 from gpuslice.inventory import Sample
 from gpuslice.procmount import ProcHiding, read_proc_hiding
-from gpuslice.status import CachedStatus, RedactedStatus, snapshot_to_json
+from gpuslice.status import (
+    CachedStatus,
+    FullStatus,
+    RedactedStatus,
+    problems_json,
+    snapshot_to_json,
+)
 
 log = logging.getLogger("gpuslice")
 
@@ -139,15 +146,19 @@ class StatusAnswers:
         what = "; ".join(parts) if parts else "idle"
         return f"{count} GPU{'s' if count != 1 else ''}: {what}; {len(snap.waiting)} waiting"
 
-    def status_json(self, redacted: bool = False, uid: int | None = None) -> str:
+    def status_json(
+        self, redacted: bool = False, uid: int | None = None, public: bool = False
+    ) -> str:
         """Anyone may ask, as often as they like: the answer is built once per change, and a
         slow one less often (gpuslice/status.py: CachedStatus); `redacted`, without what
         /proc hides from other users (status_for), cached alike, but the processes of `uid`
-        (RedactedStatus: the caller's own)."""
+        (RedactedStatus: the caller's own); `public` (implied by `redacted`), without what
+        only root may read in its problems (FullStatus: an environment file's values)."""
         if redacted:
             cached, as_of = self._redacted.text().text_for(uid), self._redacted.as_of
         else:
-            cached, as_of = self._status.text(), self._status.as_of
+            full = self._status.text()
+            cached, as_of = (full.public if public else full.text), self._status.as_of
         # the counters move without a change of state: added at each call (a few hundred
         # bytes) to the cached snapshot's object, whose last character is its closing brace
         extra = json.dumps(self.status_counters(as_of), sort_keys=True)
@@ -156,10 +167,12 @@ class StatusAnswers:
     def status_for(self, sender: str) -> str | Coroutine[Any, Any, str]:
         """The Status answer for the caller of this unique bus name: where /proc hides other
         users' processes, without them (but the caller's own: RedactedStatus) unless /proc
-        shows them to it (root, the mount's gid= group), as the bus daemon says who it is,
-        asked once per unique name (gpuslice/callers.py). Now (a string) where /proc hides
-        none, and for a caller named before; else once the bus daemon has answered."""
-        if not self.proc_hiding.hides:
+        shows them to it (root, the mount's gid= group), and to anyone but root without what
+        only root may read in the problems (FullStatus.public), as the bus daemon says who
+        it is, asked once per unique name (gpuslice/callers.py). Now (a string) where /proc
+        hides none and no problem withholds anything, and for a caller named before; else
+        once the bus daemon has answered."""
+        if not self.proc_hiding.hides and not self._status.text().withholds:
             return self.status_json()
         known = self.callers.get(sender)  # asked before (gpuslice/callers.py)
         if known is not None:
@@ -178,20 +191,22 @@ class StatusAnswers:
     def _status_of(self, uid: int | None, groups: frozenset[int]) -> str:
         """The answer for a caller of this UID and these groups (as of /proc's mount now)."""
         if self.proc_hiding.exempts(uid, groups):
-            return self.status_json()
+            return self.status_json(public=uid != 0)
         return self.status_json(redacted=True, uid=uid)
 
-    def _status_snapshot(self) -> str:
-        return json.dumps(self._snapshot_json(self._sample(), False), sort_keys=True)
+    def _status_snapshot(self) -> FullStatus:
+        scan = self._scan()  # the one it is built of, read once
+        data = self._snapshot_json(scan, self._sample(), False)
+        return FullStatus(data, problems_json(scan, public=True))
 
     def _redacted_snapshot(self) -> RedactedStatus:
         sample = self._sample()  # the one it is built of, read once
-        return RedactedStatus(self._snapshot_json(sample, True), sample)
+        return RedactedStatus(self._snapshot_json(self._scan(), sample, True), sample)
 
-    def _snapshot_json(self, sample: Sample, redact: bool) -> dict[str, Any]:
+    def _snapshot_json(self, scan: Scan, sample: Sample, redact: bool) -> dict[str, Any]:
         return snapshot_to_json(
             self.core.snapshot(),
-            self._scan(),
+            scan,
             sample,
             self._waiting_since(),
             self._suspensions(),

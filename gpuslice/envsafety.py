@@ -370,12 +370,15 @@ class Refusal(NamedTuple):
 
 
 class Finding(NamedTuple):
-    """A refused assignment: its file, line, key and the whole message."""
+    """A refused assignment: its file, line, key and the whole message; `public`, the message
+    as anyone but root is shown it where `message` quotes an environment file's text (""
+    where it does not: the same)."""
 
     path: str
     line: int
     message: str
     key: str = "EnvironmentFile"
+    public: str = ""
 
 
 def _unescape(text: str) -> str | None:
@@ -1133,7 +1136,11 @@ class EnvFileChecker:
             if refusal is not None:
                 key = "EnvironmentFile" if found.file else "Environment"
                 at = found.assignment
-                findings.append(Finding(at.path, at.line, _message(unit, refusal), key))
+                public = ""  # a value of the unit file's own is no secret (systemctl show)
+                if found.file:
+                    public = _message(unit, _withheld(name, found.file, refusal.fix))
+                message = _message(unit, refusal)
+                findings.append(Finding(at.path, at.line, message, key, public))
         return findings
 
     def _split(self, value: str) -> list[str]:
@@ -1151,11 +1158,7 @@ class EnvFileChecker:
             words, separators = SKIPS_GATE[name]
             if words and words.isdisjoint(re.split(f"[{re.escape(separators)}]", value)):
                 return None
-            return Refusal(
-                f"{said}: {_SKIPS_HOW[name]}, so gpuslice's gate would let the start through "
-                "without asking for its GPUs",
-                FIX_SKIPS,
-            )
+            return Refusal(f"{said}: {_skips_why(name)}", FIX_SKIPS)
         if name not in LOADER_PATHS:
             return self._output_refusal(name, value, said)
         if value == "":
@@ -1936,6 +1939,30 @@ def _as_written(value: str, path: str, refusal: Refusal | None) -> Refusal | Non
     if not refusal.reason.startswith(shown):
         return refusal
     return Refusal(_named(value, path) + refusal.reason[len(shown) :], refusal.fix)
+
+
+def _skips_why(name: str) -> str:
+    return (
+        f"{_SKIPS_HOW[name]}, so gpuslice's gate would let the start through without asking "
+        "for its GPUs"
+    )
+
+
+def _withheld(name: str, file: str, fix: str) -> Refusal:
+    """The refusal of the variable `name` set in the environment file `file` (as `_named`
+    names it) as anyone but root is shown it (Status): without its value, nor what the walk
+    of the paths it names said of them. systemd shows no one but root that file's text (it
+    is often 0600), and a value holds more than a path: `LD_PRELOAD=/x.so TOKEN=...` is one
+    value, the whole line, whose `TOKEN=...` names no file."""
+    said = f"{name}=... (set in {printable(file)}; its value is shown to root alone)"
+    if name in SKIPS_GATE:
+        return Refusal(f"{said}: {_skips_why(name)}", fix)
+    does = "load code from" if name in LOADER_PATHS else "write to"
+    return Refusal(
+        f"{said}: the gate's programs would {does} what it names as root, which someone but "
+        "root can change or gpuslice cannot check",
+        fix,
+    )
 
 
 def _message(unit: str, refusal: Refusal) -> str:

@@ -103,6 +103,11 @@ in user-UID.slice: gpuslice/owners.py) keeps its "pid", "command" and "id". Ever
 entry stays redacted, whoever runs it: its owner (a Slurm job, a pod, a container, a unit,
 even one run as that user) says no UID. The list, its order and the counts are the same for
 every caller; the PARTs still count owners by kind only.
+Added with root's environment files: the "problems" of an answer to anyone but root (a
+redacted answer included) leave out what gpuslice read in a unit's environment files, which
+systemd shows no one but root: `LD_PRELOAD=... (set in /etc/x.env; its value is shown to
+root alone)`. The journal and `gpuslice check` run as root say the value; the number of
+problems is the same for every caller.
 """
 
 from __future__ import annotations
@@ -330,7 +335,8 @@ def snapshot_to_json(
     counts it (Scheduler.declared_memory: a unit whose annotation went keeps its terms),
     else read from the annotations; `redact`: the answer for a caller that /proc hides
     other users' processes from (gpuslice/procmount.py): no foreign process's PID,
-    command or owner ID, no owner named in a waiter's reason."""
+    command or owner ID, no owner named in a waiter's reason, and the problems as anyone
+    but root is shown them (`problems_json`)."""
     since = since or {}
     suspensions = suspensions or {}
     waiting = []
@@ -371,13 +377,37 @@ def snapshot_to_json(
         "finished": snap.finished,
         "failed": snap.failed,
         "priorities": _priorities((*snap.held, *snap.finished, *snap.failed), scan),
-        "problems": [str(p) for p in scan.problems],
+        "problems": problems_json(scan, public=redact),
     }
     if sample.health is not None:
         out["nvml"] = sample.health.to_json()
     if redact:
         out["redacted"] = True
     return out
+
+
+def problems_json(scan: Scan, public: bool = False) -> list[str]:
+    """The scan's problems as root reads them, or (`public`) as anyone else may: without
+    what only root may read, an environment file's values (Problem.public)."""
+    return [p.public() if public else str(p) for p in scan.problems]
+
+
+class FullStatus:
+    """The answer that hides no process, of one state: `text` for root, `public` for anyone
+    else, whose problems leave out what only root may read (`problems_json`). They differ
+    in "problems" alone, and only where a problem withholds something (`withholds`): else
+    both are one text."""
+
+    def __init__(self, data: dict[str, Any], public: list[str]) -> None:
+        """`data`: snapshot_to_json's answer; `public`: its problems as anyone may read them."""
+        self.text = json.dumps(data, sort_keys=True)
+        self.public = self.text
+        if public != data["problems"]:
+            self.public = json.dumps({**data, "problems": public}, sort_keys=True)
+
+    @property
+    def withholds(self) -> bool:
+        return self.public is not self.text
 
 
 def own_uid(p: GpuUse) -> int | None:

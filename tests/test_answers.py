@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from gpuslice import __version__
-from gpuslice.annotations import Scan
+from gpuslice.annotations import Problem, Scan
 from gpuslice.answers import StatusAnswers
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Scheduler
@@ -32,7 +32,7 @@ HIDEPID = ProcHiding(True, 27, "hidepid=2,gid=27")
 class Host:
     """What a StatusAnswers reads, with a count of each build and of each lookup."""
 
-    def __init__(self, hiding: ProcHiding = HIDEPID) -> None:
+    def __init__(self, hiding: ProcHiding = HIDEPID, scan: Scan | None = None) -> None:
         uses = [GpuUse(4242, 0, 2 * GIB, None, "secret", Owner("user", "1000"))]
         gpus = [_with_foreign(Gpu(0, "GPU-0", "Fake 24GB", 24 * GIB), uses, {})]
         self.sample = Sample(gpus, uses)
@@ -51,7 +51,7 @@ class Host:
         self.asked: list[str] = []
         self.answers = StatusAnswers(
             self.scheduler,
-            scan=Scan,
+            scan=lambda: scan or Scan(),
             sample=self._sample,
             waiting_since=lambda: {"w.service": 1234.5},
             suspensions=dict,
@@ -203,6 +203,45 @@ def test_a_caller_is_judged_by_proc_as_mounted_now() -> None:
     host.answers.read_proc_mount()
     assert host.answer(":1.3")["redacted"] is True
     assert host.asked == [":1.3"]
+
+
+# a problem that quotes root's environment file (gpuslice/envsafety.py), and one that does not
+SECRET = Problem(
+    "/etc/systemd/system/w.service",
+    5,
+    "EnvironmentFile",
+    "LD_PRELOAD=/opt/x.so TOKEN=s3cret (set in /etc/job/x.env): ...",
+    unit="w.service",
+    section="Service",
+    public_message="LD_PRELOAD=... (set in /etc/job/x.env; its value is shown to root alone)",
+)
+PLAIN = Problem("/etc/systemd/system/v.service", 7, "Priority", 'expected 0-999, got "x"')
+
+
+@pytest.mark.parametrize("hiding", [ProcHiding(), HIDEPID])
+def test_a_value_of_roots_environment_file_is_shown_to_root_alone(hiding: ProcHiding) -> None:
+    """Where /proc hides nothing too: the value is root's secret whoever else may see every
+    process (the mount's gid= group, everyone without hidepid=), and the bus daemon is asked
+    who calls while a problem withholds one. The problems are as many for everyone."""
+    host = Host(hiding, Scan(problems=[PLAIN, SECRET]))
+    root = host.answer(":1.2")["problems"]
+    assert root == [str(PLAIN), str(SECRET)]
+    assert "s3cret" in root[1]
+    for sender in (":1.1", ":1.3", ":1.5", ":1.9"):
+        data = host.answer(sender)
+        assert data["problems"] == [str(PLAIN), SECRET.public()], sender
+        assert "s3cret" not in json.dumps(data)
+    assert host.asked == [":1.2", ":1.1", ":1.3", ":1.5", ":1.9"]
+    assert "s3cret" in host.answers.status_json()  # the controller's own: `gpuslice check`
+
+
+def test_without_a_secret_no_caller_is_asked_about_without_hidepid() -> None:
+    host = Host(ProcHiding(), Scan(problems=[PLAIN]))
+    answer = host.answers.status_for(":1.5")
+    assert isinstance(answer, str)
+    assert json.loads(answer)["problems"] == [str(PLAIN)]
+    assert host.asked == []
+    assert host.samples_read == 1
 
 
 def test_procs_mount_is_said_when_it_changes(caplog: pytest.LogCaptureFixture) -> None:

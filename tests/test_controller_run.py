@@ -877,7 +877,7 @@ def test_the_status_answer_holds_each_part_with_its_keys_sorted_and_the_times_it
         assert json.loads(ctl.status_json())["counters"]["journal_write_errors"] == 3
         *inner, top = key_orders(text)
         assert all(keys == sorted(keys) for keys in inner)
-        snapshot = sorted(json.loads(ctl.answers._status.text()))
+        snapshot = sorted(json.loads(ctl.answers._status.text().text))
         assert top == [*snapshot, "admission_wait_seconds", "controller", "counters"]
 
     run(test)

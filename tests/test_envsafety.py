@@ -1122,6 +1122,49 @@ def test_a_written_path_in_an_environment_file_names_the_file(root: Path) -> Non
     assert errors(root, "root.service") == []
 
 
+def test_a_value_read_from_an_environment_file_is_left_out_of_the_public_message(
+    root: Path,
+) -> None:
+    """Status shows anyone the problems (Problem.public): a value of root's 0600 file,
+    which systemd shows no one else, is for root's eyes (`str`: the journal, `gpuslice
+    check`), the whole line of it, more than the path refused. A value of the unit file's
+    own (systemctl show says it to anyone) stays in both."""
+    put(root, "/etc/job/x.env", "LD_PRELOAD=/home/asr/x.so TOKEN=s3cret\n", mode=0o600)
+    put(root, "/etc/job/debug.env", "LD_DEBUG=help,s3cret\n", mode=0o600)
+    put(root, "/etc/job/out.env", "LD_DEBUG_OUTPUT=/home/asr/s3cret\n", mode=0o600)
+    install(
+        root,
+        "x.service",
+        "User=asr",
+        "EnvironmentFile=/etc/job/x.env",
+        "EnvironmentFile=/etc/job/debug.env",
+        "EnvironmentFile=-%E/job/out.env",
+        "Environment=LD_AUDIT=/home/asr/a.so",
+    )
+    spec, problems = load_spec("x.service", root)
+    assert spec is None
+    said = {p.line: (str(p), p.public()) for p in problems}
+    assert sorted(said) == [5, 6, 7, 8]
+    assert all("s3cret" in text for text, _ in (said[5], said[6], said[7]))
+    assert all("s3cret" not in public for _, public in said.values())
+    assert said[8][1] == said[8][0]  # Environment=: the unit file's own
+    assert [said[line][1] for line in (5, 6, 7)] == [
+        f"{ETC}/x.service:5: [Service] EnvironmentFile: LD_PRELOAD=... (set in /etc/job/x.env; "
+        "its value is shown to root alone): the gate's programs would load code from what it "
+        f"names as root, which someone but root can change or gpuslice cannot check; {GATE} "
+        f"x.service {LOADER}",
+        f"{ETC}/x.service:6: [Service] EnvironmentFile: LD_DEBUG=... (set in "
+        "/etc/job/debug.env; its value is shown to root alone): glibc's loader prints "
+        "LD_DEBUG's options and exits 0 instead of running the program, so gpuslice's gate "
+        f"would let the start through without asking for its GPUs; {GATE} x.service until its "
+        "environment does not set it so",
+        f"{ETC}/x.service:7: [Service] EnvironmentFile: LD_DEBUG_OUTPUT=... (set in "
+        "-%E/job/out.env, that is /etc/job/out.env; its value is shown to root alone): the "
+        "gate's programs would write to what it names as root, which someone but root can "
+        f"change or gpuslice cannot check; {GATE} x.service {OUTPUT}",
+    ]
+
+
 def test_environment_is_read_as_systemd_reads_it(root: Path) -> None:
     """Quotes, several assignments on a line, C escapes, the later assignment winning, an
     empty Environment= resetting the list, a syntax error dropping the rest of its line, and

@@ -220,7 +220,8 @@ def test_an_environment_file_that_is_not_utf_8_is_read_as_systemd_reads_it(root:
         "LD_PRELOAD=/home/asr/x.so (set in /etc/asr/x.env): /home/asr/x.so is under /home, "
         f"{TREE} at boot"
     )
-    assert found == [Finding(UNIT, 2, message("x.service", reason, envsafety.FIX_LOADER))]
+    withheld = [f._replace(public="") for f in found]  # the value left out: test_envsafety.py
+    assert withheld == [Finding(UNIT, 2, message("x.service", reason, envsafety.FIX_LOADER))]
 
 
 def test_at_most_one_byte_past_the_limit_is_read_whole_chunks_joined(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -34,7 +35,7 @@ from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
 from gpuslice.status import CachedStatus, render, snapshot_to_json
 from gpuslice.systemd import Systemd, SystemdError, credentials_of
 from tests.service_bus import ServiceBus
-from tests.test_controller import Bed, OneForeignProcess, run
+from tests.test_controller import Bed, OneForeignProcess, run, write_unit
 from tests.test_dbus_adapter import bus_address as bus_address
 from tests.test_dbus_adapter import bus_daemon as bus_daemon
 from tests.test_dbus_adapter import call, connect
@@ -565,6 +566,47 @@ def test_with_hidepid_only_root_and_the_group_see_other_users_processes(
             )
 
     run(test)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a file root's alone is made with chown")
+@pytest.mark.parametrize("options", ["rw", "rw,hidepid=invisible,gid=27"])
+def test_a_value_of_roots_environment_file_reaches_root_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, options: str
+) -> None:
+    """A unit refused for what its EnvironmentFile= sets (gpuslice/envsafety.py): root's
+    Status and the journal quote the value, the line it is on; no other caller's answer
+    does, whatever /proc hides (a member of the gid= group, everyone where it hides nothing,
+    one the bus daemon does not name), and its metrics count the same problems."""
+    bed = _foreign_bed(tmp_path, monkeypatch, options)
+    env = tmp_path / "root" / "etc" / "job" / "x.env"
+    env.parent.mkdir(parents=True, mode=0o755)
+    env.write_text("LD_PRELOAD=/home/asr/x.so TOKEN=s3cret\n")
+    os.chown(env, 0, 0)
+    env.chmod(0o600)
+    service = "Priority=10\n[Service]\nUser=asr\nEnvironmentFile=/etc/job/x.env\n"
+    write_unit(tmp_path, "leak.service", service)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        root = await _answer(ctl, ":1.2")
+        [problem] = root["problems"]
+        assert problem.startswith("/etc/systemd/system/leak.service:8: [Service] Environment")
+        assert "LD_PRELOAD=/home/asr/x.so TOKEN=s3cret (set in /etc/job/x.env)" in problem
+        assert "s3cret" in ctl.status_json()
+        count = b"gpuslice_annotation_problems 1.0"
+        assert count in exposition(root)
+        for sender in (":1.1", ":1.3", ":1.4", ":1.5", ":1.9"):
+            data = await _answer(ctl, sender)
+            assert "s3cret" not in json.dumps(data), sender
+            [public] = data["problems"]
+            assert "LD_PRELOAD=... (set in /etc/job/x.env; its value is shown to root " in public
+            assert count in exposition(data)
+            assert "shown to root alone" in render(data)
+
+    with caplog.at_level(logging.INFO):
+        run(test)
+    assert any("TOKEN=s3cret" in r.getMessage() for r in caplog.records)
 
 
 def test_the_redacted_answer_is_built_once_per_change(
