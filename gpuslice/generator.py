@@ -348,7 +348,9 @@ def generate(
         return 0
     for problem in result.problems:
         suffix = " (unit not managed)" if problem.severity == "error" else ""
-        _warn(f"{problem}{suffix}", problem.severity)
+        # what anyone may read (`public`): at boot a generator's stderr goes to the kernel's
+        # log, which any user reads where dmesg_restrict is 0; `gpuslice check` tells root all
+        _warn(f"{problem.public()}{suffix}", problem.severity)
     planned = plan(loader, result, libexec_dir, runtime_dir, retry)
     for error in planned.errors:
         _warn(error, "error")

@@ -750,3 +750,23 @@ def test_a_hostile_config_means_the_defaults(
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(f"gpuslice-generator: warning: {real}:1: ")
     assert line.endswith("(using the defaults runtime_dir /run/gpuslice, gate_retry_seconds 0.5)")
+
+
+def test_a_value_of_an_environment_file_is_not_written_to_the_boot_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At boot a generator's stderr goes to the kernel's log, which any user may read where
+    dmesg_restrict is 0: a value read from root's 0600 environment file is said as Status
+    says it to anyone (`Problem.public`); `gpuslice check` shows root the rest."""
+    tmp_path.chmod(0o755)
+    write(tmp_path, "/etc/job/debug.env", "LD_DEBUG=help,s3cret\n")
+    (tmp_path / "etc/job/debug.env").chmod(0o600)
+    write(
+        tmp_path,
+        f"{ETC}/job.service",
+        "[Service]\nEnvironmentFile=/etc/job/debug.env\nExecStart=/bin/a\n" + ANNOTATION,
+    )
+    run(tmp_path)
+    [line] = capsys.readouterr().err.splitlines()
+    assert "LD_DEBUG=... (set in /etc/job/debug.env; its value is shown to root alone)" in line
+    assert "s3cret" not in line
