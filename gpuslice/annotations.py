@@ -357,6 +357,7 @@ class Loader:
         # [Service] ExecStartPre= lines that the gate's drop-in copies (those of the files
         # applied before it): file, entry
         copied: list[tuple[str, Entry]] = []
+        remains: tuple[str, Entry] | None = None  # the RemainAfterExit= in force: file, entry
         for number, unit_file in enumerate(files):
             if is_our_gate(unit_file.path):
                 continue  # the generator's own output holds no annotation: not read
@@ -382,6 +383,9 @@ class Loader:
                     run_as.assign(path, entry)
                 elif entry.section == "Unit" and entry.key == "Before":
                     before += [(path, entry.line, n) for n in entry.value.split()]
+                elif entry.section == "Service" and entry.key == "RemainAfterExit":
+                    with contextlib.suppress(ValueError):  # systemd ignores what is no boolean
+                        remains = (path, entry) if _boolean(entry.value) else None
                 elif before_gate and entry.section == "Service" and entry.key == "ExecStartPre":
                     if entry.value == "":
                         copied.clear()
@@ -438,6 +442,21 @@ class Loader:
             Problem(f.path, f.line, f.key, f.message, "error", name, "Service", f.public)
             for f in self.env_files.check(name, run_as)
         ]
+        if remains is not None:  # a oneshot batch job's waiters waited for ever
+            path, entry = remains
+            problems.append(
+                Problem(
+                    path,
+                    entry.line,
+                    "RemainAfterExit",
+                    f"{printable(entry.value, _QUOTE_MAX)}: the unit stays active after its "
+                    "main process exits, and keeps its GPUs until it is stopped (systemctl "
+                    "stop): units waiting for them wait until then",
+                    "warning",
+                    name,
+                    "Service",
+                )
+            )
 
         values: dict[str, Any] = {}
         for key in KEYS:

@@ -143,11 +143,12 @@ class GpuWatch:
 
     def _take_sample(self, released: str = "") -> None:
         holding = {n: gpus for n, gpus in self.holdings.grants().items() if n != released}
+        declared = self.holdings.declared_memory()  # to tell a holder's use beyond it
         managed = self._managed()
-        sample = self._call(lambda inventory: inventory.sample(managed, holding))
+        sample = self._call(lambda inventory: inventory.sample(managed, holding, declared))
         self.stale = sample is None
         if sample is None:  # the last one, its processes told by the units known now
-            self.sample = self.inventory.reattribute(self.sample, managed, holding)
+            self.sample = self.inventory.reattribute(self.sample, managed, holding, declared)
         else:  # with the inventory's Health, which the loop keeps current (not the fork's)
             self.sample = dataclasses.replace(sample, health=self.inventory.health)
             self._report_overuse()

@@ -352,22 +352,27 @@ class Inventory:
         return not wanted or str(index) in wanted or uuid in wanted
 
     def sample(
-        self, managed_units: Collection[str], holding: Mapping[str, Collection[int]] | None = None
+        self,
+        managed_units: Collection[str],
+        holding: Mapping[str, Collection[int]] | None = None,
+        declared: Mapping[str, int] | None = None,
     ) -> Sample:
         """The GPUs with foreign use filled in, and every GPU process with its unit.
 
         `holding` says which GPUs each unit holds: a managed unit's process on a GPU it does
         not hold (left behind after a stop with KillMode=process, say) is not foreign, but
         its memory counts against the GPU like foreign memory, since no declaration covers it.
+        `declared`: each holder's `Memory=` (per GPU), to tell what it uses beyond that.
         """
         now = self.clock()
         holding = holding or {}
+        declared = declared or {}
         if self.available and self._opened_with is not self.config:
             self._enumerate_again()
         if not self.available:
             return Sample(self.fallback_gpus(holding), taken_at=now, health=self.health)
         try:
-            sample = self._build(self.nvml.devices(), managed_units, holding, now)
+            sample = self._build(self.nvml.devices(), managed_units, holding, declared, now)
         except NvmlUnavailableError as e:
             self.errors += 1
             self._went_away(str(e))
@@ -378,7 +383,7 @@ class Inventory:
                 log.error("NVML failed (%s): keeping the GPUs as they were", e)
             self._failing = True
             if self._last is not None:
-                return self.reattribute(self._last, managed_units, holding)
+                return self.reattribute(self._last, managed_units, holding, declared)
             return Sample(self.fallback_gpus(holding), taken_at=now, health=self.health)
         if self._failing:
             log.info("NVML answers again")
@@ -408,6 +413,7 @@ class Inventory:
         sample: Sample,
         managed_units: Collection[str],
         holding: Mapping[str, Collection[int]],
+        declared: Mapping[str, int] | None = None,
     ) -> Sample:
         """A sample kept while NVML does not answer (hung, failing), its processes attributed
         anew to the units known now, from their cgroups (no NVML call). Kept as it was, the
@@ -420,7 +426,9 @@ class Inventory:
             path = cgroup_path_of_pid(use.pid, self.proc)
             uses.append(use if path is None else _attributed(use, path, managed_units))
         gpus = [
-            g if g.lost else _with_foreign(g, [u for u in uses if u.gpu == g.index], holding)
+            g
+            if g.lost
+            else _with_foreign(g, [u for u in uses if u.gpu == g.index], holding, declared)
             for g in sample.gpus
         ]
         return dataclasses.replace(sample, gpus=gpus, processes=uses)
@@ -430,6 +438,7 @@ class Inventory:
         scan: DeviceScan,
         managed_units: Collection[str],
         holding: Mapping[str, Collection[int]],
+        declared: Mapping[str, int],
         now: float,
     ) -> Sample:
         gpus: list[Gpu] = []
@@ -481,6 +490,7 @@ class Inventory:
                     ),
                     uses,
                     holding,
+                    declared,
                 )
             )
         for pid in set(self._gone_since) - seen_gone:
@@ -608,26 +618,43 @@ def _attributed(use: GpuUse, path: str | None, managed_units: Collection[str]) -
 
 
 def _with_foreign(
-    gpu: Gpu, uses: Collection[GpuUse], holding: Mapping[str, Collection[int]]
+    gpu: Gpu,
+    uses: Collection[GpuUse],
+    holding: Mapping[str, Collection[int]],
+    declared: Mapping[str, int] | None = None,
 ) -> Gpu:
     """`gpu` with the foreign use its processes `uses` make: every process of no managed unit,
-    and a stray of a managed unit that does not hold it (left after a KillMode=process stop)."""
+    a stray of a managed unit that does not hold it (left after a KillMode=process stop), and
+    apart (`Gpu.overuse`), what a holder with `Memory=` (`declared`, per GPU) uses on it
+    beyond that: counted by its declaration alone, a unit declared 8G grown to 20G got a
+    second 8G unit packed beside it on a 24G GPU, and one of them ran out of memory. Never
+    foreign: as such it outlived its unit's preemption (a more urgent unit found no room in
+    what the stop would free), and a holder's PID in `foreign_pids` made a background unit
+    yield to the very unit that overuses."""
+    declared = declared or {}
     foreign = 0
+    own: dict[str, int] = {}  # what each holder with Memory= uses on this GPU (known bytes)
     foreign_pids: list[int] = []
     owners: dict[str, str] = {}  # each owner's label: its kind (one label, one owner)
     for use in uses:
+        unit = use.unit or ""
         if use.owner is not None:
             foreign += use.used or 0
             if use.compute:  # a desktop's display server is no job to yield to
                 foreign_pids.append(use.pid)
                 owners[use.owner.label()] = use.owner.kind
-        elif gpu.index not in holding.get(use.unit or "", ()):
+        elif gpu.index not in holding.get(unit, ()):
             foreign += use.used or 0  # a stray of a unit not holding this GPU
+        elif unit in declared:  # a whole-GPU holder (no Memory=) has the GPU to itself
+            own[unit] = own.get(unit, 0) + (use.used or 0)
     labels = sorted(owners.keys() - {""})
     return dataclasses.replace(
         gpu,
         foreign=foreign,
         foreign_pids=tuple(foreign_pids),
+        overuse=tuple(
+            sorted((n, used - declared[n]) for n, used in own.items() if used > declared[n])
+        ),
         foreign_owners=tuple(labels),
         foreign_owner_kinds=tuple(owners[label] for label in labels),
     )

@@ -44,6 +44,8 @@ and so is not preempted for it: the thrash rule; `stopping` for another waiter; 
 PART "others" and "owners" (added later; 0 and [] but for `memory`): bytes on that GPU used by
 processes of no holder (foreign, or a managed unit's leftovers), and whose the foreign ones
 are, as the table says them ("Slurm job 881").
+PART "beyond" (added with overuse counted; 0 but for `memory`): bytes on that GPU its holders
+use beyond their Memory=, which counts against the GPU like "others".
 gpuslice/core/decisions.py defines every code, cause and kind.
 Added later, for `gpuslice metrics` (absent from older controllers):
   "priorities": {unit: int} for the units in held, finished and failed that are annotated;

@@ -1155,3 +1155,50 @@ def test_files_of_the_same_text_are_parsed_once(tmp_path: Path) -> None:
     files_a, files_b = loader.files("a.service"), loader.files("b.service")
     assert files_a is not None and files_b is not None
     assert loader.parsed(files_a[0]) is loader.parsed(files_b[0])
+
+
+REMAINS = (
+    "{}: the unit stays active after its main process exits, and keeps its GPUs until it is "
+    "stopped (systemctl stop): units waiting for them wait until then"
+)
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "on", "1", "YES", "y", "t"])
+def test_a_unit_that_remains_after_exit_is_warned_where_it_says_so(
+    tmp_path: Path, value: str
+) -> None:
+    """`RemainAfterExit=yes` (a Type=oneshot batch job's usual line): systemd keeps the unit
+    active (exited) once its job ended, so it holds its GPUs until someone stops it, and the
+    units waiting for them waited for ever with no word why. Managed still, with a warning
+    at the line in force, in any spelling systemd takes for true."""
+    text = SERVICE.replace("[Service]\n", f"[Service]\nType=oneshot\nRemainAfterExit={value}\n")
+    write(tmp_path, X, text + "\n[X-GPUSlice]\nPriority=1\n")
+    spec, problems = load_spec("x.service", tmp_path)
+    assert spec is not None
+    assert problems == [
+        Problem(X, 6, "RemainAfterExit", REMAINS.format(value), "warning", "x.service", "Service")
+    ]
+
+
+def test_remain_after_exit_is_read_as_systemd_merges_it(tmp_path: Path) -> None:
+    """The last boolean wins over the fragment and its drop-ins: a drop-in's `no` undoes the
+    fragment's `yes`, one's `on` after it is the line named; what is no boolean (or outside
+    [Service], or of a unit without [X-GPUSlice]) is not."""
+    text = SERVICE.replace("[Service]\n", "[Service]\nRemainAfterExit=yes\n")
+    write(tmp_path, X, text + "\n[X-GPUSlice]\nPriority=1\n")
+    write(
+        tmp_path,
+        f"{ETC}/x.service.d/10-no.conf",
+        "[Service]\nRemainAfterExit=no\n[Unit]\nRemainAfterExit=yes\n",
+    )
+    assert load_spec("x.service", tmp_path)[1] == []
+    later = f"{ETC}/x.service.d/20-on.conf"
+    write(tmp_path, later, "[Service]\nRemainAfterExit=on\nRemainAfterExit=maybe\n")
+    problem = Problem(
+        later, 2, "RemainAfterExit", REMAINS.format("on"), "warning", "x.service", "Service"
+    )
+    assert load_spec("x.service", tmp_path)[1] == [problem]
+    result = scan(tmp_path)  # `gpuslice check` and the journal at each scan
+    assert "x.service" in result.specs and result.problems == [problem]
+    write(tmp_path, f"{ETC}/y.service", text)
+    assert load_spec("y.service", tmp_path) == (None, [])

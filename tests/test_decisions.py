@@ -303,6 +303,7 @@ def held_wait_json(unit: str, priority: int, gpus: list[int], held_priority: int
                 "overdue": None,
                 "rung": None,
                 "others": 0,
+                "beyond": 0,
                 "owners": [],
                 "owners_left_out": 0,
             }

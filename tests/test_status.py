@@ -360,6 +360,7 @@ def test_json_decisions_are_the_reasons_as_data() -> None:
             "overdue": None,
             "rung": None,
             "others": 0,
+            "beyond": 0,
             "owners": [],
             "owners_left_out": 0,
         }

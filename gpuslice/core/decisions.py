@@ -116,6 +116,7 @@ class Part:
     overdue: str = ""  # VICTIM still running this long after the stop (in words)
     rung: str = ""  # VICTIM, STOPPING: how it gives way (Preempt=): "suspend", else a stop
     others: int = 0  # MEMORY: bytes used by processes of no holder (foreign, or leftovers)
+    beyond: int = 0  # MEMORY: bytes holders there use beyond their Memory=
     owners: tuple[str, ...] = ()  # MEMORY: whose the foreign ones are (`Slurm job 881`), sorted
     # MEMORY: the kind of each of `owners` (`slurm`), in its order: a status that may not
     # name them counts them by kind from these, never from their words. Told by the owners
@@ -137,6 +138,7 @@ class Part:
             "overdue": self.overdue or None,
             "rung": self.rung or None,
             "others": self.others,
+            "beyond": self.beyond,
             # the first LISTED_MAX, as the reason names them: every waiter's part on every
             # GPU repeated them all, and a user can run processes of thousands of owners
             "owners": list(self.owners[:LISTED_MAX]),
@@ -253,6 +255,8 @@ def _part(p: Part) -> str:
         if p.others:
             whose = f" ({listed(p.owners)})" if p.owners else ""
             held += f", {format_size(p.others)} used by processes of no holder{whose}"
+        if p.beyond:  # it counts against the GPU as the rest does: no declaration covers it
+            held += f", {format_size(p.beyond)} used by holders beyond their Memory="
         return f"GPU {gpu} has {format_size(max(p.free or 0, 0))} free after the reserve{held}"
     if p.kind is Blocker.STOPPING:
         how = "being suspended" if p.rung == "suspend" else "stopping"

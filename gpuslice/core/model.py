@@ -101,9 +101,11 @@ class Gpu:
     compute processes (only they make background units yield: a desktop's display server
     only takes memory), `foreign_owners` says whose those are, for people, and
     `foreign_owner_kinds` the kind of each (`slurm`, `user`: gpuslice/owners.py), for a status
-    that may count them but not name them. `renumbered`: lost for new work only: NVML
-    numbered the GPUs anew, and units hold this index as another GPU, or this GPU by another
-    index, until they release it (`Inventory._as_booked`). The GPU
+    that may count them but not name them. `overuse`: what each holder with `Memory=` uses
+    here beyond it, by unit (sorted), counted against the GPU while that unit stays on it
+    (`placement.free_memory`): gone with it when it is stopped. `renumbered`: lost for new
+    work only: NVML numbered the GPUs anew, and units hold this index as another GPU, or this
+    GPU by another index, until they release it (`Inventory._as_booked`). The GPU
     answers: a unit suspended from it waits for it, as for a GPU in use.
     """
 
@@ -118,6 +120,7 @@ class Gpu:
     used: int | None = None  # what NVML reports in use, for people; decisions use the rest
     foreign_owners: tuple[str, ...] = ()
     renumbered: bool = False
+    overuse: tuple[tuple[str, int], ...] = ()
     # the kind of each of foreign_owners, in its order: told by the labels (one label, one
     # owner), so no part of equality
     foreign_owner_kinds: tuple[str, ...] = field(default=(), compare=False)

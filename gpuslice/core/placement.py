@@ -3,7 +3,8 @@
 Kept apart from the scheduler's bookkeeping: the scheduler says who holds what, this module
 answers "does it fit" and "who would have to go", GPU by GPU. A GPU of unknown size (no
 NVML) holds one unit; a GPU of known size holds units whose declared memory fits in
-total - reserve - foreign use; a unit without `Memory=` takes its GPU exclusively.
+total - reserve - foreign use - what holders use beyond their `Memory=` (`Gpu.overuse`); a
+unit without `Memory=` takes its GPU exclusively.
 """
 
 from __future__ import annotations
@@ -47,11 +48,20 @@ def applies(use: Use, priority: int) -> bool:
 
 
 def free_memory(gpu: Gpu, uses: Iterable[Use]) -> int | None:
-    """Declared memory still free on a GPU of known size; None when its size is unknown."""
+    """Declared memory still free on a GPU of known size; None when its size is unknown.
+    What a use's unit takes beyond its `Memory=` there counts too (`overuse`)."""
     if gpu.total is None:
         return None
+    uses = list(uses)
     declared = sum(u.memory or 0 for u in uses)
-    return gpu.total - gpu.reserve - gpu.foreign - declared
+    return gpu.total - gpu.reserve - gpu.foreign - declared - overuse(gpu, uses)
+
+
+def overuse(gpu: Gpu, uses: Iterable[Use]) -> int:
+    """What the units of `uses` take on the GPU beyond their `Memory=` (NVML's word): it
+    goes with its unit, so stopping an overusing victim frees all it uses."""
+    beyond = dict(gpu.overuse)
+    return sum(beyond.get(name, 0) for name in {u.unit for u in uses})
 
 
 def allowed(spec: UnitSpec, gpu: Gpu, avoid_foreign: bool) -> bool:
@@ -70,7 +80,8 @@ def fits(spec: UnitSpec, gpu: Gpu, uses: Sequence[Use]) -> bool:
     if spec.memory is None or gpu.total is None:
         return not uses
     free = free_memory(gpu, uses)
-    return free is not None and free >= spec.memory
+    # a unit on this GPU already (its place checked again) needs what it really uses
+    return free is not None and free >= spec.memory + dict(gpu.overuse).get(spec.name, 0)
 
 
 def may_preempt(use: Use, priority: int, known_since: int | None) -> bool:

@@ -36,6 +36,7 @@ from gpuslice.core.placement import (
     fits,
     format_gpus,
     free_memory,
+    overuse,
     place,
 )
 
@@ -256,8 +257,9 @@ class _PassView:
     # the latest grant among stoppable uses: a waiter known later than a blocked one may
     # preempt only what was granted in between (the thrash rule), and there is none before
     newest_grant: int = 0
-    # per GPU: declared memory free (None: size unknown), and whether a use takes it whole
-    gpu_room: dict[int, tuple[int | None, bool]] = field(default_factory=dict)
+    # per GPU: declared memory free (None: size unknown), whether a use takes it whole, and
+    # what its holders use beyond their Memory=
+    gpu_room: dict[int, tuple[int | None, bool, int]] = field(default_factory=dict)
     first_waiters: dict[int, Waiter] = field(default_factory=dict)
     # the GPUs a unit may ever run on, by its pins and whether it avoids foreign processes
     usable: dict[tuple[tuple[str, ...], bool], list[Gpu]] = field(default_factory=dict)
@@ -2067,8 +2069,12 @@ class Scheduler:
             top = tops.get(gpu.index)
             if gpu.index not in room:
                 on_gpu = uses[gpu.index]  # `whole`: a use that declares no memory
-                room[gpu.index] = (free_memory(gpu, on_gpu), any(u.memory is None for u in on_gpu))
-            free, whole = room[gpu.index]
+                room[gpu.index] = (
+                    free_memory(gpu, on_gpu),
+                    any(u.memory is None for u in on_gpu),
+                    overuse(gpu, on_gpu),
+                )
+            free, whole, beyond = room[gpu.index]
             on = (gpu.index,)
             # the thrash rule keeps a less urgent top holder granted after this waiter was known
             protected = (
@@ -2088,6 +2094,7 @@ class Scheduler:
                         free=free,
                         granted_after=protected,
                         others=gpu.foreign,
+                        beyond=beyond,
                         owners=gpu.foreign_owners,
                         owner_kinds=gpu.foreign_owner_kinds,
                     )
