@@ -247,6 +247,9 @@ class Sim:
         self.answered_at: dict[str, int] = {}
         self.announced: set[str] = set()  # start jobs seen, gates not yet asking
         self._kept: set[str] = set()  # places the core keeps for starts (`_renew_unkept`)
+        # comebacks started to preempt (their gate's request names the victims): known from
+        # their Start, not anew at that request, as no place of theirs was lost
+        self._preempting: set[str] = set()
         self.told_to_wait: set[str] = set()  # its last word: "waiting" (not "keeping GPUs")
         # the Preempt= ladder, as the adapter carries it out
         self._falling_back = ""  # the unit whose failed suspend is being reported
@@ -922,7 +925,11 @@ class Sim:
         A place kept is the core's own too."""
         kept = {n for n in self.sched.grants() if self.sched.phase(n) is Phase.STARTING}
         waiting = set(self.sched.waiting_units())
-        unkept = {n: self.sched.waiters[n].since for n in sorted(self._kept - kept) if n in waiting}
+        lost = self._kept - kept
+        unkept = {
+            n: self.sched.waiters[n].since for n in sorted(lost - self._preempting) if n in waiting
+        }
+        self._preempting -= lost
         self._kept = kept
         for name in unkept:
             self.known_at[name] = _LATER_THAN_ANY_GRANT
@@ -1304,6 +1311,8 @@ class Sim:
                 self._check_room(spec, gpu, "Start")
         self.preempted.pop(name, None)
         self.known_at.setdefault(name, next(self._clock))
+        if d is not None and d.code is Code.REQUEUE and d.cause is Cause.PREEMPTS:
+            self._preempting.add(name)
         if name not in self.pending_starts:  # else it merges with a person's start job
             self.pending_starts.append(name)
             self.ours.add(name)

@@ -908,6 +908,74 @@ def test_a_comeback_that_must_preempt_keeps_its_gpus_from_later_waiters_of_the_p
     assert s.waiting_units() == [w.name]
 
 
+def test_a_comeback_that_must_preempt_keeps_its_gpus_until_its_gate_asks() -> None:
+    """As above, w (50) on GPU 0 alone: a pass between p's start and its gate's call (any
+    event) granted w GPU 0, and p's gate then stopped w: the ping-pong, one pass later."""
+    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
+    bg = spec("bg", 95, BG, devices=("1",))
+    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
+    s.load(SavedState(preempted={p.name: 1}))
+    s.request(spec("u", 10, devices=("0",)))
+    s.request(bg)
+    assert brief(s.request(w)) == []
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    assert brief(s.schedule()) == []  # w still waits
+    assert brief(s.request(p)) == ["stop bg.service"]
+    assert s.phase(w.name) is None and s.waiting_units() == [w.name, p.name]
+    assert brief(s.inactive(bg.name, Outcome.STOPPED)) == [f"grant {p.name} 0,1"]
+
+
+def test_a_place_kept_is_lost_to_a_comeback_that_must_preempt_before_its_gate_asks() -> None:
+    """w's place on GPU 0 was kept while top (5) held GPU 1 and p (20, two GPUs) could not
+    come back; once top ended p came back naming w's place, and w's gate, asking first, was
+    granted it, to be stopped by p's gate a moment later. Nothing of w ran: it waits."""
+    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
+    top = spec("top", 5, devices=("1",))
+    s = Scheduler(range(2), {p.name: p, w.name: w, top.name: top})
+    s.request(p)
+    assert brief(s.request(top)) == [f"stop {p.name}"]
+    s.announce(w)
+    assert brief(s.inactive(p.name, Outcome.STOPPED)) == [f"grant {top.name} 1"]
+    assert s.phase(w.name) is Phase.STARTING  # its place kept
+    assert brief(s.inactive(top.name, Outcome.EXITED)) == [f"start {p.name}"]
+    assert brief(s.request(w)) == []
+    assert brief(s.request(p)) == [f"grant {p.name} 0,1"]
+
+
+def test_a_comeback_that_must_preempt_is_known_since_its_start_for_the_thrash_rule() -> None:
+    """p (20) comes back preempting bg on GPU 0; before its gate asks, z (10) takes GPU 0
+    and w (50), on GPU 1, is granted knowing that gpuslice started p. Counted known only
+    from its gate's call, p stopped w a moment after its grant; w is protected as from any
+    start known when it was granted."""
+    p, x, bg = spec("p", 20), spec("x", 90, devices=("1",)), spec("bg", 95, BG, devices=("0",))
+    z, w = spec("z", 10, devices=("0",)), spec("w", 50, devices=("1",))
+    s = Scheduler(range(2), {n.name: n for n in (p, x, bg, z, w)})
+    running: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        bg.name: ((0,), "running", 1, ""),
+        x.name: ((1,), "running", 2, ""),
+    }
+    s.load(SavedState(holders=running, preempted={p.name: 3}, seq=3))
+    assert brief(s.schedule()) == [f"start {p.name}"]
+    assert brief(s.request(z)) == [f"stop {bg.name}"]
+    assert brief(s.inactive(bg.name, Outcome.STOPPED)) == [f"grant {z.name} 0"]
+    assert brief(s.request(w)) == [f"stop {x.name}"]
+    assert brief(s.inactive(x.name, Outcome.STOPPED)) == [f"grant {w.name} 1"]
+    assert brief(s.request(p)) == []
+    assert s.phase(w.name) is Phase.RUNNING and s.waiting_units() == [p.name]
+
+
+def test_a_comeback_keeps_nothing_from_a_more_urgent_waiter() -> None:
+    """The GPUs a comeback that must preempt will ask for bind only the less urgent."""
+    p, top = spec("p", 20, gpus=2), spec("top", 5, devices=("0",))
+    bg = spec("bg", 95, BG, devices=("1",))
+    s = Scheduler(range(2), {p.name: p, top.name: top, bg.name: bg})
+    s.load(SavedState(preempted={p.name: 1}))
+    s.request(spec("u", 10, devices=("0",)))
+    s.request(bg)
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    assert brief(s.request(top)) == [f"grant {top.name} 0"]
+
+
 def test_preempted_units_come_back_by_priority_then_the_one_preempted_first() -> None:
     """The state file lists them in any order: priority, then when it was preempted, decide."""
     specs = [spec("late", 50), spec("early", 50), spec("low", 60), spec("top", 10)]

@@ -498,6 +498,9 @@ class Scheduler:
         self._seq = 0
         self._tops_cache: dict[int, Holder] | None = None
         self._displaced: list[Waiter] = []  # moved back to waiting during a pass
+        # comebacks started to preempt (no GPUs held: their gate's request preempts): the
+        # GPUs they were placed on, kept from less urgent waiters until that gate asks
+        self._comeback_room: dict[str, tuple[int, ...]] = {}
         self._view: _PassView | None = None  # read only while a pass serves its waiters
 
     @property
@@ -562,6 +565,10 @@ class Scheduler:
                 # controller decides once per turn of its loop): it queues from when it was
                 # started, with every start known, and is granted from a pass.
                 self.waiters[name] = self._unkept(holder, asked=True)
+                if self._comeback_room.pop(name, None) is not None:
+                    # a comeback started to preempt lost no place: known since its start, it
+                    # does not stop what was granted after that (`_comebacks_room`)
+                    self.waiters[name].since = holder.seq
                 return self.schedule()
         waiter = self.waiters.get(name)
         if waiter is not None:
@@ -599,7 +606,8 @@ class Scheduler:
         spec = holder.spec
         if len(holder.gpus) != spec.gpus:
             return False
-        uses = self._uses(self._suspended_room())  # a priority edited since it was placed
+        # a priority edited since it was placed; a comeback started to preempt since
+        uses = self._uses(self._suspended_room() + self._comebacks_room())
         avoid = self._avoids_foreign(spec)
         for index in holder.gpus:
             gpu = self.devices.get(index)
@@ -1355,7 +1363,7 @@ class Scheduler:
         if not self.shutting_down:  # nor yields a unit: the shutdown stops it anyway
             actions += self._yield_to_foreign()
         self._tops_cache = None
-        promises = self._suspended_room()
+        promises = self._suspended_room() + self._comebacks_room()
         # nor is a waiter served: the shutdown stops its unit anyway. Granted, its job began
         # only to be stopped; its victims' stops, freezes and suspends raced the shutdown's
         # stop of them (a checkpoint under the SIGTERM). A cancelled shutdown serves it
@@ -1919,9 +1927,26 @@ class Scheduler:
                 cause = Cause.FREE
             del self.preempted[name]
             self._starting(spec, held)
+            if victims:  # and in later passes, until its gate asks (`_comebacks_room`)
+                self._comeback_room[name] = gpus
             requeue = _about(spec, Code.REQUEUE, gpus=tuple(sorted(gpus)), cause=cause)
             actions.append(_start(requeue))
         return actions
+
+    def _comebacks_room(self) -> list[tuple[int, Use]]:
+        """The GPUs each comeback started to preempt will ask for, kept from strictly less
+        urgent units until its gate asks (then it is a waiter): granted in a pass between
+        its start and that call (any event), a less urgent waiter was stopped by its gate
+        a moment later."""
+        promises: list[tuple[int, Use]] = []
+        for name, gpus in list(self._comeback_room.items()):
+            holder = self.holders.get(name)
+            if holder is None or holder.phase is not Phase.STARTING or holder.gpus:
+                del self._comeback_room[name]
+                continue
+            spec = self.specs.get(name, holder.spec)
+            self._promise(promises, spec, gpus, kept_from=spec.priority + 1)
+        return promises
 
     def _requeue_blocked_too(self, spec: UnitSpec, unplaced: list[UnitSpec]) -> bool:
         """Whether a preempted unit that did not fit in this pass, even preempting, shows
@@ -1948,6 +1973,7 @@ class Scheduler:
         and noted as started by us (saved: `start_lost`)."""
         self.holders[spec.name] = Holder(spec, gpus, Phase.STARTING, self._next())
         self.started.add(spec.name)
+        self._comeback_room.pop(spec.name, None)
         self.dormant.discard(spec.name)  # a comeback: someone started it before
 
     def _refill(self, promises: list[tuple[int, Use]]) -> list[Action]:
