@@ -506,5 +506,5 @@ def _incoming_bytes(reply: Message | None) -> int | None:
     found = stats.get("IncomingBytes") if isinstance(stats, dict) else None
     if not isinstance(found, Variant) or found.signature != "u":
         return None
-    value = found.value
-    return value if isinstance(value, int) else None
+    value: int = found.value  # a Variant is checked against its signature: a u is an int
+    return value

@@ -1042,6 +1042,42 @@ def test_a_thaw_that_fails_is_tried_again_at_the_next_sample(
     run(test)
 
 
+def test_a_unit_owed_a_thaw_and_still_frozen_is_frozen_again_not_taken_for_an_admins(
+    tmp_path: Path,
+) -> None:
+    """emb.service's thaw failed (still frozen, a thaw owed) when voice.service, at its gate
+    again, needs it frozen: the Freeze says the thaw is owed, so the ladder sends FreezeUnit
+    (emb.service frozen by gpuslice, voice.service granted). Its FreezerState read instead,
+    it was taken for frozen by someone else: booked running, never frozen again while it
+    runs, though gpuslice's own freeze held it."""
+    nvml = StubNvml()
+    nvml.uuids = ("GPU-0",)  # one 24 GiB GPU: room for both
+    bed = frozen_beside_voice(tmp_path, nvml=nvml)
+    bed.systemd.refused_thaws = 1
+    (tmp_path / "cgroup.controllers").write_text("")  # the unified hierarchy: a freezer
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.ladder.unified_marker = tmp_path / "cgroup.controllers"
+        await ctl.start()
+        await settle()
+        goes_down(bed, "voice.service")
+        await settle()
+        assert bed.systemd.freezer["emb.service"] == "frozen"
+        assert ctl.scheduler.thaws_owed() == ["emb.service"]
+        bed.systemd.units["voice.service"] = state(
+            "voice.service", "activating", "start-pre", 7, "start"
+        )
+        before = len(bed.systemd.calls)
+        ctl.on_unit_changed("voice.service", at_gate())
+        await settle()
+        assert bed.systemd.calls[before:] == [("freeze", "emb.service")]  # no FreezerState read
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
+        assert ctl.scheduler.phase("voice.service") is Phase.RUNNING
+
+    run(test)
+
+
 def test_start_up_adopts_a_running_unit_it_did_not_know(tmp_path: Path) -> None:
     bed = Bed(
         tmp_path, {"known.service": "Priority=50\n"}, [state("known.service", "active", "running")]

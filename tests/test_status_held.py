@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Coroutine
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -288,6 +289,8 @@ def test_incoming_bytes_only_from_a_well_formed_answer() -> None:
     assert _incoming_bytes(Message.new_error(call, "a.b", "no")) is None
     assert _incoming_bytes(Message.new_method_return(call, "s", ["x"])) is None
     assert _incoming_bytes(Message.new_method_return(call, "a{sv}", [{}])) is None
+    assert _incoming_bytes(Message.new_method_return(call)) is None  # no body at all
+    assert _incoming_bytes(Message.new_method_return(call, "a{sv}s", [_stats(7), "x"])) is None
 
 
 def test_every_answer_counts_its_own_bytes_refusals_and_introspections_too(
@@ -362,5 +365,127 @@ def test_past_the_refusals_bound_only_roots_calls_are_answered(
         await _turns()
         assert bus.deliver(_status()) is True
         assert bus.sent[-1].body == ["x" * 90]
+
+    _in_loop(body)
+
+
+def _said(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("no Debug.Stats " + "y" * 250, "no Debug.Stats " + "y" * 185 + "..."),  # cut at 200
+        (None, "no count"),  # an answer that says nothing
+    ],
+)
+def test_what_a_daemon_that_cannot_say_answered_is_logged_cut_at_200_characters(
+    text: str | None, shown: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def body() -> None:
+        bus = StatsBus()
+        _service(bus, "x" * 40)
+        bus.deliver(_status())
+        await _turns()
+        msg, answer = bus.asked[0]
+        if text is None:
+            answer.set_result(Message.new_method_return(msg))
+        else:
+            answer.set_result(Message.new_error(msg, "org.freedesktop.DBus.Error.Failed", text))
+        await _turns()
+
+    caplog.set_level(logging.INFO, logger="gpuslice.service")
+    _in_loop(body)
+    assert _said(caplog, logging.INFO) == [
+        f"the bus daemon does not say how much of ours it holds ({shown}): Status answers "
+        "its callers do not read are not bounded"
+    ]
+
+
+def test_a_reading_that_fails_says_why_at_debug_level(caplog: pytest.LogCaptureFixture) -> None:
+    """A bus that cannot be asked at all (its call raises): why, at debug level (the
+    controller's log_level), and taken for a daemon that cannot say."""
+
+    class Failing(StatsBus):
+        async def call(self, msg: Message) -> Message:
+            raise ConnectionError("the bus went away")
+
+    async def body() -> None:
+        bus = Failing()
+        service = _service(bus, "x" * 40)
+        bus.deliver(_status())
+        await _turns()
+        assert service._held_said is None
+
+    caplog.set_level(logging.DEBUG, logger="gpuslice.service")
+    _in_loop(body)
+    assert _said(caplog, logging.DEBUG) == [
+        "cannot read what the bus daemon holds: the bus went away"
+    ]
+    assert _said(caplog, logging.INFO) == [
+        "the bus daemon does not say how much of ours it holds (no count): Status answers "
+        "its callers do not read are not bounded"
+    ]
+
+
+def test_past_the_refusals_bound_each_unanswered_call_asks_the_daemon_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A call left unanswered (past MAX_STATUS_HELD + MAX_REFUSALS_HELD) counts nothing, so
+    READ_EVERY bytes never come: it asks again itself, READ_AGAIN s after the last reading,
+    and once the daemon says its callers read, Status is answered again."""
+    monkeypatch.setattr(service_module, "ANSWER_BYTES", 10)
+    monkeypatch.setattr(service_module, "READ_EVERY", 1000)
+    monkeypatch.setattr(service_module, "READ_AGAIN", 0)
+
+    async def body() -> None:
+        bus = StatsBus()
+        service = _service(bus, "x" * 140)
+        assert bus.deliver(_status()) is True  # 150: exactly the refusals' bound
+        await _turns()
+        assert bus.asked == []  # 150 bytes, less than READ_EVERY
+        assert bus.deliver(_status()) is True and len(bus.sent) == 1  # no answer
+        await _turns()
+        assert len(bus.asked) == 1
+        bus.say(_stats(150))  # not read yet
+        await _turns()
+        assert service._held() == 150
+        assert bus.deliver(_status()) is True and len(bus.sent) == 1
+        await _turns()
+        assert len(bus.asked) == 2
+        bus.say(_stats(0))
+        await _turns()
+        assert bus.deliver(_status()) is True and len(bus.sent) == 2
+
+    _in_loop(body)
+
+
+def test_a_refused_call_asks_again_once_exactly_read_again_has_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At most every READ_AGAIN s: at READ_AGAIN s after the last reading, no earlier, the
+    daemon is asked again (a clock the test sets)."""
+    now = [100.0]
+    monkeypatch.setattr(service_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(service_module, "READ_EVERY", 1000)
+    monkeypatch.setattr(service_module, "READ_AGAIN", 2.0)
+
+    async def body() -> None:
+        bus = StatsBus()
+        _service(bus, "x" * 100)
+        assert not _refused(bus.deliver(_status()))
+        assert _refused(bus.deliver(_status()))  # asked at 100
+        await _turns()
+        bus.say(_stats(100))
+        await _turns()
+        now[0] = 101.5
+        assert _refused(bus.deliver(_status()))
+        await _turns()
+        assert len(bus.asked) == 1
+        now[0] = 102.0
+        assert _refused(bus.deliver(_status()))
+        await _turns()
+        assert len(bus.asked) == 2
 
     _in_loop(body)
