@@ -220,6 +220,8 @@ class Sim:
         self.at_gate: set[str] = set()  # start job waiting in the gate for a reply
         self.pending_starts: list[str] = []  # Start issued, gate not yet reached
         self.ours: set[str] = set()  # of those, start jobs of gpuslice's alone
+        # of those, refills (README: a refill's start that does not happen is no comeback)
+        self.refilling: set[str] = set()
         # gpuslice's start did not reach systemd: not started again until `retry_start`
         self.paused: set[str] = set()
         self.pending_stops: list[str] = []  # Stop issued, unit not yet inactive
@@ -539,10 +541,14 @@ class Sim:
         self.known_at.pop(name, None)
         self.told_to_wait.discard(name)
         spec = self.annotations.get(name)
-        # an instance's start of ours is owed as a comeback (`Scheduler.start_failed`): it
-        # stays preempted, where a plain background unit is left to refill (as is an
-        # instance a cancelled shutdown stopped: tests/test_core_instance_properties.py)
-        if spec is not None and (spec.kind is not BG or is_instance(name)):
+        # a comeback of an instance is owed as before (`Scheduler.start_failed`): it stays
+        # preempted, where a plain background unit is left to refill. A refill is no
+        # comeback, whatever the unit's kind since (README): refill's again, or nothing once
+        # on-demand (an instance a cancelled shutdown stopped, or one turned background
+        # after someone started it)
+        refill = name in self.refilling
+        self.refilling.discard(name)
+        if spec is not None and not refill and (spec.kind is not BG or is_instance(name)):
             self.preempted[name] = next(self._clock)
         self.paused.add(name)
         actions = self._feed(self.sched.start_failed(name, "no reply (NoReply)"))
@@ -1310,6 +1316,10 @@ class Sim:
                     raise InvariantError(f"{start.reason}: GPU {index} may not run it")
                 self._check_room(spec, gpu, "Start")
         self.preempted.pop(name, None)
+        if d is not None and d.code is Code.REFILL:
+            self.refilling.add(name)
+        else:
+            self.refilling.discard(name)
         self.known_at.setdefault(name, next(self._clock))
         if d is not None and d.code is Code.REQUEUE and d.cause is Cause.PREEMPTS:
             self._preempting.add(name)

@@ -147,14 +147,6 @@ class InstanceSim(Sim):
         self.by_shutdown.discard(name)  # down again: kept no longer
         return super()._went_out(name)
 
-    def fail_start(self, name: str) -> list[Action]:
-        """A refill of an instance the shutdown stopped is no comeback: left to refill, as
-        a plain background unit's."""
-        actions = super().fail_start(name)
-        if name in self.by_shutdown:
-            self.preempted.pop(name, None)
-        return actions
-
     def _background(self) -> set[str]:
         return {n for n, s in self.annotations.items() if s.kind is BG and is_instance(n)}
 
@@ -474,3 +466,42 @@ def test_an_instance_annotated_again_while_it_runs_is_refilled_after_a_cancelled
     s.set_shutting_down(True)
     assert brief(s.inactive(embed.name, Outcome.SHUTDOWN)) == []
     assert brief(s.set_shutting_down(False)) == ["start embed@a.service"]
+
+
+def test_a_failed_refill_of_an_instance_turned_background_is_no_comeback() -> None:
+    """Found by `InstanceMachine`: an on-demand instance (`Requeue=yes`) runs, the host's
+    shutdown stops it (owed nothing) and is cancelled; a daemon-reload makes its template
+    background, and refill starts it (someone started it before). That start does not
+    reach systemd: a refill's start that does not happen is no comeback (README), so the
+    core leaves it to refill, which starts it again once the delay is over. The model took
+    every failed start of an instance for a comeback and judged that refill a background
+    start before a preempted unit (itself), then the instance preempted and never brought
+    back."""
+    job = spec("t0@b", 20, OD)
+    sim = InstanceSim(1, [job])
+    sim.boot()
+    sim.start(job.name)
+    sim.shutdown_cancelled()
+    flipped = replace(job, kind=BG)
+    assert [a.unit for a in sim.annotate([flipped]) if isinstance(a, Start)] == [job.name]
+    sim.fail_start(job.name)
+    assert [a.unit for a in sim.retry_start(job.name) if isinstance(a, Start)] == [job.name]
+    sim.drain()
+
+
+def test_a_failed_refill_of_an_instance_turned_background_is_refill_again() -> None:
+    """The core's side of the case above: the refill's failed start leaves the instance
+    idle, not preempted, and refill (not a comeback) starts it again after the delay."""
+    s = Scheduler([Gpu(0)], {})
+    job = spec("t0@b", 20, OD)
+    s.set_specs({job.name: job})
+    assert brief(s.request(job)) == ["grant t0@b.service 0"]
+    s.set_shutting_down(True)
+    s.inactive(job.name, Outcome.SHUTDOWN)
+    assert brief(s.set_shutting_down(False)) == []
+    flipped = replace(job, kind=BG)
+    assert brief(s.set_specs({job.name: flipped})) == ["start t0@b.service"]
+    s.start_failed(job.name, "no reply (NoReply)")
+    assert job.name not in s.preempted
+    started = [a for a in s.retry_start(job.name) if isinstance(a, Start)]
+    assert [(a.unit, a.reason.startswith(REFILL)) for a in started] == [(job.name, True)]
