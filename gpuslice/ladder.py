@@ -344,12 +344,14 @@ class Ladder:
                 return None
             raise CheckpointError(_NO_TOOL)
         checkpoint.check_tool(tool, s.root_only)
-        if self._ended(unit, run):  # the thaw above failed as the run ended
-            raise _RunEnded()
         if pids is None:
             pids = await self._recovered_pids(unit, tool, s.via_systemd)
         else:
             pids = self._still_its_own(unit, pids)
+        # ended while they were listed and asked after (a restart's): those may be the next
+        # run's processes, and one its own suspend checkpointed meanwhile would be restored
+        if self._ended(unit, run):
+            raise _RunEnded()
         return await checkpoint.resume(tool, pids, s)
 
     def _still_its_own(self, unit: str, pids: Sequence[int]) -> list[int]:
@@ -482,7 +484,8 @@ class Ladder:
             return ""
         if state not in ("frozen", "freezing"):
             return ""
-        return f"{printable(state, 20)} already, by someone else (systemctl freeze): theirs to thaw"
+        # one of the two words above: nothing of the bus's to escape
+        return f"{state} already, by someone else (systemctl freeze): theirs to thaw"
 
     async def _freezer(self, what: str, unit: str, run: object | None = None) -> None:
         """FreezeUnit or ThawUnit (`what`), answered within `freezer_timeout`; else
@@ -673,7 +676,7 @@ class _RunEnded(Exception):
     step was answered after the end (it may have frozen the next run: a thaw is owed)."""
 
     def __init__(self, froze: bool = False) -> None:
-        super().__init__("its run ended")
+        super().__init__()  # never shown: each step's `except _RunEnded` ends it
         self.froze = froze
 
 

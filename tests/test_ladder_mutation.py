@@ -37,7 +37,7 @@ from gpuslice.checkpoint import (
     suspend,
 )
 from gpuslice.inventory import GpuUse
-from gpuslice.ladder import Ladder
+from gpuslice.ladder import THAW_RETRY, Ladder
 from tests.test_checkpoint import (
     FAST,
     TIMEOUT,
@@ -47,7 +47,14 @@ from tests.test_checkpoint import (
     run,
     stub,
 )
-from tests.test_ladder_adapter import UNIT, Freezer, Host, HungFreezer, hosted
+from tests.test_ladder_adapter import (
+    UNIT,
+    BlinkingFreezer,
+    Freezer,
+    Host,
+    HungFreezer,
+    hosted,
+)
 
 Runs = list[tuple[tuple[Any, ...], dict[str, Any], asyncio.subprocess.Process]]
 
@@ -842,3 +849,219 @@ def test_a_resume_that_cannot_list_the_processes_says_why(host: Host) -> None:
     fresh.systemd = Unlisted()
     run(fresh.resume(UNIT))
     assert host.said() == [("resume_failed", UNIT, "cannot list its processes: no such unit")]
+
+
+# -- a step whose run ends: what it still sends, undoes and says -----------------------------
+
+ENDED = f"{UNIT} went down during a step of its ladder: that step ends there"
+
+
+def ends_run_after(ladder: Ladder, what: str) -> None:
+    """The ladder's freezer call `what` (thaw_unit, unit_pids) ends the unit's run once it
+    is answered: the controller hears of a stop (or restart) meanwhile."""
+    call = getattr(ladder.systemd, what)
+
+    async def ended(name: str) -> Any:
+        answer = await call(name)
+        ladder.went_down(UNIT)
+        return answer
+
+    setattr(ladder.systemd, what, ended)
+
+
+def test_a_freeze_whose_run_ends_during_the_thaw_after_it_hung_reports_nothing(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thaw after a FreezeUnit with no answer is a step of the same run: ended meanwhile,
+    the core (holding the next run) is told no failed freeze of it; the journal says why."""
+    host.ladder.systemd = host.freezer = HungFreezer("freeze")
+    host.freezer.states[UNIT] = "running"
+    host.ladder.freezer_timeout = 0.2
+    ends_run_after(host.ladder, "thaw_unit")
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        bounded(host.ladder.freeze(UNIT))
+    assert host.freezer.calls == [f"state {UNIT}", f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.said() == []
+    assert messages(caplog, logging.INFO) == [ENDED]
+    assert host.ladder.busy == {} and host.ladder.runs == {}
+
+
+@pytest.mark.parametrize("freeze", ["hung", "answered"])
+def test_a_suspend_whose_run_ends_during_the_thaw_of_its_undo_undoes_nothing(
+    host: Host, caplog: pytest.LogCaptureFixture, freeze: str
+) -> None:
+    """A suspend failing after its checkpoint thaws the unit before its undo (a FreezeUnit
+    with no answer, or one answered and then NVML not there to confirm): the run ended
+    during that ThawUnit. Its processes went with it (their PIDs may be anyone's by now):
+    no restore is run, nothing is reported; the journal says why."""
+    pid = host.job()
+    if freeze == "hung":
+        host.ladder.systemd = host.freezer = HungFreezer("freeze")
+        host.ladder.freezer_timeout = 0.2
+    else:
+        real = host.freezer.freeze_unit
+
+        async def frozen(name: str) -> None:
+            await real(name)
+            host.nvml = False  # the memory cannot be confirmed gone
+
+        host.freezer.freeze_unit = frozen  # type: ignore[method-assign]
+    ends_run_after(host.ladder, "thaw_unit")
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        bounded(host.ladder.suspend(UNIT))
+    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.said() == []
+    assert host.bed.state_of(pid) == "checkpointed"  # not restored
+    assert messages(caplog, logging.INFO) == [ENDED]
+    assert UNIT not in host.ladder.suspensions
+    assert host.ladder.busy == {} and host.ladder.runs == {}
+
+
+def test_a_thaw_sent_again_is_not_sent_a_last_time_for_a_run_that_ended(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run ends during the last of THAW_RETRY's waits: the last ThawUnit would land on
+    the next run (one the core may hold frozen)."""
+    host.job()
+    run(host.ladder.suspend(UNIT))
+    host.ladder.systemd = host.freezer = BlinkingFreezer(1000)
+
+    async def wait(seconds: float) -> None:
+        if seconds == THAW_RETRY[-1]:
+            host.ladder.went_down(UNIT)
+
+    host.ladder.sleep = wait
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        run(host.ladder.resume(UNIT))
+    assert host.freezer.calls == [f"thaw {UNIT}"] * len(THAW_RETRY)
+    assert [e for e, _, _ in host.said()] == ["suspended"]
+    assert messages(caplog, logging.INFO) == [ENDED]
+
+
+def test_a_resume_after_a_restart_whose_run_ends_during_its_thaws_sends_no_more(
+    host: Host,
+) -> None:
+    """As above, without a suspension of this controller (the restart's path)."""
+    fresh = host.restarted_ladder()
+    fresh.systemd = host.freezer = BlinkingFreezer(1000)
+
+    async def wait(seconds: float) -> None:
+        fresh.went_down(UNIT)
+
+    fresh.sleep = wait
+    run(fresh.resume(UNIT))
+    assert host.freezer.calls == [f"thaw {UNIT}"]
+    assert host.said() == []
+
+
+def test_a_resume_after_a_restart_whose_run_ends_as_its_processes_are_listed_restores_none(
+    host: Host, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Those listed may be the next run's processes, and one its own suspend checkpointed
+    meanwhile would be restored under it (a restart's list and its states take up to
+    MAX_RECOVERED_PIDS reads)."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    fresh = host.restarted_ladder()
+    host.freezer.pids = [a]
+    ends_run_after(fresh, "unit_pids")
+    resumed: list[tuple[int, ...]] = []
+
+    async def restore(tool: str, pids: list[int], s: CheckpointSettings) -> checkpoint.Resumed:
+        resumed.append(tuple(pids))
+        raise AssertionError("restored")
+
+    monkeypatch.setattr(checkpoint, "resume", restore)
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        run(fresh.resume(UNIT))
+    assert resumed == [] and host.bed.state_of(a) == "checkpointed"
+    assert [e for e, _, _ in host.said()] == ["suspended"]
+    assert messages(caplog, logging.INFO) == [ENDED]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_resume_whose_run_ends_during_its_restore_reports_nothing(
+    host: Host, monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    """Ended while cuda-checkpoint ran: neither `resumed` nor `resume_failed` is of the run
+    the core now holds (a failed resume stops the unit)."""
+    host.job()
+    run(host.ladder.suspend(UNIT))
+    real = checkpoint.resume
+
+    async def restore(tool: str, pids: list[int], s: CheckpointSettings) -> checkpoint.Resumed:
+        done = await real(tool, pids, s)
+        host.ladder.went_down(UNIT)
+        if fails:
+            raise CheckpointError("PID 1 could not be restored")
+        return done
+
+    monkeypatch.setattr(checkpoint, "resume", restore)
+    run(host.ladder.resume(UNIT))
+    assert [e for e, _, _ in host.said()] == ["suspended"]
+    assert host.ladder.busy == {} and host.ladder.runs == {}
+
+
+def test_a_suspend_whose_run_ends_during_its_checkpoint_reports_no_failure(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host.job()
+
+    async def checkpointed(tool: str, pids: list[int], s: CheckpointSettings) -> float:
+        host.ladder.went_down(UNIT)
+        raise CheckpointError("PID 1 could not be locked")
+
+    monkeypatch.setattr(checkpoint, "suspend", checkpointed)
+    run(host.ladder.suspend(UNIT))
+    assert host.said() == [] and host.freezer.calls == []
+
+
+def test_a_step_keeps_its_run_only_while_it_is_under_way(host: Host) -> None:
+    """Nothing is kept of a unit once its steps are done (instances without end)."""
+    host.job()
+    run(host.ladder.suspend(UNIT))
+    assert host.ladder.runs == {} and host.ladder.busy == {}
+    run(host.ladder.freeze(UNIT))
+    assert host.ladder.runs == {} and host.ladder.busy == {}
+
+
+def test_a_restart_s_resume_passes_over_a_process_that_exited_unread(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One the tool gave no answer for that has exited needs nothing; the ones after it in
+    the list are still asked after and restored."""
+    gone = 4_194_304  # above the largest pid_max: never a process
+
+    async def state(tool: str, pid: int, via_systemd: bool = False) -> str:
+        if pid == gone:
+            raise checkpoint.StateUnread("no answer")
+        return "checkpointed"
+
+    monkeypatch.setattr(checkpoint, "get_state", state)
+    host.freezer.pids = [gone, 11, gone, 12]
+    assert run(host.ladder._recovered_pids(UNIT, "tool", False)) == [11, 12]
+
+
+class StuckState(Freezer):
+    """FreezerState never answered."""
+
+    async def freezer_state(self, name: str) -> str:
+        self.calls.append(f"state {name}")
+        await asyncio.Event().wait()
+        return "frozen"
+
+
+def test_a_freezer_state_read_before_a_freeze_that_fails_or_hangs_is_taken_for_running(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Read only to leave an admin's freeze alone: one that fails (with a debug line) or gets
+    no answer within the freezer's deadline does not hold the freeze back."""
+    host.freezer.fail.add("state")
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        run(host.ladder.freeze(UNIT))
+    assert messages(caplog, logging.DEBUG) == [f"FreezerState of {UNIT}: no such unit"]
+    assert host.freezer.calls == [f"state {UNIT}", f"freeze {UNIT}"] and host.said() == []
+    host.ladder.systemd = host.freezer = StuckState()
+    host.ladder.freezer_timeout = 0.2
+    bounded(host.ladder.freeze(UNIT), 5)
+    assert host.freezer.calls == [f"state {UNIT}", f"freeze {UNIT}"] and host.said() == []
