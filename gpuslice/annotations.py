@@ -449,7 +449,8 @@ class Loader:
                     path,
                     entry.line,
                     "RemainAfterExit",
-                    f"{printable(entry.value, _QUOTE_MAX)}: the unit stays active after its "
+                    # a word _boolean took (yes, on, 1, ...): short and ASCII, shown as written
+                    f"{entry.value}: the unit stays active after its "
                     "main process exits, and keeps its GPUs until it is stopped (systemctl "
                     "stop): units waiting for them wait until then",
                     "warning",

@@ -485,7 +485,7 @@ def _released(
         if unit in suspended:  # one of an earlier boot: preempted with it (forget_boot)
             del suspended[unit]
             gone.add(unit)
-        if holders.get(unit, ((), "", 0, ""))[1] == Phase.STOPPING.value:
+        if unit in holders and holders[unit][1] == Phase.STOPPING.value:
             del holders[unit]  # down: preempted once the next controller saw it so
             gone.add(unit)
     for unit in thawed:

@@ -273,6 +273,15 @@ def test_a_whole_gpu_background_unit_takes_the_gpu_with_the_least_foreign_memory
     assert brief(s.request(pair)) == ["grant pair.service 0,2"]
 
 
+def test_a_whole_gpu_unit_that_preempts_stops_the_one_on_the_gpu_foreign_jobs_use_least() -> None:
+    """Shunning foreign memory holds for a place made by preemption too: of two equal victims
+    it stops the one on the idle GPU, not the most recently started one beside 20 GiB."""
+    s = Scheduler([gpu(0, foreign=20 * GIB), gpu(1)], {})
+    assert brief(s.request(unit("early", 90, None))) == ["grant early.service 1"]
+    assert brief(s.request(unit("late", 90, None))) == ["grant late.service 0"]
+    assert brief(s.request(unit("urgent", 10, None))) == ["stop early.service"]
+
+
 def test_a_whole_gpu_unit_found_running_is_booked_by_index_not_away_from_its_own_memory() -> None:
     """Annotated while it ran ungated (CUDA's GPU 0), its own 10 GiB there count as foreign
     until it is booked: shunned, it was booked on GPU 1, and GPU 0 granted to the next job."""

@@ -10,7 +10,10 @@ more urgent unit preempts an overusing one for all the memory it takes).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+
+import pytest
 
 from gpuslice.config import Config
 from gpuslice.core.model import Gpu, UnitKind, UnitSpec
@@ -18,8 +21,10 @@ from gpuslice.core.placement import Use, fits, free_memory
 from gpuslice.core.scheduler import Scheduler
 from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import Inventory
+from gpuslice.nvml import GpuProcess, NvmlError
 from tests.core_builders import brief
-from tests.test_controller import Timers
+from tests.test_controller import Timers, hang_until, patient_nvml
+from tests.test_gpuwatch_mutation import until
 from tests.test_inventory import GIB, UUIDS, Clock, StubNvml, make_inventory, write_proc
 
 BIG = "0::/system.slice/big.service\n"
@@ -38,9 +43,11 @@ def _decide(scheduler: Scheduler, gpus: list[Gpu]) -> None:
     scheduler.set_gpus(gpus)  # its actions are not played: a start is asked for by hand
 
 
-def watched(tmp_path: Path, gpus: int, *specs: UnitSpec) -> tuple[Scheduler, GpuWatch, StubNvml]:
+def watched(
+    tmp_path: Path, gpus: int, *specs: UnitSpec, nvml: StubNvml | None = None
+) -> tuple[Scheduler, GpuWatch, StubNvml]:
     """The core's scheduler as the watch's holdings, deciding on every sample."""
-    nvml = StubNvml(gpus)
+    nvml = nvml or StubNvml(gpus)
     scheduler = Scheduler([sized(i) for i in range(gpus)], {s.name: s for s in specs})
     config = Config(gpus=gpus)
     inventory = Inventory(config, nvml=nvml, clock=Clock(), proc=tmp_path, driver_root=tmp_path)
@@ -163,3 +170,79 @@ def test_a_unit_checked_again_on_its_own_gpu_needs_what_it_uses() -> None:
     assert fits(spec("big.service", 8), gpu, [])
     assert fits(spec("new.service", 16), gpu, [other])  # big.service is not there
     assert free_memory(gpu, [other, Use("big.service", 90, 8 * GIB)]) == 24 * GIB - 28 * GIB
+
+
+def test_a_holder_at_exactly_its_memory_is_no_overuse_and_unknown_use_counts_nothing(
+    tmp_path: Path,
+) -> None:
+    """Beyond means beyond: 8 GiB used of 8 declared is none, and a process NVML gives no
+    memory for adds nothing (not a byte) to its unit's use."""
+    nvml = StubNvml(1)
+    write_proc(tmp_path, 100, BIG)
+    write_proc(tmp_path, 101, BIG)
+    nvml.add(0, 100, 8 * GIB)
+    nvml.add(0, 101, None)
+    inventory, _ = make_inventory(tmp_path, nvml)
+    declared = {"big.service": 8 * GIB}
+    sample = inventory.sample({"big.service"}, {"big.service": (0,)}, declared)
+    assert (sample.gpus[0].overuse, sample.gpus[0].foreign) == ((), 0)
+
+
+def test_a_failing_nvml_keeps_the_last_sample_with_its_overuse(tmp_path: Path) -> None:
+    """An NVML error keeps the last sample, attributed anew with the holders' Memory=: a
+    holder's use beyond it still counts (dropped, the 12 GiB it took beyond its 8 looked
+    free while NVML failed, and a second 8G unit was packed beside it)."""
+    nvml = StubNvml(1)
+    write_proc(tmp_path, 100, BIG)
+    nvml.add(0, 100, 20 * GIB)
+    inventory, _ = make_inventory(tmp_path, nvml)
+    managed, holding, declared = {"big.service"}, {"big.service": (0,)}, {"big.service": 8 * GIB}
+    assert inventory.sample(managed, holding, declared).gpus[0].overuse == (
+        ("big.service", 12 * GIB),
+    )
+    nvml.devices_error = NvmlError("nvmlDeviceGetCount", 999, "Unknown Error", 0)
+    kept = inventory.sample(managed, holding, declared)
+    assert [(g.foreign, g.overuse) for g in kept.gpus] == [(0, (("big.service", 12 * GIB),))]
+
+
+class Hangs(StubNvml):
+    """Once `hang` is set, listing processes hangs in the driver until `release` is set."""
+
+    def __init__(self, gpus: int) -> None:
+        super().__init__(gpus)
+        self.hang = False
+        self.release = threading.Event()
+
+    def processes(self, index: int) -> list[GpuProcess]:
+        if self.hang:
+            hang_until(self.release)
+        return super().processes(index)
+
+
+def test_a_hung_nvml_keeps_the_last_sample_with_the_holders_overuse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sample kept while NVML hangs is attributed anew with the holders' Memory=: a
+    process seen before its unit held the GPU (a stray, foreign) is the holder's now, and
+    what it uses beyond its 8 GiB counts as its overuse, not as free memory."""
+    patient_nvml(monkeypatch)
+    big = spec("big.service", 8)
+    nvml = Hangs(1)
+    s, watch, _ = watched(tmp_path, 1, big, nvml=nvml)
+    watch.nvml.deadline = 0.05
+    write_proc(tmp_path, 100, BIG)
+    nvml.add(0, 100, 12 * GIB)
+    try:
+        watch.open()
+        watch.refresh()  # big.service holds no GPU yet: its process is a stray
+        assert watch.sample.gpus[0].foreign == 12 * GIB
+        assert brief(s.request(big)) == ["grant big.service 0"]
+        nvml.hang = True
+        watch.refresh()  # hangs: the last sample is kept
+        assert watch.stale
+        assert [(g.foreign, g.overuse) for g in watch.sample.gpus] == [
+            (0, (("big.service", 4 * GIB),))
+        ]
+    finally:
+        nvml.release.set()
+    until(lambda: not watch.nvml.hung)

@@ -142,3 +142,64 @@ def test_a_state_that_cannot_be_written_says_the_units_still_owed_a_comeback(
         "it was (cannot write it: Permission denied): a gpuslice started again brings back 4 "
         "units named preempted above (the first bg.service), even one started by hand since"
     )
+
+
+def test_a_unit_being_stopped_that_failed_is_handed_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop that ended in `failed` is down as one that ended `inactive`: its GPU is free,
+    it is named, and the state left holds it no more (nor owes it the thaw)."""
+    shown = {"stopped.service": ("failed", "running")}
+    config, _, stderr = _release(tmp_path, monkeypatch, SAVED, shown)
+    assert _named("stopped.service") in stderr.splitlines()
+    assert _loaded(config)[0] == SavedState(seq=4)
+
+
+def test_a_unit_requeued_and_named_preempted_is_handed_back_from_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state that names job.service both preempted and requeued (state.validate keeps both;
+    the controller's load takes it for preempted): named, it leaves both, or a controller
+    after a reboot took it for a comeback the boot ended (`ended_with_boot`) and started it
+    again. waited.service, requeued alone (its comeback at its gate), is not named and stays
+    requeued."""
+    saved = SavedState(
+        preempted={"job.service": 1}, requeued=["job.service", "waited.service"], seq=1
+    )
+    config, _, stderr = _release(tmp_path, monkeypatch, saved, {})
+    assert stderr.splitlines() == [_named("job.service")]
+    assert _loaded(config)[0] == SavedState(requeued=["waited.service"], seq=1)
+    assert "job.service" not in _next_controller_starts(tmp_path, config, "boot-0")
+
+
+def test_a_state_left_says_both_what_it_takes_and_what_it_brings_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved again meanwhile (a controller started and stopped), the state is left: said with
+    both of what it holds wrong, joined, and why, cut at 300 characters as the path is
+    (a state_dir of 250 characters makes both longer)."""
+    saved = SavedState(
+        holders={"emb.service": ((0,), "frozen", 1, "")}, preempted={"job.service": 2}, seq=2
+    )
+    path = tmp_path / ("s" * 250) / "state.json"
+    other = SavedState(preempted={"other.service": 3}, seq=3)
+    released = cli_module._released
+
+    def then_saved(*args: Any) -> SavedState:  # once release-jobs read the state
+        controller = StateStore(path.parent)
+        controller.load()
+        controller.save(other, BOOT)
+        return released(*args)
+
+    monkeypatch.setattr(cli_module, "_released", then_saved)
+    shown = {"emb.service": ("active", "frozen")}
+    config, _, stderr = _release(tmp_path, monkeypatch, saved, shown, state_dir=path.parent)
+    why = f"{path} was saved again since it was read"
+    assert len(str(path)) > 301
+    assert stderr.splitlines()[-1] == (
+        f"gpuslice release-jobs: the saved state {str(path)[:300]}... is left as it was "
+        f"({why[:300]}...): a gpuslice started again this boot takes emb.service for still "
+        "frozen or suspended and brings back 1 units named preempted above (the first "
+        "job.service), even one started by hand since"
+    )
+    assert _loaded(config)[0] == other

@@ -71,12 +71,13 @@ def _release(
     gpus: int = 4,
     stop_fails: bool = False,
     during_resume: Callable[[], object] = lambda: None,
+    state_dir: Path | None = None,
 ) -> tuple[Config, list[tuple[str, str]], str]:
     """release-jobs on `saved`, saved in boot `boot` in a state file under tmp_path, this
     boot being BOOT, systemd showing units as `shown`, each resume answering as RESUME says,
-    `systemctl stop` failing if `stop_fails`, `during_resume` called at each resume: the
-    config it ran with, what it did in order, its stderr."""
-    config = bed_config(tmp_path, gpus=gpus)
+    `systemctl stop` failing if `stop_fails`, `during_resume` called at each resume, the
+    state in `state_dir` if given: the config it ran with, what it did in order, its stderr."""
+    config = bed_config(tmp_path, gpus=gpus, state_dir=str(state_dir or tmp_path / "state"))
     StateStore(Path(config.state_dir)).save(saved, boot)
     monkeypatch.setattr(cli_module, "load_config_with_warnings", lambda path: (config, []))
     monkeypatch.setattr(paths, "STATE_DIR_RECORD", str(tmp_path / "no-record"))

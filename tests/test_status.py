@@ -3,6 +3,7 @@ word and column for column (gpuslice/status.py)."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -19,10 +20,12 @@ from gpuslice.status import (
     SLOW_BUILD,
     STALE_SAID,
     CachedStatus,
+    FullStatus,
     _duration,
     _gpu_line,
     _holder_memory,
     _owner_label,
+    problems_json,
     render,
     snapshot_to_json,
 )
@@ -394,6 +397,35 @@ def test_json_waiters_without_since(since: dict[str, float] | None) -> None:
             "decision": None,
         },
     ]
+
+
+# a problem that quotes root's environment file (gpuslice/envsafety.py)
+SECRET = Problem(
+    "/etc/systemd/system/w.service",
+    5,
+    "EnvironmentFile",
+    "TOKEN=s3cret (set in /etc/job/x.env): ...",
+    unit="w.service",
+    section="Service",
+    public_message="TOKEN=... (set in /etc/job/x.env; its value is shown to root alone)",
+)
+
+
+def test_the_public_text_is_roots_but_for_the_problems() -> None:
+    """Anyone but root reads root's text, byte for byte, with the problems as it may read
+    them: the same stable JSON (keys sorted at every level), not the snapshot's own order;
+    one text, the same object, where no problem withholds anything."""
+    snap = snapshot(gpus={0: [("a.service", 10, "running")]}, waiting=[("b.service", 1, "r")])
+    scan = Scan(problems=[PROBLEM, SECRET])
+    data = snapshot_to_json(snap, scan, Sample([Gpu(0, "GPU-0", "Fake", 24 * GIB)]))
+    public = problems_json(scan, public=True)
+    full = FullStatus(data, public)
+    assert full.withholds
+    assert full.text == json.dumps(data, sort_keys=True)
+    assert full.public == full.text.replace(json.dumps(data["problems"]), json.dumps(public))
+    assert "s3cret" in full.text and "s3cret" not in full.public
+    plain = FullStatus(data, data["problems"] + [])  # equal, not the same list
+    assert not plain.withholds and plain.public is plain.text
 
 
 # ---------------------------------------------------------------------------------------------
