@@ -43,6 +43,15 @@ from gpuslice.tracker import Tracker, UnitState
 
 A = "a.service"
 SENDER = ":1.9"
+# what serving A's gate does: passed, a fresh sample, its request decided in one batch
+SERVED = [
+    f"passed_gate {A}",
+    f"refresh_if_older {FRESH_SAMPLE}",
+    "batch",
+    f"request {A}",
+    f"execute request {A}",
+    "decide",
+]
 TRANSIENT = SystemdError(NO_REPLY, "no reply")
 REFUSED = SystemdError("org.freedesktop.systemd1.OperationRefused", "refused")
 GATE_LINE = (f"/usr/lib/gpuslice/{GATE_NAME}", [GATE_NAME])
@@ -394,12 +403,7 @@ def test_a_start_down_with_no_signal_since_or_still_at_its_gate_is_served(
     kit.run(kit.gates.verify_acquire(A, SENDER, seen))
     assert kit.did == [
         f"caller_pid {SENDER}",
-        f"passed_gate {A}",
-        f"refresh_if_older {FRESH_SAMPLE}",
-        "batch",
-        f"request {A}",
-        f"execute request {A}",
-        "decide",
+        *SERVED,
     ]
 
 
@@ -443,12 +447,7 @@ def test_while_a_rescan_runs_an_annotated_gate_already_answered_is_served(kit: K
     kit.run(kit.gates.verify_acquire(A, SENDER, 0))
     assert kit.did == [
         f"caller_pid {SENDER}",
-        f"passed_gate {A}",
-        f"refresh_if_older {FRESH_SAMPLE}",
-        "batch",
-        f"request {A}",
-        f"execute request {A}",
-        "decide",
+        *SERVED,
     ]
 
 
@@ -576,14 +575,7 @@ def test_a_grant_again_answered_meanwhile_is_left(kit: Kit) -> None:
 def test_an_annotated_gate_passes_and_asks_the_core_on_a_fresh_sample(kit: Kit) -> None:
     kit.asking()
     kit.gates.serve_gate(A)
-    assert kit.did == [
-        f"passed_gate {A}",
-        f"refresh_if_older {FRESH_SAMPLE}",
-        "batch",
-        f"request {A}",
-        f"execute request {A}",
-        "decide",
-    ]
+    assert kit.did == SERVED
 
 
 @pytest.mark.parametrize("available", [True, False])
@@ -604,12 +596,7 @@ def test_a_run_ended_by_a_restart_while_kept_in_its_phase_is_taken_in_first(
         f"execute inactive {A} exited",
         "decide",
         f"went_down {A}",
-        f"passed_gate {A}",
-        f"refresh_if_older {FRESH_SAMPLE}",
-        "batch",
-        f"request {A}",
-        f"execute request {A}",
-        "decide",
+        *SERVED,
     ]
 
 
