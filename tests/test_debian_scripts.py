@@ -324,6 +324,35 @@ def test_make_uninstall_keeps_the_controller_from_starting_again() -> None:
     assert written < reloads[0] < stop < lifted < reloads[-1]
 
 
+def _make_install(tmp_path: Path, dpkg_query: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`make install` into a temporary prefix with systemctl, systemd-sysusers and busctl
+    stubbed (each call written to the returned file) and `dpkg_query` as dpkg-query's body."""
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("systemctl", "systemd-sysusers", "busctl"):
+        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
+    (bin_dir / "dpkg-query").write_text(f"#!/bin/sh\n{dpkg_query}\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    done = subprocess.run(
+        [
+            "make",
+            "--no-print-directory",
+            "install",
+            f"PREFIX={tmp_path / 'prefix'}",
+            f"SYSCONFDIR={tmp_path / 'etc'}",
+            f"REMOVAL_DROPIN_DIR={tmp_path / 'run'}",
+        ],
+        cwd=DEBIAN.parent,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done, calls
+
+
 @pytest.mark.parametrize(
     ("status", "refused"),
     [
@@ -341,30 +370,8 @@ def test_make_install_refuses_beside_the_package(
     stopped it, its own code never ran. Refused before anything is written or called."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    calls = tmp_path / "calls"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("systemctl", "systemd-sysusers", "busctl"):
-        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
-    (bin_dir / "dpkg-query").write_text(f"#!/bin/sh\nprintf '%s' '{status}'\n")
-    for stub in bin_dir.iterdir():
-        stub.chmod(0o755)
+    done, calls = _make_install(tmp_path, f"printf '%s' '{status}'")
     prefix = tmp_path / "prefix"
-    done = subprocess.run(
-        [
-            "make",
-            "--no-print-directory",
-            "install",
-            f"PREFIX={prefix}",
-            f"SYSCONFDIR={tmp_path / 'etc'}",
-            f"REMOVAL_DROPIN_DIR={tmp_path / 'run'}",
-        ],
-        cwd=DEBIAN.parent,
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
     if refused:
         assert done.returncode != 0
         assert "the gpuslice Debian package is installed" in done.stderr
@@ -384,29 +391,7 @@ def test_make_install_over_an_earlier_copy_restarts_the_controller(tmp_path: Pat
     the restart starts it."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    calls = tmp_path / "calls"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name in ("systemctl", "systemd-sysusers", "busctl"):
-        (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n')
-    (bin_dir / "dpkg-query").write_text("#!/bin/sh\nexit 1\n")  # no dpkg database
-    for stub in bin_dir.iterdir():
-        stub.chmod(0o755)
-    done = subprocess.run(
-        [
-            "make",
-            "--no-print-directory",
-            "install",
-            f"PREFIX={tmp_path / 'prefix'}",
-            f"SYSCONFDIR={tmp_path / 'etc'}",
-            f"REMOVAL_DROPIN_DIR={tmp_path / 'run'}",
-        ],
-        cwd=DEBIAN.parent,
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done, calls = _make_install(tmp_path, "exit 1")  # no dpkg database
     assert done.returncode == 0, done.stderr
     systemctl = [c for c in calls.read_text().splitlines() if c.startswith("systemctl ")]
     assert systemctl[-3:] == [
