@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Protocol, TypeVar
 
 from gpuslice.config import Config
@@ -151,7 +151,7 @@ class GpuWatch:
             self.sample = self.inventory.reattribute(self.sample, managed, holding, declared)
         else:  # with the inventory's Health, which the loop keeps current (not the fork's)
             self.sample = dataclasses.replace(sample, health=self.inventory.health)
-            self._report_overuse()
+            self._report_overuse(declared)
         self._nvml_settle()
 
     def _call(self, fn: Callable[[Inventory], T], deadline: float | None = None) -> T | None:
@@ -276,9 +276,10 @@ class GpuWatch:
             f"; holders keep their GPUs by index: {held}" if held else "",
         )
 
-    def _report_overuse(self) -> None:
+    def _report_overuse(self, memory: Mapping[str, int]) -> None:
+        """Warn once of each holder using more on a GPU than `memory` (its Memory=) says."""
         now: set[tuple[str, int]] = set()
-        for name, declared in self.holdings.declared_memory().items():
+        for name, declared in memory.items():
             for gpu, used in self.sample.used_by(name).items():
                 if used > declared:
                     now.add((name, gpu))
