@@ -24,7 +24,7 @@ from dbus_next.aio import MessageBus
 from dbus_next.constants import NameFlag, RequestNameReply
 
 from gpuslice.busread import Unread
-from gpuslice.systemd import BUS_DAEMON, BUS_DAEMON_PATH, bus_daemon_call
+from gpuslice.systemd import BUS_DAEMON, bus_daemon_call
 from gpuslice.unitfiles import is_valid_unit_name, printable
 
 BUS_NAME = "org.gpuslice.Scheduler1"
@@ -435,13 +435,8 @@ class SchedulerService:
         try:
             reply = await asyncio.wait_for(
                 self.bus.call(
-                    Message(
-                        destination=BUS_DAEMON,
-                        path=BUS_DAEMON_PATH,
-                        interface=STATS,
-                        member="GetConnectionStats",
-                        signature="s",
-                        body=[self.bus.unique_name],
+                    bus_daemon_call(
+                        "GetConnectionStats", "s", [self.bus.unique_name], interface=STATS
                     )
                 ),
                 READ_TIMEOUT,

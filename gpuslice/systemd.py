@@ -133,14 +133,17 @@ def job_path(job_id: int) -> str:
     return f"{MANAGER_PATH}/job/{job_id}"
 
 
-def bus_daemon_call(member: str, signature: str, body: list[Any]) -> Message:
-    """A call of the bus daemon's own interface (`GetNameOwner`, `AddMatch`, ...), addressed
-    in one place for Systemd, which sends it within its calls in flight (`send_call`), and
-    for the controller's service, which sends it on its bus and reads the reply itself."""
+def bus_daemon_call(
+    member: str, signature: str, body: list[Any], interface: str = BUS_DAEMON
+) -> Message:
+    """A call of the bus daemon's own interface (`GetNameOwner`, `AddMatch`, ...; another of
+    its interfaces: `interface`), addressed in one place for Systemd, which sends it within
+    its calls in flight (`send_call`), and for the controller's service, which sends it on
+    its bus and reads the reply itself."""
     return Message(
         destination=BUS_DAEMON,
         path=BUS_DAEMON_PATH,
-        interface=BUS_DAEMON,
+        interface=interface,
         member=member,
         signature=signature,
         body=body,
