@@ -17,7 +17,7 @@ import gc
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
@@ -52,7 +52,9 @@ class Problem:
     the finding is about the whole file (it cannot be read); `section` is empty for a file that
     systemd ignores (its name is not a valid unit name, it is a FIFO). `public_message`: the
     message as anyone but root is shown it (`public`), where `message` quotes what only root
-    may read, an environment file's text (gpuslice/envsafety.py); "" where it is the same."""
+    may read, an environment file's text (gpuslice/envsafety.py); "" where it is the same.
+    `private`: the file is not others' to read (its mode: `UnitFile.read`), so anyone but root
+    is shown where the finding is, not what it says (a value, an unknown key's name)."""
 
     path: str
     line: int
@@ -62,19 +64,27 @@ class Problem:
     unit: str = ""
     section: str = SECTION
     public_message: str = ""
+    private: bool = False
 
     def __str__(self) -> str:
-        return self._said(self.message)
+        return self._said(self.message, self.key)
 
     def public(self) -> str:
         """The finding as Status shows it to anyone but root (the journal and `gpuslice
         check` show root `str`)."""
-        return self._said(self.public_message or self.message)
+        if self.private:
+            # a key of the table or of systemd's that gpuslice reads, not one the file made up
+            named = self.key in KEYS_BY_NAME or self.section != SECTION
+            return self._said(_WITHHELD, self.key if named else "")
+        return self._said(self.public_message or self.message, self.key)
 
-    def _said(self, message: str) -> str:
+    def _said(self, message: str, key: str) -> str:
         section = f" [{self.section}]" if self.section else ""
-        key = f" {self.key}:" if self.key else ""
-        return f"{self.path}:{self.line}:{section}{key} {message}"
+        named = f" {key}:" if key else ""
+        return f"{self.path}:{self.line}:{section}{named} {message}"
+
+
+_WITHHELD = "not shown: the file is not everyone's to read (`gpuslice check` as root says what)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +297,7 @@ class Loader:
         # a parse depends on the text alone: the generator's gate drop-ins are the same
         # text for every unit whose own ExecStartPre= lines are alike (10,000 units: 1 parse)
         self._by_text: dict[str, _Parsed] = {}
+        self._private: set[str] = set()  # the files read that are not others' to read
         self._files: dict[str, list[UnitFile] | None] = {}
         # whether what the gate runs with as root (environment files, loader paths, mounts)
         # is root's alone
@@ -299,7 +310,9 @@ class Loader:
         cached = self._parsed.get(unit_file.path)
         if cached is None:
             try:
-                text = unit_file.read_text()
+                text, public = unit_file.read()
+                if not public:
+                    self._private.add(unit_file.path)
                 cached = self._by_text.get(text)
                 if cached is None:
                     cached = self._by_text[text] = _parse(text)
@@ -311,6 +324,10 @@ class Loader:
         if isinstance(cached, OSError):
             raise cached
         return cached
+
+    def private(self, unit_file: UnitFile) -> bool:
+        """Whether the file, read (`parsed`), is not others' to read (`UnitFile.read`)."""
+        return unit_file.path in self._private
 
     def files(self, name: str) -> list[UnitFile] | None:
         """Fragment then drop-ins in systemd's order; None when not found or masked."""
@@ -358,6 +375,7 @@ class Loader:
         # applied before it): file, entry
         copied: list[tuple[str, Entry]] = []
         remains: tuple[str, Entry] | None = None  # the RemainAfterExit= in force: file, entry
+        private: set[str] = set()  # the files of these that are not others' to read
         for number, unit_file in enumerate(files):
             if is_our_gate(unit_file.path):
                 continue  # the generator's own output holds no annotation: not read
@@ -370,6 +388,8 @@ class Loader:
                     Problem(path, 0, "", f"cannot read: {_reason(e)}", severity, name)
                 )
                 continue
+            if self.private(unit_file):
+                private.add(path)
             if section_at is None and parsed.header is not None:
                 section_at = (path, parsed.header)
             for issue in parsed.issues:
@@ -483,6 +503,8 @@ class Loader:
             problems.append(
                 Problem(devices.path, devices.line, "Devices", _NO_INSTANCE, "error", name)
             )
+        if private:
+            problems = [replace(p, private=True) if p.path in private else p for p in problems]
         if any(p.severity == "error" for p in problems):
             return None, _capped(problems)
         source = settings["Priority"].path

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from gpuslice import __version__, driver
-from gpuslice.annotations import check_file, load_spec, scan
+from gpuslice.annotations import Loader, check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings, read_recorded_state_dir
 from gpuslice.core.model import UnitKind, UnitSpec
 from gpuslice.envsyntax import NAME_MAX
+from gpuslice.generator import gate_errors
 from gpuslice.newunit import (
     annotation_options,
     annotation_text,
@@ -1175,8 +1176,10 @@ def _check(files: tuple[str, ...], config_path: str, config_only: bool, root: st
             error(f"{printable(path)}: cannot read: {why}")
     if not files and not config_only:
         try:
-            result = scan(root)
+            loader = Loader(UnitIndex(root))
+            result = scan(root, loader)
             messages += [(p.severity, str(p)) for p in result.problems]
+            messages += [("error", e) for e in gate_errors(loader, result)]
             checked = len(result.specs)
         except Exception as e:
             error(f"cannot read the unit files below {printable(root)}: {_reason(e)}")

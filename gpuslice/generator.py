@@ -248,6 +248,15 @@ def plan(
     return out
 
 
+def gate_errors(loader: Loader, result: Scan) -> list[str]:
+    """What gpuslice-generator says of the units it cannot gate as they must be (`plan`'s
+    errors), for `gpuslice check` to say the same: which gates differ does not depend on the
+    directories and retry they name, only on the lines they copy."""
+    from gpuslice.paths import LIBEXEC_DIR
+
+    return plan(loader, result, LIBEXEC_DIR, DEFAULTS.runtime_dir).errors
+
+
 def _settings(root: Path) -> tuple[str, float]:
     """runtime_dir and gate_retry_seconds. runtime_dir is the one gpuslice.service recorded
     this boot (paths.RUNTIME_DIR_RECORD), whatever config.yaml says: gates naming another

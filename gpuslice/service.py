@@ -116,7 +116,24 @@ READ_EVERY = 4 << 20
 READ_AGAIN = 0.1
 # How long a reading is waited for; one that does not come is asked for again later.
 READ_TIMEOUT = 5.0
+# A reading that failed otherwise (an error the daemon need not give next time, NoMemory or
+# LimitsExceeded, a lost connection): asked again no sooner than READ_RETRY s later, twice as
+# long after each failure in a row, READ_RETRY_MAX s at most (not at every answer, as the
+# bytes counted since the last reading would have it); meanwhile what is counted stays held.
+READ_RETRY = 1.0
+READ_RETRY_MAX = 60.0
 STATS = "org.freedesktop.DBus.Debug.Stats"
+# The errors of a bus daemon that cannot say what it holds, whenever asked (no Debug.Stats:
+# dbus-broker, a dbus-daemon built without it; a policy that refuses it): asked no more.
+CANNOT_SAY = frozenset(
+    {
+        "org.freedesktop.DBus.Error.UnknownMethod",
+        "org.freedesktop.DBus.Error.UnknownInterface",
+        "org.freedesktop.DBus.Error.UnknownObject",
+        "org.freedesktop.DBus.Error.AccessDenied",
+        "org.freedesktop.DBus.Error.NotSupported",
+    }
+)
 # Status calls waiting for the bus daemon to say who called (only where /proc hides other
 # users' processes: gpuslice/procmount.py): past this many, a Status call that would ask is
 # refused (LimitsExceeded, "try again"); one whose caller is known already is answered
@@ -209,6 +226,8 @@ class SchedulerService:
         self._sent_when_asked = 0
         self._reading: asyncio.Task[None] | None = None
         self._read_at = -math.inf  # time.monotonic() of the last reading asked for
+        self._failures = 0  # readings failed in a row (READ_RETRY), none since the last word
+        self._retry_at = -math.inf  # time.monotonic() before which none is asked for again
         bus.add_message_handler(self._handle)
 
     async def claim_name(self, waiting: Callable[[int], None] = lambda pid: None) -> None:
@@ -422,6 +441,8 @@ class SchedulerService:
         bytes of answers."""
         if self._held_said is None or self._reading is not None:
             return
+        if time.monotonic() < self._retry_at:
+            return
         if again:
             if time.monotonic() - self._read_at < READ_AGAIN:
                 return
@@ -441,24 +462,46 @@ class SchedulerService:
                 ),
                 READ_TIMEOUT,
             )
-            held = _incoming_bytes(reply)
         except TimeoutError:  # asked again at the next answers
             return
-        except Exception as e:  # not a bus that says it (the stand-in of tests): not asked
-            held, reply = None, None
-            log.debug("cannot read what the bus daemon holds: %s", e)
+        except Exception as e:  # the connection's (lost, ...): asked again later
+            self._read_failed(printable(str(e) or type(e).__name__, 200))
+            return
         finally:
             self._reading = None
+        said = (
+            printable(str(reply.body[0]), 200) if reply is not None and reply.body else "no count"
+        )
+        failed = reply is not None and reply.message_type is MessageType.ERROR
+        if failed and reply.error_name not in CANNOT_SAY:  # the daemon's, this time
+            self._read_failed(f"{printable(str(reply.error_name), 100)}: {said}")
+            return
+        held = _incoming_bytes(reply)
         if held is None:
             self._held_said = None
-            said = printable(str(reply.body[0]), 200) if reply and reply.body else "no count"
             log.info(
                 "the bus daemon does not say how much of ours it holds (%s): Status answers "
                 "its callers do not read are not bounded",
                 said,
             )
             return
+        if self._failures:
+            log.info("the bus daemon says again how much of ours it holds")
+        self._failures, self._retry_at = 0, -math.inf
         self._held_said, self._sent_when_asked = held, sent
+
+    def _read_failed(self, why: str) -> None:
+        """A reading that may come next time: asked again after READ_RETRY s, doubled at each
+        failure in a row; said once for them all (the journal is not flooded)."""
+        self._failures += 1
+        delay = min(READ_RETRY * 2 ** min(self._failures - 1, 32), READ_RETRY_MAX)
+        self._retry_at = time.monotonic() + delay
+        if self._failures == 1:
+            log.warning(
+                "cannot read what the bus daemon holds of ours (%s): asked again later; until "
+                "then the Status answers sent count as held",
+                why,
+            )
 
     async def _send_status_later(self, msg: Message, answer: Coroutine[Any, Any, str]) -> None:
         """An answer that waited for the bus daemon: the answers sent meanwhile count."""

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from gpuslice.core.model import is_instance as is_instance
 from gpuslice.core.model import is_template as is_template
 from gpuslice.envsyntax import NAME_MAX, WHITESPACE, is_valid_utf8
-from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes
+from gpuslice.safefile import Unreadable, Why, file_kind, read_with_stat
 
 # `systemd-analyze unit-paths` of systemd 252 (Debian 12) for the system manager, highest
 # priority first. Two names for one directory (/lib -> /usr/lib on merged-/usr) count once.
@@ -308,8 +308,13 @@ def _not_regular(mode: int) -> str | None:
 
 def read_unit_text(path: str | os.PathLike[str]) -> str:
     """See `UnitFile.read_text`."""
+    return read_unit(path)[0]
+
+
+def read_unit(path: str | os.PathLike[str]) -> tuple[str, bool]:
+    """See `UnitFile.read`."""
     try:
-        data = read_bytes(path, MAX_FILE_SIZE, follow_links=True)
+        data, st = read_with_stat(path, MAX_FILE_SIZE, follow_links=True)
     except Unreadable as e:
         if e.error is not None:
             raise e.error from None
@@ -318,7 +323,7 @@ def read_unit_text(path: str | os.PathLike[str]) -> str:
                 errno.EFBIG, f"larger than {MAX_FILE_SIZE >> 20} MiB, which no unit file needs"
             ) from None
         raise OSError(errno.EINVAL, f"{_not_regular(e.mode)}, not a regular file") from None
-    return data.decode("utf-8", errors="surrogateescape")
+    return data.decode("utf-8", errors="surrogateescape"), bool(st.st_mode & stat.S_IROTH)
 
 
 @dataclass(frozen=True)
@@ -335,6 +340,12 @@ class UnitFile:
         `MAX_FILE_SIZE` bytes: a FIFO, a socket or a device is never opened (opening a FIFO
         would block, at boot, forever), and the size is checked on the open file."""
         return read_unit_text(self.real)
+
+    def read(self) -> tuple[str, bool]:
+        """`read_text`, and whether anyone may read the file: its mode (of the descriptor the
+        text came from) lets others read it. Where it does not, its owner (root) made what
+        it says its own, which gpuslice then quotes to root alone (annotations.Problem)."""
+        return read_unit(self.real)
 
 
 @dataclass(frozen=True)

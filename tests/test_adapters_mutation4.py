@@ -169,7 +169,7 @@ class Failing(UnitFile):
 
     error: BaseException
 
-    def read_text(self) -> str:
+    def read(self) -> tuple[str, bool]:
         raise self.error
 
 

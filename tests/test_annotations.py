@@ -1216,3 +1216,41 @@ def test_remain_after_exit_is_read_as_systemd_merges_it(tmp_path: Path) -> None:
     assert "x.service" in result.specs and result.problems == [problem]
     write(tmp_path, f"{ETC}/y.service", text)
     assert load_spec("y.service", tmp_path) == (None, [])
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640])
+def test_a_problem_in_a_file_others_cannot_read_is_shown_to_them_by_its_place(
+    tmp_path: Path, mode: int
+) -> None:
+    """Root sees what the file says; anyone else (`public`) its file, line and the key when
+    gpuslice names it (of its table, or of systemd's), not a key the file made up. A file
+    anyone may read is quoted to all."""
+    write(tmp_path, f"{ETC}/a.service", unit("Priority=10\nMemory=open1\n"))
+    private = write(
+        tmp_path,
+        f"{ETC}/a.service.d/10-p.conf",
+        "[X-GPUSlice]\nMemory=s3cret\nT0ken=1\n[Service]\nExecStartPre=/bin/x \x1b\n",
+    )
+    private.chmod(mode)
+    spec, problems = load_spec("a.service", tmp_path)
+    assert spec is None
+    said = "not shown: the file is not everyone's to read (`gpuslice check` as root says what)"
+    assert [p.public() for p in problems] == [
+        f"{ETC}/a.service:9: [X-GPUSlice] Memory: expected a size such as 512M, 20G or 20GiB "
+        f'(binary units, at most 1P), got "open1" (overridden at {ETC}/a.service.d/10-p.conf:2)',
+        f"{ETC}/a.service.d/10-p.conf:3: [X-GPUSlice] {said}",
+        f"{ETC}/a.service.d/10-p.conf:5: [Service] ExecStartPre: {said}",
+        f"{ETC}/a.service.d/10-p.conf:2: [X-GPUSlice] Memory: {said}",
+    ]
+    assert [str(p) for p in problems][1:] == [
+        f"{ETC}/a.service.d/10-p.conf:3: [X-GPUSlice] T0ken: unknown key, ignored (known keys: "
+        + ", ".join(k.name for k in KEYS)
+        + ")",
+        f"{ETC}/a.service.d/10-p.conf:5: [Service] ExecStartPre: /bin/x \\x1b: a control "
+        "character in a line the gate's drop-in would copy, which gpuslice-generator does not "
+        "write (left unmanaged, ungated)",
+        f"{ETC}/a.service.d/10-p.conf:2: [X-GPUSlice] Memory: expected a size such as 512M, 20G "
+        'or 20GiB (binary units, at most 1P), got "s3cret"',
+    ]
+    private.chmod(0o644)
+    assert [p.public() for p in load_spec("a.service", tmp_path)[1]] == [str(p) for p in problems]

@@ -201,7 +201,7 @@ def test_check_escapes_control_characters_from_unit_files(tmp_path: Path) -> Non
 
 def test_check_prints_the_scans_warnings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     warning = Problem("/etc/systemd/system/a.service.d/z.conf", 2, "", "a warning", "warning", "a")
-    monkeypatch.setattr("gpuslice.cli.scan", lambda root: Scan(problems=[warning]))
+    monkeypatch.setattr("gpuslice.cli.scan", lambda root, loader: Scan(problems=[warning]))
     assert check("--config", str(tmp_path / "absent.yaml"), "--root", str(tmp_path)) == (
         0,
         [f"warning: {warning}", "ok: 0 annotated unit(s) checked, 1 warning(s)"],
@@ -211,7 +211,7 @@ def test_check_prints_the_scans_warnings(tmp_path: Path, monkeypatch: pytest.Mon
 def test_check_config_only_reads_no_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What ExecReload= runs: a unit's problem must not fail `systemctl reload gpuslice`."""
     broken = Problem("/etc/systemd/system/a.service", 2, "", "an error", "error", "a")
-    monkeypatch.setattr("gpuslice.cli.scan", lambda root: Scan(problems=[broken]))
+    monkeypatch.setattr("gpuslice.cli.scan", lambda root, loader: Scan(problems=[broken]))
     config = tmp_path / "config.yaml"
     config.write_text("gpus: 2\n")
     assert check("--config-only", "--config", str(config), "--root", str(tmp_path)) == (

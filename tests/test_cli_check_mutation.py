@@ -16,10 +16,11 @@ import pytest
 from click.testing import CliRunner, Result
 
 from gpuslice import cli as cli_module
-from gpuslice import procmount
-from gpuslice.annotations import Problem, Scan
+from gpuslice import generator, procmount
+from gpuslice.annotations import Loader, Problem, Scan
 from gpuslice.cli import main
 from gpuslice.procmount import ProcHiding, proc_hiding_of, read_proc_hiding
+from tests.test_generator import ANNOTATION, LIB, LIBEXEC, instance, write
 from tests.test_status_privacy import ROOT_LINE, mountinfo, proc_line
 
 UNIT = "[Unit]\nDescription=x\n[Service]\nExecStart=/bin/true\n[X-GPUSlice]\nPriority=10\n"
@@ -122,7 +123,7 @@ def test_a_config_loader_failure_is_one_error_naming_the_file(
 def test_a_unit_directory_that_cannot_be_scanned_is_one_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(root: str) -> Scan:
+    def broken(root: str, loader: Loader) -> Scan:
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(cli_module, "scan", broken)
@@ -142,7 +143,7 @@ def test_problems_go_to_stderr_the_verdict_to_stdout(
 ) -> None:
     """A script reads the verdict on stdout; warnings and errors are on stderr."""
     warning = Problem("/etc/systemd/system/a.service", 2, "", "a warning", "warning", "a")
-    monkeypatch.setattr(cli_module, "scan", lambda root: Scan(problems=[warning]))
+    monkeypatch.setattr(cli_module, "scan", lambda root, loader: Scan(problems=[warning]))
     result = invoke("--config", str(tmp_path / "absent.yaml"), "--root", str(tmp_path))
     assert result.exit_code == 0
     assert result.stderr == f"warning: {warning}\n"
@@ -153,7 +154,7 @@ def test_a_problem_line_is_cut_at_2000_characters(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     flood = Problem("/etc/systemd/system/a.service", 2, "", "x" * 5000, "warning", "a")
-    monkeypatch.setattr(cli_module, "scan", lambda root: Scan(problems=[flood]))
+    monkeypatch.setattr(cli_module, "scan", lambda root, loader: Scan(problems=[flood]))
     code, lines = check("--config", str(tmp_path / "absent.yaml"), "--root", str(tmp_path))
     assert code == 0
     assert lines[0] == f"warning: {flood}"[:2000] + "..."
@@ -373,3 +374,35 @@ def test_failing_closed_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     table.write_text(ROOT_LINE + "\n")
     assert read_proc_hiding(table) == procmount.UNKNOWN
     assert _warnings(caplog) == ["no /proc in the mount table: Status hides other users' processes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# what the generator will do
+
+
+@pytest.mark.parametrize("length", [253, 254, 255])
+def test_an_instance_the_generator_cannot_gate_as_it_must_is_an_error_as_the_generator_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], length: int
+) -> None:
+    """A managed template's instance whose name leaves no room for a drop-in directory of its
+    own (254, 255 characters) while it needs one (its own ExecStartPre= lines, or no
+    annotation: the template's gate is wrong for it): `check` says what gpuslice-generator
+    says, line for line (it said ok). At 253 characters it gets its own: ok."""
+    own = instance(length)
+    unmanaged = instance(length).replace("train@x", "train@z")
+    write(tmp_path, f"{LIB}/train@.service", ANNOTATION)
+    write(tmp_path, f"{LIB}/{own}", "[Service]\nExecStartPre=/bin/own\n" + ANNOTATION)
+    write(tmp_path, f"{LIB}/{instance(length).replace('train@x', 'train@y')}", ANNOTATION)
+    write(tmp_path, f"{LIB}/{unmanaged}", "[Service]\nExecStart=/bin/x\n")
+    generator.generate(tmp_path / "out", root=str(tmp_path), libexec_dir=LIBEXEC)
+    said = capsys.readouterr().err.splitlines()
+    code, lines = check("--config", str(tmp_path / "absent.yaml"), "--root", str(tmp_path))
+    prefix = "gpuslice-generator: "
+    assert [line for line in lines if not line.startswith("ok: ")] == [
+        line.removeprefix(prefix) for line in said
+    ]
+    if length == 253:
+        assert (code, lines) == (0, ["ok: 3 annotated unit(s) checked, 0 warning(s)"])
+    else:
+        assert code == 1 and len(lines) == 2
+        assert all("name too long for a drop-in directory of its own" in line for line in lines)

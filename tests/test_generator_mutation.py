@@ -369,13 +369,13 @@ def test_each_unit_file_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyP
     write(tmp_path, f"{LIB}/train@.service", ANNOTATION)
     write(tmp_path, f"{LIB}/train@x.service", "[Service]\nExecStartPre=/bin/own\n" + ANNOTATION)
     reads: Counter[str] = Counter()
-    real = unitfiles.read_unit_text
+    real = unitfiles.read_unit
 
-    def counting(path: str | os.PathLike[str]) -> str:
+    def counting(path: str | os.PathLike[str]) -> tuple[str, bool]:
         reads[str(Path(path).relative_to(tmp_path))] += 1
         return real(path)
 
-    monkeypatch.setattr(unitfiles, "read_unit_text", counting)
+    monkeypatch.setattr(unitfiles, "read_unit", counting)
     assert written(run(tmp_path)) == {
         "a.service.d/gpuslice-gate.conf": gate("/bin/frag", "/bin/pre"),
         "train@.service.d/gpuslice-gate.conf": gate(),

@@ -5,7 +5,8 @@ dbus-daemon keeps an answer until its caller reads it, counted against the contr
 connection, and stops reading the controller's socket at max_incoming_bytes: callers that
 never read held every call of the controller's to systemd (tests/test_dbus_adapter.py shows
 it on a real daemon). Here: the count at exactly its bound, what is sent while a reading is
-on its way, how often the daemon is asked, and a daemon that cannot say."""
+on its way, how often the daemon is asked, a daemon that cannot say, and a reading that fails
+this time (asked again later, backing off)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,6 @@ _SERIALS = itertools.count(1)
 
 class StatsBus(ServiceBus):
     """A stand-in bus whose daemon answers GetConnectionStats when the test says what."""
-
-    unique_name = ":1.1"
 
     def __init__(self) -> None:
         super().__init__()
@@ -226,6 +225,8 @@ def test_a_refused_call_asks_again_at_most_every_read_again(
     ("stats", "error"),
     [
         (None, "org.freedesktop.DBus.Error.UnknownMethod"),  # no Debug.Stats
+        (None, "org.freedesktop.DBus.Error.UnknownInterface"),  # dbus-broker's
+        (None, "org.freedesktop.DBus.Error.AccessDenied"),  # a policy's
         ({"OutgoingBytes": Variant("u", 0)}, ""),  # another daemon's stats
         ({"IncomingBytes": Variant("t", 5)}, ""),
     ],
@@ -268,7 +269,10 @@ def test_a_reading_that_does_not_come_keeps_the_count_and_is_asked_again(
     _in_loop(body)
 
 
-def test_a_stand_in_without_calls_is_taken_for_a_daemon_that_cannot_say() -> None:
+def test_the_stand_in_bus_is_a_daemon_that_cannot_say(caplog: pytest.LogCaptureFixture) -> None:
+    """tests/service_bus.py answers as a dbus-daemon without Debug.Stats (UnknownMethod): not
+    asked again, nothing refused."""
+
     async def body() -> None:
         bus = ServiceBus()
         service = _service(bus, "x" * 40)
@@ -278,7 +282,12 @@ def test_a_stand_in_without_calls_is_taken_for_a_daemon_that_cannot_say() -> Non
         for _ in range(5):
             assert bus.deliver(_status()) is True
 
+    caplog.set_level(logging.INFO, logger="gpuslice.service")
     _in_loop(body)
+    assert _said(caplog, logging.INFO) == [
+        "the bus daemon does not say how much of ours it holds (no method GetConnectionStats): "
+        "Status answers its callers do not read are not bounded"
+    ]
 
 
 def test_incoming_bytes_only_from_a_well_formed_answer() -> None:
@@ -392,7 +401,9 @@ def test_what_a_daemon_that_cannot_say_answered_is_logged_cut_at_200_characters(
         if text is None:
             answer.set_result(Message.new_method_return(msg))
         else:
-            answer.set_result(Message.new_error(msg, "org.freedesktop.DBus.Error.Failed", text))
+            answer.set_result(
+                Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownInterface", text)
+            )
         await _turns()
 
     caplog.set_level(logging.INFO, logger="gpuslice.service")
@@ -403,30 +414,120 @@ def test_what_a_daemon_that_cannot_say_answered_is_logged_cut_at_200_characters(
     ]
 
 
-def test_a_reading_that_fails_says_why_at_debug_level(caplog: pytest.LogCaptureFixture) -> None:
-    """A bus that cannot be asked at all (its call raises): why, at debug level (the
-    controller's log_level), and taken for a daemon that cannot say."""
+class Failing(StatsBus):
+    """A bus whose calls raise (the connection lost) while `failing`, then as StatsBus."""
 
-    class Failing(StatsBus):
-        async def call(self, msg: Message) -> Message:
+    failing = True
+
+    async def call(self, msg: Message) -> Message:
+        if self.failing:
             raise ConnectionError("the bus went away")
+        return await super().call(msg)
+
+
+@pytest.mark.parametrize(
+    ("error", "why"),
+    [
+        ("", "the bus went away"),  # the call raises
+        ("org.freedesktop.DBus.Error.NoMemory", "org.freedesktop.DBus.Error.NoMemory: said so"),
+        (LIMITS_EXCEEDED, f"{LIMITS_EXCEEDED}: said so"),
+        (
+            "org.freedesktop.DBus.Error.Disconnected",
+            "org.freedesktop.DBus.Error.Disconnected: said so",
+        ),
+        ("org.freedesktop.DBus.Error.Failed", "org.freedesktop.DBus.Error.Failed: said so"),
+    ],
+)
+def test_a_reading_that_fails_keeps_the_bound_and_is_asked_again_later(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, error: str, why: str
+) -> None:
+    """A failure the daemon need not give next time (an error other than CANNOT_SAY's, a call
+    that raises) keeps the count and the bound: asked again READ_RETRY s later, twice as long
+    after each failure in a row (READ_RETRY_MAX at most), not at every answer; said once per
+    streak of failures, and once more when the daemon says again. It was taken for a daemon
+    that cannot say: nothing was refused any more, for good."""
+    now = [100.0]
+    monkeypatch.setattr(service_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(service_module, "READ_RETRY", 2.0)
+    monkeypatch.setattr(service_module, "READ_RETRY_MAX", 5.0)
 
     async def body() -> None:
         bus = Failing()
+        bus.failing = not error
         service = _service(bus, "x" * 40)
-        bus.deliver(_status())
-        await _turns()
-        assert service._held_said is None
 
-    caplog.set_level(logging.DEBUG, logger="gpuslice.service")
+        async def fail() -> None:
+            await _turns()
+            if error:
+                bus.say(None, error)
+                await _turns()
+
+        bus.deliver(_status())  # 40 bytes: asked at 100
+        await fail()
+        assert service._held_said == 0 and service._held() == 40 and service._reading is None
+        assert len(bus.asked) == (1 if error else 0)
+        now[0] = 101.9
+        assert not _refused(bus.deliver(_status()))
+        assert not _refused(bus.deliver(_status()))
+        await _turns()
+        assert _refused(bus.deliver(_status()))  # 120 bytes: the bound still holds
+        await _turns()
+        assert len(bus.asked) == (1 if error else 0)  # not before READ_RETRY s
+        now[0] = 102.0
+        assert _refused(bus.deliver(_status()))
+        await fail()  # asked at 102, failed again: 4 s to wait
+        assert len(bus.asked) == (2 if error else 0)
+        now[0] = 105.9
+        assert _refused(bus.deliver(_status()))
+        await _turns()
+        now[0] = 106.0
+        assert _refused(bus.deliver(_status()))
+        await fail()  # asked at 106, failed a 3rd time: 5 s (READ_RETRY_MAX) to wait
+        now[0] = 110.9
+        assert _refused(bus.deliver(_status()))
+        await _turns()
+        assert len(bus.asked) == (3 if error else 0)
+        bus.failing = False
+        now[0] = 111.0
+        assert _refused(bus.deliver(_status()))
+        await _turns()
+        assert len(bus.asked) == (4 if error else 1)
+        bus.say(_stats(0))  # the callers read
+        await _turns()
+        assert service._held() == 0 and not _refused(bus.deliver(_status()))
+
+    caplog.set_level(logging.INFO, logger="gpuslice.service")
     _in_loop(body)
-    assert _said(caplog, logging.DEBUG) == [
-        "cannot read what the bus daemon holds: the bus went away"
+    assert _said(caplog, logging.WARNING) == [
+        f"cannot read what the bus daemon holds of ours ({why}): asked again later; until "
+        "then the Status answers sent count as held"
     ]
-    assert _said(caplog, logging.INFO) == [
-        "the bus daemon does not say how much of ours it holds (no count): Status answers "
-        "its callers do not read are not bounded"
-    ]
+    assert _said(caplog, logging.INFO) == ["the bus daemon says again how much of ours it holds"]
+
+
+def test_a_new_streak_of_failures_is_said_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a reading that came, the next failure waits READ_RETRY s only, and is said."""
+    now = [100.0]
+    monkeypatch.setattr(service_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(service_module, "READ_RETRY", 2.0)
+    nomem = "org.freedesktop.DBus.Error.NoMemory"
+
+    async def body() -> None:
+        bus = StatsBus()
+        service = _service(bus, "x" * 30)
+        for answer in [nomem, "", nomem, nomem]:
+            bus.deliver(_status())  # 30 bytes since the last word: asked
+            await _turns()
+            bus.say(_stats(0), answer)
+            await _turns()
+            now[0] += 2.0
+        assert len(bus.asked) == 4 and service._failures == 2
+
+    caplog.set_level(logging.INFO, logger="gpuslice.service")
+    _in_loop(body)
+    assert len(_said(caplog, logging.WARNING)) == 2
 
 
 def test_past_the_refusals_bound_each_unanswered_call_asks_the_daemon_again(

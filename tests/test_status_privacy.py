@@ -35,7 +35,7 @@ from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
 from gpuslice.status import CachedStatus, render, snapshot_to_json
 from gpuslice.systemd import Systemd, SystemdError, credentials_of
 from tests.service_bus import ServiceBus
-from tests.test_controller import Bed, OneForeignProcess, run, write_unit
+from tests.test_controller import UNIT_DIR, Bed, OneForeignProcess, run, write_unit
 from tests.test_dbus_adapter import bus_address as bus_address
 from tests.test_dbus_adapter import bus_daemon as bus_daemon
 from tests.test_dbus_adapter import call, connect
@@ -607,6 +607,43 @@ def test_a_value_of_roots_environment_file_reaches_root_alone(
     with caplog.at_level(logging.INFO):
         run(test)
     assert any("TOKEN=s3cret" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("options", ["rw", "rw,hidepid=invisible,gid=27"])
+def test_what_a_file_others_cannot_read_says_reaches_root_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: str
+) -> None:
+    """A drop-in whose mode lets no one but its owner read it (root's 0600): root's Status
+    quotes its [X-GPUSlice] values and its unknown keys' names; any other caller's gives
+    where each problem is (file, line, a known key) but not what the file says. A problem in
+    a file anyone may read is quoted to all. The priorities are public as ever (the table)."""
+    bed = _foreign_bed(tmp_path, monkeypatch, options)
+    write_unit(tmp_path, "leak.service", "Priority=10\nMemory=open1\n")
+    dropin = tmp_path / "root" / UNIT_DIR / "leak.service.d" / "private.conf"
+    dropin.parent.mkdir()
+    dropin.write_text("[X-GPUSlice]\nMemory=s3cret\nT0ken=x\n")
+    dropin.chmod(0o600)
+    shown = f"/{UNIT_DIR}/leak.service"
+    withheld = "not shown: the file is not everyone's to read (`gpuslice check` as root says what)"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        root = await _answer(ctl, ":1.2")
+        assert len(root["problems"]) == 3
+        assert "s3cret" in json.dumps(root) and "T0ken" in json.dumps(root)
+        for sender in (":1.1", ":1.3", ":1.4", ":1.5"):
+            data = await _answer(ctl, sender)
+            assert "s3cret" not in json.dumps(data) and "T0ken" not in json.dumps(data), sender
+            assert data["problems"] == [
+                f"{shown}:6: [X-GPUSlice] Memory: expected a size such as 512M, 20G or 20GiB "
+                '(binary units, at most 1P), got "open1" (overridden at '
+                "/etc/systemd/system/leak.service.d/private.conf:2)",
+                f"{shown}.d/private.conf:3: [X-GPUSlice] {withheld}",
+                f"{shown}.d/private.conf:2: [X-GPUSlice] Memory: {withheld}",
+            ], sender
+
+    run(test)
 
 
 def test_the_redacted_answer_is_built_once_per_change(
