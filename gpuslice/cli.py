@@ -27,6 +27,7 @@ from gpuslice.core.model import UnitKind, UnitSpec
 from gpuslice.envsyntax import NAME_MAX
 from gpuslice.generator import gate_errors
 from gpuslice.newunit import (
+    CommandAfterDashes,
     annotation_options,
     annotation_text,
     existing_unit,
@@ -1253,15 +1254,22 @@ def _enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
     defaults = {"kind": UnitKind.ON_DEMAND.value, "gpus": 1, "requeue": True}
     with _unit_dir_locked(root, dropin):
         previous = read_regular(dropin)
+        found = os.path.lexists(dropin)
         # an admin's own gpuslice.conf (the README says any drop-in may carry the section)
         # was replaced whole, its other settings with it
-        if os.path.lexists(dropin) and not (previous or b"").startswith(ENROLL_MARKER.encode()):
+        if found and not (previous or b"").startswith(ENROLL_MARKER.encode()):
             raise click.ClickException(
                 f"{dropin} exists and was not written by gpuslice enroll: not overwritten "
                 "(edit its [X-GPUSlice] section, or remove it first)"
             )
         made_dir = not os.path.lexists(dropin.parent)
-        written = _write(dropin, text + annotation_text({**defaults, **_given(keys)}))
+        # none found: created, never replaced (as `new`'s unit: one written since the look stays)
+        written = _write(
+            dropin,
+            text + annotation_text({**defaults, **_given(keys)}),
+            exclusive=not found,
+            command="enroll",
+        )
         spec = _validated(unit, root, dropin, written, previous, made_dir)
         # As `new`'s, under the lock: a failed reload leaves no drop-in that systemd has not
         # loaded (and loads at some later reload), and its undo meets no other command's.
@@ -1278,7 +1286,7 @@ def _enroll(unit: str, no_reload: bool, root: str, **keys: Any) -> None:
     click.echo(f"enrolled {spec.describe()} via {dropin}")
 
 
-@main.command()
+@main.command(cls=CommandAfterDashes)
 @click.argument("name")
 @annotation_options
 @click.option("--user", help="User= the job runs as (default: root).")
@@ -1414,14 +1422,16 @@ def _unit_dir_locked(root: str, path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _write(path: Path, data: str | bytes, *, exclusive: bool = False) -> os.stat_result:
+def _write(
+    path: Path, data: str | bytes, *, exclusive: bool = False, command: str = "new"
+) -> os.stat_result:
     try:
         return write_atomically(path, data, exclusive=exclusive)
     except FileExistsError as e:
         if not (exclusive and os.path.lexists(path)):
             raise _cannot_write(path, e) from None
         raise click.ClickException(
-            f"{path} appeared while gpuslice new wrote it (another program, or an admin, "
+            f"{path} appeared while gpuslice {command} wrote it (another program, or an admin, "
             "wrote it meanwhile): not overwritten"
         ) from None
     except OSError as e:  # a read-only /etc, a file where a directory should be, not root

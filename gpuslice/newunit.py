@@ -269,10 +269,34 @@ def shown_bytes(arg: str) -> str:
     return printable(arg.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"), 80)
 
 
+COMMAND_AFTER_DASHES = "give the command after --, e.g. -- /usr/bin/python3 job.py"
+
+
+class CommandAfterDashes(click.Command):
+    """`gpuslice new`, which takes each word of its COMMAND only after `--`. click takes an
+    option wherever it stands among the positional words: `gpuslice new job --priority 5
+    python3 train.py --gpus 2` wrote a unit that ran `python3 train.py` with GPUs=2, and a
+    job's own `--user`, `--workdir`, `--now` or `--priority` became gpuslice's in the same
+    way: systemd did not run the command typed. After `--` click takes no option at all."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        after = len(args) - args.index("--") - 1 if "--" in args else 0
+        rest = super().parse_args(ctx, args)
+        # every word after `--` is positional, and COMMAND the last of those: its words all
+        # came after `--` if there are at least as many there
+        if not ctx.resilient_parsing and len(ctx.params.get("command") or ()) > after:
+            raise click.UsageError(
+                f"{COMMAND_AFTER_DASHES} (an option of the command before it is taken for "
+                "gpuslice's own)",
+                ctx,
+            )
+        return rest
+
+
 def resolve_command(command: Sequence[str]) -> list[str]:
     """The command with its program as an absolute path (systemd runs no shell)."""
     if not command:
-        raise click.UsageError("give the command after --, e.g. -- /usr/bin/python3 job.py")
+        raise click.UsageError(COMMAND_AFTER_DASHES)
     for number, arg in enumerate(command, start=1):
         if not is_utf8(arg):
             raise click.BadParameter(

@@ -166,6 +166,35 @@ def test_new_refuses_a_program_path_systemd_would_not_run(
     assert files(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        # no `--`: the job's own options were taken for gpuslice's (GPUs=2, Memory=4G)
+        ("job", "--priority", "5", "/bin/echo", "train.py", "--gpus", "2", "--memory", "4G"),
+        ("job", "--priority", "5", "/bin/echo", "--now"),
+        # the program before `--`, its arguments after it: an option between them was ours
+        ("job", "--priority", "5", "/bin/echo", "--user", "nobody", "--", "hi"),
+    ],
+)
+def test_new_takes_the_command_only_after_dashes(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """click takes an option anywhere among the positional words: without `--` before the
+    whole command, a unit was written that ran `/bin/echo train.py`, not what was typed."""
+    result = invoke("new", *args, "--no-reload", "--root", str(tmp_path))
+    assert result.exit_code == 2, result.output
+    assert "give the command after --, e.g. -- /usr/bin/python3 job.py (an option of" in (
+        result.output
+    )
+    assert files(tmp_path) == []
+    # after `--`, each word is the command's, the name too if it stands there
+    result = invoke(
+        "new", "--priority", "5", "--no-reload", "--root", str(tmp_path), "--", "job",
+        "/bin/echo", "--gpus", "2",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / SYSTEM / "job.service").read_text()
+    assert 'ExecStart="/bin/echo" "--gpus" "2"\n' in text and "GPUs=" not in text
+
+
 def test_control_characters_of_the_command_are_escaped_in_the_unit(tmp_path: Path) -> None:
     """A unit file is text an admin reads with `systemctl cat`: a raw ESC would reach the
     terminal; systemd decodes `\\x1b` back into the same argument."""
@@ -395,6 +424,9 @@ def test_a_unit_is_on_disk_before_its_name_and_its_name_before_new_returns(
     events.clear()
     plain_unit(tmp_path)
     assert enroll(tmp_path, "plain", "--priority", "5").exit_code == 0
+    assert events == ["fsync file", "link", "fsync directory"]  # as new's
+    events.clear()
+    assert enroll(tmp_path, "plain", "--priority", "6").exit_code == 0
     assert events == ["fsync file", "rename", "fsync directory"]
 
 
@@ -460,6 +492,30 @@ def test_new_never_replaces_a_unit_written_after_it_looked(
     assert f"{tmp_path / SYSTEM}/job.service appeared while gpuslice new wrote it" in result.output
     assert (tmp_path / SYSTEM / "job.service").read_text() == "[Service]\nExecStart=/bin/true\n"
     assert files(tmp_path) == [f"{SYSTEM}/job.service"]  # no temporary file left
+
+
+def test_enroll_never_replaces_a_dropin_written_after_it_looked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An admin's own `gpuslice.conf` written between `enroll`'s look (none there) and its
+    write, fsync included: the rename replaced it, its other settings with it, though enroll
+    never replaces a gpuslice.conf it did not write."""
+    plain_unit(tmp_path)
+    dropin = tmp_path / SYSTEM / "plain.service.d/gpuslice.conf"
+    admins = "[Service]\nEnvironment=MODEL=/srv/m\n[X-GPUSlice]\nPriority=7\n"
+    real_write = newunit.write_atomically
+
+    def admin_first(target: Path, data: Any, **kwargs: Any) -> os.stat_result:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(admins)
+        return real_write(target, data, **kwargs)
+
+    monkeypatch.setattr(gpuslice.cli, "write_atomically", admin_first)
+    result = enroll(tmp_path, "plain", "--priority", "5")
+    assert result.exit_code == 1, result.output
+    assert f"{dropin} appeared while gpuslice enroll wrote it" in result.output
+    assert dropin.read_text() == admins
+    assert files(tmp_path) == [f"{SYSTEM}/plain.service", f"{SYSTEM}/plain.service.d/gpuslice.conf"]
 
 
 @pytest.mark.timeout(20)

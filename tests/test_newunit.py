@@ -6,13 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuslice.annotations import KEYS, check_file, load_spec
 from gpuslice.cli import main
-from gpuslice.core.model import Rung
-from gpuslice.newunit import exec_quote, option_name
+from gpuslice.core.model import Rung, UnitKind
+from gpuslice.envsyntax import extract_first_word
+from gpuslice.newunit import exec_quote, option_name, resolve_command, unit_text
 from gpuslice.unitfiles import parse_sections
 
 GIB = 1 << 30
@@ -213,3 +217,54 @@ def test_devices_from_the_instance_name_only_in_a_template(tmp_path: Path) -> No
     assert code == 0, out
     spec, problems = load_spec("worker@3.service", tmp_path)
     assert problems == [] and spec is not None and spec.devices == ("3",)
+
+
+def _undoubled(word: str, sign: str) -> str:
+    """`word` with each doubled `sign` made one, as systemd does with `%%` (specifiers, at
+    load) and `$$` (variables, at exec); a single one is a specifier or variable systemd
+    would expand, which exec_quote must never leave."""
+    parts = word.split(sign + sign)
+    assert all(sign not in part for part in parts), word
+    return sign.join(parts)
+
+
+def _argv_systemd_runs(value: str) -> list[str]:
+    """ExecStart='s value as systemd reads it (config_parse_exec: each word unquoted and
+    C-unescaped by extract_first_word, an unquoted `;` a separator, then specifiers
+    resolved) and then runs it (variables expanded)."""
+    argv: list[str] = []
+    pos: int | None = 0
+    while True:
+        word, pos = extract_first_word(value, pos, unquote=True, cunescape=True)
+        if word is None:
+            return argv
+        argv.append(_undoubled(_undoubled(word, "%"), "$"))
+        assert pos is None or value[pos] == '"', value  # no bare `;` nor prefix between
+
+
+# what systemd's syntax gives a meaning to (three times in four), or any character but NUL
+_SYNTAX = st.sampled_from(
+    " \t\n\r\"'\\$%;{}@-+!:|#=\x01\x1b\x7f\x85\xa0\u200b\u202e\u2028\ufeff\U0001fffe"
+)
+_WORDS = st.text(
+    st.one_of(_SYNTAX, _SYNTAX, _SYNTAX, st.characters(exclude_categories=["Cs"], min_codepoint=1))
+)
+
+
+@settings(max_examples=300)
+@given(st.lists(_WORDS, min_size=1, max_size=4), st.lists(_WORDS, min_size=1, max_size=6))
+def test_systemd_runs_exactly_the_words_given(path: list[str], args: list[str]) -> None:
+    """words -> the unit's ExecStart= -> read back by systemd's rules == the words: no
+    quote, escape, `;`, specifier, variable or line end in a word changes what runs (checked
+    against systemd 252 itself too, its `systemd --test` dump of such units)."""
+    try:
+        command = resolve_command(["/" + "/".join(path), *args])
+    except click.BadParameter:
+        # a program path systemd refuses: refused before anything is written
+        command = ["/bin/echo", *path, *args]
+    text = unit_text("job.service", command, "", kind=UnitKind.ON_DEMAND)
+    starts = [
+        e.value for e in parse_sections(text) if (e.section, e.key) == ("Service", "ExecStart")
+    ]
+    assert len(starts) == 1, text
+    assert _argv_systemd_runs(starts[0]) == command
