@@ -21,6 +21,7 @@ from gpuslice.counters import Counters
 from gpuslice.rereads import Rereads
 from gpuslice.systemd import Queued, SystemdError, job_path
 from gpuslice.tracker import Tracker, UnitState
+from tests.timers import armed_for
 
 U = "low.service"
 NO_REPLY = SystemdError("org.freedesktop.DBus.Error.NoReply", "no reply")
@@ -187,10 +188,6 @@ def fire(handle: asyncio.TimerHandle) -> None:
     callback(*args)
 
 
-def delay_of(handle: asyncio.TimerHandle) -> float:
-    return round(handle.when() - asyncio.get_running_loop().time(), 3)
-
-
 def run(test: Callable[[Kit], Coroutine[Any, Any, None]]) -> Kit:
     kit = Kit()
     asyncio.run(test(kit))
@@ -217,7 +214,7 @@ def test_a_call_that_keeps_not_reaching_systemd_waits_twice_as_long_each_time_up
             kit.calls.send(call, U, "stop")
             await kit.done()
             delays.append(kit.calls._retry_delays[(U, "stop")])
-            assert delay_of(kit.calls._retry_timers[(U, "stop")]) == delays[-1]
+            assert armed_for(kit.calls._retry_timers[(U, "stop")]) == delays[-1]
         assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
         timer = kit.calls._retry_timers[(U, "stop")]
         kit.calls.send(call, U, "stop")  # went through
@@ -375,7 +372,7 @@ def test_a_stop_whose_read_fails_is_read_again_after_the_next_delay(
         await kit.done()
         assert kit.systemd.stops == []
         assert kit.calls._retry_delays == {(U, "stop"): 2.0}
-        assert delay_of(kit.calls._retry_timers[(U, "stop")]) == 2.0
+        assert armed_for(kit.calls._retry_timers[(U, "stop")]) == 2.0
 
     run(test)
     assert "cannot tell whether stopping low.service reached systemd; read again in 2 s" in (
@@ -528,10 +525,10 @@ def test_a_stop_timer_is_armed_with_the_timeout_of_now_and_armed_anew_cancels_th
     async def test(kit: Kit) -> None:
         kit.calls.arm_stop_timer(U)
         first = kit.calls._stop_timers[U]
-        assert delay_of(first) == 5.0
+        assert armed_for(first) == 5.0
         kit.timeout = 60.0  # a reload changed stop_timeout
         kit.calls.arm_stop_timer(U)
-        assert first.cancelled() and delay_of(kit.calls._stop_timers[U]) == 60.0
+        assert first.cancelled() and armed_for(kit.calls._stop_timers[U]) == 60.0
         kit.calls.cancel_stop_timer(U)
         assert kit.calls._stop_timers == {}
         kit.calls.cancel_stop_timer(U)  # nothing armed: nothing to do

@@ -24,6 +24,7 @@ from gpuslice.counters import Counters
 from gpuslice.delivery import ENV_RETRY, Delivery
 from gpuslice.gatepipes import GatePipes
 from gpuslice.paths import env_file
+from tests.timers import armed_for
 
 U = "a.service"
 UUID_A = "GPU-aaaa"
@@ -118,7 +119,7 @@ class Kit:
     def timer(self, unit: str = U) -> asyncio.TimerHandle:
         handle = self.delivery.withheld[unit]
         assert not handle.cancelled()
-        assert round(handle.when() - asyncio.get_running_loop().time(), 3) == ENV_RETRY
+        assert armed_for(handle) == ENV_RETRY
         return handle
 
 
