@@ -379,7 +379,8 @@ def _release_stopped(config_path: str, deadline: float) -> None:
             elif time.monotonic() > deadline:
                 why = f"release-jobs spent its {RELEASE_DEADLINE:g} s on the units before it"
             else:
-                outcome = _resume_left(unit, settings)
+                kept = saved.checkpointed.get(unit)  # a suspended unit's: of this boot
+                outcome = _resume_left(unit, settings, None if kept is None else kept[0])
                 if not isinstance(outcome, CheckpointError):
                     click.echo(f"{where} {_resumed(outcome)}", err=True)
                     resumed[unit] = Phase.RUNNING
@@ -476,7 +477,8 @@ def _released(
     or down since a stop of the controller's) are theirs now, owed no comeback, as a
     preemption the controller forgets (`_forget_end`): kept, the next controller, of this
     boot or a later one, started again a job the admin had started by hand meanwhile and
-    that had finished. Everything else is kept."""
+    that had finished. What the suspends checkpointed goes with each unit no longer
+    suspended. Everything else is kept."""
     from gpuslice.core.scheduler import Phase
 
     holders = dict(saved.holders)
@@ -519,6 +521,7 @@ def _released(
         wait_failed=[n for n in saved.wait_failed if n not in handed_back],
         requeued=[n for n in saved.requeued if n not in handed_back],
         terms={n: t for n, t in saved.terms.items() if n not in gone},
+        checkpointed={n: c for n, c in saved.checkpointed.items() if n in suspended},
     )
 
 
@@ -678,24 +681,30 @@ def _stop_partly_resumed(unit: str, failed: CheckpointError) -> tuple[bool, str]
     )
 
 
-def _resume_left(unit: str, settings: CheckpointSettings) -> Resumed | CheckpointError:
+def _resume_left(
+    unit: str, settings: CheckpointSettings, pids: Sequence[int] | None = None
+) -> Resumed | CheckpointError:
     """Resume a unit left suspended by the controller that stopped, by the controller's own
     code (Ladder.restore: ThawUnit, then each process that cuda-checkpoint finds checkpointed
-    is restored, each locked one unlocked): what was done, or why it failed. The tool is
-    required first (installed, changeable by root alone): nothing is thawed without it. A
-    resume that fails once thawed with nothing restored (a restore refused, out of GPU
-    memory, timed out) leaves the unit frozen again, as it was; one that restored some
-    processes first is left thawed (`restored` on the error) for the caller to stop."""
+    is restored, each locked one unlocked; `pids`: those its suspend checkpointed, as the
+    state file kept them, else every process of the unit is asked): what was done, or why
+    it failed. The tool is required first (installed, changeable by root alone): nothing is
+    thawed without it. A resume that fails once thawed with nothing restored (a restore
+    refused, out of GPU memory, timed out) leaves the unit frozen again, as it was; one that
+    restored some processes first is left thawed (`restored` on the error) for the caller to
+    stop."""
     from gpuslice.checkpoint import CheckpointError, require_tool
 
     try:
         require_tool(settings.tool, root_only=settings.root_only)
     except CheckpointError as e:
         return e
-    return asyncio.run(_resume_by_ladder(unit, settings))
+    return asyncio.run(_resume_by_ladder(unit, settings, pids))
 
 
-async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> Resumed | CheckpointError:
+async def _resume_by_ladder(
+    unit: str, settings: CheckpointSettings, pids: Sequence[int] | None = None
+) -> Resumed | CheckpointError:
     from gpuslice.checkpoint import CheckpointError
     from gpuslice.ladder import Ladder
     from gpuslice.systemd import Systemd
@@ -716,7 +725,7 @@ async def _resume_by_ladder(unit: str, settings: CheckpointSettings) -> Resumed 
     try:
         ladder = Ladder(systemd, told, lambda: None, lambda: settings, report)
         try:
-            done = await ladder.restore(unit)
+            done = await ladder.restore(unit, pids, recalled=pids is not None)
             if done is not None:
                 return done
             failed = CheckpointError("cuda-checkpoint is not installed any more: cannot restore")

@@ -424,7 +424,14 @@ class Controller:
         self.restore.remember_told()  # before a sample decides: NVML may number the GPUs anew
         with self.scheduler.deferred():  # the first sample took every job's process for foreign
             self.scheduler.set_gpus(self.watch.resample())
+        # what the suspends of this boot checkpointed (another boot's PIDs are other
+        # processes), for the resumes rebuild decides
+        kept = set(self.scheduler.suspended_units()) if this_boot else set()
+        self.ladder.recall({n: c for n, c in saved.checkpointed.items() if n in kept})
         actions = forgotten + self.restore.rebuild(await self.restore.stopped_while_away())
+        for name in kept - set(self.scheduler.suspended_units()):
+            if self.scheduler.phase(name) is not Phase.RESUMING:  # ended while we were away
+                self.ladder.went_down(name)
         self.restore.sweep_env_files(units)  # ours alone (our name): no other controller writes one
         self.ready = True
         self.execute(actions)
@@ -1292,7 +1299,9 @@ class Controller:
         once, not at every decision, and again when saving works."""
         self._save_due = False
         try:
-            where = self.store.save(self.scheduler.save(), self.boot_id)
+            saved = self.scheduler.save()
+            saved.checkpointed = self.ladder.checkpointed(saved.suspended)
+            where = self.store.save(saved, self.boot_id)
         except OSError as e:
             self._save_failed(e)
         else:

@@ -23,7 +23,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -100,10 +100,17 @@ class LadderEvents(Protocol):
 class Suspension:
     """A suspended unit as status shows it: what moved to host memory, and since when."""
 
-    pids: tuple[int, ...]
+    pids: tuple[int, ...]  # those its suspend checkpointed
     vram: int  # bytes now in host memory
     since: float  # time.monotonic() when it was suspended
     wall: float  # time.time() of the same moment
+    # read back from the state file by a controller started since (`recall`): the last
+    # one's cuda-checkpoint runs may still be under way on its processes
+    recalled: bool = False
+
+    def saved(self) -> tuple[tuple[int, ...], int, float]:
+        """What the state file keeps of it (SavedState.checkpointed)."""
+        return self.pids, self.vram, self.wall
 
 
 class Ladder:
@@ -146,6 +153,23 @@ class Ladder:
         self.moving = 0
         # the run of each busy unit that its freezes, suspends and resumes act for (`_run_of`)
         self.runs: dict[str, object] = {}
+
+    def checkpointed(self, units: Collection[str]) -> dict[str, tuple[tuple[int, ...], int, float]]:
+        """What the suspends of `units` (those the core keeps suspended) checkpointed, for the
+        state file: a controller started since resumes exactly those (`recall`)."""
+        return {u: s.saved() for u, s in self.suspensions.items() if u in units}
+
+    def recall(self, saved: Mapping[str, tuple[tuple[int, ...], int, float]]) -> None:
+        """After a controller restart within the boot it saved them in: what the last one's
+        suspends checkpointed (`checkpointed`), for the units the core restored suspended.
+        Their resume restores those PIDs that are still the unit's processes
+        (`_still_its_own`: one freed and given to another unit's process is left alone),
+        rather than asking the tool the state of each process of the unit: more than
+        MAX_RECOVERED_PIDS of them failed the resume, and the unit was stopped."""
+        now, wall_now = time.monotonic(), time.time()
+        for unit, (pids, vram, wall) in saved.items():
+            since = now - max(0.0, wall_now - wall)  # for status alone: a clock step is cosmetic
+            self.suspensions[unit] = Suspension(tuple(pids), vram, since, wall, recalled=True)
 
     def went_down(self, unit: str) -> None:
         """The unit's processes are gone: what a suspend of it kept is of no use (one entry
@@ -314,15 +338,21 @@ class Ladder:
             if done is None:  # the last controller may have checkpointed it: never "resumed"
                 raise CheckpointError(_NO_TOOL)
             return f"a controller restart: {resumed_words(done)}"
-        done = await self.restore(unit, suspension.pids, run)
+        done = await self.restore(unit, suspension.pids, run, recalled=suspension.recalled)
         away = time.monotonic() - suspension.since
         return f"{away:.0f} s: {resumed_words(done)}"
 
     async def restore(
-        self, unit: str, pids: Sequence[int] | None = None, run: object | None = None
+        self,
+        unit: str,
+        pids: Sequence[int] | None = None,
+        run: object | None = None,
+        *,
+        recalled: bool = False,
     ) -> checkpoint.Resumed | None:
-        """ThawUnit, then restore and unlock `pids` (those this controller checkpointed; None
-        after a restart: those of the unit that cuda-checkpoint knows). What was done; None
+        """ThawUnit, then restore and unlock `pids` (those a controller checkpointed,
+        `recalled` from the state file when an earlier one did; None after a restart that
+        kept none: those of the unit that cuda-checkpoint knows). What was done; None
         when `pids` is None and there is no tool (what is checkpointed cannot be told: both
         callers take it for a failure); CheckpointError when it failed
         (`restored` on it: what is back on a GPU all the same). `resume` reports it to the
@@ -348,6 +378,8 @@ class Ladder:
             pids = await self._recovered_pids(unit, tool, s.via_systemd)
         else:
             pids = self._still_its_own(unit, pids)
+            if recalled and s.via_systemd:
+                await self._stop_earlier_runs(unit, pids)
         # ended while they were listed and asked after (a restart's): those may be the next
         # run's processes, and one its own suspend checkpointed meanwhile would be restored
         if self._ended(unit, run):
@@ -395,15 +427,8 @@ class Ladder:
                 f"it has {len(pids)} processes, more than the {MAX_RECOVERED_PIDS} whose "
                 f"state {checkpoint.TOOL_NAME} is asked after a controller restart"
             )
-        if via_systemd:  # a run the last controller left must not land after this resume
-            problem = await checkpoint.stop_earlier_runs(pids)
-            if problem:
-                log.warning(
-                    "resuming %s: cuda-checkpoint runs an earlier controller left on its "
-                    "processes %s (systemd ends them at their RuntimeMaxSec=)",
-                    unit,
-                    problem,
-                )
+        if via_systemd:
+            await self._stop_earlier_runs(unit, pids)
         known = []
         for pid in pids:
             try:
@@ -416,6 +441,18 @@ class Ladder:
                 continue
             known.append(pid)
         return known
+
+    async def _stop_earlier_runs(self, unit: str, pids: Sequence[int]) -> None:
+        """After a controller restart: a run the last controller left must not land after
+        this resume (a lock or a checkpoint then blocked the job in its next CUDA call)."""
+        problem = await checkpoint.stop_earlier_runs(pids)
+        if problem:
+            log.warning(
+                "resuming %s: cuda-checkpoint runs an earlier controller left on its "
+                "processes %s (systemd ends them at their RuntimeMaxSec=)",
+                unit,
+                problem,
+            )
 
     # -- freeze and thaw ----------------------------------------------------------------------
 

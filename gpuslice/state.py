@@ -9,9 +9,9 @@ decisions of the last second, never the file (holders are rebuilt from systemd a
 
 Every GPU job waits on the controller, so no content of the file may stop it: `load()`
 never raises. A file that is not exactly what `save()` writes costs one error line, and:
-- the file itself is bad (not a regular file, over 16 MiB, not UTF-8 JSON, not an object,
-  another format version): it is moved to `state.json.bad` and the controller starts from
-  what systemd reports;
+- the file itself is bad (not a regular file, over 16 MiB, another user's or writable by
+  others, not UTF-8 JSON, not an object, another format version): it is moved to
+  `state.json.bad` and the controller starts from what systemd reports;
 - some entries are bad (a holder with an unknown phase, an invalid unit name, a negative
   seq, ...): those entries are dropped and the valid ones kept, since holds are what users
   care about; the original is copied to `state.json.bad` and the kept entries replace it
@@ -40,6 +40,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import stat
 import threading
@@ -62,15 +63,17 @@ GPU_INDEX_MAX = 1023
 SEQ_MAX = (1 << 63) - 1
 BOOT_ID_MAX = 256  # "<kernel boot id>/<systemd's UserspaceTimestamp>"
 GENERATION_MAX = SEQ_MAX  # a save a microsecond would take 292,000 years to reach it
+PID_MAX = 1 << 22  # the kernel's PID_MAX_LIMIT: no process has a higher PID
 # a suspended unit holds no GPU: it is listed under "suspended", never as a holder
 PHASES = tuple(p.value for p in Phase if p is not Phase.SUSPENDED)
 FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq", "version")
 # written since the Preempt= ladder, since starts are saved before they are sent, since
 # the terms of units whose annotation goes are kept, since thaws owed are, since saves are
 # numbered, since requeues at the gate and their failed waits are, since background
-# instances the shutdown stopped are, and since refills are told from comebacks; a file
-# without them (an older controller's) is complete
+# instances the shutdown stopped are, since refills are told from comebacks, and since the
+# PIDs a suspend checkpointed are; a file without them (an older controller's) is complete
 LATER_FIELDS = (
+    "checkpointed",
     "frozen_for",
     "generation",
     "refills",
@@ -239,11 +242,29 @@ def read_found(path: Path) -> Found:
         found.error = _read_error(e)
         return found
     found.mtime_ns = st.st_mtime_ns
+    others = _others_could_write(st)
+    if others:
+        found.error = BadFile(others)
+        return found
     try:
         found.data = parse(found.raw, found.problems)
     except BadFile as e:
         found.error = e
     return found
+
+
+def _others_could_write(st: os.stat_result) -> str:
+    """Why a state file may hold what another user wrote ("" when only root, or the
+    controller's own user, could write it): one another user owns, or that others may write
+    (`chmod 666`, a backup restored so). Its holders, suspended units and grants were trusted:
+    a forged one booked a GPU for a unit that runs on another, and that GPU was granted to a
+    second job. save() writes a new file, mode 0644, so the controller's own never is."""
+    if st.st_uid != os.geteuid():
+        return f"owned by UID {st.st_uid}, not the controller's"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and st.st_gid not in (0, os.getegid())):
+        return f"writable by others (mode {mode:04o})"
+    return ""
 
 
 def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]:
@@ -309,6 +330,18 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
             problems.add(f"suspended: dropped {_show(name)}: {why or 'also a holder'}")
         else:
             suspended[name] = (tuple(entry[0]), entry[1])
+
+    checkpointed: dict[str, tuple[tuple[int, ...], int, float]] = {}
+    raw_checkpointed = _object(data, "checkpointed", problems)
+    for name, entry in raw_checkpointed.items():
+        why = _checkpointed_problem(entry)
+        if not why and name not in suspended:
+            why = "not a suspended unit"
+        if why:
+            problems.add(f"checkpointed: dropped {_show(name)}: {why}")
+        else:
+            pids, vram, wall = entry
+            checkpointed[name] = (tuple(pids), vram, float(wall))
 
     frozen_for: dict[str, list[str]] = {}
     raw_frozen = _object(data, "frozen_for", problems)
@@ -407,6 +440,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         wait_failed=wait_failed,
         stopped_by_shutdown=lists["stopped_by_shutdown"],
         refills=refills,
+        checkpointed=checkpointed,
     )
     return saved, boot_id
 
@@ -483,6 +517,25 @@ def _suspended_problem(name: str, entry: object) -> str:
         return "no GPU, or a GPU listed twice"
     if not _is_int(seq, 0, SEQ_MAX):
         return f"seq {_show(seq)}"
+    return ""
+
+
+def _checkpointed_problem(entry: object) -> str:
+    """Why a checkpointed entry is invalid ("" when it is valid): root runs cuda-checkpoint
+    on each PID (those still the unit's processes: Ladder._still_its_own)."""
+    if not isinstance(entry, list) or len(entry) != 3:
+        return "expected [PIDs, bytes, time]"
+    pids, vram, wall = entry
+    if not isinstance(pids, list) or not all(_is_int(p, 1, PID_MAX) for p in pids):
+        return f"PIDs must be a list of integers 1-{PID_MAX}"
+    if not pids or len(set(pids)) != len(pids):
+        return "no PID, or a PID listed twice"
+    if not _is_int(vram, 0, SIZE_MAX):
+        return f"bytes {_show(vram)} is not an integer 0-{SIZE_MAX}"
+    # float(10**400) would raise: an integer is bounded first
+    finite = type(wall) is float and math.isfinite(wall) and wall >= 0
+    if not (finite or _is_int(wall, 0, SEQ_MAX)):
+        return f"time {_show(wall)} is no time"
     return ""
 
 

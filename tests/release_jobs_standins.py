@@ -5,7 +5,7 @@ cuda-checkpoint."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,9 @@ def systemctl_and_resume(
         done.append((command[1], command[-1]))
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    def resume_left(unit: str, s: CheckpointSettings) -> Resumed | CheckpointError:
+    def resume_left(
+        unit: str, s: CheckpointSettings, pids: Sequence[int] | None = None
+    ) -> Resumed | CheckpointError:
         done.append(("resume", unit))
         settings.append(s)
         answer = (resume or {}).get(unit, "")

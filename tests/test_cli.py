@@ -393,7 +393,9 @@ def _left_behind(
     monkeypatch.setattr(StateStore, "saved_since", lambda self: None)
     _systemd_started(monkeypatch)
     monkeypatch.setattr(
-        cli_module, "_resume_left", lambda unit, s: CheckpointError(f"{unit}: no cuda-checkpoint")
+        cli_module,
+        "_resume_left",
+        lambda unit, s, pids=None: CheckpointError(f"{unit}: no cuda-checkpoint"),
     )
     ran: list[list[str]] = []
 

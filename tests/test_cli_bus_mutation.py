@@ -642,6 +642,30 @@ def test_the_resume_asks_systemd_on_the_bus_gpuslice_is_told(
     assert asked == ["unix:path=/run/elsewhere"]
 
 
+def test_the_resume_restores_the_pids_the_state_file_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The PIDs the stopped controller's suspend checkpointed (SavedState.checkpointed):
+    those still the unit's processes are restored, after the cuda-checkpoint runs it left on
+    them are stopped; systemd's list of the unit's processes is not asked (one of more than
+    MAX_RECOVERED_PIDS failed the resume, and the unit was left suspended)."""
+    calls, _ = _ladder(monkeypatch)
+    stopped: list[list[int]] = []
+
+    async def stop_earlier_runs(pids: list[int]) -> str:
+        stopped.append(list(pids))
+        return ""
+
+    monkeypatch.setattr(checkpoint, "stop_earlier_runs", stop_earlier_runs)
+    # PID 13 is another unit's process now
+    monkeypatch.setattr(Ladder, "_still_its_own", lambda self, unit, pids: [12])
+    settings = CheckpointSettings.from_config(Config())
+    done = asyncio.run(cli_module._resume_by_ladder(UNIT, settings, [12, 13]))
+    assert done == Resumed(0.5, (12,))
+    assert calls == [("ThawUnit", UNIT), ("restore", TOOL, "12")]
+    assert stopped == [[12]]
+
+
 def test_a_tool_gone_since_leaves_the_unit_frozen_again_and_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

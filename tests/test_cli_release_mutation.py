@@ -8,7 +8,7 @@ tests/test_release_jobs_resume.py)."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -85,7 +85,9 @@ def _release(
             raise code
         return subprocess.CompletedProcess(command, code, "", "")
 
-    def resume_left(unit: str, s: CheckpointSettings) -> Resumed | CheckpointError:
+    def resume_left(
+        unit: str, s: CheckpointSettings, pids: Sequence[int] | None = None
+    ) -> Resumed | CheckpointError:
         run.done.append(("resume", unit))
         run.settings.append(s)
         return (resume or {}).get(unit, Resumed(0.5, (11,)))

@@ -33,6 +33,7 @@ from gpuslice import checkpoint, envfiles
 from gpuslice import controller as controller_module
 from gpuslice import rereads as rereads_module
 from gpuslice.annotations import Scan, scan
+from gpuslice.checkpoint import Resumed
 from gpuslice.config import Config
 from gpuslice.controller import Controller
 from gpuslice.core.scheduler import Phase, SavedState
@@ -1882,5 +1883,113 @@ def test_a_stop_announced_while_start_up_reads_the_unit_files_is_heard(
         await settle()
         snap = ctl.scheduler.snapshot()
         assert (snap.held, snap.finished) == (["r.service"], [])
+
+    run(test)
+
+
+# what vlm.service's suspend checkpointed (SavedState.checkpointed): PIDs, bytes, Unix time
+CHECKPOINTED: dict[str, tuple[tuple[int, ...], int, float]] = {
+    "vlm.service": ((4242, 17), 1 << 30, 1.7e9)
+}
+
+
+def _suspended_beside_asr(tmp_path: Path, boot: str) -> Bed:
+    """vlm.service suspended for asr.service, which holds the one GPU still; saved in `boot`
+    with what vlm.service's suspend checkpointed."""
+    bed = Bed(
+        tmp_path,
+        {
+            "vlm.service": "Priority=90\nType=background\nPreempt=suspend stop\n",
+            "asr.service": "Priority=10\n",
+        },
+        [state("vlm.service", "active", "running"), state("asr.service", "active", "running")],
+    )
+    saved = SavedState(
+        holders={"asr.service": ((0,), "running", 2, "")},
+        suspended={"vlm.service": ((0,), 1)},
+        seq=2,
+        checkpointed=CHECKPOINTED,
+    )
+    StateStore(Path(bed.config.state_dir)).save(saved, boot)
+    return bed
+
+
+def test_a_restart_of_the_boot_recalls_the_pids_a_suspend_checkpointed_and_saves_them_on(
+    tmp_path: Path,
+) -> None:
+    """Lost at a restart, the resume asked cuda-checkpoint the state of every process of the
+    unit, and failed (the unit stopped, its work lost) for one of more than
+    MAX_RECOVERED_PIDS processes. The restarted controller resumes those its predecessor
+    checkpointed, and its saves keep them for the next restart."""
+    bed = _suspended_beside_asr(tmp_path, BOOT)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        recalled = ctl.ladder.suspensions["vlm.service"]
+        assert recalled.saved() == CHECKPOINTED["vlm.service"] and recalled.recalled
+        assert ctl.scheduler.suspended_units() == ["vlm.service"]
+        ctl._persist()
+        assert ctl.store.load()[0].checkpointed == CHECKPOINTED
+
+    run(test)
+
+
+def test_the_pids_a_suspend_of_another_boot_checkpointed_are_not_recalled(
+    tmp_path: Path,
+) -> None:
+    """PIDs of another boot are other processes: its suspended unit counts as preempted,
+    and nothing of it is kept."""
+    bed = _suspended_beside_asr(tmp_path, "another-boot")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.ladder.suspensions == {}
+        assert ctl.scheduler.suspended_units() == []
+        ctl._persist()
+        assert ctl.store.load()[0].checkpointed == {}
+
+    run(test)
+
+
+def test_a_resume_decided_at_a_restart_restores_the_recalled_pids(tmp_path: Path) -> None:
+    """asr.service ended while no controller ran: the start resumes vlm.service at once, on
+    the PIDs its suspend checkpointed, not on whatever the unit's processes are now."""
+    bed = _suspended_beside_asr(tmp_path, BOOT)
+    bed.systemd.units["asr.service"] = state("asr.service", "inactive", "dead")
+    restored: list[tuple[str, object, bool]] = []
+
+    async def restore(
+        unit: str, pids: object = None, run: object = None, *, recalled: bool = False
+    ) -> Resumed:
+        restored.append((unit, pids, recalled))
+        return Resumed(0.1, (4242, 17), ())
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.ladder.restore = restore  # type: ignore[method-assign]
+        await ctl.start()
+        await until(lambda: ctl.scheduler.phase("vlm.service") is Phase.RUNNING)
+        assert restored == [("vlm.service", (4242, 17), True)]
+        assert ctl.ladder.suspensions == {}
+
+    run(test)
+
+
+def test_the_recalled_pids_of_a_unit_stopped_while_no_controller_ran_are_dropped(
+    tmp_path: Path,
+) -> None:
+    """Held, not suspended: nothing of its suspend is kept, in the ladder or the file."""
+    bed = _suspended_beside_asr(tmp_path, BOOT)
+    bed.systemd.units["vlm.service"] = state("vlm.service", "inactive", "dead")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.scheduler.suspended_units() == []
+        assert ctl.ladder.suspensions == {}
+        ctl._persist()
+        assert ctl.store.load()[0].checkpointed == {}
 
     run(test)

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -502,6 +503,78 @@ def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_
         log = calls(tmp_path)
         assert log[0].startswith("stop ") and f"gpuslice-checkpoint-restore-{a}-*" in log[0]
         assert log[1].startswith(f"run gpuslice-checkpoint-get-state-{a}-")
+        assert left.wait(TIMEOUT) == -signal.SIGKILL
+        assert host.bed.holds(a) and host.bed.state_of(a) == "running"
+    finally:
+        left.kill()
+        left.wait(TIMEOUT)
+
+
+def recalled_ladder(host: Host, owners: dict[int, str] | None = None) -> Ladder:
+    """The ladder of a controller restarted since, given what the last one's suspends
+    checkpointed, as the state file kept it (Controller._persist, then its start's recall);
+    `owners`: the unit each PID's cgroup names now (UNIT where not named)."""
+    saved = host.ladder.checkpointed({UNIT})
+    fresh = host.restarted_ladder()
+    fresh.unit_of_pid = lambda pid: (owners or {}).get(pid, UNIT)
+    fresh.recall(saved)
+    return fresh
+
+
+def test_a_resume_after_a_restart_restores_the_pids_the_last_controller_checkpointed(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The PIDs its suspend checkpointed are saved: a restarted controller resumes those,
+    and asks no state of every process of the unit. Asked, a unit of more processes than
+    MAX_RECOVERED_PIDS (a user may fork thousands) failed its resume and was stopped, its
+    work lost."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    [(pids, vram, wall)] = host.ladder.checkpointed({UNIT}).values()
+    assert (pids, vram) == ((a,), 2 * GIB) and abs(wall - time.time()) < 60
+    assert host.ladder.checkpointed({"other.service"}) == {}
+    monkeypatch.setattr(ladder, "MAX_RECOVERED_PIDS", 2)
+    host.freezer.pids = [a, 1, 2]  # systemd's list: never asked
+    fresh = recalled_ladder(host)
+    assert fresh.suspensions[UNIT].vram == 2 * GIB
+    run(fresh.resume(UNIT))
+    event, _, words = host.said()[-1]
+    assert event == "resumed", words
+    assert " s: restored in " in words
+    assert host.bed.holds(a) and host.bed.state_of(a) == "running"
+    assert UNIT not in fresh.suspensions
+
+
+def test_a_recalled_pid_that_is_another_units_process_now_is_left_alone(host: Host) -> None:
+    """A PID saved before the restart may have been freed since (a frozen process dies of
+    SIGKILL) and given to another unit's process, which its own suspend may have
+    checkpointed: that one is not restored by this resume."""
+    a, b = host.job(), host.job()
+    run(host.ladder.suspend(UNIT))
+    run(recalled_ladder(host, {b: "other.service"}).resume(UNIT))
+    assert host.said()[-1][0] == "resumed"
+    assert host.bed.state_of(a) == "running"
+    assert host.bed.state_of(b) == "checkpointed"
+
+
+def test_a_recalled_resume_first_stops_what_the_last_controller_left_running(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, services: None
+) -> None:
+    """As a resume that asks each process's state: the last controller may have been killed
+    mid-resume before it saved the unit resuming, its cuda-checkpoint run still going."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    fake_systemd(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    left = subprocess.Popen(["sleep", "60"])  # the old controller's restore, still running
+    (tmp_path / f"gpuslice-checkpoint-restore-{a}-900-7.service.pid").write_text(str(left.pid))
+    host.settings = dataclasses.replace(host.settings, via_systemd=True)
+    fresh = recalled_ladder(host)
+    try:
+        run(fresh.resume(UNIT))
+        assert host.said()[-1][0] == "resumed"
+        log = calls(tmp_path)
+        assert log[0].startswith("stop ") and f"gpuslice-checkpoint-restore-{a}-*" in log[0]
         assert left.wait(TIMEOUT) == -signal.SIGKILL
         assert host.bed.holds(a) and host.bed.state_of(a) == "running"
     finally:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -123,14 +124,16 @@ def test_a_controller_started_while_release_jobs_resumes_waits_for_its_name(
     seen: list[object] = []
     stand_in = cli_module._resume_left
 
-    def resume_left(unit: str, settings: CheckpointSettings) -> Resumed | CheckpointError:
+    def resume_left(
+        unit: str, settings: CheckpointSettings, pids: Sequence[int] | None = None
+    ) -> Resumed | CheckpointError:
         claiming.start()
         deadline = time.monotonic() + 10
         while len(claiming.waited) < 2 and claiming.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         seen.append(claiming.answer)  # none yet: it waits
         seen.append(asyncio.run(_acquire(bus_address)))
-        return stand_in(unit, settings)
+        return stand_in(unit, settings, pids)
 
     monkeypatch.setattr(cli_module, "_resume_left", resume_left)
     stderr = release_jobs(tmp_path, "")

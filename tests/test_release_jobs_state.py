@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -72,11 +72,13 @@ def _release(
     stop_fails: bool = False,
     during_resume: Callable[[], object] = lambda: None,
     state_dir: Path | None = None,
+    pids_given: list[tuple[str, Sequence[int] | None]] | None = None,
 ) -> tuple[Config, list[tuple[str, str]], str]:
     """release-jobs on `saved`, saved in boot `boot` in a state file under tmp_path, this
     boot being BOOT, systemd showing units as `shown`, each resume answering as RESUME says,
     `systemctl stop` failing if `stop_fails`, `during_resume` called at each resume, the
-    state in `state_dir` if given: the config it ran with, what it did in order, its stderr."""
+    state in `state_dir` if given, the PIDs each resume was given to `pids_given`: the config
+    it ran with, what it did in order, its stderr."""
     config = bed_config(tmp_path, gpus=gpus, state_dir=str(state_dir or tmp_path / "state"))
     StateStore(Path(config.state_dir)).save(saved, boot)
     monkeypatch.setattr(cli_module, "load_config_with_warnings", lambda path: (config, []))
@@ -97,9 +99,13 @@ def _release(
     monkeypatch.setattr(subprocess, "run", systemctl)
     resume_left = cli_module._resume_left
 
-    def resume(unit: str, settings: CheckpointSettings) -> Resumed | CheckpointError:
+    def resume(
+        unit: str, settings: CheckpointSettings, pids: Sequence[int] | None = None
+    ) -> Resumed | CheckpointError:
         during_resume()
-        return resume_left(unit, settings)
+        if pids_given is not None:
+            pids_given.append((unit, pids))
+        return resume_left(unit, settings, pids)
 
     monkeypatch.setattr(cli_module, "_resume_left", resume)
     return config, done, release_jobs(tmp_path, "")
@@ -149,6 +155,29 @@ def test_the_state_says_what_release_jobs_did(
         SAVED.failed,
     )
     assert saved.terms == SAVED.terms
+
+
+def test_the_pids_the_suspends_checkpointed_are_resumed_and_go_with_their_units(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """release-jobs resumes the PIDs each suspend checkpointed (`_resume_left`). Kept for a
+    unit resumed or stopped here, the next controller's load dropped them as an
+    invalid entry (no suspended unit), said an error and set the file aside; the PIDs of
+    the unit left suspended are kept for its resume."""
+    pids: dict[str, tuple[tuple[int, ...], int, float]] = {
+        n: ((4242 + i,), 1 << 30, 1.7e9) for i, n in enumerate(SAVED.suspended)
+    }
+    given: list[tuple[str, Sequence[int] | None]] = []
+    saved = replace(SAVED, checkpointed=pids)
+    config, _, _ = _release(tmp_path, monkeypatch, saved, SHOWN, pids_given=given)
+    # each resumed on what its suspend checkpointed; caught.service, with none, as before
+    assert sorted(given) == sorted(
+        [("caught.service", None), *((n, p[0]) for n, p in pids.items())]
+    )
+    with caplog.at_level(logging.WARNING):
+        saved = _loaded(config)[0]
+    assert saved.checkpointed == {"left.service": pids["left.service"]}
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("gpuslice")] == []
 
 
 def test_a_state_release_jobs_did_nothing_to_is_left_as_it_was(

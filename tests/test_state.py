@@ -45,6 +45,7 @@ GOOD: dict[str, Any] = {
     "wait_failed": [],
     "stopped_by_shutdown": [],
     "refills": [],
+    "checkpointed": {},
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -119,6 +120,44 @@ def test_a_bad_file_is_moved_aside(
     one_error(records, f"{tmp_path / 'state.json'}: {reason}", "state.json.bad")
     assert not (tmp_path / "state.json").exists()
     assert (tmp_path / "state.json.bad").read_bytes() == content
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [(0o666, "writable by others (mode 0666)"), (0o602, "writable by others (mode 0602)")],
+)
+def test_a_state_file_others_can_write_is_not_trusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int, reason: str
+) -> None:
+    """Anyone could have written its holders and grants (a GPU booked for a unit that runs
+    on another, then granted beside it): moved aside as any bad file, its content kept for
+    the admin. Group-writable by root's group (or the controller's own) is root's still."""
+    path = tmp_path / "state.json"
+    path.write_bytes(good())
+    path.chmod(mode)
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (SavedState(), "")
+    records = [r for r in caplog.records if r.name.startswith("gpuslice")]
+    one_error(records, f"{path}: {reason}", "state.json.bad")
+    assert (tmp_path / "state.json.bad").read_bytes() == good() and not path.exists()
+    path.write_bytes(good())
+    path.chmod(0o664)
+    os.chown(path, -1, os.getegid())
+    assert StateStore(tmp_path).load() == (GOOD_STATE, "0f6c/1234")
+
+
+def test_a_state_file_another_user_owns_is_not_trusted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "state.json"
+    path.write_bytes(good())
+    owner = path.stat().st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # the file is another's then
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (SavedState(), "")
+    records = [r for r in caplog.records if r.name.startswith("gpuslice")]
+    one_error(records, f"{path}: owned by UID {owner}, not the controller's")
+    assert (tmp_path / "state.json.bad").read_bytes() == good()
 
 
 def test_holders_as_a_list(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -558,6 +597,86 @@ def test_bad_ladder_entries_are_dropped(
     saved, _, records = load(tmp_path, content, caplog)
     assert any(problem in r.getMessage() for r in records), [r.getMessage() for r in records]
     assert "x.service" not in saved.suspended and "x.service" not in saved.holders
+
+
+# what ocr.service's suspend checkpointed: its PIDs, the bytes moved, when (Unix time)
+CHECKPOINTED = {**LADDER, "checkpointed": {"ocr.service": [[4242, 17], 3 << 30, 1.7e9]}}
+
+
+def test_the_pids_a_suspend_checkpointed_are_kept_and_an_older_file_is_complete(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted controller resumes exactly what the last one checkpointed
+    (Ladder.recall); a file of a controller that did not save them loads without a word."""
+    saved, _, records = load(tmp_path, json.dumps(CHECKPOINTED).encode(), caplog)
+    assert records == []
+    assert saved.checkpointed == {"ocr.service": ((4242, 17), 3 << 30, 1.7e9)}
+    store = StateStore(tmp_path / "again")
+    store.save(saved, "0f6c/1234")
+    assert json.loads(store.path.read_text()) == {**CHECKPOINTED, "generation": 1}
+    assert store.load()[0] == saved
+    caplog.clear()
+    saved, _, records = load(tmp_path / "again", json.dumps(LADDER).encode(), caplog)
+    assert (saved.checkpointed, records) == ({}, [])
+    assert saved.suspended == {"ocr.service": ((1,), 2)}
+
+
+@pytest.mark.parametrize(
+    ("checkpointed", "problem"),
+    [
+        ([], "checkpointed: expected an object, got a list"),
+        ({"asr.service": [[1], 0, 0.0]}, 'dropped "asr.service": not a suspended unit'),
+        ({"x.service": [[1], 0, 0.0]}, 'dropped "x.service": not a suspended unit'),
+        ({"ocr.service": [[1], 0]}, "expected [PIDs, bytes, time]"),
+        ({"ocr.service": {"pids": [1]}}, "expected [PIDs, bytes, time]"),
+        ({"ocr.service": [[], 0, 0.0]}, "no PID, or a PID listed twice"),
+        ({"ocr.service": [[5, 5], 0, 0.0]}, "no PID, or a PID listed twice"),
+        ({"ocr.service": [[0], 0, 0.0]}, "PIDs must be a list of integers 1-4194304"),
+        ({"ocr.service": [[4194305], 0, 0.0]}, "PIDs must be a list of integers"),
+        ({"ocr.service": [[-1], 0, 0.0]}, "PIDs must be a list of integers"),
+        ({"ocr.service": [[True], 0, 0.0]}, "PIDs must be a list of integers"),
+        ({"ocr.service": [[1.0], 0, 0.0]}, "PIDs must be a list of integers"),
+        ({"ocr.service": [["1"], 0, 0.0]}, "PIDs must be a list of integers"),
+        ({"ocr.service": [1, 0, 0.0]}, "PIDs must be a list of integers"),
+        ({"ocr.service": [[1], -1, 0.0]}, "bytes -1 is not an integer 0-"),
+        ({"ocr.service": [[1], 1.5, 0.0]}, "bytes 1.5 is not an integer 0-"),
+        ({"ocr.service": [[1], 0, -1.0]}, "time -1.0 is no time"),
+        ({"ocr.service": [[1], 0, None]}, "time null is no time"),
+        ({"ocr.service": [[1], 0, True]}, "time true is no time"),
+    ],
+)
+def test_bad_checkpointed_entries_are_dropped_with_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, checkpointed: Any, problem: str
+) -> None:
+    """Root runs cuda-checkpoint on each PID kept: one that is no PID, or kept for a unit
+    the file does not name suspended, is dropped (its resume then asks the tool the state
+    of each process of the unit, as after a file of an older gpuslice); the rest is kept."""
+    content = json.dumps({**LADDER, "checkpointed": checkpointed}).encode()
+    saved, _, records = load(tmp_path, content, caplog)
+    assert any(problem in r.getMessage() for r in records), [r.getMessage() for r in records]
+    assert saved.checkpointed == {}
+    assert saved.suspended == {"ocr.service": ((1,), 2)}
+
+
+@pytest.mark.parametrize("wall", ["1e999", "-1e999", "1" + "0" * 400])
+def test_a_checkpointed_time_no_float_holds_is_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, wall: str
+) -> None:
+    """JSON's 1e999 reads as infinity, and float() of a 400-digit integer raises: neither is
+    a time, and neither stops the load."""
+    text = json.dumps({**LADDER, "checkpointed": {"ocr.service": [[1], 0, "WALL"]}})
+    saved, _, records = load(tmp_path, text.replace('"WALL"', wall).encode(), caplog)
+    assert any("is no time" in r.getMessage() for r in records), [r.getMessage() for r in records]
+    assert saved.checkpointed == {} and saved.suspended == {"ocr.service": ((1,), 2)}
+
+
+def test_the_checkpointed_bounds_are_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """PID 1 and the kernel's PID_MAX_LIMIT, no bytes, an integer time: each a value a
+    suspend may have saved."""
+    widest = {**LADDER, "checkpointed": {"ocr.service": [[1, 4194304], 0, 0]}}
+    saved, _, records = load(tmp_path, json.dumps(widest).encode(), caplog)
+    assert records == []
+    assert saved.checkpointed == {"ocr.service": ((1, 4194304), 0, 0.0)}
 
 
 # the terms units hold their GPUs on, for one whose annotation goes: (priority, kind, GPUs,

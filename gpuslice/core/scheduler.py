@@ -314,6 +314,11 @@ class SavedState:
     # those of `started` that are refills (Scheduler.refills), not comebacks: lost, a refill
     # whose unit turned on-demand since was taken for a comeback by its kind
     refills: list[str] = field(default_factory=list)
+    # suspended unit -> (the PIDs its suspend checkpointed, the bytes it moved, when: Unix
+    # time): the ladder's (gpuslice.ladder.Suspension), never the core's, which leaves it
+    # empty. Lost at a restart, the resume asked the tool the state of every process of the
+    # unit, and one of more than MAX_RECOVERED_PIDS processes was stopped, its work lost
+    checkpointed: dict[str, tuple[tuple[int, ...], int, float]] = field(default_factory=dict)
 
 
 def _unannotated(spec: UnitSpec) -> UnitSpec:
