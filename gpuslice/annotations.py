@@ -462,7 +462,7 @@ class Loader:
             Problem(f.path, f.line, f.key, f.message, "error", name, "Service", f.public)
             for f in self.env_files.check(name, run_as)
         ]
-        if remains is not None:  # a oneshot batch job's waiters waited for ever
+        if remains is not None:  # its GPUs go at its job's end, its stop comes later
             path, entry = remains
             problems.append(
                 Problem(
@@ -470,9 +470,10 @@ class Loader:
                     entry.line,
                     "RemainAfterExit",
                     # a word _boolean took (yes, on, 1, ...): short and ASCII, shown as written
-                    f"{entry.value}: the unit stays active after its "
-                    "main process exits, and keeps its GPUs until it is stopped (systemctl "
-                    "stop): units waiting for them wait until then",
+                    f"{entry.value}: the unit stays active after its main process exits: "
+                    "gpuslice releases its GPUs once no process is left in it, its ExecStop= "
+                    "runs later, when they may be another unit's, and `systemctl start` does "
+                    "nothing until it is stopped (`systemctl restart` runs it again)",
                     "warning",
                     name,
                     "Service",

@@ -80,6 +80,7 @@ from gpuslice.paths import (
     STATE_DIR_RECORD,
     gate_pipe_dir,
 )
+from gpuslice.remains import Remains
 from gpuslice.rereads import Rereads
 from gpuslice.rescans import Rescans
 from gpuslice.restore import AskJournal, Restore
@@ -95,6 +96,7 @@ from gpuslice.systemd import Systemd, SystemdError
 from gpuslice.tracker import (
     CameUp,
     Change,
+    Exited,
     Kind,
     Ledger,
     ReachedGate,
@@ -102,6 +104,7 @@ from gpuslice.tracker import (
     WentDown,
     bound_for_gate,
     classify,
+    remains_active,
 )
 from gpuslice.unitfiles import is_instance, is_template, printable
 
@@ -208,7 +211,12 @@ class Controller:
         )
         self.tracker = Tracker(
             self._followed,
-            Ledger(self.scheduler.phase, self.scheduler.is_waiting, self.scheduler.awaits_gate),
+            Ledger(
+                self.scheduler.phase,
+                self.scheduler.is_waiting,
+                self.scheduler.awaits_gate,
+                lambda name: name in self.scheduler.remained,  # load() sets a new set
+            ),
         )
         # reads that take in what signals did not say (a job that changed nothing, a lost
         # signal), each taken in as a signal would be
@@ -343,6 +351,15 @@ class Controller:
         # have not been seen down since: watched (_watched) before the core knows them
         self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        # units kept active after their job ended (RemainAfterExit=yes): released once
+        # systemd lists no process left in them
+        self.remains = Remains(
+            systemd,
+            self.tracker.heard,
+            self._still_exited,
+            self._release_exited,
+            self._spawn,
+        )
         # match rules change one set at a time (_rewatch)
         self._rewatching = False
         self._rewatch_again = False
@@ -435,6 +452,9 @@ class Controller:
         self.restore.sweep_env_files(units)  # ours alone (our name): no other controller writes one
         self.ready = True
         self.execute(actions)
+        for name in sorted(self.scheduler.grants()):
+            if remains_active(self.tracker.state(name)):
+                self.remains.exited(name)  # its job ended while we were away: released soon
         if forgets and not actions:
             self._persist()
         self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
@@ -881,6 +901,7 @@ class Controller:
                 self.reads.hold_booked(name)  # held: unless the shutdown's JobNew was lost
             self.service.forget(name)
             self.ladder.went_down(name)
+            self.remains.went_down(name)
             if self.spec_for(name) is None and not self._known(name):
                 # its annotation went while it held GPUs (let through since on them, maybe):
                 # released now, it is no longer followed, and no later signal of it comes
@@ -892,6 +913,8 @@ class Controller:
                 self._unfollowed_down(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))
+        elif isinstance(change, Exited):
+            self.remains.exited(change.unit)
         elif isinstance(change, ReachedGate):
             spec = self.spec_for(change.unit)
             if spec is not None:
@@ -899,6 +922,27 @@ class Controller:
         else:
             self.calls.cancel_stop_timer(change.unit)
             self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))
+
+    def _still_exited(self, unit: str) -> bool:
+        """The unit still shows `active (exited)`, and the core has not released it."""
+        known = remains_active(self.tracker.state(unit))
+        return known and unit not in self.scheduler.remained
+
+    def _release_exited(self, unit: str) -> None:
+        """No process is left in a unit systemd keeps active (Remains): its GPUs go now,
+        as at its down (what NVML still shows of it counts against them meanwhile), or,
+        being stopped by us, at that stop's end. Saved at once either way: a restarted
+        controller must not adopt it again, nor take that stop's end for a preemption."""
+        held = self.scheduler.grants().get(unit, frozenset())
+        if self.scheduler.phase(unit) in (Phase.RUNNING, Phase.STARTING) and (
+            self.watch.available or self._holds_lost(held)
+        ):
+            self.watch.refresh(released=unit)
+        with self._batched():
+            actions = self.scheduler.exited(unit)
+            self.execute(actions)
+        if unit in self.scheduler.remained and (self._save_due or not actions):
+            self._persist()  # not left to the pass due this turn (a grant saved it already)
 
     def _holds_lost(self, gpus: Collection[int]) -> bool:
         """Whether any of these GPUs is lost in the last sample. Without NVML, one is only

@@ -37,6 +37,7 @@ from gpuslice.tracker import (
     UnitState,
     bound_for_gate,
     classify,
+    remains_active,
     stopped_by_a_job,
 )
 
@@ -245,6 +246,12 @@ class Restore:
                 state = self.tracker.state(name)
                 if classify(state) is Kind.DOWN:
                     actions += self.scheduler.inactive(name, self.tracker.outcome(state))
+            for name in sorted(self.scheduler.remained):
+                # finished, released and kept active: stopped while we were away (its next
+                # start, at its gate or running, is taken in below as any)
+                state = self.tracker.state(name)
+                if classify(state) is Kind.DOWN:
+                    actions += self.scheduler.inactive(name, self.tracker.outcome(state))
             states = sorted(self.tracker.states.values(), key=lambda s: s.name)
             for state in states:
                 # one saved starting that runs was granted, and the last controller killed
@@ -254,6 +261,8 @@ class Restore:
                     None,
                     Phase.STARTING,
                 ):
+                    if remains_active(state) and state.name in self.scheduler.remained:
+                        continue  # finished, its GPUs released: kept active by systemd
                     actions += self.scheduler.running(state.name, self._told_gpus(state.name))
             if self.remember_told():  # those adopted: checked before anything is granted
                 self.scheduler.set_gpus(self.resample())  # as start-up's first sample

@@ -70,13 +70,15 @@ FIELDS = ("boot_id", "failed", "finished", "held", "holders", "preempted", "seq"
 # written since the Preempt= ladder, since starts are saved before they are sent, since
 # the terms of units whose annotation goes are kept, since thaws owed are, since saves are
 # numbered, since requeues at the gate and their failed waits are, since background
-# instances the shutdown stopped are, since refills are told from comebacks, and since the
-# PIDs a suspend checkpointed are; a file without them (an older controller's) is complete
+# instances the shutdown stopped are, since refills are told from comebacks, since the
+# PIDs a suspend checkpointed are, and since units kept active after their job ended are
+# released; a file without them (an older controller's) is complete
 LATER_FIELDS = (
     "checkpointed",
     "frozen_for",
     "generation",
     "refills",
+    "remained",
     "requeued",
     "started",
     "stopped_by_shutdown",
@@ -306,6 +308,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         "wait_failed",
         "stopped_by_shutdown",
         "refills",
+        "remained",
     ):
         lists[key] = []
         names = data.get(key, [])
@@ -401,6 +404,15 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         else:
             problems.add(f"wait_failed: dropped {_show(name)}: not a preempted unit")
 
+    remained: list[str] = []
+    for name in lists["remained"]:
+        # a stopping holder keeps its GPUs until our stop ends it (Scheduler.exited)
+        holding = name in holders and holders[name][1] != Phase.STOPPING.value
+        if holding or name in suspended:
+            problems.add(f"remained: dropped {_show(name)}: it holds GPUs, not being stopped")
+        else:
+            remained.append(name)
+
     seq = data.get("seq", 0)
     if not _is_int(seq, 0, SEQ_MAX):
         problems.add(f"seq: {_show(seq)} is no sequence number")
@@ -441,6 +453,7 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         stopped_by_shutdown=lists["stopped_by_shutdown"],
         refills=refills,
         checkpointed=checkpointed,
+        remained=remained,
     )
     return saved, boot_id
 

@@ -110,6 +110,9 @@ redacted answer included) leave out what gpuslice read in a unit's environment f
 systemd shows no one but root: `LD_PRELOAD=... (set in /etc/x.env; its value is shown to
 root alone)`. The journal and `gpuslice check` run as root say the value; the number of
 problems is the same for every caller.
+Added with RemainAfterExit= released: "remained": [str], the units of "finished" that systemd
+still shows active (`RemainAfterExit=yes`, SubState `exited`): their GPUs are released; the
+table says "(still active)" after each.
 """
 
 from __future__ import annotations
@@ -377,6 +380,7 @@ def snapshot_to_json(
         ],
         "held": snap.held,
         "finished": snap.finished,
+        "remained": snap.remained,
         "failed": snap.failed,
         "priorities": _priorities((*snap.held, *snap.finished, *snap.failed), scan),
         "problems": problems_json(scan, public=redact),
@@ -560,7 +564,7 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
         ("Suspended", suspended),
         ("Preempted", preempted),
         ("Held (stopped by hand)", data["held"]),
-        ("Finished", data["finished"]),
+        ("Finished", _finished(data)),
         ("Failed", data["failed"]),
     ):
         lines.append(f"{title}: {', '.join(items) if items else '-'}")
@@ -569,6 +573,12 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
         lines.append("Annotation problems:")
         lines += [f"  {p}" for p in data["problems"]]
     return "\n".join(lines)
+
+
+def _finished(data: dict[str, Any]) -> list[str]:
+    """The finished units, each systemd still shows active (RemainAfterExit=yes) said so."""
+    remained = set(data.get("remained", ()))  # absent from an older controller's answer
+    return [f"{u} (still active)" if u in remained else u for u in data["finished"]]
 
 
 def _foreign_shown(

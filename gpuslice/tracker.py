@@ -3,8 +3,9 @@
 Pure code (no D-Bus, no asyncio): the controller feeds it what systemd said (JobNew,
 JobRemoved, a unit's ActiveState/SubState/Job) and what its own StartUnit/StopUnit calls
 answered; the tracker says what happened to a unit in the core's terms: it went down (and
-how), it runs past the gate, or a stop gpuslice asked for is not going to happen. Which jobs
-are ours decides "stopped by someone" (a hold) from "preempted" or "finished".
+how), it runs past the gate, its job ended where systemd keeps it active, or a stop
+gpuslice asked for is not going to happen. Which jobs are ours decides "stopped by
+someone" (a hold) from "preempted" or "finished".
 """
 
 from __future__ import annotations
@@ -145,6 +146,20 @@ class ReachedGate:
 
 
 @dataclass(frozen=True)
+class Exited:
+    """Systemd keeps the unit active after its main process ended (`RemainAfterExit=yes`:
+    SubState `exited`): its GPUs may go, once no process is left in it (the controller
+    asks systemd)."""
+
+    unit: str
+
+
+def remains_active(state: UnitState) -> bool:
+    """Active with its main process ended (`RemainAfterExit=yes`)."""
+    return state.active == "active" and state.sub == "exited"
+
+
+@dataclass(frozen=True)
 class StopLost:
     """A stop gpuslice asked for ended and the unit still runs (its stop job was cancelled
     or failed, or the request was lost while the controller was away)."""
@@ -153,7 +168,7 @@ class StopLost:
     why: str
 
 
-Change = WentDown | CameUp | ReachedGate | StopLost
+Change = WentDown | CameUp | ReachedGate | StopLost | Exited
 
 
 class Ledger:
@@ -164,12 +179,16 @@ class Ledger:
         phase: Callable[[str], Phase | None],
         waiting: Callable[[str], bool],
         away: Callable[[str], bool] = lambda _: False,
+        remained: Callable[[str], bool] = lambda _: False,
     ) -> None:
         """`away`: a comeback of ours at its gate that the core neither holds nor queues
-        yet (Scheduler.requeued_away): its down is told all the same."""
+        yet (Scheduler.requeued_away): its down is told all the same. `remained`: finished
+        and kept active by systemd, its GPUs released (Scheduler.remained): told `Exited`
+        no more, and its down is told all the same (the core forgets it then)."""
         self.phase = phase
         self.waiting = waiting
         self.away = away
+        self.remained = remained
 
 
 class Tracker:
@@ -439,6 +458,7 @@ class Tracker:
                 phase is None
                 and not self.ledger.waiting(name)
                 and not self.ledger.away(name)
+                and not self.ledger.remained(name)
                 and not self.stopped_by_others(name)
             ):
                 return []
@@ -450,13 +470,17 @@ class Tracker:
             return [ReachedGate(name)]
         if kind is not Kind.RUNNING:
             return []
+        # its job ended and systemd keeps it active: its GPUs to release, once; released,
+        # it has no start to take note of (adopted again, it held them for ever)
+        released = remains_active(state) and self.ledger.remained(name)
+        ended: list[Change] = [Exited(name)] if remains_active(state) and not released else []
         if phase is None or phase is Phase.STARTING:
-            return [CameUp(name)]
+            return [] if released else [CameUp(name), *ended]
         if phase is Phase.STOPPING and state.job_id == 0 and not self._in_flight.get(name):
             result = self._stop_results.pop(name, "")
             why = f"its stop job ended with result '{result}'" if result else "no stop job runs"
-            return [StopLost(name, why)]
-        return []
+            return [StopLost(name, why), *ended]
+        return ended
 
     def _theirs_first(self, unit: str) -> bool:
         """A stop of ours got no answer, and the job that took the unit down, its signals

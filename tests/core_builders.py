@@ -10,7 +10,9 @@ test (or hypothesis) decides what happens in between. A `Freeze` or `Thaw` takes
 once; FreezeUnit may fail (`fail_freeze`, or at once for the units in `freeze_fails`).
 `restart` is a controller restart: save, load, adopt, `recover()`. A start of gpuslice's may
 not reach systemd (`fail_start`: the bus failed it on the way); it is owed as before and is
-not started again until the adapter's delay is over (`retry_start`).
+not started again until the adapter's delay is over (`retry_start`). A unit's job may end
+with systemd keeping it active (`exit_remaining`: RemainAfterExit=yes): finished, its GPUs
+free, active (a start of it does nothing) until someone stops it.
 
 `Sim` is also the oracle: it keeps its own model of the host, built only from the events
 it fed in and the actions that came back (who runs where, who waits at the gate, who a
@@ -236,6 +238,8 @@ class Sim:
         self.preempted: dict[str, int] = {}  # stopped by gpuslice -> when; until started again
         self.held: set[str] = set()  # stopped by a person
         self.finished: set[str] = set()  # ended successfully on its own
+        # of those, kept active by systemd (RemainAfterExit=yes) until someone stops it
+        self.remaining: set[str] = set()
         self.failed: set[str] = set()
         self.out_since: dict[str, int] = {}  # unit -> when it last became inactive
         self.unmanaged: set[str] = set()  # still running, annotation removed
@@ -326,6 +330,26 @@ class Sim:
             self._record(self.failed, name)
         return self._feed(self.sched.inactive(name, outcome))
 
+    def ends_remaining(self) -> list[str]:
+        """Running units (annotated, past their gate, not being stopped, frozen, suspended
+        or resumed) whose job may end with systemd keeping them active."""
+        moving = self.pending_stops + self.pending_suspends + self.pending_resumes
+        return sorted(
+            n
+            for n in self.running
+            if n in self.annotations and n not in moving and n not in self.frozen
+        )
+
+    def exit_remaining(self, name: str) -> list[Action]:
+        """Its job ends and systemd keeps it active (RemainAfterExit=yes), no process left
+        in it: finished, its GPUs free, active until someone stops it (`stop`)."""
+        assert name in self.ends_remaining(), name
+        del self.running[name]
+        self._went_out(name)
+        self._record(self.finished, name)
+        self.remaining.add(name)
+        return self._feed(self.sched.exited(name))
+
     def ends_before_its_stop(self) -> list[str]:
         """Units gpuslice is stopping (to preempt them, to yield to a foreign process, or
         because undoing their suspend lost a process of theirs) whose main process may still
@@ -353,6 +377,9 @@ class Sim:
         """`systemctl stop NAME` by a person (a stop job gpuslice did not issue)."""
         if name in self.pending_stops:
             return []  # merges with gpuslice's own stop job
+        if name in self.remaining:  # finished: its stop releases nothing, holds nothing
+            self.remaining.discard(name)
+            return self._feed(self.sched.inactive(name, Outcome.STOPPED))
         if name in self.pending_starts:
             self.pending_starts.remove(name)
             self.ours.discard(name)
@@ -407,6 +434,9 @@ class Sim:
         # brought back (the core says so), and annotated again it is a new unit
         for ended in (self.held, self.finished, self.failed):
             ended.intersection_update(names)
+        # one kept active forgotten with its annotation: annotated again, the adapter tells
+        # the core what systemd shows as for any unit (not modelled: taken for stopped)
+        self.remaining.intersection_update(names)
         dropped = sorted(self.preempted.keys() - names)
         for name in dropped:
             del self.preempted[name]
@@ -448,6 +478,7 @@ class Sim:
         assert not self.running and not self.at_gate and not self.suspended and self.quiet
         self.finished.clear()
         self.failed.clear()
+        self.remaining.clear()  # the reboot stopped them
         self.sched.forget_boot()
         return self._feed(self.sched.schedule())
 
@@ -726,6 +757,7 @@ class Sim:
             or name in self.pending_starts
             or name in self.pending_stops
             or name in self.suspended
+            or name in self.remaining
         )
 
     def _waits(self, name: str) -> bool:

@@ -1172,8 +1172,9 @@ def test_files_of_the_same_text_are_parsed_once(tmp_path: Path) -> None:
 
 
 REMAINS = (
-    "{}: the unit stays active after its main process exits, and keeps its GPUs until it is "
-    "stopped (systemctl stop): units waiting for them wait until then"
+    "{}: the unit stays active after its main process exits: gpuslice releases its GPUs once "
+    "no process is left in it, its ExecStop= runs later, when they may be another unit's, and "
+    "`systemctl start` does nothing until it is stopped (`systemctl restart` runs it again)"
 )
 
 
@@ -1182,9 +1183,9 @@ def test_a_unit_that_remains_after_exit_is_warned_where_it_says_so(
     tmp_path: Path, value: str
 ) -> None:
     """`RemainAfterExit=yes` (a Type=oneshot batch job's usual line): systemd keeps the unit
-    active (exited) once its job ended, so it holds its GPUs until someone stops it, and the
-    units waiting for them waited for ever with no word why. Managed still, with a warning
-    at the line in force, in any spelling systemd takes for true."""
+    active (exited) once its job ended. Its GPUs are released then (Scheduler.exited), but
+    its ExecStop= runs at its stop, and a start of it does nothing until then. Managed
+    still, with a warning at the line in force, in any spelling systemd takes for true."""
     text = SERVICE.replace("[Service]\n", f"[Service]\nType=oneshot\nRemainAfterExit={value}\n")
     write(tmp_path, X, text + "\n[X-GPUSlice]\nPriority=1\n")
     spec, problems = load_spec("x.service", tmp_path)

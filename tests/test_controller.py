@@ -81,6 +81,9 @@ class FakeSystemd:
         self.exec_start_pres: dict[str, list[tuple[str, list[str]]] | SystemdError] = {}
         self.refused_restarts: dict[str, SystemdError] = {}
         self.system = "running"  # the manager's SystemState
+        # the processes in each unit's cgroup (GetUnitProcesses), where a test says (else
+        # none), or the error the call fails with
+        self.processes: dict[str, list[int] | SystemdError] = {}
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -126,6 +129,13 @@ class FakeSystemd:
     async def main_exit(self, name: str) -> MainExit:
         self.exit_reads.append(name)
         found = self.main_exits.get(name, MainExit(CLD_EXITED, 0, "success"))
+        if isinstance(found, SystemdError):
+            raise found
+        return found
+
+    async def unit_pids(self, name: str) -> list[int]:
+        self.calls.append(("unit_pids", name))
+        found = self.processes.get(name, [])
         if isinstance(found, SystemdError):
             raise found
         return found
@@ -4526,5 +4536,154 @@ def test_a_frozen_unit_thawed_by_systemd_for_a_slow_stop_by_hand_is_held(
         await settle()
         saved = ctl.scheduler.save()
         assert (saved.held, saved.failed) == (["emb.service"], [])
+
+    run(test)
+
+
+# -- RemainAfterExit=yes: a unit kept active after its job ended -----------------------------
+
+EXITED = {"ActiveState": "active", "SubState": "exited", "Job": (0, "/")}
+
+
+def oneshot_and_waiter(tmp_path: Path, shown: str, saved: SavedState) -> Bed:
+    """once.service (50) as `saved` has it, shown active (`shown`); next.service (50) at its
+    gate, waiting for GPU 0, the host's only one."""
+    return Bed(
+        tmp_path,
+        {"once.service": "Priority=50\n", "next.service": "Priority=50\n"},
+        [
+            state("once.service", "active", shown),
+            state("next.service", "activating", "start-pre", 7, "start"),
+        ],
+        saved,
+    )
+
+
+def test_a_unit_kept_active_after_its_job_ended_releases_its_gpus_once_no_process_is_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """once.service's job ends and systemd keeps it active (RemainAfterExit=yes): while a
+    process is left in it (KillMode=process) it keeps GPU 0, said once; with none left, at
+    its next signal, the GPU goes to the unit waiting for it, said in the journal, saved
+    (the next controller does not adopt it again), and shown in status."""
+    bed = oneshot_and_waiter(
+        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await ctl.start()
+            await settle()
+            assert bed.service.granted == []
+            bed.systemd.processes["once.service"] = [4242]
+            bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+            ctl.on_unit_changed("once.service", EXITED)
+            await settle()
+            ctl.on_unit_changed("once.service", EXITED)  # a read of it, say
+            await settle()
+            assert bed.service.granted == []
+            assert ctl.scheduler.phase("once.service") is Phase.RUNNING
+            bed.systemd.processes["once.service"] = []
+            ctl.on_unit_changed("once.service", EXITED)
+            await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        assert ctl.scheduler.phase("once.service") is None
+        saved = StateStore(Path(bed.config.state_dir)).load()[0]
+        assert (saved.remained, saved.finished) == (["once.service"], ["once.service"])
+        assert json.loads(ctl.status_json())["remained"] == ["once.service"]
+
+    run(test)
+    said = messages(caplog)
+    left = [m for m in said if "process(es) are left in it" in m]
+    assert len(left) == 1, said
+    assert (
+        "once.service finished: released GPU 0; systemd keeps it active (RemainAfterExit=yes) "
+        "until it is stopped, and a restart waits at its gate again"
+    ) in said
+
+
+def test_a_unit_whose_job_ended_while_the_controller_was_away_is_released_at_start_up(
+    tmp_path: Path,
+) -> None:
+    bed = oneshot_and_waiter(
+        tmp_path, "exited", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
+    )
+
+    async def test() -> None:
+        await bed.controller.start()
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        assert bed.controller.scheduler.remained == {"once.service"}
+
+    run(test)
+
+
+def test_a_released_unit_is_not_adopted_again_by_the_next_controller(tmp_path: Path) -> None:
+    """Nor is its GetUnitProcesses asked again: it holds nothing."""
+    saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
+    bed = oneshot_and_waiter(tmp_path, "exited", saved)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        assert ctl.scheduler.phase("once.service") is None
+        ctl.on_unit_changed("once.service", EXITED)
+        await settle()
+        assert ("unit_pids", "once.service") not in bed.systemd.calls
+        assert ctl.scheduler.phase("once.service") is None
+
+    run(test)
+
+
+def test_a_released_unit_stopped_while_the_controller_was_away_is_forgotten_silently(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
+    bed = oneshot_and_waiter(tmp_path, "exited", saved)
+    bed.systemd.units["once.service"] = state("once.service", "inactive", "dead")
+
+    async def test() -> None:
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.controller.start()
+        snap = bed.controller.scheduler.snapshot()
+        assert (snap.remained, snap.finished, snap.held) == ([], ["once.service"], [])
+
+    run(test)
+    assert not [m for m in messages(caplog) if "once.service" in m], messages(caplog)
+
+
+def test_a_victim_whose_job_ends_before_our_stop_is_finished_not_brought_back(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """low.service (RemainAfterExit=yes) is being stopped for urgent.service when its job
+    ends: it keeps GPU 0 until our stop, a moment later, ends it (saved so at once), and
+    that stop's end is no preemption: its finished work is not started again."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("urgent.service", ":1.9", 4242)
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        job = "/org/freedesktop/systemd1/job/1"
+        bed.systemd.units["low.service"] = state("low.service", "active", "exited", 1)
+        ctl.on_job_new(1, job, "low.service")
+        ctl.on_unit_changed("low.service", {**EXITED, "Job": (1, job)})
+        await settle()
+        assert ctl.scheduler.phase("low.service") is Phase.STOPPING
+        assert StateStore(Path(bed.config.state_dir)).load()[0].remained == ["low.service"]
+        ctl.on_unit_changed(
+            "low.service", {"ActiveState": "deactivating", "SubState": "stop", "Job": (1, job)}
+        )
+        goes_down(bed, "low.service")
+        ctl.on_job_removed(1, job, "low.service", "done")
+        await settle()
+        assert bed.service.granted == [("urgent.service", "0")]
+        snap = ctl.scheduler.snapshot()
+        assert (snap.preempted, snap.finished, snap.remained) == ([], ["low.service"], [])
+        assert ("start", "low.service") not in bed.systemd.calls
 
     run(test)

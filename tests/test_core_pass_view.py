@@ -63,6 +63,7 @@ _TWINNED = [
     "request",
     "inactive",
     "running",
+    "exited",
     "stop_failed",
     "start_failed",
     "retry_start",

@@ -227,6 +227,13 @@ class HostMachine(RuleBasedStateMachine):
         if running:
             self.sim.exit(running[index % len(running)], outcome)
 
+    @rule(index=st.integers(0, 7))
+    def unit_exits_and_remains_active(self, index: int) -> None:
+        """RemainAfterExit=yes: its job ends, systemd keeps it active, no process left."""
+        ending = self.sim.ends_remaining()
+        if ending:
+            self.sim.exit_remaining(ending[index % len(ending)])
+
     @rule(index=st.integers(0, 7), outcome=EXITS)
     def unit_exits_before_its_stop(self, index: int, outcome: Outcome) -> None:
         """Its main process ends by itself while gpuslice's stop of it is on its way."""

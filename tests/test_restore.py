@@ -65,6 +65,7 @@ class FakeScheduler:
         self.waiting: set[str] = set()
         self.lost: dict[str, list[Action]] = {}
         self.unconfirmed_holds: dict[str, bool] = {}
+        self.remained: set[str] = set()  # finished, kept active by systemd: hold nothing
 
     def _said(self, what: str) -> list[Action]:
         self.did.append(what)

@@ -46,6 +46,7 @@ GOOD: dict[str, Any] = {
     "stopped_by_shutdown": [],
     "refills": [],
     "checkpointed": {},
+    "remained": [],
 }
 GOOD_STATE = SavedState(
     holders={"asr.service": ((0,), "running", 4, "")},
@@ -538,6 +539,28 @@ def test_refills_are_kept_for_starts_of_ours_only(
     assert store.load()[0].refills == ["bg.service"]
 
 
+def test_units_kept_active_after_their_job_ended_are_kept_unless_they_hold_gpus(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted controller knows the units it released at the end of their job while
+    systemd keeps them active (RemainAfterExit=yes): not adopted as holders again; and one
+    whose job ended while our stop of it was on its way: that stop's end is its own. One
+    the file also names as a holder not being stopped, or a name that is none, is dropped
+    with why."""
+    holders = {"asr.service": [[0], "running", 4, ""], "low.service": [[1], "stopping", 3, ""]}
+    remained = ["done.service", "asr.service", "low.service", "../x"]
+    saved, _, records = load(tmp_path, good(holders=holders, remained=remained), caplog)
+    assert saved.remained == ["done.service", "low.service"]
+    said_all(
+        records,
+        'remained: dropped "../x": not a unit name',
+        'remained: dropped "asr.service": it holds GPUs, not being stopped',
+    )
+    store = StateStore(tmp_path / "again")
+    store.save(saved, "b")
+    assert store.load()[0].remained == ["done.service", "low.service"]
+
+
 def test_requeues_and_failed_waits_are_kept_and_a_file_without_them_is_complete(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -563,7 +586,7 @@ def test_requeues_and_failed_waits_are_kept_and_a_file_without_them_is_complete(
     store.save(saved, "b")
     assert store.load()[0] == saved
     caplog.clear()
-    later = ("requeued", "wait_failed", "stopped_by_shutdown", "refills")
+    later = ("requeued", "wait_failed", "stopped_by_shutdown", "refills", "remained")
     older = {k: v for k, v in GOOD.items() if k not in later}
     saved, _, records = load(tmp_path / "again", json.dumps(older).encode(), caplog)
     assert (saved, records) == (GOOD_STATE, [])

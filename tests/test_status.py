@@ -117,6 +117,7 @@ def test_json_of_an_idle_host_without_nvml() -> None:
         "preempted": [],
         "held": [],
         "finished": [],
+        "remained": [],
         "failed": [],
         "priorities": {},
         "problems": [],
@@ -333,6 +334,7 @@ def test_json_of_a_busy_host() -> None:
         ],
         "held": ["h1.service", "nobody.service"],
         "finished": ["f.service"],
+        "remained": [],
         "failed": ["x@1.service"],
         "priorities": {"h1.service": 5, "f.service": 7, "x@1.service": 9},
         "problems": [
@@ -583,6 +585,18 @@ def test_render_lists_with_several_items() -> None:
         "Finished: a.service, b.service, c.service",
         "Failed: d.service",
     ]
+
+
+def test_finished_units_systemd_keeps_active_are_said_so() -> None:
+    """A finished unit that systemd still shows active (RemainAfterExit=yes) holds no GPU:
+    listed in "remained" too, and the table says it is still active; an older controller's
+    answer, without "remained", shows its finished units as before."""
+    snap = snapshot(finished=["a.service", "b.service"], remained=["b.service"])
+    data = snapshot_to_json(snap, Scan(), Sample([]))
+    assert (data["finished"], data["remained"]) == (["a.service", "b.service"], ["b.service"])
+    shown = render(empty_data(**{k: data[k] for k in ("finished", "remained")}))
+    assert "Finished: a.service, b.service (still active)" in shown.split("\n")
+    assert "Finished: a.service, b.service" in render(empty_data(finished=data["finished"]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from gpuslice.tracker import (
     CLD_EXITED,
     CLD_KILLED,
     CameUp,
+    Exited,
     Kind,
     Ledger,
     MainExit,
@@ -40,12 +41,16 @@ class Model:
         self.phases: dict[str, Phase] = {}
         self.waiters: set[str] = set()
         self.away: set[str] = set()  # comebacks at their gate the core has not heard yet
+        self.remained: set[str] = set()  # released, kept active (Scheduler.remained)
 
     def tracker(self, managed: frozenset[str] = frozenset({A})) -> Tracker:
         return Tracker(
             lambda n: n in managed,
             Ledger(
-                lambda n: self.phases.get(n), lambda n: n in self.waiters, lambda n: n in self.away
+                lambda n: self.phases.get(n),
+                lambda n: n in self.waiters,
+                lambda n: n in self.away,
+                lambda n: n in self.remained,
             ),
         )
 
@@ -1510,3 +1515,48 @@ def test_a_shutdown_whose_shutdown_target_went_unheard_ends_only_by_systemds_wor
     tracker.job_new(REBOOT, "reboot.target")
     tracker.job_removed(REBOOT, "reboot.target", "canceled")
     assert tracker.shutting_down is True and tracker.shutdown_in_doubt() is True
+
+
+# -- RemainAfterExit=yes: active (exited) ---------------------------------------------------
+
+
+def test_a_holder_kept_active_after_its_job_ended_is_told_exited_until_released() -> None:
+    """Its main process ended and systemd keeps it active: told `Exited` (the controller
+    then asks whether a process is left) at each signal until the core released it; then
+    neither `Exited` nor `CameUp` (adopted again, it held its GPUs for ever), and its
+    later stop by someone is told all the same, though the core no longer holds it."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    assert tracker.unit_changed(A, props("active", "running")) == []
+    assert tracker.unit_changed(A, props("active", "exited")) == [Exited(A)]
+    assert tracker.unit_changed(A, props("active", "exited"), read=True) == [Exited(A)]
+    del model.phases[A]
+    model.remained.add(A)
+    assert tracker.unit_changed(A, props("active", "exited")) == []
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props("deactivating", "stop", 1)) == []
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def test_a_unit_found_kept_active_that_the_core_does_not_know_is_adopted_then_told() -> None:
+    model = Model()
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("active", "exited")) == [CameUp(A), Exited(A)]
+    model.phases[A] = Phase.STARTING
+    assert tracker.unit_changed(A, props("active", "exited")) == [CameUp(A), Exited(A)]
+
+
+def test_a_unit_that_exited_while_our_stop_was_on_its_way_is_told_its_stop_lost() -> None:
+    """The core marked it (remained) and keeps it stopping: a stop that did not happen is
+    told, so that it is released then (Scheduler.stop_failed)."""
+    tracker = our_stop_sent()
+    tracker.call_answered(A, None, "stop")
+    assert tracker.unit_changed(A, props("active", "exited")) == [
+        StopLost(A, "no stop job runs"),
+        Exited(A),
+    ]
+    tracker.ledger.remained = lambda n: n == A
+    assert tracker.unit_changed(A, props("active", "exited")) == [StopLost(A, "no stop job runs")]

@@ -84,6 +84,9 @@ class Cause(enum.Enum):
     # unmanaged: a unit down that gpuslice had preempted is no longer brought back (only
     # annotated units are); its preemption is forgotten
     PREEMPTED = "preemption-forgotten"
+    # finished: its main process ended and no process is left, and systemd keeps it active
+    # (RemainAfterExit=yes) until someone stops it: its GPUs are released now all the same
+    REMAINS = "remains-active"
 
 
 class Blocker(enum.Enum):
@@ -328,6 +331,11 @@ def render(d: Decision) -> str:
         return f"starting background {who} on free {format_gpus(d.gpus)}"
     if code is Code.HOLD:
         return f"{d.unit} was stopped outside gpuslice: held until started again"
+    if code is Code.FINISHED and d.cause is Cause.REMAINS:
+        return (
+            f"{d.unit} finished: released {format_gpus(d.gpus)}; systemd keeps it active "
+            "(RemainAfterExit=yes) until it is stopped, and a restart waits at its gate again"
+        )
     if code is Code.FINISHED:
         return f"{d.unit} finished: released {format_gpus(d.gpus)}"
     if code is Code.FAILED:

@@ -91,6 +91,8 @@ def plan_start(scheduler: Scheduler, spec: UnitSpec) -> Plan:
     if phase is not None:
         gpus = tuple(sorted(scheduler.grants().get(name, ())))
         return Plan(name, spec.priority, Verdict.HOLDS, gpus=gpus, phase=phase.value)
+    if name in scheduler.remained:  # systemd keeps it active: `systemctl start` is a no-op
+        return Plan(name, spec.priority, Verdict.HOLDS, phase="exited")
     if scheduler.is_waiting(name):
         waiting = scheduler.waiting(name)
         # who holds its GPUs now, as status says it (its journal line said it once)

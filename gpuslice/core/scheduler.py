@@ -279,6 +279,8 @@ class Snapshot:
     reasons: dict[str, Decision] = field(default_factory=dict)
     # suspended units, most urgent first: (unit, priority, the GPUs it comes back on)
     suspended: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)
+    # finished units systemd still shows active (RemainAfterExit=yes): they hold no GPU
+    remained: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -319,6 +321,9 @@ class SavedState:
     # empty. Lost at a restart, the resume asked the tool the state of every process of the
     # unit, and one of more than MAX_RECOVERED_PIDS processes was stopped, its work lost
     checkpointed: dict[str, tuple[tuple[int, ...], int, float]] = field(default_factory=dict)
+    # finished units systemd keeps active (RemainAfterExit=yes), their GPUs released
+    # (Scheduler.remained): lost, the next controller adopted each as holding GPUs again
+    remained: list[str] = field(default_factory=list)
 
 
 def _unannotated(spec: UnitSpec) -> UnitSpec:
@@ -484,6 +489,9 @@ class Scheduler:
         self.unconfirmed_holds: dict[str, bool] = {}
         self.finished: set[str] = set()
         self.failed: set[str] = set()
+        # finished units systemd keeps active (RemainAfterExit=yes, SubState `exited`): their
+        # GPUs are released (`exited`), and they are no holder until they run again
+        self.remained: set[str] = set()
         # units whose stop systemd refused: never chosen as victims again while they run
         self.unstoppable: set[str] = set()
         self.unfreezable: set[str] = set()  # units whose freeze failed: not tried again
@@ -590,6 +598,7 @@ class Scheduler:
         self.unconfirmed_holds.pop(name, None)
         self.finished.discard(name)
         self.failed.discard(name)
+        self.remained.discard(name)
         self.wait_failed.discard(name)
         self.preempted.pop(name, None)
         self.start_retries.pop(name, None)
@@ -641,7 +650,14 @@ class Scheduler:
         theirs): stopped by someone, it is held as they wanted, not brought back.
         `in_shutdown`: it went down while the host went down, told after the shutdown's
         cancel: a failure then is judged as in the shutdown (recorded failed, a preempted
-        unit's comeback was lost, and a background unit was never refilled)."""
+        unit's comeback was lost, and a background unit was never refilled). One that
+        finished and stayed active (`exited`) ended by itself: its down now is no hold, no
+        failure and no preemption, and releases nothing more."""
+        if name in self.remained:
+            self.remained.discard(name)
+            if name not in self.holders:
+                return self.schedule()  # released at its exit, recorded finished then
+            by_itself = True  # exited while our stop was on its way: its work is done
         actions: list[Action] = []
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
@@ -766,6 +782,7 @@ class Scheduler:
         self.unconfirmed_holds.pop(name, None)
         self.finished.discard(name)
         self.failed.discard(name)
+        self.remained.discard(name)
         self.out_since.pop(name, None)
         self.stopped_by_shutdown.discard(name)
 
@@ -809,6 +826,8 @@ class Scheduler:
         if spec is None:
             return []
         self.dormant.discard(name)  # someone started it
+        # finished and kept active (`exited`), it runs again (its ExecReload=): holds again
+        self.remained.discard(name)
         holder = self.holders.get(name)
         told = frozenset(gpus or ())
         if holder is not None and holder.phase is Phase.STARTING and holder.gpus:
@@ -838,6 +857,43 @@ class Scheduler:
         self.holders[name] = Holder(spec, wanted, phase, self._next())
         return actions + self.schedule()
 
+    def exited(self, name: str) -> list[Action]:
+        """Systemd keeps the unit active after its main process ended (`RemainAfterExit=yes`,
+        SubState `exited`), and no process is left in it: its work is done, and its GPUs go
+        to the units waiting for them now, as at its end (kept until someone stopped it, they
+        waited for ever). Said once and recorded finished; `remained` from then on: no holder
+        while systemd shows it active, not refilled (it is finished), and its later down (a
+        stop, or a restart, whose start passes its gate as any) releases nothing more. Being
+        stopped by us, it keeps its GPUs until that stop, soon, ends it: its down is then its
+        own end (finished, owed no comeback that would run its finished work again). A unit
+        found so with nothing known of it (a state file lost) holds nothing from now on."""
+        holder = self.holders.get(name)
+        if name not in self.specs or name in self.remained:
+            return []
+        if holder is None:
+            if name not in self.waiters and name not in self.suspended:
+                self.remained.add(name)
+            return []
+        if holder.phase is Phase.STOPPING:
+            self.remained.add(name)
+            return []
+        if holder.phase not in (Phase.RUNNING, Phase.STARTING):
+            return []  # frozen (its processes cannot end) or moving its VRAM: runs still
+        del self.holders[name]
+        self.remained.add(name)
+        self.finished.add(name)
+        self.out_since[name] = self._next()
+        self.unstoppable.discard(name)
+        self.unfreezable.discard(name)
+        self.unsuspendable.discard(name)
+        self.thaw_owed.discard(name)  # it ran to its end: thawed
+        self.started.discard(name)
+        self.refills.discard(name)
+        self.requeued.discard(name)
+        gpus = tuple(sorted(holder.gpus))
+        done = _about(holder.spec, Code.FINISHED, gpus=gpus, cause=Cause.REMAINS)
+        return [_log(done), *self.schedule()]
+
     def stop_failed(self, name: str, why: str, *, refused: bool) -> list[Action]:
         """A stop gpuslice asked for did not happen (refused, failed, cancelled, or lost in a
         controller restart): the unit holds its GPUs again and its waiter plans anew. A unit
@@ -854,6 +910,9 @@ class Scheduler:
             waiter.target = ()
         if refused:
             self.unstoppable.add(name)
+        if name in self.remained:  # it exited while our stop was on its way: released now
+            self.remained.discard(name)
+            return self.exited(name)
         decision = _about(
             holder.spec,
             Code.STOP_REFUSED if refused else Code.STOP_FAILED,
@@ -2409,6 +2468,7 @@ class Scheduler:
             sorted(self.failed),
             told,
             suspended,
+            sorted(self.remained),
         )
 
     def save(self) -> SavedState:
@@ -2434,6 +2494,7 @@ class Scheduler:
             requeued=sorted(n for n in self.requeued if self.phase(n) in (None, Phase.STARTING)),
             wait_failed=sorted(n for n in self.wait_failed if n in self.preempted),
             stopped_by_shutdown=sorted(self.stopped_by_shutdown),
+            remained=sorted(self.remained),
             terms={
                 **{
                     n: _terms(h.spec)
@@ -2485,6 +2546,11 @@ class Scheduler:
         self.held = set(saved.held)
         self.finished = set(saved.finished)
         self.failed = set(saved.failed)
+        # an annotated unit holding nothing (the caller adopts one systemd shows running
+        # again, not `exited`: Restore.rebuild), or one our stop ends (`exited`)
+        self.remained = set(saved.remained) & self.specs.keys()
+        self.remained -= self.suspended.keys()
+        self.remained -= {n for n, h in self.holders.items() if h.phase is not Phase.STOPPING}
         # one saved waiting at its gate is no holder: its gate asks again (`request`). Its
         # start is ours as before (a waiter is not saved as started): withdrawn should its
         # annotation go (`set_specs`), owed should the shutdown end it (`inactive`)
@@ -2536,6 +2602,7 @@ class Scheduler:
             preempted={**owed, **saved.preempted},
             requeued=[],
             stopped_by_shutdown=[],
+            remained=[],  # systemd keeps nothing active across a boot
         )
 
     def forget_boot(self) -> None:
@@ -2547,6 +2614,7 @@ class Scheduler:
         it."""
         self.finished.clear()
         self.failed.clear()
+        self.remained.clear()
         for name, entry in self.suspended.items():
             if name in self.specs:  # one no longer annotated is owed nothing
                 self.preempted.setdefault(name, entry.seq)

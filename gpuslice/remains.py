@@ -1,0 +1,81 @@
+"""Units that systemd keeps active after their job ended (`RemainAfterExit=yes`).
+
+Such a unit shows `active (exited)` until someone stops it; kept as a holder, its GPUs
+stayed reserved that long and every unit waiting for them waited for ever. Its GPUs go
+(Scheduler.exited) once systemd, the only source believed, lists no process left in its
+cgroup: a process a `KillMode=none`/`process` leftover or a daemon it forked may still use
+them, so while any is listed the unit keeps them, said once, until it is stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from gpuslice.systemd import SystemdError
+
+log = logging.getLogger("gpuslice")
+
+
+class UnitProcesses(Protocol):
+    async def unit_pids(self, name: str) -> list[int]: ...
+
+
+class Remains:
+    """Asks systemd, for each unit told `Exited`, whether a process is left in it."""
+
+    def __init__(
+        self,
+        systemd: UnitProcesses,
+        heard: Callable[[str], int],
+        still_exited: Callable[[str], bool],
+        release: Callable[[str], None],
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+    ) -> None:
+        """`heard`: a stamp that moves with each word of systemd about the unit (the
+        tracker's): an answer read after it moved may describe an older run. `still_exited`:
+        the unit still shows `active (exited)` and is not released. `release`: tell the
+        core (Scheduler.exited)."""
+        self.systemd = systemd
+        self.heard = heard
+        self.still_exited = still_exited
+        self.release = release
+        self.spawn = spawn
+        self._left: set[str] = set()  # told of processes left in it: said once per run
+
+    def exited(self, unit: str) -> None:
+        """Systemd shows the unit `active (exited)`: its processes are listed now. Each
+        signal of it asks again (one is rare for a unit that stays so); the answer to a
+        request sent before a later signal is dropped, that signal's own one decides."""
+        self.spawn(self._check(unit, self.heard(unit)))
+
+    def went_down(self, unit: str) -> None:
+        """Its run is over: a leftover of its next run is said again."""
+        self._left.discard(unit)
+
+    async def _check(self, unit: str, stamp: int) -> None:
+        try:
+            pids = await self.systemd.unit_pids(unit)
+        except SystemdError as e:
+            log.warning(
+                "%s stays active after its job ended (RemainAfterExit=yes), but its processes "
+                "cannot be listed (%s): it keeps its GPUs until its next change or its stop",
+                unit,
+                e.text,
+            )
+            return
+        if self.heard(unit) != stamp or not self.still_exited(unit):
+            return  # a later signal's check decides (or it is down, or released)
+        if not pids:
+            self._left.discard(unit)
+            self.release(unit)
+        elif unit not in self._left:
+            self._left.add(unit)
+            log.warning(
+                "%s stays active after its job ended (RemainAfterExit=yes), and %d "
+                "process(es) are left in it (KillMode=): it keeps its GPUs until it is "
+                "stopped (systemctl stop)",
+                unit,
+                len(pids),
+            )

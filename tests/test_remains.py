@@ -1,0 +1,133 @@
+"""Remains: a unit systemd keeps active after its job ended is released only once systemd
+lists no process left in it, by an answer no later signal of the unit overtook."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from gpuslice.remains import Remains
+from gpuslice.systemd import SystemdError
+
+A = "once.service"
+
+
+class Kit:
+    """Remains on fakes: systemd's process lists (`pids`, or an error), the tracker's stamp,
+    whether the unit still shows `active (exited)`, and what was released."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] | SystemdError = []
+        self.asked: list[str] = []
+        self.stamp = 1
+        self.exited = True
+        self.released: list[str] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.remains = Remains(
+            self,
+            lambda _: self.stamp,
+            lambda _: self.exited,
+            self.released.append,
+            self.spawn,
+        )
+
+    async def unit_pids(self, name: str) -> list[int]:
+        self.asked.append(name)
+        await asyncio.sleep(0)  # answered on a later turn of the loop, as the bus does
+        if isinstance(self.pids, SystemdError):
+            raise self.pids
+        return self.pids
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def done(self) -> None:
+        await asyncio.gather(*self.tasks)
+        self.tasks.clear()
+
+
+def test_released_when_no_process_is_left() -> None:
+    async def test() -> None:
+        kit = Kit()
+        kit.remains.exited(A)
+        assert kit.released == []  # not before systemd answered
+        await kit.done()
+        assert (kit.asked, kit.released) == ([A], [A])
+
+    asyncio.run(test())
+
+
+def test_an_answer_overtaken_by_a_later_signal_or_a_change_decides_nothing() -> None:
+    """A signal of the unit came while its processes were listed: that signal's own check
+    decides. One that no longer shows it `active (exited)` (stopped, restarted, released
+    meanwhile) is released by nothing."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.remains.exited(A)
+        kit.stamp = 2
+        await kit.done()
+        assert kit.released == []
+        kit.remains.exited(A)
+        kit.exited = False
+        await kit.done()
+        assert kit.released == []
+        kit.exited = True
+        kit.remains.exited(A)
+        await kit.done()
+        assert kit.released == [A]
+
+    asyncio.run(test())
+
+
+def test_a_process_left_keeps_its_gpus_said_once_per_run(caplog: pytest.LogCaptureFixture) -> None:
+    async def test() -> None:
+        kit = Kit()
+        kit.pids = [41, 42]
+        for _ in range(3):
+            kit.remains.exited(A)
+            await kit.done()
+        assert kit.released == []
+        kit.remains.went_down(A)
+        kit.remains.exited(A)
+        await kit.done()
+        kit.pids = []
+        kit.remains.exited(A)
+        await kit.done()
+        assert kit.released == [A]
+        kit.pids = [43]
+        kit.remains.exited(A)  # a next run's leftover: said again
+        await kit.done()
+
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        asyncio.run(test())
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"{A} stays active after its job ended (RemainAfterExit=yes), and {n} process(es) "
+        "are left in it (KillMode=): it keeps its GPUs until it is stopped (systemctl stop)"
+        for n in (2, 2, 1)
+    ]
+    assert {r.levelno for r in caplog.records} == {logging.WARNING}
+
+
+def test_processes_that_cannot_be_listed_keep_its_gpus(caplog: pytest.LogCaptureFixture) -> None:
+    async def test() -> None:
+        kit = Kit()
+        kit.pids = SystemdError("org.freedesktop.DBus.Error.TimedOut", "no answer")
+        kit.remains.exited(A)
+        await kit.done()
+        assert kit.released == []
+
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        asyncio.run(test())
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (
+            logging.WARNING,
+            f"{A} stays active after its job ended (RemainAfterExit=yes), but its processes "
+            "cannot be listed (no answer): it keeps its GPUs until its next change or its stop",
+        )
+    ]
