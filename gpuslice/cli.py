@@ -766,7 +766,9 @@ class _LadderOutcome:
     def suspended_done(self, name: str, detail: str) -> list[Action]:
         return []
 
-    def suspend_failed(self, name: str, why: str, *, lost: bool = False) -> list[Action]:
+    def suspend_failed(
+        self, name: str, why: str, *, lost: bool = False, not_ours: bool = False
+    ) -> list[Action]:
         return []
 
     def thawed_outside(self, name: str) -> list[Action]:

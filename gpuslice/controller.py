@@ -1201,7 +1201,7 @@ class Controller:
             else:
                 self._say(action.reason, "info", action.decision)
             if isinstance(action, Suspend):
-                self._spawn(self.ladder.suspend(action.unit, action.thaw_first))
+                self._spawn(self.ladder.suspend(action.unit, action.thaw_first, action.thaw_owed))
             elif isinstance(action, Resume):
                 self.delivery.tell_again(action.unit, action.gpus)
                 self._spawn(self.ladder.resume(action.unit))

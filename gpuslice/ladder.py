@@ -8,13 +8,13 @@ nothing here raises into the event loop, and nothing is left locked or frozen by
 
 Suspend, in this order (NVIDIA's and CRIU's findings, ../shared/notes/cuda-checkpoint.md):
 check what can be checked first (the tool, NVML, cgroup v2, every process visible to NVML,
-host memory), lock every CUDA process of the unit, checkpoint each, FreezeUnit for the CPU
-side, then confirm through NVML that no process of it is on a GPU (frozen, none can reach
-one after that look). A failed suspend is undone: ThawUnit if it was frozen, then restore
-and unlock; a process whose undo failed is `lost` to the core, which stops the unit as after
-a failed resume. Resume: the core has already reserved the unit's memory on its GPUs;
-ThawUnit (the restore runs inside the process; sent again a few times while the bus fails
-for a moment, THAW_RETRY), restore, unlock.
+host memory, that nobody else froze the unit), lock every CUDA process of the unit,
+checkpoint each, FreezeUnit for the CPU side, then confirm through NVML that no process of
+it is on a GPU (frozen, none can reach one after that look). A failed suspend is undone:
+ThawUnit if it was frozen, then restore and unlock; a process whose undo failed is `lost`
+to the core, which stops the unit as after a failed resume. Resume: the core has already
+reserved the unit's memory on its GPUs; ThawUnit (the restore runs inside the process; sent
+again a few times while the bus fails for a moment, THAW_RETRY), restore, unlock.
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ class LadderEvents(Protocol):
 
     def suspended_done(self, name: str, detail: str) -> list[Action]: ...
 
-    def suspend_failed(self, name: str, why: str, *, lost: bool = False) -> list[Action]: ...
+    def suspend_failed(
+        self, name: str, why: str, *, lost: bool = False, not_ours: bool = False
+    ) -> list[Action]: ...
 
     def resumed(self, name: str, detail: str) -> list[Action]: ...
 
@@ -190,15 +192,26 @@ class Ladder:
 
     # -- suspend ------------------------------------------------------------------------------
 
-    def suspend(self, unit: str, thaw_first: bool = False) -> Coroutine[Any, Any, None]:
+    def suspend(
+        self, unit: str, thaw_first: bool = False, thaw_owed: bool = False
+    ) -> Coroutine[Any, Any, None]:
+        """Suspend the unit. One someone else froze (`systemctl freeze`) is left alone and
+        reported failed, `not_ours`, before anything is sent: its lock timed out in the
+        frozen processes, and the undo thawed their freeze (gpuslice thaws only what it
+        froze). Not looked at when frozen beside a more urgent unit (`thaw_first`: that
+        freeze is ours to undo), nor when a thaw of ours is owed to it (`thaw_owed`: frozen,
+        it may be ours still, its ThawUnit under way or failed)."""
         run = self._run_of(unit)
-        return self._run(unit, self._suspend_and_report(unit, thaw_first, run))
+        look = not thaw_first and not thaw_owed
+        return self._run(unit, self._suspend_and_report(unit, thaw_first, look, run))
 
-    async def _suspend_and_report(self, unit: str, thaw_first: bool, run: object) -> None:
+    async def _suspend_and_report(
+        self, unit: str, thaw_first: bool, look: bool, run: object
+    ) -> None:
         try:
             if thaw_first:  # frozen beside a more urgent unit: the tool needs it running
                 await self._thaw_for_suspend(unit, run)
-            done = await self._suspend(unit, run)
+            done = await self._suspend(unit, run, look=look)
         except _RunEnded as e:
             self._ended_after(unit, e)
             return
@@ -206,8 +219,11 @@ class Ladder:
             why = _reason(e, "suspending")
             # a process its undo could not restore cannot run again, whatever Preempt= says
             lost = isinstance(e, CheckpointError) and bool(e.lost)
+            theirs = isinstance(e, _FrozenBySomeone)
             if not self._ended(unit, run):  # else the next run's to stop
-                self.report(lambda: self.events.suspend_failed(unit, why, lost=lost))
+                self.report(
+                    lambda: self.events.suspend_failed(unit, why, lost=lost, not_ours=theirs)
+                )
             return
         self.report(lambda: self.events.suspended_done(unit, done))
 
@@ -221,10 +237,20 @@ class Ladder:
     async def _thaw_for_suspend(self, unit: str, run: object) -> None:
         await self._thaw_patiently(unit, "suspending", run)
 
-    async def _suspend(self, unit: str, run: object | None = None) -> str:
+    async def _suspend(self, unit: str, run: object | None = None, *, look: bool = True) -> str:
+        """What the suspend did, in words; `look`: whether someone else froze it is read
+        first (`suspend`)."""
         s = self.settings()
         tool = checkpoint.require_tool(s.tool, root_only=s.root_only)
         self._require_freezer()
+        # before the sample and the host memory check: no wait between that check and
+        # `moving`, nor a sample of the processes of a run that ended during the read
+        if look:
+            theirs = await self._frozen_by_someone(unit)
+            if self._ended(unit, run):
+                raise _RunEnded()
+            if theirs:
+                raise _FrozenBySomeone(theirs)
         pids, vram = self._cuda_processes(unit)
         moved = [p for p in pids if self.unit_of_pid(p) != unit]
         if moved:  # exited since the sample: its PID may be another unit's process by now
@@ -513,7 +539,8 @@ class Ladder:
         froze it (`systemctl freeze`); "" when systemd shows it running, or cannot be read
         (taken for running, as before this look). Frozen, it is theirs to thaw: systemd
         takes a FreezeUnit of a frozen unit for done, and the thaw gpuslice owed after
-        that undid their freeze (gpuslice thaws only what it froze)."""
+        that undid their freeze; a suspend's lock times out in it, and the undo thawed it
+        (gpuslice thaws only what it froze)."""
         try:
             state = await asyncio.wait_for(self.systemd.freezer_state(unit), self.freezer_timeout)
         except Exception as e:
@@ -705,6 +732,10 @@ _NO_TOOL = "cuda-checkpoint is not installed any more: cannot restore"
 
 class _FreezerHung(CheckpointError):
     """FreezeUnit or ThawUnit got no answer in time: the unit may be half frozen."""
+
+
+class _FrozenBySomeone(CheckpointError):
+    """The unit to suspend is frozen by someone else (`systemctl freeze`): theirs to thaw."""
 
 
 class _RunEnded(Exception):

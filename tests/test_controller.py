@@ -40,7 +40,7 @@ from gpuslice.annotations import scan
 from gpuslice.config import Config, load_config_with_warnings
 from gpuslice.controller import Controller
 from gpuslice.core.model import Gpu
-from gpuslice.core.scheduler import Phase, SavedState
+from gpuslice.core.scheduler import Phase, SavedState, Suspend
 from gpuslice.gpuwatch import GpuWatch
 from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
@@ -3148,7 +3148,7 @@ def test_a_suspend_whose_undo_lost_a_process_stops_the_unit_with_suspend_alone(
         async def undone(unit: str) -> None:  # the ladder's report of such a suspend
             ctl._report(lambda: ctl.scheduler.suspend_failed(unit, why, lost=True))
 
-        ctl.ladder.suspend = lambda unit, thaw_first=False: undone(unit)  # type: ignore[method-assign]
+        ctl.ladder.suspend = lambda unit, *_: undone(unit)  # type: ignore[method-assign]
         await ctl.start()
         with caplog.at_level(logging.INFO, "gpuslice"):
             await bed.acquire("urgent.service", ":1.9", 4242)
@@ -3223,7 +3223,7 @@ def test_a_grant_a_suspend_allows_leaves_after_the_state_that_names_it_suspended
         async def suspended(unit: str) -> None:  # the ladder's task, done at once
             ctl._report(lambda: ctl.scheduler.suspended_done(unit, "1 GiB in 0.1 s"))
 
-        ctl.ladder.suspend = lambda unit, thaw_first=False: suspended(unit)  # type: ignore[method-assign]
+        ctl.ladder.suspend = lambda unit, *_: suspended(unit)  # type: ignore[method-assign]
         await ctl.start()
         await bed.acquire("urgent.service", ":1.9", 4242)
         await settle()
@@ -3231,6 +3231,30 @@ def test_a_grant_a_suspend_allows_leaves_after_the_state_that_names_it_suspended
         assert at_grant == [("urgent.service", ["low.service"], [])]
 
     run(test)
+
+
+def test_a_suspend_tells_the_ladder_whether_a_thaw_of_ours_is_owed(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """The Suspend's `thaw_first` and `thaw_owed` reach the ladder: without `thaw_owed`, a
+    unit whose ThawUnit of ours was still under way was taken for frozen by someone else."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    asked: list[tuple[str, bool, bool]] = []
+
+    def suspend(
+        unit: str, thaw_first: bool = False, thaw_owed: bool = False
+    ) -> Coroutine[Any, Any, None]:
+        asked.append((unit, thaw_first, thaw_owed))
+        return asyncio.sleep(0)
+
+    async def test() -> None:
+        ctl = bed.controller
+        ctl.ladder.suspend = suspend  # type: ignore[method-assign]
+        ctl.execute([Suspend("low.service", (0,), "suspending low.service", thaw_owed=True)])
+        await settle()
+
+    run(test)
+    assert asked == [("low.service", False, True)]
 
 
 def test_signals_of_one_turn_of_the_loop_are_decided_once(

@@ -270,6 +270,54 @@ def test_a_frozen_unit_whose_stop_fails_is_owed_a_thaw() -> None:
     assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [V]
 
 
+THEIRS = "frozen already, by someone else (systemctl freeze): theirs to thaw"
+
+
+def test_a_unit_someone_else_froze_chosen_for_suspend_is_stopped_and_owed_no_thaw() -> None:
+    """The adapter found the unit to suspend frozen by someone (`systemctl freeze`) and sent
+    nothing: its suspend failed, and it falls to the next rung of Preempt= as for any
+    failed suspend (a stop, which systemd begins with a thaw); owed no thaw by gpuslice,
+    also should that stop fail (the thaw owed after a failed suspend undid their freeze)."""
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    acts = s.suspend_failed(V, THEIRS, not_ours=True)
+    assert brief(acts) == [f"stop {V}"]
+    assert words(acts)[0] == (
+        f"cannot suspend vlm.service (priority 90) for voice.service (priority 10): {THEIRS}; "
+        "trying stop instead"
+    )
+    s.stop_failed(V, "refused", refused=True)
+    assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [] and V not in s.thaw_owed
+
+
+def test_a_unit_someone_else_froze_with_suspend_alone_keeps_its_gpus_owed_no_thaw() -> None:
+    only = spec("vlm", 90, BG, preempt="suspend")
+    s = host(only, VOICE)
+    running(s, only)
+    s.request(VOICE)
+    acts = s.suspend_failed(V, THEIRS, not_ours=True)
+    assert brief(acts) == []
+    assert words(acts)[0].endswith(f"{THEIRS}; it keeps GPU 0 (Preempt= names no other way)")
+    assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [] and V not in s.thaw_owed
+
+
+def test_a_suspend_of_a_unit_owed_a_thaw_says_so() -> None:
+    """Thawed (voice left), then chosen for a suspend before the thaw was seen done (its
+    ThawUnit under way, or failed): the adapter must not take its frozen state for someone
+    else's, which fell to a stop a suspend that would have worked."""
+    big = spec("big", 5, mem_gib=20)
+    s, _, _ = frozen_beside_voice("freeze suspend stop", later=[big])
+    assert brief(s.inactive(VO, Outcome.EXITED)) == ["thaw emb.service"]
+    [suspend] = [a for a in s.request(big) if isinstance(a, Suspend)]
+    assert suspend.thaw_owed and not suspend.thaw_first
+    s, _, _ = frozen_beside_voice("freeze suspend stop", later=[big])
+    s.inactive(VO, Outcome.EXITED)
+    s.thaw_done("emb.service")
+    [suspend] = [a for a in s.request(big) if isinstance(a, Suspend)]
+    assert not suspend.thaw_owed
+
+
 @pytest.mark.parametrize(
     ("mem_gib", "preempt", "expected"),
     [

@@ -28,6 +28,7 @@ from tests.test_checkpoint import FAST, TIMEOUT, Bed, calls, fake_systemd
 
 UNIT = "vlm.service"
 GIB = 1 << 30
+LOOK = f"state {UNIT}"  # a suspend reads FreezerState before its lock: nobody else froze it?
 
 
 class Freezer:
@@ -37,7 +38,7 @@ class Freezer:
         self.calls: list[str] = []
         self.fail: set[str] = set()
         self.pids: list[int] = []
-        self.states: dict[str, str] = {}  # FreezerState by unit ("frozen" if not named)
+        self.states: dict[str, str] = {}  # FreezerState by unit ("running" if not named)
         self.active: dict[str, str] = {}  # ActiveState by unit ("active" if not named)
         self.on_active: Callable[[], object] = lambda: None  # run as ActiveState is read
 
@@ -59,7 +60,7 @@ class Freezer:
         self.calls.append(f"state {name}")
         if "state" in self.fail:
             raise RuntimeError("no such unit")
-        return self.states.get(name, "frozen")
+        return self.states.get(name, "running")
 
     async def unit_state(self, name: str) -> UnitState:
         self.calls.append(f"active {name}")
@@ -82,8 +83,11 @@ class Events:
     def suspended_done(self, name: str, detail: str) -> list[Action]:
         return self._note("suspended", name, detail)
 
-    def suspend_failed(self, name: str, why: str, *, lost: bool = False) -> list[Action]:
-        return self._note("suspend_failed_lost" if lost else "suspend_failed", name, why)
+    def suspend_failed(
+        self, name: str, why: str, *, lost: bool = False, not_ours: bool = False
+    ) -> list[Action]:
+        event = "suspend_failed_lost" if lost else "suspend_failed"
+        return self._note(event + "_not_ours" if not_ours else event, name, why)
 
     def resumed(self, name: str, detail: str) -> list[Action]:
         return self._note("resumed", name, detail)
@@ -197,14 +201,14 @@ def test_suspend_then_resume(host: Host) -> None:
     [(event, unit, words)] = host.said()
     assert (event, unit) == ("suspended", UNIT)
     assert words.startswith("3 GiB to host memory in ") and words.endswith(" s")
-    assert host.freezer.calls == [f"freeze {UNIT}"]
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}"]
     assert not host.bed.holds(a) and not host.bed.holds(b) and host.bed.holds(other)
     assert host.ladder.suspensions[UNIT].vram == 3 * GIB
     run(host.ladder.resume(UNIT))
     event, unit, words = host.said()[-1]
     assert (event, unit) == ("resumed", UNIT)
     assert " s: restored in " in words
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]  # thawed before the restore
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]  # thawed, then restored
     assert host.bed.holds(a) and host.bed.holds(b)
     assert [host.bed.state_of(a), host.bed.state_of(b)] == ["running", "running"]
     assert UNIT not in host.ladder.suspensions
@@ -241,7 +245,7 @@ def test_what_is_checked_before_anything_is_done(
     assert event == "suspend_failed"
     assert why in words, words
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
-    assert host.freezer.calls == []
+    assert set(host.freezer.calls) <= {LOOK}  # nothing sent to systemd (a read at most)
 
 
 def test_a_frozen_unit_is_thawed_before_its_processes_are_locked(host: Host) -> None:
@@ -288,7 +292,7 @@ def test_memory_still_shown_after_the_checkpoint_is_not_believed_gone(host: Host
         f"NVML still shows PID {pid} on GPU 0 after the checkpoint",
     )
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]  # looked at frozen
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]  # looked at frozen
 
 
 def test_a_lock_timeout_leaves_the_job_running(host: Host) -> None:
@@ -610,6 +614,7 @@ def test_a_thaw_that_failed_is_tried_again_until_systemd_shows_the_unit_running(
     warning once, until one works; the core hears when it is done, and a unit shown running
     is owed nothing without a ThawUnit."""
     host.freezer.fail.add("thaw")
+    host.freezer.states[UNIT] = "frozen"
     with caplog.at_level(logging.DEBUG, logger="gpuslice"):
         run(host.ladder.thaw(UNIT))
         assert host.said() == []
@@ -719,7 +724,7 @@ def test_nvml_gone_after_the_checkpoint_is_no_confirmation(host: Host) -> None:
         )
     ]
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]
     assert UNIT not in host.ladder.suspensions
 
 
@@ -745,7 +750,7 @@ def test_a_process_of_the_unit_that_reached_a_gpu_during_the_checkpoint_fails_it
         "GPU meanwhile",
     )
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]
     assert UNIT not in host.ladder.suspensions
 
 
@@ -788,7 +793,7 @@ def test_a_process_that_reached_a_gpu_just_before_the_freeze_fails_the_suspend(
             "a GPU meanwhile",
         )
     ]
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]
     assert host.freezer.at_thaw == {pid: False, late: True}  # thawed, then restored
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
     assert UNIT not in host.ladder.suspensions and host.ladder.busy == {}
@@ -808,7 +813,7 @@ def test_a_suspend_asks_nvml_twice_the_second_time_once_frozen(host: Host) -> No
     host.ladder.processes = sample
     run(host.ladder.suspend(UNIT))
     assert host.said()[0][0] == "suspended"
-    assert seen == [[], [f"freeze {UNIT}"]]
+    assert seen == [[LOOK], [LOOK, f"freeze {UNIT}"]]
 
 
 def test_a_thaw_that_fails_before_the_undo_says_so(host: Host) -> None:
@@ -820,7 +825,7 @@ def test_a_thaw_that_fails_before_the_undo_says_so(host: Host) -> None:
     assert (
         f"a GPU meanwhile; and ThawUnit failed: thaw refused (thaw it with systemctl thaw {UNIT})"
     ) in words
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]  # a refusal: not again
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]  # a refusal: not again
     assert host.bed.state_of(pid) == "running"  # the fake's processes were never frozen
 
 
@@ -842,7 +847,7 @@ def test_a_process_lost_by_the_undo_inside_the_checkpoint_step_is_reported_lost(
     monkeypatch.setattr(checkpoint, "suspend", suspend)
     run(host.ladder.suspend(UNIT))
     assert host.said() == [("suspend_failed_lost", UNIT, why)]
-    assert host.freezer.calls == [] and host.ladder.moving == 0
+    assert host.freezer.calls == [LOOK] and host.ladder.moving == 0
 
 
 def test_a_process_the_undo_leaves_locked_after_a_failed_freeze_is_reported_lost(
@@ -889,7 +894,7 @@ def test_a_freeze_that_is_never_answered_fails_the_suspend_and_is_undone(host: H
     assert host.said() == [
         ("suspend_failed", UNIT, "FreezeUnit did not answer within 0.2 s: thawed again")
     ]
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]  # thawed, then restored
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]  # thawed, then restored
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
     assert UNIT not in host.ladder.suspensions and host.ladder.busy == {}
 
@@ -966,7 +971,7 @@ def test_a_resume_sends_a_thaw_that_failed_for_a_moment_again(
     with caplog.at_level(logging.DEBUG, logger="gpuslice"):
         run(host.ladder.resume(UNIT))
     assert host.said()[-1][0] == "resumed"
-    assert host.freezer.calls == [f"freeze {UNIT}"] + [f"thaw {UNIT}"] * 3
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}"] + [f"thaw {UNIT}"] * 3
     assert host.freezer.states[UNIT] == "running"  # thawed before the restore
     assert waits == [1.0, 2.0]
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
@@ -985,7 +990,7 @@ def test_a_resume_sends_a_thaw_that_keeps_failing_for_a_moment_a_bounded_number_
     waits = blinking(host, 1000)
     run(host.ladder.suspend(UNIT))
     run(host.ladder.resume(UNIT))
-    assert host.freezer.calls == [f"freeze {UNIT}"] + [f"thaw {UNIT}"] * (len(THAW_RETRY) + 1)
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}"] + [f"thaw {UNIT}"] * (len(THAW_RETRY) + 1)
     assert waits == list(THAW_RETRY) == [1.0, 2.0, 4.0, 8.0]
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warned == [f"resuming {UNIT}: ThawUnit failed: {NO_REPLY} (sent 5 times)"]
@@ -1050,6 +1055,7 @@ def test_a_thaw_after_a_freeze_that_fails_for_a_moment_is_left_to_the_next_sampl
     """The plain thaw (the unit it gave way to left) holds nothing back: it is owed, and the
     next check of the thaws owed sends it again (at each sample): no waits of its own."""
     waits = blinking(host, 1)
+    host.freezer.states[UNIT] = "frozen"
     run(host.ladder.thaw(UNIT))
     assert host.freezer.calls == [f"thaw {UNIT}"] and waits == []
     assert UNIT in host.ladder.thaw_failing and host.said() == []
@@ -1111,7 +1117,7 @@ def test_a_unit_that_went_down_during_the_checkpoint_is_not_frozen(
 
     monkeypatch.setattr(checkpoint, "suspend", slow)
     run(host.ladder.suspend(UNIT))
-    assert host.freezer.calls == []  # no FreezeUnit for a run that is not the one asked
+    assert host.freezer.calls == [LOOK]  # no FreezeUnit for a run that is not the one asked
     assert host.said() == []
     assert UNIT not in host.ladder.suspensions
 
@@ -1134,7 +1140,7 @@ def test_a_freeze_answered_after_the_unit_went_down_owes_a_thaw(host: Host) -> N
     host.freezer.states[UNIT] = "running"
     run(host.ladder.freeze(UNIT))
     assert host.said()[1:] == [("froze_after_end", UNIT, "")]
-    assert host.freezer.calls == [f"freeze {UNIT}", f"state {UNIT}", f"freeze {UNIT}"]
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"state {UNIT}", f"freeze {UNIT}"]
 
 
 def test_a_resume_whose_unit_went_down_during_its_thaws_sends_and_reports_nothing_more(
@@ -1154,7 +1160,7 @@ def test_a_resume_whose_unit_went_down_during_its_thaws_sends_and_reports_nothin
 
     host.ladder.sleep = restarted
     run(host.ladder.resume(UNIT))
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]
     assert waits == [1.0]
     assert host.said() == [("suspended", UNIT, host.said()[0][2])]
     assert host.ladder.busy == {} and host.ladder.runs == {}
@@ -1214,3 +1220,56 @@ def test_a_unit_that_went_down_as_its_freezer_state_was_read_is_told_nothing(hos
     host.freezer.freezer_state = restarted  # type: ignore[method-assign]
     run(host.ladder.freeze(UNIT))
     assert host.said() == [] and host.freezer.calls == [f"state {UNIT}"]
+
+
+@pytest.mark.parametrize("state", ["frozen", "freezing"])
+def test_a_unit_someone_froze_is_not_suspended_nor_thawed(
+    host: Host, monkeypatch: pytest.MonkeyPatch, state: str
+) -> None:
+    """The suspend rung: an admin froze the unit (`systemctl freeze`) whose memory a more
+    urgent unit needs. Its lock timed out in the frozen processes, and the undo thawed it,
+    undoing their freeze. Found frozen by someone, nothing is run or sent (no lock, no
+    FreezeUnit or ThawUnit): the core hears a suspend that failed, not ours, and falls to
+    the next rung of Preempt=."""
+    pid = host.job()
+    host.freezer.states[UNIT] = state
+    locked: list[list[int]] = []
+    real = checkpoint.suspend
+
+    async def suspend(tool: str, pids: list[int], s: checkpoint.CheckpointSettings) -> float:
+        locked.append(list(pids))
+        return await real(tool, pids, s)
+
+    monkeypatch.setattr(checkpoint, "suspend", suspend)
+    run(host.ladder.suspend(UNIT))
+    assert host.said() == [
+        (
+            "suspend_failed_not_ours",
+            UNIT,
+            f"{state} already, by someone else (systemctl freeze): theirs to thaw",
+        )
+    ]
+    assert host.freezer.calls == [LOOK] and locked == []
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
+    assert UNIT not in host.ladder.suspensions and host.ladder.moving == 0
+    assert host.ladder.busy == {}
+
+
+def test_a_unit_frozen_beside_a_more_urgent_one_is_thawed_by_its_suspend(host: Host) -> None:
+    """Frozen by gpuslice beside a more urgent unit (`thaw_first`): that freeze is ours to
+    undo before the lock, and its FreezerState (frozen) is not read as someone else's."""
+    host.job()
+    host.freezer.states[UNIT] = "frozen"
+    run(host.ladder.suspend(UNIT, thaw_first=True))
+    assert host.said()[0][0] == "suspended"
+    assert host.freezer.calls == [f"thaw {UNIT}", f"freeze {UNIT}"]
+
+
+def test_a_unit_owed_a_thaw_of_ours_is_suspended_whatever_its_state(host: Host) -> None:
+    """Thawed by gpuslice, chosen for a suspend before that thaw is seen done (the ThawUnit
+    still under way): frozen, it is ours still, not someone else's (as for a freeze)."""
+    host.job()
+    host.freezer.states[UNIT] = "frozen"
+    run(host.ladder.suspend(UNIT, thaw_owed=True))
+    assert host.said()[0][0] == "suspended"
+    assert host.freezer.calls == [f"freeze {UNIT}"]

@@ -48,6 +48,7 @@ from tests.test_checkpoint import (
     stub,
 )
 from tests.test_ladder_adapter import (
+    LOOK,
     UNIT,
     BlinkingFreezer,
     Freezer,
@@ -502,7 +503,6 @@ def test_each_operation_counts_its_unit_busy_from_its_start(host: Host) -> None:
     """From the moment an operation is asked for (before its task first runs), a check of
     thaws by hand must not read the unit, and until it is done."""
     freezer = recorded(host)
-    freezer.states[UNIT] = "running"  # the freeze reads it first: not frozen by someone
     host.job()
     starts: list[Callable[[str], Coroutine[Any, Any, None]]] = [
         host.ladder.suspend,
@@ -515,7 +515,10 @@ def test_each_operation_counts_its_unit_busy_from_its_start(host: Host) -> None:
         assert host.ladder.busy == {UNIT: 1}
         run(work)
         assert host.ladder.busy == {}
-    assert [c.split()[0] for c in freezer.calls] == ["freeze", "thaw", "state", "freeze", "thaw"]
+    assert [c.split()[0] for c in freezer.calls] == [
+        *("state", "freeze", "thaw"),  # the suspend reads it first too
+        *("state", "freeze", "thaw"),
+    ]
     assert freezer.busy == [{UNIT: 1}] * 4
     assert [e for e, _, _ in host.said()] == ["suspended", "resumed", "thaw_done"]
 
@@ -909,7 +912,7 @@ def test_a_suspend_whose_run_ends_during_the_thaw_of_its_undo_undoes_nothing(
     ends_run_after(host.ladder, "thaw_unit")
     with caplog.at_level(logging.INFO, logger="gpuslice"):
         bounded(host.ladder.suspend(UNIT))
-    assert host.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]
     assert host.said() == []
     assert host.bed.state_of(pid) == "checkpointed"  # not restored
     assert messages(caplog, logging.INFO) == [ENDED]
@@ -1013,7 +1016,7 @@ def test_a_suspend_whose_run_ends_during_its_checkpoint_reports_no_failure(
 
     monkeypatch.setattr(checkpoint, "suspend", checkpointed)
     run(host.ladder.suspend(UNIT))
-    assert host.said() == [] and host.freezer.calls == []
+    assert host.said() == [] and host.freezer.calls == [LOOK]
 
 
 def test_a_step_keeps_its_run_only_while_it_is_under_way(host: Host) -> None:
@@ -1065,3 +1068,41 @@ def test_a_freezer_state_read_before_a_freeze_that_fails_or_hangs_is_taken_for_r
     host.ladder.freezer_timeout = 0.2
     bounded(host.ladder.freeze(UNIT), 5)
     assert host.freezer.calls == [f"state {UNIT}", f"freeze {UNIT}"] and host.said() == []
+
+
+def test_a_freezer_state_read_before_a_suspend_that_fails_or_hangs_is_taken_for_running(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As before a freeze: one that fails (a debug line) or gets no answer within the
+    freezer's deadline does not hold the suspend back."""
+    host.job()
+    host.freezer.fail.add("state")
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        run(host.ladder.suspend(UNIT))
+    assert f"FreezerState of {UNIT}: no such unit" in messages(caplog, logging.DEBUG)
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}"]
+    assert [e for e, _, _ in host.said()] == ["suspended"]
+    run(host.ladder.resume(UNIT))
+    host.ladder.systemd = host.freezer = StuckState()
+    host.ladder.freezer_timeout = 0.2
+    bounded(host.ladder.suspend(UNIT), 5)
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}"]
+    assert [e for e, _, _ in host.said()] == ["suspended", "resumed", "suspended"]
+
+
+@pytest.mark.parametrize("state", ["frozen", "running"])
+def test_a_suspend_whose_run_ends_as_its_freezer_state_is_read_locks_and_reports_nothing(
+    host: Host, caplog: pytest.LogCaptureFixture, state: str
+) -> None:
+    """The state read may be the next run's (frozen by someone since, or not), and so may
+    the processes a sample would show now: nothing is locked, nothing reported; the journal
+    says why."""
+    pid = host.job()
+    host.freezer.states[UNIT] = state
+    ends_run_after(host.ladder, "freezer_state")
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        bounded(host.ladder.suspend(UNIT))
+    assert host.said() == [] and host.freezer.calls == [LOOK]
+    assert host.bed.state_of(pid) == "running"  # not locked, nor checkpointed
+    assert messages(caplog, logging.INFO) == [ENDED]
+    assert host.ladder.busy == {} and host.ladder.runs == {}

@@ -37,7 +37,7 @@ from tests.test_checkpoint import FAST
 from tests.test_controller import Bed, low_holds_gpu_0, run, settle, state, until
 from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
-from tests.test_ladder_adapter import NO_REPLY, BlinkingFreezer, Events, Freezer
+from tests.test_ladder_adapter import LOOK, NO_REPLY, BlinkingFreezer, Events, Freezer
 
 GIB = 1 << 30
 UNIT = "vlm.service"
@@ -174,7 +174,7 @@ def test_a_freeze_that_failed_after_the_checkpoint_is_not_thawed_before_the_undo
     stubbed.freezer.fail.update({"freeze", "thaw"})
     asyncio.run(stubbed.ladder.suspend(UNIT))
     assert stubbed.events.said == [("suspend_failed", UNIT, "FreezeUnit failed: freeze refused")]
-    assert stubbed.freezer.calls == [f"freeze {UNIT}"]
+    assert stubbed.freezer.calls == [LOOK, f"freeze {UNIT}"]
     assert stubbed.restored == [[11]]
 
 
@@ -193,7 +193,7 @@ def test_the_thaw_before_an_undo_sent_again_says_it_is_the_suspend_s(
     assert f"suspending {UNIT}: ThawUnit failed: {NO_REPLY}; sent again in 1 s" in [
         r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG
     ]
-    assert stubbed.freezer.calls == [f"freeze {UNIT}", f"thaw {UNIT}", f"thaw {UNIT}"]
+    assert stubbed.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}", f"thaw {UNIT}"]
     [(event, _, words)] = stubbed.events.said
     assert (event, words) == (
         "suspend_failed",

@@ -101,13 +101,16 @@ class Start:
 class Suspend:
     """Move the unit's VRAM to host memory and freeze it (cuda-checkpoint, FreezeUnit); the
     adapter answers with `suspended_done` or `suspend_failed`. `thaw_first`: it is frozen
-    (beside a more urgent unit), and a frozen process can be neither locked nor restored."""
+    (beside a more urgent unit), and a frozen process can be neither locked nor restored.
+    `thaw_owed`: gpuslice owes it a thaw (not yet seen done): found frozen, it may be frozen
+    by gpuslice still, not by someone else."""
 
     unit: str
     gpus: tuple[int, ...]
     reason: str
     decision: Decision | None = field(default=None, compare=False)
     thaw_first: bool = False
+    thaw_owed: bool = False
 
 
 @dataclass(frozen=True)
@@ -1036,12 +1039,16 @@ class Scheduler:
         )
         return [_log(decision), *self.schedule()]
 
-    def suspend_failed(self, name: str, why: str, *, lost: bool = False) -> list[Action]:
+    def suspend_failed(
+        self, name: str, why: str, *, lost: bool = False, not_ours: bool = False
+    ) -> list[Action]:
         """Suspending did not work (no cuda-checkpoint, a lock that timed out, too little
         host memory...): the next rung of its ladder, or, with none left, it keeps its GPUs
         and is not chosen as a victim again while it runs. `lost`: undoing it failed for a
         process of it (its restore), which cannot run again: the unit is stopped, as after
-        a failed resume, whatever its ladder (kept running, its work was broken)."""
+        a failed resume, whatever its ladder (kept running, its work was broken).
+        `not_ours`: someone else froze it (`systemctl freeze`) and nothing was sent: theirs
+        to thaw, never owed one by gpuslice (a stop, its next rung, thaws it as any stop)."""
         holder = self.holders.get(name)
         if holder is None or holder.phase is not Phase.SUSPENDING:
             return []
@@ -1065,7 +1072,8 @@ class Scheduler:
         self._tops_cache = None
         # frozen beside, or a freeze after the checkpoint that hung; so too before a stop,
         # which may fail (stop_failed holds it running then)
-        self.thaw_owed.add(name)
+        if not not_ours:
+            self.thaw_owed.add(name)
         # the stop only while it is still for a more urgent waiter (a reload may have changed
         # either priority since the suspend was decided)
         if fallback is Rung.STOP and waiter is not None and spec.priority > waiter.spec.priority:
@@ -1639,7 +1647,10 @@ class Scheduler:
                 for_priority=spec.priority,
                 gpus=every,
             )
-            return Suspend(holder.spec.name, every, render(suspend), suspend, thaw_first=frozen)
+            owed = holder.spec.name in self.thaw_owed
+            return Suspend(
+                holder.spec.name, every, render(suspend), suspend, thaw_first=frozen, thaw_owed=owed
+            )
         return self._stop_for(holder, spec, on)
 
     def _memory_rungs_of(self, holder: Holder) -> list[Rung]:
