@@ -177,6 +177,24 @@ def test_a_unit_thawed_by_hand_runs_again_beside_the_urgent_one(bed: Container) 
     counting(bed, "emb.service")
 
 
+def test_a_unit_frozen_by_hand_chosen_for_suspend_is_stopped_not_thawed(bed: Container) -> None:
+    """An admin's `systemctl freeze`: the suspend is not tried (its lock timed out in the
+    frozen processes, and the undo thawed them), the next rung, a stop, follows."""
+    write_worker(bed, VLM, 90)
+    write_urgent(bed)
+    reload(bed)
+    bed.systemctl("start", VLM)
+    wait_state(bed, VLM, "active")
+    counting(bed, VLM)
+    bed.systemctl("freeze", VLM)  # an admin's
+    bed.systemctl("start", "--no-block", VOICE)
+    line = wait_line(bed, "frozen already, by someone else")
+    assert "theirs to thaw" in line
+    wait_state(bed, VOICE, "active", TIMEOUT)
+    wait_state(bed, VLM, "inactive", TIMEOUT)  # stopped (systemd thaws what it stops)
+    assert "thawing vlm.service" not in bed.journal("gpuslice.service")
+
+
 @pytest.mark.parametrize(
     ("prepare", "why"),
     [
