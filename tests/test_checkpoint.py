@@ -473,9 +473,11 @@ def test_a_state_the_tool_gave_no_answer_for_is_unread_not_refused(
 ) -> None:
     """A restarted controller's resume skips the processes the tool refuses (no CUDA
     process): one whose state it gave no answer for (timed out, not run) may be
-    checkpointed, and is told apart (checkpoint.StateUnread)."""
-    monkeypatch.setattr(checkpoint, "STATE_TIMEOUT", 0.3)
-    error = failure(get_state(stub(tmp_path, hangs(tmp_path)), 11))
+    checkpointed, and is told apart (checkpoint.StateUnread). The short timeout is the hung
+    call's alone: the stub that answers, run past it on a loaded host, read as unread."""
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "STATE_TIMEOUT", 0.3)
+        error = failure(get_state(stub(tmp_path, hangs(tmp_path)), 11))
     assert isinstance(error, checkpoint.StateUnread), error.reason
     assert error.reason.startswith("the state of PID 11 could not be read: cuda-checkpoint did")
     no_cuda = stub(

@@ -118,7 +118,9 @@ def test_the_watch_says_how_long_each_unit_has_waited(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """As `gpuslice status` does: the table is drawn as of the time of the redraw."""
-    since = time.time() - 3700  # an hour and a minute ago (and a few seconds, at most)
+    # an hour, a minute and a second ago: "1 h 1 min" for the next 59 s (3700 s ago, a
+    # redraw a loaded host ran 20 s late would have said "1 h 2 min")
+    since = time.time() - 3661
     status = {
         "gpus": [],
         "waiting": [{"unit": "a.service", "priority": 5, "reason": "waits", "since": since}],

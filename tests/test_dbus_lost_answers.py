@@ -9,6 +9,8 @@ controller's queue: the policy lets every user call Status, as often as they lik
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,17 @@ from tests.test_dbus_adapter import bus_daemon as bus_daemon
 LIMITS = '\n  <limit name="max_outgoing_bytes">100000</limit>'
 
 
+@contextlib.contextmanager
+def lost_within(monkeypatch: pytest.MonkeyPatch, seconds: float) -> Iterator[None]:
+    """CALL_TIMEOUT is `seconds` for the calls sent meanwhile, the one whose answer is lost:
+    the set-up's calls wait as long as the controller's do. With the short bound for all, a
+    bus daemon 0.3 s late (stopped for that long, as a loaded host may leave it) failed the
+    subscription, and the test, before its call was sent."""
+    with monkeypatch.context() as patch:
+        patch.setattr(systemd_module, "CALL_TIMEOUT", seconds)
+        yield
+
+
 def _big_status() -> Message:
     """A user's Status call, refused unread (busread.MAX_CALL_BODY), asking for no answer:
     5 KB of the controller's queue in the bus daemon for one message read."""
@@ -60,7 +73,6 @@ def test_a_call_whose_answer_never_comes_fails_as_unanswered_and_gives_its_place
     """A call with no answer within CALL_TIMEOUT fails as unanswered, a transient error (a
     job call is sent again), its place among MAX_CALLS_IN_FLIGHT given back and nobody told
     of a job; an answer that comes after all changes nothing. It waited for ever before."""
-    monkeypatch.setattr(systemd_module, "CALL_TIMEOUT", 0.2)
 
     async def scenario() -> None:
         held: list[Message] = []
@@ -68,7 +80,7 @@ def test_a_call_whose_answer_never_comes_fails_as_unanswered_and_gives_its_place
         systemd = Systemd(await connect(bus_address))
         await systemd.subscribe()
         told: list[str] = []
-        with pytest.raises(SystemdError) as lost:
+        with lost_within(monkeypatch, 0.2), pytest.raises(SystemdError) as lost:
             await asyncio.wait_for(systemd.stop_unit("a.service", told.append), 10)
         assert lost.value.name == NO_REPLY and is_transient(lost.value)
         assert systemd._calls.free == MAX_CALLS_IN_FLIGHT
@@ -91,7 +103,6 @@ def test_answers_a_users_flood_of_status_calls_made_the_bus_daemon_drop_fail_in_
     audit's question of who owns systemd's name (or a gate's caller_pid, a StopUnit, ...)
     waited for ever, its place held: the audit never came again, and once 64 were lost the
     controller sent no call at all. It fails as unanswered now, once the flood is read."""
-    monkeypatch.setattr(systemd_module, "CALL_TIMEOUT", 0.5)
     daemon = _bus_daemon(tmp_path, LIMITS)
     address, _ = next(daemon)
 
@@ -107,11 +118,12 @@ def test_answers_a_users_flood_of_status_calls_made_the_bus_daemon_drop_fail_in_
         for _ in range(200):  # 1 MB: past the socket's buffer and the daemon's 100 KB
             user.send(_big_status())
         await sync(user)  # all routed, those past the limit dropped: the queue is full
-        asked = asyncio.ensure_future(systemd.check_owner())  # its answer is dropped
-        await asyncio.sleep(0.1)
-        loop.add_reader(systemd.bus._fd, systemd.bus._message_reader)
-        with pytest.raises(SystemdError) as lost:
-            await asyncio.wait_for(asked, 10)
+        with lost_within(monkeypatch, 0.5):
+            asked = asyncio.ensure_future(systemd.check_owner())  # its answer is dropped
+            await asyncio.sleep(0.1)
+            loop.add_reader(systemd.bus._fd, systemd.bus._message_reader)
+            with pytest.raises(SystemdError) as lost:
+                await asyncio.wait_for(asked, 10)
         assert lost.value.name == NO_REPLY
         assert systemd._calls.free == MAX_CALLS_IN_FLIGHT
         assert await systemd.check_owner() is False  # the flood read, calls answered again

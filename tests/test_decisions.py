@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gpuslice.core import decisions as decisions_module
 from gpuslice.core.decisions import (
     Blocker,
     Cause,
@@ -418,8 +419,9 @@ def test_outcomes_as_data() -> None:
 
 
 def test_the_core_still_imports_nothing_outside() -> None:
-    """decisions.py is part of the pure core: stdlib, core and sizes only."""
-    text = Path("gpuslice/core/decisions.py").read_text()
+    """decisions.py is part of the pure core: stdlib, core and sizes only. The file imported
+    (not one the current directory names: run from elsewhere, that was missing)."""
+    text = Path(decisions_module.__file__).read_text()
     if "mutmut" in text:
         pytest.skip("mutmut's instrumented copy imports its own trampolines")
     tree = ast.parse(text)

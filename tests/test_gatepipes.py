@@ -34,6 +34,7 @@ from gpuslice.gatepipes import (
     wake_and_remove,
 )
 from gpuslice.paths import PACKAGE_DIR
+from tests.descriptors import open_below
 
 GATE = PACKAGE_DIR.parent / "data" / "gpuslice-gate"
 UNIT = "job.service"
@@ -814,18 +815,8 @@ def test_holds_says_whether_a_pipe_is_held(pipes: GatePipes) -> None:
 
 
 def _open_ends(pipes: GatePipes) -> list[str]:
-    """The pipes this process holds open below the controller's directory. Not all of its
-    descriptors: a thread an earlier test left (a state flush in its fsync) or the garbage
-    collector may open or close others meanwhile: counted, they would fail this test."""
-    held = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile (the listing's own descriptor among them)
-            continue
-        if target.startswith(f"{pipes.directory}/"):
-            held.append(target)
-    return held
+    """The pipes this process holds open below the controller's directory."""
+    return open_below(pipes.directory)
 
 
 def test_a_new_start_closes_the_last_ones_end(pipes: GatePipes) -> None:

@@ -25,6 +25,9 @@ A = "a.service"
 B = "b.service"
 C = "c.service"
 AT_GATE = ("activating", "start-pre")
+# seconds to wait for what takes a scan's thread or a few turns of the loop: a pass never
+# waits this long (a 1 s bound is one a loaded host can exceed)
+WITHIN = 30.0
 
 
 class FakeStates:
@@ -81,7 +84,7 @@ class Kit:
 
     async def begun(self) -> None:
         """Return once a scan is running in its thread."""
-        assert await asyncio.to_thread(self.entered.acquire, True, 5)
+        assert await asyncio.to_thread(self.entered.acquire, True, WITHIN), "no scan began"
 
     def release(self) -> None:
         """The scan held (or the next one) goes on."""
@@ -97,14 +100,16 @@ class Kit:
         and each task's done callbacks have run: `task` is None from the task's `finally`,
         before its failure is reported (`call_soon`), which a loaded host showed late."""
         seen: set[asyncio.Task[None]] = set()
-        for _ in range(500):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WITHIN
+        while loop.time() < deadline:
             if self.rescans.task is None:
                 if seen:
                     await asyncio.wait(seen)  # its callbacks, registered first, ran
                 return
             seen.add(self.rescans.task)
             await asyncio.sleep(0.01)
-        raise AssertionError("the rescan did not end")
+        raise AssertionError(f"the rescan did not end: {self.rescans.task}")
 
 
 def run(test: Callable[[Kit], Coroutine[Any, Any, None]]) -> Kit:
@@ -297,7 +302,7 @@ def test_a_failed_scan_judges_what_it_held_back_on_the_scan_before() -> None:
         assert not waiting.done()
         kit.release()
         await kit.done()
-        await asyncio.wait_for(waiting, 1)
+        await asyncio.wait_for(waiting, WITHIN)
         assert kit.events == judged({C: None, A: "inv-a"}, B)
         [task] = kit.failures
         assert isinstance(task.exception(), OSError)
@@ -322,7 +327,7 @@ def test_a_scan_that_fails_after_another_judges_what_it_held_back() -> None:
         kit.fail = True
         kit.release()
         await kit.done()
-        await asyncio.wait_for(waiting, 1)
+        await asyncio.wait_for(waiting, WITHIN)
         assert kit.events == [("apply", "scan 1"), *judged(), *judged(None, B)]
         assert isinstance(kit.failures[0].exception(), OSError)
 
@@ -353,7 +358,7 @@ def test_a_scan_cancelled_as_the_controller_stops_judges_nothing_it_held_back() 
             await task
         kit.let_go()
         with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(waiting, 1)  # ended, not let on to decide
+            await asyncio.wait_for(waiting, WITHIN)  # ended, not let on to decide
         assert kit.events == judged() and kit.rescans.task is None  # none of them
         assert kit.rescans.after_scan == {} and kit.rescans.parked == []
         assert kit.rescans.waits == []
@@ -366,7 +371,7 @@ def test_a_scan_cancelled_as_the_controller_stops_judges_nothing_it_held_back() 
 
 def test_scanned_returns_at_once_without_a_scan_under_way() -> None:
     async def test(kit: Kit) -> None:
-        await asyncio.wait_for(kit.rescans.scanned(), 0.5)
+        await asyncio.wait_for(kit.rescans.scanned(), WITHIN)
         assert kit.rescans.waits == []
 
     run(test)
@@ -389,7 +394,7 @@ def test_scanned_returns_once_the_scan_begun_after_it_is_applied() -> None:
         kit.rescans.request()
         kit.release()
         await kit.begun()  # a third scan: not waited for
-        await asyncio.wait_for(waiting, 1)
+        await asyncio.wait_for(waiting, WITHIN)
         kit.release()
         await kit.done()
         assert all(t.exception() is None for t in kit.failures)
@@ -477,7 +482,7 @@ def test_a_judgement_that_raises_leaves_no_held_back_start_undecided() -> None:
         await asyncio.sleep(0.01)
         kit.let_go()
         await kit.done()
-        await asyncio.wait_for(waiting, 1)
+        await asyncio.wait_for(waiting, WITHIN)
         # held during the scan: the next judgement's, here the `finally`'s (the loop's raised)
         assert kit.events == [("apply", "scan 1"), *judged(), *judged({A: "inv-a"}, B, C)]
         [task] = kit.failures

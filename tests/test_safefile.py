@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from gpuslice.safefile import Unreadable, Why, file_kind, read_bytes, read_with_stat
+from tests.descriptors import open_below
 from tests.test_adapters_mutation4 import spy_on_os_reads
 
 LIMIT = 100
@@ -25,10 +26,6 @@ def refused(path: Path | str, limit: int | None = LIMIT, *, follow_links: bool) 
     with pytest.raises(Unreadable) as raised:
         read_bytes(path, limit, follow_links=follow_links)
     return raised.value
-
-
-def open_descriptors() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
 
 
 def spy_on_opens(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
@@ -232,11 +229,10 @@ def test_a_fifo_swapped_in_after_the_stat_is_not_waited_on(
         return regular if file == fifo else real(file, *args, **kwargs)
 
     monkeypatch.setattr(os, name, swapped)
-    before = open_descriptors()
     [error] = without_hanging(lambda: read_bytes(fifo, LIMIT, follow_links=follow_links), fifo)
     assert isinstance(error, Unreadable)
     assert (error.why, error.kind) == (Why.NOT_REGULAR, "a FIFO")
-    assert open_descriptors() == before  # closed
+    assert open_below(tmp_path) == []  # closed
 
 
 @pytest.mark.parametrize("follow_links", [True, False])
@@ -317,7 +313,6 @@ def test_an_error_without_the_systems_words_is_said_as_it_is(
 def test_a_read_error_closes_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "f"
     path.write_bytes(b"x")
-    before = open_descriptors()
 
     def fail(fd: int, size: int) -> bytes:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -325,4 +320,4 @@ def test_a_read_error_closes_the_file(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(os, "read", fail)
     error = refused(path, follow_links=True)
     assert (error.why, str(error)) == (Why.FAILED, "Input/output error")
-    assert open_descriptors() == before
+    assert open_below(tmp_path) == []
