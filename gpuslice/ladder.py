@@ -198,9 +198,11 @@ class Ladder:
         """Suspend the unit. One someone else froze (`systemctl freeze`) is left alone and
         reported failed, `not_ours`, before anything is sent: its lock timed out in the
         frozen processes, and the undo thawed their freeze (gpuslice thaws only what it
-        froze). Not looked at when frozen beside a more urgent unit (`thaw_first`: that
-        freeze is ours to undo), nor when a thaw of ours is owed to it (`thaw_owed`: frozen,
-        it may be ours still, its ThawUnit under way or failed)."""
+        froze); so is one found frozen once its lock or checkpoint failed, before any
+        FreezeUnit (frozen by someone since the look). Not looked at when frozen beside a more
+        urgent unit (`thaw_first`: that freeze is ours to undo), nor when a thaw of ours is
+        owed to it (`thaw_owed`: frozen, it may be ours still, its ThawUnit under way or
+        failed)."""
         run = self._run_of(unit)
         look = not thaw_first and not thaw_owed
         return self._run(unit, self._suspend_and_report(unit, thaw_first, look, run))
@@ -264,9 +266,16 @@ class Ladder:
         # decided at once (one waiter's two victims) each found the other's memory available
         self.moving += vram
         try:
-            seconds = await checkpoint.suspend(tool, pids, s)
-        finally:
-            self.moving -= vram
+            try:
+                seconds = await checkpoint.suspend(tool, pids, s)
+            finally:
+                self.moving -= vram
+        except CheckpointError as e:
+            # nothing of gpuslice's froze it: one frozen now was frozen since the look (of
+            # its run: a next run's state says nothing of it, and it reports nothing)
+            if look and not self._ended(unit, run):
+                await self._frozen_since_look(unit, e)
+            raise
         frozen = False
         try:
             await self._freezer("FreezeUnit", unit, run)
@@ -292,6 +301,15 @@ class Ladder:
             raise CheckpointError(why, lost) from None
         self.suspensions[unit] = Suspension(pids, vram, time.monotonic(), time.time())
         return f"{format_size(vram)} to host memory in {seconds:.1f} s"
+
+    async def _frozen_since_look(self, unit: str, failed: CheckpointError) -> None:
+        """After a lock or checkpoint that failed, before any FreezeUnit: a unit frozen now was
+        frozen by someone else since the look (`systemctl freeze`: the lock timed out in the
+        frozen processes). _FrozenBySomeone then, with what failed: told to the core as a
+        plain failure, it owed the unit a thaw, which undid their freeze."""
+        theirs = await self._frozen_by_someone(unit, "since")
+        if theirs:
+            raise _FrozenBySomeone(f"{failed.reason}; {theirs}", failed.lost) from None
 
     def _host_memory_left(self) -> int | None:
         """MemAvailable less what the suspends under way are still moving there."""
@@ -534,11 +552,12 @@ class Ladder:
             return
         self.report(functools.partial(self.events.thaw_done, unit))
 
-    async def _frozen_by_someone(self, unit: str) -> str:
+    async def _frozen_by_someone(self, unit: str, when: str = "already") -> str:
         """Why the unit, which gpuslice holds running, is not frozen by gpuslice: someone
         froze it (`systemctl freeze`); "" when systemd shows it running, or cannot be read
-        (taken for running, as before this look). Frozen, it is theirs to thaw: systemd
-        takes a FreezeUnit of a frozen unit for done, and the thaw gpuslice owed after
+        (taken for running, as before this look); `when` it was frozen, in words: before the
+        suspend, or since its look (`_frozen_since_look`). Frozen, it is theirs to thaw:
+        systemd takes a FreezeUnit of a frozen unit for done, and the thaw gpuslice owed after
         that undid their freeze; a suspend's lock times out in it, and the undo thawed it
         (gpuslice thaws only what it froze)."""
         try:
@@ -549,7 +568,7 @@ class Ladder:
         if state not in ("frozen", "freezing"):
             return ""
         # one of the two words above: nothing of the bus's to escape
-        return f"{state} already, by someone else (systemctl freeze): theirs to thaw"
+        return f"{state} {when}, by someone else (systemctl freeze): theirs to thaw"
 
     async def _freezer(self, what: str, unit: str, run: object | None = None) -> None:
         """FreezeUnit or ThawUnit (`what`), answered within `freezer_timeout`; else

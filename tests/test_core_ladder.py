@@ -302,6 +302,26 @@ def test_a_unit_someone_else_froze_with_suspend_alone_keeps_its_gpus_owed_no_tha
     assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [] and V not in s.thaw_owed
 
 
+def test_a_unit_someone_else_froze_whose_undo_lost_a_process_is_owed_no_thaw() -> None:
+    """Frozen by someone after the adapter's look, during the lock, whose undo then left a
+    process locked (lost): stopped as after any lost undo, and owed no thaw should that stop
+    fail (the sample's thaws-owed check undid their freeze)."""
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    acts = s.suspend_failed(V, THEIRS, lost=True, not_ours=True)
+    assert brief(acts) == [f"stop {V}"]
+    s.stop_failed(V, "refused", refused=True)
+    assert s.phase(V) is Phase.RUNNING and s.thaws_owed() == [] and V not in s.thaw_owed
+    # ours (a freeze that hung): owed one
+    s = host(VLM, VOICE)
+    running(s, VLM)
+    s.request(VOICE)
+    assert brief(s.suspend_failed(V, "FreezeUnit hung", lost=True)) == [f"stop {V}"]
+    s.stop_failed(V, "refused", refused=True)
+    assert s.thaws_owed() == [V]
+
+
 def test_a_suspend_of_a_unit_owed_a_thaw_says_so() -> None:
     """Thawed (voice left), then chosen for a suspend before the thaw was seen done (its
     ThawUnit under way, or failed): the adapter must not take its frozen state for someone

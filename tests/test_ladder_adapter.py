@@ -847,7 +847,7 @@ def test_a_process_lost_by_the_undo_inside_the_checkpoint_step_is_reported_lost(
     monkeypatch.setattr(checkpoint, "suspend", suspend)
     run(host.ladder.suspend(UNIT))
     assert host.said() == [("suspend_failed_lost", UNIT, why)]
-    assert host.freezer.calls == [LOOK] and host.ladder.moving == 0
+    assert host.freezer.calls == [LOOK, LOOK] and host.ladder.moving == 0
 
 
 def test_a_process_the_undo_leaves_locked_after_a_failed_freeze_is_reported_lost(
@@ -1253,6 +1253,50 @@ def test_a_unit_someone_froze_is_not_suspended_nor_thawed(
     assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
     assert UNIT not in host.ladder.suspensions and host.ladder.moving == 0
     assert host.ladder.busy == {}
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_unit_someone_froze_after_the_look_is_owed_no_thaw(
+    host: Host, monkeypatch: pytest.MonkeyPatch, lost: bool
+) -> None:
+    """An admin froze the unit (`systemctl freeze`) after the suspend's look, before its
+    lock: the lock timed out in the frozen processes, and the suspend failed before any
+    FreezeUnit. Told to the core as a plain failure, it was owed a thaw, and the sample's
+    thaws-owed check thawed their freeze. Found frozen once the lock failed, it is theirs
+    (nothing of gpuslice's froze it), still lost when the undo lost a process."""
+    pid = host.job()
+    why = f"lock of PID {pid} timed out after 1 s"
+
+    async def suspend(tool: str, pids: list[int], s: object) -> float:
+        host.freezer.states[UNIT] = "frozen"
+        raise checkpoint.CheckpointError(why, lost=(pid,) if lost else ())
+
+    monkeypatch.setattr(checkpoint, "suspend", suspend)
+    run(host.ladder.suspend(UNIT))
+    event = "suspend_failed_lost_not_ours" if lost else "suspend_failed_not_ours"
+    theirs = "frozen since, by someone else (systemctl freeze): theirs to thaw"
+    assert host.said() == [(event, UNIT, f"{why}; {theirs}")]
+    assert host.freezer.calls == [LOOK, LOOK] and host.ladder.moving == 0
+
+
+def test_a_lock_that_failed_in_a_running_unit_or_one_owed_a_thaw_is_a_plain_failure(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Still running once its lock failed: a plain failed suspend. Owed a thaw of ours
+    (`thaw_owed`, no look): frozen, it may be frozen by gpuslice still, not read again."""
+    host.job()
+
+    async def suspend(tool: str, pids: list[int], s: object) -> float:
+        raise checkpoint.CheckpointError("lock refused")
+
+    monkeypatch.setattr(checkpoint, "suspend", suspend)
+    run(host.ladder.suspend(UNIT))
+    assert host.said() == [("suspend_failed", UNIT, "lock refused")]
+    assert host.freezer.calls == [LOOK, LOOK]
+    host.freezer.states[UNIT] = "frozen"
+    run(host.ladder.suspend(UNIT, thaw_owed=True))
+    assert host.said()[1:] == [("suspend_failed", UNIT, "lock refused")]
+    assert host.freezer.calls == [LOOK, LOOK]
 
 
 def test_a_unit_frozen_beside_a_more_urgent_one_is_thawed_by_its_suspend(host: Host) -> None:

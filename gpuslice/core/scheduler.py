@@ -1047,8 +1047,9 @@ class Scheduler:
         and is not chosen as a victim again while it runs. `lost`: undoing it failed for a
         process of it (its restore), which cannot run again: the unit is stopped, as after
         a failed resume, whatever its ladder (kept running, its work was broken).
-        `not_ours`: someone else froze it (`systemctl freeze`) and nothing was sent: theirs
-        to thaw, never owed one by gpuslice (a stop, its next rung, thaws it as any stop)."""
+        `not_ours`: someone else froze it (`systemctl freeze`), before the suspend or during
+        its lock, and no FreezeUnit was sent: theirs to thaw, never owed one by gpuslice (a
+        stop, its next rung, thaws it as any stop)."""
         holder = self.holders.get(name)
         if holder is None or holder.phase is not Phase.SUSPENDING:
             return []
@@ -1056,7 +1057,7 @@ class Scheduler:
         self.unsuspendable.add(name)  # not tried again while it runs, whoever waits next
         spec = self.specs.get(name, holder.spec)  # its annotation now (a reload may edit it)
         if lost:
-            return self._stop_undone(holder, spec, waiter, why)
+            return self._stop_undone(holder, spec, waiter, why, not_ours)
         rungs = _memory_rungs(spec, suspend_failed=True)
         fallback = rungs[0] if rungs else None
         decision = _about(
@@ -1089,12 +1090,14 @@ class Scheduler:
         return [_log(decision), *self.schedule()]
 
     def _stop_undone(
-        self, holder: Holder, spec: UnitSpec, waiter: Waiter | None, why: str
+        self, holder: Holder, spec: UnitSpec, waiter: Waiter | None, why: str, not_ours: bool
     ) -> list[Action]:
         """A suspend whose undo lost a process: stopped, as a failed resume's unit. While
         still less urgent than its waiter the stop is for it (the waiter waits for it, as
-        for the stop rung); else the waiter plans anew."""
-        self.thaw_owed.add(holder.spec.name)  # a freeze that hung; stop_failed holds it running
+        for the stop rung); else the waiter plans anew. `not_ours`: frozen by someone else
+        (`suspend_failed`), owed no thaw, also should the stop fail."""
+        if not not_ours:  # a freeze that hung; stop_failed holds it running
+            self.thaw_owed.add(holder.spec.name)
         holder.phase = Phase.STOPPING
         self._tops_cache = None
         if waiter is None or spec.priority <= waiter.spec.priority:
