@@ -632,9 +632,11 @@ def test_cannot_rewrite_says_why_in_the_systems_words(
 def test_save_writes_sorted_keys(tmp_path: Path) -> None:
     StateStore(tmp_path).save(STATE, "b")
     assert (tmp_path / "state.json").read_text() == (
-        '{"boot_id": "b", "failed": [], "finished": [], "frozen_for": {}, "generation": 1, '
-        '"held": ["train.service"], "holders": {"asr.service": [[0], "running", 4, ""]}, '
-        '"preempted": {"vlm.service": 3}, "refills": [], "requeued": [], "seq": 5, '
+        '{"boot_id": "b", "checkpointed": {}, "failed": [], "finished": [], "frozen_for": {}, '
+        '"generation": 1, "held": ["train.service"], '
+        '"holders": {"asr.service": [[0], "running", 4, ""]}, '
+        '"preempted": {"vlm.service": 3}, "refills": [], "remained": [], "requeued": [], '
+        '"seq": 5, '
         '"started": [], "stopped_by_shutdown": [], "suspended": {}, "terms": {}, '
         '"thaw_owed": [], "version": 1, "wait_failed": []}'
     )
