@@ -230,6 +230,7 @@ class Controller:
             self._wake_unheard_gates,
             self._follow_shutdown,
             self._holds_read,
+            self._recheck_exited,
         )
         # our StartUnit/StopUnit calls: answers, those sent again, the stops' timers
         self.calls = Calls(
@@ -928,6 +929,16 @@ class Controller:
         known = remains_active(self.tracker.state(unit))
         return known and unit not in self.scheduler.remained
 
+    def _recheck_exited(self) -> None:
+        """At each audit, every holder systemd shows `active (exited)` is asked about again:
+        systemd signals nothing when its last leftover process ends (KillMode=), nor does a
+        unit frozen or being suspended when its check came (Scheduler.exited) change when
+        it runs again, nor does a failed GetUnitProcesses answer again. Left at that, its
+        GPUs stayed reserved, and its waiters waited, until someone stopped it."""
+        for name in sorted(self.scheduler.grants()):
+            if self.scheduler.phase(name) is Phase.RUNNING and self._still_exited(name):
+                self.remains.exited(name)
+
     def _release_exited(self, unit: str) -> None:
         """No process is left in a unit systemd keeps active (Remains): its GPUs go now,
         as at its down (what NVML still shows of it counts against them meanwhile), or,
@@ -1297,10 +1308,12 @@ class Controller:
             self.waiting_since.setdefault(name, (time.time(), time.monotonic()))
 
     def _known_units(self) -> set[str]:
-        """The units the core knows (holders, waiters, suspended): what the periodic read
-        checks against their signals."""
+        """The units the core knows (holders, waiters, suspended, and those released while
+        systemd keeps them active, whose lost stop left them shown `(still active)`, and
+        `gpuslice plan` saying a start would change nothing): what the periodic read checks
+        against their signals."""
         core = self.scheduler
-        return {*core.grants(), *core.waiting_units(), *core.suspended_units()}
+        return {*core.grants(), *core.waiting_units(), *core.suspended_units(), *core.remained}
 
     def _wake_unheard_gates(self) -> None:
         """Gates that wait on their pipe for a start whose signals were all lost, of units the

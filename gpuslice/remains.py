@@ -4,7 +4,8 @@ Such a unit shows `active (exited)` until someone stops it; kept as a holder, it
 stayed reserved that long and every unit waiting for them waited for ever. Its GPUs go
 (Scheduler.exited) once systemd, the only source believed, lists no process left in its
 cgroup: a process a `KillMode=none`/`process` leftover or a daemon it forked may still use
-them, so while any is listed the unit keeps them, said once, until it is stopped.
+them, so while any is listed the unit keeps them, said once; asked again at each audit
+(systemd signals no leftover's end), it releases them once none is left, or at its stop.
 """
 
 from __future__ import annotations
@@ -43,39 +44,62 @@ class Remains:
         self.release = release
         self.spawn = spawn
         self._left: set[str] = set()  # told of processes left in it: said once per run
+        self._unlisted: set[str] = set()  # told its processes cannot be listed: the same
+        self._asking: dict[str, int] = {}  # a check under way: the stamp it was sent at
 
     def exited(self, unit: str) -> None:
         """Systemd shows the unit `active (exited)`: its processes are listed now. Each
         signal of it asks again (one is rare for a unit that stays so); the answer to a
-        request sent before a later signal is dropped, that signal's own one decides."""
-        self.spawn(self._check(unit, self.heard(unit)))
+        request sent before a later signal is dropped, that signal's own one decides. One
+        under way since systemd's last word of the unit decides alone: asked again at each
+        audit, a slow answer (thousands of processes listed) piled up calls behind it."""
+        stamp = self.heard(unit)
+        if self._asking.get(unit) == stamp:
+            return
+        self._asking[unit] = stamp
+        self.spawn(self._check(unit, stamp))
 
     def went_down(self, unit: str) -> None:
         """Its run is over: a leftover of its next run is said again."""
         self._left.discard(unit)
+        self._unlisted.discard(unit)
 
     async def _check(self, unit: str, stamp: int) -> None:
         try:
-            pids = await self.systemd.unit_pids(unit)
-        except SystemdError as e:
-            log.warning(
-                "%s stays active after its job ended (RemainAfterExit=yes), but its processes "
-                "cannot be listed (%s): it keeps its GPUs until its next change or its stop",
-                unit,
-                e.text,
-            )
+            pids = await self._listed(unit)
+        finally:
+            if self._asking.get(unit) == stamp:
+                del self._asking[unit]  # answered (or failed): the next signal asks again
+        if pids is None:
             return
         if self.heard(unit) != stamp or not self.still_exited(unit):
             return  # a later signal's check decides (or it is down, or released)
         if not pids:
             self._left.discard(unit)
+            self._unlisted.discard(unit)
             self.release(unit)
         elif unit not in self._left:
             self._left.add(unit)
             log.warning(
                 "%s stays active after its job ended (RemainAfterExit=yes), and %d "
-                "process(es) are left in it (KillMode=): it keeps its GPUs until it is "
-                "stopped (systemctl stop)",
+                "process(es) are left in it (KillMode=): it keeps its GPUs until none is left "
+                "(asked again every 30 s) or it is stopped (systemctl stop)",
                 unit,
                 len(pids),
             )
+
+    async def _listed(self, unit: str) -> list[int] | None:
+        """The unit's processes as systemd lists them; None where it cannot (said once)."""
+        try:
+            return await self.systemd.unit_pids(unit)
+        except SystemdError as e:
+            if unit not in self._unlisted:  # asked again at each audit: said once per run
+                self._unlisted.add(unit)
+                log.warning(
+                    "%s stays active after its job ended (RemainAfterExit=yes), but its "
+                    "processes cannot be listed (%s): it keeps its GPUs until they can be "
+                    "(asked again every 30 s) or it is stopped",
+                    unit,
+                    e.text,
+                )
+            return None

@@ -64,11 +64,14 @@ class Rereads:
         wake_unheard: Callable[[], None] = lambda: None,
         shutdown_over: Callable[[], None] = lambda: None,
         holds_read: Callable[[list[str], bool], None] = lambda units, down: None,
+        recheck: Callable[[], None] = lambda: None,
     ) -> None:
         """`wake_unheard`: at each audit, wake the gates that wait where no read of the
-        audit's looks (GatePipes.wake_unheard). `shutdown_over`: an audit found the host's
-        shutdown cancelled, which no signal told (`audit_shutdown`). `holds_read`: whether
-        the host was going down when these units were held (`hold_booked`)."""
+        audit's looks (GatePipes.wake_unheard). `recheck`: at each audit too, ask again
+        what no signal would tell (Controller._recheck_exited). `shutdown_over`: an audit
+        found the host's shutdown cancelled, which no signal told (`audit_shutdown`).
+        `holds_read`: whether the host was going down when these units were held
+        (`hold_booked`)."""
         self.systemd = systemd
         self.tracker = tracker
         self.counters = counters
@@ -78,6 +81,7 @@ class Rereads:
         self.wake_unheard = wake_unheard
         self.shutdown_over = shutdown_over
         self.holds_read = holds_read
+        self.recheck = recheck
         # held since the last SystemState read was sent, each with the tracker's
         # (`shutdown_jobs_heard`, `shutdown_queued`) at its hold
         self._holds: dict[str, tuple[int, int]] = {}
@@ -146,6 +150,7 @@ class Rereads:
         one was cancelled: a timer set while the loop ends would spawn a task it never runs."""
         try:
             self.wake_unheard()  # first: nothing awaited before it can hold it back
+            self.recheck()
             try:  # systemd's name changed hands unheard: its signals were all dropped since
                 if await self.systemd.check_owner():
                     self.counters.error("dbus_signals_lost")

@@ -4627,6 +4627,66 @@ def test_a_unit_kept_active_after_its_job_ended_releases_its_gpus_once_no_proces
     ) in said
 
 
+def test_a_unit_whose_leftover_process_ended_is_released_at_the_next_audit(
+    tmp_path: Path,
+) -> None:
+    """A process left in once.service kept GPU 0; systemd signals nothing when it ends
+    (nothing of the unit changes): the audit asks again, and the GPU goes to next.service
+    (it waited until someone stopped once.service)."""
+    bed = oneshot_and_waiter(
+        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        bed.systemd.processes["once.service"] = [4242]
+        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+        ctl.on_unit_changed("once.service", EXITED)
+        await settle()
+        assert bed.service.granted == []
+        bed.systemd.processes["once.service"] = []  # KillMode=process: its leftover ended
+        await ctl.reads.audit()
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        assert ctl.scheduler.remained == {"once.service"}
+        asked = bed.systemd.calls.count(("unit_pids", "once.service"))
+        await ctl.reads.audit()  # released: not asked again
+        await settle()
+        assert bed.systemd.calls.count(("unit_pids", "once.service")) == asked
+
+    run(test)
+
+
+def test_a_unit_whose_processes_could_not_be_listed_is_released_at_the_next_audit(
+    tmp_path: Path,
+) -> None:
+    """GetUnitProcesses failed once (systemd busy, re-executing): no later signal of
+    once.service comes while it stays `exited`, so the audit asks again, and GPU 0 goes to
+    next.service (it waited until someone stopped once.service)."""
+    bed = oneshot_and_waiter(
+        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        busy = SystemdError("org.freedesktop.DBus.Error.TimedOut", "no answer")
+        bed.systemd.processes["once.service"] = busy
+        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+        ctl.on_unit_changed("once.service", EXITED)
+        await settle()
+        assert bed.service.granted == []
+        bed.systemd.processes["once.service"] = []
+        await ctl.reads.audit()
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+
+    run(test)
+
+
 def test_a_unit_whose_job_ended_while_the_controller_was_away_is_released_at_start_up(
     tmp_path: Path,
 ) -> None:
@@ -4658,6 +4718,28 @@ def test_a_released_unit_is_not_adopted_again_by_the_next_controller(tmp_path: P
         await settle()
         assert ("unit_pids", "once.service") not in bed.systemd.calls
         assert ctl.scheduler.phase("once.service") is None
+
+    run(test)
+
+
+def test_a_released_units_stop_whose_signal_was_lost_is_found_by_the_audit(
+    tmp_path: Path,
+) -> None:
+    """once.service, released, is stopped and the bus drops its signals: the audit reads
+    it too (twice, as any unit), and it is shown `(still active)` no more."""
+    saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
+    bed = oneshot_and_waiter(tmp_path, "exited", saved)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        bed.systemd.units["once.service"] = state("once.service", "inactive", "dead")
+        for _ in range(2):
+            await ctl.reads.audit()
+            await settle()
+        assert json.loads(ctl.status_json())["remained"] == []
+        assert ctl.scheduler.snapshot().finished == ["once.service"]
 
     run(test)
 

@@ -108,19 +108,29 @@ def test_a_process_left_keeps_its_gpus_said_once_per_run(caplog: pytest.LogCaptu
     said = [r.getMessage() for r in caplog.records]
     assert said == [
         f"{A} stays active after its job ended (RemainAfterExit=yes), and {n} process(es) "
-        "are left in it (KillMode=): it keeps its GPUs until it is stopped (systemctl stop)"
+        "are left in it (KillMode=): it keeps its GPUs until none is left (asked again every "
+        "30 s) or it is stopped (systemctl stop)"
         for n in (2, 2, 1)
     ]
     assert {r.levelno for r in caplog.records} == {logging.WARNING}
 
 
 def test_processes_that_cannot_be_listed_keep_its_gpus(caplog: pytest.LogCaptureFixture) -> None:
+    """Said once per run, though asked again at each audit (a systemd without
+    GetUnitProcesses said so every 30 s for each such unit); released once an answer
+    comes."""
+
     async def test() -> None:
         kit = Kit()
         kit.pids = SystemdError("org.freedesktop.DBus.Error.TimedOut", "no answer")
+        for _ in range(3):
+            kit.remains.exited(A)
+            await kit.done()
+        assert kit.released == []
+        kit.pids = []
         kit.remains.exited(A)
         await kit.done()
-        assert kit.released == []
+        assert kit.released == [A]
 
     with caplog.at_level(logging.INFO, logger="gpuslice"):
         asyncio.run(test())
@@ -128,6 +138,29 @@ def test_processes_that_cannot_be_listed_keep_its_gpus(caplog: pytest.LogCapture
         (
             logging.WARNING,
             f"{A} stays active after its job ended (RemainAfterExit=yes), but its processes "
-            "cannot be listed (no answer): it keeps its GPUs until its next change or its stop",
+            "cannot be listed (no answer): it keeps its GPUs until they can be (asked again "
+            "every 30 s) or it is stopped",
         )
     ]
+
+
+def test_a_check_under_way_since_the_units_last_signal_is_not_sent_again() -> None:
+    """Asked again at each audit while systemd's answer is slow (thousands of processes
+    listed): one call, not one more per audit behind it; a later signal asks anew, and so
+    does the next audit once the answer came."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.pids = [41]
+        for _ in range(3):
+            kit.remains.exited(A)
+        assert len(kit.tasks) == 1
+        kit.stamp = 2  # a signal of it: its own check
+        kit.remains.exited(A)
+        await kit.done()
+        assert kit.asked == [A, A]
+        kit.remains.exited(A)
+        await kit.done()
+        assert kit.asked == [A, A, A]
+
+    asyncio.run(test())
