@@ -471,9 +471,10 @@ class Loader:
                     "RemainAfterExit",
                     # a word _boolean took (yes, on, 1, ...): short and ASCII, shown as written
                     f"{entry.value}: the unit stays active after its main process exits: "
-                    "gpuslice releases its GPUs once no process is left in it, its ExecStop= "
-                    "runs later, when they may be another unit's, and `systemctl start` does "
-                    "nothing until it is stopped (`systemctl restart` runs it again)",
+                    "gpuslice releases its GPUs once no process is left in it, its "
+                    "ExecReload= and ExecStop= run later with no GPU visible, and `systemctl "
+                    "start` does nothing until it is stopped (`systemctl restart` runs it "
+                    "again, on a GPU)",
                     "warning",
                     name,
                     "Service",

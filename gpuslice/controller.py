@@ -943,9 +943,16 @@ class Controller:
         """No process is left in a unit systemd keeps active (Remains): its GPUs go now,
         as at its down (what NVML still shows of it counts against them meanwhile), or,
         being stopped by us, at that stop's end. Saved at once either way: a restarted
-        controller must not adopt it again, nor take that stop's end for a preemption."""
+        controller must not adopt it again, nor take that stop's end for a preemption. Its
+        env file names no GPU first (its later commands, ExecReload= and ExecStop=, ran on
+        GPUs granted since to another unit); until that is written it keeps its GPUs."""
+        phase = self.scheduler.phase(unit)
+        released = (None, Phase.RUNNING, Phase.STARTING, Phase.STOPPING)  # Scheduler.exited
+        told = unit not in self.scheduler.specs or phase not in released
+        if not (told or self.delivery.tell_none(unit)):
+            return  # asked again at the next audit (_recheck_exited)
         held = self.scheduler.grants().get(unit, frozenset())
-        if self.scheduler.phase(unit) in (Phase.RUNNING, Phase.STARTING) and (
+        if phase in (Phase.RUNNING, Phase.STARTING) and (
             self.watch.available or self._holds_lost(held)
         ):
             self.watch.refresh(released=unit)

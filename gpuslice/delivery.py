@@ -64,6 +64,8 @@ class Delivery:
         # units whose gate waits for their environment file to be written: granted
         # (deliver), or let through on GPUs still held for them (Gates.let_through)
         self.withheld: dict[str, asyncio.TimerHandle] = {}
+        # units kept active whose file naming no GPU could not be written (tell_none)
+        self._unreleased: set[str] = set()
 
     def withdraw(self, unit: str) -> bool:
         """The retry of a withheld grant goes (the gate is judged anew); whether one was."""
@@ -145,6 +147,28 @@ class Delivery:
                 unit,
                 format_gpus(told),
             )
+
+    def tell_none(self, unit: str) -> bool:
+        """A unit released while systemd keeps it active (Scheduler.exited) gets a file naming
+        no GPU: systemd reads it anew for each command it spawns (ExecReload=, ExecStop=),
+        and the GPUs it named may be another unit's by then. Whether it was written; if not
+        (a full /run), said once, the old file is kept: the unit keeps its GPUs until it is
+        (gone, its commands saw every GPU)."""
+        try:
+            envfiles.write(self.runtime_dir, unit, [], keep_old=True)
+        except OSError as e:
+            if unit not in self._unreleased:
+                self._unreleased.add(unit)
+                log.warning(
+                    "cannot write %s (%s): %s keeps its GPUs until it can (tried again every "
+                    "30 s) or it is stopped",
+                    env_file(self.runtime_dir, unit),
+                    e,
+                    unit,
+                )
+            return False
+        self._unreleased.discard(unit)
+        return True
 
     def _deliver_withheld(self, unit: str) -> None:
         """Try a withheld grant again, if the unit still holds it and its gate was not let

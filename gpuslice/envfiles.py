@@ -29,7 +29,11 @@ def text(gpus: Sequence[Gpu]) -> str:
     first) unless told PCI_BUS_ID, so UUIDs (when NVML gave them) name exactly the GPUs
     granted; without them (NVML not ready yet) an index is NVML's, which is PCI bus order,
     and CUDA is told so: else on a host of mixed GPUs, index 1 was another GPU for CUDA, one
-    granted by UUID to another unit once NVML answered."""
+    granted by UUID to another unit once NVML answered. No GPU (a unit released while
+    systemd keeps it active: Delivery.tell_none): CUDA sees none with the variable empty,
+    the NVIDIA container runtime with `void`; unset (the file gone), both saw every GPU."""
+    if not gpus:
+        return "CUDA_VISIBLE_DEVICES=\nNVIDIA_VISIBLE_DEVICES=void\nGPUSLICE_GPUS=\n"
     indices = ",".join(str(g.index) for g in gpus)
     if not all(g.uuid for g in gpus):
         return (
@@ -43,19 +47,21 @@ def text(gpus: Sequence[Gpu]) -> str:
     )
 
 
-def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu]) -> None:
+def write(runtime_dir: str, unit: str, gpus: Sequence[Gpu], keep_old: bool = False) -> None:
     """Replace the unit's file at once (`safefile.write_atomic`: a reader sees the old or the
     new one); OSError if it cannot be written, the stale one removed if it could not be
-    replaced. The temporary files of writes killed mid-way go first (`safefile.remove_stale`:
-    a directory of one file, listed in microseconds), as they go with the unit's directory."""
+    replaced, unless `keep_old` (it names GPUs the unit still holds; gone, it saw every GPU).
+    The temporary files of writes killed mid-way go first (`safefile.remove_stale`: a
+    directory of one file, listed in microseconds), as they go with the unit's directory."""
     path = env_file(runtime_dir, unit)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         safefile.remove_stale(path)
         safefile.write_atomic(path, text(gpus).encode())
     except OSError:
-        with contextlib.suppress(OSError):
-            path.unlink()
+        if not keep_old:
+            with contextlib.suppress(OSError):
+                path.unlink()
         raise
 
 

@@ -37,7 +37,7 @@ from gpuslice.tracker import (
     UnitState,
     bound_for_gate,
     classify,
-    remains_active,
+    still_released,
     stopped_by_a_job,
 )
 
@@ -261,7 +261,7 @@ class Restore:
                     None,
                     Phase.STARTING,
                 ):
-                    if remains_active(state) and state.name in self.scheduler.remained:
+                    if still_released(state) and state.name in self.scheduler.remained:
                         continue  # finished, its GPUs released: kept active by systemd
                     actions += self.scheduler.running(state.name, self._told_gpus(state.name))
             if self.remember_told():  # those adopted: checked before anything is granted

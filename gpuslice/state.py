@@ -410,6 +410,13 @@ def validate(data: dict[str, Any], problems: Problems) -> tuple[SavedState, str]
         holding = name in holders and holders[name][1] != Phase.STOPPING.value
         if holding or name in suspended:
             problems.add(f"remained: dropped {_show(name)}: it holds GPUs, not being stopped")
+        elif name in preempted:
+            # its comeback, sent to a unit systemd shows active, is a no-op: the comeback's
+            # holder stayed starting, and its waiter waited, for ever
+            problems.add(
+                f"remained: dropped {_show(name)}: a preempted unit (owed a comeback, which "
+                "systemd would take as a no-op while the unit shows active)"
+            )
         else:
             remained.append(name)
 

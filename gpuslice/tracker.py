@@ -159,6 +159,13 @@ def remains_active(state: UnitState) -> bool:
     return state.active == "active" and state.sub == "exited"
 
 
+def still_released(state: UnitState) -> bool:
+    """A unit released while systemd kept it active (Scheduler.remained) is still in that
+    run: active, or reloading (its ExecReload=, with no GPU: Delivery.tell_none). Only its
+    stop or restart ends that run; taken for a new one, a reload booked it on GPUs again."""
+    return state.active in ("active", "reloading")
+
+
 @dataclass(frozen=True)
 class StopLost:
     """A stop gpuslice asked for ended and the unit still runs (its stop job was cancelled
@@ -471,8 +478,9 @@ class Tracker:
         if kind is not Kind.RUNNING:
             return []
         # its job ended and systemd keeps it active: its GPUs to release, once; released,
-        # it has no start to take note of (adopted again, it held them for ever)
-        released = remains_active(state) and self.ledger.remained(name)
+        # it has no start to take note of (adopted again, it held them for ever), nor at a
+        # reload (`reloading`, then `exited` again)
+        released = still_released(state) and self.ledger.remained(name)
         ended: list[Change] = [Exited(name)] if remains_active(state) and not released else []
         if phase is None or phase is Phase.STARTING:
             return [] if released else [CameUp(name), *ended]

@@ -1173,8 +1173,9 @@ def test_files_of_the_same_text_are_parsed_once(tmp_path: Path) -> None:
 
 REMAINS = (
     "{}: the unit stays active after its main process exits: gpuslice releases its GPUs once "
-    "no process is left in it, its ExecStop= runs later, when they may be another unit's, and "
-    "`systemctl start` does nothing until it is stopped (`systemctl restart` runs it again)"
+    "no process is left in it, its ExecReload= and ExecStop= run later with no GPU visible, "
+    "and `systemctl start` does nothing until it is stopped (`systemctl restart` runs it "
+    "again, on a GPU)"
 )
 
 

@@ -21,7 +21,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from pathlib import Path
 from signal import SIGHUP
 from typing import Any, cast
@@ -31,6 +31,7 @@ import pytest
 from gpuslice import calls as calls_module
 from gpuslice import controller as controller_module
 from gpuslice import delivery as delivery_module
+from gpuslice import envfiles
 from gpuslice import gates as gates_module
 from gpuslice import gpuwatch as gpuwatch_module
 from gpuslice import offloop as offloop_module
@@ -4625,6 +4626,134 @@ def test_a_unit_kept_active_after_its_job_ended_releases_its_gpus_once_no_proces
         "once.service finished: released GPU 0; systemd keeps it active (RemainAfterExit=yes) "
         "until it is stopped, and a restart waits at its gate again"
     ) in said
+
+
+def test_a_released_units_env_file_names_no_gpu_before_its_gpus_are_granted(
+    tmp_path: Path,
+) -> None:
+    """Systemd reads the env file anew for each command it spawns: once.service's later
+    `systemctl reload` (ExecReload=) and stop (ExecStop=) ran on GPU 0, next.service's by
+    then (two jobs on one GPU). Rewritten to name none before next.service's gate passes."""
+    bed = oneshot_and_waiter(
+        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        runtime = bed.config.runtime_dir
+        envfiles.write(runtime, "once.service", [Gpu(0, "GPU-0")])  # its grant's
+        seen: list[list[int]] = []
+        deliver = ctl.delivery.deliver
+
+        def deliver_seen(unit: str, gpus: Sequence[int], again: bool = False) -> None:
+            seen.append(envfiles.told_gpus(runtime, "once.service"))
+            deliver(unit, gpus, again)
+
+        ctl.delivery.deliver = deliver_seen  # type: ignore[method-assign]
+        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+        ctl.on_unit_changed("once.service", EXITED)
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        assert seen == [[]]
+        told = env_file(runtime, "once.service").read_text()
+        assert told == "CUDA_VISIBLE_DEVICES=\nNVIDIA_VISIBLE_DEVICES=void\nGPUSLICE_GPUS=\n"
+
+    run(test)
+
+
+def test_a_released_unit_reloaded_is_booked_on_no_gpu_nor_said_finished_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`systemctl reload once.service` after its release (`reloading`, then `exited`): no new
+    run. Taken for one, the core booked it on GPU 0 again (next.service's: two jobs on one
+    GPU), and its return to `exited` released it, said finished a second time."""
+    bed = oneshot_and_waiter(
+        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+        ctl.on_unit_changed("once.service", EXITED)
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        bed.systemd.units["next.service"] = state("next.service", "active", "running")
+        ctl.on_unit_changed("next.service", {"ActiveState": "active", "SubState": "running"})
+        caplog.clear()  # its release said already
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            bed.systemd.units["once.service"] = state("once.service", "reloading", "reload")
+            ctl.on_unit_changed("once.service", {"ActiveState": "reloading", "SubState": "reload"})
+            await settle()
+            assert ctl.scheduler.phase("once.service") is None
+            assert ctl.scheduler.grants() == {"next.service": frozenset({0})}
+            bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+            ctl.on_unit_changed("once.service", EXITED)
+            await settle()
+        assert ctl.scheduler.phase("once.service") is None
+        assert ctl.scheduler.remained == {"once.service"}
+        assert ctl.scheduler.grants() == {"next.service": frozenset({0})}
+
+    run(test)
+    assert not [m for m in messages(caplog) if "once.service" in m], messages(caplog)
+
+
+def test_a_unit_whose_env_file_cannot_name_no_gpu_keeps_its_gpus_until_it_can(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full /run: its file still names GPU 0 (gone, its later commands saw every GPU), so
+    once.service keeps it; the next audit, the file written, releases it."""
+    bed = oneshot_and_waiter(
+        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
+    )
+    write = envfiles.write
+
+    def full(runtime: str, unit: str, gpus: Sequence[Gpu], keep_old: bool = False) -> None:
+        raise OSError(28, "No space left on device")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        write(bed.config.runtime_dir, "once.service", [Gpu(0, "GPU-0")])
+        monkeypatch.setattr(envfiles, "write", full)
+        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+        ctl.on_unit_changed("once.service", EXITED)
+        await settle()
+        assert bed.service.granted == []
+        assert ctl.scheduler.phase("once.service") is Phase.RUNNING
+        assert envfiles.told_gpus(bed.config.runtime_dir, "once.service") == [0]
+        monkeypatch.setattr(envfiles, "write", write)
+        await ctl.reads.audit()
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        assert envfiles.told_gpus(bed.config.runtime_dir, "once.service") == []
+
+    run(test)
+
+
+def test_a_released_unit_found_reloading_is_not_adopted_by_the_next_controller(
+    tmp_path: Path,
+) -> None:
+    """A controller restarted while a released unit's ExecReload= runs (`reloading`): it
+    holds nothing (its file names no GPU), and next.service gets GPU 0."""
+    saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
+    bed = oneshot_and_waiter(tmp_path, "exited", saved)
+    bed.systemd.units["once.service"] = state("once.service", "reloading", "reload")
+    envfiles.write(bed.config.runtime_dir, "once.service", [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        assert ctl.scheduler.phase("once.service") is None
+        assert ctl.scheduler.remained == {"once.service"}
+
+    run(test)
 
 
 def test_a_unit_whose_leftover_process_ended_is_released_at_the_next_audit(

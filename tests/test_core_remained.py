@@ -8,7 +8,7 @@ from __future__ import annotations
 from gpuslice.core.decisions import Cause, Code
 from gpuslice.core.model import UnitSpec
 from gpuslice.core.plan import Verdict, plan_start, summary
-from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler
+from gpuslice.core.scheduler import Log, Outcome, Phase, SavedState, Scheduler
 from gpuslice.journal import decision_fields
 from tests.core_builders import BG, brief, spec, words
 
@@ -113,6 +113,19 @@ def test_one_whose_stop_is_lost_after_it_exited_is_released_then() -> None:
     done = s.stop_failed("bg.service", "no stop job runs", refused=False)
     assert brief(done) == ["grant urgent.service 0"]
     assert (s.phase("bg.service"), s.remained) == (None, {"bg.service"})
+
+
+def test_a_preempted_unit_adopted_then_released_is_owed_no_comeback() -> None:
+    """Preempted, then found running (started by someone) and adopted, its job ends kept
+    active: its work is done. Still owed a comeback, that start was a no-op to systemd (the
+    unit active): its holder stayed starting, its waiter waited, for ever."""
+    s = one_gpu(A, B)
+    s.load(SavedState(preempted={"a.service": 1}, wait_failed=["a.service"], seq=2))
+    s.running("a.service")
+    s.exited("a.service")
+    assert (s.preempted, s.wait_failed, s.remained) == ({}, set(), {"a.service"})
+    assert brief(s.schedule()) == []
+    assert s.save().preempted == {}
 
 
 def test_a_frozen_or_suspending_holder_is_not_released() -> None:

@@ -10,7 +10,9 @@ and runs its callback itself (`fire`).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, cast
@@ -475,5 +477,43 @@ def test_a_resume_whose_file_cannot_be_written_anew_says_which_indices_it_still_
             f"cannot write {env_file(str(kit.run), U)} ([Errno 28] No space left on device): "
             f"it still names the GPUs of {U} by the indices they had before NVML numbered "
             "them anew (GPU 0)",
+        )
+    ]
+
+
+# ---- tell_none: a unit released while systemd keeps it active ----
+
+
+def test_a_released_unit_is_told_no_gpu_and_a_failed_write_keeps_its_old_file_said_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its file names no GPU (systemd reads it for its ExecReload= and ExecStop=); while it
+    cannot be written (a full /run), the old one stays (it keeps its GPUs meanwhile: gone,
+    its commands saw every GPU), said once however often it is tried."""
+    written = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    async def test(kit: Kit) -> None:
+        kit.holds(U, 0)
+        kit.delivery.deliver(U, [0])
+        old = kit.file()
+        monkeypatch.setattr(os, "write", full)
+        assert kit.delivery.tell_none(U) is False
+        assert kit.delivery.tell_none(U) is False
+        monkeypatch.setattr(os, "write", written)
+        assert kit.file() == old
+        assert kit.delivery.tell_none(U) is True
+        assert kit.file() == text()
+
+    caplog.set_level(logging.DEBUG, "gpuslice")
+    kit = run(tmp_path, test)
+    path = env_file(str(kit.run), U)
+    assert said(caplog) == [
+        (
+            "WARNING",
+            f"cannot write {path} ([Errno 28] No space left on device): {U} keeps its GPUs "
+            "until it can (tried again every 30 s) or it is stopped",
         )
     ]

@@ -28,6 +28,22 @@ def test_without_uuids_cuda_is_told_nvmls_order() -> None:
     )
 
 
+def test_no_gpu_is_named_so_that_cuda_and_the_container_runtime_see_none() -> None:
+    """A released unit kept active (Delivery.tell_none): CUDA sees no device with the
+    variable empty, the NVIDIA container runtime none with `void` (empty or unset, some of
+    its versions gave every GPU); the file is read back as naming no GPU."""
+    assert envfiles.text([]) == (
+        "CUDA_VISIBLE_DEVICES=\nNVIDIA_VISIBLE_DEVICES=void\nGPUSLICE_GPUS=\n"
+    )
+
+
+def test_a_file_naming_no_gpu_is_told_back_as_none(tmp_path: Path) -> None:
+    envfiles.write(str(tmp_path), "a.service", [Gpu(0, "GPU-a")])
+    envfiles.write(str(tmp_path), "a.service", [])
+    assert envfiles.told_gpus(str(tmp_path), "a.service") == []
+    assert envfiles.told_uuids(str(tmp_path), "a.service") == {}
+
+
 def test_written_then_told_back(tmp_path: Path) -> None:
     envfiles.write(str(tmp_path), "a.service", [Gpu(0), Gpu(3)])
     assert envfiles.told_gpus(str(tmp_path), "a.service") == [0, 3]
@@ -50,6 +66,23 @@ def test_a_file_that_cannot_be_replaced_is_removed(
     with pytest.raises(OSError):
         envfiles.write(str(tmp_path), "a.service", [Gpu(1)])
     assert os.listdir(env_file(str(tmp_path), "a.service").parent) == []  # no temporary left
+
+
+def test_a_file_kept_if_it_cannot_be_replaced_is_left_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`keep_old`: the file names GPUs its unit still holds (Delivery.tell_none); gone, its
+    next command saw every GPU."""
+    envfiles.write(str(tmp_path), "a.service", [Gpu(0)])
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)  # a full /run
+    with pytest.raises(OSError):
+        envfiles.write(str(tmp_path), "a.service", [], keep_old=True)
+    assert os.listdir(env_file(str(tmp_path), "a.service").parent) == ["gpuslice.env"]
+    assert envfiles.told_gpus(str(tmp_path), "a.service") == [0]
 
 
 @pytest.mark.parametrize(

@@ -545,16 +545,20 @@ def test_units_kept_active_after_their_job_ended_are_kept_unless_they_hold_gpus(
     """A restarted controller knows the units it released at the end of their job while
     systemd keeps them active (RemainAfterExit=yes): not adopted as holders again; and one
     whose job ended while our stop of it was on its way: that stop's end is its own. One
-    the file also names as a holder not being stopped, or a name that is none, is dropped
-    with why."""
+    the file also names as a holder not being stopped or as preempted (its comeback a no-op
+    to systemd, its start waited for ever), or a name that is none, is dropped with why."""
     holders = {"asr.service": [[0], "running", 4, ""], "low.service": [[1], "stopping", 3, ""]}
-    remained = ["done.service", "asr.service", "low.service", "../x"]
-    saved, _, records = load(tmp_path, good(holders=holders, remained=remained), caplog)
+    remained = ["done.service", "asr.service", "low.service", "../x", "owed.service"]
+    data = good(holders=holders, remained=remained, preempted={"owed.service": 2})
+    saved, _, records = load(tmp_path, data, caplog)
     assert saved.remained == ["done.service", "low.service"]
+    assert saved.preempted == {"owed.service": 2}
     said_all(
         records,
         'remained: dropped "../x": not a unit name',
         'remained: dropped "asr.service": it holds GPUs, not being stopped',
+        'remained: dropped "owed.service": a preempted unit (owed a comeback, which systemd '
+        "would take as a no-op while the unit shows active)",
     )
     store = StateStore(tmp_path / "again")
     store.save(saved, "b")

@@ -1541,6 +1541,18 @@ def test_a_holder_kept_active_after_its_job_ended_is_told_exited_until_released(
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
 
 
+def test_a_released_unit_reloaded_is_no_new_run() -> None:
+    """`systemctl reload` of a released unit (its ExecReload= runs, with no GPU: its env file
+    names none): `reloading`, then `exited` again, is the same run: neither `CameUp` (the
+    core booked it on a guessed GPU again) nor `Exited` (then said finished again)."""
+    model = Model()
+    model.remained.add(A)
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("active", "exited")) == []
+    assert tracker.unit_changed(A, props("reloading", "reload")) == []
+    assert tracker.unit_changed(A, props("active", "exited")) == []
+
+
 def test_a_unit_found_kept_active_that_the_core_does_not_know_is_adopted_then_told() -> None:
     model = Model()
     tracker = model.tracker()

@@ -829,7 +829,8 @@ class Scheduler:
         if spec is None:
             return []
         self.dormant.discard(name)  # someone started it
-        # finished and kept active (`exited`), it runs again (its ExecReload=): holds again
+        # finished and kept active (`exited`), it is shown starting again (a restart whose
+        # down went unheard): a new run, it holds again (a reload is none: Tracker)
         self.remained.discard(name)
         holder = self.holders.get(name)
         told = frozenset(gpus or ())
@@ -875,15 +876,15 @@ class Scheduler:
             return []
         if holder is None:
             if name not in self.waiters and name not in self.suspended:
-                self.remained.add(name)
+                self._remain(name)
             return []
         if holder.phase is Phase.STOPPING:
-            self.remained.add(name)
+            self._remain(name)
             return []
         if holder.phase not in (Phase.RUNNING, Phase.STARTING):
             return []  # frozen (its processes cannot end) or moving its VRAM: runs still
         del self.holders[name]
-        self.remained.add(name)
+        self._remain(name)
         self.finished.add(name)
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
@@ -896,6 +897,14 @@ class Scheduler:
         gpus = tuple(sorted(holder.gpus))
         done = _about(holder.spec, Code.FINISHED, gpus=gpus, cause=Cause.REMAINS)
         return [_log(done), *self.schedule()]
+
+    def _remain(self, name: str) -> None:
+        """Released while systemd keeps it active (`exited`): its work is done, so it is owed
+        no comeback (one started was a no-op to systemd, the unit active: its holder stayed
+        starting, and its waiter waited, for ever)."""
+        self.remained.add(name)
+        self.preempted.pop(name, None)
+        self.wait_failed.discard(name)
 
     def stop_failed(self, name: str, why: str, *, refused: bool) -> list[Action]:
         """A stop gpuslice asked for did not happen (refused, failed, cancelled, or lost in a
