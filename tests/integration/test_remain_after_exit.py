@@ -23,7 +23,16 @@ NEXT = "next.service"
 def test_a_unit_kept_active_after_its_job_gives_its_gpu_to_the_next_and_waits_again_at_restart(
     container: Container,
 ) -> None:
-    write_job(container, SETUP, 20, seconds=2, extra_service="Type=oneshot\nRemainAfterExit=yes")
+    write_job(
+        container,
+        SETUP,
+        20,
+        seconds=2,
+        extra_service=(
+            "Type=oneshot\nRemainAfterExit=yes\n"
+            "ExecReload=/bin/sh -c 'echo \"[$CUDA_VISIBLE_DEVICES]\" > /run/reloaded'"
+        ),
+    )
     write_job(container, NEXT, 20)  # equal priority: it never preempts, it waits
     reload(container)
     container.systemctl("start", "--no-block", SETUP)
@@ -41,6 +50,12 @@ def test_a_unit_kept_active_after_its_job_gives_its_gpu_to_the_next_and_waits_ag
         20,
         f"{SETUP} shown as finished and still active",
     )
+    # its later commands see no GPU (systemd reads the env file anew for each), and a
+    # reload is no new run: nothing booked, nothing said again
+    container.systemctl("reload", SETUP)
+    assert container.run(["cat", "/run/reloaded"]).stdout == "[]\n"
+    assert holders(container) == {0: [NEXT]}
+    assert container.journal("gpuslice.service").count(f"{SETUP} finished: released") == 1
     # a restart is a new start: it waits at its gate behind next, which keeps the GPU
     container.systemctl("restart", "--no-block", SETUP)
     wait_sub(container, SETUP, "start-pre")
