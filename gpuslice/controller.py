@@ -353,7 +353,7 @@ class Controller:
         self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         # units kept active after their job ended (RemainAfterExit=yes): released once
-        # systemd lists no process left in them
+        # systemd counts (or lists) no process left in them
         self.remains = Remains(
             systemd,
             self.tracker.heard,

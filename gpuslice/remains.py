@@ -2,10 +2,16 @@
 
 Such a unit shows `active (exited)` until someone stops it; kept as a holder, its GPUs
 stayed reserved that long and every unit waiting for them waited for ever. Its GPUs go
-(Scheduler.exited) once systemd, the only source believed, lists no process left in its
+(Scheduler.exited) once systemd, the only source believed, counts no task left in its
 cgroup: a process a `KillMode=none`/`process` leftover or a daemon it forked may still use
-them, so while any is listed the unit keeps them, said once; asked again at each audit
+them, so while any is left the unit keeps them, said once; asked again at each audit
 (systemd signals no leftover's end), it releases them once none is left, or at its stop.
+Systemd's count (TasksCurrent) is asked first: GetUnitProcesses answers with every
+process's command line, up to the bus's message limit for a unit that left hundreds of
+thousands, decoded in pure Python on the loop (seconds every GPU job waited, every 30 s).
+The list is asked only where the count is not known: tasks accounting off, or the cgroup
+gone (systemd 252 removes a unit's cgroup as it turns `exited` with no process left, and
+keeps it while one is: the list is then empty, and cheap).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ log = logging.getLogger("gpuslice")
 
 
 class UnitProcesses(Protocol):
+    async def tasks_current(self, name: str) -> int | None: ...
     async def unit_pids(self, name: str) -> list[int]: ...
 
 
@@ -66,15 +73,16 @@ class Remains:
 
     async def _check(self, unit: str, stamp: int) -> None:
         try:
-            pids = await self._listed(unit)
+            left = await self._left_in(unit)
         finally:
             if self._asking.get(unit) == stamp:
                 del self._asking[unit]  # answered (or failed): the next signal asks again
-        if pids is None:
+        if left is None:
             return
         if self.heard(unit) != stamp or not self.still_exited(unit):
             return  # a later signal's check decides (or it is down, or released)
-        if not pids:
+        count, what = left
+        if not count:
             self._left.discard(unit)
             self._unlisted.discard(unit)
             self.release(unit)
@@ -82,16 +90,26 @@ class Remains:
             self._left.add(unit)
             log.warning(
                 "%s stays active after its job ended (RemainAfterExit=yes), and %d "
-                "process(es) are left in it (KillMode=): it keeps its GPUs until none is left "
+                "%s are left in it (KillMode=): it keeps its GPUs until none is left "
                 "(asked again every 30 s) or it is stopped (systemctl stop)",
                 unit,
-                len(pids),
+                count,
+                what,
             )
 
-    async def _listed(self, unit: str) -> list[int] | None:
-        """The unit's processes as systemd lists them; None where it cannot (said once)."""
+    async def _left_in(self, unit: str) -> tuple[int, str] | None:
+        """How many tasks systemd counts in the unit (TasksCurrent), or, where it does not
+        know or cannot say, how many processes it lists: the count and what it counts; None
+        where neither can be had (said once)."""
         try:
-            return await self.systemd.unit_pids(unit)
+            count = await self.systemd.tasks_current(unit)
+        except SystemdError as e:
+            log.debug("TasksCurrent of %s not read (%s): its processes are listed", unit, e)
+            count = None
+        if count is not None:
+            return count, "task(s) (processes and threads)"
+        try:
+            return len(await self.systemd.unit_pids(unit)), "process(es)"
         except SystemdError as e:
             if unit not in self._unlisted:  # asked again at each audit: said once per run
                 self._unlisted.add(unit)

@@ -69,6 +69,8 @@ MAX_CALLS_IN_FLIGHT = 64
 CALL_TIMEOUT = 60.0
 # The error of a call that got no answer at all (`_check`, CALL_TIMEOUT): in TRANSIENT_ERRORS
 NO_REPLY = "org.gpuslice.Error.NoReply"
+# A count systemd does not know (its TasksCurrent and other cgroup counters then): UINT64_MAX
+UNKNOWN_COUNT = 2**64 - 1
 # Told a job path the moment systemd's answer to a StartUnit/StopUnit is read, before the
 # signals systemd sent after it are handled (an awaiting coroutine resumes only after them).
 Queued = Callable[[str], None]
@@ -672,6 +674,23 @@ class Systemd:
         """Every process in the unit's cgroup, as systemd lists them."""
         (processes,) = await self.call("GetUnitProcesses", "s", [name])
         return [int(p[1]) for p in processes]
+
+    async def tasks_current(self, name: str) -> int | None:
+        """How many tasks (processes and threads) a service's cgroup holds, its pids.current
+        as systemd reads it (TasksCurrent, on the cgroup interfaces: Service here): eight
+        bytes, where GetUnitProcesses lists every process with its command line, up to the
+        bus's message limit, decoded in pure Python on the loop. None where systemd does not
+        know it (UINT64_MAX: tasks accounting off, no cgroup). SystemdError for a unit
+        without it (not a service) or a reply not of the form systemd gives (t)."""
+        (value,) = await self.call(
+            "Get", "ss", [SERVICE, "TasksCurrent"], path=unit_path(name), interface=PROPERTIES
+        )
+        if not isinstance(value, Variant) or value.signature != "t":
+            raise SystemdError(
+                "org.gpuslice.Error.BadReply", f"TasksCurrent of {name}: {repr(value)[:80]}"
+            )
+        count = int(value.value)
+        return None if count == UNKNOWN_COUNT else count
 
     async def boot_id(self) -> str:
         """What changes with every boot: the kernel's boot id and when systemd started.

@@ -85,6 +85,9 @@ class FakeSystemd:
         # the processes in each unit's cgroup (GetUnitProcesses), where a test says (else
         # none), or the error the call fails with
         self.processes: dict[str, list[int] | SystemdError] = {}
+        # each service's TasksCurrent, where a test says (else None: systemd 252 prunes the
+        # cgroup of a unit left with no process, and does not know it), or the read's error
+        self.tasks: dict[str, int | SystemdError | None] = {}
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -130,6 +133,13 @@ class FakeSystemd:
     async def main_exit(self, name: str) -> MainExit:
         self.exit_reads.append(name)
         found = self.main_exits.get(name, MainExit(CLD_EXITED, 0, "success"))
+        if isinstance(found, SystemdError):
+            raise found
+        return found
+
+    async def tasks_current(self, name: str) -> int | None:
+        self.calls.append(("tasks_current", name))
+        found = self.tasks.get(name)
         if isinstance(found, SystemdError):
             raise found
         return found
@@ -4784,6 +4794,39 @@ def test_a_unit_whose_leftover_process_ended_is_released_at_the_next_audit(
         await ctl.reads.audit()  # released: not asked again
         await settle()
         assert bed.systemd.calls.count(("unit_pids", "once.service")) == asked
+
+    run(test)
+
+
+def test_a_unit_whose_tasks_systemd_counts_is_decided_without_listing_them(
+    tmp_path: Path,
+) -> None:
+    """once.service's TasksCurrent, not GetUnitProcesses (every process's command line,
+    decoded on the loop every 30 s): 3 tasks left keep GPU 0, at the audit too; 0 gives it
+    to next.service. The list, which would say otherwise, is never asked."""
+    bed = oneshot_and_waiter(
+        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        bed.systemd.tasks["once.service"] = 3
+        bed.systemd.processes["once.service"] = []
+        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+        ctl.on_unit_changed("once.service", EXITED)
+        await settle()
+        await ctl.reads.audit()
+        await settle()
+        assert bed.service.granted == []
+        assert bed.systemd.calls.count(("tasks_current", "once.service")) == 2
+        bed.systemd.tasks["once.service"] = 0
+        bed.systemd.processes["once.service"] = [4242]
+        await ctl.reads.audit()
+        await settle()
+        assert bed.service.granted == [("next.service", "0")]
+        assert ("unit_pids", "once.service") not in bed.systemd.calls
 
     run(test)
 

@@ -1392,6 +1392,47 @@ def test_how_a_services_main_process_ended_is_read_from_its_own_object(bus_addre
     ]
 
 
+def test_a_services_task_count_is_read_from_its_own_object(bus_address: str) -> None:
+    """Systemd.tasks_current: TasksCurrent of the Service interface, on the unit's object;
+    UINT64_MAX (systemd does not know it) is None, not 18 quintillion tasks left; a reply of
+    another form, or an error (a unit of another type), is a SystemdError."""
+    values = {
+        unit_path("a.service"): Variant("t", 0),
+        unit_path("b.service"): Variant("t", 7),
+        unit_path("c.service"): Variant("t", 2**64 - 1),
+        unit_path("d.service"): Variant("u", 7),
+    }
+    asked: list[tuple[str, list[Any]]] = []
+
+    async def scenario() -> None:
+        bus = await connect(bus_address)
+
+        def answer(msg: Message) -> Message | bool:
+            if msg.interface != PROPERTIES or msg.member != "Get":
+                return False
+            asked.append((msg.path or "", list(msg.body)))
+            if msg.body != [SERVICE, "TasksCurrent"] or msg.path not in values:
+                return Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownProperty", "no")
+            return Message.new_method_return(msg, "v", [values[msg.path]])
+
+        bus.add_message_handler(answer)
+        await bus.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        assert await systemd.tasks_current("a.service") == 0
+        assert await systemd.tasks_current("b.service") == 7
+        assert await systemd.tasks_current("c.service") is None
+        with pytest.raises(SystemdError, match="BadReply"):
+            await systemd.tasks_current("d.service")
+        with pytest.raises(SystemdError, match="UnknownProperty"):
+            await systemd.tasks_current("e.mount")
+
+    run(scenario)
+    assert asked == [
+        (unit_path(name), [SERVICE, "TasksCurrent"])
+        for name in ("a.service", "b.service", "c.service", "d.service", "e.mount")
+    ]
+
+
 def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
     bus_address: str,
 ) -> None:

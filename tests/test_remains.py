@@ -1,5 +1,6 @@
 """Remains: a unit systemd keeps active after its job ended is released only once systemd
-lists no process left in it, by an answer no later signal of the unit overtook."""
+counts (or, not knowing the count, lists) no process left in it, by an answer no later
+signal of the unit overtook."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ A = "once.service"
 
 
 class Kit:
-    """Remains on fakes: systemd's process lists (`pids`, or an error), the tracker's stamp,
-    whether the unit still shows `active (exited)`, and what was released."""
+    """Remains on fakes: systemd's task counts (`count`: None where it does not know, or an
+    error) and process lists (`pids`, or an error), the tracker's stamp, whether the unit
+    still shows `active (exited)`, and what was released."""
 
     def __init__(self) -> None:
+        self.count: int | SystemdError | None = None
+        self.counted: list[str] = []
         self.pids: list[int] | SystemdError = []
         self.asked: list[str] = []
         self.stamp = 1
@@ -34,6 +38,13 @@ class Kit:
             self.released.append,
             self.spawn,
         )
+
+    async def tasks_current(self, name: str) -> int | None:
+        self.counted.append(name)
+        await asyncio.sleep(0)
+        if isinstance(self.count, SystemdError):
+            raise self.count
+        return self.count
 
     async def unit_pids(self, name: str) -> list[int]:
         self.asked.append(name)
@@ -164,3 +175,87 @@ def test_a_check_under_way_since_the_units_last_signal_is_not_sent_again() -> No
         assert kit.asked == [A, A, A]
 
     asyncio.run(test())
+
+
+def test_no_task_counted_releases_it_without_listing_its_processes() -> None:
+    """TasksCurrent 0: no list asked (each process's command line, up to the bus's message
+    limit, decoded on the loop)."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.count = 0
+        kit.pids = [41]  # what a list would wrongly say: never asked
+        kit.remains.exited(A)
+        await kit.done()
+        assert (kit.counted, kit.asked, kit.released) == ([A], [], [A])
+
+    asyncio.run(test())
+
+
+def test_tasks_counted_keep_its_gpus_without_listing_them_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A unit's user may leave up to TasksMax processes with long command lines: their
+    count keeps the GPUs, at every audit, and no list is ever asked. A count read before a
+    later signal of the unit decides nothing; that signal's own one does."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.count = 200_000
+        kit.pids = []  # what a list would wrongly say: never asked
+        for _ in range(3):
+            kit.remains.exited(A)
+            await kit.done()
+        assert (kit.counted, kit.asked, kit.released) == ([A] * 3, [], [])
+        kit.count = 0
+        kit.remains.exited(A)
+        kit.stamp = 2  # a signal of it while its count was read
+        await kit.done()
+        assert kit.released == []
+        kit.remains.exited(A)
+        await kit.done()
+        assert (kit.asked, kit.released) == ([], [A])
+
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        asyncio.run(test())
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (
+            logging.WARNING,
+            f"{A} stays active after its job ended (RemainAfterExit=yes), and 200000 task(s) "
+            "(processes and threads) are left in it (KillMode=): it keeps its GPUs until none "
+            "is left (asked again every 30 s) or it is stopped (systemctl stop)",
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    "count",
+    [None, SystemdError("org.freedesktop.DBus.Error.UnknownProperty", "no TasksCurrent")],
+    ids=["unknown", "error"],
+)
+def test_a_count_not_known_or_not_read_lists_its_processes(
+    count: SystemdError | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """UINT64_MAX (tasks accounting off, its cgroup gone) or an error (no Service
+    interface, systemd busy): the list decides, as before TasksCurrent was asked, and
+    nothing more is said than its answer says."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.count = count
+        kit.pids = [41]
+        kit.remains.exited(A)
+        await kit.done()
+        assert (kit.counted, kit.asked, kit.released) == ([A], [A], [])
+        kit.pids = []
+        kit.remains.exited(A)
+        await kit.done()
+        assert (kit.counted, kit.asked, kit.released) == ([A, A], [A, A], [A])
+
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        asyncio.run(test())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{A} stays active after its job ended (RemainAfterExit=yes), and 1 process(es) are "
+        "left in it (KillMode=): it keeps its GPUs until none is left (asked again every 30 s) "
+        "or it is stopped (systemctl stop)"
+    ]

@@ -62,3 +62,27 @@ def test_a_unit_kept_active_after_its_job_gives_its_gpu_to_the_next_and_waits_ag
     assert holders(container) == {0: [NEXT]}
     container.systemctl("stop", NEXT)
     wait_sub(container, SETUP, "exited", timeout=30)  # ran its job again, and ended it
+
+
+def test_a_unit_kept_active_with_a_process_left_keeps_its_gpu_until_none_is_left(
+    container: Container,
+) -> None:
+    """A leftover (KillMode=process) keeps the GPU: systemd counts it in the unit's cgroup.
+    Systemd signals nothing when it ends; the controller's 30 s audit asks again."""
+    write_job(
+        container,
+        SETUP,
+        20,
+        exec_start="/bin/sh -c 'sleep 6 & exit 0'",
+        extra_service="Type=oneshot\nRemainAfterExit=yes\nKillMode=process",
+    )
+    write_job(container, NEXT, 20)
+    reload(container)
+    container.systemctl("start", SETUP)  # returns once its main process exited
+    container.systemctl("start", "--no-block", NEXT)
+    wait_sub(container, NEXT, "start-pre")
+    # counted (TasksCurrent) where the pids controller is on; listed here, in the bed
+    wait_journal(container, f"{SETUP} stays active after its job ended")
+    assert holders(container) == {0: [SETUP]}
+    wait_state(container, NEXT, "active", timeout=50)  # the leftover ended, an audit saw it
+    assert holders(container) == {0: [NEXT]}
