@@ -1434,7 +1434,7 @@ def _unit_dir_locked(root: str, path: Path) -> Iterator[None]:
 
 
 def _write(
-    path: Path, data: str | bytes, *, exclusive: bool = False, command: str = "new"
+    path: Path, data: str | bytes, *, exclusive: bool, command: str = "new"
 ) -> os.stat_result:
     try:
         return write_atomically(path, data, exclusive=exclusive)
