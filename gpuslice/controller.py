@@ -956,11 +956,10 @@ class Controller:
             self.watch.available or self._holds_lost(held)
         ):
             self.watch.refresh(released=unit)
-        with self._batched():
-            actions = self.scheduler.exited(unit)
-            self.execute(actions)
-        if unit in self.scheduler.remained and (self._save_due or not actions):
-            self._persist()  # not left to the pass due this turn (a grant saved it already)
+        with self._batched():  # deferred: exited's actions are a journal line at most
+            self.execute(self.scheduler.exited(unit))
+        if unit in self.scheduler.remained:
+            self._persist()  # now, not left to the pass due this turn
 
     def _holds_lost(self, gpus: Collection[int]) -> bool:
         """Whether any of these GPUs is lost in the last sample. Without NVML, one is only

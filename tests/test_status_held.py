@@ -537,6 +537,53 @@ def test_a_new_streak_of_failures_is_said_again(
     assert len(_said(caplog, logging.WARNING)) == 2
 
 
+class Raising(StatsBus):
+    """A bus whose calls raise `error` (the connection's, with whatever words it has)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def call(self, msg: Message) -> Message:
+        raise self.error
+
+
+NAMED = "org.freedesktop.DBus.Error." + "E" * 200  # valid: 227 characters, 255 at most
+
+
+@pytest.mark.parametrize(
+    ("error", "why"),
+    [
+        (ConnectionError("z" * 300), "z" * 200 + "..."),  # cut at 200
+        (ConnectionResetError(), "ConnectionResetError"),  # no words: its type's name
+        (NAMED, NAMED[:100] + "...: said so"),  # the daemon's error name cut at 100
+    ],
+    ids=["raised", "raised-silently", "error-name"],
+)
+def test_what_a_failed_reading_says_is_cut(
+    caplog: pytest.LogCaptureFixture, error: Exception | str, why: str
+) -> None:
+    """One journal line, however long what the connection or the daemon answered: an
+    exception's words cut at 200 characters (its type named where it has none), an error's
+    name at 100."""
+
+    async def body() -> None:
+        bus = StatsBus() if isinstance(error, str) else Raising(error)
+        _service(bus, "x" * 40)
+        bus.deliver(_status())
+        await _turns()
+        if isinstance(error, str):
+            bus.say(None, error)
+            await _turns()
+
+    caplog.set_level(logging.INFO, logger="gpuslice.service")
+    _in_loop(body)
+    assert _said(caplog, logging.WARNING) == [
+        f"cannot read what the bus daemon holds of ours ({why}): asked again later; until "
+        "then the Status answers sent count as held"
+    ]
+
+
 def test_past_the_refusals_bound_each_unanswered_call_asks_the_daemon_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1,0 +1,137 @@
+"""A unit kept active after its job ended (RemainAfterExit=yes) releasing its GPUs
+(Controller._release_exited), under mutation: what NVML still shows of it counts against
+them, a GPU configured away while it held it is lost no more, and a sample is taken only
+when it releases GPUs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gpuslice.core.scheduler import Phase, SavedState
+from tests.test_controller import (
+    EXITED,
+    GIB,
+    Bed,
+    _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
+    bed_config,
+    goes_down,
+    process_in,
+    run,
+    settle,
+    state,
+)
+from tests.test_controller import cgroup_of as cgroup_of  # a fixture
+from tests.test_controller_gates import LingeringVram, a_and_b_on_lingering_vram, running
+
+
+def test_a_released_units_vram_nvml_still_shows_counts_against_its_gpu(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """a.service (Memory=16G) ends its job and systemd keeps it active: no task is left,
+    but NVML still shows its 16 GiB on GPU 0 (the driver frees VRAM a moment later). Its
+    release samples anew with a.service no longer counted as holding GPU 0: b.service
+    (Memory=16G) waits until NVML shows them freed. Granted on the sample before, its job
+    ran out of memory on a GPU with 8 GiB free."""
+    process_in(tmp_path, 300, "/system.slice/a.service")
+    bed, nvml = a_and_b_on_lingering_vram(tmp_path, cgroup_of, "Priority=50\nMemory=16G\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("a.service", ":1.9", 4242)
+        nvml.shown = [(300, 16 * GIB)]
+        bed.systemd.units["a.service"] = state("a.service", "active", "running")
+        ctl.on_unit_changed("a.service", running())
+        await bed.acquire("b.service", ":1.10", 4243)
+        assert ctl.scheduler.is_waiting("b.service")
+        bed.systemd.tasks["a.service"] = 0
+        bed.systemd.units["a.service"] = state("a.service", "active", "exited")
+        ctl.on_unit_changed("a.service", EXITED)
+        await settle()
+        assert ctl.scheduler.remained == {"a.service"}
+        assert ctl.scheduler.grants() == {}
+        assert ctl.scheduler.is_waiting("b.service")
+        nvml.shown = []  # released
+        ctl.watch.refresh()
+        await settle()
+        assert bed.service.granted == [("a.service", "0"), ("b.service", "0")]
+
+    run(test)
+
+
+def test_a_gpu_configured_away_is_lost_no_more_once_its_holder_is_released(
+    tmp_path: Path,
+) -> None:
+    """Without NVML, `gpus:` made 1 while once.service holds GPU 1: lost while it runs
+    there. Its job ends, systemd keeps it active, and no task is left: GPU 1 goes with it,
+    as at its down. Not sampled again, it stayed lost in status (and in `gpuslice_gpu_lost`,
+    an alert) until the next reload."""
+    bed = Bed(
+        tmp_path,
+        {"keep.service": "Priority=10\n", "once.service": "Priority=20\n"},
+        [state("keep.service", "active", "running"), state("once.service", "active", "running")],
+        SavedState(
+            holders={
+                "keep.service": ((0,), "running", 1, ""),
+                "once.service": ((1,), "running", 2, ""),
+            },
+            seq=2,
+        ),
+        config=bed_config(tmp_path, gpus=2),
+    )
+    (tmp_path / "config.yaml").write_text("gpus: 1\n")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        assert ctl.reload_config()
+        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, False), (1, True)]
+        bed.systemd.tasks["once.service"] = 0
+        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
+        ctl.on_unit_changed("once.service", EXITED)
+        await settle()
+        assert ctl.scheduler.remained == {"once.service"}
+        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, False)]
+        assert [g["index"] for g in json.loads(ctl.status_json())["gpus"]] == [0]
+
+    run(test)
+
+
+def test_a_victim_whose_job_ends_before_our_stop_takes_no_nvml_sample_until_that_stop_ends(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """A sample costs NVML calls on the controller's loop (issue 10): a.service, being
+    stopped for b.service, keeps GPU 0 until our stop ends it, so its job's end (systemd
+    keeps it active, no task left) releases nothing to sample for; that stop's end does."""
+    nvml = LingeringVram()
+    bed = Bed(tmp_path, {"a.service": "Priority=90\n", "b.service": "Priority=10\n"}, [], nvml=nvml)
+    cgroup_of[4242] = "a.service"
+    cgroup_of[4243] = "b.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await bed.acquire("a.service", ":1.9", 4242)
+        bed.systemd.units["a.service"] = state("a.service", "active", "running")
+        ctl.on_unit_changed("a.service", running())
+        await bed.acquire("b.service", ":1.10", 4243)
+        await settle()
+        assert ctl.scheduler.phase("a.service") is Phase.STOPPING
+        scans = nvml.scans
+        job = "/org/freedesktop/systemd1/job/1"
+        bed.systemd.tasks["a.service"] = 0
+        bed.systemd.units["a.service"] = state("a.service", "active", "exited", 1)
+        ctl.on_job_new(1, job, "a.service")
+        ctl.on_unit_changed("a.service", {**EXITED, "Job": (1, job)})
+        await settle()
+        assert ctl.scheduler.remained == {"a.service"}
+        assert ctl.scheduler.phase("a.service") is Phase.STOPPING
+        assert nvml.scans == scans
+        goes_down(bed, "a.service")
+        ctl.on_job_removed(1, job, "a.service", "done")
+        await settle()
+        assert nvml.scans == scans + 1
+        assert bed.service.granted == [("a.service", "0"), ("b.service", "0")]
+
+    run(test)
