@@ -158,6 +158,26 @@ def test_processes_that_cannot_be_listed_keep_its_gpus(caplog: pytest.LogCapture
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [said, said]
 
 
+def test_processes_that_cannot_be_listed_are_said_again_after_the_units_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Stopped while they could not be listed (no release came between): its next run's
+    are said again, not taken for the run before."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.pids = SystemdError("org.freedesktop.DBus.Error.TimedOut", "no answer")
+        kit.remains.exited(A)
+        await kit.done()
+        kit.remains.went_down(A)
+        kit.remains.exited(A)
+        await kit.done()
+
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        asyncio.run(test())
+    assert len([r for r in caplog.records if "cannot be listed" in r.getMessage()]) == 2
+
+
 def test_a_check_under_way_since_the_units_last_signal_is_not_sent_again() -> None:
     """Asked again at each audit while systemd's answer is slow (thousands of processes
     listed): one call, not one more per audit behind it; a later signal asks anew, and so
