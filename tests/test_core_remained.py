@@ -194,3 +194,29 @@ def test_a_restarted_controller_still_takes_our_stops_end_for_its_own_end() -> N
     assert (again.phase("bg.service"), again.remained) == (Phase.STOPPING, {"bg.service"})
     again.inactive("bg.service", Outcome.EXITED)
     assert (again.preempted, again.finished) == ({}, {"bg.service"})
+
+
+def test_a_waiter_shown_exited_is_no_remained_unit_and_is_granted_later() -> None:
+    """Only a unit that holds nothing and waits for nothing is recorded remained: a waiter
+    told `exited` (a stale signal) still waits, and is granted when the GPU frees."""
+    s = one_gpu(A, B)
+    s.request(A)
+    s.request(B)
+    assert s.exited("b.service") == []
+    assert (s.snapshot().remained, s.is_waiting("b.service")) == ([], True)
+    assert brief(s.inactive("a.service", Outcome.EXITED)) == ["grant b.service 0"]
+
+
+def test_its_end_clears_every_mark_of_its_run() -> None:
+    """A run that ended keeps none of its marks (refused stop, failed freeze or suspend,
+    thaw owed, started by us): its next run starts clean, and it left the GPUs last."""
+    s = one_gpu(A)
+    s.request(A)
+    before = s.out_since.get("a.service", -1)
+    marks = (s.unstoppable, s.unfreezable, s.unsuspendable, s.thaw_owed)
+    ours = (s.started, s.refills, s.requeued)
+    for marked in (*marks, *ours):
+        marked.add("a.service")
+    s.exited("a.service")
+    assert [("a.service" in m) for m in (*marks, *ours)] == [False] * 7
+    assert s.out_since["a.service"] > before

@@ -925,6 +925,35 @@ def test_a_comeback_that_must_preempt_keeps_its_gpus_until_its_gate_asks() -> No
     assert brief(s.inactive(bg.name, Outcome.STOPPED)) == [f"grant {p.name} 0,1"]
 
 
+def test_a_comeback_that_must_preempt_whose_start_failed_keeps_no_gpus() -> None:
+    """As above, p's start failed before its gate asked: nothing comes to ask for the GPUs
+    kept for it, so w (50) is granted GPU 0 at once instead of waiting on for p."""
+    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
+    bg = spec("bg", 95, BG, devices=("1",))
+    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
+    s.load(SavedState(preempted={p.name: 1}))
+    s.request(spec("u", 10, devices=("0",)))
+    s.request(bg)
+    assert brief(s.request(w)) == []
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    assert brief(s.inactive(p.name, Outcome.FAILED)) == [f"grant {w.name} 0"]
+
+
+def test_a_comeback_that_must_preempt_seen_running_past_its_gate_keeps_no_gpus() -> None:
+    """As above, systemd shows p running past its gate without a grant (found so, its
+    GPUs unknown): it holds what it runs on, and no place is kept for a gate that will not
+    ask, so w (50) is granted GPU 0 at once."""
+    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
+    bg = spec("bg", 95, BG, devices=("1",))
+    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
+    s.load(SavedState(preempted={p.name: 1}))
+    s.request(spec("u", 10, devices=("0",)))
+    s.request(bg)
+    assert brief(s.request(w)) == []
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    assert brief(s.running(p.name)) == [f"grant {w.name} 0"]
+
+
 def test_a_place_kept_is_lost_to_a_comeback_that_must_preempt_before_its_gate_asks() -> None:
     """w's place on GPU 0 was kept while top (5) held GPU 1 and p (20, two GPUs) could not
     come back; once top ended p came back naming w's place, and w's gate, asking first, was

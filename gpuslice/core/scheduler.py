@@ -2060,7 +2060,6 @@ class Scheduler:
         and noted as started by us (saved: `start_lost`)."""
         self.holders[spec.name] = Holder(spec, gpus, Phase.STARTING, self._next())
         self.started.add(spec.name)
-        self._comeback_room.pop(spec.name, None)
         self.dormant.discard(spec.name)  # a comeback: someone started it before
 
     def _refill(self, promises: list[tuple[int, Use]]) -> list[Action]:
