@@ -453,9 +453,7 @@ class Controller:
         self.restore.sweep_env_files(units)  # ours alone (our name): no other controller writes one
         self.ready = True
         self.execute(actions)
-        for name in sorted(self.scheduler.grants()):
-            if remains_active(self.tracker.state(name)):
-                self.remains.exited(name)  # its job ended while we were away: released soon
+        self._recheck_exited()  # a job that ended while we were away: released soon
         if forgets and not actions:
             self._persist()
         self._check_freezer()  # a thaw the last controller owed: at once, not at a sample
