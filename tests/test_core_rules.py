@@ -993,6 +993,56 @@ def test_a_comeback_that_must_preempt_is_known_since_its_start_for_the_thrash_ru
     assert s.phase(w.name) is Phase.RUNNING and s.waiting_units() == [p.name]
 
 
+def test_a_comeback_keeps_its_gpus_when_one_started_before_it_runs_past_its_gate() -> None:
+    """p (20) and q (30) come back in one pass, p naming GPUs 2-3, q GPUs 0-1, each to
+    preempt background units; w (50) waits for GPU 0. p seen running past its gate keeps no
+    place, but q's gate still will ask: w waits on, and b0 is not stopped for it."""
+    p, q, w = spec("p", 20, gpus=2), spec("q", 30, gpus=2), spec("w", 50, devices=("0",))
+    bgs = [spec(f"b{i}", 95, BG, devices=(str(i),)) for i in range(4)]
+    s = Scheduler(range(4), {n.name: n for n in (p, q, w, *bgs)})
+    running: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        n.name: ((i,), "running", i + 1, "") for i, n in enumerate(bgs)
+    }
+    s.load(SavedState(holders=running, preempted={p.name: 5, q.name: 6}, seq=6))
+    assert brief(s.schedule()) == [f"start {p.name}", f"start {q.name}"]
+    assert brief(s.request(w)) == []
+    assert brief(s.running(p.name)) == []
+    assert s.waiting_units() == [w.name]
+
+
+def test_a_comeback_keeps_its_gpus_from_units_less_urgent_than_its_priority_now() -> None:
+    """As above, p (20) came back naming GPUs 0-1 and w (50) waits for GPU 0; a reload
+    before p's gate asks makes p 60: w is more urgent now and is granted GPU 0; made 40, p
+    still keeps it from w."""
+    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
+    bg = spec("bg", 95, BG, devices=("1",))
+    for now, granted in ((60, [f"grant {w.name} 0"]), (40, [])):
+        s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
+        s.load(SavedState(preempted={p.name: 1}))
+        s.request(spec("u", 10, devices=("0",)))
+        s.request(bg)
+        assert brief(s.request(w)) == []
+        assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+        reloaded = {p.name: spec("p", now, gpus=2), w.name: w, bg.name: bg}
+        assert brief(s.set_specs(reloaded)) == granted
+
+
+def test_a_comeback_whose_annotation_goes_before_its_gate_asks_keeps_no_gpus() -> None:
+    """As above, p's annotation goes before its gate asks: gpuslice starts no unannotated
+    unit, so p's start is stopped and w (50) is granted GPU 0 at once."""
+    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
+    bg = spec("bg", 95, BG, devices=("1",))
+    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
+    s.load(SavedState(preempted={p.name: 1}))
+    s.request(spec("u", 10, devices=("0",)))
+    s.request(bg)
+    assert brief(s.request(w)) == []
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    reloaded = {w.name: w, bg.name: bg}
+    assert brief(s.set_specs(reloaded)) == [f"stop {p.name}", f"grant {w.name} 0"]
+    assert brief(s.inactive(p.name, Outcome.STOPPED)) == []
+
+
 def test_a_comeback_keeps_nothing_from_a_more_urgent_waiter() -> None:
     """The GPUs a comeback that must preempt will ask for bind only the less urgent."""
     p, top = spec("p", 20, gpus=2), spec("top", 5, devices=("0",))

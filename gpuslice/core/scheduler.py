@@ -2031,7 +2031,9 @@ class Scheduler:
             if holder is None or holder.phase is not Phase.STARTING or holder.gpus:
                 del self._comeback_room[name]
                 continue
-            spec = self.specs.get(name, holder.spec)
+            # its terms as annotated now: set_specs gives a STARTING holder its new spec, and
+            # withdraws or forgets one whose annotation went
+            spec = holder.spec
             self._promise(promises, spec, gpus, kept_from=spec.priority + 1)
         return promises
 
