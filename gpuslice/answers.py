@@ -69,14 +69,15 @@ class StatusAnswers:
         suspensions: Callable[[], Mapping[str, tuple[int, float]]],
         counters: Counters,
         adapter_counts: Callable[[], Iterable[tuple[str, int]]],
-        started: float,
+        started: Callable[[], float],
         credentials: Callable[[str], Awaitable[Credentials]],
         read_hiding: Callable[[], ProcHiding] = read_proc_hiding,
     ) -> None:
         """`waiting_since`: Unix time each waiter started waiting; `suspensions`: the bytes
         each suspended unit moved to host memory, and when (Unix time); `adapter_counts`:
         the counters the adapters keep (status's "counters" keys); `started`: Unix time the
-        controller started; `credentials`: the bus daemon's word on a unique bus name."""
+        controller started, as the wall clock tells it now (clock.unix_time: a clock step
+        since moves it too); `credentials`: the bus daemon's word on a unique bus name."""
         self.core = core
         self._scan = scan
         self._sample = sample
@@ -221,7 +222,7 @@ class StatusAnswers:
             "admission_wait_seconds": self.counters.admission_wait.to_json(),
             "controller": {
                 "version": __version__,
-                "start_time": self.started,
+                "start_time": self.started(),
                 "status_time": as_of,
             },
             "counters": self.counters.to_json(self._adapter_counts()),

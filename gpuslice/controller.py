@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import signal
-import time
 from collections.abc import (
     Callable,
     Collection,
@@ -28,7 +27,7 @@ from collections.abc import (
 from pathlib import Path
 from typing import Any
 
-from gpuslice import envfiles, stopjournal
+from gpuslice import clock, envfiles, stopjournal
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.answers import StatusAnswers
 from gpuslice.calls import Calls, JobCall
@@ -185,9 +184,9 @@ class Controller:
         self.ask_journal = ask_journal
         # decisions, errors and admission waits since we started (status, `gpuslice metrics`)
         self.counters = Counters()
-        self.started = time.time()
-        # when each waiter started waiting: (Unix time for status, monotonic for its wait)
-        self.waiting_since: dict[str, tuple[float, float]] = {}
+        self.started = clock.moment()  # shown as a Unix time (clock.unix_time)
+        # when each waiter started waiting (clock.moment): its wait, and status's "since"
+        self.waiting_since: dict[str, float] = {}
         self.config_path = config_path
         self.systemd = systemd
         self.root = root
@@ -262,11 +261,13 @@ class Controller:
             self.scheduler,
             scan=lambda: self.scan,
             sample=lambda: self.watch.sample,
-            waiting_since=lambda: {n: wall for n, (wall, _) in self.waiting_since.items()},
-            suspensions=lambda: {n: (s.vram, s.wall) for n, s in self.ladder.suspensions.items()},
+            waiting_since=lambda: {n: clock.unix_time(m) for n, m in self.waiting_since.items()},
+            suspensions=lambda: {
+                n: (s.vram, clock.unix_time(s.since)) for n, s in self.ladder.suspensions.items()
+            },
             counters=self.counters,
             adapter_counts=self._adapter_counts,
-            started=self.started,
+            started=lambda: clock.unix_time(self.started),
             credentials=lambda sender: self.systemd.caller_credentials(sender),
         )
         # the annotations read again after each daemon-reload, one scan at a time, and the
@@ -1299,7 +1300,7 @@ class Controller:
     def _waited(self, unit: str) -> float:
         """Seconds the unit has waited at its gate so far (0: not waiting)."""
         since = self.waiting_since.get(unit)
-        return 0.0 if since is None else time.monotonic() - since[1]
+        return 0.0 if since is None else clock.moment() - since
 
     def _track_waiters(self) -> None:
         """Note when each waiter started waiting; forget those that no longer wait."""
@@ -1309,7 +1310,7 @@ class Controller:
             if name not in waiting and self.scheduler.phase(name) is not Phase.STARTING:
                 del self.waiting_since[name]
         for name in waiting:
-            self.waiting_since.setdefault(name, (time.time(), time.monotonic()))
+            self.waiting_since.setdefault(name, clock.moment())
 
     def _known_units(self) -> set[str]:
         """The units the core knows (holders, waiters, suspended, and those released while

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gpuslice import checkpoint
+from gpuslice import checkpoint, clock
 from gpuslice.cgroups import unit_of_pid
 from gpuslice.checkpoint import CheckpointError, CheckpointSettings
 from gpuslice.core.scheduler import Action
@@ -104,8 +104,9 @@ class Suspension:
 
     pids: tuple[int, ...]  # those its suspend checkpointed
     vram: int  # bytes now in host memory
-    since: float  # time.monotonic() when it was suspended
-    wall: float  # time.time() of the same moment
+    # clock.moment() when it was suspended: status shows it as a Unix time (clock.unix_time)
+    since: float
+    wall: float  # time.time() of the same moment, for the state file (`saved`)
     # read back from the state file by a controller started since (`recall`): the last
     # one's cuda-checkpoint runs may still be under way on its processes
     recalled: bool = False
@@ -168,7 +169,7 @@ class Ladder:
         (`_still_its_own`: one freed and given to another unit's process is left alone),
         rather than asking the tool the state of each process of the unit: more than
         MAX_RECOVERED_PIDS of them failed the resume, and the unit was stopped."""
-        now, wall_now = time.monotonic(), time.time()
+        now, wall_now = clock.moment(), time.time()
         for unit, (pids, vram, wall) in saved.items():
             since = now - max(0.0, wall_now - wall)  # for status alone: a clock step is cosmetic
             self.suspensions[unit] = Suspension(tuple(pids), vram, since, wall, recalled=True)
@@ -299,7 +300,7 @@ class Ladder:
                 why += f"; and undoing the checkpoint failed: {undo.reason}"
                 lost = undo.unsettled  # left locked or checkpointed: it never runs on
             raise CheckpointError(why, lost) from None
-        self.suspensions[unit] = Suspension(pids, vram, time.monotonic(), time.time())
+        self.suspensions[unit] = Suspension(pids, vram, clock.moment(), time.time())
         return f"{format_size(vram)} to host memory in {seconds:.1f} s"
 
     async def _frozen_since_look(self, unit: str, failed: CheckpointError) -> None:
@@ -383,7 +384,7 @@ class Ladder:
                 raise CheckpointError(_NO_TOOL)
             return f"a controller restart: {resumed_words(done)}"
         done = await self.restore(unit, suspension.pids, run, recalled=suspension.recalled)
-        away = time.monotonic() - suspension.since
+        away = clock.moment() - suspension.since  # a host sleep meanwhile counts
         return f"{away:.0f} s: {resumed_words(done)}"
 
     async def restore(

@@ -124,6 +124,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
+from gpuslice import clock
 from gpuslice.annotations import Scan
 from gpuslice.core.decisions import LISTED_MAX, Decision, reason
 from gpuslice.core.model import Gpu
@@ -142,6 +143,9 @@ SLOW_BUILD = 0.02
 REBUILD_FACTOR = 10
 # `gpuslice status` says how old a state this far behind is.
 STALE_SAID = 2.0
+# A wall clock stepped more than this since a build (NTP, `date -s`) made the Unix times in it
+# (`since`, gpuslice/clock.py) wrong by as much: it is built again, changed or not.
+STEP_SEEN = 1.0
 # The table's first line for a redacted answer
 REDACTED_SAID = (
     "Processes of other users are hidden (/proc is mounted with hidepid): their PIDs, "
@@ -170,6 +174,7 @@ class CachedStatus(Generic[T]):
         self._fresh = False
         self._until = 0.0  # monotonic time before which a slow build is not repeated
         self.built = 0.0  # Unix time of the last build
+        self._booted = 0.0  # the Unix time of the host's boot (clock.unix_time(0)) at it
         self._variants: list[CachedStatus[Any]] = []
 
     def variant(self, build: Callable[[], U]) -> CachedStatus[U]:
@@ -191,8 +196,10 @@ class CachedStatus(Generic[T]):
         return time.time() if self._fresh else self.built
 
     def text(self) -> T:
-        if self._text is None or not (self._fresh or time.monotonic() < self._until):
+        stepped = abs(clock.unix_time(0.0) - self._booted) > STEP_SEEN
+        if self._text is None or stepped or not (self._fresh or time.monotonic() < self._until):
             start, cpu = time.monotonic(), time.thread_time()
+            self._booted = clock.unix_time(0.0)
             self._text, self.built = self._build(), time.time()
             # the loop's CPU, not the wall clock: a fast build that waited for a CPU on a busy
             # host is no reason to show readers a state of a moment ago

@@ -57,7 +57,7 @@ class Host:
             suspensions=dict,
             counters=self.counters,
             adapter_counts=lambda: [("dbus_signals_dropped", self.dropped)],
-            started=1000.0,
+            started=lambda: 1000.0,
             credentials=self._ask,
             read_hiding=lambda: self.hiding,
         )

@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -44,6 +45,7 @@ from dbus_next import Message
 from dbus_next.constants import NameFlag, RequestNameReply
 
 from gpuslice import __version__, stopjournal
+from gpuslice import clock as clock_module
 from gpuslice import controller as controller_module
 from gpuslice import service as service_module
 from gpuslice.annotations import scan
@@ -658,7 +660,9 @@ def test_a_line_of_a_level_journald_has_no_number_for_is_info() -> None:
 
 
 class Clock:
-    """controller.time: the wall and monotonic clocks, moved by the test."""
+    """gpuslice.clock's `time`: the wall clock and CLOCK_BOOTTIME, moved by the test."""
+
+    CLOCK_BOOTTIME = time.CLOCK_BOOTTIME
 
     def __init__(self) -> None:
         self.wall = 1_700_000_000.0
@@ -667,14 +671,15 @@ class Clock:
     def time(self) -> float:
         return self.wall
 
-    def monotonic(self) -> float:
+    def clock_gettime(self, which: int) -> float:
+        assert which == time.CLOCK_BOOTTIME
         return self.mono
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     made = Clock()
-    monkeypatch.setattr(controller_module, "time", made)
+    monkeypatch.setattr(clock_module, "time", made)
     return made
 
 
@@ -857,7 +862,9 @@ def test_the_status_answer_holds_each_part_with_its_keys_sorted_and_the_times_it
         await ctl.start()
         ctl.on_unit_changed("a.service", at_gate())
         await settle()
-        ctl.ladder.suspensions["vlm.service"] = Suspension((4242,), 3 << 30, 0.0, 1234.5)
+        # suspended 30 s ago (the state file's Unix time of it is not what status shows)
+        suspended = Suspension((4242,), 3 << 30, clock.mono - 30, 1234.5)
+        ctl.ladder.suspensions["vlm.service"] = suspended
         ctl.answers.changed()
         text = ctl.status_json()
         status = json.loads(text)
@@ -865,7 +872,7 @@ def test_the_status_answer_holds_each_part_with_its_keys_sorted_and_the_times_it
             ("a.service", 1_700_000_000.0)
         ]
         assert [(s["unit"], s["host_memory"], s["since"]) for s in status["suspended"]] == [
-            ("vlm.service", 3 << 30, 1234.5)
+            ("vlm.service", 3 << 30, 1_700_000_000.0 - 30)
         ]
         assert status["controller"]["version"] == __version__
         assert status["controller"]["start_time"] == 1_700_000_000.0
@@ -879,6 +886,51 @@ def test_the_status_answer_holds_each_part_with_its_keys_sorted_and_the_times_it
         assert all(keys == sorted(keys) for keys in inner)
         snapshot = sorted(json.loads(ctl.answers._status.text().text))
         assert top == [*snapshot, "admission_wait_seconds", "controller", "counters"]
+
+    run(test)
+
+
+def test_the_times_status_shows_survive_a_clock_step_and_count_a_host_sleep(
+    tmp_path: Path, clock: Clock
+) -> None:
+    """A waiter's `since`, a suspended unit's and the controller's `start_time` are Unix
+    times of moments kept on CLOCK_BOOTTIME (gpuslice/clock.py). The wall clock stepped since
+    (NTP at boot correcting an RTC hours off, `date -s`) moves them with it: now less `since`
+    is the time that passed, not hours more, nor a wait shown 0 s (`gpuslice status`), and
+    `gpuslice_controller_start_time_seconds` is when the controller started by the clock now.
+    A host sleep meanwhile (CLOCK_BOOTTIME counts it, CLOCK_MONOTONIC does not) counts, as in
+    the grant's GPUSLICE_WAITED_USEC and the admission-wait histogram (the same moments)."""
+    write_unit(tmp_path, "a.service", "Priority=50\n")
+    bed = vlm_suspended_for_voice(tmp_path)
+    ctl = bed.controller
+
+    def shown() -> tuple[float, float, float]:
+        ctl.answers.changed()  # built anew: the times as of now
+        status = json.loads(ctl.status_json())
+        [waiter] = status["waiting"]
+        [suspended] = status["suspended"]
+        return (
+            clock.wall - waiter["since"],
+            clock.wall - suspended["since"],
+            clock.wall - status["controller"]["start_time"],
+        )
+
+    async def test() -> None:
+        await ctl.start()
+        ctl.ladder.suspensions["vlm.service"] = Suspension((4242,), 1 << 30, clock.mono, clock.wall)
+        clock.mono += 5
+        clock.wall += 5
+        ctl.on_unit_changed("a.service", at_gate())
+        await settle()
+        clock.mono += 60
+        clock.wall += 60 + 6 * 3600  # NTP steps the clock 6 h on a minute later
+        assert shown() == (60.0, 65.0, 65.0)
+        clock.wall -= 12 * 3600  # an admin sets it 12 h back
+        assert shown() == (60.0, 65.0, 65.0)
+        clock.mono += 8 * 3600  # the host slept 8 h
+        clock.wall += 8 * 3600
+        assert shown() == (60.0 + 8 * 3600, 65.0 + 8 * 3600, 65.0 + 8 * 3600)
+        assert ctl._waited("a.service") == 60.0 + 8 * 3600
 
     run(test)
 

@@ -22,11 +22,13 @@ import subprocess
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from gpuslice import checkpoint
+from gpuslice import clock as clock_module
 from gpuslice.checkpoint import (
     CheckpointError,
     CheckpointSettings,
@@ -751,6 +753,33 @@ def test_a_suspension_records_what_moved_and_when(host: Host) -> None:
     match = re.fullmatch(r"([0-9]+) s: restored in [0-9]+\.[0-9] s", detail)
     assert event == "resumed" and match is not None, detail
     assert int(match.group(1)) < TIMEOUT
+
+
+def test_the_time_away_a_resume_says_counts_a_host_sleep(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Measured on CLOCK_BOOTTIME (gpuslice/clock.py): on CLOCK_MONOTONIC, which stops while
+    the host sleeps, a unit suspended before a night's suspend-to-RAM was said resumed after
+    the seconds it was away awake, not the hours."""
+    host.job()
+    run(host.ladder.suspend(UNIT))
+    assert host.said()[-1][0] == "suspended"
+    slept = 8 * 3600
+    awake = time.clock_gettime(time.CLOCK_BOOTTIME) + slept
+    monkeypatch.setattr(
+        clock_module,
+        "time",
+        SimpleNamespace(
+            CLOCK_BOOTTIME=time.CLOCK_BOOTTIME,
+            clock_gettime=lambda _: awake,
+            time=lambda: time.time() + slept,
+        ),
+    )
+    run(host.ladder.resume(UNIT))
+    event, _, detail = host.said()[-1]
+    match = re.fullmatch(r"([0-9]+) s: restored in [0-9]+\.[0-9] s", detail)
+    assert event == "resumed" and match is not None, detail
+    assert slept <= int(match.group(1)) < slept + TIMEOUT
 
 
 def test_a_resume_whose_thaw_fails_goes_on_with_a_debug_line(

@@ -248,7 +248,7 @@ def _answers(core: _Core) -> StatusAnswers:
         suspensions=dict,
         counters=Counters(),
         adapter_counts=list,
-        started=0.0,
+        started=lambda: 0.0,
         credentials=_nobody,
         read_hiding=ProcHiding,
     )

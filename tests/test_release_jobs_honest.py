@@ -21,6 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpuslice import cli as cli_module
+from gpuslice import clock as clock_module
 from gpuslice.checkpoint import CheckpointSettings, Resumed, resume
 from gpuslice.cli import main
 from gpuslice.core.scheduler import Action, SavedState
@@ -139,7 +140,7 @@ def test_the_controllers_journal_claims_no_restore_when_every_process_had_exited
         lambda: dataclasses.replace(FAST, tool=tool),
         _report,
     )
-    ladder.suspensions[UNIT] = Suspension((gone.pid,), 1 << 30, time.monotonic(), time.time())
+    ladder.suspensions[UNIT] = Suspension((gone.pid,), 1 << 30, clock_module.moment(), time.time())
     asyncio.run(ladder.resume(UNIT))
     [(event, unit, words)] = events.said
     assert (event, unit) == ("resumed", UNIT)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from gpuslice import clock as clock_module
 from gpuslice.annotations import Problem, Scan
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part
 from gpuslice.core.model import Gpu, UnitSpec
@@ -19,6 +21,7 @@ from gpuslice.status import (
     REBUILD_FACTOR,
     SLOW_BUILD,
     STALE_SAID,
+    STEP_SEEN,
     CachedStatus,
     FullStatus,
     _duration,
@@ -812,6 +815,35 @@ def test_a_fast_status_is_built_again_at_every_change_and_only_then(
     assert [cached.text() for _ in range(3)] == ["{1}"] * 3
     cached.changed()
     assert cached.text() == "{2}" and len(builds) == 2
+
+
+def test_a_status_is_built_again_once_the_wall_clock_is_stepped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its Unix times (a waiter's `since`, gpuslice/clock.py) are the wall clock's at its
+    build: an idle host's status, built once, kept them wrong by a step since (NTP correcting
+    at boot an RTC hours off, `date -s`) until something changed, a wait shown hours long or
+    0 s. Time passing, the host sleeping (both clocks move alike) or a step of a second at most
+    (a leap second) is no reason to build it again."""
+    cached, builds, clock = _cached(monkeypatch, SLOW_BUILD / 2)
+    step = [0.0]
+    monkeypatch.setattr(
+        clock_module,
+        "time",
+        SimpleNamespace(
+            CLOCK_BOOTTIME=time.CLOCK_BOOTTIME,
+            clock_gettime=lambda _: clock.now,
+            time=lambda: 1_700_000_000.0 + clock.now + step[0],
+        ),
+    )
+    assert cached.text() == "{1}"
+    clock.now += 8 * 3600
+    step[0] += STEP_SEEN
+    assert cached.text() == "{1}" and len(builds) == 1
+    step[0] += 6 * 3600
+    assert [cached.text() for _ in range(2)] == ["{2}"] * 2
+    step[0] -= 12 * 3600
+    assert cached.text() == "{3}" and len(builds) == 3
 
 
 def test_a_fast_status_is_of_the_moment_on_a_busy_host_too(
