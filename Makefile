@@ -283,7 +283,7 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 # rescans after a daemon-reload with the starts they hold back (rescans.py), and what a gate
 # that asks is answered (gates.py)
 MUTATE_controller := gpuslice.controller.* gpuslice.calls.* gpuslice.delivery.* \
-	gpuslice.restore.* gpuslice.rescans.* gpuslice.gates.* gpuslice.answers.*
+	gpuslice.restore.* gpuslice.rescans.* gpuslice.gates.* gpuslice.answers.* gpuslice.remains.*
 # the adapters to the outside world: systemd's bus, NVML and the driver's arrival, the GPU
 # watcher and the whole inventory, `gpuslice new`, the metrics and their exporter, the
 # journal's lines and sd_notify, gpuslice's own D-Bus interface and who calls it, the
@@ -292,7 +292,8 @@ MUTATE_controller := gpuslice.controller.* gpuslice.calls.* gpuslice.delivery.* 
 MUTATE_outer := gpuslice.systemd.* gpuslice.nvml.* gpuslice.driver.* gpuslice.gpuwatch.* \
 	gpuslice.inventory.* gpuslice.newunit.* gpuslice.metrics.* gpuslice.exporter.* \
 	gpuslice.journal.* gpuslice.notify.* gpuslice.counters.* gpuslice.offloop.* gpuslice.cli.* \
-	gpuslice.procmount.* gpuslice.service.* gpuslice.callers.* gpuslice.stopjournal.*
+	gpuslice.procmount.* gpuslice.service.* gpuslice.callers.* gpuslice.stopjournal.* \
+	gpuslice.clock.*
 MUTATE_all := $(MUTATE_core) $(MUTATE_adapters) $(MUTATE_controller) $(MUTATE_outer)
 MUTATE_EQUIVALENT := tests/mutation-equivalent.txt
 # Address space of each process of the run (KiB): a mutant that makes a loop append for ever
