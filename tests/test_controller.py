@@ -426,10 +426,35 @@ class Bed:
         await settle()
 
 
+def holding_a_gpu_each(tmp_path: Path, units: dict[str, str], **bed: Any) -> Bed:
+    """`units` (name: its section) run on GPU 0, 1, ... in their order, as the last
+    controller saved them; `bed` is passed on to `Bed` (config, nvml)."""
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
+        name: ((i,), "running", i + 1, "") for i, name in enumerate(units)
+    }
+    return Bed(
+        tmp_path,
+        units,
+        [state(name, "active", "running") for name in units],
+        SavedState(holders=holders, seq=len(units)),
+        **bed,
+    )
+
+
 def goes_down(bed: Bed, name: str) -> None:
     """Systemd shows the unit inactive (dead) and signals it."""
     bed.systemd.units[name] = state(name, "inactive", "dead")
     bed.controller.on_unit_changed(name, {"ActiveState": "inactive", "SubState": "dead"})
+
+
+EXITED = {"ActiveState": "active", "SubState": "exited", "Job": (0, "/")}
+
+
+def job_ended(bed: Bed, name: str) -> None:
+    """Systemd keeps the unit active after its job ended (RemainAfterExit=yes: `active
+    (exited)`) and signals it."""
+    bed.systemd.units[name] = state(name, "active", "exited")
+    bed.controller.on_unit_changed(name, EXITED)
 
 
 def frozen_beside_voice(
@@ -481,6 +506,13 @@ async def settle() -> None:
     """Let the tasks the controller spawned run (each awaits only the fakes)."""
     for _ in range(20):
         await asyncio.sleep(0)
+
+
+async def started(bed: Bed) -> Controller:
+    """`bed`'s controller, started and settled."""
+    await bed.controller.start()
+    await settle()
+    return bed.controller
 
 
 async def until(condition: Callable[[], bool], timeout: float = PATIENCE) -> None:
@@ -741,9 +773,7 @@ def test_start_up_holds_a_suspended_unit_stopped_while_away_and_keeps_a_running_
     )
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ctl.scheduler.held == {"a.service"}
         assert ctl.scheduler.phase("a.service") is None
         # its GPU is free: resumed, which fails with no cuda-checkpoint here (its processes
@@ -771,9 +801,7 @@ def test_start_up_keeps_a_suspended_unit_whose_annotation_went_while_it_still_ru
     )
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ctl.scheduler.held == set()
         # (no cuda-checkpoint here: the resume fails, and the unit is stopped)
         assert ctl.scheduler.phase("b.service") in (Phase.RESUMING, Phase.STOPPING)
@@ -873,9 +901,7 @@ def test_a_unit_suspended_when_the_host_went_down_comes_back_after_the_reboot(
     StateStore(Path(bed.config.state_dir)).save(before, "boot-0")
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ctl.scheduler.held == set()
         assert ("start", "vlm.service") in bed.systemd.calls
         assert ctl.scheduler.suspended_units() == []
@@ -911,9 +937,7 @@ def test_a_frozen_or_suspended_unit_restarted_by_hand_is_served_as_a_new_start(
     bed = frozen_beside_voice(tmp_path, phase=phase)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ctl.scheduler.phase("emb.service") is Phase(phase)
         ctl.ladder.suspensions["emb.service"] = Suspension((4242,), 1 << 30, 0.0, 0.0)
         restarted_by_hand(bed, "emb.service", 9)
@@ -1652,9 +1676,7 @@ def test_a_start_of_ours_whose_annotation_went_is_stopped_and_its_gate_not_let_t
     cgroup_of[4242] = "bg.service"
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ("start", "bg.service") in bed.systemd.calls
         assert ctl.scheduler.phase("bg.service") is Phase.STARTING
         await unannotate(ctl, tmp_path, "bg.service")
@@ -2190,9 +2212,7 @@ def test_a_requeue_that_did_not_reach_systemd_is_sent_again_not_recorded_failed(
     sent = failing_calls(bed, "start", [NO_REPLY, NO_OWNER, NO_REPLY])
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert len(sent) == 1
         assert ctl.scheduler.phase("low.service") is None  # its GPU released meanwhile
         assert ctl.scheduler.snapshot().failed == []
@@ -2235,9 +2255,7 @@ def test_a_start_that_did_not_reach_systemd_is_sent_again_only_while_still_wante
     sent = failing_calls(bed, "start", [NO_REPLY])
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert bed.service.granted == [("urgent.service", "0")]
         assert await due_now(ctl.calls._send_again) == 1
@@ -2266,9 +2284,7 @@ def test_a_start_systemd_refuses_is_failed_and_not_sent_again(
     sent = failing_calls(bed, "start", [masked])
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ctl.scheduler.snapshot().failed == ["low.service"]
         assert ctl.calls._retry_timers == {} and len(sent) == 1
 
@@ -4067,9 +4083,7 @@ def test_a_flood_of_new_instances_changes_the_match_rules_a_few_times_not_once_e
     bed.systemd.watch = counted  # type: ignore[method-assign]
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         asked.clear()
         for i in range(3000):
             ctl.on_job_new(i + 1, f"/org/freedesktop/systemd1/job/{i + 1}", f"t@{i}.service")
@@ -4101,9 +4115,7 @@ def test_a_read_answered_before_an_instance_ended_and_was_forgotten_is_dropped(
         return got
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ctl.scheduler.phase("t@1.service") is Phase.RUNNING
         bed.systemd.unit_state = slow_read  # type: ignore[method-assign]
         ctl.on_systemd_restarted()
@@ -4507,9 +4519,7 @@ def test_a_frozen_instance_the_shutdown_stopped_unheard_is_owed_its_comeback(
     bed.systemd.system = system
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ctl.scheduler.phase("emb@1.service") is Phase.FROZEN
         job = "/org/freedesktop/systemd1/job/1"
         ctl.on_job_new(1, job, "emb@1.service")  # the shutdown's stop: its JobNew was lost
@@ -4545,9 +4555,7 @@ def test_a_frozen_unit_thawed_by_systemd_for_a_slow_stop_by_hand_is_held(
     bed = frozen_beside_voice(tmp_path)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
         job = "/org/freedesktop/systemd1/job/1"
         ctl.on_job_new(1, job, "emb.service")  # systemctl stop emb.service
@@ -4577,12 +4585,15 @@ def test_a_frozen_unit_thawed_by_systemd_for_a_slow_stop_by_hand_is_held(
 
 # -- RemainAfterExit=yes: a unit kept active after its job ended -----------------------------
 
-EXITED = {"ActiveState": "active", "SubState": "exited", "Job": (0, "/")}
 
-
-def oneshot_and_waiter(tmp_path: Path, shown: str, saved: SavedState) -> Bed:
-    """once.service (50) as `saved` has it, shown active (`shown`); next.service (50) at its
-    gate, waiting for GPU 0, the host's only one."""
+def oneshot_and_waiter(tmp_path: Path, shown: str = "running", *, released: bool = False) -> Bed:
+    """once.service (50) shown active (`shown`), saved holding GPU 0, the host's only one,
+    or saved released (finished, kept active by systemd); next.service (50) at its gate,
+    waiting for GPU 0."""
+    if released:
+        saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
+    else:
+        saved = SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
     return Bed(
         tmp_path,
         {"once.service": "Priority=50\n", "next.service": "Priority=50\n"},
@@ -4601,9 +4612,7 @@ def test_a_unit_kept_active_after_its_job_ended_releases_its_gpus_once_no_proces
     process is left in it (KillMode=process) it keeps GPU 0, said once; with none left, at
     its next signal, the GPU goes to the unit waiting for it, said in the journal, saved
     (the next controller does not adopt it again), and shown in status."""
-    bed = oneshot_and_waiter(
-        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
-    )
+    bed = oneshot_and_waiter(tmp_path)
 
     async def test() -> None:
         ctl = bed.controller
@@ -4612,8 +4621,7 @@ def test_a_unit_kept_active_after_its_job_ended_releases_its_gpus_once_no_proces
             await settle()
             assert bed.service.granted == []
             bed.systemd.processes["once.service"] = [4242]
-            bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-            ctl.on_unit_changed("once.service", EXITED)
+            job_ended(bed, "once.service")
             await settle()
             ctl.on_unit_changed("once.service", EXITED)  # a read of it, say
             await settle()
@@ -4644,14 +4652,10 @@ def test_a_released_units_env_file_names_no_gpu_before_its_gpus_are_granted(
     """Systemd reads the env file anew for each command it spawns: once.service's later
     `systemctl reload` (ExecReload=) and stop (ExecStop=) ran on GPU 0, next.service's by
     then (two jobs on one GPU). Rewritten to name none before next.service's gate passes."""
-    bed = oneshot_and_waiter(
-        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
-    )
+    bed = oneshot_and_waiter(tmp_path)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         runtime = bed.config.runtime_dir
         envfiles.write(runtime, "once.service", [Gpu(0, "GPU-0")])  # its grant's
         seen: list[list[int]] = []
@@ -4662,8 +4666,7 @@ def test_a_released_units_env_file_names_no_gpu_before_its_gpus_are_granted(
             deliver(unit, gpus, again)
 
         ctl.delivery.deliver = deliver_seen  # type: ignore[method-assign]
-        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-        ctl.on_unit_changed("once.service", EXITED)
+        job_ended(bed, "once.service")
         await settle()
         assert bed.service.granted == [("next.service", "0")]
         assert seen == [[]]
@@ -4679,16 +4682,11 @@ def test_a_released_unit_reloaded_is_booked_on_no_gpu_nor_said_finished_again(
     """`systemctl reload once.service` after its release (`reloading`, then `exited`): no new
     run. Taken for one, the core booked it on GPU 0 again (next.service's: two jobs on one
     GPU), and its return to `exited` released it, said finished a second time."""
-    bed = oneshot_and_waiter(
-        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
-    )
+    bed = oneshot_and_waiter(tmp_path)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
-        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-        ctl.on_unit_changed("once.service", EXITED)
+        ctl = await started(bed)
+        job_ended(bed, "once.service")
         await settle()
         assert bed.service.granted == [("next.service", "0")]
         bed.systemd.units["next.service"] = state("next.service", "active", "running")
@@ -4700,8 +4698,7 @@ def test_a_released_unit_reloaded_is_booked_on_no_gpu_nor_said_finished_again(
             await settle()
             assert ctl.scheduler.phase("once.service") is None
             assert ctl.scheduler.grants() == {"next.service": frozenset({0})}
-            bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-            ctl.on_unit_changed("once.service", EXITED)
+            job_ended(bed, "once.service")
             await settle()
         assert ctl.scheduler.phase("once.service") is None
         assert ctl.scheduler.remained == {"once.service"}
@@ -4716,22 +4713,17 @@ def test_a_unit_whose_env_file_cannot_name_no_gpu_keeps_its_gpus_until_it_can(
 ) -> None:
     """A full /run: its file still names GPU 0 (gone, its later commands saw every GPU), so
     once.service keeps it; the next audit, the file written, releases it."""
-    bed = oneshot_and_waiter(
-        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
-    )
+    bed = oneshot_and_waiter(tmp_path)
     write = envfiles.write
 
     def full(runtime: str, unit: str, gpus: Sequence[Gpu], keep_old: bool = False) -> None:
         raise OSError(28, "No space left on device")
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         write(bed.config.runtime_dir, "once.service", [Gpu(0, "GPU-0")])
         monkeypatch.setattr(envfiles, "write", full)
-        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-        ctl.on_unit_changed("once.service", EXITED)
+        job_ended(bed, "once.service")
         await settle()
         assert bed.service.granted == []
         assert ctl.scheduler.phase("once.service") is Phase.RUNNING
@@ -4750,15 +4742,12 @@ def test_a_released_unit_found_reloading_is_not_adopted_by_the_next_controller(
 ) -> None:
     """A controller restarted while a released unit's ExecReload= runs (`reloading`): it
     holds nothing (its file names no GPU), and next.service gets GPU 0."""
-    saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
-    bed = oneshot_and_waiter(tmp_path, "exited", saved)
+    bed = oneshot_and_waiter(tmp_path, "exited", released=True)
     bed.systemd.units["once.service"] = state("once.service", "reloading", "reload")
     envfiles.write(bed.config.runtime_dir, "once.service", [])
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert bed.service.granted == [("next.service", "0")]
         assert ctl.scheduler.phase("once.service") is None
         assert ctl.scheduler.remained == {"once.service"}
@@ -4772,17 +4761,12 @@ def test_a_unit_whose_leftover_process_ended_is_released_at_the_next_audit(
     """A process left in once.service kept GPU 0; systemd signals nothing when it ends
     (nothing of the unit changes): the audit asks again, and the GPU goes to next.service
     (it waited until someone stopped once.service)."""
-    bed = oneshot_and_waiter(
-        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
-    )
+    bed = oneshot_and_waiter(tmp_path)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         bed.systemd.processes["once.service"] = [4242]
-        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-        ctl.on_unit_changed("once.service", EXITED)
+        job_ended(bed, "once.service")
         await settle()
         assert bed.service.granted == []
         bed.systemd.processes["once.service"] = []  # KillMode=process: its leftover ended
@@ -4804,18 +4788,13 @@ def test_a_unit_whose_tasks_systemd_counts_is_decided_without_listing_them(
     """once.service's TasksCurrent, not GetUnitProcesses (every process's command line,
     decoded on the loop every 30 s): 3 tasks left keep GPU 0, at the audit too; 0 gives it
     to next.service. The list, which would say otherwise, is never asked."""
-    bed = oneshot_and_waiter(
-        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
-    )
+    bed = oneshot_and_waiter(tmp_path)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         bed.systemd.tasks["once.service"] = 3
         bed.systemd.processes["once.service"] = []
-        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-        ctl.on_unit_changed("once.service", EXITED)
+        job_ended(bed, "once.service")
         await settle()
         await ctl.reads.audit()
         await settle()
@@ -4837,18 +4816,13 @@ def test_a_unit_whose_processes_could_not_be_listed_is_released_at_the_next_audi
     """GetUnitProcesses failed once (systemd busy, re-executing): no later signal of
     once.service comes while it stays `exited`, so the audit asks again, and GPU 0 goes to
     next.service (it waited until someone stopped once.service)."""
-    bed = oneshot_and_waiter(
-        tmp_path, "running", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
-    )
+    bed = oneshot_and_waiter(tmp_path)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         busy = SystemdError("org.freedesktop.DBus.Error.TimedOut", "no answer")
         bed.systemd.processes["once.service"] = busy
-        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-        ctl.on_unit_changed("once.service", EXITED)
+        job_ended(bed, "once.service")
         await settle()
         assert bed.service.granted == []
         bed.systemd.processes["once.service"] = []
@@ -4862,28 +4836,22 @@ def test_a_unit_whose_processes_could_not_be_listed_is_released_at_the_next_audi
 def test_a_unit_whose_job_ended_while_the_controller_was_away_is_released_at_start_up(
     tmp_path: Path,
 ) -> None:
-    bed = oneshot_and_waiter(
-        tmp_path, "exited", SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1)
-    )
+    bed = oneshot_and_waiter(tmp_path, "exited")
 
     async def test() -> None:
-        await bed.controller.start()
-        await settle()
+        ctl = await started(bed)
         assert bed.service.granted == [("next.service", "0")]
-        assert bed.controller.scheduler.remained == {"once.service"}
+        assert ctl.scheduler.remained == {"once.service"}
 
     run(test)
 
 
 def test_a_released_unit_is_not_adopted_again_by_the_next_controller(tmp_path: Path) -> None:
     """Nor is its GetUnitProcesses asked again: it holds nothing."""
-    saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
-    bed = oneshot_and_waiter(tmp_path, "exited", saved)
+    bed = oneshot_and_waiter(tmp_path, "exited", released=True)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         assert bed.service.granted == [("next.service", "0")]
         assert ctl.scheduler.phase("once.service") is None
         ctl.on_unit_changed("once.service", EXITED)
@@ -4899,13 +4867,10 @@ def test_a_released_units_stop_whose_signal_was_lost_is_found_by_the_audit(
 ) -> None:
     """once.service, released, is stopped and the bus drops its signals: the audit reads
     it too (twice, as any unit), and it is shown `(still active)` no more."""
-    saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
-    bed = oneshot_and_waiter(tmp_path, "exited", saved)
+    bed = oneshot_and_waiter(tmp_path, "exited", released=True)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         bed.systemd.units["once.service"] = state("once.service", "inactive", "dead")
         for _ in range(2):
             await ctl.reads.audit()
@@ -4919,8 +4884,7 @@ def test_a_released_units_stop_whose_signal_was_lost_is_found_by_the_audit(
 def test_a_released_unit_stopped_while_the_controller_was_away_is_forgotten_silently(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    saved = SavedState(finished=["once.service"], remained=["once.service"], seq=1)
-    bed = oneshot_and_waiter(tmp_path, "exited", saved)
+    bed = oneshot_and_waiter(tmp_path, "exited", released=True)
     bed.systemd.units["once.service"] = state("once.service", "inactive", "dead")
 
     async def test() -> None:

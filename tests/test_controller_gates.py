@@ -46,6 +46,7 @@ from tests.test_controller import (
     frozen_beside_voice,
     goes_down,
     held_after_answer,
+    holding_a_gpu_each,
     late_stops,
     low_holds_gpu_0,
     messages,
@@ -301,15 +302,26 @@ class LingeringVram(StubNvml):
 
 
 def a_and_b_on_lingering_vram(
-    tmp_path: Path, cgroup_of: dict[int, str], section: str = "Priority=50\n"
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    section: str = "Priority=50\n",
+    b_section: str | None = None,
 ) -> tuple[Bed, LingeringVram]:
-    """a.service and b.service (`section` each) for the one GPU of a LingeringVram, their
-    gates to ask from PIDs 4242 and 4243."""
+    """a.service and b.service (`section` each, or b.service's own `b_section`) for the one
+    GPU of a LingeringVram, their gates to ask from PIDs 4242 and 4243."""
     nvml = LingeringVram()
-    bed = Bed(tmp_path, {"a.service": section, "b.service": section}, [], nvml=nvml)
+    units = {"a.service": section, "b.service": section if b_section is None else b_section}
+    bed = Bed(tmp_path, units, [], nvml=nvml)
     cgroup_of[4242] = "a.service"
     cgroup_of[4243] = "b.service"
     return bed, nvml
+
+
+def a_and_b_of_16_gib(tmp_path: Path, cgroup_of: dict[int, str]) -> tuple[Bed, LingeringVram]:
+    """`a_and_b_on_lingering_vram`, Memory=16G each; a.service's job is PID 300, in its
+    cgroup (NVML is to show its VRAM)."""
+    process_in(tmp_path, 300, "/system.slice/a.service")
+    return a_and_b_on_lingering_vram(tmp_path, cgroup_of, "Priority=50\nMemory=16G\n")
 
 
 def test_a_holders_end_counts_the_vram_nvml_still_shows_of_it_until_released(
@@ -321,8 +333,7 @@ def test_a_holders_end_counts_the_vram_nvml_still_shows_of_it_until_released(
     declaration: b.service (Memory=16G) waits until NVML shows them freed. Decided on the
     sample before the end, b.service was granted 16 GiB of a GPU that had 8 free, and its
     job ran out of memory."""
-    process_in(tmp_path, 300, "/system.slice/a.service")
-    bed, nvml = a_and_b_on_lingering_vram(tmp_path, cgroup_of, "Priority=50\nMemory=16G\n")
+    bed, nvml = a_and_b_of_16_gib(tmp_path, cgroup_of)
 
     async def test() -> None:
         ctl = bed.controller
@@ -1257,17 +1268,9 @@ def test_a_held_unit_whose_gpu_is_lost_by_an_unknown_uuid_is_let_go_not_told_ano
     named index 0 as NVML numbers it now, GPU-B, or kept, by index: other.service's GPU."""
     nvml = StubNvml()
     nvml.uuids = ("GPU-A", "GPU-B")
-    bed = Bed(
+    bed = holding_a_gpu_each(
         tmp_path,
         {"low.service": "Priority=90\n", "other.service": "Priority=50\n"},
-        [state("low.service", "active", "running"), state("other.service", "active", "running")],
-        SavedState(
-            holders={
-                "low.service": ((0,), "running", 1, ""),
-                "other.service": ((1,), "running", 2, ""),
-            },
-            seq=2,
-        ),
         config=bed_config(tmp_path, gpus=2),
         nvml=nvml,
     )

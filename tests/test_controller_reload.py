@@ -32,12 +32,13 @@ from gpuslice import controller as controller_module
 from gpuslice import generator
 from gpuslice.annotations import Scan, scan
 from gpuslice.config import Config, load_config_with_warnings, read_pinned_runtime_dir
-from gpuslice.core.scheduler import SavedState
+from gpuslice.controller import Controller
 from gpuslice.paths import RUNTIME_DIR_DROPIN, RUNTIME_DIR_ENV
 from tests.test_controller import (
     Bed,
     at_gate,
     bed_config,
+    holding_a_gpu_each,
     low_holds_gpu_0,
     messages,
     run,
@@ -391,6 +392,24 @@ def test_a_start_reads_a_file_being_written_once_it_is_whole(
 # ---- fewer GPUs configured while units hold them -----------------------------------------------
 
 
+def gpu_1_configured_away(tmp_path: Path, units: dict[str, str]) -> Bed:
+    """The two `units` hold GPU 0 and GPU 1 of a host without NVML (`gpus: 2`); an admin
+    has made it `gpus: 1` in config.yaml, not yet reloaded."""
+    bed = holding_a_gpu_each(tmp_path, units, config=bed_config(tmp_path, gpus=2))
+    (tmp_path / "config.yaml").write_text("gpus: 1\n")
+    return bed
+
+
+async def reloaded_with_gpu_1_lost(bed: Bed) -> Controller:
+    """`gpu_1_configured_away`'s controller, started and reloaded: GPU 1, still held, is
+    reported lost."""
+    ctl = bed.controller
+    await ctl.start()
+    assert ctl.reload_config()
+    assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, False), (1, True)]
+    return ctl
+
+
 def test_a_gpu_configured_away_while_held_is_lost_only_until_its_holder_ends(
     tmp_path: Path,
 ) -> None:
@@ -398,24 +417,11 @@ def test_a_gpu_configured_away_while_held_is_lost_only_until_its_holder_ends(
     reloads while b.service holds GPU 1: GPU 1 is reported lost while b.service runs there.
     Once b.service ended, nothing sampled again: GPU 1 stayed lost in status (and in
     `gpuslice_gpu_lost`, an alert) until the next reload."""
-    config = bed_config(tmp_path, gpus=2)
-    bed = Bed(
-        tmp_path,
-        {"a.service": "Priority=10\n", "b.service": "Priority=20\n"},
-        [state("a.service", "active", "running"), state("b.service", "active", "running")],
-        SavedState(
-            holders={"a.service": ((0,), "running", 1, ""), "b.service": ((1,), "running", 2, "")},
-            seq=2,
-        ),
-        config=config,
-    )
-    (tmp_path / "config.yaml").write_text("gpus: 1\n")
+    units = {"a.service": "Priority=10\n", "b.service": "Priority=20\n"}
+    bed = gpu_1_configured_away(tmp_path, units)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        assert ctl.reload_config()
-        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, False), (1, True)]
+        ctl = await reloaded_with_gpu_1_lost(bed)
         assert ctl.scheduler.grants()["b.service"] == frozenset({1})
         bed.systemd.units["b.service"] = state("b.service", "inactive", "dead")
         ctl.on_unit_changed("b.service", {"ActiveState": "inactive", "SubState": "dead"})

@@ -20,6 +20,17 @@ def one_gpu(*specs: UnitSpec) -> Scheduler:
     return Scheduler([0], {s.name: s for s in specs})
 
 
+def bg_running_beside_urgent() -> tuple[Scheduler, UnitSpec, UnitSpec]:
+    """bg (90, background) refilled and past its gate on the one GPU; urgent (10) known,
+    not yet asking. Returns the scheduler, bg and urgent."""
+    bg = spec("bg", 90, BG)
+    urgent = spec("urgent", 10)
+    s = one_gpu(bg, urgent)
+    s.schedule()
+    s.request(bg)
+    return s, bg, urgent
+
+
 def test_its_gpus_go_to_its_waiter_and_it_is_recorded_finished_once() -> None:
     s = one_gpu(A, B)
     assert brief(s.request(A)) == ["grant a.service 0"]
@@ -89,11 +100,7 @@ def test_a_background_unit_kept_active_is_not_started_again_by_refill() -> None:
 def test_one_that_exits_while_being_preempted_keeps_its_gpus_then_is_owed_nothing() -> None:
     """Our stop is on its way: its waiter waits for its down (soon: nothing runs in it), and
     that down, though our stop's, ends finished work: no comeback that would run it again."""
-    bg = spec("bg", 90, BG)
-    urgent = spec("urgent", 10)
-    s = one_gpu(bg, urgent)
-    s.schedule()
-    s.request(bg)
+    s, _, urgent = bg_running_beside_urgent()
     assert brief(s.request(urgent)) == ["stop bg.service"]
     assert s.exited("bg.service") == []
     assert s.phase("bg.service") is Phase.STOPPING
@@ -103,11 +110,7 @@ def test_one_that_exits_while_being_preempted_keeps_its_gpus_then_is_owed_nothin
 
 
 def test_one_whose_stop_is_lost_after_it_exited_is_released_then() -> None:
-    bg = spec("bg", 90, BG)
-    urgent = spec("urgent", 10)
-    s = one_gpu(bg, urgent)
-    s.schedule()
-    s.request(bg)
+    s, _, urgent = bg_running_beside_urgent()
     s.request(urgent)
     s.exited("bg.service")
     done = s.stop_failed("bg.service", "no stop job runs", refused=False)
@@ -182,11 +185,7 @@ def test_gpuslice_plan_says_a_start_would_change_nothing() -> None:
 
 
 def test_a_restarted_controller_still_takes_our_stops_end_for_its_own_end() -> None:
-    bg = spec("bg", 90, BG)
-    urgent = spec("urgent", 10)
-    s = one_gpu(bg, urgent)
-    s.schedule()
-    s.request(bg)
+    s, bg, urgent = bg_running_beside_urgent()
     s.request(urgent)
     s.exited("bg.service")
     again = one_gpu(bg, urgent)

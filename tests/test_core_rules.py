@@ -893,17 +893,27 @@ def test_a_preempted_unit_more_urgent_than_a_waiter_comes_back_before_it_is_gran
     assert not any(r.victim == w.name for r in sim.stops)
 
 
+def _p_comes_back(other: UnitSpec, *, waits: bool = True) -> tuple[Scheduler, UnitSpec, UnitSpec]:
+    """p (20, two GPUs), preempted, comes back to preempt bg (95, GPU 1) once u (10, GPU 0)
+    ends; `other` is known, and waits (asked before u ends) unless `waits` is false.
+    Returns the scheduler, p and bg."""
+    p, bg = spec("p", 20, gpus=2), spec("bg", 95, BG, devices=("1",))
+    s = Scheduler(range(2), {p.name: p, other.name: other, bg.name: bg})
+    s.load(SavedState(preempted={p.name: 1}))
+    s.request(spec("u", 10, devices=("0",)))
+    s.request(bg)
+    if waits:
+        assert brief(s.request(other)) == []  # u (more urgent) holds GPU 0
+    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    return s, p, bg
+
+
 def test_a_comeback_that_must_preempt_keeps_its_gpus_from_later_waiters_of_the_pass() -> None:
     """p (20, two GPUs) comes back preempting bg (95, GPU 1) once u (10, GPU 0) ends; w (50,
     two GPUs), served after it in that pass, was given GPU 0 and bg's stop, and p's gate then
     preempted w in turn."""
-    p, w, bg = spec("p", 20, gpus=2), spec("w", 50, gpus=2), spec("bg", 95, BG, devices=("1",))
-    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
-    s.load(SavedState(preempted={p.name: 1}))
-    s.request(spec("u", 10, devices=("0",)))
-    s.request(bg)
-    assert brief(s.request(w)) == []  # u (more urgent) holds GPU 0
-    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    w = spec("w", 50, gpus=2)
+    s, _, bg = _p_comes_back(w)
     assert s.phase(bg.name) is Phase.RUNNING  # p's gate preempts it, not w
     assert s.waiting_units() == [w.name]
 
@@ -911,14 +921,8 @@ def test_a_comeback_that_must_preempt_keeps_its_gpus_from_later_waiters_of_the_p
 def test_a_comeback_that_must_preempt_keeps_its_gpus_until_its_gate_asks() -> None:
     """As above, w (50) on GPU 0 alone: a pass between p's start and its gate's call (any
     event) granted w GPU 0, and p's gate then stopped w: the ping-pong, one pass later."""
-    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
-    bg = spec("bg", 95, BG, devices=("1",))
-    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
-    s.load(SavedState(preempted={p.name: 1}))
-    s.request(spec("u", 10, devices=("0",)))
-    s.request(bg)
-    assert brief(s.request(w)) == []
-    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    w = spec("w", 50, devices=("0",))
+    s, p, bg = _p_comes_back(w)
     assert brief(s.schedule()) == []  # w still waits
     assert brief(s.request(p)) == ["stop bg.service"]
     assert s.phase(w.name) is None and s.waiting_units() == [w.name, p.name]
@@ -928,14 +932,8 @@ def test_a_comeback_that_must_preempt_keeps_its_gpus_until_its_gate_asks() -> No
 def test_a_comeback_that_must_preempt_whose_start_failed_keeps_no_gpus() -> None:
     """As above, p's start failed before its gate asked: nothing comes to ask for the GPUs
     kept for it, so w (50) is granted GPU 0 at once instead of waiting on for p."""
-    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
-    bg = spec("bg", 95, BG, devices=("1",))
-    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
-    s.load(SavedState(preempted={p.name: 1}))
-    s.request(spec("u", 10, devices=("0",)))
-    s.request(bg)
-    assert brief(s.request(w)) == []
-    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    w = spec("w", 50, devices=("0",))
+    s, p, _ = _p_comes_back(w)
     assert brief(s.inactive(p.name, Outcome.FAILED)) == [f"grant {w.name} 0"]
 
 
@@ -943,14 +941,8 @@ def test_a_comeback_that_must_preempt_seen_running_past_its_gate_keeps_no_gpus()
     """As above, systemd shows p running past its gate without a grant (found so, its
     GPUs unknown): it holds what it runs on, and no place is kept for a gate that will not
     ask, so w (50) is granted GPU 0 at once."""
-    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
-    bg = spec("bg", 95, BG, devices=("1",))
-    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
-    s.load(SavedState(preempted={p.name: 1}))
-    s.request(spec("u", 10, devices=("0",)))
-    s.request(bg)
-    assert brief(s.request(w)) == []
-    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    w = spec("w", 50, devices=("0",))
+    s, p, _ = _p_comes_back(w)
     assert brief(s.running(p.name)) == [f"grant {w.name} 0"]
 
 
@@ -1014,15 +1006,9 @@ def test_a_comeback_keeps_its_gpus_from_units_less_urgent_than_its_priority_now(
     """As above, p (20) came back naming GPUs 0-1 and w (50) waits for GPU 0; a reload
     before p's gate asks makes p 60: w is more urgent now and is granted GPU 0; made 40, p
     still keeps it from w."""
-    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
-    bg = spec("bg", 95, BG, devices=("1",))
+    w = spec("w", 50, devices=("0",))
     for now, granted in ((60, [f"grant {w.name} 0"]), (40, [])):
-        s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
-        s.load(SavedState(preempted={p.name: 1}))
-        s.request(spec("u", 10, devices=("0",)))
-        s.request(bg)
-        assert brief(s.request(w)) == []
-        assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+        s, p, bg = _p_comes_back(w)
         reloaded = {p.name: spec("p", now, gpus=2), w.name: w, bg.name: bg}
         assert brief(s.set_specs(reloaded)) == granted
 
@@ -1030,14 +1016,8 @@ def test_a_comeback_keeps_its_gpus_from_units_less_urgent_than_its_priority_now(
 def test_a_comeback_whose_annotation_goes_before_its_gate_asks_keeps_no_gpus() -> None:
     """As above, p's annotation goes before its gate asks: gpuslice starts no unannotated
     unit, so p's start is stopped and w (50) is granted GPU 0 at once."""
-    p, w = spec("p", 20, gpus=2), spec("w", 50, devices=("0",))
-    bg = spec("bg", 95, BG, devices=("1",))
-    s = Scheduler(range(2), {p.name: p, w.name: w, bg.name: bg})
-    s.load(SavedState(preempted={p.name: 1}))
-    s.request(spec("u", 10, devices=("0",)))
-    s.request(bg)
-    assert brief(s.request(w)) == []
-    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    w = spec("w", 50, devices=("0",))
+    s, p, bg = _p_comes_back(w)
     reloaded = {w.name: w, bg.name: bg}
     assert brief(s.set_specs(reloaded)) == [f"stop {p.name}", f"grant {w.name} 0"]
     assert brief(s.inactive(p.name, Outcome.STOPPED)) == []
@@ -1045,13 +1025,8 @@ def test_a_comeback_whose_annotation_goes_before_its_gate_asks_keeps_no_gpus() -
 
 def test_a_comeback_keeps_nothing_from_a_more_urgent_waiter() -> None:
     """The GPUs a comeback that must preempt will ask for bind only the less urgent."""
-    p, top = spec("p", 20, gpus=2), spec("top", 5, devices=("0",))
-    bg = spec("bg", 95, BG, devices=("1",))
-    s = Scheduler(range(2), {p.name: p, top.name: top, bg.name: bg})
-    s.load(SavedState(preempted={p.name: 1}))
-    s.request(spec("u", 10, devices=("0",)))
-    s.request(bg)
-    assert brief(s.inactive("u.service", Outcome.EXITED)) == [f"start {p.name}"]
+    top = spec("top", 5, devices=("0",))
+    s, _, _ = _p_comes_back(top, waits=False)
     assert brief(s.request(top)) == [f"grant {top.name} 0"]
 
 

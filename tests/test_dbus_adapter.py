@@ -159,18 +159,41 @@ async def connect(address: str) -> MessageBus:
     return await bus.connect()
 
 
+async def owning_systemds_name(
+    address: str, answer: Callable[[Message], Message | bool]
+) -> MessageBus:
+    """A connection that owns systemd's name and answers with `answer`."""
+    bus = await connect(address)
+    bus.add_message_handler(answer)
+    await bus.request_name(SYSTEMD)
+    return bus
+
+
+async def answering_gets(
+    address: str, asked: list[tuple[str, list[Any]]], answer: Callable[[Message], Message]
+) -> Systemd:
+    """An adapter on its own connection; systemd's name answers each Properties.Get with
+    `answer`, noted in `asked` (object path, arguments), and no other call."""
+
+    def get(msg: Message) -> Message | bool:
+        if msg.interface != PROPERTIES or msg.member != "Get":
+            return False
+        asked.append((msg.path or "", list(msg.body)))
+        return answer(msg)
+
+    await owning_systemds_name(address, get)
+    return Systemd(await connect(address))
+
+
 async def fake_systemd(address: str) -> MessageBus:
     """A connection that owns systemd's name and answers the manager's calls we make."""
-    bus = await connect(address)
 
     def answer(msg: Message) -> Message | bool:
         if msg.message_type is MessageType.METHOD_CALL and msg.interface == MANAGER:
             return Message.new_method_return(msg)
         return False
 
-    bus.add_message_handler(answer)
-    await bus.request_name(SYSTEMD)
-    return bus
+    return await owning_systemds_name(address, answer)
 
 
 async def until_true(condition: Callable[[], bool]) -> None:
@@ -1327,8 +1350,6 @@ def test_a_units_invocation_id_is_read_as_the_gate_sees_it(bus_address: str) -> 
     ids = {unit_path("a.service"): bytes(range(16)), unit_path("b.service"): b""}
 
     async def scenario() -> None:
-        bus = await connect(bus_address)
-
         def answer(msg: Message) -> Message | bool:
             if (
                 msg.interface == PROPERTIES
@@ -1342,8 +1363,7 @@ def test_a_units_invocation_id_is_read_as_the_gate_sees_it(bus_address: str) -> 
                 return Message.new_method_return(msg, "v", [Variant("ay", ids[msg.path])])
             return False
 
-        bus.add_message_handler(answer)
-        await bus.request_name(SYSTEMD)
+        await owning_systemds_name(bus_address, answer)
         systemd = Systemd(await connect(bus_address))
         assert await systemd.invocation("a.service") == bytes(range(16)).hex()
         assert await systemd.invocation("b.service") is None
@@ -1363,21 +1383,14 @@ def test_how_a_services_main_process_ended_is_read_from_its_own_object(bus_addre
     asked: list[tuple[str, list[Any]]] = []
 
     async def scenario() -> None:
-        bus = await connect(bus_address)
-
-        def answer(msg: Message) -> Message | bool:
-            if msg.interface != PROPERTIES or msg.member != "Get":
-                return False
-            asked.append((msg.path or "", list(msg.body)))
+        def answer(msg: Message) -> Message:
             interface, prop = msg.body
             if interface != SERVICE:
                 return Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownProperty", prop)
             value = results[msg.path] if prop == "Result" else record[prop]
             return Message.new_method_return(msg, "v", [value])
 
-        bus.add_message_handler(answer)
-        await bus.request_name(SYSTEMD)
-        systemd = Systemd(await connect(bus_address))
+        systemd = await answering_gets(bus_address, asked, answer)
         main = await systemd.main_exit("a.service")
         assert (main.code, main.status, main.result) == (2, 15, "success")
         with pytest.raises(SystemdError, match="BadReply"):
@@ -1405,19 +1418,12 @@ def test_a_services_task_count_is_read_from_its_own_object(bus_address: str) -> 
     asked: list[tuple[str, list[Any]]] = []
 
     async def scenario() -> None:
-        bus = await connect(bus_address)
-
-        def answer(msg: Message) -> Message | bool:
-            if msg.interface != PROPERTIES or msg.member != "Get":
-                return False
-            asked.append((msg.path or "", list(msg.body)))
+        def answer(msg: Message) -> Message:
             if msg.body != [SERVICE, "TasksCurrent"] or msg.path not in values:
                 return Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownProperty", "no")
             return Message.new_method_return(msg, "v", [values[msg.path]])
 
-        bus.add_message_handler(answer)
-        await bus.request_name(SYSTEMD)
-        systemd = Systemd(await connect(bus_address))
+        systemd = await answering_gets(bus_address, asked, answer)
         assert await systemd.tasks_current("a.service") == 0
         assert await systemd.tasks_current("b.service") == 7
         assert await systemd.tasks_current("c.service") is None
@@ -1453,8 +1459,6 @@ def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
     calls: list[tuple[str, str, list[Any]]] = []
 
     async def scenario() -> None:
-        bus = await connect(bus_address)
-
         def answer(msg: Message) -> Message | bool:
             if msg.message_type is not MessageType.METHOD_CALL:
                 return False
@@ -1465,8 +1469,7 @@ def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
                 return False
             return Message.new_method_return(msg, "v", [values[msg.path]])
 
-        bus.add_message_handler(answer)
-        await bus.request_name(SYSTEMD)
+        await owning_systemds_name(bus_address, answer)
         systemd = Systemd(await connect(bus_address))
         assert await systemd.exec_start_pre("a.service") == [
             (gate, argv),

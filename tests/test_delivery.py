@@ -10,7 +10,6 @@ and runs its callback itself (`fire`).
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 from collections.abc import Callable, Coroutine
@@ -26,6 +25,7 @@ from gpuslice.counters import Counters
 from gpuslice.delivery import ENV_RETRY, Delivery
 from gpuslice.gatepipes import GatePipes
 from gpuslice.paths import env_file
+from tests.test_envfiles import fill_run
 from tests.timers import armed_for
 
 U = "a.service"
@@ -115,8 +115,11 @@ class Kit:
         self.scheduler.holders[unit] = frozenset(gpus)
         self.scheduler.phases[unit] = phase
 
+    def path(self, unit: str = U) -> Path:
+        return env_file(str(self.run), unit)
+
     def file(self, unit: str = U) -> str:
-        return env_file(str(self.run), unit).read_text()
+        return self.path(unit).read_text()
 
     def timer(self, unit: str = U) -> asyncio.TimerHandle:
         handle = self.delivery.withheld[unit]
@@ -137,6 +140,16 @@ def run(tmp_path: Path, test: Callable[[Kit], Coroutine[Any, Any, None]]) -> Kit
     kit = Kit(tmp_path)
     asyncio.run(test(kit))
     return kit
+
+
+def run_heard(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    test: Callable[[Kit], Coroutine[Any, Any, None]],
+) -> Kit:
+    """`run`, with all that gpuslice says taken (`said`)."""
+    caplog.set_level(logging.DEBUG, "gpuslice")
+    return run(tmp_path, test)
 
 
 def said(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
@@ -167,8 +180,7 @@ def test_a_grant_writes_the_env_file_by_uuid_then_answers_the_pipe_and_the_calls
         assert kit.counters.gate_answers["dbus"] == 1
         assert kit.delivery.withheld == {}
 
-    caplog.set_level(logging.DEBUG, "gpuslice")
-    run(tmp_path, test)
+    run_heard(tmp_path, caplog, test)
     assert said(caplog) == []
 
 
@@ -203,9 +215,8 @@ def test_a_grant_whose_file_cannot_be_written_waits_and_is_said_once(
         assert kit.counters.gate_answers["dbus"] == 0
         kit.timer()
 
-    caplog.set_level(logging.DEBUG, "gpuslice")
-    kit = run(tmp_path, test)
-    path = env_file(str(kit.run), U)
+    kit = run_heard(tmp_path, caplog, test)
+    path = kit.path()
     assert said(caplog) == [
         (
             "ERROR",
@@ -242,9 +253,8 @@ def test_a_withheld_grant_goes_through_at_its_retry_and_says_so(
         assert kit.service.granted == [(U, "1,8")]
         assert kit.counters.gate_answers["dbus"] == 1
 
-    caplog.set_level(logging.DEBUG, "gpuslice")
-    kit = run(tmp_path, test)
-    path = env_file(str(kit.run), U)
+    kit = run_heard(tmp_path, caplog, test)
+    path = kit.path()
     assert [level for level, _ in said(caplog)] == ["ERROR", "INFO"]
     assert said(caplog)[1] == ("INFO", f"wrote {path}: {U} goes past its gate")
 
@@ -270,8 +280,7 @@ def test_a_grant_decided_again_while_withheld_keeps_one_retry_and_says_nothing_m
         assert kit.delivery.withheld == {}
         assert kit.gates.granted == [U]
 
-    caplog.set_level(logging.DEBUG, "gpuslice")
-    run(tmp_path, test)
+    run_heard(tmp_path, caplog, test)
     assert [level for level, _ in said(caplog)] == ["ERROR", "INFO"]
 
 
@@ -306,7 +315,7 @@ def test_a_withheld_grant_is_dropped_when_it_no_longer_stands(
         assert kit.delivery.withheld == {}
         assert kit.gates.granted == []
         assert kit.service.granted == []
-        assert not env_file(str(kit.run), U).exists()
+        assert not kit.path().exists()
 
     run(tmp_path, test)
 
@@ -374,8 +383,7 @@ def test_a_gate_let_through_waits_while_its_file_cannot_be_written(
         fire(kit.timer())
         assert kit.asked == [U]
 
-    caplog.set_level(logging.DEBUG, "gpuslice")
-    run(tmp_path, test)
+    run_heard(tmp_path, caplog, test)
     assert [level for level, _ in said(caplog)] == ([] if again else ["ERROR"])
 
 
@@ -449,7 +457,7 @@ def test_a_resume_leaves_a_file_without_uuids_or_naming_the_same_indices(
         kit.scheduler.uuids = {0: UUID_C, 1: UUID_C}
         kit.delivery.tell_again(U, [1, 0])
         if before is None:
-            assert not env_file(str(kit.run), U).exists()
+            assert not kit.path().exists()
         else:
             assert kit.file() == text(*before)
 
@@ -468,13 +476,12 @@ def test_a_resume_whose_file_cannot_be_written_anew_says_which_indices_it_still_
         monkeypatch.setattr(envfiles, "write", refused)
         kit.delivery.tell_again(U, [2])
 
-    caplog.set_level(logging.DEBUG, "gpuslice")
-    kit = run(tmp_path, test)
+    kit = run_heard(tmp_path, caplog, test)
     assert kit.file() == text(Gpu(0, UUID_A))
     assert said(caplog) == [
         (
             "WARNING",
-            f"cannot write {env_file(str(kit.run), U)} ([Errno 28] No space left on device): "
+            f"cannot write {kit.path()} ([Errno 28] No space left on device): "
             f"it still names the GPUs of {U} by the indices they had before NVML numbered "
             "them anew (GPU 0)",
         )
@@ -492,14 +499,11 @@ def test_a_released_unit_is_told_no_gpu_and_a_failed_write_keeps_its_old_file_sa
     its commands saw every GPU), said once however often it is tried."""
     written = os.write
 
-    def full(fd: int, data: bytes) -> int:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
     async def test(kit: Kit) -> None:
         kit.holds(U, 0)
         kit.delivery.deliver(U, [0])
         old = kit.file()
-        monkeypatch.setattr(os, "write", full)
+        fill_run(monkeypatch)
         assert kit.delivery.tell_none(U) is False
         assert kit.delivery.tell_none(U) is False
         monkeypatch.setattr(os, "write", written)
@@ -507,9 +511,8 @@ def test_a_released_unit_is_told_no_gpu_and_a_failed_write_keeps_its_old_file_sa
         assert kit.delivery.tell_none(U) is True
         assert kit.file() == text()
 
-    caplog.set_level(logging.DEBUG, "gpuslice")
-    kit = run(tmp_path, test)
-    path = env_file(str(kit.run), U)
+    kit = run_heard(tmp_path, caplog, test)
+    path = kit.path()
     assert said(caplog) == [
         (
             "WARNING",

@@ -52,20 +52,34 @@ def test_written_then_told_back(tmp_path: Path) -> None:
     assert os.listdir(env_file(str(tmp_path), "a.service").parent) == ["gpuslice.env"]
 
 
+def fill_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full /run: every write of a file's bytes fails (ENOSPC)."""
+
+    def full(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)
+
+
+def rewritten_on_a_full_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: list[Gpu], **keep_old: bool
+) -> list[str]:
+    """a.service's file names GPU 0; its rewrite to name `gpus` (`keep_old` passed on only
+    where given: its default is under test too) fails on a full /run. Returns what its
+    folder holds then."""
+    envfiles.write(str(tmp_path), "a.service", [Gpu(0)])
+    fill_run(monkeypatch)
+    with pytest.raises(OSError):
+        envfiles.write(str(tmp_path), "a.service", gpus, **keep_old)
+    return os.listdir(env_file(str(tmp_path), "a.service").parent)
+
+
 def test_a_file_that_cannot_be_replaced_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stale file would give the unit its last grant's GPUs: gone, it sees a missing file,
     and the controller says so."""
-    envfiles.write(str(tmp_path), "a.service", [Gpu(0)])
-
-    def full(fd: int, data: bytes) -> int:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(os, "write", full)  # a full /run
-    with pytest.raises(OSError):
-        envfiles.write(str(tmp_path), "a.service", [Gpu(1)])
-    assert os.listdir(env_file(str(tmp_path), "a.service").parent) == []  # no temporary left
+    assert rewritten_on_a_full_run(tmp_path, monkeypatch, [Gpu(1)]) == []  # no temporary left
 
 
 def test_a_file_kept_if_it_cannot_be_replaced_is_left_as_it_was(
@@ -73,15 +87,7 @@ def test_a_file_kept_if_it_cannot_be_replaced_is_left_as_it_was(
 ) -> None:
     """`keep_old`: the file names GPUs its unit still holds (Delivery.tell_none); gone, its
     next command saw every GPU."""
-    envfiles.write(str(tmp_path), "a.service", [Gpu(0)])
-
-    def full(fd: int, data: bytes) -> int:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(os, "write", full)  # a full /run
-    with pytest.raises(OSError):
-        envfiles.write(str(tmp_path), "a.service", [], keep_old=True)
-    assert os.listdir(env_file(str(tmp_path), "a.service").parent) == ["gpuslice.env"]
+    assert rewritten_on_a_full_run(tmp_path, monkeypatch, [], keep_old=True) == ["gpuslice.env"]
     assert envfiles.told_gpus(str(tmp_path), "a.service") == [0]
 
 

@@ -6,6 +6,7 @@ against a real systemd is tests/integration/test_ladder.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -483,6 +484,27 @@ def test_a_resume_after_a_restart_asks_the_state_of_a_bounded_number_of_processe
     assert host.said()[-1][0] == "resumed"
 
 
+@contextlib.contextmanager
+def restore_left_running(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """A job suspended; the last controller's systemd-run restore of it still runs (its
+    transient service's pid file names a sleep, killed on the way out); cuda-checkpoint
+    runs go through systemd now. Yields the job's PID and that run."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    fake_systemd(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    left = subprocess.Popen(["sleep", "60"])  # the old controller's restore, still running
+    try:
+        (tmp_path / f"gpuslice-checkpoint-restore-{a}-900-7.service.pid").write_text(str(left.pid))
+        host.settings = dataclasses.replace(host.settings, via_systemd=True)
+        yield a, left
+    finally:
+        left.kill()
+        left.wait(TIMEOUT)
+
+
 def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_running(
     host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, services: None
 ) -> None:
@@ -492,16 +514,9 @@ def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_
     checkpoint) would leave the job locked or checkpointed, its CUDA calls blocked for good,
     while it counted as resumed and held its GPU. Those runs are stopped, and down, before
     the resume runs anything on the process."""
-    a = host.job()
-    run(host.ladder.suspend(UNIT))
-    fake_systemd(tmp_path)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    left = subprocess.Popen(["sleep", "60"])  # the old controller's restore, still running
-    (tmp_path / f"gpuslice-checkpoint-restore-{a}-900-7.service.pid").write_text(str(left.pid))
-    host.settings = dataclasses.replace(host.settings, via_systemd=True)
-    fresh = host.restarted_ladder()
-    host.freezer.pids = [a]
-    try:
+    with restore_left_running(host, tmp_path, monkeypatch) as (a, left):
+        fresh = host.restarted_ladder()
+        host.freezer.pids = [a]
         run(fresh.resume(UNIT))
         assert host.said()[-1][0] == "resumed"
         log = calls(tmp_path)
@@ -509,9 +524,6 @@ def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_
         assert log[1].startswith(f"run gpuslice-checkpoint-get-state-{a}-")
         assert left.wait(TIMEOUT) == -signal.SIGKILL
         assert host.bed.holds(a) and host.bed.state_of(a) == "running"
-    finally:
-        left.kill()
-        left.wait(TIMEOUT)
 
 
 def recalled_ladder(host: Host, owners: dict[int, str] | None = None) -> Ladder:
@@ -566,24 +578,14 @@ def test_a_recalled_resume_first_stops_what_the_last_controller_left_running(
 ) -> None:
     """As a resume that asks each process's state: the last controller may have been killed
     mid-resume before it saved the unit resuming, its cuda-checkpoint run still going."""
-    a = host.job()
-    run(host.ladder.suspend(UNIT))
-    fake_systemd(tmp_path)
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    left = subprocess.Popen(["sleep", "60"])  # the old controller's restore, still running
-    (tmp_path / f"gpuslice-checkpoint-restore-{a}-900-7.service.pid").write_text(str(left.pid))
-    host.settings = dataclasses.replace(host.settings, via_systemd=True)
-    fresh = recalled_ladder(host)
-    try:
+    with restore_left_running(host, tmp_path, monkeypatch) as (a, left):
+        fresh = recalled_ladder(host)
         run(fresh.resume(UNIT))
         assert host.said()[-1][0] == "resumed"
         log = calls(tmp_path)
         assert log[0].startswith("stop ") and f"gpuslice-checkpoint-restore-{a}-*" in log[0]
         assert left.wait(TIMEOUT) == -signal.SIGKILL
         assert host.bed.holds(a) and host.bed.state_of(a) == "running"
-    finally:
-        left.kill()
-        left.wait(TIMEOUT)
 
 
 def test_freeze_and_its_failures(host: Host) -> None:

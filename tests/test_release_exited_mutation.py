@@ -8,21 +8,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gpuslice.core.scheduler import Phase, SavedState
+from gpuslice.core.scheduler import Phase
 from tests.test_controller import (
     EXITED,
     GIB,
-    Bed,
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
-    bed_config,
     goes_down,
-    process_in,
+    job_ended,
     run,
     settle,
     state,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
-from tests.test_controller_gates import LingeringVram, a_and_b_on_lingering_vram, running
+from tests.test_controller_gates import a_and_b_of_16_gib, a_and_b_on_lingering_vram, running
+from tests.test_controller_reload import gpu_1_configured_away, reloaded_with_gpu_1_lost
 
 
 def test_a_released_units_vram_nvml_still_shows_counts_against_its_gpu(
@@ -33,8 +32,7 @@ def test_a_released_units_vram_nvml_still_shows_counts_against_its_gpu(
     release samples anew with a.service no longer counted as holding GPU 0: b.service
     (Memory=16G) waits until NVML shows them freed. Granted on the sample before, its job
     ran out of memory on a GPU with 8 GiB free."""
-    process_in(tmp_path, 300, "/system.slice/a.service")
-    bed, nvml = a_and_b_on_lingering_vram(tmp_path, cgroup_of, "Priority=50\nMemory=16G\n")
+    bed, nvml = a_and_b_of_16_gib(tmp_path, cgroup_of)
 
     async def test() -> None:
         ctl = bed.controller
@@ -46,8 +44,7 @@ def test_a_released_units_vram_nvml_still_shows_counts_against_its_gpu(
         await bed.acquire("b.service", ":1.10", 4243)
         assert ctl.scheduler.is_waiting("b.service")
         bed.systemd.tasks["a.service"] = 0
-        bed.systemd.units["a.service"] = state("a.service", "active", "exited")
-        ctl.on_unit_changed("a.service", EXITED)
+        job_ended(bed, "a.service")
         await settle()
         assert ctl.scheduler.remained == {"a.service"}
         assert ctl.scheduler.grants() == {}
@@ -67,29 +64,13 @@ def test_a_gpu_configured_away_is_lost_no_more_once_its_holder_is_released(
     there. Its job ends, systemd keeps it active, and no task is left: GPU 1 goes with it,
     as at its down. Not sampled again, it stayed lost in status (and in `gpuslice_gpu_lost`,
     an alert) until the next reload."""
-    bed = Bed(
-        tmp_path,
-        {"keep.service": "Priority=10\n", "once.service": "Priority=20\n"},
-        [state("keep.service", "active", "running"), state("once.service", "active", "running")],
-        SavedState(
-            holders={
-                "keep.service": ((0,), "running", 1, ""),
-                "once.service": ((1,), "running", 2, ""),
-            },
-            seq=2,
-        ),
-        config=bed_config(tmp_path, gpus=2),
-    )
-    (tmp_path / "config.yaml").write_text("gpus: 1\n")
+    units = {"keep.service": "Priority=10\n", "once.service": "Priority=20\n"}
+    bed = gpu_1_configured_away(tmp_path, units)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        assert ctl.reload_config()
-        assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, False), (1, True)]
+        ctl = await reloaded_with_gpu_1_lost(bed)
         bed.systemd.tasks["once.service"] = 0
-        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-        ctl.on_unit_changed("once.service", EXITED)
+        job_ended(bed, "once.service")
         await settle()
         assert ctl.scheduler.remained == {"once.service"}
         assert [(g.index, g.lost) for g in ctl.watch.sample.gpus] == [(0, False)]
@@ -104,10 +85,7 @@ def test_a_victim_whose_job_ends_before_our_stop_takes_no_nvml_sample_until_that
     """A sample costs NVML calls on the controller's loop (issue 10): a.service, being
     stopped for b.service, keeps GPU 0 until our stop ends it, so its job's end (systemd
     keeps it active, no task left) releases nothing to sample for; that stop's end does."""
-    nvml = LingeringVram()
-    bed = Bed(tmp_path, {"a.service": "Priority=90\n", "b.service": "Priority=10\n"}, [], nvml=nvml)
-    cgroup_of[4242] = "a.service"
-    cgroup_of[4243] = "b.service"
+    bed, nvml = a_and_b_on_lingering_vram(tmp_path, cgroup_of, "Priority=90\n", "Priority=10\n")
 
     async def test() -> None:
         ctl = bed.controller

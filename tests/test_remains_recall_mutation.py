@@ -27,13 +27,14 @@ from gpuslice.state import StateStore
 from gpuslice.tracker import UnitState
 from tests.test_cli_ladder_state_mutation import _stopped, _via_systemd
 from tests.test_controller import (
-    EXITED,
-    Bed,
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
     goes_down,
+    holding_a_gpu_each,
+    job_ended,
     messages,
     run,
     settle,
+    started,
     state,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
@@ -57,18 +58,12 @@ def test_a_leftover_is_said_again_in_the_units_next_run(
     """once.service's job ends with a process left (KillMode=process): said once. It is
     stopped, started again, and its next run leaves one too: said again (not taken for the
     run before, whose warning was said)."""
-    bed = Bed(
-        tmp_path,
-        {"once.service": "Priority=50\n"},
-        [state("once.service", "active", "running")],
-        SavedState(holders={"once.service": ((0,), "running", 1, "")}, seq=1),
-    )
+    bed = holding_a_gpu_each(tmp_path, {"once.service": "Priority=50\n"})
     cgroup_of[4242] = "once.service"
 
     async def ends_with_a_leftover() -> None:
         bed.systemd.processes["once.service"] = [4242]
-        bed.systemd.units["once.service"] = state("once.service", "active", "exited")
-        bed.controller.on_unit_changed("once.service", EXITED)
+        job_ended(bed, "once.service")
         await settle()
 
     async def test() -> None:
@@ -95,17 +90,10 @@ def test_a_leftover_is_said_again_in_the_units_next_run(
 def test_the_audit_asks_systemd_about_no_holder_that_still_runs(tmp_path: Path) -> None:
     """Every 30 s, a question per running GPU job (its processes listed, on the loop) would
     be asked for nothing: only a unit shown `active (exited)` can have ended."""
-    bed = Bed(
-        tmp_path,
-        {"job.service": "Priority=50\n"},
-        [state("job.service", "active", "running")],
-        SavedState(holders={"job.service": ((0,), "running", 1, "")}, seq=1),
-    )
+    bed = holding_a_gpu_each(tmp_path, {"job.service": "Priority=50\n"})
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
+        ctl = await started(bed)
         await ctl.reads.audit()
         await settle()
         assert ctl.scheduler.phase("job.service") is Phase.RUNNING

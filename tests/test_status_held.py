@@ -97,6 +97,14 @@ def _in_loop(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(asyncio.wait_for(body(), timeout=20))
 
 
+async def _read_once(bus: ServiceBus) -> SchedulerService:
+    """A service on `bus` (its status 40 bytes) after one Status call: a reading asked."""
+    service = _service(bus, "x" * 40)
+    bus.deliver(_status())
+    await _turns()
+    return service
+
+
 @pytest.fixture(autouse=True)
 def _small(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bounds scaled down: 100 bytes held, 50 more of refusals, a reading every 30 bytes
@@ -239,9 +247,7 @@ def test_a_daemon_that_cannot_say_is_not_asked_again_and_nothing_is_refused_for_
 ) -> None:
     async def body() -> None:
         bus = StatsBus()
-        service = _service(bus, "x" * 40)
-        bus.deliver(_status())
-        await _turns()
+        service = await _read_once(bus)
         bus.say(stats, error)
         await _turns()
         for _ in range(10):
@@ -282,16 +288,12 @@ def test_the_stand_in_bus_is_a_daemon_that_cannot_say(caplog: pytest.LogCaptureF
 
     async def body() -> None:
         bus = ServiceBus()
-        service = _service(bus, "x" * 40)
-        bus.deliver(_status())
-        await _turns()
+        service = await _read_once(bus)
         assert service._held_said is None
         for _ in range(5):
             assert bus.deliver(_status()) is True
 
-    caplog.set_level(logging.INFO, logger="gpuslice.service")
-    _in_loop(body)
-    assert _said(caplog, logging.INFO) == [
+    assert _run_said(caplog, body, logging.INFO) == [
         "the bus daemon does not say how much of ours it holds (no method GetConnectionStats): "
         "Status answers its callers do not read are not bounded"
     ]
@@ -389,6 +391,15 @@ def _said(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == level]
 
 
+def _run_said(
+    caplog: pytest.LogCaptureFixture, body: Callable[[], Coroutine[Any, Any, None]], level: int
+) -> list[str]:
+    """`body` run with the service's journal lines taken; those said at `level`."""
+    caplog.set_level(logging.INFO, logger="gpuslice.service")
+    _in_loop(body)
+    return _said(caplog, level)
+
+
 @pytest.mark.parametrize(
     ("text", "shown"),
     [
@@ -401,9 +412,7 @@ def test_what_a_daemon_that_cannot_say_answered_is_logged_cut_at_200_characters(
 ) -> None:
     async def body() -> None:
         bus = StatsBus()
-        _service(bus, "x" * 40)
-        bus.deliver(_status())
-        await _turns()
+        await _read_once(bus)
         msg, answer = bus.asked[0]
         if text is None:
             answer.set_result(Message.new_method_return(msg))
@@ -413,9 +422,7 @@ def test_what_a_daemon_that_cannot_say_answered_is_logged_cut_at_200_characters(
             )
         await _turns()
 
-    caplog.set_level(logging.INFO, logger="gpuslice.service")
-    _in_loop(body)
-    assert _said(caplog, logging.INFO) == [
+    assert _run_said(caplog, body, logging.INFO) == [
         f"the bus daemon does not say how much of ours it holds ({shown}): Status answers "
         "its callers do not read are not bounded"
     ]
@@ -503,9 +510,7 @@ def test_a_reading_that_fails_keeps_the_bound_and_is_asked_again_later(
         await _turns()
         assert service._held() == 0 and not _refused(bus.deliver(_status()))
 
-    caplog.set_level(logging.INFO, logger="gpuslice.service")
-    _in_loop(body)
-    assert _said(caplog, logging.WARNING) == [
+    assert _run_said(caplog, body, logging.WARNING) == [
         f"cannot read what the bus daemon holds of ours ({why}): asked again later; until "
         "then the Status answers sent count as held"
     ]
@@ -532,9 +537,7 @@ def test_a_new_streak_of_failures_is_said_again(
             now[0] += 2.0
         assert len(bus.asked) == 4 and service._failures == 2
 
-    caplog.set_level(logging.INFO, logger="gpuslice.service")
-    _in_loop(body)
-    assert len(_said(caplog, logging.WARNING)) == 2
+    assert len(_run_said(caplog, body, logging.WARNING)) == 2
 
 
 class Raising(StatsBus):
@@ -569,16 +572,12 @@ def test_what_a_failed_reading_says_is_cut(
 
     async def body() -> None:
         bus = StatsBus() if isinstance(error, str) else Raising(error)
-        _service(bus, "x" * 40)
-        bus.deliver(_status())
-        await _turns()
+        await _read_once(bus)
         if isinstance(error, str):
             bus.say(None, error)
             await _turns()
 
-    caplog.set_level(logging.INFO, logger="gpuslice.service")
-    _in_loop(body)
-    assert _said(caplog, logging.WARNING) == [
+    assert _run_said(caplog, body, logging.WARNING) == [
         f"cannot read what the bus daemon holds of ours ({why}): asked again later; until "
         "then the Status answers sent count as held"
     ]
