@@ -277,13 +277,16 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* 
 	gpuslice.checkpoint.*
 # the controller (the composition root: wiring, gates, calls to systemd, its journal lines,
 # run()): 1,698 mutants, ~25 minutes on two workers, longer on one; with it, the answers to
-# status's readers it was split from (answers.py), its calls to systemd that queue a job,
-# sent again (calls.py), a grant's way to its gate, the env file first (delivery.py),
-# start-up's restore of the saved state against what systemd shows (restore.py), the
-# rescans after a daemon-reload with the starts they hold back (rescans.py), and what a gate
-# that asks is answered (gates.py)
+# status's readers it was split from (answers.py), what it keeps of template instances and
+# when it lets go (instances.py), when config.yaml is read again (reloads.py), its calls to
+# systemd that queue a job, sent again (calls.py), a grant's way to its gate, the env file
+# first (delivery.py), start-up's restore of the saved state against what systemd shows
+# (restore.py), the rescans after a daemon-reload with the starts they hold back
+# (rescans.py), what a gate that asks is answered (gates.py), and whether a released
+# `RemainAfterExit=yes` unit has processes left (remains.py)
 MUTATE_controller := gpuslice.controller.* gpuslice.calls.* gpuslice.delivery.* \
-	gpuslice.restore.* gpuslice.rescans.* gpuslice.gates.* gpuslice.answers.* gpuslice.remains.*
+	gpuslice.restore.* gpuslice.rescans.* gpuslice.gates.* gpuslice.answers.* gpuslice.instances.* \
+	gpuslice.reloads.* gpuslice.remains.*
 # the adapters to the outside world: systemd's bus, NVML and the driver's arrival, the GPU
 # watcher and the whole inventory, `gpuslice new`, the metrics and their exporter, the
 # journal's lines and sd_notify, gpuslice's own D-Bus interface and who calls it, the

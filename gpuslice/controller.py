@@ -27,16 +27,14 @@ from collections.abc import (
 from pathlib import Path
 from typing import Any
 
-from gpuslice import clock, envfiles, stopjournal
+from gpuslice import clock, stopjournal
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.answers import StatusAnswers
 from gpuslice.calls import Calls, JobCall
 from gpuslice.checkpoint import CheckpointSettings
 from gpuslice.config import (
-    SETTLE_SECONDS,
     Config,
     ConfigError,
-    Settling,
     load_config_with_warnings,
     located,
     pin_runtime_dir,
@@ -68,6 +66,7 @@ from gpuslice.delivery import Delivery
 from gpuslice.gatepipes import GatePipes, raise_fd_limit
 from gpuslice.gates import Gates
 from gpuslice.gpuwatch import GpuWatch
+from gpuslice.instances import Instances
 from gpuslice.inventory import GpuUse, Inventory
 from gpuslice.journal import Journal, decision_fields
 from gpuslice.ladder import Ladder
@@ -79,6 +78,7 @@ from gpuslice.paths import (
     STATE_DIR_RECORD,
     gate_pipe_dir,
 )
+from gpuslice.reloads import Reloads, load_settled
 from gpuslice.remains import Remains
 from gpuslice.rereads import Rereads
 from gpuslice.rescans import Rescans
@@ -90,7 +90,7 @@ from gpuslice.service import (
     SchedulerService,
     Starting,
 )
-from gpuslice.state import STATE_FILE_MAX, Flusher, StateStore, record_boot, same_boot
+from gpuslice.state import Flusher, StateStore, record_boot, same_boot
 from gpuslice.systemd import Systemd, SystemdError
 from gpuslice.tracker import (
     CameUp,
@@ -125,21 +125,6 @@ QUEUED_DELAY = 0.02
 # How long after a save the state file is made durable (gpuslice/state.py: Flusher): a
 # power cut may lose the decisions of this last stretch, never the file.
 FLUSH_DELAY = 1.0
-# Held or preempted instances kept (Scheduler.forget_instance keeps those alone): past this
-# many the journal says so once, until they are fewer again. Each is saved with every change
-# of state; a state file past STATE_FILE_MAX (16 MiB, some 60,000 long names) is refused whole
-# at the next start, its preemptions with it
-KEPT_INSTANCES_WARN = 10_000
-# Preempted instances kept at most (Scheduler.drop_preempted_instances): past this many, those
-# that would come back last are no longer brought back, each named in the journal. Any local
-# user may start instances (an `Accept=yes` socket: one per connection), so this bounds the
-# core's tables and the state file, saved with every decision, whatever they start
-PREEMPTED_INSTANCES_MAX = 10_000
-# config.yaml is read once it has been left alone this long (config.SETTLE_SECONDS says
-# why), and a reload waits for that at most CONFIG_SETTLE_WAITS times before it reads the
-# file as it is (a file rewritten without end is not waited for without end).
-CONFIG_SETTLE = SETTLE_SECONDS
-CONFIG_SETTLE_WAITS = 10
 # Where the controller records the runtime_dir it runs with (paths.RUNTIME_DIR_RECORD)
 RUNTIME_RECORD = Path(RUNTIME_DIR_RECORD)
 # Where the controller records the state_dir it runs with (paths.STATE_DIR_RECORD)
@@ -241,8 +226,8 @@ class Controller:
             self.execute,
             self._spawn,
             self.on_unit_changed,
-            self._down_instance,
-            self._forget_instance,
+            lambda name: self.instances.down(name),
+            lambda name: self.instances.forget(name),
             lambda: self.config.stop_timeout,
         )
         # freeze, suspend and resume (the Preempt= ladder), carried out as tasks
@@ -294,6 +279,15 @@ class Controller:
         )
         # the gates' fast way: answered through a pipe when systemd shows them at the gate
         self.gates = GatePipes(gate_pipe_dir(config.runtime_dir))
+        # instances of annotated templates: those announced, and the letting go of those down
+        self.instances = Instances(
+            self.scheduler,
+            self.tracker,
+            self.gates,
+            lambda: self.config.runtime_dir,
+            self.answers.changed,
+            self.execute,
+        )
         # a grant's way to its gate: its env file written first, withheld while it cannot be
         self.delivery = Delivery(
             self.scheduler,
@@ -349,9 +343,6 @@ class Controller:
         # Acquire calls taken before start-up was done: (unit, sender, its signals then),
         # served once it is (on_acquire)
         self._early_acquires: list[tuple[str, str, int]] = []
-        # instances of annotated templates whose start systemd announced (JobNew) and that
-        # have not been seen down since: watched (_watched) before the core knows them
-        self._instances: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         # units kept active after their job ended (RemainAfterExit=yes): released once
         # systemd counts (or lists) no process left in them
@@ -371,10 +362,9 @@ class Controller:
         self._save_failing = False
         self._flush_failing = False
         self._checking_thaws = False  # a check of FreezerState is under way
-        self._kept_instances_said = False  # KEPT_INSTANCES_WARN was said, and still holds
         self._status_due = False  # a STATUS= update is scheduled
-        self._reload_due = False  # a config reload is queued, or waits for the file to settle
-        self._settling: Settling | None = None  # the waits of the reload under way
+        # SIGHUP's reloads of config.yaml, each once the file has settled
+        self.reloads = Reloads(config_path, self.reload_config, lambda: self.ready)
         self._release_wait_said = ""  # _await_release_jobs' words, logged once
         self.name_claimed = False  # the bus name is ours: start() reads and writes from then on
 
@@ -468,11 +458,10 @@ class Controller:
         early, self._early_acquires = self._early_acquires, []
         for unit, sender, seen in early:
             self._spawn(self.judge.verify_acquire(unit, sender, seen))
-        if self._reload_due:  # a SIGHUP came during start-up
-            self._reload_now()
+        self.reloads.started()  # a SIGHUP that came during start-up
         for name in sorted(self.scheduler.annotated()):  # down since, or kept by a version
-            if is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN:
-                self._forget_instance(name)
+            if self.instances.down(name):
+                self.instances.forget(name)
         self.notifier.ready(self.status_line())
         log.info("gpuslice ready: %s", self.status_line())
         self._rewatch()
@@ -548,7 +537,7 @@ class Controller:
         is suspended). An annotated template once meant every unit's signals, which cost
         each handover the reading of every unit's changes (issue 10), and every host has one
         (gpuslice-claim@.service). Beyond MAX_UNIT_RULES units it still does (Systemd.watch)."""
-        names = {n for n in self.scan.specs if not is_template(n)} | self._instances
+        names = {n for n in self.scan.specs if not is_template(n)} | self.instances.announced
         core = self.scheduler
         names |= set(core.specs) | set(core.grants()) | set(core.waiting_units())
         # a suspended unit whose annotation went: unmatched, a stop of it by hand was never
@@ -628,18 +617,18 @@ class Controller:
                 # matched once start-up narrows the rules to the units that matter (_rewatch):
                 # announced after ListUnits, its start was not among them, and its end was
                 # never heard. Its down, if it came before ready, takes it out (_follow_gate)
-                self._instances.add(unit)
+                self.instances.announced.add(unit)
             return
         if self.spec_for(unit) is None:
             return
-        if is_instance(unit) and unit not in self._instances:
+        if is_instance(unit) and unit not in self.instances.announced:
             # an instance of an annotated template, new to us: heard from now on (its gate,
             # without a pipe this time, asks over D-Bus; the unit is read once matched). One
             # still matched (it ended and was forgotten, its rule not removed yet) is kept
             # matched too: a re-match meanwhile would drop the rule, and its gate, waiting on
             # the pipe made below, would never be seen at start-pre. A re-match under way
             # was computed without it and may drop its rule: one more follows it
-            self._instances.add(unit)
+            self.instances.announced.add(unit)
             if not self.systemd.watches(unit) or self._rewatching:
                 self._rewatch()
         if self.systemd.watches(unit):  # else its gate's signal may not reach us: no pipe
@@ -704,8 +693,8 @@ class Controller:
         if not down:
             self.scheduler.holds_confirmed(units)
             for name in units:  # kept for this answer (forget_instance), owed nothing now
-                if is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN:
-                    self._forget_instance(name)
+                if self.instances.down(name):
+                    self.instances.forget(name)
             return
         if not self.tracker.shutting_down:
             self.counters.error("dbus_signals_lost")
@@ -784,8 +773,8 @@ class Controller:
             if self.gates.close(name):
                 self.counters.gate_answers["pipe"] += 1
             if kind is Kind.DOWN and is_instance(name):
-                self._instance_down(name)
-                self._forget_instance(name)
+                self.instances.went_down(name)
+                self.instances.forget(name)
         elif invocation is None:
             if not self.gates.holds(name):
                 loop = asyncio.get_running_loop()
@@ -793,74 +782,8 @@ class Controller:
         elif self.gates.at_gate(name, invocation):
             self.judge.serve_gate(name)
 
-    def _instance_down(self, name: str) -> None:
-        """An instance is down: its pipe and env file go. Instances' names are many (one per
-        recording, per `Accept=yes` connection) and may never come again: kept, /run would
-        hold one of each for every instance ever started until the controller restarts. The
-        next start's gate passes only once `Delivery.deliver` wrote its file anew (or, no longer
-        annotated, once `Gates.let_through` removed or wrote it)."""
-        self.gates.retire(name)
-        envfiles.remove(self.config.runtime_dir, name)
-        self._instances.discard(name)  # watched while the core knows it (_watched)
-
-    def _forget_instance(self, name: str) -> None:
-        """An instance down that gpuslice owes nothing is forgotten by the core and the
-        tracker, as systemd unloads it (Scheduler.forget_instance says why); its signals are
-        no longer matched from the next change of the matched set on. Not while a call of
-        ours about it is unanswered: the answer is judged with what we know. Nor while
-        it waits in auto-restart: its restart job comes, and the tracker, which told it
-        down once, must still know that (a second WentDown, a second "failed")."""
-        if self.tracker.in_flight(name) or self.tracker.state(name).sub == "auto-restart":
-            return
-        if self.scheduler.forget_instance(name):
-            self.tracker.forget(name)
-            self.answers.changed()  # gone from held, finished and failed
-        else:
-            self._cap_preempted()
-            self._count_kept_instances()
-
-    def _down_instance(self, name: str) -> bool:
-        """An instance its signals show down, with no job."""
-        return is_instance(name) and classify(self.tracker.state(name)) is Kind.DOWN
-
-    def _cap_preempted(self) -> None:
-        """Past PREEMPTED_INSTANCES_MAX instances kept preempted, those that would come back
-        last are no longer brought back (Scheduler.drop_preempted_instances, which says so of
-        each) and forgotten as any instance owed nothing. Asked as each instance kept goes
-        down, the only way preemptions of instances pile up (at a controller's start too,
-        for those a state file names), and cheap below the bound."""
-        dropped = self.scheduler.drop_preempted_instances(PREEMPTED_INSTANCES_MAX)
-        if dropped:
-            self.execute(dropped)
-            for action in dropped:
-                if action.decision is not None:
-                    self._forget_instance(action.decision.unit)
-
-    def _count_kept_instances(self) -> None:
-        """Say once, as a warning, that more than KEPT_INSTANCES_WARN instances are kept
-        down, held or preempted: nothing forgets them until someone starts them (or their
-        template's annotation goes), and each is saved with every change of state. Counted
-        only past the bound's sum of every held and preempted unit, so cheap below it."""
-        core = self.scheduler
-        if len(core.held) + len(core.preempted) <= KEPT_INSTANCES_WARN:
-            self._kept_instances_said = False
-            return
-        if self._kept_instances_said:
-            return
-        kept = sum(1 for n in core.held | core.preempted.keys() if is_instance(n))
-        if kept > KEPT_INSTANCES_WARN:
-            self._kept_instances_said = True
-            log.warning(
-                "%d instances are kept held or preempted (more than %d): gpuslice forgets a "
-                "held one only once it is started again and has ended, a preempted one once it "
-                "is back; each is saved in the state file, which is refused whole past %d MiB",
-                kept,
-                KEPT_INSTANCES_WARN,
-                STATE_FILE_MAX >> 20,
-            )
-
     def _unfollowed_down(self, name: str) -> None:
-        """A unit no longer followed is down: the tracker forgets it, as `_forget_instance`
+        """A unit no longer followed is down: the tracker forgets it, as `Instances.forget`
         has it forget an annotated instance, and on the same terms (no call of ours about it
         unanswered; not waiting to restart, whose down was told once, should its annotation
         come back before the restart). Kept, it held one entry for every such unit until
@@ -909,7 +832,7 @@ class Controller:
                 # tracker entry go here, at the down that released it, even when that down
                 # is our stop's, whose end (its job gone) is no longer heard
                 if is_instance(name):
-                    self._instance_down(name)
+                    self.instances.went_down(name)
                 self._unfollowed_down(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))
@@ -1006,8 +929,8 @@ class Controller:
         if (forgets or unkept) and not actions:
             self._persist()
         for name in sorted(unkept):
-            if self._down_instance(name):
-                self._forget_instance(name)
+            if self.instances.down(name):
+                self.instances.forget(name)
         for unit in sorted(starts):
             if self.spec_for(unit) is None and not self._known(unit):
                 self.judge.let_through(unit)  # its start, not yet answered, is forgotten
@@ -1020,52 +943,6 @@ class Controller:
         """Read a unit newly followed, unless a signal of it told its state meanwhile."""
         if self.tracker.heard(unit) == seen:
             await self.reads.refresh(unit)
-
-    def request_reload(self) -> None:
-        """SIGHUP: reload config.yaml once for every signal that came in this turn of the
-        loop. Each reload reads and parses the file, takes an NVML sample and logs its
-        warnings on the loop: a thousand signals at once cost a thousand of each. Before
-        start-up is done, once it is (start): as for a rescan, a reload's sample decides,
-        and its decisions would leave before start-up's own, on a core not yet rebuilt."""
-        if not self._reload_due:
-            self._reload_due = True
-            if self.ready:
-                asyncio.get_running_loop().call_soon(self._reload_now)
-
-    def _reload_now(self) -> None:
-        """Reload config.yaml once it has been left alone for CONFIG_SETTLE s, and again if it
-        changed while it was read (config.SETTLE_SECONDS: a file written in place, read
-        half-way, is valid YAML whose missing settings are the defaults). Signals meanwhile
-        are this reload; after CONFIG_SETTLE_WAITS waits the file is read as it is."""
-        loop = asyncio.get_running_loop()
-        if self._settling is None:
-            self._settling = Settling(self.config_path, CONFIG_SETTLE, CONFIG_SETTLE_WAITS)
-        settling = self._settling
-        wait = settling.wait()
-        if wait > 0:
-            if settling.waits == 1:
-                log.info(
-                    "%s changed less than %g s ago: reloading it once it has been left alone "
-                    "that long (a file written in place may be cut short)",
-                    self.config_path,
-                    CONFIG_SETTLE,
-                )
-            loop.call_later(wait, self._reload_now)
-            return
-        if settling.last:
-            log.warning(
-                "%s kept changing for %g s: reloading it as it is now",
-                self.config_path,
-                CONFIG_SETTLE_WAITS * CONFIG_SETTLE,
-            )
-        self._settling = None  # the next reload waits anew
-        self._reload_due = False  # a signal from now on reads the file again
-        if self.reload_config(recheck=not settling.last):
-            return
-        self._reload_due = True  # changed while it was read: read again once left alone
-        settling.changed()
-        self._settling = settling
-        loop.call_later(CONFIG_SETTLE, self._reload_now)
 
     def reload_config(self, recheck: bool = False) -> bool:
         """Read config.yaml and apply it, or keep the last good one. With `recheck`, False
@@ -1093,7 +970,7 @@ class Controller:
             requeue_at_gate=config.requeue_at_gate,
         )
         logging.getLogger().setLevel(config.log_level.upper())
-        # said: a reload takes effect up to a few seconds after the signal (_reload_now)
+        # said: a reload takes effect up to a few seconds after the signal (Reloads)
         log.info("configuration reloaded from %s", self.config_path)
         self.watch.refresh()
         self.rescans.request()
@@ -1547,23 +1424,6 @@ def _record_runtime_dir(record: Path, runtime_dir: str, config_path: Path) -> No
         )
 
 
-async def _load_settled(config_path: Path) -> tuple[Config, list[str]]:
-    """config.yaml once it has been left alone for CONFIG_SETTLE s, read again if it changed
-    while it was read (Controller._reload_now); as it is after CONFIG_SETTLE_WAITS waits."""
-    settling = Settling(config_path, CONFIG_SETTLE, CONFIG_SETTLE_WAITS)
-    while True:
-        wait = settling.wait()
-        if wait > 0:
-            await asyncio.sleep(wait)
-            continue
-        if settling.last:
-            return load_config_with_warnings(config_path)
-        loaded = read_unchanged(config_path, load_config_with_warnings)
-        if loaded is not None:
-            return loaded
-        settling.changed()  # looked at again at once (a reload waits CONFIG_SETTLE first)
-
-
 async def run(config_path: Path, bus_address: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     # SIGHUP's default action ends the process: a `kill -HUP` while this connects to the
@@ -1574,7 +1434,7 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
     early_reload: list[None] = []
     loop.add_signal_handler(signal.SIGHUP, early_reload.append, None)
     try:
-        config, warnings = await _load_settled(config_path)
+        config, warnings = await load_settled(config_path)
     except ConfigError as e:
         _journal_logging("info")
         log.error("%s", e)
@@ -1598,9 +1458,9 @@ async def run(config_path: Path, bus_address: str | None = None) -> int:
 
     loop.add_signal_handler(signal.SIGTERM, request_stop)
     loop.add_signal_handler(signal.SIGINT, request_stop)
-    loop.add_signal_handler(signal.SIGHUP, controller.request_reload)
+    loop.add_signal_handler(signal.SIGHUP, controller.reloads.request)
     if early_reload:
-        controller.request_reload()
+        controller.reloads.request()
     controller.runtime_record = RUNTIME_RECORD
     controller.state_record = STATE_RECORD
     controller.boot_record = THIS_BOOT_RECORD

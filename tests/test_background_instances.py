@@ -16,7 +16,7 @@ from typing import cast
 
 import pytest
 
-from gpuslice import controller as controller_module
+from gpuslice import instances as instances_module
 from gpuslice.controller import Controller
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Log, Outcome, SavedState, Scheduler
@@ -172,8 +172,17 @@ def test_ten_thousand_background_instances_that_ended_leave_nothing_behind(
         assert core.annotated() == {"a.service"}
         assert (core.finished, core.out_since, core.dormant) == (set(), {}, set())
         assert ctl.tracker.states == {}
-        assert ctl._instances == set()
-        for table in (core, ctl.tracker, ctl.gates, ctl.reads, ctl.answers, ctl.ladder, ctl):
+        assert ctl.instances.announced == set()
+        for table in (
+            core,
+            ctl.tracker,
+            ctl.gates,
+            ctl.reads,
+            ctl.answers,
+            ctl.ladder,
+            ctl.instances,
+            ctl,
+        ):
             grown = {
                 k: len(v)
                 for k, v in vars(table).items()
@@ -287,7 +296,7 @@ def test_many_held_instances_are_said_once(
 ) -> None:
     """Held instances are kept (an admin's stop), each saved: past the bound the journal
     says how many, once."""
-    monkeypatch.setattr(controller_module, "KEPT_INSTANCES_WARN", 3)
+    monkeypatch.setattr(instances_module, "KEPT_INSTANCES_WARN", 3)
     bed = Bed(tmp_path, EMBED, [])
 
     async def test() -> None:
@@ -406,7 +415,7 @@ def test_preempted_instances_past_the_bound_are_dropped_by_the_controller(
     from gpuslice.state import StateStore
     from tests.test_controller_calls import FakeJournal
 
-    monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 2)
+    monkeypatch.setattr(instances_module, "PREEMPTED_INSTANCES_MAX", 2)
     preempted = {f"embed@{i}.service": i + 1 for i in range(3)}
     saved = SavedState(holders={"a.service": ((0,), "running", 4, "")}, preempted=preempted, seq=4)
     bed = Bed(tmp_path, EMBED, [state("a.service", "active", "running")], saved)
@@ -427,7 +436,7 @@ def test_preempted_instances_past_the_bound_are_dropped_by_the_controller(
         assert "embed@2.service" not in ctl.scheduler.annotated()
         assert "embed@2.service" not in ctl.tracker.states
         assert on_file() == {"embed@0.service", "embed@1.service"}
-        monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 1)
+        monkeypatch.setattr(instances_module, "PREEMPTED_INSTANCES_MAX", 1)
         ctl.on_unit_changed("embed@0.service", DOWN)  # an instance kept goes down (again)
         await settle()
         assert len(journal.of("embed@1.service", "preemption-dropped")) == 1

@@ -35,6 +35,7 @@ from gpuslice import envfiles
 from gpuslice import gates as gates_module
 from gpuslice import gpuwatch as gpuwatch_module
 from gpuslice import offloop as offloop_module
+from gpuslice import reloads as reloads_module
 from gpuslice import rereads as rereads_module
 from gpuslice import state as state_module
 from gpuslice.annotations import scan
@@ -3821,7 +3822,7 @@ def test_a_hundred_sighups_at_once_reload_the_config_once(
     signal after it has begun reads the file again."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     (tmp_path / "config.yaml").write_text("gpus: 2\nbogus: 1\n")
-    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0)  # written just now
+    monkeypatch.setattr(reloads_module, "CONFIG_SETTLE", 0)  # written just now
     loads: list[Path] = []
     load = load_config_with_warnings
 
@@ -3835,7 +3836,7 @@ def test_a_hundred_sighups_at_once_reload_the_config_once(
         ctl = bed.controller
         await ctl.start()
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(SIGHUP, ctl.request_reload)
+        loop.add_signal_handler(SIGHUP, ctl.reloads.request)
         try:
             for _ in range(100):  # more fill the loop's wakeup socket (dropped, warned)
                 os.kill(os.getpid(), SIGHUP)
@@ -3862,7 +3863,7 @@ def test_a_sighup_during_start_up_is_a_reload_once_start_up_is_done(
     it is made once start-up is done, and once."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     (tmp_path / "config.yaml").write_text("gpus: 2\n")
-    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0)  # written just now
+    monkeypatch.setattr(reloads_module, "CONFIG_SETTLE", 0)  # written just now
     loads: list[Path] = []
     load = load_config_with_warnings
 
@@ -3884,8 +3885,8 @@ def test_a_sighup_during_start_up_is_a_reload_once_start_up_is_done(
         ctl = bed.controller
         starting = asyncio.get_running_loop().create_task(ctl.start())
         await claiming.wait()
-        ctl.request_reload()
-        ctl.request_reload()
+        ctl.reloads.request()
+        ctl.reloads.request()
         await settle()
         assert loads == [] and ctl.scheduler.gpus == {0}  # start-up is not done
         claimed.set()

@@ -12,7 +12,7 @@ takes, a counter that stopped counting, a log line an admin reads with other wor
 test here states the rule it holds, and why. The last ones hold the env file of a unit let
 through on GPUs still held for it, its annotation gone (Gates.let_through, Delivery.names_held
 and _let_through_withheld), and of an instance so held when it goes down (_apply,
-_instance_down).
+Instances.went_down).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import pytest
 from gpuslice import config as config_module
 from gpuslice import controller as controller_module
 from gpuslice import generator
+from gpuslice import reloads as reloads_module
 from gpuslice.annotations import Scan, scan
 from gpuslice.config import Config, load_config_with_warnings, read_pinned_runtime_dir
 from gpuslice.controller import Controller
@@ -239,7 +240,7 @@ def held_at_its_change(path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[
     held = [path.stat().st_ctime]
     clock = types.SimpleNamespace(time=lambda: held[0] or time.time())
     monkeypatch.setattr(config_module, "time", clock)
-    monkeypatch.setattr(controller_module, "CONFIG_SETTLE_WAITS", 10**6)  # each look is one
+    monkeypatch.setattr(reloads_module, "CONFIG_SETTLE_WAITS", 10**6)  # each look is one
 
     def let_go() -> None:
         held[0] = 0.0
@@ -254,7 +255,7 @@ def test_a_reload_waits_for_a_file_being_written_in_place(
     comes: read at once, the file cut before `manage_gpus: [1]` was valid YAML, and every GPU
     was handed out (this host shares GPU 0 with a cluster); the whole file was never read.
     The reload reads the file once it has been left alone for CONFIG_SETTLE s."""
-    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.3)
+    monkeypatch.setattr(reloads_module, "CONFIG_SETTLE", 0.3)
     path = tmp_path / "config.yaml"
     config = bed_config(tmp_path, gpus=2, manage_gpus=("1",))
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [], config=config)
@@ -266,7 +267,7 @@ def test_a_reload_waits_for_a_file_being_written_in_place(
         assert ctl.scheduler.gpus == {1}
         path.write_text("gpus: 2\n")  # cut short
         let_go = held_at_its_change(path, monkeypatch)
-        ctl.request_reload()
+        ctl.reloads.request()
         await settle()
         assert loads == []
         path.write_text("gpus: 2\nmanage_gpus: [1]\nlog_level: warning\n")
@@ -283,7 +284,7 @@ def test_a_reload_reads_again_a_file_that_changed_while_it_was_read(
 ) -> None:
     """The file was left alone when the reload began to read it, and a writer truncated it
     meanwhile: what was read is not applied; the file is read again once left alone."""
-    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.05)
+    monkeypatch.setattr(reloads_module, "CONFIG_SETTLE", 0.05)
     path = tmp_path / "config.yaml"
     path.write_text("gpus: 2\n")
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
@@ -299,7 +300,7 @@ def test_a_reload_reads_again_a_file_that_changed_while_it_was_read(
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.request_reload()
+        ctl.reloads.request()
         await until(lambda: len(loads) == 2)
         await settle()
         assert ctl.scheduler.gpus == {0, 1, 2}
@@ -312,7 +313,7 @@ def test_ten_thousand_sighups_while_the_file_settles_are_one_reload(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A reload storm while the reload waits for the file: one read, once."""
-    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.1)
+    monkeypatch.setattr(reloads_module, "CONFIG_SETTLE", 0.1)
     path = tmp_path / "config.yaml"
     bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
     loads = counting(monkeypatch)
@@ -322,10 +323,10 @@ def test_ten_thousand_sighups_while_the_file_settles_are_one_reload(
         await ctl.start()
         path.write_text("gpus: 2\n")
         for _ in range(10_000):
-            ctl.request_reload()
+            ctl.reloads.request()
         await until(lambda: loads != [])
         for _ in range(10_000):
-            ctl.request_reload()  # after that read: one more
+            ctl.reloads.request()  # after that read: one more
         await until(lambda: len(loads) == 2)
         await asyncio.sleep(0.2)
         assert len(loads) == 2
@@ -338,7 +339,7 @@ def test_a_file_that_never_stops_changing_is_read_after_so_many_waits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A tool rewriting config.yaml without end: the reload is not put off for ever."""
-    monkeypatch.setattr(controller_module, "CONFIG_SETTLE_WAITS", 3)
+    monkeypatch.setattr(reloads_module, "CONFIG_SETTLE_WAITS", 3)
     waits: list[Path] = []
 
     def unsettled(path: Path, now: float, settle: float) -> float:
@@ -354,7 +355,7 @@ def test_a_file_that_never_stops_changing_is_read_after_so_many_waits(
         ctl = bed.controller
         await ctl.start()
         with caplog.at_level(logging.INFO, logger="gpuslice"):
-            ctl.request_reload()
+            ctl.reloads.request()
             await until(lambda: loads != [])
         assert len(waits) == 4 and ctl.scheduler.gpus == {0, 1}
 
@@ -372,7 +373,7 @@ def test_a_start_reads_a_file_being_written_once_it_is_whole(
 ) -> None:
     """gpuslice.service (re)started while config.yaml is being written: the start reads it
     once it has been left alone, as a reload does."""
-    monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0.3)
+    monkeypatch.setattr(reloads_module, "CONFIG_SETTLE", 0.3)
     host.config_path.write_text("")  # truncated, not written yet
     let_go = held_at_its_change(host.config_path, monkeypatch)
 

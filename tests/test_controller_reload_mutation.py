@@ -1,7 +1,7 @@
 """config.yaml's reload, its read at start and the runtime_dir of this boot, step by step.
 
 Mutation testing showed that no test held these promises of gpuslice/controller.py
-(Controller._reload_now, Controller.reload_config, _load_settled, _runtime_dir_of_this_boot):
+(Reloads._reload_now, Controller.reload_config, load_settled, _runtime_dir_of_this_boot):
 
 - a reload or a start reads config.yaml only once the file has been left alone for
   CONFIG_SETTLE s, waits for that at most CONFIG_SETTLE_WAITS times, and reads it again (after
@@ -33,6 +33,7 @@ import pytest
 
 from gpuslice import config as config_module
 from gpuslice import controller as controller_module
+from gpuslice import reloads as reloads_module
 from gpuslice.config import Config, ConfigError, load_config_with_warnings, pin_runtime_dir
 from gpuslice.controller import Controller
 from gpuslice.paths import RUNTIME_DIR_ENV
@@ -70,11 +71,12 @@ class Script:
         self.version = 0
         self.reads = 0
         self.events: list[str] = []
-        monkeypatch.setattr(controller_module, "CONFIG_SETTLE", SETTLE)
-        monkeypatch.setattr(controller_module, "CONFIG_SETTLE_WAITS", WAITS)
+        monkeypatch.setattr(reloads_module, "CONFIG_SETTLE", SETTLE)
+        monkeypatch.setattr(reloads_module, "CONFIG_SETTLE_WAITS", WAITS)
         monkeypatch.setattr(config_module, "unsettled", self.unsettled)  # Settling's look
         monkeypatch.setattr(config_module, "stamp", self.stamp)  # read_unchanged's
         monkeypatch.setattr(controller_module, "load_config_with_warnings", self.load)
+        monkeypatch.setattr(reloads_module, "load_config_with_warnings", self.load)
 
     def unsettled(self, path: Path, now: float, settle: float) -> float:
         assert path == self.path
@@ -145,7 +147,7 @@ def kept_changing(path: Path) -> str:
     return f"WARNING {path} kept changing for 0.06 s: reloading it as it is now"
 
 
-# ---- Controller._reload_now ------------------------------------------------------------------
+# ---- Reloads._reload_now ---------------------------------------------------------------------
 
 
 def test_a_reload_looks_until_the_file_is_left_alone_says_so_once_and_does_so_each_reload(
@@ -159,7 +161,7 @@ def test_a_reload_looks_until_the_file_is_left_alone_says_so_once_and_does_so_ea
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.request_reload()
+        ctl.reloads.request()
         await until(lambda: reloads(logs, path) == 1)
         assert script.events == ["look 0.01", "look 0.01", "look 0", "read"]
         assert ctl.scheduler.gpus == {0, 1}
@@ -167,7 +169,7 @@ def test_a_reload_looks_until_the_file_is_left_alone_says_so_once_and_does_so_ea
 
         script.waits = [0.01]
         path.write_text("gpus: 3\n")
-        ctl.request_reload()
+        ctl.reloads.request()
         await until(lambda: reloads(logs, path) == 2)
         assert script.events[4:] == ["look 0.01", "look 0", "read"]
         assert ctl.scheduler.gpus == {0, 1, 2}
@@ -187,7 +189,7 @@ def test_a_file_never_left_alone_is_read_as_it_is_after_so_many_waits_with_a_war
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
-        ctl.request_reload()
+        ctl.reloads.request()
         await until(lambda: script.reads > 0)
         await until(lambda: reloads(logs, path) == 1)
         assert script.events == ["look 0.01"] * (WAITS + 1) + ["read"]
@@ -214,7 +216,7 @@ def test_a_file_changed_while_read_is_read_again_after_the_settle_up_to_the_limi
         ctl = bed.controller
         await ctl.start()
         script.on_read = lambda n: applied.append(ctl.config.gpus)
-        ctl.request_reload()
+        ctl.reloads.request()
         await until(lambda: reloads(logs, path) == 1)
         assert script.events == ["look 0", "read"] * (WAITS + 1)
         assert applied == [1] * (WAITS + 1)  # none of the reads before the last applied
@@ -238,14 +240,14 @@ def test_a_sighup_while_a_changed_file_waits_to_be_read_again_is_that_read(
 
         def sighups() -> None:
             for _ in range(3):
-                ctl.request_reload()
+                ctl.reloads.request()
 
         def signals(n: int) -> None:
             if n == 1:  # run right after this read's _reload_now, before its timer
                 asyncio.get_running_loop().call_soon(sighups)
 
         script.on_read = signals
-        ctl.request_reload()
+        ctl.reloads.request()
         await until(lambda: reloads(logs, path) == 1)
         await asyncio.sleep(3 * SETTLE)  # a second reload's timer would have fired
         await settle()
@@ -304,11 +306,11 @@ def test_reload_config_applies_nothing_and_answers_false_when_the_file_changed_w
     run(test)
 
 
-# ---- _load_settled (the read at start) -------------------------------------------------------
+# ---- load_settled (the read at start) --------------------------------------------------------
 
 
 def load_settled(path: Path) -> tuple[Config, list[str]]:
-    return asyncio.run(controller_module._load_settled(path))
+    return asyncio.run(reloads_module.load_settled(path))
 
 
 def test_the_start_reads_the_file_once_it_is_left_alone_and_once_only(

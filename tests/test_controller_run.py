@@ -47,6 +47,7 @@ from dbus_next.constants import NameFlag, RequestNameReply
 from gpuslice import __version__, stopjournal
 from gpuslice import clock as clock_module
 from gpuslice import controller as controller_module
+from gpuslice import reloads as reloads_module
 from gpuslice import service as service_module
 from gpuslice.annotations import scan
 from gpuslice.config import ConfigError, load_config_with_warnings
@@ -175,8 +176,9 @@ class Host:
             return self.journals[-1]
 
         monkeypatch.setattr(controller_module, "load_config_with_warnings", load)
+        monkeypatch.setattr(reloads_module, "load_config_with_warnings", load)
         # written just now: read at once (config.SETTLE_SECONDS); no /run/gpuslice here
-        monkeypatch.setattr(controller_module, "CONFIG_SETTLE", 0)
+        monkeypatch.setattr(reloads_module, "CONFIG_SETTLE", 0)
         monkeypatch.setattr(controller_module, "RUNTIME_RECORD", tmp_path / "none" / "runtime-dir")
         monkeypatch.setattr(controller_module, "STATE_RECORD", tmp_path / "none" / "state-dir")
         monkeypatch.setattr(controller_module, "THIS_BOOT_RECORD", tmp_path / "none" / "boot")

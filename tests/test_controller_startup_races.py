@@ -222,6 +222,6 @@ def test_an_instance_whose_start_came_during_start_up_is_still_heard_once_it_is_
         await settle()
         assert bed.systemd.watched is not None
         assert (INSTANCE in bed.systemd.watched) is not ends
-        assert (INSTANCE in ctl._instances) is not ends
+        assert (INSTANCE in ctl.instances.announced) is not ends
 
     run(test)

@@ -179,7 +179,7 @@ def test_an_instance_whose_annotation_went_leaves_the_tracker_at_its_down(
     tmp_path: Path, down: dict[str, object]
 ) -> None:
     """t@1.service's template loses its annotation while it runs on GPU 0; it ends: its
-    entry goes from the tracker, as an annotated instance's does (`_forget_instance`). Kept,
+    entry goes from the tracker, as an annotated instance's does (`Instances.forget`). Kept,
     the tracker held one for every such instance, whose names may never come again."""
     bed, _ = instance_holds_gpu_0(tmp_path)
 
@@ -201,7 +201,7 @@ def test_an_instance_waiting_to_restart_stays_in_the_tracker_but_is_not_managed(
     tmp_path: Path,
 ) -> None:
     """t@1.service, its template's annotation gone, fails and waits to restart by its
-    Restart=: the tracker, which told it down once, keeps it (as `_forget_instance` does),
+    Restart=: the tracker, which told it down once, keeps it (as `Instances.forget` does),
     but its processes are no longer a managed unit's."""
     bed, _ = instance_holds_gpu_0(tmp_path)
     restarting = {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}

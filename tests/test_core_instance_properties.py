@@ -7,13 +7,13 @@ templates (`t0@.service`: on-demand or background, with or without `Devices=%i`)
 host's, when NVML knows them, and one no GPU has); else job names. Besides: someone starts
 every instance of a template at once (a queue of jobs), and `urgent@.service` (`Devices=%i`,
 more urgent than any other unit) starts on the GPU of an instance that runs, which then gives
-way. The controller's part is played as it plays it (gpuslice/controller.py): an instance is
-learnt with its template's annotation (`UnitSpec.for_instance`) from any signal of it
-(`Scheduler.learn`), every daemon-reload passes the instances the core knows and those that
-run (`_concrete_specs`), one seen down is asked to be forgotten (`_forget_instance`, once
+way. The controller's part is played as it plays it (gpuslice/controller.py, instances.py):
+an instance is learnt with its template's annotation (`UnitSpec.for_instance`) from any signal
+of it (`Scheduler.learn`), every daemon-reload passes the instances the core knows and those
+that run (`_concrete_specs`), one seen down is asked to be forgotten (`Instances.forget`, once
 systemd's SystemState confirmed a hold: `_holds_read`), preempted instances past a cap are
-dropped (`_cap_preempted`, PREEMPTED_INSTANCES_MAX) and each then forgotten; a template's
-`Type=` may change at a reload; the host's shutdown stops what runs, and is cancelled.
+dropped (`Instances._cap_preempted`, PREEMPTED_INSTANCES_MAX) and each then forgotten; a
+template's `Type=` may change at a reload; the host's shutdown stops what runs, and is cancelled.
 
 The oracle, `InstanceSim`, is `Sim` (tests/core_builders.py) with the README's instance rules
 (README, "The rules in short"): refill starts a background instance only once someone started
@@ -225,7 +225,7 @@ class InstanceSim(Sim):
         ]
 
     def cap_preempted(self, limit: int) -> None:
-        """`Controller._cap_preempted`: past `limit` instances kept preempted, those down
+        """`Instances._cap_preempted`: past `limit` instances kept preempted, those down
         that would come back last are dropped (each said once, as a warning), then forgotten."""
         kept = {n for n in self.preempted if is_instance(n) and n in self.annotations}
         books = {n for n in self.sched.preempted if is_instance(n)}

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice import controller as controller_module
+from gpuslice import instances as instances_module
 from gpuslice.annotations import Scan, scan
 from gpuslice.controller import Controller
 from gpuslice.core.scheduler import SavedState
@@ -240,7 +241,7 @@ def test_instances_kept_at_start_up_past_the_bound_are_said_once(
     """The state names instances held (an admin's stop) or preempted, down: start-up, which
     forgets each instance down that is owed nothing, keeps them, and past the bound says how
     many, with the state file's limit, once. a.service holds the one GPU, so none comes back."""
-    monkeypatch.setattr(controller_module, "KEPT_INSTANCES_WARN", 3)
+    monkeypatch.setattr(instances_module, "KEPT_INSTANCES_WARN", 3)
     bed = Bed(
         tmp_path,
         {**EMBED, "b.service": "Priority=90\nType=background\n"},
@@ -269,7 +270,7 @@ def test_kept_instances_are_said_again_once_they_fell_back_to_the_bound(
 ) -> None:
     """Four held instances are said at start-up; embed@0 is started again (three kept, told
     by a late signal of embed@1), then stopped by hand again: four, said again."""
-    monkeypatch.setattr(controller_module, "KEPT_INSTANCES_WARN", 3)
+    monkeypatch.setattr(instances_module, "KEPT_INSTANCES_WARN", 3)
     bed = Bed(tmp_path, EMBED, [], SavedState(held=[f"embed@{i}.service" for i in range(4)], seq=1))
     name = "embed@0.service"
 

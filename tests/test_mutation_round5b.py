@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice import controller as controller_module
+from gpuslice import instances as instances_module
 from gpuslice.controller import Controller
 from gpuslice.core.scheduler import SavedState
 from gpuslice.state import StateStore
@@ -218,7 +218,7 @@ def test_units_freed_by_one_hold_read_are_named_up_to_a_bound(
 def two_preempted_instances(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Bed:
     """embed@0 and embed@1 (background) preempted for a.service, shown down, with
     PREEMPTED_INSTANCES_MAX 2: both kept at start-up."""
-    monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 2)
+    monkeypatch.setattr(instances_module, "PREEMPTED_INSTANCES_MAX", 2)
     embed = {"a.service": "Priority=50\n", "embed@.service": BG}
     names = [f"embed@{i}.service" for i in range(2)]
     saved = SavedState(
@@ -248,7 +248,7 @@ def test_an_instance_dropped_past_the_bound_while_running_is_forgotten(
         await ctl.start()
         await settle()
         assert set(names) <= set(ctl.scheduler.annotated())
-        monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 1)
+        monkeypatch.setattr(instances_module, "PREEMPTED_INSTANCES_MAX", 1)
         ctl.on_unit_changed("embed@0.service", DEAD)  # an instance kept goes down (again)
         await settle()
         assert set(ctl.scheduler.preempted) == {"embed@0.service"}
@@ -273,7 +273,7 @@ def test_an_instance_dropped_past_the_bound_with_a_call_unanswered_goes_at_the_a
         await settle()
         answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         ctl.calls.send(lambda unit, queued: answer, "embed@1.service", "stop")
-        monkeypatch.setattr(controller_module, "PREEMPTED_INSTANCES_MAX", 1)
+        monkeypatch.setattr(instances_module, "PREEMPTED_INSTANCES_MAX", 1)
         ctl.on_unit_changed("embed@0.service", DEAD)  # an instance kept goes down (again)
         await settle()
         assert set(ctl.scheduler.preempted) == {"embed@0.service"}

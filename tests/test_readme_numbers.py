@@ -24,6 +24,7 @@ from gpuslice import (
     delivery,
     envsafety,
     exporter,
+    instances,
     journal,
     ladder,
     rereads,
@@ -81,8 +82,8 @@ ROWS = [
     ("preempted units are looked at 500 to a `systemctl show`", cli.SHOW_AT_ONCE, 500),
     ("left of those 120 s, at least 5 s; those it does not show", cli.SHOW_LATE, 5.0),
     # Background instances
-    ("At most 10,000 instances are kept preempted", controller.PREEMPTED_INSTANCES_MAX, 10_000),
-    ("past 10,000 of them `journalctl -u gpuslice` says", controller.KEPT_INSTANCES_WARN, 10_000),
+    ("At most 10,000 instances are kept preempted", instances.PREEMPTED_INSTANCES_MAX, 10_000),
+    ("past 10,000 of them `journalctl -u gpuslice` says", instances.KEPT_INSTANCES_WARN, 10_000),
     # While the controller is down: a call systemd never got
     ("is sent again after 1 s, doubling up to 30 s", calls.CALL_RETRY_FIRST, 1.0),
     ("is sent again after 1 s, doubling up to 30 s", calls.CALL_RETRY_MAX, 30.0),
