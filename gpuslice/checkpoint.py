@@ -27,11 +27,12 @@ import shutil
 import signal
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuslice import safefile
 from gpuslice.envsafety import EnvFileChecker
 from gpuslice.sizes import format_size
 from gpuslice.unitfiles import printable
@@ -431,6 +432,29 @@ def _close_transport(proc: asyncio.subprocess.Process) -> None:
         transport.close()
 
 
+# The CUDA driver's library, as the kernel names its file in a process's mappings
+# (`libcuda.so.1` resolved: `/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15`): every CUDA
+# process has it mapped, a suspended one too (the restore runs in the process).
+CUDA_LIBRARY = b"libcuda.so"
+MAPS_MAX = 16 << 20  # bytes of /proc/PID/maps read; a process of more may be a CUDA one
+
+
+def may_use_cuda(pid: int, proc: Path = Path("/proc")) -> bool:
+    """Whether the kernel shows process `pid` may be a CUDA process, which cuda-checkpoint
+    may have locked or checkpointed: the driver's library is mapped in it, or its mappings
+    cannot be read whole (asking the tool costs a run; a checkpointed process left so
+    blocks for good). A process that is gone is none."""
+    try:
+        data = safefile.read_bytes(
+            proc / str(pid) / "maps", MAPS_MAX, follow_links=False, prefix=True
+        )
+    except safefile.Unreadable as e:
+        return e.why is not safefile.Why.MISSING
+    if len(data) >= MAPS_MAX:
+        return True
+    return any(line.rpartition(b"/")[2].startswith(CUDA_LIBRARY) for line in data.splitlines())
+
+
 def _pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -561,15 +585,30 @@ def _unique(pids: Sequence[int]) -> list[int]:
     return list(dict.fromkeys(pids))
 
 
+# Whether a PID is still a process of the job, asked right before each run of the tool on it
+# (Ladder: its cgroup is the unit's). Asked once up front, a PID freed meanwhile (a frozen
+# process dies of SIGKILL; a thawed one may exit) and given to another unit's process was
+# acted on minutes later, after the runs on the PIDs before it and the stop of an earlier
+# controller's runs: that process restored or unlocked beside its own ladder's work, or
+# locked. The tool takes a PID, not a pidfd: a reuse between the look and the tool's own
+# start (milliseconds) is left.
+Owned = Callable[[int], bool]
+
+
+def _any_process(pid: int) -> bool:
+    return True
+
+
 async def _settle(
-    tool: str, pids: Sequence[int], s: CheckpointSettings
+    tool: str, pids: Sequence[int], s: CheckpointSettings, owned: Owned = _any_process
 ) -> tuple[CheckpointError | None, Resumed]:
     """Bring every process back to running: restore the checkpointed ones, then unlock the
     locked ones, in the order a suspend did its steps. After a restore fails, the other
     checkpointed processes are left so (a second out-of-memory restore would lose them too);
-    the rest goes on. Returns the problems (None when there were none; `restored` and
-    `unsettled` set on them) and what was done (its `seconds` 0: the callers time their
-    whole step)."""
+    the rest goes on. A PID that is not `owned` when its turn comes is left alone, as one
+    that has exited (it is gone from the job: nothing of the job's is there to bring back).
+    Returns the problems (None when there were none; `restored` and `unsettled` set on them)
+    and what was done (its `seconds` 0: the callers time their whole step)."""
     problems: list[str] = []
     lost: list[int] = []
     unsettled: list[int] = []  # not known back to running
@@ -577,6 +616,8 @@ async def _settle(
     locked: list[int] = []
     to_unlock: list[int] = []
     for pid in pids:
+        if not owned(pid):
+            continue
         try:
             state = await get_state(tool, pid, s.via_systemd)
         except CheckpointError as e:
@@ -594,6 +635,8 @@ async def _settle(
             unsettled.append(pid)
             problems.append(f"PID {pid} left checkpointed: a restore failed before it")
         elif state == CHECKPOINTED:
+            if not owned(pid):  # asked once more: the state's read may take seconds
+                continue
             try:
                 await _restore(tool, pid, s)
                 restored.append(pid)
@@ -604,6 +647,8 @@ async def _settle(
         elif state == LOCKED:
             to_unlock.append(pid)
     for pid in to_unlock:
+        if not owned(pid):
+            continue
         try:
             await _unlock(tool, pid, s)
             if pid not in restored:
@@ -618,16 +663,20 @@ async def _settle(
     return CheckpointError("; ".join(problems), lost, restored, tuple(left)), done
 
 
-async def suspend(tool: str, pids: Sequence[int], s: CheckpointSettings) -> float:
+async def suspend(
+    tool: str, pids: Sequence[int], s: CheckpointSettings, owned: Owned = _any_process
+) -> float:
     """Lock every process, only then checkpoint each: the job's GPU memory moves to host memory
     and its GPU is released. Returns the seconds taken. On a failure what was done is undone
-    and CheckpointError names the process and why (and what could not be undone, if anything).
-    A cancelled suspend kills the running tool and undoes nothing: call `resume` for that."""
+    and CheckpointError names the process and why (and what could not be undone, if anything):
+    a PID no longer `owned` when its lock or checkpoint comes is one. A cancelled suspend
+    kills the running tool and undoes nothing: call `resume` for that."""
     start = time.monotonic()
     todo = _unique(pids)
     locked: list[int] = []  # and a lock that was killed: it may have locked
     try:
         for pid in todo:
+            _require_owned(pid, owned)
             try:
                 await _lock(tool, pid, s)
             except _LockHung as e:
@@ -635,11 +684,12 @@ async def suspend(tool: str, pids: Sequence[int], s: CheckpointSettings) -> floa
                 raise CheckpointError(e.reason) from None
             locked.append(pid)
         for pid in todo:
+            _require_owned(pid, owned)
             await _checkpoint(tool, pid, s)
     except CheckpointError as e:
         # A refused step changed nothing; every locked process is found as it is and brought
         # back, a timed-out checkpoint's too.
-        undo, _ = await _settle(tool, locked, s)
+        undo, _ = await _settle(tool, locked, s, owned)
         if undo is None:
             raise
         # one left locked or checkpointed blocks in its next CUDA call for good: lost too
@@ -647,15 +697,23 @@ async def suspend(tool: str, pids: Sequence[int], s: CheckpointSettings) -> floa
     return time.monotonic() - start
 
 
-async def resume(tool: str, pids: Sequence[int], s: CheckpointSettings) -> Resumed:
+def _require_owned(pid: int, owned: Owned) -> None:
+    if not owned(pid):
+        raise CheckpointError(f"PID {pid} is no longer a process of it")
+
+
+async def resume(
+    tool: str, pids: Sequence[int], s: CheckpointSettings, owned: Owned = _any_process
+) -> Resumed:
     """Bring every process back as `get_state` finds it: checkpointed ones are restored, then
     every locked one is unlocked; running ones and processes that have exited are left alone.
     Idempotent, so it is also the recovery after a crash in the middle of a suspend. Returns
     the seconds taken and which processes were restored or unlocked (none: nothing was to be
     done); CheckpointError lists every problem, `lost` the processes whose restore failed
-    (fatal: they must be stopped), `restored` those restored all the same."""
+    (fatal: they must be stopped), `restored` those restored all the same. `owned`: see
+    `_settle`."""
     start = time.monotonic()
-    problem, done = await _settle(tool, _unique(pids), s)
+    problem, done = await _settle(tool, _unique(pids), s, owned)
     if problem is not None:
         raise problem
     return Resumed(time.monotonic() - start, done.restored, done.unlocked)

@@ -12,7 +12,8 @@ alone (`config`, `envsafety`).
 
 `write_atomic` is the one writer of a whole file (the state, the records, the env files, the
 generator's drop-ins): replaced in one rename(2) from a temporary file of the writer's own,
-which `remove_stale` removes once its writer is gone.
+which `remove_stale` removes once its writer is gone. `link_atomic` puts a file under a
+second name the same way (the state's last durable copy).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def _read_at_most(fd: int, limit: int | None, expected: int) -> bytes:
 # refuses it as a path setting (`_own_name_below`: "." then NAME then ".").
 TEMPORARY = ".tmp"
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+# a file opened to be synced: never a link followed or a FIFO waited on
+_SYNC_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _numbers = itertools.count()
 _writing: set[str] = set()  # the names of this process's temporary files being written
 _PID_DIGITS = 7  # PID_MAX_LIMIT is 4194304: a longer number is no process's
@@ -189,9 +192,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     this process's id (no live process has it), or is a link: it is removed, never written
     through."""
     name = os.fspath(path)
-    head, tail = os.path.split(name)
-    own = f".{tail}{TEMPORARY}-{os.getpid()}-{next(_numbers)}"
-    tmp = os.path.join(head, own)
+    own, tmp = _temporary(name)
     try:
         fd = os.open(tmp, _NEW_FILE, 0o644)
     except FileExistsError:
@@ -213,6 +214,48 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
         raise
     finally:
         _writing.discard(own)
+
+
+def link_atomic(
+    source: str | os.PathLike[str], path: str | os.PathLike[str], *, sync: bool = False
+) -> None:
+    """Make `path` one more name of the file `source` names now (a hard link), in one
+    rename(2) from a temporary name of the writer's own (see TEMPORARY): `path` is always
+    the old file or this one. With `sync`, the file's data are on disk before the rename (the
+    directory is the caller's to flush): `path` then names a durable file, whatever the file
+    system's rename does. `source` is never followed (a symlink is linked as itself, and its
+    sync fails: ELOOP); FileNotFoundError when nothing is there."""
+    name = os.fspath(path)
+    own, tmp = _temporary(name)
+    _writing.add(own)
+    try:
+        try:
+            os.link(source, tmp, follow_symlinks=False)
+        except FileExistsError:  # a killed writer's, of this process's id
+            os.unlink(tmp)
+            os.link(source, tmp, follow_symlinks=False)
+        try:
+            if sync:
+                fd = os.open(tmp, _SYNC_FLAGS)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            os.replace(tmp, name)
+        finally:
+            # also after the rename: one of two names of one file does nothing (rename(2)),
+            # and the temporary name stayed (`path` was that file already)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    finally:
+        _writing.discard(own)
+
+
+def _temporary(name: str) -> tuple[str, str]:
+    """A temporary name of this writer's own beside `name` (TEMPORARY), and its path."""
+    head, tail = os.path.split(name)
+    own = f".{tail}{TEMPORARY}-{os.getpid()}-{next(_numbers)}"
+    return own, os.path.join(head, own)
 
 
 def remove_stale(path: str | os.PathLike[str], dir_fd: int | None = None) -> int:

@@ -7,6 +7,18 @@ milliseconds on a real disk (issue 10): `flush()` makes the file durable, and th
 calls it off the event loop at most FLUSH_DELAY after a save. A power cut may then lose the
 decisions of the last second, never the file (holders are rebuilt from systemd at boot).
 
+Never the file: a rename(2) over the state file reaches the disk before the new file's data
+on a file system that does not flush them at a rename (XFS; ext4 with auto_da_alloc and
+btrfs do), so a power cut within the second after a save may leave `state.json` empty. Each
+flush therefore keeps what it made durable as `state.json.prev`, a hard link made once the
+file's data are synced, and `load()` takes it in place of a state file that is there but
+unusable (empty, torn, or bad in any other way), after setting that one aside as
+`state.json.bad` and putting the copy back in its place. It is the state of at most a
+second before, never newer than a state file that can be read: a good state file always
+wins over it; the stand-in (below) is ranked against it as against the state file; and it
+is hostile input like the state file (the same owner, mode and entry checks). A state file
+that is not there at all is no torn one: no copy is taken then.
+
 Every GPU job waits on the controller, so no content of the file may stop it: `load()`
 never raises. A file that is not exactly what `save()` writes costs one error line, and:
 - the file itself is bad (not a regular file, over 16 MiB, another user's or writable by
@@ -606,7 +618,12 @@ def _flush(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    _sync_directory(path.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the entries a rename or a link changed in `directory` durable."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dir_fd)
     finally:
@@ -665,6 +682,8 @@ class StateStore:
     def __init__(self, state_dir: Path, runtime_dir: Path | None = None) -> None:
         self.path = state_dir / STATE_FILE_NAME
         self.bad_path = state_dir / f"{STATE_FILE_NAME}.bad"
+        # the state file as the last flush made it durable: for when it is found torn
+        self.prev_path = state_dir / f"{STATE_FILE_NAME}.prev"
         # where the state goes while state_dir cannot be written; none in the same directory
         self.standin: Path | None = None
         if runtime_dir is not None and os.path.abspath(runtime_dir) != os.path.abspath(state_dir):
@@ -690,7 +709,7 @@ class StateStore:
             self._remove_stale()
             found, self.read_ahead = self.read_ahead, None
             mine = found if found is not None and found.path == self.path else None
-            mine = mine or read_found(self.path)
+            mine = self._or_prev(mine or read_found(self.path))
             standin = self._load_standin(mine)
             if standin is not None:
                 return standin
@@ -705,9 +724,46 @@ class StateStore:
         """Remove the temporary files of saves killed mid-write (`safefile.remove_stale`),
         once a load: at each start of the controller or of release-jobs, not at every save,
         which comes before each StartUnit and StopUnit the controller sends."""
-        for path in (self.path, self.bad_path, self.standin):
+        for path in (self.path, self.bad_path, self.prev_path, self.standin):
             if path is not None:
                 safefile.remove_stale(path)
+
+    def _or_prev(self, mine: Found) -> Found:
+        """`mine`, or when it is there and unusable (a power cut's empty file, torn, bad in
+        any other way, or unreadable) the copy its last flush kept (`prev_path`), when that
+        is there and usable itself (`read_found`: owner, mode, format; its entries are
+        validated as the state file's are): the torn file is set aside as `bad_path` and the
+        copy put in its place (each by a link renamed over the other: the state file is
+        always the torn one or the copy), and loaded as the state file."""
+        gone = (FileNotFoundError, NotADirectoryError)
+        if mine.error is None or isinstance(mine.error, gone):
+            return mine
+        prev = read_found(self.prev_path)
+        if prev.error is not None:
+            if not isinstance(prev.error, gone):
+                why = prev.error.strerror if isinstance(prev.error, OSError) else prev.error
+                log.error("%s: %s; not used in place of %s", self.prev_path, why, self.path)
+            return mine
+        try:
+            safefile.link_atomic(self.path, self.bad_path)
+        except OSError:  # no file to link (a directory): moved, as a bad file is
+            aside = self._move_aside()
+        else:
+            aside = f"kept it as {self.bad_path}"
+        try:
+            safefile.link_atomic(self.prev_path, self.path)
+        except OSError as e:  # loaded all the same: the next save writes it there
+            aside += f"; could not put the copy in its place ({e.strerror or e})"
+        why = mine.error.strerror if isinstance(mine.error, OSError) else mine.error
+        log.error(
+            "%s: %s (a power cut just after a save?); %s; loading %s, the state as its last "
+            "flush made it durable: the decisions of the second before may be lost",
+            self.path,
+            why,
+            aside,
+            self.prev_path,
+        )
+        return replace(prev, path=self.path)
 
     def _load(self, mine: Found) -> tuple[SavedState, str]:
         """The state in the state file, as read once (`mine`)."""
@@ -801,6 +857,7 @@ class StateStore:
                 "%s: older than %s, saved since, which holds the state; removed", old, self.path
             )
             self._remove_moved(old)
+            self._remove_moved(old_dir / self.prev_path.name)
             self.read_ahead = mine
             return True
         try:
@@ -820,6 +877,8 @@ class StateStore:
             )
             self.read_ahead = theirs
             return False
+        # its last copy goes with it: left, a torn state file there later took it up
+        self._remove_moved(old_dir / self.prev_path.name)
         # the file here now is the one read there (renamed, or copied with its time)
         self.read_ahead = replace(theirs, path=self.path)
         if mine is None:
@@ -1007,9 +1066,21 @@ class StateStore:
         return ""
 
     def flush(self) -> None:
-        """Make the last save durable (`_flush`). Blocks on the disk: the controller calls it
-        on a worker thread. A state file not there (never saved) is nothing to flush."""
-        _flush(self.path)
+        """Make the last save durable, and keep it as `prev_path` (see the module's words):
+        the file is linked there, synced, renamed over the last copy, then the directory is
+        synced. The file linked is the one synced, whatever save the loop made meanwhile: the
+        copy is always a durable file. Blocks on the disk: the controller calls it on a
+        worker thread. A state file not there (never saved) is nothing to flush. No copy can
+        be kept (a file system without hard links): the file is flushed all the same, and
+        the OSError says why no copy is there."""
+        try:
+            safefile.link_atomic(self.path, self.prev_path, sync=True)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            _flush(self.path)
+            raise OSError(e.errno, f"{self.prev_path} not kept: {e.strerror or e}") from None
+        _sync_directory(self.path.parent)
 
 
 class Flusher:

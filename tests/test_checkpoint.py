@@ -1094,3 +1094,42 @@ def test_without_systemd_run_the_reason_names_it_not_the_tool(
         "systemd-run not found: cuda-checkpoint cannot be run as a transient service"
     )
     assert calls(tmp_path) == []
+
+
+# ---- whether the kernel shows a process may be a CUDA one ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("maps", "may"),
+    [
+        (
+            b"7f00-7f10 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n",
+            True,
+        ),
+        (b"7f00-7f10 r-xp 00000000 08:01 42 /opt/x/libcuda.so.1 (deleted)\n", True),
+        (b"7f00-7f10 r-xp 00000000 08:01 42 /usr/lib/libc.so.6\n", False),
+        (b"7f00-7f10 r-xp 00000000 08:01 42 /home/u/not-libcuda.so\n", False),
+        (b"", False),  # a kernel thread, or a process that has exited since the open
+    ],
+)
+def test_a_process_may_use_cuda_when_the_driver_library_is_mapped_in_it(
+    tmp_path: Path, maps: bytes, may: bool
+) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "maps").write_bytes(maps)
+    assert checkpoint.may_use_cuda(7, tmp_path) is may
+
+
+def test_a_process_whose_mappings_cannot_be_read_whole_may_use_cuda(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unknown counts as may: asking the tool costs a run, not asking may leave a process
+    checkpointed for good. A process that is gone is none."""
+    assert checkpoint.may_use_cuda(7, tmp_path) is False
+    (tmp_path / "7" / "maps").mkdir(parents=True)  # no regular file: cannot be read
+    assert checkpoint.may_use_cuda(7, tmp_path) is True
+    assert checkpoint.may_use_cuda(os.getpid()) is False  # pytest maps no libcuda
+    monkeypatch.setattr(checkpoint, "MAPS_MAX", 64)
+    (tmp_path / "8").mkdir()
+    (tmp_path / "8" / "maps").write_bytes(b"7f00-7f10 r-xp 0 08:01 1 /usr/lib/libc.so.6\n" * 2)
+    assert checkpoint.may_use_cuda(8, tmp_path) is True

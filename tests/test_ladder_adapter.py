@@ -55,6 +55,8 @@ class Freezer:
         await self._do("thaw", name)
 
     async def unit_pids(self, name: str) -> list[int]:
+        if "pids" in self.fail:
+            raise RuntimeError("no answer")
         return list(self.pids)
 
     async def freezer_state(self, name: str) -> str:
@@ -170,6 +172,7 @@ class Host:
             self.report,
             unified_marker=self.marker,
             unit_of_pid=lambda pid: UNIT,
+            may_use_cuda=self.mine.__contains__,  # the fake's jobs map no libcuda
         )
 
     def said(self) -> list[tuple[str, str, str]]:
@@ -376,7 +379,7 @@ def test_two_suspends_at_once_count_each_other_s_memory(
     shown = [GpuUse(pid, pid - 11, 6 * GIB, unit, "job") for pid, unit in units.items()]
     available = [10 * GIB]
 
-    async def suspend(tool: str, pids: list[int], s: object) -> float:
+    async def suspend(tool: str, pids: list[int], s: object, owned: object = None) -> float:
         await asyncio.sleep(0)  # the other task runs its checks meanwhile
         shown[:] = [p for p in shown if p.pid not in pids]
         available[0] -= 6 * GIB
@@ -571,6 +574,124 @@ def test_a_recalled_pid_that_is_another_units_process_now_is_left_alone(host: Ho
     assert host.said()[-1][0] == "resumed"
     assert host.bed.state_of(a) == "running"
     assert host.bed.state_of(b) == "checkpointed"
+
+
+def test_a_recalled_pid_given_to_another_unit_after_the_first_look_is_left_alone(
+    host: Host,
+) -> None:
+    """Its cgroup is looked at again right before each cuda-checkpoint run on it: looked at
+    once, before the earlier controller's runs were stopped and the restores of the PIDs
+    before it ran (seconds to minutes), a PID freed and given to another unit's process
+    meanwhile was restored or unlocked beside that unit's own ladder."""
+    a, b = host.job(), host.job()
+    run(host.ladder.suspend(UNIT))
+    fresh = recalled_ladder(host)
+    looks: list[int] = []
+
+    def owner(pid: int) -> str:  # b's is UNIT's at the first look only
+        looks.append(pid)
+        return "other.service" if pid == b and looks.count(b) > 1 else UNIT
+
+    fresh.unit_of_pid = owner
+    run(fresh.resume(UNIT))
+    assert host.said()[-1][0] == "resumed"
+    assert host.bed.state_of(a) == "running"
+    assert host.bed.state_of(b) == "checkpointed"
+
+
+def test_a_pid_given_to_another_unit_after_the_suspends_look_is_never_locked(
+    host: Host,
+) -> None:
+    """The same look before each lock and checkpoint of a suspend: the job runs until it
+    is frozen, after the checkpoints, and a process of it that exits frees its PID."""
+    a, b = host.job(), host.job()
+    looks: list[int] = []
+
+    def owner(pid: int) -> str | None:
+        looks.append(pid)
+        return "other.service" if pid == b and looks.count(b) > 1 else UNIT
+
+    host.ladder.unit_of_pid = owner
+    run(host.ladder.suspend(UNIT))
+    event, _, why = host.said()[-1]
+    assert event == "suspend_failed" and why == f"PID {b} is no longer a process of it"
+    assert host.bed.state_of(a) == "running" and host.bed.state_of(b) == "running"
+
+
+def test_a_stale_recalled_list_is_not_taken_for_every_process_checkpointed(
+    host: Host,
+) -> None:
+    """A state file saved while neither state_dir nor runtime_dir could be written names an
+    earlier suspend's PIDs: a process the later suspend checkpointed beside them (b) was
+    never restored, and blocked in its next CUDA call for good while the unit counted as
+    resumed. The unit's processes systemd lists now that the kernel shows may be CUDA
+    processes are asked after too; the others (PID 1 here) are not."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    stale = host.ladder.checkpointed({UNIT})
+    run(host.ladder.resume(UNIT))
+    b = host.job()
+    run(host.ladder.suspend(UNIT))  # its save is lost: the file keeps `stale`
+    assert host.bed.state_of(b) == "checkpointed"
+    host.freezer.pids = [a, b, 1]
+    fresh = host.restarted_ladder()
+    fresh.recall(stale)
+    looked: list[int] = []
+
+    def may_use_cuda(pid: int) -> bool:
+        looked.append(pid)
+        return pid in host.mine
+
+    fresh.may_use_cuda = may_use_cuda
+    run(fresh.resume(UNIT))
+    assert host.said()[-1][0] == "resumed"
+    assert host.bed.state_of(a) == "running" and host.bed.state_of(b) == "running"
+    assert looked == [b, 1]
+
+
+def test_a_recalled_resume_past_the_bound_of_other_processes_reads_none_of_their_maps(
+    host: Host, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unit's user picks how many processes it has, each may map megabytes: past
+    MAX_RECOVERED_PIDS besides the file's, none is looked at, and the file's are resumed
+    alone (said), as before the file was doubted; the resume is no failure (the unit stopped)."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    monkeypatch.setattr(ladder, "MAX_RECOVERED_PIDS", 2)
+    host.freezer.pids = [a, 1, 2, 3]
+    fresh = recalled_ladder(host)
+    looked: list[int] = []
+
+    def may_use_cuda(pid: int) -> bool:
+        looked.append(pid)
+        return True
+
+    fresh.may_use_cuda = may_use_cuda
+    run(fresh.resume(UNIT))
+    assert host.said()[-1][0] == "resumed"
+    assert host.bed.state_of(a) == "running"
+    assert looked == []
+    assert (
+        f"resuming {UNIT}: 3 processes besides those its suspend checkpointed, more than the 2 "
+        "looked at after a controller restart: only the state file's are resumed"
+    ) in caplog.text
+
+
+def test_a_recalled_resume_whose_processes_systemd_cannot_list_resumes_the_files_alone(
+    host: Host, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a failed resume (the unit stopped, its work lost): those the file names are
+    still the unit's, looked at one by one; the journal says the others were not asked."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    host.freezer.fail.add("pids")
+    run(recalled_ladder(host).resume(UNIT))
+    assert host.said()[-1][0] == "resumed"
+    assert host.bed.state_of(a) == "running"
+    assert (
+        f"resuming {UNIT}: cannot list its processes (no answer): only those its suspend "
+        "checkpointed, as the state file kept them, are resumed"
+    ) in caplog.text
 
 
 def test_a_recalled_resume_first_stops_what_the_last_controller_left_running(
@@ -843,7 +964,7 @@ def test_a_process_lost_by_the_undo_inside_the_checkpoint_step_is_reported_lost(
         "the process cannot be resumed and must be stopped"
     )
 
-    async def suspend(tool: str, pids: list[int], s: object) -> float:
+    async def suspend(tool: str, pids: list[int], s: object, owned: object = None) -> float:
         raise checkpoint.CheckpointError(why, lost=(pid,))
 
     monkeypatch.setattr(checkpoint, "suspend", suspend)
@@ -1112,7 +1233,9 @@ def test_a_unit_that_went_down_during_the_checkpoint_is_not_frozen(
     host.job()
     real = checkpoint.suspend
 
-    async def slow(tool: str, pids: list[int], s: checkpoint.CheckpointSettings) -> float:
+    async def slow(
+        tool: str, pids: list[int], s: checkpoint.CheckpointSettings, owned: object = None
+    ) -> float:
         seconds = await real(tool, pids, s)
         host.ladder.went_down(UNIT)  # stopped (and maybe started again) meanwhile
         return seconds
@@ -1238,7 +1361,9 @@ def test_a_unit_someone_froze_is_not_suspended_nor_thawed(
     locked: list[list[int]] = []
     real = checkpoint.suspend
 
-    async def suspend(tool: str, pids: list[int], s: checkpoint.CheckpointSettings) -> float:
+    async def suspend(
+        tool: str, pids: list[int], s: checkpoint.CheckpointSettings, owned: object = None
+    ) -> float:
         locked.append(list(pids))
         return await real(tool, pids, s)
 
@@ -1269,7 +1394,7 @@ def test_a_unit_someone_froze_after_the_look_is_owed_no_thaw(
     pid = host.job()
     why = f"lock of PID {pid} timed out after 1 s"
 
-    async def suspend(tool: str, pids: list[int], s: object) -> float:
+    async def suspend(tool: str, pids: list[int], s: object, owned: object = None) -> float:
         host.freezer.states[UNIT] = "frozen"
         raise checkpoint.CheckpointError(why, lost=(pid,) if lost else ())
 
@@ -1288,7 +1413,7 @@ def test_a_lock_that_failed_in_a_running_unit_or_one_owed_a_thaw_is_a_plain_fail
     (`thaw_owed`, no look): frozen, it may be frozen by gpuslice still, not read again."""
     host.job()
 
-    async def suspend(tool: str, pids: list[int], s: object) -> float:
+    async def suspend(tool: str, pids: list[int], s: object, owned: object = None) -> float:
         raise checkpoint.CheckpointError("lock refused")
 
     monkeypatch.setattr(checkpoint, "suspend", suspend)

@@ -999,7 +999,9 @@ def test_a_resume_after_a_restart_whose_run_ends_as_its_processes_are_listed_res
     ends_run_after(fresh, "unit_pids")
     resumed: list[tuple[int, ...]] = []
 
-    async def restore(tool: str, pids: list[int], s: CheckpointSettings) -> checkpoint.Resumed:
+    async def restore(
+        tool: str, pids: list[int], s: CheckpointSettings, owned: object = None
+    ) -> checkpoint.Resumed:
         resumed.append(tuple(pids))
         raise AssertionError("restored")
 
@@ -1021,7 +1023,9 @@ def test_a_resume_whose_run_ends_during_its_restore_reports_nothing(
     run(host.ladder.suspend(UNIT))
     real = checkpoint.resume
 
-    async def restore(tool: str, pids: list[int], s: CheckpointSettings) -> checkpoint.Resumed:
+    async def restore(
+        tool: str, pids: list[int], s: CheckpointSettings, owned: object = None
+    ) -> checkpoint.Resumed:
         done = await real(tool, pids, s)
         host.ladder.went_down(UNIT)
         if fails:
@@ -1039,7 +1043,9 @@ def test_a_suspend_whose_run_ends_during_its_checkpoint_reports_no_failure(
 ) -> None:
     host.job()
 
-    async def checkpointed(tool: str, pids: list[int], s: CheckpointSettings) -> float:
+    async def checkpointed(
+        tool: str, pids: list[int], s: CheckpointSettings, owned: object = None
+    ) -> float:
         host.ladder.went_down(UNIT)
         raise CheckpointError("PID 1 could not be locked")
 

@@ -282,7 +282,9 @@ def _tool_and_systemd(
     async def stop_earlier_runs(pids: list[int]) -> str:
         return ""
 
-    async def resume(tool: str, pids: list[int], s: CheckpointSettings) -> Resumed:
+    async def resume(
+        tool: str, pids: list[int], s: CheckpointSettings, owned: object = None
+    ) -> Resumed:
         calls.append(("restore", tool, *map(str, pids)))
         if restore_fails:
             raise CheckpointError(restore_fails, lost=(pids[0],))

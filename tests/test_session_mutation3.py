@@ -84,14 +84,18 @@ class Stubbed:
         self.owners[pid] = unit
         self.shown.append(GpuUse(pid, 0, gib * GIB, unit, "job"))
 
-    async def _suspend(self, tool: str, pids: Sequence[int], s: CheckpointSettings) -> float:
+    async def _suspend(
+        self, tool: str, pids: Sequence[int], s: CheckpointSettings, owned: object = None
+    ) -> float:
         self.copying += pids
         await self.go.wait()
         if self.frees:
             self.shown[:] = [p for p in self.shown if p.pid not in pids]
         return 0.5
 
-    async def _resume(self, tool: str, pids: Sequence[int], s: CheckpointSettings) -> Resumed:
+    async def _resume(
+        self, tool: str, pids: Sequence[int], s: CheckpointSettings, owned: object = None
+    ) -> Resumed:
         self.restored.append(list(pids))
         return Resumed(0.5, tuple(pids))
 

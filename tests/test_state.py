@@ -1119,11 +1119,14 @@ def test_flush_syncs_the_file_then_the_directory_its_rename_changed(
     flush-on-rename)."""
     store = StateStore(tmp_path)
     store.save(SavedState(held=["a.service"]), "b")
+    saved = store.path.stat().st_ino
     synced: list[str] = []
+    inodes: list[int] = []
     real = os.fsync
 
     def fsync(fd: int) -> None:
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        inodes.append(os.fstat(fd).st_ino)
         real(fd)
 
     opened: list[int] = []
@@ -1136,7 +1139,10 @@ def test_flush_syncs_the_file_then_the_directory_its_rename_changed(
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "open", open_)
     store.flush()
-    assert synced == [str(store.path), str(tmp_path)]
+    # the file is synced under the name of its copy-to-be (state.json.prev), then renamed
+    assert synced[0].startswith(f"{tmp_path}/.state.json.prev.tmp-")
+    assert synced[1:] == [str(tmp_path)]
+    assert inodes[0] == saved == store.prev_path.stat().st_ino == store.path.stat().st_ino
     # neither a link nor a FIFO put in its place is followed or waited on
     for flags, wanted in zip(
         opened,

@@ -1,0 +1,238 @@
+"""gpuslice.state: the state file's last durable copy (`state.json.prev`).
+
+The controller saves without fsync (the loop never waits on the disk) and flushes about a
+second later off the loop. On XFS a rename(2) reaches the disk before the new file's data,
+so a power cut in that second left `state.json` empty: it was set aside as a bad file, and
+the units the controller had preempted were never brought back. Each flush now keeps the
+file it made durable as `state.json.prev`, which a load takes in place of a torn state file.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from gpuslice import safefile
+from gpuslice.core.scheduler import SavedState
+from gpuslice.state import StateStore
+
+FLUSHED = SavedState(preempted={"vlm.service": 3}, seq=3)
+LATER = SavedState(preempted={"vlm.service": 3, "asr.service": 4}, seq=4)
+
+
+def power_cut(path: Path, torn: bytes) -> None:
+    """What XFS leaves of a file renamed over the state file whose data never reached the
+    disk: the new name, and no data (empty; zeros on older kernels)."""
+    os.truncate(path, 0)
+    if torn:
+        path.write_bytes(torn)
+
+
+def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("gpuslice") and r.levelno >= logging.ERROR
+    ]
+
+
+@pytest.mark.parametrize("torn", [b"", b"\0" * 300, b'{"version": 1, "boot_id": "b", "hol'])
+def test_a_power_cut_after_an_unflushed_save_loads_the_last_flushed_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, torn: bytes
+) -> None:
+    """Without the copy: SavedState(), the torn file moved aside, vlm.service never back."""
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    store.flush()
+    store.save(LATER, "b")  # the power cut comes before its flush
+    power_cut(store.path, torn)
+    again = StateStore(tmp_path)
+    with caplog.at_level(logging.DEBUG):
+        assert again.load() == (FLUSHED, "b")
+    [message] = errors(caplog)
+    assert message.startswith(f"{store.path}: not JSON") or message.startswith(
+        f"{store.path}: not UTF-8"
+    )
+    assert f"kept it as {store.bad_path}; loading {store.prev_path}" in message
+    # the torn file kept for an admin; the copy back in its place (one file, two names)
+    assert store.bad_path.read_bytes() == torn
+    assert store.path.stat().st_ino == store.prev_path.stat().st_ino
+    # a restart before the next save finds the same state, without a word
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (FLUSHED, "b")
+    assert errors(caplog) == []
+    # the next save is numbered after the copy
+    assert again.save(LATER, "b") == store.path
+    assert (
+        json.loads(store.path.read_bytes())["generation"]
+        > json.loads(store.prev_path.read_bytes())["generation"]
+    )
+
+
+def test_a_good_state_file_wins_over_its_copy_whatever_the_copy_says(tmp_path: Path) -> None:
+    """The copy is only ever older: a copy that says it is newer (a forged generation, a
+    backup put back) is never taken over a state file that can be read."""
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    store.flush()
+    store.save(LATER, "b")
+    data = json.loads(store.prev_path.read_bytes())
+    data["generation"] = 10**6
+    store.prev_path.unlink()  # not written through the link: the state file is another file
+    store.prev_path.write_text(json.dumps(data))
+    assert StateStore(tmp_path).load() == (LATER, "b")
+
+
+def test_no_state_file_takes_no_copy(tmp_path: Path) -> None:
+    """Not there is not torn: nothing was saved, or it was moved (take_over) or removed."""
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    store.flush()
+    store.path.unlink()
+    assert StateStore(tmp_path).load() == (SavedState(), "")
+    assert not store.path.exists()
+
+
+def test_a_copy_others_could_write_is_not_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hostile input as the state file is: a copy anyone could have written booked GPUs."""
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    store.flush()
+    store.save(LATER, "b")
+    power_cut(store.path, b"")
+    store.prev_path.chmod(0o666)
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (SavedState(), "")
+    first, second = errors(caplog)
+    assert first == (
+        f"{store.prev_path}: writable by others (mode 0666); not used in place of {store.path}"
+    )
+    assert second.startswith(f"{store.path}: not JSON")
+    assert f"moved it to {store.bad_path}" in second
+
+
+def test_a_copy_another_user_owns_is_not_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    store.flush()
+    store.save(LATER, "b")
+    power_cut(store.path, b"")
+    owner = store.prev_path.stat().st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # every file is another's then
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (SavedState(), "")
+    assert errors(caplog)[0] == (
+        f"{store.prev_path}: owned by UID {owner}, not the controller's; "
+        f"not used in place of {store.path}"
+    )
+
+
+def test_a_copy_with_invalid_entries_gives_its_valid_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    store.flush()
+    data = json.loads(store.prev_path.read_bytes())
+    data["held"] = ["not a unit", "train.service"]
+    store.prev_path.unlink()
+    store.prev_path.write_text(json.dumps(data))
+    power_cut(store.path, b"")
+    with caplog.at_level(logging.DEBUG):
+        saved, _ = StateStore(tmp_path).load()
+    assert saved.preempted == FLUSHED.preempted and saved.held == ["train.service"]
+    assert any('held: dropped "not a unit"' in m for m in errors(caplog))
+
+
+def test_a_newer_standin_wins_over_the_copy(tmp_path: Path) -> None:
+    """The stand-in in runtime_dir (saved while state_dir could not be written) is ranked
+    against the copy as against the state file: by save generation."""
+    store = StateStore(tmp_path / "state", tmp_path / "run")
+    store.save(FLUSHED, "b")
+    store.flush()
+    assert store.standin is not None
+    store.standin.parent.mkdir()
+    data = json.loads(store.path.read_bytes())
+    data["generation"] += 1
+    data["held"] = ["later.service"]
+    store.standin.write_text(json.dumps(data))
+    store.save(LATER, "b")  # the torn one: not the copy's file (a save writes a new one)
+    power_cut(store.path, b"")
+    saved, _ = StateStore(tmp_path / "state", tmp_path / "run").load()
+    assert saved.held == ["later.service"]
+    # an older stand-in loses to the copy, and is removed
+    data["generation"] = 0
+    store.standin.write_text(json.dumps(data))
+    store.save(LATER, "b")
+    power_cut(store.path, b"")
+    assert StateStore(tmp_path / "state", tmp_path / "run").load() == (FLUSHED, "b")
+    assert not store.standin.exists()
+
+
+def test_a_flush_that_cannot_keep_a_copy_flushes_the_file_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system without hard links: the state file is made durable as before."""
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+
+    def link(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError, match=r"state.json.prev not kept: Operation not permitted"):
+        store.flush()
+    assert synced == [str(store.path), str(tmp_path)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_link_atomic_leaves_no_temporary_name_when_the_sync_fails(tmp_path: Path) -> None:
+    """A symlink is linked as itself, and its sync refused (never followed): nothing is
+    left beside the copy, which is as it was."""
+    (tmp_path / "target").write_text("x")
+    (tmp_path / "state.json").symlink_to(tmp_path / "target")
+    (tmp_path / "state.json.prev").write_text("old")
+    with pytest.raises(OSError) as e:
+        safefile.link_atomic(tmp_path / "state.json", tmp_path / "state.json.prev", sync=True)
+    assert e.value.errno == errno.ELOOP
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.prev", "target"]
+    assert (tmp_path / "state.json.prev").read_text() == "old"
+
+
+def test_a_copy_left_half_made_by_a_killed_flush_is_removed_at_the_next_load(
+    tmp_path: Path,
+) -> None:
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    leftover = tmp_path / ".state.json.prev.tmp-4194303-0"  # no live process has that PID
+    os.link(store.path, leftover)
+    assert StateStore(tmp_path).load() == (FLUSHED, "b")
+    assert not leftover.exists()
+
+
+def test_a_flush_with_no_save_since_the_last_leaves_no_temporary_name(tmp_path: Path) -> None:
+    """The copy is that file already: rename(2) of one file's two names does nothing, and
+    left the temporary one there, one more at each such flush."""
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    store.flush()
+    store.flush()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.prev"]
