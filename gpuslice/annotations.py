@@ -53,7 +53,8 @@ class Problem:
     systemd ignores (its name is not a valid unit name, it is a FIFO). `public_message`: the
     message as anyone but root is shown it (`public`), where `message` quotes what only root
     may read, an environment file's text (gpuslice/envsafety.py); "" where it is the same.
-    `private`: the file is not others' to read (its mode: `UnitFile.read`), so anyone but root
+    `private`: the file is not others' to read (its mode or ACL, `UnitFile.read`, or a
+    directory on its path that others may not search, `UnitIndex.reachable`), so anyone but root
     is shown where the finding is, not what it says (a value, an unknown key's name)."""
 
     path: str
@@ -311,7 +312,7 @@ class Loader:
         if cached is None:
             try:
                 text, public = unit_file.read()
-                if not public:
+                if not public or not self.index.reachable(unit_file.real):
                     self._private.add(unit_file.path)
                 cached = self._by_text.get(text)
                 if cached is None:

@@ -24,7 +24,7 @@ from gpuslice import __version__, driver
 from gpuslice.annotations import Loader, check_file, load_spec, scan
 from gpuslice.config import ConfigError, load_config_with_warnings, read_recorded_state_dir
 from gpuslice.core.model import UnitKind, UnitSpec
-from gpuslice.envsyntax import NAME_MAX
+from gpuslice.envsyntax import NAME_MAX, PATH_MAX
 from gpuslice.generator import gate_errors
 from gpuslice.newunit import (
     CommandAfterDashes,
@@ -33,6 +33,7 @@ from gpuslice.newunit import (
     existing_unit,
     is_user_name,
     lock_unit_dir,
+    missing_program,
     own_dropins,
     printable_path,
     read_regular,
@@ -1330,13 +1331,15 @@ def _new(
         raise click.UsageError("--now needs the daemon-reload that --no-reload leaves out")
     if user is not None and not is_user_name(user):
         raise click.BadParameter(
-            f"{printable(user)!r}: not a user name "
-            "(nor a UID systemd takes: 0-4294967294 but 65535)",
+            f"{printable(user)!r}: not a user name systemd takes (none is empty, '.' or "
+            "'..', has a control character, ':' or '/', a blank at either end, or is all "
+            "digits but a UID 0-4294967294 other than 65535), or it has a '%' (a specifier) "
+            "or a '\\' at the end (which joins the next line)",
             param_hint="--user",
         )
     if user is not None and not user_exists(user):  # systemd would fail each start
         raise click.BadParameter(
-            f"{user!r}: no such user on this host (systemd would fail the start: "
+            f"{printable(user)!r}: no such user on this host (systemd would fail the start: "
             '"Failed to determine user credentials")',
             param_hint="--user",
         )
@@ -1347,9 +1350,10 @@ def _new(
             param_hint="--workdir",
         )
     kind = UnitKind(keys["kind"]) if keys.get("kind") else UnitKind.ON_DEMAND
+    argv = resolve_command(command)
     text = unit_text(
         unit,
-        resolve_command(command),
+        argv,
         annotation_text(_given(keys)),
         kind=kind,
         user=user,
@@ -1374,6 +1378,12 @@ def _new(
         written = _write(path, text, exclusive=found is None)
         spec = _validated(unit, root, path, written, previous)
         click.echo(f"wrote {path}: {spec.describe()}")
+        if missing_program(argv[0]):  # not refused: it may be on a later mount
+            click.echo(
+                f"warning: {printable(argv[0], PATH_MAX)} does not exist (yet): each start of "
+                f"{unit} fails (status=203/EXEC) until it does",
+                err=True,
+            )
         if left:  # a unit of this name before left them; they apply to this one
             click.echo(
                 f"warning: drop-ins made before {unit} apply to it too: "

@@ -56,17 +56,48 @@ UNIT_DIRS = tuple(d.lstrip("/") for d in SYSTEM_UNIT_PATH)
 # drop-in (`ExecStartPre=+...`, run as root at the unit's next start) or replace the annotation.
 DIR_MODE = 0o755
 STOP_TIMEOUT = 30  # seconds between KillSignal= and SIGKILL: time to save work and exit
-# User= as systemd accepts it without a lookup: a POSIX-ish name or a numeric UID.
-USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,30}\$?|[0-9]{1,10}", re.ASCII)
-# UIDs systemd's uid_is_valid() refuses: User= with one makes the unit fail to load.
-_INVALID_UIDS = (0xFFFF, 0xFFFFFFFF)
+# A numeric User= as systemd's parse_uid() takes it: decimal, no sign, blank or leading 0.
+_UID = re.compile(r"0|[1-9][0-9]{0,9}", re.ASCII)
+# What no name may hold: systemd's relaxed rule refuses `:` (passwd's field separator) and
+# `/` (a path's); gpuslice refuses `%` too, which starts a specifier (systemd expands User=),
+# so the name could not be written as it is.
+_NOT_IN_NAME = frozenset(":/%")
+# `-` then digits, which systemd refuses (some write UID 65535 as -1)
+_NEGATIVE = re.compile(r"-[0-9]*", re.ASCII)
 
 
 def is_user_name(user: str) -> bool:
-    """A User= systemd takes without a lookup: a name, or a numeric UID it deems valid."""
-    if not USER_NAME.fullmatch(user):
-        return False
-    return not user.isdigit() or (int(user) < 0xFFFFFFFF and int(user) not in _INVALID_UIDS)
+    """A User= systemd's unit loader takes (`valid_user_group_name()`, relaxed, numeric
+    allowed) and gpuslice can write as it is. Relaxed as systemd is for the names other
+    databases make (SSSD's, Samba's: `john.doe`, `John`, `1st`, `DOM\\john`): anything but
+    the empty name, `.`, `..`, all digits (but a valid UID), `-` then digits, a space at
+    either end, a control character, `:`, `/`, or text that is not UTF-8; no length limit, as
+    systemd's relaxed rule sets none. Refused beyond systemd's rule: `%` (`_NOT_IN_NAME`)
+    and a `\\` at the end, which joins the next line to the `User=` line."""
+    if user.isascii() and user.isdigit():  # a UID, or no name at all (`0123`, `65535`)
+        return bool(_UID.fullmatch(user)) and int(user) < 0xFFFFFFFF and int(user) != 0xFFFF
+    return (
+        user not in ("", ".", "..")
+        and not user.startswith(" ")
+        and not user.endswith((" ", "\\"))
+        and not _NEGATIVE.fullmatch(user)
+        and all(_name_character(c) for c in user)
+    )
+
+
+def _name_character(c: str) -> bool:
+    """Whether `c` may be in a name (`is_user_name`): not a C0 control, DEL or one of
+    `_NOT_IN_NAME`; UTF-8, so not a lone surrogate (what argv's bytes that were not UTF-8
+    become); and a character systemd's unichar_is_valid() takes (no non-character such as
+    U+FFFE)."""
+    point = ord(c)
+    return (
+        " " <= c != "\x7f"
+        and c not in _NOT_IN_NAME
+        and not 0xD800 <= point <= 0xDFFF
+        and not 0xFDD0 <= point <= 0xFDEF
+        and point & 0xFFFE != 0xFFFE
+    )
 
 
 def user_exists(user: str) -> bool:
@@ -78,7 +109,7 @@ def user_exists(user: str) -> bool:
     if user in ("root", "0", "nobody", "65534"):
         return True
     try:
-        if user.isdigit():
+        if _UID.fullmatch(user):  # as systemd: a UID when it parses as one, else a name
             pwd.getpwuid(int(user))
         else:
             pwd.getpwnam(user)
@@ -313,6 +344,20 @@ def resolve_command(command: Sequence[str]) -> list[str]:
     if why:
         raise click.BadParameter(f"'{shown_bytes(program)}': {why}", param_hint="COMMAND")
     return [program, *command[1:]]
+
+
+def missing_program(program: str) -> bool:
+    """Whether the absolute `program` is not there (no such file, a component not a
+    directory, a dangling link): each start of the unit fails (203/EXEC). Not refused, only
+    said: it may be on a file system mounted later (a network home, a data disk). False
+    where it cannot be told (a directory that cannot be searched)."""
+    try:
+        os.stat(program)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def _unrunnable(program: str) -> str | None:

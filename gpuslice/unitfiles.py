@@ -23,7 +23,7 @@ from typing import NamedTuple
 from gpuslice.core.model import is_instance as is_instance
 from gpuslice.core.model import is_template as is_template
 from gpuslice.envsyntax import NAME_MAX, WHITESPACE, is_valid_utf8
-from gpuslice.safefile import Unreadable, Why, file_kind, read_with_stat
+from gpuslice.safefile import Unreadable, Why, file_kind, has_access_acl, read_with_stat
 
 # `systemd-analyze unit-paths` of systemd 252 (Debian 12) for the system manager, highest
 # priority first. Two names for one directory (/lib -> /usr/lib on merged-/usr) count once.
@@ -323,7 +323,30 @@ def read_unit(path: str | os.PathLike[str]) -> tuple[str, bool]:
                 errno.EFBIG, f"larger than {MAX_FILE_SIZE >> 20} MiB, which no unit file needs"
             ) from None
         raise OSError(errno.EINVAL, f"{_not_regular(e.mode)}, not a regular file") from None
-    return data.decode("utf-8", errors="surrogateescape"), bool(st.st_mode & stat.S_IROTH)
+    public = bool(st.st_mode & stat.S_IROTH) and not _has_acl(os.fspath(path))
+    return data.decode("utf-8", errors="surrogateescape"), public
+
+
+def _has_acl(path: str) -> bool:
+    """Whether `path` carries an access ACL (`safefile.has_access_acl`), True where that cannot
+    be told. An ACL names someone whose access differs from what the mode gives others
+    (`setfacl -m u:bob:---` shuts bob out of a 0644 file): gpuslice reads none of its entries,
+    so a file or directory with one is taken as not everyone's (as `config` and `envsafety`
+    take one as not root's alone)."""
+    try:
+        return has_access_acl(path)
+    except (OSError, ValueError):
+        return True
+
+
+def _others_may(path: str, bit: int) -> bool:
+    """Whether the mode of `path` (links followed) gives others `bit` and it carries no access
+    ACL (`_has_acl`); False where it cannot be told."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return bool(mode & bit) and not _has_acl(path)
 
 
 @dataclass(frozen=True)
@@ -343,8 +366,10 @@ class UnitFile:
 
     def read(self) -> tuple[str, bool]:
         """`read_text`, and whether anyone may read the file: its mode (of the descriptor the
-        text came from) lets others read it. Where it does not, its owner (root) made what
-        it says its own, which gpuslice then quotes to root alone (annotations.Problem)."""
+        text came from) lets others read it, and it carries no access ACL (`_has_acl`). Where
+        it does not, its owner (root) made what it says its own, which gpuslice then quotes
+        to root alone (annotations.Problem). Its directories count too: see
+        `UnitIndex.reachable`."""
         return read_unit(self.real)
 
 
@@ -454,8 +479,35 @@ class UnitIndex:
         # at 10,000 units, listing it again for each was three in four of a scan's listings
         self._linked_dirs: dict[str, str | None] = {}
         self._dir_files: dict[tuple[str, str], list[tuple[str, UnitFile | str | None]]] = {}
+        # real directory -> whether others may search it and each one above it in the root
+        # (`reachable`): the few directories of thousands of units are looked at once each
+        self._searchable: dict[str, bool] = {}
 
     # -- paths
+
+    def reachable(self, real: str) -> bool:
+        """Whether another user could reach the file at `real` (a real path of this index's,
+        links resolved, as `UnitFile.real`: for a link, its target's): each directory from the
+        root down to it lets others search it (o+x) and carries no access ACL (`_has_acl`).
+        A 0644 unit file in root's 0700 directory is no more others' to read than a 0600 one
+        (`UnitFile.read`). The root itself is not looked at: the host's `/`, which everyone
+        searches (a test's root is a temporary directory, root's alone). Iterative, as a link's
+        target may be thousands of directories deep."""
+        directory = os.path.dirname(os.path.abspath(real) if not real.startswith("/") else real)
+        unknown: list[str] = []  # from the deepest up
+        answer = True  # the root's
+        while (known := self._searchable.get(directory)) is None:
+            parent = os.path.dirname(directory)
+            if directory in (self._root, parent):
+                break
+            unknown.append(directory)
+            directory = parent
+        else:
+            answer = known
+        for directory in reversed(unknown):  # from the top down: one shut is enough
+            answer = answer and _others_may(directory, stat.S_IXOTH)
+            self._searchable[directory] = answer
+        return answer
 
     def real_path(self, system_path: str) -> str:
         """Where the system path lies under this index's root (no symlinks followed)."""

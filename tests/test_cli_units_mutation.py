@@ -134,9 +134,12 @@ def test_new_now_without_reload_is_a_usage_error_in_exact_words(tmp_path: Path) 
     ("user", "exists", "expected"),
     [
         (
-            "Bad User",
+            "Bad User ",
             True,
-            "'Bad User': not a user name (nor a UID systemd takes: 0-4294967294 but 65535)",
+            "'Bad User ': not a user name systemd takes (none is empty, '.' or '..', has a "
+            "control character, ':' or '/', a blank at either end, or is all digits but a UID "
+            "0-4294967294 other than 65535), or it has a '%' (a specifier) or a '\\' at the "
+            "end (which joins the next line)",
         ),
         (
             "asr",

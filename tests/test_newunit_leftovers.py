@@ -1,7 +1,9 @@
 """`gpuslice new` where it failed late or spoke Python: a User= the host does not know (the
-unit failed only when started), a daemon-reload or a start that fails after the unit was
-written (the file was left behind, unsaid), and an invalid `--type` (the enum's own error).
-systemctl and the host's users are stood in for: nothing here depends on the machine."""
+unit failed only when started) or that systemd takes but gpuslice refused (`john.doe`), a
+program that is not there (each start failed, unsaid), a daemon-reload or a start that fails
+after the unit was written (the file was left behind, unsaid), and an invalid `--type` (the
+enum's own error). systemctl and the host's users are stood in for: nothing here depends on the
+machine."""
 
 from __future__ import annotations
 
@@ -117,6 +119,123 @@ def test_a_uid_past_what_the_database_takes_is_unknown_not_a_traceback(
 
     monkeypatch.setattr(pwd, "getpwuid", getpwuid)
     assert not newunit.user_exists("4294967294")
+
+
+# names systemd's relaxed rule takes (valid_user_group_name(VALID_USER_RELAX|ALLOW_NUMERIC)):
+# SSSD's, Samba's, winbind's, ... (`gpuslice new` took `[a-z_][a-z0-9_-]*` alone)
+SYSTEMD_TAKES = [
+    "john.doe", "John", "JOHN", "1st", "0x1", "_x", "x$", "-john", "+5", "a b", "DOM\\john",
+    "jöhn", "ユーザー", "a@example.com", "a\u0085b", "x" * 10_000,
+    "0", "1", "65534", "65536", "4294967294",
+]  # fmt: skip
+# what systemd refuses (the unit fails to load: bad-setting), or what could not be written as
+# it is: a specifier, a line joined to the next, an injected line
+REFUSED = [
+    "", ".", "..", " john", "john ", " ", "a:b", "a/b", "john\n", "root\nExecStartPre=/bin/evil",
+    "a\rb", "a\tb", "a\x00b", "a\x1bb", "a\x7fb", "%i", "a%%b", "john%", "john\\",
+    "00", "0123", "65535", "4294967295", "4294967296", "99999999999", "-1", "-", "-0",
+    "a\udcffb", "a\ufffeb", "a\U0010ffffb", "a\ufdd0b",
+    "x" * 10_000 + "\n",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("user", SYSTEMD_TAKES)
+def test_new_takes_the_user_names_systemd_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, user: str
+) -> None:
+    """`john.doe` (an SSSD or AD account) was refused as "not a user name"."""
+    monkeypatch.setattr("gpuslice.cli.user_exists", lambda name: name == user)  # not the host's
+    assert newunit.is_user_name(user)
+    result = new(tmp_path, "job", "--priority", "5", "--user", user)
+    assert result.exit_code == 0, result.output[:300]
+    text = (tmp_path / SYSTEM / "job.service").read_text(encoding="utf-8")
+    assert f"\nUser={user}\n" in text
+
+
+@pytest.mark.parametrize("user", REFUSED)
+def test_new_refuses_what_systemd_refuses_or_would_read_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, user: str
+) -> None:
+    """Refused before the user database is asked (no lookup of a hostile name), escaped and
+    cut short in the message, nothing written."""
+
+    def user_exists(name: str) -> bool:
+        raise AssertionError(f"looked up {name!r}")
+
+    monkeypatch.setattr("gpuslice.cli.user_exists", user_exists)
+    assert not newunit.is_user_name(user)
+    result = new(tmp_path, "job", "--priority", "5", "--user", user)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --user" in result.output
+    assert "not a user name systemd takes" in result.output
+    assert "\nExecStartPre" not in result.output and "\x00" not in result.output
+    assert len(result.output) < 2_000
+    assert files(tmp_path) == []
+
+
+def test_a_name_of_digits_but_not_ascii_ones_is_looked_up_as_a_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """systemd parses a UID of ASCII digits alone; `²` (which int() refuses: a traceback)
+    and `١٢٣` (which int() reads as 123: another user's UID) are names to it."""
+    asked: list[object] = []
+
+    def getpwnam(name: str) -> Any:
+        asked.append(name)
+        raise KeyError(name)
+
+    def getpwuid(uid: int) -> Any:
+        asked.append(uid)
+        raise KeyError(uid)
+
+    monkeypatch.setattr(pwd, "getpwnam", getpwnam)
+    monkeypatch.setattr(pwd, "getpwuid", getpwuid)
+    for user in ("²", "١٢٣", "\uff11\uff12\uff13"):
+        assert newunit.is_user_name(user)
+        assert not newunit.user_exists(user)
+    assert asked == ["²", "١٢٣", "\uff11\uff12\uff13"]
+
+
+# ---------------------------------------------------------------------------------------------
+# a program that is not there
+
+
+@pytest.mark.parametrize("missing", ["gone", "dangling", "true/x"])
+def test_a_program_that_is_not_there_is_written_with_a_warning(
+    tmp_path: Path, missing: str
+) -> None:
+    """Each start failed (status=203/EXEC), unsaid; it is not refused, as the program may be
+    on a file system mounted later."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "true").write_text("#!/bin/sh\n")
+    program = f"{tmp_path}/{missing}"
+    result = CliRunner().invoke(
+        main, ["new", "job", "--priority", "5", "--no-reload", "--root", str(tmp_path), "--",
+               program, "--flag"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    warning = (
+        f"warning: {program} does not exist (yet): each start of job.service fails "
+        "(status=203/EXEC) until it does\n"
+    )
+    assert result.stderr == warning
+    [exec_start] = [
+        line
+        for line in (tmp_path / SYSTEM / "job.service").read_text().splitlines()
+        if line.startswith("ExecStart=")
+    ]
+    assert program in exec_start
+
+
+def test_a_program_that_is_there_gets_no_warning(tmp_path: Path) -> None:
+    (tmp_path / "link").symlink_to("/bin/true")
+    for program in ("/bin/true", f"{tmp_path}/link"):
+        result = CliRunner().invoke(
+            main, ["new", "job", "--priority", "5", "--no-reload", "--root", str(tmp_path),
+                   "--", program],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert result.stderr == ""
 
 
 # ---------------------------------------------------------------------------------------------

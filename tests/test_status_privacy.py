@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import stat
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from dbus_next import Message, MessageFlag, MessageType, Variant
 from gpuslice import answers, procmount, status
 from gpuslice import controller as controller_module
 from gpuslice import service as service_module
-from gpuslice.annotations import Scan
+from gpuslice.annotations import Scan, load_spec
 from gpuslice.core.decisions import LISTED_MAX
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Scheduler
@@ -34,7 +35,9 @@ from gpuslice.procmount import ProcHiding, proc_hiding_of, read_proc_hiding
 from gpuslice.service import BUS_NAME, INTERFACE, OBJECT_PATH, SchedulerService
 from gpuslice.status import CachedStatus, render, snapshot_to_json
 from gpuslice.systemd import Systemd, SystemdError, credentials_of
+from gpuslice.unitfiles import UnitIndex
 from tests.service_bus import ServiceBus
+from tests.test_config_acl import _acl
 from tests.test_controller import UNIT_DIR, Bed, OneForeignProcess, run, write_unit
 from tests.test_dbus_adapter import bus_address as bus_address
 from tests.test_dbus_adapter import bus_daemon as bus_daemon
@@ -644,6 +647,101 @@ def test_what_a_file_others_cannot_read_says_reaches_root_alone(
             ], sender
 
     run(test)
+
+
+def _privacy(root: Path, unit: str = "leak.service") -> dict[str, bool]:
+    """Each problem's file (its system path) -> whether it is withheld from others."""
+    _spec, problems = load_spec(unit, root)
+    assert problems
+    return {p.path: p.private for p in problems}
+
+
+LEAK = f"/{UNIT_DIR}/leak.service"
+DROPIN = f"{LEAK}.d/x.conf"
+
+
+@pytest.mark.parametrize("mode, private", [(0o700, True), (0o750, True), (0o711, False)])
+def test_a_readable_file_in_a_directory_others_cannot_search_is_private(
+    tmp_path: Path, mode: int, private: bool
+) -> None:
+    """A 0644 drop-in in root's 0700 `leak.service.d/` was quoted to every Status caller,
+    though no one else could read it (the file's mode alone counted). Searching (o+x) is
+    what reading it needs; listing (o+r) is not."""
+    root = tmp_path / "root"
+    write_unit(tmp_path, "leak.service", "Priority=10\nMemory=open1\n")
+    dropin = root / UNIT_DIR / "leak.service.d" / "x.conf"
+    dropin.parent.mkdir()
+    dropin.write_text("[X-GPUSlice]\nMemory=s3cret\n")
+    dropin.chmod(0o644)
+    dropin.parent.chmod(mode)
+    assert _privacy(root) == {LEAK: False, DROPIN: private}
+    (root / "etc").chmod(0o700)  # a directory higher up shuts others out of both
+    assert _privacy(root) == {LEAK: True, DROPIN: True}
+
+
+@pytest.mark.parametrize("target_mode, private", [(0o700, True), (0o755, False)])
+def test_a_linked_unit_file_is_private_by_its_target_s_directories(
+    tmp_path: Path, target_mode: int, private: bool
+) -> None:
+    """`systemctl link /srv/secret/leak.service`: others read the file where it is, so the
+    target's directories count, not the link's."""
+    root = tmp_path / "root"
+    target = root / "srv" / "jobs" / "leak.service"
+    target.parent.mkdir(parents=True)
+    target.write_text("[Service]\nExecStart=/bin/true\n\n[X-GPUSlice]\nPriority=high\n")
+    target.chmod(0o644)
+    (root / UNIT_DIR).mkdir(parents=True)
+    (root / UNIT_DIR / "leak.service").symlink_to("/srv/jobs/leak.service")
+    (root / "srv").chmod(target_mode)
+    assert _privacy(root) == {LEAK: private}
+    # a link in a directory others cannot search, to a file they can read where it is
+    (root / UNIT_DIR / "leak.service").unlink()
+    write_unit(tmp_path, "leak.service", "Priority=10\n")
+    (root / "srv").chmod(0o755)
+    target.write_text("[X-GPUSlice]\nMemory=open1\n")
+    hidden = root / UNIT_DIR / "leak.service.d"
+    hidden.mkdir(mode=0o700)
+    (hidden / "x.conf").symlink_to("/srv/jobs/leak.service")
+    assert _privacy(root) == {DROPIN: False}
+
+
+def test_a_readable_unit_file_with_an_access_acl_is_private(tmp_path: Path) -> None:
+    """`setfacl -m u:bob:--- x.conf` shuts bob out of a 0644 file: an access ACL names someone
+    whose access the mode does not say, on the file or a directory above it (as config and
+    envsafety take one as not root's alone, `safefile.has_access_acl`)."""
+    root = tmp_path / "root"
+    write_unit(tmp_path, "leak.service", "Priority=10\nMemory=open1\n")
+    dropin = root / UNIT_DIR / "leak.service.d" / "x.conf"
+    dropin.parent.mkdir()
+    dropin.write_text("[X-GPUSlice]\nMemory=s3cret\n")
+    assert _privacy(root) == {LEAK: False, DROPIN: False}
+    _acl(dropin, 0)
+    assert stat.S_IMODE(dropin.stat().st_mode) & 0o004  # others may read, as the mode says
+    assert _privacy(root) == {LEAK: False, DROPIN: True}
+    dropin.unlink()
+    dropin.write_text("[X-GPUSlice]\nMemory=s3cret\n")
+    _acl(dropin.parent, 0)
+    assert _privacy(root) == {LEAK: False, DROPIN: True}
+
+
+def test_a_file_thousands_of_directories_deep_is_looked_at_without_recursion(
+    tmp_path: Path,
+) -> None:
+    deep = f"{tmp_path}/root"
+    os.mkdir(deep)
+    for _ in range(1500):  # os.makedirs recurses, one call a directory
+        deep += "/d"
+        os.mkdir(deep)
+    try:
+        index = UnitIndex(tmp_path / "root")
+        assert index.reachable(f"{deep}/x.service")
+        os.chmod(tmp_path / "root" / "d", 0o700)
+        assert not UnitIndex(tmp_path / "root").reachable(f"{deep}/x.service")
+        assert index.reachable(f"{deep}/x.service")  # one look per directory and scan
+    finally:  # from the deepest up: shutil.rmtree (pytest's clean-up) recurses too
+        while deep != f"{tmp_path}/root":
+            os.rmdir(deep)
+            deep = os.path.dirname(deep)
 
 
 def test_the_redacted_answer_is_built_once_per_change(
