@@ -287,6 +287,7 @@ class Controller:
             lambda: self.config.runtime_dir,
             self.answers.changed,
             self.execute,
+            lambda name: self.delivery.went_down(name),
         )
         # a grant's way to its gate: its env file written first, withheld while it cannot be
         self.delivery = Delivery(
@@ -934,10 +935,24 @@ class Controller:
         for unit in sorted(starts):
             if self.spec_for(unit) is None and not self._known(unit):
                 self.judge.let_through(unit)  # its start, not yet answered, is forgotten
+        self._forget_unannotated_down()
         for unit in fresh:
             if self.systemd.watches(unit):  # else read once matched (_watch_units)
                 self._spawn(self._read_unheard(unit, self.tracker.heard(unit)))
         self._rewatch()
+
+    def _forget_unannotated_down(self) -> None:
+        """Units down whose annotation went (their file removed, or its `[X-GPUSlice]`)
+        and that the core no longer knows are forgotten by the tracker (`_unfollowed_down`)
+        and lose their gate's pipe and env file, as an instance's down does
+        (`Instances.went_down`): no signal of theirs comes to do it, and no gated start of theirs
+        (its drop-in went with the annotation) removes them. Kept, each unit file ever
+        removed (a job queue's `gpuslice new` per job) held a tracker entry, a file, and a
+        pipe every audit opened (`GatePipes.wake_unheard`), until the controller restarted."""
+        for name in sorted(self.tracker.states):
+            if not self._followed(name) and classify(self.tracker.state(name)) is Kind.DOWN:
+                self.instances.went_down(name)
+                self._unfollowed_down(name)
 
     async def _read_unheard(self, unit: str, seen: int) -> None:
         """Read a unit newly followed, unless a signal of it told its state meanwhile."""
@@ -1224,7 +1239,8 @@ class Controller:
         """Units whose GPU processes are not foreign: annotated, holding, or tracked and still
         followed (an instance not learned yet, a waiter or suspended unit whose annotation
         went). The tracker also keeps units no longer followed (one unannotated while down,
-        or left at its down: `_unfollowed_down`): counted, an ungated run's processes were a
+        until the rescan applied, `_forget_unannotated_down`; one waiting to restart, left
+        at its down: `_unfollowed_down`): counted, an ungated run's processes were a
         managed unit's, never foreign, and a background unit kept (or was granted) their GPU
         under `foreign_processes: yield`."""
         names = set(self.scheduler.annotated()) | set(self.scheduler.grants())

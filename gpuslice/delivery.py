@@ -170,6 +170,12 @@ class Delivery:
         self._unreleased.discard(unit)
         return True
 
+    def went_down(self, unit: str) -> None:
+        """A unit whose name may never come again is down (Instances.went_down): a file
+        of a next run that cannot be written is said again. Kept, each instance (a name per
+        job) that ended while /run was full stayed for good."""
+        self._unreleased.discard(unit)
+
     def _deliver_withheld(self, unit: str) -> None:
         """Try a withheld grant again, if the unit still holds it and its gate was not let
         through meanwhile (a gate that asked again after a controller restart, say)."""

@@ -41,8 +41,8 @@ class Instances:
     """The instances announced and not seen down since, and the letting go of those down.
     Given: the core and the tracker (shared with the controller), the gates' pipes, the
     runtime_dir env files are written in (the config's, read at each down), what tells
-    status readers that something changed, and the controller's `execute` for the core's
-    actions."""
+    status readers that something changed, the controller's `execute` for the core's
+    actions, and what forgets a name's undelivered env file (`Delivery.went_down`)."""
 
     def __init__(
         self,
@@ -52,6 +52,7 @@ class Instances:
         runtime_dir: Callable[[], str],
         changed: Callable[[], None],
         execute: Callable[[list[Action]], None],
+        undelivered: Callable[[str], None],
     ) -> None:
         self.scheduler = scheduler
         self.tracker = tracker
@@ -59,6 +60,7 @@ class Instances:
         self.runtime_dir = runtime_dir
         self.changed = changed
         self.execute = execute
+        self.undelivered = undelivered  # Delivery.went_down
         # instances of annotated templates whose start systemd announced (JobNew) and that
         # have not been seen down since: watched (Controller._watched) before the core knows
         # them
@@ -72,6 +74,7 @@ class Instances:
         `Gates.let_through` removed or wrote it)."""
         self.gates.retire(name)
         envfiles.remove(self.runtime_dir(), name)
+        self.undelivered(name)  # a file it could not be told: said again, if ever
         self.announced.discard(name)  # watched while the core knows it (Controller._watched)
 
     def forget(self, name: str) -> None:

@@ -25,6 +25,9 @@ from typing import Protocol
 from gpuslice.annotations import Scan
 from gpuslice.tracker import Kind, UnitState, classify
 
+# Units whose gate got a rescan of its own kept at most (`for_gate`): 0.3 MiB at 255 characters
+RESCANNED_KEPT = 1024
+
 
 class States(Protocol):
     """What systemd last showed of each unit (Tracker.state)."""
@@ -190,9 +193,15 @@ class Rescans:
         that others held. Once per unit until the next daemon-reload: a gate left in place
         when its annotation went (no reload since) costs one scan, not one per start. Only a
         service has a gate (ExecStartPre=): a caller in a login's scope (a new name at each
-        login; root's alone, as the bus policy lets root alone call Acquire) asks for none."""
+        login; root's alone, as the bus policy lets root alone call Acquire) asks for none.
+        At most RESCANNED_KEPT names are kept, then forgotten all at once: a template's gate
+        left in place gives each instance (a name per job) a scan of its own, as its own
+        drop-in directory may annotate it, and kept until the next reload, a name per job
+        piled up without bound (forgotten early, a unit only asks for one more scan)."""
         if not unit.endswith(".service") or self.known(unit) or unit in self.rescanned_for_gate:
             return False
+        if len(self.rescanned_for_gate) >= RESCANNED_KEPT:
+            self.rescanned_for_gate.clear()
         self.rescanned_for_gate.add(unit)
         self.request()
         return True

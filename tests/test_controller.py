@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -3974,6 +3975,53 @@ def test_instances_that_ended_leave_nothing_behind(tmp_path: Path) -> None:
     run(test)
 
 
+def test_unit_files_added_run_and_removed_leave_nothing_behind(tmp_path: Path) -> None:
+    """A job queue writes a unit per job (`gpuslice new job-N`), runs it, and removes its
+    file (daemon-reload each time): after 60 of them the controller tracks none of them,
+    and `runtime_dir` holds no pipe or env file of theirs. Kept, each left an entry, and a
+    pipe every audit opened, until the controller restarted."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    runtime = Path(bed.config.runtime_dir)
+    ctl = bed.controller
+
+    def scanned(unit: str, annotated: bool) -> bool:
+        """The rescan after its daemon-reload is applied."""
+        return (ctl.spec_for(unit) is not None) == annotated and ctl.rescans.task is None
+
+    async def test() -> None:
+        await ctl.start()
+        await settle()
+        for i in range(60):
+            unit = f"job-{i}.service"
+            write_unit(tmp_path, unit, "Priority=50\n")
+            ctl.on_reloading(False)
+            await until(functools.partial(scanned, unit, True))
+            await until(lambda: not ctl._rewatching)  # its reads, of it down, answered
+            job = f"/org/freedesktop/systemd1/job/{i + 1}"
+            bed.systemd.units[unit] = state(unit, "activating", "start-pre", i + 1, "start")
+            ctl.on_job_new(i + 1, job, unit)
+            ctl.on_unit_changed(unit, {**at_gate(), "Job": (i + 1, job)})
+            await settle()
+            assert read_pipe(bed, unit) == START.hex() + "\n"  # granted: its env file written
+            ctl.on_job_removed(i + 1, job, unit, "done")
+            bed.systemd.units[unit] = state(unit, "active", "running")
+            ctl.on_unit_changed(
+                unit, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")}
+            )
+            goes_down(bed, unit)
+            await settle()
+            assert (runtime / "env" / unit).exists()  # a plain unit's stays while annotated
+            (tmp_path / "root" / UNIT_DIR / unit).unlink()
+            del bed.systemd.units[unit]
+            ctl.on_reloading(False)
+            await until(functools.partial(scanned, unit, False))
+        assert ctl.scheduler.annotated() == {"a.service"}
+        assert set(ctl.tracker.states) == set()
+        assert sorted(p.name for p in runtime.rglob("*") if p.name.startswith("job-")) == []
+
+    run(test)
+
+
 def test_an_instance_preempted_is_kept_and_comes_back(tmp_path: Path) -> None:
     bed = Bed(tmp_path, {"p@.service": "Priority=60\n", "u.service": "Priority=10\n"}, [])
     down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
@@ -4736,6 +4784,42 @@ def test_a_unit_whose_env_file_cannot_name_no_gpu_keeps_its_gpus_until_it_can(
         assert envfiles.told_gpus(bed.config.runtime_dir, "once.service") == []
 
     run(test)
+
+
+def test_instances_that_ended_while_their_env_file_could_not_name_no_gpu_leave_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full /run while 200 instances (`once@REC.service`, RemainAfterExit=yes) end their
+    job and are stopped, each said once: none is kept once down, and a later run that meets
+    a full /run again is said again."""
+    bed = Bed(tmp_path, {"once@.service": "Priority=50\n"}, [])
+
+    def full(runtime: str, unit: str, gpus: Sequence[Gpu], keep_old: bool = False) -> None:
+        raise OSError(28, "No space left on device")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        monkeypatch.setattr(envfiles, "write", full)
+        for i in [*range(200), 0]:
+            unit = f"once@{i}.service"
+            ctl.on_job_new(i + 1, f"/org/freedesktop/systemd1/job/{i + 1}", unit)
+            ctl.on_unit_changed(unit, at_gate())
+            ctl.on_unit_changed(unit, {"ActiveState": "active", "SubState": "running"})
+            bed.systemd.units[unit] = state(unit, "active", "exited")
+            ctl.on_unit_changed(unit, EXITED)
+            await settle()
+            assert ctl.scheduler.phase(unit) is Phase.RUNNING  # kept: no file names no GPU
+            goes_down(bed, unit)
+            await settle()
+            assert ctl.scheduler.annotated() == set()
+        assert ctl.delivery._unreleased == set()
+
+    with caplog.at_level(logging.WARNING, logger="gpuslice"):
+        run(test)
+    said = [m for m in messages(caplog) if m.startswith("cannot write") and "once@0." in m]
+    assert len(said) == 2, said
 
 
 def test_a_released_unit_found_reloading_is_not_adopted_by_the_next_controller(

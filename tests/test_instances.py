@@ -41,6 +41,7 @@ class Kit:
         self.runtime_dir = str(tmp_path / "run")
         self.changes = 0
         self.executed: list[list[Action]] = []
+        self.undelivered: list[str] = []
         self.instances = Instances(
             self.scheduler,
             self.tracker,
@@ -48,6 +49,7 @@ class Kit:
             lambda: self.runtime_dir,
             self.changed,
             self.executed.append,
+            self.undelivered.append,
         )
 
     def changed(self) -> None:
@@ -86,6 +88,7 @@ def test_an_instance_down_leaves_no_pipe_env_file_or_announcement(tmp_path: Path
     assert not (tmp_path / "gate" / JOB).exists()
     assert not env_file(kit.runtime_dir, JOB).exists()
     assert kit.instances.announced == {"job@b.service"}
+    assert kit.undelivered == [JOB]  # Delivery forgets its unwritten file
     assert (tmp_path / "gate" / "job@b.service").exists()
     assert env_file(kit.runtime_dir, "job@b.service").exists()
 

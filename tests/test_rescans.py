@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from gpuslice.annotations import Scan
-from gpuslice.rescans import Rescans
+from gpuslice.rescans import RESCANNED_KEPT, Rescans
 from gpuslice.tracker import UnitState
 
 A = "a.service"
@@ -432,6 +432,22 @@ def test_the_gate_of_a_unit_nobody_knows_gets_one_rescan_until_the_next_reload()
         assert kit.rescans.for_gate(A)
         await kit.done()
         assert kit.reads == 3
+
+    run(test)
+
+
+def test_the_units_given_a_rescan_for_their_gate_are_kept_bounded() -> None:
+    """A template's gate left in place with its annotation gone (no daemon-reload since)
+    asks for each instance started, a name per job: 2,000 of them keep at most
+    RESCANNED_KEPT names until the next reload, not one each. A unit forgotten early asks
+    for one more scan, no less."""
+
+    async def test(kit: Kit) -> None:
+        for i in range(2000):
+            assert kit.rescans.for_gate(f"job@rec-{i:06d}.service")
+            assert len(kit.rescans.rescanned_for_gate) <= RESCANNED_KEPT
+        await kit.done()
+        assert not kit.rescans.for_gate("job@rec-001999.service")  # kept: asked once
 
     run(test)
 
