@@ -125,7 +125,8 @@ def test_a_preempted_unit_adopted_then_released_is_owed_no_comeback() -> None:
     s = one_gpu(A, B)
     s.load(SavedState(preempted={"a.service": 1}, wait_failed=["a.service"], seq=2))
     s.running("a.service")
-    s.exited("a.service")
+    assert brief(s.exited("a.service")) == []  # its comeback's start: none
+    assert s.phase("a.service") is None
     assert (s.preempted, s.wait_failed, s.remained) == ({}, set(), {"a.service"})
     assert brief(s.schedule()) == []
     assert s.save().preempted == {}

@@ -1408,12 +1408,14 @@ def test_how_a_services_main_process_ended_is_read_from_its_own_object(bus_addre
 def test_a_services_task_count_is_read_from_its_own_object(bus_address: str) -> None:
     """Systemd.tasks_current: TasksCurrent of the Service interface, on the unit's object;
     UINT64_MAX (systemd does not know it) is None, not 18 quintillion tasks left; a reply of
-    another form, or an error (a unit of another type), is a SystemdError."""
+    another form is gpuslice's BadReply naming the unit and (its first 80 characters) what
+    came, and an error (a unit of another type) is a SystemdError too."""
     values = {
         unit_path("a.service"): Variant("t", 0),
         unit_path("b.service"): Variant("t", 7),
         unit_path("c.service"): Variant("t", 2**64 - 1),
         unit_path("d.service"): Variant("u", 7),
+        unit_path("f.service"): Variant("s", "x" * 200),  # said up to 80 characters
     }
     asked: list[tuple[str, list[Any]]] = []
 
@@ -1427,15 +1429,22 @@ def test_a_services_task_count_is_read_from_its_own_object(bus_address: str) -> 
         assert await systemd.tasks_current("a.service") == 0
         assert await systemd.tasks_current("b.service") == 7
         assert await systemd.tasks_current("c.service") is None
-        with pytest.raises(SystemdError, match="BadReply"):
-            await systemd.tasks_current("d.service")
+        for name in ("d.service", "f.service"):  # gpuslice's BadReply, naming what came
+            with pytest.raises(SystemdError) as raised:
+                await systemd.tasks_current(name)
+            wrong = repr(values[unit_path(name)])
+            assert (raised.value.name, raised.value.text) == (
+                "org.gpuslice.Error.BadReply",
+                f"TasksCurrent of {name}: {wrong[:80]}",
+            )
+        assert len(wrong) > 81
         with pytest.raises(SystemdError, match="UnknownProperty"):
             await systemd.tasks_current("e.mount")
 
     run(scenario)
     assert asked == [
         (unit_path(name), [SERVICE, "TasksCurrent"])
-        for name in ("a.service", "b.service", "c.service", "d.service", "e.mount")
+        for name in ("a.service", "b.service", "c.service", "d.service", "f.service", "e.mount")
     ]
 
 

@@ -520,3 +520,32 @@ def test_a_released_unit_is_told_no_gpu_and_a_failed_write_keeps_its_old_file_sa
             "until it can (tried again every 30 s) or it is stopped",
         )
     ]
+
+
+def test_a_released_units_file_that_cannot_be_written_again_later_is_said_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Said once while it cannot be written; once it was, a later release of the unit (a
+    new run's, /run full again) that cannot write it is said anew: the unit keeps its GPUs
+    again, and the journal must say why."""
+    written = os.write
+
+    async def test(kit: Kit) -> None:
+        kit.holds(U, 0)
+        kit.delivery.deliver(U, [0])
+        fill_run(monkeypatch)
+        assert kit.delivery.tell_none(U) is False
+        monkeypatch.setattr(os, "write", written)
+        assert kit.delivery.tell_none(U) is True
+        kit.delivery.deliver(U, [0])  # its next run, granted GPU 0 again
+        fill_run(monkeypatch)
+        assert kit.delivery.tell_none(U) is False
+        monkeypatch.setattr(os, "write", written)
+
+    kit = run_heard(tmp_path, caplog, test)
+    full = (
+        "WARNING",
+        f"cannot write {kit.path()} ([Errno 28] No space left on device): {U} keeps its "
+        "GPUs until it can (tried again every 30 s) or it is stopped",
+    )
+    assert [s for s in said(caplog) if s[0] == "WARNING"] == [full, full]

@@ -1,22 +1,26 @@
 """A unit kept active after its job ended (RemainAfterExit=yes) releasing its GPUs
 (Controller._release_exited), under mutation: what NVML still shows of it counts against
-them, a GPU configured away while it held it is lost no more, and a sample is taken only
-when it releases GPUs."""
+them, a GPU configured away while it held it is lost no more, a sample is taken only
+when it releases GPUs, and a unit it does not release keeps the env file naming its GPUs."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from gpuslice import envfiles
+from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Phase
 from tests.test_controller import (
     EXITED,
     GIB,
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
+    frozen_beside_voice,
     goes_down,
     job_ended,
     run,
     settle,
+    started,
     state,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
@@ -111,5 +115,28 @@ def test_a_victim_whose_job_ends_before_our_stop_takes_no_nvml_sample_until_that
         await settle()
         assert nvml.scans == scans + 1
         assert bed.service.granted == [("a.service", "0"), ("b.service", "0")]
+
+    run(test)
+
+
+def test_a_frozen_unit_shown_exited_keeps_the_env_file_naming_its_gpu(tmp_path: Path) -> None:
+    """emb.service, frozen beside voice.service, still holds GPU 0: a late `active (exited)`
+    of it, no task counted, releases nothing (Scheduler.exited), so its env file is not
+    rewritten to name no GPU: it keeps naming GPU 0, which systemd gives the commands it
+    spawns for the unit (ExecReload=, ExecStop=) while it holds it."""
+    bed = frozen_beside_voice(tmp_path)
+    runtime = bed.config.runtime_dir
+    envfiles.write(runtime, "emb.service", [Gpu(0, "GPU-0")])  # its grant's
+
+    async def test() -> None:
+        ctl = await started(bed)
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
+        bed.systemd.tasks["emb.service"] = 0
+        job_ended(bed, "emb.service")
+        await settle()
+        assert ("tasks_current", "emb.service") in bed.systemd.calls  # its check ran
+        assert ctl.scheduler.phase("emb.service") is Phase.FROZEN
+        assert ctl.scheduler.remained == set()
+        assert envfiles.told_gpus(runtime, "emb.service") == [0]
 
     run(test)

@@ -251,6 +251,31 @@ def test_tasks_counted_keep_its_gpus_without_listing_them_said_once(
     ]
 
 
+def test_a_count_not_read_is_said_in_the_debug_log_with_the_unit_and_the_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Why its processes were listed instead (no Service interface, systemd busy) is told
+    to one who debugs it, naming the unit and systemd's error."""
+    error = SystemdError("org.freedesktop.DBus.Error.UnknownProperty", "no TasksCurrent")
+
+    async def test() -> None:
+        kit = Kit()
+        kit.count = error
+        kit.remains.exited(A)
+        await kit.done()
+        assert kit.released == [A]
+
+    with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+        asyncio.run(test())
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (
+            logging.DEBUG,
+            f"TasksCurrent of {A} not read (org.freedesktop.DBus.Error.UnknownProperty: no "
+            "TasksCurrent): its processes are listed",
+        )
+    ]
+
+
 @pytest.mark.parametrize(
     "count",
     [None, SystemdError("org.freedesktop.DBus.Error.UnknownProperty", "no TasksCurrent")],
