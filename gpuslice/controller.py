@@ -104,6 +104,7 @@ from gpuslice.tracker import (
     bound_for_gate,
     classify,
     remains_active,
+    restarting,
 )
 from gpuslice.unitfiles import is_instance, is_template, printable
 
@@ -135,6 +136,9 @@ THIS_BOOT_RECORD = Path(BOOT_RECORD)
 # by this (EXTEND_TIMEOUT_USEC=): systemd's default TimeoutStartSec=, so that the rest of the
 # start-up, once the name is ours, has as long as a start that waited for nothing.
 START_EXTENSION = 90.0
+# How long a unit that failed keeps its GPUs for the start its Restart= sends after
+# RestartSec= (Scheduler._keep_for_restart): past it, a long RestartSec= does not keep them idle.
+RESTART_KEEP = 30.0
 
 
 class Controller:
@@ -344,6 +348,9 @@ class Controller:
         # Acquire calls taken before start-up was done: (unit, sender, its signals then),
         # served once it is (on_acquire)
         self._early_acquires: list[tuple[str, str, int]] = []
+        # units whose GPUs are kept for their Restart= (Scheduler.restart_kept): the timer
+        # that releases them after RESTART_KEEP
+        self._restart_timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # units kept active after their job ended (RemainAfterExit=yes): released once
         # systemd counts (or lists) no process left in them
@@ -791,7 +798,7 @@ class Controller:
         the controller restarted (an instance's name may never come again). Annotated
         again, a plain unit is read anew by the rescan (`_apply_scan`), an instance at its
         next start, as any instance forgotten."""
-        if self.tracker.state(name).sub != "auto-restart":
+        if not restarting(self.tracker.state(name)):
             self.tracker.forget(name)
 
     def _gate_unseen(self, name: str) -> None:
@@ -819,8 +826,10 @@ class Controller:
                     by_itself=change.by_itself,
                     not_ours=change.not_ours,
                     in_shutdown=change.in_shutdown,
+                    restarting=restarting(self.tracker.state(name)),
                 )
             )
+            self._time_restart(name)
             if name in self.scheduler.unconfirmed_holds:
                 self.reads.hold_booked(name)  # held: unless the shutdown's JobNew was lost
             self.service.forget(name)
@@ -846,6 +855,34 @@ class Controller:
         else:
             self.calls.cancel_stop_timer(change.unit)
             self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))
+
+    def _time_restart(self, name: str) -> None:
+        """A unit whose GPUs the core keeps for its Restart= has them for RESTART_KEEP at
+        most (Scheduler.restart_overdue); a timer of an earlier keep goes."""
+        timer = self._restart_timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+        if name in self.scheduler.restart_kept:
+            loop = asyncio.get_running_loop()
+            self._restart_timers[name] = loop.call_later(RESTART_KEEP, self._restart_overdue, name)
+
+    def _restart_overdue(self, name: str) -> None:
+        """RESTART_KEEP is over: GPUs still kept for the unit's restart go (said once; it
+        is failed now, which no decision may show, so status and the state file are told)."""
+        self._restart_timers.pop(name, None)
+        kept = name in self.scheduler.restart_kept
+        actions = self.scheduler.restart_overdue(name)
+        if kept and name in self.scheduler.failed:
+            log.info(
+                "%s was not started again by its Restart= within %.0f s: its GPUs are no "
+                "longer kept for it",
+                printable(name),
+                RESTART_KEEP,
+            )
+            self.answers.changed()  # failed now, where nothing else may be decided
+            if not actions:
+                self._persist()
+        self.execute(actions)
 
     def _still_exited(self, unit: str) -> bool:
         """The unit still shows `active (exited)`, and the core has not released it."""

@@ -52,6 +52,18 @@ GONE = ("inactive", "failed")
 # Jobs that run a unit's ExecStartPre=, and so its gate.
 START_JOBS = frozenset({"start", "restart"})
 
+# A service its Restart= starts again (ActiveState `activating`, no process of its run left):
+# `auto-restart` until RestartSec= is over; systemd 254 and later then show
+# `auto-restart-queued` while the restart's start job waits to run (252 stays in
+# `auto-restart`). Taken for running, a queued restart was adopted on a GPU before its gate.
+RESTARTING = frozenset({"auto-restart", "auto-restart-queued"})
+
+
+def restarting(state: UnitState) -> bool:
+    """Down, waiting for its Restart= to start it again."""
+    return state.sub in RESTARTING
+
+
 # How a service's main process last ended (its ExecMainCode=): waitid()'s si_code, as
 # systemd records it; 0 while it runs or when it never ran.
 CLD_EXITED = 1
@@ -96,7 +108,7 @@ def classify(state: UnitState) -> Kind:
     if state.active in ("active", "reloading"):
         return Kind.RUNNING
     if state.active == "activating":
-        if state.sub == "auto-restart":
+        if restarting(state):
             return Kind.DOWN
         return Kind.GATE if state.sub in ("start-pre", "condition") else Kind.RUNNING
     if state.active in GONE and state.job_id == 0:
@@ -109,7 +121,7 @@ def bound_for_gate(state: UnitState) -> bool:
     (behind the controller's own start, after a restart of it)."""
     if classify(state) is Kind.GATE:
         return True
-    down = state.active in GONE or state.sub == "auto-restart"
+    down = state.active in GONE or restarting(state)
     return down and state.job_id != 0 and state.job_type in START_JOBS
 
 
@@ -434,7 +446,7 @@ class Tracker:
         if kind is Kind.TRANSITION and self._our_stop_ends(state):
             kind = Kind.DOWN
         phase = self.ledger.phase(name)
-        if state.sub == "auto-restart":
+        if restarting(state):
             # Restart= starts it again: it has not ended by itself, whatever stop ends it
             # now (ours, a person's, a shutdown's), also when its down waits for our call's
             # answer and is judged from a later state
@@ -470,7 +482,7 @@ class Tracker:
             ):
                 return []
             self._went_down(name)
-            if state.sub == "auto-restart":
+            if restarting(state):
                 self._restarting.add(name)
             return [WentDown(name, outcome, by_itself, not_ours, in_shutdown)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
@@ -618,7 +630,7 @@ class Tracker:
         """`stopped`: the journal, or systemd's record of its main process, says a stop job
         ended it (stopjournal, `stopped_by_a_job`: asked at start-up of a unit that ended
         while no controller ran, whose jobs nobody saw)."""
-        if state.sub == "auto-restart" or (
+        if restarting(state) or (
             state.active == "failed" and not self._stopped_frozen(state.name, stopped)
         ):
             return Outcome.FAILED

@@ -4309,6 +4309,138 @@ def test_an_instance_restarting_by_its_restart_policy_is_told_failed_once(
     run(test)
 
 
+def test_an_instance_whose_restart_job_is_queued_on_systemd_254_waits_for_its_gate(
+    tmp_path: Path,
+) -> None:
+    """Systemd 254 and later show t@1 (Restart=on-failure), once its RestartSec= is over,
+    `activating (auto-restart-queued)` with its restart job. Taken for running past its gate,
+    it was adopted on the GPU kept for its restart before its gate ran, and the more urgent
+    u.service then stopped it (a preemption) where nothing of it ran: it is down until its
+    gate asks, and its place is taken back (moved to waiting), never stopped."""
+    bed = Bed(tmp_path, {"t@.service": "Priority=50\n", "u.service": "Priority=10\n"}, [])
+    unit = "t@1.service"
+    queued_restart = {
+        "ActiveState": "activating",
+        "SubState": "auto-restart-queued",
+        "Job": (2, "/org/freedesktop/systemd1/job/2"),
+    }
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await an_instance_runs(bed, unit)
+        assert ctl.scheduler.phase(unit) is Phase.RUNNING
+        restart = {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}
+        signal(bed, unit, restart)
+        await settle()
+        assert ctl.counters.decisions["failed"] == 1
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", unit)
+        signal(bed, unit, queued_restart)
+        await settle()
+        assert ctl.scheduler.phase(unit) is not Phase.RUNNING  # nothing of it runs
+        bed.systemd.units["u.service"] = state("u.service", "activating", "start-pre", 3)
+        ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "u.service")
+        signal(bed, "u.service", at_gate(bytes(range(16))))
+        await past_queued_delay()
+        assert ctl.scheduler.phase("u.service") is Phase.RUNNING
+        assert ("stop", unit) not in bed.systemd.calls
+        assert unit in ctl.scheduler.waiters  # its place taken back: it waits
+        assert ctl.counters.decisions.get("running-unaccounted", 0) == 0
+        assert ctl.counters.decisions["failed"] == 1
+        bed.systemd.units[unit] = state(unit, "activating", "start-pre", 2)
+        signal(bed, unit, at_gate())
+        await past_queued_delay()
+        assert unit in ctl.scheduler.waiters  # queues behind u.service
+        assert read_pipe(bed, unit) == ""
+
+    run(test)
+
+
+def crash_loop_bed(tmp_path: Path) -> Bed:
+    """u.service (10, Restart= of its own) runs on the one GPU, as the last controller saved
+    it; bg.service (90, background) is down, refilled once the GPU is free."""
+    return Bed(
+        tmp_path,
+        {"u.service": "Priority=10\n", "bg.service": "Priority=90\nType=background\n"},
+        [state("u.service", "active", "running"), state("bg.service", "inactive", "dead")],
+        SavedState(holders={"u.service": ((0,), "running", 1, "")}, seq=1),
+    )
+
+
+def crashes(bed: Bed, unit: str) -> None:
+    """Its main process fails and its Restart= will start it again: `auto-restart`."""
+    bed.systemd.units[unit] = state(unit, "activating", "auto-restart")
+    signal(bed, unit, {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")})
+
+
+def test_a_unit_that_crash_loops_keeps_its_gpu_for_each_restart_until_its_start_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """u.service crashes (a CUDA OOM, exit 1) and its Restart= starts it again 100 ms later,
+    again and again. Released at each crash, its GPU went to bg.service, refilled (a gate, a
+    model load), then stopped by u.service's restart a moment later: a thrash loop at each
+    crash. It is kept for the restart, whose gate is granted it; once systemd gives up (its
+    start limit: `failed`), it goes to bg.service at once."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    bed = crash_loop_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        for job in (2, 3):
+            crashes(bed, "u.service")
+            await settle()
+            assert ("start", "bg.service") not in bed.systemd.calls
+            assert ctl.scheduler.grants().get("u.service") == frozenset({0})
+            ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "u.service")
+            bed.systemd.units["u.service"] = state("u.service", "activating", "start-pre", job)
+            signal(bed, "u.service", at_gate(bytes([job]) * 16))
+            await past_queued_delay()
+            assert read_pipe(bed, "u.service") == (bytes([job]) * 16).hex() + "\n"
+            assert ctl.scheduler.phase("u.service") is Phase.RUNNING
+            bed.systemd.units["u.service"] = state("u.service", "active", "running")
+            signal(
+                bed, "u.service", {"ActiveState": "active", "SubState": "running", "Job": (0, "/")}
+            )
+            await settle()
+        assert not [c for c in bed.systemd.calls if c[0] in ("start", "stop")]
+        assert "u.service failed: its own Restart= policy starts it again, GPU 0 kept for it" in (
+            "\n".join(messages(caplog))
+        )
+        crashes(bed, "u.service")
+        await settle()
+        bed.systemd.units["u.service"] = state("u.service", "failed", "failed")
+        signal(bed, "u.service", {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
+        await settle()
+        assert ctl.scheduler.phase("u.service") is None
+        assert "u.service" in ctl.scheduler.failed
+        assert ("start", "bg.service") in bed.systemd.calls
+
+    run(test)
+
+
+def test_a_gpu_kept_for_a_restart_that_does_not_come_goes_after_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """u.service's RestartSec= is longer than RESTART_KEEP: its GPU is not kept idle until
+    then; bg.service is refilled, and the journal says why."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    monkeypatch.setattr(controller_module, "RESTART_KEEP", 0.01)
+    bed = crash_loop_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        crashes(bed, "u.service")
+        await settle()
+        assert ("start", "bg.service") not in bed.systemd.calls
+        await past(0.01)
+        assert ("start", "bg.service") in bed.systemd.calls
+        assert ctl.scheduler.phase("u.service") is None
+        assert "u.service" in ctl.scheduler.failed
+        assert any("not started again by its Restart= within" in m for m in messages(caplog))
+
+    run(test)
+
+
 # ---- a signal lost on the bus ----
 
 

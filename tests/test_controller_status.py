@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice import answers
+from gpuslice import controller as controller_module
 from gpuslice.config import Config
 from gpuslice.controller import JournalFormatter
 from gpuslice.counters import ERRORS
@@ -32,6 +33,7 @@ from tests.test_controller import (
     at_gate,
     goes_down,
     low_holds_gpu_0,
+    past,
     run,
     settle,
     signal,
@@ -65,10 +67,14 @@ def test_status_shows_a_problem_a_rescan_found_though_nothing_was_decided(
     run(test)
 
 
-def test_status_drops_an_instance_forgotten_without_a_decision(tmp_path: Path) -> None:
-    """t@1 fails and waits in auto-restart (told failed, kept: its restart job may come);
-    its restarts then end, failed for good, which decides nothing more, and the core
-    forgets it. Status still listed it under Failed until the next decision."""
+def test_status_drops_an_instance_forgotten_without_a_decision(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """t@1 fails and waits in auto-restart (told failed, kept: its restart job may come),
+    longer than its GPU is kept for it (RESTART_KEEP); its restarts then end, failed for
+    good, which decides nothing more, and the core forgets it. Status still listed it under
+    Failed until the next decision."""
+    monkeypatch.setattr(controller_module, "RESTART_KEEP", 0.01)
     bed = Bed(tmp_path, {"t@.service": "Priority=50\n"}, [])
     unit = "t@1.service"
 
@@ -80,6 +86,8 @@ def test_status_drops_an_instance_forgotten_without_a_decision(tmp_path: Path) -
             bed, unit, {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}
         )
         await settle()
+        assert json.loads(ctl.status_json())["failed"] == []  # its GPU kept for its restart
+        await past(0.01)
         assert json.loads(ctl.status_json())["failed"] == [unit]
         signal(bed, unit, {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
         await settle()

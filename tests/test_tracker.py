@@ -76,6 +76,7 @@ def test_classify_table() -> None:
         (("activating", "condition", 5), Kind.GATE),
         (("activating", "start", 5), Kind.RUNNING),
         (("activating", "auto-restart", 0), Kind.DOWN),
+        (("activating", "auto-restart-queued", 5), Kind.DOWN),  # systemd 254+
         (("inactive", "dead", 0), Kind.DOWN),
         (("failed", "failed", 0), Kind.DOWN),
         (("inactive", "dead", 7), Kind.TRANSITION),  # a start job is queued
@@ -862,6 +863,25 @@ def test_a_unit_restarting_is_told_down_once_though_its_restart_job_is_queued() 
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
         WentDown(A, Outcome.STOPPED)
     ]
+
+
+def test_a_unit_whose_restart_job_is_queued_on_systemd_254_is_down_not_running() -> None:
+    """Systemd 254 and later show a unit whose RestartSec= is over `activating
+    (auto-restart-queued)` while its restart's start job waits to run. Taken for running,
+    it was told CameUp and adopted on a GPU before its gate ran; it is down, told once, and
+    reaches its gate as any start."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    restart = props_of("activating", "auto-restart", 0)
+    assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
+    model.phases.pop(A)
+    tracker.job_new(JOB2, A)
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart-queued", 2)) == []
+    assert bound_for_gate(UnitState(A, "activating", "auto-restart-queued", 2, "start"))
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == [ReachedGate(A)]
 
 
 JOB4 = "/org/freedesktop/systemd1/job/4"

@@ -338,6 +338,11 @@ def render(d: Decision) -> str:
         )
     if code is Code.FINISHED:
         return f"{d.unit} finished: released {format_gpus(d.gpus)}"
+    if code is Code.FAILED and d.gpus:
+        return (
+            f"{d.unit} failed: its own Restart= policy starts it again, "
+            f"{format_gpus(d.gpus)} kept for it meanwhile"
+        )
     if code is Code.FAILED:
         return (
             f"{d.unit} failed: gpuslice will not start it by itself "

@@ -492,6 +492,10 @@ class Scheduler:
         self.unconfirmed_holds: dict[str, bool] = {}
         self.finished: set[str] = set()
         self.failed: set[str] = set()
+        # units that failed running and that their Restart= starts again, their GPUs kept
+        # for that start (`_keep_for_restart`) until it asks or `restart_overdue`. Not saved:
+        # a restarted controller releases them (`Restore.rebuild`: down, failed)
+        self.restart_kept: set[str] = set()
         # finished units systemd keeps active (RemainAfterExit=yes, SubState `exited`): their
         # GPUs are released (`exited`), and they are no holder until they run again
         self.remained: set[str] = set()
@@ -605,6 +609,7 @@ class Scheduler:
         self.wait_failed.discard(name)
         self.preempted.pop(name, None)
         self.start_retries.pop(name, None)
+        self.restart_kept.discard(name)  # its restart asks: no longer owed a release
 
     def _arrive(self, spec: UnitSpec, *, asked: bool) -> list[Action]:
         self.waiters[spec.name] = Waiter(spec, self._next(), asked=asked)
@@ -643,6 +648,7 @@ class Scheduler:
         by_itself: bool = False,
         not_ours: bool = False,
         in_shutdown: bool = False,
+        restarting: bool = False,
     ) -> list[Action]:
         """The unit is inactive or failed (or its waiting start job was cancelled).
 
@@ -655,7 +661,13 @@ class Scheduler:
         cancel: a failure then is judged as in the shutdown (recorded failed, a preempted
         unit's comeback was lost, and a background unit was never refilled). One that
         finished and stayed active (`exited`) ended by itself: its down now is no hold, no
-        failure and no preemption, and releases nothing more."""
+        failure and no preemption, and releases nothing more. `restarting`: it failed and
+        systemd's Restart= starts it again (`activating (auto-restart)`): its GPUs are kept
+        for that start (`_keep_for_restart`)."""
+        self.restart_kept.discard(name)
+        if restarting and name not in self.remained and self._keep_for_restart(name):
+            spec, gpus = self.holders[name].spec, tuple(sorted(self.holders[name].gpus))
+            return [_log(_about(spec, Code.FAILED, gpus=gpus)), *self.schedule()]
         if name in self.remained:
             self.remained.discard(name)
             if name not in self.holders:
@@ -766,6 +778,56 @@ class Scheduler:
         if name not in self.specs:
             self._forget_end(name)
         return actions + self.schedule()
+
+    def _keep_for_restart(self, name: str) -> bool:
+        """A unit that ran on GPUs granted or adopted failed, and its Restart= starts it
+        again in RestartSec= (100 ms by default): its GPUs are kept for that start, as for
+        any start known before its gate asks (Phase.STARTING, not one of ours). Released,
+        they went to a less urgent waiter or refill, stopped again (or moved back to
+        waiting) a moment later by the restart, at every crash of a unit that crash-loops:
+        each time a model loaded for nothing. A more urgent start still takes them (the
+        restart then waits at its gate); its start limit reached (`failed`), a stop, or no
+        restart within the controller's bound (`restart_overdue`) releases them."""
+        holder = self.holders.get(name)
+        if (
+            holder is None
+            or holder.phase is not Phase.RUNNING
+            or not holder.gpus
+            or name not in self.specs
+            or self.shutting_down
+            or self._lost(holder.gpus)
+        ):
+            return False
+        holder.phase = Phase.STARTING
+        holder.granted = 0
+        self.restart_kept.add(name)
+        self.out_since[name] = self._next()
+        self.unstoppable.discard(name)
+        self.unfreezable.discard(name)
+        self.unsuspendable.discard(name)
+        self.thaw_owed.discard(name)
+        self._tops_cache = None
+        return True
+
+    def restart_overdue(self, name: str) -> list[Action]:
+        """The unit whose GPUs were kept for its Restart= (`_keep_for_restart`) has not
+        asked at its gate within the controller's bound (a long RestartSec=): they go to the
+        units waiting for them; it is failed, as any unit that fails, and its restart, when
+        it comes, waits at its gate as any start."""
+        if name not in self.restart_kept:
+            return []
+        self.restart_kept.discard(name)
+        holder = self.holders.get(name)
+        waiter = self.waiters.get(name)
+        if holder is not None and holder.phase is Phase.STARTING and name not in self.started:
+            del self.holders[name]
+        elif waiter is not None and not waiter.asked:
+            del self.waiters[name]  # its kept place taken by a more urgent start
+        else:
+            return []
+        self._tops_cache = None
+        self.failed.add(name)
+        return self.schedule()
 
     def _kept_for_refill(self, name: str) -> bool:
         """A background instance: one the host's shutdown stopped is kept, not forgotten
