@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpuslice import safefile
 from gpuslice.envsafety import EnvFileChecker
 from gpuslice.sizes import format_size
 from gpuslice.unitfiles import printable
@@ -430,29 +429,6 @@ def _close_transport(proc: asyncio.subprocess.Process) -> None:
     transport = getattr(proc, "_transport", None)
     if transport is not None:
         transport.close()
-
-
-# The CUDA driver's library, as the kernel names its file in a process's mappings
-# (`libcuda.so.1` resolved: `/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15`): every CUDA
-# process has it mapped, a suspended one too (the restore runs in the process).
-CUDA_LIBRARY = b"libcuda.so"
-MAPS_MAX = 16 << 20  # bytes of /proc/PID/maps read; a process of more may be a CUDA one
-
-
-def may_use_cuda(pid: int, proc: Path = Path("/proc")) -> bool:
-    """Whether the kernel shows process `pid` may be a CUDA process, which cuda-checkpoint
-    may have locked or checkpointed: the driver's library is mapped in it, or its mappings
-    cannot be read whole (asking the tool costs a run; a checkpointed process left so
-    blocks for good). A process that is gone is none."""
-    try:
-        data = safefile.read_bytes(
-            proc / str(pid) / "maps", MAPS_MAX, follow_links=False, prefix=True
-        )
-    except safefile.Unreadable as e:
-        return e.why is not safefile.Why.MISSING
-    if len(data) >= MAPS_MAX:
-        return True
-    return any(line.rpartition(b"/")[2].startswith(CUDA_LIBRARY) for line in data.splitlines())
 
 
 def _pid_exists(pid: int) -> bool:

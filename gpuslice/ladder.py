@@ -134,7 +134,6 @@ class Ladder:
         unified_marker: Path = UNIFIED_MARKER,
         host_memory: Callable[[], int | None] = checkpoint.host_memory_available,
         unit_of_pid: Callable[[int], str | None] = unit_of_pid,
-        may_use_cuda: Callable[[int], bool] | None = None,  # checkpoint.may_use_cuda
         freezer_timeout: float = FREEZER_TIMEOUT,
         sleep: Callable[[float], Coroutine[Any, Any, None]] = asyncio.sleep,
     ) -> None:
@@ -146,7 +145,6 @@ class Ladder:
         self.unified_marker = unified_marker
         self.host_memory = host_memory
         self.unit_of_pid = unit_of_pid
-        self.may_use_cuda = may_use_cuda or checkpoint.may_use_cuda
         self.freezer_timeout = freezer_timeout
         self.sleep = sleep  # THAW_RETRY's waits
         self.suspensions: dict[str, Suspension] = {}
@@ -169,9 +167,8 @@ class Ladder:
         suspends checkpointed (`checkpointed`), for the units the core restored suspended.
         Their resume restores those PIDs that are still the unit's processes
         (`_still_its_own`: one freed and given to another unit's process is left alone),
-        and asks the tool the state of only those of the unit's other processes that may
-        be CUDA processes (`_recovered_pids`), never of each: more than MAX_RECOVERED_PIDS
-        of them failed the resume, and the unit was stopped."""
+        rather than asking the tool the state of each process of the unit: more than
+        MAX_RECOVERED_PIDS of them failed the resume, and the unit was stopped."""
         now, wall_now = clock.moment(), time.time()
         for unit, (pids, vram, wall) in saved.items():
             since = now - max(0.0, wall_now - wall)  # for status alone: a clock step is cosmetic
@@ -424,12 +421,10 @@ class Ladder:
         checkpoint.check_tool(tool, s.root_only)
         if pids is None:
             pids = await self._recovered_pids(unit, tool, s.via_systemd)
-        elif recalled:
-            pids = await self._recovered_pids(
-                unit, tool, s.via_systemd, self._still_its_own(unit, pids)
-            )
         else:
             pids = self._still_its_own(unit, pids)
+            if recalled and s.via_systemd:
+                await self._stop_earlier_runs(unit, pids)
         # ended while they were listed and asked after (a restart's): those may be the next
         # run's processes, and one its own suspend checkpointed meanwhile would be restored
         if self._ended(unit, run):
@@ -438,12 +433,16 @@ class Ladder:
 
     def _owned_by(self, unit: str) -> checkpoint.Owned:
         """The look `checkpoint` takes right before each run of the tool on a PID: its cgroup
-        is the unit's still (`unit_of_pid`, as `_still_its_own` looked first)."""
+        is the unit's still (`unit_of_pid`, as `_still_its_own` looked first). Said once a
+        PID: a suspend's undo of its locks looks again at the one that failed it."""
+        said: set[int] = set()
 
         def owned(pid: int) -> bool:
             if self.unit_of_pid(pid) == unit:
                 return True
-            log.info("%s: PID %d is no longer a process of it: left alone", unit, pid)
+            if pid not in said:
+                said.add(pid)
+                log.info("%s: PID %d is no longer a process of it: left alone", unit, pid)
             return False
 
         return owned
@@ -475,61 +474,23 @@ class Ladder:
             log.debug("resuming %s: PIDs %s are gone", unit, gone)
         return [p for p in pids if owners[p] == unit]
 
-    async def _may_use_cuda(self, unit: str, others: list[int]) -> list[int]:
-        """Of the unit's processes the state file does not name, those the kernel shows may be
-        CUDA processes (`may_use_cuda`: each one's /proc/PID/maps, read on a worker thread;
-        a process may map megabytes of them). Past MAX_RECOVERED_PIDS none is looked at: the
-        file's are resumed alone, said (its unit's user picks how many processes it has)."""
-        if len(others) > MAX_RECOVERED_PIDS:
-            log.warning(
-                "resuming %s: %d processes besides those its suspend checkpointed, more than "
-                "the %d looked at after a controller restart: only the state file's are resumed",
-                unit,
-                len(others),
-                MAX_RECOVERED_PIDS,
-            )
-            return []
-        return await asyncio.to_thread(lambda: [p for p in others if self.may_use_cuda(p)])
-
-    async def _recovered_pids(
-        self, unit: str, tool: str, via_systemd: bool, recalled: list[int] | None = None
-    ) -> list[int]:
+    async def _recovered_pids(self, unit: str, tool: str, via_systemd: bool) -> list[int]:
         """After a controller restart: the processes of the unit that cuda-checkpoint knows
         (the others are no CUDA processes). One whose state the tool gave no answer for
         (StateUnread) may be checkpointed: skipped, it blocked in its next CUDA call for good
-        while the unit counted as resumed; the resume fails (and the unit is stopped).
-
-        `recalled`: those the last controller's suspend checkpointed, as its state file kept
-        them (still the unit's processes): those, and of the unit's other processes only
-        those the kernel shows may be CUDA processes (`may_use_cuda`). The file is not the
-        whole set: saved while neither state_dir nor runtime_dir could be written, it
-        names an earlier suspend's processes, and one a later suspend checkpointed that no
-        resume restores blocks in its next CUDA call for good. Only systemd (the unit's
-        processes now) and the kernel are believed; when systemd cannot list them, the
-        file's are resumed alone, said."""
-        listed = set(recalled or ())
+        while the unit counted as resumed; the resume fails (and the unit is stopped)."""
         try:
             pids = await self.systemd.unit_pids(unit)
         except Exception as e:
-            if recalled is None:
-                raise CheckpointError(f"cannot list its processes: {e}") from None
-            log.warning(
-                "resuming %s: cannot list its processes (%s): only those its suspend "
-                "checkpointed, as the state file kept them, are resumed",
-                unit,
-                printable(str(e), 200),
-            )
-            pids = []
-        if recalled is not None:
-            pids = await self._may_use_cuda(unit, [p for p in pids if p not in listed])
-        elif len(pids) > MAX_RECOVERED_PIDS:
+            raise CheckpointError(f"cannot list its processes: {e}") from None
+        if len(pids) > MAX_RECOVERED_PIDS:
             raise CheckpointError(
                 f"it has {len(pids)} processes, more than the {MAX_RECOVERED_PIDS} whose "
                 f"state {checkpoint.TOOL_NAME} is asked after a controller restart"
             )
         if via_systemd:
-            await self._stop_earlier_runs(unit, [*(recalled or ()), *pids])
-        known = list(recalled or ())
+            await self._stop_earlier_runs(unit, pids)
+        known = []
         for pid in pids:
             try:
                 await checkpoint.get_state(tool, pid, via_systemd)

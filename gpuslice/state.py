@@ -656,7 +656,8 @@ def saved_in(configured: Path, recorded: Path) -> Path:
 
 def find_saved(configured: Path, recorded: Path) -> tuple[Path, Found | None]:
     """`saved_in`, and its state file as read to choose it (None: none was read): a
-    StateStore's `read_ahead`, for `load` to load without reading it again."""
+    StateStore's `read_ahead`, for `load` to load without reading it again. A torn one is
+    ranked, and read, as the copy its last flush kept (`_read_or_prev`)."""
     found, saved = recorded / STATE_FILE_NAME, configured / STATE_FILE_NAME
     # a look first: with one of them not there, the other is chosen unread (its store reads
     # it); their times are read with their bytes, below
@@ -668,7 +669,7 @@ def find_saved(configured: Path, recorded: Path) -> tuple[Path, Found | None]:
         os.lstat(saved)
     except OSError:
         return recorded, None
-    theirs, mine = read_found(found), read_found(saved)
+    theirs, mine = _read_or_prev(found), _read_or_prev(saved)
     # one gone since the look (removed, or moved to the other by root): the other, never an
     # empty directory chosen over a file that is there
     if theirs.mtime_ns is None:
@@ -676,6 +677,14 @@ def find_saved(configured: Path, recorded: Path) -> tuple[Path, Found | None]:
     if mine.mtime_ns is None:
         return recorded, theirs
     return (configured, mine) if mine.rank() > theirs.rank() else (recorded, theirs)
+
+
+def _read_or_prev(path: Path) -> Found:
+    """`read_found`, or in place of a torn state file the copy its last flush kept, put back
+    in its place (`StateStore._or_prev`): of two state_dirs, the one ranked and moved is what
+    a load of it would take. A torn file was generation 0, so an older file in the other
+    state_dir won over it; moved, it went without its copy (removed), and was loaded torn."""
+    return StateStore(path.parent)._or_prev(read_found(path))
 
 
 class StateStore:
@@ -839,8 +848,8 @@ class StateStore:
         else:
             if (here.st_dev, here.st_ino) == (found.st_dev, found.st_ino):
                 return True  # one directory by two names (a link): nothing to move
-            mine = read_found(self.path)
-        theirs = read_found(old)
+            mine = _read_or_prev(self.path)
+        theirs = _read_or_prev(old)
         if theirs.mtime_ns is None:  # gone since the look (removed, or moved here by root):
             # chosen again, as if never there; load reads what is here now (the read above
             # may be of a file it replaced), never the old state_dir, empty

@@ -649,13 +649,9 @@ def test_the_resume_restores_the_pids_the_state_file_kept(
 ) -> None:
     """The PIDs the stopped controller's suspend checkpointed (SavedState.checkpointed):
     those still the unit's processes are restored, after the cuda-checkpoint runs it left on
-    them are stopped. Not the whole set (a file saved while no save could be written names
-    an earlier suspend's): of the unit's other processes systemd lists, those the kernel
-    shows may be CUDA processes are asked after and restored too (PID 11); only those, not
-    all (one of more than MAX_RECOVERED_PIDS failed the resume, and the unit was left
-    suspended)."""
+    them are stopped; systemd's list of the unit's processes is not asked (one of more than
+    MAX_RECOVERED_PIDS failed the resume, and the unit was left suspended)."""
     calls, _ = _ladder(monkeypatch)
-    monkeypatch.setattr(checkpoint, "may_use_cuda", lambda pid: pid == 11)
     stopped: list[list[int]] = []
 
     async def stop_earlier_runs(pids: list[int]) -> str:
@@ -667,9 +663,9 @@ def test_the_resume_restores_the_pids_the_state_file_kept(
     monkeypatch.setattr(Ladder, "_still_its_own", lambda self, unit, pids: [12])
     settings = CheckpointSettings.from_config(Config())
     done = asyncio.run(cli_module._resume_by_ladder(UNIT, settings, [12, 13]))
-    assert done == Resumed(0.5, (12, 11))
-    assert calls == [("ThawUnit", UNIT), ("GetUnitProcesses", UNIT), ("restore", TOOL, "12", "11")]
-    assert stopped == [[12, 11]]
+    assert done == Resumed(0.5, (12,))
+    assert calls == [("ThawUnit", UNIT), ("restore", TOOL, "12")]
+    assert stopped == [[12]]
 
 
 def test_a_tool_gone_since_leaves_the_unit_frozen_again_and_says_so(

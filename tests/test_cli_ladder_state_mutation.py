@@ -48,11 +48,9 @@ def test_release_jobs_resumes_the_pids_the_state_file_kept_not_every_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Given the PIDs its suspend checkpointed, the resume restores those (still the unit's)
-    and asks the state of none of the unit's other processes that systemd lists but the
-    kernel shows no CUDA in: asking the state of each of more than MAX_RECOVERED_PIDS failed
-    the resume and left the unit suspended."""
+    and asks systemd for no list of the unit's processes: asking the state of each of more
+    than MAX_RECOVERED_PIDS failed the resume and left the unit suspended."""
     calls, made = _tool_and_systemd(monkeypatch)
-    monkeypatch.setattr(checkpoint, "may_use_cuda", lambda pid: False)
     asked: list[list[int]] = []
 
     def still_its_own(self: Ladder, unit: str, pids: Sequence[int]) -> list[int]:
@@ -64,11 +62,7 @@ def test_release_jobs_resumes_the_pids_the_state_file_kept_not_every_process(
     done = cli_module._resume_left("train.service", settings, [12])
     assert done == Resumed(0.5, (12,))
     assert asked == [[12]]
-    assert calls == [
-        ("ThawUnit", "train.service"),
-        ("GetUnitProcesses", "train.service"),
-        ("restore", TOOL, "12"),
-    ]
+    assert calls == [("ThawUnit", "train.service"), ("restore", TOOL, "12")]
     assert made[0].bus.disconnected
 
 

@@ -55,8 +55,6 @@ class Freezer:
         await self._do("thaw", name)
 
     async def unit_pids(self, name: str) -> list[int]:
-        if "pids" in self.fail:
-            raise RuntimeError("no answer")
         return list(self.pids)
 
     async def freezer_state(self, name: str) -> str:
@@ -172,7 +170,6 @@ class Host:
             self.report,
             unified_marker=self.marker,
             unit_of_pid=lambda pid: UNIT,
-            may_use_cuda=self.mine.__contains__,  # the fake's jobs map no libcuda
         )
 
     def said(self) -> list[tuple[str, str, str]]:
@@ -618,80 +615,25 @@ def test_a_pid_given_to_another_unit_after_the_suspends_look_is_never_locked(
     assert host.bed.state_of(a) == "running" and host.bed.state_of(b) == "running"
 
 
-def test_a_stale_recalled_list_is_not_taken_for_every_process_checkpointed(
-    host: Host,
-) -> None:
-    """A state file saved while neither state_dir nor runtime_dir could be written names an
-    earlier suspend's PIDs: a process the later suspend checkpointed beside them (b) was
-    never restored, and blocked in its next CUDA call for good while the unit counted as
-    resumed. The unit's processes systemd lists now that the kernel shows may be CUDA
-    processes are asked after too; the others (PID 1 here) are not."""
-    a = host.job()
-    run(host.ladder.suspend(UNIT))
-    stale = host.ladder.checkpointed({UNIT})
-    run(host.ladder.resume(UNIT))
-    b = host.job()
-    run(host.ladder.suspend(UNIT))  # its save is lost: the file keeps `stale`
-    assert host.bed.state_of(b) == "checkpointed"
-    host.freezer.pids = [a, b, 1]
-    fresh = host.restarted_ladder()
-    fresh.recall(stale)
-    looked: list[int] = []
-
-    def may_use_cuda(pid: int) -> bool:
-        looked.append(pid)
-        return pid in host.mine
-
-    fresh.may_use_cuda = may_use_cuda
-    run(fresh.resume(UNIT))
-    assert host.said()[-1][0] == "resumed"
-    assert host.bed.state_of(a) == "running" and host.bed.state_of(b) == "running"
-    assert looked == [b, 1]
-
-
-def test_a_recalled_resume_past_the_bound_of_other_processes_reads_none_of_their_maps(
-    host: Host, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The unit's user picks how many processes it has, each may map megabytes: past
-    MAX_RECOVERED_PIDS besides the file's, none is looked at, and the file's are resumed
-    alone (said), as before the file was doubted; the resume is no failure (the unit stopped)."""
-    a = host.job()
-    run(host.ladder.suspend(UNIT))
-    monkeypatch.setattr(ladder, "MAX_RECOVERED_PIDS", 2)
-    host.freezer.pids = [a, 1, 2, 3]
-    fresh = recalled_ladder(host)
-    looked: list[int] = []
-
-    def may_use_cuda(pid: int) -> bool:
-        looked.append(pid)
-        return True
-
-    fresh.may_use_cuda = may_use_cuda
-    run(fresh.resume(UNIT))
-    assert host.said()[-1][0] == "resumed"
-    assert host.bed.state_of(a) == "running"
-    assert looked == []
-    assert (
-        f"resuming {UNIT}: 3 processes besides those its suspend checkpointed, more than the 2 "
-        "looked at after a controller restart: only the state file's are resumed"
-    ) in caplog.text
-
-
-def test_a_recalled_resume_whose_processes_systemd_cannot_list_resumes_the_files_alone(
+def test_a_pid_given_to_another_unit_between_its_lock_and_checkpoint_is_said_once(
     host: Host, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Not a failed resume (the unit stopped, its work lost): those the file names are
-    still the unit's, looked at one by one; the journal says the others were not asked."""
-    a = host.job()
-    run(host.ladder.suspend(UNIT))
-    host.freezer.fail.add("pids")
-    run(recalled_ladder(host).resume(UNIT))
-    assert host.said()[-1][0] == "resumed"
+    """Found another unit's before its checkpoint, then again by the undo of the locks:
+    one process, one line."""
+    a, b = host.job(), host.job()
+    looks: list[int] = []
+
+    def owner(pid: int) -> str | None:
+        looks.append(pid)
+        return "other.service" if pid == b and looks.count(b) > 2 else UNIT
+
+    host.ladder.unit_of_pid = owner
+    with caplog.at_level(logging.INFO):
+        run(host.ladder.suspend(UNIT))
+    event, _, why = host.said()[-1]
+    assert event == "suspend_failed" and why == f"PID {b} is no longer a process of it"
     assert host.bed.state_of(a) == "running"
-    assert (
-        f"resuming {UNIT}: cannot list its processes (no answer): only those its suspend "
-        "checkpointed, as the state file kept them, are resumed"
-    ) in caplog.text
+    assert caplog.text.count(f"PID {b} is no longer a process of it: left alone") == 1
 
 
 def test_a_recalled_resume_first_stops_what_the_last_controller_left_running(

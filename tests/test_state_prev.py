@@ -19,7 +19,7 @@ import pytest
 
 from gpuslice import safefile
 from gpuslice.core.scheduler import SavedState
-from gpuslice.state import StateStore
+from gpuslice.state import StateStore, find_saved
 
 FLUSHED = SavedState(preempted={"vlm.service": 3}, seq=3)
 LATER = SavedState(preempted={"vlm.service": 3, "asr.service": 4}, seq=4)
@@ -236,3 +236,45 @@ def test_a_flush_with_no_save_since_the_last_leaves_no_temporary_name(tmp_path: 
     store.flush()
     store.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.prev"]
+
+
+def torn_with_copy(state_dir: Path, generation: int) -> None:
+    """A state_dir as a power cut left it: the copy (FLUSHED, saved as `generation`) and
+    the torn file of the save after it."""
+    store = StateStore(state_dir)
+    store.generation = generation - 1
+    store.save(FLUSHED, "b")
+    store.flush()
+    store.save(LATER, "b")
+    power_cut(store.path, b"")
+
+
+def test_a_torn_state_file_moved_to_a_new_state_dir_brings_its_copy(tmp_path: Path) -> None:
+    """state_dir edited after the power cut: take_over moved the torn file, then removed
+    the old state_dir's copy, the one good state there was (and the flush after the move
+    made the new copy of the torn file)."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    torn_with_copy(old, 5)
+    new.mkdir()
+    store = StateStore(new)
+    assert store.take_over(old)
+    assert store.load() == (FLUSHED, "b")
+    assert sorted(p.name for p in old.iterdir()) == ["state.json.bad"]
+
+
+def test_a_torn_state_file_is_ranked_as_its_copy(tmp_path: Path) -> None:
+    """Torn, the old state_dir's file was generation 0: an older file in the new one won
+    over it (its long-finished preemptions replayed), and the copy was removed."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    StateStore(new).save(SavedState(preempted={"stale.service": 1}, seq=1), "b")  # generation 1
+    torn_with_copy(old, 5)
+    store = StateStore(new)
+    assert store.take_over(old)
+    assert store.load() == (FLUSHED, "b")
+    # `gpuslice release-jobs` chooses the state_dir the same way
+    torn_with_copy(old, 9)
+    where, found = find_saved(new, old)
+    assert where == old and found is not None and found.error is None
+    store = StateStore(old)
+    store.read_ahead = found
+    assert store.load() == (FLUSHED, "b")
