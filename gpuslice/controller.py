@@ -46,6 +46,7 @@ from gpuslice.config import (
 )
 from gpuslice.core.decisions import Code, Decision, listed
 from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.core.placement import format_gpus
 from gpuslice.core.plan import plan_start
 from gpuslice.core.scheduler import (
     Action,
@@ -139,6 +140,10 @@ START_EXTENSION = 90.0
 # How long a unit that failed keeps its GPUs for the start its Restart= sends after
 # RestartSec= (Scheduler._keep_for_restart): past it, a long RestartSec= does not keep them idle.
 RESTART_KEEP = 30.0
+# How long one that failed with no restart seen keeps them, for the signal of its
+# `auto-restart`: systemd 252 sends it after `failed`, at the same instant, so this covers the
+# bus's delivery on a loaded host. The cost: a unit that fails for good gives them this late.
+RESTART_SIGNAL_WAIT = 1.0
 
 
 class Controller:
@@ -858,31 +863,62 @@ class Controller:
 
     def _time_restart(self, name: str) -> None:
         """A unit whose GPUs the core keeps for its Restart= has them for RESTART_KEEP at
-        most (Scheduler.restart_overdue); a timer of an earlier keep goes."""
+        most (Scheduler.restart_overdue), or, no restart seen yet (systemd 252 signals
+        `failed` first), for RESTART_SIGNAL_WAIT (`_restart_unseen`); a timer of an earlier
+        keep goes."""
         timer = self._restart_timers.pop(name, None)
         if timer is not None:
             timer.cancel()
         if name in self.scheduler.restart_kept:
             loop = asyncio.get_running_loop()
-            self._restart_timers[name] = loop.call_later(RESTART_KEEP, self._restart_overdue, name)
+            if restarting(self.tracker.state(name)):
+                timer = loop.call_later(RESTART_KEEP, self._restart_overdue, name)
+            else:
+                timer = loop.call_later(RESTART_SIGNAL_WAIT, self._restart_unseen, name)
+            self._restart_timers[name] = timer
 
-    def _restart_overdue(self, name: str) -> None:
-        """RESTART_KEEP is over: GPUs still kept for the unit's restart go (said once; it
-        is failed now, which no decision may show, so status and the state file are told)."""
+    def _restart_unseen(self, name: str) -> None:
+        """RESTART_SIGNAL_WAIT after a failure with no restart seen then: kept on, said once,
+        until RESTART_KEEP after it if systemd now shows its Restart= under way (waiting in
+        `auto-restart`, its restart job queued, or its gate run); else they go, as after any
+        failure (its `failed` said no restart)."""
+        self._restart_timers.pop(name, None)
+        if name not in self.scheduler.restart_kept:
+            return
+        state = self.tracker.state(name)
+        if not (restarting(state) or bound_for_gate(state)):
+            self._restart_overdue(name, said=False)
+            return
+        gpus = self.scheduler.grants().get(name)
+        if gpus:  # else its place was taken by a more urgent start: it waits, kept in line
+            log.info("%s kept for %s's restart (its Restart=)", format_gpus(gpus), printable(name))
+        loop = asyncio.get_running_loop()
+        self._restart_timers[name] = loop.call_later(
+            RESTART_KEEP - RESTART_SIGNAL_WAIT, self._restart_overdue, name
+        )
+
+    def _restart_overdue(self, name: str, *, said: bool = True) -> None:
+        """RESTART_KEEP is over: GPUs still kept for the unit's restart go (said once, if
+        the keep was; it is failed now, which no decision may show, so status and the state
+        file are told). An instance down for good, owed nothing now, is forgotten here: no
+        later signal of it comes to (`Instances.forget`; one in `auto-restart` is kept)."""
         self._restart_timers.pop(name, None)
         kept = name in self.scheduler.restart_kept
         actions = self.scheduler.restart_overdue(name)
         if kept and name in self.scheduler.failed:
-            log.info(
-                "%s was not started again by its Restart= within %.0f s: its GPUs are no "
-                "longer kept for it",
-                printable(name),
-                RESTART_KEEP,
-            )
+            if said:
+                log.info(
+                    "%s was not started again by its Restart= within %.0f s: its GPUs are no "
+                    "longer kept for it",
+                    printable(name),
+                    RESTART_KEEP,
+                )
             self.answers.changed()  # failed now, where nothing else may be decided
             if not actions:
                 self._persist()
         self.execute(actions)
+        if kept and self.instances.down(name):
+            self.instances.forget(name)
 
     def _still_exited(self, unit: str) -> bool:
         """The unit still shows `active (exited)`, and the core has not released it."""

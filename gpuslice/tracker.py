@@ -235,6 +235,10 @@ class Tracker:
         self._unit_jobs: dict[str, dict[str, int]] = {}
         self._gate_seen: dict[str, int] = {}  # the stamp of the signal that showed it at its gate
         self._restarting: set[str] = set()  # told down in auto-restart, and still there
+        # told down `failed` (a failure), and still there: systemd 252 signals `failed`, then
+        # `auto-restart`, of one down; the GPUs kept meanwhile (Scheduler.inactive) make it
+        # no holder's down to tell again
+        self._failed_told: set[str] = set()
         self._sent: dict[str, list[int]] = {}  # stamps of our calls not yet answered, in order
         self._own_jobs: dict[str, str] = {}  # job path -> "start" | "stop", from our calls
         self._stop_results: dict[str, str] = {}  # unit -> how our stop job for it ended
@@ -446,16 +450,21 @@ class Tracker:
         if kind is Kind.TRANSITION and self._our_stop_ends(state):
             kind = Kind.DOWN
         phase = self.ledger.phase(name)
+        told_failed = name in self._failed_told
+        if kind is not Kind.DOWN or state.active != "failed":
+            self._failed_told.discard(name)
         if restarting(state):
             # Restart= starts it again: it has not ended by itself, whatever stop ends it
             # now (ours, a person's, a shutdown's), also when its down waits for our call's
             # answer and is judged from a later state
             self._by_itself.discard(name)
+            if told_failed:
+                self._restarting.add(name)  # systemd 252's order: `failed`, then this
         else:
             self._restarting.discard(name)
         if kind is Kind.DOWN:
-            if name in self._restarting:
-                return []  # its restart queued (Restart='s, a person's): told once already
+            if name in self._restarting or name in self._failed_told:
+                return []  # told once already: its restart queued (Restart='s, a person's)
             if self._in_flight.get(name):
                 self._deferred.add(name)  # decide once we know which of its jobs are ours
                 self._down_at.setdefault(name, self._signals.get(name, 0))
@@ -484,6 +493,8 @@ class Tracker:
             self._went_down(name)
             if restarting(state):
                 self._restarting.add(name)
+            elif state.active == "failed":
+                self._failed_told.add(name)
             return [WentDown(name, outcome, by_itself, not_ours, in_shutdown)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
             return [ReachedGate(name)]
@@ -682,6 +693,7 @@ class Tracker:
         self.states.pop(name, None)
         self._went_down(name)
         self._restarting.discard(name)
+        self._failed_told.discard(name)
         self._signals.pop(name, None)
         self._answers.pop(name, None)
         self._job_paths.pop(name, None)

@@ -4367,8 +4367,16 @@ def crash_loop_bed(tmp_path: Path) -> Bed:
     )
 
 
+def fails(bed: Bed, unit: str) -> None:
+    """Its main process fails: `failed` (Restart=no, or systemd 252's first signal)."""
+    bed.systemd.units[unit] = state(unit, "failed", "failed")
+    signal(bed, unit, {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
+
+
 def crashes(bed: Bed, unit: str) -> None:
-    """Its main process fails and its Restart= will start it again: `auto-restart`."""
+    """Its main process fails and its Restart= will start it again, in systemd 252's order:
+    `failed`, then `auto-restart` (two signals, at the same instant)."""
+    fails(bed, unit)
     bed.systemd.units[unit] = state(unit, "activating", "auto-restart")
     signal(bed, unit, {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")})
 
@@ -4403,13 +4411,14 @@ def test_a_unit_that_crash_loops_keeps_its_gpu_for_each_restart_until_its_start_
             )
             await settle()
         assert not [c for c in bed.systemd.calls if c[0] in ("start", "stop")]
-        assert "u.service failed: its own Restart= policy starts it again, GPU 0 kept for it" in (
-            "\n".join(messages(caplog))
-        )
+        # told failed once a crash, and no restart claimed before its `auto-restart` is seen
+        assert ctl.counters.decisions["failed"] == 2
+        said = "\n".join(messages(caplog))
+        assert "u.service failed: gpuslice will not start it by itself" in said
+        assert "policy starts it again" not in said
         crashes(bed, "u.service")
         await settle()
-        bed.systemd.units["u.service"] = state("u.service", "failed", "failed")
-        signal(bed, "u.service", {"ActiveState": "failed", "SubState": "failed", "Job": (0, "/")})
+        fails(bed, "u.service")  # its start limit: no restart follows, released at once
         await settle()
         assert ctl.scheduler.phase("u.service") is None
         assert "u.service" in ctl.scheduler.failed
@@ -4422,21 +4431,140 @@ def test_a_gpu_kept_for_a_restart_that_does_not_come_goes_after_the_bound(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """u.service's RestartSec= is longer than RESTART_KEEP: its GPU is not kept idle until
-    then; bg.service is refilled, and the journal says why."""
+    then; bg.service is refilled, and the journal says why. The keep, taken on at the short
+    wait for its `auto-restart` (systemd 252 signals `failed` first), is said once."""
     caplog.set_level(logging.INFO, logger="gpuslice")
-    monkeypatch.setattr(controller_module, "RESTART_KEEP", 0.01)
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    monkeypatch.setattr(controller_module, "RESTART_KEEP", 0.03)
     bed = crash_loop_bed(tmp_path)
+    kept = "GPU 0 kept for u.service's restart (its Restart=)"
 
     async def test() -> None:
         ctl = await started(bed)
         crashes(bed, "u.service")
+        await settle()
+        assert not any(kept in m for m in messages(caplog))
+        await past(0.01)
+        assert ("start", "bg.service") not in bed.systemd.calls
+        assert ctl.scheduler.grants().get("u.service") == frozenset({0})
+        assert [m for m in messages(caplog) if kept in m] == [kept]
+        await past(0.02)
+        assert ("start", "bg.service") in bed.systemd.calls
+        assert ctl.scheduler.phase("u.service") is None
+        assert "u.service" in ctl.scheduler.failed
+        assert any("not started again by its Restart= within" in m for m in messages(caplog))
+        assert [m for m in messages(caplog) if kept in m] == [kept]
+
+    run(test)
+
+
+def test_an_instance_that_fails_for_good_is_forgotten_after_the_short_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """t@1 (Restart=no) fails: its GPU is kept for the wait for an `auto-restart` that does
+    not come, and released then. No later signal of it comes: kept by the core after that
+    release, each failed instance was saved and watched for ever."""
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = Bed(tmp_path, {"t@.service": "Priority=50\n"}, [])
+    unit = "t@1.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await an_instance_runs(bed, unit)
+        fails(bed, unit)
+        await settle()
+        assert ctl.scheduler.grants().get(unit) == frozenset({0})
+        await past(0.01)
+        assert ctl.scheduler.grants() == {}
+        assert ctl.scheduler.annotated() == set()  # forgotten
+        assert ctl.counters.decisions["failed"] == 1
+
+    run(test)
+
+
+def test_a_more_urgent_start_takes_a_gpu_kept_in_the_short_wait_and_the_failure_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """u.service (Restart=no) fails; in the wait for its `auto-restart`, the more urgent
+    v.service asks at its gate: it takes the kept GPU (u.service moved back to waiting, never
+    stopped). No restart comes: u.service is failed then, not left waiting for ever."""
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.2)
+    bed = Bed(
+        tmp_path,
+        {"u.service": "Priority=10\n", "v.service": "Priority=5\n"},
+        [state("u.service", "active", "running"), state("v.service", "inactive", "dead")],
+        SavedState(holders={"u.service": ((0,), "running", 1, "")}, seq=1),
+    )
+
+    async def test() -> None:
+        ctl = await started(bed)
+        fails(bed, "u.service")
+        await settle()
+        bed.systemd.units["v.service"] = state("v.service", "activating", "start-pre", 3)
+        ctl.on_job_new(3, "/org/freedesktop/systemd1/job/3", "v.service")
+        signal(bed, "v.service", at_gate(bytes(range(16))))
+        await past_queued_delay()
+        assert ctl.scheduler.phase("v.service") is Phase.RUNNING
+        assert ("stop", "u.service") not in bed.systemd.calls
+        assert "u.service" in ctl.scheduler.waiters
+        await past(0.2)
+        assert "u.service" not in ctl.scheduler.waiters
+        assert "u.service" in ctl.scheduler.failed
+
+    run(test)
+
+
+def test_a_gpu_kept_for_a_restart_on_systemd_254_is_kept_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A systemd that signals `auto-restart` with no `failed` before it: the restart is seen
+    at once, and the keep is for RESTART_KEEP, not the short wait, said with the failure."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = crash_loop_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        bed.systemd.units["u.service"] = state("u.service", "activating", "auto-restart")
+        restart = {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}
+        signal(bed, "u.service", restart)
+        await past(0.01)
+        assert ("start", "bg.service") not in bed.systemd.calls
+        assert ctl.scheduler.grants().get("u.service") == frozenset({0})
+        assert "u.service failed: its own Restart= policy starts it again, GPU 0 kept for it" in (
+            "\n".join(messages(caplog))
+        )
+        assert not any("restart (its Restart=)" in m for m in messages(caplog))
+
+    run(test)
+
+
+def test_a_unit_that_fails_for_good_gives_its_gpu_after_the_short_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """u.service (Restart=no) fails: `failed`, and no `auto-restart` follows. Its GPU is kept
+    for the short wait for that signal only (systemd 252 sends it second), then refill starts
+    bg.service; the journal said the plain failure, and no keep nor overdue restart."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = crash_loop_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        fails(bed, "u.service")
         await settle()
         assert ("start", "bg.service") not in bed.systemd.calls
         await past(0.01)
         assert ("start", "bg.service") in bed.systemd.calls
         assert ctl.scheduler.phase("u.service") is None
         assert "u.service" in ctl.scheduler.failed
-        assert any("not started again by its Restart= within" in m for m in messages(caplog))
+        assert ctl.counters.decisions["failed"] == 1
+        said = "\n".join(messages(caplog))
+        assert "u.service failed: gpuslice will not start it by itself" in said
+        assert "Restart= within" not in said
+        assert "restart (its Restart=)" not in said
+        assert json.loads(ctl.status_json())["failed"] == ["u.service"]
 
     run(test)
 

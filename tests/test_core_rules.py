@@ -1800,6 +1800,7 @@ def test_an_on_demand_instance_that_ended_is_forgotten_with_how_it_ended() -> No
         s.learn(spec(name, 50))
         s.request(spec(name, 50))
         s.inactive(f"{name}.service", outcome or Outcome.STOPPED, by_itself=outcome is not None)
+        s.restart_overdue(f"{name}.service")  # failed: no restart seen in the controller's wait
         assert s.forget_instance(f"{name}.service")
     saved = s.save()
     assert (saved.finished, saved.failed, saved.held) == ([], [], [])

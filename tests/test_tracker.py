@@ -111,6 +111,7 @@ def test_a_unit_that_ends_by_itself_finished_and_one_that_fails_failed() -> None
     tracker = model.tracker()
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
     assert tracker.unit_changed(A, props("failed", "failed")) == [WentDown(A, Outcome.FAILED)]
+    tracker.unit_changed(A, props("active", "running"))
     restart = props("activating", "auto-restart")
     assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
 
@@ -863,6 +864,24 @@ def test_a_unit_restarting_is_told_down_once_though_its_restart_job_is_queued() 
     assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
         WentDown(A, Outcome.STOPPED)
     ]
+
+
+def test_a_failure_signalled_failed_then_auto_restart_is_told_once() -> None:
+    """Systemd 252 signals a crash `failed`, then `activating (auto-restart)` at the same
+    instant: one down. Its GPUs kept meanwhile (Phase.STARTING), the second signal told it
+    down again, and the core released them. A `failed` read again is no new down either;
+    the `failed` of its start limit, after `auto-restart`, is (the keep is released)."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    tracker.passed_gate(A)
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    failed = props_of("failed", "failed", 0)
+    assert tracker.unit_changed(A, failed) == [WentDown(A, Outcome.FAILED, by_itself=True)]
+    model.phases[A] = Phase.STARTING  # kept for its restart
+    assert tracker.unit_changed(A, failed, read=True) == []
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 0)) == []
+    assert tracker.unit_changed(A, failed) == [WentDown(A, Outcome.FAILED)]
 
 
 def test_a_unit_whose_restart_job_is_queued_on_systemd_254_is_down_not_running() -> None:

@@ -492,8 +492,9 @@ class Scheduler:
         self.unconfirmed_holds: dict[str, bool] = {}
         self.finished: set[str] = set()
         self.failed: set[str] = set()
-        # units that failed running and that their Restart= starts again, their GPUs kept
-        # for that start (`_keep_for_restart`) until it asks or `restart_overdue`. Not saved:
+        # units that failed running and that their Restart= starts again (or may: its
+        # signal not seen yet, `inactive`), their GPUs kept for that start
+        # (`_keep_for_restart`) until it asks or `restart_overdue`. Not saved:
         # a restarted controller releases them (`Restore.rebuild`: down, failed)
         self.restart_kept: set[str] = set()
         # finished units systemd keeps active (RemainAfterExit=yes, SubState `exited`): their
@@ -663,11 +664,21 @@ class Scheduler:
         finished and stayed active (`exited`) ended by itself: its down now is no hold, no
         failure and no preemption, and releases nothing more. `restarting`: it failed and
         systemd's Restart= starts it again (`activating (auto-restart)`): its GPUs are kept
-        for that start (`_keep_for_restart`)."""
+        for that start (`_keep_for_restart`). One that failed running by itself with no
+        restart seen yet keeps them too, for the controller's short wait: systemd 252 signals
+        `failed` before `auto-restart`, and its restart is only known a signal later
+        (`restart_overdue` releases them, recorded failed; the FAILED said now claims no
+        restart)."""
         self.restart_kept.discard(name)
-        if restarting and name not in self.remained and self._keep_for_restart(name):
-            spec, gpus = self.holders[name].spec, tuple(sorted(self.holders[name].gpus))
-            return [_log(_about(spec, Code.FAILED, gpus=gpus)), *self.schedule()]
+        may_restart = outcome is Outcome.FAILED and by_itself and not not_ours and not in_shutdown
+        if (
+            (restarting or may_restart)
+            and name not in self.remained
+            and self._keep_for_restart(name)
+        ):
+            kept = self.holders[name]
+            gpus = tuple(sorted(kept.gpus)) if restarting else ()
+            return [_log(_about(kept.spec, Code.FAILED, gpus=gpus)), *self.schedule()]
         if name in self.remained:
             self.remained.discard(name)
             if name not in self.holders:
