@@ -8,7 +8,6 @@ refill starts none until someone starts it, so a finished job never runs again."
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sized
 from pathlib import Path
@@ -27,6 +26,7 @@ from tests.test_controller import (
     goes_down,
     run,
     run_instance,
+    saved_record,
     settle,
     state,
     until,
@@ -153,16 +153,13 @@ def test_ten_thousand_background_instances_that_ended_leave_nothing_behind(
     bed = Bed(tmp_path, EMBED, [])
     state_file = Path(bed.config.state_dir) / "state.json"
 
-    def saved() -> dict[str, object]:
-        return {**json.loads(state_file.read_text()), "seq": 0, "generation": 0}
-
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
         await until(lambda: bed.systemd.watched == {"a.service"})
         run_instance(ctl, "embed@first.service", 1)
         await settle()
-        before = saved()
+        before = saved_record(bed)
         for i in range(10_000):
             run_instance(ctl, f"embed@{i}.service", i + 2)
             if i % 50 == 0:
@@ -189,7 +186,7 @@ def test_ten_thousand_background_instances_that_ended_leave_nothing_behind(
                 if isinstance(v, Sized) and not isinstance(v, str | bytes) and len(v) > 16
             }
             assert grown == {}, (type(table).__name__, grown)
-        assert saved() == before
+        assert saved_record(bed) == before
         assert state_file.stat().st_size < 4096
         await until(lambda: bed.systemd.watched == {"a.service"})
         assert not [c for c in bed.systemd.calls if c[0] == "start"]

@@ -428,16 +428,21 @@ class Bed:
         await settle()
 
 
-def holding_a_gpu_each(tmp_path: Path, units: dict[str, str], **bed: Any) -> Bed:
+def holding_a_gpu_each(
+    tmp_path: Path, units: dict[str, str], down: dict[str, str] | None = None, **bed: Any
+) -> Bed:
     """`units` (name: its section) run on GPU 0, 1, ... in their order, as the last
-    controller saved them; `bed` is passed on to `Bed` (config, nvml)."""
+    controller saved them, and `down` are inactive (dead); `bed` is passed on to `Bed`
+    (config, nvml)."""
+    down = down or {}
     holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {
         name: ((i,), "running", i + 1, "") for i, name in enumerate(units)
     }
     return Bed(
         tmp_path,
-        units,
-        [state(name, "active", "running") for name in units],
+        {**units, **down},
+        [state(name, "active", "running") for name in units]
+        + [state(name, "inactive", "dead") for name in down],
         SavedState(holders=holders, seq=len(units)),
         **bed,
     )
@@ -3948,13 +3953,19 @@ def run_instance(ctl: Controller, unit: str, job: int) -> None:
     ctl.on_unit_changed(unit, {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")})
 
 
+def saved_record(bed: Bed) -> dict[str, Any]:
+    """What the state file of `bed` says, less its save counters (seq, generation), which
+    each save moves: equal records, nothing kept that was not before."""
+    state_file = Path(bed.config.state_dir) / "state.json"
+    return {**json.loads(state_file.read_text()), "seq": 0, "generation": 0}
+
+
 def test_instances_that_ended_leave_nothing_behind(tmp_path: Path) -> None:
     """A transcription per recording (`tx@REC.service`): after 300 of them the controller
     watches the units it watched before, saves what it saved before, and knows none of
     them. Kept, each would be saved with every change, and past 200 units watched every
     unit's signals on the host (issue 10)."""
     bed = Bed(tmp_path, {"a.service": "Priority=50\n", "tx@.service": "Priority=50\n"}, [])
-    state_file = Path(bed.config.state_dir) / "state.json"
 
     async def test() -> None:
         ctl = bed.controller
@@ -3963,13 +3974,13 @@ def test_instances_that_ended_leave_nothing_behind(tmp_path: Path) -> None:
         run_instance(ctl, "tx@first.service", 1000)
         await settle()
         # counts of decisions and of saves
-        saved = {**json.loads(state_file.read_text()), "seq": 0, "generation": 0}
+        saved = saved_record(bed)
         for i in range(300):
             run_instance(ctl, f"tx@{i}.service", i + 1)
             await settle()
         assert ctl.scheduler.annotated() == {"a.service"}
         assert ctl.tracker.states == {}
-        assert {**json.loads(state_file.read_text()), "seq": 0, "generation": 0} == saved
+        assert saved_record(bed) == saved
         await until(lambda: bed.systemd.watched == {"a.service"})
 
     run(test)
@@ -4274,6 +4285,13 @@ async def an_instance_runs(bed: Bed, unit: str) -> None:
     await settle()
 
 
+async def started_with_an_instance_running(bed: Bed, unit: str) -> Controller:
+    """`bed`'s controller, started, and then `unit` run as `an_instance_runs`."""
+    await bed.controller.start()
+    await an_instance_runs(bed, unit)
+    return bed.controller
+
+
 def test_an_instance_restarting_by_its_restart_policy_is_told_failed_once(
     tmp_path: Path,
 ) -> None:
@@ -4285,9 +4303,7 @@ def test_an_instance_restarting_by_its_restart_policy_is_told_failed_once(
     unit = "t@1.service"
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await an_instance_runs(bed, unit)
+        ctl = await started_with_an_instance_running(bed, unit)
         restart = {"ActiveState": "activating", "SubState": "auto-restart"}
         signal(bed, unit, {**restart, "Job": (0, "/")})
         await settle()
@@ -4326,9 +4342,7 @@ def test_an_instance_whose_restart_job_is_queued_on_systemd_254_waits_for_its_ga
     }
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await an_instance_runs(bed, unit)
+        ctl = await started_with_an_instance_running(bed, unit)
         assert ctl.scheduler.phase(unit) is Phase.RUNNING
         restart = {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}
         signal(bed, unit, restart)
@@ -4359,11 +4373,10 @@ def test_an_instance_whose_restart_job_is_queued_on_systemd_254_waits_for_its_ga
 def crash_loop_bed(tmp_path: Path) -> Bed:
     """u.service (10, Restart= of its own) runs on the one GPU, as the last controller saved
     it; bg.service (90, background) is down, refilled once the GPU is free."""
-    return Bed(
+    return holding_a_gpu_each(
         tmp_path,
-        {"u.service": "Priority=10\n", "bg.service": "Priority=90\nType=background\n"},
-        [state("u.service", "active", "running"), state("bg.service", "inactive", "dead")],
-        SavedState(holders={"u.service": ((0,), "running", 1, "")}, seq=1),
+        {"u.service": "Priority=10\n"},
+        down={"bg.service": "Priority=90\nType=background\n"},
     )
 
 
@@ -4469,9 +4482,7 @@ def test_an_instance_that_fails_for_good_is_forgotten_after_the_short_wait(
     unit = "t@1.service"
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await an_instance_runs(bed, unit)
+        ctl = await started_with_an_instance_running(bed, unit)
         fails(bed, unit)
         await settle()
         assert ctl.scheduler.grants().get(unit) == frozenset({0})
@@ -4490,11 +4501,8 @@ def test_a_more_urgent_start_takes_a_gpu_kept_in_the_short_wait_and_the_failure_
     v.service asks at its gate: it takes the kept GPU (u.service moved back to waiting, never
     stopped). No restart comes: u.service is failed then, not left waiting for ever."""
     monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.2)
-    bed = Bed(
-        tmp_path,
-        {"u.service": "Priority=10\n", "v.service": "Priority=5\n"},
-        [state("u.service", "active", "running"), state("v.service", "inactive", "dead")],
-        SavedState(holders={"u.service": ((0,), "running", 1, "")}, seq=1),
+    bed = holding_a_gpu_each(
+        tmp_path, {"u.service": "Priority=10\n"}, down={"v.service": "Priority=5\n"}
     )
 
     async def test() -> None:

@@ -29,7 +29,6 @@ from tests.test_controller import (
     GIB,
     Bed,
     StubNvml,
-    an_instance_runs,
     at_gate,
     goes_down,
     low_holds_gpu_0,
@@ -37,6 +36,7 @@ from tests.test_controller import (
     run,
     settle,
     signal,
+    started_with_an_instance_running,
     state,
     unannotate,
     until,
@@ -79,9 +79,7 @@ def test_status_drops_an_instance_forgotten_without_a_decision(
     unit = "t@1.service"
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await an_instance_runs(bed, unit)
+        ctl = await started_with_an_instance_running(bed, unit)
         signal(
             bed, unit, {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")}
         )

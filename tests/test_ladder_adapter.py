@@ -537,6 +537,18 @@ def recalled_ladder(host: Host, owners: dict[int, str] | None = None) -> Ladder:
     return fresh
 
 
+def given_away_after(pid: int, looks: int) -> Callable[[int], str | None]:
+    """A ladder's `unit_of_pid`: every PID is UNIT's, `pid` another unit's once it was
+    looked at `looks` times (freed and given to another unit's process meanwhile)."""
+    seen: list[int] = []
+
+    def owner(looked: int) -> str | None:
+        seen.append(looked)
+        return "other.service" if looked == pid and seen.count(pid) > looks else UNIT
+
+    return owner
+
+
 def test_a_resume_after_a_restart_restores_the_pids_the_last_controller_checkpointed(
     host: Host, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -583,13 +595,7 @@ def test_a_recalled_pid_given_to_another_unit_after_the_first_look_is_left_alone
     a, b = host.job(), host.job()
     run(host.ladder.suspend(UNIT))
     fresh = recalled_ladder(host)
-    looks: list[int] = []
-
-    def owner(pid: int) -> str:  # b's is UNIT's at the first look only
-        looks.append(pid)
-        return "other.service" if pid == b and looks.count(b) > 1 else UNIT
-
-    fresh.unit_of_pid = owner
+    fresh.unit_of_pid = given_away_after(b, 1)  # b's is UNIT's at the first look only
     run(fresh.resume(UNIT))
     assert host.said()[-1][0] == "resumed"
     assert host.bed.state_of(a) == "running"
@@ -602,13 +608,7 @@ def test_a_pid_given_to_another_unit_after_the_suspends_look_is_never_locked(
     """The same look before each lock and checkpoint of a suspend: the job runs until it
     is frozen, after the checkpoints, and a process of it that exits frees its PID."""
     a, b = host.job(), host.job()
-    looks: list[int] = []
-
-    def owner(pid: int) -> str | None:
-        looks.append(pid)
-        return "other.service" if pid == b and looks.count(b) > 1 else UNIT
-
-    host.ladder.unit_of_pid = owner
+    host.ladder.unit_of_pid = given_away_after(b, 1)
     run(host.ladder.suspend(UNIT))
     event, _, why = host.said()[-1]
     assert event == "suspend_failed" and why == f"PID {b} is no longer a process of it"
@@ -621,13 +621,7 @@ def test_a_pid_given_to_another_unit_between_its_lock_and_checkpoint_is_said_onc
     """Found another unit's before its checkpoint, then again by the undo of the locks:
     one process, one line."""
     a, b = host.job(), host.job()
-    looks: list[int] = []
-
-    def owner(pid: int) -> str | None:
-        looks.append(pid)
-        return "other.service" if pid == b and looks.count(b) > 2 else UNIT
-
-    host.ladder.unit_of_pid = owner
+    host.ladder.unit_of_pid = given_away_after(b, 2)
     with caplog.at_level(logging.INFO):
         run(host.ladder.suspend(UNIT))
     event, _, why = host.said()[-1]

@@ -33,6 +33,18 @@ def power_cut(path: Path, torn: bytes) -> None:
         path.write_bytes(torn)
 
 
+def torn_with_copy(state_dir: Path, generation: int = 1, torn: bytes = b"") -> StateStore:
+    """A state_dir as a power cut left it: the copy (FLUSHED, saved as `generation`) and
+    the torn file (`torn`) of the save after it, which came before its flush."""
+    store = StateStore(state_dir)
+    store.generation = generation - 1
+    store.save(FLUSHED, "b")
+    store.flush()
+    store.save(LATER, "b")
+    power_cut(store.path, torn)
+    return store
+
+
 def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
@@ -46,11 +58,7 @@ def test_a_power_cut_after_an_unflushed_save_loads_the_last_flushed_state(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, torn: bytes
 ) -> None:
     """Without the copy: SavedState(), the torn file moved aside, vlm.service never back."""
-    store = StateStore(tmp_path)
-    store.save(FLUSHED, "b")
-    store.flush()
-    store.save(LATER, "b")  # the power cut comes before its flush
-    power_cut(store.path, torn)
+    store = torn_with_copy(tmp_path, torn=torn)
     again = StateStore(tmp_path)
     with caplog.at_level(logging.DEBUG):
         assert again.load() == (FLUSHED, "b")
@@ -103,11 +111,7 @@ def test_a_copy_others_could_write_is_not_taken(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Hostile input as the state file is: a copy anyone could have written booked GPUs."""
-    store = StateStore(tmp_path)
-    store.save(FLUSHED, "b")
-    store.flush()
-    store.save(LATER, "b")
-    power_cut(store.path, b"")
+    store = torn_with_copy(tmp_path)
     store.prev_path.chmod(0o666)
     with caplog.at_level(logging.DEBUG):
         assert StateStore(tmp_path).load() == (SavedState(), "")
@@ -122,11 +126,7 @@ def test_a_copy_others_could_write_is_not_taken(
 def test_a_copy_another_user_owns_is_not_taken(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = StateStore(tmp_path)
-    store.save(FLUSHED, "b")
-    store.flush()
-    store.save(LATER, "b")
-    power_cut(store.path, b"")
+    store = torn_with_copy(tmp_path)
     owner = store.prev_path.stat().st_uid
     monkeypatch.setattr(os, "geteuid", lambda: owner + 1)  # every file is another's then
     with caplog.at_level(logging.DEBUG):
@@ -236,17 +236,6 @@ def test_a_flush_with_no_save_since_the_last_leaves_no_temporary_name(tmp_path: 
     store.flush()
     store.flush()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.prev"]
-
-
-def torn_with_copy(state_dir: Path, generation: int) -> None:
-    """A state_dir as a power cut left it: the copy (FLUSHED, saved as `generation`) and
-    the torn file of the save after it."""
-    store = StateStore(state_dir)
-    store.generation = generation - 1
-    store.save(FLUSHED, "b")
-    store.flush()
-    store.save(LATER, "b")
-    power_cut(store.path, b"")
 
 
 def test_a_torn_state_file_moved_to_a_new_state_dir_brings_its_copy(tmp_path: Path) -> None:

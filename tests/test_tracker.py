@@ -839,23 +839,38 @@ def test_a_stop_announced_while_the_unit_waited_at_its_gate_outlives_its_ask() -
     a_stop_announced_at_the_gate_is_a_hold(served_at_signal=False)
 
 
-def test_a_unit_restarting_is_told_down_once_though_its_restart_job_is_queued() -> None:
-    """Restart=: systemd shows the unit in auto-restart, then queues its restart job (a job
-    of nobody's we know) while it is still there: one WentDown, not a second failure."""
+def running_past_its_gate() -> tuple[Model, Tracker]:
+    """A, which the scheduler runs, past its gate and seen running."""
     model = Model()
     model.phases[A] = Phase.RUNNING
     tracker = model.tracker()
     tracker.passed_gate(A)
     tracker.unit_changed(A, props_of("active", "running", 0))
+    return model, tracker
+
+
+def restart_job_queued(sub: str) -> tuple[Model, Tracker]:
+    """A, running past its gate, fails into its Restart= (`auto-restart`: told down once),
+    and its restart's start job (JOB2, nobody's we know) is queued, shown `activating (sub)`:
+    no second down."""
+    model, tracker = running_past_its_gate()
     restart = props_of("activating", "auto-restart", 0)
     assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
     model.phases.pop(A)
     tracker.job_new(JOB2, A)
-    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 2)) == []
+    assert tracker.unit_changed(A, props_of("activating", sub, 2)) == []
+    return model, tracker
+
+
+def test_a_unit_restarting_is_told_down_once_though_its_restart_job_is_queued() -> None:
+    """Restart=: systemd shows the unit in auto-restart, then queues its restart job (a job
+    of nobody's we know) while it is still there: one WentDown, not a second failure."""
+    model, tracker = restart_job_queued("auto-restart")
     assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == [ReachedGate(A)]
     # a person's stop of it there is theirs: a hold (it is not restarted)
     model.phases[A] = Phase.RUNNING
     tracker = model.tracker()
+    restart = props_of("activating", "auto-restart", 0)
     assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
     model.phases.pop(A)
     tracker.job_new(JOB3, A)
@@ -871,11 +886,7 @@ def test_a_failure_signalled_failed_then_auto_restart_is_told_once() -> None:
     instant: one down. Its GPUs kept meanwhile (Phase.STARTING), the second signal told it
     down again, and the core released them. A `failed` read again is no new down either;
     the `failed` of its start limit, after `auto-restart`, is (the keep is released)."""
-    model = Model()
-    model.phases[A] = Phase.RUNNING
-    tracker = model.tracker()
-    tracker.passed_gate(A)
-    tracker.unit_changed(A, props_of("active", "running", 0))
+    model, tracker = running_past_its_gate()
     failed = props_of("failed", "failed", 0)
     assert tracker.unit_changed(A, failed) == [WentDown(A, Outcome.FAILED, by_itself=True)]
     model.phases[A] = Phase.STARTING  # kept for its restart
@@ -889,16 +900,7 @@ def test_a_unit_whose_restart_job_is_queued_on_systemd_254_is_down_not_running()
     (auto-restart-queued)` while its restart's start job waits to run. Taken for running,
     it was told CameUp and adopted on a GPU before its gate ran; it is down, told once, and
     reaches its gate as any start."""
-    model = Model()
-    model.phases[A] = Phase.RUNNING
-    tracker = model.tracker()
-    tracker.passed_gate(A)
-    tracker.unit_changed(A, props_of("active", "running", 0))
-    restart = props_of("activating", "auto-restart", 0)
-    assert tracker.unit_changed(A, restart) == [WentDown(A, Outcome.FAILED)]
-    model.phases.pop(A)
-    tracker.job_new(JOB2, A)
-    assert tracker.unit_changed(A, props_of("activating", "auto-restart-queued", 2)) == []
+    _, tracker = restart_job_queued("auto-restart-queued")
     assert bound_for_gate(UnitState(A, "activating", "auto-restart-queued", 2, "start"))
     assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == [ReachedGate(A)]
 

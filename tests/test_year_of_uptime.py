@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from tests.test_controller import (
     Bed,
     at_gate,
     run,
+    saved_record,
     settle,
     state,
     write_unit,
@@ -84,8 +84,8 @@ def job_removed(ctl: Controller, job: int, unit: str, result: str = "done") -> N
     ctl.on_job_removed(job, f"/org/freedesktop/systemd1/job/{job}", unit, result)
 
 
-async def gated_run(bed: Bed, unit: str, job: int, end: str = "dead") -> None:
-    """Someone starts `unit`: granted at its pipe, it runs, and ends by itself (`end`)."""
+async def granted_and_running(bed: Bed, unit: str, job: int) -> None:
+    """Someone starts `unit` (start job `job`): granted at its pipe, it runs."""
     ctl = bed.controller
     job_new(ctl, job, unit)
     shown(bed, unit, "activating", "start-pre", job)
@@ -93,6 +93,11 @@ async def gated_run(bed: Bed, unit: str, job: int, end: str = "dead") -> None:
     await settle()
     shown(bed, unit, "active", "running")
     job_removed(ctl, job, unit)
+
+
+async def gated_run(bed: Bed, unit: str, job: int, end: str = "dead") -> None:
+    """Someone starts `unit`: granted at its pipe, it runs, and ends by itself (`end`)."""
+    await granted_and_running(bed, unit, job)
     shown(bed, unit, "failed" if end == "failed" else "inactive", end)
     await settle()
     del bed.systemd.units[unit]
@@ -102,12 +107,7 @@ async def preempted(bed: Bed, unit: str, job: int) -> None:
     """`unit` (60) runs, u.service (10) preempts it, ends; a unit with Requeue=yes comes
     back, and then ends by itself."""
     ctl = bed.controller
-    job_new(ctl, job, unit)
-    shown(bed, unit, "activating", "start-pre", job)
-    ctl.on_unit_changed(unit, at_gate(job.to_bytes(16, "big")))
-    await settle()
-    shown(bed, unit, "active", "running")
-    job_removed(ctl, job, unit)
+    await granted_and_running(bed, unit, job)
     shown(bed, "u.service", "activating", "start-pre", job + 1)
     ctl.on_unit_changed("u.service", at_gate((job + 1).to_bytes(16, "big")))
     await settle()
@@ -123,13 +123,7 @@ async def preempted(bed: Bed, unit: str, job: int) -> None:
     shown(bed, "u.service", "inactive", "dead")
     await settle()
     if ("start", unit) in bed.systemd.calls[-4:]:
-        back = bed.systemd._jobs
-        job_new(ctl, back, unit)
-        shown(bed, unit, "activating", "start-pre", back)
-        ctl.on_unit_changed(unit, at_gate(back.to_bytes(16, "big")))
-        await settle()
-        shown(bed, unit, "active", "running")
-        job_removed(ctl, back, unit)
+        await granted_and_running(bed, unit, bed.systemd._jobs)
         shown(bed, unit, "inactive", "dead")
         await settle()
     bed.systemd.units.pop(unit, None)
@@ -218,10 +212,6 @@ def test_a_year_of_churn_grows_nothing(tmp_path: Path, monkeypatch: pytest.Monke
         [],
     )
     runtime = Path(bed.config.runtime_dir)
-    state_file = Path(bed.config.state_dir) / "state.json"
-
-    def saved() -> dict[str, Any]:
-        return {**json.loads(state_file.read_text()), "seq": 0, "generation": 0}
 
     async def test() -> None:
         ctl = bed.controller
@@ -230,7 +220,7 @@ def test_a_year_of_churn_grows_nothing(tmp_path: Path, monkeypatch: pytest.Monke
         for i in range(WARM_UP):
             await cycle(bed, tmp_path, i)
         await quiet()
-        before, kept, record = sizes(ctl), files(runtime), saved()
+        before, kept, record = sizes(ctl), files(runtime), saved_record(bed)
         for i in range(WARM_UP, CYCLES):
             await cycle(bed, tmp_path, i)
         await quiet()
@@ -238,7 +228,7 @@ def test_a_year_of_churn_grows_nothing(tmp_path: Path, monkeypatch: pytest.Monke
         grown = {p: (before.get(p, 0), n) for p, n in after.items() if n - before.get(p, 0) > NOISE}
         assert grown == {}
         assert files(runtime) == kept
-        assert saved() == record
+        assert saved_record(bed) == record
         assert ctl.scheduler.annotated() == {"a.service", "u.service"}
 
     run(test)
