@@ -328,7 +328,24 @@ class Sim:
             self._record(self.finished, name)
         elif outcome is Outcome.FAILED:
             self._record(self.failed, name)
-        return self._feed(self.sched.inactive(name, outcome))
+        # a failure is by itself (the tracker's word), so its GPUs may be kept for a restart
+        by_itself = outcome is Outcome.FAILED
+        actions = self._feed(self.sched.inactive(name, outcome, by_itself=by_itself))
+        if name in self.sched.restart_kept:  # its Restart= may start it: a start known
+            self.pending_starts.append(name)
+            self.announced.add(name)
+            self.known_at.setdefault(name, next(self._clock))
+        return actions
+
+    def restart_not_seen(self, name: str) -> list[Action]:
+        """The controller's wait for the restart of a unit whose GPUs were kept for it
+        ends with no restart (Restart=no, or a long RestartSec=): failed, the GPUs go."""
+        if name in self.pending_starts:
+            self.pending_starts.remove(name)
+            self.announced.discard(name)
+            self.told_to_wait.discard(name)
+            self.known_at.pop(name, None)
+        return self._feed(self.sched.restart_overdue(name))
 
     def ends_remaining(self) -> list[str]:
         """Running units (annotated, past their gate, not being stopped, frozen, suspended

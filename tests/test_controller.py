@@ -4548,6 +4548,32 @@ def test_a_gpu_kept_for_a_restart_on_systemd_254_is_kept_at_once(
     run(test)
 
 
+def test_a_failed_unit_reset_in_the_short_wait_stays_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """u.service (Restart=no) fails, and someone runs `systemctl reset-failed` on it within the
+    wait for its `auto-restart`: `inactive (dead)`, no stop job. That ended no new run: its
+    GPU goes, and it is failed, not recorded (and said) finished."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 5.0)
+    bed = crash_loop_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        fails(bed, "u.service")
+        await settle()
+        bed.systemd.units["u.service"] = state("u.service", "inactive", "dead")
+        signal(bed, "u.service", {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")})
+        await settle()
+        assert ctl.scheduler.phase("u.service") is None
+        assert "u.service" in ctl.scheduler.failed
+        assert "u.service" not in ctl.scheduler.finished
+        assert not any("u.service finished" in m for m in messages(caplog))
+        assert ("start", "bg.service") in bed.systemd.calls
+
+    run(test)
+
+
 def test_a_unit_that_fails_for_good_gives_its_gpu_after_the_short_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

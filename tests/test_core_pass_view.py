@@ -68,6 +68,7 @@ _TWINNED = [
     "start_failed",
     "retry_start",
     "stop_overdue",
+    "restart_overdue",
     "suspended_done",
     "suspend_failed",
     "resumed",

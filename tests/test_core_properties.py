@@ -227,6 +227,13 @@ class HostMachine(RuleBasedStateMachine):
         if running:
             self.sim.exit(running[index % len(running)], outcome)
 
+    @precondition(lambda self: bool(self.sim.sched.restart_kept))
+    @rule(index=st.integers(0, 7))
+    def restart_does_not_come(self, index: int) -> None:
+        """A failed unit's GPUs were kept for its Restart=, which does not start it."""
+        kept = sorted(self.sim.sched.restart_kept)
+        self.sim.restart_not_seen(kept[index % len(kept)])
+
     @rule(index=st.integers(0, 7))
     def unit_exits_and_remains_active(self, index: int) -> None:
         """RemainAfterExit=yes: its job ends, systemd keeps it active, no process left."""

@@ -26,7 +26,8 @@ OPS: dict[str, Callable[[Sim, str], list[Action]]] = {
     "boot": lambda sim, _: sim.boot(),
     "start": lambda sim, name: sim.start(name),
     "exit": lambda sim, name: sim.exit(name),
-    "fail": lambda sim, name: sim.exit(name, Outcome.FAILED),
+    # Restart=no: the controller's wait for a restart ends with none
+    "fail": lambda sim, name: sim.exit(name, Outcome.FAILED) + sim.restart_not_seen(name),
     "stop": lambda sim, name: sim.stop(name),
     "finish_stop": lambda sim, name: sim.finish_stop(name or None),
     "finish_start": lambda sim, name: sim.finish_start(name or None),
@@ -490,6 +491,7 @@ def test_outcome_words() -> None:
         "vlm-analysis.service failed: gpuslice will not start it by itself "
         "(its own Restart= policy applies)"
     ]
+    sim.restart_not_seen(V)  # Restart=no: the wait for a restart ends with none
     sim.start("a.service")
     sim.start("b.service")
     assert words(sim.stop("b.service"))[0] == (
@@ -1806,6 +1808,71 @@ def test_an_on_demand_instance_that_ended_is_forgotten_with_how_it_ended() -> No
     assert (saved.finished, saved.failed, saved.held) == ([], [], [])
     assert s.annotated() == frozenset() and s.out_since == {}
     assert not s.forget_instance("t@1.service")  # not known now
+
+
+@pytest.mark.parametrize("restarting", [True, False])
+def test_a_failed_units_gpu_is_not_kept_for_its_restart_from_an_equal_unit_waiting_first(
+    restarting: bool,
+) -> None:
+    """w waits for u's GPU (equal priority never preempts). u fails into its Restart= (or
+    may: systemd 252's `failed` first): w came first, the restart is a new arrival, so w gets
+    the GPU and the restart waits behind it. Kept, a unit that crash-loops with a RestartSec=
+    under its start limit had it for ever, w waiting for ever. A less urgent waiter does not
+    get it."""
+    u, w, lo = spec("u", 50), spec("w", 50), spec("lo", 60)
+    s = Scheduler([Gpu(0)], {})
+    assert brief(s.request(u)) == ["grant u.service 0"]
+    s.request(lo)
+    s.request(w)
+    down = s.inactive(u.name, Outcome.FAILED, by_itself=True, restarting=restarting)
+    assert brief(down) == ["grant w.service 0"]
+    assert s.restart_kept == set()
+    assert brief(s.request(u)) == []
+    assert list(s.waiters) == ["lo.service", "u.service"]
+    # w fails in turn: u, as urgent and waiting, gets it; lo, less urgent, never did
+    assert brief(s.inactive(w.name, Outcome.FAILED, by_itself=True)) == ["grant u.service 0"]
+
+
+@pytest.mark.parametrize("restarting", [True, False])
+def test_a_background_unit_kept_for_its_restart_is_not_stopped_for_a_foreign_process(
+    restarting: bool,
+) -> None:
+    """bg failed, its GPU kept for its Restart=; a foreign process appears there. Nothing of
+    it runs: no stop (it cancelled the restart, and its failure, taken for a yield, was
+    started again by gpuslice, as if preempted). Its restart waits at its gate; none comes:
+    failed, not started by gpuslice."""
+    bg = spec("bg", 90, BG)
+    s = Scheduler([sized(0)], {bg.name: bg})
+    assert brief(s.schedule()) == ["start bg.service"]
+    assert brief(s.request(bg)) == ["grant bg.service 0"]
+    s.inactive(bg.name, Outcome.FAILED, by_itself=True, restarting=restarting)
+    assert bg.name in s.restart_kept
+    assert brief(s.set_gpus([sized(0, foreign_pids=(4242,))])) == []
+    assert brief(s.restart_overdue(bg.name)) == []
+    assert s.failed == {bg.name}
+    assert s.preempted == {}
+    assert brief(s.set_gpus([sized(0)])) == []
+
+
+@pytest.mark.parametrize("restarting", [True, False])
+def test_a_refilled_unit_whose_restart_does_not_come_gives_its_gpu(restarting: bool) -> None:
+    """bg, started by refill (a start of gpuslice's), runs and fails; its GPU is kept for its
+    Restart=, which does not start it. Once the controller's wait is over it is failed and
+    the GPU goes to od. Taken for a refill still on its way (`started`), the keep was never
+    released: the GPU held by a dead unit for ever, od waiting for ever; and a controller
+    restarted meanwhile took it for a StartUnit of its own lost, and started it again."""
+    bg, od = spec("bg", 90, BG), spec("od", 50)
+    s = Scheduler([Gpu(0)], {bg.name: bg})
+    assert brief(s.schedule()) == ["start bg.service"]
+    assert brief(s.request(bg)) == ["grant bg.service 0"]
+    s.inactive(bg.name, Outcome.FAILED, by_itself=True, restarting=restarting)
+    assert bg.name in s.restart_kept
+    restored = Scheduler([Gpu(0)], {bg.name: bg})
+    restored.load(s.save())
+    assert brief(restored.start_lost(bg.name)) == []  # Restore: down, no job
+    s.restart_overdue(bg.name)
+    assert s.failed == {bg.name}
+    assert brief(s.request(od)) == ["grant od.service 0"]
 
 
 def test_units_no_longer_annotated_leave_no_time_out_behind() -> None:

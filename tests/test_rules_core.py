@@ -24,6 +24,7 @@ def test_a_background_unit_that_ended_stays_out_across_a_controller_restart(
     assert brief(sim.boot()) == ["start job.service"]
     assert brief(sim.settle()) == ["grant job.service 0"]
     assert brief(sim.exit("job.service", outcome)) == []
+    sim.restart_not_seen("job.service")  # Restart=no: the wait for a restart ends with none
     assert brief(sim.restart()) == []
     ended = sim.sched.snapshot()
     assert (ended.finished, ended.failed) == (

@@ -668,7 +668,10 @@ class Scheduler:
         restart seen yet keeps them too, for the controller's short wait: systemd 252 signals
         `failed` before `auto-restart`, and its restart is only known a signal later
         (`restart_overdue` releases them, recorded failed; the FAILED said now claims no
-        restart)."""
+        restart). Kept so, one seen down with no stop (`systemctl reset-failed`: inactive)
+        ended no new run: it is failed, as the wait's end has it, not finished."""
+        if name in self.restart_kept and outcome is Outcome.EXITED and not by_itself:
+            return self.restart_overdue(name)
         self.restart_kept.discard(name)
         may_restart = outcome is Outcome.FAILED and by_itself and not not_ours and not in_shutdown
         if (
@@ -798,7 +801,9 @@ class Scheduler:
         waiting) a moment later by the restart, at every crash of a unit that crash-loops:
         each time a model loaded for nothing. A more urgent start still takes them (the
         restart then waits at its gate); its start limit reached (`failed`), a stop, or no
-        restart within the controller's bound (`restart_overdue`) releases them."""
+        restart within the controller's bound (`restart_overdue`) releases them. Only less
+        urgent units wait for it: one as urgent that waits came before the restart, which is
+        a new arrival (kept, its GPUs went to the restart whenever it crash-looped)."""
         holder = self.holders.get(name)
         if (
             holder is None
@@ -807,11 +812,16 @@ class Scheduler:
             or name not in self.specs
             or self.shutting_down
             or self._lost(holder.gpus)
+            or any(w.spec.priority <= self.specs[name].priority for w in self.waiters.values())
         ):
             return False
         holder.phase = Phase.STARTING
         holder.granted = 0
         self.restart_kept.add(name)
+        # the restart is systemd's: a refill's or comeback's record left from its run (inert
+        # while it ran) made it a start of ours again, never released by `restart_overdue`
+        self.started.discard(name)
+        self.refills.discard(name)
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
         self.unfreezable.discard(name)
@@ -1627,6 +1637,9 @@ class Scheduler:
                 holder.phase not in (Phase.RUNNING, Phase.STARTING)
                 or holder.spec.kind is not UnitKind.BACKGROUND
                 or name in self.unstoppable
+                # down, kept for its Restart=: nothing to stop (a stop cancelled that restart,
+                # its failure taken for a yield that gpuslice starts again); its gate waits
+                or name in self.restart_kept
             ):
                 continue
             busy = [self.devices[g] for g in sorted(holder.gpus) if g in self.devices]
