@@ -10,10 +10,12 @@ file it made durable as `state.json.prev`, which a load takes in place of a torn
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -198,8 +200,13 @@ def test_a_flush_that_cannot_keep_a_copy_flushes_the_file_and_says_why(
 
     monkeypatch.setattr(os, "link", link)
     monkeypatch.setattr(os, "fsync", fsync)
-    with pytest.raises(OSError, match=r"state.json.prev not kept: Operation not permitted"):
+    with pytest.raises(OSError) as e:
         store.flush()
+    # the link's errno is kept: a caller tells a file system without links from a full disk
+    assert (e.value.errno, e.value.strerror) == (
+        errno.EPERM,
+        f"{store.prev_path} not kept: Operation not permitted",
+    )
     assert synced == [str(store.path), str(tmp_path)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
 
@@ -267,3 +274,159 @@ def test_a_torn_state_file_is_ranked_as_its_copy(tmp_path: Path) -> None:
     store = StateStore(old)
     store.read_ahead = found
     assert store.load() == (FLUSHED, "b")
+
+
+def refuse_opening(monkeypatch: pytest.MonkeyPatch, path: Path, code: int) -> None:
+    """os.open fails with `code` for `path` only (as root, mode 000 stops no read)."""
+    real = os.open
+
+    def open_(file: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if os.fspath(file) == str(path):
+            raise OSError(code, os.strerror(code))
+        return real(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+def test_a_copy_that_cannot_be_read_is_said_in_the_systems_words(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = torn_with_copy(tmp_path)
+    refuse_opening(monkeypatch, store.prev_path, errno.EACCES)
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (SavedState(), "")
+    assert errors(caplog)[0] == (
+        f"{store.prev_path}: Permission denied; not used in place of {store.path}"
+    )
+
+
+def test_a_state_file_that_cannot_be_read_is_replaced_by_its_copy_in_the_systems_words(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = torn_with_copy(tmp_path, torn=b"{}")
+    refuse_opening(monkeypatch, store.path, errno.EIO)
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (FLUSHED, "b")
+    [message] = errors(caplog)
+    assert message.startswith(
+        f"{store.path}: Input/output error (a power cut just after a save?); "
+        f"kept it as {store.bad_path}; loading {store.prev_path}"
+    )
+
+
+def test_a_copy_that_cannot_be_put_in_place_is_loaded_all_the_same(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal says all that was done and not done; the next save writes the state."""
+    store = torn_with_copy(tmp_path)
+    real = os.link
+
+    def link(source: Any, tmp: Any, **kwargs: Any) -> None:
+        if os.fspath(source) == str(store.prev_path):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        real(source, tmp, **kwargs)
+
+    monkeypatch.setattr(os, "link", link)
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (FLUSHED, "b")
+    [message] = errors(caplog)
+    assert message.endswith(
+        " (a power cut just after a save?); "
+        f"kept it as {store.bad_path}; could not put the copy in its place "
+        f"(Invalid cross-device link); loading {store.prev_path}, the state as its last "
+        "flush made it durable: the decisions of the second before may be lost"
+    )
+    assert store.path.read_bytes() == b"" and store.bad_path.read_bytes() == b""
+
+
+def test_a_directory_at_the_state_files_name_is_moved_aside_for_the_copy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory cannot be linked: it is moved, as a bad file is, and the copy put there."""
+    store = torn_with_copy(tmp_path)
+    store.path.unlink()
+    store.path.mkdir()
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (FLUSHED, "b")
+    [message] = errors(caplog)
+    assert f"; moved it to {store.bad_path}; loading {store.prev_path}" in message
+    assert store.bad_path.is_dir()
+    assert store.path.stat().st_ino == store.prev_path.stat().st_ino
+
+
+def test_a_state_file_that_is_a_symlink_is_kept_aside_as_itself(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Never followed, never synced (that would fail, ELOOP): the link itself is kept."""
+    store = torn_with_copy(tmp_path)
+    target = tmp_path / "target"
+    target.write_text("not ours")
+    store.path.unlink()
+    store.path.symlink_to(target)
+    with caplog.at_level(logging.DEBUG):
+        assert StateStore(tmp_path).load() == (FLUSHED, "b")
+    [message] = errors(caplog)
+    assert f"; kept it as {store.bad_path}; loading {store.prev_path}" in message
+    assert os.readlink(store.bad_path) == str(target)
+    assert target.read_text() == "not ours"
+
+
+@pytest.mark.parametrize("leftover", [False, True])
+def test_link_atomic_links_a_symlink_as_itself_where_os_link_follows_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, leftover: bool
+) -> None:
+    """Python 3.14's os.link follows a symlink unless told not to (gh-81793; 3.11's link(2)
+    never does): a state file swapped for a link to another file never makes that file
+    ours. Also when a killed writer of this PID left a file at the writer's own name."""
+    real = os.link
+
+    def link(source: str, tmp: str, *, follow_symlinks: bool = True) -> None:
+        real(os.path.realpath(source) if follow_symlinks else source, tmp, follow_symlinks=False)
+
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(safefile, "_numbers", itertools.count(7))
+    target = tmp_path / "target"
+    target.write_text("not ours")
+    (tmp_path / "state.json").symlink_to(target)
+    if leftover:
+        (tmp_path / f".state.json.bad{safefile.TEMPORARY}-{os.getpid()}-7").write_text("half")
+    safefile.link_atomic(tmp_path / "state.json", tmp_path / "state.json.bad")
+    assert os.readlink(tmp_path / "state.json.bad") == str(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.bad", "target"]
+
+
+def test_a_sweep_while_a_flush_links_its_copy_leaves_the_copy_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop sweeps killed writers' temporary names while the flusher's thread is between
+    its link and its rename: that name is a live writer's, and the copy is kept."""
+    store = StateStore(tmp_path)
+    store.save(FLUSHED, "b")
+    real = os.replace
+
+    def replace(source: str, path: str) -> None:
+        safefile.remove_stale(path)
+        real(source, path)
+
+    monkeypatch.setattr(os, "replace", replace)
+    store.flush()
+    assert store.prev_path.stat().st_ino == store.path.stat().st_ino
+
+
+def test_a_temporary_name_a_failed_link_could_not_remove_goes_with_the_next_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename failed, and the clean-up's unlink too: that link is over, so its name is
+    no live writer's, and `remove_stale` removes it."""
+    (tmp_path / "state.json").write_text("x")
+    (tmp_path / "state.json.bad").mkdir()
+
+    def unlink(path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(IsADirectoryError):
+        safefile.link_atomic(tmp_path / "state.json", tmp_path / "state.json.bad")
+    monkeypatch.undo()
+    assert safefile.remove_stale(tmp_path / "state.json.bad") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json", "state.json.bad"]
