@@ -1782,6 +1782,8 @@ def test_a_start_job_seen_whose_annotation_went_is_forgotten_and_its_pipe_let_go
         await unannotate(ctl, tmp_path, "urgent.service")
         assert not ctl.scheduler.is_waiting("urgent.service")
         assert not pipe.exists()
+        # not down (its job queued): what systemd said of it is kept until it is
+        assert ctl.tracker.state("urgent.service").job_id == 5
         goes_down(bed, "low.service")
         await settle()
         assert "urgent.service" not in ctl.scheduler.grants()
@@ -4022,6 +4024,10 @@ def test_unit_files_added_run_and_removed_leave_nothing_behind(tmp_path: Path) -
             goes_down(bed, unit)
             await settle()
             assert (runtime / "env" / unit).exists()  # a plain unit's stays while annotated
+            if i == 0:  # a rescan of the unit down, still annotated, leaves it so
+                ctl.on_reloading(False)
+                await until(lambda: ctl.rescans.task is None)
+                assert (runtime / "env" / unit).exists()
             (tmp_path / "root" / UNIT_DIR / unit).unlink()
             del bed.systemd.units[unit]
             ctl.on_reloading(False)

@@ -627,7 +627,24 @@ def test_a_pid_given_to_another_unit_between_its_lock_and_checkpoint_is_said_onc
     event, _, why = host.said()[-1]
     assert event == "suspend_failed" and why == f"PID {b} is no longer a process of it"
     assert host.bed.state_of(a) == "running"
-    assert caplog.text.count(f"PID {b} is no longer a process of it: left alone") == 1
+    said = [r.getMessage() for r in caplog.records if "no longer a process" in r.getMessage()]
+    assert said == [f"{UNIT}: PID {b} is no longer a process of it: left alone"]
+
+
+def test_a_pid_given_to_another_unit_before_the_undo_of_a_failed_freeze_is_left_alone(
+    host: Host,
+) -> None:
+    """The freeze after the checkpoints failed: the undo's restores look again at each PID
+    (`Ladder._owned_by`), as any resume's: a PID freed and given to another unit's process
+    since its checkpoint is not restored or unlocked beside that unit's own ladder."""
+    a, b = host.job(), host.job()
+    # its looks: before the suspend, before its lock, before its checkpoint
+    host.ladder.unit_of_pid = given_away_after(b, 3)
+    host.freezer.fail.add("freeze")
+    run(host.ladder.suspend(UNIT))
+    assert host.said()[-1][0] == "suspend_failed"
+    assert host.bed.state_of(a) == "running"
+    assert host.bed.state_of(b) == "checkpointed"
 
 
 def test_a_recalled_resume_first_stops_what_the_last_controller_left_running(

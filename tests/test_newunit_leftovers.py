@@ -126,6 +126,7 @@ def test_a_uid_past_what_the_database_takes_is_unknown_not_a_traceback(
 SYSTEMD_TAKES = [
     "john.doe", "John", "JOHN", "1st", "0x1", "_x", "x$", "-john", "+5", "a b", "DOM\\john",
     "jöhn", "ユーザー", "a@example.com", "a\u0085b", "x" * 10_000,
+    "a\ud7ffb", "a\ue000b", "a\ufdcfb", "a\ufdf0b",  # next to the surrogates, non-characters
     "0", "1", "65534", "65536", "4294967294",
 ]  # fmt: skip
 # what systemd refuses (the unit fails to load: bad-setting), or what could not be written as
@@ -135,6 +136,7 @@ REFUSED = [
     "a\rb", "a\tb", "a\x00b", "a\x1bb", "a\x7fb", "%i", "a%%b", "john%", "john\\",
     "00", "0123", "65535", "4294967295", "4294967296", "99999999999", "-1", "-", "-0",
     "a\udcffb", "a\ufffeb", "a\U0010ffffb", "a\ufdd0b",
+    "a\ud800b", "a\udfffb", "a\ufdefb",  # the ends of the surrogates and non-characters
     "x" * 10_000 + "\n",
 ]  # fmt: skip
 
@@ -200,12 +202,12 @@ def test_a_name_of_digits_but_not_ascii_ones_is_looked_up_as_a_name(
 # a program that is not there
 
 
-@pytest.mark.parametrize("missing", ["gone", "dangling", "true/x"])
+@pytest.mark.parametrize("missing", ["gone", "dangling", "true/x", f"{'d' * 200}/{'p' * 200}"])
 def test_a_program_that_is_not_there_is_written_with_a_warning(
     tmp_path: Path, missing: str
 ) -> None:
     """Each start failed (status=203/EXEC), unsaid; it is not refused, as the program may be
-    on a file system mounted later."""
+    on a file system mounted later. Named whole, however long (up to PATH_MAX)."""
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     (tmp_path / "true").write_text("#!/bin/sh\n")
     program = f"{tmp_path}/{missing}"
