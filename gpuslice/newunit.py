@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import fcntl
 import os
 import pwd
@@ -348,14 +349,16 @@ def resolve_command(command: Sequence[str]) -> list[str]:
 
 def missing_program(program: str) -> bool:
     """Whether the absolute `program` is not there (no such file, a component not a
-    directory, a dangling link): each start of the unit fails (203/EXEC). Not refused, only
-    said: it may be on a file system mounted later (a network home, a data disk). False
-    where it cannot be told (a directory that cannot be searched)."""
+    directory, a dangling link, a loop of links): each start of the unit fails (203/EXEC).
+    Not refused, only said: it may be on a file system mounted later (a network home, a data
+    disk). False where it cannot be told (a directory that cannot be searched)."""
     try:
         os.stat(program)
     except (FileNotFoundError, NotADirectoryError):
         return True
-    except (OSError, ValueError):
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    except ValueError:
         return False
     return False
 

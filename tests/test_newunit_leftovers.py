@@ -202,13 +202,16 @@ def test_a_name_of_digits_but_not_ascii_ones_is_looked_up_as_a_name(
 # a program that is not there
 
 
-@pytest.mark.parametrize("missing", ["gone", "dangling", "true/x", f"{'d' * 200}/{'p' * 200}"])
+@pytest.mark.parametrize(
+    "missing", ["gone", "dangling", "loop", "true/x", f"{'d' * 200}/{'p' * 200}"]
+)
 def test_a_program_that_is_not_there_is_written_with_a_warning(
     tmp_path: Path, missing: str
 ) -> None:
     """Each start failed (status=203/EXEC), unsaid; it is not refused, as the program may be
     on a file system mounted later. Named whole, however long (up to PATH_MAX)."""
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # ELOOP at each start too
     (tmp_path / "true").write_text("#!/bin/sh\n")
     program = f"{tmp_path}/{missing}"
     result = CliRunner().invoke(
