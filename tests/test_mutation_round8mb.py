@@ -49,23 +49,18 @@ def test_a_resume_goes_on_past_a_pid_no_longer_the_jobs(tmp_path: Path) -> None:
     assert calls(tmp_path) == ["--get-state --pid 12", "--action unlock --pid 12"]
 
 
-def test_a_resume_goes_on_past_a_pid_given_away_while_its_state_was_read(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    "states",
+    [
+        LOCKED_AND_CHECKPOINTED,  # given away while its state was read, before its restore
+        'case "$*" in\n  "--get-state --pid "*) echo locked ;;\nesac',  # before its unlock
+    ],
+    ids=["restore", "unlock"],
+)
+def test_a_resume_goes_on_past_a_pid_given_away_after_its_state_was_read(
+    tmp_path: Path, states: str
 ) -> None:
-    tool = stub(tmp_path, LOCKED_AND_CHECKPOINTED)
-    owned = looked_at_until(11, 1)
-    run(resume(tool, [11, 12], FAST, owned))
-    assert calls(tmp_path) == [
-        "--get-state --pid 11",
-        "--get-state --pid 12",
-        "--action unlock --pid 12",
-    ]
-
-
-def test_a_resume_unlocks_the_rest_past_a_pid_given_away_before_its_unlock(
-    tmp_path: Path,
-) -> None:
-    tool = stub(tmp_path, 'case "$*" in\n  "--get-state --pid "*) echo locked ;;\nesac')
+    tool = stub(tmp_path, states)
     owned = looked_at_until(11, 1)
     run(resume(tool, [11, 12], FAST, owned))
     assert calls(tmp_path) == [
