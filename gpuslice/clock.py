@@ -20,6 +20,19 @@ def moment() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+# A step of the wall clock by more than this (NTP correcting an RTC hours off, `date -s`)
+# moves what is shown; less, a slew or the microseconds between two reads, does not: two
+# answers with nothing changed between them are the same (a status compared before and
+# after a hostile call, a Prometheus start time that does not jitter).
+STEP_SEEN = 1.0
+_offset: float | None = None  # the wall clock less CLOCK_BOOTTIME, as last taken
+
+
 def unix_time(at: float) -> float:
-    """The Unix time of the moment `at`, as the wall clock tells it now."""
-    return time.time() - (moment() - at)
+    """The Unix time of the moment `at`, as the wall clock tells it: by the wall clock's
+    offset from CLOCK_BOOTTIME, taken again only once it moved by more than STEP_SEEN."""
+    global _offset
+    offset = time.time() - moment()
+    if _offset is None or abs(offset - _offset) > STEP_SEEN:
+        _offset = offset
+    return _offset + at

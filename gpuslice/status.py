@@ -126,6 +126,7 @@ from typing import Any, Generic, TypeVar
 
 from gpuslice import clock
 from gpuslice.annotations import Scan
+from gpuslice.clock import STEP_SEEN
 from gpuslice.core.decisions import LISTED_MAX, Decision, reason
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Snapshot
@@ -143,9 +144,6 @@ SLOW_BUILD = 0.02
 REBUILD_FACTOR = 10
 # `gpuslice status` says how old a state this far behind is.
 STALE_SAID = 2.0
-# A wall clock stepped more than this since a build (NTP, `date -s`) made the Unix times in it
-# (`since`, gpuslice/clock.py) wrong by as much: it is built again, changed or not.
-STEP_SEEN = 1.0
 # The table's first line for a redacted answer
 REDACTED_SAID = (
     "Processes of other users are hidden (/proc is mounted with hidepid): their PIDs, "
@@ -196,6 +194,8 @@ class CachedStatus(Generic[T]):
         return time.time() if self._fresh else self.built
 
     def text(self) -> T:
+        # a wall clock stepped more than STEP_SEEN since the build (NTP, `date -s`) made the
+        # Unix times in it (`since`, gpuslice/clock.py) wrong by as much: built again
         stepped = abs(clock.unix_time(0.0) - self._booted) > STEP_SEEN
         if self._text is None or stepped or not (self._fresh or time.monotonic() < self._until):
             start, cpu = time.monotonic(), time.thread_time()

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from gpuslice import clock
 from tests import hostpaths
 
 FAKE_SRC = Path(__file__).parent / "fakenvml"
@@ -71,6 +72,13 @@ _HOST_SAID = pytest.StashKey[set[str]]()
 
 def _unit_test(item: pytest.Item) -> bool:
     return INTEGRATION not in Path(item.path).parents
+
+
+@pytest.fixture(autouse=True)
+def _clock_offset_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test takes the wall clock's offset anew (gpuslice/clock.py keeps it until it moves
+    by more than a second): one a test's fake clock left is not another test's."""
+    monkeypatch.setattr(clock, "_offset", None)
 
 
 @pytest.fixture(autouse=True)

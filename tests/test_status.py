@@ -12,6 +12,7 @@ import pytest
 
 from gpuslice import clock as clock_module
 from gpuslice.annotations import Problem, Scan
+from gpuslice.clock import STEP_SEEN
 from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part
 from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import Snapshot
@@ -21,7 +22,6 @@ from gpuslice.status import (
     REBUILD_FACTOR,
     SLOW_BUILD,
     STALE_SAID,
-    STEP_SEEN,
     CachedStatus,
     FullStatus,
     _duration,
@@ -874,3 +874,30 @@ def test_a_slow_status_is_built_at_most_once_per_ten_times_its_cost(
     clock.now += 1.0
     assert cached.text() == "{2}" and len(builds) == 2
     assert cached.text() == "{2}" and len(builds) == 2  # unchanged since: not built again
+
+
+def test_a_unix_time_shown_twice_is_the_same_until_the_clock_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wall clock and CLOCK_BOOTTIME are read apart, microseconds between them: a start
+    time worked out at each answer jittered, and a status compared before and after a hostile
+    call (tests/integration/test_attacker.py) differed with nothing changed. A step past
+    STEP_SEEN moves it; a slew within it does not."""
+    now = [100.0, 1_700_000_000.0]
+    monkeypatch.setattr(
+        clock_module,
+        "time",
+        SimpleNamespace(
+            CLOCK_BOOTTIME=time.CLOCK_BOOTTIME,
+            clock_gettime=lambda _: now[0],
+            time=lambda: now[1],
+        ),
+    )
+    first = clock_module.unix_time(40.0)
+    assert first == 1_700_000_000.0 - 60.0
+    now[1] += 0.000_003  # read a few microseconds apart
+    assert clock_module.unix_time(40.0) == first
+    now[1] += STEP_SEEN / 2  # slewed
+    assert clock_module.unix_time(40.0) == first
+    now[1] += 3600.0  # stepped
+    assert clock_module.unix_time(40.0) == first + 3600.0 + STEP_SEEN / 2 + 0.000_003
