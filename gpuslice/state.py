@@ -679,20 +679,76 @@ def find_saved(configured: Path, recorded: Path) -> tuple[Path, Found | None]:
     return (configured, mine) if mine.rank() > theirs.rank() else (recorded, theirs)
 
 
-def _read_or_prev(path: Path) -> Found:
-    """`read_found`, or in place of a torn state file the copy its last flush kept, put back
-    in its place (`StateStore._or_prev`): of two state_dirs, the one ranked and moved is what
-    a load of it would take. A torn file was generation 0, so an older file in the other
-    state_dir won over it; moved, it went without its copy (removed), and was loaded torn."""
-    return StateStore(path.parent)._or_prev(read_found(path))
+def _prev_of(path: Path) -> Path:
+    """The copy of the state file at `path` as the last flush made it durable (`flush`): for
+    when it is found torn."""
+    return path.with_name(f"{path.name}.prev")
+
+
+def _bad_of(path: Path) -> Path:
+    """Where the state file at `path` is set aside when it cannot be loaded."""
+    return path.with_name(f"{path.name}.bad")
+
+
+def _read_or_prev(path: Path, mine: Found | None = None) -> Found:
+    """The state file at `path` (`mine` when already read, else `read_found`), or when it is
+    there and unusable (a power cut's empty file, torn, bad in any other way, or unreadable)
+    the copy its last flush kept (`_prev_of`), when that is there and usable itself
+    (`read_found`: owner, mode, format; its entries are validated as the state file's are):
+    the torn file is set aside (`_bad_of`) and the copy put in its place (each by a link
+    renamed over the other: the state file is always the torn one or the copy), and loaded
+    as the state file. `find_saved` and `StateStore.take_over` rank and move it so too: a
+    torn file was generation 0, so an older file in the other state_dir won over it; moved,
+    it went without its copy (removed), and was loaded torn."""
+    if mine is None:
+        mine = read_found(path)
+    gone = (FileNotFoundError, NotADirectoryError)
+    if mine.error is None or isinstance(mine.error, gone):
+        return mine
+    prev_path, bad_path = _prev_of(path), _bad_of(path)
+    prev = read_found(prev_path)
+    if prev.error is not None:
+        if not isinstance(prev.error, gone):
+            why = prev.error.strerror if isinstance(prev.error, OSError) else prev.error
+            log.error("%s: %s; not used in place of %s", prev_path, why, path)
+        return mine
+    try:
+        safefile.link_atomic(path, bad_path)
+    except OSError:  # no file to link (a directory): moved, as a bad file is
+        aside = _move_aside(path)
+    else:
+        aside = f"kept it as {bad_path}"
+    try:
+        safefile.link_atomic(prev_path, path)
+    except OSError as e:  # loaded all the same: the next save writes it there
+        aside += f"; could not put the copy in its place ({e.strerror or e})"
+    why = mine.error.strerror if isinstance(mine.error, OSError) else mine.error
+    log.error(
+        "%s: %s (a power cut just after a save?); %s; loading %s, the state as its last "
+        "flush made it durable: the decisions of the second before may be lost",
+        path,
+        why,
+        aside,
+        prev_path,
+    )
+    return replace(prev, path=path)
+
+
+def _move_aside(path: Path) -> str:
+    """Set the state file at `path` aside (`_bad_of`); what was done, as said in a log line."""
+    bad_path = _bad_of(path)
+    try:
+        os.replace(path, bad_path)
+    except OSError as e:
+        return f"could not move it to {bad_path} ({e.strerror or e})"
+    return f"moved it to {bad_path}"
 
 
 class StateStore:
     def __init__(self, state_dir: Path, runtime_dir: Path | None = None) -> None:
         self.path = state_dir / STATE_FILE_NAME
-        self.bad_path = state_dir / f"{STATE_FILE_NAME}.bad"
-        # the state file as the last flush made it durable: for when it is found torn
-        self.prev_path = state_dir / f"{STATE_FILE_NAME}.prev"
+        self.bad_path = _bad_of(self.path)
+        self.prev_path = _prev_of(self.path)
         # where the state goes while state_dir cannot be written; none in the same directory
         self.standin: Path | None = None
         if runtime_dir is not None and os.path.abspath(runtime_dir) != os.path.abspath(state_dir):
@@ -718,7 +774,7 @@ class StateStore:
             self._remove_stale()
             found, self.read_ahead = self.read_ahead, None
             mine = found if found is not None and found.path == self.path else None
-            mine = self._or_prev(mine or read_found(self.path))
+            mine = _read_or_prev(self.path, mine)
             standin = self._load_standin(mine)
             if standin is not None:
                 return standin
@@ -737,43 +793,6 @@ class StateStore:
             if path is not None:
                 safefile.remove_stale(path)
 
-    def _or_prev(self, mine: Found) -> Found:
-        """`mine`, or when it is there and unusable (a power cut's empty file, torn, bad in
-        any other way, or unreadable) the copy its last flush kept (`prev_path`), when that
-        is there and usable itself (`read_found`: owner, mode, format; its entries are
-        validated as the state file's are): the torn file is set aside as `bad_path` and the
-        copy put in its place (each by a link renamed over the other: the state file is
-        always the torn one or the copy), and loaded as the state file."""
-        gone = (FileNotFoundError, NotADirectoryError)
-        if mine.error is None or isinstance(mine.error, gone):
-            return mine
-        prev = read_found(self.prev_path)
-        if prev.error is not None:
-            if not isinstance(prev.error, gone):
-                why = prev.error.strerror if isinstance(prev.error, OSError) else prev.error
-                log.error("%s: %s; not used in place of %s", self.prev_path, why, self.path)
-            return mine
-        try:
-            safefile.link_atomic(self.path, self.bad_path)
-        except OSError:  # no file to link (a directory): moved, as a bad file is
-            aside = self._move_aside()
-        else:
-            aside = f"kept it as {self.bad_path}"
-        try:
-            safefile.link_atomic(self.prev_path, self.path)
-        except OSError as e:  # loaded all the same: the next save writes it there
-            aside += f"; could not put the copy in its place ({e.strerror or e})"
-        why = mine.error.strerror if isinstance(mine.error, OSError) else mine.error
-        log.error(
-            "%s: %s (a power cut just after a save?); %s; loading %s, the state as its last "
-            "flush made it durable: the decisions of the second before may be lost",
-            self.path,
-            why,
-            aside,
-            self.prev_path,
-        )
-        return replace(prev, path=self.path)
-
     def _load(self, mine: Found) -> tuple[SavedState, str]:
         """The state in the state file, as read once (`mine`)."""
         problems = mine.problems
@@ -783,7 +802,10 @@ class StateStore:
             return SavedState(), ""
         except BadFile as e:
             log.error(
-                "%s: %s; %s; starting from what systemd reports", self.path, e, self._move_aside()
+                "%s: %s; %s; starting from what systemd reports",
+                self.path,
+                e,
+                _move_aside(self.path),
             )
             return SavedState(), ""
         except OSError as e:  # EIO, EACCES: the content may be fine, and the next save()
@@ -793,7 +815,7 @@ class StateStore:
                 "%s: cannot read the state (%s); %s; starting from what systemd reports",
                 self.path,
                 e.strerror or e,
-                self._move_aside(),
+                _move_aside(self.path),
             )
             return SavedState(), ""
         self._seen(data)
@@ -998,18 +1020,11 @@ class StateStore:
         """Number the next save after the file `data` was parsed from (`parse` checked it)."""
         self.generation = max(self.generation, int(data.get("generation", 0)))
 
-    def _move_aside(self) -> str:
-        try:
-            os.replace(self.path, self.bad_path)
-        except OSError as e:
-            return f"could not move it to {self.bad_path} ({e.strerror or e})"
-        return f"moved it to {self.bad_path}"
-
     def _keep_valid(self, raw: bytes, saved: SavedState, boot_id: str) -> str:
         """Copy the original aside, then replace it with its valid entries: at every moment
         state.json is either the original or the cleaned file."""
         if saved == SavedState():
-            return self._move_aside()
+            return _move_aside(self.path)
         try:
             _write_atomic(self.bad_path, raw)
         except OSError as e:

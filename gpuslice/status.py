@@ -126,7 +126,6 @@ from typing import Any, Generic, TypeVar
 
 from gpuslice import clock
 from gpuslice.annotations import Scan
-from gpuslice.clock import STEP_SEEN
 from gpuslice.core.decisions import LISTED_MAX, Decision, reason
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Snapshot
@@ -194,9 +193,10 @@ class CachedStatus(Generic[T]):
         return time.time() if self._fresh else self.built
 
     def text(self) -> T:
-        # a wall clock stepped more than STEP_SEEN since the build (NTP, `date -s`) made the
-        # Unix times in it (`since`, gpuslice/clock.py) wrong by as much: built again
-        stepped = abs(clock.unix_time(0.0) - self._booted) > STEP_SEEN
+        # a wall clock stepped since the build (NTP, `date -s`) made the Unix times in it
+        # (`since`) wrong by as much: built again. clock.unix_time moves only on a step (by
+        # more than clock.STEP_SEEN), so any change of the boot's Unix time is one
+        stepped = clock.unix_time(0.0) != self._booted
         if self._text is None or stepped or not (self._fresh or time.monotonic() < self._until):
             start, cpu = time.monotonic(), time.thread_time()
             self._booted = clock.unix_time(0.0)

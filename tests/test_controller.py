@@ -4554,20 +4554,37 @@ def test_a_gpu_kept_for_a_restart_on_systemd_254_is_kept_at_once(
     run(test)
 
 
-def test_a_failed_unit_reset_in_the_short_wait_stays_failed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def failed_then(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    wait: float,
+    then: Callable[[Bed, Controller], Awaitable[None]],
 ) -> None:
-    """u.service (Restart=no) fails, and someone runs `systemctl reset-failed` on it within the
-    wait for its `auto-restart`: `inactive (dead)`, no stop job. That ended no new run: its
-    GPU goes, and it is failed, not recorded (and said) finished."""
+    """`then`, once u.service of `crash_loop_bed` (Restart=no) failed: `failed`, its GPU kept
+    for the short wait for an `auto-restart` (RESTART_SIGNAL_WAIT, `wait` here); the
+    journal's INFO lines are captured."""
     caplog.set_level(logging.INFO, logger="gpuslice")
-    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 5.0)
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", wait)
     bed = crash_loop_bed(tmp_path)
 
     async def test() -> None:
         ctl = await started(bed)
         fails(bed, "u.service")
         await settle()
+        await then(bed, ctl)
+
+    run(test)
+
+
+def test_a_failed_unit_reset_in_the_short_wait_stays_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """u.service (Restart=no) fails, and someone runs `systemctl reset-failed` on it within the
+    wait for its `auto-restart`: `inactive (dead)`, no stop job. That ended no new run: its
+    GPU goes, and it is failed, not recorded (and said) finished."""
+
+    async def then(bed: Bed, ctl: Controller) -> None:
         bed.systemd.units["u.service"] = state("u.service", "inactive", "dead")
         signal(bed, "u.service", {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")})
         await settle()
@@ -4577,7 +4594,7 @@ def test_a_failed_unit_reset_in_the_short_wait_stays_failed(
         assert not any("u.service finished" in m for m in messages(caplog))
         assert ("start", "bg.service") in bed.systemd.calls
 
-    run(test)
+    failed_then(tmp_path, monkeypatch, caplog, 5.0, then)
 
 
 def test_a_unit_that_fails_for_good_gives_its_gpu_after_the_short_wait(
@@ -4586,14 +4603,8 @@ def test_a_unit_that_fails_for_good_gives_its_gpu_after_the_short_wait(
     """u.service (Restart=no) fails: `failed`, and no `auto-restart` follows. Its GPU is kept
     for the short wait for that signal only (systemd 252 sends it second), then refill starts
     bg.service; the journal said the plain failure, and no keep nor overdue restart."""
-    caplog.set_level(logging.INFO, logger="gpuslice")
-    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
-    bed = crash_loop_bed(tmp_path)
 
-    async def test() -> None:
-        ctl = await started(bed)
-        fails(bed, "u.service")
-        await settle()
+    async def then(bed: Bed, ctl: Controller) -> None:
         assert ("start", "bg.service") not in bed.systemd.calls
         await past(0.01)
         assert ("start", "bg.service") in bed.systemd.calls
@@ -4606,7 +4617,7 @@ def test_a_unit_that_fails_for_good_gives_its_gpu_after_the_short_wait(
         assert "restart (its Restart=)" not in said
         assert json.loads(ctl.status_json())["failed"] == ["u.service"]
 
-    run(test)
+    failed_then(tmp_path, monkeypatch, caplog, 0.01, then)
 
 
 # ---- a signal lost on the bus ----

@@ -526,13 +526,13 @@ def test_a_resume_after_a_controller_restart_first_stops_what_the_last_one_left_
         assert host.bed.holds(a) and host.bed.state_of(a) == "running"
 
 
-def recalled_ladder(host: Host, owners: dict[int, str] | None = None) -> Ladder:
+def recalled_ladder(host: Host) -> Ladder:
     """The ladder of a controller restarted since, given what the last one's suspends
     checkpointed, as the state file kept it (Controller._persist, then its start's recall);
-    `owners`: the unit each PID's cgroup names now (UNIT where not named)."""
+    every PID's cgroup names UNIT (`given_away_after` for one another unit's)."""
     saved = host.ladder.checkpointed({UNIT})
     fresh = host.restarted_ladder()
-    fresh.unit_of_pid = lambda pid: (owners or {}).get(pid, UNIT)
+    fresh.unit_of_pid = lambda pid: UNIT
     fresh.recall(saved)
     return fresh
 
@@ -573,29 +573,19 @@ def test_a_resume_after_a_restart_restores_the_pids_the_last_controller_checkpoi
     assert UNIT not in fresh.suspensions
 
 
-def test_a_recalled_pid_that_is_another_units_process_now_is_left_alone(host: Host) -> None:
+@pytest.mark.parametrize("looks", [0, 1], ids=["before_the_restart", "after_the_first_look"])
+def test_a_recalled_pid_given_to_another_unit_is_left_alone(host: Host, looks: int) -> None:
     """A PID saved before the restart may have been freed since (a frozen process dies of
     SIGKILL) and given to another unit's process, which its own suspend may have
-    checkpointed: that one is not restored by this resume."""
-    a, b = host.job(), host.job()
-    run(host.ladder.suspend(UNIT))
-    run(recalled_ladder(host, {b: "other.service"}).resume(UNIT))
-    assert host.said()[-1][0] == "resumed"
-    assert host.bed.state_of(a) == "running"
-    assert host.bed.state_of(b) == "checkpointed"
-
-
-def test_a_recalled_pid_given_to_another_unit_after_the_first_look_is_left_alone(
-    host: Host,
-) -> None:
-    """Its cgroup is looked at again right before each cuda-checkpoint run on it: looked at
-    once, before the earlier controller's runs were stopped and the restores of the PIDs
-    before it ran (seconds to minutes), a PID freed and given to another unit's process
-    meanwhile was restored or unlocked beside that unit's own ladder."""
+    checkpointed: that one is not restored by this resume. Its cgroup is looked at again
+    right before each cuda-checkpoint run on it: looked at once (`looks` 1), before the
+    earlier controller's runs were stopped and the restores of the PIDs before it ran
+    (seconds to minutes), a PID given away meanwhile was restored or unlocked beside that
+    unit's own ladder."""
     a, b = host.job(), host.job()
     run(host.ladder.suspend(UNIT))
     fresh = recalled_ladder(host)
-    fresh.unit_of_pid = given_away_after(b, 1)  # b's is UNIT's at the first look only
+    fresh.unit_of_pid = given_away_after(b, looks)
     run(fresh.resume(UNIT))
     assert host.said()[-1][0] == "resumed"
     assert host.bed.state_of(a) == "running"
