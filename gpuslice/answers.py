@@ -45,7 +45,15 @@ log = logging.getLogger("gpuslice")
 # same line, again and again.
 STATUS_NAMES_MAX = 1024
 # The order STATUS= names holders in, by what they are doing (StatusAnswers.status_line).
-_LINE_PHASES = ("running", "starting", "stopping", "frozen", "suspending", "resuming")
+_LINE_PHASES = (
+    "running",
+    "starting",
+    "restarting",
+    "stopping",
+    "frozen",
+    "suspending",
+    "resuming",
+)
 
 
 class Core(Protocol):
@@ -67,6 +75,7 @@ class StatusAnswers:
         sample: Callable[[], Sample],
         waiting_since: Callable[[], Mapping[str, float]],
         suspensions: Callable[[], Mapping[str, tuple[int, float]]],
+        restart_since: Callable[[], Mapping[str, float]] = lambda: {},
         counters: Counters,
         adapter_counts: Callable[[], Iterable[tuple[str, int]]],
         started: Callable[[], float],
@@ -74,7 +83,8 @@ class StatusAnswers:
         read_hiding: Callable[[], ProcHiding] = read_proc_hiding,
     ) -> None:
         """`waiting_since`: Unix time each waiter started waiting; `suspensions`: the bytes
-        each suspended unit moved to host memory, and when (Unix time); `adapter_counts`:
+        each suspended unit moved to host memory, and when (Unix time); `restart_since`:
+        Unix time the GPUs of each unit kept for its Restart= began to be; `adapter_counts`:
         the counters the adapters keep (status's "counters" keys); `started`: Unix time the
         controller started, as the wall clock tells it now (clock.unix_time: a clock step
         since moves it too); `credentials`: the bus daemon's word on a unique bus name."""
@@ -83,6 +93,7 @@ class StatusAnswers:
         self._sample = sample
         self._waiting_since = waiting_since
         self._suspensions = suspensions
+        self._restart_since = restart_since
         self.counters = counters
         self._adapter_counts = adapter_counts
         self.started = started
@@ -213,6 +224,7 @@ class StatusAnswers:
             self._suspensions(),
             self.core.declared_memory(),
             redact,
+            self._restart_since(),
         )
 
     def status_counters(self, as_of: float) -> dict[str, Any]:

@@ -46,7 +46,6 @@ from gpuslice.config import (
 )
 from gpuslice.core.decisions import Code, Decision, listed
 from gpuslice.core.model import Gpu, UnitSpec
-from gpuslice.core.placement import format_gpus
 from gpuslice.core.plan import plan_start
 from gpuslice.core.scheduler import (
     Action,
@@ -61,6 +60,7 @@ from gpuslice.core.scheduler import (
     Stop,
     Suspend,
     Thaw,
+    kept_for_restart_said,
 )
 from gpuslice.counters import Counters
 from gpuslice.delivery import Delivery
@@ -259,6 +259,7 @@ class Controller:
             suspensions=lambda: {
                 n: (s.vram, clock.unix_time(s.since)) for n, s in self.ladder.suspensions.items()
             },
+            restart_since=lambda: {n: clock.unix_time(m) for n, m in self._restart_since.items()},
             counters=self.counters,
             adapter_counts=self._adapter_counts,
             started=lambda: clock.unix_time(self.started),
@@ -356,6 +357,8 @@ class Controller:
         # units whose GPUs are kept for their Restart= (Scheduler.restart_kept): the timer
         # that releases them after RESTART_KEEP
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
+        # when each keep began (clock.moment): status's "since" of a holder `restarting`
+        self._restart_since: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # units kept active after their job ended (RemainAfterExit=yes): released once
         # systemd counts (or lists) no process left in them
@@ -869,7 +872,9 @@ class Controller:
         timer = self._restart_timers.pop(name, None)
         if timer is not None:
             timer.cancel()
+        self._restart_since.pop(name, None)
         if name in self.scheduler.restart_kept:
+            self._restart_since[name] = clock.moment()
             loop = asyncio.get_running_loop()
             if restarting(self.tracker.state(name)):
                 timer = loop.call_later(RESTART_KEEP, self._restart_overdue, name)
@@ -891,7 +896,7 @@ class Controller:
             return
         gpus = self.scheduler.grants().get(name)
         if gpus:  # else its place was taken by a more urgent start: it waits, kept in line
-            log.info("%s kept for %s's restart (its Restart=)", format_gpus(gpus), printable(name))
+            log.info("%s", kept_for_restart_said(printable(name), sorted(gpus)))
         loop = asyncio.get_running_loop()
         self._restart_timers[name] = loop.call_later(
             RESTART_KEEP - RESTART_SIGNAL_WAIT, self._restart_overdue, name
@@ -903,6 +908,7 @@ class Controller:
         file are told). An instance down for good, owed nothing now, is forgotten here: no
         later signal of it comes to (`Instances.forget`; one in `auto-restart` is kept)."""
         self._restart_timers.pop(name, None)
+        self._restart_since.pop(name, None)
         kept = name in self.scheduler.restart_kept
         actions = self.scheduler.restart_overdue(name)
         if kept and name in self.scheduler.failed:

@@ -37,6 +37,7 @@ MAX_LABEL = 512  # characters of a label value (a unit name has at most 255)
 JOB_STATES = (
     "running",
     "starting",
+    "restarting",
     "stopping",
     "frozen",
     "suspending",
@@ -205,8 +206,8 @@ def _jobs(status: Mapping[str, Any]) -> Iterator[Metric]:
             jobs[(state, _priority(priorities.get(unit)))] += 1
     family = GaugeMetricFamily(
         "gpuslice_jobs",
-        "Managed jobs by state (running, starting, stopping, frozen, suspending, resuming, "
-        "waiting, suspended, preempted, held, finished, failed) and priority.",
+        "Managed jobs by state (running, starting, restarting, stopping, frozen, suspending, "
+        "resuming, waiting, suspended, preempted, held, finished, failed) and priority.",
         labels=["state", "priority"],
     )
     for (state, priority), count in sorted(jobs.items()):

@@ -5,7 +5,8 @@ The JSON (version 1) is a documented interface: keys are only ever added.
    "gpus": [{"index": 0, "uuid": str|null, "name": str|null, "memory_total": int|null,
              "memory_reserved": int, "memory_used": int|null, "lost": bool,
              "holders": [{"unit": str, "priority": int, "state": str,
-                          "memory_declared": int|null, "memory_used": int|null}],
+                          "memory_declared": int|null, "memory_used": int|null,
+                          "reason": str|null, "since": float|null}],
              "foreign": [{"pid": int, "command": str, "memory": int|null}]}],
              (pid and command are null in a redacted answer: below)
    "waiting": [{"unit": str, "priority": int, "reason": str,
@@ -18,7 +19,11 @@ Memory is in bytes; null means unknown (no NVML) or, for memory_declared, the wh
 `state` is "running", "starting" (gpuslice started it; its gate has not asked yet),
 "stopping" (being preempted), or, for the Preempt= ladder (added later), "suspending" (its VRAM
 is moving to host memory), "resuming" (moving back; the memory is reserved for it) or "frozen"
-(beside a more urgent unit: it keeps its VRAM).
+(beside a more urgent unit: it keeps its VRAM); added with the restart keep, "restarting": it
+failed and its Restart= starts it again, its GPUs kept for that start meanwhile (nothing of it
+runs; 30 s at most; README.md, "kept for its restart"): its "reason" says so (`GPU 0 kept for
+crash.service's restart (its Restart=)`) and "since" is Unix time the keep began (null when
+unknown); both are null for every other state.
 `nvml` (added later; absent from older controllers) says which GPU case applies: "ready" (NVML
 answers), "waiting" (NVIDIA hardware present, NVML not ready yet or gone: background units
 wait), "fallback" (still not ready after driver_wait) or "absent" (no NVIDIA GPU: `gpus:`
@@ -216,7 +221,11 @@ def _gpu_json(
     sample: Sample,
     declared: Mapping[str, int] | None,
     redact: bool = False,
+    restarting: Mapping[str, tuple[str, float | None]] | None = None,
 ) -> dict[str, Any]:
+    """`restarting`: why, and since when (Unix time), each holder whose GPUs are kept for
+    its Restart= has them."""
+    restarting = restarting or {}
     gpu = next((g for g in sample.gpus if g.index == index), Gpu(index))
     foreign = _foreigners(sample, index)
     out: dict[str, Any] = {
@@ -244,6 +253,8 @@ def _gpu_json(
                 "state": state,
                 "memory_declared": memory,
                 "memory_used": sample.used_by(unit).get(index),
+                "reason": restarting[unit][0] if unit in restarting else None,
+                "since": restarting[unit][1] if unit in restarting else None,
             }
         )
     return out
@@ -340,6 +351,7 @@ def snapshot_to_json(
     suspensions: Mapping[str, tuple[int, float]] | None = None,
     declared: Mapping[str, int] | None = None,
     redact: bool = False,
+    restart_since: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """`since`: Unix time each waiter started waiting, as the controller saw it;
     `suspensions`: the bytes each suspended unit moved to host memory, and when;
@@ -348,9 +360,12 @@ def snapshot_to_json(
     else read from the annotations; `redact`: the answer for a caller that /proc hides
     other users' processes from (gpuslice/procmount.py): no foreign process's PID,
     command or owner ID, no owner named in a waiter's reason, and the problems as anyone
-    but root is shown them (`problems_json`)."""
+    but root is shown them (`problems_json`); `restart_since`: Unix time each keep for a
+    unit's Restart= (Snapshot.restarting) began."""
     since = since or {}
     suspensions = suspensions or {}
+    restart_since = restart_since or {}
+    restarting = {u: (why, restart_since.get(u)) for u, why in snap.restarting.items()}
     waiting = []
     for position, (unit, prio, words) in enumerate(snap.waiting, start=1):
         said, decision = _waiter_json(words, snap.reasons.get(unit), redact)
@@ -367,7 +382,7 @@ def snapshot_to_json(
     out = {
         "version": JSON_VERSION,
         "gpus": [
-            _gpu_json(index, holders, scan, sample, declared, redact)
+            _gpu_json(index, holders, scan, sample, declared, redact, restarting)
             for index, holders in sorted(snap.gpus.items())
         ],
         "waiting": waiting,
@@ -532,6 +547,10 @@ def render(data: dict[str, Any], now: float | None = None) -> str:
                 f"{gpu['index']:<4} {h['unit']:<40} {h['priority']:>8}  {h['state']:<9} "
                 + _holder_memory(h)
             )
+            if h.get("reason"):  # absent from an older controller's answer
+                kept = h.get("since")
+                since = f" (for {_duration(now - kept)})" if kept and now is not None else ""
+                lines.append(f"{'':<4} {h['reason']}{since}")
         foreign, left_out = _foreign_shown(gpu.get("foreign", []))
         for p in foreign:
             memory = format_size(p["memory"]) if p["memory"] is not None else "?"

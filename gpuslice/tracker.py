@@ -59,6 +59,10 @@ START_JOBS = frozenset({"start", "restart"})
 RESTARTING = frozenset({"auto-restart", "auto-restart-queued"})
 
 
+# how Tracker._told_down names a down told in auto-restart (or auto-restart-queued)
+RESTARTING_TOLD = "auto-restart"
+
+
 def restarting(state: UnitState) -> bool:
     """Down, waiting for its Restart= to start it again."""
     return state.sub in RESTARTING
@@ -114,6 +118,14 @@ def classify(state: UnitState) -> Kind:
     if state.active in GONE and state.job_id == 0:
         return Kind.DOWN
     return Kind.TRANSITION
+
+
+def _down_told(state: UnitState, kind: Kind) -> str | None:
+    """The state a down is told once in, and not again while it lasts: auto-restart
+    (RESTARTING_TOLD), or `failed`; None for any other, not kept as told."""
+    if restarting(state):
+        return RESTARTING_TOLD
+    return "failed" if kind is Kind.DOWN and state.active == "failed" else None
 
 
 def bound_for_gate(state: UnitState) -> bool:
@@ -234,11 +246,11 @@ class Tracker:
         # each with the stamp of its JobNew
         self._unit_jobs: dict[str, dict[str, int]] = {}
         self._gate_seen: dict[str, int] = {}  # the stamp of the signal that showed it at its gate
-        self._restarting: set[str] = set()  # told down in auto-restart, and still there
-        # told down `failed` (a failure), and still there: systemd 252 signals `failed`, then
-        # `auto-restart`, of one down; the GPUs kept meanwhile (Scheduler.inactive) make it
-        # no holder's down to tell again
-        self._failed_told: set[str] = set()
+        # unit -> the state its down was told in (`failed`, or RESTARTING_TOLD: in
+        # auto-restart), while it is still there: told once. systemd 252 signals `failed`,
+        # then `auto-restart`, of one down; the GPUs kept meanwhile (Scheduler.inactive) make
+        # it no holder's down to tell again
+        self._told_down: dict[str, str] = {}
         self._sent: dict[str, list[int]] = {}  # stamps of our calls not yet answered, in order
         self._own_jobs: dict[str, str] = {}  # job path -> "start" | "stop", from our calls
         self._stop_results: dict[str, str] = {}  # unit -> how our stop job for it ended
@@ -450,20 +462,20 @@ class Tracker:
         if kind is Kind.TRANSITION and self._our_stop_ends(state):
             kind = Kind.DOWN
         phase = self.ledger.phase(name)
-        told_failed = name in self._failed_told
-        if kind is not Kind.DOWN or state.active != "failed":
-            self._failed_told.discard(name)
         if restarting(state):
             # Restart= starts it again: it has not ended by itself, whatever stop ends it
             # now (ours, a person's, a shutdown's), also when its down waits for our call's
             # answer and is judged from a later state
             self._by_itself.discard(name)
-            if told_failed:
-                self._restarting.add(name)  # systemd 252's order: `failed`, then this
+        down = _down_told(state, kind)
+        # told still while in the state told, or in auto-restart after `failed` (systemd
+        # 252's order); `failed` after auto-restart (its start limit) is a new down
+        if down is not None and self._told_down.get(name) in (down, "failed"):
+            self._told_down[name] = down
         else:
-            self._restarting.discard(name)
+            self._told_down.pop(name, None)
         if kind is Kind.DOWN:
-            if name in self._restarting or name in self._failed_told:
+            if name in self._told_down:
                 return []  # told once already: its restart queued (Restart='s, a person's)
             if self._in_flight.get(name):
                 self._deferred.add(name)  # decide once we know which of its jobs are ours
@@ -491,10 +503,8 @@ class Tracker:
             ):
                 return []
             self._went_down(name)
-            if restarting(state):
-                self._restarting.add(name)
-            elif state.active == "failed":
-                self._failed_told.add(name)
+            if down is not None:
+                self._told_down[name] = down
             return [WentDown(name, outcome, by_itself, not_ours, in_shutdown)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
             return [ReachedGate(name)]
@@ -692,8 +702,7 @@ class Tracker:
             return False
         self.states.pop(name, None)
         self._went_down(name)
-        self._restarting.discard(name)
-        self._failed_told.discard(name)
+        self._told_down.pop(name, None)
         self._signals.pop(name, None)
         self._answers.pop(name, None)
         self._job_paths.pop(name, None)

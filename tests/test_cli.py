@@ -108,6 +108,8 @@ def test_status_table_shows_memory_foreign_processes_and_reasons() -> None:
             "state": "running",
             "memory_declared": 10 * GIB,
             "memory_used": 11 * GIB,
+            "reason": None,
+            "since": None,
         }
     ]
     text = render(data)

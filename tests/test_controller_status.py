@@ -30,12 +30,15 @@ from tests.test_controller import (
     Bed,
     StubNvml,
     at_gate,
+    crash_loop_bed,
+    crashes,
     goes_down,
     low_holds_gpu_0,
     past,
     run,
     settle,
     signal,
+    started,
     started_with_an_instance_running,
     state,
     unannotate,
@@ -285,3 +288,42 @@ def test_the_status_line_groups_holders_by_phase_and_counts_those_past_its_limit
         "3 GPUs: a.service and 1 more running; 1 more starting; 1 more stopping; "
         "1 more frozen; 1 more resuming; 1 waiting"
     )
+
+
+def test_status_shows_a_unit_whose_gpu_is_kept_for_its_restart_as_restarting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """u.service crashes and its Restart= starts it again: its GPU is kept for that start.
+    Status showed it `starting`, a start on its way to its gate, where nothing of it runs and
+    its GPU waits for a restart that may never come: it is `restarting`, with why and since
+    when, in the JSON, the table, STATUS= and the metrics. Its restart granted, it runs."""
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = crash_loop_bed(tmp_path)
+    kept = "GPU 0 kept for u.service's restart (its Restart=)"
+
+    async def test() -> None:
+        ctl = await started(bed)
+        before = time.time()
+        crashes(bed, "u.service")
+        await past(0.01)  # its restart seen: kept on
+        status = json.loads(ctl.status_json())
+        [holder] = status["gpus"][0]["holders"]
+        assert (holder["unit"], holder["state"], holder["reason"]) == (
+            "u.service",
+            "restarting",
+            kept,
+        )
+        assert before - 1 <= holder["since"] <= time.time() + 1
+        assert f"     {kept} (for 3 s)" in render(status, now=holder["since"] + 3).split("\n")
+        assert ctl.status_line() == "1 GPU: u.service restarting; 0 waiting"
+        metrics = exposition(status).decode()
+        assert 'gpuslice_jobs{priority="10",state="restarting"} 1.0' in metrics
+        assert 'state="starting"' not in metrics
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "u.service")
+        bed.systemd.units["u.service"] = state("u.service", "activating", "start-pre", 2)
+        signal(bed, "u.service", at_gate(bytes([2]) * 16))
+        await until(lambda: ctl.status_line() == "1 GPU: u.service running; 0 waiting")
+        [holder] = json.loads(ctl.status_json())["gpus"][0]["holders"]
+        assert (holder["state"], holder["reason"], holder["since"]) == ("running", None, None)
+
+    run(test)

@@ -1875,6 +1875,29 @@ def test_a_refilled_unit_whose_restart_does_not_come_gives_its_gpu(restarting: b
     assert brief(s.request(od)) == ["grant od.service 0"]
 
 
+def test_a_unit_whose_gpus_are_kept_for_its_restart_is_shown_restarting() -> None:
+    """u fails into its Restart=, its GPUs kept for the restart. The snapshot showed it
+    `starting`, a start on its way to its gate, where nothing of it runs: it is `restarting`,
+    said as the journal says it. Its place taken by a more urgent start, it waits, and says
+    why there; its restart granted, it runs."""
+    u, v, lo = spec("u", 50, gpus=2), spec("v", 10, gpus=2), spec("lo", 60)
+    s = Scheduler([Gpu(0), Gpu(1)], {})
+    assert brief(s.request(u)) == ["grant u.service 0,1"]
+    s.request(lo)
+    s.inactive(u.name, Outcome.FAILED, by_itself=True, restarting=True)
+    snap = s.snapshot()
+    assert snap.gpus == {0: [("u.service", 50, "restarting")], 1: [("u.service", 50, "restarting")]}
+    assert snap.restarting == {"u.service": "GPUs 0,1 kept for u.service's restart (its Restart=)"}
+    assert s.restart_keeps() == snap.restarting
+    assert brief(s.request(v)) == ["grant v.service 0,1"]
+    assert s.snapshot().restarting == {}
+    assert [name for name, _, _ in s.snapshot().waiting] == ["u.service", "lo.service"]
+    s.inactive(v.name, Outcome.EXITED, by_itself=True)
+    assert brief(s.request(u)) == ["grant u.service 0,1"]
+    assert s.snapshot().gpus[0] == [("u.service", 50, "running")]
+    assert s.snapshot().restarting == {}
+
+
 def test_units_no_longer_annotated_leave_no_time_out_behind() -> None:
     """When each unit went out orders refill among annotated units alone: kept for a unit
     whose annotation went while it ran (and ended since), or for any name the core was told

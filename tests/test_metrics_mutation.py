@@ -42,8 +42,8 @@ HELP = {
     ),
     "gpuslice_annotation_problems": "Problems found in unit annotations (see gpuslice check).",
     "gpuslice_jobs": (
-        "Managed jobs by state (running, starting, stopping, frozen, suspending, resuming, "
-        "waiting, suspended, preempted, held, finished, failed) and priority."
+        "Managed jobs by state (running, starting, restarting, stopping, frozen, suspending, "
+        "resuming, waiting, suspended, preempted, held, finished, failed) and priority."
     ),
     "gpuslice_pending_jobs": "Jobs waiting at their gate, by the reason of their wait decision.",
     "gpuslice_gpu_memory_total_bytes": "GPU memory in all (NVML).",

@@ -214,6 +214,8 @@ def test_json_of_a_busy_host() -> None:
                         "state": "running",
                         "memory_declared": 10 * GIB,
                         "memory_used": 11 * GIB,
+                        "reason": None,
+                        "since": None,
                     },
                     {
                         "unit": "train.service",
@@ -221,6 +223,8 @@ def test_json_of_a_busy_host() -> None:
                         "state": "stopping",
                         "memory_declared": None,
                         "memory_used": 3 * GIB,
+                        "reason": None,
+                        "since": None,
                     },
                 ],
                 "foreign": [
@@ -250,6 +254,8 @@ def test_json_of_a_busy_host() -> None:
                         "state": "stopping",
                         "memory_declared": None,
                         "memory_used": 6 * GIB,
+                        "reason": None,
+                        "since": None,
                     },
                     {
                         "unit": "small.service",
@@ -257,6 +263,8 @@ def test_json_of_a_busy_host() -> None:
                         "state": "starting",
                         "memory_declared": 512 * MIB,
                         "memory_used": None,
+                        "reason": None,
+                        "since": None,
                     },
                 ],
                 "foreign": [
@@ -497,6 +505,30 @@ def test_render_a_busy_host() -> None:
     ]
 
 
+def test_a_holder_kept_for_its_restart_says_why_and_since_when() -> None:
+    """A holder whose GPUs are kept for its Restart= (Snapshot.restarting) is `restarting`
+    in the JSON, with why and since when (Unix time), and the table says so under it; every
+    other holder's "reason" and "since" are null, and the table's line for it is as before."""
+    kept = "GPU 0 kept for crash.service's restart (its Restart=)"
+    snap = snapshot(
+        gpus={0: [("crash.service", 20, "restarting"), ("small.service", 30, "running")]},
+        restarting={"crash.service": kept},
+    )
+    since = {"crash.service": 1700000000.0, "small.service": 1.0}
+    data = snapshot_to_json(snap, Scan(), Sample([Gpu(0)]), restart_since=since)
+    crash, small = data["gpus"][0]["holders"]
+    assert (crash["state"], crash["reason"], crash["since"]) == ("restarting", kept, 1700000000.0)
+    assert (small["state"], small["reason"], small["since"]) == ("running", None, None)
+    row = "0    crash.service                                  20  restarting whole GPU"
+    assert render(data, now=1700000012.5).split("\n")[1:5] == [
+        row,
+        f"     {kept} (for 12 s)",
+        "0    small.service                                  30  running   whole GPU",
+        "",
+    ]
+    assert render(data).split("\n")[2] == f"     {kept}"  # no `now`: no time said
+
+
 def test_render_without_now_says_no_waiting_time() -> None:
     """`(for ...)` needs both the waiter's since and now."""
     lines = render(rich_json()).split("\n")
@@ -712,6 +744,8 @@ def test_json_of_a_holder_no_longer_annotated() -> None:
         "state": "stopping",
         "memory_declared": None,
         "memory_used": None,
+        "reason": None,
+        "since": None,
     }
 
 

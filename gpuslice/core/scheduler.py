@@ -56,6 +56,17 @@ class Phase(enum.Enum):
     FROZEN = "frozen"  # frozen beside a more urgent unit: it keeps its VRAM, not the compute
 
 
+# A holder's state in the status while its GPUs are kept for its Restart= (`restart_kept`):
+# down, nothing of it runs, shown apart from a start on its way to its gate
+RESTARTING = "restarting"
+
+
+def kept_for_restart_said(name: str, gpus: Iterable[int]) -> str:
+    """`GPU 0 kept for u.service's restart (its Restart=)`: the journal's words and
+    status's, for a unit whose GPUs are kept for its Restart= (`_keep_for_restart`)."""
+    return f"{format_gpus(gpus)} kept for {name}'s restart (its Restart=)"
+
+
 class Outcome(enum.Enum):
     """How a unit became inactive, as far as systemd can tell the adapter."""
 
@@ -284,6 +295,8 @@ class Snapshot:
     suspended: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)
     # finished units systemd still shows active (RemainAfterExit=yes): they hold no GPU
     remained: list[str] = field(default_factory=list)
+    # holders whose GPUs are kept for their Restart= (state RESTARTING in `gpus`): why
+    restarting: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -829,6 +842,16 @@ class Scheduler:
         self.thaw_owed.discard(name)
         self._tops_cache = None
         return True
+
+    def restart_keeps(self) -> dict[str, str]:
+        """The holders whose GPUs are kept for their Restart= (`_keep_for_restart`), each
+        with why: nothing of them runs, and shown starting, they passed for a start on its
+        way to its gate (one its place was taken from waits, and says why there)."""
+        return {
+            name: kept_for_restart_said(name, sorted(holder.gpus))
+            for name in sorted(self.restart_kept)
+            if (holder := self.holders.get(name)) is not None and holder.phase is Phase.STARTING
+        }
 
     def restart_overdue(self, name: str) -> list[Action]:
         """The unit whose GPUs were kept for its Restart= (`_keep_for_restart`) has not
@@ -2542,9 +2565,11 @@ class Scheduler:
         """What status shows; with `reasons`, a waiter for busy GPUs says who holds them
         now (its journal line said who held them when it began to wait)."""
         gpus: dict[int, list[tuple[str, int, str]]] = {g: [] for g in sorted(self.gpus)}
+        restarting = self.restart_keeps()
         for name, holder in sorted(self.holders.items()):
+            state = RESTARTING if name in restarting else holder.phase.value
             for gpu in holder.gpus:
-                gpus.setdefault(gpu, []).append((name, holder.spec.priority, holder.phase.value))
+                gpus.setdefault(gpu, []).append((name, holder.spec.priority, state))
         told = {n: w.decision for n, w in self.waiters.items() if w.decision is not None}
         words = {n: w.reason for n, w in self.waiters.items()}
         busy = [
@@ -2579,6 +2604,7 @@ class Scheduler:
             told,
             suspended,
             sorted(self.remained),
+            restarting,
         )
 
     def save(self) -> SavedState:
