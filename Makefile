@@ -264,7 +264,8 @@ MUTATE ?= all
 MUTATE_KEEP ?=
 MUTATE_core := gpuslice.core.model.* gpuslice.core.placement.* gpuslice.core.scheduler.* \
 	gpuslice.core.decisions.* gpuslice.core.plan.*
-MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.unitfiles.* \
+MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.starttimeout.* \
+	gpuslice.unitfiles.* \
 	gpuslice.config.* gpuslice.state.* gpuslice.generator.* gpuslice.cgroups.* gpuslice.status.* \
 	gpuslice.inventory.x_command_of__mutmut_* gpuslice.inventory.x*Sample*used_by__mutmut_* \
 	gpuslice.inventory.x*Inventory*_managed__mutmut_* \

@@ -26,6 +26,8 @@ from gpuslice.envsafety import RUN_AS_KEYS, EnvFileChecker, RunAs
 from gpuslice.envsyntax import NAME_MAX
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.sizes import SIZE_ALLOWED, parse_size
+from gpuslice.starttimeout import KEYS as START_TIMEOUT_KEYS
+from gpuslice.starttimeout import StartTimeout
 from gpuslice.unitfiles import (
     Entry,
     TextIssue,
@@ -376,6 +378,7 @@ class Loader:
         # applied before it): file, entry
         copied: list[tuple[str, Entry]] = []
         remains: tuple[str, Entry] | None = None  # the RemainAfterExit= in force: file, entry
+        start_timeout = StartTimeout()  # what the gate's TimeoutStartSec=infinity overrides
         private: set[str] = set()  # the files of these that are not others' to read
         for number, unit_file in enumerate(files):
             if is_our_gate(unit_file.path):
@@ -398,6 +401,8 @@ class Loader:
                     problems.append(Problem(path, issue.line, "", issue.message, "warning", name))
             before_gate = number == 0 or unit_file.path.rsplit("/", 1)[-1] < GATE_DROPIN_NAME
             for entry in parsed.entries:
+                if entry.section == "Service" and entry.key in START_TIMEOUT_KEYS:
+                    start_timeout.assign(path, entry, before_gate)
                 if entry.section == SECTION:
                     self._assign(name, path, entry, settings, problems)
                 elif entry.section == "Service" and entry.key in RUN_AS_KEYS:
@@ -481,6 +486,10 @@ class Loader:
                     "Service",
                 )
             )
+        problems += [
+            Problem(f.path, f.line, f.key, f.message, "warning", name, "Service")
+            for f in start_timeout.findings()
+        ]
 
         values: dict[str, Any] = {}
         for key in KEYS:

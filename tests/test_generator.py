@@ -770,3 +770,27 @@ def test_a_value_of_an_environment_file_is_not_written_to_the_boot_log(
     [line] = capsys.readouterr().err.splitlines()
     assert "LD_DEBUG=... (set in /etc/job/debug.env; its value is shown to root alone)" in line
     assert "s3cret" not in line
+
+
+def test_a_timeout_the_gate_overrides_is_said_and_the_unit_gated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The gate's drop-in keeps `TimeoutStartSec=infinity` (a start may wait hours at its
+    gate), which overrides the unit's own: the generator says so at its line, as `gpuslice
+    check` and the journal do, and gates the unit. Its own gate drop-in, read at the next run
+    (a daemon-reload), is no timeout of the unit's; one of the admin's named after it wins,
+    unsaid."""
+    text = "[Service]\nType=notify\nTimeoutStartSec=5min\nExecStart=/bin/a\n" + ANNOTATION
+    write(tmp_path, f"{ETC}/a.service", text)
+    said = (
+        f"gpuslice-generator: warning: {ETC}/a.service:3: [Service] TimeoutStartSec: 5min: "
+        "overridden by the gate's TimeoutStartSec=infinity (gpuslice-gate.conf: a start may "
+        "wait hours at its gate): nothing bounds its start until READY=1 any more"
+    )
+    for _ in range(2):
+        assert written(run(tmp_path)) == {"a.service.d/gpuslice-gate.conf": gate()}
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(said)
+    write(tmp_path, f"{ETC}/a.service.d/zz-timeout.conf", "[Service]\nTimeoutStartSec=2h\n")
+    assert written(run(tmp_path)) == {"a.service.d/gpuslice-gate.conf": gate()}
+    assert capsys.readouterr().err == ""
