@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from gpuslice.core.scheduler import Action, Outcome, Phase, Scheduler, Start
 from gpuslice.counters import Counters
 from gpuslice.rereads import Rereads
-from gpuslice.systemd import Queued, SystemdError, is_transient, job_path
+from gpuslice.systemd import DESTRUCTIVE, Queued, SystemdError, is_transient, job_path
 from gpuslice.tracker import Kind, Tracker, classify
 
 log = logging.getLogger("gpuslice")
@@ -133,7 +133,12 @@ class Calls:
                 self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
             else:
                 self.cancel_stop_timer(unit)
-                self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
+                # a stop that would cancel another unit's job (Systemd.stop_unit): refused
+                # while the start it was for waits, which may be that job
+                refused = self.scheduler.stop_failed(
+                    unit, e.text, refused=True, while_waits=e.name == DESTRUCTIVE
+                )
+                self.execute(refused)
         else:
             if self._retry_delays.pop((unit, what), None) is not None:
                 doing = "starting" if what == "start" else "stopping"

@@ -74,6 +74,8 @@ UNKNOWN_COUNT = 2**64 - 1
 # Told a job path the moment systemd's answer to a StartUnit/StopUnit is read, before the
 # signals systemd sent after it are handled (an awaiting coroutine resumes only after them).
 Queued = Callable[[str], None]
+# Systemd's refusal of a job in mode "fail" that would replace a conflicting job already queued.
+DESTRUCTIVE = "org.freedesktop.systemd1.TransactionIsDestructive"
 
 
 class SystemdError(Exception):
@@ -565,7 +567,9 @@ class Systemd:
     def start_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._queue("StartUnit", name, queued)
 
-    def _queue(self, member: str, name: str, queued: Queued | None) -> Awaitable[str]:
+    def _queue(
+        self, member: str, name: str, queued: Queued | None, mode: str = "replace"
+    ) -> Awaitable[str]:
         """Queue a job, sent now (send_call); the awaitable gives its path. `queued` is told
         it as soon as systemd's answer is read. Systemd sends JobNew, then its answer, then
         every other signal about the job (the unit's PropertiesChanged, JobRemoved), so
@@ -582,7 +586,7 @@ class Systemd:
             interface=MANAGER,
             member=member,
             signature="ss",
-            body=[name, "replace"],
+            body=[name, mode],
         )
         return _job_path(self.send_call(message, told))
 
@@ -605,7 +609,25 @@ class Systemd:
         return self.start_unit(name, queued)
 
     def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
-        return self._queue("StopUnit", name, queued)
+        """StopUnit in mode "fail", so that systemd refuses a stop that would cancel another
+        unit's job: the start of a unit that needs NAME (`Requires=`, `BindsTo=`, `PartOf=`:
+        a stop of NAME stops it too). In mode "replace" a preemption for that very start
+        cancelled it, which was taken for someone's stop (held), and its victim came back.
+        Refused for NAME's own job alone (its start or reload under way), it is sent again
+        in mode "replace", which replaces that job as any stop of it does."""
+        return self._stop_over_own_job(self._queue("StopUnit", name, queued, "fail"), name, queued)
+
+    async def _stop_over_own_job(
+        self, first: Awaitable[str], name: str, queued: Queued | None
+    ) -> str:
+        try:
+            return await first
+        except SystemdError as e:
+            # systemd names the first conflicting job it finds: "... (UNIT has 'start' job
+            # queued, but 'stop' is included in transaction)."
+            if e.name != DESTRUCTIVE or f"({name} has '" not in e.text:
+                raise
+        return await self._queue("StopUnit", name, queued)
 
     def try_restart_unit(self, name: str) -> Awaitable[str]:
         """TryRestartUnit, mode replace: on a unit still activating, systemd merges it into

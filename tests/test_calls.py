@@ -47,8 +47,11 @@ class FakeScheduler:
     def start_failed(self, name: str, why: str) -> list[Action]:
         return [Log(f"start_failed {name}: {why}")]
 
-    def stop_failed(self, name: str, why: str, *, refused: bool) -> list[Action]:
-        return [Log(f"stop_failed {name}: {why} refused={refused}")]
+    def stop_failed(
+        self, name: str, why: str, *, refused: bool, while_waits: bool = False
+    ) -> list[Action]:
+        waits = " while_waits" if while_waits else ""
+        return [Log(f"stop_failed {name}: {why} refused={refused}{waits}")]
 
     def inactive(self, name: str, outcome: Outcome) -> list[Action]:
         return [Log(f"inactive {name} {outcome.value}")]
@@ -446,6 +449,20 @@ def test_a_refused_stop_is_the_cores_refusal_its_timer_cancelled_its_retry_forgo
 
     kit = run(test)
     assert kit.counters.errors["dbus_call_errors"] == 2  # the error that passed, the refusal
+
+
+def test_a_stop_refused_as_it_would_cancel_another_units_job_holds_while_its_waiter_waits() -> None:
+    """Systemd.stop_unit's mode "fail": a refusal for another unit's job (the start of the
+    unit the stop is for, which needs the victim) holds only while that start waits."""
+    text = "Transaction for low.service/stop is destructive (urgent.service has 'start' job"
+    destructive = SystemdError("org.freedesktop.systemd1.TransactionIsDestructive", text)
+
+    async def test(kit: Kit) -> None:
+        kit.calls.send(answering([destructive], []), U, "stop")
+        await kit.done()
+        assert kit.executed == [f"stop_failed low.service: {text} refused=True while_waits"]
+
+    run(test)
 
 
 def test_a_call_raising_as_it_is_sent_fails_its_task_not_the_caller() -> None:

@@ -1494,3 +1494,55 @@ def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
         (unit_path("b.service"), "Get", [SERVICE, "ExecStartPre"]),
         ("/org/freedesktop/systemd1", "TryRestartUnit", ["a.service", "replace"]),
     ]
+
+
+def test_a_stop_is_asked_in_mode_fail_and_again_in_mode_replace_over_the_units_own_job(
+    bus_address: str,
+) -> None:
+    """Systemd.stop_unit: StopUnit in mode "fail", so that systemd refuses a stop that would
+    cancel another unit's job (the start of a unit that `Requires=` this one: a preemption
+    for it cancelled it); that refusal is the caller's. One refused for the unit's own job
+    alone (a start under way past its gate) is sent again in mode "replace"."""
+    destructive = "org.freedesktop.systemd1.TransactionIsDestructive"
+    text = (
+        "Transaction for {0}/stop is destructive ({1} has 'start' job queued, but 'stop' is"
+        " included in transaction)."
+    )
+    conflicts = {"a.service": "a.service", "b.service": "c.service"}
+    calls: list[list[Any]] = []
+
+    async def scenario() -> None:
+        def answer(msg: Message) -> Message | bool:
+            if msg.message_type is not MessageType.METHOD_CALL:
+                return False
+            if msg.member == "Subscribe":  # else nobody is told of a job as it is queued
+                return Message.new_method_return(msg)
+            if msg.member != "StopUnit":
+                return False
+            calls.append(list(msg.body))
+            name, mode = msg.body
+            if mode == "fail" and name in conflicts:
+                return Message.new_error(msg, destructive, text.format(name, conflicts[name]))
+            return Message.new_method_return(msg, "o", [JOB])
+
+        await owning_systemds_name(bus_address, answer)
+        systemd = Systemd(await connect(bus_address))
+        await systemd.subscribe()
+        told: list[str] = []
+        assert await systemd.stop_unit("a.service", told.append) == JOB
+        assert told == [JOB]
+        with pytest.raises(SystemdError) as refused:
+            await systemd.stop_unit("b.service", told.append)
+        assert (refused.value.name, refused.value.text) == (
+            destructive,
+            text.format("b.service", "c.service"),
+        )
+        assert await systemd.stop_unit("d.service") == JOB
+
+    run(scenario)
+    assert calls == [
+        ["a.service", "fail"],
+        ["a.service", "replace"],
+        ["b.service", "fail"],
+        ["d.service", "fail"],
+    ]

@@ -5,6 +5,7 @@ A waiter must never wait forever for a victim that is not stopping, and must say
 
 from __future__ import annotations
 
+from gpuslice.core.decisions import Cause
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler, Stop
 from tests.core_builders import BG, brief, spec
@@ -130,3 +131,25 @@ def test_a_victim_stopped_by_someone_before_our_stop_is_held_not_brought_back() 
     sched, _ = preempting()  # down before ours, by itself: its work is done
     sched.inactive("bga.service", Outcome.EXITED, by_itself=True, not_ours=True)
     assert "bga.service" not in sched.preempted and "bga.service" not in sched.held
+
+
+def test_a_stop_refused_for_the_start_it_would_cancel_holds_only_while_that_start_waits() -> None:
+    """Systemd refuses the stop of bga because it would cancel a job of another unit's:
+    voice's own start, when voice `Requires=` bga (Systemd.stop_unit). Bga keeps its GPU
+    while voice waits, and then no longer: kept for as long as bga ran, it was never
+    preempted again for anyone, though no start of anyone's would be cancelled by then."""
+    sched, first = preempting()
+    assert first == ["stop bga.service"]
+    destructive = "Transaction for bga.service/stop is destructive"
+    actions = sched.stop_failed("bga.service", destructive, refused=True, while_waits=True)
+    assert brief(actions) == []
+    warning = [a for a in actions if isinstance(a, Log) and a.level == "warning"]
+    assert warning[0].message == (
+        "bga.service (priority 90) did not stop for voice.service (priority 10): "
+        f"{destructive}; it keeps GPU 0; gpuslice will not try to stop it again while "
+        "voice.service waits"
+    )
+    assert warning[0].decision is not None and warning[0].decision.cause is Cause.NEEDED
+    assert brief(sched.request(spec("other", 20))) == []  # voice still waits: refused too
+    assert brief(sched.inactive("voice.service", Outcome.STOPPED)) == ["stop bga.service"]
+    assert "bga.service" not in sched.unstoppable

@@ -334,7 +334,7 @@ def test_what_the_adapter_asks_systemd_is_what_systemd_answers(bus_address: str)
         assert calls == [
             (SYSTEMD, MANAGER_PATH, MANAGER, "ResetFailedUnit", "s", ["a.service"], True),
             _manager("StartUnit", "ss", ["a.service", "replace"]),
-            _manager("StopUnit", "ss", ["b.service", "replace"]),
+            _manager("StopUnit", "ss", ["b.service", "fail"]),
         ]
         calls.clear()
         assert await systemd.freezer_state("a.service") == "frozen"

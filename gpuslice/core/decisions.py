@@ -87,6 +87,9 @@ class Cause(enum.Enum):
     # finished: its main process ended and no process is left, and systemd keeps it active
     # (RemainAfterExit=yes) until someone stops it: its GPUs are released now all the same
     REMAINS = "remains-active"
+    # stop-refused: its stop would have cancelled a job of another unit's (the start of one
+    # that needs it): not tried again while the unit it was for waits
+    NEEDED = "would-cancel-a-job"
 
 
 class Blocker(enum.Enum):
@@ -367,7 +370,9 @@ def render(d: Decision) -> str:
     if code in (Code.STOP_FAILED, Code.STOP_REFUSED):
         for_whom = f" for {_who(d.for_unit, d.for_priority)}" if d.for_unit else ""
         after = (
-            "; gpuslice will not try to stop it again while it runs"
+            f"; gpuslice will not try to stop it again while {d.for_unit} waits"
+            if d.cause is Cause.NEEDED
+            else "; gpuslice will not try to stop it again while it runs"
             if code is Code.STOP_REFUSED
             else ""
         )

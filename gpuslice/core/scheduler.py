@@ -515,6 +515,9 @@ class Scheduler:
         self.remained: set[str] = set()
         # units whose stop systemd refused: never chosen as victims again while they run
         self.unstoppable: set[str] = set()
+        # of those, the ones refused only while a start was queued that their stop would
+        # have cancelled (`stop_failed`, `while_waits`): each with the waiter it was sent for
+        self.unstoppable_while: dict[str, str] = {}
         self.unfreezable: set[str] = set()  # units whose freeze failed: not tried again
         self.unsuspendable: set[str] = set()  # units whose suspend failed: the next rung
         # units gpuslice froze, or may have left frozen (a freeze, suspend or resume that
@@ -703,6 +706,7 @@ class Scheduler:
         actions: list[Action] = []
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
+        self.unstoppable_while.pop(name, None)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
         self.stopped_by_shutdown.discard(name)  # said of a down before
@@ -837,6 +841,7 @@ class Scheduler:
         self.refills.discard(name)
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
+        self.unstoppable_while.pop(name, None)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
         self.thaw_owed.discard(name)
@@ -994,6 +999,7 @@ class Scheduler:
         self.finished.add(name)
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
+        self.unstoppable_while.pop(name, None)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
         self.thaw_owed.discard(name)  # it ran to its end: thawed
@@ -1012,11 +1018,17 @@ class Scheduler:
         self.preempted.pop(name, None)
         self.wait_failed.discard(name)
 
-    def stop_failed(self, name: str, why: str, *, refused: bool) -> list[Action]:
+    def stop_failed(
+        self, name: str, why: str, *, refused: bool, while_waits: bool = False
+    ) -> list[Action]:
         """A stop gpuslice asked for did not happen (refused, failed, cancelled, or lost in a
         controller restart): the unit holds its GPUs again and its waiter plans anew. A unit
         whose stop systemd `refused` is not chosen as a victim again while it runs, so that
-        the waiter does not ask for the same refused stop forever."""
+        the waiter does not ask for the same refused stop forever; `while_waits`: refused
+        for a job of another unit's that the stop would have cancelled (the waiter's own
+        start, which needs the unit), only until that waiter waits no more. Kept for as
+        long as the victim ran, a unit once needed by a start was never preempted again,
+        for anyone."""
         holder = self.holders.get(name)
         if holder is None or holder.phase is not Phase.STOPPING:
             return []
@@ -1028,12 +1040,17 @@ class Scheduler:
             waiter.target = ()
         if refused:
             self.unstoppable.add(name)
+            if while_waits and waiter is not None:
+                self.unstoppable_while[name] = waiter.spec.name
+            else:
+                self.unstoppable_while.pop(name, None)
         if name in self.remained:  # it exited while our stop was on its way: released now
             self.remained.discard(name)
             return self.exited(name)
         decision = _about(
             holder.spec,
             Code.STOP_REFUSED if refused else Code.STOP_FAILED,
+            cause=Cause.NEEDED if name in self.unstoppable_while else None,
             for_unit=waiter.spec.name if waiter is not None else "",
             for_priority=waiter.spec.priority if waiter is not None else None,
             gpus=tuple(sorted(holder.gpus)),
@@ -1548,6 +1565,10 @@ class Scheduler:
         free capacity with background units."""
         if self._deferred:
             return []
+        for victim, needed_by in list(self.unstoppable_while.items()):
+            if needed_by not in self.waiters:  # granted, or its start ended: stoppable again
+                del self.unstoppable_while[victim]
+                self.unstoppable.discard(victim)
         # while the host goes down no frozen unit is thawed (see below)
         actions = [] if self.shutting_down else self._thaw()
         if not self.shutting_down:  # nor yields a unit: the shutdown stops it anyway
