@@ -21,7 +21,15 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
-from gpuslice.core.model import GPU_ID, INSTANCE_DEVICE, PRIORITY_MAX, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import (
+    GPU_ID,
+    INSTANCE_DEVICE,
+    PRIORITY_MAX,
+    Restart,
+    Rung,
+    UnitKind,
+    UnitSpec,
+)
 from gpuslice.envsafety import RUN_AS_KEYS, EnvFileChecker, RunAs
 from gpuslice.envsyntax import NAME_MAX
 from gpuslice.paths import GATE_DROPIN_NAME
@@ -378,6 +386,7 @@ class Loader:
         # applied before it): file, entry
         copied: list[tuple[str, Entry]] = []
         remains: tuple[str, Entry] | None = None  # the RemainAfterExit= in force: file, entry
+        restart = Restart.NO  # the Restart= in force: whether a clean exit is restarted
         start_timeout = StartTimeout()  # what the gate's TimeoutStartSec=infinity overrides
         private: set[str] = set()  # the files of these that are not others' to read
         for number, unit_file in enumerate(files):
@@ -412,6 +421,9 @@ class Loader:
                 elif entry.section == "Service" and entry.key == "RemainAfterExit":
                     with contextlib.suppress(ValueError):  # systemd ignores what is no boolean
                         remains = (path, entry) if _boolean(entry.value) else None
+                elif entry.section == "Service" and entry.key == "Restart":
+                    with contextlib.suppress(ValueError):  # systemd ignores what it cannot parse
+                        restart = Restart(entry.value)
                 elif before_gate and entry.section == "Service" and entry.key == "ExecStartPre":
                     if entry.value == "":
                         copied.clear()
@@ -520,7 +532,7 @@ class Loader:
         if any(p.severity == "error" for p in problems):
             return None, _capped(problems)
         source = settings["Priority"].path
-        spec = UnitSpec(name=name, source=source, **values)
+        spec = UnitSpec(name=name, source=source, restart=restart, **values)
         return (spec.for_instance(name) if is_instance(name) else spec), _capped(problems)
 
     def _assign(

@@ -52,6 +52,7 @@ from gpuslice.core.scheduler import (
     Freeze,
     Grant,
     Log,
+    Outcome,
     Phase,
     Resume,
     SavedState,
@@ -105,7 +106,7 @@ from gpuslice.tracker import (
     bound_for_gate,
     classify,
     remains_active,
-    restarting,
+    restart_coming,
 )
 from gpuslice.unitfiles import is_instance, is_template, printable
 
@@ -806,7 +807,7 @@ class Controller:
         the controller restarted (an instance's name may never come again). Annotated
         again, a plain unit is read anew by the rescan (`_apply_scan`), an instance at its
         next start, as any instance forgotten."""
-        if not restarting(self.tracker.state(name)):
+        if not restart_coming(self.tracker.state(name)):
             self.tracker.forget(name)
 
     def _gate_unseen(self, name: str) -> None:
@@ -834,7 +835,7 @@ class Controller:
                     by_itself=change.by_itself,
                     not_ours=change.not_ours,
                     in_shutdown=change.in_shutdown,
-                    restarting=restarting(self.tracker.state(name)),
+                    restarting=restart_coming(self.tracker.state(name)),
                 )
             )
             self._time_restart(name)
@@ -876,48 +877,54 @@ class Controller:
         if name in self.scheduler.restart_kept:
             self._restart_since[name] = clock.moment()
             loop = asyncio.get_running_loop()
-            if restarting(self.tracker.state(name)):
+            if restart_coming(self.tracker.state(name)):
                 timer = loop.call_later(RESTART_KEEP, self._restart_overdue, name)
             else:
                 timer = loop.call_later(RESTART_SIGNAL_WAIT, self._restart_unseen, name)
             self._restart_timers[name] = timer
 
     def _restart_unseen(self, name: str) -> None:
-        """RESTART_SIGNAL_WAIT after a failure with no restart seen then: kept on, said once,
+        """RESTART_SIGNAL_WAIT after a down with no restart seen then: kept on, said once,
         until RESTART_KEEP after it if systemd now shows its Restart= under way (waiting in
         `auto-restart`, its restart job queued, or its gate run); else they go, as after any
-        failure (its `failed` said no restart)."""
+        failure (its `failed` said no restart) or clean exit (said, its keep was)."""
         self._restart_timers.pop(name, None)
         if name not in self.scheduler.restart_kept:
             return
         state = self.tracker.state(name)
-        if not (restarting(state) or bound_for_gate(state)):
-            self._restart_overdue(name, said=False)
+        # a clean exit's keep was said with it (its Restart= restarts one): said again only
+        # if it ends; a failure's `failed` claimed no restart: said only if it goes on
+        clean = self.scheduler.restart_kept[name] is Outcome.EXITED
+        if not (restart_coming(state) or bound_for_gate(state)):
+            self._restart_overdue(name, said=clean, within=RESTART_SIGNAL_WAIT)
             return
         gpus = self.scheduler.grants().get(name)
-        if gpus:  # else its place was taken by a more urgent start: it waits, kept in line
+        if gpus and not clean:  # else its place was taken by a more urgent start: it waits
             log.info("%s", kept_for_restart_said(printable(name), sorted(gpus)))
         loop = asyncio.get_running_loop()
         self._restart_timers[name] = loop.call_later(
             RESTART_KEEP - RESTART_SIGNAL_WAIT, self._restart_overdue, name
         )
 
-    def _restart_overdue(self, name: str, *, said: bool = True) -> None:
-        """RESTART_KEEP is over: GPUs still kept for the unit's restart go (said once, if
-        the keep was; it is failed now, which no decision may show, so status and the state
-        file are told). An instance down for good, owed nothing now, is forgotten here: no
-        later signal of it comes to (`Instances.forget`; one in `auto-restart` is kept)."""
+    def _restart_overdue(
+        self, name: str, *, said: bool = True, within: float = RESTART_KEEP
+    ) -> None:
+        """RESTART_KEEP (`within`) is over: GPUs still kept for the unit's restart go (said
+        once, if the keep was; it is failed, or finished, now, which no decision may show, so
+        status and the state file are told). An instance down for good, owed nothing now, is
+        forgotten here: no later signal of it comes to (`Instances.forget`; one in
+        `auto-restart` is kept)."""
         self._restart_timers.pop(name, None)
         self._restart_since.pop(name, None)
         kept = name in self.scheduler.restart_kept
         actions = self.scheduler.restart_overdue(name)
-        if kept and name in self.scheduler.failed:
+        if kept and (name in self.scheduler.failed or name in self.scheduler.finished):
             if said:
                 log.info(
                     "%s was not started again by its Restart= within %.0f s: its GPUs are no "
                     "longer kept for it",
                     printable(name),
-                    RESTART_KEEP,
+                    within,
                 )
             self.answers.changed()  # failed now, where nothing else may be decided
             if not actions:

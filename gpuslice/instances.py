@@ -20,7 +20,7 @@ from gpuslice import envfiles
 from gpuslice.core.scheduler import Action, Scheduler
 from gpuslice.gatepipes import GatePipes
 from gpuslice.state import STATE_FILE_MAX
-from gpuslice.tracker import Kind, Tracker, classify, restarting
+from gpuslice.tracker import Kind, Tracker, classify, restart_coming
 from gpuslice.unitfiles import is_instance
 
 log = logging.getLogger("gpuslice")
@@ -82,9 +82,10 @@ class Instances:
         tracker, as systemd unloads it (Scheduler.forget_instance says why); its signals are
         no longer matched from the next change of the matched set on. Not while a call of
         ours about it is unanswered: the answer is judged with what we know. Nor while
-        it waits in auto-restart: its restart job comes, and the tracker, which told it
-        down once, must still know that (a second WentDown, a second "failed")."""
-        if self.tracker.in_flight(name) or restarting(self.tracker.state(name)):
+        it waits in auto-restart (or just before it): its restart job comes, and the
+        tracker, which told it down once, must still know that (a second WentDown, a second
+        "failed")."""
+        if self.tracker.in_flight(name) or restart_coming(self.tracker.state(name)):
             return
         if self.scheduler.forget_instance(name):
             self.tracker.forget(name)

@@ -68,6 +68,17 @@ def restarting(state: UnitState) -> bool:
     return state.sub in RESTARTING
 
 
+# systemd 254 and later: a service its Restart= starts again is `inactive` or `failed` in
+# these for an instant, signalled before `auto-restart` (RestartMode=direct skips them).
+# Its ActiveState says how it ended; it ended by itself (no stop is followed by a restart).
+BEFORE_RESTART = frozenset({"dead-before-auto-restart", "failed-before-auto-restart"})
+
+
+def restart_coming(state: UnitState) -> bool:
+    """Down, and its Restart= starts it again: in `auto-restart`, or just before it."""
+    return restarting(state) or state.sub in BEFORE_RESTART
+
+
 # How a service's main process last ended (its ExecMainCode=): waitid()'s si_code, as
 # systemd records it; 0 while it runs or when it never ran.
 CLD_EXITED = 1
@@ -122,10 +133,21 @@ def classify(state: UnitState) -> Kind:
 
 def _down_told(state: UnitState, kind: Kind) -> str | None:
     """The state a down is told once in, and not again while it lasts: auto-restart
-    (RESTARTING_TOLD), or `failed`; None for any other, not kept as told."""
+    (RESTARTING_TOLD), or its ActiveState (`failed`, `inactive`) once down; None for any
+    other, not kept as told."""
     if restarting(state):
         return RESTARTING_TOLD
-    return "failed" if kind is Kind.DOWN and state.active == "failed" else None
+    return state.active if kind is Kind.DOWN and state.active in GONE else None
+
+
+def _same_down(told: str | None, down: str) -> bool:
+    """Whether a down in `down` (`_down_told`) is the one told in `told`: the same state,
+    or the `auto-restart` that follows a `failed` or `inactive` (systemd 252's order for a
+    failure and for a clean exit its Restart= restarts; 254's `*-before-auto-restart`).
+    `failed` after auto-restart (its start limit), `inactive` after it (a stop) or after
+    `failed` (`systemctl reset-failed`, which ends a keep: Scheduler.inactive) is a new
+    down."""
+    return told == down or (told in GONE and down == RESTARTING_TOLD)
 
 
 def bound_for_gate(state: UnitState) -> bool:
@@ -246,10 +268,10 @@ class Tracker:
         # each with the stamp of its JobNew
         self._unit_jobs: dict[str, dict[str, int]] = {}
         self._gate_seen: dict[str, int] = {}  # the stamp of the signal that showed it at its gate
-        # unit -> the state its down was told in (`failed`, or RESTARTING_TOLD: in
-        # auto-restart), while it is still there: told once. systemd 252 signals `failed`,
-        # then `auto-restart`, of one down; the GPUs kept meanwhile (Scheduler.inactive) make
-        # it no holder's down to tell again
+        # unit -> the state its down was told in (`failed`, `inactive`, or RESTARTING_TOLD:
+        # in auto-restart), while it is still there: told once (`_same_down`). systemd 252
+        # signals `failed` (or `inactive`, a clean exit), then `auto-restart`, of one down;
+        # the GPUs kept meanwhile (Scheduler.inactive) make it no holder's down to tell again
         self._told_down: dict[str, str] = {}
         self._sent: dict[str, list[int]] = {}  # stamps of our calls not yet answered, in order
         self._own_jobs: dict[str, str] = {}  # job path -> "start" | "stop", from our calls
@@ -288,6 +310,12 @@ class Tracker:
         if self.managed(unit):
             self._count(unit)
             self._unit_jobs.setdefault(unit, {})[path] = self._signals[unit]
+            kept = self.ledger.phase(unit) is Phase.STARTING  # its GPUs kept for its restart
+            if self._told_down.get(unit) == "inactive" and not kept:
+                # a job for it ends the clean down told (a stop: held; a start: cancelled);
+                # one kept for its restart: the restart's job (RestartSec=0), maybe heard
+                # before the `auto-restart` that is still the same down
+                del self._told_down[unit]
 
     def shutdown_jobs_heard(self) -> int:
         """A stamp that moves with every job of a shutdown target heard."""
@@ -468,9 +496,7 @@ class Tracker:
             # answer and is judged from a later state
             self._by_itself.discard(name)
         down = _down_told(state, kind)
-        # told still while in the state told, or in auto-restart after `failed` (systemd
-        # 252's order); `failed` after auto-restart (its start limit) is a new down
-        if down is not None and self._told_down.get(name) in (down, "failed"):
+        if down is not None and _same_down(self._told_down.get(name), down):
             self._told_down[name] = down
         else:
             self._told_down.pop(name, None)
@@ -552,6 +578,8 @@ class Tracker:
     def call_sent(self, unit: str) -> None:
         self._in_flight[unit] = self._in_flight.get(unit, 0) + 1
         self._not_ours.discard(unit)  # said of the stop before this call: a new story
+        if self._told_down.get(unit) == "inactive":
+            del self._told_down[unit]  # and of the clean down told: a start of ours may fail
         self._sent.setdefault(unit, []).append(next(self._stamps))
 
     def call_answered(self, unit: str, job: str | None, what: str) -> bool:

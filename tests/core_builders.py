@@ -78,7 +78,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from gpuslice.core.decisions import Cause, Code, render
-from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec, is_instance, is_template
+from gpuslice.core.model import Gpu, Restart, Rung, UnitKind, UnitSpec, is_instance, is_template
 from gpuslice.core.scheduler import (
     Action,
     Freeze,
@@ -135,11 +135,22 @@ def drawn(
     memory: int | None,
     ladder: str,
     devices: tuple[str, ...] = (),
+    restart: Restart = Restart.NO,
 ) -> UnitSpec:
     """A unit as the core's random histories draw it, named later (`replace`): `ladder` is
-    its Preempt= as written, `"freeze suspend stop"`."""
+    its Preempt= as written, `"freeze suspend stop"`; `restart` its [Service] Restart=."""
     preempt = tuple(Rung(r) for r in ladder.split())
-    return UnitSpec("", prio, kind, gpus, requeue, memory=memory, devices=devices, preempt=preempt)
+    return UnitSpec(
+        "",
+        prio,
+        kind,
+        gpus,
+        requeue,
+        memory=memory,
+        devices=devices,
+        preempt=preempt,
+        restart=restart,
+    )
 
 
 def drawn_host(whole: bool, gpus: int) -> list[int] | list[Gpu]:
@@ -328,9 +339,9 @@ class Sim:
             self._record(self.finished, name)
         elif outcome is Outcome.FAILED:
             self._record(self.failed, name)
-        # a failure is by itself (the tracker's word), so its GPUs may be kept for a restart
-        by_itself = outcome is Outcome.FAILED
-        actions = self._feed(self.sched.inactive(name, outcome, by_itself=by_itself))
+        # by itself (the tracker's word), so its GPUs may be kept for a restart: a failure's,
+        # a clean exit's where its Restart= restarts one
+        actions = self._feed(self.sched.inactive(name, outcome, by_itself=True))
         if name in self.sched.restart_kept:  # its Restart= may start it: a start known
             self.pending_starts.append(name)
             self.announced.add(name)
@@ -339,7 +350,8 @@ class Sim:
 
     def restart_not_seen(self, name: str) -> list[Action]:
         """The controller's wait for the restart of a unit whose GPUs were kept for it
-        ends with no restart (Restart=no, or a long RestartSec=): failed, the GPUs go."""
+        ends with no restart (Restart=no, or a long RestartSec=): failed (or finished, a
+        clean exit), the GPUs go."""
         if name in self.pending_starts:
             self.pending_starts.remove(name)
             self.announced.discard(name)
@@ -1506,6 +1518,9 @@ class Sim:
             for name in ending:
                 if self.runs(name):
                     self.exit(name)
+                if name in self.sched.restart_kept:
+                    # Restart=always: ended for good (its start limit), no restart comes
+                    self.restart_not_seen(name)
         else:
             raise InvariantError(f"still running after {limit} rounds: {sorted(self.running)}")
         self.check_quiet()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuslice.annotations import KEYS, NEVER_GATED, Loader, Problem, load_spec, scan
-from gpuslice.core.model import Rung, UnitKind, UnitSpec
+from gpuslice.core.model import Restart, Rung, UnitKind, UnitSpec
 from gpuslice.paths import GATE_DROPIN_NAME
 from gpuslice.unitfiles import MAX_FILE_SIZE, UNIT_NAME_MAX, Fragment, UnitIndex
 from tests.test_unitfiles import link
@@ -446,7 +446,8 @@ def test_not_annotated_masked_or_missing(tmp_path: Path) -> None:
 
 
 def test_key_table_matches_unit_spec() -> None:
-    fields = set(UnitSpec.__dataclass_fields__) - {"name", "source"}
+    # `restart` is [Service] Restart=, read as systemd reads it, not an [X-GPUSlice] key
+    fields = set(UnitSpec.__dataclass_fields__) - {"name", "source", "restart"}
     assert {k.field for k in KEYS} == fields
 
 
@@ -1218,6 +1219,33 @@ def test_remain_after_exit_is_read_as_systemd_merges_it(tmp_path: Path) -> None:
     assert "x.service" in result.specs and result.problems == [problem]
     write(tmp_path, f"{ETC}/y.service", text)
     assert load_spec("y.service", tmp_path) == (None, [])
+
+
+def test_restart_is_read_as_systemd_merges_it(tmp_path: Path) -> None:
+    """The unit's Restart= is in its spec (the core keeps a clean exit's GPUs for the restart
+    of `always` and `on-success`): the last valid value wins over the fragment and its
+    drop-ins, an invalid one (or one outside [Service]) is ignored, as systemd does; none
+    is `no`. An instance has its template's."""
+    write(tmp_path, X, unit("Priority=1\n"))
+    assert load_spec("x.service", tmp_path)[0] == UnitSpec("x.service", 1, source=X)
+    text = SERVICE.replace("[Service]\n", "[Service]\nRestart=always\n")
+    write(tmp_path, X, text + "\n[X-GPUSlice]\nPriority=1\n")
+    spec, problems = load_spec("x.service", tmp_path)
+    assert spec is not None and spec.restart is Restart.ALWAYS and problems == []
+    write(
+        tmp_path,
+        f"{ETC}/x.service.d/10-success.conf",
+        "[Service]\nRestart=on-success\nRestart=sometimes\nRestart=\n[Unit]\nRestart=no\n",
+    )
+    spec = load_spec("x.service", tmp_path)[0]
+    assert spec is not None and spec.restart is Restart.ON_SUCCESS
+    write(tmp_path, f"{ETC}/x.service.d/20-failure.conf", "[Service]\nRestart=on-failure\n")
+    spec = load_spec("x.service", tmp_path)[0]
+    assert spec is not None and spec.restart is Restart.ON_FAILURE
+    assert not spec.restart.restarts_clean_exit()
+    write(tmp_path, f"{ETC}/t@.service", text + "\n[X-GPUSlice]\nPriority=1\n")
+    spec = load_spec("t@a.service", tmp_path)[0]
+    assert spec is not None and spec.restart is Restart.ALWAYS
 
 
 @pytest.mark.parametrize("mode", [0o600, 0o640])

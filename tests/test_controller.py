@@ -4620,6 +4620,171 @@ def test_a_unit_that_fails_for_good_gives_its_gpu_after_the_short_wait(
     failed_then(tmp_path, monkeypatch, caplog, 0.01, then)
 
 
+def restart_always_bed(tmp_path: Path, restart: str = "always") -> Bed:
+    """`crash_loop_bed` with u.service's Restart= (`always` restarts a clean exit too)."""
+    return holding_a_gpu_each(
+        tmp_path,
+        {"u.service": f"Priority=10\n[Service]\nRestart={restart}\n"},
+        down={"bg.service": "Priority=90\nType=background\n"},
+    )
+
+
+def exits_clean(bed: Bed, unit: str, sub: str = "dead") -> None:
+    """Its main process exits 0: `inactive` (`dead`, or systemd 254's
+    `dead-before-auto-restart` where its Restart= restarts it)."""
+    bed.systemd.units[unit] = state(unit, "inactive", sub)
+    signal(bed, unit, {"ActiveState": "inactive", "SubState": sub, "Job": (0, "/")})
+
+
+def auto_restart(bed: Bed, unit: str) -> None:
+    bed.systemd.units[unit] = state(unit, "activating", "auto-restart")
+    signal(bed, unit, {"ActiveState": "activating", "SubState": "auto-restart", "Job": (0, "/")})
+
+
+KEPT_CLEAN = "u.service finished: its own Restart= policy starts it again, GPU 0 kept for it"
+
+
+@pytest.mark.parametrize("sub", ["dead", "dead-before-auto-restart"])
+def test_a_clean_exit_under_restart_always_keeps_its_gpu_for_the_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, sub: str
+) -> None:
+    """u.service (Restart=always: a worker that exits 0 when its queue is empty) exits 0 and
+    systemd starts it again: systemd 252 signals `inactive (dead)`, then `auto-restart`;
+    254 `dead-before-auto-restart` first. Recorded finished and released at its exit, its GPU
+    went to bg.service (refilled, a model loaded) and the restart, more urgent, stopped it a
+    moment later, at every clean exit. It is kept for the restart, said finished (not
+    failed) once, through the short wait and an audit's read, and the restart's gate gets it."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = restart_always_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        exits_clean(bed, "u.service", sub)
+        await settle()
+        auto_restart(bed, "u.service")
+        await past(0.02)
+        # a read of its state (the audit's) that shows the down again is no new down
+        ctl.on_unit_changed("u.service", {"ActiveState": "activating"}, read=True)
+        await settle()
+        assert ("start", "bg.service") not in bed.systemd.calls
+        assert ctl.scheduler.grants().get("u.service") == frozenset({0})
+        said = [m for m in messages(caplog) if "u.service" in m]
+        assert [m for m in said if KEPT_CLEAN in m] and not [m for m in said if "failed" in m]
+        assert not [m for m in said if "released" in m or "restart (its Restart=)" in m]
+        assert ctl.counters.decisions["finished"] == 1 and ctl.counters.decisions["failed"] == 0
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "u.service")
+        bed.systemd.units["u.service"] = state("u.service", "activating", "start-pre", 2)
+        signal(bed, "u.service", at_gate(bytes([2]) * 16))
+        await past_queued_delay()
+        assert read_pipe(bed, "u.service") == (bytes([2]) * 16).hex() + "\n"
+        assert ctl.scheduler.phase("u.service") is Phase.RUNNING
+        assert not [c for c in bed.systemd.calls if c[0] in ("start", "stop")]
+
+    run(test)
+
+
+def test_a_clean_exit_under_restart_always_whose_restart_does_not_come_is_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """u.service's file says Restart=always, but no `auto-restart` follows its clean exit
+    (systemd still runs an older definition, no daemon-reload): its GPU goes after the short
+    wait, refill starts bg.service, and it is finished (the keep said goes, said so), not
+    failed."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = restart_always_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        exits_clean(bed, "u.service")
+        await settle()
+        assert ("start", "bg.service") not in bed.systemd.calls
+        await past(0.02)
+        assert ("start", "bg.service") in bed.systemd.calls
+        assert ctl.scheduler.phase("u.service") is None
+        assert "u.service" in ctl.scheduler.finished and "u.service" not in ctl.scheduler.failed
+        assert json.loads(ctl.status_json())["finished"] == ["u.service"]
+        said = "\n".join(messages(caplog))
+        assert "u.service was not started again by its Restart= within" in said
+        assert "failed" not in said
+
+    run(test)
+
+
+@pytest.mark.parametrize("restart", ["", "on-failure", "no", "on-abnormal"])
+def test_a_clean_exit_with_no_restart_of_one_releases_its_gpu_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, restart: str
+) -> None:
+    """u.service exits 0 and its Restart= (none, on-failure, ...) does not start it again:
+    its GPU goes at once, with no wait for an `auto-restart` (that costs a failure 1 s)."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    bed = restart_always_bed(tmp_path, restart)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        exits_clean(bed, "u.service")
+        await settle()
+        assert ("start", "bg.service") in bed.systemd.calls
+        assert ctl.scheduler.phase("u.service") is None
+        assert "u.service" in ctl.scheduler.finished
+        assert "u.service finished: released GPU 0" in "\n".join(messages(caplog))
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("restart", "word"), [("on-success", "finished"), ("always", "failed"), ("", "failed")]
+)
+def test_a_bare_auto_restart_is_finished_under_restart_on_success(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, restart: str, word: str
+) -> None:
+    """RestartMode=direct (systemd 254): only `auto-restart` is signalled, which says nothing
+    of how it ended. Under Restart=on-success only a clean exit is restarted: said finished,
+    not failed; else failed, as before. Its GPU is kept for the restart either way."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    bed = restart_always_bed(tmp_path, restart)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        auto_restart(bed, "u.service")
+        await settle()
+        assert ctl.scheduler.grants().get("u.service") == frozenset({0})
+        said = "\n".join(messages(caplog))
+        assert f"u.service {word}: its own Restart= policy starts it again, GPU 0 kept" in said
+        assert ctl.counters.decisions[word] == 1
+
+    run(test)
+
+
+def test_a_failure_on_systemd_254_is_kept_for_its_restart_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """systemd 254 signals a failure its Restart= restarts `failed
+    (failed-before-auto-restart)`, then `auto-restart`: the restart is known at the first,
+    so its GPU is kept for RESTART_KEEP and said so with the failure, not after a short wait
+    that took that state for a failure for good."""
+    caplog.set_level(logging.INFO, logger="gpuslice")
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = crash_loop_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        bed.systemd.units["u.service"] = state("u.service", "failed", "failed-before-auto-restart")
+        props = {"ActiveState": "failed", "SubState": "failed-before-auto-restart"}
+        signal(bed, "u.service", {**props, "Job": (0, "/")})
+        await past(0.02)  # no `auto-restart` signalled yet: still kept
+        assert ("start", "bg.service") not in bed.systemd.calls
+        assert ctl.scheduler.grants().get("u.service") == frozenset({0})
+        said = "\n".join(messages(caplog))
+        assert "u.service failed: its own Restart= policy starts it again, GPU 0 kept" in said
+        auto_restart(bed, "u.service")
+        await settle()
+        assert ctl.counters.decisions["failed"] == 1
+
+    run(test)
+
+
 # ---- a signal lost on the bus ----
 
 

@@ -30,11 +30,14 @@ from tests.test_controller import (
     Bed,
     StubNvml,
     at_gate,
+    auto_restart,
     crash_loop_bed,
     crashes,
+    exits_clean,
     goes_down,
     low_holds_gpu_0,
     past,
+    restart_always_bed,
     run,
     settle,
     signal,
@@ -325,5 +328,32 @@ def test_status_shows_a_unit_whose_gpu_is_kept_for_its_restart_as_restarting(
         await until(lambda: ctl.status_line() == "1 GPU: u.service running; 0 waiting")
         [holder] = json.loads(ctl.status_json())["gpus"][0]["holders"]
         assert (holder["state"], holder["reason"], holder["since"]) == ("running", None, None)
+
+    run(test)
+
+
+def test_status_shows_a_clean_exit_whose_gpu_is_kept_for_its_restart_as_restarting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """u.service (Restart=always) exits 0 and systemd 252 starts it again (`inactive`, then
+    `auto-restart`): its GPU kept for that start, it is `restarting`, with why, in the JSON
+    and STATUS=, and not finished (its restart comes)."""
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = restart_always_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        exits_clean(bed, "u.service")
+        auto_restart(bed, "u.service")
+        await past(0.02)
+        status = json.loads(ctl.status_json())
+        [holder] = status["gpus"][0]["holders"]
+        assert (holder["unit"], holder["state"], holder["reason"]) == (
+            "u.service",
+            "restarting",
+            "GPU 0 kept for u.service's restart (its Restart=)",
+        )
+        assert status["finished"] == [] and status["failed"] == []
+        assert ctl.status_line() == "1 GPU: u.service restarting; 0 waiting"
 
     run(test)

@@ -46,7 +46,7 @@ from hypothesis.stateful import (
 )
 
 from gpuslice.core.decisions import render
-from gpuslice.core.model import Gpu, Rung, UnitKind, UnitSpec
+from gpuslice.core.model import Gpu, Restart, Rung, UnitKind, UnitSpec
 from gpuslice.core.plan import Verdict, plan_start
 from gpuslice.core.scheduler import Action, Grant, Outcome, Scheduler
 from tests.core_builders import BG, GIB, OD, InvariantError, Sim, drawn, drawn_host, sized
@@ -69,9 +69,12 @@ LADDER = st.sampled_from(
     ]
 )
 
+# [Service] Restart=: `always` and `on-success` keep a clean exit's GPUs for its restart
+RESTART = st.sampled_from([Restart.NO, Restart.ON_FAILURE, Restart.ALWAYS, Restart.ON_SUCCESS])
+
 UNIT = st.builds(
-    lambda prio, kind, gpus, requeue, memory, ladder, annotated: (
-        drawn(prio, kind, gpus, requeue, memory, ladder),
+    lambda prio, kind, gpus, requeue, memory, ladder, annotated, restart: (
+        drawn(prio, kind, gpus, requeue, memory, ladder, restart=restart),
         annotated,
     ),
     PRIORITIES,
@@ -81,6 +84,7 @@ UNIT = st.builds(
     MEMORY,
     LADDER,
     st.sampled_from([True, True, True, False]),
+    RESTART,
 )
 
 EXITS = st.sampled_from([Outcome.EXITED, Outcome.FAILED])
@@ -230,7 +234,8 @@ class HostMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.sim.sched.restart_kept))
     @rule(index=st.integers(0, 7))
     def restart_does_not_come(self, index: int) -> None:
-        """A failed unit's GPUs were kept for its Restart=, which does not start it."""
+        """A unit's GPUs were kept for its Restart= (it failed, or exited 0 under `always`
+        or `on-success`), which does not start it."""
         kept = sorted(self.sim.sched.restart_kept)
         self.sim.restart_not_seen(kept[index % len(kept)])
 

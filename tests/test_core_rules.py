@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from gpuslice.core.decisions import Blocker
-from gpuslice.core.model import Gpu, UnitSpec
+from gpuslice.core.model import Gpu, Restart, UnitSpec
 from gpuslice.core.scheduler import Action, Log, Outcome, Phase, SavedState, Scheduler, Stop
 from tests.core_builders import BG, GIB, OD, InvariantError, Sim, brief, sized, spec, words
 
@@ -1826,7 +1826,7 @@ def test_a_failed_units_gpu_is_not_kept_for_its_restart_from_an_equal_unit_waiti
     s.request(w)
     down = s.inactive(u.name, Outcome.FAILED, by_itself=True, restarting=restarting)
     assert brief(down) == ["grant w.service 0"]
-    assert s.restart_kept == set()
+    assert not s.restart_kept
     assert brief(s.request(u)) == []
     assert list(s.waiters) == ["lo.service", "u.service"]
     # w fails in turn: u, as urgent and waiting, gets it; lo, less urgent, never did
@@ -1896,6 +1896,75 @@ def test_a_unit_whose_gpus_are_kept_for_its_restart_is_shown_restarting() -> Non
     assert brief(s.request(u)) == ["grant u.service 0,1"]
     assert s.snapshot().gpus[0] == [("u.service", 50, "running")]
     assert s.snapshot().restarting == {}
+
+
+@pytest.mark.parametrize("restart", [Restart.ALWAYS, Restart.ON_SUCCESS])
+@pytest.mark.parametrize("restarting", [True, False])
+def test_a_clean_exit_its_restart_restarts_keeps_its_gpu_and_is_finished(
+    restart: Restart, restarting: bool
+) -> None:
+    """u exits 0 and its Restart= (always, on-success) starts it again: its GPU is kept for
+    that start as for a failure (released, lo got it and the restart stopped lo a moment
+    later), said finished (not failed); seen in `auto-restart` or not yet (systemd 252's
+    `inactive` first). Its restart is granted it; one that does not come leaves it finished,
+    not failed, and lo gets the GPU."""
+    u, lo = dataclasses.replace(spec("u", 50), restart=restart), spec("lo", 60)
+    for comes in (True, False):
+        s = Scheduler([Gpu(0)], {})
+        assert brief(s.request(u)) == ["grant u.service 0"]
+        s.request(lo)
+        down = s.inactive(u.name, Outcome.EXITED, by_itself=True, restarting=restarting)
+        assert brief(down) == []
+        assert words(down) == [
+            "u.service finished: its own Restart= policy starts it again, GPU 0 kept for it "
+            "meanwhile"
+        ]
+        assert s.restart_kept == {u.name: Outcome.EXITED}
+        assert s.snapshot().gpus == {0: [("u.service", 50, "restarting")]}
+        if comes:
+            assert brief(s.request(u)) == ["grant u.service 0"]
+            assert not s.restart_kept and s.finished == set()
+        else:
+            assert brief(s.restart_overdue(u.name)) == ["grant lo.service 0"]
+            assert (s.finished, s.failed) == ({u.name}, set())
+
+
+@pytest.mark.parametrize("restart", [Restart.NO, Restart.ON_FAILURE, Restart.ON_ABNORMAL])
+def test_a_clean_exit_its_restart_does_not_restart_releases_its_gpu_at_once(
+    restart: Restart,
+) -> None:
+    """u exits 0 by itself and its Restart= does not start it again: no keep, nor a wait for
+    an `auto-restart` (a failure waits for one: systemd 252 signals it after `failed`): lo
+    gets its GPU at once, u finished. A clean exit not by itself (someone's stop on its way)
+    is no keep either."""
+    u, lo = dataclasses.replace(spec("u", 50), restart=restart), spec("lo", 60)
+    s = Scheduler([Gpu(0)], {})
+    s.request(u)
+    s.request(lo)
+    down = s.inactive(u.name, Outcome.EXITED, by_itself=True)
+    assert brief(down) == ["grant lo.service 0"]
+    assert words(down)[0] == "u.service finished: released GPU 0"
+    assert not s.restart_kept and s.finished == {u.name}
+    always = dataclasses.replace(u, restart=Restart.ALWAYS)
+    s = Scheduler([Gpu(0)], {})
+    s.request(always)
+    s.request(lo)
+    assert brief(s.inactive(u.name, Outcome.EXITED, not_ours=True, by_itself=True)) == [
+        "grant lo.service 0"
+    ]
+
+
+def test_a_bare_auto_restart_under_restart_on_success_is_a_clean_exit() -> None:
+    """RestartMode=direct: `auto-restart` alone, told FAILED (how it ended is unknown). Under
+    Restart=on-success only a clean exit is restarted: said finished, recorded finished if
+    its restart does not come."""
+    u = dataclasses.replace(spec("u", 50), restart=Restart.ON_SUCCESS)
+    s = Scheduler([Gpu(0)], {})
+    s.request(u)
+    down = s.inactive(u.name, Outcome.FAILED, restarting=True)
+    assert words(down)[0].startswith("u.service finished: its own Restart= policy starts it")
+    s.restart_overdue(u.name)
+    assert (s.finished, s.failed) == ({u.name}, set())
 
 
 def test_units_no_longer_annotated_leave_no_time_out_behind() -> None:

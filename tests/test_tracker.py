@@ -25,6 +25,7 @@ from gpuslice.tracker import (
     WentDown,
     bound_for_gate,
     classify,
+    restart_coming,
     stopped_by_a_job,
 )
 
@@ -893,6 +894,54 @@ def test_a_failure_signalled_failed_then_auto_restart_is_told_once() -> None:
     assert tracker.unit_changed(A, failed, read=True) == []
     assert tracker.unit_changed(A, props_of("activating", "auto-restart", 0)) == []
     assert tracker.unit_changed(A, failed) == [WentDown(A, Outcome.FAILED)]
+
+
+@pytest.mark.parametrize("sub", ["dead", "dead-before-auto-restart"])
+def test_a_clean_exit_then_auto_restart_is_told_once(sub: str) -> None:
+    """A exits 0 and its Restart= (always, on-success) starts it again: systemd 252 signals
+    `inactive (dead)`, 254 `inactive (dead-before-auto-restart)`, then `activating
+    (auto-restart)`: one down, told EXITED by itself. Its GPUs kept meanwhile (Phase
+    .STARTING), the `auto-restart` was told a second down, FAILED, and the core released
+    them, said failed. Read again, the `inactive` is no new down either; a job announced for
+    it (a stop, a start), or a start of ours, ends what was told, unless kept for its
+    restart (its restart's job, heard before `auto-restart` with RestartSec=0)."""
+    model, tracker = running_past_its_gate()
+    down = props_of("inactive", sub, 0)
+    assert tracker.unit_changed(A, down) == [WentDown(A, Outcome.EXITED, by_itself=True)]
+    model.phases[A] = Phase.STARTING  # kept for its restart
+    assert tracker.unit_changed(A, down, read=True) == []
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 0)) == []
+    model, tracker = running_past_its_gate()
+    tracker.unit_changed(A, down)
+    tracker.job_new(JOB2, A)
+    assert tracker.unit_changed(A, down) == [WentDown(A, Outcome.STOPPED)]
+    # a start of ours (a comeback), whose job ends with the unit still down, is a new down
+    model, tracker = running_past_its_gate()
+    tracker.unit_changed(A, down)
+    model.phases[A] = Phase.STARTING
+    tracker.call_sent(A)
+    tracker.call_answered(A, JOB2, "start")
+    assert tracker.job_removed(JOB2, A, "canceled") is True
+    assert tracker.unit_changed(A, down) == [WentDown(A, Outcome.EXITED)]
+    # kept, the job heard before `auto-restart` (RestartSec=0) is its restart's
+    model, tracker = running_past_its_gate()
+    tracker.unit_changed(A, down)
+    model.phases[A] = Phase.STARTING
+    tracker.job_new(JOB2, A)
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 2)) == []
+
+
+def test_a_failure_before_auto_restart_on_systemd_254_is_told_once() -> None:
+    """systemd 254's `failed (failed-before-auto-restart)`, then `auto-restart`: one down,
+    FAILED by itself (its Restart= follows no stop)."""
+    model, tracker = running_past_its_gate()
+    failed = props_of("failed", "failed-before-auto-restart", 0)
+    assert tracker.unit_changed(A, failed) == [WentDown(A, Outcome.FAILED, by_itself=True)]
+    model.phases[A] = Phase.STARTING
+    assert tracker.unit_changed(A, props_of("activating", "auto-restart", 0)) == []
+    assert restart_coming(UnitState(A, "failed", "failed-before-auto-restart", 0))
+    assert restart_coming(UnitState(A, "inactive", "dead-before-auto-restart", 0))
+    assert not restart_coming(UnitState(A, "inactive", "dead", 0))
 
 
 def test_a_unit_whose_restart_job_is_queued_on_systemd_254_is_down_not_running() -> None:

@@ -90,6 +90,8 @@ class Cause(enum.Enum):
     # stop-refused: its stop would have cancelled a job of another unit's (the start of one
     # that needs it): not tried again while the unit it was for waits
     NEEDED = "would-cancel-a-job"
+    # finished: its Restart= (always, on-success) starts it again, its `gpus` kept for that
+    RESTARTS = "kept-for-restart"
 
 
 class Blocker(enum.Enum):
@@ -339,13 +341,14 @@ def render(d: Decision) -> str:
             f"{d.unit} finished: released {format_gpus(d.gpus)}; systemd keeps it active "
             "(RemainAfterExit=yes) until it is stopped, and a restart waits at its gate again"
         )
-    if code is Code.FINISHED:
-        return f"{d.unit} finished: released {format_gpus(d.gpus)}"
-    if code is Code.FAILED and d.gpus:
+    if (code is Code.FINISHED and d.cause is Cause.RESTARTS) or (code is Code.FAILED and d.gpus):
+        # ended, its GPUs kept for the start its Restart= sends (Scheduler._keep_for_restart)
         return (
-            f"{d.unit} failed: its own Restart= policy starts it again, "
+            f"{d.unit} {code.value}: its own Restart= policy starts it again, "
             f"{format_gpus(d.gpus)} kept for it meanwhile"
         )
+    if code is Code.FINISHED:
+        return f"{d.unit} finished: released {format_gpus(d.gpus)}"
     if code is Code.FAILED:
         return (
             f"{d.unit} failed: gpuslice will not start it by itself "

@@ -49,6 +49,23 @@ class Rung(enum.Enum):
     SUSPEND = "suspend"
 
 
+class Restart(enum.Enum):
+    """A service's `Restart=` (systemd.service(5)): after which ends systemd starts it
+    again. The core keeps a holder's GPUs for that start (`Scheduler._keep_for_restart`);
+    only `always` and `on-success` restart a clean exit."""
+
+    NO = "no"
+    ON_SUCCESS = "on-success"
+    ON_FAILURE = "on-failure"
+    ON_ABNORMAL = "on-abnormal"
+    ON_WATCHDOG = "on-watchdog"
+    ON_ABORT = "on-abort"
+    ALWAYS = "always"
+
+    def restarts_clean_exit(self) -> bool:
+        return self in (Restart.ALWAYS, Restart.ON_SUCCESS)
+
+
 class UnitKind(enum.Enum):
     """How a unit may be started: only by a person, or by gpuslice when capacity is free."""
 
@@ -73,6 +90,8 @@ class UnitSpec:
     memory: int | None = None  # bytes of VRAM per GPU; None: the whole GPU, exclusively
     devices: tuple[str, ...] = ()  # pinned GPUs by index or UUID; empty: any
     preempt: tuple[Rung, ...] = (Rung.STOP,)  # how it gives way, in the order tried
+    # its [Service] Restart= as its files say (systemd's order; an invalid one ignored)
+    restart: Restart = Restart.NO
 
     def __deepcopy__(self, memo: dict[int, object]) -> UnitSpec:
         return self  # immutable through and through: a copy of the scheduler shares it

@@ -22,6 +22,7 @@ from gpuslice.core.decisions import Blocker, Cause, Code, Decision, Part, level,
 from gpuslice.core.model import (
     PRIORITY_MAX,
     Gpu,
+    Restart,
     Rung,
     UnitKind,
     UnitSpec,
@@ -505,11 +506,12 @@ class Scheduler:
         self.unconfirmed_holds: dict[str, bool] = {}
         self.finished: set[str] = set()
         self.failed: set[str] = set()
-        # units that failed running and that their Restart= starts again (or may: its
+        # units that ended running and that their Restart= starts again (or may: its
         # signal not seen yet, `inactive`), their GPUs kept for that start
-        # (`_keep_for_restart`) until it asks or `restart_overdue`. Not saved:
-        # a restarted controller releases them (`Restore.rebuild`: down, failed)
-        self.restart_kept: set[str] = set()
+        # (`_keep_for_restart`) until it asks or `restart_overdue`, each with how it ended
+        # (EXITED or FAILED: recorded so if released). Not saved: a restarted controller
+        # releases them (`Restore.rebuild`: down, failed)
+        self.restart_kept: dict[str, Outcome] = {}
         # finished units systemd keeps active (RemainAfterExit=yes, SubState `exited`): their
         # GPUs are released (`exited`), and they are no holder until they run again
         self.remained: set[str] = set()
@@ -626,7 +628,7 @@ class Scheduler:
         self.wait_failed.discard(name)
         self.preempted.pop(name, None)
         self.start_retries.pop(name, None)
-        self.restart_kept.discard(name)  # its restart asks: no longer owed a release
+        self.restart_kept.pop(name, None)  # its restart asks: no longer owed a release
 
     def _arrive(self, spec: UnitSpec, *, asked: bool) -> list[Action]:
         self.waiters[spec.name] = Waiter(spec, self._next(), asked=asked)
@@ -678,26 +680,44 @@ class Scheduler:
         cancel: a failure then is judged as in the shutdown (recorded failed, a preempted
         unit's comeback was lost, and a background unit was never refilled). One that
         finished and stayed active (`exited`) ended by itself: its down now is no hold, no
-        failure and no preemption, and releases nothing more. `restarting`: it failed and
-        systemd's Restart= starts it again (`activating (auto-restart)`): its GPUs are kept
-        for that start (`_keep_for_restart`). One that failed running by itself with no
-        restart seen yet keeps them too, for the controller's short wait: systemd 252 signals
-        `failed` before `auto-restart`, and its restart is only known a signal later
-        (`restart_overdue` releases them, recorded failed; the FAILED said now claims no
-        restart). Kept so, one seen down with no stop (`systemctl reset-failed`: inactive)
-        ended no new run: it is failed, as the wait's end has it, not finished."""
+        failure and no preemption, and releases nothing more. `restarting`: it ended and
+        systemd's Restart= starts it again (`activating (auto-restart)`, or systemd 254's
+        `*-before-auto-restart` just before): its GPUs are kept for that start
+        (`_keep_for_restart`). One that failed running by itself with no restart seen yet
+        keeps them too, for the controller's short wait: systemd 252 signals `failed` before
+        `auto-restart`, and its restart is only known a signal later (`restart_overdue`
+        releases them, recorded failed; the FAILED said now claims no restart). A clean exit
+        (EXITED) is kept so where its Restart= restarts one (`always`, `on-success`), said
+        finished and kept at once (its file says the restart comes), recorded finished if
+        released; with any other Restart= its GPUs go at once. A bare `auto-restart`
+        (RestartMode=direct) is told FAILED: under `on-success` it was a clean exit. Kept
+        so, one seen down with no stop (`systemctl reset-failed`: inactive) ended no new
+        run: it is recorded as the wait's end has it."""
         if name in self.restart_kept and outcome is Outcome.EXITED and not by_itself:
             return self.restart_overdue(name)
-        self.restart_kept.discard(name)
-        may_restart = outcome is Outcome.FAILED and by_itself and not not_ours and not in_shutdown
+        self.restart_kept.pop(name, None)
+        known = self.specs.get(name)
+        restart = Restart.NO if known is None else known.restart
+        if restarting and outcome is Outcome.FAILED and restart is Restart.ON_SUCCESS:
+            outcome = Outcome.EXITED  # only a clean exit is restarted
+        ended_itself = by_itself and not not_ours and not in_shutdown
+        may_restart = ended_itself and (
+            outcome is Outcome.FAILED
+            or (outcome is Outcome.EXITED and restart.restarts_clean_exit())
+        )
         if (
             (restarting or may_restart)
+            and outcome in (Outcome.EXITED, Outcome.FAILED)
             and name not in self.remained
-            and self._keep_for_restart(name)
+            and self._keep_for_restart(name, outcome)
         ):
             kept = self.holders[name]
-            gpus = tuple(sorted(kept.gpus)) if restarting else ()
-            return [_log(_about(kept.spec, Code.FAILED, gpus=gpus)), *self.schedule()]
+            gpus = tuple(sorted(kept.gpus))
+            if outcome is Outcome.EXITED:
+                said = _about(kept.spec, Code.FINISHED, gpus=gpus, cause=Cause.RESTARTS)
+            else:
+                said = _about(kept.spec, Code.FAILED, gpus=gpus if restarting else ())
+            return [_log(said), *self.schedule()]
         if name in self.remained:
             self.remained.discard(name)
             if name not in self.holders:
@@ -810,8 +830,9 @@ class Scheduler:
             self._forget_end(name)
         return actions + self.schedule()
 
-    def _keep_for_restart(self, name: str) -> bool:
-        """A unit that ran on GPUs granted or adopted failed, and its Restart= starts it
+    def _keep_for_restart(self, name: str, outcome: Outcome) -> bool:
+        """A unit that ran on GPUs granted or adopted ended (`outcome`: failed, or a clean
+        exit its Restart= restarts), and its Restart= starts it
         again in RestartSec= (100 ms by default): its GPUs are kept for that start, as for
         any start known before its gate asks (Phase.STARTING, not one of ours). Released,
         they went to a less urgent waiter or refill, stopped again (or moved back to
@@ -834,7 +855,7 @@ class Scheduler:
             return False
         holder.phase = Phase.STARTING
         holder.granted = 0
-        self.restart_kept.add(name)
+        self.restart_kept[name] = outcome
         # the restart is systemd's: a refill's or comeback's record left from its run (inert
         # while it ran) made it a start of ours again, never released by `restart_overdue`
         self.started.discard(name)
@@ -862,10 +883,10 @@ class Scheduler:
         """The unit whose GPUs were kept for its Restart= (`_keep_for_restart`) has not
         asked at its gate within the controller's bound (a long RestartSec=): they go to the
         units waiting for them; it is failed, as any unit that fails, and its restart, when
-        it comes, waits at its gate as any start."""
-        if name not in self.restart_kept:
+        it comes, waits at its gate as any start (finished, if it was a clean exit)."""
+        outcome = self.restart_kept.pop(name, None)
+        if outcome is None:
             return []
-        self.restart_kept.discard(name)
         holder = self.holders.get(name)
         waiter = self.waiters.get(name)
         if holder is not None and holder.phase is Phase.STARTING and name not in self.started:
@@ -875,7 +896,7 @@ class Scheduler:
         else:
             return []
         self._tops_cache = None
-        self.failed.add(name)
+        (self.finished if outcome is Outcome.EXITED else self.failed).add(name)
         return self.schedule()
 
     def _kept_for_refill(self, name: str) -> bool:
