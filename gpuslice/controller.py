@@ -828,6 +828,14 @@ class Controller:
                 # VRAM release: what NVML still shows of it now counts against its GPUs;
                 # without NVML, a GPU no longer configured that it held goes with it
                 self.watch.refresh(released=name)
+            # stops of ours under way that may have taken it down with them (`_stopped_with`)
+            stopping = {
+                v: w
+                for v, w in (
+                    self.scheduler.stopping().items() if change.outcome is Outcome.STOPPED else ()
+                )
+                if v != name and not self._stop_before(change.job, v)
+            }
             self.execute(
                 self.scheduler.inactive(
                     name,
@@ -838,6 +846,10 @@ class Controller:
                     restarting=restart_coming(self.tracker.state(name)),
                 )
             )
+            if stopping and name in self.scheduler.held:
+                self.scheduler.hold_in_doubt(name, stopping)
+                since = self.scheduler.out_since[name]
+                self._spawn(self._stopped_with(name, stopping, since))
             self._time_restart(name)
             if name in self.scheduler.unconfirmed_holds:
                 self.reads.hold_booked(name)  # held: unless the shutdown's JobNew was lost
@@ -864,6 +876,39 @@ class Controller:
         else:
             self.calls.cancel_stop_timer(change.unit)
             self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))
+
+    def _stop_before(self, job: str, victim: str) -> bool:
+        """The job that took a unit down (`job`, its path) was made before the stop job that
+        `victim` shows: systemd numbers its jobs as it makes them, and the stop it makes of
+        a unit that needs `victim` along with ours is made after ours; one made before
+        (someone's stop, still under way) is kept, and the one ours made merged into it."""
+        ours = self.tracker.state(victim).job_id
+        number = job.rsplit("/", 1)[-1]
+        return ours > 0 and number.isascii() and number.isdigit() and int(number) < ours
+
+    async def _stopped_with(self, name: str, stopping: dict[str, str], since: int) -> None:
+        """The unit went down by a stop not ours while ours of `stopping` were under way, and
+        is held: systemd stops with a unit every unit that `Requires=`, `BindsTo=` or is
+        `PartOf=` it, which systemd says now (a round trip, on this path only). One of ours
+        among them took it down: it is preempted, not held (Scheduler.stopped_with). Not
+        read, or held again since (`since`: its down), the hold stands (`hold_stands`). The
+        victims are not brought back meanwhile (Scheduler.hold_in_doubt)."""
+        try:
+            needs = await self.systemd.needs(name)
+        except Exception as e:  # whatever failed, the hold stands (in doubt, no victim came back)
+            self.counters.error("dbus_call_errors")
+            log.debug("cannot read what %s needs: %s", printable(name), e)
+            needs = {}
+        found = [
+            (victim, f"{prop}=")
+            for prop, units in needs.items()
+            for victim in sorted(stopping.keys() & set(units))
+        ]
+        if found and self.scheduler.out_since.get(name) == since:
+            victim, why = found[0]
+            self.execute(self.scheduler.stopped_with(name, victim, why, stopping[victim]))
+        else:
+            self.execute(self.scheduler.hold_stands(name))
 
     def _time_restart(self, name: str) -> None:
         """A unit whose GPUs the core keeps for its Restart= has them for RESTART_KEEP at

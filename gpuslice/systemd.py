@@ -76,6 +76,8 @@ UNKNOWN_COUNT = 2**64 - 1
 Queued = Callable[[str], None]
 # Systemd's refusal of a job in mode "fail" that would replace a conflicting job already queued.
 DESTRUCTIVE = "org.freedesktop.systemd1.TransactionIsDestructive"
+# A unit's properties that name the units whose stop systemd propagates to it (`needs`)
+NEEDS = ("Requires", "BindsTo", "PartOf")
 
 
 class SystemdError(Exception):
@@ -691,6 +693,22 @@ class Systemd:
             found.append(value.value)
         code, status, result = found
         return MainExit(code, status, _short_text(result) or "")
+
+    async def needs(self, name: str) -> dict[str, list[str]]:
+        """The units a stop of which systemd propagates to this one, by the property that
+        says so (Requires=, BindsTo=, PartOf=, as systemd holds them now): three Gets, where
+        the Unit's GetAll is kilobytes. SystemdError for a reply not of the form systemd
+        gives (as)."""
+        path = unit_path(name)
+        found: dict[str, list[str]] = {}
+        for prop in NEEDS:
+            (value,) = await self.call("Get", "ss", [UNIT, prop], path=path, interface=PROPERTIES)
+            if not isinstance(value, Variant) or value.signature != "as":
+                raise SystemdError(
+                    "org.gpuslice.Error.BadReply", f"{prop} of {name}: {repr(value)[:80]}"
+                )
+            found[prop] = [str(v) for v in value.value]
+        return found
 
     async def unit_pids(self, name: str) -> list[int]:
         """Every process in the unit's cgroup, as systemd lists them."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuslice.core.scheduler import Outcome, Phase
@@ -173,6 +173,10 @@ class WentDown:
     # failed as the host went down, told only after the shutdown's cancel (the shutdown's
     # stop job still shown, our call's answer awaited): the core judges it as in the shutdown
     in_shutdown: bool = False
+    # the path of the job it left running with ("/": none known): a stop systemd queued
+    # along with one of ours has a later id than ours (Controller._stop_before); not
+    # compared, a detail of the down
+    job: str = field(default="/", compare=False)
 
 
 @dataclass(frozen=True)
@@ -528,10 +532,11 @@ class Tracker:
                 and not self.stopped_by_others(name)
             ):
                 return []
+            job = self._taken_down_by.get(name, "/")
             self._went_down(name)
             if down is not None:
                 self._told_down[name] = down
-            return [WentDown(name, outcome, by_itself, not_ours, in_shutdown)]
+            return [WentDown(name, outcome, by_itself, not_ours, in_shutdown, job)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
             return [ReachedGate(name)]
         if kind is not Kind.RUNNING:

@@ -1687,6 +1687,23 @@ def test_a_requeue_that_did_not_reach_systemd_is_owed_again_and_sent_when_its_de
     assert sched.start_retries == {}
 
 
+def test_a_requeue_that_did_not_reach_systemd_then_went_down_is_said_again_at_its_failure() -> None:
+    """low's comeback did not reach systemd (said), was sent again and reached it, then the
+    host's shutdown, cancelled, ended it before its gate: the next comeback's failure to
+    reach systemd is a new one, said again (and sent again at its delay's end). Kept past the
+    down, the note of the last string of failures silenced it."""
+    sched = _low_requeued()
+    assert _codes(sched.start_failed(L, NO_REPLY)) == ["start-retry"]
+    assert brief(sched.retry_start(L)) == [f"start {L}"]
+    sched.set_shutting_down(True)
+    sched.inactive(L, Outcome.FAILED, in_shutdown=True)
+    assert sched.snapshot().preempted == [(L, 90, True)]
+    assert brief(sched.set_shutting_down(False)) == [f"start {L}"]
+    assert _codes(sched.start_failed(L, NO_REPLY)) == ["start-retry"]
+    assert sched.schedule() == []
+    assert brief(sched.retry_start(L)) == [f"start {L}"]
+
+
 def test_a_refill_that_did_not_reach_systemd_is_idle_again_and_its_gpu_goes_to_others() -> None:
     other = spec("other", 95, BG)
     sched = Scheduler([0], {V: VLM, other.name: other})
@@ -1896,6 +1913,39 @@ def test_a_unit_whose_gpus_are_kept_for_its_restart_is_shown_restarting() -> Non
     assert brief(s.request(u)) == ["grant u.service 0,1"]
     assert s.snapshot().gpus[0] == [("u.service", 50, "running")]
     assert s.snapshot().restarting == {}
+
+
+def test_a_waiter_made_more_urgent_takes_a_place_kept_for_a_restart_however_long_it_waited() -> (
+    None
+):
+    """w waited first (the first thing the core knew, with no GPU yet), less urgent than u,
+    which got GPU 0 and fails into its Restart=: kept. A rescan makes w more urgent: it takes
+    the kept place, as any place not answered yet (the thrash rule protects only a grant made
+    after w was known; the restart is no grant), and u's restart waits."""
+    u, w = spec("u", 50), spec("w", 60)
+    s = Scheduler([], {})
+    s.request(w)
+    s.request(u)
+    assert brief(s.set_gpus([Gpu(0)])) == ["grant u.service 0"]
+    s.inactive(u.name, Outcome.FAILED, by_itself=True, restarting=True)
+    assert u.name in s.restart_kept
+    urgent = dataclasses.replace(w, priority=5)
+    assert brief(s.set_specs({u.name: u, w.name: urgent})) == ["grant w.service 0"]
+    assert list(s.waiters) == [u.name]
+
+
+def test_a_unit_owed_a_thaw_that_fails_into_its_restart_is_owed_none_when_restarted() -> None:
+    """A FreezeUnit answered late may have frozen u's run: u is owed a thaw. That run
+    failed by itself (a frozen one cannot): nothing of it was frozen. Its restart, granted
+    the kept GPU, is owed no thaw (no FreezerState read, no thaw saved for a next controller)."""
+    u = spec("u", 50)
+    s = Scheduler([Gpu(0)], {})
+    assert brief(s.request(u)) == ["grant u.service 0"]
+    s.froze_after_end(u.name)
+    assert s.thaws_owed() == [u.name]
+    s.inactive(u.name, Outcome.FAILED, by_itself=True, restarting=True)
+    assert brief(s.request(u)) == ["grant u.service 0"]
+    assert s.thaws_owed() == [] and s.save().thaw_owed == []
 
 
 @pytest.mark.parametrize("restart", [Restart.ALWAYS, Restart.ON_SUCCESS])

@@ -1405,6 +1405,51 @@ def test_how_a_services_main_process_ended_is_read_from_its_own_object(bus_addre
     ]
 
 
+def test_the_units_whose_stop_stops_a_unit_are_read_from_its_own_object(
+    bus_address: str,
+) -> None:
+    """Systemd.needs: Requires=, BindsTo= and PartOf= of the Unit interface, on the unit's
+    object (Controller._stopped_with asks them of a unit held while gpuslice stopped
+    another); a reply of another form than systemd's (as) is gpuslice's BadReply."""
+    values = {
+        unit_path("c.service"): {
+            "Requires": Variant("as", ["b.service"]),
+            "BindsTo": Variant("as", []),
+            "PartOf": Variant("as", ["x.target", "y.service"]),
+        },
+        unit_path("d.service"): {
+            "Requires": Variant("as", []),
+            "BindsTo": Variant("s", "b.service"),
+            "PartOf": Variant("as", []),
+        },
+    }
+    asked: list[tuple[str, list[Any]]] = []
+
+    async def scenario() -> None:
+        def answer(msg: Message) -> Message:
+            interface, prop = msg.body
+            if interface != UNIT:
+                return Message.new_error(msg, "org.freedesktop.DBus.Error.UnknownProperty", prop)
+            return Message.new_method_return(msg, "v", [values[msg.path][prop]])
+
+        systemd = await answering_gets(bus_address, asked, answer)
+        assert await systemd.needs("c.service") == {
+            "Requires": ["b.service"],
+            "BindsTo": [],
+            "PartOf": ["x.target", "y.service"],
+        }
+        with pytest.raises(SystemdError, match="BadReply"):
+            await systemd.needs("d.service")
+
+    run(scenario)
+    path = unit_path("c.service")
+    assert asked[:3] == [
+        (path, [UNIT, "Requires"]),
+        (path, [UNIT, "BindsTo"]),
+        (path, [UNIT, "PartOf"]),
+    ]
+
+
 def test_a_services_task_count_is_read_from_its_own_object(bus_address: str) -> None:
     """Systemd.tasks_current: TasksCurrent of the Service interface, on the unit's object;
     UINT64_MAX (systemd does not know it) is None, not 18 quintillion tasks left; a reply of

@@ -916,7 +916,7 @@ def test_a_unix_time_shown_twice_is_the_same_until_the_clock_steps(
     """The wall clock and CLOCK_BOOTTIME are read apart, microseconds between them: a start
     time worked out at each answer jittered, and a status compared before and after a hostile
     call (tests/integration/test_attacker.py) differed with nothing changed. A step past
-    STEP_SEEN moves it; a slew within it does not."""
+    STEP_SEEN moves it; a slew within it, or of STEP_SEEN itself, does not."""
     now = [100.0, 1_700_000_000.0]
     monkeypatch.setattr(
         clock_module,
@@ -929,7 +929,9 @@ def test_a_unix_time_shown_twice_is_the_same_until_the_clock_steps(
     )
     first = clock_module.unix_time(40.0)
     assert first == 1_700_000_000.0 - 60.0
-    now[1] += 0.000_003  # read a few microseconds apart
+    now[1] = 1_700_000_000.0 + STEP_SEEN  # moved by the bound itself, no more
+    assert clock_module.unix_time(40.0) == first
+    now[1] = 1_700_000_000.0 + 0.000_003  # read a few microseconds apart
     assert clock_module.unix_time(40.0) == first
     now[1] += STEP_SEEN / 2  # slewed
     assert clock_module.unix_time(40.0) == first

@@ -28,6 +28,9 @@ class Code(enum.Enum):
     REQUEUE = "requeue"  # a preempted unit is brought back
     REFILL = "refill"  # an idle background unit is started on free capacity
     HOLD = "hold"  # stopped by hand: held until someone starts it
+    # stopped by systemd with `units`, which gpuslice stopped for `for_unit` and which it
+    # needs (`detail`: `Requires=`, ...): preempted, not held
+    STOPPED_WITH = "stopped-with"
     FINISHED = "finished"  # ended successfully; its GPUs are free
     FAILED = "failed"  # failed; its own Restart= policy applies
     SHUTDOWN = "shutdown"  # stopped for shutdown; its GPUs are free
@@ -336,6 +339,12 @@ def render(d: Decision) -> str:
         return f"starting background {who} on free {format_gpus(d.gpus)}"
     if code is Code.HOLD:
         return f"{d.unit} was stopped outside gpuslice: held until started again"
+    if code is Code.STOPPED_WITH:
+        done = f"preempted for {_who(d.for_unit, d.for_priority)}" if d.for_unit else "stopped"
+        return (
+            f"{who} was stopped with {listed(d.units)} (its {d.detail}), which gpuslice "
+            f"{done}: preempted with it, not held"
+        )
     if code is Code.FINISHED and d.cause is Cause.REMAINS:
         return (
             f"{d.unit} finished: released {format_gpus(d.gpus)}; systemd keeps it active "

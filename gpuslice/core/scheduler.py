@@ -504,6 +504,13 @@ class Scheduler:
         # SystemState, each with whether the shutdown's end of it is owed a comeback: a
         # shutdown whose JobNew the bus lost makes its stops someone's (`holds_of_shutdown`)
         self.unconfirmed_holds: dict[str, bool] = {}
+        # preempted units systemd stopped with a victim they need (`stopped_with`), each with
+        # that victim: not brought back while its stop is under way, which their start,
+        # pulling its start along, would cancel
+        self.stopped_along: dict[str, str] = {}
+        # units held while stops of gpuslice's were under way, each with those victims, until
+        # systemd says whether they were stopped with one (`hold_in_doubt`)
+        self.in_doubt: dict[str, frozenset[str]] = {}
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         # units that ended running and that their Restart= starts again (or may: its
@@ -895,7 +902,6 @@ class Scheduler:
             del self.waiters[name]  # its kept place taken by a more urgent start
         else:
             return []
-        self._tops_cache = None
         (self.finished if outcome is Outcome.EXITED else self.failed).add(name)
         return self.schedule()
 
@@ -913,6 +919,8 @@ class Scheduler:
         refill then, and status would show it for ever."""
         self.preempted.pop(name, None)
         self.wait_failed.discard(name)  # a note on its preemption
+        self.stopped_along.pop(name, None)
+        self.in_doubt.pop(name, None)
         self.held.discard(name)
         self.unconfirmed_holds.pop(name, None)
         self.finished.discard(name)
@@ -1450,6 +1458,64 @@ class Scheduler:
                 self.stopped_by_shutdown.add(name)  # as `inactive` keeps it
             freed.append(name)
         return freed
+
+    def stopping(self) -> dict[str, str]:
+        """The units a stop of gpuslice's is under way for, each with the unit it is for
+        ("" for none: a withdrawn start, a yield to foreign processes)."""
+        return {
+            name: holder.stopping_for or ""
+            for name, holder in self.holders.items()
+            if holder.phase is Phase.STOPPING
+        }
+
+    def hold_in_doubt(self, name: str, victims: Iterable[str]) -> None:
+        """`name` was held while gpuslice stopped `victims`: systemd may have stopped it with
+        one it needs (`stopped_with`), which is asked. Meanwhile they are not brought back:
+        back first, a less urgent victim took the GPUs of the more urgent unit that needs it.
+        Decides nothing."""
+        self.in_doubt[name] = frozenset(victims)
+
+    def hold_stands(self, name: str) -> list[Action]:
+        """`name` was not stopped with a unit it needs, or systemd could not say: held as
+        booked; the victims kept back for it may come back."""
+        if self.in_doubt.pop(name, None) is None:
+            return []
+        return self.schedule()
+
+    def stopped_with(self, name: str, victim: str, why: str, for_unit: str) -> list[Action]:
+        """systemd stopped `name` with `victim`, which gpuslice was stopping (for
+        `for_unit`) and which `name` needs (`why`: its `Requires=`, `BindsTo=` or
+        `PartOf=`, as systemd read them after its down): a stop of gpuslice's took it down,
+        not someone's. Held at its down (that stop was not ours), it is preempted like
+        `victim`, and comes back as a preempted unit does (Requeue=), once `victim`'s stop is
+        over (`stopped_along`): held, the more urgent unit that needs a less urgent victim
+        never came back, and the victim came back on its GPUs. Not once its hold is over
+        (started or forgotten since), nor where `victim` is held (ours merged into someone's
+        stop of it)."""
+        doubted = self.in_doubt.pop(name, None) is not None
+        spec = self.specs.get(name)
+        if spec is None or name not in self.held or victim in self.held:
+            return self.schedule() if doubted else []
+        self.held.discard(name)
+        self.unconfirmed_holds.pop(name, None)
+        self.preempted[name] = self.out_since[name]
+        self.stopped_along[name] = victim
+        known = self.specs.get(for_unit)
+        actions = [
+            _log(
+                _about(
+                    spec,
+                    Code.STOPPED_WITH,
+                    units=(victim,),
+                    detail=why,
+                    for_unit=for_unit,
+                    for_priority=known.priority if known is not None else None,
+                )
+            )
+        ]
+        if not spec.requeue:
+            actions.append(_log(_about(spec, Code.NOT_REQUEUED)))
+        return actions + self.schedule()
 
     def set_specs(self, specs: Mapping[str, UnitSpec]) -> list[Action]:
         """Annotations were (re)read: apply new priorities. A unit no longer annotated whose
@@ -2143,6 +2209,17 @@ class Scheduler:
             ):
                 continue
             if self.refill_paused and spec.kind is UnitKind.BACKGROUND:
+                continue
+            if self.phase(self.stopped_along.get(name, "")) is Phase.STOPPING or any(
+                name in victims for victims in self.in_doubt.values()
+            ):
+                continue
+            if self.stopped_along.pop(name, "") in self.held:
+                # its victim's stop was someone's after all (ours merged into theirs), and
+                # so was its own: held like it. Back, it started the victim again
+                del self.preempted[name]
+                self.held.add(name)
+                actions.append(_log(self._about_name(name, Code.HOLD)))
                 continue
             if self._requeue_blocked_too(spec, unplaced):
                 found = None

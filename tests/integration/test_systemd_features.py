@@ -81,14 +81,15 @@ def test_a_unit_still_starting_past_its_gate_is_preempted(container: Container) 
     assert B in [p["unit"] for p in status(container)["preempted"]]
 
 
-@pytest.mark.xfail(strict=True, reason="REPORTED: a unit stopped along with a victim is held")
 def test_a_unit_stopped_along_with_its_preempted_requirement_comes_back(
     container: Container,
 ) -> None:
     """Two GPUs: B (50) and C (40), which `Requires=`+`After=` B, each on one. A (10) needs
     one: gpuslice preempts B, the least urgent, and systemd stops C with it (Requires=).
-    C is then taken for stopped by someone (held) and never comes back, while B, preempted,
-    comes back on C's GPU: the more urgent unit lost its run to the less urgent one."""
+    C was taken for stopped by someone (held) and never came back, while B, preempted,
+    came back on C's GPU: the more urgent unit lost its run to the less urgent one. C is
+    preempted with B (systemd says it needs B), said so, and comes back first: its start
+    pulls B's along (Requires=), which waits at its gate while A runs; both run once A ends."""
     container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\n")
     container.systemctl("restart", CONTROLLER)
     write_job(container, B, 50)
@@ -103,6 +104,41 @@ def test_a_unit_stopped_along_with_its_preempted_requirement_comes_back(
     wait_state(container, B, "active")
     assert C not in status(container)["held"]
     wait_state(container, C, "active")
+    journal = container.journal(CONTROLLER)
+    assert f"{C} (priority 40) was stopped with {B} (its Requires=)" in journal
+
+
+def test_a_unit_someone_stops_before_its_requirement_is_preempted_stays_held(
+    container: Container,
+) -> None:
+    """As above, but a person's `systemctl stop C` is under way (its `ExecStop=` takes 3 s)
+    when A preempts B: systemd merges the stop of C that gpuslice's stop of B makes into
+    the person's, made before it (a lower job id). C was stopped by the person: held, not
+    brought back with B."""
+    container.write_file("/etc/gpuslice/config.yaml", "gpus: 2\n")
+    container.systemctl("restart", CONTROLLER)
+    write_job(container, B, 50)
+    write_job(
+        container,
+        C,
+        40,
+        extra_unit=f"Requires={B}\nAfter={B}",
+        extra_service="ExecStop=/bin/sleep 3",
+    )
+    write_job(container, A, 10, seconds=3)
+    reload(container)
+    container.systemctl("start", C)
+    wait_state(container, C, "active")
+    container.systemctl("stop", "--no-block", C)
+    wait_state(container, C, "deactivating")
+    container.systemctl("start", "--no-block", A)
+    wait_journal(container, f"{C} was stopped outside gpuslice: held until started again")
+    wait_started(container, A)
+    wait_state(container, A, "inactive", timeout=30)  # finished
+    wait_state(container, B, "active")
+    assert C in status(container)["held"]
+    assert container.active_state(C) == "inactive"
+    assert f"{C} (priority 40) was stopped with" not in container.journal(CONTROLLER)
 
 
 def test_a_restart_of_a_unit_on_a_gpu_lets_no_waiter_in(container: Container) -> None:

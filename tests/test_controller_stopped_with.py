@@ -1,0 +1,269 @@
+"""A unit systemd stops along with a victim of gpuslice's (it `Requires=`, `BindsTo=` or is
+`PartOf=` it) was stopped by gpuslice's stop, not someone's: preempted, not held, on the
+fakes of tests/test_controller.py (Controller._stopped_with, Scheduler.stopped_with).
+
+README, "Dependencies between GPU units". Held, the more urgent unit that needs a less
+urgent victim never came back, and the victim came back on its GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from gpuslice.systemd import Queued, SystemdError
+from tests.test_controller import (
+    Bed,
+    _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
+    bed_config,
+    goes_down,
+    holding_a_gpu_each,
+    messages,
+    run,
+    settle,
+)
+from tests.test_controller import cgroup_of as cgroup_of  # a fixture
+
+B, C, A = "b.service", "c.service", "a.service"
+NEEDS_NONE: dict[str, list[str]] = {"Requires": [], "BindsTo": [], "PartOf": []}
+STOP_OF_C = "/org/freedesktop/systemd1/job/77"
+
+
+def _bed(tmp_path: Path, cgroups: dict[int, str], c_section: str = "") -> Bed:
+    """Two GPUs: B (50) on GPU 0, C (40, `c_section`) on GPU 1; A (10) down, its gate's
+    process (4242) in its cgroup."""
+    cgroups[4242] = A
+    return holding_a_gpu_each(
+        tmp_path,
+        {B: "Priority=50\n", C: f"Priority=40\n{c_section}"},
+        down={A: "Priority=10\n"},
+        config=bed_config(tmp_path, gpus=2),
+    )
+
+
+async def _a_preempts_b_and_c_goes_down(bed: Bed) -> None:
+    """A's gate asks: B, the least urgent, is stopped for it; systemd stops C first (its
+    stop job announced, then its down), as it does a unit that needs B and is `After=` it."""
+    ctl = bed.controller
+    await ctl.start()
+    await settle()
+    await bed.acquire(A, ":1.9", 4242)
+    assert bed.systemd.calls[-1] == ("stop", B)
+    ctl.on_job_new(77, STOP_OF_C, C)
+    goes_down(bed, C)
+    await settle()
+
+
+def _started(bed: Bed) -> list[str]:
+    return [unit for what, unit in bed.systemd.calls if what == "start"]
+
+
+@pytest.mark.parametrize("prop", ["Requires", "BindsTo", "PartOf"])
+def test_a_unit_stopped_with_a_victim_it_needs_is_preempted_and_comes_back_first(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture, prop: str
+) -> None:
+    """systemd says C needs B (`prop`): C is preempted, not held, and said so. It is not
+    started while B's stop runs (its start would pull B's start along, which cancels that
+    stop); once B is down and A runs on GPU 0, C, more urgent than B, comes back on GPU 1
+    (B after it)."""
+    bed = _bed(tmp_path, cgroup_of)
+    bed.systemd.needed[C] = {**NEEDS_NONE, prop: ["x.service", B]}
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await _a_preempts_b_and_c_goes_down(bed)
+        assert ("needs", C) in bed.systemd.calls
+        assert C not in ctl.scheduler.held
+        assert C in ctl.scheduler.preempted
+        assert (
+            f"{C} (priority 40) was stopped with {B} (its {prop}=), which gpuslice preempted "
+            f"for {A} (priority 10): preempted with it, not held"
+        ) in messages(caplog)
+        assert _started(bed) == []  # not while B's stop runs: C's start would cancel it
+        goes_down(bed, B)
+        await settle()
+        assert bed.service.granted == [(A, "0")]
+        assert _started(bed) == [C]
+        assert B in ctl.scheduler.preempted
+        assert ctl.scheduler.snapshot().held == []
+
+    run(test)
+
+
+def test_a_unit_stopped_with_a_victim_and_requeue_no_is_preempted_not_brought_back(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Requeue=no: preempted like its victim, so not brought back (and said so), as any
+    preempted unit with Requeue=no; not held either."""
+    bed = _bed(tmp_path, cgroup_of, "Requeue=no\n")
+    bed.systemd.needed[C] = {**NEEDS_NONE, "Requires": [B]}
+
+    async def test() -> None:
+        ctl = bed.controller
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await _a_preempts_b_and_c_goes_down(bed)
+        assert C not in ctl.scheduler.held
+        assert f"{C} (priority 40) preempted; Requeue=no, not restarting" in messages(caplog)
+        goes_down(bed, B)
+        await settle()
+        assert _started(bed) == [B]  # C is not brought back: B comes back on GPU 1
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    "needed",
+    [NEEDS_NONE, SystemdError("org.freedesktop.DBus.Error.TimedOut", "no answer")],
+    ids=["needs-nothing-of-it", "read-fails"],
+)
+def test_a_unit_someone_stops_while_gpuslice_stops_another_is_still_held(
+    tmp_path: Path, cgroup_of: dict[int, str], needed: dict[str, list[str]] | SystemdError
+) -> None:
+    """C needs nothing of B (a person's `systemctl stop C` as B is preempted), or what it
+    needs cannot be read: the stop was someone's, C is held as before, never brought back."""
+    bed = _bed(tmp_path, cgroup_of)
+    bed.systemd.needed[C] = needed
+
+    async def test() -> None:
+        ctl = bed.controller
+        await _a_preempts_b_and_c_goes_down(bed)
+        assert ("needs", C) in bed.systemd.calls
+        assert ctl.scheduler.snapshot().held == [C]
+        goes_down(bed, B)
+        await settle()
+        assert _started(bed) == [B]
+
+    run(test)
+
+
+def test_a_unit_stopped_while_gpuslice_stops_nothing_is_held_with_no_read(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """No stop of gpuslice's under way: a unit's stop is someone's, and nothing is read."""
+    bed = _bed(tmp_path, cgroup_of)
+    bed.systemd.needed[C] = {**NEEDS_NONE, "Requires": [B]}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        ctl.on_job_new(77, STOP_OF_C, C)
+        goes_down(bed, C)
+        await settle()
+        assert ctl.scheduler.snapshot().held == [C]
+        assert ("needs", C) not in bed.systemd.calls
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("needed", "back"), [({"Requires": [B]}, C), ({"Requires": []}, B)], ids=["needs-it", "not"]
+)
+def test_a_victim_down_before_the_read_answers_comes_back_only_after_the_answer(
+    tmp_path: Path, cgroup_of: dict[int, str], needed: dict[str, list[str]], back: str
+) -> None:
+    """B stops at once, before systemd answers what C needs: B is not brought back
+    meanwhile (back first, it took GPU 1, and C, more urgent, waited for it); once the
+    answer comes, C comes back if it needs B, else B does (C held)."""
+    bed = _bed(tmp_path, cgroup_of)
+    answer = asyncio.Event()
+
+    async def slow_needs(name: str) -> dict[str, list[str]]:
+        bed.systemd.calls.append(("needs", name))
+        await answer.wait()
+        return {**NEEDS_NONE, **needed}
+
+    bed.systemd.needs = slow_needs  # type: ignore[method-assign]
+
+    async def test() -> None:
+        await _a_preempts_b_and_c_goes_down(bed)
+        goes_down(bed, B)
+        await settle()
+        assert bed.service.granted == [(A, "0")]
+        assert _started(bed) == []
+        answer.set()
+        await settle()
+        assert _started(bed) == [back]
+
+    run(test)
+
+
+def test_a_unit_someone_stopped_before_gpuslice_stopped_what_it_needs_is_held(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """A person's `systemctl stop C` is under way (job 5) when A preempts B (job 11):
+    systemd merges the stop of C that ours makes into the person's, made before ours. The
+    job that took C down is older than B's stop: someone's; C is held, nothing is read."""
+    bed = _bed(tmp_path, cgroup_of)
+    bed.systemd.needed[C] = {**NEEDS_NONE, "Requires": [B]}
+    bed.systemd._jobs = 10
+    theirs = "/org/freedesktop/systemd1/job/5"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        ctl.on_job_new(5, theirs, C)
+        ctl.on_unit_changed(
+            C, {"ActiveState": "deactivating", "SubState": "stop-sigterm", "Job": (5, theirs)}
+        )
+        await bed.acquire(A, ":1.9", 4242)
+        assert bed.systemd.calls[-1] == ("stop", B)
+        ours = "/org/freedesktop/systemd1/job/11"
+        ctl.on_job_new(11, ours, B)
+        ctl.on_unit_changed(B, {"Job": (11, ours)})
+        down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
+        ctl.on_unit_changed(C, down)
+        await settle()
+        print(
+            "DBG",
+            dict(ctl.scheduler.holders),
+            ctl.scheduler.preempted,
+            ctl.scheduler.held,
+            ctl.scheduler.finished,
+            bed.systemd.calls,
+            ctl.tracker.state(B),
+        )
+        assert ctl.scheduler.snapshot().held == [C]
+        assert ("needs", C) not in bed.systemd.calls
+
+    run(test)
+
+
+def test_a_unit_stopped_with_a_victim_someone_stopped_is_held_like_it(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """gpuslice's stop of B merged into a person's stop of B, made before it: B is held
+    (README), and C, which systemd stopped with B, is held like it, not brought back (its
+    start would start B again)."""
+    bed = _bed(tmp_path, cgroup_of)
+    bed.systemd.needed[C] = {**NEEDS_NONE, "Requires": [B]}
+    theirs = "/org/freedesktop/systemd1/job/5"
+
+    async def merged(name: str, queued: Queued | None = None) -> str:
+        bed.systemd.calls.append(("stop", name))
+        if queued is not None:
+            queued(theirs)
+        return theirs
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        ctl.on_job_new(5, theirs, B)  # the person's stop
+        bed.systemd.stop_unit = merged  # type: ignore[method-assign]
+        await bed.acquire(A, ":1.9", 4242)
+        assert bed.systemd.calls[-1] == ("stop", B)
+        ctl.on_job_new(77, STOP_OF_C, C)
+        goes_down(bed, C)
+        await settle()
+        goes_down(bed, B)
+        await settle()
+        assert ctl.scheduler.snapshot().held == [B, C]
+        assert _started(bed) == []
+
+    run(test)
