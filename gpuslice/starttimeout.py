@@ -87,7 +87,7 @@ _NUMBER = r"(\+(?=[0-9]))?([0-9]+(?:\.[0-9]+)?|\.[0-9]+)"
 # once).
 _SPAN = re.compile(rf"[ \t\n\r]*(?:{_NUMBER}(?:[ \t\n\r]*(?:{_UNIT})[ \t\n\r]*|[ \t\n\r]+|\Z))+")
 _COMPONENT = re.compile(rf"{_NUMBER}[ \t\n\r]*({_UNIT})?")
-_LLONG = re.compile(r"(?<![0-9.])0*[1-9][0-9]{19}")  # a whole number past strtoll's range
+_LLONG_MAX = 2**63 - 1  # strtoll's last, for a span's whole numbers
 _NONZERO = re.compile(r"[1-9]")
 _BLANKS = " \t\n\r"
 # A longer value is taken for one systemd refuses (a 1 MiB line of "0s0s..." is one it takes,
@@ -114,7 +114,7 @@ def seconds_usec(text: str) -> int | None:
     rest = text.lstrip(_BLANKS)
     if rest.startswith("infinity"):
         return _USEC_INFINITY if rest[len("infinity") :].strip(_BLANKS) == "" else None
-    if _SPAN.fullmatch(text) is None or _LLONG.search(text) is not None:
+    if _SPAN.fullmatch(text) is None:
         return None
     if _NONZERO.search(text) is None:
         return _USEC_INFINITY  # 0: no timeout (units hold no digit)
@@ -123,7 +123,10 @@ def seconds_usec(text: str) -> int | None:
         _, number, suffix = found.groups()
         whole, _, fraction = number.partition(".")
         multiplier = _MULTIPLIER[suffix] if suffix is not None else 10**6
-        usec += int(whole or "0") * multiplier
+        count = int(whole or "0")
+        if count > _LLONG_MAX or count >= _USEC_INFINITY // multiplier:
+            return None  # strtoll's ERANGE, or parse_time's
+        usec += count * multiplier
         scale = multiplier // 10
         for digit in fraction[:13]:  # a microsecond is the 13th digit of a year's
             usec += int(digit) * scale
@@ -154,8 +157,8 @@ class StartTimeout:
     away, fed in systemd's order (`assign`, the gate's own drop-in skipped): the last
     `TimeoutStartSec=`/`TimeoutSec=` systemd takes (one it refuses, the empty one too, is
     ignored), before or after the gate's; `Type=` (one it refuses ignored); `BusName=` (a
-    unit without `Type=` is Type=dbus with one; the empty one resets it); and how many
-    `ExecCondition=`, `ExecStartPre=` and `ExecStartPost=` lines remain (an empty one
+    unit without `Type=` is Type=dbus with one; the empty one resets it); and which of
+    `ExecCondition=`, `ExecStartPre=` and `ExecStartPost=` have lines left (an empty one
     resets its list)."""
 
     def __init__(self) -> None:
@@ -163,7 +166,7 @@ class StartTimeout:
         self.timeout_after_gate = False
         self.type: _At | None = None
         self.bus_name: _At | None = None
-        self.commands = dict.fromkeys(_COMMANDS, 0)
+        self.commands: set[str] = set()  # those of `_COMMANDS` with lines left
 
     def assign(self, path: str, entry: Entry, before_gate: bool) -> None:
         at = _At(path, entry.line, entry.key, entry.value)
@@ -177,15 +180,18 @@ class StartTimeout:
                 self.type = at
         elif key == "BusName":
             self.bus_name = at if value else None
-        elif key in self.commands:
-            self.commands[key] = self.commands[key] + 1 if value else 0
+        elif key in _COMMANDS:
+            if value:
+                self.commands.add(key)
+            else:
+                self.commands.discard(key)
 
     def findings(self) -> list[Finding]:
         """The warning for what the gate's override takes away; none where it takes nothing
         (no limit of the unit's own, or one set after the gate's, or nothing it bounded)."""
         kind = self._kind()
         steps = [_MAIN_STEP[kind]] if kind in _MAIN_STEP else []
-        own = [key for key, count in self.commands.items() if count]
+        own = [key for key in _COMMANDS if key in self.commands]
         if own:
             steps.append("its " + " and ".join(f"{k}=" for k in own) + " lines")
         what = " and ".join(steps)

@@ -78,6 +78,9 @@ def warning(path: str, line: int, key: str, message: str) -> Problem:
         ("0.0", INFINITY),
         ("infinity", INFINITY),
         (" infinity ", INFINITY),
+        ("\vinfinity", None),  # systemd's blanks are " \t\n\r" alone
+        ("infinity\v", None),
+        ("infinity\f", None),
         ("", None),  # systemd refuses and ignores these
         ("-1", None),
         ("+.5", None),
@@ -93,6 +96,13 @@ def warning(path: str, line: int, key: str, message: str) -> Problem:
         ("18446744073709551615us", None),  # ERANGE
         ("0" * 30 + "5", 5_000_000),
         ("0." + "0" * 12 + "9y", 27),  # each digit a tenth of the last, rounded down
+        ("1.5us", 1),  # a tenth of a microsecond is 0
+        ("1.9999ms", 1_999),
+        ("9223372036854775808us", None),  # strtoll's ERANGE
+        ("9223372036854775807us 9223372036854775807us", INFINITY - 1),
+        ("9223372036854775807us 9223372036854775807us 1us", None),  # ERANGE: infinity reached
+        ("18446744073709550ms", 18_446_744_073_709_550_000),
+        ("18446744073709551ms", None),  # parse_time's ERANGE: past USEC_INFINITY / 1000
         ("1s" * 128, 128_000_000),
         ("1s" * 128 + " ", None),  # past SPAN_MAX: as one systemd refuses
     ],
@@ -221,3 +231,26 @@ def test_a_templates_timeout_is_warned_once_and_reaches_check(tmp_path: Path) ->
         0,
         [f"warning: {found}", "ok: 1 annotated unit(s) checked, 1 warning(s)"],
     )
+
+
+def test_the_warning_names_every_step_the_timeout_bounded(tmp_path: Path) -> None:
+    """A notify unit's timeout bounded its start until READY=1 and its own ExecStartPre=
+    lines: both are said, the way systemd runs them."""
+    write(tmp_path, X, service("Type=notify\nTimeoutStartSec=5min\nExecStartPre=/bin/a\n"))
+    what = "its start until READY=1 and its ExecStartPre= lines"
+    assert problems(tmp_path) == [warning(X, 3, "TimeoutStartSec", overridden("5min", what))]
+
+
+def test_a_long_value_is_quoted_cut(tmp_path: Path) -> None:
+    """The value quoted at the head of the warning is cut at 100 characters, a timeout's as
+    a bus name's: the rest of the line is what to do."""
+    value = "1s" * 60
+    write(tmp_path, X, service(f"Type=notify\nTimeoutStartSec={value}\n"))
+    what = "its start until READY=1"
+    quoted = value[:100] + "..."
+    assert problems(tmp_path) == [warning(X, 3, "TimeoutStartSec", overridden(quoted, what))]
+    name = "org.example." + "a" * 140
+    write(tmp_path, X, service(f"BusName={name}\n"))
+    said = "Type=dbus by this BusName=, "
+    message = defaulted(name[:100] + "...", "its start until its bus name appears", said)
+    assert problems(tmp_path) == [warning(X, 2, "BusName", message)]
