@@ -343,6 +343,10 @@ class Sim:
         # a clean exit's where its Restart= restarts one
         actions = self._feed(self.sched.inactive(name, outcome, by_itself=True))
         if name in self.sched.restart_kept:  # its Restart= may start it: a start known
+            # not ended until its wait does (`restart_not_seen`): a start of it is owed, as
+            # any start known (`announce`), also a comeback should a stop take it first
+            for gone in (self.finished, self.failed):
+                gone.discard(name)
             self.pending_starts.append(name)
             self.announced.add(name)
             self.known_at.setdefault(name, next(self._clock))
@@ -352,11 +356,14 @@ class Sim:
         """The controller's wait for the restart of a unit whose GPUs were kept for it
         ends with no restart (Restart=no, or a long RestartSec=): failed (or finished, a
         clean exit), the GPUs go."""
+        outcome = self.sched.restart_kept.get(name)
         if name in self.pending_starts:
             self.pending_starts.remove(name)
             self.announced.discard(name)
             self.told_to_wait.discard(name)
             self.known_at.pop(name, None)
+        if outcome is not None and not self.active(name):
+            self._record(self.finished if outcome is Outcome.EXITED else self.failed, name)
         return self._feed(self.sched.restart_overdue(name))
 
     def ends_remaining(self) -> list[str]:

@@ -51,6 +51,7 @@ from tests.core_builders import BG, GIB, OD, InvariantError, Sim, brief, drawn, 
 from tests.test_core_properties import (
     EXAMPLES,
     LADDER,
+    RESTART,
     UNIT,
     HostMachine,
     machine_settings,
@@ -74,9 +75,19 @@ TEMPLATE_MEMORY = st.sampled_from([8 * GIB, 4 * GIB, 12 * GIB, None])
 # preempts what runs on GPU 1
 URGENT = UnitSpec("urgent@.service", 5, OD, 1, False, devices=(INSTANCE_DEVICE,))
 
+# its [Service] Restart= is each instance's (`for_instance`): a clean exit's GPUs kept too
 TEMPLATE = st.builds(
-    lambda prio, kind, gpus, requeue, memory, ladder, pinned, annotated, names: (
-        drawn(prio, kind, gpus, requeue, memory, ladder, (INSTANCE_DEVICE,) if pinned else ()),
+    lambda prio, kind, gpus, requeue, memory, ladder, pinned, annotated, names, restart: (
+        drawn(
+            prio,
+            kind,
+            gpus,
+            requeue,
+            memory,
+            ladder,
+            (INSTANCE_DEVICE,) if pinned else (),
+            restart=restart,
+        ),
         annotated,
         names[0] if pinned else names[1],
     ),
@@ -89,6 +100,7 @@ TEMPLATE = st.builds(
     st.booleans(),
     st.sampled_from([True, True, True, False]),
     st.tuples(PINNED_NAMES, JOB_NAMES),
+    RESTART,
 )
 
 REFILL = "starting background "
@@ -257,7 +269,7 @@ def _instance(template: UnitSpec, name: str) -> UnitSpec:
     spec = template.for_instance(name)
     given = name[name.index("@") + 1 : -len(".service")]
     pin = (given,) if template.devices == (INSTANCE_DEVICE,) else template.devices
-    assert (spec.name, spec.devices) == (name, pin), spec
+    assert (spec.name, spec.devices, spec.restart) == (name, pin, template.restart), spec
     return spec
 
 

@@ -2160,3 +2160,59 @@ def test_a_requeue_at_its_gate_unheard_since_a_restart_is_withdrawn_with_its_ann
     assert fresh.phase(low.name) is Phase.STOPPING  # its gate, should it ask, is stopped
     fresh.inactive(low.name, Outcome.STOPPED)
     assert (fresh.requeued, fresh.started, fresh.recorded()) == (set(), set(), frozenset())
+
+
+def test_a_comeback_kept_for_its_restart_is_no_requeue_at_its_gate_any_more() -> None:
+    """Found by `InstanceMachine`: vlm, preempted, came back by a grant at its gate
+    (requeue_at_gate), ran and failed; its GPU was kept for its Restart=, which did not
+    come. Its requeue's record, left from its comeback, stayed: the core took it for a
+    comeback still waiting at its gate (`requeued_away`), stopped it (down) when its
+    annotation went, and a failure of its restart for a failed wait (preempted again)."""
+    sim = _preempted_at_gate()
+    sim.exit(VO)
+    sim.settle()
+    sim.exit(V, Outcome.FAILED)
+    assert V in sim.sched.restart_kept
+    sim.restart_not_seen(V)
+    assert sim.sched.requeued_away() == []
+    assert brief(sim.annotate([VOICE])) == []
+    sim.check_quiet()
+
+
+def test_a_background_instance_refilled_after_a_cancelled_shutdown_is_forgotten_once_done() -> None:
+    """Found by `InstanceMachine`: the host's shutdown stopped a background instance and
+    was cancelled; refill started it again, it finished and systemd kept it active
+    (RemainAfterExit=yes), then someone stopped it. Its refill had come, but its record of
+    the shutdown's stop (`stopped_by_shutdown`) stayed: never forgotten, it stayed in
+    memory, saved and watched, until a controller restart."""
+    embed = spec("embed@a", 90, BG)
+    s = Scheduler([Gpu(0)], {embed.name: embed})
+    assert brief(s.request(embed)) == ["grant embed@a.service 0"]
+    s.set_shutting_down(True)
+    assert brief(s.inactive(embed.name, Outcome.SHUTDOWN)) == []
+    assert brief(s.set_shutting_down(False)) == ["start embed@a.service"]
+    assert brief(s.request(embed)) == ["grant embed@a.service 0"]
+    s.exited(embed.name)
+    assert brief(s.inactive(embed.name, Outcome.STOPPED)) == []
+    s.holds_confirmed([embed.name])
+    assert s.forget_instance(embed.name)
+
+
+def test_a_unit_kept_for_its_restart_whose_annotation_goes_is_kept_no_more() -> None:
+    """u failed, its GPU kept for its Restart=; its annotation goes (the GPU is released)
+    and its restart runs unmanaged; annotated again, it is adopted running. Its keep's
+    record stayed: a clean exit at a stop of it was taken for the end of that keep
+    (`restart_overdue`, which found nothing kept), and it held GPU 0 for ever, though down,
+    and x waited for it; meanwhile it never yielded to a foreign process."""
+    u, x = spec("u", 50, BG), spec("x", 70)
+    s = Scheduler([Gpu(0)], {u.name: u})
+    assert brief(s.request(u)) == ["grant u.service 0"]
+    s.inactive(u.name, Outcome.FAILED, by_itself=True)
+    assert u.name in s.restart_kept
+    s.set_specs({})
+    assert not s.restart_kept
+    s.set_specs({u.name: u, x.name: x})
+    s.running(u.name, [0])
+    s.inactive(u.name, Outcome.EXITED)
+    assert u.name not in s.holders
+    assert brief(s.request(x)) == ["grant x.service 0"]

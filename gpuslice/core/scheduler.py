@@ -864,9 +864,11 @@ class Scheduler:
         holder.granted = 0
         self.restart_kept[name] = outcome
         # the restart is systemd's: a refill's or comeback's record left from its run (inert
-        # while it ran) made it a start of ours again, never released by `restart_overdue`
+        # while it ran) made it a start of ours again, never released by `restart_overdue`,
+        # or (a requeue at its gate) one whose wait is owed a comeback and a stop
         self.started.discard(name)
         self.refills.discard(name)
+        self.requeued.discard(name)
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
         self.unstoppable_while.pop(name, None)
@@ -1032,6 +1034,7 @@ class Scheduler:
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
         self.thaw_owed.discard(name)  # it ran to its end: thawed
+        self.stopped_by_shutdown.discard(name)  # and its refill came: its down owes none
         self.started.discard(name)
         self.refills.discard(name)
         self.requeued.discard(name)
@@ -1585,7 +1588,10 @@ class Scheduler:
         and the units stopping for it stop for nobody now, as for a start that was
         cancelled. Never granted later: its gate would pass onto GPUs its process is not
         told of (the environment file's drop-in went with its annotation), after less
-        urgent units were stopped for an unmanaged one."""
+        urgent units were stopped for an unmanaged one. One kept for its Restart= is kept
+        no more: its restart, unmanaged, may run and be adopted once annotated again, its
+        down then the down of a run, not the end of a keep (`restart_overdue`)."""
+        self.restart_kept.pop(name, None)
         gone = self.holders.pop(name, None)
         if gone is not None:
             return _log(_about(gone.spec, Code.UNMANAGED, gpus=tuple(sorted(gone.gpus))))
