@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from gpuslice import __version__
 from gpuslice.annotations import Scan
 from gpuslice.callers import Credentials, KnownCallers
-from gpuslice.core.scheduler import Snapshot
+from gpuslice.core.scheduler import HOLDER_STATES, Snapshot
 from gpuslice.counters import Counters
 from gpuslice.inventory import Sample
 from gpuslice.procmount import ProcHiding, read_proc_hiding
@@ -45,15 +45,7 @@ log = logging.getLogger("gpuslice")
 # same line, again and again.
 STATUS_NAMES_MAX = 1024
 # The order STATUS= names holders in, by what they are doing (StatusAnswers.status_line).
-_LINE_PHASES = (
-    "running",
-    "starting",
-    "restarting",
-    "stopping",
-    "frozen",
-    "suspending",
-    "resuming",
-)
+_LINE_PHASES = HOLDER_STATES
 
 
 class Core(Protocol):

@@ -27,6 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from gpuslice.core.decisions import Cause, Code
+from gpuslice.core.scheduler import HOLDER_STATES
 from gpuslice.owners import KINDS, OTHER
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,13 +36,7 @@ MAX_LABEL = 512  # characters of a label value (a unit name has at most 255)
 # Job states: a holder's (status "state": the Preempt= ladder's "frozen", "suspending" and
 # "resuming" too), then the lists of the status.
 JOB_STATES = (
-    "running",
-    "starting",
-    "restarting",
-    "stopping",
-    "frozen",
-    "suspending",
-    "resuming",
+    *HOLDER_STATES,
     "waiting",
     "suspended",
     "preempted",

@@ -60,6 +60,16 @@ class Phase(enum.Enum):
 # A holder's state in the status while its GPUs are kept for its Restart= (`restart_kept`):
 # down, nothing of it runs, shown apart from a start on its way to its gate
 RESTARTING = "restarting"
+# A holder's states as status, STATUS= and the metrics show them, in the order they list them
+HOLDER_STATES = (
+    Phase.RUNNING.value,
+    Phase.STARTING.value,
+    RESTARTING,
+    Phase.STOPPING.value,
+    Phase.FROZEN.value,
+    Phase.SUSPENDING.value,
+    Phase.RESUMING.value,
+)
 
 
 def kept_for_restart_said(name: str, gpus: Iterable[int]) -> str:
