@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
+import importlib.util
 import os
+import pkgutil
 import shutil
 import signal
 import subprocess
@@ -62,6 +65,26 @@ settings.register_profile(
 )
 settings.register_profile("explore", derandomize=False, print_blob=True, deadline=None)
 settings.load_profile(os.environ.get("GPUSLICE_HYPOTHESIS", "repeatable"))
+
+
+def _import_local_modules() -> None:
+    """Every module of gpuslice and bench imported before any test draws: Hypothesis draws,
+    now and then, constants from the source of the local modules imported so far (not
+    site-packages, not tests/). Imported by a test (tests/test_bench_day.py imports bench.day)
+    or lazily by gpuslice, a module added its constants then, and every property test after
+    it drew other examples: a file alone, `make test` and mutmut's subsets each replayed
+    different histories, and a failure found in one was not drawn in another (its printed
+    blob still replays it). Imported here, the pool is the code's, whatever ran before.
+    `make mutate` copies no bench/ (pyproject.toml, [tool.mutmut]): there, gpuslice alone."""
+    for name in ("gpuslice", "bench"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        package = importlib.import_module(name)
+        for module in pkgutil.walk_packages(package.__path__, f"{name}."):
+            importlib.import_module(module.name)
+
+
+_import_local_modules()
 
 INTEGRATION = Path(__file__).parent / "integration"
 # the host's own gpuslice directories, as they were when this session started, and those a

@@ -92,6 +92,9 @@ class FakeSystemd:
         self.tasks: dict[str, int | SystemdError | None] = {}
         # each unit's Requires=, BindsTo=, PartOf= (none if not named), as `needs` reads them
         self.needed: dict[str, dict[str, list[str]] | SystemdError] = {}
+        # a stop job someone queued, by unit, where a test says: a StopUnit of that unit joins
+        # it (systemd merges the two) and is answered with its path, no job of its own
+        self.stop_jobs: dict[str, str] = {}
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -225,8 +228,10 @@ class FakeSystemd:
         """As Systemd: the call is sent (recorded) as it is made; `queued` is told the job
         as the answer is read, before the caller resumes."""
         self.calls.append((what, name))
-        self._jobs += 1
-        path = f"/org/freedesktop/systemd1/job/{self._jobs}"
+        path = self.stop_jobs.get(name, "") if what == "stop" else ""
+        if not path:
+            self._jobs += 1
+            path = f"/org/freedesktop/systemd1/job/{self._jobs}"
 
         async def answer() -> str:
             if queued is not None:

@@ -390,17 +390,11 @@ def test_a_victim_a_person_stopped_before_our_stop_is_held_not_brought_back(
     bed = low_holds_gpu_0(tmp_path, cgroup_of)
     theirs = "/org/freedesktop/systemd1/job/5"
 
-    async def merged(name: str, queued: Queued | None = None) -> str:
-        bed.systemd.calls.append(("stop", name))
-        if queued is not None:
-            queued(theirs)
-        return theirs
-
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
         ctl.on_job_new(5, theirs, "low.service")  # the admin's stop
-        bed.systemd.stop_unit = merged  # type: ignore[method-assign]
+        bed.systemd.stop_jobs["low.service"] = theirs  # ours joins it
         await bed.acquire("urgent.service", ":1.9", 4242)
         assert bed.systemd.calls[-1] == ("stop", "low.service")
         with caplog.at_level(logging.INFO, logger="gpuslice"):

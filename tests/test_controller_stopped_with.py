@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice.systemd import Queued, SystemdError
+from gpuslice.systemd import SystemdError
 from tests.test_controller import (
     Bed,
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
@@ -219,15 +219,6 @@ def test_a_unit_someone_stopped_before_gpuslice_stopped_what_it_needs_is_held(
         down = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
         ctl.on_unit_changed(C, down)
         await settle()
-        print(
-            "DBG",
-            dict(ctl.scheduler.holders),
-            ctl.scheduler.preempted,
-            ctl.scheduler.held,
-            ctl.scheduler.finished,
-            bed.systemd.calls,
-            ctl.tracker.state(B),
-        )
         assert ctl.scheduler.snapshot().held == [C]
         assert ("needs", C) not in bed.systemd.calls
 
@@ -244,18 +235,12 @@ def test_a_unit_stopped_with_a_victim_someone_stopped_is_held_like_it(
     bed.systemd.needed[C] = {**NEEDS_NONE, "Requires": [B]}
     theirs = "/org/freedesktop/systemd1/job/5"
 
-    async def merged(name: str, queued: Queued | None = None) -> str:
-        bed.systemd.calls.append(("stop", name))
-        if queued is not None:
-            queued(theirs)
-        return theirs
-
     async def test() -> None:
         ctl = bed.controller
         await ctl.start()
         await settle()
         ctl.on_job_new(5, theirs, B)  # the person's stop
-        bed.systemd.stop_unit = merged  # type: ignore[method-assign]
+        bed.systemd.stop_jobs[B] = theirs  # ours joins it
         await bed.acquire(A, ":1.9", 4242)
         assert bed.systemd.calls[-1] == ("stop", B)
         ctl.on_job_new(77, STOP_OF_C, C)

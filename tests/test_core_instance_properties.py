@@ -30,8 +30,11 @@ granted only the GPU its name gives. The core and the model know the same units 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import replace
+from pathlib import Path
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -458,6 +461,24 @@ class InstanceMachine(HostMachine):
 # seen down before the rules on forgetting it have anything to judge
 InstanceMachine.TestCase.settings = settings(machine_settings(EXAMPLES), stateful_step_count=60)
 TestInstances = InstanceMachine.TestCase
+
+
+def test_the_constants_hypothesis_draws_are_the_codes_whatever_ran_before() -> None:
+    """Hypothesis draws, now and then, constants from the source of the local modules imported
+    so far: after tests/test_bench_day.py (it imports bench.day), `InstanceMachine` drew other
+    histories than in this file alone. tests/conftest.py imports every module of gpuslice and
+    bench first: a process that loads it has them all, whatever it runs next."""
+    repo = Path(__file__).resolve().parent.parent
+    local = sorted(
+        ".".join(path.relative_to(repo).with_suffix("").parts).removesuffix(".__init__")
+        for package in ("gpuslice", "bench")
+        for path in (repo / package).rglob("*.py")
+    )
+    script = "import sys, tests.conftest; print(*sys.modules)"
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=repo, capture_output=True, text=True, check=True
+    )
+    assert [name for name in local if name not in run.stdout.split()] == []
 
 
 # -- what the machine found in the core (fixed since) -----------------------------------------

@@ -21,6 +21,16 @@ ANNOTATION = "\n[X-GPUSlice]\nPriority=1\n"
 GATE = (
     "the gate's TimeoutStartSec=infinity (gpuslice-gate.conf: a start may wait hours at its gate)"
 )
+# what a start timeout bounded, by Type= (the types whose main process has one)
+BOUNDED = [
+    ("notify", "its start until READY=1"),
+    ("notify-reload", "its start until READY=1"),
+    ("dbus", "its start until its bus name appears"),
+    ("forking", "its ExecStart= until it returns"),
+    ("oneshot", "its ExecStart="),
+]
+# those systemd bounds with no timeout of the unit's own: a oneshot's default is infinity
+BOUNDED_BY_DEFAULT = [(kind, what) for kind, what in BOUNDED if kind != "oneshot"]
 
 
 def overridden(value: str, what: str) -> str:
@@ -113,13 +123,7 @@ def test_time_spans_read_as_systemd_reads_them(text: str, usec: int | None) -> N
 
 @pytest.mark.parametrize(
     ("kind", "what"),
-    [
-        ("notify", "its start until READY=1"),
-        ("notify-reload", "its start until READY=1"),
-        ("dbus", "its start until its bus name appears"),
-        ("forking", "its ExecStart= until it returns"),
-        ("oneshot", "its ExecStart="),
-    ],
+    BOUNDED,
 )
 @pytest.mark.parametrize("key", ["TimeoutStartSec", "TimeoutSec"])
 def test_a_timeout_of_the_units_own_that_the_gate_overrides_is_warned_at(
@@ -134,12 +138,7 @@ def test_a_timeout_of_the_units_own_that_the_gate_overrides_is_warned_at(
 
 @pytest.mark.parametrize(
     ("kind", "what"),
-    [
-        ("notify", "its start until READY=1"),
-        ("notify-reload", "its start until READY=1"),
-        ("dbus", "its start until its bus name appears"),
-        ("forking", "its ExecStart= until it returns"),
-    ],
+    BOUNDED_BY_DEFAULT,
 )
 def test_a_type_bounded_by_default_without_a_timeout_is_warned_at_its_type(
     tmp_path: Path, kind: str, what: str
