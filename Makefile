@@ -283,11 +283,13 @@ MUTATE_adapters := gpuslice.sizes.* gpuslice.annotations.* gpuslice.starttimeout
 # systemd that queue a job, sent again (calls.py), a grant's way to its gate, the env file
 # first (delivery.py), start-up's restore of the saved state against what systemd shows
 # (restore.py), the rescans after a daemon-reload with the starts they hold back
-# (rescans.py), what a gate that asks is answered (gates.py), and whether a released
-# `RemainAfterExit=yes` unit has processes left (remains.py)
+# (rescans.py), what a gate that asks is answered (gates.py) and the starts queued it waits
+# for (queued.py), whether a released `RemainAfterExit=yes` unit has processes left
+# (remains.py), and how a run ended that a bare `auto-restart` told (restartresult.py)
 MUTATE_controller := gpuslice.controller.* gpuslice.calls.* gpuslice.delivery.* \
-	gpuslice.restore.* gpuslice.rescans.* gpuslice.gates.* gpuslice.answers.* gpuslice.instances.* \
-	gpuslice.reloads.* gpuslice.remains.*
+	gpuslice.restore.* gpuslice.rescans.* gpuslice.gates.* gpuslice.queued.* \
+	gpuslice.answers.* gpuslice.instances.* gpuslice.reloads.* gpuslice.remains.* \
+	gpuslice.restartresult.*
 # the adapters to the outside world: systemd's bus, NVML and the driver's arrival, the GPU
 # watcher and the whole inventory, `gpuslice new`, the metrics and their exporter, the
 # journal's lines and sd_notify, gpuslice's own D-Bus interface and who calls it, the

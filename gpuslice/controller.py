@@ -27,7 +27,7 @@ from collections.abc import (
 from pathlib import Path
 from typing import Any
 
-from gpuslice import clock, stopjournal
+from gpuslice import clock, restartresult, stopjournal
 from gpuslice.annotations import Problem, Scan, scan
 from gpuslice.answers import StatusAnswers
 from gpuslice.calls import Calls, JobCall
@@ -80,10 +80,12 @@ from gpuslice.paths import (
     STATE_DIR_RECORD,
     gate_pipe_dir,
 )
+from gpuslice.queued import QueuedStarts
 from gpuslice.reloads import Reloads, load_settled
 from gpuslice.remains import Remains
 from gpuslice.rereads import Rereads
 from gpuslice.rescans import Rescans
+from gpuslice.restartresult import RestartResults
 from gpuslice.restore import AskJournal, Restore
 from gpuslice.service import (
     BUS_NAME,
@@ -323,6 +325,21 @@ class Controller:
             lambda: self.rescans.again,
             self.rescans.hold_for_rescan,
         )
+        # downs a bare `auto-restart` told under Restart=always, told once Result= is read
+        self.restart_results = RestartResults(
+            systemd, self.counters, self._spawn, self._result_read
+        )
+        # gate calls of starts the core has not answered, held until systemd's queued starts
+        # are read: the starts of one transaction are served in priority order
+        self.queued = QueuedStarts(
+            systemd,
+            self.tracker,
+            self.counters,
+            self.spec_for,
+            self._known,
+            self._spawn,
+            self._starts_read,
+        )
         # the gate's judgement: what each gate that asks is answered
         self.judge = Gates(
             self.scheduler,
@@ -343,6 +360,7 @@ class Controller:
             self.execute,
             self._spawn,
             self._say,
+            self.queued.wait,
         )
         self.boot_id = ""
         self.ready = False
@@ -638,22 +656,39 @@ class Controller:
             return
         if self.spec_for(unit) is None:
             return
-        if is_instance(unit) and unit not in self.instances.announced:
-            # an instance of an annotated template, new to us: heard from now on (its gate,
-            # without a pipe this time, asks over D-Bus; the unit is read once matched). One
-            # still matched (it ended and was forgotten, its rule not removed yet) is kept
-            # matched too: a re-match meanwhile would drop the rule, and its gate, waiting on
-            # the pipe made below, would never be seen at start-pre. A re-match under way
-            # was computed without it and may drop its rule: one more follows it
-            self.instances.announced.add(unit)
-            if not self.systemd.watches(unit) or self._rewatching:
-                self._rewatch()
+        self._follow_instance(unit)
         if self.systemd.watches(unit):  # else its gate's signal may not reach us: no pipe
             self.gates.expect(unit)  # before its gate looks for its pipe
         if self.scheduler.phase(unit) is None and not self.scheduler.is_waiting(unit):
             # a start the scheduler does not know yet (not its own, not one at its gate)
             seen = self.tracker.heard(unit)
             asyncio.get_running_loop().call_later(QUEUED_DELAY, self._queued, unit, job_id, seen)
+
+    def _follow_instance(self, unit: str) -> None:
+        """An instance of an annotated template, new to us, is heard from now on (its gate,
+        without a pipe this time, asks over D-Bus; the unit is read once matched). One
+        still matched (it ended and was forgotten, its rule not removed yet) is kept
+        matched too: a re-match meanwhile would drop the rule, and its gate, waiting on
+        the pipe made at its JobNew, would never be seen at start-pre. A re-match under way
+        was computed without it and may drop its rule: one more follows it."""
+        if is_instance(unit) and unit not in self.instances.announced:
+            self.instances.announced.add(unit)
+            if not self.systemd.watches(unit) or self._rewatching:
+                self._rewatch()
+
+    def _starts_read(self, starts: list[UnitSpec], units: list[str]) -> None:
+        """systemd's queued starts, read for the gate calls that waited (gpuslice/queued.py):
+        those the core did not know are announced, in the order systemd made them (an
+        instance is matched from now on, as at its JobNew), and the calls judged, all in one
+        scheduling pass. Not held back again by a rescan begun
+        since (Rescans.park): each call was judged on a scan begun after it came, and
+        parked again, it waited as long as daemon-reloads kept coming."""
+        with self._batched():
+            for spec in starts:
+                self._follow_instance(spec.name)
+                self.execute(self.scheduler.announce(spec))
+            for unit in units:
+                self.judge.acquire_verified(unit, placed=True)
 
     def _queued(self, unit: str, job_id: int, seen: int) -> None:
         """A job systemd announced for an annotated unit has not reached its gate: it may be
@@ -739,6 +774,7 @@ class Controller:
         if spec is not None:
             self.scheduler.learn(spec)
         with self._batched():
+            self.restart_results.heard(name)  # a down held for its Result=: told first
             changes = self.tracker.unit_changed(name, props, read=read)
             if spec is not None and self.rescans.hold_gate(name, props.get("InvocationID")):
                 return
@@ -820,51 +856,11 @@ class Controller:
     def _apply(self, change: Change) -> None:
         if isinstance(change, WentDown):
             name = change.unit
-            self.calls.cancel_stop_timer(name)
-            held = self.scheduler.grants().get(name, frozenset())
-            if self.scheduler.phase(name) is not None and (
-                self.watch.available or self._holds_lost(held)
-            ):
-                # VRAM release: what NVML still shows of it now counts against its GPUs;
-                # without NVML, a GPU no longer configured that it held goes with it
-                self.watch.refresh(released=name)
-            # stops of ours under way that may have taken it down with them (`_stopped_with`)
-            stopping = {
-                v: w
-                for v, w in (
-                    self.scheduler.stopping().items() if change.outcome is Outcome.STOPPED else ()
-                )
-                if v != name and not self._stop_before(change.job, v)
-            }
-            self.execute(
-                self.scheduler.inactive(
-                    name,
-                    change.outcome,
-                    by_itself=change.by_itself,
-                    not_ours=change.not_ours,
-                    in_shutdown=change.in_shutdown,
-                    restarting=restart_coming(self.tracker.state(name)),
-                )
-            )
-            if stopping and name in self.scheduler.held:
-                self.scheduler.hold_in_doubt(name, stopping)
-                since = self.scheduler.out_since[name]
-                self._spawn(self._stopped_with(name, stopping, since))
-            self._time_restart(name)
-            if name in self.scheduler.unconfirmed_holds:
-                self.reads.hold_booked(name)  # held: unless the shutdown's JobNew was lost
-            self.service.forget(name)
-            self.ladder.went_down(name)
-            self.remains.went_down(name)
-            if self.spec_for(name) is None and not self._known(name):
-                # its annotation went while it held GPUs (let through since on them, maybe):
-                # released now, it is no longer followed, and no later signal of it comes
-                # to _follow_gate, which only annotated units reach. Its pipe, env file and
-                # tracker entry go here, at the down that released it, even when that down
-                # is our stop's, whose end (its job gone) is no longer heard
-                if is_instance(name):
-                    self.instances.went_down(name)
-                self._unfollowed_down(name)
+            spec, state = self.spec_for(name), self.tracker.state(name)
+            if restartresult.unknown(change, spec, state, self.scheduler.phase(name)):
+                self.restart_results.hold(change)  # told once its Result= is read
+            else:
+                self._went_down(change)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))
         elif isinstance(change, Exited):
@@ -876,6 +872,60 @@ class Controller:
         else:
             self.calls.cancel_stop_timer(change.unit)
             self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))
+
+    def _result_read(self, change: WentDown) -> None:
+        """A down held for its Result= (gpuslice/restartresult.py), taken in now."""
+        with self._batched():
+            self._went_down(change)
+
+    def _went_down(self, change: WentDown) -> None:
+        """The unit is down (its outcome known): the core is told, and what it held goes."""
+        name = change.unit
+        self.calls.cancel_stop_timer(name)
+        held = self.scheduler.grants().get(name, frozenset())
+        if self.scheduler.phase(name) is not None and (
+            self.watch.available or self._holds_lost(held)
+        ):
+            # VRAM release: what NVML still shows of it now counts against its GPUs;
+            # without NVML, a GPU no longer configured that it held goes with it
+            self.watch.refresh(released=name)
+        # stops of ours under way that may have taken it down with them (`_stopped_with`)
+        stopping = {
+            v: w
+            for v, w in (
+                self.scheduler.stopping().items() if change.outcome is Outcome.STOPPED else ()
+            )
+            if v != name and not self._stop_before(change.job, v)
+        }
+        self.execute(
+            self.scheduler.inactive(
+                name,
+                change.outcome,
+                by_itself=change.by_itself,
+                not_ours=change.not_ours,
+                in_shutdown=change.in_shutdown,
+                restarting=restart_coming(self.tracker.state(name)),
+            )
+        )
+        if stopping and name in self.scheduler.held:
+            self.scheduler.hold_in_doubt(name, stopping)
+            since = self.scheduler.out_since[name]
+            self._spawn(self._stopped_with(name, stopping, since))
+        self._time_restart(name)
+        if name in self.scheduler.unconfirmed_holds:
+            self.reads.hold_booked(name)  # held: unless the shutdown's JobNew was lost
+        self.service.forget(name)
+        self.ladder.went_down(name)
+        self.remains.went_down(name)
+        if self.spec_for(name) is None and not self._known(name):
+            # its annotation went while it held GPUs (let through since on them, maybe):
+            # released now, it is no longer followed, and no later signal of it comes
+            # to _follow_gate, which only annotated units reach. Its pipe, env file and
+            # tracker entry go here, at the down that released it, even when that down
+            # is our stop's, whose end (its job gone) is no longer heard
+            if is_instance(name):
+                self.instances.went_down(name)
+            self._unfollowed_down(name)
 
     def _stop_before(self, job: str, victim: str) -> bool:
         """The job that took a unit down (`job`, its path) was made before the stop job that

@@ -4,11 +4,12 @@ A unit's gate asks over D-Bus (Acquire), or systemd shows it at its gate and the
 takes that in as if it had asked (Controller._follow_gate). `verify_acquire` serves a call only
 from a process in the unit it names, and holds it back while a rescan may change what is
 annotated (Rescans.park); `acquire_verified` tells a call of a start already answered, or of
-the next start, from a new one (`_grant_again`); `serve_gate` takes in a restart that ended
-a frozen or suspended run, stops again a start that outran our stop, asks the core of an
-annotated unit and lets an unannotated one through (`let_through`: its env file made to say
-what the core books for it first, its ExecStartPre= read, `_pass_gate`, and a start whose
-gate a daemon-reload took out restarted, `_restart_ungated`).
+the next start, from a new one (`_grant_again`), and holds one the core has not answered
+until systemd's queued starts are read (`queued`: gpuslice/queued.py); `serve_gate` takes in
+a restart that ended a frozen or suspended run, stops again a start that outran our stop,
+asks the core of an annotated unit and lets an unannotated one through (`let_through`: its
+env file made to say what the core books for it first, its ExecStartPre= read, `_pass_gate`,
+and a start whose gate a daemon-reload took out restarted, `_restart_ungated`).
 
 The controller decides when a gate asks (its start-up holds the early calls back) and carries
 out the core's actions; everything else is given: the core, the tracker, systemd's calls, the
@@ -16,7 +17,8 @@ gate calls waiting on D-Bus (`service`) and at their pipes (`gates`), the counte
 annotations (`spec_for`), the rescans, start-up's word on a run started again (`restore`),
 NVML's sample (`watch`), the Preempt= ladder, our calls to systemd (`calls`), a grant's way to
 its gate (`delivery`), the runtime_dir, and the controller's batching of a scheduling pass,
-its `execute`, `spawn` and the journal's line for a decision (`say`).
+its `execute`, `spawn` and the journal's line for a decision (`say`), and the hold of a
+call until systemd's queued starts are read (`queued`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Gates:
         execute: Callable[[list[Action]], None],
         spawn: Callable[[Coroutine[Any, Any, None]], None],
         say: Callable[[str, str, Decision | None], None],
+        queued: Callable[[str], None],
     ) -> None:
         self.scheduler = scheduler
         self.tracker = tracker
@@ -95,6 +98,9 @@ class Gates:
         self.execute = execute
         self._spawn = spawn
         self._say = say
+        # holds a call until systemd's queued starts are read (QueuedStarts.wait), which
+        # then serves it (`acquire_verified`, placed)
+        self.queued = queued
         # units whose gate `let_through` passes once systemd's ExecStartPre= of the unit is
         # read (_pass_gate): the calls that come meanwhile are answered with the first
         self._passing: set[str] = set()
@@ -140,7 +146,12 @@ class Gates:
         GPUs kept for it until its gate asks."""
         return self.scheduler.phase(unit) in (None, Phase.STARTING)
 
-    def acquire_verified(self, unit: str) -> None:
+    def acquire_verified(self, unit: str, *, placed: bool = False) -> None:
+        """A verified call (or one held back, now judged). A start the core has not
+        answered is served only among the starts systemd has queued (`placed`, once
+        gpuslice/queued.py has read them): known only by this call, the first gate of a
+        `systemctl start a b` to ask was granted before the others' starts were seen, and
+        preempted by the more urgent ones a moment later."""
         if not self.service.pending(unit):
             return
         running = self.scheduler.phase(unit) is Phase.RUNNING
@@ -154,6 +165,9 @@ class Gates:
             return
         if self.gates.answered(unit) and running:
             self._spawn(self._grant_again(unit, self.gates.granted(unit)))
+            return
+        if not placed and self.spec_for(unit) is not None and self.unanswered(unit):
+            self.queued(unit)
             return
         self.serve_gate(unit)
 

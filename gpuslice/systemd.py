@@ -24,7 +24,7 @@ from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from gpuslice import busread
-from gpuslice.tracker import MainExit, UnitState
+from gpuslice.tracker import START_JOBS, MainExit, UnitState
 from gpuslice.unitfiles import is_valid_unit_name
 
 SYSTEMD = "org.freedesktop.systemd1"
@@ -565,6 +565,17 @@ class Systemd:
         """The states of `names` in one call (those systemd lists)."""
         (units,) = await self.call("ListUnitsByNames", "as", [sorted(names)])
         return [_listed(u) for u in units]
+
+    async def start_jobs(self) -> list[str]:
+        """The units systemd has a start job for, queued or running (ListJobs), in the order
+        it made them: the starts of one transaction together. SystemdError for a reply not
+        of the form systemd gives (a(usssoo))."""
+        (jobs,) = await self.call("ListJobs")
+        try:
+            listed = sorted((int(j[0]), str(j[1]), str(j[2])) for j in jobs)
+        except (TypeError, ValueError, IndexError) as e:
+            raise SystemdError("org.gpuslice.Error.BadReply", f"ListJobs: {e}") from None
+        return [unit for _, unit, kind in listed if kind in START_JOBS]
 
     def start_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._queue("StartUnit", name, queued)

@@ -35,6 +35,7 @@ from gpuslice.annotations import Scan, scan
 from gpuslice.config import Config, load_config_with_warnings, read_pinned_runtime_dir
 from gpuslice.controller import Controller
 from gpuslice.paths import RUNTIME_DIR_DROPIN, RUNTIME_DIR_ENV
+from gpuslice.tracker import UnitState
 from tests.test_controller import (
     Bed,
     at_gate,
@@ -700,5 +701,58 @@ def test_a_start_held_back_by_a_rescan_is_not_woken_as_a_start_never_heard(
             if gate.returncode is None:
                 gate.kill()
             await gate.wait()
+
+    run(test)
+
+
+@pytest.mark.parametrize("scan_applied", [False, True])
+def test_starts_queued_together_right_after_their_reload_are_served_in_priority_order(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch, scan_applied: bool
+) -> None:
+    """Two units annotated, then `systemctl daemon-reload && systemctl start later sooner`:
+    their JobNews come while the rescan reads the new files (taken for unannotated units'),
+    no signal of theirs is matched yet, and later.service's gate (priority 50) asks first,
+    over D-Bus, before the rescan is applied or once it is, while the reads of the units
+    its re-match sends are not answered yet. Known by nothing but its own call, it was
+    granted GPU 0, and preempted a moment later by sooner.service (10), whose gate asked
+    next: its work lost. Its call waits for systemd's queued starts (gpuslice/queued.py):
+    sooner.service gets the GPU, later.service waits, never granted then stopped (README,
+    "The rules in short")."""
+    bed = Bed(tmp_path, {}, [])
+    held = HeldScan(monkeypatch)
+    cgroup_of[4242] = "later.service"
+    cgroup_of[4243] = "sooner.service"
+    answered = asyncio.Event()  # made in the test's loop below
+    read = bed.systemd.unit_state
+
+    async def late_read(name: str) -> UnitState:
+        await answered.wait()
+        return await read(name)
+
+    monkeypatch.setattr(bed.systemd, "unit_state", late_read)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        write_unit(tmp_path, "later.service", "Priority=50\n")
+        write_unit(tmp_path, "sooner.service", "Priority=10\n")
+        await held.reloaded(bed)
+        for job, name in ((7, "later.service"), (8, "sooner.service")):
+            bed.systemd.units[name] = state(name, "activating", "start-pre", job, "start")
+            ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", name)
+        if scan_applied:
+            held.go.set()
+            await until(lambda: ctl.rescans.task is None)
+        await bed.acquire("later.service", ":1.9", 4242)
+        held.go.set()
+        await until(lambda: ctl.rescans.task is None)
+        await settle()
+        await bed.acquire("sooner.service", ":1.10", 4243)
+        answered.set()
+        await settle()
+        assert bed.service.granted == [("sooner.service", "0")]
+        assert ("stop", "later.service") not in bed.systemd.calls
+        assert ctl.scheduler.is_waiting("later.service")
+        assert bed.service.pending("later.service")
 
     run(test)

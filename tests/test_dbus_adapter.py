@@ -1191,6 +1191,40 @@ def test_a_units_state_is_read_from_its_listing(bus_address: str) -> None:
     run(body)
 
 
+def test_the_start_jobs_are_read_in_the_order_systemd_made_them(bus_address: str) -> None:
+    """ListJobs: the units with a start or restart job, by job id (a gate's call waits for
+    them, gpuslice/queued.py); a reply not of systemd's form is a SystemdError."""
+
+    async def body() -> None:
+        owner = await connect(bus_address)
+        replies = [
+            (
+                "a(usssoo)",
+                [
+                    [9, "b.service", "start", "waiting", "/j/9", unit_path("b.service")],
+                    [3, "c.service", "stop", "running", "/j/3", unit_path("c.service")],
+                    [7, "a.service", "restart", "running", "/j/7", unit_path("a.service")],
+                ],
+            ),
+            ("a(s)", [["a.service"]]),
+        ]
+
+        def answer(msg: Message) -> Message | bool:
+            if msg.message_type is not MessageType.METHOD_CALL or msg.member != "ListJobs":
+                return False
+            signature, jobs = replies.pop(0)
+            return Message.new_method_return(msg, signature, [jobs])
+
+        owner.add_message_handler(answer)
+        await owner.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        assert await systemd.start_jobs() == ["a.service", "b.service"]
+        with pytest.raises(SystemdError, match="ListJobs"):
+            await systemd.start_jobs()
+
+    run(body)
+
+
 def test_the_freezer_calls_and_a_units_processes(bus_address: str) -> None:
     """FreezeUnit/ThawUnit by name, FreezerState read from the unit's own object, the PIDs of
     GetUnitProcesses; an error reply is a SystemdError (the ladder's reason), not a crash."""

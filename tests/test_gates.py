@@ -312,6 +312,7 @@ class Kit:
             self.execute,
             self.spawned.append,
             self.say,
+            lambda unit: self.did.append(f"queued {unit}"),
         )
 
     @contextmanager
@@ -401,10 +402,9 @@ def test_a_start_down_with_no_signal_since_or_still_at_its_gate_is_served(
     kit.asking(state=state)
     kit.tracker.counts[A] = 3
     kit.run(kit.gates.verify_acquire(A, SENDER, seen))
-    assert kit.did == [
-        f"caller_pid {SENDER}",
-        *SERVED,
-    ]
+    assert kit.did == [f"caller_pid {SENDER}", f"queued {A}"]
+    kit.gates.acquire_verified(A, placed=True)
+    assert kit.did == [f"caller_pid {SENDER}", f"queued {A}", *SERVED]
 
 
 def test_a_gate_the_scan_does_not_know_is_parked_for_a_rescan_of_its_own(kit: Kit) -> None:
@@ -464,6 +464,28 @@ def test_unanswered_is_unknown_or_starting(kit: Kit, phase: Phase | None, unansw
 # ---- acquire_verified: a call of a start already answered, or of the next ----
 
 
+@pytest.mark.parametrize("phase", [None, Phase.STARTING])
+def test_a_call_the_core_has_not_answered_waits_for_the_starts_systemd_queued(
+    kit: Kit, phase: Phase | None
+) -> None:
+    """Served only among the starts of its transaction (gpuslice/queued.py), then at once."""
+    if phase is not None:
+        kit.scheduler.phases[A] = phase
+    kit.asking()
+    kit.gates.acquire_verified(A)
+    assert kit.did == [f"queued {A}"]
+    kit.gates.acquire_verified(A, placed=True)
+    assert kit.did == [f"queued {A}", *SERVED]
+
+
+def test_a_call_of_an_unannotated_unit_does_not_wait_for_the_starts_queued(kit: Kit) -> None:
+    del kit.specs[A]
+    kit.asking()
+    kit.gates.acquire_verified(A)
+    assert f"queued {A}" not in kit.did
+    assert kit.did[:1] == [f"withdraw {A}"]
+
+
 def test_a_verified_call_answered_meanwhile_is_left(kit: Kit) -> None:
     kit.gates.acquire_verified(A)
     assert kit.did == []
@@ -498,8 +520,10 @@ def test_a_unit_answered_at_its_pipe_but_not_running_is_served(
     kit.pipes.granted_at[A] = "inv1"
     kit.asking()
     kit.gates.acquire_verified(A)
+    assert kit.did == [f"queued {A}"]  # among the starts queued (gpuslice/queued.py)
+    kit.gates.acquire_verified(A, placed=True)
     assert kit.spawned == []
-    assert kit.did[0] == f"passed_gate {A}"
+    assert kit.did[1] == f"passed_gate {A}"
     assert kit.did[-2] == f"execute request {A}"
 
 

@@ -707,7 +707,8 @@ class Scheduler:
         (EXITED) is kept so where its Restart= restarts one (`always`, `on-success`), said
         finished and kept at once (its file says the restart comes), recorded finished if
         released; with any other Restart= its GPUs go at once. A bare `auto-restart`
-        (RestartMode=direct) is told FAILED: under `on-success` it was a clean exit. Kept
+        (RestartMode=direct) is told FAILED: under `on-success` it was a clean exit (under
+        `always` the controller reads its Result= first: gpuslice/restartresult.py). Kept
         so, one seen down with no stop (`systemctl reset-failed`: inactive) ended no new
         run: it is recorded as the wait's end has it."""
         if name in self.restart_kept and outcome is Outcome.EXITED and not by_itself:

@@ -10,6 +10,7 @@ from tests.integration.jobs import (
     always_for,
     holders,
     main_pid,
+    prop,
     reload,
     start_count,
     status,
@@ -139,6 +140,28 @@ def test_a_unit_someone_stops_before_its_requirement_is_preempted_stays_held(
     assert C in status(container)["held"]
     assert container.active_state(C) == "inactive"
     assert f"{C} (priority 40) was stopped with" not in container.journal(CONTROLLER)
+
+
+def test_units_started_together_right_after_their_reload_are_served_in_priority_order(
+    container: Container,
+) -> None:
+    """Two units enrolled, then `systemctl daemon-reload && systemctl start A B` at once, one
+    GPU: A (50) comes first in the transaction and its gate asks first, over D-Bus (no pipe
+    yet), while the rescan of that reload may still be read and no signal of either unit is
+    matched. Known by nothing but its own call, A was granted the GPU and preempted by B
+    (10) a moment later (in every bed tried without the fix). A's call waits for systemd's
+    queued jobs (gpuslice/queued.py): B runs, and A's own ExecStart= never ran."""
+    write_job(container, A, 50, seconds=600)
+    write_job(container, B, 10, seconds=600)
+    container.run(f"systemctl daemon-reload && systemctl start --no-block {A} {B}")
+    wait_state(container, B, "active")
+
+    def a_waits_and_never_ran() -> None:
+        assert container.active_state(A) == "activating"
+        assert prop(container, A, "ExecMainStartTimestampMonotonic") == "0"
+
+    always_for(a_waits_and_never_ran, 2)
+    assert holders(container) == {0: [B]}
 
 
 def test_a_restart_of_a_unit_on_a_gpu_lets_no_waiter_in(container: Container) -> None:

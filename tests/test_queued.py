@@ -1,0 +1,199 @@
+"""gpuslice/queued.py on its own: gate calls held until systemd's queued starts are read.
+
+A fake systemd answers ListJobs (`start_jobs`) and ListUnitsByNames (`units_state`) from what
+the test sets, and can hold its answer (`gate`); the controller's side (`take`) is a list.
+README ("The rules in short"): units started together are served in priority order, right
+after the daemon-reload that made them known too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from typing import Any, cast
+
+from gpuslice.core.model import UnitSpec
+from gpuslice.counters import Counters
+from gpuslice.queued import QueuedStarts
+from gpuslice.systemd import NO_REPLY, Systemd, SystemdError
+from gpuslice.tracker import Tracker, UnitState
+
+A, B, C = "a.service", "b.service", "c.service"
+
+
+def at_gate(name: str, job: int) -> UnitState:
+    return UnitState(name, "activating", "start-pre", job, "start")
+
+
+class FakeSystemd:
+    def __init__(self) -> None:
+        self.jobs: list[str] = []  # units with a start job, in systemd's order
+        self.states: dict[str, UnitState] = {}
+        self.reads: list[str] = []  # what was asked, in order
+        self.gate: asyncio.Event | None = None  # set: ListJobs answers
+        self.error: SystemdError | None = None  # ListJobs fails with it
+
+    async def start_jobs(self) -> list[str]:
+        self.reads.append("ListJobs")
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        return list(self.jobs)
+
+    async def units_state(self, names: Collection[str]) -> list[UnitState]:
+        self.reads.append("ListUnitsByNames " + ",".join(names))
+        return [self.states[n] for n in names if n in self.states]
+
+
+class FakeTracker:
+    def __init__(self) -> None:
+        self.stamps: dict[str, int] = {}
+
+    def heard(self, name: str) -> int:
+        return self.stamps.get(name, 0)
+
+
+class Kit:
+    def __init__(self) -> None:
+        self.systemd = FakeSystemd()
+        self.tracker = FakeTracker()
+        self.counters = Counters()
+        self.specs = {A: UnitSpec(A, 50), B: UnitSpec(B, 10), C: UnitSpec(C, 30)}
+        self.known: set[str] = set()
+        self.taken: list[tuple[list[str], list[str]]] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.queued = QueuedStarts(
+            cast(Systemd, self.systemd),
+            cast(Tracker, self.tracker),
+            self.counters,
+            self.specs.get,
+            self.known.__contains__,
+            self.spawn,
+            self.take,
+        )
+
+    def spawn(self, coro: Any) -> None:
+        self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    def take(self, starts: list[UnitSpec], units: list[str]) -> None:
+        self.taken.append(([s.name for s in starts], units))
+
+    async def done(self) -> None:
+        while not all(t.done() for t in self.tasks):
+            await asyncio.sleep(0)
+        for task in self.tasks:
+            task.result()
+
+
+def test_the_starts_of_one_transaction_are_taken_with_the_call_that_waited() -> None:
+    """a.service's gate asks first; b.service's start, queued with it, is unknown to the
+    core: both are taken, in systemd's order, with a.service's call."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.systemd.jobs = [A, B, "plain.service"]
+        kit.systemd.states = {A: at_gate(A, 7), B: at_gate(B, 8)}
+        kit.queued.wait(A)
+        await kit.done()
+        assert kit.taken == [([A, B], [A])]
+        assert kit.systemd.reads == ["ListJobs", f"ListUnitsByNames {A},{B}"]
+
+    asyncio.run(test())
+
+
+def test_only_starts_the_core_does_not_know_and_bound_for_their_gate_are_taken() -> None:
+    """A unit the core knows is not read; a start job of a unit that runs (it ends at once)
+    is not a start; nor a read older than a word of systemd's about the unit."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.known.add(C)
+        kit.systemd.jobs = [A, B, C, B]
+        kit.systemd.states = {A: UnitState(A, "active", "running", 7, "start"), B: at_gate(B, 8)}
+        kit.queued.wait(A)
+        await kit.done()
+        assert kit.taken == [([B], [A])]
+        assert kit.systemd.reads == ["ListJobs", f"ListUnitsByNames {A},{B}"]
+
+        kit.tracker.stamps[B] = 1
+        states = kit.systemd.units_state
+
+        async def heard_meanwhile(names: Collection[str]) -> list[UnitState]:
+            kit.tracker.stamps[B] = 2  # a signal about B while its state was read
+            return await states(names)
+
+        kit.systemd.units_state = heard_meanwhile  # type: ignore[method-assign]
+        kit.queued.wait(A)
+        await kit.done()
+        assert kit.taken[-1] == ([], [A])
+
+    asyncio.run(test())
+
+
+def test_a_read_that_fails_serves_the_calls_on_the_starts_known() -> None:
+    async def test() -> None:
+        kit = Kit()
+        kit.systemd.error = SystemdError(NO_REPLY, "no answer within 60 s")
+        kit.queued.wait(A)
+        await kit.done()
+        assert kit.taken == [([], [A])]
+        assert kit.counters.errors["dbus_call_errors"] == 1
+        assert not kit.queued.reading
+
+    asyncio.run(test())
+
+
+def test_a_flood_of_calls_costs_one_read_in_flight_and_one_after_it() -> None:
+    """A root caller repeats Acquire 10,000 times, for three units, while a read is out:
+    one read serves the first call, one more all the others (they may name a start queued
+    after the first was answered), each unit once; no timer is set."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.systemd.gate = asyncio.Event()
+        kit.systemd.jobs = [A, B, C]
+        kit.systemd.states = {n: at_gate(n, j) for j, n in enumerate((A, B, C), 1)}
+        kit.queued.wait(A)
+        await asyncio.sleep(0)
+        timers = len(getattr(asyncio.get_running_loop(), "_scheduled", ()))
+        for i in range(10_000):
+            kit.queued.wait((A, B, C)[i % 3])
+        assert len(kit.tasks) == 1
+        assert kit.systemd.reads == ["ListJobs"]
+        assert len(getattr(asyncio.get_running_loop(), "_scheduled", ())) == timers
+        kit.systemd.gate.set()
+        await kit.done()
+        assert [units for _, units in kit.taken] == [[A], [A, B, C]]
+        assert kit.systemd.reads.count("ListJobs") == 2
+        assert len(kit.tasks) == 1
+
+    asyncio.run(test())
+
+
+def test_a_bug_in_taking_a_read_in_leaves_no_call_behind() -> None:
+    """`take` raises (a bug) for the first round: the calls that came meanwhile are still
+    taken in, and the error reaches the task."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.systemd.gate = asyncio.Event()
+        rounds: list[list[str]] = []
+
+        def take(starts: list[UnitSpec], units: list[str]) -> None:
+            rounds.append(units)
+            if len(rounds) == 1:
+                raise RuntimeError("bug")
+
+        kit.queued.take = take
+        kit.queued.wait(A)
+        await asyncio.sleep(0)
+        kit.queued.wait(B)
+        kit.systemd.gate.set()
+        while not kit.tasks[0].done():
+            await asyncio.sleep(0)
+        assert rounds == [[A], [B]]
+        assert isinstance(kit.tasks[0].exception(), RuntimeError)
+        assert not kit.queued.reading
+
+    asyncio.run(test())
