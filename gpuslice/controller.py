@@ -337,6 +337,7 @@ class Controller:
             self.counters,
             self.spec_for,
             self._known,
+            lambda: self.rescans.task is not None,
             self._spawn,
             self._starts_read,
         )
@@ -655,12 +656,17 @@ class Controller:
                 self.instances.announced.add(unit)
             return
         if self.spec_for(unit) is None:
+            if self.rescans.task is not None:  # the scan under way may annotate it
+                self.queued.unseen()
             return
         self._follow_instance(unit)
-        if self.systemd.watches(unit):  # else its gate's signal may not reach us: no pipe
+        watched = self.systemd.watches(unit)
+        if watched:  # else its gate's signal may not reach us: no pipe
             self.gates.expect(unit)  # before its gate looks for its pipe
         if self.scheduler.phase(unit) is None and not self.scheduler.is_waiting(unit):
             # a start the scheduler does not know yet (not its own, not one at its gate)
+            if not watched:  # not seen at its gate, as those started with it are
+                self.queued.unseen()
             seen = self.tracker.heard(unit)
             asyncio.get_running_loop().call_later(QUEUED_DELAY, self._queued, unit, job_id, seen)
 
@@ -676,17 +682,19 @@ class Controller:
             if not self.systemd.watches(unit) or self._rewatching:
                 self._rewatch()
 
-    def _starts_read(self, starts: list[UnitSpec], units: list[str]) -> None:
-        """systemd's queued starts, read for the gate calls that waited (gpuslice/queued.py):
-        those the core did not know are announced, in the order systemd made them (an
-        instance is matched from now on, as at its JobNew), and the calls judged, all in one
-        scheduling pass. Not held back again by a rescan begun
-        since (Rescans.park): each call was judged on a scan begun after it came, and
-        parked again, it waited as long as daemon-reloads kept coming."""
+    def _starts_read(self, starts: list[UnitSpec], units: list[str], gates: dict[str, str]) -> None:
+        """systemd's queued starts, read for the gate calls and the starts at their gate
+        that waited (gpuslice/queued.py): those the core did not know are announced, in the
+        order systemd made them (an instance is matched from now on, as at its JobNew), and
+        the starts at their gate, then the calls, judged, all in one scheduling pass. Not
+        held back again by a rescan begun since (Rescans.park): each was judged on a scan
+        begun after it came, and parked again, it waited as long as daemon-reloads kept
+        coming."""
         with self._batched():
             for spec in starts:
                 self._follow_instance(spec.name)
                 self.execute(self.scheduler.announce(spec))
+            self._gates_after_scan(dict(gates), placed=True)
             for unit in units:
                 self.judge.acquire_verified(unit, placed=True)
 
@@ -785,8 +793,9 @@ class Controller:
             else:
                 self._unmanaged_gate(name, props)  # known to the core only until it ends
 
-    def _gates_after_scan(self, pending: dict[str, str | None]) -> None:
-        """The starts `Rescans.hold_gate` held back, judged on the annotations of now: as
+    def _gates_after_scan(self, pending: dict[str, str | None], *, placed: bool = False) -> None:
+        """The starts `Rescans.hold_gate` held back (or QueuedStarts.hold_gate, `placed`
+        once systemd's queued starts are read), judged on the annotations of now: as
         their last signal would have been, if they are still at their gate (one that left
         it meanwhile was told by the signals that said so)."""
         for name, invocation in pending.items():
@@ -800,7 +809,7 @@ class Controller:
                 self.scheduler.learn(spec)
                 if not self._known(name):
                     self._apply(ReachedGate(name))
-                self._follow_gate(name, invocation)
+                self._follow_gate(name, invocation, placed=placed)
 
     def _unmanaged_gate(self, name: str, props: dict[str, Any]) -> None:
         """A gate of an unannotated unit, which systemd runs while its drop-in stays (a start
@@ -815,12 +824,14 @@ class Controller:
         elif sub != "start-pre" and self.gates.holds(name):
             self.gates.close(name)
 
-    def _follow_gate(self, name: str, invocation: str | None) -> None:
+    def _follow_gate(self, name: str, invocation: str | None, *, placed: bool = False) -> None:
         """A start systemd shows at the gate, with the InvocationID that names it, is taken
         in as if its gate had asked, and answered through its pipe (gpuslice/gatepipes.py):
         no D-Bus round trip and no dbus-send. Told of a start at the gate without its
         InvocationID (a state read, not a signal), its gate is sent to D-Bus unless a signal
-        names the start within GATE_UNSEEN_DELAY."""
+        names the start within GATE_UNSEEN_DELAY. One the core has not answered waits for a
+        read of systemd's queued starts while a start no signal shows may be unknown
+        (QueuedStarts.unplaced; `placed` once read)."""
         kind = classify(self.tracker.state(name))
         if kind is not Kind.GATE:
             if self.gates.close(name):
@@ -832,6 +843,8 @@ class Controller:
             if not self.gates.holds(name):
                 loop = asyncio.get_running_loop()
                 loop.call_later(GATE_UNSEEN_DELAY, self._gate_unseen, name)
+        elif not placed and self.queued.unplaced and self.judge.unanswered(name):
+            self.queued.hold_gate(name, invocation)
         elif self.gates.at_gate(name, invocation):
             self.judge.serve_gate(name)
 

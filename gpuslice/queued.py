@@ -13,6 +13,18 @@ the order systemd made them, then the calls are served, all in one scheduling pa
 (`take`). The start of the unit that asks is among those jobs: its transaction was queued
 before its gate ran.
 
+A start systemd shows at its gate, answered through its pipe, asks nothing: it waits for a
+read only while a start the core does not know may not be shown at its gate with it
+(`unplaced`, set by `unseen`): a JobNew dropped while a rescan read the unit files, whose
+unit that scan may make annotated, or one of an annotated unit whose signals are not
+matched yet (new to the scan, or an instance). In `systemctl daemon-reload && systemctl
+start a b`, a less urgent a.service known for long, whose start-pre signal the rescan held
+(Rescans.hold_gate) or came once it was applied, was granted at its pipe before b.service,
+new and unmatched, was known, and preempted by it a moment later. Such a start
+(`hold_gate`) is taken with the next read; the mark goes with a read sent while no rescan
+runs and taken in with no such JobNew since. Starts of matched units alone set no mark: a
+pipe's grant costs no read.
+
 One read at a time, and one more after it for all the calls that came meanwhile (they may
 name a start queued after the read was answered): a unit is held once however often it
 asks, and a flood of calls costs no timer and no more than one read in flight. A read that
@@ -36,11 +48,13 @@ log = logging.getLogger("gpuslice")
 
 class QueuedStarts:
     """The units whose gate call waits for the next read (`waiting`, in the order they
-    came), and whether a read is under way. Given: systemd, the tracker (a read older than
-    a word of systemd's about a unit is not taken in for it), the counters, the annotations
-    (`spec_for`), whether the core knows a unit's start (`known`), the controller's
-    `spawn`, and `take`: the starts read, as specs in systemd's order, and the units whose
-    calls waited, decided on together."""
+    came), the starts at their gate that do (`at_gate`, with their InvocationID), whether a
+    read is under way, and whether a start no signal shows may be unknown (`unplaced`).
+    Given: systemd, the tracker (a read older than a word of systemd's about a unit is not
+    taken in for it), the counters, the annotations (`spec_for`), whether the core knows a
+    unit's start (`known`), whether a rescan runs (`rescanning`), the controller's `spawn`,
+    and `take`: the starts read, as specs in systemd's order, the units whose calls waited
+    and the starts held at their gate, decided on together."""
 
     def __init__(
         self,
@@ -49,22 +63,43 @@ class QueuedStarts:
         counters: Counters,
         spec_for: Callable[[str], UnitSpec | None],
         known: Callable[[str], bool],
+        rescanning: Callable[[], bool],
         spawn: Callable[[Coroutine[Any, Any, None]], None],
-        take: Callable[[list[UnitSpec], list[str]], None],
+        take: Callable[[list[UnitSpec], list[str], dict[str, str]], None],
     ) -> None:
         self.systemd = systemd
         self.tracker = tracker
         self.counters = counters
         self.spec_for = spec_for
         self.known = known
+        self.rescanning = rescanning
         self.spawn = spawn
         self.take = take
         self.waiting: dict[str, None] = {}  # a unit once however often it asks
+        self.at_gate: dict[str, str] = {}  # the InvocationID last shown, a unit once
         self.reading = False
+        self.unplaced = False
+        self._unseen = 0  # such JobNews: a read sent before the last one clears nothing
+
+    def unseen(self) -> None:
+        """A JobNew the core may not know the start of, whose signal at its gate may not
+        come (dropped while a rescan ran, or of a unit not matched): its gate's call may
+        come after a less urgent start at its pipe is granted. Those wait for a read."""
+        self.unplaced = True
+        self._unseen += 1
 
     def wait(self, unit: str) -> None:
         """The unit's gate call is served once a read sent from now on is taken in."""
         self.waiting[unit] = None
+        self._read()
+
+    def hold_gate(self, unit: str, invocation: str) -> None:
+        """This start, shown at its gate, is judged once a read sent from now on is taken
+        in (while `unplaced`)."""
+        self.at_gate[unit] = invocation
+        self._read()
+
+    def _read(self) -> None:
         if not self.reading:
             self.reading = True
             self.spawn(self._read_until_done())
@@ -72,14 +107,21 @@ class QueuedStarts:
     async def _read_until_done(self) -> None:
         """Read, and take in, until no call came during a read. A bug in `take` stops no
         later round (its first error then reaches the task's report): stopped, the calls
-        that came meanwhile were answered by nobody, and their gates waited for ever."""
+        that came meanwhile were answered by nobody, and their gates waited for ever. A
+        round sent while no rescan runs, with no `unseen` JobNew until it was taken in,
+        announced every start such a JobNew named: `unplaced` goes (not with a read that
+        failed)."""
         errors: list[Exception] = []
         try:
-            while self.waiting:
+            while self.waiting or self.at_gate:
                 units, self.waiting = list(self.waiting), {}
+                gates, self.at_gate = self.at_gate, {}
+                unseen = None if self.rescanning() else self._unseen
                 starts = await self._unknown_starts()
+                if starts is not None and unseen == self._unseen:
+                    self.unplaced = False
                 try:
-                    self.take(starts, units)
+                    self.take(starts or [], units, gates)
                 except Exception as e:
                     errors.append(e)
         finally:
@@ -87,11 +129,11 @@ class QueuedStarts:
         if errors:
             raise errors[0]
 
-    async def _unknown_starts(self) -> list[UnitSpec]:
+    async def _unknown_starts(self) -> list[UnitSpec] | None:
         """The start jobs systemd holds of annotated units the core does not know, whose
         unit is bound for its gate (`bound_for_gate`: not a start of a unit that already
         runs, which ends at once), as a read of their states says, sent once the jobs were
-        read; none when either read fails."""
+        read; None when either read fails."""
         try:
             units = await self.systemd.start_jobs()
             unknown = [u for u in dict.fromkeys(units) if self.spec_for(u) and not self.known(u)]
@@ -102,7 +144,7 @@ class QueuedStarts:
         except SystemdError as e:
             self.counters.error("dbus_call_errors")
             log.debug("cannot read systemd's start jobs: %s", e)
-            return []
+            return None
         starts = []
         for unit in unknown:
             state = states.get(unit)

@@ -756,3 +756,128 @@ def test_starts_queued_together_right_after_their_reload_are_served_in_priority_
         assert bed.service.pending("later.service")
 
     run(test)
+
+
+@pytest.mark.parametrize("signal_when", ["during the rescan", "once it is applied"])
+def test_a_known_start_at_its_pipe_waits_for_the_new_starts_of_its_transaction(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    signal_when: str,
+) -> None:
+    """later.service (priority 50) is annotated and matched for long; sooner.service (10) is
+    annotated, then `systemctl daemon-reload && systemctl start later sooner`: sooner's JobNew
+    comes while the rescan reads the new files (dropped: taken for an unannotated unit's),
+    and later's start-pre signal, with its InvocationID, while the rescan runs (held until it
+    is applied, Rescans.hold_gate) or once it is, before sooner's re-match is answered. Later
+    was granted at its pipe, before sooner's start was known, and preempted by sooner's gate
+    a moment later: its work lost. Its start waits for a read of systemd's queued starts
+    (gpuslice/queued.py): sooner gets the GPU, later waits, never granted then stopped."""
+    bed = Bed(tmp_path, {"later.service": "Priority=50\n"}, [])
+    held = HeldScan(monkeypatch)
+    cgroup_of[4243] = "sooner.service"
+    answered = asyncio.Event()  # made in the test's loop below
+    read = bed.systemd.unit_state
+
+    async def late_read(name: str) -> UnitState:
+        await answered.wait()
+        return await read(name)
+
+    monkeypatch.setattr(bed.systemd, "unit_state", late_read)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"later.service"})
+        write_unit(tmp_path, "sooner.service", "Priority=10\n")
+        await held.reloaded(bed)
+        for job, name in ((7, "later.service"), (8, "sooner.service")):
+            bed.systemd.units[name] = state(name, "activating", "start-pre", job, "start")
+            ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", name)
+        path = "/org/freedesktop/systemd1/job/7"
+        if signal_when == "during the rescan":
+            signal_of(bed, "later.service", {**at_gate(), "Job": (7, path)})
+        held.go.set()
+        await until(lambda: ctl.rescans.task is None)
+        if signal_when == "once it is applied":
+            signal_of(bed, "later.service", {**at_gate(), "Job": (7, path)})
+        await settle()
+        assert not ctl.gates.answered("later.service")
+        await bed.acquire("sooner.service", ":1.10", 4243)
+        answered.set()
+        await settle()
+        assert bed.service.granted == [("sooner.service", "0")]
+        assert ("stop", "later.service") not in bed.systemd.calls
+        assert not ctl.gates.answered("later.service")
+        assert ctl.scheduler.is_waiting("later.service")
+        assert not ctl.queued.unplaced  # the next gate at its pipe reads nothing
+
+    run(test)
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_a_start_at_its_pipe_reads_no_queue_when_no_job_new_was_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reload: bool
+) -> None:
+    """The common path: a known unit's start at its pipe, with no daemon-reload before it
+    or one whose rescan dropped no JobNew, is granted at once: no read of systemd's jobs."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    held = HeldScan(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        if reload:
+            await held.reloaded(bed)
+            held.go.set()
+            await until(lambda: ctl.rescans.task is None)
+        bed.systemd.units["a.service"] = state("a.service", "activating", "start-pre", 7, "start")
+        ctl.on_job_new(7, "/org/freedesktop/systemd1/job/7", "a.service")
+        signal_of(bed, "a.service", {**at_gate(), "Job": (7, "/org/freedesktop/systemd1/job/7")})
+        await settle()
+        assert ctl.gates.answered("a.service")
+        assert ("start_jobs", "") not in bed.systemd.calls
+
+    run(test)
+
+
+def test_a_known_start_at_its_pipe_waits_for_a_new_instance_started_with_it(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """`systemctl start later sooner@1` with no daemon-reload: later.service (50) is matched,
+    the instance sooner@1.service (10) is not until its re-match is answered, so only its
+    gate's call and a read of its queued start (QUEUED_DELAY on) tell its start. Later's
+    start-pre signal came first and was granted at its pipe, then preempted by sooner@1.
+    Its start waits for a read of systemd's queued starts: sooner@1 gets the GPU."""
+    bed = Bed(tmp_path, {"later.service": "Priority=50\n", "sooner@.service": "Priority=10\n"}, [])
+    cgroup_of[4243] = "sooner@1.service"
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"later.service"})
+        rematch = asyncio.Event()
+        watch = bed.systemd.watch
+
+        async def late_watch(units: Any) -> list[str]:
+            await rematch.wait()
+            return await watch(units)
+
+        bed.systemd.watch = late_watch  # type: ignore[method-assign]
+        for job, name in ((7, "later.service"), (8, "sooner@1.service")):
+            bed.systemd.units[name] = state(name, "activating", "start-pre", job, "start")
+            ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", name)
+        signal_of(
+            bed, "later.service", {**at_gate(), "Job": (7, "/org/freedesktop/systemd1/job/7")}
+        )
+        await settle()
+        assert not ctl.gates.answered("later.service")
+        await bed.acquire("sooner@1.service", ":1.10", 4243)
+        rematch.set()
+        await settle()
+        assert bed.service.granted == [("sooner@1.service", "0")]
+        assert ("stop", "later.service") not in bed.systemd.calls
+        assert ctl.scheduler.is_waiting("later.service")
+        assert not ctl.queued.unplaced
+
+    run(test)

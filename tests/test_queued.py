@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Collection
 from typing import Any, cast
 
+import pytest
+
 from gpuslice.core.model import UnitSpec
 from gpuslice.counters import Counters
 from gpuslice.queued import QueuedStarts
@@ -61,7 +63,9 @@ class Kit:
         self.counters = Counters()
         self.specs = {A: UnitSpec(A, 50), B: UnitSpec(B, 10), C: UnitSpec(C, 30)}
         self.known: set[str] = set()
+        self.rescanning = False
         self.taken: list[tuple[list[str], list[str]]] = []
+        self.gates: list[dict[str, str]] = []  # the starts at their gate, of each round
         self.tasks: list[asyncio.Task[None]] = []
         self.queued = QueuedStarts(
             cast(Systemd, self.systemd),
@@ -69,6 +73,7 @@ class Kit:
             self.counters,
             self.specs.get,
             self.known.__contains__,
+            lambda: self.rescanning,
             self.spawn,
             self.take,
         )
@@ -76,8 +81,9 @@ class Kit:
     def spawn(self, coro: Any) -> None:
         self.tasks.append(asyncio.get_running_loop().create_task(coro))
 
-    def take(self, starts: list[UnitSpec], units: list[str]) -> None:
+    def take(self, starts: list[UnitSpec], units: list[str], gates: dict[str, str]) -> None:
         self.taken.append(([s.name for s in starts], units))
+        self.gates.append(gates)
 
     async def done(self) -> None:
         while not all(t.done() for t in self.tasks):
@@ -140,6 +146,11 @@ def test_a_read_that_fails_serves_the_calls_on_the_starts_known() -> None:
         assert kit.taken == [([], [A])]
         assert kit.counters.errors["dbus_call_errors"] == 1
         assert not kit.queued.reading
+        kit.queued.unseen()  # a start it did not list stays in doubt: the mark stays
+        kit.queued.hold_gate(B, "1f")
+        await kit.done()
+        assert kit.gates[-1] == {B: "1f"}
+        assert kit.queued.unplaced
 
     asyncio.run(test())
 
@@ -180,7 +191,7 @@ def test_a_bug_in_taking_a_read_in_leaves_no_call_behind() -> None:
         kit.systemd.gate = asyncio.Event()
         rounds: list[list[str]] = []
 
-        def take(starts: list[UnitSpec], units: list[str]) -> None:
+        def take(starts: list[UnitSpec], units: list[str], gates: dict[str, str]) -> None:
             rounds.append(units)
             if len(rounds) == 1:
                 raise RuntimeError("bug")
@@ -195,5 +206,53 @@ def test_a_bug_in_taking_a_read_in_leaves_no_call_behind() -> None:
         assert rounds == [[A], [B]]
         assert isinstance(kit.tasks[0].exception(), RuntimeError)
         assert not kit.queued.reading
+
+    asyncio.run(test())
+
+
+def test_a_start_at_its_pipe_is_taken_with_the_starts_a_dropped_job_new_hid() -> None:
+    """b.service's JobNew was dropped while a rescan read the unit files (`unseen`): a
+    start of a.service shown at its gate (`hold_gate`) is taken with the read, and b.service
+    with it. The mark goes once a round sent while no rescan runs is taken in with no JobNew
+    dropped meanwhile; then a pipe's grant reads nothing."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.known.add(A)
+        kit.rescanning = True
+        kit.queued.unseen()
+        kit.rescanning = False
+        assert kit.queued.unplaced
+        kit.systemd.jobs = [A, B]
+        kit.systemd.states = {B: at_gate(B, 8)}
+        kit.queued.hold_gate(A, "1f")
+        await kit.done()
+        assert kit.taken == [([B], [])]
+        assert kit.gates == [{A: "1f"}]
+        assert not kit.queued.unplaced
+
+    asyncio.run(test())
+
+
+@pytest.mark.parametrize("when", ["dropped during the read", "sent during a rescan"])
+def test_a_read_that_may_miss_a_dropped_start_keeps_the_mark(when: str) -> None:
+    """A JobNew dropped while the read was out may name a start it did not list; a read sent
+    while a rescan runs was judged on a scan that may not know the unit: either keeps
+    `unplaced`, and the next start at its pipe waits for a read again."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.queued.unseen()
+        kit.systemd.gate = asyncio.Event()
+        kit.rescanning = when == "sent during a rescan"
+        kit.queued.hold_gate(A, "1f")
+        await asyncio.sleep(0)
+        if when == "dropped during the read":
+            kit.queued.unseen()
+        kit.rescanning = False
+        kit.systemd.gate.set()
+        await kit.done()
+        assert kit.gates == [{A: "1f"}]
+        assert kit.queued.unplaced
 
     asyncio.run(test())

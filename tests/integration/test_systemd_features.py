@@ -164,6 +164,38 @@ def test_units_started_together_right_after_their_reload_are_served_in_priority_
     assert holders(container) == {0: [B]}
 
 
+def test_a_known_unit_and_a_new_one_started_together_after_a_reload_are_served_in_order(
+    container: Container,
+) -> None:
+    """A (50) enrolled, run once and stopped (its signals followed, its gate answered at its
+    pipe); then B (10) enrolled and `systemctl daemon-reload && systemctl start A B` at once,
+    one GPU. B's JobNew came while the rescan read the new file, or before B's signals were
+    matched; A's gate was seen at its pipe and granted before B's start was known, and B
+    preempted it a moment later. A's start waits for a read of systemd's queued jobs
+    (gpuslice/queued.py): B runs, and A's new run never began."""
+    write_job(container, A, 50, seconds=600)
+    reload(container)
+    container.systemctl("start", A)
+    wait_state(container, A, "active")
+    container.systemctl("stop", A)
+    ran = prop(container, A, "ExecMainStartTimestampMonotonic")
+    write_job(container, B, 10, seconds=600)
+    container.run(f"systemctl daemon-reload && systemctl start --no-block {A} {B}")
+    wait_state(container, B, "active")
+
+    def a_waits_and_never_ran() -> None:
+        assert container.active_state(A) == "activating"
+        # reset at the start (systemd 252), or still its first run's: its ExecStart= never ran
+        assert prop(container, A, "ExecMainStartTimestampMonotonic") in ("0", ran)
+
+    always_for(a_waits_and_never_ran, 2)
+    assert holders(container) == {0: [B]}
+    started = [
+        x for x in container.journal(A, "-o", "cat").splitlines() if x.startswith("Started ")
+    ]
+    assert len(started) == 1  # its first run's
+
+
 def test_a_restart_of_a_unit_on_a_gpu_lets_no_waiter_in(container: Container) -> None:
     """`systemctl restart` of A (10) on the GPU while B (50) waits: the restart is one job,
     its start keeps A's place and its GPU; B never runs in between (README, "Dependencies
