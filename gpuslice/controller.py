@@ -105,6 +105,7 @@ from gpuslice.tracker import (
     ReachedGate,
     Tracker,
     WentDown,
+    at_condition,
     bound_for_gate,
     classify,
     remains_active,
@@ -718,6 +719,8 @@ class Controller:
         spec = self.spec_for(unit)
         if spec is None or state is None or state.job_id != job_id or not bound_for_gate(state):
             return
+        if at_condition(state):
+            return  # its ExecCondition= may skip it: known at its gate (tracker.at_condition)
         with self._batched():
             self.execute(self.scheduler.announce(spec))
 
@@ -839,6 +842,8 @@ class Controller:
             if kind is Kind.DOWN and is_instance(name):
                 self.instances.went_down(name)
                 self.instances.forget(name)
+        elif at_condition(self.tracker.state(name)):
+            return  # its gate has not run, and may never (tracker.at_condition)
         elif invocation is None:
             if not self.gates.holds(name):
                 loop = asyncio.get_running_loop()

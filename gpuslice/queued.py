@@ -41,7 +41,7 @@ from typing import Any
 from gpuslice.core.model import UnitSpec
 from gpuslice.counters import Counters
 from gpuslice.systemd import Systemd, SystemdError
-from gpuslice.tracker import Tracker, bound_for_gate
+from gpuslice.tracker import Tracker, at_condition, bound_for_gate
 
 log = logging.getLogger("gpuslice")
 
@@ -151,6 +151,12 @@ class QueuedStarts:
             spec = self.spec_for(unit)
             # a word of systemd's about it since: the read may be older than what we know
             fresh = self.tracker.heard(unit) == seen[unit]
-            if spec is not None and state is not None and fresh and bound_for_gate(state):
+            if (
+                spec is not None
+                and state is not None
+                and fresh
+                and bound_for_gate(state)
+                and not at_condition(state)  # it may be skipped: known at its gate, if ever
+            ):
                 starts.append(spec)
         return starts

@@ -23,7 +23,7 @@ from functools import partial
 from typing import Protocol
 
 from gpuslice.annotations import Scan
-from gpuslice.tracker import Kind, UnitState, classify
+from gpuslice.tracker import Kind, UnitState, at_condition, classify
 
 # Units whose gate got a rescan of its own kept at most (`for_gate`): 0.3 MiB at 255 characters
 RESCANNED_KEPT = 1024
@@ -169,8 +169,9 @@ class Rescans:
         start` right after it): decided on the scan before, a start whose annotation was just
         taken out, or its priority made less urgent, preempted units with the priority it no
         longer has, and their work was lost for it."""
-        if self.task is None or classify(self.tracker.state(name)) is not Kind.GATE:
-            return False
+        state = self.tracker.state(name)
+        if self.task is None or classify(state) is not Kind.GATE or at_condition(state):
+            return False  # one in its ExecCondition= is known only at its gate, if ever
         if not self.unanswered(name):
             return False  # answered: its gate asks again, as after a controller restart
         self.after_scan[name] = invocation or self.after_scan.get(name)

@@ -35,6 +35,7 @@ from gpuslice.tracker import (
     MainExit,
     Tracker,
     UnitState,
+    at_condition,
     bound_for_gate,
     classify,
     still_released,
@@ -270,6 +271,7 @@ class Restore:
                 spec = self.spec_for(state.name)
                 if (
                     bound_for_gate(state)
+                    and not at_condition(state)  # known at its gate, if it gets there
                     and spec is not None
                     and self.scheduler.phase(state.name) is None
                     and not self.scheduler.is_waiting(state.name)

@@ -49,6 +49,14 @@ class UnitState:
 # A unit's ActiveState once its processes are gone.
 GONE = ("inactive", "failed")
 
+# How systemd ends a start job that ran nothing of its unit, left down (JobRemoved's result):
+# a dependency failed, an `Assert*=` did not hold, `JobTimeoutSec=` ran out while it was
+# queued. No stop job of a unit that is down ends so (one ends `done` at once), so such a
+# job is no one's stop: taken for one, the unit was held (`... was stopped outside
+# gpuslice`), and a comeback of ours said finished, its work never run again. (A start a
+# `Condition*=` skipped ends `done`, as a stop does: not told apart.)
+START_NOT_RUN = frozenset({"dependency", "assert", "timeout", "skipped", "invalid", "once"})
+
 # Jobs that run a unit's ExecStartPre=, and so its gate.
 START_JOBS = frozenset({"start", "restart"})
 
@@ -148,6 +156,14 @@ def _same_down(told: str | None, down: str) -> bool:
     `failed` (`systemctl reset-failed`, which ends a keep: Scheduler.inactive) is a new
     down."""
     return told == down or (told in GONE and down == RESTARTING_TOLD)
+
+
+def at_condition(state: UnitState) -> bool:
+    """In its `ExecCondition=`, which systemd runs before every `ExecStartPre=`, the gate's
+    included: the start may yet be skipped (an exit of 1-254), so it is no start known yet
+    (ReachedGate comes at `start-pre`). Taken for one, it preempted a less urgent holder for
+    a start that never ran (with `Requeue=no`, for good)."""
+    return state.active == "activating" and state.sub == "condition"
 
 
 def bound_for_gate(state: UnitState) -> bool:
@@ -280,6 +296,9 @@ class Tracker:
         self._sent: dict[str, list[int]] = {}  # stamps of our calls not yet answered, in order
         self._own_jobs: dict[str, str] = {}  # job path -> "start" | "stop", from our calls
         self._stop_results: dict[str, str] = {}  # unit -> how our stop job for it ended
+        # units whose last job was a start that ran nothing of them (START_NOT_RUN): their
+        # down is a failure, until told, up again or another job comes
+        self._start_failed: set[str] = set()
         self._in_flight: dict[str, int] = {}  # our StartUnit/StopUnit calls not yet answered
         self._deferred: set[str] = set()  # went down while a call of ours was in flight
         # when systemd last spoke of each unit, to drop stale reads: a stamp from one count
@@ -314,6 +333,7 @@ class Tracker:
         if self.managed(unit):
             self._count(unit)
             self._unit_jobs.setdefault(unit, {})[path] = self._signals[unit]
+            self._start_failed.discard(unit)  # said of a job before this one
             kept = self.ledger.phase(unit) is Phase.STARTING  # its GPUs kept for its restart
             if self._told_down.get(unit) == "inactive" and not kept:
                 # a job for it ends the clean down told (a stop: held; a start: cancelled);
@@ -384,6 +404,10 @@ class Tracker:
         if not self.managed(unit):
             return False
         down = self.state(unit).active in GONE
+        if result in START_NOT_RUN and down and self._own_jobs.get(path) != "stop":
+            self._start_failed.add(unit)  # a start that failed (`outcome`): no stop
+            self._unit_jobs.get(unit, {}).pop(path, None)
+            self._own_jobs.pop(path, None)
         if result == "canceled" and path not in self._own_jobs and down:
             # queued for a unit down, it did nothing to it (a cancelled shutdown's stop
             # job, `systemctl cancel`, a start replaced): no stop of anyone's, so no hold;
@@ -413,6 +437,8 @@ class Tracker:
             self._down_in_shutdown.add(name)  # its processes ended while the host went down
         elif classify(state) in (Kind.RUNNING, Kind.GATE):
             self._down_in_shutdown.discard(name)  # up again: said of a down before
+        if classify(state) in (Kind.RUNNING, Kind.GATE):
+            self._start_failed.discard(name)  # a start that ran: its down is its own
         if classify(state) is Kind.GATE and classify(old) is not Kind.GATE:
             self._gate_seen[name] = self._signals[name]
         before = self._job_paths.get(name)
@@ -538,7 +564,7 @@ class Tracker:
                 self._told_down[name] = down
             return [WentDown(name, outcome, by_itself, not_ours, in_shutdown, job)]
         if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
-            return [ReachedGate(name)]
+            return [] if at_condition(state) else [ReachedGate(name)]
         if kind is not Kind.RUNNING:
             return []
         # its job ended and systemd keeps it active: its GPUs to release, once; released,
@@ -675,6 +701,7 @@ class Tracker:
     def _went_down(self, unit: str) -> None:
         """Down: no job announced before says anything of its next run."""
         self._gate_seen.pop(unit, None)
+        self._start_failed.discard(unit)
         self.passed_gate(unit)
 
     def stopped_by_others(self, name: str) -> bool:
@@ -693,6 +720,8 @@ class Tracker:
             # answer awaited, the stop job still shown): the shutdown's stop ended it,
             # nobody's hold
             return Outcome.SHUTDOWN
+        if state.name in self._start_failed and state.active in GONE:
+            return Outcome.FAILED  # its start ran nothing: no run ended, none finished
         if stopped:
             return Outcome.STOPPED
         if self.stopped_by_others(state.name) and state.name not in self._by_itself:

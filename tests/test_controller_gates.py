@@ -52,6 +52,7 @@ from tests.test_controller import (
     messages,
     past,
     process_in,
+    queued,
     read_pipe,
     restarted_by_hand,
     run,
@@ -1520,5 +1521,54 @@ def test_a_plain_unit_whose_annotation_went_keeps_its_env_file_when_it_goes_down
         await settle()
         assert ctl.scheduler.grants() == {}
         assert path.read_text() == TOLD_GPU_0
+
+    run(test)
+
+
+def test_a_start_in_its_exec_condition_stops_nothing_until_its_gate(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """urgent.service (10) runs its `ExecCondition=` (SubState `condition`, its InvocationID
+    known) while low.service (90) holds the GPU: systemd runs that check before every
+    `ExecStartPre=`, the gate's included, and may skip the start. Taken in as if its gate
+    had asked, low was stopped for a start that never ran; it is stopped once urgent shows
+    at start-pre."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        condition = {**at_gate(), "SubState": "condition"}
+        ctl.on_unit_changed("urgent.service", condition)
+        await settle()
+        assert ("stop", "low.service") not in bed.systemd.calls
+        assert ctl.scheduler.phase("low.service") is Phase.RUNNING
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        ctl.on_unit_changed("urgent.service", at_gate())
+        await settle()
+        assert ("stop", "low.service") in bed.systemd.calls
+
+    run(test)
+
+
+def test_a_queued_start_read_in_its_exec_condition_stops_nothing(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start announced (JobNew) whose read, no signal since, shows it in its
+    `ExecCondition=`: not yet known (no announce), so low.service runs on."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        queued(bed, "urgent.service", "start")
+        bed.systemd.units["urgent.service"] = state(
+            "urgent.service", "activating", "condition", 5, "start"
+        )
+        assert await due_now(ctl._queued) == 1
+        assert bed.systemd.reads == ["urgent.service"]
+        assert ("stop", "low.service") not in bed.systemd.calls
+        assert not ctl.scheduler.is_waiting("urgent.service")
 
     run(test)

@@ -1993,3 +1993,28 @@ def test_the_recalled_pids_of_a_unit_stopped_while_no_controller_ran_are_dropped
         assert ctl.store.load()[0].checkpointed == {}
 
     run(test)
+
+
+def test_start_up_takes_a_start_in_its_exec_condition_for_none_yet(tmp_path: Path) -> None:
+    """u.service (10) runs its `ExecCondition=` when the controller starts, low.service (90)
+    on the GPU: the check may skip the start, so low.service is not stopped for it (its
+    start-pre signal, or its gate's ask, makes it known)."""
+    bed = Bed(
+        tmp_path,
+        {"low.service": "Priority=90\n", "u.service": "Priority=10\n"},
+        [
+            state("low.service", "active", "running"),
+            state("u.service", "activating", "condition", 3, "start"),
+        ],
+        SavedState(holders={"low.service": ((0,), "running", 1, "")}, seq=1),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.systemd.calls == [("subscribe", "")]
+        assert ctl.scheduler.phase("low.service") is Phase.RUNNING
+        assert not ctl.scheduler.is_waiting("u.service")
+
+    run(test)

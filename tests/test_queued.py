@@ -20,7 +20,7 @@ from gpuslice.queued import QueuedStarts
 from gpuslice.systemd import NO_REPLY, Systemd, SystemdError
 from gpuslice.tracker import Tracker, UnitState
 
-A, B, C = "a.service", "b.service", "c.service"
+A, B, C, D = "a.service", "b.service", "c.service", "d.service"
 
 
 def at_gate(name: str, job: int) -> UnitState:
@@ -61,7 +61,7 @@ class Kit:
         self.systemd = FakeSystemd()
         self.tracker = FakeTracker()
         self.counters = Counters()
-        self.specs = {A: UnitSpec(A, 50), B: UnitSpec(B, 10), C: UnitSpec(C, 30)}
+        self.specs = {A: UnitSpec(A, 50), B: UnitSpec(B, 10), C: UnitSpec(C, 30), D: UnitSpec(D, 5)}
         self.known: set[str] = set()
         self.rescanning = False
         self.taken: list[tuple[list[str], list[str]]] = []
@@ -110,17 +110,22 @@ def test_the_starts_of_one_transaction_are_taken_with_the_call_that_waited() -> 
 
 def test_only_starts_the_core_does_not_know_and_bound_for_their_gate_are_taken() -> None:
     """A unit the core knows is not read; a start job of a unit that runs (it ends at once)
-    is not a start; nor a read older than a word of systemd's about the unit."""
+    is not a start, nor one in its ExecCondition= (it may be skipped: known at its gate,
+    tracker.at_condition); nor a read older than a word of systemd's about the unit."""
 
     async def test() -> None:
         kit = Kit()
         kit.known.add(C)
-        kit.systemd.jobs = [A, B, C, B]
-        kit.systemd.states = {A: UnitState(A, "active", "running", 7, "start"), B: at_gate(B, 8)}
+        kit.systemd.jobs = [A, B, C, B, D]
+        kit.systemd.states = {
+            A: UnitState(A, "active", "running", 7, "start"),
+            B: at_gate(B, 8),
+            D: UnitState(D, "activating", "condition", 9, "start"),
+        }
         kit.queued.wait(A)
         await kit.done()
         assert kit.taken == [([B], [A])]
-        assert kit.systemd.reads == ["ListJobs", f"ListUnitsByNames {A},{B}"]
+        assert kit.systemd.reads == ["ListJobs", f"ListUnitsByNames {A},{B},{D}"]
 
         kit.tracker.stamps[B] = 1
         states = kit.systemd.units_state

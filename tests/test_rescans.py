@@ -185,6 +185,24 @@ def test_a_new_request_once_one_ended_scans_again() -> None:
 # ---- the starts held back ----------------------------------------------------------------------
 
 
+def test_a_start_in_its_exec_condition_while_a_scan_runs_is_not_held_back() -> None:
+    """`ExecCondition=` runs before the gate and may skip the start: held back, the start
+    was judged at the scan's end as one at its gate (ReachedGate: its victims stopped for a
+    start that may never run). Its start-pre signal, if it comes, is held back then."""
+
+    async def test(kit: Kit) -> None:
+        kit.hold()
+        kit.rescans.request()
+        await kit.begun()
+        kit.states.shown[A] = ("activating", "condition")
+        assert not kit.rescans.hold_gate(A, "inv-a")
+        kit.states.shown[A] = AT_GATE
+        assert kit.rescans.hold_gate(A, "inv-a")
+        kit.release()
+
+    run(test)
+
+
 def test_a_start_at_its_gate_while_a_scan_runs_is_judged_once_it_is_applied() -> None:
     async def test(kit: Kit) -> None:
         kit.states.shown[A] = AT_GATE

@@ -414,6 +414,20 @@ def test_came_up_only_for_units_not_known_running() -> None:
     assert tracker.unit_changed(A, props("active", "running")) == []
 
 
+def test_a_start_in_its_exec_condition_is_announced_only_at_its_gate() -> None:
+    """`ExecCondition=` runs before the gate, and may skip the start (exit 1): no start is
+    known until start-pre. Announced at `condition`, a less urgent holder was preempted for
+    a start that never ran; a skipped one goes down unannounced."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props("activating", "condition", 7)) == []
+    assert tracker.unit_changed(A, props("activating", "start-pre", 7)) == [ReachedGate(A)]
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("activating", "condition", 7)) == []
+    assert bound_for_gate(UnitState(A, "activating", "condition", 7))  # a start under way
+
+
 def test_a_unit_at_its_gate_is_announced_once_unless_known() -> None:
     """start-pre: its gate runs and asks in a moment; the core learns of it now, unless it
     already waits or holds GPUs (our own start of it, or a gate that asked already)."""
@@ -1662,3 +1676,38 @@ def test_a_unit_that_exited_while_our_stop_was_on_its_way_is_told_its_stop_lost(
     ]
     tracker.ledger.remained = lambda n: n == A
     assert tracker.unit_changed(A, props("active", "exited")) == [StopLost(A, "no stop job runs")]
+
+
+@pytest.mark.parametrize("result", ["dependency", "assert", "timeout"])
+def test_a_start_job_that_ran_nothing_is_a_failure_not_a_stop(result: str) -> None:
+    """Systemd ends a start job before anything of its down unit runs (a `Requires=` unit
+    failed, an `Assert*=`, `JobTimeoutSec=` while queued): someone's start of a waiter
+    (announced queued) was taken for someone's stop (held: `... was stopped outside
+    gpuslice`), and a comeback of ours for a run that ended (finished: its work never run
+    again). Both failed; a later start that runs, or a later job (someone's stop: a hold),
+    is judged on its own."""
+    model = Model()
+    model.waiters.add(A)
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    assert tracker.job_removed(JOB1, A, result) is True
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.FAILED)]
+    model.waiters.clear()
+    model.phases[A] = Phase.STARTING
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "start")
+    assert tracker.job_removed(JOB1, A, result) is True
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.FAILED)]
+    tracker.job_removed(JOB1, A, result)  # told, then up again: its next end is its own
+    tracker.unit_changed(A, props("activating", "start-pre", 2))
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.EXITED)]
+    model.phases.clear()  # a unit the core does not know: no down told, the failure kept
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.job_removed(JOB1, A, result)
+    assert tracker.unit_changed(A, props("inactive", "dead", 0)) == []
+    tracker.job_new(JOB2, A)  # then someone's stop of it: a hold, as any
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
