@@ -7,6 +7,7 @@ import pytest
 
 from tests.bed.container import Container, wait_until
 from tests.integration.jobs import (
+    UNIT_DIR,
     always_for,
     holders,
     main_pid,
@@ -142,18 +143,26 @@ def test_a_unit_someone_stops_before_its_requirement_is_preempted_stays_held(
     assert f"{C} (priority 40) was stopped with" not in container.journal(CONTROLLER)
 
 
+def together(bed: Container) -> str:
+    """A target that wants A and B, written (made known by the next daemon-reload): starting
+    it queues both starts in one transaction."""
+    bed.write_file(f"{UNIT_DIR}/ab.target", f"[Unit]\nWants={A} {B}\n")
+    return "ab.target"
+
+
 def test_units_started_together_right_after_their_reload_are_served_in_priority_order(
     container: Container,
 ) -> None:
-    """Two units enrolled, then `systemctl daemon-reload && systemctl start A B` at once, one
-    GPU: A (50) comes first in the transaction and its gate asks first, over D-Bus (no pipe
-    yet), while the rescan of that reload may still be read and no signal of either unit is
-    matched. Known by nothing but its own call, A was granted the GPU and preempted by B
-    (10) a moment later (in every bed tried without the fix). A's call waits for systemd's
-    queued jobs (gpuslice/queued.py): B runs, and A's own ExecStart= never ran."""
+    """Two units enrolled, then `systemctl daemon-reload && systemctl start AB.target` at
+    once (one transaction: `systemctl start A B` queues one job after the other, and on a
+    loaded host A's gate may ask before B's job exists), one GPU: the first gate to ask, over
+    D-Bus (no pipe yet), while the rescan of that reload may still be read and no signal of
+    either unit is matched, known by nothing but its own call, was granted the GPU; A (50)
+    then was preempted by B (10) a moment later. A call waits for systemd's queued jobs
+    (gpuslice/queued.py): B runs, and A's own ExecStart= never ran."""
     write_job(container, A, 50, seconds=600)
     write_job(container, B, 10, seconds=600)
-    container.run(f"systemctl daemon-reload && systemctl start --no-block {A} {B}")
+    container.run(f"systemctl daemon-reload && systemctl start --no-block {together(container)}")
     wait_state(container, B, "active")
 
     def a_waits_and_never_ran() -> None:
@@ -168,11 +177,11 @@ def test_a_known_unit_and_a_new_one_started_together_after_a_reload_are_served_i
     container: Container,
 ) -> None:
     """A (50) enrolled, run once and stopped (its signals followed, its gate answered at its
-    pipe); then B (10) enrolled and `systemctl daemon-reload && systemctl start A B` at once,
-    one GPU. B's JobNew came while the rescan read the new file, or before B's signals were
-    matched; A's gate was seen at its pipe and granted before B's start was known, and B
-    preempted it a moment later. A's start waits for a read of systemd's queued jobs
-    (gpuslice/queued.py): B runs, and A's new run never began."""
+    pipe); then B (10) enrolled and `systemctl daemon-reload && systemctl start AB.target` at
+    once (one transaction), one GPU. B's JobNew came while the rescan read the new file, or
+    before B's signals were matched; A's gate was seen at its pipe and granted before B's
+    start was known, and B preempted it a moment later. A's start waits for a read of
+    systemd's queued jobs (gpuslice/queued.py): B runs, and A's new run never began."""
     write_job(container, A, 50, seconds=600)
     reload(container)
     container.systemctl("start", A)
@@ -180,7 +189,7 @@ def test_a_known_unit_and_a_new_one_started_together_after_a_reload_are_served_i
     container.systemctl("stop", A)
     ran = prop(container, A, "ExecMainStartTimestampMonotonic")
     write_job(container, B, 10, seconds=600)
-    container.run(f"systemctl daemon-reload && systemctl start --no-block {A} {B}")
+    container.run(f"systemctl daemon-reload && systemctl start --no-block {together(container)}")
     wait_state(container, B, "active")
 
     def a_waits_and_never_ran() -> None:
