@@ -21,7 +21,14 @@ from typing import Any, Protocol
 from gpuslice.core.scheduler import Action, Outcome, Phase, Scheduler, Start
 from gpuslice.counters import Counters
 from gpuslice.rereads import Rereads
-from gpuslice.systemd import DESTRUCTIVE, Queued, SystemdError, is_transient, job_path
+from gpuslice.systemd import (
+    DESTRUCTIVE,
+    Queued,
+    SystemdError,
+    is_transient,
+    job_path,
+    refused_for_own_job,
+)
 from gpuslice.tracker import Kind, Tracker, classify
 
 log = logging.getLogger("gpuslice")
@@ -32,6 +39,10 @@ log = logging.getLogger("gpuslice")
 # loop against a bus that fails at once (Calls._call_not_taken).
 CALL_RETRY_FIRST = 1.0
 CALL_RETRY_MAX = 30.0
+# The longest a stop refused for its unit's own job waits for a read of what its waiter needs
+# (Calls._over_own_job): the waiter waits meanwhile, and systemd answers a Get in
+# milliseconds. Past it the refusal holds (the safe side).
+NEEDS_READ_WAIT = 5.0
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
 
@@ -41,6 +52,10 @@ class StopsUnits(Protocol):
     its methods)."""
 
     def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]: ...
+
+    def stop_unit_replacing(self, name: str, queued: Queued | None = None) -> Awaitable[str]: ...
+
+    async def needs(self, name: str) -> dict[str, list[str]]: ...
 
 
 class UnitChanged(Protocol):
@@ -123,6 +138,9 @@ class Calls:
         try:
             job = await answer
         except SystemdError as e:
+            if what == "stop" and refused_for_own_job(e, unit):
+                await self._over_own_job(unit, e)
+                return
             self.counters.error("dbus_call_errors")
             if is_transient(e):
                 self._call_not_taken(unit, what, e)
@@ -159,6 +177,45 @@ class Calls:
                 # PREEMPTED_INSTANCES_MAX meanwhile) goes now. Kept, it stayed known,
                 # dormant, until a down that may never come (its name is one job's)
                 self.forget_instance(unit)
+
+    async def _over_own_job(self, unit: str, refusal: SystemdError) -> None:
+        """A stop of ours refused in mode "fail" for the unit's own job (its start still under
+        way past its gate). Systemd names one conflicting job: the start of the waiter the
+        stop is for, queued in the same transaction when it `Requires=` the unit, may conflict
+        too, and a stop sent again in mode "replace" cancelled it (taken for someone's stop:
+        held). So what the waiter needs is read first (Systemd.needs, within NEEDS_READ_WAIT):
+        where it needs the unit, the refusal holds while it waits, as one that names its
+        start; else the stop is sent again in mode "replace". A read that fails or hangs takes
+        the safe side, the refusal: the unit keeps running and the waiter waits for it or for
+        other GPUs, where a stop wrongly sent cancels a start for good."""
+        waiter = self.scheduler.stopping_for(unit)
+        needed = waiter is not None and await self._needs(waiter, unit)
+        if self.scheduler.phase(unit) is not Phase.STOPPING:
+            return  # down meanwhile, or no longer stopped: whoever changed that decides
+        now = self.scheduler.stopping_for(unit)
+        if now is not None and now != waiter:  # for another waiter since, its needs unread
+            log.info("stopping %s refused for its own job: asked again for %s", unit, now)
+            self.cancel_stop_timer(unit)
+            self.execute(self.scheduler.stop_failed(unit, refusal.text, refused=False))
+        elif needed and now is not None:
+            log.error("stop %s failed: %s", unit, refusal.text)
+            self.cancel_stop_timer(unit)
+            refused = self.scheduler.stop_failed(unit, refusal.text, refused=True, while_waits=True)
+            self.execute(refused)
+        else:  # nobody waits who needs it
+            self.send(self.systemd.stop_unit_replacing, unit, "stop")
+
+    async def _needs(self, waiter: str, unit: str) -> bool:
+        """Whether `waiter` needs `unit` (`Requires=`, `BindsTo=`, `PartOf=`: a stop of it
+        cancels the waiter's start), as systemd says within NEEDS_READ_WAIT; True when that
+        read fails or hangs (the safe side, Calls._over_own_job)."""
+        try:
+            needs = await asyncio.wait_for(self.systemd.needs(waiter), NEEDS_READ_WAIT)
+            return any(unit in units for units in needs.values())
+        except Exception as e:  # whatever failed or hung, and a reply of any form
+            self.counters.error("dbus_call_errors")
+            log.warning("cannot read what %s needs: %s; %s not stopped", waiter, e, unit)
+            return True
 
     def _call_not_taken(self, unit: str, what: str, error: SystemdError) -> None:
         """A StartUnit or StopUnit of ours did not reach systemd, for an error that passes

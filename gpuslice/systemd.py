@@ -89,6 +89,15 @@ class SystemdError(Exception):
         self.text = text
 
 
+def refused_for_own_job(error: SystemdError, name: str) -> bool:
+    """A stop of NAME in mode "fail" refused for NAME's own job: systemd names the first
+    conflicting job it finds, "Transaction for NAME/stop is destructive (UNIT has 'start' job
+    queued, but 'stop' is included in transaction)." A text of any other form is a refusal
+    for another unit's job (the safe side: nothing is sent again over it)."""
+    said = f"Transaction for {name}/stop is destructive ({name} has '"
+    return error.name == DESTRUCTIVE and said in error.text
+
+
 # D-Bus errors of the bus, or of a systemd that is away for a moment, after which the same
 # call may well work: a job call of ours that fails with one is sent again later
 # (Calls._call), not taken for systemd's refusal. Systemd's own errors
@@ -626,21 +635,15 @@ class Systemd:
         unit's job: the start of a unit that needs NAME (`Requires=`, `BindsTo=`, `PartOf=`:
         a stop of NAME stops it too). In mode "replace" a preemption for that very start
         cancelled it, which was taken for someone's stop (held), and its victim came back.
-        Refused for NAME's own job alone (its start or reload under way), it is sent again
-        in mode "replace", which replaces that job as any stop of it does."""
-        return self._stop_over_own_job(self._queue("StopUnit", name, queued, "fail"), name, queued)
+        A refusal for NAME's own job (`refused_for_own_job`) is the caller's to weigh
+        (Calls._over_own_job): systemd names one conflicting job, so the start it was for
+        may conflict too."""
+        return self._queue("StopUnit", name, queued, "fail")
 
-    async def _stop_over_own_job(
-        self, first: Awaitable[str], name: str, queued: Queued | None
-    ) -> str:
-        try:
-            return await first
-        except SystemdError as e:
-            # systemd names the first conflicting job it finds: "... (UNIT has 'start' job
-            # queued, but 'stop' is included in transaction)."
-            if e.name != DESTRUCTIVE or f"({name} has '" not in e.text:
-                raise
-        return await self._queue("StopUnit", name, queued)
+    def stop_unit_replacing(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
+        """StopUnit in mode "replace": it replaces NAME's own job (a start under way past its
+        gate), as any stop of it does, and cancels the start of every unit that needs NAME."""
+        return self._queue("StopUnit", name, queued)
 
     def try_restart_unit(self, name: str) -> Awaitable[str]:
         """TryRestartUnit, mode replace: on a unit still activating, systemd merges it into

@@ -37,9 +37,13 @@ class FakeScheduler:
     def __init__(self) -> None:
         self.phases: dict[str, Phase] = {}
         self.retry: list[Action] = []
+        self.waiter: dict[str, str] = {}  # victim -> the waiter its stop is for
 
     def phase(self, name: str) -> Phase | None:
         return self.phases.get(name)
+
+    def stopping_for(self, name: str) -> str | None:
+        return self.waiter.get(name)
 
     def retry_start(self, name: str) -> list[Action]:
         return [*self.retry, Log(f"retry_start {name}")]
@@ -132,10 +136,24 @@ class FakeSystemd:
     def __init__(self) -> None:
         self.stops: list[str] = []
         self.answers: list[str | Exception] = []
+        self.needed: dict[str, dict[str, list[str]] | Exception] = {}
+        self.needs_read = asyncio.Event()  # set: `needs` answers
 
     def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         assert queued is not None
         return answering(self.answers, self.stops)(name, queued)
+
+    def stop_unit_replacing(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
+        assert queued is not None
+        return answering(self.answers, self.stops)(f"{name} replace", queued)
+
+    async def needs(self, name: str) -> dict[str, list[str]]:
+        self.stops.append(f"needs {name}")
+        await self.needs_read.wait()
+        found = self.needed.get(name, {})
+        if isinstance(found, Exception):
+            raise found
+        return found
 
 
 class Kit:
@@ -461,6 +479,116 @@ def test_a_stop_refused_as_it_would_cancel_another_units_job_holds_while_its_wai
         kit.calls.send(answering([destructive], []), U, "stop")
         await kit.done()
         assert kit.executed == [f"stop_failed low.service: {text} refused=True while_waits"]
+
+    run(test)
+
+
+OWN_JOB = SystemdError(
+    "org.freedesktop.systemd1.TransactionIsDestructive",
+    "Transaction for low.service/stop is destructive (low.service has 'start' job queued, but"
+    " 'stop' is included in transaction).",
+)
+A = "urgent.service"
+
+
+def _stopping_for_a(kit: Kit) -> None:
+    """low.service is being stopped for A, which waits."""
+    kit.scheduler.phases[U] = Phase.STOPPING
+    kit.scheduler.waiter[U] = A
+    kit.systemd.needs_read.set()
+
+
+def test_a_stop_refused_for_the_units_own_job_holds_where_its_waiter_needs_it() -> None:
+    """Systemd names one conflicting job: the victim's own start (queued with A's, A
+    `Requires=` it). Sent again in mode "replace", the stop cancelled A's start too (the
+    bed's test_a_unit_needed_by_a_start_is_preempted_again_once_that_start_is_gone): systemd
+    says A needs it, so the refusal holds while A waits, as one naming A's start."""
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.systemd.needed[A] = {"Requires": [], "BindsTo": [U], "PartOf": []}
+        kit.calls.arm_stop_timer(U)
+        kit.systemd.answers = [OWN_JOB]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert kit.systemd.stops == [U, f"needs {A}"]
+        assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
+        assert kit.calls._stop_timers == {}
+        assert ("answered", U, "None", "stop") in kit.tracker.told
+
+    kit = run(test)
+    assert kit.counters.errors.get("dbus_call_errors", 0) == 0
+
+
+def test_a_stop_refused_for_its_own_job_is_sent_again_in_mode_replace_if_not_needed() -> None:
+    """The waiter needs nothing of the victim (or nobody waits: a withdrawal): the stop is
+    sent again in mode "replace", which replaces the victim's own start; its timer runs on."""
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.systemd.needed[A] = {"Requires": ["other.service"], "BindsTo": [], "PartOf": []}
+        kit.calls.arm_stop_timer(U)
+        kit.systemd.answers = [OWN_JOB, job_path(9)]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert kit.systemd.stops == [U, f"needs {A}", f"{U} replace"]
+        assert kit.executed == []
+        assert U in kit.calls._stop_timers
+        assert ("queued", U, job_path(9), "stop") in kit.tracker.told
+        del kit.scheduler.waiter[U]
+        kit.systemd.answers = [OWN_JOB, job_path(10)]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert kit.systemd.stops[3:] == [U, f"{U} replace"]  # nothing to read
+
+    run(test)
+
+
+@pytest.mark.parametrize("broken", ["fails", "hangs"])
+def test_a_stop_refused_for_the_units_own_job_holds_if_what_its_waiter_needs_is_unread(
+    broken: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safe side: a stop wrongly sent cancels the waiter's start for good; one held back
+    keeps the victim running while the waiter waits. A hung read is given up on."""
+    monkeypatch.setattr(calls_module, "NEEDS_READ_WAIT", 0.01)
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        if broken == "fails":
+            kit.systemd.needed[A] = NO_REPLY
+        else:
+            kit.systemd.needs_read.clear()
+        kit.systemd.answers = [OWN_JOB]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
+
+    kit = run(test)
+    assert kit.counters.errors["dbus_call_errors"] == 1
+
+
+@pytest.mark.parametrize("since", ["down", "for-another"])
+def test_a_stop_refused_for_the_units_own_job_follows_the_core_after_the_read(since: str) -> None:
+    """The core moved on while the waiter's needs were read: the victim went down (nothing
+    to do), or it is stopped for another waiter, whose needs were not read (the core plans
+    anew, a plain failure, and asks again)."""
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.systemd.needs_read.clear()
+        kit.systemd.answers = [OWN_JOB]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert kit.systemd.stops == [U, f"needs {A}"]
+        if since == "down":
+            del kit.scheduler.phases[U]
+        kit.scheduler.waiter[U] = "other.service"
+        kit.systemd.needs_read.set()
+        await kit.done()
+        expected = [] if since == "down" else [f"stop_failed {U}: {OWN_JOB.text} refused=False"]
+        assert kit.executed == expected
+        assert kit.systemd.stops == [U, f"needs {A}"]
 
     run(test)
 

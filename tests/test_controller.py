@@ -95,6 +95,8 @@ class FakeSystemd:
         # a stop job someone queued, by unit, where a test says: a StopUnit of that unit joins
         # it (systemd merges the two) and is answered with its path, no job of its own
         self.stop_jobs: dict[str, str] = {}
+        # the refusals a StopUnit (mode "fail") of a unit meets, one per call, where a test says
+        self.refused_stops: dict[str, list[SystemdError]] = {}
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -225,7 +227,19 @@ class FakeSystemd:
         self.freezer[name] = "running"
 
     def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
-        return self._job("stop", name, queued)
+        refusals = self.refused_stops.get(name)
+        if not refusals:
+            return self._job("stop", name, queued)
+        self.calls.append(("stop", name))
+        refused = refusals.pop(0)
+
+        async def answer() -> str:
+            raise refused
+
+        return answer()
+
+    def stop_unit_replacing(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
+        return self._job("stop-replacing", name, queued)
 
     def restart_preempted(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._job("start", name, queued)

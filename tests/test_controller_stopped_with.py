@@ -252,3 +252,55 @@ def test_a_unit_stopped_with_a_victim_someone_stopped_is_held_like_it(
         assert _started(bed) == []
 
     run(test)
+
+
+OWN_JOB = (
+    "Transaction for b.service/stop is destructive (b.service has 'start' job queued, but 'stop'"
+    " is included in transaction)."
+)
+
+
+@pytest.mark.parametrize("needed", [{"Requires": [B]}, NEEDS_NONE], ids=["needs-it", "not"])
+def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters_start(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    caplog: pytest.LogCaptureFixture,
+    needed: dict[str, list[str]],
+) -> None:
+    """Systemd refuses B's stop in mode "fail" naming B's own start job, queued in one
+    transaction with the start of A (A `Requires=` B, `After=` it). Sent again in mode
+    "replace", it cancelled A's start too, which was then taken for someone's stop (the bed's
+    test_a_unit_needed_by_a_start_is_preempted_again_once_that_start_is_gone). Systemd says A
+    needs B: the refusal holds while A waits, as one naming A's start. A needs nothing of B:
+    the stop is sent again in mode "replace", and A is granted once B is down."""
+    cgroup_of[4242] = A
+    bed = holding_a_gpu_each(
+        tmp_path,
+        {B: "Priority=50\n"},
+        down={A: "Priority=10\n"},
+        config=bed_config(tmp_path, gpus=1),
+    )
+    destructive = "org.freedesktop.systemd1.TransactionIsDestructive"
+    bed.systemd.refused_stops[B] = [SystemdError(destructive, OWN_JOB)]
+    bed.systemd.needed[A] = needed
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            await bed.acquire(A, ":1.9", 4242)
+            await settle()
+        assert ("needs", A) in bed.systemd.calls
+        if needed is NEEDS_NONE:
+            assert bed.systemd.calls[-1] == ("stop-replacing", B)
+            goes_down(bed, B)
+            await settle()
+            assert bed.service.granted == [(A, "0")]
+            return
+        assert ("stop-replacing", B) not in bed.systemd.calls
+        assert f"will not try to stop it again while {A} waits" in " ".join(messages(caplog))
+        assert ctl.scheduler.unstoppable_while == {B: A}
+        assert bed.service.granted == []
+
+    run(test)

@@ -49,6 +49,7 @@ from gpuslice.systemd import (
     Systemd,
     SystemdError,
     is_transient,
+    refused_for_own_job,
     unit_path,
 )
 
@@ -1575,13 +1576,15 @@ def test_a_services_exec_start_pre_is_read_and_a_restart_asked_of_the_manager(
     ]
 
 
-def test_a_stop_is_asked_in_mode_fail_and_again_in_mode_replace_over_the_units_own_job(
+def test_a_stop_is_asked_in_mode_fail_and_in_mode_replace_only_when_asked_so(
     bus_address: str,
 ) -> None:
     """Systemd.stop_unit: StopUnit in mode "fail", so that systemd refuses a stop that would
     cancel another unit's job (the start of a unit that `Requires=` this one: a preemption
-    for it cancelled it); that refusal is the caller's. One refused for the unit's own job
-    alone (a start under way past its gate) is sent again in mode "replace"."""
+    for it cancelled it); every refusal is the caller's, one for the unit's own job too
+    (`refused_for_own_job`: sent again in mode "replace", it cancelled the start of the
+    waiter it was for where that needs the unit, Calls._over_own_job).
+    Systemd.stop_unit_replacing asks mode "replace"."""
     destructive = "org.freedesktop.systemd1.TransactionIsDestructive"
     text = (
         "Transaction for {0}/stop is destructive ({1} has 'start' job queued, but 'stop' is"
@@ -1608,7 +1611,11 @@ def test_a_stop_is_asked_in_mode_fail_and_again_in_mode_replace_over_the_units_o
         systemd = Systemd(await connect(bus_address))
         await systemd.subscribe()
         told: list[str] = []
-        assert await systemd.stop_unit("a.service", told.append) == JOB
+        with pytest.raises(SystemdError) as own:
+            await systemd.stop_unit("a.service", told.append)
+        assert refused_for_own_job(own.value, "a.service")
+        assert told == []
+        assert await systemd.stop_unit_replacing("a.service", told.append) == JOB
         assert told == [JOB]
         with pytest.raises(SystemdError) as refused:
             await systemd.stop_unit("b.service", told.append)
@@ -1616,6 +1623,8 @@ def test_a_stop_is_asked_in_mode_fail_and_again_in_mode_replace_over_the_units_o
             destructive,
             text.format("b.service", "c.service"),
         )
+        assert not refused_for_own_job(refused.value, "b.service")
+        assert not refused_for_own_job(refused.value, "c.service")  # named, not stopped
         assert await systemd.stop_unit("d.service") == JOB
 
     run(scenario)

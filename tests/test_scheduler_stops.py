@@ -153,3 +153,17 @@ def test_a_stop_refused_for_the_start_it_would_cancel_holds_only_while_that_star
     assert brief(sched.request(spec("other", 20))) == []  # voice still waits: refused too
     assert brief(sched.inactive("voice.service", Outcome.STOPPED)) == ["stop bga.service"]
     assert "bga.service" not in sched.unstoppable
+
+
+def test_a_stop_is_for_its_waiter_only_while_that_waiter_waits() -> None:
+    """Scheduler.stopping_for: the waiter whose needs decide a stop refused for the victim's
+    own job (Calls._over_own_job); nobody once that waiter's start went, or the victim no
+    longer stops."""
+    sched, _ = preempting()
+    assert sched.stopping_for("bga.service") == "voice.service"
+    assert sched.stopping_for("voice.service") is None  # a waiter, not stopped
+    sched.waiters.pop("voice.service")
+    assert sched.stopping_for("bga.service") is None
+    sched, _ = preempting()
+    sched.stop_failed("bga.service", "refused", refused=True)
+    assert sched.stopping_for("bga.service") is None

@@ -2543,6 +2543,14 @@ class Scheduler:
             return Phase.SUSPENDED if name in self.suspended else None
         return holder.phase
 
+    def stopping_for(self, name: str) -> str | None:
+        """The waiter a stop of ours of `name` is for, while it waits: None where the core
+        stops it for nobody (a withdrawal, a yield, a waiter gone since) or does not stop it."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.STOPPING:
+            return None
+        return holder.stopping_for if holder.stopping_for in self.waiters else None
+
     def suspended_units(self) -> list[str]:
         return sorted(self.suspended)
 
