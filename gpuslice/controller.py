@@ -907,12 +907,12 @@ class Controller:
             # VRAM release: what NVML still shows of it now counts against its GPUs;
             # without NVML, a GPU no longer configured that it held goes with it
             self.watch.refresh(released=name)
-        # stops of ours under way that may have taken it down with them (`_stopped_with`)
+        # stops of ours under way that may have taken it down with them (`_stopped_with`),
+        # read where the core holds it: a stop's outcome, or a suspended unit's (frozen, it
+        # cannot have ended by itself) seen down with no job
         stopping = {
             v: w
-            for v, w in (
-                self.scheduler.stopping().items() if change.outcome is Outcome.STOPPED else ()
-            )
+            for v, w in self.scheduler.stopping().items()
             if v != name and not self._stop_before(change.job, v)
         }
         self.execute(

@@ -4550,12 +4550,27 @@ def test_the_bound_on_a_gpu_kept_for_a_restart_counts_from_the_failure(
     run(test)
 
 
+def crashes_254(bed: Bed, unit: str) -> None:
+    """As `crashes`, in systemd 254's order: `failed (failed-before-auto-restart)` first,
+    its restart known at its down (the keep's bound set there, with no short wait)."""
+    bed.systemd.units[unit] = state(unit, "failed", "failed-before-auto-restart")
+    signal(
+        bed,
+        unit,
+        {"ActiveState": "failed", "SubState": "failed-before-auto-restart", "Job": (0, "/")},
+    )
+    auto_restart(bed, unit)
+
+
+@pytest.mark.parametrize("crash", [crashes, crashes_254], ids=["systemd-252", "systemd-254"])
 def test_a_gpu_kept_again_for_a_second_restart_is_kept_the_whole_bound_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash: Callable[[Bed, str], None]
 ) -> None:
     """u.service crashes, its restart runs, and crashes again before the first keep's bound
     was over: the second keep has a bound of its own. The first's, left running, released
-    the GPU kept for the second restart early (bg.service refilled, stopped a moment later)."""
+    the GPU kept for the second restart early (bg.service refilled, stopped a moment later).
+    In systemd 254's order the first bound is timed at the down itself, not at the short
+    wait's end."""
     # the second keep's bound (2.5 s) is 0.75 s past the look at 1.75 s, the first's (1.5 s)
     # before it: margins wide enough for a loaded CI
     monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
@@ -4565,7 +4580,7 @@ def test_a_gpu_kept_again_for_a_second_restart_is_kept_the_whole_bound_again(
     async def test() -> None:
         ctl = await started(bed)
         loop = asyncio.get_running_loop()
-        crashes(bed, "u.service")
+        crash(bed, "u.service")
         await settle()
         first = loop.time()
         await past(0.01)  # its `auto-restart` seen: kept until the bound
@@ -4577,12 +4592,43 @@ def test_a_gpu_kept_again_for_a_second_restart_is_kept_the_whole_bound_again(
         bed.systemd.units["u.service"] = state("u.service", "active", "running")
         signal(bed, "u.service", {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
         await asyncio.sleep(first + 1.0 - loop.time())
-        crashes(bed, "u.service")
+        crash(bed, "u.service")
         await asyncio.sleep(first + 1.75 - loop.time())
         await settle()
         assert ("start", "bg.service") not in bed.systemd.calls
         assert ctl.scheduler.grants().get("u.service") == frozenset({0})
         await until(lambda: ("start", "bg.service") in bed.systemd.calls)
+
+    run(test)
+
+
+def test_a_unit_restarted_then_stopped_leaves_nothing_of_its_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """u.service crashes, its restart runs within the keep, and someone stops it later: its
+    down is kept for nothing, and nothing of the earlier keep is left (its bound's timer, the
+    time it began): left, each instance restarted once kept an entry for ever."""
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = crash_loop_bed(tmp_path)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        crashes(bed, "u.service")
+        await settle()
+        await past(0.01)  # its `auto-restart` seen: kept until the bound
+        assert set(ctl._restart_since) == {"u.service"}
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "u.service")
+        bed.systemd.units["u.service"] = state("u.service", "activating", "start-pre", 2)
+        signal(bed, "u.service", at_gate(bytes([2]) * 16))
+        await past_queued_delay()
+        bed.systemd.units["u.service"] = state("u.service", "active", "running")
+        signal(bed, "u.service", {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+        await settle()
+        assert ctl.scheduler.phase("u.service") is Phase.RUNNING
+        goes_down(bed, "u.service")  # someone's `systemctl stop`
+        await settle()
+        assert "u.service" not in ctl.scheduler.restart_kept
+        assert ctl._restart_timers == {} and ctl._restart_since == {}
 
     run(test)
 
@@ -4858,8 +4904,30 @@ def test_a_clean_exit_under_restart_always_whose_restart_does_not_come_is_finish
         assert "u.service" in ctl.scheduler.finished and "u.service" not in ctl.scheduler.failed
         assert json.loads(ctl.status_json())["finished"] == ["u.service"]
         said = "\n".join(messages(caplog))
-        assert "u.service was not started again by its Restart= within" in said
+        # said with the short wait it ended (an hour here), not RESTART_KEEP
+        assert f"u.service was not started again by its Restart= within {HOUR:.0f} s" in said
         assert "failed" not in said
+
+    run(test)
+
+
+def test_a_kept_unit_whose_restart_does_not_come_is_saved_finished_with_nothing_to_refill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above with no other unit to start on its GPU: no decision follows the keep's end,
+    and the state file is saved all the same, u.service finished (a restarted controller
+    reads it so)."""
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", 0.01)
+    bed = holding_a_gpu_each(tmp_path, {"u.service": "Priority=10\n[Service]\nRestart=always\n"})
+
+    async def test() -> None:
+        ctl = await started(bed)
+        exits_clean(bed, "u.service")
+        await settle()
+        assert saved_record(bed)["finished"] == []
+        await past(0.02)
+        assert "u.service" in ctl.scheduler.finished
+        assert saved_record(bed)["finished"] == ["u.service"]
 
     run(test)
 

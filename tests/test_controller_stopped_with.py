@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice.core.scheduler import SavedState
 from gpuslice.systemd import SystemdError
 from tests.test_controller import (
     Bed,
@@ -24,6 +25,7 @@ from tests.test_controller import (
     messages,
     run,
     settle,
+    state,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
 
@@ -302,5 +304,94 @@ def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters
         assert f"will not try to stop it again while {A} waits" in " ".join(messages(caplog))
         assert ctl.scheduler.unstoppable_while == {B: A}
         assert bed.service.granted == []
+
+    run(test)
+
+
+def test_a_unit_whose_stop_job_is_newer_than_gpuslices_stop_of_what_it_needs_is_preempted(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """B's stop (ours) shows as job 11, and C goes down by job 77, made after it: the stop
+    systemd made of C along with ours, not someone's older one. C needs B: preempted with
+    it, not held (Controller._stop_before compares the two jobs' numbers)."""
+    bed = _bed(tmp_path, cgroup_of)
+    bed.systemd.needed[C] = {**NEEDS_NONE, "Requires": [B]}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        await bed.acquire(A, ":1.9", 4242)
+        assert bed.systemd.calls[-1] == ("stop", B)
+        ours = "/org/freedesktop/systemd1/job/11"
+        ctl.on_job_new(11, ours, B)
+        ctl.on_unit_changed(B, {"Job": (11, ours)})
+        ctl.on_job_new(77, STOP_OF_C, C)
+        goes_down(bed, C)
+        await settle()
+        assert ("needs", C) in bed.systemd.calls
+        assert C in ctl.scheduler.preempted
+        assert ctl.scheduler.snapshot().held == []
+
+    run(test)
+
+
+def test_a_failed_read_of_what_a_unit_needs_is_said_in_the_debug_log(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """What C needs cannot be read: the journal's debug level says which unit and why (the
+    hold stands: tests above)."""
+    bed = _bed(tmp_path, cgroup_of)
+    bed.systemd.needed[C] = SystemdError("org.freedesktop.DBus.Error.TimedOut", "no answer")
+
+    async def test() -> None:
+        with caplog.at_level(logging.DEBUG, logger="gpuslice"):
+            await _a_preempts_b_and_c_goes_down(bed)
+        assert (
+            f"cannot read what {C} needs: org.freedesktop.DBus.Error.TimedOut: no answer"
+        ) in messages(caplog)
+        assert bed.controller.counters.errors["dbus_call_errors"] >= 1
+
+    run(test)
+
+
+def test_a_suspended_unit_seen_down_while_gpuslice_stops_what_it_needs_is_preempted(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """C, suspended by gpuslice (frozen: it cannot end by itself), is seen down with no job
+    while gpuslice stops B, which C needs: booked as someone's stop (held), as a suspended
+    unit's down is, and then read like any other such hold (README): preempted with B."""
+    cgroup_of[4242] = A
+    D = "d.service"
+    bed = Bed(
+        tmp_path,
+        {B: "Priority=50\n", C: "Priority=40\n", D: "Priority=45\n", A: "Priority=10\n"},
+        [
+            state(B, "active", "running"),
+            state(C, "active", "running"),
+            state(D, "active", "running"),
+            state(A, "inactive", "dead"),
+        ],
+        SavedState(
+            holders={B: ((0,), "running", 1, ""), D: ((1,), "running", 2, "")},
+            suspended={C: ((1,), 3)},
+            seq=3,
+        ),
+        config=bed_config(tmp_path, gpus=2),
+    )
+    bed.systemd.needed[C] = {**NEEDS_NONE, "Requires": [B]}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ctl.scheduler.suspended_units() == [C]
+        await bed.acquire(A, ":1.9", 4242)
+        assert bed.systemd.calls[-1] == ("stop", B)
+        goes_down(bed, C)
+        await settle()
+        assert ("needs", C) in bed.systemd.calls
+        assert C in ctl.scheduler.preempted
+        assert ctl.scheduler.snapshot().held == []
 
     run(test)

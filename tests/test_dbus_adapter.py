@@ -1454,7 +1454,7 @@ def test_the_units_whose_stop_stops_a_unit_are_read_from_its_own_object(
         },
         unit_path("d.service"): {
             "Requires": Variant("as", []),
-            "BindsTo": Variant("s", "b.service"),
+            "BindsTo": Variant("s", "b.service " * 10),  # said up to 80 characters
             "PartOf": Variant("as", []),
         },
     }
@@ -1473,8 +1473,14 @@ def test_the_units_whose_stop_stops_a_unit_are_read_from_its_own_object(
             "BindsTo": [],
             "PartOf": ["x.target", "y.service"],
         }
-        with pytest.raises(SystemdError, match="BadReply"):
+        with pytest.raises(SystemdError) as raised:
             await systemd.needs("d.service")
+        wrong = repr(values[unit_path("d.service")]["BindsTo"])
+        assert len(wrong) > 81
+        assert (raised.value.name, raised.value.text) == (
+            "org.gpuslice.Error.BadReply",
+            f"BindsTo of d.service: {wrong[:80]}",
+        )
 
     run(scenario)
     path = unit_path("c.service")

@@ -1711,3 +1711,20 @@ def test_a_start_job_that_ran_nothing_is_a_failure_not_a_stop(result: str) -> No
     tracker.job_new(JOB2, A)  # then someone's stop of it: a hold, as any
     tracker.job_removed(JOB2, A, "done")
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def test_a_start_that_ran_nothing_after_a_failure_told_is_told_again() -> None:
+    """A failed (told), then someone's start of it, a waiter (announced queued), that systemd
+    ends before anything runs (a `Requires=` unit failed): A is still `failed`, but this is
+    a down of its own, told (the waiter's start failed). Kept as the failure told before
+    while the job was queued, the waiter was left waiting for a start that had ended."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("failed", "failed")) == [WentDown(A, Outcome.FAILED)]
+    model.phases.clear()
+    model.waiters.add(A)
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props("failed", "failed", 1)) == []
+    assert tracker.job_removed(JOB1, A, "dependency") is True
+    assert tracker.unit_changed(A, props("failed", "failed")) == [WentDown(A, Outcome.FAILED)]

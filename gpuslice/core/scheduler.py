@@ -644,6 +644,9 @@ class Scheduler:
         self.remained.discard(name)
         self.wait_failed.discard(name)
         self.preempted.pop(name, None)
+        # and what it was preempted with: kept, its next preemption waited for that
+        # victim's stop, or was taken for a hold of it (`_requeue`) and never came back
+        self.stopped_along.pop(name, None)
         self.start_retries.pop(name, None)
         self.restart_kept.pop(name, None)  # its restart asks: no longer owed a release
 
