@@ -80,7 +80,7 @@ from gpuslice.paths import (
     STATE_DIR_RECORD,
     gate_pipe_dir,
 )
-from gpuslice.queued import QueuedStarts
+from gpuslice.queued import QueuedStarts, starts_waited_for
 from gpuslice.reloads import Reloads, load_settled
 from gpuslice.remains import Remains
 from gpuslice.rereads import Rereads
@@ -711,7 +711,9 @@ class Controller:
         start stopping now and no less urgent unit is granted the GPUs it takes later.
         JobNew names no job type, so systemd's queue is read first: a stop job must preempt
         nothing. Any word of systemd's on the unit since JobNew makes the answer stale
-        (signals read after it may be applied before this resumes): its gate decides then."""
+        (signals read after it may be applied before this resumes): its gate decides then.
+        Nor is a start held behind the start of a GPU unit (queued.starts_waited_for): the
+        GPUs kept for it would keep that unit's gate waiting, and neither would run."""
         state = await self.reads.read_fresh(unit, seen)
         await self.rescans.scanned()  # judged on the annotations of now (Rescans.hold_gate)
         if self.tracker.heard(unit) != seen:
@@ -721,6 +723,13 @@ class Controller:
             return
         if at_condition(state):
             return  # its ExecCondition= may skip it: known at its gate (tracker.at_condition)
+        waited = await starts_waited_for(self.systemd, job_id)
+        await self.rescans.scanned()
+        if waited is None or any(self.spec_for(u) is not None for u in waited):
+            return  # held behind a GPU unit's start (or not known): known at its gate
+        spec = self.spec_for(unit)
+        if spec is None or self.tracker.heard(unit) != seen:
+            return
         with self._batched():
             self.execute(self.scheduler.announce(spec))
 

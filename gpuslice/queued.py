@@ -41,9 +41,41 @@ from typing import Any
 from gpuslice.core.model import UnitSpec
 from gpuslice.counters import Counters
 from gpuslice.systemd import Systemd, SystemdError
-from gpuslice.tracker import Tracker, at_condition, bound_for_gate
+from gpuslice.tracker import START_JOBS, Tracker, at_condition, bound_for_gate
 
 log = logging.getLogger("gpuslice")
+
+
+# The most Job.GetBefore reads one start's walk of the jobs it waits for costs
+# (`starts_waited_for`): past it, the start is taken as waiting for one of ours.
+WAITED_FOR_READS = 16
+
+
+async def starts_waited_for(systemd: Systemd, job_id: int) -> set[str] | None:
+    """The units whose start job systemd runs before this job, directly or through the
+    jobs this one waits for (Job.GetBefore, one read a job, WAITED_FOR_READS at most);
+    None when a read fails, its reply is not systemd's, or the bound is passed. A start
+    announced to the core before its gate keeps the GPUs it takes (Phase.STARTING): held
+    behind the start of a GPU unit (`Requires=b` + `After=b`), it kept them from that
+    very unit, whose gate then waited for them while its start waited for b's: neither
+    ran. Such a start is known at its gate, as any start."""
+    found: set[str] = set()
+    todo, seen = [job_id], {job_id}
+    for _ in range(WAITED_FOR_READS):
+        if not todo:
+            return found
+        try:
+            jobs = await systemd.jobs_waited_for(todo.pop())
+        except SystemdError as e:
+            log.debug("cannot read the jobs job %d waits for: %s", job_id, e)
+            return None
+        for other, unit, kind in jobs:
+            if kind in START_JOBS:
+                found.add(unit)
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return None if todo else found
 
 
 class QueuedStarts:
@@ -148,15 +180,24 @@ class QueuedStarts:
         starts = []
         for unit in unknown:
             state = states.get(unit)
+            if (
+                state is None
+                or not bound_for_gate(state)
+                or at_condition(state)  # it may be skipped: known at its gate, if ever
+                or not await self._free_of_gpu_starts(state.job_id)
+            ):
+                continue
             spec = self.spec_for(unit)
             # a word of systemd's about it since: the read may be older than what we know
-            fresh = self.tracker.heard(unit) == seen[unit]
-            if (
-                spec is not None
-                and state is not None
-                and fresh
-                and bound_for_gate(state)
-                and not at_condition(state)  # it may be skipped: known at its gate, if ever
-            ):
+            if spec is not None and self.tracker.heard(unit) == seen[unit]:
                 starts.append(spec)
         return starts
+
+    async def _free_of_gpu_starts(self, job_id: int) -> bool:
+        """The start waits for no start of an annotated unit (`starts_waited_for`): one that
+        does, announced, would keep the GPUs that unit's gate waits for."""
+        waited = await starts_waited_for(self.systemd, job_id)
+        if waited is None:
+            self.counters.error("dbus_call_errors")
+            return False
+        return not any(self.spec_for(u) is not None for u in waited)

@@ -32,6 +32,7 @@ MANAGER_PATH = "/org/freedesktop/systemd1"
 MANAGER = "org.freedesktop.systemd1.Manager"
 UNIT = "org.freedesktop.systemd1.Unit"
 SERVICE = "org.freedesktop.systemd1.Service"
+JOB = "org.freedesktop.systemd1.Job"
 PROPERTIES = "org.freedesktop.DBus.Properties"
 UNIT_PATH_PREFIX = "/org/freedesktop/systemd1/unit/"
 BUS_DAEMON = "org.freedesktop.DBus"
@@ -585,6 +586,17 @@ class Systemd:
         except (TypeError, ValueError, IndexError) as e:
             raise SystemdError("org.gpuslice.Error.BadReply", f"ListJobs: {e}") from None
         return [unit for _, unit, kind in listed if kind in START_JOBS]
+
+    async def jobs_waited_for(self, job_id: int) -> list[tuple[int, str, str]]:
+        """The jobs systemd runs before this one, by an ordering (After=/Before=) of their
+        units: its Job.GetBefore (systemd's job_get_before; GetAfter names the jobs that
+        wait for this one), as (id, unit, type). SystemdError for a job gone or a reply not
+        of the form systemd gives (a(usssoo))."""
+        (jobs,) = await self.call("GetBefore", path=job_path(job_id), interface=JOB)
+        try:
+            return [(int(j[0]), str(j[1]), str(j[2])) for j in jobs]
+        except (TypeError, ValueError, IndexError) as e:
+            raise SystemdError("org.gpuslice.Error.BadReply", f"GetBefore: {e}") from None
 
     def start_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         return self._queue("StartUnit", name, queued)

@@ -97,6 +97,9 @@ class FakeSystemd:
         self.stop_jobs: dict[str, str] = {}
         # the refusals a StopUnit (mode "fail") of a unit meets, one per call, where a test says
         self.refused_stops: dict[str, list[SystemdError]] = {}
+        # the jobs each job waits for (Job.GetBefore), by job id, where a test says (else
+        # none), or the error the read fails with
+        self.waited_for: dict[int, list[tuple[int, str, str]] | SystemdError] = {}
         self._jobs = 0
         self.on_unit_changed: Callable[[str, dict[str, Any]], None] = lambda u, p: None
         self.on_job_new: Callable[[int, str, str], None] = lambda i, p, u: None
@@ -144,6 +147,13 @@ class FakeSystemd:
         self.calls.append(("start_jobs", ""))
         jobs = [(u.job_id, u.name) for u in self.units.values() if u.job_type in START_JOBS]
         return [name for job, name in sorted(jobs) if job]
+
+    async def jobs_waited_for(self, job_id: int) -> list[tuple[int, str, str]]:
+        self.calls.append(("jobs_waited_for", str(job_id)))
+        found = self.waited_for.get(job_id, [])
+        if isinstance(found, SystemdError):
+            raise found
+        return found
 
     async def main_exit(self, name: str) -> MainExit:
         self.exit_reads.append(name)
@@ -2623,6 +2633,86 @@ def test_a_start_job_queued_preempts_before_its_gate_runs(
         ctl.on_unit_changed("urgent.service", at_gate())
         await settle()
         assert read_pipe(bed, "urgent.service") == START.hex() + "\n"
+
+    run(test)
+
+
+def needs_b_after(tmp_path: Path) -> Bed:
+    """a.service (10) Requires= and After= b.service (50), one GPU, nothing running."""
+    files = {"a.service": "Priority=10\n", "b.service": "Priority=50\n"}
+    return Bed(tmp_path, files, [state("b.service", "inactive", "dead")])
+
+
+def test_a_start_queued_behind_a_gpu_units_start_keeps_nothing_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl start --no-block a`, a Requires= and After= b: a's start waits in systemd's
+    queue for b's. Announced, a kept GPU 0 (10 beats 50) from b, whose gate waited for it
+    while a's start waited for b's: neither ran. It is known at its gate instead, and b
+    runs first."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed = needs_b_after(tmp_path)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.waited_for[5] = [(6, "b.service", "start")]
+        queued(bed, "a.service", "start")
+        bed.systemd.units["b.service"] = state("b.service", "inactive", "dead", 6, "start")
+        ctl.on_job_new(6, "/org/freedesktop/systemd1/job/6", "b.service")
+        assert await due_now(ctl._queued) == 2
+        assert ("jobs_waited_for", "5") in bed.systemd.calls
+        assert ctl.scheduler.phase("a.service") is not Phase.STARTING
+        ctl.on_unit_changed("b.service", at_gate())
+        await settle()
+        assert read_pipe(bed, "b.service") == START.hex() + "\n"
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    "waited",
+    [
+        [(7, "plain.service", "start")],  # through a plain unit's start, waiting for b's
+        SystemdError("org.freedesktop.systemd1.NoSuchJob", "gone"),  # unknown: not announced
+    ],
+)
+def test_a_start_not_known_free_of_a_gpu_units_start_is_known_at_its_gate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, waited: Any
+) -> None:
+    """The jobs a start waits for are walked (a waits for plain.service, which waits for b);
+    a read that fails announces nothing: its gate asks, as any start's."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed = needs_b_after(tmp_path)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.waited_for = {5: waited, 7: [(6, "b.service", "start")]}
+        queued(bed, "a.service", "start")
+        assert await due_now(ctl._queued) == 1
+        assert ctl.scheduler.phase("a.service") is not Phase.STARTING
+        ctl.on_unit_changed("b.service", at_gate())
+        await settle()
+        assert read_pipe(bed, "b.service") == START.hex() + "\n"
+
+    run(test)
+
+
+def test_a_start_queued_behind_a_plain_units_start_is_announced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting for a unit that is not a GPU unit's start, it keeps its GPU from now."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed = needs_b_after(tmp_path)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        bed.systemd.waited_for[5] = [(7, "plain.service", "start"), (8, "b.service", "stop")]
+        queued(bed, "a.service", "start")
+        assert await due_now(ctl._queued) == 1
+        assert ctl.scheduler.phase("a.service") is Phase.STARTING
 
     run(test)
 

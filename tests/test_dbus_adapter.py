@@ -49,6 +49,7 @@ from gpuslice.systemd import (
     Systemd,
     SystemdError,
     is_transient,
+    job_path,
     refused_for_own_job,
     unit_path,
 )
@@ -1222,6 +1223,39 @@ def test_the_start_jobs_are_read_in_the_order_systemd_made_them(bus_address: str
         assert await systemd.start_jobs() == ["a.service", "b.service"]
         with pytest.raises(SystemdError, match="ListJobs"):
             await systemd.start_jobs()
+
+    run(body)
+
+
+def test_the_jobs_a_job_waits_for_are_read_from_its_own_object(bus_address: str) -> None:
+    """Job.GetBefore on the job's object (GetAfter names those that wait for it): (id, unit,
+    type) of each; a reply not of systemd's form is a SystemdError."""
+
+    async def body() -> None:
+        owner = await connect(bus_address)
+        replies = [
+            (
+                "a(usssoo)",
+                [[6, "b.service", "start", "waiting", job_path(6), unit_path("b.service")]],
+            ),
+            ("a(us)", [[6, "b.service"]]),
+        ]
+        asked: list[tuple[str, str, str]] = []
+
+        def answer(msg: Message) -> Message | bool:
+            if msg.message_type is not MessageType.METHOD_CALL or msg.member != "GetBefore":
+                return False
+            asked.append((msg.path or "", msg.interface or "", msg.signature))
+            signature, jobs = replies.pop(0)
+            return Message.new_method_return(msg, signature, [jobs])
+
+        owner.add_message_handler(answer)
+        await owner.request_name(SYSTEMD)
+        systemd = Systemd(await connect(bus_address))
+        assert await systemd.jobs_waited_for(5) == [(6, "b.service", "start")]
+        assert asked == [(job_path(5), "org.freedesktop.systemd1.Job", "")]
+        with pytest.raises(SystemdError, match="GetBefore"):
+            await systemd.jobs_waited_for(5)
 
     run(body)
 

@@ -34,6 +34,8 @@ class FakeSystemd:
         self.reads: list[str] = []  # what was asked, in order
         self.gate: asyncio.Event | None = None  # set: ListJobs answers
         self.error: SystemdError | None = None  # ListJobs fails with it
+        # the jobs each job waits for (Job.GetBefore), by id (else none), or the read's error
+        self.waited_for: dict[int, list[tuple[int, str, str]] | SystemdError] = {}
 
     async def start_jobs(self) -> list[str]:
         self.reads.append("ListJobs")
@@ -46,6 +48,12 @@ class FakeSystemd:
     async def units_state(self, names: Collection[str]) -> list[UnitState]:
         self.reads.append("ListUnitsByNames " + ",".join(names))
         return [self.states[n] for n in names if n in self.states]
+
+    async def jobs_waited_for(self, job_id: int) -> list[tuple[int, str, str]]:
+        found = self.waited_for.get(job_id, [])
+        if isinstance(found, SystemdError):
+            raise found
+        return found
 
 
 class FakeTracker:
@@ -138,6 +146,34 @@ def test_only_starts_the_core_does_not_know_and_bound_for_their_gate_are_taken()
         kit.queued.wait(A)
         await kit.done()
         assert kit.taken[-1] == ([], [A])
+
+    asyncio.run(test())
+
+
+def test_a_start_queued_behind_a_gpu_units_start_is_not_taken() -> None:
+    """d.service (5) Requires= and After= c.service (30): its start waits in systemd's queue
+    for c's, whose gate asks. Taken with c's call, d's start kept the GPU c's gate waited
+    for, while d waited for c: neither ran. It is known at its gate instead; a start whose
+    waits cannot be read is too (counted), one waiting for a plain unit's start is taken."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.systemd.jobs = [C, D]
+        waiting = UnitState(D, "inactive", "dead", 9, "start")
+        kit.systemd.states = {C: at_gate(C, 8), D: waiting}
+        kit.systemd.waited_for = {9: [(8, C, "start")]}
+        kit.queued.wait(C)
+        await kit.done()
+        assert kit.taken == [([C], [C])]
+        kit.systemd.waited_for = {9: SystemdError(NO_REPLY, "no answer within 60 s")}
+        kit.queued.wait(C)
+        await kit.done()
+        assert kit.taken[-1] == ([C], [C])
+        assert kit.counters.errors["dbus_call_errors"] == 1
+        kit.systemd.waited_for = {9: [(10, "plain.service", "start"), (8, C, "stop")]}
+        kit.queued.wait(C)
+        await kit.done()
+        assert kit.taken[-1] == ([C, D], [C])
 
     asyncio.run(test())
 

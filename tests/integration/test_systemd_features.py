@@ -49,6 +49,8 @@ def test_a_start_never_preempts_a_unit_it_needs(container: Container, needs: str
         what="gpuslice to preempt B, or to find it cannot",
     )
     assert HELD not in journal  # A's start cancelled by the stop of B meant for it
+    # A's start, queued behind B's, kept no GPU from B's gate (the two waited for each other)
+    assert f"{B} waiting: GPU 0 held by {A}" not in journal
     # systemd names the first conflicting job it finds: A's start, or B's own if still under way
     assert f"Transaction for {B}/stop is destructive ({A} has 'start' job queued" in journal or (
         f"Transaction for {B}/stop is destructive ({B} has 'start' job queued" in journal
@@ -67,6 +69,27 @@ def test_a_start_never_preempts_a_unit_it_needs(container: Container, needs: str
     wait_state(container, A, "inactive")
     wait_answer(lambda: status(container)["held"], lambda h: sorted(h) == [A, B], 20, "holds")
     assert holders(container) == {0: []}
+
+
+def test_a_start_queued_behind_a_gpu_units_start_keeps_no_gpu_from_it(
+    container: Container,
+) -> None:
+    """A (10) `Requires=`+`After=` B (50), one GPU; B's start waits 3 s for a plain unit's
+    (`After=`), so A's start, queued behind B's, is seen waiting in systemd's queue well
+    before B's gate asks. Announced then, A kept GPU 0 from B, whose gate waited for it
+    while A's start waited for B's: neither ever ran. A waits for a GPU unit's start
+    (Job.GetBefore), so it is known at its gate: B runs first, then A waits at its gate."""
+    container.write_file(
+        f"{UNIT_DIR}/slow.service",
+        "[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart=/bin/sleep 3\n",
+    )
+    write_job(container, B, 50, extra_unit="Requires=slow.service\nAfter=slow.service")
+    write_job(container, A, 10, extra_unit=f"Requires={B}\nAfter={B}")
+    reload(container)
+    container.systemctl("start", "--no-block", A)
+    wait_answer(lambda: holders(container), lambda h: h == {0: [B]}, 30, "B to run")
+    wait_sub(container, A, "start-pre")
+    assert f"{B} waiting: GPU 0 held by {A}" not in container.journal(CONTROLLER)
 
 
 def test_a_unit_still_starting_past_its_gate_is_preempted(container: Container) -> None:
