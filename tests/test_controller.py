@@ -1971,6 +1971,20 @@ async def past_refresh_delay() -> None:
     await past(rereads_module.REFRESH_DELAY)
 
 
+def answered_when_set(bed: Bed, monkeypatch: pytest.MonkeyPatch, read: str) -> asyncio.Event:
+    """The fake systemd's `read` (a method of one unit's name) answers only once the event
+    returned is set: a read still under way while the test says what comes meanwhile."""
+    answered = asyncio.Event()
+    method = getattr(bed.systemd, read)
+
+    async def late(name: str) -> Any:
+        await answered.wait()
+        return await method(name)
+
+    monkeypatch.setattr(bed.systemd, read, late)
+    return answered
+
+
 def held_after_answer(bed: Bed, job_new: bool = True) -> tuple[asyncio.Event, list[str]]:
     """Systemd answers our StopUnits at once, JobNew first (the jobs queued are told), and
     each call resumes only once the event is set: as when signals systemd sent after its
@@ -5156,14 +5170,7 @@ def test_a_bare_auto_restart_is_told_before_the_next_signal_of_its_unit(
     restart was taken in, the down told afterwards released the GPU of a restart under way."""
     caplog.set_level(logging.INFO, logger="gpuslice")
     bed = restart_always_bed(tmp_path)
-    answered = asyncio.Event()
-    read = bed.systemd.main_exit
-
-    async def late(name: str) -> MainExit:
-        await answered.wait()
-        return await read(name)
-
-    monkeypatch.setattr(bed.systemd, "main_exit", late)
+    answered = answered_when_set(bed, monkeypatch, "main_exit")
 
     async def test() -> None:
         ctl = await started(bed)

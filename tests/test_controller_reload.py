@@ -35,9 +35,9 @@ from gpuslice.annotations import Scan, scan
 from gpuslice.config import Config, load_config_with_warnings, read_pinned_runtime_dir
 from gpuslice.controller import Controller
 from gpuslice.paths import RUNTIME_DIR_DROPIN, RUNTIME_DIR_ENV
-from gpuslice.tracker import UnitState
 from tests.test_controller import (
     Bed,
+    answered_when_set,
     at_gate,
     bed_config,
     holding_a_gpu_each,
@@ -722,14 +722,7 @@ def test_starts_queued_together_right_after_their_reload_are_served_in_priority_
     held = HeldScan(monkeypatch)
     cgroup_of[4242] = "later.service"
     cgroup_of[4243] = "sooner.service"
-    answered = asyncio.Event()  # made in the test's loop below
-    read = bed.systemd.unit_state
-
-    async def late_read(name: str) -> UnitState:
-        await answered.wait()
-        return await read(name)
-
-    monkeypatch.setattr(bed.systemd, "unit_state", late_read)
+    answered = answered_when_set(bed, monkeypatch, "unit_state")
 
     async def test() -> None:
         ctl = bed.controller
@@ -776,14 +769,7 @@ def test_a_known_start_at_its_pipe_waits_for_the_new_starts_of_its_transaction(
     bed = Bed(tmp_path, {"later.service": "Priority=50\n"}, [])
     held = HeldScan(monkeypatch)
     cgroup_of[4243] = "sooner.service"
-    answered = asyncio.Event()  # made in the test's loop below
-    read = bed.systemd.unit_state
-
-    async def late_read(name: str) -> UnitState:
-        await answered.wait()
-        return await read(name)
-
-    monkeypatch.setattr(bed.systemd, "unit_state", late_read)
+    answered = answered_when_set(bed, monkeypatch, "unit_state")
 
     async def test() -> None:
         ctl = bed.controller
