@@ -604,6 +604,15 @@ async def shell_reader(pipe: Path) -> asyncio.subprocess.Process:
 HOUR = 3600.0  # a delay no test outlives: the test ends it (`due_now`), not the clock
 
 
+def restart_timers_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restart timers (RESTART_SIGNAL_WAIT, then RESTART_KEEP, which must outlast it)
+    end when the test says (`due_now`), not by the clock: a short wait of 10 ms or a keep of
+    50 ms ran out, on a loaded machine, before the test had looked at what must not have
+    happened yet."""
+    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", HOUR)
+    monkeypatch.setattr(controller_module, "RESTART_KEEP", 2 * HOUR)
+
+
 async def due_now(*callbacks: Callable[..., object]) -> int:
     """Each timer of the loop's that would call one of `callbacks` (a bound method, or a
     function of any instance's) runs now, in the order they were due, then what they
@@ -4592,11 +4601,7 @@ def test_a_gpu_kept_for_a_restart_that_does_not_come_goes_after_the_bound(
     then; bg.service is refilled, and the journal says why. The keep, taken on at the short
     wait for its `auto-restart` (systemd 252 signals `failed` first), is said once."""
     caplog.set_level(logging.INFO, logger="gpuslice")
-    # both ended by the test: a short wait of 10 ms ran out, on a loaded machine, before the
-    # check that the keep was not said yet (the bound of 1 s gave only the later checks a
-    # margin)
-    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", HOUR)
-    monkeypatch.setattr(controller_module, "RESTART_KEEP", 2 * HOUR)
+    restart_timers_by_hand(monkeypatch)
     bed = crash_loop_bed(tmp_path)
     kept = "GPU 0 kept for u.service's restart (its Restart=)"
 
@@ -4744,10 +4749,7 @@ def test_a_gpu_kept_for_a_restart_of_a_unit_whose_annotation_went_is_said_releas
     GPU kept for it goes with the annotation, said so. The keep's bound, over later, says
     nothing more: no GPU of it was kept by then."""
     caplog.set_level(logging.INFO, logger="gpuslice")
-    # both ended by the test: a keep's bound of 50 ms ran out, on a loaded machine, before
-    # the GPU kept was looked at
-    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", HOUR)
-    monkeypatch.setattr(controller_module, "RESTART_KEEP", 2 * HOUR)
+    restart_timers_by_hand(monkeypatch)
     bed = crash_loop_bed(tmp_path)
 
     async def test() -> None:
@@ -4953,8 +4955,7 @@ def test_a_clean_exit_under_restart_always_keeps_its_gpu_for_the_restart(
     caplog.set_level(logging.INFO, logger="gpuslice")
     # both ended by the test (the keep's bound never here): the look must come after the
     # short wait, which a loaded machine made later than a sleep of a few ms
-    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", HOUR)
-    monkeypatch.setattr(controller_module, "RESTART_KEEP", 2 * HOUR)
+    restart_timers_by_hand(monkeypatch)
     bed = restart_always_bed(tmp_path)
 
     async def test() -> None:
@@ -5045,8 +5046,7 @@ def test_a_clean_exit_whose_restart_hits_its_start_limit_is_failed_and_said_once
     caplog.set_level(logging.INFO, logger="gpuslice")
     # both ended by the test: a wait of 10 ms could run out, on a loaded machine, between
     # the signals, which then were not taken in the order systemd sent them at once
-    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", HOUR)
-    monkeypatch.setattr(controller_module, "RESTART_KEEP", 2 * HOUR)
+    restart_timers_by_hand(monkeypatch)
     bed = restart_always_bed(tmp_path)
 
     async def test() -> None:

@@ -39,6 +39,7 @@ from tests.test_controller import (
     goes_down,
     low_holds_gpu_0,
     restart_always_bed,
+    restart_timers_by_hand,
     run,
     settle,
     signal,
@@ -303,10 +304,7 @@ def test_status_shows_a_unit_whose_gpu_is_kept_for_its_restart_as_restarting(
     Status showed it `starting`, a start on its way to its gate, where nothing of it runs and
     its GPU waits for a restart that may never come: it is `restarting`, with why and since
     when, in the JSON, the table, STATUS= and the metrics. Its restart granted, it runs."""
-    # both ended by the test: the look must come after the short wait, which a loaded
-    # machine made later than a sleep of a few ms
-    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", HOUR)
-    monkeypatch.setattr(controller_module, "RESTART_KEEP", 2 * HOUR)
+    restart_timers_by_hand(monkeypatch)
     bed = crash_loop_bed(tmp_path)
     kept = "GPU 0 kept for u.service's restart (its Restart=)"
 
@@ -344,10 +342,7 @@ def test_status_shows_a_clean_exit_whose_gpu_is_kept_for_its_restart_as_restarti
     """u.service (Restart=always) exits 0 and systemd 252 starts it again (`inactive`, then
     `auto-restart`): its GPU kept for that start, it is `restarting`, with why, in the JSON
     and STATUS=, and not finished (its restart comes)."""
-    # both ended by the test: the look must come after the short wait, which a loaded
-    # machine made later than a sleep of a few ms
-    monkeypatch.setattr(controller_module, "RESTART_SIGNAL_WAIT", HOUR)
-    monkeypatch.setattr(controller_module, "RESTART_KEEP", 2 * HOUR)
+    restart_timers_by_hand(monkeypatch)
     bed = restart_always_bed(tmp_path)
 
     async def test() -> None:
