@@ -474,7 +474,8 @@ class Controller:
         # processes), for the resumes rebuild decides
         kept = set(self.scheduler.suspended_units()) if this_boot else set()
         self.ladder.recall({n: c for n, c in saved.checkpointed.items() if n in kept})
-        actions = forgotten + self.restore.rebuild(await self.restore.stopped_while_away())
+        stopped = await self.restore.stopped_while_away()
+        actions = forgotten + self.restore.rebuild(stopped, await self.restore.queued_free())
         for name in kept - set(self.scheduler.suspended_units()):
             if self.scheduler.phase(name) is not Phase.RESUMING:  # ended while we were away
                 self.ladder.went_down(name)
@@ -670,6 +671,8 @@ class Controller:
                 self.queued.unseen()
             seen = self.tracker.heard(unit)
             asyncio.get_running_loop().call_later(QUEUED_DELAY, self._queued, unit, job_id, seen)
+        elif self.scheduler.keeps_place(unit):  # a start of ours (refill, comeback)
+            asyncio.get_running_loop().call_later(QUEUED_DELAY, self._kept_queued, unit, job_id)
 
     def _follow_instance(self, unit: str) -> None:
         """An instance of an annotated template, new to us, is heard from now on (its gate,
@@ -732,6 +735,28 @@ class Controller:
             return
         with self._batched():
             self.execute(self.scheduler.announce(spec))
+
+    def _kept_queued(self, unit: str, job_id: int) -> None:
+        """A job for a unit whose GPUs are kept until its gate asks (gpuslice's own start)
+        has not reached its gate: it may wait in systemd's queue for a GPU unit's start."""
+        if self.scheduler.keeps_place(unit) and classify(self.tracker.state(unit)) not in (
+            Kind.GATE,
+            Kind.RUNNING,
+        ):
+            self._spawn(self._unkeep_queued(unit, job_id))
+
+    async def _unkeep_queued(self, unit: str, job_id: int) -> None:
+        """A start of ours (a refill, a comeback: C `Requires=` and `After=` B) whose job
+        waits for the start of a GPU unit keeps no GPUs for its gate (Scheduler.start_waits):
+        on one GPU, GPU 0 kept for C kept B's gate waiting while C's start waited for B's,
+        and neither ran. The job's own id is walked, not the unit's state read: the answer to
+        our call, and the signals after it, come meanwhile. A walk that fails keeps nothing
+        either (a job gone has passed its gate, which asked: nothing is kept then)."""
+        waited = await starts_waited_for(self.systemd, job_id)
+        await self.rescans.scanned()  # judged on the annotations of now
+        if waited is None or any(self.spec_for(u) is not None for u in waited):
+            with self._batched():
+                self.execute(self.scheduler.start_waits(unit))
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
         if self._unscanned is not None:

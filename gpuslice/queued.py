@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 from gpuslice.core.model import UnitSpec
 from gpuslice.counters import Counters
@@ -51,7 +51,13 @@ log = logging.getLogger("gpuslice")
 WAITED_FOR_READS = 16
 
 
-async def starts_waited_for(systemd: Systemd, job_id: int) -> set[str] | None:
+class JobsWaitedFor(Protocol):
+    """Systemd's Job.GetBefore (Systemd.jobs_waited_for)."""
+
+    async def jobs_waited_for(self, job_id: int) -> list[tuple[int, str, str]]: ...
+
+
+async def starts_waited_for(systemd: JobsWaitedFor, job_id: int) -> set[str] | None:
     """The units whose start job systemd runs before this job, directly or through the
     jobs this one waits for (Job.GetBefore, one read a job, WAITED_FOR_READS at most);
     None when a read fails, its reply is not systemd's, or the bound is passed. A start

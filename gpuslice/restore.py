@@ -5,7 +5,8 @@ stopped by hand, or were started again; starts of ours that died with the last c
 units running that the saved state does not name; starts waiting at their gate. Once the core
 has loaded the saved state and the tracker systemd's list of units, `stopped_while_away` asks
 the journal (and systemd's record of each main process) which of the holders found down a
-stop job ended, `rebuild` takes in what systemd shows and decides once, and
+stop job ended, `queued_free` which queued starts wait for no GPU unit's start, `rebuild`
+takes in what systemd shows and decides once, and
 `sweep_env_files` removes the env files of units that ended meanwhile. The core's books name
 GPUs by NVML index; `remember_told` reads back, by UUID, the GPUs each holder was told.
 
@@ -29,6 +30,7 @@ from gpuslice.core.model import Gpu, UnitSpec
 from gpuslice.core.scheduler import PREEMPTED_IN_PLACE, Action, Phase, Scheduler
 from gpuslice.counters import Counters
 from gpuslice.paths import ENV_DIR_NAME
+from gpuslice.queued import JobsWaitedFor, starts_waited_for
 from gpuslice.systemd import SystemdError
 from gpuslice.tracker import (
     Kind,
@@ -60,8 +62,20 @@ _READ_IF_DOWN = frozenset({Phase.RUNNING, Phase.STARTING, Phase.FROZEN})
 # on a stop's SIGTERM (143) is held, not failed, where a stop job ended it
 # (Tracker._stopped_frozen); any other that failed failed.
 _READ_IF_FAILED = frozenset({Phase.FROZEN, Phase.SUSPENDED})
+# Queued starts (not at their gate yet) whose wait for other units' starts start-up reads
+# (Restore.queued_free, Job.GetBefore, queued.WAITED_FOR_READS each), the most urgent first:
+# at most this many, all read at once, and waited for at most QUEUED_READ_WAIT s (a job
+# queue of thousands, or a systemd slow to answer, must not hold start-up). Any other is
+# neither queued at once nor keeps a place: its gate asks, as any start's.
+QUEUED_READ_MAX = 64
+QUEUED_READ_WAIT = 5.0
 # stopjournal.ask: whether systemd's journal shows a stop job ending each unit's last run.
 AskJournal = Callable[[Sequence[str]], Awaitable[Mapping[str, stopjournal.Answer]]]
+
+
+def _queued(state: UnitState) -> bool:
+    """A start job is queued for the unit, which has not reached its gate (`bound_for_gate`)."""
+    return bound_for_gate(state) and classify(state) is not Kind.GATE
 
 
 def _end_asked(phase: Phase | None, active: str) -> bool:
@@ -72,8 +86,9 @@ def _end_asked(phase: Phase | None, active: str) -> bool:
     )
 
 
-class MainExits(Protocol):
-    """Systemd's record of how a service's main process last ended (Systemd.main_exit)."""
+class MainExits(JobsWaitedFor, Protocol):
+    """Systemd's record of how a service's main process last ended (Systemd.main_exit), and
+    the jobs a job waits for (Systemd.jobs_waited_for)."""
 
     async def main_exit(self, name: str) -> MainExit: ...
 
@@ -202,7 +217,60 @@ class Restore:
             )
             return None
 
-    def rebuild(self, stopped: Collection[str] = frozenset()) -> list[Action]:
+    async def queued_free(self) -> dict[str, int]:
+        """The queued starts of annotated units (a start job, not at its gate yet) whose job
+        waits for no start of an annotated unit (queued.starts_waited_for), by unit: the job
+        read. Read for the starts `rebuild` may queue at once (unknown to the core) or keep a
+        place for (`Scheduler.keeps_place`, a start of ours): queued, or keeping GPUs, behind
+        the start of a GPU unit, they kept that unit's gate waiting for those GPUs while
+        their start waited for its start, and neither ran. At most QUEUED_READ_MAX of them,
+        the most urgent first, read at once, for at most QUEUED_READ_WAIT s; one read that
+        fails or is not over by then is not free (`rebuild`: its gate asks)."""
+        core = self.scheduler
+        found = []
+        for state in self.tracker.states.values():
+            spec = self.spec_for(state.name)
+            if (
+                spec is not None
+                and _queued(state)
+                and not core.is_waiting(state.name)
+                and (core.phase(state.name) is not Phase.STARTING or core.keeps_place(state.name))
+            ):
+                found.append((spec.priority, state.name, state.job_id))
+        chosen = sorted(found)[:QUEUED_READ_MAX]
+        if not chosen:
+            return {}
+        reads = [asyncio.ensure_future(starts_waited_for(self.systemd, j)) for _, _, j in chosen]
+        done, pending = await asyncio.wait(reads, timeout=QUEUED_READ_WAIT)
+        for read in pending:
+            read.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        free: dict[str, int] = {}
+        unread = []
+        for (_, name, job), read in zip(chosen, reads, strict=True):
+            waited = None
+            if read in done and read.exception() is None:
+                waited = read.result()
+            elif read in done:  # a reply of no form the adapter knows: start-up goes on
+                log.warning("cannot read the jobs %s waits for: %r", name, read.exception())
+            if waited is None:
+                unread.append(name)
+            elif not any(self.spec_for(u) is not None for u in waited):
+                free[name] = job
+        if unread:
+            self.counters.error("dbus_call_errors", len(unread))
+        if unread or len(found) > len(chosen):
+            log.info(
+                "cannot tell whether %d queued starts wait for a GPU unit's start (%s): each "
+                "is judged when its gate asks",
+                len(unread) + len(found) - len(chosen),
+                ", ".join(unread[:8]) or f"more than {QUEUED_READ_MAX} queued",
+            )
+        return free
+
+    def rebuild(
+        self, stopped: Collection[str] = frozenset(), free: Mapping[str, int] | None = None
+    ) -> list[Action]:
         """Take in what systemd shows, then decide once: restored holders that ended while
         we were away (a frozen or suspended one systemd shows starting again among them,
         `started_again`) are recorded as finished, failed, preempted or held (`stopped`:
@@ -214,7 +282,9 @@ class Restore:
         (their gate calls within a second), so a released GPU goes to them before any
         preempted unit comes back, unless a daemon-reload ended since the unit files were
         read: they wait for its rescan (`hold_for_rescan`), as a start does while one runs
-        (Rescans.hold_gate).
+        (Rescans.hold_gate). A start queued, not at its gate yet, does so only where
+        `free` (`queued_free`) names its job: one behind a GPU unit's start, or not read, is
+        known at its gate, and a start of ours keeps no GPUs for it (Scheduler.start_waits).
         A start job that is cancelled instead removes its waiter as usual (JobRemoved, then
         the unit is read down)."""
         actions: list[Action] = []
@@ -267,8 +337,14 @@ class Restore:
                     actions += self.scheduler.running(state.name, self._told_gpus(state.name))
             if self.remember_told():  # those adopted: checked before anything is granted
                 self.scheduler.set_gpus(self.resample())  # as start-up's first sample
+            free = free or {}
             for state in states:
                 spec = self.spec_for(state.name)
+                if spec is not None and _queued(state) and free.get(state.name) != state.job_id:
+                    # behind a GPU unit's start, or not read (`queued_free`): neither queued
+                    # now nor keeping a place (a start of ours), its gate asks
+                    actions += self.scheduler.start_waits(state.name)
+                    continue
                 if (
                     bound_for_gate(state)
                     and not at_condition(state)  # known at its gate, if it gets there

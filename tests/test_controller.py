@@ -2740,6 +2740,74 @@ def test_a_start_queued_behind_a_plain_units_start_is_announced(
     run(test)
 
 
+def a_start_of_ours_needs_b_after(tmp_path: Path) -> tuple[Bed, int]:
+    """c.service (background, 40) Requires= and After= b.service (50), one GPU: gpuslice
+    starts c on free GPU 0 (a refill), and systemd queues c's start (the job returned)
+    behind b's (the next job), which it pulled in, and shows b's start queued."""
+    files = {"c.service": "Priority=40\nType=background\n", "b.service": "Priority=50\n"}
+    bed = Bed(tmp_path, files, [state("b.service", "inactive", "dead")])
+    job = bed.systemd._jobs + 1
+    bed.systemd.waited_for[job] = [(job + 1, "b.service", "start")]
+    return bed, job
+
+
+def test_a_start_of_ours_queued_behind_a_gpu_units_start_keeps_no_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept, GPU 0 kept for c kept b's gate waiting (`b.service waiting: GPU 0 held by
+    c.service`) while c's start waited for b's: neither ever ran. Once c's job is found
+    waiting for b's start, c keeps nothing: b is granted GPU 0, and c's gate asks later."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed, job = a_start_of_ours_needs_b_after(tmp_path)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ("start", "c.service") in bed.systemd.calls
+        assert ctl.scheduler.grants()["c.service"] == frozenset({0})
+        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
+        bed.systemd.units["b.service"] = state("b.service", "inactive", "dead", job + 1, "start")
+        ctl.on_job_new(job + 1, f"/org/freedesktop/systemd1/job/{job + 1}", "b.service")
+        assert await due_now(ctl._kept_queued) == 1
+        assert ("jobs_waited_for", str(job)) in bed.systemd.calls
+        assert ctl.scheduler.phase("c.service") is Phase.STARTING  # its start goes on
+        assert ctl.scheduler.grants()["c.service"] == frozenset()
+        ctl.on_unit_changed("b.service", at_gate())
+        await settle()
+        assert read_pipe(bed, "b.service") == START.hex() + "\n"
+
+    run(test)
+
+
+@pytest.mark.parametrize("at", [None, "gate", "free"])
+def test_a_start_of_ours_keeps_its_place_at_its_gate_or_behind_no_gpu_units_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str | None
+) -> None:
+    """At its gate when the delay is over: nothing read (its gate asks now). Waiting for no
+    GPU unit's start: its place is kept. Its walk failing: kept no more (its job gone has
+    passed its gate, which asked: then nothing is kept any more)."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed, job = a_start_of_ours_needs_b_after(tmp_path)
+    gone = SystemdError("org.freedesktop.systemd1.NoSuchJob", "gone")
+    bed.systemd.waited_for[job] = [] if at == "free" else gone
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
+        if at == "gate":
+            ctl.on_unit_changed("c.service", {"ActiveState": "activating", "SubState": "start-pre"})
+        assert await due_now(ctl._kept_queued) == 1
+        read = ("jobs_waited_for", str(job)) in bed.systemd.calls
+        assert read is (at != "gate")
+        kept = frozenset() if at is None else frozenset({0})
+        assert ctl.scheduler.grants()["c.service"] == kept
+
+    run(test)
+
+
 def test_a_start_that_reaches_its_gate_at_once_costs_no_read(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

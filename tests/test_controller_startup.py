@@ -671,7 +671,9 @@ def test_start_up_leaves_starts_of_ours_that_systemd_runs_to_their_gates(
         with caplog.at_level(logging.INFO, logger="gpuslice"):
             await ctl.start()
             await settle()
-        assert bed.systemd.calls == [("subscribe", "")]
+        # read: what their queued jobs wait for (no GPU unit's start: k keeps its place)
+        reads = [("jobs_waited_for", "8"), ("jobs_waited_for", "9")]
+        assert bed.systemd.calls == [("subscribe", ""), *reads]
         assert ctl.scheduler.phase("k.service") is Phase.STARTING
         assert ctl.scheduler.grants()["k.service"] == frozenset({1})
         assert not env_file(bed.config.runtime_dir, "k.service").exists()
@@ -2016,5 +2018,42 @@ def test_start_up_takes_a_start_in_its_exec_condition_for_none_yet(tmp_path: Pat
         assert bed.systemd.calls == [("subscribe", "")]
         assert ctl.scheduler.phase("low.service") is Phase.RUNNING
         assert not ctl.scheduler.is_waiting("u.service")
+
+    run(test)
+
+
+@pytest.mark.parametrize("saved", [None, "starting"])
+def test_a_start_queued_behind_a_gpu_units_start_at_start_up_keeps_nothing_from_it(
+    tmp_path: Path, saved: str | None
+) -> None:
+    """a.service (10) Requires= and After= b.service (50), one GPU: gpuslice restarted while
+    a's start waits in systemd's queue (job 5) for b's (job 6), whose gate waits. Queued at
+    once, a was granted GPU 0 and b's gate waited for it while a's start waited for b's:
+    neither ever ran. The jobs a's start waits for are read: known at its gate, a keeps
+    nothing, and b is granted when its gate asks. So too where a's start is one of ours
+    (a comeback, `saved` starting on GPU 0): no place is kept for it."""
+    holders: dict[str, tuple[tuple[int, ...], str, int, str]] = {}
+    if saved:
+        holders["a.service"] = ((0,), saved, 1, "")
+    bed = Bed(
+        tmp_path,
+        {"a.service": "Priority=10\n", "b.service": "Priority=50\n"},
+        [
+            state("a.service", "inactive", "dead", 5, "start"),
+            state("b.service", "activating", "start-pre", 6, "start"),
+        ],
+        SavedState(holders=holders, seq=1, started=["a.service"] if saved else []),
+    )
+    bed.systemd.waited_for[5] = [(6, "b.service", "start")]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert ("jobs_waited_for", "5") in bed.systemd.calls
+        assert ctl.scheduler.grants().get("a.service", frozenset()) == frozenset()
+        assert not ctl.scheduler.is_waiting("a.service")
+        await bed.acquire("b.service")
+        assert bed.service.granted == [("b.service", "0")]
 
     run(test)

@@ -1,7 +1,8 @@
 """A refill is no comeback: a refill's start that does not happen is owed nothing but
 refill's, whatever the unit's kind by then (`Scheduler.refills`). And a background unit
 whose main process fails on the shutdown's SIGTERM (143) is not a failed job: a cancelled
-shutdown refills it as one that exited 0."""
+shutdown refills it as one that exited 0. A refill or comeback whose start waits in
+systemd's queue for a GPU unit's start keeps no GPUs for its gate (`start_waits`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from gpuslice.core.model import Gpu
-from gpuslice.core.scheduler import Outcome, Scheduler
-from tests.core_builders import BG, brief, spec
+from gpuslice.core.scheduler import Outcome, Phase, SavedState, Scheduler
+from tests.core_builders import BG, brief, spec, words
 
 BG_UNIT = spec("bg", 90, BG)
 ON_DEMAND = spec("bg", 90)  # the same unit, its `Type=background` gone
@@ -179,3 +180,42 @@ def test_a_comeback_whose_gate_the_shutdown_killed_told_after_its_cancel_is_stil
     assert brief(s.set_shutting_down(False)) == []  # its start under way
     assert brief(s.inactive(job.name, Outcome.FAILED, in_shutdown=True)) == ["start job.service"]
     assert s.failed == set()
+
+
+def test_a_refill_whose_start_waits_for_a_gpu_units_start_keeps_no_gpu_for_its_gate() -> None:
+    """c.service (background, 40) Requires= and After= b.service (50), one GPU: c's refill
+    keeps GPU 0, and b's gate, which c's start waits for, waits for GPU 0: neither runs.
+    Once c's start is known to wait for b's, c keeps nothing (still starting, its gate asks
+    as any start's) and b is granted GPU 0."""
+    c, b = spec("c", 40, BG), spec("b", 50)
+    s = Scheduler([Gpu(0)], {c.name: c, b.name: b})
+    assert brief(s.schedule()) == ["start c.service"]
+    assert brief(s.request(b)) == []
+    assert s.keeps_place(c.name)
+    done = s.start_waits(c.name)
+    assert brief(done) == ["grant b.service 0"]
+    assert words(done)[0] == (
+        "c.service waits in systemd's queue for the start of a GPU unit: GPU 0 no longer "
+        "kept for it, its gate asks for GPUs as any start's"
+    )
+    assert (s.phase(c.name), s.grants()[c.name]) == (Phase.STARTING, frozenset())
+    assert not s.keeps_place(c.name)
+    assert s.start_waits(c.name) == []
+    assert s.start_waits(b.name) == []  # granted: kept for nobody
+    assert brief(s.schedule()) == []  # not started again
+
+
+def test_a_comeback_started_to_preempt_whose_start_waits_keeps_no_room_either() -> None:
+    """job.service (50), preempted, comes back where low.service (90) runs: its start keeps
+    GPU 0 from units less urgent than it until its gate asks, which preempts low
+    (`_comebacks_room`). Waiting for a GPU unit's start (b, 60), it keeps it no more: b, less
+    urgent than job, preempts low itself."""
+    job, low, b = spec("job", 50), spec("low", 90), spec("b", 60)
+    s = Scheduler([Gpu(0)], {n.name: n for n in (job, low, b)})
+    saved = SavedState(holders={low.name: ((0,), "running", 1, "")}, preempted={job.name: 1})
+    s.load(saved)
+    assert brief(s.schedule()) == ["start job.service"]
+    assert s.keeps_place(job.name)
+    assert brief(s.request(b)) == []  # GPU 0 kept for job's comeback
+    assert brief(s.start_waits(job.name)) == ["stop low.service"]
+    assert not s.keeps_place(job.name)

@@ -112,6 +112,12 @@ class FakeScheduler:
     def request(self, spec: UnitSpec) -> list[Action]:
         return self._said(f"request {spec.name}")
 
+    def keeps_place(self, name: str) -> bool:
+        return self.phases.get(name) is Phase.STARTING and bool(self.holders.get(name))
+
+    def start_waits(self, name: str) -> list[Action]:
+        return self._said(f"start_waits {name}") if self.keeps_place(name) else []
+
     def recover(self) -> list[Action]:
         return self._said("recover")
 
@@ -154,6 +160,10 @@ class FakeSystemd:
         self.kit = kit
         self.exits: dict[str, MainExit | Exception] = {}
         self.overtaken: set[str] = set()
+        # the jobs each job waits for (Job.GetBefore), by id (else none), or the read's
+        # error; ids whose read never answers
+        self.waited_for: dict[int, list[tuple[int, str, str]] | Exception] = {}
+        self.hangs: set[int] = set()
 
     async def main_exit(self, name: str) -> MainExit:
         self.kit.did.append(f"main_exit {name}")
@@ -164,6 +174,16 @@ class FakeSystemd:
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+    async def jobs_waited_for(self, job_id: int) -> list[tuple[int, str, str]]:
+        self.kit.did.append(f"jobs_waited_for {job_id}")
+        await asyncio.sleep(0)
+        if job_id in self.hangs:
+            await asyncio.Event().wait()
+        found = self.waited_for.get(job_id, [])
+        if isinstance(found, Exception):
+            raise found
+        return found
 
 
 class Kit:
@@ -532,9 +552,10 @@ def test_a_gpu_learned_from_the_files_takes_a_new_sample_before_anything_is_gran
 
 
 def test_starts_at_their_gate_queue_at_once_or_wait_for_a_rescan_due(tmp_path: Path) -> None:
-    """Annotated, unknown to the core, at their gate or with a start job queued: requested,
-    in name order, after the adoptions; not one the core knows or has waiting, nor one not
-    annotated. While a rescan is due they are held for it instead."""
+    """Annotated, unknown to the core, at their gate or with a start job queued (read free
+    of GPU units' starts: `queued_free`): requested, in name order, after the adoptions; not
+    one the core knows or has waiting, nor one not annotated. While a rescan is due they are
+    held for it instead."""
     kit = Kit(tmp_path)
     gate = {n: at_gate(n) for n in (B, A, "e.service", "f.service")}
     gate[C] = UnitState(C, "inactive", "dead", 3, "start")
@@ -546,7 +567,7 @@ def test_starts_at_their_gate_queue_at_once_or_wait_for_a_rescan_due(tmp_path: P
     kit.scheduler.phases["f.service"] = Phase.STARTING
     del kit.specs[B]
     kit.scheduler.unconfirmed_holds = {"x.service": True, "y.service": False}
-    actions = kit.restore.rebuild()
+    actions = kit.restore.rebuild(free={C: 3})
     assert messages(actions) == [
         "running d.service []",
         "request a.service",
@@ -558,8 +579,114 @@ def test_starts_at_their_gate_queue_at_once_or_wait_for_a_rescan_due(tmp_path: P
     assert kit.held_for_rescan == []
     kit.rescan = True
     kit.did.clear()
-    assert messages(kit.restore.rebuild()) == ["running d.service []", "recover", "schedule"]
+    assert messages(kit.restore.rebuild(free={C: 3})) == [
+        "running d.service []",
+        "recover",
+        "schedule",
+    ]
     assert kit.held_for_rescan == [A, C]
+
+
+def queued(name: str, job: int) -> UnitState:
+    """A start job queued for the inactive unit, not at its gate yet."""
+    return UnitState(name, "inactive", "dead", job, "start")
+
+
+def test_queued_free_names_the_queued_starts_that_wait_for_no_gpu_units_start(
+    tmp_path: Path,
+) -> None:
+    """Read, most urgent first, for every annotated queued start the core neither has
+    waiting nor keeps nothing for: a (10) waits for b's start (a GPU unit: not free), c
+    (20) for a plain unit's start, which waits for nothing, d's (30) read fails (not free,
+    counted), f (40, a start of ours keeping GPU 0) waits for nothing, h's read (90) gets a
+    reply of no form the adapter knows (not free, counted, said: start-up goes on). Not
+    read: one at its gate (e), not annotated (p), waiting in the core (w), starting keeping
+    nothing (g)."""
+    kit = Kit(tmp_path)
+    plain, e, f, g, h, p, w = (f"{n}.service" for n in ("plain", "e", "f", "g", "h", "p", "w"))
+    for name, job in ((A, 3), (C, 5), (D, 8), (f, 10), (g, 11), (p, 12), (w, 13), (h, 14)):
+        kit.tracker.states[name] = queued(name, job)
+    kit.tracker.states[B] = at_gate(B)
+    kit.tracker.states[e] = at_gate(e)
+    for prio, name in enumerate((A, B, C, D, e, f, g, w, h), start=1):
+        kit.specs[name] = UnitSpec(name, prio * 10)
+    kit.specs[B] = UnitSpec(B, 5)
+    kit.hold(f, [0], Phase.STARTING, queued(f, 10))
+    kit.hold(g, [], Phase.STARTING, queued(g, 11))
+    kit.scheduler.waiting.add(w)
+    kit.systemd.waited_for = {
+        3: [(9, B, "start")],
+        5: [(6, plain, "start")],
+        6: [(7, "x.service", "stop")],
+        8: NO_REPLY,
+        14: TypeError("a reply of no known form"),
+    }
+    free = asyncio.run(kit.restore.queued_free())
+    assert free == {C: 5, f: 10}
+    assert sorted(d for d in kit.did if d.startswith("jobs_waited_for")) == [
+        f"jobs_waited_for {j}" for j in ("10", "14", "3", "5", "6", "7", "8", "9")
+    ]
+    assert kit.counters.errors["dbus_call_errors"] == 2
+
+
+def test_a_queued_start_not_read_free_is_left_to_its_gate_and_ours_keeps_no_place(
+    tmp_path: Path,
+) -> None:
+    """a (10) Requires= and After= b (50), one GPU: a's start is queued behind b's, at its
+    gate. Queued at once, a was granted GPU 0 and b's gate waited for it, while a's start
+    waited for b's: neither ran. Not free, a is left to its gate; c, a start of ours
+    (refill, comeback) keeping GPU 1, keeps nothing (`start_waits`); one read free but for
+    another job than systemd shows now (d) is not taken for free."""
+    kit = Kit(tmp_path)
+    kit.tracker.states.update({A: queued(A, 3), B: at_gate(B), D: queued(D, 8)})
+    kit.specs.update({A: UnitSpec(A, 10), B: UnitSpec(B, 50), C: UnitSpec(C, 40)})
+    kit.specs[D] = UnitSpec(D, 60)
+    kit.hold(C, [1], Phase.STARTING, queued(C, 5))
+    assert messages(kit.restore.rebuild(free={D: 7})) == [
+        "request b.service",
+        "start_waits c.service",
+        "recover",
+        "schedule",
+    ]
+    kit.did.clear()
+    assert messages(kit.restore.rebuild(free={A: 3, C: 5, D: 8})) == [
+        "request a.service",
+        "request b.service",
+        "request d.service",
+        "recover",
+        "schedule",
+    ]
+
+
+def test_start_up_reads_so_many_queued_starts_so_long_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job queue of thousands, or a systemd that does not answer, holds start-up no longer
+    than QUEUED_READ_WAIT: the QUEUED_READ_MAX most urgent are read, all at once; one not
+    answered by then, and those beyond, are not free, and the journal says how many."""
+    monkeypatch.setattr(restore_module, "QUEUED_READ_MAX", 3)
+    monkeypatch.setattr(restore_module, "QUEUED_READ_WAIT", 0.05)
+    kit = Kit(tmp_path)
+    names = [f"u{i}.service" for i in range(6)]
+    for i, name in enumerate(names):
+        kit.tracker.states[name] = queued(name, 100 + i)
+        kit.specs[name] = UnitSpec(name, 10 + i)
+    kit.systemd.hangs = {101}
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        free = asyncio.run(kit.restore.queued_free())
+    assert free == {"u0.service": 100, "u2.service": 102}
+    assert [d for d in kit.did if d.startswith("jobs_waited_for")] == [
+        "jobs_waited_for 100",
+        "jobs_waited_for 101",
+        "jobs_waited_for 102",
+    ]
+    assert said(caplog) == [
+        (
+            logging.INFO,
+            "cannot tell whether 4 queued starts wait for a GPU unit's start (u1.service): "
+            "each is judged when its gate asks",
+        )
+    ]
 
 
 # ---- remember_told, started_again ---------------------------------------------------------

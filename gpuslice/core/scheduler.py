@@ -1122,6 +1122,32 @@ class Scheduler:
         self._sent_again.add(name)
         return [_start(_about(holder.spec, Code.START_LOST))]
 
+    def keeps_place(self, name: str) -> bool:
+        """Whether GPUs are kept for the unit's start until its gate asks (`start_waits`)."""
+        holder = self.holders.get(name)
+        if holder is None or holder.phase is not Phase.STARTING:
+            return False
+        return bool(holder.gpus) or name in self._comeback_room
+
+    def start_waits(self, name: str) -> list[Action]:
+        """The unit's start, its place kept (a refill or comeback of ours, or a start seen
+        queued), waits in systemd's queue for the start of a GPU unit (`After=`): it keeps
+        nothing from now on, and its gate asks as any start does (`request`). Kept, the
+        GPUs kept that unit's gate waiting while this start waited for its start: on one
+        GPU neither ran. [] when nothing is kept for it."""
+        if not self.keeps_place(name):
+            return []
+        holder = self.holders[name]
+        kept = format_gpus(holder.gpus or self._comeback_room.get(name, ()))
+        holder.gpus = frozenset()
+        self._comeback_room.pop(name, None)
+        self._tops_cache = None
+        said = Log(
+            f"{name} waits in systemd's queue for the start of a GPU unit: {kept} no longer "
+            "kept for it, its gate asks for GPUs as any start's"
+        )
+        return [said, *self.schedule()]
+
     def start_failed(self, name: str, why: str) -> list[Action]:
         """A start gpuslice sent itself (refill, requeue, a lost start sent again) did not
         reach systemd: an error of the bus, or of a systemd that is re-executing (`why`),

@@ -92,6 +92,46 @@ def test_a_start_queued_behind_a_gpu_units_start_keeps_no_gpu_from_it(
     assert f"{B} waiting: GPU 0 held by {A}" not in container.journal(CONTROLLER)
 
 
+def test_a_start_queued_behind_a_gpu_units_start_at_a_controller_restart_keeps_nothing(
+    container: Container,
+) -> None:
+    """X (5) holds GPU 0, B (50) waits at its gate for it, and A (10) `Requires=`+`After=` B
+    waits in systemd's queue for B's start when gpuslice restarts. Its start-up queued A at
+    once: once X was stopped, A got GPU 0, B's gate waited for it while A's start waited
+    for B's, and neither ever ran. Read waiting for a GPU unit's start (Job.GetBefore), A
+    is known at its gate: B runs first, then A's gate asks."""
+    x = "x.service"
+    write_job(container, x, 5)
+    write_job(container, B, 50)
+    write_job(container, A, 10, extra_unit=f"Requires={B}\nAfter={B}")
+    reload(container)
+    container.systemctl("start", "--no-block", x)
+    wait_answer(lambda: holders(container), lambda h: h == {0: [x]}, 30, "X to run")
+    container.systemctl("start", "--no-block", A)
+    wait_sub(container, B, "start-pre", 30)
+    container.systemctl("restart", CONTROLLER)
+    assert prop(container, A, "SubState") == "dead"  # still queued behind B's start
+    container.systemctl("stop", x)
+    wait_answer(lambda: holders(container), lambda h: h == {0: [B]}, 60, "B to run")
+    wait_sub(container, A, "start-pre", 30)
+
+
+def test_a_refill_whose_start_waits_for_a_gpu_units_start_keeps_no_gpu_from_it(
+    container: Container,
+) -> None:
+    """C (background, 40) `Requires=`+`After=` B (50), one GPU: gpuslice refills C on free
+    GPU 0, and C's start pulls in B's, which it waits for. GPU 0 kept for C kept B's gate
+    waiting while C's start waited for B's: neither ever ran. Found waiting for a GPU unit's
+    start, C keeps nothing: B runs, and C's gate asks (C needs B: B is not stopped for it)."""
+    write_job(container, B, 50)
+    write_job(container, C, 40, "background", extra_unit=f"Requires={B}\nAfter={B}")
+    reload(container)
+    wait_answer(lambda: holders(container), lambda h: h == {0: [B]}, 60, "B to run")
+    wait_sub(container, C, "start-pre", 30)
+    said = f"{C} waits in systemd's queue for the start of a GPU unit: GPU 0 no longer kept"
+    assert said in container.journal(CONTROLLER)
+
+
 def test_a_unit_still_starting_past_its_gate_is_preempted(container: Container) -> None:
     """B (50) past its gate but still starting (its own start job under way: a model loaded
     in `ExecStartPost=`): systemd refuses a stop in mode "fail" for B's own job; A needs
