@@ -207,13 +207,27 @@ def _short_text(value: Any) -> str | None:
     return value if isinstance(value, str) and len(value) <= 32 else None
 
 
+def _bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _u64(value: Any) -> int | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None
+
+
 # The properties of a unit the controller reads from PropertiesChanged: each one's check and
 # form (None drops it). InvocationID names the start (16 bytes, hex as in $INVOCATION_ID).
+# ConditionResult and ConditionTimestampMonotonic tell a start its `Condition*=` skipped
+# (Tracker.job_removed); systemd sends them with every change of the unit, so knowing it
+# costs no read.
 _UNIT_PROPERTIES: dict[str, Callable[[Any], Any]] = {
     "ActiveState": _short_text,
     "SubState": _short_text,
     "Job": lambda v: v if _job(v) is not None else None,
     "InvocationID": invocation_hex,
+    "ConditionResult": _bool,
+    "ConditionTimestampMonotonic": _u64,
 }
 
 

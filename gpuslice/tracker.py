@@ -53,8 +53,9 @@ GONE = ("inactive", "failed")
 # a dependency failed, an `Assert*=` did not hold, `JobTimeoutSec=` ran out while it was
 # queued. No stop job of a unit that is down ends so (one ends `done` at once), so such a
 # job is no one's stop: taken for one, the unit was held (`... was stopped outside
-# gpuslice`), and a comeback of ours said finished, its work never run again. (A start a
-# `Condition*=` skipped ends `done`, as a stop does: not told apart.)
+# gpuslice`), and a comeback of ours said finished, its work never run again. A start a
+# `Condition*=` skipped ends `done`, as a stop does: told apart by the failed check the
+# unit's PropertiesChanged shows first (`Tracker._condition_checked`).
 START_NOT_RUN = frozenset({"dependency", "assert", "timeout", "skipped", "invalid", "once"})
 
 # Jobs that run a unit's ExecStartPre=, and so its gate.
@@ -296,9 +297,16 @@ class Tracker:
         self._sent: dict[str, list[int]] = {}  # stamps of our calls not yet answered, in order
         self._own_jobs: dict[str, str] = {}  # job path -> "start" | "stop", from our calls
         self._stop_results: dict[str, str] = {}  # unit -> how our stop job for it ended
-        # units whose last job was a start that ran nothing of them (START_NOT_RUN): their
-        # down is a failure, until told, up again or another job comes
-        self._start_failed: set[str] = set()
+        # units whose last job was a start that ran nothing of them (START_NOT_RUN, or one a
+        # `Condition*=` skipped), with how their down is told (FAILED, SKIPPED), until told,
+        # up again or another job comes
+        self._start_failed: dict[str, Outcome] = {}
+        # the newest ConditionTimestampMonotonic a signal showed of each unit, and the units
+        # whose check since their last job's end failed (`_condition_checked`)
+        self._checked_at: dict[str, int] = {}
+        self._check_failed: set[str] = set()
+        # unit -> the job it was in its `ExecCondition=` with, until it is past it
+        self._condition_job: dict[str, str] = {}
         self._in_flight: dict[str, int] = {}  # our StartUnit/StopUnit calls not yet answered
         self._deferred: set[str] = set()  # went down while a call of ours was in flight
         # when systemd last spoke of each unit, to drop stale reads: a stamp from one count
@@ -333,7 +341,8 @@ class Tracker:
         if self.managed(unit):
             self._count(unit)
             self._unit_jobs.setdefault(unit, {})[path] = self._signals[unit]
-            self._start_failed.discard(unit)  # said of a job before this one
+            self._start_failed.pop(unit, None)  # said of a job before this one
+            self._check_failed.discard(unit)  # its check comes after its JobNew, if at all
             kept = self.ledger.phase(unit) is Phase.STARTING  # its GPUs kept for its restart
             if self._told_down.get(unit) == "inactive" and not kept:
                 # a job for it ends the clean down told (a stop: held; a start: cancelled);
@@ -404,8 +413,17 @@ class Tracker:
         if not self.managed(unit):
             return False
         down = self.state(unit).active in GONE
-        if result in START_NOT_RUN and down and self._own_jobs.get(path) != "stop":
-            self._start_failed.add(unit)  # a start that failed (`outcome`): no stop
+        # its start's check failed: systemd skipped it (a stop of a unit down checks nothing);
+        # or it left its `ExecCondition=` for down with the start job it ran that in, which
+        # ends `done`: the condition said no (someone's stop of it ends another job)
+        skipped = result == "done" and (
+            unit in self._check_failed or self._condition_job.get(unit) == path
+        )
+        self._check_failed.discard(unit)  # said of this job's check
+        self._condition_job.pop(unit, None)
+        if (result in START_NOT_RUN or skipped) and down and self._own_jobs.get(path) != "stop":
+            # a start that ran nothing (`outcome`): no stop
+            self._start_failed[unit] = Outcome.SKIPPED if skipped else Outcome.FAILED
             self._unit_jobs.get(unit, {}).pop(path, None)
             self._own_jobs.pop(path, None)
         if result == "canceled" and path not in self._own_jobs and down:
@@ -433,23 +451,53 @@ class Tracker:
             job[0] if job is not None else old.job_id,
         )
         self.states[name] = state
+        self._condition_checked(name, props)
         if self.shutting_down and state.active in GONE and old.active not in GONE:
             self._down_in_shutdown.add(name)  # its processes ended while the host went down
         elif classify(state) in (Kind.RUNNING, Kind.GATE):
             self._down_in_shutdown.discard(name)  # up again: said of a down before
         if classify(state) in (Kind.RUNNING, Kind.GATE):
-            self._start_failed.discard(name)  # a start that ran: its down is its own
+            self._start_failed.pop(name, None)  # a start that ran: its down is its own
         if classify(state) is Kind.GATE and classify(old) is not Kind.GATE:
             self._gate_seen[name] = self._signals[name]
         before = self._job_paths.get(name)
         if job is not None:
             self._job_paths[name] = job[1]
+        if at_condition(state) and name in self._job_paths:
+            self._condition_job[name] = self._job_paths[name]
+        elif state.active not in GONE:
+            self._condition_job.pop(name, None)  # past it: a oneshot's start ends `done` too
         if job is not None and not read:  # only a signal tells what came first
             self._unannounced(old, state, job[1])
             self._note_leaving(old, state, job[1], before)
         if classify(state) is Kind.RUNNING and state.job_id == 0:
             self._jobs_done(name)
         return self._judge(state)
+
+    def _condition_checked(self, name: str, props: Mapping[str, Any]) -> None:
+        """systemd checks a unit's `Condition*=` as its start job runs, before anything of
+        it, and a false one skips the start: the job ends `done`, the unit left down, as a
+        stop's of a unit down ends. The check's result and time come in the unit's
+        PropertiesChanged sent after the job's JobNew and before its JobRemoved (systemd 252
+        sends both with every change of the unit; in the bed the check ran before the JobNew
+        was sent, and no signal of the unit came between them). A newer time than any seen is
+        a new check: failed, the job that ends next is a skipped start, no one's stop
+        (`job_removed`). The first time seen of a unit counts as new: a unit systemd had
+        unloaded (as it does with one inactive that nothing needs) starts again at 0, and
+        where no earlier signal of it came since the controller started, its skip was taken
+        for a stop. Its cost: a check that failed before the controller started, of a unit
+        systemd kept loaded, seen first with someone's stop of it while down, makes that
+        stop no hold. A read (`read`) brings neither: only a signal tells of a check."""
+        at, passed = props.get("ConditionTimestampMonotonic"), props.get("ConditionResult")
+        if not isinstance(at, int) or isinstance(at, bool) or not isinstance(passed, bool):
+            return  # not of systemd's types (`t`, `b`): no check told
+        if at <= self._checked_at.get(name, 0):
+            return  # the check seen before, or an older answer's
+        self._checked_at[name] = at
+        if passed:
+            self._check_failed.discard(name)
+        else:
+            self._check_failed.add(name)
 
     def _jobs_done(self, name: str) -> None:
         """The unit runs with no job: the jobs announced for it since its gate all ended
@@ -701,7 +749,7 @@ class Tracker:
     def _went_down(self, unit: str) -> None:
         """Down: no job announced before says anything of its next run."""
         self._gate_seen.pop(unit, None)
-        self._start_failed.discard(unit)
+        self._start_failed.pop(unit, None)
         self.passed_gate(unit)
 
     def stopped_by_others(self, name: str) -> bool:
@@ -720,8 +768,9 @@ class Tracker:
             # answer awaited, the stop job still shown): the shutdown's stop ended it,
             # nobody's hold
             return Outcome.SHUTDOWN
-        if state.name in self._start_failed and state.active in GONE:
-            return Outcome.FAILED  # its start ran nothing: no run ended, none finished
+        not_run = self._start_failed.get(state.name)
+        if not_run is not None and state.active in GONE:
+            return not_run  # its start ran nothing: no run ended, none finished
         if stopped:
             return Outcome.STOPPED
         if self.stopped_by_others(state.name) and state.name not in self._by_itself:
@@ -764,6 +813,9 @@ class Tracker:
             return False
         self.states.pop(name, None)
         self._went_down(name)
+        self._checked_at.pop(name, None)
+        self._check_failed.discard(name)
+        self._condition_job.pop(name, None)
         self._told_down.pop(name, None)
         self._signals.pop(name, None)
         self._answers.pop(name, None)

@@ -27,7 +27,16 @@ from hypothesis import strategies as st
 from gpuslice import busread
 
 UNIT = "org.freedesktop.systemd1.Unit"
-KEEP = frozenset({"ActiveState", "SubState", "Job", "InvocationID"})
+KEEP = frozenset(
+    {
+        "ActiveState",
+        "SubState",
+        "Job",
+        "InvocationID",
+        "ConditionResult",
+        "ConditionTimestampMonotonic",
+    }
+)
 RECORDED = [
     base64.b64decode(m)
     for m in json.loads(
@@ -62,7 +71,7 @@ def test_recorded_signals_of_systemd_252_read_as_dbus_next_reads_them() -> None:
     for data in RECORDED:
         got, want = fast(data), stock(data)
         assert_same_but_kept(got, want)
-        assert set(got.body[1]) == KEEP  # systemd 252 sends all four, among 22
+        assert set(got.body[1]) == KEEP  # systemd 252 sends all six, among 22
     start_pre = fast(RECORDED[1]).body[1]
     assert start_pre["SubState"] == Variant("s", "start-pre")
     assert start_pre["Job"].value[1].startswith("/org/freedesktop/systemd1/job/")
@@ -309,12 +318,15 @@ def typed(depth: int = 2) -> st.SearchStrategy[Variant]:
     )
 
 
-READ_TYPES = ("s", "o", "ay", "(uo)")  # a kept property of another type: dbus-next reads it
+# a kept property of another type: dbus-next reads it
+READ_TYPES = ("s", "o", "ay", "(uo)", "b", "t")
 PROPER = {
     "ActiveState": ("s", st.sampled_from(["active", "inactive", "activating"])),
     "SubState": ("s", st.sampled_from(["running", "dead", "start-pre"])),
     "Job": ("(uo)", st.tuples(BASIC["u"], BASIC["o"]).map(list)),
     "InvocationID": ("ay", st.binary(max_size=16)),
+    "ConditionResult": ("b", st.booleans()),
+    "ConditionTimestampMonotonic": ("t", BASIC["t"]),
 }
 
 
@@ -635,3 +647,30 @@ def test_a_method_calls_long_header_is_not_read() -> None:
     assert isinstance(reader.unmarshall(), busread.Unread)
     after = busread.Reader(reader.stream, None, UNIT, KEEP).unmarshall()
     assert after is not None and after.path == "/org/gpuslice/Scheduler1"
+
+
+def test_a_condition_check_is_read_and_a_boolean_not_0_or_1_left_to_dbus_next() -> None:
+    """ConditionResult (`b`) and ConditionTimestampMonotonic (`t`), kept, are read as
+    dbus-next reads them; a boolean of another value than 0 or 1 (which the specification
+    does not allow, and the bus daemon rejects) is not Reader's to read."""
+    props = {
+        "ConditionResult": Variant("b", True),
+        "SubState": Variant("s", "dead"),
+        "ConditionTimestampMonotonic": Variant("t", 2**64 - 1),
+    }
+    msg = Message.new_signal(
+        "/org/freedesktop/systemd1/unit/a_2eservice",
+        busread.PROPERTIES,
+        "PropertiesChanged",
+        "sa{sv}as",
+        [UNIT, props, []],
+    )
+    data = bytearray(msg._marshall())
+    got = busread.properties_changed(data, UNIT, KEEP)
+    assert got is not None and got.body[1] == props == stock(bytes(data)).body[1]
+    value = data.index(b"ConditionResult\0") + len("ConditionResult\0") + 3  # `\1b\0`, aligned
+    value += -value & 3
+    assert data[value : value + 4] == b"\1\0\0\0"
+    data[value] = 2
+    with pytest.raises(busread.NotTaken):
+        busread.properties_changed(data, UNIT, KEEP)

@@ -1572,3 +1572,81 @@ def test_a_queued_start_read_in_its_exec_condition_stops_nothing(
         assert not ctl.scheduler.is_waiting("urgent.service")
 
     run(test)
+
+
+def skipped_by_its_condition(ctl: Controller, unit: str, job_id: int, at: int) -> None:
+    """systemd 252's signals of a start its `Condition*=` skips, as the bed shows them: the
+    JobNew, the unit's PropertiesChanged with the failed check (sent before the JobRemoved,
+    also where the check came before the JobNew was sent), the job's end `done`, as a stop
+    of a unit down ends, and the unit shown with no job."""
+    job = f"/org/freedesktop/systemd1/job/{job_id}"
+    ctl.on_job_new(job_id, job, unit)
+    check = {"ConditionResult": False, "ConditionTimestampMonotonic": at}
+    down = {"ActiveState": "inactive", "SubState": "dead"}
+    ctl.on_unit_changed(unit, {**down, "Job": (job_id, job), **check})
+    ctl.on_job_removed(job_id, job, unit, "done")
+    ctl.on_unit_changed(unit, {**down, "Job": (0, "/"), **check})
+
+
+def test_a_start_its_condition_skips_is_no_stop_and_preempts_nothing(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`systemctl start urgent.service` (10), its `ConditionPathExists=` false, while
+    low.service (90) holds the GPU: the start job ended `done` with urgent down, and was
+    taken for someone's stop: urgent held (`urgent.service was stopped outside gpuslice:
+    held until started again`). Nothing of it ran: no hold, low runs on. Someone's stop of
+    it later, down as it is, still holds it: the check it shows is the one seen."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # not read: told by signals
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        skipped_by_its_condition(ctl, "urgent.service", 5, 1_000_000)
+        await settle()
+        assert "urgent.service" not in ctl.scheduler.held
+        assert ctl.scheduler.save().failed == []  # unknown to the core: nothing to say
+        assert ("stop", "low.service") not in bed.systemd.calls
+        assert ctl.scheduler.phase("low.service") is Phase.RUNNING
+        job = "/org/freedesktop/systemd1/job/6"  # `systemctl stop urgent.service`
+        check = {"ConditionResult": False, "ConditionTimestampMonotonic": 1_000_000}
+        ctl.on_job_new(6, job, "urgent.service")
+        down = {"ActiveState": "inactive", "SubState": "dead"}
+        ctl.on_unit_changed("urgent.service", {**down, "Job": (6, job), **check})
+        ctl.on_job_removed(6, job, "urgent.service", "done")
+        ctl.on_unit_changed("urgent.service", {**down, "Job": (0, "/"), **check})
+        await settle()
+        assert "urgent.service" in ctl.scheduler.held
+
+    run(test)
+
+
+def test_a_refill_its_condition_skips_is_said_skipped_and_not_started_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A start of gpuslice's (here a refill of bg.service) that systemd skips for a false
+    `Condition*=`: its start job ends `done`, the unit down, as a run that ended: it was
+    said `finished` (work done), where nothing of it ran. It is said skipped, recorded with
+    the failed units, and not started again (no StartUnit at every pass)."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "inactive", "dead")],
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.systemd.calls.count(("start", "bg.service")) == 1
+        assert ctl.scheduler.phase("bg.service") is Phase.STARTING
+        skipped_by_its_condition(ctl, "bg.service", 1, 2_000_000)
+        await settle()
+        assert ctl.scheduler.save().failed == ["bg.service"]
+        assert ctl.scheduler.save().finished == []
+        assert ctl.scheduler.phase("bg.service") is None
+        said = [m for m in messages(caplog) if m.startswith("bg.service ")]
+        assert said[-1].startswith("bg.service skipped: its Condition*= or ExecCondition= said no")
+        assert bed.systemd.calls.count(("start", "bg.service")) == 1
+
+    run(test)

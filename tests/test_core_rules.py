@@ -1511,6 +1511,26 @@ def test_a_failed_wait_is_forgotten_once_the_unit_runs_again() -> None:
     assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
 
 
+def test_a_comeback_its_condition_skips_is_said_skipped_and_never_started_again() -> None:
+    """A comeback systemd skipped (a `Condition*=` of the unit unmet: nothing of it ran,
+    systemd leaves it inactive): not a wait that failed (`requeue-failed`, started again
+    once its GPUs are free, skipped again while the condition is false), nor finished. It
+    is failed, in the words of a skip, and not started again, also once its GPUs are free."""
+    sched = Scheduler([0], {V: VLM, VO: VOICE}, requeue_at_gate=True)
+    sched.schedule()
+    sched.request(VLM)
+    sched.request(VOICE)
+    assert brief(sched.inactive(V, Outcome.STOPPED)) == [f"grant {VO} 0", f"start {V}"]
+    acts = sched.inactive(V, Outcome.SKIPPED)
+    assert _codes(acts) == ["failed"]
+    assert words(acts) == [
+        f"{V} skipped: its Condition*= or ExecCondition= said no (systemd left it inactive, "
+        "its job never ran); gpuslice will not start it by itself"
+    ]
+    assert sched.save().failed == [V] and not sched.save().preempted
+    assert brief(sched.inactive(VO, Outcome.EXITED)) == []
+
+
 def test_a_requeue_whose_wait_failed_loses_its_place_to_units_waiting_at_their_gates() -> None:
     """`first` comes back to its gate and its wait fails; `second`, preempted later, waits at
     its gate: a GPU that frees goes to `second`, and `first` is restarted at the next."""

@@ -453,6 +453,31 @@ def test_a_starts_invocation_id_is_passed_on_as_the_gate_sees_it(bus_address: st
     run(scenario)
 
 
+def test_a_units_condition_check_is_passed_on_only_of_systemds_types(bus_address: str) -> None:
+    """ConditionResult (`b`) and ConditionTimestampMonotonic (`t`) tell a start its
+    `Condition*=` skipped (Tracker._condition_checked); of any other type each is left out,
+    and the rest of the signal still counts."""
+
+    async def scenario() -> None:
+        _systemd, owner, seen = await adapter(bus_address)
+        for passed, at in (
+            (Variant("b", False), Variant("t", 5)),
+            (Variant("s", "no"), Variant("x", -1)),
+            (Variant("u", 0), Variant("s", "5")),
+            (Variant("b", True), Variant("t", 2**64 - 1)),
+        ):
+            msg = properties_changed("a.service", "inactive")
+            msg.body[1]["ConditionResult"] = passed
+            msg.body[1]["ConditionTimestampMonotonic"] = at
+            owner.send(msg)
+        changed = [event[2] for event in await seen.after(owner)]
+        assert [c.get("ConditionResult") for c in changed] == [False, None, None, True]
+        assert [c.get("ConditionTimestampMonotonic") for c in changed] == [5, None, None, 2**64 - 1]
+        assert all(c["ActiveState"] == "inactive" for c in changed)
+
+    run(scenario)
+
+
 def test_only_the_units_watched_are_heard_and_every_unit_again_on_demand(
     bus_address: str,
 ) -> None:

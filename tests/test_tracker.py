@@ -1728,3 +1728,129 @@ def test_a_start_that_ran_nothing_after_a_failure_told_is_told_again() -> None:
     assert tracker.unit_changed(A, props("failed", "failed", 1)) == []
     assert tracker.job_removed(JOB1, A, "dependency") is True
     assert tracker.unit_changed(A, props("failed", "failed")) == [WentDown(A, Outcome.FAILED)]
+
+
+def checked(active: str, sub: str, job: int, passed: object, at: object) -> dict[str, object]:
+    """PropertiesChanged with the unit's last `Condition*=` check (systemd sends it with
+    every change of the unit)."""
+    return {**props(active, sub, job), "ConditionResult": passed, "ConditionTimestampMonotonic": at}
+
+
+def test_a_start_its_condition_skips_is_no_stop_and_a_comeback_of_ours_is_said_skipped() -> None:
+    """A start job a false `Condition*=` skips ends `done` with the unit down, as a stop of a
+    unit down does, and JobNew names no type: taken for someone's stop, the unit was held
+    (`... was stopped outside gpuslice`) and a comeback of ours said finished. The failed
+    check, newer than any seen, comes before the job's end: a skip (SKIPPED), no stop. A
+    stop of it later shows the same check: a stop (held), as is one whose check passed."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)  # someone's start, unknown to the core: nothing told
+    assert tracker.unit_changed(A, checked("inactive", "dead", 1, False, 100)) == []
+    assert tracker.job_removed(JOB1, A, "done") is True
+    assert tracker.unit_changed(A, checked("inactive", "dead", 0, False, 100)) == []
+    assert tracker.outcome(tracker.state(A)) is Outcome.SKIPPED
+    tracker.job_new(JOB2, A)  # then someone's stop of it: the check shown is the one seen
+    tracker.unit_changed(A, checked("inactive", "dead", 2, False, 100))
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, checked("inactive", "dead", 0, False, 100)) == [
+        WentDown(A, Outcome.STOPPED)
+    ]
+    model.phases[A] = Phase.STARTING  # a comeback of ours
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "start")
+    tracker.unit_changed(A, checked("inactive", "dead", 1, False, 100))
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, checked("inactive", "dead", 0, False, 100)) == [
+        WentDown(A, Outcome.SKIPPED)
+    ]
+    tracker.call_sent(A)  # again: its check passes, and the start runs (a oneshot) and ends
+    tracker.job_new(JOB2, A)
+    tracker.call_queued(A, JOB2, "start")
+    tracker.unit_changed(A, checked("activating", "start-pre", 2, True, 200))
+    tracker.unit_changed(A, checked("active", "running", 2, True, 200))
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, checked("inactive", "dead", 0, True, 200)) == [
+        WentDown(A, Outcome.EXITED, by_itself=True)
+    ]
+
+
+def test_only_a_new_failed_check_since_the_jobs_announce_makes_a_skip() -> None:
+    """A check older than one seen (an answer read late), one seen before the job was
+    announced, or properties not of systemd's types (a boolean, a u64) make no skip: the
+    stop of a unit down stays someone's stop (held)."""
+    model = Model()
+    for before, shown in [
+        ((True, 300), (False, 200)),  # older than the check seen
+        ((False, 300), (False, 300)),  # the check seen before the job was announced
+        (None, ("no", 300)),
+        (None, (False, "300")),
+        (None, (False, True)),
+        (None, (0, 300)),
+    ]:
+        tracker = model.tracker()
+        if before is not None:
+            tracker.unit_changed(A, checked("inactive", "dead", 0, *before))
+        tracker.job_new(JOB1, A)
+        tracker.unit_changed(A, checked("inactive", "dead", 1, *shown))
+        tracker.job_removed(JOB1, A, "done")
+        down = tracker.unit_changed(A, checked("inactive", "dead", 0, *shown))
+        assert down == [WentDown(A, Outcome.STOPPED)], (before, shown)
+    tracker = model.tracker()  # failed, but before this job's JobNew: its check is to come
+    tracker.unit_changed(A, checked("inactive", "dead", 0, False, 300))
+    tracker.job_new(JOB1, A)
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def jobbed(active: str, sub: str, job: str) -> dict[str, object]:
+    """PropertiesChanged naming the job the unit shows, as systemd does."""
+    return {"ActiveState": active, "SubState": sub, "Job": [int(job.rsplit("/", 1)[1]), job]}
+
+
+def test_a_start_its_exec_condition_skips_is_no_stop_and_one_past_it_runs_as_any() -> None:
+    """`ExecCondition=` says no (exit 1-254): the unit leaves `activating (condition)` for
+    `inactive` and its start job ends `done`. Taken for someone's stop, it was held
+    (`... was stopped outside gpuslice`), a comeback of ours said finished: a skip. One
+    stopped by someone in its `ExecCondition=` is a stop (their job, not the start's, ends
+    it); a oneshot past it ends `done` with the same start job, a run that ended."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, jobbed("activating", "condition", JOB1)) == []
+    tracker.unit_changed(A, jobbed("inactive", "dead", JOB1))
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == []
+    assert tracker.outcome(tracker.state(A)) is Outcome.SKIPPED
+    model.phases[A] = Phase.STARTING  # a comeback of ours: said skipped
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "start")
+    tracker.unit_changed(A, jobbed("activating", "condition", JOB1))
+    tracker.unit_changed(A, jobbed("inactive", "dead", JOB1))
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.SKIPPED)]
+    model.phases.clear()
+    tracker = model.tracker()  # someone's stop in its ExecCondition=: a hold
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, jobbed("activating", "condition", JOB1))
+    tracker.job_new(JOB2, A)
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.unit_changed(A, jobbed("inactive", "dead", JOB2))
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+    model.phases[A] = Phase.STARTING  # a oneshot of ours past it: ran, and ended
+    tracker = model.tracker()
+    tracker.call_sent(A)
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "start")
+    tracker.unit_changed(A, jobbed("activating", "condition", JOB1))
+    tracker.unit_changed(A, jobbed("activating", "start-pre", JOB1))
+    model.phases[A] = Phase.RUNNING
+    tracker.unit_changed(A, jobbed("activating", "start", JOB1))
+    tracker.unit_changed(A, jobbed("inactive", "dead", JOB1))
+    tracker.job_removed(JOB1, A, "done")
+    [down] = tracker.unit_changed(A, props("inactive", "dead"))
+    assert isinstance(down, WentDown) and down.outcome is Outcome.EXITED

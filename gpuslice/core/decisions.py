@@ -95,6 +95,8 @@ class Cause(enum.Enum):
     NEEDED = "would-cancel-a-job"
     # finished: its Restart= (always, on-success) starts it again, its `gpus` kept for that
     RESTARTS = "kept-for-restart"
+    # failed: its start was skipped, a `Condition*=` or `ExecCondition=` of its unit unmet
+    SKIPPED = "condition-unmet"
 
 
 class Blocker(enum.Enum):
@@ -358,6 +360,11 @@ def render(d: Decision) -> str:
         )
     if code is Code.FINISHED:
         return f"{d.unit} finished: released {format_gpus(d.gpus)}"
+    if code is Code.FAILED and d.cause is Cause.SKIPPED:
+        return (
+            f"{d.unit} skipped: its Condition*= or ExecCondition= said no (systemd left it "
+            "inactive, its job never ran); gpuslice will not start it by itself"
+        )
     if code is Code.FAILED:
         return (
             f"{d.unit} failed: gpuslice will not start it by itself "

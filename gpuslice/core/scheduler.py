@@ -85,6 +85,9 @@ class Outcome(enum.Enum):
     EXITED = "exited"  # its main process ended successfully on its own
     FAILED = "failed"  # failed, crashed or could not start
     SHUTDOWN = "shutdown"  # stopped because the system is going down
+    # its start was skipped: a `Condition*=` or `ExecCondition=` of its unit said no, so its
+    # job never ran (systemd leaves it inactive); judged as a FAILED start, said skipped
+    SKIPPED = "skipped"
 
 
 # An action's decision is the data its words were rendered from; it does not take part in
@@ -714,6 +717,9 @@ class Scheduler:
         `always` the controller reads its Result= first: gpuslice/restartresult.py). Kept
         so, one seen down with no stop (`systemctl reset-failed`: inactive) ended no new
         run: it is recorded as the wait's end has it."""
+        skipped = outcome is Outcome.SKIPPED
+        if skipped:
+            outcome = Outcome.FAILED  # a start that ran nothing, as one a dependency failed
         if name in self.restart_kept and outcome is Outcome.EXITED and not by_itself:
             return self.restart_overdue(name)
         self.restart_kept.pop(name, None)
@@ -821,6 +827,7 @@ class Scheduler:
         elif (
             outcome is Outcome.FAILED
             and requeued
+            and not skipped  # started again, skipped again while its condition is false
             and (holder is None or holder.phase is Phase.STARTING)
         ):
             # it never ran: its wait failed, not its work (nothing else fails at the gate)
@@ -829,7 +836,10 @@ class Scheduler:
             actions.append(_log(self._about_name(name, Code.REQUEUE_FAILED)))
         elif outcome is Outcome.FAILED:
             self.failed.add(name)
-            actions.append(_log(self._about_name(name, Code.FAILED)))
+            said = self._about_name(name, Code.FAILED)
+            if skipped:
+                said = replace(said, cause=Cause.SKIPPED)
+            actions.append(_log(said))
         elif outcome is Outcome.EXITED and holder is not None:
             self.finished.add(name)
             gpus = tuple(sorted(holder.gpus))

@@ -32,7 +32,8 @@ def test_a_start_its_exec_condition_skips_preempts_nothing(container: Container)
     `Requeue=no`) holds the only GPU. The condition runs before the gate: A's start was
     taken in at `condition`, B was preempted, and A's start skipped. B, with `Requeue=no`,
     never came back: its run lost for a start that never ran. B runs on throughout; the
-    start goes down unseen by the scheduler, and the GPU stays B's."""
+    start goes down unseen by the scheduler, and the GPU stays B's. A is not held: its start
+    job ended `done`, taken for someone's stop (`a.service was stopped outside gpuslice`)."""
     write_job(container, B, 50, annotation="[X-GPUSlice]\nPriority=50\nRequeue=no\n")
     write_job(container, A, 10, extra_service=f"ExecCondition={SAYS_NO}")
     reload(container)
@@ -56,12 +57,17 @@ def test_a_start_its_exec_condition_skips_preempts_nothing(container: Container)
     journal = container.journal(CONTROLLER)
     assert f"preempting {B}" not in journal
     assert f"starting {A}" not in journal
+    assert f"{A} was stopped outside gpuslice" not in journal
+    assert A not in status(container)["held"]
 
 
-def test_a_comeback_its_condition_skips_is_finished_not_tried_again(container: Container) -> None:
+def test_a_comeback_its_condition_skips_is_said_skipped_not_tried_again(
+    container: Container,
+) -> None:
     """B (50) preempted by A (10); when A is stopped, B's comeback is skipped by systemd (its
-    `ConditionPathExists=` false by then). The comeback counts as B's run: finished, said
-    once, never started again (no StartUnit at every pass), also once the path is back."""
+    `ConditionPathExists=` false by then): nothing of it ran. It was said `finished` (the
+    journal's word for work done); it is said skipped, recorded with the failed units,
+    never started again (no StartUnit at every pass), also once the path is back."""
     container.run(["touch", "/run/flag"])
     write_job(container, B, 50, extra_unit="ConditionPathExists=/run/flag")
     write_job(container, A, 10)
@@ -72,7 +78,8 @@ def test_a_comeback_its_condition_skips_is_finished_not_tried_again(container: C
     wait_state(container, A, "active")
     container.run(["rm", "/run/flag"])
     container.systemctl("stop", A)
-    wait_journal(container, f"{B} finished: released GPU 0")
+    journal = wait_journal(container, f"{B} skipped: its Condition*= or ExecCondition= said no")
+    assert f"{B} finished" not in journal
     container.run(["touch", "/run/flag"])
 
     def once() -> None:
@@ -82,6 +89,7 @@ def test_a_comeback_its_condition_skips_is_finished_not_tried_again(container: C
     always_for(once, 2, interval=0.5)
     snapshot = status(container)
     assert snapshot["preempted"] == [] and holders(container) == {0: []}
+    assert snapshot["failed"] == [B]
 
 
 def test_a_start_whose_job_timed_out_at_its_gate_waits_on_and_runs_in_turn(
@@ -127,17 +135,10 @@ def test_a_start_that_fails_in_its_own_exec_start_pre_gives_its_victim_back(
     assert holders(container) == {0: [B]}
 
 
-CONDITION_IS_STOP = pytest.mark.xfail(
-    strict=True,
-    reason="a start a Condition*= skips ends `done`, as a stop of a down unit does, and "
-    "JobNew names no job type: taken for someone's stop (Tracker.stopped_by_others)",
-)
-
-
 @pytest.mark.parametrize(
     ("check", "said"),
     [
-        pytest.param("ConditionPathExists=/nowhere", "was skipped", marks=CONDITION_IS_STOP),
+        ("ConditionPathExists=/nowhere", "was skipped"),
         ("AssertPathExists=/nowhere", "Assertion failed"),
         ("Requires=broken.service\nAfter=broken.service", "Dependency failed"),
     ],
