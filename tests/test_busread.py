@@ -67,6 +67,17 @@ def assert_same_but_kept(got: Message, want: Message) -> None:
     assert got.body[2] == want.body[2]
 
 
+def unit_signal(props: dict[str, Variant], invalidated: list[str] | None = None) -> Message:
+    """systemd's PropertiesChanged of a.service's Unit interface, as dbus-next builds it."""
+    return Message.new_signal(
+        "/org/freedesktop/systemd1/unit/a_2eservice",
+        busread.PROPERTIES,
+        "PropertiesChanged",
+        "sa{sv}as",
+        [UNIT, props, invalidated or []],
+    )
+
+
 def test_recorded_signals_of_systemd_252_read_as_dbus_next_reads_them() -> None:
     for data in RECORDED:
         got, want = fast(data), stock(data)
@@ -113,13 +124,7 @@ def test_other_messages_and_other_interfaces_are_left_to_dbus_next() -> None:
 def test_what_dbus_next_reads_differently_is_left_to_it() -> None:
     """A message with file descriptors (dbus-next hands them on), another protocol version
     (dbus-next refuses it), bytes beyond the message."""
-    with_fds = Message.new_signal(
-        "/org/freedesktop/systemd1/unit/a_2eservice",
-        busread.PROPERTIES,
-        "PropertiesChanged",
-        "sa{sv}as",
-        [UNIT, {"ActiveState": Variant("s", "active")}, []],
-    )
+    with_fds = unit_signal({"ActiveState": Variant("s", "active")})
     with_fds.unix_fds = [0]
     data = bytearray(with_fds._marshall(negotiate_unix_fd=True))
     with pytest.raises(busread.NotTaken, match="header field 9 of type 'u'"):
@@ -345,13 +350,7 @@ def unit_signals(draw: st.DrawFn) -> tuple[bytes, bool]:
     for name in draw(st.lists(st.sampled_from(["A", "ActivationDetails", "B_c", "x" * 40]))):
         props[name] = draw(typed())
     invalidated = draw(st.lists(st.sampled_from(["Conditions", "Asserts"]), max_size=2))
-    msg = Message.new_signal(
-        "/org/freedesktop/systemd1/unit/a_2eservice",
-        busread.PROPERTIES,
-        "PropertiesChanged",
-        "sa{sv}as",
-        [UNIT, dict(draw(st.permutations(list(props.items())))), invalidated],
-    )
+    msg = unit_signal(dict(draw(st.permutations(list(props.items())))), invalidated)
     msg.sender = ":1.1"
     msg.serial = draw(st.integers(1, 2**32 - 1))
     return bytes(msg._marshall()), usual
@@ -458,13 +457,7 @@ def test_every_kind_of_property_is_stepped_over_to_the_kept_ones() -> None:
     """Kept properties after every kind of value: read by Reader itself (a message left to
     dbus-next would carry all its properties)."""
     for name, variant in TRICKY.items():
-        msg = Message.new_signal(
-            "/org/freedesktop/systemd1/unit/a_2eservice",
-            busread.PROPERTIES,
-            "PropertiesChanged",
-            "sa{sv}as",
-            [UNIT, {name: variant, "SubState": Variant("s", "dead"), "Z": variant}, ["Q"]],
-        )
+        msg = unit_signal({name: variant, "SubState": Variant("s", "dead"), "Z": variant}, ["Q"])
         got = busread.properties_changed(bytearray(msg._marshall()), UNIT, KEEP)
         assert got is not None, name
         assert got.body == [UNIT, {"SubState": Variant("s", "dead")}, ["Q"]], name
@@ -477,13 +470,7 @@ def test_a_property_after_an_invocation_id_of_any_length() -> None:
     for n in range(17):
         invocation = bytes(range(n))
         props = {"InvocationID": Variant("ay", invocation), "SubState": Variant("s", "dead")}
-        msg = Message.new_signal(
-            "/org/freedesktop/systemd1/unit/a_2eservice",
-            busread.PROPERTIES,
-            "PropertiesChanged",
-            "sa{sv}as",
-            [UNIT, props, []],
-        )
+        msg = unit_signal(props)
         got = busread.properties_changed(bytearray(msg._marshall()), UNIT, KEEP)
         assert got is not None and got.body[1] == props, n
 
@@ -658,13 +645,7 @@ def test_a_condition_check_is_read_and_a_boolean_not_0_or_1_left_to_dbus_next() 
         "SubState": Variant("s", "dead"),
         "ConditionTimestampMonotonic": Variant("t", 2**64 - 1),
     }
-    msg = Message.new_signal(
-        "/org/freedesktop/systemd1/unit/a_2eservice",
-        busread.PROPERTIES,
-        "PropertiesChanged",
-        "sa{sv}as",
-        [UNIT, props, []],
-    )
+    msg = unit_signal(props)
     data = bytearray(msg._marshall())
     got = busread.properties_changed(data, UNIT, KEEP)
     assert got is not None and got.body[1] == props == stock(bytes(data)).body[1]

@@ -601,6 +601,16 @@ async def shell_reader(pipe: Path) -> asyncio.subprocess.Process:
     return gate
 
 
+def refill_bed(tmp_path: Path) -> Bed:
+    """bg.service (background, 90) down and no other unit: gpuslice starts it (a refill) as
+    soon as it is ready."""
+    return Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "inactive", "dead")],
+    )
+
+
 HOUR = 3600.0  # a delay no test outlives: the test ends it (`due_now`), not the clock
 
 
@@ -790,11 +800,7 @@ def test_down_before_our_start_answered_is_read_again_not_taken_for_finished(
     before it signals the job it queued, so the last state known then is still that one:
     it is read again, and the start is not taken for a run that finished (CI caught a
     controller that judged the state it had instead)."""
-    bed = Bed(
-        tmp_path,
-        {"bg.service": "Priority=90\nType=background\n"},
-        [state("bg.service", "inactive", "dead")],
-    )
+    bed = refill_bed(tmp_path)
     answer = asyncio.Event()
     start = bed.systemd.restart_preempted
 
@@ -1728,11 +1734,7 @@ def test_a_start_of_ours_whose_annotation_went_is_stopped_and_its_gate_not_let_t
     its annotation out: its start is stopped, as gpuslice starts no unannotated unit; its
     gate, asking meanwhile, is stopped again, not let through (it would run on GPU 0, which
     would go to the next unit). Once it is down nothing of it is kept or started again."""
-    bed = Bed(
-        tmp_path,
-        {"bg.service": "Priority=90\nType=background\n"},
-        [state("bg.service", "inactive", "dead")],
-    )
+    bed = refill_bed(tmp_path)
     cgroup_of[4242] = "bg.service"
 
     async def test() -> None:

@@ -20,7 +20,7 @@ from gpuslice import envfiles
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.state import StateStore
-from tests.test_controller import Bed, StubNvml, at_gate, bed_config, run, settle, state
+from tests.test_controller import Bed, StubNvml, at_gate, bed_config, refill_bed, run, settle, state
 
 
 @pytest.mark.parametrize("started", [["bg.service"], []])
@@ -146,11 +146,7 @@ def test_a_grant_of_a_kept_place_is_saved_in_the_turn_that_answers_its_gate(
     later in the loop: a controller killed in between left bg.service saved as a start of
     ours, and if the job ended while no controller ran, the next one took it for a
     StartUnit never sent and ran the finished job again (`start-lost`)."""
-    bed = Bed(
-        tmp_path,
-        {"bg.service": "Priority=90\nType=background\n"},
-        [state("bg.service", "inactive", "dead")],
-    )
+    bed = refill_bed(tmp_path)
 
     async def test() -> None:
         ctl = bed.controller

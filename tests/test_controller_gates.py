@@ -54,6 +54,7 @@ from tests.test_controller import (
     process_in,
     queued,
     read_pipe,
+    refill_bed,
     restarted_by_hand,
     run,
     settle,
@@ -1628,11 +1629,7 @@ def test_a_refill_its_condition_skips_is_said_skipped_and_not_started_again(
     `Condition*=`: its start job ends `done`, the unit down, as a run that ended: it was
     said `finished` (work done), where nothing of it ran. It is said skipped, recorded with
     the failed units, and not started again (no StartUnit at every pass)."""
-    bed = Bed(
-        tmp_path,
-        {"bg.service": "Priority=90\nType=background\n"},
-        [state("bg.service", "inactive", "dead")],
-    )
+    bed = refill_bed(tmp_path)
 
     async def test() -> None:
         ctl = bed.controller
