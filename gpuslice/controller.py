@@ -380,6 +380,10 @@ class Controller:
         self._restart_timers: dict[str, asyncio.TimerHandle] = {}
         # when each keep began (clock.moment): status's "since" of a holder `restarting`
         self._restart_since: dict[str, float] = {}
+        # unit -> the job of a start kept for (Scheduler.keeps_place) walked now
+        # (`_unkeep_queued`), until the walk or that job ends: a walk of a job gone since
+        # says nothing of the start kept for then (a restart's, once that start ran)
+        self._kept_walks: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # units kept active after their job ended (RemainAfterExit=yes): released once
         # systemd counts (or lists) no process left in them
@@ -743,6 +747,7 @@ class Controller:
             Kind.GATE,
             Kind.RUNNING,
         ):
+            self._kept_walks[unit] = job_id
             self._spawn(self._unkeep_queued(unit, job_id))
 
     async def _unkeep_queued(self, unit: str, job_id: int) -> None:
@@ -751,9 +756,19 @@ class Controller:
         on one GPU, GPU 0 kept for C kept B's gate waiting while C's start waited for B's,
         and neither ran. The job's own id is walked, not the unit's state read: the answer to
         our call, and the signals after it, come meanwhile. A walk that fails keeps nothing
-        either (a job gone has passed its gate, which asked: nothing is kept then)."""
-        waited = await starts_waited_for(self.systemd, job_id)
-        await self.rescans.scanned()  # judged on the annotations of now
+        either (a job gone has passed its gate, which asked: nothing is kept then). One whose
+        job ended meanwhile (`_kept_walks`) says nothing of the start kept for now: the
+        walk of a restart's job, slow, ended after that start ran and crashed, and dropped
+        the GPUs kept for the next restart."""
+        try:
+            waited = await starts_waited_for(self.systemd, job_id)
+            await self.rescans.scanned()  # judged on the annotations of now
+        finally:
+            current = self._kept_walks.get(unit)
+            if current == job_id:
+                del self._kept_walks[unit]
+        if current != job_id:
+            return  # its job ended, or a newer one is walked
         if waited is None or any(self.spec_for(u) is not None for u in waited):
             with self._batched():
                 self.execute(self.scheduler.start_waits(unit))
@@ -762,6 +777,8 @@ class Controller:
         if self._unscanned is not None:
             self._unscanned.append((job_id, path, unit, result))
             return
+        if self._kept_walks.get(unit) == job_id:
+            del self._kept_walks[unit]  # its walk judges a start no longer queued
         if self.tracker.job_removed(path, unit, result):
             self.reads.job_ended(unit)
         if self.tracker.shutdown_in_doubt():  # its end told by SystemState alone

@@ -305,7 +305,7 @@ class Tracker:
         # whose check since their last job's end failed (`_condition_checked`)
         self._checked_at: dict[str, int] = {}
         self._check_failed: set[str] = set()
-        # unit -> the job it was in its `ExecCondition=` with, until it is past it
+        # unit -> the job it entered its `ExecCondition=` with, until it is past it
         self._condition_job: dict[str, str] = {}
         self._in_flight: dict[str, int] = {}  # our StartUnit/StopUnit calls not yet answered
         self._deferred: set[str] = set()  # went down while a call of ours was in flight
@@ -463,9 +463,11 @@ class Tracker:
         before = self._job_paths.get(name)
         if job is not None:
             self._job_paths[name] = job[1]
-        if at_condition(state) and name in self._job_paths:
+        if at_condition(state) and not at_condition(old) and name in self._job_paths:
+            # the start job it runs its check in; a job shown while it is still there is
+            # someone's stop (the start's ended `canceled`), whose end is no skip
             self._condition_job[name] = self._job_paths[name]
-        elif state.active not in GONE:
+        elif not at_condition(state) and state.active not in GONE:
             self._condition_job.pop(name, None)  # past it: a oneshot's start ends `done` too
         if job is not None and not read:  # only a signal tells what came first
             self._unannounced(old, state, job[1])

@@ -2810,6 +2810,47 @@ def test_a_start_of_ours_keeps_its_place_at_its_gate_or_behind_no_gpu_units_star
     run(test)
 
 
+def test_a_walk_of_a_start_gone_since_drops_no_place_kept_for_the_next_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """u.service's GPU is kept for its restart, whose job is walked (not yet at its gate);
+    the walk's reads are slow (a systemd busy, a daemon-reload's rescan awaited). Meanwhile
+    that start passes its gate, runs, and crashes: GPU 0 is kept for the next restart. The
+    walk ends, its job gone: it says nothing of the start kept for now, which keeps GPU 0
+    (taken for it, bg.service was refilled onto the GPU the restart comes back for)."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    restart_timers_by_hand(monkeypatch)
+    bed = crash_loop_bed(tmp_path)
+    walked = answered_when_set(bed, monkeypatch, "jobs_waited_for")
+    bed.systemd.waited_for[2] = SystemdError("org.freedesktop.systemd1.NoSuchJob", "gone")
+
+    async def test() -> None:
+        ctl = await started(bed)
+        crashes(bed, "u.service")
+        await settle()
+        assert ctl.scheduler.keeps_place("u.service")
+        ctl.on_job_new(2, "/org/freedesktop/systemd1/job/2", "u.service")
+        bed.systemd.units["u.service"] = state("u.service", "inactive", "dead", 2, "start")
+        signal(bed, "u.service", {"Job": (2, "/org/freedesktop/systemd1/job/2")})
+        assert await due_now(ctl._kept_queued) == 1  # its walk is under way
+        bed.systemd.units["u.service"] = state("u.service", "activating", "start-pre", 2)
+        signal(bed, "u.service", at_gate(bytes([2]) * 16))
+        await settle()
+        assert ctl.scheduler.phase("u.service") is Phase.RUNNING
+        bed.systemd.units["u.service"] = state("u.service", "active", "running")
+        signal(bed, "u.service", {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+        ctl.on_job_removed(2, "/org/freedesktop/systemd1/job/2", "u.service", "done")
+        crashes(bed, "u.service")
+        await settle()
+        assert ctl.scheduler.keeps_place("u.service")  # for its next restart
+        walked.set()
+        await settle()
+        assert ctl.scheduler.grants()["u.service"] == frozenset({0})
+        assert ("start", "bg.service") not in bed.systemd.calls
+
+    run(test)
+
+
 def test_a_start_that_reaches_its_gate_at_once_costs_no_read(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

@@ -2057,3 +2057,45 @@ def test_a_start_queued_behind_a_gpu_units_start_at_start_up_keeps_nothing_from_
         assert bed.service.granted == [("b.service", "0")]
 
     run(test)
+
+
+def test_a_refill_skipped_while_no_controller_ran_is_sent_again_and_said_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """gpuslice had started bg.service (a refill, GPU 0 kept) and was killed between the
+    failed check systemd sent of its start and the job's end: start-up finds it down with
+    no job, and sends its start again once (a StartUnit that may not have reached systemd).
+    Skipped again, the first check this controller sees counts as new: said skipped, with
+    the failed units, not held and not started again."""
+    bed = Bed(
+        tmp_path,
+        {"bg.service": "Priority=90\nType=background\n"},
+        [state("bg.service", "inactive", "dead")],
+        SavedState(
+            holders={"bg.service": ((0,), "starting", 1, "")},
+            seq=1,
+            started=["bg.service"],
+            refills=["bg.service"],
+        ),
+    )
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.systemd.calls.count(("start", "bg.service")) == 1
+        assert ctl.scheduler.phase("bg.service") is Phase.STARTING
+        job = "/org/freedesktop/systemd1/job/7"
+        check = {"ConditionResult": False, "ConditionTimestampMonotonic": 5_000_000}
+        ctl.on_job_new(7, job, "bg.service")
+        down = {"ActiveState": "inactive", "SubState": "dead"}
+        ctl.on_unit_changed("bg.service", {**down, "Job": (7, job), **check})
+        ctl.on_job_removed(7, job, "bg.service", "done")
+        ctl.on_unit_changed("bg.service", {**down, "Job": (0, "/"), **check})
+        await settle()
+        assert ctl.scheduler.save().failed == ["bg.service"]
+        assert "bg.service" not in ctl.scheduler.held
+        assert bed.systemd.calls.count(("start", "bg.service")) == 1
+
+    run(test)
+    assert any(m.startswith("bg.service skipped: ") for m in lines(caplog))

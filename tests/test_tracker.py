@@ -1854,3 +1854,24 @@ def test_a_start_its_exec_condition_skips_is_no_stop_and_one_past_it_runs_as_any
     tracker.job_removed(JOB1, A, "done")
     [down] = tracker.unit_changed(A, props("inactive", "dead"))
     assert isinstance(down, WentDown) and down.outcome is Outcome.EXITED
+
+
+def test_a_stop_shown_in_the_exec_condition_it_stops_is_still_a_stop() -> None:
+    """Someone's stop of a unit in its `ExecCondition=`: systemd installs the stop job (the
+    start's ends `canceled`) and signals the unit still `activating (condition)`, now with
+    the stop job, before that job runs; the unit then goes `inactive` with it (its
+    `deactivating` folded in while the bus is busy, or none: the stop job queued behind
+    another while the check ends). The unit leaves its ExecCondition= with the stop, not
+    the start it entered it with: a stop (held), not a skip. Taken for a skip, a preempted
+    unit someone started, then stopped there, was still owed its comeback, and gpuslice
+    started it again against that stop."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, jobbed("activating", "condition", JOB1))
+    tracker.job_new(JOB2, A)
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.unit_changed(A, jobbed("activating", "condition", JOB2))
+    tracker.unit_changed(A, jobbed("inactive", "dead", JOB2))
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
