@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from typing import Any, Protocol
 
 from gpuslice.core.scheduler import Action, Outcome, Phase, Scheduler, Start
@@ -29,7 +29,7 @@ from gpuslice.systemd import (
     job_path,
     refused_for_own_job,
 )
-from gpuslice.tracker import Kind, Tracker, classify
+from gpuslice.tracker import Kind, Tracker, UnitState, classify
 
 log = logging.getLogger("gpuslice")
 
@@ -43,6 +43,9 @@ CALL_RETRY_MAX = 30.0
 # (Calls._over_own_job): the waiter waits meanwhile, and systemd answers a Get in
 # milliseconds. Past it the refusal holds (the safe side).
 NEEDS_READ_WAIT = 5.0
+# The most units needing such a unit whose jobs are read (Calls._jobs_need): one call reads
+# them all, and past it the refusal holds (the safe side).
+NEEDED_BY_MAX = 64
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
 
@@ -56,6 +59,10 @@ class StopsUnits(Protocol):
     def stop_unit_replacing(self, name: str, queued: Queued | None = None) -> Awaitable[str]: ...
 
     async def needs(self, name: str) -> dict[str, list[str]]: ...
+
+    async def needed_by(self, name: str) -> dict[str, list[str]]: ...
+
+    async def units_state(self, names: Collection[str]) -> list[UnitState]: ...
 
 
 class UnitChanged(Protocol):
@@ -185,11 +192,17 @@ class Calls:
         too, and a stop sent again in mode "replace" cancelled it (taken for someone's stop:
         held). So what the waiter needs is read first (Systemd.needs, within NEEDS_READ_WAIT):
         where it needs the unit, the refusal holds while it waits, as one that names its
-        start; else the stop is sent again in mode "replace". A read that fails or hangs takes
-        the safe side, the refusal: the unit keeps running and the waiter waits for it or for
-        other GPUs, where a stop wrongly sent cancels a start for good."""
+        start; else the stop is sent again in mode "replace". The resend cancelled a third
+        unit's start too, one queued behind the unit's own (`Requires=` + `After=` it:
+        `systemctl start d`): a user's start silently undone. So the jobs of the units that
+        need the unit are read too (`_jobs_need`): where one has a job, the refusal holds as
+        one naming it would (systemd names whichever it finds first). A read that
+        fails or hangs takes the safe side, the refusal: the unit keeps running and the
+        waiter waits for it or for other GPUs, where a stop wrongly sent cancels a start for
+        good."""
         waiter = self.scheduler.stopping_for(unit)
         needed = waiter is not None and await self._needs(waiter, unit)
+        jobs = await self._jobs_need(unit)  # read too where the waiter is gone meanwhile
         if self.scheduler.phase(unit) is not Phase.STOPPING:
             return  # down meanwhile, or no longer stopped: whoever changed that decides
         now = self.scheduler.stopping_for(unit)
@@ -197,12 +210,12 @@ class Calls:
             log.info("stopping %s refused for its own job: asked again for %s", unit, now)
             self.cancel_stop_timer(unit)
             self.execute(self.scheduler.stop_failed(unit, refusal.text, refused=False))
-        elif needed and now is not None:
+        elif (needed and now is not None) or jobs:
             log.error("stop %s failed: %s", unit, refusal.text)
             self.cancel_stop_timer(unit)
             refused = self.scheduler.stop_failed(unit, refusal.text, refused=True, while_waits=True)
             self.execute(refused)
-        else:  # nobody waits who needs it
+        else:  # nobody waits who needs it, nor has a job
             self.send(self.systemd.stop_unit_replacing, unit, "stop")
 
     async def _needs(self, waiter: str, unit: str) -> bool:
@@ -216,6 +229,35 @@ class Calls:
             self.counters.error("dbus_call_errors")
             log.warning("cannot read what %s needs: %s; %s not stopped", waiter, e, unit)
             return True
+
+    async def _jobs_need(self, unit: str) -> bool:
+        """Whether a unit that needs `unit` (its RequiredBy=, BoundBy=, ConsistsOf=) has a job
+        but a stop, which a stop of `unit` in mode "replace" cancels: a start queued behind
+        its start, or under way beside it. Read within NEEDS_READ_WAIT (the units' needs,
+        then their jobs, one call each); True when the read fails or hangs, or more than
+        NEEDED_BY_MAX units need it (the safe side, `_over_own_job`)."""
+
+        async def read() -> list[str]:
+            found = await self.systemd.needed_by(unit)
+            needers = {str(u) for units in found.values() for u in units}
+            if len(needers) > NEEDED_BY_MAX:
+                raise ValueError(f"{len(needers)} units need it, more than {NEEDED_BY_MAX}")
+            states = await self.systemd.units_state(needers) if needers else []
+            return sorted(str(s.name) for s in states if s.job_id != 0 and s.job_type != "stop")
+
+        try:
+            jobs = await asyncio.wait_for(read(), NEEDS_READ_WAIT)
+        except Exception as e:  # whatever failed or hung, and a reply of any form
+            self.counters.error("dbus_call_errors")
+            log.warning("cannot read the jobs of the units that need %s: %s; not stopped", unit, e)
+            return True
+        if jobs:
+            log.warning(
+                "stopping %s would cancel the jobs of %s, which need it: not stopped",
+                unit,
+                ", ".join(jobs),
+            )
+        return bool(jobs)
 
     def _call_not_taken(self, unit: str, what: str, error: SystemdError) -> None:
         """A StartUnit or StopUnit of ours did not reach systemd, for an error that passes

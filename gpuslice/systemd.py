@@ -79,6 +79,9 @@ Queued = Callable[[str], None]
 DESTRUCTIVE = "org.freedesktop.systemd1.TransactionIsDestructive"
 # A unit's properties that name the units whose stop systemd propagates to it (`needs`)
 NEEDS = ("Requires", "BindsTo", "PartOf")
+# Their reverse, as systemd keeps each dependency on both units: the units a stop of a unit
+# propagates to (`needed_by`)
+NEEDED_BY = ("RequiredBy", "BoundBy", "ConsistsOf")
 
 
 class SystemdError(Exception):
@@ -739,9 +742,17 @@ class Systemd:
         says so (Requires=, BindsTo=, PartOf=, as systemd holds them now): three Gets, where
         the Unit's GetAll is kilobytes. SystemdError for a reply not of the form systemd
         gives (as)."""
+        return await self._unit_lists(name, NEEDS)
+
+    async def needed_by(self, name: str) -> dict[str, list[str]]:
+        """The units systemd propagates a stop of this one to (RequiredBy=, BoundBy=,
+        ConsistsOf=: whoever `needs` it), as `needs` reads them."""
+        return await self._unit_lists(name, NEEDED_BY)
+
+    async def _unit_lists(self, name: str, props: tuple[str, ...]) -> dict[str, list[str]]:
         path = unit_path(name)
         found: dict[str, list[str]] = {}
-        for prop in NEEDS:
+        for prop in props:
             (value,) = await self.call("Get", "ss", [UNIT, prop], path=path, interface=PROPERTIES)
             if not isinstance(value, Variant) or value.signature != "as":
                 raise SystemdError(

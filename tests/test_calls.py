@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from typing import Any, cast
 
 import pytest
@@ -138,6 +138,13 @@ class FakeSystemd:
         self.answers: list[str | Exception] = []
         self.needed: dict[str, dict[str, list[str]] | Exception] = {}
         self.needs_read = asyncio.Event()  # set: `needs` answers
+        # what `needed_by` answers for a unit (none: nobody needs it), and the states
+        # `units_state` gives (none: inactive, no job); the reads of both, in order
+        self.needers: dict[str, Any] = {}
+        self.states: dict[str, Any] = {}
+        self.read: list[str] = []
+        self.jobs_read = asyncio.Event()  # set: `needed_by` answers
+        self.jobs_read.set()
 
     def stop_unit(self, name: str, queued: Queued | None = None) -> Awaitable[str]:
         assert queued is not None
@@ -154,6 +161,22 @@ class FakeSystemd:
         if isinstance(found, Exception):
             raise found
         return found
+
+    async def needed_by(self, name: str) -> dict[str, list[str]]:
+        self.read.append(f"needed_by {name}")
+        await self.jobs_read.wait()
+        found = self.needers.get(name, {"RequiredBy": []})
+        if isinstance(found, Exception):
+            raise found
+        return cast(dict[str, list[str]], found)
+
+    async def units_state(self, names: Collection[str]) -> list[UnitState]:
+        self.read.append(f"units_state {','.join(sorted(names))}")
+        found = [self.states.get(n, UnitState(n, "inactive", "dead", 0)) for n in sorted(names)]
+        for state in found:
+            if isinstance(state, Exception):
+                raise state
+        return cast(list[UnitState], found)
 
 
 class Kit:
@@ -591,6 +614,98 @@ def test_a_stop_refused_for_the_units_own_job_follows_the_core_after_the_read(si
         assert kit.systemd.stops == [U, f"needs {A}"]
 
     run(test)
+
+
+D = "d.service"
+D_QUEUED = UnitState(D, "inactive", "dead", 12, "start")  # its start queued behind U's
+
+
+@pytest.mark.parametrize("waiter", [A, None], ids=["for-a", "for-nobody"])
+def test_a_stop_refused_for_its_own_job_holds_where_a_third_units_start_needs_it(
+    waiter: str | None,
+) -> None:
+    """A needs nothing of the victim, but D `Requires=` + `After=` it, its start queued
+    behind the victim's own (`systemctl start d`). Sent again in mode "replace", the stop
+    cancelled D's start too (the bed's
+    test_a_unit_still_starting_is_not_preempted_over_a_start_queued_that_needs_it): the
+    refusal holds, as one naming D's start does."""
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        if waiter is None:
+            del kit.scheduler.waiter[U]
+        kit.systemd.needed[A] = {"Requires": [], "BindsTo": [], "PartOf": []}
+        kit.systemd.needers[U] = {"RequiredBy": [D, "idle.service"], "BoundBy": []}
+        kit.systemd.states[D] = D_QUEUED
+        kit.calls.arm_stop_timer(U)
+        kit.systemd.answers = [OWN_JOB]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert f"{U} replace" not in kit.systemd.stops
+        assert kit.systemd.read == [f"needed_by {U}", f"units_state {D},idle.service"]
+        assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
+        assert kit.calls._stop_timers == {}
+
+    kit = run(test)
+    assert kit.counters.errors.get("dbus_call_errors", 0) == 0
+
+
+@pytest.mark.parametrize(
+    "state",
+    [UnitState(D, "active", "running", 0), UnitState(D, "deactivating", "stop-sigterm", 7, "stop")],
+    ids=["no-job", "stopping"],
+)
+def test_a_stop_refused_for_its_own_job_is_sent_again_where_no_unit_needing_it_has_a_job(
+    state: UnitState,
+) -> None:
+    """D needs the victim but has no job a stop cancels (none, or a stop: merged with the
+    one systemd adds): the stop is sent again in mode "replace"."""
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.systemd.needers[U] = {"RequiredBy": [D]}
+        kit.systemd.states[D] = state
+        kit.systemd.answers = [OWN_JOB, job_path(9)]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert kit.systemd.stops == [U, f"needs {A}", f"{U} replace"]
+        assert kit.executed == []
+
+    run(test)
+
+
+@pytest.mark.parametrize("broken", ["fails", "hangs", "bad-reply", "bad-state", "too-many"])
+def test_a_stop_refused_for_its_own_job_holds_if_the_jobs_of_units_needing_it_are_unread(
+    broken: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safe side, as for the waiter's needs: a read that fails, hangs, answers in a form
+    not systemd's, or names more units than NEEDED_BY_MAX holds the refusal; nothing raises
+    out of the controller's task."""
+    monkeypatch.setattr(calls_module, "NEEDS_READ_WAIT", 0.01)
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        needers: Any = {"RequiredBy": [D]}
+        if broken == "fails":
+            needers = NO_REPLY
+        elif broken == "hangs":
+            kit.systemd.jobs_read.clear()
+        elif broken == "bad-reply":
+            needers = {"RequiredBy": 7}
+        elif broken == "bad-state":
+            kit.systemd.states[D] = SystemdError("org.gpuslice.Error.BadReply", "not a(s...)")
+        else:
+            many = [f"u{i}.service" for i in range(calls_module.NEEDED_BY_MAX + 1)]
+            needers = {"RequiredBy": many}
+        kit.systemd.needers[U] = needers
+        kit.systemd.answers = [OWN_JOB]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert f"{U} replace" not in kit.systemd.stops
+        assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
+
+    kit = run(test)
+    assert kit.counters.errors["dbus_call_errors"] == 1
 
 
 def test_a_call_raising_as_it_is_sent_fails_its_task_not_the_caller() -> None:

@@ -176,6 +176,13 @@ class FakeSystemd:
             raise found
         return found
 
+    async def needed_by(self, name: str) -> dict[str, list[str]]:
+        """As systemd keeps them: the reverse of what `needed` says each unit needs."""
+        self.calls.append(("needed_by", name))
+        needed = {u: n for u, n in self.needed.items() if isinstance(n, dict)}
+        by = sorted(u for u, needs in needed.items() if any(name in n for n in needs.values()))
+        return {"RequiredBy": by}
+
     async def unit_pids(self, name: str) -> list[int]:
         self.calls.append(("unit_pids", name))
         found = self.processes.get(name, [])

@@ -16,6 +16,7 @@ import pytest
 
 from gpuslice.core.scheduler import SavedState
 from gpuslice.systemd import SystemdError
+from gpuslice.tracker import UnitState
 from tests.test_controller import (
     Bed,
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
@@ -262,7 +263,11 @@ OWN_JOB = (
 )
 
 
-@pytest.mark.parametrize("needed", [{"Requires": [B]}, NEEDS_NONE], ids=["needs-it", "not"])
+@pytest.mark.parametrize(
+    "needed",
+    [{"Requires": [B]}, NEEDS_NONE, {"third": [B]}],
+    ids=["needs-it", "not", "a-third-start-needs-it"],
+)
 def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters_start(
     tmp_path: Path,
     cgroup_of: dict[int, str],
@@ -274,7 +279,12 @@ def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters
     "replace", it cancelled A's start too, which was then taken for someone's stop (the bed's
     test_a_unit_needed_by_a_start_is_preempted_again_once_that_start_is_gone). Systemd says A
     needs B: the refusal holds while A waits, as one naming A's start. A needs nothing of B:
-    the stop is sent again in mode "replace", and A is granted once B is down."""
+    the stop is sent again in mode "replace", and A is granted once B is down. Unless a
+    third unit D that needs B has a job (its start queued behind B's): the stop sent again
+    cancelled it (the bed's test_a_unit_still_starting_is_not_preempted_over_a_start_...),
+    so the refusal holds as one naming D's start would."""
+    d = "d.service"
+    third = "third" in needed
     cgroup_of[4242] = A
     bed = holding_a_gpu_each(
         tmp_path,
@@ -284,7 +294,10 @@ def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters
     )
     destructive = "org.freedesktop.systemd1.TransactionIsDestructive"
     bed.systemd.refused_stops[B] = [SystemdError(destructive, OWN_JOB)]
-    bed.systemd.needed[A] = needed
+    bed.systemd.needed[A] = NEEDS_NONE if third else needed
+    if third:  # not annotated, its start queued behind B's (`Requires=` + `After=` B)
+        bed.systemd.needed[d] = {**NEEDS_NONE, "Requires": [B]}
+        bed.systemd.units[d] = UnitState(d, "inactive", "dead", 12, "start")
 
     async def test() -> None:
         ctl = bed.controller
@@ -294,6 +307,8 @@ def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters
             await bed.acquire(A, ":1.9", 4242)
             await settle()
         assert ("needs", A) in bed.systemd.calls
+        if needed is not NEEDS_NONE:  # the jobs of the units that need B, read
+            assert ("units_state", d if third else A) in bed.systemd.calls
         if needed is NEEDS_NONE:
             assert bed.systemd.calls[-1] == ("stop-replacing", B)
             goes_down(bed, B)
@@ -304,6 +319,9 @@ def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters
         assert f"will not try to stop it again while {A} waits" in " ".join(messages(caplog))
         assert ctl.scheduler.unstoppable_while == {B: A}
         assert bed.service.granted == []
+        if third:
+            said = f"stopping {B} would cancel the jobs of {d}, which need it: not stopped"
+            assert said in messages(caplog)
 
     run(test)
 

@@ -1550,6 +1550,51 @@ def test_the_units_whose_stop_stops_a_unit_are_read_from_its_own_object(
     ]
 
 
+def test_the_units_a_stop_of_a_unit_stops_are_read_from_its_own_object(
+    bus_address: str,
+) -> None:
+    """Systemd.needed_by: RequiredBy=, BoundBy= and ConsistsOf= of the Unit interface, on the
+    unit's object (Calls._jobs_need asks them of a victim whose stop was refused for its own
+    start); a reply of another form than systemd's (as) is gpuslice's BadReply."""
+    values = {
+        unit_path("b.service"): {
+            "RequiredBy": Variant("as", ["d.service"]),
+            "BoundBy": Variant("as", []),
+            "ConsistsOf": Variant("as", ["e.service"]),
+        },
+        unit_path("x.service"): {
+            "RequiredBy": Variant("u", 7),
+            "BoundBy": Variant("as", []),
+            "ConsistsOf": Variant("as", []),
+        },
+    }
+    asked: list[tuple[str, list[Any]]] = []
+
+    async def scenario() -> None:
+        def answer(msg: Message) -> Message:
+            _, prop = msg.body
+            return Message.new_method_return(msg, "v", [values[msg.path][prop]])
+
+        systemd = await answering_gets(bus_address, asked, answer)
+        assert await systemd.needed_by("b.service") == {
+            "RequiredBy": ["d.service"],
+            "BoundBy": [],
+            "ConsistsOf": ["e.service"],
+        }
+        with pytest.raises(SystemdError) as raised:
+            await systemd.needed_by("x.service")
+        assert raised.value.name == "org.gpuslice.Error.BadReply"
+        assert raised.value.text.startswith("RequiredBy of x.service: ")
+
+    run(scenario)
+    path = unit_path("b.service")
+    assert asked[:3] == [
+        (path, [UNIT, "RequiredBy"]),
+        (path, [UNIT, "BoundBy"]),
+        (path, [UNIT, "ConsistsOf"]),
+    ]
+
+
 def test_a_services_task_count_is_read_from_its_own_object(bus_address: str) -> None:
     """Systemd.tasks_current: TasksCurrent of the Service interface, on the unit's object;
     UINT64_MAX (systemd does not know it) is None, not 18 quintillion tasks left; a reply of

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bed.container import Container, wait_until
+from tests.bed.container import Container, WaitTimeout, wait_until
 from tests.integration.jobs import (
     UNIT_DIR,
     always_for,
+    describe,
     holders,
     main_pid,
     prop,
@@ -148,6 +149,67 @@ def test_a_unit_still_starting_past_its_gate_is_preempted(container: Container) 
     journal = container.journal(CONTROLLER)
     assert f"Transaction for {B}/stop is destructive" not in journal  # not said: no refusal
     assert B in [p["unit"] for p in status(container)["preempted"]]
+
+
+@pytest.mark.parametrize("d_priority", [None, 20], ids=["plain", "gpu-unit"])
+def test_a_unit_still_starting_is_not_preempted_over_a_start_queued_that_needs_it(
+    container: Container, d_priority: int | None
+) -> None:
+    """B (50) past its gate but still starting (`ExecStartPost=`); D `Requires=`+`After=` B,
+    its start queued behind B's (`systemctl start d`); A (10) needs nothing of B. The stop of
+    B in mode "fail" conflicts with B's own start and with D's, and systemd names the first
+    it finds: sent again in mode "replace" over B's own, it cancelled D's start too (a
+    user's start silently undone: "d.service/start finished, result=canceled" in systemd's
+    debug log; gpuslice said nothing of D). D a plain unit or a GPU unit (20), whose start
+    gpuslice does not know before its gate (it waits for B's). Gpuslice reads the jobs of the
+    units that need B: D has one, so the refusal holds while A waits, as one naming D's
+    start: B keeps GPU 0 and D's start stays queued. Systemd's pick follows its hash of the
+    units, so a fresh D is tried until it names B's own job (at most four tries)."""
+    write_job(container, B, 50, extra_service="ExecStartPost=/bin/sleep 600")
+    write_job(container, A, 10, seconds=600)
+    own = f"Transaction for {B}/stop is destructive ({B} has 'start' job queued"
+    for attempt in range(4):
+        d = f"d{attempt}.service"
+        journal = _refused_with_a_start_queued_behind_b(container, d, d_priority, attempt)
+        if own in journal:
+            assert f"stopping {B} would cancel the jobs of {d}, which need it" in journal
+            return
+        container.systemctl("stop", A, d, B)  # systemd named D's start: another D
+        container.systemctl("reset-failed", B)  # stopped in ExecStartPost=: failed
+        wait_state(container, B, "inactive")
+    pytest.skip("systemd named D's start each time, never B's own")
+
+
+def _refused_with_a_start_queued_behind_b(
+    container: Container, d: str, priority: int | None, seen: int
+) -> str:
+    """D's start queued behind B's (still under way), then A's: gpuslice's stop of B for A is
+    refused (the `seen`+1st time), B keeps GPU 0 and D's start its job. The journal."""
+    write_job(container, d, priority, seconds=600, extra_unit=f"Requires={B}\nAfter={B}")
+    reload(container)
+    container.systemctl("start", "--no-block", B)
+    wait_sub(container, B, "start-post")
+    container.systemctl("start", "--no-block", d)
+    d_job = wait_answer(lambda: prop(container, d, "Job"), lambda j: j not in ("", "0"), 20, "job")
+    container.systemctl("start", "--no-block", A)
+    wait_sub(container, A, "start-pre")
+    refused = f"will not try to stop it again while {A} waits"
+    try:
+        journal = wait_until(
+            lambda: j if (j := container.journal(CONTROLLER)).count(refused) > seen else None,
+            30,
+            what=f"the refusal for {A}",
+        )
+    except WaitTimeout as e:
+        raise WaitTimeout(f"{e}; {describe(container, [A, B, d])}") from None
+
+    def b_runs_and_d_waits() -> None:
+        assert holders(container) == {0: [B]}
+        assert prop(container, d, "Job") == d_job, describe(container, [A, B, d])
+        assert container.active_state(A) == "activating"
+
+    always_for(b_runs_and_d_waits, 2)
+    return journal
 
 
 def test_a_unit_stopped_along_with_its_preempted_requirement_comes_back(
