@@ -5256,8 +5256,9 @@ def test_a_bare_auto_restart_whose_result_cannot_be_read_is_said_failed(
 ) -> None:
     """Restart=always, a bare `auto-restart`: its Result= read fails, or the restart's start
     began before it was answered (which sets Result= to `success` again): said failed, as
-    before, not finished on a Result= that may be the new start's."""
-    caplog.set_level(logging.INFO, logger="gpuslice")
+    before, not finished on a Result= that may be the new start's. A read that fails says
+    why at debug level."""
+    caplog.set_level(logging.DEBUG, logger="gpuslice")
     bed = restart_always_bed(tmp_path)
     if how == "error":
         bed.systemd.main_exits["u.service"] = SystemdError(
@@ -5275,6 +5276,10 @@ def test_a_bare_auto_restart_whose_result_cannot_be_read_is_said_failed(
         assert "u.service failed: its own Restart= policy starts it again, GPU 0 kept" in said
         assert ctl.counters.decisions["failed"] == 1
         assert ctl.counters.errors["dbus_call_errors"] == (1 if how == "error" else 0)
+        read_failed = (
+            "cannot read how u.service ended: org.gpuslice.Error.NoReply: no answer within 60 s"
+        )
+        assert (read_failed in messages(caplog)) is (how == "error")
 
     run(test)
 
@@ -5285,7 +5290,8 @@ def test_a_bare_auto_restart_is_told_before_the_next_signal_of_its_unit(
     """Restart=always (RestartSec=0): its restart is signalled before its Result= is read.
     The down is told first, as before (failed, its GPU kept), then the restart's start is
     taken in on the GPU kept for it; the late answer tells nothing more. Held while the
-    restart was taken in, the down told afterwards released the GPU of a restart under way."""
+    restart was taken in, the down told afterwards released the GPU of a restart under way.
+    The late answer is no internal error either."""
     caplog.set_level(logging.INFO, logger="gpuslice")
     bed = restart_always_bed(tmp_path)
     answered = answered_when_set(bed, monkeypatch, "main_exit")
@@ -5307,6 +5313,7 @@ def test_a_bare_auto_restart_is_told_before_the_next_signal_of_its_unit(
         assert ctl.counters.decisions["finished"] == 0
         assert ctl.scheduler.grants().get("u.service") == frozenset({0})
         assert ("start", "bg.service") not in bed.systemd.calls
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
     run(test)
 

@@ -9,6 +9,7 @@ after the daemon-reload that made them known too.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Collection
 from typing import Any, cast
 
@@ -16,7 +17,7 @@ import pytest
 
 from gpuslice.core.model import UnitSpec
 from gpuslice.counters import Counters
-from gpuslice.queued import QueuedStarts
+from gpuslice.queued import WAITED_FOR_READS, QueuedStarts
 from gpuslice.systemd import NO_REPLY, Systemd, SystemdError
 from gpuslice.tracker import Tracker, UnitState
 
@@ -176,6 +177,74 @@ def test_a_start_queued_behind_a_gpu_units_start_is_not_taken() -> None:
         assert kit.taken[-1] == ([C, D], [C])
 
     asyncio.run(test())
+
+
+@pytest.mark.parametrize("reads", [WAITED_FOR_READS, WAITED_FOR_READS + 1])
+def test_a_start_whose_waits_take_more_than_the_bound_to_read_is_not_taken(reads: int) -> None:
+    """d.service's start waits, through a chain of plain units' stops, for nothing of
+    ours: read to its end within WAITED_FOR_READS Job.GetBefore reads, it is taken; one
+    read more is not sent, and the start is known at its gate instead (counted)."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.systemd.jobs = [C, D]
+        kit.systemd.states = {C: at_gate(C, 8), D: UnitState(D, "inactive", "dead", 100, "start")}
+        kit.systemd.waited_for = {
+            job: [(job + 1, f"p{job}.service", "stop")] for job in range(100, 100 + reads - 1)
+        }
+        kit.queued.wait(C)
+        await kit.done()
+        within = reads <= WAITED_FOR_READS
+        assert kit.taken == [([C, D] if within else [C], [C])]
+        assert kit.counters.errors["dbus_call_errors"] == (0 if within else 1)
+
+    asyncio.run(test())
+
+
+def test_a_job_many_waits_lead_to_is_read_once() -> None:
+    """d.service's start waits for ten plain units' starts, all After= one plain unit whose
+    start every one of them waits for: 12 reads in all, within WAITED_FOR_READS, not one
+    more for each way to the shared job (which passed the bound: d was not taken)."""
+
+    async def test() -> None:
+        kit = Kit()
+        kit.systemd.jobs = [C, D]
+        kit.systemd.states = {C: at_gate(C, 8), D: UnitState(D, "inactive", "dead", 100, "start")}
+        shared = (200, "base.service", "start")
+        ways = range(101, 111)
+        kit.systemd.waited_for = {100: [(j, f"p{j}.service", "start") for j in ways]}
+        kit.systemd.waited_for |= {j: [shared] for j in ways}
+        kit.queued.wait(C)
+        await kit.done()
+        assert kit.taken == [([C, D], [C])]
+        assert kit.counters.errors["dbus_call_errors"] == 0
+
+    asyncio.run(test())
+
+
+def test_a_read_that_fails_is_said_in_the_debug_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Counted as a D-Bus error, each failed read says why at debug level: ListJobs, and a
+    Job.GetBefore (with the job whose waits were walked)."""
+    caplog.set_level(logging.DEBUG, logger="gpuslice")
+
+    async def test() -> None:
+        kit = Kit()
+        kit.systemd.error = SystemdError(NO_REPLY, "no answer within 60 s")
+        kit.queued.wait(A)
+        await kit.done()
+        kit.systemd.error = None
+        kit.systemd.jobs = [C, D]
+        kit.systemd.states = {C: at_gate(C, 8), D: UnitState(D, "inactive", "dead", 9, "start")}
+        kit.systemd.waited_for = {9: [(10, "plain.service", "start")]}
+        kit.systemd.waited_for[10] = SystemdError(NO_REPLY, "no answer within 25 s")
+        kit.queued.wait(C)
+        await kit.done()
+
+    asyncio.run(test())
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG] == [
+        f"cannot read systemd's start jobs: {NO_REPLY}: no answer within 60 s",
+        f"cannot read the jobs job 9 waits for: {NO_REPLY}: no answer within 25 s",
+    ]
 
 
 def test_a_read_that_fails_serves_the_calls_on_the_starts_known() -> None:
