@@ -521,11 +521,15 @@ def _stopping_for_a(kit: Kit) -> None:
     kit.systemd.needs_read.set()
 
 
-def test_a_stop_refused_for_the_units_own_job_holds_where_its_waiter_needs_it() -> None:
+def test_a_stop_refused_for_the_units_own_job_holds_where_its_waiter_needs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Systemd names one conflicting job: the victim's own start (queued with A's, A
     `Requires=` it). Sent again in mode "replace", the stop cancelled A's start too (the
     bed's test_a_unit_needed_by_a_start_is_preempted_again_once_that_start_is_gone): systemd
-    says A needs it, so the refusal holds while A waits, as one naming A's start."""
+    says A needs it, so the refusal holds while A waits, as one naming A's start; the
+    journal says which stop failed, and why."""
+    caplog.set_level(logging.DEBUG, logger="gpuslice")
 
     async def test(kit: Kit) -> None:
         _stopping_for_a(kit)
@@ -541,6 +545,7 @@ def test_a_stop_refused_for_the_units_own_job_holds_where_its_waiter_needs_it() 
 
     kit = run(test)
     assert kit.counters.errors.get("dbus_call_errors", 0) == 0
+    assert f"stop {U} failed: {OWN_JOB.text}" in caplog.messages
 
 
 def test_a_stop_refused_for_its_own_job_is_sent_again_in_mode_replace_if_not_needed() -> None:
@@ -569,11 +574,15 @@ def test_a_stop_refused_for_its_own_job_is_sent_again_in_mode_replace_if_not_nee
 
 @pytest.mark.parametrize("broken", ["fails", "hangs"])
 def test_a_stop_refused_for_the_units_own_job_holds_if_what_its_waiter_needs_is_unread(
-    broken: str, monkeypatch: pytest.MonkeyPatch
+    broken: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The safe side: a stop wrongly sent cancels the waiter's start for good; one held back
-    keeps the victim running while the waiter waits. A hung read is given up on."""
+    keeps the victim running while the waiter waits. A hung read is given up on (within
+    NEEDS_READ_WAIT: the controller's task ends, it does not wait for good); the journal
+    says whose needs went unread, why, and which unit keeps running."""
     monkeypatch.setattr(calls_module, "NEEDS_READ_WAIT", 0.01)
+    caplog.set_level(logging.DEBUG, logger="gpuslice")
+    error: Exception = NO_REPLY if broken == "fails" else TimeoutError()
 
     async def test(kit: Kit) -> None:
         _stopping_for_a(kit)
@@ -583,24 +592,31 @@ def test_a_stop_refused_for_the_units_own_job_holds_if_what_its_waiter_needs_is_
             kit.systemd.needs_read.clear()
         kit.systemd.answers = [OWN_JOB]
         kit.calls.send(kit.systemd.stop_unit, U, "stop")
-        await kit.done()
+        await asyncio.wait_for(kit.done(), 5.0)  # a read waited for unbounded hangs here
         assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
 
     kit = run(test)
     assert kit.counters.errors["dbus_call_errors"] == 1
+    assert f"cannot read what {A} needs: {error}; {U} not stopped" in caplog.messages
 
 
 @pytest.mark.parametrize("since", ["down", "for-another"])
-def test_a_stop_refused_for_the_units_own_job_follows_the_core_after_the_read(since: str) -> None:
+def test_a_stop_refused_for_the_units_own_job_follows_the_core_after_the_read(
+    since: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The core moved on while the waiter's needs were read: the victim went down (nothing
     to do), or it is stopped for another waiter, whose needs were not read (the core plans
-    anew, a plain failure, and asks again)."""
+    anew, a plain failure, and asks again: the failed stop's timer goes with it, the journal
+    says for whom it is asked again)."""
+    caplog.set_level(logging.DEBUG, logger="gpuslice")
 
     async def test(kit: Kit) -> None:
         _stopping_for_a(kit)
         kit.systemd.needs_read.clear()
         kit.systemd.answers = [OWN_JOB]
         kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        kit.calls.arm_stop_timer(U)
+        timer = kit.calls._stop_timers[U]
         for _ in range(5):
             await asyncio.sleep(0)
         assert kit.systemd.stops == [U, f"needs {A}"]
@@ -612,8 +628,12 @@ def test_a_stop_refused_for_the_units_own_job_follows_the_core_after_the_read(si
         expected = [] if since == "down" else [f"stop_failed {U}: {OWN_JOB.text} refused=False"]
         assert kit.executed == expected
         assert kit.systemd.stops == [U, f"needs {A}"]
+        if since == "for-another":
+            assert timer.cancelled() and kit.calls._stop_timers == {}
 
     run(test)
+    again = f"stopping {U} refused for its own job: asked again for other.service"
+    assert (again in caplog.messages) == (since == "for-another")
 
 
 D = "d.service"

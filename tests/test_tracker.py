@@ -604,6 +604,24 @@ def test_tables_stay_small_under_ten_thousand_jobs() -> None:
     assert len(tracker._unit_jobs) <= 1
 
 
+def test_tables_stay_small_under_ten_thousand_starts_of_ours_that_ran_nothing() -> None:
+    """A comeback of ours that systemd ends before anything runs (a `Requires=` unit that
+    keeps failing: `dependency`), asked again and again: each such job is forgotten as it
+    ends, not kept for the uptime."""
+    model = Model()
+    model.phases[A] = Phase.STARTING
+    tracker = model.tracker()
+    for i in range(10_000):
+        path = f"/org/freedesktop/systemd1/job/{i}"
+        tracker.call_sent(A)
+        tracker.job_new(path, A)
+        tracker.call_queued(A, path, "start")
+        tracker.job_removed(path, A, "dependency")
+        assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.FAILED)]
+    assert len(tracker._own_jobs) <= 1
+    assert len(tracker._unit_jobs) <= 1
+
+
 def test_jobs_that_left_a_running_unit_running_are_forgotten() -> None:
     """A unit that runs for months, started again each minute by a cron job (or reloaded,
     or started by a timer while it runs): each no-op job, read once it ended, is forgotten
@@ -1711,6 +1729,28 @@ def test_a_start_job_that_ran_nothing_is_a_failure_not_a_stop(result: str) -> No
     tracker.job_new(JOB2, A)  # then someone's stop of it: a hold, as any
     tracker.job_removed(JOB2, A, "done")
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+@pytest.mark.parametrize("result", ["done", "timeout"])
+def test_our_stop_of_a_unit_that_ended_meanwhile_is_no_start_that_ran_nothing(result: str) -> None:
+    """A ends by itself while our stop is on its way; systemd queues the stop for A down
+    anyway, which may wait behind another unit's stop past A's `JobTimeoutSec=` and end
+    `timeout`, a result of a start that ran nothing. Ours is a stop: A ended by itself
+    (finished, as when the stop ends `done`), not a start that failed."""
+    model = Model()
+    model.phases[A] = Phase.RUNNING
+    tracker = model.tracker()
+    assert tracker.unit_changed(A, props("active", "running")) == []
+    model.phases[A] = Phase.STOPPING
+    tracker.call_sent(A)
+    assert tracker.unit_changed(A, props("inactive", "dead")) == []  # our answer awaited
+    tracker.job_new(JOB1, A)
+    tracker.call_queued(A, JOB1, "stop")
+    assert tracker.unit_changed(A, props("inactive", "dead", 1)) == []
+    assert tracker.job_removed(JOB1, A, result) is True
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [
+        WentDown(A, Outcome.EXITED, by_itself=True, not_ours=True)
+    ]
 
 
 def test_a_start_that_ran_nothing_after_a_failure_told_is_told_again() -> None:
