@@ -363,6 +363,7 @@ class Controller:
             self._spawn,
             self._say,
             self.queued.wait,
+            self._gate_waits,
         )
         self.boot_id = ""
         self.ready = False
@@ -384,6 +385,12 @@ class Controller:
         # (`_unkeep_queued`), until the walk or that job ends: a walk of a job gone since
         # says nothing of the start kept for then (a restart's, once that start ran)
         self._kept_walks: dict[str, int] = {}
+        # units whose walk under way is followed by one more (`_walk_kept`): a gate asked
+        # since it began, and waits on GPUs kept for them (`_kept_in_the_way`)
+        self._kept_again: set[str] = set()
+        # unit -> the job of a start kept for (Scheduler.keeps_place), from its JobNew until
+        # that job ends: walked again when a gate waits on what is kept for it
+        self._kept_jobs: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # units kept active after their job ended (RemainAfterExit=yes): released once
         # systemd counts (or lists) no process left in them
@@ -676,6 +683,7 @@ class Controller:
             seen = self.tracker.heard(unit)
             asyncio.get_running_loop().call_later(QUEUED_DELAY, self._queued, unit, job_id, seen)
         elif self.scheduler.keeps_place(unit):  # a start of ours (refill, comeback)
+            self._kept_jobs[unit] = job_id
             asyncio.get_running_loop().call_later(QUEUED_DELAY, self._kept_queued, unit, job_id)
 
     def _follow_instance(self, unit: str) -> None:
@@ -743,12 +751,43 @@ class Controller:
     def _kept_queued(self, unit: str, job_id: int) -> None:
         """A job for a unit whose GPUs are kept until its gate asks (gpuslice's own start)
         has not reached its gate: it may wait in systemd's queue for a GPU unit's start."""
-        if self.scheduler.keeps_place(unit) and classify(self.tracker.state(unit)) not in (
+        self._walk_kept(unit, job_id)
+
+    def _walk_kept(self, unit: str, job_id: int, *, again: bool = False) -> None:
+        """Walk the job of a start of ours not at its gate yet (`_unkeep_queued`), one walk
+        a unit at a time: a flood of gate calls costs one. `again`: a gate asked since the
+        walk under way began, which may have read the jobs before that gate's start was
+        made: one more walk follows it, if it found the start free."""
+        if not self.scheduler.keeps_place(unit) or classify(self.tracker.state(unit)) in (
             Kind.GATE,
             Kind.RUNNING,
         ):
-            self._kept_walks[unit] = job_id
-            self._spawn(self._unkeep_queued(unit, job_id))
+            return
+        if self._kept_walks.get(unit) == job_id:
+            if again:
+                self._kept_again.add(unit)
+            return
+        self._kept_walks[unit] = job_id
+        self._spawn(self._unkeep_queued(unit, job_id))
+
+    def _gate_waits(self, unit: str) -> None:
+        """A gate asked, the unit's first ask of this start (Gates.serve_gate): once the
+        scheduling pass due this turn has decided (queued before this), a start of ours
+        whose GPUs it waits on is walked again (`_kept_in_the_way`)."""
+        asyncio.get_running_loop().call_soon(self._kept_in_the_way, unit)
+
+    def _kept_in_the_way(self, unit: str) -> None:
+        """The unit's gate waits, and GPUs it may use are kept for a start of ours not at its
+        gate yet: that start's job, walked free of any GPU unit's start before, may wait for
+        one made since (this unit's: C `After=` B, B started after C's walk), and then
+        neither would run. Walked again (`_walk_kept`), and keeps nothing if it does."""
+        for name in self.scheduler.kept_in_the_way(unit):
+            job = self._kept_jobs.get(name)
+            if job is None:  # kept since start-up (Restore.queued_free): systemd's word
+                state = self.tracker.state(name)
+                job = state.job_id if bound_for_gate(state) else 0
+            if job:
+                self._walk_kept(name, job, again=True)
 
     async def _unkeep_queued(self, unit: str, job_id: int) -> None:
         """A start of ours (a refill, a comeback: C `Requires=` and `After=` B) whose job
@@ -759,7 +798,10 @@ class Controller:
         either (a job gone has passed its gate, which asked: nothing is kept then). One whose
         job ended meanwhile (`_kept_walks`) says nothing of the start kept for now: the
         walk of a restart's job, slow, ended after that start ran and crashed, and dropped
-        the GPUs kept for the next restart."""
+        the GPUs kept for the next restart. One that reached its gate meanwhile asks
+        (Scheduler.request): untouched. Found free, it is walked once more where a gate
+        asked meanwhile (`_walk_kept`)."""
+        again = False
         try:
             waited = await starts_waited_for(self.systemd, job_id)
             await self.rescans.scanned()  # judged on the annotations of now
@@ -767,11 +809,17 @@ class Controller:
             current = self._kept_walks.get(unit)
             if current == job_id:
                 del self._kept_walks[unit]
+                again = unit in self._kept_again
+                self._kept_again.discard(unit)
         if current != job_id:
             return  # its job ended, or a newer one is walked
+        if classify(self.tracker.state(unit)) in (Kind.GATE, Kind.RUNNING):
+            return
         if waited is None or any(self.spec_for(u) is not None for u in waited):
             with self._batched():
                 self.execute(self.scheduler.start_waits(unit))
+        elif again:
+            self._walk_kept(unit, job_id)
 
     def on_job_removed(self, job_id: int, path: str, unit: str, result: str) -> None:
         if self._unscanned is not None:
@@ -779,6 +827,9 @@ class Controller:
             return
         if self._kept_walks.get(unit) == job_id:
             del self._kept_walks[unit]  # its walk judges a start no longer queued
+            self._kept_again.discard(unit)
+        if self._kept_jobs.get(unit) == job_id:
+            del self._kept_jobs[unit]
         if self.tracker.job_removed(path, unit, result):
             self.reads.job_ended(unit)
         if self.tracker.shutdown_in_doubt():  # its end told by SystemState alone

@@ -18,7 +18,8 @@ annotations (`spec_for`), the rescans, start-up's word on a run started again (`
 NVML's sample (`watch`), the Preempt= ladder, our calls to systemd (`calls`), a grant's way to
 its gate (`delivery`), the runtime_dir, and the controller's batching of a scheduling pass,
 its `execute`, `spawn` and the journal's line for a decision (`say`), and the hold of a
-call until systemd's queued starts are read (`queued`).
+call until systemd's queued starts are read (`queued`), and its look at a gate that waits on
+GPUs kept for a start of ours (`waits`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Gates:
         spawn: Callable[[Coroutine[Any, Any, None]], None],
         say: Callable[[str, str, Decision | None], None],
         queued: Callable[[str], None],
+        waits: Callable[[str], None],
     ) -> None:
         self.scheduler = scheduler
         self.tracker = tracker
@@ -101,6 +103,10 @@ class Gates:
         # holds a call until systemd's queued starts are read (QueuedStarts.wait), which
         # then serves it (`acquire_verified`, placed)
         self.queued = queued
+        # a gate's first ask of its start, served: the controller looks, after the pass
+        # that decides it, whether it waits on GPUs kept for a start of ours
+        # (Controller._gate_waits)
+        self.waits = waits
         # units whose gate `let_through` passes once systemd's ExecStartPre= of the unit is
         # read (_pass_gate): the calls that come meanwhile are answered with the first
         self._passing: set[str] = set()
@@ -234,9 +240,12 @@ class Gates:
         if spec is None:
             self.let_through(unit)
             return
+        first = not self.scheduler.asked(unit)  # asked again, it waits on what it did
         self.watch.refresh_if_older(FRESH_SAMPLE)  # grant against what is on the GPUs now
         with self._batched():
             self.execute(self.scheduler.request(spec))
+        if first:
+            self.waits(unit)
 
     def let_through(self, unit: str) -> None:
         """An unannotated unit's gate passes (the core forgot its start, or never knew it):

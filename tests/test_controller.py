@@ -2789,6 +2789,114 @@ def test_a_start_of_ours_queued_behind_a_gpu_units_start_keeps_no_place(
     run(test)
 
 
+def b_started_after_the_walk(bed: Bed, job: int) -> None:
+    """c's job, walked free (it waits for plain.service's start, slow), keeps GPU 0; then
+    someone starts b, whose gate asks at once, and c's job (`After=` b) waits for b's too."""
+    bed.systemd.waited_for[job] = [
+        (job + 1, "plain.service", "start"),
+        (job + 2, "b.service", "start"),
+    ]
+    ctl = bed.controller
+    bed.systemd.units["b.service"] = state("b.service", "activating", "start-pre", job + 2)
+    ctl.on_job_new(job + 2, f"/org/freedesktop/systemd1/job/{job + 2}", "b.service")
+    ctl.on_unit_changed("b.service", at_gate())
+
+
+def test_a_start_of_ours_walked_free_is_walked_again_when_a_gate_waits_on_its_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk of c's job ran once, before b's start was made: b's gate waited (`GPU 0
+    held by c.service`) while c's start waited for b's, and neither ran. b's gate, waiting
+    on GPU 0 kept for c, has c's job walked again: it waits for b's start, and c keeps
+    nothing."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed, job = a_start_of_ours_needs_b_after(tmp_path)
+    bed.systemd.waited_for[job] = [(job + 1, "plain.service", "start")]
+
+    async def test() -> None:
+        ctl = await started(bed)
+        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
+        assert await due_now(ctl._kept_queued) == 1
+        assert ctl.scheduler.grants()["c.service"] == frozenset({0})  # walked free: kept
+        b_started_after_the_walk(bed, job)
+        await settle()
+        assert bed.systemd.calls.count(("jobs_waited_for", str(job))) == 2
+        assert ctl.scheduler.phase("c.service") is Phase.STARTING  # its start goes on
+        assert ctl.scheduler.grants()["c.service"] == frozenset()
+        assert read_pipe(bed, "b.service") == START.hex() + "\n"
+
+    run(test)
+
+
+@pytest.mark.parametrize("at_gate_meanwhile", [False, True])
+def test_a_walk_under_way_when_a_gate_waits_on_its_gpus_is_followed_by_one_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at_gate_meanwhile: bool
+) -> None:
+    """c's first walk is under way (slow reads) when b's start is made and its gate asks,
+    again and again: no second walk runs beside it; once it ends (free: it read c's jobs
+    before b's start was made), one more follows, which finds b's start, and c keeps
+    nothing. Where c reached its gate meanwhile, nothing more is walked, and its place is
+    untouched: its gate asks (Scheduler.request)."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed, job = a_start_of_ours_needs_b_after(tmp_path)
+    bed.systemd.waited_for[job] = [(job + 1, "plain.service", "start")]
+    walked = asyncio.Event()
+    read = bed.systemd.jobs_waited_for
+
+    async def slow(job_id: int) -> list[tuple[int, str, str]]:
+        found = await read(job_id)  # systemd's answer of now, heard once `walked` is set
+        await walked.wait()
+        return found
+
+    monkeypatch.setattr(bed.systemd, "jobs_waited_for", slow)
+
+    async def test() -> None:
+        ctl = await started(bed)
+        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
+        assert await due_now(ctl._kept_queued) == 1  # its walk is under way
+        b_started_after_the_walk(bed, job)
+        await settle()
+        for _ in range(50):  # a flood of b's gate calls
+            ctl.judge.serve_gate("b.service")
+        await settle()
+        assert bed.systemd.calls.count(("jobs_waited_for", str(job))) == 1
+        if at_gate_meanwhile:
+            bed.systemd.units["c.service"] = state("c.service", "activating", "start-pre", job)
+            ctl.on_unit_changed("c.service", {"ActiveState": "activating", "SubState": "start-pre"})
+        walked.set()
+        await settle()
+        reads = bed.systemd.calls.count(("jobs_waited_for", str(job)))
+        assert reads == (1 if at_gate_meanwhile else 2)
+        kept = frozenset({0}) if at_gate_meanwhile else frozenset()
+        assert ctl.scheduler.grants()["c.service"] == kept
+
+    run(test)
+
+
+def test_a_start_of_ours_at_its_gate_once_its_walk_ends_keeps_its_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """c's walk, slow, read its job waiting for b's start; meanwhile b's start ended and c's
+    reached its gate: the walk says nothing of it any more, and GPU 0 stays kept for it,
+    given when its gate asks (Scheduler.request)."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    bed, job = a_start_of_ours_needs_b_after(tmp_path)
+    walked = answered_when_set(bed, monkeypatch, "jobs_waited_for")
+
+    async def test() -> None:
+        ctl = await started(bed)
+        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
+        assert await due_now(ctl._kept_queued) == 1  # its walk is under way
+        bed.systemd.units["c.service"] = state("c.service", "activating", "start-pre", job)
+        ctl.on_unit_changed("c.service", {"ActiveState": "activating", "SubState": "start-pre"})
+        walked.set()
+        await settle()
+        assert ("jobs_waited_for", str(job)) in bed.systemd.calls
+        assert ctl.scheduler.grants()["c.service"] == frozenset({0})
+
+    run(test)
+
+
 @pytest.mark.parametrize("at", [None, "gate", "free"])
 def test_a_start_of_ours_keeps_its_place_at_its_gate_or_behind_no_gpu_units_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str | None

@@ -219,3 +219,35 @@ def test_a_comeback_started_to_preempt_whose_start_waits_keeps_no_room_either() 
     assert brief(s.request(b)) == []  # GPU 0 kept for job's comeback
     assert brief(s.start_waits(job.name)) == ["stop low.service"]
     assert not s.keeps_place(job.name)
+
+
+def test_the_starts_kept_in_the_way_of_a_gate_that_waits() -> None:
+    """b's gate asked and waits: c's refill keeps GPU 0, which b may use (c's job is walked
+    again by the controller), and x runs on GPU 1. Pinned to GPU 1, p waits on x alone. A
+    start whose gate has not asked, or one granted, waits on nothing."""
+    c, b, x = spec("c", 40, BG), spec("b", 50), spec("x", 10, devices=("1",))
+    pinned = spec("p", 50, devices=("1",))
+    s = Scheduler([Gpu(0), Gpu(1)], {n.name: n for n in (c, b, x, pinned)})
+    assert brief(s.request(x)) == ["grant x.service 1", "start c.service"]
+    assert s.kept_in_the_way(b.name) == []  # not known yet
+    assert brief(s.announce(b)) == []  # its start job alone known: it has not asked
+    assert not s.asked(b.name)
+    assert s.kept_in_the_way(b.name) == []
+    assert brief(s.request(b)) == []
+    assert s.asked(b.name)
+    assert s.kept_in_the_way(b.name) == [c.name]
+    assert brief(s.request(pinned)) == []
+    assert s.kept_in_the_way(pinned.name) == []
+    assert s.kept_in_the_way(x.name) == []  # granted
+
+
+def test_a_comebacks_room_is_in_the_way_of_a_gate_that_waits_on_it() -> None:
+    """job.service's comeback keeps GPU 0 from units less urgent than it (`_comebacks_room`):
+    b's gate waits on it."""
+    job, low, b = spec("job", 50), spec("low", 90), spec("b", 60)
+    s = Scheduler([Gpu(0)], {n.name: n for n in (job, low, b)})
+    saved = SavedState(holders={low.name: ((0,), "running", 1, "")}, preempted={job.name: 1})
+    s.load(saved)
+    assert brief(s.schedule()) == ["start job.service"]
+    assert brief(s.request(b)) == []
+    assert s.kept_in_the_way(b.name) == [job.name]

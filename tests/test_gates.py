@@ -79,6 +79,7 @@ class FakeScheduler:
         self.phases: dict[str, Phase] = {}
         self.holders: dict[str, frozenset[int]] = {}
         self.let_go: set[str] = set()  # units `let_through` lets go of their GPUs
+        self.waiters: set[str] = set()  # units waiting whose gate asked (`asked`)
 
     def _said(self, what: str) -> list[Action]:
         self.did.append(what)
@@ -90,7 +91,11 @@ class FakeScheduler:
     def grants(self) -> dict[str, frozenset[int]]:
         return dict(self.holders)
 
+    def asked(self, name: str) -> bool:
+        return name in self.waiters
+
     def request(self, spec: UnitSpec) -> list[Action]:
+        self.waiters.add(spec.name)
         return self._said(f"request {spec.name}")
 
     def let_through(self, name: str) -> list[Action]:
@@ -291,6 +296,7 @@ class Kit:
         self.delivery = FakeDelivery(self.did)
         self.runtime_dir = str(tmp_path / "run")
         self.spawned: list[Coroutine[Any, Any, None]] = []
+        self.waits: list[str] = []  # gates whose first ask was served (Controller._gate_waits)
         self.cgroups: dict[int, str] = {7: A}  # PID -> the unit its cgroup says
         monkeypatch.setattr(gates_module, "unit_of_pid", self.cgroups.get)
         self.gates = Gates(
@@ -313,6 +319,7 @@ class Kit:
             self.spawned.append,
             self.say,
             lambda unit: self.did.append(f"queued {unit}"),
+            self.waits.append,
         )
 
     @contextmanager
@@ -600,6 +607,18 @@ def test_an_annotated_gate_passes_and_asks_the_core_on_a_fresh_sample(kit: Kit) 
     kit.asking()
     kit.gates.serve_gate(A)
     assert kit.did == SERVED
+
+
+def test_only_a_gates_first_ask_of_its_start_is_looked_at_for_starts_kept_in_its_way(
+    kit: Kit,
+) -> None:
+    """Each first ask has the controller walk again the starts of ours whose kept GPUs the
+    gate waits on (Controller._kept_in_the_way); a gate that calls again and again, its
+    start still waiting, costs no more walks."""
+    kit.asking()
+    for _ in range(3):
+        kit.gates.serve_gate(A)
+    assert kit.waits == [A]
 
 
 @pytest.mark.parametrize("available", [True, False])

@@ -1158,6 +1158,28 @@ class Scheduler:
         )
         return [said, *self.schedule()]
 
+    def asked(self, name: str) -> bool:
+        """Whether the unit waits and its gate has asked (not its start job alone known)."""
+        waiter = self.waiters.get(name)
+        return waiter is not None and waiter.asked
+
+    def kept_in_the_way(self, name: str) -> list[str]:
+        """The units whose GPUs are kept for their gate (`keeps_place`) on a GPU this unit,
+        waiting since its gate asked, may use: a start of theirs that waits in systemd's
+        queue for this one's would leave both waiting (`start_waits`). [] when it does not
+        wait, or only its start job is known."""
+        if not self.asked(name):
+            return []
+        spec = self.waiters[name].spec
+        avoid = self._avoids_foreign(spec)
+        usable = {g.index for g in self.devices.values() if allowed(spec, g, avoid)}
+        return sorted(
+            other
+            for other, holder in self.holders.items()
+            if self.keeps_place(other)
+            and usable & (holder.gpus or frozenset(self._comeback_room.get(other, ())))
+        )
+
     def start_failed(self, name: str, why: str) -> list[Action]:
         """A start gpuslice sent itself (refill, requeue, a lost start sent again) did not
         reach systemd: an error of the bus, or of a systemd that is re-executing (`why`),
