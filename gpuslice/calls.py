@@ -26,6 +26,7 @@ from gpuslice.systemd import (
     Queued,
     SystemdError,
     is_transient,
+    job_named,
     job_path,
     refused_for_own_job,
 )
@@ -46,6 +47,14 @@ NEEDS_READ_WAIT = 5.0
 # The most units needing such a unit whose jobs are read (Calls._jobs_need): one call reads
 # them all, and past it the refusal holds (the safe side).
 NEEDED_BY_MAX = 64
+# The most job ends remembered while the jobs of the units that need a unit are read
+# (Calls._ended): one of the jobs read may end before the refusal is held for it. Past it
+# they are not remembered, and such a refusal holds while its waiter waits (the safe side).
+ENDED_MAX = 4096
+# How many times in a row a stop refused for another unit's job, that job gone by the read,
+# is asked again at once (Calls._over_own_job): each time a job ended, but past it the
+# refusal holds while its waiter waits (the safe side), never a loop of refusals.
+ASKED_AGAIN_MAX = 3
 # Systemd.stop_unit and Systemd.restart_preempted: they queue a job for a unit.
 JobCall = Callable[[str, Queued], Awaitable[str]]
 
@@ -113,6 +122,17 @@ class Calls:
         self._retry_timers: dict[tuple[str, str], asyncio.TimerHandle] = {}
         # units whose stop, its delay over, waits for a read of systemd's (_stop_again)
         self._stop_reads: set[str] = set()
+        # units whose stop systemd refused only for jobs under way (`_over_own_job`): the
+        # units of those jobs, with each job's number. The end of one is the end of the
+        # refusal (`job_ended`), once: it is forgotten then
+        self._held_for: dict[str, dict[str, int]] = {}
+        # the reads of `_over_own_job` under way, and the jobs that ended meanwhile (unit,
+        # number: up to ENDED_MAX), told to the refusal they hold once it is
+        self._reading = 0
+        self._ended: set[tuple[str, int]] = set()
+        # units whose stop was asked again as the job it was refused for had ended by the
+        # read: how many times in a row (ASKED_AGAIN_MAX)
+        self._asked_again: dict[str, int] = {}
 
     def send(self, method: JobCall, unit: str, what: str) -> None:
         """Sent now (Systemd.send_call), counted as in flight before: a signal handled
@@ -121,6 +141,7 @@ class Calls:
         self.tracker.call_sent(unit)
         if what == "stop":
             self._stop_reads.discard(unit)  # this one is sent again: a read under way is moot
+            self._held_for.pop(unit, None)  # its refusal is over: this stop decides anew
         retry = self._retry_timers.pop((unit, what), None)
         if retry is not None:  # this call is the one sent again
             retry.cancel()
@@ -153,18 +174,20 @@ class Calls:
                 self._call_not_taken(unit, what, e)
                 return
             self._retry_delays.pop((unit, what), None)
+            if what == "stop" and e.name == DESTRUCTIVE:
+                # for another unit's job (Systemd.stop_unit): the waiter's start, which needs
+                # the unit, or the job of a unit that needs it, whichever systemd found first
+                await self._over_own_job(unit, e, own=False)
+                return
             log.error("%s %s failed: %s", what, unit, e.text)
             if what == "start":
                 self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
             else:
                 self.cancel_stop_timer(unit)
-                # a stop that would cancel another unit's job (Systemd.stop_unit): refused
-                # while the start it was for waits, which may be that job
-                refused = self.scheduler.stop_failed(
-                    unit, e.text, refused=True, while_waits=e.name == DESTRUCTIVE
-                )
-                self.execute(refused)
+                self._held_for.pop(unit, None)
+                self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
         else:
+            self._asked_again.pop(unit, None)
             if self._retry_delays.pop((unit, what), None) is not None:
                 doing = "starting" if what == "start" else "stopping"
                 log.info("%s %s reached systemd: sent again, it went through", doing, unit)
@@ -185,36 +208,70 @@ class Calls:
                 # dormant, until a down that may never come (its name is one job's)
                 self.forget_instance(unit)
 
-    async def _over_own_job(self, unit: str, refusal: SystemdError) -> None:
+    async def _over_own_job(self, unit: str, refusal: SystemdError, *, own: bool = True) -> None:
         """A stop of ours refused in mode "fail" for the unit's own job (its start still under
-        way past its gate). Systemd names one conflicting job: the start of the waiter the
-        stop is for, queued in the same transaction when it `Requires=` the unit, may conflict
-        too, and a stop sent again in mode "replace" cancelled it (taken for someone's stop:
-        held). So what the waiter needs is read first (Systemd.needs, within NEEDS_READ_WAIT):
-        where it needs the unit, the refusal holds while it waits, as one that names its
-        start; else the stop is sent again in mode "replace". The resend cancelled a third
-        unit's start too, one queued behind the unit's own (`Requires=` + `After=` it:
-        `systemctl start d`): a user's start silently undone. So the jobs of the units that
-        need the unit are read too (`_jobs_need`): where one has a job, the refusal holds as
-        one naming it would (systemd names whichever it finds first). A read that
-        fails or hangs takes the safe side, the refusal: the unit keeps running and the
-        waiter waits for it or for other GPUs, where a stop wrongly sent cancels a start for
-        good."""
+        way past its gate), or (not `own`) for another unit's. Systemd names one conflicting
+        job: the start of the waiter the stop is for, queued in the same transaction when it
+        `Requires=` the unit, may conflict too, and a stop sent again in mode "replace"
+        cancelled it (taken for someone's stop: held). So what the waiter needs is read
+        first (Systemd.needs, within NEEDS_READ_WAIT): where it needs the unit, the refusal
+        holds while it waits, as one that names its start; else (its own job) the stop is
+        sent again in mode "replace". The resend cancelled a third unit's start too, one
+        queued behind the unit's own (`Requires=` + `After=` it: `systemctl start d`): a
+        user's start silently undone. So the jobs of the units that need the unit are read
+        too (`_jobs_need`): where one has a job, the refusal holds as one naming it would
+        (systemd names whichever it finds first). Where the waiter does not need the unit,
+        that refusal stands only for jobs under way, the unit's own start and those read: it
+        ends when one of them ends (`job_ended`). Held while the waiter waited, an urgent
+        start waited for the whole run of a unit whose start merely had a long
+        `ExecStartPost=`. A refusal naming another unit's job reads that unit's job too:
+        gone by then (its end heard before the read began), the stop is asked again,
+        ASKED_AGAIN_MAX times in a row at most; past it, or where the refusal names no unit,
+        it holds while the waiter waits (the safe side). A read that fails or hangs takes
+        the safe side, the refusal: the unit keeps running and the waiter waits for it or
+        for other GPUs, where a stop wrongly sent cancels a start for good."""
         waiter = self.scheduler.stopping_for(unit)
-        needed = waiter is not None and await self._needs(waiter, unit)
-        jobs = await self._jobs_need(unit)  # read too where the waiter is gone meanwhile
+        named = None if own else job_named(refusal, unit)
+        self._reading += 1
+        try:
+            needed = waiter is not None and await self._needs(waiter, unit)
+            # read too where the waiter is gone meanwhile; with the unit the refusal names
+            jobs = await self._jobs_need(unit, named)
+        finally:
+            self._reading -= 1
+            ended = set(self._ended)  # no signal comes between here and the hold: no await
+            if not self._reading:
+                self._ended.clear()
         if self.scheduler.phase(unit) is not Phase.STOPPING:
             return  # down meanwhile, or no longer stopped: whoever changed that decides
         now = self.scheduler.stopping_for(unit)
         if now is not None and now != waiter:  # for another waiter since, its needs unread
-            log.info("stopping %s refused for its own job: asked again for %s", unit, now)
+            log.info("stopping %s refused for a job under way: asked again for %s", unit, now)
             self.cancel_stop_timer(unit)
             self.execute(self.scheduler.stop_failed(unit, refusal.text, refused=False))
-        elif (needed and now is not None) or jobs:
+        elif named and not needed and jobs == {} and self._ask_again(unit):
+            # the job it names ended between the refusal and the read (its JobRemoved came
+            # before the read began): the refusal is over
+            log.info("stopping %s refused for a job of %s, ended since: asked again", unit, named)
+            self.cancel_stop_timer(unit)
+            self.execute(self.scheduler.stop_failed(unit, refusal.text, refused=False))
+        elif (needed and now is not None) or jobs is None or jobs or not own:
             log.error("stop %s failed: %s", unit, refusal.text)
             self.cancel_stop_timer(unit)
-            refused = self.scheduler.stop_failed(unit, refusal.text, refused=True, while_waits=True)
+            held: dict[str, int] = {}
+            if not (needed and now is not None) and jobs:
+                started = self.tracker.state(unit).job_id  # its start, if still under way
+                held = {**jobs, unit: started} if started else dict(jobs)
+            self._held_for.pop(unit, None)
+            refused = self.scheduler.stop_failed(
+                unit, refusal.text, refused=True, while_waits=True, jobs=tuple(sorted(held))
+            )
+            if held:
+                self._held_for[unit] = held
             self.execute(refused)
+            gone = sorted(job for job in held.items() if job in ended)
+            if gone:  # it ended during the reads: its JobRemoved came before the hold
+                self.job_ended(gone[0][1], gone[0][0])
         else:  # nobody waits who needs it, nor has a job
             self.send(self.systemd.stop_unit_replacing, unit, "stop")
 
@@ -230,34 +287,79 @@ class Calls:
             log.warning("cannot read what %s needs: %s; %s not stopped", waiter, e, unit)
             return True
 
-    async def _jobs_need(self, unit: str) -> bool:
-        """Whether a unit that needs `unit` (its RequiredBy=, BoundBy=, ConsistsOf=) has a job
-        but a stop, which a stop of `unit` in mode "replace" cancels: a start queued behind
-        its start, or under way beside it. Read within NEEDS_READ_WAIT (the units' needs,
-        then their jobs, one call each); True when the read fails or hangs, or more than
-        NEEDED_BY_MAX units need it (the safe side, `_over_own_job`)."""
+    def _ask_again(self, unit: str) -> bool:
+        """Whether the unit's stop may be asked again at once (ASKED_AGAIN_MAX in a row)."""
+        times = self._asked_again.get(unit, 0)
+        if times >= ASKED_AGAIN_MAX:
+            return False
+        self._asked_again[unit] = times + 1
+        return True
 
-        async def read() -> list[str]:
+    async def _jobs_need(self, unit: str, named: str | None = None) -> dict[str, int] | None:
+        """The units that need `unit` (its RequiredBy=, BoundBy=, ConsistsOf=) with a job but
+        a stop, which a stop of `unit` in mode "replace" cancels (a start queued behind its
+        start, or under way beside it), each with its job's number. Read within
+        NEEDS_READ_WAIT (the units' needs, then their jobs, one call each); None when the
+        read fails or hangs, or more than NEEDED_BY_MAX units need it (the safe side,
+        `_over_own_job`). `named`: the unit a refusal names, its job read with theirs."""
+
+        async def read() -> dict[str, int]:
             found = await self.systemd.needed_by(unit)
             needers = {str(u) for units in found.values() for u in units}
             if len(needers) > NEEDED_BY_MAX:
                 raise ValueError(f"{len(needers)} units need it, more than {NEEDED_BY_MAX}")
+            if named is not None and named != unit:
+                needers.add(named)
             states = await self.systemd.units_state(needers) if needers else []
-            return sorted(str(s.name) for s in states if s.job_id != 0 and s.job_type != "stop")
+            jobs: dict[str, int] = {}
+            for state in states:
+                if state.job_id != 0 and state.job_type != "stop":
+                    if type(state.job_id) is not int:  # a reply of any form
+                        raise ValueError(f"job {state.job_id!r} is no number")
+                    jobs[str(state.name)] = state.job_id
+            return jobs
 
         try:
             jobs = await asyncio.wait_for(read(), NEEDS_READ_WAIT)
         except Exception as e:  # whatever failed or hung, and a reply of any form
             self.counters.error("dbus_call_errors")
             log.warning("cannot read the jobs of the units that need %s: %s; not stopped", unit, e)
-            return True
+            return None
         if jobs:
             log.warning(
                 "stopping %s would cancel the jobs of %s, which need it: not stopped",
                 unit,
-                ", ".join(jobs),
+                ", ".join(sorted(jobs)),
             )
-        return bool(jobs)
+        return jobs
+
+    def job_ended(self, job_id: int, unit: str) -> None:
+        """Systemd's JobRemoved (or a signal showing the unit's job gone, `unit_heard`): a
+        refusal held for that job ends, once (Scheduler.jobs_ended): the waiter's preemption
+        is decided anew, and a stop refused again holds again. A job's end comes once, so a
+        flood of signals sends no flood of stops."""
+        if self._reading and len(self._ended) < ENDED_MAX:
+            self._ended.add((unit, job_id))
+        for victim, jobs in list(self._held_for.items()):
+            if jobs.get(unit) != job_id:
+                continue
+            del self._held_for[victim]
+            if victim in self.scheduler.held_for_jobs:
+                log.info(
+                    "job %d of %s ended, for which stopping %s was refused: it may be "
+                    "stopped again",
+                    job_id,
+                    unit,
+                    victim,
+                )
+            self.execute(self.scheduler.jobs_ended(victim))
+
+    def unit_heard(self, unit: str) -> None:
+        """Systemd's word on a unit whose stop was refused for its own job: that job gone
+        (its JobRemoved lost on the bus), the refusal ends as at its end (`job_ended`)."""
+        job = self._held_for.get(unit, {}).get(unit)
+        if job is not None and self.tracker.state(unit).job_id != job:
+            self.job_ended(job, unit)
 
     def _call_not_taken(self, unit: str, what: str, error: SystemdError) -> None:
         """A StartUnit or StopUnit of ours did not reach systemd, for an error that passes

@@ -832,6 +832,7 @@ class Controller:
             del self._kept_jobs[unit]
         if self.tracker.job_removed(path, unit, result):
             self.reads.job_ended(unit)
+        self.calls.job_ended(job_id, unit)  # a refusal held for it ends
         if self.tracker.shutdown_in_doubt():  # its end told by SystemState alone
             self._spawn(self.reads.audit_shutdown())
         self._follow_shutdown()
@@ -893,6 +894,7 @@ class Controller:
                 return
             for change in changes:
                 self._apply(change)
+            self.calls.unit_heard(name)  # its job gone, its JobRemoved lost
             if spec is not None:
                 self._follow_gate(name, props.get("InvocationID"))
             else:

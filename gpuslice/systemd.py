@@ -102,6 +102,16 @@ def refused_for_own_job(error: SystemdError, name: str) -> bool:
     return error.name == DESTRUCTIVE and said in error.text
 
 
+def job_named(error: SystemdError, name: str) -> str | None:
+    """The unit whose job a refusal of NAME's stop in mode "fail" names (the text of
+    `refused_for_own_job`); None for a text of any other form, or a name no unit has."""
+    said = f"Transaction for {name}/stop is destructive ("
+    if error.name != DESTRUCTIVE or not error.text.startswith(said):
+        return None
+    unit, has, _ = error.text[len(said) :].partition(" has '")
+    return unit if has and is_valid_unit_name(unit) else None
+
+
 # D-Bus errors of the bus, or of a systemd that is away for a moment, after which the same
 # call may well work: a job call of ours that fails with one is sent again later
 # (Calls._call), not taken for systemd's refusal. Systemd's own errors

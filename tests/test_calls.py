@@ -19,7 +19,7 @@ from gpuslice.calls import Calls, JobCall
 from gpuslice.core.scheduler import Action, Log, Outcome, Phase, Scheduler, Start
 from gpuslice.counters import Counters
 from gpuslice.rereads import Rereads
-from gpuslice.systemd import Queued, SystemdError, job_path
+from gpuslice.systemd import Queued, SystemdError, job_named, job_path
 from gpuslice.tracker import Tracker, UnitState
 from tests.timers import armed_for
 
@@ -38,6 +38,7 @@ class FakeScheduler:
         self.phases: dict[str, Phase] = {}
         self.retry: list[Action] = []
         self.waiter: dict[str, str] = {}  # victim -> the waiter its stop is for
+        self.held_for_jobs: dict[str, tuple[str, ...]] = {}
 
     def phase(self, name: str) -> Phase | None:
         return self.phases.get(name)
@@ -52,10 +53,23 @@ class FakeScheduler:
         return [Log(f"start_failed {name}: {why}")]
 
     def stop_failed(
-        self, name: str, why: str, *, refused: bool, while_waits: bool = False
+        self,
+        name: str,
+        why: str,
+        *,
+        refused: bool,
+        while_waits: bool = False,
+        jobs: tuple[str, ...] = (),
     ) -> list[Action]:
         waits = " while_waits" if while_waits else ""
+        if jobs:
+            self.held_for_jobs[name] = jobs
+            waits += f" for {','.join(jobs)}"
         return [Log(f"stop_failed {name}: {why} refused={refused}{waits}")]
+
+    def jobs_ended(self, name: str) -> list[Action]:
+        self.held_for_jobs.pop(name, None)
+        return [Log(f"jobs_ended {name}")]
 
     def inactive(self, name: str, outcome: Outcome) -> list[Action]:
         return [Log(f"inactive {name} {outcome.value}")]
@@ -499,9 +513,68 @@ def test_a_stop_refused_as_it_would_cancel_another_units_job_holds_while_its_wai
     destructive = SystemdError("org.freedesktop.systemd1.TransactionIsDestructive", text)
 
     async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.systemd.needed[A] = {"Requires": [U]}
+        kit.systemd.needers[U] = {"RequiredBy": [A]}
+        kit.systemd.states[A] = UnitState(A, "inactive", "dead", 12, "start")
         kit.calls.send(answering([destructive], []), U, "stop")
         await kit.done()
         assert kit.executed == [f"stop_failed low.service: {text} refused=True while_waits"]
+        kit.calls.job_ended(12, A)
+        assert kit.executed[1:] == []
+
+    run(test)
+
+
+@pytest.mark.parametrize("found", ["needs-it", "named-only"])
+def test_a_stop_refused_naming_the_job_of_a_unit_needing_it_holds_for_that_job(
+    found: str,
+) -> None:
+    """Systemd names whichever conflicting job it finds first: here D's start, queued behind
+    the victim's own (D `Requires=` + `After=` it), A needing nothing of it. The refusal
+    holds only for the jobs read (D's, read as the one named where not read as a unit that
+    needs the victim, and the victim's own start), and ends with the first to end."""
+    text = "Transaction for low.service/stop is destructive (d.service has 'start' job queued"
+    destructive = SystemdError("org.freedesktop.systemd1.TransactionIsDestructive", text)
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.tracker.states[U] = U_STARTING
+        kit.systemd.needed[A] = {"Requires": []}
+        kit.systemd.needers[U] = {"RequiredBy": [D] if found == "needs-it" else []}
+        kit.systemd.states[D] = D_QUEUED
+        kit.calls.send(answering([destructive], kit.systemd.stops), U, "stop")
+        await kit.done()
+        assert f"{U} replace" not in kit.systemd.stops
+        assert kit.systemd.read[-1] == f"units_state {D}"
+        held = f"stop_failed {U}: {text} refused=True while_waits for {D},{U}"
+        assert kit.executed == [held]
+        kit.calls.job_ended(12, D)
+        assert kit.executed[1:] == [f"jobs_ended {U}"]
+
+    run(test)
+
+
+def test_a_stop_refused_for_a_job_gone_by_the_read_is_asked_again_a_few_times_in_a_row() -> None:
+    """The job the refusal names ended before the read (its JobRemoved handled before the
+    refusal's answer): the refusal is over, the stop asked again (the core decides anew).
+    At most ASKED_AGAIN_MAX times in a row: then it holds while A waits (the safe side, a
+    job the reads cannot see), never a loop of refusals."""
+    text = "Transaction for low.service/stop is destructive (d.service has 'start' job queued"
+    destructive = SystemdError("org.freedesktop.systemd1.TransactionIsDestructive", text)
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.systemd.needed[A] = {"Requires": []}
+        again = f"stop_failed {U}: {text} refused=False"
+        for _ in range(calls_module.ASKED_AGAIN_MAX):
+            kit.calls.send(answering([destructive], kit.systemd.stops), U, "stop")
+            await kit.done()
+            assert kit.executed[-1] == again
+        kit.calls.send(answering([destructive], kit.systemd.stops), U, "stop")
+        await kit.done()
+        assert kit.executed[-1] == f"stop_failed {U}: {text} refused=True while_waits"
+        assert kit.calls._held_for == {}
 
     run(test)
 
@@ -632,12 +705,13 @@ def test_a_stop_refused_for_the_units_own_job_follows_the_core_after_the_read(
             assert timer.cancelled() and kit.calls._stop_timers == {}
 
     run(test)
-    again = f"stopping {U} refused for its own job: asked again for other.service"
+    again = f"stopping {U} refused for a job under way: asked again for other.service"
     assert (again in caplog.messages) == (since == "for-another")
 
 
 D = "d.service"
 D_QUEUED = UnitState(D, "inactive", "dead", 12, "start")  # its start queued behind U's
+U_STARTING = UnitState(U, "activating", "start-post", 11, "start")  # its own start under way
 
 
 @pytest.mark.parametrize("waiter", [A, None], ids=["for-a", "for-nobody"])
@@ -652,6 +726,7 @@ def test_a_stop_refused_for_its_own_job_holds_where_a_third_units_start_needs_it
 
     async def test(kit: Kit) -> None:
         _stopping_for_a(kit)
+        kit.tracker.states[U] = U_STARTING
         if waiter is None:
             del kit.scheduler.waiter[U]
         kit.systemd.needed[A] = {"Requires": [], "BindsTo": [], "PartOf": []}
@@ -663,7 +738,8 @@ def test_a_stop_refused_for_its_own_job_holds_where_a_third_units_start_needs_it
         await kit.done()
         assert f"{U} replace" not in kit.systemd.stops
         assert kit.systemd.read == [f"needed_by {U}", f"units_state {D},idle.service"]
-        assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
+        held = f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits for {D},{U}"
+        assert kit.executed == [held]
         assert kit.calls._stop_timers == {}
 
     kit = run(test)
@@ -694,7 +770,9 @@ def test_a_stop_refused_for_its_own_job_is_sent_again_where_no_unit_needing_it_h
     run(test)
 
 
-@pytest.mark.parametrize("broken", ["fails", "hangs", "bad-reply", "bad-state", "too-many"])
+@pytest.mark.parametrize(
+    "broken", ["fails", "hangs", "bad-reply", "bad-state", "bad-job", "too-many"]
+)
 def test_a_stop_refused_for_its_own_job_holds_if_the_jobs_of_units_needing_it_are_unread(
     broken: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -714,6 +792,8 @@ def test_a_stop_refused_for_its_own_job_holds_if_the_jobs_of_units_needing_it_ar
             needers = {"RequiredBy": 7}
         elif broken == "bad-state":
             kit.systemd.states[D] = SystemdError("org.gpuslice.Error.BadReply", "not a(s...)")
+        elif broken == "bad-job":
+            kit.systemd.states[D] = UnitState(D, "inactive", "dead", cast(int, "12"), "start")
         else:
             many = [f"u{i}.service" for i in range(calls_module.NEEDED_BY_MAX + 1)]
             needers = {"RequiredBy": many}
@@ -726,6 +806,95 @@ def test_a_stop_refused_for_its_own_job_holds_if_the_jobs_of_units_needing_it_ar
 
     kit = run(test)
     assert kit.counters.errors["dbus_call_errors"] == 1
+
+
+async def _held_for_d(kit: Kit, d_job: int = 12) -> None:
+    """The victim's stop, for A (which needs nothing of it), refused for its own start
+    (job 11) while D's start (job `d_job`) is queued behind it: held for both jobs."""
+    _stopping_for_a(kit)
+    kit.tracker.states[U] = U_STARTING
+    kit.systemd.needers[U] = {"RequiredBy": [D]}
+    kit.systemd.states[D] = UnitState(D, "inactive", "dead", d_job, "start")
+    kit.systemd.answers = [OWN_JOB]
+    kit.calls.send(kit.systemd.stop_unit, U, "stop")
+    await kit.done()
+    assert kit.executed[-1].endswith(f"refused=True while_waits for {D},{U}")
+    kit.executed.clear()
+
+
+@pytest.mark.parametrize("ends", ["d", "own", "own-unheard"])
+def test_a_refusal_held_for_jobs_under_way_ends_once_when_one_of_them_ends(ends: str) -> None:
+    """B's start with a long ExecStartPost=, D's queued behind it: once either job ends
+    (its JobRemoved, or B's signal showing its start gone where that JobRemoved was lost),
+    the core decides A's preemption again, not after B's whole run. Once: the same end told
+    again, other jobs of these units and jobs of other units end nothing."""
+
+    async def test(kit: Kit) -> None:
+        await _held_for_d(kit)
+        kit.calls.job_ended(13, D)  # a later job of D's
+        kit.calls.job_ended(12, "other.service")
+        kit.calls.unit_heard(U)  # its start still under way
+        assert kit.executed == []
+        if ends == "d":
+            kit.calls.job_ended(12, D)
+        elif ends == "own":
+            kit.calls.job_ended(11, U)
+        else:
+            kit.tracker.states[U] = RUNNING
+            kit.calls.unit_heard(U)
+        assert kit.executed == [f"jobs_ended {U}"]
+        for _ in range(100):  # a flood of the same signals
+            kit.calls.job_ended(12, D)
+            kit.calls.job_ended(11, U)
+            kit.calls.unit_heard(U)
+        assert kit.executed == [f"jobs_ended {U}"]
+
+    run(test)
+
+
+def test_a_stop_refused_again_after_the_jobs_ended_holds_again_for_the_new_jobs() -> None:
+    """No busy loop: the stop asked again is refused for D's next start; it holds for that
+    one alone, not for the jobs that ended."""
+
+    async def test(kit: Kit) -> None:
+        await _held_for_d(kit)
+        kit.calls.job_ended(12, D)
+        kit.executed.clear()
+        kit.systemd.states[D] = UnitState(D, "inactive", "dead", 14, "start")
+        kit.systemd.answers = [OWN_JOB]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert kit.executed == [
+            f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits for {D},{U}"
+        ]
+        kit.executed.clear()
+        kit.calls.job_ended(12, D)
+        assert kit.executed == []
+        kit.calls.job_ended(14, D)
+        assert kit.executed == [f"jobs_ended {U}"]
+
+    run(test)
+
+
+def test_a_refusal_held_while_its_waiter_needs_the_unit_does_not_end_with_a_job() -> None:
+    """A `Requires=` the victim: the refusal holds while A waits, whatever job ends (a stop
+    of it cancels A's start, however often tried)."""
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.tracker.states[U] = U_STARTING
+        kit.systemd.needed[A] = {"Requires": [U]}
+        kit.systemd.needers[U] = {"RequiredBy": [D, A]}
+        kit.systemd.states[D] = D_QUEUED
+        kit.systemd.answers = [OWN_JOB]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
+        kit.calls.job_ended(12, D)
+        kit.calls.job_ended(11, U)
+        assert kit.executed[1:] == []
+
+    run(test)
 
 
 def test_a_call_raising_as_it_is_sent_fails_its_task_not_the_caller() -> None:
@@ -826,3 +995,47 @@ def test_a_stop_overdue_is_the_cores_with_its_timeout_and_leaves_no_timer() -> N
         assert kit.calls._stop_timers == {}
 
     run(test)
+
+
+def test_a_job_that_ends_while_the_jobs_are_read_ends_the_refusal_held_for_it() -> None:
+    """D's start ends (its JobRemoved) between the read that shows it and the hold: the
+    refusal, held for a job already gone, ends at once (else A waited for B's whole run)."""
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.systemd.needed[A] = {"Requires": []}
+        kit.systemd.needers[U] = {"RequiredBy": [D]}
+        kit.systemd.states[D] = D_QUEUED
+        kit.systemd.answers = [OWN_JOB]
+        kit.systemd.jobs_read.clear()
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        kit.calls.job_ended(12, D)  # D's start, read as queued, ends before the hold
+        kit.systemd.jobs_read.set()
+        await kit.done()
+        assert kit.executed[1:] == [f"jobs_ended {U}"]
+        assert kit.calls._held_for == {} and kit.calls._ended == set()
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("Transaction for low.service/stop is destructive (d.service has 'start' job queued", D),
+        ("Transaction for low.service/stop is destructive (low.service has 'start' job", U),
+        ("Transaction for low.service/stop is destructive (../x has 'start' job queued", None),
+        ("Transaction for low.service/stop is destructive (d.service)", None),
+        ("Transaction for other.service/stop is destructive (d.service has 'start'", None),
+        ("Unit low.service is masked.", None),
+    ],
+)
+def test_the_unit_a_refusal_names_is_read_only_from_systemds_form(
+    text: str, named: str | None
+) -> None:
+    """systemd.job_named: the unit whose job is read after a refusal, a name no unit can
+    have (a path) or a text of another form naming none."""
+    error = SystemdError("org.freedesktop.systemd1.TransactionIsDestructive", text)
+    assert job_named(error, U) == named
+    assert job_named(SystemdError("org.freedesktop.DBus.Error.Failed", text), U) is None

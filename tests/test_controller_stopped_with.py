@@ -316,12 +316,31 @@ def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters
             assert bed.service.granted == [(A, "0")]
             return
         assert ("stop-replacing", B) not in bed.systemd.calls
-        assert f"will not try to stop it again while {A} waits" in " ".join(messages(caplog))
         assert ctl.scheduler.unstoppable_while == {B: A}
         assert bed.service.granted == []
-        if third:
-            said = f"stopping {B} would cancel the jobs of {d}, which need it: not stopped"
-            assert said in messages(caplog)
+        if not third:
+            assert f"will not try to stop it again while {A} waits" in " ".join(messages(caplog))
+            return
+        said = f"stopping {B} would cancel the jobs of {d}, which need it: not stopped"
+        assert said in messages(caplog)
+        assert f"will try to stop it again once a job of {d} ends" in " ".join(messages(caplog))
+        # D's start ends (it runs now): the refusal was for that job alone, so A's
+        # preemption is decided again, not left to wait for B's whole run
+        stops = bed.systemd.calls.count(("stop", B))
+        bed.systemd.units[d] = UnitState(d, "active", "running", 0)
+        with caplog.at_level(logging.INFO, logger="gpuslice"):
+            ctl.on_job_removed(12, "/org/freedesktop/systemd1/job/12", d, "done")
+            await settle()
+        said = f"job 12 of {d} ended, for which stopping {B} was refused: it may be stopped again"
+        assert said in messages(caplog)
+        assert bed.systemd.calls.count(("stop", B)) == stops + 1
+        for _ in range(10):  # told again: nothing more
+            ctl.on_job_removed(12, "/org/freedesktop/systemd1/job/12", d, "done")
+        await settle()
+        assert bed.systemd.calls.count(("stop", B)) == stops + 1
+        goes_down(bed, B)
+        await settle()
+        assert bed.service.granted == [(A, "0")]
 
     run(test)
 

@@ -167,3 +167,33 @@ def test_a_stop_is_for_its_waiter_only_while_that_waiter_waits() -> None:
     sched, _ = preempting()
     sched.stop_failed("bga.service", "refused", refused=True)
     assert sched.stopping_for("bga.service") is None
+
+
+def test_a_stop_refused_for_jobs_under_way_is_asked_again_once_one_ends() -> None:
+    """Refused only for jobs under way (bga's own start, d's start queued behind it: d needs
+    it, voice does not), the refusal ends with the first of them (Scheduler.jobs_ended):
+    voice's preemption is decided again, not left to wait for bga's whole run. Told again,
+    or once bga is asked again, nothing more; refused again, it holds again."""
+    sched, _ = preempting()
+    actions = sched.stop_failed(
+        "bga.service", "destructive", refused=True, while_waits=True, jobs=("d.service",)
+    )
+    assert brief(actions) == []
+    said = next(a for a in actions if isinstance(a, Log))
+    assert said.decision is not None and said.decision.cause is Cause.NEEDED
+    assert said.message.endswith(
+        "it keeps GPU 0; gpuslice will try to stop it again once a job of d.service ends"
+    )
+    assert brief(sched.jobs_ended("bga.service")) == ["stop bga.service"]
+    assert sched.jobs_ended("bga.service") == []  # told twice: one stop
+    sched.stop_failed("bga.service", "destructive", refused=True, while_waits=True)
+    assert sched.jobs_ended("bga.service") == []  # refused for voice's own start: holds
+    assert "bga.service" in sched.unstoppable
+
+
+def test_a_stop_refused_for_jobs_is_held_no_more_once_its_unit_is_down() -> None:
+    sched, _ = preempting()
+    sched.stop_failed("bga.service", "destructive", refused=True, jobs=("bga.service",))
+    assert sched.held_for_jobs == {"bga.service": ("bga.service",)}
+    sched.inactive("bga.service", Outcome.EXITED)
+    assert sched.held_for_jobs == {} and sched.jobs_ended("bga.service") == []

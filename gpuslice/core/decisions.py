@@ -389,7 +389,9 @@ def render(d: Decision) -> str:
     if code in (Code.STOP_FAILED, Code.STOP_REFUSED):
         for_whom = f" for {_who(d.for_unit, d.for_priority)}" if d.for_unit else ""
         after = (
-            f"; gpuslice will not try to stop it again while {d.for_unit} waits"
+            f"; gpuslice will try to stop it again once a job of {listed(d.units)} ends"
+            if d.cause is Cause.NEEDED and d.units
+            else f"; gpuslice will not try to stop it again while {d.for_unit} waits"
             if d.cause is Cause.NEEDED
             else "; gpuslice will not try to stop it again while it runs"
             if code is Code.STOP_REFUSED

@@ -540,6 +540,11 @@ class Scheduler:
         # of those, the ones refused only while a start was queued that their stop would
         # have cancelled (`stop_failed`, `while_waits`): each with the waiter it was sent for
         self.unstoppable_while: dict[str, str] = {}
+        # of those, the ones refused only for jobs under way (the unit's own start, the jobs
+        # of units that need it), with those units: stoppable again once one ends
+        # (`jobs_ended`), as they then would be. Held for the waiter's whole wait, an urgent
+        # start waited for a background unit's whole run
+        self.held_for_jobs: dict[str, tuple[str, ...]] = {}
         self.unfreezable: set[str] = set()  # units whose freeze failed: not tried again
         self.unsuspendable: set[str] = set()  # units whose suspend failed: the next rung
         # units gpuslice froze, or may have left frozen (a freeze, suspend or resume that
@@ -754,6 +759,7 @@ class Scheduler:
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
         self.unstoppable_while.pop(name, None)
+        self.held_for_jobs.pop(name, None)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
         self.stopped_by_shutdown.discard(name)  # said of a down before
@@ -896,6 +902,7 @@ class Scheduler:
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
         self.unstoppable_while.pop(name, None)
+        self.held_for_jobs.pop(name, None)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
         self.thaw_owed.discard(name)
@@ -1055,6 +1062,7 @@ class Scheduler:
         self.out_since[name] = self._next()
         self.unstoppable.discard(name)
         self.unstoppable_while.pop(name, None)
+        self.held_for_jobs.pop(name, None)
         self.unfreezable.discard(name)
         self.unsuspendable.discard(name)
         self.thaw_owed.discard(name)  # it ran to its end: thawed
@@ -1075,7 +1083,13 @@ class Scheduler:
         self.wait_failed.discard(name)
 
     def stop_failed(
-        self, name: str, why: str, *, refused: bool, while_waits: bool = False
+        self,
+        name: str,
+        why: str,
+        *,
+        refused: bool,
+        while_waits: bool = False,
+        jobs: tuple[str, ...] = (),
     ) -> list[Action]:
         """A stop gpuslice asked for did not happen (refused, failed, cancelled, or lost in a
         controller restart): the unit holds its GPUs again and its waiter plans anew. A unit
@@ -1084,7 +1098,8 @@ class Scheduler:
         for a job of another unit's that the stop would have cancelled (the waiter's own
         start, which needs the unit), only until that waiter waits no more. Kept for as
         long as the victim ran, a unit once needed by a start was never preempted again,
-        for anyone."""
+        for anyone. `jobs`: refused only for the jobs of these units under way (its own
+        start, the starts of units that need it), until one ends (`jobs_ended`)."""
         holder = self.holders.get(name)
         if holder is None or holder.phase is not Phase.STOPPING:
             return []
@@ -1100,19 +1115,35 @@ class Scheduler:
                 self.unstoppable_while[name] = waiter.spec.name
             else:
                 self.unstoppable_while.pop(name, None)
+            self.held_for_jobs.pop(name, None)
+            if jobs:
+                self.held_for_jobs[name] = jobs
         if name in self.remained:  # it exited while our stop was on its way: released now
             self.remained.discard(name)
             return self.exited(name)
         decision = _about(
             holder.spec,
             Code.STOP_REFUSED if refused else Code.STOP_FAILED,
-            cause=Cause.NEEDED if name in self.unstoppable_while else None,
+            cause=Cause.NEEDED if name in self.unstoppable_while or jobs else None,
             for_unit=waiter.spec.name if waiter is not None else "",
             for_priority=waiter.spec.priority if waiter is not None else None,
             gpus=tuple(sorted(holder.gpus)),
+            units=jobs if refused else (),
             detail=why,
         )
         return [_log(decision), *self.schedule()]
+
+    def jobs_ended(self, name: str) -> list[Action]:
+        """A job that a refusal of the unit's stop was held for ended (`stop_failed`,
+        `jobs`): the refusal no longer stands, so the unit may be chosen as a victim again
+        and its waiter's preemption is decided anew. Refused again, it holds again; [] where
+        no such refusal holds (told twice, or its unit stopped or refused since for a
+        waiter that needs it)."""
+        if self.held_for_jobs.pop(name, None) is None:
+            return []
+        self.unstoppable.discard(name)
+        self.unstoppable_while.pop(name, None)
+        return self.schedule()
 
     def start_lost(self, name: str) -> list[Action]:
         """After a controller restart: a unit gpuslice had started (refill or requeue) shows
@@ -1734,6 +1765,7 @@ class Scheduler:
             if needed_by not in self.waiters:  # granted, or its start ended: stoppable again
                 del self.unstoppable_while[victim]
                 self.unstoppable.discard(victim)
+                self.held_for_jobs.pop(victim, None)
         # while the host goes down no frozen unit is thawed (see below)
         actions = [] if self.shutting_down else self._thaw()
         if not self.shutting_down:  # nor yields a unit: the shutdown stops it anyway

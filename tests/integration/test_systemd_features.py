@@ -162,9 +162,10 @@ def test_a_unit_still_starting_is_not_preempted_over_a_start_queued_that_needs_i
     user's start silently undone: "d.service/start finished, result=canceled" in systemd's
     debug log; gpuslice said nothing of D). D a plain unit or a GPU unit (20), whose start
     gpuslice does not know before its gate (it waits for B's). Gpuslice reads the jobs of the
-    units that need B: D has one, so the refusal holds while A waits, as one naming D's
-    start: B keeps GPU 0 and D's start stays queued. Systemd's pick follows its hash of the
-    units, so a fresh D is tried until it names B's own job (at most four tries)."""
+    units that need B: D has one, so the refusal holds while those jobs are under way (B's
+    start, D's), as one naming D's start: B keeps GPU 0 and D's start stays queued.
+    Systemd's pick follows its hash of the units, so a fresh D is tried until it names B's
+    own job (at most four tries)."""
     write_job(container, B, 50, extra_service="ExecStartPost=/bin/sleep 600")
     write_job(container, A, 10, seconds=600)
     own = f"Transaction for {B}/stop is destructive ({B} has 'start' job queued"
@@ -173,6 +174,7 @@ def test_a_unit_still_starting_is_not_preempted_over_a_start_queued_that_needs_i
         journal = _refused_with_a_start_queued_behind_b(container, d, d_priority, attempt)
         if own in journal:
             assert f"stopping {B} would cancel the jobs of {d}, which need it" in journal
+            assert f"will try to stop it again once a job of {B}, {d} ends" in journal
             return
         container.systemctl("stop", A, d, B)  # systemd named D's start: another D
         container.systemctl("reset-failed", B)  # stopped in ExecStartPost=: failed
@@ -193,7 +195,7 @@ def _refused_with_a_start_queued_behind_b(
     d_job = wait_answer(lambda: prop(container, d, "Job"), lambda j: j not in ("", "0"), 20, "job")
     container.systemctl("start", "--no-block", A)
     wait_sub(container, A, "start-pre")
-    refused = f"will not try to stop it again while {A} waits"
+    refused = f"{B} (priority 50) did not stop for {A}"
     try:
         journal = wait_until(
             lambda: j if (j := container.journal(CONTROLLER)).count(refused) > seen else None,
@@ -210,6 +212,31 @@ def _refused_with_a_start_queued_behind_b(
 
     always_for(b_runs_and_d_waits, 2)
     return journal
+
+
+def test_a_refusal_for_jobs_under_way_ends_when_they_do(container: Container) -> None:
+    """As above, but B's `ExecStartPost=` lasts 3 s: the refusal stood only for B's start
+    and D's, queued behind it. A waited for B's whole run (hours for a background batch);
+    once B's start is done (D's start then runs), A's preemption is decided again: B is
+    stopped (D with it, Requires=) and A runs within seconds."""
+    d = "d.service"
+    write_job(container, B, 50, seconds=600, extra_service="ExecStartPost=/bin/sleep 3")
+    write_job(container, A, 10, seconds=600)
+    write_job(container, d, None, seconds=600, extra_unit=f"Requires={B}\nAfter={B}")
+    reload(container)
+    container.systemctl("start", "--no-block", B)
+    wait_sub(container, B, "start-post")
+    container.systemctl("start", "--no-block", d)
+    wait_answer(lambda: prop(container, d, "Job"), lambda j: j not in ("", "0"), 20, "job")
+    container.systemctl("start", "--no-block", A)
+    try:
+        wait_journal(container, f"{B} (priority 50) did not stop for {A}", 10)
+        # within a second of B's start done, its ExecStartPost= over
+        wait_journal(container, f"for which stopping {B} was refused: it may be stopped", 20)
+        wait_sub(container, A, "running", 20)
+    except WaitTimeout as e:
+        raise WaitTimeout(f"{e}; {describe(container, [A, B, d])}") from None
+    assert holders(container) == {0: [A]}
 
 
 def test_a_unit_stopped_along_with_its_preempted_requirement_comes_back(
