@@ -3029,6 +3029,32 @@ def test_a_start_job_gone_while_its_type_is_read_is_not_announced(
     run(test)
 
 
+def test_a_start_job_gone_while_its_waits_are_read_is_not_announced(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """As above, but the job ended while the jobs it waits for were read (Job.GetBefore,
+    after its type was): that signal makes the read stale, and nothing is stopped for it."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    ctl = bed.controller
+    walk = bed.systemd.jobs_waited_for
+
+    async def stale(job_id: int) -> list[tuple[int, str, str]]:
+        ctl.on_unit_changed("urgent.service", {"Job": (0, "/")})  # before the answer
+        return await walk(job_id)
+
+    async def test() -> None:
+        await ctl.start()
+        bed.systemd.jobs_waited_for = stale  # type: ignore[method-assign]
+        queued(bed, "urgent.service", "start")
+        await past_queued_delay()
+        assert bed.systemd.reads == ["urgent.service"]
+        assert any(what == "jobs_waited_for" for what, _ in bed.systemd.calls)  # walked
+        assert not ctl.scheduler.is_waiting("urgent.service")
+        assert ("stop", "low.service") not in bed.systemd.calls
+
+    run(test)
+
+
 def test_an_answer_about_another_job_announces_nothing(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

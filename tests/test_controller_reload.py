@@ -35,6 +35,7 @@ from gpuslice.annotations import Scan, scan
 from gpuslice.config import Config, load_config_with_warnings, read_pinned_runtime_dir
 from gpuslice.controller import Controller
 from gpuslice.paths import RUNTIME_DIR_DROPIN, RUNTIME_DIR_ENV
+from gpuslice.systemd import NO_REPLY, SystemdError
 from tests.test_controller import (
     Bed,
     answered_when_set,
@@ -801,6 +802,34 @@ def test_a_known_start_at_its_pipe_waits_for_the_new_starts_of_its_transaction(
     run(test)
 
 
+def test_a_read_of_the_queue_sent_during_a_rescan_keeps_the_doubt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A JobNew dropped while a rescan reads the unit files (its unit not annotated yet)
+    puts later starts at their pipe in doubt (`unplaced`). A read of systemd's queued starts
+    sent while that rescan still runs was judged on the scan before, which may not annotate
+    that start: the doubt stays, and the next start at its pipe waits for a read again."""
+    bed = Bed(tmp_path, {"a.service": "Priority=50\n"}, [])
+    held = HeldScan(monkeypatch)
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await held.reloaded(bed)
+        write_unit(tmp_path, "new.service", "Priority=10\n")
+        bed.systemd.units["new.service"] = state("new.service", "inactive", "dead", 8, "start")
+        ctl.on_job_new(8, "/org/freedesktop/systemd1/job/8", "new.service")
+        assert ctl.queued.unplaced
+        ctl.queued.wait("a.service")  # a gate's call while the rescan runs
+        await until(lambda: not ctl.queued.reading)
+        assert ("start_jobs", "") in bed.systemd.calls
+        assert ctl.queued.unplaced
+        held.go.set()
+        await until(lambda: ctl.rescans.task is None)
+
+    run(test)
+
+
 @pytest.mark.parametrize("reload", [False, True])
 def test_a_start_at_its_pipe_reads_no_queue_when_no_job_new_was_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reload: bool
@@ -865,5 +894,60 @@ def test_a_known_start_at_its_pipe_waits_for_a_new_instance_started_with_it(
         assert ("stop", "later.service") not in bed.systemd.calls
         assert ctl.scheduler.is_waiting("later.service")
         assert not ctl.queued.unplaced
+
+    run(test)
+
+
+def test_a_start_at_its_pipe_is_judged_after_a_read_of_the_queue_that_failed(
+    tmp_path: Path,
+) -> None:
+    """As above, but systemd's ListJobs fails (no answer within its timeout): later.service,
+    held at its pipe for the read, is judged on the starts known once it failed (granted:
+    nobody else asked), counted as a D-Bus error. The doubt stays (`unplaced`), yet that
+    start is not held for a read again: once is enough, and a queue that keeps failing
+    would keep its gate waiting for ever. Nor is it once answered, shown at its gate again."""
+    bed = Bed(tmp_path, {"later.service": "Priority=50\n", "sooner@.service": "Priority=10\n"}, [])
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await until(lambda: bed.systemd.watched == {"later.service"})
+        rematch = asyncio.Event()
+        watch = bed.systemd.watch
+
+        async def late_watch(units: Any) -> list[str]:
+            await rematch.wait()
+            return await watch(units)
+
+        async def failing_start_jobs() -> list[str]:
+            bed.systemd.calls.append(("start_jobs", ""))
+            await asyncio.sleep(0)  # a reply read later, as systemd's error is
+            raise SystemdError(NO_REPLY, "no answer within 25 s")
+
+        bed.systemd.watch = late_watch  # type: ignore[method-assign]
+        bed.systemd.start_jobs = failing_start_jobs  # type: ignore[method-assign]
+        errors = ctl.counters.errors["dbus_call_errors"]
+        for job, name in ((7, "later.service"), (8, "sooner@1.service")):
+            bed.systemd.units[name] = state(name, "activating", "start-pre", job, "start")
+            ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", name)
+        signal_of(
+            bed, "later.service", {**at_gate(), "Job": (7, "/org/freedesktop/systemd1/job/7")}
+        )
+        await until(lambda: ctl.gates.answered("later.service"))
+        await settle()
+        assert bed.systemd.calls.count(("start_jobs", "")) == 1
+        assert ctl.counters.errors["dbus_call_errors"] == errors + 1
+        assert ctl.queued.unplaced
+        assert not ctl.queued.reading
+        # its start, answered, is shown at its gate again (the gate has not exited yet):
+        # not held for a read, whatever the doubt
+        signal_of(
+            bed, "later.service", {**at_gate(), "Job": (7, "/org/freedesktop/systemd1/job/7")}
+        )
+        await settle()
+        assert bed.systemd.calls.count(("start_jobs", "")) == 1
+        assert ctl.gates.answered("later.service")
+        rematch.set()
+        await settle()
 
     run(test)

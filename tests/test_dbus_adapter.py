@@ -1220,7 +1220,7 @@ def test_a_units_state_is_read_from_its_listing(bus_address: str) -> None:
 
 def test_the_start_jobs_are_read_in_the_order_systemd_made_them(bus_address: str) -> None:
     """ListJobs: the units with a start or restart job, by job id (a gate's call waits for
-    them, gpuslice/queued.py); a reply not of systemd's form is a SystemdError."""
+    them, gpuslice/queued.py); a reply not of systemd's form is gpuslice's BadReply."""
 
     async def body() -> None:
         owner = await connect(bus_address)
@@ -1246,15 +1246,16 @@ def test_the_start_jobs_are_read_in_the_order_systemd_made_them(bus_address: str
         await owner.request_name(SYSTEMD)
         systemd = Systemd(await connect(bus_address))
         assert await systemd.start_jobs() == ["a.service", "b.service"]
-        with pytest.raises(SystemdError, match="ListJobs"):
+        with pytest.raises(SystemdError, match="ListJobs") as raised:
             await systemd.start_jobs()
+        assert raised.value.name == "org.gpuslice.Error.BadReply"
 
     run(body)
 
 
 def test_the_jobs_a_job_waits_for_are_read_from_its_own_object(bus_address: str) -> None:
     """Job.GetBefore on the job's object (GetAfter names those that wait for it): (id, unit,
-    type) of each; a reply not of systemd's form is a SystemdError."""
+    type) of each; a reply not of systemd's form is gpuslice's BadReply."""
 
     async def body() -> None:
         owner = await connect(bus_address)
@@ -1279,8 +1280,9 @@ def test_the_jobs_a_job_waits_for_are_read_from_its_own_object(bus_address: str)
         systemd = Systemd(await connect(bus_address))
         assert await systemd.jobs_waited_for(5) == [(6, "b.service", "start")]
         assert asked == [(job_path(5), "org.freedesktop.systemd1.Job", "")]
-        with pytest.raises(SystemdError, match="GetBefore"):
+        with pytest.raises(SystemdError, match="GetBefore") as raised:
             await systemd.jobs_waited_for(5)
+        assert raised.value.name == "org.gpuslice.Error.BadReply"
 
     run(body)
 
