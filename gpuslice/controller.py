@@ -128,6 +128,12 @@ STATUS_DELAY = 0.25
 # that runs at once shows at its gate within milliseconds, and a read sent at JobNew would
 # cost every such start a call that systemd answers before it runs the start.
 QUEUED_DELAY = 0.02
+# How long a start of ours whose GPUs are kept (a refill, a comeback, a restart kept for) may
+# go without reaching its gate before its job's waits are read (Controller._kept_queued):
+# one queued behind a GPU unit's start keeps nothing. Such a start reaches its gate in tens
+# of milliseconds (`make bench`: refill); read at QUEUED_DELAY, every refill cost a
+# Job.GetBefore read, a tenth of the controller's CPU per handover and refill (issue 10).
+KEPT_WALK_DELAY = 0.5
 # How long after a save the state file is made durable (gpuslice/state.py: Flusher): a
 # power cut may lose the decisions of this last stretch, never the file.
 FLUSH_DELAY = 1.0
@@ -684,7 +690,7 @@ class Controller:
             asyncio.get_running_loop().call_later(QUEUED_DELAY, self._queued, unit, job_id, seen)
         elif self.scheduler.keeps_place(unit):  # a start of ours (refill, comeback)
             self._kept_jobs[unit] = job_id
-            asyncio.get_running_loop().call_later(QUEUED_DELAY, self._kept_queued, unit, job_id)
+            asyncio.get_running_loop().call_later(KEPT_WALK_DELAY, self._kept_queued, unit, job_id)
 
     def _follow_instance(self, unit: str) -> None:
         """An instance of an annotated template, new to us, is heard from now on (its gate,

@@ -2767,6 +2767,7 @@ def test_a_start_of_ours_queued_behind_a_gpu_units_start_keeps_no_place(
     c.service`) while c's start waited for b's: neither ever ran. Once c's job is found
     waiting for b's start, c keeps nothing: b is granted GPU 0, and c's gate asks later."""
     monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "KEPT_WALK_DELAY", HOUR)
     bed, job = a_start_of_ours_needs_b_after(tmp_path)
 
     async def test() -> None:
@@ -2810,6 +2811,7 @@ def test_a_start_of_ours_walked_free_is_walked_again_when_a_gate_waits_on_its_gp
     on GPU 0 kept for c, has c's job walked again: it waits for b's start, and c keeps
     nothing."""
     monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "KEPT_WALK_DELAY", HOUR)
     bed, job = a_start_of_ours_needs_b_after(tmp_path)
     bed.systemd.waited_for[job] = [(job + 1, "plain.service", "start")]
 
@@ -2838,6 +2840,7 @@ def test_a_walk_under_way_when_a_gate_waits_on_its_gpus_is_followed_by_one_more(
     nothing. Where c reached its gate meanwhile, nothing more is walked, and its place is
     untouched: its gate asks (Scheduler.request)."""
     monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "KEPT_WALK_DELAY", HOUR)
     bed, job = a_start_of_ours_needs_b_after(tmp_path)
     bed.systemd.waited_for[job] = [(job + 1, "plain.service", "start")]
     walked = asyncio.Event()
@@ -2880,6 +2883,7 @@ def test_a_start_of_ours_at_its_gate_once_its_walk_ends_keeps_its_place(
     reached its gate: the walk says nothing of it any more, and GPU 0 stays kept for it,
     given when its gate asks (Scheduler.request)."""
     monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "KEPT_WALK_DELAY", HOUR)
     bed, job = a_start_of_ours_needs_b_after(tmp_path)
     walked = answered_when_set(bed, monkeypatch, "jobs_waited_for")
 
@@ -2905,6 +2909,7 @@ def test_a_start_of_ours_keeps_its_place_at_its_gate_or_behind_no_gpu_units_star
     GPU unit's start: its place is kept. Its walk failing: kept no more (its job gone has
     passed its gate, which asked: then nothing is kept any more)."""
     monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "KEPT_WALK_DELAY", HOUR)
     bed, job = a_start_of_ours_needs_b_after(tmp_path)
     gone = SystemdError("org.freedesktop.systemd1.NoSuchJob", "gone")
     bed.systemd.waited_for[job] = [] if at == "free" else gone
@@ -2934,6 +2939,7 @@ def test_a_walk_of_a_start_gone_since_drops_no_place_kept_for_the_next_start(
     walk ends, its job gone: it says nothing of the start kept for now, which keeps GPU 0
     (taken for it, bg.service was refilled onto the GPU the restart comes back for)."""
     monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "KEPT_WALK_DELAY", HOUR)
     restart_timers_by_hand(monkeypatch)
     bed = crash_loop_bed(tmp_path)
     walked = answered_when_set(bed, monkeypatch, "jobs_waited_for")

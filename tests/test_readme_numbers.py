@@ -71,7 +71,7 @@ ROWS = [
     ("until the file is written (tried every second)", delivery.ENV_RETRY, 1.0),
     ("A start looks at up to 8,192 entries of `runtime_dir/env`", restore.ENV_SWEEP_MAX, 8192),
     # Dependencies between GPU units: starts queued behind a GPU unit's start
-    ("job has not reached its gate within 20 ms", controller.QUEUED_DELAY, 0.02),
+    ("job has not reached its gate within 0.5 s", controller.KEPT_WALK_DELAY, 0.5),
     ("at most 64 queued starts are read", restore.QUEUED_READ_MAX, 64),
     ("first, for at most 5 s in all", restore.QUEUED_READ_WAIT, 5.0),
     ("no `journalctl`, no answer within 3 s", _journal_seconds(), 3.0),
