@@ -67,6 +67,7 @@ from tests.test_controller import (
 )
 from tests.test_controller import _no_notify_socket as _no_notify_socket  # autouse
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
+from tests.test_controller_gates import skipped_by_its_condition
 
 JOB1 = "/org/freedesktop/systemd1/job/1"
 DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
@@ -2085,13 +2086,7 @@ def test_a_refill_skipped_while_no_controller_ran_is_sent_again_and_said_skipped
         await settle()
         assert bed.systemd.calls.count(("start", "bg.service")) == 1
         assert ctl.scheduler.phase("bg.service") is Phase.STARTING
-        job = "/org/freedesktop/systemd1/job/7"
-        check = {"ConditionResult": False, "ConditionTimestampMonotonic": 5_000_000}
-        ctl.on_job_new(7, job, "bg.service")
-        down = {"ActiveState": "inactive", "SubState": "dead"}
-        ctl.on_unit_changed("bg.service", {**down, "Job": (7, job), **check})
-        ctl.on_job_removed(7, job, "bg.service", "done")
-        ctl.on_unit_changed("bg.service", {**down, "Job": (0, "/"), **check})
+        skipped_by_its_condition(ctl, "bg.service", 7, 5_000_000)
         await settle()
         assert ctl.scheduler.save().failed == ["bg.service"]
         assert "bg.service" not in ctl.scheduler.held
