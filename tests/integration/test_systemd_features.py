@@ -176,7 +176,19 @@ def test_a_unit_still_starting_is_not_preempted_over_a_start_queued_that_needs_i
             assert f"stopping {B} would cancel the jobs of {d}, which need it" in journal
             assert f"will try to stop it again once a job of {B}, {d} ends" in journal
             return
-        container.systemctl("stop", A, d, B)  # systemd named D's start: another D
+        # systemd named D's start: another D. A first, so that nobody waits for B when D's
+        # stop cancels D's start (a refusal held for that job ends with it: B was preempted
+        # again for A while `systemctl stop a d b` ran, and D came back with B, "stopped
+        # with" it)
+        container.systemctl("stop", A)
+        # stopped at its gate: inactive or failed, as its control process ends
+        wait_answer(
+            lambda: prop(container, A, "ActiveState"),
+            lambda s: s in ("inactive", "failed"),
+            20,
+            "A down",
+        )
+        container.systemctl("stop", d, B)
         container.systemctl("reset-failed", B)  # stopped in ExecStartPost=: failed
         wait_state(container, B, "inactive")
     pytest.skip("systemd named D's start each time, never B's own")
