@@ -203,7 +203,10 @@ class Controller:
             yield_to_foreign=config.foreign_processes == "yield",
             requeue_at_gate=config.requeue_at_gate,
         )
-        # NVML: samples, the driver's lifecycle, their timers
+        self.notifier = Notifier()
+        watchdog = self.notifier.watchdog_interval()
+        # NVML: samples, the driver's lifecycle, their timers; under systemd's watchdog no
+        # NVML wait outlasts half WatchdogSec= and each begins with WATCHDOG=1
         self.watch = GpuWatch(
             config,
             inventory or Inventory(config),
@@ -211,6 +214,8 @@ class Controller:
             managed=self._managed_units,
             decide=self._decide_on,
             ready=lambda: self.ready,
+            alive=self.notifier.watchdog if watchdog else None,
+            longest_wait=watchdog,
         )
         self.tracker = Tracker(
             self._followed,
@@ -259,7 +264,6 @@ class Controller:
         )
         self.store = StateStore(Path(config.state_dir), Path(config.runtime_dir))
         self._flusher = Flusher(self.store, FLUSH_DELAY, self._flushed)
-        self.notifier = Notifier()
         # the readers of status (Status, STATUS=): each answer built once per change
         self.answers = StatusAnswers(
             self.scheduler,

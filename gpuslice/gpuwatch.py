@@ -77,6 +77,8 @@ class GpuWatch:
         decide: Callable[[list[Gpu]], None],
         ready: Callable[[], bool],
         call_later: CallLater = _loop_call_later,
+        alive: Callable[[], None] | None = None,
+        longest_wait: float | None = None,
     ) -> None:
         self.config = config
         self.inventory = inventory
@@ -85,7 +87,8 @@ class GpuWatch:
         self._decide = decide
         self._ready = ready
         self._call_later = call_later
-        self.nvml = OffLoop(NVML_DEADLINE)
+        # `alive`, `longest_wait`: systemd's watchdog (WATCHDOG=1, half WatchdogSec=)
+        self.nvml = OffLoop(NVML_DEADLINE, alive, longest_wait)
         self.sample = Sample(inventory.fallback_gpus())
         self.stale = False  # the last sample was not taken: NVML is hung
         self._sampler: Timer | None = None

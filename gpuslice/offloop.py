@@ -19,10 +19,22 @@ class OffLoop:
     that call returns, later calls are not made and the caller keeps what it had. The
     thread is a daemon: a call hung in the driver never holds up the controller's exit.
     A call given up on finishes on its thread whenever the driver answers: its `late`
-    runs on the caller's thread, at the first `hung` (or `call`) after that."""
+    runs on the caller's thread, at the first `hung` (or `call`) after that.
 
-    def __init__(self, deadline: float) -> None:
+    Under systemd's watchdog the loop says it is alive (`alive`: WATCHDOG=1) right before
+    each wait, and waits no longer than `longest` (half WatchdogSec=): a wait of 2 s begun
+    just before a ping fell due, under WatchdogSec=3, had systemd kill the controller for a
+    hung driver call, which is what the deadline is there to survive."""
+
+    def __init__(
+        self,
+        deadline: float,
+        alive: Callable[[], None] | None = None,
+        longest: float | None = None,
+    ) -> None:
         self.deadline = deadline
+        self.alive = alive
+        self.longest = longest
         self.timeouts = 0  # calls that did not answer within their deadline
         self._hung: threading.Event | None = None
         self._late: tuple[list[Any], Callable[[], None] | None] = ([], None)  # the hung call's
@@ -57,14 +69,19 @@ class OffLoop:
                 outcome.append(e)
             done.set()
 
+        wait = deadline or self.deadline
+        if self.longest is not None:
+            wait = min(wait, self.longest)
         threading.Thread(target=work, name="nvml", daemon=True).start()
-        if not done.wait(deadline or self.deadline):
+        if self.alive is not None:
+            self.alive()
+        if not done.wait(wait):
             self._hung, self._late = done, (outcome, late)
             self.timeouts += 1
             log.error(
                 "NVML did not answer within %g s: keeping the last GPU sample (stale) "
                 "until it does",
-                deadline or self.deadline,
+                wait,
             )
             return None
         if isinstance(outcome[0], BaseException):

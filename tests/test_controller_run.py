@@ -53,6 +53,7 @@ from gpuslice.annotations import scan
 from gpuslice.config import ConfigError, load_config_with_warnings
 from gpuslice.controller import Controller, JournalFormatter
 from gpuslice.core.scheduler import SavedState
+from gpuslice.gpuwatch import NVML_DEADLINE
 from gpuslice.inventory import Inventory
 from gpuslice.journal import Journal
 from gpuslice.ladder import Suspension
@@ -292,7 +293,9 @@ def test_the_daemon_says_ready_feeds_the_watchdog_and_a_stop_signal_ends_it_clea
         assert host.service_buses == [host.systemd.bus]
         assert host.service.granted == [("a.service", "0")]
         await until(lambda: host.heard().count("WATCHDOG=1") >= 2)
-        assert host.heard()[0] == "READY=1\nSTATUS=1 GPU: a.service running; 0 waiting"
+        # WATCHDOG=1 may come first: each NVML wait of start-up begins with one
+        said = [m for m in host.heard() if m != "WATCHDOG=1"]
+        assert said[0] == "READY=1\nSTATUS=1 GPU: a.service running; 0 waiting"
         assert host.controller.journal is cast(Journal, host.journals[0])
         assert host.controller.ask_journal is stopjournal.ask
         assert not host.journals[0].closed
@@ -310,6 +313,27 @@ def test_the_daemon_says_ready_feeds_the_watchdog_and_a_stop_signal_ends_it_clea
     assert "<6>gpuslice ready: 1 GPU: a.service running; 0 waiting" in lines
     assert lines[-1] == "<6>gpuslice stopping; running jobs are left alone"
     assert not any("starting a.service" in line for line in lines)  # the journal's, not twice
+
+
+def test_under_the_watchdog_an_nvml_wait_begins_with_watchdog_and_lasts_half_of_it(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WatchdogSec=3 (WATCHDOG_USEC): an NVML call waits at most 1.5 s, not NVML_DEADLINE
+    (2 s), and the wait begins with WATCHDOG=1 (OffLoop's test says why)."""
+    monkeypatch.setenv("WATCHDOG_USEC", "3000000")
+
+    async def test() -> None:
+        daemon = host.start()
+        await host.waiting_on_its_bus(daemon)
+        nvml = host.controller.watch.nvml
+        assert (nvml.deadline, nvml.longest) == (NVML_DEADLINE, 1.5)
+        fed = host.heard().count("WATCHDOG=1")
+        assert nvml.call(lambda: 7) == 7
+        assert host.heard().count("WATCHDOG=1") == fed + 1
+        signal.raise_signal(SIGTERM)
+        assert await asyncio.wait_for(daemon, ENDS_WITHIN) == 0
+
+    run(test)
 
 
 def test_a_daemon_run_by_hand_logs_plain_lines_and_opens_no_journal(

@@ -51,3 +51,38 @@ def test_a_hung_call_is_given_up_and_no_call_is_made_until_it_returns(
         assert time.monotonic() < deadline, "the released call never returned"
         threading.Event().wait(0.01)
     assert offloop.call(lambda: 3) == 3
+
+
+def test_under_the_watchdog_each_wait_begins_alive_and_lasts_no_longer_than_half_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """WatchdogSec=3 pings every 1.5 s: a 2 s wait for a hung call, begun just before a
+    ping fell due, kept the loop from feeding the watchdog for 3.5 s, and systemd killed the
+    controller for the very hang the deadline is there to survive (CI, once). Each wait now
+    begins with WATCHDOG=1 (`alive`) and lasts at most `longest` (half WatchdogSec=)."""
+    patient_nvml(monkeypatch)
+    release = threading.Event()
+    pings: list[bool] = []
+    offloop = OffLoop(5, alive=lambda: pings.append(offloop.hung), longest=0.05)
+    assert offloop.call(lambda: 1) == 1
+    assert pings == [False]  # every wait, those answered at once too
+    began = time.monotonic()
+    try:
+        assert offloop.call(lambda: hang_until(release)) is None
+        assert time.monotonic() - began < 2.5  # not the 5 s deadline: half the watchdog's
+        assert pings == [False, False]  # said alive before the wait, not after giving up
+        assert offloop.hung
+    finally:
+        release.set()
+
+
+def test_a_deadline_shorter_than_half_the_watchdog_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    patient_nvml(monkeypatch)
+    release = threading.Event()
+    offloop = OffLoop(0.05, longest=30)
+    began = time.monotonic()
+    try:
+        assert offloop.call(lambda: hang_until(release)) is None
+        assert time.monotonic() - began < 2.5
+    finally:
+        release.set()
