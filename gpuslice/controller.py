@@ -115,6 +115,9 @@ from gpuslice.unitfiles import is_instance, is_template, printable
 
 log = logging.getLogger("gpuslice")
 
+# How many times a waiter told down at its gate is read for its job's type while signals
+# since make the answer stale (Controller._read_leaving)
+LEAVING_READS = 3
 # How long a unit systemd showed at its gate in a state read may go without a signal naming
 # its start, before its gate is sent to D-Bus (gpuslice/gatepipes.py).
 GATE_UNSEEN_DELAY = 1.0
@@ -398,6 +401,9 @@ class Controller:
         # units whose walk under way is followed by one more (`_walk_kept`): a gate asked
         # since it began, and waits on GPUs kept for them (`_kept_in_the_way`)
         self._kept_again: set[str] = set()
+        # units told down at their gate whose job's type is to be read (`_read_leaving`),
+        # with the reads tried for each so far
+        self._leaving_reads: dict[str, int] = {}
         # unit -> the job of a start kept for (Scheduler.keeps_place), from its JobNew until
         # that job ends: walked again when a gate waits on what is kept for it
         self._kept_jobs: dict[str, int] = {}
@@ -695,6 +701,12 @@ class Controller:
         elif self.scheduler.keeps_place(unit):  # a start of ours (refill, comeback)
             self._kept_jobs[unit] = job_id
             asyncio.get_running_loop().call_later(KEPT_WALK_DELAY, self._kept_queued, unit, job_id)
+        # someone's stop of a waiter at its gate, its start's end heard: down for the core
+        # now, not once its PropertiesChanged comes (the signals of a later call may come
+        # first: a refusal's job that ends, which decides again for it)
+        with self._batched():
+            for change in self.tracker.stopped_at_gate(unit):
+                self._apply(change)
 
     def _follow_instance(self, unit: str) -> None:
         """An instance of an annotated template, new to us, is heard from now on (its gate,
@@ -746,6 +758,8 @@ class Controller:
         spec = self.spec_for(unit)
         if spec is None or state is None or state.job_id != job_id or not bound_for_gate(state):
             return
+        if self.tracker.leaving(unit):
+            return  # someone's stop at its gate (Tracker.stopped_at_gate): no start
         if at_condition(state):
             return  # its ExecCondition= may skip it: known at its gate (tracker.at_condition)
         waited = await starts_waited_for(self.systemd, job_id)
@@ -899,11 +913,18 @@ class Controller:
             self.scheduler.learn(spec)
         with self._batched():
             self.restart_results.heard(name)  # a down held for its Result=: told first
+            # told down at its gate: shown there still, it may wait again (Tracker._job_at_gate)
+            leaving = self.tracker.leaving(name)
+            leaving &= classify(self.tracker.state(name)) is Kind.GATE
             changes = self.tracker.unit_changed(name, props, read=read)
-            if spec is not None and self.rescans.hold_gate(name, props.get("InvocationID")):
+            # one being stopped at its gate (Tracker.stopped_at_gate) waits for no rescan
+            held = spec is not None and not self.tracker.leaving(name)
+            if held and self.rescans.hold_gate(name, props.get("InvocationID")):
                 return
             for change in changes:
                 self._apply(change)
+            if leaving and not self.tracker.leaving(name):
+                self._waits_again(name)
             self.calls.unit_heard(name)  # its job gone, its JobRemoved lost
             if spec is not None:
                 self._follow_gate(name, props.get("InvocationID"))
@@ -916,8 +937,8 @@ class Controller:
         their last signal would have been, if they are still at their gate (one that left
         it meanwhile was told by the signals that said so)."""
         for name, invocation in pending.items():
-            if classify(self.tracker.state(name)) is not Kind.GATE:
-                continue
+            if classify(self.tracker.state(name)) is not Kind.GATE or self.tracker.leaving(name):
+                continue  # left it, or being stopped there (Tracker.stopped_at_gate)
             spec = self.spec_for(name)
             if spec is None:  # its annotation went: its gate, if any, passes over D-Bus
                 self._unmanaged_gate(name, {"SubState": "start-pre"})
@@ -993,6 +1014,8 @@ class Controller:
                 self.restart_results.hold(change)  # told once its Result= is read
             else:
                 self._went_down(change)
+            if self.tracker.leaving(name):  # told at its gate: systemd says which job
+                self._read_leaving(name)
         elif isinstance(change, CameUp):
             self.execute(self.scheduler.running(change.unit))
         elif isinstance(change, Exited):
@@ -1004,6 +1027,47 @@ class Controller:
         else:
             self.calls.cancel_stop_timer(change.unit)
             self.execute(self.scheduler.stop_failed(change.unit, change.why, refused=False))
+
+    def _read_leaving(self, unit: str, tries: int = 0) -> None:
+        """A waiter told down at its gate for a job that replaced its start there
+        (Tracker.stopped_at_gate) is read, for its job's type, which no signal says: a start
+        job shown there (a start that replaced the stop before it ran, its signal lost, or
+        the start itself where the signal that showed it at its gate was lost) has it wait
+        again. The units told so in one turn of the loop are read in one call (a shutdown,
+        or `systemctl stop` of thousands of instances waiting, is one read, not thousands)."""
+        if not self._leaving_reads:
+            asyncio.get_running_loop().call_soon(lambda: self._spawn(self._leaving_read()))
+        self._leaving_reads[unit] = tries
+
+    async def _leaving_read(self) -> None:
+        """Read the units `_read_leaving` gathered. One that systemd said more of meanwhile
+        (the answer may be older) and that is still told down at its gate is read again,
+        LEAVING_READS times at most; a read that fails leaves them as told."""
+        units, self._leaving_reads = self._leaving_reads, {}
+        seen = {unit: self.tracker.heard(unit) for unit in units}
+        try:
+            states = await self.systemd.units_state(sorted(units))
+        except SystemdError as e:
+            self.counters.error("dbus_call_errors")
+            log.debug("cannot read the jobs of units stopped at their gate: %s", e)
+            return
+        for state in states:
+            name = str(state.name)
+            if name not in seen or not self.tracker.leaving(name):
+                continue  # down, or at a gate again: its signals told
+            if self.tracker.heard(name) != seen[name]:
+                if units[name] + 1 < LEAVING_READS:
+                    self._read_leaving(name, units[name] + 1)
+            elif self.tracker.leaving_read(name, state):
+                self._waits_again(name)
+
+    def _waits_again(self, unit: str) -> None:
+        """A unit told down at its gate waits there again (its stop replaced by a start
+        before it ran): its gate is served as a new start's."""
+        if classify(self.tracker.state(unit)) is Kind.GATE and self.spec_for(unit) is not None:
+            log.info("%s waits at its gate again: a start replaced its stop", unit)
+            with self._batched():
+                self.judge.serve_gate(unit)
 
     def _result_read(self, change: WentDown) -> None:
         """A down held for its Result= (gpuslice/restartresult.py), taken in now."""

@@ -207,6 +207,12 @@ class Gates:
 
     def serve_gate(self, unit: str) -> None:
         """The unit's gate asks (over D-Bus, or systemd showed it at its gate)."""
+        if self.tracker.leaving(unit):
+            # someone stops it at its gate, told down (Tracker.stopped_at_gate): served, it
+            # waited again, preempting for a start being stopped. Its gate, being killed,
+            # is told to ask again
+            self.service.forget(unit)
+            return
         spec = self.spec_for(unit)
         state = self.tracker.state(unit)
         if self.restore.started_again(unit, state) and not self.gates.answered(unit):

@@ -46,6 +46,9 @@ class UnitState:
     job_type: str = ""  # of the job queued for it (ListUnits says; signals do not)
 
 
+# The object paths systemd gives its jobs (job_number; gpuslice.systemd.job_path makes them)
+JOB_PREFIX = "/org/freedesktop/systemd1/job/"
+
 # A unit's ActiveState once its processes are gone.
 GONE = ("inactive", "failed")
 
@@ -157,6 +160,13 @@ def _same_down(told: str | None, down: str) -> bool:
     `failed` (`systemctl reset-failed`, which ends a keep: Scheduler.inactive) is a new
     down."""
     return told == down or (told in GONE and down == RESTARTING_TOLD)
+
+
+def job_number(path: str) -> int:
+    """The number of the job systemd named by this object path (0: none, or not a job's)."""
+    number = path.rsplit("/", 1)[-1]
+    digits = number.isascii() and number.isdigit()
+    return int(number) if path.startswith(JOB_PREFIX) and digits else 0
 
 
 def at_condition(state: UnitState) -> bool:
@@ -325,6 +335,15 @@ class Tracker:
         # unit -> the job a signal named as it left running or its gate: the one that takes
         # it down, whose JobRemoved ends it (`_theirs_first`)
         self._taken_down_by: dict[str, str] = {}
+        # unit -> the number of the start job it showed at its gate, ended `canceled` there:
+        # replaced by a stop, whose JobNew is next (`_stop_at_gate`), or cancelled
+        self._cancelled_at_gate: dict[str, int] = {}
+        # units shown at their gate with no job (`systemctl cancel` of their start, which
+        # goes on): the next job shown there is a start (`_stop_at_gate`)
+        self._jobless_at_gate: set[str] = set()
+        # unit -> someone's stop job seen at its gate, its waiter told down at once
+        # (`stopped_at_gate`), until that down comes
+        self._leaving: dict[str, str] = {}
 
     # -- systemd's signals ----------------------------------------------------------------
 
@@ -412,6 +431,13 @@ class Tracker:
             self._own_jobs.pop(path, None)  # already accounted for: keep the table small
         if not self.managed(unit):
             return False
+        shown = self.state(unit)
+        if (
+            result == "canceled"
+            and classify(shown) is Kind.GATE
+            and job_number(path) == shown.job_id
+        ):
+            self._cancelled_at_gate[unit] = shown.job_id
         down = self.state(unit).active in GONE
         # its start's check failed: systemd skipped it (a stop of a unit down checks nothing);
         # or it left its `ExecCondition=` for down with the start job it ran that in, which
@@ -460,9 +486,14 @@ class Tracker:
             self._start_failed.pop(name, None)  # a start that ran: its down is its own
         if classify(state) is Kind.GATE and classify(old) is not Kind.GATE:
             self._gate_seen[name] = self._signals[name]
+            self._cancelled_at_gate.pop(name, None)  # said of a gate before
+            self._jobless_at_gate.discard(name)
+            self._leaving.pop(name, None)
         before = self._job_paths.get(name)
         if job is not None:
             self._job_paths[name] = job[1]
+        if job is not None and not read and classify(state) is Kind.GATE:
+            self._job_at_gate(name, state)
         if at_condition(state) and not at_condition(old) and name in self._job_paths:
             # the start job it runs its check in; a job shown while it is still there is
             # someone's stop (the start's ended `canceled`), whose end is no skip
@@ -475,6 +506,26 @@ class Tracker:
         if classify(state) is Kind.RUNNING and state.job_id == 0:
             self._jobs_done(name)
         return self._judge(state)
+
+    def _job_at_gate(self, name: str, state: UnitState) -> None:
+        """A signal names the job of a unit at its gate. Told down there (`stopped_at_gate`),
+        another job than its stop (a start that replaced the stop before it ran), or none
+        (the stop cancelled before it ran): its gate goes on, and it waits again. None: its
+        start was cancelled (`systemctl cancel`) and its ExecStartPre= goes on, so the next
+        job shown there is a start of someone's, not a stop that replaced it
+        (`_stop_at_gate`): jobs before that one say nothing of it."""
+        stop = self._leaving.get(name)
+        if stop is not None and state.job_id not in (
+            job_number(stop),
+            self._cancelled_at_gate.get(name),
+        ):
+            self._waits_again(name)
+        if not state.job_id:
+            self._cancelled_at_gate.pop(name, None)
+            self._jobless_at_gate.add(name)
+        elif name in self._jobless_at_gate:
+            self._jobless_at_gate.discard(name)
+            self._gate_seen[name] = self._signals[name]
 
     def _condition_checked(self, name: str, props: Mapping[str, Any]) -> None:
         """systemd checks a unit's `Condition*=` as its start job runs, before anything of
@@ -587,6 +638,12 @@ class Tracker:
                 self._deferred.add(name)  # decide once we know which of its jobs are ours
                 self._down_at.setdefault(name, self._signals.get(name, 0))
                 return []
+            told = self._leaving.pop(name, None) is not None
+            if told and phase is None and not self.ledger.waiting(name):
+                self._went_down(name)  # told at its gate (`stopped_at_gate`): this down
+                if down is not None:
+                    self._told_down[name] = down
+                return []
             outcome = self.outcome(state)
             # failed on the shutdown's SIGTERM (143), maybe: the core's `shutting_down` no
             # longer says so (an exit 0 is told SHUTDOWN: `outcome`)
@@ -613,8 +670,12 @@ class Tracker:
             if down is not None:
                 self._told_down[name] = down
             return [WentDown(name, outcome, by_itself, not_ours, in_shutdown, job)]
-        if kind is Kind.GATE and phase is None and not self.ledger.waiting(name):
-            return [] if at_condition(state) else [ReachedGate(name)]
+        if kind is Kind.GATE:
+            leaving = self.stopped_at_gate(name)
+            if leaving or name in self._leaving:
+                return leaving  # being stopped: no start to take in
+            if phase is None and not self.ledger.waiting(name):
+                return [] if at_condition(state) else [ReachedGate(name)]
         if kind is not Kind.RUNNING:
             return []
         # its job ended and systemd keeps it active: its GPUs to release, once; released,
@@ -629,6 +690,65 @@ class Tracker:
             why = f"its stop job ended with result '{result}'" if result else "no stop job runs"
             return [StopLost(name, why), *ended]
         return ended
+
+    def stopped_at_gate(self, name: str) -> list[Change]:
+        """A waiter someone stops at its gate (`systemctl stop`) is down for the core from
+        the moment its stop job is seen (`_stop_at_gate`), as its down will be told: it
+        preempts no one and is granted nothing while systemd kills its gate. Told at its
+        down, it waited until then: a refusal's job that ended meanwhile (D's start, which
+        `systemctl stop a d b` cancels) preempted B for it, and B came back later. Its down
+        is told no more, nor its gate taken in, until it is at a gate again (`leaving`)."""
+        if name in self._leaving or self.ledger.phase(name) is not None:
+            return []
+        stop = self._stop_at_gate(name)
+        if stop is None or not self.ledger.waiting(name):
+            return []
+        self._leaving[name] = stop
+        return [WentDown(name, self.outcome(self.state(name)), job=stop)]
+
+    def _stop_at_gate(self, name: str) -> str | None:
+        """Someone's job, announced since the unit was seen at its gate, that replaced the
+        start job it showed there: systemd replaces a running start only with a job that
+        conflicts with it, a stop (one that merges, a restart, keeps the start's number).
+        The job it shows there is such a one, or one was announced after that start ended
+        `canceled` (its PropertiesChanged, naming the stop, may come later: after the
+        signals of a later call). None where it shows no job (`systemctl cancel`: its start
+        goes on), or a call of ours is unanswered (the job may be ours)."""
+        state, gate = self.state(name), self._gate_seen.get(name)
+        kind = classify(state)
+        if gate is None or kind is not Kind.GATE or not state.job_id or self._in_flight.get(name):
+            return None
+        jobs = self._unit_jobs.get(name, {})
+        since = [path for path, at in jobs.items() if at > gate and path not in self._own_jobs]
+        shown = [path for path in since if job_number(path) == state.job_id]
+        if shown:
+            return shown[0]
+        return since[-1] if since and self._cancelled_at_gate.get(name) == state.job_id else None
+
+    def leaving(self, name: str) -> bool:
+        """Told down at its gate (`stopped_at_gate`), its stop under way: no gate of it is
+        served until it is at a gate again."""
+        return name in self._leaving
+
+    def leaving_read(self, name: str, state: UnitState) -> bool:
+        """A read of a unit told down at its gate (`stopped_at_gate`), which names the type
+        of its job (signals do not): one at its gate with a start job waits there again (a
+        start replaced the stop before it ran, and that signal was lost; or the job taken
+        for a stop was its start, a signal that showed it at its gate lost). Whether it
+        does: its gate is then served as a new start's."""
+        if name not in self._leaving or classify(state) is not Kind.GATE or not state.job_id:
+            return False
+        if state.job_type not in START_JOBS:
+            return False
+        self._waits_again(name)
+        return True
+
+    def _waits_again(self, name: str) -> None:
+        """Not leaving any more: a start at its gate from now on, jobs before it said of
+        no run of it (`passed_gate`)."""
+        del self._leaving[name]
+        self._cancelled_at_gate.pop(name, None)
+        self._gate_seen[name] = next(self._stamps)
 
     def _theirs_first(self, unit: str) -> bool:
         """A stop of ours got no answer, and the job that took the unit down, its signals
@@ -752,6 +872,9 @@ class Tracker:
         """Down: no job announced before says anything of its next run."""
         self._gate_seen.pop(unit, None)
         self._start_failed.pop(unit, None)
+        self._cancelled_at_gate.pop(unit, None)
+        self._jobless_at_gate.discard(unit)
+        self._leaving.pop(unit, None)
         self.passed_gate(unit)
 
     def stopped_by_others(self, name: str) -> bool:

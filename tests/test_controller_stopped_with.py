@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuslice.core.scheduler import SavedState
+from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.systemd import SystemdError
 from gpuslice.tracker import UnitState
 from tests.test_controller import (
@@ -430,5 +430,196 @@ def test_a_suspended_unit_seen_down_while_gpuslice_stops_what_it_needs_is_preemp
         assert ("needs", C) in bed.systemd.calls
         assert C in ctl.scheduler.preempted
         assert ctl.scheduler.snapshot().held == []
+
+    run(test)
+
+
+def _job(number: int) -> str:
+    return f"/org/freedesktop/systemd1/job/{number}"
+
+
+@pytest.mark.parametrize("shown", ["before", "after"], ids=["shown-first", "shown-late"])
+def test_a_waiter_someone_stops_at_its_gate_preempts_no_one_when_a_refusals_job_ends(
+    tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture, shown: str
+) -> None:
+    """B's stop was refused for D's start (D `Requires=` + `After=` B), which A, waiting at
+    its gate, does not need: the refusal holds until D's job ends. `systemctl stop a d b`:
+    A's stop replaces A's start at its gate (JobRemoved `canceled`, JobNew, then A's
+    PropertiesChanged naming the stop job, still `start-pre` until its gate is killed), then
+    D's stop cancels D's start, which ends the refusal. A is leaving: someone stopped it, so
+    it preempts no one, whether its PropertiesChanged comes before D's job ends (`shown`) or
+    after. It preempted B (the bed's `systemctl stop a d b`, CI), and B came back after."""
+    d = "d.service"
+    cgroup_of[4242] = A
+    bed = holding_a_gpu_each(
+        tmp_path,
+        {B: "Priority=50\n"},
+        down={A: "Priority=10\n"},
+        config=bed_config(tmp_path, gpus=1),
+    )
+    destructive = "org.freedesktop.systemd1.TransactionIsDestructive"
+    bed.systemd.refused_stops[B] = [SystemdError(destructive, OWN_JOB)]
+    bed.systemd.needed[A] = NEEDS_NONE
+    bed.systemd.needed[d] = {**NEEDS_NONE, "Requires": [B]}
+    bed.systemd.units[d] = UnitState(d, "inactive", "dead", 12, "start")
+    at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        ctl.on_job_new(20, _job(20), A)  # someone's `systemctl start a`
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
+        ctl.on_unit_changed(A, {**at_gate, "Job": (20, _job(20))})
+        await bed.acquire(A, ":1.9", 4242)
+        await settle()
+        assert f"will try to stop it again once a job of {d} ends" in " ".join(messages(caplog))
+        stops = [call for call in bed.systemd.calls if call[1] == B]
+        # `systemctl stop a d b`: A's stop replaces its start at its gate
+        ctl.on_job_removed(20, _job(20), A, "canceled")
+        ctl.on_job_new(21, _job(21), A)
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 21, "stop")
+        if shown == "before":
+            ctl.on_unit_changed(A, {**at_gate, "Job": (21, _job(21))})
+        # D's stop cancels D's start: the refusal's job ends
+        bed.systemd.units[d] = UnitState(d, "inactive", "dead", 0)
+        ctl.on_job_removed(12, _job(12), d, "canceled")
+        await settle()
+        if shown == "after":
+            ctl.on_unit_changed(A, {**at_gate, "Job": (21, _job(21))})
+            await settle()
+        assert [call for call in bed.systemd.calls if call[1] == B] == stops
+        assert not ctl.scheduler.is_waiting(A)
+        # A's gate is killed, A goes down; B's stop (b's, from the same command) too
+        ctl.on_unit_changed(A, {"ActiveState": "deactivating", "SubState": "stop-sigterm"})
+        bed.systemd.units[A] = state(A, "inactive", "dead")
+        ctl.on_unit_changed(A, {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")})
+        ctl.on_job_removed(21, _job(21), A, "done")
+        ctl.on_job_new(22, _job(22), B)
+        goes_down(bed, B)
+        ctl.on_job_removed(22, _job(22), B, "done")
+        await settle()
+        assert [call for call in bed.systemd.calls if call[1] == B] == stops
+        assert _started(bed) == []  # nobody brought back
+        assert sorted(ctl.scheduler.snapshot().held) == [A, B]
+
+    run(test)
+
+
+def test_a_waiter_told_down_at_its_gate_waits_again_when_systemd_shows_a_start_there(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """A waits at its gate behind B (more urgent). Its start ends `canceled` and a job of
+    someone's comes: taken for a stop, A is told down at once. The read that follows names
+    the job a start (a start replaced the stop before it ran, its signals lost): A waits
+    again, and is granted once B is down. Left told down, its gate waited for ever."""
+    cgroup_of[4242] = A
+    bed = holding_a_gpu_each(
+        tmp_path,
+        {B: "Priority=50\n"},
+        down={A: "Priority=60\n"},
+        config=bed_config(tmp_path, gpus=1),
+    )
+    at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        ctl.on_job_new(20, _job(20), A)
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
+        ctl.on_unit_changed(A, {**at_gate, "Job": (20, _job(20))})
+        await bed.acquire(A, ":1.9", 4242)
+        assert ctl.scheduler.is_waiting(A)
+        ctl.on_job_removed(20, _job(20), A, "canceled")
+        ctl.on_job_new(21, _job(21), A)
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 22, "start")
+        assert not ctl.scheduler.is_waiting(A)
+        await settle()
+        assert ctl.scheduler.is_waiting(A)
+        assert not ctl.tracker.leaving(A)
+        goes_down(bed, B)
+        await settle()
+        # granted, not a place kept until a gate asks that waits on its pipe
+        assert ctl.scheduler.phase(A) is Phase.RUNNING
+        assert ctl.scheduler.grants() == {A: frozenset({0})}
+
+    run(test)
+
+
+def test_a_waiter_someone_stops_at_its_gate_during_a_rescan_is_told_down_at_once(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rescan under way holds back what systemd shows of a start at its gate not answered
+    yet (Rescans.hold_gate), but not someone's stop of a waiter there: held back, the
+    waiter's down was dropped and A waited on, preempting for a start being stopped."""
+    cgroup_of[4242] = A
+    bed = holding_a_gpu_each(
+        tmp_path,
+        {B: "Priority=50\n"},
+        down={A: "Priority=60\n"},
+        config=bed_config(tmp_path, gpus=1),
+    )
+    at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        ctl.on_job_new(20, _job(20), A)
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
+        ctl.on_unit_changed(A, {**at_gate, "Job": (20, _job(20))})
+        await bed.acquire(A, ":1.9", 4242)
+        assert ctl.scheduler.is_waiting(A)
+        monkeypatch.setattr(ctl.rescans, "hold_gate", lambda name, invocation: True)
+        ctl.on_job_new(21, _job(21), A)  # its start's end lost
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 21, "stop")
+        ctl.on_unit_changed(A, {**at_gate, "Job": (21, _job(21))})
+        assert not ctl.scheduler.is_waiting(A)
+        assert A in ctl.scheduler.snapshot().held
+
+    run(test)
+
+
+def test_a_waiter_whose_stop_a_start_replaced_before_it_ran_waits_again(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """`systemctl stop a; systemctl start a` while A waits at its gate: systemd runs its
+    queue after the calls it has read, so the start may replace the stop before it ran, and
+    A never leaves its gate. Told down at the stop, A waits again at the start's signal, its
+    gate served: granted once B is down. Left told down, its gate waited for ever."""
+    cgroup_of[4242] = A
+    bed = holding_a_gpu_each(
+        tmp_path,
+        {B: "Priority=50\n"},
+        down={A: "Priority=60\n"},
+        config=bed_config(tmp_path, gpus=1),
+    )
+    at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        ctl.on_job_new(20, _job(20), A)
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
+        ctl.on_unit_changed(A, {**at_gate, "Job": (20, _job(20))})
+        await bed.acquire(A, ":1.9", 4242)
+        ctl.on_job_removed(20, _job(20), A, "canceled")
+        ctl.on_job_new(21, _job(21), A)
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 21, "stop")
+        ctl.on_unit_changed(A, {**at_gate, "Job": (21, _job(21))})
+        assert not ctl.scheduler.is_waiting(A)
+        ctl.on_job_removed(21, _job(21), A, "canceled")
+        ctl.on_job_new(22, _job(22), A)
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 22, "start")
+        ctl.on_unit_changed(A, {**at_gate, "Job": (22, _job(22))})
+        await settle()
+        assert ctl.scheduler.is_waiting(A)
+        goes_down(bed, B)
+        await settle()
+        # granted, not a place kept until a gate asks that waits on its pipe
+        assert ctl.scheduler.phase(A) is Phase.RUNNING
+        assert ctl.scheduler.grants() == {A: frozenset({0})}
 
     run(test)

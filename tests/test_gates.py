@@ -113,9 +113,13 @@ class FakeTracker:
         self.states: dict[str, UnitState] = {}
         self.counts: dict[str, int] = {}
         self.ended = Outcome.STOPPED  # what `outcome` says of any state
+        self.stopped_at_gate: set[str] = set()  # `leaving`: someone stops them at their gate
 
     def state(self, name: str) -> UnitState:
         return self.states.get(name, down(name))
+
+    def leaving(self, name: str) -> bool:
+        return name in self.stopped_at_gate
 
     def signals(self, name: str) -> int:
         return self.counts.get(name, 0)
@@ -400,6 +404,18 @@ def test_a_start_cancelled_while_its_caller_was_checked_is_forgotten(kit: Kit) -
     kit.tracker.counts[A] = 3  # signals since the call came
     kit.run(kit.gates.verify_acquire(A, SENDER, 2))
     assert kit.did == [f"caller_pid {SENDER}", f"forget {A}"]
+
+
+def test_the_gate_of_a_start_someone_stops_there_is_told_to_ask_again_not_served(
+    kit: Kit,
+) -> None:
+    """Told down at its gate as someone's stop of it was seen (Tracker.stopped_at_gate),
+    the unit's gate, asking before systemd kills it, is not served: served, the start being
+    stopped waited again, preempting for nothing. Told to ask again, it is killed first."""
+    kit.asking(state=at_gate())
+    kit.tracker.stopped_at_gate.add(A)
+    kit.gates.serve_gate(A)
+    assert kit.did == [f"forget {A}"]
 
 
 @pytest.mark.parametrize(("seen", "state"), [(3, down()), (2, at_gate())])

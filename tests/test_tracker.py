@@ -1480,12 +1480,14 @@ def test_a_job_whose_job_new_was_lost_that_takes_a_unit_down_is_someones_stop() 
     tracker.job_new(JOB1, A)  # their start, at its gate
     tracker.unit_changed(A, props_of("activating", "start-pre", 1))
     tracker.job_removed(JOB1, A, "canceled")  # their stop replaces it, its JobNew lost
-    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == []
+    # a waiter: told down as soon as it shows their stop at its gate (Tracker.stopped_at_gate)
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == [
+        WentDown(A, Outcome.STOPPED, job=JOB2)
+    ]
+    model.waiters.discard(A)
     assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2)) == []
     tracker.job_removed(JOB2, A, "done")
-    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
-        WentDown(A, Outcome.STOPPED)
-    ]
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []  # told once
     # ours, its JobNew lost, shown queued before the unit leaves with it: not by itself
     _, tracker = running_being_stopped()
     assert tracker.unit_changed(A, props_of("active", "running", 2)) == []
@@ -1915,3 +1917,110 @@ def test_a_stop_shown_in_the_exec_condition_it_stops_is_still_a_stop() -> None:
     tracker.unit_changed(A, jobbed("inactive", "dead", JOB2))
     tracker.job_removed(JOB2, A, "done")
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def waiting_at_its_gate() -> tuple[Model, Tracker]:
+    """A, someone's start (job 1), waits at its gate: a waiter of the core's."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 1)) == [ReachedGate(A)]
+    model.waiters.add(A)
+    return model, tracker
+
+
+def test_a_waiter_someone_stops_at_its_gate_is_told_down_at_its_stops_job_new() -> None:
+    """`systemctl stop a` of a waiter at its gate: its start ends `canceled`, the stop's JobNew
+    follows; its PropertiesChanged (the stop job, still `start-pre` until its gate is killed)
+    may come after other units' signals. Down for the core from the JobNew: a waiter until
+    its down, it preempted B for a refusal's job that ended meanwhile. Its down is not told
+    again, nor its gate again while it is being stopped."""
+    model, tracker = waiting_at_its_gate()
+    tracker.job_removed(JOB1, A, "canceled")
+    assert tracker.stopped_at_gate(A) == []  # no job replaced it yet
+    tracker.job_new(JOB2, A)
+    assert tracker.stopped_at_gate(A) == [WentDown(A, Outcome.STOPPED, job=JOB2)]
+    assert tracker.leaving(A)
+    model.waiters.discard(A)
+    assert tracker.stopped_at_gate(A) == []  # once
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == []
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 2)) == []
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []
+    assert not tracker.leaving(A)
+    # its next start is a start as any
+    tracker.job_new(JOB3, A)
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 3)) == [ReachedGate(A)]
+
+
+def test_a_job_at_the_gate_that_replaced_no_start_is_no_stop() -> None:
+    """A job announced while the start still runs at its gate merged into nothing (systemd
+    replaces a running start only with a stop; a no-op job is announced beside it), and a
+    start after `systemctl cancel` (its start ended `canceled`, the unit shown with no job,
+    its ExecStartPre= still running) is a start: neither tells the waiter down. Nor does a
+    job while a call of ours is unanswered (it may be ours)."""
+    _, tracker = waiting_at_its_gate()
+    tracker.job_new(JOB2, A)  # a no-op job, its start still shown
+    assert tracker.stopped_at_gate(A) == []
+    _, tracker = waiting_at_its_gate()
+    tracker.job_removed(JOB1, A, "canceled")  # `systemctl cancel`
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 0)) == []
+    tracker.job_new(JOB2, A)  # `systemctl start a` again
+    assert tracker.stopped_at_gate(A) == []
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == []
+    assert not tracker.leaving(A)
+    _, tracker = waiting_at_its_gate()
+    tracker.call_sent(A)
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.job_new(JOB2, A)
+    assert tracker.stopped_at_gate(A) == []
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == []
+
+
+def test_a_waiter_told_down_at_its_gate_waits_again_when_a_start_replaced_its_stop() -> None:
+    """The stop had not run when someone's start replaced it (systemd runs its queue after
+    the calls it has read): the unit never left its gate, and waits there again with a new
+    start job. Left told down, its gate was never served: stuck. Shown by its signal, or,
+    that signal lost, by a read, which names the job's type."""
+    model, tracker = waiting_at_its_gate()
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.job_new(JOB2, A)
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 2)) == [
+        WentDown(A, Outcome.STOPPED, job=JOB2)
+    ]
+    model.waiters.discard(A)
+    tracker.job_removed(JOB2, A, "canceled")
+    tracker.job_new(JOB3, A)
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 3)) == [ReachedGate(A)]
+    assert not tracker.leaving(A)
+    # the read: a stop job keeps it leaving; a start job (or none known) has it wait again
+    model, tracker = waiting_at_its_gate()
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.job_new(JOB2, A)
+    assert tracker.stopped_at_gate(A) == [WentDown(A, Outcome.STOPPED, job=JOB2)]
+    model.waiters.discard(A)
+    assert not tracker.leaving_read(A, UnitState(A, "activating", "start-pre", 2, "stop"))
+    assert not tracker.leaving_read(A, UnitState(A, "deactivating", "stop-sigterm", 2, "stop"))
+    assert tracker.leaving(A)
+    assert tracker.leaving_read(A, UnitState(A, "activating", "start-pre", 3, "start"))
+    assert not tracker.leaving(A)
+    # the job that took it down before its gate counts no more: its next down is its own
+    tracker.passed_gate(A)
+    model.phases[A] = Phase.RUNNING
+    tracker.unit_changed(A, props_of("active", "running", 0))
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == [
+        WentDown(A, Outcome.EXITED, by_itself=True)
+    ]
+
+
+def test_a_waiter_told_down_at_its_gate_waits_again_when_its_stop_is_cancelled() -> None:
+    """`systemctl cancel` of the stop before it ran: the unit, shown at its gate with no
+    job, goes on there: it waits again."""
+    model, tracker = waiting_at_its_gate()
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.job_new(JOB2, A)
+    assert tracker.stopped_at_gate(A) == [WentDown(A, Outcome.STOPPED, job=JOB2)]
+    model.waiters.discard(A)
+    tracker.job_removed(JOB2, A, "canceled")
+    assert tracker.unit_changed(A, props_of("activating", "start-pre", 0)) == [ReachedGate(A)]
+    assert not tracker.leaving(A)

@@ -470,6 +470,8 @@ class Harness:
         self.calls: list[str] = []  # our StartUnit/StopUnit sent, not yet received
         self.preempted = False
         self.reported: dict[int, WentDown] = {}
+        # runs told down at their gate, a stop of someone's shown there (stopped_at_gate)
+        self.told_at_gate: set[int] = set()
         self.owed: set[int] = set()  # runs the core knew of
         self.gate_asked = 0  # the run whose gate asked
         self.log: list[str] = [f"late={self.late} restart={self.sd.restart} lossy={self.lossy}"]
@@ -502,6 +504,7 @@ class Harness:
             sd.sub == "start-pre"
             and not sd.granted
             and self.gate_asked != sd.run
+            and not self.tracker.leaving(A)  # refused then (Gates.serve_gate)
             and (
                 (self.last.run == sd.run and self.last.sub == "start-pre")
                 or (self.lossy and self.pos > sd.gate_pos)
@@ -777,6 +780,25 @@ class Harness:
     def judge(self, changes: list[Change], shown: Shown) -> None:
         for change in changes:
             self.note(f"#   -> {change}")
+            at_gate = shown.active == "activating" and shown.sub == "start-pre"
+            if isinstance(change, WentDown) and at_gate and shown.run > shown.ended:
+                # a waiter shows someone's stop at its gate: its run told down at once
+                # (Tracker.stopped_at_gate), a stop (checked once it ended: check_at_rest)
+                assert A in self.model.waiters, (change, shown)
+                assert change.outcome in (Outcome.STOPPED, Outcome.SHUTDOWN), change
+                now = self.sd.shown()
+                read = UnitState(A, now.active, now.sub, now.job, now.job_kind)
+                if self.tracker.leaving_read(A, read):
+                    # the controller's read of its job's type (Controller._leaving_read): a
+                    # start there (one that replaced the stop, or the start itself where the
+                    # state that showed it at its gate was lost): it waits on
+                    self.note(f"tracker.leaving_read(A, {read})  # -> waits again")
+                    continue
+                assert not change.by_itself and shown.run not in self.reported, change
+                self.reported[shown.run] = change
+                self.told_at_gate.add(shown.run)
+                self.model.waiters.discard(A)
+                continue
             if isinstance(change, WentDown):
                 # the oldest run the core knew of that ended unreported (a run deferred
                 # while our call was in flight is told later), else the last one ended
@@ -867,6 +889,11 @@ class Harness:
                 self.owed.add(shown.run)
                 self.model.phases[A] = Phase.RUNNING
             elif isinstance(change, ReachedGate):
+                if shown.run in self.told_at_gate:
+                    # told down at its gate, a start replaced the stop before it ran: the
+                    # same run waits there again, told at its end (Tracker._waits_again)
+                    self.told_at_gate.discard(shown.run)
+                    del self.reported[shown.run]
                 assert shown.run and shown.run not in self.reported, "at its gate after down"
                 self.owed.add(shown.run)
                 self.model.waiters.add(A)
@@ -954,6 +981,10 @@ class Harness:
             later = any(n > number for n in self.reported) or self.sd.run > number
             if run.cause and number in self.owed and not later:
                 assert number in self.reported, f"run {number} ended unreported ({run})"
+            if number in self.told_at_gate and run.cause:
+                # told stopped at its gate: someone's stop ended it there (the shutdown's
+                # too: its JobNew lost, taken for a person's)
+                assert run.cause in ("stop:person", "stop:shutdown") and not run.ran, run
 
 
 def verdict(phase: Phase | None, outcome: Outcome, by_itself: bool, not_ours: bool) -> str:
