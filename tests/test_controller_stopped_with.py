@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuslice.controller import Controller
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.systemd import SystemdError
 from gpuslice.tracker import UnitState
@@ -438,6 +439,32 @@ def _job(number: int) -> str:
     return f"/org/freedesktop/systemd1/job/{number}"
 
 
+AT_GATE = {"ActiveState": "activating", "SubState": "start-pre"}
+
+
+def _a_behind_b(tmp_path: Path, cgroup_of: dict[int, str]) -> Bed:
+    """B (50) holds the one GPU; A (60, less urgent) down, its gate's process 4242."""
+    cgroup_of[4242] = A
+    return holding_a_gpu_each(
+        tmp_path,
+        {B: "Priority=50\n"},
+        down={A: "Priority=60\n"},
+        config=bed_config(tmp_path, gpus=1),
+    )
+
+
+async def _waits_at_its_gate(bed: Bed) -> Controller:
+    """The controller started; someone's start of A (job 20) at its gate, which asks."""
+    ctl = bed.controller
+    await ctl.start()
+    await settle()
+    ctl.on_job_new(20, _job(20), A)
+    bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
+    ctl.on_unit_changed(A, {**AT_GATE, "Job": (20, _job(20))})
+    await bed.acquire(A, ":1.9", 4242)
+    return ctl
+
+
 @pytest.mark.parametrize("shown", ["before", "after"], ids=["shown-first", "shown-late"])
 def test_a_waiter_someone_stops_at_its_gate_preempts_no_one_when_a_refusals_job_ends(
     tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture, shown: str
@@ -462,7 +489,6 @@ def test_a_waiter_someone_stops_at_its_gate_preempts_no_one_when_a_refusals_job_
     bed.systemd.needed[A] = NEEDS_NONE
     bed.systemd.needed[d] = {**NEEDS_NONE, "Requires": [B]}
     bed.systemd.units[d] = UnitState(d, "inactive", "dead", 12, "start")
-    at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
 
     async def test() -> None:
         ctl = bed.controller
@@ -470,7 +496,7 @@ def test_a_waiter_someone_stops_at_its_gate_preempts_no_one_when_a_refusals_job_
         await settle()
         ctl.on_job_new(20, _job(20), A)  # someone's `systemctl start a`
         bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
-        ctl.on_unit_changed(A, {**at_gate, "Job": (20, _job(20))})
+        ctl.on_unit_changed(A, {**AT_GATE, "Job": (20, _job(20))})
         await bed.acquire(A, ":1.9", 4242)
         await settle()
         assert f"will try to stop it again once a job of {d} ends" in " ".join(messages(caplog))
@@ -480,13 +506,13 @@ def test_a_waiter_someone_stops_at_its_gate_preempts_no_one_when_a_refusals_job_
         ctl.on_job_new(21, _job(21), A)
         bed.systemd.units[A] = state(A, "activating", "start-pre", 21, "stop")
         if shown == "before":
-            ctl.on_unit_changed(A, {**at_gate, "Job": (21, _job(21))})
+            ctl.on_unit_changed(A, {**AT_GATE, "Job": (21, _job(21))})
         # D's stop cancels D's start: the refusal's job ends
         bed.systemd.units[d] = UnitState(d, "inactive", "dead", 0)
         ctl.on_job_removed(12, _job(12), d, "canceled")
         await settle()
         if shown == "after":
-            ctl.on_unit_changed(A, {**at_gate, "Job": (21, _job(21))})
+            ctl.on_unit_changed(A, {**AT_GATE, "Job": (21, _job(21))})
             await settle()
         assert [call for call in bed.systemd.calls if call[1] == B] == stops
         assert not ctl.scheduler.is_waiting(A)
@@ -513,23 +539,10 @@ def test_a_waiter_told_down_at_its_gate_waits_again_when_systemd_shows_a_start_t
     someone's comes: taken for a stop, A is told down at once. The read that follows names
     the job a start (a start replaced the stop before it ran, its signals lost): A waits
     again, and is granted once B is down. Left told down, its gate waited for ever."""
-    cgroup_of[4242] = A
-    bed = holding_a_gpu_each(
-        tmp_path,
-        {B: "Priority=50\n"},
-        down={A: "Priority=60\n"},
-        config=bed_config(tmp_path, gpus=1),
-    )
-    at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
+    bed = _a_behind_b(tmp_path, cgroup_of)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
-        ctl.on_job_new(20, _job(20), A)
-        bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
-        ctl.on_unit_changed(A, {**at_gate, "Job": (20, _job(20))})
-        await bed.acquire(A, ":1.9", 4242)
+        ctl = await _waits_at_its_gate(bed)
         assert ctl.scheduler.is_waiting(A)
         ctl.on_job_removed(20, _job(20), A, "canceled")
         ctl.on_job_new(21, _job(21), A)
@@ -553,28 +566,15 @@ def test_a_waiter_someone_stops_at_its_gate_during_a_rescan_is_told_down_at_once
     """A rescan under way holds back what systemd shows of a start at its gate not answered
     yet (Rescans.hold_gate), but not someone's stop of a waiter there: held back, the
     waiter's down was dropped and A waited on, preempting for a start being stopped."""
-    cgroup_of[4242] = A
-    bed = holding_a_gpu_each(
-        tmp_path,
-        {B: "Priority=50\n"},
-        down={A: "Priority=60\n"},
-        config=bed_config(tmp_path, gpus=1),
-    )
-    at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
+    bed = _a_behind_b(tmp_path, cgroup_of)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
-        ctl.on_job_new(20, _job(20), A)
-        bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
-        ctl.on_unit_changed(A, {**at_gate, "Job": (20, _job(20))})
-        await bed.acquire(A, ":1.9", 4242)
+        ctl = await _waits_at_its_gate(bed)
         assert ctl.scheduler.is_waiting(A)
         monkeypatch.setattr(ctl.rescans, "hold_gate", lambda name, invocation: True)
         ctl.on_job_new(21, _job(21), A)  # its start's end lost
         bed.systemd.units[A] = state(A, "activating", "start-pre", 21, "stop")
-        ctl.on_unit_changed(A, {**at_gate, "Job": (21, _job(21))})
+        ctl.on_unit_changed(A, {**AT_GATE, "Job": (21, _job(21))})
         assert not ctl.scheduler.is_waiting(A)
         assert A in ctl.scheduler.snapshot().held
 
@@ -588,32 +588,19 @@ def test_a_waiter_whose_stop_a_start_replaced_before_it_ran_waits_again(
     queue after the calls it has read, so the start may replace the stop before it ran, and
     A never leaves its gate. Told down at the stop, A waits again at the start's signal, its
     gate served: granted once B is down. Left told down, its gate waited for ever."""
-    cgroup_of[4242] = A
-    bed = holding_a_gpu_each(
-        tmp_path,
-        {B: "Priority=50\n"},
-        down={A: "Priority=60\n"},
-        config=bed_config(tmp_path, gpus=1),
-    )
-    at_gate = {"ActiveState": "activating", "SubState": "start-pre"}
+    bed = _a_behind_b(tmp_path, cgroup_of)
 
     async def test() -> None:
-        ctl = bed.controller
-        await ctl.start()
-        await settle()
-        ctl.on_job_new(20, _job(20), A)
-        bed.systemd.units[A] = state(A, "activating", "start-pre", 20, "start")
-        ctl.on_unit_changed(A, {**at_gate, "Job": (20, _job(20))})
-        await bed.acquire(A, ":1.9", 4242)
+        ctl = await _waits_at_its_gate(bed)
         ctl.on_job_removed(20, _job(20), A, "canceled")
         ctl.on_job_new(21, _job(21), A)
         bed.systemd.units[A] = state(A, "activating", "start-pre", 21, "stop")
-        ctl.on_unit_changed(A, {**at_gate, "Job": (21, _job(21))})
+        ctl.on_unit_changed(A, {**AT_GATE, "Job": (21, _job(21))})
         assert not ctl.scheduler.is_waiting(A)
         ctl.on_job_removed(21, _job(21), A, "canceled")
         ctl.on_job_new(22, _job(22), A)
         bed.systemd.units[A] = state(A, "activating", "start-pre", 22, "start")
-        ctl.on_unit_changed(A, {**at_gate, "Job": (22, _job(22))})
+        ctl.on_unit_changed(A, {**AT_GATE, "Job": (22, _job(22))})
         await settle()
         assert ctl.scheduler.is_waiting(A)
         goes_down(bed, B)
