@@ -217,7 +217,11 @@ def test_a_comeback_started_to_preempt_whose_start_waits_keeps_no_room_either() 
     assert brief(s.schedule()) == ["start job.service"]
     assert s.keeps_place(job.name)
     assert brief(s.request(b)) == []  # GPU 0 kept for job's comeback
-    assert brief(s.start_waits(job.name)) == ["stop low.service"]
+    done = s.start_waits(job.name)
+    assert brief(done) == ["stop low.service"]
+    assert words(done)[0].startswith(  # the GPU its comeback was placed on, though it holds none
+        "job.service waits in systemd's queue for the start of a GPU unit: GPU 0 no longer "
+    )
     assert not s.keeps_place(job.name)
 
 
@@ -251,3 +255,31 @@ def test_a_comebacks_room_is_in_the_way_of_a_gate_that_waits_on_it() -> None:
     assert brief(s.schedule()) == ["start job.service"]
     assert brief(s.request(b)) == []
     assert s.kept_in_the_way(b.name) == [job.name]
+
+
+def test_a_start_that_waits_frees_its_gpu_for_status_before_the_next_pass() -> None:
+    """Told inside a batch of events (the controller decides once after it), a start that
+    waits in systemd's queue holds nothing from then on, also for a status asked before the
+    batch's pass: b waits for GPU 0, which c no longer keeps."""
+    c, b = spec("c", 40, BG), spec("b", 50)
+    s = Scheduler([Gpu(0)], {c.name: c, b.name: b})
+    assert brief(s.schedule()) == ["start c.service"]
+    assert brief(s.request(b)) == []
+    assert "c.service" in s.snapshot().waiting[0][2]  # held by c
+    with s.deferred():
+        assert brief(s.start_waits(c.name)) == []
+        assert "c.service" not in s.snapshot().waiting[0][2]
+
+
+def test_a_start_kept_on_a_gpu_a_waiter_shuns_is_not_in_its_way() -> None:
+    """A background waiter (b) never runs beside a foreign process: a start kept on the only
+    GPU, where one runs, keeps nothing b could use (the controller walks nothing for b)."""
+    c, b = spec("c", 40), spec("b", 50, BG)
+    s = Scheduler([Gpu(0)], {c.name: c, b.name: b})
+    assert brief(s.announce(c)) == []
+    assert s.keeps_place(c.name)
+    assert brief(s.request(b)) == []
+    assert s.kept_in_the_way(b.name) == [c.name]  # GPU 0 is b's but for c's place
+    assert brief(s.set_gpus([Gpu(0, foreign_pids=(4242,))])) == []
+    assert s.keeps_place(c.name) and s.asked(b.name)
+    assert s.kept_in_the_way(b.name) == []

@@ -5,6 +5,8 @@ A waiter must never wait forever for a victim that is not stopping, and must say
 
 from __future__ import annotations
 
+import pytest
+
 from gpuslice.core.decisions import Cause
 from gpuslice.core.model import Gpu
 from gpuslice.core.scheduler import Log, Outcome, Phase, Scheduler, Stop
@@ -191,9 +193,57 @@ def test_a_stop_refused_for_jobs_under_way_is_asked_again_once_one_ends() -> Non
     assert "bga.service" in sched.unstoppable
 
 
-def test_a_stop_refused_for_jobs_is_held_no_more_once_its_unit_is_down() -> None:
+@pytest.mark.parametrize("end", ["down", "remains", "restarts"])
+def test_a_stop_refused_for_jobs_is_held_no_more_once_its_unit_is_down(end: str) -> None:
+    """Down, finished but kept active (`exited`), or down and kept for its Restart= once
+    voice waits no more: the refusal held for d's jobs is over with the run it was refused
+    for, and the controller, told of d's job's end later, has none left to end (it says
+    none ended: Calls.job_ended)."""
+    sched, _ = preempting()
+    sched.stop_failed("bga.service", "destructive", refused=True, jobs=("d.service",))
+    assert sched.held_for_jobs == {"bga.service": ("d.service",)}
+    if end == "down":
+        sched.inactive("bga.service", Outcome.EXITED)
+    elif end == "remains":
+        sched.exited("bga.service")
+    else:
+        sched.inactive("voice.service", Outcome.STOPPED)
+        sched.inactive("bga.service", Outcome.FAILED, restarting=True)
+        assert sched.restart_keeps().keys() == {"bga.service"}
+    assert sched.held_for_jobs == {} and sched.jobs_ended("bga.service") == []
+
+
+def test_a_stop_refused_for_its_own_start_alone_is_asked_again_once_that_start_ends() -> None:
+    """Refused for bga's own start job only (no waiter's start needs it: `while_waits` not
+    given), the refusal ends with that job (Scheduler.jobs_ended): voice's preemption is
+    decided again."""
     sched, _ = preempting()
     sched.stop_failed("bga.service", "destructive", refused=True, jobs=("bga.service",))
-    assert sched.held_for_jobs == {"bga.service": ("bga.service",)}
-    sched.inactive("bga.service", Outcome.EXITED)
+    assert brief(sched.jobs_ended("bga.service")) == ["stop bga.service"]
+
+
+def test_a_stop_that_fails_after_a_refusal_held_for_jobs_is_no_refusal_for_a_start() -> None:
+    """The refusal held for d's jobs over (Scheduler.jobs_ended), bga is stopped again for
+    voice; that stop fails (not refused): said as a failure, not as a stop refused for a
+    start that needs bga, of which nothing is left."""
+    sched, _ = preempting()
+    sched.stop_failed(
+        "bga.service", "destructive", refused=True, while_waits=True, jobs=("d.service",)
+    )
+    assert brief(sched.jobs_ended("bga.service")) == ["stop bga.service"]
+    actions = sched.stop_failed("bga.service", "timed out", refused=False)
+    said = next(a for a in actions if isinstance(a, Log))
+    assert said.decision is not None and said.decision.cause is None
+
+
+def test_a_stop_refused_for_jobs_is_held_no_more_once_its_waiter_waits_no_more() -> None:
+    """Refused for voice's start and d's jobs, the refusal ends when voice waits no more:
+    the controller, told of d's job's end later, has no refusal left to end (it says none
+    ended: Calls.job_ended)."""
+    sched, _ = preempting()
+    sched.stop_failed(
+        "bga.service", "destructive", refused=True, while_waits=True, jobs=("d.service",)
+    )
+    sched.inactive("voice.service", Outcome.STOPPED)
+    assert "bga.service" not in sched.unstoppable
     assert sched.held_for_jobs == {} and sched.jobs_ended("bga.service") == []

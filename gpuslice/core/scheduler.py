@@ -1099,7 +1099,8 @@ class Scheduler:
         start, which needs the unit), only until that waiter waits no more. Kept for as
         long as the victim ran, a unit once needed by a start was never preempted again,
         for anyone. `jobs`: refused only for the jobs of these units under way (its own
-        start, the starts of units that need it), until one ends (`jobs_ended`)."""
+        start, the starts of units that need it), until one ends (`jobs_ended`); given only
+        with `refused`."""
         holder = self.holders.get(name)
         if holder is None or holder.phase is not Phase.STOPPING:
             return []
@@ -1128,7 +1129,7 @@ class Scheduler:
             for_unit=waiter.spec.name if waiter is not None else "",
             for_priority=waiter.spec.priority if waiter is not None else None,
             gpus=tuple(sorted(holder.gpus)),
-            units=jobs if refused else (),
+            units=jobs,
             detail=why,
         )
         return [_log(decision), *self.schedule()]
@@ -1179,7 +1180,7 @@ class Scheduler:
         if not self.keeps_place(name):
             return []
         holder = self.holders[name]
-        kept = format_gpus(holder.gpus or self._comeback_room.get(name, ()))
+        kept = format_gpus(holder.gpus or self._comeback_room[name])  # either: `keeps_place`
         holder.gpus = frozenset()
         self._comeback_room.pop(name, None)
         self._tops_cache = None
@@ -1208,7 +1209,7 @@ class Scheduler:
             other
             for other, holder in self.holders.items()
             if self.keeps_place(other)
-            and usable & (holder.gpus or frozenset(self._comeback_room.get(other, ())))
+            and usable & (holder.gpus or frozenset(self._comeback_room[other]))
         )
 
     def start_failed(self, name: str, why: str) -> list[Action]:
