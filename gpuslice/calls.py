@@ -184,7 +184,10 @@ class Calls:
                 self.execute(self.scheduler.inactive(unit, Outcome.FAILED))
             else:
                 self.cancel_stop_timer(unit)
-                self._held_for.pop(unit, None)
+                # a refusal held for jobs since this stop was sent (that of a stop sent
+                # before it) stays theirs: the core, no longer stopping the unit, keeps it
+                # and ignores this one (Scheduler.stop_failed); forgotten here, the end of
+                # its jobs went untold and it held for the unit's whole run
                 self.execute(self.scheduler.stop_failed(unit, e.text, refused=True))
         else:
             self._asked_again.pop(unit, None)
@@ -262,7 +265,7 @@ class Calls:
             if not (needed and now is not None) and jobs:
                 started = self.tracker.state(unit).job_id  # its start, if still under way
                 held = {**jobs, unit: started} if started else dict(jobs)
-            self._held_for.pop(unit, None)
+            self._held_for.pop(unit, None)  # a guard: `send` forgot any hold already
             refused = self.scheduler.stop_failed(
                 unit, refusal.text, refused=True, while_waits=True, jobs=tuple(sorted(held))
             )

@@ -800,7 +800,7 @@ def test_a_stop_refused_for_its_own_job_holds_if_the_jobs_of_units_needing_it_ar
         kit.systemd.needers[U] = needers
         kit.systemd.answers = [OWN_JOB]
         kit.calls.send(kit.systemd.stop_unit, U, "stop")
-        await kit.done()
+        await asyncio.wait_for(kit.done(), 5.0)  # a read waited for unbounded hangs here
         assert f"{U} replace" not in kit.systemd.stops
         assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
 
