@@ -179,7 +179,10 @@ class FakeSystemd:
         self.kit.did.append(f"jobs_waited_for {job_id}")
         await asyncio.sleep(0)
         if job_id in self.hangs:
-            await asyncio.Event().wait()
+            try:
+                await asyncio.Event().wait()
+            finally:  # cancelled: said when its cancel is over
+                self.kit.did.append(f"jobs_waited_for {job_id} over")
         found = self.waited_for.get(job_id, [])
         if isinstance(found, Exception):
             raise found
@@ -672,13 +675,18 @@ def test_start_up_reads_so_many_queued_starts_so_long_at_most(
         kit.tracker.states[name] = queued(name, 100 + i)
         kit.specs[name] = UnitSpec(name, 10 + i)
     kit.systemd.hangs = {101}
+
+    async def read() -> tuple[dict[str, int], list[str]]:
+        return await kit.restore.queued_free(), list(kit.did)  # what was over on return
+
     with caplog.at_level(logging.INFO, logger="gpuslice"):
-        free = asyncio.run(kit.restore.queued_free())
+        free, did = asyncio.run(read())
     assert free == {"u0.service": 100, "u2.service": 102}
-    assert [d for d in kit.did if d.startswith("jobs_waited_for")] == [
+    assert [d for d in did if d.startswith("jobs_waited_for")] == [
         "jobs_waited_for 100",
         "jobs_waited_for 101",
         "jobs_waited_for 102",
+        "jobs_waited_for 101 over",  # the hung read cancelled, and its cancel over
     ]
     assert said(caplog) == [
         (
@@ -687,6 +695,35 @@ def test_start_up_reads_so_many_queued_starts_so_long_at_most(
             "each is judged when its gate asks",
         )
     ]
+
+
+def test_reads_of_no_known_form_are_each_said_and_so_many_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every read answered in no form the adapter knows is said with its unit and error;
+    with none beyond QUEUED_READ_MAX, the journal still says how many are left to their
+    gates, naming the first eight of them."""
+    kit = Kit(tmp_path)
+    names = [f"u{i}.service" for i in range(9)]
+    for i, name in enumerate(names):
+        kit.tracker.states[name] = queued(name, 100 + i)
+        kit.specs[name] = UnitSpec(name, 10 + i)
+        kit.systemd.waited_for[100 + i] = TypeError(f"form {i}")
+    with caplog.at_level(logging.INFO, logger="gpuslice"):
+        assert asyncio.run(kit.restore.queued_free()) == {}
+    assert said(caplog) == [
+        *(
+            (logging.WARNING, f"cannot read the jobs {n} waits for: TypeError('form {i}')")
+            for i, n in enumerate(names)
+        ),
+        (
+            logging.INFO,
+            "cannot tell whether 9 queued starts wait for a GPU unit's start ("
+            + ", ".join(names[:8])
+            + "): each is judged when its gate asks",
+        ),
+    ]
+    assert kit.counters.errors["dbus_call_errors"] == 9
 
 
 # ---- remember_told, started_again ---------------------------------------------------------

@@ -1846,6 +1846,75 @@ def test_only_a_new_failed_check_since_the_jobs_announce_makes_a_skip() -> None:
     assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
 
 
+def skipped_or_stopped(tracker: Tracker, job: str, check: tuple[bool, int] | None) -> Outcome:
+    """A job of a unit down announced, a check shown (or none), the job ended `done`: what
+    the down after it is taken for (told, or the outcome of its state where none is)."""
+    tracker.job_new(job, A)
+    if check is not None:
+        tracker.unit_changed(A, checked("inactive", "dead", int(job.rsplit("/", 1)[1]), *check))
+    tracker.job_removed(job, A, "done")
+    down = tracker.unit_changed(A, props("inactive", "dead"))
+    if not down:
+        return tracker.outcome(tracker.state(A))
+    [event] = down
+    assert isinstance(event, WentDown)
+    return event.outcome
+
+
+def test_a_check_is_new_from_its_first_microsecond_and_a_newer_pass_clears_a_fail() -> None:
+    """The first check seen of a unit is new at any time above 0 (1 µs too): failed, a
+    skip. A newer check that passed, shown before the job ends, says the start ran its
+    check through: the job's end is a stop."""
+    model = Model()
+    assert skipped_or_stopped(model.tracker(), JOB1, (False, 1)) is Outcome.SKIPPED
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, checked("inactive", "dead", 1, False, 100))
+    tracker.unit_changed(A, checked("inactive", "dead", 1, True, 200))
+    tracker.job_removed(JOB1, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
+def test_a_forgotten_unit_keeps_no_check_nor_job_of_its_condition() -> None:
+    """forget drops a unit's checks: one seen before is no older answer for a unit systemd
+    unloaded since (its checks start again at 0); a failed one, or the job it ran its
+    `ExecCondition=` in, skips no job heard of it after."""
+    model = Model()
+    tracker = model.tracker()
+    assert skipped_or_stopped(tracker, JOB1, (True, 300)) is Outcome.STOPPED
+    assert tracker.forget(A)
+    assert skipped_or_stopped(tracker, JOB2, (False, 50)) is Outcome.SKIPPED
+    tracker = model.tracker()  # a failed check, then forgotten before its job's end
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, checked("inactive", "dead", 1, False, 100))
+    assert tracker.forget(A)
+    tracker.job_removed(JOB1, A, "done")
+    tracker.unit_changed(A, props("inactive", "dead"))
+    assert tracker.outcome(tracker.state(A)) is not Outcome.SKIPPED
+    tracker = model.tracker()  # down in its ExecCondition=, forgotten before its job's end
+    tracker.job_new(JOB1, A)
+    tracker.unit_changed(A, jobbed("activating", "condition", JOB1))
+    tracker.unit_changed(A, jobbed("inactive", "dead", JOB1))
+    assert tracker.forget(A)
+    tracker.job_removed(JOB1, A, "done")
+    tracker.unit_changed(A, props("inactive", "dead"))
+    assert tracker.outcome(tracker.state(A)) is not Outcome.SKIPPED
+
+
+def test_a_failed_check_is_said_of_the_job_that_ends_next_alone() -> None:
+    """Two jobs announced (someone's start, then a stop) and a failed check: the check is
+    said of the first job to end (here cancelled); the other's end `done` after it is a
+    stop, held, not a skip."""
+    model = Model()
+    tracker = model.tracker()
+    tracker.job_new(JOB1, A)
+    tracker.job_new(JOB2, A)
+    tracker.unit_changed(A, checked("inactive", "dead", 1, False, 100))
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.job_removed(JOB2, A, "done")
+    assert tracker.unit_changed(A, props("inactive", "dead")) == [WentDown(A, Outcome.STOPPED)]
+
+
 def jobbed(active: str, sub: str, job: str) -> dict[str, object]:
     """PropertiesChanged naming the job the unit shows, as systemd does."""
     return {"ActiveState": active, "SubState": sub, "Job": [int(job.rsplit("/", 1)[1]), job]}
