@@ -825,7 +825,6 @@ class Controller:
         the GPUs kept for the next restart. One that reached its gate meanwhile asks
         (Scheduler.request): untouched. Found free, it is walked once more where a gate
         asked meanwhile (`_walk_kept`)."""
-        again = False
         try:
             waited = await starts_waited_for(self.systemd, job_id)
             await self.rescans.scanned()  # judged on the annotations of now

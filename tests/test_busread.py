@@ -653,5 +653,8 @@ def test_a_condition_check_is_read_and_a_boolean_not_0_or_1_left_to_dbus_next() 
     value += -value & 3
     assert data[value : value + 4] == b"\1\0\0\0"
     data[value] = 2
-    with pytest.raises(busread.NotTaken):
+    with pytest.raises(busread.NotTaken, match=r"^boolean 2$"):
+        busread.properties_changed(data, UNIT, KEEP)
+    data[value : value + 4] = b"\xff" * 4  # unsigned: not -1, which is not above 1
+    with pytest.raises(busread.NotTaken, match=r"^boolean 4294967295$"):
         busread.properties_changed(data, UNIT, KEEP)

@@ -1027,6 +1027,8 @@ def test_a_job_that_ends_while_the_jobs_are_read_ends_the_refusal_held_for_it() 
         ("Transaction for low.service/stop is destructive (low.service has 'start' job", U),
         ("Transaction for low.service/stop is destructive (../x has 'start' job queued", None),
         ("Transaction for low.service/stop is destructive (d.service)", None),
+        # the name is what comes before the first " has '" (no name holds a space)
+        ("Transaction for low.service/stop is destructive (d.service has 'x' has 'y'", D),
         ("Transaction for other.service/stop is destructive (d.service has 'start'", None),
         ("Unit low.service is masked.", None),
     ],

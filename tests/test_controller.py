@@ -2876,6 +2876,71 @@ def test_a_walk_under_way_when_a_gate_waits_on_its_gpus_is_followed_by_one_more(
     run(test)
 
 
+def test_a_walk_followed_by_one_more_found_free_twice_is_not_walked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b's gate asks while c's walk is under way, but c's job waits for no GPU unit's start:
+    the one more walk that follows finds it free too, and ends there (the gate's ask was
+    answered by it), c still kept: no walk after walk for as long as c's start waits."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "KEPT_WALK_DELAY", HOUR)
+    bed, job = a_start_of_ours_needs_b_after(tmp_path)
+    bed.systemd.waited_for[job] = [(job + 1, "plain.service", "start")]
+    walked = answered_when_set(bed, monkeypatch, "jobs_waited_for")
+
+    async def test() -> None:
+        ctl = await started(bed)
+        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
+        assert await due_now(ctl._kept_queued) == 1  # its walk is under way
+        bed.systemd.units["b.service"] = state("b.service", "activating", "start-pre", job + 2)
+        ctl.on_job_new(job + 2, f"/org/freedesktop/systemd1/job/{job + 2}", "b.service")
+        ctl.on_unit_changed("b.service", at_gate())  # its gate waits on GPU 0
+        await settle()
+        walked.set()
+        for _ in range(5):
+            await settle()
+        assert bed.systemd.calls.count(("jobs_waited_for", str(job))) == 2
+        assert ctl.scheduler.grants()["c.service"] == frozenset({0})
+
+    run(test)
+
+
+def test_a_walk_whose_job_ended_leaves_no_walk_more_to_the_next_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b's gate asks while the walk of c's job is under way, then that job is replaced (a
+    new start job of c, the old one's JobRemoved): the one more walk asked for was of the
+    old job; the new job is walked once, found free, and c stays kept."""
+    monkeypatch.setattr(controller_module, "QUEUED_DELAY", HOUR)  # ended by the test
+    monkeypatch.setattr(controller_module, "KEPT_WALK_DELAY", HOUR)
+    bed, job = a_start_of_ours_needs_b_after(tmp_path)
+    new = job + 3
+    bed.systemd.waited_for[job] = bed.systemd.waited_for[new] = []
+    walked = answered_when_set(bed, monkeypatch, "jobs_waited_for")
+
+    async def test() -> None:
+        ctl = await started(bed)
+        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
+        assert await due_now(ctl._kept_queued) == 1  # its walk is under way
+        bed.systemd.units["b.service"] = state("b.service", "activating", "start-pre", job + 2)
+        ctl.on_job_new(job + 2, f"/org/freedesktop/systemd1/job/{job + 2}", "b.service")
+        ctl.on_unit_changed("b.service", at_gate())  # its gate waits on GPU 0
+        await settle()
+        bed.systemd.units["c.service"] = state("c.service", "inactive", "dead", new, "start")
+        ctl.on_job_new(new, f"/org/freedesktop/systemd1/job/{new}", "c.service")
+        ctl.on_job_removed(job, f"/org/freedesktop/systemd1/job/{job}", "c.service", "canceled")
+        await settle()
+        walked.set()
+        await settle()
+        assert await due_now(ctl._kept_queued) == 1
+        for _ in range(5):
+            await settle()
+        assert bed.systemd.calls.count(("jobs_waited_for", str(new))) == 1
+        assert ctl.scheduler.grants()["c.service"] == frozenset({0})
+
+    run(test)
+
+
 def test_a_start_of_ours_at_its_gate_once_its_walk_ends_keeps_its_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

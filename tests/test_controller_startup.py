@@ -48,6 +48,7 @@ from gpuslice.tracker import UnitState
 from tests.test_controller import (
     BOOT,
     SESSION,
+    START,
     Bed,
     FakeSystemd,
     StubNvml,
@@ -58,6 +59,7 @@ from tests.test_controller import (
     held_listing,
     past_queued_delay,
     queued,
+    read_pipe,
     run,
     settle,
     state,
@@ -2056,6 +2058,60 @@ def test_a_start_queued_behind_a_gpu_units_start_at_start_up_keeps_nothing_from_
         assert not ctl.scheduler.is_waiting("a.service")
         await bed.acquire("b.service")
         assert bed.service.granted == [("b.service", "0")]
+
+    run(test)
+
+
+@pytest.mark.parametrize("c_job", ["start", "stop"])
+def test_a_start_kept_since_start_up_is_walked_again_when_a_gate_waits_on_its_gpus(
+    tmp_path: Path, c_job: str
+) -> None:
+    """c.service (40) Requires= and After= b.service (50), one GPU: gpuslice restarted
+    while c's start of ours (job 5, GPU 0) waits in systemd's queue for plain.service's
+    start only: found free, GPU 0 stays kept for it (Restore.queued_free). Then b starts,
+    and c's job waits for b's too: b's gate, waiting on GPU 0, has c's job (systemd's word:
+    no walk of this controller knew it) walked again, and c keeps nothing; b is granted.
+    Where c's signal shows a job of another kind now (its JobNew unheard: no walk of this
+    controller knew it), no start bound for its gate, nothing is walked."""
+    bed = Bed(
+        tmp_path,
+        {"c.service": "Priority=40\nType=background\n", "b.service": "Priority=50\n"},
+        [
+            state("c.service", "inactive", "dead", 5, "start"),
+            state("b.service", "inactive", "dead"),
+        ],
+        SavedState(holders={"c.service": ((0,), "starting", 1, "")}, seq=1, started=["c.service"]),
+    )
+    bed.systemd.waited_for[5] = [(7, "plain.service", "start")]
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        assert bed.systemd.calls.count(("jobs_waited_for", "5")) == 1
+        assert ctl.scheduler.grants()["c.service"] == frozenset({0})  # walked free: kept
+        read = [c for c in bed.systemd.calls if c[0] == "jobs_waited_for"]
+        if c_job == "stop":
+            bed.systemd.units["c.service"] = state("c.service", "inactive", "dead", 9, "stop")
+            down = {"ActiveState": "inactive", "SubState": "dead"}
+            ctl.on_unit_changed(
+                "c.service", {**down, "Job": (9, "/org/freedesktop/systemd1/job/9")}
+            )
+            await settle()
+        bed.systemd.waited_for[5] = [(7, "plain.service", "start"), (6, "b.service", "start")]
+        bed.systemd.units["b.service"] = state("b.service", "activating", "start-pre", 6)
+        ctl.on_job_new(6, "/org/freedesktop/systemd1/job/6", "b.service")
+        ctl.on_unit_changed("b.service", at_gate())
+        await settle()
+        walks = bed.systemd.calls.count(("jobs_waited_for", "5"))
+        if c_job == "stop":
+            assert [c for c in bed.systemd.calls if c[0] == "jobs_waited_for"] == read
+            assert ctl.scheduler.grants()["c.service"] == frozenset({0})
+            return
+        assert walks == 2
+        assert ctl.scheduler.phase("c.service") is Phase.STARTING  # its start goes on
+        assert ctl.scheduler.grants()["c.service"] == frozenset()
+        assert read_pipe(bed, "b.service") == START.hex() + "\n"
 
     run(test)
 

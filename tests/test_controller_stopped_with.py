@@ -532,6 +532,47 @@ def test_a_waiter_someone_stops_at_its_gate_preempts_no_one_when_a_refusals_job_
     run(test)
 
 
+def test_a_refusal_held_for_the_victims_own_start_ends_when_its_signal_shows_it_gone(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """B's stop was refused for B's own start (job 11, a long ExecStartPost=) and D's
+    queued behind it (D `Requires=` + `After=` B): the refusal holds for both jobs. B's
+    start ends, its JobRemoved lost on the bus: B's signal showing it running with no job
+    ends the refusal, and A's preemption is decided again (B's stop asked again), not left
+    to wait for B's whole run."""
+    d = "d.service"
+    cgroup_of[4242] = A
+    bed = holding_a_gpu_each(
+        tmp_path,
+        {B: "Priority=50\n"},
+        down={A: "Priority=10\n"},
+        config=bed_config(tmp_path, gpus=1),
+    )
+    destructive = "org.freedesktop.systemd1.TransactionIsDestructive"
+    bed.systemd.refused_stops[B] = [SystemdError(destructive, OWN_JOB)]
+    bed.systemd.needed[A] = NEEDS_NONE
+    bed.systemd.needed[d] = {**NEEDS_NONE, "Requires": [B]}
+    bed.systemd.units[d] = UnitState(d, "inactive", "dead", 12, "start")
+    bed.systemd.units[B] = state(B, "activating", "start-post", 11, "start")
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        await bed.acquire(A, ":1.9", 4242)
+        await settle()
+        stops = bed.systemd.calls.count(("stop", B))
+        ctl.on_unit_changed(B, {"ActiveState": "activating", "SubState": "start-post"})
+        await settle()
+        assert bed.systemd.calls.count(("stop", B)) == stops  # its start still under way
+        bed.systemd.units[B] = state(B, "active", "running")
+        ctl.on_unit_changed(B, {"ActiveState": "active", "SubState": "running", "Job": (0, "/")})
+        await settle()
+        assert bed.systemd.calls.count(("stop", B)) == stops + 1
+
+    run(test)
+
+
 def test_a_waiter_told_down_at_its_gate_waits_again_when_systemd_shows_a_start_there(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:

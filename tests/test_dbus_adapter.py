@@ -465,14 +465,16 @@ def test_a_units_condition_check_is_passed_on_only_of_systemds_types(bus_address
             (Variant("s", "no"), Variant("x", -1)),
             (Variant("u", 0), Variant("s", "5")),
             (Variant("b", True), Variant("t", 2**64 - 1)),
+            (Variant("b", True), Variant("t", 0)),  # systemd's time of no check yet
         ):
             msg = properties_changed("a.service", "inactive")
             msg.body[1]["ConditionResult"] = passed
             msg.body[1]["ConditionTimestampMonotonic"] = at
             owner.send(msg)
         changed = [event[2] for event in await seen.after(owner)]
-        assert [c.get("ConditionResult") for c in changed] == [False, None, None, True]
-        assert [c.get("ConditionTimestampMonotonic") for c in changed] == [5, None, None, 2**64 - 1]
+        assert [c.get("ConditionResult") for c in changed] == [False, None, None, True, True]
+        at = [c.get("ConditionTimestampMonotonic") for c in changed]
+        assert at == [5, None, None, 2**64 - 1, 0]
         assert all(c["ActiveState"] == "inactive" for c in changed)
 
     run(scenario)
