@@ -2889,13 +2889,7 @@ def test_a_walk_followed_by_one_more_found_free_twice_is_not_walked_again(
     walked = answered_when_set(bed, monkeypatch, "jobs_waited_for")
 
     async def test() -> None:
-        ctl = await started(bed)
-        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
-        assert await due_now(ctl._kept_queued) == 1  # its walk is under way
-        bed.systemd.units["b.service"] = state("b.service", "activating", "start-pre", job + 2)
-        ctl.on_job_new(job + 2, f"/org/freedesktop/systemd1/job/{job + 2}", "b.service")
-        ctl.on_unit_changed("b.service", at_gate())  # its gate waits on GPU 0
-        await settle()
+        ctl = await _walked_while_b_waits(bed, job)
         walked.set()
         for _ in range(5):
             await settle()
@@ -2903,6 +2897,19 @@ def test_a_walk_followed_by_one_more_found_free_twice_is_not_walked_again(
         assert ctl.scheduler.grants()["c.service"] == frozenset({0})
 
     run(test)
+
+
+async def _walked_while_b_waits(bed: Bed, job: int) -> Controller:
+    """The controller started; c's start of ours (`job`) walked (held by the test), and
+    b's gate asks meanwhile, waiting on GPU 0 kept for c."""
+    ctl = await started(bed)
+    ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
+    assert await due_now(ctl._kept_queued) == 1  # its walk is under way
+    bed.systemd.units["b.service"] = state("b.service", "activating", "start-pre", job + 2)
+    ctl.on_job_new(job + 2, f"/org/freedesktop/systemd1/job/{job + 2}", "b.service")
+    ctl.on_unit_changed("b.service", at_gate())  # its gate waits on GPU 0
+    await settle()
+    return ctl
 
 
 def test_a_walk_whose_job_ended_leaves_no_walk_more_to_the_next_job(
@@ -2919,13 +2926,7 @@ def test_a_walk_whose_job_ended_leaves_no_walk_more_to_the_next_job(
     walked = answered_when_set(bed, monkeypatch, "jobs_waited_for")
 
     async def test() -> None:
-        ctl = await started(bed)
-        ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", "c.service")
-        assert await due_now(ctl._kept_queued) == 1  # its walk is under way
-        bed.systemd.units["b.service"] = state("b.service", "activating", "start-pre", job + 2)
-        ctl.on_job_new(job + 2, f"/org/freedesktop/systemd1/job/{job + 2}", "b.service")
-        ctl.on_unit_changed("b.service", at_gate())  # its gate waits on GPU 0
-        await settle()
+        ctl = await _walked_while_b_waits(bed, job)
         bed.systemd.units["c.service"] = state("c.service", "inactive", "dead", new, "start")
         ctl.on_job_new(new, f"/org/freedesktop/systemd1/job/{new}", "c.service")
         ctl.on_job_removed(job, f"/org/freedesktop/systemd1/job/{job}", "c.service", "canceled")
