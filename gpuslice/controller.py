@@ -108,6 +108,7 @@ from gpuslice.tracker import (
     at_condition,
     bound_for_gate,
     classify,
+    job_number,
     remains_active,
     restart_coming,
 )
@@ -1127,9 +1128,7 @@ class Controller:
         `victim` shows: systemd numbers its jobs as it makes them, and the stop it makes of
         a unit that needs `victim` along with ours is made after ours; one made before
         (someone's stop, still under way) is kept, and the one ours made merged into it."""
-        ours = self.tracker.state(victim).job_id
-        number = job.rsplit("/", 1)[-1]
-        return ours > 0 and number.isascii() and number.isdigit() and int(number) < ours
+        return 0 < job_number(job) < self.tracker.state(victim).job_id
 
     async def _stopped_with(self, name: str, stopping: dict[str, str], since: int) -> None:
         """The unit went down by a stop not ours while ours of `stopping` were under way, and

@@ -24,7 +24,7 @@ from dbus_next import BusType, Message, MessageFlag, MessageType, Variant
 from dbus_next.aio import MessageBus
 
 from gpuslice import busread
-from gpuslice.tracker import START_JOBS, MainExit, UnitState
+from gpuslice.tracker import JOB_PREFIX, START_JOBS, MainExit, UnitState
 from gpuslice.unitfiles import is_valid_unit_name
 
 SYSTEMD = "org.freedesktop.systemd1"
@@ -159,7 +159,7 @@ def unit_path(name: str) -> str:
 def job_path(job_id: int) -> str:
     """The object path systemd gives a job (its job_dbus_path): what a read of a unit,
     which names its job's id, would have named it in the job's signals."""
-    return f"{MANAGER_PATH}/job/{job_id}"
+    return f"{JOB_PREFIX}{job_id}"
 
 
 def bus_daemon_call(

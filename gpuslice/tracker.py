@@ -46,7 +46,7 @@ class UnitState:
     job_type: str = ""  # of the job queued for it (ListUnits says; signals do not)
 
 
-# The object paths systemd gives its jobs (job_number; gpuslice.systemd.job_path makes them)
+# The object paths systemd gives its jobs (job_number reads one; systemd.job_path makes one)
 JOB_PREFIX = "/org/freedesktop/systemd1/job/"
 
 # A unit's ActiveState once its processes are gone.

@@ -594,6 +594,19 @@ def _stopping_for_a(kit: Kit) -> None:
     kit.systemd.needs_read.set()
 
 
+async def _refused_while_d_is_read(kit: Kit) -> None:
+    """U's stop for A is refused for U's own job; D (`RequiredBy` U) is read as queued, that
+    read held until the test sets `kit.systemd.jobs_read`."""
+    _stopping_for_a(kit)
+    kit.systemd.needers[U] = {"RequiredBy": [D]}
+    kit.systemd.states[D] = D_QUEUED
+    kit.systemd.answers = [OWN_JOB]
+    kit.systemd.jobs_read.clear()
+    kit.calls.send(kit.systemd.stop_unit, U, "stop")
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
 def test_a_stop_refused_for_the_units_own_job_holds_where_its_waiter_needs_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1002,15 +1015,7 @@ def test_a_job_that_ends_while_the_jobs_are_read_ends_the_refusal_held_for_it() 
     refusal, held for a job already gone, ends at once (else A waited for B's whole run)."""
 
     async def test(kit: Kit) -> None:
-        _stopping_for_a(kit)
-        kit.systemd.needed[A] = {"Requires": []}
-        kit.systemd.needers[U] = {"RequiredBy": [D]}
-        kit.systemd.states[D] = D_QUEUED
-        kit.systemd.answers = [OWN_JOB]
-        kit.systemd.jobs_read.clear()
-        kit.calls.send(kit.systemd.stop_unit, U, "stop")
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _refused_while_d_is_read(kit)
         kit.calls.job_ended(12, D)  # D's start, read as queued, ends before the hold
         kit.systemd.jobs_read.set()
         await kit.done()

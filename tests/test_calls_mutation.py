@@ -24,6 +24,7 @@ from tests.test_calls import (
     Kit,
     U,
     _held_for_d,
+    _refused_while_d_is_read,
     _stopping_for_a,
     answering,
     run,
@@ -189,14 +190,7 @@ def test_job_ends_remembered_during_a_read_are_bounded_past_it_the_refusal_holds
     monkeypatch.setattr(calls_module, "ENDED_MAX", 1)
 
     async def test(kit: Kit) -> None:
-        _stopping_for_a(kit)
-        kit.systemd.needers[U] = {"RequiredBy": [D]}
-        kit.systemd.states[D] = D_QUEUED
-        kit.systemd.answers = [OWN_JOB]
-        kit.systemd.jobs_read.clear()
-        kit.calls.send(kit.systemd.stop_unit, U, "stop")
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _refused_while_d_is_read(kit)
         kit.calls.job_ended(30, "flood.service")
         kit.calls.job_ended(12, D)
         assert len(kit.calls._ended) == 1

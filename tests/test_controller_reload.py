@@ -856,6 +856,20 @@ def test_a_start_at_its_pipe_reads_no_queue_when_no_job_new_was_dropped(
     run(test)
 
 
+def _rematch_held(bed: Bed) -> asyncio.Event:
+    """Units the controller asks systemd to watch are answered once the event returned is set
+    (a re-match under way)."""
+    rematch = asyncio.Event()
+    watch = bed.systemd.watch
+
+    async def late_watch(units: Any) -> list[str]:
+        await rematch.wait()
+        return await watch(units)
+
+    bed.systemd.watch = late_watch  # type: ignore[method-assign]
+    return rematch
+
+
 def test_a_known_start_at_its_pipe_waits_for_a_new_instance_started_with_it(
     tmp_path: Path, cgroup_of: dict[int, str]
 ) -> None:
@@ -871,14 +885,7 @@ def test_a_known_start_at_its_pipe_waits_for_a_new_instance_started_with_it(
         ctl = bed.controller
         await ctl.start()
         await until(lambda: bed.systemd.watched == {"later.service"})
-        rematch = asyncio.Event()
-        watch = bed.systemd.watch
-
-        async def late_watch(units: Any) -> list[str]:
-            await rematch.wait()
-            return await watch(units)
-
-        bed.systemd.watch = late_watch  # type: ignore[method-assign]
+        rematch = _rematch_held(bed)
         for job, name in ((7, "later.service"), (8, "sooner@1.service")):
             bed.systemd.units[name] = state(name, "activating", "start-pre", job, "start")
             ctl.on_job_new(job, f"/org/freedesktop/systemd1/job/{job}", name)
@@ -912,19 +919,13 @@ def test_a_start_at_its_pipe_is_judged_after_a_read_of_the_queue_that_failed(
         ctl = bed.controller
         await ctl.start()
         await until(lambda: bed.systemd.watched == {"later.service"})
-        rematch = asyncio.Event()
-        watch = bed.systemd.watch
-
-        async def late_watch(units: Any) -> list[str]:
-            await rematch.wait()
-            return await watch(units)
+        rematch = _rematch_held(bed)
 
         async def failing_start_jobs() -> list[str]:
             bed.systemd.calls.append(("start_jobs", ""))
             await asyncio.sleep(0)  # a reply read later, as systemd's error is
             raise SystemdError(NO_REPLY, "no answer within 25 s")
 
-        bed.systemd.watch = late_watch  # type: ignore[method-assign]
         bed.systemd.start_jobs = failing_start_jobs  # type: ignore[method-assign]
         errors = ctl.counters.errors["dbus_call_errors"]
         for job, name in ((7, "later.service"), (8, "sooner@1.service")):

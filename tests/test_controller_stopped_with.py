@@ -286,19 +286,8 @@ def test_a_stop_refused_for_the_victims_own_start_is_not_forced_over_its_waiters
     so the refusal holds as one naming D's start would."""
     d = "d.service"
     third = "third" in needed
-    cgroup_of[4242] = A
-    bed = holding_a_gpu_each(
-        tmp_path,
-        {B: "Priority=50\n"},
-        down={A: "Priority=10\n"},
-        config=bed_config(tmp_path, gpus=1),
-    )
-    destructive = "org.freedesktop.systemd1.TransactionIsDestructive"
-    bed.systemd.refused_stops[B] = [SystemdError(destructive, OWN_JOB)]
-    bed.systemd.needed[A] = NEEDS_NONE if third else needed
-    if third:  # not annotated, its start queued behind B's (`Requires=` + `After=` B)
-        bed.systemd.needed[d] = {**NEEDS_NONE, "Requires": [B]}
-        bed.systemd.units[d] = UnitState(d, "inactive", "dead", 12, "start")
+    # not annotated, D's start queued behind B's (`Requires=` + `After=` B)
+    bed = _b_refused(tmp_path, cgroup_of, d if third else None, NEEDS_NONE if third else needed)
 
     async def test() -> None:
         ctl = bed.controller
@@ -442,9 +431,14 @@ def _job(number: int) -> str:
 AT_GATE = {"ActiveState": "activating", "SubState": "start-pre"}
 
 
-def _b_refused_for_d(tmp_path: Path, cgroup_of: dict[int, str], d: str) -> Bed:
-    """B (50) holds the one GPU, A (10) down; B's stop is refused for B's own job while
-    `d` (`Requires=` B) has a start (job 12) queued behind B's."""
+def _b_refused(
+    tmp_path: Path,
+    cgroup_of: dict[int, str],
+    d: str | None,
+    a_needs: dict[str, list[str]] = NEEDS_NONE,
+) -> Bed:
+    """B (50) holds the one GPU, A (10, needing `a_needs`) down; B's stop is refused for
+    B's own job while `d` (`Requires=` B), if any, has a start (job 12) queued behind B's."""
     cgroup_of[4242] = A
     bed = holding_a_gpu_each(
         tmp_path,
@@ -454,9 +448,10 @@ def _b_refused_for_d(tmp_path: Path, cgroup_of: dict[int, str], d: str) -> Bed:
     )
     destructive = "org.freedesktop.systemd1.TransactionIsDestructive"
     bed.systemd.refused_stops[B] = [SystemdError(destructive, OWN_JOB)]
-    bed.systemd.needed[A] = NEEDS_NONE
-    bed.systemd.needed[d] = {**NEEDS_NONE, "Requires": [B]}
-    bed.systemd.units[d] = UnitState(d, "inactive", "dead", 12, "start")
+    bed.systemd.needed[A] = a_needs
+    if d is not None:
+        bed.systemd.needed[d] = {**NEEDS_NONE, "Requires": [B]}
+        bed.systemd.units[d] = UnitState(d, "inactive", "dead", 12, "start")
     return bed
 
 
@@ -495,7 +490,7 @@ def test_a_waiter_someone_stops_at_its_gate_preempts_no_one_when_a_refusals_job_
     it preempts no one, whether its PropertiesChanged comes before D's job ends (`shown`) or
     after. It preempted B (the bed's `systemctl stop a d b`, CI), and B came back after."""
     d = "d.service"
-    bed = _b_refused_for_d(tmp_path, cgroup_of, d)
+    bed = _b_refused(tmp_path, cgroup_of, d)
 
     async def test() -> None:
         ctl = bed.controller
@@ -548,7 +543,7 @@ def test_a_refusal_held_for_the_victims_own_start_ends_when_its_signal_shows_it_
     ends the refusal, and A's preemption is decided again (B's stop asked again), not left
     to wait for B's whole run."""
     d = "d.service"
-    bed = _b_refused_for_d(tmp_path, cgroup_of, d)
+    bed = _b_refused(tmp_path, cgroup_of, d)
     bed.systemd.units[B] = state(B, "activating", "start-post", 11, "start")
 
     async def test() -> None:
