@@ -117,8 +117,10 @@ from gpuslice.unitfiles import is_instance, is_template, printable
 log = logging.getLogger("gpuslice")
 
 # How many times a waiter told down at its gate is read for its job's type while signals
-# since make the answer stale (Controller._read_leaving)
+# since make the answer stale or the read fails (Controller._read_leaving), and how long
+# after a failed read it is tried again
 LEAVING_READS = 3
+LEAVING_RETRY_DELAY = 1.0
 # How long a unit systemd showed at its gate in a state read may go without a signal naming
 # its start, before its gate is sent to D-Bus (gpuslice/gatepipes.py).
 GATE_UNSEEN_DELAY = 1.0
@@ -1042,7 +1044,9 @@ class Controller:
     async def _leaving_read(self) -> None:
         """Read the units `_read_leaving` gathered. One that systemd said more of meanwhile
         (the answer may be older) and that is still told down at its gate is read again,
-        LEAVING_READS times at most; a read that fails leaves them as told."""
+        LEAVING_READS times at most, as is one whose read failed (LEAVING_RETRY_DELAY later:
+        left as told, a start that replaced the stop, its signals lost, waited at its gate
+        for ever)."""
         units, self._leaving_reads = self._leaving_reads, {}
         seen = {unit: self.tracker.heard(unit) for unit in units}
         try:
@@ -1050,6 +1054,8 @@ class Controller:
         except SystemdError as e:
             self.counters.error("dbus_call_errors")
             log.debug("cannot read the jobs of units stopped at their gate: %s", e)
+            loop = asyncio.get_running_loop()
+            loop.call_later(LEAVING_RETRY_DELAY, self._read_leaving_again, units)
             return
         for state in states:
             name = str(state.name)
@@ -1060,6 +1066,12 @@ class Controller:
                     self._read_leaving(name, units[name] + 1)
             elif self.tracker.leaving_read(name, state):
                 self._waits_again(name)
+
+    def _read_leaving_again(self, units: dict[str, int]) -> None:
+        """Read again the units of a failed read still told down at their gate."""
+        for unit, tries in units.items():
+            if self.tracker.leaving(unit) and tries + 1 < LEAVING_READS:
+                self._read_leaving(unit, tries + 1)
 
     def _waits_again(self, unit: str) -> None:
         """A unit told down at its gate waits there again (its stop replaced by a start

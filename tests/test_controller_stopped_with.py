@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gpuslice import controller as controller_module
 from gpuslice.controller import Controller
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.systemd import SystemdError
 from gpuslice.tracker import UnitState
 from tests.test_controller import (
+    NO_REPLY,
     Bed,
     _no_notify_socket,  # noqa: F401  (autouse: as in tests/test_controller.py)
     bed_config,
@@ -28,6 +31,7 @@ from tests.test_controller import (
     run,
     settle,
     state,
+    until,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
 
@@ -587,6 +591,39 @@ def test_a_waiter_told_down_at_its_gate_waits_again_when_systemd_shows_a_start_t
         await settle()
         # granted, not a place kept until a gate asks that waits on its pipe
         assert ctl.scheduler.phase(A) is Phase.RUNNING
+        assert ctl.scheduler.grants() == {A: frozenset({0})}
+
+    run(test)
+
+
+def test_a_waiter_told_down_at_its_gate_is_read_again_when_the_read_fails(
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the read of A's job fails (twice: the bus is saturated, as when its
+    signals were lost): it is tried again LEAVING_RETRY_DELAY later, LEAVING_READS reads in
+    all, and A waits again. Left as told after the first failure, its gate waited for ever."""
+    monkeypatch.setattr(controller_module, "LEAVING_RETRY_DELAY", 0.01)
+    bed = _a_behind_b(tmp_path, cgroup_of)
+    read = bed.systemd.units_state
+    failures = [NO_REPLY] * 2
+
+    async def failing_read(names: Any) -> list[UnitState]:
+        if failures:
+            bed.systemd.calls.append(("units_state", ",".join(sorted(names))))
+            raise failures.pop()
+        return await read(names)
+
+    async def test() -> None:
+        ctl = await _waits_at_its_gate(bed)
+        bed.systemd.units_state = failing_read  # type: ignore[method-assign]
+        ctl.on_job_removed(20, _job(20), A, "canceled")
+        ctl.on_job_new(21, _job(21), A)
+        bed.systemd.units[A] = state(A, "activating", "start-pre", 22, "start")
+        await until(lambda: ctl.scheduler.is_waiting(A))
+        assert bed.systemd.calls.count(("units_state", A)) == 3
+        assert ctl.counters.errors["dbus_call_errors"] == 2
+        goes_down(bed, B)
+        await settle()
         assert ctl.scheduler.grants() == {A: frozenset({0})}
 
     run(test)
