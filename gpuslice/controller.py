@@ -706,10 +706,13 @@ class Controller:
             asyncio.get_running_loop().call_later(KEPT_WALK_DELAY, self._kept_queued, unit, job_id)
         # someone's stop of a waiter at its gate, its start's end heard: down for the core
         # now, not once its PropertiesChanged comes (the signals of a later call may come
-        # first: a refusal's job that ends, which decides again for it)
-        with self._batched():
-            for change in self.tracker.stopped_at_gate(unit):
-                self._apply(change)
+        # first: a refusal's job that ends, which decides again for it). Any other job
+        # decides nothing: a pass over every waiter for each job of a burst was the cost
+        changes = self.tracker.stopped_at_gate(unit)
+        if changes:
+            with self._batched():
+                for change in changes:
+                    self._apply(change)
 
     def _follow_instance(self, unit: str) -> None:
         """An instance of an annotated template, new to us, is heard from now on (its gate,

@@ -3794,6 +3794,34 @@ def test_signals_of_one_turn_of_the_loop_are_decided_once(
     run(test)
 
 
+def test_a_job_announced_that_stops_no_waiter_at_its_gate_runs_no_scheduling_pass(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """Each job systemd announces of an annotated unit is looked at for someone's stop of a
+    waiter at its gate; one that is not decides nothing (a pass over every waiter for each
+    job of a burst was the cost)."""
+    bed = low_holds_gpu_0(tmp_path, cgroup_of)
+    passes: list[int] = []
+
+    async def test() -> None:
+        ctl = bed.controller
+        await ctl.start()
+        await settle()
+        schedule = ctl.scheduler.schedule
+
+        def counted() -> list[Any]:
+            passes.append(1)
+            return schedule()
+
+        ctl.scheduler.schedule = counted  # type: ignore[method-assign]
+        ctl.on_job_new(30, "/org/freedesktop/systemd1/job/30", "low.service")
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert passes == []
+
+    run(test)
+
+
 # ---- NVML: not ready yet, then ready ----
 
 
