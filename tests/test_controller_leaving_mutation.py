@@ -73,6 +73,17 @@ def _meanwhile(bed: Bed, said: Callable[[int], None]) -> None:
     bed.systemd.units_state = late  # type: ignore[method-assign]
 
 
+def _a_down_at_the_first_read(bed: Bed) -> None:
+    """A's gate is killed, its down signalled, while the first read is on its way."""
+
+    def down(reads: int) -> None:
+        if reads == 1:
+            bed.systemd.units[A] = state(A, "inactive", "dead")
+            bed.controller.on_unit_changed(A, DOWN)
+
+    _meanwhile(bed, down)
+
+
 def test_a_failed_read_of_a_waiter_told_down_at_its_gate_is_said_in_the_debug_log(
     tmp_path: Path, cgroup_of: dict[int, str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -135,12 +146,7 @@ def test_a_waiter_told_down_at_its_gate_that_goes_down_meanwhile_is_read_no_more
     async def test() -> None:
         ctl = await _waits_at_its_gate(bed)
 
-        def down(reads: int) -> None:
-            if reads == 1:
-                bed.systemd.units[A] = state(A, "inactive", "dead")
-                ctl.on_unit_changed(A, DOWN)
-
-        _meanwhile(bed, down)
+        _a_down_at_the_first_read(bed)
         _told_down(bed, A, 20, 21)
         await settle()
         assert _reads_of(bed, A) == 1
@@ -181,12 +187,7 @@ def test_waiters_told_down_at_their_gate_together_are_each_read(
             await bed.acquire(unit, f":1.{pid}", pid)
         assert ctl.scheduler.is_waiting(A) and ctl.scheduler.is_waiting(E)
 
-        def a_down(reads: int) -> None:
-            if reads == 1:
-                bed.systemd.units[A] = state(A, "inactive", "dead")
-                ctl.on_unit_changed(A, DOWN)
-
-        _meanwhile(bed, a_down)
+        _a_down_at_the_first_read(bed)
         _told_down(bed, A, 20, 21)
         _told_down(bed, E, 30, 31)
         bed.systemd.units[E] = state(E, "activating", "start-pre", 32, "start")
