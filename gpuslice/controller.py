@@ -244,7 +244,7 @@ class Controller:
             self._wake_unheard_gates,
             self._follow_shutdown,
             self._holds_read,
-            self._recheck_exited,
+            self._at_audit,
         )
         # our StartUnit/StopUnit calls: answers, those sent again, the stops' timers
         self.calls = Calls(
@@ -1241,6 +1241,15 @@ class Controller:
         """The unit still shows `active (exited)`, and the core has not released it."""
         known = remains_active(self.tracker.state(unit))
         return known and unit not in self.scheduler.remained
+
+    def _at_audit(self) -> None:
+        """What each audit asks again that no signal would tell: holders shown `active
+        (exited)`, and waiters still told down at their gate (their reads failed each time:
+        a start that replaced the stop, its signals lost, is found at the next audit, not
+        left waiting at its gate for ever)."""
+        self._recheck_exited()
+        for unit in self.tracker.leaving_units():
+            self._read_leaving(unit)
 
     def _recheck_exited(self) -> None:
         """At each audit, every holder systemd shows `active (exited)` is asked about again:

@@ -68,7 +68,7 @@ class Rereads:
     ) -> None:
         """`wake_unheard`: at each audit, wake the gates that wait where no read of the
         audit's looks (GatePipes.wake_unheard). `recheck`: at each audit too, ask again
-        what no signal would tell (Controller._recheck_exited). `shutdown_over`: an audit
+        what no signal would tell (Controller._at_audit). `shutdown_over`: an audit
         found the host's shutdown cancelled, which no signal told (`audit_shutdown`).
         `holds_read`: whether the host was going down when these units were held
         (`hold_booked`)."""

@@ -730,6 +730,10 @@ class Tracker:
         served until it is at a gate again."""
         return name in self._leaving
 
+    def leaving_units(self) -> list[str]:
+        """The units told down at their gate (`stopped_at_gate`) whose stop is under way."""
+        return sorted(self._leaving)
+
     def leaving_read(self, name: str, state: UnitState) -> bool:
         """A read of a unit told down at its gate (`stopped_at_gate`), which names the type
         of its job (signals do not): one at its gate with a start job waits there again (a

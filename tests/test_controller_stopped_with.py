@@ -596,16 +596,18 @@ def test_a_waiter_told_down_at_its_gate_waits_again_when_systemd_shows_a_start_t
     run(test)
 
 
+@pytest.mark.parametrize("failed", [2, 3])
 def test_a_waiter_told_down_at_its_gate_is_read_again_when_the_read_fails(
-    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, cgroup_of: dict[int, str], monkeypatch: pytest.MonkeyPatch, failed: int
 ) -> None:
-    """As above, but the read of A's job fails (twice: the bus is saturated, as when its
-    signals were lost): it is tried again LEAVING_RETRY_DELAY later, LEAVING_READS reads in
-    all, and A waits again. Left as told after the first failure, its gate waited for ever."""
+    """As above, but the read of A's job fails (the bus is saturated, as when its signals
+    were lost): it is tried again LEAVING_RETRY_DELAY later, LEAVING_READS reads in all, and
+    A waits again. Where every one of them failed, the next audit reads A again. Left as
+    told after a failed read, its gate waited for ever."""
     monkeypatch.setattr(controller_module, "LEAVING_RETRY_DELAY", 0.01)
     bed = _a_behind_b(tmp_path, cgroup_of)
     read = bed.systemd.units_state
-    failures = [NO_REPLY] * 2
+    failures = [NO_REPLY] * failed
 
     async def failing_read(names: Any) -> list[UnitState]:
         if failures:
@@ -619,9 +621,14 @@ def test_a_waiter_told_down_at_its_gate_is_read_again_when_the_read_fails(
         ctl.on_job_removed(20, _job(20), A, "canceled")
         ctl.on_job_new(21, _job(21), A)
         bed.systemd.units[A] = state(A, "activating", "start-pre", 22, "start")
+        if failed == 3:
+            await until(lambda: ctl.counters.errors["dbus_call_errors"] == 3)
+            await settle()
+            assert ctl.tracker.leaving(A)  # until the next audit
+            await ctl.reads.audit()
         await until(lambda: ctl.scheduler.is_waiting(A))
-        assert bed.systemd.calls.count(("units_state", A)) == 3
-        assert ctl.counters.errors["dbus_call_errors"] == 2
+        assert bed.systemd.calls.count(("units_state", A)) == failed + 1
+        assert ctl.counters.errors["dbus_call_errors"] == failed
         goes_down(bed, B)
         await settle()
         assert ctl.scheduler.grants() == {A: frozenset({0})}
