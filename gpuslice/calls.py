@@ -44,8 +44,8 @@ CALL_RETRY_MAX = 30.0
 # (Calls._over_own_job): the waiter waits meanwhile, and systemd answers a Get in
 # milliseconds. Past it the refusal holds (the safe side).
 NEEDS_READ_WAIT = 5.0
-# The most units needing such a unit whose jobs are read (Calls._jobs_need): one call reads
-# them all, and past it the refusal holds (the safe side).
+# The most units needing such a unit, directly or through others, whose jobs are read
+# (Calls._jobs_need): one call reads them all, and past it the refusal holds (the safe side).
 NEEDED_BY_MAX = 64
 # The most job ends remembered while the jobs of the units that need a unit are read
 # (Calls._ended): one of the jobs read may end before the refusal is held for it. Past it
@@ -299,18 +299,16 @@ class Calls:
         return True
 
     async def _jobs_need(self, unit: str, named: str | None = None) -> dict[str, int] | None:
-        """The units that need `unit` (its RequiredBy=, BoundBy=, ConsistsOf=) with a job but
-        a stop, which a stop of `unit` in mode "replace" cancels (a start queued behind its
-        start, or under way beside it), each with its job's number. Read within
-        NEEDS_READ_WAIT (the units' needs, then their jobs, one call each); None when the
+        """The units that need `unit` (its RequiredBy=, BoundBy=, ConsistsOf=, and theirs:
+        `_needers`) with a job but a stop, which a stop of `unit` in mode "replace" cancels
+        (a start queued behind its start, or under way beside it), each with its job's
+        number. Read within NEEDS_READ_WAIT (the units' needs, then their jobs, one call
+        each); None when the
         read fails or hangs, or more than NEEDED_BY_MAX units need it (the safe side,
         `_over_own_job`). `named`: the unit a refusal names, its job read with theirs."""
 
         async def read() -> dict[str, int]:
-            found = await self.systemd.needed_by(unit)
-            needers = {str(u) for units in found.values() for u in units}
-            if len(needers) > NEEDED_BY_MAX:
-                raise ValueError(f"{len(needers)} units need it, more than {NEEDED_BY_MAX}")
+            needers = await self._needers(unit)
             if named is not None and named != unit:
                 needers.add(named)
             states = await self.systemd.units_state(needers) if needers else []
@@ -335,6 +333,23 @@ class Calls:
                 ", ".join(sorted(jobs)),
             )
         return jobs
+
+    async def _needers(self, unit: str) -> set[str]:
+        """Every unit a stop of `unit` reaches: those that need it, and those that need them
+        (a stop of D, which `Requires=` B, stops F, which `Requires=` D: read one level
+        deep, F's queued start was cancelled by B's stop sent again in mode "replace").
+        Each level is read at once; past NEEDED_BY_MAX units in all, ValueError."""
+        found: set[str] = set()
+        level = [unit]
+        while level:
+            reads = await asyncio.gather(*(self.systemd.needed_by(u) for u in level))
+            new = {str(u) for read in reads for units in read.values() for u in units}
+            new -= found | {unit}
+            found |= new
+            if len(found) > NEEDED_BY_MAX:
+                raise ValueError(f"{len(found)} units need it, more than {NEEDED_BY_MAX}")
+            level = sorted(new)
+        return found
 
     def job_ended(self, job_id: int, unit: str) -> None:
         """Systemd's JobRemoved (or a signal showing the unit's job gone, `unit_heard`): a

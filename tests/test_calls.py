@@ -750,7 +750,12 @@ def test_a_stop_refused_for_its_own_job_holds_where_a_third_units_start_needs_it
         kit.calls.send(kit.systemd.stop_unit, U, "stop")
         await kit.done()
         assert f"{U} replace" not in kit.systemd.stops
-        assert kit.systemd.read == [f"needed_by {U}", f"units_state {D},idle.service"]
+        assert kit.systemd.read == [
+            f"needed_by {U}",
+            f"needed_by {D}",  # and the units that need them, each level at once
+            "needed_by idle.service",
+            f"units_state {D},idle.service",
+        ]
         held = f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits for {D},{U}"
         assert kit.executed == [held]
         assert kit.calls._stop_timers == {}
@@ -779,6 +784,33 @@ def test_a_stop_refused_for_its_own_job_is_sent_again_where_no_unit_needing_it_h
         await kit.done()
         assert kit.systemd.stops == [U, f"needs {A}", f"{U} replace"]
         assert kit.executed == []
+
+    run(test)
+
+
+def test_a_stop_refused_for_its_own_job_holds_where_a_unit_needing_a_needer_has_a_start() -> None:
+    """F `Requires=` D, which `Requires=` the victim, running with a start job under way;
+    D runs with no job, F's start is queued. The refusal names the victim's own job; sent
+    again in mode "replace", the stop would stop D and so cancel F's start: the units that
+    need D are read too, and the refusal holds for F's job."""
+    f = "f.service"
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.tracker.states[U] = U_STARTING
+        kit.systemd.needed[A] = {"Requires": [], "BindsTo": [], "PartOf": []}
+        kit.systemd.needers[U] = {"RequiredBy": [D], "BoundBy": []}
+        kit.systemd.needers[D] = {"RequiredBy": [f], "BoundBy": []}
+        kit.systemd.needers[f] = {"RequiredBy": [U], "BoundBy": []}  # a cycle ends the read
+        kit.systemd.states[f] = UnitState(f, "inactive", "dead", 14, "start")
+        kit.systemd.answers = [OWN_JOB]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        assert f"{U} replace" not in kit.systemd.stops
+        assert kit.systemd.read[-1] == f"units_state {D},{f}"
+        assert kit.executed == [
+            f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits for {f},{U}"
+        ]
 
     run(test)
 
