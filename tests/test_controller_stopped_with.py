@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from gpuslice import controller as controller_module
+from gpuslice import rereads as rereads_module
 from gpuslice.controller import Controller
 from gpuslice.core.scheduler import Phase, SavedState
 from gpuslice.systemd import SystemdError
@@ -605,6 +606,7 @@ def test_a_waiter_told_down_at_its_gate_is_read_again_when_the_read_fails(
     A waits again. Where every one of them failed, the next audit reads A again. Left as
     told after a failed read, its gate waited for ever."""
     monkeypatch.setattr(controller_module, "LEAVING_RETRY_DELAY", 0.01)
+    monkeypatch.setattr(rereads_module, "AUDIT_INTERVAL", 3600)  # driven by hand here
     bed = _a_behind_b(tmp_path, cgroup_of)
     read = bed.systemd.units_state
     failures = [NO_REPLY] * failed
@@ -623,7 +625,8 @@ def test_a_waiter_told_down_at_its_gate_is_read_again_when_the_read_fails(
         bed.systemd.units[A] = state(A, "activating", "start-pre", 22, "start")
         if failed == 3:
             await until(lambda: ctl.counters.errors["dbus_call_errors"] == 3)
-            await settle()
+            await asyncio.sleep(0.2)  # 20 retry delays: no fourth read comes
+            assert bed.systemd.calls.count(("units_state", A)) == 3
             assert ctl.tracker.leaving(A)  # until the next audit
             await ctl.reads.audit()
         await until(lambda: ctl.scheduler.is_waiting(A))
@@ -686,3 +689,18 @@ def test_a_waiter_whose_stop_a_start_replaced_before_it_ran_waits_again(
         assert ctl.scheduler.grants() == {A: frozenset({0})}
 
     run(test)
+
+
+def test_a_job_made_before_the_victims_own_is_the_one_before_ours(
+    tmp_path: Path, cgroup_of: dict[int, str]
+) -> None:
+    """`_stop_before`: systemd numbers jobs as it makes them, from 1. The job that took a
+    unit down was made before the stop job the victim shows only where its number is lower:
+    job 1 (the first of a boot) is; the victim's own job, a later one, and a path naming no
+    job are not."""
+    bed = _a_behind_b(tmp_path, cgroup_of)
+    ctl = bed.controller
+    ctl.tracker.states[B] = state(B, "deactivating", "stop-sigterm", 5, "stop")
+    assert ctl._stop_before(_job(1), B) and ctl._stop_before(_job(4), B)
+    assert not ctl._stop_before(_job(5), B) and not ctl._stop_before(_job(6), B)
+    assert not ctl._stop_before("/", B)
