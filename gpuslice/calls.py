@@ -303,9 +303,9 @@ class Calls:
         `_needers`) with a job but a stop, which a stop of `unit` in mode "replace" cancels
         (a start queued behind its start, or under way beside it), each with its job's
         number. Read within NEEDS_READ_WAIT (the units' needs, then their jobs, one call
-        each); None when the
-        read fails or hangs, or more than NEEDED_BY_MAX units need it (the safe side,
-        `_over_own_job`). `named`: the unit a refusal names, its job read with theirs."""
+        each); None when the read fails or hangs, or more than NEEDED_BY_MAX units need it
+        (the safe side, `_over_own_job`). `named`: the unit a refusal names, its job read
+        with theirs."""
 
         async def read() -> dict[str, int]:
             needers = await self._needers(unit)
