@@ -1065,16 +1065,19 @@ class Controller:
             if name not in seen or not self.tracker.leaving(name):
                 continue  # down, or at a gate again: its signals told
             if self.tracker.heard(name) != seen[name]:
-                if units[name] + 1 < LEAVING_READS:
-                    self._read_leaving(name, units[name] + 1)
+                self._read_once_more(name, units[name])
             elif self.tracker.leaving_read(name, state):
                 self._waits_again(name)
 
     def _read_leaving_again(self, units: dict[str, int]) -> None:
         """Read again the units of a failed read still told down at their gate."""
         for unit, tries in units.items():
-            if self.tracker.leaving(unit) and tries + 1 < LEAVING_READS:
-                self._read_leaving(unit, tries + 1)
+            self._read_once_more(unit, tries)
+
+    def _read_once_more(self, unit: str, tries: int) -> None:
+        """One read more of a unit still told down at its gate, LEAVING_READS in all."""
+        if self.tracker.leaving(unit) and tries + 1 < LEAVING_READS:
+            self._read_leaving(unit, tries + 1)
 
     def _waits_again(self, unit: str) -> None:
         """A unit told down at its gate waits there again (its stop replaced by a start
