@@ -1037,9 +1037,10 @@ class Controller:
         """A waiter told down at its gate for a job that replaced its start there
         (Tracker.stopped_at_gate) is read, for its job's type, which no signal says: a start
         job shown there (a start that replaced the stop before it ran, its signal lost, or
-        the start itself where the signal that showed it at its gate was lost) has it wait
-        again. The units told so in one turn of the loop are read in one call (a shutdown,
-        or `systemctl stop` of thousands of instances waiting, is one read, not thousands)."""
+        the start itself where the signal that showed it at its gate was lost), or none (the
+        stop cancelled before it ran, that signal lost), has it wait again. The units told
+        so in one turn of the loop are read in one call (a shutdown, or `systemctl stop` of
+        thousands of instances waiting, is one read, not thousands)."""
         if not self._leaving_reads:
             asyncio.get_running_loop().call_soon(lambda: self._spawn(self._leaving_read()))
         self._leaving_reads[unit] = tries

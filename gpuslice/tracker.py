@@ -738,11 +738,13 @@ class Tracker:
         """A read of a unit told down at its gate (`stopped_at_gate`), which names the type
         of its job (signals do not): one at its gate with a start job waits there again (a
         start replaced the stop before it ran, and that signal was lost; or the job taken
-        for a stop was its start, a signal that showed it at its gate lost). Whether it
-        does: its gate is then served as a new start's."""
-        if name not in self._leaving or classify(state) is not Kind.GATE or not state.job_id:
+        for a stop was its start, a signal that showed it at its gate lost), as does one
+        with no job (`systemctl cancel` of the stop before it ran: its ExecStartPre= goes
+        on, as `_job_at_gate` takes that signal; left leaving, its gate was never served).
+        Whether it does: its gate is then served as a new start's."""
+        if name not in self._leaving or classify(state) is not Kind.GATE:
             return False
-        if state.job_type not in START_JOBS:
+        if state.job_id and state.job_type not in START_JOBS:
             return False
         self._waits_again(name)
         return True

@@ -815,6 +815,81 @@ def test_a_stop_refused_for_its_own_job_holds_where_a_unit_needing_a_needer_has_
     run(test)
 
 
+@pytest.mark.parametrize("second", [24, 25], ids=["at-the-bound", "past-it"])
+def test_the_bound_on_units_needing_the_victim_counts_them_over_every_level(second: int) -> None:
+    """NEEDED_BY_MAX counts the units of every level together, each once: 40 need the
+    victim, and `second` more need two of those (each named by both; and they name one of
+    the 40 back). At the bound, the read goes on to the last level and every job is read;
+    one past it, the read ends with that level (nothing more asked of systemd) and the
+    refusal holds."""
+    assert calls_module.NEEDED_BY_MAX == 64
+    first = [f"u{i:02}.service" for i in range(40)]
+    more = [f"v{i:02}.service" for i in range(second)]
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.systemd.needers[U] = {"RequiredBy": first}
+        kit.systemd.needers[first[0]] = {"RequiredBy": more, "BoundBy": [U]}
+        kit.systemd.needers[first[1]] = {"ConsistsOf": more}
+        for v in more:
+            kit.systemd.needers[v] = {"RequiredBy": [first[2]]}
+        kit.systemd.answers = [OWN_JOB, job_path(9)]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await kit.done()
+        levels = [f"needed_by {U}", *(f"needed_by {u}" for u in first)]
+        if second == 24:
+            levels += [f"needed_by {v}" for v in more]
+            levels.append(f"units_state {','.join(first + more)}")
+            assert kit.systemd.read == levels
+            assert kit.systemd.stops[-1] == f"{U} replace"
+            assert kit.executed == []
+        else:
+            assert kit.systemd.read == levels
+            assert f"{U} replace" not in kit.systemd.stops
+            assert kit.executed == [f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits"]
+
+    run(test)
+
+
+@pytest.mark.parametrize("e_job", [15, 0], ids=["e-queued", "e-idle"])
+def test_a_cycle_among_the_units_needing_a_needer_ends_the_read_with_its_jobs_right(
+    e_job: int,
+) -> None:
+    """D `Requires=` the victim; E and D need each other (and E itself), a cycle that does
+    not pass through the victim: each unit is read once, the read ends, and E's queued start
+    holds the refusal (with the victim's own start); E with no job, the stop is sent again
+    in mode "replace"."""
+    e = "e.service"
+
+    async def test(kit: Kit) -> None:
+        _stopping_for_a(kit)
+        kit.tracker.states[U] = U_STARTING
+        kit.systemd.needers[U] = {"RequiredBy": [D]}
+        kit.systemd.needers[D] = {"RequiredBy": [e], "BoundBy": [e]}
+        kit.systemd.needers[e] = {"RequiredBy": [D, e]}
+        kit.systemd.states[D] = UnitState(D, "active", "running", 0)
+        kit.systemd.states[e] = UnitState(e, "inactive", "dead", e_job, "start" if e_job else "")
+        kit.systemd.answers = [OWN_JOB, job_path(9)]
+        kit.calls.send(kit.systemd.stop_unit, U, "stop")
+        await asyncio.wait_for(kit.done(), 5.0)  # a cycle read round and round hangs here
+        assert kit.systemd.read == [
+            f"needed_by {U}",
+            f"needed_by {D}",
+            f"needed_by {e}",
+            f"units_state {D},{e}",
+        ]
+        if e_job:
+            assert f"{U} replace" not in kit.systemd.stops
+            held = f"stop_failed {U}: {OWN_JOB.text} refused=True while_waits for {e},{U}"
+            assert kit.executed == [held]
+            assert kit.calls._held_for == {U: {e: 15, U: 11}}
+        else:
+            assert kit.systemd.stops[-1] == f"{U} replace"
+            assert kit.executed == []
+
+    run(test)
+
+
 @pytest.mark.parametrize(
     "broken", ["fails", "hangs", "bad-reply", "bad-state", "bad-job", "too-many"]
 )

@@ -310,3 +310,36 @@ def test_a_job_announced_for_a_waiter_being_stopped_at_its_gate_announces_no_sta
         assert ctl.scheduler.phase(A) is None
 
     run(test)
+
+
+@pytest.mark.parametrize("read", ["first-read", "at-audit"])
+def test_a_waiter_whose_stop_is_cancelled_at_its_gate_unheard_waits_again_by_a_read(
+    tmp_path: Path, cgroup_of: dict[int, str], read: str
+) -> None:
+    """`systemctl stop a; systemctl cancel` of that stop before it ran (waiting its turn
+    behind another unit's stop), the signal that showed A at its gate with no job lost: its
+    ExecStartPre= goes on, and the read (the first, or an audit's where the first still
+    showed the stop) shows A at its gate with no job. A waits again (README: a cancel of
+    the stop leaves it waiting), granted once B is down. Left told down, its gate was told
+    to ask again, and again, for ever."""
+    bed = _a_behind_b(tmp_path, cgroup_of)
+
+    async def test() -> None:
+        ctl = await _waits_at_its_gate(bed)
+        _told_down(bed, A, 20, 21)
+        if read == "at-audit":
+            await settle()
+            assert ctl.tracker.leaving(A)
+        ctl.on_job_removed(21, _job(21), A, "canceled")
+        bed.systemd.units[A] = state(A, "activating", "start-pre")
+        await settle()
+        if read == "at-audit":
+            await ctl.reads.audit()
+            await settle()
+        assert not ctl.tracker.leaving(A)
+        assert ctl.scheduler.is_waiting(A)
+        goes_down(bed, B)
+        await settle()
+        assert ctl.scheduler.grants() == {A: frozenset({0})}
+
+    run(test)

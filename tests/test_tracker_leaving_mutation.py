@@ -123,3 +123,17 @@ def test_a_waiter_that_waits_again_is_told_down_by_the_next_stop_at_its_gate() -
     [down] = tracker.stopped_at_gate(A)
     assert down == WentDown(A, Outcome.STOPPED)
     assert down.job == JOB4
+
+
+def test_a_read_of_a_unit_told_down_at_its_gate_with_no_job_waits_again() -> None:
+    """Its stop cancelled before it ran (`systemctl cancel`), that signal lost: the read
+    shows it at its gate with no job, its ExecStartPre= going on, as that signal would
+    have (`_job_at_gate`): it waits again. A stop job shown keeps it leaving."""
+    _, tracker = waiting_at_its_gate()
+    tracker.job_removed(JOB1, A, "canceled")
+    tracker.job_new(JOB2, A)
+    assert tracker.stopped_at_gate(A) == [WentDown(A, Outcome.STOPPED)]
+    assert not tracker.leaving_read(A, UnitState(A, "activating", "start-pre", 2, "stop"))
+    tracker.job_removed(JOB2, A, "canceled")
+    assert tracker.leaving_read(A, UnitState(A, "activating", "start-pre", 0))
+    assert not tracker.leaving(A)
