@@ -518,8 +518,9 @@ async def _unlock(tool: str, pid: int, s: CheckpointSettings) -> None:
 
 class StateUnread(CheckpointError):
     """`get_state` got no answer of the tool: it did not return in time, or did not run (not
-    installed, systemd-run failing as systemd re-executes). Unlike the tool's refusal (what
-    it says of a process with no CUDA), nothing is known of the process."""
+    installed, systemd-run failing as systemd re-executes), or exited 0 with words that name
+    no state (another version's). Unlike the tool's refusal (what it says of a process with
+    no CUDA), nothing is known of the process: it may be checkpointed."""
 
 
 # What systemd-run itself says when it could not run the tool (run.c, bus_log_connect_error):
@@ -532,8 +533,8 @@ _SYSTEMD_RUN_FAILED = (
 
 
 async def get_state(tool: str, pid: int, via_systemd: bool = False) -> str:
-    """One of `STATES`; CheckpointError when the tool fails or says something else
-    (StateUnread when it gave no answer)."""
+    """One of `STATES`; CheckpointError when the tool refuses (StateUnread when it gave no
+    answer, or one that names no state)."""
     try:
         out = await _call(tool, ("--get-state", "--pid", str(pid)), STATE_TIMEOUT, via_systemd)
     except _ToolFailed as e:
@@ -546,7 +547,7 @@ async def get_state(tool: str, pid: int, via_systemd: bool = False) -> str:
     state = words[-1].lower() if words else ""  # "running", or "State: running"
     if state not in STATES:
         shown = printable(" ".join(words), 60)
-        raise CheckpointError(f'{TOOL_NAME} gave an unknown state for PID {pid}: "{shown}"')
+        raise StateUnread(f'{TOOL_NAME} gave an unknown state for PID {pid}: "{shown}"')
     return state
 
 

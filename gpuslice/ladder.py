@@ -11,10 +11,11 @@ check what can be checked first (the tool, NVML, cgroup v2, every process visibl
 host memory, that nobody else froze the unit), lock every CUDA process of the unit,
 checkpoint each, FreezeUnit for the CPU side, then confirm through NVML that no process of
 it is on a GPU (frozen, none can reach one after that look). A failed suspend is undone:
-ThawUnit if it was frozen, then restore and unlock; a process whose undo failed is `lost`
-to the core, which stops the unit as after a failed resume. Resume: the core has already
-reserved the unit's memory on its GPUs; ThawUnit (the restore runs inside the process; sent
-again a few times while the bus fails for a moment, THAW_RETRY), restore, unlock.
+ThawUnit if it was (or may have been) frozen, then restore and unlock; a process whose undo
+failed is `lost` to the core, which stops the unit as after a failed resume. Resume: the
+core has already reserved the unit's memory on its GPUs; ThawUnit (the restore runs inside
+the process; sent again a few times while the bus fails for a moment, THAW_RETRY), restore,
+unlock.
 """
 
 from __future__ import annotations
@@ -291,7 +292,9 @@ class Ladder:
             why = _reason(e, "suspending")
             if isinstance(e, _FreezerHung):  # half frozen: a restore would hang in it
                 why += await self._thaw_after_hung_freeze(unit, run)
-            elif frozen:  # the restore runs in the process: thawed first
+            elif frozen or isinstance(e, _FreezerTransient):
+                # the restore runs in the process: thawed first; so too after a FreezeUnit
+                # whose answer was lost (systemd re-executing once it froze the cgroup)
                 why += await self._thaw_to_undo(unit, run)
             lost: tuple[int, ...] = ()
             try:

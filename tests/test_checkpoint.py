@@ -466,6 +466,8 @@ def test_get_state(tmp_path: Path, output: str, expected: str) -> None:
 def test_unknown_state(tmp_path: Path, body: str, shown: str) -> None:
     error = failure(get_state(stub(tmp_path, body), 11))
     assert error.reason == f'cuda-checkpoint gave an unknown state for PID 11: "{shown}"'
+    # exited 0: an answer about a CUDA process, not the refusal a process with no CUDA gets
+    assert isinstance(error, checkpoint.StateUnread)
 
 
 def test_a_state_the_tool_gave_no_answer_for_is_unread_not_refused(

@@ -461,6 +461,34 @@ def test_a_resume_after_a_restart_fails_on_a_process_whose_state_got_no_answer(
     assert host.bed.state_of(a) == "checkpointed"
 
 
+def test_a_resume_after_a_restart_fails_on_a_process_whose_state_it_cannot_read(
+    host: Host, tmp_path: Path
+) -> None:
+    """An answer of the tool that says no state (it exited 0 with words this version of
+    gpuslice does not know) is no refusal: the process has CUDA, and may be checkpointed.
+    Taken for a process with no CUDA, it was skipped, the resume said nothing restored,
+    and the unit ran on, blocked in its next CUDA call for good."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    real = host.settings.tool
+    odd = tmp_path / "odd-tool"
+    odd.write_text(
+        f'#!/bin/sh\n[ "$1 $3" = "--get-state {a}" ] && {{ echo "State: checkpointed (1)"; '
+        f'exit 0; }}\nexec {real} "$@"\n'
+    )
+    odd.chmod(0o755)
+    host.settings = dataclasses.replace(host.settings, tool=str(odd))
+    host.freezer.pids = [a, 1]
+    run(host.restarted_ladder().resume(UNIT))
+    event, _, words = host.said()[-1]
+    assert event == "resume_failed", words
+    assert words == (
+        f'cuda-checkpoint gave an unknown state for PID {a}: "State: checkpointed (1)": it '
+        "may be checkpointed"
+    )
+    assert host.bed.state_of(a) == "checkpointed"
+
+
 def test_a_resume_after_a_restart_asks_the_state_of_a_bounded_number_of_processes(
     host: Host, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1022,6 +1050,55 @@ def blinking(host: Host, blips: int, error: SystemdError = NO_REPLY) -> list[flo
     Host's, given to the Ladder as it is made: recorded, not waited)."""
     host.ladder.systemd = host.freezer = BlinkingFreezer(blips, error)
     return host.waits
+
+
+class FreezeThenBlink(Freezer):
+    """systemd re-executing while it freezes the unit: FreezeUnit writes the cgroup's freeze
+    (the unit is frozen), then its answer is lost (NoReply, an error that passes). `frozen`
+    is a file the tool below reads: a restore in a frozen process never returns (the fake's
+    processes are never frozen for real)."""
+
+    def __init__(self, frozen: Path) -> None:
+        super().__init__()
+        self.frozen = frozen
+
+    async def _do(self, what: str, name: str) -> None:
+        await super()._do(what, name)
+        if what == "thaw":
+            self.frozen.unlink(missing_ok=True)
+            self.states[name] = "running"
+        if what == "freeze":
+            self.frozen.touch()
+            self.states[name] = "frozen"
+            raise NO_REPLY
+
+
+def test_a_freeze_whose_answer_is_lost_is_thawed_before_the_undo_restores(
+    host: Host, tmp_path: Path
+) -> None:
+    """A FreezeUnit that fails for an error that passes may have frozen the unit (systemd
+    re-executing after it froze the cgroup). Taken for a refusal, its suspend's undo restored
+    the process frozen: the restore never returned, the process was lost and the unit
+    stopped, its work gone for a blip of the bus. It is thawed first, as after a freeze that
+    worked, and the job runs on."""
+    pid = host.job()
+    frozen = tmp_path / "frozen"
+    real = host.settings.tool
+    tool = tmp_path / "freezer-aware-tool"
+    tool.write_text(
+        f'#!/bin/sh\n[ "$2" = restore ] && [ -e {frozen} ] && '
+        '{ echo "restore never returns in a frozen process" >&2; exit 1; }\n'
+        f'exec {real} "$@"\n'
+    )
+    tool.chmod(0o755)
+    host.settings = dataclasses.replace(host.settings, tool=str(tool))
+    host.ladder.systemd = host.freezer = FreezeThenBlink(frozen)
+    run_within(host.ladder.suspend(UNIT))
+    [(event, _, words)] = host.said()
+    assert event == "suspend_failed", words
+    assert words == f"FreezeUnit failed: {NO_REPLY}"
+    assert host.freezer.calls == [LOOK, f"freeze {UNIT}", f"thaw {UNIT}"]
+    assert host.bed.holds(pid) and host.bed.state_of(pid) == "running"
 
 
 def test_a_resume_sends_a_thaw_that_failed_for_a_moment_again(
