@@ -55,7 +55,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# The line that sends a gate to the bus (no InvocationID is ever "-").
+# The line that sends a gate to the bus: no InvocationID, which the gate takes in hex digits
+# alone (a unit's own Environment=INVOCATION_ID=- never reads it as its grant).
 TO_THE_BUS = "-"
 # Gates holding a pipe open at once (one file descriptor each); beyond, new ones ask over the
 # bus, each holding a connection of root's to the bus daemon until it is answered: the system

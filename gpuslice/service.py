@@ -335,17 +335,21 @@ class SchedulerService:
                 return True  # no answer: it too would wait in the bus daemon
             self._answers_sent += ANSWER_BYTES
             self._read_held()
+        answer: Message | bool
         if isinstance(msg, Unread) and msg.header_len:  # its path was not read: not ours
-            return Message.new_error(
+            answer = Message.new_error(
                 msg, LIMITS_EXCEEDED, f"a header of {msg.header_len} bytes: not read"
             )
-        if msg.path != OBJECT_PATH:
+        elif msg.path != OBJECT_PATH:
             return False
-        try:
-            answer = self._route(msg)
-        except Exception:  # never a traceback to a caller, never a lost connection
-            log.exception("error handling %s from %s", msg.member, msg.sender)
-            answer = Message.new_error(msg, "org.freedesktop.DBus.Error.Failed", "internal error")
+        else:
+            try:
+                answer = self._route(msg)
+            except Exception:  # never a traceback to a caller, never a lost connection
+                log.exception("error handling %s from %s", msg.member, msg.sender)
+                answer = Message.new_error(
+                    msg, "org.freedesktop.DBus.Error.Failed", "internal error"
+                )
         if isinstance(answer, Message) and msg.flags & MessageFlag.NO_REPLY_EXPECTED:
             return True  # the caller asked for none (the bus daemon would drop it, once read)
         return answer

@@ -28,6 +28,7 @@ import pytest
 from gpuslice.gatepipes import (
     MAX_OPEN,
     RESERVED_FDS,
+    TO_THE_BUS,
     GatePipes,
     pipe_budget,
     raise_fd_limit,
@@ -82,6 +83,7 @@ class Gate:
         invocation: str = START,
         dbus_send: str = "",
         unit_env: dict[str, str] | None = None,
+        unit: str = UNIT,
     ) -> None:
         self.calls = tmp_path / "dbus-send.calls"
         self.state = tmp_path / "active-state"
@@ -90,7 +92,7 @@ class Gate:
         stub(
             bin_dir / "systemctl",
             'if [ "$1" = is-active ]; then echo active; exit 0; fi\n'
-            f'[ "$*" = "show -p ActiveState --value -- {UNIT}" ] || exit 1\n'
+            f'[ "$*" = "show -p ActiveState --value -- {unit}" ] || exit 1\n'
             f"exec cat {self.state}\n",
         )
         env = {
@@ -99,9 +101,9 @@ class Gate:
             "INVOCATION_ID": invocation,
             **(unit_env or {}),
         }
-        pipe = pipes.directory / UNIT
+        pipe = pipes.directory / unit
         self.proc = subprocess.Popen(
-            ["/bin/sh", str(gate_with_stubs(tmp_path, bin_dir)), UNIT, "0.5", str(pipe)],
+            ["/bin/sh", str(gate_with_stubs(tmp_path, bin_dir)), unit, "0.5", str(pipe)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -559,6 +561,23 @@ def test_a_signal_that_is_no_stop_lets_no_start_through(
     assert gate.ended(said=said) == 0
 
 
+def test_what_the_gate_says_names_its_unit_as_it_is_named(tmp_path: Path, pipes: GatePipes) -> None:
+    """A unit's name may hold a backslash (an instance's escapes), which dash's echo reads as
+    an escape: `\\c` cut the line there, `\\n` began another, in the unit's own journal."""
+    unit = "job@a\\cb\\nc.service"
+    answer = tmp_path / "granted"
+    pipes.directory.mkdir(parents=True)  # no pipe: it asks over D-Bus, and waits there
+    waits_for_grant = f"while [ ! -e {answer} ]; do sleep 0.02; done"
+    gate = Gate(tmp_path, pipes, dbus_send=waits_for_grant, unit=unit)
+    gate.waiting_on_dbus()
+    gate.state.write_text("activating\n")
+    gate.proc.send_signal(signal.SIGHUP)
+    assert gate.waits(1.0)  # not let through
+    answer.write_text("")  # the grant, over D-Bus
+    said = f"signalled while {unit} is not being stopped: still waiting for its GPUs\n"
+    assert gate.ended(said=said) == 0
+
+
 def test_the_pipes_are_the_controllers_alone(tmp_path: Path, pipes: GatePipes) -> None:
     pipes.at_gate(UNIT, START)
     assert stat.S_IMODE(pipes.directory.stat().st_mode) == 0o700
@@ -614,6 +633,20 @@ def test_without_a_pipe_or_an_invocation_the_gate_asks_over_dbus(
     assert Gate(tmp_path, pipes).asked_over_dbus()
     pipes.at_gate(UNIT, START)
     gate = Gate(tmp_path, pipes, invocation="")
+    assert gate.ended() == 0
+    assert gate.asked_over_dbus()
+
+
+def test_an_invocation_id_not_in_systemds_form_never_passes_through_the_pipe(
+    tmp_path: Path, pipes: GatePipes
+) -> None:
+    """A unit's own `Environment=INVOCATION_ID=-` overrides systemd's: read from the pipe,
+    the line that sends a gate to D-Bus was taken for its grant, and the start ran unasked.
+    Such a gate asks over D-Bus instead."""
+    pipes.expect(UNIT)  # its start's pipe, made ahead
+    gate = Gate(tmp_path, pipes, invocation=TO_THE_BUS)
+    if gate.waits(1.0):  # in the pipe's open(): the controller sends it to D-Bus
+        pipes.at_gate_unknown(UNIT)
     assert gate.ended() == 0
     assert gate.asked_over_dbus()
 

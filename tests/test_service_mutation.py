@@ -20,6 +20,7 @@ import pytest
 from dbus_next import DBusError, Message, MessageFlag, MessageType
 from dbus_next.aio import MessageBus
 
+from gpuslice.busread import Unread
 from gpuslice.service import (
     ACCESS_DENIED,
     BUS_NAME,
@@ -361,6 +362,23 @@ def test_a_call_that_asks_for_no_answer_is_ours_and_gets_none(bus_address: str) 
         assert passed_on == []
 
     run(scenario)
+
+
+def test_a_call_whose_header_was_not_read_gets_no_answer_when_it_asks_for_none() -> None:
+    """Refused (LimitsExceeded) as any call whose header is longer than busread reads, but one
+    that asks for no answer gets none, as every other call: anyone may send one (Introspect of
+    a long path), and the answer no one asked for went out, to be refused by the bus daemon."""
+
+    async def body() -> None:
+        bus = ServiceBus()
+        service = _service(bus)
+        quiet = Unread(_call("Introspect", flags=MessageFlag.NO_REPLY_EXPECTED), 0, 8192)
+        assert bus.deliver(quiet) is True
+        asked = Unread(_call("Introspect"), 0, 8192)
+        assert _error(bus.deliver(asked)) == (LIMITS_EXCEEDED, ["a header of 8192 bytes: not read"])
+        assert bus.sent == [] and service._answers_sent == 8 << 10  # the one answer counted
+
+    _in_loop(body)
 
 
 # ---------------------------------------------------------------------------------------------
