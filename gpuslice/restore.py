@@ -278,7 +278,8 @@ class Restore:
         again (Scheduler.start_lost); a stop we had asked
         for that systemd no longer runs is given up; running units we did not know, or
         knew only as starting, are adopted (once the ended ones released their GPUs);
-        units at their gate, or whose start job waits for us to be ready, queue at once
+        units at their gate (but one someone stops there, `Tracker.listed`: held), or
+        whose start job waits for us to be ready, queue at once
         (their gate calls within a second), so a released GPU goes to them before any
         preempted unit comes back, unless a daemon-reload ended since the unit files were
         read: they wait for its rescan (`hold_for_rescan`), as a start does while one runs
@@ -340,6 +341,19 @@ class Restore:
             free = free or {}
             for state in states:
                 spec = self.spec_for(state.name)
+                if (
+                    spec is not None
+                    and self.tracker.leaving(state.name)
+                    and self.scheduler.phase(state.name) is None
+                    and not self.scheduler.is_waiting(state.name)
+                ):
+                    # someone's stop waits at its gate (Tracker.listed): held, as a waiter
+                    # told down there (Tracker.stopped_at_gate); queued, it preempted less
+                    # urgent units for a unit being stopped, and a background one left
+                    # unheld was refilled, its start replacing that stop
+                    outcome = self.tracker.outcome(state, stopped=True)
+                    actions += self.scheduler.inactive(state.name, outcome)
+                    continue
                 if spec is not None and _queued(state) and free.get(state.name) != state.job_id:
                     # behind a GPU unit's start, or not read (`queued_free`): neither queued
                     # now nor keeping a place (a start of ours), its gate asks

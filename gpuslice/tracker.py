@@ -775,10 +775,23 @@ class Tracker:
     def listed(self, units: Iterable[UnitState]) -> None:
         """ListUnits answered (start-up): the managed units' states replace what was known.
         Each counts as heard now: a read of one sent before it is forgotten (an instance that
-        ended) is then still found older, its stamp not 0 (`forget`)."""
+        ended) is then still found older, its stamp not 0 (`forget`). One the core has no
+        phase for, shown at its gate with a job the list names no start (someone's
+        `systemctl stop` there, waiting its turn), is leaving from now on, as
+        `stopped_at_gate` leaves a waiter (Restore.rebuild holds it): taken for a start, it
+        was queued and preempted less urgent units for a unit being stopped. Its gate is
+        served once a start replaces the stop, or the stop is cancelled (`_job_at_gate`,
+        `leaving_read`). Any unit at its gate is seen there now, as its signal would have
+        shown it: a stop of it announced later is `stopped_at_gate`'s (unseen, a start found
+        there and queued waited, and was granted, while someone's stop of it ran)."""
         self.states = {u.name: u for u in units if self.managed(u.name)}
-        for name in self.states:
+        for name, state in self.states.items():
             self._count(name)
+            if classify(state) is Kind.GATE:
+                self._gate_seen[name] = self._signals[name]
+            stop = state.job_id != 0 and state.job_type not in ("", *START_JOBS)
+            if stop and classify(state) is Kind.GATE and self.ledger.phase(name) is None:
+                self._leaving[name] = f"{JOB_PREFIX}{state.job_id}"
 
     # -- our own calls --------------------------------------------------------------------
 

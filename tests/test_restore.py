@@ -138,9 +138,13 @@ class FakeTracker:
     def __init__(self) -> None:
         self.states: dict[str, UnitState] = {}
         self.heard_at: dict[str, int] = {}
+        self.stopped_at_gate: set[str] = set()  # someone's stop listed there (`leaving`)
 
     def state(self, name: str) -> UnitState:
         return self.states.get(name, UnitState(name, "inactive", "dead", 0))
+
+    def leaving(self, name: str) -> bool:
+        return name in self.stopped_at_gate
 
     def heard(self, name: str) -> int:
         return self.heard_at.get(name, 1)
@@ -588,6 +592,25 @@ def test_starts_at_their_gate_queue_at_once_or_wait_for_a_rescan_due(tmp_path: P
         "schedule",
     ]
     assert kit.held_for_rescan == [A, C]
+
+
+def test_a_unit_someone_stops_at_its_gate_is_held_not_requested(tmp_path: Path) -> None:
+    """Annotated, at its gate with someone's stop (Tracker.listed: leaving), with no phase
+    and not waiting: held (told down as stopped), not requested nor held for a rescan due,
+    as a waiter told down at its gate is; one the core has a phase for, or has waiting, or
+    not annotated, is left as it was."""
+    kit = Kit(tmp_path)
+    stop = {n: UnitState(n, "activating", "start-pre", 21, "stop") for n in (A, B, C, D)}
+    kit.tracker.states.update(stop)
+    kit.tracker.stopped_at_gate.update(stop)
+    for name in (A, B, C):
+        kit.specs[name] = UnitSpec(name, 10)
+    kit.scheduler.phases[B] = Phase.STARTING
+    kit.scheduler.waiting.add(C)
+    for rescan in (False, True):
+        kit.rescan = rescan
+        assert messages(kit.restore.rebuild()) == [f"inactive {A} stopped", "recover", "schedule"]
+        assert kit.held_for_rescan == []
 
 
 def queued(name: str, job: int) -> UnitState:

@@ -3,9 +3,9 @@ job_number): the sequences the tracker tests left open, each as systemd sends th
 
 from __future__ import annotations
 
-from gpuslice.core.scheduler import Outcome
+from gpuslice.core.scheduler import Outcome, Phase
 from gpuslice.tracker import JOB_PREFIX, ReachedGate, UnitState, WentDown, job_number
-from tests.test_tracker import JOB1, JOB2, JOB3, JOB4, A, props_of, waiting_at_its_gate
+from tests.test_tracker import JOB1, JOB2, JOB3, JOB4, A, Model, props_of, waiting_at_its_gate
 
 
 def test_a_job_number_is_read_only_from_a_jobs_path() -> None:
@@ -136,4 +136,55 @@ def test_a_read_of_a_unit_told_down_at_its_gate_with_no_job_waits_again() -> Non
     assert not tracker.leaving_read(A, UnitState(A, "activating", "start-pre", 2, "stop"))
     tracker.job_removed(JOB2, A, "canceled")
     assert tracker.leaving_read(A, UnitState(A, "activating", "start-pre", 0))
+    assert not tracker.leaving(A)
+
+
+def test_a_unit_listed_at_its_gate_with_a_stop_is_leaving_and_no_other() -> None:
+    """Start-up's ListUnits names each job's type: a unit the core has no phase for, at its
+    gate (or in its ExecCondition=) with a job that is no start, is leaving (someone's stop
+    waits its turn there); none with no job, a start or restart, a job of no type said, one
+    not at its gate, or one the core has a phase for."""
+    model = Model()
+    model.phases["held.service"] = Phase.STARTING
+    names = ["stop", "cond", "none", "start", "restart", "untyped", "down", "held"]
+    units = {f"{n}.service" for n in names}
+    tracker = model.tracker(frozenset(units))
+    tracker.listed(
+        [
+            UnitState("stop.service", "activating", "start-pre", 21, "stop"),
+            UnitState("cond.service", "activating", "condition", 22, "stop"),
+            UnitState("none.service", "activating", "start-pre", 0),
+            UnitState("start.service", "activating", "start-pre", 23, "start"),
+            UnitState("restart.service", "activating", "start-pre", 24, "restart"),
+            UnitState("untyped.service", "activating", "start-pre", 25),
+            UnitState("down.service", "inactive", "dead", 26, "stop"),
+            UnitState("held.service", "activating", "start-pre", 27, "stop"),
+        ]
+    )
+    assert tracker.leaving_units() == ["cond.service", "stop.service"]
+    assert tracker.stopped_at_gate("stop.service") == []  # told by Restore.rebuild
+
+
+def test_a_start_that_replaces_a_stop_listed_at_the_gate_waits_again() -> None:
+    """Listed at its gate with someone's stop (job 21): a signal naming another job there (a
+    start that replaced the stop), or none (the stop cancelled), has it wait again (a new
+    start, known at its gate), as does
+    a read naming a start; its down, the stop run, is told no more (the core held it)."""
+    for shown in (22, 0):
+        model = Model()
+        tracker = model.tracker()
+        tracker.listed([UnitState(A, "activating", "start-pre", 21, "stop")])
+        assert tracker.unit_changed(A, props_of("activating", "start-pre", 21)) == []
+        assert tracker.leaving(A)
+        changes = tracker.unit_changed(A, props_of("activating", "start-pre", shown))
+        assert changes == [ReachedGate(A)], shown  # a start known at its gate
+        assert not tracker.leaving(A), shown
+    tracker = Model().tracker()
+    tracker.listed([UnitState(A, "activating", "start-pre", 21, "stop")])
+    assert not tracker.leaving_read(A, UnitState(A, "activating", "start-pre", 21, "stop"))
+    assert tracker.leaving_read(A, UnitState(A, "activating", "start-pre", 22, "start"))
+    tracker = Model().tracker()
+    tracker.listed([UnitState(A, "activating", "start-pre", 21, "stop")])
+    assert tracker.unit_changed(A, props_of("deactivating", "stop-sigterm", 21)) == []
+    assert tracker.unit_changed(A, props_of("inactive", "dead", 0)) == []
     assert not tracker.leaving(A)
