@@ -26,7 +26,7 @@ from gpuslice.callers import Credentials, KnownCallers
 from gpuslice.core.scheduler import HOLDER_STATES, Snapshot
 from gpuslice.counters import Counters
 from gpuslice.inventory import Sample
-from gpuslice.procmount import ProcHiding, read_proc_hiding
+from gpuslice.procmount import ProcHiding, read_proc_hiding, sees_every_process
 from gpuslice.status import (
     CachedStatus,
     FullStatus,
@@ -73,6 +73,7 @@ class StatusAnswers:
         started: Callable[[], float],
         credentials: Callable[[str], Awaitable[Credentials]],
         read_hiding: Callable[[], ProcHiding] = read_proc_hiding,
+        sees_all: Callable[[], bool] = sees_every_process,
     ) -> None:
         """`waiting_since`: Unix time each waiter started waiting; `suspensions`: the bytes
         each suspended unit moved to host memory, and when (Unix time); `restart_since`:
@@ -91,6 +92,8 @@ class StatusAnswers:
         self.started = started
         self._credentials = credentials
         self._read_hiding = read_hiding
+        self._sees_all = sees_all
+        self._blind = False  # whether /proc hides other users' processes from us too
         # whether /proc hides other users' processes, read at start and at each reload:
         # Status then hides them from callers /proc hides them from (status_for)
         self.proc_hiding = ProcHiding()
@@ -118,6 +121,25 @@ class StatusAnswers:
             elif self.proc_hiding.hides:
                 log.info("/proc no longer hides other users' processes: Status shows them all")
         self.proc_hiding = hiding
+        blind = hiding.hides and not self._sees_all()
+        if blind and not self._blind:
+            # the jobs' and other users' GPU processes taken for gone: not counted, not
+            # attributed, never yielded to
+            remedy = (
+                f"give it the mount's group: `systemctl edit gpuslice`, [Service] "
+                f"SupplementaryGroups={hiding.gid}, then restart it"
+                if hiding.gid is not None
+                else "mount /proc with hidepid=invisible,gid=GROUP and give it that group "
+                "(SupplementaryGroups=)"
+            )
+            log.error(
+                "/proc hides other users' processes from the controller too (%s): it cannot "
+                "see the processes on the GPUs, whose unit or owner they are, nor their "
+                "memory; %s",
+                hiding.said,
+                remedy,
+            )
+        self._blind = blind
 
     def status_line(self) -> str:
         """`N GPUs: a.service running; b.service stopping; 1 waiting`: the holders by what

@@ -3,11 +3,12 @@ the controller's own mount table. (`subset=pid` hides /proc's files that are not
 process, not other users' processes: it changes nothing here.)
 
 An admin who mounts /proc so (proc(5)) hides each user's processes from the others: their
-PIDs, command lines, owners. The controller is root and sees them all; `Status`, which anyone
-may call, said them (each GPU's foreign processes, whose they are). Where /proc hides them,
-Status answers a caller that /proc would not show them to with those details left out
-(gpuslice/status.py, `redacted`), but of its own processes (RedactedStatus): root, and
-members of the mount's `gid=` group (hidepid's own exemption), see everything.
+PIDs, command lines, owners. The controller is root and sees them all (where /proc lets it:
+`sees_every_process`); `Status`, which anyone may call, said them (each GPU's foreign
+processes, whose they are). Where /proc hides them, Status answers a caller that /proc would
+not show them to with those details left out (gpuslice/status.py, `redacted`), but of its
+own processes (RedactedStatus): root, and members of the mount's `gid=` group (hidepid's own
+exemption, but under `hidepid=ptraceable`), see everything.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MOUNTINFO = Path("/proc/self/mountinfo")
+PROC = Path("/proc")
 # The most of it read: /proc is mounted at boot, among the first lines; a host of tens of
 # thousands of mounts (containers) has megabytes of them, read at start and on each reload.
 MOUNTINFO_MAX = 4 << 20
 # hidepid values that hide nothing (numbers before Linux 5.8, words since)
 _SHOWS_ALL = ("0", "off")
+# hidepid values whose hiding the gid= group is exempt from. Not `ptraceable` (4): the kernel
+# shows each caller only the processes it may ptrace, whatever its groups (a member of gid=
+# sees no other user's), and Status gave that group every PID, command and owner. Nor a value
+# this list does not know (a later kernel's): no group is exempt (fail closed).
+_GROUP_EXEMPT = ("1", "2", "noaccess", "invisible")
 _OCTAL = re.compile(r"\\([0-7]{3})")
 _GID_DIGITS = 10  # a gid_t is 32 bits
 
@@ -33,7 +40,8 @@ _GID_DIGITS = 10  # a gid_t is 32 bits
 @dataclass(frozen=True)
 class ProcHiding:
     """`hides`: /proc hides other users' processes; `gid`: the group /proc still shows
-    them all to (None: none); `said`: the options that say so, for the log."""
+    them all to (None: none, as under hidepid=ptraceable whatever gid= says:
+    `_GROUP_EXEMPT`); `said`: the options that say so, for the log."""
 
     hides: bool = False
     gid: int | None = None
@@ -62,16 +70,18 @@ def _unescape(field: str) -> str:
 
 def _hiding_of(options: list[str]) -> ProcHiding:
     hides, gid, said = False, None, []
+    group_exempt = True
     for option in options:
         key, _, value = option.partition("=")
         if key == "hidepid":
             said.append(option)
             hides = hides or value not in _SHOWS_ALL  # an unknown value: taken to hide
+            group_exempt = group_exempt and (value in _SHOWS_ALL or value in _GROUP_EXEMPT)
         elif key == "gid":
             said.append(option)
             ok = value.isascii() and value.isdigit() and len(value) <= _GID_DIGITS
             gid = int(value) if ok and int(value) < 1 << 32 else None
-    return ProcHiding(hides, gid if hides else None, ",".join(said))
+    return ProcHiding(hides, gid if hides and group_exempt else None, ",".join(said))
 
 
 def proc_hiding_of(mountinfo: str) -> ProcHiding | None:
@@ -104,6 +114,20 @@ def proc_hiding_of(mountinfo: str) -> ProcHiding | None:
         return top[0]
     hiding = [h for _, h in found.values() if h.hides]
     return ProcHiding(True, None, hiding[0].said) if hiding else ProcHiding()
+
+
+def sees_every_process(proc: Path = PROC) -> bool:
+    """Whether /proc lets this process read PID 1's cgroup, and so every process's (what
+    the controller reads of each process on a GPU): hidepid= hides from root too a process
+    it may not ptrace, and the controller has no CAP_SYS_PTRACE (CapabilityBoundingSet=), so
+    only the mount's gid= group exempts it (or no gid=: the group is then root's). PID 1
+    holds capabilities the controller lacks: where it is hidden, every process of another
+    user and every root job is. (`hidepid=noaccess` shows its directory, not what is in it.)"""
+    try:
+        with open(proc / "1" / "cgroup", "rb"):
+            return True
+    except OSError:
+        return False
 
 
 def read_proc_hiding(path: Path | None = None) -> ProcHiding:

@@ -11,11 +11,12 @@ import asyncio
 import json
 import logging
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpuslice import __version__
+from gpuslice import __version__, procmount
 from gpuslice.annotations import Problem, Scan
 from gpuslice.answers import StatusAnswers
 from gpuslice.core.model import Gpu, UnitSpec
@@ -23,7 +24,7 @@ from gpuslice.core.scheduler import Scheduler
 from gpuslice.counters import Counters
 from gpuslice.inventory import GpuUse, Sample, _with_foreign
 from gpuslice.owners import Owner
-from gpuslice.procmount import ProcHiding
+from gpuslice.procmount import ProcHiding, proc_hiding_of
 
 GIB = 1 << 30
 HIDEPID = ProcHiding(True, 27, "hidepid=2,gid=27")
@@ -32,7 +33,9 @@ HIDEPID = ProcHiding(True, 27, "hidepid=2,gid=27")
 class Host:
     """What a StatusAnswers reads, with a count of each build and of each lookup."""
 
-    def __init__(self, hiding: ProcHiding = HIDEPID, scan: Scan | None = None) -> None:
+    def __init__(
+        self, hiding: ProcHiding = HIDEPID, scan: Scan | None = None, sees_all: bool = True
+    ) -> None:
         uses = [GpuUse(4242, 0, 2 * GIB, None, "secret", Owner("user", "1000"))]
         gpus = [_with_foreign(Gpu(0, "GPU-0", "Fake 24GB", 24 * GIB), uses, {})]
         self.sample = Sample(gpus, uses)
@@ -42,6 +45,7 @@ class Host:
         self.counters = Counters()
         self.dropped = 0
         self.hiding = hiding
+        self.sees_all = sees_all
         self.credentials: dict[str, tuple[int | None, frozenset[int]]] = {
             ":1.1": (1000, frozenset({1000})),
             ":1.2": (0, frozenset()),
@@ -60,6 +64,7 @@ class Host:
             started=lambda: 1000.0,
             credentials=self._ask,
             read_hiding=lambda: self.hiding,
+            sees_all=lambda: self.sees_all,
         )
         self.answers.read_proc_mount()
 
@@ -161,6 +166,18 @@ def test_each_caller_sees_what_proc_would_show_it(sender: str, seen: tuple[Any, 
     assert host.asked == [sender]
 
 
+def test_under_hidepid_ptraceable_the_mounts_group_sees_no_more_than_anyone() -> None:
+    """/proc mounted `hidepid=ptraceable,gid=27` shows a member of group 27 only the
+    processes it may ptrace (its own): the group is exempt from hidepid=2, not from this.
+    Status gave it every foreign process's PID, command and owner."""
+    line = "22 21 0:21 / /proc rw,relatime - proc proc rw,gid=27,hidepid=ptraceable"
+    host = Host(proc_hiding_of(line + "\n") or ProcHiding())
+    assert host.answer(":1.3")["redacted"] is True  # UID 1001, of group 27
+    assert _foreign(host.answer(":1.3")) == (None, None, None)
+    assert _foreign(host.answer(":1.1")) == (4242, "secret", "1000")  # its own, as /proc does
+    assert "redacted" not in host.answer(":1.2")  # root
+
+
 def test_a_known_caller_is_answered_without_a_lookup() -> None:
     """Named once, answered at once from then on; one not named is asked about each time,
     and not kept."""
@@ -258,6 +275,47 @@ def test_procs_mount_is_said_when_it_changes(caplog: pytest.LogCaptureFixture) -
         "callers that are root, or of group 27",
         "/proc no longer hides other users' processes: Status shows them all",
     ]
+
+
+@pytest.mark.parametrize(
+    ("hiding", "remedy"),
+    [
+        (HIDEPID, "[Service] SupplementaryGroups=27, then restart it"),
+        (ProcHiding(True, None, "hidepid=ptraceable,gid=27"), "hidepid=invisible,gid=GROUP"),
+    ],
+)
+def test_a_proc_mount_that_hides_processes_from_the_controller_too_is_an_error(
+    caplog: pytest.LogCaptureFixture, hiding: ProcHiding, remedy: str
+) -> None:
+    """hidepid= hides from root too what it may not ptrace, and the controller has no
+    CAP_SYS_PTRACE: with gid= (or ptraceable) it saw no GPU process of another user nor of a
+    root job (taken for gone: not counted, not attributed) and never said so. Said at start,
+    and again only once it was seen fixed (`sees_every_process`: PID 1 shown)."""
+    with caplog.at_level(logging.ERROR, logger="gpuslice"):
+        host = Host(hiding, sees_all=False)
+        host.answers.read_proc_mount()
+        host.sees_all = True
+        host.answers.read_proc_mount()
+        host.sees_all = False
+        host.answers.read_proc_mount()
+        Host(hiding, sees_all=True)
+        Host(ProcHiding(), sees_all=False)  # nothing hidden: its PID 1 is not looked for
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0] == said[1]
+    assert said[0].startswith(
+        f"/proc hides other users' processes from the controller too ({hiding.said}): it "
+        "cannot see the processes on the GPUs"
+    )
+    assert remedy in said[0]
+
+
+def test_pid_1_tells_whether_proc_shows_every_process(tmp_path: Path) -> None:
+    """Its cgroup, readable: `hidepid=noaccess` shows the directory, not what is in it."""
+    assert procmount.sees_every_process() is True  # this host's /proc
+    (tmp_path / "1").mkdir()
+    assert procmount.sees_every_process(tmp_path) is False
+    (tmp_path / "1" / "cgroup").write_text("0::/init.scope\n")
+    assert procmount.sees_every_process(tmp_path) is True
 
 
 def test_the_status_line_says_the_holders_and_the_waiters() -> None:

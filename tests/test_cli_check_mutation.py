@@ -286,7 +286,8 @@ def test_a_hung_systemctl_is_given_up_on(tmp_path: Path, monkeypatch: pytest.Mon
     [
         # a value with "=" in it is still hidepid's, unknown: taken to hide
         ("rw,hidepid=0=2", ProcHiding(True, None, "hidepid=0=2")),
-        ("rw,hidepid=invisible=1,gid=27", ProcHiding(True, 27, "hidepid=invisible=1,gid=27")),
+        # and the group exempt from no value it does not know
+        ("rw,hidepid=invisible=1,gid=27", ProcHiding(True, None, "hidepid=invisible=1,gid=27")),
         # a 10-digit group (systemd's container ranges start at 0x7ffe0000)
         ("rw,hidepid=2,gid=2147352576", ProcHiding(True, 2147352576, "hidepid=2,gid=2147352576")),
     ],

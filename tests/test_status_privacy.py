@@ -78,6 +78,10 @@ def mountinfo(*lines: str) -> str:
         ("rw,hidepid=invisible,gid=27", True, 27),
         ("rw,hidepid=ptraceable", True, None),
         ("rw,hidepid=4", True, None),
+        # the kernel exempts no group from ptraceable: gid= shows its members nothing more
+        ("rw,gid=27,hidepid=ptraceable", True, None),
+        ("rw,hidepid=4,gid=27", True, None),
+        ("rw,hidepid=seven,gid=27", True, None),  # unknown: no group exempt (fail closed)
         # subset=pid hides /proc's files that are no process's, not other users' processes
         ("rw,subset=pid", False, None),
         ("rw,subset=pid,gid=1001", False, None),
