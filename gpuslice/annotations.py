@@ -797,10 +797,27 @@ def _gate_removed(loader: Loader, name: str) -> list[Problem]:
     systemd applies drop-ins sorted by file name across all directories. The gate drop-in
     resets ExecStartPre= and puts the gate first; an empty `ExecStartPre=` in a drop-in that
     sorts after it (a template's or an instance's) resets the list again and the unit starts
-    without the gate. A drop-in of the same name in another directory hides the gate file.
+    without the gate. A drop-in of the same name in another directory hides the gate file, as
+    does a mask of that name (a symlink to /dev/null) or anything else systemd lists by it (a
+    directory, a dangling link: `UnitIndex.hiding_dropins`).
     """
     files = loader.files(name) or []
     out: list[Problem] = []
+    if files:
+        for hider in loader.index.hiding_dropins(name):
+            if hider.endswith("/" + GATE_DROPIN_NAME) and not hider.startswith(_GENERATOR_DIR):
+                out.append(
+                    Problem(
+                        printable(hider),
+                        0,
+                        "",
+                        f"this mask hides the GPU gate's {GATE_DROPIN_NAME}: {name} starts "
+                        "without waiting for its GPUs; remove it",
+                        "warning",
+                        name,
+                        section="Service",
+                    )
+                )
     for unit_file in files[1:]:
         base = unit_file.path.rsplit("/", 1)[-1]
         if base < GATE_DROPIN_NAME:

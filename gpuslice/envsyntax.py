@@ -167,13 +167,20 @@ def _decode(raw: bytearray) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+# what systemd's utf8_is_valid refuses beyond undecodable bytes (kept as lone surrogates):
+# unichar_is_valid's noncharacters, U+FDD0..U+FDEF and the last two of every plane
+_NOT_UTF8 = re.compile(
+    "[\ud800-\udfff\ufdd0-\ufdef"
+    + "".join(chr(plane << 16 | 0xFFFE) + chr(plane << 16 | 0xFFFF) for plane in range(17))
+    + "]"
+)
 _ENV_NAME = re.compile("[A-Za-z_][A-Za-z0-9_]*")
 
 
 def is_valid_utf8(text: str) -> bool:
-    """Whether `text` came from valid UTF-8 (no byte kept as a surrogate)."""
-    return _SURROGATE.search(text) is None
+    """Whether `text` came from UTF-8 that systemd's utf8_is_valid takes: no byte kept as a
+    surrogate, no noncharacter (U+FFFE, U+FDD0, ...), which Python decodes and systemd refuses."""
+    return _NOT_UTF8.search(text) is None
 
 
 def words(value: str) -> list[str]:

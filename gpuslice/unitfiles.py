@@ -201,8 +201,11 @@ class TextIssue(NamedTuple):
     message: str
 
 
-# systemd's read_line ends a line at "\n", "\r\n", "\r" or NUL (`src/basic/fileio.c`)
-_LINE_END = re.compile(r"\r\n|[\n\r\0]")
+# systemd's read_line (`src/basic/fileio.c`) ends a line at a run of "\n", "\r" and NUL,
+# each at most once, that a NUL ends: "\r\n", "\n\r" and "\r\0" are one line end each,
+# "\n\n" and "\0\n" two
+_LINE_END = re.compile(r"\n\r?\0?|\r\n?\0?|\0")
+_BOM = "\ufeff"
 _ISSUE_TEXT_MAX = 80  # how much of a bad line a message quotes
 
 
@@ -213,21 +216,23 @@ def parse_sections(
 ) -> list[Entry]:
     """Read systemd unit-file text the way systemd's config_parse does.
 
-    Lines end at a newline, a carriage return or a NUL, as in systemd. Comments are lines whose
-    first non-blank character is `#` or `;` (also inside a continuation). A line ending in an
-    unescaped backslash continues on the next line; the backslash becomes a space. Keys may
-    repeat. Values are kept verbatim (quotes, `%` specifiers, escapes): each setting's own parser
-    interprets them. `line` is where the logical line starts. A line that is not valid UTF-8
-    (`UnitFile.read_text` keeps such bytes as lone surrogates) is ignored, as systemd ignores it.
-    Lines systemd would ignore are reported to `issues` when given; every section header goes to
+    Lines end at a newline, a carriage return or a NUL, as in systemd (`_LINE_END`). Comments are
+    lines whose first non-blank character is `#` or `;` (also inside a continuation). The first
+    other line that starts with a byte order mark loses it, wherever it is (systemd's bom_seen).
+    A line ending in an unescaped backslash continues on the next line; the backslash becomes a
+    space. Keys may repeat. Values are kept verbatim (quotes, `%` specifiers, escapes): each
+    setting's own parser interprets them. `line` is where the logical line starts. A line that is
+    not valid UTF-8 (`UnitFile.read_text` keeps such bytes as lone surrogates) or a section header
+    without its `]` ends the reading: systemd 252's config_parse stops there and fails, so
+    nothing after it applies (a drop-in's earlier lines do; a fragment fails to load). Lines
+    systemd would ignore are reported to `issues` when given; every section header goes to
     `headers` (name, line) when given.
     """
     entries: list[Entry] = []
     section: str | None = None
     pending: list[str] = []
     start = 0
-    if text.startswith("\ufeff"):
-        text = text[1:]
+    bom_seen = _BOM not in text
     # most files end lines with "\n" alone: str.split is a quarter of the regex's time
     lines = _LINE_END.split(text) if "\r" in text or "\0" in text else text.split("\n")
     if lines and lines[-1] == "":
@@ -235,7 +240,11 @@ def parse_sections(
     for number, raw in enumerate(lines, start=1):
         stripped = raw.strip(WHITESPACE)
         if stripped and stripped[0] in COMMENT_CHARS:
-            continue
+            continue  # before the mark is dropped: "\ufeff#..." is no comment to systemd
+        if not bom_seen and raw.startswith(_BOM):
+            bom_seen = True
+            raw = raw[1:]
+            stripped = raw.strip(WHITESPACE)
         if not pending:
             if not stripped:
                 continue  # a blank line ends nothing and says nothing
@@ -248,9 +257,15 @@ def parse_sections(
         logical = "".join(pending) + raw if pending else raw
         pending = []
         section = _parse_line(logical, start, section, entries, issues, headers)
+        if section is _STOP:
+            return entries
     if pending:
-        section = _parse_line("".join(pending), start, section, entries, issues, headers)
+        _parse_line("".join(pending), start, section, entries, issues, headers)
     return entries
+
+
+_STOP = "\0stop"  # `_parse_line`'s answer to a line that ends systemd's reading of the file
+_REST_IGNORED = "systemd ignores the rest of the file"
 
 
 def _parse_line(
@@ -266,14 +281,19 @@ def _parse_line(
         return section
     if not is_valid_utf8(line):  # undecodable bytes, or worse
         if issues is not None:
-            issues.append(TextIssue(section, number, "line is not valid UTF-8, ignored"))
-        return section
+            message = f"line is not valid UTF-8: {_REST_IGNORED}"
+            issues.append(TextIssue(section, number, message))
+        return _STOP
     if line[0] == "[":
         if line[-1] != "]" or len(line) < 3:
+            unclosed = line[-1] != "]" or len(line) == 1  # "[]" names a section none has
             if issues is not None:
                 quoted = printable(line, _ISSUE_TEXT_MAX)
-                issues.append(TextIssue(section, number, f"invalid section header '{quoted}'"))
-            return None
+                message = f"invalid section header '{quoted}'"
+                if unclosed:
+                    message += f": {_REST_IGNORED}"
+                issues.append(TextIssue(section, number, message))
+            return _STOP if unclosed else None
         name = line[1:-1]
         if headers is not None:
             headers.append((name, number))
@@ -380,6 +400,9 @@ class Fragment(UnitFile):
     masked: bool = False
 
 
+# what a drop-in that systemd lists but cannot read as a file does (`_dropin_dir_files`)
+_HIDES = "ignored; it hides the drop-ins of its name in the directories after it"
+
 _DIR = 1
 _LINK = 2
 _OTHER = 4  # neither a regular file, a directory nor a symlink: a FIFO, a socket, a device
@@ -482,6 +505,9 @@ class UnitIndex:
         # real directory -> whether others may search it and each one above it in the root
         # (`reachable`): the few directories of thousands of units are looked at once each
         self._searchable: dict[str, bool] = {}
+        # unit name -> the system paths of the drop-ins `dropins` chose that apply nothing and
+        # hide their name (a mask, a directory, a dangling link): `hiding_dropins`
+        self._hiding: dict[str, list[str]] = {}
 
     # -- paths
 
@@ -886,8 +912,10 @@ class UnitIndex:
     ) -> list[tuple[str, UnitFile | str | None]]:
         """What the drop-in directory `sysdir` (its real path `real_dir`) offers a unit, in its
         listing's order: (file name, its UnitFile; None when masked; or the message of the
-        issue that it is ignored with). A name left out (not `*.conf`, a directory, a dangling
-        link) hides nothing. Empty when the directory cannot be read (gone, unreadable), as
+        issue that it is ignored with). Every `*.conf` name hides its name in lower directories,
+        whatever it is (a directory, a FIFO, a dangling link): systemd 252 lists drop-ins with
+        no check of their kind (conf_files_list_strv, flags 0), then reads nothing of what it
+        cannot read as a file. Empty when the directory cannot be read (gone, unreadable), as
         systemd skips it. Read once per scan: what a file is does not depend on the unit."""
         key = (sysdir, real_dir)
         cached = self._dir_files.get(key)
@@ -900,14 +928,17 @@ class UnitIndex:
         except OSError:
             return files
         for fname, kind in entries.items():
-            if not fname.endswith(".conf") or fname.startswith(".") or kind & _DIR:
+            if not fname.endswith(".conf") or fname.startswith("."):
+                continue
+            if kind & _DIR:
+                files.append((fname, f"a directory, {_HIDES}"))
                 continue
             if kind & _OTHER:
-                files.append((fname, "not a regular file or a symlink, ignored"))
+                files.append((fname, f"not a regular file or a symlink, {_HIDES}"))
                 continue
             real, masked = self._resolve(sysdir, real_dir, fname, kind)
             if real is None:
-                files.append((fname, "a symlink that leads nowhere (a loop, too long), ignored"))
+                files.append((fname, f"a symlink that leads nowhere (a loop, too long), {_HIDES}"))
                 continue
             st = _stat(real) if kind & _LINK and not masked else None
             if masked or (st is not None and stat.S_ISCHR(st.st_mode)):
@@ -915,27 +946,42 @@ class UnitIndex:
             elif not kind & _LINK or (st is not None and stat.S_ISREG(st.st_mode)):
                 files.append((fname, UnitFile(f"{sysdir}/{fname}", real)))
             elif st is not None:
-                files.append((fname, "links to something that is not a regular file, ignored"))
+                files.append((fname, f"links to something that is not a regular file, {_HIDES}"))
+            else:
+                files.append((fname, f"a symlink that leads nowhere (dangling), {_HIDES}"))
         return files
 
     def dropins(self, name: str) -> list[UnitFile]:
         """The unit's `*.conf` drop-ins in the order systemd applies them: sorted by file name; a
         file name in a higher-priority directory hides the same name in lower ones. A symlink to
-        /dev/null hides the name and is left out; an empty file hides it too (and, as in
-        systemd's DropInPaths, is listed: it contributes nothing)."""
+        /dev/null, or what systemd cannot read as a file (a directory, a FIFO, a dangling link:
+        `_dropin_dir_files`), hides the name and is left out; an empty file hides it too (and,
+        as in systemd's DropInPaths, is listed: it contributes nothing)."""
         chosen: dict[str, UnitFile | None] = {}
+        hiding: list[str] = []
         for sysdir, real_dir in self.dropin_dirs(name):
             for fname, found in self._dropin_dir_files(sysdir, real_dir):
                 if fname in chosen:
                     continue  # hidden by this name's file (or mask) in a higher directory
                 if isinstance(found, str):  # ignored: said where a unit would have read it
                     self._issue(f"{sysdir}/{fname}", found)
-                else:
-                    chosen[fname] = found
+                    found = None  # applies nothing, and hides its name as a mask does
+                if found is None:
+                    hiding.append(f"{sysdir}/{fname}")
+                chosen[fname] = found
+        self._hiding[name] = hiding
         # by the names' bytes, as systemd's strcmp(3): a name that is not UTF-8 holds lone
         # surrogates (U+DC80 for the byte 0x80), which sort after `é` (0xC3 0xA9) as text
         ordered = sorted(chosen.items(), key=lambda item: os.fsencode(item[0]))
         return [f for _n, f in ordered if f is not None]
+
+    def hiding_dropins(self, name: str) -> list[str]:
+        """The system paths of the unit's drop-in names that `dropins` leaves out and that hide
+        their name in lower directories (a symlink to /dev/null, a directory, a dangling link):
+        one named as the generator's gate hides the gate (annotations._gate_removed)."""
+        if name not in self._hiding:
+            self.dropins(name)
+        return self._hiding[name]
 
 
 def find_fragment(name: str, root: str | os.PathLike[str] = "/") -> Fragment | None:

@@ -262,7 +262,9 @@ def test_a_bad_header_is_quoted_to_80_characters() -> None:
     """An invalid section header is quoted to its first 80 characters, then `...`."""
     issues: list[TextIssue] = []
     assert parse_sections("[" + "x" * 100 + "\n", issues) == []
-    assert issues == [TextIssue(None, 1, "invalid section header '[" + "x" * 79 + "...'")]
+    quoted = "[" + "x" * 79 + "..."
+    message = f"invalid section header '{quoted}': systemd ignores the rest of the file"
+    assert issues == [TextIssue(None, 1, message)]
 
 
 def test_a_key_keeps_whitespace_that_is_not_systemds() -> None:

@@ -112,6 +112,7 @@ def test_requeue_accepts_systemd_booleans(tmp_path: Path, value: str, requeue: b
 
 
 X = f"{ETC}/x.service"
+HIDES = "; it hides the drop-ins of its name in the directories after it"
 
 
 @pytest.mark.parametrize(
@@ -964,10 +965,13 @@ def test_symlink_to_fifo_is_an_error_on_that_unit(tmp_path: Path) -> None:
         (f"{ETC}/fifo.service:0: [X-GPUSlice] cannot read: a FIFO, not a regular file", "error"),
         (
             f"{ETC}/good.service.d/link.conf:0: links to something that is not a regular file, "
-            "ignored",
+            f"ignored{HIDES}",
             "warning",
         ),
-        (f"{ETC}/good.service.d/pipe.conf:0: not a regular file or a symlink, ignored", "warning"),
+        (
+            f"{ETC}/good.service.d/pipe.conf:0: not a regular file or a symlink, ignored{HIDES}",
+            "warning",
+        ),
         (
             f"{ETC}/refused.service:0: a symlink to {ETC}/pipe, which systemd refuses as an alias"
             " (not a valid unit name) and ignores: a lower directory's file of this name is the"
@@ -1006,7 +1010,9 @@ def test_directory_named_like_a_unit_or_dropin(tmp_path: Path) -> None:
     etc = _hostile_root(tmp_path)
     (etc / "dir.service").mkdir()
     (etc / "good.service.d" / "d.conf").mkdir(parents=True)
-    assert _problems_beside_good(tmp_path) == []
+    assert _problems_beside_good(tmp_path) == [
+        f"{ETC}/good.service.d/d.conf:0: a directory, ignored{HIDES}"
+    ]
 
 
 def test_huge_file_is_an_error_not_a_partial_parse(tmp_path: Path) -> None:
@@ -1031,12 +1037,14 @@ def test_huge_file_is_an_error_not_a_partial_parse(tmp_path: Path) -> None:
 
 def test_invalid_utf8_and_nul_are_located_warnings(tmp_path: Path) -> None:
     etc = _hostile_root(tmp_path)
-    text = unit("Priority=1\nGPUs=2\xff\n").encode("latin-1")
-    (etc / "x.service").write_bytes(text + b"Type=background\x00Requeue=no\n")
+    text = unit("Priority=1\nType=background\x00Requeue=no\nGPUs=2\xff\n").encode("latin-1")
+    (etc / "x.service").write_bytes(text + b"GPUs=3\n")
     spec, problems = load_spec("x.service", tmp_path)  # never UnicodeDecodeError
-    assert [str(p) for p in problems] == [f"{X}:9: [X-GPUSlice] line is not valid UTF-8, ignored"]
+    assert [str(p) for p in problems] == [
+        f"{X}:11: [X-GPUSlice] line is not valid UTF-8: systemd ignores the rest of the file"
+    ]
     assert spec is not None
-    # systemd ends a line at a NUL, as at a newline
+    # systemd ends a line at a NUL, as at a newline, and reads nothing after the bad line
     assert (spec.gpus, spec.kind, spec.requeue) == (1, UnitKind.BACKGROUND, False)
 
 
@@ -1051,7 +1059,7 @@ def test_symlink_loops_and_long_chains(tmp_path: Path) -> None:
     (etc / "chain.service").symlink_to("chain0")
     (etc / "good.service.d").mkdir()
     (etc / "good.service.d" / "loop.conf").symlink_to("loop.conf")
-    (etc / "good.service.d" / "gone.conf").symlink_to("nowhere.conf")  # dangling: skipped
+    (etc / "good.service.d" / "gone.conf").symlink_to("nowhere.conf")  # dangling: hides
     (etc / "loop.service.d").symlink_to("loop.service.d")
     result = scan(tmp_path)
     assert set(result.specs) == {"good.service"}  # deep.service is an alias of it
@@ -1060,7 +1068,8 @@ def test_symlink_loops_and_long_chains(tmp_path: Path) -> None:
         f"{ETC}/a.service:0: {nowhere} (dangling, a loop, too long), ignored",
         f"{ETC}/b.service:0: {nowhere} (dangling, a loop, too long), ignored",
         f"{ETC}/chain.service:0: {nowhere} (dangling, a loop, too long), ignored",
-        f"{ETC}/good.service.d/loop.conf:0: {nowhere} (a loop, too long), ignored",
+        f"{ETC}/good.service.d/gone.conf:0: {nowhere} (dangling), ignored{HIDES}",
+        f"{ETC}/good.service.d/loop.conf:0: {nowhere} (a loop, too long), ignored{HIDES}",
         f"{ETC}/self.service:0: {nowhere} (dangling, a loop, too long), ignored",
     ]
 
@@ -1148,6 +1157,30 @@ def test_a_dropin_named_like_the_gate_hides_it(tmp_path: Path) -> None:
     assert [str(p) for p in result.problems] == [
         f"{ETC}/x.service.d/{GATE_DROPIN_NAME}:0: [Service] this file hides the GPU gate's "
         "gpuslice-gate.conf: x.service starts without waiting for its GPUs; give it another name"
+    ]
+
+
+@pytest.mark.parametrize("kind", ["mask", "directory", "dangling"])
+def test_a_mask_or_other_entry_named_like_the_gate_hides_it(tmp_path: Path, kind: str) -> None:
+    """`ln -s /dev/null /etc/.../x.service.d/gpuslice-gate.conf` hides the generator's gate
+    as a file of that name does (systemd lists drop-ins by name): the unit, managed, starts
+    without its gate. It was said of a file, not of a mask, a directory or a dangling link."""
+    write(tmp_path, f"{LIB}/x.service", unit("Priority=1\n"))
+    write(tmp_path, f"/run/systemd/generator/x.service.d/{GATE_DROPIN_NAME}", "[Service]\n")
+    hider = tmp_path / ETC.lstrip("/") / "x.service.d" / GATE_DROPIN_NAME
+    hider.parent.mkdir(parents=True)
+    if kind == "mask":
+        hider.symlink_to("/dev/null")
+    elif kind == "directory":
+        hider.mkdir()
+    else:
+        hider.symlink_to("/opt/gone.conf")
+    result = scan(tmp_path)
+    assert set(result.specs) == {"x.service"}
+    gate = [str(p) for p in result.problems if p.unit == "x.service"]
+    assert gate == [
+        f"{ETC}/x.service.d/{GATE_DROPIN_NAME}:0: [Service] this mask hides the GPU gate's "
+        "gpuslice-gate.conf: x.service starts without waiting for its GPUs; remove it"
     ]
 
 

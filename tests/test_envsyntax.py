@@ -207,6 +207,13 @@ def test_an_env_file_with_a_key_or_value_that_is_not_utf8_is_refused_whole() -> 
     assert parse_env_file(f"# {bad}\nA=1\n") == [("A", "1")]  # a comment is not looked at
 
 
+@pytest.mark.parametrize("nonchar", ["\ufffe", "\uffff", "\ufdd0", "\U0010ffff"])
+def test_an_env_file_with_a_noncharacter_is_refused_whole(nonchar: str) -> None:
+    """Python decodes a noncharacter; systemd's utf8_is_valid (unichar_is_valid) refuses it."""
+    assert parse_env_file(f"A=1\nB=x{nonchar}\n") is None
+    assert parse_env_file("A=\ufffd\n") == [("A", "\ufffd")]  # U+FFFD is a character
+
+
 def test_an_env_file_with_a_nul_is_refused_whole() -> None:
     """systemd's read_full_stream_full answers EBADMSG for a NUL anywhere, a comment's
     included: none of the file's assignments apply (they did here, up to the NUL)."""

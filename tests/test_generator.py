@@ -207,6 +207,52 @@ def test_a_unit_run_as_a_user_who_can_change_its_environment_file_is_not_gated(
     ]
 
 
+def test_a_byte_order_mark_hides_no_environment_file_from_the_check(tmp_path: Path) -> None:
+    """systemd drops the first line-leading byte order mark wherever it is (a file pasted
+    together from one saved with a mark): that line's EnvironmentFile= is read, the gate runs
+    as root with what the user put there, and gpuslice must see it too."""
+    tmp_path.chmod(0o755)
+    write(tmp_path, "/srv/asr/theirs.env", "LD_PRELOAD=/srv/asr/evil.so\n")
+    os.chown(tmp_path / "srv/asr", 1000, 1000)
+    write(
+        tmp_path,
+        f"{ETC}/theirs.service",
+        f"[Service]\nUser=asr\n\ufeffEnvironmentFile=/srv/asr/theirs.env\n{ANNOTATION}",
+    )
+    assert written(run(tmp_path)) == {}
+
+
+def test_exec_start_pre_lines_are_copied_as_systemd_reads_the_files(tmp_path: Path) -> None:
+    """The gate resets ExecStartPre= and writes back the lines systemd had: those of systemd's
+    reading. "\n\r" is one line end to systemd (the backslash joins the next line: one echo,
+    no rm), a drop-in's line that is not UTF-8 ends systemd's reading of that drop-in (its
+    later reset and /bin/other never apply), and a drop-in name hides lower ones whatever it
+    is."""
+    write(
+        tmp_path,
+        f"{ETC}/a.service",
+        "[Service]\nExecStartPre=/bin/echo cleaning \\\n\r"
+        f"ExecStartPre=/bin/rm -rf /var/tmp/a\nExecStart=/bin/a\n{ANNOTATION}",
+    )
+    write(tmp_path, f"{ETC}/b.service", f"[Service]\nExecStartPre=/bin/prep\n{ANNOTATION}")
+    (tmp_path / ETC.lstrip("/") / "b.service.d").mkdir()
+    (tmp_path / ETC.lstrip("/") / "b.service.d/10-desc.conf").write_bytes(
+        b"[Unit]\nDescription=caf\xe9\n[Service]\nExecStartPre=\nExecStartPre=/bin/other\n"
+    )
+    # a dangling link in /etc hides /usr/lib's drop-in of its name (systemd lists it by name)
+    write(tmp_path, f"{LIB}/c.service", f"[Service]\nExecStart=/bin/c\n{ANNOTATION}")
+    write(tmp_path, f"{LIB}/c.service.d/10-x.conf", "[Service]\nExecStartPre=/bin/y\n")
+    (tmp_path / ETC.lstrip("/") / "c.service.d").mkdir()
+    (tmp_path / ETC.lstrip("/") / "c.service.d/10-x.conf").symlink_to("/opt/gone.conf")
+    assert written(run(tmp_path)) == {
+        "a.service.d/gpuslice-gate.conf": gate(
+            "/bin/echo cleaning  ExecStartPre=/bin/rm -rf /var/tmp/a"
+        ),
+        "b.service.d/gpuslice-gate.conf": gate("/bin/prep"),
+        "c.service.d/gpuslice-gate.conf": gate(),
+    }
+
+
 def test_a_users_loader_path_or_a_mount_over_the_gates_path_leaves_the_unit_ungated(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

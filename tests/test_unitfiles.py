@@ -105,15 +105,27 @@ def test_parse_sections(text: str, expected: list[Entry]) -> None:
 
 def test_parse_sections_reports_ignored_lines() -> None:
     issues: list[TextIssue] = []
-    entries = parse_sections("k=outside\n[S]\nnoequals\n=novalue\n[broken\nx=1\n", issues)
+    entries = parse_sections("k=outside\n[S]\nnoequals\n=novalue\n[]\nx=1\n", issues)
     assert entries == []
     assert issues == [
         TextIssue(None, 1, "assignment outside of any section, ignored"),
         TextIssue("S", 3, "missing '=', line ignored"),
         TextIssue("S", 4, "missing key before '=', line ignored"),
-        TextIssue("S", 5, "invalid section header '[broken'"),
+        TextIssue("S", 5, "invalid section header '[]'"),
         TextIssue(None, 6, "assignment outside of any section, ignored"),
     ]
+
+
+@pytest.mark.parametrize("bad", ["[broken", "[", "[S]x", "k=caf\udce9"])
+def test_parse_sections_stops_where_systemd_stops(bad: str) -> None:
+    """systemd 252's config_parse fails at a section header without its `]` or a line that is
+    not UTF-8 and reads no further: a drop-in's later lines never apply (its ExecStartPre=
+    lines, copied into the gate, would run), a fragment fails to load."""
+    issues: list[TextIssue] = []
+    text = f"[S]\nk=1\n{bad}\n[S]\nExecStartPre=/bin/never\n"
+    assert parse_sections(text, issues) == [Entry("S", "k", "1", 2)]
+    assert [i.line for i in issues] == [3]
+    assert issues[0].message.endswith(": systemd ignores the rest of the file")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -700,6 +712,36 @@ def test_symlinked_dropin_and_dropin_dir(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo", "dangling", "loop", "link to a fifo"])
+def test_a_dropin_that_is_no_file_still_hides_its_name(tmp_path: Path, kind: str) -> None:
+    """systemd 252 lists drop-ins by name with no check of their kind (conf_files_list_strv,
+    flags 0): `x.conf` in /etc hides /usr/lib's `x.conf` whatever it is, and applies nothing.
+    Read here, /usr/lib's ExecStartPre= lines went into the gate, which systemd then ran; and
+    such an entry named gpuslice-gate.conf hid the gate without a word."""
+    write(tmp_path, f"{LIB}/a.service")
+    write(tmp_path, f"{LIB}/a.service.d/x.conf", "[Service]\nExecStartPre=/bin/y\n")
+    write(tmp_path, f"{LIB}/a.service.d/z.conf")
+    hider = tmp_path / ETC.lstrip("/") / "a.service.d" / "x.conf"
+    hider.parent.mkdir(parents=True)
+    if kind == "directory":
+        hider.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(hider)
+    elif kind == "dangling":
+        hider.symlink_to("/opt/none.conf")
+    elif kind == "loop":
+        hider.symlink_to("x.conf")
+    else:
+        os.mkfifo(tmp_path / "pipe")
+        hider.symlink_to("/pipe")
+    index = UnitIndex(tmp_path)
+    assert [d.path for d in index.dropins("a.service")] == [f"{LIB}/a.service.d/z.conf"]
+    assert [i.path for i in index.issues] == [f"{ETC}/a.service.d/x.conf"]
+    assert index.issues[0].message.endswith(
+        "it hides the drop-ins of its name in the directories after it"
+    )
+
+
 def test_a_shared_dropin_directory_is_read_once_per_scan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -749,7 +791,11 @@ def test_a_shared_dropin_directory_is_read_once_per_scan(
         by_file_name = sorted([*expected, *shared], key=lambda p: p.rsplit("/", 1)[1])
         assert found[name] == by_file_name
     assert [(i.path, i.message) for i in index.issues] == [
-        (f"{ETC}/service.d/15-fifo.conf", "not a regular file or a symlink, ignored")
+        (
+            f"{ETC}/service.d/15-fifo.conf",
+            "not a regular file or a symlink, ignored; it hides the drop-ins of its name in the "
+            "directories after it",
+        )
     ]
     assert {p: n for p, n in listed.items() if n != 1} == {}
     # the link `service.d` is followed once too
@@ -831,19 +877,63 @@ def test_parse_sections_line_ends_and_edges(text: str, expected: list[Entry]) ->
     assert parse_sections(text) == expected
 
 
-def test_parse_sections_ignores_lines_that_are_not_utf8() -> None:
-    text = b"[S]\nk=caf\xc3\xa9\nbad=\xff\xfe\n[T\xc0]\nj=1\n".decode("utf-8", "surrogateescape")
+@pytest.mark.parametrize(
+    "bad",
+    [b"bad=\xff\xfe", b"[T\xc0]", b"k=\xef\xbf\xbe", b"k=\xef\xb7\x90", b"k=\xf4\x8f\xbf\xbf"],
+)
+def test_parse_sections_stops_at_a_line_that_is_not_utf8(bad: bytes) -> None:
+    """Undecodable bytes, or a noncharacter (U+FFFE, U+FDD0, U+10FFFF) that Python decodes and
+    systemd's utf8_is_valid refuses: systemd reads no further (config_parse fails)."""
+    raw = b"[S]\nk=caf\xc3\xa9\n" + bad + b"\n[T]\nj=1\n"
+    text = raw.decode("utf-8", "surrogateescape")
     issues: list[TextIssue] = []
     headers: list[tuple[str, int]] = []
-    assert parse_sections(text, issues, headers) == [
-        Entry("S", "k", "caf\u00e9", 2),
-        Entry("S", "j", "1", 5),  # the bad header was ignored: still in [S]
-    ]
+    assert parse_sections(text, issues, headers) == [Entry("S", "k", "caf\u00e9", 2)]
     assert issues == [
-        TextIssue("S", 3, "line is not valid UTF-8, ignored"),
-        TextIssue("S", 4, "line is not valid UTF-8, ignored"),
+        TextIssue("S", 3, "line is not valid UTF-8: systemd ignores the rest of the file")
     ]
     assert headers == [("S", 1)]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(  # systemd: one line end, and the next line continues this one
+            "[S]\nk=a \\\n\rExecStartPre=/bin/rm\n",
+            [Entry("S", "k", "a  ExecStartPre=/bin/rm", 2)],
+            id="lf-cr",
+        ),
+        pytest.param("[S]\nk=a \\\r\n\x00j=b\n", [Entry("S", "k", "a  j=b", 2)], id="cr-lf-nul"),
+        pytest.param("[S]\nk=a \\\r\x00j=b\n", [Entry("S", "k", "a  j=b", 2)], id="cr-nul"),
+        pytest.param(  # a NUL ends the line end: the next "\n" is an empty line
+            "[S]\nk=a \\\x00\nj=b\n",
+            [Entry("S", "k", "a", 2), Entry("S", "j", "b", 4)],
+            id="nul-lf",
+        ),
+        pytest.param(
+            "[S]\nk=a \\\n\nj=b\n",
+            [Entry("S", "k", "a", 2), Entry("S", "j", "b", 4)],
+            id="lf-lf",
+        ),
+    ],
+)
+def test_parse_sections_line_ends_as_systemds_read_line(text: str, expected: list[Entry]) -> None:
+    """read_line ends a line at a run of "\n", "\r", NUL, each at most once, ended by a NUL."""
+    assert parse_sections(text) == expected
+
+
+def test_parse_sections_drops_the_first_byte_order_mark_wherever_it_is() -> None:
+    """systemd drops the mark from the first line (not a comment) that starts with one, not
+    only from the file's first line: `\ufeffEnvironmentFile=` names a file systemd reads."""
+    text = "[S]\n# \ufeffnot this\n\ufeffk=v\n\ufeffj=w\n"
+    assert parse_sections(text) == [Entry("S", "k", "v", 3), Entry("S", "\ufeffj", "w", 4)]
+
+
+def test_parse_sections_a_line_behind_a_byte_order_mark_is_no_comment() -> None:
+    """systemd looks for `#` before it drops the mark: the line is read, and its trailing
+    backslash takes the next line with it (here the header: `k=v` is outside any section)."""
+    text = "\ufeff# comment \\\n[S]\nk=v\n"
+    assert all(e.key != "k" for e in parse_sections(text))
 
 
 def test_parse_sections_quotes_a_bad_line_briefly() -> None:
