@@ -180,7 +180,7 @@ _ENV_NAME = re.compile("[A-Za-z_][A-Za-z0-9_]*")
 def is_valid_utf8(text: str) -> bool:
     """Whether `text` came from UTF-8 that systemd's utf8_is_valid takes: no byte kept as a
     surrogate, no noncharacter (U+FFFE, U+FDD0, ...), which Python decodes and systemd refuses."""
-    return _NOT_UTF8.search(text) is None
+    return text.isascii() or _NOT_UTF8.search(text) is None  # isascii: O(1), the usual case
 
 
 def words(value: str) -> list[str]:
