@@ -114,9 +114,12 @@ def test_a_resume_that_fails_names_what_it_restored_all_the_same(tmp_path: Path)
 def test_release_jobs_does_not_call_a_resume_that_restored_nothing_resumed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """cuda-checkpoint said nothing about any of the unit's processes (no state read): the
-    resume thawed it and restored nothing, and release-jobs said "resumed from host memory"."""
-    bus, commands, stderr = _release_with_tool(tmp_path, monkeypatch, "exit 0")
+    """cuda-checkpoint refused each of the unit's processes (none a CUDA process): the
+    resume thawed it and restored nothing, and release-jobs said "resumed from host memory".
+    (A tool that exits 0 naming no state is no answer: the process may be checkpointed,
+    test_ladder_adapter's `..._whose_state_it_cannot_read`.)"""
+    refuses = 'echo "process has no CUDA context" >&2; exit 1'
+    bus, commands, stderr = _release_with_tool(tmp_path, monkeypatch, refuses)
     assert bus == [("ThawUnit", UNIT), ("GetUnitProcesses", UNIT)]
     assert commands == []
     assert stderr.splitlines() == [
