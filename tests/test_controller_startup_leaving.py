@@ -23,10 +23,10 @@ from tests.test_controller import (
     state,
 )
 from tests.test_controller import cgroup_of as cgroup_of  # a fixture
+from tests.test_controller_leaving_mutation import DOWN
 from tests.test_controller_stopped_with import AT_GATE, _job
 
 A, LOW, BG = "a.service", "low.service", "bg.service"
-DOWN = {"ActiveState": "inactive", "SubState": "dead", "Job": (0, "/")}
 
 
 def _stopped(bed: Bed, unit: str, job: int = 21) -> None:

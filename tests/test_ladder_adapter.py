@@ -432,6 +432,24 @@ def test_resume_after_a_controller_restart_finds_the_processes_itself(host: Host
     assert host.bed.holds(a) and host.bed.state_of(a) == "running"
 
 
+def _restart_resume_failed(host: Host, tmp_path: Path, answer: str) -> tuple[int, str]:
+    """A suspended job's resume after a controller restart, the tool running `answer` (sh)
+    for the job's `--get-state`: the job's PID and what the failed resume said."""
+    a = host.job()
+    run(host.ladder.suspend(UNIT))
+    real = host.settings.tool
+    tool = tmp_path / "answering-tool"
+    tool.write_text(f'#!/bin/sh\n[ "$1 $3" = "--get-state {a}" ] && {answer}\nexec {real} "$@"\n')
+    tool.chmod(0o755)
+    host.settings = dataclasses.replace(host.settings, tool=str(tool))
+    host.freezer.pids = [a, 1]
+    run(host.restarted_ladder().resume(UNIT))
+    event, _, words = host.said()[-1]
+    assert event == "resume_failed", words
+    assert host.bed.state_of(a) == "checkpointed"
+    return a, words
+
+
 def test_a_resume_after_a_restart_fails_on_a_process_whose_state_got_no_answer(
     host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -440,25 +458,12 @@ def test_a_resume_after_a_restart_fails_on_a_process_whose_state_got_no_answer(
     re-executes) counted as no CUDA process: skipped, the resume said nothing restored, and
     the unit ran on, blocked in its next CUDA call for good. Now the resume fails (and the
     core stops the unit, as after any failed resume)."""
-    a = host.job()
-    run(host.ladder.suspend(UNIT))
     monkeypatch.setattr(checkpoint, "STATE_TIMEOUT", 0.3)
-    real = host.settings.tool
-    slow = tmp_path / "slow-tool"
-    slow.write_text(
-        f'#!/bin/sh\n[ "$1 $3" = "--get-state {a}" ] && exec sleep 60\nexec {real} "$@"\n'
-    )
-    slow.chmod(0o755)
-    host.settings = dataclasses.replace(host.settings, tool=str(slow))
-    host.freezer.pids = [a, 1]
-    run(host.restarted_ladder().resume(UNIT))
-    event, _, words = host.said()[-1]
-    assert event == "resume_failed", words
+    a, words = _restart_resume_failed(host, tmp_path, "exec sleep 60")
     assert words == (
         f"the state of PID {a} could not be read: cuda-checkpoint did not return within 0.3 s "
         "and was killed: it may be checkpointed"
     )
-    assert host.bed.state_of(a) == "checkpointed"
 
 
 def test_a_resume_after_a_restart_fails_on_a_process_whose_state_it_cannot_read(
@@ -468,25 +473,12 @@ def test_a_resume_after_a_restart_fails_on_a_process_whose_state_it_cannot_read(
     gpuslice does not know) is no refusal: the process has CUDA, and may be checkpointed.
     Taken for a process with no CUDA, it was skipped, the resume said nothing restored,
     and the unit ran on, blocked in its next CUDA call for good."""
-    a = host.job()
-    run(host.ladder.suspend(UNIT))
-    real = host.settings.tool
-    odd = tmp_path / "odd-tool"
-    odd.write_text(
-        f'#!/bin/sh\n[ "$1 $3" = "--get-state {a}" ] && {{ echo "State: checkpointed (1)"; '
-        f'exit 0; }}\nexec {real} "$@"\n'
-    )
-    odd.chmod(0o755)
-    host.settings = dataclasses.replace(host.settings, tool=str(odd))
-    host.freezer.pids = [a, 1]
-    run(host.restarted_ladder().resume(UNIT))
-    event, _, words = host.said()[-1]
-    assert event == "resume_failed", words
+    answer = '{ echo "State: checkpointed (1)"; exit 0; }'
+    a, words = _restart_resume_failed(host, tmp_path, answer)
     assert words == (
         f'cuda-checkpoint gave an unknown state for PID {a}: "State: checkpointed (1)": it '
         "may be checkpointed"
     )
-    assert host.bed.state_of(a) == "checkpointed"
 
 
 def test_a_resume_after_a_restart_asks_the_state_of_a_bounded_number_of_processes(
