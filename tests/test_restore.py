@@ -600,17 +600,29 @@ def test_a_unit_someone_stops_at_its_gate_is_held_not_requested(tmp_path: Path) 
     as a waiter told down at its gate is; one the core has a phase for, or has waiting, or
     not annotated, is left as it was."""
     kit = Kit(tmp_path)
+    before, after = "0.service", "z.service"  # starts at their gates, around A (by name)
     stop = {n: UnitState(n, "activating", "start-pre", 21, "stop") for n in (A, B, C, D)}
+    kit.tracker.states[before] = at_gate(before)
     kit.tracker.states.update(stop)
+    kit.tracker.states[after] = at_gate(after)
     kit.tracker.stopped_at_gate.update(stop)
-    for name in (A, B, C):
+    for name in (A, B, C, before, after):
         kit.specs[name] = UnitSpec(name, 10)
     kit.scheduler.phases[B] = Phase.STARTING
     kit.scheduler.waiting.add(C)
-    for rescan in (False, True):
-        kit.rescan = rescan
-        assert messages(kit.restore.rebuild()) == [f"inactive {A} stopped", "recover", "schedule"]
-        assert kit.held_for_rescan == []
+    kit.rescan = False
+    assert messages(kit.restore.rebuild()) == [
+        f"request {before}",
+        f"inactive {A} stopped",
+        f"request {after}",
+        "recover",
+        "schedule",
+    ]
+    for name in (before, after):
+        del kit.tracker.states[name]
+    kit.rescan = True
+    assert messages(kit.restore.rebuild()) == [f"inactive {A} stopped", "recover", "schedule"]
+    assert kit.held_for_rescan == []
 
 
 def queued(name: str, job: int) -> UnitState:

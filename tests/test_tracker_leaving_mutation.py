@@ -151,7 +151,7 @@ def test_a_unit_listed_at_its_gate_with_a_stop_is_leaving_and_no_other() -> None
     tracker = model.tracker(frozenset(units))
     tracker.listed(
         [
-            UnitState("stop.service", "activating", "start-pre", 21, "stop"),
+            UnitState("stop.service", "activating", "start-pre", 1, "stop"),  # the first job
             UnitState("cond.service", "activating", "condition", 22, "stop"),
             UnitState("none.service", "activating", "start-pre", 0),
             UnitState("start.service", "activating", "start-pre", 23, "start"),
