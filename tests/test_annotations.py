@@ -1177,11 +1177,12 @@ def test_a_mask_or_other_entry_named_like_the_gate_hides_it(tmp_path: Path, kind
         hider.symlink_to("/opt/gone.conf")
     result = scan(tmp_path)
     assert set(result.specs) == {"x.service"}
-    gate = [str(p) for p in result.problems if p.unit == "x.service"]
-    assert gate == [
+    gate = [p for p in result.problems if p.unit == "x.service"]
+    assert [str(p) for p in gate] == [
         f"{ETC}/x.service.d/{GATE_DROPIN_NAME}:0: [Service] this mask hides the GPU gate's "
         "gpuslice-gate.conf: x.service starts without waiting for its GPUs; remove it"
     ]
+    assert (gate[0].key, gate[0].severity) == ("", "warning")
 
 
 def test_scan_and_load_never_raise_for_index_failures(tmp_path: Path) -> None:

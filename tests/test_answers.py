@@ -280,8 +280,16 @@ def test_procs_mount_is_said_when_it_changes(caplog: pytest.LogCaptureFixture) -
 @pytest.mark.parametrize(
     ("hiding", "remedy"),
     [
-        (HIDEPID, "[Service] SupplementaryGroups=27, then restart it"),
-        (ProcHiding(True, None, "hidepid=ptraceable,gid=27"), "hidepid=invisible,gid=GROUP"),
+        (
+            HIDEPID,
+            "give it the mount's group: `systemctl edit gpuslice`, [Service] "
+            "SupplementaryGroups=27, then restart it",
+        ),
+        (
+            ProcHiding(True, None, "hidepid=ptraceable,gid=27"),
+            "mount /proc with hidepid=invisible,gid=GROUP and give it that group "
+            "(SupplementaryGroups=)",
+        ),
     ],
 )
 def test_a_proc_mount_that_hides_processes_from_the_controller_too_is_an_error(
@@ -302,11 +310,11 @@ def test_a_proc_mount_that_hides_processes_from_the_controller_too_is_an_error(
         Host(ProcHiding(), sees_all=False)  # nothing hidden: its PID 1 is not looked for
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and said[0] == said[1]
-    assert said[0].startswith(
+    assert said[0] == (
         f"/proc hides other users' processes from the controller too ({hiding.said}): it "
-        "cannot see the processes on the GPUs"
+        "cannot see the processes on the GPUs, whose unit or owner they are, nor their "
+        f"memory; {remedy}"
     )
-    assert remedy in said[0]
 
 
 def test_pid_1_tells_whether_proc_shows_every_process(tmp_path: Path) -> None:

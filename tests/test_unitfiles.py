@@ -742,6 +742,21 @@ def test_a_dropin_that_is_no_file_still_hides_its_name(tmp_path: Path, kind: str
     )
 
 
+def test_the_hiding_dropins_are_found_asked_first_and_beside_other_names(tmp_path: Path) -> None:
+    """`hiding_dropins` asked before `dropins` reads the drop-ins itself; and names that are
+    no drop-in (not `*.conf`), listed in any order among the drop-ins, end nothing."""
+    write(tmp_path, f"{LIB}/a.service")
+    for n in range(10):
+        write(tmp_path, f"{LIB}/a.service.d/{n}.conf")
+        write(tmp_path, f"{LIB}/a.service.d/{n}.txt")
+    (tmp_path / ETC.lstrip("/") / "a.service.d").mkdir(parents=True)
+    (tmp_path / ETC.lstrip("/") / "a.service.d" / "9.conf").symlink_to("/dev/null")
+    index = UnitIndex(tmp_path)
+    assert index.hiding_dropins("a.service") == [f"{ETC}/a.service.d/9.conf"]
+    dropins = [d.path for d in index.dropins("a.service")]
+    assert dropins == [f"{LIB}/a.service.d/{n}.conf" for n in range(9)]
+
+
 def test_a_shared_dropin_directory_is_read_once_per_scan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
